@@ -1,0 +1,81 @@
+//! One error type for the crate. Each variant is one shape of failure that a caller may
+//! want to handle differently; the Python bindings map each to one builtin exception
+//! type in one place (`src/python/errors.rs`).
+
+use std::time::Duration;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A blocking call reached its deadline. `what` says who waited for what.
+    #[error("timed out after {waited:.3?}: {what}")]
+    Timeout { what: String, waited: Duration },
+
+    /// The wait was cancelled (`shutdown()` or a cancel event).
+    #[error("cancelled")]
+    Cancelled,
+
+    /// `/dev/shm` does not have room for a new segment.
+    #[error(
+        "not enough shared memory for segment '{name}': it needs {needed} bytes but /dev/shm has \
+         {available} bytes free (in a container, raise it with `docker run --shm-size=...` or \
+         use `--ipc=host`)"
+    )]
+    NoSpace {
+        name: String,
+        needed: u64,
+        available: u64,
+    },
+
+    /// The named segment does not exist on this machine (for example, a handle made on
+    /// another node).
+    #[error(
+        "shared memory segment '{name}' does not exist on this machine (was the handle made on \
+         another node, or has its creator exited?)"
+    )]
+    SegmentNotFound { name: String },
+
+    /// The segment exists but is not a shmq segment of the expected kind and layout.
+    #[error("shared memory segment '{name}' cannot be used: {reason}")]
+    BadSegment { name: String, reason: String },
+
+    /// An argument is out of its allowed range.
+    #[error("{0}")]
+    InvalidArgument(String),
+
+    /// The operation is not allowed for this side of the queue (e.g. the writer dequeues).
+    #[error("{0}")]
+    WrongRole(String),
+
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Os {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A ZeroMQ call failed.
+    #[error("ZeroMQ error while {context}: {source}")]
+    Transport {
+        context: String,
+        #[source]
+        source: zmq::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn os(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Os {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn transport(context: impl Into<String>) -> impl FnOnce(zmq::Error) -> Self {
+        let context = context.into();
+        move |source| Error::Transport { context, source }
+    }
+}

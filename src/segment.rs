@@ -1,0 +1,294 @@
+//! Named POSIX shared-memory segments.
+//!
+//! A [`Segment`] wraps the `shared_memory` crate's mapping and adds what a long-running
+//! server needs around it:
+//! - every name starts with [`NAME_PREFIX`], so shmq's segments can be told apart in
+//!   `/dev/shm` (and cleaned up after a crash);
+//! - the segment is created owner-only (mode 0600, done by the crate);
+//! - before creating, `/dev/shm` is checked for room and the pages are reserved with
+//!   `posix_fallocate`: `ftruncate` alone would let a full tmpfs show up much later as a
+//!   `SIGBUS` on first write, killing the process. Reserving commits the memory up front;
+//! - only the creating process unlinks the name when it drops the segment, even if a
+//!   forked child inherited the object.
+
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use shared_memory::{Shmem, ShmemConf, ShmemError};
+
+use crate::error::{Error, Result};
+
+/// Every segment shmq creates has a name starting with this.
+pub const NAME_PREFIX: &str = "shmq_";
+
+/// Where Linux keeps POSIX shared memory.
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// A mapped, named shared-memory segment.
+pub struct Segment {
+    shmem: Shmem,
+    name: String,
+    creator_pid: Option<u32>,
+}
+
+// SAFETY: `Shmem` is neither Send nor Sync only because it holds the raw mapping pointer.
+// The mapping is plain shared memory that stays valid until `Drop` (which needs `&mut`,
+// so no other reference exists then). Every access that other threads or processes can
+// race with goes through atomics or is guarded by the protocol of the layer above
+// (ring flags, allocator ownership); `Segment` itself hands out only the base pointer.
+unsafe impl Send for Segment {}
+// SAFETY: see `Send` above; `&Segment` only allows reading the pointer, length and name.
+unsafe impl Sync for Segment {}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("name", &self.name)
+            .field("len", &self.len())
+            .field("creator", &self.is_creator())
+            .finish()
+    }
+}
+
+/// A fresh segment name: prefix, a kind tag, the creator's pid and random bits.
+pub fn unique_name(kind: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    // Relaxed: the counter only has to hand out distinct values within this process.
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{NAME_PREFIX}{kind}_{pid}_{r:08x}",
+        pid = std::process::id(),
+        r = (nanos as u64 ^ (n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16)) as u32
+    )
+}
+
+fn os_id(name: &str) -> String {
+    format!("/{name}")
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > 200 || name.contains('/') || name.contains('\0') {
+        return Err(Error::InvalidArgument(format!(
+            "invalid shared memory name {name:?}: it must be 1-200 characters without '/'"
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes free in the tmpfs behind `/dev/shm`, or `None` if it cannot be queried.
+pub fn shm_free_bytes() -> Option<u64> {
+    let path = CString::new(SHM_DIR).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is a valid NUL-terminated string and `st` points to writable memory
+    // of the right type; statvfs only writes into it.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled the struct.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+impl Segment {
+    /// Create a new segment of `size` bytes (zero-filled) named `name`.
+    pub fn create(name: &str, size: usize) -> Result<Self> {
+        check_name(name)?;
+        if size == 0 {
+            return Err(Error::InvalidArgument(
+                "a shared memory segment cannot be empty".into(),
+            ));
+        }
+        if let Some(free) = shm_free_bytes() {
+            if (size as u64) > free {
+                return Err(Error::NoSpace {
+                    name: name.into(),
+                    needed: size as u64,
+                    available: free,
+                });
+            }
+        }
+        let shmem = match ShmemConf::new().os_id(os_id(name)).size(size).create() {
+            Ok(s) => s,
+            Err(ShmemError::MappingIdExists) => {
+                return Err(Error::InvalidArgument(format!(
+                    "shared memory segment '{name}' already exists"
+                )))
+            }
+            Err(e) => {
+                return Err(Error::os(
+                    format!("creating shared memory segment '{name}' ({size} bytes)"),
+                    std::io::Error::other(e.to_string()),
+                ))
+            }
+        };
+        let segment = Segment {
+            shmem,
+            name: name.to_owned(),
+            creator_pid: Some(std::process::id()),
+        };
+        segment.reserve(size)?;
+        Ok(segment)
+    }
+
+    /// Reserve the pages of the segment now, so a full `/dev/shm` is an error here and not
+    /// a `SIGBUS` later. On failure the segment is dropped (and so unlinked) by the caller.
+    fn reserve(&self, size: usize) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let path = format!("{SHM_DIR}/{}", self.name);
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+        {
+            Ok(f) => f,
+            // Not a tmpfs-backed /dev/shm (unusual); nothing to reserve through.
+            Err(_) => return Ok(()),
+        };
+        // SAFETY: the fd is open for writing for the duration of the call.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+        match rc {
+            0 => Ok(()),
+            libc::ENOSPC => Err(Error::NoSpace {
+                name: self.name.clone(),
+                needed: size as u64,
+                available: shm_free_bytes().unwrap_or(0),
+            }),
+            // Filesystems without fallocate support: fall back to ftruncate's lazy pages.
+            libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+            err => Err(Error::os(
+                format!(
+                    "reserving {size} bytes for shared memory segment '{}'",
+                    self.name
+                ),
+                std::io::Error::from_raw_os_error(err),
+            )),
+        }
+    }
+
+    /// Open an existing segment by name.
+    pub fn open(name: &str) -> Result<Self> {
+        check_name(name)?;
+        match ShmemConf::new().os_id(os_id(name)).open() {
+            Ok(shmem) => Ok(Segment {
+                shmem,
+                name: name.to_owned(),
+                creator_pid: None,
+            }),
+            Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::ENOENT => {
+                Err(Error::SegmentNotFound {
+                    name: name.to_owned(),
+                })
+            }
+            Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::EACCES => {
+                Err(Error::os(
+                    format!("opening shared memory segment '{name}'"),
+                    std::io::Error::from_raw_os_error(libc::EACCES),
+                ))
+            }
+            Err(e) => Err(Error::os(
+                format!("opening shared memory segment '{name}'"),
+                std::io::Error::other(e.to_string()),
+            )),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn len(&self) -> usize {
+        self.shmem.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Base address of the mapping in this process.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.shmem.as_ptr()
+    }
+
+    /// Whether this process created the segment (and will unlink it on drop).
+    pub fn is_creator(&self) -> bool {
+        self.creator_pid == Some(std::process::id())
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // A forked child inherits the object but must not unlink its parent's segment.
+        if self.shmem.is_owner() && !self.is_creator() {
+            self.shmem.set_owner(false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_open_unlink() {
+        let name = unique_name("test");
+        let a = Segment::create(&name, 4096).unwrap();
+        assert!(a.is_creator());
+        assert!(std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
+        let b = Segment::open(&name).unwrap();
+        assert_eq!(b.len(), 4096);
+        assert!(!b.is_creator());
+        // SAFETY: both mappings are 4096 bytes long and only this thread touches them.
+        unsafe {
+            *a.as_ptr().add(100) = 42;
+            assert_eq!(*b.as_ptr().add(100), 42);
+        }
+        drop(b);
+        assert!(std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
+        drop(a);
+        assert!(!std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
+    }
+
+    #[test]
+    fn owner_only_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let name = unique_name("test");
+        let _a = Segment::create(&name, 4096).unwrap();
+        let mode = std::fs::metadata(format!("{SHM_DIR}/{name}"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o077, 0, "segment readable by others: {mode:o}");
+    }
+
+    #[test]
+    fn missing_segment_is_a_clear_error() {
+        let err = Segment::open("shmq_test_does_not_exist_1234").unwrap_err();
+        assert!(matches!(err, Error::SegmentNotFound { .. }), "{err}");
+        assert!(err.to_string().contains("does not exist on this machine"));
+    }
+
+    #[test]
+    fn too_large_is_no_space_not_sigbus() {
+        let free = shm_free_bytes().unwrap();
+        let err = Segment::create(&unique_name("test"), (free + (1 << 30)) as usize).unwrap_err();
+        assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+        assert!(err.to_string().contains("--shm-size"));
+    }
+
+    #[test]
+    fn bad_names_are_rejected() {
+        assert!(matches!(
+            Segment::open("a/b"),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            Segment::create("", 10),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}

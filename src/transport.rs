@@ -1,0 +1,202 @@
+//! ZeroMQ transport: the writer's publish sockets and the readers' subscriptions.
+//!
+//! - Local readers get an `ipc://` publish socket for messages too large for a chunk
+//!   (Linux abstract namespace: nothing is left on disk if a process dies).
+//! - Remote readers get a `tcp://` publish socket (IPv4 or IPv6) that carries every
+//!   message.
+//! - The ready handshake: publishers are XPUB sockets with `XPUB_VERBOSE`, so the writer
+//!   receives one subscription per reader; once all are in it publishes [`READY`], and
+//!   every message after that reaches every reader.
+//!
+//! High-water marks are off on both ends: a slow remote reader makes the writer's
+//! memory grow rather than lose messages (local readers are bounded by the ring).
+
+use crate::error::{Error, Result};
+use crate::wait::Wait;
+use std::time::Duration;
+
+/// The handshake message the writer publishes once every reader has subscribed.
+pub const READY: &[u8] = b"READY";
+
+/// Longest a socket poll sleeps before the waiter's checks run again.
+const POLL_SLICE: Duration = Duration::from_millis(5);
+
+/// How long closing a publisher may still flush queued messages.
+const LINGER_MS: i32 = 1000;
+
+fn ctx_socket(ctx: &zmq::Context, kind: zmq::SocketType, what: &str) -> Result<zmq::Socket> {
+    ctx.socket(kind)
+        .map_err(Error::transport(format!("creating the {what} socket")))
+}
+
+/// The writer's end: an XPUB socket bound to one endpoint.
+pub struct Publisher {
+    socket: zmq::Socket,
+    endpoint: String,
+    subscribers: usize,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
+}
+
+impl Publisher {
+    fn bind(ctx: &zmq::Context, addr: &str, ipv6: bool) -> Result<Publisher> {
+        let socket = ctx_socket(ctx, zmq::XPUB, "publish")?;
+        let opt = |what: &str| Error::transport(format!("setting {what} on the publish socket"));
+        socket.set_xpub_verbose(true).map_err(opt("XPUB_VERBOSE"))?;
+        socket.set_sndhwm(0).map_err(opt("SNDHWM"))?;
+        socket.set_rcvhwm(0).map_err(opt("RCVHWM"))?;
+        socket.set_linger(LINGER_MS).map_err(opt("LINGER"))?;
+        socket.set_ipv6(ipv6).map_err(opt("IPV6"))?;
+        socket.bind(addr).map_err(Error::transport(format!(
+            "binding the publish socket to {addr}"
+        )))?;
+        let endpoint = socket
+            .get_last_endpoint()
+            .map_err(Error::transport("reading the bound endpoint"))?
+            .map_err(|_| Error::InvalidArgument("the bound endpoint is not UTF-8".into()))?;
+        Ok(Publisher {
+            socket,
+            endpoint,
+            subscribers: 0,
+        })
+    }
+
+    /// Bind an `ipc://` endpoint in the abstract namespace, named after `name`.
+    pub fn bind_ipc(ctx: &zmq::Context, name: &str) -> Result<Publisher> {
+        Self::bind(ctx, &format!("ipc://@{name}"), false)
+    }
+
+    /// Bind a `tcp://` endpoint on `ip` (IPv4, or IPv6 with or without brackets) and a
+    /// port chosen by the OS. Returns the publisher and whether the address is IPv6.
+    pub fn bind_tcp(ctx: &zmq::Context, ip: &str) -> Result<(Publisher, bool)> {
+        let bare = ip.trim_start_matches('[').trim_end_matches(']');
+        let ipv6 = bare.contains(':');
+        let addr = if ipv6 {
+            format!("tcp://[{bare}]:*")
+        } else {
+            format!("tcp://{bare}:*")
+        };
+        Ok((Self::bind(ctx, &addr, ipv6)?, ipv6))
+    }
+
+    /// The address readers connect to.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Wait for `n` subscriptions (one per reader), then publish [`READY`].
+    pub fn wait_for_subscribers(&mut self, n: usize, wait: &mut Wait) -> Result<()> {
+        while self.subscribers < n {
+            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
+            let ready = self
+                .socket
+                .poll(zmq::POLLIN, slice.as_millis() as i64)
+                .map_err(Error::transport("waiting for subscribers"))?;
+            if ready == 0 {
+                wait.step()?;
+                continue;
+            }
+            let msg = self
+                .socket
+                .recv_bytes(0)
+                .map_err(Error::transport("receiving a subscription"))?;
+            // A subscription message is 0x01 followed by the topic; 0x00 is an unsubscribe.
+            match msg.first() {
+                Some(1) => self.subscribers += 1,
+                Some(0) => self.subscribers = self.subscribers.saturating_sub(1),
+                _ => {}
+            }
+        }
+        self.send(READY)
+    }
+
+    /// Publish one message to every subscriber (never blocks: high-water mark is off).
+    pub fn send(&self, msg: &[u8]) -> Result<()> {
+        self.socket
+            .send(msg, 0)
+            .map_err(Error::transport(format!("publishing {} bytes", msg.len())))
+    }
+}
+
+/// A reader's end: a SUB socket subscribed to everything.
+pub struct Subscriber {
+    socket: zmq::Socket,
+    endpoint: String,
+}
+
+impl std::fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscriber")
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
+}
+
+impl Subscriber {
+    pub fn connect(ctx: &zmq::Context, endpoint: &str, ipv6: bool) -> Result<Subscriber> {
+        let socket = ctx_socket(ctx, zmq::SUB, "subscribe")?;
+        let opt = |what: &str| Error::transport(format!("setting {what} on the subscribe socket"));
+        socket.set_rcvhwm(0).map_err(opt("RCVHWM"))?;
+        socket.set_linger(0).map_err(opt("LINGER"))?;
+        socket.set_ipv6(ipv6).map_err(opt("IPV6"))?;
+        socket.set_subscribe(b"").map_err(opt("SUBSCRIBE"))?;
+        socket
+            .connect(endpoint)
+            .map_err(Error::transport(format!("connecting to {endpoint}")))?;
+        Ok(Subscriber {
+            socket,
+            endpoint: endpoint.to_owned(),
+        })
+    }
+
+    /// The next message if one has arrived.
+    pub fn try_recv(&self) -> Result<Option<zmq::Message>> {
+        match self.socket.recv_msg(zmq::DONTWAIT) {
+            Ok(m) => Ok(Some(m)),
+            Err(zmq::Error::EAGAIN) => Ok(None),
+            Err(e) => Err(Error::Transport {
+                context: format!("receiving from {}", self.endpoint),
+                source: e,
+            }),
+        }
+    }
+
+    /// Wait for the next message.
+    pub fn recv(&self, wait: &mut Wait) -> Result<zmq::Message> {
+        loop {
+            if let Some(m) = self.try_recv()? {
+                return Ok(m);
+            }
+            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
+            let ready = self
+                .socket
+                .poll(zmq::POLLIN, slice.as_millis() as i64)
+                .map_err(Error::transport(format!(
+                    "waiting for a message from {}",
+                    self.endpoint
+                )))?;
+            if ready == 0 {
+                wait.step()?;
+            }
+        }
+    }
+
+    /// Wait for the writer's [`READY`].
+    pub fn wait_ready(&self, wait: &mut Wait) -> Result<()> {
+        let m = self.recv(wait)?;
+        if &m[..] != READY {
+            return Err(Error::InvalidArgument(format!(
+                "expected the writer's READY from {}, got {} other bytes (was wait_until_ready called on both sides?)",
+                self.endpoint,
+                m.len()
+            )));
+        }
+        Ok(())
+    }
+}
