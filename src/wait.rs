@@ -57,7 +57,8 @@ pub struct Wait<'a> {
     cancel: Option<&'a AtomicBool>,
     hook: Option<Hook<'a>>,
     spin: Duration,
-    next_warning: Instant,
+    /// `None`: never warn (a wait the caller expects to be long).
+    next_warning: Option<Instant>,
 }
 
 impl<'a> Wait<'a> {
@@ -72,7 +73,7 @@ impl<'a> Wait<'a> {
             cancel: None,
             hook: None,
             spin: default_spin(),
-            next_warning: started + warning_interval(),
+            next_warning: Some(started + warning_interval()),
         }
     }
 
@@ -91,6 +92,13 @@ impl<'a> Wait<'a> {
     /// Spin for `spin` before yielding (overrides [`SPIN_US_ENV`]).
     pub fn spin_for(mut self, spin: Duration) -> Self {
         self.spin = spin;
+        self
+    }
+
+    /// Do not log "still waiting" warnings (for waits expected to last, e.g. an idle
+    /// worker waiting for the next request).
+    pub fn quiet(mut self) -> Self {
+        self.next_warning = None;
         self
     }
 
@@ -116,13 +124,13 @@ impl<'a> Wait<'a> {
                 waited: now - self.started,
             });
         }
-        if now >= self.next_warning {
+        if self.next_warning.is_some_and(|t| now >= t) {
             log::warn!(
                 "shmq: {} for {:.0?} (set {WARNING_INTERVAL_ENV} to change how often this is logged)",
                 self.what,
                 now - self.started
             );
-            self.next_warning = now + warning_interval();
+            self.next_warning = Some(now + warning_interval());
         }
         Ok(())
     }

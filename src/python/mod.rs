@@ -1,1 +1,35 @@
-//! PyO3 bindings (in progress).
+//! PyO3 bindings: the module `shmq._core`. Only conversions, GIL release around waits
+//! and error mapping live here; the Python package `shmq` builds the public API on it.
+//!
+//! Contents of `shmq._core`:
+//! - `Ring`: a broadcast ring segment (`ShmRingBuffer` in Python);
+//! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`);
+//! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
+//! - `default_connect_ip()`, `segment_prefix`.
+
+mod broadcast;
+mod errors;
+mod view;
+mod wait;
+
+use pyo3::prelude::*;
+
+/// The IP remote readers should connect to (`SHMQ_HOST_IP`, else the host's address).
+#[pyfunction]
+fn default_connect_ip() -> String {
+    crate::broadcast::queue::default_connect_ip()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Route the core's `log` records (e.g. "still waiting" warnings) to Python logging.
+    let _ = pyo3_log::try_init();
+    m.add_class::<broadcast::Ring>()?;
+    m.add_class::<broadcast::Writer>()?;
+    m.add_class::<broadcast::Reader>()?;
+    m.add_class::<view::ShmView>()?;
+    m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
+    m.add("segment_prefix", crate::segment::NAME_PREFIX)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,274 @@
+"""The broadcast queue: ``ShmRingBuffer``, ``Handle`` and ``MessageQueue``.
+
+These keep the names, signatures and errors of the engines' classes (vLLM's
+``shm_broadcast``), so code written for those works unchanged. The work happens in
+Rust (``shmq._core``); this module pickles objects and shapes the API.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from . import _core
+
+__all__ = ["Handle", "MessageQueue", "ShmRingBuffer", "sched_yield"]
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_dumps = pickle.dumps
+_loads = pickle.loads
+
+
+def sched_yield() -> None:
+    """Give the CPU to another thread or process."""
+    if hasattr(os, "sched_yield"):
+        os.sched_yield()
+    else:  # pragma: no cover - platforms without sched_yield
+        time.sleep(0)
+
+
+class ShmRingBuffer:
+    """A shared-memory ring of ``max_chunks`` chunks of ``max_chunk_bytes`` bytes, each
+    with one written flag and ``n_reader`` read flags.
+
+    ``name=None`` creates a new segment, removed when this object (its creator) is
+    dropped; a name opens an existing one. The object pickles as its ``handle()``, so
+    unpickling in another process opens the same segment. Opening a name that does not
+    exist here (a handle from another machine) does not fail; using the buffer raises
+    ``FileNotFoundError``.
+    """
+
+    def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: Optional[str] = None):
+        self.n_reader = n_reader
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunks = max_chunks
+        self._open_error: Optional[BaseException] = None
+        self._core: Optional[_core.Ring] = None
+        if name is None:
+            self._core = _core.Ring.create(n_reader, max_chunk_bytes, max_chunks)
+            self.is_creator = True
+        else:
+            self.is_creator = False
+            try:
+                ring = _core.Ring.open(name)
+            except FileNotFoundError as e:
+                self._open_error = e
+            else:
+                if (ring.n_reader, ring.max_chunk_bytes, ring.max_chunks) != (n_reader, max_chunk_bytes, max_chunks):
+                    raise ValueError(
+                        f"shared memory segment {name!r} holds a ring of {ring.n_reader} readers and "
+                        f"{ring.max_chunks} chunks of {ring.max_chunk_bytes} bytes, not {n_reader} readers and "
+                        f"{max_chunks} chunks of {max_chunk_bytes} bytes"
+                    )
+                self._core = ring
+        self.name = self._core.name if self._core is not None else name
+
+    @classmethod
+    def _wrap(cls, ring: _core.Ring) -> "ShmRingBuffer":
+        self = cls.__new__(cls)
+        self.n_reader, self.max_chunk_bytes, self.max_chunks = ring.n_reader, ring.max_chunk_bytes, ring.max_chunks
+        self._open_error, self._core, self.is_creator, self.name = None, ring, ring.is_creator, ring.name
+        return self
+
+    @property
+    def ring(self) -> _core.Ring:
+        if self._core is None:
+            raise FileNotFoundError(
+                f"shared memory segment {self.name!r} does not exist on this machine "
+                "(was the handle made on another node, or has its creator exited?)"
+            ) from self._open_error
+        return self._core
+
+    def handle(self) -> tuple[int, int, int, str]:
+        """``(n_reader, max_chunk_bytes, max_chunks, name)``."""
+        return (self.n_reader, self.max_chunk_bytes, self.max_chunks, self.name)
+
+    def __reduce__(self):
+        return (self.__class__, self.handle())
+
+    @contextmanager
+    def get_data(self, current_idx: int) -> Iterator[memoryview]:
+        """A writable view of chunk ``current_idx``'s data."""
+        with memoryview(self.ring.data(current_idx)) as buf:
+            yield buf
+
+    @contextmanager
+    def get_metadata(self, current_idx: int) -> Iterator[memoryview]:
+        """A writable view of chunk ``current_idx``'s flags: ``[written, read_0, ...]``."""
+        with memoryview(self.ring.metadata(current_idx)) as buf:
+            yield buf
+
+    def __repr__(self) -> str:
+        return (
+            f"ShmRingBuffer(n_reader={self.n_reader}, max_chunk_bytes={self.max_chunk_bytes}, "
+            f"max_chunks={self.max_chunks}, name={self.name!r})"
+        )
+
+
+@dataclass
+class Handle:
+    """What a reader needs to join a ``MessageQueue``; picklable."""
+
+    local_reader_ranks: list[int] = field(default_factory=list)
+    buffer_handle: Optional[tuple[int, int, int, str]] = None
+    local_subscribe_addr: Optional[str] = None
+    remote_subscribe_addr: Optional[str] = None
+    remote_addr_ipv6: bool = False
+
+
+class MessageQueue:
+    """A broadcast queue: one writer, ``n_reader`` readers, every object to every reader.
+
+    The constructor makes the writer. ``n_local_reader`` readers are on this machine and
+    read through shared memory; the others are remote and get every message over
+    ZeroMQ TCP (``connect_ip``, default this host's address). Readers are made in their
+    own processes with ``MessageQueue.create_from_handle(writer.export_handle(), rank)``.
+    """
+
+    # Class-level defaults make a handle-less object fail with a clear error.
+    _writer: Optional[_core.Writer] = None
+    _reader: Optional[_core.Reader] = None
+    buffer: Optional[ShmRingBuffer] = None
+    handle: Optional[Handle] = None
+    _is_writer = False
+    _is_local_reader = False
+    _is_remote_reader = False
+    local_reader_rank = -1
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: Optional[list[int]] = None,
+        max_chunk_bytes: int = 1024 * 1024 * 10,
+        max_chunks: int = 10,
+        connect_ip: Optional[str] = None,
+    ):
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        else:
+            local_reader_ranks = list(local_reader_ranks)
+        if len(local_reader_ranks) != n_local_reader:
+            raise ValueError(
+                f"local_reader_ranks has {len(local_reader_ranks)} entries but n_local_reader is {n_local_reader}"
+            )
+        self._writer = _core.Writer(
+            n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks, connect_ip
+        )
+        ranks, buffer_handle, local_addr, remote_addr, ipv6 = self._writer.handle()
+        self.handle = Handle(ranks, buffer_handle, local_addr, remote_addr, ipv6)
+        ring = self._writer.ring()
+        self.buffer = ShmRingBuffer._wrap(ring) if ring is not None else None
+        self.n_local_reader = n_local_reader
+        self.n_remote_reader = n_reader - n_local_reader
+        self._is_writer = True
+        self.shutting_down = False
+
+    def export_handle(self) -> Handle:
+        return self.handle
+
+    @staticmethod
+    def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
+        """Open the reader of rank ``rank``: local if ``rank`` is in
+        ``handle.local_reader_ranks``, remote otherwise."""
+        self = MessageQueue.__new__(MessageQueue)
+        self.handle = handle
+        self._reader = _core.Reader(
+            list(handle.local_reader_ranks),
+            tuple(handle.buffer_handle) if handle.buffer_handle is not None else None,
+            handle.local_subscribe_addr,
+            handle.remote_subscribe_addr,
+            bool(handle.remote_addr_ipv6),
+            rank,
+        )
+        self._is_local_reader = self._reader.is_local
+        self._is_remote_reader = not self._is_local_reader
+        if self._is_local_reader:
+            self.local_reader_rank = self._reader.reader_index
+            self.buffer = ShmRingBuffer._wrap(self._reader.ring())
+        self.n_local_reader = len(handle.local_reader_ranks)
+        self.n_remote_reader = 0
+        self.shutting_down = False
+        return self
+
+    @property
+    def current_idx(self) -> int:
+        """Index of the chunk this side uses next."""
+        side = self._writer or self._reader
+        return side.current_idx if side is not None else 0
+
+    def wait_until_ready(self, timeout: Optional[float] = None) -> None:
+        """Collective: the writer waits until every reader has subscribed, then tells them
+        all; each reader waits for that. After it returns no message can be lost."""
+        if self._writer is not None:
+            self._writer.wait_until_ready(timeout)
+        elif self._reader is not None:
+            self._reader.wait_until_ready(timeout)
+        else:
+            raise RuntimeError("this MessageQueue has no handle: make it with MessageQueue(...) or create_from_handle")
+
+    def enqueue(self, obj: Any, timeout: Optional[float] = None) -> None:
+        """Send ``obj`` (pickled) to every reader; blocks while the ring is full and raises
+        ``TimeoutError`` after ``timeout`` seconds."""
+        writer = self._writer
+        if writer is None:
+            raise RuntimeError("only the writer can enqueue: this MessageQueue is a reader")
+        writer.enqueue(_dumps(obj, protocol=_PROTOCOL), timeout)
+
+    def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
+        """The next object. ``TimeoutError`` after ``timeout`` seconds;
+        ``RuntimeError("cancelled")`` once ``cancel`` is set or ``shutdown()`` is called.
+        ``indefinite=True`` waits without logging "still waiting" warnings."""
+        reader = self._reader
+        if reader is None:
+            raise RuntimeError(
+                "only readers can dequeue: this MessageQueue is the writer"
+                if self._writer is not None
+                else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
+            )
+        return _loads(reader.dequeue(timeout, cancel, indefinite))
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """The writer sends ``obj`` and returns it; a reader returns what it receives."""
+        if self._writer is not None:
+            self.enqueue(obj)
+            return obj
+        return self.dequeue()
+
+    @contextmanager
+    def acquire_write(self, timeout: Optional[float] = None) -> Iterator[memoryview]:
+        """Zero-copy writing: a view of the next chunk (waiting for room); it is published
+        to readers when the block ends without an exception. All readers must be local."""
+        if self._writer is None:
+            raise RuntimeError("only the writer can acquire_write")
+        with memoryview(self._writer.acquire_write(timeout)) as buf:
+            yield buf
+        self._writer.commit_write()
+
+    @contextmanager
+    def acquire_read(self, timeout: Optional[float] = None, cancel: Any = None) -> Iterator[memoryview]:
+        """Zero-copy reading (local readers): a view of the next chunk; it is marked read
+        when the block ends."""
+        if self._reader is None:
+            raise RuntimeError("only readers can acquire_read")
+        with memoryview(self._reader.acquire_read(timeout, cancel)) as buf:
+            try:
+                yield buf
+            finally:
+                self._reader.finish_read()
+
+    def shutdown(self) -> None:
+        """Wake calls blocked in this process with ``RuntimeError("cancelled")``; safe to
+        call from another thread."""
+        self.shutting_down = True
+        side = self._reader or self._writer
+        if side is not None:
+            side.shutdown()
+
+    def __repr__(self) -> str:
+        role = "writer" if self._writer is not None else "local reader" if self._is_local_reader else "remote reader"
+        return f"<MessageQueue {role} {self.handle}>"

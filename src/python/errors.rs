@@ -1,0 +1,29 @@
+//! The one place where core errors become Python exceptions.
+
+use pyo3::exceptions::{
+    PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError, PyRuntimeError,
+    PyTimeoutError, PyValueError,
+};
+use pyo3::PyErr;
+
+use crate::error::Error;
+
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        let msg = err.to_string();
+        match err {
+            Error::Timeout { .. } => PyTimeoutError::new_err(msg),
+            Error::Cancelled => PyRuntimeError::new_err("cancelled"),
+            Error::NoSpace { .. } => PyMemoryError::new_err(msg),
+            Error::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
+            Error::BadSegment { .. } | Error::InvalidArgument(_) => PyValueError::new_err(msg),
+            Error::WrongRole(_) => PyRuntimeError::new_err(msg),
+            Error::Os { ref source, .. }
+                if source.kind() == std::io::ErrorKind::PermissionDenied =>
+            {
+                PyPermissionError::new_err(msg)
+            }
+            Error::Os { .. } | Error::Transport { .. } => PyOSError::new_err(msg),
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! `ShmView`: a buffer-protocol object over a range of a mapped segment, so Python gets
+//! zero-copy `memoryview`s. The view holds the segment (`Arc`), so the memory stays
+//! mapped as long as any memoryview of it exists.
+
+use std::os::raw::{c_int, c_void};
+use std::sync::Arc;
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+/// Anything that keeps a mapping alive.
+pub(crate) type Owner = Arc<dyn Send + Sync>;
+
+/// A writable window into shared memory; use `memoryview(view)`.
+#[pyclass(module = "shmq._core", frozen)]
+pub struct ShmView {
+    ptr: usize,
+    len: usize,
+    _owner: Owner,
+}
+
+impl ShmView {
+    /// # Safety
+    /// `ptr..ptr + len` must lie inside a mapping that `owner` keeps alive.
+    pub(crate) unsafe fn new(owner: Owner, ptr: *mut u8, len: usize) -> ShmView {
+        ShmView {
+            ptr: ptr as usize,
+            len,
+            _owner: owner,
+        }
+    }
+}
+
+#[pymethods]
+impl ShmView {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = (slf.get().ptr, slf.get().len);
+        // SAFETY: `view` is the buffer struct CPython passes in; the memory range is
+        // valid while `slf` is alive (constructor contract), and PyBuffer_FillInfo stores
+        // a new reference to `slf` in the view, so the owner outlives every memoryview.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut c_void,
+                len as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::take(slf.py())
+                .unwrap_or_else(|| PyBufferError::new_err("cannot export the buffer")));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}

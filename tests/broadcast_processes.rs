@@ -1,0 +1,540 @@
+//! The broadcast queue across real processes: one writer (the test) and reader
+//! processes that are this same test binary run again.
+//!
+//! A test starts its readers with [`spawn_reader`]: the child runs
+//! `<this binary> --exact <test name> --nocapture` with [`ROLE_ENV`], [`RANK_ENV`] and
+//! [`HANDLE_ENV`] set, so the same test function starts again in the child, sees those
+//! variables at its top and plays the reader instead of the writer. A reader process
+//! reports a failure through its exit code (and its stderr, which the parent shows).
+//!
+//! Every blocking call has a timeout, the writer's waits stop as soon as a reader
+//! process dies, and reader processes still running when a test fails are killed.
+//!
+//! Messages are generated from their sequence number alone ([`message`]), so a reader
+//! knows exactly which bytes the `seq`-th message must hold and checks it byte for byte.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use shmq::wait::Wait;
+use shmq::{Error, Handle, QueueOptions, Reader, Writer};
+
+/// What a child process plays; only `reader` exists. Its presence marks the child.
+const ROLE_ENV: &str = "SHMQ_TEST_ROLE";
+const RANK_ENV: &str = "SHMQ_TEST_RANK";
+const HANDLE_ENV: &str = "SHMQ_TEST_HANDLE";
+
+/// Bound on every single blocking call (enqueue, dequeue, ready, child exit).
+const TIMEOUT: Duration = Duration::from_secs(60);
+/// The PRNG seed of every message stream.
+const SEED: u64 = 0x5EED_0F_5A11_C0DE;
+/// Bytes before the body: the sequence number (u64 LE) and the body's FNV-1a (u32 LE).
+const HEADER: usize = 12;
+
+// ---------------------------------------------------------------------------------
+// Messages
+
+/// xorshift64 (Marsaglia 2003): deterministic, tiny, good enough for sizes and bytes.
+struct XorShift(u64);
+
+impl XorShift {
+    fn new(seed: u64) -> XorShift {
+        // Never zero (a zero state stays zero); the multiply spreads nearby seeds apart.
+        XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn fnv1a(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5, |h, &b| {
+        (h ^ b as u32).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// The size of message `seq` for a ring of `chunk`-byte chunks: mostly below 512 bytes,
+/// some up to the chunk, about 2 % larger than a chunk (the overflow path), and the
+/// edge cases at fixed places: empty, exactly a chunk, one byte over.
+fn message_len(rng: &mut XorShift, seq: u64, chunk: usize) -> usize {
+    match seq % 1000 {
+        999 => return 0,
+        500 => return chunk,
+        501 => return chunk + 1,
+        _ => {}
+    }
+    let r = rng.below(100);
+    let len = if r < 90 {
+        rng.below(512)
+    } else if r < 98 {
+        512 + rng.below(chunk as u64 - 512)
+    } else {
+        chunk as u64 + 1 + rng.below(chunk as u64 / 2)
+    };
+    (len as usize).max(HEADER)
+}
+
+/// Message number `seq` of the stream: `[seq][fnv1a(body)][body]`, or nothing at all for
+/// the empty messages.
+fn message(seq: u64, chunk: usize) -> Vec<u8> {
+    let mut rng = XorShift::new(SEED ^ seq.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    let len = message_len(&mut rng, seq, chunk);
+    if len == 0 {
+        return Vec::new();
+    }
+    let mut msg = vec![0u8; len];
+    for word in msg[HEADER..].chunks_mut(8) {
+        word.copy_from_slice(&rng.next().to_le_bytes()[..word.len()]);
+    }
+    let sum = fnv1a(&msg[HEADER..]);
+    msg[..8].copy_from_slice(&seq.to_le_bytes());
+    msg[8..HEADER].copy_from_slice(&sum.to_le_bytes());
+    msg
+}
+
+/// Check that `got` is message `seq`; say precisely what is wrong if not.
+fn check_message(got: &[u8], seq: u64, chunk: usize) -> Result<(), String> {
+    let expected = message(seq, chunk);
+    if got == expected.as_slice() {
+        return Ok(());
+    }
+    let mut why = format!(
+        "message {seq}: expected {} bytes, got {} bytes",
+        expected.len(),
+        got.len()
+    );
+    if got.len() >= HEADER {
+        let got_seq = u64::from_le_bytes(got[..8].try_into().unwrap());
+        let got_sum = u32::from_le_bytes(got[8..HEADER].try_into().unwrap());
+        let sum_ok = got_sum == fnv1a(&got[HEADER..]);
+        why += &format!(" carrying sequence number {got_seq}, checksum ok: {sum_ok}");
+    }
+    if let Some(at) = got.iter().zip(&expected).position(|(a, b)| a != b) {
+        why += &format!("; first differing byte at offset {at}");
+    }
+    Err(why)
+}
+
+// ---------------------------------------------------------------------------------
+// Reader processes (the child side)
+
+/// The reader's part of a test, when this process is a child started by [`spawn_reader`].
+struct ChildRole {
+    rank: usize,
+    handle: Handle,
+}
+
+impl ChildRole {
+    /// `Some` in a child process. Call first thing in a test function.
+    fn from_env() -> Option<ChildRole> {
+        let role = std::env::var(ROLE_ENV).ok()?;
+        assert_eq!(role, "reader", "unknown {ROLE_ENV}");
+        let rank = std::env::var(RANK_ENV).unwrap().parse().unwrap();
+        let handle = std::env::var(HANDLE_ENV).unwrap().parse().unwrap();
+        Some(ChildRole { rank, handle })
+    }
+
+    /// Run the reader's part and end the process: exit code 0 on success, 1 with the
+    /// reason on stderr otherwise.
+    fn run(self, part: impl FnOnce(&ChildRole) -> Result<(), String>) -> ! {
+        match part(&self) {
+            Ok(()) => std::process::exit(0),
+            Err(why) => {
+                eprintln!("reader rank {} failed: {why}", self.rank);
+                std::process::exit(1)
+            }
+        }
+    }
+
+    fn open_ready(&self) -> Result<Reader, String> {
+        let mut reader = Reader::open(&self.handle, self.rank).map_err(|e| format!("open: {e}"))?;
+        reader
+            .wait_until_ready(Some(TIMEOUT))
+            .map_err(|e| format!("wait_until_ready: {e}"))?;
+        Ok(reader)
+    }
+}
+
+/// Read `n` messages and check each one. Even ranks copy with `dequeue`, odd ranks
+/// look at the bytes in place with `dequeue_with`. Then check nothing more is there.
+fn read_and_check(role: &ChildRole, n: u64, chunk: usize, local: bool) -> Result<(), String> {
+    let mut reader = role.open_ready()?;
+    if reader.is_local() != local {
+        return Err(format!(
+            "is_local() is {}, expected {local}",
+            reader.is_local()
+        ));
+    }
+    for seq in 0..n {
+        let checked = if role.rank % 2 == 0 {
+            let msg = reader
+                .dequeue(Some(TIMEOUT))
+                .map_err(|e| format!("message {seq}: {e}"))?;
+            check_message(&msg, seq, chunk)
+        } else {
+            let mut wait = Wait::new("test reader", Some(TIMEOUT));
+            reader
+                .dequeue_with(&mut wait, |msg| check_message(msg, seq, chunk))
+                .map_err(|e| format!("message {seq}: {e}"))?
+        };
+        checked?;
+    }
+    // The writer sent exactly `n`: the next chunk must not look readable.
+    match reader.try_take(|m| m.len()) {
+        Ok(None) => {}
+        Ok(Some(len)) => return Err(format!("a message of {len} bytes after the last one")),
+        Err(e) => return Err(format!("try_take after the last message: {e}")),
+    }
+    drop(reader);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------
+// Reader processes (the parent side)
+
+/// A reader process of the test: its output is collected as it comes (so a chatty child
+/// never blocks on a full pipe), it is killed if the test ends while it still runs.
+struct ReaderProcess {
+    rank: usize,
+    child: Child,
+    status: Option<ExitStatus>,
+    stdout_lines: Receiver<String>,
+    output: Arc<Mutex<String>>,
+    readers: Vec<JoinHandle<()>>,
+}
+
+/// Start this test binary again as reader `rank` of the queue `handle`, running only
+/// `test_name`.
+fn spawn_reader(test_name: &str, handle: &Handle, rank: usize) -> ReaderProcess {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test_name, "--nocapture", "--test-threads=1"])
+        .env(ROLE_ENV, "reader")
+        .env(RANK_ENV, rank.to_string())
+        .env(HANDLE_ENV, handle.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting a reader process");
+    let output = Arc::new(Mutex::new(String::new()));
+    let (tx, stdout_lines) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    let out = output.clone();
+    let t1 = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+            out.lock().unwrap().push_str(&format!("[stdout] {line}\n"));
+            let _ = tx.send(line);
+        }
+    });
+    let mut stderr = child.stderr.take().unwrap();
+    let out = output.clone();
+    let t2 = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        for line in s.lines() {
+            out.lock().unwrap().push_str(&format!("[stderr] {line}\n"));
+        }
+    });
+    ReaderProcess {
+        rank,
+        child,
+        status: None,
+        stdout_lines,
+        output,
+        readers: vec![t1, t2],
+    }
+}
+
+impl ReaderProcess {
+    /// The exit status if the process has ended.
+    fn exited(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().expect("try_wait");
+        }
+        self.status
+    }
+
+    fn stdin(&mut self) -> ChildStdin {
+        self.child.stdin.take().expect("stdin already taken")
+    }
+
+    /// Wait for the child to print `line`.
+    fn wait_for_line(&mut self, line: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stdout_lines.recv_timeout(left) {
+                Ok(l) if l == line => return,
+                Ok(_) => {}
+                Err(_) => {
+                    let (rank, out) = (self.rank, self.report());
+                    panic!("reader rank {rank} did not print {line:?} within {timeout:?}:\n{out}")
+                }
+            }
+        }
+    }
+
+    /// Wait (bounded) for the process to end and return its status.
+    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.exited() {
+                return s;
+            }
+            if Instant::now() >= deadline {
+                let (rank, out) = (self.rank, self.report());
+                panic!("reader rank {rank} still running after {timeout:?}:\n{out}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Everything the child printed so far (all of it once it has exited).
+    fn report(&mut self) -> String {
+        if self.status.is_some() {
+            for t in self.readers.drain(..) {
+                let _ = t.join();
+            }
+        }
+        self.output.lock().unwrap().clone()
+    }
+}
+
+impl Drop for ReaderProcess {
+    fn drop(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Wait until every reader process has ended and check that each exited with 0.
+fn expect_all_succeed(children: &mut [ReaderProcess]) {
+    for c in children.iter_mut() {
+        let status = c.wait_exit(TIMEOUT);
+        if !status.success() {
+            let (rank, out) = (c.rank, c.report());
+            panic!("reader rank {rank} exited with {status}:\n{out}");
+        }
+    }
+}
+
+/// A wait for the writer that ends as soon as one of `children` has exited: a reader
+/// that died will never free its chunks, no point waiting out the timeout.
+fn writer_step<T>(
+    children: &mut [ReaderProcess],
+    what: &str,
+    step: impl FnOnce(&mut Wait) -> shmq::Result<T>,
+) -> T {
+    let mut dead: Option<usize> = None;
+    let result = {
+        let dead = &mut dead;
+        let kids = &mut *children;
+        let mut hook = move || {
+            if let Some(i) = kids.iter_mut().position(|c| c.exited().is_some()) {
+                *dead = Some(i);
+                return Err(Error::Cancelled);
+            }
+            Ok(())
+        };
+        let mut wait = Wait::new(what, Some(TIMEOUT)).with_hook(&mut hook);
+        step(&mut wait)
+    };
+    match (result, dead) {
+        (Ok(v), _) => v,
+        (Err(_), Some(i)) => {
+            let c = &mut children[i];
+            let (rank, status, out) = (c.rank, c.exited().unwrap(), c.report());
+            panic!("{what}: reader rank {rank} exited early with {status}:\n{out}")
+        }
+        (Err(e), None) => panic!("{what}: {e}"),
+    }
+}
+
+/// Send messages `0..n` of the stream to every reader.
+fn write_stream(writer: &mut Writer, children: &mut [ReaderProcess], n: u64, chunk: usize) {
+    writer_step(children, "waiting for readers to subscribe", |w| {
+        writer.wait_until_ready_with(w)
+    });
+    for seq in 0..n {
+        let msg = message(seq, chunk);
+        writer_step(children, &format!("enqueue of message {seq}"), |w| {
+            writer.enqueue_with(&msg, w)
+        });
+    }
+}
+
+fn segment_path(writer: &Writer) -> String {
+    let name = &writer.handle().buffer.as_ref().expect("a ring").name;
+    assert!(name.starts_with("shmq_"), "{name}");
+    format!("/dev/shm/{name}")
+}
+
+// ---------------------------------------------------------------------------------
+// Tests
+
+/// a. Three local reader processes, 100 000 messages of random sizes through a small
+/// ring (8 chunks of 4 KiB), some larger than a chunk (the overflow socket).
+#[test]
+fn three_local_readers_get_every_message_in_order() {
+    const NAME: &str = "three_local_readers_get_every_message_in_order";
+    const N: u64 = 100_000;
+    const CHUNK: usize = 4096;
+    if let Some(role) = ChildRole::from_env() {
+        role.run(|r| read_and_check(r, N, CHUNK, true));
+    }
+    let started = Instant::now();
+    let mut writer = Writer::new(QueueOptions {
+        max_chunk_bytes: CHUNK,
+        max_chunks: 8,
+        ..QueueOptions::local(3)
+    })
+    .unwrap();
+    let segment = segment_path(&writer);
+    assert!(Path::new(&segment).exists());
+    let mut children: Vec<_> = (0..3)
+        .map(|rank| spawn_reader(NAME, writer.handle(), rank))
+        .collect();
+    write_stream(&mut writer, &mut children, N, CHUNK);
+    expect_all_succeed(&mut children);
+    let overflows = writer.overflow_count();
+    let expected_overflows = (0..N).filter(|&s| message(s, CHUNK).len() > CHUNK).count();
+    assert_eq!(overflows, expected_overflows as u64);
+    assert!(overflows > 0);
+    drop(writer);
+    assert!(
+        !Path::new(&segment).exists(),
+        "{segment} left behind after the writer was dropped"
+    );
+    eprintln!(
+        "{N} messages ({overflows} over the overflow socket) to 3 local readers in {:.2?}",
+        started.elapsed()
+    );
+}
+
+/// b. One local and one remote reader (TCP on 127.0.0.1), including oversized messages.
+#[test]
+fn local_and_remote_reader_get_every_message_in_order() {
+    const NAME: &str = "local_and_remote_reader_get_every_message_in_order";
+    const N: u64 = 5_000;
+    const CHUNK: usize = 4096;
+    if let Some(role) = ChildRole::from_env() {
+        let local = role.rank == 0;
+        role.run(|r| read_and_check(r, N, CHUNK, local));
+    }
+    let started = Instant::now();
+    let mut writer = Writer::new(QueueOptions {
+        n_reader: 2,
+        n_local_reader: 1,
+        max_chunk_bytes: CHUNK,
+        max_chunks: 8,
+        connect_ip: Some("127.0.0.1".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!((writer.n_local_reader(), writer.n_remote_reader()), (1, 1));
+    let remote = writer.handle().remote_subscribe_addr.clone().unwrap();
+    assert!(remote.starts_with("tcp://127.0.0.1:"), "{remote}");
+    let segment = segment_path(&writer);
+    let mut children: Vec<_> = (0..2)
+        .map(|rank| spawn_reader(NAME, writer.handle(), rank))
+        .collect();
+    write_stream(&mut writer, &mut children, N, CHUNK);
+    expect_all_succeed(&mut children);
+    assert!(writer.overflow_count() > 0);
+    drop(writer);
+    assert!(!Path::new(&segment).exists(), "{segment} left behind");
+    eprintln!(
+        "{N} messages to 1 local + 1 remote reader in {:.2?}",
+        started.elapsed()
+    );
+}
+
+/// c. Timeouts: a reader's dequeue with nothing written, then a writer's enqueue on a
+/// ring that is full because its one reader never reads.
+#[test]
+fn full_ring_and_idle_writer_time_out() {
+    const NAME: &str = "full_ring_and_idle_writer_time_out";
+    const CHUNKS: usize = 4;
+    const SHORT: Duration = Duration::from_millis(300);
+    if let Some(role) = ChildRole::from_env() {
+        role.run(|r| {
+            let mut reader = r.open_ready()?;
+            // The writer writes nothing until we say we are done waiting.
+            let t = Instant::now();
+            match reader.dequeue(Some(SHORT)) {
+                Err(Error::Timeout { waited, .. }) if waited >= SHORT => {}
+                other => return Err(format!("dequeue with nothing written: {other:?}")),
+            }
+            if t.elapsed() > SHORT + Duration::from_secs(5) {
+                return Err(format!("dequeue timeout took {:?}", t.elapsed()));
+            }
+            println!("dequeue timed out");
+            // Never read: hold the ring full until the parent closes our stdin.
+            let mut rest = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut rest)
+                .map_err(|e| e.to_string())?;
+            Ok(())
+        });
+    }
+    let mut writer = Writer::new(QueueOptions {
+        max_chunk_bytes: 256,
+        max_chunks: CHUNKS,
+        ..QueueOptions::local(1)
+    })
+    .unwrap();
+    let segment = segment_path(&writer);
+    let mut children = vec![spawn_reader(NAME, writer.handle(), 0)];
+    writer_step(&mut children, "waiting for the reader to subscribe", |w| {
+        writer.wait_until_ready_with(w)
+    });
+    children[0].wait_for_line("dequeue timed out", TIMEOUT);
+
+    for i in 0..CHUNKS {
+        writer_step(&mut children, "filling the ring", |w| {
+            writer.enqueue_with(&[i as u8; 100], w)
+        });
+    }
+    assert!(!writer.can_write());
+    for msg in [vec![1u8; 100], vec![2u8; 1000]] {
+        let t = Instant::now();
+        match writer.enqueue(&msg, Some(SHORT)) {
+            Err(Error::Timeout { waited, .. }) => assert!(waited >= SHORT, "{waited:?}"),
+            other => panic!("enqueue of {} bytes on a full ring: {other:?}", msg.len()),
+        }
+        assert!(
+            t.elapsed() < SHORT + Duration::from_secs(5),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+    // The oversized message timed out waiting for its chunk, before being published.
+    assert_eq!(writer.overflow_count(), 0);
+    assert_eq!(
+        children[0].exited(),
+        None,
+        "the reader must still hold the ring"
+    );
+
+    let mut stdin = children[0].stdin();
+    let _ = stdin.flush();
+    drop(stdin);
+    expect_all_succeed(&mut children);
+    drop(writer);
+    assert!(!Path::new(&segment).exists(), "{segment} left behind");
+}
