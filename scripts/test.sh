@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: Rust tests (unit, multi-process integration,
+# doc tests, examples) and the Python suite against a freshly built package.
+#
+# Python packages go into ./.venv (made on first use, reused after). Set PYTHON to
+# choose the interpreter that makes it (default: python3, CPython >= 3.11).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "Rust: cargo test (unit, integration in several processes, doc tests, examples)"
+cargo test --all-targets
+cargo test --doc
+cargo run --quiet --example broadcast
+
+step "Python: test environment in .venv"
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "maturin>=1.9.4,<2" -e ".[test]"
+
+step "Python: pytest"
+.venv/bin/python -m pytest -q
