@@ -21,6 +21,7 @@
 //! ```
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod alloc;
 pub mod broadcast;
 pub mod error;
 pub mod segment;

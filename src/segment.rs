@@ -91,6 +91,8 @@ pub fn shm_free_bytes() -> Option<u64> {
     }
     // SAFETY: statvfs returned 0, so it filled the struct.
     let st = unsafe { st.assume_init() };
+    // The casts are no-ops on 64-bit Linux; fsblkcnt_t and c_ulong are 32 bits elsewhere.
+    #[allow(clippy::unnecessary_cast)]
     Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
