@@ -11,8 +11,10 @@
 //! - **Ids count up from 0 and wrap at 2**31** (they are stored in 4 bytes).
 //! - **The live span** is from the oldest live chunk's address to the end of the newest;
 //!   an allocation that would make it exceed `capacity` fails with [`Full`].
-//! - Chunks start on [`CHUNK_ALIGN`]-byte boundaries, so the store can place atomics and
-//!   tensor data in them; a chunk's recorded size is exact, its footprint is rounded up.
+//! - Chunks start at offsets that are multiples of [`CHUNK_ALIGN`], so the store can
+//!   place atomics and tensor data in them: a chunk's recorded size is exact, its
+//!   footprint is rounded up to the alignment, or to the end of the lap if that is nearer
+//!   (so a ring of any size works and the next lap starts at offset 0).
 
 use std::collections::VecDeque;
 
@@ -41,17 +43,13 @@ pub struct Chunk {
     pub address: u64,
     pub id: u32,
     pub size: u32,
+    /// Bytes of the ring it occupies: `size` rounded up (see the module docs).
+    pub footprint: u32,
 }
 
-impl Chunk {
-    /// Bytes of the ring the chunk occupies (its size rounded up to [`CHUNK_ALIGN`]).
-    pub fn footprint(&self) -> u64 {
-        round_up(self.size as u64)
-    }
-}
-
-fn round_up(n: u64) -> u64 {
-    n.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN
+/// Footprint of a chunk of `size` bytes at ring offset `offset`.
+fn footprint(size: u64, offset: u64, capacity: u64) -> u64 {
+    (size.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN).min(capacity - offset)
 }
 
 /// The writer's view of the ring.
@@ -70,7 +68,7 @@ pub struct FifoAllocator {
 }
 
 impl FifoAllocator {
-    /// A ring of `capacity` bytes (a positive multiple of [`CHUNK_ALIGN`]).
+    /// A ring of `capacity` bytes (more than the 8-byte header).
     pub fn new(capacity: u64) -> Result<FifoAllocator, String> {
         Self::with_first_id(capacity, 0)
     }
@@ -79,8 +77,8 @@ impl FifoAllocator {
     /// of 0: for a store that must never reuse an id it issued before, and for tests of
     /// the wrap-around.
     pub fn with_first_id(capacity: u64, first_id: u32) -> Result<FifoAllocator, String> {
-        if capacity == 0 || capacity % CHUNK_ALIGN != 0 {
-            return Err(format!("the ring size must be a positive multiple of {CHUNK_ALIGN} bytes, got {capacity}"));
+        if capacity < HEADER_BYTES + 1 {
+            return Err(format!("the ring must be larger than {HEADER_BYTES} bytes, got {capacity}"));
         }
         if first_id >= ID_MAX {
             return Err(format!("the first id must be below 2**31, got {first_id}"));
@@ -127,21 +125,23 @@ impl FifoAllocator {
     pub fn allocate(&mut self, data_bytes: u64) -> Result<Chunk, Full> {
         let size = data_bytes.checked_add(HEADER_BYTES).filter(|&s| s <= u32::MAX as u64);
         let full = |needed| Full { needed, live: self.end - self.start, capacity: self.capacity };
-        let Some(size) = size else { return Err(full(data_bytes.saturating_add(HEADER_BYTES))) };
-        let footprint = round_up(size);
-        let offset = self.end % self.capacity;
-        let address = if offset + footprint > self.capacity {
-            // Does not fit before the end of the ring: start at the next lap.
-            self.end - offset + self.capacity
-        } else {
-            self.end
+        let Some(size) = size.filter(|&s| s <= self.capacity) else {
+            return Err(full(data_bytes.saturating_add(HEADER_BYTES)));
         };
+        let offset = self.end % self.capacity;
+        let (address, offset) = if offset + size > self.capacity {
+            // Does not fit before the end of the ring: start at the next lap.
+            (self.end - offset + self.capacity, 0)
+        } else {
+            (self.end, offset)
+        };
+        let footprint = footprint(size, offset, self.capacity);
         // With nothing live, the span starts at the new chunk (a skipped lap tail is free).
         let start = if self.live.is_empty() { address } else { self.start };
         if address + footprint - start > self.capacity {
             return Err(full(size));
         }
-        let chunk = Chunk { address, id: self.id_end, size: size as u32 };
+        let chunk = Chunk { address, id: self.id_end, size: size as u32, footprint: footprint as u32 };
         if self.live.is_empty() {
             self.start = address;
         }
@@ -191,8 +191,8 @@ mod tests {
         let mut a = FifoAllocator::new(1024).unwrap();
         let c0 = a.allocate(10).unwrap();
         let c1 = a.allocate(100).unwrap();
-        assert_eq!((c0.address, c0.id, c0.size), (0, 0, 18));
-        assert_eq!((c1.address, c1.id, c1.size), (64, 1, 108));
+        assert_eq!((c0.address, c0.id, c0.size, c0.footprint), (0, 0, 18, 64));
+        assert_eq!((c1.address, c1.id, c1.size, c1.footprint), (64, 1, 108, 128));
         assert_eq!(a.end(), 64 + 128);
         assert_eq!(a.get(1), Some(&c1));
         assert_eq!(a.get(2), None);
@@ -251,6 +251,20 @@ mod tests {
         a.free_while(u64::MAX, |_| true);
         let c = a.allocate(248).unwrap(); // footprint 256 does not fit at offset 64
         assert_eq!(c.address, 256);
+    }
+
+    #[test]
+    fn ring_sizes_need_not_be_aligned() {
+        let mut a = FifoAllocator::new(1000).unwrap();
+        let c0 = a.allocate(900).unwrap(); // 908 bytes: footprint 960
+        assert_eq!(c0.footprint, 960);
+        a.free_while(u64::MAX, |_| true);
+        let c1 = a.allocate(30).unwrap(); // 38 bytes at 960 fit; footprint ends the lap
+        assert_eq!((c1.address, c1.footprint), (960, 40));
+        let c2 = a.allocate(10).unwrap();
+        assert_eq!(c2.address % 1000, 0);
+        assert!(a.allocate(992).is_err());
+        assert!(FifoAllocator::new(8).is_err());
     }
 
     #[test]

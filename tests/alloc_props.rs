@@ -38,11 +38,13 @@ struct Model {
 
 impl Model {
     fn alloc(&mut self, data: u64) -> Option<(u64, u32)> {
-        let fp = (data + HEADER_BYTES).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
-        if fp > self.capacity {
+        let size = data + HEADER_BYTES;
+        if size > self.capacity {
             return None;
         }
-        let off = if self.tail + fp > self.capacity { 0 } else { self.tail };
+        let off = if self.tail + size > self.capacity { 0 } else { self.tail };
+        // Rounded up to the alignment, but never past the end of the ring.
+        let fp = (size.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN).min(self.capacity - off);
         if self.live.iter().any(|&(o, f, _)| off < o + f && o < off + fp) {
             return None;
         }
@@ -58,14 +60,17 @@ fn check_invariants(a: &FifoAllocator) {
     let cap = a.capacity();
     let chunks: Vec<Chunk> = a.live().copied().collect();
     for c in &chunks {
-        assert!(c.address % cap + c.footprint() <= cap, "{c:?} crosses the end of the ring");
-        assert_eq!(c.address % CHUNK_ALIGN, 0);
+        let fp = c.footprint as u64;
+        assert!(c.address % cap + fp <= cap, "{c:?} crosses the end of the ring");
+        assert!(fp >= c.size as u64);
+        assert_eq!(c.address % cap % CHUNK_ALIGN, 0, "{c:?} is not aligned in the ring");
     }
     for (i, x) in chunks.iter().enumerate() {
         for y in &chunks[i + 1..] {
-            assert!(x.address + x.footprint() <= y.address, "{x:?} and {y:?} are out of order");
+            assert!(x.address + x.footprint as u64 <= y.address, "{x:?} and {y:?} are out of order");
             let (xo, yo) = (x.address % cap, y.address % cap);
-            assert!(xo + x.footprint() <= yo || yo + y.footprint() <= xo, "{x:?} and {y:?} overlap in the ring");
+            let overlap = xo < yo + y.footprint as u64 && yo < xo + x.footprint as u64;
+            assert!(!overlap, "{x:?} and {y:?} overlap in the ring");
         }
         assert_eq!(x.id, (chunks[0].id + i as u32) % ID_MAX, "ids are not consecutive");
     }
@@ -81,11 +86,10 @@ proptest! {
 
     #[test]
     fn allocator_matches_the_model(
-        cap_lines in 1u64..64,
+        capacity in prop_oneof![(1u64..64).prop_map(|l| l * CHUNK_ALIGN), 9u64..4096],
         first_id in prop_oneof![Just(0u32), (ID_MAX - 16)..ID_MAX],
         ops in ops(4096),
     ) {
-        let capacity = cap_lines * CHUNK_ALIGN;
         let mut a = FifoAllocator::with_first_id(capacity, first_id).unwrap();
         let mut model = Model { capacity, live: VecDeque::new(), tail: 0, next_id: first_id };
         for op in ops {
