@@ -78,13 +78,22 @@ impl FifoAllocator {
     /// the wrap-around.
     pub fn with_first_id(capacity: u64, first_id: u32) -> Result<FifoAllocator, String> {
         if capacity < HEADER_BYTES + 1 {
-            return Err(format!("the ring must be larger than {HEADER_BYTES} bytes, got {capacity}"));
+            return Err(format!(
+                "the ring must be larger than {HEADER_BYTES} bytes, got {capacity}"
+            ));
         }
         if first_id >= ID_MAX {
             return Err(format!("the first id must be below 2**31, got {first_id}"));
         }
         let id = first_id;
-        Ok(FifoAllocator { capacity, start: 0, end: 0, id_start: id, id_end: id, live: VecDeque::new() })
+        Ok(FifoAllocator {
+            capacity,
+            start: 0,
+            end: 0,
+            id_start: id,
+            id_end: id,
+            live: VecDeque::new(),
+        })
     }
 
     pub fn capacity(&self) -> u64 {
@@ -123,8 +132,14 @@ impl FifoAllocator {
 
     /// Allocate `data_bytes` of data (plus the header). Returns the chunk.
     pub fn allocate(&mut self, data_bytes: u64) -> Result<Chunk, Full> {
-        let size = data_bytes.checked_add(HEADER_BYTES).filter(|&s| s <= u32::MAX as u64);
-        let full = |needed| Full { needed, live: self.end - self.start, capacity: self.capacity };
+        let size = data_bytes
+            .checked_add(HEADER_BYTES)
+            .filter(|&s| s <= u32::MAX as u64);
+        let full = |needed| Full {
+            needed,
+            live: self.end - self.start,
+            capacity: self.capacity,
+        };
         let Some(size) = size.filter(|&s| s <= self.capacity) else {
             return Err(full(data_bytes.saturating_add(HEADER_BYTES)));
         };
@@ -137,11 +152,20 @@ impl FifoAllocator {
         };
         let footprint = footprint(size, offset, self.capacity);
         // With nothing live, the span starts at the new chunk (a skipped lap tail is free).
-        let start = if self.live.is_empty() { address } else { self.start };
+        let start = if self.live.is_empty() {
+            address
+        } else {
+            self.start
+        };
         if address + footprint - start > self.capacity {
             return Err(full(size));
         }
-        let chunk = Chunk { address, id: self.id_end, size: size as u32, footprint: footprint as u32 };
+        let chunk = Chunk {
+            address,
+            id: self.id_end,
+            size: size as u32,
+            footprint: footprint as u32,
+        };
         if self.live.is_empty() {
             self.start = address;
         }
@@ -154,11 +178,17 @@ impl FifoAllocator {
     /// Free chunks oldest first while `is_free(chunk)` says so and fewer than `nbytes`
     /// bytes (of size) have been freed; stop at the first chunk still in use. Returns the
     /// freed chunks in order.
-    pub fn free_while(&mut self, nbytes: u64, mut is_free: impl FnMut(&Chunk) -> bool) -> Vec<Chunk> {
+    pub fn free_while(
+        &mut self,
+        nbytes: u64,
+        mut is_free: impl FnMut(&Chunk) -> bool,
+    ) -> Vec<Chunk> {
         let mut freed = Vec::new();
         let mut freed_bytes = 0u64;
         while freed_bytes < nbytes {
-            let Some(oldest) = self.live.front() else { break };
+            let Some(oldest) = self.live.front() else {
+                break;
+            };
             if !is_free(oldest) {
                 break;
             }
@@ -192,7 +222,10 @@ mod tests {
         let c0 = a.allocate(10).unwrap();
         let c1 = a.allocate(100).unwrap();
         assert_eq!((c0.address, c0.id, c0.size, c0.footprint), (0, 0, 18, 64));
-        assert_eq!((c1.address, c1.id, c1.size, c1.footprint), (64, 1, 108, 128));
+        assert_eq!(
+            (c1.address, c1.id, c1.size, c1.footprint),
+            (64, 1, 108, 128)
+        );
         assert_eq!(a.end(), 64 + 128);
         assert_eq!(a.get(1), Some(&c1));
         assert_eq!(a.get(2), None);
@@ -205,7 +238,9 @@ mod tests {
         let _c1 = a.allocate(56).unwrap(); // 128..192
         let err = a.allocate(100).unwrap_err(); // would need 256..384: span 384 > 256
         assert_eq!(err.needed, 108);
-        assert!(err.to_string().starts_with("Not enough space in the data buffer"));
+        assert!(err
+            .to_string()
+            .starts_with("Not enough space in the data buffer"));
         let freed = a.free_while(u64::MAX, |c| c.id == c0.id);
         assert_eq!(freed, vec![c0]);
         assert_eq!(a.start(), 128);
@@ -226,9 +261,21 @@ mod tests {
     fn free_stops_at_first_in_use_and_at_nbytes() {
         let mut a = FifoAllocator::new(4096).unwrap();
         let ids: Vec<u32> = (0..5).map(|_| a.allocate(56).unwrap().id).collect();
-        assert_eq!(a.free_while(u64::MAX, |c| c.id != 2).iter().map(|c| c.id).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(
+            a.free_while(u64::MAX, |c| c.id != 2)
+                .iter()
+                .map(|c| c.id)
+                .collect::<Vec<_>>(),
+            vec![0, 1]
+        );
         assert_eq!(a.id_start(), 2);
-        assert_eq!(a.free_while(64, |_| true).iter().map(|c| c.id).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(
+            a.free_while(64, |_| true)
+                .iter()
+                .map(|c| c.id)
+                .collect::<Vec<_>>(),
+            vec![2]
+        );
         assert_eq!(a.free_while(u64::MAX, |_| true).len(), 2);
         assert_eq!((a.start(), a.id_start()), (a.end(), ids.len() as u32));
     }

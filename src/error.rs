@@ -49,6 +49,23 @@ pub enum Error {
     #[error("{0}")]
     WrongRole(String),
 
+    /// The object store's ring has no room (after freeing what could be freed).
+    #[error(transparent)]
+    Full(#[from] crate::alloc::Full),
+
+    /// An object handle `(address, id)` does not name a live object: evicted, reused,
+    /// cleared, forged or out of range.
+    #[error("Data for address:id '{address}:{id}' has been modified or is invalid.")]
+    StaleObject { address: u64, id: u64 },
+
+    /// `put` of a key the store already has.
+    #[error("Key '{0}' already exists in the storage.")]
+    KeyExists(String),
+
+    /// `put` of an object larger than the store's `max_object_size`.
+    #[error("Serialized object size ({size} bytes) exceeds max object size ({max} bytes)")]
+    TooLarge { size: u64, max: u64 },
+
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Os {

@@ -25,6 +25,7 @@ pub mod alloc;
 pub mod broadcast;
 pub mod error;
 pub mod segment;
+pub mod storage;
 pub mod transport;
 pub mod wait;
 
