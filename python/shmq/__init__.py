@@ -1,16 +1,36 @@
 """shmq: shared-memory IPC for model-serving engines, with a Rust core.
 
-A broadcast queue (one writer, many readers; remote readers over ZeroMQ) with the API
-of the engines' ``MessageQueue``, so it replaces them without code changes.
+- A broadcast queue (one writer, many readers; remote readers over ZeroMQ) with the API
+  of the engines' ``MessageQueue``.
+- A single-writer object store (FIFO allocator over shared memory) with the API of the
+  engines' ``SingleWriterShmObjectStorage``.
+
+The engines' names are kept as aliases, so shmq replaces them without code changes.
 """
 
 from ._core import __version__
 from .message_queue import Handle, MessageQueue, ShmRingBuffer, sched_yield
+from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
+from .serde import MsgpackSerde, ObjectSerde, PickleSerde
+
+# The engines' names.
+SingleWriterShmObjectStorage = ObjectStorage
+ShmObjectStorageHandle = ObjectStorageHandle
+SingleWriterShmRingBuffer = RingBuffer
 
 __all__ = [
     "Handle",
     "MessageQueue",
+    "MsgpackSerde",
+    "ObjectSerde",
+    "ObjectStorage",
+    "ObjectStorageHandle",
+    "PickleSerde",
+    "RingBuffer",
+    "ShmObjectStorageHandle",
     "ShmRingBuffer",
+    "SingleWriterShmObjectStorage",
+    "SingleWriterShmRingBuffer",
     "__version__",
     "sched_yield",
 ]

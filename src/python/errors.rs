@@ -14,7 +14,10 @@ impl From<Error> for PyErr {
         match err {
             Error::Timeout { .. } => PyTimeoutError::new_err(msg),
             Error::Cancelled => PyRuntimeError::new_err("cancelled"),
-            Error::NoSpace { .. } => PyMemoryError::new_err(msg),
+            Error::NoSpace { .. } | Error::Full(_) => PyMemoryError::new_err(msg),
+            Error::StaleObject { .. } | Error::KeyExists(_) | Error::TooLarge { .. } => {
+                PyValueError::new_err(msg)
+            }
             Error::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
             Error::BadSegment { .. } | Error::InvalidArgument(_) => PyValueError::new_err(msg),
             Error::WrongRole(_) => PyRuntimeError::new_err(msg),

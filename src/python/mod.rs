@@ -4,11 +4,14 @@
 //! Contents of `shmq._core`:
 //! - `Ring`: a broadcast ring segment (`ShmRingBuffer` in Python);
 //! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`);
+//! - `ChunkRing`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
+//!   `ObjectStorage`);
 //! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
 //! - `default_connect_ip()`, `segment_prefix`.
 
 mod broadcast;
 mod errors;
+mod storage;
 mod view;
 mod wait;
 
@@ -27,6 +30,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<broadcast::Ring>()?;
     m.add_class::<broadcast::Writer>()?;
     m.add_class::<broadcast::Reader>()?;
+    m.add_class::<storage::ChunkRing>()?;
+    m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
     m.add("segment_prefix", crate::segment::NAME_PREFIX)?;

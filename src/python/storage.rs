@@ -1,0 +1,331 @@
+//! Bindings for the object store: `ChunkRing` (the spec's `RingBuffer`) and `ObjectStore`.
+
+use std::sync::{Arc, Mutex};
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyMemoryView};
+
+use super::view::ShmView;
+use super::wait::lock;
+use crate::error::Error;
+use crate::storage::{
+    object_reader_count, read_object, ChunkRing as CoreRing, ObjectStore as CoreStore, StoreSegment,
+};
+
+/// Payloads above this are copied with the GIL released.
+const COPY_WITH_GIL_MAX: usize = 64 * 1024;
+
+/// A memoryview over `len` bytes at `ptr` in `segment`, for a Python callback.
+fn memoryview<'py>(
+    py: Python<'py>,
+    segment: &Arc<StoreSegment>,
+    ptr: *const u8,
+    len: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: callers pass a range inside the segment's ring; the Arc keeps it mapped.
+    let view = Bound::new(py, unsafe {
+        ShmView::new(segment.clone(), ptr as *mut u8, len)
+    })?;
+    Ok(PyMemoryView::from(&view)?.into_any())
+}
+
+/// Call `f(memoryview)` and release the view afterwards; a callback that kept a
+/// reference to the memory (so the view cannot be released) is an error, since the chunk
+/// may be reused once the call returns.
+fn with_view<'py, R>(
+    py: Python<'py>,
+    segment: &Arc<StoreSegment>,
+    data: &[u8],
+    f: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<R>,
+) -> PyResult<R> {
+    let mv = memoryview(py, segment, data.as_ptr(), data.len())?;
+    let out = f(&mv);
+    if let Err(e) = mv.call_method0("release") {
+        if e.is_instance_of::<PyBufferError>(py) && out.is_ok() {
+            return Err(PyRuntimeError::new_err(
+                "the deserializer kept a view of shared memory that the store may reuse; it must copy what it keeps",
+            ));
+        }
+    }
+    out
+}
+
+/// The store's ring segment, writer or reader side.
+#[pyclass(module = "shmq._core", frozen)]
+pub struct ChunkRing {
+    segment: Arc<StoreSegment>,
+    inner: Mutex<CoreRing>,
+}
+
+impl ChunkRing {
+    fn wrap(ring: CoreRing) -> ChunkRing {
+        ChunkRing {
+            segment: ring.segment().clone(),
+            inner: Mutex::new(ring),
+        }
+    }
+}
+
+#[pymethods]
+impl ChunkRing {
+    /// Create a ring of `capacity` bytes; this process is its writer.
+    #[staticmethod]
+    #[pyo3(signature = (capacity, name=None))]
+    fn create(capacity: u64, name: Option<&str>) -> PyResult<ChunkRing> {
+        Ok(Self::wrap(CoreRing::create(capacity, name)?))
+    }
+
+    /// Open an existing ring as a reader; `capacity`, if given, must match.
+    #[staticmethod]
+    #[pyo3(signature = (name, capacity=None))]
+    fn open(name: &str, capacity: Option<u64>) -> PyResult<ChunkRing> {
+        Ok(Self::wrap(CoreRing::open(name, capacity)?))
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        self.segment.name()
+    }
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.segment.capacity()
+    }
+    #[getter]
+    fn is_writer(&self, py: Python<'_>) -> bool {
+        lock(py, &self.inner).is_writer()
+    }
+    #[getter]
+    fn creator_pid(&self) -> u32 {
+        self.segment.creator_pid()
+    }
+
+    /// `(data_buffer_start, data_buffer_end, monotonic_id_start, monotonic_id_end)` on
+    /// the writer; `None` on a reader.
+    fn state(&self, py: Python<'_>) -> Option<(u64, u64, u32, u32)> {
+        let r = lock(py, &self.inner);
+        r.allocator()
+            .map(|a| (a.start(), a.end(), a.id_start(), a.id_end()))
+    }
+
+    /// Live chunks on the writer as a dict id → address.
+    fn live<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        if let Some(a) = lock(py, &self.inner).allocator() {
+            for c in a.live() {
+                d.set_item(c.id, c.address)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Allocate a chunk with `size` bytes of data: `(address, id)`.
+    fn allocate(&self, py: Python<'_>, size: u64) -> PyResult<(u64, u32)> {
+        let c = lock(py, &self.inner).allocate(size)?;
+        Ok((c.address, c.id))
+    }
+
+    /// `(id, size)` of the chunk at `address` (bounds-checked).
+    fn header(&self, address: u64) -> PyResult<(u32, u32)> {
+        let h = self.segment.header_at(address)?;
+        Ok((h.id, h.size))
+    }
+
+    /// A view of the data of the chunk at `address` (bounds-checked).
+    fn data(&self, address: u64) -> PyResult<ShmView> {
+        let h = self.segment.header_at(address)?;
+        let (p, n) = self.segment.data_ptr(&h);
+        // SAFETY: header_at checked the chunk lies in the ring; the Arc keeps it mapped.
+        Ok(unsafe { ShmView::new(self.segment.clone(), p, n) })
+    }
+
+    /// A view of the whole ring (`shared_memory.buf`).
+    fn buf(&self) -> ShmView {
+        // SAFETY: the ring is `capacity` bytes from `ring_ptr`, kept mapped by the Arc.
+        unsafe {
+            ShmView::new(
+                self.segment.clone(),
+                self.segment.ring_ptr(),
+                self.segment.capacity() as usize,
+            )
+        }
+    }
+
+    /// Free chunks oldest first while `is_free(id, memoryview)` is true and fewer than
+    /// `nbytes` bytes have been freed; returns the freed ids.
+    #[pyo3(signature = (is_free, nbytes=None))]
+    fn free(
+        &self,
+        py: Python<'_>,
+        is_free: &Bound<'_, PyAny>,
+        nbytes: Option<u64>,
+    ) -> PyResult<Vec<u32>> {
+        let mut ring = lock(py, &self.inner);
+        let mut raised = None;
+        let freed = ring.free_while(nbytes.unwrap_or(u64::MAX), |id, data| {
+            if raised.is_some() {
+                return false;
+            }
+            match with_view(py, &self.segment, data, |mv| {
+                is_free.call1((id, mv))?.is_truthy()
+            }) {
+                Ok(v) => v,
+                Err(e) => {
+                    raised = Some(e);
+                    false
+                }
+            }
+        })?;
+        match raised {
+            Some(e) => Err(e),
+            None => Ok(freed.into_iter().map(|c| c.id).collect()),
+        }
+    }
+
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(lock(py, &self.inner).clear()?)
+    }
+}
+
+/// Key → object store on a `ChunkRing`; payloads are already-serialized bytes.
+#[pyclass(module = "shmq._core", frozen)]
+pub struct ObjectStore {
+    ring: Py<ChunkRing>,
+    segment: Arc<StoreSegment>,
+    inner: Mutex<CoreStore>,
+    /// Whether `get` in the writer's process counts as a read.
+    count_writer_reads: bool,
+    is_writer: bool,
+}
+
+#[pymethods]
+impl ObjectStore {
+    #[new]
+    #[pyo3(signature = (ring, max_object_size, n_readers, count_writer_reads=false))]
+    fn new(
+        py: Python<'_>,
+        ring: Py<ChunkRing>,
+        max_object_size: u64,
+        n_readers: u32,
+        count_writer_reads: bool,
+    ) -> PyResult<Self> {
+        let r = ring.get();
+        let (segment, is_writer) = (r.segment.clone(), lock(py, &r.inner).is_writer());
+        let inner = Mutex::new(CoreStore::new(max_object_size, n_readers)?);
+        Ok(ObjectStore {
+            ring,
+            segment,
+            inner,
+            count_writer_reads,
+            is_writer,
+        })
+    }
+
+    /// Store the concatenation of `parts` (bytes-like, C-contiguous) under `key`.
+    fn put(&self, py: Python<'_>, key: &str, parts: &Bound<'_, PyList>) -> PyResult<(u64, u32)> {
+        let buffers = parts
+            .iter()
+            .map(|p| PyUntypedBuffer::get(&p))
+            .collect::<PyResult<Vec<_>>>()?;
+        if let Some(i) = buffers.iter().position(|b| !b.is_c_contiguous()) {
+            return Err(PyValueError::new_err(format!(
+                "part {i} of the object is not C-contiguous"
+            )));
+        }
+        let spans: Vec<(usize, usize)> = buffers
+            .iter()
+            .map(|b| (b.buf_ptr() as usize, b.len_bytes()))
+            .collect();
+        let total: usize = spans.iter().map(|s| s.1).sum();
+        let mut store = lock(py, &self.inner);
+        let mut ring = lock(py, &self.ring.get().inner);
+        let (store, ring) = (&mut *store, &mut *ring);
+        let mut put = move || {
+            // SAFETY: each span is a live, C-contiguous buffer export held by `buffers`
+            // until the end of this call; the exporters cannot free it meanwhile.
+            let slices: Vec<&[u8]> = spans
+                .iter()
+                .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
+                .collect();
+            store.put(ring, key, &slices)
+        };
+        let r = if total > COPY_WITH_GIL_MAX {
+            py.detach(put)
+        } else {
+            put()
+        };
+        drop(buffers);
+        Ok(r?)
+    }
+
+    /// Read the object at `(address, id)`: `deserialize(memoryview)` runs on the payload,
+    /// and the read is counted (on a reader, or on the writer if `count_writer_reads`).
+    fn get(
+        &self,
+        py: Python<'_>,
+        address: u64,
+        id: u64,
+        deserialize: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let stale = || PyErr::from(Error::StaleObject { address, id });
+        let id32 = u32::try_from(id).map_err(|_| stale())?;
+        let count = !self.is_writer || self.count_writer_reads;
+        let out = read_object(&self.segment, address, id32, count, |payload| {
+            with_view(py, &self.segment, payload, |mv| {
+                Ok(deserialize.call1((mv,))?.unbind())
+            })
+        })?;
+        out
+    }
+
+    /// How many reads the object at `(address, id)` has had.
+    fn reader_count(&self, address: u64, id: u32) -> PyResult<u32> {
+        Ok(object_reader_count(&self.segment, address, id)?)
+    }
+
+    fn is_cached(&self, py: Python<'_>, key: &str) -> bool {
+        lock(py, &self.inner).entry(key).is_some()
+    }
+
+    /// Hand the object out once more: `(address, id)`; `KeyError` if unknown.
+    fn get_cached(&self, py: Python<'_>, key: &str) -> PyResult<(u64, u32)> {
+        lock(py, &self.inner)
+            .get_cached(key)
+            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
+    }
+
+    fn free_unused(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let mut store = lock(py, &self.inner);
+        let mut ring = lock(py, &self.ring.get().inner);
+        Ok(store.free_unused(&mut ring)?)
+    }
+
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        let mut store = lock(py, &self.inner);
+        let mut ring = lock(py, &self.ring.get().inner);
+        Ok(store.clear(&mut ring)?)
+    }
+
+    /// `{key: (address, id, handouts)}` of the live objects (writer side).
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, e) in lock(py, &self.inner).entries() {
+            d.set_item(k, (e.address, e.id, e.handouts))?;
+        }
+        Ok(d)
+    }
+
+    #[getter]
+    fn max_object_size(&self, py: Python<'_>) -> u64 {
+        lock(py, &self.inner).max_object_size()
+    }
+    #[getter]
+    fn n_readers(&self, py: Python<'_>) -> u32 {
+        lock(py, &self.inner).n_readers()
+    }
+    #[getter]
+    fn is_writer(&self) -> bool {
+        self.is_writer
+    }
+}
