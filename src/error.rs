@@ -55,7 +55,7 @@ pub enum Error {
 
     /// An object handle `(address, id)` does not name a live object: evicted, reused,
     /// cleared, forged or out of range.
-    #[error("Data for address:id '{address}:{id}' has been modified or is invalid.")]
+    #[error("{}", stale_object_message(address, id))]
     StaleObject { address: u64, id: u64 },
 
     /// `put` of a key the store already has.
@@ -81,6 +81,12 @@ pub enum Error {
         #[source]
         source: zmq::Error,
     },
+}
+
+/// The message of [`Error::StaleObject`], also for handles that are not even integers of
+/// the right range (the Python bindings report those the same way).
+pub fn stale_object_message(address: impl std::fmt::Display, id: impl std::fmt::Display) -> String {
+    format!("Data for address:id '{address}:{id}' has been modified or is invalid.")
 }
 
 impl Error {

@@ -25,7 +25,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::alloc::{Chunk, FifoAllocator, HEADER_BYTES};
+use crate::alloc::{Chunk, FifoAllocator, HEADER_BYTES, ID_MAX};
 use crate::error::{Error, Result};
 use crate::segment::{unique_name, Segment};
 
@@ -485,6 +485,23 @@ fn reader_count(data: &[u8]) -> u32 {
     count.load(Ordering::Acquire)
 }
 
+/// The header of the object at `address` if it is live with id `id`.
+fn live_object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<ChunkHeader> {
+    let stale = || Error::StaleObject {
+        address,
+        id: id as u64,
+    };
+    // Ids are below 2**31; anything else (e.g. INVALID_ID of a freed chunk) names nothing.
+    if id >= ID_MAX {
+        return Err(stale());
+    }
+    let h = segment.header_at(address).map_err(|_| stale())?;
+    if h.id != id || (h.size as usize) < HEADER_BYTES as usize + COUNT_BYTES {
+        return Err(stale());
+    }
+    Ok(h)
+}
+
 /// Read the object at `(address, id)`: check the handle, call `f` on the payload, check
 /// the id again, and (if `count_read`) count this as one read. Any process may call it.
 pub fn read_object<R>(
@@ -494,17 +511,7 @@ pub fn read_object<R>(
     count_read: bool,
     f: impl FnOnce(&[u8]) -> R,
 ) -> Result<R> {
-    let stale = Error::StaleObject {
-        address,
-        id: id as u64,
-    };
-    let h = segment.header_at(address).map_err(|_| Error::StaleObject {
-        address,
-        id: id as u64,
-    })?;
-    if h.id != id || (h.size as usize) < HEADER_BYTES as usize + COUNT_BYTES {
-        return Err(stale);
-    }
+    let h = live_object_header(segment, address, id)?;
     let (p, n) = segment.data_ptr(&h);
     // SAFETY: the range is inside the ring (header_at). The writer does not overwrite a
     // chunk until every reader has counted its read, which we do only after `f`; a forged
@@ -512,7 +519,10 @@ pub fn read_object<R>(
     let payload = unsafe { std::slice::from_raw_parts(p.add(COUNT_BYTES), n - COUNT_BYTES) };
     let out = f(payload);
     if segment.id_at(h.offset) != id {
-        return Err(stale);
+        return Err(Error::StaleObject {
+            address,
+            id: id as u64,
+        });
     }
     if count_read {
         // SAFETY: as in `reader_count`: 4-aligned, inside the chunk, atomic-only.
@@ -525,13 +535,7 @@ pub fn read_object<R>(
 
 /// The reader count of the object at `(address, id)` (for inspection and tests).
 pub fn object_reader_count(segment: &StoreSegment, address: u64, id: u32) -> Result<u32> {
-    let h = segment.header_at(address)?;
-    if h.id != id || (h.size as usize) < HEADER_BYTES as usize + COUNT_BYTES {
-        return Err(Error::StaleObject {
-            address,
-            id: id as u64,
-        });
-    }
+    let h = live_object_header(segment, address, id)?;
     let (p, n) = segment.data_ptr(&h);
     // SAFETY: inside the ring (header_at).
     Ok(reader_count(unsafe { std::slice::from_raw_parts(p, n) }))
@@ -562,7 +566,11 @@ mod tests {
         ));
         let e = s.put(&mut ring, "big", &[&[0u8; 1021]]).unwrap_err();
         assert!(e.to_string().contains("exceeds max object size"), "{e}");
+        // Free "a": its header now holds INVALID_ID, which must not work as an id.
+        ring.free_while(u64::MAX, |i, _| i == id).unwrap();
         for (a, i) in [
+            (addr, id),
+            (addr, INVALID_ID),
             (addr, id + 1),
             (addr + 8, id),
             (u64::MAX, id),

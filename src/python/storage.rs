@@ -3,13 +3,13 @@
 use std::sync::{Arc, Mutex};
 
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyMemoryView};
+use pyo3::types::{PyDict, PyInt, PyList, PyMemoryView};
 
 use super::view::ShmView;
 use super::wait::lock;
-use crate::error::Error;
+use crate::error::stale_object_message;
 use crate::storage::{
     object_reader_count, read_object, ChunkRing as CoreRing, ObjectStore as CoreStore, StoreSegment,
 };
@@ -50,6 +50,20 @@ fn with_view<'py, R>(
         }
     }
     out
+}
+
+/// `Some(v)` for an int that fits `T`, `None` for one that does not; other types fail.
+fn int_in_range<'py, T>(v: &Bound<'py, PyAny>) -> PyResult<Option<T>>
+where
+    T: for<'a> FromPyObject<'a, 'py>,
+{
+    if !v.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "expected an int, got {}",
+            v.get_type().name()?
+        )));
+    }
+    Ok(v.extract::<T>().ok())
 }
 
 /// The store's ring segment, writer or reader side.
@@ -264,19 +278,20 @@ impl ObjectStore {
     fn get(
         &self,
         py: Python<'_>,
-        address: u64,
-        id: u64,
+        address: &Bound<'_, PyAny>,
+        id: &Bound<'_, PyAny>,
         deserialize: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        let stale = || PyErr::from(Error::StaleObject { address, id });
-        let id32 = u32::try_from(id).map_err(|_| stale())?;
+        // Integers out of range (negative, huge) name no object: the same ValueError.
+        let (Some(a), Some(i)) = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?) else {
+            return Err(PyValueError::new_err(stale_object_message(address, id)));
+        };
         let count = !self.is_writer || self.count_writer_reads;
-        let out = read_object(&self.segment, address, id32, count, |payload| {
+        read_object(&self.segment, a, i, count, |payload| {
             with_view(py, &self.segment, payload, |mv| {
                 Ok(deserialize.call1((mv,))?.unbind())
             })
-        })?;
-        out
+        })?
     }
 
     /// How many reads the object at `(address, id)` has had.
