@@ -12,7 +12,10 @@ enum Op {
     Alloc(u64),
     /// Free oldest-first with the first `in_use` live chunk (by position) still in use,
     /// and at most `nbytes` freed.
-    Free { in_use: usize, nbytes: u64 },
+    Free {
+        in_use: usize,
+        nbytes: u64,
+    },
     Clear,
 }
 
@@ -42,10 +45,18 @@ impl Model {
         if size > self.capacity {
             return None;
         }
-        let off = if self.tail + size > self.capacity { 0 } else { self.tail };
+        let off = if self.tail + size > self.capacity {
+            0
+        } else {
+            self.tail
+        };
         // Rounded up to the alignment, but never past the end of the ring.
         let fp = (size.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN).min(self.capacity - off);
-        if self.live.iter().any(|&(o, f, _)| off < o + f && o < off + fp) {
+        if self
+            .live
+            .iter()
+            .any(|&(o, f, _)| off < o + f && o < off + fp)
+        {
             return None;
         }
         let id = self.next_id;
@@ -61,25 +72,38 @@ fn check_invariants(a: &FifoAllocator) {
     let chunks: Vec<Chunk> = a.live().copied().collect();
     for c in &chunks {
         let fp = c.footprint as u64;
-        assert!(c.address % cap + fp <= cap, "{c:?} crosses the end of the ring");
+        assert!(
+            c.address % cap + fp <= cap,
+            "{c:?} crosses the end of the ring"
+        );
         assert!(fp >= c.size as u64);
-        assert_eq!(c.address % cap % CHUNK_ALIGN, 0, "{c:?} is not aligned in the ring");
+        assert_eq!(
+            c.address % cap % CHUNK_ALIGN,
+            0,
+            "{c:?} is not aligned in the ring"
+        );
     }
     for (i, x) in chunks.iter().enumerate() {
         for y in &chunks[i + 1..] {
-            assert!(x.address + x.footprint as u64 <= y.address, "{x:?} and {y:?} are out of order");
+            assert!(
+                x.address + x.footprint as u64 <= y.address,
+                "{x:?} and {y:?} are out of order"
+            );
             let (xo, yo) = (x.address % cap, y.address % cap);
             let overlap = xo < yo + y.footprint as u64 && yo < xo + x.footprint as u64;
             assert!(!overlap, "{x:?} and {y:?} overlap in the ring");
         }
-        assert_eq!(x.id, (chunks[0].id + i as u32) % ID_MAX, "ids are not consecutive");
+        assert_eq!(
+            x.id,
+            (chunks[0].id + i as u32) % ID_MAX,
+            "ids are not consecutive"
+        );
     }
     assert!(a.live_bytes() <= cap);
     if let Some(first) = chunks.first() {
         assert_eq!((first.address, first.id), (a.start(), a.id_start()));
     }
 }
-
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
