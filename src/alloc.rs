@@ -52,6 +52,23 @@ fn footprint(size: u64, offset: u64, capacity: u64) -> u64 {
     (size.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN).min(capacity - offset)
 }
 
+/// What [`FifoAllocator::free_while`] freed: `count` consecutive ids from `first_id`
+/// (wrapping at [`ID_MAX`]), `bytes` bytes of chunk size in all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Freed {
+    pub first_id: u32,
+    pub count: u32,
+    pub bytes: u64,
+}
+
+impl Freed {
+    /// The freed ids, oldest first.
+    pub fn ids(&self) -> impl ExactSizeIterator<Item = u32> + use<> {
+        let first = self.first_id;
+        (0..self.count).map(move |k| (first + k) % ID_MAX)
+    }
+}
+
 /// The writer's view of the ring.
 #[derive(Clone, Debug)]
 pub struct FifoAllocator {
@@ -176,28 +193,28 @@ impl FifoAllocator {
     }
 
     /// Free chunks oldest first while `is_free(chunk)` says so and fewer than `nbytes`
-    /// bytes (of size) have been freed; stop at the first chunk still in use. Returns the
-    /// freed chunks in order.
-    pub fn free_while(
-        &mut self,
-        nbytes: u64,
-        mut is_free: impl FnMut(&Chunk) -> bool,
-    ) -> Vec<Chunk> {
-        let mut freed = Vec::new();
-        let mut freed_bytes = 0u64;
-        while freed_bytes < nbytes {
+    /// bytes (of size) have been freed; stop at the first chunk still in use. A chunk is
+    /// freed as soon as `is_free` returns true for it. The freed ids are consecutive:
+    /// the result says which.
+    pub fn free_while(&mut self, nbytes: u64, mut is_free: impl FnMut(&Chunk) -> bool) -> Freed {
+        let mut freed = Freed {
+            first_id: self.id_start,
+            count: 0,
+            bytes: 0,
+        };
+        while freed.bytes < nbytes {
             let Some(oldest) = self.live.front() else {
                 break;
             };
             if !is_free(oldest) {
                 break;
             }
-            let chunk = self.live.pop_front().expect("front exists");
-            freed_bytes += chunk.size as u64;
-            freed.push(chunk);
+            freed.bytes += oldest.size as u64;
+            freed.count += 1;
+            self.live.pop_front();
         }
-        if !freed.is_empty() {
-            self.id_start = freed.last().map_or(self.id_start, |c| (c.id + 1) % ID_MAX);
+        if freed.count > 0 {
+            self.id_start = (self.id_start + freed.count) % ID_MAX;
             self.start = self.live.front().map_or(self.end, |c| c.address);
         }
         freed
@@ -242,7 +259,14 @@ mod tests {
             .to_string()
             .starts_with("Not enough space in the data buffer"));
         let freed = a.free_while(u64::MAX, |c| c.id == c0.id);
-        assert_eq!(freed, vec![c0]);
+        assert_eq!(
+            freed,
+            Freed {
+                first_id: c0.id,
+                count: 1,
+                bytes: c0.size as u64
+            }
+        );
         assert_eq!(a.start(), 128);
         let c2 = a.allocate(100).unwrap(); // next lap: 256..384, span 128..384 = 256
         assert_eq!(c2.address, 256);
@@ -261,22 +285,11 @@ mod tests {
     fn free_stops_at_first_in_use_and_at_nbytes() {
         let mut a = FifoAllocator::new(4096).unwrap();
         let ids: Vec<u32> = (0..5).map(|_| a.allocate(56).unwrap().id).collect();
-        assert_eq!(
-            a.free_while(u64::MAX, |c| c.id != 2)
-                .iter()
-                .map(|c| c.id)
-                .collect::<Vec<_>>(),
-            vec![0, 1]
-        );
+        let ids_of = |f: Freed| f.ids().collect::<Vec<_>>();
+        assert_eq!(ids_of(a.free_while(u64::MAX, |c| c.id != 2)), vec![0, 1]);
         assert_eq!(a.id_start(), 2);
-        assert_eq!(
-            a.free_while(64, |_| true)
-                .iter()
-                .map(|c| c.id)
-                .collect::<Vec<_>>(),
-            vec![2]
-        );
-        assert_eq!(a.free_while(u64::MAX, |_| true).len(), 2);
+        assert_eq!(ids_of(a.free_while(64, |_| true)), vec![2]);
+        assert_eq!(a.free_while(u64::MAX, |_| true).count, 2);
         assert_eq!((a.start(), a.id_start()), (a.end(), ids.len() as u32));
     }
 
@@ -287,7 +300,8 @@ mod tests {
         assert_eq!(a.allocate(1).unwrap().id, 0);
         assert_eq!(a.get(0).unwrap().id, 0);
         assert_eq!(a.get(ID_MAX - 1).unwrap().id, ID_MAX - 1);
-        assert_eq!(a.free_while(u64::MAX, |_| true).len(), 2);
+        let freed = a.free_while(u64::MAX, |_| true);
+        assert_eq!(freed.ids().collect::<Vec<_>>(), vec![ID_MAX - 1, 0]);
         assert_eq!(a.id_start(), 1);
     }
 

@@ -25,7 +25,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::alloc::{Chunk, FifoAllocator, HEADER_BYTES, ID_MAX};
+use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES, ID_MAX};
 use crate::error::{Error, Result};
 use crate::segment::{unique_name, Segment};
 
@@ -236,6 +236,10 @@ impl StoreSegment {
     }
 }
 
+fn writer_only(what: &str) -> Error {
+    Error::WrongRole(format!("Only the writer can {what}."))
+}
+
 /// The spec's `RingBuffer`: the segment plus, on the writer, the FIFO allocator.
 #[derive(Debug)]
 pub struct ChunkRing {
@@ -280,32 +284,34 @@ impl ChunkRing {
         self.alloc.as_ref()
     }
 
-    fn writer(&mut self, what: &str) -> Result<&mut FifoAllocator> {
-        self.alloc
-            .as_mut()
-            .ok_or_else(|| Error::WrongRole(format!("Only the writer can {what}.")))
-    }
-
     /// Allocate a chunk with `data_bytes` of data and write its header.
     pub fn allocate(&mut self, data_bytes: u64) -> Result<Chunk> {
         if data_bytes == 0 {
             return Err(Error::InvalidArgument("Size must be greater than 0".into()));
         }
-        let chunk = self.writer("allocate buffers")?.allocate(data_bytes)?;
+        let chunk = self
+            .alloc
+            .as_mut()
+            .ok_or_else(|| writer_only("allocate buffers"))?
+            .allocate(data_bytes)?;
         self.segment.write_header(&chunk);
         Ok(chunk)
     }
 
     /// Free chunks oldest first while `is_free(id, data)` and fewer than `nbytes` bytes
-    /// have been freed. Returns the freed chunks.
+    /// have been freed; a chunk is freed (and handles to it stop working) as soon as
+    /// `is_free` returns true for it.
     pub fn free_while(
         &mut self,
         nbytes: u64,
         mut is_free: impl FnMut(u32, &[u8]) -> bool,
-    ) -> Result<Vec<Chunk>> {
-        let segment = self.segment.clone();
-        let alloc = self.writer("free buffers")?;
-        let freed = alloc.free_while(nbytes, |c| {
+    ) -> Result<Freed> {
+        let segment = &*self.segment;
+        let alloc = self
+            .alloc
+            .as_mut()
+            .ok_or_else(|| writer_only("free buffers"))?;
+        Ok(alloc.free_while(nbytes, |c| {
             let h = ChunkHeader {
                 offset: c.address % segment.capacity(),
                 id: c.id,
@@ -313,18 +319,22 @@ impl ChunkRing {
             };
             let (p, n) = segment.data_ptr(&h);
             // SAFETY: a live chunk of ours lies inside the ring (allocator invariant).
-            is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) })
-        });
-        freed.iter().for_each(|c| segment.invalidate(c));
-        Ok(freed)
+            let free = is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) });
+            if free {
+                segment.invalidate(c);
+            }
+            free
+        }))
     }
 
     /// Forget every chunk (writer only); handles issued before fail from now on, and
     /// ids and addresses keep counting.
     pub fn clear(&mut self) -> Result<()> {
-        let segment = self.segment.clone();
-        let alloc = self.writer("clear the buffer")?;
-        alloc.live().for_each(|c| segment.invalidate(c));
+        let alloc = self
+            .alloc
+            .as_mut()
+            .ok_or_else(|| writer_only("clear the buffer"))?;
+        alloc.live().for_each(|c| self.segment.invalidate(c));
         alloc.clear();
         Ok(())
     }
@@ -345,8 +355,8 @@ pub struct Entry {
 pub struct ObjectStore {
     max_object_size: u64,
     n_readers: u32,
-    keys: HashMap<String, Entry>,
-    ids: HashMap<u32, String>,
+    keys: HashMap<Arc<str>, Entry>,
+    ids: HashMap<u32, Arc<str>>,
 }
 
 impl ObjectStore {
@@ -373,11 +383,11 @@ impl ObjectStore {
     pub fn entry(&self, key: &str) -> Option<&Entry> {
         self.keys.get(key)
     }
-    pub fn entries(&self) -> impl Iterator<Item = (&String, &Entry)> + '_ {
-        self.keys.iter()
+    pub fn entries(&self) -> impl Iterator<Item = (&str, &Entry)> + '_ {
+        self.keys.iter().map(|(k, e)| (&**k, e))
     }
-    pub fn key_of(&self, id: u32) -> Option<&String> {
-        self.ids.get(&id)
+    pub fn key_of(&self, id: u32) -> Option<&str> {
+        self.ids.get(&id).map(|k| &**k)
     }
 
     /// Store the payload `parts` (concatenated) under `key`; returns `(address, id)`.
@@ -423,15 +433,14 @@ impl ObjectStore {
             unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), p.add(at), part.len()) };
             at += part.len();
         }
-        self.keys.insert(
-            key.to_owned(),
-            Entry {
-                address: chunk.address,
-                id: chunk.id,
-                handouts: 1,
-            },
-        );
-        self.ids.insert(chunk.id, key.to_owned());
+        let key: Arc<str> = key.into();
+        let entry = Entry {
+            address: chunk.address,
+            id: chunk.id,
+            handouts: 1,
+        };
+        self.keys.insert(key.clone(), entry);
+        self.ids.insert(chunk.id, key);
         Ok((chunk.address, chunk.id))
     }
 
@@ -444,25 +453,23 @@ impl ObjectStore {
 
     /// Free objects, oldest first, that every reader has finished with, up to about
     /// `2 * max_object_size` bytes. Returns the freed ids.
-    pub fn free_unused(&mut self, ring: &mut ChunkRing) -> Result<Vec<u32>> {
-        let (keys, n_readers) = (&self.keys, self.n_readers as u64);
-        let ids = &self.ids;
-        let freed = ring.free_while(2 * self.max_object_size, |id, data| {
+    pub fn free_unused(&mut self, ring: &mut ChunkRing) -> Result<Freed> {
+        let limit = 2 * self.max_object_size;
+        let n_readers = self.n_readers as u64;
+        let (keys, ids) = (&mut self.keys, &mut self.ids);
+        ring.free_while(limit, |id, data| {
             let handouts = ids
                 .get(&id)
                 .and_then(|k| keys.get(k))
-                .map_or(0, |e| e.handouts as u64);
-            reader_count(data) as u64 >= n_readers * handouts
-        })?;
-        Ok(freed
-            .into_iter()
-            .map(|c| {
-                if let Some(key) = self.ids.remove(&c.id) {
-                    self.keys.remove(&key);
+                .map_or(0, |e| e.handouts);
+            let free = reader_count(data) as u64 >= n_readers * handouts as u64;
+            if free {
+                if let Some(key) = ids.remove(&id) {
+                    keys.remove(&key);
                 }
-                c.id
-            })
-            .collect())
+            }
+            free
+        })
     }
 
     /// Forget every object and chunk.
@@ -594,7 +601,7 @@ mod tests {
             read_object(&seg, a, i, true, |_| ()).unwrap();
         }
         // 3 reads of 2 readers x 2 handouts: still in use.
-        assert!(s.free_unused(&mut ring).unwrap().is_empty());
+        assert!(s.free_unused(&mut ring).unwrap().count == 0);
         s.put(&mut ring, "k2", &[&[2u8; 150]]).unwrap();
         assert!(matches!(
             s.put(&mut ring, "k3", &[&[3u8; 150]]),

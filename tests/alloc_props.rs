@@ -124,8 +124,16 @@ proptest! {
                     prop_assert_eq!(got, want, "allocate({})", n);
                 }
                 Op::Free { in_use, nbytes } => {
-                    let mut position = 0;
-                    let freed = a.free_while(nbytes, |_| { position += 1; position <= in_use });
+                    // The predicate sees candidates oldest first; a chunk is freed when
+                    // it says yes, so record those.
+                    let mut freed = Vec::new();
+                    let result = a.free_while(nbytes, |c| {
+                        let free = freed.len() < in_use;
+                        if free {
+                            freed.push(*c);
+                        }
+                        free
+                    });
                     // FIFO: the freed chunks are the model's oldest, in order, and freeing
                     // stopped at the first in-use chunk or once nbytes were freed.
                     let mut freed_bytes = 0u64;
@@ -135,6 +143,8 @@ proptest! {
                         prop_assert!(freed_bytes < nbytes, "freed past nbytes");
                         freed_bytes += c.size as u64;
                     }
+                    prop_assert_eq!(result.ids().collect::<Vec<_>>(), freed.iter().map(|c| c.id).collect::<Vec<_>>());
+                    prop_assert_eq!(result.bytes, freed_bytes);
                     let stopped_early = freed.len() < in_use && !model.live.is_empty();
                     prop_assert!(!stopped_early || freed_bytes >= nbytes, "stopped before an in-use chunk without reaching nbytes");
                 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import _core
 from .serde import MsgpackSerde, ObjectSerde
@@ -113,9 +113,10 @@ class RingBuffer:
         with memoryview(self._core.data(address)) as view:
             yield view, header
 
-    def free_buf(self, is_free_fn: Callable[[int, memoryview], bool], nbytes: Optional[int] = None) -> list[int]:
+    def free_buf(self, is_free_fn: Callable[[int, memoryview], bool], nbytes: Optional[int] = None) -> Sequence[int]:
         """Free chunks oldest first while ``is_free_fn(id, data)`` is true and fewer than
-        ``nbytes`` bytes (default: all) have been freed. Returns the freed ids."""
+        ``nbytes`` bytes (default: all) have been freed. Returns the freed ids (a
+        ``range``, or a list when they wrap at ``2**31``)."""
         return self._core.free(is_free_fn, nbytes)
 
     def clear(self) -> None:
@@ -190,7 +191,7 @@ class ObjectStorage:
         (each reader is expected to read it once more before it can be evicted)."""
         return self._core.get_cached(key)
 
-    def free_unused(self) -> list[int]:
+    def free_unused(self) -> Sequence[int]:
         """Free the oldest objects that every reader has finished with; their ids."""
         return self._core.free_unused()
 

@@ -5,10 +5,11 @@ use std::sync::{Arc, Mutex};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PyMemoryView};
+use pyo3::types::{PyDict, PyInt, PyList, PyMemoryView, PyRange};
 
 use super::view::ShmView;
 use super::wait::lock;
+use crate::alloc::{Freed, ID_MAX};
 use crate::error::stale_object_message;
 use crate::storage::{
     object_reader_count, read_object, ChunkRing as CoreRing, ObjectStore as CoreStore, StoreSegment,
@@ -50,6 +51,16 @@ fn with_view<'py, R>(
         }
     }
     out
+}
+
+/// The freed ids as a `range`, or a list when they wrap at 2**31.
+fn freed_ids(py: Python<'_>, freed: Freed) -> PyResult<Py<PyAny>> {
+    let (first, count) = (freed.first_id as isize, freed.count as isize);
+    if first + count <= ID_MAX as isize {
+        Ok(PyRange::new(py, first, first + count)?.into_any().unbind())
+    } else {
+        Ok(PyList::new(py, freed.ids())?.into_any().unbind())
+    }
 }
 
 /// `Some(v)` for an int that fits `T`, `None` for one that does not; other types fail.
@@ -174,7 +185,7 @@ impl ChunkRing {
         py: Python<'_>,
         is_free: &Bound<'_, PyAny>,
         nbytes: Option<u64>,
-    ) -> PyResult<Vec<u32>> {
+    ) -> PyResult<Py<PyAny>> {
         let mut ring = lock(py, &self.inner);
         let mut raised = None;
         let freed = ring.free_while(nbytes.unwrap_or(u64::MAX), |id, data| {
@@ -193,7 +204,7 @@ impl ChunkRing {
         })?;
         match raised {
             Some(e) => Err(e),
-            None => Ok(freed.into_iter().map(|c| c.id).collect()),
+            None => freed_ids(py, freed),
         }
     }
 
@@ -310,10 +321,11 @@ impl ObjectStore {
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
     }
 
-    fn free_unused(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+    fn free_unused(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let mut store = lock(py, &self.inner);
         let mut ring = lock(py, &self.ring.get().inner);
-        Ok(store.free_unused(&mut ring)?)
+        let freed = store.free_unused(&mut ring)?;
+        freed_ids(py, freed)
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
