@@ -66,6 +66,22 @@ pub enum Error {
     #[error("Serialized object size ({size} bytes) exceeds max object size ({max} bytes)")]
     TooLarge { size: u64, max: u64 },
 
+    /// A local reader died while the writer waited for it to free a chunk.
+    #[error(
+        "reader {reader} (pid {pid}) died before reading chunk {chunk}; the writer cannot go \
+         on without losing its messages (create the queue with on_dead_reader=\"drop\" to go on \
+         without dead readers)"
+    )]
+    DeadReader {
+        reader: usize,
+        pid: u32,
+        chunk: usize,
+    },
+
+    /// The writer died while a reader waited for its next message.
+    #[error("the writer (pid {pid}) died; no more messages will come")]
+    DeadWriter { pid: u32 },
+
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Os {

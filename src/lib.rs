@@ -3,8 +3,12 @@
 //! The crate is layered; each module uses only the ones listed before it:
 //! - [`error`]: the one error type;
 //! - [`segment`]: named POSIX shared-memory segments;
-//! - [`wait`]: how blocked writers and readers wait (spin, then yield);
+//! - [`sync`], [`futex`], [`doorbell`]: the atomics (swappable for loom), the
+//!   process-shared futex and the sleep/wake handshake built on them;
+//! - [`process`]: naming a process by pid and start time, to tell whether it is alive;
+//! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep);
 //! - [`transport`]: ZeroMQ publish/subscribe sockets and the ready handshake;
+//! - [`alloc`], [`storage`]: the object store's FIFO allocator and the store on it;
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!
@@ -23,14 +27,25 @@
 
 pub mod alloc;
 pub mod broadcast;
+pub mod doorbell;
 pub mod error;
+#[cfg(not(loom))]
+pub mod futex;
+#[cfg(not(loom))]
+pub mod process;
+#[cfg(not(loom))]
 pub mod segment;
+#[cfg(not(loom))]
 pub mod storage;
+pub mod sync;
+#[cfg(not(loom))]
 pub mod transport;
+#[cfg(not(loom))]
 pub mod wait;
 
-#[cfg(feature = "python")]
+#[cfg(all(feature = "python", not(loom)))]
 mod python;
 
+#[cfg(not(loom))]
 pub use broadcast::{Handle, QueueOptions, Reader, Writer};
 pub use error::{Error, Result};

@@ -12,7 +12,7 @@
 //!   forked child inherited the object.
 
 use std::ffi::CString;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use shared_memory::{Shmem, ShmemConf, ShmemError};
 
@@ -29,6 +29,8 @@ pub struct Segment {
     shmem: Shmem,
     name: String,
     creator_pid: Option<u32>,
+    /// Set once `unlink` removed the name, so `Drop` does not try again.
+    unlinked: AtomicBool,
 }
 
 // SAFETY: `Shmem` is neither Send nor Sync only because it holds the raw mapping pointer.
@@ -132,6 +134,7 @@ impl Segment {
             shmem,
             name: name.to_owned(),
             creator_pid: Some(std::process::id()),
+            unlinked: AtomicBool::new(false),
         };
         segment.reserve(size)?;
         Ok(segment)
@@ -180,6 +183,7 @@ impl Segment {
                 shmem,
                 name: name.to_owned(),
                 creator_pid: None,
+                unlinked: AtomicBool::new(false),
             }),
             Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::ENOENT => {
                 Err(Error::SegmentNotFound {
@@ -222,10 +226,37 @@ impl Segment {
     }
 }
 
+impl Segment {
+    /// Remove the segment's name now, if this process created it; the mapping stays
+    /// valid for every process that has it. Used to clean up at interpreter exit, when
+    /// objects may never be dropped.
+    pub fn unlink(&self) -> Result<()> {
+        // Relaxed: only this process's own Drop reads it, after every other use.
+        if !self.is_creator() || self.unlinked.swap(true, Ordering::Relaxed) {
+            return Ok(());
+        }
+        let name = CString::new(os_id(&self.name)).expect("names have no NUL (check_name)");
+        // SAFETY: `name` is a valid NUL-terminated string.
+        if unsafe { libc::shm_unlink(name.as_ptr()) } != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::ENOENT) {
+                return Err(Error::os(
+                    format!("removing shared memory segment '{}'", self.name),
+                    err,
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Drop for Segment {
     fn drop(&mut self) {
-        // A forked child inherits the object but must not unlink its parent's segment.
-        if self.shmem.is_owner() && !self.is_creator() {
+        // A forked child inherits the object but must not unlink its parent's segment,
+        // and a segment unlinked already must not be unlinked again (the name may be
+        // someone else's by now).
+        // Relaxed: `&mut self`, nothing else uses the flag now.
+        if self.shmem.is_owner() && (!self.is_creator() || self.unlinked.load(Ordering::Relaxed)) {
             self.shmem.set_owner(false);
         }
     }
@@ -253,6 +284,18 @@ mod tests {
         assert!(std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
         drop(a);
         assert!(!std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
+    }
+
+    #[test]
+    fn unlink_early_keeps_the_mapping() {
+        let name = unique_name("test");
+        let a = Segment::create(&name, 4096).unwrap();
+        a.unlink().unwrap();
+        assert!(!std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
+        // SAFETY: 4096-byte mapping, this thread only.
+        unsafe { *a.as_ptr() = 1 };
+        a.unlink().unwrap();
+        drop(a);
     }
 
     #[test]

@@ -166,6 +166,10 @@ impl StoreSegment {
     pub fn creator_pid(&self) -> u32 {
         self.header().creator_pid
     }
+    /// Remove the segment's name now (see [`Segment::unlink`]).
+    pub fn unlink(&self) -> Result<()> {
+        self.segment.unlink()
+    }
 
     /// The whole ring, for `shared_memory.buf`.
     pub fn ring_ptr(&self) -> *mut u8 {

@@ -12,7 +12,7 @@
 //! memory grow rather than lose messages (local readers are bounded by the ring).
 
 use crate::error::{Error, Result};
-use crate::wait::Wait;
+use crate::wait::{no_peer, Wait};
 use std::time::Duration;
 
 /// The handshake message the writer publishes once every reader has subscribed.
@@ -99,7 +99,7 @@ impl Publisher {
                 .poll(zmq::POLLIN, slice.as_millis() as i64)
                 .map_err(Error::transport("waiting for subscribers"))?;
             if ready == 0 {
-                wait.step()?;
+                wait.step(&mut no_peer)?;
                 continue;
             }
             let msg = self
@@ -167,8 +167,12 @@ impl Subscriber {
         }
     }
 
-    /// Wait for the next message.
-    pub fn recv(&self, wait: &mut Wait) -> Result<zmq::Message> {
+    /// Wait for the next message; `peer_alive` is checked now and then.
+    pub fn recv(
+        &self,
+        wait: &mut Wait,
+        peer_alive: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<zmq::Message> {
         loop {
             if let Some(m) = self.try_recv()? {
                 return Ok(m);
@@ -182,14 +186,14 @@ impl Subscriber {
                     self.endpoint
                 )))?;
             if ready == 0 {
-                wait.step()?;
+                wait.step(peer_alive)?;
             }
         }
     }
 
     /// Wait for the writer's [`READY`].
     pub fn wait_ready(&self, wait: &mut Wait) -> Result<()> {
-        let m = self.recv(wait)?;
+        let m = self.recv(wait, &mut no_peer)?;
         if &m[..] != READY {
             return Err(Error::InvalidArgument(format!(
                 "expected the writer's READY from {}, got {} other bytes (was wait_until_ready called on both sides?)",

@@ -1,31 +1,47 @@
-//! Waiting for the other side of the ring: the one place that decides how a blocked
+//! Waiting for the other side of a ring: the one place that decides how a blocked
 //! writer or reader spends its time.
 //!
-//! A wait polls a condition: first by spinning for a short window (a message usually
-//! arrives within microseconds while a serving engine is busy), then by yielding the CPU
-//! between polls. Deadlines, cancellation (`shutdown()`), a caller's periodic hook (the
-//! Python bindings check signals and cancel events there) and the "still waiting"
-//! warning are all handled here, so changing the strategy (e.g. sleeping on a futex once
-//! the yield phase is over) is a change to this module only.
+//! A wait polls a condition in three phases:
+//! 1. **spin** for a short window (default 50 µs, [`SPIN_US_ENV`]): a message usually
+//!    arrives within microseconds while a serving engine is busy;
+//! 2. **yield** the CPU between polls for a while longer (default 1 ms, [`YIELD_US_ENV`]);
+//! 3. **sleep** on the ring's [`Doorbell`](crate::doorbell::Doorbell) (a futex in the
+//!    shared segment) until the other side rings it: an idle waiter costs no CPU.
+//!
+//! While it waits it also checks, each at its own pace: the deadline and the cancel flag
+//! (every poll), the caller's hook (every few ms; the Python bindings check signals and
+//! cancel events there), whether the peer it waits for is still alive (about once a
+//! second) and the "still waiting" warning ([`WARNING_INTERVAL_ENV`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use crate::doorbell::{Doorbell, OsFutex};
 use crate::error::{Error, Result};
+use crate::sync::AtomicU32;
 
 /// Environment variable: seconds between "still waiting" warnings (default 60).
 pub const WARNING_INTERVAL_ENV: &str = "SHMQ_RINGBUFFER_WARNING_INTERVAL";
 /// Environment variable: microseconds a waiter spins before it starts yielding.
 pub const SPIN_US_ENV: &str = "SHMQ_SPIN_US";
+/// Environment variable: microseconds a waiter yields before it goes to sleep.
+pub const YIELD_US_ENV: &str = "SHMQ_YIELD_US";
 
-const DEFAULT_SPIN: Duration = Duration::from_micros(50);
-/// How often the caller's hook runs while waiting.
+/// How often the caller's hook runs while yielding, and at most how long one sleep lasts
+/// when there is a hook (so a Python cancel event is seen within this time).
 const HOOK_INTERVAL: Duration = Duration::from_millis(2);
+const SLEEP_SLICE_WITH_HOOK: Duration = Duration::from_millis(10);
+/// How often a waiter checks that its peer is alive.
+const LIVENESS_INTERVAL: Duration = Duration::from_millis(500);
 
 fn env_duration(name: &str, unit: fn(f64) -> Duration) -> Option<Duration> {
     let v: f64 = std::env::var(name).ok()?.trim().parse().ok()?;
     (v.is_finite() && v >= 0.0).then(|| unit(v))
+}
+
+fn micros(us: f64) -> Duration {
+    Duration::from_secs_f64(us / 1e6)
 }
 
 /// Seconds between warnings while a wait goes on, from [`WARNING_INTERVAL_ENV`].
@@ -37,17 +53,44 @@ pub fn warning_interval() -> Duration {
     })
 }
 
-/// How long a waiter spins before yielding, from [`SPIN_US_ENV`].
-pub fn default_spin() -> Duration {
-    static V: OnceLock<Duration> = OnceLock::new();
-    *V.get_or_init(|| {
-        env_duration(SPIN_US_ENV, |us| Duration::from_secs_f64(us / 1e6)).unwrap_or(DEFAULT_SPIN)
-    })
+/// How long a waiter spins, then yields, before it sleeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WaitPolicy {
+    pub spin: Duration,
+    pub yield_for: Duration,
+}
+
+impl Default for WaitPolicy {
+    /// 50 µs of spinning and 1 ms of yielding, or [`SPIN_US_ENV`] / [`YIELD_US_ENV`].
+    fn default() -> Self {
+        static V: OnceLock<WaitPolicy> = OnceLock::new();
+        *V.get_or_init(|| WaitPolicy {
+            spin: env_duration(SPIN_US_ENV, micros).unwrap_or(Duration::from_micros(50)),
+            yield_for: env_duration(YIELD_US_ENV, micros).unwrap_or(Duration::from_millis(1)),
+        })
+    }
 }
 
 /// A function the waiter calls every few milliseconds while it waits; an error ends the
 /// wait with that error (the Python bindings raise `KeyboardInterrupt` or "cancelled").
 pub type Hook<'a> = &'a mut (dyn FnMut() -> Result<()> + Send);
+
+/// Where a waiter sleeps: a doorbell's two words in shared memory.
+#[derive(Clone, Copy)]
+pub struct Bell<'a> {
+    pub seq: &'a AtomicU32,
+    pub sleepers: &'a AtomicU32,
+}
+
+impl Bell<'_> {
+    pub(crate) fn doorbell(&self) -> Doorbell<'_, OsFutex> {
+        Doorbell {
+            seq: self.seq,
+            sleepers: self.sleepers,
+            futex: OsFutex,
+        }
+    }
+}
 
 /// The terms of one blocking call: what it waits for, until when, and what may cut it short.
 pub struct Wait<'a> {
@@ -56,9 +99,10 @@ pub struct Wait<'a> {
     deadline: Option<Instant>,
     cancel: Option<&'a AtomicBool>,
     hook: Option<Hook<'a>>,
-    spin: Duration,
+    policy: WaitPolicy,
     /// `None`: never warn (a wait the caller expects to be long).
     next_warning: Option<Instant>,
+    next_liveness: Instant,
 }
 
 impl<'a> Wait<'a> {
@@ -72,8 +116,9 @@ impl<'a> Wait<'a> {
             deadline: timeout.map(|t| started + t),
             cancel: None,
             hook: None,
-            spin: default_spin(),
+            policy: WaitPolicy::default(),
             next_warning: Some(started + warning_interval()),
+            next_liveness: started + LIVENESS_INTERVAL,
         }
     }
 
@@ -89,9 +134,9 @@ impl<'a> Wait<'a> {
         self
     }
 
-    /// Spin for `spin` before yielding (overrides [`SPIN_US_ENV`]).
-    pub fn spin_for(mut self, spin: Duration) -> Self {
-        self.spin = spin;
+    /// Spin and yield as `policy` says (default: [`WaitPolicy::default`]).
+    pub fn policy(mut self, policy: WaitPolicy) -> Self {
+        self.policy = policy;
         self
     }
 
@@ -107,10 +152,16 @@ impl<'a> Wait<'a> {
         self.started.elapsed()
     }
 
+    /// What this wait is for, as given to [`Wait::new`].
+    pub fn description(&self) -> &str {
+        self.what
+    }
+
     fn cancelled(&self) -> bool {
         // Relaxed: the flag carries no data; seeing it a little late only delays the
-        // cancellation by one poll.
-        self.cancel.is_some_and(|c| c.load(Ordering::Relaxed))
+        // cancellation by one poll (and `shutdown` rings the doorbell to end a sleep).
+        self.cancel
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Check cancellation, the deadline and the warning clock; `now` is the current time.
@@ -135,15 +186,39 @@ impl<'a> Wait<'a> {
         Ok(())
     }
 
-    /// Poll `ready` until it returns `Some`, then return its value. Ends early with
-    /// `Timeout`, `Cancelled` or the hook's error; the condition is always polled at
+    /// The periodic checks of the slow phases: the hook and, about once a second, the
+    /// peer's liveness.
+    fn slow_checks(
+        &mut self,
+        now: Instant,
+        peer_alive: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        if let Some(hook) = self.hook.as_mut() {
+            hook()?;
+        }
+        if now >= self.next_liveness {
+            peer_alive()?;
+            self.next_liveness = now + LIVENESS_INTERVAL;
+        }
+        Ok(())
+    }
+
+    /// Poll `ready` until it returns `Some`, then return its value. Spins, yields, and
+    /// (with a `bell`) sleeps until the other side rings it. Ends early with `Timeout`,
+    /// `Cancelled`, the hook's error or `peer_alive`'s error; the condition is polled at
     /// least once, so a ready result wins over an expired deadline.
-    pub fn until<T>(&mut self, mut ready: impl FnMut() -> Option<T>) -> Result<T> {
+    pub fn until<T>(
+        &mut self,
+        bell: Option<Bell<'_>>,
+        peer_alive: &mut dyn FnMut() -> Result<()>,
+        mut ready: impl FnMut() -> Option<T>,
+    ) -> Result<T> {
         if let Some(v) = ready() {
             return Ok(v);
         }
-        let spin_end = Instant::now() + self.spin;
-        // Spin phase: poll back to back, looking at the clock only every 64 polls.
+        let start = Instant::now();
+        let spin_end = start + self.policy.spin;
+        // Spin: poll back to back, looking at the clock only every 64 polls.
         loop {
             for _ in 0..64 {
                 std::hint::spin_loop();
@@ -157,8 +232,9 @@ impl<'a> Wait<'a> {
                 break;
             }
         }
-        // Yield phase: give the core to others between polls.
-        let mut next_hook = Instant::now() + HOOK_INTERVAL;
+        // Yield: give the core to others between polls.
+        let yield_end = spin_end + self.policy.yield_for;
+        let mut next_slow = Instant::now() + HOOK_INTERVAL;
         loop {
             std::thread::yield_now();
             if let Some(v) = ready() {
@@ -166,12 +242,45 @@ impl<'a> Wait<'a> {
             }
             let now = Instant::now();
             self.check(now)?;
-            if now >= next_hook {
-                if let Some(hook) = self.hook.as_mut() {
-                    hook()?;
-                }
-                next_hook = now + HOOK_INTERVAL;
+            if now >= next_slow {
+                self.slow_checks(now, peer_alive)?;
+                next_slow = now + HOOK_INTERVAL;
             }
+            if bell.is_some() && now >= yield_end {
+                break;
+            }
+        }
+        // Sleep on the doorbell, in slices short enough for the periodic checks.
+        let bell = bell.expect("the yield loop only ends with a bell");
+        let doorbell = bell.doorbell();
+        let slice = if self.hook.is_some() {
+            SLEEP_SLICE_WITH_HOOK
+        } else {
+            LIVENESS_INTERVAL
+        };
+        loop {
+            let now = Instant::now();
+            let mut timeout = slice.min(self.next_liveness.saturating_duration_since(now));
+            if let Some(d) = self.deadline {
+                timeout = timeout.min(d.saturating_duration_since(now));
+            }
+            if let Some(w) = self.next_warning {
+                timeout = timeout.min(w.saturating_duration_since(now));
+            }
+            let mut found = None;
+            doorbell.sleep(
+                || {
+                    found = ready();
+                    found.is_some()
+                },
+                Some(timeout.max(Duration::from_micros(100))),
+            );
+            if let Some(v) = found.or_else(&mut ready) {
+                return Ok(v);
+            }
+            let now = Instant::now();
+            self.check(now)?;
+            self.slow_checks(now, peer_alive)?;
         }
     }
 
@@ -183,24 +292,28 @@ impl<'a> Wait<'a> {
     }
 
     /// Run the checks of one wait step from outside `until` (a socket poll loop).
-    pub fn step(&mut self) -> Result<()> {
-        self.check(Instant::now())?;
-        if let Some(hook) = self.hook.as_mut() {
-            hook()?;
-        }
-        Ok(())
+    pub fn step(&mut self, peer_alive: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let now = Instant::now();
+        self.check(now)?;
+        self.slow_checks(now, peer_alive)
     }
+}
+
+/// A `peer_alive` check for waits without a peer to check.
+pub fn no_peer() -> Result<()> {
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
 
     #[test]
     fn ready_value_is_returned() {
         let mut n = 0;
         let v = Wait::new("test", Some(Duration::from_secs(5)))
-            .until(|| {
+            .until(None, &mut no_peer, || {
                 n += 1;
                 (n > 1000).then_some(n)
             })
@@ -214,7 +327,7 @@ mod tests {
             "reader 0 waiting for the writer",
             Some(Duration::from_millis(20)),
         )
-        .until(|| None::<()>)
+        .until(None, &mut no_peer, || None::<()>)
         .unwrap_err();
         match err {
             Error::Timeout { what, waited } => {
@@ -229,7 +342,7 @@ mod tests {
     fn zero_timeout_still_polls_once() {
         assert_eq!(
             Wait::new("t", Some(Duration::ZERO))
-                .until(|| Some(7))
+                .until(None, &mut no_peer, || Some(7))
                 .unwrap(),
             7
         );
@@ -241,13 +354,69 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(30));
-                flag.store(true, Ordering::Relaxed);
+                flag.store(true, std::sync::atomic::Ordering::Relaxed);
             });
             let err = Wait::new("t", Some(Duration::from_secs(10)))
                 .cancel_on(&flag)
-                .until(|| None::<()>);
+                .until(None, &mut no_peer, || None::<()>);
             assert!(matches!(err, Err(Error::Cancelled)));
         });
+    }
+
+    #[test]
+    fn sleeper_is_woken_by_the_bell_from_another_thread() {
+        let (seq, sleepers) = (AtomicU32::new(0), AtomicU32::new(0));
+        let flag = AtomicBool::new(false);
+        let bell = Bell {
+            seq: &seq,
+            sleepers: &sleepers,
+        };
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // Let the waiter reach the sleep phase (spin 0, yield 1 ms).
+                while sleepers.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                bell.doorbell().ring();
+            });
+            let policy = WaitPolicy {
+                spin: Duration::ZERO,
+                yield_for: Duration::from_millis(1),
+            };
+            let started = Instant::now();
+            let got = Wait::new("t", Some(Duration::from_secs(20)))
+                .policy(policy)
+                .until(Some(bell), &mut no_peer, || {
+                    flag.load(std::sync::atomic::Ordering::SeqCst).then_some(1)
+                })
+                .unwrap();
+            assert_eq!(got, 1);
+            // Woken by the ring, not by the 500 ms liveness slice or the deadline.
+            assert!(started.elapsed() < Duration::from_secs(10));
+        });
+    }
+
+    #[test]
+    fn a_dead_peer_ends_the_wait() {
+        let (seq, sleepers) = (AtomicU32::new(0), AtomicU32::new(0));
+        let bell = Bell {
+            seq: &seq,
+            sleepers: &sleepers,
+        };
+        let mut checks = 0;
+        let err = Wait::new("t", Some(Duration::from_secs(20)))
+            .until(
+                Some(bell),
+                &mut || {
+                    checks += 1;
+                    Err(Error::WrongRole("peer died".into()))
+                },
+                || None::<()>,
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("peer died"));
+        assert_eq!(checks, 1);
     }
 
     #[test]
@@ -263,7 +432,7 @@ mod tests {
         };
         let err = Wait::new("t", Some(Duration::from_secs(10)))
             .with_hook(&mut hook)
-            .until(|| None::<()>);
+            .until(None, &mut no_peer, || None::<()>);
         assert!(matches!(err, Err(Error::Cancelled)));
         assert_eq!(calls, 3);
     }

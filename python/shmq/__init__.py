@@ -9,7 +9,7 @@ The engines' names are kept as aliases, so shmq replaces them without code chang
 """
 
 from ._core import __version__
-from .message_queue import Handle, MessageQueue, ShmRingBuffer, sched_yield
+from .message_queue import Handle, MessageQueue, PeerDiedError, ShmRingBuffer, sched_yield
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
 from .serde import MsgpackSerde, ObjectSerde, PickleSerde
 
@@ -25,6 +25,7 @@ __all__ = [
     "ObjectSerde",
     "ObjectStorage",
     "ObjectStorageHandle",
+    "PeerDiedError",
     "PickleSerde",
     "RingBuffer",
     "ShmObjectStorageHandle",

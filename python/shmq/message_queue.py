@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from . import _core
+from ._cleanup import track
 
-__all__ = ["Handle", "MessageQueue", "ShmRingBuffer", "sched_yield"]
+__all__ = ["Handle", "MessageQueue", "PeerDiedError", "ShmRingBuffer", "sched_yield"]
+
+PeerDiedError = _core.PeerDiedError
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _dumps = pickle.dumps
@@ -50,6 +53,7 @@ class ShmRingBuffer:
         self._core: Optional[_core.Ring] = None
         if name is None:
             self._core = _core.Ring.create(n_reader, max_chunk_bytes, max_chunks)
+            track(self._core)
             self.is_creator = True
         else:
             self.is_creator = False
@@ -72,6 +76,8 @@ class ShmRingBuffer:
         self = cls.__new__(cls)
         self.n_reader, self.max_chunk_bytes, self.max_chunks = ring.n_reader, ring.max_chunk_bytes, ring.max_chunks
         self._open_error, self._core, self.is_creator, self.name = None, ring, ring.is_creator, ring.name
+        if ring.is_creator:
+            track(ring)
         return self
 
     @property
@@ -127,6 +133,17 @@ class MessageQueue:
     read through shared memory; the others are remote and get every message over
     ZeroMQ TCP (``connect_ip``, default this host's address). Readers are made in their
     own processes with ``MessageQueue.create_from_handle(writer.export_handle(), rank)``.
+
+    Beyond the engines' API:
+
+    - ``spin_us`` / ``yield_us``: how long a blocked call spins, then yields the CPU,
+      before it sleeps on a futex in the segment (defaults 50 µs and 1000 µs, or the
+      ``SHMQ_SPIN_US`` / ``SHMQ_YIELD_US`` environment variables). An idle reader costs
+      no CPU; the writer wakes sleepers only when there are any.
+    - ``on_dead_reader``: when a local reader dies without reading a chunk the writer
+      needs, the writer raises ``PeerDiedError`` naming it (``"raise"``, the default) or
+      goes on without it (``"drop"``). A reader whose writer died raises
+      ``PeerDiedError`` too, instead of waiting forever.
     """
 
     # Class-level defaults make a handle-less object fail with a clear error.
@@ -147,6 +164,10 @@ class MessageQueue:
         max_chunk_bytes: int = 1024 * 1024 * 10,
         max_chunks: int = 10,
         connect_ip: Optional[str] = None,
+        *,
+        spin_us: Optional[float] = None,
+        yield_us: Optional[float] = None,
+        on_dead_reader: str = "raise",
     ):
         if local_reader_ranks is None:
             local_reader_ranks = list(range(n_local_reader))
@@ -157,7 +178,15 @@ class MessageQueue:
                 f"local_reader_ranks has {len(local_reader_ranks)} entries but n_local_reader is {n_local_reader}"
             )
         self._writer = _core.Writer(
-            n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks, connect_ip
+            n_reader,
+            n_local_reader,
+            local_reader_ranks,
+            max_chunk_bytes,
+            max_chunks,
+            connect_ip,
+            spin_us=spin_us,
+            yield_us=yield_us,
+            on_dead_reader=on_dead_reader,
         )
         ranks, buffer_handle, local_addr, remote_addr, ipv6 = self._writer.handle()
         self.handle = Handle(ranks, buffer_handle, local_addr, remote_addr, ipv6)
@@ -172,9 +201,12 @@ class MessageQueue:
         return self.handle
 
     @staticmethod
-    def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
+    def create_from_handle(
+        handle: Handle, rank: int, *, spin_us: Optional[float] = None, yield_us: Optional[float] = None
+    ) -> "MessageQueue":
         """Open the reader of rank ``rank``: local if ``rank`` is in
-        ``handle.local_reader_ranks``, remote otherwise."""
+        ``handle.local_reader_ranks``, remote otherwise. ``spin_us`` / ``yield_us`` as
+        for the constructor."""
         self = MessageQueue.__new__(MessageQueue)
         self.handle = handle
         self._reader = _core.Reader(
@@ -184,6 +216,8 @@ class MessageQueue:
             handle.remote_subscribe_addr,
             bool(handle.remote_addr_ipv6),
             rank,
+            spin_us=spin_us,
+            yield_us=yield_us,
         )
         self._is_local_reader = self._reader.is_local
         self._is_remote_reader = not self._is_local_reader
@@ -194,6 +228,11 @@ class MessageQueue:
         self.n_remote_reader = 0
         self.shutting_down = False
         return self
+
+    @property
+    def dropped_readers(self) -> list[int]:
+        """Writer side: local readers dropped after they died (``on_dead_reader="drop"``)."""
+        return self._writer.dropped_readers if self._writer is not None else []
 
     @property
     def current_idx(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import _core
+from ._cleanup import track
 from .serde import MsgpackSerde, ObjectSerde
 
 __all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer"]
@@ -55,6 +56,7 @@ class RingBuffer:
         self.is_writer = bool(create)
         if create:
             self._core = _core.ChunkRing.create(data_buffer_size, name)
+            track(self._core)
         elif name is None:
             raise ValueError("a reader needs the name of an existing ring buffer (create=True makes a new one)")
         else:

@@ -1,11 +1,19 @@
 //! The broadcast queue: one writer, many readers.
 //!
-//! - [`ring`]: the shared-memory ring of chunks and its flag protocol.
+//! - [`protocol`]: the chunk-flag protocol, on abstract atomics (model-checked);
+//! - [`ring`]: the shared-memory ring of chunks, its slots and doorbells.
 //! - [`queue`]: [`Writer`] and [`Reader`], which combine the ring (local readers) with
 //!   the ZeroMQ transport (oversized messages and remote readers).
 
+pub mod protocol;
+#[cfg(not(loom))]
 pub mod queue;
+#[cfg(not(loom))]
 pub mod ring;
 
-pub use queue::{Handle, QueueOptions, Reader, Writer};
-pub use ring::{ChunkInfo, ChunkKind, Ring, RingHandle, RingReader, RingWriter};
+#[cfg(not(loom))]
+pub use queue::{Canceller, Handle, QueueOptions, Reader, Writer};
+#[cfg(not(loom))]
+pub use ring::{
+    ChunkInfo, ChunkKind, DeadReaderPolicy, Ring, RingHandle, RingReader, RingWriter, SlotInfo,
+};

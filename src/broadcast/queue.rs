@@ -12,10 +12,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::ring::{ChunkInfo, ChunkKind, Ring, RingHandle, RingReader, RingWriter};
+use super::ring::{
+    ChunkInfo, ChunkKind, DeadReaderPolicy, Ring, RingHandle, RingReader, RingWriter,
+};
 use crate::error::{Error, Result};
 use crate::transport::{Publisher, Subscriber};
-use crate::wait::Wait;
+use crate::wait::{no_peer, Wait, WaitPolicy};
 
 /// How a writer is made. `Default` gives the engines' defaults: 10 chunks of 10 MiB.
 #[derive(Clone, Debug)]
@@ -31,6 +33,10 @@ pub struct QueueOptions {
     /// The IP remote readers connect to (default: this host's address, see
     /// [`default_connect_ip`]). Only used when there are remote readers.
     pub connect_ip: Option<String>,
+    /// How the writer waits for room (spin, yield, then sleep).
+    pub wait: WaitPolicy,
+    /// What the writer does when a local reader it waits for has died.
+    pub on_dead_reader: DeadReaderPolicy,
 }
 
 impl Default for QueueOptions {
@@ -42,6 +48,8 @@ impl Default for QueueOptions {
             max_chunk_bytes: 10 * 1024 * 1024,
             max_chunks: 10,
             connect_ip: None,
+            wait: WaitPolicy::default(),
+            on_dead_reader: DeadReaderPolicy::Raise,
         }
     }
 }
@@ -163,6 +171,51 @@ impl FromStr for Handle {
     }
 }
 
+/// Ends one side's blocked calls from any thread, now and from then on: sets a flag the
+/// waits check and wakes sleepers on the ring. Cheap to clone; needs no lock on the side.
+#[derive(Clone, Debug)]
+pub struct Canceller {
+    flag: Arc<AtomicBool>,
+    ring: Option<Arc<Ring>>,
+    writer: bool,
+}
+
+impl Canceller {
+    fn new(ring: Option<Arc<Ring>>, writer: bool) -> Canceller {
+        Canceller {
+            flag: Arc::new(AtomicBool::new(false)),
+            ring,
+            writer,
+        }
+    }
+
+    pub fn cancel(&self) {
+        // Relaxed: the flag carries no data (see `Wait`); the wake below makes sleepers
+        // look at it.
+        self.flag.store(true, Ordering::Relaxed);
+        if let Some(ring) = &self.ring {
+            // This wakes every sleeper of that side, also in other processes; they find
+            // nothing new and sleep again.
+            let bell = if self.writer {
+                ring.chunk_freed()
+            } else {
+                ring.data_ready()
+            };
+            bell.doorbell().wake();
+        }
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        // Relaxed: as in `cancel`.
+        self.flag.load(Ordering::Relaxed)
+    }
+
+    /// The flag for [`Wait::cancel_on`].
+    pub fn flag(&self) -> &AtomicBool {
+        &self.flag
+    }
+}
+
 /// The writing side of a queue.
 pub struct Writer {
     ring: Option<RingWriter>,
@@ -172,6 +225,8 @@ pub struct Writer {
     n_remote_reader: usize,
     handle: Handle,
     overflow_count: u64,
+    policy: WaitPolicy,
+    canceller: Canceller,
     // Declared last so the sockets above close before their context terminates.
     _ctx: zmq::Context,
 }
@@ -221,7 +276,9 @@ impl Writer {
                 opts.max_chunks,
             )?);
             let local = Publisher::bind_ipc(&ctx, ring.name())?;
-            (Some(RingWriter::new(ring)), Some(local))
+            let mut writer = RingWriter::new(ring);
+            writer.on_dead_reader(opts.on_dead_reader);
+            (Some(writer), Some(local))
         } else {
             (None, None)
         };
@@ -239,6 +296,7 @@ impl Writer {
             remote_subscribe_addr: remote.as_ref().map(|p| p.endpoint().to_owned()),
             remote_addr_ipv6: ipv6,
         };
+        let canceller = Canceller::new(ring.as_ref().map(|r| r.ring().clone()), true);
         Ok(Writer {
             ring,
             local,
@@ -247,6 +305,8 @@ impl Writer {
             n_remote_reader,
             handle,
             overflow_count: 0,
+            policy: opts.wait,
+            canceller,
             _ctx: ctx,
         })
     }
@@ -272,13 +332,29 @@ impl Writer {
     pub fn overflow_count(&self) -> u64 {
         self.overflow_count
     }
+    /// How this writer's own blocking calls wait.
+    pub fn wait_policy(&self) -> WaitPolicy {
+        self.policy
+    }
+    /// Local readers dropped after they died (with [`DeadReaderPolicy::Drop`]).
+    pub fn dropped_readers(&self) -> Vec<usize> {
+        self.ring
+            .as_ref()
+            .map_or_else(Vec::new, |r| r.dropped_readers())
+    }
+    /// Ends this writer's blocked calls (from any thread) with [`Error::Cancelled`].
+    pub fn canceller(&self) -> Canceller {
+        self.canceller.clone()
+    }
 
     /// Wait until every reader has subscribed, then tell them the queue is ready.
     pub fn wait_until_ready(&mut self, timeout: Option<Duration>) -> Result<()> {
-        self.wait_until_ready_with(&mut Wait::new(
-            "the writer waiting for readers to subscribe",
-            timeout,
-        ))
+        let canceller = self.canceller.clone();
+        let what = "the writer waiting for readers to subscribe";
+        let mut wait = Wait::new(what, timeout)
+            .policy(self.policy)
+            .cancel_on(canceller.flag());
+        self.wait_until_ready_with(&mut wait)
     }
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
@@ -298,10 +374,12 @@ impl Writer {
 
     /// Send `msg` to every reader, waiting while the ring is full.
     pub fn enqueue(&mut self, msg: &[u8], timeout: Option<Duration>) -> Result<()> {
-        self.enqueue_with(
-            msg,
-            &mut Wait::new("the writer waiting for readers to free a chunk", timeout),
-        )
+        let canceller = self.canceller.clone();
+        let what = "the writer waiting for readers to free a chunk";
+        let mut wait = Wait::new(what, timeout)
+            .policy(self.policy)
+            .cancel_on(canceller.flag());
+        self.enqueue_with(msg, &mut wait)
     }
 
     pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
@@ -370,7 +448,8 @@ pub struct Reader {
     rank: usize,
     /// A message received over a socket, waiting to be taken.
     pending: Option<zmq::Message>,
-    shutdown: Arc<AtomicBool>,
+    canceller: Canceller,
+    policy: WaitPolicy,
     what: String,
     _ctx: zmq::Context,
 }
@@ -388,6 +467,11 @@ impl Reader {
     /// Join the queue of `handle` as the reader of rank `rank`: local if `rank` is in
     /// `handle.local_reader_ranks` (its reader index is the position there), else remote.
     pub fn open(handle: &Handle, rank: usize) -> Result<Reader> {
+        Self::open_with(handle, rank, WaitPolicy::default())
+    }
+
+    /// [`open`](Self::open), waiting as `policy` says in this reader's blocking calls.
+    pub fn open_with(handle: &Handle, rank: usize, policy: WaitPolicy) -> Result<Reader> {
         let ctx = zmq::Context::new();
         let source = match handle.local_reader_ranks.iter().position(|&r| r == rank) {
             Some(index) => {
@@ -423,11 +507,16 @@ impl Reader {
             ),
             Source::Remote { .. } => format!("remote reader (rank {rank}) waiting for the writer"),
         };
+        let ring = match &source {
+            Source::Local { ring, .. } => Some(ring.ring().clone()),
+            Source::Remote { .. } => None,
+        };
         Ok(Reader {
             source,
             rank,
             pending: None,
-            shutdown: Arc::new(AtomicBool::new(false)),
+            canceller: Canceller::new(ring, false),
+            policy,
             what,
             _ctx: ctx,
         })
@@ -465,23 +554,40 @@ impl Reader {
         &self.what
     }
 
-    /// A flag that, once set (from any thread), makes this reader's waits end with
-    /// [`Error::Cancelled`]. [`Reader::shutdown`] sets it.
-    pub fn shutdown_flag(&self) -> Arc<AtomicBool> {
-        self.shutdown.clone()
+    /// How this reader's blocking calls wait.
+    pub fn wait_policy(&self) -> WaitPolicy {
+        self.policy
+    }
+
+    /// Ends this reader's blocked calls (from any thread, without locking the reader)
+    /// with [`Error::Cancelled`], now and from then on.
+    pub fn canceller(&self) -> Canceller {
+        self.canceller.clone()
     }
 
     /// Wake this reader's blocked calls with [`Error::Cancelled`], now and from now on.
     pub fn shutdown(&self) {
-        // Relaxed: a flag with no data behind it; see `Wait::cancelled`.
-        self.shutdown.store(true, Ordering::Relaxed);
+        self.canceller.cancel();
+    }
+
+    /// A wait for `what`, with this reader's policy and canceller.
+    fn wait<'a>(
+        &self,
+        what: &'a str,
+        timeout: Option<Duration>,
+        canceller: &'a Canceller,
+    ) -> Wait<'a> {
+        Wait::new(what, timeout)
+            .policy(self.policy)
+            .cancel_on(canceller.flag())
     }
 
     /// Wait for the writer's go-ahead (see [`Writer::wait_until_ready`]).
     pub fn wait_until_ready(&mut self, timeout: Option<Duration>) -> Result<()> {
-        let flag = self.shutdown.clone();
+        let canceller = self.canceller.clone();
         let what = format!("{} to be ready", self.what);
-        self.wait_until_ready_with(&mut Wait::new(&what, timeout).cancel_on(&flag))
+        let mut wait = self.wait(&what, timeout, &canceller);
+        self.wait_until_ready_with(&mut wait)
     }
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
@@ -498,12 +604,17 @@ impl Reader {
             Source::Local { ring, overflow } => {
                 let info = ring.wait(wait)?;
                 if info.kind == ChunkKind::Overflow && self.pending.is_none() {
-                    self.pending = Some(overflow.recv(wait)?);
+                    // The writer sent the message before the mark; only a writer that
+                    // died in between leaves us waiting, which the liveness check sees.
+                    let r = ring.ring().clone();
+                    let alive = &mut || RingReader::check_writer(&r);
+                    self.pending = Some(overflow.recv(wait, alive)?);
                 }
             }
             Source::Remote { sub } => {
                 if self.pending.is_none() {
-                    self.pending = Some(sub.recv(wait)?);
+                    // A remote writer's liveness cannot be checked from here.
+                    self.pending = Some(sub.recv(wait, &mut no_peer)?);
                 }
             }
         }
@@ -552,11 +663,11 @@ impl Reader {
 
     /// Wait for the next message and return a copy of it.
     pub fn dequeue(&mut self, timeout: Option<Duration>) -> Result<Vec<u8>> {
-        let flag = self.shutdown.clone();
+        let canceller = self.canceller.clone();
         let what = std::mem::take(&mut self.what);
-        let r = self.dequeue_with(&mut Wait::new(&what, timeout).cancel_on(&flag), |b| {
-            b.to_vec()
-        });
+        let mut wait = self.wait(&what, timeout, &canceller);
+        let r = self.dequeue_with(&mut wait, |b| b.to_vec());
+        drop(wait);
         self.what = what;
         r
     }
@@ -687,11 +798,12 @@ mod tests {
         })
         .unwrap();
         let mut r = Reader::open(w.handle(), 0).unwrap();
-        let flag = r.shutdown_flag();
+        let canceller = r.canceller();
         std::thread::scope(|s| {
             s.spawn(move || {
-                std::thread::sleep(Duration::from_millis(50));
-                flag.store(true, Ordering::Relaxed);
+                // Long enough for the reader to be asleep on the futex.
+                std::thread::sleep(Duration::from_millis(200));
+                canceller.cancel();
             });
             assert!(matches!(
                 r.dequeue(Some(Duration::from_secs(10))),

@@ -1,10 +1,16 @@
 //! The broadcast ring: `max_chunks` fixed-size chunks in one segment, each with a state
-//! block holding one *written* flag and one *read* flag per reader.
+//! block holding one *written* flag and one *read* flag per reader, plus what the two
+//! sides need to sleep, wake each other and notice that the other has died.
 //!
-//! # Layout (all offsets from the start of the segment; everything is `#[repr(C)]`,
+//! # Layout (offsets from the start of the segment; everything is `#[repr(C)]`,
 //! pointer-free and addressed by offset, so every process can map it anywhere)
 //! ```text
-//! 0                 RingHeader (128 bytes; `magic` is stored last, with Release)
+//! 0                 RingHeader: geometry; `magic` is stored last, with Release
+//! 64                doorbell "data ready": readers sleep on it, the writer rings it
+//! 128               doorbell "chunk freed": the writer sleeps on it, readers ring it
+//! 192               creator (pid, start time) and the overflow-message count
+//! 256               slots: the writer's, then one per reader (64 bytes each):
+//!                     who holds it (pid + start time), state, messages handled
 //! states_offset     chunk state blocks, `state_stride` bytes each (a multiple of 64):
 //!                     +0  len: u64      bytes of the message in the chunk
 //!                     +8  kind: u32     INLINE / OVERFLOW / RAW
@@ -12,39 +18,31 @@
 //! data_offset       chunk data, `data_stride` bytes each (max_chunk_bytes rounded up
 //!                   to 64, so every chunk starts on a cache line)
 //! ```
-//! Each chunk's state sits in its own cache line(s): the writer and the readers of one
-//! chunk must share that line, but work on different chunks never bounces a line.
+//! Every line that one side writes on each message (a chunk's state, a slot's counter,
+//! a doorbell) is its own cache line, so work on different chunks or by different
+//! readers never bounces a line needlessly.
 //!
-//! # Protocol (spec §1)
-//! Writer, for chunk `i`:
-//! 1. wait until `written == 0` or every `read[r] == 1` (Acquire loads: the readers'
-//!    reads of the old data happen before our writes);
-//! 2. `written = 0`; copy the message; store `len` and `kind`;
-//! 3. every `read[r] = 0` (Release), then `written = 1` (Release: publishes the data).
-//!
-//! Reader `r`, for chunk `i`:
-//! 1. the chunk is readable when `read[r] == 0` and then `written == 1`, loaded in that
-//!    order with Acquire. The order matters: if `read[r]` shows a reset of a new round
-//!    (step 3 above), its Release makes the earlier `written = 0` visible, so a stale
-//!    `written == 1` from the previous round can no longer be seen;
-//! 2. use the data; then `read[r] = 1` (Release: our reads are done before the writer's
-//!    Acquire load of this flag lets it overwrite the chunk).
+//! The flag protocol itself is in [`super::protocol`] (model-checked with loom); the
+//! sleep/wake handshake is in [`crate::doorbell`].
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
+use super::protocol::{self, ChunkFlags};
 use crate::error::{Error, Result};
+use crate::process::ProcessId;
 use crate::segment::{unique_name, Segment};
-use crate::wait::Wait;
+use crate::wait::{Bell, Wait};
 
 /// "SHMQRNG1" in little-endian: marks a finished broadcast-ring segment.
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"SHMQRNG1");
 /// Bumped whenever the layout changes; openers refuse any other version.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 const CACHE_LINE: usize = 64;
-const HEADER_SIZE: usize = 128;
+const SLOTS_OFFSET: usize = 256;
+const SLOT_SIZE: usize = 64;
 const STATE_LEN_OFFSET: usize = 0;
 const STATE_KIND_OFFSET: usize = 8;
 const STATE_FLAGS_OFFSET: usize = 16;
@@ -73,6 +71,16 @@ impl ChunkKind {
     }
 }
 
+/// What a reader should do when the reader it waits for has died.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum DeadReaderPolicy {
+    /// Fail the blocked call with [`Error::DeadReader`].
+    #[default]
+    Raise,
+    /// Go on without that reader: it no longer holds chunks back.
+    Drop,
+}
+
 /// The segment header. Lives at offset 0 of the mapping.
 #[repr(C)]
 struct RingHeader {
@@ -85,10 +93,52 @@ struct RingHeader {
     states_offset: u64,
     data_stride: u64,
     data_offset: u64,
-    creator_pid: u32,
-    _reserved: [u8; 60],
 }
-const _: () = assert!(std::mem::size_of::<RingHeader>() == HEADER_SIZE);
+const _: () = assert!(std::mem::size_of::<RingHeader>() == 64);
+
+/// The two words of a doorbell, alone in a cache line.
+#[repr(C, align(64))]
+struct BellWords {
+    seq: AtomicU32,
+    sleepers: AtomicU32,
+}
+
+/// Shared words after the header.
+#[repr(C)]
+struct RingShared {
+    data_ready: BellWords,
+    chunk_freed: BellWords,
+    overflow_count: AtomicU64,
+    creator_pid: AtomicU32,
+    creator_start_time: AtomicU64,
+}
+const _: () = assert!(64 + std::mem::size_of::<RingShared>() <= SLOTS_OFFSET);
+
+/// Slot states.
+const VACANT: u32 = 0;
+const ATTACHED: u32 = 1;
+const DROPPED: u32 = 2;
+
+/// Who holds a side of the ring, and how many messages it has handled.
+#[repr(C, align(64))]
+struct Slot {
+    pid: AtomicU32,
+    state: AtomicU32,
+    start_time: AtomicU64,
+    messages: AtomicU64,
+}
+const _: () = assert!(std::mem::size_of::<Slot>() == SLOT_SIZE);
+
+/// The state of one slot, for inspection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotInfo {
+    /// The process that attached to it last, if any.
+    pub process: Option<ProcessId>,
+    /// Dropped by the writer after its process died.
+    pub dropped: bool,
+    /// Messages written (writer) or read (reader).
+    pub messages: u64,
+}
 
 fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|v| v / to * to)
@@ -126,7 +176,7 @@ impl Geometry {
         };
         let state_stride =
             round_up(STATE_FLAGS_OFFSET + 1 + n_reader, CACHE_LINE).ok_or_else(too_large)?;
-        let states_offset = HEADER_SIZE;
+        let states_offset = SLOTS_OFFSET + SLOT_SIZE * (1 + n_reader);
         let data_stride = round_up(max_chunk_bytes, CACHE_LINE).ok_or_else(too_large)?;
         let data_offset = state_stride
             .checked_mul(max_chunks)
@@ -170,7 +220,7 @@ pub struct Ring {
 
 // SAFETY: `base` points into `segment`'s mapping, which lives as long as `self`. All
 // shared mutable state is reached through atomics; chunk data is only written by the
-// one writer while the protocol in the module docs keeps readers away from it.
+// one writer while the protocol keeps readers away from it.
 unsafe impl Send for Ring {}
 // SAFETY: as for Send; `&Ring` exposes atomics and raw pointers, no `&mut` data.
 unsafe impl Sync for Ring {}
@@ -181,6 +231,33 @@ impl std::fmt::Debug for Ring {
             .field("name", &self.name())
             .field("geometry", &self.geo)
             .finish()
+    }
+}
+
+/// One chunk's flags, for the protocol functions.
+struct Chunk<'a> {
+    ring: &'a Ring,
+    index: usize,
+}
+
+impl ChunkFlags for Chunk<'_> {
+    fn n_reader(&self) -> usize {
+        self.ring.geo.n_reader
+    }
+    fn written(&self) -> &AtomicU8 {
+        // SAFETY: in bounds (the block has room for 1 + n_reader flags); u8 needs no
+        // alignment; the flags are only accessed atomically by shmq.
+        unsafe { &*(self.ring.state_ptr(self.index).add(STATE_FLAGS_OFFSET) as *const AtomicU8) }
+    }
+    fn read(&self, reader: usize) -> &AtomicU8 {
+        debug_assert!(reader < self.ring.geo.n_reader);
+        // SAFETY: reader < n_reader, so the flag is inside the state block.
+        unsafe {
+            &*(self
+                .ring
+                .state_ptr(self.index)
+                .add(STATE_FLAGS_OFFSET + 1 + reader) as *const AtomicU8)
+        }
     }
 }
 
@@ -201,7 +278,7 @@ impl Ring {
         let segment = Segment::create(name, geo.total)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
         let ring = Ring { segment, base, geo };
-        // SAFETY: the segment is new, HEADER_SIZE bytes long at least, page-aligned, and
+        // SAFETY: the segment is new, at least SLOTS_OFFSET bytes long, page-aligned, and
         // no other process can use it before `magic` is set below.
         unsafe {
             let h = ring.base.as_ptr() as *mut RingHeader;
@@ -213,10 +290,15 @@ impl Ring {
             (*h).states_offset = geo.states_offset as u64;
             (*h).data_stride = geo.data_stride as u64;
             (*h).data_offset = geo.data_offset as u64;
-            (*h).creator_pid = std::process::id();
         }
+        let me = ProcessId::current();
+        // Relaxed: published by the Release store of the magic below.
+        ring.shared().creator_pid.store(me.pid, Ordering::Relaxed);
+        ring.shared()
+            .creator_start_time
+            .store(me.start_time, Ordering::Relaxed);
         // Release: pairs with the Acquire load in `Ring::open`; an opener that sees the
-        // magic sees the whole header (the state blocks are zero from the kernel).
+        // magic sees the whole header (the rest is zero from the kernel).
         ring.header().magic.store(RING_MAGIC, Ordering::Release);
         Ok(ring)
     }
@@ -229,17 +311,16 @@ impl Ring {
             name: name.to_owned(),
             reason,
         };
-        if segment.len() < HEADER_SIZE {
+        if segment.len() < SLOTS_OFFSET {
             return Err(bad(format!("it is only {} bytes long", segment.len())));
         }
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
-        // SAFETY: the mapping is at least HEADER_SIZE bytes and page-aligned; the magic is
-        // an atomic that the creator stores last.
+        // SAFETY: the mapping is at least SLOTS_OFFSET bytes and page-aligned; the magic
+        // is an atomic that the creator stores last.
         let header = unsafe { &*(base.as_ptr() as *const RingHeader) };
         // Acquire: pairs with the Release store in `create_named`, making the header
         // fields written before it visible.
-        let magic = header.magic.load(Ordering::Acquire);
-        if magic != RING_MAGIC {
+        if header.magic.load(Ordering::Acquire) != RING_MAGIC {
             return Err(bad(
                 "it is not a shmq broadcast ring (or its creator has not finished setting it up)"
                     .into(),
@@ -279,6 +360,20 @@ impl Ring {
         unsafe { &*(self.base.as_ptr() as *const RingHeader) }
     }
 
+    fn shared(&self) -> &RingShared {
+        // SAFETY: 64..SLOTS_OFFSET is inside the mapping (checked at open/create), the
+        // offset is 64-aligned, and the words are only accessed atomically.
+        unsafe { &*(self.base.as_ptr().add(64) as *const RingShared) }
+    }
+
+    /// Slot 0 is the writer's, slot `1 + r` reader `r`'s.
+    fn slot(&self, index: usize) -> &Slot {
+        debug_assert!(index <= self.geo.n_reader);
+        // SAFETY: index <= n_reader, so the slot lies below states_offset (Geometry::new);
+        // 64-aligned; only accessed atomically.
+        unsafe { &*(self.base.as_ptr().add(SLOTS_OFFSET + SLOT_SIZE * index) as *const Slot) }
+    }
+
     pub fn name(&self) -> &str {
         self.segment.name()
     }
@@ -295,9 +390,19 @@ impl Ring {
     pub fn is_creator(&self) -> bool {
         self.segment.is_creator()
     }
-    /// Pid of the process that created the segment.
-    pub fn creator_pid(&self) -> u32 {
-        self.header().creator_pid
+    /// The process that created the segment.
+    pub fn creator(&self) -> ProcessId {
+        // Relaxed: written before the magic, which `open` loaded with Acquire.
+        let s = self.shared();
+        ProcessId {
+            pid: s.creator_pid.load(Ordering::Relaxed),
+            start_time: s.creator_start_time.load(Ordering::Relaxed),
+        }
+    }
+    /// Messages the writer has sent over the overflow socket.
+    pub fn overflow_count(&self) -> u64 {
+        // Relaxed: a statistic.
+        self.shared().overflow_count.load(Ordering::Relaxed)
     }
 
     pub fn handle(&self) -> RingHandle {
@@ -309,14 +414,82 @@ impl Ring {
         }
     }
 
+    /// Remove the segment's name now (the mapping stays valid for everyone who has it).
+    /// For a creator that must clean up before its objects are dropped (interpreter exit).
+    pub fn unlink(&self) -> Result<()> {
+        self.segment.unlink()
+    }
+
+    /// The writer's (`None`) or reader `r`'s slot.
+    pub fn slot_info(&self, reader: Option<usize>) -> Result<SlotInfo> {
+        let index = match reader {
+            None => 0,
+            Some(r) if r < self.geo.n_reader => 1 + r,
+            Some(r) => {
+                return Err(Error::InvalidArgument(format!(
+                    "no reader {r}: the ring has {}",
+                    self.geo.n_reader
+                )))
+            }
+        };
+        let slot = self.slot(index);
+        // Acquire: pairs with the Release store in `attach`, so pid and start time match.
+        let state = slot.state.load(Ordering::Acquire);
+        let process = (state != VACANT).then(|| ProcessId {
+            // Relaxed: ordered by the Acquire load of the state.
+            pid: slot.pid.load(Ordering::Relaxed),
+            start_time: slot.start_time.load(Ordering::Relaxed),
+        });
+        // Relaxed: a statistic.
+        Ok(SlotInfo {
+            process,
+            dropped: state == DROPPED,
+            messages: slot.messages.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Record this process as the holder of slot `index`.
+    fn attach(&self, index: usize) {
+        let me = ProcessId::current();
+        let slot = self.slot(index);
+        // Relaxed: published by the Release store of the state.
+        slot.pid.store(me.pid, Ordering::Relaxed);
+        slot.start_time.store(me.start_time, Ordering::Relaxed);
+        // Release: pairs with the Acquire load in `slot_info`.
+        slot.state.store(ATTACHED, Ordering::Release);
+    }
+
+    fn bell(words: &BellWords) -> Bell<'_> {
+        Bell {
+            seq: &words.seq,
+            sleepers: &words.sleepers,
+        }
+    }
+
+    /// Readers sleep here; the writer rings it after publishing a chunk.
+    pub fn data_ready(&self) -> Bell<'_> {
+        Self::bell(&self.shared().data_ready)
+    }
+
+    /// The writer sleeps here; readers ring it after finishing a chunk.
+    pub fn chunk_freed(&self) -> Bell<'_> {
+        Self::bell(&self.shared().chunk_freed)
+    }
+
     fn check_chunk(&self, i: usize) -> Result<()> {
         if i >= self.geo.max_chunks {
-            return Err(Error::InvalidArgument(format!(
-                "chunk index {i} out of range: the ring has {} chunks",
-                self.geo.max_chunks
-            )));
+            return Err(self.chunk_out_of_range(i));
         }
         Ok(())
+    }
+
+    /// The error for a chunk index outside `0..max_chunks` (also negative ones, which
+    /// only the bindings can see).
+    pub fn chunk_out_of_range(&self, i: impl std::fmt::Display) -> Error {
+        Error::InvalidArgument(format!(
+            "chunk index {i} out of range: the ring has {} chunks",
+            self.geo.max_chunks
+        ))
     }
 
     fn state_ptr(&self, i: usize) -> *mut u8 {
@@ -329,6 +502,10 @@ impl Ring {
         }
     }
 
+    fn chunk(&self, index: usize) -> Chunk<'_> {
+        Chunk { ring: self, index }
+    }
+
     fn len_of(&self, i: usize) -> &AtomicU64 {
         // SAFETY: in bounds (state_ptr), 8-aligned (stride and offset are multiples of
         // 64), and only ever accessed atomically by shmq.
@@ -338,17 +515,6 @@ impl Ring {
     fn kind_of(&self, i: usize) -> &AtomicU32 {
         // SAFETY: as in `len_of`; offset 8 is 4-aligned.
         unsafe { &*(self.state_ptr(i).add(STATE_KIND_OFFSET) as *const AtomicU32) }
-    }
-
-    fn written(&self, i: usize) -> &AtomicU8 {
-        // SAFETY: in bounds (the block has room for 1 + n_reader flags); u8 needs no alignment.
-        unsafe { &*(self.state_ptr(i).add(STATE_FLAGS_OFFSET) as *const AtomicU8) }
-    }
-
-    fn read_flag(&self, i: usize, reader: usize) -> &AtomicU8 {
-        debug_assert!(reader < self.geo.n_reader);
-        // SAFETY: reader < n_reader, so the flag is inside the state block.
-        unsafe { &*(self.state_ptr(i).add(STATE_FLAGS_OFFSET + 1 + reader) as *const AtomicU8) }
     }
 
     /// Start and length of chunk `i`'s data in this process.
@@ -366,7 +532,7 @@ impl Ring {
     /// Start and length of chunk `i`'s metadata: `[written, read_0, .., read_{n-1}]`.
     pub fn metadata_ptr(&self, i: usize) -> Result<(*mut u8, usize)> {
         self.check_chunk(i)?;
-        // SAFETY: as in `written`.
+        // SAFETY: as in `Chunk::written`.
         Ok((
             unsafe { self.state_ptr(i).add(STATE_FLAGS_OFFSET) },
             1 + self.geo.n_reader,
@@ -376,31 +542,11 @@ impl Ring {
     /// A snapshot of chunk `i`'s flags (for inspection and tests).
     pub fn metadata(&self, i: usize) -> Result<Vec<u8>> {
         self.check_chunk(i)?;
+        let c = self.chunk(i);
         // Relaxed: a diagnostic snapshot; it orders nothing.
-        let mut v = vec![self.written(i).load(Ordering::Relaxed)];
-        v.extend((0..self.geo.n_reader).map(|r| self.read_flag(i, r).load(Ordering::Relaxed)));
+        let mut v = vec![c.written().load(Ordering::Relaxed)];
+        v.extend((0..self.geo.n_reader).map(|r| c.read(r).load(Ordering::Relaxed)));
         Ok(v)
-    }
-
-    fn is_free_for_writer(&self, i: usize) -> bool {
-        // Relaxed: only the writer stores `written`, so it always sees its own value.
-        if self.written(i).load(Ordering::Relaxed) == 0 {
-            return true;
-        }
-        // Acquire: pairs with the Release store of the flag in `RingReader::finish`, so
-        // each reader's reads of the old data happen before we overwrite it.
-        (0..self.geo.n_reader).all(|r| self.read_flag(i, r).load(Ordering::Acquire) == 1)
-    }
-
-    fn is_readable_by(&self, i: usize, reader: usize) -> bool {
-        // Acquire, and this load first: see "Protocol" in the module docs. Pairs with the
-        // Release reset in `RingWriter::commit`.
-        if self.read_flag(i, reader).load(Ordering::Acquire) != 0 {
-            return false;
-        }
-        // Acquire: pairs with the Release store of `written = 1` in `RingWriter::commit`;
-        // the chunk's data, len and kind are visible after it.
-        self.written(i).load(Ordering::Acquire) == 1
     }
 }
 
@@ -411,15 +557,32 @@ pub struct RingWriter {
     next: usize,
     /// The chunk acquired and not yet committed, if any.
     open: Option<usize>,
+    /// Readers dropped after they died (see [`DeadReaderPolicy::Drop`]).
+    dropped: Vec<AtomicBool>,
+    on_dead_reader: DeadReaderPolicy,
+    messages: u64,
 }
 
 impl RingWriter {
+    /// The writer of `ring`; this process takes the writer's slot.
     pub fn new(ring: Arc<Ring>) -> RingWriter {
+        ring.attach(0);
+        let dropped = (0..ring.n_reader())
+            .map(|_| AtomicBool::new(false))
+            .collect();
         RingWriter {
             ring,
             next: 0,
             open: None,
+            dropped,
+            on_dead_reader: DeadReaderPolicy::Raise,
+            messages: 0,
         }
+    }
+
+    /// What to do when a reader that holds a chunk back has died.
+    pub fn on_dead_reader(&mut self, policy: DeadReaderPolicy) {
+        self.on_dead_reader = policy;
     }
 
     pub fn ring(&self) -> &Arc<Ring> {
@@ -431,20 +594,81 @@ impl RingWriter {
         self.next
     }
 
+    /// Readers dropped so far.
+    pub fn dropped_readers(&self) -> Vec<usize> {
+        // Relaxed: only this writer stores these flags.
+        (0..self.dropped.len())
+            .filter(|&r| self.dropped[r].load(Ordering::Relaxed))
+            .collect()
+    }
+
+    fn is_dropped(dropped: &[AtomicBool], r: usize) -> bool {
+        // Relaxed: only this writer stores these flags.
+        dropped[r].load(Ordering::Relaxed)
+    }
+
     /// Whether the next chunk can be written without waiting.
     pub fn can_write(&self) -> bool {
-        self.ring.is_free_for_writer(self.next)
+        protocol::is_free(&self.ring.chunk(self.next), |r| {
+            Self::is_dropped(&self.dropped, r)
+        })
+    }
+
+    /// Check the readers still holding chunk `i`: a dead one is an error or is dropped.
+    fn check_readers(
+        ring: &Ring,
+        dropped: &[AtomicBool],
+        policy: DeadReaderPolicy,
+        i: usize,
+    ) -> Result<()> {
+        let chunk = ring.chunk(i);
+        for r in 0..ring.n_reader() {
+            // Relaxed: a read flag still 0 here can only be a slow or dead reader; either
+            // way it is re-checked on the next poll.
+            if Self::is_dropped(dropped, r) || chunk.read(r).load(Ordering::Relaxed) == 1 {
+                continue;
+            }
+            let Some(process) = ring.slot_info(Some(r))?.process else {
+                continue;
+            };
+            if process.is_alive() {
+                continue;
+            }
+            match policy {
+                DeadReaderPolicy::Raise => {
+                    return Err(Error::DeadReader {
+                        reader: r,
+                        pid: process.pid,
+                        chunk: i,
+                    });
+                }
+                DeadReaderPolicy::Drop => {
+                    log::warn!(
+                        "shmq: reader {r} (pid {}) died; going on without it",
+                        process.pid
+                    );
+                    // Relaxed: read only by this writer.
+                    dropped[r].store(true, Ordering::Relaxed);
+                    // Relaxed: informational (inspect); the writer's own flag decides.
+                    ring.slot(1 + r).state.store(DROPPED, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Wait until the next chunk is free, mark it not-written, and return its index. The
     /// chunk stays acquired until [`commit`](Self::commit) (or another `acquire`).
     pub fn acquire(&mut self, wait: &mut Wait) -> Result<usize> {
         let i = self.next;
-        let ring = &*self.ring;
-        wait.until(|| ring.is_free_for_writer(i).then_some(()))?;
-        // Relaxed: every reader has read this chunk (or it was never written), so none
-        // will look at it until the Release store of `written = 1` in `commit`.
-        ring.written(i).store(0, Ordering::Relaxed);
+        let (ring, dropped, policy) = (&*self.ring, &self.dropped[..], self.on_dead_reader);
+        let chunk = ring.chunk(i);
+        wait.until(
+            Some(ring.chunk_freed()),
+            &mut || Self::check_readers(ring, dropped, policy, i),
+            || protocol::is_free(&chunk, |r| Self::is_dropped(dropped, r)).then_some(()),
+        )?;
+        protocol::begin_write(&chunk);
         self.open = Some(i);
         Ok(i)
     }
@@ -467,17 +691,20 @@ impl RingWriter {
             .take()
             .ok_or_else(|| Error::WrongRole("no chunk is acquired for writing".into()))?;
         let ring = &*self.ring;
-        // Relaxed: published by the Release store of `written` below.
+        // Relaxed: published by the Release store of `written` in `protocol::publish`.
         ring.len_of(i).store(len as u64, Ordering::Relaxed);
         ring.kind_of(i).store(kind as u32, Ordering::Relaxed);
-        for r in 0..ring.n_reader() {
-            // Release: pairs with the first Acquire load in `Ring::is_readable_by`; a
-            // reader that sees this reset also sees `written = 0` from `acquire`.
-            ring.read_flag(i, r).store(0, Ordering::Release);
+        if kind == ChunkKind::Overflow {
+            // Relaxed: a statistic; only the writer stores it.
+            ring.shared().overflow_count.fetch_add(1, Ordering::Relaxed);
         }
-        // Release: pairs with the Acquire load of `written` in `Ring::is_readable_by`,
-        // publishing the data, len and kind.
-        ring.written(i).store(1, Ordering::Release);
+        protocol::publish(&ring.chunk(i), |r| Self::is_dropped(&self.dropped, r));
+        self.messages += 1;
+        // Relaxed: a statistic, stored (not added) since only the writer writes it.
+        ring.slot(0)
+            .messages
+            .store(self.messages, Ordering::Relaxed);
+        ring.data_ready().doorbell().ring();
         self.next = (i + 1) % ring.max_chunks();
         Ok(())
     }
@@ -511,10 +738,12 @@ pub struct RingReader {
     ring: Arc<Ring>,
     reader: usize,
     next: usize,
+    messages: u64,
 }
 
 impl RingReader {
-    /// Reader number `reader` (0-based, below the ring's `n_reader`).
+    /// Reader number `reader` (0-based, below the ring's `n_reader`); this process takes
+    /// its slot.
     pub fn new(ring: Arc<Ring>, reader: usize) -> Result<RingReader> {
         if reader >= ring.n_reader() {
             return Err(Error::InvalidArgument(format!(
@@ -522,10 +751,12 @@ impl RingReader {
                 ring.n_reader()
             )));
         }
+        ring.attach(1 + reader);
         Ok(RingReader {
             ring,
             reader,
             next: 0,
+            messages: 0,
         })
     }
 
@@ -543,10 +774,10 @@ impl RingReader {
     /// The next chunk, if it is readable now.
     pub fn poll(&self) -> Option<ChunkInfo> {
         let i = self.next;
-        if !self.ring.is_readable_by(i, self.reader) {
+        if !protocol::is_readable(&self.ring.chunk(i), self.reader) {
             return None;
         }
-        // Relaxed: ordered by the Acquire load of `written` in `is_readable_by`.
+        // Relaxed: ordered by the Acquire load of `written` in `is_readable`.
         let len = self.ring.len_of(i).load(Ordering::Relaxed) as usize;
         let kind = ChunkKind::from_u32(self.ring.kind_of(i).load(Ordering::Relaxed));
         // A peer that wrote a bogus length cannot make us read outside the chunk.
@@ -562,9 +793,22 @@ impl RingReader {
         })
     }
 
+    /// Fails if the writer has died.
+    pub fn check_writer(ring: &Ring) -> Result<()> {
+        match ring.slot_info(None)?.process {
+            Some(w) if !w.is_alive() => Err(Error::DeadWriter { pid: w.pid }),
+            _ => Ok(()),
+        }
+    }
+
     /// Wait until the next chunk is readable.
     pub fn wait(&self, wait: &mut Wait) -> Result<ChunkInfo> {
-        wait.until(|| self.poll())
+        let ring = &*self.ring;
+        wait.until(
+            Some(ring.data_ready()),
+            &mut || Self::check_writer(ring),
+            || self.poll(),
+        )
     }
 
     /// The data of a chunk returned by `poll`/`wait`, valid until `finish`.
@@ -582,11 +826,14 @@ impl RingReader {
 
     /// Mark the current chunk as read by this reader and move to the next one.
     pub fn finish(&mut self) {
-        // Release: pairs with the Acquire loads in `Ring::is_free_for_writer`; our reads
-        // of the chunk happen before the writer may overwrite it.
+        protocol::finish_read(&self.ring.chunk(self.next), self.reader);
+        self.messages += 1;
+        // Relaxed: a statistic in this reader's own slot.
         self.ring
-            .read_flag(self.next, self.reader)
-            .store(1, Ordering::Release);
+            .slot(1 + self.reader)
+            .messages
+            .store(self.messages, Ordering::Relaxed);
+        self.ring.chunk_freed().doorbell().ring();
         self.next = (self.next + 1) % self.ring.max_chunks();
     }
 }
@@ -604,6 +851,7 @@ mod tests {
     fn geometry_is_aligned() {
         let g = Geometry::new(3, 1000, 5).unwrap();
         assert_eq!(g.state_stride, 64);
+        assert_eq!(g.states_offset, SLOTS_OFFSET + 4 * SLOT_SIZE);
         assert_eq!(g.data_stride, 1024);
         assert_eq!(g.data_offset % 64, 0);
         assert_eq!(g.total, g.data_offset + 5 * 1024);
@@ -647,6 +895,69 @@ mod tests {
         w.write(b"third", &mut wait()).unwrap();
         assert_eq!(ring.metadata(0).unwrap(), vec![1, 0, 0]);
         assert_eq!(r0.data(&r0.poll().unwrap()), b"third");
+    }
+
+    #[test]
+    fn slots_record_who_holds_each_side() {
+        let ring = Arc::new(Ring::create(2, 64, 2).unwrap());
+        assert!(ring.slot_info(None).unwrap().process.is_none());
+        let mut w = RingWriter::new(ring.clone());
+        let mut r1 = RingReader::new(ring.clone(), 1).unwrap();
+        let me = ProcessId::current();
+        assert_eq!(ring.slot_info(None).unwrap().process, Some(me));
+        assert_eq!(ring.slot_info(Some(1)).unwrap().process, Some(me));
+        assert!(ring.slot_info(Some(0)).unwrap().process.is_none());
+        assert!(ring.slot_info(Some(2)).is_err());
+        w.write(b"x", &mut wait()).unwrap();
+        r1.poll().unwrap();
+        r1.finish();
+        assert_eq!(ring.slot_info(None).unwrap().messages, 1);
+        assert_eq!(ring.slot_info(Some(1)).unwrap().messages, 1);
+        assert_eq!(ring.creator(), me);
+    }
+
+    #[test]
+    fn a_dead_reader_is_reported_or_dropped() {
+        let ring = Arc::new(Ring::create(2, 64, 1).unwrap());
+        let mut w = RingWriter::new(ring.clone());
+        let mut r0 = RingReader::new(ring.clone(), 0).unwrap();
+        // Reader 1's slot names a process that is gone (a pid that cannot exist).
+        let slot = ring.slot(2);
+        slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
+        slot.start_time.store(1, Ordering::Relaxed);
+        slot.state.store(ATTACHED, Ordering::Release);
+        w.write(b"one", &mut wait()).unwrap();
+        r0.poll().unwrap();
+        r0.finish();
+        let long = || Wait::new("test", Some(Duration::from_secs(10)));
+        match w.acquire(&mut long()) {
+            Err(Error::DeadReader {
+                reader: 1,
+                chunk: 0,
+                ..
+            }) => {}
+            other => panic!("expected DeadReader, got {other:?}"),
+        }
+        w.on_dead_reader(DeadReaderPolicy::Drop);
+        w.acquire(&mut long()).unwrap();
+        assert_eq!(w.dropped_readers(), vec![1]);
+        assert!(ring.slot_info(Some(1)).unwrap().dropped);
+        w.commit(3, ChunkKind::Inline).unwrap();
+        // The dropped reader's flag is set, so it never holds the writer back.
+        assert_eq!(ring.metadata(0).unwrap(), vec![1, 0, 1]);
+    }
+
+    #[test]
+    fn a_dead_writer_is_reported() {
+        let ring = Arc::new(Ring::create(1, 64, 1).unwrap());
+        let r = RingReader::new(ring.clone(), 0).unwrap();
+        let slot = ring.slot(0);
+        slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
+        slot.state.store(ATTACHED, Ordering::Release);
+        let err = r
+            .wait(&mut Wait::new("test", Some(Duration::from_secs(10))))
+            .unwrap_err();
+        assert!(matches!(err, Error::DeadWriter { .. }), "{err}");
     }
 
     #[test]

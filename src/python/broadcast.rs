@@ -1,17 +1,20 @@
 //! Bindings for the broadcast ring and queue: `Ring`, `Writer`, `Reader`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::view::ShmView;
-use super::wait::{blocking, lock, Interrupts};
+use super::wait::{blocking, lock, wait_policy, Interrupts, Timeout};
+use crate::broadcast::queue::Canceller;
+use crate::broadcast::DeadReaderPolicy;
 use crate::broadcast::{
     Handle, QueueOptions, Reader as CoreReader, Ring as CoreRing, RingHandle, Writer as CoreWriter,
 };
 use crate::error::Error;
+use crate::wait::WaitPolicy;
+use pyo3::exceptions::PyValueError;
 
 /// Messages up to this size are copied with the GIL held when no wait is needed.
 const COPY_WITH_GIL_MAX: usize = 64 * 1024;
@@ -40,7 +43,7 @@ fn handle_tuple(h: &Handle) -> HandleTuple {
 }
 
 /// A broadcast ring segment (either side).
-#[pyclass(module = "shmq._core", frozen)]
+#[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct Ring {
     ring: Arc<CoreRing>,
 }
@@ -93,7 +96,30 @@ impl Ring {
     }
     #[getter]
     fn creator_pid(&self) -> u32 {
-        self.ring.creator_pid()
+        self.ring.creator().pid
+    }
+    #[getter]
+    fn overflow_count(&self) -> u64 {
+        self.ring.overflow_count()
+    }
+
+    /// `(pid or None, alive, dropped, messages)` of the writer's slot (`reader=None`) or
+    /// reader `reader`'s.
+    #[pyo3(signature = (reader=None))]
+    fn slot(&self, reader: Option<usize>) -> PyResult<(Option<u32>, bool, bool, u64)> {
+        let s = self.ring.slot_info(reader)?;
+        Ok((
+            s.process.map(|p| p.pid),
+            s.process.is_some_and(|p| p.is_alive()),
+            s.dropped,
+            s.messages,
+        ))
+    }
+
+    /// Remove the segment's name now if this process created it (the memory stays
+    /// mapped for whoever has it); for cleanup at interpreter exit.
+    fn unlink(&self) -> PyResult<()> {
+        Ok(self.ring.unlink()?)
     }
 
     fn handle(&self) -> RingTuple {
@@ -101,22 +127,29 @@ impl Ring {
     }
 
     /// A view of chunk `i`'s data.
-    fn data(&self, i: usize) -> PyResult<ShmView> {
-        let (p, n) = self.ring.data_ptr(i)?;
+    fn data(&self, i: i64) -> PyResult<ShmView> {
+        let (p, n) = self.ring.data_ptr(self.chunk_index(i)?)?;
         // SAFETY: data_ptr returns a range inside the mapping, which the Arc keeps alive.
         Ok(unsafe { ShmView::new(self.ring.clone(), p, n) })
     }
 
     /// A view of chunk `i`'s flags: `[written, read_0, ..]`.
-    fn metadata(&self, i: usize) -> PyResult<ShmView> {
-        let (p, n) = self.ring.metadata_ptr(i)?;
+    fn metadata(&self, i: i64) -> PyResult<ShmView> {
+        let (p, n) = self.ring.metadata_ptr(self.chunk_index(i)?)?;
         // SAFETY: as in `data`.
         Ok(unsafe { ShmView::new(self.ring.clone(), p, n) })
     }
 
     /// A snapshot of chunk `i`'s flags, read atomically.
-    fn metadata_snapshot<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(py, &self.ring.metadata(i)?))
+    fn metadata_snapshot<'py>(&self, py: Python<'py>, i: i64) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.ring.metadata(self.chunk_index(i)?)?))
+    }
+}
+
+impl Ring {
+    /// A Python index as a chunk index (negative ones are out of range too).
+    fn chunk_index(&self, i: i64) -> PyResult<usize> {
+        Ok(usize::try_from(i).map_err(|_| self.ring.chunk_out_of_range(i))?)
     }
 }
 
@@ -124,13 +157,15 @@ impl Ring {
 #[pyclass(module = "shmq._core", frozen)]
 pub struct Writer {
     inner: Mutex<CoreWriter>,
-    shutdown: AtomicBool,
+    canceller: Canceller,
+    policy: WaitPolicy,
 }
 
 #[pymethods]
 impl Writer {
     #[new]
-    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10*1024*1024, max_chunks=10, connect_ip=None))]
+    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10*1024*1024, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise"))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         n_reader: usize,
         n_local_reader: usize,
@@ -138,7 +173,19 @@ impl Writer {
         max_chunk_bytes: usize,
         max_chunks: usize,
         connect_ip: Option<String>,
+        spin_us: Option<f64>,
+        yield_us: Option<f64>,
+        on_dead_reader: &str,
     ) -> PyResult<Writer> {
+        let on_dead_reader = match on_dead_reader {
+            "raise" => DeadReaderPolicy::Raise,
+            "drop" => DeadReaderPolicy::Drop,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "on_dead_reader must be \"raise\" or \"drop\", got {other:?}"
+                )))
+            }
+        };
         let opts = QueueOptions {
             n_reader,
             n_local_reader,
@@ -146,11 +193,21 @@ impl Writer {
             max_chunk_bytes,
             max_chunks,
             connect_ip,
+            wait: wait_policy(spin_us, yield_us)?,
+            on_dead_reader,
         };
+        let writer = CoreWriter::new(opts)?;
         Ok(Writer {
-            inner: Mutex::new(CoreWriter::new(opts)?),
-            shutdown: AtomicBool::new(false),
+            canceller: writer.canceller(),
+            policy: writer.wait_policy(),
+            inner: Mutex::new(writer),
         })
+    }
+
+    /// Local readers dropped after they died (with `on_dead_reader="drop"`).
+    #[getter]
+    fn dropped_readers(&self, py: Python<'_>) -> Vec<usize> {
+        lock(py, &self.inner).dropped_readers()
     }
 
     /// `(local_reader_ranks, buffer_handle, local_subscribe_addr, remote_subscribe_addr, remote_addr_ipv6)`
@@ -175,7 +232,7 @@ impl Writer {
     }
 
     #[pyo3(signature = (timeout=None))]
-    fn wait_until_ready(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+    fn wait_until_ready(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<()> {
         let mut w = lock(py, &self.inner);
         let w = &mut *w;
         let what = "the writer waiting for every reader to subscribe";
@@ -186,7 +243,7 @@ impl Writer {
 
     /// Send `data` to every reader.
     #[pyo3(signature = (data, timeout=None))]
-    fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<f64>) -> PyResult<()> {
+    fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
         let mut w = lock(py, &self.inner);
         if data.len() <= COPY_WITH_GIL_MAX && w.can_write() {
             // No wait needed: the chunk is free and sockets never block.
@@ -202,7 +259,7 @@ impl Writer {
     /// Wait for the next chunk and return a view of it, for zero-copy writing;
     /// publish it with `commit_write()`.
     #[pyo3(signature = (timeout=None))]
-    fn acquire_write(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<ShmView> {
+    fn acquire_write(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<ShmView> {
         let mut w = lock(py, &self.inner);
         let w = &mut *w;
         let what = "the writer waiting for readers to free a chunk";
@@ -221,18 +278,19 @@ impl Writer {
 
     /// Make this writer's blocked calls raise `RuntimeError("cancelled")`.
     fn shutdown(&self) {
-        // Relaxed: a flag without data behind it (see `Wait`).
-        self.shutdown.store(true, Ordering::Relaxed);
+        self.canceller.cancel();
     }
 }
 
 impl Writer {
-    fn interrupts(&self, timeout: Option<f64>) -> Interrupts<'_, '_> {
+    /// Never locks `inner`: the callers hold it already.
+    fn interrupts(&self, timeout: Option<Timeout>) -> Interrupts<'_, '_> {
         Interrupts {
             timeout,
             cancel: None,
-            shutdown: &self.shutdown,
+            shutdown: self.canceller.flag(),
             quiet: false,
+            policy: self.policy,
         }
     }
 }
@@ -241,14 +299,16 @@ impl Writer {
 #[pyclass(module = "shmq._core", frozen)]
 pub struct Reader {
     inner: Mutex<CoreReader>,
-    shutdown: Arc<AtomicBool>,
+    canceller: Canceller,
+    policy: WaitPolicy,
     what: String,
 }
 
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (local_reader_ranks, buffer_handle, local_subscribe_addr, remote_subscribe_addr, remote_addr_ipv6, rank))]
+    #[pyo3(signature = (local_reader_ranks, buffer_handle, local_subscribe_addr, remote_subscribe_addr, remote_addr_ipv6, rank, spin_us=None, yield_us=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         local_reader_ranks: Vec<usize>,
         buffer_handle: Option<RingTuple>,
@@ -256,6 +316,8 @@ impl Reader {
         remote_subscribe_addr: Option<String>,
         remote_addr_ipv6: bool,
         rank: usize,
+        spin_us: Option<f64>,
+        yield_us: Option<f64>,
     ) -> PyResult<Reader> {
         let handle = Handle {
             local_reader_ranks,
@@ -269,9 +331,11 @@ impl Reader {
             remote_subscribe_addr,
             remote_addr_ipv6,
         };
-        let reader = CoreReader::open(&handle, rank)?;
+        let policy = wait_policy(spin_us, yield_us)?;
+        let reader = CoreReader::open_with(&handle, rank, policy)?;
         Ok(Reader {
-            shutdown: reader.shutdown_flag(),
+            canceller: reader.canceller(),
+            policy,
             what: reader.wait_description().to_owned(),
             inner: Mutex::new(reader),
         })
@@ -299,7 +363,7 @@ impl Reader {
     fn wait_until_ready(
         &self,
         py: Python<'_>,
-        timeout: Option<f64>,
+        timeout: Option<Timeout>,
         cancel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let mut r = lock(py, &self.inner);
@@ -315,7 +379,7 @@ impl Reader {
     fn dequeue<'py>(
         &self,
         py: Python<'py>,
-        timeout: Option<f64>,
+        timeout: Option<Timeout>,
         cancel: Option<&Bound<'py, PyAny>>,
         indefinite: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
@@ -323,7 +387,7 @@ impl Reader {
         if let Some(b) = r.try_take(|d| PyBytes::new(py, d))? {
             return Ok(b);
         }
-        if self.shutdown.load(Ordering::Relaxed) {
+        if self.canceller.is_cancelled() {
             return Err(Error::Cancelled.into());
         }
         let r = &mut *r;
@@ -343,7 +407,7 @@ impl Reader {
     fn acquire_read(
         &self,
         py: Python<'_>,
-        timeout: Option<f64>,
+        timeout: Option<Timeout>,
         cancel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<ShmView> {
         let mut r = lock(py, &self.inner);
@@ -366,29 +430,28 @@ impl Reader {
 
     /// Wake this reader's blocked calls (from any thread) with `RuntimeError("cancelled")`.
     fn shutdown(&self) {
-        // Relaxed: a flag without data behind it (see `Wait`).
-        self.shutdown.store(true, Ordering::Relaxed);
+        self.canceller.cancel();
     }
 
     #[getter]
     fn shutting_down(&self) -> bool {
-        // Relaxed: as in `shutdown`.
-        self.shutdown.load(Ordering::Relaxed)
+        self.canceller.is_cancelled()
     }
 }
 
 impl Reader {
     fn interrupts<'a, 'py>(
         &'a self,
-        timeout: Option<f64>,
+        timeout: Option<Timeout>,
         cancel: Option<&'a Bound<'py, PyAny>>,
         quiet: bool,
     ) -> Interrupts<'a, 'py> {
         Interrupts {
             timeout,
             cancel,
-            shutdown: &self.shutdown,
+            shutdown: self.canceller.flag(),
             quiet,
+            policy: self.policy,
         }
     }
 }

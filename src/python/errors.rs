@@ -8,6 +8,13 @@ use pyo3::PyErr;
 
 use crate::error::Error;
 
+pyo3::create_exception!(
+    shmq,
+    PeerDiedError,
+    pyo3::exceptions::PyRuntimeError,
+    "A process on the other side of a queue died (a reader the writer waits for, or the writer a reader waits for)."
+);
+
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         let msg = err.to_string();
@@ -27,6 +34,7 @@ impl From<Error> for PyErr {
                 PyPermissionError::new_err(msg)
             }
             Error::Os { .. } | Error::Transport { .. } => PyOSError::new_err(msg),
+            Error::DeadReader { .. } | Error::DeadWriter { .. } => PeerDiedError::new_err(msg),
         }
     }
 }

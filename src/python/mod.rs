@@ -34,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
+    m.add("PeerDiedError", m.py().get_type::<errors::PeerDiedError>())?;
     m.add("segment_prefix", crate::segment::NAME_PREFIX)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -78,7 +78,7 @@ where
 }
 
 /// The store's ring segment, writer or reader side.
-#[pyclass(module = "shmq._core", frozen)]
+#[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct ChunkRing {
     segment: Arc<StoreSegment>,
     inner: Mutex<CoreRing>,
@@ -210,6 +210,12 @@ impl ChunkRing {
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         Ok(lock(py, &self.inner).clear()?)
+    }
+
+    /// Remove the segment's name now if this process created it (the memory stays
+    /// mapped for whoever has it); for cleanup at interpreter exit.
+    fn unlink(&self) -> PyResult<()> {
+        Ok(self.segment.unlink()?)
     }
 }
 

@@ -10,26 +10,58 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::wait::Wait;
+use crate::wait::{Wait, WaitPolicy};
 
-/// Seconds (float or None) to a Duration; negative or NaN is a `ValueError`.
-pub(crate) fn timeout_arg(timeout: Option<f64>) -> PyResult<Option<Duration>> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
-        Some(t) if t == f64::INFINITY => Ok(None),
-        Some(t) => Err(PyValueError::new_err(format!(
-            "timeout must be a non-negative number of seconds, got {t}"
-        ))),
+/// A `timeout` argument: seconds as a float, checked when the argument is converted (so
+/// before any fast path); negative or NaN is a `ValueError`, `inf` means no timeout.
+/// Methods take `Option<Timeout>`, `None` meaning no timeout.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timeout(Option<Duration>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Timeout {
+    type Error = PyErr;
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Timeout> {
+        let t: f64 = obj.extract()?;
+        if t.is_finite() && t >= 0.0 {
+            Ok(Timeout(Some(Duration::from_secs_f64(t))))
+        } else if t == f64::INFINITY {
+            Ok(Timeout(None))
+        } else {
+            Err(PyValueError::new_err(format!(
+                "timeout must be a non-negative number of seconds, got {t}"
+            )))
+        }
     }
+}
+
+fn duration(timeout: Option<Timeout>) -> Option<Duration> {
+    timeout.and_then(|t| t.0)
 }
 
 /// What may end a blocking call early, besides its timeout.
 pub(crate) struct Interrupts<'a, 'py> {
-    pub timeout: Option<f64>,
+    pub timeout: Option<Timeout>,
     pub cancel: Option<&'a Bound<'py, PyAny>>,
     pub shutdown: &'a AtomicBool,
     pub quiet: bool,
+    pub policy: WaitPolicy,
+}
+
+/// A wait policy from the optional `spin_us` / `yield_us` arguments (defaults: the
+/// environment's, see `WaitPolicy::default`).
+pub(crate) fn wait_policy(spin_us: Option<f64>, yield_us: Option<f64>) -> PyResult<WaitPolicy> {
+    let d = WaitPolicy::default();
+    let us = |v: Option<f64>, default: Duration, name: &str| match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && x >= 0.0 => Ok(Duration::from_secs_f64(x / 1e6)),
+        Some(x) => Err(PyValueError::new_err(format!(
+            "{name} must be a non-negative number of microseconds, got {x}"
+        ))),
+    };
+    Ok(WaitPolicy {
+        spin: us(spin_us, d.spin, "spin_us")?,
+        yield_for: us(yield_us, d.yield_for, "yield_us")?,
+    })
 }
 
 /// Run `f` with the GIL released, under a [`Wait`] built from `what` and `interrupts`.
@@ -43,13 +75,14 @@ where
     T: Send,
     F: FnOnce(&mut Wait<'_>) -> Result<T> + Send,
 {
-    let timeout = timeout_arg(interrupts.timeout)?;
+    let timeout = duration(interrupts.timeout);
     let cancel: Option<Py<PyAny>> = interrupts
         .cancel
         .filter(|c| !c.is_none())
         .map(|c| c.clone().unbind());
     let shutdown = interrupts.shutdown;
     let quiet = interrupts.quiet;
+    let policy = interrupts.policy;
     let mut raised: Option<PyErr> = None;
     let result = py.detach(|| {
         let mut hook = || -> Result<()> {
@@ -69,6 +102,7 @@ where
             })
         };
         let mut wait = Wait::new(what, timeout)
+            .policy(policy)
             .cancel_on(shutdown)
             .with_hook(&mut hook);
         if quiet {

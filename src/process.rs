@@ -1,0 +1,90 @@
+//! Who holds a slot: a process is named by its pid *and* its start time, so a pid the
+//! kernel has reused for another process is not mistaken for the one that died.
+
+/// A process, as recorded in a segment's slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessId {
+    pub pid: u32,
+    /// Start time in clock ticks since boot (`/proc/<pid>/stat`, field 22).
+    pub start_time: u64,
+}
+
+/// `(state, start time)` from `/proc/<pid>/stat`, or `None` if there is no such process.
+fn stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may contain spaces: skip past it.
+    let rest = &text[text.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3 (state); field 22 (start time) is fields[19].
+    let state = fields.first()?.chars().next()?;
+    Some((state, fields.get(19)?.parse().ok()?))
+}
+
+impl ProcessId {
+    /// This process.
+    pub fn current() -> ProcessId {
+        let pid = std::process::id();
+        ProcessId {
+            pid,
+            start_time: stat(pid).map_or(0, |s| s.1),
+        }
+    }
+
+    /// Whether this process still runs (a zombie, dead but not yet reaped, does not).
+    /// A process in another pid namespace is not visible and counts as dead, so only
+    /// call this for peers on this machine and in this container.
+    pub fn is_alive(&self) -> bool {
+        match stat(self.pid) {
+            Some((state, start)) => {
+                state != 'Z' && state != 'X' && (self.start_time == 0 || start == self.start_time)
+            }
+            None => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn current_process_is_alive_and_others_are_not() {
+        let me = ProcessId::current();
+        assert!(me.start_time > 0);
+        assert!(me.is_alive());
+        assert!(
+            !ProcessId {
+                start_time: me.start_time + 1,
+                ..me
+            }
+            .is_alive(),
+            "a reused pid"
+        );
+        assert!(!ProcessId {
+            pid: u32::MAX - 1,
+            start_time: 1
+        }
+        .is_alive());
+    }
+
+    #[test]
+    fn a_killed_child_is_dead_even_before_it_is_reaped() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let id = ProcessId {
+            pid: child.id(),
+            start_time: stat(child.id()).unwrap().1,
+        };
+        assert!(id.is_alive());
+        child.kill().unwrap();
+        // Not reaped yet: a zombie.
+        let t = std::time::Instant::now();
+        while id.is_alive() && t.elapsed().as_secs() < 5 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!id.is_alive());
+        child.wait().unwrap();
+    }
+}
