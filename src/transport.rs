@@ -34,6 +34,8 @@ pub struct Publisher {
     socket: zmq::Socket,
     endpoint: String,
     subscribers: usize,
+    /// READY has been published: the handshake is done and is not repeated.
+    ready: bool,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -64,6 +66,7 @@ impl Publisher {
             socket,
             endpoint,
             subscribers: 0,
+            ready: false,
         })
     }
 
@@ -90,8 +93,12 @@ impl Publisher {
         &self.endpoint
     }
 
-    /// Wait for `n` subscriptions (one per reader), then publish [`READY`].
+    /// Wait for `n` subscriptions (one per reader), then publish [`READY`]. Once done,
+    /// calling it again does nothing (a READY more would reach readers as a message).
     pub fn wait_for_subscribers(&mut self, n: usize, wait: &mut Wait) -> Result<()> {
+        if self.ready {
+            return Ok(());
+        }
         while self.subscribers < n {
             let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
             let ready = self
@@ -113,7 +120,9 @@ impl Publisher {
                 _ => {}
             }
         }
-        self.send(READY)
+        self.send(READY)?;
+        self.ready = true;
+        Ok(())
     }
 
     /// Publish one message to every subscriber (never blocks: high-water mark is off).

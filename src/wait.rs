@@ -122,6 +122,23 @@ impl<'a> Wait<'a> {
         }
     }
 
+    /// For a call that has checked it need not wait: no clock read, no deadline. (Its
+    /// `until` still works, as a wait without a timeout, should the check be wrong.)
+    pub fn ready_now() -> Wait<'static> {
+        static NOW: OnceLock<Instant> = OnceLock::new();
+        let started = *NOW.get_or_init(Instant::now);
+        Wait {
+            what: "a wait that was expected to be ready",
+            started,
+            deadline: None,
+            cancel: None,
+            hook: None,
+            policy: WaitPolicy::default(),
+            next_warning: None,
+            next_liveness: started,
+        }
+    }
+
     /// End the wait with [`Error::Cancelled`] once `flag` is set.
     pub fn cancel_on(mut self, flag: &'a AtomicBool) -> Self {
         self.cancel = Some(flag);

@@ -12,12 +12,13 @@ the call returns (shmq checks this and raises if a view is kept).
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import struct
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import msgpack
 
@@ -57,6 +58,67 @@ def _byte_view(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+# Raw buffers of tensors and arrays, shared by both serdes: (dtype name, shape, bytes).
+
+_SAME_SIZE_INT_NAMES = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+_warned_devices: set[str] = set()
+
+
+def _tensor_raw(obj: Any) -> Optional[tuple[str, list[int], memoryview]]:
+    """A plain CPU tensor's dtype name, shape and C-order bytes; ``None`` for tensors
+    this cannot describe exactly (quantized, sparse, subclasses), which get pickled."""
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    if torch is None or np is None or type(obj) is not torch.Tensor:
+        return None
+    if obj.layout != torch.strided or obj.is_quantized:
+        return None
+    t = obj.detach()
+    if t.device.type != "cpu":
+        if t.device.type not in _warned_devices:
+            _warned_devices.add(t.device.type)
+            logger.warning("shmq: %s tensors are copied to the CPU to be stored", t.device.type)
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    # Reinterpret as an integer type of the same size first: every dtype can be viewed so
+    # (keeping its strides), and copying integers works where copying the dtype itself
+    # is not implemented (int1..int7, float4, ...).
+    int_name = _SAME_SIZE_INT_NAMES.get(t.element_size())
+    same_size = t.view(getattr(torch, int_name)) if int_name is not None else t
+    flat = same_size.contiguous().reshape(-1).view(torch.uint8)
+    return str(t.dtype).removeprefix("torch."), list(t.shape), _byte_view(flat.numpy())
+
+
+def _array_raw(obj: Any) -> Optional[tuple[str, list[int], memoryview]]:
+    """A plain numpy array's dtype string (byte order included), shape and C-order bytes;
+    ``None`` for object or structured arrays and subclasses, which get pickled."""
+    np = sys.modules.get("numpy")
+    if np is None or type(obj) is not np.ndarray or obj.dtype.hasobject or obj.dtype.fields is not None:
+        return None
+    a = obj if obj.flags.c_contiguous else obj.copy(order="C")
+    return obj.dtype.str, list(obj.shape), _byte_view(a.reshape(-1).view(np.uint8))
+
+
+def _rebuild_tensor(dtype_name: str, shape: list[int], data: Buffer) -> Any:
+    """The tensor from ``_tensor_raw``'s parts (``data`` must be a writable copy)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    if len(data) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def _rebuild_array(dtype_str: str, shape: list[int], data: Buffer) -> Any:
+    """The array from ``_array_raw``'s parts (``data`` must be a writable copy)."""
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.dtype(dtype_str)).reshape(shape)
+
+
 class ObjectSerde(ABC):
     """Turns values into bytes for the object store and back."""
 
@@ -77,16 +139,34 @@ def _result(parts: list[Buffer]) -> tuple[Union[Buffer, list[Buffer]], int, byte
     return (parts[0] if len(parts) == 1 else parts), nbytes, metadata, len(metadata)
 
 
+class _OutOfBandPickler(pickle.Pickler):
+    """Pickles tensors and numpy arrays as dtype + shape + a raw out-of-band buffer, so
+    every dtype and byte order round-trips exactly and no data goes through pickle."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called only for objects pickle has no fast path for (not for dicts, lists...).
+        raw = _tensor_raw(obj)
+        if raw is not None:
+            return _rebuild_tensor, (raw[0], raw[1], pickle.PickleBuffer(raw[2]))
+        raw = _array_raw(obj)
+        if raw is not None:
+            return _rebuild_array, (raw[0], raw[1], pickle.PickleBuffer(raw[2]))
+        return NotImplemented
+
+
 class PickleSerde(ObjectSerde):
-    """Pickle protocol 5 for everything; large buffers (numpy arrays, bytearrays, ...) go
-    out of band as separate segments instead of through the pickle stream."""
+    """Pickle protocol 5 for everything. Tensor and array data, and other large buffers
+    (bytearrays, ...), go out of band as separate segments instead of through the pickle
+    stream."""
 
     def serialize(self, value: Any) -> tuple[Union[Buffer, list[Buffer]], int, bytes, int]:
         buffers: list[pickle.PickleBuffer] = []
-        body = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+        out = io.BytesIO()
+        _OutOfBandPickler(out, protocol=5, buffer_callback=buffers.append).dump(value)
+        body = out.getbuffer()
         try:
             raws = [b.raw() for b in buffers]
-        except BufferError:  # a non-contiguous buffer: keep it in band
+        except BufferError:  # a non-contiguous buffer: keep everything in band
             raws, body = [], pickle.dumps(value, protocol=5)
         return _result([body, *raws])
 
@@ -107,15 +187,17 @@ class MsgpackSerde(ObjectSerde):
     """msgpack for multimodal items: nested dicts, lists and tuples of torch tensors and
     numpy arrays with str/bytes/int/float/bool/None leaves. Tensor and array data are
     stored as raw segments (not pickled) with their dtype and shape; anything else is
-    pickled inside the msgpack stream. Every torch dtype (bfloat16, float8...) round-trips
-    exactly; non-contiguous tensors are stored contiguous, and tensors on other devices
-    are moved to the CPU (logged once). More types: ``MsgpackSerde.register``.
+    pickled inside the msgpack stream. Every torch dtype (bfloat16, float8...) and numpy
+    dtype (byte order included) round-trips exactly; non-contiguous data is stored
+    contiguous, and tensors on other devices are moved to the CPU (logged once). More
+    types: ``MsgpackSerde.register``.
+
+    ``bytearray`` and ``memoryview`` leaves come back as ``bytes``: msgpack stores them as
+    its binary type without asking (use ``PickleSerde`` to keep the exact type).
     """
 
     _registry: dict[type, tuple[int, Callable[[Any], bytes]]] = {}
     _decoders: dict[int, Callable[[bytes], Any]] = {}
-    _warned_devices: set[str] = set()
-
     @classmethod
     def register(cls, type_: type, code: int, encode: Callable[[Any], bytes], decode: Callable[[bytes], Any]) -> None:
         """Store instances of ``type_`` (exactly that type) as ``encode(obj)`` bytes under
@@ -137,16 +219,14 @@ class MsgpackSerde(ObjectSerde):
             registered = self._registry.get(kind)
             if registered is not None:
                 return msgpack.ExtType(registered[0], registered[1](obj))
-            torch = sys.modules.get("torch")
-            if torch is not None and isinstance(obj, torch.Tensor):
-                ext = self._encode_tensor(torch, obj, buffers)
-                if ext is not None:
-                    return ext
-            np = sys.modules.get("numpy")
-            if np is not None and kind is np.ndarray and not obj.dtype.hasobject and obj.dtype.fields is None:
-                array = np.ascontiguousarray(obj)
-                buffers.append(_byte_view(array.reshape(-1).view(np.uint8)))
-                return msgpack.ExtType(_EXT_NDARRAY, pack([array.dtype.str, list(array.shape), len(buffers)]))
+            raw = _tensor_raw(obj)
+            if raw is not None:
+                buffers.append(raw[2])
+                return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([raw[0], raw[1], len(buffers)]))
+            raw = _array_raw(obj)
+            if raw is not None:
+                buffers.append(raw[2])
+                return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb([raw[0], raw[1], len(buffers)]))
             return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=5))
 
         def pack(obj: Any) -> bytes:
@@ -160,53 +240,35 @@ class MsgpackSerde(ObjectSerde):
             tree = msgpack.packb(msgpack.ExtType(_EXT_PICKLE, pickle.dumps(value, protocol=5)))
         return _result([tree, *buffers])
 
-    def _encode_tensor(self, torch: Any, tensor: Any, buffers: list[Buffer]) -> Any:
-        np = sys.modules.get("numpy")
-        if np is None or tensor.layout != torch.strided or tensor.is_quantized or type(tensor) is not torch.Tensor:
-            return None  # pickled instead
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            if t.device.type not in self._warned_devices:
-                self._warned_devices.add(t.device.type)
-                logger.warning("shmq MsgpackSerde: %s tensors are copied to the CPU to be stored", t.device.type)
-            t = t.cpu()
-        t = t.contiguous()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        dtype = str(t.dtype).removeprefix("torch.")
-        buffers.append(_byte_view(t.reshape(-1).view(torch.uint8).numpy()))
-        return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([dtype, list(t.shape), len(buffers)]))
-
     def deserialize(self, data_view: memoryview) -> Any:
         tree, *raws = _unframe(data_view)
+        try:
+            return _MsgpackDecoder(raws, self._decoders).unpack(tree)
+        finally:
+            # The parts are views of shared memory: let none outlive this call.
+            raws.clear()
 
-        def ext_hook(code: int, data: bytes) -> Any:
-            if code == _EXT_TUPLE:
-                return tuple(unpack(data))
-            if code == _EXT_PICKLE:
-                return pickle.loads(data)
-            if code == _EXT_NDARRAY:
-                import numpy as np
 
-                dtype, shape, index = msgpack.unpackb(data)
-                return np.frombuffer(bytearray(raws[index - 1]), dtype=np.dtype(dtype)).reshape(shape)
-            if code == _EXT_TENSOR:
-                import torch
+class _MsgpackDecoder:
+    """Decodes one stored object; ``raws`` are its raw segments (tensor and array data)."""
 
-                dtype_name, shape, index = msgpack.unpackb(data)
-                dtype = getattr(torch, dtype_name)
-                raw = raws[index - 1]
-                if len(raw) == 0:
-                    return torch.empty(shape, dtype=dtype)
-                return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-            decode = self._decoders.get(code)
-            if decode is None:
-                raise ValueError(f"unknown msgpack extension code {code}: register its type with MsgpackSerde.register")
-            return decode(data)
+    def __init__(self, raws: list[memoryview], decoders: dict[int, Callable[[bytes], Any]]):
+        self.raws = raws
+        self.decoders = decoders
 
-        def unpack(data: Buffer) -> Any:
-            return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False, use_list=True)
+    def unpack(self, data: Buffer) -> Any:
+        return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
 
-        return unpack(tree)
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == _EXT_TUPLE:
+            return tuple(self.unpack(data))
+        if code == _EXT_PICKLE:
+            return pickle.loads(data)
+        if code in (_EXT_NDARRAY, _EXT_TENSOR):
+            dtype, shape, index = msgpack.unpackb(data)
+            rebuild = _rebuild_array if code == _EXT_NDARRAY else _rebuild_tensor
+            return rebuild(dtype, shape, bytearray(self.raws[index - 1]))
+        decode = self.decoders.get(code)
+        if decode is None:
+            raise ValueError(f"unknown msgpack extension code {code}: register its type with MsgpackSerde.register")
+        return decode(data)

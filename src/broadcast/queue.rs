@@ -374,6 +374,10 @@ impl Writer {
 
     /// Send `msg` to every reader, waiting while the ring is full.
     pub fn enqueue(&mut self, msg: &[u8], timeout: Option<Duration>) -> Result<()> {
+        if self.can_write() {
+            // No wait needed: skip setting one up (clock read, canceller clone).
+            return self.enqueue_with(msg, &mut Wait::ready_now());
+        }
         let canceller = self.canceller.clone();
         let what = "the writer waiting for readers to free a chunk";
         let mut wait = Wait::new(what, timeout)
@@ -663,6 +667,9 @@ impl Reader {
 
     /// Wait for the next message and return a copy of it.
     pub fn dequeue(&mut self, timeout: Option<Duration>) -> Result<Vec<u8>> {
+        if let Some(m) = self.try_take(|b| b.to_vec())? {
+            return Ok(m);
+        }
         let canceller = self.canceller.clone();
         let what = std::mem::take(&mut self.what);
         let mut wait = self.wait(&what, timeout, &canceller);
@@ -675,19 +682,27 @@ impl Reader {
     /// Zero-copy reading of a chunk filled with [`Writer::acquire_write`]: wait for it
     /// and return its data; release it with [`finish_read`](Self::finish_read).
     pub fn acquire_read(&mut self, wait: &mut Wait) -> Result<ChunkInfo> {
-        match &mut self.source {
-            Source::Local { ring, .. } => ring.wait(wait),
-            Source::Remote { .. } => Err(Error::WrongRole(
+        if !self.is_local() {
+            return Err(Error::WrongRole(
                 "acquire_read is only for local readers".into(),
-            )),
+            ));
+        }
+        // For an overflow mark this also receives the message, so it is consumed with
+        // the chunk (and the next overflow message stays in step).
+        self.wait_message(wait)?;
+        match &self.source {
+            Source::Local { ring, .. } => Ok(ring.poll().expect("wait_message found a chunk")),
+            Source::Remote { .. } => unreachable!("checked above"),
         }
     }
 
-    /// Data of a chunk from [`acquire_read`](Self::acquire_read).
+    /// Data of a chunk from [`acquire_read`](Self::acquire_read): the chunk itself, or
+    /// for an overflow mark the message that came over the socket.
     pub fn chunk_data(&self, info: &ChunkInfo) -> &[u8] {
-        match &self.source {
-            Source::Local { ring, .. } => ring.data(info),
-            Source::Remote { .. } => &[],
+        match (&self.source, info.kind) {
+            (Source::Local { .. }, ChunkKind::Overflow) => self.pending.as_deref().unwrap_or(&[]),
+            (Source::Local { ring, .. }, _) => ring.data(info),
+            (Source::Remote { .. }, _) => &[],
         }
     }
 
@@ -695,6 +710,7 @@ impl Reader {
     pub fn finish_read(&mut self) -> Result<()> {
         match &mut self.source {
             Source::Local { ring, .. } => {
+                self.pending = None;
                 ring.finish();
                 Ok(())
             }

@@ -8,7 +8,7 @@ use pyo3::types::PyBytes;
 use super::view::ShmView;
 use super::wait::{blocking, lock, wait_policy, Interrupts, Timeout};
 use crate::broadcast::queue::Canceller;
-use crate::broadcast::DeadReaderPolicy;
+use crate::broadcast::{ChunkKind, DeadReaderPolicy};
 use crate::broadcast::{
     Handle, QueueOptions, Reader as CoreReader, Ring as CoreRing, RingHandle, Writer as CoreWriter,
 };
@@ -409,7 +409,7 @@ impl Reader {
         py: Python<'_>,
         timeout: Option<Timeout>,
         cancel: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<ShmView> {
+    ) -> PyResult<Py<PyAny>> {
         let mut r = lock(py, &self.inner);
         let r = &mut *r;
         let info = blocking(
@@ -419,9 +419,14 @@ impl Reader {
             |wait| r.acquire_read(wait),
         )?;
         let data = r.chunk_data(&info);
+        if info.kind == ChunkKind::Overflow {
+            // The message came over the socket and is gone after finish_read: a copy.
+            return Ok(PyBytes::new(py, data).into_any().unbind());
+        }
         let ring = r.ring().expect("a local reader has a ring").clone();
-        // SAFETY: the slice lies in the mapping kept alive by `ring`.
-        Ok(unsafe { ShmView::new(ring, data.as_ptr() as *mut u8, data.len()) })
+        // SAFETY: the slice lies in the chunk, in the mapping kept alive by `ring`.
+        let view = unsafe { ShmView::new(ring, data.as_ptr() as *mut u8, data.len()) };
+        Ok(Py::new(py, view)?.into_any())
     }
 
     fn finish_read(&self, py: Python<'_>) -> PyResult<()> {

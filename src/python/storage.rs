@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PyMemoryView, PyRange};
 
@@ -18,40 +18,34 @@ use crate::storage::{
 /// Payloads above this are copied with the GIL released.
 const COPY_WITH_GIL_MAX: usize = 64 * 1024;
 
-/// A memoryview over `len` bytes at `ptr` in `segment`, for a Python callback.
-fn memoryview<'py>(
-    py: Python<'py>,
-    segment: &Arc<StoreSegment>,
-    ptr: *const u8,
-    len: usize,
-) -> PyResult<Bound<'py, PyAny>> {
-    // SAFETY: callers pass a range inside the segment's ring; the Arc keeps it mapped.
-    let view = Bound::new(py, unsafe {
-        ShmView::new(segment.clone(), ptr as *mut u8, len)
-    })?;
-    Ok(PyMemoryView::from(&view)?.into_any())
-}
-
-/// Call `f(memoryview)` and release the view afterwards; a callback that kept a
-/// reference to the memory (so the view cannot be released) is an error, since the chunk
-/// may be reused once the call returns.
+/// Call `f(memoryview)` on `data` (inside `segment`) and release the view afterwards. A
+/// callback that kept the memory (returned the view, a slice of it, an array over it...)
+/// is an error: the chunk may be reused as soon as this returns.
 fn with_view<'py, R>(
     py: Python<'py>,
     segment: &Arc<StoreSegment>,
     data: &[u8],
     f: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<R>,
 ) -> PyResult<R> {
-    let mv = memoryview(py, segment, data.as_ptr(), data.len())?;
+    // SAFETY: `data` lies inside the segment's ring; the Arc keeps it mapped.
+    let view = unsafe { ShmView::new(segment.clone(), data.as_ptr() as *mut u8, data.len()) };
+    let view = Bound::new(py, view)?;
+    let mv = PyMemoryView::from(view.as_any())?.into_any();
     let out = f(&mv);
-    if let Err(e) = mv.call_method0("release") {
-        if e.is_instance_of::<PyBufferError>(py) && out.is_ok() {
-            return Err(PyRuntimeError::new_err(
-                "the deserializer kept a view of shared memory that the store may reuse; it must copy what it keeps",
-            ));
-        }
+    // Kept: the memoryview itself (returned, or stored somewhere: a second reference),
+    // or something made from it that still holds the buffer (a slice, an array).
+    let kept_view = mv.get_refcnt() > 1;
+    // Fails if something made from the view still holds it; `is_exported` sees that.
+    let _ = mv.call_method0("release");
+    drop(mv);
+    if out.is_ok() && (kept_view || view.get().is_exported()) {
+        return Err(PyRuntimeError::new_err(KEPT_VIEW));
     }
     out
 }
+
+const KEPT_VIEW: &str = "the deserializer kept a view of the shared memory, which the store may \
+                         reuse once get() returns; it must copy what it keeps";
 
 /// The freed ids as a `range`, or a list when they wrap at 2**31.
 fn freed_ids(py: Python<'_>, freed: Freed) -> PyResult<Py<PyAny>> {
@@ -146,8 +140,9 @@ impl ChunkRing {
     }
 
     /// Allocate a chunk with `size` bytes of data: `(address, id)`.
-    fn allocate(&self, py: Python<'_>, size: u64) -> PyResult<(u64, u32)> {
-        let c = lock(py, &self.inner).allocate(size)?;
+    fn allocate(&self, py: Python<'_>, size: i64) -> PyResult<(u64, u32)> {
+        // Negative sizes are as invalid as 0 (which the core rejects with the message).
+        let c = lock(py, &self.inner).allocate(u64::try_from(size).unwrap_or(0))?;
         Ok((c.address, c.id))
     }
 
@@ -312,8 +307,11 @@ impl ObjectStore {
     }
 
     /// How many reads the object at `(address, id)` has had.
-    fn reader_count(&self, address: u64, id: u32) -> PyResult<u32> {
-        Ok(object_reader_count(&self.segment, address, id)?)
+    fn reader_count(&self, address: &Bound<'_, PyAny>, id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let (Some(a), Some(i)) = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?) else {
+            return Err(PyValueError::new_err(stale_object_message(address, id)));
+        };
+        Ok(object_reader_count(&self.segment, a, i)?)
     }
 
     fn is_cached(&self, py: Python<'_>, key: &str) -> bool {

@@ -3,6 +3,7 @@
 //! mapped as long as any memoryview of it exists.
 
 use std::os::raw::{c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyBufferError;
@@ -17,16 +18,26 @@ pub(crate) type Owner = Arc<dyn Send + Sync>;
 pub struct ShmView {
     ptr: usize,
     len: usize,
+    /// Buffers exported and not yet released: memoryviews (and their slices, which
+    /// share one export) and anything else holding the memory through the protocol.
+    exports: AtomicUsize,
     _owner: Owner,
 }
 
 impl ShmView {
+    /// Whether some object still holds this memory through the buffer protocol.
+    pub(crate) fn is_exported(&self) -> bool {
+        // Relaxed: the count is only changed and read with the GIL held.
+        self.exports.load(Ordering::Relaxed) > 0
+    }
+
     /// # Safety
     /// `ptr..ptr + len` must lie inside a mapping that `owner` keeps alive.
     pub(crate) unsafe fn new(owner: Owner, ptr: *mut u8, len: usize) -> ShmView {
         ShmView {
             ptr: ptr as usize,
             len,
+            exports: AtomicUsize::new(0),
             _owner: owner,
         }
     }
@@ -61,8 +72,13 @@ impl ShmView {
             return Err(PyErr::take(slf.py())
                 .unwrap_or_else(|| PyBufferError::new_err("cannot export the buffer")));
         }
+        // Relaxed: see `is_exported`.
+        slf.get().exports.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        // Relaxed: see `is_exported`.
+        self.exports.fetch_sub(1, Ordering::Relaxed);
+    }
 }

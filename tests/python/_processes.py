@@ -1,0 +1,583 @@
+"""What the Python tests run in other processes, and the tools to run it.
+
+Children are started with the multiprocessing "spawn" context, which pickles a child's
+target by reference: every child entry point therefore lives at module level here
+(``conftest.py`` cannot be imported by a child). A child reports to the test through a
+``multiprocessing`` queue: one ``(tag, ...)`` tuple per report, or
+``("error", pid, traceback)`` if it raised, so a failure inside a child shows up in the
+test with the child's traceback instead of as a bare exit code.
+
+Every blocking call a child makes has a timeout (``STEP``), so a broken queue fails the
+test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import random
+import re
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from shmq import Handle, MessageQueue, ShmRingBuffer
+
+CTX = mp.get_context("spawn")
+
+# Bound on any one blocking call (enqueue, dequeue, ready, a report); generous, because
+# it only turns a hang into a failure and the machine may be busy.
+STEP = 30.0
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "shmq_"
+# shmq names its segments shmq_<kind>_<creator pid>_<random>.
+_SEGMENT_NAME = re.compile(r"^shmq_[a-z]+_(\d+)_[0-9a-f]+$")
+
+# Pids of every child process the tests started (the leftover check needs them: a
+# segment's name carries its creator's pid).
+CHILD_PIDS: set[int] = set()
+
+
+# ---------------------------------------------------------------------------------
+# /dev/shm
+
+
+def shm_segments() -> set[str]:
+    """Names of shmq segments currently in /dev/shm (from any process)."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX)}
+    except FileNotFoundError:  # pragma: no cover - no /dev/shm
+        return set()
+
+
+def segment_creator_pid(name: str) -> int | None:
+    m = _SEGMENT_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def segments_of(pids: set[int]) -> set[str]:
+    """shmq segments in /dev/shm created by one of ``pids``."""
+    return {n for n in shm_segments() if segment_creator_pid(n) in pids}
+
+
+# ---------------------------------------------------------------------------------
+# Running children
+
+
+def _child_main(target: Callable[..., None], out: Any, args: tuple) -> None:
+    """Entry point of every child: run ``target(out, *args)``, report an exception."""
+    try:
+        target(out, *args)
+    except BaseException:
+        out.put(("error", os.getpid(), traceback.format_exc()))
+        out.close()
+        out.join_thread()
+        sys.exit(1)
+
+
+class ChildFailed(AssertionError):
+    pass
+
+
+class Children:
+    """The child processes of one test; ``close()`` joins them and kills stragglers."""
+
+    def __init__(self) -> None:
+        self.procs: list[mp.process.BaseProcess] = []
+        self.queues: list[Any] = []
+
+    def queue(self) -> Any:
+        q = CTX.Queue()
+        self.queues.append(q)
+        return q
+
+    def event(self) -> Any:
+        return CTX.Event()
+
+    def start(self, target: Callable[..., None], out: Any, *args: Any) -> mp.process.BaseProcess:
+        p = CTX.Process(target=_child_main, args=(target, out, args), daemon=True)
+        p.start()
+        CHILD_PIDS.add(p.pid)
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def receive(out: Any, timeout: float = STEP) -> tuple:
+        """The next report on ``out``; a child's exception becomes a test failure."""
+        try:
+            msg = out.get(timeout=timeout)
+        except queue.Empty:
+            raise ChildFailed(f"no report from the child process(es) within {timeout} s") from None
+        if msg[0] == "error":
+            raise ChildFailed(f"child process {msg[1]} failed:\n{msg[2]}")
+        return msg
+
+    def expect(self, out: Any, tag: str, timeout: float = STEP) -> tuple:
+        msg = self.receive(out, timeout)
+        assert msg[0] == tag, f"expected a {tag!r} report, got {msg!r:.500}"
+        return msg
+
+    def join(self, timeout: float = STEP) -> None:
+        """Wait for every child to exit and check that each exited cleanly."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        codes = {p.pid: p.exitcode for p in self.procs}
+        assert all(c == 0 for c in codes.values()), f"child exit codes (pid: code): {codes}"
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for q in self.queues:
+            q.close()
+            q.cancel_join_thread()
+
+
+# ---------------------------------------------------------------------------------
+# Test objects: a deterministic stream, exact comparison, digest
+
+
+_DTYPES = [
+    "float64",
+    "float32",
+    "float16",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint64",
+    "bool",
+    "complex64",
+    "complex128",
+    ">i4",  # non-native byte order must survive too
+]
+_KEYS = ["input_ids", "positions", "kv", "meta", "scheduler", "a", "b", "c", "é", "日本"]
+
+
+def _random_array(rnd: random.Random, rng: np.random.Generator, lo: int, hi: int) -> np.ndarray:
+    """An array of ``lo..hi`` bytes (a zero-size one when ``hi`` is 0)."""
+    dtype = np.dtype(rnd.choice(_DTYPES))
+    n = rnd.randint(lo, hi) // dtype.itemsize
+    ndim = rnd.randint(1, 3)
+    if n == 0:
+        shape = tuple([0] + [rnd.randint(1, 4) for _ in range(ndim - 1)])
+    else:
+        shape = [n]
+        if ndim >= 2:
+            for d in (2, 3, 4, 5, 7):
+                if n % d == 0:
+                    shape = [n // d, d]
+                    break
+        if ndim == 3 and len(shape) == 2 and shape[0] % 2 == 0:
+            shape = [2, shape[0] // 2, shape[1]]
+        shape = tuple(shape)
+    size = int(np.prod(shape))
+    if dtype.kind == "b":
+        a = rng.integers(0, 2, size=size).astype(bool)
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        a = rng.integers(info.min, info.max, size=size, dtype=dtype.newbyteorder("="), endpoint=True)
+    elif dtype.kind == "f":
+        a = rng.standard_normal(size) * 1000
+    else:
+        a = rng.standard_normal(size) + 1j * rng.standard_normal(size)
+    a = a.astype(dtype).reshape(shape)
+    if a.ndim == 2 and rnd.random() < 0.3:
+        a = np.asfortranarray(a)
+    return a
+
+
+def _random_str(rnd: random.Random, n: int) -> str:
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 _-éüß日本語🙂\n\t\\\"'"
+    return "".join(rnd.choice(alphabet) for _ in range(n))
+
+
+def _random_leaf(rnd: random.Random, rng: np.random.Generator) -> Any:
+    k = rnd.randrange(9)
+    if k == 0:
+        return None
+    if k == 1:
+        return rnd.randint(-(2**70), 2**70)
+    if k == 2:
+        return rnd.uniform(-1e9, 1e9)
+    if k == 3:
+        return _random_str(rnd, rnd.randint(0, 40))
+    if k == 4:
+        return rnd.randbytes(rnd.randint(0, 64))
+    if k == 5:
+        return rnd.random() < 0.5
+    if k == 6:
+        return np.float32(rnd.uniform(-10, 10))
+    if k == 7:
+        return _random_array(rnd, rng, 0, 256)
+    return (rnd.randint(0, 9), _random_str(rnd, 3))
+
+
+def _random_nested(rnd: random.Random, rng: np.random.Generator, depth: int) -> Any:
+    if depth == 0 or rnd.random() < 0.3:
+        return _random_leaf(rnd, rng)
+    if rnd.random() < 0.5:
+        return [_random_nested(rnd, rng, depth - 1) for _ in range(rnd.randint(0, 5))]
+    return {
+        rnd.choice(_KEYS) + str(i): _random_nested(rnd, rng, depth - 1) for i in range(rnd.randint(0, 5))
+    }
+
+
+def iter_objects(seed: int, n: int, big: int = 64 * 1024) -> Iterator[Any]:
+    """A deterministic stream of ``n`` objects of mixed types; about one in eight is
+    larger than ``big`` bytes once pickled. Writer and readers each regenerate it from
+    ``seed``, so a reader knows exactly what its ``i``-th object must be."""
+    rnd = random.Random(seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        k = rnd.randrange(16)
+        if k == 0:
+            yield None
+        elif k == 1:
+            yield _random_str(rnd, rnd.randint(0, 2000))
+        elif k == 2:
+            yield rnd.randbytes(rnd.randint(0, 4000))
+        elif k in (3, 4, 5):
+            yield _random_array(rnd, rng, 0, 16 * 1024)
+        elif k in (6, 7, 8):
+            yield _random_nested(rnd, rng, 4)
+        elif k in (9, 10):
+            yield {
+                "step": rnd.randint(0, 10**6),
+                "tokens": [rnd.randint(0, 50_000) for _ in range(rnd.randint(0, 300))],
+                "hidden": _random_array(rnd, rng, 1, 8 * 1024),
+                "prompt": _random_str(rnd, rnd.randint(0, 200)),
+            }
+        elif k == 11:
+            yield rnd.randint(-(2**40), 2**40)
+        elif k == 12:
+            yield _random_array(rnd, rng, big + 1, 4 * big)  # overflows a chunk
+        elif k == 13:
+            yield rnd.randbytes(rnd.randint(big + 1, 3 * big))  # overflows a chunk
+        elif k == 14:
+            yield [_random_array(rnd, rng, 1, big // 2), _random_str(rnd, rnd.randint(big // 4, big))]
+        else:
+            yield (rnd.random(), _random_leaf(rnd, rng))
+
+
+def same(a: Any, b: Any) -> bool:
+    """Exact equality: same types all the way down; arrays by dtype, shape and bytes."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (float, np.floating)):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return bool(a == b)
+
+
+def describe(obj: Any) -> str:
+    if isinstance(obj, np.ndarray):
+        return f"ndarray(dtype={obj.dtype}, shape={obj.shape})"
+    return f"{type(obj).__name__}: {obj!r:.120}"
+
+
+def digest_update(h: Any, obj: Any) -> None:
+    """Feed a canonical encoding of ``obj`` (type, structure, exact values) into ``h``."""
+    h.update(type(obj).__name__.encode() + b"\0")
+    if isinstance(obj, np.ndarray):
+        h.update(f"{obj.dtype.str}{obj.shape}".encode())
+        h.update(obj.tobytes())
+    elif isinstance(obj, dict):
+        h.update(str(len(obj)).encode() + b"{")
+        for k, v in obj.items():
+            digest_update(h, k)
+            digest_update(h, v)
+    elif isinstance(obj, (list, tuple)):
+        h.update(str(len(obj)).encode() + b"[")
+        for v in obj:
+            digest_update(h, v)
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8", "surrogatepass")
+        h.update(str(len(data)).encode() + b":" + data)
+    elif isinstance(obj, bytes):
+        h.update(str(len(obj)).encode() + b":" + obj)
+    else:
+        h.update(repr(obj).encode())
+    h.update(b";")
+
+
+# ---------------------------------------------------------------------------------
+# Child entry points (each takes the report queue first)
+
+
+def stream_reader(out: Any, handle: Handle, rank: int, seed: int, n: int, big: int) -> None:
+    """Join as reader ``rank``, dequeue ``n`` objects and check each against the stream;
+    then check that nothing more arrives."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    h = hashlib.sha256()
+    mismatches: list[tuple[int, str, str]] = []
+    n_mismatch = 0
+    count = 0
+    for i, expected in enumerate(iter_objects(seed, n, big)):
+        obj = mq.dequeue(timeout=STEP)
+        count += 1
+        digest_update(h, obj)
+        if not same(obj, expected):
+            n_mismatch += 1
+            if len(mismatches) < 5:
+                mismatches.append((i, describe(obj), describe(expected)))
+    try:
+        extra = describe(mq.dequeue(timeout=0.3))
+    except TimeoutError:
+        extra = None
+    # `_is_local_reader` and `local_reader_rank` are the engines' attribute names.
+    out.put(
+        (
+            "done",
+            {
+                "rank": rank,
+                "local": mq._is_local_reader,
+                "local_reader_rank": mq.local_reader_rank if mq._is_local_reader else None,
+                "count": count,
+                "n_mismatch": n_mismatch,
+                "mismatches": mismatches,
+                "digest": h.hexdigest(),
+                "extra": extra,
+            },
+        )
+    )
+
+
+def handle_roundtrip_reader(out: Any, handle_pickle: bytes, rank: int, n: int) -> None:
+    """Unpickle a Handle, send it back pickled, and read ``n`` messages through it."""
+    import pickle
+
+    handle = pickle.loads(handle_pickle)
+    assert type(handle) is Handle, type(handle)
+    out.put(("handle", pickle.dumps(handle)))
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("got", [mq.dequeue(timeout=STEP) for _ in range(n)]))
+
+
+def ring_buffer_peer(out: Any, ring_pickle: bytes, pattern: bytes, reply: bytes) -> None:
+    """Unpickle a ShmRingBuffer, report what the parent wrote to chunk 1, and write
+    ``reply`` and flags to chunk 2."""
+    import pickle
+
+    buf = pickle.loads(ring_pickle)
+    assert isinstance(buf, ShmRingBuffer), type(buf)
+    with buf.get_data(1) as data:
+        seen = bytes(data[: len(pattern)])
+        data_len = len(data)
+    with buf.get_metadata(1) as meta:
+        seen_meta = bytes(meta)
+    with buf.get_data(2) as data:
+        data[: len(reply)] = reply
+    with buf.get_metadata(2) as meta:
+        meta[:] = bytes([1] + [1] * (len(meta) - 1))
+    out.put(
+        (
+            "seen",
+            {
+                "handle": buf.handle(),
+                "is_creator": buf.is_creator,
+                "data": seen,
+                "data_len": data_len,
+                "metadata": seen_meta,
+            },
+        )
+    )
+
+
+def missing_ring_user(out: Any, ring_pickle: bytes) -> None:
+    """Unpickle a ShmRingBuffer whose segment does not exist here and try to use it."""
+    import pickle
+
+    buf = pickle.loads(ring_pickle)
+    outcome = {"handle": buf.handle()}
+    for what in ("get_data", "get_metadata"):
+        try:
+            with getattr(buf, what)(0):
+                pass
+        except BaseException as e:
+            outcome[what] = (type(e).__name__, str(e))
+        else:
+            outcome[what] = None
+    out.put(("missing", outcome))
+
+
+def idle_reader(out: Any, handle: Handle, rank: int, go: Any, n: int) -> None:
+    """Get ready, then read nothing until ``go`` is set; then read ``n`` messages and
+    check that no further one arrives."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("ready",))
+    if not go.wait(STEP):
+        raise TimeoutError("the test never set go")
+    got = [mq.dequeue(timeout=STEP) for _ in range(n)]
+    try:
+        extra = mq.dequeue(timeout=0.3)
+    except TimeoutError:
+        extra = None
+    out.put(("got", got, extra))
+
+
+def timeout_reader(out: Any, handle: Handle, rank: int) -> None:
+    """dequeue(timeout=0.2) with nothing sent must raise TimeoutError; the reader must
+    still work afterwards."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    t0 = time.monotonic()
+    try:
+        obj = mq.dequeue(timeout=0.2)
+    except BaseException as e:
+        outcome = (type(e).__name__, str(e))
+    else:
+        outcome = ("returned", describe(obj))
+    out.put(("timeout", outcome, time.monotonic() - t0))
+    out.put(("got", mq.dequeue(timeout=STEP)))
+
+
+def cancel_reader(out: Any, handle: Handle, rank: int, how: str) -> None:
+    """Block in dequeue and end it from another thread: ``how`` is "event" (a
+    threading.Event passed as ``cancel``), "event-indefinite" (the same with
+    ``indefinite=True``) or "shutdown" (``mq.shutdown()``)."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    ev = threading.Event()
+    fired_at: list[float] = []
+
+    def fire() -> None:
+        time.sleep(0.3)
+        fired_at.append(time.monotonic())
+        if how == "shutdown":
+            mq.shutdown()
+        else:
+            ev.set()
+
+    t = threading.Thread(target=fire, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        if how == "shutdown":
+            obj = mq.dequeue(timeout=STEP)
+        else:
+            obj = mq.dequeue(timeout=STEP, cancel=ev, indefinite=how == "event-indefinite")
+    except BaseException as e:
+        outcome = (type(e).__name__, str(e))
+    else:
+        outcome = ("returned", describe(obj))
+    ended = time.monotonic()
+    t.join(STEP)
+    out.put(
+        (
+            "cancel",
+            {
+                "outcome": outcome,
+                "blocked_for": ended - t0,
+                "wake_latency": ended - fired_at[0] if fired_at else None,
+                "shutting_down": mq.shutting_down,
+            },
+        )
+    )
+    if how != "shutdown":
+        # A cancelled dequeue loses nothing: the next message still arrives.
+        out.put(("got", mq.dequeue(timeout=STEP)))
+
+
+def zero_copy_reader(out: Any, handle: Handle, rank: int, commands: Any) -> None:
+    """Obey ("read", nbytes) / "release" / "exit" commands: report the first nbytes of
+    the chunk from acquire_read while still inside it, leave it on "release"."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("ready", rank))
+    while True:
+        cmd = commands.get(timeout=STEP)
+        if cmd == "exit":
+            break
+        _, nbytes = cmd
+        with mq.acquire_read(timeout=STEP) as buf:
+            out.put(("inside", rank, bytes(buf[:nbytes]), len(buf)))
+            cmd = commands.get(timeout=STEP)
+            assert cmd == "release", cmd
+        out.put(("done", rank))
+
+
+def broadcast_reader(out: Any, handle: Handle, rank: int, n: int) -> None:
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("got", rank, [mq.broadcast_object() for _ in range(n)]))
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.levelno, record.getMessage()))
+
+
+def warning_reader(out: Any, handle: Handle, rank: int, env: dict[str, str]) -> None:
+    """With ``env`` set in this process, report what Python logging receives during a
+    dequeue(timeout=1) with nothing sent, then during one with indefinite=True."""
+    os.environ.update(env)  # before this process's first wait: the interval is read once
+    capture = _Records()
+    logging.getLogger().addHandler(capture)
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    results = {}
+    for label, kwargs in (("plain", {}), ("indefinite", {"indefinite": True})):
+        capture.records.clear()
+        t0 = time.monotonic()
+        try:
+            mq.dequeue(timeout=1.0, **kwargs)
+        except TimeoutError:
+            outcome = "TimeoutError"
+        else:
+            outcome = "returned"
+        results[label] = {"outcome": outcome, "elapsed": time.monotonic() - t0, "records": list(capture.records)}
+    out.put(("log", results))
+
+
+def warning_writer(out: Any, env: dict[str, str]) -> None:
+    """With ``env`` set in this process, report what Python logging receives while the
+    writer waits (timeout=1) for a chunk that no reader frees."""
+    os.environ.update(env)
+    capture = _Records()
+    logging.getLogger().addHandler(capture)
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=1)
+    mq.enqueue("fills the only chunk", timeout=STEP)
+    t0 = time.monotonic()
+    try:
+        mq.enqueue("waits for a reader", timeout=1.0)
+    except TimeoutError:
+        outcome = "TimeoutError"
+    else:
+        outcome = "returned"
+    out.put(("log", {"outcome": outcome, "elapsed": time.monotonic() - t0, "records": list(capture.records)}))
+
+
+def killed_reader(out: Any, handle: Handle, rank: int) -> None:
+    """Get ready, then sleep until killed."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("ready", rank))
+    time.sleep(STEP)
+    del mq
