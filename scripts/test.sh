@@ -14,6 +14,9 @@ cargo test --all-targets
 cargo test --doc
 cargo run --quiet --example broadcast
 
+step "Rust: loom model checks of the ring protocol and the sleep/wake handshake"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom
+
 step "Python: test environment in .venv"
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv

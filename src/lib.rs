@@ -10,6 +10,7 @@
 //! - [`transport`]: ZeroMQ publish/subscribe sockets and the ready handshake;
 //! - [`alloc`], [`storage`]: the object store's FIFO allocator and the store on it;
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
+//! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!
 //! ```no_run
@@ -25,6 +26,8 @@
 //! ```
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+#[cfg(not(loom))]
+pub mod admin;
 pub mod alloc;
 pub mod broadcast;
 pub mod doorbell;

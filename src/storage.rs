@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES, ID_MAX};
 use crate::error::{Error, Result};
+use crate::process::ProcessId;
 use crate::segment::{unique_name, Segment};
 
 /// "SHMQSTO1" little-endian: marks a finished object-store segment.
@@ -45,6 +46,26 @@ struct StoreHeader {
     version: u32,
     creator_pid: u32,
     capacity: u64,
+    creator_start_time: u64,
+}
+
+/// Occupancy, kept by the writer for `inspect` (in its own cache line at offset 64).
+#[repr(C, align(64))]
+struct StoreStats {
+    live_chunks: AtomicU64,
+    live_bytes: AtomicU64,
+    id_start: AtomicU32,
+    id_end: AtomicU32,
+}
+
+/// The store's occupancy as its writer last published it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreOccupancy {
+    pub live_chunks: u64,
+    /// Bytes from the oldest live chunk to the end of the newest.
+    pub live_bytes: u64,
+    pub id_start: u32,
+    pub id_end: u32,
 }
 
 /// A mapped store segment: the part of the ring every process can use (no allocator).
@@ -94,7 +115,9 @@ impl StoreSegment {
         unsafe {
             let h = base.as_ptr() as *mut StoreHeader;
             (*h).version = STORE_LAYOUT_VERSION;
-            (*h).creator_pid = std::process::id();
+            let me = ProcessId::current();
+            (*h).creator_pid = me.pid;
+            (*h).creator_start_time = me.start_time;
             (*h).capacity = capacity;
         }
         // SAFETY: RING_OFFSET < total.
@@ -165,6 +188,43 @@ impl StoreSegment {
     }
     pub fn creator_pid(&self) -> u32 {
         self.header().creator_pid
+    }
+    /// The process that created the segment.
+    pub fn creator(&self) -> ProcessId {
+        let h = self.header();
+        ProcessId {
+            pid: h.creator_pid,
+            start_time: h.creator_start_time,
+        }
+    }
+
+    fn stats(&self) -> &StoreStats {
+        // SAFETY: offset 64 < RING_OFFSET, inside the mapping, 64-aligned; only accessed
+        // atomically.
+        unsafe { &*(self.segment.as_ptr().add(64) as *const StoreStats) }
+    }
+
+    /// Occupancy as the writer last published it (for inspection).
+    pub fn occupancy(&self) -> StoreOccupancy {
+        let s = self.stats();
+        // Relaxed: statistics; the four values may be from slightly different moments.
+        StoreOccupancy {
+            live_chunks: s.live_chunks.load(Ordering::Relaxed),
+            live_bytes: s.live_bytes.load(Ordering::Relaxed),
+            id_start: s.id_start.load(Ordering::Relaxed),
+            id_end: s.id_end.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Publish the writer's occupancy (after each allocation, free or clear).
+    fn publish_occupancy(&self, a: &FifoAllocator) {
+        let s = self.stats();
+        // Relaxed: statistics for inspection; nothing is ordered by them.
+        s.live_chunks
+            .store(a.live().len() as u64, Ordering::Relaxed);
+        s.live_bytes.store(a.live_bytes(), Ordering::Relaxed);
+        s.id_start.store(a.id_start(), Ordering::Relaxed);
+        s.id_end.store(a.id_end(), Ordering::Relaxed);
     }
     /// Remove the segment's name now (see [`Segment::unlink`]).
     pub fn unlink(&self) -> Result<()> {
@@ -293,12 +353,13 @@ impl ChunkRing {
         if data_bytes == 0 {
             return Err(Error::InvalidArgument("Size must be greater than 0".into()));
         }
-        let chunk = self
+        let alloc = self
             .alloc
             .as_mut()
-            .ok_or_else(|| writer_only("allocate buffers"))?
-            .allocate(data_bytes)?;
+            .ok_or_else(|| writer_only("allocate buffers"))?;
+        let chunk = alloc.allocate(data_bytes)?;
         self.segment.write_header(&chunk);
+        self.segment.publish_occupancy(alloc);
         Ok(chunk)
     }
 
@@ -315,7 +376,7 @@ impl ChunkRing {
             .alloc
             .as_mut()
             .ok_or_else(|| writer_only("free buffers"))?;
-        Ok(alloc.free_while(nbytes, |c| {
+        let freed = alloc.free_while(nbytes, |c| {
             let h = ChunkHeader {
                 offset: c.address % segment.capacity(),
                 id: c.id,
@@ -328,7 +389,9 @@ impl ChunkRing {
                 segment.invalidate(c);
             }
             free
-        }))
+        });
+        segment.publish_occupancy(alloc);
+        Ok(freed)
     }
 
     /// Forget every chunk (writer only); handles issued before fail from now on, and
@@ -340,6 +403,7 @@ impl ChunkRing {
             .ok_or_else(|| writer_only("clear the buffer"))?;
         alloc.live().for_each(|c| self.segment.invalidate(c));
         alloc.clear();
+        self.segment.publish_occupancy(alloc);
         Ok(())
     }
 }

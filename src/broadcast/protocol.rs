@@ -12,10 +12,11 @@
 //!    never holds the writer back), then `written = 1` (Release: publishes the data).
 //!
 //! Reader `r`, for a chunk:
-//! 1. [`is_readable`]: `read[r] == 0`, then `written == 1`, both Acquire and in that
-//!    order. If `read[r]` shows the reset of a new round, its Release makes the earlier
-//!    `written = 0` visible, so the stale `written == 1` of the previous round can no
-//!    longer be seen and a half-written chunk is never taken as readable.
+//! 1. [`is_readable`]: `read[r] == 0`, then `written == 1`, both Acquire. The Acquire on
+//!    `written` is what makes the data visible (loom finds the race without it). Since
+//!    `publish` resets `read[r]` only after the fill, a reset seen here means the data is
+//!    complete; loading `read[r]` first keeps that true even for a writer that reset the
+//!    flags early, because its Release then makes the earlier `written = 0` visible.
 //! 2. use the data, then [`finish_read`]: `read[r] = 1` (Release).
 
 use crate::sync::{AtomicU8, Ordering};
@@ -57,7 +58,8 @@ pub fn publish(f: &impl ChunkFlags, dropped: impl Fn(usize) -> bool) {
 
 /// Whether reader `r` may read the chunk now.
 pub fn is_readable(f: &impl ChunkFlags, r: usize) -> bool {
-    // Acquire, and this load first: pairs with the Release reset in `publish`.
+    // Acquire, and this load first (see the module docs): pairs with the Release reset
+    // in `publish`.
     if f.read(r).load(Ordering::Acquire) != 0 {
         return false;
     }

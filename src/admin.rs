@@ -1,0 +1,234 @@
+//! Finding, describing and removing shmq segments: what `python -m shmq cleanup` and
+//! `python -m shmq inspect` do.
+//!
+//! Every segment shmq creates is named `shmq_*` in `/dev/shm` and records its creator
+//! (pid and start time) in its header. A segment whose creator is gone was left by a
+//! crash (a clean exit removes it) and can be removed; readers that still map it keep
+//! their mapping.
+
+use std::fmt::Write as _;
+
+use crate::broadcast::Ring;
+use crate::error::{Error, Result};
+use crate::process::ProcessId;
+use crate::segment::{Segment, NAME_PREFIX, SHM_DIR};
+use crate::storage::ChunkRing;
+
+/// What a segment is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentKind {
+    Ring,
+    Store,
+    /// Not (or not yet) a finished shmq segment of this version.
+    Unknown,
+}
+
+impl SegmentKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SegmentKind::Ring => "broadcast ring",
+            SegmentKind::Store => "object store",
+            SegmentKind::Unknown => "unknown",
+        }
+    }
+}
+
+/// One shmq segment in `/dev/shm`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentReport {
+    pub name: String,
+    pub size: u64,
+    pub kind: SegmentKind,
+    /// From the header, or for an unreadable segment the pid in its name.
+    pub creator: Option<ProcessId>,
+    pub creator_alive: bool,
+}
+
+/// The pid in a name made by [`crate::segment::unique_name`]: `shmq_<kind>_<pid>_<hex>`.
+fn pid_from_name(name: &str) -> Option<u32> {
+    name.strip_prefix(NAME_PREFIX)?
+        .split('_')
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn report(name: &str, size: u64) -> SegmentReport {
+    let (kind, creator) = if let Ok(ring) = Ring::open(name) {
+        (SegmentKind::Ring, Some(ring.creator()))
+    } else if let Ok(store) = ChunkRing::open(name, None) {
+        (SegmentKind::Store, Some(store.segment().creator()))
+    } else {
+        // start_time 0: only the pid can be checked.
+        (
+            SegmentKind::Unknown,
+            pid_from_name(name).map(|pid| ProcessId { pid, start_time: 0 }),
+        )
+    };
+    // A creator we cannot name is treated as alive: never remove what we cannot judge.
+    let creator_alive = creator.is_none_or(|c| c.is_alive());
+    SegmentReport {
+        name: name.to_owned(),
+        size,
+        kind,
+        creator,
+        creator_alive,
+    }
+}
+
+/// Every shmq segment on this machine (in this container's `/dev/shm`).
+pub fn list_segments() -> Result<Vec<SegmentReport>> {
+    let dir = std::fs::read_dir(SHM_DIR).map_err(|e| Error::os(format!("listing {SHM_DIR}"), e))?;
+    let mut out: Vec<SegmentReport> = dir
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| {
+            let name = entry.file_name().into_string().ok()?;
+            let size = entry.metadata().ok()?.len();
+            name.starts_with(NAME_PREFIX).then(|| report(&name, size))
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Remove the segments whose creator has died (only list them if `dry_run`). Returns
+/// those segments.
+pub fn remove_orphans(dry_run: bool) -> Result<Vec<SegmentReport>> {
+    let orphans: Vec<SegmentReport> = list_segments()?
+        .into_iter()
+        .filter(|s| !s.creator_alive)
+        .collect();
+    if !dry_run {
+        for s in &orphans {
+            match std::fs::remove_file(format!("{SHM_DIR}/{}", s.name)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::os(format!("removing {SHM_DIR}/{}", s.name), e)),
+            }
+        }
+    }
+    Ok(orphans)
+}
+
+fn describe_process(p: Option<ProcessId>) -> String {
+    match p {
+        None => "nobody".to_owned(),
+        Some(p) => format!(
+            "pid {} ({})",
+            p.pid,
+            if p.is_alive() { "alive" } else { "dead" }
+        ),
+    }
+}
+
+/// A human-readable description of a live segment's state.
+pub fn describe(name: &str) -> Result<String> {
+    let mut out = String::new();
+    if let Ok(ring) = Ring::open(name) {
+        let w = ring.slot_info(None)?;
+        let _ = writeln!(
+            out,
+            "{name}: broadcast ring, {} readers, {} chunks of {} bytes\ncreator: {}\nwriter: {}, {} messages written, {} sent over the overflow socket",
+            ring.n_reader(),
+            ring.max_chunks(),
+            ring.max_chunk_bytes(),
+            describe_process(Some(ring.creator())),
+            describe_process(w.process),
+            w.messages,
+            ring.overflow_count(),
+        );
+        for r in 0..ring.n_reader() {
+            let s = ring.slot_info(Some(r))?;
+            let dropped = if s.dropped {
+                ", dropped by the writer"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                out,
+                "reader {r}: {}, {} messages read{dropped}",
+                describe_process(s.process),
+                s.messages
+            );
+        }
+        for i in 0..ring.max_chunks() {
+            let flags = ring.metadata(i)?;
+            let read: Vec<String> = (0..ring.n_reader())
+                .filter(|&r| flags[1 + r] == 1)
+                .map(|r| r.to_string())
+                .collect();
+            let state = if flags[0] == 0 {
+                "empty or being written".to_owned()
+            } else {
+                format!("written, read by [{}]", read.join(", "))
+            };
+            let _ = writeln!(out, "chunk {i}: {state}");
+        }
+        return Ok(out);
+    }
+    if let Ok(store) = ChunkRing::open(name, None) {
+        let seg = store.segment();
+        let o = seg.occupancy();
+        let pct = 100.0 * o.live_bytes as f64 / seg.capacity().max(1) as f64;
+        let _ = writeln!(
+            out,
+            "{name}: object store, {} bytes\ncreator: {}\nlive: {} chunks, {} bytes ({pct:.1}% of the ring), ids {}..{}",
+            seg.capacity(),
+            describe_process(Some(seg.creator())),
+            o.live_chunks,
+            o.live_bytes,
+            o.id_start,
+            o.id_end,
+        );
+        return Ok(out);
+    }
+    // Neither: say why (missing, not shmq's, another layout version...).
+    Ring::open(name).map(|_| ())?;
+    let _ = Segment::open(name)?;
+    Err(Error::BadSegment {
+        name: name.to_owned(),
+        reason: "it is not a shmq segment".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::segment::unique_name;
+
+    #[test]
+    fn names_carry_the_creator_pid() {
+        assert_eq!(
+            pid_from_name(&unique_name("ring")),
+            Some(std::process::id())
+        );
+        assert_eq!(pid_from_name("shmq_ring_x_1"), None);
+        assert_eq!(pid_from_name("other"), None);
+    }
+
+    #[test]
+    fn live_segments_are_listed_and_kept() {
+        let ring = Ring::create(2, 64, 2).unwrap();
+        let store = ChunkRing::create(4096, None).unwrap();
+        let all = list_segments().unwrap();
+        let find = |n: &str| all.iter().find(|s| s.name == n).cloned().unwrap();
+        let r = find(ring.name());
+        assert_eq!((r.kind, r.creator_alive), (SegmentKind::Ring, true));
+        assert_eq!(r.creator.unwrap().pid, std::process::id());
+        assert_eq!(find(store.segment().name()).kind, SegmentKind::Store);
+        let orphans = remove_orphans(true).unwrap();
+        assert!(orphans
+            .iter()
+            .all(|s| s.name != ring.name() && s.name != store.segment().name()));
+        assert!(describe(ring.name())
+            .unwrap()
+            .contains("broadcast ring, 2 readers, 2 chunks of 64 bytes"));
+        assert!(describe(store.segment().name())
+            .unwrap()
+            .contains("object store, 4096 bytes"));
+        assert!(matches!(
+            describe("shmq_missing_1_2"),
+            Err(Error::SegmentNotFound { .. })
+        ));
+    }
+}

@@ -1,0 +1,185 @@
+//! Model checks (loom) of the two cross-process protocols:
+//! - the ring's chunk flags: no reader sees a half-written or stale chunk, the writer
+//!   never overwrites a chunk a reader has not finished (loom's cell checks), messages
+//!   are read in order;
+//! - the doorbell's sleep/wake handshake: no lost wake-up (a lost one is a deadlock here,
+//!   since the model futex sleeps without a timeout).
+//!
+//! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom`
+//! (scripts/test.sh does). Without `--cfg loom` this file compiles to nothing.
+#![cfg(loom)]
+
+use std::time::Duration;
+
+use loom::cell::UnsafeCell;
+use loom::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use loom::sync::{Arc, Condvar, Mutex};
+use loom::thread;
+
+use shmq::broadcast::protocol::{self, ChunkFlags};
+use shmq::doorbell::{Doorbell, Futex};
+
+/// One chunk shared by a writer and `N` readers; the payload is a loom cell, so loom
+/// reports any write that is not ordered after every read of the previous message (and
+/// the other way round).
+struct Chunk<const N: usize> {
+    written: AtomicU8,
+    read: [AtomicU8; N],
+    payload: UnsafeCell<(u32, u32)>,
+}
+
+impl<const N: usize> Chunk<N> {
+    fn new() -> Self {
+        Chunk {
+            written: AtomicU8::new(0),
+            read: std::array::from_fn(|_| AtomicU8::new(0)),
+            payload: UnsafeCell::new((0, 0)),
+        }
+    }
+}
+
+impl<const N: usize> ChunkFlags for Chunk<N> {
+    fn n_reader(&self) -> usize {
+        N
+    }
+    fn written(&self) -> &AtomicU8 {
+        &self.written
+    }
+    fn read(&self, reader: usize) -> &AtomicU8 {
+        &self.read[reader]
+    }
+}
+
+fn never_dropped(_: usize) -> bool {
+    false
+}
+
+/// Poll `ready` a few times, yielding in between. The flag model checks safety (what is
+/// read is whole and current, the writer never overwrites unread data), not progress
+/// (`doorbell_loses_no_wake_up` covers waking up): a thread that gives up just ends that
+/// execution. Unbounded spin loops would make loom's paths endless.
+fn eventually(mut ready: impl FnMut() -> bool) -> bool {
+    for _ in 0..3 {
+        if ready() {
+            return true;
+        }
+        thread::yield_now();
+    }
+    ready()
+}
+
+/// loom's defaults, widened for spin loops: longer paths, and at most `preemptions`
+/// preemptions per execution (bugs of this kind need few; three threads with spin loops
+/// and a bound of 3 take far too long to explore).
+fn model(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    builder.max_branches = 100_000;
+    builder.preemption_bound = Some(preemptions);
+    builder.check(f);
+}
+
+fn flag_protocol<const N: usize>(messages: u32, preemptions: usize) {
+    model(preemptions, move || {
+        let chunk = Arc::new(Chunk::<N>::new());
+        let readers: Vec<_> = (0..N)
+            .map(|r| {
+                let chunk = chunk.clone();
+                thread::spawn(move || {
+                    for k in 1..=messages {
+                        if !eventually(|| protocol::is_readable(&*chunk, r)) {
+                            return;
+                        }
+                        // SAFETY (model): loom checks this read is not concurrent with a write.
+                        let got = chunk.payload.with(|p| unsafe { *p });
+                        assert_eq!(got, (k, k), "reader {r} saw a half-written or stale chunk");
+                        protocol::finish_read(&*chunk, r);
+                    }
+                })
+            })
+            .collect();
+        for k in 1..=messages {
+            if !eventually(|| protocol::is_free(&*chunk, never_dropped)) {
+                break;
+            }
+            protocol::begin_write(&*chunk);
+            // Two separate writes: a reader seeing only one of them would be caught.
+            chunk.payload.with_mut(|p| unsafe { (*p).0 = k });
+            chunk.payload.with_mut(|p| unsafe { (*p).1 = k });
+            protocol::publish(&*chunk, never_dropped);
+        }
+        for r in readers {
+            r.join().unwrap();
+        }
+    });
+}
+
+#[test]
+fn one_reader_three_messages_wrap_around() {
+    flag_protocol::<1>(3, 3);
+}
+
+#[test]
+fn two_readers_two_messages() {
+    flag_protocol::<2>(2, 3);
+}
+
+/// A futex as the kernel provides it: the value check and going to sleep are atomic with
+/// respect to wakes (a lock stands in for the kernel's hash-bucket lock). No timeouts: a
+/// lost wake-up leaves the sleeper blocked and loom reports the deadlock.
+struct ModelFutex {
+    wakes: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl Futex for &ModelFutex {
+    fn wait(&self, word: &AtomicU32, expected: u32, _timeout: Option<Duration>) {
+        let mut wakes = self.wakes.lock().unwrap();
+        if word.load(Ordering::SeqCst) != expected {
+            return;
+        }
+        let seen = *wakes;
+        while *wakes == seen {
+            wakes = self.cv.wait(wakes).unwrap();
+        }
+    }
+    fn wake_all(&self, _word: &AtomicU32) {
+        *self.wakes.lock().unwrap() += 1;
+        self.cv.notify_all();
+    }
+}
+
+#[test]
+fn doorbell_loses_no_wake_up() {
+    model(3, || {
+        let seq = Arc::new(AtomicU32::new(0));
+        let sleepers = Arc::new(AtomicU32::new(0));
+        let data = Arc::new(AtomicU8::new(0));
+        let futex = Arc::new(ModelFutex {
+            wakes: Mutex::new(0),
+            cv: Condvar::new(),
+        });
+
+        let publisher = {
+            let (seq, sleepers, data, futex) =
+                (seq.clone(), sleepers.clone(), data.clone(), futex.clone());
+            thread::spawn(move || {
+                // What the writer does on commit: publish, then ring.
+                data.store(1, Ordering::Release);
+                Doorbell {
+                    seq: &seq,
+                    sleepers: &sleepers,
+                    futex: &*futex,
+                }
+                .ring();
+            })
+        };
+        // What a waiting reader does once its spin and yield windows are over.
+        let bell = Doorbell {
+            seq: &seq,
+            sleepers: &sleepers,
+            futex: &*futex,
+        };
+        while !bell.sleep(|| data.load(Ordering::Acquire) == 1, None) {}
+        publisher.join().unwrap();
+    });
+}
