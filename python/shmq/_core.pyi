@@ -8,6 +8,20 @@ segment_prefix: str
 _RingTuple = tuple[int, int, int, str]
 _HandleTuple = tuple[list[int], Optional[_RingTuple], Optional[str], Optional[str], bool]
 
+class PeerDiedError(RuntimeError):
+    """A process on the other side of a queue died."""
+
+_SegmentReport = tuple[str, int, str, Optional[int], bool]
+
+def list_segments() -> list[_SegmentReport]:
+    """Every shmq segment in /dev/shm: ``(name, size, kind, creator pid, creator alive)``."""
+
+def remove_orphans(dry_run: bool = False) -> list[_SegmentReport]:
+    """Remove (or only list) the segments whose creator has died."""
+
+def describe_segment(name: str) -> str:
+    """A human-readable description of a segment's state."""
+
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's address)."""
 

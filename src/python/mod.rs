@@ -7,8 +7,10 @@
 //! - `ChunkRing`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
 //!   `ObjectStorage`);
 //! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
-//! - `default_connect_ip()`, `segment_prefix`.
+//! - `list_segments()`, `remove_orphans()`, `describe_segment()`: cleanup and inspection;
+//! - `default_connect_ip()`, `segment_prefix`, `PeerDiedError`.
 
+mod admin;
 mod broadcast;
 mod errors;
 mod storage;
@@ -34,6 +36,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
+    m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(admin::remove_orphans, m)?)?;
+    m.add_function(wrap_pyfunction!(admin::describe_segment, m)?)?;
     m.add("PeerDiedError", m.py().get_type::<errors::PeerDiedError>())?;
     m.add("segment_prefix", crate::segment::NAME_PREFIX)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

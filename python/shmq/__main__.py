@@ -1,0 +1,54 @@
+"""``python -m shmq COMMAND``: shmq's command line.
+
+Each subcommand is an object (a module or a class) that provides
+``add_arguments(parser)`` and ``main(args) -> exit code``; register it in
+:data:`COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from . import admin, bench
+
+#: name -> (module with add_arguments/main, one-line help)
+COMMANDS = {
+    "bench": (bench, "latency and throughput of shmq's queue next to multiprocessing.Queue and pyzmq"),
+    "cleanup": (admin.CleanupCommand, "remove segments left in /dev/shm by crashed processes"),
+    "inspect": (admin.InspectCommand, "show a live queue's or store's state (or list all segments)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m shmq",
+        description="shmq: shared-memory IPC for model-serving engines.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        # The description is the first paragraph of the module's docstring.
+        description = (module.__doc__ or help_text).strip().split("\n\n")[0]
+        sub = commands.add_parser(name, help=help_text, description=description)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.main)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# Guarded: "spawn" children re-import this module as __mp_main__.
+if __name__ == "__main__":
+    sys.exit(main())
