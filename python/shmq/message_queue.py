@@ -137,8 +137,10 @@ class MessageQueue:
     Beyond the engines' API:
 
     - ``spin_us`` / ``yield_us``: how long a blocked call spins, then yields the CPU,
-      before it sleeps on a futex in the segment (defaults 50 µs and 1000 µs, or the
-      ``SHMQ_SPIN_US`` / ``SHMQ_YIELD_US`` environment variables). An idle reader costs
+      before it sleeps on a futex in the segment. Defaults: spin 50 µs if the writer
+      and the local readers each have a core, else not at all (spinning processes would
+      take the cores the others need); yield 50 µs. The ``SHMQ_SPIN_US`` /
+      ``SHMQ_YIELD_US`` environment variables set other defaults. An idle reader costs
       no CPU; the writer wakes sleepers only when there are any.
     - ``on_dead_reader``: when a local reader dies without reading a chunk the writer
       needs, the writer raises ``PeerDiedError`` naming it (``"raise"``, the default) or

@@ -33,8 +33,9 @@ pub struct QueueOptions {
     /// The IP remote readers connect to (default: this host's address, see
     /// [`default_connect_ip`]). Only used when there are remote readers.
     pub connect_ip: Option<String>,
-    /// How the writer waits for room (spin, yield, then sleep).
-    pub wait: WaitPolicy,
+    /// How the writer waits for room (spin, yield, then sleep); `None`: the default for
+    /// this many processes ([`WaitPolicy::for_processes`]).
+    pub wait: Option<WaitPolicy>,
     /// What the writer does when a local reader it waits for has died.
     pub on_dead_reader: DeadReaderPolicy,
 }
@@ -48,7 +49,7 @@ impl Default for QueueOptions {
             max_chunk_bytes: 10 * 1024 * 1024,
             max_chunks: 10,
             connect_ip: None,
-            wait: WaitPolicy::default(),
+            wait: None,
             on_dead_reader: DeadReaderPolicy::Raise,
         }
     }
@@ -305,7 +306,9 @@ impl Writer {
             n_remote_reader,
             handle,
             overflow_count: 0,
-            policy: opts.wait,
+            policy: opts
+                .wait
+                .unwrap_or_else(|| WaitPolicy::for_processes(opts.n_local_reader + 1)),
             canceller,
             _ctx: ctx,
         })
@@ -471,7 +474,11 @@ impl Reader {
     /// Join the queue of `handle` as the reader of rank `rank`: local if `rank` is in
     /// `handle.local_reader_ranks` (its reader index is the position there), else remote.
     pub fn open(handle: &Handle, rank: usize) -> Result<Reader> {
-        Self::open_with(handle, rank, WaitPolicy::default())
+        Self::open_with(
+            handle,
+            rank,
+            WaitPolicy::for_processes(handle.local_reader_ranks.len() + 1),
+        )
     }
 
     /// [`open`](Self::open), waiting as `policy` says in this reader's blocking calls.

@@ -8,7 +8,13 @@ use crate::admin::{self, SegmentReport};
 type ReportTuple = (String, u64, &'static str, Option<u32>, bool);
 
 fn tuple(s: SegmentReport) -> ReportTuple {
-    (s.name, s.size, s.kind.as_str(), s.creator.map(|c| c.pid), s.creator_alive)
+    (
+        s.name,
+        s.size,
+        s.kind.as_str(),
+        s.creator.map(|c| c.pid),
+        s.creator_alive,
+    )
 }
 
 /// Every shmq segment in /dev/shm.
@@ -21,7 +27,10 @@ pub fn list_segments() -> PyResult<Vec<ReportTuple>> {
 #[pyfunction]
 #[pyo3(signature = (dry_run=false))]
 pub fn remove_orphans(dry_run: bool) -> PyResult<Vec<ReportTuple>> {
-    Ok(admin::remove_orphans(dry_run)?.into_iter().map(tuple).collect())
+    Ok(admin::remove_orphans(dry_run)?
+        .into_iter()
+        .map(tuple)
+        .collect())
 }
 
 /// A human-readable description of a segment's state.

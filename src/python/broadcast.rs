@@ -193,7 +193,7 @@ impl Writer {
             max_chunk_bytes,
             max_chunks,
             connect_ip,
-            wait: wait_policy(spin_us, yield_us)?,
+            wait: Some(wait_policy(n_local_reader + 1, spin_us, yield_us)?),
             on_dead_reader,
         };
         let writer = CoreWriter::new(opts)?;
@@ -331,7 +331,7 @@ impl Reader {
             remote_subscribe_addr,
             remote_addr_ipv6,
         };
-        let policy = wait_policy(spin_us, yield_us)?;
+        let policy = wait_policy(handle.local_reader_ranks.len() + 1, spin_us, yield_us)?;
         let reader = CoreReader::open_with(&handle, rank, policy)?;
         Ok(Reader {
             canceller: reader.canceller(),

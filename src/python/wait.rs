@@ -47,10 +47,14 @@ pub(crate) struct Interrupts<'a, 'py> {
     pub policy: WaitPolicy,
 }
 
-/// A wait policy from the optional `spin_us` / `yield_us` arguments (defaults: the
-/// environment's, see `WaitPolicy::default`).
-pub(crate) fn wait_policy(spin_us: Option<f64>, yield_us: Option<f64>) -> PyResult<WaitPolicy> {
-    let d = WaitPolicy::default();
+/// A wait policy from the optional `spin_us` / `yield_us` arguments, for a ring used by
+/// `processes` processes (defaults: `WaitPolicy::for_processes`).
+pub(crate) fn wait_policy(
+    processes: usize,
+    spin_us: Option<f64>,
+    yield_us: Option<f64>,
+) -> PyResult<WaitPolicy> {
+    let d = WaitPolicy::for_processes(processes);
     let us = |v: Option<f64>, default: Duration, name: &str| match v {
         None => Ok(default),
         Some(x) if x.is_finite() && x >= 0.0 => Ok(Duration::from_secs_f64(x / 1e6)),
