@@ -67,23 +67,15 @@ impl WaitPolicy {
     /// the cores the others need: on 2 cores, 3 readers get ~4x fewer messages through),
     /// then yield for 50 µs. [`SPIN_US_ENV`] / [`YIELD_US_ENV`] override either.
     pub fn for_processes(processes: usize) -> WaitPolicy {
-        static ENV: OnceLock<(Option<Duration>, Option<Duration>)> = OnceLock::new();
-        let (spin, yield_for) = *ENV.get_or_init(|| {
-            (
-                env_duration(SPIN_US_ENV, micros),
-                env_duration(YIELD_US_ENV, micros),
-            )
+        // Computed once: `available_parallelism` reads cgroup files (~15 µs), and every
+        // blocking call starts from a policy.
+        static ENV: OnceLock<(Option<Duration>, Option<Duration>, usize)> = OnceLock::new();
+        let (spin, yield_for, cores) = *ENV.get_or_init(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (env_duration(SPIN_US_ENV, micros), env_duration(YIELD_US_ENV, micros), cores)
         });
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let default_spin = if processes > cores {
-            Duration::ZERO
-        } else {
-            Duration::from_micros(50)
-        };
-        WaitPolicy {
-            spin: spin.unwrap_or(default_spin),
-            yield_for: yield_for.unwrap_or(Duration::from_micros(50)),
-        }
+        let default_spin = if processes > cores { Duration::ZERO } else { Duration::from_micros(50) };
+        WaitPolicy { spin: spin.unwrap_or(default_spin), yield_for: yield_for.unwrap_or(Duration::from_micros(50)) }
     }
 }
 
