@@ -394,6 +394,42 @@ def _role_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *,
     return t_end
 
 
+def _role_idle_writer(transport: Transport, channels: Sequence[Any], barrier: Any, *, wakes: int, idle_s: float) -> int:
+    """``wakes`` times: stay idle for ``idle_s`` seconds, then send the send time; ends
+    with ``None``."""
+    out = transport.open_writer(channels[0])
+    out.ready()
+    _sync(barrier)
+    for _ in range(wakes):
+        time.sleep(idle_s)
+        out.io(_now_ns())
+    out.io(None)
+    _sync(barrier)
+    out.close()
+    return wakes
+
+
+def _role_idle_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *, wakes: int) -> dict:
+    """Block in receive while the writer is idle; returns this process's CPU time over
+    the whole wait (user + sys, ``os.times``), the wall time, and each wake-up latency."""
+    inbox = transport.open_reader(channels[0], 0)
+    inbox.ready()
+    _sync(barrier)
+    recv = inbox.io
+    latencies = []
+    t0, wall0 = os.times(), _now_ns()
+    for _ in range(wakes):
+        sent = recv()
+        latencies.append(_now_ns() - sent)
+    t1, wall1 = os.times(), _now_ns()
+    if recv() is not None:
+        raise RuntimeError("the idle reader expected the end mark")
+    _sync(barrier)
+    inbox.close()
+    cpu = (t1.user - t0.user) + (t1.system - t0.system)
+    return {"cpu": cpu, "wall": (wall1 - wall0) / 1e9, "latencies_ns": latencies}
+
+
 def _stack_file(workdir: str, pid: int) -> str:
     return os.path.join(workdir, f"{pid}.stack")
 
@@ -588,12 +624,14 @@ class Params:
     rounds: int  # ping-pong round trips measured
     warmup: int  # ping-pong round trips before measuring
     objects: int  # objects sent in the throughput scenarios
+    wakes: int = 10  # wake-ups from idle in the idle scenario
+    idle_s: float = 0.3  # seconds of idleness before each wake-up
 
 
 PRESETS = {
-    # DESIGN.md's counts, so the figures compare with its table; about 10-15 s here.
-    "default": Params(rounds=20_000, warmup=1_000, objects=50_000),
-    "quick": Params(rounds=5_000, warmup=500, objects=10_000),
+    # DESIGN.md's counts, so the figures compare with its table; about 20 s here.
+    "default": Params(rounds=20_000, warmup=1_000, objects=50_000, wakes=10, idle_s=0.3),
+    "quick": Params(rounds=5_000, warmup=500, objects=10_000, wakes=5, idle_s=0.2),
 }
 
 
@@ -654,6 +692,22 @@ def _bench_throughput(harness: Harness, transport: Transport, params: Params, *,
     return {"rate": n / ((max(t_ends) - t0) / 1e9)}
 
 
+def _bench_idle(harness: Harness, transport: Transport, params: Params) -> dict[str, float]:
+    """A reader blocked while its writer is idle: its CPU use (os.times, user + sys, over
+    ``wakes`` idle stretches of ``idle_s`` s) and how long a message sent after each
+    stretch takes to arrive."""
+    channels = (harness.channel(transport, 1),)
+    kwargs = {"wakes": params.wakes}
+    jobs = [Job(_role_idle_writer, channels, {**kwargs, "idle_s": params.idle_s}), Job(_role_idle_reader, channels, kwargs)]
+    _, reader = harness.run(transport, jobs)
+    wake_us = sorted(ns / 1000 for ns in reader["latencies_ns"])
+    return {
+        "cpu_pct": 100 * reader["cpu"] / max(reader["wall"], 1e-9),
+        "wake_p50": _percentile(wake_us, 50),
+        "wake_p99": _percentile(wake_us, 99),
+    }
+
+
 def _time_per_call_us(fn: Callable[[], Any], calls: int, batch: int = 100) -> float:
     """Median time of one ``fn()`` in µs, over batches of ``batch`` calls (timing each
     batch, so the clock itself is not what is measured)."""
@@ -682,6 +736,57 @@ def _floor_pickle(params: Params) -> dict[str, float]:
     }
 
 
+def _floor_store(params: Params) -> dict[str, float]:
+    """shmq's object store in this process (MsgpackSerde): put and get of the small
+    object, then put and get of a 4 MiB float32 tensor (numpy array without torch)."""
+    from shmq import ObjectStorage, RingBuffer
+
+    class _NoLock:
+        # A reader_lock makes the writer's own gets count as reads, so objects can be
+        # evicted as the loop goes (the store needs no lock; this one does nothing).
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    store = ObjectStorage(8 * MiB, 1, RingBuffer(256 * MiB, create=True), reader_lock=_NoLock())
+    n = min(params.objects, 20_000)
+    keys = iter([f"small-{i}" for i in range(10 * n + 100)])
+    handles = []
+    put_us = _time_per_call_us(lambda: handles.append(store.put(next(keys), SMALL_OBJECT)), n)
+    got = iter(handles)
+    get_us = _time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
+
+    try:
+        import torch
+
+        big = torch.rand(MiB)  # 1 Mi float32 = 4 MiB
+    except ImportError:
+        import numpy as np
+
+        big = np.random.rand(MiB).astype(np.float32)
+    # Rounds of 32 puts (128 MiB, half the ring) then their 32 gets, so every put finds
+    # room once the previous round has been read; the median round gives each rate.
+    put_rates, get_rates, clock = [], [], time.perf_counter_ns
+    for r in range(6):
+        t0 = clock()
+        round_handles = [store.put(f"big-{r}-{i}", big) for i in range(32)]
+        t1 = clock()
+        for h in round_handles:
+            store.get(*h)
+        t2 = clock()
+        put_rates.append(32 * 4 * MiB / (t1 - t0))  # bytes/ns = GB/s
+        get_rates.append(32 * 4 * MiB / (t2 - t1))
+    store.clear()
+    return {
+        "put_us": put_us,
+        "get_us": get_us,
+        "big_put": statistics.median(put_rates),
+        "big_get": statistics.median(get_rates),
+    }
+
+
 SCENARIOS: list[Scenario] = [
     Scenario("latency", "one-way latency (ping-pong)", _bench_latency, [
         Metric("p50", "one-way latency, small object, p50", "us", False),
@@ -693,9 +798,20 @@ SCENARIOS: list[Scenario] = [
     Scenario("throughput3", "throughput, 3 readers", partial(_bench_throughput, n_readers=3), [
         Metric("rate", "throughput, small objects, 3 readers", "obj/s", True),
     ]),
+    Scenario("idle", "idle reader", _bench_idle, [
+        Metric("cpu_pct", "idle reader: CPU while blocked", "%", False),
+        Metric("wake_p50", "idle reader: wake-up latency, p50", "us", False),
+        Metric("wake_p99", "idle reader: wake-up latency, p99", "us", False),
+    ]),
 ]
 
 FLOORS: list[Floor] = [
+    Floor("store", "object store", _floor_store, [
+        Metric("put_us", "object store: put, small object", "us", False),
+        Metric("get_us", "object store: get, small object", "us", False),
+        Metric("big_put", "object store: put, 4 MiB float32 tensor", "GB/s", True),
+        Metric("big_get", "object store: get, 4 MiB float32 tensor", "GB/s", True),
+    ]),
     Floor("pickle", "pickle only", _floor_pickle, [
         Metric("serial_us", "pickle only: dumps+loads, per object", "us", False),
         Metric("serial_rate", "pickle only: dumps+loads, rate", "obj/s", True),
@@ -860,6 +976,10 @@ def _format_value(value: Optional[float], unit: str) -> str:
         return f"{value:.2f} µs" if value < 100 else f"{value:.0f} µs"
     if unit == "obj/s":
         return f"{value / 1000:,.0f} k/s" if value >= 10_000 else f"{value / 1000:.2f} k/s"
+    if unit == "%":
+        return f"{value:.2f} %"
+    if unit == "GB/s":
+        return f"{value:.1f} GB/s"
     return f"{value:.3g} {unit}"
 
 
@@ -869,7 +989,8 @@ def _format_ratio(row: Row, a: str, b: str) -> str:
     if not va or not vb:
         return ""
     ratio = va / vb if row.higher_is_better else vb / va
-    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+    better, worse = ("less", "more") if row.unit == "%" else ("faster", "slower")
+    return f"{ratio:.1f}x {better}" if ratio >= 1 else f"{1 / ratio:.1f}x {worse}"
 
 
 def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "shmq") -> str:

@@ -17,6 +17,7 @@ import logging
 import pickle
 import struct
 import sys
+import threading
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Union
 
@@ -29,16 +30,23 @@ logger = logging.getLogger(__name__)
 Buffer = Union[bytes, bytearray, memoryview]
 
 _COUNT = struct.Struct("<I")
+_ONE_PART = struct.Struct("<IQ")
 
 
 def _frame(parts: list[Buffer]) -> bytes:
     """Metadata for ``parts``: their count, then each length."""
+    if len(parts) == 1 and type(parts[0]) is bytes:  # the common case, made cheap
+        return _ONE_PART.pack(1, len(parts[0]))
     return _COUNT.pack(len(parts)) + struct.pack(f"<{len(parts)}Q", *[memoryview(p).nbytes for p in parts])
 
 
 def _unframe(view: memoryview) -> list[memoryview]:
     """The parts framed by ``_frame``, as views into ``view``."""
     (n,) = _COUNT.unpack_from(view, 0)
+    if n == 1 and len(view) >= _ONE_PART.size:
+        length = _ONE_PART.unpack_from(view, 0)[1]
+        if _ONE_PART.size + length <= len(view):
+            return [view[_ONE_PART.size : _ONE_PART.size + length]]
     if n > (len(view) - 4) // 8:
         raise ValueError("corrupt object: bad part count")
     lengths = struct.unpack_from(f"<{n}Q", view, 4)
@@ -135,8 +143,10 @@ class ObjectSerde(ABC):
 
 def _result(parts: list[Buffer]) -> tuple[Union[Buffer, list[Buffer]], int, bytes, int]:
     metadata = _frame(parts)
+    if len(parts) == 1 and type(parts[0]) is bytes:
+        return parts[0], len(parts[0]), metadata, len(metadata)
     nbytes = sum(memoryview(p).nbytes for p in parts)
-    return (parts[0] if len(parts) == 1 else parts), nbytes, metadata, len(metadata)
+    return parts, nbytes, metadata, len(metadata)
 
 
 class _OutOfBandPickler(pickle.Pickler):
@@ -198,6 +208,9 @@ class MsgpackSerde(ObjectSerde):
 
     _registry: dict[type, tuple[int, Callable[[Any], bytes]]] = {}
     _decoders: dict[int, Callable[[bytes], Any]] = {}
+
+    def __init__(self) -> None:
+        self._encoders = threading.local()
     @classmethod
     def register(cls, type_: type, code: int, encode: Callable[[Any], bytes], decode: Callable[[bytes], Any]) -> None:
         """Store instances of ``type_`` (exactly that type) as ``encode(obj)`` bytes under
@@ -210,43 +223,60 @@ class MsgpackSerde(ObjectSerde):
         cls._decoders[code] = decode
 
     def serialize(self, value: Any) -> tuple[Union[Buffer, list[Buffer]], int, bytes, int]:
-        buffers: list[Buffer] = []
-
-        def default(obj: Any) -> msgpack.ExtType:
-            kind = type(obj)
-            if kind is tuple:
-                return msgpack.ExtType(_EXT_TUPLE, pack(list(obj)))
-            registered = self._registry.get(kind)
-            if registered is not None:
-                return msgpack.ExtType(registered[0], registered[1](obj))
-            raw = _tensor_raw(obj)
-            if raw is not None:
-                buffers.append(raw[2])
-                return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([raw[0], raw[1], len(buffers)]))
-            raw = _array_raw(obj)
-            if raw is not None:
-                buffers.append(raw[2])
-                return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb([raw[0], raw[1], len(buffers)]))
-            return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=5))
-
-        def pack(obj: Any) -> bytes:
-            return msgpack.packb(obj, default=default, use_bin_type=True, strict_types=True)
-
-        try:
-            tree = pack(value)
-        except (OverflowError, TypeError, ValueError):
-            # msgpack refused a leaf it handles itself (e.g. an int over 64 bits): pickle all.
-            buffers.clear()
-            tree = msgpack.packb(msgpack.ExtType(_EXT_PICKLE, pickle.dumps(value, protocol=5)))
-        return _result([tree, *buffers])
+        encoder = getattr(self._encoders, "encoder", None)
+        if encoder is None:
+            encoder = self._encoders.encoder = _MsgpackEncoder(self._registry)
+        return _result(encoder.encode(value))
 
     def deserialize(self, data_view: memoryview) -> Any:
         tree, *raws = _unframe(data_view)
+        if not raws:
+            return _PLAIN_DECODER.unpack(tree)
         try:
             return _MsgpackDecoder(raws, self._decoders).unpack(tree)
         finally:
             # The parts are views of shared memory: let none outlive this call.
             raws.clear()
+
+
+class _MsgpackEncoder:
+    """Encodes values for one thread: a reused ``msgpack.Packer`` (cheaper than
+    ``packb``) whose ``default`` collects the raw segments of the value being encoded."""
+
+    def __init__(self, registry: dict[type, tuple[int, Callable[[Any], bytes]]]):
+        self.registry = registry
+        self.buffers: list[Buffer] = []
+        self.packer = msgpack.Packer(default=self.default, use_bin_type=True, strict_types=True)
+
+    def encode(self, value: Any) -> list[Buffer]:
+        """``[tree, *raw segments]``."""
+        self.buffers = []
+        try:
+            tree = self.packer.pack(value)
+        except (OverflowError, TypeError, ValueError):
+            # msgpack refused a leaf it handles itself (e.g. an int over 64 bits): pickle all.
+            self.packer.reset()
+            self.buffers = []
+            tree = msgpack.packb(msgpack.ExtType(_EXT_PICKLE, pickle.dumps(value, protocol=5)))
+        return [tree, *self.buffers]
+
+    def default(self, obj: Any) -> msgpack.ExtType:
+        kind = type(obj)
+        if kind is tuple:
+            # A packer of its own: `self.packer` is in the middle of a pack.
+            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=self.default, use_bin_type=True, strict_types=True))
+        registered = self.registry.get(kind)
+        if registered is not None:
+            return msgpack.ExtType(registered[0], registered[1](obj))
+        raw = _tensor_raw(obj)
+        if raw is not None:
+            self.buffers.append(raw[2])
+            return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([raw[0], raw[1], len(self.buffers)]))
+        raw = _array_raw(obj)
+        if raw is not None:
+            self.buffers.append(raw[2])
+            return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb([raw[0], raw[1], len(self.buffers)]))
+        return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=5))
 
 
 class _MsgpackDecoder:
@@ -272,3 +302,7 @@ class _MsgpackDecoder:
         if decode is None:
             raise ValueError(f"unknown msgpack extension code {code}: register its type with MsgpackSerde.register")
         return decode(data)
+
+
+#: Decodes objects without raw segments (the common small case) without a new decoder.
+_PLAIN_DECODER = _MsgpackDecoder([], MsgpackSerde._decoders)
