@@ -26,3 +26,6 @@ fi
 
 step "Python: pytest"
 .venv/bin/python -m pytest -q
+
+step "Python: the README's example"
+.venv/bin/python examples/broadcast.py
