@@ -126,12 +126,16 @@ class Children:
         assert msg[0] == tag, f"expected a {tag!r} report, got {msg!r:.500}"
         return msg
 
-    def join(self, timeout: float = STEP) -> None:
-        """Wait for every child to exit and check that each exited cleanly."""
+    def exit_codes(self, timeout: float = STEP) -> dict[int, int | None]:
+        """Wait for every child to exit; their exit codes by pid (None: still running)."""
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        codes = {p.pid: p.exitcode for p in self.procs}
+        return {p.pid: p.exitcode for p in self.procs}
+
+    def join(self, timeout: float = STEP) -> None:
+        """Wait for every child to exit and check that each exited cleanly."""
+        codes = self.exit_codes(timeout)
         assert all(c == 0 for c in codes.values()), f"child exit codes (pid: code): {codes}"
 
     def close(self) -> None:

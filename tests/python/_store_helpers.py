@@ -4,16 +4,15 @@ other processes, and the tools to run it.
 Children are started with the multiprocessing "spawn" context, which pickles a child's
 target by reference, so every child entry point lives at module level here. A child
 reports through a ``multiprocessing`` queue: one ``(tag, ...)`` tuple per report, or
-``("child-error", pid, traceback)`` if it raised, so that a failure inside a child shows
+``("error", pid, traceback)`` if it raised, so that a failure inside a child shows
 up in the test with the child's traceback instead of as a bare exit code.
 
 Readers open the store from a *pickled* handle (``pickle.dumps(store.handle())`` or
 ``pickle.dumps(ring.handle())``), as a real engine process would.
 
 Every blocking call has a timeout (``STEP``): a broken store fails the test instead of
-hanging it. This module is self-contained (it does not use the message-queue tests'
-helpers) and does not import torch: a child imports it only when it deserializes a
-tensor.
+hanging it. The child-process manager is the queue tests' (``_processes``). This module
+does not import torch: a child imports it only when it deserializes a tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import traceback
 from typing import Any, Callable
 
 import numpy as np
+import pytest
 
 from shmq import MsgpackSerde, ObjectSerde, ObjectStorage, RingBuffer
 
@@ -123,72 +123,10 @@ def leftovers(before: set[str], timeout: float = 3.0) -> set[str]:
 # Children
 
 
-def _child_main(target: Callable[..., None], out: Any, args: tuple) -> None:
-    try:
-        target(out, *args)
-    except BaseException:
-        out.put(("child-error", os.getpid(), traceback.format_exc()))
-        out.close()
-        out.join_thread()
-        sys.exit(1)
-    out.close()
-    out.join_thread()
-
-
-class ChildFailed(AssertionError):
-    pass
-
-
-class Children:
-    """The child processes of one test: ``close()`` joins them and kills stragglers."""
-
-    def __init__(self) -> None:
-        self.procs: list[Any] = []
-        self.queues: list[Any] = []
-
-    def queue(self) -> Any:
-        q = CTX.Queue()
-        self.queues.append(q)
-        return q
-
-    def start(self, target: Callable[..., None], out: Any, *args: Any) -> Any:
-        p = CTX.Process(target=_child_main, args=(target, out, args), daemon=True)
-        p.start()
-        CHILD_PIDS.add(p.pid)
-        self.procs.append(p)
-        return p
-
-    @staticmethod
-    def receive(out: Any, timeout: float = STEP) -> tuple:
-        try:
-            msg = out.get(timeout=timeout)
-        except queue.Empty:
-            raise ChildFailed(f"no report from the child process(es) within {timeout} s") from None
-        if msg[0] == "child-error":
-            raise ChildFailed(f"child process {msg[1]} failed:\n{msg[2]}")
-        return msg
-
-    def expect(self, out: Any, tag: str, timeout: float = STEP) -> tuple:
-        msg = self.receive(out, timeout)
-        assert msg[0] == tag, f"expected a {tag!r} report, got {msg!r:.800}"
-        return msg
-
-    def join(self, timeout: float = STEP) -> dict[int, int | None]:
-        """Wait for every child to exit; their exit codes by pid."""
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        return {p.pid: p.exitcode for p in self.procs}
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for q in self.queues:
-            q.close()
-            q.cancel_join_thread()
+# The child-process machinery is the queue tests' (``_processes``): children report
+# ``("error", pid, traceback)`` when they raise, which ``Children.receive`` turns into a
+# test failure.
+from _processes import ChildFailed, Children  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------------------------
@@ -624,3 +562,20 @@ class PartsSerde(ObjectSerde):
             out.append(bytes(data_view[at : at + length]).decode())
             at += length
         return out
+
+
+@pytest.fixture(autouse=True)
+def no_store_leftovers():
+    """No segment created by a test (in this process or a child) may stay in /dev/shm.
+    Test modules that import this fixture get it for every test."""
+    before = shm_segments()
+    yield
+    left = leftovers(before, timeout=0.2)
+    if left:
+        # A failed test's traceback (kept in sys.last_*) holds its locals, and so its
+        # stores; let it go so that only real leftovers are reported.
+        for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, attr):
+                setattr(sys, attr, None)
+        left = leftovers(before)
+    assert not left, f"shared memory segments left in /dev/shm: {sorted(left)}"

@@ -47,6 +47,7 @@ from _store_helpers import (
     shm_segments,
     store_reader,
     view_lifetime,
+    no_store_leftovers,  # noqa: F401 (an autouse fixture)
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -58,20 +59,6 @@ NOT_ENOUGH_SPACE = "Not enough space in the data buffer"
 # Fixtures and drivers
 
 
-@pytest.fixture(autouse=True)
-def no_store_leftovers():
-    """No segment created by this test (in this process or a child) may stay in /dev/shm."""
-    before = shm_segments()
-    yield
-    left = leftovers(before, timeout=0.2)
-    if left:
-        # A failed test's traceback (kept in sys.last_*) holds its locals, and so its
-        # stores; let it go so that only real leftovers are reported.
-        for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
-            if hasattr(sys, attr):
-                setattr(sys, attr, None)
-        left = leftovers(before)
-    assert not left, f"shared memory segments left in /dev/shm: {sorted(left)}"
 
 
 @pytest.fixture
@@ -465,7 +452,7 @@ def test_zero_copy_views_outlive_the_writer(kids):
     assert data == bytes(range(32))
     assert kept == bytes(range(32)) or kept[0] == "raised"
     assert not exists_after
-    assert kids.join() == {p.pid: 0 for p in kids.procs}
+    assert kids.exit_codes() == {p.pid: 0 for p in kids.procs}
 
 
 # ---------------------------------------------------------------------------------
@@ -794,7 +781,7 @@ def absurd_results():
                 started.pop(msg[1], None)
             elif msg[0] == "done":
                 done.add(msg[1])
-        codes = kids.join()
+        codes = kids.exit_codes()
         results["_exit_codes"] = codes
         results["_crashed_in"] = started
         return results

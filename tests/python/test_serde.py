@@ -37,6 +37,7 @@ from _store_helpers import (
     serde_service,
     shm_segments,
     tensor_bytes,
+    no_store_leftovers,  # noqa: F401 (an autouse fixture)
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,17 +52,6 @@ warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*deprecated.*")
 # Fixtures and drivers
 
 
-@pytest.fixture(autouse=True)
-def no_store_leftovers():
-    before = shm_segments()
-    yield
-    left = leftovers(before, timeout=0.2)
-    if left:
-        for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
-            if hasattr(sys, attr):
-                setattr(sys, attr, None)
-        left = leftovers(before)
-    assert not left, f"shared memory segments left in /dev/shm: {sorted(left)}"
 
 
 class Service:
