@@ -105,6 +105,8 @@ pub fn stale_object_message(address: impl std::fmt::Display, id: impl std::fmt::
     format!("Data for address:id '{address}:{id}' has been modified or is invalid.")
 }
 
+// The loom build leaves out the modules that use these.
+#[cfg_attr(loom, allow(dead_code))]
 impl Error {
     pub(crate) fn os(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Os {
