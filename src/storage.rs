@@ -159,7 +159,7 @@ impl StoreSegment {
             )));
         }
         let capacity = header.capacity;
-        if (segment.len() - RING_OFFSET) as u64 != capacity {
+        if (segment.len() - RING_OFFSET) as u64 != capacity || capacity <= HEADER_BYTES {
             return Err(bad("its header does not match its size".into()));
         }
         // SAFETY: RING_OFFSET < segment.len().
@@ -265,10 +265,7 @@ impl StoreSegment {
     /// The chunk header at `address`, checked to lie inside the ring.
     pub fn header_at(&self, address: u64) -> Result<ChunkHeader> {
         let offset = address % self.capacity;
-        let invalid = Error::StaleObject {
-            address,
-            id: u64::MAX,
-        };
+        let invalid = Error::InvalidArgument(format!("no chunk can be at address {address}"));
         // Chunks start 64-aligned, so anything else cannot be one.
         if offset % 64 != 0 || offset + HEADER_BYTES > self.capacity {
             return Err(invalid);
@@ -284,6 +281,12 @@ impl StoreSegment {
     }
 
     /// The id now stored in the header at `offset` (to re-check after using a chunk).
+    ///
+    /// With `invalidate` this is a seqlock: the writer stamps INVALID_ID, fences, then
+    /// may overwrite; the reader reads the payload, fences, then re-reads the id. The
+    /// payload accesses are plain, not atomic, so this relies on the fences ordering them
+    /// as the hardware does (the usual seqlock practice); it only matters for handles that
+    /// are stale or forged: the protocol never frees an object a reader has not read.
     fn id_at(&self, offset: u64) -> u32 {
         // Acquire fence: the payload reads before it complete before this load, so if the
         // id is unchanged the writer had not started reusing the chunk during those reads.
@@ -550,10 +553,14 @@ impl ObjectStore {
 }
 
 fn reader_count(data: &[u8]) -> u32 {
-    debug_assert!(data.len() >= COUNT_BYTES);
-    // SAFETY: chunk data starts 8 bytes after a 64-aligned offset, so it is 4-aligned,
-    // and every object chunk has at least COUNT_BYTES of data. Reader counts are only
-    // accessed atomically.
+    if data.len() < COUNT_BYTES {
+        // Not an object (a raw allocation through the ring's own API): nothing counts.
+        return 0;
+    }
+    // SAFETY: at least COUNT_BYTES long (checked above); chunk data starts 8 bytes after
+    // a 64-aligned offset, so it is 4-aligned. shmq accesses reader counts only
+    // atomically (a Python view from `access_buf` could write them: that changes the
+    // count, which only decides when the object may be evicted).
     let count = unsafe { &*(data.as_ptr() as *const AtomicU32) };
     // Acquire: pairs with the Release increment in `read_object`; the reader's use of
     // the payload happens before the writer frees (and later overwrites) it.
@@ -568,6 +575,12 @@ fn live_object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<C
     };
     // Ids are below 2**31; anything else (e.g. INVALID_ID of a freed chunk) names nothing.
     if id >= ID_MAX {
+        return Err(stale());
+    }
+    // Only ids the writer has issued and not freed can name an object: this catches
+    // a stale handle whose header position now lies inside another object's bytes.
+    let o = segment.occupancy();
+    if id.wrapping_sub(o.id_start) % ID_MAX >= o.id_end.wrapping_sub(o.id_start) % ID_MAX {
         return Err(stale());
     }
     let h = segment.header_at(address).map_err(|_| stale())?;

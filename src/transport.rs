@@ -12,7 +12,7 @@
 //! memory grow rather than lose messages (local readers are bounded by the ring).
 
 use crate::error::{Error, Result};
-use crate::wait::{no_peer, Wait};
+use crate::wait::Wait;
 use std::time::Duration;
 
 /// The handshake message the writer publishes once every reader has subscribed.
@@ -95,7 +95,13 @@ impl Publisher {
 
     /// Wait for `n` subscriptions (one per reader), then publish [`READY`]. Once done,
     /// calling it again does nothing (a READY more would reach readers as a message).
-    pub fn wait_for_subscribers(&mut self, n: usize, wait: &mut Wait) -> Result<()> {
+    /// `peers_alive` is checked now and then (a reader that died never subscribes).
+    pub fn wait_for_subscribers(
+        &mut self,
+        n: usize,
+        wait: &mut Wait,
+        peers_alive: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
         if self.ready {
             return Ok(());
         }
@@ -106,7 +112,7 @@ impl Publisher {
                 .poll(zmq::POLLIN, slice.as_millis() as i64)
                 .map_err(Error::transport("waiting for subscribers"))?;
             if ready == 0 {
-                wait.step(&mut no_peer)?;
+                wait.step(peers_alive)?;
                 continue;
             }
             let msg = self
@@ -200,9 +206,13 @@ impl Subscriber {
         }
     }
 
-    /// Wait for the writer's [`READY`].
-    pub fn wait_ready(&self, wait: &mut Wait) -> Result<()> {
-        let m = self.recv(wait, &mut no_peer)?;
+    /// Wait for the writer's [`READY`]; `writer_alive` is checked now and then.
+    pub fn wait_ready(
+        &self,
+        wait: &mut Wait,
+        writer_alive: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let m = self.recv(wait, writer_alive)?;
         if &m[..] != READY {
             return Err(Error::InvalidArgument(format!(
                 "expected the writer's READY from {}, got {} other bytes (was wait_until_ready called on both sides?)",

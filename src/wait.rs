@@ -72,10 +72,21 @@ impl WaitPolicy {
         static ENV: OnceLock<(Option<Duration>, Option<Duration>, usize)> = OnceLock::new();
         let (spin, yield_for, cores) = *ENV.get_or_init(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (env_duration(SPIN_US_ENV, micros), env_duration(YIELD_US_ENV, micros), cores)
+            (
+                env_duration(SPIN_US_ENV, micros),
+                env_duration(YIELD_US_ENV, micros),
+                cores,
+            )
         });
-        let default_spin = if processes > cores { Duration::ZERO } else { Duration::from_micros(50) };
-        WaitPolicy { spin: spin.unwrap_or(default_spin), yield_for: yield_for.unwrap_or(Duration::from_micros(50)) }
+        let default_spin = if processes > cores {
+            Duration::ZERO
+        } else {
+            Duration::from_micros(50)
+        };
+        WaitPolicy {
+            spin: spin.unwrap_or(default_spin),
+            yield_for: yield_for.unwrap_or(Duration::from_micros(50)),
+        }
     }
 }
 
@@ -424,8 +435,13 @@ mod tests {
                 })
                 .unwrap();
             assert_eq!(got, 1);
-            // Woken by the ring, not by the 500 ms liveness slice or the deadline.
-            assert!(started.elapsed() < Duration::from_secs(10));
+            // Woken by the ring, not by the 500 ms liveness slice or the deadline (a bound
+            // on a wake-up, not a benchmark: the ring comes ~1 ms after the sleep).
+            assert!(
+                started.elapsed() < Duration::from_millis(400),
+                "{:?}",
+                started.elapsed()
+            );
         });
     }
 

@@ -89,7 +89,8 @@ fn flag_protocol<const N: usize>(messages: u32, preemptions: usize) {
                         if !eventually(|| protocol::is_readable(&*chunk, r)) {
                             return;
                         }
-                        // SAFETY (model): loom checks this read is not concurrent with a write.
+                        // SAFETY: loom's cell; loom fails the model if this read is concurrent
+                        // with a write, which is what the test checks.
                         let got = chunk.payload.with(|p| unsafe { *p });
                         assert_eq!(got, (k, k), "reader {r} saw a half-written or stale chunk");
                         protocol::finish_read(&*chunk, r);
@@ -103,7 +104,9 @@ fn flag_protocol<const N: usize>(messages: u32, preemptions: usize) {
             }
             protocol::begin_write(&*chunk);
             // Two separate writes: a reader seeing only one of them would be caught.
+            // SAFETY: loom's cell; loom fails the model on a concurrent access.
             chunk.payload.with_mut(|p| unsafe { (*p).0 = k });
+            // SAFETY: as above.
             chunk.payload.with_mut(|p| unsafe { (*p).1 = k });
             protocol::publish(&*chunk, never_dropped);
         }

@@ -199,8 +199,9 @@ class ObjectStorage:
 
     def clear(self) -> None:
         """Forget every object (writer only); old handles fail from now on."""
-        if self.is_writer:
-            self._core.clear()
+        if not self.is_writer:
+            raise RuntimeError("Only the writer can clear the storage.")
+        self._core.clear()
 
     def handle(self) -> ObjectStorageHandle:
         return ObjectStorageHandle(

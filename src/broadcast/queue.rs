@@ -172,6 +172,31 @@ impl FromStr for Handle {
     }
 }
 
+/// An error for the first local reader whose process (as its slot records it) is dead.
+fn dead_local_reader(ring: &Ring) -> Result<()> {
+    for r in 0..ring.n_reader() {
+        if let Some(p) = ring.slot_info(Some(r))?.process {
+            if !p.is_alive() {
+                return Err(Error::DeadReader {
+                    reader: r,
+                    pid: p.pid,
+                    chunk: 0,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The error when a chunk seen as ready is not ready a moment later: only a writer that
+/// breaks the protocol (or another process writing into the segment) can cause it.
+fn chunk_changed(ring: &Ring) -> Error {
+    Error::BadSegment {
+        name: ring.name().to_owned(),
+        reason: "a chunk changed while it was being read (is another process writing into this segment?)".into(),
+    }
+}
+
 /// Ends one side's blocked calls from any thread, now and from then on: sets a flag the
 /// waits check and wakes sleepers on the ring. Cheap to clone; needs no lock on the side.
 #[derive(Clone, Debug)]
@@ -362,10 +387,16 @@ impl Writer {
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         if let Some(p) = self.local.as_mut() {
-            p.wait_for_subscribers(self.n_local_reader, wait)?;
+            // A local reader that died before subscribing would leave us waiting forever.
+            let ring = self.ring.as_ref().map(|r| r.ring().clone());
+            let mut readers_alive = || match &ring {
+                Some(ring) => dead_local_reader(ring),
+                None => Ok(()),
+            };
+            p.wait_for_subscribers(self.n_local_reader, wait, &mut readers_alive)?;
         }
         if let Some(p) = self.remote.as_mut() {
-            p.wait_for_subscribers(self.n_remote_reader, wait)?;
+            p.wait_for_subscribers(self.n_remote_reader, wait, &mut no_peer)?;
         }
         Ok(())
     }
@@ -603,8 +634,12 @@ impl Reader {
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         match &self.source {
-            Source::Local { overflow, .. } => overflow.wait_ready(wait),
-            Source::Remote { sub } => sub.wait_ready(wait),
+            Source::Local { overflow, ring } => {
+                let ring = ring.ring().clone();
+                overflow.wait_ready(wait, &mut || RingReader::check_writer(&ring))
+            }
+            // A remote writer's liveness cannot be checked from here.
+            Source::Remote { sub } => sub.wait_ready(wait, &mut no_peer),
         }
     }
 
@@ -667,9 +702,15 @@ impl Reader {
     /// Wait for the next message and call `f` on its bytes.
     pub fn dequeue_with<R>(&mut self, wait: &mut Wait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.wait_message(wait)?;
-        Ok(self
-            .try_take(f)?
-            .expect("wait_message left a message ready"))
+        self.try_take(f)?.ok_or_else(|| self.not_ready_any_more())
+    }
+
+    /// See [`chunk_changed`]; for a remote reader (which has no chunks) it cannot happen.
+    pub fn not_ready_any_more(&self) -> Error {
+        match &self.source {
+            Source::Local { ring, .. } => chunk_changed(ring.ring()),
+            Source::Remote { .. } => Error::WrongRole("no message is ready".into()),
+        }
     }
 
     /// Wait for the next message and return a copy of it.
@@ -681,7 +722,6 @@ impl Reader {
         let what = std::mem::take(&mut self.what);
         let mut wait = self.wait(&what, timeout, &canceller);
         let r = self.dequeue_with(&mut wait, |b| b.to_vec());
-        drop(wait);
         self.what = what;
         r
     }
@@ -698,7 +738,7 @@ impl Reader {
         // the chunk (and the next overflow message stays in step).
         self.wait_message(wait)?;
         match &self.source {
-            Source::Local { ring, .. } => Ok(ring.poll().expect("wait_message found a chunk")),
+            Source::Local { ring, .. } => ring.poll().ok_or_else(|| chunk_changed(ring.ring())),
             Source::Remote { .. } => unreachable!("checked above"),
         }
     }
@@ -828,10 +868,14 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(200));
                 canceller.cancel();
             });
+            let started = std::time::Instant::now();
             assert!(matches!(
                 r.dequeue(Some(Duration::from_secs(10))),
                 Err(Error::Cancelled)
             ));
+            // Woken by cancel(), not by the reader's own 500 ms liveness slice.
+            let waited = started.elapsed();
+            assert!(waited < Duration::from_millis(420), "{waited:?}");
         });
     }
 }

@@ -26,7 +26,7 @@
 //! sleep/wake handshake is in [`crate::doorbell`].
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use super::protocol::{self, ChunkFlags};
@@ -114,10 +114,11 @@ struct RingShared {
 }
 const _: () = assert!(64 + std::mem::size_of::<RingShared>() <= SLOTS_OFFSET);
 
-/// Slot states.
-const VACANT: u32 = 0;
+/// Slot states (0, the state of a fresh segment: nobody has attached).
 const ATTACHED: u32 = 1;
 const DROPPED: u32 = 2;
+/// A process is writing its pid and start time into the slot.
+const ATTACHING: u32 = 3;
 
 /// Who holds a side of the ring, and how many messages it has handled.
 #[repr(C, align(64))]
@@ -246,7 +247,8 @@ impl ChunkFlags for Chunk<'_> {
     }
     fn written(&self) -> &AtomicU8 {
         // SAFETY: in bounds (the block has room for 1 + n_reader flags); u8 needs no
-        // alignment; the flags are only accessed atomically by shmq.
+        // alignment. shmq accesses the flags only atomically; `get_metadata` hands Python
+        // a writable view of them, whose byte stores are single-byte and so cannot tear.
         unsafe { &*(self.ring.state_ptr(self.index).add(STATE_FLAGS_OFFSET) as *const AtomicU8) }
     }
     fn read(&self, reader: usize) -> &AtomicU8 {
@@ -433,13 +435,21 @@ impl Ring {
             }
         };
         let slot = self.slot(index);
-        // Acquire: pairs with the Release store in `attach`, so pid and start time match.
+        // A seqlock on the state: Acquire pairs with the Release store in `attach`; the
+        // state read again after the fence must be unchanged, or a re-attach was under
+        // way and pid and start time may be torn (then nobody is named: liveness checks
+        // skip the slot this time).
         let state = slot.state.load(Ordering::Acquire);
-        let process = (state != VACANT).then(|| ProcessId {
-            // Relaxed: ordered by the Acquire load of the state.
-            pid: slot.pid.load(Ordering::Relaxed),
-            start_time: slot.start_time.load(Ordering::Relaxed),
-        });
+        // Relaxed: ordered by the Acquire load above and the fence below.
+        let (pid, start_time) = (
+            slot.pid.load(Ordering::Relaxed),
+            slot.start_time.load(Ordering::Relaxed),
+        );
+        fence(Ordering::Acquire);
+        // Relaxed: ordered after the reads above by the fence.
+        let stable = slot.state.load(Ordering::Relaxed) == state;
+        let process = (stable && (state == ATTACHED || state == DROPPED))
+            .then_some(ProcessId { pid, start_time });
         // Relaxed: a statistic.
         Ok(SlotInfo {
             process,
@@ -449,14 +459,26 @@ impl Ring {
     }
 
     /// Record this process as the holder of slot `index`.
-    fn attach(&self, index: usize) {
+    fn attach(&self, index: usize) -> Result<()> {
         let me = ProcessId::current();
         let slot = self.slot(index);
-        // Relaxed: published by the Release store of the state.
+        // Relaxed: the state carries no data of its own here (see `slot_info`).
+        if slot.state.load(Ordering::Relaxed) == DROPPED {
+            return Err(Error::WrongRole(format!(
+                "reader {} was dropped by the writer after its process died; it cannot join this queue again",
+                index - 1
+            )));
+        }
+        // Relaxed, then a Release fence: `slot_info` sees ATTACHING (or a changed state)
+        // if it reads any of the new pid/start time before the final store.
+        slot.state.store(ATTACHING, Ordering::Relaxed);
+        fence(Ordering::Release);
+        // Relaxed: published by the Release store of the state below.
         slot.pid.store(me.pid, Ordering::Relaxed);
         slot.start_time.store(me.start_time, Ordering::Relaxed);
         // Release: pairs with the Acquire load in `slot_info`.
         slot.state.store(ATTACHED, Ordering::Release);
+        Ok(())
     }
 
     fn bell(words: &BellWords) -> Bell<'_> {
@@ -566,7 +588,8 @@ pub struct RingWriter {
 impl RingWriter {
     /// The writer of `ring`; this process takes the writer's slot.
     pub fn new(ring: Arc<Ring>) -> RingWriter {
-        ring.attach(0);
+        // The writer's slot is never dropped, so attaching cannot fail.
+        ring.attach(0).expect("the writer's slot is never dropped");
         let dropped = (0..ring.n_reader())
             .map(|_| AtomicBool::new(false))
             .collect();
@@ -751,7 +774,7 @@ impl RingReader {
                 ring.n_reader()
             )));
         }
-        ring.attach(1 + reader);
+        ring.attach(1 + reader)?;
         Ok(RingReader {
             ring,
             reader,

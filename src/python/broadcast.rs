@@ -397,8 +397,8 @@ impl Reader {
             self.interrupts(timeout, cancel, indefinite),
             |wait| r.wait_message(wait),
         )?;
-        Ok(r.try_take(|d| PyBytes::new(py, d))?
-            .expect("wait_message left a message ready"))
+        r.try_take(|d| PyBytes::new(py, d))?
+            .ok_or_else(|| r.not_ready_any_more().into())
     }
 
     /// Wait for the next chunk and return a view of its data (zero-copy); release it
@@ -424,7 +424,10 @@ impl Reader {
             return Ok(PyBytes::new(py, data).into_any().unbind());
         }
         let ring = r.ring().expect("a local reader has a ring").clone();
-        // SAFETY: the slice lies in the chunk, in the mapping kept alive by `ring`.
+        // SAFETY: the slice lies in the chunk, in the mapping kept alive by `ring`, so the
+        // view never points outside mapped memory. Its bytes are the chunk's only until
+        // `finish_read`: after that the writer may overwrite them (the context manager
+        // in message_queue.py releases the view first).
         let view = unsafe { ShmView::new(ring, data.as_ptr() as *mut u8, data.len()) };
         Ok(Py::new(py, view)?.into_any())
     }

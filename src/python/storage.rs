@@ -34,7 +34,8 @@ fn with_view<'py, R>(
     let out = f(&mv);
     // Kept: the memoryview itself (returned, or stored somewhere: a second reference),
     // or something made from it that still holds the buffer (a slice, an array).
-    let kept_view = mv.get_refcnt() > 1;
+    // SAFETY: `mv` is a live object we hold a reference to.
+    let kept_view = unsafe { pyo3::ffi::Py_REFCNT(mv.as_ptr()) } > 1;
     // Fails if something made from the view still holds it; `is_exported` sees that.
     let _ = mv.call_method0("release");
     drop(mv);

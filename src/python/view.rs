@@ -49,6 +49,8 @@ impl ShmView {
         self.len
     }
 
+    /// # Safety
+    /// Called by CPython with a valid `Py_buffer` to fill (the buffer protocol).
     unsafe fn __getbuffer__(
         slf: Bound<'_, Self>,
         view: *mut ffi::Py_buffer,
@@ -77,6 +79,8 @@ impl ShmView {
         Ok(())
     }
 
+    /// # Safety
+    /// Called by CPython with a buffer this object filled.
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
         // Relaxed: see `is_exported`.
         self.exports.fetch_sub(1, Ordering::Relaxed);

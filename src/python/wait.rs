@@ -87,6 +87,10 @@ where
     let shutdown = interrupts.shutdown;
     let quiet = interrupts.quiet;
     let policy = interrupts.policy;
+    // The hook takes the GIL every few ms: only worth it for a cancel event, or in the
+    // main thread, where Ctrl-C must interrupt the wait. Other waits sleep undisturbed
+    // (shutdown() and the timeout still end them at once).
+    let needs_hook = cancel.is_some() || is_main_thread(py);
     let mut raised: Option<PyErr> = None;
     let result = py.detach(|| {
         let mut hook = || -> Result<()> {
@@ -105,10 +109,10 @@ where
                 }
             })
         };
-        let mut wait = Wait::new(what, timeout)
-            .policy(policy)
-            .cancel_on(shutdown)
-            .with_hook(&mut hook);
+        let mut wait = Wait::new(what, timeout).policy(policy).cancel_on(shutdown);
+        if needs_hook {
+            wait = wait.with_hook(&mut hook);
+        }
         if quiet {
             wait = wait.quiet();
         }
@@ -118,6 +122,17 @@ where
         Some(e) => Err(e),
         None => result.map_err(PyErr::from),
     }
+}
+
+/// Whether the calling thread is Python's main thread (the one that gets signals).
+fn is_main_thread(py: Python<'_>) -> bool {
+    let check = || -> PyResult<bool> {
+        let threading = py.import("threading")?;
+        let main = threading.call_method0("main_thread")?;
+        Ok(main.is(&threading.call_method0("current_thread")?))
+    };
+    // If it cannot be told, keep the hook: a few wake-ups are cheaper than a lost Ctrl-C.
+    check().unwrap_or(true)
 }
 
 /// Lock `m` without ever blocking while holding the GIL: another thread may hold the
