@@ -18,6 +18,10 @@ step "Rust: loom model checks of the ring protocol and the sleep/wake handshake"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom
 
 step "Python: test environment in .venv"
+# The two-host test makes network namespaces with iproute2 (skipped where it cannot).
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null || echo "(could not install iproute2)"
+fi
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi

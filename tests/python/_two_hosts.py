@@ -1,0 +1,99 @@
+"""Processes of the two-host test (test_two_hosts.py), run as
+``python _two_hosts.py ROLE WORKDIR`` inside network namespaces. Each prints one JSON
+line with what it saw and exits 0 only if everything checked out.
+
+Roles: ``writer`` (host A), ``local`` (host A, reads through shared memory),
+``remote`` (host B, with its own /dev/shm: it must not see host A's segments).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import sys
+import time
+
+import numpy as np
+
+from shmq import MessageQueue, _core
+
+HOST_A = "10.213.7.1"
+N_OBJECTS = 400
+MAX_CHUNK = 64 * 1024
+TIMEOUT = 60.0
+
+
+def objects(seed: int = 7):
+    """A deterministic stream: small dicts and numpy arrays, some larger than a chunk."""
+    rng = random.Random(seed)
+    for i in range(N_OBJECTS):
+        if i % 5 == 0:
+            n = rng.choice([10, 1000, 3 * MAX_CHUNK // 8])  # the last is over a chunk
+            yield {"i": i, "array": np.arange(n, dtype=np.float64) * i}
+        else:
+            yield {"i": i, "text": "x" * rng.randrange(200), "ids": list(range(i % 17))}
+
+
+def same(a, b) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a)
+
+
+def handle_path(workdir: str) -> str:
+    return os.path.join(workdir, "handle.pickle")
+
+
+def read_handle(workdir: str):
+    deadline = time.monotonic() + TIMEOUT
+    while not os.path.exists(handle_path(workdir)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no handle from the writer")
+        time.sleep(0.05)
+    with open(handle_path(workdir), "rb") as f:
+        return pickle.load(f)
+
+
+def writer(workdir: str) -> dict:
+    mq = MessageQueue(
+        n_reader=2, n_local_reader=1, local_reader_ranks=[1], max_chunk_bytes=MAX_CHUNK, max_chunks=4, connect_ip=HOST_A
+    )
+    tmp = handle_path(workdir) + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(mq.export_handle(), f)
+    os.rename(tmp, handle_path(workdir))
+    mq.wait_until_ready(TIMEOUT)
+    for obj in objects():
+        mq.enqueue(obj, timeout=TIMEOUT)
+    mq.enqueue(None, timeout=TIMEOUT)
+    # Let the TCP socket flush before the process (and its ZeroMQ context) goes.
+    time.sleep(1.0)
+    return {"sent": N_OBJECTS, "remote_addr": mq.export_handle().remote_subscribe_addr}
+
+
+def reader(workdir: str, rank: int) -> dict:
+    handle = read_handle(workdir)
+    # Same-machine check: only host A can open the writer's segment.
+    try:
+        _core.Ring.open(handle.buffer_handle[3])
+        sees_segment = True
+    except FileNotFoundError:
+        sees_segment = False
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(TIMEOUT)
+    count = mismatches = 0
+    for expected in objects():
+        got = mq.dequeue(timeout=TIMEOUT)
+        count += 1
+        mismatches += not same(got, expected)
+    end = mq.dequeue(timeout=TIMEOUT)
+    return {"count": count, "mismatches": mismatches, "end_mark": end is None, "sees_segment": sees_segment,
+            "local": mq._is_local_reader}
+
+
+if __name__ == "__main__":
+    role, workdir = sys.argv[1], sys.argv[2]
+    result = writer(workdir) if role == "writer" else reader(workdir, 1 if role == "local" else 2)
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,99 @@
+"""Two machines, made with network namespaces: host A (writer and a local reader) and
+host B (a remote reader with its own /dev/shm), joined by a veth pair. The remote reader
+gets every message over TCP, and only host A can open the writer's segment.
+
+Needs root and iproute2 (``ip netns``) and ``unshare``; where namespaces cannot be made,
+the test is skipped with the reason (test_message_queue.py covers remote readers over
+loopback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NS_A, NS_B = "shmqtest_a", "shmqtest_b"
+VETH_A, VETH_B = "shmqveth_a", "shmqveth_b"
+ADDR_A, ADDR_B = "10.213.7.1/24", "10.213.7.2/24"
+
+
+def _run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+def _teardown() -> None:
+    for ns in (NS_A, NS_B):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("needs iproute2 (ip) and util-linux (unshare)")
+    _teardown()
+    try:
+        _run("ip", "netns", "add", NS_A)
+        _run("ip", "netns", "add", NS_B)
+        _run("ip", "link", "add", VETH_A, "type", "veth", "peer", "name", VETH_B)
+        _run("ip", "link", "set", VETH_A, "netns", NS_A)
+        _run("ip", "link", "set", VETH_B, "netns", NS_B)
+        for ns, dev, addr in ((NS_A, VETH_A, ADDR_A), (NS_B, VETH_B, ADDR_B)):
+            _run("ip", "-n", ns, "addr", "add", addr, "dev", dev)
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        _teardown()
+        pytest.skip(f"cannot make network namespaces here: {e}")
+    yield
+    _teardown()
+
+
+def _start(ns: str, role: str, workdir: str, own_shm: bool) -> subprocess.Popen:
+    python = [sys.executable, os.path.join(HERE, "_two_hosts.py"), role, workdir]
+    if own_shm:
+        # Another machine: a private mount namespace with an empty /dev/shm of its own.
+        script = "mount -t tmpfs -o size=256m tmpfs /dev/shm && exec " + " ".join(python)
+        cmd = ["ip", "netns", "exec", ns, "unshare", "-m", "sh", "-c", script]
+    else:
+        cmd = ["ip", "netns", "exec", ns, *python]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.timeout(180)
+def test_remote_reader_on_another_host(two_hosts, tmp_path):
+    workdir = str(tmp_path)
+    procs = {
+        "writer": _start(NS_A, "writer", workdir, own_shm=False),
+        "local": _start(NS_A, "local", workdir, own_shm=False),
+        "remote": _start(NS_B, "remote", workdir, own_shm=True),
+    }
+    results = {}
+    try:
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=150)
+            assert p.returncode == 0, f"{name} failed ({p.returncode}):\n{err[-3000:]}"
+            results[name] = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    from _two_hosts import N_OBJECTS
+
+    assert results["writer"]["remote_addr"].startswith("tcp://10.213.7.1:")
+    for name in ("local", "remote"):
+        r = results[name]
+        assert (r["count"], r["mismatches"], r["end_mark"]) == (N_OBJECTS, 0, True), (name, r)
+    assert results["local"]["local"] and not results["remote"]["local"]
+    # Same-machine detection by a segment only host A has.
+    assert results["local"]["sees_segment"] is True
+    assert results["remote"]["sees_segment"] is False
