@@ -9,6 +9,7 @@ The engines' names are kept as aliases, so shmq replaces them without code chang
 """
 
 from ._core import __version__
+from .group import StatelessProcessGroup
 from .message_queue import Handle, MessageQueue, PeerDiedError, ShmRingBuffer, sched_yield
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
 from .serde import MsgpackSerde, ObjectSerde, PickleSerde
@@ -32,6 +33,7 @@ __all__ = [
     "ShmRingBuffer",
     "SingleWriterShmObjectStorage",
     "SingleWriterShmRingBuffer",
+    "StatelessProcessGroup",
     "__version__",
     "sched_yield",
 ]

@@ -231,6 +231,24 @@ class MessageQueue:
         self.shutting_down = False
         return self
 
+    @staticmethod
+    def create_from_process_group(
+        pg: Any,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        writer_rank: int = 0,
+        blocking: bool = True,
+    ) -> "MessageQueue":
+        """Collective over ``pg`` (a ``torch.distributed.ProcessGroup`` or a
+        ``StatelessProcessGroup``): group rank ``writer_rank`` makes the writer, with the
+        ranks on its machine (found by opening a probe segment, not by host name) as
+        local readers and the rest as remote readers; the handle goes to every rank
+        through ``pg`` and each other rank opens its reader. With ``blocking``, all call
+        ``wait_until_ready()``. Returns this rank's queue."""
+        from .group import create_message_queue_from_process_group
+
+        return create_message_queue_from_process_group(pg, max_chunk_bytes, max_chunks, writer_rank, blocking)
+
     @property
     def dropped_readers(self) -> list[int]:
         """Writer side: local readers dropped after they died (``on_dead_reader="drop"``)."""

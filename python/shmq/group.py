@@ -1,0 +1,298 @@
+"""``StatelessProcessGroup`` and ``MessageQueue.create_from_process_group``.
+
+``StatelessProcessGroup`` is the engines' small process group on a key-value store:
+processes exchange pickled Python objects through a ``torch.distributed.TCPStore``
+(hosted by rank 0) without touching torch's global process group.
+
+``create_message_queue_from_process_group`` (exposed as the static method
+``MessageQueue.create_from_process_group``) finds which ranks share the writer's
+machine, makes the writer with those as local readers and the others as remote readers,
+sends the handle through the group and opens the readers.
+
+Same-machine detection (``in_the_same_node_as``) never compares host names: the
+writer creates a tiny probe segment and every rank tries to open it by name, so ranks
+that see a different ``/dev/shm`` (another machine, another container) count as
+remote. Tests that need remote readers on one machine replace
+``shmq.group.in_the_same_node_as`` (in every rank, since it is collective) with a
+function that reports only the writer as local; ``create_from_process_group`` looks it
+up in this module at call time for that reason.
+
+torch is imported only when a group is created or a torch ``ProcessGroup`` is used, so
+``import shmq`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import time
+from collections import deque
+from typing import Any, Optional
+
+from . import _core
+from ._cleanup import track
+
+__all__ = ["StatelessProcessGroup", "create_message_queue_from_process_group", "in_the_same_node_as"]
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+# How often barrier() looks for the other ranks' arrival keys.
+_BARRIER_POLL_S = 0.005
+
+
+@dataclasses.dataclass
+class StatelessProcessGroup:
+    """A group of ``world_size`` processes exchanging Python objects through ``store``
+    (a ``torch.distributed.TCPStore`` hosted by rank 0).
+
+    Store keys:
+
+    - ``send_to/{dst}/from/{src}/{n}``: the ``n``-th object ``src`` sent to ``dst``
+      (``send_obj``/``recv_obj``; one counter per (src, dst) pair, so sends and
+      receives pair up in order even when several ranks send to the same one);
+    - ``broadcast_from/{src}/{n}``: the ``n``-th object ``src`` broadcast;
+    - ``barrier/{n}/{rank}``: ``rank`` arrived at barrier round ``n``.
+
+    Every key this rank sets is remembered with the time it was set; ``expire_data()``
+    (also called by every send and broadcast) deletes those older than
+    ``data_expiration_seconds``. Readers must have read an entry by then.
+    """
+
+    rank: int
+    world_size: int
+    store: Any
+    data_expiration_seconds: int = 3600
+
+    send_dst_counter: dict[int, int] = dataclasses.field(default_factory=dict)
+    recv_src_counter: dict[int, int] = dataclasses.field(default_factory=dict)
+    broadcast_send_counter: int = 0
+    broadcast_recv_src_counter: dict[int, int] = dataclasses.field(default_factory=dict)
+    barrier_counter: int = 0
+    # (time set, key) of the keys this rank set, oldest first.
+    entries: deque = dataclasses.field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
+        for r in range(self.world_size):
+            self.send_dst_counter.setdefault(r, 0)
+            self.recv_src_counter.setdefault(r, 0)
+            self.broadcast_recv_src_counter.setdefault(r, 0)
+
+    @staticmethod
+    def create(
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        data_expiration_seconds: int = 3600,
+        store_timeout: int = 300,
+    ) -> "StatelessProcessGroup":
+        """Join the group: rank 0 hosts a ``TCPStore`` on ``host:port`` and waits for
+        the others to connect; every blocking store call times out after
+        ``store_timeout`` seconds."""
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore(
+            host_name=host,
+            port=port,
+            world_size=world_size,
+            is_master=(rank == 0),
+            timeout=datetime.timedelta(seconds=store_timeout),
+        )
+        return StatelessProcessGroup(
+            rank=rank, world_size=world_size, store=store, data_expiration_seconds=data_expiration_seconds
+        )
+
+    # -- keys -----------------------------------------------------------------------
+
+    def _send_key(self, src: int, dst: int, n: int) -> str:
+        return f"send_to/{dst}/from/{src}/{n}"
+
+    def _set(self, key: str, obj: Any) -> None:
+        self.store.set(key, pickle.dumps(obj, protocol=_PROTOCOL))
+        self.entries.append((time.time(), key))
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"{what} rank {r} is not in 0..{self.world_size - 1}")
+
+    # -- point to point ------------------------------------------------------------
+
+    def send_obj(self, obj: Any, dst: int) -> None:
+        """Send ``obj`` to rank ``dst`` (does not wait for it to be received)."""
+        self._check_rank(dst, "destination")
+        self.expire_data()
+        n = self.send_dst_counter[dst]
+        self._set(self._send_key(self.rank, dst, n), obj)
+        self.send_dst_counter[dst] = n + 1
+
+    def recv_obj(self, src: int) -> Any:
+        """The next object rank ``src`` sent to this rank (waits up to the store
+        timeout)."""
+        self._check_rank(src, "source")
+        n = self.recv_src_counter[src]
+        obj = pickle.loads(self.store.get(self._send_key(src, self.rank, n)))
+        self.recv_src_counter[src] = n + 1
+        return obj
+
+    # -- collectives ----------------------------------------------------------------
+
+    def broadcast_obj(self, obj: Optional[Any], src: int) -> Any:
+        """Rank ``src`` sends ``obj``; every rank returns it."""
+        self._check_rank(src, "source")
+        if self.rank == src:
+            self.expire_data()
+            self._set(f"broadcast_from/{src}/{self.broadcast_send_counter}", obj)
+            self.broadcast_send_counter += 1
+            return obj
+        n = self.broadcast_recv_src_counter[src]
+        obj = pickle.loads(self.store.get(f"broadcast_from/{src}/{n}"))
+        self.broadcast_recv_src_counter[src] = n + 1
+        return obj
+
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, as a list indexed by rank."""
+        gathered = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                gathered.append(obj)
+                self.broadcast_obj(obj, src=self.rank)
+            else:
+                gathered.append(self.broadcast_obj(None, src=r))
+        return gathered
+
+    def barrier(self, timeout: float = 30.0) -> None:
+        """Wait until every rank has reached this barrier. ``RuntimeError`` naming the
+        ranks that did not arrive when ``timeout`` seconds pass (this rank's round
+        still counts as done, so a late rank that arrives afterwards passes it)."""
+        n = self.barrier_counter
+        self.barrier_counter += 1
+        self.expire_data()
+        self._set(f"barrier/{n}/{self.rank}", b"")
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = [r for r in pending if not self.store.check([f"barrier/{n}/{r}"])]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"barrier {n} timed out after {timeout} s on rank {self.rank}: "
+                    f"rank(s) {pending} did not arrive"
+                )
+            time.sleep(_BARRIER_POLL_S)
+
+    # -- housekeeping ----------------------------------------------------------------
+
+    def expire_data(self) -> None:
+        """Delete the keys this rank set more than ``data_expiration_seconds`` ago."""
+        now = time.time()
+        while self.entries:
+            set_at, key = self.entries[0]
+            if now - set_at <= self.data_expiration_seconds:
+                break
+            self.store.delete_key(key)
+            self.entries.popleft()
+
+
+# ---------------------------------------------------------------------------------
+# The same collectives on either kind of group
+
+
+class _Ops:
+    """rank / world_size / broadcast / all_gather over a StatelessProcessGroup or a
+    ``torch.distributed.ProcessGroup`` (ranks are group ranks)."""
+
+    def __init__(self, pg: Any):
+        self.pg = pg
+        self.stateless = isinstance(pg, StatelessProcessGroup)
+        if self.stateless:
+            self.rank, self.world_size = pg.rank, pg.world_size
+        else:
+            import torch.distributed as dist
+
+            self.dist = dist
+            self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
+            if self.rank < 0:
+                raise ValueError("this process is not a member of the given process group")
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        if self.stateless:
+            return self.pg.broadcast_obj(obj, src=src)
+        holder = [obj if self.rank == src else None]
+        self.dist.broadcast_object_list(holder, src=self.dist.get_global_rank(self.pg, src), group=self.pg)
+        return holder[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.stateless:
+            return self.pg.all_gather_obj(obj)
+        gathered: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(gathered, obj, group=self.pg)
+        return gathered
+
+
+def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
+    """Collective: for each group rank, whether it shares ``source_rank``'s machine
+    (sees its shared memory). ``source_rank`` creates a probe segment and broadcasts
+    its name; every rank tries to open it; the answers are all-gathered."""
+    ops = _Ops(pg)
+    if not 0 <= source_rank < ops.world_size:
+        raise ValueError(f"source rank {source_rank} is not in 0..{ops.world_size - 1}")
+    probe = None
+    try:
+        if ops.rank == source_rank:
+            probe = _core.Ring.create(1, 64, 1)
+            track(probe)
+            ops.broadcast(probe.name, src=source_rank)
+            here = True
+        else:
+            name = ops.broadcast(None, src=source_rank)
+            try:
+                opened = _core.Ring.open(name)
+            except FileNotFoundError:
+                here = False
+            else:
+                here = True
+                del opened
+        # The probe stays alive until every rank has tried it: all_gather is collective.
+        return [bool(x) for x in ops.all_gather(here)]
+    finally:
+        del probe
+
+
+def create_message_queue_from_process_group(
+    pg: Any,
+    max_chunk_bytes: int,
+    max_chunks: int,
+    writer_rank: int = 0,
+    blocking: bool = True,
+):
+    """See ``MessageQueue.create_from_process_group``."""
+    from .message_queue import MessageQueue
+
+    ops = _Ops(pg)
+    if not 0 <= writer_rank < ops.world_size:
+        raise ValueError(f"writer_rank {writer_rank} is not in 0..{ops.world_size - 1}")
+    # Looked up here at call time, so that tests can replace it (see the module doc).
+    same_node = in_the_same_node_as(pg, source_rank=writer_rank)
+    if len(same_node) != ops.world_size:
+        raise RuntimeError(f"same-machine detection returned {len(same_node)} answers for {ops.world_size} ranks")
+    if ops.rank == writer_rank:
+        local_reader_ranks = [r for r in range(ops.world_size) if r != writer_rank and same_node[r]]
+        mq = MessageQueue(
+            n_reader=ops.world_size - 1,
+            n_local_reader=len(local_reader_ranks),
+            local_reader_ranks=local_reader_ranks,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+        )
+        ops.broadcast(mq.export_handle(), src=writer_rank)
+    else:
+        handle = ops.broadcast(None, src=writer_rank)
+        mq = MessageQueue.create_from_handle(handle, ops.rank)
+    if blocking:
+        mq.wait_until_ready()
+    return mq
