@@ -3,7 +3,9 @@
 line with what it saw and exits 0 only if everything checked out.
 
 Roles: ``writer`` (host A), ``local`` (host A, reads through shared memory),
-``remote`` (host B, with its own /dev/shm: it must not see host A's segments).
+``remote`` (host B, with its own /dev/shm: it must not see host A's segments), and
+``group RANK``: one rank of a 3-process StatelessProcessGroup (store on host A) that
+makes its queue with ``MessageQueue.create_from_process_group``, rank 0 writing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import numpy as np
 
-from shmq import MessageQueue, _core
+from shmq import MessageQueue, StatelessProcessGroup, _core
 
 HOST_A = "10.213.7.1"
 N_OBJECTS = 400
@@ -93,7 +95,32 @@ def reader(workdir: str, rank: int) -> dict:
             "local": mq._is_local_reader}
 
 
+STORE_PORT = 29517  # inside the test's own network namespaces: nothing else uses it
+
+
+def group_member(rank: int) -> dict:
+    pg = StatelessProcessGroup.create(HOST_A, STORE_PORT, rank, 3, store_timeout=int(TIMEOUT))
+    mq = MessageQueue.create_from_process_group(pg, MAX_CHUNK, 4, writer_rank=0)
+    result: dict = {"rank": rank, "local": bool(mq._is_local_reader), "writer": mq._writer is not None}
+    if rank == 0:
+        for obj in objects():
+            mq.enqueue(obj, timeout=TIMEOUT)
+        mq.enqueue(None, timeout=TIMEOUT)
+        result["local_reader_ranks"] = list(mq.export_handle().local_reader_ranks)
+    else:
+        count = mismatches = 0
+        for expected in objects():
+            count += 1
+            mismatches += not same(mq.dequeue(timeout=TIMEOUT), expected)
+        result.update(count=count, mismatches=mismatches, end_mark=mq.dequeue(timeout=TIMEOUT) is None)
+    pg.barrier(timeout=TIMEOUT)  # rank 0 hosts the store: nobody leaves before all are done
+    return result
+
+
 if __name__ == "__main__":
     role, workdir = sys.argv[1], sys.argv[2]
-    result = writer(workdir) if role == "writer" else reader(workdir, 1 if role == "local" else 2)
+    if role == "group":
+        result = group_member(int(sys.argv[3]))
+    else:
+        result = writer(workdir) if role == "writer" else reader(workdir, 1 if role == "local" else 2)
     print(json.dumps(result), flush=True)

@@ -56,8 +56,8 @@ def two_hosts():
     _teardown()
 
 
-def _start(ns: str, role: str, workdir: str, own_shm: bool) -> subprocess.Popen:
-    python = [sys.executable, os.path.join(HERE, "_two_hosts.py"), role, workdir]
+def _start(ns: str, role: str, workdir: str, own_shm: bool, *extra: str) -> subprocess.Popen:
+    python = [sys.executable, os.path.join(HERE, "_two_hosts.py"), role, workdir, *extra]
     if own_shm:
         # Another machine: a private mount namespace with an empty /dev/shm of its own.
         script = "mount -t tmpfs -o size=256m tmpfs /dev/shm && exec " + " ".join(python)
@@ -65,17 +65,13 @@ def _start(ns: str, role: str, workdir: str, own_shm: bool) -> subprocess.Popen:
     else:
         cmd = ["ip", "netns", "exec", ns, *python]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    if ns == NS_A:
+        env["SHMQ_HOST_IP"] = "10.213.7.1"  # the address host B reaches host A at
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.mark.timeout(180)
-def test_remote_reader_on_another_host(two_hosts, tmp_path):
-    workdir = str(tmp_path)
-    procs = {
-        "writer": _start(NS_A, "writer", workdir, own_shm=False),
-        "local": _start(NS_A, "local", workdir, own_shm=False),
-        "remote": _start(NS_B, "remote", workdir, own_shm=True),
-    }
+def _results(procs: dict[str, subprocess.Popen]) -> dict[str, dict]:
+    """Each process's JSON line, once all have exited 0."""
     results = {}
     try:
         for name, p in procs.items():
@@ -87,6 +83,17 @@ def test_remote_reader_on_another_host(two_hosts, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_remote_reader_on_another_host(two_hosts, tmp_path):
+    workdir = str(tmp_path)
+    results = _results({
+        "writer": _start(NS_A, "writer", workdir, own_shm=False),
+        "local": _start(NS_A, "local", workdir, own_shm=False),
+        "remote": _start(NS_B, "remote", workdir, own_shm=True),
+    })
     from _two_hosts import N_OBJECTS
 
     assert results["writer"]["remote_addr"].startswith("tcp://10.213.7.1:")
@@ -97,3 +104,23 @@ def test_remote_reader_on_another_host(two_hosts, tmp_path):
     # Same-machine detection by a segment only host A has.
     assert results["local"]["sees_segment"] is True
     assert results["remote"]["sees_segment"] is False
+
+
+@pytest.mark.timeout(180)
+def test_process_group_across_two_hosts(two_hosts, tmp_path):
+    """create_from_process_group: ranks 0 (writer) and 1 on host A, rank 2 on host B.
+    Same-machine detection makes rank 1 a local reader and rank 2 a remote one."""
+    workdir = str(tmp_path)
+    results = _results({
+        "rank0": _start(NS_A, "group", workdir, False, "0"),
+        "rank1": _start(NS_A, "group", workdir, False, "1"),
+        "rank2": _start(NS_B, "group", workdir, True, "2"),
+    })
+    from _two_hosts import N_OBJECTS
+
+    assert results["rank0"]["writer"] and results["rank0"]["local_reader_ranks"] == [1]
+    assert results["rank1"]["local"] is True
+    assert results["rank2"]["local"] is False
+    for name in ("rank1", "rank2"):
+        r = results[name]
+        assert (r["count"], r["mismatches"], r["end_mark"]) == (N_OBJECTS, 0, True), (name, r)
