@@ -31,5 +31,6 @@ fi
 step "Python: pytest"
 .venv/bin/python -m pytest -q
 
-step "Python: the README's example"
+step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py
+.venv/bin/python examples/process_group.py
