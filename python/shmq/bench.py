@@ -34,6 +34,7 @@ in its cell while the other cells still run.
 from __future__ import annotations
 
 import argparse
+from abc import ABC, abstractmethod
 import dataclasses
 import faulthandler
 import glob
@@ -108,7 +109,7 @@ class Endpoint:
     close: Callable[[], None] = _nothing
 
 
-class Transport:
+class Transport(ABC):
     """A way to move pickled objects from one writer process to reader processes.
 
     The parent calls :meth:`make_channel`; the result is passed (pickled by ``spawn``)
@@ -123,14 +124,17 @@ class Transport:
         """Why this transport cannot run here, or ``None`` when it can."""
         return None
 
+    @abstractmethod
     def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> Any:
-        raise NotImplementedError
+        """A channel for one writer and ``n_readers`` readers (made in the parent)."""
 
+    @abstractmethod
     def open_writer(self, channel: Any) -> Endpoint:
-        raise NotImplementedError
+        """The writing end of ``channel`` (in a child)."""
 
+    @abstractmethod
     def open_reader(self, channel: Any, rank: int) -> Endpoint:
-        raise NotImplementedError
+        """Reader ``rank``'s end of ``channel`` (in a child)."""
 
 
 @dataclass
