@@ -702,7 +702,10 @@ def _bench_idle(harness: Harness, transport: Transport, params: Params) -> dict[
     stretch takes to arrive."""
     channels = (harness.channel(transport, 1),)
     kwargs = {"wakes": params.wakes}
-    jobs = [Job(_role_idle_writer, channels, {**kwargs, "idle_s": params.idle_s}), Job(_role_idle_reader, channels, kwargs)]
+    jobs = [
+        Job(_role_idle_writer, channels, {**kwargs, "idle_s": params.idle_s}),
+        Job(_role_idle_reader, channels, kwargs),
+    ]
     _, reader = harness.run(transport, jobs)
     wake_us = sorted(ns / 1000 for ns in reader["latencies_ns"])
     return {
@@ -958,7 +961,7 @@ def run_bench(params: Params, transports: Sequence[Transport], timeout: float, r
                     if e.details:
                         details.append(f"{scenario.title} - {transport.name}:\n{e.details}")
                     continue
-                for metric, row in zip(scenario.metrics, scenario_rows):
+                for metric, row in zip(scenario.metrics, scenario_rows, strict=True):
                     row.values[transport.name] = result[metric.key]
         for floor in FLOORS:
             if progress:
@@ -1016,7 +1019,7 @@ def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "sh
 
     def line(cells: Sequence[str]) -> str:
         first = cells[0].ljust(widths[0])
-        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:]))]).rstrip()
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))]).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(header), rule, *(line(r) if r else rule for r in body)])

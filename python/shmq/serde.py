@@ -264,7 +264,8 @@ class _MsgpackEncoder:
         kind = type(obj)
         if kind is tuple:
             # A packer of its own: `self.packer` is in the middle of a pack.
-            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=self.default, use_bin_type=True, strict_types=True))
+            packed = msgpack.packb(list(obj), default=self.default, use_bin_type=True, strict_types=True)
+            return msgpack.ExtType(_EXT_TUPLE, packed)
         registered = self.registry.get(kind)
         if registered is not None:
             return msgpack.ExtType(registered[0], registered[1](obj))

@@ -287,7 +287,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, (float, np.floating)):
         return a == b or (math.isnan(a) and math.isnan(b))
     return bool(a == b)
@@ -894,7 +894,10 @@ def stateless_ops_member(out: Any, port: int, rank: int, world_size: int, releas
     seen["received"] = received
 
     # broadcast from every rank in turn, then all_gather.
-    seen["broadcast"] = [pg.broadcast_obj({"from": src, "payload": "x" * src} if rank == src else None, src=src) for src in range(world_size)]
+    seen["broadcast"] = [
+        pg.broadcast_obj({"from": src, "payload": "x" * src} if rank == src else None, src=src)
+        for src in range(world_size)
+    ]
     seen["all_gather"] = pg.all_gather_obj(("rank", rank, [rank] * rank))
 
     t0 = time.monotonic()
@@ -926,7 +929,9 @@ def stateless_expiry_member(out: Any, port: int, rank: int, expiration: float, r
     expire_data() must delete the old entry and keep a fresh one."""
     from shmq import StatelessProcessGroup
 
-    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, data_expiration_seconds=expiration, store_timeout=int(STEP))
+    pg = StatelessProcessGroup.create(
+        "127.0.0.1", port, rank, 2, data_expiration_seconds=expiration, store_timeout=int(STEP)
+    )
     report: dict[str, Any] = {"data_expiration_seconds": pg.data_expiration_seconds}
     old_key = "send_to/1/from/0/0"
     new_key = "send_to/1/from/0/1"

@@ -21,14 +21,12 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import re
 import signal
 import struct
 import sys
 import time
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -336,7 +334,7 @@ def ring_reader(out: Any, handle_pickle: bytes, cmds: Any) -> None:
                 out.put(("try", cmd[1], *_describe(e)))
         else:
             raise ValueError(f"unknown command {cmd!r}")
-    del ring
+    ring = None  # drop the mapping (before the exit report)
     gc.collect()
     out.put(("stopped", os.getpid()))
 

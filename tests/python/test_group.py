@@ -34,7 +34,19 @@ def _run_group(children, kind, plan, writer_rank, *, subgroup=None, remote=False
     port = free_port()
     for rank in range(WORLD):
         children.start(
-            group_queue_member, out, kind, port, rank, WORLD, subgroup, writer_rank, plan, BIG, max_chunks, remote, release
+            group_queue_member,
+            out,
+            kind,
+            port,
+            rank,
+            WORLD,
+            subgroup,
+            writer_rank,
+            plan,
+            BIG,
+            max_chunks,
+            remote,
+            release,
         )
     members = WORLD if subgroup is None else len(subgroup)
     n_reports = len(plan) * members + (WORLD - members)

@@ -13,7 +13,6 @@ import os
 import pickle
 import secrets
 import signal
-import sys
 
 import numpy as np
 import pytest
@@ -42,7 +41,6 @@ from _store_helpers import (
     absurd_writer,
     canon,
     killed_reader,
-    leftovers,
     ring_reader,
     shm_segments,
     store_reader,
@@ -166,10 +164,10 @@ def test_ring_ids_count_from_zero_and_addresses_grow():
         got.append((address, mid))
     assert [mid for _, mid in got] == list(range(len(sizes)))
     assert got[0][0] == 0
-    for (a, _), s in zip(got, sizes):
+    for (a, _), s in zip(got, sizes, strict=True):
         # every chunk [id][size][data] lies inside the ring at offset address % size
         assert a % 4096 + 8 + s <= 4096
-    for (a0, _), s0, (a1, _) in zip(got, sizes, got[1:]):
+    for (a0, _), s0, (a1, _) in zip(got, sizes, got[1:], strict=False):
         assert a1 >= a0 + 8 + s0, "chunks overlap or addresses went back"
     assert ring.metadata == {mid: a for a, mid in got}
     assert (ring.monotonic_id_start, ring.monotonic_id_end) == (0, len(sizes))
@@ -320,7 +318,7 @@ def test_ring_free_buf_oldest_first_until_in_use_or_nbytes():
 def test_ring_clear_forgets_everything_and_ids_keep_counting(kids):
     ring = RingBuffer(4096, create=True)
     old = [ring.allocate_buf(n) for n in (10, 20, 30)]
-    for address, mid in old:
+    for address, _mid in old:
         with ring.access_buf(address) as (view, _):
             view[:] = bytes([0xAB]) * len(view)
     end = ring.data_buffer_end
@@ -482,7 +480,7 @@ def test_put_get_across_processes_two_readers(serde, kids):
     ring = RingBuffer(1 << 20, create=True)
     store = ObjectStorage(1 << 16, 2, ring, serde_class=serde)
     handles = {k: store.put(k, v) for k, v in VALUES.items()}
-    for k, (address, mid) in handles.items():
+    for _k, (address, mid) in handles.items():
         assert isinstance(address, int) and isinstance(mid, int)
     assert [mid for _, mid in handles.values()] == list(range(len(VALUES)))
     readers = start_readers(kids, store, 2)

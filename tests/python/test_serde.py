@@ -15,7 +15,6 @@ import gc
 import math
 import pickle
 import re
-import sys
 import warnings
 
 import numpy as np
@@ -32,10 +31,8 @@ from _store_helpers import (
     POINT_ENCODED,
     Thing,
     canon,
-    leftovers,
     register_point,
     serde_service,
-    shm_segments,
     tensor_bytes,
     no_store_leftovers,  # noqa: F401 (an autouse fixture)
 )
