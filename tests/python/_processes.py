@@ -333,6 +333,12 @@ def stream_reader(out: Any, handle: Handle, rank: int, seed: int, n: int, big: i
     then check that nothing more arrives."""
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready(timeout=STEP)
+    out.put(("done", {"rank": rank, **read_stream(mq, seed, n, big)}))
+
+
+def read_stream(mq: MessageQueue, seed: int, n: int, big: int) -> dict[str, Any]:
+    """Dequeue ``n`` objects, check each against the stream, then check that nothing
+    more arrives; the findings as a report dict."""
     h = hashlib.sha256()
     mismatches: list[tuple[int, str, str]] = []
     n_mismatch = 0
@@ -350,21 +356,15 @@ def stream_reader(out: Any, handle: Handle, rank: int, seed: int, n: int, big: i
     except TimeoutError:
         extra = None
     # `_is_local_reader` and `local_reader_rank` are the engines' attribute names.
-    out.put(
-        (
-            "done",
-            {
-                "rank": rank,
-                "local": mq._is_local_reader,
-                "local_reader_rank": mq.local_reader_rank if mq._is_local_reader else None,
-                "count": count,
-                "n_mismatch": n_mismatch,
-                "mismatches": mismatches,
-                "digest": h.hexdigest(),
-                "extra": extra,
-            },
-        )
-    )
+    return {
+        "local": mq._is_local_reader,
+        "local_reader_rank": mq.local_reader_rank if mq._is_local_reader else None,
+        "count": count,
+        "n_mismatch": n_mismatch,
+        "mismatches": mismatches,
+        "digest": h.hexdigest(),
+        "extra": extra,
+    }
 
 
 def handle_roundtrip_reader(out: Any, handle_pickle: bytes, rank: int, n: int) -> None:
@@ -832,35 +832,8 @@ def group_queue_member(
                     )
                 )
                 continue
-            mismatches: list[tuple[int, str, str]] = []
-            n_mismatch = count = 0
-            for i, expected in enumerate(iter_objects(seed, n, big)):
-                obj = mq.dequeue(timeout=STEP)
-                count += 1
-                if not same(obj, expected):
-                    n_mismatch += 1
-                    if len(mismatches) < 5:
-                        mismatches.append((i, describe(obj), describe(expected)))
-            try:
-                extra = describe(mq.dequeue(timeout=0.3))
-            except TimeoutError:
-                extra = None
-            out.put(
-                (
-                    "done",
-                    {
-                        "queue": qi,
-                        "rank": rank,
-                        "group_rank": group_rank,
-                        "local": mq._is_local_reader,
-                        "local_reader_rank": mq.local_reader_rank if mq._is_local_reader else None,
-                        "count": count,
-                        "n_mismatch": n_mismatch,
-                        "mismatches": mismatches,
-                        "extra": extra,
-                    },
-                )
-            )
+            report = {"queue": qi, "rank": rank, "group_rank": group_rank, **read_stream(mq, seed, n, big)}
+            out.put(("done", report))
     else:
         out.put(("outside", rank))
     if not release.wait(STEP):
