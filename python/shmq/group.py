@@ -51,7 +51,8 @@ class StatelessProcessGroup:
       (``send_obj``/``recv_obj``; one counter per (src, dst) pair, so sends and
       receives pair up in order even when several ranks send to the same one);
     - ``broadcast_from/{src}/{n}``: the ``n``-th object ``src`` broadcast;
-    - ``barrier/{n}/{rank}``: ``rank`` arrived at barrier round ``n``.
+    - ``barrier/{n}/{rank}``: ``rank`` arrived at barrier round ``n``;
+      ``barrier/{n}/left/{rank}``: it left (rank 0 waits for these, see ``barrier``).
 
     Every key this rank sets is remembered with the time it was set; ``expire_data()``
     (also called by every send and broadcast) deletes those older than
@@ -167,22 +168,32 @@ class StatelessProcessGroup:
     def barrier(self, timeout: float = 30.0) -> None:
         """Wait until every rank has reached this barrier. ``RuntimeError`` naming the
         ranks that did not arrive when ``timeout`` seconds pass (this rank's round
-        still counts as done, so a late rank that arrives afterwards passes it)."""
+        still counts as done, so a late rank that arrives afterwards passes it).
+
+        Rank 0 hosts the store, so it also waits until every other rank has *left* the
+        barrier: a barrier before exiting lets every rank exit without cutting the
+        others off the store."""
         n = self.barrier_counter
         self.barrier_counter += 1
         self.expire_data()
         self._set(f"barrier/{n}/{self.rank}", b"")
-        pending = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + timeout
+        what = f"barrier {n} timed out after {timeout} s"
+        self._wait_for_keys(f"barrier/{n}", deadline, what, "did not arrive")
+        if self.rank == 0:
+            self._wait_for_keys(f"barrier/{n}/left", deadline, what, "did not leave")
+        else:
+            self._set(f"barrier/{n}/left/{self.rank}", b"")
+
+    def _wait_for_keys(self, prefix: str, deadline: float, what: str, missing: str) -> None:
+        """Wait until every other rank has set ``{prefix}/{rank}``."""
+        pending = [r for r in range(self.world_size) if r != self.rank]
         while True:
-            pending = [r for r in pending if not self.store.check([f"barrier/{n}/{r}"])]
+            pending = [r for r in pending if not self.store.check([f"{prefix}/{r}"])]
             if not pending:
                 return
             if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"barrier {n} timed out after {timeout} s on rank {self.rank}: "
-                    f"rank(s) {pending} did not arrive"
-                )
+                raise RuntimeError(f"{what} on rank {self.rank}: rank(s) {pending} {missing}")
             time.sleep(_BARRIER_POLL_S)
 
     # -- housekeeping ----------------------------------------------------------------
