@@ -928,3 +928,15 @@ def stateless_expiry_member(out: Any, port: int, rank: int, expiration: float, r
     out.put(("expiry", rank, report))
     if not release.wait(STEP):
         raise TimeoutError("the test never released the group")
+
+
+def barrier_then_exit_member(out: Any, port: int, rank: int, world_size: int, rounds: int) -> None:
+    """Join a StatelessProcessGroup, pass ``rounds`` barriers, report, and exit at once:
+    rank 0 hosts the store, so its barrier must not return before the others are done
+    with the store."""
+    from shmq import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, store_timeout=int(STEP))
+    for _ in range(rounds):
+        pg.barrier(timeout=STEP)
+    out.put(("passed", rank))

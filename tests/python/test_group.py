@@ -16,6 +16,7 @@ import pytest
 
 from _processes import (
     STEP,
+    barrier_then_exit_member,
     free_port,
     group_queue_member,
     stateless_expiry_member,
@@ -181,3 +182,14 @@ def test_import_shmq_does_not_import_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=STEP)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_every_rank_may_exit_right_after_a_barrier(children):
+    # Without the barrier's "left" phase, rank 0 (the store's host) could exit while the
+    # others still polled the store, and they failed with a connection error.
+    out = children.queue()
+    port = free_port()
+    for rank in range(WORLD):
+        children.start(barrier_then_exit_member, out, port, rank, WORLD, 5)
+    assert sorted(children.expect(out, "passed")[1] for _ in range(WORLD)) == list(range(WORLD))
+    children.join()
