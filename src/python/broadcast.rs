@@ -13,7 +13,7 @@ use crate::broadcast::{
     Handle, QueueOptions, Reader as CoreReader, Ring as CoreRing, RingHandle, Writer as CoreWriter,
 };
 use crate::error::Error;
-use crate::wait::WaitPolicy;
+use crate::wait::{Wait, WaitPolicy};
 use pyo3::exceptions::PyValueError;
 
 /// Messages up to this size are copied with the GIL held when no wait is needed.
@@ -246,8 +246,9 @@ impl Writer {
     fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
         let mut w = lock(py, &self.inner);
         if data.len() <= COPY_WITH_GIL_MAX && w.can_write() {
-            // No wait needed: the chunk is free and sockets never block.
-            return Ok(w.enqueue(data, None)?);
+            // No wait needed (the chunk is free and sockets never block): skip the core
+            // `enqueue`, which would check the chunk again before setting up a wait.
+            return Ok(w.enqueue_with(data, &mut Wait::ready_now())?);
         }
         let w = &mut *w;
         let what = "the writer waiting for readers to free a chunk";
