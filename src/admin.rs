@@ -8,6 +8,7 @@
 
 use std::fmt::Write as _;
 
+use crate::arena;
 use crate::broadcast::Ring;
 use crate::error::{Error, Result};
 use crate::process::ProcessId;
@@ -19,6 +20,7 @@ use crate::storage::ChunkRing;
 pub enum SegmentKind {
     Ring,
     Store,
+    Arena,
     /// Not (or not yet) a finished shmq segment of this version.
     Unknown,
 }
@@ -28,6 +30,7 @@ impl SegmentKind {
         match self {
             SegmentKind::Ring => "broadcast ring",
             SegmentKind::Store => "object store",
+            SegmentKind::Arena => "tensor arena",
             SegmentKind::Unknown => "unknown",
         }
     }
@@ -58,6 +61,8 @@ fn report(name: &str, size: u64) -> SegmentReport {
         (SegmentKind::Ring, Some(ring.creator()))
     } else if let Ok(store) = ChunkRing::open(name, None) {
         (SegmentKind::Store, Some(store.segment().creator()))
+    } else if let Ok(a) = arena::describe(name) {
+        (SegmentKind::Arena, Some(a.creator))
     } else {
         // start_time 0: only the pid can be checked.
         (
@@ -182,7 +187,20 @@ pub fn describe(name: &str) -> Result<String> {
         );
         return Ok(out);
     }
-    // Neither: say why (missing, not shmq's, another layout version...).
+    if let Ok(a) = arena::describe(name) {
+        let _ = writeln!(
+            out,
+            "{name}: tensor arena of a queue, {} readers, {} bytes ({} reserved)\ncreator: {}\nin use: {} bytes; parts sent by copy for lack of room: {}",
+            a.n_reader,
+            a.capacity,
+            a.reserved,
+            describe_process(Some(a.creator)),
+            a.bytes_in_use,
+            a.fallbacks,
+        );
+        return Ok(out);
+    }
+    // None of these: say why (missing, not shmq's, another layout version...).
     Ring::open(name).map(|_| ())?;
     let _ = Segment::open(name)?;
     Err(Error::BadSegment {
@@ -210,12 +228,17 @@ mod tests {
     fn live_segments_are_listed_and_kept() {
         let ring = Ring::create(2, 64, 2).unwrap();
         let store = ChunkRing::create(4096, None).unwrap();
+        let arena = crate::arena::ArenaWriter::create(2, 1 << 20, 4).unwrap();
         let all = list_segments().unwrap();
         let find = |n: &str| all.iter().find(|s| s.name == n).cloned().unwrap();
         let r = find(ring.name());
         assert_eq!((r.kind, r.creator_alive), (SegmentKind::Ring, true));
         assert_eq!(r.creator.unwrap().pid, std::process::id());
         assert_eq!(find(store.segment().name()).kind, SegmentKind::Store);
+        assert_eq!(find(arena.name()).kind, SegmentKind::Arena);
+        assert!(describe(arena.name())
+            .unwrap()
+            .contains("tensor arena of a queue, 2 readers"));
         let orphans = remove_orphans(true).unwrap();
         assert!(orphans
             .iter()

@@ -9,6 +9,8 @@
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep);
 //! - [`transport`]: ZeroMQ publish/subscribe sockets and the ready handshake;
 //! - [`alloc`], [`storage`]: the object store's FIFO allocator and the store on it;
+//! - [`arena`]: the tensor arena: large message parts in shared memory, read as private
+//!   views, and loans to fill in place;
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
@@ -29,6 +31,8 @@
 #[cfg(not(loom))]
 pub mod admin;
 pub mod alloc;
+#[cfg(not(loom))]
+pub mod arena;
 pub mod broadcast;
 pub mod doorbell;
 pub mod error;
@@ -50,5 +54,7 @@ pub mod wait;
 mod python;
 
 #[cfg(not(loom))]
-pub use broadcast::{Handle, QueueOptions, Reader, Writer};
+pub use arena::{ArenaView, Loan};
+#[cfg(not(loom))]
+pub use broadcast::{Handle, OwnedPart, QueueOptions, Reader, Writer};
 pub use error::{Error, Result};

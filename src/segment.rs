@@ -99,19 +99,28 @@ pub fn shm_free_bytes() -> Option<u64> {
 }
 
 impl Segment {
-    /// Create a new segment of `size` bytes (zero-filled) named `name`.
+    /// Create a new segment of `size` bytes (zero-filled) named `name`, with every page
+    /// reserved in `/dev/shm` now.
     pub fn create(name: &str, size: usize) -> Result<Self> {
+        Self::create_sparse(name, size, size)
+    }
+
+    /// Create a new segment of `size` bytes of which only the first `reserve` bytes are
+    /// reserved now; reserve more with [`reserve_range`](Self::reserve_range) before
+    /// writing there (an unreserved page that cannot be had is a `SIGBUS` on first touch).
+    pub fn create_sparse(name: &str, size: usize, reserve: usize) -> Result<Self> {
         check_name(name)?;
         if size == 0 {
             return Err(Error::InvalidArgument(
                 "a shared memory segment cannot be empty".into(),
             ));
         }
+        let reserve = reserve.min(size);
         if let Some(free) = shm_free_bytes() {
-            if (size as u64) > free {
+            if (reserve as u64) > free {
                 return Err(Error::NoSpace {
                     name: name.into(),
-                    needed: size as u64,
+                    needed: reserve as u64,
                     available: free,
                 });
             }
@@ -136,13 +145,17 @@ impl Segment {
             creator_pid: Some(std::process::id()),
             unlinked: AtomicBool::new(false),
         };
-        segment.reserve(size)?;
+        segment.reserve_range(0, reserve)?;
         Ok(segment)
     }
 
-    /// Reserve the pages of the segment now, so a full `/dev/shm` is an error here and not
-    /// a `SIGBUS` later. On failure the segment is dropped (and so unlinked) by the caller.
-    fn reserve(&self, size: usize) -> Result<()> {
+    /// Reserve the pages of `offset..offset + len` now, so a full `/dev/shm` is an error
+    /// here and not a `SIGBUS` later. On failure in `create` the segment is dropped (and
+    /// so unlinked) by the caller.
+    pub fn reserve_range(&self, offset: usize, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
         use std::os::fd::AsRawFd;
         let path = format!("{SHM_DIR}/{}", self.name);
         let file = match std::fs::OpenOptions::new()
@@ -155,19 +168,21 @@ impl Segment {
             Err(_) => return Ok(()),
         };
         // SAFETY: the fd is open for writing for the duration of the call.
-        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+        let rc = unsafe {
+            libc::posix_fallocate(file.as_raw_fd(), offset as libc::off_t, len as libc::off_t)
+        };
         match rc {
             0 => Ok(()),
             libc::ENOSPC => Err(Error::NoSpace {
                 name: self.name.clone(),
-                needed: size as u64,
+                needed: len as u64,
                 available: shm_free_bytes().unwrap_or(0),
             }),
             // Filesystems without fallocate support: fall back to ftruncate's lazy pages.
             libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
             err => Err(Error::os(
                 format!(
-                    "reserving {size} bytes for shared memory segment '{}'",
+                    "reserving {len} bytes for shared memory segment '{}'",
                     self.name
                 ),
                 std::io::Error::from_raw_os_error(err),

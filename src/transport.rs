@@ -137,6 +137,16 @@ impl Publisher {
             .send(msg, 0)
             .map_err(Error::transport(format!("publishing {} bytes", msg.len())))
     }
+
+    /// Publish one message of several frames (delivered whole or not at all).
+    pub fn send_frames(&self, frames: &[&[u8]]) -> Result<()> {
+        self.socket
+            .send_multipart(frames.iter().copied(), 0)
+            .map_err(Error::transport(format!(
+                "publishing a message of {} frames",
+                frames.len()
+            )))
+    }
 }
 
 /// A reader's end: a SUB socket subscribed to everything.
@@ -180,6 +190,41 @@ impl Subscriber {
                 source: e,
             }),
         }
+    }
+
+    /// The next message, all its frames, if one has arrived.
+    pub fn try_recv_frames(&self) -> Result<Option<Vec<zmq::Message>>> {
+        let Some(first) = self.try_recv()? else {
+            return Ok(None);
+        };
+        let mut frames = vec![first];
+        // The frames of a message arrive together: the rest are already here.
+        while frames.last().is_some_and(|m| m.get_more()) {
+            let m = self.socket.recv_msg(0).map_err(Error::transport(format!(
+                "receiving a frame from {}",
+                self.endpoint
+            )))?;
+            frames.push(m);
+        }
+        Ok(Some(frames))
+    }
+
+    /// Wait for the next message, all its frames; `peer_alive` is checked now and then.
+    pub fn recv_frames(
+        &self,
+        wait: &mut Wait,
+        peer_alive: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<zmq::Message>> {
+        let first = self.recv(wait, peer_alive)?;
+        let mut frames = vec![first];
+        while frames.last().is_some_and(|m| m.get_more()) {
+            let m = self.socket.recv_msg(0).map_err(Error::transport(format!(
+                "receiving a frame from {}",
+                self.endpoint
+            )))?;
+            frames.push(m);
+        }
+        Ok(frames)
     }
 
     /// Wait for the next message; `peer_alive` is checked now and then.

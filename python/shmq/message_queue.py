@@ -14,15 +14,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from . import _core
+from . import _core, _oob
 from ._cleanup import track
 
 __all__ = ["Handle", "MessageQueue", "PeerDiedError", "ShmRingBuffer", "sched_yield"]
 
 PeerDiedError = _core.PeerDiedError
 
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
-_dumps = pickle.dumps
+_dumps = _oob.dumps
 _loads = pickle.loads
 
 
@@ -124,6 +123,8 @@ class Handle:
     local_subscribe_addr: Optional[str] = None
     remote_subscribe_addr: Optional[str] = None
     remote_addr_ipv6: bool = False
+    #: The tensor arena's segment (large tensors and arrays, read as zero-copy views).
+    arena_name: Optional[str] = None
 
 
 class MessageQueue:
@@ -146,6 +147,18 @@ class MessageQueue:
       needs, the writer raises ``PeerDiedError`` naming it (``"raise"``, the default) or
       goes on without it (``"drop"``). A reader whose writer died raises
       ``PeerDiedError`` too, instead of waiting forever.
+    - Large tensors and arrays (protocol-5 out-of-band buffers of at least
+      ``arena_threshold`` bytes, default 1 MiB, ``SHMQ_ARENA_THRESHOLD``) are copied once
+      into a *tensor arena* beside the ring (``arena_bytes``, default 1 GiB of address
+      space reserved in ``/dev/shm`` only as used, ``SHMQ_ARENA_BYTES``; 0 turns it off),
+      and local readers get tensors that are zero-copy views of it. Those views are
+      private: writable, and a reader's writes are never seen by the writer or another
+      reader (copy-on-write pages). The bytes go back to the writer when the last view
+      in the last reader is gone. With the arena full, parts are copied through the
+      ring instead (``arena_fallbacks`` counts them); the writer never waits for it.
+    - ``loan(nbytes)`` / ``loan_tensor(shape, dtype)`` / ``loan_array(shape, dtype)``:
+      memory in the arena to fill in place; sending an object that holds it sends a
+      reference, no copy at all.
     """
 
     # Class-level defaults make a handle-less object fail with a clear error.
@@ -170,6 +183,8 @@ class MessageQueue:
         spin_us: Optional[float] = None,
         yield_us: Optional[float] = None,
         on_dead_reader: str = "raise",
+        arena_bytes: Optional[int] = None,
+        arena_threshold: Optional[int] = None,
     ):
         if local_reader_ranks is None:
             local_reader_ranks = list(range(n_local_reader))
@@ -189,9 +204,11 @@ class MessageQueue:
             spin_us=spin_us,
             yield_us=yield_us,
             on_dead_reader=on_dead_reader,
+            arena_bytes=arena_bytes,
+            arena_threshold=arena_threshold,
         )
-        ranks, buffer_handle, local_addr, remote_addr, ipv6 = self._writer.handle()
-        self.handle = Handle(ranks, buffer_handle, local_addr, remote_addr, ipv6)
+        ranks, buffer_handle, local_addr, remote_addr, ipv6, arena = self._writer.handle()
+        self.handle = Handle(ranks, buffer_handle, local_addr, remote_addr, ipv6, arena)
         ring = self._writer.ring()
         self.buffer = ShmRingBuffer._wrap(ring) if ring is not None else None
         self.n_local_reader = n_local_reader
@@ -220,6 +237,7 @@ class MessageQueue:
             rank,
             spin_us=spin_us,
             yield_us=yield_us,
+            arena=getattr(handle, "arena_name", None),
         )
         self._is_local_reader = self._reader.is_local
         self._is_remote_reader = not self._is_local_reader
@@ -271,12 +289,17 @@ class MessageQueue:
             raise RuntimeError("this MessageQueue has no handle: make it with MessageQueue(...) or create_from_handle")
 
     def enqueue(self, obj: Any, timeout: Optional[float] = None) -> None:
-        """Send ``obj`` (pickled) to every reader; blocks while the ring is full and raises
-        ``TimeoutError`` after ``timeout`` seconds."""
+        """Send ``obj`` to every reader; blocks while the ring is full and raises
+        ``TimeoutError`` after ``timeout`` seconds. ``obj`` is pickled with protocol 5:
+        tensors and arrays travel as raw buffers, large ones through the tensor arena."""
         writer = self._writer
         if writer is None:
             raise RuntimeError("only the writer can enqueue: this MessageQueue is a reader")
-        writer.enqueue(_dumps(obj, protocol=_PROTOCOL), timeout)
+        body, buffers = _dumps(obj)
+        if buffers:
+            writer.enqueue_parts([body, *buffers], timeout)
+        else:
+            writer.enqueue(body, timeout)
 
     def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
         """The next object. ``TimeoutError`` after ``timeout`` seconds;
@@ -289,7 +312,11 @@ class MessageQueue:
                 if self._writer is not None
                 else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
             )
-        return _loads(reader.dequeue(timeout, cancel, indefinite))
+        message = reader.dequeue(timeout, cancel, indefinite)
+        if type(message) is bytes:
+            return _loads(message)
+        body, buffers = message
+        return _loads(body, buffers=buffers)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """The writer sends ``obj`` and returns it; a reader returns what it receives."""
@@ -297,6 +324,72 @@ class MessageQueue:
             self.enqueue(obj)
             return obj
         return self.dequeue()
+
+    def arena_stats(self) -> Optional[dict[str, Any]]:
+        """Writer side: the tensor arena's segment ``name``, ``capacity``, bytes
+        ``reserved`` in ``/dev/shm`` so far, ``outstanding`` parts (still held by a
+        reader, a message not yet read, or a live loan) and ``fallbacks``; ``None``
+        without an arena."""
+        info = self._writer.arena_info() if self._writer is not None else None
+        if info is None:
+            return None
+        name, capacity, reserved, outstanding = info
+        return {
+            "name": name,
+            "capacity": capacity,
+            "reserved": reserved,
+            "outstanding": outstanding,
+            "fallbacks": self._writer.arena_fallbacks,
+        }
+
+    @property
+    def arena_fallbacks(self) -> int:
+        """Writer side: buffers sent by copy because the tensor arena had no room."""
+        return self._writer.arena_fallbacks if self._writer is not None else 0
+
+    def loan(self, nbytes: int) -> memoryview:
+        """Writer side: ``nbytes`` of writable memory in the tensor arena, to fill in place.
+        A later ``enqueue`` of an object whose buffer lies in it (a tensor or array made
+        from it, see ``loan_tensor``/``loan_array``) sends a reference, no copy. Once sent,
+        do not write it again (readers may see such writes). Dropped unsent, it is given
+        back. Without an arena, or with no room in it, this is ordinary memory (counted in
+        ``loan_fallbacks``) and sending it copies."""
+        writer = self._writer
+        if writer is None:
+            raise RuntimeError("only the writer can loan memory: this MessageQueue is a reader")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, got {nbytes}")
+        if nbytes == 0:
+            return memoryview(bytearray())
+        view = writer.loan(nbytes)
+        if view is None:
+            self.loan_fallbacks += 1
+            return memoryview(bytearray(nbytes))
+        return memoryview(view)
+
+    loan_fallbacks = 0
+
+    def loan_tensor(self, shape: Any, dtype: Any = None) -> Any:
+        """A torch tensor of ``shape`` and ``dtype`` (default float32) in loaned memory,
+        to fill in place and send without a copy (see ``loan``)."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.loan(nbytes), dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def loan_array(self, shape: Any, dtype: Any = "float32") -> Any:
+        """A numpy array of ``shape`` and ``dtype`` in loaned memory, to fill in place and
+        send without a copy (see ``loan``)."""
+        import numpy as np
+
+        dtype = np.dtype(dtype)
+        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return np.frombuffer(self.loan(nbytes), dtype=dtype).reshape(shape)
 
     @contextmanager
     def acquire_write(self, timeout: Optional[float] = None) -> Iterator[memoryview]:

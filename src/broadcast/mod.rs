@@ -2,9 +2,12 @@
 //!
 //! - [`protocol`]: the chunk-flag protocol, on abstract atomics (model-checked);
 //! - [`ring`]: the shared-memory ring of chunks, its slots and doorbells.
+//! - [`framing`]: how a message of several parts (a body and its buffers) is laid out.
 //! - [`queue`]: [`Writer`] and [`Reader`], which combine the ring (local readers) with
 //!   the ZeroMQ transport (oversized messages and remote readers).
 
+#[cfg(not(loom))]
+pub mod framing;
 pub mod protocol;
 #[cfg(not(loom))]
 pub mod queue;
@@ -12,7 +15,7 @@ pub mod queue;
 pub mod ring;
 
 #[cfg(not(loom))]
-pub use queue::{Canceller, Handle, QueueOptions, Reader, Writer};
+pub use queue::{Canceller, Handle, OwnedPart, Part, QueueOptions, Reader, Received, Writer};
 #[cfg(not(loom))]
 pub use ring::{
     ChunkInfo, ChunkKind, DeadReaderPolicy, Ring, RingHandle, RingReader, RingWriter, SlotInfo,

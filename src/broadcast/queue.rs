@@ -12,9 +12,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::framing::{self, PartRef};
 use super::ring::{
     ChunkInfo, ChunkKind, DeadReaderPolicy, Ring, RingHandle, RingReader, RingWriter,
 };
+use crate::arena::{self, ArenaReader, ArenaView, ArenaWriter, Loan};
 use crate::error::{Error, Result};
 use crate::transport::{Publisher, Subscriber};
 use crate::wait::{no_peer, Wait, WaitPolicy};
@@ -38,6 +40,11 @@ pub struct QueueOptions {
     pub wait: Option<WaitPolicy>,
     /// What the writer does when a local reader it waits for has died.
     pub on_dead_reader: DeadReaderPolicy,
+    /// Bytes of the tensor arena beside the ring (virtual: reserved as used); 0 for none.
+    /// Parts of at least `arena_threshold` bytes go there (see [`crate::arena`]).
+    pub arena_bytes: usize,
+    /// Smallest message part that goes to the arena instead of being copied inline.
+    pub arena_threshold: usize,
 }
 
 impl Default for QueueOptions {
@@ -51,6 +58,8 @@ impl Default for QueueOptions {
             connect_ip: None,
             wait: None,
             on_dead_reader: DeadReaderPolicy::Raise,
+            arena_bytes: arena::default_capacity(),
+            arena_threshold: arena::default_threshold(),
         }
     }
 }
@@ -100,9 +109,11 @@ pub struct Handle {
     pub local_subscribe_addr: Option<String>,
     pub remote_subscribe_addr: Option<String>,
     pub remote_addr_ipv6: bool,
+    /// The tensor arena's segment, if the queue has one.
+    pub arena: Option<String>,
 }
 
-const HANDLE_TAG: &str = "shmq-handle-1";
+const HANDLE_TAG: &str = "shmq-handle-2";
 
 impl fmt::Display for Handle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -123,12 +134,13 @@ impl fmt::Display for Handle {
             .unwrap_or_default();
         write!(
             f,
-            "{HANDLE_TAG}|{}|{}|{}|{}|{}",
+            "{HANDLE_TAG}|{}|{}|{}|{}|{}|{}",
             ranks.join(","),
             buffer,
             self.local_subscribe_addr.as_deref().unwrap_or(""),
             self.remote_subscribe_addr.as_deref().unwrap_or(""),
-            u8::from(self.remote_addr_ipv6)
+            u8::from(self.remote_addr_ipv6),
+            self.arena.as_deref().unwrap_or("")
         )
     }
 }
@@ -138,7 +150,7 @@ impl FromStr for Handle {
     fn from_str(s: &str) -> Result<Handle> {
         let bad = || Error::InvalidArgument(format!("not a shmq queue handle: {s:?}"));
         let parts: Vec<&str> = s.trim().split('|').collect();
-        if parts.len() != 6 || parts[0] != HANDLE_TAG {
+        if parts.len() != 7 || parts[0] != HANDLE_TAG {
             return Err(bad());
         }
         let num = |t: &str| t.parse::<usize>().map_err(|_| bad());
@@ -168,6 +180,7 @@ impl FromStr for Handle {
             local_subscribe_addr: opt(parts[3]),
             remote_subscribe_addr: opt(parts[4]),
             remote_addr_ipv6: parts[5] == "1",
+            arena: opt(parts[6]),
         })
     }
 }
@@ -242,9 +255,56 @@ impl Canceller {
     }
 }
 
+/// Whether local reader `r` is proved dead (its slot names a process that is gone).
+fn reader_is_dead(ring: &Ring, r: usize) -> bool {
+    ring.slot_info(Some(r))
+        .ok()
+        .and_then(|s| s.process)
+        .is_some_and(|p| !p.is_alive())
+}
+
+/// Where each part of a message goes for local readers: the body and small parts inline,
+/// parts inside a loan by reference, other large parts copied into the arena when it has
+/// room (else inline: the fallback, counted by the arena).
+fn place_parts(
+    parts: &[&[u8]],
+    mut arena: Option<&mut ArenaWriter>,
+    threshold: usize,
+    ring: &RingWriter,
+) -> Vec<PartRef> {
+    let mut at = framing::header_len(parts.len());
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if i > 0 {
+                if let Some(a) = arena.as_deref_mut() {
+                    if let Some(r) = a.find_loan(p) {
+                        return PartRef::Arena(r);
+                    }
+                    if p.len() >= threshold {
+                        if let Some(r) = a.copy_in(p, &mut |r| reader_is_dead(ring.ring(), r)) {
+                            return PartRef::Arena(r);
+                        }
+                    }
+                }
+            }
+            let offset = framing::align(at);
+            at = offset + p.len();
+            PartRef::Inline {
+                offset,
+                len: p.len(),
+            }
+        })
+        .collect()
+}
+
 /// The writing side of a queue.
 pub struct Writer {
     ring: Option<RingWriter>,
+    /// Large message parts for local readers (with the ring).
+    arena: Option<ArenaWriter>,
+    arena_threshold: usize,
     local: Option<Publisher>,
     remote: Option<Publisher>,
     n_local_reader: usize,
@@ -295,18 +355,27 @@ impl Writer {
         }
         let ctx = zmq::Context::new();
         let n_remote_reader = opts.n_reader - opts.n_local_reader;
-        let (ring, local) = if opts.n_local_reader > 0 {
+        let (ring, local, arena) = if opts.n_local_reader > 0 {
             let ring = Arc::new(Ring::create(
                 opts.n_local_reader,
                 opts.max_chunk_bytes,
                 opts.max_chunks,
             )?);
             let local = Publisher::bind_ipc(&ctx, ring.name())?;
+            let arena = (opts.arena_bytes > 0)
+                .then(|| {
+                    ArenaWriter::create(
+                        opts.n_local_reader,
+                        opts.arena_bytes,
+                        arena::DEFAULT_MAX_LEASES,
+                    )
+                })
+                .transpose()?;
             let mut writer = RingWriter::new(ring);
             writer.on_dead_reader(opts.on_dead_reader);
-            (Some(writer), Some(local))
+            (Some(writer), Some(local), arena)
         } else {
-            (None, None)
+            (None, None, None)
         };
         let (remote, ipv6) = if n_remote_reader > 0 {
             let ip = opts.connect_ip.clone().unwrap_or_else(default_connect_ip);
@@ -321,10 +390,13 @@ impl Writer {
             local_subscribe_addr: local.as_ref().map(|p| p.endpoint().to_owned()),
             remote_subscribe_addr: remote.as_ref().map(|p| p.endpoint().to_owned()),
             remote_addr_ipv6: ipv6,
+            arena: arena.as_ref().map(|a| a.name().to_owned()),
         };
         let canceller = Canceller::new(ring.as_ref().map(|r| r.ring().clone()), true);
         Ok(Writer {
             ring,
+            arena,
+            arena_threshold: opts.arena_threshold.max(1),
             local,
             remote,
             n_local_reader: opts.n_local_reader,
@@ -441,6 +513,140 @@ impl Writer {
         Ok(())
     }
 
+    /// Send a message of several parts to every reader: `parts[0]` is the body (for
+    /// Python, the pickle stream) and the rest are buffers it refers to, waiting while the
+    /// ring is full. Local readers get parts of at least the arena threshold as
+    /// references into the tensor arena (copied there once; parts that lie inside a live
+    /// [`Loan`] of this writer are not copied at all), smaller ones copied into the chunk;
+    /// remote readers get every part as a ZeroMQ frame.
+    pub fn enqueue_parts(&mut self, parts: &[&[u8]], timeout: Option<Duration>) -> Result<()> {
+        if self.can_write() {
+            return self.enqueue_parts_with(parts, &mut Wait::ready_now());
+        }
+        let canceller = self.canceller.clone();
+        let what = "the writer waiting for readers to free a chunk";
+        let mut wait = Wait::new(what, timeout)
+            .policy(self.policy)
+            .cancel_on(canceller.flag());
+        self.enqueue_parts_with(parts, &mut wait)
+    }
+
+    pub fn enqueue_parts_with(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
+        if parts.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a message needs at least one part (its body)".into(),
+            ));
+        }
+        if let Some(ring) = self.ring.as_mut() {
+            ring.acquire(wait)?;
+            let refs = place_parts(parts, self.arena.as_mut(), self.arena_threshold, ring);
+            let inline: usize = refs
+                .iter()
+                .zip(parts)
+                .filter(|(r, _)| matches!(r, PartRef::Inline { .. }))
+                .map(|(_, p)| framing::align(p.len()))
+                .sum();
+            let total = framing::header_len(parts.len()) + inline;
+            let arena_refs = || {
+                refs.iter().filter_map(|r| match r {
+                    PartRef::Arena(a) => Some(a),
+                    _ => None,
+                })
+            };
+            let ring = self.ring.as_mut().expect("checked above");
+            let publish = |arena: Option<&ArenaWriter>, ring: &RingWriter| {
+                // Before the message is visible: a reader may drop its hold as soon as it
+                // has read the message.
+                if let Some(arena) = arena {
+                    let n = ring.ring().n_reader();
+                    for r in arena_refs() {
+                        arena.publish(r, (0..n).filter(|&i| !ring.is_reader_dropped(i)));
+                    }
+                }
+            };
+            if total <= ring.ring().max_chunk_bytes() {
+                let data = ring.data_mut().expect("acquired");
+                framing::encode(&refs, data);
+                for (r, p) in refs.iter().zip(parts) {
+                    if let PartRef::Inline { offset, len } = *r {
+                        data[offset..offset + len].copy_from_slice(p);
+                    }
+                }
+                publish(self.arena.as_ref(), ring);
+                ring.commit(total, ChunkKind::Framed)?;
+            } else {
+                // Too large for a chunk even so: the descriptors and the inline parts go
+                // over the overflow socket as frames.
+                let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+                let mut next = 1;
+                let over: Vec<PartRef> = refs
+                    .iter()
+                    .zip(parts)
+                    .map(|(r, p)| match r {
+                        PartRef::Inline { .. } => {
+                            frames.push(p);
+                            next += 1;
+                            PartRef::Frame { index: next - 1 }
+                        }
+                        other => *other,
+                    })
+                    .collect();
+                let block = framing::encode_vec(&over);
+                frames.insert(0, &block);
+                let sent = self
+                    .local
+                    .as_ref()
+                    .expect("local readers have an overflow socket")
+                    .send_frames(&frames);
+                if let Err(e) = sent {
+                    if let Some(arena) = self.arena.as_ref() {
+                        arena_refs().for_each(|r| arena.abandon(r));
+                    }
+                    return Err(e);
+                }
+                publish(self.arena.as_ref(), ring);
+                ring.commit(total, ChunkKind::Overflow)?;
+                self.overflow_count += 1;
+            }
+        }
+        if let Some(remote) = self.remote.as_ref() {
+            let refs: Vec<PartRef> = (1..=parts.len())
+                .map(|index| PartRef::Frame { index })
+                .collect();
+            let block = framing::encode_vec(&refs);
+            let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+            frames.push(&block);
+            frames.extend_from_slice(parts);
+            remote.send_frames(&frames)?;
+        }
+        Ok(())
+    }
+
+    /// Lend `len` bytes of the tensor arena to fill in place; a message part that lies
+    /// inside a live loan is sent by reference, without a copy. `None` when the queue has
+    /// no arena (no local readers, or `arena_bytes` 0) or it has no room now.
+    pub fn loan(&mut self, len: usize) -> Option<Loan> {
+        let ring = self.ring.as_ref()?;
+        self.arena
+            .as_mut()?
+            .loan(len, &mut |r| reader_is_dead(ring.ring(), r))
+    }
+
+    /// Parts sent by copy because the arena had no room.
+    pub fn arena_fallbacks(&self) -> u64 {
+        self.arena.as_ref().map_or(0, |a| a.fallbacks())
+    }
+
+    /// The tensor arena, if the queue has one.
+    pub fn arena(&self) -> Option<&ArenaWriter> {
+        self.arena.as_ref()
+    }
+
+    /// The tensor arena, to return leases whose holds are gone ([`ArenaWriter::reclaim`]).
+    pub fn arena_mut(&mut self) -> Option<&mut ArenaWriter> {
+        self.arena.as_mut()
+    }
+
     /// Zero-copy writing: wait for the next chunk and return its data to fill; publish
     /// it with [`commit_write`](Self::commit_write). Only for queues whose readers are
     /// all local (remote readers cannot see chunks).
@@ -474,18 +680,155 @@ enum Source {
     Local {
         ring: RingReader,
         overflow: Subscriber,
+        /// The queue's tensor arena, if it has one.
+        arena: Option<Arc<ArenaReader>>,
     },
     Remote {
         sub: Subscriber,
     },
 }
 
+/// A message as a reader takes it: plain bytes, or a message of several parts (a body
+/// and the buffers it refers to, see [`Writer::enqueue_parts`]).
+#[derive(Debug)]
+pub enum Received<'a> {
+    Bytes(&'a [u8]),
+    Parts(Vec<Part<'a>>),
+}
+
+/// One part of a received message.
+#[derive(Debug)]
+pub enum Part<'a> {
+    /// Bytes in the chunk (or in a frame), valid while the message is being taken.
+    Borrowed(&'a [u8]),
+    /// A ZeroMQ frame, owned (its bytes are writable and stay valid as long as it does).
+    Frame(zmq::Message),
+    /// Bytes in the tensor arena, mapped privately (see [`ArenaView`]).
+    Arena(ArenaView),
+}
+
+impl std::ops::Deref for Part<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Part::Borrowed(b) => b,
+            Part::Frame(m) => m,
+            Part::Arena(v) => v,
+        }
+    }
+}
+
+/// A part of a received message that outlives the chunk it came in: a copy of bytes
+/// from the chunk, a ZeroMQ frame, or a private view of the tensor arena (no copy).
+#[derive(Debug)]
+pub enum OwnedPart {
+    Copied(Vec<u8>),
+    Frame(zmq::Message),
+    Arena(ArenaView),
+}
+
+impl std::ops::Deref for OwnedPart {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            OwnedPart::Copied(v) => v,
+            OwnedPart::Frame(m) => m,
+            OwnedPart::Arena(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for OwnedPart {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            OwnedPart::Copied(v) => v,
+            OwnedPart::Frame(m) => m,
+            OwnedPart::Arena(v) => v,
+        }
+    }
+}
+
+impl From<Part<'_>> for OwnedPart {
+    fn from(p: Part<'_>) -> OwnedPart {
+        match p {
+            Part::Borrowed(b) => OwnedPart::Copied(b.to_vec()),
+            Part::Frame(m) => OwnedPart::Frame(m),
+            Part::Arena(v) => OwnedPart::Arena(v),
+        }
+    }
+}
+
+/// The parts named by `refs`: inline ones borrowed from `block`, frames taken from
+/// `frames`, arena ones mapped from `arena`. On an error, the arena holds of the parts
+/// not mapped are dropped (the message is consumed either way).
+fn resolve_parts<'a>(
+    refs: &[PartRef],
+    block: &'a [u8],
+    frames: &mut [Option<zmq::Message>],
+    arena: Option<&Arc<ArenaReader>>,
+) -> Result<Vec<Part<'a>>> {
+    let mut out = Vec::with_capacity(refs.len());
+    for (i, r) in refs.iter().enumerate() {
+        let part = match *r {
+            PartRef::Inline { offset, len } => Ok(Part::Borrowed(&block[offset..offset + len])),
+            PartRef::Frame { index } => frames
+                .get_mut(index)
+                .and_then(Option::take)
+                .map(Part::Frame)
+                .ok_or_else(|| Error::InvalidArgument("malformed message: a frame named twice".into())),
+            PartRef::Arena(a) => match arena {
+                Some(arena) => arena.view(&a).map(Part::Arena),
+                None => Err(Error::InvalidArgument(
+                    "a message refers to the tensor arena, which this reader cannot map (a remote reader?)"
+                        .into(),
+                )),
+            },
+        };
+        match part {
+            Ok(p) => out.push(p),
+            Err(e) => {
+                release_arena_refs(&refs[i + 1..], arena);
+                return Err(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Drop this reader's holds on the arena parts in `refs` (a message not used).
+fn release_arena_refs(refs: &[PartRef], arena: Option<&Arc<ArenaReader>>) {
+    if let Some(arena) = arena {
+        for r in refs {
+            if let PartRef::Arena(a) = r {
+                arena.release(a);
+            }
+        }
+    }
+}
+
+/// Call `f` on the message carried by `frames`: one frame is plain bytes, more are a
+/// descriptor block and the frames it names.
+fn take_frames<R>(
+    frames: Vec<zmq::Message>,
+    arena: Option<&Arc<ArenaReader>>,
+    f: impl FnOnce(Received<'_>) -> R,
+) -> Result<R> {
+    if frames.len() == 1 {
+        return Ok(f(Received::Bytes(&frames[0])));
+    }
+    let mut frames: Vec<Option<zmq::Message>> = frames.into_iter().map(Some).collect();
+    let block = frames[0].take().expect("at least two frames");
+    let refs = framing::decode(&block, frames.len())?;
+    let parts = resolve_parts(&refs, &block, &mut frames, arena)?;
+    Ok(f(Received::Parts(parts)))
+}
+
 /// The reading side of a queue (one per reader process).
 pub struct Reader {
     source: Source,
     rank: usize,
-    /// A message received over a socket, waiting to be taken.
-    pending: Option<zmq::Message>,
+    /// A message received over a socket (all its frames), waiting to be taken.
+    pending: Option<Vec<zmq::Message>>,
     canceller: Canceller,
     policy: WaitPolicy,
     what: String,
@@ -527,8 +870,17 @@ impl Reader {
                 })?;
                 let ring = Arc::new(Ring::open(&buffer.name)?);
                 let ring = RingReader::new(ring, index)?;
+                let arena = handle
+                    .arena
+                    .as_deref()
+                    .map(|name| ArenaReader::open(name, index).map(Arc::new))
+                    .transpose()?;
                 let overflow = Subscriber::connect(&ctx, addr, false)?;
-                Source::Local { ring, overflow }
+                Source::Local {
+                    ring,
+                    overflow,
+                    arena,
+                }
             }
             None => {
                 let addr = handle.remote_subscribe_addr.as_deref().ok_or_else(|| {
@@ -634,7 +986,7 @@ impl Reader {
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         match &self.source {
-            Source::Local { overflow, ring } => {
+            Source::Local { overflow, ring, .. } => {
                 let ring = ring.ring().clone();
                 overflow.wait_ready(wait, &mut || RingReader::check_writer(&ring))
             }
@@ -647,55 +999,84 @@ impl Reader {
     /// or a remote reader this receives the message from the socket.
     pub fn wait_message(&mut self, wait: &mut Wait) -> Result<()> {
         match &mut self.source {
-            Source::Local { ring, overflow } => {
+            Source::Local { ring, overflow, .. } => {
                 let info = ring.wait(wait)?;
                 if info.kind == ChunkKind::Overflow && self.pending.is_none() {
                     // The writer sent the message before the mark; only a writer that
                     // died in between leaves us waiting, which the liveness check sees.
                     let r = ring.ring().clone();
                     let alive = &mut || RingReader::check_writer(&r);
-                    self.pending = Some(overflow.recv(wait, alive)?);
+                    self.pending = Some(overflow.recv_frames(wait, alive)?);
                 }
             }
             Source::Remote { sub } => {
                 if self.pending.is_none() {
                     // A remote writer's liveness cannot be checked from here.
-                    self.pending = Some(sub.recv(wait, &mut no_peer)?);
+                    self.pending = Some(sub.recv_frames(wait, &mut no_peer)?);
                 }
             }
         }
         Ok(())
     }
 
-    /// Take the next message if it is here now: call `f` on its bytes (borrowed from
+    /// Take the next message if it is here now: call `f` on it (bytes borrowed from
     /// shared memory for a message in a chunk) and move on. `None`: nothing ready yet.
-    pub fn try_take<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
+    pub fn try_take_message<R>(&mut self, f: impl FnOnce(Received<'_>) -> R) -> Result<Option<R>> {
         match &mut self.source {
-            Source::Local { ring, overflow } => {
+            Source::Local {
+                ring,
+                overflow,
+                arena,
+            } => {
                 let Some(info) = ring.poll() else {
                     return Ok(None);
                 };
                 let out = match info.kind {
                     ChunkKind::Overflow => {
                         if self.pending.is_none() {
-                            self.pending = overflow.try_recv()?;
+                            self.pending = overflow.try_recv_frames()?;
                         }
-                        let Some(m) = self.pending.take() else {
+                        let Some(frames) = self.pending.take() else {
                             return Ok(None);
                         };
-                        f(&m)
+                        take_frames(frames, arena.as_ref(), f)
                     }
-                    _ => f(ring.data(&info)),
+                    ChunkKind::Framed => {
+                        let data = ring.data(&info);
+                        framing::decode(data, 0)
+                            .and_then(|refs| resolve_parts(&refs, data, &mut [], arena.as_ref()))
+                            .map(|parts| f(Received::Parts(parts)))
+                    }
+                    _ => Ok(f(Received::Bytes(ring.data(&info)))),
                 };
+                // Consumed even if it could not be read: the next message is the next one.
                 ring.finish();
-                Ok(Some(out))
+                out.map(Some)
             }
             Source::Remote { sub } => {
                 if self.pending.is_none() {
-                    self.pending = sub.try_recv()?;
+                    self.pending = sub.try_recv_frames()?;
                 }
-                Ok(self.pending.take().map(|m| f(&m)))
+                match self.pending.take() {
+                    Some(frames) => take_frames(frames, None, f).map(Some),
+                    None => Ok(None),
+                }
             }
+        }
+    }
+
+    /// Take the next plain message if it is here now: call `f` on its bytes. A message
+    /// of several parts is an error here (read those with `dequeue_parts`).
+    pub fn try_take<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
+        match self.try_take_message(|m| match m {
+            Received::Bytes(b) => Ok(f(b)),
+            Received::Parts(p) => Err(Error::InvalidArgument(format!(
+                "the message has {} parts; read it with dequeue_parts",
+                p.len()
+            ))),
+        })? {
+            Some(r) => r.map(Some),
+            None => Ok(None),
         }
     }
 
@@ -726,6 +1107,30 @@ impl Reader {
         r
     }
 
+    /// Wait for the next message and return its parts (a plain message is one part):
+    /// small parts copied out of the chunk, large ones as private views of the tensor
+    /// arena that hold their bytes until dropped (no copy).
+    pub fn dequeue_parts(&mut self, timeout: Option<Duration>) -> Result<Vec<OwnedPart>> {
+        fn own(m: Received<'_>) -> Vec<OwnedPart> {
+            match m {
+                Received::Bytes(b) => vec![OwnedPart::Copied(b.to_vec())],
+                Received::Parts(p) => p.into_iter().map(OwnedPart::from).collect(),
+            }
+        }
+        if let Some(m) = self.try_take_message(own)? {
+            return Ok(m);
+        }
+        let canceller = self.canceller.clone();
+        let what = std::mem::take(&mut self.what);
+        let mut wait = self.wait(&what, timeout, &canceller);
+        let r = self
+            .wait_message(&mut wait)
+            .and_then(|()| self.try_take_message(own))
+            .and_then(|m| m.ok_or_else(|| self.not_ready_any_more()));
+        self.what = what;
+        r
+    }
+
     /// Zero-copy reading of a chunk filled with [`Writer::acquire_write`]: wait for it
     /// and return its data; release it with [`finish_read`](Self::finish_read).
     pub fn acquire_read(&mut self, wait: &mut Wait) -> Result<ChunkInfo> {
@@ -744,20 +1149,35 @@ impl Reader {
     }
 
     /// Data of a chunk from [`acquire_read`](Self::acquire_read): the chunk itself, or
-    /// for an overflow mark the message that came over the socket.
+    /// for an overflow mark the message that came over the socket (its first frame).
     pub fn chunk_data(&self, info: &ChunkInfo) -> &[u8] {
         match (&self.source, info.kind) {
-            (Source::Local { .. }, ChunkKind::Overflow) => self.pending.as_deref().unwrap_or(&[]),
+            (Source::Local { .. }, ChunkKind::Overflow) => self
+                .pending
+                .as_ref()
+                .and_then(|f| f.first())
+                .map_or(&[], |m| &m[..]),
             (Source::Local { ring, .. }, _) => ring.data(info),
             (Source::Remote { .. }, _) => &[],
         }
     }
 
-    /// Mark the chunk from [`acquire_read`](Self::acquire_read) as read.
+    /// Mark the chunk from [`acquire_read`](Self::acquire_read) as read. A message of
+    /// several parts read this way gives its arena parts back.
     pub fn finish_read(&mut self) -> Result<()> {
         match &mut self.source {
-            Source::Local { ring, .. } => {
-                self.pending = None;
+            Source::Local { ring, arena, .. } => {
+                let pending = self.pending.take();
+                if let Some(info) = ring.poll() {
+                    let block: Option<(&[u8], usize)> = match (info.kind, &pending) {
+                        (ChunkKind::Framed, _) => Some((ring.data(&info), 0)),
+                        (ChunkKind::Overflow, Some(f)) if f.len() > 1 => Some((&f[0][..], f.len())),
+                        _ => None,
+                    };
+                    if let Some(refs) = block.and_then(|(b, n)| framing::decode(b, n).ok()) {
+                        release_arena_refs(&refs, arena.as_ref());
+                    }
+                }
                 ring.finish();
                 Ok(())
             }
@@ -785,6 +1205,7 @@ mod tests {
             local_subscribe_addr: Some("ipc://@shmq_ring_1_abc".into()),
             remote_subscribe_addr: Some("tcp://[::1]:5555".into()),
             remote_addr_ipv6: true,
+            arena: Some("shmq_arena_1_abc".into()),
         };
         assert_eq!(h.to_string().parse::<Handle>().unwrap(), h);
         let empty = Handle {
@@ -793,6 +1214,7 @@ mod tests {
             local_subscribe_addr: None,
             remote_subscribe_addr: None,
             remote_addr_ipv6: false,
+            arena: None,
         };
         assert_eq!(empty.to_string().parse::<Handle>().unwrap(), empty);
         assert!("nonsense".parse::<Handle>().is_err());

@@ -13,7 +13,7 @@
 //!                     who holds it (pid + start time), state, messages handled
 //! states_offset     chunk state blocks, `state_stride` bytes each (a multiple of 64):
 //!                     +0  len: u64      bytes of the message in the chunk
-//!                     +8  kind: u32     INLINE / OVERFLOW / RAW
+//!                     +8  kind: u32     INLINE / OVERFLOW / RAW / FRAMED
 //!                     +16 written: u8, then read[0..n_reader]: u8  (the "metadata")
 //! data_offset       chunk data, `data_stride` bytes each (max_chunk_bytes rounded up
 //!                   to 64, so every chunk starts on a cache line)
@@ -38,7 +38,7 @@ use crate::wait::{Bell, Wait};
 /// "SHMQRNG1" in little-endian: marks a finished broadcast-ring segment.
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"SHMQRNG1");
 /// Bumped whenever the layout changes; openers refuse any other version.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 const CACHE_LINE: usize = 64;
 const SLOTS_OFFSET: usize = 256;
@@ -59,6 +59,9 @@ pub enum ChunkKind {
     Inline = 1,
     /// A mark: the message (`len` bytes) went over the overflow socket.
     Overflow = 2,
+    /// A message of several parts (`len` bytes): part descriptors, then the parts copied
+    /// inline; larger parts are in the tensor arena (see `super::framing`).
+    Framed = 3,
 }
 
 impl ChunkKind {
@@ -66,6 +69,7 @@ impl ChunkKind {
         match v {
             1 => ChunkKind::Inline,
             2 => ChunkKind::Overflow,
+            3 => ChunkKind::Framed,
             _ => ChunkKind::Raw,
         }
     }
@@ -630,6 +634,11 @@ impl RingWriter {
         dropped[r].load(Ordering::Relaxed)
     }
 
+    /// Whether reader `r` was dropped after it died.
+    pub fn is_reader_dropped(&self, r: usize) -> bool {
+        Self::is_dropped(&self.dropped, r)
+    }
+
     /// Whether the next chunk can be written without waiting.
     pub fn can_write(&self) -> bool {
         protocol::is_free(&self.ring.chunk(self.next), |r| {
@@ -806,7 +815,7 @@ impl RingReader {
         // A peer that wrote a bogus length cannot make us read outside the chunk.
         let len = match kind {
             ChunkKind::Raw => self.ring.max_chunk_bytes(),
-            ChunkKind::Inline => len.min(self.ring.max_chunk_bytes()),
+            ChunkKind::Inline | ChunkKind::Framed => len.min(self.ring.max_chunk_bytes()),
             ChunkKind::Overflow => len,
         };
         Some(ChunkInfo {

@@ -2,15 +2,17 @@
 
 use std::sync::{Arc, Mutex};
 
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyByteArray, PyBytes, PyList, PyMemoryView, PyTuple};
 
 use super::view::ShmView;
 use super::wait::{blocking, lock, wait_policy, Interrupts, Timeout};
 use crate::broadcast::queue::Canceller;
 use crate::broadcast::{ChunkKind, DeadReaderPolicy};
 use crate::broadcast::{
-    Handle, QueueOptions, Reader as CoreReader, Ring as CoreRing, RingHandle, Writer as CoreWriter,
+    Handle, Part, QueueOptions, Reader as CoreReader, Received, Ring as CoreRing, RingHandle,
+    Writer as CoreWriter,
 };
 use crate::error::Error;
 use crate::wait::{Wait, WaitPolicy};
@@ -26,6 +28,7 @@ type HandleTuple = (
     Option<String>,
     Option<String>,
     bool,
+    Option<String>,
 );
 
 fn ring_tuple(h: &RingHandle) -> RingTuple {
@@ -39,7 +42,46 @@ fn handle_tuple(h: &Handle) -> HandleTuple {
         h.local_subscribe_addr.clone(),
         h.remote_subscribe_addr.clone(),
         h.remote_addr_ipv6,
+        h.arena.clone(),
     )
+}
+
+/// A received message as Python sees it: `bytes`, or `(body: bytes, buffers: list)`
+/// where each buffer is a `bytearray` (copied from the chunk) or a writable `memoryview`
+/// of memory private to this process (a frame, or an arena part mapped copy-on-write).
+fn to_python<'py>(py: Python<'py>, m: Received<'_>) -> PyResult<Bound<'py, PyAny>> {
+    let parts = match m {
+        Received::Bytes(b) => return Ok(PyBytes::new(py, b).into_any()),
+        Received::Parts(parts) => parts,
+    };
+    let mut parts = parts.into_iter();
+    let body = parts.next().expect("a message has a body");
+    let body = PyBytes::new(py, &body);
+    let buffers = PyList::empty(py);
+    for p in parts {
+        let b = match p {
+            Part::Borrowed(b) => PyByteArray::new(py, b).into_any(),
+            Part::Frame(m) => {
+                let m = Arc::new(m);
+                let (ptr, len) = (m.as_ptr() as *mut u8, m.len());
+                // SAFETY: the frame's bytes live in the zmq message, which the view owns
+                // (moved into the Arc before the pointer was taken, so small messages kept
+                // inside the message struct do not move); a received frame is this
+                // process's own memory, so handing out a writable view of it is sound.
+                let view = Bound::new(py, unsafe { ShmView::new(m, ptr, len) })?;
+                PyMemoryView::from(view.as_any())?.into_any()
+            }
+            Part::Arena(v) => {
+                let (ptr, len) = (v.as_ptr(), v.len());
+                // SAFETY: the bytes are the view's own private mapping, which it unmaps only
+                // when dropped, i.e. after the last buffer export of this ShmView is gone.
+                let view = Bound::new(py, unsafe { ShmView::new(Arc::new(v), ptr, len) })?;
+                PyMemoryView::from(view.as_any())?.into_any()
+            }
+        };
+        buffers.append(b)?;
+    }
+    Ok(PyTuple::new(py, [body.into_any(), buffers.into_any()])?.into_any())
 }
 
 /// A broadcast ring segment (either side).
@@ -164,7 +206,7 @@ pub struct Writer {
 #[pymethods]
 impl Writer {
     #[new]
-    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10*1024*1024, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise"))]
+    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10*1024*1024, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         n_reader: usize,
@@ -176,6 +218,8 @@ impl Writer {
         spin_us: Option<f64>,
         yield_us: Option<f64>,
         on_dead_reader: &str,
+        arena_bytes: Option<usize>,
+        arena_threshold: Option<usize>,
     ) -> PyResult<Writer> {
         let on_dead_reader = match on_dead_reader {
             "raise" => DeadReaderPolicy::Raise,
@@ -195,6 +239,8 @@ impl Writer {
             connect_ip,
             wait: Some(wait_policy(n_local_reader + 1, spin_us, yield_us)?),
             on_dead_reader,
+            arena_bytes: arena_bytes.unwrap_or_else(crate::arena::default_capacity),
+            arena_threshold: arena_threshold.unwrap_or_else(crate::arena::default_threshold),
         };
         let writer = CoreWriter::new(opts)?;
         Ok(Writer {
@@ -229,6 +275,86 @@ impl Writer {
     #[getter]
     fn overflow_count(&self, py: Python<'_>) -> u64 {
         lock(py, &self.inner).overflow_count()
+    }
+    /// Message parts sent by copy because the tensor arena had no room.
+    #[getter]
+    fn arena_fallbacks(&self, py: Python<'_>) -> u64 {
+        lock(py, &self.inner).arena_fallbacks()
+    }
+    /// `(segment name, capacity, bytes reserved, leases outstanding)` of the tensor
+    /// arena (after returning the leases nobody holds any more), or None without one.
+    fn arena_info(&self, py: Python<'_>) -> Option<(String, usize, usize, usize)> {
+        let mut w = lock(py, &self.inner);
+        let a = w.arena_mut()?;
+        a.reclaim();
+        Some((
+            a.name().to_owned(),
+            a.capacity(),
+            a.reserved(),
+            a.outstanding(),
+        ))
+    }
+
+    /// Send a message of several parts: `parts[0]` is the body, the rest are the
+    /// buffers it refers to (bytes-like, contiguous). Large ones go through the tensor
+    /// arena; parts inside a live loan of this writer are sent without a copy.
+    #[pyo3(signature = (parts, timeout=None))]
+    fn enqueue_parts(
+        &self,
+        py: Python<'_>,
+        parts: &Bound<'_, PyList>,
+        timeout: Option<Timeout>,
+    ) -> PyResult<()> {
+        let buffers = parts
+            .iter()
+            .map(|p| PyUntypedBuffer::get(&p))
+            .collect::<PyResult<Vec<_>>>()?;
+        if let Some(i) = buffers.iter().position(|b| !b.is_c_contiguous()) {
+            return Err(PyValueError::new_err(format!(
+                "message part {i} is not a contiguous buffer"
+            )));
+        }
+        let spans: Vec<(usize, usize)> = buffers
+            .iter()
+            .map(|b| (b.buf_ptr() as usize, b.len_bytes()))
+            .collect();
+        let total: usize = spans.iter().map(|s| s.1).sum();
+        let mut w = lock(py, &self.inner);
+        let w = &mut *w;
+        let slices = move || -> Vec<&[u8]> {
+            spans
+                .iter()
+                // SAFETY: each span is a live, contiguous buffer export held by `buffers`
+                // until the end of this call; its exporter cannot free or resize it
+                // meanwhile. (Another thread may still write into it: then that part's
+                // bytes are whatever it wrote, as with any buffer being sent.)
+                .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
+                .collect()
+        };
+        let r = if total <= COPY_WITH_GIL_MAX && w.can_write() {
+            w.enqueue_parts_with(&slices(), &mut Wait::ready_now())
+                .map_err(PyErr::from)
+        } else {
+            let what = "the writer waiting for readers to free a chunk";
+            blocking(py, what, self.interrupts(timeout), |wait| {
+                w.enqueue_parts_with(&slices(), wait)
+            })
+        };
+        drop(buffers);
+        r
+    }
+
+    /// Lend `nbytes` of the tensor arena to fill in place, as a writable buffer; a part
+    /// of a later message that lies inside it is sent without a copy. None if the queue
+    /// has no arena or it has no room now. Dropped without being sent, it is returned.
+    fn loan(&self, py: Python<'_>, nbytes: usize) -> PyResult<Option<ShmView>> {
+        let Some(loan) = lock(py, &self.inner).loan(nbytes) else {
+            return Ok(None);
+        };
+        let (ptr, len) = (loan.as_ptr(), loan.len());
+        // SAFETY: the range is the loan's, inside the arena mapping the loan keeps alive;
+        // the view owns the loan, so it is returned only when the last buffer is gone.
+        Ok(Some(unsafe { ShmView::new(Arc::new(loan), ptr, len) }))
     }
 
     #[pyo3(signature = (timeout=None))]
@@ -308,7 +434,7 @@ pub struct Reader {
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (local_reader_ranks, buffer_handle, local_subscribe_addr, remote_subscribe_addr, remote_addr_ipv6, rank, spin_us=None, yield_us=None))]
+    #[pyo3(signature = (local_reader_ranks, buffer_handle, local_subscribe_addr, remote_subscribe_addr, remote_addr_ipv6, rank, spin_us=None, yield_us=None, arena=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         local_reader_ranks: Vec<usize>,
@@ -319,6 +445,7 @@ impl Reader {
         rank: usize,
         spin_us: Option<f64>,
         yield_us: Option<f64>,
+        arena: Option<String>,
     ) -> PyResult<Reader> {
         let handle = Handle {
             local_reader_ranks,
@@ -331,6 +458,7 @@ impl Reader {
             local_subscribe_addr,
             remote_subscribe_addr,
             remote_addr_ipv6,
+            arena,
         };
         let policy = wait_policy(handle.local_reader_ranks.len() + 1, spin_us, yield_us)?;
         let reader = CoreReader::open_with(&handle, rank, policy)?;
@@ -375,7 +503,9 @@ impl Reader {
         })
     }
 
-    /// The next message's bytes.
+    /// The next message: its bytes, or for a message of several parts `(body, buffers)`
+    /// (small buffers copied into bytearrays, large ones zero-copy views of private
+    /// memory: writable, and writes stay in this process).
     #[pyo3(signature = (timeout=None, cancel=None, indefinite=false))]
     fn dequeue<'py>(
         &self,
@@ -383,10 +513,10 @@ impl Reader {
         timeout: Option<Timeout>,
         cancel: Option<&Bound<'py, PyAny>>,
         indefinite: bool,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let mut r = lock(py, &self.inner);
-        if let Some(b) = r.try_take(|d| PyBytes::new(py, d))? {
-            return Ok(b);
+        if let Some(m) = r.try_take_message(|m| to_python(py, m))? {
+            return m;
         }
         if self.canceller.is_cancelled() {
             return Err(Error::Cancelled.into());
@@ -398,8 +528,8 @@ impl Reader {
             self.interrupts(timeout, cancel, indefinite),
             |wait| r.wait_message(wait),
         )?;
-        r.try_take(|d| PyBytes::new(py, d))?
-            .ok_or_else(|| r.not_ready_any_more().into())
+        r.try_take_message(|m| to_python(py, m))?
+            .ok_or_else(|| PyErr::from(r.not_ready_any_more()))?
     }
 
     /// Wait for the next chunk and return a view of its data (zero-copy); release it

@@ -218,6 +218,7 @@ def test_reader_raises_peer_died_error_when_the_writer_is_killed(children, polic
         children.procs.remove(writer)
     finally:
         _remove_segment(name)  # the killed writer could not
+        _remove_segment(handle.arena_name)
     assert outcome["type"] == "PeerDiedError", outcome
     assert outcome["is_peer_died"] and outcome["is_runtime_error"], outcome
     assert f"the writer (pid {writer.pid}) died" in outcome["message"], outcome
@@ -243,8 +244,10 @@ def test_a_killed_creator_leaves_its_segment_in_dev_shm(children):
         assert creator.exitcode == -signal.SIGKILL
         children.procs.remove(creator)
         assert os.path.exists(path), f"{path} vanished although its creator was SIGKILLed"
+        assert os.path.exists(os.path.join(SHM_DIR, handle.arena_name))
     finally:
         _remove_segment(name)
+        _remove_segment(handle.arena_name)
     assert not os.path.exists(path)
 
 
@@ -259,7 +262,8 @@ def test_cleanup_removes_a_killed_creators_segment_and_keeps_live_ones(children)
     live_path = os.path.join(SHM_DIR, live.buffer.name)
     out = children.queue()
     creator = children.start(segment_creator, out)
-    name = children.expect(out, "handle")[1].buffer_handle[3]
+    handle = children.expect(out, "handle")[1]
+    name, arena = handle.buffer_handle[3], handle.arena_name
     path = os.path.join(SHM_DIR, name)
     try:
         creator.kill()
@@ -276,11 +280,14 @@ def test_cleanup_removes_a_killed_creators_segment_and_keeps_live_ones(children)
         done = _shmq_cli("cleanup")
         assert done.returncode == 0, done.stderr
         assert f"removed {name}" in done.stdout
+        assert f"removed {arena}" in done.stdout
         assert not os.path.exists(path), f"cleanup left {path}"
+        assert not os.path.exists(os.path.join(SHM_DIR, arena)), "cleanup left the tensor arena"
         assert os.path.exists(live_path), "cleanup removed a live process's segment"
         assert name not in [s.name for s in shmq.admin.list_segments()]
     finally:
         _remove_segment(name)
+        _remove_segment(arena)
 
 
 def test_inspect_shows_the_writer_readers_and_chunks(children):

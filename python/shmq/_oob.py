@@ -1,0 +1,155 @@
+"""Pickling for the queue: protocol 5 with out-of-band buffers.
+
+``dumps(obj)`` returns the pickle stream and the raw buffers it refers to; the queue
+sends them as separate parts (large ones through the tensor arena, read as zero-copy
+views), and ``pickle.loads(body, buffers=...)`` rebuilds the object on the other side.
+
+- numpy arrays and ``pickle.PickleBuffer`` objects give their buffers to protocol 5
+  themselves (contiguous ones; others are pickled in band).
+- torch's own tensor pickling copies the storage through ``torch.save`` into the stream
+  (several copies, never out of band), so plain CPU tensors (``torch.Tensor`` and
+  ``torch.nn.Parameter``) are reduced here instead: dtype, shape, ``requires_grad`` and
+  their bytes as one buffer, made contiguous once; conjugate and negative bits are
+  resolved. Every dtype works (bytes are moved as ``uint8``, so bfloat16 and float8 need
+  nothing from numpy). Other tensors (other devices, sparse, quantized, subclasses,
+  non-leaf tensors that require grad) keep torch's own pickling.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from typing import Any, Optional
+
+__all__ = ["dumps", "loads"]
+
+_PROTOCOL = 5
+
+
+def _tensor_types() -> Optional[tuple[type, type]]:
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "nn"):
+        return None
+    return torch.Tensor, torch.nn.Parameter
+
+
+def _raw_bytes(t: Any) -> Any:
+    """The bytes of CPU tensor ``t`` as a flat buffer (C order), made contiguous once."""
+    import torch
+
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        # A numpy view keeps `flat` (and so the bytes) alive as long as the buffer lives.
+        return flat.numpy()
+    import ctypes
+
+    holder = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    holder._tensor = flat  # keep the storage alive with the buffer
+    return holder
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
+    """The tensor from ``_reduce_tensor``'s parts. ``buf`` is what the queue received: a
+    private bytearray, or a zero-copy view of private memory (writable either way)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    if memoryview(buf).nbytes == 0:
+        t = torch.empty(shape, dtype=dt)
+    else:
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _reduce_tensor(t: Any, parameter: bool) -> Any:
+    """``(rebuild, args)`` for a plain CPU tensor, or ``NotImplemented`` to let torch pickle
+    it (its own way keeps what this cannot: other devices, layouts, subclasses...)."""
+    if t.device.type != "cpu" or t.layout is not _strided() or t.is_quantized:
+        return NotImplemented
+    if t.requires_grad and not t.is_leaf:
+        return NotImplemented
+    try:
+        raw = _raw_bytes(t.detach())
+    except RuntimeError:
+        return NotImplemented
+    dtype = str(t.dtype).removeprefix("torch.")
+    return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype, tuple(t.shape), t.requires_grad, parameter)
+
+
+def _strided() -> Any:
+    return sys.modules["torch"].strided
+
+
+class _Pickler(pickle.Pickler):
+    """A reusable protocol-5 pickler that collects out-of-band buffers."""
+
+    def __init__(self) -> None:
+        self._file = io.BytesIO()
+        self.buffers: list[memoryview] = []
+        self._tensor: Optional[type] = None
+        self._parameter: Optional[type] = None
+        super().__init__(self._file, protocol=_PROTOCOL, buffer_callback=self._take)
+
+    def _take(self, pb: pickle.PickleBuffer) -> bool:
+        try:
+            raw = pb.raw()
+        except BufferError:
+            return True  # not contiguous: pickled in band
+        if raw.nbytes == 0:
+            return True
+        self.buffers.append(raw)
+        return False
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called only for objects pickle has no fast path for (not dicts, lists, ints...).
+        kind = type(obj)
+        if kind is self._tensor:
+            return _reduce_tensor(obj, False)
+        if kind is self._parameter:
+            return _reduce_tensor(obj, True)
+        return NotImplemented
+
+    def dumps(self, obj: Any) -> tuple[bytes, list[memoryview]]:
+        if self._tensor is None:
+            types = _tensor_types()
+            if types is not None:
+                self._tensor, self._parameter = types
+        f = self._file
+        f.seek(0)
+        f.truncate()
+        self.buffers = []
+        try:
+            self.dump(obj)
+        finally:
+            # The memo holds the objects just pickled (tensors included): let them go.
+            self.clear_memo()
+        return f.getvalue(), self.buffers
+
+
+# Picklers ready for reuse (popped and pushed back: atomic under the GIL, so threads that
+# enqueue at the same time each get their own).
+_picklers: list[_Pickler] = []
+
+
+def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """``obj`` pickled with protocol 5: the stream and its out-of-band buffers."""
+    p = _picklers.pop() if _picklers else _Pickler()
+    try:
+        return p.dumps(obj)
+    finally:
+        p.buffers = []
+        if len(_picklers) < 8:
+            _picklers.append(p)
+
+
+loads = pickle.loads

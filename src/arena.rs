@@ -1,0 +1,1116 @@
+//! The tensor arena: large message parts copied once into shared memory (or written
+//! there in place through a [`Loan`]) and read by every local reader as a private view.
+//!
+//! # Why
+//! A broadcast ring copies a message into a chunk and every reader copies it out again.
+//! For a 16 MiB tensor that is two copies per reader, and the ring's chunks must be as
+//! large as the largest tensor. The arena keeps large parts beside the ring instead: the
+//! writer copies a part in once (or not at all, for a loan) and puts a small reference
+//! in the chunk; readers map the bytes and hand them out without copying.
+//!
+//! # Readers own what they receive
+//! Every view a reader hands out is its own `MAP_PRIVATE` mapping of the part's pages:
+//! reading costs nothing (the pages are the writer's), and a reader that writes into a
+//! received tensor gets private copies of just the pages it writes (copy-on-write), so
+//! neither the writer nor another reader ever sees that write, and a later message never
+//! changes what a reader already holds. Unmapping the view drops those private pages.
+//!
+//! # Leases
+//! Each allocation is a *lease*: a record in the lease table with the part's place in
+//! the data region, a generation (bumped on every reuse of the record), one hold count
+//! per reader and a hold flag for the writer's own [`Loan`]. The writer adds one hold per
+//! live reader for each reference it publishes; a reader drops one hold when the view
+//! made from that reference is gone (the last Python object that used it included). A
+//! lease goes back to the writer's allocator only when every count is zero, so no range
+//! is reused under a live view. The writer never waits for a lease: when none is free it
+//! reports `None` and the caller sends the bytes the ordinary way (a copy), counting it.
+//! Holds of a reader proved dead are dropped by the writer when it runs short of room.
+//!
+//! # Layout (offsets from the start of the segment; `#[repr(C)]`, pointer-free)
+//! ```text
+//! 0             ArenaHeader: geometry; `magic` stored last with Release
+//! 64            ArenaStats: fallbacks, bytes in use (for inspection)
+//! table_offset  max_leases lease records of lease_stride bytes (multiple of 64):
+//!                 +0 generation: u32   +4 writer_hold: u32
+//!                 +8 offset: u64       +16 len: u64
+//!                 +32 holds: [u32; n_reader]
+//! data_offset   `capacity` bytes of part data (page-aligned; leases are whole pages)
+//! ```
+//! The data region is reserved (`posix_fallocate`) lazily, up to the highest byte used
+//! so far, so an arena that never carries a large part costs no memory, and a full
+//! `/dev/shm` makes the writer fall back to copying instead of dying of `SIGBUS`.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::process::ProcessId;
+use crate::segment::{unique_name, Segment};
+
+/// "SHMQARN1" little-endian: marks a finished arena segment.
+pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"SHMQARN1");
+/// Bumped whenever the layout changes; openers refuse any other version.
+pub const ARENA_LAYOUT_VERSION: u32 = 1;
+/// Default size of the data region (virtual: only what is used gets reserved).
+pub const DEFAULT_CAPACITY: usize = 1 << 30;
+/// Default size from which a message part goes to the arena.
+pub const DEFAULT_THRESHOLD: usize = 1 << 20;
+/// Default number of lease records (parts that can be outstanding at once).
+pub const DEFAULT_MAX_LEASES: usize = 1024;
+
+/// Environment variable: bytes of a new queue's tensor arena (0 turns it off).
+pub const ARENA_BYTES_ENV: &str = "SHMQ_ARENA_BYTES";
+/// Environment variable: smallest message part that goes to the arena.
+pub const ARENA_THRESHOLD_ENV: &str = "SHMQ_ARENA_THRESHOLD";
+
+fn env_usize(name: &str) -> Option<usize> {
+    let v = std::env::var(name).ok()?;
+    match v.trim().parse() {
+        Ok(n) => Some(n),
+        Err(_) => {
+            log::warn!("shmq: ignoring {name}={v:?}: not a number of bytes");
+            None
+        }
+    }
+}
+
+/// The arena size a queue gets unless told otherwise: [`ARENA_BYTES_ENV`], else
+/// [`DEFAULT_CAPACITY`].
+pub fn default_capacity() -> usize {
+    env_usize(ARENA_BYTES_ENV).unwrap_or(DEFAULT_CAPACITY)
+}
+
+/// The arena threshold a queue gets unless told otherwise: [`ARENA_THRESHOLD_ENV`], else
+/// [`DEFAULT_THRESHOLD`].
+pub fn default_threshold() -> usize {
+    env_usize(ARENA_THRESHOLD_ENV).unwrap_or(DEFAULT_THRESHOLD)
+}
+
+const STATS_OFFSET: usize = 64;
+const TABLE_OFFSET: usize = 128;
+const LEASE_HOLDS_OFFSET: usize = 32;
+
+/// The segment header. Lives at offset 0 of the mapping.
+#[repr(C)]
+struct ArenaHeader {
+    magic: AtomicU64,
+    version: u32,
+    n_reader: u32,
+    max_leases: u32,
+    page_size: u32,
+    lease_stride: u64,
+    data_offset: u64,
+    capacity: u64,
+    creator_pid: u32,
+    _pad: u32,
+    creator_start_time: u64,
+}
+const _: () = assert!(std::mem::size_of::<ArenaHeader>() <= STATS_OFFSET);
+
+/// What the writer publishes for inspection.
+#[repr(C, align(64))]
+struct ArenaStats {
+    fallbacks: AtomicU64,
+    bytes_in_use: AtomicU64,
+    reserved: AtomicU64,
+}
+const _: () = assert!(STATS_OFFSET + std::mem::size_of::<ArenaStats>() <= TABLE_OFFSET);
+
+/// The fixed part of a lease record; the per-reader hold counts follow it.
+#[repr(C)]
+struct LeaseRecord {
+    generation: AtomicU32,
+    writer_hold: AtomicU32,
+    offset: AtomicU64,
+    len: AtomicU64,
+}
+const _: () = assert!(std::mem::size_of::<LeaseRecord>() <= LEASE_HOLDS_OFFSET);
+
+/// The system's page size (mappings are made in whole pages).
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_add(to - 1).map(|v| v / to * to)
+}
+
+/// Sizes derived from an arena's parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Geometry {
+    n_reader: usize,
+    max_leases: usize,
+    page_size: usize,
+    lease_stride: usize,
+    data_offset: usize,
+    capacity: usize,
+    total: usize,
+}
+
+impl Geometry {
+    fn new(
+        n_reader: usize,
+        capacity: usize,
+        max_leases: usize,
+        page_size: usize,
+    ) -> Result<Geometry> {
+        let bad = |what: String| Error::InvalidArgument(what);
+        if n_reader == 0 || n_reader > crate::broadcast::ring::MAX_READERS {
+            return Err(bad(format!(
+                "an arena needs 1 to 4096 readers, got {n_reader}"
+            )));
+        }
+        if max_leases == 0 || max_leases > 1 << 20 {
+            return Err(bad(format!(
+                "max_leases must be 1..2**20, got {max_leases}"
+            )));
+        }
+        if !page_size.is_power_of_two() || page_size < 4096 {
+            return Err(bad(format!(
+                "page size {page_size} is not a power of two ≥ 4096"
+            )));
+        }
+        let too_large = || bad(format!("an arena of {capacity} bytes is too large"));
+        let capacity = round_up(capacity.max(page_size), page_size).ok_or_else(too_large)?;
+        let lease_stride = round_up(LEASE_HOLDS_OFFSET + 4 * n_reader, 64).ok_or_else(too_large)?;
+        let table_end = lease_stride
+            .checked_mul(max_leases)
+            .and_then(|t| t.checked_add(TABLE_OFFSET))
+            .ok_or_else(too_large)?;
+        let data_offset = round_up(table_end, page_size).ok_or_else(too_large)?;
+        let total = data_offset
+            .checked_add(capacity)
+            .filter(|&t| t <= isize::MAX as usize)
+            .ok_or_else(too_large)?;
+        Ok(Geometry {
+            n_reader,
+            max_leases,
+            page_size,
+            lease_stride,
+            data_offset,
+            capacity,
+            total,
+        })
+    }
+}
+
+/// A mapped arena segment (`MAP_SHARED`, either side): the header, the lease table and,
+/// on the writer, the data it fills.
+struct Mapped {
+    segment: Segment,
+    base: NonNull<u8>,
+    geo: Geometry,
+}
+
+// SAFETY: `base` points into `segment`'s mapping, which lives as long as `self`. The
+// header is immutable after creation; lease records are only accessed through atomics;
+// data bytes are written only by the writer, into leases no reader holds (the protocol
+// in the module docs), and readers never read them through this mapping.
+unsafe impl Send for Mapped {}
+// SAFETY: as for Send: `&Mapped` exposes atomics and raw pointers only.
+unsafe impl Sync for Mapped {}
+
+impl Mapped {
+    fn header(&self) -> &ArenaHeader {
+        // SAFETY: offset 0 of a mapping at least `data_offset` bytes long, page-aligned;
+        // the header is written once before the magic is published and never again.
+        unsafe { &*(self.base.as_ptr() as *const ArenaHeader) }
+    }
+
+    fn stats(&self) -> &ArenaStats {
+        // SAFETY: STATS_OFFSET is inside the header page, 64-aligned, atomics only.
+        unsafe { &*(self.base.as_ptr().add(STATS_OFFSET) as *const ArenaStats) }
+    }
+
+    fn record(&self, lease: usize) -> &LeaseRecord {
+        debug_assert!(lease < self.geo.max_leases);
+        // SAFETY: lease < max_leases, so the record lies inside the table (Geometry::new);
+        // records are 64-aligned (TABLE_OFFSET and the stride are multiples of 64); every
+        // field is an atomic. A peer process that writes garbage into a record can only
+        // change counts and generations, which readers validate and the writer trusts
+        // only to decide when a range may be reused.
+        unsafe {
+            &*(self
+                .base
+                .as_ptr()
+                .add(TABLE_OFFSET + lease * self.geo.lease_stride)
+                as *const LeaseRecord)
+        }
+    }
+
+    fn hold(&self, lease: usize, reader: usize) -> &AtomicU32 {
+        debug_assert!(reader < self.geo.n_reader);
+        // SAFETY: reader < n_reader: inside the record (lease_stride covers the counts);
+        // 4-aligned; atomic only.
+        unsafe {
+            &*(self
+                .base
+                .as_ptr()
+                .add(TABLE_OFFSET + lease * self.geo.lease_stride + LEASE_HOLDS_OFFSET + 4 * reader)
+                as *const AtomicU32)
+        }
+    }
+
+    /// The start of the data region in this mapping.
+    fn data(&self) -> *mut u8 {
+        // SAFETY: data_offset < total <= the mapping's length.
+        unsafe { self.base.as_ptr().add(self.geo.data_offset) }
+    }
+}
+
+/// A reference to bytes in the arena, as carried in a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArenaRef {
+    pub lease: u32,
+    pub generation: u32,
+    /// Offset in the data region.
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// The writer's in-process record of a lease it has handed out.
+#[derive(Clone, Copy, Debug)]
+struct Outstanding {
+    lease: u32,
+    offset: usize,
+    len: usize,
+}
+
+/// The writer's side of an arena: it allocates leases and fills them.
+pub struct ArenaWriter {
+    map: Arc<Mapped>,
+    /// Free ranges of the data region: offset → length (whole pages, coalesced).
+    free: BTreeMap<usize, usize>,
+    /// Lease records not in use.
+    free_leases: Vec<u32>,
+    /// Leases handed out and not yet reclaimed.
+    outstanding: Vec<Outstanding>,
+    /// Bytes of the data region reserved in `/dev/shm` so far (from its start).
+    reserved: usize,
+    /// Set once reserving failed (full `/dev/shm`): no more growth is tried.
+    reserve_failed: bool,
+    fallbacks: u64,
+    /// Live loans by address in this process: start → (end, lease).
+    loans: BTreeMap<usize, (usize, u32)>,
+    /// Which lease records are loans (kept by their `Loan`, not by a publish).
+    is_loan: Vec<bool>,
+}
+
+impl std::fmt::Debug for ArenaWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaWriter")
+            .field("name", &self.name())
+            .field("capacity", &self.map.geo.capacity)
+            .field("outstanding", &self.outstanding.len())
+            .finish()
+    }
+}
+
+impl ArenaWriter {
+    /// Create an arena for `n_reader` readers with `capacity` bytes of data (rounded up
+    /// to whole pages) and `max_leases` lease records. Only the header and the lease
+    /// table are reserved now.
+    pub fn create(n_reader: usize, capacity: usize, max_leases: usize) -> Result<ArenaWriter> {
+        let geo = Geometry::new(n_reader, capacity, max_leases, page_size())?;
+        let segment = Segment::create_sparse(&unique_name("arena"), geo.total, geo.data_offset)?;
+        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
+        let map = Mapped { segment, base, geo };
+        let me = ProcessId::current();
+        // SAFETY: the segment is new, page-aligned and larger than the header; no other
+        // process uses it before the magic is stored below.
+        unsafe {
+            let h = base.as_ptr() as *mut ArenaHeader;
+            (*h).version = ARENA_LAYOUT_VERSION;
+            (*h).n_reader = n_reader as u32;
+            (*h).max_leases = geo.max_leases as u32;
+            (*h).page_size = geo.page_size as u32;
+            (*h).lease_stride = geo.lease_stride as u64;
+            (*h).data_offset = geo.data_offset as u64;
+            (*h).capacity = geo.capacity as u64;
+            (*h).creator_pid = me.pid;
+            (*h).creator_start_time = me.start_time;
+        }
+        // Release: pairs with the Acquire load in `ArenaReader::open`: an opener that
+        // sees the magic sees the whole header (the table is zero from the kernel).
+        map.header().magic.store(ARENA_MAGIC, Ordering::Release);
+        let mut free = BTreeMap::new();
+        free.insert(0, geo.capacity);
+        Ok(ArenaWriter {
+            map: Arc::new(map),
+            free,
+            free_leases: (0..geo.max_leases as u32).rev().collect(),
+            outstanding: Vec::new(),
+            reserved: 0,
+            reserve_failed: false,
+            fallbacks: 0,
+            loans: BTreeMap::new(),
+            is_loan: vec![false; geo.max_leases],
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        self.map.segment.name()
+    }
+    /// Bytes of the data region.
+    pub fn capacity(&self) -> usize {
+        self.map.geo.capacity
+    }
+    pub fn n_reader(&self) -> usize {
+        self.map.geo.n_reader
+    }
+    /// Parts sent the ordinary way because no lease was free (or `/dev/shm` was full).
+    pub fn fallbacks(&self) -> u64 {
+        self.fallbacks
+    }
+    /// Leases handed out and not yet returned.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.len()
+    }
+    /// Bytes of the data region reserved in `/dev/shm` so far.
+    pub fn reserved(&self) -> usize {
+        self.reserved
+    }
+    /// Remove the segment's name now (see [`Segment::unlink`]).
+    pub fn unlink(&self) -> Result<()> {
+        self.map.segment.unlink()
+    }
+
+    /// Count one fallback (a part sent the ordinary way), for the statistics.
+    pub fn count_fallback(&mut self) {
+        self.fallbacks += 1;
+        // Relaxed: a statistic for inspection.
+        self.map
+            .stats()
+            .fallbacks
+            .store(self.fallbacks, Ordering::Relaxed);
+        if self.fallbacks == 1 || self.fallbacks.is_power_of_two() {
+            log::info!(
+                "shmq: tensor arena {} full ({} parts outstanding); sent a part by copy \
+                 ({} such fallbacks so far)",
+                self.name(),
+                self.outstanding.len(),
+                self.fallbacks
+            );
+        }
+    }
+
+    /// Whether every hold on `lease` has been dropped.
+    fn is_unused(&self, lease: u32) -> bool {
+        let (map, l) = (&self.map, lease as usize);
+        // Acquire: pairs with the Release decrement in `ArenaView::drop` (and the Release
+        // store in `Loan::drop`): whatever the holder did with the bytes happened before
+        // the writer reuses them.
+        map.record(l).writer_hold.load(Ordering::Acquire) == 0
+            && (0..map.geo.n_reader).all(|r| map.hold(l, r).load(Ordering::Acquire) == 0)
+    }
+
+    /// Give back every outstanding lease whose holds are all gone (done before every
+    /// allocation; call it to see the current count in [`outstanding`](Self::outstanding)).
+    pub fn reclaim(&mut self) {
+        let mut k = 0;
+        while k < self.outstanding.len() {
+            let o = self.outstanding[k];
+            if self.is_unused(o.lease) {
+                // Relaxed: only this writer stores it; a new generation makes references
+                // to the old contents fail their check in a reader (stale or forged
+                // messages), and the next use bumps it again.
+                self.map
+                    .record(o.lease as usize)
+                    .generation
+                    .fetch_add(1, Ordering::Relaxed);
+                self.outstanding.swap_remove(k);
+                self.loans.remove(&(self.map.data() as usize + o.offset));
+                self.free_range(o.offset, o.len);
+                self.free_leases.push(o.lease);
+            } else {
+                k += 1;
+            }
+        }
+        let in_use: usize = self.outstanding.iter().map(|o| o.len).sum();
+        // Relaxed: a statistic.
+        self.map
+            .stats()
+            .bytes_in_use
+            .store(in_use as u64, Ordering::Relaxed);
+    }
+
+    fn free_range(&mut self, mut offset: usize, mut len: usize) {
+        if let Some((&prev, &plen)) = self.free.range(..offset).next_back() {
+            if prev + plen == offset {
+                self.free.remove(&prev);
+                offset = prev;
+                len += plen;
+            }
+        }
+        if let Some(&nlen) = self.free.get(&(offset + len)) {
+            self.free.remove(&(offset + len));
+            len += nlen;
+        }
+        self.free.insert(offset, len);
+    }
+
+    /// The lowest free range of at least `len` bytes (lowest first keeps the reserved
+    /// part of `/dev/shm` small).
+    fn take_range(&mut self, len: usize) -> Option<usize> {
+        let (&at, &have) = self.free.iter().find(|(_, &l)| l >= len)?;
+        self.free.remove(&at);
+        if have > len {
+            self.free.insert(at + len, have - len);
+        }
+        Some(at)
+    }
+
+    /// Make sure `end` bytes of the data region are reserved in `/dev/shm`.
+    fn reserve_to(&mut self, end: usize) -> bool {
+        if end <= self.reserved {
+            return true;
+        }
+        if self.reserve_failed {
+            return false;
+        }
+        // Grow in steps of at least 64 MiB (or to the end) to keep the syscalls rare.
+        let target = end
+            .max(self.reserved.saturating_add(64 << 20))
+            .min(self.map.geo.capacity);
+        let from = self.reserved;
+        match self
+            .map
+            .segment
+            .reserve_range(self.map.geo.data_offset + from, target - from)
+        {
+            Ok(()) => {
+                // Fault the writer's page tables in now rather than one page at a time
+                // during the first copies (best effort: older kernels lack it).
+                // SAFETY: the range lies inside the mapping (target <= capacity).
+                unsafe {
+                    libc::madvise(
+                        self.map.data().add(from) as *mut libc::c_void,
+                        target - from,
+                        libc::MADV_POPULATE_WRITE,
+                    );
+                }
+                self.reserved = target;
+                // Relaxed: a statistic.
+                self.map
+                    .stats()
+                    .reserved
+                    .store(target as u64, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                log::warn!(
+                    "shmq: cannot reserve more of tensor arena {} ({e}); large parts are copied \
+                     through the queue instead",
+                    self.name()
+                );
+                self.reserve_failed = true;
+                false
+            }
+        }
+    }
+
+    /// A lease of at least `len` bytes, or `None` if the arena has no room now.
+    /// `reader_is_dead(r)` is asked, only when room is short, whether reader `r` is
+    /// proved dead; its holds are then dropped.
+    fn allocate(
+        &mut self,
+        len: usize,
+        reader_is_dead: &mut dyn FnMut(usize) -> bool,
+    ) -> Option<(u32, usize, usize)> {
+        let len = round_up(len.max(1), self.map.geo.page_size)?;
+        if len > self.map.geo.capacity {
+            return None;
+        }
+        self.reclaim();
+        if self.free_leases.is_empty() || !self.free.values().any(|&l| l >= len) {
+            let dead: Vec<usize> = (0..self.map.geo.n_reader)
+                .filter(|&r| reader_is_dead(r))
+                .collect();
+            if !dead.is_empty() {
+                for o in &self.outstanding {
+                    for &r in &dead {
+                        // Relaxed: the dead reader no longer touches it; the Acquire in
+                        // `is_unused` orders our later reuse after this store anyway.
+                        self.map
+                            .hold(o.lease as usize, r)
+                            .store(0, Ordering::Relaxed);
+                    }
+                }
+                self.reclaim();
+            }
+        }
+        let lease = *self.free_leases.last()?;
+        let offset = self.take_range(len)?;
+        if !self.reserve_to(offset + len) {
+            self.free_range(offset, len);
+            return None;
+        }
+        self.free_leases.pop();
+        let rec = self.map.record(lease as usize);
+        // Relaxed: these reach readers only through a message, which the ring publishes
+        // with Release after this (and readers load with Acquire).
+        rec.generation.fetch_add(1, Ordering::Relaxed);
+        rec.offset.store(offset as u64, Ordering::Relaxed);
+        rec.len.store(len as u64, Ordering::Relaxed);
+        // Held by the writer until the message that carries it is published (`publish`)
+        // or, for a loan, until the `Loan` is dropped: until then no reader holds it, and
+        // `reclaim` must not take it back (say, while the next part of the same message
+        // is being placed). Relaxed: read in this process only.
+        rec.writer_hold.store(1, Ordering::Relaxed);
+        self.is_loan[lease as usize] = false;
+        self.outstanding.push(Outstanding { lease, offset, len });
+        Some((lease, offset, len))
+    }
+
+    /// Copy `bytes` into a new lease and return the reference to publish (after
+    /// [`add_holds`](Self::add_holds)), or `None` if there is no room (counted as a
+    /// fallback).
+    pub fn copy_in(
+        &mut self,
+        bytes: &[u8],
+        reader_is_dead: &mut dyn FnMut(usize) -> bool,
+    ) -> Option<ArenaRef> {
+        let Some((lease, offset, _)) = self.allocate(bytes.len(), reader_is_dead) else {
+            self.count_fallback();
+            return None;
+        };
+        // SAFETY: the range [offset, offset + len) is a fresh lease inside the data region
+        // (allocate); no reader holds it (all counts were zero when it was reclaimed), so
+        // nobody reads it while we write; `bytes` is a separate buffer of that length.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.data().add(offset), bytes.len())
+        };
+        Some(self.reference(lease, offset, bytes.len()))
+    }
+
+    fn reference(&self, lease: u32, offset: usize, len: usize) -> ArenaRef {
+        // Relaxed: only this writer stores the generation.
+        let generation = self
+            .map
+            .record(lease as usize)
+            .generation
+            .load(Ordering::Relaxed);
+        ArenaRef {
+            lease,
+            generation,
+            offset: offset as u64,
+            len: len as u64,
+        }
+    }
+
+    /// Lend `len` bytes of the arena to fill in place; send them by passing (a part of)
+    /// the loan's bytes to the queue. `None` if there is no room.
+    pub fn loan(
+        &mut self,
+        len: usize,
+        reader_is_dead: &mut dyn FnMut(usize) -> bool,
+    ) -> Option<Loan> {
+        let (lease, offset, rounded) = self.allocate(len, reader_is_dead)?;
+        self.is_loan[lease as usize] = true;
+        // SAFETY: inside the data region (allocate).
+        let ptr = unsafe { self.map.data().add(offset) };
+        self.loans
+            .insert(ptr as usize, (ptr as usize + rounded, lease));
+        Some(Loan {
+            map: self.map.clone(),
+            lease,
+            ptr,
+            len,
+        })
+    }
+
+    /// If `bytes` lie inside a live loan of this arena, the reference that sends them
+    /// without a copy.
+    pub fn find_loan(&self, bytes: &[u8]) -> Option<ArenaRef> {
+        let start = bytes.as_ptr() as usize;
+        let (_, &(end, lease)) = self.loans.range(..=start).next_back()?;
+        if start + bytes.len() > end {
+            return None;
+        }
+        // Only bytes of a live loan can be passed in (the caller borrows them from it), so
+        // the lease is still this loan's; `reclaim` forgets a loan once it is returned.
+        Some(self.reference(lease, start - self.map.data() as usize, bytes.len()))
+    }
+
+    /// Publish `r`: add one hold per reader in `readers` on its lease, then drop the
+    /// writer's own hold of a copied part (a loan keeps its hold until the `Loan` goes).
+    /// Call it before the message that carries `r` becomes visible to readers.
+    pub fn publish(&self, r: &ArenaRef, readers: impl Iterator<Item = usize>) {
+        for reader in readers {
+            // Relaxed: the message carrying the reference is published with Release after
+            // this, and the reader's decrement comes after it has seen that message.
+            self.map
+                .hold(r.lease as usize, reader)
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        self.abandon(r);
+    }
+
+    /// Drop the writer's hold of a copied part whose message will not be sent after all
+    /// (loans keep theirs).
+    pub fn abandon(&self, r: &ArenaRef) {
+        if !self.is_loan[r.lease as usize] {
+            // Release: pairs with the Acquire in `is_unused` (the holds added above are
+            // seen before the lease can be judged unused).
+            self.map
+                .record(r.lease as usize)
+                .writer_hold
+                .store(0, Ordering::Release);
+        }
+    }
+}
+
+/// Bytes of the arena lent to the writer's process to fill in place. Dropping it
+/// without sending gives the bytes back; once sent, readers hold them until they are
+/// done. After a loan is sent, do not write it again: readers see such writes on pages
+/// they have not written themselves.
+pub struct Loan {
+    map: Arc<Mapped>,
+    lease: u32,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the loan's bytes are a range of the shared mapping that `map` keeps alive and
+// that only this loan writes (the allocator hands each range to one lease).
+unsafe impl Send for Loan {}
+// SAFETY: `&Loan` gives only shared access to the bytes.
+unsafe impl Sync for Loan {}
+
+impl std::fmt::Debug for Loan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loan")
+            .field("lease", &self.lease)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Loan {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::ops::Deref for Loan {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` lies in the lease, inside the mapping `map` keeps alive.
+        // Readers that hold the lease read it through their own private mappings; a loan
+        // is only written before it is sent (documented contract).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Loan {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes this the only reference in this process.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        // Release: pairs with the Acquire load in `ArenaWriter::is_unused`: the writes into
+        // the loan happen before the writer reuses its bytes.
+        self.map
+            .record(self.lease as usize)
+            .writer_hold
+            .store(0, Ordering::Release);
+    }
+}
+
+/// A reader's side of an arena: the lease table (shared) and a descriptor to map parts
+/// privately.
+pub struct ArenaReader {
+    map: Mapped,
+    fd: OwnedFd,
+    reader: usize,
+}
+
+impl std::fmt::Debug for ArenaReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaReader")
+            .field("name", &self.map.segment.name())
+            .field("reader", &self.reader)
+            .finish()
+    }
+}
+
+impl ArenaReader {
+    /// Open the arena `name` as reader number `reader`.
+    pub fn open(name: &str, reader: usize) -> Result<ArenaReader> {
+        let segment = Segment::open(name)?;
+        let bad = |reason: String| Error::BadSegment {
+            name: name.to_owned(),
+            reason,
+        };
+        if segment.len() < TABLE_OFFSET {
+            return Err(bad(format!("it is only {} bytes long", segment.len())));
+        }
+        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
+        // SAFETY: the mapping is page-aligned and at least TABLE_OFFSET bytes long.
+        let header = unsafe { &*(base.as_ptr() as *const ArenaHeader) };
+        // Acquire: pairs with the Release store in `ArenaWriter::create`.
+        if header.magic.load(Ordering::Acquire) != ARENA_MAGIC {
+            return Err(bad("it is not a shmq tensor arena".into()));
+        }
+        if header.version != ARENA_LAYOUT_VERSION {
+            return Err(bad(format!(
+                "its layout version is {}, this shmq reads version {ARENA_LAYOUT_VERSION}",
+                header.version
+            )));
+        }
+        let geo = Geometry::new(
+            header.n_reader as usize,
+            header.capacity as usize,
+            header.max_leases as usize,
+            header.page_size as usize,
+        )?;
+        if geo.page_size != page_size()
+            || (header.lease_stride, header.data_offset)
+                != (geo.lease_stride as u64, geo.data_offset as u64)
+            || segment.len() < geo.total
+        {
+            return Err(bad("its header does not match its size".into()));
+        }
+        if reader >= geo.n_reader {
+            return Err(Error::InvalidArgument(format!(
+                "reader index {reader} out of range: the arena has {} readers",
+                geo.n_reader
+            )));
+        }
+        let c_name = std::ffi::CString::new(format!("/{name}"))
+            .map_err(|_| Error::InvalidArgument(format!("invalid segment name {name:?}")))?;
+        // SAFETY: a valid NUL-terminated name; read-only is enough for MAP_PRIVATE maps
+        // that we write into (the writes go to private pages).
+        let fd = unsafe { libc::shm_open(c_name.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(Error::os(
+                format!("opening shared memory segment '{name}'"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(ArenaReader {
+            map: Mapped { segment, base, geo },
+            fd,
+            reader,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        self.map.segment.name()
+    }
+
+    fn check(&self, r: &ArenaRef) -> Result<usize> {
+        let bad = |reason: &str| Error::BadSegment {
+            name: self.name().to_owned(),
+            reason: format!("a message names {reason} ({r:?})"),
+        };
+        let lease = r.lease as usize;
+        if lease >= self.map.geo.max_leases {
+            return Err(bad("a lease that does not exist"));
+        }
+        let rec = self.map.record(lease);
+        // Relaxed: the writer stored these before publishing the message we got them from
+        // (Release there, Acquire when we read the chunk).
+        let (generation, offset, len) = (
+            rec.generation.load(Ordering::Relaxed),
+            rec.offset.load(Ordering::Relaxed),
+            rec.len.load(Ordering::Relaxed),
+        );
+        let end = r.offset.checked_add(r.len);
+        if generation != r.generation
+            || r.offset < offset
+            || end
+                .is_none_or(|e| e > offset.saturating_add(len) || e > self.map.geo.capacity as u64)
+        {
+            return Err(bad("bytes outside their lease, or a lease reused since"));
+        }
+        Ok(lease)
+    }
+
+    /// Drop one hold on `r`'s lease without mapping it (a message taken but not used).
+    pub fn release(&self, r: &ArenaRef) {
+        if let Ok(lease) = self.check(r) {
+            release_hold(&self.map, lease, self.reader);
+        }
+    }
+
+    /// Map `r`'s bytes privately: a view that holds the lease until it is dropped.
+    pub fn view(self: &Arc<Self>, r: &ArenaRef) -> Result<ArenaView> {
+        let lease = self.check(r)?;
+        let page = self.map.geo.page_size as u64;
+        let start = r.offset / page * page;
+        let map_len = (r.offset + r.len).div_ceil(page) * page - start;
+        if map_len == 0 {
+            return Ok(ArenaView {
+                arena: self.clone(),
+                lease,
+                map: None,
+                ptr: NonNull::dangling().as_ptr(),
+                len: 0,
+            });
+        }
+        // SAFETY: a new private mapping of whole pages of the segment's data region
+        // (`check` bounded the range by the capacity, and `open` checked the segment is
+        // at least data_offset + capacity long, so no page lies past the end of the file:
+        // no SIGBUS unless someone shrinks the 0600 segment, which only its owner can).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE,
+                self.fd.as_raw_fd(),
+                (self.map.geo.data_offset as u64 + start) as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            self.release(r);
+            return Err(Error::os(
+                format!("mapping {} bytes of tensor arena {}", r.len, self.name()),
+                e,
+            ));
+        }
+        let p = p as *mut u8;
+        Ok(ArenaView {
+            arena: self.clone(),
+            lease,
+            map: Some((p, map_len as usize)),
+            // SAFETY: the offset within the first page is below map_len.
+            ptr: unsafe { p.add((r.offset - start) as usize) },
+            len: r.len as usize,
+        })
+    }
+}
+
+fn release_hold(map: &Mapped, lease: usize, reader: usize) {
+    // Release: pairs with the Acquire load in `ArenaWriter::is_unused`: our reads of the
+    // bytes happen before the writer reuses them. Saturating: a count the writer already
+    // zeroed (it thought us dead) must not wrap around and pin the lease forever.
+    let _ = map
+        .hold(lease, reader)
+        .fetch_update(Ordering::Release, Ordering::Relaxed, |h| h.checked_sub(1));
+}
+
+/// Bytes of a message part, mapped privately in a reader: writable, and the writes stay
+/// in this view. Holds its lease until dropped.
+pub struct ArenaView {
+    arena: Arc<ArenaReader>,
+    lease: usize,
+    map: Option<(*mut u8, usize)>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the view owns its private mapping (nothing else in this process maps those
+// pages), so moving it between threads is like moving a Vec.
+unsafe impl Send for ArenaView {}
+// SAFETY: `&ArenaView` gives shared access to the bytes only.
+unsafe impl Sync for ArenaView {}
+
+impl std::fmt::Debug for ArenaView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaView")
+            .field("lease", &self.lease)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl ArenaView {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::ops::Deref for ArenaView {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` lies in this view's own mapping, alive until drop. The
+        // pages not yet written here are the writer's, which it does not change while
+        // our hold lasts.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for ArenaView {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; writes go to private copy-on-write pages.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for ArenaView {
+    fn drop(&mut self) {
+        if let Some((p, n)) = self.map.take() {
+            // SAFETY: our own mapping from `view`, unmapped once; nothing refers to it any
+            // more (the view is being dropped, and the Python bindings drop it only after
+            // every buffer export is released).
+            unsafe { libc::munmap(p as *mut libc::c_void, n) };
+        }
+        release_hold(&self.arena.map, self.lease, self.arena.reader);
+    }
+}
+
+/// What `inspect` shows of an arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArenaInfo {
+    pub creator: ProcessId,
+    pub n_reader: usize,
+    pub capacity: u64,
+    pub reserved: u64,
+    pub bytes_in_use: u64,
+    pub fallbacks: u64,
+}
+
+/// Describe the arena segment `name` (fails if it is not one).
+pub fn describe(name: &str) -> Result<ArenaInfo> {
+    let a = ArenaReader::open(name, 0)?;
+    let h = a.map.header();
+    let s = a.map.stats();
+    // Relaxed: statistics.
+    Ok(ArenaInfo {
+        creator: ProcessId {
+            pid: h.creator_pid,
+            start_time: h.creator_start_time,
+        },
+        n_reader: a.map.geo.n_reader,
+        capacity: a.map.geo.capacity as u64,
+        reserved: s.reserved.load(Ordering::Relaxed),
+        bytes_in_use: s.bytes_in_use.load(Ordering::Relaxed),
+        fallbacks: s.fallbacks.load(Ordering::Relaxed),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_dead(_: usize) -> bool {
+        false
+    }
+
+    #[test]
+    fn copy_in_view_release_reuse() {
+        let mut w = ArenaWriter::create(2, 1 << 20, 8).unwrap();
+        let r0 = Arc::new(ArenaReader::open(w.name(), 0).unwrap());
+        let r1 = Arc::new(ArenaReader::open(w.name(), 1).unwrap());
+        let data: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+        let a = w.copy_in(&data, &mut no_dead).unwrap();
+        w.publish(&a, 0..2);
+        let mut v0 = r0.view(&a).unwrap();
+        let v1 = r1.view(&a).unwrap();
+        assert_eq!(&v0[..], &data[..]);
+        // A write in one view is private to it.
+        v0[0] = 0xAA;
+        assert_eq!(v1[0], 0);
+        assert_eq!(v0[0], 0xAA);
+        // Held: the next allocation does not reuse the range.
+        let b = w.copy_in(&[7u8; 5000], &mut no_dead).unwrap();
+        assert_ne!(a.offset, b.offset);
+        // Not yet published: the writer holds it, so placing more parts cannot take it.
+        w.reclaim();
+        assert_eq!(w.outstanding(), 2);
+        w.publish(&b, 0..0);
+        drop(v0);
+        assert_eq!(w.outstanding(), 2);
+        drop(v1);
+        w.reclaim();
+        // b was published to nobody: reclaimed too.
+        assert_eq!(w.outstanding(), 0);
+        let c = w.copy_in(&[1u8; 10], &mut no_dead).unwrap();
+        assert_eq!(c.offset, 0, "lowest free range first");
+        // A stale reference (old generation) is refused.
+        assert!(r0.view(&a).is_err());
+    }
+
+    #[test]
+    fn full_arena_falls_back_and_dead_readers_release() {
+        let mut w = ArenaWriter::create(1, 64 << 10, 4).unwrap();
+        let r = Arc::new(ArenaReader::open(w.name(), 0).unwrap());
+        let a = w.copy_in(&[1u8; 40 << 10], &mut no_dead).unwrap();
+        w.publish(&a, 0..1);
+        let _v = r.view(&a).unwrap();
+        assert!(w.copy_in(&[2u8; 40 << 10], &mut no_dead).is_none());
+        assert_eq!(w.fallbacks(), 1);
+        // Reader 0 "dies": its hold is dropped when room is short.
+        assert!(w.copy_in(&[2u8; 40 << 10], &mut |_| true).is_some());
+    }
+
+    #[test]
+    fn loans_are_found_by_address_and_returned_when_dropped() {
+        let mut w = ArenaWriter::create(1, 1 << 20, 8).unwrap();
+        let r = Arc::new(ArenaReader::open(w.name(), 0).unwrap());
+        let mut loan = w.loan(10_000, &mut no_dead).unwrap();
+        loan.fill(3);
+        let part = &loan[100..5000];
+        let a = w.find_loan(part).unwrap();
+        assert_eq!(a.len, 4900);
+        assert!(w.find_loan(&[0u8; 10]).is_none());
+        w.publish(&a, 0..1);
+        let v = r.view(&a).unwrap();
+        assert!(v.iter().all(|&b| b == 3));
+        drop(loan);
+        w.reclaim();
+        assert_eq!(w.outstanding(), 1, "the reader still holds it");
+        drop(v);
+        w.reclaim();
+        assert_eq!(w.outstanding(), 0);
+        // An unsent loan comes back when dropped.
+        let l2 = w.loan(100, &mut no_dead).unwrap();
+        drop(l2);
+        w.reclaim();
+        assert_eq!(w.outstanding(), 0);
+    }
+
+    #[test]
+    fn bad_references_are_errors() {
+        let mut w = ArenaWriter::create(1, 1 << 20, 8).unwrap();
+        let r = Arc::new(ArenaReader::open(w.name(), 0).unwrap());
+        let a = w.copy_in(&[1u8; 100], &mut no_dead).unwrap();
+        for bad in [
+            ArenaRef { lease: 9999, ..a },
+            ArenaRef {
+                generation: a.generation + 1,
+                ..a
+            },
+            ArenaRef { len: 1 << 30, ..a },
+            ArenaRef {
+                offset: u64::MAX,
+                ..a
+            },
+        ] {
+            assert!(
+                matches!(r.view(&bad), Err(Error::BadSegment { .. })),
+                "{bad:?}"
+            );
+        }
+        assert!(ArenaReader::open(w.name(), 1).is_err());
+    }
+}
