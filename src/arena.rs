@@ -585,10 +585,11 @@ impl ArenaWriter {
         };
         // SAFETY: the range [offset, offset + len) is a fresh lease inside the data region
         // (allocate); no reader holds it (all counts were zero when it was reclaimed), so
-        // nobody reads it while we write; `bytes` is a separate buffer of that length.
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.data().add(offset), bytes.len())
-        };
+        // nobody reads it while we write, and it cannot overlap `bytes` (a caller's buffer
+        // that lies in the arena is a loan, sent by reference, never copied in).
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(self.map.data().add(offset), bytes.len()) };
+        crate::copy::copy_large(dst, bytes);
         Some(self.reference(lease, offset, bytes.len()))
     }
 

@@ -34,6 +34,8 @@ pub mod alloc;
 #[cfg(not(loom))]
 pub mod arena;
 pub mod broadcast;
+#[cfg(not(loom))]
+pub mod copy;
 pub mod doorbell;
 pub mod error;
 #[cfg(not(loom))]

@@ -1,0 +1,340 @@
+"""Running every scenario and printing the table: ``run_bench``, the formatting, and
+the ``bench`` subcommand's ``add_arguments`` / ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
+
+from .common import MAX_CHUNK_BYTES, MAX_CHUNKS, MiB, PROTOCOL, SMALL_OBJECT, BenchError
+from .harness import Harness
+from .scenarios import FLOORS, PRESETS, SCENARIOS, Params, Scenario
+from .transports import TRANSPORTS, Transport
+
+@dataclass
+class Row:
+    """One table row: a metric's value per transport (or one value for a floor)."""
+
+    key: str  # "<scenario key>.<metric key>", stable for readers of the JSON
+    label: str
+    unit: str
+    higher_is_better: bool
+    values: dict[str, Optional[float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    floor: Optional[float] = None
+
+
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal."""
+
+    def __init__(self, total: int, stream: Any = sys.stderr, enabled: bool = True):
+        self.total, self.done, self.stream, self.enabled = total, 0, stream, enabled
+        self.tty = enabled and stream.isatty()
+        self.started = time.monotonic()
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        line = f"[{self.done}/{self.total}, {time.monotonic() - self.started:.1f} s] {text}"
+        self.stream.write(f"\r\x1b[K{line}" if self.tty else line + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the figures were measured."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        nproc = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        nproc = os.cpu_count() or 0
+    try:
+        from shmq import __version__ as shmq_version
+    except ImportError:  # pragma: no cover
+        shmq_version = "?"
+    try:
+        import zmq
+
+        zmq_version = f"{zmq.__version__} (libzmq {zmq.zmq_version()})"
+    except ImportError:
+        zmq_version = None
+    return {
+        "nproc": nproc,
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "kernel": platform.release(),
+        "shmq": shmq_version,
+        "pyzmq": zmq_version,
+        "busy_before": _cpu_busy(),
+    }
+
+
+def _cpu_busy(interval: float = 0.25) -> Optional[float]:
+    """Fraction of all CPUs busy (from /proc/stat) over ``interval`` seconds: other
+    work on the machine before the run, which makes the figures noisy."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+
+    try:
+        busy0, total0 = sample()
+        time.sleep(interval)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy1 - busy0) / max(1, total1 - total0)
+
+
+def _median_of(runs: int, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """Call ``measure`` ``runs`` times; the median of each metric."""
+    results = [measure() for _ in range(runs)]
+    return {key: statistics.median(r[key] for r in results) for key in results[0]}
+
+
+def selected(params: Params, only: Sequence[str] = ()) -> list[Scenario]:
+    """The scenarios this run measures: those that apply to the preset's tensor sizes
+    and, if ``only`` is given, whose key starts with one of its entries."""
+    return [
+        s for s in SCENARIOS if s.applies(params) and (not only or any(s.key.startswith(o) for o in only))
+    ]
+
+
+def run_bench(params: Params, transports: Sequence[Transport], timeout: float, repeat: int = 1,
+              progress: Optional[Progress] = None, details: Optional[list[str]] = None,
+              scenarios: Optional[Sequence[Scenario]] = None, floors: bool = True) -> list[Row]:
+    """Run every scenario (default: :func:`selected`) for every transport that can run it
+    (``repeat`` times, keeping the median), then the floors; returns the rows. Failures
+    land in ``Row.errors`` (and their tracebacks in ``details``)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    details = details if details is not None else []
+    rows: list[Row] = []
+    workdir = tempfile.mkdtemp(prefix="shmq-bench-")
+    try:
+        harness = Harness(ctx, workdir, timeout)
+        for scenario in selected(params) if scenarios is None else scenarios:
+            scenario_rows = [Row(f"{scenario.key}.{m.key}", m.label, m.unit, m.higher_is_better)
+                             for m in scenario.metrics]
+            rows += scenario_rows
+            for transport in transports:
+                if scenario.only is not None and transport.name not in scenario.only:
+                    continue  # a cell left empty ("-")
+                if progress:
+                    progress.step(f"{scenario.title} - {transport.name}")
+                try:
+                    reason = transport.unavailable()
+                    if reason is not None:
+                        raise BenchError(reason)
+                    result = _median_of(repeat, partial(scenario.run, harness, transport, params))
+                except BenchError as e:
+                    for row in scenario_rows:
+                        row.values[transport.name] = None
+                        row.errors[transport.name] = str(e)
+                    if e.details:
+                        details.append(f"{scenario.title} - {transport.name}:\n{e.details}")
+                    continue
+                for metric, row in zip(scenario.metrics, scenario_rows, strict=True):
+                    row.values[transport.name] = result[metric.key]
+        for floor in FLOORS if floors else []:
+            if progress:
+                progress.step(floor.title)
+            result = _median_of(repeat, partial(floor.run, params))
+            rows += [Row(f"{floor.key}.{m.key}", m.label, m.unit, m.higher_is_better, floor=result[m.key])
+                     for m in floor.metrics]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if progress:
+            progress.finish()
+    return rows
+
+
+def _format_value(value: Optional[float], unit: str, missing: bool = False) -> str:
+    if missing:
+        return "-"
+    if value is None:
+        return "failed"
+    if unit == "us":
+        return f"{value:.2f} µs" if value < 100 else f"{value:.0f} µs"
+    if unit == "obj/s":
+        return f"{value / 1000:,.0f} k/s" if value >= 10_000 else f"{value / 1000:.2f} k/s"
+    if unit == "%":
+        return f"{value:.2f} %"
+    if unit == "GB/s":
+        return f"{value:.1f} GB/s"
+    return f"{value:.3g} {unit}"
+
+
+def _format_ratio(row: Row, a: str, b: str) -> str:
+    """How ``a`` compares with ``b`` in this row, e.g. ``7.3x faster``."""
+    va, vb = row.values.get(a), row.values.get(b)
+    if not va or not vb:
+        return ""
+    ratio = va / vb if row.higher_is_better else vb / va
+    better, worse = ("less", "more") if row.unit == "%" else ("faster", "slower")
+    return f"{ratio:.1f}x {better}" if ratio >= 1 else f"{1 / ratio:.1f}x {worse}"
+
+
+def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "shmq") -> str:
+    """The result table: one column per transport, then ratios of ``reference`` to the
+    others. A floor row shows its single value in the first column."""
+    others = [n for n in names if n != reference] if reference in names else []
+    header = ["scenario", *names, *(f"{reference} vs {n}" for n in others)]
+    body = []
+    for i, row in enumerate(rows):
+        if row.floor is not None and i > 0 and rows[i - 1].floor is None:
+            body.append(None)  # a rule between the transports' rows and the floors
+        if row.floor is not None:
+            cells = [_format_value(row.floor, row.unit)] + ["-"] * (len(names) - 1) + [""] * len(others)
+        else:
+            cells = [_format_value(row.values.get(n), row.unit, n not in row.values) for n in names]
+            cells += [_format_ratio(row, reference, n) for n in others]
+        body.append([row.label, *cells])
+    widths = [max(len(r[i]) for r in [header, *body] if r) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))]).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) if r else rule for r in body)])
+
+
+def _header(machine: dict[str, Any], params: Params, repeat: int) -> str:
+    """What was measured where: the lines printed above the table."""
+    lines = [
+        f"shmq {machine['shmq']} bench on {machine['nproc']} CPUs ({machine['cpu']}), "
+        f"{machine['implementation']} {machine['python']}, Linux {machine['kernel']}"
+        + (f", pyzmq {machine['pyzmq']}" if machine["pyzmq"] else ""),
+        f"latency: half the round trip, p50/p99 over {params.rounds:,} round trips after {params.warmup:,} "
+        f"warm-up; throughput: {params.objects:,} objects, first send to last receive",
+        f"small object of {len(pickle.dumps(SMALL_OBJECT, PROTOCOL))} bytes pickled; spawned processes; "
+        f"shmq queues of {MAX_CHUNKS} x {MAX_CHUNK_BYTES // MiB} MiB chunks"
+        + (f"; median of {repeat} runs per cell" if repeat > 1 else ""),
+    ]
+    busy = machine["busy_before"]
+    if busy is not None and busy > 0.1:
+        lines.append(f"note: other work kept {busy:.0%} of the CPUs busy just before the run; figures will be noisy")
+    return "\n".join(lines)
+
+
+DEFAULT_TRANSPORTS = ",".join(t.name for t in TRANSPORTS)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's options."""
+    parser.add_argument("--quick", dest="preset", action="store_const", const="quick", default="default",
+                        help="5 000 round trips after 500 warm-up and 10 000 objects, instead of DESIGN.md's "
+                             "20 000 after 1 000 and 50 000")
+    parser.add_argument("--rounds", type=int, metavar="N", help="ping-pong round trips to measure")
+    parser.add_argument("--warmup", type=int, metavar="N", help="ping-pong round trips before measuring")
+    parser.add_argument("--objects", type=int, metavar="N", help="objects per throughput run")
+    parser.add_argument("--transports", metavar="LIST", default=DEFAULT_TRANSPORTS,
+                        help="comma-separated subset of: %(default)s (those not installed are left out)")
+    parser.add_argument("--scenarios", metavar="LIST",
+                        help="comma-separated prefixes of the scenarios to run (latency, throughput, idle, "
+                             "tensor, loan; 'floors' for the single-process rows); default: all")
+    parser.add_argument("--repeat", type=int, default=1, metavar="K",
+                        help="run every cell K times and show the median (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=15.0, metavar="S",
+                        help="seconds one run (one scenario, one transport) may take (default %(default)g)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--no-progress", action="store_true", help="do not print the progress line")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``python -m shmq bench``: run, print the table; 1 if any run failed."""
+    by_name = {t.name: t for t in TRANSPORTS}
+    wanted = [n.strip() for n in args.transports.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown or not wanted:
+        print(f"unknown transport(s) {unknown}; choose from {', '.join(by_name)}", file=sys.stderr)
+        return 2
+    transports = [by_name[n] for n in wanted]
+    # Transports that cannot run here (vLLM not installed) are left out with a note,
+    # unless they were asked for by name.
+    notes = []
+    if args.transports == DEFAULT_TRANSPORTS:
+        for t in list(transports):
+            reason = t.unavailable()
+            if reason is not None:
+                transports.remove(t)
+                notes.append(f"{t.name}: left out, {reason}")
+    base = PRESETS[args.preset]
+    params = dataclasses.replace(
+        base,
+        rounds=args.rounds if args.rounds is not None else base.rounds,
+        warmup=args.warmup if args.warmup is not None else base.warmup,
+        objects=args.objects if args.objects is not None else base.objects,
+    )
+    only = [o.strip() for o in args.scenarios.split(",") if o.strip()] if args.scenarios else []
+    scenarios = selected(params, only)
+    if params.rounds < 1 or params.warmup < 0 or params.objects < 1 or args.repeat < 1:
+        print("--rounds, --objects and --repeat must be >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
+
+    machine = machine_info()
+    print(_header(machine, params, args.repeat), flush=True)
+    for note in notes:
+        print(f"note: {note}", flush=True)
+
+    floors = not only or "floors" in only
+    cells = sum(1 for s in scenarios for t in transports if s.only is None or t.name in s.only)
+    progress = Progress(cells + (len(FLOORS) if floors else 0), enabled=not args.no_progress)
+    details: list[str] = []
+    started = time.monotonic()
+    rows = run_bench(params, transports, args.timeout, args.repeat, progress, details, scenarios, floors)
+    wall = time.monotonic() - started
+
+    print()
+    print(format_table(rows, [t.name for t in transports]))
+    failures = sorted({f"{name}: {err}" for row in rows for name, err in row.errors.items()})
+    if failures:
+        print("\nfailed:")
+        for failure in failures:
+            print(f"  {failure}")
+    print(f"\n(wall time {wall:.1f} s)")
+    for text in details:
+        print(f"\n{text}", file=sys.stderr)
+
+    if args.json:
+        doc = {
+            "machine": machine,
+            "params": {**dataclasses.asdict(params), "repeat": args.repeat},
+            "queue": {"max_chunk_bytes": MAX_CHUNK_BYTES, "max_chunks": MAX_CHUNKS},
+            "wall_s": wall,
+            "rows": [dataclasses.asdict(row) for row in rows],
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return 1 if failures else 0

@@ -1,0 +1,232 @@
+"""Roles: what a child process of a run does. A role only uses endpoints of a
+:class:`~shmq.bench.transports.Transport`, so one role serves every transport; it
+returns a value the scenario turns into metrics."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+from .common import SMALL_OBJECT, SYNC_TIMEOUT, now_ns
+from .transports import Transport
+
+def _sync(barrier: Any) -> None:
+    """Wait for every process of the run (``BrokenBarrierError`` after SYNC_TIMEOUT)."""
+    barrier.wait(SYNC_TIMEOUT)
+
+
+def _role_ping(transport: Transport, channels: Sequence[Any], barrier: Any, *, rounds: int, warmup: int) -> list[int]:
+    """Send the small object on ``channels[0]`` and wait for it to come back on
+    ``channels[1]``; returns each measured round trip in ns. Ends with ``None``."""
+    out = transport.open_writer(channels[0])
+    back = transport.open_reader(channels[1], 0)
+    out.ready()
+    back.ready()
+    _sync(barrier)
+    send, recv, obj, clock = out.io, back.io, SMALL_OBJECT, time.perf_counter_ns
+    for _ in range(warmup):
+        send(obj)
+        recv()
+    samples = [0] * rounds
+    for i in range(rounds):
+        t0 = clock()
+        send(obj)
+        recv()
+        samples[i] = clock() - t0
+    send(None)
+    _sync(barrier)
+    out.close()
+    back.close()
+    return samples
+
+
+def _role_pong(transport: Transport, channels: Sequence[Any], barrier: Any, *, rounds: int, warmup: int) -> int:
+    """Echo what arrives on ``channels[0]`` back on ``channels[1]`` until ``None``;
+    checks the count and the first object."""
+    out = transport.open_writer(channels[1])
+    inbox = transport.open_reader(channels[0], 0)
+    inbox.ready()
+    out.ready()
+    _sync(barrier)
+    send, recv = out.io, inbox.io
+    obj = recv()
+    if obj != SMALL_OBJECT:
+        raise RuntimeError(f"pong received {obj!r}, not the small object")
+    count = 0
+    while obj is not None:
+        send(obj)
+        count += 1
+        obj = recv()
+    if count != rounds + warmup:
+        raise RuntimeError(f"pong echoed {count} objects, expected {rounds + warmup}")
+    _sync(barrier)
+    out.close()
+    inbox.close()
+    return count
+
+
+def _role_writer(transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int) -> int:
+    """Send the small object ``n`` times, then ``None``; returns the time of the first
+    send (``_now_ns``)."""
+    out = transport.open_writer(channels[0])
+    out.ready()
+    _sync(barrier)
+    send, obj = out.io, SMALL_OBJECT
+    t0 = now_ns()
+    for _ in range(n):
+        send(obj)
+    send(None)
+    _sync(barrier)
+    out.close()
+    return t0
+
+
+def _role_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int, rank: int) -> int:
+    """Receive until ``None``, check that exactly ``n`` small objects came; returns the
+    time the last one arrived (``_now_ns``; the ``None`` is one more message, a
+    difference of 1/n)."""
+    inbox = transport.open_reader(channels[0], rank)
+    inbox.ready()
+    _sync(barrier)
+    recv = inbox.io
+    obj = recv()
+    if obj != SMALL_OBJECT:
+        raise RuntimeError(f"reader {rank} received {obj!r}, not the small object")
+    count = 0
+    while obj is not None:
+        count += 1
+        obj = recv()
+    t_end = now_ns()
+    if count != n:
+        raise RuntimeError(f"reader {rank} received {count} objects, expected {n}")
+    _sync(barrier)
+    inbox.close()
+    return t_end
+
+
+def _role_idle_writer(transport: Transport, channels: Sequence[Any], barrier: Any, *, wakes: int, idle_s: float) -> int:
+    """``wakes`` times: stay idle for ``idle_s`` seconds, then send the send time; ends
+    with ``None``."""
+    out = transport.open_writer(channels[0])
+    out.ready()
+    _sync(barrier)
+    for _ in range(wakes):
+        time.sleep(idle_s)
+        out.io(now_ns())
+    out.io(None)
+    _sync(barrier)
+    out.close()
+    return wakes
+
+
+def _role_idle_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *, wakes: int) -> dict:
+    """Block in receive while the writer is idle; returns this process's CPU time over
+    the whole wait (user + sys, ``os.times``), the wall time, and each wake-up latency."""
+    inbox = transport.open_reader(channels[0], 0)
+    inbox.ready()
+    _sync(barrier)
+    recv = inbox.io
+    latencies = []
+    t0, wall0 = os.times(), now_ns()
+    for _ in range(wakes):
+        sent = recv()
+        latencies.append(now_ns() - sent)
+    t1, wall1 = os.times(), now_ns()
+    if recv() is not None:
+        raise RuntimeError("the idle reader expected the end mark")
+    _sync(barrier)
+    inbox.close()
+    cpu = (t1.user - t0.user) + (t1.system - t0.system)
+    return {"cpu": cpu, "wall": (wall1 - wall0) / 1e9, "latencies_ns": latencies}
+
+
+def _role_tensor_writer(
+    transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int, warmup: int, nbytes: int, loan: bool
+) -> dict:
+    """Send ``warmup`` float32 tensors of ``nbytes``, wait until the readers have them,
+    then send ``n`` more and ``None``. With ``loan``, each tensor is borrowed from the
+    transport and sent without a copy (only its last element is written: filling it is
+    the producer's work, not the transport's). Returns the time of the first measured
+    send and how long each measured send call took (ns)."""
+    import torch
+
+    out = transport.open_writer(channels[0])
+    if loan and out.loan is None:
+        raise RuntimeError(f"{transport.name} cannot lend memory")
+    out.ready()
+    _sync(barrier)
+    numel = nbytes // 4
+    fixed = None if loan else torch.ones(numel)
+
+    def make(i: int) -> Any:
+        t = out.loan(numel) if loan else fixed
+        t[-1] = float(i)
+        return t
+
+    send, clock = out.io, time.perf_counter_ns
+    for i in range(warmup):
+        send(make(i))
+    _sync(barrier)  # the readers have the warm-up tensors
+    costs = [0] * n
+    t0 = now_ns()
+    for i in range(n):
+        t = make(i)
+        c0 = clock()
+        send(t)
+        costs[i] = clock() - c0
+        del t
+    send(None)
+    _sync(barrier)
+    out.close()
+    return {"t0": t0, "send_ns": costs}
+
+
+def _role_tensor_reader(
+    transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int, warmup: int, rank: int
+) -> int:
+    """Receive ``warmup`` tensors, then ``n`` more, touching each one's last element;
+    returns when the last arrived (``now_ns``)."""
+    inbox = transport.open_reader(channels[0], rank)
+    inbox.ready()
+    _sync(barrier)
+    recv = inbox.io
+    for _ in range(warmup):
+        float(recv()[-1])
+    _sync(barrier)
+    for _ in range(n):
+        float(recv()[-1])
+    t_end = now_ns()
+    if recv() is not None:
+        raise RuntimeError(f"reader {rank} expected the end mark")
+    _sync(barrier)
+    inbox.close()
+    return t_end
+
+
+def _stack_file(workdir: str, pid: int) -> str:
+    return os.path.join(workdir, f"{pid}.stack")
+
+
+def _child_main(index: int, role: Callable, transport: Transport, channels: Sequence[Any],
+                barrier: Any, results: Any, kwargs: dict, workdir: str) -> None:
+    """Entry point of every child: run ``role`` and report ``(index, ok, value)``.
+    SIGUSR1 writes the child's Python stack to a file in ``workdir`` (the parent asks
+    for it when a run hangs)."""
+    stacks = open(_stack_file(workdir, os.getpid()), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=False)
+    try:
+        value = role(transport, channels, barrier, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        try:
+            barrier.abort()  # do not leave the others waiting for us
+        except Exception:
+            pass
+        results.put((index, False, f"{type(e).__name__}: {e}", traceback.format_exc()))
+    else:
+        results.put((index, True, value, ""))
+
+

@@ -1,0 +1,307 @@
+"""Scenarios (run once per transport) and floors (references measured once, in this
+process): what is measured and how the roles' results become table rows."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import statistics
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
+
+from .common import MiB, PROTOCOL, SMALL_OBJECT
+from .harness import Harness, Job
+from .roles import (
+    _role_idle_reader,
+    _role_idle_writer,
+    _role_ping,
+    _role_pong,
+    _role_reader,
+    _role_tensor_reader,
+    _role_tensor_writer,
+    _role_writer,
+)
+from .transports import Transport
+
+@dataclass
+class Params:
+    """How much each scenario measures."""
+
+    rounds: int  # ping-pong round trips measured
+    warmup: int  # ping-pong round trips before measuring
+    objects: int  # objects sent in the throughput scenarios
+    wakes: int = 10  # wake-ups from idle in the idle scenario
+    idle_s: float = 0.3  # seconds of idleness before each wake-up
+    tensor_sizes: tuple[int, ...] = (MiB, 16 * MiB, 256 * MiB)  # bytes of the tensor rows
+
+
+PRESETS = {
+    # DESIGN.md's counts, so the figures compare with its table.
+    "default": Params(rounds=20_000, warmup=1_000, objects=50_000, wakes=10, idle_s=0.3),
+    "quick": Params(rounds=5_000, warmup=500, objects=10_000, wakes=5, idle_s=0.2, tensor_sizes=(16 * MiB,)),
+}
+
+
+@dataclass
+class Metric:
+    """One table row produced by a scenario."""
+
+    key: str  # key in the scenario's result dict
+    label: str  # the row's name in the table
+    unit: str  # "us" or "obj/s"
+    higher_is_better: bool
+
+
+@dataclass
+class Scenario:
+    """A scenario runs once per transport: ``run(harness, transport, params)`` returns
+    ``{metric key: value}``."""
+
+    key: str
+    title: str
+    run: Callable[[Harness, Transport, Params], dict[str, float]]
+    metrics: list[Metric]
+    #: Only these transports can run it (the others' cells show "-").
+    only: Optional[tuple[str, ...]] = None
+    #: Run only when the preset includes this tensor size.
+    tensor_size: Optional[int] = None
+
+    def applies(self, params: Params) -> bool:
+        return self.tensor_size is None or self.tensor_size in params.tensor_sizes
+
+
+@dataclass
+class Floor:
+    """A reference measured once, in this process, without any transport:
+    ``run(params)`` returns ``{metric key: value}``."""
+
+    key: str
+    title: str
+    run: Callable[[Params], dict[str, float]]
+    metrics: list[Metric]
+
+
+def _percentile(sorted_values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def _bench_latency(harness: Harness, transport: Transport, params: Params) -> dict[str, float]:
+    """Ping-pong through two 1-reader channels; one-way latency = round trip / 2."""
+    channels = (harness.channel(transport, 1), harness.channel(transport, 1))
+    kwargs = {"rounds": params.rounds, "warmup": params.warmup}
+    samples, _ = harness.run(transport, [Job(_role_ping, channels, kwargs), Job(_role_pong, channels, kwargs)])
+    one_way_us = sorted(ns / 2 / 1000 for ns in samples)
+    return {"p50": _percentile(one_way_us, 50), "p99": _percentile(one_way_us, 99)}
+
+
+def _bench_throughput(harness: Harness, transport: Transport, params: Params, *, n_readers: int) -> dict[str, float]:
+    """N objects from the writer's first send to the last reader's last receive."""
+    channels = (harness.channel(transport, n_readers),)
+    n = params.objects
+    jobs = [Job(_role_writer, channels, {"n": n})]
+    jobs += [Job(_role_reader, channels, {"n": n, "rank": r}) for r in range(n_readers)]
+    t0, *t_ends = harness.run(transport, jobs)
+    return {"rate": n / ((max(t_ends) - t0) / 1e9)}
+
+
+def _bench_idle(harness: Harness, transport: Transport, params: Params) -> dict[str, float]:
+    """A reader blocked while its writer is idle: its CPU use (os.times, user + sys, over
+    ``wakes`` idle stretches of ``idle_s`` s) and how long a message sent after each
+    stretch takes to arrive."""
+    channels = (harness.channel(transport, 1),)
+    kwargs = {"wakes": params.wakes}
+    jobs = [
+        Job(_role_idle_writer, channels, {**kwargs, "idle_s": params.idle_s}),
+        Job(_role_idle_reader, channels, kwargs),
+    ]
+    _, reader = harness.run(transport, jobs)
+    wake_us = sorted(ns / 1000 for ns in reader["latencies_ns"])
+    return {
+        "cpu_pct": 100 * reader["cpu"] / max(reader["wall"], 1e-9),
+        "wake_p50": _percentile(wake_us, 50),
+        "wake_p99": _percentile(wake_us, 99),
+    }
+
+
+#: Seconds one tensor run may take (the slow transports move GBs at well under 1 GB/s).
+TENSOR_TIMEOUT = 120.0
+
+
+def _tensor_counts(nbytes: int) -> tuple[int, int]:
+    """``(measured, warm-up)`` tensors of ``nbytes`` per run: at most ~1.6 GB measured."""
+    n = max(4, min(200, (1600 * MiB) // nbytes))
+    return n, max(2, n // 10)
+
+
+def _bench_tensor(
+    harness: Harness, transport: Transport, params: Params, *, nbytes: int, n_readers: int, loan: bool = False
+) -> dict[str, float]:
+    """Tensors of ``nbytes`` to ``n_readers`` readers: bytes per reader per second from
+    the first measured send to the last reader's last receive, and the writer's cost of
+    one send call (p50)."""
+    channels = (harness.channel(transport, n_readers),)
+    n, warmup = _tensor_counts(nbytes)
+    jobs = [Job(_role_tensor_writer, channels, {"n": n, "warmup": warmup, "nbytes": nbytes, "loan": loan})]
+    jobs += [Job(_role_tensor_reader, channels, {"n": n, "warmup": warmup, "rank": r}) for r in range(n_readers)]
+    writer, *ends = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
+    seconds = (max(ends) - writer["t0"]) / 1e9
+    send_us = sorted(ns / 1000 for ns in writer["send_ns"])
+    return {"rate": n * nbytes / seconds / 1e9, "send_p50": _percentile(send_us, 50)}
+
+
+def _size_name(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB"
+
+
+def _tensor_scenarios() -> list[Scenario]:
+    out = []
+    for nbytes in (MiB, 16 * MiB, 256 * MiB):
+        size = _size_name(nbytes)
+        for r in (1, 3):
+            metrics = [Metric("rate", f"{size} tensor to {r} reader{'s' if r > 1 else ''}, per reader", "GB/s", True)]
+            if r == 1:
+                metrics.append(Metric("send_p50", f"{size} tensor: send call, p50", "us", False))
+            out.append(
+                Scenario(
+                    f"tensor{nbytes // MiB}_{r}",
+                    f"{size} tensors, {r} reader(s)",
+                    partial(_bench_tensor, nbytes=nbytes, n_readers=r),
+                    metrics,
+                    tensor_size=nbytes,
+                )
+            )
+    for nbytes in (16 * MiB, 256 * MiB):
+        size = _size_name(nbytes)
+        out.append(
+            Scenario(
+                f"loan{nbytes // MiB}",
+                f"loaned {size} tensors",
+                partial(_bench_tensor, nbytes=nbytes, n_readers=1, loan=True),
+                [
+                    Metric("rate", f"loaned {size} tensor to 1 reader", "GB/s", True),
+                    Metric("send_p50", f"loaned {size} tensor: send call, p50", "us", False),
+                ],
+                only=("shmq",),
+                tensor_size=nbytes,
+            )
+        )
+    return out
+
+
+def _time_per_call_us(fn: Callable[[], Any], calls: int, batch: int = 100) -> float:
+    """Median time of one ``fn()`` in µs, over batches of ``batch`` calls (timing each
+    batch, so the clock itself is not what is measured)."""
+    clock = time.perf_counter_ns
+    per_call = []
+    for _ in range(max(10, calls // batch)):
+        t0 = clock()
+        for _ in range(batch):
+            fn()
+        per_call.append((clock() - t0) / batch / 1000)
+    return statistics.median(per_call)
+
+
+def _floor_pickle(params: Params) -> dict[str, float]:
+    """Pickle alone, in this process: what a transport adds nothing to. ``dumps`` and
+    ``loads`` of the small object are timed separately; one object handed over costs
+    both in a row, while a writer and a reader on two cores run them in parallel, so a
+    stream is bounded by the slower of the two."""
+    pickled = pickle.dumps(SMALL_OBJECT, PROTOCOL)
+    dumps_us = _time_per_call_us(partial(pickle.dumps, SMALL_OBJECT, PROTOCOL), params.objects)
+    loads_us = _time_per_call_us(partial(pickle.loads, pickled), params.objects)
+    return {
+        "serial_us": dumps_us + loads_us,
+        "serial_rate": 1e6 / (dumps_us + loads_us),
+        "parallel_rate": 1e6 / max(dumps_us, loads_us),
+    }
+
+
+def _floor_store(params: Params) -> dict[str, float]:
+    """shmq's object store in this process (MsgpackSerde): put and get of the small
+    object, then put and get of a 4 MiB float32 tensor (numpy array without torch)."""
+    from shmq import ObjectStorage, RingBuffer
+
+    class _NoLock:
+        # A reader_lock makes the writer's own gets count as reads, so objects can be
+        # evicted as the loop goes (the store needs no lock; this one does nothing).
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    store = ObjectStorage(8 * MiB, 1, RingBuffer(256 * MiB, create=True), reader_lock=_NoLock())
+    n = min(params.objects, 20_000)
+    keys = iter([f"small-{i}" for i in range(10 * n + 100)])
+    handles = []
+    put_us = _time_per_call_us(lambda: handles.append(store.put(next(keys), SMALL_OBJECT)), n)
+    got = iter(handles)
+    get_us = _time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
+
+    try:
+        import torch
+
+        big = torch.rand(MiB)  # 1 Mi float32 = 4 MiB
+    except ImportError:
+        import numpy as np
+
+        big = np.random.rand(MiB).astype(np.float32)
+    # Rounds of 32 puts (128 MiB, half the ring) then their 32 gets, so every put finds
+    # room once the previous round has been read; the median round gives each rate.
+    put_rates, get_rates, clock = [], [], time.perf_counter_ns
+    for r in range(6):
+        t0 = clock()
+        round_handles = [store.put(f"big-{r}-{i}", big) for i in range(32)]
+        t1 = clock()
+        for h in round_handles:
+            store.get(*h)
+        t2 = clock()
+        put_rates.append(32 * 4 * MiB / (t1 - t0))  # bytes/ns = GB/s
+        get_rates.append(32 * 4 * MiB / (t2 - t1))
+    store.clear()
+    return {
+        "put_us": put_us,
+        "get_us": get_us,
+        "big_put": statistics.median(put_rates),
+        "big_get": statistics.median(get_rates),
+    }
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario("latency", "one-way latency (ping-pong)", _bench_latency, [
+        Metric("p50", "one-way latency, small object, p50", "us", False),
+        Metric("p99", "one-way latency, small object, p99", "us", False),
+    ]),
+    Scenario("throughput1", "throughput, 1 reader", partial(_bench_throughput, n_readers=1), [
+        Metric("rate", "throughput, small objects, 1 reader", "obj/s", True),
+    ]),
+    Scenario("throughput3", "throughput, 3 readers", partial(_bench_throughput, n_readers=3), [
+        Metric("rate", "throughput, small objects, 3 readers", "obj/s", True),
+    ]),
+    Scenario("idle", "idle reader", _bench_idle, [
+        Metric("cpu_pct", "idle reader: CPU while blocked", "%", False),
+        Metric("wake_p50", "idle reader: wake-up latency, p50", "us", False),
+        Metric("wake_p99", "idle reader: wake-up latency, p99", "us", False),
+    ]),
+    *_tensor_scenarios(),
+]
+
+FLOORS: list[Floor] = [
+    Floor("store", "object store", _floor_store, [
+        Metric("put_us", "object store: put, small object", "us", False),
+        Metric("get_us", "object store: get, small object", "us", False),
+        Metric("big_put", "object store: put, 4 MiB float32 tensor", "GB/s", True),
+        Metric("big_get", "object store: get, 4 MiB float32 tensor", "GB/s", True),
+    ]),
+    Floor("pickle", "pickle only", _floor_pickle, [
+        Metric("serial_us", "pickle only: dumps+loads, per object", "us", False),
+        Metric("serial_rate", "pickle only: dumps+loads, rate", "obj/s", True),
+        Metric("parallel_rate", "pickle only: slower of dumps/loads, rate", "obj/s", True),
+    ]),
+]
+
+

@@ -1,0 +1,286 @@
+"""Transports: the ways to move objects from one writer process to reader processes
+that the benchmark compares (shmq's ``MessageQueue``, ``multiprocessing.Queue``, pyzmq
+PUB/SUB, and vLLM's ``MessageQueue`` with and without its tensor arena when vLLM is
+importable)."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Optional
+
+from .common import MAX_CHUNK_BYTES, MAX_CHUNKS, PROTOCOL, SYNC_TIMEOUT
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class Endpoint:
+    """One side of a channel, as a role sees it.
+
+    ``io`` is ``send(obj)`` on a writer and ``recv() -> obj`` on a reader; roles call it
+    in their hot loop, so it is the transport's own callable where possible.
+    ``ready()`` is the transport's handshake (after it, nothing sent can be lost);
+    ``close()`` releases the endpoint once every process is done.
+    """
+
+    io: Callable[..., Any]
+    ready: Callable[[], None] = _nothing
+    close: Callable[[], None] = _nothing
+    #: Writer side, transports that can lend memory: ``loan(numel)`` returns a float32
+    #: tensor to fill in place and send without a copy.
+    loan: Optional[Callable[[int], Any]] = None
+
+
+class Transport(ABC):
+    """A way to move pickled objects from one writer process to reader processes.
+
+    The parent calls :meth:`make_channel`; the result is passed (pickled by ``spawn``)
+    to the children, which call :meth:`open_writer` / :meth:`open_reader` on it.
+    ``open_reader`` may wait until the channel's writer is open (shmq hands its handle
+    over then), so a process opens its writers before its readers.
+    """
+
+    name = "?"
+
+    def unavailable(self) -> Optional[str]:
+        """Why this transport cannot run here, or ``None`` when it can."""
+        return None
+
+    @abstractmethod
+    def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> Any:
+        """A channel for one writer and ``n_readers`` readers (made in the parent)."""
+
+    @abstractmethod
+    def open_writer(self, channel: Any) -> Endpoint:
+        """The writing end of ``channel`` (in a child)."""
+
+    @abstractmethod
+    def open_reader(self, channel: Any, rank: int) -> Endpoint:
+        """Reader ``rank``'s end of ``channel`` (in a child)."""
+
+
+@dataclass
+class _ShmqChannel:
+    n_readers: int
+    handles: Any  # multiprocessing.Queue: the writer puts its Handle once per reader
+
+
+class ShmqTransport(Transport):
+    """shmq's ``MessageQueue``; the writer passes its ``Handle`` to the readers through
+    a ``multiprocessing.Queue`` made with the channel."""
+
+    name = "shmq"
+
+    def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _ShmqChannel:
+        return _ShmqChannel(n_readers, ctx.Queue())
+
+    def open_writer(self, channel: _ShmqChannel) -> Endpoint:
+        from shmq import MessageQueue
+
+        mq = MessageQueue(
+            channel.n_readers, channel.n_readers, max_chunk_bytes=MAX_CHUNK_BYTES, max_chunks=MAX_CHUNKS
+        )
+        for _ in range(channel.n_readers):
+            channel.handles.put(mq.export_handle())
+
+        def loan(numel: int) -> Any:
+            return mq.loan_tensor((numel,))
+
+        return Endpoint(mq.enqueue, partial(mq.wait_until_ready, SYNC_TIMEOUT), loan=loan)
+
+    def open_reader(self, channel: _ShmqChannel, rank: int) -> Endpoint:
+        from shmq import MessageQueue
+
+        mq = MessageQueue.create_from_handle(channel.handles.get(timeout=SYNC_TIMEOUT), rank)
+        return Endpoint(mq.dequeue, partial(mq.wait_until_ready, SYNC_TIMEOUT))
+
+
+class MpQueueTransport(Transport):
+    """``multiprocessing.Queue``: one queue per reader, the writer puts into each."""
+
+    name = "mp.Queue"
+
+    def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> list:
+        return [ctx.Queue() for _ in range(n_readers)]
+
+    def open_writer(self, channel: list) -> Endpoint:
+        if len(channel) == 1:
+            send = channel[0].put
+        else:
+            puts = [q.put for q in channel]
+
+            def send(obj: Any) -> None:
+                for put in puts:
+                    put(obj)
+
+        def close() -> None:
+            for q in channel:
+                q.close()
+                q.join_thread()
+
+        return Endpoint(send, close=close)
+
+    def open_reader(self, channel: list, rank: int) -> Endpoint:
+        return Endpoint(channel[rank].get)
+
+
+@dataclass
+class _ZmqChannel:
+    n_readers: int
+    pub_addr: str  # ipc:// address of the writer's PUB socket
+    ready_addr: str  # ipc:// address of the writer's PULL socket (readers report in)
+
+
+class ZmqTransport(Transport):
+    """pyzmq PUB/SUB over ``ipc://``, objects pickled with the highest protocol, high
+    water marks 0 (never drop).
+
+    Handshake, so that nothing is lost to the slow joiner: the writer publishes
+    ``hello`` until every reader has answered on a PUSH/PULL pair, then publishes
+    ``start``; a reader answers its first ``hello`` and skips everything up to
+    ``start``. Control messages cannot be confused with data (a pickle starts with
+    ``0x80``).
+    """
+
+    name = "pyzmq"
+    _HELLO = b"hello"
+    _START = b"start"
+    _ids = itertools.count()
+
+    def unavailable(self) -> Optional[str]:
+        try:
+            import zmq  # noqa: F401
+        except ImportError:
+            return "pyzmq is not installed"
+        return None
+
+    def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _ZmqChannel:
+        i = next(self._ids)
+        return _ZmqChannel(n_readers, f"ipc://{workdir}/{i}.pub", f"ipc://{workdir}/{i}.ready")
+
+    def open_writer(self, channel: _ZmqChannel) -> Endpoint:
+        import zmq
+
+        zctx = zmq.Context()
+        pub = zctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.bind(channel.pub_addr)
+        pull = zctx.socket(zmq.PULL)
+        pull.bind(channel.ready_addr)
+
+        def ready() -> None:
+            deadline = time.monotonic() + SYNC_TIMEOUT
+            answered = 0
+            while answered < channel.n_readers:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{answered} of {channel.n_readers} zmq readers answered")
+                pub.send(self._HELLO)
+                while answered < channel.n_readers and pull.poll(10):
+                    pull.recv()
+                    answered += 1
+            pub.send(self._START)
+
+        raw_send, dumps = pub.send, pickle.dumps
+
+        def send(obj: Any) -> None:
+            raw_send(dumps(obj, PROTOCOL))
+
+        return Endpoint(send, ready, partial(zctx.destroy, linger=0))
+
+    def open_reader(self, channel: _ZmqChannel, rank: int) -> Endpoint:
+        import zmq
+
+        zctx = zmq.Context()
+        sub = zctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(channel.pub_addr)
+        push = zctx.socket(zmq.PUSH)
+        push.connect(channel.ready_addr)
+
+        def control() -> bytes:
+            if not sub.poll(int(SYNC_TIMEOUT * 1000)):
+                raise TimeoutError("the zmq writer sent nothing during the handshake")
+            msg = sub.recv()
+            if msg not in (self._HELLO, self._START):
+                raise RuntimeError(f"zmq reader got {msg[:20]!r} before the handshake ended")
+            return msg
+
+        def ready() -> None:
+            if control() != self._HELLO:
+                raise RuntimeError("zmq reader got 'start' before 'hello'")
+            push.send(b"ready")
+            while control() != self._START:
+                pass
+
+        raw_recv, loads = sub.recv, pickle.loads
+
+        def recv() -> Any:
+            return loads(raw_recv())
+
+        return Endpoint(recv, ready, partial(zctx.destroy, linger=0))
+
+
+@dataclass
+class _VllmChannel:
+    n_readers: int
+    handles: Any  # multiprocessing.Queue, as for shmq
+
+
+class VllmTransport(Transport):
+    """vLLM's own ``MessageQueue`` (``vllm.distributed.device_communicators.
+    shm_broadcast``), as vLLM builds it, optionally with its tensor arena
+    (``enable_shm_tensor_arena=True``); needs vLLM importable (``pip install --no-deps
+    vllm`` and the few small packages its import needs)."""
+
+    def __init__(self, arena: bool):
+        self.arena = arena
+        self.name = "vLLM arena" if arena else "vLLM"
+
+    def unavailable(self) -> Optional[str]:
+        try:
+            from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: F401
+        except Exception as e:  # ImportError, or anything its import chain raises
+            return f"vLLM is not importable here ({type(e).__name__}: {e})"
+        return None
+
+    def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _VllmChannel:
+        return _VllmChannel(n_readers, ctx.Queue())
+
+    def open_writer(self, channel: _VllmChannel) -> Endpoint:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        mq = MessageQueue(
+            channel.n_readers,
+            channel.n_readers,
+            max_chunk_bytes=MAX_CHUNK_BYTES,
+            max_chunks=MAX_CHUNKS,
+            enable_shm_tensor_arena=self.arena,
+        )
+        for _ in range(channel.n_readers):
+            channel.handles.put(mq.export_handle())
+        return Endpoint(mq.enqueue, mq.wait_until_ready)
+
+    def open_reader(self, channel: _VllmChannel, rank: int) -> Endpoint:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        mq = MessageQueue.create_from_handle(channel.handles.get(timeout=SYNC_TIMEOUT), rank)
+        return Endpoint(mq.dequeue, mq.wait_until_ready)
+
+
+#: The transports, in table column order (vLLM's are shown only where it is importable).
+TRANSPORTS: list[Transport] = [
+    ShmqTransport(),
+    MpQueueTransport(),
+    ZmqTransport(),
+    VllmTransport(arena=False),
+    VllmTransport(arena=True),
+]
+
+
