@@ -6,7 +6,7 @@
 //! third more memory traffic. Above [`STREAM_MIN`] bytes the copy uses non-temporal
 //! (streaming) stores where the CPU has them (x86-64 with AVX), which write whole lines
 //! straight to memory: ~1.3x faster for 16–256 MiB on the 2-core machine this was
-//! measured on (see `benches/ring.rs`, `arena copy`). Below it, and elsewhere, it is a
+//! measured on (`cargo bench --bench arena`, `copy/16MiB`). Below it, and elsewhere, it is a
 //! plain `memcpy`.
 
 /// Copies of at least this many bytes stream past the caches.

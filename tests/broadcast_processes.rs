@@ -539,3 +539,115 @@ fn full_ring_and_idle_writer_time_out() {
     drop(writer);
     assert!(!Path::new(&segment).exists(), "{segment} left behind");
 }
+
+/// The bytes of part `k` of message `seq` in the parts test: deterministic, so a reader
+/// checks them exactly.
+fn part_bytes(seq: u64, k: usize, len: usize) -> Vec<u8> {
+    let mut rng = XorShift::new(SEED ^ seq ^ ((k as u64) << 40));
+    (0..len).map(|_| rng.next() as u8).collect()
+}
+
+/// Lengths of the parts of message `seq`: a small body, a large part (the arena for
+/// local readers), a small one (inline).
+fn part_lens(seq: u64) -> [usize; 3] {
+    [
+        16 + (seq as usize % 7),
+        (2 << 20) + seq as usize * 4096,
+        300,
+    ]
+}
+
+/// Read `n` messages of parts and check them: the large part of a local reader is a
+/// private view of the arena (no copy) that it can write without anyone else seeing it,
+/// a remote reader's is a ZeroMQ frame.
+fn read_parts(role: &ChildRole, n: u64) -> Result<(), String> {
+    let mut reader = role.open_ready()?;
+    let mut kept = Vec::new();
+    for seq in 0..n {
+        let mut parts = reader
+            .dequeue_parts(Some(TIMEOUT))
+            .map_err(|e| format!("message {seq}: {e}"))?;
+        let lens = part_lens(seq);
+        if parts.len() != 3 {
+            return Err(format!("message {seq}: {} parts", parts.len()));
+        }
+        for (k, p) in parts.iter().enumerate() {
+            if **p != part_bytes(seq, k, lens[k])[..] {
+                return Err(format!("message {seq}: part {k} differs"));
+            }
+        }
+        let zero_copy = matches!(
+            (&parts[1], reader.is_local()),
+            (shmq::OwnedPart::Arena(_), true) | (shmq::OwnedPart::Frame(_), false)
+        );
+        if !zero_copy {
+            return Err(format!(
+                "message {seq}: the large part was copied: {:?}",
+                parts[1]
+            ));
+        }
+        parts[1][0] ^= 0xFF; // private: must not reach the others
+        if seq % 10 == 0 {
+            kept.push((seq, parts.swap_remove(1))); // held while more messages come
+        }
+    }
+    for (seq, p) in &kept {
+        let want = part_bytes(*seq, 1, part_lens(*seq)[1]);
+        if p[0] != want[0] ^ 0xFF || p[1..] != want[1..] {
+            return Err(format!("kept part of message {seq} changed under its view"));
+        }
+    }
+    Ok(())
+}
+
+/// e. Messages of several parts (`enqueue_parts` / `dequeue_parts`): large parts reach
+/// two local readers as private views of the tensor arena, with no copy at all when sent
+/// from a loan, and a remote reader as frames; views held while more messages come stay
+/// intact; every arena part comes back once the readers are done.
+#[test]
+fn parts_and_loans_reach_local_and_remote_readers() {
+    const NAME: &str = "parts_and_loans_reach_local_and_remote_readers";
+    const N: u64 = 40;
+    if let Some(role) = ChildRole::from_env() {
+        role.run(|r| read_parts(r, N));
+    }
+    let mut writer = Writer::new(QueueOptions {
+        n_reader: 3,
+        n_local_reader: 2,
+        max_chunk_bytes: 64 << 10,
+        max_chunks: 4,
+        connect_ip: Some("127.0.0.1".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(writer.handle().arena.is_some());
+    let mut children: Vec<_> = (0..3)
+        .map(|rank| spawn_reader(NAME, writer.handle(), rank))
+        .collect();
+    writer_step(&mut children, "waiting for readers to subscribe", |w| {
+        writer.wait_until_ready_with(w)
+    });
+    for seq in 0..N {
+        let lens = part_lens(seq);
+        let parts: Vec<Vec<u8>> = (0..3).map(|k| part_bytes(seq, k, lens[k])).collect();
+        if seq % 4 == 0 {
+            // Filled in place and sent by reference: nothing new is allocated.
+            let mut loan = writer.loan(lens[1]).expect("room for a loan");
+            loan.copy_from_slice(&parts[1]);
+            let before = writer.arena().unwrap().outstanding();
+            writer_step(&mut children, &format!("enqueue of message {seq}"), |w| {
+                writer.enqueue_parts_with(&[&parts[0], &loan, &parts[2]], w)
+            });
+            assert_eq!(writer.arena().unwrap().outstanding(), before);
+        } else {
+            writer_step(&mut children, &format!("enqueue of message {seq}"), |w| {
+                writer.enqueue_parts_with(&[&parts[0], &parts[1], &parts[2]], w)
+            });
+        }
+    }
+    expect_all_succeed(&mut children);
+    assert_eq!(writer.arena_fallbacks(), 0);
+    let arena = writer.arena_mut().unwrap();
+    arena.reclaim();
+    assert_eq!(arena.outstanding(), 0, "arena parts not given back");
+}
