@@ -41,12 +41,12 @@
 //! `/dev/shm` makes the writer fall back to copying instead of dying of `SIGBUS`.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::segment::{unique_name, Segment};
 
@@ -129,16 +129,7 @@ struct LeaseRecord {
 }
 const _: () = assert!(std::mem::size_of::<LeaseRecord>() <= LEASE_HOLDS_OFFSET);
 
-/// The system's page size (mappings are made in whole pages).
-pub fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
-}
+pub use crate::private_map::page_size;
 
 fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|v| v / to * to)
@@ -740,7 +731,7 @@ impl Drop for Loan {
 /// privately.
 pub struct ArenaReader {
     map: Mapped,
-    fd: OwnedFd,
+    file: PrivateFile,
     reader: usize,
 }
 
@@ -796,22 +787,10 @@ impl ArenaReader {
                 geo.n_reader
             )));
         }
-        let c_name = std::ffi::CString::new(format!("/{name}"))
-            .map_err(|_| Error::InvalidArgument(format!("invalid segment name {name:?}")))?;
-        // SAFETY: a valid NUL-terminated name; read-only is enough for MAP_PRIVATE maps
-        // that we write into (the writes go to private pages).
-        let fd = unsafe { libc::shm_open(c_name.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(Error::os(
-                format!("opening shared memory segment '{name}'"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let file = PrivateFile::open(name)?;
         Ok(ArenaReader {
             map: Mapped { segment, base, geo },
-            fd,
+            file,
             reader,
         })
     }
@@ -858,49 +837,22 @@ impl ArenaReader {
     /// Map `r`'s bytes privately: a view that holds the lease until it is dropped.
     pub fn view(self: &Arc<Self>, r: &ArenaRef) -> Result<ArenaView> {
         let lease = self.check(r)?;
-        let page = self.map.geo.page_size as u64;
-        let start = r.offset / page * page;
-        let map_len = (r.offset + r.len).div_ceil(page) * page - start;
-        if map_len == 0 {
-            return Ok(ArenaView {
+        // `check` bounded the range by the capacity, and `open` checked that the segment
+        // holds data_offset + capacity bytes.
+        match self
+            .file
+            .map(self.map.geo.data_offset as u64 + r.offset, r.len as usize)
+        {
+            Ok(map) => Ok(ArenaView {
                 arena: self.clone(),
                 lease,
-                map: None,
-                ptr: NonNull::dangling().as_ptr(),
-                len: 0,
-            });
+                map,
+            }),
+            Err(e) => {
+                self.release(r);
+                Err(e)
+            }
         }
-        // SAFETY: a new private mapping of whole pages of the segment's data region
-        // (`check` bounded the range by the capacity, and `open` checked the segment is
-        // at least data_offset + capacity long, so no page lies past the end of the file:
-        // no SIGBUS unless someone shrinks the 0600 segment, which only its owner can).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE,
-                self.fd.as_raw_fd(),
-                (self.map.geo.data_offset as u64 + start) as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error();
-            self.release(r);
-            return Err(Error::os(
-                format!("mapping {} bytes of tensor arena {}", r.len, self.name()),
-                e,
-            ));
-        }
-        let p = p as *mut u8;
-        Ok(ArenaView {
-            arena: self.clone(),
-            lease,
-            map: Some((p, map_len as usize)),
-            // SAFETY: the offset within the first page is below map_len.
-            ptr: unsafe { p.add((r.offset - start) as usize) },
-            len: r.len as usize,
-        })
     }
 }
 
@@ -918,63 +870,48 @@ fn release_hold(map: &Mapped, lease: usize, reader: usize) {
 pub struct ArenaView {
     arena: Arc<ArenaReader>,
     lease: usize,
-    map: Option<(*mut u8, usize)>,
-    ptr: *mut u8,
-    len: usize,
+    map: PrivateMap,
 }
-
-// SAFETY: the view owns its private mapping (nothing else in this process maps those
-// pages), so moving it between threads is like moving a Vec.
-unsafe impl Send for ArenaView {}
-// SAFETY: `&ArenaView` gives shared access to the bytes only.
-unsafe impl Sync for ArenaView {}
 
 impl std::fmt::Debug for ArenaView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ArenaView")
             .field("lease", &self.lease)
-            .field("len", &self.len)
+            .field("len", &self.map.len())
             .finish()
     }
 }
 
 impl ArenaView {
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
+        self.map.as_ptr()
     }
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.map.is_empty()
     }
 }
 
 impl std::ops::Deref for ArenaView {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies in this view's own mapping, alive until drop. The
-        // pages not yet written here are the writer's, which it does not change while
-        // our hold lasts.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        &self.map
     }
 }
 
 impl std::ops::DerefMut for ArenaView {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`; writes go to private copy-on-write pages.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        &mut self.map
     }
 }
 
 impl Drop for ArenaView {
     fn drop(&mut self) {
-        if let Some((p, n)) = self.map.take() {
-            // SAFETY: our own mapping from `view`, unmapped once; nothing refers to it any
-            // more (the view is being dropped, and the Python bindings drop it only after
-            // every buffer export is released).
-            unsafe { libc::munmap(p as *mut libc::c_void, n) };
-        }
+        // The mapping (a field) is unmapped after this; the hold can go first: the
+        // writer only writes the shared pages, never our private ones, and a page of
+        // ours it changes now is one we no longer read.
         release_hold(&self.arena.map, self.lease, self.arena.reader);
     }
 }

@@ -6,6 +6,7 @@
 //! - [`sync`], [`futex`], [`doorbell`]: the atomics (swappable for loom), the
 //!   process-shared futex and the sleep/wake handshake built on them;
 //! - [`process`]: naming a process by pid and start time, to tell whether it is alive;
+//! - [`private_map`]: private copy-on-write views of a segment (what readers hand out);
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep);
 //! - [`transport`]: ZeroMQ publish/subscribe sockets and the ready handshake;
 //! - [`alloc`], [`storage`]: the object store's FIFO allocator and the store on it;
@@ -40,6 +41,8 @@ pub mod doorbell;
 pub mod error;
 #[cfg(not(loom))]
 pub mod futex;
+#[cfg(not(loom))]
+pub mod private_map;
 #[cfg(not(loom))]
 pub mod process;
 #[cfg(not(loom))]
