@@ -1,7 +1,8 @@
 //! The sleep/wake handshake between the two sides of a ring.
 //!
-//! A [`Doorbell`] is two 32-bit words in shared memory: `seq`, the futex word, and
-//! `sleepers`, how many waiters are asleep or about to be. The side that publishes
+//! A doorbell is two 32-bit words in shared memory ([`DoorbellWords`], alone in a cache
+//! line): `seq`, the futex word, and `sleepers`, how many waiters are asleep or about to
+//! be; a [`Doorbell`] is those words with the futex that sleeps on them. The side that publishes
 //! something (a chunk written, a chunk freed) calls [`Doorbell::ring`]: a fence and one
 //! load when nobody sleeps, a futex wake when someone does. A waiter that found nothing
 //! calls [`Doorbell::sleep`].
@@ -39,6 +40,27 @@ impl Futex for OsFutex {
     }
     fn wake_all(&self, word: &AtomicU32) {
         crate::futex::wake_all(word)
+    }
+}
+
+/// A doorbell's two words, as they lie in shared memory (`#[repr(C)]`, pointer-free,
+/// alone in a cache line so that ringing it bounces no other data).
+#[repr(C, align(64))]
+#[derive(Debug, Default)]
+pub struct DoorbellWords {
+    pub seq: AtomicU32,
+    pub sleepers: AtomicU32,
+}
+
+#[cfg(not(loom))]
+impl DoorbellWords {
+    /// The doorbell on these words, sleeping on the process-shared futex.
+    pub fn doorbell(&self) -> Doorbell<'_, OsFutex> {
+        Doorbell {
+            seq: &self.seq,
+            sleepers: &self.sleepers,
+            futex: OsFutex,
+        }
     }
 }
 

@@ -268,3 +268,28 @@ impl Subscriber {
         Ok(())
     }
 }
+
+/// The address remote readers should use to reach this host: `SHMQ_HOST_IP` if set,
+/// else the first address the host name resolves to, else `127.0.0.1`.
+pub fn default_connect_ip() -> String {
+    if let Ok(ip) = std::env::var("SHMQ_HOST_IP") {
+        if !ip.trim().is_empty() {
+            return ip.trim().to_owned();
+        }
+    }
+    use std::net::ToSocketAddrs;
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+    if rc == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        if let Ok(host) = std::str::from_utf8(&buf[..end]) {
+            if let Ok(addrs) = (host, 0).to_socket_addrs() {
+                if let Some(a) = addrs.map(|a| a.ip()).find(|ip| !ip.is_unspecified()) {
+                    return a.to_string();
+                }
+            }
+        }
+    }
+    "127.0.0.1".to_owned()
+}

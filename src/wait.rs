@@ -18,9 +18,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use crate::doorbell::{Doorbell, OsFutex};
+use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
-use crate::sync::AtomicU32;
 
 /// Environment variable: seconds between "still waiting" warnings (default 60).
 pub const WARNING_INTERVAL_ENV: &str = "SHMQ_RINGBUFFER_WARNING_INTERVAL";
@@ -100,23 +99,6 @@ impl Default for WaitPolicy {
 /// A function the waiter calls every few milliseconds while it waits; an error ends the
 /// wait with that error (the Python bindings raise `KeyboardInterrupt` or "cancelled").
 pub type Hook<'a> = &'a mut (dyn FnMut() -> Result<()> + Send);
-
-/// Where a waiter sleeps: a doorbell's two words in shared memory.
-#[derive(Clone, Copy)]
-pub struct Bell<'a> {
-    pub seq: &'a AtomicU32,
-    pub sleepers: &'a AtomicU32,
-}
-
-impl Bell<'_> {
-    pub(crate) fn doorbell(&self) -> Doorbell<'_, OsFutex> {
-        Doorbell {
-            seq: self.seq,
-            sleepers: self.sleepers,
-            futex: OsFutex,
-        }
-    }
-}
 
 /// The terms of one blocking call: what it waits for, until when, and what may cut it short.
 pub struct Wait<'a> {
@@ -247,12 +229,12 @@ impl<'a> Wait<'a> {
     }
 
     /// Poll `ready` until it returns `Some`, then return its value. Spins, yields, and
-    /// (with a `bell`) sleeps until the other side rings it. Ends early with `Timeout`,
+    /// (with a `doorbell`) sleeps until the other side rings it. Ends early with `Timeout`,
     /// `Cancelled`, the hook's error or `peer_alive`'s error; the condition is polled at
     /// least once, so a ready result wins over an expired deadline.
     pub fn until<T>(
         &mut self,
-        bell: Option<Bell<'_>>,
+        doorbell: Option<&DoorbellWords>,
         peer_alive: &mut dyn FnMut() -> Result<()>,
         mut ready: impl FnMut() -> Option<T>,
     ) -> Result<T> {
@@ -289,13 +271,14 @@ impl<'a> Wait<'a> {
                 self.slow_checks(now, peer_alive)?;
                 next_slow = now + HOOK_INTERVAL;
             }
-            if bell.is_some() && now >= yield_end {
+            if doorbell.is_some() && now >= yield_end {
                 break;
             }
         }
         // Sleep on the doorbell, in slices short enough for the periodic checks.
-        let bell = bell.expect("the yield loop only ends with a bell");
-        let doorbell = bell.doorbell();
+        let doorbell = doorbell
+            .expect("the yield loop only ends with a doorbell")
+            .doorbell();
         let slice = if self.hook.is_some() {
             SLEEP_SLICE_WITH_HOOK
         } else {
@@ -408,16 +391,12 @@ mod tests {
 
     #[test]
     fn sleeper_is_woken_by_the_bell_from_another_thread() {
-        let (seq, sleepers) = (AtomicU32::new(0), AtomicU32::new(0));
+        let bell = DoorbellWords::default();
         let flag = AtomicBool::new(false);
-        let bell = Bell {
-            seq: &seq,
-            sleepers: &sleepers,
-        };
         std::thread::scope(|s| {
             s.spawn(|| {
                 // Let the waiter reach the sleep phase (spin 0, yield 1 ms).
-                while sleepers.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                while bell.sleepers.load(std::sync::atomic::Ordering::SeqCst) == 0 {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 flag.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -430,7 +409,7 @@ mod tests {
             let started = Instant::now();
             let got = Wait::new("t", Some(Duration::from_secs(20)))
                 .policy(policy)
-                .until(Some(bell), &mut no_peer, || {
+                .until(Some(&bell), &mut no_peer, || {
                     flag.load(std::sync::atomic::Ordering::SeqCst).then_some(1)
                 })
                 .unwrap();
@@ -447,15 +426,11 @@ mod tests {
 
     #[test]
     fn a_dead_peer_ends_the_wait() {
-        let (seq, sleepers) = (AtomicU32::new(0), AtomicU32::new(0));
-        let bell = Bell {
-            seq: &seq,
-            sleepers: &sleepers,
-        };
+        let bell = DoorbellWords::default();
         let mut checks = 0;
         let err = Wait::new("t", Some(Duration::from_secs(20)))
             .until(
-                Some(bell),
+                Some(&bell),
                 &mut || {
                     checks += 1;
                     Err(Error::WrongRole("peer died".into()))

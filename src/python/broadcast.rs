@@ -270,7 +270,7 @@ impl Writer {
 
     #[getter]
     fn current_idx(&self, py: Python<'_>) -> usize {
-        lock(py, &self.inner).current_index()
+        lock(py, &self.inner).current_idx()
     }
     #[getter]
     fn overflow_count(&self, py: Python<'_>) -> u64 {
@@ -480,7 +480,7 @@ impl Reader {
     }
     #[getter]
     fn current_idx(&self, py: Python<'_>) -> usize {
-        lock(py, &self.inner).current_index()
+        lock(py, &self.inner).current_idx()
     }
     fn ring(&self, py: Python<'_>) -> Option<Ring> {
         lock(py, &self.inner)

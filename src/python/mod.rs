@@ -22,7 +22,7 @@ use pyo3::prelude::*;
 /// The IP remote readers should connect to (`SHMQ_HOST_IP`, else the host's address).
 #[pyfunction]
 fn default_connect_ip() -> String {
-    crate::broadcast::queue::default_connect_ip()
+    crate::transport::default_connect_ip()
 }
 
 #[pymodule]

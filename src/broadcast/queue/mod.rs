@@ -1,0 +1,52 @@
+//! [`Writer`] and [`Reader`]: bytes in, bytes out, to local readers through the ring and
+//! to remote readers through ZeroMQ.
+//!
+//! A message that fits in a chunk goes in the next chunk and never touches ZeroMQ. A
+//! larger one puts an overflow mark in the chunk and goes over the `ipc://` socket; the
+//! writer publishes it *before* committing the mark, so a reader that sees the mark
+//! finds the message already on its way. Remote readers get every message over TCP.
+//!
+//! Files: [`options`] (how a writer is made), [`handle`] (what a reader needs to join),
+//! [`cancel`] (ending blocked calls from another thread), [`writer`] and [`reader`].
+
+mod cancel;
+mod handle;
+mod options;
+mod reader;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use super::ring::Ring;
+use crate::error::{Error, Result};
+
+pub use cancel::Canceller;
+pub use handle::Handle;
+pub use options::QueueOptions;
+pub use reader::{OwnedPart, Part, Reader, Received};
+pub use writer::Writer;
+
+/// An error for the first local reader whose process (as its slot records it) is dead.
+fn dead_local_reader(ring: &Ring) -> Result<()> {
+    for r in 0..ring.n_reader() {
+        if let Some(p) = ring.slot_info(Some(r))?.process {
+            if !p.is_alive() {
+                return Err(Error::DeadReader {
+                    reader: r,
+                    pid: p.pid,
+                    chunk: 0,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The error when a chunk seen as ready is not ready a moment later: only a writer that
+/// breaks the protocol (or another process writing into the segment) can cause it.
+fn chunk_changed(ring: &Ring) -> Error {
+    Error::BadSegment {
+        name: ring.name().to_owned(),
+        reason: "a chunk changed while it was being read (is another process writing into this segment?)".into(),
+    }
+}

@@ -1,0 +1,60 @@
+//! [`QueueOptions`]: how a writer is made (sizes, readers, waits, the tensor arena).
+
+use crate::arena;
+use crate::wait::WaitPolicy;
+
+use super::super::ring::DeadReaderPolicy;
+
+/// How a writer is made. `Default` gives the engines' defaults: 10 chunks of 10 MiB.
+#[derive(Clone, Debug)]
+pub struct QueueOptions {
+    /// All readers, local and remote.
+    pub n_reader: usize,
+    /// Readers on this machine (they read through shared memory).
+    pub n_local_reader: usize,
+    /// The ranks of the local readers; `None` means `0..n_local_reader`.
+    pub local_reader_ranks: Option<Vec<usize>>,
+    pub max_chunk_bytes: usize,
+    pub max_chunks: usize,
+    /// The IP remote readers connect to (default: this host's address, see
+    /// [`default_connect_ip`]). Only used when there are remote readers.
+    pub connect_ip: Option<String>,
+    /// How the writer waits for room (spin, yield, then sleep); `None`: the default for
+    /// this many processes ([`WaitPolicy::for_processes`]).
+    pub wait: Option<WaitPolicy>,
+    /// What the writer does when a local reader it waits for has died.
+    pub on_dead_reader: DeadReaderPolicy,
+    /// Bytes of the tensor arena beside the ring (virtual: reserved as used); 0 for none.
+    /// Parts of at least `arena_threshold` bytes go there (see [`crate::arena`]).
+    pub arena_bytes: usize,
+    /// Smallest message part that goes to the arena instead of being copied inline.
+    pub arena_threshold: usize,
+}
+
+impl Default for QueueOptions {
+    fn default() -> Self {
+        QueueOptions {
+            n_reader: 1,
+            n_local_reader: 1,
+            local_reader_ranks: None,
+            max_chunk_bytes: 10 * 1024 * 1024,
+            max_chunks: 10,
+            connect_ip: None,
+            wait: None,
+            on_dead_reader: DeadReaderPolicy::Raise,
+            arena_bytes: arena::default_capacity(),
+            arena_threshold: arena::default_threshold(),
+        }
+    }
+}
+
+impl QueueOptions {
+    /// `n_reader` readers, all on this machine.
+    pub fn local(n_reader: usize) -> Self {
+        QueueOptions {
+            n_reader,
+            n_local_reader: n_reader,
+            ..Default::default()
+        }
+    }
+}

@@ -1,0 +1,528 @@
+//! The reading side of a queue ([`Reader`]): a local reader takes messages from the ring
+//! (parts in the tensor arena as private views, oversized messages from the overflow
+//! socket), a remote reader from its TCP subscription. Uses the ring's reader, the
+//! arena, the framing and the transport.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::super::framing::{self, PartRef};
+use super::super::ring::{ChunkInfo, ChunkKind, Ring, RingReader};
+use super::{chunk_changed, Canceller, Handle};
+use crate::arena::{ArenaReader, ArenaView};
+use crate::error::{Error, Result};
+use crate::transport::Subscriber;
+use crate::wait::{no_peer, Wait, WaitPolicy};
+
+enum Source {
+    Local {
+        ring: RingReader,
+        overflow: Subscriber,
+        /// The queue's tensor arena, if it has one.
+        arena: Option<Arc<ArenaReader>>,
+    },
+    Remote {
+        sub: Subscriber,
+    },
+}
+
+/// A message as a reader takes it: plain bytes, or a message of several parts (a body
+/// and the buffers it refers to, see [`Writer::enqueue_parts`]).
+#[derive(Debug)]
+pub enum Received<'a> {
+    Bytes(&'a [u8]),
+    Parts(Vec<Part<'a>>),
+}
+
+/// One part of a received message.
+#[derive(Debug)]
+pub enum Part<'a> {
+    /// Bytes in the chunk (or in a frame), valid while the message is being taken.
+    Borrowed(&'a [u8]),
+    /// A ZeroMQ frame, owned (its bytes are writable and stay valid as long as it does).
+    Frame(zmq::Message),
+    /// Bytes in the tensor arena, mapped privately (see [`ArenaView`]).
+    Arena(ArenaView),
+}
+
+impl std::ops::Deref for Part<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Part::Borrowed(b) => b,
+            Part::Frame(m) => m,
+            Part::Arena(v) => v,
+        }
+    }
+}
+
+/// A part of a received message that outlives the chunk it came in: a copy of bytes
+/// from the chunk, a ZeroMQ frame, or a private view of the tensor arena (no copy).
+#[derive(Debug)]
+pub enum OwnedPart {
+    Copied(Vec<u8>),
+    Frame(zmq::Message),
+    Arena(ArenaView),
+}
+
+impl std::ops::Deref for OwnedPart {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            OwnedPart::Copied(v) => v,
+            OwnedPart::Frame(m) => m,
+            OwnedPart::Arena(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for OwnedPart {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            OwnedPart::Copied(v) => v,
+            OwnedPart::Frame(m) => m,
+            OwnedPart::Arena(v) => v,
+        }
+    }
+}
+
+impl From<Part<'_>> for OwnedPart {
+    fn from(p: Part<'_>) -> OwnedPart {
+        match p {
+            Part::Borrowed(b) => OwnedPart::Copied(b.to_vec()),
+            Part::Frame(m) => OwnedPart::Frame(m),
+            Part::Arena(v) => OwnedPart::Arena(v),
+        }
+    }
+}
+
+/// The parts named by `refs`: inline ones borrowed from `block`, frames taken from
+/// `frames`, arena ones mapped from `arena`. On an error, the arena holds of the parts
+/// not mapped are dropped (the message is consumed either way).
+fn resolve_parts<'a>(
+    refs: &[PartRef],
+    block: &'a [u8],
+    frames: &mut [Option<zmq::Message>],
+    arena: Option<&Arc<ArenaReader>>,
+) -> Result<Vec<Part<'a>>> {
+    let mut out = Vec::with_capacity(refs.len());
+    for (i, r) in refs.iter().enumerate() {
+        let part = match *r {
+            PartRef::Inline { offset, len } => Ok(Part::Borrowed(&block[offset..offset + len])),
+            PartRef::Frame { index } => frames
+                .get_mut(index)
+                .and_then(Option::take)
+                .map(Part::Frame)
+                .ok_or_else(|| Error::InvalidArgument("malformed message: a frame named twice".into())),
+            PartRef::Arena(a) => match arena {
+                Some(arena) => arena.view(&a).map(Part::Arena),
+                None => Err(Error::InvalidArgument(
+                    "a message refers to the tensor arena, which this reader cannot map (a remote reader?)"
+                        .into(),
+                )),
+            },
+        };
+        match part {
+            Ok(p) => out.push(p),
+            Err(e) => {
+                release_arena_refs(&refs[i + 1..], arena);
+                return Err(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Drop this reader's holds on the arena parts in `refs` (a message not used).
+fn release_arena_refs(refs: &[PartRef], arena: Option<&Arc<ArenaReader>>) {
+    if let Some(arena) = arena {
+        for r in refs {
+            if let PartRef::Arena(a) = r {
+                arena.release(a);
+            }
+        }
+    }
+}
+
+/// Call `f` on the message carried by `frames`: one frame is plain bytes, more are a
+/// descriptor block and the frames it names.
+fn take_frames<R>(
+    frames: Vec<zmq::Message>,
+    arena: Option<&Arc<ArenaReader>>,
+    f: impl FnOnce(Received<'_>) -> R,
+) -> Result<R> {
+    if frames.len() == 1 {
+        return Ok(f(Received::Bytes(&frames[0])));
+    }
+    let mut frames: Vec<Option<zmq::Message>> = frames.into_iter().map(Some).collect();
+    let block = frames[0].take().expect("at least two frames");
+    let refs = framing::decode(&block, frames.len())?;
+    let parts = resolve_parts(&refs, &block, &mut frames, arena)?;
+    Ok(f(Received::Parts(parts)))
+}
+
+/// The reading side of a queue (one per reader process).
+pub struct Reader {
+    source: Source,
+    rank: usize,
+    /// A message received over a socket (all its frames), waiting to be taken.
+    pending: Option<Vec<zmq::Message>>,
+    canceller: Canceller,
+    policy: WaitPolicy,
+    what: String,
+    _ctx: zmq::Context,
+}
+
+impl fmt::Debug for Reader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reader")
+            .field("rank", &self.rank)
+            .field("local", &self.is_local())
+            .finish()
+    }
+}
+
+impl Reader {
+    /// Join the queue of `handle` as the reader of rank `rank`: local if `rank` is in
+    /// `handle.local_reader_ranks` (its reader index is the position there), else remote.
+    pub fn open(handle: &Handle, rank: usize) -> Result<Reader> {
+        Self::open_with(
+            handle,
+            rank,
+            WaitPolicy::for_processes(handle.local_reader_ranks.len() + 1),
+        )
+    }
+
+    /// [`open`](Self::open), waiting as `policy` says in this reader's blocking calls.
+    pub fn open_with(handle: &Handle, rank: usize, policy: WaitPolicy) -> Result<Reader> {
+        let ctx = zmq::Context::new();
+        let source = match handle.local_reader_ranks.iter().position(|&r| r == rank) {
+            Some(index) => {
+                let buffer = handle.buffer.as_ref().ok_or_else(|| {
+                    Error::InvalidArgument("the handle has local readers but no buffer".into())
+                })?;
+                let addr = handle.local_subscribe_addr.as_deref().ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "the handle has local readers but no local address".into(),
+                    )
+                })?;
+                let ring = Arc::new(Ring::open(&buffer.name)?);
+                let ring = RingReader::new(ring, index)?;
+                let arena = handle
+                    .arena
+                    .as_deref()
+                    .map(|name| ArenaReader::open(name, index).map(Arc::new))
+                    .transpose()?;
+                let overflow = Subscriber::connect(&ctx, addr, false)?;
+                Source::Local {
+                    ring,
+                    overflow,
+                    arena,
+                }
+            }
+            None => {
+                let addr = handle.remote_subscribe_addr.as_deref().ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "rank {rank} is not a local reader ({:?}) and the queue has no remote readers",
+                        handle.local_reader_ranks
+                    ))
+                })?;
+                Source::Remote {
+                    sub: Subscriber::connect(&ctx, addr, handle.remote_addr_ipv6)?,
+                }
+            }
+        };
+        let what = match &source {
+            Source::Local { ring, .. } => format!(
+                "local reader {} (rank {rank}) waiting for the writer",
+                ring.reader_index()
+            ),
+            Source::Remote { .. } => format!("remote reader (rank {rank}) waiting for the writer"),
+        };
+        let ring = match &source {
+            Source::Local { ring, .. } => Some(ring.ring().clone()),
+            Source::Remote { .. } => None,
+        };
+        Ok(Reader {
+            source,
+            rank,
+            pending: None,
+            canceller: Canceller::new(ring, false),
+            policy,
+            what,
+            _ctx: ctx,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn is_local(&self) -> bool {
+        matches!(self.source, Source::Local { .. })
+    }
+    /// The local reader's index in the ring.
+    pub fn reader_index(&self) -> Option<usize> {
+        match &self.source {
+            Source::Local { ring, .. } => Some(ring.reader_index()),
+            Source::Remote { .. } => None,
+        }
+    }
+    /// The ring, for a local reader.
+    pub fn ring(&self) -> Option<&Arc<Ring>> {
+        match &self.source {
+            Source::Local { ring, .. } => Some(ring.ring()),
+            Source::Remote { .. } => None,
+        }
+    }
+    /// Index of the chunk this reader reads next (0 for a remote reader).
+    pub fn current_idx(&self) -> usize {
+        match &self.source {
+            Source::Local { ring, .. } => ring.current_idx(),
+            Source::Remote { .. } => 0,
+        }
+    }
+    /// Describes this reader's waits in warnings and timeout errors.
+    pub fn wait_description(&self) -> &str {
+        &self.what
+    }
+
+    /// How this reader's blocking calls wait.
+    pub fn wait_policy(&self) -> WaitPolicy {
+        self.policy
+    }
+
+    /// Ends this reader's blocked calls (from any thread, without locking the reader)
+    /// with [`Error::Cancelled`], now and from then on.
+    pub fn canceller(&self) -> Canceller {
+        self.canceller.clone()
+    }
+
+    /// Wake this reader's blocked calls with [`Error::Cancelled`], now and from now on.
+    pub fn shutdown(&self) {
+        self.canceller.cancel();
+    }
+
+    /// A wait for `what`, with this reader's policy and canceller.
+    fn wait<'a>(
+        &self,
+        what: &'a str,
+        timeout: Option<Duration>,
+        canceller: &'a Canceller,
+    ) -> Wait<'a> {
+        Wait::new(what, timeout)
+            .policy(self.policy)
+            .cancel_on(canceller.flag())
+    }
+
+    /// Wait for the writer's go-ahead (see [`Writer::wait_until_ready`]).
+    pub fn wait_until_ready(&mut self, timeout: Option<Duration>) -> Result<()> {
+        let canceller = self.canceller.clone();
+        let what = format!("{} to be ready", self.what);
+        let mut wait = self.wait(&what, timeout, &canceller);
+        self.wait_until_ready_with(&mut wait)
+    }
+
+    pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
+        match &self.source {
+            Source::Local { overflow, ring, .. } => {
+                let ring = ring.ring().clone();
+                overflow.wait_ready(wait, &mut || RingReader::check_writer(&ring))
+            }
+            // A remote writer's liveness cannot be checked from here.
+            Source::Remote { sub } => sub.wait_ready(wait, &mut no_peer),
+        }
+    }
+
+    /// Wait until the next message can be taken without blocking. For an overflow mark
+    /// or a remote reader this receives the message from the socket.
+    pub fn wait_message(&mut self, wait: &mut Wait) -> Result<()> {
+        match &mut self.source {
+            Source::Local { ring, overflow, .. } => {
+                let info = ring.wait(wait)?;
+                if info.kind == ChunkKind::Overflow && self.pending.is_none() {
+                    // The writer sent the message before the mark; only a writer that
+                    // died in between leaves us waiting, which the liveness check sees.
+                    let r = ring.ring().clone();
+                    let alive = &mut || RingReader::check_writer(&r);
+                    self.pending = Some(overflow.recv_frames(wait, alive)?);
+                }
+            }
+            Source::Remote { sub } => {
+                if self.pending.is_none() {
+                    // A remote writer's liveness cannot be checked from here.
+                    self.pending = Some(sub.recv_frames(wait, &mut no_peer)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Take the next message if it is here now: call `f` on it (bytes borrowed from
+    /// shared memory for a message in a chunk) and move on. `None`: nothing ready yet.
+    pub fn try_take_message<R>(&mut self, f: impl FnOnce(Received<'_>) -> R) -> Result<Option<R>> {
+        match &mut self.source {
+            Source::Local {
+                ring,
+                overflow,
+                arena,
+            } => {
+                let Some(info) = ring.poll() else {
+                    return Ok(None);
+                };
+                let out = match info.kind {
+                    ChunkKind::Overflow => {
+                        if self.pending.is_none() {
+                            self.pending = overflow.try_recv_frames()?;
+                        }
+                        let Some(frames) = self.pending.take() else {
+                            return Ok(None);
+                        };
+                        take_frames(frames, arena.as_ref(), f)
+                    }
+                    ChunkKind::Framed => {
+                        let data = ring.data(&info);
+                        framing::decode(data, 0)
+                            .and_then(|refs| resolve_parts(&refs, data, &mut [], arena.as_ref()))
+                            .map(|parts| f(Received::Parts(parts)))
+                    }
+                    _ => Ok(f(Received::Bytes(ring.data(&info)))),
+                };
+                // Consumed even if it could not be read: the next message is the next one.
+                ring.finish();
+                out.map(Some)
+            }
+            Source::Remote { sub } => {
+                if self.pending.is_none() {
+                    self.pending = sub.try_recv_frames()?;
+                }
+                match self.pending.take() {
+                    Some(frames) => take_frames(frames, None, f).map(Some),
+                    None => Ok(None),
+                }
+            }
+        }
+    }
+
+    /// Take the next plain message if it is here now: call `f` on its bytes. A message
+    /// of several parts is an error here (read those with `dequeue_parts`).
+    pub fn try_take<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
+        match self.try_take_message(|m| match m {
+            Received::Bytes(b) => Ok(f(b)),
+            Received::Parts(p) => Err(Error::InvalidArgument(format!(
+                "the message has {} parts; read it with dequeue_parts",
+                p.len()
+            ))),
+        })? {
+            Some(r) => r.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Wait for the next message and call `f` on its bytes.
+    pub fn dequeue_with<R>(&mut self, wait: &mut Wait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.wait_message(wait)?;
+        self.try_take(f)?.ok_or_else(|| self.not_ready_any_more())
+    }
+
+    /// See [`chunk_changed`]; for a remote reader (which has no chunks) it cannot happen.
+    pub fn not_ready_any_more(&self) -> Error {
+        match &self.source {
+            Source::Local { ring, .. } => chunk_changed(ring.ring()),
+            Source::Remote { .. } => Error::WrongRole("no message is ready".into()),
+        }
+    }
+
+    /// Wait for the next message and return a copy of it.
+    pub fn dequeue(&mut self, timeout: Option<Duration>) -> Result<Vec<u8>> {
+        if let Some(m) = self.try_take(|b| b.to_vec())? {
+            return Ok(m);
+        }
+        let canceller = self.canceller.clone();
+        let what = std::mem::take(&mut self.what);
+        let mut wait = self.wait(&what, timeout, &canceller);
+        let r = self.dequeue_with(&mut wait, |b| b.to_vec());
+        self.what = what;
+        r
+    }
+
+    /// Wait for the next message and return its parts (a plain message is one part):
+    /// small parts copied out of the chunk, large ones as private views of the tensor
+    /// arena that hold their bytes until dropped (no copy).
+    pub fn dequeue_parts(&mut self, timeout: Option<Duration>) -> Result<Vec<OwnedPart>> {
+        fn own(m: Received<'_>) -> Vec<OwnedPart> {
+            match m {
+                Received::Bytes(b) => vec![OwnedPart::Copied(b.to_vec())],
+                Received::Parts(p) => p.into_iter().map(OwnedPart::from).collect(),
+            }
+        }
+        if let Some(m) = self.try_take_message(own)? {
+            return Ok(m);
+        }
+        let canceller = self.canceller.clone();
+        let what = std::mem::take(&mut self.what);
+        let mut wait = self.wait(&what, timeout, &canceller);
+        let r = self
+            .wait_message(&mut wait)
+            .and_then(|()| self.try_take_message(own))
+            .and_then(|m| m.ok_or_else(|| self.not_ready_any_more()));
+        self.what = what;
+        r
+    }
+
+    /// Zero-copy reading of a chunk filled with [`Writer::acquire_write`]: wait for it
+    /// and return its data; release it with [`finish_read`](Self::finish_read).
+    pub fn acquire_read(&mut self, wait: &mut Wait) -> Result<ChunkInfo> {
+        if !self.is_local() {
+            return Err(Error::WrongRole(
+                "acquire_read is only for local readers".into(),
+            ));
+        }
+        // For an overflow mark this also receives the message, so it is consumed with
+        // the chunk (and the next overflow message stays in step).
+        self.wait_message(wait)?;
+        match &self.source {
+            Source::Local { ring, .. } => ring.poll().ok_or_else(|| chunk_changed(ring.ring())),
+            Source::Remote { .. } => unreachable!("checked above"),
+        }
+    }
+
+    /// Data of a chunk from [`acquire_read`](Self::acquire_read): the chunk itself, or
+    /// for an overflow mark the message that came over the socket (its first frame).
+    pub fn chunk_data(&self, info: &ChunkInfo) -> &[u8] {
+        match (&self.source, info.kind) {
+            (Source::Local { .. }, ChunkKind::Overflow) => self
+                .pending
+                .as_ref()
+                .and_then(|f| f.first())
+                .map_or(&[], |m| &m[..]),
+            (Source::Local { ring, .. }, _) => ring.data(info),
+            (Source::Remote { .. }, _) => &[],
+        }
+    }
+
+    /// Mark the chunk from [`acquire_read`](Self::acquire_read) as read. A message of
+    /// several parts read this way gives its arena parts back.
+    pub fn finish_read(&mut self) -> Result<()> {
+        match &mut self.source {
+            Source::Local { ring, arena, .. } => {
+                let pending = self.pending.take();
+                if let Some(info) = ring.poll() {
+                    let block: Option<(&[u8], usize)> = match (info.kind, &pending) {
+                        (ChunkKind::Framed, _) => Some((ring.data(&info), 0)),
+                        (ChunkKind::Overflow, Some(f)) if f.len() > 1 => Some((&f[0][..], f.len())),
+                        _ => None,
+                    };
+                    if let Some(refs) = block.and_then(|(b, n)| framing::decode(b, n).ok()) {
+                        release_arena_refs(&refs, arena.as_ref());
+                    }
+                }
+                ring.finish();
+                Ok(())
+            }
+            Source::Remote { .. } => Err(Error::WrongRole(
+                "finish_read is only for local readers".into(),
+            )),
+        }
+    }
+}

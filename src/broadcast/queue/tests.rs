@@ -1,0 +1,116 @@
+//! Tests of the queue in one process (threads): handles, options, local and remote
+//! readers, shutdown.
+
+use std::time::Duration;
+
+use super::super::ring::RingHandle;
+use super::*;
+
+#[test]
+fn handle_text_round_trip() {
+    let h = Handle {
+        local_reader_ranks: vec![0, 2, 5],
+        buffer: Some(RingHandle {
+            n_reader: 3,
+            max_chunk_bytes: 1024,
+            max_chunks: 4,
+            name: "shmq_ring_1_abc".into(),
+        }),
+        local_subscribe_addr: Some("ipc://@shmq_ring_1_abc".into()),
+        remote_subscribe_addr: Some("tcp://[::1]:5555".into()),
+        remote_addr_ipv6: true,
+        arena: Some("shmq_arena_1_abc".into()),
+    };
+    assert_eq!(h.to_string().parse::<Handle>().unwrap(), h);
+    let empty = Handle {
+        local_reader_ranks: vec![],
+        buffer: None,
+        local_subscribe_addr: None,
+        remote_subscribe_addr: None,
+        remote_addr_ipv6: false,
+        arena: None,
+    };
+    assert_eq!(empty.to_string().parse::<Handle>().unwrap(), empty);
+    assert!("nonsense".parse::<Handle>().is_err());
+}
+
+#[test]
+fn options_are_checked() {
+    let e = Writer::new(QueueOptions {
+        n_reader: 1,
+        n_local_reader: 2,
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("cannot exceed"), "{e}");
+    let e = Writer::new(QueueOptions {
+        local_reader_ranks: Some(vec![0, 1]),
+        ..QueueOptions::local(1)
+    })
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("local_reader_ranks has 2 entries"),
+        "{e}"
+    );
+}
+
+#[test]
+fn local_and_remote_in_threads() {
+    let mut w = Writer::new(QueueOptions {
+        n_reader: 2,
+        n_local_reader: 1,
+        max_chunk_bytes: 64,
+        max_chunks: 2,
+        connect_ip: Some("127.0.0.1".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let h = w.handle().clone();
+    let msgs: Vec<Vec<u8>> = (0..200).map(|i| vec![i as u8; (i * 7) % 150]).collect();
+    std::thread::scope(|s| {
+        for rank in [0, 1] {
+            let h = h.clone();
+            let msgs = msgs.clone();
+            s.spawn(move || {
+                let mut r = Reader::open(&h, rank).unwrap();
+                assert_eq!(r.is_local(), rank == 0);
+                r.wait_until_ready(Some(Duration::from_secs(10))).unwrap();
+                for m in &msgs {
+                    assert_eq!(&r.dequeue(Some(Duration::from_secs(10))).unwrap(), m);
+                }
+            });
+        }
+        w.wait_until_ready(Some(Duration::from_secs(10))).unwrap();
+        for m in &msgs {
+            w.enqueue(m, Some(Duration::from_secs(10))).unwrap();
+        }
+    });
+    assert!(w.overflow_count() > 0);
+}
+
+#[test]
+fn shutdown_wakes_a_blocked_reader() {
+    let w = Writer::new(QueueOptions {
+        max_chunk_bytes: 64,
+        max_chunks: 2,
+        ..QueueOptions::local(1)
+    })
+    .unwrap();
+    let mut r = Reader::open(w.handle(), 0).unwrap();
+    let canceller = r.canceller();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            // Long enough for the reader to be asleep on the futex.
+            std::thread::sleep(Duration::from_millis(200));
+            canceller.cancel();
+        });
+        let started = std::time::Instant::now();
+        assert!(matches!(
+            r.dequeue(Some(Duration::from_secs(10))),
+            Err(Error::Cancelled)
+        ));
+        // Woken by cancel(), not by the reader's own 500 ms liveness slice.
+        let waited = started.elapsed();
+        assert!(waited < Duration::from_millis(420), "{waited:?}");
+    });
+}

@@ -1,0 +1,436 @@
+//! The writing side of a queue ([`Writer`]): local readers through the ring (and the
+//! tensor arena for large parts), messages too large for a chunk and remote readers
+//! through ZeroMQ. Uses the ring's writer, the arena, the framing and the transport.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::super::framing::{self, PartRef};
+use super::super::ring::{ChunkKind, Ring, RingWriter};
+use super::{dead_local_reader, Canceller, Handle, QueueOptions};
+use crate::arena::{self, ArenaWriter, Loan};
+use crate::error::{Error, Result};
+use crate::transport::{default_connect_ip, Publisher};
+use crate::wait::{no_peer, Wait, WaitPolicy};
+
+/// Whether local reader `r` is proved dead (its slot names a process that is gone).
+fn reader_is_dead(ring: &Ring, r: usize) -> bool {
+    ring.slot_info(Some(r))
+        .ok()
+        .and_then(|s| s.process)
+        .is_some_and(|p| !p.is_alive())
+}
+
+/// Where each part of a message goes for local readers: the body and small parts inline,
+/// parts inside a loan by reference, other large parts copied into the arena when it has
+/// room (else inline: the fallback, counted by the arena).
+fn place_parts(
+    parts: &[&[u8]],
+    mut arena: Option<&mut ArenaWriter>,
+    threshold: usize,
+    ring: &RingWriter,
+) -> Vec<PartRef> {
+    let mut at = framing::header_len(parts.len());
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if i > 0 {
+                if let Some(a) = arena.as_deref_mut() {
+                    if let Some(r) = a.find_loan(p) {
+                        return PartRef::Arena(r);
+                    }
+                    if p.len() >= threshold {
+                        if let Some(r) = a.copy_in(p, &mut |r| reader_is_dead(ring.ring(), r)) {
+                            return PartRef::Arena(r);
+                        }
+                    }
+                }
+            }
+            let offset = framing::align(at);
+            at = offset + p.len();
+            PartRef::Inline {
+                offset,
+                len: p.len(),
+            }
+        })
+        .collect()
+}
+
+/// The writing side of a queue.
+pub struct Writer {
+    ring: Option<RingWriter>,
+    /// Large message parts for local readers (with the ring).
+    arena: Option<ArenaWriter>,
+    arena_threshold: usize,
+    local: Option<Publisher>,
+    remote: Option<Publisher>,
+    n_local_reader: usize,
+    n_remote_reader: usize,
+    handle: Handle,
+    overflow_count: u64,
+    policy: WaitPolicy,
+    canceller: Canceller,
+    // Declared last so the sockets above close before their context terminates.
+    _ctx: zmq::Context,
+}
+
+impl fmt::Debug for Writer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Writer")
+            .field("handle", &self.handle)
+            .finish()
+    }
+}
+
+impl Writer {
+    /// Create the queue: the ring (if there are local readers) and the sockets.
+    pub fn new(opts: QueueOptions) -> Result<Writer> {
+        if opts.n_local_reader > opts.n_reader {
+            return Err(Error::InvalidArgument(format!(
+                "n_local_reader ({}) cannot exceed n_reader ({})",
+                opts.n_local_reader, opts.n_reader
+            )));
+        }
+        let ranks = opts
+            .local_reader_ranks
+            .clone()
+            .unwrap_or_else(|| (0..opts.n_local_reader).collect());
+        if ranks.len() != opts.n_local_reader {
+            return Err(Error::InvalidArgument(format!(
+                "local_reader_ranks has {} entries but n_local_reader is {}",
+                ranks.len(),
+                opts.n_local_reader
+            )));
+        }
+        let mut seen = ranks.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != ranks.len() {
+            return Err(Error::InvalidArgument(format!(
+                "local_reader_ranks has duplicates: {ranks:?}"
+            )));
+        }
+        let ctx = zmq::Context::new();
+        let n_remote_reader = opts.n_reader - opts.n_local_reader;
+        let (ring, local, arena) = if opts.n_local_reader > 0 {
+            let ring = Arc::new(Ring::create(
+                opts.n_local_reader,
+                opts.max_chunk_bytes,
+                opts.max_chunks,
+            )?);
+            let local = Publisher::bind_ipc(&ctx, ring.name())?;
+            let arena = (opts.arena_bytes > 0)
+                .then(|| {
+                    ArenaWriter::create(
+                        opts.n_local_reader,
+                        opts.arena_bytes,
+                        arena::DEFAULT_MAX_LEASES,
+                    )
+                })
+                .transpose()?;
+            let mut writer = RingWriter::new(ring);
+            writer.on_dead_reader(opts.on_dead_reader);
+            (Some(writer), Some(local), arena)
+        } else {
+            (None, None, None)
+        };
+        let (remote, ipv6) = if n_remote_reader > 0 {
+            let ip = opts.connect_ip.clone().unwrap_or_else(default_connect_ip);
+            let (p, v6) = Publisher::bind_tcp(&ctx, &ip)?;
+            (Some(p), v6)
+        } else {
+            (None, false)
+        };
+        let handle = Handle {
+            local_reader_ranks: ranks,
+            buffer: ring.as_ref().map(|r| r.ring().handle()),
+            local_subscribe_addr: local.as_ref().map(|p| p.endpoint().to_owned()),
+            remote_subscribe_addr: remote.as_ref().map(|p| p.endpoint().to_owned()),
+            remote_addr_ipv6: ipv6,
+            arena: arena.as_ref().map(|a| a.name().to_owned()),
+        };
+        let canceller = Canceller::new(ring.as_ref().map(|r| r.ring().clone()), true);
+        Ok(Writer {
+            ring,
+            arena,
+            arena_threshold: opts.arena_threshold.max(1),
+            local,
+            remote,
+            n_local_reader: opts.n_local_reader,
+            n_remote_reader,
+            handle,
+            overflow_count: 0,
+            policy: opts
+                .wait
+                .unwrap_or_else(|| WaitPolicy::for_processes(opts.n_local_reader + 1)),
+            canceller,
+            _ctx: ctx,
+        })
+    }
+
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+    pub fn n_local_reader(&self) -> usize {
+        self.n_local_reader
+    }
+    pub fn n_remote_reader(&self) -> usize {
+        self.n_remote_reader
+    }
+    /// The ring, if there are local readers.
+    pub fn ring(&self) -> Option<&Arc<Ring>> {
+        self.ring.as_ref().map(|r| r.ring())
+    }
+    /// Index of the chunk the next message goes to (0 without local readers).
+    pub fn current_idx(&self) -> usize {
+        self.ring.as_ref().map_or(0, |r| r.current_idx())
+    }
+    /// Messages sent over the overflow socket so far.
+    pub fn overflow_count(&self) -> u64 {
+        self.overflow_count
+    }
+    /// How this writer's own blocking calls wait.
+    pub fn wait_policy(&self) -> WaitPolicy {
+        self.policy
+    }
+    /// Local readers dropped after they died (with [`DeadReaderPolicy::Drop`]).
+    pub fn dropped_readers(&self) -> Vec<usize> {
+        self.ring
+            .as_ref()
+            .map_or_else(Vec::new, |r| r.dropped_readers())
+    }
+    /// Ends this writer's blocked calls (from any thread) with [`Error::Cancelled`].
+    pub fn canceller(&self) -> Canceller {
+        self.canceller.clone()
+    }
+
+    /// Wait until every reader has subscribed, then tell them the queue is ready.
+    pub fn wait_until_ready(&mut self, timeout: Option<Duration>) -> Result<()> {
+        let canceller = self.canceller.clone();
+        let what = "the writer waiting for readers to subscribe";
+        let mut wait = Wait::new(what, timeout)
+            .policy(self.policy)
+            .cancel_on(canceller.flag());
+        self.wait_until_ready_with(&mut wait)
+    }
+
+    pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
+        if let Some(p) = self.local.as_mut() {
+            // A local reader that died before subscribing would leave us waiting forever.
+            let ring = self.ring.as_ref().map(|r| r.ring().clone());
+            let mut readers_alive = || match &ring {
+                Some(ring) => dead_local_reader(ring),
+                None => Ok(()),
+            };
+            p.wait_for_subscribers(self.n_local_reader, wait, &mut readers_alive)?;
+        }
+        if let Some(p) = self.remote.as_mut() {
+            p.wait_for_subscribers(self.n_remote_reader, wait, &mut no_peer)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a message that fits in a chunk could be written without waiting.
+    pub fn can_write(&self) -> bool {
+        self.ring.as_ref().is_none_or(|r| r.can_write())
+    }
+
+    /// Send `msg` to every reader, waiting while the ring is full.
+    pub fn enqueue(&mut self, msg: &[u8], timeout: Option<Duration>) -> Result<()> {
+        if self.can_write() {
+            // No wait needed: skip setting one up (clock read, canceller clone).
+            return self.enqueue_with(msg, &mut Wait::ready_now());
+        }
+        let canceller = self.canceller.clone();
+        let what = "the writer waiting for readers to free a chunk";
+        let mut wait = Wait::new(what, timeout)
+            .policy(self.policy)
+            .cancel_on(canceller.flag());
+        self.enqueue_with(msg, &mut wait)
+    }
+
+    pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
+        if let Some(ring) = self.ring.as_mut() {
+            if msg.len() <= ring.ring().max_chunk_bytes() {
+                ring.write(msg, wait)?;
+            } else {
+                ring.acquire(wait)?;
+                let local = self
+                    .local
+                    .as_ref()
+                    .expect("local readers have an overflow socket");
+                local.send(msg)?;
+                ring.commit(msg.len(), ChunkKind::Overflow)?;
+                self.overflow_count += 1;
+            }
+        }
+        if let Some(remote) = self.remote.as_ref() {
+            remote.send(msg)?;
+        }
+        Ok(())
+    }
+
+    /// Send a message of several parts to every reader: `parts[0]` is the body (for
+    /// Python, the pickle stream) and the rest are buffers it refers to, waiting while the
+    /// ring is full. Local readers get parts of at least the arena threshold as
+    /// references into the tensor arena (copied there once; parts that lie inside a live
+    /// [`Loan`] of this writer are not copied at all), smaller ones copied into the chunk;
+    /// remote readers get every part as a ZeroMQ frame.
+    pub fn enqueue_parts(&mut self, parts: &[&[u8]], timeout: Option<Duration>) -> Result<()> {
+        if self.can_write() {
+            return self.enqueue_parts_with(parts, &mut Wait::ready_now());
+        }
+        let canceller = self.canceller.clone();
+        let what = "the writer waiting for readers to free a chunk";
+        let mut wait = Wait::new(what, timeout)
+            .policy(self.policy)
+            .cancel_on(canceller.flag());
+        self.enqueue_parts_with(parts, &mut wait)
+    }
+
+    pub fn enqueue_parts_with(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
+        if parts.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a message needs at least one part (its body)".into(),
+            ));
+        }
+        if let Some(ring) = self.ring.as_mut() {
+            ring.acquire(wait)?;
+            let refs = place_parts(parts, self.arena.as_mut(), self.arena_threshold, ring);
+            let inline: usize = refs
+                .iter()
+                .zip(parts)
+                .filter(|(r, _)| matches!(r, PartRef::Inline { .. }))
+                .map(|(_, p)| framing::align(p.len()))
+                .sum();
+            let total = framing::header_len(parts.len()) + inline;
+            let arena_refs = || {
+                refs.iter().filter_map(|r| match r {
+                    PartRef::Arena(a) => Some(a),
+                    _ => None,
+                })
+            };
+            let ring = self.ring.as_mut().expect("checked above");
+            let publish = |arena: Option<&ArenaWriter>, ring: &RingWriter| {
+                // Before the message is visible: a reader may drop its hold as soon as it
+                // has read the message.
+                if let Some(arena) = arena {
+                    let n = ring.ring().n_reader();
+                    for r in arena_refs() {
+                        arena.publish(r, (0..n).filter(|&i| !ring.is_reader_dropped(i)));
+                    }
+                }
+            };
+            if total <= ring.ring().max_chunk_bytes() {
+                let data = ring.data_mut().expect("acquired");
+                framing::encode(&refs, data);
+                for (r, p) in refs.iter().zip(parts) {
+                    if let PartRef::Inline { offset, len } = *r {
+                        data[offset..offset + len].copy_from_slice(p);
+                    }
+                }
+                publish(self.arena.as_ref(), ring);
+                ring.commit(total, ChunkKind::Framed)?;
+            } else {
+                // Too large for a chunk even so: the descriptors and the inline parts go
+                // over the overflow socket as frames.
+                let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+                let mut next = 1;
+                let over: Vec<PartRef> = refs
+                    .iter()
+                    .zip(parts)
+                    .map(|(r, p)| match r {
+                        PartRef::Inline { .. } => {
+                            frames.push(p);
+                            next += 1;
+                            PartRef::Frame { index: next - 1 }
+                        }
+                        other => *other,
+                    })
+                    .collect();
+                let block = framing::encode_vec(&over);
+                frames.insert(0, &block);
+                let sent = self
+                    .local
+                    .as_ref()
+                    .expect("local readers have an overflow socket")
+                    .send_frames(&frames);
+                if let Err(e) = sent {
+                    if let Some(arena) = self.arena.as_ref() {
+                        arena_refs().for_each(|r| arena.abandon(r));
+                    }
+                    return Err(e);
+                }
+                publish(self.arena.as_ref(), ring);
+                ring.commit(total, ChunkKind::Overflow)?;
+                self.overflow_count += 1;
+            }
+        }
+        if let Some(remote) = self.remote.as_ref() {
+            let refs: Vec<PartRef> = (1..=parts.len())
+                .map(|index| PartRef::Frame { index })
+                .collect();
+            let block = framing::encode_vec(&refs);
+            let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+            frames.push(&block);
+            frames.extend_from_slice(parts);
+            remote.send_frames(&frames)?;
+        }
+        Ok(())
+    }
+
+    /// Lend `len` bytes of the tensor arena to fill in place; a message part that lies
+    /// inside a live loan is sent by reference, without a copy. `None` when the queue has
+    /// no arena (no local readers, or `arena_bytes` 0) or it has no room now.
+    pub fn loan(&mut self, len: usize) -> Option<Loan> {
+        let ring = self.ring.as_ref()?;
+        self.arena
+            .as_mut()?
+            .loan(len, &mut |r| reader_is_dead(ring.ring(), r))
+    }
+
+    /// Parts sent by copy because the arena had no room.
+    pub fn arena_fallbacks(&self) -> u64 {
+        self.arena.as_ref().map_or(0, |a| a.fallbacks())
+    }
+
+    /// The tensor arena, if the queue has one.
+    pub fn arena(&self) -> Option<&ArenaWriter> {
+        self.arena.as_ref()
+    }
+
+    /// The tensor arena, to return leases whose holds are gone ([`ArenaWriter::reclaim`]).
+    pub fn arena_mut(&mut self) -> Option<&mut ArenaWriter> {
+        self.arena.as_mut()
+    }
+
+    /// Zero-copy writing: wait for the next chunk and return its data to fill; publish
+    /// it with [`commit_write`](Self::commit_write). Only for queues whose readers are
+    /// all local (remote readers cannot see chunks).
+    pub fn acquire_write(&mut self, wait: &mut Wait) -> Result<&mut [u8]> {
+        if self.n_remote_reader > 0 {
+            return Err(Error::WrongRole(
+                "acquire_write needs all readers to be local; this queue has remote readers".into(),
+            ));
+        }
+        let ring = self
+            .ring
+            .as_mut()
+            .ok_or_else(|| Error::WrongRole("this queue has no shared-memory ring".into()))?;
+        ring.acquire(wait)?;
+        Ok(ring.data_mut().expect("acquired"))
+    }
+
+    /// Publish the chunk from [`acquire_write`](Self::acquire_write); readers see it
+    /// whole (a chunk of `max_chunk_bytes`).
+    pub fn commit_write(&mut self) -> Result<()> {
+        let ring = self
+            .ring
+            .as_mut()
+            .ok_or_else(|| Error::WrongRole("this queue has no shared-memory ring".into()))?;
+        let n = ring.ring().max_chunk_bytes();
+        ring.commit(n, ChunkKind::Raw)
+    }
+}

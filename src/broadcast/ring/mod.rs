@@ -1,0 +1,339 @@
+//! The broadcast ring: `max_chunks` fixed-size chunks in one segment, each with a state
+//! block holding one *written* flag and one *read* flag per reader, plus what the two
+//! sides need to sleep, wake each other and notice that the other has died.
+//!
+//! # Layout (offsets from the start of the segment; everything is `#[repr(C)]`,
+//! pointer-free and addressed by offset, so every process can map it anywhere)
+//! ```text
+//! 0                 RingHeader: geometry; `magic` is stored last, with Release
+//! 64                doorbell "data ready": readers sleep on it, the writer rings it
+//! 128               doorbell "chunk freed": the writer sleeps on it, readers ring it
+//! 192               creator (pid, start time) and the overflow-message count
+//! 256               slots: the writer's, then one per reader (64 bytes each):
+//!                     who holds it (pid + start time), state, messages handled
+//! states_offset     chunk state blocks, `state_stride` bytes each (a multiple of 64):
+//!                     +0  len: u64      bytes of the message in the chunk
+//!                     +8  kind: u32     INLINE / OVERFLOW / RAW / FRAMED
+//!                     +16 written: u8, then read[0..n_reader]: u8  (the "metadata")
+//! data_offset       chunk data, `data_stride` bytes each (max_chunk_bytes rounded up
+//!                   to 64, so every chunk starts on a cache line)
+//! ```
+//! Every line that one side writes on each message (a chunk's state, a slot's counter,
+//! a doorbell) is its own cache line, so work on different chunks or by different
+//! readers never bounces a line needlessly.
+//!
+//! The flag protocol itself is in [`super::protocol`] (model-checked with loom); the
+//! sleep/wake handshake is in [`crate::doorbell`].
+//!
+//! Files: [`layout`] (the `#[repr(C)]` structures and the geometry), [`slots`] (who
+//! holds each side), [`writer`] and [`reader`] (the two sides' state machines); the ring
+//! mapping itself ([`Ring`]) is here.
+
+mod layout;
+mod reader;
+mod slots;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+
+use super::protocol::{self, ChunkFlags};
+use crate::doorbell::DoorbellWords;
+use crate::error::{Error, Result};
+use crate::process::ProcessId;
+use crate::segment::{unique_name, Segment};
+
+use layout::*;
+pub use layout::{ChunkKind, RingHandle, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};
+pub use reader::{ChunkInfo, RingReader};
+pub use slots::SlotInfo;
+pub use writer::{DeadReaderPolicy, RingWriter};
+
+/// A mapped broadcast ring (either side). Shared by `Arc` between the writer or reader
+/// state and any views handed out of it.
+pub struct Ring {
+    segment: Segment,
+    base: NonNull<u8>,
+    geo: Geometry,
+}
+
+// SAFETY: `base` points into `segment`'s mapping, which lives as long as `self`. All
+// shared mutable state is reached through atomics; chunk data is only written by the
+// one writer while the protocol keeps readers away from it.
+unsafe impl Send for Ring {}
+// SAFETY: as for Send; `&Ring` exposes atomics and raw pointers, no `&mut` data.
+unsafe impl Sync for Ring {}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring")
+            .field("name", &self.name())
+            .field("geometry", &self.geo)
+            .finish()
+    }
+}
+
+/// One chunk's flags, for the protocol functions.
+struct ChunkState<'a> {
+    ring: &'a Ring,
+    index: usize,
+}
+
+impl ChunkFlags for ChunkState<'_> {
+    fn n_reader(&self) -> usize {
+        self.ring.geo.n_reader
+    }
+    fn written(&self) -> &AtomicU8 {
+        // SAFETY: in bounds (the block has room for 1 + n_reader flags); u8 needs no
+        // alignment. shmq accesses the flags only atomically; `get_metadata` hands Python
+        // a writable view of them, whose byte stores are single-byte and so cannot tear.
+        unsafe { &*(self.ring.state_ptr(self.index).add(STATE_FLAGS_OFFSET) as *const AtomicU8) }
+    }
+    fn read(&self, reader: usize) -> &AtomicU8 {
+        debug_assert!(reader < self.ring.geo.n_reader);
+        // SAFETY: reader < n_reader, so the flag is inside the state block.
+        unsafe {
+            &*(self
+                .ring
+                .state_ptr(self.index)
+                .add(STATE_FLAGS_OFFSET + 1 + reader) as *const AtomicU8)
+        }
+    }
+}
+
+impl Ring {
+    /// Create a ring in a new segment with a fresh `shmq_ring_*` name.
+    pub fn create(n_reader: usize, max_chunk_bytes: usize, max_chunks: usize) -> Result<Ring> {
+        Self::create_named(&unique_name("ring"), n_reader, max_chunk_bytes, max_chunks)
+    }
+
+    /// Create a ring in a new segment called `name`.
+    pub fn create_named(
+        name: &str,
+        n_reader: usize,
+        max_chunk_bytes: usize,
+        max_chunks: usize,
+    ) -> Result<Ring> {
+        let geo = Geometry::new(n_reader, max_chunk_bytes, max_chunks)?;
+        let segment = Segment::create(name, geo.total)?;
+        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
+        let ring = Ring { segment, base, geo };
+        // SAFETY: the segment is new, at least SLOTS_OFFSET bytes long, page-aligned, and
+        // no other process can use it before `magic` is set below.
+        unsafe {
+            let h = ring.base.as_ptr() as *mut RingHeader;
+            (*h).version = LAYOUT_VERSION;
+            (*h).n_reader = n_reader as u32;
+            (*h).max_chunk_bytes = max_chunk_bytes as u64;
+            (*h).max_chunks = max_chunks as u64;
+            (*h).state_stride = geo.state_stride as u64;
+            (*h).states_offset = geo.states_offset as u64;
+            (*h).data_stride = geo.data_stride as u64;
+            (*h).data_offset = geo.data_offset as u64;
+        }
+        let me = ProcessId::current();
+        // Relaxed: published by the Release store of the magic below.
+        ring.shared().creator_pid.store(me.pid, Ordering::Relaxed);
+        ring.shared()
+            .creator_start_time
+            .store(me.start_time, Ordering::Relaxed);
+        // Release: pairs with the Acquire load in `Ring::open`; an opener that sees the
+        // magic sees the whole header (the rest is zero from the kernel).
+        ring.header().magic.store(RING_MAGIC, Ordering::Release);
+        Ok(ring)
+    }
+
+    /// Open an existing ring by name, checking that it is a finished shmq ring of this
+    /// layout version.
+    pub fn open(name: &str) -> Result<Ring> {
+        let segment = Segment::open(name)?;
+        let bad = |reason: String| Error::BadSegment {
+            name: name.to_owned(),
+            reason,
+        };
+        if segment.len() < SLOTS_OFFSET {
+            return Err(bad(format!("it is only {} bytes long", segment.len())));
+        }
+        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
+        // SAFETY: the mapping is at least SLOTS_OFFSET bytes and page-aligned; the magic
+        // is an atomic that the creator stores last.
+        let header = unsafe { &*(base.as_ptr() as *const RingHeader) };
+        // Acquire: pairs with the Release store in `create_named`, making the header
+        // fields written before it visible.
+        if header.magic.load(Ordering::Acquire) != RING_MAGIC {
+            return Err(bad(
+                "it is not a shmq broadcast ring (or its creator has not finished setting it up)"
+                    .into(),
+            ));
+        }
+        if header.version != LAYOUT_VERSION {
+            return Err(bad(format!(
+                "its layout version is {}, this shmq reads version {LAYOUT_VERSION}",
+                header.version
+            )));
+        }
+        let geo = Geometry::new(
+            header.n_reader as usize,
+            header.max_chunk_bytes as usize,
+            header.max_chunks as usize,
+        )?;
+        let stored = (
+            header.state_stride,
+            header.states_offset,
+            header.data_stride,
+            header.data_offset,
+        );
+        let expected = (
+            geo.state_stride as u64,
+            geo.states_offset as u64,
+            geo.data_stride as u64,
+            geo.data_offset as u64,
+        );
+        if stored != expected || segment.len() < geo.total {
+            return Err(bad("its header does not match its size".into()));
+        }
+        Ok(Ring { segment, base, geo })
+    }
+
+    fn header(&self) -> &RingHeader {
+        // SAFETY: see `open`/`create_named`: the header is in bounds and aligned.
+        unsafe { &*(self.base.as_ptr() as *const RingHeader) }
+    }
+
+    fn shared(&self) -> &RingShared {
+        // SAFETY: 64..SLOTS_OFFSET is inside the mapping (checked at open/create), the
+        // offset is 64-aligned, and the words are only accessed atomically.
+        unsafe { &*(self.base.as_ptr().add(64) as *const RingShared) }
+    }
+
+    pub fn name(&self) -> &str {
+        self.segment.name()
+    }
+    pub fn n_reader(&self) -> usize {
+        self.geo.n_reader
+    }
+    pub fn max_chunk_bytes(&self) -> usize {
+        self.geo.max_chunk_bytes
+    }
+    pub fn max_chunks(&self) -> usize {
+        self.geo.max_chunks
+    }
+    /// Whether this process created the segment (and unlinks it when the ring drops).
+    pub fn is_creator(&self) -> bool {
+        self.segment.is_creator()
+    }
+    /// The process that created the segment.
+    pub fn creator(&self) -> ProcessId {
+        // Relaxed: written before the magic, which `open` loaded with Acquire.
+        let s = self.shared();
+        ProcessId {
+            pid: s.creator_pid.load(Ordering::Relaxed),
+            start_time: s.creator_start_time.load(Ordering::Relaxed),
+        }
+    }
+    /// Messages the writer has sent over the overflow socket.
+    pub fn overflow_count(&self) -> u64 {
+        // Relaxed: a statistic.
+        self.shared().overflow_count.load(Ordering::Relaxed)
+    }
+
+    pub fn handle(&self) -> RingHandle {
+        RingHandle {
+            n_reader: self.geo.n_reader,
+            max_chunk_bytes: self.geo.max_chunk_bytes,
+            max_chunks: self.geo.max_chunks,
+            name: self.name().to_owned(),
+        }
+    }
+
+    /// Remove the segment's name now (the mapping stays valid for everyone who has it).
+    /// For a creator that must clean up before its objects are dropped (interpreter exit).
+    pub fn unlink(&self) -> Result<()> {
+        self.segment.unlink()
+    }
+
+    /// Readers sleep here; the writer rings it after publishing a chunk.
+    pub fn data_ready(&self) -> &DoorbellWords {
+        &self.shared().data_ready
+    }
+
+    /// The writer sleeps here; readers ring it after finishing a chunk.
+    pub fn chunk_freed(&self) -> &DoorbellWords {
+        &self.shared().chunk_freed
+    }
+
+    fn check_chunk(&self, i: usize) -> Result<()> {
+        if i >= self.geo.max_chunks {
+            return Err(self.chunk_out_of_range(i));
+        }
+        Ok(())
+    }
+
+    /// The error for a chunk index outside `0..max_chunks` (also negative ones, which
+    /// only the bindings can see).
+    pub fn chunk_out_of_range(&self, i: impl std::fmt::Display) -> Error {
+        Error::InvalidArgument(format!(
+            "chunk index {i} out of range: the ring has {} chunks",
+            self.geo.max_chunks
+        ))
+    }
+
+    fn state_ptr(&self, i: usize) -> *mut u8 {
+        debug_assert!(i < self.geo.max_chunks);
+        // SAFETY: i < max_chunks, so the block lies inside the mapping (Geometry::new).
+        unsafe {
+            self.base
+                .as_ptr()
+                .add(self.geo.states_offset + i * self.geo.state_stride)
+        }
+    }
+
+    fn chunk(&self, index: usize) -> ChunkState<'_> {
+        ChunkState { ring: self, index }
+    }
+
+    fn len_of(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: in bounds (state_ptr), 8-aligned (stride and offset are multiples of
+        // 64), and only ever accessed atomically by shmq.
+        unsafe { &*(self.state_ptr(i).add(STATE_LEN_OFFSET) as *const AtomicU64) }
+    }
+
+    fn kind_of(&self, i: usize) -> &AtomicU32 {
+        // SAFETY: as in `len_of`; offset 8 is 4-aligned.
+        unsafe { &*(self.state_ptr(i).add(STATE_KIND_OFFSET) as *const AtomicU32) }
+    }
+
+    /// Start and length of chunk `i`'s data in this process.
+    pub fn data_ptr(&self, i: usize) -> Result<(*mut u8, usize)> {
+        self.check_chunk(i)?;
+        // SAFETY: i < max_chunks: the data lies inside the mapping.
+        let p = unsafe {
+            self.base
+                .as_ptr()
+                .add(self.geo.data_offset + i * self.geo.data_stride)
+        };
+        Ok((p, self.geo.max_chunk_bytes))
+    }
+
+    /// Start and length of chunk `i`'s metadata: `[written, read_0, .., read_{n-1}]`.
+    pub fn metadata_ptr(&self, i: usize) -> Result<(*mut u8, usize)> {
+        self.check_chunk(i)?;
+        // SAFETY: as in `Chunk::written`.
+        Ok((
+            unsafe { self.state_ptr(i).add(STATE_FLAGS_OFFSET) },
+            1 + self.geo.n_reader,
+        ))
+    }
+
+    /// A snapshot of chunk `i`'s flags (for inspection and tests).
+    pub fn metadata(&self, i: usize) -> Result<Vec<u8>> {
+        self.check_chunk(i)?;
+        let c = self.chunk(i);
+        // Relaxed: a diagnostic snapshot; it orders nothing.
+        let mut v = vec![c.written().load(Ordering::Relaxed)];
+        v.extend((0..self.geo.n_reader).map(|r| c.read(r).load(Ordering::Relaxed)));
+        Ok(v)
+    }
+}

@@ -1,0 +1,125 @@
+//! One reader's side of a ring ([`RingReader`]): it reads chunks in the writer's order,
+//! borrows their bytes in place until it marks them read, and notices a dead writer.
+//! Uses the ring, its slots, the flag protocol and [`crate::wait`].
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::layout::ChunkKind;
+use super::{protocol, Ring};
+use crate::error::{Error, Result};
+use crate::wait::Wait;
+
+/// A message found in the ring by a reader.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ChunkInfo {
+    pub index: usize,
+    pub len: usize,
+    pub kind: ChunkKind,
+}
+
+/// One reader's side of a ring; it reads chunks in the writer's order.
+#[derive(Debug)]
+pub struct RingReader {
+    ring: Arc<Ring>,
+    reader: usize,
+    next: usize,
+    messages: u64,
+}
+
+impl RingReader {
+    /// Reader number `reader` (0-based, below the ring's `n_reader`); this process takes
+    /// its slot.
+    pub fn new(ring: Arc<Ring>, reader: usize) -> Result<RingReader> {
+        if reader >= ring.n_reader() {
+            return Err(Error::InvalidArgument(format!(
+                "reader index {reader} out of range: the ring has {} readers",
+                ring.n_reader()
+            )));
+        }
+        ring.attach(1 + reader)?;
+        Ok(RingReader {
+            ring,
+            reader,
+            next: 0,
+            messages: 0,
+        })
+    }
+
+    pub fn ring(&self) -> &Arc<Ring> {
+        &self.ring
+    }
+    pub fn reader_index(&self) -> usize {
+        self.reader
+    }
+    /// Index of the chunk this reader reads next.
+    pub fn current_idx(&self) -> usize {
+        self.next
+    }
+
+    /// The next chunk, if it is readable now.
+    pub fn poll(&self) -> Option<ChunkInfo> {
+        let i = self.next;
+        if !protocol::is_readable(&self.ring.chunk(i), self.reader) {
+            return None;
+        }
+        // Relaxed: ordered by the Acquire load of `written` in `is_readable`.
+        let len = self.ring.len_of(i).load(Ordering::Relaxed) as usize;
+        let kind = ChunkKind::from_u32(self.ring.kind_of(i).load(Ordering::Relaxed));
+        // A peer that wrote a bogus length cannot make us read outside the chunk.
+        let len = match kind {
+            ChunkKind::Raw => self.ring.max_chunk_bytes(),
+            ChunkKind::Inline | ChunkKind::Framed => len.min(self.ring.max_chunk_bytes()),
+            ChunkKind::Overflow => len,
+        };
+        Some(ChunkInfo {
+            index: i,
+            len,
+            kind,
+        })
+    }
+
+    /// Fails if the writer has died.
+    pub fn check_writer(ring: &Ring) -> Result<()> {
+        match ring.slot_info(None)?.process {
+            Some(w) if !w.is_alive() => Err(Error::DeadWriter { pid: w.pid }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Wait until the next chunk is readable.
+    pub fn wait(&self, wait: &mut Wait) -> Result<ChunkInfo> {
+        let ring = &*self.ring;
+        wait.until(
+            Some(ring.data_ready()),
+            &mut || Self::check_writer(ring),
+            || self.poll(),
+        )
+    }
+
+    /// The data of a chunk returned by `poll`/`wait`, valid until `finish`.
+    pub fn data(&self, info: &ChunkInfo) -> &[u8] {
+        let (p, n) = self.ring.data_ptr(info.index).expect("index from poll");
+        let len = if info.kind == ChunkKind::Overflow {
+            0
+        } else {
+            info.len.min(n)
+        };
+        // SAFETY: the chunk is readable by us and our read flag is still 0, so the writer
+        // does not touch it until `finish` (which needs `&mut self`, ending this borrow).
+        unsafe { std::slice::from_raw_parts(p, len) }
+    }
+
+    /// Mark the current chunk as read by this reader and move to the next one.
+    pub fn finish(&mut self) {
+        protocol::finish_read(&self.ring.chunk(self.next), self.reader);
+        self.messages += 1;
+        // Relaxed: a statistic in this reader's own slot.
+        self.ring
+            .slot(1 + self.reader)
+            .messages
+            .store(self.messages, Ordering::Relaxed);
+        self.ring.chunk_freed().doorbell().ring();
+        self.next = (self.next + 1) % self.ring.max_chunks();
+    }
+}

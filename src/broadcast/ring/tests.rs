@@ -1,0 +1,152 @@
+//! Tests of the ring: layout, flag state machine, slots, dead peers, bounds.
+
+use std::sync::Arc;
+
+use super::slots::ATTACHED;
+use super::*;
+use crate::wait::Wait;
+use std::time::Duration;
+
+fn wait() -> Wait<'static> {
+    Wait::new("test", Some(Duration::from_millis(50)))
+}
+
+#[test]
+fn geometry_is_aligned() {
+    let g = Geometry::new(3, 1000, 5).unwrap();
+    assert_eq!(g.state_stride, 64);
+    assert_eq!(g.states_offset, SLOTS_OFFSET + 4 * SLOT_SIZE);
+    assert_eq!(g.data_stride, 1024);
+    assert_eq!(g.data_offset % 64, 0);
+    assert_eq!(g.total, g.data_offset + 5 * 1024);
+    assert_eq!(Geometry::new(100, 8, 1).unwrap().state_stride, 128);
+    assert!(Geometry::new(0, 8, 1).is_err());
+    assert!(Geometry::new(1, 0, 1).is_err());
+    assert!(Geometry::new(1, usize::MAX / 2, 4).is_err());
+}
+
+#[test]
+fn state_machine_follows_the_spec() {
+    let ring = Arc::new(Ring::create(2, 64, 2).unwrap());
+    let mut w = RingWriter::new(ring.clone());
+    let mut r0 = RingReader::new(ring.clone(), 0).unwrap();
+    let mut r1 = RingReader::new(ring.clone(), 1).unwrap();
+    // 1. not written: readers may not read, the writer may write.
+    assert_eq!(ring.metadata(0).unwrap(), vec![0, 0, 0]);
+    assert!(r0.poll().is_none());
+    assert!(w.can_write());
+    w.write(b"hello", &mut wait()).unwrap();
+    // 2. written, nobody has read: readable.
+    assert_eq!(ring.metadata(0).unwrap(), vec![1, 0, 0]);
+    let info = r0.poll().unwrap();
+    assert_eq!((info.index, info.len, info.kind), (0, 5, ChunkKind::Inline));
+    assert_eq!(r0.data(&info), b"hello");
+    r0.finish();
+    // 3. read by some: the others may still read, the writer must wait.
+    assert_eq!(ring.metadata(0).unwrap(), vec![1, 1, 0]);
+    w.write(b"second", &mut wait()).unwrap(); // chunk 1 is free
+    assert!(!w.can_write(), "chunk 0 is still unread by reader 1");
+    assert!(matches!(w.acquire(&mut wait()), Err(Error::Timeout { .. })));
+    assert_eq!(r1.data(&r1.poll().unwrap()), b"hello");
+    r1.finish();
+    // 4. read by all: the writer may write, nobody may read it again.
+    assert_eq!(ring.metadata(0).unwrap(), vec![1, 1, 1]);
+    assert!(w.can_write());
+    assert_eq!(r0.data(&r0.poll().unwrap()), b"second");
+    r0.finish();
+    assert!(r0.poll().is_none(), "reader 0 has read everything");
+    // A new round resets the read flags.
+    w.write(b"third", &mut wait()).unwrap();
+    assert_eq!(ring.metadata(0).unwrap(), vec![1, 0, 0]);
+    assert_eq!(r0.data(&r0.poll().unwrap()), b"third");
+}
+
+#[test]
+fn slots_record_who_holds_each_side() {
+    let ring = Arc::new(Ring::create(2, 64, 2).unwrap());
+    assert!(ring.slot_info(None).unwrap().process.is_none());
+    let mut w = RingWriter::new(ring.clone());
+    let mut r1 = RingReader::new(ring.clone(), 1).unwrap();
+    let me = ProcessId::current();
+    assert_eq!(ring.slot_info(None).unwrap().process, Some(me));
+    assert_eq!(ring.slot_info(Some(1)).unwrap().process, Some(me));
+    assert!(ring.slot_info(Some(0)).unwrap().process.is_none());
+    assert!(ring.slot_info(Some(2)).is_err());
+    w.write(b"x", &mut wait()).unwrap();
+    r1.poll().unwrap();
+    r1.finish();
+    assert_eq!(ring.slot_info(None).unwrap().messages, 1);
+    assert_eq!(ring.slot_info(Some(1)).unwrap().messages, 1);
+    assert_eq!(ring.creator(), me);
+}
+
+#[test]
+fn a_dead_reader_is_reported_or_dropped() {
+    let ring = Arc::new(Ring::create(2, 64, 1).unwrap());
+    let mut w = RingWriter::new(ring.clone());
+    let mut r0 = RingReader::new(ring.clone(), 0).unwrap();
+    // Reader 1's slot names a process that is gone (a pid that cannot exist).
+    let slot = ring.slot(2);
+    slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
+    slot.start_time.store(1, Ordering::Relaxed);
+    slot.state.store(ATTACHED, Ordering::Release);
+    w.write(b"one", &mut wait()).unwrap();
+    r0.poll().unwrap();
+    r0.finish();
+    let long = || Wait::new("test", Some(Duration::from_secs(10)));
+    match w.acquire(&mut long()) {
+        Err(Error::DeadReader {
+            reader: 1,
+            chunk: 0,
+            ..
+        }) => {}
+        other => panic!("expected DeadReader, got {other:?}"),
+    }
+    w.on_dead_reader(DeadReaderPolicy::Drop);
+    w.acquire(&mut long()).unwrap();
+    assert_eq!(w.dropped_readers(), vec![1]);
+    assert!(ring.slot_info(Some(1)).unwrap().dropped);
+    w.commit(3, ChunkKind::Inline).unwrap();
+    // The dropped reader's flag is set, so it never holds the writer back.
+    assert_eq!(ring.metadata(0).unwrap(), vec![1, 0, 1]);
+}
+
+#[test]
+fn a_dead_writer_is_reported() {
+    let ring = Arc::new(Ring::create(1, 64, 1).unwrap());
+    let r = RingReader::new(ring.clone(), 0).unwrap();
+    let slot = ring.slot(0);
+    slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
+    slot.state.store(ATTACHED, Ordering::Release);
+    let err = r
+        .wait(&mut Wait::new("test", Some(Duration::from_secs(10))))
+        .unwrap_err();
+    assert!(matches!(err, Error::DeadWriter { .. }), "{err}");
+}
+
+#[test]
+fn open_checks_the_header() {
+    let ring = Ring::create(1, 16, 1).unwrap();
+    let other = Ring::open(ring.name()).unwrap();
+    assert_eq!(other.handle(), ring.handle());
+    assert!(!other.is_creator());
+    let seg = Segment::create(&unique_name("test"), 4096).unwrap();
+    let err = Ring::open(seg.name()).unwrap_err();
+    assert!(
+        err.to_string().contains("not a shmq broadcast ring"),
+        "{err}"
+    );
+}
+
+#[test]
+fn too_large_message_and_bad_indices() {
+    let ring = Arc::new(Ring::create(1, 16, 2).unwrap());
+    let mut w = RingWriter::new(ring.clone());
+    assert!(matches!(
+        w.write(&[0; 17], &mut wait()),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(ring.data_ptr(2).is_err());
+    assert!(ring.metadata_ptr(5).is_err());
+    assert!(RingReader::new(ring, 1).is_err());
+}
