@@ -100,6 +100,54 @@ impl Default for WaitPolicy {
 /// wait with that error (the Python bindings raise `KeyboardInterrupt` or "cancelled").
 pub type Hook<'a> = &'a mut (dyn FnMut() -> Result<()> + Send);
 
+/// What a caller may say about a blocking call of a [`Writer`](crate::Writer) or
+/// [`Reader`](crate::Reader): its timeout, a hook to run every few milliseconds (the
+/// Python bindings check signals and cancel events there), and whether to stay quiet
+/// (no "still waiting" warnings, for a wait expected to be long). The queue adds the
+/// rest itself: what the wait is for (in warnings and timeout errors), how it spins,
+/// yields and sleeps, and its `shutdown`. `None` and `Some(duration)` convert into one.
+#[derive(Default)]
+pub struct WaitSpec<'a> {
+    pub timeout: Option<Duration>,
+    pub hook: Option<Hook<'a>>,
+    pub quiet: bool,
+}
+
+impl From<Option<Duration>> for WaitSpec<'_> {
+    fn from(timeout: Option<Duration>) -> Self {
+        WaitSpec {
+            timeout,
+            ..Default::default()
+        }
+    }
+}
+
+impl<'a> WaitSpec<'a> {
+    /// The wait these terms describe, for `what`, waiting as `policy` says and ending
+    /// with [`Error::Cancelled`] once `cancel` is set.
+    pub fn into_wait<'b>(
+        self,
+        what: &'b str,
+        policy: WaitPolicy,
+        cancel: &'b AtomicBool,
+    ) -> Wait<'b>
+    where
+        'a: 'b,
+    {
+        let mut wait = Wait::new(what, self.timeout)
+            .policy(policy)
+            .cancel_on(cancel);
+        if let Some(hook) = self.hook {
+            let hook: Hook<'b> = hook;
+            wait = wait.with_hook(hook);
+        }
+        if self.quiet {
+            wait = wait.quiet();
+        }
+        wait
+    }
+}
+
 /// The terms of one blocking call: what it waits for, until when, and what may cut it short.
 pub struct Wait<'a> {
     what: &'a str,

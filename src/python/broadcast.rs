@@ -15,7 +15,6 @@ use crate::broadcast::{
     Writer as CoreWriter,
 };
 use crate::error::Error;
-use crate::wait::{Wait, WaitPolicy};
 use pyo3::exceptions::PyValueError;
 
 /// Messages up to this size are copied with the GIL held when no wait is needed.
@@ -200,7 +199,6 @@ impl Ring {
 pub struct Writer {
     inner: Mutex<CoreWriter>,
     canceller: Canceller,
-    policy: WaitPolicy,
 }
 
 #[pymethods]
@@ -245,7 +243,6 @@ impl Writer {
         let writer = CoreWriter::new(opts)?;
         Ok(Writer {
             canceller: writer.canceller(),
-            policy: writer.wait_policy(),
             inner: Mutex::new(writer),
         })
     }
@@ -331,14 +328,17 @@ impl Writer {
                 .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
                 .collect()
         };
-        let r = if total <= COPY_WITH_GIL_MAX && w.can_write() {
-            w.enqueue_parts_with(&slices(), &mut Wait::ready_now())
-                .map_err(PyErr::from)
-        } else {
-            let what = "the writer waiting for readers to free a chunk";
-            blocking(py, what, self.interrupts(timeout), |wait| {
-                w.enqueue_parts_with(&slices(), wait)
-            })
+        let r = match total <= COPY_WITH_GIL_MAX {
+            // Small and no wait needed: with the GIL held, as in `enqueue`.
+            true => w.try_enqueue_parts(&slices()).map_err(PyErr::from),
+            false => Ok(false),
+        };
+        let r = match r {
+            Ok(true) => Ok(()),
+            Ok(false) => blocking(py, interrupts(timeout), |spec| {
+                w.enqueue_parts(&slices(), spec)
+            }),
+            Err(e) => Err(e),
         };
         drop(buffers);
         r
@@ -361,26 +361,20 @@ impl Writer {
     fn wait_until_ready(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<()> {
         let mut w = lock(py, &self.inner);
         let w = &mut *w;
-        let what = "the writer waiting for every reader to subscribe";
-        blocking(py, what, self.interrupts(timeout), |wait| {
-            w.wait_until_ready_with(wait)
-        })
+        blocking(py, interrupts(timeout), |spec| w.wait_until_ready(spec))
     }
 
     /// Send `data` to every reader.
     #[pyo3(signature = (data, timeout=None))]
     fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
         let mut w = lock(py, &self.inner);
-        if data.len() <= COPY_WITH_GIL_MAX && w.can_write() {
-            // No wait needed (the chunk is free and sockets never block): skip the core
-            // `enqueue`, which would check the chunk again before setting up a wait.
-            return Ok(w.enqueue_with(data, &mut Wait::ready_now())?);
+        // A small message that needs no wait is sent with the GIL held (releasing it
+        // would cost more than the copy).
+        if data.len() <= COPY_WITH_GIL_MAX && w.try_enqueue(data)? {
+            return Ok(());
         }
         let w = &mut *w;
-        let what = "the writer waiting for readers to free a chunk";
-        blocking(py, what, self.interrupts(timeout), |wait| {
-            w.enqueue_with(data, wait)
-        })
+        blocking(py, interrupts(timeout), |spec| w.enqueue(data, spec))
     }
 
     /// Wait for the next chunk and return a view of it, for zero-copy writing;
@@ -389,9 +383,8 @@ impl Writer {
     fn acquire_write(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<ShmView> {
         let mut w = lock(py, &self.inner);
         let w = &mut *w;
-        let what = "the writer waiting for readers to free a chunk";
-        let (ptr, len) = blocking(py, what, self.interrupts(timeout), |wait| {
-            w.acquire_write(wait)
+        let (ptr, len) = blocking(py, interrupts(timeout), |spec| {
+            w.acquire_write(spec)
                 .map(|buf| (buf.as_mut_ptr() as usize, buf.len()))
         })?;
         let ring = w.ring().expect("acquire_write succeeded").clone();
@@ -409,16 +402,12 @@ impl Writer {
     }
 }
 
-impl Writer {
-    /// Never locks `inner`: the callers hold it already.
-    fn interrupts(&self, timeout: Option<Timeout>) -> Interrupts<'_, '_> {
-        Interrupts {
-            timeout,
-            cancel: None,
-            shutdown: self.canceller.flag(),
-            quiet: false,
-            policy: self.policy,
-        }
+/// The terms of a writer's blocking call: a timeout, no cancel event.
+fn interrupts<'a>(timeout: Option<Timeout>) -> Interrupts<'a, 'a> {
+    Interrupts {
+        timeout,
+        cancel: None,
+        quiet: false,
     }
 }
 
@@ -427,8 +416,6 @@ impl Writer {
 pub struct Reader {
     inner: Mutex<CoreReader>,
     canceller: Canceller,
-    policy: WaitPolicy,
-    what: String,
 }
 
 #[pymethods]
@@ -464,8 +451,6 @@ impl Reader {
         let reader = CoreReader::open_with(&handle, rank, policy)?;
         Ok(Reader {
             canceller: reader.canceller(),
-            policy,
-            what: reader.wait_description().to_owned(),
             inner: Mutex::new(reader),
         })
     }
@@ -497,9 +482,8 @@ impl Reader {
     ) -> PyResult<()> {
         let mut r = lock(py, &self.inner);
         let r = &mut *r;
-        let what = format!("{} to be ready", self.what);
-        blocking(py, &what, self.interrupts(timeout, cancel, false), |wait| {
-            r.wait_until_ready_with(wait)
+        blocking(py, reader_interrupts(timeout, cancel, false), |spec| {
+            r.wait_until_ready(spec)
         })
     }
 
@@ -522,12 +506,9 @@ impl Reader {
             return Err(Error::Cancelled.into());
         }
         let r = &mut *r;
-        blocking(
-            py,
-            &self.what,
-            self.interrupts(timeout, cancel, indefinite),
-            |wait| r.wait_message(wait),
-        )?;
+        blocking(py, reader_interrupts(timeout, cancel, indefinite), |spec| {
+            r.wait_message(spec)
+        })?;
         r.try_take_message(|m| to_python(py, m))?
             .ok_or_else(|| PyErr::from(r.not_ready_any_more()))?
     }
@@ -543,12 +524,9 @@ impl Reader {
     ) -> PyResult<Py<PyAny>> {
         let mut r = lock(py, &self.inner);
         let r = &mut *r;
-        let info = blocking(
-            py,
-            &self.what,
-            self.interrupts(timeout, cancel, false),
-            |wait| r.acquire_read(wait),
-        )?;
+        let info = blocking(py, reader_interrupts(timeout, cancel, false), |spec| {
+            r.acquire_read(spec)
+        })?;
         let data = r.chunk_data(&info);
         if info.kind == ChunkKind::Overflow {
             // The message came over the socket and is gone after finish_read: a copy.
@@ -578,19 +556,15 @@ impl Reader {
     }
 }
 
-impl Reader {
-    fn interrupts<'a, 'py>(
-        &'a self,
-        timeout: Option<Timeout>,
-        cancel: Option<&'a Bound<'py, PyAny>>,
-        quiet: bool,
-    ) -> Interrupts<'a, 'py> {
-        Interrupts {
-            timeout,
-            cancel,
-            shutdown: self.canceller.flag(),
-            quiet,
-            policy: self.policy,
-        }
+/// The terms of a reader's blocking call.
+fn reader_interrupts<'a, 'py>(
+    timeout: Option<Timeout>,
+    cancel: Option<&'a Bound<'py, PyAny>>,
+    quiet: bool,
+) -> Interrupts<'a, 'py> {
+    Interrupts {
+        timeout,
+        cancel,
+        quiet,
     }
 }

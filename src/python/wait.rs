@@ -1,8 +1,7 @@
-//! Running a core wait from Python: the GIL is released for the wait, and every few
-//! milliseconds the wait re-takes it to check for signals (Ctrl-C) and the caller's
-//! cancel event.
+//! Running a core blocking call from Python: the GIL is released for the wait, and
+//! every few milliseconds the wait re-takes it to check for signals (Ctrl-C) and the
+//! caller's cancel event.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
@@ -10,7 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::wait::{Wait, WaitPolicy};
+use crate::wait::{Hook, WaitPolicy, WaitSpec};
 
 /// A `timeout` argument: seconds as a float, checked when the argument is converted (so
 /// before any fast path); negative or NaN is a `ValueError`, `inf` means no timeout.
@@ -42,9 +41,7 @@ fn duration(timeout: Option<Timeout>) -> Option<Duration> {
 pub(crate) struct Interrupts<'a, 'py> {
     pub timeout: Option<Timeout>,
     pub cancel: Option<&'a Bound<'py, PyAny>>,
-    pub shutdown: &'a AtomicBool,
     pub quiet: bool,
-    pub policy: WaitPolicy,
 }
 
 /// A wait policy from the optional `spin_us` / `yield_us` arguments, for a ring used by
@@ -68,25 +65,21 @@ pub(crate) fn wait_policy(
     })
 }
 
-/// Run `f` with the GIL released, under a [`Wait`] built from `what` and `interrupts`.
-pub(crate) fn blocking<T, F>(
-    py: Python<'_>,
-    what: &str,
-    interrupts: Interrupts<'_, '_>,
-    f: F,
-) -> PyResult<T>
+/// Run the core's blocking call `f` with the GIL released, handing it the caller's terms
+/// as a [`WaitSpec`]: the timeout, quiet or not, and a hook that checks signals (Ctrl-C)
+/// and the `cancel` event every few milliseconds. What the wait is for, how it spins and
+/// sleeps, and `shutdown()` are the core's business.
+pub(crate) fn blocking<T, F>(py: Python<'_>, interrupts: Interrupts<'_, '_>, f: F) -> PyResult<T>
 where
     T: Send,
-    F: FnOnce(&mut Wait<'_>) -> Result<T> + Send,
+    F: for<'w> FnOnce(WaitSpec<'w>) -> Result<T> + Send,
 {
     let timeout = duration(interrupts.timeout);
     let cancel: Option<Py<PyAny>> = interrupts
         .cancel
         .filter(|c| !c.is_none())
         .map(|c| c.clone().unbind());
-    let shutdown = interrupts.shutdown;
     let quiet = interrupts.quiet;
-    let policy = interrupts.policy;
     // The hook takes the GIL every few ms: only worth it for a cancel event, or in the
     // main thread, where Ctrl-C must interrupt the wait. Other waits sleep undisturbed
     // (shutdown() and the timeout still end them at once).
@@ -109,14 +102,11 @@ where
                 }
             })
         };
-        let mut wait = Wait::new(what, timeout).policy(policy).cancel_on(shutdown);
-        if needs_hook {
-            wait = wait.with_hook(&mut hook);
-        }
-        if quiet {
-            wait = wait.quiet();
-        }
-        f(&mut wait)
+        f(WaitSpec {
+            timeout,
+            hook: needs_hook.then_some(&mut hook as Hook<'_>),
+            quiet,
+        })
     });
     match raised {
         Some(e) => Err(e),

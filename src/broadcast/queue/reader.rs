@@ -5,7 +5,6 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::super::framing::{self, PartRef};
 use super::super::ring::{ChunkInfo, ChunkKind, Ring, RingReader};
@@ -13,7 +12,7 @@ use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
 use crate::error::{Error, Result};
 use crate::transport::Subscriber;
-use crate::wait::{no_peer, Wait, WaitPolicy};
+use crate::wait::{no_peer, Wait, WaitPolicy, WaitSpec};
 
 enum Source {
     Local {
@@ -170,7 +169,9 @@ pub struct Reader {
     pending: Option<Vec<zmq::Message>>,
     canceller: Canceller,
     policy: WaitPolicy,
-    what: String,
+    /// What this reader's waits are for (in warnings and timeout errors).
+    what: Arc<str>,
+    ready_what: Arc<str>,
     _ctx: zmq::Context,
 }
 
@@ -250,7 +251,8 @@ impl Reader {
             pending: None,
             canceller: Canceller::new(ring, false),
             policy,
-            what,
+            ready_what: format!("{what} to be ready").into(),
+            what: what.into(),
             _ctx: ctx,
         })
     }
@@ -303,23 +305,20 @@ impl Reader {
         self.canceller.cancel();
     }
 
-    /// A wait for `what`, with this reader's policy and canceller.
-    fn wait<'a>(
+    /// The wait `spec` describes, for `what`, with this reader's policy and canceller.
+    fn wait<'a, 'w: 'a>(
         &self,
         what: &'a str,
-        timeout: Option<Duration>,
+        spec: WaitSpec<'w>,
         canceller: &'a Canceller,
     ) -> Wait<'a> {
-        Wait::new(what, timeout)
-            .policy(self.policy)
-            .cancel_on(canceller.flag())
+        spec.into_wait(what, self.policy, canceller.flag())
     }
 
-    /// Wait for the writer's go-ahead (see [`Writer::wait_until_ready`]).
-    pub fn wait_until_ready(&mut self, timeout: Option<Duration>) -> Result<()> {
-        let canceller = self.canceller.clone();
-        let what = format!("{} to be ready", self.what);
-        let mut wait = self.wait(&what, timeout, &canceller);
+    /// Wait for the writer's go-ahead (see [`Writer::wait_until_ready`](super::Writer::wait_until_ready)).
+    pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
+        let (canceller, what) = (self.canceller.clone(), self.ready_what.clone());
+        let mut wait = self.wait(&what, wait.into(), &canceller);
         self.wait_until_ready_with(&mut wait)
     }
 
@@ -334,9 +333,17 @@ impl Reader {
         }
     }
 
-    /// Wait until the next message can be taken without blocking. For an overflow mark
-    /// or a remote reader this receives the message from the socket.
-    pub fn wait_message(&mut self, wait: &mut Wait) -> Result<()> {
+    /// Wait until the next message can be taken without blocking (then take it with
+    /// [`try_take_message`](Self::try_take_message)). For an overflow mark or a remote
+    /// reader this receives the message from the socket.
+    pub fn wait_message<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
+        let (canceller, what) = (self.canceller.clone(), self.what.clone());
+        let mut wait = self.wait(&what, wait.into(), &canceller);
+        self.wait_message_with(&mut wait)
+    }
+
+    /// [`wait_message`](Self::wait_message) under a wait of the caller's own.
+    pub fn wait_message_with(&mut self, wait: &mut Wait) -> Result<()> {
         match &mut self.source {
             Source::Local { ring, overflow, .. } => {
                 let info = ring.wait(wait)?;
@@ -421,7 +428,7 @@ impl Reader {
 
     /// Wait for the next message and call `f` on its bytes.
     pub fn dequeue_with<R>(&mut self, wait: &mut Wait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        self.wait_message(wait)?;
+        self.wait_message_with(wait)?;
         self.try_take(f)?.ok_or_else(|| self.not_ready_any_more())
     }
 
@@ -434,22 +441,19 @@ impl Reader {
     }
 
     /// Wait for the next message and return a copy of it.
-    pub fn dequeue(&mut self, timeout: Option<Duration>) -> Result<Vec<u8>> {
+    pub fn dequeue<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<u8>> {
         if let Some(m) = self.try_take(|b| b.to_vec())? {
             return Ok(m);
         }
-        let canceller = self.canceller.clone();
-        let what = std::mem::take(&mut self.what);
-        let mut wait = self.wait(&what, timeout, &canceller);
-        let r = self.dequeue_with(&mut wait, |b| b.to_vec());
-        self.what = what;
-        r
+        let (canceller, what) = (self.canceller.clone(), self.what.clone());
+        let mut wait = self.wait(&what, wait.into(), &canceller);
+        self.dequeue_with(&mut wait, |b| b.to_vec())
     }
 
     /// Wait for the next message and return its parts (a plain message is one part):
     /// small parts copied out of the chunk, large ones as private views of the tensor
     /// arena that hold their bytes until dropped (no copy).
-    pub fn dequeue_parts(&mut self, timeout: Option<Duration>) -> Result<Vec<OwnedPart>> {
+    pub fn dequeue_parts<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<OwnedPart>> {
         fn own(m: Received<'_>) -> Vec<OwnedPart> {
             match m {
                 Received::Bytes(b) => vec![OwnedPart::Copied(b.to_vec())],
@@ -459,20 +463,23 @@ impl Reader {
         if let Some(m) = self.try_take_message(own)? {
             return Ok(m);
         }
-        let canceller = self.canceller.clone();
-        let what = std::mem::take(&mut self.what);
-        let mut wait = self.wait(&what, timeout, &canceller);
-        let r = self
-            .wait_message(&mut wait)
-            .and_then(|()| self.try_take_message(own))
-            .and_then(|m| m.ok_or_else(|| self.not_ready_any_more()));
-        self.what = what;
-        r
+        self.wait_message(wait)?;
+        self.try_take_message(own)?
+            .ok_or_else(|| self.not_ready_any_more())
     }
 
-    /// Zero-copy reading of a chunk filled with [`Writer::acquire_write`]: wait for it
-    /// and return its data; release it with [`finish_read`](Self::finish_read).
-    pub fn acquire_read(&mut self, wait: &mut Wait) -> Result<ChunkInfo> {
+    /// Zero-copy reading of a chunk filled with
+    /// [`Writer::acquire_write`](super::Writer::acquire_write): wait for it and return
+    /// where it is ([`chunk_data`](Self::chunk_data)); release it with
+    /// [`finish_read`](Self::finish_read).
+    pub fn acquire_read<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<ChunkInfo> {
+        let (canceller, what) = (self.canceller.clone(), self.what.clone());
+        let mut wait = self.wait(&what, wait.into(), &canceller);
+        self.acquire_read_with(&mut wait)
+    }
+
+    /// [`acquire_read`](Self::acquire_read) under a wait of the caller's own.
+    pub fn acquire_read_with(&mut self, wait: &mut Wait) -> Result<ChunkInfo> {
         if !self.is_local() {
             return Err(Error::WrongRole(
                 "acquire_read is only for local readers".into(),
@@ -480,7 +487,7 @@ impl Reader {
         }
         // For an overflow mark this also receives the message, so it is consumed with
         // the chunk (and the next overflow message stays in step).
-        self.wait_message(wait)?;
+        self.wait_message_with(wait)?;
         match &self.source {
             Source::Local { ring, .. } => ring.poll().ok_or_else(|| chunk_changed(ring.ring())),
             Source::Remote { .. } => unreachable!("checked above"),

@@ -4,7 +4,6 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::super::framing::{self, PartRef};
 use super::super::ring::{ChunkKind, Ring, RingWriter};
@@ -12,7 +11,11 @@ use super::{dead_local_reader, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaWriter, Loan};
 use crate::error::{Error, Result};
 use crate::transport::{default_connect_ip, Publisher};
-use crate::wait::{no_peer, Wait, WaitPolicy};
+use crate::wait::{no_peer, Wait, WaitPolicy, WaitSpec};
+
+/// What the writer's waits are for, in warnings and timeout errors.
+const WAITING_FOR_SUBSCRIBERS: &str = "the writer waiting for every reader to subscribe";
+const WAITING_FOR_A_CHUNK: &str = "the writer waiting for readers to free a chunk";
 
 /// Whether local reader `r` is proved dead (its slot names a process that is gone).
 fn reader_is_dead(ring: &Ring, r: usize) -> bool {
@@ -207,12 +210,11 @@ impl Writer {
     }
 
     /// Wait until every reader has subscribed, then tell them the queue is ready.
-    pub fn wait_until_ready(&mut self, timeout: Option<Duration>) -> Result<()> {
+    pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let canceller = self.canceller.clone();
-        let what = "the writer waiting for readers to subscribe";
-        let mut wait = Wait::new(what, timeout)
-            .policy(self.policy)
-            .cancel_on(canceller.flag());
+        let mut wait =
+            wait.into()
+                .into_wait(WAITING_FOR_SUBSCRIBERS, self.policy, canceller.flag());
         self.wait_until_ready_with(&mut wait)
     }
 
@@ -238,17 +240,25 @@ impl Writer {
     }
 
     /// Send `msg` to every reader, waiting while the ring is full.
-    pub fn enqueue(&mut self, msg: &[u8], timeout: Option<Duration>) -> Result<()> {
-        if self.can_write() {
-            // No wait needed: skip setting one up (clock read, canceller clone).
-            return self.enqueue_with(msg, &mut Wait::ready_now());
+    pub fn enqueue<'w>(&mut self, msg: &[u8], wait: impl Into<WaitSpec<'w>>) -> Result<()> {
+        if self.try_enqueue(msg)? {
+            return Ok(());
         }
         let canceller = self.canceller.clone();
-        let what = "the writer waiting for readers to free a chunk";
-        let mut wait = Wait::new(what, timeout)
-            .policy(self.policy)
-            .cancel_on(canceller.flag());
+        let mut wait = wait
+            .into()
+            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag());
         self.enqueue_with(msg, &mut wait)
+    }
+
+    /// Send `msg` if that needs no wait (the next chunk is free); `false` if it would.
+    pub fn try_enqueue(&mut self, msg: &[u8]) -> Result<bool> {
+        if !self.can_write() {
+            return Ok(false);
+        }
+        // No wait needed: skip setting one up (clock read, canceller clone).
+        self.enqueue_with(msg, &mut Wait::ready_now())?;
+        Ok(true)
     }
 
     pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
@@ -278,16 +288,28 @@ impl Writer {
     /// references into the tensor arena (copied there once; parts that lie inside a live
     /// [`Loan`] of this writer are not copied at all), smaller ones copied into the chunk;
     /// remote readers get every part as a ZeroMQ frame.
-    pub fn enqueue_parts(&mut self, parts: &[&[u8]], timeout: Option<Duration>) -> Result<()> {
-        if self.can_write() {
-            return self.enqueue_parts_with(parts, &mut Wait::ready_now());
+    pub fn enqueue_parts<'w>(
+        &mut self,
+        parts: &[&[u8]],
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<()> {
+        if self.try_enqueue_parts(parts)? {
+            return Ok(());
         }
         let canceller = self.canceller.clone();
-        let what = "the writer waiting for readers to free a chunk";
-        let mut wait = Wait::new(what, timeout)
-            .policy(self.policy)
-            .cancel_on(canceller.flag());
+        let mut wait = wait
+            .into()
+            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag());
         self.enqueue_parts_with(parts, &mut wait)
+    }
+
+    /// [`enqueue_parts`](Self::enqueue_parts) if that needs no wait; `false` if it would.
+    pub fn try_enqueue_parts(&mut self, parts: &[&[u8]]) -> Result<bool> {
+        if !self.can_write() {
+            return Ok(false);
+        }
+        self.enqueue_parts_with(parts, &mut Wait::ready_now())?;
+        Ok(true)
     }
 
     pub fn enqueue_parts_with(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
@@ -409,7 +431,16 @@ impl Writer {
     /// Zero-copy writing: wait for the next chunk and return its data to fill; publish
     /// it with [`commit_write`](Self::commit_write). Only for queues whose readers are
     /// all local (remote readers cannot see chunks).
-    pub fn acquire_write(&mut self, wait: &mut Wait) -> Result<&mut [u8]> {
+    pub fn acquire_write<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<&mut [u8]> {
+        let canceller = self.canceller.clone();
+        let mut wait = wait
+            .into()
+            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag());
+        self.acquire_write_with(&mut wait)
+    }
+
+    /// [`acquire_write`](Self::acquire_write) under a wait of the caller's own.
+    pub fn acquire_write_with(&mut self, wait: &mut Wait) -> Result<&mut [u8]> {
         if self.n_remote_reader > 0 {
             return Err(Error::WrongRole(
                 "acquire_write needs all readers to be local; this queue has remote readers".into(),
