@@ -1,12 +1,18 @@
 """Type stubs for the Rust extension module ``shmq._core`` (src/python/)."""
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TypedDict
 
 __version__: str
 segment_prefix: str
 
 _RingTuple = tuple[int, int, int, str]
-_HandleTuple = tuple[list[int], Optional[_RingTuple], Optional[str], Optional[str], bool, Optional[str]]
+class _HandleFields(TypedDict):
+    local_reader_ranks: list[int]
+    buffer_handle: Optional[_RingTuple]
+    local_subscribe_addr: Optional[str]
+    remote_subscribe_addr: Optional[str]
+    remote_addr_ipv6: bool
+    arena_name: Optional[str]
 # A received message: plain bytes, or the body and its out-of-band buffers (bytearray
 # copies of small ones, writable memoryviews of private memory for large ones).
 _Message = bytes | tuple[bytes, list[bytearray | memoryview]]
@@ -76,7 +82,8 @@ class Writer:
         arena_bytes: Optional[int] = None,
         arena_threshold: Optional[int] = None,
     ) -> None: ...
-    def handle(self) -> _HandleTuple: ...
+    def handle(self) -> _HandleFields:
+        """The fields of the queue's ``shmq.Handle``, by name."""
     def ring(self) -> Optional[Ring]: ...
     @property
     def current_idx(self) -> int: ...
@@ -102,17 +109,9 @@ class Reader:
     """The reading side of a broadcast queue (local through shared memory, or remote)."""
 
     def __init__(
-        self,
-        local_reader_ranks: list[int],
-        buffer_handle: Optional[_RingTuple],
-        local_subscribe_addr: Optional[str],
-        remote_subscribe_addr: Optional[str],
-        remote_addr_ipv6: bool,
-        rank: int,
-        spin_us: Optional[float] = None,
-        yield_us: Optional[float] = None,
-        arena: Optional[str] = None,
-    ) -> None: ...
+        self, handle: Any, rank: int, spin_us: Optional[float] = None, yield_us: Optional[float] = None
+    ) -> None:
+        """Join the queue of ``handle`` (a ``shmq.Handle``, read by field name)."""
     @property
     def is_local(self) -> bool: ...
     @property

@@ -186,14 +186,8 @@ class MessageQueue:
         arena_bytes: Optional[int] = None,
         arena_threshold: Optional[int] = None,
     ):
-        if local_reader_ranks is None:
-            local_reader_ranks = list(range(n_local_reader))
-        else:
-            local_reader_ranks = list(local_reader_ranks)
-        if len(local_reader_ranks) != n_local_reader:
-            raise ValueError(
-                f"local_reader_ranks has {len(local_reader_ranks)} entries but n_local_reader is {n_local_reader}"
-            )
+        if local_reader_ranks is not None:
+            local_reader_ranks = list(local_reader_ranks)  # the core checks it (length, duplicates)
         self._writer = _core.Writer(
             n_reader,
             n_local_reader,
@@ -207,8 +201,7 @@ class MessageQueue:
             arena_bytes=arena_bytes,
             arena_threshold=arena_threshold,
         )
-        ranks, buffer_handle, local_addr, remote_addr, ipv6, arena = self._writer.handle()
-        self.handle = Handle(ranks, buffer_handle, local_addr, remote_addr, ipv6, arena)
+        self.handle = Handle(**self._writer.handle())
         ring = self._writer.ring()
         self.buffer = ShmRingBuffer._wrap(ring) if ring is not None else None
         self.n_local_reader = n_local_reader
@@ -228,17 +221,7 @@ class MessageQueue:
         for the constructor."""
         self = MessageQueue.__new__(MessageQueue)
         self.handle = handle
-        self._reader = _core.Reader(
-            list(handle.local_reader_ranks),
-            tuple(handle.buffer_handle) if handle.buffer_handle is not None else None,
-            handle.local_subscribe_addr,
-            handle.remote_subscribe_addr,
-            bool(handle.remote_addr_ipv6),
-            rank,
-            spin_us=spin_us,
-            yield_us=yield_us,
-            arena=getattr(handle, "arena_name", None),
-        )
+        self._reader = _core.Reader(handle, rank, spin_us=spin_us, yield_us=yield_us)
         self._is_local_reader = self._reader.is_local
         self._is_remote_reader = not self._is_local_reader
         if self._is_local_reader:

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyList, PyMemoryView, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
 use super::view::ShmView;
 use super::wait::{blocking, lock, wait_policy, Interrupts, Timeout};
@@ -21,28 +21,60 @@ use pyo3::exceptions::PyValueError;
 const COPY_WITH_GIL_MAX: usize = 64 * 1024;
 
 type RingTuple = (usize, usize, usize, String);
-type HandleTuple = (
-    Vec<usize>,
-    Option<RingTuple>,
-    Option<String>,
-    Option<String>,
-    bool,
-    Option<String>,
-);
 
 fn ring_tuple(h: &RingHandle) -> RingTuple {
     (h.n_reader, h.max_chunk_bytes, h.max_chunks, h.name.clone())
 }
 
-fn handle_tuple(h: &Handle) -> HandleTuple {
-    (
-        h.local_reader_ranks.clone(),
-        h.buffer.as_ref().map(ring_tuple),
-        h.local_subscribe_addr.clone(),
-        h.remote_subscribe_addr.clone(),
-        h.remote_addr_ipv6,
-        h.arena.clone(),
-    )
+/// A queue handle as Python has it: any object with the fields of `shmq.Handle`
+/// (`local_reader_ranks`, `buffer_handle`, `local_subscribe_addr`,
+/// `remote_subscribe_addr`, `remote_addr_ipv6`, and optionally `arena_name`), read by
+/// name.
+struct PyHandle(Handle);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for PyHandle {
+    type Error = PyErr;
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<PyHandle> {
+        let buffer = obj.getattr("buffer_handle")?;
+        // A list where a tuple is expected (a handle that went through JSON, say) is fine.
+        let buffer: Option<RingTuple> = if buffer.is_instance_of::<PyList>() {
+            Some(
+                PyTuple::new(obj.py(), buffer.try_iter()?.collect::<PyResult<Vec<_>>>()?)?
+                    .extract()?,
+            )
+        } else {
+            buffer.extract()?
+        };
+        let arena = match obj.getattr("arena_name") {
+            Ok(v) => v.extract()?,
+            Err(_) => None, // a handle pickled before the field existed
+        };
+        Ok(PyHandle(Handle {
+            local_reader_ranks: obj.getattr("local_reader_ranks")?.extract()?,
+            buffer: buffer.map(|(n_reader, max_chunk_bytes, max_chunks, name)| RingHandle {
+                n_reader,
+                max_chunk_bytes,
+                max_chunks,
+                name,
+            }),
+            local_subscribe_addr: obj.getattr("local_subscribe_addr")?.extract()?,
+            remote_subscribe_addr: obj.getattr("remote_subscribe_addr")?.extract()?,
+            remote_addr_ipv6: obj.getattr("remote_addr_ipv6")?.extract()?,
+            arena,
+        }))
+    }
+}
+
+/// The fields of `shmq.Handle`, by name, for `Handle(**fields)`.
+fn handle_fields<'py>(py: Python<'py>, h: &Handle) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("local_reader_ranks", h.local_reader_ranks.clone())?;
+    d.set_item("buffer_handle", h.buffer.as_ref().map(ring_tuple))?;
+    d.set_item("local_subscribe_addr", h.local_subscribe_addr.clone())?;
+    d.set_item("remote_subscribe_addr", h.remote_subscribe_addr.clone())?;
+    d.set_item("remote_addr_ipv6", h.remote_addr_ipv6)?;
+    d.set_item("arena_name", h.arena.clone())?;
+    Ok(d)
 }
 
 /// A received message as Python sees it: `bytes`, or `(body: bytes, buffers: list)`
@@ -253,9 +285,9 @@ impl Writer {
         lock(py, &self.inner).dropped_readers()
     }
 
-    /// `(local_reader_ranks, buffer_handle, local_subscribe_addr, remote_subscribe_addr, remote_addr_ipv6)`
-    fn handle(&self, py: Python<'_>) -> HandleTuple {
-        handle_tuple(lock(py, &self.inner).handle())
+    /// The fields of the queue's `shmq.Handle`, by name.
+    fn handle<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        handle_fields(py, lock(py, &self.inner).handle())
     }
 
     /// The ring, or None without local readers.
@@ -421,32 +453,15 @@ pub struct Reader {
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (local_reader_ranks, buffer_handle, local_subscribe_addr, remote_subscribe_addr, remote_addr_ipv6, rank, spin_us=None, yield_us=None, arena=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// Join the queue of `handle` (a `shmq.Handle`) as the reader of rank `rank`.
+    #[pyo3(signature = (handle, rank, spin_us=None, yield_us=None))]
     fn new(
-        local_reader_ranks: Vec<usize>,
-        buffer_handle: Option<RingTuple>,
-        local_subscribe_addr: Option<String>,
-        remote_subscribe_addr: Option<String>,
-        remote_addr_ipv6: bool,
+        handle: PyHandle,
         rank: usize,
         spin_us: Option<f64>,
         yield_us: Option<f64>,
-        arena: Option<String>,
     ) -> PyResult<Reader> {
-        let handle = Handle {
-            local_reader_ranks,
-            buffer: buffer_handle.map(|(n_reader, max_chunk_bytes, max_chunks, name)| RingHandle {
-                n_reader,
-                max_chunk_bytes,
-                max_chunks,
-                name,
-            }),
-            local_subscribe_addr,
-            remote_subscribe_addr,
-            remote_addr_ipv6,
-            arena,
-        };
+        let handle = handle.0;
         let policy = wait_policy(handle.local_reader_ranks.len() + 1, spin_us, yield_us)?;
         let reader = CoreReader::open_with(&handle, rank, policy)?;
         Ok(Reader {
