@@ -290,6 +290,19 @@ def test_monitor_does_not_fire_for_workers_that_finish():
         assert workers.failures == []
 
 
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_other_start_methods(context):
+    with WorkerProcesses(targets.ready_then_sleep, 2, args=(context,), context=context) as workers:
+        pids = _track(workers)
+        assert workers.wait_until_ready(timeout=STARTUP) == [(0, pids[0], context), (1, pids[1], context)]
+        os.kill(pids[1], signal.SIGKILL)
+        first = workers.join_first(timeout=STARTUP)
+        assert (first.name, first.exitcode) == ("Worker_1", -signal.SIGKILL)
+        assert "was killed by SIGKILL" in str(workers.failures[0])
+    assert workers.finished() == {"Worker_1": -signal.SIGKILL, "Worker_0": 128 + signal.SIGTERM}
+    assert _wait_gone(pids, 0) == []
+
+
 def test_sentinels_and_join_first():
     with WorkerProcesses(targets.ready_then_sleep, 3) as workers:
         pids = _track(workers)
@@ -336,9 +349,9 @@ def test_the_children_of_a_worker_that_dies_die_with_it():
         assert "exited with code 3 while it was running" in str(workers.failures[0])
 
 
-def _start_parent(n_workers: int) -> tuple[subprocess.Popen, list[int]]:
+def _start_parent(n_workers: int, context: str = "spawn") -> tuple[subprocess.Popen, list[int]]:
     parent = subprocess.Popen(
-        [sys.executable, str(HERE / "_worker_parent.py"), str(n_workers)],
+        [sys.executable, str(HERE / "_worker_parent.py"), str(n_workers), context],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -352,8 +365,11 @@ def _start_parent(n_workers: int) -> tuple[subprocess.Popen, list[int]]:
     return parent, report["workers"]
 
 
-def test_workers_die_with_a_sigkilled_parent():
-    parent, pids = _start_parent(3)
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_workers_die_with_a_sigkilled_parent(context):
+    # spawn: PR_SET_PDEATHSIG. forkserver: a worker's parent is the fork server, so a
+    # thread in the worker watches the real parent's pidfd instead.
+    parent, pids = _start_parent(3, context)
     try:
         assert all(not _gone(p) for p in pids)
         os.kill(parent.pid, signal.SIGKILL)

@@ -328,10 +328,15 @@ class Supervisor:
             w.stderr_fd = os.dup(err_r.fileno())
             err_r.close()
             os.set_blocking(w.stderr_fd, False)
-        try:
-            w.exit_fd, w.exit_fd_owned = os.pidfd_open(process.pid), True
-        except (AttributeError, OSError):
-            w.exit_fd, w.exit_fd_owned = process.sentinel, False
+        # A pidfd is readable as soon as the worker exits, whoever holds copies of the
+        # sentinel pipe (a worker's forked children do). A fork server's child: its
+        # sentinel, readable once the fork server has sent the exit code.
+        w.exit_fd, w.exit_fd_owned = process.sentinel, False
+        if w.is_child and hasattr(os, "pidfd_open"):
+            try:
+                w.exit_fd, w.exit_fd_owned = os.pidfd_open(process.pid), True
+            except OSError:
+                pass
         self.call_in_supervisor(lambda: self._watch_local(w))
 
     def _watch_local(self, w: WorkerState) -> None:
