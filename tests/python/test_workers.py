@@ -285,6 +285,7 @@ def test_monitor_does_not_fire_for_workers_that_finish():
                 workers.join_first(timeout=1)
                 time.sleep(0.05)
         assert monitor.error is None and not monitor.cancel.is_set()
+        assert workers.join(timeout=STARTUP) == {"Worker_0": 0, "Worker_1": 0, "Worker_2": 0}
         assert workers.finished() == {"Worker_0": 0, "Worker_1": 0, "Worker_2": 0}
         assert workers.join_first().exitcode == 0
         assert workers.failures == []
@@ -301,6 +302,23 @@ def test_other_start_methods(context):
         assert "was killed by SIGKILL" in str(workers.failures[0])
     assert workers.finished() == {"Worker_1": -signal.SIGKILL, "Worker_0": 128 + signal.SIGTERM}
     assert _wait_gone(pids, 0) == []
+
+
+def test_join_waits_for_every_worker_and_raises_on_a_failure():
+    with WorkerProcesses(targets.ready_then_exit, 2, args=(5,)) as workers:
+        pids = _track(workers)
+        workers.wait_until_ready(timeout=STARTUP)
+        with pytest.raises(
+            WorkerDiedError, match=r"Worker_\d \(rank \d, pid \d+\) exited with code 5 while it was running"
+        ):
+            workers.join(timeout=STARTUP)
+    with WorkerProcesses(targets.ready_then_sleep, 2) as workers:
+        pids = _track(workers)
+        workers.wait_until_ready(timeout=STARTUP)
+        with pytest.raises(
+            TimeoutError, match=f"2 worker\\(s\\) still running after 0.5 s: Worker_0 \\(rank 0, pid {pids[0]}\\)"
+        ):
+            workers.join(timeout=0.5)
 
 
 def test_sentinels_and_join_first():

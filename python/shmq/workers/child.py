@@ -185,7 +185,16 @@ def bootstrap(spec: WorkerSpec) -> None:
     _install_sigterm_handler()
     with _channel_lock:
         _channel = _PipeChannel(spec.ready_conn)
-    spec.target(spec.rank, *spec.args, **spec.kwargs)
+    try:
+        spec.target(spec.rank, *spec.args, **spec.kwargs)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        # The worker's own frames only (multiprocessing would print its bootstrap's too):
+        # the stderr tail in the parent's error is this traceback.
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        sys.stderr.flush()
+        sys.exit(1)
 
 
 # ---------------------------------------------------------------------------------

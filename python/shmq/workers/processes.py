@@ -47,12 +47,12 @@ class WorkerMonitor:
         self.error: Optional[WorkerDiedError] = None
         """The first failure seen, or None."""
 
-    def _fire(self, error: WorkerDiedError) -> None:
+    def _fire(self, error: WorkerDiedError, queues: Optional[list[Any]] = None) -> None:
         if self.error is not None:
             return
         self.error = error
         self.cancel.set()
-        for q in self._queues:
+        for q in self._queues if queues is None else queues:
             try:
                 q.shutdown()
             except Exception:  # pragma: no cover - a queue that cannot shut down
@@ -80,11 +80,15 @@ class WorkerMonitor:
         with self._supervisor.lock:
             if self in self._supervisor.monitors:
                 self._supervisor.monitors.remove(self)
+            # Let the queues go: the error raised below keeps this monitor alive (through
+            # its traceback), and a queue kept alive keeps its segment.
+            queues, self._queues = self._queues, []
             # Recorded, but perhaps not yet handed to this monitor (that happens just
             # after the supervisor releases the lock).
             recorded = self._supervisor.failures[0] if self._supervisor.failures else None
         if self.error is None and recorded is not None:
-            self._fire(recorded)
+            self._fire(recorded, queues)
+        del queues  # this frame lives on in the traceback of what is raised below
         if self.error is not None and not isinstance(exc, WorkerDiedError):
             if exc is not None and not isinstance(exc, Exception):
                 return  # KeyboardInterrupt, SystemExit: let them through
@@ -244,6 +248,30 @@ class WorkerProcesses:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
+                supervisor.changed.wait(left)
+
+    def join(self, timeout: Optional[float] = None) -> dict[str, Optional[int]]:
+        """Wait until every worker has exited (after they were told to stop: a ``None``
+        batch, say); their exit codes by name (:meth:`finished`).
+
+        Raises :class:`WorkerDiedError` as soon as a worker fails (non-zero exit code or a
+        signal), and ``TimeoutError`` naming those still running when ``timeout`` seconds
+        pass. Does not stop anyone: :meth:`close` does."""
+        supervisor = self._supervisor
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with supervisor.changed:
+            while True:
+                if supervisor.failures:
+                    raise supervisor.failures[0]
+                running = [w for w in supervisor.workers if not w.exited]
+                if not running:
+                    return self.finished()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"{len(running)} worker(s) still running after {timeout} s: "
+                        + ", ".join(w.describe() for w in running)
+                    )
                 supervisor.changed.wait(left)
 
     def monitor(self, *queues: Any) -> WorkerMonitor:
