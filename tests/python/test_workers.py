@@ -367,9 +367,9 @@ def test_the_children_of_a_worker_that_dies_die_with_it():
         assert "exited with code 3 while it was running" in str(workers.failures[0])
 
 
-def _start_parent(n_workers: int, context: str = "spawn") -> tuple[subprocess.Popen, list[int]]:
+def _start_parent(n_workers: int, context: str = "spawn", mode: str = "wait") -> tuple[subprocess.Popen, list[int]]:
     parent = subprocess.Popen(
-        [sys.executable, str(HERE / "_worker_parent.py"), str(n_workers), context],
+        [sys.executable, str(HERE / "_worker_parent.py"), str(n_workers), context, mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -411,6 +411,22 @@ def test_ctrl_c_in_the_parent_shuts_the_workers_down():
         _, stderr = parent.communicate(timeout=STARTUP)
         assert parent.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
         assert _wait_gone(pids, 0) == []
+    finally:
+        parent.kill()
+        for p in pids:
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_workers_are_closed_at_interpreter_exit():
+    # The parent exits without close(), and its workers do not die with it
+    # (death_signal=None): only the interpreter-exit hook can have stopped them.
+    parent, pids = _start_parent(2, mode="exit")
+    try:
+        _, stderr = parent.communicate(timeout=STARTUP)
+        assert parent.returncode == 0, stderr
+        # Reaped by the parent's close(), so not even zombies: gone.
+        assert [p for p in pids if psutil.pid_exists(p)] == []
     finally:
         parent.kill()
         for p in pids:
