@@ -49,6 +49,7 @@ class WorkerDiedError(RuntimeError):
         host: str = "",
         before_ready: bool = False,
         how: Optional[str] = None,
+        stderr_captured: bool = True,
     ):
         self.name = name
         self.rank = rank
@@ -65,7 +66,7 @@ class WorkerDiedError(RuntimeError):
         message = f"{name} ({where}) {how or _describe_exit(exitcode)} {when}"
         if self.stderr_tail:
             message += "; the last lines of its stderr:\n" + "\n".join(f"    {line}" for line in self.stderr_tail)
-        elif not host:
+        elif stderr_captured and not host:
             message += " (it wrote nothing to stderr after start-up)"
         super().__init__(message)
 

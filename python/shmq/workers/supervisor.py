@@ -54,6 +54,7 @@ __all__ = ["WorkerInfo"]
 logger = logging.getLogger("shmq.workers")
 
 _SHM_DIR = "/dev/shm"
+_MAX_HANDSHAKES = 32  # remote handshakes in progress at once
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class WorkerState:
         self.error: Optional[WorkerDiedError] = None
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.partial = b""
+        self.stderr_captured = False
         self.ready_conn: Optional[multiprocessing.connection.Connection] = None
         self.stderr_fd: Optional[int] = None
         self.exit_fd: Optional[int] = None  # pidfd, or the process sentinel without pidfds
@@ -215,6 +217,7 @@ class Supervisor:
         self.captured_pids: set[int] = set()
         # Remote workers.
         self.listener: Optional[socket.socket] = None
+        self.handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self.token = ""
         self.ticket: Optional[WorkerTicket] = None
         # The supervisor thread and its selector; other threads hand it work through
@@ -325,6 +328,7 @@ class Supervisor:
         w.is_child = getattr(ctx, "get_start_method", lambda: "spawn")() != "forkserver"
         w.ready_conn = ready_r
         if err_r is not None:
+            w.stderr_captured = True
             w.stderr_fd = os.dup(err_r.fileno())
             err_r.close()
             os.set_blocking(w.stderr_fd, False)
@@ -480,6 +484,7 @@ class Supervisor:
                 host=w.host,
                 before_ready=not w.ready,
                 how=w.lost or None,
+                stderr_captured=w.remote or w.stderr_captured,
             )
             self.failures.append(w.error)
             monitors = list(self.monitors)
@@ -504,10 +509,21 @@ class Supervisor:
             conn, peer = self.listener.accept()
         except (BlockingIOError, OSError):
             return
-        # A handshake can stall (a stranger connects and says nothing): never in this thread.
+        # A handshake can stall (a stranger connects and says nothing): never in this
+        # thread, and only so many at once (a flood of connections gets closed).
+        if not self.handshakes.acquire(blocking=False):
+            logger.warning("too many worker handshakes in progress: closed a connection from %s", peer)
+            conn.close()
+            return
         threading.Thread(target=self._handshake, args=(conn, peer), name="shmq-workers-handshake", daemon=True).start()
 
     def _handshake(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            self._handshake_with(conn, peer)
+        finally:
+            self.handshakes.release()
+
+    def _handshake_with(self, conn: socket.socket, peer: Any) -> None:
         conn.setblocking(True)
         conn.settimeout(HANDSHAKE_TIMEOUT)
         try:
