@@ -23,6 +23,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, Callable, Optional, Sequence
 
 from .protocol import DEFAULT_GRACE, WorkerTicket, mac, recv_frame, send_frame
@@ -192,7 +193,8 @@ def bootstrap(spec: WorkerSpec) -> None:
     except BaseException as e:
         # The worker's own frames only (multiprocessing would print its bootstrap's too):
         # the stderr tail in the parent's error is this traceback.
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        tb = e.__traceback__
+        traceback.print_exception(type(e), e, tb.tb_next if tb is not None else None)
         sys.stderr.flush()
         sys.exit(1)
 
@@ -264,7 +266,12 @@ class ParentLink:
     def __enter__(self) -> "ParentLink":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             self.close(0)
         else:

@@ -70,14 +70,24 @@ class WorkerDiedError(RuntimeError):
             message += " (it wrote nothing to stderr after start-up)"
         super().__init__(message)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (
             _rebuild_worker_died_error,
             (self.name, self.rank, self.pid, self.exitcode, self.stderr_tail, self.host, self.before_ready, str(self)),
         )
 
 
-def _rebuild_worker_died_error(name, rank, pid, exitcode, tail, host, before_ready, message):  # noqa: ANN001
+def _rebuild_worker_died_error(
+    name: str,
+    rank: int,
+    pid: Optional[int],
+    exitcode: Optional[int],
+    tail: list[str],
+    host: str,
+    before_ready: bool,
+    message: str,
+) -> WorkerDiedError:
+    """Unpickle a WorkerDiedError (its constructor takes more than the message)."""
     err = WorkerDiedError(name, rank, pid, exitcode, tail, host=host, before_ready=before_ready)
     err.args = (message,)
     return err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import multiprocessing.process
@@ -9,6 +10,7 @@ import signal
 import threading
 import time
 import weakref
+from types import TracebackType
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .. import _core
@@ -71,7 +73,12 @@ class WorkerMonitor:
             self._fire(earlier)
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
         if isinstance(exc, Exception) and self.error is None and self._supervisor.exit_unrecorded():
             # The block failed because a worker died (shmq's own PeerDiedError can come
             # first), but the supervisor has not recorded that yet: give it a moment, so
@@ -150,8 +157,12 @@ class WorkerProcesses:
             if n_remote:
                 self._supervisor.listen(remote_host or _core.default_connect_ip(), remote_port)
             for w in self._supervisor.workers[:n_workers]:
-                start = (ctx, w, target, tuple(args), dict(kwargs or {}), death_signal, capture_stderr)
-                Launcher.call(lambda a=start: self._supervisor.start_local(*a))
+                Launcher.call(
+                    functools.partial(
+                        self._supervisor.start_local,
+                        ctx, w, target, tuple(args), dict(kwargs or {}), death_signal, capture_stderr,
+                    )
+                )  # fmt: skip
         except BaseException:
             self.close(grace=min(grace, 1.0))
             raise
@@ -306,7 +317,12 @@ class WorkerProcesses:
     def __enter__(self) -> "WorkerProcesses":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
         self.close()
 
     def __repr__(self) -> str:

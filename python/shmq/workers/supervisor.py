@@ -101,6 +101,18 @@ class WorkerState:
         self.exit_fd_owned = False
         self.sock: Optional[socket.socket] = None
 
+    @property
+    def started(self) -> multiprocessing.process.BaseProcess:
+        """The process of a started local worker."""
+        assert self.process is not None, f"{self.name} is not a started local worker"
+        return self.process
+
+    @property
+    def started_pid(self) -> int:
+        """The pid of a started local worker (or of a connected remote one)."""
+        assert self.pid is not None, f"{self.name} has no pid yet"
+        return self.pid
+
     def snapshot(self) -> WorkerInfo:
         return WorkerInfo(self.name, self.rank, self.pid, self.host, self.ready, self.exited, self.exitcode)
 
@@ -170,7 +182,7 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 def _remove_segments_of(pids: set[int]) -> list[str]:
     """Remove the shmq segments created by processes in ``pids`` that are dead."""
-    removed = []
+    removed: list[str] = []
     try:
         rows = _core.list_segments()
     except OSError:
@@ -223,7 +235,7 @@ class Supervisor:
         # The supervisor thread and its selector; other threads hand it work through
         # `pending` and the wake pipe (a selector is not thread-safe).
         self.selector = selectors.DefaultSelector()
-        self.pending: queue_module.SimpleQueue[Callable[[], None]] = queue_module.SimpleQueue()
+        self.pending: queue_module.SimpleQueue[Callable[[], object]] = queue_module.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
         self.stopping = False
@@ -232,7 +244,7 @@ class Supervisor:
 
     # -- talking to the supervisor thread ------------------------------------------
 
-    def call_in_supervisor(self, fn: Callable[[], None]) -> None:
+    def call_in_supervisor(self, fn: Callable[[], object]) -> None:
         self.pending.put(fn)
         self.wake()
 
@@ -274,7 +286,9 @@ class Supervisor:
                 except queue_module.Empty:
                     break
                 fn()
-        elif kind == "stderr":
+            return
+        assert w is not None
+        if kind == "stderr":
             self._read_stderr(w)
         elif kind == "ready":
             self._read_ready(w)
@@ -390,6 +404,7 @@ class Supervisor:
 
     def _read_ready(self, w: WorkerState) -> None:
         conn = w.ready_conn
+        assert conn is not None
         try:
             tag, info = conn.recv()
         except (EOFError, OSError, pickle.UnpicklingError, ValueError):
@@ -405,11 +420,11 @@ class Supervisor:
     @staticmethod
     def _exit_status(w: WorkerState) -> tuple[bool, Optional[int]]:
         if w.is_child:
-            exited, code = _exit_status(w.pid)
-            if exited and code is None and w.process is not None:
-                code = w.process.exitcode  # someone reaped it through multiprocessing
+            exited, code = _exit_status(w.started_pid)
+            if exited and code is None:
+                code = w.started.exitcode  # someone reaped it through multiprocessing
             return exited, code
-        code = w.process.exitcode  # a fork server's child: it reaps, and reports the code
+        code = w.started.exitcode  # a fork server's child: it reaps, and reports the code
         return code is not None, code
 
     @staticmethod
@@ -419,7 +434,7 @@ class Supervisor:
             return False
         if w.is_child:
             return _unreaped(w.pid)
-        return w.process.exitcode is None
+        return w.started.exitcode is None
 
     def poll_exit(self, w: WorkerState) -> bool:
         """Record ``w``'s exit if it has exited (never reaps). True if it has. Only for
@@ -438,8 +453,8 @@ class Supervisor:
         """Whether a local worker is dead or dying but the supervisor has not recorded its
         exit yet."""
         with self.lock:
-            waiting = [w for w in self.workers if not w.remote and w.pid is not None and not w.exited]
-        return any(_dying(w.pid) for w in waiting)
+            pids = [w.pid for w in self.workers if not w.remote and w.pid is not None and not w.exited]
+        return any(_dying(pid) for pid in pids)
 
     def _set_exited(self, w: WorkerState, code: Optional[int]) -> None:
         with self.changed:
@@ -451,7 +466,7 @@ class Supervisor:
     def _on_exit(self, w: WorkerState) -> None:
         """Supervisor thread: worker ``w``'s pidfd (or sentinel) became readable."""
         self._unregister(w.exit_fd)
-        if w.exit_fd_owned:
+        if w.exit_fd_owned and w.exit_fd is not None:
             os.close(w.exit_fd)
         w.exit_fd = None
         self._read_stderr(w, final=True)  # all it wrote is in the pipe by now
@@ -460,10 +475,10 @@ class Supervisor:
             logger.warning("%s: exit signalled but no exit status", w.describe())
         with self.lock:
             closing = self.closing
-        if not closing and self.new_process_group and w.is_child and _unreaped(w.pid):
+        if not closing and self.new_process_group and w.is_child and _unreaped(w.started_pid):
             # Its descendants are orphans now: they go down with it. Safe while it is our
             # unreaped zombie (its pid, the group's id, cannot be reused meanwhile).
-            _signal_group_or_process(w.pid, signal.SIGKILL, own_group=True)
+            _signal_group_or_process(w.started_pid, signal.SIGKILL, own_group=True)
         # The exit and the failure become visible together (one locked step in
         # _record_failure), so that a waiter sees the error with its full stderr tail.
         self._record_failure(w, exit_code=code)
@@ -497,14 +512,15 @@ class Supervisor:
 
     def listen(self, host: str, port: int) -> WorkerTicket:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.listener = socket.create_server((host, port), family=family, backlog=64)
-        self.listener.setblocking(False)
+        listener = self.listener = socket.create_server((host, port), family=family, backlog=64)
+        listener.setblocking(False)
         self.token = secrets.token_hex(32)
-        self.ticket = WorkerTicket(host, self.listener.getsockname()[1], self.token)
-        self.call_in_supervisor(lambda: self.selector.register(self.listener, selectors.EVENT_READ, ("listen", None)))
+        self.ticket = WorkerTicket(host, listener.getsockname()[1], self.token)
+        self.call_in_supervisor(lambda: self.selector.register(listener, selectors.EVENT_READ, ("listen", None)))
         return self.ticket
 
     def _accept(self) -> None:
+        assert self.listener is not None
         try:
             conn, peer = self.listener.accept()
         except (BlockingIOError, OSError):
@@ -531,10 +547,9 @@ class Supervisor:
             send_frame(conn, b"C", json.dumps({"nonce": nonce}).encode())
             kind, payload = recv_frame(conn)
             hello = json.loads(payload) if kind == b"H" else {}
-            rank, pid = hello.get("rank"), hello.get("pid")
             error = self._admit(hello, nonce)
             if error:
-                logger.warning("refused a worker from %s claiming rank %s: %s", peer, rank, error)
+                logger.warning("refused a worker from %s claiming rank %s: %s", peer, hello.get("rank"), error)
                 send_frame(conn, b"A", json.dumps({"ok": False, "error": error}).encode())
                 conn.close()
                 return
@@ -544,6 +559,7 @@ class Supervisor:
             conn.close()
             return
         conn.settimeout(HANDSHAKE_TIMEOUT)  # frames from an admitted worker arrive whole
+        rank, pid = int(hello["rank"]), int(hello["pid"])  # checked by _admit
         w = self.workers[rank]
         host = str(hello.get("host") or peer[0])
 
@@ -552,7 +568,7 @@ class Supervisor:
                 if self.closing:
                     conn.close()
                     return
-                w.sock, w.pid, w.host = conn, int(pid), host
+                w.sock, w.pid, w.host = conn, pid, host
                 self.changed.notify_all()
             self.selector.register(conn, selectors.EVENT_READ, ("remote", w))
 
@@ -579,6 +595,7 @@ class Supervisor:
         return ""
 
     def _read_remote(self, w: WorkerState) -> None:
+        assert w.sock is not None
         try:
             kind, payload = recv_frame(w.sock)
         except (OSError, EOFError, ValueError) as e:
@@ -597,11 +614,9 @@ class Supervisor:
             self._remote_gone(w, "")
 
     def _remote_gone(self, w: WorkerState, error: str) -> None:
-        self._unregister(w.sock)
-        try:
+        if w.sock is not None:
+            self._unregister(w.sock)
             w.sock.close()
-        except OSError:
-            pass
         with self.changed:
             if w.exited:
                 return
@@ -634,13 +649,13 @@ class Supervisor:
         # children are reparented and can no longer be found from it.
         trees: list[psutil.Process] = []
         for w in running:
-            trees.extend(_descendants(w.pid))
+            trees.extend(_descendants(w.started_pid))
         self.captured_pids.update(p.pid for p in trees)
         interrupted: Optional[BaseException] = None
         try:
             for w in running:
                 if self.may_signal(w):
-                    _signal_group_or_process(w.pid, signal.SIGTERM, self.new_process_group)
+                    _signal_group_or_process(w.started_pid, signal.SIGTERM, self.new_process_group)
             for w in self.workers:
                 if w.remote and w.sock is not None:
                     try:
@@ -655,7 +670,7 @@ class Supervisor:
         # the descendants captured above (psutil checks each one's identity).
         for w in local:
             if self.may_signal(w):
-                _signal_group_or_process(w.pid, signal.SIGKILL, self.new_process_group)
+                _signal_group_or_process(w.started_pid, signal.SIGKILL, self.new_process_group)
         for p in trees:
             try:
                 p.kill()
@@ -669,7 +684,7 @@ class Supervisor:
         _, alive = psutil.wait_procs(trees, timeout=5.0)
         for p in alive:  # pragma: no cover - unkillable (D state)
             logger.error("process %d (a worker's descendant) did not exit after SIGKILL", p.pid)
-        removed = _remove_segments_of({w.pid for w in local} | self.captured_pids)
+        removed = _remove_segments_of({w.started_pid for w in local} | self.captured_pids)
         if removed:
             logger.info("removed %d shared-memory segment(s) left by workers: %s", len(removed), removed)
         if interrupted is not None:
@@ -688,7 +703,7 @@ class Supervisor:
 
     def _reap(self, local: list[WorkerState]) -> None:
         for w in local:
-            p = w.process
+            p = w.started
             p.join(timeout=1.0)
             if p.exitcode is not None:
                 w.reaped = True
