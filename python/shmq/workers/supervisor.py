@@ -286,18 +286,18 @@ class Supervisor:
                 except queue_module.Empty:
                     break
                 fn()
-            return
-        assert w is not None
-        if kind == "stderr":
-            self._read_stderr(w)
-        elif kind == "ready":
-            self._read_ready(w)
-        elif kind == "exit":
-            self._on_exit(w)
         elif kind == "listen":
             self._accept()
-        elif kind == "remote":
-            self._read_remote(w)
+        else:
+            assert w is not None  # every other fd belongs to a worker
+            if kind == "stderr":
+                self._read_stderr(w)
+            elif kind == "ready":
+                self._read_ready(w)
+            elif kind == "exit":
+                self._on_exit(w)
+            elif kind == "remote":
+                self._read_remote(w)
 
     def _unregister(self, fileobj: Any) -> None:
         try:
