@@ -148,7 +148,7 @@ class WorkerProcesses:
         ctx = multiprocessing.get_context(context) if isinstance(context, (str, type(None))) else context
         self.grace = grace
         self._supervisor = Supervisor(
-            n_workers, n_remote, name_prefix, stderr_tail_lines, forward_stderr, new_process_group
+            n_workers, n_remote, name_prefix, stderr_tail_lines, forward_stderr, new_process_group, grace
         )
         open_supervisors.add(self._supervisor)
         self._finalizer = weakref.finalize(self, self._supervisor.close, grace)

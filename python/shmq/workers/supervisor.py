@@ -211,8 +211,10 @@ class Supervisor:
         tail_lines: int,
         forward_stderr: bool,
         new_process_group: bool,
+        grace: float = DEFAULT_GRACE,
     ):
         self.owner_pid = os.getpid()
+        self.grace = grace  # at interpreter exit
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.workers = [WorkerState(r, f"{name_prefix}_{r}", tail_lines) for r in range(n_local + n_remote)]
@@ -764,7 +766,7 @@ open_supervisors: "weakref.WeakSet[Supervisor]" = weakref.WeakSet()
 def _close_all_at_exit() -> None:
     for supervisor in list(open_supervisors):
         try:
-            supervisor.close(DEFAULT_GRACE)
+            supervisor.close(supervisor.grace)
         except BaseException:  # noqa: B036 - nothing may stop the others' shutdown
             logger.exception("closing worker processes at exit")
 
