@@ -82,6 +82,30 @@ pub enum Error {
     #[error("the writer (pid {pid}) died; no more messages will come")]
     DeadWriter { pid: u32 },
 
+    /// A worker process (see `workers`) exited before it was ready, or failed while it
+    /// ran: a non-zero exit `code` or a `signal`.
+    #[error("{}", worker_died_message(*rank, *pid, *code, *signal, *before_ready, stderr_tail))]
+    WorkerDied {
+        rank: usize,
+        pid: u32,
+        code: Option<i32>,
+        signal: Option<i32>,
+        before_ready: bool,
+        /// The last lines it wrote to stderr.
+        stderr_tail: Vec<String>,
+    },
+
+    /// Workers had not reported ready when the deadline passed: `(rank, pid)` of each.
+    #[error(
+        "{} worker(s) not ready after {waited:.1?}: {}",
+        not_ready.len(),
+        not_ready.iter().map(|(r, p)| format!("worker {r} (pid {p})")).collect::<Vec<_>>().join(", ")
+    )]
+    WorkersNotReady {
+        waited: Duration,
+        not_ready: Vec<(usize, u32)>,
+    },
+
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Os {
@@ -103,6 +127,64 @@ pub enum Error {
 /// the right range (the Python bindings report those the same way).
 pub fn stale_object_message(address: impl std::fmt::Display, id: impl std::fmt::Display) -> String {
     format!("Data for address:id '{address}:{id}' has been modified or is invalid.")
+}
+
+/// A signal's name ("SIGBUS"), or "signal N" for one without a common name.
+pub fn signal_name(signal: i32) -> String {
+    const NAMES: [(i32, &str); 15] = [
+        (1, "SIGHUP"),
+        (2, "SIGINT"),
+        (3, "SIGQUIT"),
+        (4, "SIGILL"),
+        (5, "SIGTRAP"),
+        (6, "SIGABRT"),
+        (7, "SIGBUS"),
+        (8, "SIGFPE"),
+        (9, "SIGKILL"),
+        (10, "SIGUSR1"),
+        (11, "SIGSEGV"),
+        (12, "SIGUSR2"),
+        (13, "SIGPIPE"),
+        (14, "SIGALRM"),
+        (15, "SIGTERM"),
+    ];
+    NAMES.iter().find(|(n, _)| *n == signal).map_or_else(
+        || format!("signal {signal}"),
+        |(_, name)| (*name).to_owned(),
+    )
+}
+
+/// The message of [`Error::WorkerDied`]: the same wording as the Python package's
+/// `WorkerDiedError`.
+fn worker_died_message(
+    rank: usize,
+    pid: u32,
+    code: Option<i32>,
+    signal: Option<i32>,
+    before_ready: bool,
+    stderr_tail: &[String],
+) -> String {
+    let how = match (code, signal) {
+        (_, Some(s)) => format!("was killed by {}", signal_name(s)),
+        (Some(c), None) => format!("exited with code {c}"),
+        (None, None) => "exited (exit code unknown)".to_owned(),
+    };
+    let when = if before_ready {
+        "before it was ready"
+    } else {
+        "while it was running"
+    };
+    let mut message = format!("worker {rank} (pid {pid}) {how} {when}");
+    if stderr_tail.is_empty() {
+        message.push_str(" (it wrote nothing to stderr)");
+    } else {
+        message.push_str("; the last lines of its stderr:");
+        for line in stderr_tail {
+            message.push_str("\n    ");
+            message.push_str(line);
+        }
+    }
+    message
 }
 
 // The loom build leaves out the modules that use these.

@@ -14,6 +14,8 @@
 //!   views, and loans to fill in place;
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
+//! - [`workers`]: worker processes with a ready pipe, a death watch and shutdown of whole
+//!   process trees (the Rust side of the Python package's `WorkerProcesses`);
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!
 //! ```no_run
@@ -54,6 +56,8 @@ pub mod sync;
 pub mod transport;
 #[cfg(not(loom))]
 pub mod wait;
+#[cfg(not(loom))]
+pub mod workers;
 
 #[cfg(all(feature = "python", not(loom)))]
 mod python;

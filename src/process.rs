@@ -11,13 +11,59 @@ pub struct ProcessId {
 
 /// `(state, start time)` from `/proc/<pid>/stat`, or `None` if there is no such process.
 fn stat(pid: u32) -> Option<(char, u64)> {
+    stat_fields(pid).map(|(state, _, start)| (state, start))
+}
+
+/// `(state, parent pid, start time)` from `/proc/<pid>/stat`.
+fn stat_fields(pid: u32) -> Option<(char, u32, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may contain spaces: skip past it.
     let rest = &text[text.rfind(')')? + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // `rest` starts at field 3 (state); field 22 (start time) is fields[19].
+    // `rest` starts at field 3 (state); field 4 (parent pid) is fields[1], field 22
+    // (start time) is fields[19].
     let state = fields.first()?.chars().next()?;
-    Some((state, fields.get(19)?.parse().ok()?))
+    Some((
+        state,
+        fields.get(1)?.parse().ok()?,
+        fields.get(19)?.parse().ok()?,
+    ))
+}
+
+/// Every live descendant of `pid` (children, their children, ...), read from `/proc`.
+/// A snapshot: processes may start or exit meanwhile, which is why each comes with its
+/// start time (signal one only while [`ProcessId::is_alive`] still holds).
+pub fn descendants(pid: u32) -> Vec<ProcessId> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut by_parent: std::collections::HashMap<u32, Vec<ProcessId>> = Default::default();
+    for entry in dir.flatten() {
+        let Some(child) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if let Some((state, parent, start_time)) = stat_fields(child) {
+            if state != 'Z' && state != 'X' {
+                by_parent.entry(parent).or_default().push(ProcessId {
+                    pid: child,
+                    start_time,
+                });
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut frontier = vec![pid];
+    while let Some(p) = frontier.pop() {
+        for c in by_parent.remove(&p).unwrap_or_default() {
+            frontier.push(c.pid);
+            out.push(c);
+        }
+    }
+    out
 }
 
 impl ProcessId {
@@ -65,6 +111,28 @@ mod tests {
             start_time: 1
         }
         .is_alive());
+    }
+
+    #[test]
+    fn descendants_include_grandchildren() {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & wait"])
+            .spawn()
+            .unwrap();
+        let t = std::time::Instant::now();
+        let mut found = Vec::new();
+        while found.is_empty() && t.elapsed().as_secs() < 10 {
+            found = descendants(child.id());
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(found.len(), 1, "the shell's sleep");
+        assert!(found[0].is_alive());
+        assert!(descendants(std::process::id())
+            .iter()
+            .any(|p| p.pid == child.id()));
+        // SAFETY: plain kill(2) of our own grandchild, still alive (checked above).
+        unsafe { libc::kill(found[0].pid as libc::pid_t, libc::SIGKILL) };
+        child.wait().unwrap();
     }
 
     #[test]

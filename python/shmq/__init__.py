@@ -4,6 +4,8 @@
   of the engines' ``MessageQueue``.
 - A single-writer object store (FIFO allocator over shared memory) with the API of the
   engines' ``SingleWriterShmObjectStorage``.
+- Worker processes around them (``WorkerProcesses``, ``report_ready``): start, ready
+  handshake with a deadline, supervision, shutdown of whole process trees.
 
 The engines' names are kept as aliases, so shmq replaces them without code changes.
 """
@@ -13,6 +15,7 @@ from .group import StatelessProcessGroup
 from .message_queue import Handle, MessageQueue, PeerDiedError, ShmRingBuffer, sched_yield
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
 from .serde import MsgpackSerde, ObjectSerde, PickleSerde
+from .workers import WorkerDiedError, WorkerProcesses, WorkersNotReadyError, report_ready
 
 # The engines' names.
 SingleWriterShmObjectStorage = ObjectStorage
@@ -34,6 +37,10 @@ __all__ = [
     "SingleWriterShmObjectStorage",
     "SingleWriterShmRingBuffer",
     "StatelessProcessGroup",
+    "WorkerDiedError",
+    "WorkerProcesses",
+    "WorkersNotReadyError",
     "__version__",
+    "report_ready",
     "sched_yield",
 ]

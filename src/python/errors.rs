@@ -19,7 +19,7 @@ impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         let msg = err.to_string();
         match err {
-            Error::Timeout { .. } => PyTimeoutError::new_err(msg),
+            Error::Timeout { .. } | Error::WorkersNotReady { .. } => PyTimeoutError::new_err(msg),
             Error::Cancelled => PyRuntimeError::new_err("cancelled"),
             Error::NoSpace { .. } | Error::Full(_) => PyMemoryError::new_err(msg),
             Error::StaleObject { .. } | Error::KeyExists(_) | Error::TooLarge { .. } => {
@@ -27,7 +27,7 @@ impl From<Error> for PyErr {
             }
             Error::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
             Error::BadSegment { .. } | Error::InvalidArgument(_) => PyValueError::new_err(msg),
-            Error::WrongRole(_) => PyRuntimeError::new_err(msg),
+            Error::WrongRole(_) | Error::WorkerDied { .. } => PyRuntimeError::new_err(msg),
             Error::Os { ref source, .. }
                 if source.kind() == std::io::ErrorKind::PermissionDenied =>
             {

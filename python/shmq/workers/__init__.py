@@ -1,0 +1,88 @@
+"""Worker processes: start them, wait until they are ready, notice when one dies, and
+shut them all down, process trees and shared-memory segments included.
+
+The glue around the queues that every serving stack writes by hand (vLLM's
+``CoreEngineProcManager``, ``wait_for_engine_startup``, ``shutdown``)::
+
+    def worker(rank, queue_handle, store_handle):
+        queue = MessageQueue.create_from_handle(queue_handle, rank)
+        store = ObjectStorage.create_from_handle(store_handle)
+        report_ready()                      # set-up done
+        queue.wait_until_ready()
+        while (batch := queue.dequeue()) is not None:
+            ...
+
+    with WorkerProcesses(worker, 4, args=(queue.export_handle(), store.handle())) as workers:
+        workers.wait_until_ready(timeout=60)   # WorkerDiedError at once if one dies first
+        queue.wait_until_ready()
+        with workers.monitor(queue):           # a crash wakes the blocked enqueue
+            for batch in batches:
+                queue.enqueue(batch)
+    # leaving the block: SIGTERM, a shared grace period, SIGKILL of whole process trees,
+    # and the dead workers' /dev/shm segments removed
+
+What it guarantees:
+
+- **Start.** ``target(rank, *args, **kwargs)`` runs in processes named ``Worker_0``...
+  (``spawn`` context by default). If starting one fails, those already started are shut
+  down before the error propagates.
+- **Ready, with a deadline.** Each worker calls :func:`report_ready` after its own set-up;
+  :meth:`WorkerProcesses.wait_until_ready` returns when all have, and raises
+  :class:`WorkerDiedError` at once when one dies first (rank, pid, exit code or signal,
+  the last lines it wrote to stderr), or :class:`WorkersNotReadyError` naming the
+  stragglers when the deadline passes. Workers on other machines join over TCP with the
+  same :func:`report_ready` (:func:`connect_to_parent`, authenticated by a random token
+  carried in the :class:`WorkerTicket`).
+- **Supervision.** A supervisor thread watches every worker (pidfds) and forwards each
+  worker's stderr to the parent's stderr, prefixed ``(Worker_1 pid=...)``, keeping the
+  last lines for error messages. :meth:`~WorkerProcesses.monitor` wakes the parent's
+  blocked ``MessageQueue`` calls when a worker fails, and raises ``WorkerDiedError``.
+- **Shutdown.** :meth:`~WorkerProcesses.close`: SIGTERM to every worker's process group,
+  one shared grace period, then SIGKILL of what remains, including descendants captured
+  before the SIGTERM; reaping; removal of the segments the dead workers (and their
+  descendants) created. Idempotent; also runs at interpreter exit, on garbage collection,
+  and when Ctrl-C ends a ``with`` block.
+- **Orphans.** Each worker gets ``PR_SET_PDEATHSIG`` (SIGKILL by default): it dies with
+  the parent even when the parent is SIGKILLed. Each worker leads its own process group,
+  so its descendants go down with it, and a Ctrl-C in the terminal reaches only the
+  parent, which then shuts the workers down in order.
+
+Caveats, and how they are handled:
+
+- ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the
+  process. Workers are therefore always forked from a long-lived thread: the main
+  thread, or (when :class:`WorkerProcesses` is made in another thread) a daemon launcher
+  thread that lives as long as the process.
+- With the ``forkserver`` context the parent of a worker is the fork server, so instead
+  of ``PR_SET_PDEATHSIG`` a thread in the worker watches the parent's pidfd.
+- A worker killed by the death signal cannot remove its own segments; the next
+  ``python -m shmq cleanup`` does. A worker's own children die with it only if they are
+  in its process group (the default for anything it starts) or call
+  :func:`die_with_parent` themselves.
+- Output a worker writes before its bootstrap redirects stderr (interpreter start-up,
+  unpickling its arguments) goes straight to the parent's stderr and is not in the tail.
+
+The package's layers, each using only those before it: ``protocol`` (the ticket, the
+TCP frames), ``errors``, ``child`` (what runs in a worker), ``supervisor`` (the parent's
+thread that watches them, and shutdown), ``processes`` (:class:`WorkerProcesses`).
+"""
+
+from .child import ParentLink, connect_to_parent, die_with_parent, report_ready
+from .errors import WorkerDiedError, WorkersNotReadyError
+from .processes import WorkerMonitor, WorkerProcesses
+from .protocol import DEFAULT_GRACE, WorkerTicket
+from .supervisor import WorkerInfo
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "ParentLink",
+    "WorkerDiedError",
+    "WorkerInfo",
+    "WorkerMonitor",
+    "WorkerProcesses",
+    "WorkerTicket",
+    "WorkersNotReadyError",
+    "connect_to_parent",
+    "die_with_parent",
+    "report_ready",
+]

@@ -1,0 +1,329 @@
+"""The worker side: what runs in a worker process.
+
+- :func:`bootstrap`, the entry point of every local worker: die with the parent, lead a
+  process group, send stderr into the parent's pipe, turn SIGTERM into ``SystemExit``,
+  then run ``target(rank, ...)``;
+- :func:`report_ready`, which a worker calls once its set-up is done;
+- :func:`connect_to_parent`, how a worker the parent did not start (on another machine)
+  joins over TCP;
+- :func:`die_with_parent`, for workers and their own children.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Callable, Optional, Sequence
+
+from .protocol import DEFAULT_GRACE, WorkerTicket, mac, recv_frame, send_frame
+
+__all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready"]
+
+logger = logging.getLogger("shmq.workers")
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _prctl_set_pdeathsig(sig: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_pid_in_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to this process when process ``pid`` exits (pidfd; a daemon thread)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), sig)
+        return
+
+    def watch() -> None:
+        import select
+
+        select.select([fd], [], [])
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="shmq-parent-watch", daemon=True).start()
+
+
+def die_with_parent(parent_pid: Optional[int] = None, sig: int = signal.SIGKILL) -> None:
+    """Make the kernel send ``sig`` to this process when its parent process exits, even
+    when the parent is SIGKILLed (``PR_SET_PDEATHSIG``); if the parent is already gone,
+    send it now. Workers do this in their bootstrap; call it in a worker's own children
+    to make them die with the worker.
+
+    ``parent_pid``: the process to die with (default: the current parent). When it is not
+    this process's parent (a fork server started it), its pidfd is watched from a thread.
+
+    Caveat: the kernel sends the signal when the *thread* that forked this process exits.
+    Fork from a thread that lives as long as its process (``WorkerProcesses`` does)."""
+    if parent_pid is None:
+        parent_pid = os.getppid()
+    if os.getppid() == parent_pid and _prctl_set_pdeathsig(sig):
+        # The parent may have died between fork and prctl: then this process was
+        # reparented and nobody will send the signal.
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), sig)
+        return
+    if hasattr(os, "pidfd_open"):
+        _watch_pid_in_thread(parent_pid, sig)
+    else:  # pragma: no cover - not Linux
+        logger.warning("cannot make process %d die with its parent on this platform", os.getpid())
+
+
+# ---------------------------------------------------------------------------------
+# Reporting ready
+
+
+class _ParentChannel:
+    """How a worker tells its parent it is ready."""
+
+    def send_ready(self, info: Any) -> None:
+        raise NotImplementedError
+
+
+class _PipeChannel(_ParentChannel):
+    def __init__(self, conn: multiprocessing.connection.Connection):
+        self._conn = conn
+
+    def send_ready(self, info: Any) -> None:
+        self._conn.send(("ready", info))
+        self._conn.close()
+
+
+_channel: Optional[_ParentChannel] = None
+_channel_lock = threading.Lock()
+_reported = False
+
+
+def report_ready(info: Any = None) -> None:
+    """Tell the parent this worker has finished its set-up (call it once, in the worker).
+
+    ``info``: any picklable object for the parent, e.g. the handle of a queue this worker
+    writes; :meth:`WorkerProcesses.wait_until_ready` returns them by rank. A second call
+    does nothing. Raises ``RuntimeError`` outside a worker (a process started by
+    :class:`WorkerProcesses` or joined with :func:`connect_to_parent`)."""
+    global _reported
+    with _channel_lock:
+        if _channel is None:
+            raise RuntimeError(
+                "report_ready() is for worker processes: started by shmq.WorkerProcesses, "
+                "or joined with shmq.workers.connect_to_parent()"
+            )
+        if _reported:
+            return
+        _channel.send_ready(info)
+        _reported = True
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # SystemExit unwinds the worker (finally blocks, atexit: segments are removed by their
+    # creators); the code says which signal, as a shell would.
+    raise SystemExit(128 + signum)
+
+
+def _install_sigterm_handler() -> None:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+# ---------------------------------------------------------------------------------
+# Local workers: the bootstrap
+
+
+@dataclass
+class WorkerSpec:
+    """What the bootstrap needs, pickled into the worker process."""
+
+    target: Callable[..., Any]
+    rank: int
+    args: tuple
+    kwargs: dict
+    parent_pid: int
+    ready_conn: multiprocessing.connection.Connection
+    # Only carries the write end of the stderr pipe into the child (a Connection pickles
+    # its fd into any start method's child); the child dup2s it onto fd 2.
+    stderr_conn: Optional[multiprocessing.connection.Connection]
+    death_signal: Optional[int]
+    new_process_group: bool
+
+
+def bootstrap(spec: WorkerSpec) -> None:
+    """Entry point of every local worker: die with the parent, own process group, stderr
+    into the parent's pipe, SIGTERM as SystemExit, then ``target(rank, ...)``."""
+    global _channel
+    if spec.death_signal is not None:
+        die_with_parent(spec.parent_pid, spec.death_signal)
+    if spec.new_process_group:
+        try:
+            os.setpgid(0, 0)
+        except OSError:  # pragma: no cover - already a session or group leader
+            pass
+    if spec.stderr_conn is not None:
+        sys.stderr.flush()
+        os.dup2(spec.stderr_conn.fileno(), 2)
+        spec.stderr_conn.close()
+    try:
+        import faulthandler
+
+        faulthandler.enable()  # a SIGSEGV/SIGBUS leaves a Python stack in the stderr tail
+    except Exception:  # pragma: no cover
+        pass
+    _install_sigterm_handler()
+    with _channel_lock:
+        _channel = _PipeChannel(spec.ready_conn)
+    try:
+        spec.target(spec.rank, *spec.args, **spec.kwargs)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        # The worker's own frames only (multiprocessing would print its bootstrap's too):
+        # the stderr tail in the parent's error is this traceback.
+        tb = e.__traceback__
+        traceback.print_exception(type(e), e, tb.tb_next if tb is not None else None)
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------
+# Remote workers: joining over TCP
+
+
+class _TcpChannel(_ParentChannel):
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._send_lock = threading.Lock()
+
+    def send_ready(self, info: Any) -> None:
+        with self._send_lock:
+            send_frame(self._sock, b"R", pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_exit(self, exitcode: int, stderr: Sequence[str]) -> None:
+        with self._send_lock:
+            send_frame(self._sock, b"X", json.dumps({"exitcode": exitcode, "stderr": list(stderr)}).encode())
+
+
+class ParentLink:
+    """A remote worker's connection to its parent (from :func:`connect_to_parent`).
+
+    Use it as a context manager around the worker's work: leaving the block tells the
+    parent how the worker ended (exit code 0, or 1 with the traceback's last lines, which
+    the parent puts in its ``WorkerDiedError``)."""
+
+    def __init__(self, sock: socket.socket, rank: int, die_with_parent: bool):
+        self._sock = sock
+        self._channel = _TcpChannel(sock)
+        self.rank = rank
+        self._leaving = threading.Event()
+        if die_with_parent:
+            _install_sigterm_handler()
+            threading.Thread(target=self._watch, name="shmq-parent-link", daemon=True).start()
+
+    def close(self, exitcode: int = 0, stderr: Sequence[str] = ()) -> None:
+        """Tell the parent this worker is leaving with ``exitcode``, and disconnect."""
+        if self._leaving.is_set():
+            return
+        self._leaving.set()
+        try:
+            self._channel.send_exit(exitcode, stderr)
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the watch thread's recv
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _watch(self) -> None:
+        """Stop this process when the parent says so or disappears (not when the worker
+        leaves on its own)."""
+        grace = DEFAULT_GRACE
+        try:
+            while True:
+                kind, payload = recv_frame(self._sock)
+                if kind == b"S":
+                    grace = float(json.loads(payload).get("grace", grace))
+                    break
+        except (OSError, EOFError, ValueError):
+            pass  # the connection dropped: the parent is gone (or this worker is leaving)
+        if self._leaving.is_set():
+            return
+        os.kill(os.getpid(), signal.SIGTERM)  # a SystemExit in the main thread
+        if not self._leaving.wait(grace):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def __enter__(self) -> "ParentLink":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            self.close(0)
+        else:
+            code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+            lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
+            self.close(code, lines[-20:])
+
+
+def connect_to_parent(
+    ticket: WorkerTicket | str,
+    rank: int,
+    *,
+    die_with_parent: bool = True,
+    timeout: float = 30.0,
+) -> ParentLink:
+    """Join a :class:`WorkerProcesses` from another machine (or any process it did not
+    start) as worker ``rank``; afterwards :func:`report_ready` reports to that parent.
+
+    The parent accepts the ranks it was told to expect as remote (``n_remote``), each
+    once, and only from a process that proves it knows the ticket's token (HMAC over a
+    fresh challenge: the token itself never crosses the network). A refusal (wrong token,
+    unexpected or taken rank) raises ``PermissionError``.
+
+    ``die_with_parent``: when the parent closes the group (or dies: the connection drops),
+    this process gets SIGTERM (a ``SystemExit`` in its main thread) and, if it is still
+    there after the grace period, SIGKILL."""
+    global _channel
+    if isinstance(ticket, str):
+        ticket = WorkerTicket.parse(ticket)
+    sock = socket.create_connection((ticket.host, ticket.port), timeout=timeout)
+    try:
+        kind, payload = recv_frame(sock)
+        if kind != b"C":
+            raise ConnectionError(f"{ticket.host}:{ticket.port} is not a shmq worker parent")
+        nonce = json.loads(payload)["nonce"]
+        pid = os.getpid()
+        hello = {"rank": rank, "pid": pid, "host": socket.gethostname(), "mac": mac(ticket.token, nonce, rank, pid)}
+        send_frame(sock, b"H", json.dumps(hello).encode())
+        kind, payload = recv_frame(sock)
+        answer = json.loads(payload) if kind == b"A" else {"ok": False, "error": "no answer"}
+        if not answer.get("ok"):
+            raise PermissionError(
+                f"the parent at {ticket.host}:{ticket.port} refused worker rank {rank}: {answer.get('error')}"
+            )
+    except BaseException:
+        sock.close()
+        raise
+    # Admitted: block reads from here on (the watch thread waits for "stop" or EOF), and
+    # let TCP keepalive notice a parent machine that vanished without a word.
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    link = ParentLink(sock, rank, die_with_parent)
+    with _channel_lock:
+        _channel = link._channel
+    return link

@@ -1,0 +1,333 @@
+"""The public face: :class:`WorkerProcesses` and its :class:`WorkerMonitor`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import multiprocessing
+import multiprocessing.process
+import signal
+import threading
+import time
+import weakref
+from types import TracebackType
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from .. import _core
+from .errors import WorkerDiedError, WorkersNotReadyError
+from .protocol import DEFAULT_GRACE, WorkerTicket
+from .supervisor import Launcher, Supervisor, WorkerInfo, open_supervisors
+
+__all__ = ["WorkerMonitor", "WorkerProcesses"]
+
+logger = logging.getLogger("shmq.workers")
+
+# How long a monitor waits for the supervisor to record an exit it already sees (the
+# supervisor takes milliseconds; this only bounds a stalled one).
+_RECORD_WITHIN = 2.0
+
+
+class WorkerMonitor:
+    """Raises in the parent when a worker fails (from :meth:`WorkerProcesses.monitor`).
+
+    When a worker exits before :meth:`WorkerProcesses.close` with a non-zero exit code or a
+    signal (or before it was ready, or a remote worker's connection drops), the monitor at
+    once sets :attr:`cancel`, calls ``shutdown()`` on the queues it was given (their
+    blocked ``enqueue``/``dequeue`` calls in this process raise ``RuntimeError("cancelled")``),
+    and leaving the ``with`` block raises the :class:`WorkerDiedError`, chained from
+    whatever the block raised. A worker that exits with code 0 after it was ready has
+    finished, not failed.
+
+    Code that waits on anything else can pass :attr:`cancel` where a ``threading.Event``
+    is taken (``dequeue(cancel=...)``) or call :meth:`check`."""
+
+    def __init__(self, supervisor: Supervisor, queues: Iterable[Any]):
+        self._supervisor = supervisor
+        self._queues = list(queues)
+        self.cancel = threading.Event()
+        """Set when a worker fails."""
+        self.error: Optional[WorkerDiedError] = None
+        """The first failure seen, or None."""
+
+    def _fire(self, error: WorkerDiedError, queues: Optional[list[Any]] = None) -> None:
+        if self.error is not None:
+            return
+        self.error = error
+        self.cancel.set()
+        for q in self._queues if queues is None else queues:
+            try:
+                q.shutdown()
+            except Exception:  # pragma: no cover - a queue that cannot shut down
+                logger.exception("shutting down %r after %s failed", q, error.name)
+
+    def check(self) -> None:
+        """Raise the :class:`WorkerDiedError` if a worker has failed."""
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> "WorkerMonitor":
+        with self._supervisor.lock:
+            self._supervisor.monitors.append(self)
+            earlier = self._supervisor.failures[0] if self._supervisor.failures else None
+        if earlier is not None:
+            self._fire(earlier)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        if isinstance(exc, Exception) and self.error is None and self._supervisor.exit_unrecorded():
+            # The block failed because a worker died (shmq's own PeerDiedError can come
+            # first), but the supervisor has not recorded that yet: give it a moment, so
+            # that the error names the worker.
+            self.cancel.wait(_RECORD_WITHIN)
+        with self._supervisor.lock:
+            if self in self._supervisor.monitors:
+                self._supervisor.monitors.remove(self)
+            # Let the queues go: the error raised below keeps this monitor alive (through
+            # its traceback), and a queue kept alive keeps its segment.
+            queues, self._queues = self._queues, []
+            # Recorded, but perhaps not yet handed to this monitor (that happens just
+            # after the supervisor releases the lock).
+            recorded = self._supervisor.failures[0] if self._supervisor.failures else None
+        if self.error is None and recorded is not None:
+            self._fire(recorded, queues)
+        del queues  # this frame lives on in the traceback of what is raised below
+        if self.error is not None and not isinstance(exc, WorkerDiedError):
+            if exc is not None and not isinstance(exc, Exception):
+                return  # KeyboardInterrupt, SystemExit: let them through
+            raise self.error from exc
+
+
+class WorkerProcesses:
+    """``n_workers`` local worker processes running ``target(rank, *args, **kwargs)``,
+    plus ``n_remote`` workers on other machines that join over TCP; supervised from a
+    background thread, and shut down by :meth:`close` (also on leaving a ``with`` block,
+    at interpreter exit, and when the object is garbage-collected).
+
+    Local workers have ranks ``0 .. n_workers-1`` and names ``Worker_0``...; remote ones
+    the ranks after those. Arguments:
+
+    - ``context``: a ``multiprocessing`` start method name or context (``"spawn"``).
+    - ``death_signal``: the signal a worker gets when the parent dies, even by SIGKILL
+      (default SIGKILL, see :func:`die_with_parent`), or None to let workers outlive it.
+    - ``new_process_group``: each worker leads its own process group (its descendants are
+      signalled with it; a terminal's Ctrl-C reaches the parent only).
+    - ``capture_stderr`` / ``forward_stderr``: keep the last ``stderr_tail_lines`` lines
+      each worker writes to stderr (for error messages), and copy them to the parent's
+      ``sys.stderr`` prefixed ``(Worker_1 pid=...)``.
+    - ``remote_host`` / ``remote_port``: where remote workers connect (default: this
+      host's address, ``SHMQ_HOST_IP``; any free port); see :attr:`ticket`.
+    - ``grace``: the default of :meth:`close` (also at exit and on garbage collection).
+    """
+
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        n_workers: int,
+        args: Sequence[Any] = (),
+        kwargs: Optional[dict[str, Any]] = None,
+        *,
+        context: Any = "spawn",
+        name_prefix: str = "Worker",
+        n_remote: int = 0,
+        remote_host: Optional[str] = None,
+        remote_port: int = 0,
+        death_signal: Optional[int] = signal.SIGKILL,
+        new_process_group: bool = True,
+        capture_stderr: bool = True,
+        forward_stderr: bool = True,
+        stderr_tail_lines: int = 20,
+        grace: float = DEFAULT_GRACE,
+    ):
+        if n_workers < 0 or n_remote < 0 or n_workers + n_remote == 0:
+            raise ValueError(f"need at least one worker (n_workers={n_workers}, n_remote={n_remote})")
+        ctx = multiprocessing.get_context(context) if isinstance(context, (str, type(None))) else context
+        self.grace = grace
+        self._supervisor = Supervisor(
+            n_workers, n_remote, name_prefix, stderr_tail_lines, forward_stderr, new_process_group, grace
+        )
+        open_supervisors.add(self._supervisor)
+        self._finalizer = weakref.finalize(self, self._supervisor.close, grace)
+        self._finalizer.atexit = False  # _close_all_at_exit does it, in the right order
+        try:
+            if n_remote:
+                self._supervisor.listen(remote_host or _core.default_connect_ip(), remote_port)
+            for w in self._supervisor.workers[:n_workers]:
+                Launcher.call(
+                    functools.partial(
+                        self._supervisor.start_local,
+                        ctx, w, target, tuple(args), dict(kwargs or {}), death_signal, capture_stderr,
+                    )
+                )  # fmt: skip
+        except BaseException:
+            self.close(grace=min(grace, 1.0))
+            raise
+
+    # -- readiness -------------------------------------------------------------------
+
+    def wait_until_ready(self, timeout: Optional[float] = None, *, close_on_failure: bool = True) -> list[Any]:
+        """Wait until every worker has called :func:`report_ready`; their ``info``
+        objects, by rank.
+
+        Raises :class:`WorkerDiedError` as soon as a worker exits first (any exit code),
+        and :class:`WorkersNotReadyError` naming those not ready when ``timeout``
+        seconds pass. Either way (and on Ctrl-C) the group is closed first, unless
+        ``close_on_failure`` is false."""
+        supervisor = self._supervisor
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            with supervisor.changed:
+                while True:
+                    if supervisor.closed or supervisor.closing:
+                        raise RuntimeError("the worker processes have been closed")
+                    dead = [w for w in supervisor.exit_order if not w.ready or w.error is not None]
+                    if dead:
+                        w = dead[0]
+                        raise w.error or WorkerDiedError(
+                            w.name, w.rank, w.pid, w.exitcode, list(w.tail), host=w.host, before_ready=False
+                        )
+                    waiting = [w for w in supervisor.workers if not w.ready]
+                    if not waiting:
+                        return [w.info for w in supervisor.workers]
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        names = [w.name for w in waiting]
+                        raise WorkersNotReadyError(
+                            f"{len(waiting)} of {len(supervisor.workers)} worker(s) not ready after {timeout} s: "
+                            + ", ".join(w.describe() for w in waiting),
+                            names,
+                        )
+                    # Woken by the supervisor when a worker reports ready or exits.
+                    supervisor.changed.wait(left)
+        except BaseException:
+            if close_on_failure:
+                self.close()
+            raise
+
+    # -- supervision -----------------------------------------------------------------
+
+    @property
+    def ticket(self) -> Optional[WorkerTicket]:
+        """What remote workers pass to :func:`connect_to_parent` (None without
+        ``n_remote``)."""
+        return self._supervisor.ticket
+
+    @property
+    def processes(self) -> list[multiprocessing.process.BaseProcess]:
+        """The local workers' ``multiprocessing`` process objects, by rank."""
+        return [w.process for w in self._supervisor.workers if w.process is not None]
+
+    @property
+    def pids(self) -> list[Optional[int]]:
+        """Every worker's pid by rank (None: a remote worker not connected yet)."""
+        return [w.pid for w in self._supervisor.workers]
+
+    @property
+    def names(self) -> list[str]:
+        """Every worker's name by rank."""
+        return [w.name for w in self._supervisor.workers]
+
+    def info(self) -> list[WorkerInfo]:
+        """A snapshot of every worker, by rank."""
+        with self._supervisor.lock:
+            return [w.snapshot() for w in self._supervisor.workers]
+
+    def sentinels(self) -> list[int]:
+        """The local workers' process sentinels (for ``multiprocessing.connection.wait``);
+        each becomes ready when its worker exits."""
+        return [w.process.sentinel for w in self._supervisor.workers if w.process is not None and not w.reaped]
+
+    def finished(self) -> dict[str, Optional[int]]:
+        """The workers that have exited: name → exit code (negative: killed by that signal;
+        None: a remote worker that left without saying)."""
+        with self._supervisor.lock:
+            return {w.name: w.exitcode for w in self._supervisor.exit_order}
+
+    def join_first(self, timeout: Optional[float] = None) -> Optional[WorkerInfo]:
+        """Wait until a worker exits (or one already has); that worker, or None when
+        ``timeout`` passes first."""
+        supervisor = self._supervisor
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with supervisor.changed:
+            while True:
+                if supervisor.exit_order:
+                    return supervisor.exit_order[0].snapshot()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                supervisor.changed.wait(left)
+
+    def join(self, timeout: Optional[float] = None) -> dict[str, Optional[int]]:
+        """Wait until every worker has exited (after they were told to stop: a ``None``
+        batch, say); their exit codes by name (:meth:`finished`).
+
+        Raises :class:`WorkerDiedError` as soon as a worker fails (non-zero exit code or a
+        signal), and ``TimeoutError`` naming those still running when ``timeout`` seconds
+        pass. Does not stop anyone: :meth:`close` does."""
+        supervisor = self._supervisor
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with supervisor.changed:
+            while True:
+                if supervisor.failures:
+                    raise supervisor.failures[0]
+                running = [w for w in supervisor.workers if not w.exited]
+                if not running:
+                    return self.finished()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"{len(running)} worker(s) still running after {timeout} s: "
+                        + ", ".join(w.describe() for w in running)
+                    )
+                supervisor.changed.wait(left)
+
+    def monitor(self, *queues: Any) -> WorkerMonitor:
+        """A context manager that raises :class:`WorkerDiedError` when a worker fails
+        while it is open, waking the parent's blocked calls on ``queues`` (anything with a
+        ``shutdown()`` method, e.g. ``MessageQueue``) so it never hangs on a dead
+        worker. See :class:`WorkerMonitor`."""
+        return WorkerMonitor(self._supervisor, queues)
+
+    @property
+    def failures(self) -> list[WorkerDiedError]:
+        """Every worker failure seen so far (before :meth:`close`)."""
+        with self._supervisor.lock:
+            return list(self._supervisor.failures)
+
+    # -- shutdown --------------------------------------------------------------------
+
+    def close(self, grace: Optional[float] = None) -> None:
+        """Shut every worker down: SIGTERM to each worker's process group (remote workers
+        are asked to stop), one shared deadline ``grace`` seconds away, then SIGKILL of
+        what remains, including each worker's descendants captured before the SIGTERM;
+        reap; remove the shared-memory segments the dead workers and their descendants
+        created. Idempotent; a second Ctrl-C during the grace period skips to SIGKILL."""
+        self._supervisor.close(self.grace if grace is None else grace)
+        self._finalizer.detach()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._supervisor.closed
+
+    def __enter__(self) -> "WorkerProcesses":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        states = []
+        for w in self.info():
+            state = "exited" if w.exited else "ready" if w.ready else "starting"
+            states.append(f"{w.name}:{state}")
+        return f"<WorkerProcesses {' '.join(states)}{' closed' if self.closed else ''}>"

@@ -1,0 +1,118 @@
+"""Worker functions for test_workers.py (module level, so spawned workers can import them).
+
+Each takes its rank first, as ``WorkerProcesses`` calls it. Every wait is bounded
+(``STEP``), so a worker the test forgets cannot outlive it for long.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from shmq import MessageQueue
+from shmq.workers import connect_to_parent, report_ready
+
+STEP = 30.0
+
+
+def _sleeper_command(ignore_sigterm: bool) -> list[str]:
+    code = "import signal, time\n"
+    if ignore_sigterm:
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    code += f"time.sleep({STEP})\n"
+    return [sys.executable, "-c", code]
+
+
+def ready_then_sleep(rank: int, tag: str = "") -> None:
+    """Report ready with ``(rank, pid, tag)``, then idle until stopped."""
+    report_ready((rank, os.getpid(), tag))
+    time.sleep(STEP)
+
+
+def ready_then_exit(rank: int, code: int) -> None:
+    """Report ready, then exit with ``code``."""
+    report_ready(rank)
+    time.sleep(0.2)
+    sys.exit(code)
+
+
+def some_never_ready(rank: int, ready_ranks: tuple[int, ...]) -> None:
+    """Only the ranks in ``ready_ranks`` report ready; all idle until stopped."""
+    if rank in ready_ranks:
+        report_ready()
+    time.sleep(STEP)
+
+
+def one_fails_in_setup(rank: int, failing_rank: int) -> None:
+    """Every rank makes a queue (a shared-memory segment); ``failing_rank`` then raises."""
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    if rank == failing_rank:
+        print(f"rank {rank}: loading the model", file=sys.stderr)
+        raise ValueError(f"rank {rank}: CUDA out of memory while loading weights")
+    report_ready(mq.buffer.name)
+    time.sleep(STEP)
+    del mq
+
+
+def result_writer(rank: int) -> None:
+    """Make a queue this worker writes (one reader: the parent), report its handle, and
+    idle until stopped without writing anything: a parent dequeuing from it blocks."""
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    report_ready(mq.export_handle())
+    mq.wait_until_ready(timeout=STEP)
+    time.sleep(STEP)
+    del mq
+
+
+def idle_reader(rank: int, handle: Any) -> None:
+    """Join the parent's queue as reader ``rank`` and never read: the parent's enqueue
+    blocks once the ring is full."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    report_ready()
+    mq.wait_until_ready(timeout=STEP)
+    time.sleep(STEP)
+
+
+def stubborn_with_children(rank: int) -> None:
+    """Ignore SIGTERM; start two children that ignore it too: one in this worker's process
+    group, one in a session of its own (out of reach of a group kill). Report their pids."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    in_group = subprocess.Popen(_sleeper_command(True))
+    own_session = subprocess.Popen(_sleeper_command(True), start_new_session=True)
+    time.sleep(0.3)  # let both children install their SIG_IGN
+    report_ready((os.getpid(), in_group.pid, own_session.pid))
+    time.sleep(STEP)
+
+
+def dies_leaving_a_child(rank: int) -> None:
+    """Start a child (in this worker's process group), report its pid, then die."""
+    child = subprocess.Popen(_sleeper_command(False))
+    report_ready(child.pid)
+    time.sleep(0.5)
+    os._exit(3)
+
+
+def last_words_then_sigbus(rank: int, n_lines: int) -> None:
+    """Write ``n_lines`` numbered lines to stderr after reporting ready, then die of
+    SIGBUS (faulthandler adds its report)."""
+    report_ready()
+    for i in range(n_lines):
+        print(f"last words {i}", file=sys.stderr)
+    os.kill(os.getpid(), signal.SIGBUS)
+    time.sleep(STEP)
+
+
+def remote_worker(out: Any, ticket: str, rank: int, fail: bool) -> None:
+    """A worker the parent did not start (as on another machine): join over TCP, report
+    ready (or raise first, when ``fail``), then idle until the parent stops it."""
+    out.put(("pid", os.getpid()))
+    with connect_to_parent(ticket, rank):
+        if fail:
+            raise RuntimeError(f"remote rank {rank}: no route to the model store")
+        report_ready({"rank": rank, "pid": os.getpid(), "where": "remote"})
+        out.put(("ready",))
+        time.sleep(STEP)

@@ -1,0 +1,495 @@
+"""WorkerProcesses: start, ready handshake with a deadline, supervision, shutdown of whole
+process trees, workers that die with their parent, remote workers over TCP.
+
+All in real processes. Every wait is bounded; the bounds that the tests assert ("woken
+within 1 s", "gone within 1 s") are liveness requirements from the issue, far above what
+the mechanisms take (a pidfd wake-up, PR_SET_PDEATHSIG), not performance measurements.
+Worker pids are added to the leftover-segment check's pids, so a segment a worker leaves
+in /dev/shm fails the test.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import _processes
+import _worker_targets as targets
+from shmq import MessageQueue, WorkerDiedError, WorkerProcesses
+from shmq.workers import WorkersNotReadyError, WorkerTicket, connect_to_parent, report_ready
+
+HERE = Path(__file__).resolve().parent
+WAKE_WITHIN = 1.0  # the issue's bound for waking a parent blocked on a dead worker
+GONE_WITHIN = 1.0  # the issue's bound for workers to die with a SIGKILLed parent
+# Generous bounds for things that only need to finish (start-up of spawned interpreters
+# on a busy 2-core machine).
+STARTUP = 60.0
+
+
+def _gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie (dead, waiting to be reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pids, within: float) -> list[int]:
+    """The pids still running after ``within`` seconds (polling)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = [p for p in pids if not _gone(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.01)
+
+
+def _track(workers: WorkerProcesses) -> list[int]:
+    """Worker pids, added to the leftover-segment check."""
+    pids = [p for p in workers.pids if p is not None]
+    _processes.CHILD_PIDS.update(pids)
+    return pids
+
+
+def _segments_of(pids) -> set[str]:
+    return _processes.segments_of(set(pids))
+
+
+# ---------------------------------------------------------------------------------
+# Start and ready
+
+
+def test_all_workers_ready_and_closed():
+    with WorkerProcesses(targets.ready_then_sleep, 4, args=("hello",), grace=5.0) as workers:
+        pids = _track(workers)
+        assert workers.names == ["Worker_0", "Worker_1", "Worker_2", "Worker_3"]
+        assert [p.name for p in workers.processes] == workers.names
+        infos = workers.wait_until_ready(timeout=STARTUP)
+        assert infos == [(rank, pid, "hello") for rank, pid in enumerate(pids)]
+        assert all(i.ready and not i.exited for i in workers.info())
+        assert workers.finished() == {}
+        assert workers.join_first(timeout=0.1) is None
+    assert workers.closed
+    assert _wait_gone(pids, 0) == []
+    # SIGTERM became SystemExit(128 + SIGTERM) in each worker: a graceful exit.
+    assert workers.finished() == {name: 128 + signal.SIGTERM for name in workers.names}
+    assert workers.failures == []
+
+
+def test_close_is_idempotent_and_runs_on_garbage_collection():
+    workers = WorkerProcesses(targets.ready_then_sleep, 2)
+    pids = _track(workers)
+    workers.wait_until_ready(timeout=STARTUP)
+    workers.close()
+    workers.close()
+    workers.close(grace=0)
+    assert _wait_gone(pids, 0) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        workers.wait_until_ready(timeout=1)
+
+    # Dropped without close(): the finalizer shuts them down.
+    workers = WorkerProcesses(targets.ready_then_sleep, 2)
+    pids = _track(workers)
+    workers.wait_until_ready(timeout=STARTUP)
+    del workers
+    gc.collect()
+    assert _wait_gone(pids, 0) == []
+
+
+def test_a_worker_raising_during_setup_is_named_and_the_others_are_stopped():
+    timeout = STARTUP
+    t0 = time.monotonic()
+    workers = WorkerProcesses(targets.one_fails_in_setup, 4, args=(2,))
+    pids = _track(workers)
+    with pytest.raises(WorkerDiedError) as info:
+        workers.wait_until_ready(timeout=timeout)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert (err.name, err.rank, err.pid, err.exitcode) == ("Worker_2", 2, pids[2], 1)
+    assert err.before_ready and err.signal_name is None
+    message = str(err)
+    assert message.startswith(f"Worker_2 (rank 2, pid {pids[2]}) exited with code 1 before it was ready")
+    assert "rank 2: loading the model" in message  # its stderr, before the traceback
+    assert "ValueError: rank 2: CUDA out of memory while loading weights" in message
+    assert err.stderr_tail[-1] == "ValueError: rank 2: CUDA out of memory while loading weights"
+    # At once, not at the deadline.
+    assert elapsed < timeout / 2, elapsed
+    # wait_until_ready closed the group: every worker is gone, and so are their segments.
+    assert workers.closed
+    assert _wait_gone(pids, 0) == []
+    assert _segments_of(pids) == set()
+    assert set(workers.finished()) == set(workers.names)
+
+
+def test_a_start_failure_stops_the_workers_already_started():
+    before = {p.pid for p in psutil.Process().children()}
+
+    class PicklesOnce:
+        pickled = 0
+
+        def __reduce__(self):
+            PicklesOnce.pickled += 1
+            if PicklesOnce.pickled > 1:
+                raise pickle.PicklingError("this argument cannot go to a second worker")
+            return (int, (0,))
+
+    with pytest.raises(pickle.PicklingError, match="second worker"):
+        WorkerProcesses(targets.ready_then_sleep, 3, args=(PicklesOnce(),))
+    assert PicklesOnce.pickled == 2  # so Worker_0 was started
+    started = [p for p in psutil.Process().children() if p.pid not in before]
+    started = [p for p in started if "resource_tracker" not in " ".join(p.cmdline())]
+    assert started == []
+
+
+def test_a_deadline_that_passes_names_the_workers_not_ready():
+    workers = WorkerProcesses(targets.some_never_ready, 4, args=((0, 2),))
+    pids = _track(workers)
+    # Ranks 0 and 2 report ready (however slowly this machine starts them); 1 and 3 never.
+    deadline = time.monotonic() + STARTUP
+    while not all(workers.info()[r].ready for r in (0, 2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    with pytest.raises(WorkersNotReadyError) as info:
+        workers.wait_until_ready(timeout=1.5)
+    assert time.monotonic() - t0 >= 1.5
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.not_ready == ["Worker_1", "Worker_3"]
+    message = str(info.value)
+    assert message.startswith("2 of 4 worker(s) not ready after 1.5 s:")
+    assert f"Worker_1 (rank 1, pid {pids[1]})" in message and f"Worker_3 (rank 3, pid {pids[3]})" in message
+    assert "Worker_0" not in message and "Worker_2" not in message
+    assert workers.closed and _wait_gone(pids, 0) == []
+
+
+def test_report_ready_outside_a_worker_is_an_error():
+    with pytest.raises(RuntimeError, match="report_ready\\(\\) is for worker processes"):
+        report_ready()
+
+
+def test_workers_started_from_a_short_lived_thread_survive_it():
+    # PR_SET_PDEATHSIG fires when the forking *thread* exits: WorkerProcesses forks from
+    # a long-lived launcher thread when it is not called on the main thread.
+    made = []
+    t = threading.Thread(target=lambda: made.append(WorkerProcesses(targets.ready_then_sleep, 2)))
+    t.start()
+    t.join(STARTUP)
+    workers = made[0]
+    pids = _track(workers)
+    try:
+        workers.wait_until_ready(timeout=STARTUP)
+        assert workers.join_first(timeout=0.5) is None, "a worker died with the thread that started it"
+        assert all(not _gone(p) for p in pids)
+    finally:
+        workers.close()
+
+
+# ---------------------------------------------------------------------------------
+# Supervision
+
+
+def test_stderr_tail_and_signal_name_of_a_worker_killed_by_sigbus(capsys):
+    with WorkerProcesses(targets.last_words_then_sigbus, 1, args=(30,), stderr_tail_lines=20) as workers:
+        pids = _track(workers)
+        workers.wait_until_ready(timeout=STARTUP)
+        first = workers.join_first(timeout=STARTUP)
+        assert first is not None and first.exitcode == -signal.SIGBUS
+        # The failure happened before the monitor was opened: leaving it raises anyway.
+        with pytest.raises(WorkerDiedError) as info:
+            with workers.monitor() as monitor:
+                assert monitor.cancel.is_set()
+    err = info.value
+    assert (err.name, err.pid, err.signal_name) == ("Worker_0", pids[0], "SIGBUS")
+    assert str(err).startswith(f"Worker_0 (rank 0, pid {pids[0]}) was killed by SIGBUS while it was running")
+    assert len(err.stderr_tail) == 20
+    assert "Fatal Python error: Bus error" in err.stderr_tail  # faulthandler, after the last words
+    words = [line for line in err.stderr_tail if line.startswith("last words")]
+    assert words and words == [f"last words {i}" for i in range(30 - len(words), 30)]
+    # Still forwarded to the parent's stderr, every line, prefixed with the worker.
+    forwarded = capsys.readouterr().err
+    assert f"(Worker_0 pid={pids[0]}) last words 0\n" in forwarded
+    assert f"(Worker_0 pid={pids[0]}) last words 29\n" in forwarded
+
+
+@pytest.mark.parametrize("blocked_in", ["dequeue", "enqueue"])
+def test_a_worker_sigkilled_mid_run_wakes_the_blocked_parent(blocked_in):
+    if blocked_in == "dequeue":
+        # Each worker writes a queue the parent reads; the parent waits on worker 1's.
+        queue = None
+        workers = WorkerProcesses(targets.result_writer, 2)
+    else:
+        # The parent writes a queue the workers read but never do: the ring fills up.
+        queue = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=1024, max_chunks=2)
+        workers = WorkerProcesses(targets.idle_reader, 2, args=(queue.export_handle(),))
+    with workers:
+        pids = _track(workers)
+        handles = workers.wait_until_ready(timeout=STARTUP)
+        if blocked_in == "dequeue":
+            readers = [MessageQueue.create_from_handle(h, 0) for h in handles]
+            for r in readers:
+                r.wait_until_ready(timeout=STARTUP)
+            blocked_queue = readers[1]
+        else:
+            queue.wait_until_ready(timeout=STARTUP)
+            for i in range(2):
+                queue.enqueue(i, timeout=STARTUP)  # fills both chunks
+            blocked_queue = queue
+
+        killed_at = []
+
+        def kill_worker_1():
+            killed_at.append(time.monotonic())
+            os.kill(pids[1], signal.SIGKILL)
+
+        timer = threading.Timer(0.5, kill_worker_1)
+        with pytest.raises(WorkerDiedError) as info:
+            with workers.monitor(blocked_queue) as monitor:
+                timer.start()
+                if blocked_in == "dequeue":
+                    blocked_queue.dequeue()  # no timeout: only the monitor can end it
+                else:
+                    blocked_queue.enqueue("one more")
+        woken_after = time.monotonic() - killed_at[0]
+        timer.join()
+        err = info.value
+        assert (err.name, err.rank, err.pid, err.exitcode) == ("Worker_1", 1, pids[1], -signal.SIGKILL)
+        assert "Worker_1 (rank 1, pid" in str(err) and "was killed by SIGKILL while it was running" in str(err)
+        # Chained from what woke the blocked call.
+        assert isinstance(err.__cause__, RuntimeError)
+        assert monitor.cancel.is_set()
+        assert woken_after < WAKE_WITHIN, f"the blocked {blocked_in} was woken {woken_after:.2f} s after the kill"
+        if blocked_in == "dequeue":
+            # The killed worker could not remove its segment; it is still there until close.
+            assert _segments_of([pids[1]])
+            del readers, blocked_queue
+    # close() removed the segment the killed worker left behind.
+    assert _segments_of(pids) == set()
+    assert _wait_gone(pids, 0) == []
+    del queue
+
+
+def test_monitor_does_not_fire_for_workers_that_finish():
+    with WorkerProcesses(targets.ready_then_exit, 3, args=(0,)) as workers:
+        _track(workers)
+        workers.wait_until_ready(timeout=STARTUP)
+        with workers.monitor() as monitor:
+            deadline = time.monotonic() + STARTUP
+            while len(workers.finished()) < 3 and time.monotonic() < deadline:
+                workers.join_first(timeout=1)
+                time.sleep(0.05)
+        assert monitor.error is None and not monitor.cancel.is_set()
+        assert workers.join(timeout=STARTUP) == {"Worker_0": 0, "Worker_1": 0, "Worker_2": 0}
+        assert workers.finished() == {"Worker_0": 0, "Worker_1": 0, "Worker_2": 0}
+        assert workers.join_first().exitcode == 0
+        assert workers.failures == []
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_other_start_methods(context):
+    with WorkerProcesses(targets.ready_then_sleep, 2, args=(context,), context=context) as workers:
+        pids = _track(workers)
+        assert workers.wait_until_ready(timeout=STARTUP) == [(0, pids[0], context), (1, pids[1], context)]
+        os.kill(pids[1], signal.SIGKILL)
+        first = workers.join_first(timeout=STARTUP)
+        assert (first.name, first.exitcode) == ("Worker_1", -signal.SIGKILL)
+        assert "was killed by SIGKILL" in str(workers.failures[0])
+    assert workers.finished() == {"Worker_1": -signal.SIGKILL, "Worker_0": 128 + signal.SIGTERM}
+    assert _wait_gone(pids, 0) == []
+
+
+def test_join_waits_for_every_worker_and_raises_on_a_failure():
+    with WorkerProcesses(targets.ready_then_exit, 2, args=(5,)) as workers:
+        pids = _track(workers)
+        workers.wait_until_ready(timeout=STARTUP)
+        with pytest.raises(
+            WorkerDiedError, match=r"Worker_\d \(rank \d, pid \d+\) exited with code 5 while it was running"
+        ):
+            workers.join(timeout=STARTUP)
+    with WorkerProcesses(targets.ready_then_sleep, 2) as workers:
+        pids = _track(workers)
+        workers.wait_until_ready(timeout=STARTUP)
+        with pytest.raises(
+            TimeoutError, match=f"2 worker\\(s\\) still running after 0.5 s: Worker_0 \\(rank 0, pid {pids[0]}\\)"
+        ):
+            workers.join(timeout=0.5)
+
+
+def test_sentinels_and_join_first():
+    with WorkerProcesses(targets.ready_then_sleep, 3) as workers:
+        pids = _track(workers)
+        workers.wait_until_ready(timeout=STARTUP)
+        sentinels = workers.sentinels()
+        assert len(sentinels) == 3
+        assert multiprocessing.connection.wait(sentinels, timeout=0.1) == []
+        os.kill(pids[2], signal.SIGKILL)
+        assert multiprocessing.connection.wait(sentinels, timeout=STARTUP) == [sentinels[2]]
+        first = workers.join_first(timeout=STARTUP)
+        assert (first.name, first.rank, first.pid, first.exitcode) == ("Worker_2", 2, pids[2], -signal.SIGKILL)
+        assert workers.finished() == {"Worker_2": -signal.SIGKILL}
+        assert [e.name for e in workers.failures] == ["Worker_2"]
+
+
+# ---------------------------------------------------------------------------------
+# Shutdown
+
+
+def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period_with_its_children():
+    grace = 1.5
+    workers = WorkerProcesses(targets.stubborn_with_children, 1, grace=grace)
+    _track(workers)
+    ((worker, in_group, own_session),) = workers.wait_until_ready(timeout=STARTUP)
+    assert all(not _gone(p) for p in (worker, in_group, own_session))
+    t0 = time.monotonic()
+    workers.close()
+    took = time.monotonic() - t0
+    assert took >= grace, "SIGKILL came before the grace period was over"
+    # The worker and both children (the one outside its process group was found in its
+    # process tree before the SIGTERM) are gone.
+    assert _wait_gone([worker, in_group, own_session], 0) == []
+    assert workers.finished() == {"Worker_0": -signal.SIGKILL}
+
+
+def test_the_children_of_a_worker_that_dies_die_with_it():
+    with WorkerProcesses(targets.dies_leaving_a_child, 1) as workers:
+        _track(workers)
+        (child,) = workers.wait_until_ready(timeout=STARTUP)
+        first = workers.join_first(timeout=STARTUP)
+        assert first.exitcode == 3
+        # Killed with its worker's process group when the worker's exit was noticed.
+        assert _wait_gone([child], GONE_WITHIN) == [], "the dead worker's child was orphaned"
+        assert "exited with code 3 while it was running" in str(workers.failures[0])
+
+
+def _start_parent(n_workers: int, context: str = "spawn", mode: str = "wait") -> tuple[subprocess.Popen, list[int]]:
+    parent = subprocess.Popen(
+        [sys.executable, str(HERE / "_worker_parent.py"), str(n_workers), context, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = parent.stdout.readline()
+    if not line:
+        parent.kill()
+        raise AssertionError(f"the parent process failed:\n{parent.communicate(timeout=STARTUP)[1]}")
+    report = json.loads(line)
+    assert report["parent"] == parent.pid
+    return parent, report["workers"]
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_workers_die_with_a_sigkilled_parent(context):
+    # spawn: PR_SET_PDEATHSIG. forkserver: a worker's parent is the fork server, so a
+    # thread in the worker watches the real parent's pidfd instead.
+    parent, pids = _start_parent(3, context)
+    try:
+        assert all(not _gone(p) for p in pids)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=STARTUP)
+        left = _wait_gone(pids, GONE_WITHIN)
+        assert left == [], f"workers {left} outlived their SIGKILLed parent by {GONE_WITHIN} s"
+    finally:
+        parent.kill()
+        parent.communicate(timeout=STARTUP)
+        for p in pids:
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_ctrl_c_in_the_parent_shuts_the_workers_down():
+    parent, pids = _start_parent(2)
+    try:
+        # A terminal's Ctrl-C reaches the foreground process group; the workers lead
+        # groups of their own, so only the parent gets it, and shuts them down.
+        os.kill(parent.pid, signal.SIGINT)
+        _, stderr = parent.communicate(timeout=STARTUP)
+        assert parent.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
+        assert _wait_gone(pids, 0) == []
+    finally:
+        parent.kill()
+        for p in pids:
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_workers_are_closed_at_interpreter_exit():
+    # The parent exits without close(), and its workers do not die with it
+    # (death_signal=None): only the interpreter-exit hook can have stopped them.
+    parent, pids = _start_parent(2, mode="exit")
+    try:
+        _, stderr = parent.communicate(timeout=STARTUP)
+        assert parent.returncode == 0, stderr
+        # Reaped by the parent's close(), so not even zombies: gone.
+        assert [p for p in pids if psutil.pid_exists(p)] == []
+    finally:
+        parent.kill()
+        for p in pids:
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------
+# Remote workers
+
+
+def test_remote_worker_joins_over_tcp_and_strangers_are_refused(children):
+    workers = WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1")
+    with workers:
+        _track(workers)
+        ticket = workers.ticket
+        assert ticket.host == "127.0.0.1" and WorkerTicket.parse(str(ticket)) == ticket
+        assert workers.names == ["Worker_0", "Worker_1"]
+
+        wrong = WorkerTicket(ticket.host, ticket.port, "0" * len(ticket.token))
+        with pytest.raises(PermissionError, match="wrong token"):
+            connect_to_parent(wrong, 1, die_with_parent=False)
+        with pytest.raises(PermissionError, match="rank 0 is not a remote rank"):
+            connect_to_parent(ticket, 0, die_with_parent=False)
+        with pytest.raises(PermissionError, match="rank 7 is not a remote rank"):
+            connect_to_parent(ticket, 7, die_with_parent=False)
+
+        out = children.queue()
+        remote = children.start(targets.remote_worker, out, str(ticket), 1, False)
+        _, remote_pid = children.expect(out, "pid", timeout=STARTUP)
+        local_info, remote_info = workers.wait_until_ready(timeout=STARTUP)
+        assert local_info[0] == 0
+        assert remote_info == {"rank": 1, "pid": remote_pid, "where": "remote"}
+        info = workers.info()[1]
+        assert (info.name, info.rank, info.pid, info.ready) == ("Worker_1", 1, remote_pid, True)
+        # The rank is taken now.
+        with pytest.raises(PermissionError, match="rank 1 has already joined"):
+            connect_to_parent(ticket, 1, die_with_parent=False)
+    # close() asked the remote worker to stop: SIGTERM, a SystemExit(128 + SIGTERM) in its
+    # main thread (which the test harness reports as an error).
+    children.expect(out, "ready")
+    report = out.get(timeout=STARTUP)
+    assert report[0] == "error" and f"SystemExit: {128 + signal.SIGTERM}" in report[2], report
+    remote.join(STARTUP)
+    assert remote.exitcode is not None
+
+
+def test_a_remote_worker_that_fails_is_named_with_its_traceback(children):
+    with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
+        _track(workers)
+        out = children.queue()
+        remote = children.start(targets.remote_worker, out, str(workers.ticket), 1, True)
+        _, remote_pid = children.expect(out, "pid", timeout=STARTUP)
+        with pytest.raises(WorkerDiedError) as info:
+            workers.wait_until_ready(timeout=STARTUP)
+    err = info.value
+    assert (err.name, err.rank, err.pid, err.exitcode) == ("Worker_1", 1, remote_pid, 1)
+    assert str(err).startswith(f"Worker_1 (rank 1, pid {remote_pid} on ")
+    assert "exited with code 1 before it was ready" in str(err)
+    assert err.stderr_tail[-1] == "RuntimeError: remote rank 1: no route to the model store"
+    remote.join(STARTUP)
+    assert remote.exitcode == 1

@@ -1,0 +1,259 @@
+//! `shmq::workers` with real processes: `sh` scripts play the workers, and this test
+//! binary, run again with [`ROLE_ENV`] set, plays a parent that a test SIGKILLs.
+//!
+//! Every wait is bounded. The bounds asserted ("gone within 1 s") are liveness
+//! requirements (a pidfd wake-up, `PR_SET_PDEATHSIG`), not performance measurements.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shmq::process::{descendants, ProcessId};
+use shmq::workers::{report_ready, WorkerExit, WorkerOptions, Workers};
+use shmq::Error;
+
+/// Marks this binary run again as the parent of `workers_die_with_a_sigkilled_parent`.
+const ROLE_ENV: &str = "SHMQ_TEST_WORKERS_ROLE";
+const STARTUP: Duration = Duration::from_secs(60);
+/// What a worker script runs once it is set up. (Through /proc: dash's `>&$fd` takes
+/// single-digit fds only.)
+const READY: &str = r#"printf R > "/proc/self/fd/$SHMQ_READY_FD""#;
+
+fn sh(script: &str) -> Command {
+    let mut c = Command::new("sh");
+    c.args(["-c", script]);
+    c
+}
+
+fn quiet() -> WorkerOptions {
+    WorkerOptions {
+        forward_stderr: false,
+        ..WorkerOptions::default()
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    // start_time 0: the pid alone (not a zombie, and there).
+    ProcessId { pid, start_time: 0 }.is_alive()
+}
+
+fn wait_gone(pids: &[u32], within: Duration) -> Vec<u32> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn all_ready_then_closed() {
+    let script = format!("{READY}; exec sleep 30");
+    let mut workers = Workers::spawn((0..3).map(|_| sh(&script)), quiet()).unwrap();
+    let pids = workers.pids();
+    workers.wait_until_ready(STARTUP).unwrap();
+    assert_eq!(
+        workers.wait_any(Some(Duration::from_millis(100))).unwrap(),
+        None
+    );
+    workers.close();
+    workers.close(); // idempotent
+    assert_eq!(
+        workers.exits(),
+        vec![Some(WorkerExit::Signal(libc::SIGTERM)); 3]
+    );
+    assert!(wait_gone(&pids, Duration::ZERO).is_empty());
+}
+
+#[test]
+fn a_worker_that_dies_before_it_is_ready_is_named_at_once() {
+    let ready = format!("{READY}; exec sleep 30");
+    let failing = "echo 'loading weights' >&2; echo 'CUDA out of memory' >&2; exit 3";
+    let commands = [sh(&ready), sh(failing), sh(&ready)];
+    let start = Instant::now();
+    let mut workers = Workers::spawn(commands, quiet()).unwrap();
+    let pids = workers.pids();
+    let err = workers.wait_until_ready(STARTUP).unwrap_err();
+    assert!(
+        start.elapsed() < STARTUP / 2,
+        "not at once: {:?}",
+        start.elapsed()
+    );
+    match &err {
+        Error::WorkerDied {
+            rank,
+            pid,
+            code,
+            signal,
+            before_ready,
+            stderr_tail,
+        } => {
+            assert_eq!(
+                (*rank, *pid, *code, *signal, *before_ready),
+                (1, pids[1], Some(3), None, true)
+            );
+            assert_eq!(stderr_tail, &["loading weights", "CUDA out of memory"]);
+        }
+        other => panic!("expected WorkerDied, got {other:?}"),
+    }
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "worker 1 (pid {}) exited with code 3 before it was ready; the last lines of its stderr:\n    \
+             loading weights\n    CUDA out of memory",
+            pids[1]
+        )
+    );
+    drop(workers); // closes the others
+    assert!(wait_gone(&pids, Duration::ZERO).is_empty());
+}
+
+#[test]
+fn a_signal_is_named_and_check_reports_it() {
+    let script = format!("{READY}; sleep 0.2; echo 'last words' >&2; kill -BUS $$");
+    let mut workers = Workers::spawn([sh(&script)], quiet()).unwrap();
+    workers.wait_until_ready(STARTUP).unwrap();
+    workers.check().unwrap();
+    let first = workers.wait_any(Some(STARTUP)).unwrap();
+    assert_eq!(first, Some((0, WorkerExit::Signal(libc::SIGBUS))));
+    let err = workers.check().unwrap_err().to_string();
+    assert!(
+        err.ends_with("was killed by SIGBUS while it was running; the last lines of its stderr:\n    last words"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_deadline_that_passes_names_the_workers_not_ready() {
+    let commands = [sh(&format!("{READY}; exec sleep 30")), sh("exec sleep 30")];
+    let mut workers = Workers::spawn(commands, quiet()).unwrap();
+    let pids = workers.pids();
+    let start = Instant::now();
+    let err = workers
+        .wait_until_ready(Duration::from_secs(2))
+        .unwrap_err();
+    assert!(start.elapsed() >= Duration::from_secs(2));
+    match &err {
+        Error::WorkersNotReady { not_ready, .. } => assert_eq!(not_ready, &[(1, pids[1])]),
+        other => panic!("expected WorkersNotReady, got {other:?}"),
+    }
+    let message = err.to_string();
+    assert!(
+        message.starts_with("1 worker(s) not ready after 2."),
+        "{message}"
+    );
+    assert!(
+        message.ends_with(&format!(": worker 1 (pid {})", pids[1])),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period_with_its_children() {
+    // Both children ignore SIGTERM too (inherited); one leaves the worker's process group.
+    let script = format!("trap '' TERM; sleep 30 & setsid sleep 30 & {READY}; wait");
+    let grace = Duration::from_millis(1500);
+    let options = WorkerOptions { grace, ..quiet() };
+    let mut workers = Workers::spawn([sh(&script)], options).unwrap();
+    let worker = workers.pids()[0];
+    workers.wait_until_ready(STARTUP).unwrap();
+    let mut children = descendants(worker);
+    let deadline = Instant::now() + STARTUP;
+    while children.len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        children = descendants(worker);
+    }
+    assert_eq!(children.len(), 2, "{children:?}");
+    let start = Instant::now();
+    workers.close();
+    assert!(
+        start.elapsed() >= grace,
+        "SIGKILL before the grace period was over"
+    );
+    assert_eq!(
+        workers.exits(),
+        vec![Some(WorkerExit::Signal(libc::SIGKILL))]
+    );
+    let pids: Vec<u32> = children.iter().map(|p| p.pid).chain([worker]).collect();
+    assert!(wait_gone(&pids, Duration::from_secs(1)).is_empty());
+}
+
+#[test]
+fn the_children_of_a_worker_that_dies_die_with_it() {
+    let script = format!("sleep 30 & {READY}; sleep 0.5; exit 4");
+    let mut workers = Workers::spawn([sh(&script)], quiet()).unwrap();
+    let worker = workers.pids()[0];
+    workers.wait_until_ready(STARTUP).unwrap();
+    // `sleep 30`, and perhaps the foreground `sleep 0.5`.
+    let children: Vec<u32> = descendants(worker).iter().map(|p| p.pid).collect();
+    assert!(!children.is_empty());
+    assert_eq!(
+        workers.wait_any(Some(STARTUP)).unwrap(),
+        Some((0, WorkerExit::Code(4)))
+    );
+    assert!(wait_gone(&children, Duration::from_secs(1)).is_empty());
+}
+
+#[test]
+fn report_ready_outside_a_worker_is_an_error() {
+    if std::env::var_os(shmq::workers::READY_FD_ENV).is_none() {
+        assert!(matches!(report_ready(), Err(Error::WrongRole(_))));
+    }
+}
+
+#[test]
+fn workers_die_with_a_sigkilled_parent() {
+    let script = format!("{READY}; exec sleep 30");
+    if std::env::var_os(ROLE_ENV).is_some() {
+        // The parent: start two workers, say their pids, wait to be killed.
+        let mut workers = Workers::spawn((0..2).map(|_| sh(&script)), quiet()).unwrap();
+        workers.wait_until_ready(STARTUP).unwrap();
+        let pids: Vec<String> = workers.pids().iter().map(u32::to_string).collect();
+        println!("WORKERS {}", pids.join(" "));
+        std::thread::sleep(STARTUP);
+        return;
+    }
+    /// Kills the parent process however the test ends.
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut parent = KillOnDrop(
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "workers_die_with_a_sigkilled_parent",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE_ENV, "parent")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stdout = BufReader::new(parent.0.stdout.take().unwrap());
+    // libtest prints "test ... " first, on the same line.
+    let line = stdout
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.split_once("WORKERS ").map(|(_, pids)| pids.to_owned()))
+        .expect("the parent process never reported its workers");
+    let pids: Vec<u32> = line
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2);
+    assert!(pids.iter().all(|&p| alive(p)));
+    parent.0.kill().unwrap(); // SIGKILL: no destructor, no close()
+    parent.0.wait().unwrap();
+    let left = wait_gone(&pids, Duration::from_secs(1));
+    assert!(
+        left.is_empty(),
+        "workers {left:?} outlived their SIGKILLed parent"
+    );
+}
