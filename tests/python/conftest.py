@@ -1,6 +1,6 @@
 """Fixtures shared by the Python tests: child processes, and the /dev/shm leftover check.
 
-Child-process code lives in ``_processes.py`` (a child cannot import this file).
+Child-process code lives in the ``_processes`` package (a child cannot import this file).
 """
 
 from __future__ import annotations

@@ -1,0 +1,126 @@
+"""Running children (the ``spawn`` context, reports through queues, every wait bounded by
+``STEP``) and finding the shmq segments they leave in /dev/shm."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import re
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+CTX = mp.get_context("spawn")
+
+# Bound on any one blocking call (enqueue, dequeue, ready, a report); generous, because
+# it only turns a hang into a failure and the machine may be busy.
+STEP = 30.0
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "shmq_"
+# shmq names its segments shmq_<kind>_<creator pid>_<random>.
+_SEGMENT_NAME = re.compile(r"^shmq_[a-z]+_(\d+)_[0-9a-f]+$")
+
+# Pids of every child process the tests started (the leftover check needs them: a
+# segment's name carries its creator's pid).
+CHILD_PIDS: set[int] = set()
+
+
+# ---------------------------------------------------------------------------------
+# /dev/shm
+
+
+def shm_segments() -> set[str]:
+    """Names of shmq segments currently in /dev/shm (from any process)."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX)}
+    except FileNotFoundError:  # pragma: no cover - no /dev/shm
+        return set()
+
+
+def segment_creator_pid(name: str) -> int | None:
+    m = _SEGMENT_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def segments_of(pids: set[int]) -> set[str]:
+    """shmq segments in /dev/shm created by one of ``pids``."""
+    return {n for n in shm_segments() if segment_creator_pid(n) in pids}
+
+
+def _child_main(target: Callable[..., None], out: Any, args: tuple) -> None:
+    """Entry point of every child: run ``target(out, *args)``, report an exception."""
+    try:
+        target(out, *args)
+    except BaseException:
+        out.put(("error", os.getpid(), traceback.format_exc()))
+        out.close()
+        out.join_thread()
+        sys.exit(1)
+
+
+class ChildFailed(AssertionError):
+    pass
+
+
+class Children:
+    """The child processes of one test; ``close()`` joins them and kills stragglers."""
+
+    def __init__(self) -> None:
+        self.procs: list[mp.process.BaseProcess] = []
+        self.queues: list[Any] = []
+
+    def queue(self) -> Any:
+        q = CTX.Queue()
+        self.queues.append(q)
+        return q
+
+    def event(self) -> Any:
+        return CTX.Event()
+
+    def start(self, target: Callable[..., None], out: Any, *args: Any) -> mp.process.BaseProcess:
+        p = CTX.Process(target=_child_main, args=(target, out, args), daemon=True)
+        p.start()
+        CHILD_PIDS.add(p.pid)
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def receive(out: Any, timeout: float = STEP) -> tuple:
+        """The next report on ``out``; a child's exception becomes a test failure."""
+        try:
+            msg = out.get(timeout=timeout)
+        except queue.Empty:
+            raise ChildFailed(f"no report from the child process(es) within {timeout} s") from None
+        if msg[0] == "error":
+            raise ChildFailed(f"child process {msg[1]} failed:\n{msg[2]}")
+        return msg
+
+    def expect(self, out: Any, tag: str, timeout: float = STEP) -> tuple:
+        msg = self.receive(out, timeout)
+        assert msg[0] == tag, f"expected a {tag!r} report, got {msg!r:.500}"
+        return msg
+
+    def exit_codes(self, timeout: float = STEP) -> dict[int, int | None]:
+        """Wait for every child to exit; their exit codes by pid (None: still running)."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        return {p.pid: p.exitcode for p in self.procs}
+
+    def join(self, timeout: float = STEP) -> None:
+        """Wait for every child to exit and check that each exited cleanly."""
+        codes = self.exit_codes(timeout)
+        assert all(c == 0 for c in codes.values()), f"child exit codes (pid: code): {codes}"
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for q in self.queues:
+            q.close()
+            q.cancel_join_thread()
