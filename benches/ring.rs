@@ -9,14 +9,14 @@
 //!   batches of round trips with `iter_custom`, which reports half the batch time, so
 //!   its per-iteration figure is the one-way latency. After the criterion run, 20 000
 //!   round trips (after 1 000 warm-up) are timed one by one and p50/p99 of the half
-//!   round trip are printed, as DESIGN.md "Performance targets" specifies; those
+//!   round trip are printed (the way the project states its latency targets); those
 //!   include one `Instant::now()` per round trip (about 20 ns, so ~10 ns one-way).
 //! - `throughput/enqueue_64B_1_reader`: how fast the writer can enqueue 64-byte
 //!   messages while one reader process drains the queue as fast as it can (the ring
 //!   bounds how far the writer runs ahead, so this is the steady-state rate of the pair).
 //!   Criterion reports it as elements per second.
 //!
-//! Queues use `max_chunk_bytes = 24 MiB, max_chunks = 10` like the figures in DESIGN.md;
+//! Queues use `max_chunk_bytes = 24 MiB, max_chunks = 10` like `python -m shmq bench`;
 //! a 64-byte message only touches the first cache line of its chunk either way. No CPU
 //! pinning: on a 2-core machine each process gets a core of its own anyway.
 //!
@@ -181,7 +181,7 @@ fn latency(c: &mut Criterion) {
     });
     group.finish();
 
-    // Percentiles of single round trips, the way DESIGN.md states its targets.
+    // Percentiles of single round trips, the way the latency targets are stated.
     for _ in 0..1_000 {
         round_trip(&mut ping, &mut pong);
     }

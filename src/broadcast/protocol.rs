@@ -1,4 +1,5 @@
-//! The chunk-flag protocol of the broadcast ring (spec §1), on abstract flags so it can
+//! The chunk-flag protocol of the broadcast ring (the engines' `ShmRingBuffer` chunk
+//! states, written out below), on abstract flags so it can
 //! be model-checked with loom; [`super::ring`] applies it to flags in shared memory.
 //!
 //! Per chunk: one `written` flag and one `read` flag per reader.

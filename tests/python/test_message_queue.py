@@ -1,4 +1,4 @@
-"""MessageQueue across real processes (spec §1, "MessageQueue"): ordered exactly-once
+"""MessageQueue across real processes (the engines' ``MessageQueue`` API): ordered exactly-once
 delivery to local and remote readers, overflow, timeouts, cancellation, misuse, zero-copy
 chunks, broadcast_object, remote-only and IPv6 queues, the "still waiting" warning."""
 
@@ -517,7 +517,7 @@ def test_public_names():
     assert (H, M, S, y) == (Handle, MessageQueue, ShmRingBuffer, sched_yield)
 
 
-# Every name spec/API.md says `shmq` exports (StatelessProcessGroup comes with the
+# Every name the engines' users import from `shmq` (StatelessProcessGroup comes with the
 # process-group work and is not exported yet).
 SPEC_EXPORTS = {
     "MessageQueue", "Handle", "ShmRingBuffer", "ObjectStorage", "ObjectStorageHandle", "RingBuffer",

@@ -1,4 +1,4 @@
-"""The object store (spec §2): ``RingBuffer`` (the FIFO allocator over a segment),
+"""The object store (the engines' ``SingleWriterShmObjectStorage`` API): ``RingBuffer`` (the FIFO allocator over a segment),
 ``ObjectStorage`` / ``ObjectStorageHandle`` and the engines' aliases.
 
 Readers run in separate processes (multiprocessing "spawn"), opened from a pickled

@@ -1,5 +1,5 @@
 """ShmRingBuffer and Handle: geometry, views, pickling across processes, segment lifetime
-(spec §1, "ShmRingBuffer" and "Handle")."""
+(the engines' ``ShmRingBuffer`` and ``Handle``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Serde of the object store (spec §2 "Serde"): ``MsgpackSerde`` and ``PickleSerde``
+"""Serde of the object store: ``MsgpackSerde`` and ``PickleSerde``
 round trips through a real store and a reader process, compared exactly (dtype, shape
 and every element's bits), plus the ``ObjectSerde`` contract.
 

@@ -3,8 +3,8 @@
 Every scenario runs once per transport (shmq ``MessageQueue``, ``multiprocessing.Queue``,
 pyzmq PUB/SUB over ``ipc://``, and vLLM's ``MessageQueue`` without and with its tensor
 arena when vLLM is importable), in processes started with the ``spawn`` context, and
-the results are printed as one table. The method is the one in DESIGN.md ("How the
-figures above were taken"):
+the results are printed as one table. The method (the one the project's performance
+targets were measured with):
 
 - the *small object* is :data:`SMALL_OBJECT` (135 bytes pickled);
 - *one-way latency* is half the round trip of a ping-pong between two processes

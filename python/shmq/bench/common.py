@@ -10,7 +10,8 @@ import time
 SMALL_OBJECT = {"req_ids": list(range(16)), "tokens": [[1, 2, 3, 4]] * 8, "flag": True, "name": "scheduler-output"}
 
 MiB = 1 << 20
-#: Queue geometry of every shmq queue in the benchmark (DESIGN.md: 24 MiB x 10 chunks).
+#: Queue geometry of every shmq queue in the benchmark (24 MiB x 10 chunks: large enough
+#: for a 16 MiB tensor in one chunk, as the project's performance targets assume).
 MAX_CHUNK_BYTES = 24 * MiB
 MAX_CHUNKS = 10
 

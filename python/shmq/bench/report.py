@@ -253,7 +253,7 @@ DEFAULT_TRANSPORTS = ",".join(t.name for t in TRANSPORTS)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
     parser.add_argument("--quick", dest="preset", action="store_const", const="quick", default="default",
-                        help="5 000 round trips after 500 warm-up and 10 000 objects, instead of DESIGN.md's "
+                        help="5 000 round trips after 500 warm-up and 10 000 objects, instead of the standard "
                              "20 000 after 1 000 and 50 000")
     parser.add_argument("--rounds", type=int, metavar="N", help="ping-pong round trips to measure")
     parser.add_argument("--warmup", type=int, metavar="N", help="ping-pong round trips before measuring")
