@@ -9,6 +9,11 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s\n' "$*"; }
 
+step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
+cargo clippy --all-targets -- -D warnings
+cargo clippy --all-targets --features python -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+
 step "Rust: cargo test (unit, integration in several processes, doc tests, examples)"
 cargo test --all-targets
 cargo test --doc

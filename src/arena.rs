@@ -370,7 +370,7 @@ impl ArenaWriter {
     pub fn reserved(&self) -> usize {
         self.reserved
     }
-    /// Remove the segment's name now (see [`Segment::unlink`]).
+    /// Remove the segment's name now (see `Segment::unlink`).
     pub fn unlink(&self) -> Result<()> {
         self.map.segment.unlink()
     }
@@ -563,7 +563,7 @@ impl ArenaWriter {
     }
 
     /// Copy `bytes` into a new lease and return the reference to publish (after
-    /// [`add_holds`](Self::add_holds)), or `None` if there is no room (counted as a
+    /// [`publish`](Self::publish)), or `None` if there is no room (counted as a
     /// fallback).
     pub fn copy_in(
         &mut self,

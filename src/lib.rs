@@ -1,22 +1,38 @@
 //! shmq: shared-memory IPC for model-serving engines.
 //!
-//! The crate is layered; each module uses only the ones listed before it:
-//! - [`error`]: the one error type;
-//! - [`segment`]: named POSIX shared-memory segments;
-//! - [`sync`], [`futex`], [`doorbell`]: the atomics (swappable for loom), the
-//!   process-shared futex and the sleep/wake handshake built on them;
+//! # The API, by what it does (each module uses only the ones listed before it)
+//! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
 //! - [`process`]: naming a process by pid and start time, to tell whether it is alive;
-//! - [`private_map`]: private copy-on-write views of a segment (what readers hand out);
-//! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep);
-//! - [`transport`]: ZeroMQ publish/subscribe sockets and the ready handshake;
+//! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
+//!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet);
 //! - [`alloc`], [`storage`]: the object store's FIFO allocator and the store on it;
-//! - [`arena`]: the tensor arena: large message parts in shared memory, read as private
-//!   views, and loans to fill in place;
+//! - [`copy`], [`arena`]: large copies into shared memory; the tensor arena (large
+//!   message parts read as private views, and [`Loan`]s to fill in place);
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - [`workers`]: worker processes with a ready pipe, a death watch and shutdown of whole
 //!   process trees (the Rust side of the Python package's `WorkerProcesses`);
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
+//!
+//! Internals, under those: `segment` (named POSIX shared memory), `sync` / `futex` /
+//! `doorbell` (loom-swappable atomics, the process-shared futex, the sleep/wake
+//! handshake), `private_map` (private copy-on-write views), `transport` (ZeroMQ).
+//!
+//! # Glossary: shmq's names and the engines' (vLLM's) names
+//! | shmq (Rust) | the engines (Python; shmq keeps these names in `shmq`) |
+//! |---|---|
+//! | [`Writer`], [`Reader`] | `MessageQueue` (writer and reader sides) |
+//! | [`Handle`] | `Handle` |
+//! | [`broadcast::ring::Ring`]: the broadcast ring; its *chunks* hold one message each | `ShmRingBuffer` |
+//! | [`broadcast::ring::ChunkInfo`]: a chunk a reader found; `ChunkState`: its flags | a chunk's "metadata" (written flag, read flags) |
+//! | [`storage::ChunkRing`]: the store's ring of variable-size chunks | `SingleWriterShmRingBuffer` |
+//! | [`alloc::Chunk`]: one allocation in it | a chunk (`[id][size][data]`) |
+//! | [`storage::ObjectStore`] | `SingleWriterShmObjectStorage` |
+//! | [`arena::ArenaWriter`], [`arena::ArenaReader`]: leases with per-reader holds | `ShmTensorArena` (slots) |
+//! | [`Loan`] | (none: memory lent to fill in place and send without a copy) |
+//! | doorbell (`DoorbellWords` + `Doorbell`) | (none: the engines poll; shmq sleeps on a futex) |
+//! | [`workers::Workers`] | `CoreEngineProcManager` and its helpers |
+//! | `current_idx` | `current_idx` |
 //!
 //! ```no_run
 //! use shmq::{QueueOptions, Reader, Writer};
@@ -39,25 +55,34 @@ pub mod arena;
 pub mod broadcast;
 #[cfg(not(loom))]
 pub mod copy;
-pub mod doorbell;
 pub mod error;
-#[cfg(not(loom))]
-pub mod futex;
-#[cfg(not(loom))]
-pub mod private_map;
 #[cfg(not(loom))]
 pub mod process;
 #[cfg(not(loom))]
-pub mod segment;
-#[cfg(not(loom))]
 pub mod storage;
-pub mod sync;
-#[cfg(not(loom))]
-pub mod transport;
 #[cfg(not(loom))]
 pub mod wait;
 #[cfg(not(loom))]
 pub mod workers;
+
+// Internals. The loom model checks (tests/loom.rs) drive the doorbell and the atomics
+// directly, so a loom build makes those two public.
+#[cfg(loom)]
+pub mod doorbell;
+#[cfg(not(loom))]
+pub(crate) mod doorbell;
+#[cfg(not(loom))]
+pub(crate) mod futex;
+#[cfg(not(loom))]
+pub(crate) mod private_map;
+#[cfg(not(loom))]
+pub(crate) mod segment;
+#[cfg(loom)]
+pub mod sync;
+#[cfg(not(loom))]
+pub(crate) mod sync;
+#[cfg(not(loom))]
+pub(crate) mod transport;
 
 #[cfg(all(feature = "python", not(loom)))]
 mod python;
@@ -67,3 +92,5 @@ pub use arena::{ArenaView, Loan};
 #[cfg(not(loom))]
 pub use broadcast::{Handle, OwnedPart, QueueOptions, Reader, Writer};
 pub use error::{Error, Result};
+#[cfg(not(loom))]
+pub use transport::default_connect_ip;

@@ -66,10 +66,6 @@ impl PrivateFile {
         })
     }
 
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// Map `len` bytes at `offset` of the segment privately (copy-on-write). The range
     /// must lie inside the segment as it was when opened.
     pub fn map(&self, offset: u64, len: usize) -> Result<PrivateMap> {

@@ -226,10 +226,6 @@ impl Segment {
         self.shmem.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Base address of the mapping in this process.
     pub fn as_ptr(&self) -> *mut u8 {
         self.shmem.as_ptr()

@@ -226,7 +226,7 @@ impl StoreSegment {
         s.id_start.store(a.id_start(), Ordering::Relaxed);
         s.id_end.store(a.id_end(), Ordering::Relaxed);
     }
-    /// Remove the segment's name now (see [`Segment::unlink`]).
+    /// Remove the segment's name now (see `Segment::unlink`).
     pub fn unlink(&self) -> Result<()> {
         self.segment.unlink()
     }

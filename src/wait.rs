@@ -6,7 +6,7 @@
 //!    core, else none; [`SPIN_US_ENV`]): a message usually arrives within microseconds
 //!    while a serving engine is busy;
 //! 2. **yield** the CPU between polls for a while longer (default 50 µs, [`YIELD_US_ENV`]);
-//! 3. **sleep** on the ring's [`Doorbell`](crate::doorbell::Doorbell) (a futex in the
+//! 3. **sleep** on the ring's doorbell (`crate::doorbell`) (a futex in the
 //!    shared segment) until the other side rings it: an idle waiter costs no CPU.
 //!
 //! While it waits it also checks, each at its own pace: the deadline and the cancel flag

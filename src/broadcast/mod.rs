@@ -1,14 +1,18 @@
 //! The broadcast queue: one writer, many readers.
 //!
-//! - [`protocol`]: the chunk-flag protocol, on abstract atomics (model-checked);
+//! - `protocol`: the chunk-flag protocol, on abstract atomics (model-checked);
 //! - [`ring`]: the shared-memory ring of chunks, its slots and doorbells.
-//! - [`framing`]: how a message of several parts (a body and its buffers) is laid out.
+//! - `framing`: how a message of several parts (a body and its buffers) is laid out.
 //! - [`queue`]: [`Writer`] and [`Reader`], which combine the ring (local readers) with
 //!   the ZeroMQ transport (oversized messages and remote readers).
 
 #[cfg(not(loom))]
-pub mod framing;
+pub(crate) mod framing;
+// The loom model checks (tests/loom.rs) drive the protocol directly.
+#[cfg(loom)]
 pub mod protocol;
+#[cfg(not(loom))]
+pub(crate) mod protocol;
 #[cfg(not(loom))]
 pub mod queue;
 #[cfg(not(loom))]

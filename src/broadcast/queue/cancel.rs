@@ -44,7 +44,7 @@ impl Canceller {
         self.flag.load(Ordering::Relaxed)
     }
 
-    /// The flag for [`Wait::cancel_on`].
+    /// The flag for [`Wait::cancel_on`](crate::wait::Wait::cancel_on).
     pub fn flag(&self) -> &AtomicBool {
         &self.flag
     }

@@ -6,8 +6,8 @@
 //! writer publishes it *before* committing the mark, so a reader that sees the mark
 //! finds the message already on its way. Remote readers get every message over TCP.
 //!
-//! Files: [`options`] (how a writer is made), [`handle`] (what a reader needs to join),
-//! [`cancel`] (ending blocked calls from another thread), [`writer`] and [`reader`].
+//! Files: `options` (how a writer is made), `handle` (what a reader needs to join),
+//! `cancel` (ending blocked calls from another thread), `writer` and `reader`.
 
 mod cancel;
 mod handle;

@@ -17,7 +17,7 @@ pub struct QueueOptions {
     pub max_chunk_bytes: usize,
     pub max_chunks: usize,
     /// The IP remote readers connect to (default: this host's address, see
-    /// [`default_connect_ip`]). Only used when there are remote readers.
+    /// [`default_connect_ip`](crate::default_connect_ip)). Only used when there are remote readers.
     pub connect_ip: Option<String>,
     /// How the writer waits for room (spin, yield, then sleep); `None`: the default for
     /// this many processes ([`WaitPolicy::for_processes`]).

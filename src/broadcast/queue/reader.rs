@@ -27,7 +27,7 @@ enum Source {
 }
 
 /// A message as a reader takes it: plain bytes, or a message of several parts (a body
-/// and the buffers it refers to, see [`Writer::enqueue_parts`]).
+/// and the buffers it refers to, see [`Writer::enqueue_parts`](super::Writer::enqueue_parts)).
 #[derive(Debug)]
 pub enum Received<'a> {
     Bytes(&'a [u8]),
@@ -432,7 +432,7 @@ impl Reader {
         self.try_take(f)?.ok_or_else(|| self.not_ready_any_more())
     }
 
-    /// See [`chunk_changed`]; for a remote reader (which has no chunks) it cannot happen.
+    /// See `chunk_changed`; for a remote reader (which has no chunks) it cannot happen.
     pub fn not_ready_any_more(&self) -> Error {
         match &self.source {
             Source::Local { ring, .. } => chunk_changed(ring.ring()),

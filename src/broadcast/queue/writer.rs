@@ -198,7 +198,7 @@ impl Writer {
     pub fn wait_policy(&self) -> WaitPolicy {
         self.policy
     }
-    /// Local readers dropped after they died (with [`DeadReaderPolicy::Drop`]).
+    /// Local readers dropped after they died (with [`DeadReaderPolicy::Drop`](super::super::ring::DeadReaderPolicy::Drop)).
     pub fn dropped_readers(&self) -> Vec<usize> {
         self.ring
             .as_ref()

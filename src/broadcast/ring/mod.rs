@@ -22,11 +22,11 @@
 //! a doorbell) is its own cache line, so work on different chunks or by different
 //! readers never bounces a line needlessly.
 //!
-//! The flag protocol itself is in [`super::protocol`] (model-checked with loom); the
-//! sleep/wake handshake is in [`crate::doorbell`].
+//! The flag protocol itself is in `super::protocol` (model-checked with loom); the
+//! sleep/wake handshake is in `crate::doorbell`.
 //!
-//! Files: [`layout`] (the `#[repr(C)]` structures and the geometry), [`slots`] (who
-//! holds each side), [`writer`] and [`reader`] (the two sides' state machines); the ring
+//! Files: `layout` (the `#[repr(C)]` structures and the geometry), `slots` (who
+//! holds each side), `writer` and `reader` (the two sides' state machines); the ring
 //! mapping itself ([`Ring`]) is here.
 
 mod layout;
