@@ -11,6 +11,7 @@ use std::fmt::Write as _;
 use crate::arena;
 use crate::broadcast::Ring;
 use crate::error::{Error, Result};
+use crate::liveness::{creator_liveness, Liveness};
 use crate::process::ProcessId;
 use crate::segment::{Segment, NAME_PREFIX, SHM_DIR};
 use crate::storage::ChunkRing;
@@ -44,7 +45,8 @@ pub struct SegmentReport {
     pub kind: SegmentKind,
     /// From the header, or for an unreadable segment the pid in its name.
     pub creator: Option<ProcessId>,
-    pub creator_alive: bool,
+    /// Whether the creator is alive: from its role lock on the file, else its pid.
+    pub creator_liveness: Liveness,
 }
 
 /// The pid in a name made by [`crate::segment::unique_name`]: `shmq_<kind>_<pid>_<hex>`.
@@ -70,14 +72,18 @@ fn report(name: &str, size: u64) -> SegmentReport {
             pid_from_name(name).map(|pid| ProcessId { pid, start_time: 0 }),
         )
     };
-    // A creator we cannot name is treated as alive: never remove what we cannot judge.
-    let creator_alive = creator.is_none_or(|c| c.is_alive());
+    // The creator's role lock decides; where it cannot be tested, the pid (a pid not
+    // visible from here is Unknown: never removed without --force).
+    let creator_liveness = match creator_liveness(name) {
+        Liveness::Unknown => creator.map_or(Liveness::Unknown, |c| c.liveness()),
+        known => known,
+    };
     SegmentReport {
         name: name.to_owned(),
         size,
         kind,
         creator,
-        creator_alive,
+        creator_liveness,
     }
 }
 
@@ -96,12 +102,17 @@ pub fn list_segments() -> Result<Vec<SegmentReport>> {
     Ok(out)
 }
 
-/// Remove the segments whose creator has died (only list them if `dry_run`). Returns
-/// those segments.
-pub fn remove_orphans(dry_run: bool) -> Result<Vec<SegmentReport>> {
+/// Remove the segments whose creator is proved dead (only list them if `dry_run`); with
+/// `force`, also those whose creator cannot be judged from here (another pid namespace
+/// with its own `/dev/shm` view, no permission). Returns those segments.
+pub fn remove_orphans(dry_run: bool, force: bool) -> Result<Vec<SegmentReport>> {
     let orphans: Vec<SegmentReport> = list_segments()?
         .into_iter()
-        .filter(|s| !s.creator_alive)
+        .filter(|s| match s.creator_liveness {
+            Liveness::Dead => true,
+            Liveness::Unknown => force,
+            Liveness::Alive => false,
+        })
         .collect();
     if !dry_run {
         for s in &orphans {
@@ -115,14 +126,19 @@ pub fn remove_orphans(dry_run: bool) -> Result<Vec<SegmentReport>> {
     Ok(orphans)
 }
 
-fn describe_process(p: Option<ProcessId>) -> String {
+fn describe_process(p: Option<ProcessId>, liveness: Liveness) -> String {
     match p {
         None => "nobody".to_owned(),
-        Some(p) => format!(
-            "pid {} ({})",
-            p.pid,
-            if p.is_alive() { "alive" } else { "dead" }
-        ),
+        Some(p) => format!("pid {} ({})", p.pid, describe_liveness(liveness)),
+    }
+}
+
+/// How a liveness reads in reports.
+pub fn describe_liveness(l: Liveness) -> &'static str {
+    match l {
+        Liveness::Alive => "alive",
+        Liveness::Dead => "dead",
+        Liveness::Unknown => "unknown: not visible from here",
     }
 }
 
@@ -137,8 +153,8 @@ pub fn describe(name: &str) -> Result<String> {
             ring.n_reader(),
             ring.max_chunks(),
             ring.max_chunk_bytes(),
-            describe_process(Some(ring.creator())),
-            describe_process(w.process),
+            describe_process(Some(ring.creator()), creator_liveness(name)),
+            describe_process(w.process, ring.holder_liveness(None, &w)),
             w.messages,
             ring.overflow_count(),
         );
@@ -152,7 +168,7 @@ pub fn describe(name: &str) -> Result<String> {
             let _ = writeln!(
                 out,
                 "reader {r}: {}, {} messages read{dropped}",
-                describe_process(s.process),
+                describe_process(s.process, ring.holder_liveness(Some(r), &s)),
                 s.messages
             );
         }
@@ -179,7 +195,7 @@ pub fn describe(name: &str) -> Result<String> {
             out,
             "{name}: object store, {} bytes\ncreator: {}\nlive: {} chunks, {} bytes ({pct:.1}% of the ring), ids {}..{}",
             seg.capacity(),
-            describe_process(Some(seg.creator())),
+            describe_process(Some(seg.creator()), creator_liveness(name)),
             o.live_chunks,
             o.live_bytes,
             o.id_start,
@@ -194,7 +210,7 @@ pub fn describe(name: &str) -> Result<String> {
             a.n_reader,
             a.capacity,
             a.reserved,
-            describe_process(Some(a.creator)),
+            describe_process(Some(a.creator), creator_liveness(name)),
             a.bytes_in_use,
             a.fallbacks,
         );
@@ -232,14 +248,17 @@ mod tests {
         let all = list_segments().unwrap();
         let find = |n: &str| all.iter().find(|s| s.name == n).cloned().unwrap();
         let r = find(ring.name());
-        assert_eq!((r.kind, r.creator_alive), (SegmentKind::Ring, true));
+        assert_eq!(
+            (r.kind, r.creator_liveness),
+            (SegmentKind::Ring, Liveness::Alive)
+        );
         assert_eq!(r.creator.unwrap().pid, std::process::id());
         assert_eq!(find(store.segment().name()).kind, SegmentKind::Store);
         assert_eq!(find(arena.name()).kind, SegmentKind::Arena);
         assert!(describe(arena.name())
             .unwrap()
             .contains("tensor arena of a queue, 2 readers"));
-        let orphans = remove_orphans(true).unwrap();
+        let orphans = remove_orphans(true, false).unwrap();
         assert!(orphans
             .iter()
             .all(|s| s.name != ring.name() && s.name != store.segment().name()));

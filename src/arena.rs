@@ -617,6 +617,7 @@ impl ArenaWriter {
             lease,
             ptr,
             len,
+            made_in: crate::fork::generation(),
         })
     }
 
@@ -670,6 +671,8 @@ pub struct Loan {
     lease: u32,
     ptr: *mut u8,
     len: usize,
+    /// The fork generation it was made in: a forked child's copy gives nothing back.
+    made_in: u64,
 }
 
 // SAFETY: the loan's bytes are a range of the shared mapping that `map` keeps alive and
@@ -718,6 +721,9 @@ impl std::ops::DerefMut for Loan {
 
 impl Drop for Loan {
     fn drop(&mut self) {
+        if crate::fork::is_inherited(self.made_in) {
+            return; // the parent's loan, not this child's to give back
+        }
         // Release: pairs with the Acquire load in `ArenaWriter::is_unused`: the writes into
         // the loan happen before the writer reuses its bytes.
         self.map
@@ -847,6 +853,7 @@ impl ArenaReader {
                 arena: self.clone(),
                 lease,
                 map,
+                made_in: crate::fork::generation(),
             }),
             Err(e) => {
                 self.release(r);
@@ -871,6 +878,8 @@ pub struct ArenaView {
     arena: Arc<ArenaReader>,
     lease: usize,
     map: PrivateMap,
+    /// The fork generation it was made in: a forked child's copy drops no hold.
+    made_in: u64,
 }
 
 impl std::fmt::Debug for ArenaView {
@@ -911,8 +920,11 @@ impl Drop for ArenaView {
     fn drop(&mut self) {
         // The mapping (a field) is unmapped after this; the hold can go first: the
         // writer only writes the shared pages, never our private ones, and a page of
-        // ours it changes now is one we no longer read.
-        release_hold(&self.arena.map, self.lease, self.arena.reader);
+        // ours it changes now is one we no longer read. A forked child's copy of a view
+        // drops nothing: the hold is its parent's.
+        if !crate::fork::is_inherited(self.made_in) {
+            release_hold(&self.arena.map, self.lease, self.arena.reader);
+        }
     }
 }
 

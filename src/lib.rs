@@ -2,7 +2,9 @@
 //!
 //! # The API, by what it does (each module uses only the ones listed before it)
 //! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
-//! - [`process`]: naming a process by pid and start time, to tell whether it is alive;
+//! - [`process`]: naming a process by pid and start time;
+//! - [`liveness`]: telling a live peer from a dead one by the role locks it holds (also
+//!   across pid namespaces): alive, dead, or unknown;
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
 //!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet);
 //! - [`alloc`], [`storage`]: the object store's FIFO allocator and the store on it;
@@ -14,7 +16,8 @@
 //!   process trees (the Rust side of the Python package's `WorkerProcesses`);
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!
-//! Internals, under those: `segment` (named POSIX shared memory), `sync` / `futex` /
+//! Internals, under those: `segment` (named POSIX shared memory), `fork` (what a forked
+//! child must not do with what it inherited), `sync` / `futex` /
 //! `doorbell` (loom-swappable atomics, the process-shared futex, the sleep/wake
 //! handshake), `private_map` (private copy-on-write views), `transport` (ZeroMQ).
 //!
@@ -72,7 +75,11 @@ pub mod doorbell;
 #[cfg(not(loom))]
 pub(crate) mod doorbell;
 #[cfg(not(loom))]
+pub(crate) mod fork;
+#[cfg(not(loom))]
 pub(crate) mod futex;
+#[cfg(not(loom))]
+pub mod liveness;
 #[cfg(not(loom))]
 pub(crate) mod private_map;
 #[cfg(not(loom))]

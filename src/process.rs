@@ -76,9 +76,24 @@ impl ProcessId {
         }
     }
 
+    /// What its pid says about this process, where nothing better is at hand (role locks
+    /// are: see [`crate::liveness`]). A pid that is not visible here (gone, or in another
+    /// pid namespace) is `Unknown`; a zombie, or a visible pid whose start time differs,
+    /// is `Dead`.
+    pub fn liveness(&self) -> crate::liveness::Liveness {
+        use crate::liveness::Liveness;
+        match stat(self.pid) {
+            None => Liveness::Unknown,
+            Some((state, _)) if state == 'Z' || state == 'X' => Liveness::Dead,
+            Some((_, start)) if self.start_time != 0 && start != self.start_time => Liveness::Dead,
+            Some(_) => Liveness::Alive,
+        }
+    }
+
     /// Whether this process still runs (a zombie, dead but not yet reaped, does not).
     /// A process in another pid namespace is not visible and counts as dead, so only
-    /// call this for peers on this machine and in this container.
+    /// call this for processes this one started (children); for peers use
+    /// [`liveness`](Self::liveness) or the role locks of [`crate::liveness`].
     pub fn is_alive(&self) -> bool {
         match stat(self.pid) {
             Some((state, start)) => {

@@ -9,7 +9,9 @@
 //!   `posix_fallocate`: `ftruncate` alone would let a full tmpfs show up much later as a
 //!   `SIGBUS` on first write, killing the process. Reserving commits the memory up front;
 //! - only the creating process unlinks the name when it drops the segment, even if a
-//!   forked child inherited the object.
+//!   forked child inherited the object;
+//! - the creator holds a role lock on the file for as long as it lives, so that anyone
+//!   can tell a live creator's segment from an orphan (see [`crate::liveness`]).
 
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use shared_memory::{Shmem, ShmemConf, ShmemError};
 
 use crate::error::{Error, Result};
+use crate::liveness::{RoleLock, CREATOR_BYTE};
 
 /// Every segment shmq creates has a name starting with this.
 pub const NAME_PREFIX: &str = "shmq_";
@@ -29,6 +32,9 @@ pub struct Segment {
     shmem: Shmem,
     name: String,
     creator_pid: Option<u32>,
+    /// The creator's role lock (byte 0 of the file): proves to `cleanup` and `inspect`,
+    /// in any pid namespace, that the creator is alive (see [`crate::liveness`]).
+    _creator_role: Option<RoleLock>,
     /// Set once `unlink` removed the name, so `Drop` does not try again.
     unlinked: AtomicBool,
 }
@@ -139,13 +145,15 @@ impl Segment {
                 ))
             }
         };
-        let segment = Segment {
+        let mut segment = Segment {
             shmem,
             name: name.to_owned(),
             creator_pid: Some(std::process::id()),
+            _creator_role: None,
             unlinked: AtomicBool::new(false),
         };
         segment.reserve_range(0, reserve)?;
+        segment._creator_role = RoleLock::acquire(name, CREATOR_BYTE)?;
         Ok(segment)
     }
 
@@ -198,6 +206,7 @@ impl Segment {
                 shmem,
                 name: name.to_owned(),
                 creator_pid: None,
+                _creator_role: None,
                 unlinked: AtomicBool::new(false),
             }),
             Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::ENOENT => {

@@ -8,10 +8,14 @@
 //!   receives one subscription per reader; once all are in it publishes [`READY`], and
 //!   every message after that reaches every reader.
 //!
+//! Sockets (and the queues' contexts) are never torn down in a forked child: see
+//! [`crate::fork`].
+//!
 //! High-water marks are off on both ends: a slow remote reader makes the writer's
 //! memory grow rather than lose messages (local readers are bounded by the ring).
 
 use crate::error::{Error, Result};
+use crate::fork::LeakInChild;
 use crate::wait::Wait;
 use std::time::Duration;
 
@@ -31,7 +35,7 @@ fn ctx_socket(ctx: &zmq::Context, kind: zmq::SocketType, what: &str) -> Result<z
 
 /// The writer's end: an XPUB socket bound to one endpoint.
 pub struct Publisher {
-    socket: zmq::Socket,
+    socket: LeakInChild<zmq::Socket>,
     endpoint: String,
     subscribers: usize,
     /// READY has been published: the handshake is done and is not repeated.
@@ -63,7 +67,7 @@ impl Publisher {
             .map_err(Error::transport("reading the bound endpoint"))?
             .map_err(|_| Error::InvalidArgument("the bound endpoint is not UTF-8".into()))?;
         Ok(Publisher {
-            socket,
+            socket: LeakInChild::new(socket),
             endpoint,
             subscribers: 0,
             ready: false,
@@ -151,7 +155,7 @@ impl Publisher {
 
 /// A reader's end: a SUB socket subscribed to everything.
 pub struct Subscriber {
-    socket: zmq::Socket,
+    socket: LeakInChild<zmq::Socket>,
     endpoint: String,
 }
 
@@ -175,7 +179,7 @@ impl Subscriber {
             .connect(endpoint)
             .map_err(Error::transport(format!("connecting to {endpoint}")))?;
         Ok(Subscriber {
-            socket,
+            socket: LeakInChild::new(socket),
             endpoint: endpoint.to_owned(),
         })
     }

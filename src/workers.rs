@@ -584,7 +584,8 @@ impl Workers {
             .collect();
         if let Ok(segments) = crate::admin::list_segments() {
             for s in segments {
-                if !s.creator_alive && s.creator.is_some_and(|c| pids.contains(&c.pid)) {
+                let dead = s.creator_liveness == crate::liveness::Liveness::Dead;
+                if dead && s.creator.is_some_and(|c| pids.contains(&c.pid)) {
                     let _ = std::fs::remove_file(format!("{}/{}", crate::segment::SHM_DIR, s.name));
                 }
             }

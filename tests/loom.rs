@@ -1,9 +1,11 @@
-//! Model checks (loom) of the two cross-process protocols:
+//! Model checks (loom) of the cross-process protocols:
 //! - the ring's chunk flags: no reader sees a half-written or stale chunk, the writer
 //!   never overwrites a chunk a reader has not finished (loom's cell checks), messages
 //!   are read in order;
 //! - the doorbell's sleep/wake handshake: no lost wake-up (a lost one is a deadlock here,
-//!   since the model futex sleeps without a timeout).
+//!   since the model futex sleeps without a timeout);
+//! - the slot seqlock: no torn holder, and a drop never lands on a holder that attached
+//!   after the writer judged the old one.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom`
 //! (scripts/test.sh does). Without `--cfg loom` this file compiles to nothing.
@@ -184,5 +186,85 @@ fn doorbell_loses_no_wake_up() {
         };
         while !bell.sleep(|| data.load(Ordering::Acquire) == 1, None) {}
         publisher.join().unwrap();
+    });
+}
+
+/// The slot seqlock: one process attaches to a slot twice in a row (two holders, each a
+/// (pid, start time) pair); an inspector reads the slot; the writer tries to drop the
+/// holder it judged dead from an earlier read. The inspector never sees a pid paired
+/// with the other holder's start time, and a drop based on a word read before a
+/// re-attach never lands (the new holder is not dropped).
+#[test]
+fn slot_seqlock_never_tears_and_drops_only_the_judged_holder() {
+    use loom::sync::atomic::{AtomicU32, AtomicU64};
+    use shmq::broadcast::protocol::{
+        slot_begin_attach, slot_drop, slot_end_attach, slot_read, slot_state, SLOT_ATTACHED,
+        SLOT_DROPPED,
+    };
+
+    struct Slot {
+        word: AtomicU64,
+        pid: AtomicU32,
+        start: AtomicU32,
+    }
+    fn attach(s: &Slot, pid: u32, start: u32) -> bool {
+        let Some(generation) = slot_begin_attach(&s.word) else {
+            return false; // dropped meanwhile: the attach is refused
+        };
+        s.pid.store(pid, Ordering::Relaxed);
+        s.start.store(start, Ordering::Relaxed);
+        slot_end_attach(&s.word, generation);
+        true
+    }
+    fn read(s: &Slot) -> Option<(u64, (u32, u32))> {
+        slot_read(&s.word, || {
+            (
+                s.pid.load(Ordering::Relaxed),
+                s.start.load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    model(3, || {
+        let slot = Arc::new(Slot {
+            word: AtomicU64::new(0),
+            pid: AtomicU32::new(0),
+            start: AtomicU32::new(0),
+        });
+        attach(&slot, 1, 10);
+        // The writer's judgement of holder 1, taken now.
+        let (judged, fields) = read(&slot).expect("no attach under way");
+        assert_eq!(fields, (1, 10));
+        let reattach = {
+            let slot = slot.clone();
+            thread::spawn(move || attach(&slot, 2, 20))
+        };
+        let inspector = {
+            let slot = slot.clone();
+            thread::spawn(move || {
+                if let Some((word, (pid, start))) = read(&slot) {
+                    if slot_state(word) == SLOT_ATTACHED || slot_state(word) == SLOT_DROPPED {
+                        assert!(
+                            (pid, start) == (1, 10) || (pid, start) == (2, 20),
+                            "torn slot: pid {pid} with start time {start}"
+                        );
+                    }
+                }
+            })
+        };
+        let dropped = slot_drop(&slot.word, judged);
+        let reattached = reattach.join().unwrap();
+        inspector.join().unwrap();
+        // Exactly one of them wins: a drop after the re-attach would drop holder 2.
+        assert!(
+            dropped != reattached,
+            "dropped {dropped}, re-attached {reattached}"
+        );
+        let (word, fields) = read(&slot).unwrap();
+        if dropped {
+            assert_eq!((slot_state(word), fields), (SLOT_DROPPED, (1, 10)));
+        } else {
+            assert_eq!((slot_state(word), fields), (SLOT_ATTACHED, (2, 20)));
+        }
     });
 }

@@ -20,13 +20,15 @@ _Message = bytes | tuple[bytes, list[bytearray | memoryview]]
 class PeerDiedError(RuntimeError):
     """A process on the other side of a queue died."""
 
-_SegmentReport = tuple[str, int, str, Optional[int], bool]
+# (name, size, kind, creator pid, creator: "alive" | "dead" | "unknown")
+_SegmentReport = tuple[str, int, str, Optional[int], str]
 
 def list_segments() -> list[_SegmentReport]:
-    """Every shmq segment in /dev/shm: ``(name, size, kind, creator pid, creator alive)``."""
+    """Every shmq segment in /dev/shm: ``(name, size, kind, creator pid, creator state)``."""
 
-def remove_orphans(dry_run: bool = False) -> list[_SegmentReport]:
-    """Remove (or only list) the segments whose creator has died."""
+def remove_orphans(dry_run: bool = False, force: bool = False) -> list[_SegmentReport]:
+    """Remove (or only list) the segments whose creator is proved dead (``force``: also
+    those whose creator cannot be judged from here)."""
 
 def describe_segment(name: str) -> str:
     """A human-readable description of a segment's state."""

@@ -4,6 +4,11 @@ Every segment shmq creates is named ``shmq_*`` in ``/dev/shm`` and records the p
 that created it. A clean exit removes it; a crash (``SIGKILL``, a segfault) leaves it
 behind, holding memory until the machine reboots. ``cleanup`` removes the segments whose
 creator is gone; processes that still map one keep their mapping.
+
+Whether a creator is alive is read off a lock it holds on the segment's file for as long
+as it lives (so it works across pid namespaces: containers that share ``/dev/shm``, where
+pids mean nothing). A creator is ``"alive"``, ``"dead"`` (proved: only those segments are
+removed) or ``"unknown"`` (cannot be told from here: kept unless ``force``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ class SegmentInfo:
     size: int
     kind: str
     creator_pid: Optional[int]
-    creator_alive: bool
+    #: "alive", "dead" or "unknown" (see the module docs).
+    creator_state: str
+
+    @property
+    def creator_alive(self) -> bool:
+        """Not proved dead: alive, or unknown (either way, kept by ``cleanup``)."""
+        return self.creator_state != "dead"
 
 
 def list_segments() -> list[SegmentInfo]:
@@ -31,9 +42,10 @@ def list_segments() -> list[SegmentInfo]:
     return [SegmentInfo(*row) for row in _core.list_segments()]
 
 
-def cleanup(dry_run: bool = False) -> list[SegmentInfo]:
-    """Remove the segments whose creator has died (with ``dry_run``, only find them)."""
-    return [SegmentInfo(*row) for row in _core.remove_orphans(dry_run)]
+def cleanup(dry_run: bool = False, force: bool = False) -> list[SegmentInfo]:
+    """Remove the segments whose creator is proved dead (with ``dry_run``, only find
+    them); with ``force``, also those whose creator cannot be judged from here."""
+    return [SegmentInfo(*row) for row in _core.remove_orphans(dry_run, force)]
 
 
 def inspect(name: str) -> str:
@@ -46,22 +58,34 @@ def inspect(name: str) -> str:
 class CleanupCommand:
     """Remove shmq segments left in /dev/shm by processes that crashed.
 
-    A segment is removed only if the process that created it is gone (checked by pid and
-    start time, so a reused pid does not count). Segments of live processes are kept."""
+    A segment is removed only if the process that created it is proved gone (its lock on
+    the segment is free). Segments of live processes are kept, and so are those whose
+    creator cannot be judged from here (unless --force)."""
 
     @staticmethod
     def add_arguments(parser) -> None:
         parser.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+        parser.add_argument(
+            "--force",
+            action="store_true",
+            help="also remove segments whose creator cannot be judged from here (another pid namespace "
+            "without a shared /dev/shm view, no permission): only if you know they are unused",
+        )
 
     @staticmethod
     def main(args) -> int:
-        found = cleanup(dry_run=args.dry_run)
+        found = cleanup(dry_run=args.dry_run, force=args.force)
         verb = "would remove" if args.dry_run else "removed"
         for s in found:
             pid = f"pid {s.creator_pid}" if s.creator_pid is not None else "unknown creator"
-            print(f"{verb} {s.name} ({s.kind}, {s.size} bytes, {pid} is gone)")
-        kept = [s for s in list_segments() if s.creator_alive]
-        print(f"{verb} {len(found)} segment(s); {len(kept)} segment(s) of live processes kept")
+            why = "is gone" if s.creator_state == "dead" else "cannot be judged (--force)"
+            print(f"{verb} {s.name} ({s.kind}, {s.size} bytes, {pid} {why})")
+        rest = list_segments()
+        alive = sum(s.creator_state == "alive" for s in rest)
+        unknown = [s for s in rest if s.creator_state == "unknown"]
+        print(f"{verb} {len(found)} segment(s); {alive} segment(s) of live processes kept")
+        if unknown:
+            print(f"kept {len(unknown)} segment(s) whose creator cannot be judged from here (--force removes them)")
         return 0
 
 
@@ -77,8 +101,7 @@ class InspectCommand:
     def main(args) -> int:
         if args.name is None:
             for s in list_segments():
-                state = "alive" if s.creator_alive else "dead"
-                print(f"{s.name}  {s.kind}  {s.size} bytes  creator pid {s.creator_pid} ({state})")
+                print(f"{s.name}  {s.kind}  {s.size} bytes  creator pid {s.creator_pid} ({s.creator_state})")
             return 0
         try:
             print(inspect(args.name), end="")

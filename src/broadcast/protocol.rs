@@ -20,7 +20,7 @@
 //!    flags early, because its Release then makes the earlier `written = 0` visible.
 //! 2. use the data, then [`finish_read`]: `read[r] = 1` (Release).
 
-use crate::sync::{AtomicU8, Ordering};
+use crate::sync::{fence, AtomicU64, AtomicU8, Ordering};
 
 /// Access to one chunk's flags.
 pub trait ChunkFlags {
@@ -72,4 +72,98 @@ pub fn is_readable(f: &impl ChunkFlags, r: usize) -> bool {
 pub fn finish_read(f: &impl ChunkFlags, r: usize) {
     // Release: pairs with the Acquire loads in `is_free`.
     f.read(r).store(1, Ordering::Release);
+}
+
+// ---------------------------------------------------------------------------------
+// Slots: who holds each side of the ring, as a seqlock with a generation.
+//
+// A slot's `word` is `generation << 32 | state`. Attaching bumps the generation (the
+// state is ATTACHING while the holder's fields are being written); a reader of the slot
+// reads the word, the fields, then the word again, and trusts the fields only if the
+// word is unchanged and not ATTACHING. Because every attach bumps the generation, an
+// ATTACHED -> ATTACHING -> ATTACHED re-attach in between is seen, and a new pid is never
+// paired with an old start time. The writer drops a dead reader with a compare-and-swap
+// on the exact word it judged, so a reader that re-attached meanwhile is not dropped.
+
+/// Slot states (the low 32 bits of the word; 0: nobody ever attached).
+pub const SLOT_ATTACHED: u32 = 1;
+pub const SLOT_DROPPED: u32 = 2;
+pub const SLOT_ATTACHING: u32 = 3;
+
+/// The state part of a slot word.
+pub fn slot_state(word: u64) -> u32 {
+    word as u32
+}
+
+fn slot_word(generation: u32, state: u32) -> u64 {
+    ((generation as u64) << 32) | state as u64
+}
+
+/// Start attaching to a slot (the caller holds the slot's role lock, so no other process
+/// attaches at the same time). Returns the new generation, or `None` if the writer has
+/// dropped this slot.
+pub fn slot_begin_attach(word: &AtomicU64) -> Option<u32> {
+    loop {
+        // Relaxed: the CAS below decides; nothing is read through this value.
+        let w = word.load(Ordering::Relaxed);
+        if slot_state(w) == SLOT_DROPPED {
+            return None;
+        }
+        let generation = ((w >> 32) as u32).wrapping_add(1);
+        // Relaxed CAS, then a Release fence: a slot reader that sees any of the field
+        // stores that follow also sees ATTACHING (or a later word) on its re-check. The
+        // CAS (not a plain store) loses to a concurrent drop by the writer.
+        if word
+            .compare_exchange(
+                w,
+                slot_word(generation, SLOT_ATTACHING),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+        {
+            fence(Ordering::Release);
+            return Some(generation);
+        }
+    }
+}
+
+/// Finish attaching: the fields written since [`slot_begin_attach`] become readable.
+pub fn slot_end_attach(word: &AtomicU64, generation: u32) {
+    // Release: pairs with the Acquire load in `slot_read`: the fields are visible to a
+    // reader that sees this word.
+    word.store(slot_word(generation, SLOT_ATTACHED), Ordering::Release);
+}
+
+/// Read a slot's fields with `read` (relaxed loads); `Some((word, fields))` if they are
+/// consistent: the word did not change meanwhile and no attach was under way.
+pub fn slot_read<T>(word: &AtomicU64, read: impl FnOnce() -> T) -> Option<(u64, T)> {
+    // Acquire: pairs with the Release store in `slot_end_attach`.
+    let before = word.load(Ordering::Acquire);
+    if slot_state(before) == SLOT_ATTACHING {
+        return None;
+    }
+    let fields = read();
+    // Acquire fence: the field loads above complete before the re-check below, so an
+    // attach that wrote any of them (after its Release fence) shows in the word.
+    fence(Ordering::Acquire);
+    // Relaxed: ordered by the fence.
+    (word.load(Ordering::Relaxed) == before).then_some((before, fields))
+}
+
+/// Drop a slot whose holder was judged dead when its word was `seen`. Fails (returns
+/// false) if the word changed since: a new holder attached, and must not be dropped.
+pub fn slot_drop(word: &AtomicU64, seen: u64) -> bool {
+    if slot_state(seen) != SLOT_ATTACHED {
+        return false;
+    }
+    // Relaxed: the state carries no data; `slot_begin_attach` sees DROPPED through its
+    // own CAS on the same word.
+    word.compare_exchange(
+        seen,
+        slot_word((seen >> 32) as u32, SLOT_DROPPED),
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    )
+    .is_ok()
 }

@@ -187,8 +187,8 @@ def _remove_segments_of(pids: set[int]) -> list[str]:
         rows = _core.list_segments()
     except OSError:
         return removed
-    for name, _size, _kind, creator_pid, creator_alive in rows:
-        if creator_pid in pids and not creator_alive:
+    for name, _size, _kind, creator_pid, creator_state in rows:
+        if creator_pid in pids and creator_state == "dead":
             try:
                 os.unlink(os.path.join(_SHM_DIR, name))
                 removed.append(name)

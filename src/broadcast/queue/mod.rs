@@ -19,6 +19,7 @@ mod writer;
 
 use super::ring::Ring;
 use crate::error::{Error, Result};
+use crate::liveness::Liveness;
 
 pub use cancel::Canceller;
 pub use handle::Handle;
@@ -26,20 +27,26 @@ pub use options::QueueOptions;
 pub use reader::{OwnedPart, Part, Reader, Received};
 pub use writer::Writer;
 
-/// An error for the first local reader whose process (as its slot records it) is dead.
+/// An error for the first local reader proved dead.
 fn dead_local_reader(ring: &Ring) -> Result<()> {
     for r in 0..ring.n_reader() {
-        if let Some(p) = ring.slot_info(Some(r))?.process {
-            if !p.is_alive() {
-                return Err(Error::DeadReader {
-                    reader: r,
-                    pid: p.pid,
-                    chunk: 0,
-                });
-            }
+        if reader_is_dead(ring, r) {
+            let pid = ring.slot_info(Some(r))?.process.map_or(0, |p| p.pid);
+            return Err(Error::DeadReader {
+                reader: r,
+                pid,
+                chunk: 0,
+            });
         }
     }
     Ok(())
+}
+
+/// Whether local reader `r` is proved dead (its slot's role lock is free while the slot
+/// names a holder). A reader that cannot be judged is not dead.
+fn reader_is_dead(ring: &Ring, r: usize) -> bool {
+    ring.slot_info(Some(r))
+        .is_ok_and(|info| ring.holder_liveness(Some(r), &info) == Liveness::Dead)
 }
 
 /// The error when a chunk seen as ready is not ready a moment later: only a writer that

@@ -11,6 +11,7 @@ use super::super::ring::{ChunkInfo, ChunkKind, Ring, RingReader};
 use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
 use crate::error::{Error, Result};
+use crate::fork::{self, LeakInChild};
 use crate::transport::Subscriber;
 use crate::wait::{no_peer, Wait, WaitPolicy, WaitSpec};
 
@@ -172,7 +173,7 @@ pub struct Reader {
     /// What this reader's waits are for (in warnings and timeout errors).
     what: Arc<str>,
     ready_what: Arc<str>,
-    _ctx: zmq::Context,
+    _ctx: LeakInChild<zmq::Context>,
 }
 
 impl fmt::Debug for Reader {
@@ -253,7 +254,7 @@ impl Reader {
             policy,
             ready_what: format!("{what} to be ready").into(),
             what: what.into(),
-            _ctx: ctx,
+            _ctx: LeakInChild::new(ctx),
         })
     }
 
@@ -323,6 +324,7 @@ impl Reader {
     }
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
+        fork::check(self._ctx.made_in(), "queue reader")?;
         match &self.source {
             Source::Local { overflow, ring, .. } => {
                 let ring = ring.ring().clone();
@@ -344,6 +346,7 @@ impl Reader {
 
     /// [`wait_message`](Self::wait_message) under a wait of the caller's own.
     pub fn wait_message_with(&mut self, wait: &mut Wait) -> Result<()> {
+        fork::check(self._ctx.made_in(), "queue reader")?;
         match &mut self.source {
             Source::Local { ring, overflow, .. } => {
                 let info = ring.wait(wait)?;
@@ -368,6 +371,7 @@ impl Reader {
     /// Take the next message if it is here now: call `f` on it (bytes borrowed from
     /// shared memory for a message in a chunk) and move on. `None`: nothing ready yet.
     pub fn try_take_message<R>(&mut self, f: impl FnOnce(Received<'_>) -> R) -> Result<Option<R>> {
+        fork::check(self._ctx.made_in(), "queue reader")?;
         match &mut self.source {
             Source::Local {
                 ring,
@@ -511,6 +515,7 @@ impl Reader {
     /// Mark the chunk from [`acquire_read`](Self::acquire_read) as read. A message of
     /// several parts read this way gives its arena parts back.
     pub fn finish_read(&mut self) -> Result<()> {
+        fork::check(self._ctx.made_in(), "queue reader")?;
         match &mut self.source {
             Source::Local { ring, arena, .. } => {
                 let pending = self.pending.take();

@@ -7,23 +7,16 @@ use std::sync::Arc;
 
 use super::super::framing::{self, PartRef};
 use super::super::ring::{ChunkKind, Ring, RingWriter};
-use super::{dead_local_reader, Canceller, Handle, QueueOptions};
+use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaWriter, Loan};
 use crate::error::{Error, Result};
+use crate::fork::{self, LeakInChild};
 use crate::transport::{default_connect_ip, Publisher};
 use crate::wait::{no_peer, Wait, WaitPolicy, WaitSpec};
 
 /// What the writer's waits are for, in warnings and timeout errors.
 const WAITING_FOR_SUBSCRIBERS: &str = "the writer waiting for every reader to subscribe";
 const WAITING_FOR_A_CHUNK: &str = "the writer waiting for readers to free a chunk";
-
-/// Whether local reader `r` is proved dead (its slot names a process that is gone).
-fn reader_is_dead(ring: &Ring, r: usize) -> bool {
-    ring.slot_info(Some(r))
-        .ok()
-        .and_then(|s| s.process)
-        .is_some_and(|p| !p.is_alive())
-}
 
 /// Where each part of a message goes for local readers: the body and small parts inline,
 /// parts inside a loan by reference, other large parts copied into the arena when it has
@@ -76,7 +69,7 @@ pub struct Writer {
     policy: WaitPolicy,
     canceller: Canceller,
     // Declared last so the sockets above close before their context terminates.
-    _ctx: zmq::Context,
+    _ctx: LeakInChild<zmq::Context>,
 }
 
 impl fmt::Debug for Writer {
@@ -133,7 +126,7 @@ impl Writer {
                     )
                 })
                 .transpose()?;
-            let mut writer = RingWriter::new(ring);
+            let mut writer = RingWriter::new(ring)?;
             writer.on_dead_reader(opts.on_dead_reader);
             (Some(writer), Some(local), arena)
         } else {
@@ -169,7 +162,7 @@ impl Writer {
                 .wait
                 .unwrap_or_else(|| WaitPolicy::for_processes(opts.n_local_reader + 1)),
             canceller,
-            _ctx: ctx,
+            _ctx: LeakInChild::new(ctx),
         })
     }
 
@@ -219,6 +212,7 @@ impl Writer {
     }
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
+        fork::check(self._ctx.made_in(), "queue writer")?;
         if let Some(p) = self.local.as_mut() {
             // A local reader that died before subscribing would leave us waiting forever.
             let ring = self.ring.as_ref().map(|r| r.ring().clone());
@@ -262,6 +256,7 @@ impl Writer {
     }
 
     pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
+        fork::check(self._ctx.made_in(), "queue writer")?;
         if let Some(ring) = self.ring.as_mut() {
             if msg.len() <= ring.ring().max_chunk_bytes() {
                 ring.write(msg, wait)?;
@@ -313,6 +308,7 @@ impl Writer {
     }
 
     pub fn enqueue_parts_with(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
+        fork::check(self._ctx.made_in(), "queue writer")?;
         if parts.is_empty() {
             return Err(Error::InvalidArgument(
                 "a message needs at least one part (its body)".into(),
@@ -407,6 +403,9 @@ impl Writer {
     /// inside a live loan is sent by reference, without a copy. `None` when the queue has
     /// no arena (no local readers, or `arena_bytes` 0) or it has no room now.
     pub fn loan(&mut self, len: usize) -> Option<Loan> {
+        if fork::is_inherited(self._ctx.made_in()) {
+            return None;
+        }
         let ring = self.ring.as_ref()?;
         self.arena
             .as_mut()?
@@ -441,6 +440,7 @@ impl Writer {
 
     /// [`acquire_write`](Self::acquire_write) under a wait of the caller's own.
     pub fn acquire_write_with(&mut self, wait: &mut Wait) -> Result<&mut [u8]> {
+        fork::check(self._ctx.made_in(), "queue writer")?;
         if self.n_remote_reader > 0 {
             return Err(Error::WrongRole(
                 "acquire_write needs all readers to be local; this queue has remote readers".into(),
@@ -457,6 +457,7 @@ impl Writer {
     /// Publish the chunk from [`acquire_write`](Self::acquire_write); readers see it
     /// whole (a chunk of `max_chunk_bytes`).
     pub fn commit_write(&mut self) -> Result<()> {
+        fork::check(self._ctx.made_in(), "queue writer")?;
         let ring = self
             .ring
             .as_mut()

@@ -42,6 +42,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use super::protocol::{self, ChunkFlags};
 use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
+use crate::liveness::LockProbe;
 use crate::process::ProcessId;
 use crate::segment::{unique_name, Segment};
 
@@ -57,6 +58,8 @@ pub struct Ring {
     segment: Segment,
     base: NonNull<u8>,
     geo: Geometry,
+    /// Tests the role locks of the ring's slots (see `slots`).
+    probe: LockProbe,
 }
 
 // SAFETY: `base` points into `segment`'s mapping, which lives as long as `self`. All
@@ -119,7 +122,13 @@ impl Ring {
         let geo = Geometry::new(n_reader, max_chunk_bytes, max_chunks)?;
         let segment = Segment::create(name, geo.total)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
-        let ring = Ring { segment, base, geo };
+        let probe = LockProbe::open(name);
+        let ring = Ring {
+            segment,
+            base,
+            geo,
+            probe,
+        };
         // SAFETY: the segment is new, at least SLOTS_OFFSET bytes long, page-aligned, and
         // no other process can use it before `magic` is set below.
         unsafe {
@@ -194,7 +203,13 @@ impl Ring {
         if stored != expected || segment.len() < geo.total {
             return Err(bad("its header does not match its size".into()));
         }
-        Ok(Ring { segment, base, geo })
+        let probe = LockProbe::open(name);
+        Ok(Ring {
+            segment,
+            base,
+            geo,
+            probe,
+        })
     }
 
     fn header(&self) -> &RingHeader {

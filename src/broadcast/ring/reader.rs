@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::layout::ChunkKind;
 use super::{protocol, Ring};
 use crate::error::{Error, Result};
+use crate::liveness::{Liveness, RoleLock};
 use crate::wait::Wait;
 
 /// A message found in the ring by a reader.
@@ -25,6 +26,8 @@ pub struct RingReader {
     reader: usize,
     next: usize,
     messages: u64,
+    /// This reader's slot, held for as long as it lives.
+    _role: RoleLock,
 }
 
 impl RingReader {
@@ -37,12 +40,13 @@ impl RingReader {
                 ring.n_reader()
             )));
         }
-        ring.attach(1 + reader)?;
+        let role = ring.attach(1 + reader)?;
         Ok(RingReader {
             ring,
             reader,
             next: 0,
             messages: 0,
+            _role: role,
         })
     }
 
@@ -79,10 +83,11 @@ impl RingReader {
         })
     }
 
-    /// Fails if the writer has died.
+    /// Fails if the writer is proved dead.
     pub fn check_writer(ring: &Ring) -> Result<()> {
-        match ring.slot_info(None)?.process {
-            Some(w) if !w.is_alive() => Err(Error::DeadWriter { pid: w.pid }),
+        let info = ring.slot_info(None)?;
+        match (info.process, ring.holder_liveness(None, &info)) {
+            (Some(w), Liveness::Dead) => Err(Error::DeadWriter { pid: w.pid }),
             _ => Ok(()),
         }
     }

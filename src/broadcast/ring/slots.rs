@@ -1,39 +1,48 @@
-//! Who holds each side of a ring: one slot for the writer and one per reader, each with
-//! the holder's pid and start time (to tell a live peer from a dead one), a state and a
-//! message count. Uses the ring's mapping ([`super::Ring`]) and [`crate::process`].
-
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+//! Who holds each side of a ring: one slot for the writer and one per reader.
+//!
+//! A slot records its holder (pid and start time, to name it), a state and a message
+//! count, under the generation-stamped seqlock of [`super::protocol`] (`slot_*`). Holding
+//! a slot also means holding its role lock (byte `1 + slot` of the ring's file, see
+//! [`crate::liveness`]): a second process cannot take a slot that a live one holds, and
+//! whether a holder is alive is read off that lock — also from another pid namespace,
+//! where its pid means nothing. Uses the ring's mapping ([`super::Ring`]).
 
 use super::layout::{SLOTS_OFFSET, SLOT_SIZE};
+use super::protocol::{self, SLOT_ATTACHED, SLOT_DROPPED};
 use super::Ring;
 use crate::error::{Error, Result};
+use crate::liveness::{Liveness, RoleLock};
 use crate::process::ProcessId;
-
-/// Slot states (0, the state of a fresh segment: nobody has attached).
-pub(super) const ATTACHED: u32 = 1;
-pub(super) const DROPPED: u32 = 2;
-/// A process is writing its pid and start time into the slot.
-pub(super) const ATTACHING: u32 = 3;
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Who holds a side of the ring, and how many messages it has handled.
 #[repr(C, align(64))]
 pub(super) struct Slot {
+    /// `generation << 32 | state` (see [`super::protocol`]).
+    pub(super) word: AtomicU64,
     pub(super) pid: AtomicU32,
-    pub(super) state: AtomicU32,
+    _pad: u32,
     pub(super) start_time: AtomicU64,
     pub(super) messages: AtomicU64,
 }
 const _: () = assert!(std::mem::size_of::<Slot>() == SLOT_SIZE);
 
-/// The state of one slot, for inspection.
+/// The state of one slot, for inspection and liveness checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotInfo {
-    /// The process that attached to it last, if any.
+    /// The process that attached to it last, if any (and if read consistently).
     pub process: Option<ProcessId>,
     /// Dropped by the writer after its process died.
     pub dropped: bool,
     /// Messages written (writer) or read (reader).
     pub messages: u64,
+    /// The slot word the fields were read under (to drop the holder with a CAS).
+    pub(super) word: u64,
+}
+
+/// The role-lock byte of slot `index` in the ring's file (byte 0 is the creator's).
+fn lock_byte(index: usize) -> u64 {
+    1 + index as u64
 }
 
 impl Ring {
@@ -41,66 +50,96 @@ impl Ring {
     pub(super) fn slot(&self, index: usize) -> &Slot {
         debug_assert!(index <= self.geo.n_reader);
         // SAFETY: index <= n_reader, so the slot lies below states_offset (Geometry::new);
-        // 64-aligned; only accessed atomically.
+        // 64-aligned; only accessed atomically. A peer can write garbage into it; that
+        // only changes what is reported (and a CAS on a garbage word fails harmlessly).
         unsafe { &*(self.base.as_ptr().add(SLOTS_OFFSET + SLOT_SIZE * index) as *const Slot) }
+    }
+
+    fn slot_index(&self, reader: Option<usize>) -> Result<usize> {
+        match reader {
+            None => Ok(0),
+            Some(r) if r < self.geo.n_reader => Ok(1 + r),
+            Some(r) => Err(Error::InvalidArgument(format!(
+                "no reader {r}: the ring has {}",
+                self.geo.n_reader
+            ))),
+        }
     }
 
     /// The writer's (`None`) or reader `r`'s slot.
     pub fn slot_info(&self, reader: Option<usize>) -> Result<SlotInfo> {
-        let index = match reader {
-            None => 0,
-            Some(r) if r < self.geo.n_reader => 1 + r,
-            Some(r) => {
-                return Err(Error::InvalidArgument(format!(
-                    "no reader {r}: the ring has {}",
-                    self.geo.n_reader
-                )))
+        let slot = self.slot(self.slot_index(reader)?);
+        // Relaxed field loads inside the seqlock read (ordered by its Acquire load and
+        // fence); a torn read (an attach under way) names nobody this time.
+        let read = protocol::slot_read(&slot.word, || {
+            (
+                slot.pid.load(Ordering::Relaxed),
+                slot.start_time.load(Ordering::Relaxed),
+            )
+        });
+        let (word, process) = match read {
+            Some((w, (pid, start_time))) => {
+                let state = protocol::slot_state(w);
+                let named = state == SLOT_ATTACHED || state == SLOT_DROPPED;
+                (w, named.then_some(ProcessId { pid, start_time }))
             }
+            None => (0, None),
         };
-        let slot = self.slot(index);
-        // A seqlock on the state: Acquire pairs with the Release store in `attach`; the
-        // state read again after the fence must be unchanged, or a re-attach was under
-        // way and pid and start time may be torn (then nobody is named: liveness checks
-        // skip the slot this time).
-        let state = slot.state.load(Ordering::Acquire);
-        // Relaxed: ordered by the Acquire load above and the fence below.
-        let (pid, start_time) = (
-            slot.pid.load(Ordering::Relaxed),
-            slot.start_time.load(Ordering::Relaxed),
-        );
-        fence(Ordering::Acquire);
-        // Relaxed: ordered after the reads above by the fence.
-        let stable = slot.state.load(Ordering::Relaxed) == state;
-        let process = (stable && (state == ATTACHED || state == DROPPED))
-            .then_some(ProcessId { pid, start_time });
-        // Relaxed: a statistic.
         Ok(SlotInfo {
             process,
-            dropped: state == DROPPED,
+            dropped: protocol::slot_state(word) == SLOT_DROPPED,
+            // Relaxed: a statistic.
             messages: slot.messages.load(Ordering::Relaxed),
+            word,
         })
     }
 
-    /// Record this process as the holder of slot `index`.
-    pub(super) fn attach(&self, index: usize) -> Result<()> {
+    /// Whether the holder of the writer's (`None`) or reader `r`'s slot is alive, read
+    /// off its role lock; by its pid only where the lock cannot be tested (and then a pid
+    /// that is not visible here is `Unknown`, never `Dead`). `Unknown` for an empty slot.
+    pub fn holder_liveness(&self, reader: Option<usize>, info: &SlotInfo) -> Liveness {
+        let Some(process) = info.process else {
+            return Liveness::Unknown;
+        };
+        let index = self.slot_index(reader).expect("checked by slot_info");
+        match self.probe.liveness(lock_byte(index)) {
+            Liveness::Unknown => process.liveness(),
+            known => known,
+        }
+    }
+
+    /// Drop reader `r`, judged dead from `info`; false if a new holder attached since.
+    pub(super) fn drop_reader(&self, r: usize, info: &SlotInfo) -> bool {
+        protocol::slot_drop(&self.slot(1 + r).word, info.word)
+    }
+
+    /// Record this process as the holder of slot `index`, taking its role lock (kept by
+    /// the caller for as long as it holds the slot).
+    pub(super) fn attach(&self, index: usize) -> Result<RoleLock> {
+        let who = if index == 0 {
+            "the writer's slot".to_owned()
+        } else {
+            format!("reader {}", index - 1)
+        };
+        let lock = RoleLock::acquire(self.name(), lock_byte(index))?.ok_or_else(|| {
+            Error::WrongRole(format!(
+                "{who} of ring '{}' is held by another live process; a rank can be opened only \
+                 once at a time",
+                self.name()
+            ))
+        })?;
         let me = ProcessId::current();
         let slot = self.slot(index);
-        // Relaxed: the state carries no data of its own here (see `slot_info`).
-        if slot.state.load(Ordering::Relaxed) == DROPPED {
+        let Some(generation) = protocol::slot_begin_attach(&slot.word) else {
             return Err(Error::WrongRole(format!(
-                "reader {} was dropped by the writer after its process died; it cannot join this queue again",
-                index - 1
+                "{who} was dropped by the writer after its process died; it cannot join this \
+                 queue again"
             )));
-        }
-        // Relaxed, then a Release fence: `slot_info` sees ATTACHING (or a changed state)
-        // if it reads any of the new pid/start time before the final store.
-        slot.state.store(ATTACHING, Ordering::Relaxed);
-        fence(Ordering::Release);
-        // Relaxed: published by the Release store of the state below.
+        };
+        // Relaxed: published by the Release store in `slot_end_attach`.
         slot.pid.store(me.pid, Ordering::Relaxed);
         slot.start_time.store(me.start_time, Ordering::Relaxed);
-        // Release: pairs with the Acquire load in `slot_info`.
-        slot.state.store(ATTACHED, Ordering::Release);
-        Ok(())
+        protocol::slot_end_attach(&slot.word, generation);
+        Ok(lock)
     }
 }

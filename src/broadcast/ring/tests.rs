@@ -2,10 +2,18 @@
 
 use std::sync::Arc;
 
-use super::slots::ATTACHED;
 use super::*;
 use crate::wait::Wait;
 use std::time::Duration;
+
+/// Make slot `index` name a holder that is gone: attached, with no role lock held.
+fn fake_dead_holder(ring: &Ring, index: usize) {
+    let slot = ring.slot(index);
+    let generation = super::protocol::slot_begin_attach(&slot.word).unwrap();
+    slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
+    slot.start_time.store(1, Ordering::Relaxed);
+    super::protocol::slot_end_attach(&slot.word, generation);
+}
 
 fn wait() -> Wait<'static> {
     Wait::new("test", Some(Duration::from_millis(50)))
@@ -28,7 +36,7 @@ fn geometry_is_aligned() {
 #[test]
 fn state_machine_follows_the_spec() {
     let ring = Arc::new(Ring::create(2, 64, 2).unwrap());
-    let mut w = RingWriter::new(ring.clone());
+    let mut w = RingWriter::new(ring.clone()).unwrap();
     let mut r0 = RingReader::new(ring.clone(), 0).unwrap();
     let mut r1 = RingReader::new(ring.clone(), 1).unwrap();
     // 1. not written: readers may not read, the writer may write.
@@ -65,7 +73,7 @@ fn state_machine_follows_the_spec() {
 fn slots_record_who_holds_each_side() {
     let ring = Arc::new(Ring::create(2, 64, 2).unwrap());
     assert!(ring.slot_info(None).unwrap().process.is_none());
-    let mut w = RingWriter::new(ring.clone());
+    let mut w = RingWriter::new(ring.clone()).unwrap();
     let mut r1 = RingReader::new(ring.clone(), 1).unwrap();
     let me = ProcessId::current();
     assert_eq!(ring.slot_info(None).unwrap().process, Some(me));
@@ -83,13 +91,10 @@ fn slots_record_who_holds_each_side() {
 #[test]
 fn a_dead_reader_is_reported_or_dropped() {
     let ring = Arc::new(Ring::create(2, 64, 1).unwrap());
-    let mut w = RingWriter::new(ring.clone());
+    let mut w = RingWriter::new(ring.clone()).unwrap();
     let mut r0 = RingReader::new(ring.clone(), 0).unwrap();
     // Reader 1's slot names a process that is gone (a pid that cannot exist).
-    let slot = ring.slot(2);
-    slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
-    slot.start_time.store(1, Ordering::Relaxed);
-    slot.state.store(ATTACHED, Ordering::Release);
+    fake_dead_holder(&ring, 2);
     w.write(b"one", &mut wait()).unwrap();
     r0.poll().unwrap();
     r0.finish();
@@ -115,9 +120,7 @@ fn a_dead_reader_is_reported_or_dropped() {
 fn a_dead_writer_is_reported() {
     let ring = Arc::new(Ring::create(1, 64, 1).unwrap());
     let r = RingReader::new(ring.clone(), 0).unwrap();
-    let slot = ring.slot(0);
-    slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
-    slot.state.store(ATTACHED, Ordering::Release);
+    fake_dead_holder(&ring, 0);
     let err = r
         .wait(&mut Wait::new("test", Some(Duration::from_secs(10))))
         .unwrap_err();
@@ -141,7 +144,7 @@ fn open_checks_the_header() {
 #[test]
 fn too_large_message_and_bad_indices() {
     let ring = Arc::new(Ring::create(1, 16, 2).unwrap());
-    let mut w = RingWriter::new(ring.clone());
+    let mut w = RingWriter::new(ring.clone()).unwrap();
     assert!(matches!(
         w.write(&[0; 17], &mut wait()),
         Err(Error::InvalidArgument(_))

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use super::layout::ChunkKind;
 use super::protocol::{self, ChunkFlags};
-use super::slots::DROPPED;
 use super::Ring;
 use crate::error::{Error, Result};
+use crate::liveness::{Liveness, RoleLock};
 use crate::wait::Wait;
 
 /// What a reader should do when the reader it waits for has died.
@@ -33,24 +33,27 @@ pub struct RingWriter {
     dropped: Vec<AtomicBool>,
     on_dead_reader: DeadReaderPolicy,
     messages: u64,
+    /// The writer's slot, held for as long as this writer lives.
+    _role: RoleLock,
 }
 
 impl RingWriter {
-    /// The writer of `ring`; this process takes the writer's slot.
-    pub fn new(ring: Arc<Ring>) -> RingWriter {
-        // The writer's slot is never dropped, so attaching cannot fail.
-        ring.attach(0).expect("the writer's slot is never dropped");
+    /// The writer of `ring`; this process takes the writer's slot (an error if a live
+    /// process holds it).
+    pub fn new(ring: Arc<Ring>) -> Result<RingWriter> {
+        let role = ring.attach(0)?;
         let dropped = (0..ring.n_reader())
             .map(|_| AtomicBool::new(false))
             .collect();
-        RingWriter {
+        Ok(RingWriter {
             ring,
             next: 0,
             open: None,
             dropped,
             on_dead_reader: DeadReaderPolicy::Raise,
             messages: 0,
-        }
+            _role: role,
+        })
     }
 
     /// What to do when a reader that holds a chunk back has died.
@@ -106,12 +109,14 @@ impl RingWriter {
             if Self::is_dropped(dropped, r) || chunk.read(r).load(Ordering::Relaxed) == 1 {
                 continue;
             }
-            let Some(process) = ring.slot_info(Some(r))?.process else {
+            let info = ring.slot_info(Some(r))?;
+            // Only a holder proved dead counts: one that cannot be judged (`Unknown`) is
+            // waited for like a slow one.
+            let (Some(process), Liveness::Dead) =
+                (info.process, ring.holder_liveness(Some(r), &info))
+            else {
                 continue;
             };
-            if process.is_alive() {
-                continue;
-            }
             match policy {
                 DeadReaderPolicy::Raise => {
                     return Err(Error::DeadReader {
@@ -121,14 +126,16 @@ impl RingWriter {
                     });
                 }
                 DeadReaderPolicy::Drop => {
-                    log::warn!(
-                        "shmq: reader {r} (pid {}) died; going on without it",
-                        process.pid
-                    );
-                    // Relaxed: read only by this writer.
-                    dropped[r].store(true, Ordering::Relaxed);
-                    // Relaxed: informational (inspect); the writer's own flag decides.
-                    ring.slot(1 + r).state.store(DROPPED, Ordering::Relaxed);
+                    // A CAS on the slot word judged: a process that took the slot since
+                    // (the dead one's lock was free) is not dropped.
+                    if ring.drop_reader(r, &info) {
+                        log::warn!(
+                            "shmq: reader {r} (pid {}) died; going on without it",
+                            process.pid
+                        );
+                        // Relaxed: read only by this writer.
+                        dropped[r].store(true, Ordering::Relaxed);
+                    }
                 }
             }
         }

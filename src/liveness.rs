@@ -1,0 +1,206 @@
+//! Telling a live peer from a dead one — also across pid namespaces.
+//!
+//! A pid says nothing in another pid namespace (Docker with `--ipc=host`, the containers
+//! of one Kubernetes pod): the peer's pid is not visible there, or names someone else.
+//! So a process that takes a *role* in a segment — its creator, the writer of a ring,
+//! reader `r` — holds a [`RoleLock`]: an open-file-description lock (`F_OFD_SETLK`) on
+//! one byte of the segment's file in `/dev/shm`, for as long as it holds the role. The
+//! kernel drops it when the process dies (its descriptors close), and every process that
+//! can open the file sees it (`F_OFD_GETLK`), whatever its pid namespace. Taking a lock
+//! that is held fails: that is how a second owner of a reader rank is refused.
+//!
+//! A check has three answers ([`Liveness`]): **alive** (the lock is held), **dead** (it
+//! is not: proved, the holder is gone), **unknown** (the lock cannot be tested: no file
+//! to open, no permission). Only "dead" may make shmq drop a peer, report it dead or
+//! remove its segments; "unknown" never does.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+
+use crate::error::{Error, Result};
+use crate::fork;
+use crate::segment::SHM_DIR;
+
+/// What is known about the holder of a role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    Alive,
+    /// Proved: nobody holds the role's lock.
+    Dead,
+    /// Cannot be told (the lock cannot be tested from here).
+    Unknown,
+}
+
+/// The lock byte of a segment's creator; roles of a ring use `1 + slot`.
+pub const CREATOR_BYTE: u64 = 0;
+
+fn path(segment: &str) -> String {
+    format!("{SHM_DIR}/{segment}")
+}
+
+fn flock(kind: i32, byte: u64) -> libc::flock {
+    // SAFETY: `flock` is a plain C struct for which all-zero is a valid value.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = byte as libc::off_t;
+    fl.l_len = 1;
+    fl
+}
+
+/// A role held in a segment: a lock on one byte of its file, released when dropped (or
+/// when the process dies). A forked child does not inherit it (see [`crate::fork`]).
+#[derive(Debug)]
+pub struct RoleLock {
+    file: Option<File>,
+    generation: u64,
+}
+
+impl RoleLock {
+    /// Take byte `byte` of segment `segment`'s file. `Ok(None)` if a live process holds
+    /// it already.
+    pub fn acquire(segment: &str, byte: u64) -> Result<Option<RoleLock>> {
+        // A descriptor of its own (its own open file description), so that this lock is
+        // independent of any other lock or probe of this process on the same file.
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path(segment))
+            .map_err(|e| Error::os(format!("opening {} to lock a role in it", path(segment)), e))?;
+        let fl = flock(libc::F_WRLCK, byte);
+        // SAFETY: a valid descriptor and a pointer to a valid flock for the call.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::EACCES) => Ok(None),
+                _ => Err(Error::os(
+                    format!("locking byte {byte} of {}", path(segment)),
+                    e,
+                )),
+            };
+        }
+        fork::close_in_children(file.as_raw_fd());
+        Ok(Some(RoleLock {
+            file: Some(file),
+            generation: fork::generation(),
+        }))
+    }
+}
+
+impl Drop for RoleLock {
+    fn drop(&mut self) {
+        let Some(file) = self.file.take() else { return };
+        if fork::is_inherited(self.generation) {
+            // The fork handler closed this descriptor number in the child already; it
+            // may name another file by now: do not close it again.
+            std::mem::forget(file);
+        } else {
+            fork::forget_fd(file.as_raw_fd());
+            drop(file); // releases the lock
+        }
+    }
+}
+
+/// Tests the role locks of one segment (through a descriptor that holds no lock, so
+/// that every lock, also this process's own roles, shows).
+#[derive(Debug)]
+pub struct LockProbe {
+    file: Option<File>,
+}
+
+impl LockProbe {
+    /// A probe of segment `segment`; one that cannot open the file answers `Unknown`.
+    pub fn open(segment: &str) -> LockProbe {
+        LockProbe {
+            file: File::open(path(segment)).ok(),
+        }
+    }
+
+    /// Whether the role of lock byte `byte` is held.
+    pub fn liveness(&self, byte: u64) -> Liveness {
+        let Some(file) = &self.file else {
+            return Liveness::Unknown;
+        };
+        let mut fl = flock(libc::F_WRLCK, byte);
+        // SAFETY: a valid descriptor and a pointer to a valid flock for the call.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) } != 0 {
+            return Liveness::Unknown;
+        }
+        if fl.l_type == libc::F_UNLCK as libc::c_short {
+            Liveness::Dead
+        } else {
+            Liveness::Alive
+        }
+    }
+}
+
+/// Whether the creator of segment `segment` is alive (its creator lock is held).
+pub fn creator_liveness(segment: &str) -> Liveness {
+    LockProbe::open(segment).liveness(CREATOR_BYTE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::segment::{unique_name, Segment};
+
+    #[test]
+    fn a_role_is_held_once_and_seen_by_probes() {
+        let seg = Segment::create(&unique_name("test"), 4096).unwrap();
+        let probe = LockProbe::open(seg.name());
+        assert_eq!(probe.liveness(5), Liveness::Dead);
+        let lock = RoleLock::acquire(seg.name(), 5).unwrap().expect("free");
+        assert_eq!(
+            probe.liveness(5),
+            Liveness::Alive,
+            "seen from this very process too"
+        );
+        assert!(
+            RoleLock::acquire(seg.name(), 5).unwrap().is_none(),
+            "taken twice"
+        );
+        assert!(RoleLock::acquire(seg.name(), 6).unwrap().is_some());
+        drop(lock);
+        assert_eq!(probe.liveness(5), Liveness::Dead);
+        assert!(
+            RoleLock::acquire(seg.name(), 5).unwrap().is_some(),
+            "free again"
+        );
+        assert_eq!(
+            LockProbe::open("shmq_test_missing_0_0").liveness(0),
+            Liveness::Unknown
+        );
+    }
+
+    #[test]
+    fn a_killed_holder_releases_its_role() {
+        let seg = Segment::create(&unique_name("test"), 4096).unwrap();
+        // A child takes the role, then is killed with SIGKILL (no destructors run).
+        // SAFETY: the child only takes the lock and then sleeps until killed.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let lock = RoleLock::acquire(seg.name(), 3);
+            let ok = matches!(lock, Ok(Some(_)));
+            std::mem::forget(lock);
+            if !ok {
+                // SAFETY: ends the child at once.
+                unsafe { libc::_exit(1) };
+            }
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        }
+        let probe = LockProbe::open(seg.name());
+        let t = std::time::Instant::now();
+        while probe.liveness(3) != Liveness::Alive && t.elapsed().as_secs() < 10 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(probe.liveness(3), Liveness::Alive);
+        // SAFETY: our own child.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+        assert_eq!(probe.liveness(3), Liveness::Dead);
+    }
+}
