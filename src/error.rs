@@ -114,6 +114,12 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// The remote stream refused something: a writer that does not prove it holds the
+    /// queue's secret, a message that fails authentication or comes out of order, a
+    /// reader the writer refused.
+    #[error("{0}")]
+    Remote(String),
+
     /// A ZeroMQ call failed.
     #[error("ZeroMQ error while {context}: {source}")]
     Transport {

@@ -10,6 +10,7 @@
 //! - [`alloc`], [`storage`]: the object store's FIFO allocator and the store on it;
 //! - [`copy`], [`arena`]: large copies into shared memory; the tensor arena (large
 //!   message parts read as private views, and [`Loan`]s to fill in place);
+//! - [`remote`]: the authenticated stream to remote readers (and its bounds);
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - [`workers`]: worker processes with a ready pipe, a death watch and shutdown of whole
@@ -19,7 +20,8 @@
 //! Internals, under those: `segment` (named POSIX shared memory), `fork` (what a forked
 //! child must not do with what it inherited), `sync` / `futex` /
 //! `doorbell` (loom-swappable atomics, the process-shared futex, the sleep/wake
-//! handshake), `private_map` (private copy-on-write views), `transport` (ZeroMQ).
+//! handshake), `private_map` (private copy-on-write views), `transport` (ZeroMQ, for
+//! local readers' oversized messages).
 //!
 //! # Glossary: shmq's names and the engines' (vLLM's) names
 //! | shmq (Rust) | the engines (Python; shmq keeps these names in `shmq`) |
@@ -82,6 +84,8 @@ pub(crate) mod futex;
 pub mod liveness;
 #[cfg(not(loom))]
 pub(crate) mod private_map;
+#[cfg(not(loom))]
+pub mod remote;
 #[cfg(not(loom))]
 pub(crate) mod segment;
 #[cfg(loom)]

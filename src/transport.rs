@@ -79,19 +79,6 @@ impl Publisher {
         Self::bind(ctx, &format!("ipc://@{name}"), false)
     }
 
-    /// Bind a `tcp://` endpoint on `ip` (IPv4, or IPv6 with or without brackets) and a
-    /// port chosen by the OS. Returns the publisher and whether the address is IPv6.
-    pub fn bind_tcp(ctx: &zmq::Context, ip: &str) -> Result<(Publisher, bool)> {
-        let bare = ip.trim_start_matches('[').trim_end_matches(']');
-        let ipv6 = bare.contains(':');
-        let addr = if ipv6 {
-            format!("tcp://[{bare}]:*")
-        } else {
-            format!("tcp://{bare}:*")
-        };
-        Ok((Self::bind(ctx, &addr, ipv6)?, ipv6))
-    }
-
     /// The address readers connect to.
     pub fn endpoint(&self) -> &str {
         &self.endpoint

@@ -125,6 +125,10 @@ class Handle:
     remote_addr_ipv6: bool = False
     #: The tensor arena's segment (large tensors and arrays, read as zero-copy views).
     arena_name: Optional[str] = None
+    #: The secret remote readers prove they hold (hex), so that nobody else who reaches
+    #: the writer's port counts as a reader or can feed a reader messages. It is why a
+    #: handle must travel over a trusted channel; it is left out of the repr.
+    remote_secret: Optional[str] = field(default=None, repr=False)
 
 
 class MessageQueue:
@@ -156,6 +160,14 @@ class MessageQueue:
       reader (copy-on-write pages). The bytes go back to the writer when the last view
       in the last reader is gone. With the arena full, parts are copied through the
       ring instead (``arena_fallbacks`` counts them); the writer never waits for it.
+    - Remote readers prove they hold the queue's secret (in the ``Handle``) before they
+      count or receive anything, one per rank, and every message to them is
+      authenticated (a keyed MAC, a session and a sequence number): a stranger on the
+      network, or a process that took a dead writer's port, can neither read the stream
+      nor make a reader unpickle its bytes. At most ``remote_hwm`` messages (default
+      1000) wait in the writer for one remote reader; when it falls that far behind the
+      writer waits for it (``slow_remote_reader="block"``, within the enqueue timeout) or
+      stops sending to it (``"drop"``).
     - ``loan(nbytes)`` / ``loan_tensor(shape, dtype)`` / ``loan_array(shape, dtype)``:
       memory in the arena to fill in place; sending an object that holds it sends a
       reference, no copy at all.
@@ -185,6 +197,8 @@ class MessageQueue:
         on_dead_reader: str = "raise",
         arena_bytes: Optional[int] = None,
         arena_threshold: Optional[int] = None,
+        remote_hwm: Optional[int] = None,
+        slow_remote_reader: str = "block",
     ):
         if local_reader_ranks is not None:
             local_reader_ranks = list(local_reader_ranks)  # the core checks it (length, duplicates)
@@ -200,6 +214,8 @@ class MessageQueue:
             on_dead_reader=on_dead_reader,
             arena_bytes=arena_bytes,
             arena_threshold=arena_threshold,
+            remote_hwm=remote_hwm,
+            slow_remote_reader=slow_remote_reader,
         )
         self.handle = Handle(**self._writer.handle())
         ring = self._writer.ring()

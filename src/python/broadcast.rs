@@ -15,6 +15,7 @@ use crate::broadcast::{
     Writer as CoreWriter,
 };
 use crate::error::Error;
+use crate::remote::{RemoteOptions, SlowReaderPolicy};
 use pyo3::exceptions::PyValueError;
 
 /// Messages up to this size are copied with the GIL held when no wait is needed.
@@ -49,6 +50,26 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PyHandle {
             Ok(v) => v.extract()?,
             Err(_) => None, // a handle pickled before the field existed
         };
+        let remote_secret = match obj.getattr("remote_secret") {
+            Ok(v) if !v.is_none() => {
+                let text: String = v.extract()?;
+                let bytes = (0..text.len())
+                    .step_by(2)
+                    .map(|i| {
+                        text.get(i..i + 2)
+                            .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    })
+                    .collect::<Option<Vec<u8>>>();
+                Some(
+                    bytes
+                        .and_then(|b| <[u8; crate::remote::SECRET_BYTES]>::try_from(b).ok())
+                        .ok_or_else(|| {
+                            PyValueError::new_err("remote_secret must be 64 hexadecimal digits")
+                        })?,
+                )
+            }
+            _ => None,
+        };
         Ok(PyHandle(Handle {
             local_reader_ranks: obj.getattr("local_reader_ranks")?.extract()?,
             buffer: buffer.map(|(n_reader, max_chunk_bytes, max_chunks, name)| RingHandle {
@@ -61,6 +82,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PyHandle {
             remote_subscribe_addr: obj.getattr("remote_subscribe_addr")?.extract()?,
             remote_addr_ipv6: obj.getattr("remote_addr_ipv6")?.extract()?,
             arena,
+            remote_secret,
         }))
     }
 }
@@ -74,6 +96,10 @@ fn handle_fields<'py>(py: Python<'py>, h: &Handle) -> PyResult<Bound<'py, PyDict
     d.set_item("remote_subscribe_addr", h.remote_subscribe_addr.clone())?;
     d.set_item("remote_addr_ipv6", h.remote_addr_ipv6)?;
     d.set_item("arena_name", h.arena.clone())?;
+    let secret = h
+        .remote_secret
+        .map(|k| k.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    d.set_item("remote_secret", secret)?;
     Ok(d)
 }
 
@@ -236,7 +262,7 @@ pub struct Writer {
 #[pymethods]
 impl Writer {
     #[new]
-    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10*1024*1024, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None))]
+    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10*1024*1024, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader="block"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         n_reader: usize,
@@ -250,7 +276,31 @@ impl Writer {
         on_dead_reader: &str,
         arena_bytes: Option<usize>,
         arena_threshold: Option<usize>,
+        remote_hwm: Option<i32>,
+        slow_remote_reader: &str,
     ) -> PyResult<Writer> {
+        let slow_reader = match slow_remote_reader {
+            "block" => SlowReaderPolicy::Block,
+            "drop" => SlowReaderPolicy::Drop,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "slow_remote_reader must be \"block\" or \"drop\", got {other:?}"
+                )))
+            }
+        };
+        let mut remote = RemoteOptions {
+            slow_reader,
+            ..RemoteOptions::default()
+        };
+        match remote_hwm {
+            Some(n) if n < 1 => {
+                return Err(PyValueError::new_err(format!(
+                    "remote_hwm must be at least 1 message, got {n}"
+                )))
+            }
+            Some(n) => remote.hwm = n,
+            None => {}
+        }
         let on_dead_reader = match on_dead_reader {
             "raise" => DeadReaderPolicy::Raise,
             "drop" => DeadReaderPolicy::Drop,
@@ -271,6 +321,7 @@ impl Writer {
             on_dead_reader,
             arena_bytes: arena_bytes.unwrap_or_else(crate::arena::default_capacity),
             arena_threshold: arena_threshold.unwrap_or_else(crate::arena::default_threshold),
+            remote,
         };
         let writer = CoreWriter::new(opts)?;
         Ok(Writer {

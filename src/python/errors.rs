@@ -1,8 +1,8 @@
 //! The one place where core errors become Python exceptions.
 
 use pyo3::exceptions::{
-    PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError, PyRuntimeError,
-    PyTimeoutError, PyValueError,
+    PyConnectionError, PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError,
+    PyRuntimeError, PyTimeoutError, PyValueError,
 };
 use pyo3::PyErr;
 
@@ -34,6 +34,7 @@ impl From<Error> for PyErr {
                 PyPermissionError::new_err(msg)
             }
             Error::Os { .. } | Error::Transport { .. } => PyOSError::new_err(msg),
+            Error::Remote(_) => PyConnectionError::new_err(msg),
             Error::DeadReader { .. } | Error::DeadWriter { .. } => PeerDiedError::new_err(msg),
         }
     }

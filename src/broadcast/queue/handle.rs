@@ -6,10 +6,11 @@ use std::str::FromStr;
 
 use super::super::ring::RingHandle;
 use crate::error::{Error, Result};
+use crate::remote::SECRET_BYTES;
 
 /// Everything a reader process needs to join a queue. Send it to readers however you
 /// like; `Display`/`FromStr` give a one-line text form.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Handle {
     pub local_reader_ranks: Vec<usize>,
     pub buffer: Option<RingHandle>,
@@ -18,9 +19,42 @@ pub struct Handle {
     pub remote_addr_ipv6: bool,
     /// The tensor arena's segment, if the queue has one.
     pub arena: Option<String>,
+    /// The secret remote readers prove they hold (only with remote readers). It is what
+    /// keeps strangers off the writer's port: send the handle over a trusted channel.
+    pub remote_secret: Option<[u8; SECRET_BYTES]>,
 }
 
-const HANDLE_TAG: &str = "shmq-handle-2";
+const HANDLE_TAG: &str = "shmq-handle-3";
+
+impl fmt::Debug for Handle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the secret: debug output ends up in logs.
+        f.debug_struct("Handle")
+            .field("local_reader_ranks", &self.local_reader_ranks)
+            .field("buffer", &self.buffer)
+            .field("local_subscribe_addr", &self.local_subscribe_addr)
+            .field("remote_subscribe_addr", &self.remote_subscribe_addr)
+            .field("remote_addr_ipv6", &self.remote_addr_ipv6)
+            .field("arena", &self.arena)
+            .field("remote_secret", &self.remote_secret.map(|_| "<hidden>"))
+            .finish()
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<[u8; SECRET_BYTES]> {
+    if s.len() != 2 * SECRET_BYTES || !s.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; SECRET_BYTES];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
 
 impl fmt::Display for Handle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -41,13 +75,14 @@ impl fmt::Display for Handle {
             .unwrap_or_default();
         write!(
             f,
-            "{HANDLE_TAG}|{}|{}|{}|{}|{}|{}",
+            "{HANDLE_TAG}|{}|{}|{}|{}|{}|{}|{}",
             ranks.join(","),
             buffer,
             self.local_subscribe_addr.as_deref().unwrap_or(""),
             self.remote_subscribe_addr.as_deref().unwrap_or(""),
             u8::from(self.remote_addr_ipv6),
-            self.arena.as_deref().unwrap_or("")
+            self.arena.as_deref().unwrap_or(""),
+            self.remote_secret.map(|k| hex(&k)).unwrap_or_default()
         )
     }
 }
@@ -55,9 +90,13 @@ impl fmt::Display for Handle {
 impl FromStr for Handle {
     type Err = Error;
     fn from_str(s: &str) -> Result<Handle> {
-        let bad = || Error::InvalidArgument(format!("not a shmq queue handle: {s:?}"));
+        // The text may hold the secret: name only its start in the error.
+        let bad = || {
+            let head: String = s.chars().take(20).collect();
+            Error::InvalidArgument(format!("not a shmq queue handle: {head:?}..."))
+        };
         let parts: Vec<&str> = s.trim().split('|').collect();
-        if parts.len() != 7 || parts[0] != HANDLE_TAG {
+        if parts.len() != 8 || parts[0] != HANDLE_TAG {
             return Err(bad());
         }
         let num = |t: &str| t.parse::<usize>().map_err(|_| bad());
@@ -88,6 +127,10 @@ impl FromStr for Handle {
             remote_subscribe_addr: opt(parts[4]),
             remote_addr_ipv6: parts[5] == "1",
             arena: opt(parts[6]),
+            remote_secret: match parts[7] {
+                "" => None,
+                k => Some(unhex(k).ok_or_else(bad)?),
+            },
         })
     }
 }

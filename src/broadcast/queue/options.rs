@@ -1,6 +1,7 @@
 //! [`QueueOptions`]: how a writer is made (sizes, readers, waits, the tensor arena).
 
 use crate::arena;
+use crate::remote::RemoteOptions;
 use crate::wait::WaitPolicy;
 
 use super::super::ring::DeadReaderPolicy;
@@ -29,6 +30,9 @@ pub struct QueueOptions {
     pub arena_bytes: usize,
     /// Smallest message part that goes to the arena instead of being copied inline.
     pub arena_threshold: usize,
+    /// How the remote stream is bounded (messages queued per remote reader, and what to
+    /// do with one that does not keep up).
+    pub remote: RemoteOptions,
 }
 
 impl Default for QueueOptions {
@@ -44,6 +48,7 @@ impl Default for QueueOptions {
             on_dead_reader: DeadReaderPolicy::Raise,
             arena_bytes: arena::default_capacity(),
             arena_threshold: arena::default_threshold(),
+            remote: RemoteOptions::default(),
         }
     }
 }

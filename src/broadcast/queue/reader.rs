@@ -12,8 +12,9 @@ use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
 use crate::error::{Error, Result};
 use crate::fork::{self, LeakInChild};
+use crate::remote::RemoteReader;
 use crate::transport::Subscriber;
-use crate::wait::{no_peer, Wait, WaitPolicy, WaitSpec};
+use crate::wait::{Wait, WaitPolicy, WaitSpec};
 
 enum Source {
     Local {
@@ -23,7 +24,7 @@ enum Source {
         arena: Option<Arc<ArenaReader>>,
     },
     Remote {
-        sub: Subscriber,
+        sub: RemoteReader,
     },
 }
 
@@ -230,8 +231,20 @@ impl Reader {
                         handle.local_reader_ranks
                     ))
                 })?;
+                let secret = handle.remote_secret.ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "the handle has no secret for remote readers (made by an older shmq?)"
+                            .into(),
+                    )
+                })?;
                 Source::Remote {
-                    sub: Subscriber::connect(&ctx, addr, handle.remote_addr_ipv6)?,
+                    sub: RemoteReader::connect(
+                        &ctx,
+                        addr,
+                        handle.remote_addr_ipv6,
+                        secret,
+                        rank as u64,
+                    )?,
                 }
             }
         };
@@ -325,13 +338,13 @@ impl Reader {
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
-        match &self.source {
+        match &mut self.source {
             Source::Local { overflow, ring, .. } => {
                 let ring = ring.ring().clone();
                 overflow.wait_ready(wait, &mut || RingReader::check_writer(&ring))
             }
             // A remote writer's liveness cannot be checked from here.
-            Source::Remote { sub } => sub.wait_ready(wait, &mut no_peer),
+            Source::Remote { sub } => sub.wait_ready(wait),
         }
     }
 
@@ -361,7 +374,7 @@ impl Reader {
             Source::Remote { sub } => {
                 if self.pending.is_none() {
                     // A remote writer's liveness cannot be checked from here.
-                    self.pending = Some(sub.recv_frames(wait, &mut no_peer)?);
+                    self.pending = Some(sub.recv_frames(wait)?);
                 }
             }
         }

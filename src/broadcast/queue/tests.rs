@@ -20,6 +20,7 @@ fn handle_text_round_trip() {
         remote_subscribe_addr: Some("tcp://[::1]:5555".into()),
         remote_addr_ipv6: true,
         arena: Some("shmq_arena_1_abc".into()),
+        remote_secret: Some([0xA5; 32]),
     };
     assert_eq!(h.to_string().parse::<Handle>().unwrap(), h);
     let empty = Handle {
@@ -29,6 +30,7 @@ fn handle_text_round_trip() {
         remote_subscribe_addr: None,
         remote_addr_ipv6: false,
         arena: None,
+        remote_secret: None,
     };
     assert_eq!(empty.to_string().parse::<Handle>().unwrap(), empty);
     assert!("nonsense".parse::<Handle>().is_err());

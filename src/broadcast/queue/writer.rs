@@ -11,8 +11,9 @@ use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaWriter, Loan};
 use crate::error::{Error, Result};
 use crate::fork::{self, LeakInChild};
+use crate::remote::{self, RemoteWriter};
 use crate::transport::{default_connect_ip, Publisher};
-use crate::wait::{no_peer, Wait, WaitPolicy, WaitSpec};
+use crate::wait::{Wait, WaitPolicy, WaitSpec};
 
 /// What the writer's waits are for, in warnings and timeout errors.
 const WAITING_FOR_SUBSCRIBERS: &str = "the writer waiting for every reader to subscribe";
@@ -61,7 +62,7 @@ pub struct Writer {
     arena: Option<ArenaWriter>,
     arena_threshold: usize,
     local: Option<Publisher>,
-    remote: Option<Publisher>,
+    remote: Option<RemoteWriter>,
     n_local_reader: usize,
     n_remote_reader: usize,
     handle: Handle,
@@ -132,12 +133,20 @@ impl Writer {
         } else {
             (None, None, None)
         };
-        let (remote, ipv6) = if n_remote_reader > 0 {
+        let (remote, ipv6, secret) = if n_remote_reader > 0 {
             let ip = opts.connect_ip.clone().unwrap_or_else(default_connect_ip);
-            let (p, v6) = Publisher::bind_tcp(&ctx, &ip)?;
-            (Some(p), v6)
+            let secret = remote::new_secret()?;
+            let (p, v6) = RemoteWriter::bind(
+                &ctx,
+                &ip,
+                secret,
+                n_remote_reader,
+                ranks.clone(),
+                opts.remote,
+            )?;
+            (Some(p), v6, Some(secret))
         } else {
-            (None, false)
+            (None, false, None)
         };
         let handle = Handle {
             local_reader_ranks: ranks,
@@ -145,6 +154,7 @@ impl Writer {
             local_subscribe_addr: local.as_ref().map(|p| p.endpoint().to_owned()),
             remote_subscribe_addr: remote.as_ref().map(|p| p.endpoint().to_owned()),
             remote_addr_ipv6: ipv6,
+            remote_secret: secret,
             arena: arena.as_ref().map(|a| a.name().to_owned()),
         };
         let canceller = Canceller::new(ring.as_ref().map(|r| r.ring().clone()), true);
@@ -223,7 +233,7 @@ impl Writer {
             p.wait_for_subscribers(self.n_local_reader, wait, &mut readers_alive)?;
         }
         if let Some(p) = self.remote.as_mut() {
-            p.wait_for_subscribers(self.n_remote_reader, wait, &mut no_peer)?;
+            p.wait_for_readers(wait)?;
         }
         Ok(())
     }
@@ -271,8 +281,8 @@ impl Writer {
                 self.overflow_count += 1;
             }
         }
-        if let Some(remote) = self.remote.as_ref() {
-            remote.send(msg)?;
+        if let Some(remote) = self.remote.as_mut() {
+            remote.send(&[msg], wait)?;
         }
         Ok(())
     }
@@ -386,7 +396,7 @@ impl Writer {
                 self.overflow_count += 1;
             }
         }
-        if let Some(remote) = self.remote.as_ref() {
+        if let Some(remote) = self.remote.as_mut() {
             let refs: Vec<PartRef> = (1..=parts.len())
                 .map(|index| PartRef::Frame { index })
                 .collect();
@@ -394,7 +404,7 @@ impl Writer {
             let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
             frames.push(&block);
             frames.extend_from_slice(parts);
-            remote.send_frames(&frames)?;
+            remote.send(&frames, wait)?;
         }
         Ok(())
     }

@@ -1,0 +1,700 @@
+//! The remote stream: every message to the readers on other machines, over TCP, to
+//! readers that proved they hold the queue's secret, each message authenticated.
+//!
+//! Anyone who can reach the writer's port can connect to it, and anyone can bind that
+//! port once the writer is gone; neither may count as a reader, receive messages, or
+//! make a reader unpickle bytes of its own. So:
+//!
+//! - The writer makes a 32-byte secret; it travels in the [`Handle`](crate::Handle), over
+//!   the user's own trusted channel (like the handle itself).
+//! - The writer's socket is a ZeroMQ ROUTER: it sends to each reader it accepted, and to
+//!   nobody else. A reader (DEALER) says HELLO with its rank, a fresh nonce and a MAC of
+//!   both under the secret; the writer accepts one reader per rank, at most as many as
+//!   it has remote readers, and answers WELCOME with the session id and a MAC that binds
+//!   it to the reader's nonce — so a reader knows it talks to the writer, not to a
+//!   process that took a dead writer's port. Anything else that arrives is dropped.
+//! - Every message carries the session id, a sequence number (1, 2, ...) and a MAC of
+//!   all its frames; a reader refuses a message that fails any of the three, before
+//!   anything is unpickled.
+//! - Sends are bounded: each reader has a queue of at most `hwm` messages in the writer
+//!   ([`RemoteOptions`]); when it is full the writer waits for that reader (`Block`, the
+//!   default: bounded by the enqueue's timeout) or stops sending to it (`Drop`).
+//!
+//! The MAC is BLAKE3 in keyed mode (a MAC by design; several GB/s, so tensor-sized
+//! messages stay cheap). Messages are authenticated, not encrypted: a network where
+//! eavesdropping matters needs a tunnel (WireGuard, SSH) under it.
+//!
+//! Frames, writer to reader: `[header, frame 1, ..]`, `header` =
+//! `"SQM1" | kind u8 | 3 zero bytes | seq u64 | session [16] | mac [32]` (64 bytes).
+//! Reader to writer: one frame, `"SQH1" | rank u64 | nonce [16] | mac [32]`.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::fork::LeakInChild;
+use crate::wait::Wait;
+
+/// Bytes of the queue's secret.
+pub const SECRET_BYTES: usize = 32;
+const HEADER: usize = 64;
+const HELLO: usize = 4 + 8 + 16 + 32;
+const MAGIC_MESSAGE: &[u8; 4] = b"SQM1";
+const MAGIC_HELLO: &[u8; 4] = b"SQH1";
+const KIND_DATA: u8 = 0;
+const KIND_WELCOME: u8 = 1;
+const KIND_READY: u8 = 2;
+const KIND_REFUSED: u8 = 3;
+/// How long one socket poll sleeps before the waiter's checks run again.
+const POLL_SLICE: Duration = Duration::from_millis(5);
+/// How long closing the writer's socket may still flush queued messages.
+const LINGER_MS: i32 = 1000;
+
+/// A secret of [`SECRET_BYTES`] random bytes, from the kernel.
+pub fn new_secret() -> Result<[u8; SECRET_BYTES]> {
+    use std::io::Read;
+    let mut secret = [0u8; SECRET_BYTES];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut secret))
+        .map_err(|e| Error::os("reading /dev/urandom for the queue's secret", e))?;
+    Ok(secret)
+}
+
+fn random16() -> Result<[u8; 16]> {
+    let s = new_secret()?;
+    Ok(s[..16].try_into().expect("16 bytes"))
+}
+
+/// The MAC of the parts `parts` (each length-prefixed, after a domain tag).
+fn mac(key: &[u8; SECRET_BYTES], tag: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(&(tag.len() as u64).to_le_bytes());
+    h.update(tag);
+    for p in parts {
+        h.update(&(p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    *h.finalize().as_bytes()
+}
+
+/// Compare MACs in constant time (blake3's `Hash` equality is constant-time).
+fn mac_eq(a: &[u8; 32], b: &[u8]) -> bool {
+    <[u8; 32]>::try_from(b).is_ok_and(|b| blake3::Hash::from(*a) == blake3::Hash::from(b))
+}
+
+fn header(kind: u8, seq: u64, session: &[u8; 16], mac: &[u8; 32]) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[..4].copy_from_slice(MAGIC_MESSAGE);
+    h[4] = kind;
+    h[8..16].copy_from_slice(&seq.to_le_bytes());
+    h[16..32].copy_from_slice(session);
+    h[32..64].copy_from_slice(mac);
+    h
+}
+
+/// What the writer does with a remote reader whose queue (`hwm` messages) is full.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SlowReaderPolicy {
+    /// Wait until it takes messages again, within the enqueue's timeout.
+    #[default]
+    Block,
+    /// Stop sending to it (it sees a gap and fails); the others go on.
+    Drop,
+}
+
+/// How the remote stream is bounded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteOptions {
+    /// Messages queued in the writer per remote reader, at most.
+    pub hwm: i32,
+    pub slow_reader: SlowReaderPolicy,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            hwm: 1000,
+            slow_reader: SlowReaderPolicy::Block,
+        }
+    }
+}
+
+fn socket(ctx: &zmq::Context, kind: zmq::SocketType, what: &str) -> Result<zmq::Socket> {
+    ctx.socket(kind)
+        .map_err(Error::transport(format!("creating the {what} socket")))
+}
+
+/// A remote reader the writer accepted.
+#[derive(Debug)]
+struct Peer {
+    id: Vec<u8>,
+    rank: u64,
+    dropped: bool,
+}
+
+/// The writer's end of the remote stream.
+pub struct RemoteWriter {
+    socket: LeakInChild<zmq::Socket>,
+    endpoint: String,
+    key: [u8; SECRET_BYTES],
+    session: [u8; 16],
+    /// Ranks that are the local readers' (never accepted here).
+    local_ranks: Vec<usize>,
+    expected: usize,
+    peers: Vec<Peer>,
+    seq: u64,
+    ready: bool,
+    options: RemoteOptions,
+}
+
+impl std::fmt::Debug for RemoteWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteWriter")
+            .field("endpoint", &self.endpoint)
+            .field("peers", &self.peers)
+            .finish()
+    }
+}
+
+impl RemoteWriter {
+    /// Bind on `ip` (IPv4, or IPv6 with or without brackets), a port chosen by the OS,
+    /// for `expected` remote readers (any ranks but `local_ranks`). Returns the writer
+    /// and whether the address is IPv6.
+    pub fn bind(
+        ctx: &zmq::Context,
+        ip: &str,
+        key: [u8; SECRET_BYTES],
+        expected: usize,
+        local_ranks: Vec<usize>,
+        options: RemoteOptions,
+    ) -> Result<(RemoteWriter, bool)> {
+        let bare = ip.trim_start_matches('[').trim_end_matches(']');
+        let ipv6 = bare.contains(':');
+        let addr = if ipv6 {
+            format!("tcp://[{bare}]:*")
+        } else {
+            format!("tcp://{bare}:*")
+        };
+        let s = socket(ctx, zmq::ROUTER, "remote")?;
+        let opt = |what: &str| Error::transport(format!("setting {what} on the remote socket"));
+        s.set_router_mandatory(true)
+            .map_err(opt("ROUTER_MANDATORY"))?;
+        s.set_sndhwm(options.hwm.max(1)).map_err(opt("SNDHWM"))?;
+        // What readers send is tiny (HELLOs); a flood of garbage is dropped at 1000.
+        s.set_rcvhwm(1000).map_err(opt("RCVHWM"))?;
+        s.set_maxmsgsize(HELLO as i64 * 4)
+            .map_err(opt("MAXMSGSIZE"))?;
+        s.set_linger(LINGER_MS).map_err(opt("LINGER"))?;
+        s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
+        s.bind(&addr).map_err(Error::transport(format!(
+            "binding the remote socket to {addr}"
+        )))?;
+        let endpoint = s
+            .get_last_endpoint()
+            .map_err(Error::transport("reading the bound endpoint"))?
+            .map_err(|_| Error::InvalidArgument("the bound endpoint is not UTF-8".into()))?;
+        Ok((
+            RemoteWriter {
+                socket: LeakInChild::new(s),
+                endpoint,
+                key,
+                session: random16()?,
+                local_ranks,
+                expected,
+                peers: Vec::new(),
+                seq: 0,
+                ready: false,
+                options,
+            },
+            ipv6,
+        ))
+    }
+
+    /// The address readers connect to.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Ranks accepted so far.
+    pub fn readers(&self) -> Vec<u64> {
+        self.peers.iter().map(|p| p.rank).collect()
+    }
+
+    /// Take the HELLOs that have arrived: accept the good ones, refuse duplicates and
+    /// extra ranks, ignore anything else.
+    fn serve_hellos(&mut self) -> Result<()> {
+        loop {
+            let frames = match self.socket.recv_multipart(zmq::DONTWAIT) {
+                Ok(f) => f,
+                Err(zmq::Error::EAGAIN) => return Ok(()),
+                Err(e) => {
+                    return Err(Error::Transport {
+                        context: "receiving from a remote reader".into(),
+                        source: e,
+                    })
+                }
+            };
+            // [identity, hello]; anything else is not a shmq reader.
+            let [id, hello] = &frames[..] else { continue };
+            if hello.len() != HELLO || &hello[..4] != MAGIC_HELLO {
+                continue;
+            }
+            let rank = u64::from_le_bytes(hello[4..12].try_into().expect("8 bytes"));
+            let nonce = &hello[12..28];
+            let want = mac(&self.key, b"hello", &[&rank.to_le_bytes(), nonce]);
+            if !mac_eq(&want, &hello[28..60]) {
+                log::warn!(
+                    "shmq: refused a connection to {} that does not hold the queue's secret",
+                    self.endpoint
+                );
+                continue;
+            }
+            let reason = if self.peers.iter().any(|p| p.rank == rank) {
+                Some(format!("rank {rank} has joined already"))
+            } else if self.local_ranks.contains(&(rank as usize)) {
+                Some(format!("rank {rank} is a local reader"))
+            } else if self.peers.len() >= self.expected {
+                Some(format!(
+                    "the queue has {} remote readers already",
+                    self.expected
+                ))
+            } else {
+                None
+            };
+            let (kind, text) = match &reason {
+                Some(r) => (KIND_REFUSED, r.as_bytes().to_vec()),
+                None => (KIND_WELCOME, Vec::new()),
+            };
+            let m = mac(
+                &self.key,
+                if kind == KIND_WELCOME {
+                    b"welcome"
+                } else {
+                    b"refused"
+                },
+                &[&rank.to_le_bytes(), nonce, &self.session, &text],
+            );
+            let h = header(kind, 0, &self.session, &m);
+            // Best effort: a peer gone meanwhile is simply not there.
+            let _ = self
+                .socket
+                .send_multipart([&id[..], &h[..], &text[..]], zmq::DONTWAIT);
+            if reason.is_none() {
+                self.peers.push(Peer {
+                    id: id.clone(),
+                    rank,
+                    dropped: false,
+                });
+                if self.ready {
+                    // Joined after the start: it gets READY at once and messages from
+                    // now on (it has not missed any it was counted for).
+                    let m = mac(
+                        &self.key,
+                        b"ready",
+                        &[&self.session, &self.seq.to_le_bytes()],
+                    );
+                    let h = header(KIND_READY, self.seq, &self.session, &m);
+                    let _ = self.socket.send_multipart([&id[..], &h[..]], zmq::DONTWAIT);
+                }
+            }
+        }
+    }
+
+    /// Wait until every remote reader has joined, then tell them all to start.
+    pub fn wait_for_readers(&mut self, wait: &mut Wait) -> Result<()> {
+        if self.ready {
+            return Ok(());
+        }
+        loop {
+            self.serve_hellos()?;
+            if self.peers.len() >= self.expected {
+                break;
+            }
+            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
+            self.socket
+                .poll(zmq::POLLIN, slice.as_millis() as i64)
+                .map_err(Error::transport("waiting for remote readers"))?;
+            wait.step(&mut crate::wait::no_peer)?;
+        }
+        let m = mac(
+            &self.key,
+            b"ready",
+            &[&self.session, &self.seq.to_le_bytes()],
+        );
+        let h = header(KIND_READY, self.seq, &self.session, &m);
+        for p in &self.peers {
+            self.socket
+                .send_multipart([&p.id[..], &h[..]], 0)
+                .map_err(Error::transport("telling a remote reader to start"))?;
+        }
+        self.ready = true;
+        Ok(())
+    }
+
+    /// Send one message (its frames) to every accepted reader.
+    pub fn send(&mut self, frames: &[&[u8]], wait: &mut Wait) -> Result<()> {
+        self.serve_hellos()?;
+        self.seq += 1;
+        let seq = self.seq.to_le_bytes();
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(frames.len() + 2);
+        parts.push(&self.session);
+        parts.push(&seq);
+        parts.extend_from_slice(frames);
+        let m = mac(&self.key, b"data", &parts);
+        drop(parts);
+        let h = header(KIND_DATA, self.seq, &self.session, &m);
+        for k in 0..self.peers.len() {
+            if self.peers[k].dropped {
+                continue;
+            }
+            loop {
+                match self.send_to(k, &h, frames) {
+                    Ok(()) => break,
+                    Err(zmq::Error::EAGAIN) => match self.options.slow_reader {
+                        SlowReaderPolicy::Drop => {
+                            log::warn!(
+                                "shmq: remote reader rank {} is not keeping up ({} messages queued); \
+                                 no more messages go to it",
+                                self.peers[k].rank,
+                                self.options.hwm
+                            );
+                            self.peers[k].dropped = true;
+                            break;
+                        }
+                        SlowReaderPolicy::Block => {
+                            std::thread::sleep(Duration::from_micros(200));
+                            wait.step(&mut crate::wait::no_peer)?;
+                        }
+                    },
+                    Err(zmq::Error::EHOSTUNREACH) => {
+                        // Disconnected for good (ZeroMQ forgot it): it cannot come back
+                        // under the same identity.
+                        log::warn!(
+                            "shmq: remote reader rank {} is gone; no more messages go to it",
+                            self.peers[k].rank
+                        );
+                        self.peers[k].dropped = true;
+                        break;
+                    }
+                    Err(e) => {
+                        return Err(Error::Transport {
+                            context: format!(
+                                "sending to remote reader rank {}",
+                                self.peers[k].rank
+                            ),
+                            source: e,
+                        })
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn send_to(&self, k: usize, h: &[u8], frames: &[&[u8]]) -> std::result::Result<(), zmq::Error> {
+        // The identity frame is where a full queue shows (EAGAIN): nothing of this
+        // message has been queued then. Once it is accepted, the rest follows.
+        self.socket
+            .send(&self.peers[k].id[..], zmq::SNDMORE | zmq::DONTWAIT)?;
+        let last = frames.is_empty();
+        self.socket.send(h, if last { 0 } else { zmq::SNDMORE })?;
+        for (i, f) in frames.iter().enumerate() {
+            let more = if i + 1 < frames.len() {
+                zmq::SNDMORE
+            } else {
+                0
+            };
+            self.socket.send(*f, more)?;
+        }
+        Ok(())
+    }
+}
+
+/// A remote reader's end of the stream.
+pub struct RemoteReader {
+    socket: LeakInChild<zmq::Socket>,
+    endpoint: String,
+    key: [u8; SECRET_BYTES],
+    rank: u64,
+    nonce: [u8; 16],
+    /// The writer's session, once it proved it holds the secret.
+    session: Option<[u8; 16]>,
+    /// Sequence number of the last message taken.
+    seq: u64,
+}
+
+impl std::fmt::Debug for RemoteReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteReader")
+            .field("endpoint", &self.endpoint)
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+impl RemoteReader {
+    /// Connect to `endpoint` as rank `rank` and say HELLO.
+    pub fn connect(
+        ctx: &zmq::Context,
+        endpoint: &str,
+        ipv6: bool,
+        key: [u8; SECRET_BYTES],
+        rank: u64,
+    ) -> Result<RemoteReader> {
+        let s = socket(ctx, zmq::DEALER, "remote reader")?;
+        let opt =
+            |what: &str| Error::transport(format!("setting {what} on the remote reader socket"));
+        s.set_rcvhwm(0).map_err(opt("RCVHWM"))?;
+        s.set_linger(0).map_err(opt("LINGER"))?;
+        s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
+        s.connect(endpoint)
+            .map_err(Error::transport(format!("connecting to {endpoint}")))?;
+        let nonce = random16()?;
+        let m = mac(&key, b"hello", &[&rank.to_le_bytes(), &nonce]);
+        let mut hello = [0u8; HELLO];
+        hello[..4].copy_from_slice(MAGIC_HELLO);
+        hello[4..12].copy_from_slice(&rank.to_le_bytes());
+        hello[12..28].copy_from_slice(&nonce);
+        hello[28..60].copy_from_slice(&m);
+        s.send(&hello[..], 0)
+            .map_err(Error::transport(format!("saying hello to {endpoint}")))?;
+        Ok(RemoteReader {
+            socket: LeakInChild::new(s),
+            endpoint: endpoint.to_owned(),
+            key,
+            rank,
+            nonce,
+            session: None,
+            seq: 0,
+        })
+    }
+
+    fn refuse(&self, why: &str) -> Error {
+        Error::Remote(format!(
+            "remote reader rank {} of {}: {why}",
+            self.rank, self.endpoint
+        ))
+    }
+
+    /// Check one message from the socket; `Ok(None)` for one to ignore (not from the
+    /// writer, or a handshake message).
+    fn accept(&mut self, mut frames: Vec<zmq::Message>) -> Result<Option<Vec<zmq::Message>>> {
+        if frames.is_empty() || frames[0].len() != HEADER || &frames[0][..4] != MAGIC_MESSAGE {
+            return Err(self.refuse("a message that is not from a shmq writer arrived (is another process using the writer's port?)"));
+        }
+        let h = frames.remove(0);
+        let (kind, seq) = (
+            h[4],
+            u64::from_le_bytes(h[8..16].try_into().expect("8 bytes")),
+        );
+        let session: [u8; 16] = h[16..32].try_into().expect("16 bytes");
+        let got_mac = &h[32..64];
+        match (kind, self.session) {
+            (KIND_WELCOME | KIND_REFUSED, None) => {
+                let text: &[u8] = frames.first().map_or(&[], |m| &m[..]);
+                let tag: &[u8] = if kind == KIND_WELCOME { b"welcome" } else { b"refused" };
+                let want = mac(&self.key, tag, &[&self.rank.to_le_bytes(), &self.nonce, &session, text]);
+                if !mac_eq(&want, got_mac) {
+                    return Err(self.refuse(
+                        "the writer's answer does not prove it holds the queue's secret (is another process using the writer's port?)",
+                    ));
+                }
+                if kind == KIND_REFUSED {
+                    return Err(self.refuse(&format!(
+                        "the writer refused it: {}",
+                        String::from_utf8_lossy(text)
+                    )));
+                }
+                self.session = Some(session);
+                Ok(None)
+            }
+            (KIND_READY, Some(s)) if s == session => {
+                let want = mac(&self.key, b"ready", &[&session, &seq.to_le_bytes()]);
+                if !mac_eq(&want, got_mac) {
+                    return Err(self.refuse("a start message failed authentication"));
+                }
+                self.seq = seq;
+                Ok(Some(Vec::new()))
+            }
+            (KIND_DATA, Some(s)) if s == session => {
+                let seq_bytes = seq.to_le_bytes();
+                let mut parts: Vec<&[u8]> = vec![&session, &seq_bytes];
+                parts.extend(frames.iter().map(|m| &m[..]));
+                if !mac_eq(&mac(&self.key, b"data", &parts), got_mac) {
+                    return Err(self.refuse(
+                        "a message failed authentication (is another process using the writer's port?)",
+                    ));
+                }
+                if seq != self.seq + 1 {
+                    return Err(self.refuse(&format!(
+                        "message {seq} arrived after message {}: messages were lost (a slow reader dropped by the writer?)",
+                        self.seq
+                    )));
+                }
+                self.seq = seq;
+                Ok(Some(frames))
+            }
+            _ => Err(self.refuse(
+                "a message of another session arrived (is another process using the writer's port?)",
+            )),
+        }
+    }
+
+    fn try_recv_raw(&self) -> Result<Option<Vec<zmq::Message>>> {
+        let first = match self.socket.recv_msg(zmq::DONTWAIT) {
+            Ok(m) => m,
+            Err(zmq::Error::EAGAIN) => return Ok(None),
+            Err(e) => {
+                return Err(Error::Transport {
+                    context: format!("receiving from {}", self.endpoint),
+                    source: e,
+                })
+            }
+        };
+        let mut frames = vec![first];
+        while frames.last().is_some_and(|m| m.get_more()) {
+            frames.push(self.socket.recv_msg(0).map_err(Error::transport(format!(
+                "receiving a frame from {}",
+                self.endpoint
+            )))?);
+        }
+        Ok(Some(frames))
+    }
+
+    /// The next message (its frames, authenticated), if one has arrived.
+    pub fn try_recv_frames(&mut self) -> Result<Option<Vec<zmq::Message>>> {
+        while let Some(raw) = self.try_recv_raw()? {
+            match self.accept(raw)? {
+                Some(frames) if !frames.is_empty() => return Ok(Some(frames)),
+                _ => continue, // handshake traffic
+            }
+        }
+        Ok(None)
+    }
+
+    /// Wait for the next message.
+    pub fn recv_frames(&mut self, wait: &mut Wait) -> Result<Vec<zmq::Message>> {
+        loop {
+            if let Some(f) = self.try_recv_frames()? {
+                return Ok(f);
+            }
+            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
+            let ready = self
+                .socket
+                .poll(zmq::POLLIN, slice.as_millis() as i64)
+                .map_err(Error::transport(format!(
+                    "waiting for a message from {}",
+                    self.endpoint
+                )))?;
+            if ready == 0 {
+                // A remote writer's liveness cannot be checked from here.
+                wait.step(&mut crate::wait::no_peer)?;
+            }
+        }
+    }
+
+    /// Wait until the writer accepted this reader and said start.
+    pub fn wait_ready(&mut self, wait: &mut Wait) -> Result<()> {
+        loop {
+            while let Some(raw) = self.try_recv_raw()? {
+                match self.accept(raw)? {
+                    Some(frames) if frames.is_empty() => return Ok(()),
+                    Some(_) => {
+                        return Err(self.refuse("a message arrived before the writer said start"))
+                    }
+                    None => {}
+                }
+            }
+            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
+            self.socket
+                .poll(zmq::POLLIN, slice.as_millis() as i64)
+                .map_err(Error::transport(format!("waiting for {}", self.endpoint)))?;
+            wait.step(&mut crate::wait::no_peer)?;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wait() -> Wait<'static> {
+        Wait::new("test", Some(Duration::from_secs(10)))
+    }
+
+    #[test]
+    fn readers_with_the_secret_get_authenticated_messages_and_others_nothing() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let (mut w, _) =
+            RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], RemoteOptions::default())
+                .unwrap();
+        // A stranger with a wrong secret, and a raw client sending garbage.
+        let mut stranger = RemoteReader::connect(&ctx, w.endpoint(), false, [7; 32], 1).unwrap();
+        let raw = ctx.socket(zmq::DEALER).unwrap();
+        raw.connect(w.endpoint()).unwrap();
+        raw.send(&[1u8, 0, 2, 0, 1][..], 0).unwrap();
+        let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+            w.wait_for_readers(&mut wait()).unwrap();
+        });
+        assert_eq!(w.readers(), vec![1]);
+        w.send(&[b"one"], &mut wait()).unwrap();
+        w.send(&[b"two", b"parts"], &mut wait()).unwrap();
+        let got = r.recv_frames(&mut wait()).unwrap();
+        assert_eq!(&got[0][..], b"one");
+        let got = r.recv_frames(&mut wait()).unwrap();
+        assert_eq!((&got[0][..], &got[1][..]), (&b"two"[..], &b"parts"[..]));
+        // The stranger and the raw client got nothing.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(stranger.try_recv_frames().unwrap().is_none());
+        assert!(matches!(
+            raw.recv_msg(zmq::DONTWAIT),
+            Err(zmq::Error::EAGAIN)
+        ));
+        // A second reader of the same rank is refused, with the writer's word for it.
+        let mut twin = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        w.send(&[b"three"], &mut wait()).unwrap();
+        let e = twin.wait_ready(&mut wait()).unwrap_err();
+        assert!(e.to_string().contains("rank 1 has joined already"), "{e}");
+    }
+
+    #[test]
+    fn a_forged_message_is_refused() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let mut r = RemoteReader {
+            socket: LeakInChild::new(ctx.socket(zmq::DEALER).unwrap()),
+            endpoint: "test".into(),
+            key,
+            rank: 1,
+            nonce: [0; 16],
+            session: Some([5; 16]),
+            seq: 0,
+        };
+        let msg = |h: [u8; HEADER], body: &[u8]| {
+            vec![zmq::Message::from(&h[..]), zmq::Message::from(body)]
+        };
+        // Right session, wrong key.
+        let m = mac(&[9; 32], b"data", &[&[5; 16], &1u64.to_le_bytes(), b"x"]);
+        assert!(r
+            .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+            .is_err());
+        // Right key, body changed after the MAC.
+        let m = mac(&key, b"data", &[&[5; 16], &1u64.to_le_bytes(), b"x"]);
+        assert!(r
+            .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"y"))
+            .is_err());
+        // A good one, then a replay of it.
+        assert!(r
+            .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+            .unwrap()
+            .is_some());
+        assert!(r
+            .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+            .is_err());
+        // Garbage.
+        assert!(r.accept(vec![zmq::Message::from(&b"junk"[..])]).is_err());
+    }
+}
