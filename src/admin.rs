@@ -15,6 +15,7 @@ use crate::liveness::{creator_liveness, Liveness};
 use crate::process::ProcessId;
 use crate::segment::{Segment, NAME_PREFIX, SHM_DIR};
 use crate::storage::ChunkRing;
+use crate::transport::SOCKET_DIR_SUFFIX;
 
 /// What a segment is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,8 +95,9 @@ pub fn list_segments() -> Result<Vec<SegmentReport>> {
         .filter_map(|entry| entry.ok())
         .filter_map(|entry| {
             let name = entry.file_name().into_string().ok()?;
-            let size = entry.metadata().ok()?.len();
-            name.starts_with(NAME_PREFIX).then(|| report(&name, size))
+            let meta = entry.metadata().ok()?;
+            // Segments are files; a ring's socket directory goes with its ring.
+            (meta.is_file() && name.starts_with(NAME_PREFIX)).then(|| report(&name, meta.len()))
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -122,8 +124,30 @@ pub fn remove_orphans(dry_run: bool, force: bool) -> Result<Vec<SegmentReport>> 
                 Err(e) => return Err(Error::os(format!("removing {SHM_DIR}/{}", s.name), e)),
             }
         }
+        remove_stray_socket_dirs();
     }
     Ok(orphans)
+}
+
+/// Remove the socket directories (`<segment>.sock`) whose segment is gone: nobody can
+/// join through them any more (connections already made do not need the path).
+fn remove_stray_socket_dirs() {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return;
+    };
+    for entry in dir.filter_map(|e| e.ok()) {
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
+        let Some(segment) = name.strip_suffix(SOCKET_DIR_SUFFIX) else {
+            continue;
+        };
+        if segment.starts_with(NAME_PREFIX)
+            && !std::path::Path::new(&format!("{SHM_DIR}/{segment}")).exists()
+        {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 fn describe_process(p: Option<ProcessId>, liveness: Liveness) -> String {

@@ -1,9 +1,9 @@
 //! ZeroMQ transport: the writer's publish sockets and the readers' subscriptions.
 //!
-//! - Local readers get an `ipc://` publish socket for messages too large for a chunk
-//!   (Linux abstract namespace: nothing is left on disk if a process dies).
-//! - Remote readers get a `tcp://` publish socket (IPv4 or IPv6) that carries every
-//!   message.
+//! - Local readers get an `ipc://` publish socket for messages too large for a chunk, in
+//!   an owner-only directory next to the ring's segment in `/dev/shm` (so only its
+//!   owner reaches it, also from another network namespace).
+//! - Remote readers are served by [`crate::remote`] (authenticated, over TCP).
 //! - The ready handshake: publishers are XPUB sockets with `XPUB_VERBOSE`, so the writer
 //!   receives one subscription per reader; once all are in it publishes [`READY`], and
 //!   every message after that reaches every reader.
@@ -40,6 +40,47 @@ pub struct Publisher {
     subscribers: usize,
     /// READY has been published: the handshake is done and is not repeated.
     ready: bool,
+    /// The directory of an `ipc://` socket, removed with the publisher. Declared after
+    /// the socket, so the socket closes first.
+    _dir: Option<SocketDir>,
+}
+
+/// The suffix of the directory that holds a segment's local socket: `/dev/shm/<segment>`
+/// + this.
+pub const SOCKET_DIR_SUFFIX: &str = ".sock";
+
+/// The owner-only (0700) directory of a local socket, next to its segment in `/dev/shm`.
+/// Owner-only, so another user cannot reach the socket (a 0600 segment is not enough:
+/// the socket is a second door); in `/dev/shm`, so that processes that share the
+/// segment reach it also from another network namespace (an abstract socket would not
+/// be). The process that made it removes it (a forked child does not).
+#[derive(Debug)]
+struct SocketDir {
+    path: String,
+    made_in: u64,
+}
+
+impl SocketDir {
+    fn create(segment: &str) -> Result<SocketDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        let path = format!("{}/{segment}{SOCKET_DIR_SUFFIX}", crate::segment::SHM_DIR);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|e| Error::os(format!("creating the socket directory {path}"), e))?;
+        Ok(SocketDir {
+            path,
+            made_in: crate::fork::generation(),
+        })
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        if !crate::fork::is_inherited(self.made_in) {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
 }
 
 impl std::fmt::Debug for Publisher {
@@ -68,15 +109,20 @@ impl Publisher {
             .map_err(|_| Error::InvalidArgument("the bound endpoint is not UTF-8".into()))?;
         Ok(Publisher {
             socket: LeakInChild::new(socket),
+            _dir: None,
             endpoint,
             subscribers: 0,
             ready: false,
         })
     }
 
-    /// Bind an `ipc://` endpoint in the abstract namespace, named after `name`.
-    pub fn bind_ipc(ctx: &zmq::Context, name: &str) -> Result<Publisher> {
-        Self::bind(ctx, &format!("ipc://@{name}"), false)
+    /// Bind an `ipc://` socket for the readers of segment `segment`, in an owner-only
+    /// directory next to it (see [`SocketDir`]).
+    pub fn bind_ipc(ctx: &zmq::Context, segment: &str) -> Result<Publisher> {
+        let dir = SocketDir::create(segment)?;
+        let mut p = Self::bind(ctx, &format!("ipc://{}/o", dir.path), false)?;
+        p._dir = Some(dir);
+        Ok(p)
     }
 
     /// The address readers connect to.

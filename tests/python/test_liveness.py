@@ -12,6 +12,7 @@ kills (and so never remove their segment) are removed by that test.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,10 +52,12 @@ def _sigkill(proc) -> float:
 
 
 def _remove_segment(name: str) -> None:
+    """Remove what a killed creator left: the segment, and a ring's socket directory."""
     try:
         os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
         pass
+    shutil.rmtree(os.path.join(SHM_DIR, name + ".sock"), ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------
@@ -282,6 +285,7 @@ def test_cleanup_removes_a_killed_creators_segment_and_keeps_live_ones(children)
         assert f"removed {name}" in done.stdout
         assert f"removed {arena}" in done.stdout
         assert not os.path.exists(path), f"cleanup left {path}"
+        assert not os.path.exists(path + ".sock"), "cleanup left the ring's socket directory"
         assert not os.path.exists(os.path.join(SHM_DIR, arena)), "cleanup left the tensor arena"
         assert os.path.exists(live_path), "cleanup removed a live process's segment"
         assert name not in [s.name for s in shmq.admin.list_segments()]

@@ -20,8 +20,9 @@ STEP = 30.0
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "shmq_"
-# shmq names its segments shmq_<kind>_<creator pid>_<random>.
-_SEGMENT_NAME = re.compile(r"^shmq_[a-z]+_(\d+)_[0-9a-f]+$")
+# shmq names its segments shmq_<kind>_<creator pid>_<random> (a ring's local socket
+# lives in the directory <ring name>.sock beside it).
+_SEGMENT_NAME = re.compile(r"^shmq_[a-z]+_(\d+)_[0-9a-f]+(\.sock)?$")
 
 # Pids of every child process the tests started (the leftover check needs them: a
 # segment's name carries its creator's pid).
