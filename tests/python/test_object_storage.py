@@ -1,4 +1,5 @@
-"""The object store (the engines' ``SingleWriterShmObjectStorage`` API): ``RingBuffer`` (the FIFO allocator over a segment),
+"""The object store (the engines' ``SingleWriterShmObjectStorage`` API): ``RingBuffer``
+(the FIFO allocator over a segment),
 ``ObjectStorage`` / ``ObjectStorageHandle`` and the engines' aliases.
 
 Readers run in separate processes (multiprocessing "spawn"), opened from a pickled

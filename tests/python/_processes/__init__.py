@@ -18,6 +18,7 @@ The package, by what each file holds: ``harness`` (running children, /dev/shm),
 from .group_children import *  # noqa: F401,F403
 from .harness import *  # noqa: F401,F403
 from .harness import _SEGMENT_NAME  # noqa: F401
+from .hostile_children import *  # noqa: F401,F403
 from .liveness_children import *  # noqa: F401,F403
 from .objects import *  # noqa: F401,F403
 from .queue_children import *  # noqa: F401,F403

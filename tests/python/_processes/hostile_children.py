@@ -1,0 +1,29 @@
+"""Child entry points of test_hostile.py."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from shmq import Handle, MessageQueue
+
+from .harness import STEP
+
+
+def remote_writer_then_sleep(out: Any) -> None:
+    """A writer with one remote reader: reports its handle, sends one message once the
+    reader is in, then waits to be killed."""
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    out.put(("handle", mq.export_handle()))
+    mq.wait_until_ready(timeout=STEP)
+    mq.enqueue("from the real writer")
+    time.sleep(3 * STEP)
+
+
+def hold_rank(out: Any, handle: Handle, rank: int) -> None:
+    """Open reader ``rank`` and hold it until killed."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    out.put(("holding", os.getpid()))
+    time.sleep(3 * STEP)
+    del mq
