@@ -148,6 +148,63 @@ impl PrivateMap {
     }
 }
 
+impl PrivateMap {
+    /// Give this mapping a private copy of every page it has not written yet, so that it
+    /// no longer shows later changes of the segment (one copy of the bytes).
+    pub fn detach(&self) {
+        let Some((p, n)) = self.map else { return };
+        let page = page_size();
+        for k in (0..n).step_by(page) {
+            // SAFETY: `p + k` lies in this object's own writable mapping, only accessed
+            // through atomics here. A compare-exchange of a byte with itself writes the
+            // page (a copy-on-write fault makes it private) without changing it, even if
+            // another thread writes the same byte meanwhile (then that write made the page
+            // private already). Not `fetch_or(0)`: compilers turn an idempotent relaxed
+            // RMW into a plain load, which writes nothing.
+            let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr(p.add(k)) };
+            // Relaxed: only the write fault matters, not any ordering.
+            let v = byte.load(std::sync::atomic::Ordering::Relaxed);
+            let _ = byte.compare_exchange(
+                v,
+                v,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
+    }
+}
+
+impl PrivateMap {
+    /// Replace this mapping's pages, in place, by zero pages of its own: whatever still
+    /// points into it (a raw pointer kept without a buffer export) reads zeros from now
+    /// on, never the segment's later content, and nothing is copied.
+    pub fn retire(&self) -> Result<()> {
+        let Some((p, n)) = self.map else {
+            return Ok(());
+        };
+        // SAFETY: `p..p+n` is exactly this object's own mapping; MAP_FIXED replaces it
+        // with fresh anonymous memory at the same address (nothing else of this process
+        // lives there), which the unmap in `drop` later removes as before.
+        let q = unsafe {
+            libc::mmap(
+                p as *mut libc::c_void,
+                n,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if q == libc::MAP_FAILED {
+            return Err(Error::os(
+                "retiring a view of shared memory",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl std::ops::Deref for PrivateMap {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -199,6 +256,14 @@ mod tests {
                                      // SAFETY: in bounds (100 + page_size < 3 pages).
         unsafe { *seg.as_ptr().add(100 + next_page) = 9 };
         assert_eq!((a[next_page], b[next_page]), (9, 9));
+        // Detached, a view no longer follows the segment.
+        b.detach();
+        // SAFETY: in bounds (100 + page_size + 1 < 3 pages).
+        unsafe { *seg.as_ptr().add(101 + next_page) = 8 };
+        assert_eq!((a[next_page + 1], b[next_page + 1]), (8, 7));
+        // Retired, a view reads zeros, whatever the segment holds.
+        a.retire().unwrap();
+        assert!(a.iter().all(|&x| x == 0));
         assert!(f.map(0, 3 * page_size() + 1).is_err());
         assert!(f.map(u64::MAX, 1).is_err());
         assert_eq!(f.map(5, 0).unwrap().len(), 0);

@@ -403,14 +403,23 @@ class MessageQueue:
     @contextmanager
     def acquire_read(self, timeout: Optional[float] = None, cancel: Any = None) -> Iterator[memoryview]:
         """Zero-copy reading (local readers): a view of the next chunk; it is marked read
-        when the block ends."""
+        when the block ends. The view is private to this process (writable, copy-on-write)
+        and must not outlive the block: the writer's next message never shows through what
+        was made of it. Buffers that still hold it then (memoryview slices) are given a
+        private copy; anything else kept (an array from ``numpy.frombuffer``, which keeps a
+        pointer but no buffer) reads zeros. Copy what you keep."""
         if self._reader is None:
             raise RuntimeError("only readers can acquire_read")
-        with memoryview(self._reader.acquire_read(timeout, cancel)) as buf:
+        view = self._reader.acquire_read(timeout, cancel)
+        buf = memoryview(view)
+        try:
+            yield buf
+        finally:
             try:
-                yield buf
-            finally:
-                self._reader.finish_read()
+                buf.release()
+            except BufferError:
+                pass  # something made from it holds it: finish_read detaches it
+            self._reader.finish_read()
 
     def shutdown(self) -> None:
         """Wake calls blocked in this process with ``RuntimeError("cancelled")``; safe to

@@ -15,6 +15,7 @@ use crate::broadcast::{
     Writer as CoreWriter,
 };
 use crate::error::Error;
+use crate::private_map::{PrivateFile, PrivateMap};
 use crate::remote::{RemoteOptions, SlowReaderPolicy};
 use pyo3::exceptions::PyValueError;
 
@@ -499,6 +500,10 @@ fn interrupts<'a>(timeout: Option<Timeout>) -> Interrupts<'a, 'a> {
 pub struct Reader {
     inner: Mutex<CoreReader>,
     canceller: Canceller,
+    /// The ring's file, to map chunks for `acquire_read` (opened on first use).
+    chunk_file: Mutex<Option<Arc<PrivateFile>>>,
+    /// The chunk `acquire_read` handed out: its view and mapping, until `finish_read`.
+    open_chunk: Mutex<Option<(Py<ShmView>, Arc<PrivateMap>)>>,
 }
 
 #[pymethods]
@@ -518,6 +523,8 @@ impl Reader {
         Ok(Reader {
             canceller: reader.canceller(),
             inner: Mutex::new(reader),
+            chunk_file: Mutex::new(None),
+            open_chunk: Mutex::new(None),
         })
     }
 
@@ -598,16 +605,40 @@ impl Reader {
             // The message came over the socket and is gone after finish_read: a copy.
             return Ok(PyBytes::new(py, data).into_any().unbind());
         }
+        let len = data.len();
         let ring = r.ring().expect("a local reader has a ring").clone();
-        // SAFETY: the slice lies in the chunk, in the mapping kept alive by `ring`, so the
-        // view never points outside mapped memory. Its bytes are the chunk's only until
-        // `finish_read`: after that the writer may overwrite them (the context manager
-        // in message_queue.py releases the view first).
-        let view = unsafe { ShmView::new(ring, data.as_ptr() as *mut u8, data.len()) };
-        Ok(Py::new(py, view)?.into_any())
+        // A mapping of the chunk of its own, private (copy-on-write): what the caller
+        // makes of it can be detached from the chunk when the chunk is given back.
+        let file = {
+            let mut f = lock(py, &self.chunk_file);
+            match &*f {
+                Some(file) => file.clone(),
+                None => f.insert(Arc::new(PrivateFile::open(ring.name())?)).clone(),
+            }
+        };
+        let map = Arc::new(file.map(ring.data_file_offset(info.index)?, len)?);
+        let ptr = map.as_ptr();
+        // SAFETY: the range is the whole private mapping, which the view owns (via the
+        // Arc); it stays mapped as long as any buffer of the view exists.
+        let view = Py::new(py, unsafe { ShmView::new(map.clone(), ptr, len) })?;
+        *lock(py, &self.open_chunk) = Some((view.clone_ref(py), map));
+        Ok(view.into_any())
     }
 
+    /// Give back the chunk from `acquire_read`; the writer's next message in it never
+    /// shows through what was made of the view. Buffers that still hold the view (a
+    /// memoryview slice) are detached first (given a private copy of the bytes); else the
+    /// view is revoked (no new buffers) and its memory retired (zero pages in place), for
+    /// a raw pointer kept without a buffer (numpy's `frombuffer` keeps one).
     fn finish_read(&self, py: Python<'_>) -> PyResult<()> {
+        if let Some((view, map)) = lock(py, &self.open_chunk).take() {
+            if view.get().is_exported() {
+                map.detach();
+            } else {
+                view.get().revoke();
+                map.retire()?;
+            }
+        }
         Ok(lock(py, &self.inner).finish_read()?)
     }
 

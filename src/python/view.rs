@@ -3,7 +3,7 @@
 //! mapped as long as any memoryview of it exists.
 
 use std::os::raw::{c_int, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyBufferError;
@@ -21,10 +21,19 @@ pub struct ShmView {
     /// Buffers exported and not yet released: memoryviews (and their slices, which
     /// share one export) and anything else holding the memory through the protocol.
     exports: AtomicUsize,
+    /// Set once the memory may change under a new export (a chunk given back): new
+    /// exports are refused.
+    revoked: AtomicBool,
     _owner: Owner,
 }
 
 impl ShmView {
+    /// Refuse new buffer exports from now on (existing ones are unaffected).
+    pub(crate) fn revoke(&self) {
+        // Relaxed: read with the GIL held, like the export count.
+        self.revoked.store(true, Ordering::Relaxed);
+    }
+
     /// Whether some object still holds this memory through the buffer protocol.
     pub(crate) fn is_exported(&self) -> bool {
         // Relaxed: the count is only changed and read with the GIL held.
@@ -38,6 +47,7 @@ impl ShmView {
             ptr: ptr as usize,
             len,
             exports: AtomicUsize::new(0),
+            revoked: AtomicBool::new(false),
             _owner: owner,
         }
     }
@@ -56,6 +66,12 @@ impl ShmView {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
+        // Relaxed: see `revoke`.
+        if slf.get().revoked.load(Ordering::Relaxed) {
+            return Err(PyBufferError::new_err(
+                "this view was given back (its acquire_read block ended); views must not outlive it",
+            ));
+        }
         let (ptr, len) = (slf.get().ptr, slf.get().len);
         // SAFETY: `view` is the buffer struct CPython passes in; the memory range is
         // valid while `slf` is alive (constructor contract), and PyBuffer_FillInfo stores

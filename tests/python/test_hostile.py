@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from _processes import STEP, hold_rank, remote_writer_then_sleep
+from _processes import STEP, hold_rank, raw_chunk_keeper, remote_writer_then_sleep
 from shmq import MessageQueue, PeerDiedError
 
 HERE = Path(__file__).resolve().parent
@@ -295,3 +295,36 @@ def test_a_rank_whose_owner_was_killed_can_be_opened_again(children):
     children.procs.remove(owner)
     reader = MessageQueue.create_from_handle(mq.export_handle(), 0)
     assert reader.local_reader_rank == 0
+
+
+def test_a_view_kept_past_acquire_read_is_detached_from_the_chunk(children):
+    # One chunk: the second message overwrites the first one's chunk. An array the
+    # reader made from the first and kept must not change (it aliased the chunk before).
+    mq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=1)
+    out = children.queue()
+    children.start(raw_chunk_keeper, out, mq.export_handle())
+    mq.wait_until_ready(timeout=STEP)
+    for fill in (1, 2):
+        with mq.acquire_write(timeout=STEP) as buf:
+            buf[:] = bytes([fill]) * len(buf)
+    _, before, after, second = children.expect(out, "kept")
+    assert second == [2] * 8, "the second chunk did not arrive"
+    assert before == [1] * 8
+    # The kept array still holds the view (numpy keeps a memoryview of it): it was given
+    # a private copy when the block ended, and never shows the writer's second message.
+    assert after == [1] * 8, f"a view kept past acquire_read shows the next message: {after}"
+    children.join()
+
+
+def test_a_view_released_at_the_end_of_acquire_read_is_retired():
+    mq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=1)
+    reader = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    with mq.acquire_write(timeout=STEP) as buf:
+        buf[:4] = b"abcd"
+    view = reader._reader.acquire_read(STEP)  # what the context manager gets
+    with memoryview(view) as buf:
+        assert bytes(buf[:4]) == b"abcd"
+    reader._reader.finish_read()
+    # Nothing held it: no new buffer can be made from it (its bytes are zeros now).
+    with pytest.raises(BufferError, match="given back"):
+        memoryview(view)

@@ -332,6 +332,12 @@ impl Ring {
         Ok((p, self.geo.max_chunk_bytes))
     }
 
+    /// Where chunk `i`'s data starts in the segment's file (to map it on its own).
+    pub fn data_file_offset(&self, i: usize) -> Result<u64> {
+        self.check_chunk(i)?;
+        Ok((self.geo.data_offset + i * self.geo.data_stride) as u64)
+    }
+
     /// Start and length of chunk `i`'s metadata: `[written, read_0, .., read_{n-1}]`.
     pub fn metadata_ptr(&self, i: usize) -> Result<(*mut u8, usize)> {
         self.check_chunk(i)?;

@@ -27,3 +27,19 @@ def hold_rank(out: Any, handle: Handle, rank: int) -> None:
     out.put(("holding", os.getpid()))
     time.sleep(3 * STEP)
     del mq
+
+
+def raw_chunk_keeper(out: Any, handle: Handle) -> None:
+    """Read a raw chunk with acquire_read, keep an array made from it past the block,
+    read the next chunk (the writer refilled the same one), and report what the kept
+    array shows before and after."""
+    import numpy as np
+
+    mq = MessageQueue.create_from_handle(handle, 0)
+    mq.wait_until_ready(timeout=STEP)
+    with mq.acquire_read(timeout=STEP) as buf:
+        kept = np.frombuffer(buf, dtype=np.uint8)[:8]
+        before = kept.tolist()
+    with mq.acquire_read(timeout=STEP) as buf:
+        second = bytes(buf[:8])
+    out.put(("kept", before, kept.tolist(), list(second)))
