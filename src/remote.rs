@@ -28,7 +28,7 @@
 //! `"SQM1" | kind u8 | 3 zero bytes | seq u64 | session [16] | mac [32]` (64 bytes).
 //! Reader to writer: one frame, `"SQH1" | rank u64 | nonce [16] | mac [32]`.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::fork::LeakInChild;
@@ -144,7 +144,13 @@ pub struct RemoteWriter {
     seq: u64,
     ready: bool,
     options: RemoteOptions,
+    /// When the HELLOs were last looked at while sending (see `send`).
+    hellos_served: Instant,
 }
+
+/// How often a sending writer looks for HELLOs (late or duplicate readers): often enough
+/// to answer them promptly, rarely enough to cost nothing per message.
+const HELLO_INTERVAL: Duration = Duration::from_millis(10);
 
 impl std::fmt::Debug for RemoteWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -204,6 +210,7 @@ impl RemoteWriter {
                 seq: 0,
                 ready: false,
                 options,
+                hellos_served: Instant::now(),
             },
             ipv6,
         ))
@@ -332,7 +339,10 @@ impl RemoteWriter {
 
     /// Send one message (its frames) to every accepted reader.
     pub fn send(&mut self, frames: &[&[u8]], wait: &mut Wait) -> Result<()> {
-        self.serve_hellos()?;
+        if self.hellos_served.elapsed() >= HELLO_INTERVAL {
+            self.serve_hellos()?;
+            self.hellos_served = Instant::now();
+        }
         self.seq += 1;
         let seq = self.seq.to_le_bytes();
         let mut parts: Vec<&[u8]> = Vec::with_capacity(frames.len() + 2);

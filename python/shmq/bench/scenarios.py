@@ -98,6 +98,15 @@ def _bench_latency(harness: Harness, transport: Transport, params: Params) -> di
     return {"p50": _percentile(one_way_us, 50), "p99": _percentile(one_way_us, 99)}
 
 
+def _bench_latency_remote(harness: Harness, transport: Transport, params: Params) -> dict[str, float]:
+    """The ping-pong of ``_bench_latency`` over TCP on 127.0.0.1: shmq's remote readers
+    (authenticated stream) next to pyzmq over TCP."""
+    from .transports import ShmqTransport, ZmqTransport
+
+    tcp = ShmqTransport(remote=True) if transport.name == "shmq" else ZmqTransport(tcp=True)
+    return _bench_latency(harness, tcp, params)
+
+
 def _bench_throughput(harness: Harness, transport: Transport, params: Params, *, n_readers: int) -> dict[str, float]:
     """N objects from the writer's first send to the last reader's last receive."""
     channels = (harness.channel(transport, n_readers),)
@@ -276,6 +285,10 @@ SCENARIOS: list[Scenario] = [
         Metric("p50", "one-way latency, small object, p50", "us", False),
         Metric("p99", "one-way latency, small object, p99", "us", False),
     ]),
+    Scenario("latency_remote", "one-way latency over TCP", _bench_latency_remote, [
+        Metric("p50", "one-way latency over TCP (remote reader), p50", "us", False),
+        Metric("p99", "one-way latency over TCP (remote reader), p99", "us", False),
+    ], only=("shmq", "pyzmq")),
     Scenario("throughput1", "throughput, 1 reader", partial(_bench_throughput, n_readers=1), [
         Metric("rate", "throughput, small objects, 1 reader", "obj/s", True),
     ]),

@@ -73,9 +73,13 @@ class _ShmqChannel:
 
 class ShmqTransport(Transport):
     """shmq's ``MessageQueue``; the writer passes its ``Handle`` to the readers through
-    a ``multiprocessing.Queue`` made with the channel."""
+    a ``multiprocessing.Queue`` made with the channel. With ``remote``, every reader is a
+    remote one (the authenticated TCP stream on 127.0.0.1)."""
 
     name = "shmq"
+
+    def __init__(self, remote: bool = False):
+        self.remote = remote
 
     def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _ShmqChannel:
         return _ShmqChannel(n_readers, ctx.Queue())
@@ -83,8 +87,13 @@ class ShmqTransport(Transport):
     def open_writer(self, channel: _ShmqChannel) -> Endpoint:
         from shmq import MessageQueue
 
+        n_local = 0 if self.remote else channel.n_readers
         mq = MessageQueue(
-            channel.n_readers, channel.n_readers, max_chunk_bytes=MAX_CHUNK_BYTES, max_chunks=MAX_CHUNKS
+            channel.n_readers,
+            n_local,
+            max_chunk_bytes=MAX_CHUNK_BYTES,
+            max_chunks=MAX_CHUNKS,
+            connect_ip="127.0.0.1" if self.remote else None,
         )
         for _ in range(channel.n_readers):
             channel.handles.put(mq.export_handle())
@@ -130,6 +139,14 @@ class MpQueueTransport(Transport):
         return Endpoint(channel[rank].get)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class _ZmqChannel:
     n_readers: int
@@ -153,6 +170,9 @@ class ZmqTransport(Transport):
     _START = b"start"
     _ids = itertools.count()
 
+    def __init__(self, tcp: bool = False):
+        self.tcp = tcp
+
     def unavailable(self) -> Optional[str]:
         try:
             import zmq  # noqa: F401
@@ -162,6 +182,9 @@ class ZmqTransport(Transport):
 
     def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _ZmqChannel:
         i = next(self._ids)
+        if self.tcp:
+            pub, ready = _free_port(), _free_port()
+            return _ZmqChannel(n_readers, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{ready}")
         return _ZmqChannel(n_readers, f"ipc://{workdir}/{i}.pub", f"ipc://{workdir}/{i}.ready")
 
     def open_writer(self, channel: _ZmqChannel) -> Endpoint:
