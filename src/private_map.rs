@@ -151,6 +151,8 @@ impl PrivateMap {
 impl PrivateMap {
     /// Give this mapping a private copy of every page it has not written yet, so that it
     /// no longer shows later changes of the segment (one copy of the bytes).
+    // Used by the Python bindings' `acquire_read`.
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
     pub fn detach(&self) {
         let Some((p, n)) = self.map else { return };
         let page = page_size();
@@ -178,6 +180,7 @@ impl PrivateMap {
     /// Replace this mapping's pages, in place, by zero pages of its own: whatever still
     /// points into it (a raw pointer kept without a buffer export) reads zeros from now
     /// on, never the segment's later content, and nothing is copied.
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
     pub fn retire(&self) -> Result<()> {
         let Some((p, n)) = self.map else {
             return Ok(());
