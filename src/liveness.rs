@@ -49,7 +49,7 @@ fn flock(kind: i32, byte: u64) -> libc::flock {
 }
 
 /// A role held in a segment: a lock on one byte of its file, released when dropped (or
-/// when the process dies). A forked child does not inherit it (see [`crate::fork`]).
+/// when the process dies). A forked child does not inherit it (see `crate::fork`).
 #[derive(Debug)]
 pub struct RoleLock {
     file: Option<File>,
