@@ -586,7 +586,13 @@ impl Workers {
             for s in segments {
                 let dead = s.creator_liveness == crate::liveness::Liveness::Dead;
                 if dead && s.creator.is_some_and(|c| pids.contains(&c.pid)) {
-                    let _ = std::fs::remove_file(format!("{}/{}", crate::segment::SHM_DIR, s.name));
+                    let path = format!("{}/{}", crate::segment::SHM_DIR, s.name);
+                    let _ = std::fs::remove_file(&path);
+                    // A ring's local socket lives in a directory beside it.
+                    let _ = std::fs::remove_dir_all(format!(
+                        "{path}{}",
+                        crate::transport::SOCKET_DIR_SUFFIX
+                    ));
                 }
             }
         }

@@ -79,9 +79,14 @@ class WorkerMonitor:
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> None:
-        if isinstance(exc, Exception) and self.error is None and self._supervisor.exit_unrecorded():
+        if (
+            isinstance(exc, Exception)
+            and self.error is None
+            and (isinstance(exc, _core.PeerDiedError) or self._supervisor.exit_unrecorded())
+        ):
             # The block failed because a worker died (shmq's own PeerDiedError can come
-            # first), but the supervisor has not recorded that yet: give it a moment, so
+            # first: a dying process gives up its role locks before it turns into a
+            # zombie), but the supervisor has not recorded that yet: give it a moment, so
             # that the error names the worker.
             self.cancel.wait(_RECORD_WITHIN)
         with self._supervisor.lock:

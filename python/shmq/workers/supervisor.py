@@ -25,6 +25,7 @@ import multiprocessing.connection
 import multiprocessing.process
 import multiprocessing.util  # registers multiprocessing's atexit hook before ours (see _close_all_at_exit)
 import os
+import shutil
 import pickle
 import queue as queue_module
 import secrets
@@ -196,6 +197,8 @@ def _remove_segments_of(pids: set[int]) -> list[str]:
                 pass
             except OSError as e:
                 logger.warning("could not remove %s: %s", name, e)
+            # A ring's local socket lives in a directory beside it.
+            shutil.rmtree(os.path.join(_SHM_DIR, name + ".sock"), ignore_errors=True)
     return removed
 
 
