@@ -13,6 +13,8 @@
 //! - [`arena`]: the tensor arena: large message parts in shared memory, read as private
 //!   views, and loans to fill in place;
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
+//! - [`encoder_cache`]: the encoder-cache hand-off: a producer's entries by key to every
+//!   consumer process as private views, with a key index any process can ask;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!
@@ -38,6 +40,7 @@ pub mod broadcast;
 #[cfg(not(loom))]
 pub mod copy;
 pub mod doorbell;
+pub mod encoder_cache;
 pub mod error;
 #[cfg(not(loom))]
 pub mod futex;
