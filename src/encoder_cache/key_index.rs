@@ -371,19 +371,21 @@ impl IndexWriter {
 
     /// Rewrite `slot` under its seqlock: `write` stores the fields (Relaxed).
     fn write_slot(slot: &IndexSlot, write: impl FnOnce(&IndexSlot)) {
-        // Relaxed: only this writer stores `seq`.
-        let s = slot.seq.load(Ordering::Relaxed);
-        // A corrupt odd value is made even first, so readers keep telling writes apart.
-        let s = s.wrapping_add(s & 1);
-        // Relaxed store, then a Release fence: pairs with the reader's Acquire fence in
-        // `KeyIndex::read_slot` — a reader that sees any field stored below sees this odd
-        // `seq` in its second load.
-        slot.seq.store(s.wrapping_add(1), Ordering::Relaxed);
+        // Relaxed RMW, then a Release fence: pairs with the reader's Acquire fence in
+        // `KeyIndex::read_slot` — a reader that sees any field stored below sees the odd
+        // `seq` (or a later value) in its second load. (An RMW rather than a load and a
+        // store: the same effect, and loom's model checker sees the race with readers.)
+        let mut s = slot.seq.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        if s & 1 == 0 {
+            // The old value was odd (corrupt, or a writer died mid-write): make it odd
+            // again so that readers keep telling writes apart.
+            s = slot.seq.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        }
         fence(Ordering::Release);
         write(slot);
         // Release: pairs with the reader's first (Acquire) `seq` load: a reader that sees
         // the new even value sees every field stored above.
-        slot.seq.store(s.wrapping_add(2), Ordering::Release);
+        slot.seq.store(s.wrapping_add(1), Ordering::Release);
     }
 
     fn fill(slot: &IndexSlot, key: &Key, entry: u32, generation: u64) {
@@ -497,13 +499,13 @@ impl IndexWriter {
         index: &KeyIndex<'_>,
         live: impl IntoIterator<Item = (&'k Key, u32, u64)>,
     ) -> Result<()> {
-        // Relaxed: only this writer stores the epoch.
-        let e = index.epoch.load(Ordering::Relaxed);
-        let e = e.wrapping_add(e & 1);
-        // Relaxed store, then Release fence: pairs with the Acquire fence at the end of
+        // Relaxed RMW, then Release fence: pairs with the Acquire fence at the end of
         // `KeyIndex::lookup` (a lookup that saw any slot change made below sees the odd
-        // epoch and starts again).
-        index.epoch.store(e.wrapping_add(1), Ordering::Relaxed);
+        // epoch, or a later one, and starts again).
+        let mut e = index.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        if e & 1 == 0 {
+            e = index.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        }
         fence(Ordering::Release);
         for slot in index.slots {
             if Self::tag(slot) != EMPTY {
@@ -519,7 +521,7 @@ impl IndexWriter {
             }
         }
         // Release: pairs with the Acquire epoch load at the start of a lookup.
-        index.epoch.store(e.wrapping_add(2), Ordering::Release);
+        index.epoch.store(e.wrapping_add(1), Ordering::Release);
         result
     }
 }

@@ -80,5 +80,51 @@ pub use producer::{
     DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
 };
 
+/// What `inspect` shows of an encoder-cache segment.
+#[cfg(not(loom))]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheInfo {
+    pub creator: crate::process::ProcessId,
+    /// "open", "closed" or "superseded".
+    pub state: &'static str,
+    pub capacity: u64,
+    pub max_entries: usize,
+    pub max_consumers: usize,
+    pub entries: u64,
+    pub bytes_in_use: u64,
+    pub reserved: u64,
+    pub saves: u64,
+    pub evictions: u64,
+    pub consumers: Vec<ConsumerInfo>,
+}
+
+/// Describe the encoder-cache segment `segment` (fails if it is not one).
+#[cfg(not(loom))]
+pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
+    use crate::sync::Ordering;
+    let map = layout::Mapped::open(segment)?;
+    let h = map.header();
+    // Relaxed: statistics and a state for display.
+    let state = match h.state.load(Ordering::Relaxed) {
+        layout::STATE_OPEN => "open",
+        layout::STATE_CLOSED => "closed",
+        layout::STATE_SUPERSEDED => "superseded",
+        _ => "unknown",
+    };
+    Ok(CacheInfo {
+        creator: map.creator(),
+        state,
+        capacity: map.geo.capacity as u64,
+        max_entries: map.geo.max_entries,
+        max_consumers: map.geo.max_consumers,
+        entries: h.stat_entries.load(Ordering::Relaxed),
+        bytes_in_use: h.stat_bytes.load(Ordering::Relaxed),
+        reserved: h.stat_reserved.load(Ordering::Relaxed),
+        saves: h.stat_saves.load(Ordering::Relaxed),
+        evictions: h.stat_evictions.load(Ordering::Relaxed),
+        consumers: consumers::list(&map),
+    })
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests;
