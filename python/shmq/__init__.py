@@ -4,11 +4,20 @@
   of the engines' ``MessageQueue``.
 - A single-writer object store (FIFO allocator over shared memory) with the API of the
   engines' ``SingleWriterShmObjectStorage``.
+- The encoder-cache hand-off: tensors by key from an encoder process to every worker,
+  as zero-copy views, with ``has(key)`` from any process (``shmq.encoder_cache``).
 
 The engines' names are kept as aliases, so shmq replaces them without code changes.
 """
 
 from ._core import __version__
+from .encoder_cache import (
+    EncoderCacheConnector,
+    EncoderCacheConsumer,
+    EncoderCacheIndex,
+    EncoderCacheMetadata,
+    EncoderCacheProducer,
+)
 from .group import StatelessProcessGroup
 from .message_queue import Handle, MessageQueue, PeerDiedError, ShmRingBuffer, sched_yield
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
@@ -20,6 +29,11 @@ ShmObjectStorageHandle = ObjectStorageHandle
 SingleWriterShmRingBuffer = RingBuffer
 
 __all__ = [
+    "EncoderCacheConnector",
+    "EncoderCacheConsumer",
+    "EncoderCacheIndex",
+    "EncoderCacheMetadata",
+    "EncoderCacheProducer",
     "Handle",
     "MessageQueue",
     "MsgpackSerde",

@@ -42,10 +42,6 @@ pub(crate) fn word(generation: u64, state: u64) -> u64 {
     (generation << 2) | state
 }
 
-pub(crate) fn generation_of(word: u64) -> u64 {
-    word >> 2
-}
-
 pub(crate) fn state_of(word: u64) -> u64 {
     word & 3
 }
@@ -239,7 +235,7 @@ mod tests {
     #[test]
     fn state_words() {
         let w = word(7, READY);
-        assert_eq!((generation_of(w), state_of(w)), (7, READY));
+        assert_eq!((w >> 2, state_of(w)), (7, READY));
         assert_ne!(word(7, READY), word(8, READY));
     }
 }
