@@ -34,4 +34,5 @@ step "Python: pytest"
 step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py
 .venv/bin/python examples/tensors.py
+.venv/bin/python examples/encoder_cache.py
 .venv/bin/python examples/process_group.py

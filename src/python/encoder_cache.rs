@@ -29,8 +29,12 @@ fn state_name(s: LoadState) -> &'static str {
     }
 }
 
-/// Contiguous buffers of `parts`, and their spans (valid while the buffers are held).
-fn buffers(parts: &Bound<'_, PyList>) -> PyResult<(Vec<PyUntypedBuffer>, Vec<(usize, usize)>)> {
+/// Buffer exports of a list of parts, and where each one's bytes are (address, length):
+/// valid while the exports are held.
+type Exports = (Vec<PyUntypedBuffer>, Vec<(usize, usize)>);
+
+/// Contiguous buffers of `parts`, and their spans.
+fn buffers(parts: &Bound<'_, PyList>) -> PyResult<Exports> {
     let bufs = parts
         .iter()
         .map(|p| PyUntypedBuffer::get(&p))
@@ -206,7 +210,10 @@ impl EncoderCacheProducer {
     #[pyo3(signature = (key, timeout=None))]
     fn wait_loaded(&self, py: Python<'_>, key: &str, timeout: Option<Timeout>) -> PyResult<()> {
         let p = &self.producer;
-        let what = format!("waiting for the consumers of encoder cache '{}' to load key {key:?}", p.name());
+        let what = format!(
+            "waiting for the consumers of encoder cache '{}' to load key {key:?}",
+            p.name()
+        );
         blocking(py, &what, self.interrupts(timeout), |wait| {
             p.wait_loaded_with(key, wait)
         })
@@ -401,6 +408,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EncoderCacheProducer>()?;
     m.add_class::<EncoderCacheReservation>()?;
     m.add_class::<EncoderCacheConsumer>()?;
-    m.add("ENCODER_CACHE_MAX_KEY_LEN", crate::encoder_cache::key_index::MAX_KEY_LEN)?;
+    m.add(
+        "ENCODER_CACHE_MAX_KEY_LEN",
+        crate::encoder_cache::key_index::MAX_KEY_LEN,
+    )?;
     Ok(())
 }

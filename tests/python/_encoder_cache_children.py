@@ -105,7 +105,7 @@ def scripted(out: Any, commands: Any, role: str, names: list[str], producer_opti
             break
         if cmd == "wait_has":  # (keys): poll until every key is held
             (keys,) = args
-            wait_for(lambda: all(side.has(k) for k in keys), f"keys {keys}")
+            wait_for(lambda keys=keys: all(side.has(k) for k in keys), f"keys {keys}")
             out.put(("has", True))
         elif cmd == "has":  # (keys): has() of each now
             out.put(("has", [side.has(k) for k in args[0]]))

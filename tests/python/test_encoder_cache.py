@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from _encoder_cache_children import MiB, every_kind_of_value, holding_consumer, one_mib, scripted, wait_for
+from _encoder_cache_children import MiB, every_kind_of_value, holding_consumer, one_mib, scripted
 from _processes import STEP
 from _tensor_children import digest
 from shmq import (
