@@ -60,12 +60,14 @@ const EMPTY: u32 = 0;
 const FULL: u32 = 1;
 const TOMBSTONE: u32 = 2;
 
-/// Failed attempts at a stable read (a slot or the epoch mid-write) before a lookup
-/// gives up with [`Lookup::Busy`]: after the first few it yields between attempts, so
-/// this outlasts a rebuild of the largest table by far. It is only reached if the
-/// writer died mid-write or the memory is corrupt.
+/// How long a lookup keeps retrying a read that a write overlapped (a slot, or the
+/// epoch during a rebuild) before it gives up with [`Lookup::Busy`]. A write takes
+/// nanoseconds and a rebuild well under a millisecond, so this is only reached if the
+/// writer is descheduled mid-write for that long, has died mid-write, or the memory is
+/// corrupt.
 #[cfg(not(loom))]
-const MAX_RETRIES: u32 = 20_000;
+const GIVE_UP_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
+/// Retries under loom (the model has no clock).
 #[cfg(loom)]
 const MAX_RETRIES: u32 = 3;
 
@@ -283,7 +285,7 @@ impl<'a> KeyIndex<'a> {
     /// Look `key` up. Lock-free for readers; answers from a state the index really had
     /// during the call (or `Busy`, see [`Lookup`]).
     pub fn lookup(&self, key: &Key) -> Lookup {
-        let mut retries = 0;
+        let mut retries = Retries::default();
         'again: loop {
             // Acquire: pairs with the Release store that ends a rebuild.
             let e1 = self.epoch.load(Ordering::Acquire);
@@ -327,22 +329,39 @@ impl<'a> KeyIndex<'a> {
     }
 }
 
-/// Count one failed attempt and wait a little before the next; false once there were
-/// too many.
-fn backoff(retries: &mut u32) -> bool {
-    *retries += 1;
-    if *retries > MAX_RETRIES {
-        return false;
-    }
-    if *retries < 16 {
-        #[cfg(not(loom))]
-        std::hint::spin_loop();
-        #[cfg(loom)]
+/// Failed attempts at a stable read, and since when (the clock is read only once the
+/// first few quick retries failed).
+#[derive(Default)]
+struct Retries {
+    count: u32,
+    #[cfg(not(loom))]
+    since: Option<std::time::Instant>,
+}
+
+/// Count one failed attempt and wait a little before the next; false once it is time to
+/// give up.
+fn backoff(retries: &mut Retries) -> bool {
+    retries.count += 1;
+    #[cfg(loom)]
+    {
         yield_now();
-    } else {
-        yield_now();
+        retries.count <= MAX_RETRIES
     }
-    true
+    #[cfg(not(loom))]
+    {
+        if retries.count < 16 {
+            std::hint::spin_loop();
+            return true;
+        }
+        if retries.count % 64 == 16 {
+            let since = *retries.since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() > GIVE_UP_AFTER {
+                return false;
+            }
+        }
+        yield_now();
+        true
+    }
 }
 
 /// The writer's side of the index: only one exists per table (the producer), and it is

@@ -847,6 +847,7 @@ impl Inner {
                 "this reservation is no longer valid".into(),
             ));
         }
+        // Relaxed: `close` sets it under this same lock.
         if local.cancelled || self.closed.load(std::sync::atomic::Ordering::Relaxed) {
             let closed = !local.cancelled;
             self.abandon_locked(&mut st, entry);
@@ -911,6 +912,7 @@ impl Inner {
 
     fn abandon(&self, entry: u32, generation: u64) {
         let mut st = lock(&self.state);
+        // Relaxed: only this process stores the word.
         if st.entries[entry as usize].generation == generation
             && entries::state_of(self.map.entry(entry as usize).state.load(Ordering::Relaxed))
                 == WRITING
