@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -22,15 +23,24 @@ from shmq import EncoderCacheConnector, EncoderCacheConsumer, EncoderCacheIndex,
 
 MiB = 1 << 20
 
-TORCH_DTYPES = [
-    getattr(torch, n)
-    for n in [
-        "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "bool", "uint8", "int8",
-        "int16", "int32", "int64", "uint16", "uint32", "uint64",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    ]  # fmt: skip
-    if hasattr(torch, n)
-]
+#: Every dtype this torch has (sub-byte, bit, float8/float4 and quantized ones included).
+TORCH_DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
+
+
+def _quantized(dtype: torch.dtype) -> bool:
+    return str(dtype).startswith(("torch.qint", "torch.quint"))
+
+
+def value_digest(value: Any) -> Any:
+    """``digest`` of a value (the same for values without quantized tensors, which have
+    no raw byte view: they are compared by their integers, scale and zero point)."""
+    if isinstance(value, torch.Tensor) and value.is_quantized:
+        return ("quantized", str(value.dtype), value.q_scale(), value.q_zero_point(), digest(value.int_repr()))
+    if isinstance(value, dict):
+        return ("dict", [(k, value_digest(v)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [value_digest(v) for v in value])
+    return digest(value)
 
 
 def filled(nbytes: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -49,6 +59,12 @@ def every_kind_of_value() -> dict[str, Any]:
     values: dict[str, Any] = {}
     for i, dt in enumerate(TORCH_DTYPES):
         name = str(dt).removeprefix("torch.")
+        if _quantized(dt):
+            g = torch.Generator().manual_seed(i)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized dtypes
+                values[f"quantized-{name}"] = torch.quantize_per_tensor(torch.randn(256, 64, generator=g), 0.05, 3, dt)
+            continue
         values[f"small-{name}"] = filled(256, dt, i)
         values[f"large-{name}"] = filled(MiB, dt, 100 + i).reshape(64, -1)
     base = torch.arange(MiB // 4, dtype=torch.float32).reshape(512, -1)
@@ -113,7 +129,7 @@ def scripted(out: Any, commands: Any, role: str, names: list[str], producer_opti
             keys, hold = args
             got: dict = {}
             missing = side.load(keys, got)
-            out.put(("loaded", missing, {k: digest(v) for k, v in got.items()}))
+            out.put(("loaded", missing, {k: value_digest(v) for k, v in got.items()}))
             if hold:
                 held.append(got)
             del got
