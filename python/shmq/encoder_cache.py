@@ -36,6 +36,11 @@ serve the same consumers: give the consumer all their names. A producer restarte
 under the name of a dead one replaces its segment, and consumers never serve the old
 keys again. All processes must be on one machine and share a pid namespace.
 
+Eviction waits for *every* live consumer, which fits workers that all need every key
+(tensor-parallel ranks of one engine). Consumers that need only some keys should
+acknowledge the others (``load(keys)`` without ``into``), or the producer should
+``evict`` them, or the cache fills up and ``save`` raises.
+
 How it works (segment layout, key-index seqlock, pins, acknowledgements): the module
 docs of ``src/encoder_cache/``.
 """

@@ -159,7 +159,9 @@ impl Producer {
     /// Make the segment of the producer `name` (`None`: a fresh unique name). If a
     /// segment of that name exists and its producer is dead, it is marked superseded (its
     /// consumers drop it at their next call, so they never serve its stale keys) and
-    /// replaced; if its producer is alive, this fails.
+    /// replaced; if its producer is alive, this fails. (Two processes that start under
+    /// the same dead producer's name at the same moment are not kept apart reliably: one
+    /// may remove the other's new segment. Give each encoder process its own name.)
     pub fn create(name: Option<&str>, options: ProducerOptions) -> Result<Producer> {
         let segment_name = match name {
             Some(n) => segment_name(n)?,
