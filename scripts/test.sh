@@ -39,6 +39,7 @@ step "Python: pytest"
 step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py
 .venv/bin/python examples/tensors.py
+.venv/bin/python examples/encoder_cache.py
 .venv/bin/python examples/process_group.py
 .venv/bin/python examples/serving.py
 # One worker crashes mid-run: the example must report it by name and exit cleanly.

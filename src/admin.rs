@@ -23,6 +23,7 @@ pub enum SegmentKind {
     Ring,
     Store,
     Arena,
+    EncoderCache,
     /// Not (or not yet) a finished shmq segment of this version.
     Unknown,
 }
@@ -33,6 +34,7 @@ impl SegmentKind {
             SegmentKind::Ring => "broadcast ring",
             SegmentKind::Store => "object store",
             SegmentKind::Arena => "tensor arena",
+            SegmentKind::EncoderCache => "encoder cache",
             SegmentKind::Unknown => "unknown",
         }
     }
@@ -66,6 +68,8 @@ fn report(name: &str, size: u64) -> SegmentReport {
         (SegmentKind::Store, Some(store.segment().creator()))
     } else if let Ok(a) = arena::describe(name) {
         (SegmentKind::Arena, Some(a.creator))
+    } else if let Ok(c) = crate::encoder_cache::describe(name) {
+        (SegmentKind::EncoderCache, Some(c.creator))
     } else {
         // start_time 0: only the pid can be checked.
         (
@@ -240,6 +244,39 @@ pub fn describe(name: &str) -> Result<String> {
         );
         return Ok(out);
     }
+    if let Ok(c) = crate::encoder_cache::describe(name) {
+        let _ = writeln!(
+            out,
+            "{name}: encoder cache ({}), {} bytes ({} reserved), up to {} entries and {} consumers\ncreator: {}\nheld: {} entries, {} bytes; {} saved, {} evicted",
+            c.state,
+            c.capacity,
+            c.reserved,
+            c.max_entries,
+            c.max_consumers,
+            describe_process(Some(c.creator), creator_liveness(name)),
+            c.entries,
+            c.bytes_in_use,
+            c.saves,
+            c.evictions,
+        );
+        for k in &c.consumers {
+            let _ = writeln!(
+                out,
+                "consumer slot {}: {}, {} keys loaded",
+                k.slot,
+                describe_process(
+                    Some(k.process),
+                    if k.alive {
+                        Liveness::Alive
+                    } else {
+                        Liveness::Dead
+                    }
+                ),
+                k.loads
+            );
+        }
+        return Ok(out);
+    }
     // None of these: say why (missing, not shmq's, another layout version...).
     Ring::open(name).map(|_| ())?;
     let _ = Segment::open(name)?;
@@ -269,6 +306,7 @@ mod tests {
         let ring = Ring::create(2, 64, 2).unwrap();
         let store = ChunkRing::create(4096, None).unwrap();
         let arena = crate::arena::ArenaWriter::create(2, 1 << 20, 4).unwrap();
+        let cache = crate::encoder_cache::Producer::create(None, Default::default()).unwrap();
         let all = list_segments().unwrap();
         let find = |n: &str| all.iter().find(|s| s.name == n).cloned().unwrap();
         let r = find(ring.name());
@@ -279,6 +317,14 @@ mod tests {
         assert_eq!(r.creator.unwrap().pid, std::process::id());
         assert_eq!(find(store.segment().name()).kind, SegmentKind::Store);
         assert_eq!(find(arena.name()).kind, SegmentKind::Arena);
+        assert_eq!(find(cache.segment_name()).kind, SegmentKind::EncoderCache);
+        assert_eq!(
+            pid_from_name(cache.segment_name()),
+            Some(std::process::id())
+        );
+        assert!(describe(cache.segment_name())
+            .unwrap()
+            .contains("encoder cache (open)"));
         assert!(describe(arena.name())
             .unwrap()
             .contains("tensor arena of a queue, 2 readers"));

@@ -66,6 +66,26 @@ pub enum Error {
     #[error("Serialized object size ({size} bytes) exceeds max object size ({max} bytes)")]
     TooLarge { size: u64, max: u64 },
 
+    /// The encoder cache has no room for an entry and nothing could be evicted before the
+    /// deadline; `reason` says what holds the room.
+    #[error(
+        "encoder cache '{name}' is full: no room for an entry of {needed} bytes (capacity \
+         {capacity} bytes, {held} entries held) after waiting {waited:.3?}: {reason}"
+    )]
+    CacheFull {
+        name: String,
+        needed: u64,
+        capacity: u64,
+        held: usize,
+        waited: Duration,
+        reason: String,
+    },
+
+    /// A key the encoder cache does not hold (and did not hold until every consumer had
+    /// loaded it).
+    #[error("{0:?} is not held by this encoder cache")]
+    UnknownKey(String),
+
     /// A local reader died while the writer waited for it to free a chunk.
     #[error(
         "reader {reader} (pid {pid}) died before reading chunk {chunk}; the writer cannot go \

@@ -12,6 +12,8 @@
 //!   message parts read as private views, and [`Loan`]s to fill in place);
 //! - [`remote`]: the authenticated stream to remote readers (and its bounds);
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
+//! - [`encoder_cache`]: the encoder-cache hand-off: a producer's entries by key to every
+//!   consumer process as private views, with a key index any process can ask;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - [`workers`]: worker processes with a ready pipe, a death watch and shutdown of whole
 //!   process trees (the Rust side of the Python package's `WorkerProcesses`);
@@ -60,6 +62,7 @@ pub mod arena;
 pub mod broadcast;
 #[cfg(not(loom))]
 pub mod copy;
+pub mod encoder_cache;
 pub mod error;
 #[cfg(not(loom))]
 pub mod process;

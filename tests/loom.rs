@@ -6,6 +6,10 @@
 //!   since the model futex sleeps without a timeout);
 //! - the slot seqlock: no torn holder, and a drop never lands on a holder that attached
 //!   after the writer judged the old one.
+//! - the encoder cache's key index: a reader racing with the writer never sees a torn
+//!   slot (a key with another key's entry), and a key present throughout a lookup is
+//!   found even while other keys are removed, inserted into its chain, or the table is
+//!   rebuilt.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom`
 //! (scripts/test.sh does). Without `--cfg loom` this file compiles to nothing.
@@ -20,6 +24,7 @@ use loom::thread;
 
 use shmq::broadcast::protocol::{self, ChunkFlags};
 use shmq::doorbell::{Doorbell, Futex};
+use shmq::encoder_cache::key_index::{IndexSlot, IndexWriter, Key, KeyIndex, Lookup};
 
 /// One chunk shared by a writer and `N` readers; the payload is a loom cell, so loom
 /// reports any write that is not ordered after every read of the previous message (and
@@ -266,5 +271,109 @@ fn slot_seqlock_never_tears_and_drops_only_the_judged_holder() {
         } else {
             assert_eq!((slot_state(word), fields), (SLOT_ATTACHED, (2, 20)));
         }
+    });
+}
+
+/// `count` one-word keys whose home slot in a table of `n` slots is `home`.
+fn keys_at(home: usize, n: usize, count: usize) -> Vec<Key> {
+    (0u32..)
+        .map(|i| Key::new(format!("k{i}").as_bytes()).unwrap())
+        .filter(|k| k.hash() as usize & (n - 1) == home)
+        .take(count)
+        .collect()
+}
+
+/// A table of `n` slots and its epoch, shared by the model's threads.
+struct Table {
+    epoch: AtomicU32,
+    slots: Vec<IndexSlot>,
+}
+
+impl Table {
+    fn new(n: usize) -> Arc<Table> {
+        Arc::new(Table {
+            epoch: AtomicU32::new(0),
+            slots: (0..n).map(|_| IndexSlot::new()).collect(),
+        })
+    }
+    fn index(&self) -> KeyIndex<'_> {
+        KeyIndex::new(&self.epoch, &self.slots)
+    }
+}
+
+#[test]
+fn key_index_reader_never_sees_a_torn_slot() {
+    // Keys A and B share a home slot: the writer puts A there, removes it, and puts B in
+    // the same slot. A reader looking up either must get that key's own entry, or
+    // nothing; never A's key with B's entry (a torn read of the slot).
+    let ks = keys_at(0, 2, 2);
+    model(2, move || {
+        let table = Table::new(2);
+        let (a, b) = (ks[0].clone(), ks[1].clone());
+        let writer = {
+            let (table, a, b) = (table.clone(), a.clone(), b.clone());
+            thread::spawn(move || {
+                let index = table.index();
+                let mut w = IndexWriter::new();
+                w.insert(&index, &a, 1, 10).unwrap();
+                assert!(w.remove(&index, &a));
+                w.insert(&index, &b, 2, 20).unwrap();
+            })
+        };
+        let index = table.index();
+        for (key, want) in [(&a, (1, 10)), (&b, (2, 20))] {
+            match index.lookup(key) {
+                Lookup::Found { entry, generation } => {
+                    assert_eq!((entry, generation), want, "a torn slot: {key:?}")
+                }
+                Lookup::Absent | Lookup::Busy => {}
+            }
+        }
+        writer.join().unwrap();
+        assert_eq!(
+            table.index().lookup(&b),
+            Lookup::Found {
+                entry: 2,
+                generation: 20
+            }
+        );
+        assert_eq!(table.index().lookup(&a), Lookup::Absent);
+    });
+}
+
+#[test]
+fn key_index_chain_survives_removal_reuse_and_rebuild() {
+    // A and B share home slot 1: A sits there, B in slot 2. While a reader looks B up,
+    // the writer removes A (leaving a tombstone in B's chain), puts C (same home) into
+    // it, then rebuilds the table. B is present throughout: the reader must find it
+    // (or give up as Busy), never answer Absent.
+    let ks = keys_at(1, 4, 3);
+    model(2, move || {
+        let table = Table::new(4);
+        let (a, b, c) = (ks[0].clone(), ks[1].clone(), ks[2].clone());
+        let mut w = IndexWriter::new();
+        w.insert(&table.index(), &a, 1, 1).unwrap();
+        w.insert(&table.index(), &b, 2, 2).unwrap();
+        let writer = {
+            let (table, b) = (table.clone(), b.clone());
+            thread::spawn(move || {
+                let index = table.index();
+                assert!(w.remove(&index, &a));
+                w.insert(&index, &c, 3, 3).unwrap();
+                w.rebuild(&index, [(&b, 2, 2), (&c, 3, 3)]).unwrap();
+            })
+        };
+        let found = table.index().lookup(&b);
+        assert!(
+            matches!(
+                found,
+                Lookup::Found {
+                    entry: 2,
+                    generation: 2
+                } | Lookup::Busy
+            ),
+            "B was lost: {found:?}"
+        );
+        writer.join().unwrap();
     });
 }

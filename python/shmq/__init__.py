@@ -6,11 +6,20 @@
   engines' ``SingleWriterShmObjectStorage``.
 - Worker processes around them (``WorkerProcesses``, ``report_ready``): start, ready
   handshake with a deadline, supervision, shutdown of whole process trees.
+- The encoder-cache hand-off: tensors by key from an encoder process to every worker,
+  as zero-copy views, with ``has(key)`` from any process (``shmq.encoder_cache``).
 
 The engines' names are kept as aliases, so shmq replaces them without code changes.
 """
 
 from ._core import __version__
+from .encoder_cache import (
+    EncoderCacheConnector,
+    EncoderCacheConsumer,
+    EncoderCacheIndex,
+    EncoderCacheMetadata,
+    EncoderCacheProducer,
+)
 from .group import StatelessProcessGroup
 from .message_queue import Handle, MessageQueue, PeerDiedError, ShmRingBuffer, sched_yield
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
@@ -23,6 +32,11 @@ ShmObjectStorageHandle = ObjectStorageHandle
 SingleWriterShmRingBuffer = RingBuffer
 
 __all__ = [
+    "EncoderCacheConnector",
+    "EncoderCacheConsumer",
+    "EncoderCacheIndex",
+    "EncoderCacheMetadata",
+    "EncoderCacheProducer",
     "Handle",
     "MessageQueue",
     "MsgpackSerde",

@@ -1,8 +1,8 @@
 //! The one place where core errors become Python exceptions.
 
 use pyo3::exceptions::{
-    PyConnectionError, PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError,
-    PyRuntimeError, PyTimeoutError, PyValueError,
+    PyConnectionError, PyFileNotFoundError, PyKeyError, PyMemoryError, PyOSError,
+    PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
 };
 use pyo3::PyErr;
 
@@ -21,7 +21,10 @@ impl From<Error> for PyErr {
         match err {
             Error::Timeout { .. } | Error::WorkersNotReady { .. } => PyTimeoutError::new_err(msg),
             Error::Cancelled => PyRuntimeError::new_err("cancelled"),
-            Error::NoSpace { .. } | Error::Full(_) => PyMemoryError::new_err(msg),
+            Error::NoSpace { .. } | Error::Full(_) | Error::CacheFull { .. } => {
+                PyMemoryError::new_err(msg)
+            }
+            Error::UnknownKey(key) => PyKeyError::new_err(key),
             Error::StaleObject { .. } | Error::KeyExists(_) | Error::TooLarge { .. } => {
                 PyValueError::new_err(msg)
             }

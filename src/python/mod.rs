@@ -7,11 +7,14 @@
 //! - `ChunkRing`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
 //!   `ObjectStorage`);
 //! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
+//! - `EncoderCacheProducer`, `EncoderCacheReservation`, `EncoderCacheConsumer`: the
+//!   encoder-cache hand-off (`shmq.encoder_cache`);
 //! - `list_segments()`, `remove_orphans()`, `describe_segment()`: cleanup and inspection;
 //! - `default_connect_ip()`, `segment_prefix`, `PeerDiedError`.
 
 mod admin;
 mod broadcast;
+mod encoder_cache;
 mod errors;
 mod storage;
 mod view;
@@ -35,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<storage::ChunkRing>()?;
     m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;
+    encoder_cache::register(m)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
     m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;
     m.add_function(wrap_pyfunction!(admin::remove_orphans, m)?)?;

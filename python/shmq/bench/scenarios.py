@@ -318,3 +318,8 @@ FLOORS: list[Floor] = [
 ]
 
 
+
+# The encoder-cache hand-off rows live in their own module (which imports this one).
+from .encoder_cache import ENCODER_CACHE_FLOORS  # noqa: E402
+
+FLOORS += ENCODER_CACHE_FLOORS

@@ -1,0 +1,604 @@
+"""The encoder-cache hand-off: a producer's tensors, by key, to every consumer process.
+
+An *encoder* process (the producer) turns each image into embedding tensors keyed by a
+content hash and saves them; *language-model workers* (consumers) load them by key as
+zero-copy views; a *scheduler* asks, from any process, which keys are ready. Nothing
+goes through an RPC framework or a file on disk.
+
+- :class:`EncoderCacheProducer` — ``save(key, value)`` returns once room is reserved;
+  the copy into shared memory runs on a background thread (at most ``max_pending`` at
+  once). Under pressure the oldest keys that every live consumer has loaded are
+  evicted; if none can go, ``save`` waits up to ``timeout`` and then raises
+  ``MemoryError`` saying what holds the room. ``wait_loaded(key)`` / ``on_loaded(key,
+  callback)``, ``evict(key)``, ``close()``.
+- :class:`EncoderCacheConsumer` — ``has(key)``; ``load(keys, into, device)`` fills
+  ``into`` with the values (tensors are views of shared memory, mapped copy-on-write:
+  writable, and a write stays private to this process) and returns the keys it could
+  not load. Loading acknowledges the key to its producer.
+- :class:`EncoderCacheIndex` — ``has(key)`` only, from any process (a scheduler): a
+  lookup in the producers' key indexes in shared memory, about a microsecond, safe
+  while producers write.
+- :class:`EncoderCacheConnector` — the roles of vLLM's encoder-cache connectors
+  (``has_cache_item``, ``update_state_after_alloc``, ``build_connector_meta``,
+  ``save_caches``, ``start_load_caches``, ``get_finished``) as thin adapters over the
+  classes above.
+
+Values are anything picklable; torch tensors (every dtype, bfloat16 and float8
+included) and numpy arrays travel as raw buffers beside a protocol-5 pickle (see
+``_oob``). **CUDA tensors** are copied to shared CPU memory by ``save`` and come back on
+the CPU; pass ``device=`` to ``load`` (or to the consumer) to have them copied onto a
+device. (A CUDA-IPC path that keeps them on the GPU is not implemented.)
+
+Consumers come and go: a consumer that joins late sees every key held (and does not
+hold back the eviction of keys published before it joined); one that dies stops
+counting within about a second of the producer next looking. Several producers may
+serve the same consumers: give the consumer all their names. A producer restarted
+under the name of a dead one replaces its segment, and consumers never serve the old
+keys again. All processes must be on one machine and share a pid namespace.
+
+Eviction waits for *every* live consumer, which fits workers that all need every key
+(tensor-parallel ranks of one engine). Consumers that need only some keys should
+acknowledge the others (``load(keys)`` without ``into``), or the producer should
+``evict`` them, or the cache fills up and ``save`` raises.
+
+How it works (segment layout, key-index seqlock, pins, acknowledgements): the module
+docs of ``src/encoder_cache/``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import pickle
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from . import _core, _oob
+from ._cleanup import track
+
+__all__ = [
+    "EncoderCacheConnector",
+    "EncoderCacheConsumer",
+    "EncoderCacheIndex",
+    "EncoderCacheMetadata",
+    "EncoderCacheProducer",
+    "MAX_KEY_LEN",
+]
+
+log = logging.getLogger(__name__)
+
+#: Longest key, in bytes of UTF-8.
+MAX_KEY_LEN: int = _core.ENCODER_CACHE_MAX_KEY_LEN
+
+
+def _map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every torch tensor in it (through dicts, lists and
+    tuples); the same object when nothing changed."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        new = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return obj if all(new[k] is v for k, v in obj.items()) else new
+    if isinstance(obj, (list, tuple)):
+        new_items = [_map_tensors(v, fn) for v in obj]
+        if all(a is b for a, b in zip(new_items, obj, strict=True)):
+            return obj
+        if isinstance(obj, list):
+            return new_items
+        return type(obj)(*new_items) if hasattr(obj, "_fields") else type(obj)(new_items)
+    return obj
+
+
+def _to_cpu(t: Any) -> Any:
+    return t if t.device.type == "cpu" else t.detach().cpu()
+
+
+def _names(producers: str | Iterable[str]) -> list[str]:
+    return [producers] if isinstance(producers, str) else list(producers)
+
+
+class EncoderCacheProducer:
+    """The producer of an encoder cache: one shared-memory segment that this process
+    alone writes, named ``name`` (default: a fresh unique name; see :attr:`name`).
+
+    - ``capacity``: bytes of entry data (address space; ``/dev/shm`` pages are reserved
+      as they are first used, and never more than this);
+    - ``max_entries``: most keys held at once; ``max_consumers``: most consumers (≤ 64);
+    - ``min_consumers``: a key counts as loaded only once at least this many consumers
+      loaded it (besides every live consumer that joined before it was saved). With the
+      default 0, keys saved while no consumer is joined are evictable at once;
+    - ``timeout``: default seconds ``save`` waits for room (then ``MemoryError``);
+    - ``max_pending``: saves whose copy may be queued at once (``save`` waits for one to
+      finish beyond that).
+
+    Starting a producer under the name of one that died replaces its segment; under the
+    name of a live one raises ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        name: Optional[str] = None,
+        *,
+        capacity: int = 1 << 30,
+        max_entries: int = 4096,
+        max_consumers: int = 16,
+        min_consumers: int = 0,
+        timeout: float = 60.0,
+        max_pending: int = 4,
+    ):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self._core = _core.EncoderCacheProducer(name, capacity, max_entries, max_consumers, min_consumers)
+        track(self._core)
+        self.timeout = timeout
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._copier = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"shmq-encoder-cache-{self._core.name}"
+        )
+        self._lock = threading.Lock()
+        self._pending: set[concurrent.futures.Future] = set()
+        self._error: Optional[BaseException] = None
+        self._callbacks: dict[str, list[Callable[[str, bool], Any]]] = {}
+        self._wake_monitor = threading.Event()
+        self._monitor: Optional[threading.Thread] = None
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        """The name consumers open this cache by."""
+        return self._core.name
+
+    @property
+    def segment_name(self) -> str:
+        """The segment in ``/dev/shm`` (``shmq_ec_<name>``)."""
+        return self._core.segment_name
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"encoder cache producer {self.name!r} is closed")
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"an earlier save to encoder cache {self.name!r} failed: {error}") from error
+
+    def save(
+        self,
+        key: str,
+        value: Any,
+        *,
+        timeout: Optional[float] = None,
+        on_loaded: Optional[Callable[[str, bool], Any]] = None,
+    ) -> bool:
+        """Save ``value`` (a tensor, or any picklable structure of tensors, arrays and
+        plain values) under ``key``. Returns once room is reserved; the copy runs on a
+        background thread, and the key is visible to consumers (``has``) once it is
+        published. Returns False if the key is held already (keys name their content,
+        so nothing is copied).
+
+        When the cache is full it evicts the oldest keys every live consumer has loaded;
+        if none can go it waits up to ``timeout`` seconds (default: the producer's) and
+        raises ``MemoryError``. Do not change the tensors until the save is published
+        (:meth:`flush`): the copy reads them. CUDA tensors are copied to the CPU first.
+        ``on_loaded``: see :meth:`on_loaded`.
+        """
+        self._check()
+        timeout = self.timeout if timeout is None else timeout
+        body, buffers = _oob.dumps(_map_tensors(value, _to_cpu))
+        if not self._slots.acquire(timeout=timeout):
+            raise TimeoutError(
+                f"encoder cache {self.name!r}: earlier saves are still being copied after {timeout} s"
+            )
+        try:
+            reservation = self._core.reserve(key, [len(body), *(b.nbytes for b in buffers)], timeout)
+        except BaseException:
+            self._slots.release()
+            raise
+        if reservation is None:
+            self._slots.release()
+        else:
+            future = self._copier.submit(self._copy, reservation, [body, *buffers])
+            with self._lock:
+                self._pending.add(future)
+            future.add_done_callback(self._done)
+        if on_loaded is not None:
+            self.on_loaded(key, on_loaded)
+        return reservation is not None
+
+    def _copy(self, reservation: Any, parts: list) -> None:
+        try:
+            reservation.fill_and_publish(parts)
+        except BaseException as e:  # surfaced by the next call (never dropped)
+            log.error("shmq: a save to encoder cache %r failed: %s", self.name, e)
+            if self._error is None:
+                self._error = e
+            raise
+        finally:
+            self._slots.release()
+
+    def _done(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Wait until every save so far is published (``TimeoutError`` after
+        ``timeout``); raises if one of them failed."""
+        with self._lock:
+            pending = list(self._pending)
+        _, not_done = concurrent.futures.wait(pending, timeout=timeout)
+        if not_done:
+            raise TimeoutError(f"encoder cache {self.name!r}: {len(not_done)} saves not published after {timeout} s")
+        if not self._closed:
+            self._check()
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is held and published."""
+        return self._core.has(key)
+
+    def keys(self) -> list[str]:
+        """The keys held, oldest first."""
+        return self._core.keys()
+
+    def evict(self, key: str) -> bool:
+        """Evict ``key`` now, loaded or not: consumers stop seeing it at once; views they
+        hold stay valid (its memory is reused only after the last one is gone). A save
+        still being copied is dropped. Whether the key was held."""
+        return self._core.evict(key)
+
+    def is_loaded(self, key: str) -> bool:
+        """Whether every live consumer that joined before ``key`` was saved has loaded
+        it (and at least ``min_consumers`` did). ``KeyError`` for a key not held."""
+        state = self._core.load_state(key)
+        if state == "unknown":
+            raise KeyError(key)
+        return state == "loaded"
+
+    def wait_loaded(self, key: str, timeout: Optional[float] = None) -> None:
+        """Wait until every live consumer that joined before ``key`` was saved has
+        loaded it (and at least ``min_consumers`` did). Consumers that die stop counting.
+        ``TimeoutError`` (naming who has not loaded it) after ``timeout`` seconds;
+        ``KeyError`` for a key not held (or evicted before it was loaded)."""
+        self._core.wait_loaded(key, timeout)
+
+    def on_loaded(self, key: str, callback: Callable[[str, bool], Any]) -> None:
+        """Call ``callback(key, True)`` (on a background thread) once ``key`` is loaded
+        as in :meth:`wait_loaded`, or ``callback(key, False)`` if it goes (evicted, or
+        never saved) before that."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"encoder cache producer {self.name!r} is closed")
+            self._callbacks.setdefault(key, []).append(callback)
+            if self._monitor is None:
+                self._monitor = threading.Thread(
+                    target=self._watch, name=f"shmq-encoder-cache-{self.name}-loaded", daemon=True
+                )
+                self._monitor.start()
+        self._wake_monitor.set()
+
+    def _watch(self) -> None:
+        """The callbacks' thread: sleeps on the consumers' doorbell while keys are
+        pending (waking at least every 0.2 s)."""
+        while not self._closed:
+            with self._lock:
+                keys = list(self._callbacks)
+            if not keys:
+                self._wake_monitor.wait(0.5)
+                self._wake_monitor.clear()
+                continue
+            try:
+                done = self._core.wait_any_loaded(keys, 0.2)
+            except Exception as e:  # closed meanwhile
+                if not self._closed:
+                    log.error("shmq: encoder cache %r: watching loads failed: %s", self.name, e)
+                return
+            for key, state in done:
+                with self._lock:
+                    callbacks = self._callbacks.pop(key, [])
+                for cb in callbacks:
+                    try:
+                        cb(key, state == "loaded")
+                    except Exception:
+                        log.exception("shmq: encoder cache %r: on_loaded callback for %r failed", self.name, key)
+
+    def consumers(self) -> list[tuple[int, int, bool, int]]:
+        """``(slot, pid, alive, keys loaded)`` of each consumer joined now."""
+        return self._core.consumers()
+
+    def stats(self) -> dict[str, int]:
+        """``entries``, ``pending`` (saves being copied), ``zombies`` (evicted, still
+        mapped by a consumer), ``bytes_in_use``, ``reserved`` (bytes of ``/dev/shm`` taken
+        so far), ``capacity``, ``saves``, ``evictions``."""
+        return self._core.stats()
+
+    def close(self, timeout: Optional[float] = 30.0) -> None:
+        """Publish the saves in progress (waiting up to ``timeout``), then stop serving:
+        consumers stop seeing the keys, views they hold stay valid, and the segment's
+        name is removed. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush(timeout)
+        finally:
+            with self._lock:
+                self._closed = True
+            self._wake_monitor.set()
+            self._copier.shutdown(wait=False)
+            self._core.close()
+
+    def __enter__(self) -> "EncoderCacheProducer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EncoderCacheProducer(name={self.name!r})"
+
+
+def _decode(parts: list) -> Any:
+    body, *buffers = parts
+    return pickle.loads(body, buffers=buffers)
+
+
+class EncoderCacheConsumer:
+    """A consumer of one or more producers (their names). It joins each producer now, so
+    each waits for it to load what is saved from then on; a producer that is not there
+    yet is looked for (every 0.1 s at most) by the consumer's calls, and joined by the
+    first one after it appears.
+    ``device``: where :meth:`load` puts tensors by default (``None``: zero-copy CPU
+    views)."""
+
+    def __init__(self, producers: str | Iterable[str], *, device: Any = None):
+        self._core = _core.EncoderCacheConsumer(_names(producers))
+        self.device = device
+
+    def has(self, key: str) -> bool:
+        """Whether some producer holds ``key`` now."""
+        return self._core.has(key)
+
+    def load(self, keys: str | Iterable[str], into: Optional[dict] = None, device: Any = None) -> list[str]:
+        """Load ``keys`` into the dict ``into`` and return the keys no producer holds.
+
+        Values come back as saved; their tensors are views of shared memory (no copy),
+        writable, and private to this process (copy-on-write), unless ``device`` (default:
+        the consumer's) is given: then they are copied onto it. The key's memory stays
+        held while any of those views lives. Each key loaded is acknowledged to its
+        producer. With ``into=None`` the keys are only acknowledged (for a consumer that
+        has them already or does not need them), without mapping anything.
+        """
+        device = self.device if device is None else device
+        missing = []
+        for key in [keys] if isinstance(keys, str) else keys:
+            if into is None:
+                if not self._core.acknowledge(key):
+                    missing.append(key)
+                continue
+            parts = self._core.load(key)
+            if parts is None:
+                missing.append(key)
+                continue
+            value = _decode(parts)
+            del parts
+            if device is not None and str(device) != "cpu":
+                value = _map_tensors(value, lambda t: t.to(device))
+            into[key] = value
+        return missing
+
+    def get(self, key: str, device: Any = None) -> Any:
+        """The value of ``key`` (as :meth:`load` gives it); ``KeyError`` if no producer
+        holds it."""
+        out: dict = {}
+        if self.load([key], out, device):
+            raise KeyError(key)
+        return out[key]
+
+    def producers(self) -> list[tuple[str, bool]]:
+        """``(segment name, open now)`` for each producer."""
+        return self._core.producers()
+
+    def close(self) -> None:
+        """Leave every producer (views already loaded stay valid until they go)."""
+        self._core.close()
+
+    def __enter__(self) -> "EncoderCacheConsumer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class EncoderCacheIndex:
+    """``has(key)`` for the keys of one or more producers, from any process (e.g. the
+    scheduler): a lookup in their key indexes in shared memory. It loads nothing and
+    joins nothing, so no producer waits for it."""
+
+    def __init__(self, producers: str | Iterable[str]):
+        self._core = _core.EncoderCacheConsumer(_names(producers), index_only=True)
+
+    def has(self, key: str) -> bool:
+        """Whether some producer holds ``key`` now."""
+        return self._core.has(key)
+
+    def missing(self, keys: Iterable[str]) -> list[str]:
+        """The keys of ``keys`` that no producer holds now."""
+        has = self._core.has
+        return [k for k in keys if not has(k)]
+
+    def close(self) -> None:
+        self._core.close()
+
+
+@dataclass
+class EncoderCacheMetadata:
+    """What the scheduler side tells the workers for one step: the keys (``mm_hash``)
+    to load, with their number of encoder tokens when known. Picklable."""
+
+    mm_hashes: list[str] = field(default_factory=list)
+    num_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, mm_hash: str, num_tokens: Optional[int] = None) -> None:
+        if mm_hash not in self.mm_hashes:
+            self.mm_hashes.append(mm_hash)
+        if num_tokens is not None:
+            self.num_tokens[mm_hash] = num_tokens
+
+
+class EncoderCacheConnector:
+    """vLLM's encoder-cache connector roles over shmq's classes, for code ported from an
+    engine (without its config plumbing). ``role`` is one of:
+
+    - ``"scheduler"``: ``has_cache_item``, ``update_state_after_alloc``,
+      ``build_connector_meta`` (over an :class:`EncoderCacheIndex` of ``producers``);
+    - ``"producer"`` (an encoder worker): ``save_caches``, ``wait_for_save``,
+      ``get_finished`` (over an :class:`EncoderCacheProducer` named ``name``, made with
+      ``producer_options``);
+    - ``"consumer"`` (a language-model worker): ``bind_connector_metadata``,
+      ``start_load_caches``, ``get_finished``, ``take_unavailable`` (over an
+      :class:`EncoderCacheConsumer` of ``producers``).
+
+    Methods of another role raise ``RuntimeError``; ``has_cache_item`` works in all.
+    """
+
+    ROLES = ("scheduler", "producer", "consumer")
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        producers: str | Sequence[str] = (),
+        name: Optional[str] = None,
+        device: Any = None,
+        **producer_options: Any,
+    ):
+        if role not in self.ROLES:
+            raise ValueError(f"role must be one of {self.ROLES}, got {role!r}")
+        self.role = role
+        self.producer: Optional[EncoderCacheProducer] = None
+        self.consumer: Optional[EncoderCacheConsumer] = None
+        self.index: Optional[EncoderCacheIndex] = None
+        if role != "producer" and not _names(producers):
+            raise ValueError(f"the {role} role needs the producers' names")
+        if role == "producer":
+            self.producer = EncoderCacheProducer(name, **producer_options)
+        elif role == "consumer":
+            self.consumer = EncoderCacheConsumer(producers, device=device)
+        else:
+            self.index = EncoderCacheIndex(producers)
+        self._to_load = EncoderCacheMetadata()
+        self._metadata: Optional[EncoderCacheMetadata] = None
+        self._sent: dict[str, set[str]] = {}  # request id -> keys saved for it
+        self._finished: set[str] = set()  # requests the engine reported finished
+        self._unavailable: set[str] = set()
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role == "producer"
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role == "consumer"
+
+    def _need(self, role: str) -> None:
+        if self.role != role:
+            raise RuntimeError(f"this is the {self.role} side of the connector; that call is for the {role} side")
+
+    # -- scheduler side ----------------------------------------------------------
+
+    def has_cache_item(self, identifier: str) -> bool:
+        """Whether the encoder output for ``identifier`` (an ``mm_hash``) is held."""
+        side = self.index or self.consumer or self.producer
+        assert side is not None
+        return side.has(identifier)
+
+    def update_state_after_alloc(self, request: Any, index: Optional[int] = None) -> None:
+        """Note that this step needs the encoder output of ``request``'s ``index``-th
+        multimodal item (``request.mm_features[index].identifier``), or of the key
+        ``request`` itself when it is a string; it is loaded if it is held."""
+        self._need("scheduler")
+        if isinstance(request, str):
+            key, num_tokens = request, None
+        else:
+            assert index is not None, "index is needed with a request object"
+            key = request.mm_features[index].identifier
+            get = getattr(request, "get_num_encoder_embeds", None) or getattr(request, "get_num_encoder_tokens", None)
+            num_tokens = get(index) if get is not None else None
+        if self.has_cache_item(key):
+            self._to_load.add(key, num_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any = None) -> EncoderCacheMetadata:
+        """The keys to load this step (what ``update_state_after_alloc`` collected);
+        starts a new step."""
+        self._need("scheduler")
+        meta, self._to_load = self._to_load, EncoderCacheMetadata()
+        return meta
+
+    # -- worker side ------------------------------------------------------------
+
+    def bind_connector_metadata(self, metadata: EncoderCacheMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    def start_load_caches(self, encoder_cache: dict, **kwargs: Any) -> None:
+        """Load the step's keys into ``encoder_cache`` (views of shared memory, or on the
+        consumer's device). Keys already in ``encoder_cache`` are only acknowledged;
+        keys no producer holds are noted (:meth:`take_unavailable`)."""
+        self._need("consumer")
+        assert self.consumer is not None
+        if self._metadata is None:
+            log.warning("shmq: start_load_caches without connector metadata")
+            return
+        have = [k for k in self._metadata.mm_hashes if k in encoder_cache]
+        need = [k for k in self._metadata.mm_hashes if k not in encoder_cache]
+        self.consumer.load(have)
+        missing = self.consumer.load(need, encoder_cache)
+        if missing:
+            log.warning("shmq: encoder cache keys not available: %s", missing)
+            self._unavailable.update(missing)
+
+    def take_unavailable(self) -> set[str]:
+        """Keys a load found missing since the last call."""
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def save_caches(self, encoder_cache: dict, mm_hash: str, **kwargs: Any) -> None:
+        """Save ``encoder_cache[mm_hash]``. With ``request_id=`` (or ``req_id=``) the
+        key is tracked for :meth:`get_finished`."""
+        self._need("producer")
+        assert self.producer is not None
+        self.producer.save(mm_hash, encoder_cache[mm_hash])
+        req = kwargs.get("request_id", kwargs.get("req_id"))
+        if req is not None:
+            self._sent.setdefault(req, set()).add(mm_hash)
+
+    def wait_for_save(self, timeout: Optional[float] = None) -> None:
+        """Wait until every save so far is published."""
+        self._need("producer")
+        assert self.producer is not None
+        self.producer.flush(timeout)
+
+    def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """``(finished sending, finished receiving)``. On the producer: of the requests
+        reported finished in this call or an earlier one, those whose keys (given to
+        ``save_caches``) every consumer has loaded, or that are gone. Loads complete
+        inside ``start_load_caches``, so the receiving side is always ``None``."""
+        if self.role != "producer":
+            return None, None
+        assert self.producer is not None
+        self._finished.update(r for r in finished_req_ids if r in self._sent)
+        done = set()
+        for req in list(self._finished):
+            if all(self.producer._core.load_state(k) != "pending" for k in self._sent[req]):
+                done.add(req)
+                del self._sent[req]
+                self._finished.discard(req)
+        return (done or None), None
+
+    def shutdown(self) -> None:
+        for side in (self.producer, self.consumer, self.index):
+            if side is not None:
+                side.close()

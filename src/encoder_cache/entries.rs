@@ -1,0 +1,241 @@
+//! Entries: their life cycle in shared memory, the byte layout of one entry's data, and
+//! the producer's allocator of the data region.
+//!
+//! # Life cycle (the `state` word of an entry record: `generation << 2 | state`)
+//! ```text
+//! FREE(g) --reserve--> WRITING(g) --publish--> READY(g) --evict--> RETIRED(g) --last pin gone--> FREE(g+1)
+//!                           \------------------abandon----------------------------------------/
+//! ```
+//! Only the producer changes the word. The index stores `(entry, g)` beside each key, so
+//! a consumer that found a key checks the word is exactly `READY(g)`: anything else (a
+//! later generation, the entry reused for another key) means the key is gone.
+//!
+//! # Pins: no range is reused under a view (Dekker's pattern, SeqCst)
+//! A consumer that wants a view increments its own pin count on the entry, *then* checks
+//! the state is still `READY(g)`; the producer, to evict, stores `RETIRED(g)`, *then*
+//! reads every pin count, and frees the range only when all are zero (else it retries
+//! later: the entry is a *zombie*, gone from the index but with its bytes intact). With
+//! SeqCst on these four accesses at least one side sees the other: either the consumer
+//! sees `RETIRED` and backs off without reading, or the producer sees the pin and keeps
+//! the bytes. A pin lasts as long as the consumer's view (its private mapping).
+//!
+//! # Data of one entry
+//! ```text
+//! +0   PARTS_MAGIC: u32, n_parts: u32
+//! +8   n_parts × (offset: u64, len: u64), offsets from the entry's start
+//! ...  the parts, each at a 64-byte aligned offset
+//! ```
+//! A consumer reads the table from its own private mapping and checks every part lies
+//! inside it, so a corrupted entry is an error, never a read out of bounds.
+
+use std::collections::BTreeMap;
+
+use crate::error::{Error, Result};
+
+pub(crate) const FREE: u64 = 0;
+pub(crate) const WRITING: u64 = 1;
+pub(crate) const READY: u64 = 2;
+pub(crate) const RETIRED: u64 = 3;
+
+/// The state word for `state` in `generation`.
+pub(crate) fn word(generation: u64, state: u64) -> u64 {
+    (generation << 2) | state
+}
+
+pub(crate) fn state_of(word: u64) -> u64 {
+    word & 3
+}
+
+const PARTS_MAGIC: u32 = u32::from_le_bytes(*b"ECP1");
+/// Most parts one entry may have.
+pub const MAX_PARTS: usize = 1 << 16;
+const PART_ALIGN: usize = 64;
+
+fn align(n: usize) -> Option<usize> {
+    n.checked_add(PART_ALIGN - 1)
+        .map(|v| v / PART_ALIGN * PART_ALIGN)
+}
+
+/// Where each part of an entry goes: `(offset, len)` from the entry's start, and the
+/// entry's total length.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartsLayout {
+    pub parts: Vec<(usize, usize)>,
+    pub total: usize,
+}
+
+impl PartsLayout {
+    /// The layout of parts of `lens` bytes.
+    pub fn new(lens: &[usize]) -> Result<PartsLayout> {
+        if lens.len() > MAX_PARTS {
+            return Err(Error::InvalidArgument(format!(
+                "an encoder cache entry holds at most {MAX_PARTS} parts, got {}",
+                lens.len()
+            )));
+        }
+        let too_large =
+            || Error::InvalidArgument("an encoder cache entry this large cannot be stored".into());
+        let mut at = align(8 + 16 * lens.len()).ok_or_else(too_large)?;
+        let mut parts = Vec::with_capacity(lens.len());
+        for &len in lens {
+            parts.push((at, len));
+            at = at.checked_add(len).and_then(align).ok_or_else(too_large)?;
+        }
+        Ok(PartsLayout { parts, total: at })
+    }
+
+    /// Write the part table at the start of `dst` (the entry's bytes).
+    pub fn write_table(&self, dst: &mut [u8]) {
+        dst[0..4].copy_from_slice(&PARTS_MAGIC.to_le_bytes());
+        dst[4..8].copy_from_slice(&(self.parts.len() as u32).to_le_bytes());
+        for (i, &(off, len)) in self.parts.iter().enumerate() {
+            let at = 8 + 16 * i;
+            dst[at..at + 8].copy_from_slice(&(off as u64).to_le_bytes());
+            dst[at + 8..at + 16].copy_from_slice(&(len as u64).to_le_bytes());
+        }
+    }
+
+    /// Read and check the part table of an entry's bytes (a consumer's private copy).
+    pub fn read(bytes: &[u8]) -> Result<Vec<(usize, usize)>> {
+        let bad = |why: &str| Error::BadSegment {
+            name: "(encoder cache entry)".into(),
+            reason: format!("an entry's part table is corrupt: {why}"),
+        };
+        let u32_at = |at: usize| -> Option<u32> {
+            Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+        };
+        let u64_at = |at: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
+        };
+        if u32_at(0) != Some(PARTS_MAGIC) {
+            return Err(bad("no table"));
+        }
+        let n = u32_at(4).ok_or_else(|| bad("short"))? as usize;
+        if n > MAX_PARTS || 8 + 16 * n > bytes.len() {
+            return Err(bad("too many parts"));
+        }
+        (0..n)
+            .map(|i| {
+                let off = u64_at(8 + 16 * i).ok_or_else(|| bad("short"))?;
+                let len = u64_at(16 + 16 * i).ok_or_else(|| bad("short"))?;
+                match off.checked_add(len) {
+                    Some(end) if end <= bytes.len() as u64 => Ok((off as usize, len as usize)),
+                    _ => Err(bad("a part lies outside the entry")),
+                }
+            })
+            .collect()
+    }
+}
+
+/// The producer's allocator of the data region: free ranges (whole pages, coalesced),
+/// lowest first, so the reserved part of `/dev/shm` stays as small as the load allows.
+#[derive(Debug)]
+pub(crate) struct RangeAllocator {
+    free: BTreeMap<usize, usize>,
+    page: usize,
+    capacity: usize,
+}
+
+impl RangeAllocator {
+    pub fn new(capacity: usize, page: usize) -> RangeAllocator {
+        let mut free = BTreeMap::new();
+        free.insert(0, capacity);
+        RangeAllocator {
+            free,
+            page,
+            capacity,
+        }
+    }
+
+    /// `len` rounded up to whole pages (at least one).
+    pub fn rounded(&self, len: usize) -> Option<usize> {
+        len.max(1)
+            .checked_add(self.page - 1)
+            .map(|v| v / self.page * self.page)
+            .filter(|&r| r <= self.capacity)
+    }
+
+    /// The lowest free range of `len` (rounded) bytes.
+    pub fn take(&mut self, len: usize) -> Option<usize> {
+        let (&at, &have) = self.free.iter().find(|(_, &l)| l >= len)?;
+        self.free.remove(&at);
+        if have > len {
+            self.free.insert(at + len, have - len);
+        }
+        Some(at)
+    }
+
+    pub fn give_back(&mut self, mut offset: usize, mut len: usize) {
+        if let Some((&prev, &plen)) = self.free.range(..offset).next_back() {
+            if prev + plen == offset {
+                self.free.remove(&prev);
+                offset = prev;
+                len += plen;
+            }
+        }
+        if let Some(&nlen) = self.free.get(&(offset + len)) {
+            self.free.remove(&(offset + len));
+            len += nlen;
+        }
+        self.free.insert(offset, len);
+    }
+
+    /// Bytes not handed out.
+    pub fn free_bytes(&self) -> usize {
+        self.free.values().sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_layout_round_trips_and_rejects_corruption() {
+        let l = PartsLayout::new(&[5, 0, 100]).unwrap();
+        assert_eq!(l.parts, vec![(64, 5), (128, 0), (128, 100)]);
+        assert_eq!(l.total, 256);
+        let mut bytes = vec![0u8; l.total];
+        l.write_table(&mut bytes);
+        assert_eq!(PartsLayout::read(&bytes).unwrap(), l.parts);
+        assert!(
+            PartsLayout::read(&bytes[..100]).is_err(),
+            "part beyond the end"
+        );
+        let mut bad = bytes.clone();
+        bad[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(PartsLayout::read(&bad).is_err());
+        let mut bad = bytes.clone();
+        bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(PartsLayout::read(&bad).is_err());
+        assert!(PartsLayout::read(&[0u8; 3]).is_err());
+        assert!(PartsLayout::new(&[usize::MAX]).is_err());
+        assert_eq!(PartsLayout::new(&[]).unwrap().total, 64);
+    }
+
+    #[test]
+    fn allocator_takes_lowest_and_coalesces() {
+        let mut a = RangeAllocator::new(4 * 4096, 4096);
+        assert_eq!(a.rounded(1), Some(4096));
+        assert_eq!(a.rounded(0), Some(4096));
+        assert_eq!(a.rounded(5 * 4096), None);
+        let x = a.take(4096).unwrap();
+        let y = a.take(8192).unwrap();
+        let z = a.take(4096).unwrap();
+        assert_eq!((x, y, z), (0, 4096, 12288));
+        assert!(a.take(4096).is_none());
+        a.give_back(x, 4096);
+        a.give_back(z, 4096);
+        assert!(a.take(8192).is_none(), "not contiguous");
+        a.give_back(y, 8192);
+        assert_eq!(a.free_bytes(), 4 * 4096);
+        assert_eq!(a.take(4 * 4096), Some(0));
+    }
+
+    #[test]
+    fn state_words() {
+        let w = word(7, READY);
+        assert_eq!((w >> 2, state_of(w)), (7, READY));
+        assert_ne!(word(7, READY), word(8, READY));
+    }
+}
