@@ -22,7 +22,10 @@ impl From<Error> for PyErr {
             Error::Timeout { .. } => PyTimeoutError::new_err(msg),
             Error::Cancelled => PyRuntimeError::new_err("cancelled"),
             Error::NoSpace { .. } | Error::Full(_) => PyMemoryError::new_err(msg),
-            Error::StaleObject { .. } | Error::KeyExists(_) | Error::TooLarge { .. } => {
+            Error::StaleObject { .. }
+            | Error::BadSignature { .. }
+            | Error::KeyExists(_)
+            | Error::TooLarge { .. } => {
                 PyValueError::new_err(msg)
             }
             Error::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
