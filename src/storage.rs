@@ -1040,6 +1040,10 @@ fn object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<ChunkH
         address,
         id: id as u64,
     };
+    // vLLM's arithmetic never gives a chunk an address of two laps or more.
+    if address / 2 >= segment.capacity() {
+        return Err(stale());
+    }
     let snap = segment.snapshot().ok_or_else(stale)?;
     let offset = address % segment.capacity();
     if !snap.names(id, offset) {
