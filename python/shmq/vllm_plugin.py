@@ -21,7 +21,8 @@ those two modules, so code that imports them later gets shmq's, and in every ``v
 module already imported that bound one of them at load time (``from
 ...shm_broadcast import MessageQueue`` in the executor, the multimodal cache...). vLLM's
 serdes (``MsgpackSerde``, which knows vLLM's multimodal items) stay vLLM's: shmq's store
-takes any serde. One INFO line on vLLM's logger says the plugin is on; without
+takes any serde. One INFO line per process says the plugin is on (through vLLM's
+logger, or on stderr where vLLM has not set up its logging yet); without
 ``SHMQ_VLLM=1`` the plugin does nothing at all.
 
 The plugin can also be switched on by hand, before vLLM builds its queues::
@@ -115,17 +116,25 @@ def activate() -> None:
             newly.append(name)
     rebound = _rebind_loaded_modules()
     if newly:
-        version = _vllm_version()
-        log = _logger()
-        log.info(
-            "shmq %s plugin active (pid %d): vLLM's %s are shmq's%s",
-            _shmq_version(),
-            os.getpid(),
-            ", ".join(newly),
-            f"; also rebound in {rebound} module(s) that imported them" if rebound else "",
+        _announce(
+            f"shmq {_shmq_version()} plugin active (pid {os.getpid()}): vLLM's {', '.join(newly)} are shmq's"
+            + (f"; also rebound in {rebound} module(s) that imported them" if rebound else "")
         )
+        version = _vllm_version()
         if version and not version.startswith(TESTED_VLLM + "."):
-            log.warning("shmq's vLLM plugin was checked against vLLM %s.x, this is %s", TESTED_VLLM, version)
+            _logger().warning("shmq's vLLM plugin was checked against vLLM %s.x, this is %s", TESTED_VLLM, version)
+
+
+def _announce(message: str) -> None:
+    """One INFO line through vLLM's logger; on stderr instead if vLLM has not set up its
+    logging in this process yet (its API server loads plugins before that), so that
+    the line is never lost."""
+    log = _logger()
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info(message)
+    else:
+        sys.stderr.write(f"INFO {message}\n")
+        sys.stderr.flush()
 
 
 def _rebind_loaded_modules() -> int:

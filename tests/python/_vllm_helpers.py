@@ -196,3 +196,203 @@ def stateless_tensor_member(out: Any, port: int, rank: int, world_size: int, rel
     if not release.wait(STEP):
         raise TimeoutError("the test never released the group")
 
+
+
+# ---------------------------------------------------------------------------------
+# vLLM itself, with the plugin (test_vllm_plugin.py)
+
+
+def _vllm_config(world_size: int) -> Any:
+    """The parts of a ``VllmConfig`` that vLLM's shared-memory multimodal cache reads."""
+    from types import SimpleNamespace
+
+    mm = SimpleNamespace(mm_processor_cache_gb=4 / 1024, mm_shm_cache_max_object_size_mb=1)
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(world_size=world_size),
+        model_config=SimpleNamespace(get_multimodal_config=lambda: mm),
+    )
+
+
+def _mm_item(seed: int) -> Any:
+    import torch
+
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
+
+    pixels = torch.arange(seed * 1000, seed * 1000 + 3 * 32 * 17, dtype=torch.float32).reshape(3, 32, 17)
+    return MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(data=pixels, field=MultiModalSharedField(batch_size=1))})
+
+
+def vllm_member(out: Any, port: int, rank: int, world_size: int, enabled: bool, lock: Any, release: Any) -> None:
+    """One process of a vLLM deployment in miniature, run by vLLM's own code:
+
+    - before vLLM loads its plugins, it imports ``vllm.multimodal.cache.shm``, which binds
+      ``SingleWriterShmRingBuffer``/``SingleWriterShmObjectStorage`` at load time;
+    - ``vllm.plugins.load_general_plugins()`` runs the entry points (shmq's among them);
+    - vLLM's ``GroupCoordinator`` (gloo, CPU) builds its broadcast queue
+      (``use_message_queue_broadcaster``) through ``MessageQueue.create_from_process_group``;
+    - rank 0 is the API server's multimodal cache (``ShmObjectStoreSenderCache``, the
+      store's writer), the others are workers (``ShmObjectStoreReceiverCache``, readers);
+      the sender's address items go to the workers through the coordinator's queue
+      (``broadcast_object``), twice for the same image (a cache hit the second time);
+    - vLLM's own ``StatelessProcessGroup`` is handed to the queue class vLLM's module
+      names (``shm_broadcast.MessageQueue.create_from_process_group``).
+
+    Reports the classes vLLM ended up using, what the workers read, the plugin's log
+    lines, and whether the image could be evicted once every worker had fetched it."""
+    import datetime
+    import logging
+
+    os.environ.pop("SHMQ_VLLM", None)
+    if enabled:
+        os.environ["SHMQ_VLLM"] = "1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"] = f"shmq_vllmtest_{port}"
+    # vLLM's msgpack decoder pins the memory of out-of-band tensors, which this CUDA
+    # build of torch cannot do without a GPU driver: keep the test's tensors in band.
+    os.environ["VLLM_MSGPACK_ZERO_COPY_THRESHOLD"] = str(1 << 20)
+    import torch
+    import torch.distributed as dist
+
+    import vllm.multimodal.cache.shm as mm_shm  # binds the store's names at load time
+    from vllm.plugins import load_general_plugins
+
+    # Rank 0 has vLLM's logging set up (an INFO handler on the "vllm" logger, as its
+    # engine processes do); the others load plugins before any logging set-up (as its
+    # API server does), where the plugin writes its line to stderr.
+    import io
+    import sys
+
+    capture = _Records()
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    if rank == 0:
+        logging.getLogger("vllm").setLevel(logging.INFO)
+        logging.getLogger("vllm").addHandler(capture)
+    try:
+        load_general_plugins()
+    finally:
+        written, sys.stderr = sys.stderr.getvalue(), stderr
+        logging.getLogger("vllm").removeHandler(capture)
+    plugin_lines = [m for _, _, m in capture.records if "shmq" in m]
+    plugin_lines += [line for line in written.splitlines() if "shmq" in line]
+    from vllm.distributed.device_communicators import shm_broadcast, shm_object_storage
+    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    report: dict[str, Any] = {
+        "rank": rank,
+        "log": plugin_lines,
+        "log_via_logging": bool(capture.records),
+        "module_classes": {
+            "MessageQueue": shm_broadcast.MessageQueue.__module__,
+            "Handle": shm_broadcast.Handle.__module__,
+            "ShmRingBuffer": shm_broadcast.ShmRingBuffer.__module__,
+            "SingleWriterShmRingBuffer": shm_object_storage.SingleWriterShmRingBuffer.__module__,
+            "SingleWriterShmObjectStorage": shm_object_storage.SingleWriterShmObjectStorage.__module__,
+            "ShmObjectStorageHandle": shm_object_storage.ShmObjectStorageHandle.__module__,
+        },
+        "load_time_binding": mm_shm.SingleWriterShmObjectStorage.__module__,
+    }
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=2 * STEP),
+    )
+    coordinator = GroupCoordinator(
+        group_ranks=[list(range(world_size))],
+        local_rank=rank,
+        torch_distributed_backend="gloo",
+        use_device_communicator=False,
+        use_message_queue_broadcaster=True,
+        group_name="shmq_plugin_test",
+    )
+    report["queue_class"] = type(coordinator.mq_broadcaster).__module__
+    config = _vllm_config(world_size - 1)  # the workers are the store's readers
+    hashes = ["image-a", "image-b", "image-a"]  # image-a again: a cache hit
+    if rank == 0:
+        cache = mm_shm.ShmObjectStoreSenderCache(config)
+        report["store_class"] = type(cache._shm_cache).__module__
+        dist.barrier()  # as in vLLM, the sender's store exists before the workers open it
+        items = {h: _mm_item(i) for i, h in enumerate(dict.fromkeys(hashes))}
+        for h in hashes:
+            address_item, _ = cache.get_and_update_item((items[h], []), h)
+            coordinator.broadcast_object((h, address_item), src=0)
+        report["sent"] = {h: items[h]["pixel_values"].data.sum().item() for h in items}
+        report["hits"] = cache.make_stats().hits
+        dist.barrier()  # every worker has fetched every item
+        store = cache._shm_cache
+        report["cached_before_eviction"] = sorted(store.key_index)
+        store.free_unused()
+        report["cached_after_eviction"] = sorted(store.key_index)
+    else:
+        dist.barrier()
+        cache = mm_shm.ShmObjectStoreReceiverCache(config, lock)
+        report["store_class"] = type(cache._shm_cache).__module__
+        got = []
+        for _ in hashes:
+            h, address_item = coordinator.broadcast_object(None, src=0)
+            cache.touch_receiver_cache_item(h, address_item)
+            item = cache.get_and_update_item(address_item, h)
+            got.append((h, item["pixel_values"].data.sum().item(), tuple(item["pixel_values"].data.shape)))
+        report["got"] = got
+        dist.barrier()
+    dist.barrier()  # the writer has checked eviction before it closes the store
+    if rank == 0:
+        cache.close()  # vLLM's sender cache closes its store; the receivers' have no close
+
+    # vLLM's own StatelessProcessGroup, through vLLM's module name for the queue.
+    pg = StatelessProcessGroup.create("127.0.0.1", port + 1, rank, world_size, store_timeout=int(STEP))
+    mq = shm_broadcast.MessageQueue.create_from_process_group(pg, 1 << 16, 2, writer_rank=1)
+    if rank == 1:
+        for i in range(3):
+            mq.enqueue(torch.full((4,), float(i)), timeout=STEP)
+    else:
+        report["stateless"] = [mq.dequeue(timeout=STEP).tolist() for _ in range(3)]
+    report["stateless_queue_class"] = type(mq).__module__
+    pg.barrier(timeout=STEP)
+    out.put(("report", report))
+    if not release.wait(STEP):
+        raise TimeoutError("the test never released the group")
+    del mq, coordinator
+    dist.destroy_process_group()
+
+
+def vllm_plugin_off(out: Any) -> None:
+    """Without SHMQ_VLLM: vLLM loads shmq's plugin, which does nothing."""
+    import logging
+
+    os.environ.pop("SHMQ_VLLM", None)
+    from vllm.plugins import load_general_plugins
+
+    import io
+    import sys
+
+    capture = _Records()
+    logging.getLogger("vllm").setLevel(logging.DEBUG)
+    logging.getLogger("vllm").addHandler(capture)
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        load_general_plugins()
+    finally:
+        written, sys.stderr = sys.stderr.getvalue(), stderr
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.device_communicators import shm_broadcast, shm_object_storage
+
+    import shmq.vllm_plugin
+
+    out.put(
+        (
+            "off",
+            {
+                "entry_points": [e.value for e in entry_points(group="vllm.general_plugins")],
+                "MessageQueue": shm_broadcast.MessageQueue.__module__,
+                "SingleWriterShmObjectStorage": shm_object_storage.SingleWriterShmObjectStorage.__module__,
+                "active": shmq.vllm_plugin.is_active(),
+                # What shmq's plugin said (vLLM itself lists the plugins it found at DEBUG).
+                "log": [m for name, _, m in capture.records if name == "vllm.plugins.shmq"]
+                + [w for w in written.splitlines() if "shmq" in w],
+            },
+        )
+    )
