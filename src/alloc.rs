@@ -230,8 +230,8 @@ impl FifoAllocator {
             match self.live.front() {
                 // Move to the next chunk: it is less than a lap ahead of `start`.
                 Some(next) => {
-                    let gap = (next.address % capacity + capacity - self.start % capacity)
-                        % capacity;
+                    let gap =
+                        (next.address % capacity + capacity - self.start % capacity) % capacity;
                     self.start += gap;
                 }
                 // Nothing live: the line restarts at 0.

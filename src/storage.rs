@@ -424,7 +424,8 @@ impl StoreSegment {
         });
         let p = self.published();
         // Relaxed: statistics for inspection; nothing is ordered by them.
-        p.live_chunks.store(a.live().len() as u64, Ordering::Relaxed);
+        p.live_chunks
+            .store(a.live().len() as u64, Ordering::Relaxed);
         p.live_bytes.store(a.live_bytes(), Ordering::Relaxed);
     }
 
@@ -506,7 +507,10 @@ impl StoreSegment {
 
     /// The HMAC-SHA256 that signs the handle `(address, id)` of `key`.
     pub fn sign(&self, key: &str, address: u64, id: u32) -> [u8; SIGNATURE_BYTES] {
-        self.keyed_mac(key, address, id).finalize().into_bytes().into()
+        self.keyed_mac(key, address, id)
+            .finalize()
+            .into_bytes()
+            .into()
     }
 
     fn keyed_mac(&self, key: &str, address: u64, id: u32) -> Signer {
@@ -898,7 +902,13 @@ impl ObjectStore {
         let lens = || parts.iter().map(|p| p.len() as u64);
         let n = parts.len();
         let size_at = |chunk_offset: u64| {
-            object_layout(chunk_offset + HEADER_BYTES, lens(), n, align_from, |_, _| ())
+            object_layout(
+                chunk_offset + HEADER_BYTES,
+                lens(),
+                n,
+                align_from,
+                |_, _| (),
+            )
         };
         let chunk = match ring.allocate_with(size_at) {
             Err(Error::Full(_)) => {
@@ -1063,7 +1073,8 @@ fn still_valid(segment: &StoreSegment, h: &ChunkHeader) -> bool {
     // they show the object still valid, the writer had not started reusing it (it
     // publishes before it writes, see `ChunkRing::allocate_with`/`free_while`).
     fence(Ordering::Acquire);
-    segment.load_u32(h.offset) == h.id && segment.snapshot().is_some_and(|s| s.names(h.id, h.offset))
+    segment.load_u32(h.offset) == h.id
+        && segment.snapshot().is_some_and(|s| s.names(h.id, h.offset))
 }
 
 /// Check that `(address, id)` names a live object (what a reader's `touch` does).
@@ -1126,7 +1137,9 @@ mod tests {
     }
 
     fn read_all(seg: &StoreSegment, a: u64, i: u32, count: bool) -> Result<Vec<Vec<u8>>> {
-        read_object(seg, a, i, count, |v| (0..v.len()).map(|k| v.part(k).to_vec()).collect())
+        read_object(seg, a, i, count, |v| {
+            (0..v.len()).map(|k| v.part(k).to_vec()).collect()
+        })
     }
 
     #[test]
@@ -1263,7 +1276,10 @@ mod tests {
         // Enough to cover k1: it goes too, and the cleared range is dropped.
         s.put(&mut ring, "k3", &[&[9u8; 250]], 1).unwrap();
         assert!(read_object(&seg, a1, i1, false, |_| ()).is_err());
-        assert_eq!(seg.snapshot().unwrap().cleared_start, seg.snapshot().unwrap().cleared_end);
+        assert_eq!(
+            seg.snapshot().unwrap().cleared_start,
+            seg.snapshot().unwrap().cleared_end
+        );
         // A second clear forgets what the first one kept.
         s.clear(&mut ring).unwrap();
         assert!(read_object(&seg, a1, i1, false, |_| ()).is_err());
@@ -1293,7 +1309,9 @@ mod tests {
     #[test]
     fn layout_pads_inside_the_object() {
         let mut at = Vec::new();
-        let end = object_layout(9, [5u64, 70, 1].into_iter(), 3, 1, |i, off| at.push((i, off)));
+        let end = object_layout(9, [5u64, 70, 1].into_iter(), 3, 1, |i, off| {
+            at.push((i, off))
+        });
         // data at ring offset 9: count at +3 (offset 12), frame n + 3 entries = 28 bytes,
         // part 0 at +35, part 1 at ring offset 64 (+55), part 2 at 192 (+183).
         assert_eq!(at, vec![(0, 35), (1, 55), (2, 183)]);

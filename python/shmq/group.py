@@ -74,9 +74,10 @@ class StatelessProcessGroup:
     recv_src_counter: dict[int, int] = dataclasses.field(default_factory=dict)
     broadcast_send_counter: int = 0
     broadcast_recv_src_counter: dict[int, int] = dataclasses.field(default_factory=dict)
-    barrier_counter: int = 0
-    # (time set, key) of the keys this rank set, oldest first.
+    # (key, time set) of the keys this rank set, oldest first (vLLM's order).
     entries: deque = dataclasses.field(default_factory=deque)
+    # After vLLM 0.33's fields, so that positional arguments land where vLLM puts them.
+    barrier_counter: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -134,7 +135,7 @@ class StatelessProcessGroup:
 
     def _set(self, key: str, obj: Any) -> None:
         self.store.set(key, pickle.dumps(obj, protocol=_PROTOCOL))
-        self.entries.append((time.time(), key))
+        self.entries.append((key, time.time()))
 
     def _check_rank(self, r: int, what: str) -> None:
         if not 0 <= r < self.world_size:
@@ -275,7 +276,7 @@ class StatelessProcessGroup:
         """Delete the keys this rank set more than ``data_expiration_seconds`` ago."""
         now = time.time()
         while self.entries:
-            set_at, key = self.entries[0]
+            key, set_at = self.entries[0]
             if now - set_at <= self.data_expiration_seconds:
                 break
             self.store.delete_key(key)

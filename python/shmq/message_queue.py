@@ -398,8 +398,8 @@ class MessageQueue:
         """Zero-copy reading (local readers): a view of the next chunk; it is marked read
         when the block ends. As in ``dequeue``, a bool in second place is vLLM 0.33's
         ``indefinite`` (accepted; shmq's waits warn the same either way)."""
-        if type(cancel) is bool:
-            cancel, indefinite = None, cancel
+        if type(cancel) is bool:  # vLLM's acquire_read(timeout, indefinite)
+            cancel = None
         if self._reader is None:
             raise RuntimeError("only readers can acquire_read")
         with memoryview(self._reader.acquire_read(timeout, cancel)) as buf:

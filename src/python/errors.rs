@@ -25,9 +25,7 @@ impl From<Error> for PyErr {
             Error::StaleObject { .. }
             | Error::BadSignature { .. }
             | Error::KeyExists(_)
-            | Error::TooLarge { .. } => {
-                PyValueError::new_err(msg)
-            }
+            | Error::TooLarge { .. } => PyValueError::new_err(msg),
             Error::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
             Error::BadSegment { .. } | Error::InvalidArgument(_) => PyValueError::new_err(msg),
             Error::WrongRole(_) => PyRuntimeError::new_err(msg),

@@ -74,7 +74,9 @@ fn signature_arg<'py>(
     let (Some(key), Some(signature)) = (key, signature) else {
         return Err(Error::BadSignature { missing: true });
     };
-    let list = signature.cast::<PyList>().map_err(|_| invalid_signature())?;
+    let list = signature
+        .cast::<PyList>()
+        .map_err(|_| invalid_signature())?;
     let key = key.cast::<PyString>().map_err(|_| invalid_signature())?;
     if list.len() != SIGNATURE_BYTES {
         return Err(invalid_signature());
@@ -198,12 +200,17 @@ impl ChunkRing {
     /// Address of the live chunk `id` (writer side).
     fn chunk_address(&self, py: Python<'_>, id: i64) -> Option<u64> {
         let id = u32::try_from(id).ok()?;
-        lock(py, &self.inner).allocator()?.get(id).map(|c| c.address)
+        lock(py, &self.inner)
+            .allocator()?
+            .get(id)
+            .map(|c| c.address)
     }
 
     /// Number of live chunks (writer side; 0 on a reader).
     fn live_len(&self, py: Python<'_>) -> usize {
-        lock(py, &self.inner).allocator().map_or(0, |a| a.live().len())
+        lock(py, &self.inner)
+            .allocator()
+            .map_or(0, |a| a.live().len())
     }
 
     /// Allocate a chunk with `size` bytes of data: `(address, id)`.
@@ -369,6 +376,7 @@ impl ObjectStore {
     /// parts, contiguous), or with `split` a list of one memoryview per part. The read
     /// is counted on a reader, or on the writer if `count_writer_reads`.
     #[pyo3(signature = (address, id, signature, key, deserialize, split))]
+    #[allow(clippy::too_many_arguments)] // the Python call's arguments, one by one
     fn get(
         &self,
         py: Python<'_>,
@@ -467,7 +475,11 @@ impl ObjectStore {
     /// Ids the writer has touched and not yet handed out again or released.
     fn touched(&self, py: Python<'_>) -> Vec<u32> {
         let store = lock(py, &self.inner);
-        store.entries().map(|(_, e)| e.id).filter(|&i| store.is_touched(i)).collect()
+        store
+            .entries()
+            .map(|(_, e)| e.id)
+            .filter(|&i| store.is_touched(i))
+            .collect()
     }
 
     /// How many reads the object at `(address, id)` has had.

@@ -178,7 +178,9 @@ def stateless_tensor_member(out: Any, port: int, rank: int, world_size: int, rel
         listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listen.bind(("127.0.0.1", port))
         listen.listen()
-    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, store_timeout=int(STEP), listen_socket=listen)
+    pg = StatelessProcessGroup.create(
+        "127.0.0.1", port, rank, world_size, store_timeout=int(STEP), listen_socket=listen
+    )
     seen: dict[str, Any] = {}
     seen["broadcast"] = pg.broadcast(torch.arange(4) * 10 if rank == 1 else None, src=1).tolist()
     if rank == 0:
@@ -219,7 +221,8 @@ def _mm_item(seed: int) -> Any:
     from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
 
     pixels = torch.arange(seed * 1000, seed * 1000 + 3 * 32 * 17, dtype=torch.float32).reshape(3, 32, 17)
-    return MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(data=pixels, field=MultiModalSharedField(batch_size=1))})
+    elem = MultiModalFieldElem(data=pixels, field=MultiModalSharedField(batch_size=1))
+    return MultiModalKwargsItem({"pixel_values": elem})
 
 
 def vllm_member(out: Any, port: int, rank: int, world_size: int, enabled: bool, lock: Any, release: Any) -> None:

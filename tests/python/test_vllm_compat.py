@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmq import Handle, MessageQueue, ObjectStorage, PickleSerde, RingBuffer, _core
+from shmq import Handle, MessageQueue, ObjectStorage, PickleSerde, RingBuffer
 
 from _processes import STEP, free_port
 from _store_helpers import STALE
@@ -471,7 +471,8 @@ def test_vllm_host_ip_is_the_fallback(children, env, expected):
 def test_vllm_ringbuffer_warning_interval_is_the_fallback(children):
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
     out = children.queue()
-    children.start(vllm_warning_interval_reader, out, mq.export_handle(), 0, {"VLLM_RINGBUFFER_WARNING_INTERVAL": "0.2"})
+    env = {"VLLM_RINGBUFFER_WARNING_INTERVAL": "0.2"}
+    children.start(vllm_warning_interval_reader, out, mq.export_handle(), 0, env)
     mq.wait_until_ready(timeout=STEP)
     warnings = children.expect(out, "log")[1]
     children.join()
