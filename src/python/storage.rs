@@ -67,10 +67,10 @@ const KEPT_VIEW: &str = "the deserializer kept a view of the shared memory, whic
 
 /// A handle signature from Python: vLLM 0.33's rules (a list of 32 ints, each exactly
 /// an `int` in 0..=255), and a `str` key. `None` for either is a missing signature.
-fn signature_arg<'py>(
-    key: Option<&Bound<'py, PyAny>>,
+fn signature_arg<'a, 'py>(
+    key: Option<&'a Bound<'py, PyAny>>,
     signature: Option<&Bound<'py, PyAny>>,
-) -> Result<(String, [u8; SIGNATURE_BYTES]), Error> {
+) -> Result<(&'a str, [u8; SIGNATURE_BYTES]), Error> {
     let (Some(key), Some(signature)) = (key, signature) else {
         return Err(Error::BadSignature { missing: true });
     };
@@ -82,13 +82,29 @@ fn signature_arg<'py>(
         return Err(invalid_signature());
     }
     let mut bytes = [0u8; SIGNATURE_BYTES];
-    for (b, item) in bytes.iter_mut().zip(list.iter()) {
-        if !item.is_exact_instance_of::<PyInt>() {
-            return Err(invalid_signature());
-        }
-        *b = item.extract::<u8>().map_err(|_| invalid_signature())?;
+    for (i, b) in bytes.iter_mut().enumerate() {
+        // A reader checks a signature on every get: read the items through the C API
+        // (a few ns each) rather than pyo3's conversions.
+        // SAFETY: `list` is a list of SIGNATURE_BYTES items (checked above) that we hold
+        // a reference to, with the GIL; PyList_GetItem returns a borrowed reference that
+        // stays valid while the list is not changed, and nothing runs Python code before
+        // we are done with it (PyLong_CheckExact and PyLong_AsLong on an exact int do not).
+        let value = unsafe {
+            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            if item.is_null() || pyo3::ffi::PyLong_CheckExact(item) == 0 {
+                pyo3::ffi::PyErr_Clear();
+                return Err(invalid_signature());
+            }
+            pyo3::ffi::PyLong_AsLong(item)
+        };
+        // -1 may also be an overflow error: out of range either way.
+        *b = u8::try_from(value).map_err(|_| {
+            // SAFETY: with the GIL; clears the OverflowError PyLong_AsLong may have set.
+            unsafe { pyo3::ffi::PyErr_Clear() };
+            invalid_signature()
+        })?;
     }
-    let key = key.to_str().map_err(|_| invalid_signature())?.to_owned();
+    let key = key.to_str().map_err(|_| invalid_signature())?;
     Ok((key, bytes))
 }
 
@@ -387,12 +403,18 @@ impl ObjectStore {
         deserialize: &Bound<'_, PyAny>,
         split: bool,
     ) -> PyResult<Py<PyAny>> {
+        let handle = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?);
         if !self.is_writer {
-            // Refuse forged handles before touching the address.
-            self.verify_reader(address, id, signature, key)?;
+            // Refuse forged handles before touching the address; integers out of range
+            // cannot have been signed.
+            let (key, signature) = signature_arg(key, signature)?;
+            let (Some(a), Some(i)) = handle else {
+                return Err(invalid_signature().into());
+            };
+            self.segment.verify(key, a, i, &signature)?;
         }
         // Integers out of range (negative, huge) name no object: the same ValueError.
-        let (Some(a), Some(i)) = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?) else {
+        let (Some(a), Some(i)) = handle else {
             return Err(PyValueError::new_err(stale_object_message(address, id)));
         };
         let count = !self.is_writer || self.count_writer_reads;
@@ -601,6 +623,6 @@ impl ObjectStore {
     ) -> PyResult<()> {
         let (key, signature) = signature_arg(key, signature)?;
         let (a, i) = signed_handle(address, id)?;
-        Ok(self.segment.verify(&key, a, i, &signature)?)
+        Ok(self.segment.verify(key, a, i, &signature)?)
     }
 }
