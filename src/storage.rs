@@ -281,7 +281,9 @@ impl StoreSegment {
         }
         let mut secret = [0u8; SECRET_BYTES];
         // SAFETY: SECRET_OFFSET + SECRET_BYTES <= RING_OFFSET <= len; the secret was
-        // written before the magic (Acquire above) and is never written again.
+        // written before the magic (Acquire above) and shmq never writes it again. A peer
+        // that rewrote it (it would need write access to this owner-only segment) could
+        // only make this process refuse the writer's signatures: these are plain bytes.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 base.as_ptr().add(SECRET_OFFSET),
@@ -315,7 +317,8 @@ impl StoreSegment {
     /// The handle-signing secret (vLLM's `get_auth_secret()`).
     pub fn secret(&self) -> [u8; SECRET_BYTES] {
         let mut secret = [0u8; SECRET_BYTES];
-        // SAFETY: as in `open`: inside the header page, written once before the magic.
+        // SAFETY: as in `open`: inside the header page, written once before the magic;
+        // a peer rewriting it changes only the bytes returned.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.segment.as_ptr().add(SECRET_OFFSET),
@@ -1121,7 +1124,8 @@ pub fn read_object<R>(
 pub fn object_reader_count(segment: &StoreSegment, address: u64, id: u32) -> Result<u32> {
     let h = object_header(segment, address, id)?;
     let (p, n) = segment.data_ptr(&h);
-    // SAFETY: inside the ring (header_at).
+    // SAFETY: inside the ring (header_at), which `segment` keeps mapped; only the count
+    // is read from it, atomically, whatever a peer writes there meanwhile.
     Ok(reader_count(unsafe { std::slice::from_raw_parts(p, n) }))
 }
 

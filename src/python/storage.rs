@@ -32,7 +32,10 @@ fn with_views<'py, R>(
 ) -> PyResult<R> {
     let mut views = Vec::with_capacity(spans.len());
     for data in spans {
-        // SAFETY: `data` lies inside the segment's ring; the Arc keeps it mapped.
+        // SAFETY: `data` lies inside the segment's ring; the Arc keeps it mapped. Another
+        // process may write these bytes while Python reads them (the view is plain
+        // memory, never freed under it); `read_object` checks the handle again after the
+        // call and reports a reused object as modified.
         let view = unsafe { ShmView::new(segment.clone(), data.as_ptr() as *mut u8, data.len()) };
         let view = Bound::new(py, view)?;
         let mv = PyMemoryView::from(view.as_any())?.into_any();

@@ -225,7 +225,9 @@ def _mm_item(seed: int) -> Any:
     return MultiModalKwargsItem({"pixel_values": elem})
 
 
-def vllm_member(out: Any, port: int, rank: int, world_size: int, enabled: bool, lock: Any, release: Any) -> None:
+def vllm_member(
+    out: Any, port: int, store_port: int, rank: int, world_size: int, enabled: bool, lock: Any, release: Any
+) -> None:
     """One process of a vLLM deployment in miniature, run by vLLM's own code:
 
     - before vLLM loads its plugins, it imports ``vllm.multimodal.cache.shm``, which binds
@@ -345,7 +347,7 @@ def vllm_member(out: Any, port: int, rank: int, world_size: int, enabled: bool, 
         cache.close()  # vLLM's sender cache closes its store; the receivers' have no close
 
     # vLLM's own StatelessProcessGroup, through vLLM's module name for the queue.
-    pg = StatelessProcessGroup.create("127.0.0.1", port + 1, rank, world_size, store_timeout=int(STEP))
+    pg = StatelessProcessGroup.create("127.0.0.1", store_port, rank, world_size, store_timeout=int(STEP))
     mq = shm_broadcast.MessageQueue.create_from_process_group(pg, 1 << 16, 2, writer_rank=1)
     if rank == 1:
         for i in range(3):

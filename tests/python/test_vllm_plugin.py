@@ -40,9 +40,11 @@ REPLACED = [
 def _run(children, enabled):
     out, release = children.queue(), children.event()
     lock = CTX.Lock()  # vLLM's workers share one (shmq does not need it)
-    port = free_port()
+    port, store_port = free_port(), free_port()
+    while store_port == port:
+        store_port = free_port()
     for rank in range(WORLD):
-        children.start(vllm_member, out, port, rank, WORLD, enabled, lock, release)
+        children.start(vllm_member, out, port, store_port, rank, WORLD, enabled, lock, release)
     reports = {}
     for _ in range(WORLD):
         msg = children.expect(out, "report", timeout=6 * STEP)
