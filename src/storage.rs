@@ -368,7 +368,9 @@ impl StoreSegment {
     /// middle of an update (it died there, or a peer wrote garbage into `seq`).
     fn snapshot(&self) -> Option<Snapshot> {
         let p = self.published();
-        let started = Instant::now();
+        // Read the clock only once the first attempts have failed: it costs more than a
+        // consistent read.
+        let mut started = None;
         for attempt in 0u32.. {
             // Acquire: pairs with the Release store that ends `publish`: the fields read
             // below are at least as new as the update that store completed.
@@ -392,7 +394,7 @@ impl StoreSegment {
             }
             if attempt < 64 {
                 std::hint::spin_loop();
-            } else if started.elapsed() > SNAPSHOT_PATIENCE {
+            } else if started.get_or_insert_with(Instant::now).elapsed() > SNAPSHOT_PATIENCE {
                 return None;
             } else {
                 std::thread::yield_now();
