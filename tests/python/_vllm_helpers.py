@@ -226,7 +226,15 @@ def _mm_item(seed: int) -> Any:
 
 
 def vllm_member(
-    out: Any, port: int, store_port: int, rank: int, world_size: int, enabled: bool, lock: Any, release: Any
+    out: Any,
+    port: int,
+    store_port: int,
+    rank: int,
+    world_size: int,
+    enabled: bool,
+    store_name: str,
+    lock: Any,
+    release: Any,
 ) -> None:
     """One process of a vLLM deployment in miniature, run by vLLM's own code:
 
@@ -251,7 +259,7 @@ def vllm_member(
     if enabled:
         os.environ["SHMQ_VLLM"] = "1"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"] = f"shmq_vllmtest_{port}"
+    os.environ["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"] = store_name  # where vLLM puts its cache
     # vLLM's msgpack decoder pins the memory of out-of-band tensors, which this CUDA
     # build of torch cannot do without a GPU driver: keep the test's tensors in band.
     os.environ["VLLM_MSGPACK_ZERO_COPY_THRESHOLD"] = str(1 << 20)

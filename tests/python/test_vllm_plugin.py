@@ -11,6 +11,7 @@ missing the tests are skipped, unless ``SHMQ_REQUIRE_VLLM=1`` (set by
 from __future__ import annotations
 
 import os
+import secrets
 
 import pytest
 
@@ -43,8 +44,10 @@ def _run(children, enabled):
     port, store_port = free_port(), free_port()
     while store_port == port:
         store_port = free_port()
+    # Named like shmq's own segments, after this process, so the leftover check sees it.
+    store_name = f"shmq_vllmtest_{os.getpid()}_{secrets.token_hex(4)}"
     for rank in range(WORLD):
-        children.start(vllm_member, out, port, store_port, rank, WORLD, enabled, lock, release)
+        children.start(vllm_member, out, port, store_port, rank, WORLD, enabled, store_name, lock, release)
     reports = {}
     for _ in range(WORLD):
         msg = children.expect(out, "report", timeout=6 * STEP)
