@@ -6,7 +6,10 @@
 //! - `alloc+free/random`: the same with sizes drawn from 64 B .. 64 KiB (xorshift).
 //! - `store/put+get`: an `ObjectStore` put of a 135-byte payload (the size of the
 //!   engines' small scheduler object) and a counted read of it, evicting as it goes.
+//! - `store/sign+verify`: the HMAC-SHA256 of a handle and its constant-time check, what
+//!   a put's `get_signature` and a reader's get add.
 //! - `store/read 4MiB`: a counted read of a 4 MiB object, copying it out (throughput).
+//! - `store/put 4MiB`: a put of a 4 MiB object (its bytes 64-byte aligned in the ring).
 //!
 //! vLLM's Python allocator takes ~3.7 µs per alloc+free on the reference machine; the
 //! target here is <= 20 ns.
@@ -81,8 +84,19 @@ fn store(c: &mut Criterion) {
                 // Lapped the key list: a real cache would hit; bench the miss path.
                 store.clear(&mut ring).unwrap();
             }
-            let (a, i) = store.put(&mut ring, key, &[&payload]).unwrap();
-            read_object(&seg, a, i, true, |p| black_box(p.len())).unwrap()
+            let (a, i) = store.put(&mut ring, key, &[&payload], 1).unwrap();
+            read_object(&seg, a, i, true, |o| black_box(o.part(0).len())).unwrap()
+        })
+    });
+    g.bench_function("sign+verify", |b| {
+        let ring = ChunkRing::create(4096, None).unwrap();
+        let seg = ring.segment().clone();
+        let mut n = 0u32;
+        b.iter(|| {
+            n = n.wrapping_add(1);
+            let sig = seg.sign(black_box("8f3c0d6e5b7a4c2e9d1f0a3b6c8e7d5f"), 4096, n);
+            seg.verify("8f3c0d6e5b7a4c2e9d1f0a3b6c8e7d5f", 4096, n, &sig)
+                .unwrap()
         })
     });
     let big = vec![1u8; 4 << 20];
@@ -90,10 +104,10 @@ fn store(c: &mut Criterion) {
     g.bench_function("read 4MiB", |b| {
         let mut ring = ChunkRing::create(64 << 20, None).unwrap();
         let mut store = ObjectStore::new(8 << 20, u32::MAX).unwrap();
-        let (a, i) = store.put(&mut ring, "big", &[&big]).unwrap();
+        let (a, i) = store.put(&mut ring, "big", &[b"meta", &big], 1).unwrap();
         let seg = ring.segment().clone();
         let mut out = vec![0u8; big.len()];
-        b.iter(|| read_object(&seg, a, i, true, |p| out.copy_from_slice(p)).unwrap())
+        b.iter(|| read_object(&seg, a, i, true, |o| out.copy_from_slice(o.part(1))).unwrap())
     });
     g.bench_function("put 4MiB", |b| {
         let mut ring = ChunkRing::create(64 << 20, None).unwrap();
@@ -104,7 +118,7 @@ fn store(c: &mut Criterion) {
                 n += 1;
                 format!("big-{n}")
             },
-            |key| store.put(&mut ring, &key, &[&big]).unwrap(),
+            |key| store.put(&mut ring, &key, &[b"meta", &big], 1).unwrap(),
             BatchSize::SmallInput,
         )
     });

@@ -31,10 +31,21 @@ if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "maturin>=1.9.4,<2" -e ".[test]"
+.venv/bin/python -m pip install --quiet --no-warn-conflicts "maturin>=1.9.4,<2" -e ".[test]"
+
+step "Python: vLLM 0.33 for the plugin test (without its heavy dependencies; once per .venv)"
+# Only what the vLLM code that the test runs imports (see the file). A stamp named by the
+# file's hash skips the download when this exact set is installed already.
+vllm_requirements=tests/python/vllm-requirements.txt
+vllm_stamp=".venv/.vllm-requirements-$(sha256sum "$vllm_requirements" | cut -c1-16)"
+if [ ! -e "$vllm_stamp" ]; then
+  .venv/bin/python -m pip install --quiet --no-warn-conflicts --no-deps -r "$vllm_requirements"
+  touch "$vllm_stamp"
+fi
 
 step "Python: pytest"
-.venv/bin/python -m pytest -q
+# The plugin test must run here: a missing vLLM is a failure, not a skip.
+SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q
 
 step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py

@@ -4,17 +4,23 @@
 //! oldest first. Nothing here touches memory: the store ([`crate::storage`]) writes the
 //! chunk headers, so this module can be property-tested and benchmarked on its own.
 //!
-//! - **Addresses grow monotonically.** A chunk's address is a position on an unbounded
-//!   line; `address % capacity` is its offset in the segment. A chunk that would not fit
-//!   before the end of the ring starts at the next lap (the tail of the lap is skipped).
-//!   Addresses never go back, not even after everything is freed or after `clear`.
-//! - **Ids count up from 0 and wrap at 2**31** (they are stored in 4 bytes).
+//! The arithmetic is vLLM 0.33's (`SingleWriterShmRingBuffer`), so that addresses, ids and
+//! the `data_buffer_start`/`data_buffer_end` a caller can observe are the same:
+//!
+//! - **Chunks are packed tightly**: `[4-byte id][4-byte size][data]`, the next chunk
+//!   right after (a 200-byte ring holds allocations of 100 and 80 bytes). Nothing is
+//!   rounded: whoever needs alignment inside a chunk pads inside it (the store does, see
+//!   [`crate::storage`]).
+//! - **Addresses** are positions on a line; `address % capacity` is the offset in the
+//!   ring. A chunk that would not fit before the end of the ring starts at the next lap.
+//!   When the last live chunk is freed, or on `clear`, the line restarts at 0; when the
+//!   oldest live chunk is a whole lap ahead, both ends move back by one lap. Addresses
+//!   therefore stay below `2 * capacity`; they are not unique over time (ids are).
+//! - **Ids count up from 0 and wrap at 2**31** (they are stored in 4 bytes). They keep
+//!   counting across `clear`, so a handle issued before a clear never names a later
+//!   chunk (until the ids wrap).
 //! - **The live span** is from the oldest live chunk's address to the end of the newest;
 //!   an allocation that would make it exceed `capacity` fails with [`Full`].
-//! - Chunks start at offsets that are multiples of [`CHUNK_ALIGN`], so the store can
-//!   place atomics and tensor data in them: a chunk's recorded size is exact, its
-//!   footprint is rounded up to the alignment, or to the end of the lap if that is nearer
-//!   (so a ring of any size works and the next lap starts at offset 0).
 
 use std::collections::VecDeque;
 
@@ -22,8 +28,6 @@ use std::collections::VecDeque;
 pub const HEADER_BYTES: u64 = 8;
 /// Ids wrap at this value.
 pub const ID_MAX: u32 = 1 << 31;
-/// Every chunk starts at a multiple of this.
-pub const CHUNK_ALIGN: u64 = 64;
 
 /// The allocation does not fit in the ring now (or ever, if larger than the ring).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -43,13 +47,13 @@ pub struct Chunk {
     pub address: u64,
     pub id: u32,
     pub size: u32,
-    /// Bytes of the ring it occupies: `size` rounded up (see the module docs).
-    pub footprint: u32,
 }
 
-/// Footprint of a chunk of `size` bytes at ring offset `offset`.
-fn footprint(size: u64, offset: u64, capacity: u64) -> u64 {
-    (size.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN).min(capacity - offset)
+impl Chunk {
+    /// Offset of the chunk in a ring of `capacity` bytes.
+    pub fn offset(&self, capacity: u64) -> u64 {
+        self.address % capacity
+    }
 }
 
 /// What [`FifoAllocator::free_while`] freed: `count` consecutive ids from `first_id`
@@ -73,9 +77,9 @@ impl Freed {
 #[derive(Clone, Debug)]
 pub struct FifoAllocator {
     capacity: u64,
-    /// Address of the oldest live chunk (or `end` when none is live).
+    /// Address of the oldest live chunk (0 when none is live).
     start: u64,
-    /// Address just past the newest chunk's footprint.
+    /// Address just past the newest chunk (0 when none is live).
     end: u64,
     /// Id of the oldest live chunk (or `id_end` when none is live).
     id_start: u32,
@@ -91,24 +95,25 @@ impl FifoAllocator {
     }
 
     /// Like [`new`](Self::new), with ids starting at `first_id` (below [`ID_MAX`]) instead
-    /// of 0: for a store that must never reuse an id it issued before, and for tests of
-    /// the wrap-around.
+    /// of 0: for tests of the wrap-around.
     pub fn with_first_id(capacity: u64, first_id: u32) -> Result<FifoAllocator, String> {
         if capacity < HEADER_BYTES + 1 {
             return Err(format!(
                 "the ring must be larger than {HEADER_BYTES} bytes, got {capacity}"
             ));
         }
+        if capacity > u64::MAX / 4 {
+            return Err(format!("a ring of {capacity} bytes is too large"));
+        }
         if first_id >= ID_MAX {
             return Err(format!("the first id must be below 2**31, got {first_id}"));
         }
-        let id = first_id;
         Ok(FifoAllocator {
             capacity,
             start: 0,
             end: 0,
-            id_start: id,
-            id_end: id,
+            id_start: first_id,
+            id_end: first_id,
             live: VecDeque::new(),
         })
     }
@@ -147,47 +152,56 @@ impl FifoAllocator {
         self.live.get(k as usize).filter(|c| c.id == id)
     }
 
-    /// Allocate `data_bytes` of data (plus the header). Returns the chunk.
-    pub fn allocate(&mut self, data_bytes: u64) -> Result<Chunk, Full> {
-        let size = data_bytes
-            .checked_add(HEADER_BYTES)
-            .filter(|&s| s <= u32::MAX as u64);
-        let full = |needed| Full {
-            needed,
-            live: self.end - self.start,
-            capacity: self.capacity,
-        };
-        let Some(size) = size.filter(|&s| s <= self.capacity) else {
-            return Err(full(data_bytes.saturating_add(HEADER_BYTES)));
-        };
+    /// Ring offset where a chunk of `size` bytes (header included) would start.
+    fn place(&self, size: u64) -> (u64, u64) {
         let offset = self.end % self.capacity;
-        let (address, offset) = if offset + size > self.capacity {
+        if offset + size > self.capacity {
             // Does not fit before the end of the ring: start at the next lap.
-            (self.end - offset + self.capacity, 0)
+            ((self.end / self.capacity + 1) * self.capacity, 0)
         } else {
             (self.end, offset)
+        }
+    }
+
+    /// Allocate `data_bytes` of data (plus the header). Returns the chunk.
+    pub fn allocate(&mut self, data_bytes: u64) -> Result<Chunk, Full> {
+        self.allocate_with(|_| data_bytes)
+    }
+
+    /// Allocate a chunk whose data size depends on where it lands: `data_bytes_at(offset)`
+    /// is asked for the ring offset the chunk would start at (once for the current end
+    /// of the ring and, if that does not fit before the end, once more for offset 0).
+    /// This lets the store size a chunk exactly for the padding its contents need.
+    pub fn allocate_with(
+        &mut self,
+        mut data_bytes_at: impl FnMut(u64) -> u64,
+    ) -> Result<Chunk, Full> {
+        let capacity = self.capacity;
+        let full = |needed: u64, a: &FifoAllocator| Full {
+            needed,
+            live: a.end - a.start,
+            capacity,
         };
-        let footprint = footprint(size, offset, self.capacity);
-        // With nothing live, the span starts at the new chunk (a skipped lap tail is free).
-        let start = if self.live.is_empty() {
-            address
-        } else {
-            self.start
-        };
-        if address + footprint - start > self.capacity {
-            return Err(full(size));
+        let total = |data: u64| data.saturating_add(HEADER_BYTES);
+        let mut size = total(data_bytes_at(self.end % capacity));
+        let (address, offset) = self.place(size);
+        if offset == 0 && address != self.end {
+            size = total(data_bytes_at(0));
+        }
+        if size > capacity || size > u32::MAX as u64 {
+            return Err(full(size, self));
+        }
+        // `start <= end <= address`, so this cannot underflow.
+        if address + size - self.start > capacity {
+            return Err(full(size, self));
         }
         let chunk = Chunk {
             address,
             id: self.id_end,
             size: size as u32,
-            footprint: footprint as u32,
         };
-        if self.live.is_empty() {
-            self.start = address;
-        }
         self.live.push_back(chunk);
-        self.end = address + footprint;
+        self.end = address + size;
         self.id_end = (self.id_end + 1) % ID_MAX;
         Ok(chunk)
     }
@@ -197,6 +211,7 @@ impl FifoAllocator {
     /// freed as soon as `is_free` returns true for it. The freed ids are consecutive:
     /// the result says which.
     pub fn free_while(&mut self, nbytes: u64, mut is_free: impl FnMut(&Chunk) -> bool) -> Freed {
+        let capacity = self.capacity;
         let mut freed = Freed {
             first_id: self.id_start,
             count: 0,
@@ -212,19 +227,33 @@ impl FifoAllocator {
             freed.bytes += oldest.size as u64;
             freed.count += 1;
             self.live.pop_front();
+            match self.live.front() {
+                // Move to the next chunk: it is less than a lap ahead of `start`.
+                Some(next) => {
+                    let gap =
+                        (next.address % capacity + capacity - self.start % capacity) % capacity;
+                    self.start += gap;
+                }
+                // Nothing live: the line restarts at 0.
+                None => (self.start, self.end) = (0, 0),
+            }
         }
         if freed.count > 0 {
             self.id_start = (self.id_start + freed.count) % ID_MAX;
-            self.start = self.live.front().map_or(self.end, |c| c.address);
+        }
+        if self.start >= capacity {
+            // The oldest chunk is a whole lap ahead: move both ends back by one lap.
+            self.start -= capacity;
+            self.end -= capacity;
         }
         freed
     }
 
-    /// Forget every chunk. Addresses and ids keep counting up, so nothing issued before
-    /// can resolve to a later chunk.
+    /// Forget every chunk. Ids keep counting up; addresses restart at 0.
     pub fn clear(&mut self) {
         self.live.clear();
-        self.start = self.end;
+        self.start = 0;
+        self.end = 0;
         self.id_start = self.id_end;
     }
 }
@@ -234,27 +263,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn allocations_are_aligned_and_monotonic() {
-        let mut a = FifoAllocator::new(1024).unwrap();
-        let c0 = a.allocate(10).unwrap();
-        let c1 = a.allocate(100).unwrap();
-        assert_eq!((c0.address, c0.id, c0.size, c0.footprint), (0, 0, 18, 64));
-        assert_eq!(
-            (c1.address, c1.id, c1.size, c1.footprint),
-            (64, 1, 108, 128)
-        );
-        assert_eq!(a.end(), 64 + 128);
+    fn chunks_are_packed_tightly() {
+        let mut a = FifoAllocator::new(200).unwrap();
+        let c0 = a.allocate(100).unwrap();
+        let c1 = a.allocate(80).unwrap();
+        assert_eq!((c0.address, c0.id, c0.size), (0, 0, 108));
+        assert_eq!((c1.address, c1.id, c1.size), (108, 1, 88));
+        assert_eq!(a.end(), 196);
+        assert!(a.allocate(1).is_err());
         assert_eq!(a.get(1), Some(&c1));
         assert_eq!(a.get(2), None);
     }
 
     #[test]
     fn wraps_to_the_next_lap_and_reports_full() {
-        let mut a = FifoAllocator::new(256).unwrap();
-        let c0 = a.allocate(100).unwrap(); // 0..128
-        let _c1 = a.allocate(56).unwrap(); // 128..192
-        let err = a.allocate(100).unwrap_err(); // would need 256..384: span 384 > 256
-        assert_eq!(err.needed, 108);
+        let mut a = FifoAllocator::new(100).unwrap();
+        let c0 = a.allocate(20).unwrap(); // 0..28
+        let c1 = a.allocate(30).unwrap(); // 28..66
+        let err = a.allocate(40).unwrap_err(); // would need 100..148: span 148 > 100
+        assert_eq!(err.needed, 48);
         assert!(err
             .to_string()
             .starts_with("Not enough space in the data buffer"));
@@ -264,13 +291,34 @@ mod tests {
             Freed {
                 first_id: c0.id,
                 count: 1,
-                bytes: c0.size as u64
+                bytes: 28
             }
         );
-        assert_eq!(a.start(), 128);
-        let c2 = a.allocate(100).unwrap(); // next lap: 256..384, span 128..384 = 256
-        assert_eq!(c2.address, 256);
-        assert_eq!(c2.address % a.capacity(), 0);
+        assert_eq!(a.start(), 28);
+        assert!(a.allocate(40).is_err()); // span 28..148 is still too long
+        assert_eq!(a.allocate(12).unwrap().address, 66); // 66..86
+        a.free_while(u64::MAX, |c| c.id == c1.id);
+        assert_eq!(a.start(), 66);
+        let c3 = a.allocate(30).unwrap(); // 38 bytes do not fit at 86: next lap
+        assert_eq!((c3.address, c3.address % 100), (100, 0));
+        assert_eq!(a.end(), 138);
+    }
+
+    #[test]
+    fn empty_ring_restarts_at_zero_and_laps_move_back() {
+        let mut a = FifoAllocator::new(100).unwrap();
+        a.allocate(40).unwrap(); // 0..48
+        a.allocate(40).unwrap(); // 48..96
+        a.free_while(u64::MAX, |c| c.id == 0);
+        let c = a.allocate(30).unwrap(); // next lap: 100..138
+        assert_eq!(c.address, 100);
+        // Freeing id 1 makes the chunk at 100 the oldest: a lap ahead, so both ends move.
+        a.free_while(u64::MAX, |c| c.id == 1);
+        assert_eq!((a.start(), a.end()), (0, 38));
+        // Freeing everything restarts the line.
+        a.free_while(u64::MAX, |_| true);
+        assert_eq!((a.start(), a.end(), a.id_start()), (0, 0, 3));
+        assert_eq!(a.allocate(92).unwrap().address, 0);
     }
 
     #[test]
@@ -290,7 +338,7 @@ mod tests {
         assert_eq!(a.id_start(), 2);
         assert_eq!(ids_of(a.free_while(64, |_| true)), vec![2]);
         assert_eq!(a.free_while(u64::MAX, |_| true).count, 2);
-        assert_eq!((a.start(), a.id_start()), (a.end(), ids.len() as u32));
+        assert_eq!((a.start(), a.end(), a.id_start()), (0, 0, ids.len() as u32));
     }
 
     #[test]
@@ -306,36 +354,38 @@ mod tests {
     }
 
     #[test]
-    fn empty_ring_takes_a_full_size_chunk_after_a_lap_skip() {
-        let mut a = FifoAllocator::new(256).unwrap();
-        a.allocate(56).unwrap();
+    fn allocate_with_sizes_for_the_offset_it_lands_on() {
+        let mut a = FifoAllocator::new(100).unwrap();
+        a.allocate(50).unwrap(); // 0..58
+        let mut asked = Vec::new();
+        // 40 bytes at offset 58 would cross the end: asked again for offset 0.
+        let c = a
+            .allocate_with(|off| {
+                asked.push(off);
+                if off == 0 {
+                    10
+                } else {
+                    40
+                }
+            })
+            .unwrap_err();
+        assert_eq!(asked, vec![58, 0]);
+        assert_eq!(c.needed, 18); // 100 + 18 - 0 > 100: full until id 0 is freed
         a.free_while(u64::MAX, |_| true);
-        let c = a.allocate(248).unwrap(); // footprint 256 does not fit at offset 64
-        assert_eq!(c.address, 256);
+        let c = a.allocate_with(|off| off + 5).unwrap();
+        assert_eq!((c.address, c.size), (0, 13));
     }
 
     #[test]
-    fn ring_sizes_need_not_be_aligned() {
-        let mut a = FifoAllocator::new(1000).unwrap();
-        let c0 = a.allocate(900).unwrap(); // 908 bytes: footprint 960
-        assert_eq!(c0.footprint, 960);
-        a.free_while(u64::MAX, |_| true);
-        let c1 = a.allocate(30).unwrap(); // 38 bytes at 960 fit; footprint ends the lap
-        assert_eq!((c1.address, c1.footprint), (960, 40));
-        let c2 = a.allocate(10).unwrap();
-        assert_eq!(c2.address % 1000, 0);
-        assert!(a.allocate(992).is_err());
-        assert!(FifoAllocator::new(8).is_err());
-    }
-
-    #[test]
-    fn clear_keeps_counting() {
-        let mut a = FifoAllocator::new(1024).unwrap();
-        a.allocate(10).unwrap();
-        let end = a.end();
+    fn clear_restarts_addresses_and_keeps_counting_ids() {
+        let mut a = FifoAllocator::new(4096).unwrap();
+        for _ in 0..5 {
+            a.allocate(10).unwrap();
+        }
         a.clear();
         assert_eq!(a.live().len(), 0);
+        assert_eq!((a.start(), a.end(), a.id_start(), a.id_end()), (0, 0, 5, 5));
         let c = a.allocate(10).unwrap();
-        assert_eq!((c.id, c.address), (1, end));
+        assert_eq!((c.address, c.id), (0, 5));
     }
 }

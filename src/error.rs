@@ -58,6 +58,13 @@ pub enum Error {
     #[error("{}", stale_object_message(address, id))]
     StaleObject { address: u64, id: u64 },
 
+    /// A handle's signature is missing or does not match (vLLM 0.33's messages).
+    #[error(
+        "{} SHM handle signature for cache key.",
+        if *missing { "Missing" } else { "Invalid" }
+    )]
+    BadSignature { missing: bool },
+
     /// `put` of a key the store already has.
     #[error("Key '{0}' already exists in the storage.")]
     KeyExists(String),

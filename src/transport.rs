@@ -306,10 +306,11 @@ impl Subscriber {
     }
 }
 
-/// The address remote readers should use to reach this host: `SHMQ_HOST_IP` if set,
-/// else the first address the host name resolves to, else `127.0.0.1`.
+/// The address remote readers should use to reach this host: `SHMQ_HOST_IP` if set
+/// (else vLLM's `VLLM_HOST_IP`), else the first address the host name resolves to, else
+/// `127.0.0.1`.
 pub fn default_connect_ip() -> String {
-    if let Ok(ip) = std::env::var("SHMQ_HOST_IP") {
+    if let Ok(ip) = std::env::var("SHMQ_HOST_IP").or_else(|_| std::env::var("VLLM_HOST_IP")) {
         if !ip.trim().is_empty() {
             return ip.trim().to_owned();
         }

@@ -23,6 +23,8 @@ use crate::error::{Error, Result};
 
 /// Environment variable: seconds between "still waiting" warnings (default 60).
 pub const WARNING_INTERVAL_ENV: &str = "SHMQ_RINGBUFFER_WARNING_INTERVAL";
+/// vLLM's name for [`WARNING_INTERVAL_ENV`], used when shmq's is unset.
+pub const VLLM_WARNING_INTERVAL_ENV: &str = "VLLM_RINGBUFFER_WARNING_INTERVAL";
 /// Environment variable: microseconds a waiter spins before it starts yielding.
 pub const SPIN_US_ENV: &str = "SHMQ_SPIN_US";
 /// Environment variable: microseconds a waiter yields before it goes to sleep.
@@ -44,11 +46,13 @@ fn micros(us: f64) -> Duration {
     Duration::from_secs_f64(us / 1e6)
 }
 
-/// Seconds between warnings while a wait goes on, from [`WARNING_INTERVAL_ENV`].
+/// Seconds between warnings while a wait goes on, from [`WARNING_INTERVAL_ENV`] (or
+/// [`VLLM_WARNING_INTERVAL_ENV`] when that is unset).
 pub fn warning_interval() -> Duration {
     static V: OnceLock<Duration> = OnceLock::new();
     *V.get_or_init(|| {
         env_duration(WARNING_INTERVAL_ENV, Duration::from_secs_f64)
+            .or_else(|| env_duration(VLLM_WARNING_INTERVAL_ENV, Duration::from_secs_f64))
             .unwrap_or(Duration::from_secs(60))
     })
 }

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import sys
 import time
 from collections import deque
 from typing import Any, Optional
@@ -32,7 +33,12 @@ from typing import Any, Optional
 from . import _core
 from ._cleanup import track
 
-__all__ = ["StatelessProcessGroup", "create_message_queue_from_process_group", "in_the_same_node_as"]
+__all__ = [
+    "StatelessProcessGroup",
+    "create_message_queue_from_process_group",
+    "create_single_reader_queues",
+    "in_the_same_node_as",
+]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -68,9 +74,10 @@ class StatelessProcessGroup:
     recv_src_counter: dict[int, int] = dataclasses.field(default_factory=dict)
     broadcast_send_counter: int = 0
     broadcast_recv_src_counter: dict[int, int] = dataclasses.field(default_factory=dict)
-    barrier_counter: int = 0
-    # (time set, key) of the keys this rank set, oldest first.
+    # (key, time set) of the keys this rank set, oldest first (vLLM's order).
     entries: deque = dataclasses.field(default_factory=deque)
+    # After vLLM 0.33's fields, so that positional arguments land where vLLM puts them.
+    barrier_counter: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -88,21 +95,35 @@ class StatelessProcessGroup:
         world_size: int,
         data_expiration_seconds: int = 3600,
         store_timeout: int = 300,
+        listen_socket: Any = None,
     ) -> "StatelessProcessGroup":
         """Join the group: rank 0 hosts a ``TCPStore`` on ``host:port`` and waits for
         the others to connect; every blocking store call times out after
-        ``store_timeout`` seconds."""
+        ``store_timeout`` seconds. ``listen_socket`` (vLLM 0.33): rank 0 serves on this
+        already-bound, listening socket instead of binding ``host:port`` itself (the
+        store takes it over)."""
         import datetime
 
         from torch.distributed import TCPStore
 
-        store = TCPStore(
+        options: dict[str, Any] = dict(
             host_name=host,
             port=port,
             world_size=world_size,
             is_master=(rank == 0),
             timeout=datetime.timedelta(seconds=store_timeout),
         )
+        if listen_socket is not None and rank == 0:
+            fd = listen_socket.detach()
+            try:
+                store = TCPStore(**options, master_listen_fd=fd, use_libuv=False)
+            except BaseException:
+                import os
+
+                os.close(fd)
+                raise
+        else:
+            store = TCPStore(**options)
         return StatelessProcessGroup(
             rank=rank, world_size=world_size, store=store, data_expiration_seconds=data_expiration_seconds
         )
@@ -114,7 +135,7 @@ class StatelessProcessGroup:
 
     def _set(self, key: str, obj: Any) -> None:
         self.store.set(key, pickle.dumps(obj, protocol=_PROTOCOL))
-        self.entries.append((time.time(), key))
+        self.entries.append((key, time.time()))
 
     def _check_rank(self, r: int, what: str) -> None:
         if not 0 <= r < self.world_size:
@@ -196,13 +217,66 @@ class StatelessProcessGroup:
                 raise RuntimeError(f"{what} on rank {self.rank}: rank(s) {pending} {missing}")
             time.sleep(_BARRIER_POLL_S)
 
+    # -- tensors (vLLM 0.33's helpers: pickled through the store, for small tensors) ---
+
+    def broadcast(self, tensor: Any, src: int) -> Any:
+        """Rank ``src`` sends ``tensor``; every rank returns it (a new tensor elsewhere)."""
+        self._check_rank(src, "source")
+        if self.rank == src:
+            self.expire_data()
+            self._set(f"broadcast_tensor/{src}/{self.broadcast_send_counter}", tensor)
+            self.broadcast_send_counter += 1
+            return tensor
+        n = self.broadcast_recv_src_counter[src]
+        tensor = pickle.loads(self.store.get(f"broadcast_tensor/{src}/{n}"))
+        self.broadcast_recv_src_counter[src] = n + 1
+        return tensor
+
+    def send(self, tensor: Any, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst``."""
+        self._check_rank(dst, "destination")
+        self.expire_data()
+        n = self.send_dst_counter[dst]
+        self._set(f"send_tensor/{dst}/from/{self.rank}/{n}", tensor)
+        self.send_dst_counter[dst] = n + 1
+
+    def recv(self, tensor: Any, src: int) -> Any:
+        """Receive the next tensor ``src`` sent to this rank into ``tensor`` (copied in
+        place) and return it."""
+        self._check_rank(src, "source")
+        n = self.recv_src_counter[src]
+        received = pickle.loads(self.store.get(f"send_tensor/{self.rank}/from/{src}/{n}"))
+        self.recv_src_counter[src] = n + 1
+        tensor.copy_(received)
+        return tensor
+
+    def all_reduce(self, tensor: Any, op: Any = None) -> Any:
+        """Every rank's ``tensor`` reduced with ``op`` (a ``torch.distributed.ReduceOp``:
+        SUM, the default, PRODUCT, MAX or MIN); a new tensor."""
+        import torch
+
+        ops = {
+            torch.distributed.ReduceOp.SUM: torch.Tensor.add_,
+            torch.distributed.ReduceOp.PRODUCT: torch.Tensor.mul_,
+            torch.distributed.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
+            torch.distributed.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
+        }
+        combine = ops.get(torch.distributed.ReduceOp.SUM if op is None else op)
+        if combine is None:
+            raise ValueError(f"all_reduce supports SUM, PRODUCT, MAX and MIN, not {op}")
+        tensors = self.all_gather_obj(tensor)
+        result = tensors[0].clone()
+        for t in tensors[1:]:
+            combine(result, t)
+        return result
+
     # -- housekeeping ----------------------------------------------------------------
 
     def expire_data(self) -> None:
         """Delete the keys this rank set more than ``data_expiration_seconds`` ago."""
         now = time.time()
         while self.entries:
-            set_at, key = self.entries[0]
+            key, set_at = self.entries[0]
             if now - set_at <= self.data_expiration_seconds:
                 break
             self.store.delete_key(key)
@@ -213,13 +287,23 @@ class StatelessProcessGroup:
 # The same collectives on either kind of group
 
 
+def _is_torch_group(pg: Any) -> bool:
+    torch_distributed = sys.modules.get("torch.distributed")
+    group_type = getattr(torch_distributed, "ProcessGroup", None)
+    return group_type is not None and isinstance(pg, group_type)
+
+
 class _Ops:
     """rank / world_size / broadcast / all_gather over a StatelessProcessGroup or a
     ``torch.distributed.ProcessGroup`` (ranks are group ranks)."""
 
     def __init__(self, pg: Any):
         self.pg = pg
-        self.stateless = isinstance(pg, StatelessProcessGroup)
+        # Any stateless group will do (shmq's, or vLLM's own StatelessProcessGroup when
+        # vLLM's code hands it to shmq's MessageQueue): what is not a torch group.
+        self.stateless = isinstance(pg, StatelessProcessGroup) or (
+            hasattr(pg, "broadcast_obj") and hasattr(pg, "all_gather_obj") and not _is_torch_group(pg)
+        )
         if self.stateless:
             self.rank, self.world_size = pg.rank, pg.world_size
         else:
@@ -280,6 +364,7 @@ def create_message_queue_from_process_group(
     max_chunks: int,
     writer_rank: int = 0,
     blocking: bool = True,
+    external_writer_handle: Any = None,
 ):
     """See ``MessageQueue.create_from_process_group``."""
     from .message_queue import MessageQueue
@@ -291,7 +376,12 @@ def create_message_queue_from_process_group(
     same_node = in_the_same_node_as(pg, source_rank=writer_rank)
     if len(same_node) != ops.world_size:
         raise RuntimeError(f"same-machine detection returned {len(same_node)} answers for {ops.world_size} ranks")
-    if ops.rank == writer_rank:
+    if ops.rank == writer_rank and external_writer_handle is not None:
+        # vLLM 0.33: the queue's writer is elsewhere; this rank reads it too and hands
+        # its handle on.
+        mq = MessageQueue.create_from_handle(external_writer_handle, ops.rank)
+        ops.broadcast(mq.export_handle(), src=writer_rank)
+    elif ops.rank == writer_rank:
         local_reader_ranks = [r for r in range(ops.world_size) if r != writer_rank and same_node[r]]
         mq = MessageQueue(
             n_reader=ops.world_size - 1,
@@ -307,3 +397,33 @@ def create_message_queue_from_process_group(
     if blocking:
         mq.wait_until_ready()
     return mq
+
+
+def create_single_reader_queues(
+    pg: Any,
+    max_chunk_bytes: int,
+    max_chunks: int,
+    reader_rank: int = 0,
+    blocking: bool = False,
+):
+    """See ``MessageQueue.create_from_process_group_single_reader``. As in vLLM 0.33,
+    ``reader_rank`` is a global rank for a torch ``ProcessGroup`` (a group rank for a
+    ``StatelessProcessGroup``); which ranks share its machine is found with a probe
+    segment, not from the device count."""
+    from .message_queue import MessageQueue
+
+    ops = _Ops(pg)
+    reader = reader_rank if ops.stateless else ops.dist.get_group_rank(pg, reader_rank)
+    if not 0 <= reader < ops.world_size:
+        raise ValueError(f"reader_rank {reader_rank} is not in the process group")
+    same_node = in_the_same_node_as(pg, source_rank=reader)
+    mq = MessageQueue(
+        n_reader=1,
+        n_local_reader=1 if same_node[ops.rank] else 0,
+        max_chunk_bytes=max_chunk_bytes,
+        max_chunks=max_chunks,
+    )
+    handles = ops.all_gather(mq.export_handle())
+    if blocking:
+        mq.wait_until_ready()
+    return mq, handles if ops.rank == reader else []

@@ -33,6 +33,36 @@ def sched_yield() -> None:
         time.sleep(0)
 
 
+class _SegmentMemory:
+    """The segment as ``multiprocessing.shared_memory.SharedMemory`` shows it (``name``,
+    ``size``, ``buf``; vLLM's ``ShmRingBuffer.shared_memory``), without its resource
+    tracker. ``buf`` maps the whole segment on first use; its layout is shmq's, not
+    vLLM's: use ``get_data``/``get_metadata`` to reach chunks and flags."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._buf: Optional[memoryview] = None
+
+    @property
+    def size(self) -> int:
+        return os.stat(os.path.join("/dev/shm", self.name)).st_size
+
+    @property
+    def buf(self) -> memoryview:
+        if self._buf is None:
+            import mmap
+
+            with open(os.path.join("/dev/shm", self.name), "r+b") as f:
+                self._buf = memoryview(mmap.mmap(f.fileno(), 0))
+        return self._buf
+
+    def close(self) -> None:
+        self._buf = None
+
+    def __repr__(self) -> str:
+        return f"SharedMemory(name={self.name!r})"
+
+
 class ShmRingBuffer:
     """A shared-memory ring of ``max_chunks`` chunks of ``max_chunk_bytes`` bytes, each
     with one written flag and ``n_reader`` read flags.
@@ -69,6 +99,17 @@ class ShmRingBuffer:
                     )
                 self._core = ring
         self.name = self._core.name if self._core is not None else name
+        self._vllm_attributes()
+
+    def _vllm_attributes(self) -> None:
+        """vLLM 0.33's geometry attributes. ``data_offset``/``metadata_offset`` are what
+        vLLM's layout would use; shmq's segment is laid out differently (see
+        ``shared_memory``)."""
+        self.metadata_size = 1 + self.n_reader
+        self.total_bytes_of_buffer = (self.max_chunk_bytes + self.metadata_size) * self.max_chunks
+        self.data_offset = 0
+        self.metadata_offset = self.max_chunk_bytes * self.max_chunks
+        self.shared_memory = _SegmentMemory(self.name)
 
     @classmethod
     def _wrap(cls, ring: _core.Ring) -> "ShmRingBuffer":
@@ -77,6 +118,7 @@ class ShmRingBuffer:
         self._open_error, self._core, self.is_creator, self.name = None, ring, ring.is_creator, ring.name
         if ring.is_creator:
             track(ring)
+        self._vllm_attributes()
         return self
 
     @property
@@ -116,13 +158,18 @@ class ShmRingBuffer:
 
 @dataclass
 class Handle:
-    """What a reader needs to join a ``MessageQueue``; picklable."""
+    """What a reader needs to join a ``MessageQueue``; picklable. The fields are vLLM
+    0.33's, in its order; ``local_notify_addr`` and ``tensor_arena_handle`` are kept for
+    compatibility (shmq's readers are woken through the segment)."""
 
     local_reader_ranks: list[int] = field(default_factory=list)
     buffer_handle: Optional[tuple[int, int, int, str]] = None
     local_subscribe_addr: Optional[str] = None
+    local_notify_addr: Optional[str] = None
     remote_subscribe_addr: Optional[str] = None
     remote_addr_ipv6: bool = False
+    #: vLLM 0.33's field, kept for compatibility (shmq's arena is ``arena_name``).
+    tensor_arena_handle: Optional[tuple] = None
     #: The tensor arena's segment (large tensors and arrays, read as zero-copy views).
     arena_name: Optional[str] = None
     #: The secret remote readers prove they hold (hex), so that nobody else who reaches
@@ -182,6 +229,8 @@ class MessageQueue:
     _is_local_reader = False
     _is_remote_reader = False
     local_reader_rank = -1
+    enable_shm_tensor_arena = False
+    tensor_arena = None
 
     def __init__(
         self,
@@ -191,6 +240,7 @@ class MessageQueue:
         max_chunk_bytes: int = 1024 * 1024 * 10,
         max_chunks: int = 10,
         connect_ip: Optional[str] = None,
+        enable_shm_tensor_arena: bool = False,
         *,
         spin_us: Optional[float] = None,
         yield_us: Optional[float] = None,
@@ -218,6 +268,10 @@ class MessageQueue:
             slow_remote_reader=slow_remote_reader,
         )
         self.handle = Handle(**self._writer.handle())
+        # vLLM 0.33's opt-in arena flag: accepted (shmq's own arena is on unless
+        # arena_bytes=0; its views are private, so vLLM's reason to keep it off is gone).
+        self.enable_shm_tensor_arena = bool(enable_shm_tensor_arena)
+        self.tensor_arena = None
         ring = self._writer.ring()
         self.buffer = ShmRingBuffer._wrap(ring) if ring is not None else None
         self.n_local_reader = n_local_reader
@@ -254,17 +308,38 @@ class MessageQueue:
         max_chunk_bytes: int,
         max_chunks: int,
         writer_rank: int = 0,
+        external_writer_handle: Optional[Handle] = None,
         blocking: bool = True,
     ) -> "MessageQueue":
         """Collective over ``pg`` (a ``torch.distributed.ProcessGroup`` or a
         ``StatelessProcessGroup``): group rank ``writer_rank`` makes the writer, with the
         ranks on its machine (found by opening a probe segment, not by host name) as
         local readers and the rest as remote readers; the handle goes to every rank
-        through ``pg`` and each other rank opens its reader. With ``blocking``, all call
+        through ``pg`` and each other rank opens its reader. With
+        ``external_writer_handle`` (vLLM 0.33), ``writer_rank`` opens that handle as a
+        reader instead and passes it on. With ``blocking``, all call
         ``wait_until_ready()``. Returns this rank's queue."""
         from .group import create_message_queue_from_process_group
 
-        return create_message_queue_from_process_group(pg, max_chunk_bytes, max_chunks, writer_rank, blocking)
+        return create_message_queue_from_process_group(
+            pg, max_chunk_bytes, max_chunks, writer_rank, blocking, external_writer_handle
+        )
+
+    @staticmethod
+    def create_from_process_group_single_reader(
+        pg: Any,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        reader_rank: int = 0,
+        blocking: bool = False,
+    ) -> "tuple[MessageQueue, list[Handle]]":
+        """vLLM 0.33: every rank of ``pg`` makes a writer with one reader, group rank
+        ``reader_rank`` (local if it shares this rank's machine, else remote), and the
+        handles are gathered to ``reader_rank``. Returns this rank's writer and, on
+        ``reader_rank``, the handles by rank (elsewhere ``[]``)."""
+        from .group import create_single_reader_queues
+
+        return create_single_reader_queues(pg, max_chunk_bytes, max_chunks, reader_rank, blocking)
 
     @property
     def dropped_readers(self) -> list[int]:
@@ -303,7 +378,11 @@ class MessageQueue:
     def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
         """The next object. ``TimeoutError`` after ``timeout`` seconds;
         ``RuntimeError("cancelled")`` once ``cancel`` is set or ``shutdown()`` is called.
-        ``indefinite=True`` waits without logging "still waiting" warnings."""
+        ``indefinite=True`` waits without logging "still waiting" warnings. vLLM 0.33's
+        signature is ``dequeue(timeout, indefinite)``: a bool in second place is taken
+        as ``indefinite`` (a cancel event is never a bool)."""
+        if type(cancel) is bool:
+            cancel, indefinite = None, cancel
         reader = self._reader
         if reader is None:
             raise RuntimeError(
@@ -401,13 +480,19 @@ class MessageQueue:
         self._writer.commit_write()
 
     @contextmanager
-    def acquire_read(self, timeout: Optional[float] = None, cancel: Any = None) -> Iterator[memoryview]:
+    def acquire_read(
+        self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False
+    ) -> Iterator[memoryview]:
         """Zero-copy reading (local readers): a view of the next chunk; it is marked read
         when the block ends. The view is private to this process (writable, copy-on-write)
         and must not outlive the block: the writer's next message never shows through what
         was made of it. Buffers that still hold it then (memoryview slices) are given a
         private copy; anything else kept (an array from ``numpy.frombuffer``, which keeps a
-        pointer but no buffer) reads zeros. Copy what you keep."""
+        pointer but no buffer) reads zeros. Copy what you keep. As in ``dequeue``, a bool
+        in second place is vLLM 0.33's ``indefinite`` (accepted; shmq's waits warn the same
+        either way)."""
+        if type(cancel) is bool:  # vLLM's acquire_read(timeout, indefinite)
+            cancel = None
         if self._reader is None:
             raise RuntimeError("only readers can acquire_read")
         view = self._reader.acquire_read(timeout, cancel)

@@ -1,67 +1,125 @@
 """The object store: ``RingBuffer``, ``ObjectStorage`` and ``ObjectStorageHandle``.
 
 One writer process puts objects under keys; any process reads them by
-``(address, monotonic_id)``. The names, signatures and errors are the engines' (vLLM's
-``SingleWriterShmRingBuffer`` / ``SingleWriterShmObjectStorage``); the allocator, the
-bounds checks and the reader counts are in Rust (``shmq._core``).
+``(address, monotonic_id)``. The names, signatures, errors and behaviour are vLLM 0.33's
+(``SingleWriterShmRingBuffer`` / ``SingleWriterShmObjectStorage``), signed handles
+included; the allocator, the bounds checks, the reader counts and the HMAC are in Rust
+(``shmq._core``). Where shmq differs from vLLM 0.33, the README's compatibility section
+says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import _core
 from ._cleanup import track
-from .serde import MsgpackSerde, ObjectSerde
+from .serde import MsgpackSerde, ObjectSerde, store_codec
 
 __all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer"]
 
 
+class _Closed:
+    """Stands in for a closed store's or ring's core: every use says it is closed."""
+
+    def __init__(self, what: str):
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        raise ValueError(f"{self._what} has been closed")
+
+
 class _SharedMemory:
     """The ring's memory, shaped like ``multiprocessing.shared_memory.SharedMemory``
-    (``name``, ``size``, ``buf``) without its resource tracker."""
+    (``name``, ``size``, ``buf``, ``close()``, ``unlink()``) without its resource tracker.
+    ``buf`` is the ring itself (``data_buffer_size`` bytes): the segment's header, which
+    holds the signing secret, is not part of it."""
 
     def __init__(self, ring: _core.ChunkRing):
-        self._ring = ring
+        self._ring: Any = ring
         self.name: str = ring.name
         self.size: int = ring.capacity
 
     @property
-    def buf(self) -> memoryview:
+    def buf(self) -> Optional[memoryview]:
+        """A zero-copy view of the ring; ``None`` once closed."""
+        if isinstance(self._ring, _Closed):
+            return None
         return memoryview(self._ring.buf())
+
+    def close(self) -> None:
+        """Drop this object's hold on the mapping (views made before keep it alive)."""
+        self._ring = _Closed("the shared memory")
+
+    def unlink(self) -> None:
+        """Remove the segment's name now if this process created it."""
+        if not isinstance(self._ring, _Closed):
+            self._ring.unlink()
 
     def __repr__(self) -> str:
         return f"SharedMemory(name={self.name!r}, size={self.size})"
 
 
+class _LiveChunks(Mapping):
+    """The writer's live chunks, monotonic id → address (vLLM's ``metadata`` dict), read
+    from the allocator on each access: no copy is kept in Python."""
+
+    def __init__(self, ring: "RingBuffer"):
+        self._ring = ring
+
+    def __getitem__(self, monotonic_id: int) -> int:
+        address = self._ring._core.chunk_address(monotonic_id) if type(monotonic_id) is int else None
+        if address is None:
+            raise KeyError(monotonic_id)
+        return address
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ring._core.live())
+
+    def __len__(self) -> int:
+        return self._ring._core.live_len()
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 class RingBuffer:
     """A FIFO allocator of variable-size chunks over a shared-memory ring of
-    ``data_buffer_size`` bytes. ``create=True`` makes the segment and this object its
-    only writer; otherwise ``name`` opens an existing one for reading.
+    ``data_buffer_size`` bytes (vLLM's ``SingleWriterShmRingBuffer``). ``create=True``
+    makes the segment (named ``name``, or a fresh name) and this object its only writer;
+    otherwise ``name`` opens an existing one for reading.
 
-    Each chunk is ``[4-byte id][4-byte size][data]``, ``size`` counting the header.
-    Addresses grow monotonically (``address % data_buffer_size`` is the offset) and ids
-    count up from 0, wrapping at ``2**31``.
+    Each chunk is ``[4-byte id][4-byte size][data]``, ``size`` counting the header, and
+    the next chunk starts right after it. Addresses and ids follow vLLM 0.33's
+    arithmetic: ``address % data_buffer_size`` is the offset; ids count up from 0,
+    wrapping at ``2**31``, and keep counting across ``clear()``, after which addresses
+    restart at 0.
     """
 
     ID_NBYTES = 4
     SIZE_NBYTES = 4
     MD_SIZE = ID_NBYTES + SIZE_NBYTES
     ID_MAX = 2**31
+    AUTH_SECRET_BYTES = 32
+    #: Where the ring starts in ``shared_memory.buf``: at 0 (the signing secret is in the
+    #: segment's header, outside ``buf``; vLLM keeps it in the first 32 bytes of ``buf``).
+    DATA_OFFSET = 0
 
     def __init__(self, data_buffer_size: int, name: Optional[str] = None, create: bool = False):
         self.data_buffer_size = data_buffer_size
         self.is_writer = bool(create)
         if create:
-            self._core = _core.ChunkRing.create(data_buffer_size, name)
+            self._core: Any = _core.ChunkRing.create(data_buffer_size, name)
             track(self._core)
         elif name is None:
             raise ValueError("a reader needs the name of an existing ring buffer (create=True makes a new one)")
         else:
             self._core = _core.ChunkRing.open(name, data_buffer_size)
         self.shared_memory = _SharedMemory(self._core)
+        self._metadata = _LiveChunks(self)
 
     def handle(self) -> tuple[int, str]:
         """``(data_buffer_size, name)``: ``RingBuffer(*handle)`` opens it as a reader."""
@@ -70,13 +128,12 @@ class RingBuffer:
     def __reduce__(self):
         return (self.__class__, self.handle())
 
-    @staticmethod
-    def int2byte(integer: int) -> bytes:
-        return integer.to_bytes(4, "little")
+    def int2byte(self, integer: int) -> bytes:
+        """4 bytes, little-endian, signed (the header's encoding)."""
+        return integer.to_bytes(self.ID_NBYTES, "little", signed=True)
 
-    @staticmethod
-    def byte2int(byte_data: bytes) -> int:
-        return int.from_bytes(byte_data, "little")
+    def byte2int(self, byte_data: bytes) -> int:
+        return int.from_bytes(byte_data, "little", signed=True)
 
     def _state(self) -> tuple[int, int, int, int]:
         return self._core.state() or (0, 0, 0, 0)
@@ -98,9 +155,14 @@ class RingBuffer:
         return self._state()[3]
 
     @property
-    def metadata(self) -> dict[int, int]:
+    def metadata(self) -> Mapping[int, int]:
         """Live chunks on the writer: monotonic id → address."""
-        return self._core.live()
+        return self._metadata
+
+    def get_auth_secret(self) -> bytes:
+        """The 32-byte secret that signs the store's handles (any process that can open
+        the segment can read it; the segment is owner-only)."""
+        return self._core.secret()
 
     def allocate_buf(self, size: int) -> tuple[int, int]:
         """A chunk for ``size`` bytes of data: ``(address, monotonic_id)``. ``MemoryError``
@@ -122,8 +184,20 @@ class RingBuffer:
         return self._core.free(is_free_fn, nbytes)
 
     def clear(self) -> None:
-        """Forget every chunk (writer only). Handles issued before fail from now on."""
+        """Forget every chunk (writer only). Ids keep counting and addresses restart at
+        0; handles issued before read their data until the memory is reused."""
         self._core.clear()
+
+    def close(self) -> None:
+        """Let go of the segment: the writer removes its name; the memory is unmapped
+        once no object of this process uses it. Idempotent."""
+        core = self._core
+        if isinstance(core, _Closed):
+            return
+        self._core = _Closed("the ring buffer")
+        self.shared_memory.close()
+        if self.is_writer:
+            core.unlink()
 
     def __repr__(self) -> str:
         role = "writer" if self.is_writer else "reader"
@@ -141,14 +215,66 @@ class ObjectStorageHandle:
     reader_lock: Any = None
 
 
-class ObjectStorage:
-    """Key → object store on a ``RingBuffer``: one writer, ``n_readers`` reader processes.
+class _KeyIndex(Mapping):
+    """key → ``(address, monotonic_id)`` of the stored objects (vLLM's ``key_index``),
+    read from the core on each access."""
 
-    Objects are stored as ``[4-byte reader count][metadata][data]``. Readers increment the
-    count atomically when they ``get``; an object is evicted (oldest first, when ``put``
-    needs room) only once every reader has read it as many times as it was handed out
-    (``put`` and each ``get_cached``). ``reader_lock`` is accepted for compatibility; it is
-    not needed. A ``get`` in the writer's process counts as a read only if it was given.
+    def __init__(self, store: "ObjectStorage"):
+        self._store = store
+
+    @property
+    def _core(self) -> Any:
+        return self._store._core
+
+    def __getitem__(self, key: str) -> tuple[int, int]:
+        entry = self._core.entry(key) if type(key) is str else None
+        if entry is None:
+            raise KeyError(key)
+        return entry[0], entry[1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._core.entries())
+
+    def __len__(self) -> int:
+        return len(self._core)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class _IdIndex(_KeyIndex):
+    """monotonic id → key (vLLM's ``id_index``)."""
+
+    def __getitem__(self, monotonic_id: int) -> str:  # type: ignore[override]
+        key = self._core.key_of(monotonic_id) if type(monotonic_id) is int else None
+        if key is None:
+            raise KeyError(monotonic_id)
+        return key
+
+    def __iter__(self) -> Iterator[int]:  # type: ignore[override]
+        return iter([i for _, i, _ in self._core.entries().values()])
+
+
+class _WriterFlag(_IdIndex):
+    """monotonic id → times handed out (vLLM's ``writer_flag``)."""
+
+    def __getitem__(self, monotonic_id: int) -> int:  # type: ignore[override]
+        key = super().__getitem__(monotonic_id)
+        return self._core.entry(key)[2]
+
+
+class ObjectStorage:
+    """Key → object store on a ``RingBuffer``: one writer, ``n_readers`` reader processes
+    (vLLM's ``SingleWriterShmObjectStorage``).
+
+    Readers increment an object's count atomically when they ``get`` it; an object is
+    evicted (oldest first, when ``put`` needs room) only once every reader has read it
+    as many times as it was handed out (``put`` and each ``get_cached``), and not while
+    the writer protects it with ``touch(key)``. Handles are signed: a reader's ``get`` and
+    ``touch`` need ``signature`` and ``key`` (from the writer's ``get_signature(key)``)
+    and refuse anything else with ``ValueError`` ("SHM handle signature") before reading
+    at the address. ``reader_lock`` is accepted for compatibility and not needed (counts
+    are atomic); a ``get`` in the writer's process counts as a read only if it was given.
     """
 
     def __init__(
@@ -167,41 +293,144 @@ class ObjectStorage:
         self.is_writer = ring_buffer.is_writer
         self.flag_bytes = 4
         self._reader_lock = reader_lock
-        self._core = _core.ObjectStore(ring_buffer._core, max_object_size, n_readers, reader_lock is not None)
-        self._deserialize = self.ser_de.deserialize
+        self._core: Any = _core.ObjectStore(ring_buffer._core, max_object_size, n_readers, reader_lock is not None)
+        codec = store_codec(self.ser_de)
+        if codec is not None:
+            # Built-in serdes: the store frames the parts itself and keeps tensor and
+            # array data 64-byte aligned in shared memory.
+            self._parts, self._load = codec
+            self._split = True
+        else:
+            self._parts, self._load, self._split = None, self.ser_de.deserialize, False
+        if self.is_writer:
+            self.key_index: Optional[Mapping[str, tuple[int, int]]] = _KeyIndex(self)
+            self.id_index: Optional[Mapping[int, str]] = _IdIndex(self)
+            self.writer_flag: Optional[Mapping[int, int]] = _WriterFlag(self)
+        else:
+            self.key_index = self.id_index = self.writer_flag = None
+
+    # -- writer ----------------------------------------------------------------------
 
     def put(self, key: str, value: Any) -> tuple[int, int]:
         """Store ``value`` under ``key``: ``(address, monotonic_id)``. ``ValueError`` if the
         key exists or the serialized object exceeds ``max_object_size``; ``MemoryError``
         if there is no room after freeing every object all readers have finished with."""
+        core = self._core
         if not self.is_writer:
             raise RuntimeError("Only the writer can put objects.")
+        if core.entry(key) is not None:
+            raise ValueError(f"Key '{key}' already exists in the storage.")
+        parts_of = self._parts
+        if parts_of is not None:
+            return core.put(key, parts_of(value), 1)
         data, _, metadata, _ = self.ser_de.serialize(value)
         parts = [metadata, *data] if isinstance(data, list) else [metadata, data]
-        return self._core.put(key, parts)
-
-    def get(self, address: int, monotonic_id: int) -> Any:
-        """The object at ``(address, monotonic_id)``; ``ValueError`` ("has been modified or
-        is invalid") if it was evicted, cleared or never there."""
-        return self._core.get(address, monotonic_id, self._deserialize)
+        return core.put(key, parts, len(parts))
 
     def is_cached(self, key: str) -> bool:
         return self._core.is_cached(key)
 
     def get_cached(self, key: str) -> tuple[int, int]:
         """``(address, monotonic_id)`` of a stored key, handing the object out once more
-        (each reader is expected to read it once more before it can be evicted)."""
+        (each reader is expected to read it once more before it can be evicted); ends a
+        ``touch`` of it. ``KeyError`` for an unknown key."""
         return self._core.get_cached(key)
+
+    def get_signature(self, key: str) -> list[int]:
+        """The signature of ``key``'s current handle (32 ints), for readers to check."""
+        return self._core.get_signature(key)
+
+    def release_touches(self) -> None:
+        """Stop protecting touched objects that were not handed out again."""
+        self._core.release_touches()
+
+    def increment_writer_flag(self, id: int) -> None:
+        """Count one more hand-out of the object ``id`` (what ``get_cached`` does)."""
+        self._core.increment_writer_flag(id)
 
     def free_unused(self) -> Sequence[int]:
         """Free the oldest objects that every reader has finished with; their ids."""
         return self._core.free_unused()
 
+    def default_is_free_check(self, id: int, buf: memoryview) -> bool:
+        """Whether the object ``id`` (its chunk data ``buf``, from the ring) may be
+        evicted: not touched, and read ``n_readers`` times per hand-out."""
+        return self._core.is_free(id, buf)
+
     def clear(self) -> None:
-        """Forget every object (writer only); old handles fail from now on."""
-        if not self.is_writer:
-            raise RuntimeError("Only the writer can clear the storage.")
-        self._core.clear()
+        """Forget every object (writer). Ids keep counting; handles issued before keep
+        reading their objects until the memory is reused. A no-op on a reader."""
+        if self.is_writer:
+            self._core.clear()
+
+    # -- any side --------------------------------------------------------------------
+
+    def get(
+        self,
+        address: int,
+        monotonic_id: int,
+        signature: Optional[list[int]] = None,
+        key: Optional[str] = None,
+    ) -> Any:
+        """The object at ``(address, monotonic_id)``. A reader needs the handle's
+        ``signature`` and ``key`` (``ValueError`` "SHM handle signature" otherwise, before
+        anything is read). ``ValueError`` ("has been modified or is invalid") if the
+        object was evicted, overwritten or never there."""
+        return self._core.get(address, monotonic_id, signature, key, self._load, self._split)
+
+    def touch(
+        self,
+        key: str,
+        address: int = 0,
+        monotonic_id: int = 0,
+        signature: Optional[list[int]] = None,
+    ) -> None:
+        """Writer (without a ``reader_lock``): keep ``key``'s object from eviction until
+        ``get_cached(key)`` or ``release_touches()``; unknown keys are ignored. Reader:
+        check the handle (signature, then that it still names its object)."""
+        self._core.touch(key, address, monotonic_id, signature)
+
+    def verify_signature(
+        self,
+        key: Optional[str],
+        address: int,
+        monotonic_id: int,
+        signature: Optional[list[int]],
+    ) -> None:
+        """``ValueError`` ("SHM handle signature") unless ``signature`` signs the handle
+        for ``key``; on the writer the handle must also be ``key``'s current entry."""
+        self._core.verify_signature(key, address, monotonic_id, signature)
+
+    def _make_signature(self, key: str, address: int, monotonic_id: int) -> bytes:
+        """The HMAC-SHA256 of a handle (what ``get_signature`` returns, as bytes)."""
+        return bytes(self._core._sign(key, address, monotonic_id))
+
+    def increment_reader_flag(self, data_view: memoryview) -> None:
+        """Add one to the 4-byte count in ``data_view`` (as vLLM does, not atomically;
+        ``get`` counts atomically by itself)."""
+        count = self.ring_buffer.byte2int(data_view)
+        data_view[:] = self.ring_buffer.int2byte(count + 1)
+
+    def copy_to_buffer(
+        self,
+        data: Any,
+        data_bytes: int,
+        metadata: bytes,
+        md_bytes: int,
+        data_view: memoryview,
+    ) -> None:
+        """vLLM's helper: write ``[flag][metadata][data...]`` into ``data_view``."""
+        data_view[self.flag_bytes : self.flag_bytes + md_bytes] = metadata
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data_view[len(data_view) - data_bytes :] = data
+        elif isinstance(data, list):
+            at = self.flag_bytes + md_bytes
+            for item in data:
+                n = memoryview(item).nbytes
+                data_view[at : at + n] = item
+                at += n
+        else:
+            raise ValueError(f"Unsupported data type for serialization: {type(data)}")
 
     def handle(self) -> ObjectStorageHandle:
         return ObjectStorageHandle(
@@ -214,30 +443,19 @@ class ObjectStorage:
         ring = RingBuffer(*handle.ring_buffer_handle)
         return ObjectStorage(handle.max_object_size, handle.n_readers, ring, handle.serde_class, handle.reader_lock)
 
+    def close(self) -> None:
+        """Close the ring buffer (the writer removes the segment). Idempotent."""
+        self._core = _Closed("the object storage")
+        self.ring_buffer.close()
+
     def reader_count(self, address: int, monotonic_id: int) -> int:
         """How many reads the object at ``(address, monotonic_id)`` has had."""
         return self._core.reader_count(address, monotonic_id)
 
     @property
-    def key_index(self) -> Optional[dict[str, tuple[int, int]]]:
-        """Writer side: key → ``(address, monotonic_id)`` (``None`` on readers)."""
-        if not self.is_writer:
-            return None
-        return {k: (a, i) for k, (a, i, _) in self._core.entries().items()}
-
-    @property
-    def id_index(self) -> Optional[dict[int, str]]:
-        """Writer side: monotonic id → key (``None`` on readers)."""
-        if not self.is_writer:
-            return None
-        return {i: k for k, (_, i, _) in self._core.entries().items()}
-
-    @property
-    def writer_flag(self) -> Optional[dict[int, int]]:
-        """Writer side: monotonic id → times handed out (``None`` on readers)."""
-        if not self.is_writer:
-            return None
-        return {i: n for _, (_, i, n) in self._core.entries().items()}
+    def _touched(self) -> set[int]:
+        """Ids the writer protects with ``touch`` (vLLM's private set)."""
+        return set(self._core.touched()) if self.is_writer else set()
 
     def __repr__(self) -> str:
         role = "writer" if self.is_writer else "reader"

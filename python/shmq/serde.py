@@ -6,6 +6,11 @@ to ``deserialize`` as one memoryview. Both serdes here frame the parts the same 
 ``metadata`` is the number of parts and their lengths, so raw buffers (tensor and
 array data) are stored as separate segments, copied once and never pickled.
 
+Inside the store the built-in serdes skip that framing: ``ObjectStorage`` asks them for
+their parts (``_store_parts``), lays them out itself with the raw buffers on 64-byte
+boundaries of shared memory, and hands them back as one view per part
+(``_load_parts``). Any other serde is used through ``serialize``/``deserialize`` alone.
+
 ``deserialize`` must copy whatever it keeps: the store may reuse the memory as soon as
 the call returns (shmq checks this and raises if a view is kept).
 """
@@ -23,7 +28,7 @@ from typing import Any, Callable, Optional, Union
 
 import msgpack
 
-__all__ = ["MsgpackSerde", "ObjectSerde", "PickleSerde"]
+__all__ = ["MsgpackSerde", "ObjectSerde", "PickleSerde", "store_codec"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,19 +175,40 @@ class PickleSerde(ObjectSerde):
     stream."""
 
     def serialize(self, value: Any) -> tuple[Union[Buffer, list[Buffer]], int, bytes, int]:
+        return _result(self._store_parts(value))
+
+    def deserialize(self, data_view: memoryview) -> Any:
+        return self._load_parts(_unframe(data_view))
+
+    def _store_parts(self, value: Any) -> list[Buffer]:
+        """``[pickle stream, *out-of-band buffers]``: the parts the store lays out itself
+        (the buffers 64-byte aligned)."""
         buffers: list[pickle.PickleBuffer] = []
         out = io.BytesIO()
         _OutOfBandPickler(out, protocol=5, buffer_callback=buffers.append).dump(value)
-        body = out.getbuffer()
         try:
-            raws = [b.raw() for b in buffers]
+            return [out.getbuffer(), *[b.raw() for b in buffers]]
         except BufferError:  # a non-contiguous buffer: keep everything in band
-            raws, body = [], pickle.dumps(value, protocol=5)
-        return _result([body, *raws])
+            return [pickle.dumps(value, protocol=5)]
 
-    def deserialize(self, data_view: memoryview) -> Any:
-        body, *raws = _unframe(data_view)
+    def _load_parts(self, parts: list[memoryview]) -> Any:
+        body, *raws = parts
         return pickle.loads(body, buffers=[bytearray(r) for r in raws])
+
+
+def store_codec(serde: Any) -> Optional[tuple[Callable[[Any], list[Buffer]], Callable[[list[memoryview]], Any]]]:
+    """For a built-in serde (not a subclass that changes how it serializes): its
+    ``(value → parts, parts → value)`` pair, which the store uses to frame and align the
+    parts itself. ``None`` for any other serde: the store then writes its
+    ``[metadata][data...]`` as they come and hands ``deserialize`` one view of them."""
+    cls = type(serde)
+    for base in (MsgpackSerde, PickleSerde):
+        if isinstance(serde, base) and all(
+            getattr(cls, name) is getattr(base, name)
+            for name in ("serialize", "deserialize", "_store_parts", "_load_parts")
+        ):
+            return serde._store_parts, serde._load_parts
+    return None
 
 
 # Extension type codes of MsgpackSerde; 16..127 are free for registered types.
@@ -223,15 +249,23 @@ class MsgpackSerde(ObjectSerde):
         cls._decoders[code] = decode
 
     def serialize(self, value: Any) -> tuple[Union[Buffer, list[Buffer]], int, bytes, int]:
+        return _result(self._store_parts(value))
+
+    def deserialize(self, data_view: memoryview) -> Any:
+        return self._load_parts(_unframe(data_view))
+
+    def _store_parts(self, value: Any) -> list[Buffer]:
+        """``[msgpack tree, *raw segments]``: the parts the store lays out itself (the
+        raw tensor and array data 64-byte aligned)."""
         encoder = getattr(self._encoders, "encoder", None)
         if encoder is None:
             encoder = self._encoders.encoder = _MsgpackEncoder(self._registry)
-        return _result(encoder.encode(value))
+        return encoder.encode(value)
 
-    def deserialize(self, data_view: memoryview) -> Any:
-        tree, *raws = _unframe(data_view)
-        if not raws:
-            return _PLAIN_DECODER.unpack(tree)
+    def _load_parts(self, parts: list[memoryview]) -> Any:
+        if len(parts) == 1:
+            return _PLAIN_DECODER.unpack(parts[0])
+        tree, *raws = parts
         try:
             return _MsgpackDecoder(raws, self._decoders).unpack(tree)
         finally:

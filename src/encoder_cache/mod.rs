@@ -20,7 +20,7 @@
 //! - **Entries** ([`entries`]) live in a data region reserved lazily in `/dev/shm` (a
 //!   full `/dev/shm` is an error at `save`, not a `SIGBUS`). Each holds parts (for
 //!   Python: a protocol-5 pickle and its out-of-band tensor buffers). A consumer maps an
-//!   entry privately (`MAP_PRIVATE`, see [`crate::private_map`]): the view is zero-copy,
+//!   entry privately (`MAP_PRIVATE`, see `crate::private_map`): the view is zero-copy,
 //!   writable, and a write stays private to that view.
 //! - **Pins and acknowledgements per consumer slot** ([`consumers`]): each consumer has a
 //!   slot (pid + start time); each entry has one pin count per slot (views alive) and one

@@ -25,9 +25,10 @@ impl From<Error> for PyErr {
                 PyMemoryError::new_err(msg)
             }
             Error::UnknownKey(key) => PyKeyError::new_err(key),
-            Error::StaleObject { .. } | Error::KeyExists(_) | Error::TooLarge { .. } => {
-                PyValueError::new_err(msg)
-            }
+            Error::StaleObject { .. }
+            | Error::BadSignature { .. }
+            | Error::KeyExists(_)
+            | Error::TooLarge { .. } => PyValueError::new_err(msg),
             Error::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
             Error::BadSegment { .. } | Error::InvalidArgument(_) => PyValueError::new_err(msg),
             Error::WrongRole(_) | Error::WorkerDied { .. } => PyRuntimeError::new_err(msg),

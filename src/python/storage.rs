@@ -5,41 +5,61 @@ use std::sync::{Arc, Mutex};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PyMemoryView, PyRange};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
 
 use super::view::ShmView;
 use super::wait::lock;
 use crate::alloc::{Freed, ID_MAX};
-use crate::error::stale_object_message;
+use crate::error::{stale_object_message, Error};
 use crate::storage::{
-    object_reader_count, read_object, ChunkRing as CoreRing, ObjectStore as CoreStore, StoreSegment,
+    check_object, object_reader_count, read_object, ChunkRing as CoreRing,
+    ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
 };
 
 /// Payloads above this are copied with the GIL released.
 const COPY_WITH_GIL_MAX: usize = 64 * 1024;
 
-/// Call `f(memoryview)` on `data` (inside `segment`) and release the view afterwards. A
-/// callback that kept the memory (returned the view, a slice of it, an array over it...)
-/// is an error: the chunk may be reused as soon as this returns.
-fn with_view<'py, R>(
+/// Call `f` on zero-copy memoryviews of `spans` (inside `segment`): one view, or a
+/// list of views if `as_list`; release them afterwards. A callback that kept the memory
+/// (returned a view, a slice of it, an array over it, the list...) is an error: the
+/// chunk may be reused as soon as this returns.
+fn with_views<'py, R>(
     py: Python<'py>,
     segment: &Arc<StoreSegment>,
-    data: &[u8],
+    spans: impl ExactSizeIterator<Item = &'py [u8]>,
+    as_list: bool,
     f: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<R>,
 ) -> PyResult<R> {
-    // SAFETY: `data` lies inside the segment's ring; the Arc keeps it mapped.
-    let view = unsafe { ShmView::new(segment.clone(), data.as_ptr() as *mut u8, data.len()) };
-    let view = Bound::new(py, view)?;
-    let mv = PyMemoryView::from(view.as_any())?.into_any();
-    let out = f(&mv);
-    // Kept: the memoryview itself (returned, or stored somewhere: a second reference),
-    // or something made from it that still holds the buffer (a slice, an array).
-    // SAFETY: `mv` is a live object we hold a reference to.
-    let kept_view = unsafe { pyo3::ffi::Py_REFCNT(mv.as_ptr()) } > 1;
-    // Fails if something made from the view still holds it; `is_exported` sees that.
-    let _ = mv.call_method0("release");
-    drop(mv);
-    if out.is_ok() && (kept_view || view.get().is_exported()) {
+    let mut views = Vec::with_capacity(spans.len());
+    for data in spans {
+        // SAFETY: `data` lies inside the segment's ring; the Arc keeps it mapped. Another
+        // process may write these bytes while Python reads them (the view is plain
+        // memory, never freed under it); `read_object` checks the handle again after the
+        // call and reports a reused object as modified.
+        let view = unsafe { ShmView::new(segment.clone(), data.as_ptr() as *mut u8, data.len()) };
+        let view = Bound::new(py, view)?;
+        let mv = PyMemoryView::from(view.as_any())?.into_any();
+        views.push((view, mv));
+    }
+    let arg = if as_list {
+        PyList::new(py, views.iter().map(|(_, mv)| mv))?.into_any()
+    } else {
+        views[0].1.clone()
+    };
+    let out = f(&arg);
+    drop(arg);
+    let mut kept = false;
+    for (view, mv) in views {
+        // Kept: the memoryview itself (returned, or stored somewhere: a second
+        // reference), or something made from it that still holds the buffer.
+        // SAFETY: `mv` is a live object we hold a reference to.
+        kept |= unsafe { pyo3::ffi::Py_REFCNT(mv.as_ptr()) } > 1;
+        // Fails if something made from the view still holds it; `is_exported` sees that.
+        let _ = mv.call_method0("release");
+        drop(mv);
+        kept |= view.get().is_exported();
+    }
+    if out.is_ok() && kept {
         return Err(PyRuntimeError::new_err(KEPT_VIEW));
     }
     out
@@ -47,6 +67,62 @@ fn with_view<'py, R>(
 
 const KEPT_VIEW: &str = "the deserializer kept a view of the shared memory, which the store may \
                          reuse once get() returns; it must copy what it keeps";
+
+/// A handle signature from Python: vLLM 0.33's rules (a list of 32 ints, each exactly
+/// an `int` in 0..=255), and a `str` key. `None` for either is a missing signature.
+fn signature_arg<'a, 'py>(
+    key: Option<&'a Bound<'py, PyAny>>,
+    signature: Option<&Bound<'py, PyAny>>,
+) -> Result<(&'a str, [u8; SIGNATURE_BYTES]), Error> {
+    let (Some(key), Some(signature)) = (key, signature) else {
+        return Err(Error::BadSignature { missing: true });
+    };
+    let list = signature
+        .cast::<PyList>()
+        .map_err(|_| invalid_signature())?;
+    let key = key.cast::<PyString>().map_err(|_| invalid_signature())?;
+    if list.len() != SIGNATURE_BYTES {
+        return Err(invalid_signature());
+    }
+    let mut bytes = [0u8; SIGNATURE_BYTES];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        // A reader checks a signature on every get: read the items through the C API
+        // (a few ns each) rather than pyo3's conversions.
+        // SAFETY: `list` is a list of SIGNATURE_BYTES items (checked above) that we hold
+        // a reference to, with the GIL; PyList_GetItem returns a borrowed reference that
+        // stays valid while the list is not changed, and nothing runs Python code before
+        // we are done with it (PyLong_CheckExact and PyLong_AsLong on an exact int do not).
+        let value = unsafe {
+            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            if item.is_null() || pyo3::ffi::PyLong_CheckExact(item) == 0 {
+                pyo3::ffi::PyErr_Clear();
+                return Err(invalid_signature());
+            }
+            pyo3::ffi::PyLong_AsLong(item)
+        };
+        // -1 may also be an overflow error: out of range either way.
+        *b = u8::try_from(value).map_err(|_| {
+            // SAFETY: with the GIL; clears the OverflowError PyLong_AsLong may have set.
+            unsafe { pyo3::ffi::PyErr_Clear() };
+            invalid_signature()
+        })?;
+    }
+    let key = key.to_str().map_err(|_| invalid_signature())?;
+    Ok((key, bytes))
+}
+
+fn invalid_signature() -> Error {
+    Error::BadSignature { missing: false }
+}
+
+/// The address and id of a handle to sign or check: out-of-range integers cannot have
+/// been signed (vLLM signs them as u64 and u32).
+fn signed_handle(address: &Bound<'_, PyAny>, id: &Bound<'_, PyAny>) -> Result<(u64, u32), Error> {
+    match (int_in_range::<u64>(address), int_in_range::<u32>(id)) {
+        (Ok(Some(a)), Ok(Some(i))) => Ok((a, i)),
+        _ => Err(invalid_signature()),
+    }
+}
 
 /// The freed ids as a `range`, or a list when they wrap at 2**31.
 fn freed_ids(py: Python<'_>, freed: Freed) -> PyResult<Py<PyAny>> {
@@ -140,6 +216,22 @@ impl ChunkRing {
         Ok(d)
     }
 
+    /// Address of the live chunk `id` (writer side).
+    fn chunk_address(&self, py: Python<'_>, id: i64) -> Option<u64> {
+        let id = u32::try_from(id).ok()?;
+        lock(py, &self.inner)
+            .allocator()?
+            .get(id)
+            .map(|c| c.address)
+    }
+
+    /// Number of live chunks (writer side; 0 on a reader).
+    fn live_len(&self, py: Python<'_>) -> usize {
+        lock(py, &self.inner)
+            .allocator()
+            .map_or(0, |a| a.live().len())
+    }
+
     /// Allocate a chunk with `size` bytes of data: `(address, id)`.
     fn allocate(&self, py: Python<'_>, size: i64) -> PyResult<(u64, u32)> {
         // Negative sizes are as invalid as 0 (which the core rejects with the message).
@@ -188,7 +280,7 @@ impl ChunkRing {
             if raised.is_some() {
                 return false;
             }
-            match with_view(py, &self.segment, data, |mv| {
+            match with_views(py, &self.segment, std::iter::once(data), false, |mv| {
                 is_free.call1((id, mv))?.is_truthy()
             }) {
                 Ok(v) => v,
@@ -206,6 +298,11 @@ impl ChunkRing {
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         Ok(lock(py, &self.inner).clear()?)
+    }
+
+    /// The handle-signing secret (32 bytes).
+    fn secret<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.segment.secret())
     }
 
     /// Remove the segment's name now if this process created it (the memory stays
@@ -249,8 +346,15 @@ impl ObjectStore {
         })
     }
 
-    /// Store the concatenation of `parts` (bytes-like, C-contiguous) under `key`.
-    fn put(&self, py: Python<'_>, key: &str, parts: &Bound<'_, PyList>) -> PyResult<(u64, u32)> {
+    /// Store an object made of `parts` (bytes-like, C-contiguous) under `key`; parts
+    /// from `align_from` on start at 64-byte boundaries of the ring.
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        parts: &Bound<'_, PyList>,
+        align_from: usize,
+    ) -> PyResult<(u64, u32)> {
         let buffers = parts
             .iter()
             .map(|p| PyUntypedBuffer::get(&p))
@@ -275,7 +379,7 @@ impl ObjectStore {
                 .iter()
                 .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
                 .collect();
-            store.put(ring, key, &slices)
+            store.put(ring, key, &slices, align_from)
         };
         let r = if total > COPY_WITH_GIL_MAX {
             py.detach(put)
@@ -286,25 +390,121 @@ impl ObjectStore {
         Ok(r?)
     }
 
-    /// Read the object at `(address, id)`: `deserialize(memoryview)` runs on the payload,
-    /// and the read is counted (on a reader, or on the writer if `count_writer_reads`).
+    /// Read the object at `(address, id)`. A reader first checks the handle's signature
+    /// (`key`, `signature`). `deserialize` gets a memoryview of the object's bytes (its
+    /// parts, contiguous), or with `split` a list of one memoryview per part. The read
+    /// is counted on a reader, or on the writer if `count_writer_reads`.
+    #[pyo3(signature = (address, id, signature, key, deserialize, split))]
+    #[allow(clippy::too_many_arguments)] // the Python call's arguments, one by one
     fn get(
         &self,
         py: Python<'_>,
         address: &Bound<'_, PyAny>,
         id: &Bound<'_, PyAny>,
+        signature: Option<&Bound<'_, PyAny>>,
+        key: Option<&Bound<'_, PyAny>>,
         deserialize: &Bound<'_, PyAny>,
+        split: bool,
     ) -> PyResult<Py<PyAny>> {
+        let handle = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?);
+        if !self.is_writer {
+            // Refuse forged handles before touching the address; integers out of range
+            // cannot have been signed.
+            let (key, signature) = signature_arg(key, signature)?;
+            let (Some(a), Some(i)) = handle else {
+                return Err(invalid_signature().into());
+            };
+            self.segment.verify(key, a, i, &signature)?;
+        }
         // Integers out of range (negative, huge) name no object: the same ValueError.
-        let (Some(a), Some(i)) = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?) else {
+        let (Some(a), Some(i)) = handle else {
             return Err(PyValueError::new_err(stale_object_message(address, id)));
         };
         let count = !self.is_writer || self.count_writer_reads;
-        read_object(&self.segment, a, i, count, |payload| {
-            with_view(py, &self.segment, payload, |mv| {
-                Ok(deserialize.call1((mv,))?.unbind())
+        read_object(&self.segment, a, i, count, |object| {
+            let spans: Vec<&[u8]> = if split {
+                (0..object.len()).map(|k| object.part(k)).collect()
+            } else {
+                vec![object.span()]
+            };
+            with_views(py, &self.segment, spans.into_iter(), split, |arg| {
+                Ok(deserialize.call1((arg,))?.unbind())
             })
         })?
+    }
+
+    /// `touch(key, address, id, signature)`: on a writer without a reader lock, keep
+    /// `key`'s object from eviction until `get_cached(key)` or `release_touches()`;
+    /// otherwise check the handle (signature, then that it still names its object).
+    #[pyo3(signature = (key, address, id, signature))]
+    fn touch(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        address: &Bound<'_, PyAny>,
+        id: &Bound<'_, PyAny>,
+        signature: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        if self.is_writer && !self.count_writer_reads {
+            if let Ok(key) = key.cast::<PyString>() {
+                lock(py, &self.inner).touch(key.to_str()?);
+            }
+            return Ok(());
+        }
+        self.verify_signature(py, Some(key), address, id, signature)?;
+        let (a, i) = signed_handle(address, id)?;
+        Ok(check_object(&self.segment, a, i)?)
+    }
+
+    /// vLLM's `verify_signature`: on the writer the handle must also be the key's
+    /// current entry; `ValueError` ("SHM handle signature") if it is not valid.
+    #[pyo3(signature = (key, address, id, signature))]
+    fn verify_signature(
+        &self,
+        py: Python<'_>,
+        key: Option<&Bound<'_, PyAny>>,
+        address: &Bound<'_, PyAny>,
+        id: &Bound<'_, PyAny>,
+        signature: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        if self.is_writer {
+            let current = key
+                .and_then(|k| k.cast::<PyString>().ok())
+                .and_then(|k| k.to_str().ok().map(str::to_owned))
+                .and_then(|k| lock(py, &self.inner).entry(&k).copied());
+            let handle = signed_handle(address, id).ok();
+            if current.is_none() || current.map(|e| (e.address, e.id)) != handle {
+                return Err(invalid_signature().into());
+            }
+        }
+        self.verify_reader(address, id, signature, key)
+    }
+
+    /// The signature of `key`'s current handle, as 32 ints; `KeyError` if unknown.
+    fn get_signature(&self, py: Python<'_>, key: &str) -> PyResult<Vec<u32>> {
+        lock(py, &self.inner)
+            .signature(&self.segment, key)
+            .map(|s| s.map(u32::from).to_vec())
+            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
+    }
+
+    /// Sign an arbitrary handle (for tests of what readers do with odd handles).
+    fn _sign(&self, key: &str, address: u64, id: u32) -> Vec<u32> {
+        self.segment.sign(key, address, id).map(u32::from).to_vec()
+    }
+
+    fn release_touches(&self, py: Python<'_>) {
+        lock(py, &self.inner).release_touches()
+    }
+
+    /// Ids the writer has touched and not yet handed out again or released.
+    fn touched(&self, py: Python<'_>) -> Vec<u32> {
+        let store = lock(py, &self.inner);
+        store
+            .entries()
+            .map(|(_, e)| e.id)
+            .filter(|&i| store.is_touched(i))
+            .collect()
     }
 
     /// How many reads the object at `(address, id)` has had.
@@ -339,6 +539,59 @@ impl ObjectStore {
         Ok(store.clear(&mut ring)?)
     }
 
+    /// `(address, id, handouts)` of `key`'s object, if stored (writer side).
+    fn entry(&self, py: Python<'_>, key: &str) -> Option<(u64, u32, u32)> {
+        lock(py, &self.inner)
+            .entry(key)
+            .map(|e| (e.address, e.id, e.handouts))
+    }
+
+    /// The key of the object with id `id`, if stored (writer side).
+    fn key_of(&self, py: Python<'_>, id: i64) -> Option<String> {
+        let id = u32::try_from(id).ok()?;
+        lock(py, &self.inner).key_of(id).map(str::to_owned)
+    }
+
+    /// Number of stored objects (writer side).
+    fn __len__(&self, py: Python<'_>) -> usize {
+        lock(py, &self.inner).len()
+    }
+
+    /// vLLM's `increment_writer_flag`: one more hand-out of the object `id`.
+    fn increment_writer_flag(&self, py: Python<'_>, id: i64) -> PyResult<()> {
+        let found = u32::try_from(id)
+            .ok()
+            .is_some_and(|id| lock(py, &self.inner).hand_out(id));
+        if found {
+            Ok(())
+        } else {
+            Err(pyo3::exceptions::PyKeyError::new_err(id))
+        }
+    }
+
+    /// vLLM's `default_is_free_check(id, buf)`: `buf` is the chunk's data (a view from
+    /// the ring); true if the object is not touched and every reader has read it as
+    /// often as it was handed out.
+    fn is_free(&self, py: Python<'_>, id: i64, buf: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let buffer = PyUntypedBuffer::get(buf)?;
+        let Ok(id) = u32::try_from(id) else {
+            return Ok(true);
+        };
+        // Only views of this store's ring are read (as a count, atomically): anything
+        // else could be any memory.
+        let ring = self.segment.ring_ptr() as usize;
+        let (p, n) = (buffer.buf_ptr() as usize, buffer.len_bytes());
+        if p < ring || p + n > ring + self.segment.capacity() as usize {
+            return Err(PyValueError::new_err(
+                "default_is_free_check needs a chunk view of this store's ring",
+            ));
+        }
+        // SAFETY: checked just above to lie inside the ring, which `self.segment` keeps
+        // mapped; the bytes are only read as the count, atomically.
+        let data = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
+        Ok(lock(py, &self.inner).is_free(id, data))
+    }
+
     /// `{key: (address, id, handouts)}` of the live objects (writer side).
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
@@ -359,5 +612,20 @@ impl ObjectStore {
     #[getter]
     fn is_writer(&self) -> bool {
         self.is_writer
+    }
+}
+
+impl ObjectStore {
+    /// A reader's check of a handle's signature (no index lookup).
+    fn verify_reader(
+        &self,
+        address: &Bound<'_, PyAny>,
+        id: &Bound<'_, PyAny>,
+        signature: Option<&Bound<'_, PyAny>>,
+        key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (key, signature) = signature_arg(key, signature)?;
+        let (a, i) = signed_handle(address, id)?;
+        Ok(self.segment.verify(key, a, i, &signature)?)
     }
 }

@@ -260,6 +260,25 @@ def _describe(e: BaseException) -> tuple[str, str]:
     return (type(e).__name__, str(e))
 
 
+# Readers sign the handles they are given themselves (any process that opens the store
+# can: the secret is in the segment), so that tests about what lies at an address reach
+# that check; the signature checks have tests of their own. A handle that cannot be
+# signed (an int out of range) goes without one and is refused for that.
+SIGNING_KEY = "test-key"
+SIGNATURE_REFUSED = "SHM handle signature"
+
+
+def signed_get(store: ObjectStorage, address: Any, mid: Any) -> Any:
+    """``store.get`` of a handle this reader signs itself (see above)."""
+    if store.is_writer:
+        return store.get(address, mid)
+    try:
+        signature: Any = list(store._make_signature(SIGNING_KEY, address, mid))
+    except (OverflowError, TypeError, ValueError):
+        signature = None
+    return store.get(address, mid, signature, SIGNING_KEY)
+
+
 def store_reader(out: Any, handle_pickle: bytes, cmds: Any) -> None:
     """A reader of the store of ``handle_pickle``. Commands on ``cmds``:
     ``("get", tag, address, id)`` → ``("got", tag, value)`` or ``("raised", tag, type, msg)``;
@@ -277,7 +296,7 @@ def store_reader(out: Any, handle_pickle: bytes, cmds: Any) -> None:
             break
         try:
             if op == "get":
-                out.put(("got", cmd[1], store.get(cmd[2], cmd[3])))
+                out.put(("got", cmd[1], signed_get(store, cmd[2], cmd[3])))
             elif op == "count":
                 out.put(("count", cmd[1], store.reader_count(cmd[2], cmd[3])))
             elif op == "put":
@@ -344,7 +363,7 @@ def _probe(out: Any, store: ObjectStorage, ring: RingBuffer, cases: list[tuple[s
         # Announce the case first: if it crashes the process, the test knows which.
         out.put(("start", side, name))
         try:
-            value = store.get(address, mid)
+            value = signed_get(store, address, mid)
             result: tuple = ("returned", repr(value)[:200])
         except BaseException as e:
             result = ("raised", *_describe(e))
@@ -443,7 +462,7 @@ def abandoned_writer(out: Any, values: dict[str, Any]) -> None:
 def killed_reader(out: Any, handle_pickle: bytes, address: int, mid: int) -> None:
     """Reads one object, reports, then kills itself with SIGKILL (no cleanup at all)."""
     store = ObjectStorage.create_from_handle(pickle.loads(handle_pickle))
-    out.put(("got", store.get(address, mid)))
+    out.put(("got", signed_get(store, address, mid)))
     out.close()
     out.join_thread()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -491,7 +510,7 @@ def serde_service(out: Any, cmds: Any) -> None:
         results: dict[str, Any] = {}
         for key, address, mid in items:
             try:
-                results[key] = ("ok", canon(store.get(address, mid)))
+                results[key] = ("ok", canon(signed_get(store, address, mid)))
             except Exception as e:
                 results[key] = ("raised", *_describe(e))
         del store

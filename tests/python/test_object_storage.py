@@ -14,6 +14,7 @@ import os
 import pickle
 import secrets
 import signal
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -34,7 +35,9 @@ from _store_helpers import (
     ABSURD_CASES,
     CTX,
     SHM_DIR,
+    SIGNATURE_REFUSED,
     STALE,
+    PartsSerde,
     Children,
     abandoned_writer,
     absurd_reader,
@@ -44,6 +47,7 @@ from _store_helpers import (
     killed_reader,
     ring_reader,
     shm_segments,
+    signed_get,
     store_reader,
     view_lifetime,
     no_store_leftovers,  # noqa: F401 (an autouse fixture)
@@ -267,18 +271,37 @@ def test_ring_not_enough_space():
     assert str(e.value).startswith(NOT_ENOUGH_SPACE), str(e.value)
     assert (ring.metadata, ring.data_buffer_start, ring.data_buffer_end, ring.monotonic_id_end) == state
     assert list(ring.free_buf(lambda i, v: True)) == [i0]
-    # does not fit before the end of the ring (offset >= 608): starts the next lap
+    # Nothing live: as in vLLM 0.33, the line restarts at 0.
+    assert (ring.data_buffer_start, ring.data_buffer_end) == (0, 0)
     a1, i1 = ring.allocate_buf(500)
-    assert i1 == i0 + 1
-    assert a1 > a0
-    assert a1 % 1000 == 0 and a1 // 1000 == a0 // 1000 + 1, f"address {a1} is not the start of the next lap"
-    with ring.access_buf(a1) as (view, header):
+    assert (a1, i1) == (0, i0 + 1)
+    # A chunk that does not fit before the end of the ring starts the next lap.
+    a2, i2 = ring.allocate_buf(100)  # 508..616
+    assert a2 == 508
+    assert list(ring.free_buf(lambda i, v: True, 1)) == [i1]
+    a3, i3 = ring.allocate_buf(500)  # 508 bytes do not fit at 616: next lap, 1000..1508
+    assert (a3, i3) == (1000, i2 + 1)
+    with ring.access_buf(a3) as (view, header):
         view[:] = b"\x5a" * 500
-        assert tuple(header) == (i1, 508)
+        assert tuple(header) == (i3, 508)
     buf = ring.shared_memory.buf
-    assert int.from_bytes(buf[0:4], "little") == i1
+    assert int.from_bytes(buf[0:4], "little") == i3
     assert bytes(buf[8:508]) == b"\x5a" * 500
     buf.release()
+    # Once the oldest live chunk is a lap ahead, both ends move back by a lap.
+    assert list(ring.free_buf(lambda i, v: True, 1)) == [i2]
+    assert (ring.data_buffer_start, ring.data_buffer_end) == (0, 508)
+    assert ring.metadata == {i3: 1000}
+
+
+def test_ring_packs_chunks_tightly_as_vllm():
+    """vLLM 0.33's test: a 200-byte ring holds allocations of 100 and 80 bytes."""
+    ring = RingBuffer(200, create=True)
+    assert ring.allocate_buf(100) == (0, 0)
+    assert ring.allocate_buf(80) == (108, 1)
+    assert ring.data_buffer_end == 196
+    with pytest.raises(MemoryError, match=NOT_ENOUGH_SPACE):
+        ring.allocate_buf(1)
 
 
 def test_ring_free_buf_oldest_first_until_in_use_or_nbytes():
@@ -310,43 +333,38 @@ def test_ring_free_buf_oldest_first_until_in_use_or_nbytes():
     assert len(empty) == 0 and list(empty) == []
     assert ring.metadata == {}
     assert ring.monotonic_id_start == ring.monotonic_id_end == 9
-    assert ring.data_buffer_start == ring.data_buffer_end
-    # the freed space is reused; ids keep counting
+    assert ring.data_buffer_start == ring.data_buffer_end == 0
+    # the freed space is reused from the start (vLLM 0.33); ids keep counting
     address, mid = ring.allocate_buf(3000)
-    assert mid == 9 and address >= handles[-1][0]
+    assert (address, mid) == (0, 9)
 
 
 def test_ring_clear_forgets_everything_and_ids_keep_counting(kids):
+    """vLLM 0.33: clear() forgets every chunk, ids keep counting, addresses restart at 0;
+    the memory is left as it was until new chunks are written over it."""
     ring = RingBuffer(4096, create=True)
     old = [ring.allocate_buf(n) for n in (10, 20, 30)]
     for address, _mid in old:
         with ring.access_buf(address) as (view, _):
             view[:] = bytes([0xAB]) * len(view)
-    end = ring.data_buffer_end
     ring.clear()
     assert ring.metadata == {}
     assert ring.monotonic_id_start == ring.monotonic_id_end == 3
-    assert ring.data_buffer_start == ring.data_buffer_end >= end
+    assert ring.data_buffer_start == ring.data_buffer_end == 0
     assert list(ring.free_buf(lambda i, v: True)) == []
     address, mid = ring.allocate_buf(10)
-    assert mid == 3, "ids must keep counting after clear()"
-    assert address >= end, "addresses must keep growing after clear()"
-    assert ring.metadata == {3: address}
-    # An old handle no longer resolves to its chunk, in this process or in a reader.
-    for a, i in old:
-        try:
-            with ring.access_buf(a) as (_, header):
-                assert header[0] != i, f"({a}, {i}) still resolves after clear()"
-        except ValueError:
-            pass
+    assert (address, mid) == (0, 3), "ids keep counting, addresses restart at 0"
+    assert ring.metadata == {3: 0}
+    # The new chunk took the first old one's place; the others are untouched.
+    with ring.access_buf(0) as (_, header):
+        assert tuple(header) == (3, 18)
     out, cmds = kids.queue(), kids.queue()
     kids.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
     kids.expect(out, "ready")
-    for a, i in old:
+    for a, i in old[1:]:
         cmds.put(("read", a))
-        msg = kids.receive(out)
-        if msg[0] == "read":
-            assert msg[3][0] != i, f"a reader still resolves ({a}, {i}) after clear()"
+        msg = kids.expect(out, "read")
+        assert msg[3][0] == i and set(msg[2]) == {0xAB}
     cmds.put(("stop",))
     kids.receive(out)
 
@@ -387,12 +405,13 @@ def test_ring_named_segment_is_created_and_removed():
 
 
 @pytest.mark.parametrize("size", [1000, 777, 4097])
-def test_ring_size_not_multiple_of_64_many_laps(size, kids):
+def test_ring_many_laps_never_overlap_live_chunks(size, kids):
     rng = np.random.default_rng(size)
     ring = RingBuffer(size, create=True)
     live: dict[int, tuple[int, bytes]] = {}  # id -> (address, payload)
-    last_address = -1
     next_id = 0
+    laps = 0
+    last_offset = -1
     for step in range(400):
         n = int(rng.integers(1, size // 3))
         while True:
@@ -406,9 +425,11 @@ def test_ring_size_not_multiple_of_64_many_laps(size, kids):
                 del live[oldest]
         assert mid == next_id
         next_id += 1
-        assert address > last_address
-        last_address = address
-        assert address % size + 8 + n <= size
+        offset = address % size
+        laps += offset < last_offset
+        last_offset = offset
+        assert 0 <= address < 2 * size, "vLLM's addresses stay below two laps"
+        assert offset + 8 + n <= size
         payload = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         with ring.access_buf(address) as (view, header):
             assert tuple(header) == (mid, n + 8)
@@ -419,7 +440,7 @@ def test_ring_size_not_multiple_of_64_many_laps(size, kids):
         for i, (a, p) in live.items():  # no live chunk was overwritten
             with ring.access_buf(a) as (view, header):
                 assert header[0] == i and bytes(view) == p, f"chunk {i} corrupted at step {step}"
-    assert last_address // size >= 3, "the test should go round the ring several times"
+    assert laps >= 3, "the test should go round the ring several times"
     out, cmds = kids.queue(), kids.queue()
     kids.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
     kids.expect(out, "ready")
@@ -521,17 +542,24 @@ def test_object_larger_than_max_object_size_is_refused():
 
 
 def test_max_object_size_counts_the_serialized_object():
+    """As in vLLM: the 4-byte reader count plus the serialized bytes (not the store's own
+    framing or alignment padding)."""
     value = b"y" * 500
-    _, nbytes, _, md_nbytes = PickleSerde().serialize(value)
-    serialized = nbytes + md_nbytes
+    serialized = sum(memoryview(p).nbytes for p in PickleSerde()._store_parts(value))
     ring = RingBuffer(1 << 16, create=True)
-    # with room for the 4-byte reader count too, it fits
     fits = ObjectStorage(serialized + 4, 1, ring, serde_class=PickleSerde)
     assert fits.get(*fits.put("k", value)) == value
     ring2 = RingBuffer(1 << 16, create=True)
-    too_small = ObjectStorage(serialized - 1, 1, ring2, serde_class=PickleSerde)
+    too_small = ObjectStorage(serialized + 3, 1, ring2, serde_class=PickleSerde)
     with pytest.raises(ValueError, match="exceeds max object size"):
         too_small.put("k", value)
+    # A custom serde: its data and metadata, as vLLM counts them.
+    data, nbytes, metadata, md_nbytes = PartsSerde().serialize(["ab", "cde"])
+    ring3 = RingBuffer(1 << 16, create=True)
+    exact = ObjectStorage(4 + nbytes + md_nbytes, 1, ring3, serde_class=PartsSerde)
+    assert exact.get(*exact.put("k", ["ab", "cde"])) == ["ab", "cde"]
+    with pytest.raises(ValueError, match="exceeds max object size"):
+        ObjectStorage(3 + nbytes + md_nbytes, 1, ring3, serde_class=PartsSerde).put("k2", ["ab", "cde"])
 
 
 def test_object_larger_than_the_ring_is_a_memory_error():
@@ -679,26 +707,38 @@ def test_is_cached_and_free_unused(kids):
     reader.stop()
 
 
-def test_clear_invalidates_old_handles(kids):
+def test_clear_keeps_old_handles_readable_until_the_memory_is_reused(kids):
+    """vLLM 0.33: requests still draining after a clear() read their objects until new
+    objects are written over them; then the handle is refused, never another object."""
     ring = RingBuffer(1 << 16, create=True)
     store = ObjectStorage(4096, 1, ring)
-    old = {k: store.put(k, k * 3) for k in ("a", "b", "c")}
+    old = {k: store.put(k, k * 300) for k in ("a", "b", "c")}
     (reader,) = start_readers(kids, store, 1)
-    assert reader.get(old["a"]) == "aaa"
+    assert reader.get(old["a"]) == "a" * 300
     store.clear()
     assert store.key_index == {} and store.id_index == {}
     assert not any(store.is_cached(k) for k in old)
     for k, h in old.items():
-        exc_type, message = reader.get_error(h)
-        assert exc_type == "ValueError" and STALE in message, (k, exc_type, message)
-        with pytest.raises(ValueError, match=STALE):
-            store.get(*h)
-    new = {k: store.put(k, k.upper()) for k in old}
+        assert reader.get(h) == k * 300
+        assert store.get(*h) == k * 300
+    # "A" overwrites the start of "a" only.
+    new = {"A": store.put("A", "A")}
+    assert new["A"][0] == 0, "addresses restart at 0"
     assert min(mid for _, mid in new.values()) > max(mid for _, mid in old.values()), "ids must keep counting"
-    for k, h in new.items():
-        assert reader.get(h) == k.upper()
+    exc_type, message = reader.get_error(old["a"])
+    assert exc_type == "ValueError" and STALE in message
+    with pytest.raises(ValueError, match=STALE):
+        store.get(*old["a"])
+    assert reader.get(old["c"]) == "c" * 300
+    # Enough new objects to cover every old one.
+    new.update({k: store.put(k, k * 300) for k in ("B", "C", "D", "E")})
     for h in old.values():
         assert reader.get_error(h)[0] == "ValueError"
+    for k, h in new.items():
+        assert reader.get(h) == (k if k == "A" else k * 300)
+    # A second clear forgets what the first one kept readable.
+    store.clear()
+    assert reader.get(new["E"]) == "E" * 300
     reader.stop()
 
 
@@ -714,7 +754,8 @@ def test_writer_attributes():
     hb = store.put("b", 2)
     assert {k: tuple(v) for k, v in store.key_index.items()} == {"a": tuple(ha), "b": tuple(hb)}
     assert store.id_index == {ha[1]: "a", hb[1]: "b"}
-    assert isinstance(store.writer_flag, dict)
+    assert isinstance(store.writer_flag, Mapping)
+    assert store.writer_flag == {ha[1]: 1, hb[1]: 1}
     assert set(store.writer_flag) <= {ha[1], hb[1]}
     reader = ObjectStorage.create_from_handle(store.handle())
     assert reader.is_writer is False
@@ -737,7 +778,7 @@ def test_handle_is_picklable_and_opens_a_reader(kids):
     h = store.put("k", {"x": (1, 2)})
     reader = ObjectStorage.create_from_handle(pickle.loads(pickle.dumps(handle)))
     assert reader.is_writer is False
-    assert reader.get(*h) == {"x": (1, 2)}
+    assert reader.get(*h, store.get_signature("k"), "k") == {"x": (1, 2)}
     with pytest.raises(RuntimeError, match="(?i)writer"):
         reader.put("x", 1)
     (child,) = start_readers(kids, store, 1)
@@ -808,7 +849,10 @@ def test_absurd_handle_is_refused_with_value_error(absurd_results, side, case):
     get_result, _access, _count = absurd_results[(side, case)]
     assert get_result[0] == "raised", f"get() returned {get_result[1]}"
     exc_type, message = get_result[1], get_result[2]
-    assert exc_type == "ValueError" and STALE in message, f"{exc_type}: {message}"
+    # A reader refuses a handle that cannot even be signed (an int out of range) for its
+    # signature; every other one for what is, or is not, at the address.
+    refused = STALE in message or (side == "reader" and SIGNATURE_REFUSED in message)
+    assert exc_type == "ValueError" and refused, f"{exc_type}: {message}"
 
 
 # ---------------------------------------------------------------------------------
@@ -849,7 +893,7 @@ def test_abandoned_writer_leaves_a_readable_segment(kids):
         assert os.path.exists(os.path.join(SHM_DIR, name)), "the abandoned segment should still be there"
         reader = ObjectStorage.create_from_handle(pickle.loads(blob))
         for k, h in handles.items():
-            assert canon(reader.get(*h)) == canon(values[k])
+            assert canon(signed_get(reader, *h)) == canon(values[k])
         del reader
         gc.collect()
     finally:

@@ -196,20 +196,28 @@ def test_unpickling_a_missing_segment_in_a_child(children):
 
 
 def test_handle_is_a_dataclass_with_the_engine_fields():
+    # vLLM 0.33's fields, in its order (positional construction works as in vLLM), then
+    # shmq's own, with defaults.
     names = [f.name for f in dataclasses.fields(Handle)]
-    assert names[:5] == [
+    assert names == [
         "local_reader_ranks",
         "buffer_handle",
         "local_subscribe_addr",
+        "local_notify_addr",
         "remote_subscribe_addr",
         "remote_addr_ipv6",
+        "tensor_arena_handle",
+        "arena_name",
+        "remote_secret",
     ]
     h = Handle()
     assert h.local_reader_ranks == []
     assert h.buffer_handle is None
     assert h.local_subscribe_addr is None
+    assert h.local_notify_addr is None
     assert h.remote_subscribe_addr is None
     assert h.remote_addr_ipv6 is False
+    assert h.tensor_arena_handle is None
 
 
 def test_handle_round_trips_through_a_child_and_its_reader_works(children):

@@ -482,17 +482,40 @@ def test_serialize_returns_consistent_sizes_and_the_store_layout(serde, case):
     stored = bytes(metadata) + b"".join(bytes(memoryview(p)) for p in parts)
     assert len(stored) == md_nbytes + nbytes
     assert canon(serde().deserialize(memoryview(stored))) == canon(value)
-    # In the store: [4-byte reader count][metadata][data], the chunk size counting the
-    # 8 header bytes too.
+    # In the store: [0-3 pad][4-byte reader count][n][n x (offset, len)][parts], offsets
+    # from the start of the chunk's data. A built-in serde's parts are its own (the
+    # tree or pickle stream, then the raw buffers, each on a 64-byte boundary of the
+    # ring); a custom serde's are its metadata and data, back to back, as in vLLM.
     ring = RingBuffer(1 << 16, create=True)
     store = ObjectStorage(1 << 14, 1, ring, serde_class=serde)
+    ring.allocate_buf(3)  # the object's chunk starts at an odd offset (11)
+    builtin = serde is not PartsSerde
+    stored_parts = [bytes(memoryview(p)) for p in serde()._store_parts(value)] if builtin else [bytes(metadata)] + [
+        bytes(memoryview(p)) for p in parts
+    ]
     address, mid = store.put("k", value)
+    assert address == 11
+    data_offset = address + 8
+    pad = -data_offset % 4
     with ring.access_buf(address) as (view, (hid, size)):
-        assert hid == mid
-        assert size == 8 + 4 + md_nbytes + nbytes
-        assert int.from_bytes(view[:4], "little") == 0
-        assert bytes(view[4 : 4 + md_nbytes]) == bytes(metadata)
-        assert bytes(view[4 + md_nbytes : 4 + md_nbytes + nbytes]) == b"".join(bytes(memoryview(p)) for p in parts)
+        assert hid == mid and size == 8 + len(view)
+        assert int.from_bytes(view[pad : pad + 4], "little") == 0, "the reader count starts at 0"
+        assert (data_offset + pad) % 4 == 0, "the reader count is 4-byte aligned"
+        n = int.from_bytes(view[pad + 4 : pad + 8], "little")
+        assert n == len(stored_parts)
+        at = pad + 8 + 8 * n
+        for i, expected in enumerate(stored_parts):
+            entry = pad + 8 + 8 * i
+            off = int.from_bytes(view[entry : entry + 4], "little")
+            length = int.from_bytes(view[entry + 4 : entry + 8], "little")
+            assert bytes(view[off : off + length]) == expected
+            if builtin and i >= 1:
+                assert (data_offset + off) % 64 == 0, "raw buffers are 64-byte aligned in the ring"
+                assert off - at < 64, "no more padding than alignment needs"
+            else:
+                assert off == at, "parts follow each other"
+            at = off + length
+        assert at == len(view), "the chunk is sized exactly"
     assert canon(store.get(address, mid)) == canon(value)
 
 

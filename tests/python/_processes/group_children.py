@@ -198,7 +198,7 @@ def stateless_expiry_member(out: Any, port: int, rank: int, expiration: float, r
         pg.send_obj("new", dst=1)  # send_obj expires too; "new" is fresh and stays
         pg.expire_data()
         report["new_after_expire"] = pg.store.check([new_key])
-        report["entries"] = [key for _, key in pg.entries]
+        report["entries"] = [key for key, _ in pg.entries]
         pg.barrier(timeout=STEP)
     else:
         report["got"] = [pg.recv_obj(0)]

@@ -1,0 +1,173 @@
+"""shmq inside vLLM: a ``vllm.general_plugins`` entry point.
+
+``pip install 'shmq[vllm]'`` registers :func:`register` under vLLM's
+``vllm.general_plugins`` group. vLLM calls it in every one of its processes (API server,
+engine core, workers) when it loads its plugins. With ``SHMQ_VLLM=1`` in the
+environment it puts shmq's classes in place of vLLM's:
+
+======================================================  =================================
+vLLM 0.33                                               shmq
+======================================================  =================================
+``shm_broadcast.MessageQueue``                          :class:`shmq.MessageQueue`
+``shm_broadcast.Handle``                                :class:`shmq.Handle`
+``shm_broadcast.ShmRingBuffer``                         :class:`shmq.ShmRingBuffer`
+``shm_object_storage.SingleWriterShmRingBuffer``        :class:`shmq.RingBuffer`
+``shm_object_storage.SingleWriterShmObjectStorage``     :class:`shmq.ObjectStorage`
+``shm_object_storage.ShmObjectStorageHandle``           :class:`shmq.ObjectStorageHandle`
+======================================================  =================================
+
+(modules under ``vllm.distributed.device_communicators``). The names are replaced in
+those two modules, so code that imports them later gets shmq's, and in every ``vllm.*``
+module already imported that bound one of them at load time (``from
+...shm_broadcast import MessageQueue`` in the executor, the multimodal cache...). vLLM's
+serdes (``MsgpackSerde``, which knows vLLM's multimodal items) stay vLLM's: shmq's store
+takes any serde. One INFO line per process says the plugin is on (through vLLM's
+logger, or on stderr where vLLM has not set up its logging yet); without
+``SHMQ_VLLM=1`` the plugin does nothing at all.
+
+The plugin can also be switched on by hand, before vLLM builds its queues::
+
+    import shmq.vllm_plugin
+    shmq.vllm_plugin.activate()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+__all__ = ["ENV", "REPLACED", "activate", "is_active", "register"]
+
+#: The environment variable that turns the plugin on (``1``, ``true``, ``yes``, ``on``).
+ENV = "SHMQ_VLLM"
+
+_SHM_BROADCAST = "vllm.distributed.device_communicators.shm_broadcast"
+_SHM_OBJECT_STORAGE = "vllm.distributed.device_communicators.shm_object_storage"
+
+#: module → names that the plugin replaces there (with shmq's class of the same role).
+REPLACED: dict[str, tuple[str, ...]] = {
+    _SHM_BROADCAST: ("MessageQueue", "Handle", "ShmRingBuffer"),
+    _SHM_OBJECT_STORAGE: ("SingleWriterShmRingBuffer", "SingleWriterShmObjectStorage", "ShmObjectStorageHandle"),
+}
+
+#: The vLLM version the replacement was checked against.
+TESTED_VLLM = "0.33"
+
+# vLLM's classes that were replaced, by id, with their shmq replacement.
+_replaced: dict[int, tuple[Any, Any]] = {}
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _logger() -> logging.Logger:
+    # A "vllm." logger, so the line goes through vLLM's logging configuration.
+    try:
+        from vllm.logger import init_logger
+
+        return init_logger("vllm.plugins.shmq")
+    except Exception:  # pragma: no cover - vLLM without its logger
+        return logging.getLogger("vllm.plugins.shmq")
+
+
+def register() -> None:
+    """vLLM's entry point (``vllm.general_plugins``): activate shmq if ``SHMQ_VLLM=1``."""
+    if _enabled():
+        activate()
+
+
+def is_active() -> bool:
+    """Whether shmq's classes are in place of vLLM's in this process."""
+    return bool(_replaced)
+
+
+def _shmq_classes() -> dict[str, Any]:
+    import shmq
+
+    return {
+        "MessageQueue": shmq.MessageQueue,
+        "Handle": shmq.Handle,
+        "ShmRingBuffer": shmq.ShmRingBuffer,
+        "SingleWriterShmRingBuffer": shmq.RingBuffer,
+        "SingleWriterShmObjectStorage": shmq.ObjectStorage,
+        "ShmObjectStorageHandle": shmq.ObjectStorageHandle,
+    }
+
+
+def activate() -> None:
+    """Put shmq's classes in place of vLLM's in this process (idempotent). Raises if
+    vLLM's modules cannot be imported: whoever asked for shmq should hear that it is
+    not in use."""
+    import importlib
+
+    ours = _shmq_classes()
+    newly = []
+    for module_name, names in REPLACED.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            current = getattr(module, name)
+            if current is ours[name]:
+                continue
+            _replaced[id(current)] = (current, ours[name])
+            setattr(module, name, ours[name])
+            newly.append(name)
+    rebound = _rebind_loaded_modules()
+    if newly:
+        _announce(
+            f"shmq {_shmq_version()} plugin active (pid {os.getpid()}): vLLM's {', '.join(newly)} are shmq's"
+            + (f"; also rebound in {rebound} module(s) that imported them" if rebound else "")
+        )
+        version = _vllm_version()
+        if version and not version.startswith(TESTED_VLLM + "."):
+            _logger().warning("shmq's vLLM plugin was checked against vLLM %s.x, this is %s", TESTED_VLLM, version)
+
+
+def _announce(message: str) -> None:
+    """One INFO line through vLLM's logger; on stderr instead if vLLM has not set up its
+    logging in this process yet (its API server loads plugins before that), so that
+    the line is never lost."""
+    log = _logger()
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info(message)
+    else:
+        sys.stderr.write(f"INFO {message}\n")
+        sys.stderr.flush()
+
+
+def _rebind_loaded_modules() -> int:
+    """Replace vLLM's classes in every loaded ``vllm.*`` module that bound them at load
+    time; returns how many modules changed."""
+    changed = 0
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "vllm" or module_name.startswith("vllm.")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        hit = False
+        for attr, value in list(namespace.items()):
+            # Any name, aliases included (`from ... import MessageQueue as MQ`).
+            swap = _replaced.get(id(value))
+            if swap is not None and swap[0] is value:
+                namespace[attr] = swap[1]
+                hit = True
+        changed += hit
+    return changed
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:  # pragma: no cover
+        return ""
+
+
+def _shmq_version() -> str:
+    from . import __version__
+
+    return __version__
