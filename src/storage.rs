@@ -52,7 +52,7 @@
 use std::collections::{HashMap, HashSet};
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
@@ -60,6 +60,9 @@ use sha2::{Digest, Sha256};
 
 use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES, ID_MAX};
 use crate::error::{Error, Result};
+use crate::liveness::{Liveness, LockProbe};
+use crate::pins::{Pin, Pins};
+use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::segment::{unique_name, Segment};
 
@@ -70,6 +73,8 @@ pub const STORE_LAYOUT_VERSION: u32 = 2;
 const RING_OFFSET: usize = 4096;
 const PUBLISHED_OFFSET: usize = 64;
 const SECRET_OFFSET: usize = 128;
+/// Where the count of zero-copy gets still holding a pin is (see `StoreSegment::pin_hint`).
+const PIN_HINT_OFFSET: usize = 192;
 /// Bytes of the handle-signing secret (vLLM's `AUTH_SECRET_BYTES`).
 pub const SECRET_BYTES: usize = 32;
 /// Bytes of a handle signature (one SHA-256 digest).
@@ -113,7 +118,8 @@ struct Published {
 }
 const _: () = assert!(std::mem::size_of::<Published>() == 64);
 const _: () = assert!(PUBLISHED_OFFSET + 64 <= SECRET_OFFSET);
-const _: () = assert!(SECRET_OFFSET + SECRET_BYTES <= RING_OFFSET);
+const _: () = assert!(SECRET_OFFSET + SECRET_BYTES <= PIN_HINT_OFFSET);
+const _: () = assert!(PIN_HINT_OFFSET + 8 <= RING_OFFSET);
 
 /// One consistent reading of [`Published`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -154,6 +160,12 @@ pub struct StoreSegment {
     ring: NonNull<u8>,
     capacity: u64,
     signer: Signer,
+    /// This process's pins of chunks it has zero-copy views of (see [`ChunkPin`]).
+    pins: Arc<Pins>,
+    /// The writer's probe of every process's pins (`None` on readers).
+    probe: Option<LockProbe>,
+    /// A read-only descriptor to map object parts privately (opened at the first view).
+    private: OnceLock<PrivateFile>,
 }
 
 // SAFETY: `ring` points into `segment`'s mapping, alive as long as `self`. Shared state
@@ -235,6 +247,10 @@ impl StoreSegment {
         // SAFETY: RING_OFFSET < total.
         let ring = unsafe { NonNull::new_unchecked(base.as_ptr().add(RING_OFFSET)) };
         let s = StoreSegment {
+            pins: Arc::new(Pins::new(name)),
+            // Opened now, while the name surely is this segment's.
+            probe: Some(LockProbe::open(name)),
+            private: OnceLock::new(),
             segment,
             ring,
             capacity,
@@ -294,6 +310,9 @@ impl StoreSegment {
         // SAFETY: RING_OFFSET < segment.len().
         let ring = unsafe { NonNull::new_unchecked(base.as_ptr().add(RING_OFFSET)) };
         Ok(StoreSegment {
+            pins: Arc::new(Pins::new(name)),
+            probe: None,
+            private: OnceLock::new(),
             segment,
             ring,
             capacity,
@@ -510,6 +529,43 @@ impl StoreSegment {
         (p, h.size as usize - HEADER_BYTES as usize)
     }
 
+    /// How many zero-copy gets hold a pin (or are taking one) in any process: while it
+    /// is 0 the writer need not probe for pins. A reader that dies keeps it above 0,
+    /// which only makes the writer probe.
+    fn pin_hint(&self) -> &AtomicU64 {
+        // SAFETY: PIN_HINT_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
+        // mapping and 8-aligned (it is page-aligned). A peer that writes it can make the
+        // writer probe needlessly, or (set to 0 under a live view) reuse memory a view
+        // still shows: what any process that may write the segment can do anyway.
+        unsafe { &*(self.segment.as_ptr().add(PIN_HINT_OFFSET) as *const AtomicU64) }
+    }
+
+    /// Writer: whether some process may hold a zero-copy view of the chunk at ring offset
+    /// `offset`. Call it after marking the chunk as no longer its object (its header
+    /// stamped, or the clear published): see [`crate::pins`] for why a view cannot be
+    /// missed then. A probe that cannot tell answers "pinned" (the memory is kept).
+    fn is_pinned(&self, offset: u64) -> bool {
+        // SeqCst fence and load: with the reader's SeqCst increment and fence in
+        // `pin_chunk`, either this load sees the increment or the reader's check sees
+        // our mark (store buffering is ruled out on both sides).
+        fence(Ordering::SeqCst);
+        if self.pin_hint().load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        self.probe
+            .as_ref()
+            .is_none_or(|p| p.liveness(pin_byte(offset)) != Liveness::Dead)
+    }
+
+    /// The read-only descriptor that object parts are mapped privately from.
+    fn private_file(&self) -> Result<&PrivateFile> {
+        if let Some(f) = self.private.get() {
+            return Ok(f);
+        }
+        let f = PrivateFile::open(self.name())?;
+        Ok(self.private.get_or_init(|| f))
+    }
+
     /// The HMAC-SHA256 that signs the handle `(address, id)` of `key`.
     pub fn sign(&self, key: &str, address: u64, id: u32) -> [u8; SIGNATURE_BYTES] {
         self.keyed_mac(key, address, id)
@@ -533,6 +589,12 @@ impl StoreSegment {
             .verify_slice(signature)
             .map_err(|_| Error::BadSignature { missing: false })
     }
+}
+
+/// The byte of the segment's file whose read locks pin the chunk at ring offset
+/// `offset` (the ring starts a page into the file; byte 0 is the creator's role lock).
+fn pin_byte(offset: u64) -> u64 {
+    RING_OFFSET as u64 + offset
 }
 
 fn writer_only(what: &str) -> Error {
@@ -664,12 +726,18 @@ impl ChunkRing {
             // SAFETY: a live chunk of ours lies inside the ring (allocator invariant);
             // readers only read it, and a peer writing it can only change what `is_free`
             // decides.
-            let free = is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) });
-            if free {
-                // Stamp the header too (published with the new id_start below).
-                segment.store_u32(h.offset, INVALID_ID);
+            if !is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) }) {
+                return false;
             }
-            free
+            // Stamp the header (published with the new id_start below), then look for
+            // zero-copy views: a reader that pins it from now on sees the stamp.
+            segment.store_u32(h.offset, INVALID_ID);
+            if segment.is_pinned(h.offset) {
+                // Some process still has views: keep the chunk (and all after it).
+                segment.store_u32(h.offset, c.id);
+                return false;
+            }
+            true
         });
         if freed.count > 0 {
             segment.publish_ids(&w.alloc);
@@ -678,7 +746,9 @@ impl ChunkRing {
     }
 
     /// Forget every chunk (writer only). Ids keep counting and addresses restart at 0;
-    /// handles issued before keep reading their data until the memory is reused.
+    /// handles issued before keep reading their data until the memory is reused. If a
+    /// process holds a zero-copy view of some chunk, nothing moves instead: the chunks
+    /// stay, to be freed oldest first like unused objects, each once no view holds it.
     pub fn clear(&mut self) -> Result<()> {
         let segment = &*self.segment;
         let w = self
@@ -687,6 +757,34 @@ impl ChunkRing {
             .ok_or_else(|| writer_only("clear the buffer"))?;
         let capacity = segment.capacity();
         let (cleared_start, cleared_end) = (w.alloc.id_start(), w.alloc.id_end());
+        // The writer alone publishes: its snapshot is what it last published.
+        let before = segment.snapshot().unwrap_or_default();
+        // Publish first that every live chunk is cleared, then look for zero-copy views:
+        // a reader that pins one from now on sees it cleared and copies instead.
+        segment.publish(|p| {
+            // Relaxed: inside the seqlock (see `publish`).
+            p.id_start.store(cleared_end, Ordering::Relaxed);
+            p.cleared_start.store(cleared_start, Ordering::Relaxed);
+            p.cleared_end.store(cleared_end, Ordering::Relaxed);
+            p.overwritten.store(0, Ordering::Relaxed);
+        });
+        if w.alloc
+            .live()
+            .any(|c| segment.is_pinned(c.offset(capacity)))
+        {
+            // Some process has views of a chunk: keep every chunk where it is (the store
+            // forgets their keys; they are freed oldest first once no view holds them)
+            // and put the published state back.
+            segment.publish(|p| {
+                // Relaxed: inside the seqlock (see `publish`).
+                p.cleared_start
+                    .store(before.cleared_start, Ordering::Relaxed);
+                p.cleared_end.store(before.cleared_end, Ordering::Relaxed);
+                p.overwritten.store(before.overwritten, Ordering::Relaxed);
+            });
+            segment.publish_ids(&w.alloc);
+            return Ok(());
+        }
         w.cleared_end_offset = w
             .alloc
             .live()
@@ -1097,11 +1195,23 @@ pub fn read_object<R>(
     count_read: bool,
     f: impl FnOnce(&ObjectView<'_>) -> R,
 ) -> Result<R> {
+    let h = object_header(segment, address, id)?;
+    read_header(segment, h, address, id, count_read, f)
+}
+
+/// [`read_object`] from a header found valid for `(address, id)`.
+fn read_header<R>(
+    segment: &StoreSegment,
+    h: ChunkHeader,
+    address: u64,
+    id: u32,
+    count_read: bool,
+    f: impl FnOnce(&ObjectView<'_>) -> R,
+) -> Result<R> {
     let stale = || Error::StaleObject {
         address,
         id: id as u64,
     };
-    let h = object_header(segment, address, id)?;
     let (p, n) = segment.data_ptr(&h);
     // SAFETY: the range is inside the ring (header_at). The writer does not overwrite a
     // live object until every reader has counted its read, which we do only after `f`;
@@ -1120,6 +1230,123 @@ pub fn read_object<R>(
         segment.count(count_at).fetch_add(1, Ordering::Release);
     }
     Ok(out)
+}
+
+/// Keeps an object's chunk from being freed or overwritten while zero-copy views of it
+/// live in this process (a read lock on a byte of the segment's file, see
+/// [`crate::pins`]); shared by the views of one `get`.
+#[derive(Debug)]
+pub struct ChunkPin {
+    segment: Arc<StoreSegment>,
+    _pin: Pin,
+    made_in: u64,
+}
+
+impl Drop for ChunkPin {
+    fn drop(&mut self) {
+        // A forked child's copy counts nothing: the hint is its parent's to decrement.
+        if !crate::fork::is_inherited(self.made_in) {
+            // Relaxed: only tells the writer whether to probe; the lock (released right
+            // after, with the field) is what the writer relies on.
+            self.segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A private, copy-on-write mapping of one part of a stored object: zero-copy to read;
+/// a write copies the touched pages, never reaching the writer or another reader. The
+/// object's chunk is not reused while it lives.
+#[derive(Debug)]
+pub struct PartView {
+    map: PrivateMap,
+    _pin: Arc<ChunkPin>,
+}
+
+impl PartView {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+impl std::ops::Deref for PartView {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+/// What [`read_object_viewed`] offers to map parts of the object it reads.
+pub struct ObjectViews<'a> {
+    segment: &'a StoreSegment,
+    pin: Arc<ChunkPin>,
+    /// Ring offset of the chunk's data.
+    data_offset: u64,
+}
+
+impl ObjectViews<'_> {
+    /// A private mapping of part `i` of `object` (the object being read).
+    pub fn map(&self, object: &ObjectView<'_>, i: usize) -> Result<PartView> {
+        let (off, len) = object.entry(i);
+        let at = RING_OFFSET as u64 + self.data_offset + off as u64;
+        Ok(PartView {
+            map: self.segment.private_file()?.map(at, len)?,
+            _pin: self.pin.clone(),
+        })
+    }
+}
+
+/// Pin the chunk of `h` if it holds a live object (not a cleared one, which the writer
+/// reuses without looking for pins); `None` if it does not, or cannot be pinned.
+fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<Arc<ChunkPin>> {
+    // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned`.
+    segment.pin_hint().fetch_add(1, Ordering::SeqCst);
+    let made_in = crate::fork::generation();
+    let Ok(pin) = segment.pins.pin(pin_byte(h.offset)) else {
+        // Relaxed: see `ChunkPin::drop`.
+        segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+        return None;
+    };
+    let pin = ChunkPin {
+        segment: segment.clone(),
+        _pin: pin,
+        made_in,
+    };
+    // SeqCst fence: the checks below come after the increment (and the lock) in the
+    // order the writer's `is_pinned` is part of. If they pass, the writer will see the
+    // pin before it frees or clears the chunk; if the writer marked it first, they fail.
+    fence(Ordering::SeqCst);
+    let live = segment.load_u32(h.offset) == h.id
+        && segment
+            .snapshot()
+            .is_some_and(|s| id_in(h.id, s.id_start, s.id_end));
+    live.then(|| Arc::new(pin))
+}
+
+/// [`read_object`], and `f` may also map parts privately (`Some` views) to keep them
+/// beyond the call: the chunk then stays until the last of them is dropped. `None` when
+/// the object cannot be viewed (a cleared object, or pinning failed): copy instead.
+pub fn read_object_viewed<R>(
+    segment: &Arc<StoreSegment>,
+    address: u64,
+    id: u32,
+    count_read: bool,
+    f: impl FnOnce(&ObjectView<'_>, Option<&ObjectViews<'_>>) -> R,
+) -> Result<R> {
+    let h = object_header(segment, address, id)?;
+    let views = pin_chunk(segment, &h).map(|pin| ObjectViews {
+        segment,
+        pin,
+        data_offset: h.offset + HEADER_BYTES,
+    });
+    read_header(segment, h, address, id, count_read, |object| {
+        f(object, views.as_ref())
+    })
 }
 
 /// The reader count of the object at `(address, id)` (for inspection and tests).
@@ -1254,6 +1481,49 @@ mod tests {
         s.put(&mut ring, "k3", &[&[3u8; 150]], 1).unwrap();
         assert!(s.entry("k").is_none());
         assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+    }
+
+    #[test]
+    fn a_private_view_keeps_its_object_from_eviction_and_clear() {
+        let (mut ring, mut s) = store(3 * 8192, 9000, 1);
+        let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
+        s.put(&mut ring, "b", &[b"head", &[8u8; 8000]], 1).unwrap();
+        let seg = ring.segment().clone();
+        let mut view = read_object_viewed(&seg, a, i, true, |object, views| {
+            views.expect("a live object can be viewed").map(object, 1)
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(&view[..], &[7u8; 8000][..]);
+        // Read (its count says free) but viewed: neither eviction nor clear reuses it.
+        assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+        s.clear(&mut ring).unwrap();
+        assert!(s.is_empty());
+        s.put(&mut ring, "c", &[b"head", &[9u8; 8000]], 1).unwrap();
+        assert!(matches!(
+            s.put(&mut ring, "d", &[b"head", &[1u8; 8000]], 1),
+            Err(Error::Full(_))
+        ));
+        assert_eq!(&view[..], &[7u8; 8000][..]);
+        // A write into the view is private to it.
+        view.map[0] = 42;
+        assert_eq!(read_all(&seg, a, i, false).unwrap()[1][0], 7);
+        drop(view);
+        s.put(&mut ring, "d", &[b"head", &[1u8; 8000]], 1).unwrap();
+        assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+    }
+
+    #[test]
+    fn a_cleared_object_is_read_but_not_viewed() {
+        let (mut ring, mut s) = store(3 * 8192, 9000, 1);
+        let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
+        s.clear(&mut ring).unwrap();
+        let seg = ring.segment().clone();
+        let viewed = read_object_viewed(&seg, a, i, true, |object, views| {
+            (views.is_some(), object.part(1).to_vec())
+        })
+        .unwrap();
+        assert_eq!(viewed, (false, vec![7u8; 8000]));
     }
 
     #[test]

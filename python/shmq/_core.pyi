@@ -6,6 +6,7 @@ __version__: str
 segment_prefix: str
 
 _RingTuple = tuple[int, int, int, str]
+
 class _HandleFields(TypedDict):
     local_reader_ranks: list[int]
     buffer_handle: Optional[_RingTuple]
@@ -13,6 +14,7 @@ class _HandleFields(TypedDict):
     remote_subscribe_addr: Optional[str]
     remote_addr_ipv6: bool
     arena_name: Optional[str]
+
 # A received message: plain bytes, or the body and its out-of-band buffers (bytearray
 # copies of small ones, writable memoryviews of private memory for large ones).
 _Message = bytes | tuple[bytes, list[bytearray | memoryview]]
@@ -174,9 +176,7 @@ class ObjectStore:
         split: bool,
     ) -> Any: ...
     def touch(self, key: Any, address: int, id: int, signature: Optional[list[int]]) -> None: ...
-    def verify_signature(
-        self, key: Optional[str], address: int, id: int, signature: Optional[list[int]]
-    ) -> None: ...
+    def verify_signature(self, key: Optional[str], address: int, id: int, signature: Optional[list[int]]) -> None: ...
     def get_signature(self, key: str) -> list[int]: ...
     def _sign(self, key: str, address: int, id: int) -> list[int]: ...
     def release_touches(self) -> None: ...

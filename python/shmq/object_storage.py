@@ -19,7 +19,11 @@ from . import _core
 from ._cleanup import track
 from .serde import MsgpackSerde, ObjectSerde, store_codec
 
-__all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer"]
+__all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer", "VIEW_THRESHOLD"]
+
+#: Default ``ObjectStorage.view_threshold``: below it a private mapping costs more than
+#: a copy.
+VIEW_THRESHOLD = 256 * 1024
 
 
 class _Closed:
@@ -284,8 +288,15 @@ class ObjectStorage:
         ring_buffer: RingBuffer,
         serde_class: type[ObjectSerde] = MsgpackSerde,
         reader_lock: Any = None,
+        *,
+        view_threshold: int = VIEW_THRESHOLD,
     ):
+        if type(view_threshold) is not int or view_threshold < 0:
+            raise ValueError(f"view_threshold must be an int >= 0, got {view_threshold!r}")
         self.max_object_size = max_object_size
+        #: Tensor and array data of this many bytes or more come out of ``get`` as views
+        #: of the shared memory; smaller ones as copies.
+        self.view_threshold = view_threshold
         self.n_readers = n_readers
         self.ring_buffer = ring_buffer
         self.serde_class = serde_class
@@ -300,8 +311,11 @@ class ObjectStorage:
             # array data 64-byte aligned in shared memory.
             self._parts, self._load = codec
             self._split = True
+            load = self._load
+            self._load_owned: Optional[Callable[[list[Any]], Any]] = lambda parts: load(parts, True)
         else:
             self._parts, self._load, self._split = None, self.ser_de.deserialize, False
+            self._load_owned = None
         if self.is_writer:
             self.key_index: Optional[Mapping[str, tuple[int, int]]] = _KeyIndex(self)
             self.id_index: Optional[Mapping[int, str]] = _IdIndex(self)
@@ -371,11 +385,22 @@ class ObjectStorage:
         monotonic_id: int,
         signature: Optional[list[int]] = None,
         key: Optional[str] = None,
+        copy: bool = False,
     ) -> Any:
         """The object at ``(address, monotonic_id)``. A reader needs the handle's
         ``signature`` and ``key`` (``ValueError`` "SHM handle signature" otherwise, before
         anything is read). ``ValueError`` ("has been modified or is invalid") if the
-        object was evicted, overwritten or never there."""
+        object was evicted, overwritten or never there.
+
+        With the built-in serdes, tensors and arrays of ``view_threshold`` bytes or more
+        come back as zero-copy views of the shared memory (``get`` costs the same for
+        any size): private copy-on-write mappings, writable, whose writes reach nobody
+        else. The object is not evicted (and ``clear()`` moves nothing) while a view of
+        it lives in any process; a process that dies drops its views. ``copy=True``
+        returns owned copies instead."""
+        load_owned = self._load_owned
+        if load_owned is not None and not copy:
+            return self._core.get(address, monotonic_id, signature, key, load_owned, True, self.view_threshold)
         return self._core.get(address, monotonic_id, signature, key, self._load, self._split)
 
     def touch(

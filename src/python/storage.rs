@@ -5,14 +5,14 @@ use std::sync::{Arc, Mutex};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
 
 use super::view::ShmView;
 use super::wait::lock;
 use crate::alloc::{Freed, ID_MAX};
 use crate::error::{stale_object_message, Error};
 use crate::storage::{
-    check_object, object_reader_count, read_object, ChunkRing as CoreRing,
+    check_object, object_reader_count, read_object, read_object_viewed, ChunkRing as CoreRing,
     ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
 };
 
@@ -394,7 +394,11 @@ impl ObjectStore {
     /// (`key`, `signature`). `deserialize` gets a memoryview of the object's bytes (its
     /// parts, contiguous), or with `split` a list of one memoryview per part. The read
     /// is counted on a reader, or on the writer if `count_writer_reads`.
-    #[pyo3(signature = (address, id, signature, key, deserialize, split))]
+    ///
+    /// With `view_from` (and `split`), the parts after the first are the caller's to
+    /// keep: those of `view_from` bytes or more are private copy-on-write views of the
+    /// shared memory (the object stays while any lives), smaller ones copies.
+    #[pyo3(signature = (address, id, signature, key, deserialize, split, view_from=None))]
     #[allow(clippy::too_many_arguments)] // the Python call's arguments, one by one
     fn get(
         &self,
@@ -405,6 +409,7 @@ impl ObjectStore {
         key: Option<&Bound<'_, PyAny>>,
         deserialize: &Bound<'_, PyAny>,
         split: bool,
+        view_from: Option<usize>,
     ) -> PyResult<Py<PyAny>> {
         let handle = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?);
         if !self.is_writer {
@@ -421,6 +426,44 @@ impl ObjectStore {
             return Err(PyValueError::new_err(stale_object_message(address, id)));
         };
         let count = !self.is_writer || self.count_writer_reads;
+        if let (Some(view_from), true) = (view_from, split) {
+            return read_object_viewed(&self.segment, a, i, count, |object, views| {
+                if object.is_empty() {
+                    return with_views(py, &self.segment, std::iter::empty(), true, |arg| {
+                        Ok(deserialize.call1((arg,))?.unbind())
+                    });
+                }
+                let list = PyList::empty(py);
+                list.append(py.None())?;
+                for k in 1..object.len() {
+                    let part = object.part(k);
+                    match views {
+                        Some(views) if part.len() >= view_from => {
+                            let v = Arc::new(views.map(object, k)?);
+                            let (ptr, len) = (v.as_ptr(), v.len());
+                            // SAFETY: the private mapping is `len` bytes at `ptr`, alive as
+                            // long as `v`, which the view owns.
+                            let view = Bound::new(py, unsafe { ShmView::new(v, ptr, len) })?;
+                            list.append(PyMemoryView::from(view.as_any())?)?;
+                        }
+                        _ => list.append(PyByteArray::new(py, part))?,
+                    }
+                }
+                with_views(
+                    py,
+                    &self.segment,
+                    std::iter::once(object.part(0)),
+                    false,
+                    |head| {
+                        list.set_item(0, head)?;
+                        let out = deserialize.call1((&list,));
+                        // The first part is read in place: let the list not keep it.
+                        list.set_item(0, py.None())?;
+                        Ok(out?.unbind())
+                    },
+                )
+            })?;
+        }
         read_object(&self.segment, a, i, count, |object| {
             let spans: Vec<&[u8]> = if split {
                 (0..object.len()).map(|k| object.part(k)).collect()

@@ -25,6 +25,7 @@ from .roles import (
 )
 from .transports import Transport
 
+
 @dataclass
 class Params:
     """How much each scenario measures."""
@@ -281,42 +282,77 @@ def _floor_store(params: Params) -> dict[str, float]:
 
 
 SCENARIOS: list[Scenario] = [
-    Scenario("latency", "one-way latency (ping-pong)", _bench_latency, [
-        Metric("p50", "one-way latency, small object, p50", "us", False),
-        Metric("p99", "one-way latency, small object, p99", "us", False),
-    ]),
-    Scenario("latency_remote", "one-way latency over TCP", _bench_latency_remote, [
-        Metric("p50", "one-way latency over TCP (remote reader), p50", "us", False),
-        Metric("p99", "one-way latency over TCP (remote reader), p99", "us", False),
-    ], only=("shmq", "pyzmq")),
-    Scenario("throughput1", "throughput, 1 reader", partial(_bench_throughput, n_readers=1), [
-        Metric("rate", "throughput, small objects, 1 reader", "obj/s", True),
-    ]),
-    Scenario("throughput3", "throughput, 3 readers", partial(_bench_throughput, n_readers=3), [
-        Metric("rate", "throughput, small objects, 3 readers", "obj/s", True),
-    ]),
-    Scenario("idle", "idle reader", _bench_idle, [
-        Metric("cpu_pct", "idle reader: CPU while blocked", "%", False),
-        Metric("wake_p50", "idle reader: wake-up latency, p50", "us", False),
-        Metric("wake_p99", "idle reader: wake-up latency, p99", "us", False),
-    ]),
+    Scenario(
+        "latency",
+        "one-way latency (ping-pong)",
+        _bench_latency,
+        [
+            Metric("p50", "one-way latency, small object, p50", "us", False),
+            Metric("p99", "one-way latency, small object, p99", "us", False),
+        ],
+    ),
+    Scenario(
+        "latency_remote",
+        "one-way latency over TCP",
+        _bench_latency_remote,
+        [
+            Metric("p50", "one-way latency over TCP (remote reader), p50", "us", False),
+            Metric("p99", "one-way latency over TCP (remote reader), p99", "us", False),
+        ],
+        only=("shmq", "pyzmq"),
+    ),
+    Scenario(
+        "throughput1",
+        "throughput, 1 reader",
+        partial(_bench_throughput, n_readers=1),
+        [
+            Metric("rate", "throughput, small objects, 1 reader", "obj/s", True),
+        ],
+    ),
+    Scenario(
+        "throughput3",
+        "throughput, 3 readers",
+        partial(_bench_throughput, n_readers=3),
+        [
+            Metric("rate", "throughput, small objects, 3 readers", "obj/s", True),
+        ],
+    ),
+    Scenario(
+        "idle",
+        "idle reader",
+        _bench_idle,
+        [
+            Metric("cpu_pct", "idle reader: CPU while blocked", "%", False),
+            Metric("wake_p50", "idle reader: wake-up latency, p50", "us", False),
+            Metric("wake_p99", "idle reader: wake-up latency, p99", "us", False),
+        ],
+    ),
     *_tensor_scenarios(),
 ]
 
 FLOORS: list[Floor] = [
-    Floor("store", "object store", _floor_store, [
-        Metric("put_us", "object store: put, small object", "us", False),
-        Metric("get_us", "object store: get, small object", "us", False),
-        Metric("big_put", "object store: put, 4 MiB float32 tensor", "GB/s", True),
-        Metric("big_get", "object store: get, 4 MiB float32 tensor", "GB/s", True),
-    ]),
-    Floor("pickle", "pickle only", _floor_pickle, [
-        Metric("serial_us", "pickle only: dumps+loads, per object", "us", False),
-        Metric("serial_rate", "pickle only: dumps+loads, rate", "obj/s", True),
-        Metric("parallel_rate", "pickle only: slower of dumps/loads, rate", "obj/s", True),
-    ]),
+    Floor(
+        "store",
+        "object store",
+        _floor_store,
+        [
+            Metric("put_us", "object store: put, small object", "us", False),
+            Metric("get_us", "object store: get, small object", "us", False),
+            Metric("big_put", "object store: put, 4 MiB float32 tensor", "GB/s", True),
+            Metric("big_get", "object store: get, 4 MiB float32 tensor", "GB/s", True),
+        ],
+    ),
+    Floor(
+        "pickle",
+        "pickle only",
+        _floor_pickle,
+        [
+            Metric("serial_us", "pickle only: dumps+loads, per object", "us", False),
+            Metric("serial_rate", "pickle only: dumps+loads, rate", "obj/s", True),
+            Metric("parallel_rate", "pickle only: slower of dumps/loads, rate", "obj/s", True),
+        ],
+    ),
 ]
-
 
 
 # The encoder-cache hand-off rows live in their own module (which imports this one).
