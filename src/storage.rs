@@ -1281,23 +1281,28 @@ impl std::ops::Deref for PartView {
     }
 }
 
-/// What [`read_object_viewed`] offers to map parts of the object it reads.
+/// What [`read_object_viewed`] offers to map parts of the object it reads. The chunk is
+/// pinned at the first [`ObjectViews::map`] (objects read without views cost no pin).
 pub struct ObjectViews<'a> {
-    segment: &'a StoreSegment,
-    pin: Arc<ChunkPin>,
-    /// Ring offset of the chunk's data.
-    data_offset: u64,
+    segment: &'a Arc<StoreSegment>,
+    header: ChunkHeader,
+    pin: std::cell::OnceCell<Option<Arc<ChunkPin>>>,
 }
 
 impl ObjectViews<'_> {
-    /// A private mapping of part `i` of `object` (the object being read).
-    pub fn map(&self, object: &ObjectView<'_>, i: usize) -> Result<PartView> {
+    /// A private mapping of part `i` of `object` (the object being read); `None` when
+    /// the object cannot be viewed (a cleared object, or pinning failed): copy instead.
+    pub fn map(&self, object: &ObjectView<'_>, i: usize) -> Result<Option<PartView>> {
+        let pin = self
+            .pin
+            .get_or_init(|| pin_chunk(self.segment, &self.header));
+        let Some(pin) = pin else { return Ok(None) };
         let (off, len) = object.entry(i);
-        let at = RING_OFFSET as u64 + self.data_offset + off as u64;
-        Ok(PartView {
+        let at = RING_OFFSET as u64 + self.header.offset + HEADER_BYTES + off as u64;
+        Ok(Some(PartView {
             map: self.segment.private_file()?.map(at, len)?,
-            _pin: self.pin.clone(),
-        })
+            _pin: pin.clone(),
+        }))
     }
 }
 
@@ -1328,24 +1333,23 @@ fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<Arc<ChunkPi
     live.then(|| Arc::new(pin))
 }
 
-/// [`read_object`], and `f` may also map parts privately (`Some` views) to keep them
-/// beyond the call: the chunk then stays until the last of them is dropped. `None` when
-/// the object cannot be viewed (a cleared object, or pinning failed): copy instead.
+/// [`read_object`], and `f` may also map parts privately (through `views`) to keep
+/// them beyond the call: the chunk then stays until the last of them is dropped.
 pub fn read_object_viewed<R>(
     segment: &Arc<StoreSegment>,
     address: u64,
     id: u32,
     count_read: bool,
-    f: impl FnOnce(&ObjectView<'_>, Option<&ObjectViews<'_>>) -> R,
+    f: impl FnOnce(&ObjectView<'_>, &ObjectViews<'_>) -> R,
 ) -> Result<R> {
     let h = object_header(segment, address, id)?;
-    let views = pin_chunk(segment, &h).map(|pin| ObjectViews {
+    let views = ObjectViews {
         segment,
-        pin,
-        data_offset: h.offset + HEADER_BYTES,
-    });
+        header: h,
+        pin: std::cell::OnceCell::new(),
+    };
     read_header(segment, h, address, id, count_read, |object| {
-        f(object, views.as_ref())
+        f(object, &views)
     })
 }
 
@@ -1489,11 +1493,10 @@ mod tests {
         let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
         s.put(&mut ring, "b", &[b"head", &[8u8; 8000]], 1).unwrap();
         let seg = ring.segment().clone();
-        let mut view = read_object_viewed(&seg, a, i, true, |object, views| {
-            views.expect("a live object can be viewed").map(object, 1)
-        })
-        .unwrap()
-        .unwrap();
+        let mut view = read_object_viewed(&seg, a, i, true, |object, views| views.map(object, 1))
+            .unwrap()
+            .unwrap()
+            .expect("a live object can be viewed");
         assert_eq!(&view[..], &[7u8; 8000][..]);
         // Read (its count says free) but viewed: neither eviction nor clear reuses it.
         assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
@@ -1520,7 +1523,10 @@ mod tests {
         s.clear(&mut ring).unwrap();
         let seg = ring.segment().clone();
         let viewed = read_object_viewed(&seg, a, i, true, |object, views| {
-            (views.is_some(), object.part(1).to_vec())
+            (
+                views.map(object, 1).unwrap().is_some(),
+                object.part(1).to_vec(),
+            )
         })
         .unwrap();
         assert_eq!(viewed, (false, vec![7u8; 8000]));

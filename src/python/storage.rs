@@ -437,16 +437,21 @@ impl ObjectStore {
                 list.append(py.None())?;
                 for k in 1..object.len() {
                     let part = object.part(k);
-                    match views {
-                        Some(views) if part.len() >= view_from => {
-                            let v = Arc::new(views.map(object, k)?);
+                    let view = if part.len() >= view_from {
+                        views.map(object, k)?
+                    } else {
+                        None
+                    };
+                    match view {
+                        Some(v) => {
+                            let v = Arc::new(v);
                             let (ptr, len) = (v.as_ptr(), v.len());
                             // SAFETY: the private mapping is `len` bytes at `ptr`, alive as
                             // long as `v`, which the view owns.
                             let view = Bound::new(py, unsafe { ShmView::new(v, ptr, len) })?;
                             list.append(PyMemoryView::from(view.as_any())?)?;
                         }
-                        _ => list.append(PyByteArray::new(py, part))?,
+                        None => list.append(PyByteArray::new(py, part))?,
                     }
                 }
                 with_views(
