@@ -891,6 +891,53 @@ impl<'a> ObjectView<'a> {
     }
 }
 
+/// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
+/// (the count, the frame and the other parts: the pickle or msgpack stream and small
+/// buffers); an object whose other parts need more is copied instead.
+pub const LOAN_ROOM: u64 = 64 * 1024;
+/// Loaned buffers start at multiples of this (ring offset): readers map them page by page.
+const LOAN_ALIGN: u64 = 4096;
+
+/// Where a loaned buffer is (the writer's bookkeeping).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LoanSpot {
+    address: u64,
+    /// The chunk's header.
+    header: ChunkHeader,
+    /// The buffer's offset from the start of the chunk's data.
+    buffer_at: u64,
+    len: u64,
+}
+
+/// Memory loaned by the store's writer: `len` bytes of a chunk in the ring, to fill in
+/// place and `put` without a copy. The chunk stays (pinned) while the loan lives, also
+/// once put: drop it after the put to let the object be evicted in its turn.
+#[derive(Debug)]
+pub struct StoreLoan {
+    ptr: *mut u8,
+    len: usize,
+    _pin: Arc<ChunkPin>,
+}
+
+// SAFETY: the loan is the only handle to its bytes in this process (the writer's
+// bookkeeping keeps only their place), and the pin keeps the chunk from reuse; moving or
+// sharing it between threads is like a Vec's.
+unsafe impl Send for StoreLoan {}
+// SAFETY: as for Send: `&StoreLoan` gives the pointer out, not access.
+unsafe impl Sync for StoreLoan {}
+
+impl StoreLoan {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// The writer's bookkeeping for one object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
@@ -910,6 +957,8 @@ pub struct ObjectStore {
     ids: HashMap<u32, Arc<str>>,
     /// Ids the writer `touch`ed: not evicted until handed out again or released.
     touched: HashSet<u32>,
+    /// Loaned buffers not yet put, by chunk id.
+    loans: HashMap<u32, LoanSpot>,
 }
 
 impl ObjectStore {
@@ -925,6 +974,7 @@ impl ObjectStore {
             keys: HashMap::new(),
             ids: HashMap::new(),
             touched: HashSet::new(),
+            loans: HashMap::new(),
         })
     }
 
@@ -1002,6 +1052,9 @@ impl ObjectStore {
                 max: self.max_object_size,
             });
         }
+        if let Some(placed) = self.put_in_loan(ring, key, parts, align_from) {
+            return Ok(placed);
+        }
         let lens = || parts.iter().map(|p| p.len() as u64);
         let n = parts.len();
         let size_at = |chunk_offset: u64| {
@@ -1050,15 +1103,157 @@ impl ObjectStore {
             write(at as usize, parts[i]);
         });
         debug_assert_eq!(end as usize, len);
+        self.register(key, chunk.address, chunk.id);
+        Ok((chunk.address, chunk.id))
+    }
+
+    fn register(&mut self, key: &str, address: u64, id: u32) {
         let key: Arc<str> = key.into();
         let entry = Entry {
-            address: chunk.address,
-            id: chunk.id,
+            address,
+            id,
             handouts: 1,
         };
         self.keys.insert(key.clone(), entry);
-        self.ids.insert(chunk.id, key);
-        Ok((chunk.address, chunk.id))
+        self.ids.insert(id, key);
+    }
+
+    /// Loan `nbytes` of a new chunk to fill in place (writer only): `put` of an object
+    /// one of whose buffers (from `align_from` on) is exactly this memory writes the rest
+    /// of the object around it, with no copy. `Error::Full` if there is no room even
+    /// after freeing what every reader has finished with.
+    pub fn loan(&mut self, ring: &mut ChunkRing, nbytes: u64) -> Result<StoreLoan> {
+        if !ring.is_writer() {
+            return Err(Error::WrongRole("Only the writer can loan memory.".into()));
+        }
+        if nbytes == 0 {
+            return Err(Error::InvalidArgument("Size must be greater than 0".into()));
+        }
+        let size = COUNT_BYTES as u64 + nbytes;
+        if size > self.max_object_size {
+            return Err(Error::TooLarge {
+                size,
+                max: self.max_object_size,
+            });
+        }
+        let buffer_at = |chunk_offset: u64| {
+            let data = chunk_offset + HEADER_BYTES;
+            (data + LOAN_ROOM).next_multiple_of(LOAN_ALIGN) - data
+        };
+        let size_at = |chunk_offset: u64| buffer_at(chunk_offset) + nbytes;
+        let chunk = match ring.allocate_with(size_at) {
+            Err(Error::Full(_)) => {
+                self.free_unused(ring)?;
+                ring.allocate_with(size_at)?
+            }
+            other => other?,
+        };
+        let segment = ring.segment();
+        let header = ChunkHeader {
+            offset: chunk.offset(segment.capacity()),
+            id: chunk.id,
+            size: chunk.size,
+        };
+        let data_offset = header.offset + HEADER_BYTES;
+        let count_at = (4 - data_offset % 4) % 4;
+        // Relaxed: nobody has this chunk's handle yet; the channel that carries it orders
+        // these stores. An empty object (no parts) until it is put.
+        segment
+            .count(data_offset + count_at)
+            .store(0, Ordering::Relaxed);
+        segment.store_u32(data_offset + count_at + COUNT_BYTES as u64, 0);
+        // If pinning fails, the chunk (an empty object nobody knows) goes in its turn.
+        let pin = pin_own(segment, header.offset)?;
+        let spot = LoanSpot {
+            address: chunk.address,
+            header,
+            buffer_at: buffer_at(header.offset),
+            len: nbytes,
+        };
+        self.loans.insert(chunk.id, spot);
+        let (p, _) = segment.data_ptr(&header);
+        Ok(StoreLoan {
+            // SAFETY: buffer_at + nbytes is the chunk's data size (size_at above).
+            ptr: unsafe { p.add(spot.buffer_at as usize) },
+            len: nbytes as usize,
+            _pin: pin,
+        })
+    }
+
+    /// Put `parts` around a loaned buffer that is exactly one of them (from `align_from`
+    /// on), if the others fit in the room before it; `None` to copy instead.
+    fn put_in_loan(
+        &mut self,
+        ring: &ChunkRing,
+        key: &str,
+        parts: &[&[u8]],
+        align_from: usize,
+    ) -> Option<(u64, u32)> {
+        if self.loans.is_empty() {
+            return None;
+        }
+        let segment = ring.segment();
+        let base = segment.ring_ptr() as usize;
+        let mut found = None;
+        for (i, part) in parts.iter().enumerate().skip(align_from) {
+            let at = (part.as_ptr() as usize).wrapping_sub(base) as u64;
+            let hit = self.loans.iter().find(|(_, s)| {
+                s.header.offset + HEADER_BYTES + s.buffer_at == at && s.len == part.len() as u64
+            });
+            if let Some((&id, &spot)) = hit {
+                if found.is_some() {
+                    return None; // two loans in one object: copied into one chunk
+                }
+                found = Some((i, id, spot));
+            }
+        }
+        let (k, id, spot) = found?;
+        if ring.allocator()?.get(id).is_none() {
+            self.loans.remove(&id);
+            return None;
+        }
+        let data_offset = spot.header.offset + HEADER_BYTES;
+        let count_at = (4 - data_offset % 4) % 4;
+        let frame_at = count_at + COUNT_BYTES as u64;
+        let mut at = frame_at + 4 + 8 * parts.len() as u64;
+        let mut offsets = Vec::with_capacity(parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            if i == k {
+                offsets.push(spot.buffer_at);
+                continue;
+            }
+            if i >= align_from {
+                at = (data_offset + at).next_multiple_of(PART_ALIGN) - data_offset;
+            }
+            offsets.push(at);
+            at += part.len() as u64;
+        }
+        if at > spot.buffer_at {
+            return None; // the rest does not fit before the buffer: copy
+        }
+        let (p, len) = segment.data_ptr(&spot.header);
+        let write = |at: u64, bytes: &[u8]| {
+            debug_assert!(at as usize + bytes.len() <= spot.buffer_at as usize);
+            // SAFETY: the chunk is this writer's (live, loaned, its handle not yet given
+            // out), and every write here ends before the buffer (checked just above), which
+            // lies inside the chunk's `len` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at as usize), bytes.len())
+            };
+        };
+        debug_assert!(spot.buffer_at + spot.len <= len as u64);
+        write(frame_at, &(parts.len() as u32).to_le_bytes());
+        for (i, part) in parts.iter().enumerate() {
+            let entry_at = frame_at + 4 + 8 * i as u64;
+            write(entry_at, &(offsets[i] as u32).to_le_bytes());
+            write(entry_at + 4, &(part.len() as u32).to_le_bytes());
+            if i != k {
+                write(offsets[i], part);
+            }
+        }
+        self.loans.remove(&id);
+        self.register(key, spot.address, id);
+        Some((spot.address, id))
     }
 
     /// Hand `key`'s object out once more (every reader will read it once more); this
@@ -1116,6 +1311,7 @@ impl ObjectStore {
             if let Some(key) = self.ids.remove(&id) {
                 self.keys.remove(&key);
             }
+            self.loans.remove(&id);
         }
         Ok(freed)
     }
@@ -1126,6 +1322,10 @@ impl ObjectStore {
         self.keys.clear();
         self.ids.clear();
         self.touched.clear();
+        // Loans whose chunks a view kept (see `ChunkRing::clear`) can still be put.
+        if let Some(alloc) = ring.allocator() {
+            self.loans.retain(|id, _| alloc.get(*id).is_some());
+        }
         Ok(())
     }
 }
@@ -1303,6 +1503,26 @@ impl ObjectViews<'_> {
             map: self.segment.private_file()?.map(at, len)?,
             _pin: pin.clone(),
         }))
+    }
+}
+
+/// The writer pins a chunk it loans out (no check needed: the writer itself is what
+/// would free it, and its frees probe for pins).
+fn pin_own(segment: &Arc<StoreSegment>, offset: u64) -> Result<Arc<ChunkPin>> {
+    // SeqCst: as in `pin_chunk` (here the writer's own later probes would see it anyway).
+    segment.pin_hint().fetch_add(1, Ordering::SeqCst);
+    let made_in = crate::fork::generation();
+    match segment.pins.pin(pin_byte(offset)) {
+        Ok(pin) => Ok(Arc::new(ChunkPin {
+            segment: segment.clone(),
+            _pin: pin,
+            made_in,
+        })),
+        Err(e) => {
+            // Relaxed: see `ChunkPin::drop`.
+            segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+            Err(e)
+        }
     }
 }
 
@@ -1514,6 +1734,45 @@ mod tests {
         drop(view);
         s.put(&mut ring, "d", &[b"head", &[1u8; 8000]], 1).unwrap();
         assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+    }
+
+    #[test]
+    fn a_loan_is_put_in_place_and_stays_until_dropped() {
+        let (mut ring, mut s) = store(3 * 80_000, 75_000, 1);
+        let loan = s.loan(&mut ring, 8000).unwrap();
+        // SAFETY: the loan's own bytes, written through its pointer only here.
+        unsafe { std::ptr::write_bytes(loan.as_ptr(), 5, loan.len()) };
+        let buffer = unsafe { std::slice::from_raw_parts(loan.as_ptr(), loan.len()) };
+        let (a, i) = s.put(&mut ring, "a", &[b"stream", buffer], 1).unwrap();
+        let seg = ring.segment().clone();
+        let parts = read_all(&seg, a, i, true).unwrap();
+        assert_eq!(parts, vec![b"stream".to_vec(), vec![5u8; 8000]]);
+        // The part is the loaned memory itself.
+        read_object(&seg, a, i, false, |v| {
+            assert_eq!(v.part(1).as_ptr(), loan.as_ptr())
+        })
+        .unwrap();
+        // Read by every reader, but the loan still pins it.
+        assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+        drop(loan);
+        assert_eq!(s.free_unused(&mut ring).unwrap().count, 1);
+        // A loan put twice, or with too much around it, is copied.
+        let loan = s.loan(&mut ring, 100).unwrap();
+        let buffer = unsafe { std::slice::from_raw_parts(loan.as_ptr(), loan.len()) };
+        let (b, j) = s.put(&mut ring, "b", &[b"x", buffer], 1).unwrap();
+        let (c, k) = s.put(&mut ring, "c", &[b"x", buffer], 1).unwrap();
+        assert_ne!((b, j), (c, k));
+        let big = vec![1u8; (LOAN_ROOM + LOAN_ALIGN) as usize];
+        let loan2 = s.loan(&mut ring, 100).unwrap();
+        let buffer2 = unsafe { std::slice::from_raw_parts(loan2.as_ptr(), loan2.len()) };
+        let (d, l) = s
+            .put(&mut ring, "d", &[&big[..100], &big, buffer2], 1)
+            .unwrap();
+        read_object(&seg, d, l, false, |v| {
+            assert_ne!(v.part(2).as_ptr(), loan2.as_ptr())
+        })
+        .unwrap();
+        drop((loan, loan2));
     }
 
     #[test]

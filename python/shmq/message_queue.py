@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 
 from . import _core, _oob
 from ._cleanup import track
+from ._loans import loaned_array, loaned_tensor
 
 __all__ = ["Handle", "MessageQueue", "PeerDiedError", "ShmRingBuffer", "sched_yield"]
 
@@ -450,24 +451,12 @@ class MessageQueue:
     def loan_tensor(self, shape: Any, dtype: Any = None) -> Any:
         """A torch tensor of ``shape`` and ``dtype`` (default float32) in loaned memory,
         to fill in place and send without a copy (see ``loan``)."""
-        import torch
-
-        dtype = torch.float32 if dtype is None else dtype
-        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self.loan(nbytes), dtype=torch.uint8).view(dtype).reshape(shape)
+        return loaned_tensor(self.loan, shape, dtype)
 
     def loan_array(self, shape: Any, dtype: Any = "float32") -> Any:
         """A numpy array of ``shape`` and ``dtype`` in loaned memory, to fill in place and
         send without a copy (see ``loan``)."""
-        import numpy as np
-
-        dtype = np.dtype(dtype)
-        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return np.frombuffer(self.loan(nbytes), dtype=dtype).reshape(shape)
+        return loaned_array(self.loan, shape, dtype)
 
     @contextmanager
     def acquire_write(self, timeout: Optional[float] = None) -> Iterator[memoryview]:

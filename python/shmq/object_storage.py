@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import _core
 from ._cleanup import track
+from ._loans import loaned_array, loaned_tensor
 from .serde import MsgpackSerde, ObjectSerde, store_codec
 
 __all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer", "VIEW_THRESHOLD"]
@@ -340,6 +341,39 @@ class ObjectStorage:
         data, _, metadata, _ = self.ser_de.serialize(value)
         parts = [metadata, *data] if isinstance(data, list) else [metadata, data]
         return core.put(key, parts, len(parts))
+
+    def loan(self, nbytes: int) -> memoryview:
+        """Writer: ``nbytes`` of writable shared memory in the ring, to fill in place (e.g.
+        a model's output written straight into it). A later ``put`` of an object whose
+        tensor or array is exactly this memory (see ``loan_tensor``/``loan_array``)
+        writes the rest of the object around it: no copy. The memory stays while the
+        loan lives, also once put (the object is not evicted before): drop it after the
+        put. Dropped without a put, it is given back. With no room in the ring, this is
+        ordinary memory (counted in ``loan_fallbacks``) and ``put`` copies it."""
+        if not self.is_writer:
+            raise RuntimeError("Only the writer can loan memory.")
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        if nbytes == 0:
+            return memoryview(bytearray())
+        view = self._core.loan(nbytes)
+        if view is None:
+            self.loan_fallbacks += 1
+            return memoryview(bytearray(nbytes))
+        return memoryview(view)
+
+    #: Loans that got ordinary memory because the ring had no room.
+    loan_fallbacks = 0
+
+    def loan_tensor(self, shape: Any, dtype: Any = None) -> Any:
+        """A torch tensor of ``shape`` and ``dtype`` (default float32) in loaned memory,
+        to fill in place and ``put`` without a copy (see ``loan``)."""
+        return loaned_tensor(self.loan, shape, dtype)
+
+    def loan_array(self, shape: Any, dtype: Any = "float32") -> Any:
+        """A numpy array of ``shape`` and ``dtype`` in loaned memory, to fill in place
+        and ``put`` without a copy (see ``loan``)."""
+        return loaned_array(self.loan, shape, dtype)
 
     def is_cached(self, key: str) -> bool:
         return self._core.is_cached(key)

@@ -390,6 +390,25 @@ impl ObjectStore {
         Ok(r?)
     }
 
+    /// Writer: `nbytes` of a new chunk to fill in place; `put` of an object whose buffer
+    /// is exactly this memory writes the rest around it (no copy). `None` if the ring
+    /// has no room for it.
+    fn loan(&self, py: Python<'_>, nbytes: u64) -> PyResult<Option<ShmView>> {
+        let mut store = lock(py, &self.inner);
+        let mut ring = lock(py, &self.ring.get().inner);
+        match store.loan(&mut ring, nbytes) {
+            Ok(loan) => {
+                let loan = Arc::new(loan);
+                let (ptr, len) = (loan.as_ptr(), loan.len());
+                // SAFETY: the loan is `len` bytes at `ptr` of the ring, which its chunk
+                // pin and the segment it holds keep mapped and unreused while it lives.
+                Ok(Some(unsafe { ShmView::new(loan, ptr, len) }))
+            }
+            Err(Error::Full(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Read the object at `(address, id)`. A reader first checks the handle's signature
     /// (`key`, `signature`). `deserialize` gets a memoryview of the object's bytes (its
     /// parts, contiguous), or with `split` a list of one memoryview per part. The read

@@ -197,3 +197,63 @@ def test_views_of_a_cleared_object_are_copies(kids):
     store.put("c", tensor(6.0))
     assert reader.check("a") == summary
     reader.stop()
+
+
+def _ring_address(store: ObjectStorage) -> int:
+    return np.frombuffer(store.ring_buffer.shared_memory.buf, dtype=np.uint8).ctypes.data
+
+
+def test_a_loaned_tensor_is_put_without_a_copy(kids):
+    store = store_of(1, objects=3)
+    reader = ViewReader(kids, store)
+    t = store.loan_tensor((N,))
+    t.copy_(torch.arange(N, dtype=torch.float32))  # "the model writes its output here"
+    a = store.put("a", {"t": t, "meta": "loaned"})
+    # The object is the loan's chunk: the tensor's bytes lie inside it, nothing else was
+    # allocated.
+    offset = t.data_ptr() - _ring_address(store)
+    chunk_id, chunk_size = store.ring_buffer._core.header(a[0])
+    assert chunk_id == a[1] and a[0] < offset < a[0] + chunk_size
+    assert store.ring_buffer._core.live_len() == 1
+    summary, mapping = reader.get("a", a)
+    assert mapping == reader.segment
+    assert summary == ("tensor", "torch.float32", (N,), float(N * (N - 1) // 2), 0.0)
+    assert reader.ask("drop", "a")[0] == "dropped"
+
+    # Read by the reader, but the writer's loan still pins it; once dropped, it goes.
+    store.put("b", tensor(2.0))
+    store.put("c", tensor(3.0))
+    with pytest.raises(MemoryError):
+        store.put("d", tensor(4.0))
+    del t
+    gc.collect()
+    store.put("d", tensor(4.0))
+    assert not store.is_cached("a")
+    assert store.loan_fallbacks == 0
+    reader.stop()
+
+
+def test_a_dropped_loan_is_given_back_and_a_full_ring_lends_ordinary_memory():
+    store = store_of(1, objects=3)
+    arr = store.loan_array((2, N // 2), "float32")
+    held = store.loan_tensor(N)
+    assert arr.shape == (2, N // 2) and store.ring_buffer._core.live_len() == 2
+    extra = store.loan_tensor(N)  # no room left for a third: ordinary memory
+    assert store.loan_fallbacks == 1 and store.ring_buffer._core.live_len() == 2
+    del arr
+    gc.collect()
+    again = store.loan_tensor(N)  # the dropped loan's room is given back
+    assert store.loan_fallbacks == 1 and store.ring_buffer._core.live_len() == 2
+    extra.fill_(1.0)
+    with pytest.raises(MemoryError):
+        store.put("extra", extra)  # copied: needs room, and both loans are held
+    del held
+    gc.collect()
+    h = store.put("extra", extra)  # the room "held" gave back
+    assert torch.equal(store.get(*h, copy=True), extra)
+    with pytest.raises(RuntimeError, match="Only the writer"):
+        ObjectStorage.create_from_handle(store.handle()).loan(10)
+    with pytest.raises(ValueError):
+        store.loan(-1)
+    del again
+    gc.collect()
