@@ -926,6 +926,24 @@ unsafe impl Send for StoreLoan {}
 // SAFETY: as for Send: `&StoreLoan` gives the pointer out, not access.
 unsafe impl Sync for StoreLoan {}
 
+impl std::ops::Deref for StoreLoan {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len` bytes of the loan's chunk, mapped and unreused while the pin
+        // lives. Readers only get the chunk's handle once it is put; from then on they
+        // read what the writer wrote, and a writer that keeps writing is racing only with
+        // its own readers' view of the data (byte values, never memory safety).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for StoreLoan {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes this the only slice made from it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
 impl StoreLoan {
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
@@ -1739,11 +1757,9 @@ mod tests {
     #[test]
     fn a_loan_is_put_in_place_and_stays_until_dropped() {
         let (mut ring, mut s) = store(3 * 80_000, 75_000, 1);
-        let loan = s.loan(&mut ring, 8000).unwrap();
-        // SAFETY: the loan's own bytes, written through its pointer only here.
-        unsafe { std::ptr::write_bytes(loan.as_ptr(), 5, loan.len()) };
-        let buffer = unsafe { std::slice::from_raw_parts(loan.as_ptr(), loan.len()) };
-        let (a, i) = s.put(&mut ring, "a", &[b"stream", buffer], 1).unwrap();
+        let mut loan = s.loan(&mut ring, 8000).unwrap();
+        loan.fill(5);
+        let (a, i) = s.put(&mut ring, "a", &[b"stream", &loan], 1).unwrap();
         let seg = ring.segment().clone();
         let parts = read_all(&seg, a, i, true).unwrap();
         assert_eq!(parts, vec![b"stream".to_vec(), vec![5u8; 8000]]);
@@ -1758,15 +1774,13 @@ mod tests {
         assert_eq!(s.free_unused(&mut ring).unwrap().count, 1);
         // A loan put twice, or with too much around it, is copied.
         let loan = s.loan(&mut ring, 100).unwrap();
-        let buffer = unsafe { std::slice::from_raw_parts(loan.as_ptr(), loan.len()) };
-        let (b, j) = s.put(&mut ring, "b", &[b"x", buffer], 1).unwrap();
-        let (c, k) = s.put(&mut ring, "c", &[b"x", buffer], 1).unwrap();
+        let (b, j) = s.put(&mut ring, "b", &[b"x", &loan], 1).unwrap();
+        let (c, k) = s.put(&mut ring, "c", &[b"x", &loan], 1).unwrap();
         assert_ne!((b, j), (c, k));
         let big = vec![1u8; (LOAN_ROOM + LOAN_ALIGN) as usize];
         let loan2 = s.loan(&mut ring, 100).unwrap();
-        let buffer2 = unsafe { std::slice::from_raw_parts(loan2.as_ptr(), loan2.len()) };
         let (d, l) = s
-            .put(&mut ring, "d", &[&big[..100], &big, buffer2], 1)
+            .put(&mut ring, "d", &[&big[..100], &big, &loan2], 1)
             .unwrap();
         read_object(&seg, d, l, false, |v| {
             assert_ne!(v.part(2).as_ptr(), loan2.as_ptr())
