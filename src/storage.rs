@@ -542,7 +542,7 @@ impl StoreSegment {
 
     /// Writer: whether some process may hold a zero-copy view of the chunk at ring offset
     /// `offset`. Call it after marking the chunk as no longer its object (its header
-    /// stamped, or the clear published): see [`crate::pins`] for why a view cannot be
+    /// stamped, or the clear published): see `pins` module for why a view cannot be
     /// missed then. A probe that cannot tell answers "pinned" (the memory is kept).
     fn is_pinned(&self, offset: u64) -> bool {
         // SeqCst fence and load: with the reader's SeqCst increment and fence in
@@ -1452,7 +1452,7 @@ fn read_header<R>(
 
 /// Keeps an object's chunk from being freed or overwritten while zero-copy views of it
 /// live in this process (a read lock on a byte of the segment's file, see
-/// [`crate::pins`]); shared by the views of one `get`.
+/// `pins` module); shared by the views of one `get`.
 #[derive(Debug)]
 pub struct ChunkPin {
     segment: Arc<StoreSegment>,
