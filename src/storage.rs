@@ -41,7 +41,18 @@
 //! `put` hands an object out once; each `get_cached` hands it out again. Every reader
 //! increments the count once per read (one atomic `fetch_add`, no lock), so the object
 //! may be evicted when `count >= n_readers * handouts`, oldest first, unless the writer
-//! `touch`ed it and has not yet handed it out again or released its touches.
+//! `touch`ed it and has not yet handed it out again or released its touches, or some
+//! process *pins* it.
+//!
+//! # Zero-copy views and loans
+//! [`read_object_viewed`] lets a reader map parts privately (copy-on-write) and keep
+//! them: the chunk is pinned — a shared lock on a byte of the segment's file, see the
+//! `pins` module — until the last such view is dropped (or its process dies). The
+//! writer frees a chunk only after stamping its header and finding no pin, and a
+//! `clear()` that finds a pinned chunk frees nothing at once (the chunks go oldest first
+//! as usual). [`ObjectStore::loan`] gives the writer a pinned chunk with [`LOAN_ROOM`]
+//! bytes before a page-aligned buffer; `put` of parts one of which is that buffer writes
+//! the others into the room, so the buffer is never copied.
 //!
 //! # Signed handles
 //! `sign(key, address, id)` is HMAC-SHA256, under the segment's secret, of
