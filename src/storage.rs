@@ -86,6 +86,11 @@ const PUBLISHED_OFFSET: usize = 64;
 const SECRET_OFFSET: usize = 128;
 /// Where the count of zero-copy gets still holding a pin is (see `StoreSegment::pin_hint`).
 const PIN_HINT_OFFSET: usize = 192;
+/// Where the count of readers about to count a read is (see `StoreSegment::counting`).
+const COUNTING_OFFSET: usize = 200;
+/// How long the writer waits for readers in the middle of counting a read (they are
+/// there for nanoseconds; only one that died there makes it wait this long).
+const COUNTING_PATIENCE: Duration = Duration::from_millis(10);
 /// Bytes of the handle-signing secret (vLLM's `AUTH_SECRET_BYTES`).
 pub const SECRET_BYTES: usize = 32;
 /// Bytes of a handle signature (one SHA-256 digest).
@@ -130,7 +135,8 @@ struct Published {
 const _: () = assert!(std::mem::size_of::<Published>() == 64);
 const _: () = assert!(PUBLISHED_OFFSET + 64 <= SECRET_OFFSET);
 const _: () = assert!(SECRET_OFFSET + SECRET_BYTES <= PIN_HINT_OFFSET);
-const _: () = assert!(PIN_HINT_OFFSET + 8 <= RING_OFFSET);
+const _: () = assert!(PIN_HINT_OFFSET + 8 <= COUNTING_OFFSET);
+const _: () = assert!(COUNTING_OFFSET + 8 <= RING_OFFSET);
 
 /// One consistent reading of [`Published`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -551,6 +557,39 @@ impl StoreSegment {
         unsafe { &*(self.segment.as_ptr().add(PIN_HINT_OFFSET) as *const AtomicU64) }
     }
 
+    /// How many readers are between their last check of an object and the increment of
+    /// its count (see `read_header`): the writer reuses freed memory only once none is.
+    fn counting(&self) -> &AtomicU64 {
+        // SAFETY: COUNTING_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
+        // mapping and 8-aligned. A peer that writes it can make the writer wait (up to
+        // COUNTING_PATIENCE per batch of frees) or not wait: what any process that may
+        // write the segment can do to the objects themselves anyway.
+        unsafe { &*(self.segment.as_ptr().add(COUNTING_OFFSET) as *const AtomicU64) }
+    }
+
+    /// Writer, after publishing that chunks are freed: wait until no reader can still
+    /// increment a count inside them (see `read_header`), so they can be reused.
+    fn wait_for_counting_readers(&self) {
+        // SeqCst fence and load: with the reader's SeqCst increment and fence, either we
+        // see its increment (and wait for its decrement), or it sees the chunk freed.
+        fence(Ordering::SeqCst);
+        let mut started = None;
+        for attempt in 0u32.. {
+            // Acquire: pairs with the reader's Release decrement: its count increment
+            // (into the old chunk) happens before we reuse the memory.
+            if self.counting().load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if attempt < 64 {
+                std::hint::spin_loop();
+            } else if started.get_or_insert_with(Instant::now).elapsed() > COUNTING_PATIENCE {
+                return; // a reader died there: its increment will never come
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
     /// Writer: whether some process may hold a zero-copy view of the chunk at ring offset
     /// `offset`. Call it after marking the chunk as no longer its object (its header
     /// stamped, or the clear published): see `pins` module for why a view cannot be
@@ -752,6 +791,7 @@ impl ChunkRing {
         });
         if freed.count > 0 {
             segment.publish_ids(&w.alloc);
+            segment.wait_for_counting_readers();
         }
         Ok(freed)
     }
@@ -1405,8 +1445,27 @@ fn still_valid(segment: &StoreSegment, h: &ChunkHeader) -> bool {
     // they show the object still valid, the writer had not started reusing it (it
     // publishes before it writes, see `ChunkRing::allocate_with`/`free_while`).
     fence(Ordering::Acquire);
-    segment.load_u32(h.offset) == h.id
-        && segment.snapshot().is_some_and(|s| s.names(h.id, h.offset))
+    validity(segment, h) != Validity::Stale
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Validity {
+    Stale,
+    /// Live: the writer frees it only through `free_while` (which waits for counters).
+    Live,
+    /// Cleared, not yet overwritten: readable, but nothing counts its reads any more.
+    Cleared,
+}
+
+fn validity(segment: &StoreSegment, h: &ChunkHeader) -> Validity {
+    if segment.load_u32(h.offset) != h.id {
+        return Validity::Stale;
+    }
+    match segment.snapshot() {
+        Some(s) if id_in(h.id, s.id_start, s.id_end) => Validity::Live,
+        Some(s) if s.names(h.id, h.offset) => Validity::Cleared,
+        _ => Validity::Stale,
+    }
 }
 
 /// Check that `(address, id)` names a live object (what a reader's `touch` does).
@@ -1449,14 +1508,32 @@ fn read_header<R>(
     let data = unsafe { std::slice::from_raw_parts(p, n) };
     let view = ObjectView::parse(data, h.offset + HEADER_BYTES).ok_or_else(stale)?;
     let out = f(&view);
-    if !still_valid(segment, &h) {
-        return Err(stale());
+    if !count_read {
+        return if still_valid(segment, &h) {
+            Ok(out)
+        } else {
+            Err(stale())
+        };
     }
-    if count_read {
+    // The count lies in the chunk: it must not be incremented once the chunk may be
+    // reused (that would write into another object). So announce the increment first
+    // (SeqCst, then a SeqCst fence: with the writer's fence and load in
+    // `wait_for_counting_readers`, either the check below sees the chunk freed, or the
+    // writer waits for our decrement before it reuses the memory).
+    segment.counting().fetch_add(1, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    let validity = validity(segment, &h);
+    if validity == Validity::Live {
         let count_at = h.offset + HEADER_BYTES + view.count_at as u64;
         // Release: pairs with the Acquire load in `reader_count`: our reads of the
         // payload happen before the writer's eviction decision.
         segment.count(count_at).fetch_add(1, Ordering::Release);
+    }
+    // Release: pairs with the writer's Acquire load: the increment above happens before
+    // the writer reuses the chunk.
+    segment.counting().fetch_sub(1, Ordering::Release);
+    if validity == Validity::Stale {
+        return Err(stale());
     }
     Ok(out)
 }
