@@ -39,7 +39,11 @@
 //!
 //! # Eviction
 //! `put` hands an object out once; each `get_cached` hands it out again. Every reader
-//! increments the count once per read (one atomic `fetch_add`, no lock), so the object
+//! increments the count once per read (one atomic `fetch_add`, no lock; reads of a
+//! cleared object are not counted). The count lies in the chunk, so a reader announces
+//! its increment in the segment header (`counting`) before its last check of the
+//! handle, and the writer, after freeing chunks, waits for announced increments before
+//! it reuses them: an increment never lands in another object. So the object
 //! may be evicted when `count >= n_readers * handouts`, oldest first, unless the writer
 //! `touch`ed it and has not yet handed it out again or released its touches, or some
 //! process *pins* it.
