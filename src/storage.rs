@@ -51,7 +51,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ptr::NonNull;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -62,6 +61,8 @@ use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES, ID_MAX};
 use crate::error::{Error, Result};
 use crate::process::ProcessId;
 use crate::segment::{unique_name, Segment};
+use crate::seqlock;
+use crate::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 /// "SHMQSTO2" little-endian: marks a finished object-store segment.
 pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO2");
@@ -372,25 +373,19 @@ impl StoreSegment {
         // consistent read.
         let mut started = None;
         for attempt in 0u32.. {
-            // Acquire: pairs with the Release store that ends `publish`: the fields read
-            // below are at least as new as the update that store completed.
-            let seq = p.seq.load(Ordering::Acquire);
-            if seq % 2 == 0 {
-                // Relaxed: ordered by the Acquire load above and the fence below.
-                let snap = Snapshot {
+            // The seqlock's read side (see `crate::seqlock` for the orderings).
+            let snap = seqlock::read(&p.seq, || {
+                // Relaxed: ordered by the seqlock's Acquire load and fence.
+                Snapshot {
                     id_start: p.id_start.load(Ordering::Relaxed),
                     id_end: p.id_end.load(Ordering::Relaxed),
                     cleared_start: p.cleared_start.load(Ordering::Relaxed),
                     cleared_end: p.cleared_end.load(Ordering::Relaxed),
                     overwritten: p.overwritten.load(Ordering::Relaxed),
-                };
-                // Acquire fence: the field loads above happen before the `seq` load
-                // below; if it still reads `seq`, no update overlapped them.
-                fence(Ordering::Acquire);
-                // Relaxed: ordered by the fence.
-                if p.seq.load(Ordering::Relaxed) == seq {
-                    return Some(snap);
                 }
+            });
+            if snap.is_some() {
+                return snap;
             }
             if attempt < 64 {
                 std::hint::spin_loop();
@@ -406,18 +401,10 @@ impl StoreSegment {
     /// Writer only: update the published state (the seqlock's write side).
     fn publish(&self, update: impl FnOnce(&Published)) {
         let p = self.published();
-        // Relaxed: only the writer (this process, under the store's lock) stores `seq`.
-        let seq = p.seq.load(Ordering::Relaxed);
-        // Relaxed, then a Release fence: a reader that sees any field stored below also
-        // sees the odd `seq` (its Acquire fence pairs with this one) and retries.
-        p.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
-        fence(Ordering::Release);
-        update(p);
-        // Release: pairs with the Acquire load in `snapshot`: publishes the fields.
-        p.seq.store(seq.wrapping_add(2), Ordering::Release);
-        // Release fence: the update is ordered before every later write of the writer
-        // (into chunks it concerns), for readers that check it again after reading.
-        fence(Ordering::Release);
+        // The seqlock's write side (only the writer, under the store's lock, calls this);
+        // its closing Release fence orders the update before every later write of the
+        // writer (into chunks it concerns), for readers that check it again after reading.
+        seqlock::write(&p.seq, || update(p));
     }
 
     /// Writer only: publish the allocator's state and occupancy.
