@@ -761,10 +761,14 @@ impl<'a> ObjectView<'a> {
     pub fn is_empty(&self) -> bool {
         self.n == 0
     }
-    /// Part `i` (checked to lie inside the chunk when the view was made).
+    /// Part `i`: inside the chunk. The frame is read again here from shared memory; if
+    /// it changed since `parse` checked it (the writer reused the chunk after a `clear()`
+    /// while a reader used it, or another process wrote it), the range may be anything:
+    /// it is then clamped to nothing, and `read_object`'s check after the read reports a
+    /// reused object as modified. (Found by `fuzz/fuzz_targets/store_reader.rs`.)
     pub fn part(&self, i: usize) -> &'a [u8] {
         let (off, len) = self.entry(i);
-        &self.data[off..off + len]
+        self.data.get(off..off.saturating_add(len)).unwrap_or(&[])
     }
     /// From the start of the first part to the end of the last (the parts of a custom
     /// serde follow each other without gaps: this is its `[metadata][data...]`).
@@ -775,8 +779,9 @@ impl<'a> ObjectView<'a> {
         }
         let (first, _) = self.entry(0);
         let (last, len) = self.entry(self.n - 1);
-        let end = (last + len).max(first);
-        &self.data[first..end]
+        let end = last.saturating_add(len).max(first);
+        // Clamped as in `part`: the frame may have changed since it was checked.
+        self.data.get(first..end).unwrap_or(&[])
     }
 }
 
@@ -1297,6 +1302,39 @@ mod tests {
         for off in 0..200 {
             assert!(read_object(&seg, off, i, false, |_| ()).is_err());
         }
+    }
+
+    #[test]
+    fn a_frame_changed_during_a_read_is_an_error_not_a_panic() {
+        // A reader is using object "a" when the writer clears the store and puts a larger
+        // object in the same place: the frame the reader checked now describes parts
+        // beyond the old chunk. Reading the parts again must not panic (it did: a slice
+        // index out of range), and the read is reported as modified.
+        let (mut ring, mut s) = store(4096, 2048, 1);
+        let seg = ring.segment().clone();
+        let (a, i) = s.put(&mut ring, "a", &[b"m", b"tiny"], 1).unwrap();
+        let got = read_object(&seg, a, i, true, |v| {
+            s.clear(&mut ring).unwrap();
+            s.put(&mut ring, "b", &[&[1u8; 300], &[2u8; 900]], 1)
+                .unwrap();
+            (0..v.len()).map(|k| v.part(k).len()).sum::<usize>() + v.span().len()
+        });
+        assert!(matches!(got, Err(Error::StaleObject { .. })), "{got:?}");
+        // A frame scribbled over by another process: parts come out clamped to nothing.
+        let (a, i) = s.put(&mut ring, "c", &[b"meta", b"data"], 1).unwrap();
+        let data_at = (a % 4096 + HEADER_BYTES) as usize;
+        let count_at = (4 - data_at % 4) % 4;
+        let entry0 = data_at + count_at + COUNT_BYTES + 4;
+        let lens = read_object(&seg, a, i, false, |v| {
+            // SAFETY: inside the ring (the frame's first entry); a test stands in for a
+            // peer process writing the segment.
+            unsafe {
+                std::ptr::copy_nonoverlapping([0xffu8; 8].as_ptr(), seg.ring_ptr().add(entry0), 8)
+            };
+            (v.part(0).len(), v.span().len())
+        })
+        .unwrap();
+        assert_eq!(lens, (0, 0));
     }
 
     #[test]
