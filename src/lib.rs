@@ -65,6 +65,9 @@ pub mod copy;
 pub mod encoder_cache;
 pub mod error;
 #[cfg(not(loom))]
+#[doc(hidden)]
+pub mod fuzzing;
+#[cfg(not(loom))]
 pub mod process;
 #[cfg(not(loom))]
 pub mod storage;
