@@ -282,8 +282,7 @@ pub fn describe(name: &str) -> Result<String> {
     // not "not a broadcast ring").
     let not_shmq = || Error::BadSegment {
         name: name.to_owned(),
-        reason: "it is not a shmq segment (or its creator has not finished setting it up)"
-            .into(),
+        reason: "it is not a shmq segment (or its creator has not finished setting it up)".into(),
     };
     match claimed_kind(name)? {
         SegmentKind::Ring => Ring::open(name).map(|_| ())?,
