@@ -37,7 +37,8 @@ from shmq import Handle, MessageQueue, MsgpackSerde, ObjectStorage, RingBuffer
 CLEAR_ERRORS = (ValueError, TypeError, FileNotFoundError, RuntimeError, ConnectionError)
 
 FUZZ = settings(
-    max_examples=300,
+    # More by hand: SHMQ_FUZZ_EXAMPLES=5000 (see the README's Develop section).
+    max_examples=int(os.environ.get("SHMQ_FUZZ_EXAMPLES", "300")),
     deadline=2000,  # ms per example: a hang fails, it does not wait for the test timeout
     database=None,  # no .hypothesis directory in the work tree
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
