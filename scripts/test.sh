@@ -22,6 +22,33 @@ cargo run --quiet --example broadcast
 step "Rust: loom model checks of the ring protocol and the sleep/wake handshake"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom
 
+step "Rust: fuzz targets (cargo-fuzz, ${SHMQ_FUZZ_SECONDS:=15} s each; longer by hand, see the README)"
+# cargo-fuzz from crates.io, built once into target/tools (or the one already on PATH);
+# the targets build into target/fuzz and keep their corpus in target/fuzz/corpus, so a
+# second run starts where the last one stopped. `--sanitizer none` works on stable Rust.
+if ! command -v cargo-fuzz >/dev/null 2>&1; then
+  if [ ! -x target/tools/bin/cargo-fuzz ]; then
+    cargo install --quiet --locked --root target/tools cargo-fuzz --version 0.13.2
+  fi
+  export PATH="$PWD/target/tools/bin:$PATH"
+fi
+cargo fuzz build --sanitizer none --target-dir "$PWD/target/fuzz"
+for target in handle framing ring_reader arena_reader store_reader; do
+  corpus="$PWD/target/fuzz/corpus/$target" artifacts="$PWD/target/fuzz/artifacts/$target"
+  mkdir -p "$corpus" "$artifacts"
+  seeds=()
+  if [ -d "fuzz/seeds/$target" ]; then seeds=("$PWD/fuzz/seeds/$target"); fi
+  log="$PWD/target/fuzz/$target.log"
+  if cargo fuzz run --sanitizer none --target-dir "$PWD/target/fuzz" "$target" "$corpus" "${seeds[@]}" -- \
+      -max_total_time="$SHMQ_FUZZ_SECONDS" -artifact_prefix="$artifacts/" >"$log" 2>&1; then
+    echo "$target: $(grep -E '^Done [0-9]+ runs' "$log" || tail -n 1 "$log")"
+  else
+    tail -n 60 "$log"
+    echo "fuzz target $target failed: the input is in $artifacts (see the README's Develop section)"
+    exit 1
+  fi
+done
+
 step "Python: test environment in .venv"
 # The two-host test makes network namespaces with iproute2 (skipped where it cannot).
 if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

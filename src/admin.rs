@@ -277,12 +277,44 @@ pub fn describe(name: &str) -> Result<String> {
         }
         return Ok(out);
     }
-    // None of these: say why (missing, not shmq's, another layout version...).
-    Ring::open(name).map(|_| ())?;
-    let _ = Segment::open(name)?;
-    Err(Error::BadSegment {
+    // None of these opened it: say why in the words of the kind the segment says it is
+    // (a store of another layout version is "not a shmq object store of this version",
+    // not "not a broadcast ring").
+    let not_shmq = || Error::BadSegment {
         name: name.to_owned(),
-        reason: "it is not a shmq segment".into(),
+        reason: "it is not a shmq segment (or its creator has not finished setting it up)".into(),
+    };
+    match claimed_kind(name)? {
+        SegmentKind::Ring => Ring::open(name).map(|_| ())?,
+        SegmentKind::Store => ChunkRing::open(name, None).map(|_| ())?,
+        SegmentKind::Arena => arena::describe(name).map(|_| ())?,
+        SegmentKind::EncoderCache => crate::encoder_cache::describe(name).map(|_| ())?,
+        SegmentKind::Unknown => {}
+    }
+    // Unknown, or it opened after all (its creator finished setting it up meanwhile).
+    Err(not_shmq())
+}
+
+/// The kind of shmq segment `name` says it is, by the tag of its magic ("SHMQSTO" of
+/// "SHMQSTO2"), whatever its layout version; `Unknown` if it has no shmq magic.
+fn claimed_kind(name: &str) -> Result<SegmentKind> {
+    let segment = Segment::open(name)?;
+    if segment.len() < 8 {
+        return Ok(SegmentKind::Unknown);
+    }
+    // SAFETY: the mapping is page-aligned and at least 8 bytes long, so this is an
+    // aligned u64 inside it. Every shmq segment keeps its magic there as an atomic that
+    // its creator stores last; any process that can write the segment may write
+    // anything there, which only changes the kind reported.
+    let magic = unsafe { &*(segment.as_ptr() as *const crate::sync::AtomicU64) };
+    // Acquire: pairs with the creators' Release store of the magic (as in their openers).
+    let tag = magic.load(crate::sync::Ordering::Acquire).to_le_bytes();
+    Ok(match &tag[..7] {
+        b"SHMQRNG" => SegmentKind::Ring,
+        b"SHMQSTO" => SegmentKind::Store,
+        b"SHMQARN" => SegmentKind::Arena,
+        b"SHMQENC" => SegmentKind::EncoderCache,
+        _ => SegmentKind::Unknown,
     })
 }
 
@@ -342,5 +374,29 @@ mod tests {
             describe("shmq_missing_1_2"),
             Err(Error::SegmentNotFound { .. })
         ));
+    }
+
+    #[test]
+    fn a_store_that_cannot_be_opened_is_described_as_a_store() {
+        // A store of another layout version (as an older shmq made it): `inspect` said
+        // "it is not a shmq broadcast ring".
+        let store = ChunkRing::create(4096, None).unwrap();
+        let seg = Segment::open(store.segment().name()).unwrap();
+        // SAFETY: the version field (offset 8) of a segment only this test uses; a test
+        // standing in for an older shmq.
+        unsafe { *(seg.as_ptr().add(8) as *mut u32) = 1 };
+        let e = describe(store.segment().name()).unwrap_err().to_string();
+        assert!(e.contains("layout version is 1"), "{e}");
+        assert!(!e.contains("broadcast ring"), "{e}");
+        // And an older magic: still named an object store.
+        // SAFETY: as above, the magic at offset 0.
+        unsafe { *(seg.as_ptr() as *mut u64) = u64::from_le_bytes(*b"SHMQSTO1") };
+        let e = describe(store.segment().name()).unwrap_err().to_string();
+        assert!(e.contains("not a shmq object store of this version"), "{e}");
+        // Not shmq's at all.
+        // SAFETY: as above.
+        unsafe { *(seg.as_ptr() as *mut u64) = 0 };
+        let e = describe(store.segment().name()).unwrap_err().to_string();
+        assert!(e.contains("not a shmq segment"), "{e}");
     }
 }

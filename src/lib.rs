@@ -20,9 +20,9 @@
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!
 //! Internals, under those: `segment` (named POSIX shared memory), `fork` (what a forked
-//! child must not do with what it inherited), `sync` / `futex` /
-//! `doorbell` (loom-swappable atomics, the process-shared futex, the sleep/wake
-//! handshake), `private_map` (private copy-on-write views), `transport` (ZeroMQ, for
+//! child must not do with what it inherited), `sync` / `futex` / `doorbell` / `seqlock`
+//! (loom-swappable atomics, the process-shared futex, the sleep/wake handshake, the object
+//! store's seqlock), `private_map` (private copy-on-write views), `transport` (ZeroMQ, for
 //! local readers' oversized messages).
 //!
 //! # Glossary: shmq's names and the engines' (vLLM's) names
@@ -65,6 +65,9 @@ pub mod copy;
 pub mod encoder_cache;
 pub mod error;
 #[cfg(not(loom))]
+#[doc(hidden)]
+pub mod fuzzing;
+#[cfg(not(loom))]
 pub mod process;
 #[cfg(not(loom))]
 pub mod storage;
@@ -73,8 +76,8 @@ pub mod wait;
 #[cfg(not(loom))]
 pub mod workers;
 
-// Internals. The loom model checks (tests/loom.rs) drive the doorbell and the atomics
-// directly, so a loom build makes those two public.
+// Internals. The loom model checks (tests/loom.rs) drive the doorbell, the store's
+// seqlock and the atomics directly, so a loom build makes those public.
 #[cfg(loom)]
 pub mod doorbell;
 #[cfg(not(loom))]
@@ -93,6 +96,10 @@ pub(crate) mod private_map;
 pub mod remote;
 #[cfg(not(loom))]
 pub(crate) mod segment;
+#[cfg(loom)]
+pub mod seqlock;
+#[cfg(not(loom))]
+pub(crate) mod seqlock;
 #[cfg(loom)]
 pub mod sync;
 #[cfg(not(loom))]

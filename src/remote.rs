@@ -191,9 +191,11 @@ impl RemoteWriter {
             .map_err(opt("MAXMSGSIZE"))?;
         s.set_linger(LINGER_MS).map_err(opt("LINGER"))?;
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
-        s.bind(&addr).map_err(Error::transport(format!(
-            "binding the remote socket to {addr}"
-        )))?;
+        crate::transport::check_endpoint(&addr)?;
+        s.bind(&addr).map_err(crate::transport::endpoint_error(
+            "binding the remote socket".into(),
+            &addr,
+        ))?;
         let endpoint = s
             .get_last_endpoint()
             .map_err(Error::transport("reading the bound endpoint"))?
@@ -456,8 +458,12 @@ impl RemoteReader {
         s.set_rcvhwm(0).map_err(opt("RCVHWM"))?;
         s.set_linger(0).map_err(opt("LINGER"))?;
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
+        crate::transport::check_endpoint(endpoint)?;
         s.connect(endpoint)
-            .map_err(Error::transport(format!("connecting to {endpoint}")))?;
+            .map_err(crate::transport::endpoint_error(
+                "connecting".into(),
+                endpoint,
+            ))?;
         let nonce = random16()?;
         let m = mac(&key, b"hello", &[&rank.to_le_bytes(), &nonce]);
         let mut hello = [0u8; HELLO];

@@ -66,7 +66,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ptr::NonNull;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -80,6 +79,8 @@ use crate::pins::{Pin, Pins};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::segment::{unique_name, Segment};
+use crate::seqlock;
+use crate::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 /// "SHMQSTO2" little-endian: marks a finished object-store segment.
 pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO2");
@@ -412,25 +413,19 @@ impl StoreSegment {
         // consistent read.
         let mut started = None;
         for attempt in 0u32.. {
-            // Acquire: pairs with the Release store that ends `publish`: the fields read
-            // below are at least as new as the update that store completed.
-            let seq = p.seq.load(Ordering::Acquire);
-            if seq % 2 == 0 {
-                // Relaxed: ordered by the Acquire load above and the fence below.
-                let snap = Snapshot {
+            // The seqlock's read side (see `crate::seqlock` for the orderings).
+            let snap = seqlock::read(&p.seq, || {
+                // Relaxed: ordered by the seqlock's Acquire load and fence.
+                Snapshot {
                     id_start: p.id_start.load(Ordering::Relaxed),
                     id_end: p.id_end.load(Ordering::Relaxed),
                     cleared_start: p.cleared_start.load(Ordering::Relaxed),
                     cleared_end: p.cleared_end.load(Ordering::Relaxed),
                     overwritten: p.overwritten.load(Ordering::Relaxed),
-                };
-                // Acquire fence: the field loads above happen before the `seq` load
-                // below; if it still reads `seq`, no update overlapped them.
-                fence(Ordering::Acquire);
-                // Relaxed: ordered by the fence.
-                if p.seq.load(Ordering::Relaxed) == seq {
-                    return Some(snap);
                 }
+            });
+            if snap.is_some() {
+                return snap;
             }
             if attempt < 64 {
                 std::hint::spin_loop();
@@ -446,18 +441,10 @@ impl StoreSegment {
     /// Writer only: update the published state (the seqlock's write side).
     fn publish(&self, update: impl FnOnce(&Published)) {
         let p = self.published();
-        // Relaxed: only the writer (this process, under the store's lock) stores `seq`.
-        let seq = p.seq.load(Ordering::Relaxed);
-        // Relaxed, then a Release fence: a reader that sees any field stored below also
-        // sees the odd `seq` (its Acquire fence pairs with this one) and retries.
-        p.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
-        fence(Ordering::Release);
-        update(p);
-        // Release: pairs with the Acquire load in `snapshot`: publishes the fields.
-        p.seq.store(seq.wrapping_add(2), Ordering::Release);
-        // Release fence: the update is ordered before every later write of the writer
-        // (into chunks it concerns), for readers that check it again after reading.
-        fence(Ordering::Release);
+        // The seqlock's write side (only the writer, under the store's lock, calls this);
+        // its closing Release fence orders the update before every later write of the
+        // writer (into chunks it concerns), for readers that check it again after reading.
+        seqlock::write(&p.seq, || update(p));
     }
 
     /// Writer only: publish the allocator's state and occupancy.
@@ -927,10 +914,14 @@ impl<'a> ObjectView<'a> {
     pub fn is_empty(&self) -> bool {
         self.n == 0
     }
-    /// Part `i` (checked to lie inside the chunk when the view was made).
+    /// Part `i`: inside the chunk. The frame is read again here from shared memory; if
+    /// it changed since `parse` checked it (the writer reused the chunk after a `clear()`
+    /// while a reader used it, or another process wrote it), the range may be anything:
+    /// it is then clamped to nothing, and `read_object`'s check after the read reports a
+    /// reused object as modified. (Found by `fuzz/fuzz_targets/store_reader.rs`.)
     pub fn part(&self, i: usize) -> &'a [u8] {
         let (off, len) = self.entry(i);
-        &self.data[off..off + len]
+        self.data.get(off..off.saturating_add(len)).unwrap_or(&[])
     }
     /// From the start of the first part to the end of the last (the parts of a custom
     /// serde follow each other without gaps: this is its `[metadata][data...]`).
@@ -941,8 +932,9 @@ impl<'a> ObjectView<'a> {
         }
         let (first, _) = self.entry(0);
         let (last, len) = self.entry(self.n - 1);
-        let end = (last + len).max(first);
-        &self.data[first..end]
+        let end = last.saturating_add(len).max(first);
+        // Clamped as in `part`: the frame may have changed since it was checked.
+        self.data.get(first..end).unwrap_or(&[])
     }
 }
 
@@ -1607,7 +1599,12 @@ impl ObjectViews<'_> {
             .pin
             .get_or_init(|| pin_chunk(self.segment, &self.header));
         let Some(pin) = pin else { return Ok(None) };
-        let (off, len) = object.entry(i);
+        // The part as `part` clamps it (the frame is shared memory a peer may change).
+        let part = object.part(i);
+        let (off, len) = (
+            part.as_ptr() as usize - object.data.as_ptr() as usize,
+            part.len(),
+        );
         let at = RING_OFFSET as u64 + self.header.offset + HEADER_BYTES + off as u64;
         Ok(Some(PartView {
             map: self.segment.private_file()?.map(at, len)?,
@@ -1951,6 +1948,39 @@ mod tests {
         for off in 0..200 {
             assert!(read_object(&seg, off, i, false, |_| ()).is_err());
         }
+    }
+
+    #[test]
+    fn a_frame_changed_during_a_read_is_an_error_not_a_panic() {
+        // A reader is using object "a" when the writer clears the store and puts a larger
+        // object in the same place: the frame the reader checked now describes parts
+        // beyond the old chunk. Reading the parts again must not panic (it did: a slice
+        // index out of range), and the read is reported as modified.
+        let (mut ring, mut s) = store(4096, 2048, 1);
+        let seg = ring.segment().clone();
+        let (a, i) = s.put(&mut ring, "a", &[b"m", b"tiny"], 1).unwrap();
+        let got = read_object(&seg, a, i, true, |v| {
+            s.clear(&mut ring).unwrap();
+            s.put(&mut ring, "b", &[&[1u8; 300], &[2u8; 900]], 1)
+                .unwrap();
+            (0..v.len()).map(|k| v.part(k).len()).sum::<usize>() + v.span().len()
+        });
+        assert!(matches!(got, Err(Error::StaleObject { .. })), "{got:?}");
+        // A frame scribbled over by another process: parts come out clamped to nothing.
+        let (a, i) = s.put(&mut ring, "c", &[b"meta", b"data"], 1).unwrap();
+        let data_at = (a % 4096 + HEADER_BYTES) as usize;
+        let count_at = (4 - data_at % 4) % 4;
+        let entry0 = data_at + count_at + COUNT_BYTES + 4;
+        let lens = read_object(&seg, a, i, false, |v| {
+            // SAFETY: inside the ring (the frame's first entry); a test stands in for a
+            // peer process writing the segment.
+            unsafe {
+                std::ptr::copy_nonoverlapping([0xffu8; 8].as_ptr(), seg.ring_ptr().add(entry0), 8)
+            };
+            (v.part(0).len(), v.span().len())
+        })
+        .unwrap();
+        assert_eq!(lens, (0, 0));
     }
 
     #[test]

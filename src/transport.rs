@@ -28,6 +28,34 @@ const POLL_SLICE: Duration = Duration::from_millis(5);
 /// How long closing a publisher may still flush queued messages.
 const LINGER_MS: i32 = 1000;
 
+/// Refuse an endpoint ZeroMQ cannot be given: one with a NUL character (the zmq crate
+/// panics on it; a handle can carry anything). Call it before every connect and bind.
+pub(crate) fn check_endpoint(endpoint: &str) -> Result<()> {
+    if endpoint.contains('\0') {
+        return Err(Error::InvalidArgument(format!(
+            "not a ZeroMQ endpoint (it contains a NUL character): {endpoint:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// The error of a connect or bind to `endpoint` (`context` says which): an endpoint that
+/// ZeroMQ rejects as such (malformed, an unknown transport) is a bad argument (a
+/// `ValueError` in Python: a handle can carry any text), anything else a transport error.
+pub(crate) fn endpoint_error(
+    context: String,
+    endpoint: &str,
+) -> impl FnOnce(zmq::Error) -> Error + '_ {
+    move |e| match e {
+        zmq::Error::EINVAL | zmq::Error::EPROTONOSUPPORT | zmq::Error::ENOCOMPATPROTO => {
+            Error::InvalidArgument(format!(
+                "{context}: {endpoint:?} is not a ZeroMQ endpoint that can be used here ({e})"
+            ))
+        }
+        source => Error::Transport { context, source },
+    }
+}
+
 fn ctx_socket(ctx: &zmq::Context, kind: zmq::SocketType, what: &str) -> Result<zmq::Socket> {
     ctx.socket(kind)
         .map_err(Error::transport(format!("creating the {what} socket")))
@@ -100,9 +128,10 @@ impl Publisher {
         socket.set_rcvhwm(0).map_err(opt("RCVHWM"))?;
         socket.set_linger(LINGER_MS).map_err(opt("LINGER"))?;
         socket.set_ipv6(ipv6).map_err(opt("IPV6"))?;
-        socket.bind(addr).map_err(Error::transport(format!(
-            "binding the publish socket to {addr}"
-        )))?;
+        check_endpoint(addr)?;
+        socket
+            .bind(addr)
+            .map_err(endpoint_error("binding the publish socket".into(), addr))?;
         let endpoint = socket
             .get_last_endpoint()
             .map_err(Error::transport("reading the bound endpoint"))?
@@ -208,9 +237,10 @@ impl Subscriber {
         socket.set_linger(0).map_err(opt("LINGER"))?;
         socket.set_ipv6(ipv6).map_err(opt("IPV6"))?;
         socket.set_subscribe(b"").map_err(opt("SUBSCRIBE"))?;
+        check_endpoint(endpoint)?;
         socket
             .connect(endpoint)
-            .map_err(Error::transport(format!("connecting to {endpoint}")))?;
+            .map_err(endpoint_error("connecting".into(), endpoint))?;
         Ok(Subscriber {
             socket: LeakInChild::new(socket),
             endpoint: endpoint.to_owned(),

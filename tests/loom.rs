@@ -6,6 +6,8 @@
 //!   since the model futex sleeps without a timeout);
 //! - the slot seqlock: no torn holder, and a drop never lands on a holder that attached
 //!   after the writer judged the old one.
+//! - the object store's published state (`shmq::seqlock`): no torn snapshot, and a
+//!   reader's check after reading never vouches for bytes the writer reused.
 //! - the encoder cache's key index: a reader racing with the writer never sees a torn
 //!   slot (a key with another key's entry), and a key present throughout a lookup is
 //!   found even while other keys are removed, inserted into its chain, or the table is
@@ -375,5 +377,102 @@ fn key_index_chain_survives_removal_reuse_and_rebuild() {
             "B was lost: {found:?}"
         );
         writer.join().unwrap();
+    });
+}
+
+/// The object store's published state (`storage::Published` under `shmq::seqlock`): a
+/// reader never sees the fields of two updates mixed, and a reader that reads an object's
+/// bytes and then finds the object still published (the store's `still_valid`) read the
+/// object's own bytes, never what the writer put there after it gave the object up.
+///
+/// Model: object 0 is live (`id_start, id_end = 0, 1`) and its byte is 100. The writer
+/// frees it (publishes `1, 1`), reuses its memory (byte 200, Relaxed, as the store's
+/// payload writes are plain) and publishes the new object (`1, 2`); each update also
+/// stores its number, so that a snapshot mixing two updates is seen. A reader takes a
+/// snapshot, reads the byte if object 0 is live, then checks again as `still_valid` does.
+/// Without the opening Release fence or the closing Release store of `seqlock::write`,
+/// or the Acquire load or the Acquire fence of `seqlock::read`, loom finds a failing
+/// execution (the closing Release fence is not needed here, see `shmq::seqlock`).
+#[test]
+fn store_seqlock_never_tears_and_never_vouches_for_reused_bytes() {
+    use loom::sync::atomic::AtomicU64;
+    use shmq::seqlock;
+
+    struct Published {
+        seq: AtomicU64,
+        id_start: AtomicU32,
+        id_end: AtomicU32,
+        /// Which update stored the fields (0: the initial state).
+        update: AtomicU32,
+        /// The object's first payload byte (the ring's memory, outside the seqlock).
+        byte: AtomicU32,
+    }
+    /// `(id_start, id_end)` after each update.
+    const STATES: [(u32, u32); 3] = [(0, 1), (1, 1), (1, 2)];
+    fn publish(p: &Published, update: u32) {
+        let (start, end) = STATES[update as usize];
+        seqlock::write(&p.seq, || {
+            p.id_start.store(start, Ordering::Relaxed);
+            p.update.store(update, Ordering::Relaxed);
+            p.id_end.store(end, Ordering::Relaxed);
+        });
+    }
+    /// A consistent `(id_start, id_end)`, retried a few times (see `eventually`).
+    fn snapshot(p: &Published) -> Option<(u32, u32)> {
+        let read = || {
+            seqlock::read(&p.seq, || {
+                (
+                    p.id_start.load(Ordering::Relaxed),
+                    p.update.load(Ordering::Relaxed),
+                    p.id_end.load(Ordering::Relaxed),
+                )
+            })
+        };
+        let mut got = None;
+        eventually(|| {
+            got = read();
+            got.is_some()
+        });
+        let (start, update, end) = got?;
+        assert_eq!(
+            (start, end),
+            STATES[update as usize],
+            "torn snapshot: fields of two updates"
+        );
+        Some((start, end))
+    }
+    fn live((start, end): (u32, u32), id: u32) -> bool {
+        start <= id && id < end
+    }
+
+    model(3, || {
+        let p = Arc::new(Published {
+            seq: AtomicU64::new(0),
+            id_start: AtomicU32::new(0),
+            id_end: AtomicU32::new(1),
+            update: AtomicU32::new(0),
+            byte: AtomicU32::new(100),
+        });
+        let reader = {
+            let p = p.clone();
+            thread::spawn(move || {
+                let Some(first) = snapshot(&p) else { return };
+                if !live(first, 0) {
+                    return;
+                }
+                let byte = p.byte.load(Ordering::Relaxed);
+                // `still_valid`: an Acquire fence, then the published state again.
+                loom::sync::atomic::fence(Ordering::Acquire);
+                if let Some(again) = snapshot(&p) {
+                    if live(again, 0) {
+                        assert_eq!(byte, 100, "a reused object's bytes passed as object 0's");
+                    }
+                }
+            })
+        };
+        publish(&p, 1);
+        p.byte.store(200, Ordering::Relaxed);
+        publish(&p, 2);
+        reader.join().unwrap();
     });
 }

@@ -185,7 +185,9 @@ class RingBuffer:
     def free_buf(self, is_free_fn: Callable[[int, memoryview], bool], nbytes: Optional[int] = None) -> Sequence[int]:
         """Free chunks oldest first while ``is_free_fn(id, data)`` is true and fewer than
         ``nbytes`` bytes (default: all) have been freed. Returns the freed ids (a
-        ``range``, or a list when they wrap at ``2**31``)."""
+        ``range``, or a list when they wrap at ``2**31``). ``is_free_fn`` runs while this
+        ring is busy: if it uses the ring (its state, ``metadata``, allocating, freeing),
+        ``free_buf`` raises ``RuntimeError`` (other threads simply wait)."""
         return self._core.free(is_free_fn, nbytes)
 
     def clear(self) -> None:

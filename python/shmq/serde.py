@@ -49,7 +49,13 @@ def _frame(parts: list[Buffer]) -> bytes:
 
 
 def _unframe(view: memoryview) -> list[memoryview]:
-    """The parts framed by ``_frame``, as views into ``view``."""
+    """The parts framed by ``_frame``, as views into ``view``; ``ValueError`` for bytes
+    that are not such a frame (too short for its part count, say: an object stored by
+    another serde), never ``struct.error``."""
+    if len(view) < _COUNT.size:
+        raise ValueError(
+            f"corrupt object: {len(view)} bytes, too few for its framing (was it stored by another serde?)"
+        )
     (n,) = _COUNT.unpack_from(view, 0)
     if n == 1 and len(view) >= _ONE_PART.size:
         length = _ONE_PART.unpack_from(view, 0)[1]

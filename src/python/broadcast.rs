@@ -17,7 +17,7 @@ use crate::broadcast::{
 use crate::error::Error;
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::remote::{RemoteOptions, SlowReaderPolicy};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError, PyValueError};
 
 /// Messages up to this size are copied with the GIL held when no wait is needed.
 const COPY_WITH_GIL_MAX: usize = 64 * 1024;
@@ -34,26 +34,58 @@ fn ring_tuple(h: &RingHandle) -> RingTuple {
 /// name.
 struct PyHandle(Handle);
 
+/// A field of a Python handle that is not what shmq needs, as the builtin error users
+/// expect, naming the field: `TypeError` for a missing field or a value of the wrong
+/// type, `ValueError` for one out of range (a negative rank: pyo3 says `OverflowError`).
+fn bad_field(py: Python<'_>, name: &str, e: PyErr) -> PyErr {
+    if e.is_instance_of::<PyOverflowError>(py) || e.is_instance_of::<PyValueError>(py) {
+        PyValueError::new_err(format!("not a valid shmq Handle: {name}: {e}"))
+    } else if e.is_instance_of::<PyAttributeError>(py) {
+        PyTypeError::new_err(format!("not a shmq Handle: it has no field {name}"))
+    } else {
+        PyTypeError::new_err(format!("not a valid shmq Handle: {name}: {e}"))
+    }
+}
+
+/// Field `name` of the handle `obj`, converted (errors as in [`bad_field`]).
+fn handle_field<'py, T>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<T>
+where
+    T: for<'a> FromPyObject<'a, 'py>,
+{
+    let py = obj.py();
+    let value = obj.getattr(name).map_err(|e| bad_field(py, name, e))?;
+    value
+        .extract::<T>()
+        .map_err(|e| bad_field(py, name, e.into()))
+}
+
 impl<'a, 'py> FromPyObject<'a, 'py> for PyHandle {
     type Error = PyErr;
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<PyHandle> {
-        let buffer = obj.getattr("buffer_handle")?;
+        let (py, obj) = (obj.py(), obj.to_owned());
+        let buffer = obj
+            .getattr("buffer_handle")
+            .map_err(|e| bad_field(py, "buffer_handle", e))?;
         // A list where a tuple is expected (a handle that went through JSON, say) is fine.
         let buffer: Option<RingTuple> = if buffer.is_instance_of::<PyList>() {
+            let items = buffer.try_iter()?.collect::<PyResult<Vec<_>>>()?;
             Some(
-                PyTuple::new(obj.py(), buffer.try_iter()?.collect::<PyResult<Vec<_>>>()?)?
-                    .extract()?,
+                PyTuple::new(py, items)?
+                    .extract()
+                    .map_err(|e| bad_field(py, "buffer_handle", e))?,
             )
         } else {
-            buffer.extract()?
+            buffer
+                .extract()
+                .map_err(|e| bad_field(py, "buffer_handle", e))?
         };
         let arena = match obj.getattr("arena_name") {
-            Ok(v) => v.extract()?,
+            Ok(v) => v.extract().map_err(|e| bad_field(py, "arena_name", e))?,
             Err(_) => None, // a handle pickled before the field existed
         };
         let remote_secret = match obj.getattr("remote_secret") {
             Ok(v) if !v.is_none() => {
-                let text: String = v.extract()?;
+                let text: String = v.extract().map_err(|e| bad_field(py, "remote_secret", e))?;
                 let bytes = (0..text.len())
                     .step_by(2)
                     .map(|i| {
@@ -72,16 +104,16 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PyHandle {
             _ => None,
         };
         Ok(PyHandle(Handle {
-            local_reader_ranks: obj.getattr("local_reader_ranks")?.extract()?,
+            local_reader_ranks: handle_field(&obj, "local_reader_ranks")?,
             buffer: buffer.map(|(n_reader, max_chunk_bytes, max_chunks, name)| RingHandle {
                 n_reader,
                 max_chunk_bytes,
                 max_chunks,
                 name,
             }),
-            local_subscribe_addr: obj.getattr("local_subscribe_addr")?.extract()?,
-            remote_subscribe_addr: obj.getattr("remote_subscribe_addr")?.extract()?,
-            remote_addr_ipv6: obj.getattr("remote_addr_ipv6")?.extract()?,
+            local_subscribe_addr: handle_field(&obj, "local_subscribe_addr")?,
+            remote_subscribe_addr: handle_field(&obj, "remote_subscribe_addr")?,
+            remote_addr_ipv6: handle_field(&obj, "remote_addr_ipv6")?,
             arena,
             remote_secret,
         }))
@@ -513,11 +545,21 @@ impl Reader {
     #[pyo3(signature = (handle, rank, spin_us=None, yield_us=None))]
     fn new(
         handle: PyHandle,
-        rank: usize,
+        rank: &Bound<'_, PyAny>,
         spin_us: Option<f64>,
         yield_us: Option<f64>,
     ) -> PyResult<Reader> {
         let handle = handle.0;
+        // A negative or huge rank is a ValueError (pyo3 would say OverflowError).
+        let rank = match rank.extract::<usize>() {
+            Ok(r) => r,
+            Err(e) if e.is_instance_of::<PyOverflowError>(rank.py()) => {
+                return Err(PyValueError::new_err(format!(
+                    "rank must be a non-negative int, got {rank}"
+                )))
+            }
+            Err(e) => return Err(e),
+        };
         let policy = wait_policy(handle.local_reader_ranks.len() + 1, spin_us, yield_us)?;
         let reader = CoreReader::open_with(&handle, rank, policy)?;
         Ok(Reader {

@@ -8,12 +8,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
 
 use super::view::ShmView;
-use super::wait::lock;
+use super::wait::{lock, CallbackMutex};
 use crate::alloc::{Freed, ID_MAX};
 use crate::error::{stale_object_message, Error};
 use crate::storage::{
-    check_object, object_reader_count, read_object, read_object_viewed, ChunkRing as CoreRing,
-    ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
+    check_object, object_reader_count, read_object, read_object_viewed, ChunkHeader,
+    ChunkRing as CoreRing, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
 };
 
 /// Payloads above this are copied with the GIL released.
@@ -152,14 +152,18 @@ where
 #[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct ChunkRing {
     segment: Arc<StoreSegment>,
-    inner: Mutex<CoreRing>,
+    is_writer: bool,
+    /// Held while `free` calls Python's `is_free`: that callback using this ring again
+    /// gets a `RuntimeError`, not a deadlock on the ring's own lock.
+    inner: CallbackMutex<CoreRing>,
 }
 
 impl ChunkRing {
     fn wrap(ring: CoreRing) -> ChunkRing {
         ChunkRing {
             segment: ring.segment().clone(),
-            inner: Mutex::new(ring),
+            is_writer: ring.is_writer(),
+            inner: CallbackMutex::new(ring, "the ring buffer"),
         }
     }
 }
@@ -189,8 +193,8 @@ impl ChunkRing {
         self.segment.capacity()
     }
     #[getter]
-    fn is_writer(&self, py: Python<'_>) -> bool {
-        lock(py, &self.inner).is_writer()
+    fn is_writer(&self) -> bool {
+        self.is_writer
     }
     #[getter]
     fn creator_pid(&self) -> u32 {
@@ -199,16 +203,16 @@ impl ChunkRing {
 
     /// `(data_buffer_start, data_buffer_end, monotonic_id_start, monotonic_id_end)` on
     /// the writer; `None` on a reader.
-    fn state(&self, py: Python<'_>) -> Option<(u64, u64, u32, u32)> {
-        let r = lock(py, &self.inner);
-        r.allocator()
-            .map(|a| (a.start(), a.end(), a.id_start(), a.id_end()))
+    fn state(&self, py: Python<'_>) -> PyResult<Option<(u64, u64, u32, u32)>> {
+        let r = self.inner.lock(py)?;
+        Ok(r.allocator()
+            .map(|a| (a.start(), a.end(), a.id_start(), a.id_end())))
     }
 
     /// Live chunks on the writer as a dict id → address.
     fn live<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        if let Some(a) = lock(py, &self.inner).allocator() {
+        if let Some(a) = self.inner.lock(py)?.allocator() {
             for c in a.live() {
                 d.set_item(c.id, c.address)?;
             }
@@ -217,37 +221,42 @@ impl ChunkRing {
     }
 
     /// Address of the live chunk `id` (writer side).
-    fn chunk_address(&self, py: Python<'_>, id: i64) -> Option<u64> {
-        let id = u32::try_from(id).ok()?;
-        lock(py, &self.inner)
-            .allocator()?
-            .get(id)
-            .map(|c| c.address)
+    fn chunk_address(&self, py: Python<'_>, id: i64) -> PyResult<Option<u64>> {
+        let Ok(id) = u32::try_from(id) else {
+            return Ok(None);
+        };
+        let ring = self.inner.lock(py)?;
+        Ok(ring.allocator().and_then(|a| a.get(id)).map(|c| c.address))
     }
 
     /// Number of live chunks (writer side; 0 on a reader).
-    fn live_len(&self, py: Python<'_>) -> usize {
-        lock(py, &self.inner)
+    fn live_len(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self
+            .inner
+            .lock(py)?
             .allocator()
-            .map_or(0, |a| a.live().len())
+            .map_or(0, |a| a.live().len()))
     }
 
     /// Allocate a chunk with `size` bytes of data: `(address, id)`.
     fn allocate(&self, py: Python<'_>, size: i64) -> PyResult<(u64, u32)> {
         // Negative sizes are as invalid as 0 (which the core rejects with the message).
-        let c = lock(py, &self.inner).allocate(u64::try_from(size).unwrap_or(0))?;
+        let c = self
+            .inner
+            .lock(py)?
+            .allocate(u64::try_from(size).unwrap_or(0))?;
         Ok((c.address, c.id))
     }
 
     /// `(id, size)` of the chunk at `address` (bounds-checked).
-    fn header(&self, address: u64) -> PyResult<(u32, u32)> {
-        let h = self.segment.header_at(address)?;
+    fn header(&self, address: &Bound<'_, PyAny>) -> PyResult<(u32, u32)> {
+        let h = self.header_at(address)?;
         Ok((h.id, h.size))
     }
 
     /// A view of the data of the chunk at `address` (bounds-checked).
-    fn data(&self, address: u64) -> PyResult<ShmView> {
-        let h = self.segment.header_at(address)?;
+    fn data(&self, address: &Bound<'_, PyAny>) -> PyResult<ShmView> {
+        let h = self.header_at(address)?;
         let (p, n) = self.segment.data_ptr(&h);
         // SAFETY: header_at checked the chunk lies in the ring; the Arc keeps it mapped.
         Ok(unsafe { ShmView::new(self.segment.clone(), p, n) })
@@ -274,7 +283,7 @@ impl ChunkRing {
         is_free: &Bound<'_, PyAny>,
         nbytes: Option<u64>,
     ) -> PyResult<Py<PyAny>> {
-        let mut ring = lock(py, &self.inner);
+        let mut ring = self.inner.lock(py)?;
         let mut raised = None;
         let freed = ring.free_while(nbytes.unwrap_or(u64::MAX), |id, data| {
             if raised.is_some() {
@@ -297,7 +306,7 @@ impl ChunkRing {
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(lock(py, &self.inner).clear()?)
+        Ok(self.inner.lock(py)?.clear()?)
     }
 
     /// The handle-signing secret (32 bytes).
@@ -309,6 +318,20 @@ impl ChunkRing {
     /// mapped for whoever has it); for cleanup at interpreter exit.
     fn unlink(&self) -> PyResult<()> {
         Ok(self.segment.unlink()?)
+    }
+}
+
+impl ChunkRing {
+    /// The chunk header at a Python `address`: any int (negative or huge ones name no
+    /// chunk: the same `ValueError` as an address out of the ring, as the docs promise,
+    /// not pyo3's `OverflowError`); `TypeError` for anything else.
+    fn header_at(&self, address: &Bound<'_, PyAny>) -> PyResult<ChunkHeader> {
+        match int_in_range::<u64>(address)? {
+            Some(a) => Ok(self.segment.header_at(a)?),
+            None => Err(PyValueError::new_err(format!(
+                "no chunk can be at address {address}"
+            ))),
+        }
     }
 }
 
@@ -328,14 +351,13 @@ impl ObjectStore {
     #[new]
     #[pyo3(signature = (ring, max_object_size, n_readers, count_writer_reads=false))]
     fn new(
-        py: Python<'_>,
         ring: Py<ChunkRing>,
         max_object_size: u64,
         n_readers: u32,
         count_writer_reads: bool,
     ) -> PyResult<Self> {
         let r = ring.get();
-        let (segment, is_writer) = (r.segment.clone(), lock(py, &r.inner).is_writer());
+        let (segment, is_writer) = (r.segment.clone(), r.is_writer);
         let inner = Mutex::new(CoreStore::new(max_object_size, n_readers)?);
         Ok(ObjectStore {
             ring,
@@ -370,7 +392,7 @@ impl ObjectStore {
             .collect();
         let total: usize = spans.iter().map(|s| s.1).sum();
         let mut store = lock(py, &self.inner);
-        let mut ring = lock(py, &self.ring.get().inner);
+        let mut ring = self.ring.get().inner.lock(py)?;
         let (store, ring) = (&mut *store, &mut *ring);
         let mut put = move || {
             // SAFETY: each span is a live, C-contiguous buffer export held by `buffers`
@@ -395,7 +417,7 @@ impl ObjectStore {
     /// has no room for it.
     fn loan(&self, py: Python<'_>, nbytes: u64) -> PyResult<Option<ShmView>> {
         let mut store = lock(py, &self.inner);
-        let mut ring = lock(py, &self.ring.get().inner);
+        let mut ring = self.ring.get().inner.lock(py)?;
         match store.loan(&mut ring, nbytes) {
             Ok(loan) => {
                 let loan = Arc::new(loan);
@@ -595,14 +617,14 @@ impl ObjectStore {
 
     fn free_unused(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let mut store = lock(py, &self.inner);
-        let mut ring = lock(py, &self.ring.get().inner);
+        let mut ring = self.ring.get().inner.lock(py)?;
         let freed = store.free_unused(&mut ring)?;
         freed_ids(py, freed)
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         let mut store = lock(py, &self.inner);
-        let mut ring = lock(py, &self.ring.get().inner);
+        let mut ring = self.ring.get().inner.lock(py)?;
         Ok(store.clear(&mut ring)?)
     }
 

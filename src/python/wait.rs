@@ -2,10 +2,11 @@
 //! every few milliseconds the wait re-takes it to check for signals (Ctrl-C) and the
 //! caller's cancel event.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::error::{Error, Result};
@@ -134,5 +135,87 @@ pub(crate) fn lock<'a, T: Send>(py: Python<'_>, m: &'a Mutex<T>) -> MutexGuard<'
             Err(TryLockError::Poisoned(p)) => return p.into_inner(),
             Err(TryLockError::WouldBlock) => py.detach(|| drop(m.lock())),
         }
+    }
+}
+
+/// A mutex whose holder may call Python code while it holds it (`RingBuffer.free_buf`
+/// calls its `is_free_fn` for every chunk). std's `Mutex` is not re-entrant: that code
+/// calling back into the same object on the same thread would wait for itself forever.
+/// Here it gets a `RuntimeError` naming `what` instead; other threads wait as with
+/// [`lock`].
+pub(crate) struct CallbackMutex<T> {
+    mutex: Mutex<T>,
+    /// The thread that holds `mutex` ([`thread_mark`]), 0 when none does.
+    holder: AtomicUsize,
+    what: &'static str,
+}
+
+/// A number that tells the calling thread from every other live thread: the address of
+/// one of its thread-local bytes.
+fn thread_mark() -> usize {
+    thread_local!(static MARK: u8 = const { 0 });
+    MARK.with(|m| m as *const u8 as usize)
+}
+
+/// The lock of a [`CallbackMutex`], held.
+pub(crate) struct Held<'a, T> {
+    guard: MutexGuard<'a, T>,
+    holder: &'a AtomicUsize,
+}
+
+impl<T> std::ops::Deref for Held<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> std::ops::DerefMut for Held<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
+}
+
+impl<T> Drop for Held<'_, T> {
+    fn drop(&mut self) {
+        // Relaxed: see `CallbackMutex::lock`; cleared before the guard (a field, dropped
+        // after this) unlocks.
+        self.holder.store(0, Ordering::Relaxed);
+    }
+}
+
+impl<T: Send> CallbackMutex<T> {
+    /// `what` names the object in the error, e.g. "the ring buffer".
+    pub(crate) fn new(value: T, what: &'static str) -> Self {
+        CallbackMutex {
+            mutex: Mutex::new(value),
+            holder: AtomicUsize::new(0),
+            what,
+        }
+    }
+
+    /// Lock it as [`lock`] does; `RuntimeError` if this thread holds it already (code
+    /// that runs under the lock called back into the object).
+    pub(crate) fn lock(&self, py: Python<'_>) -> PyResult<Held<'_, T>> {
+        let me = thread_mark();
+        // Relaxed: only a thread that holds the lock stores its own mark here, and it
+        // clears it before unlocking, so a thread reads its own mark exactly when it
+        // holds the lock (its own stores are visible to it in program order); any other
+        // value, however stale, means "not this thread".
+        if self.holder.load(Ordering::Relaxed) == me {
+            return Err(PyRuntimeError::new_err(format!(
+                "{} is in use by this thread: code it calls while it works (a free_buf \
+                 callback) cannot use it again (allocate, free, clear or read its state); \
+                 read what the callback needs before the call",
+                self.what
+            )));
+        }
+        let guard = lock(py, &self.mutex);
+        // Relaxed: as above.
+        self.holder.store(me, Ordering::Relaxed);
+        Ok(Held {
+            guard,
+            holder: &self.holder,
+        })
     }
 }

@@ -116,3 +116,39 @@ fn shutdown_wakes_a_blocked_reader() {
         assert!(waited < Duration::from_millis(420), "{waited:?}");
     });
 }
+
+#[test]
+fn endpoints_with_a_nul_are_errors_not_panics() {
+    // The zmq crate panics on an endpoint with a NUL (it makes a C string of it); a
+    // handle can carry anything (found by tests/python/test_fuzz.py).
+    let writer = Writer::new(QueueOptions {
+        max_chunk_bytes: 64,
+        max_chunks: 2,
+        arena_bytes: 0,
+        ..QueueOptions::local(1)
+    })
+    .unwrap();
+    let mut h = writer.handle().clone();
+    h.local_subscribe_addr = Some("ipc:///tmp/x\0y".into());
+    let e = Reader::open(&h, 0).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let remote = Handle {
+        local_reader_ranks: vec![],
+        buffer: None,
+        local_subscribe_addr: None,
+        remote_subscribe_addr: Some("tcp://127.0.0.1:1\0".into()),
+        remote_addr_ipv6: false,
+        arena: None,
+        remote_secret: Some([7; 32]),
+    };
+    let e = Reader::open(&remote, 3).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = Writer::new(QueueOptions {
+        n_reader: 1,
+        n_local_reader: 0,
+        connect_ip: Some("127.0.0.1\0".into()),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}

@@ -15,6 +15,7 @@ The package, by what each file holds: ``harness`` (running children, /dev/shm),
 ``group_children`` (the entry points of each test file's children).
 """
 
+from .fuzz_children import *  # noqa: F401,F403
 from .group_children import *  # noqa: F401,F403
 from .harness import *  # noqa: F401,F403
 from .harness import _SEGMENT_NAME  # noqa: F401
