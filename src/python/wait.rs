@@ -5,7 +5,7 @@
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::error::{Error, Result};
@@ -127,12 +127,30 @@ fn is_main_thread(py: Python<'_>) -> bool {
 
 /// Lock `m` without ever blocking while holding the GIL: another thread may hold the
 /// lock while it waits for the GIL.
-pub(crate) fn lock<'a, T: Send>(py: Python<'_>, m: &'a Mutex<T>) -> MutexGuard<'a, T> {
+///
+/// A lock that a panic poisoned (a bug, or a `PanicException` raised by a Python callback
+/// run under the lock, which pyo3 resumes as a panic) guards a value an earlier call may
+/// have left half-updated: from then on every call that needs it is a `RuntimeError`
+/// naming `what` (`"queue writer"`, `"ring buffer"`, ...), never a silent use.
+pub(crate) fn lock<'a, T: Send>(
+    py: Python<'_>,
+    m: &'a Mutex<T>,
+    what: &str,
+) -> PyResult<MutexGuard<'a, T>> {
     loop {
         match m.try_lock() {
-            Ok(g) => return g,
-            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+            Ok(g) => return Ok(g),
+            Err(TryLockError::Poisoned(_)) => return Err(poisoned(what)),
+            // A poisoned `lock()` here is seen as such by the next `try_lock`.
             Err(TryLockError::WouldBlock) => py.detach(|| drop(m.lock())),
         }
     }
+}
+
+/// The error for an object whose lock a panic poisoned.
+fn poisoned(what: &str) -> PyErr {
+    PyRuntimeError::new_err(format!(
+        "this {what} is unusable: an earlier call panicked while holding its lock \
+         (its state may be half-updated); make a new one"
+    ))
 }
