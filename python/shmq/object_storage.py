@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import _core
 from ._cleanup import track
-from .serde import MsgpackSerde, ObjectSerde, store_codec
+from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
 
 __all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer"]
 
@@ -132,7 +132,7 @@ class RingBuffer:
         """4 bytes, little-endian, signed (the header's encoding)."""
         return integer.to_bytes(self.ID_NBYTES, "little", signed=True)
 
-    def byte2int(self, byte_data: bytes) -> int:
+    def byte2int(self, byte_data: bytes | memoryview) -> int:
         return int.from_bytes(byte_data, "little", signed=True)
 
     def _state(self) -> tuple[int, int, int, int]:
@@ -295,6 +295,8 @@ class ObjectStorage:
         self._reader_lock = reader_lock
         self._core: Any = _core.ObjectStore(ring_buffer._core, max_object_size, n_readers, reader_lock is not None)
         codec = store_codec(self.ser_de)
+        self._parts: Optional[Callable[[Any], list[Buffer]]]
+        self._load: Callable[[Any], Any]
         if codec is not None:
             # Built-in serdes: the store frames the parts itself and keeps tensor and
             # array data 64-byte aligned in shared memory.

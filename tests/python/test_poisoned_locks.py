@@ -30,9 +30,7 @@ def _panic_exception() -> type[BaseException]:
     finally:
         ring.close()
     found = [
-        t
-        for t in BaseException.__subclasses__()
-        if t.__module__ == "pyo3_runtime" and t.__name__ == "PanicException"
+        t for t in BaseException.__subclasses__() if t.__module__ == "pyo3_runtime" and t.__name__ == "PanicException"
     ]
     assert found, "pyo3's PanicException was not created"
     # Other pyo3 extensions loaded in this process have their own: find shmq's by trying.
@@ -83,7 +81,7 @@ def test_a_panic_in_a_free_buf_callback_makes_the_ring_and_its_store_unusable():
         with pytest.raises(RuntimeError, match=unusable):
             ring.clear()
         with pytest.raises(RuntimeError, match=unusable):
-            ring.monotonic_id_end
+            _ = ring.monotonic_id_end
         with pytest.raises(RuntimeError, match=unusable):
             store.put("new", {"b": 2})
         with pytest.raises(RuntimeError, match=unusable):
@@ -118,7 +116,7 @@ def test_a_panic_in_a_cancel_check_makes_the_reader_unusable():
     with pytest.raises(RuntimeError, match=unusable):
         reader.dequeue(timeout=0)
     with pytest.raises(RuntimeError, match=unusable):
-        reader.current_idx
+        _ = reader.current_idx
     # The writer is another object, with its own lock: it goes on.
     writer.enqueue("still works", timeout=10)
     assert writer.current_idx == 1
