@@ -55,7 +55,7 @@ fn with_views<'py, R>(
         // SAFETY: `mv` is a live object we hold a reference to.
         kept |= unsafe { pyo3::ffi::Py_REFCNT(mv.as_ptr()) } > 1;
         // Fails if something made from the view still holds it; `is_exported` sees that.
-        let _ = mv.call_method0("release");
+        let _ = mv.call_method0(pyo3::intern!(py, "release"));
         drop(mv);
         kept |= view.get().is_exported();
     }
