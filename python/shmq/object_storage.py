@@ -338,8 +338,8 @@ class ObjectStorage:
         core = self._core
         if not self.is_writer:
             raise RuntimeError("Only the writer can put objects.")
-        if core.entry(key) is not None:
-            raise ValueError(f"Key '{key}' already exists in the storage.")
+        # A known key is refused by core.put ("Key '...' already exists in the storage.")
+        # under the lock it takes anyway: no lookup of its own here.
         parts_of = self._parts
         if parts_of is not None:
             return core.put(key, parts_of(value), 1)
