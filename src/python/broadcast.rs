@@ -1,13 +1,13 @@
 //! Bindings for the broadcast ring and queue: `Ring`, `Writer`, `Reader`.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
 use super::view::ShmView;
-use super::wait::{blocking, lock, wait_policy, Interrupts, Timeout};
+use super::wait::{blocking, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout};
 use crate::broadcast::queue::Canceller;
 use crate::broadcast::{ChunkKind, DeadReaderPolicy};
 use crate::broadcast::{
@@ -256,7 +256,7 @@ impl Ring {
 /// The writing side of a queue.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct Writer {
-    inner: Mutex<CoreWriter>,
+    inner: BindingLock<CoreWriter>,
     canceller: Canceller,
 }
 
@@ -327,7 +327,7 @@ impl Writer {
         let writer = CoreWriter::new(opts)?;
         Ok(Writer {
             canceller: writer.canceller(),
-            inner: Mutex::new(writer),
+            inner: BindingLock::new(writer),
         })
     }
 
@@ -488,7 +488,7 @@ impl Writer {
 
 impl Writer {
     /// The core writer, locked (`RuntimeError` once a panic has poisoned it).
-    fn writer(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, CoreWriter>> {
+    fn writer(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreWriter>> {
         lock(py, &self.inner, "queue writer")
     }
 }
@@ -505,12 +505,12 @@ fn interrupts<'a>(timeout: Option<Timeout>) -> Interrupts<'a, 'a> {
 /// The reading side of a queue.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct Reader {
-    inner: Mutex<CoreReader>,
+    inner: BindingLock<CoreReader>,
     canceller: Canceller,
     /// The ring's file, to map chunks for `acquire_read` (opened on first use).
-    chunk_file: Mutex<Option<Arc<PrivateFile>>>,
+    chunk_file: BindingLock<Option<Arc<PrivateFile>>>,
     /// The chunk `acquire_read` handed out: its view and mapping, until `finish_read`.
-    open_chunk: Mutex<Option<(Py<ShmView>, Arc<PrivateMap>)>>,
+    open_chunk: BindingLock<Option<(Py<ShmView>, Arc<PrivateMap>)>>,
 }
 
 #[pymethods]
@@ -529,9 +529,9 @@ impl Reader {
         let reader = CoreReader::open_with(&handle, rank, policy)?;
         Ok(Reader {
             canceller: reader.canceller(),
-            inner: Mutex::new(reader),
-            chunk_file: Mutex::new(None),
-            open_chunk: Mutex::new(None),
+            inner: BindingLock::new(reader),
+            chunk_file: BindingLock::new(None),
+            open_chunk: BindingLock::new(None),
         })
     }
 
@@ -663,7 +663,7 @@ const READER: &str = "queue reader";
 
 impl Reader {
     /// The core reader, locked (`RuntimeError` once a panic has poisoned it).
-    fn reader(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, CoreReader>> {
+    fn reader(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreReader>> {
         lock(py, &self.inner, READER)
     }
 }

@@ -3,7 +3,7 @@
 //! (`shmq.encoder_cache`) pickles values into parts and runs saves on a background thread.
 
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMemoryView};
 
 use super::view::ShmView;
-use super::wait::{blocking, lock, Interrupts, Timeout};
+use super::wait::{blocking, lock, BindingLock, Interrupts, Timeout};
 use crate::encoder_cache::{
     Consumer, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
     DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
@@ -168,7 +168,7 @@ impl EncoderCacheProducer {
             p.reserve_with(key, &part_lens, &mut self.wait(&what, spec))
         })?;
         Ok(r.map(|r| EncoderCacheReservation {
-            inner: Mutex::new(Some(r)),
+            inner: BindingLock::new(Some(r)),
         }))
     }
 
@@ -292,7 +292,7 @@ const CONSUMER: &str = "encoder cache consumer";
 /// Room for one entry: fill it and publish it (from any thread), or drop it.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct EncoderCacheReservation {
-    inner: Mutex<Option<Reservation>>,
+    inner: BindingLock<Option<Reservation>>,
 }
 
 #[pymethods]
@@ -342,7 +342,7 @@ impl EncoderCacheReservation {
 /// indexes, for `has` from any process).
 #[pyclass(module = "shmq._core", frozen)]
 pub struct EncoderCacheConsumer {
-    inner: Mutex<Option<Consumer>>,
+    inner: BindingLock<Option<Consumer>>,
 }
 
 impl EncoderCacheConsumer {
@@ -367,7 +367,7 @@ impl EncoderCacheConsumer {
             Consumer::new(&producers)?
         };
         Ok(EncoderCacheConsumer {
-            inner: Mutex::new(Some(c)),
+            inner: BindingLock::new(Some(c)),
         })
     }
 

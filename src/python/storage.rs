@@ -1,6 +1,6 @@
 //! Bindings for the object store: `ChunkRing` (the spec's `RingBuffer`) and `ObjectStore`.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
 
 use super::view::ShmView;
-use super::wait::lock;
+use super::wait::{lock, BindingGuard, BindingLock};
 use crate::alloc::{Freed, ID_MAX};
 use crate::error::{stale_object_message, Error};
 use crate::storage::{
@@ -152,19 +152,19 @@ where
 #[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct ChunkRing {
     segment: Arc<StoreSegment>,
-    inner: Mutex<CoreRing>,
+    inner: BindingLock<CoreRing>,
 }
 
 impl ChunkRing {
     fn wrap(ring: CoreRing) -> ChunkRing {
         ChunkRing {
             segment: ring.segment().clone(),
-            inner: Mutex::new(ring),
+            inner: BindingLock::new(ring),
         }
     }
 
     /// The core ring, locked (`RuntimeError` once a panic has poisoned it).
-    fn ring(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, CoreRing>> {
+    fn ring(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreRing>> {
         lock(py, &self.inner, "ring buffer")
     }
 }
@@ -323,7 +323,7 @@ impl ChunkRing {
 pub struct ObjectStore {
     ring: Py<ChunkRing>,
     segment: Arc<StoreSegment>,
-    inner: Mutex<CoreStore>,
+    inner: BindingLock<CoreStore>,
     /// Whether `get` in the writer's process counts as a read.
     count_writer_reads: bool,
     is_writer: bool,
@@ -342,7 +342,7 @@ impl ObjectStore {
     ) -> PyResult<Self> {
         let r = ring.get();
         let (segment, is_writer) = (r.segment.clone(), r.ring(py)?.is_writer());
-        let inner = Mutex::new(CoreStore::new(max_object_size, n_readers)?);
+        let inner = BindingLock::new(CoreStore::new(max_object_size, n_readers)?);
         Ok(ObjectStore {
             ring,
             segment,
@@ -631,7 +631,7 @@ impl ObjectStore {
 
 impl ObjectStore {
     /// The core store, locked (`RuntimeError` once a panic has poisoned it).
-    fn store(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, CoreStore>> {
+    fn store(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreStore>> {
         lock(py, &self.inner, "object store")
     }
 

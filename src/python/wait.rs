@@ -2,6 +2,8 @@
 //! every few milliseconds the wait re-takes it to check for signals (Ctrl-C) and the
 //! caller's cancel event.
 
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
@@ -125,24 +127,93 @@ fn is_main_thread(py: Python<'_>) -> bool {
     check().unwrap_or(true)
 }
 
+/// The mutex around a binding object's core state. Besides the mutex it knows which
+/// thread holds it, so that a call into the object from a Python callback that one of
+/// the object's own calls runs under the lock (a `free_buf` callback that reads the
+/// ring's attributes) is an error instead of a deadlock on itself.
+pub(crate) struct BindingLock<T> {
+    mutex: Mutex<T>,
+    /// The holder's thread token (`thread_token`), 0 when free. Relaxed: only compared
+    /// with the caller's own token, which only the caller's own thread ever stores here,
+    /// and a thread always reads its own last store (or a later one).
+    holder: AtomicUsize,
+}
+
+impl<T> BindingLock<T> {
+    pub(crate) fn new(value: T) -> BindingLock<T> {
+        BindingLock {
+            mutex: Mutex::new(value),
+            holder: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// A held `BindingLock`: the core state, until dropped.
+pub(crate) struct BindingGuard<'a, T> {
+    guard: MutexGuard<'a, T>,
+    holder: &'a AtomicUsize,
+}
+
+impl<T> Deref for BindingGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> DerefMut for BindingGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
+}
+
+impl<T> Drop for BindingGuard<'_, T> {
+    fn drop(&mut self) {
+        // Before the mutex is unlocked (the guard field drops after this).
+        self.holder.store(0, Ordering::Relaxed);
+    }
+}
+
+/// A number that names the calling thread for as long as it lives (never 0): the address
+/// of one of its thread-locals.
+fn thread_token() -> usize {
+    thread_local!(static TOKEN: u8 = const { 0 });
+    TOKEN.with(|t| t as *const u8 as usize)
+}
+
 /// Lock `m` without ever blocking while holding the GIL: another thread may hold the
 /// lock while it waits for the GIL.
 ///
-/// A lock that a panic poisoned (a bug, or a `PanicException` raised by a Python callback
-/// run under the lock, which pyo3 resumes as a panic) guards a value an earlier call may
-/// have left half-updated: from then on every call that needs it is a `RuntimeError`
-/// naming `what` (`"queue writer"`, `"ring buffer"`, ...), never a silent use.
+/// Errors, each a `RuntimeError` naming `what` (`"queue writer"`, `"ring buffer"`, ...):
+/// - the lock is held by this thread already: the object was called from a callback
+///   that one of its own calls runs with the lock held (waiting would never end);
+/// - a panic poisoned the lock (a bug, or a `PanicException` raised by a Python callback
+///   run under the lock, which pyo3 resumes as a panic): the state it guards may be
+///   half-updated, so the object is unusable from then on, never silently used.
 pub(crate) fn lock<'a, T: Send>(
     py: Python<'_>,
-    m: &'a Mutex<T>,
+    m: &'a BindingLock<T>,
     what: &str,
-) -> PyResult<MutexGuard<'a, T>> {
+) -> PyResult<BindingGuard<'a, T>> {
+    let me = thread_token();
     loop {
-        match m.try_lock() {
-            Ok(g) => return Ok(g),
+        match m.mutex.try_lock() {
+            Ok(guard) => {
+                m.holder.store(me, Ordering::Relaxed);
+                return Ok(BindingGuard {
+                    guard,
+                    holder: &m.holder,
+                });
+            }
             Err(TryLockError::Poisoned(_)) => return Err(poisoned(what)),
+            Err(TryLockError::WouldBlock) if m.holder.load(Ordering::Relaxed) == me => {
+                return Err(PyRuntimeError::new_err(format!(
+                    "this {what} was called from a callback that one of its own calls is \
+                     running (a free_buf callback, say); that call holds it until it returns"
+                )))
+            }
             // A poisoned `lock()` here is seen as such by the next `try_lock`.
-            Err(TryLockError::WouldBlock) => py.detach(|| drop(m.lock())),
+            Err(TryLockError::WouldBlock) => py.detach(|| drop(m.mutex.lock())),
         }
     }
 }

@@ -1,13 +1,16 @@
-"""A binding object whose lock a panic poisoned is unusable, and says so
-(``src/python/wait.rs::lock``).
+"""The locks of the binding objects (``src/python/wait.rs``: ``BindingLock``, ``lock``).
 
-The bindings guard each core object with a mutex. A panic while it is held (a bug in
-shmq, or a ``PanicException`` raised by a Python callback that runs under the lock:
-pyo3 resumes that as a panic in Rust) may leave the object half-updated, so every later
-call that needs the lock raises ``RuntimeError`` naming the object, instead of using it.
-The tests poison the locks through real paths: a ``free_buf`` callback (run with the
-ring's lock held) and a cancel event checked during a blocked ``dequeue`` (run with the
-reader's lock held).
+Each binding object guards its core state with a mutex. Two ways of misusing one are
+errors that name the object, never a hang or a silent use:
+
+- **Re-entry**: a Python callback that one of the object's calls runs under the lock (a
+  ``free_buf`` callback, a cancel event's ``is_set``) calling the same object again would
+  wait for itself forever; it raises ``RuntimeError`` instead, and the object stays
+  usable.
+- **Poisoning**: a panic while the lock is held (a bug in shmq, or a ``PanicException``
+  raised by such a callback: pyo3 resumes that as a panic in Rust) may leave the state
+  half-updated, so every later call that needs the lock raises ``RuntimeError``. The
+  tests poison the locks through those real paths.
 """
 
 from __future__ import annotations
@@ -17,6 +20,47 @@ import pytest
 from shmq import MessageQueue, ObjectStorage, RingBuffer
 
 POISONED = "is unusable: an earlier call panicked while holding its lock"
+REENTERED = "was called from a callback that one of its own calls is running"
+
+
+def test_a_free_buf_callback_that_calls_its_ring_gets_an_error_not_a_deadlock():
+    ring = RingBuffer(4096, create=True)
+    store = ObjectStorage(1024, 1, ring)
+    try:
+        _, first = ring.allocate_buf(8)
+        with pytest.raises(RuntimeError, match=f"this ring buffer {REENTERED}"):
+            ring.free_buf(lambda i, v: ring.data_buffer_start >= 0)
+        seen = []
+
+        def other_objects_are_fine(i: int, v: memoryview) -> bool:
+            # The store has a lock of its own; the view is this chunk's.
+            seen.append((store.is_cached("x"), len(v)))
+            return True
+
+        assert list(ring.free_buf(other_objects_are_fine)) == [first]
+        assert seen == [(False, 8)]
+        ring.allocate_buf(8)  # not poisoned: an error is not a panic
+    finally:
+        store.close()
+
+
+class _EventThatReadsTheReader:
+    """A cancel event whose ``is_set`` calls the reader that is waiting on it."""
+
+    def __init__(self, reader: MessageQueue):
+        self.reader = reader
+
+    def is_set(self) -> bool:
+        return self.reader.current_idx < 0
+
+
+def test_a_cancel_check_that_calls_its_reader_gets_an_error_not_a_deadlock():
+    writer = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    with pytest.raises(RuntimeError, match=f"this queue reader {REENTERED}"):
+        reader.dequeue(timeout=10, cancel=_EventThatReadsTheReader(reader))
+    writer.enqueue("then it reads", timeout=10)
+    assert reader.dequeue(timeout=10) == "then it reads"
 
 
 def _panic_exception() -> type[BaseException]:
