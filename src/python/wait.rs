@@ -1,6 +1,8 @@
 //! Running a core blocking call from Python: the GIL is released for the wait, and
 //! every few milliseconds the wait re-takes it to check for signals (Ctrl-C) and the
-//! caller's cancel event.
+//! caller's cancel event. Also the locks around the binding objects' core state
+//! (`BindingLock`): taken without blocking while the GIL is held, and a clear error,
+//! never a hang or a silent use, when re-entered from a callback or poisoned by a panic.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
