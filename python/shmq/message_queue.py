@@ -12,7 +12,7 @@ import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 from . import _core, _oob
 from ._cleanup import track
@@ -85,6 +85,7 @@ class ShmRingBuffer:
             self._core = _core.Ring.create(n_reader, max_chunk_bytes, max_chunks)
             track(self._core)
             self.is_creator = True
+            name = self._core.name
         else:
             self.is_creator = False
             try:
@@ -281,7 +282,8 @@ class MessageQueue:
         self.shutting_down = False
 
     def export_handle(self) -> Handle:
-        return self.handle
+        # None only for an object made without __init__ (whose other methods raise).
+        return self.handle  # type: ignore[return-value]
 
     @staticmethod
     def create_from_handle(
@@ -296,8 +298,10 @@ class MessageQueue:
         self._is_local_reader = self._reader.is_local
         self._is_remote_reader = not self._is_local_reader
         if self._is_local_reader:
-            self.local_reader_rank = self._reader.reader_index
-            self.buffer = ShmRingBuffer._wrap(self._reader.ring())
+            index, ring = self._reader.reader_index, self._reader.ring()
+            assert index is not None and ring is not None, "a local reader has an index and a ring"
+            self.local_reader_rank = index
+            self.buffer = ShmRingBuffer._wrap(ring)
         self.n_local_reader = len(handle.local_reader_ranks)
         self.n_remote_reader = 0
         self.shutting_down = False
@@ -394,7 +398,7 @@ class MessageQueue:
         message = reader.dequeue(timeout, cancel, indefinite)
         if type(message) is bytes:
             return _loads(message)
-        body, buffers = message
+        body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
         return _loads(body, buffers=buffers)
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -409,8 +413,9 @@ class MessageQueue:
         ``reserved`` in ``/dev/shm`` so far, ``outstanding`` parts (still held by a
         reader, a message not yet read, or a live loan) and ``fallbacks``; ``None``
         without an arena."""
-        info = self._writer.arena_info() if self._writer is not None else None
-        if info is None:
+        writer = self._writer
+        info = writer.arena_info() if writer is not None else None
+        if writer is None or info is None:
             return None
         name, capacity, reserved, outstanding = info
         return {
@@ -418,7 +423,7 @@ class MessageQueue:
             "capacity": capacity,
             "reserved": reserved,
             "outstanding": outstanding,
-            "fallbacks": self._writer.arena_fallbacks,
+            "fallbacks": writer.arena_fallbacks,
         }
 
     @property

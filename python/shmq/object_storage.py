@@ -11,14 +11,14 @@ says so.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import _core
 from ._cleanup import track
 from ._loans import loaned_array, loaned_tensor
-from .serde import MsgpackSerde, ObjectSerde, store_codec
+from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
 
 __all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer", "VIEW_THRESHOLD"]
 
@@ -137,7 +137,7 @@ class RingBuffer:
         """4 bytes, little-endian, signed (the header's encoding)."""
         return integer.to_bytes(self.ID_NBYTES, "little", signed=True)
 
-    def byte2int(self, byte_data: bytes) -> int:
+    def byte2int(self, byte_data: bytes | memoryview) -> int:
         return int.from_bytes(byte_data, "little", signed=True)
 
     def _state(self) -> tuple[int, int, int, int]:
@@ -174,13 +174,10 @@ class RingBuffer:
         when the live chunks leave no room (free some with ``free_buf``)."""
         return self._core.allocate(size)
 
-    @contextmanager
-    def access_buf(self, address: int) -> Iterator[tuple[memoryview, tuple[int, int]]]:
+    def access_buf(self, address: int) -> AbstractContextManager[tuple[memoryview, tuple[int, int]]]:
         """``(data view, (id, size))`` of the chunk at ``address``; ``ValueError`` if no
-        chunk can be there."""
-        header = self._core.header(address)
-        with memoryview(self._core.data(address)) as view:
-            yield view, header
+        chunk can be there. The view is released when the block ends."""
+        return _ChunkAccess(self, address)
 
     def free_buf(self, is_free_fn: Callable[[int, memoryview], bool], nbytes: Optional[int] = None) -> Sequence[int]:
         """Free chunks oldest first while ``is_free_fn(id, data)`` is true and fewer than
@@ -209,6 +206,27 @@ class RingBuffer:
     def __repr__(self) -> str:
         role = "writer" if self.is_writer else "reader"
         return f"<RingBuffer {role} {self.shared_memory.name!r} {self.data_buffer_size} bytes>"
+
+
+class _ChunkAccess:
+    """``RingBuffer.access_buf``'s context manager: the chunk is looked up on entry and
+    its view released on exit, as a ``@contextmanager`` generator would, at half the
+    cost of one (a generator frame and its wrapper on every access)."""
+
+    __slots__ = ("_ring", "_address", "_view")
+
+    def __init__(self, ring: RingBuffer, address: int):
+        self._ring = ring
+        self._address = address
+
+    def __enter__(self) -> tuple[memoryview, tuple[int, int]]:
+        core = self._ring._core
+        header = core.header(self._address)
+        self._view = view = memoryview(core.data(self._address))
+        return view, header
+
+    def __exit__(self, *exc: object) -> None:
+        self._view.release()
 
 
 @dataclass
@@ -309,6 +327,8 @@ class ObjectStorage:
         self._reader_lock = reader_lock
         self._core: Any = _core.ObjectStore(ring_buffer._core, max_object_size, n_readers, reader_lock is not None)
         codec = store_codec(self.ser_de)
+        self._parts: Optional[Callable[[Any], list[Buffer]]]
+        self._load: Callable[[Any], Any]
         if codec is not None:
             # Built-in serdes: the store frames the parts itself and keeps tensor and
             # array data 64-byte aligned in shared memory.
@@ -335,8 +355,8 @@ class ObjectStorage:
         core = self._core
         if not self.is_writer:
             raise RuntimeError("Only the writer can put objects.")
-        if core.entry(key) is not None:
-            raise ValueError(f"Key '{key}' already exists in the storage.")
+        # A known key is refused by core.put ("Key '...' already exists in the storage.")
+        # under the lock it takes anyway: no lookup of its own here.
         parts_of = self._parts
         if parts_of is not None:
             return core.put(key, parts_of(value), 1)

@@ -207,9 +207,9 @@ class PickleSerde(ObjectSerde):
         return pickle.loads(body, buffers=[bytearray(r) for r in raws])
 
 
-def store_codec(serde: Any) -> Optional[tuple[Callable[[Any], list[Buffer]], Callable[[list[memoryview]], Any]]]:
+def store_codec(serde: Any) -> Optional[tuple[Callable[[Any], list[Buffer]], Callable[..., Any]]]:
     """For a built-in serde (not a subclass that changes how it serializes): its
-    ``(value → parts, parts → value)`` pair, which the store uses to frame and align the
+    ``(value → parts, (parts, raws_owned=False) → value)`` pair, which the store uses to frame and align the
     parts itself. ``None`` for any other serde: the store then writes its
     ``[metadata][data...]`` as they come and hands ``deserialize`` one view of them."""
     cls = type(serde)

@@ -1,6 +1,6 @@
 //! Bindings for the object store: `ChunkRing` (the spec's `RingBuffer`) and `ObjectStore`.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
 
 use super::view::ShmView;
-use super::wait::{lock, CallbackMutex};
+use super::wait::{lock, BindingGuard, BindingLock};
 use crate::alloc::{Freed, ID_MAX};
 use crate::error::{stale_object_message, Error};
 use crate::storage::{
@@ -55,7 +55,7 @@ fn with_views<'py, R>(
         // SAFETY: `mv` is a live object we hold a reference to.
         kept |= unsafe { pyo3::ffi::Py_REFCNT(mv.as_ptr()) } > 1;
         // Fails if something made from the view still holds it; `is_exported` sees that.
-        let _ = mv.call_method0("release");
+        let _ = mv.call_method0(pyo3::intern!(py, "release"));
         drop(mv);
         kept |= view.get().is_exported();
     }
@@ -152,10 +152,9 @@ where
 #[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct ChunkRing {
     segment: Arc<StoreSegment>,
+    /// Fixed at open: read without the lock (a `free_buf` callback may ask it).
     is_writer: bool,
-    /// Held while `free` calls Python's `is_free`: that callback using this ring again
-    /// gets a `RuntimeError`, not a deadlock on the ring's own lock.
-    inner: CallbackMutex<CoreRing>,
+    inner: BindingLock<CoreRing>,
 }
 
 impl ChunkRing {
@@ -163,8 +162,13 @@ impl ChunkRing {
         ChunkRing {
             segment: ring.segment().clone(),
             is_writer: ring.is_writer(),
-            inner: CallbackMutex::new(ring, "the ring buffer"),
+            inner: BindingLock::new(ring),
         }
+    }
+
+    /// The core ring, locked (`RuntimeError` once a panic has poisoned it).
+    fn ring(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreRing>> {
+        lock(py, &self.inner, "ring buffer")
     }
 }
 
@@ -204,7 +208,7 @@ impl ChunkRing {
     /// `(data_buffer_start, data_buffer_end, monotonic_id_start, monotonic_id_end)` on
     /// the writer; `None` on a reader.
     fn state(&self, py: Python<'_>) -> PyResult<Option<(u64, u64, u32, u32)>> {
-        let r = self.inner.lock(py)?;
+        let r = self.ring(py)?;
         Ok(r.allocator()
             .map(|a| (a.start(), a.end(), a.id_start(), a.id_end())))
     }
@@ -212,7 +216,7 @@ impl ChunkRing {
     /// Live chunks on the writer as a dict id → address.
     fn live<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        if let Some(a) = self.inner.lock(py)?.allocator() {
+        if let Some(a) = self.ring(py)?.allocator() {
             for c in a.live() {
                 d.set_item(c.id, c.address)?;
             }
@@ -225,26 +229,22 @@ impl ChunkRing {
         let Ok(id) = u32::try_from(id) else {
             return Ok(None);
         };
-        let ring = self.inner.lock(py)?;
-        Ok(ring.allocator().and_then(|a| a.get(id)).map(|c| c.address))
+        Ok(self
+            .ring(py)?
+            .allocator()
+            .and_then(|a| a.get(id))
+            .map(|c| c.address))
     }
 
     /// Number of live chunks (writer side; 0 on a reader).
     fn live_len(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self
-            .inner
-            .lock(py)?
-            .allocator()
-            .map_or(0, |a| a.live().len()))
+        Ok(self.ring(py)?.allocator().map_or(0, |a| a.live().len()))
     }
 
     /// Allocate a chunk with `size` bytes of data: `(address, id)`.
     fn allocate(&self, py: Python<'_>, size: i64) -> PyResult<(u64, u32)> {
         // Negative sizes are as invalid as 0 (which the core rejects with the message).
-        let c = self
-            .inner
-            .lock(py)?
-            .allocate(u64::try_from(size).unwrap_or(0))?;
+        let c = self.ring(py)?.allocate(u64::try_from(size).unwrap_or(0))?;
         Ok((c.address, c.id))
     }
 
@@ -283,7 +283,7 @@ impl ChunkRing {
         is_free: &Bound<'_, PyAny>,
         nbytes: Option<u64>,
     ) -> PyResult<Py<PyAny>> {
-        let mut ring = self.inner.lock(py)?;
+        let mut ring = self.ring(py)?;
         let mut raised = None;
         let freed = ring.free_while(nbytes.unwrap_or(u64::MAX), |id, data| {
             if raised.is_some() {
@@ -306,7 +306,7 @@ impl ChunkRing {
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(self.inner.lock(py)?.clear()?)
+        Ok(self.ring(py)?.clear()?)
     }
 
     /// The handle-signing secret (32 bytes).
@@ -340,7 +340,7 @@ impl ChunkRing {
 pub struct ObjectStore {
     ring: Py<ChunkRing>,
     segment: Arc<StoreSegment>,
-    inner: Mutex<CoreStore>,
+    inner: BindingLock<CoreStore>,
     /// Whether `get` in the writer's process counts as a read.
     count_writer_reads: bool,
     is_writer: bool,
@@ -358,7 +358,7 @@ impl ObjectStore {
     ) -> PyResult<Self> {
         let r = ring.get();
         let (segment, is_writer) = (r.segment.clone(), r.is_writer);
-        let inner = Mutex::new(CoreStore::new(max_object_size, n_readers)?);
+        let inner = BindingLock::new(CoreStore::new(max_object_size, n_readers)?);
         Ok(ObjectStore {
             ring,
             segment,
@@ -391,8 +391,8 @@ impl ObjectStore {
             .map(|b| (b.buf_ptr() as usize, b.len_bytes()))
             .collect();
         let total: usize = spans.iter().map(|s| s.1).sum();
-        let mut store = lock(py, &self.inner);
-        let mut ring = self.ring.get().inner.lock(py)?;
+        let mut store = self.store(py)?;
+        let mut ring = self.ring.get().ring(py)?;
         let (store, ring) = (&mut *store, &mut *ring);
         let mut put = move || {
             // SAFETY: each span is a live, C-contiguous buffer export held by `buffers`
@@ -416,8 +416,8 @@ impl ObjectStore {
     /// is exactly this memory writes the rest around it (no copy). `None` if the ring
     /// has no room for it.
     fn loan(&self, py: Python<'_>, nbytes: u64) -> PyResult<Option<ShmView>> {
-        let mut store = lock(py, &self.inner);
-        let mut ring = self.ring.get().inner.lock(py)?;
+        let mut store = self.store(py)?;
+        let mut ring = self.ring.get().ring(py)?;
         match store.loan(&mut ring, nbytes) {
             Ok(loan) => {
                 let loan = Arc::new(loan);
@@ -536,7 +536,7 @@ impl ObjectStore {
     ) -> PyResult<()> {
         if self.is_writer && !self.count_writer_reads {
             if let Ok(key) = key.cast::<PyString>() {
-                lock(py, &self.inner).touch(key.to_str()?);
+                self.store(py)?.touch(key.to_str()?);
             }
             return Ok(());
         }
@@ -557,10 +557,13 @@ impl ObjectStore {
         signature: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         if self.is_writer {
-            let current = key
+            let key = key
                 .and_then(|k| k.cast::<PyString>().ok())
-                .and_then(|k| k.to_str().ok().map(str::to_owned))
-                .and_then(|k| lock(py, &self.inner).entry(&k).copied());
+                .and_then(|k| k.to_str().ok().map(str::to_owned));
+            let current = match key {
+                Some(k) => self.store(py)?.entry(&k).copied(),
+                None => None,
+            };
             let handle = signed_handle(address, id).ok();
             if current.is_none() || current.map(|e| (e.address, e.id)) != handle {
                 return Err(invalid_signature().into());
@@ -571,7 +574,7 @@ impl ObjectStore {
 
     /// The signature of `key`'s current handle, as 32 ints; `KeyError` if unknown.
     fn get_signature(&self, py: Python<'_>, key: &str) -> PyResult<Vec<u32>> {
-        lock(py, &self.inner)
+        self.store(py)?
             .signature(&self.segment, key)
             .map(|s| s.map(u32::from).to_vec())
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
@@ -582,18 +585,19 @@ impl ObjectStore {
         self.segment.sign(key, address, id).map(u32::from).to_vec()
     }
 
-    fn release_touches(&self, py: Python<'_>) {
-        lock(py, &self.inner).release_touches()
+    fn release_touches(&self, py: Python<'_>) -> PyResult<()> {
+        self.store(py)?.release_touches();
+        Ok(())
     }
 
     /// Ids the writer has touched and not yet handed out again or released.
-    fn touched(&self, py: Python<'_>) -> Vec<u32> {
-        let store = lock(py, &self.inner);
-        store
+    fn touched(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let store = self.store(py)?;
+        Ok(store
             .entries()
             .map(|(_, e)| e.id)
             .filter(|&i| store.is_touched(i))
-            .collect()
+            .collect())
     }
 
     /// How many reads the object at `(address, id)` has had.
@@ -604,53 +608,57 @@ impl ObjectStore {
         Ok(object_reader_count(&self.segment, a, i)?)
     }
 
-    fn is_cached(&self, py: Python<'_>, key: &str) -> bool {
-        lock(py, &self.inner).entry(key).is_some()
+    fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        Ok(self.store(py)?.entry(key).is_some())
     }
 
     /// Hand the object out once more: `(address, id)`; `KeyError` if unknown.
     fn get_cached(&self, py: Python<'_>, key: &str) -> PyResult<(u64, u32)> {
-        lock(py, &self.inner)
+        self.store(py)?
             .get_cached(key)
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
     }
 
     fn free_unused(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let mut store = lock(py, &self.inner);
-        let mut ring = self.ring.get().inner.lock(py)?;
+        let mut store = self.store(py)?;
+        let mut ring = self.ring.get().ring(py)?;
         let freed = store.free_unused(&mut ring)?;
         freed_ids(py, freed)
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
-        let mut store = lock(py, &self.inner);
-        let mut ring = self.ring.get().inner.lock(py)?;
+        let mut store = self.store(py)?;
+        let mut ring = self.ring.get().ring(py)?;
         Ok(store.clear(&mut ring)?)
     }
 
     /// `(address, id, handouts)` of `key`'s object, if stored (writer side).
-    fn entry(&self, py: Python<'_>, key: &str) -> Option<(u64, u32, u32)> {
-        lock(py, &self.inner)
+    fn entry(&self, py: Python<'_>, key: &str) -> PyResult<Option<(u64, u32, u32)>> {
+        Ok(self
+            .store(py)?
             .entry(key)
-            .map(|e| (e.address, e.id, e.handouts))
+            .map(|e| (e.address, e.id, e.handouts)))
     }
 
     /// The key of the object with id `id`, if stored (writer side).
-    fn key_of(&self, py: Python<'_>, id: i64) -> Option<String> {
-        let id = u32::try_from(id).ok()?;
-        lock(py, &self.inner).key_of(id).map(str::to_owned)
+    fn key_of(&self, py: Python<'_>, id: i64) -> PyResult<Option<String>> {
+        let Ok(id) = u32::try_from(id) else {
+            return Ok(None);
+        };
+        Ok(self.store(py)?.key_of(id).map(str::to_owned))
     }
 
     /// Number of stored objects (writer side).
-    fn __len__(&self, py: Python<'_>) -> usize {
-        lock(py, &self.inner).len()
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.store(py)?.len())
     }
 
     /// vLLM's `increment_writer_flag`: one more hand-out of the object `id`.
     fn increment_writer_flag(&self, py: Python<'_>, id: i64) -> PyResult<()> {
-        let found = u32::try_from(id)
-            .ok()
-            .is_some_and(|id| lock(py, &self.inner).hand_out(id));
+        let found = match u32::try_from(id) {
+            Ok(id) => self.store(py)?.hand_out(id),
+            Err(_) => false,
+        };
         if found {
             Ok(())
         } else {
@@ -678,25 +686,25 @@ impl ObjectStore {
         // SAFETY: checked just above to lie inside the ring, which `self.segment` keeps
         // mapped; the bytes are only read as the count, atomically.
         let data = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
-        Ok(lock(py, &self.inner).is_free(id, data))
+        Ok(self.store(py)?.is_free(id, data))
     }
 
     /// `{key: (address, id, handouts)}` of the live objects (writer side).
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (k, e) in lock(py, &self.inner).entries() {
+        for (k, e) in self.store(py)?.entries() {
             d.set_item(k, (e.address, e.id, e.handouts))?;
         }
         Ok(d)
     }
 
     #[getter]
-    fn max_object_size(&self, py: Python<'_>) -> u64 {
-        lock(py, &self.inner).max_object_size()
+    fn max_object_size(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.store(py)?.max_object_size())
     }
     #[getter]
-    fn n_readers(&self, py: Python<'_>) -> u32 {
-        lock(py, &self.inner).n_readers()
+    fn n_readers(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(self.store(py)?.n_readers())
     }
     #[getter]
     fn is_writer(&self) -> bool {
@@ -705,6 +713,11 @@ impl ObjectStore {
 }
 
 impl ObjectStore {
+    /// The core store, locked (`RuntimeError` once a panic has poisoned it).
+    fn store(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreStore>> {
+        lock(py, &self.inner, "object store")
+    }
+
     /// A reader's check of a handle's signature (no index lookup).
     fn verify_reader(
         &self,

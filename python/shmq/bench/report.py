@@ -219,7 +219,7 @@ def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "sh
     others. A floor row shows its single value in the first column."""
     others = [n for n in names if n != reference] if reference in names else []
     header = ["scenario", *names, *(f"{reference} vs {n}" for n in others)]
-    body = []
+    body: list[Optional[list[str]]] = []
     for i, row in enumerate(rows):
         if row.floor is not None and i > 0 and rows[i - 1].floor is None:
             body.append(None)  # a rule between the transports' rows and the floors

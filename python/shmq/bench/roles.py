@@ -161,10 +161,11 @@ def _role_tensor_writer(
     out.ready()
     _sync(barrier)
     numel = nbytes // 4
-    fixed = None if loan else torch.ones(numel)
+    fixed: Any = None if loan else torch.ones(numel)
+    lend: Any = out.loan  # not None with `loan` (checked above)
 
     def make(i: int) -> Any:
-        t = out.loan(numel) if loan else fixed
+        t = lend(numel) if loan else fixed
         t[-1] = float(i)
         return t
 

@@ -252,6 +252,7 @@ def _floor_store(params: Params) -> dict[str, float]:
     got = iter(handles)
     get_us = _time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
 
+    big: Any  # a torch tensor, or a numpy array without torch
     try:
         import torch
 
