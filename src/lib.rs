@@ -32,7 +32,7 @@
 //! | [`Handle`] | `Handle` |
 //! | [`broadcast::ring::Ring`]: the broadcast ring; its *chunks* hold one message each | `ShmRingBuffer` |
 //! | [`broadcast::ring::ChunkInfo`]: a chunk a reader found; `ChunkState`: its flags | a chunk's "metadata" (written flag, read flags) |
-//! | [`storage::ChunkRing`]: the store's ring of variable-size chunks | `SingleWriterShmRingBuffer` |
+//! | [`storage::ChunkFifo`]: the store's ring of variable-size chunks | `SingleWriterShmRingBuffer` |
 //! | [`alloc::Chunk`]: one allocation in it | a chunk (`[id][size][data]`) |
 //! | [`storage::ObjectStore`] | `SingleWriterShmObjectStorage` |
 //! | [`arena::ArenaWriter`], [`arena::ArenaReader`]: leases with per-reader holds | `ShmTensorArena` (slots) |

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use shmq::storage::{check_object, object_reader_count, read_object, ChunkRing, ObjectStore};
+use shmq::storage::{check_object, object_reader_count, read_object, ChunkFifo, ObjectStore};
 use shmq_fuzz::{apply, read_at, touch, write_at, Patch};
 
 /// Where the published state's sequence word is (see `storage`'s layout).
@@ -84,7 +84,7 @@ fn parts_of(spec: &[(u8, u8)]) -> Vec<Vec<u8>> {
 fuzz_target!(|input: Input| {
     let capacity = 64 + input.capacity as u64 % 8192;
     let n_readers = 1 + input.n_readers as u32 % 3;
-    let mut ring = ChunkRing::create(capacity, None).expect("a store");
+    let mut ring = ChunkFifo::create(capacity, None).expect("a store");
     let mut store = ObjectStore::new(capacity, n_readers).expect("a store");
     let seg = ring.segment().clone();
     let name = seg.name().to_owned();
@@ -127,7 +127,7 @@ fuzz_target!(|input: Input| {
     // The header page (header, published state, secret), then the first chunks.
     apply(&name, RING_OFFSET + 256, &input.patches);
     keep_seq_even(&name);
-    let Ok(reader) = ChunkRing::open(&name, None) else {
+    let Ok(reader) = ChunkFifo::open(&name, None) else {
         assert!(patched, "a reader of an intact store must open");
         return;
     };

@@ -15,7 +15,7 @@ __all__ = [
     "Ring",
     "Writer",
     "Reader",
-    "ChunkRing",
+    "ChunkFifo",
     "ObjectStore",
     "ShmView",
     "EncoderCacheProducer",
@@ -202,13 +202,13 @@ class Reader:
 # -- object store (src/python/storage.rs) --------------------------------------------
 
 @final
-class ChunkRing:
+class ChunkFifo:
     """The object store's ring segment (``RingBuffer``); the creator is its writer."""
 
     @staticmethod
-    def create(capacity: int, name: Optional[str] = None) -> ChunkRing: ...
+    def create(capacity: int, name: Optional[str] = None) -> ChunkFifo: ...
     @staticmethod
-    def open(name: str, capacity: Optional[int] = None) -> ChunkRing: ...
+    def open(name: str, capacity: Optional[int] = None) -> ChunkFifo: ...
     @property
     def name(self) -> str: ...
     @property
@@ -233,10 +233,10 @@ class ChunkRing:
 
 @final
 class ObjectStore:
-    """Key → object index over a ``ChunkRing``; payloads are serialized parts."""
+    """Key → object index over a ``ChunkFifo``; payloads are serialized parts."""
 
     def __new__(
-        cls, ring: ChunkRing, max_object_size: int, n_readers: int, count_writer_reads: bool = False
+        cls, ring: ChunkFifo, max_object_size: int, n_readers: int, count_writer_reads: bool = False
     ) -> ObjectStore: ...
     def put(self, key: str, parts: list[Buffer], align_from: int) -> tuple[int, int]: ...
     def get(

@@ -43,7 +43,7 @@ class _SharedMemory:
     ``buf`` is the ring itself (``data_buffer_size`` bytes): the segment's header, which
     holds the signing secret, is not part of it."""
 
-    def __init__(self, ring: _core.ChunkRing):
+    def __init__(self, ring: _core.ChunkFifo):
         self._ring: Any = ring
         self.name: str = ring.name
         self.size: int = ring.capacity
@@ -117,12 +117,12 @@ class RingBuffer:
         self.data_buffer_size = data_buffer_size
         self.is_writer = bool(create)
         if create:
-            self._core: Any = _core.ChunkRing.create(data_buffer_size, name)
+            self._core: Any = _core.ChunkFifo.create(data_buffer_size, name)
             track(self._core)
         elif name is None:
             raise ValueError("a reader needs the name of an existing ring buffer (create=True makes a new one)")
         else:
-            self._core = _core.ChunkRing.open(name, data_buffer_size)
+            self._core = _core.ChunkFifo.open(name, data_buffer_size)
         self.shared_memory = _SharedMemory(self._core)
         self._metadata = _LiveChunks(self)
 

@@ -4,7 +4,7 @@
 //! Contents of `shmq._core`:
 //! - `Ring`: a broadcast ring segment (`ShmRingBuffer` in Python);
 //! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`);
-//! - `ChunkRing`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
+//! - `ChunkFifo`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
 //!   `ObjectStorage`);
 //! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
 //! - `EncoderCacheProducer`, `EncoderCacheReservation`, `EncoderCacheConsumer`: the
@@ -35,7 +35,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<broadcast::Ring>()?;
     m.add_class::<broadcast::Writer>()?;
     m.add_class::<broadcast::Reader>()?;
-    m.add_class::<storage::ChunkRing>()?;
+    m.add_class::<storage::ChunkFifo>()?;
     m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;
     encoder_cache::register(m)?;

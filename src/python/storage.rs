@@ -1,4 +1,4 @@
-//! Bindings for the object store: `ChunkRing` (the spec's `RingBuffer`) and `ObjectStore`.
+//! Bindings for the object store: `ChunkFifo` (the spec's `RingBuffer`) and `ObjectStore`.
 
 use std::sync::Arc;
 
@@ -12,8 +12,8 @@ use super::wait::{lock, BindingGuard, BindingLock};
 use crate::alloc::{Freed, ID_MAX};
 use crate::error::{stale_object_message, Error};
 use crate::storage::{
-    check_object, object_reader_count, read_object, read_object_viewed, ChunkHeader,
-    ChunkRing as CoreRing, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
+    check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo as CoreRing,
+    ChunkHeader, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
 };
 
 /// Payloads above this are copied with the GIL released.
@@ -150,16 +150,16 @@ where
 
 /// The store's ring segment, writer or reader side.
 #[pyclass(module = "shmq._core", frozen, weakref)]
-pub struct ChunkRing {
+pub struct ChunkFifo {
     segment: Arc<StoreSegment>,
     /// Fixed at open: read without the lock (a `free_buf` callback may ask it).
     is_writer: bool,
     inner: BindingLock<CoreRing>,
 }
 
-impl ChunkRing {
-    fn wrap(ring: CoreRing) -> ChunkRing {
-        ChunkRing {
+impl ChunkFifo {
+    fn wrap(ring: CoreRing) -> ChunkFifo {
+        ChunkFifo {
             segment: ring.segment().clone(),
             is_writer: ring.is_writer(),
             inner: BindingLock::new(ring),
@@ -173,18 +173,18 @@ impl ChunkRing {
 }
 
 #[pymethods]
-impl ChunkRing {
+impl ChunkFifo {
     /// Create a ring of `capacity` bytes; this process is its writer.
     #[staticmethod]
     #[pyo3(signature = (capacity, name=None))]
-    fn create(capacity: u64, name: Option<&str>) -> PyResult<ChunkRing> {
+    fn create(capacity: u64, name: Option<&str>) -> PyResult<ChunkFifo> {
         Ok(Self::wrap(CoreRing::create(capacity, name)?))
     }
 
     /// Open an existing ring as a reader; `capacity`, if given, must match.
     #[staticmethod]
     #[pyo3(signature = (name, capacity=None))]
-    fn open(name: &str, capacity: Option<u64>) -> PyResult<ChunkRing> {
+    fn open(name: &str, capacity: Option<u64>) -> PyResult<ChunkFifo> {
         Ok(Self::wrap(CoreRing::open(name, capacity)?))
     }
 
@@ -321,7 +321,7 @@ impl ChunkRing {
     }
 }
 
-impl ChunkRing {
+impl ChunkFifo {
     /// The chunk header at a Python `address`: any int (negative or huge ones name no
     /// chunk: the same `ValueError` as an address out of the ring, as the docs promise,
     /// not pyo3's `OverflowError`); `TypeError` for anything else.
@@ -335,10 +335,10 @@ impl ChunkRing {
     }
 }
 
-/// Key → object store on a `ChunkRing`; payloads are already-serialized bytes.
+/// Key → object store on a `ChunkFifo`; payloads are already-serialized bytes.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct ObjectStore {
-    ring: Py<ChunkRing>,
+    ring: Py<ChunkFifo>,
     segment: Arc<StoreSegment>,
     inner: BindingLock<CoreStore>,
     /// Whether `get` in the writer's process counts as a read.
@@ -351,7 +351,7 @@ impl ObjectStore {
     #[new]
     #[pyo3(signature = (ring, max_object_size, n_readers, count_writer_reads=false))]
     fn new(
-        ring: Py<ChunkRing>,
+        ring: Py<ChunkFifo>,
         max_object_size: u64,
         n_readers: u32,
         count_writer_reads: bool,

@@ -1,0 +1,219 @@
+//! [`ChunkFifo`]: the segment plus, on the writer, the FIFO allocator: allocating,
+//! freeing oldest first (never a chunk some process pins) and clearing.
+
+use std::sync::Arc;
+
+use super::segment::{ChunkHeader, StoreSegment, INVALID_ID};
+use crate::alloc::{Chunk, FifoAllocator, Freed};
+use crate::error::{Error, Result};
+use crate::segment::unique_name;
+use crate::sync::Ordering;
+
+fn writer_only(what: &str) -> Error {
+    Error::WrongRole(format!("Only the writer can {what}."))
+}
+
+/// The spec's `RingBuffer`: the segment plus, on the writer, the FIFO allocator.
+#[derive(Debug)]
+pub struct ChunkFifo {
+    pub(super) segment: Arc<StoreSegment>,
+    pub(super) writer: Option<RingWriter>,
+}
+
+/// The writer's state: the allocator and what it remembers of the last clear.
+#[derive(Debug)]
+pub(super) struct RingWriter {
+    pub(super) alloc: FifoAllocator,
+    /// Whether the chunks live at the last clear may still be read (see the module docs).
+    cleared_readable: bool,
+    /// End offset of the furthest of those chunks.
+    cleared_end_offset: u64,
+    /// Ring bytes `[0, overwritten)` written since the last clear.
+    pub(super) overwritten: u64,
+}
+
+impl ChunkFifo {
+    /// Create a ring of `capacity` bytes (this process is its writer).
+    pub fn create(capacity: u64, name: Option<&str>) -> Result<ChunkFifo> {
+        let alloc = FifoAllocator::new(capacity).map_err(Error::InvalidArgument)?;
+        let name = name.map_or_else(|| unique_name("store"), str::to_owned);
+        Ok(ChunkFifo {
+            segment: Arc::new(StoreSegment::create(&name, capacity)?),
+            writer: Some(RingWriter {
+                alloc,
+                cleared_readable: false,
+                cleared_end_offset: 0,
+                overwritten: 0,
+            }),
+        })
+    }
+
+    /// Open an existing ring as a reader; `capacity`, if given, must match.
+    pub fn open(name: &str, capacity: Option<u64>) -> Result<ChunkFifo> {
+        let segment = StoreSegment::open(name)?;
+        if let Some(c) = capacity.filter(|&c| c != segment.capacity()) {
+            return Err(Error::InvalidArgument(format!(
+                "shared memory segment '{name}' holds a ring of {} bytes, not {c}",
+                segment.capacity()
+            )));
+        }
+        Ok(ChunkFifo {
+            segment: Arc::new(segment),
+            writer: None,
+        })
+    }
+
+    pub fn segment(&self) -> &Arc<StoreSegment> {
+        &self.segment
+    }
+    pub fn is_writer(&self) -> bool {
+        self.writer.is_some()
+    }
+    /// The writer's allocator state.
+    pub fn allocator(&self) -> Option<&FifoAllocator> {
+        self.writer.as_ref().map(|w| &w.alloc)
+    }
+
+    /// Allocate a chunk with `data_bytes` of data and write its header.
+    pub fn allocate(&mut self, data_bytes: u64) -> Result<Chunk> {
+        if data_bytes == 0 {
+            return Err(Error::InvalidArgument("Size must be greater than 0".into()));
+        }
+        self.allocate_with(|_| data_bytes)
+    }
+
+    /// Allocate a chunk sized by `data_bytes_at(ring offset)` (see
+    /// [`FifoAllocator::allocate_with`]) and write its header.
+    pub fn allocate_with(&mut self, data_bytes_at: impl FnMut(u64) -> u64) -> Result<Chunk> {
+        let segment = &*self.segment;
+        let w = self
+            .writer
+            .as_mut()
+            .ok_or_else(|| writer_only("allocate buffers"))?;
+        let chunk = w.alloc.allocate_with(data_bytes_at)?;
+        let end = chunk.offset(segment.capacity()) + chunk.size as u64;
+        if w.cleared_readable && end > w.overwritten {
+            // The chunk covers bytes of chunks live at the last clear: say so before
+            // writing them (`publish` orders this before the writes below).
+            w.overwritten = end;
+            let done = w.overwritten >= w.cleared_end_offset;
+            w.cleared_readable = !done;
+            segment.publish(|p| {
+                // Relaxed: inside the seqlock (see `publish`).
+                p.overwritten.store(end, Ordering::Relaxed);
+                if done {
+                    let id_end = p.id_end.load(Ordering::Relaxed);
+                    p.cleared_start.store(id_end, Ordering::Relaxed);
+                    p.cleared_end.store(id_end, Ordering::Relaxed);
+                }
+            });
+        }
+        segment.write_header(&chunk);
+        // The header is written before the new id is published.
+        segment.publish_ids(&w.alloc);
+        Ok(chunk)
+    }
+
+    /// Free chunks oldest first while `is_free(id, data)` and fewer than `nbytes` bytes
+    /// have been freed; a chunk is freed (and handles to it stop working) as soon as
+    /// `is_free` returns true for it.
+    pub fn free_while(
+        &mut self,
+        nbytes: u64,
+        mut is_free: impl FnMut(u32, &[u8]) -> bool,
+    ) -> Result<Freed> {
+        let segment = &*self.segment;
+        let w = self
+            .writer
+            .as_mut()
+            .ok_or_else(|| writer_only("free buffers"))?;
+        let capacity = segment.capacity();
+        let freed = w.alloc.free_while(nbytes, |c| {
+            let h = ChunkHeader {
+                offset: c.offset(capacity),
+                id: c.id,
+                size: c.size,
+            };
+            let (p, n) = segment.data_ptr(&h);
+            // SAFETY: a live chunk of ours lies inside the ring (allocator invariant);
+            // readers only read it, and a peer writing it can only change what `is_free`
+            // decides.
+            if !is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) }) {
+                return false;
+            }
+            // Stamp the header (published with the new id_start below), then look for
+            // zero-copy views: a reader that pins it from now on sees the stamp.
+            segment.store_u32(h.offset, INVALID_ID);
+            if segment.is_pinned(h.offset) {
+                // Some process still has views: keep the chunk (and all after it).
+                segment.store_u32(h.offset, c.id);
+                return false;
+            }
+            true
+        });
+        if freed.count > 0 {
+            segment.publish_ids(&w.alloc);
+            segment.wait_for_counting_readers();
+        }
+        Ok(freed)
+    }
+
+    /// Forget every chunk (writer only). Ids keep counting and addresses restart at 0;
+    /// handles issued before keep reading their data until the memory is reused. If a
+    /// process holds a zero-copy view of some chunk, nothing moves instead: the chunks
+    /// stay, to be freed oldest first like unused objects, each once no view holds it.
+    pub fn clear(&mut self) -> Result<()> {
+        let segment = &*self.segment;
+        let w = self
+            .writer
+            .as_mut()
+            .ok_or_else(|| writer_only("clear the buffer"))?;
+        let capacity = segment.capacity();
+        let (cleared_start, cleared_end) = (w.alloc.id_start(), w.alloc.id_end());
+        // The writer alone publishes: its snapshot is what it last published.
+        let before = segment.snapshot().unwrap_or_default();
+        // Publish first that every live chunk is cleared, then look for zero-copy views:
+        // a reader that pins one from now on sees it cleared and copies instead.
+        segment.publish(|p| {
+            // Relaxed: inside the seqlock (see `publish`).
+            p.id_start.store(cleared_end, Ordering::Relaxed);
+            p.cleared_start.store(cleared_start, Ordering::Relaxed);
+            p.cleared_end.store(cleared_end, Ordering::Relaxed);
+            p.overwritten.store(0, Ordering::Relaxed);
+        });
+        if w.alloc
+            .live()
+            .any(|c| segment.is_pinned(c.offset(capacity)))
+        {
+            // Some process has views of a chunk: keep every chunk where it is (the store
+            // forgets their keys; they are freed oldest first once no view holds them)
+            // and put the published state back.
+            segment.publish(|p| {
+                // Relaxed: inside the seqlock (see `publish`).
+                p.cleared_start
+                    .store(before.cleared_start, Ordering::Relaxed);
+                p.cleared_end.store(before.cleared_end, Ordering::Relaxed);
+                p.overwritten.store(before.overwritten, Ordering::Relaxed);
+            });
+            segment.publish_ids(&w.alloc);
+            return Ok(());
+        }
+        w.cleared_end_offset = w
+            .alloc
+            .live()
+            .map(|c| c.offset(capacity) + c.size as u64)
+            .max()
+            .unwrap_or(0);
+        w.cleared_readable = w.cleared_end_offset > 0;
+        w.overwritten = 0;
+        w.alloc.clear();
+        segment.publish(|p| {
+            // Relaxed: inside the seqlock (see `publish`).
+            p.cleared_start.store(cleared_start, Ordering::Relaxed);
+            p.cleared_end.store(cleared_end, Ordering::Relaxed);
+            p.overwritten.store(0, Ordering::Relaxed);
+        });
+        segment.publish_ids(&w.alloc);
+        Ok(())
+    }
+}

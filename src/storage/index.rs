@@ -1,0 +1,469 @@
+//! [`ObjectStore`]: the writer's key → object index over a [`ChunkFifo`]: put, hand-outs,
+//! touches, eviction of what every reader has finished with, and loans.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use super::fifo::ChunkFifo;
+use super::object::{object_layout, pin_own, reader_count, ChunkPin};
+use super::segment::{ChunkHeader, StoreSegment, COUNT_BYTES, PART_ALIGN, SIGNATURE_BYTES};
+use crate::alloc::{Freed, HEADER_BYTES};
+use crate::error::{Error, Result};
+use crate::sync::Ordering;
+
+/// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
+/// (the count, the frame and the other parts: the pickle or msgpack stream and small
+/// buffers); an object whose other parts need more is copied instead.
+pub const LOAN_ROOM: u64 = 64 * 1024;
+/// Loaned buffers start at multiples of this (ring offset): readers map them page by page.
+pub(super) const LOAN_ALIGN: u64 = 4096;
+
+/// Where a loaned buffer is (the writer's bookkeeping).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct LoanSpot {
+    pub(super) address: u64,
+    /// The chunk's header.
+    pub(super) header: ChunkHeader,
+    /// The buffer's offset from the start of the chunk's data.
+    buffer_at: u64,
+    pub(super) len: u64,
+}
+
+/// Memory loaned by the store's writer: `len` bytes of a chunk in the ring, to fill in
+/// place and `put` without a copy. The chunk stays (pinned) while the loan lives, also
+/// once put: drop it after the put to let the object be evicted in its turn.
+#[derive(Debug)]
+pub struct StoreLoan {
+    pub(super) ptr: *mut u8,
+    pub(super) len: usize,
+    pub(super) _pin: Arc<ChunkPin>,
+}
+
+// SAFETY: the loan is the only handle to its bytes in this process (the writer's
+// bookkeeping keeps only their place), and the pin keeps the chunk from reuse; moving or
+// sharing it between threads is like a Vec's.
+unsafe impl Send for StoreLoan {}
+// SAFETY: as for Send: `&StoreLoan` gives the pointer out, not access.
+unsafe impl Sync for StoreLoan {}
+
+impl std::ops::Deref for StoreLoan {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len` bytes of the loan's chunk, mapped and unreused while the pin
+        // lives. Readers only get the chunk's handle once it is put; from then on they
+        // read what the writer wrote, and a writer that keeps writing is racing only with
+        // its own readers' view of the data (byte values, never memory safety).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for StoreLoan {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes this the only slice made from it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl StoreLoan {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The writer's bookkeeping for one object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub address: u64,
+    pub id: u32,
+    /// Times handed out by `put`/`get_cached`.
+    pub handouts: u32,
+}
+
+/// Key → object index over a [`ChunkFifo`] (the spec's `ObjectStorage`, minus serde).
+/// Methods take the ring explicitly so the ring can be shared with its own API.
+#[derive(Debug)]
+pub struct ObjectStore {
+    max_object_size: u64,
+    n_readers: u32,
+    pub(super) keys: HashMap<Arc<str>, Entry>,
+    pub(super) ids: HashMap<u32, Arc<str>>,
+    /// Ids the writer `touch`ed: not evicted until handed out again or released.
+    pub(super) touched: HashSet<u32>,
+    /// Loaned buffers not yet put, by chunk id.
+    pub(super) loans: HashMap<u32, LoanSpot>,
+}
+
+impl ObjectStore {
+    pub fn new(max_object_size: u64, n_readers: u32) -> Result<ObjectStore> {
+        if max_object_size <= COUNT_BYTES as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "max_object_size must exceed {COUNT_BYTES} bytes"
+            )));
+        }
+        Ok(ObjectStore {
+            max_object_size,
+            n_readers,
+            keys: HashMap::new(),
+            ids: HashMap::new(),
+            touched: HashSet::new(),
+            loans: HashMap::new(),
+        })
+    }
+
+    pub fn max_object_size(&self) -> u64 {
+        self.max_object_size
+    }
+    pub fn n_readers(&self) -> u32 {
+        self.n_readers
+    }
+    pub fn entry(&self, key: &str) -> Option<&Entry> {
+        self.keys.get(key)
+    }
+    pub fn entries(&self) -> impl Iterator<Item = (&str, &Entry)> + '_ {
+        self.keys.iter().map(|(k, e)| (&**k, e))
+    }
+    pub fn key_of(&self, id: u32) -> Option<&str> {
+        self.ids.get(&id).map(|k| &**k)
+    }
+    pub fn is_touched(&self, id: u32) -> bool {
+        self.touched.contains(&id)
+    }
+    /// Number of stored objects.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Count one more hand-out of the object with id `id` (vLLM's
+    /// `increment_writer_flag`); false if no stored object has that id.
+    pub fn hand_out(&mut self, id: u32) -> bool {
+        let Some(e) = self.ids.get(&id).and_then(|k| self.keys.get_mut(k)) else {
+            return false;
+        };
+        e.handouts += 1;
+        true
+    }
+
+    /// Whether the object with id `id`, whose chunk data is `data`, may be evicted: not
+    /// touched, and read `n_readers` times per hand-out.
+    pub fn is_free(&self, id: u32, data: &[u8]) -> bool {
+        if self.touched.contains(&id) {
+            return false;
+        }
+        let handouts = self
+            .ids
+            .get(&id)
+            .and_then(|k| self.keys.get(k))
+            .map_or(0, |e| e.handouts);
+        reader_count(data) as u64 >= self.n_readers as u64 * handouts as u64
+    }
+
+    /// Store an object made of `parts` under `key`; returns `(address, id)`. Parts from
+    /// `align_from` on start at 64-byte boundaries of the ring; the others follow each
+    /// other. When the ring is full, first frees objects every reader has finished with.
+    pub fn put(
+        &mut self,
+        ring: &mut ChunkFifo,
+        key: &str,
+        parts: &[&[u8]],
+        align_from: usize,
+    ) -> Result<(u64, u32)> {
+        if !ring.is_writer() {
+            return Err(Error::WrongRole("Only the writer can put objects.".into()));
+        }
+        if self.keys.contains_key(key) {
+            return Err(Error::KeyExists(key.to_owned()));
+        }
+        // vLLM's measure: the count plus the serialized bytes (not the frame or padding).
+        let size = COUNT_BYTES as u64 + parts.iter().map(|p| p.len() as u64).sum::<u64>();
+        if size > self.max_object_size {
+            return Err(Error::TooLarge {
+                size,
+                max: self.max_object_size,
+            });
+        }
+        if let Some(placed) = self.put_in_loan(ring, key, parts, align_from) {
+            return Ok(placed);
+        }
+        let lens = || parts.iter().map(|p| p.len() as u64);
+        let n = parts.len();
+        let size_at = |chunk_offset: u64| {
+            object_layout(
+                chunk_offset + HEADER_BYTES,
+                lens(),
+                n,
+                align_from,
+                |_, _| (),
+            )
+        };
+        let chunk = match ring.allocate_with(size_at) {
+            Err(Error::Full(_)) => {
+                self.free_unused(ring)?;
+                ring.allocate_with(size_at)?
+            }
+            other => other?,
+        };
+        let segment = ring.segment();
+        let h = ChunkHeader {
+            offset: chunk.offset(segment.capacity()),
+            id: chunk.id,
+            size: chunk.size,
+        };
+        let (p, len) = segment.data_ptr(&h);
+        let data_offset = h.offset + HEADER_BYTES;
+        let count_at = (4 - data_offset % 4) % 4;
+        // Relaxed: the count starts at 0 before the handle is given to anyone; the
+        // channel that carries the handle to readers orders it (as it does the payload).
+        segment
+            .count(data_offset + count_at)
+            .store(0, Ordering::Relaxed);
+        let frame_at = (count_at as usize) + COUNT_BYTES;
+        let write = |at: usize, bytes: &[u8]| {
+            debug_assert!(at + bytes.len() <= len);
+            // SAFETY: the chunk is ours (just allocated, not yet handed out; readers only
+            // read it after they get its handle), and `object_layout` sized it so that
+            // every write made here stays inside its `len` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at), bytes.len()) };
+        };
+        write(frame_at, &(n as u32).to_le_bytes());
+        let end = object_layout(data_offset, lens(), n, align_from, |i, at| {
+            let entry_at = frame_at + 4 + 8 * i;
+            write(entry_at, &(at as u32).to_le_bytes());
+            write(entry_at + 4, &(parts[i].len() as u32).to_le_bytes());
+            write(at as usize, parts[i]);
+        });
+        debug_assert_eq!(end as usize, len);
+        self.register(key, chunk.address, chunk.id);
+        Ok((chunk.address, chunk.id))
+    }
+
+    fn register(&mut self, key: &str, address: u64, id: u32) {
+        let key: Arc<str> = key.into();
+        let entry = Entry {
+            address,
+            id,
+            handouts: 1,
+        };
+        self.keys.insert(key.clone(), entry);
+        self.ids.insert(id, key);
+    }
+
+    /// Loan `nbytes` of a new chunk to fill in place (writer only): `put` of an object
+    /// one of whose buffers (from `align_from` on) is exactly this memory writes the rest
+    /// of the object around it, with no copy. `Error::Full` if there is no room even
+    /// after freeing what every reader has finished with.
+    pub fn loan(&mut self, ring: &mut ChunkFifo, nbytes: u64) -> Result<StoreLoan> {
+        if !ring.is_writer() {
+            return Err(Error::WrongRole("Only the writer can loan memory.".into()));
+        }
+        if nbytes == 0 {
+            return Err(Error::InvalidArgument("Size must be greater than 0".into()));
+        }
+        let size = COUNT_BYTES as u64 + nbytes;
+        if size > self.max_object_size {
+            return Err(Error::TooLarge {
+                size,
+                max: self.max_object_size,
+            });
+        }
+        let buffer_at = |chunk_offset: u64| {
+            let data = chunk_offset + HEADER_BYTES;
+            (data + LOAN_ROOM).next_multiple_of(LOAN_ALIGN) - data
+        };
+        let size_at = |chunk_offset: u64| buffer_at(chunk_offset) + nbytes;
+        let chunk = match ring.allocate_with(size_at) {
+            Err(Error::Full(_)) => {
+                self.free_unused(ring)?;
+                ring.allocate_with(size_at)?
+            }
+            other => other?,
+        };
+        let segment = ring.segment();
+        let header = ChunkHeader {
+            offset: chunk.offset(segment.capacity()),
+            id: chunk.id,
+            size: chunk.size,
+        };
+        let data_offset = header.offset + HEADER_BYTES;
+        let count_at = (4 - data_offset % 4) % 4;
+        // Relaxed: nobody has this chunk's handle yet; the channel that carries it orders
+        // these stores. An empty object (no parts) until it is put.
+        segment
+            .count(data_offset + count_at)
+            .store(0, Ordering::Relaxed);
+        segment.store_u32(data_offset + count_at + COUNT_BYTES as u64, 0);
+        // If pinning fails, the chunk (an empty object nobody knows) goes in its turn.
+        let pin = pin_own(segment, header.offset)?;
+        let spot = LoanSpot {
+            address: chunk.address,
+            header,
+            buffer_at: buffer_at(header.offset),
+            len: nbytes,
+        };
+        self.loans.insert(chunk.id, spot);
+        let (p, _) = segment.data_ptr(&header);
+        Ok(StoreLoan {
+            // SAFETY: buffer_at + nbytes is the chunk's data size (size_at above).
+            ptr: unsafe { p.add(spot.buffer_at as usize) },
+            len: nbytes as usize,
+            _pin: pin,
+        })
+    }
+
+    /// Put `parts` around a loaned buffer that is exactly one of them (from `align_from`
+    /// on), if the others fit in the room before it; `None` to copy instead.
+    fn put_in_loan(
+        &mut self,
+        ring: &ChunkFifo,
+        key: &str,
+        parts: &[&[u8]],
+        align_from: usize,
+    ) -> Option<(u64, u32)> {
+        if self.loans.is_empty() {
+            return None;
+        }
+        let segment = ring.segment();
+        let base = segment.ring_ptr() as usize;
+        let mut found = None;
+        for (i, part) in parts.iter().enumerate().skip(align_from) {
+            let at = (part.as_ptr() as usize).wrapping_sub(base) as u64;
+            let hit = self.loans.iter().find(|(_, s)| {
+                s.header.offset + HEADER_BYTES + s.buffer_at == at && s.len == part.len() as u64
+            });
+            if let Some((&id, &spot)) = hit {
+                if found.is_some() {
+                    return None; // two loans in one object: copied into one chunk
+                }
+                found = Some((i, id, spot));
+            }
+        }
+        let (k, id, spot) = found?;
+        if ring.allocator()?.get(id).is_none() {
+            self.loans.remove(&id);
+            return None;
+        }
+        let data_offset = spot.header.offset + HEADER_BYTES;
+        let count_at = (4 - data_offset % 4) % 4;
+        let frame_at = count_at + COUNT_BYTES as u64;
+        let mut at = frame_at + 4 + 8 * parts.len() as u64;
+        let mut offsets = Vec::with_capacity(parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            if i == k {
+                offsets.push(spot.buffer_at);
+                continue;
+            }
+            if i >= align_from {
+                at = (data_offset + at).next_multiple_of(PART_ALIGN) - data_offset;
+            }
+            offsets.push(at);
+            at += part.len() as u64;
+        }
+        if at > spot.buffer_at {
+            return None; // the rest does not fit before the buffer: copy
+        }
+        let (p, len) = segment.data_ptr(&spot.header);
+        let write = |at: u64, bytes: &[u8]| {
+            debug_assert!(at as usize + bytes.len() <= spot.buffer_at as usize);
+            // SAFETY: the chunk is this writer's (live, loaned, its handle not yet given
+            // out), and every write here ends before the buffer (checked just above), which
+            // lies inside the chunk's `len` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at as usize), bytes.len())
+            };
+        };
+        debug_assert!(spot.buffer_at + spot.len <= len as u64);
+        write(frame_at, &(parts.len() as u32).to_le_bytes());
+        for (i, part) in parts.iter().enumerate() {
+            let entry_at = frame_at + 4 + 8 * i as u64;
+            write(entry_at, &(offsets[i] as u32).to_le_bytes());
+            write(entry_at + 4, &(part.len() as u32).to_le_bytes());
+            if i != k {
+                write(offsets[i], part);
+            }
+        }
+        self.loans.remove(&id);
+        self.register(key, spot.address, id);
+        Some((spot.address, id))
+    }
+
+    /// Hand `key`'s object out once more (every reader will read it once more); this
+    /// also ends a `touch` of it.
+    pub fn get_cached(&mut self, key: &str) -> Option<(u64, u32)> {
+        let e = self.keys.get_mut(key)?;
+        e.handouts += 1;
+        self.touched.remove(&e.id);
+        Some((e.address, e.id))
+    }
+
+    /// Keep `key`'s object from being evicted until the next `get_cached(key)` or
+    /// `release_touches()`; unknown keys are ignored.
+    pub fn touch(&mut self, key: &str) {
+        if let Some(e) = self.keys.get(key) {
+            self.touched.insert(e.id);
+        }
+    }
+
+    /// Stop protecting every touched object.
+    pub fn release_touches(&mut self) {
+        self.touched.clear();
+    }
+
+    /// The signature of `key`'s current handle.
+    pub fn signature(&self, segment: &StoreSegment, key: &str) -> Option<[u8; SIGNATURE_BYTES]> {
+        let e = self.keys.get(key)?;
+        Some(segment.sign(key, e.address, e.id))
+    }
+
+    /// The writer's check of a handle a request brings back: it must be `key`'s current
+    /// entry and carry the right signature.
+    pub fn verify_current(
+        &self,
+        segment: &StoreSegment,
+        key: &str,
+        address: u64,
+        id: u32,
+        signature: &[u8],
+    ) -> Result<()> {
+        match self.keys.get(key) {
+            Some(e) if (e.address, e.id) == (address, id) => {
+                segment.verify(key, address, id, signature)
+            }
+            _ => Err(Error::BadSignature { missing: false }),
+        }
+    }
+
+    /// Free objects, oldest first, that every reader has finished with, up to about
+    /// `2 * max_object_size` bytes. Returns the freed ids.
+    pub fn free_unused(&mut self, ring: &mut ChunkFifo) -> Result<Freed> {
+        let limit = 2 * self.max_object_size;
+        let freed = ring.free_while(limit, |id, data| self.is_free(id, data))?;
+        for id in freed.ids() {
+            if let Some(key) = self.ids.remove(&id) {
+                self.keys.remove(&key);
+            }
+            self.loans.remove(&id);
+        }
+        Ok(freed)
+    }
+
+    /// Forget every object and chunk.
+    pub fn clear(&mut self, ring: &mut ChunkFifo) -> Result<()> {
+        ring.clear()?;
+        self.keys.clear();
+        self.ids.clear();
+        self.touched.clear();
+        // Loans whose chunks a view kept (see `ChunkFifo::clear`) can still be put.
+        if let Some(alloc) = ring.allocator() {
+            self.loans.retain(|id, _| alloc.get(*id).is_some());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,89 @@
+//! The object store: a FIFO ring of variable-size chunks in one segment (one writer
+//! allocates, any process reads by `(address, id)`), and on top of it a key → object
+//! index whose objects carry an atomic reader count and whose handles are signed.
+//!
+//! # Segment layout
+//! ```text
+//! 0      StoreHeader: magic (stored last, Release), layout version, capacity, creator
+//! 64     Published: what readers check a handle against, under a seqlock (`seq`)
+//! 128    the handle-signing secret: 32 random bytes, written before the magic
+//! 4096   the ring: `capacity` bytes of chunks packed tightly (vLLM 0.33's layout):
+//!          +0 id: u32, +4 size: u32 (header included), +8 data: `size - 8` bytes
+//! ```
+//! Chunk boundaries are wherever the allocator ([`crate::alloc`]) puts them: any byte
+//! offset. Header words are therefore read and written byte by byte through `AtomicU8`
+//! (an `AtomicU32` needs 4-byte alignment), and whatever needs alignment inside a chunk
+//! is padded *inside* the chunk. An object's data is
+//! ```text
+//! [0..3 pad][count: u32][n: u32][n × (offset: u32, len: u32)][parts ...]
+//! ```
+//! The pad puts the reader count on a 4-byte boundary (it is an `AtomicU32`); the frame
+//! gives each part's offset from the start of the data and its length. Parts from
+//! `align_from` on (the raw tensor and array buffers of the built-in serdes) start on
+//! 64-byte boundaries of the ring, which is page-aligned in memory; the others follow
+//! each other without gaps, so a custom serde's `[metadata][data...]` stays contiguous.
+//! Chunks are sized exactly for the offset they land on ([`FifoAllocator::allocate_with`]).
+//!
+//! # Which handles are valid
+//! The writer publishes, under a seqlock, the live ids `[id_start, id_end)` and the ids
+//! `[cleared_start, cleared_end)` of the chunks that were live at the last `clear()`,
+//! with `overwritten`: since that clear the writer has written only ring bytes
+//! `[0, overwritten)` (chunks are placed from offset 0 on, each at 0 or right after the
+//! previous one, so what they cover is always a prefix). A reader accepts `(address, id)`
+//! only if the id is live, or cleared and its chunk starts at or after `overwritten`
+//! (vLLM 0.33 lets requests that are still draining read their objects after a
+//! `clear()`, until the memory is reused), and the header at the address holds that id.
+//! It checks the same again after using the payload, so an object reused meanwhile is
+//! reported as modified instead of returning torn data. The writer publishes a change
+//! *before* it writes over the memory concerned.
+//!
+//! # Eviction
+//! `put` hands an object out once; each `get_cached` hands it out again. Every reader
+//! increments the count once per read (one atomic `fetch_add`, no lock; reads of a
+//! cleared object are not counted). The count lies in the chunk, so a reader announces
+//! its increment in the segment header (`counting`) before its last check of the
+//! handle, and the writer, after freeing chunks, waits for announced increments before
+//! it reuses them: an increment never lands in another object. So the object
+//! may be evicted when `count >= n_readers * handouts`, oldest first, unless the writer
+//! `touch`ed it and has not yet handed it out again or released its touches, or some
+//! process *pins* it.
+//!
+//! # Zero-copy views and loans
+//! [`read_object_viewed`] lets a reader map parts privately (copy-on-write) and keep
+//! them: the chunk is pinned — a shared lock on a byte of the segment's file, see the
+//! `pins` module — until the last such view is dropped (or its process dies). The
+//! writer frees a chunk only after stamping its header and finding no pin, and a
+//! `clear()` that finds a pinned chunk frees nothing at once (the chunks go oldest first
+//! as usual). [`ObjectStore::loan`] gives the writer a pinned chunk with [`LOAN_ROOM`]
+//! bytes before a page-aligned buffer; `put` of parts one of which is that buffer writes
+//! the others into the room, so the buffer is never copied.
+//!
+//! # Signed handles
+//! `sign(key, address, id)` is HMAC-SHA256, under the segment's secret, of
+//! `sha256(key) ‖ address (u64 LE) ‖ id (u32 LE)`, as in vLLM 0.33. Readers check it, in
+//! constant time, before they read anything at the address. The secret is readable by
+//! every process that can open the segment (mode 0600: the same user), and by nobody else.
+//!
+//! # Files
+//! - `segment`: the segment's header, published state, secret, and byte access;
+//! - `fifo`: [`ChunkFifo`], the chunks in FIFO order (allocator on the writer);
+//! - `object`: an object's layout, reading it, and zero-copy views ([`PartView`]);
+//! - `index`: [`ObjectStore`], the key index with eviction and loans ([`StoreLoan`]).
+
+mod fifo;
+mod index;
+mod object;
+mod segment;
+#[cfg(test)]
+mod tests;
+
+pub use fifo::ChunkFifo;
+pub use index::{Entry, ObjectStore, StoreLoan, LOAN_ROOM};
+pub use object::{
+    check_object, object_reader_count, read_object, read_object_viewed, ChunkPin, ObjectView,
+    ObjectViews, PartView,
+};
+pub use segment::{
+    ChunkHeader, StoreOccupancy, StoreSegment, COUNT_BYTES, PART_ALIGN, SECRET_BYTES,
+    SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC,
+};

@@ -1,0 +1,398 @@
+//! One object in a chunk: where its count and parts go, reading it by handle (checked
+//! before and after), and zero-copy views of its parts that pin the chunk.
+
+use std::sync::Arc;
+
+use super::segment::{
+    id_in, pin_byte, ChunkHeader, StoreSegment, COUNT_BYTES, PART_ALIGN, RING_OFFSET,
+};
+use crate::alloc::HEADER_BYTES;
+use crate::error::{Error, Result};
+use crate::pins::Pin;
+use crate::private_map::PrivateMap;
+use crate::sync::{fence, AtomicU32, Ordering};
+
+/// Where the count and the parts of an object go: offsets from the start of the
+/// chunk's data, which is at ring offset `data_offset`.
+pub(super) fn object_layout(
+    data_offset: u64,
+    lens: impl Iterator<Item = u64>,
+    n: usize,
+    align_from: usize,
+    mut place: impl FnMut(usize, u64),
+) -> u64 {
+    let count_at = (4 - data_offset % 4) % 4;
+    let mut at = count_at + COUNT_BYTES as u64 + 4 + 8 * n as u64;
+    for (i, len) in lens.enumerate() {
+        if i >= align_from {
+            at = (data_offset + at).next_multiple_of(PART_ALIGN) - data_offset;
+        }
+        place(i, at);
+        at += len;
+    }
+    at
+}
+
+/// The object in a chunk's data, its frame checked against the chunk's bounds.
+pub struct ObjectView<'a> {
+    /// The chunk's data (after the 8-byte header).
+    pub(super) data: &'a [u8],
+    /// Where the count is in `data`.
+    pub(super) count_at: usize,
+    pub(super) n: usize,
+}
+
+impl<'a> ObjectView<'a> {
+    /// Parse the frame of the object whose chunk data is `data` (at ring offset
+    /// `data_offset`); any frame that points outside the data is an error.
+    fn parse(data: &'a [u8], data_offset: u64) -> Option<ObjectView<'a>> {
+        let count_at = ((4 - data_offset % 4) % 4) as usize;
+        let word = |at: usize| -> Option<u32> {
+            let b = data.get(at..at.checked_add(4)?)?;
+            Some(u32::from_le_bytes(b.try_into().ok()?))
+        };
+        let n = word(count_at + COUNT_BYTES)? as usize;
+        let frame_end = (count_at + COUNT_BYTES + 4).checked_add(n.checked_mul(8)?)?;
+        if frame_end > data.len() {
+            return None;
+        }
+        let view = ObjectView { data, count_at, n };
+        for i in 0..n {
+            let (off, len) = view.entry(i);
+            if off < frame_end || off.checked_add(len)? > data.len() {
+                return None;
+            }
+        }
+        Some(view)
+    }
+
+    pub(super) fn entry(&self, i: usize) -> (usize, usize) {
+        let at = self.count_at + COUNT_BYTES + 4 + 8 * i;
+        let w = |k: usize| u32::from_le_bytes(self.data[k..k + 4].try_into().unwrap()) as usize;
+        (w(at), w(at + 4))
+    }
+
+    /// Number of parts.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+    /// Part `i`: inside the chunk. The frame is read again here from shared memory; if
+    /// it changed since `parse` checked it (the writer reused the chunk after a `clear()`
+    /// while a reader used it, or another process wrote it), the range may be anything:
+    /// it is then clamped to nothing, and `read_object`'s check after the read reports a
+    /// reused object as modified. (Found by `fuzz/fuzz_targets/store_reader.rs`.)
+    pub fn part(&self, i: usize) -> &'a [u8] {
+        let (off, len) = self.entry(i);
+        self.data.get(off..off.saturating_add(len)).unwrap_or(&[])
+    }
+    /// From the start of the first part to the end of the last (the parts of a custom
+    /// serde follow each other without gaps: this is its `[metadata][data...]`).
+    pub fn span(&self) -> &'a [u8] {
+        if self.n == 0 {
+            let at = self.count_at + COUNT_BYTES + 4;
+            return &self.data[at..at];
+        }
+        let (first, _) = self.entry(0);
+        let (last, len) = self.entry(self.n - 1);
+        let end = last.saturating_add(len).max(first);
+        // Clamped as in `part`: the frame may have changed since it was checked.
+        self.data.get(first..end).unwrap_or(&[])
+    }
+}
+
+/// The reader count of the object whose chunk data is `data`.
+pub(super) fn reader_count(data: &[u8]) -> u32 {
+    let count_at = (4 - data.as_ptr() as usize % 4) % 4;
+    if data.len() < count_at + COUNT_BYTES {
+        // Not an object (a raw allocation through the ring's own API): nothing counts.
+        return 0;
+    }
+    // SAFETY: inside `data` (checked above) and 4-aligned by construction. shmq accesses
+    // reader counts only atomically (a Python view from `access_buf` could write one:
+    // that changes the count, which only decides when the object may be evicted).
+    let count = unsafe { &*(data.as_ptr().add(count_at) as *const AtomicU32) };
+    // Acquire: pairs with the Release increment in `read_object`; the reader's use of
+    // the payload happens before the writer frees (and later overwrites) it.
+    count.load(Ordering::Acquire)
+}
+
+/// The header of the object at `address` if `(address, id)` names a live (or cleared
+/// but intact) object.
+fn object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<ChunkHeader> {
+    let stale = || Error::StaleObject {
+        address,
+        id: id as u64,
+    };
+    // vLLM's arithmetic never gives a chunk an address of two laps or more.
+    if address / 2 >= segment.capacity() {
+        return Err(stale());
+    }
+    let snap = segment.snapshot().ok_or_else(stale)?;
+    let offset = address % segment.capacity();
+    if !snap.names(id, offset) {
+        return Err(stale());
+    }
+    let h = segment.header_at(address).map_err(|_| stale())?;
+    if h.id != id {
+        return Err(stale());
+    }
+    Ok(h)
+}
+
+/// Whether `(address, id)` still names the object whose header is `h`: to call after
+/// using its payload.
+fn still_valid(segment: &StoreSegment, h: &ChunkHeader) -> bool {
+    // Acquire fence: the payload reads before it complete before the loads below; if
+    // they show the object still valid, the writer had not started reusing it (it
+    // publishes before it writes, see `ChunkFifo::allocate_with`/`free_while`).
+    fence(Ordering::Acquire);
+    validity(segment, h) != Validity::Stale
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Validity {
+    Stale,
+    /// Live: the writer frees it only through `free_while` (which waits for counters).
+    Live,
+    /// Cleared, not yet overwritten: readable, but nothing counts its reads any more.
+    Cleared,
+}
+
+fn validity(segment: &StoreSegment, h: &ChunkHeader) -> Validity {
+    if segment.load_u32(h.offset) != h.id {
+        return Validity::Stale;
+    }
+    match segment.snapshot() {
+        Some(s) if id_in(h.id, s.id_start, s.id_end) => Validity::Live,
+        Some(s) if s.names(h.id, h.offset) => Validity::Cleared,
+        _ => Validity::Stale,
+    }
+}
+
+/// Check that `(address, id)` names a live object (what a reader's `touch` does).
+pub fn check_object(segment: &StoreSegment, address: u64, id: u32) -> Result<()> {
+    object_header(segment, address, id).map(|_| ())
+}
+
+/// Read the object at `(address, id)`: check the handle, call `f` on its parts, check
+/// the handle again, and (if `count_read`) count this as one read. Any process may call
+/// it.
+pub fn read_object<R>(
+    segment: &StoreSegment,
+    address: u64,
+    id: u32,
+    count_read: bool,
+    f: impl FnOnce(&ObjectView<'_>) -> R,
+) -> Result<R> {
+    let h = object_header(segment, address, id)?;
+    read_header(segment, h, address, id, count_read, f)
+}
+
+/// [`read_object`] from a header found valid for `(address, id)`.
+pub(super) fn read_header<R>(
+    segment: &StoreSegment,
+    h: ChunkHeader,
+    address: u64,
+    id: u32,
+    count_read: bool,
+    f: impl FnOnce(&ObjectView<'_>) -> R,
+) -> Result<R> {
+    let stale = || Error::StaleObject {
+        address,
+        id: id as u64,
+    };
+    let (p, n) = segment.data_ptr(&h);
+    // SAFETY: the range is inside the ring (header_at). The writer does not overwrite a
+    // live object until every reader has counted its read, which we do only after `f`;
+    // a stale handle, or a peer writing the ring, may change these bytes under us: the
+    // frame is bounds-checked before use and the handle checked again after `f`.
+    let data = unsafe { std::slice::from_raw_parts(p, n) };
+    let view = ObjectView::parse(data, h.offset + HEADER_BYTES).ok_or_else(stale)?;
+    let out = f(&view);
+    if !count_read {
+        return if still_valid(segment, &h) {
+            Ok(out)
+        } else {
+            Err(stale())
+        };
+    }
+    // The count lies in the chunk: it must not be incremented once the chunk may be
+    // reused (that would write into another object). So announce the increment first
+    // (SeqCst, then a SeqCst fence: with the writer's fence and load in
+    // `wait_for_counting_readers`, either the check below sees the chunk freed, or the
+    // writer waits for our decrement before it reuses the memory).
+    segment.counting().fetch_add(1, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    let validity = validity(segment, &h);
+    if validity == Validity::Live {
+        let count_at = h.offset + HEADER_BYTES + view.count_at as u64;
+        // Release: pairs with the Acquire load in `reader_count`: our reads of the
+        // payload happen before the writer's eviction decision.
+        segment.count(count_at).fetch_add(1, Ordering::Release);
+    }
+    // Release: pairs with the writer's Acquire load: the increment above happens before
+    // the writer reuses the chunk.
+    segment.counting().fetch_sub(1, Ordering::Release);
+    if validity == Validity::Stale {
+        return Err(stale());
+    }
+    Ok(out)
+}
+
+/// Keeps an object's chunk from being freed or overwritten while zero-copy views of it
+/// live in this process (a read lock on a byte of the segment's file, see
+/// `pins` module); shared by the views of one `get`.
+#[derive(Debug)]
+pub struct ChunkPin {
+    pub(super) segment: Arc<StoreSegment>,
+    pub(super) _pin: Pin,
+    made_in: u64,
+}
+
+impl Drop for ChunkPin {
+    fn drop(&mut self) {
+        // A forked child's copy counts nothing: the hint is its parent's to decrement.
+        if !crate::fork::is_inherited(self.made_in) {
+            // Relaxed: only tells the writer whether to probe; the lock (released right
+            // after, with the field) is what the writer relies on.
+            self.segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A private, copy-on-write mapping of one part of a stored object: zero-copy to read;
+/// a write copies the touched pages, never reaching the writer or another reader. The
+/// object's chunk is not reused while it lives.
+#[derive(Debug)]
+pub struct PartView {
+    pub(super) map: PrivateMap,
+    pub(super) _pin: Arc<ChunkPin>,
+}
+
+impl PartView {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+impl std::ops::Deref for PartView {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+/// What [`read_object_viewed`] offers to map parts of the object it reads. The chunk is
+/// pinned at the first [`ObjectViews::map`] (objects read without views cost no pin).
+pub struct ObjectViews<'a> {
+    pub(super) segment: &'a Arc<StoreSegment>,
+    pub(super) header: ChunkHeader,
+    pub(super) pin: std::cell::OnceCell<Option<Arc<ChunkPin>>>,
+}
+
+impl ObjectViews<'_> {
+    /// A private mapping of part `i` of `object` (the object being read); `None` when
+    /// the object cannot be viewed (a cleared object, or pinning failed): copy instead.
+    pub fn map(&self, object: &ObjectView<'_>, i: usize) -> Result<Option<PartView>> {
+        let pin = self
+            .pin
+            .get_or_init(|| pin_chunk(self.segment, &self.header));
+        let Some(pin) = pin else { return Ok(None) };
+        // The part as `part` clamps it (the frame is shared memory a peer may change).
+        let part = object.part(i);
+        let (off, len) = (
+            part.as_ptr() as usize - object.data.as_ptr() as usize,
+            part.len(),
+        );
+        let at = RING_OFFSET as u64 + self.header.offset + HEADER_BYTES + off as u64;
+        Ok(Some(PartView {
+            map: self.segment.private_file()?.map(at, len)?,
+            _pin: pin.clone(),
+        }))
+    }
+}
+
+/// The writer pins a chunk it loans out (no check needed: the writer itself is what
+/// would free it, and its frees probe for pins).
+pub(super) fn pin_own(segment: &Arc<StoreSegment>, offset: u64) -> Result<Arc<ChunkPin>> {
+    // SeqCst: as in `pin_chunk` (here the writer's own later probes would see it anyway).
+    segment.pin_hint().fetch_add(1, Ordering::SeqCst);
+    let made_in = crate::fork::generation();
+    match segment.pins.pin(pin_byte(offset)) {
+        Ok(pin) => Ok(Arc::new(ChunkPin {
+            segment: segment.clone(),
+            _pin: pin,
+            made_in,
+        })),
+        Err(e) => {
+            // Relaxed: see `ChunkPin::drop`.
+            segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+            Err(e)
+        }
+    }
+}
+
+/// Pin the chunk of `h` if it holds a live object (not a cleared one, which the writer
+/// reuses without looking for pins); `None` if it does not, or cannot be pinned.
+pub(super) fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<Arc<ChunkPin>> {
+    // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned`.
+    segment.pin_hint().fetch_add(1, Ordering::SeqCst);
+    let made_in = crate::fork::generation();
+    let Ok(pin) = segment.pins.pin(pin_byte(h.offset)) else {
+        // Relaxed: see `ChunkPin::drop`.
+        segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+        return None;
+    };
+    let pin = ChunkPin {
+        segment: segment.clone(),
+        _pin: pin,
+        made_in,
+    };
+    // SeqCst fence: the checks below come after the increment (and the lock) in the
+    // order the writer's `is_pinned` is part of. If they pass, the writer will see the
+    // pin before it frees or clears the chunk; if the writer marked it first, they fail.
+    fence(Ordering::SeqCst);
+    let live = segment.load_u32(h.offset) == h.id
+        && segment
+            .snapshot()
+            .is_some_and(|s| id_in(h.id, s.id_start, s.id_end));
+    live.then(|| Arc::new(pin))
+}
+
+/// [`read_object`], and `f` may also map parts privately (through `views`) to keep
+/// them beyond the call: the chunk then stays until the last of them is dropped.
+pub fn read_object_viewed<R>(
+    segment: &Arc<StoreSegment>,
+    address: u64,
+    id: u32,
+    count_read: bool,
+    f: impl FnOnce(&ObjectView<'_>, &ObjectViews<'_>) -> R,
+) -> Result<R> {
+    let h = object_header(segment, address, id)?;
+    let views = ObjectViews {
+        segment,
+        header: h,
+        pin: std::cell::OnceCell::new(),
+    };
+    read_header(segment, h, address, id, count_read, |object| {
+        f(object, &views)
+    })
+}
+
+/// The reader count of the object at `(address, id)` (for inspection and tests).
+pub fn object_reader_count(segment: &StoreSegment, address: u64, id: u32) -> Result<u32> {
+    let h = object_header(segment, address, id)?;
+    let (p, n) = segment.data_ptr(&h);
+    // SAFETY: inside the ring (header_at), which `segment` keeps mapped; only the count
+    // is read from it, atomically, whatever a peer writes there meanwhile.
+    Ok(reader_count(unsafe { std::slice::from_raw_parts(p, n) }))
+}

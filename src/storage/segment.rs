@@ -1,0 +1,577 @@
+//! The store's segment: its header, the published state readers check handles against
+//! (a seqlock), the signing secret, the pin hint and the counting window, and byte-level
+//! access to the chunks in its ring. Any process that maps the segment uses this; the
+//! allocator is the writer's ([`super::fifo`]).
+
+use std::ptr::NonNull;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use hmac::{Hmac, Mac};
+use sha2::{Digest, Sha256};
+
+use crate::alloc::{Chunk, FifoAllocator, HEADER_BYTES, ID_MAX};
+use crate::error::{Error, Result};
+use crate::liveness::{Liveness, LockProbe};
+use crate::pins::Pins;
+use crate::private_map::PrivateFile;
+use crate::process::ProcessId;
+use crate::segment::Segment;
+use crate::seqlock;
+use crate::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
+
+/// "SHMQSTO2" little-endian: marks a finished object-store segment.
+pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO2");
+pub const STORE_LAYOUT_VERSION: u32 = 2;
+/// The ring starts one page into the segment.
+pub(super) const RING_OFFSET: usize = 4096;
+const PUBLISHED_OFFSET: usize = 64;
+const SECRET_OFFSET: usize = 128;
+/// Where the count of zero-copy gets still holding a pin is (see `StoreSegment::pin_hint`).
+const PIN_HINT_OFFSET: usize = 192;
+/// Where the count of readers about to count a read is (see `StoreSegment::counting`).
+const COUNTING_OFFSET: usize = 200;
+/// How long the writer waits for readers in the middle of counting a read (they are
+/// there for nanoseconds; only one that died there makes it wait this long).
+const COUNTING_PATIENCE: Duration = Duration::from_millis(10);
+/// Bytes of the handle-signing secret (vLLM's `AUTH_SECRET_BYTES`).
+pub const SECRET_BYTES: usize = 32;
+/// Bytes of a handle signature (one SHA-256 digest).
+pub const SIGNATURE_BYTES: usize = 32;
+/// Stored in the header of a freed chunk: never a valid id (ids are below 2**31).
+pub(super) const INVALID_ID: u32 = u32::MAX;
+/// Bytes of an object's reader count.
+pub const COUNT_BYTES: usize = 4;
+/// Parts of an object from `align_from` on start at multiples of this (ring offset).
+pub const PART_ALIGN: u64 = 64;
+/// How long a reader waits for a consistent view of the published state before it
+/// gives up (only a writer that died in the middle of an update can make it wait).
+const SNAPSHOT_PATIENCE: Duration = Duration::from_secs(1);
+
+/// The handle-signing key, ready to sign (HMAC-SHA256 keyed once).
+type Signer = Hmac<Sha256>;
+
+#[repr(C)]
+pub(super) struct StoreHeader {
+    magic: AtomicU64,
+    version: u32,
+    creator_pid: u32,
+    pub(super) capacity: u64,
+    creator_start_time: u64,
+}
+const _: () = assert!(std::mem::size_of::<StoreHeader>() <= PUBLISHED_OFFSET);
+
+/// What readers check handles against (see the module docs), in its own cache line.
+/// `seq` is a seqlock: odd while the writer updates the fields below it.
+#[repr(C, align(64))]
+pub(super) struct Published {
+    seq: AtomicU64,
+    pub(super) id_start: AtomicU32,
+    pub(super) id_end: AtomicU32,
+    pub(super) cleared_start: AtomicU32,
+    pub(super) cleared_end: AtomicU32,
+    pub(super) overwritten: AtomicU64,
+    /// Statistics for `inspect` (outside the seqlock: they order nothing).
+    live_chunks: AtomicU64,
+    live_bytes: AtomicU64,
+}
+const _: () = assert!(std::mem::size_of::<Published>() == 64);
+const _: () = assert!(PUBLISHED_OFFSET + 64 <= SECRET_OFFSET);
+const _: () = assert!(SECRET_OFFSET + SECRET_BYTES <= PIN_HINT_OFFSET);
+const _: () = assert!(PIN_HINT_OFFSET + 8 <= COUNTING_OFFSET);
+const _: () = assert!(COUNTING_OFFSET + 8 <= RING_OFFSET);
+
+/// One consistent reading of [`Published`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Snapshot {
+    pub(super) id_start: u32,
+    pub(super) id_end: u32,
+    pub(super) cleared_start: u32,
+    pub(super) cleared_end: u32,
+    pub(super) overwritten: u64,
+}
+
+/// Whether `id` is in `[start, end)` on the ids' circle (they wrap at 2**31).
+pub(super) fn id_in(id: u32, start: u32, end: u32) -> bool {
+    id < ID_MAX && id.wrapping_sub(start) % ID_MAX < end.wrapping_sub(start) % ID_MAX
+}
+
+impl Snapshot {
+    /// Whether a chunk with this id at this ring offset may still hold its object.
+    pub(super) fn names(&self, id: u32, offset: u64) -> bool {
+        id_in(id, self.id_start, self.id_end)
+            || (id_in(id, self.cleared_start, self.cleared_end) && offset >= self.overwritten)
+    }
+}
+
+/// The store's occupancy as its writer last published it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreOccupancy {
+    pub live_chunks: u64,
+    /// Bytes from the oldest live chunk to the end of the newest.
+    pub live_bytes: u64,
+    pub id_start: u32,
+    pub id_end: u32,
+}
+
+/// A mapped store segment: the part of the ring every process can use (no allocator).
+pub struct StoreSegment {
+    pub(super) segment: Segment,
+    pub(super) ring: NonNull<u8>,
+    pub(super) capacity: u64,
+    signer: Signer,
+    /// This process's pins of chunks it has zero-copy views of (see [`ChunkPin`]).
+    pub(super) pins: Arc<Pins>,
+    /// The writer's probe of every process's pins (`None` on readers).
+    pub(super) probe: Option<LockProbe>,
+    /// A read-only descriptor to map object parts privately (opened at the first view).
+    pub(super) private: OnceLock<PrivateFile>,
+}
+
+// SAFETY: `ring` points into `segment`'s mapping, alive as long as `self`. Shared state
+// in it is reached through atomics (headers, published state, reader counts) or, for
+// payload bytes, only by the single writer before it publishes a chunk and by readers
+// after; see the module docs for how a reader detects a chunk reused under it.
+unsafe impl Send for StoreSegment {}
+// SAFETY: as for Send: `&StoreSegment` exposes atomics and bounds-checked reads only.
+unsafe impl Sync for StoreSegment {}
+
+impl std::fmt::Debug for StoreSegment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreSegment")
+            .field("name", &self.name())
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+/// A chunk found at an address: its ring offset, id and size (header included).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkHeader {
+    pub offset: u64,
+    pub id: u32,
+    pub size: u32,
+}
+
+/// 32 bytes from the kernel's random source.
+fn random_secret() -> Result<[u8; SECRET_BYTES]> {
+    let mut secret = [0u8; SECRET_BYTES];
+    let mut filled = 0;
+    while filled < SECRET_BYTES {
+        // SAFETY: the pointer and length describe the unfilled tail of `secret`.
+        let n = unsafe {
+            libc::getrandom(
+                secret[filled..].as_mut_ptr().cast(),
+                SECRET_BYTES - filled,
+                0,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::os("getrandom for the store's signing secret", e));
+            }
+        } else {
+            filled += n as usize;
+        }
+    }
+    Ok(secret)
+}
+
+impl StoreSegment {
+    pub(super) fn create(name: &str, capacity: u64) -> Result<StoreSegment> {
+        let total = usize::try_from(capacity)
+            .ok()
+            .and_then(|c| c.checked_add(RING_OFFSET))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("data_buffer_size {capacity} is too large"))
+            })?;
+        let secret = random_secret()?;
+        let segment = Segment::create(name, total)?;
+        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
+        // SAFETY: the segment is new, page-aligned and longer than RING_OFFSET; nobody
+        // else uses it before the magic is stored below (an opener refuses it until then).
+        unsafe {
+            let h = base.as_ptr() as *mut StoreHeader;
+            (*h).version = STORE_LAYOUT_VERSION;
+            let me = ProcessId::current();
+            (*h).creator_pid = me.pid;
+            (*h).creator_start_time = me.start_time;
+            (*h).capacity = capacity;
+            std::ptr::copy_nonoverlapping(
+                secret.as_ptr(),
+                base.as_ptr().add(SECRET_OFFSET),
+                SECRET_BYTES,
+            );
+        }
+        // SAFETY: RING_OFFSET < total.
+        let ring = unsafe { NonNull::new_unchecked(base.as_ptr().add(RING_OFFSET)) };
+        let s = StoreSegment {
+            pins: Arc::new(Pins::new(name)),
+            // Opened now, while the name surely is this segment's.
+            probe: Some(LockProbe::open(name)),
+            private: OnceLock::new(),
+            segment,
+            ring,
+            capacity,
+            signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
+        };
+        // Release: pairs with the Acquire load in `open`: the header fields and the
+        // secret are visible to an opener that sees the magic.
+        s.header().magic.store(STORE_MAGIC, Ordering::Release);
+        Ok(s)
+    }
+
+    pub(super) fn open(name: &str) -> Result<StoreSegment> {
+        let segment = Segment::open(name)?;
+        let bad = |reason: String| Error::BadSegment {
+            name: name.to_owned(),
+            reason,
+        };
+        if segment.len() < RING_OFFSET {
+            return Err(bad(format!("it is only {} bytes long", segment.len())));
+        }
+        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
+        // SAFETY: the mapping is page-aligned and at least RING_OFFSET bytes long. The
+        // header's plain fields are written once, before the magic, and never again; a
+        // peer that scribbles on them can only make this open fail or mis-size the ring,
+        // which the size check below catches.
+        let header = unsafe { &*(base.as_ptr() as *const StoreHeader) };
+        // Acquire: pairs with the Release store in `create`.
+        if header.magic.load(Ordering::Acquire) != STORE_MAGIC {
+            return Err(bad(
+                "it is not a shmq object store of this version (or its creator has not \
+                 finished setting it up)"
+                    .into(),
+            ));
+        }
+        if header.version != STORE_LAYOUT_VERSION {
+            return Err(bad(format!(
+                "its layout version is {}, this shmq reads version {STORE_LAYOUT_VERSION}",
+                header.version
+            )));
+        }
+        let capacity = header.capacity;
+        if (segment.len() - RING_OFFSET) as u64 != capacity || capacity <= HEADER_BYTES {
+            return Err(bad("its header does not match its size".into()));
+        }
+        let mut secret = [0u8; SECRET_BYTES];
+        // SAFETY: SECRET_OFFSET + SECRET_BYTES <= RING_OFFSET <= len; the secret was
+        // written before the magic (Acquire above) and shmq never writes it again. A peer
+        // that rewrote it (it would need write access to this owner-only segment) could
+        // only make this process refuse the writer's signatures: these are plain bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                base.as_ptr().add(SECRET_OFFSET),
+                secret.as_mut_ptr(),
+                SECRET_BYTES,
+            )
+        };
+        // SAFETY: RING_OFFSET < segment.len().
+        let ring = unsafe { NonNull::new_unchecked(base.as_ptr().add(RING_OFFSET)) };
+        Ok(StoreSegment {
+            pins: Arc::new(Pins::new(name)),
+            probe: None,
+            private: OnceLock::new(),
+            segment,
+            ring,
+            capacity,
+            signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
+        })
+    }
+
+    pub(super) fn header(&self) -> &StoreHeader {
+        // SAFETY: see `create`/`open`: in bounds and aligned.
+        unsafe { &*(self.segment.as_ptr() as *const StoreHeader) }
+    }
+
+    pub(super) fn published(&self) -> &Published {
+        // SAFETY: PUBLISHED_OFFSET + 64 <= RING_OFFSET, inside the mapping and 64-aligned
+        // (the mapping is page-aligned); every field is an atomic. A peer that writes
+        // them can make handles look valid or invalid, which the header and frame checks
+        // bound: reads never leave the ring.
+        unsafe { &*(self.segment.as_ptr().add(PUBLISHED_OFFSET) as *const Published) }
+    }
+
+    /// The handle-signing secret (vLLM's `get_auth_secret()`).
+    pub fn secret(&self) -> [u8; SECRET_BYTES] {
+        let mut secret = [0u8; SECRET_BYTES];
+        // SAFETY: as in `open`: inside the header page, written once before the magic;
+        // a peer rewriting it changes only the bytes returned.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.segment.as_ptr().add(SECRET_OFFSET),
+                secret.as_mut_ptr(),
+                SECRET_BYTES,
+            )
+        };
+        secret
+    }
+
+    pub fn name(&self) -> &str {
+        self.segment.name()
+    }
+    /// Bytes of the ring (`data_buffer_size`).
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+    pub fn is_creator(&self) -> bool {
+        self.segment.is_creator()
+    }
+    pub fn creator_pid(&self) -> u32 {
+        self.header().creator_pid
+    }
+    /// The process that created the segment.
+    pub fn creator(&self) -> ProcessId {
+        let h = self.header();
+        ProcessId {
+            pid: h.creator_pid,
+            start_time: h.creator_start_time,
+        }
+    }
+
+    /// Occupancy as the writer last published it (for inspection).
+    pub fn occupancy(&self) -> StoreOccupancy {
+        let p = self.published();
+        let ids = self.snapshot().unwrap_or_default();
+        // Relaxed: statistics; the values may be from slightly different moments.
+        StoreOccupancy {
+            live_chunks: p.live_chunks.load(Ordering::Relaxed),
+            live_bytes: p.live_bytes.load(Ordering::Relaxed),
+            id_start: ids.id_start,
+            id_end: ids.id_end,
+        }
+    }
+
+    /// A consistent reading of the published state; `None` if the writer stays in the
+    /// middle of an update (it died there, or a peer wrote garbage into `seq`).
+    pub(super) fn snapshot(&self) -> Option<Snapshot> {
+        let p = self.published();
+        // Read the clock only once the first attempts have failed: it costs more than a
+        // consistent read.
+        let mut started = None;
+        for attempt in 0u32.. {
+            // The seqlock's read side (see `crate::seqlock` for the orderings).
+            let snap = seqlock::read(&p.seq, || {
+                // Relaxed: ordered by the seqlock's Acquire load and fence.
+                Snapshot {
+                    id_start: p.id_start.load(Ordering::Relaxed),
+                    id_end: p.id_end.load(Ordering::Relaxed),
+                    cleared_start: p.cleared_start.load(Ordering::Relaxed),
+                    cleared_end: p.cleared_end.load(Ordering::Relaxed),
+                    overwritten: p.overwritten.load(Ordering::Relaxed),
+                }
+            });
+            if snap.is_some() {
+                return snap;
+            }
+            if attempt < 64 {
+                std::hint::spin_loop();
+            } else if started.get_or_insert_with(Instant::now).elapsed() > SNAPSHOT_PATIENCE {
+                return None;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        None
+    }
+
+    /// Writer only: update the published state (the seqlock's write side).
+    pub(super) fn publish(&self, update: impl FnOnce(&Published)) {
+        let p = self.published();
+        // The seqlock's write side (only the writer, under the store's lock, calls this);
+        // its closing Release fence orders the update before every later write of the
+        // writer (into chunks it concerns), for readers that check it again after reading.
+        seqlock::write(&p.seq, || update(p));
+    }
+
+    /// Writer only: publish the allocator's state and occupancy.
+    pub(super) fn publish_ids(&self, a: &FifoAllocator) {
+        self.publish(|p| {
+            // Relaxed: inside the seqlock (see `publish`).
+            p.id_start.store(a.id_start(), Ordering::Relaxed);
+            p.id_end.store(a.id_end(), Ordering::Relaxed);
+        });
+        let p = self.published();
+        // Relaxed: statistics for inspection; nothing is ordered by them.
+        p.live_chunks
+            .store(a.live().len() as u64, Ordering::Relaxed);
+        p.live_bytes.store(a.live_bytes(), Ordering::Relaxed);
+    }
+
+    /// Remove the segment's name now (see `Segment::unlink`).
+    pub fn unlink(&self) -> Result<()> {
+        self.segment.unlink()
+    }
+
+    /// The whole ring, for `shared_memory.buf`.
+    pub fn ring_ptr(&self) -> *mut u8 {
+        self.ring.as_ptr()
+    }
+
+    /// The byte at ring offset `offset`, as an atomic.
+    pub(super) fn byte(&self, offset: u64) -> &AtomicU8 {
+        debug_assert!(offset < self.capacity);
+        // SAFETY: callers pass an offset inside the ring. AtomicU8 has alignment 1. Any
+        // process mapping the segment may write this byte at any time; an atomic access
+        // makes that a race on values (which the callers check), not undefined behaviour.
+        unsafe { &*(self.ring.as_ptr().add(offset as usize) as *const AtomicU8) }
+    }
+
+    /// Load the u32 at ring offset `offset` (any alignment) byte by byte, Relaxed.
+    pub(super) fn load_u32(&self, offset: u64) -> u32 {
+        debug_assert!(offset + 4 <= self.capacity);
+        // Relaxed: callers order these loads (by a snapshot before, a fence after).
+        u32::from_le_bytes(std::array::from_fn(|i| {
+            self.byte(offset + i as u64).load(Ordering::Relaxed)
+        }))
+    }
+
+    /// Store `value` at ring offset `offset` (any alignment) byte by byte, Relaxed.
+    pub(super) fn store_u32(&self, offset: u64, value: u32) {
+        debug_assert!(offset + 4 <= self.capacity);
+        for (i, b) in value.to_le_bytes().into_iter().enumerate() {
+            // Relaxed: published by the writer's next `publish` (Release).
+            self.byte(offset + i as u64).store(b, Ordering::Relaxed);
+        }
+    }
+
+    /// The 4-aligned reader count at ring offset `offset`.
+    pub(super) fn count(&self, offset: u64) -> &AtomicU32 {
+        assert!(offset % 4 == 0 && offset + 4 <= self.capacity);
+        // SAFETY: checked just above: 4-aligned (the ring start is page-aligned) and
+        // inside the ring. shmq touches counts only atomically; a peer (or a Python view
+        // from `access_buf`) could write it non-atomically, which changes the count, and
+        // so only when the object is evicted, never what memory is read.
+        unsafe { &*(self.ring.as_ptr().add(offset as usize) as *const AtomicU32) }
+    }
+
+    /// Write the header of a freshly allocated chunk (writer only; published after).
+    pub(super) fn write_header(&self, chunk: &Chunk) {
+        let offset = chunk.offset(self.capacity);
+        self.store_u32(offset + 4, chunk.size);
+        self.store_u32(offset, chunk.id);
+    }
+
+    /// The header at `address`, checked to describe a chunk inside the ring.
+    pub fn header_at(&self, address: u64) -> Result<ChunkHeader> {
+        let offset = address % self.capacity;
+        let invalid = || Error::InvalidArgument(format!("no chunk can be at address {address}"));
+        if offset + HEADER_BYTES > self.capacity {
+            return Err(invalid());
+        }
+        let id = self.load_u32(offset);
+        let size = self.load_u32(offset + 4);
+        if (size as u64) < HEADER_BYTES || offset + size as u64 > self.capacity {
+            return Err(invalid());
+        }
+        Ok(ChunkHeader { offset, id, size })
+    }
+
+    /// Start and length of a chunk's data (after the 8-byte header).
+    pub fn data_ptr(&self, h: &ChunkHeader) -> (*mut u8, usize) {
+        // SAFETY: `h` came from `header_at` or the allocator, so offset + size <= capacity.
+        let p = unsafe { self.ring.as_ptr().add((h.offset + HEADER_BYTES) as usize) };
+        (p, h.size as usize - HEADER_BYTES as usize)
+    }
+
+    /// How many zero-copy gets hold a pin (or are taking one) in any process: while it
+    /// is 0 the writer need not probe for pins. A reader that dies keeps it above 0,
+    /// which only makes the writer probe.
+    pub(super) fn pin_hint(&self) -> &AtomicU64 {
+        // SAFETY: PIN_HINT_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
+        // mapping and 8-aligned (it is page-aligned). A peer that writes it can make the
+        // writer probe needlessly, or (set to 0 under a live view) reuse memory a view
+        // still shows: what any process that may write the segment can do anyway.
+        unsafe { &*(self.segment.as_ptr().add(PIN_HINT_OFFSET) as *const AtomicU64) }
+    }
+
+    /// How many readers are between their last check of an object and the increment of
+    /// its count (see `read_header`): the writer reuses freed memory only once none is.
+    pub(super) fn counting(&self) -> &AtomicU64 {
+        // SAFETY: COUNTING_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
+        // mapping and 8-aligned. A peer that writes it can make the writer wait (up to
+        // COUNTING_PATIENCE per batch of frees) or not wait: what any process that may
+        // write the segment can do to the objects themselves anyway.
+        unsafe { &*(self.segment.as_ptr().add(COUNTING_OFFSET) as *const AtomicU64) }
+    }
+
+    /// Writer, after publishing that chunks are freed: wait until no reader can still
+    /// increment a count inside them (see `read_header`), so they can be reused.
+    pub(super) fn wait_for_counting_readers(&self) {
+        // SeqCst fence and load: with the reader's SeqCst increment and fence, either we
+        // see its increment (and wait for its decrement), or it sees the chunk freed.
+        fence(Ordering::SeqCst);
+        let mut started = None;
+        for attempt in 0u32.. {
+            // Acquire: pairs with the reader's Release decrement: its count increment
+            // (into the old chunk) happens before we reuse the memory.
+            if self.counting().load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if attempt < 64 {
+                std::hint::spin_loop();
+            } else if started.get_or_insert_with(Instant::now).elapsed() > COUNTING_PATIENCE {
+                return; // a reader died there: its increment will never come
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Writer: whether some process may hold a zero-copy view of the chunk at ring offset
+    /// `offset`. Call it after marking the chunk as no longer its object (its header
+    /// stamped, or the clear published): see `pins` module for why a view cannot be
+    /// missed then. A probe that cannot tell answers "pinned" (the memory is kept).
+    pub(super) fn is_pinned(&self, offset: u64) -> bool {
+        // SeqCst fence and load: with the reader's SeqCst increment and fence in
+        // `pin_chunk`, either this load sees the increment or the reader's check sees
+        // our mark (store buffering is ruled out on both sides).
+        fence(Ordering::SeqCst);
+        if self.pin_hint().load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        self.probe
+            .as_ref()
+            .is_none_or(|p| p.liveness(pin_byte(offset)) != Liveness::Dead)
+    }
+
+    /// The read-only descriptor that object parts are mapped privately from.
+    pub(super) fn private_file(&self) -> Result<&PrivateFile> {
+        if let Some(f) = self.private.get() {
+            return Ok(f);
+        }
+        let f = PrivateFile::open(self.name())?;
+        Ok(self.private.get_or_init(|| f))
+    }
+
+    /// The HMAC-SHA256 that signs the handle `(address, id)` of `key`.
+    pub fn sign(&self, key: &str, address: u64, id: u32) -> [u8; SIGNATURE_BYTES] {
+        self.keyed_mac(key, address, id)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    fn keyed_mac(&self, key: &str, address: u64, id: u32) -> Signer {
+        let mut mac = self.signer.clone();
+        mac.update(&Sha256::digest(key.as_bytes()));
+        mac.update(&address.to_le_bytes());
+        mac.update(&id.to_le_bytes());
+        mac
+    }
+
+    /// Check a handle's signature (constant-time compare); readers do this before they
+    /// read anything at `address`.
+    pub fn verify(&self, key: &str, address: u64, id: u32, signature: &[u8]) -> Result<()> {
+        self.keyed_mac(key, address, id)
+            .verify_slice(signature)
+            .map_err(|_| Error::BadSignature { missing: false })
+    }
+}
+
+/// The byte of the segment's file whose read locks pin the chunk at ring offset
+/// `offset` (the ring starts a page into the file; byte 0 is the creator's role lock).
+pub(super) fn pin_byte(offset: u64) -> u64 {
+    RING_OFFSET as u64 + offset
+}

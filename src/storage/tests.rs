@@ -1,0 +1,310 @@
+//! Unit tests of the store (one process; the Python tests run real processes).
+
+use super::index::LOAN_ALIGN;
+use super::object::object_layout;
+use super::segment::INVALID_ID;
+use super::*;
+use crate::alloc::HEADER_BYTES;
+use crate::error::{Error, Result};
+
+fn store(capacity: u64, max: u64, readers: u32) -> (ChunkFifo, ObjectStore) {
+    (
+        ChunkFifo::create(capacity, None).unwrap(),
+        ObjectStore::new(max, readers).unwrap(),
+    )
+}
+
+fn read_all(seg: &StoreSegment, a: u64, i: u32, count: bool) -> Result<Vec<Vec<u8>>> {
+    read_object(seg, a, i, count, |v| {
+        (0..v.len()).map(|k| v.part(k).to_vec()).collect()
+    })
+}
+
+#[test]
+fn put_get_and_errors() {
+    let (mut ring, mut s) = store(4096, 1024, 1);
+    let (addr, id) = s.put(&mut ring, "a", &[b"meta", b"data"], 2).unwrap();
+    let reader = ChunkFifo::open(ring.segment().name(), Some(4096)).unwrap();
+    let got = read_object(reader.segment(), addr, id, true, |v| v.span().to_vec()).unwrap();
+    assert_eq!(got, b"metadata");
+    assert_eq!(object_reader_count(reader.segment(), addr, id).unwrap(), 1);
+    assert!(matches!(
+        s.put(&mut ring, "a", &[b"x"], 1),
+        Err(Error::KeyExists(_))
+    ));
+    let e = s.put(&mut ring, "big", &[&[0u8; 1021]], 1).unwrap_err();
+    assert!(e.to_string().contains("exceeds max object size"), "{e}");
+    // Free "a": it must not be readable, whatever id is tried.
+    ring.free_while(u64::MAX, |i, _| i == id).unwrap();
+    for (a, i) in [
+        (addr, id),
+        (addr, INVALID_ID),
+        (addr, id + 1),
+        (addr + 8, id),
+        (u64::MAX, id),
+        (addr + 4096 * 1000 + 64, id),
+    ] {
+        let e = read_object(reader.segment(), a, i, false, |_| ()).unwrap_err();
+        assert!(
+            e.to_string().contains("has been modified or is invalid"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn parts_from_align_from_are_64_byte_aligned_and_counts_4_byte_aligned() {
+    let (mut ring, mut s) = store(1 << 16, 1 << 15, 1);
+    let seg = ring.segment().clone();
+    // Odd raw allocations move the next chunk to every residue mod 64.
+    for skew in 0..70u64 {
+        let key = format!("k{skew}");
+        let parts: [&[u8]; 3] = [b"tree", &[1u8; 100], &[2u8; 3]];
+        let (a, i) = s.put(&mut ring, &key, &parts, 1).unwrap();
+        let got = read_object(&seg, a, i, true, |v| {
+            let base = seg.ring_ptr() as usize;
+            for k in 1..3 {
+                assert_eq!((v.part(k).as_ptr() as usize - base) % 64, 0);
+            }
+            (0..v.len()).map(|k| v.part(k).to_vec()).collect::<Vec<_>>()
+        })
+        .unwrap();
+        assert_eq!(got, parts.map(|p| p.to_vec()));
+        assert_eq!(object_reader_count(&seg, a, i).unwrap(), 1);
+        ring.allocate(1 + skew % 7).unwrap();
+        s.free_unused(&mut ring).unwrap();
+    }
+}
+
+#[test]
+fn signatures_bind_key_address_and_id() {
+    let (mut ring, mut s) = store(4096, 1024, 1);
+    let (a, i) = s.put(&mut ring, "k", &[b"v"], 1).unwrap();
+    let seg = ring.segment().clone();
+    let sig = s.signature(&seg, "k").unwrap();
+    let reader = ChunkFifo::open(seg.name(), None).unwrap();
+    reader.segment().verify("k", a, i, &sig).unwrap();
+    assert_eq!(reader.segment().secret(), seg.secret());
+    for (k, a2, i2) in [("k2", a, i), ("k", a + 1, i), ("k", a, i + 1)] {
+        assert!(matches!(
+            reader.segment().verify(k, a2, i2, &sig),
+            Err(Error::BadSignature { missing: false })
+        ));
+    }
+    let mut flipped = sig;
+    flipped[31] ^= 1;
+    assert!(reader.segment().verify("k", a, i, &flipped).is_err());
+    assert!(reader.segment().verify("k", a, i, &sig[..31]).is_err());
+    s.verify_current(&seg, "k", a, i, &sig).unwrap();
+    assert!(s.verify_current(&seg, "k", a + 1, i, &sig).is_err());
+    // A second store has another secret.
+    let (other, _) = store(4096, 1024, 1);
+    assert_ne!(other.segment().secret(), seg.secret());
+}
+
+#[test]
+fn eviction_waits_for_every_handout_and_touch() {
+    let (mut ring, mut s) = store(512, 200, 2);
+    let (a, i) = s.put(&mut ring, "k", &[&[1u8; 150]], 1).unwrap();
+    s.get_cached("k").unwrap();
+    let seg = ring.segment().clone();
+    for _ in 0..3 {
+        read_all(&seg, a, i, true).unwrap();
+    }
+    // 3 reads of 2 readers x 2 handouts: still in use.
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+    s.put(&mut ring, "k2", &[&[2u8; 150]], 1).unwrap();
+    assert!(matches!(
+        s.put(&mut ring, "k3", &[&[3u8; 150]], 1),
+        Err(Error::Full(_))
+    ));
+    read_all(&seg, a, i, true).unwrap();
+    s.touch("k");
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+    s.release_touches();
+    // Now fully read: the full ring frees it and k3 fits.
+    s.put(&mut ring, "k3", &[&[3u8; 150]], 1).unwrap();
+    assert!(s.entry("k").is_none());
+    assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+}
+
+#[test]
+fn a_private_view_keeps_its_object_from_eviction_and_clear() {
+    let (mut ring, mut s) = store(3 * 8192, 9000, 1);
+    let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
+    s.put(&mut ring, "b", &[b"head", &[8u8; 8000]], 1).unwrap();
+    let seg = ring.segment().clone();
+    let mut view = read_object_viewed(&seg, a, i, true, |object, views| views.map(object, 1))
+        .unwrap()
+        .unwrap()
+        .expect("a live object can be viewed");
+    assert_eq!(&view[..], &[7u8; 8000][..]);
+    // Read (its count says free) but viewed: neither eviction nor clear reuses it.
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+    s.clear(&mut ring).unwrap();
+    assert!(s.is_empty());
+    s.put(&mut ring, "c", &[b"head", &[9u8; 8000]], 1).unwrap();
+    assert!(matches!(
+        s.put(&mut ring, "d", &[b"head", &[1u8; 8000]], 1),
+        Err(Error::Full(_))
+    ));
+    assert_eq!(&view[..], &[7u8; 8000][..]);
+    // A write into the view is private to it.
+    view.map[0] = 42;
+    assert_eq!(read_all(&seg, a, i, false).unwrap()[1][0], 7);
+    drop(view);
+    s.put(&mut ring, "d", &[b"head", &[1u8; 8000]], 1).unwrap();
+    assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+}
+
+#[test]
+fn a_loan_is_put_in_place_and_stays_until_dropped() {
+    let (mut ring, mut s) = store(3 * 80_000, 75_000, 1);
+    let mut loan = s.loan(&mut ring, 8000).unwrap();
+    loan.fill(5);
+    let (a, i) = s.put(&mut ring, "a", &[b"stream", &loan], 1).unwrap();
+    let seg = ring.segment().clone();
+    let parts = read_all(&seg, a, i, true).unwrap();
+    assert_eq!(parts, vec![b"stream".to_vec(), vec![5u8; 8000]]);
+    // The part is the loaned memory itself.
+    read_object(&seg, a, i, false, |v| {
+        assert_eq!(v.part(1).as_ptr(), loan.as_ptr())
+    })
+    .unwrap();
+    // Read by every reader, but the loan still pins it.
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+    drop(loan);
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 1);
+    // A loan put twice, or with too much around it, is copied.
+    let loan = s.loan(&mut ring, 100).unwrap();
+    let (b, j) = s.put(&mut ring, "b", &[b"x", &loan], 1).unwrap();
+    let (c, k) = s.put(&mut ring, "c", &[b"x", &loan], 1).unwrap();
+    assert_ne!((b, j), (c, k));
+    let big = vec![1u8; (LOAN_ROOM + LOAN_ALIGN) as usize];
+    let loan2 = s.loan(&mut ring, 100).unwrap();
+    let (d, l) = s
+        .put(&mut ring, "d", &[&big[..100], &big, &loan2], 1)
+        .unwrap();
+    read_object(&seg, d, l, false, |v| {
+        assert_ne!(v.part(2).as_ptr(), loan2.as_ptr())
+    })
+    .unwrap();
+    drop((loan, loan2));
+}
+
+#[test]
+fn a_cleared_object_is_read_but_not_viewed() {
+    let (mut ring, mut s) = store(3 * 8192, 9000, 1);
+    let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
+    s.clear(&mut ring).unwrap();
+    let seg = ring.segment().clone();
+    let viewed = read_object_viewed(&seg, a, i, true, |object, views| {
+        (
+            views.map(object, 1).unwrap().is_some(),
+            object.part(1).to_vec(),
+        )
+    })
+    .unwrap();
+    assert_eq!(viewed, (false, vec![7u8; 8000]));
+}
+
+#[test]
+fn readers_cannot_write() {
+    let (ring, _) = store(1024, 100, 1);
+    let mut reader = ChunkFifo::open(ring.segment().name(), None).unwrap();
+    assert!(matches!(reader.allocate(10), Err(Error::WrongRole(_))));
+    assert!(matches!(reader.clear(), Err(Error::WrongRole(_))));
+    assert!(ChunkFifo::open(ring.segment().name(), Some(999)).is_err());
+}
+
+#[test]
+fn cleared_objects_stay_readable_until_overwritten() {
+    let (mut ring, mut s) = store(1024, 300, 1);
+    let seg = ring.segment().clone();
+    let (a0, i0) = s.put(&mut ring, "k0", &[&[7u8; 100]], 1).unwrap();
+    let (a1, i1) = s.put(&mut ring, "k1", &[&[8u8; 100]], 1).unwrap();
+    s.clear(&mut ring).unwrap();
+    assert_eq!(read_all(&seg, a0, i0, false).unwrap(), vec![vec![7u8; 100]]);
+    assert_eq!(read_all(&seg, a1, i1, false).unwrap(), vec![vec![8u8; 100]]);
+    // A small object overwrites the start of k0 only.
+    let (a2, i2) = s.put(&mut ring, "k2", &[b"x"], 1).unwrap();
+    assert_eq!((a2, i2), (0, 2));
+    assert!(read_object(&seg, a0, i0, false, |_| ()).is_err());
+    assert_eq!(read_all(&seg, a1, i1, false).unwrap(), vec![vec![8u8; 100]]);
+    // Enough to cover k1: it goes too, and the cleared range is dropped.
+    s.put(&mut ring, "k3", &[&[9u8; 250]], 1).unwrap();
+    assert!(read_object(&seg, a1, i1, false, |_| ()).is_err());
+    assert_eq!(
+        seg.snapshot().unwrap().cleared_start,
+        seg.snapshot().unwrap().cleared_end
+    );
+    // A second clear forgets what the first one kept.
+    s.clear(&mut ring).unwrap();
+    assert!(read_object(&seg, a1, i1, false, |_| ()).is_err());
+    assert_eq!(read_all(&seg, a2, i2, false).unwrap(), vec![b"x".to_vec()]);
+}
+
+#[test]
+fn a_stale_header_inside_new_data_is_refused() {
+    // An old handle whose header position now lies inside a new object's bytes, which
+    // hold exactly the old header: the published id range refuses it.
+    let (mut ring, mut s) = store(256, 250, 1);
+    let seg = ring.segment().clone();
+    let (a, i) = s.put(&mut ring, "old", &[b"o"], 1).unwrap();
+    read_all(&seg, a, i, true).unwrap();
+    s.free_unused(&mut ring).unwrap();
+    let mut forged = vec![0u8; 200];
+    for k in [0usize, 13, 40, 81, 150] {
+        forged[k..k + 4].copy_from_slice(&i.to_le_bytes());
+        forged[k + 4..k + 8].copy_from_slice(&40u32.to_le_bytes());
+    }
+    s.put(&mut ring, "new", &[&forged], 1).unwrap();
+    for off in 0..200 {
+        assert!(read_object(&seg, off, i, false, |_| ()).is_err());
+    }
+}
+
+#[test]
+fn a_frame_changed_during_a_read_is_an_error_not_a_panic() {
+    // A reader is using object "a" when the writer clears the store and puts a larger
+    // object in the same place: the frame the reader checked now describes parts
+    // beyond the old chunk. Reading the parts again must not panic (it did: a slice
+    // index out of range), and the read is reported as modified.
+    let (mut ring, mut s) = store(4096, 2048, 1);
+    let seg = ring.segment().clone();
+    let (a, i) = s.put(&mut ring, "a", &[b"m", b"tiny"], 1).unwrap();
+    let got = read_object(&seg, a, i, true, |v| {
+        s.clear(&mut ring).unwrap();
+        s.put(&mut ring, "b", &[&[1u8; 300], &[2u8; 900]], 1)
+            .unwrap();
+        (0..v.len()).map(|k| v.part(k).len()).sum::<usize>() + v.span().len()
+    });
+    assert!(matches!(got, Err(Error::StaleObject { .. })), "{got:?}");
+    // A frame scribbled over by another process: parts come out clamped to nothing.
+    let (a, i) = s.put(&mut ring, "c", &[b"meta", b"data"], 1).unwrap();
+    let data_at = (a % 4096 + HEADER_BYTES) as usize;
+    let count_at = (4 - data_at % 4) % 4;
+    let entry0 = data_at + count_at + COUNT_BYTES + 4;
+    let lens = read_object(&seg, a, i, false, |v| {
+        // SAFETY: inside the ring (the frame's first entry); a test stands in for a
+        // peer process writing the segment.
+        unsafe {
+            std::ptr::copy_nonoverlapping([0xffu8; 8].as_ptr(), seg.ring_ptr().add(entry0), 8)
+        };
+        (v.part(0).len(), v.span().len())
+    })
+    .unwrap();
+    assert_eq!(lens, (0, 0));
+}
+
+#[test]
+fn layout_pads_inside_the_object() {
+    let mut at = Vec::new();
+    let end = object_layout(9, [5u64, 70, 1].into_iter(), 3, 1, |i, off| {
+        at.push((i, off))
+    });
+    // data at ring offset 9: count at +3 (offset 12), frame n + 3 entries = 28 bytes,
+    // part 0 at +35, part 1 at ring offset 64 (+55), part 2 at 192 (+183).
+    assert_eq!(at, vec![(0, 35), (1, 55), (2, 183)]);
+    assert_eq!(end, 184);
+}
