@@ -22,7 +22,7 @@
 //! `align_from` on (the raw tensor and array buffers of the built-in serdes) start on
 //! 64-byte boundaries of the ring, which is page-aligned in memory; the others follow
 //! each other without gaps, so a custom serde's `[metadata][data...]` stays contiguous.
-//! Chunks are sized exactly for the offset they land on ([`FifoAllocator::allocate_with`]).
+//! Chunks are sized exactly for the offset they land on ([`crate::alloc::FifoAllocator::allocate_with`]).
 //!
 //! # Which handles are valid
 //! The writer publishes, under a seqlock, the live ids `[id_start, id_end)` and the ids
