@@ -185,7 +185,13 @@ fuzz_target!(|input: Input| {
         let _ = check_object(rseg, address, id);
         let _ = object_reader_count(rseg, address, id);
         if let Ok(h) = rseg.header_at(address) {
+            // What `access_buf` hands out: the chunk's data, inside the ring.
             assert!(h.offset + h.size as u64 <= capacity);
+            let (p, n) = rseg.data_ptr(&h);
+            // SAFETY: `header_at` checked that the chunk lies inside the ring, which
+            // `reader` keeps mapped. Only this thread writes the segment (through its
+            // file), and not while this slice lives.
+            touch(unsafe { std::slice::from_raw_parts(p, n) });
         }
     }
     // The writer goes on over whatever was written into its segment.
