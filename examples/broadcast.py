@@ -22,9 +22,7 @@ def worker(queue_handle, store_handle, rank):
 
 if __name__ == "__main__":
     queue = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=1 << 20, max_chunks=8)
-    store = ObjectStorage(
-        max_object_size=16 << 20, n_readers=2, ring_buffer=RingBuffer(64 << 20, create=True)
-    )
+    store = ObjectStorage(max_object_size=16 << 20, n_readers=2, ring_buffer=RingBuffer(64 << 20, create=True))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(queue.export_handle(), store.handle(), r)) for r in range(2)]
     for p in procs:

@@ -37,7 +37,9 @@ def worker(rank, batch_handle, store_handle, crash):
     while (batch := batches.dequeue()) is not None:
         if crash and rank == CRASH_RANK and batch["step"] == CRASH_STEP:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
-        embeddings = store.get(*batch["embeddings"])  # (address, id) of the shared tensor
+        # The shared tensor by its signed handle: (address, id), signature, key.
+        address, monotonic_id, signature, key = batch["embeddings"]
+        embeddings = store.get(address, monotonic_id, signature=signature, key=key)
         tokens = [req * 1000 + batch["step"] for req in batch["req_ids"]]  # "sampled tokens"
         results.enqueue({"rank": rank, "step": batch["step"], "sum": float(embeddings.sum()), "tokens": tokens})
 
@@ -59,7 +61,8 @@ def serve(crash):
                 for step in range(N_STEPS):
                     embeddings = rng.standard_normal((256, 512), dtype=np.float32)  # 512 KiB
                     batch = {"step": step, "req_ids": list(range(step, step + 8))}
-                    batch["embeddings"] = store.put(f"image-{step}", embeddings)
+                    key = f"image-{step}"
+                    batch["embeddings"] = (*store.put(key, embeddings), store.get_signature(key), key)
                     batches.enqueue(batch)
                     outputs = [queue.dequeue() for queue in results]
                     assert all(o["step"] == step and np.isclose(o["sum"], embeddings.sum()) for o in outputs)
@@ -75,6 +78,7 @@ def serve(crash):
             del results
     # Leaving the block closed the workers: SIGTERM, grace period, SIGKILL of whole
     # process trees, and the segments dead workers left were removed.
+    store.close()  # removes the store's segment now (the store is in reference cycles)
     del batches, store
     return pids
 

@@ -1,5 +1,6 @@
 """Large tensors to two worker processes: one copy into shared memory, zero-copy views
-out, and a loaned tensor that is filled in place and sent without any copy.
+out, and a loaned tensor that is filled in place and sent without any copy — through
+the broadcast queue, and through the object store.
 
 Run: python examples/tensors.py
 """
@@ -8,13 +9,18 @@ import multiprocessing as mp
 
 import torch
 
-from shmq import MessageQueue
+from shmq import MessageQueue, ObjectStorage, RingBuffer
 
 
-def worker(handle, rank):
+def worker(handle, store_handle, rank):
     queue = MessageQueue.create_from_handle(handle, rank)
+    store = ObjectStorage.create_from_handle(store_handle)
     queue.wait_until_ready()
     while (step := queue.dequeue()) is not None:
+        if "stored" in step:  # a store handle: get() returns a view, O(1) in the size
+            embeds = store.get(*step["stored"])["embeds"]
+            print(f"worker {rank}: stored embeddings {tuple(embeds.shape)}, sum {embeds.float().sum():.0f}")
+            continue
         pixels = step["pixel_values"]  # a view of shared memory: no copy was made
         pixels.mul_(2)  # writable, and private: the writer and the other worker never see it
         print(f"worker {rank}: step {step['step']}, {tuple(pixels.shape)}, mean {pixels.mean():.1f}")
@@ -22,8 +28,9 @@ def worker(handle, rank):
 
 if __name__ == "__main__":
     queue = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=1 << 20, max_chunks=8)
+    store = ObjectStorage(max_object_size=64 << 20, n_readers=2, ring_buffer=RingBuffer(128 << 20, create=True))
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=worker, args=(queue.export_handle(), r)) for r in range(2)]
+    workers = [ctx.Process(target=worker, args=(queue.export_handle(), store.handle(), r)) for r in range(2)]
     for w in workers:
         w.start()
     queue.wait_until_ready()
@@ -35,6 +42,12 @@ if __name__ == "__main__":
     loaned.fill_(5.0)  # e.g. an encoder writes its output here
     queue.enqueue({"step": 1, "pixel_values": loaned})  # sends a reference: no copy at all
     del loaned  # given back once both workers have dropped their views too
+
+    embeds = store.loan_tensor((1024, 4096), torch.float16)  # memory in the store's ring
+    embeds.fill_(1.0)
+    address, monotonic_id = store.put("image-7", {"embeds": embeds})  # written around it
+    del embeds  # the object can be evicted in its turn once the workers have read it
+    queue.enqueue({"stored": (address, monotonic_id, store.get_signature("image-7"), "image-7")})
 
     queue.enqueue(None)
     for w in workers:

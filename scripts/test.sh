@@ -70,6 +70,14 @@ if [ ! -e "$vllm_stamp" ]; then
   touch "$vllm_stamp"
 fi
 
+step "Python: the stubs of shmq._core against the built module, and the types"
+# stubtest compares python/shmq/_core.pyi with the extension (every name, signature,
+# default; the allowlist says why each exception exists); mypy checks the package, and
+# the typing test of the public API under --strict.
+.venv/bin/python -m mypy.stubtest shmq._core --allowlist scripts/stubtest-allowlist --ignore-unused-allowlist
+.venv/bin/python -m mypy python/shmq
+.venv/bin/python -m mypy --strict tests/python/test_typing.py
+
 step "Python: pytest"
 # The plugin test must run here: a missing vLLM is a failure, not a skip.
 SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q

@@ -89,6 +89,8 @@ pub(crate) mod futex;
 #[cfg(not(loom))]
 pub mod liveness;
 #[cfg(not(loom))]
+pub(crate) mod pins;
+#[cfg(not(loom))]
 pub(crate) mod private_map;
 #[cfg(not(loom))]
 pub mod remote;

@@ -39,9 +39,24 @@
 //!
 //! # Eviction
 //! `put` hands an object out once; each `get_cached` hands it out again. Every reader
-//! increments the count once per read (one atomic `fetch_add`, no lock), so the object
+//! increments the count once per read (one atomic `fetch_add`, no lock; reads of a
+//! cleared object are not counted). The count lies in the chunk, so a reader announces
+//! its increment in the segment header (`counting`) before its last check of the
+//! handle, and the writer, after freeing chunks, waits for announced increments before
+//! it reuses them: an increment never lands in another object. So the object
 //! may be evicted when `count >= n_readers * handouts`, oldest first, unless the writer
-//! `touch`ed it and has not yet handed it out again or released its touches.
+//! `touch`ed it and has not yet handed it out again or released its touches, or some
+//! process *pins* it.
+//!
+//! # Zero-copy views and loans
+//! [`read_object_viewed`] lets a reader map parts privately (copy-on-write) and keep
+//! them: the chunk is pinned — a shared lock on a byte of the segment's file, see the
+//! `pins` module — until the last such view is dropped (or its process dies). The
+//! writer frees a chunk only after stamping its header and finding no pin, and a
+//! `clear()` that finds a pinned chunk frees nothing at once (the chunks go oldest first
+//! as usual). [`ObjectStore::loan`] gives the writer a pinned chunk with [`LOAN_ROOM`]
+//! bytes before a page-aligned buffer; `put` of parts one of which is that buffer writes
+//! the others into the room, so the buffer is never copied.
 //!
 //! # Signed handles
 //! `sign(key, address, id)` is HMAC-SHA256, under the segment's secret, of
@@ -51,7 +66,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
@@ -59,6 +74,9 @@ use sha2::{Digest, Sha256};
 
 use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES, ID_MAX};
 use crate::error::{Error, Result};
+use crate::liveness::{Liveness, LockProbe};
+use crate::pins::{Pin, Pins};
+use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::segment::{unique_name, Segment};
 use crate::seqlock;
@@ -71,6 +89,13 @@ pub const STORE_LAYOUT_VERSION: u32 = 2;
 const RING_OFFSET: usize = 4096;
 const PUBLISHED_OFFSET: usize = 64;
 const SECRET_OFFSET: usize = 128;
+/// Where the count of zero-copy gets still holding a pin is (see `StoreSegment::pin_hint`).
+const PIN_HINT_OFFSET: usize = 192;
+/// Where the count of readers about to count a read is (see `StoreSegment::counting`).
+const COUNTING_OFFSET: usize = 200;
+/// How long the writer waits for readers in the middle of counting a read (they are
+/// there for nanoseconds; only one that died there makes it wait this long).
+const COUNTING_PATIENCE: Duration = Duration::from_millis(10);
 /// Bytes of the handle-signing secret (vLLM's `AUTH_SECRET_BYTES`).
 pub const SECRET_BYTES: usize = 32;
 /// Bytes of a handle signature (one SHA-256 digest).
@@ -114,7 +139,9 @@ struct Published {
 }
 const _: () = assert!(std::mem::size_of::<Published>() == 64);
 const _: () = assert!(PUBLISHED_OFFSET + 64 <= SECRET_OFFSET);
-const _: () = assert!(SECRET_OFFSET + SECRET_BYTES <= RING_OFFSET);
+const _: () = assert!(SECRET_OFFSET + SECRET_BYTES <= PIN_HINT_OFFSET);
+const _: () = assert!(PIN_HINT_OFFSET + 8 <= COUNTING_OFFSET);
+const _: () = assert!(COUNTING_OFFSET + 8 <= RING_OFFSET);
 
 /// One consistent reading of [`Published`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -155,6 +182,12 @@ pub struct StoreSegment {
     ring: NonNull<u8>,
     capacity: u64,
     signer: Signer,
+    /// This process's pins of chunks it has zero-copy views of (see [`ChunkPin`]).
+    pins: Arc<Pins>,
+    /// The writer's probe of every process's pins (`None` on readers).
+    probe: Option<LockProbe>,
+    /// A read-only descriptor to map object parts privately (opened at the first view).
+    private: OnceLock<PrivateFile>,
 }
 
 // SAFETY: `ring` points into `segment`'s mapping, alive as long as `self`. Shared state
@@ -236,6 +269,10 @@ impl StoreSegment {
         // SAFETY: RING_OFFSET < total.
         let ring = unsafe { NonNull::new_unchecked(base.as_ptr().add(RING_OFFSET)) };
         let s = StoreSegment {
+            pins: Arc::new(Pins::new(name)),
+            // Opened now, while the name surely is this segment's.
+            probe: Some(LockProbe::open(name)),
+            private: OnceLock::new(),
             segment,
             ring,
             capacity,
@@ -295,6 +332,9 @@ impl StoreSegment {
         // SAFETY: RING_OFFSET < segment.len().
         let ring = unsafe { NonNull::new_unchecked(base.as_ptr().add(RING_OFFSET)) };
         Ok(StoreSegment {
+            pins: Arc::new(Pins::new(name)),
+            probe: None,
+            private: OnceLock::new(),
             segment,
             ring,
             capacity,
@@ -497,6 +537,76 @@ impl StoreSegment {
         (p, h.size as usize - HEADER_BYTES as usize)
     }
 
+    /// How many zero-copy gets hold a pin (or are taking one) in any process: while it
+    /// is 0 the writer need not probe for pins. A reader that dies keeps it above 0,
+    /// which only makes the writer probe.
+    fn pin_hint(&self) -> &AtomicU64 {
+        // SAFETY: PIN_HINT_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
+        // mapping and 8-aligned (it is page-aligned). A peer that writes it can make the
+        // writer probe needlessly, or (set to 0 under a live view) reuse memory a view
+        // still shows: what any process that may write the segment can do anyway.
+        unsafe { &*(self.segment.as_ptr().add(PIN_HINT_OFFSET) as *const AtomicU64) }
+    }
+
+    /// How many readers are between their last check of an object and the increment of
+    /// its count (see `read_header`): the writer reuses freed memory only once none is.
+    fn counting(&self) -> &AtomicU64 {
+        // SAFETY: COUNTING_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
+        // mapping and 8-aligned. A peer that writes it can make the writer wait (up to
+        // COUNTING_PATIENCE per batch of frees) or not wait: what any process that may
+        // write the segment can do to the objects themselves anyway.
+        unsafe { &*(self.segment.as_ptr().add(COUNTING_OFFSET) as *const AtomicU64) }
+    }
+
+    /// Writer, after publishing that chunks are freed: wait until no reader can still
+    /// increment a count inside them (see `read_header`), so they can be reused.
+    fn wait_for_counting_readers(&self) {
+        // SeqCst fence and load: with the reader's SeqCst increment and fence, either we
+        // see its increment (and wait for its decrement), or it sees the chunk freed.
+        fence(Ordering::SeqCst);
+        let mut started = None;
+        for attempt in 0u32.. {
+            // Acquire: pairs with the reader's Release decrement: its count increment
+            // (into the old chunk) happens before we reuse the memory.
+            if self.counting().load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if attempt < 64 {
+                std::hint::spin_loop();
+            } else if started.get_or_insert_with(Instant::now).elapsed() > COUNTING_PATIENCE {
+                return; // a reader died there: its increment will never come
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Writer: whether some process may hold a zero-copy view of the chunk at ring offset
+    /// `offset`. Call it after marking the chunk as no longer its object (its header
+    /// stamped, or the clear published): see `pins` module for why a view cannot be
+    /// missed then. A probe that cannot tell answers "pinned" (the memory is kept).
+    fn is_pinned(&self, offset: u64) -> bool {
+        // SeqCst fence and load: with the reader's SeqCst increment and fence in
+        // `pin_chunk`, either this load sees the increment or the reader's check sees
+        // our mark (store buffering is ruled out on both sides).
+        fence(Ordering::SeqCst);
+        if self.pin_hint().load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        self.probe
+            .as_ref()
+            .is_none_or(|p| p.liveness(pin_byte(offset)) != Liveness::Dead)
+    }
+
+    /// The read-only descriptor that object parts are mapped privately from.
+    fn private_file(&self) -> Result<&PrivateFile> {
+        if let Some(f) = self.private.get() {
+            return Ok(f);
+        }
+        let f = PrivateFile::open(self.name())?;
+        Ok(self.private.get_or_init(|| f))
+    }
+
     /// The HMAC-SHA256 that signs the handle `(address, id)` of `key`.
     pub fn sign(&self, key: &str, address: u64, id: u32) -> [u8; SIGNATURE_BYTES] {
         self.keyed_mac(key, address, id)
@@ -520,6 +630,12 @@ impl StoreSegment {
             .verify_slice(signature)
             .map_err(|_| Error::BadSignature { missing: false })
     }
+}
+
+/// The byte of the segment's file whose read locks pin the chunk at ring offset
+/// `offset` (the ring starts a page into the file; byte 0 is the creator's role lock).
+fn pin_byte(offset: u64) -> u64 {
+    RING_OFFSET as u64 + offset
 }
 
 fn writer_only(what: &str) -> Error {
@@ -651,21 +767,30 @@ impl ChunkRing {
             // SAFETY: a live chunk of ours lies inside the ring (allocator invariant);
             // readers only read it, and a peer writing it can only change what `is_free`
             // decides.
-            let free = is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) });
-            if free {
-                // Stamp the header too (published with the new id_start below).
-                segment.store_u32(h.offset, INVALID_ID);
+            if !is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) }) {
+                return false;
             }
-            free
+            // Stamp the header (published with the new id_start below), then look for
+            // zero-copy views: a reader that pins it from now on sees the stamp.
+            segment.store_u32(h.offset, INVALID_ID);
+            if segment.is_pinned(h.offset) {
+                // Some process still has views: keep the chunk (and all after it).
+                segment.store_u32(h.offset, c.id);
+                return false;
+            }
+            true
         });
         if freed.count > 0 {
             segment.publish_ids(&w.alloc);
+            segment.wait_for_counting_readers();
         }
         Ok(freed)
     }
 
     /// Forget every chunk (writer only). Ids keep counting and addresses restart at 0;
-    /// handles issued before keep reading their data until the memory is reused.
+    /// handles issued before keep reading their data until the memory is reused. If a
+    /// process holds a zero-copy view of some chunk, nothing moves instead: the chunks
+    /// stay, to be freed oldest first like unused objects, each once no view holds it.
     pub fn clear(&mut self) -> Result<()> {
         let segment = &*self.segment;
         let w = self
@@ -674,6 +799,34 @@ impl ChunkRing {
             .ok_or_else(|| writer_only("clear the buffer"))?;
         let capacity = segment.capacity();
         let (cleared_start, cleared_end) = (w.alloc.id_start(), w.alloc.id_end());
+        // The writer alone publishes: its snapshot is what it last published.
+        let before = segment.snapshot().unwrap_or_default();
+        // Publish first that every live chunk is cleared, then look for zero-copy views:
+        // a reader that pins one from now on sees it cleared and copies instead.
+        segment.publish(|p| {
+            // Relaxed: inside the seqlock (see `publish`).
+            p.id_start.store(cleared_end, Ordering::Relaxed);
+            p.cleared_start.store(cleared_start, Ordering::Relaxed);
+            p.cleared_end.store(cleared_end, Ordering::Relaxed);
+            p.overwritten.store(0, Ordering::Relaxed);
+        });
+        if w.alloc
+            .live()
+            .any(|c| segment.is_pinned(c.offset(capacity)))
+        {
+            // Some process has views of a chunk: keep every chunk where it is (the store
+            // forgets their keys; they are freed oldest first once no view holds them)
+            // and put the published state back.
+            segment.publish(|p| {
+                // Relaxed: inside the seqlock (see `publish`).
+                p.cleared_start
+                    .store(before.cleared_start, Ordering::Relaxed);
+                p.cleared_end.store(before.cleared_end, Ordering::Relaxed);
+                p.overwritten.store(before.overwritten, Ordering::Relaxed);
+            });
+            segment.publish_ids(&w.alloc);
+            return Ok(());
+        }
         w.cleared_end_offset = w
             .alloc
             .live()
@@ -785,6 +938,71 @@ impl<'a> ObjectView<'a> {
     }
 }
 
+/// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
+/// (the count, the frame and the other parts: the pickle or msgpack stream and small
+/// buffers); an object whose other parts need more is copied instead.
+pub const LOAN_ROOM: u64 = 64 * 1024;
+/// Loaned buffers start at multiples of this (ring offset): readers map them page by page.
+const LOAN_ALIGN: u64 = 4096;
+
+/// Where a loaned buffer is (the writer's bookkeeping).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LoanSpot {
+    address: u64,
+    /// The chunk's header.
+    header: ChunkHeader,
+    /// The buffer's offset from the start of the chunk's data.
+    buffer_at: u64,
+    len: u64,
+}
+
+/// Memory loaned by the store's writer: `len` bytes of a chunk in the ring, to fill in
+/// place and `put` without a copy. The chunk stays (pinned) while the loan lives, also
+/// once put: drop it after the put to let the object be evicted in its turn.
+#[derive(Debug)]
+pub struct StoreLoan {
+    ptr: *mut u8,
+    len: usize,
+    _pin: Arc<ChunkPin>,
+}
+
+// SAFETY: the loan is the only handle to its bytes in this process (the writer's
+// bookkeeping keeps only their place), and the pin keeps the chunk from reuse; moving or
+// sharing it between threads is like a Vec's.
+unsafe impl Send for StoreLoan {}
+// SAFETY: as for Send: `&StoreLoan` gives the pointer out, not access.
+unsafe impl Sync for StoreLoan {}
+
+impl std::ops::Deref for StoreLoan {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len` bytes of the loan's chunk, mapped and unreused while the pin
+        // lives. Readers only get the chunk's handle once it is put; from then on they
+        // read what the writer wrote, and a writer that keeps writing is racing only with
+        // its own readers' view of the data (byte values, never memory safety).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for StoreLoan {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes this the only slice made from it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl StoreLoan {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// The writer's bookkeeping for one object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
@@ -804,6 +1022,8 @@ pub struct ObjectStore {
     ids: HashMap<u32, Arc<str>>,
     /// Ids the writer `touch`ed: not evicted until handed out again or released.
     touched: HashSet<u32>,
+    /// Loaned buffers not yet put, by chunk id.
+    loans: HashMap<u32, LoanSpot>,
 }
 
 impl ObjectStore {
@@ -819,6 +1039,7 @@ impl ObjectStore {
             keys: HashMap::new(),
             ids: HashMap::new(),
             touched: HashSet::new(),
+            loans: HashMap::new(),
         })
     }
 
@@ -896,6 +1117,9 @@ impl ObjectStore {
                 max: self.max_object_size,
             });
         }
+        if let Some(placed) = self.put_in_loan(ring, key, parts, align_from) {
+            return Ok(placed);
+        }
         let lens = || parts.iter().map(|p| p.len() as u64);
         let n = parts.len();
         let size_at = |chunk_offset: u64| {
@@ -944,15 +1168,157 @@ impl ObjectStore {
             write(at as usize, parts[i]);
         });
         debug_assert_eq!(end as usize, len);
+        self.register(key, chunk.address, chunk.id);
+        Ok((chunk.address, chunk.id))
+    }
+
+    fn register(&mut self, key: &str, address: u64, id: u32) {
         let key: Arc<str> = key.into();
         let entry = Entry {
-            address: chunk.address,
-            id: chunk.id,
+            address,
+            id,
             handouts: 1,
         };
         self.keys.insert(key.clone(), entry);
-        self.ids.insert(chunk.id, key);
-        Ok((chunk.address, chunk.id))
+        self.ids.insert(id, key);
+    }
+
+    /// Loan `nbytes` of a new chunk to fill in place (writer only): `put` of an object
+    /// one of whose buffers (from `align_from` on) is exactly this memory writes the rest
+    /// of the object around it, with no copy. `Error::Full` if there is no room even
+    /// after freeing what every reader has finished with.
+    pub fn loan(&mut self, ring: &mut ChunkRing, nbytes: u64) -> Result<StoreLoan> {
+        if !ring.is_writer() {
+            return Err(Error::WrongRole("Only the writer can loan memory.".into()));
+        }
+        if nbytes == 0 {
+            return Err(Error::InvalidArgument("Size must be greater than 0".into()));
+        }
+        let size = COUNT_BYTES as u64 + nbytes;
+        if size > self.max_object_size {
+            return Err(Error::TooLarge {
+                size,
+                max: self.max_object_size,
+            });
+        }
+        let buffer_at = |chunk_offset: u64| {
+            let data = chunk_offset + HEADER_BYTES;
+            (data + LOAN_ROOM).next_multiple_of(LOAN_ALIGN) - data
+        };
+        let size_at = |chunk_offset: u64| buffer_at(chunk_offset) + nbytes;
+        let chunk = match ring.allocate_with(size_at) {
+            Err(Error::Full(_)) => {
+                self.free_unused(ring)?;
+                ring.allocate_with(size_at)?
+            }
+            other => other?,
+        };
+        let segment = ring.segment();
+        let header = ChunkHeader {
+            offset: chunk.offset(segment.capacity()),
+            id: chunk.id,
+            size: chunk.size,
+        };
+        let data_offset = header.offset + HEADER_BYTES;
+        let count_at = (4 - data_offset % 4) % 4;
+        // Relaxed: nobody has this chunk's handle yet; the channel that carries it orders
+        // these stores. An empty object (no parts) until it is put.
+        segment
+            .count(data_offset + count_at)
+            .store(0, Ordering::Relaxed);
+        segment.store_u32(data_offset + count_at + COUNT_BYTES as u64, 0);
+        // If pinning fails, the chunk (an empty object nobody knows) goes in its turn.
+        let pin = pin_own(segment, header.offset)?;
+        let spot = LoanSpot {
+            address: chunk.address,
+            header,
+            buffer_at: buffer_at(header.offset),
+            len: nbytes,
+        };
+        self.loans.insert(chunk.id, spot);
+        let (p, _) = segment.data_ptr(&header);
+        Ok(StoreLoan {
+            // SAFETY: buffer_at + nbytes is the chunk's data size (size_at above).
+            ptr: unsafe { p.add(spot.buffer_at as usize) },
+            len: nbytes as usize,
+            _pin: pin,
+        })
+    }
+
+    /// Put `parts` around a loaned buffer that is exactly one of them (from `align_from`
+    /// on), if the others fit in the room before it; `None` to copy instead.
+    fn put_in_loan(
+        &mut self,
+        ring: &ChunkRing,
+        key: &str,
+        parts: &[&[u8]],
+        align_from: usize,
+    ) -> Option<(u64, u32)> {
+        if self.loans.is_empty() {
+            return None;
+        }
+        let segment = ring.segment();
+        let base = segment.ring_ptr() as usize;
+        let mut found = None;
+        for (i, part) in parts.iter().enumerate().skip(align_from) {
+            let at = (part.as_ptr() as usize).wrapping_sub(base) as u64;
+            let hit = self.loans.iter().find(|(_, s)| {
+                s.header.offset + HEADER_BYTES + s.buffer_at == at && s.len == part.len() as u64
+            });
+            if let Some((&id, &spot)) = hit {
+                if found.is_some() {
+                    return None; // two loans in one object: copied into one chunk
+                }
+                found = Some((i, id, spot));
+            }
+        }
+        let (k, id, spot) = found?;
+        if ring.allocator()?.get(id).is_none() {
+            self.loans.remove(&id);
+            return None;
+        }
+        let data_offset = spot.header.offset + HEADER_BYTES;
+        let count_at = (4 - data_offset % 4) % 4;
+        let frame_at = count_at + COUNT_BYTES as u64;
+        let mut at = frame_at + 4 + 8 * parts.len() as u64;
+        let mut offsets = Vec::with_capacity(parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            if i == k {
+                offsets.push(spot.buffer_at);
+                continue;
+            }
+            if i >= align_from {
+                at = (data_offset + at).next_multiple_of(PART_ALIGN) - data_offset;
+            }
+            offsets.push(at);
+            at += part.len() as u64;
+        }
+        if at > spot.buffer_at {
+            return None; // the rest does not fit before the buffer: copy
+        }
+        let (p, len) = segment.data_ptr(&spot.header);
+        let write = |at: u64, bytes: &[u8]| {
+            debug_assert!(at as usize + bytes.len() <= spot.buffer_at as usize);
+            // SAFETY: the chunk is this writer's (live, loaned, its handle not yet given
+            // out), and every write here ends before the buffer (checked just above), which
+            // lies inside the chunk's `len` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at as usize), bytes.len())
+            };
+        };
+        debug_assert!(spot.buffer_at + spot.len <= len as u64);
+        write(frame_at, &(parts.len() as u32).to_le_bytes());
+        for (i, part) in parts.iter().enumerate() {
+            let entry_at = frame_at + 4 + 8 * i as u64;
+            write(entry_at, &(offsets[i] as u32).to_le_bytes());
+            write(entry_at + 4, &(part.len() as u32).to_le_bytes());
+            if i != k {
+                write(offsets[i], part);
+            }
+        }
+        self.loans.remove(&id);
+        self.register(key, spot.address, id);
+        Some((spot.address, id))
     }
 
     /// Hand `key`'s object out once more (every reader will read it once more); this
@@ -1010,6 +1376,7 @@ impl ObjectStore {
             if let Some(key) = self.ids.remove(&id) {
                 self.keys.remove(&key);
             }
+            self.loans.remove(&id);
         }
         Ok(freed)
     }
@@ -1020,6 +1387,10 @@ impl ObjectStore {
         self.keys.clear();
         self.ids.clear();
         self.touched.clear();
+        // Loans whose chunks a view kept (see `ChunkRing::clear`) can still be put.
+        if let Some(alloc) = ring.allocator() {
+            self.loans.retain(|id, _| alloc.get(*id).is_some());
+        }
         Ok(())
     }
 }
@@ -1070,8 +1441,27 @@ fn still_valid(segment: &StoreSegment, h: &ChunkHeader) -> bool {
     // they show the object still valid, the writer had not started reusing it (it
     // publishes before it writes, see `ChunkRing::allocate_with`/`free_while`).
     fence(Ordering::Acquire);
-    segment.load_u32(h.offset) == h.id
-        && segment.snapshot().is_some_and(|s| s.names(h.id, h.offset))
+    validity(segment, h) != Validity::Stale
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Validity {
+    Stale,
+    /// Live: the writer frees it only through `free_while` (which waits for counters).
+    Live,
+    /// Cleared, not yet overwritten: readable, but nothing counts its reads any more.
+    Cleared,
+}
+
+fn validity(segment: &StoreSegment, h: &ChunkHeader) -> Validity {
+    if segment.load_u32(h.offset) != h.id {
+        return Validity::Stale;
+    }
+    match segment.snapshot() {
+        Some(s) if id_in(h.id, s.id_start, s.id_end) => Validity::Live,
+        Some(s) if s.names(h.id, h.offset) => Validity::Cleared,
+        _ => Validity::Stale,
+    }
 }
 
 /// Check that `(address, id)` names a live object (what a reader's `touch` does).
@@ -1089,11 +1479,23 @@ pub fn read_object<R>(
     count_read: bool,
     f: impl FnOnce(&ObjectView<'_>) -> R,
 ) -> Result<R> {
+    let h = object_header(segment, address, id)?;
+    read_header(segment, h, address, id, count_read, f)
+}
+
+/// [`read_object`] from a header found valid for `(address, id)`.
+fn read_header<R>(
+    segment: &StoreSegment,
+    h: ChunkHeader,
+    address: u64,
+    id: u32,
+    count_read: bool,
+    f: impl FnOnce(&ObjectView<'_>) -> R,
+) -> Result<R> {
     let stale = || Error::StaleObject {
         address,
         id: id as u64,
     };
-    let h = object_header(segment, address, id)?;
     let (p, n) = segment.data_ptr(&h);
     // SAFETY: the range is inside the ring (header_at). The writer does not overwrite a
     // live object until every reader has counted its read, which we do only after `f`;
@@ -1102,16 +1504,180 @@ pub fn read_object<R>(
     let data = unsafe { std::slice::from_raw_parts(p, n) };
     let view = ObjectView::parse(data, h.offset + HEADER_BYTES).ok_or_else(stale)?;
     let out = f(&view);
-    if !still_valid(segment, &h) {
-        return Err(stale());
+    if !count_read {
+        return if still_valid(segment, &h) {
+            Ok(out)
+        } else {
+            Err(stale())
+        };
     }
-    if count_read {
+    // The count lies in the chunk: it must not be incremented once the chunk may be
+    // reused (that would write into another object). So announce the increment first
+    // (SeqCst, then a SeqCst fence: with the writer's fence and load in
+    // `wait_for_counting_readers`, either the check below sees the chunk freed, or the
+    // writer waits for our decrement before it reuses the memory).
+    segment.counting().fetch_add(1, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    let validity = validity(segment, &h);
+    if validity == Validity::Live {
         let count_at = h.offset + HEADER_BYTES + view.count_at as u64;
         // Release: pairs with the Acquire load in `reader_count`: our reads of the
         // payload happen before the writer's eviction decision.
         segment.count(count_at).fetch_add(1, Ordering::Release);
     }
+    // Release: pairs with the writer's Acquire load: the increment above happens before
+    // the writer reuses the chunk.
+    segment.counting().fetch_sub(1, Ordering::Release);
+    if validity == Validity::Stale {
+        return Err(stale());
+    }
     Ok(out)
+}
+
+/// Keeps an object's chunk from being freed or overwritten while zero-copy views of it
+/// live in this process (a read lock on a byte of the segment's file, see
+/// `pins` module); shared by the views of one `get`.
+#[derive(Debug)]
+pub struct ChunkPin {
+    segment: Arc<StoreSegment>,
+    _pin: Pin,
+    made_in: u64,
+}
+
+impl Drop for ChunkPin {
+    fn drop(&mut self) {
+        // A forked child's copy counts nothing: the hint is its parent's to decrement.
+        if !crate::fork::is_inherited(self.made_in) {
+            // Relaxed: only tells the writer whether to probe; the lock (released right
+            // after, with the field) is what the writer relies on.
+            self.segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A private, copy-on-write mapping of one part of a stored object: zero-copy to read;
+/// a write copies the touched pages, never reaching the writer or another reader. The
+/// object's chunk is not reused while it lives.
+#[derive(Debug)]
+pub struct PartView {
+    map: PrivateMap,
+    _pin: Arc<ChunkPin>,
+}
+
+impl PartView {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+impl std::ops::Deref for PartView {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+/// What [`read_object_viewed`] offers to map parts of the object it reads. The chunk is
+/// pinned at the first [`ObjectViews::map`] (objects read without views cost no pin).
+pub struct ObjectViews<'a> {
+    segment: &'a Arc<StoreSegment>,
+    header: ChunkHeader,
+    pin: std::cell::OnceCell<Option<Arc<ChunkPin>>>,
+}
+
+impl ObjectViews<'_> {
+    /// A private mapping of part `i` of `object` (the object being read); `None` when
+    /// the object cannot be viewed (a cleared object, or pinning failed): copy instead.
+    pub fn map(&self, object: &ObjectView<'_>, i: usize) -> Result<Option<PartView>> {
+        let pin = self
+            .pin
+            .get_or_init(|| pin_chunk(self.segment, &self.header));
+        let Some(pin) = pin else { return Ok(None) };
+        // The part as `part` clamps it (the frame is shared memory a peer may change).
+        let part = object.part(i);
+        let (off, len) = (
+            part.as_ptr() as usize - object.data.as_ptr() as usize,
+            part.len(),
+        );
+        let at = RING_OFFSET as u64 + self.header.offset + HEADER_BYTES + off as u64;
+        Ok(Some(PartView {
+            map: self.segment.private_file()?.map(at, len)?,
+            _pin: pin.clone(),
+        }))
+    }
+}
+
+/// The writer pins a chunk it loans out (no check needed: the writer itself is what
+/// would free it, and its frees probe for pins).
+fn pin_own(segment: &Arc<StoreSegment>, offset: u64) -> Result<Arc<ChunkPin>> {
+    // SeqCst: as in `pin_chunk` (here the writer's own later probes would see it anyway).
+    segment.pin_hint().fetch_add(1, Ordering::SeqCst);
+    let made_in = crate::fork::generation();
+    match segment.pins.pin(pin_byte(offset)) {
+        Ok(pin) => Ok(Arc::new(ChunkPin {
+            segment: segment.clone(),
+            _pin: pin,
+            made_in,
+        })),
+        Err(e) => {
+            // Relaxed: see `ChunkPin::drop`.
+            segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+            Err(e)
+        }
+    }
+}
+
+/// Pin the chunk of `h` if it holds a live object (not a cleared one, which the writer
+/// reuses without looking for pins); `None` if it does not, or cannot be pinned.
+fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<Arc<ChunkPin>> {
+    // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned`.
+    segment.pin_hint().fetch_add(1, Ordering::SeqCst);
+    let made_in = crate::fork::generation();
+    let Ok(pin) = segment.pins.pin(pin_byte(h.offset)) else {
+        // Relaxed: see `ChunkPin::drop`.
+        segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+        return None;
+    };
+    let pin = ChunkPin {
+        segment: segment.clone(),
+        _pin: pin,
+        made_in,
+    };
+    // SeqCst fence: the checks below come after the increment (and the lock) in the
+    // order the writer's `is_pinned` is part of. If they pass, the writer will see the
+    // pin before it frees or clears the chunk; if the writer marked it first, they fail.
+    fence(Ordering::SeqCst);
+    let live = segment.load_u32(h.offset) == h.id
+        && segment
+            .snapshot()
+            .is_some_and(|s| id_in(h.id, s.id_start, s.id_end));
+    live.then(|| Arc::new(pin))
+}
+
+/// [`read_object`], and `f` may also map parts privately (through `views`) to keep
+/// them beyond the call: the chunk then stays until the last of them is dropped.
+pub fn read_object_viewed<R>(
+    segment: &Arc<StoreSegment>,
+    address: u64,
+    id: u32,
+    count_read: bool,
+    f: impl FnOnce(&ObjectView<'_>, &ObjectViews<'_>) -> R,
+) -> Result<R> {
+    let h = object_header(segment, address, id)?;
+    let views = ObjectViews {
+        segment,
+        header: h,
+        pin: std::cell::OnceCell::new(),
+    };
+    read_header(segment, h, address, id, count_read, |object| {
+        f(object, &views)
+    })
 }
 
 /// The reader count of the object at `(address, id)` (for inspection and tests).
@@ -1246,6 +1812,86 @@ mod tests {
         s.put(&mut ring, "k3", &[&[3u8; 150]], 1).unwrap();
         assert!(s.entry("k").is_none());
         assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+    }
+
+    #[test]
+    fn a_private_view_keeps_its_object_from_eviction_and_clear() {
+        let (mut ring, mut s) = store(3 * 8192, 9000, 1);
+        let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
+        s.put(&mut ring, "b", &[b"head", &[8u8; 8000]], 1).unwrap();
+        let seg = ring.segment().clone();
+        let mut view = read_object_viewed(&seg, a, i, true, |object, views| views.map(object, 1))
+            .unwrap()
+            .unwrap()
+            .expect("a live object can be viewed");
+        assert_eq!(&view[..], &[7u8; 8000][..]);
+        // Read (its count says free) but viewed: neither eviction nor clear reuses it.
+        assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+        s.clear(&mut ring).unwrap();
+        assert!(s.is_empty());
+        s.put(&mut ring, "c", &[b"head", &[9u8; 8000]], 1).unwrap();
+        assert!(matches!(
+            s.put(&mut ring, "d", &[b"head", &[1u8; 8000]], 1),
+            Err(Error::Full(_))
+        ));
+        assert_eq!(&view[..], &[7u8; 8000][..]);
+        // A write into the view is private to it.
+        view.map[0] = 42;
+        assert_eq!(read_all(&seg, a, i, false).unwrap()[1][0], 7);
+        drop(view);
+        s.put(&mut ring, "d", &[b"head", &[1u8; 8000]], 1).unwrap();
+        assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+    }
+
+    #[test]
+    fn a_loan_is_put_in_place_and_stays_until_dropped() {
+        let (mut ring, mut s) = store(3 * 80_000, 75_000, 1);
+        let mut loan = s.loan(&mut ring, 8000).unwrap();
+        loan.fill(5);
+        let (a, i) = s.put(&mut ring, "a", &[b"stream", &loan], 1).unwrap();
+        let seg = ring.segment().clone();
+        let parts = read_all(&seg, a, i, true).unwrap();
+        assert_eq!(parts, vec![b"stream".to_vec(), vec![5u8; 8000]]);
+        // The part is the loaned memory itself.
+        read_object(&seg, a, i, false, |v| {
+            assert_eq!(v.part(1).as_ptr(), loan.as_ptr())
+        })
+        .unwrap();
+        // Read by every reader, but the loan still pins it.
+        assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+        drop(loan);
+        assert_eq!(s.free_unused(&mut ring).unwrap().count, 1);
+        // A loan put twice, or with too much around it, is copied.
+        let loan = s.loan(&mut ring, 100).unwrap();
+        let (b, j) = s.put(&mut ring, "b", &[b"x", &loan], 1).unwrap();
+        let (c, k) = s.put(&mut ring, "c", &[b"x", &loan], 1).unwrap();
+        assert_ne!((b, j), (c, k));
+        let big = vec![1u8; (LOAN_ROOM + LOAN_ALIGN) as usize];
+        let loan2 = s.loan(&mut ring, 100).unwrap();
+        let (d, l) = s
+            .put(&mut ring, "d", &[&big[..100], &big, &loan2], 1)
+            .unwrap();
+        read_object(&seg, d, l, false, |v| {
+            assert_ne!(v.part(2).as_ptr(), loan2.as_ptr())
+        })
+        .unwrap();
+        drop((loan, loan2));
+    }
+
+    #[test]
+    fn a_cleared_object_is_read_but_not_viewed() {
+        let (mut ring, mut s) = store(3 * 8192, 9000, 1);
+        let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
+        s.clear(&mut ring).unwrap();
+        let seg = ring.segment().clone();
+        let viewed = read_object_viewed(&seg, a, i, true, |object, views| {
+            (
+                views.map(object, 1).unwrap().is_some(),
+                object.part(1).to_vec(),
+            )
+        })
+        .unwrap();
+        assert_eq!(viewed, (false, vec![7u8; 8000]));
     }
 
     #[test]

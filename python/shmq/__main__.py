@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import admin, bench
 
 #: name -> (module with add_arguments/main, one-line help)
-COMMANDS = {
+COMMANDS: dict[str, tuple[Any, str]] = {
     "bench": (bench, "latency and throughput of shmq's queue next to multiprocessing.Queue and pyzmq"),
     "cleanup": (admin.CleanupCommand, "remove segments left in /dev/shm by crashed processes"),
     "inspect": (admin.InspectCommand, "show a live queue's or store's state (or list all segments)"),

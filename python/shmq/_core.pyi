@@ -1,11 +1,44 @@
-"""Type stubs for the Rust extension module ``shmq._core`` (src/python/)."""
+"""Type stubs for the Rust extension module ``shmq._core`` (``src/python/``).
 
-from typing import Any, Optional, Sequence, TypedDict
+Checked against the built module by ``python -m mypy.stubtest shmq._core`` in
+``scripts/test.sh`` (allowlist: ``scripts/stubtest-allowlist``). Every class is a
+pyo3 class: ``@final`` (it cannot be subclassed; stubtest then asks for no
+``@disjoint_base``), and constructors are ``__new__`` (pyo3's ``#[new]``).
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal, Optional, Protocol, TypedDict, TypeVar, final
+
+from typing_extensions import Buffer
+
+__all__ = [
+    "Ring",
+    "Writer",
+    "Reader",
+    "ChunkRing",
+    "ObjectStore",
+    "ShmView",
+    "EncoderCacheProducer",
+    "EncoderCacheReservation",
+    "EncoderCacheConsumer",
+    "ENCODER_CACHE_MAX_KEY_LEN",
+    "default_connect_ip",
+    "list_segments",
+    "remove_orphans",
+    "describe_segment",
+    "PeerDiedError",
+    "segment_prefix",
+    "__version__",
+]
 
 __version__: str
 segment_prefix: str
 
+_T = TypeVar("_T")
+
+# (n_reader, max_chunk_bytes, max_chunks, name)
 _RingTuple = tuple[int, int, int, str]
+
 class _HandleFields(TypedDict):
     local_reader_ranks: list[int]
     buffer_handle: Optional[_RingTuple]
@@ -13,38 +46,63 @@ class _HandleFields(TypedDict):
     remote_subscribe_addr: Optional[str]
     remote_addr_ipv6: bool
     arena_name: Optional[str]
+    remote_secret: Optional[str]
+
+class _HandleLike(Protocol):
+    """What ``Reader`` reads off a handle, by attribute (``shmq.Handle``; ``arena_name``
+    and ``remote_secret`` may be missing on handles pickled by older versions)."""
+
+    @property
+    def local_reader_ranks(self) -> list[int]: ...
+    @property
+    def buffer_handle(self) -> Optional[_RingTuple | list[Any]]: ...
+    @property
+    def local_subscribe_addr(self) -> Optional[str]: ...
+    @property
+    def remote_subscribe_addr(self) -> Optional[str]: ...
+    @property
+    def remote_addr_ipv6(self) -> bool: ...
+
+class _CancelEvent(Protocol):
+    """A ``threading.Event``-like object: a blocked call ends once ``is_set()``."""
+
+    def is_set(self) -> bool: ...
+
 # A received message: plain bytes, or the body and its out-of-band buffers (bytearray
 # copies of small ones, writable memoryviews of private memory for large ones).
 _Message = bytes | tuple[bytes, list[bytearray | memoryview]]
 
+# (name, size, kind, creator pid, creator state)
+_SegmentReport = tuple[str, int, str, Optional[int], Literal["alive", "dead", "unknown"]]
+
 class PeerDiedError(RuntimeError):
     """A process on the other side of a queue died."""
 
-# (name, size, kind, creator pid, creator: "alive" | "dead" | "unknown")
-_SegmentReport = tuple[str, int, str, Optional[int], str]
+def default_connect_ip() -> str:
+    """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
 
 def list_segments() -> list[_SegmentReport]:
-    """Every shmq segment in /dev/shm: ``(name, size, kind, creator pid, creator state)``."""
+    """Every shmq segment in /dev/shm."""
 
 def remove_orphans(dry_run: bool = False, force: bool = False) -> list[_SegmentReport]:
-    """Remove (or only list) the segments whose creator is proved dead (``force``: also
-    those whose creator cannot be judged from here)."""
+    """Remove (or list) the segments whose creator is proved dead (``force``: or unknown)."""
 
 def describe_segment(name: str) -> str:
     """A human-readable description of a segment's state."""
 
-def default_connect_ip() -> str:
-    """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's address)."""
-
+@final
 class ShmView:
-    """A writable window into shared memory; wrap it in ``memoryview``. It keeps the
-    segment mapped while any memoryview of it exists."""
+    """A window into mapped memory; wrap it in ``memoryview``. Keeps the mapping alive."""
 
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
+# -- broadcast queue (src/python/broadcast.rs) ---------------------------------------
+
+@final
 class Ring:
-    """A broadcast ring segment."""
+    """A broadcast ring segment (``ShmRingBuffer``)."""
 
     @staticmethod
     def create(n_reader: int, max_chunk_bytes: int, max_chunks: int, name: Optional[str] = None) -> Ring: ...
@@ -62,20 +120,27 @@ class Ring:
     def is_creator(self) -> bool: ...
     @property
     def creator_pid(self) -> int: ...
+    @property
+    def overflow_count(self) -> int: ...
+    def slot(self, reader: Optional[int] = None) -> tuple[Optional[int], bool, bool, int]:
+        """``(pid, alive, dropped, messages)`` of the writer's slot or reader ``reader``'s."""
+    def unlink(self) -> None:
+        """Remove the segment's name now if this process created it."""
     def handle(self) -> _RingTuple: ...
     def data(self, i: int) -> ShmView: ...
     def metadata(self, i: int) -> ShmView: ...
     def metadata_snapshot(self, i: int) -> bytes: ...
 
+@final
 class Writer:
     """The writing side of a broadcast queue."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         n_reader: int,
         n_local_reader: int,
         local_reader_ranks: Optional[list[int]] = None,
-        max_chunk_bytes: int = 10 * 1024 * 1024,
+        max_chunk_bytes: int = 10485760,
         max_chunks: int = 10,
         connect_ip: Optional[str] = None,
         spin_us: Optional[float] = None,
@@ -83,7 +148,9 @@ class Writer:
         on_dead_reader: str = "raise",
         arena_bytes: Optional[int] = None,
         arena_threshold: Optional[int] = None,
-    ) -> None: ...
+        remote_hwm: Optional[int] = None,
+        slow_remote_reader: str = "block",
+    ) -> Writer: ...
     def handle(self) -> _HandleFields:
         """The fields of the queue's ``shmq.Handle``, by name."""
     def ring(self) -> Optional[Ring]: ...
@@ -99,7 +166,7 @@ class Writer:
         """``(name, capacity, reserved, outstanding)`` of the tensor arena."""
     def wait_until_ready(self, timeout: Optional[float] = None) -> None: ...
     def enqueue(self, data: bytes, timeout: Optional[float] = None) -> None: ...
-    def enqueue_parts(self, parts: list[Any], timeout: Optional[float] = None) -> None:
+    def enqueue_parts(self, parts: list[Buffer], timeout: Optional[float] = None) -> None:
         """Send a body and its out-of-band buffers; large ones through the tensor arena."""
     def loan(self, nbytes: int) -> Optional[ShmView]:
         """Writable memory in the tensor arena, sent by reference (None: no room)."""
@@ -107,13 +174,13 @@ class Writer:
     def commit_write(self) -> None: ...
     def shutdown(self) -> None: ...
 
+@final
 class Reader:
     """The reading side of a broadcast queue (local through shared memory, or remote)."""
 
-    def __init__(
-        self, handle: Any, rank: int, spin_us: Optional[float] = None, yield_us: Optional[float] = None
-    ) -> None:
-        """Join the queue of ``handle`` (a ``shmq.Handle``, read by field name)."""
+    def __new__(
+        cls, handle: _HandleLike, rank: int, spin_us: Optional[float] = None, yield_us: Optional[float] = None
+    ) -> Reader: ...
     @property
     def is_local(self) -> bool: ...
     @property
@@ -123,12 +190,18 @@ class Reader:
     @property
     def shutting_down(self) -> bool: ...
     def ring(self) -> Optional[Ring]: ...
-    def wait_until_ready(self, timeout: Optional[float] = None, cancel: Any = None) -> None: ...
-    def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> _Message: ...
-    def acquire_read(self, timeout: Optional[float] = None, cancel: Any = None) -> ShmView | bytes: ...
+    def wait_until_ready(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> None: ...
+    def dequeue(
+        self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None, indefinite: bool = False
+    ) -> _Message: ...
+    def acquire_read(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> ShmView | bytes:
+        """A view of the next chunk (bytes for an overflow message); then ``finish_read``."""
     def finish_read(self) -> None: ...
     def shutdown(self) -> None: ...
 
+# -- object store (src/python/storage.rs) --------------------------------------------
+
+@final
 class ChunkRing:
     """The object store's ring segment (``RingBuffer``); the creator is its writer."""
 
@@ -144,7 +217,8 @@ class ChunkRing:
     def is_writer(self) -> bool: ...
     @property
     def creator_pid(self) -> int: ...
-    def state(self) -> Optional[tuple[int, int, int, int]]: ...
+    def state(self) -> Optional[tuple[int, int, int, int]]:
+        """``(start, end, id_start, id_end)`` on the writer; None on a reader."""
     def live(self) -> dict[int, int]: ...
     def chunk_address(self, id: int) -> Optional[int]: ...
     def live_len(self) -> int: ...
@@ -152,31 +226,36 @@ class ChunkRing:
     def header(self, address: int) -> tuple[int, int]: ...
     def data(self, address: int) -> ShmView: ...
     def buf(self) -> ShmView: ...
-    def free(self, is_free: Any, nbytes: Optional[int] = None) -> Sequence[int]: ...
+    def free(self, is_free: Callable[[int, memoryview], object], nbytes: Optional[int] = None) -> range | list[int]: ...
     def clear(self) -> None: ...
     def secret(self) -> bytes: ...
     def unlink(self) -> None: ...
 
+@final
 class ObjectStore:
-    """Key → object index over a ``ChunkRing``; payloads are serialized bytes."""
+    """Key → object index over a ``ChunkRing``; payloads are serialized parts."""
 
-    def __init__(
-        self, ring: ChunkRing, max_object_size: int, n_readers: int, count_writer_reads: bool = False
-    ) -> None: ...
-    def put(self, key: str, parts: list[Any], align_from: int) -> tuple[int, int]: ...
+    def __new__(
+        cls, ring: ChunkRing, max_object_size: int, n_readers: int, count_writer_reads: bool = False
+    ) -> ObjectStore: ...
+    def put(self, key: str, parts: list[Buffer], align_from: int) -> tuple[int, int]: ...
     def get(
         self,
         address: int,
         id: int,
         signature: Optional[list[int]],
         key: Optional[str],
-        deserialize: Any,
+        deserialize: Callable[[Any], _T],
         split: bool,
-    ) -> Any: ...
-    def touch(self, key: Any, address: int, id: int, signature: Optional[list[int]]) -> None: ...
-    def verify_signature(
-        self, key: Optional[str], address: int, id: int, signature: Optional[list[int]]
-    ) -> None: ...
+        view_from: Optional[int] = None,
+    ) -> _T:
+        """``deserialize`` gets a memoryview of the object (``split``: a list, one per part;
+        with ``view_from``, parts after the first are the callee's to keep: private views
+        of those of ``view_from`` bytes or more, copies of the others)."""
+    def loan(self, nbytes: int) -> Optional[ShmView]:
+        """Writer: a chunk's buffer to fill in place and ``put`` without a copy."""
+    def touch(self, key: object, address: int, id: int, signature: Optional[list[int]]) -> None: ...
+    def verify_signature(self, key: Optional[str], address: int, id: int, signature: Optional[list[int]]) -> None: ...
     def get_signature(self, key: str) -> list[int]: ...
     def _sign(self, key: str, address: int, id: int) -> list[int]: ...
     def release_touches(self) -> None: ...
@@ -184,13 +263,14 @@ class ObjectStore:
     def reader_count(self, address: int, id: int) -> int: ...
     def is_cached(self, key: str) -> bool: ...
     def get_cached(self, key: str) -> tuple[int, int]: ...
-    def free_unused(self) -> Sequence[int]: ...
+    def free_unused(self) -> range | list[int]: ...
     def clear(self) -> None: ...
-    def entry(self, key: str) -> Optional[tuple[int, int, int]]: ...
+    def entry(self, key: str) -> Optional[tuple[int, int, int]]:
+        """``(address, id, handouts)``."""
     def key_of(self, id: int) -> Optional[str]: ...
     def __len__(self) -> int: ...
     def increment_writer_flag(self, id: int) -> None: ...
-    def is_free(self, id: int, buf: Any) -> bool: ...
+    def is_free(self, id: int, buf: Buffer) -> bool: ...
     def entries(self) -> dict[str, tuple[int, int, int]]: ...
     @property
     def max_object_size(self) -> int: ...
@@ -199,29 +279,31 @@ class ObjectStore:
     @property
     def is_writer(self) -> bool: ...
 
-# Encoder-cache hand-off (src/python/encoder_cache.rs; the API is shmq.encoder_cache).
+# -- encoder-cache hand-off (src/python/encoder_cache.rs; API in shmq.encoder_cache) --
 
 ENCODER_CACHE_MAX_KEY_LEN: int
 
+@final
 class EncoderCacheReservation:
     """Room for one entry: fill it and publish it (from any thread), or drop it."""
 
     @property
     def parts(self) -> list[tuple[int, int]]: ...
-    def fill_and_publish(self, parts: list[Any]) -> bool: ...
+    def fill_and_publish(self, parts: list[Buffer]) -> bool: ...
     def abandon(self) -> None: ...
 
+@final
 class EncoderCacheProducer:
     """The producer side of an encoder cache (one segment, this process its only writer)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: Optional[str] = None,
         capacity: int = ...,
         max_entries: int = ...,
         max_consumers: int = ...,
         min_consumers: int = 0,
-    ) -> None: ...
+    ) -> EncoderCacheProducer: ...
     @property
     def name(self) -> str: ...
     @property
@@ -233,23 +315,27 @@ class EncoderCacheProducer:
     def reserve(
         self, key: str, part_lens: list[int], timeout: Optional[float] = None
     ) -> Optional[EncoderCacheReservation]: ...
-    def save(self, key: str, parts: list[Any], timeout: Optional[float] = None) -> bool: ...
+    def save(self, key: str, parts: list[Buffer], timeout: Optional[float] = None) -> bool: ...
     def has(self, key: str) -> bool: ...
     def keys(self) -> list[str]: ...
     def evict(self, key: str) -> bool: ...
-    def load_state(self, key: str) -> str: ...
+    def load_state(self, key: str) -> Literal["loaded", "pending", "unknown"]: ...
     def wait_loaded(self, key: str, timeout: Optional[float] = None) -> None: ...
-    def wait_any_loaded(self, keys: list[str], timeout: Optional[float] = None) -> list[tuple[str, str]]: ...
+    def wait_any_loaded(
+        self, keys: list[str], timeout: Optional[float] = None
+    ) -> list[tuple[str, Literal["loaded", "pending", "unknown"]]]: ...
     def sweep(self) -> None: ...
-    def consumers(self) -> list[tuple[int, int, bool, int]]: ...
+    def consumers(self) -> list[tuple[int, int, bool, int]]:
+        """``(slot, pid, alive, keys loaded)`` of each consumer."""
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
     def unlink(self) -> None: ...
 
+@final
 class EncoderCacheConsumer:
     """A consumer of one or more producers (``index_only``: ``has`` only, joins nothing)."""
 
-    def __init__(self, producers: list[str], index_only: bool = False) -> None: ...
+    def __new__(cls, producers: list[str], index_only: bool = False) -> EncoderCacheConsumer: ...
     def has(self, key: str) -> bool: ...
     def load(self, key: str) -> Optional[list[memoryview]]: ...
     def acknowledge(self, key: str) -> bool: ...

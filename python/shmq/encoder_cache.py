@@ -189,9 +189,7 @@ class EncoderCacheProducer:
         timeout = self.timeout if timeout is None else timeout
         body, buffers = _oob.dumps(_map_tensors(value, _to_cpu))
         if not self._slots.acquire(timeout=timeout):
-            raise TimeoutError(
-                f"encoder cache {self.name!r}: earlier saves are still being copied after {timeout} s"
-            )
+            raise TimeoutError(f"encoder cache {self.name!r}: earlier saves are still being copied after {timeout} s")
         try:
             reservation = self._core.reserve(key, [len(body), *(b.nbytes for b in buffers)], timeout)
         except BaseException:

@@ -12,10 +12,11 @@ import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 from . import _core, _oob
 from ._cleanup import track
+from ._loans import loaned_array, loaned_tensor
 
 __all__ = ["Handle", "MessageQueue", "PeerDiedError", "ShmRingBuffer", "sched_yield"]
 
@@ -84,6 +85,7 @@ class ShmRingBuffer:
             self._core = _core.Ring.create(n_reader, max_chunk_bytes, max_chunks)
             track(self._core)
             self.is_creator = True
+            name = self._core.name
         else:
             self.is_creator = False
             try:
@@ -280,7 +282,8 @@ class MessageQueue:
         self.shutting_down = False
 
     def export_handle(self) -> Handle:
-        return self.handle
+        # None only for an object made without __init__ (whose other methods raise).
+        return self.handle  # type: ignore[return-value]
 
     @staticmethod
     def create_from_handle(
@@ -295,8 +298,10 @@ class MessageQueue:
         self._is_local_reader = self._reader.is_local
         self._is_remote_reader = not self._is_local_reader
         if self._is_local_reader:
-            self.local_reader_rank = self._reader.reader_index
-            self.buffer = ShmRingBuffer._wrap(self._reader.ring())
+            index, ring = self._reader.reader_index, self._reader.ring()
+            assert index is not None and ring is not None, "a local reader has an index and a ring"
+            self.local_reader_rank = index
+            self.buffer = ShmRingBuffer._wrap(ring)
         self.n_local_reader = len(handle.local_reader_ranks)
         self.n_remote_reader = 0
         self.shutting_down = False
@@ -393,7 +398,7 @@ class MessageQueue:
         message = reader.dequeue(timeout, cancel, indefinite)
         if type(message) is bytes:
             return _loads(message)
-        body, buffers = message
+        body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
         return _loads(body, buffers=buffers)
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -408,8 +413,9 @@ class MessageQueue:
         ``reserved`` in ``/dev/shm`` so far, ``outstanding`` parts (still held by a
         reader, a message not yet read, or a live loan) and ``fallbacks``; ``None``
         without an arena."""
-        info = self._writer.arena_info() if self._writer is not None else None
-        if info is None:
+        writer = self._writer
+        info = writer.arena_info() if writer is not None else None
+        if writer is None or info is None:
             return None
         name, capacity, reserved, outstanding = info
         return {
@@ -417,7 +423,7 @@ class MessageQueue:
             "capacity": capacity,
             "reserved": reserved,
             "outstanding": outstanding,
-            "fallbacks": self._writer.arena_fallbacks,
+            "fallbacks": writer.arena_fallbacks,
         }
 
     @property
@@ -450,24 +456,12 @@ class MessageQueue:
     def loan_tensor(self, shape: Any, dtype: Any = None) -> Any:
         """A torch tensor of ``shape`` and ``dtype`` (default float32) in loaned memory,
         to fill in place and send without a copy (see ``loan``)."""
-        import torch
-
-        dtype = torch.float32 if dtype is None else dtype
-        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self.loan(nbytes), dtype=torch.uint8).view(dtype).reshape(shape)
+        return loaned_tensor(self.loan, shape, dtype)
 
     def loan_array(self, shape: Any, dtype: Any = "float32") -> Any:
         """A numpy array of ``shape`` and ``dtype`` in loaned memory, to fill in place and
         send without a copy (see ``loan``)."""
-        import numpy as np
-
-        dtype = np.dtype(dtype)
-        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return np.frombuffer(self.loan(nbytes), dtype=dtype).reshape(shape)
+        return loaned_array(self.loan, shape, dtype)
 
     @contextmanager
     def acquire_write(self, timeout: Optional[float] = None) -> Iterator[memoryview]:

@@ -11,15 +11,20 @@ says so.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import _core
 from ._cleanup import track
-from .serde import MsgpackSerde, ObjectSerde, store_codec
+from ._loans import loaned_array, loaned_tensor
+from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
 
-__all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer"]
+__all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer", "VIEW_THRESHOLD"]
+
+#: Default ``ObjectStorage.view_threshold``: below it a private mapping costs more than
+#: a copy.
+VIEW_THRESHOLD = 256 * 1024
 
 
 class _Closed:
@@ -132,7 +137,7 @@ class RingBuffer:
         """4 bytes, little-endian, signed (the header's encoding)."""
         return integer.to_bytes(self.ID_NBYTES, "little", signed=True)
 
-    def byte2int(self, byte_data: bytes) -> int:
+    def byte2int(self, byte_data: bytes | memoryview) -> int:
         return int.from_bytes(byte_data, "little", signed=True)
 
     def _state(self) -> tuple[int, int, int, int]:
@@ -169,13 +174,10 @@ class RingBuffer:
         when the live chunks leave no room (free some with ``free_buf``)."""
         return self._core.allocate(size)
 
-    @contextmanager
-    def access_buf(self, address: int) -> Iterator[tuple[memoryview, tuple[int, int]]]:
+    def access_buf(self, address: int) -> AbstractContextManager[tuple[memoryview, tuple[int, int]]]:
         """``(data view, (id, size))`` of the chunk at ``address``; ``ValueError`` if no
-        chunk can be there."""
-        header = self._core.header(address)
-        with memoryview(self._core.data(address)) as view:
-            yield view, header
+        chunk can be there. The view is released when the block ends."""
+        return _ChunkAccess(self, address)
 
     def free_buf(self, is_free_fn: Callable[[int, memoryview], bool], nbytes: Optional[int] = None) -> Sequence[int]:
         """Free chunks oldest first while ``is_free_fn(id, data)`` is true and fewer than
@@ -204,6 +206,27 @@ class RingBuffer:
     def __repr__(self) -> str:
         role = "writer" if self.is_writer else "reader"
         return f"<RingBuffer {role} {self.shared_memory.name!r} {self.data_buffer_size} bytes>"
+
+
+class _ChunkAccess:
+    """``RingBuffer.access_buf``'s context manager: the chunk is looked up on entry and
+    its view released on exit, as a ``@contextmanager`` generator would, at half the
+    cost of one (a generator frame and its wrapper on every access)."""
+
+    __slots__ = ("_ring", "_address", "_view")
+
+    def __init__(self, ring: RingBuffer, address: int):
+        self._ring = ring
+        self._address = address
+
+    def __enter__(self) -> tuple[memoryview, tuple[int, int]]:
+        core = self._ring._core
+        header = core.header(self._address)
+        self._view = view = memoryview(core.data(self._address))
+        return view, header
+
+    def __exit__(self, *exc: object) -> None:
+        self._view.release()
 
 
 @dataclass
@@ -286,8 +309,15 @@ class ObjectStorage:
         ring_buffer: RingBuffer,
         serde_class: type[ObjectSerde] = MsgpackSerde,
         reader_lock: Any = None,
+        *,
+        view_threshold: int = VIEW_THRESHOLD,
     ):
+        if type(view_threshold) is not int or view_threshold < 0:
+            raise ValueError(f"view_threshold must be an int >= 0, got {view_threshold!r}")
         self.max_object_size = max_object_size
+        #: Tensor and array data of this many bytes or more come out of ``get`` as views
+        #: of the shared memory; smaller ones as copies.
+        self.view_threshold = view_threshold
         self.n_readers = n_readers
         self.ring_buffer = ring_buffer
         self.serde_class = serde_class
@@ -297,13 +327,18 @@ class ObjectStorage:
         self._reader_lock = reader_lock
         self._core: Any = _core.ObjectStore(ring_buffer._core, max_object_size, n_readers, reader_lock is not None)
         codec = store_codec(self.ser_de)
+        self._parts: Optional[Callable[[Any], list[Buffer]]]
+        self._load: Callable[[Any], Any]
         if codec is not None:
             # Built-in serdes: the store frames the parts itself and keeps tensor and
             # array data 64-byte aligned in shared memory.
             self._parts, self._load = codec
             self._split = True
+            load = self._load
+            self._load_owned: Optional[Callable[[list[Any]], Any]] = lambda parts: load(parts, True)
         else:
             self._parts, self._load, self._split = None, self.ser_de.deserialize, False
+            self._load_owned = None
         if self.is_writer:
             self.key_index: Optional[Mapping[str, tuple[int, int]]] = _KeyIndex(self)
             self.id_index: Optional[Mapping[int, str]] = _IdIndex(self)
@@ -320,14 +355,47 @@ class ObjectStorage:
         core = self._core
         if not self.is_writer:
             raise RuntimeError("Only the writer can put objects.")
-        if core.entry(key) is not None:
-            raise ValueError(f"Key '{key}' already exists in the storage.")
+        # A known key is refused by core.put ("Key '...' already exists in the storage.")
+        # under the lock it takes anyway: no lookup of its own here.
         parts_of = self._parts
         if parts_of is not None:
             return core.put(key, parts_of(value), 1)
         data, _, metadata, _ = self.ser_de.serialize(value)
         parts = [metadata, *data] if isinstance(data, list) else [metadata, data]
         return core.put(key, parts, len(parts))
+
+    def loan(self, nbytes: int) -> memoryview:
+        """Writer: ``nbytes`` of writable shared memory in the ring, to fill in place (e.g.
+        a model's output written straight into it). A later ``put`` of an object whose
+        tensor or array is exactly this memory (see ``loan_tensor``/``loan_array``)
+        writes the rest of the object around it: no copy. The memory stays while the
+        loan lives, also once put (the object is not evicted before): drop it after the
+        put. Dropped without a put, it is given back. With no room in the ring, this is
+        ordinary memory (counted in ``loan_fallbacks``) and ``put`` copies it."""
+        if not self.is_writer:
+            raise RuntimeError("Only the writer can loan memory.")
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        if nbytes == 0:
+            return memoryview(bytearray())
+        view = self._core.loan(nbytes)
+        if view is None:
+            self.loan_fallbacks += 1
+            return memoryview(bytearray(nbytes))
+        return memoryview(view)
+
+    #: Loans that got ordinary memory because the ring had no room.
+    loan_fallbacks = 0
+
+    def loan_tensor(self, shape: Any, dtype: Any = None) -> Any:
+        """A torch tensor of ``shape`` and ``dtype`` (default float32) in loaned memory,
+        to fill in place and ``put`` without a copy (see ``loan``)."""
+        return loaned_tensor(self.loan, shape, dtype)
+
+    def loan_array(self, shape: Any, dtype: Any = "float32") -> Any:
+        """A numpy array of ``shape`` and ``dtype`` in loaned memory, to fill in place
+        and ``put`` without a copy (see ``loan``)."""
+        return loaned_array(self.loan, shape, dtype)
 
     def is_cached(self, key: str) -> bool:
         return self._core.is_cached(key)
@@ -373,11 +441,22 @@ class ObjectStorage:
         monotonic_id: int,
         signature: Optional[list[int]] = None,
         key: Optional[str] = None,
+        copy: bool = False,
     ) -> Any:
         """The object at ``(address, monotonic_id)``. A reader needs the handle's
         ``signature`` and ``key`` (``ValueError`` "SHM handle signature" otherwise, before
         anything is read). ``ValueError`` ("has been modified or is invalid") if the
-        object was evicted, overwritten or never there."""
+        object was evicted, overwritten or never there.
+
+        With the built-in serdes, tensors and arrays of ``view_threshold`` bytes or more
+        come back as zero-copy views of the shared memory (``get`` costs the same for
+        any size): private copy-on-write mappings, writable, whose writes reach nobody
+        else. The object is not evicted (and ``clear()`` moves nothing) while a view of
+        it lives in any process; a process that dies drops its views. ``copy=True``
+        returns owned copies instead."""
+        load_owned = self._load_owned
+        if load_owned is not None and not copy:
+            return self._core.get(address, monotonic_id, signature, key, load_owned, True, self.view_threshold)
         return self._core.get(address, monotonic_id, signature, key, self._load, self._split)
 
     def touch(

@@ -12,7 +12,10 @@ boundaries of shared memory, and hands them back as one view per part
 (``_load_parts``). Any other serde is used through ``serialize``/``deserialize`` alone.
 
 ``deserialize`` must copy whatever it keeps: the store may reuse the memory as soon as
-the call returns (shmq checks this and raises if a view is kept).
+the call returns (shmq checks this and raises if a view is kept). The built-in serdes
+need not: ``ObjectStorage.get`` gives ``_load_parts`` raw segments that are its to keep
+(``raws_owned``): private copy-on-write views of large ones, which keep the object from
+eviction while they live, and copies of small ones.
 """
 
 from __future__ import annotations
@@ -197,14 +200,16 @@ class PickleSerde(ObjectSerde):
         except BufferError:  # a non-contiguous buffer: keep everything in band
             return [pickle.dumps(value, protocol=5)]
 
-    def _load_parts(self, parts: list[memoryview]) -> Any:
+    def _load_parts(self, parts: list[memoryview], raws_owned: bool = False) -> Any:
         body, *raws = parts
+        if raws_owned:
+            return pickle.loads(body, buffers=raws)
         return pickle.loads(body, buffers=[bytearray(r) for r in raws])
 
 
-def store_codec(serde: Any) -> Optional[tuple[Callable[[Any], list[Buffer]], Callable[[list[memoryview]], Any]]]:
+def store_codec(serde: Any) -> Optional[tuple[Callable[[Any], list[Buffer]], Callable[..., Any]]]:
     """For a built-in serde (not a subclass that changes how it serializes): its
-    ``(value → parts, parts → value)`` pair, which the store uses to frame and align the
+    ``(value → parts, (parts, raws_owned=False) → value)`` pair, which the store uses to frame and align the
     parts itself. ``None`` for any other serde: the store then writes its
     ``[metadata][data...]`` as they come and hands ``deserialize`` one view of them."""
     cls = type(serde)
@@ -243,6 +248,7 @@ class MsgpackSerde(ObjectSerde):
 
     def __init__(self) -> None:
         self._encoders = threading.local()
+
     @classmethod
     def register(cls, type_: type, code: int, encode: Callable[[Any], bytes], decode: Callable[[bytes], Any]) -> None:
         """Store instances of ``type_`` (exactly that type) as ``encode(obj)`` bytes under
@@ -268,12 +274,12 @@ class MsgpackSerde(ObjectSerde):
             encoder = self._encoders.encoder = _MsgpackEncoder(self._registry)
         return encoder.encode(value)
 
-    def _load_parts(self, parts: list[memoryview]) -> Any:
+    def _load_parts(self, parts: list[memoryview], raws_owned: bool = False) -> Any:
         if len(parts) == 1:
             return _PLAIN_DECODER.unpack(parts[0])
         tree, *raws = parts
         try:
-            return _MsgpackDecoder(raws, self._decoders).unpack(tree)
+            return _MsgpackDecoder(raws, self._decoders, raws_owned).unpack(tree)
         finally:
             # The parts are views of shared memory: let none outlive this call.
             raws.clear()
@@ -323,9 +329,11 @@ class _MsgpackEncoder:
 class _MsgpackDecoder:
     """Decodes one stored object; ``raws`` are its raw segments (tensor and array data)."""
 
-    def __init__(self, raws: list[memoryview], decoders: dict[int, Callable[[bytes], Any]]):
+    def __init__(self, raws: list[Any], decoders: dict[int, Callable[[bytes], Any]], raws_owned: bool = False):
         self.raws = raws
         self.decoders = decoders
+        #: Whether the raw segments are the caller's to keep (private views or copies).
+        self.raws_owned = raws_owned
 
     def unpack(self, data: Buffer) -> Any:
         return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
@@ -338,7 +346,8 @@ class _MsgpackDecoder:
         if code in (_EXT_NDARRAY, _EXT_TENSOR):
             dtype, shape, index = msgpack.unpackb(data)
             rebuild = _rebuild_array if code == _EXT_NDARRAY else _rebuild_tensor
-            return rebuild(dtype, shape, bytearray(self.raws[index - 1]))
+            raw = self.raws[index - 1]
+            return rebuild(dtype, shape, raw if self.raws_owned else bytearray(raw))
         decode = self.decoders.get(code)
         if decode is None:
             raise ValueError(f"unknown msgpack extension code {code}: register its type with MsgpackSerde.register")

@@ -1,13 +1,13 @@
 //! Bindings for the broadcast ring and queue: `Ring`, `Writer`, `Reader`.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
 use super::view::ShmView;
-use super::wait::{blocking, lock, wait_policy, Interrupts, Timeout};
+use super::wait::{blocking, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout};
 use crate::broadcast::queue::Canceller;
 use crate::broadcast::{ChunkKind, DeadReaderPolicy};
 use crate::broadcast::{
@@ -288,14 +288,14 @@ impl Ring {
 /// The writing side of a queue.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct Writer {
-    inner: Mutex<CoreWriter>,
+    inner: BindingLock<CoreWriter>,
     canceller: Canceller,
 }
 
 #[pymethods]
 impl Writer {
     #[new]
-    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10*1024*1024, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader="block"))]
+    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10_485_760, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader="block"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         n_reader: usize,
@@ -359,53 +359,53 @@ impl Writer {
         let writer = CoreWriter::new(opts)?;
         Ok(Writer {
             canceller: writer.canceller(),
-            inner: Mutex::new(writer),
+            inner: BindingLock::new(writer),
         })
     }
 
     /// Local readers dropped after they died (with `on_dead_reader="drop"`).
     #[getter]
-    fn dropped_readers(&self, py: Python<'_>) -> Vec<usize> {
-        lock(py, &self.inner).dropped_readers()
+    fn dropped_readers(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        Ok(self.writer(py)?.dropped_readers())
     }
 
     /// The fields of the queue's `shmq.Handle`, by name.
     fn handle<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        handle_fields(py, lock(py, &self.inner).handle())
+        handle_fields(py, self.writer(py)?.handle())
     }
 
     /// The ring, or None without local readers.
-    fn ring(&self, py: Python<'_>) -> Option<Ring> {
-        lock(py, &self.inner)
-            .ring()
-            .map(|r| Ring { ring: r.clone() })
+    fn ring(&self, py: Python<'_>) -> PyResult<Option<Ring>> {
+        Ok(self.writer(py)?.ring().map(|r| Ring { ring: r.clone() }))
     }
 
     #[getter]
-    fn current_idx(&self, py: Python<'_>) -> usize {
-        lock(py, &self.inner).current_idx()
+    fn current_idx(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.writer(py)?.current_idx())
     }
     #[getter]
-    fn overflow_count(&self, py: Python<'_>) -> u64 {
-        lock(py, &self.inner).overflow_count()
+    fn overflow_count(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.writer(py)?.overflow_count())
     }
     /// Message parts sent by copy because the tensor arena had no room.
     #[getter]
-    fn arena_fallbacks(&self, py: Python<'_>) -> u64 {
-        lock(py, &self.inner).arena_fallbacks()
+    fn arena_fallbacks(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.writer(py)?.arena_fallbacks())
     }
     /// `(segment name, capacity, bytes reserved, leases outstanding)` of the tensor
     /// arena (after returning the leases nobody holds any more), or None without one.
-    fn arena_info(&self, py: Python<'_>) -> Option<(String, usize, usize, usize)> {
-        let mut w = lock(py, &self.inner);
-        let a = w.arena_mut()?;
+    fn arena_info(&self, py: Python<'_>) -> PyResult<Option<(String, usize, usize, usize)>> {
+        let mut w = self.writer(py)?;
+        let Some(a) = w.arena_mut() else {
+            return Ok(None);
+        };
         a.reclaim();
-        Some((
+        Ok(Some((
             a.name().to_owned(),
             a.capacity(),
             a.reserved(),
             a.outstanding(),
-        ))
+        )))
     }
 
     /// Send a message of several parts: `parts[0]` is the body, the rest are the
@@ -432,7 +432,7 @@ impl Writer {
             .map(|b| (b.buf_ptr() as usize, b.len_bytes()))
             .collect();
         let total: usize = spans.iter().map(|s| s.1).sum();
-        let mut w = lock(py, &self.inner);
+        let mut w = self.writer(py)?;
         let w = &mut *w;
         let slices = move || -> Vec<&[u8]> {
             spans
@@ -464,7 +464,7 @@ impl Writer {
     /// of a later message that lies inside it is sent without a copy. None if the queue
     /// has no arena or it has no room now. Dropped without being sent, it is returned.
     fn loan(&self, py: Python<'_>, nbytes: usize) -> PyResult<Option<ShmView>> {
-        let Some(loan) = lock(py, &self.inner).loan(nbytes) else {
+        let Some(loan) = self.writer(py)?.loan(nbytes) else {
             return Ok(None);
         };
         let (ptr, len) = (loan.as_ptr(), loan.len());
@@ -475,7 +475,7 @@ impl Writer {
 
     #[pyo3(signature = (timeout=None))]
     fn wait_until_ready(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<()> {
-        let mut w = lock(py, &self.inner);
+        let mut w = self.writer(py)?;
         let w = &mut *w;
         blocking(py, interrupts(timeout), |spec| w.wait_until_ready(spec))
     }
@@ -483,7 +483,7 @@ impl Writer {
     /// Send `data` to every reader.
     #[pyo3(signature = (data, timeout=None))]
     fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
-        let mut w = lock(py, &self.inner);
+        let mut w = self.writer(py)?;
         // A small message that needs no wait is sent with the GIL held (releasing it
         // would cost more than the copy).
         if data.len() <= COPY_WITH_GIL_MAX && w.try_enqueue(data)? {
@@ -497,7 +497,7 @@ impl Writer {
     /// publish it with `commit_write()`.
     #[pyo3(signature = (timeout=None))]
     fn acquire_write(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<ShmView> {
-        let mut w = lock(py, &self.inner);
+        let mut w = self.writer(py)?;
         let w = &mut *w;
         let (ptr, len) = blocking(py, interrupts(timeout), |spec| {
             w.acquire_write(spec)
@@ -509,12 +509,19 @@ impl Writer {
     }
 
     fn commit_write(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(lock(py, &self.inner).commit_write()?)
+        Ok(self.writer(py)?.commit_write()?)
     }
 
     /// Make this writer's blocked calls raise `RuntimeError("cancelled")`.
     fn shutdown(&self) {
         self.canceller.cancel();
+    }
+}
+
+impl Writer {
+    /// The core writer, locked (`RuntimeError` once a panic has poisoned it).
+    fn writer(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreWriter>> {
+        lock(py, &self.inner, "queue writer")
     }
 }
 
@@ -530,12 +537,12 @@ fn interrupts<'a>(timeout: Option<Timeout>) -> Interrupts<'a, 'a> {
 /// The reading side of a queue.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct Reader {
-    inner: Mutex<CoreReader>,
+    inner: BindingLock<CoreReader>,
     canceller: Canceller,
     /// The ring's file, to map chunks for `acquire_read` (opened on first use).
-    chunk_file: Mutex<Option<Arc<PrivateFile>>>,
+    chunk_file: BindingLock<Option<Arc<PrivateFile>>>,
     /// The chunk `acquire_read` handed out: its view and mapping, until `finish_read`.
-    open_chunk: Mutex<Option<(Py<ShmView>, Arc<PrivateMap>)>>,
+    open_chunk: BindingLock<Option<(Py<ShmView>, Arc<PrivateMap>)>>,
 }
 
 #[pymethods]
@@ -564,28 +571,26 @@ impl Reader {
         let reader = CoreReader::open_with(&handle, rank, policy)?;
         Ok(Reader {
             canceller: reader.canceller(),
-            inner: Mutex::new(reader),
-            chunk_file: Mutex::new(None),
-            open_chunk: Mutex::new(None),
+            inner: BindingLock::new(reader),
+            chunk_file: BindingLock::new(None),
+            open_chunk: BindingLock::new(None),
         })
     }
 
     #[getter]
-    fn is_local(&self, py: Python<'_>) -> bool {
-        lock(py, &self.inner).is_local()
+    fn is_local(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.reader(py)?.is_local())
     }
     #[getter]
-    fn reader_index(&self, py: Python<'_>) -> Option<usize> {
-        lock(py, &self.inner).reader_index()
+    fn reader_index(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        Ok(self.reader(py)?.reader_index())
     }
     #[getter]
-    fn current_idx(&self, py: Python<'_>) -> usize {
-        lock(py, &self.inner).current_idx()
+    fn current_idx(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.reader(py)?.current_idx())
     }
-    fn ring(&self, py: Python<'_>) -> Option<Ring> {
-        lock(py, &self.inner)
-            .ring()
-            .map(|r| Ring { ring: r.clone() })
+    fn ring(&self, py: Python<'_>) -> PyResult<Option<Ring>> {
+        Ok(self.reader(py)?.ring().map(|r| Ring { ring: r.clone() }))
     }
 
     #[pyo3(signature = (timeout=None, cancel=None))]
@@ -595,7 +600,7 @@ impl Reader {
         timeout: Option<Timeout>,
         cancel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let mut r = lock(py, &self.inner);
+        let mut r = self.reader(py)?;
         let r = &mut *r;
         blocking(py, reader_interrupts(timeout, cancel, false), |spec| {
             r.wait_until_ready(spec)
@@ -613,7 +618,7 @@ impl Reader {
         cancel: Option<&Bound<'py, PyAny>>,
         indefinite: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let mut r = lock(py, &self.inner);
+        let mut r = self.reader(py)?;
         if let Some(m) = r.try_take_message(|m| to_python(py, m))? {
             return m;
         }
@@ -637,7 +642,7 @@ impl Reader {
         timeout: Option<Timeout>,
         cancel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        let mut r = lock(py, &self.inner);
+        let mut r = self.reader(py)?;
         let r = &mut *r;
         let info = blocking(py, reader_interrupts(timeout, cancel, false), |spec| {
             r.acquire_read(spec)
@@ -652,7 +657,7 @@ impl Reader {
         // A mapping of the chunk of its own, private (copy-on-write): what the caller
         // makes of it can be detached from the chunk when the chunk is given back.
         let file = {
-            let mut f = lock(py, &self.chunk_file);
+            let mut f = lock(py, &self.chunk_file, READER)?;
             match &*f {
                 Some(file) => file.clone(),
                 None => f.insert(Arc::new(PrivateFile::open(ring.name())?)).clone(),
@@ -663,7 +668,7 @@ impl Reader {
         // SAFETY: the range is the whole private mapping, which the view owns (via the
         // Arc); it stays mapped as long as any buffer of the view exists.
         let view = Py::new(py, unsafe { ShmView::new(map.clone(), ptr, len) })?;
-        *lock(py, &self.open_chunk) = Some((view.clone_ref(py), map));
+        *lock(py, &self.open_chunk, READER)? = Some((view.clone_ref(py), map));
         Ok(view.into_any())
     }
 
@@ -673,7 +678,7 @@ impl Reader {
     /// view is revoked (no new buffers) and its memory retired (zero pages in place), for
     /// a raw pointer kept without a buffer (numpy's `frombuffer` keeps one).
     fn finish_read(&self, py: Python<'_>) -> PyResult<()> {
-        if let Some((view, map)) = lock(py, &self.open_chunk).take() {
+        if let Some((view, map)) = lock(py, &self.open_chunk, READER)?.take() {
             if view.get().is_exported() {
                 map.detach();
             } else {
@@ -681,7 +686,7 @@ impl Reader {
                 map.retire()?;
             }
         }
-        Ok(lock(py, &self.inner).finish_read()?)
+        Ok(self.reader(py)?.finish_read()?)
     }
 
     /// Wake this reader's blocked calls (from any thread) with `RuntimeError("cancelled")`.
@@ -692,6 +697,16 @@ impl Reader {
     #[getter]
     fn shutting_down(&self) -> bool {
         self.canceller.is_cancelled()
+    }
+}
+
+/// What a poisoned lock of a `Reader` calls it.
+const READER: &str = "queue reader";
+
+impl Reader {
+    /// The core reader, locked (`RuntimeError` once a panic has poisoned it).
+    fn reader(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreReader>> {
+        lock(py, &self.inner, READER)
     }
 }
 

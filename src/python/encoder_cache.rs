@@ -3,7 +3,7 @@
 //! (`shmq.encoder_cache`) pickles values into parts and runs saves on a background thread.
 
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMemoryView};
 
 use super::view::ShmView;
-use super::wait::{blocking, lock, Interrupts, Timeout};
+use super::wait::{blocking, lock, BindingLock, Interrupts, Timeout};
 use crate::encoder_cache::{
     Consumer, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
     DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
@@ -168,7 +168,7 @@ impl EncoderCacheProducer {
             p.reserve_with(key, &part_lens, &mut self.wait(&what, spec))
         })?;
         Ok(r.map(|r| EncoderCacheReservation {
-            inner: Mutex::new(Some(r)),
+            inner: BindingLock::new(Some(r)),
         }))
     }
 
@@ -284,28 +284,33 @@ impl EncoderCacheProducer {
     }
 }
 
+/// What a poisoned lock of an `EncoderCacheReservation` calls it.
+const RESERVATION: &str = "encoder cache reservation";
+/// What a poisoned lock of an `EncoderCacheConsumer` calls it.
+const CONSUMER: &str = "encoder cache consumer";
+
 /// Room for one entry: fill it and publish it (from any thread), or drop it.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct EncoderCacheReservation {
-    inner: Mutex<Option<Reservation>>,
+    inner: BindingLock<Option<Reservation>>,
 }
 
 #[pymethods]
 impl EncoderCacheReservation {
     /// `(offset, len)` of each part in the entry.
     #[getter]
-    fn parts(&self, py: Python<'_>) -> Vec<(usize, usize)> {
-        lock(py, &self.inner)
+    fn parts(&self, py: Python<'_>) -> PyResult<Vec<(usize, usize)>> {
+        Ok(lock(py, &self.inner, RESERVATION)?
             .as_ref()
             .map(|r| r.parts().to_vec())
-            .unwrap_or_default()
+            .unwrap_or_default())
     }
 
     /// Copy `parts` (bytes-like, of the reserved lengths) in and publish the entry; the
     /// copy runs with the GIL released. False if the key was evicted meanwhile.
     fn fill_and_publish(&self, py: Python<'_>, parts: &Bound<'_, PyList>) -> PyResult<bool> {
         let (bufs, spans) = buffers(parts)?;
-        let Some(mut r) = lock(py, &self.inner).take() else {
+        let Some(mut r) = lock(py, &self.inner, RESERVATION)?.take() else {
             return Err(PyRuntimeError::new_err(
                 "this reservation was published or abandoned already",
             ));
@@ -327,8 +332,9 @@ impl EncoderCacheReservation {
     }
 
     /// Give the room back without publishing.
-    fn abandon(&self, py: Python<'_>) {
-        drop(lock(py, &self.inner).take());
+    fn abandon(&self, py: Python<'_>) -> PyResult<()> {
+        drop(lock(py, &self.inner, RESERVATION)?.take());
+        Ok(())
     }
 }
 
@@ -336,12 +342,12 @@ impl EncoderCacheReservation {
 /// indexes, for `has` from any process).
 #[pyclass(module = "shmq._core", frozen)]
 pub struct EncoderCacheConsumer {
-    inner: Mutex<Option<Consumer>>,
+    inner: BindingLock<Option<Consumer>>,
 }
 
 impl EncoderCacheConsumer {
     fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&mut Consumer) -> PyResult<T>) -> PyResult<T> {
-        match lock(py, &self.inner).as_mut() {
+        match lock(py, &self.inner, CONSUMER)?.as_mut() {
             Some(c) => f(c),
             None => Err(PyRuntimeError::new_err(
                 "this encoder cache consumer is closed",
@@ -361,7 +367,7 @@ impl EncoderCacheConsumer {
             Consumer::new(&producers)?
         };
         Ok(EncoderCacheConsumer {
-            inner: Mutex::new(Some(c)),
+            inner: BindingLock::new(Some(c)),
         })
     }
 
@@ -403,8 +409,9 @@ impl EncoderCacheConsumer {
 
     /// Leave every producer (views already handed out stay valid and hold their
     /// entries until they are gone).
-    fn close(&self, py: Python<'_>) {
-        drop(lock(py, &self.inner).take());
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        drop(lock(py, &self.inner, CONSUMER)?.take());
+        Ok(())
     }
 }
 

@@ -1,19 +1,19 @@
 //! Bindings for the object store: `ChunkRing` (the spec's `RingBuffer`) and `ObjectStore`.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
 
 use super::view::ShmView;
-use super::wait::{lock, CallbackMutex};
+use super::wait::{lock, BindingGuard, BindingLock};
 use crate::alloc::{Freed, ID_MAX};
 use crate::error::{stale_object_message, Error};
 use crate::storage::{
-    check_object, object_reader_count, read_object, ChunkHeader, ChunkRing as CoreRing,
-    ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
+    check_object, object_reader_count, read_object, read_object_viewed, ChunkHeader,
+    ChunkRing as CoreRing, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
 };
 
 /// Payloads above this are copied with the GIL released.
@@ -55,7 +55,7 @@ fn with_views<'py, R>(
         // SAFETY: `mv` is a live object we hold a reference to.
         kept |= unsafe { pyo3::ffi::Py_REFCNT(mv.as_ptr()) } > 1;
         // Fails if something made from the view still holds it; `is_exported` sees that.
-        let _ = mv.call_method0("release");
+        let _ = mv.call_method0(pyo3::intern!(py, "release"));
         drop(mv);
         kept |= view.get().is_exported();
     }
@@ -152,10 +152,9 @@ where
 #[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct ChunkRing {
     segment: Arc<StoreSegment>,
+    /// Fixed at open: read without the lock (a `free_buf` callback may ask it).
     is_writer: bool,
-    /// Held while `free` calls Python's `is_free`: that callback using this ring again
-    /// gets a `RuntimeError`, not a deadlock on the ring's own lock.
-    inner: CallbackMutex<CoreRing>,
+    inner: BindingLock<CoreRing>,
 }
 
 impl ChunkRing {
@@ -163,8 +162,13 @@ impl ChunkRing {
         ChunkRing {
             segment: ring.segment().clone(),
             is_writer: ring.is_writer(),
-            inner: CallbackMutex::new(ring, "the ring buffer"),
+            inner: BindingLock::new(ring),
         }
+    }
+
+    /// The core ring, locked (`RuntimeError` once a panic has poisoned it).
+    fn ring(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreRing>> {
+        lock(py, &self.inner, "ring buffer")
     }
 }
 
@@ -204,7 +208,7 @@ impl ChunkRing {
     /// `(data_buffer_start, data_buffer_end, monotonic_id_start, monotonic_id_end)` on
     /// the writer; `None` on a reader.
     fn state(&self, py: Python<'_>) -> PyResult<Option<(u64, u64, u32, u32)>> {
-        let r = self.inner.lock(py)?;
+        let r = self.ring(py)?;
         Ok(r.allocator()
             .map(|a| (a.start(), a.end(), a.id_start(), a.id_end())))
     }
@@ -212,7 +216,7 @@ impl ChunkRing {
     /// Live chunks on the writer as a dict id → address.
     fn live<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        if let Some(a) = self.inner.lock(py)?.allocator() {
+        if let Some(a) = self.ring(py)?.allocator() {
             for c in a.live() {
                 d.set_item(c.id, c.address)?;
             }
@@ -225,26 +229,22 @@ impl ChunkRing {
         let Ok(id) = u32::try_from(id) else {
             return Ok(None);
         };
-        let ring = self.inner.lock(py)?;
-        Ok(ring.allocator().and_then(|a| a.get(id)).map(|c| c.address))
+        Ok(self
+            .ring(py)?
+            .allocator()
+            .and_then(|a| a.get(id))
+            .map(|c| c.address))
     }
 
     /// Number of live chunks (writer side; 0 on a reader).
     fn live_len(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self
-            .inner
-            .lock(py)?
-            .allocator()
-            .map_or(0, |a| a.live().len()))
+        Ok(self.ring(py)?.allocator().map_or(0, |a| a.live().len()))
     }
 
     /// Allocate a chunk with `size` bytes of data: `(address, id)`.
     fn allocate(&self, py: Python<'_>, size: i64) -> PyResult<(u64, u32)> {
         // Negative sizes are as invalid as 0 (which the core rejects with the message).
-        let c = self
-            .inner
-            .lock(py)?
-            .allocate(u64::try_from(size).unwrap_or(0))?;
+        let c = self.ring(py)?.allocate(u64::try_from(size).unwrap_or(0))?;
         Ok((c.address, c.id))
     }
 
@@ -283,7 +283,7 @@ impl ChunkRing {
         is_free: &Bound<'_, PyAny>,
         nbytes: Option<u64>,
     ) -> PyResult<Py<PyAny>> {
-        let mut ring = self.inner.lock(py)?;
+        let mut ring = self.ring(py)?;
         let mut raised = None;
         let freed = ring.free_while(nbytes.unwrap_or(u64::MAX), |id, data| {
             if raised.is_some() {
@@ -306,7 +306,7 @@ impl ChunkRing {
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(self.inner.lock(py)?.clear()?)
+        Ok(self.ring(py)?.clear()?)
     }
 
     /// The handle-signing secret (32 bytes).
@@ -340,7 +340,7 @@ impl ChunkRing {
 pub struct ObjectStore {
     ring: Py<ChunkRing>,
     segment: Arc<StoreSegment>,
-    inner: Mutex<CoreStore>,
+    inner: BindingLock<CoreStore>,
     /// Whether `get` in the writer's process counts as a read.
     count_writer_reads: bool,
     is_writer: bool,
@@ -358,7 +358,7 @@ impl ObjectStore {
     ) -> PyResult<Self> {
         let r = ring.get();
         let (segment, is_writer) = (r.segment.clone(), r.is_writer);
-        let inner = Mutex::new(CoreStore::new(max_object_size, n_readers)?);
+        let inner = BindingLock::new(CoreStore::new(max_object_size, n_readers)?);
         Ok(ObjectStore {
             ring,
             segment,
@@ -391,8 +391,8 @@ impl ObjectStore {
             .map(|b| (b.buf_ptr() as usize, b.len_bytes()))
             .collect();
         let total: usize = spans.iter().map(|s| s.1).sum();
-        let mut store = lock(py, &self.inner);
-        let mut ring = self.ring.get().inner.lock(py)?;
+        let mut store = self.store(py)?;
+        let mut ring = self.ring.get().ring(py)?;
         let (store, ring) = (&mut *store, &mut *ring);
         let mut put = move || {
             // SAFETY: each span is a live, C-contiguous buffer export held by `buffers`
@@ -412,11 +412,34 @@ impl ObjectStore {
         Ok(r?)
     }
 
+    /// Writer: `nbytes` of a new chunk to fill in place; `put` of an object whose buffer
+    /// is exactly this memory writes the rest around it (no copy). `None` if the ring
+    /// has no room for it.
+    fn loan(&self, py: Python<'_>, nbytes: u64) -> PyResult<Option<ShmView>> {
+        let mut store = self.store(py)?;
+        let mut ring = self.ring.get().ring(py)?;
+        match store.loan(&mut ring, nbytes) {
+            Ok(loan) => {
+                let loan = Arc::new(loan);
+                let (ptr, len) = (loan.as_ptr(), loan.len());
+                // SAFETY: the loan is `len` bytes at `ptr` of the ring, which its chunk
+                // pin and the segment it holds keep mapped and unreused while it lives.
+                Ok(Some(unsafe { ShmView::new(loan, ptr, len) }))
+            }
+            Err(Error::Full(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Read the object at `(address, id)`. A reader first checks the handle's signature
     /// (`key`, `signature`). `deserialize` gets a memoryview of the object's bytes (its
     /// parts, contiguous), or with `split` a list of one memoryview per part. The read
     /// is counted on a reader, or on the writer if `count_writer_reads`.
-    #[pyo3(signature = (address, id, signature, key, deserialize, split))]
+    ///
+    /// With `view_from` (and `split`), the parts after the first are the caller's to
+    /// keep: those of `view_from` bytes or more are private copy-on-write views of the
+    /// shared memory (the object stays while any lives), smaller ones copies.
+    #[pyo3(signature = (address, id, signature, key, deserialize, split, view_from=None))]
     #[allow(clippy::too_many_arguments)] // the Python call's arguments, one by one
     fn get(
         &self,
@@ -427,6 +450,7 @@ impl ObjectStore {
         key: Option<&Bound<'_, PyAny>>,
         deserialize: &Bound<'_, PyAny>,
         split: bool,
+        view_from: Option<usize>,
     ) -> PyResult<Py<PyAny>> {
         let handle = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?);
         if !self.is_writer {
@@ -443,6 +467,49 @@ impl ObjectStore {
             return Err(PyValueError::new_err(stale_object_message(address, id)));
         };
         let count = !self.is_writer || self.count_writer_reads;
+        if let (Some(view_from), true) = (view_from, split) {
+            return read_object_viewed(&self.segment, a, i, count, |object, views| {
+                if object.is_empty() {
+                    return with_views(py, &self.segment, std::iter::empty(), true, |arg| {
+                        Ok(deserialize.call1((arg,))?.unbind())
+                    });
+                }
+                let list = PyList::empty(py);
+                list.append(py.None())?;
+                for k in 1..object.len() {
+                    let part = object.part(k);
+                    let view = if part.len() >= view_from {
+                        views.map(object, k)?
+                    } else {
+                        None
+                    };
+                    match view {
+                        Some(v) => {
+                            let v = Arc::new(v);
+                            let (ptr, len) = (v.as_ptr(), v.len());
+                            // SAFETY: the private mapping is `len` bytes at `ptr`, alive as
+                            // long as `v`, which the view owns.
+                            let view = Bound::new(py, unsafe { ShmView::new(v, ptr, len) })?;
+                            list.append(PyMemoryView::from(view.as_any())?)?;
+                        }
+                        None => list.append(PyByteArray::new(py, part))?,
+                    }
+                }
+                with_views(
+                    py,
+                    &self.segment,
+                    std::iter::once(object.part(0)),
+                    false,
+                    |head| {
+                        list.set_item(0, head)?;
+                        let out = deserialize.call1((&list,));
+                        // The first part is read in place: let the list not keep it.
+                        list.set_item(0, py.None())?;
+                        Ok(out?.unbind())
+                    },
+                )
+            })?;
+        }
         read_object(&self.segment, a, i, count, |object| {
             let spans: Vec<&[u8]> = if split {
                 (0..object.len()).map(|k| object.part(k)).collect()
@@ -469,7 +536,7 @@ impl ObjectStore {
     ) -> PyResult<()> {
         if self.is_writer && !self.count_writer_reads {
             if let Ok(key) = key.cast::<PyString>() {
-                lock(py, &self.inner).touch(key.to_str()?);
+                self.store(py)?.touch(key.to_str()?);
             }
             return Ok(());
         }
@@ -490,10 +557,13 @@ impl ObjectStore {
         signature: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         if self.is_writer {
-            let current = key
+            let key = key
                 .and_then(|k| k.cast::<PyString>().ok())
-                .and_then(|k| k.to_str().ok().map(str::to_owned))
-                .and_then(|k| lock(py, &self.inner).entry(&k).copied());
+                .and_then(|k| k.to_str().ok().map(str::to_owned));
+            let current = match key {
+                Some(k) => self.store(py)?.entry(&k).copied(),
+                None => None,
+            };
             let handle = signed_handle(address, id).ok();
             if current.is_none() || current.map(|e| (e.address, e.id)) != handle {
                 return Err(invalid_signature().into());
@@ -504,7 +574,7 @@ impl ObjectStore {
 
     /// The signature of `key`'s current handle, as 32 ints; `KeyError` if unknown.
     fn get_signature(&self, py: Python<'_>, key: &str) -> PyResult<Vec<u32>> {
-        lock(py, &self.inner)
+        self.store(py)?
             .signature(&self.segment, key)
             .map(|s| s.map(u32::from).to_vec())
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
@@ -515,18 +585,19 @@ impl ObjectStore {
         self.segment.sign(key, address, id).map(u32::from).to_vec()
     }
 
-    fn release_touches(&self, py: Python<'_>) {
-        lock(py, &self.inner).release_touches()
+    fn release_touches(&self, py: Python<'_>) -> PyResult<()> {
+        self.store(py)?.release_touches();
+        Ok(())
     }
 
     /// Ids the writer has touched and not yet handed out again or released.
-    fn touched(&self, py: Python<'_>) -> Vec<u32> {
-        let store = lock(py, &self.inner);
-        store
+    fn touched(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let store = self.store(py)?;
+        Ok(store
             .entries()
             .map(|(_, e)| e.id)
             .filter(|&i| store.is_touched(i))
-            .collect()
+            .collect())
     }
 
     /// How many reads the object at `(address, id)` has had.
@@ -537,53 +608,57 @@ impl ObjectStore {
         Ok(object_reader_count(&self.segment, a, i)?)
     }
 
-    fn is_cached(&self, py: Python<'_>, key: &str) -> bool {
-        lock(py, &self.inner).entry(key).is_some()
+    fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        Ok(self.store(py)?.entry(key).is_some())
     }
 
     /// Hand the object out once more: `(address, id)`; `KeyError` if unknown.
     fn get_cached(&self, py: Python<'_>, key: &str) -> PyResult<(u64, u32)> {
-        lock(py, &self.inner)
+        self.store(py)?
             .get_cached(key)
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
     }
 
     fn free_unused(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let mut store = lock(py, &self.inner);
-        let mut ring = self.ring.get().inner.lock(py)?;
+        let mut store = self.store(py)?;
+        let mut ring = self.ring.get().ring(py)?;
         let freed = store.free_unused(&mut ring)?;
         freed_ids(py, freed)
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
-        let mut store = lock(py, &self.inner);
-        let mut ring = self.ring.get().inner.lock(py)?;
+        let mut store = self.store(py)?;
+        let mut ring = self.ring.get().ring(py)?;
         Ok(store.clear(&mut ring)?)
     }
 
     /// `(address, id, handouts)` of `key`'s object, if stored (writer side).
-    fn entry(&self, py: Python<'_>, key: &str) -> Option<(u64, u32, u32)> {
-        lock(py, &self.inner)
+    fn entry(&self, py: Python<'_>, key: &str) -> PyResult<Option<(u64, u32, u32)>> {
+        Ok(self
+            .store(py)?
             .entry(key)
-            .map(|e| (e.address, e.id, e.handouts))
+            .map(|e| (e.address, e.id, e.handouts)))
     }
 
     /// The key of the object with id `id`, if stored (writer side).
-    fn key_of(&self, py: Python<'_>, id: i64) -> Option<String> {
-        let id = u32::try_from(id).ok()?;
-        lock(py, &self.inner).key_of(id).map(str::to_owned)
+    fn key_of(&self, py: Python<'_>, id: i64) -> PyResult<Option<String>> {
+        let Ok(id) = u32::try_from(id) else {
+            return Ok(None);
+        };
+        Ok(self.store(py)?.key_of(id).map(str::to_owned))
     }
 
     /// Number of stored objects (writer side).
-    fn __len__(&self, py: Python<'_>) -> usize {
-        lock(py, &self.inner).len()
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.store(py)?.len())
     }
 
     /// vLLM's `increment_writer_flag`: one more hand-out of the object `id`.
     fn increment_writer_flag(&self, py: Python<'_>, id: i64) -> PyResult<()> {
-        let found = u32::try_from(id)
-            .ok()
-            .is_some_and(|id| lock(py, &self.inner).hand_out(id));
+        let found = match u32::try_from(id) {
+            Ok(id) => self.store(py)?.hand_out(id),
+            Err(_) => false,
+        };
         if found {
             Ok(())
         } else {
@@ -611,25 +686,25 @@ impl ObjectStore {
         // SAFETY: checked just above to lie inside the ring, which `self.segment` keeps
         // mapped; the bytes are only read as the count, atomically.
         let data = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
-        Ok(lock(py, &self.inner).is_free(id, data))
+        Ok(self.store(py)?.is_free(id, data))
     }
 
     /// `{key: (address, id, handouts)}` of the live objects (writer side).
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (k, e) in lock(py, &self.inner).entries() {
+        for (k, e) in self.store(py)?.entries() {
             d.set_item(k, (e.address, e.id, e.handouts))?;
         }
         Ok(d)
     }
 
     #[getter]
-    fn max_object_size(&self, py: Python<'_>) -> u64 {
-        lock(py, &self.inner).max_object_size()
+    fn max_object_size(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.store(py)?.max_object_size())
     }
     #[getter]
-    fn n_readers(&self, py: Python<'_>) -> u32 {
-        lock(py, &self.inner).n_readers()
+    fn n_readers(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(self.store(py)?.n_readers())
     }
     #[getter]
     fn is_writer(&self) -> bool {
@@ -638,6 +713,11 @@ impl ObjectStore {
 }
 
 impl ObjectStore {
+    /// The core store, locked (`RuntimeError` once a panic has poisoned it).
+    fn store(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreStore>> {
+        lock(py, &self.inner, "object store")
+    }
+
     /// A reader's check of a handle's signature (no index lookup).
     fn verify_reader(
         &self,

@@ -1,7 +1,10 @@
 //! Running a core blocking call from Python: the GIL is released for the wait, and
 //! every few milliseconds the wait re-takes it to check for signals (Ctrl-C) and the
-//! caller's cancel event.
+//! caller's cancel event. Also the locks around the binding objects' core state
+//! (`BindingLock`): taken without blocking while the GIL is held, and a clear error,
+//! never a hang or a silent use, when re-entered from a callback or poisoned by a panic.
 
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
@@ -126,96 +129,101 @@ fn is_main_thread(py: Python<'_>) -> bool {
     check().unwrap_or(true)
 }
 
-/// Lock `m` without ever blocking while holding the GIL: another thread may hold the
-/// lock while it waits for the GIL.
-pub(crate) fn lock<'a, T: Send>(py: Python<'_>, m: &'a Mutex<T>) -> MutexGuard<'a, T> {
-    loop {
-        match m.try_lock() {
-            Ok(g) => return g,
-            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
-            Err(TryLockError::WouldBlock) => py.detach(|| drop(m.lock())),
+/// The mutex around a binding object's core state. Besides the mutex it knows which
+/// thread holds it, so that a call into the object from a Python callback that one of
+/// the object's own calls runs under the lock (a `free_buf` callback that reads the
+/// ring's attributes) is an error instead of a deadlock on itself.
+pub(crate) struct BindingLock<T> {
+    mutex: Mutex<T>,
+    /// The holder's thread token (`thread_token`), 0 when free. Relaxed: only compared
+    /// with the caller's own token, which only the caller's own thread ever stores here,
+    /// and a thread always reads its own last store (or a later one).
+    holder: AtomicUsize,
+}
+
+impl<T> BindingLock<T> {
+    pub(crate) fn new(value: T) -> BindingLock<T> {
+        BindingLock {
+            mutex: Mutex::new(value),
+            holder: AtomicUsize::new(0),
         }
     }
 }
 
-/// A mutex whose holder may call Python code while it holds it (`RingBuffer.free_buf`
-/// calls its `is_free_fn` for every chunk). std's `Mutex` is not re-entrant: that code
-/// calling back into the same object on the same thread would wait for itself forever.
-/// Here it gets a `RuntimeError` naming `what` instead; other threads wait as with
-/// [`lock`].
-pub(crate) struct CallbackMutex<T> {
-    mutex: Mutex<T>,
-    /// The thread that holds `mutex` ([`thread_mark`]), 0 when none does.
-    holder: AtomicUsize,
-    what: &'static str,
-}
-
-/// A number that tells the calling thread from every other live thread: the address of
-/// one of its thread-local bytes.
-fn thread_mark() -> usize {
-    thread_local!(static MARK: u8 = const { 0 });
-    MARK.with(|m| m as *const u8 as usize)
-}
-
-/// The lock of a [`CallbackMutex`], held.
-pub(crate) struct Held<'a, T> {
+/// A held `BindingLock`: the core state, until dropped.
+pub(crate) struct BindingGuard<'a, T> {
     guard: MutexGuard<'a, T>,
     holder: &'a AtomicUsize,
 }
 
-impl<T> std::ops::Deref for Held<'_, T> {
+impl<T> Deref for BindingGuard<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
         &self.guard
     }
 }
 
-impl<T> std::ops::DerefMut for Held<'_, T> {
+impl<T> DerefMut for BindingGuard<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
         &mut self.guard
     }
 }
 
-impl<T> Drop for Held<'_, T> {
+impl<T> Drop for BindingGuard<'_, T> {
     fn drop(&mut self) {
-        // Relaxed: see `CallbackMutex::lock`; cleared before the guard (a field, dropped
-        // after this) unlocks.
+        // Before the mutex is unlocked (the guard field drops after this).
         self.holder.store(0, Ordering::Relaxed);
     }
 }
 
-impl<T: Send> CallbackMutex<T> {
-    /// `what` names the object in the error, e.g. "the ring buffer".
-    pub(crate) fn new(value: T, what: &'static str) -> Self {
-        CallbackMutex {
-            mutex: Mutex::new(value),
-            holder: AtomicUsize::new(0),
-            what,
-        }
-    }
+/// A number that names the calling thread for as long as it lives (never 0): the address
+/// of one of its thread-locals.
+fn thread_token() -> usize {
+    thread_local!(static TOKEN: u8 = const { 0 });
+    TOKEN.with(|t| t as *const u8 as usize)
+}
 
-    /// Lock it as [`lock`] does; `RuntimeError` if this thread holds it already (code
-    /// that runs under the lock called back into the object).
-    pub(crate) fn lock(&self, py: Python<'_>) -> PyResult<Held<'_, T>> {
-        let me = thread_mark();
-        // Relaxed: only a thread that holds the lock stores its own mark here, and it
-        // clears it before unlocking, so a thread reads its own mark exactly when it
-        // holds the lock (its own stores are visible to it in program order); any other
-        // value, however stale, means "not this thread".
-        if self.holder.load(Ordering::Relaxed) == me {
-            return Err(PyRuntimeError::new_err(format!(
-                "{} is in use by this thread: code it calls while it works (a free_buf \
-                 callback) cannot use it again (allocate, free, clear or read its state); \
-                 read what the callback needs before the call",
-                self.what
-            )));
+/// Lock `m` without ever blocking while holding the GIL: another thread may hold the
+/// lock while it waits for the GIL.
+///
+/// Errors, each a `RuntimeError` naming `what` (`"queue writer"`, `"ring buffer"`, ...):
+/// - the lock is held by this thread already: the object was called from a callback
+///   that one of its own calls runs with the lock held (waiting would never end);
+/// - a panic poisoned the lock (a bug, or a `PanicException` raised by a Python callback
+///   run under the lock, which pyo3 resumes as a panic): the state it guards may be
+///   half-updated, so the object is unusable from then on, never silently used.
+pub(crate) fn lock<'a, T: Send>(
+    py: Python<'_>,
+    m: &'a BindingLock<T>,
+    what: &str,
+) -> PyResult<BindingGuard<'a, T>> {
+    let me = thread_token();
+    loop {
+        match m.mutex.try_lock() {
+            Ok(guard) => {
+                m.holder.store(me, Ordering::Relaxed);
+                return Ok(BindingGuard {
+                    guard,
+                    holder: &m.holder,
+                });
+            }
+            Err(TryLockError::Poisoned(_)) => return Err(poisoned(what)),
+            Err(TryLockError::WouldBlock) if m.holder.load(Ordering::Relaxed) == me => {
+                return Err(PyRuntimeError::new_err(format!(
+                    "this {what} was called from a callback that one of its own calls is \
+                     running (a free_buf callback, say); that call holds it until it returns"
+                )))
+            }
+            // A poisoned `lock()` here is seen as such by the next `try_lock`.
+            Err(TryLockError::WouldBlock) => py.detach(|| drop(m.mutex.lock())),
         }
-        let guard = lock(py, &self.mutex);
-        // Relaxed: as above.
-        self.holder.store(me, Ordering::Relaxed);
-        Ok(Held {
-            guard,
-            holder: &self.holder,
-        })
     }
+}
+
+/// The error for an object whose lock a panic poisoned.
+fn poisoned(what: &str) -> PyErr {
+    PyRuntimeError::new_err(format!(
+        "this {what} is unusable: an earlier call panicked while holding its lock \
+         (its state may be half-updated); make a new one"
+    ))
 }

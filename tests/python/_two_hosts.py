@@ -91,8 +91,13 @@ def reader(workdir: str, rank: int) -> dict:
         count += 1
         mismatches += not same(got, expected)
     end = mq.dequeue(timeout=TIMEOUT)
-    return {"count": count, "mismatches": mismatches, "end_mark": end is None, "sees_segment": sees_segment,
-            "local": mq._is_local_reader}
+    return {
+        "count": count,
+        "mismatches": mismatches,
+        "end_mark": end is None,
+        "sees_segment": sees_segment,
+        "local": mq._is_local_reader,
+    }
 
 
 STORE_PORT = 29517  # inside the test's own network namespaces: nothing else uses it

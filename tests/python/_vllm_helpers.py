@@ -200,7 +200,6 @@ def stateless_tensor_member(out: Any, port: int, rank: int, world_size: int, rel
         raise TimeoutError("the test never released the group")
 
 
-
 # ---------------------------------------------------------------------------------
 # vLLM itself, with the plugin (test_vllm_plugin.py)
 

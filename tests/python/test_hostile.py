@@ -36,9 +36,7 @@ def _b64(obj) -> str:
 def _unshare_works() -> str | None:
     """Why pid namespaces cannot be made here, or None if they can."""
     try:
-        r = subprocess.run(
-            ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=STEP
-        )
+        r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=STEP)
     except (FileNotFoundError, subprocess.TimeoutExpired) as e:
         return f"unshare is not usable: {e}"
     return None if r.returncode == 0 else f"unshare --pid failed: {r.stderr.decode().strip()}"

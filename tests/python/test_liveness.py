@@ -105,9 +105,7 @@ def _stream_until_the_victim_dies(children, on_dead_reader: str, n: int):
     ``0..n-1`` (each with a 60 s timeout, so nothing can hang). Returns the writer, the
     victim, the live readers' report queues, the stop event, the kill time, and the
     outcome ``(index, exception or None, when)`` of the stream."""
-    mq = MessageQueue(
-        n_reader=3, n_local_reader=3, max_chunk_bytes=1024, max_chunks=4, on_dead_reader=on_dead_reader
-    )
+    mq = MessageQueue(n_reader=3, n_local_reader=3, max_chunk_bytes=1024, max_chunks=4, on_dead_reader=on_dead_reader)
     handle = mq.export_handle()
     stop = children.event()
     victim_out = children.queue()
@@ -156,9 +154,7 @@ def test_writer_raises_peer_died_error_when_a_reader_is_killed(children):
     assert issubclass(PeerDiedError, RuntimeError)
     assert shmq.PeerDiedError is PeerDiedError and "PeerDiedError" in shmq.__all__
     n = 2000  # the victim would need 20 s to read them all: it dies long before
-    mq, victim, live_outs, stop, killed_at, (sent, failure, ended) = _stream_until_the_victim_dies(
-        children, "raise", n
-    )
+    mq, victim, live_outs, stop, killed_at, (sent, failure, ended) = _stream_until_the_victim_dies(children, "raise", n)
     assert failure is not None, f"the writer sent all {n} messages although reader 1 was dead"
     assert isinstance(failure, PeerDiedError), repr(failure)
     message = str(failure)
@@ -182,9 +178,7 @@ def test_writer_raises_peer_died_error_when_a_reader_is_killed(children):
 
 def test_writer_drops_a_killed_reader_and_goes_on(children):
     n = 600
-    mq, victim, live_outs, stop, killed_at, (sent, failure, ended) = _stream_until_the_victim_dies(
-        children, "drop", n
-    )
+    mq, victim, live_outs, stop, killed_at, (sent, failure, ended) = _stream_until_the_victim_dies(children, "drop", n)
     assert failure is None, f"enqueue {sent} failed: {failure!r}"
     assert sent == n
     mq.enqueue(None, timeout=60)  # the live readers stop at None
@@ -431,7 +425,8 @@ def test_on_dead_reader_values(good):
 
 
 @pytest.mark.parametrize(
-    "env", [{"SHMQ_SPIN_US": "200000", "SHMQ_YIELD_US": "0"}, {"SHMQ_SPIN_US": "0", "SHMQ_YIELD_US": "200000"}],
+    "env",
+    [{"SHMQ_SPIN_US": "200000", "SHMQ_YIELD_US": "0"}, {"SHMQ_SPIN_US": "0", "SHMQ_YIELD_US": "200000"}],
     ids=["spin", "yield"],
 )
 def test_wait_policy_env_vars(children, env):

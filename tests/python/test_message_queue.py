@@ -104,7 +104,11 @@ def test_local_and_remote_readers_get_every_object_in_order(children):
 def test_local_reader_ranks_map_to_reader_indices(children):
     big = 4 * KIB
     mq = MessageQueue(
-        n_reader=3, n_local_reader=2, local_reader_ranks=[7, 4], max_chunk_bytes=big, max_chunks=3,
+        n_reader=3,
+        n_local_reader=2,
+        local_reader_ranks=[7, 4],
+        max_chunk_bytes=big,
+        max_chunks=3,
         connect_ip="127.0.0.1",
     )
     assert mq.export_handle().local_reader_ranks == [7, 4]
@@ -520,9 +524,19 @@ def test_public_names():
 # Every name the engines' users import from `shmq` (StatelessProcessGroup comes with the
 # process-group work and is not exported yet).
 SPEC_EXPORTS = {
-    "MessageQueue", "Handle", "ShmRingBuffer", "ObjectStorage", "ObjectStorageHandle", "RingBuffer",
-    "ObjectSerde", "MsgpackSerde", "PickleSerde", "sched_yield",
-    "SingleWriterShmObjectStorage", "ShmObjectStorageHandle", "SingleWriterShmRingBuffer",
+    "MessageQueue",
+    "Handle",
+    "ShmRingBuffer",
+    "ObjectStorage",
+    "ObjectStorageHandle",
+    "RingBuffer",
+    "ObjectSerde",
+    "MsgpackSerde",
+    "PickleSerde",
+    "sched_yield",
+    "SingleWriterShmObjectStorage",
+    "ShmObjectStorageHandle",
+    "SingleWriterShmRingBuffer",
 }
 
 

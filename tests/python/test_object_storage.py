@@ -62,8 +62,6 @@ NOT_ENOUGH_SPACE = "Not enough space in the data buffer"
 # Fixtures and drivers
 
 
-
-
 @pytest.fixture
 def kids():
     c = Children()

@@ -49,8 +49,6 @@ warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*deprecated.*")
 # Fixtures and drivers
 
 
-
-
 class Service:
     def __init__(self) -> None:
         self.kids = Children()
@@ -490,9 +488,11 @@ def test_serialize_returns_consistent_sizes_and_the_store_layout(serde, case):
     store = ObjectStorage(1 << 14, 1, ring, serde_class=serde)
     ring.allocate_buf(3)  # the object's chunk starts at an odd offset (11)
     builtin = serde is not PartsSerde
-    stored_parts = [bytes(memoryview(p)) for p in serde()._store_parts(value)] if builtin else [bytes(metadata)] + [
-        bytes(memoryview(p)) for p in parts
-    ]
+    stored_parts = (
+        [bytes(memoryview(p)) for p in serde()._store_parts(value)]
+        if builtin
+        else [bytes(metadata)] + [bytes(memoryview(p)) for p in parts]
+    )
     address, mid = store.put("k", value)
     assert address == 11
     data_offset = address + 8

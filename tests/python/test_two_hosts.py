@@ -89,11 +89,13 @@ def _results(procs: dict[str, subprocess.Popen]) -> dict[str, dict]:
 @pytest.mark.timeout(180)
 def test_remote_reader_on_another_host(two_hosts, tmp_path):
     workdir = str(tmp_path)
-    results = _results({
-        "writer": _start(NS_A, "writer", workdir, own_shm=False),
-        "local": _start(NS_A, "local", workdir, own_shm=False),
-        "remote": _start(NS_B, "remote", workdir, own_shm=True),
-    })
+    results = _results(
+        {
+            "writer": _start(NS_A, "writer", workdir, own_shm=False),
+            "local": _start(NS_A, "local", workdir, own_shm=False),
+            "remote": _start(NS_B, "remote", workdir, own_shm=True),
+        }
+    )
     from _two_hosts import N_OBJECTS
 
     assert results["writer"]["remote_addr"].startswith("tcp://10.213.7.1:")
@@ -111,11 +113,13 @@ def test_process_group_across_two_hosts(two_hosts, tmp_path):
     """create_from_process_group: ranks 0 (writer) and 1 on host A, rank 2 on host B.
     Same-machine detection makes rank 1 a local reader and rank 2 a remote one."""
     workdir = str(tmp_path)
-    results = _results({
-        "rank0": _start(NS_A, "group", workdir, False, "0"),
-        "rank1": _start(NS_A, "group", workdir, False, "1"),
-        "rank2": _start(NS_B, "group", workdir, True, "2"),
-    })
+    results = _results(
+        {
+            "rank0": _start(NS_A, "group", workdir, False, "0"),
+            "rank1": _start(NS_A, "group", workdir, False, "1"),
+            "rank2": _start(NS_B, "group", workdir, True, "2"),
+        }
+    )
     from _two_hosts import N_OBJECTS
 
     assert results["rank0"]["writer"] and results["rank0"]["local_reader_ranks"] == [1]

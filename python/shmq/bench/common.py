@@ -32,5 +32,3 @@ class BenchError(RuntimeError):
     def __init__(self, message: str, details: str = ""):
         super().__init__(message)
         self.details = details
-
-

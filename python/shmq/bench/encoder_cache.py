@@ -75,7 +75,8 @@ class _Children:
     """Consumer processes of one run; stopped (killed if need be) on exit."""
 
     def __init__(self, ctx: Any):
-        self.ctx, self.procs = ctx, []
+        self.ctx = ctx
+        self.procs: list[Any] = []
         self.done = ctx.Queue()
 
     def start(self, target: Any, *args: Any) -> None:

@@ -14,6 +14,7 @@ from .common import BenchError
 from .roles import _child_main, _stack_file
 from .transports import Transport
 
+
 @dataclass
 class Job:
     """One child process of a run: ``role(transport, channels, barrier, **kwargs)``."""

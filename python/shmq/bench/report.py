@@ -23,6 +23,7 @@ from .harness import Harness
 from .scenarios import FLOORS, PRESETS, SCENARIOS, Params, Scenario
 from .transports import TRANSPORTS, Transport
 
+
 @dataclass
 class Row:
     """One table row: a metric's value per transport (or one value for a floor)."""
@@ -123,14 +124,19 @@ def _median_of(runs: int, measure: Callable[[], dict[str, float]]) -> dict[str, 
 def selected(params: Params, only: Sequence[str] = ()) -> list[Scenario]:
     """The scenarios this run measures: those that apply to the preset's tensor sizes
     and, if ``only`` is given, whose key starts with one of its entries."""
-    return [
-        s for s in SCENARIOS if s.applies(params) and (not only or any(s.key.startswith(o) for o in only))
-    ]
+    return [s for s in SCENARIOS if s.applies(params) and (not only or any(s.key.startswith(o) for o in only))]
 
 
-def run_bench(params: Params, transports: Sequence[Transport], timeout: float, repeat: int = 1,
-              progress: Optional[Progress] = None, details: Optional[list[str]] = None,
-              scenarios: Optional[Sequence[Scenario]] = None, floors: bool = True) -> list[Row]:
+def run_bench(
+    params: Params,
+    transports: Sequence[Transport],
+    timeout: float,
+    repeat: int = 1,
+    progress: Optional[Progress] = None,
+    details: Optional[list[str]] = None,
+    scenarios: Optional[Sequence[Scenario]] = None,
+    floors: bool = True,
+) -> list[Row]:
     """Run every scenario (default: :func:`selected`) for every transport that can run it
     (``repeat`` times, keeping the median), then the floors; returns the rows. Failures
     land in ``Row.errors`` (and their tracebacks in ``details``)."""
@@ -143,8 +149,9 @@ def run_bench(params: Params, transports: Sequence[Transport], timeout: float, r
     try:
         harness = Harness(ctx, workdir, timeout)
         for scenario in selected(params) if scenarios is None else scenarios:
-            scenario_rows = [Row(f"{scenario.key}.{m.key}", m.label, m.unit, m.higher_is_better)
-                             for m in scenario.metrics]
+            scenario_rows = [
+                Row(f"{scenario.key}.{m.key}", m.label, m.unit, m.higher_is_better) for m in scenario.metrics
+            ]
             rows += scenario_rows
             for transport in transports:
                 if scenario.only is not None and transport.name not in scenario.only:
@@ -169,8 +176,11 @@ def run_bench(params: Params, transports: Sequence[Transport], timeout: float, r
             if progress:
                 progress.step(floor.title)
             result = _median_of(repeat, partial(floor.run, params))
-            rows += [Row(f"{floor.key}.{m.key}", m.label, m.unit, m.higher_is_better, floor=result[m.key])
-                     for m in floor.metrics]
+            rows += [
+                Row(f"{floor.key}.{m.key}", m.label, m.unit, m.higher_is_better, floor=result[m.key])
+                for m in floor.metrics
+                if m.key in result  # a reference that could not run here (vLLM absent)
+            ]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if progress:
@@ -209,7 +219,7 @@ def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "sh
     others. A floor row shows its single value in the first column."""
     others = [n for n in names if n != reference] if reference in names else []
     header = ["scenario", *names, *(f"{reference} vs {n}" for n in others)]
-    body = []
+    body: list[Optional[list[str]]] = []
     for i, row in enumerate(rows):
         if row.floor is not None and i > 0 and rows[i - 1].floor is None:
             body.append(None)  # a rule between the transports' rows and the floors
@@ -252,21 +262,44 @@ DEFAULT_TRANSPORTS = ",".join(t.name for t in TRANSPORTS)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
-    parser.add_argument("--quick", dest="preset", action="store_const", const="quick", default="default",
-                        help="5 000 round trips after 500 warm-up and 10 000 objects, instead of the standard "
-                             "20 000 after 1 000 and 50 000")
+    parser.add_argument(
+        "--quick",
+        dest="preset",
+        action="store_const",
+        const="quick",
+        default="default",
+        help="5 000 round trips after 500 warm-up and 10 000 objects, instead of the standard "
+        "20 000 after 1 000 and 50 000",
+    )
     parser.add_argument("--rounds", type=int, metavar="N", help="ping-pong round trips to measure")
     parser.add_argument("--warmup", type=int, metavar="N", help="ping-pong round trips before measuring")
     parser.add_argument("--objects", type=int, metavar="N", help="objects per throughput run")
-    parser.add_argument("--transports", metavar="LIST", default=DEFAULT_TRANSPORTS,
-                        help="comma-separated subset of: %(default)s (those not installed are left out)")
-    parser.add_argument("--scenarios", metavar="LIST",
-                        help="comma-separated prefixes of the scenarios to run (latency, throughput, idle, "
-                             "tensor, loan; 'floors' for the single-process rows); default: all")
-    parser.add_argument("--repeat", type=int, default=1, metavar="K",
-                        help="run every cell K times and show the median (default %(default)s)")
-    parser.add_argument("--timeout", type=float, default=15.0, metavar="S",
-                        help="seconds one run (one scenario, one transport) may take (default %(default)g)")
+    parser.add_argument(
+        "--transports",
+        metavar="LIST",
+        default=DEFAULT_TRANSPORTS,
+        help="comma-separated subset of: %(default)s (those not installed are left out)",
+    )
+    parser.add_argument(
+        "--scenarios",
+        metavar="LIST",
+        help="comma-separated prefixes of the scenarios to run (latency, throughput, idle, "
+        "tensor, loan; 'floors' for the single-process rows); default: all",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run every cell K times and show the median (default %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="seconds one run (one scenario, one transport) may take (default %(default)g)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--no-progress", action="store_true", help="do not print the progress line")
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from .common import SMALL_OBJECT, SYNC_TIMEOUT, now_ns
 from .transports import Transport
 
+
 def _sync(barrier: Any) -> None:
     """Wait for every process of the run (``BrokenBarrierError`` after SYNC_TIMEOUT)."""
     barrier.wait(SYNC_TIMEOUT)
@@ -160,10 +161,11 @@ def _role_tensor_writer(
     out.ready()
     _sync(barrier)
     numel = nbytes // 4
-    fixed = None if loan else torch.ones(numel)
+    fixed: Any = None if loan else torch.ones(numel)
+    lend: Any = out.loan  # not None with `loan` (checked above)
 
     def make(i: int) -> Any:
-        t = out.loan(numel) if loan else fixed
+        t = lend(numel) if loan else fixed
         t[-1] = float(i)
         return t
 
@@ -211,8 +213,16 @@ def _stack_file(workdir: str, pid: int) -> str:
     return os.path.join(workdir, f"{pid}.stack")
 
 
-def _child_main(index: int, role: Callable, transport: Transport, channels: Sequence[Any],
-                barrier: Any, results: Any, kwargs: dict, workdir: str) -> None:
+def _child_main(
+    index: int,
+    role: Callable,
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    results: Any,
+    kwargs: dict,
+    workdir: str,
+) -> None:
     """Entry point of every child: run ``role`` and report ``(index, ok, value)``.
     SIGUSR1 writes the child's Python stack to a file in ``workdir`` (the parent asks
     for it when a run hangs)."""
@@ -228,5 +238,3 @@ def _child_main(index: int, role: Callable, transport: Transport, channels: Sequ
         results.put((index, False, f"{type(e).__name__}: {e}", traceback.format_exc()))
     else:
         results.put((index, True, value, ""))
-
-

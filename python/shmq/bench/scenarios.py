@@ -25,6 +25,7 @@ from .roles import (
 )
 from .transports import Transport
 
+
 @dataclass
 class Params:
     """How much each scenario measures."""
@@ -251,6 +252,7 @@ def _floor_store(params: Params) -> dict[str, float]:
     got = iter(handles)
     get_us = _time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
 
+    big: Any  # a torch tensor, or a numpy array without torch
     try:
         import torch
 
@@ -259,64 +261,137 @@ def _floor_store(params: Params) -> dict[str, float]:
         import numpy as np
 
         big = np.random.rand(MiB).astype(np.float32)
-    # Rounds of 32 puts (128 MiB, half the ring) then their 32 gets, so every put finds
-    # room once the previous round has been read; the median round gives each rate.
+    # Rounds of 32 puts (128 MiB, half the ring) then their 32 gets (copies, so that
+    # this measures moving the bytes), so every put finds room once the previous round
+    # has been read; the median round gives each rate.
     put_rates, get_rates, clock = [], [], time.perf_counter_ns
     for r in range(6):
         t0 = clock()
         round_handles = [store.put(f"big-{r}-{i}", big) for i in range(32)]
         t1 = clock()
         for h in round_handles:
-            store.get(*h)
+            store.get(*h, copy=True)
         t2 = clock()
         put_rates.append(32 * 4 * MiB / (t1 - t0))  # bytes/ns = GB/s
         get_rates.append(32 * 4 * MiB / (t2 - t1))
     store.clear()
-    return {
+    out = {
         "put_us": put_us,
         "get_us": get_us,
         "big_put": statistics.median(put_rates),
-        "big_get": statistics.median(get_rates),
+        "big_get_copy": statistics.median(get_rates),
     }
+    # The zero-copy get of one 4 MiB tensor, again and again (the writer's own gets
+    # do not count as reads without a reader lock, so nothing is evicted meanwhile).
+    viewer = ObjectStorage(8 * MiB, 1, RingBuffer(16 * MiB, create=True))
+    h = viewer.put("big", big)
+    out["big_get_us"] = _time_per_call_us(lambda: viewer.get(*h), 2000, batch=20)
+    viewer.close()
+    vllm_us = _vllm_store_get_us(big)
+    if vllm_us is not None:
+        out["vllm_big_get_us"] = vllm_us
+        out["big_get_ratio"] = vllm_us / out["big_get_us"]
+    return out
+
+
+def _vllm_store_get_us(big: Any) -> Optional[float]:
+    """vLLM 0.33's ``SingleWriterShmObjectStorage.get`` of the same 4 MiB tensor (its own
+    MsgpackSerde), in the writer as above; ``None`` if vLLM is not importable."""
+    try:
+        import torch  # noqa: F401 (vLLM's serde needs it)
+        from vllm.distributed.device_communicators.shm_object_storage import (
+            SingleWriterShmObjectStorage,
+            SingleWriterShmRingBuffer,
+        )
+    except Exception:  # vLLM absent, or its import failed here: no reference row
+        return None
+    ring = SingleWriterShmRingBuffer(16 * MiB, create=True)
+    try:
+        store = SingleWriterShmObjectStorage(8 * MiB, 1, ring)
+        decoder = getattr(store.ser_de, "tensor_decoder", None)
+        if decoder is not None and hasattr(decoder, "pin_tensors"):
+            decoder.pin_tensors = False  # pinned memory needs a GPU driver: one plain copy
+        h = store.put("big", big)
+        return _time_per_call_us(lambda: store.get(*h), 500, batch=10)
+    finally:
+        ring.close()
 
 
 SCENARIOS: list[Scenario] = [
-    Scenario("latency", "one-way latency (ping-pong)", _bench_latency, [
-        Metric("p50", "one-way latency, small object, p50", "us", False),
-        Metric("p99", "one-way latency, small object, p99", "us", False),
-    ]),
-    Scenario("latency_remote", "one-way latency over TCP", _bench_latency_remote, [
-        Metric("p50", "one-way latency over TCP (remote reader), p50", "us", False),
-        Metric("p99", "one-way latency over TCP (remote reader), p99", "us", False),
-    ], only=("shmq", "pyzmq")),
-    Scenario("throughput1", "throughput, 1 reader", partial(_bench_throughput, n_readers=1), [
-        Metric("rate", "throughput, small objects, 1 reader", "obj/s", True),
-    ]),
-    Scenario("throughput3", "throughput, 3 readers", partial(_bench_throughput, n_readers=3), [
-        Metric("rate", "throughput, small objects, 3 readers", "obj/s", True),
-    ]),
-    Scenario("idle", "idle reader", _bench_idle, [
-        Metric("cpu_pct", "idle reader: CPU while blocked", "%", False),
-        Metric("wake_p50", "idle reader: wake-up latency, p50", "us", False),
-        Metric("wake_p99", "idle reader: wake-up latency, p99", "us", False),
-    ]),
+    Scenario(
+        "latency",
+        "one-way latency (ping-pong)",
+        _bench_latency,
+        [
+            Metric("p50", "one-way latency, small object, p50", "us", False),
+            Metric("p99", "one-way latency, small object, p99", "us", False),
+        ],
+    ),
+    Scenario(
+        "latency_remote",
+        "one-way latency over TCP",
+        _bench_latency_remote,
+        [
+            Metric("p50", "one-way latency over TCP (remote reader), p50", "us", False),
+            Metric("p99", "one-way latency over TCP (remote reader), p99", "us", False),
+        ],
+        only=("shmq", "pyzmq"),
+    ),
+    Scenario(
+        "throughput1",
+        "throughput, 1 reader",
+        partial(_bench_throughput, n_readers=1),
+        [
+            Metric("rate", "throughput, small objects, 1 reader", "obj/s", True),
+        ],
+    ),
+    Scenario(
+        "throughput3",
+        "throughput, 3 readers",
+        partial(_bench_throughput, n_readers=3),
+        [
+            Metric("rate", "throughput, small objects, 3 readers", "obj/s", True),
+        ],
+    ),
+    Scenario(
+        "idle",
+        "idle reader",
+        _bench_idle,
+        [
+            Metric("cpu_pct", "idle reader: CPU while blocked", "%", False),
+            Metric("wake_p50", "idle reader: wake-up latency, p50", "us", False),
+            Metric("wake_p99", "idle reader: wake-up latency, p99", "us", False),
+        ],
+    ),
     *_tensor_scenarios(),
 ]
 
 FLOORS: list[Floor] = [
-    Floor("store", "object store", _floor_store, [
-        Metric("put_us", "object store: put, small object", "us", False),
-        Metric("get_us", "object store: get, small object", "us", False),
-        Metric("big_put", "object store: put, 4 MiB float32 tensor", "GB/s", True),
-        Metric("big_get", "object store: get, 4 MiB float32 tensor", "GB/s", True),
-    ]),
-    Floor("pickle", "pickle only", _floor_pickle, [
-        Metric("serial_us", "pickle only: dumps+loads, per object", "us", False),
-        Metric("serial_rate", "pickle only: dumps+loads, rate", "obj/s", True),
-        Metric("parallel_rate", "pickle only: slower of dumps/loads, rate", "obj/s", True),
-    ]),
+    Floor(
+        "store",
+        "object store",
+        _floor_store,
+        [
+            Metric("put_us", "object store: put, small object", "us", False),
+            Metric("get_us", "object store: get, small object", "us", False),
+            Metric("big_put", "object store: put, 4 MiB float32 tensor", "GB/s", True),
+            Metric("big_get_copy", "object store: get(copy=True), 4 MiB float32 tensor", "GB/s", True),
+            Metric("big_get_us", "object store: get (zero-copy view), 4 MiB float32 tensor", "us", False),
+            Metric("vllm_big_get_us", "vLLM 0.33 object store: get, 4 MiB float32 tensor", "us", False),
+            Metric("big_get_ratio", "object store: get 4 MiB, vLLM 0.33's time / shmq's", "x", True),
+        ],
+    ),
+    Floor(
+        "pickle",
+        "pickle only",
+        _floor_pickle,
+        [
+            Metric("serial_us", "pickle only: dumps+loads, per object", "us", False),
+            Metric("serial_rate", "pickle only: dumps+loads, rate", "obj/s", True),
+            Metric("parallel_rate", "pickle only: slower of dumps/loads, rate", "obj/s", True),
+        ],
+    ),
 ]
-
 
 
 # The encoder-cache hand-off rows live in their own module (which imports this one).

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from .common import MAX_CHUNK_BYTES, MAX_CHUNKS, PROTOCOL, SYNC_TIMEOUT
 
+
 def _nothing() -> None:
     pass
 
@@ -305,5 +306,3 @@ TRANSPORTS: list[Transport] = [
     VllmTransport(arena=False),
     VllmTransport(arena=True),
 ]
-
-

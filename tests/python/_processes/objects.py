@@ -93,9 +93,7 @@ def _random_nested(rnd: random.Random, rng: np.random.Generator, depth: int) -> 
         return _random_leaf(rnd, rng)
     if rnd.random() < 0.5:
         return [_random_nested(rnd, rng, depth - 1) for _ in range(rnd.randint(0, 5))]
-    return {
-        rnd.choice(_KEYS) + str(i): _random_nested(rnd, rng, depth - 1) for i in range(rnd.randint(0, 5))
-    }
+    return {rnd.choice(_KEYS) + str(i): _random_nested(rnd, rng, depth - 1) for i in range(rnd.randint(0, 5))}
 
 
 def iter_objects(seed: int, n: int, big: int = 64 * 1024) -> Iterator[Any]:
