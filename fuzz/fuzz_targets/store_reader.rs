@@ -12,7 +12,10 @@ use std::collections::HashMap;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use shmq::storage::{check_object, object_reader_count, read_object, ChunkFifo, ObjectStore};
+use shmq::storage::{
+    check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo, ObjectStore,
+    PartView,
+};
 use shmq_fuzz::{apply, read_at, touch, write_at, Patch};
 
 /// Where the published state's sequence word is (see `storage`'s layout).
@@ -50,8 +53,9 @@ enum Op {
 
 #[derive(Arbitrary, Debug)]
 enum Read {
-    /// Key `k{key}`'s handle, as the writer gave it out.
-    Real { key: u8, count: bool },
+    /// Key `k{key}`'s handle, as the writer gave it out; with `views`, its parts are
+    /// mapped privately and kept after the read (what a zero-copy `get` returns).
+    Real { key: u8, count: bool, views: bool },
     /// A handle near key `k{key}`'s.
     Near { key: u8, address: i16, id: i8 },
     /// Anything at all, with any key and signature.
@@ -170,13 +174,34 @@ fuzz_target!(|input: Input| {
         if matches!(read, Read::Forged { .. }) && signature[..] != seg.sign(&key, address, id) {
             assert!(verified.is_err(), "a forged signature verified");
         }
-        let got = read_object(rseg, address, id, count, |view| {
+        let views = matches!(read, Read::Real { views: true, .. });
+        let mut kept: Vec<PartView> = Vec::new();
+        let got = read_object_viewed(rseg, address, id, count, |view, mapper| {
             apply(&name, RING_OFFSET + capacity, &input.during);
             keep_seq_even(&name);
             let parts: Vec<Vec<u8>> = (0..view.len()).map(|k| view.part(k).to_vec()).collect();
             touch(view.span());
+            if views {
+                for k in 0..view.len() {
+                    if let Ok(Some(v)) = mapper.map(view, k) {
+                        kept.push(v);
+                    }
+                }
+            }
             parts
         });
+        for v in &kept {
+            touch(v);
+        }
+        if let (Ok(parts), false) = (&got, patched) {
+            // Unpatched, a view shows what the read copied.
+            if kept.len() == parts.len() {
+                for (v, p) in kept.iter().zip(parts) {
+                    assert_eq!(&v[..], &p[..]);
+                }
+            }
+        }
+        drop(kept);
         match (got, expect) {
             (Ok(parts), Some(want)) if !patched => assert_eq!(&parts, want),
             (Err(e), Some(_)) if !patched => panic!("a live object did not read: {e}"),
@@ -185,7 +210,13 @@ fuzz_target!(|input: Input| {
         let _ = check_object(rseg, address, id);
         let _ = object_reader_count(rseg, address, id);
         if let Ok(h) = rseg.header_at(address) {
+            // What `access_buf` hands out: the chunk's data, inside the ring.
             assert!(h.offset + h.size as u64 <= capacity);
+            let (p, n) = rseg.data_ptr(&h);
+            // SAFETY: `header_at` checked that the chunk lies inside the ring, which
+            // `reader` keeps mapped. Only this thread writes the segment (through its
+            // file), and not while this slice lives.
+            touch(unsafe { std::slice::from_raw_parts(p, n) });
         }
     }
     // The writer goes on over whatever was written into its segment.
