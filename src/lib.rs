@@ -22,7 +22,8 @@
 //! Internals, under those: `segment` (named POSIX shared memory), `fork` (what a forked
 //! child must not do with what it inherited), `sync` / `futex` / `doorbell` / `seqlock`
 //! (loom-swappable atomics, the process-shared futex, the sleep/wake handshake, the object
-//! store's seqlock), `private_map` (private copy-on-write views), `transport` (ZeroMQ, for
+//! store's seqlock), `private_map` (private copy-on-write views), `pins` (a process's views holding store
+//! chunks: file locks the writer checks before it frees), `transport` (ZeroMQ, for
 //! local readers' oversized messages).
 //!
 //! # Glossary: shmq's names and the engines' (vLLM's) names
