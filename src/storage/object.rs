@@ -85,8 +85,16 @@ impl<'a> ObjectView<'a> {
     /// it is then clamped to nothing, and `read_object`'s check after the read reports a
     /// reused object as modified. (Found by `fuzz/fuzz_targets/store_reader.rs`.)
     pub fn part(&self, i: usize) -> &'a [u8] {
+        &self.data[self.part_range(i)]
+    }
+    /// Where part `i` lies in the chunk's data, clamped as `part` says (an empty range
+    /// at 0 when the frame no longer fits).
+    pub(super) fn part_range(&self, i: usize) -> std::ops::Range<usize> {
         let (off, len) = self.entry(i);
-        self.data.get(off..off.saturating_add(len)).unwrap_or(&[])
+        match off.checked_add(len) {
+            Some(end) if end <= self.data.len() => off..end,
+            _ => 0..0,
+        }
     }
     /// From the start of the first part to the end of the last (the parts of a custom
     /// serde follow each other without gaps: this is its `[metadata][data...]`).
@@ -307,12 +315,11 @@ impl ObjectViews<'_> {
             .pin
             .get_or_init(|| pin_chunk(self.segment, &self.header));
         let Some(pin) = pin else { return Ok(None) };
-        // The part as `part` clamps it (the frame is shared memory a peer may change).
-        let part = object.part(i);
-        let (off, len) = (
-            part.as_ptr() as usize - object.data.as_ptr() as usize,
-            part.len(),
-        );
+        // The part as `part` clamps it (the frame is shared memory a peer may change:
+        // read it once, as a range, not as a pointer into the data; a clamped part is
+        // an empty range at 0). Found by `fuzz/fuzz_targets/store_reader.rs`.
+        let range = object.part_range(i);
+        let (off, len) = (range.start, range.len());
         let at = RING_OFFSET as u64 + self.header.offset + HEADER_BYTES + off as u64;
         Ok(Some(PartView {
             map: self.segment.private_file()?.map(at, len)?,
