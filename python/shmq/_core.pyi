@@ -28,11 +28,21 @@ __all__ = [
     "describe_segment",
     "PeerDiedError",
     "segment_prefix",
+    "CHUNK_HEADER_BYTES",
+    "ID_MAX",
+    "COUNT_BYTES",
+    "SECRET_BYTES",
     "__version__",
 ]
 
 __version__: str
 segment_prefix: str
+#: The store's layout (``src/alloc.rs``, ``src/storage/``): a chunk's ``[id][size]``
+#: header, where ids wrap, an object's reader count, the handle-signing secret.
+CHUNK_HEADER_BYTES: int
+ID_MAX: int
+COUNT_BYTES: int
+SECRET_BYTES: int
 
 _T = TypeVar("_T")
 

@@ -104,11 +104,11 @@ class RingBuffer:
     restart at 0.
     """
 
-    ID_NBYTES = 4
-    SIZE_NBYTES = 4
-    MD_SIZE = ID_NBYTES + SIZE_NBYTES
-    ID_MAX = 2**31
-    AUTH_SECRET_BYTES = 32
+    # vLLM's names for the core's layout constants (defined once, in the core).
+    MD_SIZE: int = _core.CHUNK_HEADER_BYTES  # [id][size]
+    ID_NBYTES = SIZE_NBYTES = MD_SIZE // 2
+    ID_MAX: int = _core.ID_MAX
+    AUTH_SECRET_BYTES: int = _core.SECRET_BYTES
     #: Where the ring starts in ``shared_memory.buf``: at 0 (the signing secret is in the
     #: segment's header, outside ``buf``; vLLM keeps it in the first 32 bytes of ``buf``).
     DATA_OFFSET = 0
@@ -323,7 +323,8 @@ class ObjectStorage:
         self.serde_class = serde_class
         self.ser_de = serde_class()
         self.is_writer = ring_buffer.is_writer
-        self.flag_bytes = 4
+        #: The reader count in front of each object (vLLM's name; the core's layout).
+        self.flag_bytes: int = _core.COUNT_BYTES
         self._reader_lock = reader_lock
         self._core: Any = _core.ObjectStore(ring_buffer._core, max_object_size, n_readers, reader_lock is not None)
         codec = store_codec(self.ser_de)
@@ -353,10 +354,9 @@ class ObjectStorage:
         key exists or the serialized object exceeds ``max_object_size``; ``MemoryError``
         if there is no room after freeing every object all readers have finished with."""
         core = self._core
-        if not self.is_writer:
-            raise RuntimeError("Only the writer can put objects.")
-        # A known key is refused by core.put ("Key '...' already exists in the storage.")
-        # under the lock it takes anyway: no lookup of its own here.
+        # core.put refuses a reader ("Only the writer can put objects.") and a known key
+        # ("Key '...' already exists in the storage.") under the lock it takes anyway:
+        # neither check is repeated here.
         parts_of = self._parts
         if parts_of is not None:
             return core.put(key, parts_of(value), 1)

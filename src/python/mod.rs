@@ -45,6 +45,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(admin::describe_segment, m)?)?;
     m.add("PeerDiedError", m.py().get_type::<errors::PeerDiedError>())?;
     m.add("segment_prefix", crate::segment::NAME_PREFIX)?;
+    // The store's layout constants, for the Python classes that show vLLM's names for
+    // them (`RingBuffer.MD_SIZE`, `ID_MAX`, ...): defined once, in the core.
+    m.add("CHUNK_HEADER_BYTES", crate::alloc::HEADER_BYTES)?;
+    m.add("ID_MAX", crate::alloc::ID_MAX)?;
+    m.add("COUNT_BYTES", crate::storage::COUNT_BYTES)?;
+    m.add("SECRET_BYTES", crate::storage::SECRET_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
