@@ -231,8 +231,9 @@ def _floor_pickle(params: Params) -> dict[str, float]:
 
 
 def _floor_store(params: Params) -> dict[str, float]:
-    """shmq's object store in this process (MsgpackSerde): put and get of the small
-    object, then put and get of a 4 MiB float32 tensor (numpy array without torch)."""
+    """shmq's object store in this process (MsgpackSerde): put and get of a 4 MiB
+    float32 tensor (numpy array without torch); the small object is in the "calls"
+    floor."""
     from shmq import ObjectStorage, RingBuffer
 
     class _NoLock:
@@ -245,12 +246,6 @@ def _floor_store(params: Params) -> dict[str, float]:
             return False
 
     store = ObjectStorage(8 * MiB, 1, RingBuffer(256 * MiB, create=True), reader_lock=_NoLock())
-    n = min(params.objects, 20_000)
-    keys = iter([f"small-{i}" for i in range(10 * n + 100)])
-    handles = []
-    put_us = _time_per_call_us(lambda: handles.append(store.put(next(keys), SMALL_OBJECT)), n)
-    got = iter(handles)
-    get_us = _time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
 
     big: Any  # a torch tensor, or a numpy array without torch
     try:
@@ -276,8 +271,6 @@ def _floor_store(params: Params) -> dict[str, float]:
         get_rates.append(32 * 4 * MiB / (t2 - t1))
     store.clear()
     out = {
-        "put_us": put_us,
-        "get_us": get_us,
         "big_put": statistics.median(put_rates),
         "big_get_copy": statistics.median(get_rates),
     }
@@ -291,6 +284,61 @@ def _floor_store(params: Params) -> dict[str, float]:
     if vllm_us is not None:
         out["vllm_big_get_us"] = vllm_us
         out["big_get_ratio"] = vllm_us / out["big_get_us"]
+    return out
+
+
+def _floor_small_calls(params: Params) -> dict[str, float]:
+    """The cheap calls, in this process, next to vLLM 0.33's classes when importable:
+    ``allocate_buf`` of 64 bytes (timed in batches of 100, the ring freed between
+    batches, untimed), and the object store's ``put`` and ``get`` of the small object
+    (MsgpackSerde on both sides)."""
+    from shmq import ObjectStorage, RingBuffer
+
+    n = min(params.objects, 20_000)
+
+    def alloc_us(ring: Any) -> float:
+        per_call, clock = [], time.perf_counter_ns
+        for _ in range(max(10, n // 100)):
+            t0 = clock()
+            for _ in range(100):
+                ring.allocate_buf(64)
+            per_call.append((clock() - t0) / 100 / 1000)
+            ring.free_buf(lambda _id, _buf: True)
+        return statistics.median(per_call)
+
+    def put_get_us(store: Any) -> tuple[float, float]:
+        keys = iter([f"small-{i}" for i in range(10 * n + 100)])
+        handles: list[Any] = []
+        put = _time_per_call_us(lambda: handles.append(store.put(next(keys), SMALL_OBJECT)), n)
+        got = iter(handles)
+        return put, _time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
+
+    ring = RingBuffer(MiB, create=True)
+    out = {"alloc_us": alloc_us(ring)}
+    ring.close()
+    store = ObjectStorage(MiB, 1, RingBuffer(256 * MiB, create=True))
+    out["put_us"], out["get_us"] = put_get_us(store)
+    store.close()
+    try:
+        import torch  # noqa: F401 (vLLM's serde needs it)
+        from vllm.distributed.device_communicators.shm_object_storage import (
+            SingleWriterShmObjectStorage,
+            SingleWriterShmRingBuffer,
+        )
+    except Exception:  # vLLM absent, or its import failed here: no reference rows
+        return out
+    vring = SingleWriterShmRingBuffer(MiB, create=True)
+    try:
+        out["vllm_alloc_us"] = alloc_us(vring)
+    finally:
+        vring.close()
+    vring = SingleWriterShmRingBuffer(256 * MiB, create=True)
+    try:
+        out["vllm_put_us"], out["vllm_get_us"] = put_get_us(SingleWriterShmObjectStorage(MiB, 1, vring))
+    finally:
+        vring.close()
+    for k in ("alloc", "put", "get"):
+        out[f"{k}_ratio"] = out[f"vllm_{k}_us"] / out[f"{k}_us"]
     return out
 
 
@@ -372,13 +420,27 @@ FLOORS: list[Floor] = [
         "object store",
         _floor_store,
         [
-            Metric("put_us", "object store: put, small object", "us", False),
-            Metric("get_us", "object store: get, small object", "us", False),
             Metric("big_put", "object store: put, 4 MiB float32 tensor", "GB/s", True),
             Metric("big_get_copy", "object store: get(copy=True), 4 MiB float32 tensor", "GB/s", True),
             Metric("big_get_us", "object store: get (zero-copy view), 4 MiB float32 tensor", "us", False),
             Metric("vllm_big_get_us", "vLLM 0.33 object store: get, 4 MiB float32 tensor", "us", False),
             Metric("big_get_ratio", "object store: get 4 MiB, vLLM 0.33's time / shmq's", "x", True),
+        ],
+    ),
+    Floor(
+        "calls",
+        "cheap calls",
+        _floor_small_calls,
+        [
+            Metric("alloc_us", "store ring: allocate_buf(64)", "us", False),
+            Metric("vllm_alloc_us", "vLLM 0.33 store ring: allocate_buf(64)", "us", False),
+            Metric("alloc_ratio", "allocate_buf: vLLM 0.33's time / shmq's", "x", True),
+            Metric("put_us", "object store: put, small object", "us", False),
+            Metric("vllm_put_us", "vLLM 0.33 object store: put, small object", "us", False),
+            Metric("put_ratio", "store put, small: vLLM 0.33's time / shmq's", "x", True),
+            Metric("get_us", "object store: get, small object", "us", False),
+            Metric("vllm_get_us", "vLLM 0.33 object store: get, small object", "us", False),
+            Metric("get_ratio", "store get, small: vLLM 0.33's time / shmq's", "x", True),
         ],
     ),
     Floor(
