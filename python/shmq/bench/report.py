@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
@@ -306,6 +307,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``python -m shmq bench``: run, print the table; 1 if any run failed."""
+    # vLLM's import pulls in `requests`, which warns about an optional dependency it
+    # does not need here; keep the table clean (here and in the spawned processes).
+    warnings.filterwarnings("ignore", module="requests")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::Warning:requests")
     by_name = {t.name: t for t in TRANSPORTS}
     wanted = [n.strip() for n in args.transports.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in by_name]
