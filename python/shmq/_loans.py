@@ -3,9 +3,23 @@ whose ``loan(nbytes)`` gives a writable memoryview of shared memory to fill in p
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-__all__ = ["loaned_array", "loaned_tensor"]
+__all__ = ["loan_memory", "loaned_array", "loaned_tensor"]
+
+
+def loan_memory(loan: Callable[[int], Optional[Any]], nbytes: Any) -> tuple[memoryview, bool]:
+    """``nbytes`` of memory from a core ``loan`` (a writer's or a store's): the loaned
+    shared memory, or ordinary memory when it has no room. Returns ``(memory,
+    fell_back)``; ``ValueError`` unless ``nbytes`` is an int >= 0."""
+    if type(nbytes) is not int or nbytes < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    if nbytes == 0:
+        return memoryview(bytearray()), False
+    view = loan(nbytes)
+    if view is None:
+        return memoryview(bytearray(nbytes)), True
+    return memoryview(view), False
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional, cast
 
 from . import _core, _oob
 from ._cleanup import track
-from ._loans import loaned_array, loaned_tensor
+from ._loans import loan_memory, loaned_array, loaned_tensor
 
 __all__ = ["Handle", "MessageQueue", "PeerDiedError", "ShmRingBuffer", "sched_yield"]
 
@@ -441,15 +441,9 @@ class MessageQueue:
         writer = self._writer
         if writer is None:
             raise RuntimeError("only the writer can loan memory: this MessageQueue is a reader")
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be non-negative, got {nbytes}")
-        if nbytes == 0:
-            return memoryview(bytearray())
-        view = writer.loan(nbytes)
-        if view is None:
-            self.loan_fallbacks += 1
-            return memoryview(bytearray(nbytes))
-        return memoryview(view)
+        memory, fell_back = loan_memory(writer.loan, nbytes)
+        self.loan_fallbacks += fell_back
+        return memory
 
     loan_fallbacks = 0
 

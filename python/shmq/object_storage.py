@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import _core
 from ._cleanup import track
-from ._loans import loaned_array, loaned_tensor
+from ._loans import loan_memory, loaned_array, loaned_tensor
 from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
 
 __all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer", "VIEW_THRESHOLD"]
@@ -374,15 +374,9 @@ class ObjectStorage:
         ordinary memory (counted in ``loan_fallbacks``) and ``put`` copies it."""
         if not self.is_writer:
             raise RuntimeError("Only the writer can loan memory.")
-        if type(nbytes) is not int or nbytes < 0:
-            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
-        if nbytes == 0:
-            return memoryview(bytearray())
-        view = self._core.loan(nbytes)
-        if view is None:
-            self.loan_fallbacks += 1
-            return memoryview(bytearray(nbytes))
-        return memoryview(view)
+        memory, fell_back = loan_memory(self._core.loan, nbytes)
+        self.loan_fallbacks += fell_back
+        return memory
 
     #: Loans that got ordinary memory because the ring had no room.
     loan_fallbacks = 0

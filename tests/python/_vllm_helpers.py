@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from _processes import STEP
+from _processes.harness import LogRecords
 from _processes.group_children import _join_group
 
 # ---------------------------------------------------------------------------------
@@ -96,15 +97,6 @@ def env_probe(out: Any, env: dict[str, str]) -> None:
     out.put(("ip", _core.default_connect_ip()))
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[tuple[str, int, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.name, record.levelno, record.getMessage()))
-
-
 def vllm_warning_interval_reader(out: Any, handle: Any, rank: int, env: dict[str, str]) -> None:
     """With ``env`` set (and shmq's own interval variable unset), report the shmq
     warnings logged during a ``dequeue(timeout=1)`` with nothing sent."""
@@ -112,7 +104,7 @@ def vllm_warning_interval_reader(out: Any, handle: Any, rank: int, env: dict[str
 
     os.environ.pop("SHMQ_RINGBUFFER_WARNING_INTERVAL", None)
     os.environ.update(env)  # before the first wait: the interval is read once
-    capture = _Records()
+    capture = LogRecords()
     logging.getLogger().addHandler(capture)
     logging.getLogger().setLevel(logging.DEBUG)
     mq = MessageQueue.create_from_handle(handle, rank)
@@ -252,7 +244,6 @@ def vllm_member(
 
     Reports the classes vLLM ended up using, what the workers read, the plugin's log
     lines, and whether the image could be evicted once every worker had fetched it."""
-    import datetime
     import logging
 
     os.environ.pop("SHMQ_VLLM", None)
@@ -275,7 +266,7 @@ def vllm_member(
     import io
     import sys
 
-    capture = _Records()
+    capture = LogRecords()
     stderr, sys.stderr = sys.stderr, io.StringIO()
     if rank == 0:
         logging.getLogger("vllm").setLevel(logging.INFO)
@@ -305,13 +296,7 @@ def vllm_member(
         },
         "load_time_binding": mm_shm.SingleWriterShmObjectStorage.__module__,
     }
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=2 * STEP),
-    )
+    _join_group("gloo", port, rank, world_size)
     coordinator = GroupCoordinator(
         group_ranks=[list(range(world_size))],
         local_rank=rank,
@@ -381,7 +366,7 @@ def vllm_plugin_off(out: Any) -> None:
     import io
     import sys
 
-    capture = _Records()
+    capture = LogRecords()
     logging.getLogger("vllm").setLevel(logging.DEBUG)
     logging.getLogger("vllm").addHandler(capture)
     stderr, sys.stderr = sys.stderr, io.StringIO()

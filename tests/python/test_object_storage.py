@@ -62,29 +62,20 @@ NOT_ENOUGH_SPACE = "Not enough space in the data buffer"
 # Fixtures and drivers
 
 
-@pytest.fixture
-def kids():
-    c = Children()
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 class Reader:
     """A ``store_reader`` child driven by the test."""
 
-    def __init__(self, kids: Children, handle_arg):
-        self.kids = kids
-        self.out = kids.queue()
-        self.cmds = kids.queue()
-        self.proc = kids.start(store_reader, self.out, handle_arg, self.cmds)
-        msg = kids.expect(self.out, "ready")
+    def __init__(self, children: Children, handle_arg):
+        self.children = children
+        self.out = children.queue()
+        self.cmds = children.queue()
+        self.proc = children.start(store_reader, self.out, handle_arg, self.cmds)
+        msg = children.expect(self.out, "ready")
         self.is_writer = msg[2]
 
     def ask(self, *cmd):
         self.cmds.put(cmd)
-        return self.kids.receive(self.out)
+        return self.children.receive(self.out)
 
     def get(self, handle):
         """The value read by the child at ``handle``; fails the test if it raised."""
@@ -100,14 +91,14 @@ class Reader:
 
     def stop(self):
         self.cmds.put(("stop",))
-        self.kids.expect(self.out, "stopped")
+        self.children.expect(self.out, "stopped")
         self.proc.join(10)
         assert self.proc.exitcode == 0
 
 
-def start_readers(kids: Children, store: ObjectStorage, n: int) -> list[Reader]:
+def start_readers(children: Children, store: ObjectStorage, n: int) -> list[Reader]:
     blob = pickle.dumps(store.handle())
-    return [Reader(kids, blob) for _ in range(n)]
+    return [Reader(children, blob) for _ in range(n)]
 
 
 def fill(store: ObjectStorage, nbytes: int = 900, prefix: str = "k") -> tuple[dict, dict]:
@@ -179,7 +170,7 @@ def test_ring_ids_count_from_zero_and_addresses_grow():
     assert ring.data_buffer_end - ring.data_buffer_start <= ring.data_buffer_size
 
 
-def test_ring_chunk_layout_and_reader_process_sees_the_data(kids):
+def test_ring_chunk_layout_and_reader_process_sees_the_data(children):
     ring = RingBuffer(8192, create=True)
     sizes = [1, 17, 300, 64, 1000]
     chunks = []
@@ -201,41 +192,41 @@ def test_ring_chunk_layout_and_reader_process_sees_the_data(kids):
         assert bytes(buf[off + 8 : off + 8 + s]) == payload
     buf.release()
 
-    out, cmds = kids.queue(), kids.queue()
-    kids.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
-    kids.expect(out, "ready")
+    out, cmds = children.queue(), children.queue()
+    children.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
+    children.expect(out, "ready")
     for address, mid, s, payload in chunks:
         cmds.put(("read", address))
-        _, addr, data, header, view_type = kids.expect(out, "read")
+        _, addr, data, header, view_type = children.expect(out, "read")
         assert addr == address
         assert view_type == "memoryview"
         assert header == (mid, s + 8)
         assert data == payload
     cmds.put(("attrs",))
-    _, attrs = kids.expect(out, "attrs")
+    _, attrs = children.expect(out, "attrs")
     assert attrs["is_writer"] is False
     assert attrs["data_buffer_size"] == 8192
     assert attrs["handle"] == ring.handle()
     assert attrs["name"] == ring.shared_memory.name
     assert attrs["size"] >= 8192 and attrs["buf_len"] >= 8192
     cmds.put(("stop",))
-    kids.expect(out, "stopped")
+    children.expect(out, "stopped")
 
 
-def test_ring_readers_cannot_allocate_free_or_clear(kids):
+def test_ring_readers_cannot_allocate_free_or_clear(children):
     ring = RingBuffer(4096, create=True)
     ring.allocate_buf(8)
-    out, cmds = kids.queue(), kids.queue()
-    kids.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
-    kids.expect(out, "ready")
+    out, cmds = children.queue(), children.queue()
+    children.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
+    children.expect(out, "ready")
     for op in ("allocate", "free", "clear"):
         cmds.put(("try", op))
-        _, got_op, exc_type, message = kids.expect(out, "try")
+        _, got_op, exc_type, message = children.expect(out, "try")
         assert got_op == op
         assert exc_type == "RuntimeError", f"a reader's {op}: {exc_type}: {message}"
         assert "writer" in message.lower(), message
     cmds.put(("stop",))
-    kids.expect(out, "stopped")
+    children.expect(out, "stopped")
     # the same in the writer's process, through a reader opened by name
     reader = RingBuffer(*ring.handle())
     assert not reader.is_writer
@@ -337,7 +328,7 @@ def test_ring_free_buf_oldest_first_until_in_use_or_nbytes():
     assert (address, mid) == (0, 9)
 
 
-def test_ring_clear_forgets_everything_and_ids_keep_counting(kids):
+def test_ring_clear_forgets_everything_and_ids_keep_counting(children):
     """vLLM 0.33: clear() forgets every chunk, ids keep counting, addresses restart at 0;
     the memory is left as it was until new chunks are written over it."""
     ring = RingBuffer(4096, create=True)
@@ -356,15 +347,15 @@ def test_ring_clear_forgets_everything_and_ids_keep_counting(kids):
     # The new chunk took the first old one's place; the others are untouched.
     with ring.access_buf(0) as (_, header):
         assert tuple(header) == (3, 18)
-    out, cmds = kids.queue(), kids.queue()
-    kids.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
-    kids.expect(out, "ready")
+    out, cmds = children.queue(), children.queue()
+    children.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
+    children.expect(out, "ready")
     for a, i in old[1:]:
         cmds.put(("read", a))
-        msg = kids.expect(out, "read")
+        msg = children.expect(out, "read")
         assert msg[3][0] == i and set(msg[2]) == {0xAB}
     cmds.put(("stop",))
-    kids.receive(out)
+    children.receive(out)
 
 
 def test_ring_handle_and_shared_memory():
@@ -403,7 +394,7 @@ def test_ring_named_segment_is_created_and_removed():
 
 
 @pytest.mark.parametrize("size", [1000, 777, 4097])
-def test_ring_many_laps_never_overlap_live_chunks(size, kids):
+def test_ring_many_laps_never_overlap_live_chunks(size, children):
     rng = np.random.default_rng(size)
     ring = RingBuffer(size, create=True)
     live: dict[int, tuple[int, bytes]] = {}  # id -> (address, payload)
@@ -439,15 +430,15 @@ def test_ring_many_laps_never_overlap_live_chunks(size, kids):
             with ring.access_buf(a) as (view, header):
                 assert header[0] == i and bytes(view) == p, f"chunk {i} corrupted at step {step}"
     assert laps >= 3, "the test should go round the ring several times"
-    out, cmds = kids.queue(), kids.queue()
-    kids.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
-    kids.expect(out, "ready")
+    out, cmds = children.queue(), children.queue()
+    children.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
+    children.expect(out, "ready")
     for i, (a, p) in live.items():
         cmds.put(("read", a))
-        msg = kids.expect(out, "read")
+        msg = children.expect(out, "read")
         assert msg[3] == (i, len(p) + 8) and msg[2] == p
     cmds.put(("stop",))
-    kids.expect(out, "stopped")
+    children.expect(out, "stopped")
 
 
 def test_ring_access_view_is_released_after_the_with_block():
@@ -461,16 +452,16 @@ def test_ring_access_view_is_released_after_the_with_block():
         pass  # released: fine
 
 
-def test_zero_copy_views_outlive_the_writer(kids):
+def test_zero_copy_views_outlive_the_writer(children):
     """STYLE 10: a view kept after ``del`` + ``gc.collect()`` of its ring still reads the
     data (or is released), never freed memory; the segment goes once the views do."""
-    out = kids.queue()
-    kids.start(view_lifetime, out)
-    _, data, kept, _exists_with_view, exists_after = kids.expect(out, "views")
+    out = children.queue()
+    children.start(view_lifetime, out)
+    _, data, kept, _exists_with_view, exists_after = children.expect(out, "views")
     assert data == bytes(range(32))
     assert kept == bytes(range(32)) or kept[0] == "raised"
     assert not exists_after
-    assert kids.exit_codes() == {p.pid: 0 for p in kids.procs}
+    assert children.exit_codes() == {p.pid: 0 for p in children.procs}
 
 
 # ---------------------------------------------------------------------------------
@@ -496,14 +487,14 @@ VALUES = {
 
 
 @pytest.mark.parametrize("serde", [MsgpackSerde, PickleSerde])
-def test_put_get_across_processes_two_readers(serde, kids):
+def test_put_get_across_processes_two_readers(serde, children):
     ring = RingBuffer(1 << 20, create=True)
     store = ObjectStorage(1 << 16, 2, ring, serde_class=serde)
     handles = {k: store.put(k, v) for k, v in VALUES.items()}
     for _k, (address, mid) in handles.items():
         assert isinstance(address, int) and isinstance(mid, int)
     assert [mid for _, mid in handles.values()] == list(range(len(VALUES)))
-    readers = start_readers(kids, store, 2)
+    readers = start_readers(children, store, 2)
     assert [r.is_writer for r in readers] == [False, False]
     # the handles travel to the readers through a multiprocessing queue
     for n, r in enumerate(readers):
@@ -574,13 +565,13 @@ def test_object_larger_than_the_ring_is_a_memory_error():
 # Eviction
 
 
-def test_eviction_only_of_objects_every_reader_has_read_fifo(kids):
+def test_eviction_only_of_objects_every_reader_has_read_fifo(children):
     ring = RingBuffer(4096, create=True)
     store = ObjectStorage(1024, 2, ring)
     values, handles = fill(store)
     n = len(values)
     new = b"\xff" * 900
-    r0, r1 = start_readers(kids, store, 2)
+    r0, r1 = start_readers(children, store, 2)
 
     # Full, and nobody has read anything: no room.
     with pytest.raises(MemoryError):
@@ -627,13 +618,13 @@ def test_eviction_only_of_objects_every_reader_has_read_fifo(kids):
         r.stop()
 
 
-def test_get_cached_needs_one_more_read_per_reader(kids):
+def test_get_cached_needs_one_more_read_per_reader(children):
     ring = RingBuffer(4096, create=True)
     store = ObjectStorage(1024, 2, ring)
     values, handles = fill(store)
     assert store.is_cached("k0")
     assert tuple(store.get_cached("k0")) == tuple(handles["k0"])
-    r0, r1 = start_readers(kids, store, 2)
+    r0, r1 = start_readers(children, store, 2)
     new = b"\xee" * 900
     for n, reader in enumerate([r0, r1, r0]):
         assert reader.get(handles["k0"]) == values["k0"]
@@ -666,20 +657,20 @@ def test_get_in_the_writer_counts_only_with_reader_lock(with_lock):
         assert store.is_cached("k0")
 
 
-def test_handle_with_reader_lock_reaches_a_child(kids):
+def test_handle_with_reader_lock_reaches_a_child(children):
     """The engines pass the handle (with a multiprocessing lock in it) as a Process
     argument; the child opens the store from it."""
     lock = CTX.Lock()
     ring = RingBuffer(4096, create=True)
     store = ObjectStorage(1024, 1, ring, reader_lock=lock)
     h = store.put("k", {"v": 1})
-    reader = Reader(kids, store.handle())
+    reader = Reader(children, store.handle())
     assert reader.get(h) == {"v": 1}
     assert store.reader_count(*h) == 1
     reader.stop()
 
 
-def test_is_cached_and_free_unused(kids):
+def test_is_cached_and_free_unused(children):
     ring = RingBuffer(1 << 16, create=True)
     store = ObjectStorage(4096, 1, ring)
     ha = store.put("a", "A")
@@ -687,7 +678,7 @@ def test_is_cached_and_free_unused(kids):
     assert store.is_cached("a") and store.is_cached("b") and not store.is_cached("c")
     assert list(store.free_unused() or []) == []
     assert store.is_cached("a") and store.is_cached("b")
-    (reader,) = start_readers(kids, store, 1)
+    (reader,) = start_readers(children, store, 1)
     assert reader.get(hb) == "B"
     store.free_unused()  # "a" is older and unread: nothing may go
     assert store.is_cached("a") and store.is_cached("b")
@@ -705,13 +696,13 @@ def test_is_cached_and_free_unused(kids):
     reader.stop()
 
 
-def test_clear_keeps_old_handles_readable_until_the_memory_is_reused(kids):
+def test_clear_keeps_old_handles_readable_until_the_memory_is_reused(children):
     """vLLM 0.33: requests still draining after a clear() read their objects until new
     objects are written over them; then the handle is refused, never another object."""
     ring = RingBuffer(1 << 16, create=True)
     store = ObjectStorage(4096, 1, ring)
     old = {k: store.put(k, k * 300) for k in ("a", "b", "c")}
-    (reader,) = start_readers(kids, store, 1)
+    (reader,) = start_readers(children, store, 1)
     assert reader.get(old["a"]) == "a" * 300
     store.clear()
     assert store.key_index == {} and store.id_index == {}
@@ -760,7 +751,7 @@ def test_writer_attributes():
     assert reader.n_readers == 3 and reader.max_object_size == 4096
 
 
-def test_handle_is_picklable_and_opens_a_reader(kids):
+def test_handle_is_picklable_and_opens_a_reader(children):
     ring = RingBuffer(1 << 16, create=True)
     store = ObjectStorage(4096, 2, ring, serde_class=PickleSerde)
     handle = store.handle()
@@ -779,7 +770,7 @@ def test_handle_is_picklable_and_opens_a_reader(kids):
     assert reader.get(*h, store.get_signature("k"), "k") == {"x": (1, 2)}
     with pytest.raises(RuntimeError, match="(?i)writer"):
         reader.put("x", 1)
-    (child,) = start_readers(kids, store, 1)
+    (child,) = start_readers(children, store, 1)
     assert child.get(h) == {"x": (1, 2)}
     msg = child.ask("put", "p")
     assert msg[0] == "raised" and msg[2] == "RuntimeError", msg
@@ -794,21 +785,21 @@ def test_handle_is_picklable_and_opens_a_reader(kids):
 def absurd_results():
     """Tries every absurd handle, in a reader process (on a store of this process) and
     in a writer process (on its own store, with a reader_lock so its gets count)."""
-    kids = Children()
+    children = Children()
     ring = RingBuffer(4096, create=True)
     store = ObjectStorage(1024, 1, ring)
     try:
         cases = absurd_scenario(store)
         assert [c[0] for c in cases] == ABSURD_CASES
-        out = kids.queue()
-        kids.start(absurd_reader, out, pickle.dumps(store.handle()), cases)
-        kids.start(absurd_writer, out)
+        out = children.queue()
+        children.start(absurd_reader, out, pickle.dumps(store.handle()), cases)
+        children.start(absurd_writer, out)
         results: dict = {}
         started: dict = {}
         done: set = set()
         while len(done) < 2:
             try:
-                msg = kids.receive(out)
+                msg = children.receive(out)
             except AssertionError as e:  # a child died or hung: record what we have
                 results["_failure"] = str(e)
                 break
@@ -819,12 +810,12 @@ def absurd_results():
                 started.pop(msg[1], None)
             elif msg[0] == "done":
                 done.add(msg[1])
-        codes = kids.exit_codes()
+        codes = children.exit_codes()
         results["_exit_codes"] = codes
         results["_crashed_in"] = started
         return results
     finally:
-        kids.close()
+        children.close()
         del store, ring
         gc.collect()
 
@@ -857,15 +848,15 @@ def test_absurd_handle_is_refused_with_value_error(absurd_results, side, case):
 # Crash tests (STYLE 11): peers that die without running their destructors
 
 
-def test_killed_reader_then_replacement_reader(kids):
+def test_killed_reader_then_replacement_reader(children):
     ring = RingBuffer(1 << 16, create=True)
     store = ObjectStorage(4096, 1, ring)
     h0 = store.put("k0", ["zero"])
     h1 = store.put("k1", ["one"])
     blob = pickle.dumps(store.handle())
-    out = kids.queue()
-    p = kids.start(killed_reader, out, blob, *h0)
-    assert kids.expect(out, "got")[1] == ["zero"]
+    out = children.queue()
+    p = children.start(killed_reader, out, blob, *h0)
+    assert children.expect(out, "got")[1] == ["zero"]
     p.join(15)
     assert p.exitcode == -signal.SIGKILL
     # its read was counted before it died; the writer and a new reader carry on
@@ -873,18 +864,18 @@ def test_killed_reader_then_replacement_reader(kids):
     store.free_unused()
     assert not store.is_cached("k0") and store.is_cached("k1")
     h2 = store.put("k2", ["two"])
-    reader = Reader(kids, blob)
+    reader = Reader(children, blob)
     assert reader.get(h1) == ["one"]
     assert reader.get(h2) == ["two"]
     assert reader.get_error(h0)[0] == "ValueError"
     reader.stop()
 
 
-def test_abandoned_writer_leaves_a_readable_segment(kids):
+def test_abandoned_writer_leaves_a_readable_segment(children):
     values = {"a": [1, 2, 3], "b": {"x": b"bytes"}, "c": np.arange(10, dtype=np.int16)}
-    out = kids.queue()
-    p = kids.start(abandoned_writer, out, values)
-    _, blob, handles, name = kids.expect(out, "stored")
+    out = children.queue()
+    p = children.start(abandoned_writer, out, values)
+    _, blob, handles, name = children.expect(out, "stored")
     p.join(15)
     assert p.exitcode == 0
     try:

@@ -29,26 +29,17 @@ MiB = 1 << 20
 N = MiB  # float32 elements: 4 MiB objects
 
 
-@pytest.fixture
-def kids():
-    c = Children()
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 class ViewReader:
-    def __init__(self, kids: Children, store: ObjectStorage):
-        self.kids = kids
-        self.out, self.cmds = kids.queue(), kids.queue()
-        self.proc = kids.start(view_reader, self.out, pickle.dumps(store.handle()), self.cmds)
-        _, self.pid, segment = kids.expect(self.out, "ready")
+    def __init__(self, children: Children, store: ObjectStorage):
+        self.children = children
+        self.out, self.cmds = children.queue(), children.queue()
+        self.proc = children.start(view_reader, self.out, pickle.dumps(store.handle()), self.cmds)
+        _, self.pid, segment = children.expect(self.out, "ready")
         self.segment = "/dev/shm/" + segment
 
     def ask(self, *cmd):
         self.cmds.put(cmd)
-        return self.kids.receive(self.out)
+        return self.children.receive(self.out)
 
     def get(self, tag, handle, copy=False):
         msg = self.ask("get", tag, *handle, copy)
@@ -62,7 +53,7 @@ class ViewReader:
 
     def stop(self):
         self.cmds.put(("stop",))
-        self.kids.expect(self.out, "stopped")
+        self.children.expect(self.out, "stopped")
 
 
 def store_of(n_readers: int, objects: int = 2, serde=None) -> ObjectStorage:
@@ -77,9 +68,9 @@ def tensor(value: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("serde", [None, PickleSerde], ids=["msgpack", "pickle"])
-def test_a_view_keeps_its_object_until_the_reader_drops_it(kids, serde):
+def test_a_view_keeps_its_object_until_the_reader_drops_it(children, serde):
     store = store_of(1, serde=serde)
-    reader = ViewReader(kids, store)
+    reader = ViewReader(children, store)
     a = store.put("a", {"t": tensor(1.0), "meta": "x"})
     store.put("b", tensor(2.0))
     summary, mapping = reader.get("a", a)
@@ -98,9 +89,9 @@ def test_a_view_keeps_its_object_until_the_reader_drops_it(kids, serde):
     reader.stop()
 
 
-def test_copy_true_is_independent_of_the_store(kids):
+def test_copy_true_is_independent_of_the_store(children):
     store = store_of(1)
-    reader = ViewReader(kids, store)
+    reader = ViewReader(children, store)
     a = store.put("a", tensor(1.0))
     summary, mapping = reader.get("a", a, copy=True)
     assert mapping != reader.segment
@@ -112,9 +103,9 @@ def test_copy_true_is_independent_of_the_store(kids):
     reader.stop()
 
 
-def test_small_parts_are_copies_and_the_threshold_is_set_per_store(kids):
+def test_small_parts_are_copies_and_the_threshold_is_set_per_store(children):
     store = store_of(1)
-    reader = ViewReader(kids, store)
+    reader = ViewReader(children, store)
     small = store.put("small", {"t": torch.arange(1000, dtype=torch.int64)})
     summary, mapping = reader.get("small", small)
     assert mapping != reader.segment and summary[3] == float(sum(range(1000)))
@@ -132,9 +123,9 @@ def test_small_parts_are_copies_and_the_threshold_is_set_per_store(kids):
     reader.stop()
 
 
-def test_a_readers_write_reaches_neither_the_writer_nor_other_readers(kids):
+def test_a_readers_write_reaches_neither_the_writer_nor_other_readers(children):
     store = store_of(2)
-    r0, r1 = ViewReader(kids, store), ViewReader(kids, store)
+    r0, r1 = ViewReader(children, store), ViewReader(children, store)
     arr = np.arange(N, dtype=np.float32)
     a = store.put("a", arr)
     s0, m0 = r0.get("a", a)
@@ -148,9 +139,9 @@ def test_a_readers_write_reaches_neither_the_writer_nor_other_readers(kids):
     r1.stop()
 
 
-def test_a_killed_reader_gives_its_views_back(kids):
+def test_a_killed_reader_gives_its_views_back(children):
     store = store_of(1)
-    reader = ViewReader(kids, store)
+    reader = ViewReader(children, store)
     a = store.put("a", tensor(1.0))
     store.put("b", tensor(2.0))
     reader.get("a", a)
@@ -162,9 +153,9 @@ def test_a_killed_reader_gives_its_views_back(kids):
     assert not store.is_cached("a")
 
 
-def test_clear_moves_nothing_while_a_view_lives(kids):
+def test_clear_moves_nothing_while_a_view_lives(children):
     store = store_of(1, objects=3)
-    reader = ViewReader(kids, store)
+    reader = ViewReader(children, store)
     a = store.put("a", tensor(1.0))
     b = store.put("b", tensor(2.0))
     summary, _ = reader.get("b", b)
@@ -185,9 +176,9 @@ def test_clear_moves_nothing_while_a_view_lives(kids):
     reader.stop()
 
 
-def test_views_of_a_cleared_object_are_copies(kids):
+def test_views_of_a_cleared_object_are_copies(children):
     store = store_of(1)
-    reader = ViewReader(kids, store)
+    reader = ViewReader(children, store)
     a = store.put("a", tensor(1.0))
     store.clear()  # "a" stays readable until its memory is reused, but not viewable
     summary, mapping = reader.get("a", a)
@@ -203,9 +194,9 @@ def _ring_address(store: ObjectStorage) -> int:
     return np.frombuffer(store.ring_buffer.shared_memory.buf, dtype=np.uint8).ctypes.data
 
 
-def test_a_loaned_tensor_is_put_without_a_copy(kids):
+def test_a_loaned_tensor_is_put_without_a_copy(children):
     store = store_of(1, objects=3)
-    reader = ViewReader(kids, store)
+    reader = ViewReader(children, store)
     t = store.loan_tensor((N,))
     t.copy_(torch.arange(N, dtype=torch.float32))  # "the model writes its output here"
     a = store.put("a", {"t": t, "meta": "loaned"})

@@ -273,6 +273,10 @@ def test_a_dropped_loan_is_given_back():
     again = mq.loan(8 * MiB)
     assert mq.loan_fallbacks == 1, "the dropped loans were not given back"
     del again
+    for bad in (-1, 1.5, "8"):
+        with pytest.raises(ValueError, match="nbytes must be an int >= 0"):
+            mq.loan(bad)
+    assert len(mq.loan(0)) == 0 and mq.loan_fallbacks == 1
 
 
 def test_remote_and_local_readers_get_the_same_tensors(children):

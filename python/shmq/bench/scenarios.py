@@ -287,6 +287,20 @@ def _floor_store(params: Params) -> dict[str, float]:
     return out
 
 
+def _vllm_store_classes() -> Optional[tuple[Any, Any]]:
+    """vLLM 0.33's ``SingleWriterShmObjectStorage`` and ``SingleWriterShmRingBuffer``, or
+    ``None`` when vLLM is absent or its import fails here (no reference rows then)."""
+    try:
+        import torch  # noqa: F401 (vLLM's serde needs it)
+        from vllm.distributed.device_communicators.shm_object_storage import (
+            SingleWriterShmObjectStorage,
+            SingleWriterShmRingBuffer,
+        )
+    except Exception:
+        return None
+    return SingleWriterShmObjectStorage, SingleWriterShmRingBuffer
+
+
 def _floor_small_calls(params: Params) -> dict[str, float]:
     """The cheap calls, in this process, next to vLLM 0.33's classes when importable:
     ``allocate_buf`` of 64 bytes (timed in batches of 100, the ring freed between
@@ -319,14 +333,10 @@ def _floor_small_calls(params: Params) -> dict[str, float]:
     store = ObjectStorage(MiB, 1, RingBuffer(256 * MiB, create=True))
     out["put_us"], out["get_us"] = put_get_us(store)
     store.close()
-    try:
-        import torch  # noqa: F401 (vLLM's serde needs it)
-        from vllm.distributed.device_communicators.shm_object_storage import (
-            SingleWriterShmObjectStorage,
-            SingleWriterShmRingBuffer,
-        )
-    except Exception:  # vLLM absent, or its import failed here: no reference rows
+    classes = _vllm_store_classes()
+    if classes is None:
         return out
+    SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = classes
     vring = SingleWriterShmRingBuffer(MiB, create=True)
     try:
         out["vllm_alloc_us"] = alloc_us(vring)
@@ -345,14 +355,10 @@ def _floor_small_calls(params: Params) -> dict[str, float]:
 def _vllm_store_get_us(big: Any) -> Optional[float]:
     """vLLM 0.33's ``SingleWriterShmObjectStorage.get`` of the same 4 MiB tensor (its own
     MsgpackSerde), in the writer as above; ``None`` if vLLM is not importable."""
-    try:
-        import torch  # noqa: F401 (vLLM's serde needs it)
-        from vllm.distributed.device_communicators.shm_object_storage import (
-            SingleWriterShmObjectStorage,
-            SingleWriterShmRingBuffer,
-        )
-    except Exception:  # vLLM absent, or its import failed here: no reference row
+    classes = _vllm_store_classes()
+    if classes is None:
         return None
+    SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = classes
     ring = SingleWriterShmRingBuffer(16 * MiB, create=True)
     try:
         store = SingleWriterShmObjectStorage(8 * MiB, 1, ring)

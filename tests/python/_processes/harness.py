@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -13,6 +14,18 @@ import traceback
 from typing import Any, Callable
 
 CTX = mp.get_context("spawn")
+
+
+class LogRecords(logging.Handler):
+    """Keeps every record it is given as ``(logger name, level, message)``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.levelno, record.getMessage()))
+
 
 # Bound on any one blocking call (enqueue, dequeue, ready, a report); generous, because
 # it only turns a hang into a failure and the machine may be busy.

@@ -11,7 +11,7 @@ from typing import Any
 
 from shmq import Handle, MessageQueue, ShmRingBuffer
 
-from .harness import STEP
+from .harness import STEP, LogRecords
 from .objects import describe, digest_update, iter_objects, same
 
 
@@ -216,20 +216,11 @@ def broadcast_reader(out: Any, handle: Handle, rank: int, n: int) -> None:
     out.put(("got", rank, [mq.broadcast_object() for _ in range(n)]))
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[tuple[str, int, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.name, record.levelno, record.getMessage()))
-
-
 def warning_reader(out: Any, handle: Handle, rank: int, env: dict[str, str]) -> None:
     """With ``env`` set in this process, report what Python logging receives during a
     dequeue(timeout=1) with nothing sent, then during one with indefinite=True."""
     os.environ.update(env)  # before this process's first wait: the interval is read once
-    capture = _Records()
+    capture = LogRecords()
     logging.getLogger().addHandler(capture)
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready(timeout=STEP)
@@ -251,7 +242,7 @@ def warning_writer(out: Any, env: dict[str, str]) -> None:
     """With ``env`` set in this process, report what Python logging receives while the
     writer waits (timeout=1) for a chunk that no reader frees."""
     os.environ.update(env)
-    capture = _Records()
+    capture = LogRecords()
     logging.getLogger().addHandler(capture)
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=1)
     mq.enqueue("fills the only chunk", timeout=STEP)
