@@ -48,7 +48,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
-use crate::segment::{unique_name, Segment};
+use crate::segment::{unique_name, HeaderCheck, Segment};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.
 pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"SHMQARN1");
@@ -758,22 +758,18 @@ impl ArenaReader {
             name: name.to_owned(),
             reason,
         };
-        if segment.len() < TABLE_OFFSET {
-            return Err(bad(format!("it is only {} bytes long", segment.len())));
-        }
-        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
-        // SAFETY: the mapping is page-aligned and at least TABLE_OFFSET bytes long.
-        let header = unsafe { &*(base.as_ptr() as *const ArenaHeader) };
-        // Acquire: pairs with the Release store in `ArenaWriter::create`.
-        if header.magic.load(Ordering::Acquire) != ARENA_MAGIC {
-            return Err(bad("it is not a shmq tensor arena".into()));
-        }
-        if header.version != ARENA_LAYOUT_VERSION {
-            return Err(bad(format!(
-                "its layout version is {}, this shmq reads version {ARENA_LAYOUT_VERSION}",
-                header.version
-            )));
-        }
+        let check = HeaderCheck {
+            min_len: TABLE_OFFSET,
+            magic: ARENA_MAGIC,
+            version: ARENA_LAYOUT_VERSION,
+            not_this_kind: "it is not a shmq tensor arena",
+        };
+        // SAFETY: the mapping is page-aligned and at least TABLE_OFFSET bytes long, which
+        // covers the header; ArenaHeader is repr(C) plain integers and an atomic (any bit
+        // pattern is valid). The magic's Acquire load pairs with the Release store in
+        // `ArenaWriter::create`.
+        let (base, header) =
+            unsafe { segment.checked_header(&check, |h: &ArenaHeader| (&h.magic, h.version)) }?;
         let geo = Geometry::new(
             header.n_reader as usize,
             header.capacity as usize,
