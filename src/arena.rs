@@ -48,7 +48,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
-use crate::segment::{unique_name, HeaderCheck, Segment};
+use crate::segment::{data_after_table, round_up, unique_name, HeaderCheck, Segment};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.
 pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"SHMQARN1");
@@ -131,10 +131,6 @@ const _: () = assert!(std::mem::size_of::<LeaseRecord>() <= LEASE_HOLDS_OFFSET);
 
 pub use crate::private_map::page_size;
 
-fn round_up(n: usize, to: usize) -> Option<usize> {
-    n.checked_add(to - 1).map(|v| v / to * to)
-}
-
 /// Sizes derived from an arena's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Geometry {
@@ -173,15 +169,9 @@ impl Geometry {
         let too_large = || bad(format!("an arena of {capacity} bytes is too large"));
         let capacity = round_up(capacity.max(page_size), page_size).ok_or_else(too_large)?;
         let lease_stride = round_up(LEASE_HOLDS_OFFSET + 4 * n_reader, 64).ok_or_else(too_large)?;
-        let table_end = lease_stride
-            .checked_mul(max_leases)
-            .and_then(|t| t.checked_add(TABLE_OFFSET))
-            .ok_or_else(too_large)?;
-        let data_offset = round_up(table_end, page_size).ok_or_else(too_large)?;
-        let total = data_offset
-            .checked_add(capacity)
-            .filter(|&t| t <= isize::MAX as usize)
-            .ok_or_else(too_large)?;
+        let (data_offset, total) =
+            data_after_table(TABLE_OFFSET, lease_stride, max_leases, page_size, capacity)
+                .ok_or_else(too_large)?;
         Ok(Geometry {
             n_reader,
             max_leases,

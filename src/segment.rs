@@ -271,6 +271,30 @@ impl Segment {
     }
 }
 
+/// `n` rounded up to a multiple of `to` (which is above 0), or `None` on overflow.
+pub(crate) fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_add(to - 1).map(|v| v / to * to)
+}
+
+/// The layout's tail that the arena and the encoder cache share: a table of `count`
+/// records of `stride` bytes from `table_offset`, then `capacity` bytes of data from the
+/// next multiple of `page_size`. Returns `(data_offset, total)`, or `None` if the segment
+/// would be too large (an overflow, or a total above `isize::MAX`).
+pub(crate) fn data_after_table(
+    table_offset: usize,
+    stride: usize,
+    count: usize,
+    page_size: usize,
+    capacity: usize,
+) -> Option<(usize, usize)> {
+    let table_end = stride.checked_mul(count)?.checked_add(table_offset)?;
+    let data_offset = round_up(table_end, page_size)?;
+    let total = data_offset
+        .checked_add(capacity)
+        .filter(|&t| t <= isize::MAX as usize)?;
+    Some((data_offset, total))
+}
+
 /// What an opener expects at the start of a kind of segment: see
 /// [`Segment::checked_header`]. Each kind states only its constants.
 pub(crate) struct HeaderCheck {
