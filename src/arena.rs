@@ -48,6 +48,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
+use crate::range_alloc::RangeAllocator;
 use crate::segment::{data_after_table, round_up, unique_name, HeaderCheck, Segment};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.
@@ -269,8 +270,8 @@ struct Outstanding {
 /// The writer's side of an arena: it allocates leases and fills them.
 pub struct ArenaWriter {
     map: Arc<Mapped>,
-    /// Free ranges of the data region: offset → length (whole pages, coalesced).
-    free: BTreeMap<usize, usize>,
+    /// Free ranges of the data region.
+    free: RangeAllocator,
     /// Lease records not in use.
     free_leases: Vec<u32>,
     /// Leases handed out and not yet reclaimed.
@@ -323,11 +324,9 @@ impl ArenaWriter {
         // Release: pairs with the Acquire load in `ArenaReader::open`: an opener that
         // sees the magic sees the whole header (the table is zero from the kernel).
         map.header().magic.store(ARENA_MAGIC, Ordering::Release);
-        let mut free = BTreeMap::new();
-        free.insert(0, geo.capacity);
         Ok(ArenaWriter {
             map: Arc::new(map),
-            free,
+            free: RangeAllocator::new(geo.capacity, geo.page_size),
             free_leases: (0..geo.max_leases as u32).rev().collect(),
             outstanding: Vec::new(),
             reserved: 0,
@@ -410,7 +409,7 @@ impl ArenaWriter {
                     .fetch_add(1, Ordering::Relaxed);
                 self.outstanding.swap_remove(k);
                 self.loans.remove(&(self.map.data() as usize + o.offset));
-                self.free_range(o.offset, o.len);
+                self.free.give_back(o.offset, o.len);
                 self.free_leases.push(o.lease);
             } else {
                 k += 1;
@@ -422,32 +421,6 @@ impl ArenaWriter {
             .stats()
             .bytes_in_use
             .store(in_use as u64, Ordering::Relaxed);
-    }
-
-    fn free_range(&mut self, mut offset: usize, mut len: usize) {
-        if let Some((&prev, &plen)) = self.free.range(..offset).next_back() {
-            if prev + plen == offset {
-                self.free.remove(&prev);
-                offset = prev;
-                len += plen;
-            }
-        }
-        if let Some(&nlen) = self.free.get(&(offset + len)) {
-            self.free.remove(&(offset + len));
-            len += nlen;
-        }
-        self.free.insert(offset, len);
-    }
-
-    /// The lowest free range of at least `len` bytes (lowest first keeps the reserved
-    /// part of `/dev/shm` small).
-    fn take_range(&mut self, len: usize) -> Option<usize> {
-        let (&at, &have) = self.free.iter().find(|(_, &l)| l >= len)?;
-        self.free.remove(&at);
-        if have > len {
-            self.free.insert(at + len, have - len);
-        }
-        Some(at)
     }
 
     /// Make sure `end` bytes of the data region are reserved in `/dev/shm`.
@@ -507,12 +480,9 @@ impl ArenaWriter {
         len: usize,
         reader_is_dead: &mut dyn FnMut(usize) -> bool,
     ) -> Option<(u32, usize, usize)> {
-        let len = round_up(len.max(1), self.map.geo.page_size)?;
-        if len > self.map.geo.capacity {
-            return None;
-        }
+        let len = self.free.rounded(len)?;
         self.reclaim();
-        if self.free_leases.is_empty() || !self.free.values().any(|&l| l >= len) {
+        if self.free_leases.is_empty() || !self.free.fits(len) {
             let dead: Vec<usize> = (0..self.map.geo.n_reader)
                 .filter(|&r| reader_is_dead(r))
                 .collect();
@@ -530,9 +500,9 @@ impl ArenaWriter {
             }
         }
         let lease = *self.free_leases.last()?;
-        let offset = self.take_range(len)?;
+        let offset = self.free.take(len)?;
         if !self.reserve_to(offset + len) {
-            self.free_range(offset, len);
+            self.free.give_back(offset, len);
             return None;
         }
         self.free_leases.pop();

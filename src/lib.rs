@@ -94,6 +94,8 @@ pub(crate) mod pins;
 #[cfg(not(loom))]
 pub(crate) mod private_map;
 #[cfg(not(loom))]
+pub(crate) mod range_alloc;
+#[cfg(not(loom))]
 pub mod remote;
 #[cfg(not(loom))]
 pub(crate) mod segment;
