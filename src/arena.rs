@@ -48,7 +48,8 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
-use crate::segment::{unique_name, Segment};
+use crate::range_alloc::RangeAllocator;
+use crate::segment::{data_after_table, round_up, unique_name, HeaderCheck, Segment};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.
 pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"SHMQARN1");
@@ -131,10 +132,6 @@ const _: () = assert!(std::mem::size_of::<LeaseRecord>() <= LEASE_HOLDS_OFFSET);
 
 pub use crate::private_map::page_size;
 
-fn round_up(n: usize, to: usize) -> Option<usize> {
-    n.checked_add(to - 1).map(|v| v / to * to)
-}
-
 /// Sizes derived from an arena's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Geometry {
@@ -173,15 +170,9 @@ impl Geometry {
         let too_large = || bad(format!("an arena of {capacity} bytes is too large"));
         let capacity = round_up(capacity.max(page_size), page_size).ok_or_else(too_large)?;
         let lease_stride = round_up(LEASE_HOLDS_OFFSET + 4 * n_reader, 64).ok_or_else(too_large)?;
-        let table_end = lease_stride
-            .checked_mul(max_leases)
-            .and_then(|t| t.checked_add(TABLE_OFFSET))
-            .ok_or_else(too_large)?;
-        let data_offset = round_up(table_end, page_size).ok_or_else(too_large)?;
-        let total = data_offset
-            .checked_add(capacity)
-            .filter(|&t| t <= isize::MAX as usize)
-            .ok_or_else(too_large)?;
+        let (data_offset, total) =
+            data_after_table(TABLE_OFFSET, lease_stride, max_leases, page_size, capacity)
+                .ok_or_else(too_large)?;
         Ok(Geometry {
             n_reader,
             max_leases,
@@ -279,8 +270,8 @@ struct Outstanding {
 /// The writer's side of an arena: it allocates leases and fills them.
 pub struct ArenaWriter {
     map: Arc<Mapped>,
-    /// Free ranges of the data region: offset → length (whole pages, coalesced).
-    free: BTreeMap<usize, usize>,
+    /// Free ranges of the data region.
+    free: RangeAllocator,
     /// Lease records not in use.
     free_leases: Vec<u32>,
     /// Leases handed out and not yet reclaimed.
@@ -333,11 +324,9 @@ impl ArenaWriter {
         // Release: pairs with the Acquire load in `ArenaReader::open`: an opener that
         // sees the magic sees the whole header (the table is zero from the kernel).
         map.header().magic.store(ARENA_MAGIC, Ordering::Release);
-        let mut free = BTreeMap::new();
-        free.insert(0, geo.capacity);
         Ok(ArenaWriter {
             map: Arc::new(map),
-            free,
+            free: RangeAllocator::new(geo.capacity, geo.page_size),
             free_leases: (0..geo.max_leases as u32).rev().collect(),
             outstanding: Vec::new(),
             reserved: 0,
@@ -420,7 +409,7 @@ impl ArenaWriter {
                     .fetch_add(1, Ordering::Relaxed);
                 self.outstanding.swap_remove(k);
                 self.loans.remove(&(self.map.data() as usize + o.offset));
-                self.free_range(o.offset, o.len);
+                self.free.give_back(o.offset, o.len);
                 self.free_leases.push(o.lease);
             } else {
                 k += 1;
@@ -432,32 +421,6 @@ impl ArenaWriter {
             .stats()
             .bytes_in_use
             .store(in_use as u64, Ordering::Relaxed);
-    }
-
-    fn free_range(&mut self, mut offset: usize, mut len: usize) {
-        if let Some((&prev, &plen)) = self.free.range(..offset).next_back() {
-            if prev + plen == offset {
-                self.free.remove(&prev);
-                offset = prev;
-                len += plen;
-            }
-        }
-        if let Some(&nlen) = self.free.get(&(offset + len)) {
-            self.free.remove(&(offset + len));
-            len += nlen;
-        }
-        self.free.insert(offset, len);
-    }
-
-    /// The lowest free range of at least `len` bytes (lowest first keeps the reserved
-    /// part of `/dev/shm` small).
-    fn take_range(&mut self, len: usize) -> Option<usize> {
-        let (&at, &have) = self.free.iter().find(|(_, &l)| l >= len)?;
-        self.free.remove(&at);
-        if have > len {
-            self.free.insert(at + len, have - len);
-        }
-        Some(at)
     }
 
     /// Make sure `end` bytes of the data region are reserved in `/dev/shm`.
@@ -517,12 +480,9 @@ impl ArenaWriter {
         len: usize,
         reader_is_dead: &mut dyn FnMut(usize) -> bool,
     ) -> Option<(u32, usize, usize)> {
-        let len = round_up(len.max(1), self.map.geo.page_size)?;
-        if len > self.map.geo.capacity {
-            return None;
-        }
+        let len = self.free.rounded(len)?;
         self.reclaim();
-        if self.free_leases.is_empty() || !self.free.values().any(|&l| l >= len) {
+        if self.free_leases.is_empty() || !self.free.fits(len) {
             let dead: Vec<usize> = (0..self.map.geo.n_reader)
                 .filter(|&r| reader_is_dead(r))
                 .collect();
@@ -540,9 +500,9 @@ impl ArenaWriter {
             }
         }
         let lease = *self.free_leases.last()?;
-        let offset = self.take_range(len)?;
+        let offset = self.free.take(len)?;
         if !self.reserve_to(offset + len) {
-            self.free_range(offset, len);
+            self.free.give_back(offset, len);
             return None;
         }
         self.free_leases.pop();
@@ -758,22 +718,18 @@ impl ArenaReader {
             name: name.to_owned(),
             reason,
         };
-        if segment.len() < TABLE_OFFSET {
-            return Err(bad(format!("it is only {} bytes long", segment.len())));
-        }
-        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
-        // SAFETY: the mapping is page-aligned and at least TABLE_OFFSET bytes long.
-        let header = unsafe { &*(base.as_ptr() as *const ArenaHeader) };
-        // Acquire: pairs with the Release store in `ArenaWriter::create`.
-        if header.magic.load(Ordering::Acquire) != ARENA_MAGIC {
-            return Err(bad("it is not a shmq tensor arena".into()));
-        }
-        if header.version != ARENA_LAYOUT_VERSION {
-            return Err(bad(format!(
-                "its layout version is {}, this shmq reads version {ARENA_LAYOUT_VERSION}",
-                header.version
-            )));
-        }
+        let check = HeaderCheck {
+            min_len: TABLE_OFFSET,
+            magic: ARENA_MAGIC,
+            version: ARENA_LAYOUT_VERSION,
+            not_this_kind: "it is not a shmq tensor arena",
+        };
+        // SAFETY: the mapping is page-aligned and at least TABLE_OFFSET bytes long, which
+        // covers the header; ArenaHeader is repr(C) plain integers and an atomic (any bit
+        // pattern is valid). The magic's Acquire load pairs with the Release store in
+        // `ArenaWriter::create`.
+        let (base, header) =
+            unsafe { segment.checked_header(&check, |h: &ArenaHeader| (&h.magic, h.version)) }?;
         let geo = Geometry::new(
             header.n_reader as usize,
             header.capacity as usize,

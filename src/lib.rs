@@ -19,8 +19,10 @@
 //!   process trees (the Rust side of the Python package's `WorkerProcesses`);
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!
-//! Internals, under those: `segment` (named POSIX shared memory), `fork` (what a forked
-//! child must not do with what it inherited), `sync` / `futex` / `doorbell` / `seqlock`
+//! Internals, under those: `segment` (named POSIX shared memory, and the header check
+//! every kind of segment makes), `range_alloc` (the whole-page allocator of the arena's and
+//! the encoder cache's data regions), `fork` (what a forked child must not do with what it
+//! inherited), `sync` / `futex` / `doorbell` / `seqlock`
 //! (loom-swappable atomics, the process-shared futex, the sleep/wake handshake, the object
 //! store's seqlock), `private_map` (private copy-on-write views), `pins` (a process's views holding store
 //! chunks: file locks the writer checks before it frees), `transport` (ZeroMQ, for
@@ -93,6 +95,8 @@ pub mod liveness;
 pub(crate) mod pins;
 #[cfg(not(loom))]
 pub(crate) mod private_map;
+#[cfg(not(loom))]
+pub(crate) mod range_alloc;
 #[cfg(not(loom))]
 pub mod remote;
 #[cfg(not(loom))]

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::fork::LeakInChild;
+use crate::transport::poll_slice;
 use crate::wait::Wait;
 
 /// Bytes of the queue's secret.
@@ -44,8 +45,6 @@ const KIND_DATA: u8 = 0;
 const KIND_WELCOME: u8 = 1;
 const KIND_READY: u8 = 2;
 const KIND_REFUSED: u8 = 3;
-/// How long one socket poll sleeps before the waiter's checks run again.
-const POLL_SLICE: Duration = Duration::from_millis(5);
 /// How long closing the writer's socket may still flush queued messages.
 const LINGER_MS: i32 = 1000;
 
@@ -318,10 +317,7 @@ impl RemoteWriter {
             if self.peers.len() >= self.expected {
                 break;
             }
-            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
-            self.socket
-                .poll(zmq::POLLIN, slice.as_millis() as i64)
-                .map_err(Error::transport("waiting for remote readers"))?;
+            poll_slice(&self.socket, wait, "waiting for remote readers")?;
             wait.step(&mut crate::wait::no_peer)?;
         }
         let m = mac(
@@ -593,15 +589,8 @@ impl RemoteReader {
             if let Some(f) = self.try_recv_frames()? {
                 return Ok(f);
             }
-            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
-            let ready = self
-                .socket
-                .poll(zmq::POLLIN, slice.as_millis() as i64)
-                .map_err(Error::transport(format!(
-                    "waiting for a message from {}",
-                    self.endpoint
-                )))?;
-            if ready == 0 {
+            let context = format!("waiting for a message from {}", self.endpoint);
+            if !poll_slice(&self.socket, wait, context)? {
                 // A remote writer's liveness cannot be checked from here.
                 wait.step(&mut crate::wait::no_peer)?;
             }
@@ -620,10 +609,7 @@ impl RemoteReader {
                     None => {}
                 }
             }
-            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
-            self.socket
-                .poll(zmq::POLLIN, slice.as_millis() as i64)
-                .map_err(Error::transport(format!("waiting for {}", self.endpoint)))?;
+            poll_slice(&self.socket, wait, format!("waiting for {}", self.endpoint))?;
             wait.step(&mut crate::wait::no_peer)?;
         }
     }

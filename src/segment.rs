@@ -14,6 +14,7 @@
 //!   can tell a live creator's segment from an orphan (see [`crate::liveness`]).
 
 use std::ffi::CString;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use shared_memory::{Shmem, ShmemConf, ShmemError};
@@ -267,6 +268,90 @@ impl Segment {
             }
         }
         Ok(())
+    }
+}
+
+/// `n` rounded up to a multiple of `to` (which is above 0), or `None` on overflow.
+pub(crate) fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_add(to - 1).map(|v| v / to * to)
+}
+
+/// The layout's tail that the arena and the encoder cache share: a table of `count`
+/// records of `stride` bytes from `table_offset`, then `capacity` bytes of data from the
+/// next multiple of `page_size`. Returns `(data_offset, total)`, or `None` if the segment
+/// would be too large (an overflow, or a total above `isize::MAX`).
+pub(crate) fn data_after_table(
+    table_offset: usize,
+    stride: usize,
+    count: usize,
+    page_size: usize,
+    capacity: usize,
+) -> Option<(usize, usize)> {
+    let table_end = stride.checked_mul(count)?.checked_add(table_offset)?;
+    let data_offset = round_up(table_end, page_size)?;
+    let total = data_offset
+        .checked_add(capacity)
+        .filter(|&t| t <= isize::MAX as usize)?;
+    Some((data_offset, total))
+}
+
+/// What an opener expects at the start of a kind of segment: see
+/// [`Segment::checked_header`]. Each kind states only its constants.
+pub(crate) struct HeaderCheck {
+    /// The segment must be at least this long: the header and whatever the opener reads
+    /// before it can check the rest against the header's geometry.
+    pub min_len: usize,
+    /// The magic the creator stores last (with Release) once the header is written.
+    pub magic: u64,
+    /// The layout version this shmq reads.
+    pub version: u32,
+    /// The reason given when the magic does not match ("it is not a shmq ...").
+    pub not_this_kind: &'static str,
+}
+
+impl Segment {
+    /// The header of type `H` at the start of the segment and the mapping's base
+    /// address, once the segment is at least `check.min_len` bytes long and the header
+    /// carries `check.magic` and `check.version`; `fields` picks the header's magic and
+    /// layout version. Every failure is an [`Error::BadSegment`] naming the segment.
+    ///
+    /// # Safety
+    ///
+    /// `check.min_len` must be at least `size_of::<H>()`, `H` must need no more than a
+    /// page's alignment (the mapping is page-aligned), and every bit pattern must be a
+    /// valid `H`: a peer with access to the segment may have written anything there.
+    pub(crate) unsafe fn checked_header<H>(
+        &self,
+        check: &HeaderCheck,
+        fields: impl FnOnce(&H) -> (&AtomicU64, u32),
+    ) -> Result<(NonNull<u8>, &H)> {
+        debug_assert!(check.min_len >= std::mem::size_of::<H>());
+        let bad = |reason: String| Error::BadSegment {
+            name: self.name.clone(),
+            reason,
+        };
+        if self.len() < check.min_len {
+            return Err(bad(format!("it is only {} bytes long", self.len())));
+        }
+        let base = NonNull::new(self.as_ptr()).expect("mmap never returns null");
+        // SAFETY: the mapping is page-aligned and at least `check.min_len` bytes long,
+        // which covers an `H`; the caller promises that `H` fits that alignment and that
+        // any bytes there are a valid `H`. The reference lives no longer than `self`,
+        // which keeps the mapping.
+        let header = unsafe { &*(base.as_ptr() as *const H) };
+        let (magic, version) = fields(header);
+        // Acquire: pairs with the creator's Release store of the magic, which it makes
+        // last: an opener that sees the magic sees the header fields written before it.
+        if magic.load(Ordering::Acquire) != check.magic {
+            return Err(bad(check.not_this_kind.into()));
+        }
+        if version != check.version {
+            return Err(bad(format!(
+                "its layout version is {version}, this shmq reads version {}",
+                check.version
+            )));
+        }
+        Ok((base, header))
     }
 }
 

@@ -25,6 +25,21 @@ pub const READY: &[u8] = b"READY";
 /// Longest a socket poll sleeps before the waiter's checks run again.
 const POLL_SLICE: Duration = Duration::from_millis(5);
 
+/// Wait until `socket` has a message to receive, at most one poll slice (less if `wait`
+/// has less time left); whether it has one. `context` says what was awaited, for the
+/// error.
+pub(crate) fn poll_slice(
+    socket: &zmq::Socket,
+    wait: &Wait,
+    context: impl Into<String>,
+) -> Result<bool> {
+    let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
+    let ready = socket
+        .poll(zmq::POLLIN, slice.as_millis() as i64)
+        .map_err(Error::transport(context))?;
+    Ok(ready != 0)
+}
+
 /// How long closing a publisher may still flush queued messages.
 const LINGER_MS: i32 = 1000;
 
@@ -172,12 +187,7 @@ impl Publisher {
             return Ok(());
         }
         while self.subscribers < n {
-            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
-            let ready = self
-                .socket
-                .poll(zmq::POLLIN, slice.as_millis() as i64)
-                .map_err(Error::transport("waiting for subscribers"))?;
-            if ready == 0 {
+            if !poll_slice(&self.socket, wait, "waiting for subscribers")? {
                 wait.step(peers_alive)?;
                 continue;
             }
@@ -264,16 +274,7 @@ impl Subscriber {
         let Some(first) = self.try_recv()? else {
             return Ok(None);
         };
-        let mut frames = vec![first];
-        // The frames of a message arrive together: the rest are already here.
-        while frames.last().is_some_and(|m| m.get_more()) {
-            let m = self.socket.recv_msg(0).map_err(Error::transport(format!(
-                "receiving a frame from {}",
-                self.endpoint
-            )))?;
-            frames.push(m);
-        }
-        Ok(Some(frames))
+        self.with_more_frames(first).map(Some)
     }
 
     /// Wait for the next message, all its frames; `peer_alive` is checked now and then.
@@ -283,7 +284,13 @@ impl Subscriber {
         peer_alive: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Vec<zmq::Message>> {
         let first = self.recv(wait, peer_alive)?;
+        self.with_more_frames(first)
+    }
+
+    /// `first` and the frames of its message after it.
+    fn with_more_frames(&self, first: zmq::Message) -> Result<Vec<zmq::Message>> {
         let mut frames = vec![first];
+        // The frames of a message arrive together: the rest are already here.
         while frames.last().is_some_and(|m| m.get_more()) {
             let m = self.socket.recv_msg(0).map_err(Error::transport(format!(
                 "receiving a frame from {}",
@@ -304,15 +311,8 @@ impl Subscriber {
             if let Some(m) = self.try_recv()? {
                 return Ok(m);
             }
-            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
-            let ready = self
-                .socket
-                .poll(zmq::POLLIN, slice.as_millis() as i64)
-                .map_err(Error::transport(format!(
-                    "waiting for a message from {}",
-                    self.endpoint
-                )))?;
-            if ready == 0 {
+            let context = format!("waiting for a message from {}", self.endpoint);
+            if !poll_slice(&self.socket, wait, context)? {
                 wait.step(peer_alive)?;
             }
         }

@@ -277,6 +277,16 @@ impl EntryView {
     }
 }
 
+/// An entry that [`Consumer::pin_held`] found and pinned.
+struct Held<'a> {
+    /// The producer's segment name.
+    segment: &'a str,
+    link: &'a mut Link,
+    /// This consumer's membership in the producer's segment.
+    member: Arc<Membership>,
+    pin: Pin,
+}
+
 /// One producer name and what this consumer has of it.
 struct Producer {
     segment: String,
@@ -387,6 +397,66 @@ impl Consumer {
 
     /// Map `key`'s entry privately and acknowledge it; `None` if no producer holds it.
     pub fn load(&mut self, key: &str) -> Result<Option<EntryView>> {
+        let Some(Held {
+            segment,
+            link,
+            member,
+            pin,
+        }) = self.pin_held(key)?
+        else {
+            return Ok(None);
+        };
+        let rec = link.map.entry(pin.entry);
+        // Relaxed: ordered after the Release store of READY by the SeqCst state load in
+        // `pin`; stable while pinned (the producer does not reuse a pinned entry).
+        let (offset, len) = (
+            rec.offset.load(Ordering::Relaxed),
+            rec.len.load(Ordering::Relaxed),
+        );
+        let geo = &link.map.geo;
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > geo.capacity as u64)
+        {
+            return Err(Error::BadSegment {
+                name: segment.to_owned(),
+                reason: format!("an entry lies outside the data region ({offset}+{len})"),
+            });
+        }
+        let file = link.file.as_ref().expect("loaders open the file");
+        let map = file.map(geo.data_offset as u64 + offset, len as usize)?;
+        let parts = PartsLayout::read(&map).map_err(|e| match e {
+            Error::BadSegment { reason, .. } => Error::BadSegment {
+                name: segment.to_owned(),
+                reason,
+            },
+            e => e,
+        })?;
+        link.acknowledge(pin.entry, &member);
+        Ok(Some(EntryView {
+            pin,
+            map,
+            parts,
+            _member: member,
+        }))
+    }
+
+    /// Acknowledge `key` without mapping it (a consumer that has the value already, or
+    /// does not need it, so that the producer may evict it). Whether it was held.
+    pub fn acknowledge(&mut self, key: &str) -> Result<bool> {
+        let Some(Held {
+            link, member, pin, ..
+        }) = self.pin_held(key)?
+        else {
+            return Ok(false);
+        };
+        link.acknowledge(pin.entry, &member);
+        Ok(true)
+    }
+
+    /// For `load` and `acknowledge`: the first producer that holds `key`, with the entry
+    /// pinned for this consumer; `None` if no producer holds it.
+    fn pin_held(&mut self, key: &str) -> Result<Option<Held<'_>>> {
         self.check_loader()?;
         let Ok(key) = Key::new(key.as_bytes()) else {
             return Ok(None);
@@ -398,66 +468,16 @@ impl Consumer {
                 continue;
             };
             let member = link.member(me)?;
-            let Some(pin) = link.pin(&key, &member) else {
-                continue;
-            };
-            let rec = link.map.entry(pin.entry);
-            // Relaxed: ordered after the Release store of READY by the SeqCst state load
-            // in `pin`; stable while pinned (the producer does not reuse a pinned entry).
-            let (offset, len) = (
-                rec.offset.load(Ordering::Relaxed),
-                rec.len.load(Ordering::Relaxed),
-            );
-            let geo = &link.map.geo;
-            if offset
-                .checked_add(len)
-                .is_none_or(|end| end > geo.capacity as u64)
-            {
-                return Err(Error::BadSegment {
-                    name: p.segment.clone(),
-                    reason: format!("an entry lies outside the data region ({offset}+{len})"),
-                });
+            if let Some(pin) = link.pin(&key, &member) {
+                return Ok(Some(Held {
+                    segment: &p.segment,
+                    link,
+                    member,
+                    pin,
+                }));
             }
-            let file = link.file.as_ref().expect("loaders open the file");
-            let map = file.map(geo.data_offset as u64 + offset, len as usize)?;
-            let parts = PartsLayout::read(&map).map_err(|e| match e {
-                Error::BadSegment { reason, .. } => Error::BadSegment {
-                    name: p.segment.clone(),
-                    reason,
-                },
-                e => e,
-            })?;
-            link.acknowledge(pin.entry, &member);
-            return Ok(Some(EntryView {
-                pin,
-                map,
-                parts,
-                _member: member,
-            }));
         }
         Ok(None)
-    }
-
-    /// Acknowledge `key` without mapping it (a consumer that has the value already, or
-    /// does not need it, so that the producer may evict it). Whether it was held.
-    pub fn acknowledge(&mut self, key: &str) -> Result<bool> {
-        self.check_loader()?;
-        let Ok(key) = Key::new(key.as_bytes()) else {
-            return Ok(false);
-        };
-        self.refresh();
-        let me = self.me;
-        for p in &mut self.producers {
-            let Some(link) = &mut p.link else {
-                continue;
-            };
-            let member = link.member(me)?;
-            if let Some(pin) = link.pin(&key, &member) {
-                link.acknowledge(pin.entry, &member);
-                return Ok(true);
-            }
-        }
-        Ok(false)
     }
 
     fn check_loader(&self) -> Result<()> {

@@ -1,5 +1,5 @@
-//! Entries: their life cycle in shared memory, the byte layout of one entry's data, and
-//! the producer's allocator of the data region.
+//! Entries: their life cycle in shared memory and the byte layout of one entry's data (the
+//! producer allocates the data region with `crate::range_alloc::RangeAllocator`).
 //!
 //! # Life cycle (the `state` word of an entry record: `generation << 2 | state`)
 //! ```text
@@ -27,8 +27,6 @@
 //! ```
 //! A consumer reads the table from its own private mapping and checks every part lies
 //! inside it, so a corrupted entry is an error, never a read out of bounds.
-
-use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
 
@@ -127,65 +125,6 @@ impl PartsLayout {
     }
 }
 
-/// The producer's allocator of the data region: free ranges (whole pages, coalesced),
-/// lowest first, so the reserved part of `/dev/shm` stays as small as the load allows.
-#[derive(Debug)]
-pub(crate) struct RangeAllocator {
-    free: BTreeMap<usize, usize>,
-    page: usize,
-    capacity: usize,
-}
-
-impl RangeAllocator {
-    pub fn new(capacity: usize, page: usize) -> RangeAllocator {
-        let mut free = BTreeMap::new();
-        free.insert(0, capacity);
-        RangeAllocator {
-            free,
-            page,
-            capacity,
-        }
-    }
-
-    /// `len` rounded up to whole pages (at least one).
-    pub fn rounded(&self, len: usize) -> Option<usize> {
-        len.max(1)
-            .checked_add(self.page - 1)
-            .map(|v| v / self.page * self.page)
-            .filter(|&r| r <= self.capacity)
-    }
-
-    /// The lowest free range of `len` (rounded) bytes.
-    pub fn take(&mut self, len: usize) -> Option<usize> {
-        let (&at, &have) = self.free.iter().find(|(_, &l)| l >= len)?;
-        self.free.remove(&at);
-        if have > len {
-            self.free.insert(at + len, have - len);
-        }
-        Some(at)
-    }
-
-    pub fn give_back(&mut self, mut offset: usize, mut len: usize) {
-        if let Some((&prev, &plen)) = self.free.range(..offset).next_back() {
-            if prev + plen == offset {
-                self.free.remove(&prev);
-                offset = prev;
-                len += plen;
-            }
-        }
-        if let Some(&nlen) = self.free.get(&(offset + len)) {
-            self.free.remove(&(offset + len));
-            len += nlen;
-        }
-        self.free.insert(offset, len);
-    }
-
-    /// Bytes not handed out.
-    pub fn free_bytes(&self) -> usize {
-        self.free.values().sum()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,25 +150,6 @@ mod tests {
         assert!(PartsLayout::read(&[0u8; 3]).is_err());
         assert!(PartsLayout::new(&[usize::MAX]).is_err());
         assert_eq!(PartsLayout::new(&[]).unwrap().total, 64);
-    }
-
-    #[test]
-    fn allocator_takes_lowest_and_coalesces() {
-        let mut a = RangeAllocator::new(4 * 4096, 4096);
-        assert_eq!(a.rounded(1), Some(4096));
-        assert_eq!(a.rounded(0), Some(4096));
-        assert_eq!(a.rounded(5 * 4096), None);
-        let x = a.take(4096).unwrap();
-        let y = a.take(8192).unwrap();
-        let z = a.take(4096).unwrap();
-        assert_eq!((x, y, z), (0, 4096, 12288));
-        assert!(a.take(4096).is_none());
-        a.give_back(x, 4096);
-        a.give_back(z, 4096);
-        assert!(a.take(8192).is_none(), "not contiguous");
-        a.give_back(y, 8192);
-        assert_eq!(a.free_bytes(), 4 * 4096);
-        assert_eq!(a.take(4 * 4096), Some(0));
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
 use crate::private_map::page_size;
 use crate::process::ProcessId;
-use crate::segment::Segment;
+use crate::segment::{data_after_table, round_up, HeaderCheck, Segment};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 use super::key_index::{IndexSlot, KeyIndex, SLOT_BYTES};
@@ -134,10 +134,6 @@ unsafe impl InSharedMemory for IndexSlot {}
 // SAFETY: an atomic (the pin counts).
 unsafe impl InSharedMemory for AtomicU32 {}
 
-fn round_up(n: usize, to: usize) -> Option<usize> {
-    n.checked_add(to - 1).map(|v| v / to * to)
-}
-
 /// Sizes and offsets derived from a segment's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
@@ -188,15 +184,14 @@ impl Geometry {
         let entries_offset = index_offset + SLOT_BYTES * index_slots;
         let entry_stride =
             round_up(ENTRY_PINS_OFFSET + 4 * max_consumers, 64).ok_or_else(too_large)?;
-        let table_end = entry_stride
-            .checked_mul(max_entries)
-            .and_then(|t| t.checked_add(entries_offset))
-            .ok_or_else(too_large)?;
-        let data_offset = round_up(table_end, page_size).ok_or_else(too_large)?;
-        let total = data_offset
-            .checked_add(capacity)
-            .filter(|&t| t <= isize::MAX as usize)
-            .ok_or_else(too_large)?;
+        let (data_offset, total) = data_after_table(
+            entries_offset,
+            entry_stride,
+            max_entries,
+            page_size,
+            capacity,
+        )
+        .ok_or_else(too_large)?;
         Ok(Geometry {
             max_entries,
             max_consumers,
@@ -290,26 +285,18 @@ impl Mapped {
             name: segment.name().to_owned(),
             reason,
         };
-        if segment.len() < HEADER_BYTES {
-            return Err(bad(format!("it is only {} bytes long", segment.len())));
-        }
-        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
-        // SAFETY: the mapping is page-aligned and at least HEADER_BYTES long; the header
-        // is InSharedMemory (any bit pattern is a valid value).
-        let header = unsafe { &*(base.as_ptr() as *const Header) };
-        // Acquire: pairs with the Release store in `publish`.
-        if header.magic.load(Ordering::Acquire) != MAGIC {
-            return Err(bad(
-                "it is not a shmq encoder cache (or its producer has not finished making it)"
-                    .into(),
-            ));
-        }
-        if header.version != LAYOUT_VERSION {
-            return Err(bad(format!(
-                "its layout version is {}, this shmq reads version {LAYOUT_VERSION}",
-                header.version
-            )));
-        }
+        let check = HeaderCheck {
+            min_len: HEADER_BYTES,
+            magic: MAGIC,
+            version: LAYOUT_VERSION,
+            not_this_kind:
+                "it is not a shmq encoder cache (or its producer has not finished making it)",
+        };
+        // SAFETY: the mapping is page-aligned and at least HEADER_BYTES long, which covers
+        // the header; the header is InSharedMemory (any bit pattern is a valid value). The
+        // magic's Acquire load pairs with the Release store in `publish`.
+        let (base, header) =
+            unsafe { segment.checked_header(&check, |h: &Header| (&h.magic, h.version)) }?;
         let geo = Geometry::new(
             header.capacity as usize,
             header.max_entries as usize,

@@ -18,9 +18,10 @@ use crate::sync::Ordering;
 use crate::wait::Wait;
 
 use super::consumers::{self, ConsumerInfo, StuckClaims};
-use super::entries::{self, PartsLayout, RangeAllocator, READY, RETIRED, WRITING};
+use super::entries::{self, PartsLayout, READY, RETIRED, WRITING};
 use super::key_index::{IndexWriter, Key};
 use super::layout::{segment_name, Geometry, Mapped, SEGMENT_PREFIX, STATE_CLOSED};
+use crate::range_alloc::RangeAllocator;
 
 /// Default bytes of a producer's data region (address space; pages are reserved only as
 /// they are used).

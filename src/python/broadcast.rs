@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
+use super::parts;
 use super::view::ShmView;
 use super::wait::{blocking, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout};
 use crate::broadcast::queue::Canceller;
@@ -418,31 +418,18 @@ impl Writer {
         parts: &Bound<'_, PyList>,
         timeout: Option<Timeout>,
     ) -> PyResult<()> {
-        let buffers = parts
-            .iter()
-            .map(|p| PyUntypedBuffer::get(&p))
-            .collect::<PyResult<Vec<_>>>()?;
-        if let Some(i) = buffers.iter().position(|b| !b.is_c_contiguous()) {
-            return Err(PyValueError::new_err(format!(
-                "message part {i} is not a contiguous buffer"
-            )));
-        }
-        let spans: Vec<(usize, usize)> = buffers
-            .iter()
-            .map(|b| (b.buf_ptr() as usize, b.len_bytes()))
-            .collect();
+        let (buffers, spans) = parts::buffers(parts, |i| {
+            format!("message part {i} is not a contiguous buffer")
+        })?;
         let total: usize = spans.iter().map(|s| s.1).sum();
         let mut w = self.writer(py)?;
         let w = &mut *w;
         let slices = move || -> Vec<&[u8]> {
-            spans
-                .iter()
-                // SAFETY: each span is a live, contiguous buffer export held by `buffers`
-                // until the end of this call; its exporter cannot free or resize it
-                // meanwhile. (Another thread may still write into it: then that part's
-                // bytes are whatever it wrote, as with any buffer being sent.)
-                .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
-                .collect()
+            // SAFETY: each span is a live, contiguous buffer export held by `buffers`
+            // until the end of this call; its exporter cannot free or resize it
+            // meanwhile. (Another thread may still write into it: then that part's bytes
+            // are whatever it wrote, as with any buffer being sent.)
+            unsafe { parts::slices(&spans) }
         };
         let r = match total <= COPY_WITH_GIL_MAX {
             // Small and no wait needed: with the GIL held, as in `enqueue`.

@@ -5,11 +5,11 @@
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMemoryView};
 
+use super::parts::{self, slices};
 use super::view::ShmView;
 use super::wait::{blocking, lock, BindingLock, Interrupts, Timeout};
 use crate::encoder_cache::{
@@ -29,41 +29,9 @@ fn state_name(s: LoadState) -> &'static str {
     }
 }
 
-/// Buffer exports of a list of parts, and where each one's bytes are (address, length):
-/// valid while the exports are held.
-type Exports = (Vec<PyUntypedBuffer>, Vec<(usize, usize)>);
-
-/// Contiguous buffers of `parts`, and their spans.
-fn buffers(parts: &Bound<'_, PyList>) -> PyResult<Exports> {
-    let bufs = parts
-        .iter()
-        .map(|p| PyUntypedBuffer::get(&p))
-        .collect::<PyResult<Vec<_>>>()?;
-    if let Some(i) = bufs.iter().position(|b| !b.is_c_contiguous()) {
-        return Err(PyValueError::new_err(format!(
-            "part {i} is not a contiguous buffer"
-        )));
-    }
-    let spans = bufs
-        .iter()
-        .map(|b| (b.buf_ptr() as usize, b.len_bytes()))
-        .collect();
-    Ok((bufs, spans))
-}
-
-/// The bytes of `spans`.
-///
-/// # Safety
-/// Each span must be a live, contiguous buffer export, held for as long as the slices
-/// are used.
-unsafe fn slices<'a>(spans: &[(usize, usize)]) -> Vec<&'a [u8]> {
-    spans
-        .iter()
-        // SAFETY: the caller's contract; an exporter cannot free or resize a buffer while
-        // an export is held. (Another thread may still write into it: then the copy has
-        // whatever it wrote, as with any buffer being saved.)
-        .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
-        .collect()
+/// Contiguous buffers of `parts`, and their spans (see [`parts::buffers`]).
+fn buffers(parts: &Bound<'_, PyList>) -> PyResult<parts::Exports> {
+    parts::buffers(parts, |i| format!("part {i} is not a contiguous buffer"))
 }
 
 /// Copy `parts` into `r`'s parts (their lengths were given to `reserve`).

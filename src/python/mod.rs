@@ -16,6 +16,7 @@ mod admin;
 mod broadcast;
 mod encoder_cache;
 mod errors;
+mod parts;
 mod storage;
 mod view;
 mod wait;

@@ -7,6 +7,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
 
+use super::parts;
 use super::view::ShmView;
 use super::wait::{lock, BindingGuard, BindingLock};
 use crate::alloc::{Freed, ID_MAX};
@@ -377,19 +378,9 @@ impl ObjectStore {
         parts: &Bound<'_, PyList>,
         align_from: usize,
     ) -> PyResult<(u64, u32)> {
-        let buffers = parts
-            .iter()
-            .map(|p| PyUntypedBuffer::get(&p))
-            .collect::<PyResult<Vec<_>>>()?;
-        if let Some(i) = buffers.iter().position(|b| !b.is_c_contiguous()) {
-            return Err(PyValueError::new_err(format!(
-                "part {i} of the object is not C-contiguous"
-            )));
-        }
-        let spans: Vec<(usize, usize)> = buffers
-            .iter()
-            .map(|b| (b.buf_ptr() as usize, b.len_bytes()))
-            .collect();
+        let (buffers, spans) = parts::buffers(parts, |i| {
+            format!("part {i} of the object is not C-contiguous")
+        })?;
         let total: usize = spans.iter().map(|s| s.1).sum();
         let mut store = self.store(py)?;
         let mut ring = self.ring.get().ring(py)?;
@@ -397,10 +388,7 @@ impl ObjectStore {
         let mut put = move || {
             // SAFETY: each span is a live, C-contiguous buffer export held by `buffers`
             // until the end of this call; the exporters cannot free it meanwhile.
-            let slices: Vec<&[u8]> = spans
-                .iter()
-                .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) })
-                .collect();
+            let slices = unsafe { parts::slices(&spans) };
             store.put(ring, key, &slices, align_from)
         };
         let r = if total > COPY_WITH_GIL_MAX {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::fifo::ChunkFifo;
 use super::object::{object_layout, pin_own, reader_count, ChunkPin};
 use super::segment::{ChunkHeader, StoreSegment, COUNT_BYTES, PART_ALIGN, SIGNATURE_BYTES};
-use crate::alloc::{Freed, HEADER_BYTES};
+use crate::alloc::{Chunk, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::sync::Ordering;
 
@@ -204,19 +204,8 @@ impl ObjectStore {
                 |_, _| (),
             )
         };
-        let chunk = match ring.allocate_with(size_at) {
-            Err(Error::Full(_)) => {
-                self.free_unused(ring)?;
-                ring.allocate_with(size_at)?
-            }
-            other => other?,
-        };
+        let (chunk, h) = self.allocate(ring, size_at)?;
         let segment = ring.segment();
-        let h = ChunkHeader {
-            offset: chunk.offset(segment.capacity()),
-            id: chunk.id,
-            size: chunk.size,
-        };
         let (p, len) = segment.data_ptr(&h);
         let data_offset = h.offset + HEADER_BYTES;
         let count_at = (4 - data_offset % 4) % 4;
@@ -243,6 +232,28 @@ impl ObjectStore {
         debug_assert_eq!(end as usize, len);
         self.register(key, chunk.address, chunk.id);
         Ok((chunk.address, chunk.id))
+    }
+
+    /// A new chunk of `size_at(its offset)` data bytes, and its header; if the ring is
+    /// full, first free what every reader has finished with.
+    fn allocate(
+        &mut self,
+        ring: &mut ChunkFifo,
+        size_at: impl Fn(u64) -> u64 + Copy,
+    ) -> Result<(Chunk, ChunkHeader)> {
+        let chunk = match ring.allocate_with(size_at) {
+            Err(Error::Full(_)) => {
+                self.free_unused(ring)?;
+                ring.allocate_with(size_at)?
+            }
+            other => other?,
+        };
+        let header = ChunkHeader {
+            offset: chunk.offset(ring.segment().capacity()),
+            id: chunk.id,
+            size: chunk.size,
+        };
+        Ok((chunk, header))
     }
 
     fn register(&mut self, key: &str, address: u64, id: u32) {
@@ -279,19 +290,8 @@ impl ObjectStore {
             (data + LOAN_ROOM).next_multiple_of(LOAN_ALIGN) - data
         };
         let size_at = |chunk_offset: u64| buffer_at(chunk_offset) + nbytes;
-        let chunk = match ring.allocate_with(size_at) {
-            Err(Error::Full(_)) => {
-                self.free_unused(ring)?;
-                ring.allocate_with(size_at)?
-            }
-            other => other?,
-        };
+        let (chunk, header) = self.allocate(ring, size_at)?;
         let segment = ring.segment();
-        let header = ChunkHeader {
-            offset: chunk.offset(segment.capacity()),
-            id: chunk.id,
-            size: chunk.size,
-        };
         let data_offset = header.offset + HEADER_BYTES;
         let count_at = (4 - data_offset % 4) % 4;
         // Relaxed: nobody has this chunk's handle yet; the channel that carries it orders

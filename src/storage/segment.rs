@@ -16,7 +16,7 @@ use crate::liveness::{Liveness, LockProbe};
 use crate::pins::Pins;
 use crate::private_map::PrivateFile;
 use crate::process::ProcessId;
-use crate::segment::Segment;
+use crate::segment::{HeaderCheck, Segment};
 use crate::seqlock;
 use crate::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
@@ -228,29 +228,21 @@ impl StoreSegment {
             name: name.to_owned(),
             reason,
         };
-        if segment.len() < RING_OFFSET {
-            return Err(bad(format!("it is only {} bytes long", segment.len())));
-        }
-        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
-        // SAFETY: the mapping is page-aligned and at least RING_OFFSET bytes long. The
-        // header's plain fields are written once, before the magic, and never again; a
-        // peer that scribbles on them can only make this open fail or mis-size the ring,
-        // which the size check below catches.
-        let header = unsafe { &*(base.as_ptr() as *const StoreHeader) };
-        // Acquire: pairs with the Release store in `create`.
-        if header.magic.load(Ordering::Acquire) != STORE_MAGIC {
-            return Err(bad(
-                "it is not a shmq object store of this version (or its creator has not \
-                 finished setting it up)"
-                    .into(),
-            ));
-        }
-        if header.version != STORE_LAYOUT_VERSION {
-            return Err(bad(format!(
-                "its layout version is {}, this shmq reads version {STORE_LAYOUT_VERSION}",
-                header.version
-            )));
-        }
+        let check = HeaderCheck {
+            min_len: RING_OFFSET,
+            magic: STORE_MAGIC,
+            version: STORE_LAYOUT_VERSION,
+            not_this_kind: "it is not a shmq object store of this version (or its creator has \
+                            not finished setting it up)",
+        };
+        // SAFETY: the mapping is page-aligned and at least RING_OFFSET bytes long, which
+        // covers the header; StoreHeader is repr(C) plain integers and an atomic (any bit
+        // pattern is valid). The header's plain fields are written once, before the magic,
+        // and never again; a peer that scribbles on them can only make this open fail or
+        // mis-size the ring, which the size check below catches. The magic's Acquire load
+        // pairs with the Release store in `create`.
+        let (base, header) =
+            unsafe { segment.checked_header(&check, |h: &StoreHeader| (&h.magic, h.version)) }?;
         let capacity = header.capacity;
         if (segment.len() - RING_OFFSET) as u64 != capacity || capacity <= HEADER_BYTES {
             return Err(bad("its header does not match its size".into()));

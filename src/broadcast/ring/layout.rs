@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
+use crate::segment::round_up;
 
 /// "SHMQRNG1" in little-endian: marks a finished broadcast-ring segment.
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"SHMQRNG1");
@@ -74,10 +75,6 @@ pub(super) struct RingShared {
     pub(super) creator_start_time: AtomicU64,
 }
 const _: () = assert!(64 + std::mem::size_of::<RingShared>() <= SLOTS_OFFSET);
-
-pub(super) fn round_up(n: usize, to: usize) -> Option<usize> {
-    n.checked_add(to - 1).map(|v| v / to * to)
-}
 
 /// Sizes derived from the three parameters of a ring.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -44,7 +44,7 @@ use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
 use crate::liveness::LockProbe;
 use crate::process::ProcessId;
-use crate::segment::{unique_name, Segment};
+use crate::segment::{unique_name, HeaderCheck, Segment};
 
 use layout::*;
 pub use layout::{ChunkKind, RingHandle, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};
@@ -162,27 +162,20 @@ impl Ring {
             name: name.to_owned(),
             reason,
         };
-        if segment.len() < SLOTS_OFFSET {
-            return Err(bad(format!("it is only {} bytes long", segment.len())));
-        }
-        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
-        // SAFETY: the mapping is at least SLOTS_OFFSET bytes and page-aligned; the magic
-        // is an atomic that the creator stores last.
-        let header = unsafe { &*(base.as_ptr() as *const RingHeader) };
-        // Acquire: pairs with the Release store in `create_named`, making the header
+        let check = HeaderCheck {
+            min_len: SLOTS_OFFSET,
+            magic: RING_MAGIC,
+            version: LAYOUT_VERSION,
+            not_this_kind:
+                "it is not a shmq broadcast ring (or its creator has not finished setting it up)",
+        };
+        // SAFETY: the mapping is page-aligned and at least SLOTS_OFFSET bytes long, which
+        // covers the header; RingHeader is repr(C) plain integers and an atomic (any bit
+        // pattern is valid). The magic is an atomic that the creator stores last; its
+        // Acquire load pairs with the Release store in `create_named`, making the header
         // fields written before it visible.
-        if header.magic.load(Ordering::Acquire) != RING_MAGIC {
-            return Err(bad(
-                "it is not a shmq broadcast ring (or its creator has not finished setting it up)"
-                    .into(),
-            ));
-        }
-        if header.version != LAYOUT_VERSION {
-            return Err(bad(format!(
-                "its layout version is {}, this shmq reads version {LAYOUT_VERSION}",
-                header.version
-            )));
-        }
+        let (base, header) =
+            unsafe { segment.checked_header(&check, |h: &RingHeader| (&h.magic, h.version)) }?;
         let geo = Geometry::new(
             header.n_reader as usize,
             header.max_chunk_bytes as usize,
