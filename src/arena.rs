@@ -729,7 +729,7 @@ impl ArenaReader {
         // pattern is valid). The magic's Acquire load pairs with the Release store in
         // `ArenaWriter::create`.
         let (base, header) =
-            unsafe { segment.checked_header(&check, |h: &ArenaHeader| (&h.magic, h.version)) }?;
+            unsafe { segment.checked_header(&check, |h: &ArenaHeader| (&h.magic, &h.version)) }?;
         let geo = Geometry::new(
             header.n_reader as usize,
             header.capacity as usize,

@@ -313,7 +313,7 @@ impl Segment {
     /// The header of type `H` at the start of the segment and the mapping's base
     /// address, once the segment is at least `check.min_len` bytes long and the header
     /// carries `check.magic` and `check.version`; `fields` picks the header's magic and
-    /// layout version. Every failure is an [`Error::BadSegment`] naming the segment.
+    /// layout version (read only after the magic). Every failure is an [`Error::BadSegment`] naming the segment.
     ///
     /// # Safety
     ///
@@ -323,7 +323,7 @@ impl Segment {
     pub(crate) unsafe fn checked_header<H>(
         &self,
         check: &HeaderCheck,
-        fields: impl FnOnce(&H) -> (&AtomicU64, u32),
+        fields: impl FnOnce(&H) -> (&AtomicU64, &u32),
     ) -> Result<(NonNull<u8>, &H)> {
         debug_assert!(check.min_len >= std::mem::size_of::<H>());
         let bad = |reason: String| Error::BadSegment {
@@ -345,6 +345,9 @@ impl Segment {
         if magic.load(Ordering::Acquire) != check.magic {
             return Err(bad(check.not_this_kind.into()));
         }
+        // The version only now, after the Acquire above (the creator wrote it before
+        // its Release store of the magic).
+        let version = *version;
         if version != check.version {
             return Err(bad(format!(
                 "its layout version is {version}, this shmq reads version {}",

@@ -296,7 +296,7 @@ impl Mapped {
         // the header; the header is InSharedMemory (any bit pattern is a valid value). The
         // magic's Acquire load pairs with the Release store in `publish`.
         let (base, header) =
-            unsafe { segment.checked_header(&check, |h: &Header| (&h.magic, h.version)) }?;
+            unsafe { segment.checked_header(&check, |h: &Header| (&h.magic, &h.version)) }?;
         let geo = Geometry::new(
             header.capacity as usize,
             header.max_entries as usize,

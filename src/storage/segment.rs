@@ -242,7 +242,7 @@ impl StoreSegment {
         // mis-size the ring, which the size check below catches. The magic's Acquire load
         // pairs with the Release store in `create`.
         let (base, header) =
-            unsafe { segment.checked_header(&check, |h: &StoreHeader| (&h.magic, h.version)) }?;
+            unsafe { segment.checked_header(&check, |h: &StoreHeader| (&h.magic, &h.version)) }?;
         let capacity = header.capacity;
         if (segment.len() - RING_OFFSET) as u64 != capacity || capacity <= HEADER_BYTES {
             return Err(bad("its header does not match its size".into()));

@@ -175,7 +175,7 @@ impl Ring {
         // Acquire load pairs with the Release store in `create_named`, making the header
         // fields written before it visible.
         let (base, header) =
-            unsafe { segment.checked_header(&check, |h: &RingHeader| (&h.magic, h.version)) }?;
+            unsafe { segment.checked_header(&check, |h: &RingHeader| (&h.magic, &h.version)) }?;
         let geo = Geometry::new(
             header.n_reader as usize,
             header.max_chunk_bytes as usize,
