@@ -313,7 +313,8 @@ impl Segment {
     /// The header of type `H` at the start of the segment and the mapping's base
     /// address, once the segment is at least `check.min_len` bytes long and the header
     /// carries `check.magic` and `check.version`; `fields` picks the header's magic and
-    /// layout version (read only after the magic). Every failure is an [`Error::BadSegment`] naming the segment.
+    /// layout version (read only after the magic). Every failure is an
+    /// [`Error::BadSegment`] naming the segment.
     ///
     /// # Safety
     ///
