@@ -11,6 +11,7 @@ join_first). MODE "exit": then exits without closing them, and they do not die w
 
 import json
 import os
+import signal
 import sys
 
 from shmq.workers import WorkerProcesses
@@ -18,6 +19,11 @@ from shmq.workers import WorkerProcesses
 import _worker_targets
 
 if __name__ == "__main__":
+    # Python turns SIGINT into KeyboardInterrupt only if it was not ignored when the
+    # interpreter started, and a test run started in the background of a shell without
+    # job control (`cmd &` in a script) passes SIGINT on ignored: be the foreground
+    # program a user presses Ctrl-C in, whatever started the tests.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     n = int(sys.argv[1])
     context = sys.argv[2] if len(sys.argv) > 2 else "spawn"
     mode = sys.argv[3] if len(sys.argv) > 3 else "wait"
