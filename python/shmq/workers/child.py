@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import ctypes
 import json
 import logging
@@ -89,11 +90,13 @@ def die_with_parent(parent_pid: Optional[int] = None, sig: int = signal.SIGKILL)
 # Reporting ready
 
 
-class _ParentChannel:
-    """How a worker tells its parent it is ready."""
+class _ParentChannel(ABC):
+    """How a worker tells its parent it is ready: a pipe (local workers) or the TCP
+    link (remote workers)."""
 
+    @abstractmethod
     def send_ready(self, info: Any) -> None:
-        raise NotImplementedError
+        """Send ``info`` to the parent as this worker's ready report."""
 
 
 class _PipeChannel(_ParentChannel):
