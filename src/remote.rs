@@ -428,6 +428,9 @@ pub struct RemoteReader {
     session: Option<[u8; 16]>,
     /// Sequence number of the last message taken.
     seq: u64,
+    /// Whether the writer's start message came: it comes once, and a second one (a
+    /// replayed recording, which would rewind `seq`) is refused.
+    started: bool,
 }
 
 impl std::fmt::Debug for RemoteReader {
@@ -477,6 +480,7 @@ impl RemoteReader {
             nonce,
             session: None,
             seq: 0,
+            started: false,
         })
     }
 
@@ -524,6 +528,12 @@ impl RemoteReader {
                 if !mac_eq(&want, got_mac) {
                     return Err(self.refuse("a start message failed authentication"));
                 }
+                if self.started {
+                    return Err(self.refuse(
+                        "a second start message arrived (a replay? is another process using the writer's port?)",
+                    ));
+                }
+                self.started = true;
                 self.seq = seq;
                 Ok(Some(Vec::new()))
             }
@@ -674,6 +684,7 @@ mod tests {
             nonce: [0; 16],
             session: Some([5; 16]),
             seq: 0,
+            started: false,
         };
         let msg = |h: [u8; HEADER], body: &[u8]| {
             vec![zmq::Message::from(&h[..]), zmq::Message::from(body)]
@@ -698,5 +709,44 @@ mod tests {
             .is_err());
         // Garbage.
         assert!(r.accept(vec![zmq::Message::from(&b"junk"[..])]).is_err());
+    }
+
+    #[test]
+    fn a_replayed_start_message_cannot_rewind_the_stream() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let session = [5; 16];
+        let mut r = RemoteReader {
+            socket: LeakInChild::new(ctx.socket(zmq::DEALER).unwrap()),
+            endpoint: "test".into(),
+            key,
+            rank: 1,
+            nonce: [0; 16],
+            session: Some(session),
+            seq: 0,
+            started: false,
+        };
+        let ready = header(
+            KIND_READY,
+            0,
+            &session,
+            &mac(&key, b"ready", &[&session, &0u64.to_le_bytes()]),
+        );
+        let data_mac = mac(&key, b"data", &[&session, &1u64.to_le_bytes(), b"x"]);
+        let data = || {
+            vec![
+                zmq::Message::from(&header(KIND_DATA, 1, &session, &data_mac)[..]),
+                zmq::Message::from(&b"x"[..]),
+            ]
+        };
+        assert!(r
+            .accept(vec![zmq::Message::from(&ready[..])])
+            .unwrap()
+            .is_some());
+        assert!(r.accept(data()).unwrap().is_some());
+        // Someone who recorded the stream replays the start and the first message.
+        let e = r.accept(vec![zmq::Message::from(&ready[..])]).unwrap_err();
+        assert!(e.to_string().contains("a second start message"), "{e}");
+        assert!(r.accept(data()).is_err(), "a replayed message was taken");
     }
 }
