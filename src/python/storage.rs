@@ -382,8 +382,10 @@ impl ObjectStore {
             format!("part {i} of the object is not C-contiguous")
         })?;
         let total: usize = spans.iter().map(|s| s.1).sum();
-        let mut store = self.store(py)?;
+        // The ring first, then the store (the order everywhere: `free_buf` holds the
+        // ring while its callback, e.g. `default_is_free_check`, takes the store).
         let mut ring = self.ring.get().ring(py)?;
+        let mut store = self.store(py)?;
         let (store, ring) = (&mut *store, &mut *ring);
         let mut put = move || {
             // SAFETY: each span is a live, C-contiguous buffer export held by `buffers`
@@ -404,8 +406,10 @@ impl ObjectStore {
     /// is exactly this memory writes the rest around it (no copy). `None` if the ring
     /// has no room for it.
     fn loan(&self, py: Python<'_>, nbytes: u64) -> PyResult<Option<ShmView>> {
-        let mut store = self.store(py)?;
+        // The ring first, then the store (the order everywhere: `free_buf` holds the
+        // ring while its callback, e.g. `default_is_free_check`, takes the store).
         let mut ring = self.ring.get().ring(py)?;
+        let mut store = self.store(py)?;
         match store.loan(&mut ring, nbytes) {
             Ok(loan) => {
                 let loan = Arc::new(loan);
@@ -608,15 +612,19 @@ impl ObjectStore {
     }
 
     fn free_unused(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let mut store = self.store(py)?;
+        // The ring first, then the store (the order everywhere: `free_buf` holds the
+        // ring while its callback, e.g. `default_is_free_check`, takes the store).
         let mut ring = self.ring.get().ring(py)?;
+        let mut store = self.store(py)?;
         let freed = store.free_unused(&mut ring)?;
         freed_ids(py, freed)
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
-        let mut store = self.store(py)?;
+        // The ring first, then the store (the order everywhere: `free_buf` holds the
+        // ring while its callback, e.g. `default_is_free_check`, takes the store).
         let mut ring = self.ring.get().ring(py)?;
+        let mut store = self.store(py)?;
         Ok(store.clear(&mut ring)?)
     }
 

@@ -164,3 +164,57 @@ def test_a_panic_in_a_cancel_check_makes_the_reader_unusable():
     # The writer is another object, with its own lock: it goes on.
     writer.enqueue("still works", timeout=10)
     assert writer.current_idx == 1
+
+
+def test_put_and_free_buf_with_the_stores_check_on_two_threads_do_not_deadlock():
+    # vLLM's idiom `ring.free_buf(store.default_is_free_check)` holds the ring's lock
+    # while the check takes the store's; `put` takes both. Both take the ring first, so
+    # two threads doing these at once never wait for each other forever.
+    import threading
+
+    ring = RingBuffer(64 * 1024, create=True)
+    store = ObjectStorage(4096, 1, ring, reader_lock=_CountWriterReads())
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def putter() -> None:
+        try:
+            for i in range(3000):
+                try:
+                    h = store.put(f"k{i}", {"i": i, "pad": b"x" * 500})
+                except MemoryError:
+                    continue
+                store.get(*h)  # counted (reader_lock): the object may then be evicted
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def freer() -> None:
+        try:
+            while not stop.is_set():
+                ring.free_buf(store.default_is_free_check)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=putter, daemon=True), threading.Thread(target=freer, daemon=True)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "put and free_buf deadlocked"
+        assert errors == []
+    finally:
+        stop.set()
+        store.close()
+
+
+class _CountWriterReads:
+    """A reader lock: the writer's own gets count as reads (see ObjectStorage)."""
+
+    def __enter__(self) -> "_CountWriterReads":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
