@@ -141,8 +141,14 @@ impl ChunkFifo {
             if !is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) }) {
                 return false;
             }
+            // A chunk already pinned stays, and stays readable: no stamp (readers
+            // would take a live object for a stale one meanwhile).
+            if segment.is_pinned(h.offset) {
+                return false;
+            }
             // Stamp the header (published with the new id_start below), then look for
-            // zero-copy views: a reader that pins it from now on sees the stamp.
+            // zero-copy views again: this second look is the one that counts, since a
+            // reader that pins it from now on sees the stamp.
             segment.store_u32(h.offset, INVALID_ID);
             if segment.is_pinned(h.offset) {
                 // Some process still has views: keep the chunk (and all after it).
@@ -207,13 +213,12 @@ impl ChunkFifo {
         w.cleared_readable = w.cleared_end_offset > 0;
         w.overwritten = 0;
         w.alloc.clear();
-        segment.publish(|p| {
-            // Relaxed: inside the seqlock (see `publish`).
-            p.cleared_start.store(cleared_start, Ordering::Relaxed);
-            p.cleared_end.store(cleared_end, Ordering::Relaxed);
-            p.overwritten.store(0, Ordering::Relaxed);
-        });
+        // The cleared range is already published (above); now the ids.
         segment.publish_ids(&w.alloc);
+        // A reader that found an object live just before the clear may still be about to
+        // count its read, in memory the next put reuses: wait for it, as `free_buf`
+        // does. Readers from now on see the objects cleared and do not count.
+        segment.wait_for_counting_readers();
         Ok(())
     }
 }

@@ -264,9 +264,10 @@ impl Drop for ChunkPin {
     fn drop(&mut self) {
         // A forked child's copy counts nothing: the hint is its parent's to decrement.
         if !crate::fork::is_inherited(self.made_in) {
-            // Relaxed: only tells the writer whether to probe; the lock (released right
-            // after, with the field) is what the writer relies on.
-            self.segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+            // Release: once the writer's (SeqCst) load of the hint reads 0 it reuses the
+            // chunk without probing, so everything done with the chunk under this pin (a
+            // loan filled on another thread, a view's reads) must come before.
+            self.segment.pin_hint().fetch_sub(1, Ordering::Release);
         }
     }
 }
@@ -341,7 +342,7 @@ pub(super) fn pin_own(segment: &Arc<StoreSegment>, offset: u64) -> Result<Arc<Ch
             made_in,
         })),
         Err(e) => {
-            // Relaxed: see `ChunkPin::drop`.
+            // Relaxed: no pin was taken, so nothing was done with the chunk under it.
             segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
             Err(e)
         }
@@ -355,7 +356,7 @@ pub(super) fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<
     segment.pin_hint().fetch_add(1, Ordering::SeqCst);
     let made_in = crate::fork::generation();
     let Ok(pin) = segment.pins.pin(pin_byte(h.offset)) else {
-        // Relaxed: see `ChunkPin::drop`.
+        // Relaxed: no pin was taken, so nothing was done with the chunk under it.
         segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
         return None;
     };
