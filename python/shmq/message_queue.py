@@ -474,9 +474,10 @@ class MessageQueue:
         """Zero-copy reading (local readers): a view of the next chunk; it is marked read
         when the block ends. The view is private to this process (writable, copy-on-write)
         and must not outlive the block: the writer's next message never shows through what
-        was made of it. Buffers that still hold it then (memoryview slices) are given a
-        private copy; anything else kept (an array from ``numpy.frombuffer``, which keeps a
-        pointer but no buffer) reads zeros. Copy what you keep. As in ``dequeue``, a bool
+        was made of it. What still holds a buffer of it then (memoryview slices, arrays
+        from ``numpy.frombuffer``) is given a private copy; what keeps only a pointer
+        (a tensor from ``torch.frombuffer``, which lets the buffer go at once) reads zeros.
+        Copy what you keep. As in ``dequeue``, a bool
         in second place is vLLM 0.33's ``indefinite`` (accepted; shmq's waits warn the same
         either way)."""
         if type(cancel) is bool:  # vLLM's acquire_read(timeout, indefinite)

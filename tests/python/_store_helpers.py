@@ -79,6 +79,20 @@ ABSURD_CASES = [
     "id_2**64",
     "id_2**100",
 ]
+# Those a reader cannot even sign (an address outside u64, an id outside u32): refused
+# for their signature, before anything is read; the others for what is at the address.
+UNSIGNABLE_CASES = {
+    "id_2**32",
+    "id_2**63",
+    "id_2**64-1",
+    "id_2**64",
+    "id_2**100",
+    "negative_address",
+    "negative_address_minus_ring",
+    "negative_id",
+    "address_2**64",
+    "address_2**100",
+}
 
 
 # ---------------------------------------------------------------------------------
