@@ -161,7 +161,8 @@ class EncoderCacheProducer:
     def _check(self) -> None:
         if self._closed:
             raise RuntimeError(f"encoder cache producer {self.name!r} is closed")
-        error, self._error = self._error, None
+        with self._lock:  # the copier thread sets it under the same lock
+            error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(f"an earlier save to encoder cache {self.name!r} failed: {error}") from error
 
@@ -177,7 +178,8 @@ class EncoderCacheProducer:
         plain values) under ``key``. Returns once room is reserved; the copy runs on a
         background thread, and the key is visible to consumers (``has``) once it is
         published. Returns False if the key is held already (keys name their content,
-        so nothing is copied).
+        so nothing is copied into the cache; a key already published is not even
+        serialized).
 
         When the cache is full it evicts the oldest keys every live consumer has loaded;
         if none can go it waits up to ``timeout`` seconds (default: the producer's) and
@@ -186,6 +188,10 @@ class EncoderCacheProducer:
         ``on_loaded``: see :meth:`on_loaded`.
         """
         self._check()
+        if self._core.has(key):  # the common case for repeated images: no work at all
+            if on_loaded is not None:
+                self.on_loaded(key, on_loaded)
+            return False
         timeout = self.timeout if timeout is None else timeout
         body, buffers = _oob.dumps(_map_tensors(value, _to_cpu))
         if not self._slots.acquire(timeout=timeout):
@@ -211,8 +217,9 @@ class EncoderCacheProducer:
             reservation.fill_and_publish(parts)
         except BaseException as e:  # surfaced by the next call (never dropped)
             log.error("shmq: a save to encoder cache %r failed: %s", self.name, e)
-            if self._error is None:
-                self._error = e
+            with self._lock:
+                if self._error is None:
+                    self._error = e
             raise
         finally:
             self._slots.release()

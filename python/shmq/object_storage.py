@@ -284,8 +284,10 @@ class _WriterFlag(_IdIndex):
     """monotonic id → times handed out (vLLM's ``writer_flag``)."""
 
     def __getitem__(self, monotonic_id: int) -> int:  # type: ignore[override]
-        key = super().__getitem__(monotonic_id)
-        return self._core.entry(key)[2]
+        entry = self._core.entry(super().__getitem__(monotonic_id))
+        if entry is None:  # removed by another thread between the two lookups
+            raise KeyError(monotonic_id)
+        return entry[2]
 
 
 class ObjectStorage:

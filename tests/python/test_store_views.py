@@ -22,6 +22,7 @@ from _processes import Children
 from _store_helpers import no_store_leftovers  # noqa: F401 (an autouse fixture)
 from _store_view_children import mapping_of, view_reader
 from shmq import ObjectStorage, PickleSerde, RingBuffer
+from shmq.object_storage import VIEW_THRESHOLD
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,13 +110,16 @@ def test_small_parts_are_copies_and_the_threshold_is_set_per_store(children):
     small = store.put("small", {"t": torch.arange(1000, dtype=torch.int64)})
     summary, mapping = reader.get("small", small)
     assert mapping != reader.segment and summary[3] == float(sum(range(1000)))
-    # In-process, with a threshold of 0 every part is a view.
+    assert store.view_threshold == VIEW_THRESHOLD
+    # In-process, with a threshold of 0 every part is a view; the tensor's part is 8000
+    # bytes, a view from a threshold of 8000 ("or more") on, a copy above.
     viewer = ObjectStorage.create_from_handle(store.handle())
-    viewer.view_threshold = 0
     signature = list(viewer._make_signature("k", *small))
-    t = viewer.get(*small, signature, "k")["t"]
-    assert mapping_of(t.data_ptr()) == reader.segment
-    assert torch.equal(t, torch.arange(1000, dtype=torch.int64))
+    for threshold, viewed in [(0, True), (8000, True), (8001, False)]:
+        viewer.view_threshold = threshold
+        t = viewer.get(*small, signature, "k")["t"]
+        assert (mapping_of(t.data_ptr()) == reader.segment) == viewed, threshold
+        assert torch.equal(t, torch.arange(1000, dtype=torch.int64))
     with pytest.raises(ValueError, match="view_threshold"):
         ObjectStorage(MiB, 1, RingBuffer(MiB, create=True), view_threshold=-1)
     del t, viewer
