@@ -329,10 +329,12 @@ impl ObjectViews<'_> {
     }
 }
 
-/// The writer pins a chunk it loans out (no check needed: the writer itself is what
-/// would free it, and its frees probe for pins).
+/// Pin the chunk at ring offset `offset`: the writer's loans use this directly (no
+/// check needed: the writer itself is what would free the chunk, and its frees probe
+/// for pins); readers through [`pin_chunk`].
 pub(super) fn pin_own(segment: &Arc<StoreSegment>, offset: u64) -> Result<Arc<ChunkPin>> {
-    // SeqCst: as in `pin_chunk` (here the writer's own later probes would see it anyway).
+    // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned` (see
+    // `pin_chunk`).
     segment.pin_hint().fetch_add(1, Ordering::SeqCst);
     let made_in = crate::fork::generation();
     match segment.pins.pin(pin_byte(offset)) {
@@ -352,28 +354,17 @@ pub(super) fn pin_own(segment: &Arc<StoreSegment>, offset: u64) -> Result<Arc<Ch
 /// Pin the chunk of `h` if it holds a live object (not a cleared one, which the writer
 /// reuses without looking for pins); `None` if it does not, or cannot be pinned.
 pub(super) fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<Arc<ChunkPin>> {
-    // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned`.
-    segment.pin_hint().fetch_add(1, Ordering::SeqCst);
-    let made_in = crate::fork::generation();
-    let Ok(pin) = segment.pins.pin(pin_byte(h.offset)) else {
-        // Relaxed: no pin was taken, so nothing was done with the chunk under it.
-        segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
-        return None;
-    };
-    let pin = ChunkPin {
-        segment: segment.clone(),
-        _pin: pin,
-        made_in,
-    };
+    let pin = pin_own(segment, h.offset).ok()?;
     // SeqCst fence: the checks below come after the increment (and the lock) in the
     // order the writer's `is_pinned` is part of. If they pass, the writer will see the
-    // pin before it frees or clears the chunk; if the writer marked it first, they fail.
+    // pin before it frees or clears the chunk; if the writer marked it first, they fail
+    // (and dropping the pin undoes it).
     fence(Ordering::SeqCst);
     let live = segment.load_u32(h.offset) == h.id
         && segment
             .snapshot()
             .is_some_and(|s| id_in(h.id, s.id_start, s.id_end));
-    live.then(|| Arc::new(pin))
+    live.then_some(pin)
 }
 
 /// [`read_object`], and `f` may also map parts privately (through `views`) to keep

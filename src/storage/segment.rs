@@ -460,9 +460,19 @@ impl StoreSegment {
         Ok(ChunkHeader { offset, id, size })
     }
 
-    /// Start and length of a chunk's data (after the 8-byte header).
+    /// Start and length of a chunk's data (after the 8-byte header). Panics if `h` does
+    /// not lie inside the ring (headers from `header_at` and the allocator always do; a
+    /// `ChunkHeader` made up by hand may not).
     pub fn data_ptr(&self, h: &ChunkHeader) -> (*mut u8, usize) {
-        // SAFETY: `h` came from `header_at` or the allocator, so offset + size <= capacity.
+        assert!(
+            h.size as u64 >= HEADER_BYTES
+                && h.offset
+                    .checked_add(h.size as u64)
+                    .is_some_and(|end| end <= self.capacity),
+            "chunk header {h:?} lies outside the ring"
+        );
+        // SAFETY: checked just above: offset + size <= capacity, so the data lies inside
+        // the ring's mapping.
         let p = unsafe { self.ring.as_ptr().add((h.offset + HEADER_BYTES) as usize) };
         (p, h.size as usize - HEADER_BYTES as usize)
     }
