@@ -2,7 +2,8 @@
 //! them) and its index-only form (`has` from any process, e.g. a scheduler).
 //!
 //! A consumer is given producer names. It opens each producer's segment when it can (a
-//! producer that is not there yet is retried every [`RETRY_OPEN`]), joins it (a consumer
+//! producer that is not there yet is retried every [`RETRY_OPEN`], and at once by a load
+//! of a key no open producer holds), joins it (a consumer
 //! slot, see `consumers`), and drops it as soon as its producer closes it or a restarted
 //! producer of the same name supersedes it, so it never answers from a dead producer's
 //! stale keys: the state word is checked on every call, and about once a second the
@@ -462,6 +463,22 @@ impl Consumer {
             return Ok(None);
         };
         self.refresh();
+        // A load names keys someone saw held (a scheduler's `has`): if no open producer
+        // has this one, a producer not opened yet may (it appeared since the last try,
+        // less than `RETRY_OPEN` ago): try those now rather than answer "missing".
+        let held_open = self
+            .producers
+            .iter()
+            .any(|p| p.link.as_ref().is_some_and(|l| l.find(&key).is_some()));
+        if !held_open && self.producers.iter().any(|p| p.link.is_none()) {
+            let now = Instant::now();
+            for p in &mut self.producers {
+                if p.link.is_none() {
+                    p.retry_at = now;
+                }
+            }
+            self.refresh();
+        }
         let me = self.me;
         for p in &mut self.producers {
             let Some(link) = &mut p.link else {

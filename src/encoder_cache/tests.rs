@@ -329,6 +329,21 @@ fn a_closed_producer_is_dropped_and_a_new_one_found() {
 }
 
 #[test]
+fn a_consumer_made_before_its_producer_loads_at_once() {
+    // The workers of examples/encoder_cache.py start before the encoder: their first
+    // load comes less than RETRY_OPEN after they last failed to open the producer.
+    let n = name("before");
+    let mut c = Consumer::new(&[&n]).unwrap();
+    let p = Producer::create(Some(&n), ProducerOptions::default()).unwrap();
+    p.save("k", &[b"v"], None).unwrap();
+    let view = c
+        .load("k")
+        .unwrap()
+        .expect("a held key was reported missing");
+    assert_eq!(view.part(0), b"v");
+}
+
+#[test]
 fn several_producers_serve_one_consumer() {
     let a = producer("multi-a", 4, 4);
     let b = producer("multi-b", 4, 4);
