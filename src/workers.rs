@@ -482,9 +482,13 @@ impl Workers {
             if let Some(&i) = self.exit_order.first() {
                 return Ok(Some((i, self.workers[i].exit.unwrap())));
             }
+            // One reading of the clock: two could straddle the deadline (t - elapsed
+            // then underflows: it panicked in CI).
             let left = match timeout {
-                Some(t) if start.elapsed() >= t => return Ok(None),
-                Some(t) => t - start.elapsed(),
+                Some(t) => match t.checked_sub(start.elapsed()) {
+                    Some(left) if !left.is_zero() => left,
+                    _ => return Ok(None),
+                },
                 None => Duration::from_secs(3600),
             };
             self.poll(left)?;
