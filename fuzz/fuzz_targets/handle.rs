@@ -33,8 +33,11 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(again, h, "{printed:?}");
             if let (Some(addr), Some(_)) = (&h.remote_subscribe_addr, h.remote_secret) {
                 if connects_quickly(addr) {
-                    // A rank that is not local: the remote reader.
-                    let rank = h.local_reader_ranks.iter().max().map_or(0, |r| r + 1);
+                    // A rank that is not local: the remote reader. (The smallest one: the
+                    // largest plus one overflows when a handle names rank usize::MAX.)
+                    let rank = (0..)
+                        .find(|r| !h.local_reader_ranks.contains(r))
+                        .expect("fewer ranks than usize values");
                     let _ = Reader::open(&h, rank);
                 }
             }
