@@ -296,7 +296,7 @@ pub fn describe(name: &str) -> Result<String> {
 }
 
 /// The kind of shmq segment `name` says it is, by the tag of its magic ("SHMQSTO" of
-/// "SHMQSTO2"), whatever its layout version; `Unknown` if it has no shmq magic.
+/// "SHMQSTO3"), whatever its layout version; `Unknown` if it has no shmq magic.
 fn claimed_kind(name: &str) -> Result<SegmentKind> {
     let segment = Segment::open(name)?;
     if segment.len() < 8 {

@@ -6,10 +6,12 @@ use std::sync::Arc;
 
 use super::fifo::ChunkFifo;
 use super::object::{object_layout, pin_own, reader_count, ChunkPin};
-use super::segment::{ChunkHeader, StoreSegment, COUNT_BYTES, PART_ALIGN, SIGNATURE_BYTES};
+use super::segment::{
+    count_word_at, ChunkHeader, StoreSegment, COUNT_BYTES, COUNT_WORD_BYTES, PART_ALIGN,
+    SIGNATURE_BYTES,
+};
 use crate::alloc::{Chunk, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
-use crate::sync::Ordering;
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
 /// (the count, the frame and the other parts: the pickle or msgpack stream and small
@@ -208,13 +210,9 @@ impl ObjectStore {
         let segment = ring.segment();
         let (p, len) = segment.data_ptr(&h);
         let data_offset = h.offset + HEADER_BYTES;
-        let count_at = (4 - data_offset % 4) % 4;
-        // Relaxed: the count starts at 0 before the handle is given to anyone; the
-        // channel that carries the handle to readers orders it (as it does the payload).
-        segment
-            .count(data_offset + count_at)
-            .store(0, Ordering::Relaxed);
-        let frame_at = (count_at as usize) + COUNT_BYTES;
+        let count_at = count_word_at(data_offset);
+        segment.init_count(data_offset + count_at, chunk.id);
+        let frame_at = (count_at + COUNT_WORD_BYTES) as usize;
         let write = |at: usize, bytes: &[u8]| {
             debug_assert!(at + bytes.len() <= len);
             // SAFETY: the chunk is ours (just allocated, not yet handed out; readers only
@@ -293,13 +291,11 @@ impl ObjectStore {
         let (chunk, header) = self.allocate(ring, size_at)?;
         let segment = ring.segment();
         let data_offset = header.offset + HEADER_BYTES;
-        let count_at = (4 - data_offset % 4) % 4;
-        // Relaxed: nobody has this chunk's handle yet; the channel that carries it orders
-        // these stores. An empty object (no parts) until it is put.
-        segment
-            .count(data_offset + count_at)
-            .store(0, Ordering::Relaxed);
-        segment.store_u32(data_offset + count_at + COUNT_BYTES as u64, 0);
+        let count_at = count_word_at(data_offset);
+        // Nobody has this chunk's handle yet; the channel that carries it orders these
+        // stores. An empty object (no parts) until it is put.
+        segment.init_count(data_offset + count_at, chunk.id);
+        segment.store_u32(data_offset + count_at + COUNT_WORD_BYTES, 0);
         // If pinning fails, the chunk (an empty object nobody knows) goes in its turn.
         let pin = pin_own(segment, header.offset)?;
         let spot = LoanSpot {
@@ -351,8 +347,7 @@ impl ObjectStore {
             return None;
         }
         let data_offset = spot.header.offset + HEADER_BYTES;
-        let count_at = (4 - data_offset % 4) % 4;
-        let frame_at = count_at + COUNT_BYTES as u64;
+        let frame_at = count_word_at(data_offset) + COUNT_WORD_BYTES;
         let mut at = frame_at + 4 + 8 * parts.len() as u64;
         let mut offsets = Vec::with_capacity(parts.len());
         for (i, part) in parts.iter().enumerate() {

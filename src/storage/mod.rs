@@ -39,11 +39,14 @@
 //!
 //! # Eviction
 //! `put` hands an object out once; each `get_cached` hands it out again. Every reader
-//! increments the count once per read (one atomic `fetch_add`, no lock; reads of a
+//! increments the count once per read (one atomic compare-exchange, no lock; reads of a
 //! cleared object are not counted). The count lies in the chunk, so a reader announces
 //! its increment in the segment header (`counting`) before its last check of the
 //! handle, and the writer, after freeing chunks, waits for announced increments before
-//! it reuses them: an increment never lands in another object. So the object
+//! it reuses them (up to `COUNTING_PATIENCE`: the reader may have died there). The count
+//! shares an 8-byte word with a tag of the object's id, and the increment is made only
+//! while the tag is there, so a reader stalled past that patience does not write into
+//! the next object either (it would have to find those 8 bytes again). So the object
 //! may be evicted when `count >= n_readers * handouts`, oldest first, unless the writer
 //! `touch`ed it and has not yet handed it out again or released its touches, or some
 //! process *pins* it.

@@ -4,16 +4,18 @@
 use std::sync::Arc;
 
 use super::segment::{
-    id_in, pin_byte, ChunkHeader, StoreSegment, COUNT_BYTES, PART_ALIGN, RING_OFFSET,
+    count_word_at, id_in, pin_byte, ChunkHeader, StoreSegment, COUNT_WORD_BYTES, PART_ALIGN,
+    RING_OFFSET,
 };
 use crate::alloc::HEADER_BYTES;
 use crate::error::{Error, Result};
 use crate::pins::Pin;
 use crate::private_map::PrivateMap;
-use crate::sync::{fence, AtomicU32, Ordering};
+use crate::sync::{fence, AtomicU64, Ordering};
 
-/// Where the count and the parts of an object go: offsets from the start of the
-/// chunk's data, which is at ring offset `data_offset`.
+/// Where the count word and the parts of an object go: offsets from the start of the
+/// chunk's data, which is at ring offset `data_offset`. The frame is `[pad to 8][count
+/// word (8)][n (4)][n × (offset, len) (4 + 4)]`, then the parts.
 pub(super) fn object_layout(
     data_offset: u64,
     lens: impl Iterator<Item = u64>,
@@ -21,8 +23,7 @@ pub(super) fn object_layout(
     align_from: usize,
     mut place: impl FnMut(usize, u64),
 ) -> u64 {
-    let count_at = (4 - data_offset % 4) % 4;
-    let mut at = count_at + COUNT_BYTES as u64 + 4 + 8 * n as u64;
+    let mut at = count_word_at(data_offset) + COUNT_WORD_BYTES + 4 + 8 * n as u64;
     for (i, len) in lens.enumerate() {
         if i >= align_from {
             at = (data_offset + at).next_multiple_of(PART_ALIGN) - data_offset;
@@ -37,7 +38,7 @@ pub(super) fn object_layout(
 pub struct ObjectView<'a> {
     /// The chunk's data (after the 8-byte header).
     pub(super) data: &'a [u8],
-    /// Where the count is in `data`.
+    /// Where the count word is in `data`.
     pub(super) count_at: usize,
     pub(super) n: usize,
 }
@@ -46,13 +47,14 @@ impl<'a> ObjectView<'a> {
     /// Parse the frame of the object whose chunk data is `data` (at ring offset
     /// `data_offset`); any frame that points outside the data is an error.
     fn parse(data: &'a [u8], data_offset: u64) -> Option<ObjectView<'a>> {
-        let count_at = ((4 - data_offset % 4) % 4) as usize;
+        let count_at = count_word_at(data_offset) as usize;
         let word = |at: usize| -> Option<u32> {
             let b = data.get(at..at.checked_add(4)?)?;
             Some(u32::from_le_bytes(b.try_into().ok()?))
         };
-        let n = word(count_at + COUNT_BYTES)? as usize;
-        let frame_end = (count_at + COUNT_BYTES + 4).checked_add(n.checked_mul(8)?)?;
+        let n = word(count_at + COUNT_WORD_BYTES as usize)? as usize;
+        let frame_end =
+            (count_at + COUNT_WORD_BYTES as usize + 4).checked_add(n.checked_mul(8)?)?;
         if frame_end > data.len() {
             return None;
         }
@@ -67,7 +69,7 @@ impl<'a> ObjectView<'a> {
     }
 
     pub(super) fn entry(&self, i: usize) -> (usize, usize) {
-        let at = self.count_at + COUNT_BYTES + 4 + 8 * i;
+        let at = self.count_at + COUNT_WORD_BYTES as usize + 4 + 8 * i;
         let w = |k: usize| u32::from_le_bytes(self.data[k..k + 4].try_into().unwrap()) as usize;
         (w(at), w(at + 4))
     }
@@ -100,7 +102,7 @@ impl<'a> ObjectView<'a> {
     /// serde follow each other without gaps: this is its `[metadata][data...]`).
     pub fn span(&self) -> &'a [u8] {
         if self.n == 0 {
-            let at = self.count_at + COUNT_BYTES + 4;
+            let at = self.count_at + COUNT_WORD_BYTES as usize + 4;
             return &self.data[at..at];
         }
         let (first, _) = self.entry(0);
@@ -111,20 +113,48 @@ impl<'a> ObjectView<'a> {
     }
 }
 
-/// The reader count of the object whose chunk data is `data`.
+/// The reader count of the object whose chunk data is `data` (the low half of its
+/// count word).
 pub(super) fn reader_count(data: &[u8]) -> u32 {
-    let count_at = (4 - data.as_ptr() as usize % 4) % 4;
-    if data.len() < count_at + COUNT_BYTES {
+    let count_at = count_word_at(data.as_ptr() as u64) as usize;
+    if data.len() < count_at + COUNT_WORD_BYTES as usize {
         // Not an object (a raw allocation through the ring's own API): nothing counts.
         return 0;
     }
-    // SAFETY: inside `data` (checked above) and 4-aligned by construction. shmq accesses
-    // reader counts only atomically (a Python view from `access_buf` could write one:
+    // SAFETY: inside `data` (checked above) and 8-aligned by construction. shmq accesses
+    // count words only atomically (a Python view from `access_buf` could write one:
     // that changes the count, which only decides when the object may be evicted).
-    let count = unsafe { &*(data.as_ptr().add(count_at) as *const AtomicU32) };
-    // Acquire: pairs with the Release increment in `read_object`; the reader's use of
-    // the payload happens before the writer frees (and later overwrites) it.
-    count.load(Ordering::Acquire)
+    let word = unsafe { &*(data.as_ptr().add(count_at) as *const AtomicU64) };
+    // Acquire: pairs with the Release compare-exchange in `count_one_read`; the reader's use
+    // of the payload happens before the writer frees (and later overwrites) it.
+    word.load(Ordering::Acquire) as u32
+}
+
+/// Count one read of the object `h` whose count word is at ring offset `count_at`: add
+/// one to the count if the word still carries the object's tag; else (the chunk was
+/// reused after the reader's last check, which only a reader stalled longer than the
+/// writer's patience can see, or a peer wrote the word) count nothing. Returns whether
+/// it counted.
+pub(super) fn count_one_read(segment: &StoreSegment, h: &ChunkHeader, count_at: u64) -> bool {
+    let word = segment.count_word(count_at);
+    let tag = segment.count_tag(h.id);
+    // Relaxed: the value only seeds the compare-exchange, which checks it.
+    let mut seen = word.load(Ordering::Relaxed);
+    loop {
+        if (seen >> 32) as u32 != tag {
+            return false;
+        }
+        // The count saturates rather than wrap into the tag (4 billion reads of one
+        // object: it stays evictable).
+        let next = (seen & !0xffff_ffff) | u64::from((seen as u32).saturating_add(1));
+        // Release on success: pairs with the Acquire load in `reader_count`: our reads of
+        // the payload happen before the writer's eviction decision. Relaxed on failure:
+        // the value read is only the next attempt's expectation.
+        match word.compare_exchange_weak(seen, next, Ordering::Release, Ordering::Relaxed) {
+            Ok(_) => return true,
+            Err(now) => seen = now,
+        }
+    }
 }
 
 /// The header of the object at `address` if `(address, id)` names a live (or cleared
@@ -231,15 +261,14 @@ pub(super) fn read_header<R>(
     // reused (that would write into another object). So announce the increment first
     // (SeqCst, then a SeqCst fence: with the writer's fence and load in
     // `wait_for_counting_readers`, either the check below sees the chunk freed, or the
-    // writer waits for our decrement before it reuses the memory).
+    // writer waits for our decrement before it reuses the memory). The writer waits only
+    // COUNTING_PATIENCE (a reader may have died here); one stalled longer finds its
+    // object's tag gone from the count word and counts nothing (`count_one_read`).
     segment.counting().fetch_add(1, Ordering::SeqCst);
     fence(Ordering::SeqCst);
     let validity = validity(segment, &h);
     if validity == Validity::Live {
-        let count_at = h.offset + HEADER_BYTES + view.count_at as u64;
-        // Release: pairs with the Acquire load in `reader_count`: our reads of the
-        // payload happen before the writer's eviction decision.
-        segment.count(count_at).fetch_add(1, Ordering::Release);
+        count_one_read(segment, &h, h.offset + HEADER_BYTES + view.count_at as u64);
     }
     // Release: pairs with the writer's Acquire load: the increment above happens before
     // the writer reuses the chunk.

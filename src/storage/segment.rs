@@ -20,9 +20,10 @@ use crate::segment::{HeaderCheck, Segment};
 use crate::seqlock;
 use crate::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
-/// "SHMQSTO2" little-endian: marks a finished object-store segment.
-pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO2");
-pub const STORE_LAYOUT_VERSION: u32 = 2;
+/// "SHMQSTO3" little-endian: marks a finished object-store segment.
+pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO3");
+/// 3: an object's count is a tagged 8-byte word (see `StoreSegment::count_word`).
+pub const STORE_LAYOUT_VERSION: u32 = 3;
 /// The ring starts one page into the segment.
 pub(super) const RING_OFFSET: usize = 4096;
 const PUBLISHED_OFFSET: usize = 64;
@@ -40,8 +41,19 @@ pub const SECRET_BYTES: usize = 32;
 pub const SIGNATURE_BYTES: usize = 32;
 /// Stored in the header of a freed chunk: never a valid id (ids are below 2**31).
 pub(super) const INVALID_ID: u32 = u32::MAX;
-/// Bytes of an object's reader count.
+/// Bytes of an object's reader count, as vLLM 0.33 measures an object (its flag bytes):
+/// what `put` adds to the parts' sizes before comparing with `max_object_size`.
 pub const COUNT_BYTES: usize = 4;
+/// Bytes of the word that holds an object's count in its chunk: the count (low half) and
+/// a tag of the object's id (high half), 8-aligned (see `StoreSegment::count_word`).
+pub(super) const COUNT_WORD_BYTES: u64 = 8;
+
+/// Where an object's count word is, from the start of its chunk's data at ring offset
+/// `data_offset`: the first multiple of 8 (the ring starts page-aligned, so ring offsets
+/// and addresses agree on alignment).
+pub(super) fn count_word_at(data_offset: u64) -> u64 {
+    (COUNT_WORD_BYTES - data_offset % COUNT_WORD_BYTES) % COUNT_WORD_BYTES
+}
 /// Parts of an object from `align_from` on start at multiples of this (ring offset).
 pub const PART_ALIGN: u64 = 64;
 /// How long a reader waits for a consistent view of the published state before it
@@ -120,6 +132,9 @@ pub struct StoreSegment {
     pub(super) ring: NonNull<u8>,
     pub(super) capacity: u64,
     signer: Signer,
+    /// Mixed into the id tag of every count word (derived from the secret, so the same in
+    /// every process of the segment; see `count_tag`).
+    count_salt: u32,
     /// This process's pins of chunks it has zero-copy views of (see [`ChunkPin`]).
     pub(super) pins: Arc<Pins>,
     /// The writer's probe of every process's pins (`None` on readers).
@@ -178,6 +193,20 @@ fn random_secret() -> Result<[u8; SECRET_BYTES]> {
     Ok(secret)
 }
 
+/// The salt of the count words' id tags: from the secret, domain-separated from the
+/// handle signatures (it is readable in the ring; the secret's other uses need no more).
+fn count_salt(secret: &[u8; SECRET_BYTES]) -> u32 {
+    let digest = Sha256::new()
+        .chain_update(b"shmq store count tag")
+        .chain_update(secret)
+        .finalize();
+    u32::from_le_bytes(
+        digest[..4]
+            .try_into()
+            .expect("a SHA-256 digest has 32 bytes"),
+    )
+}
+
 impl StoreSegment {
     pub(super) fn create(name: &str, capacity: u64) -> Result<StoreSegment> {
         let total = usize::try_from(capacity)
@@ -214,6 +243,7 @@ impl StoreSegment {
             segment,
             ring,
             capacity,
+            count_salt: count_salt(&secret),
             signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
         };
         // Release: pairs with the Acquire load in `open`: the header fields and the
@@ -268,6 +298,7 @@ impl StoreSegment {
             segment,
             ring,
             capacity,
+            count_salt: count_salt(&secret),
             signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
         })
     }
@@ -428,14 +459,35 @@ impl StoreSegment {
         }
     }
 
-    /// The 4-aligned reader count at ring offset `offset`.
-    pub(super) fn count(&self, offset: u64) -> &AtomicU32 {
-        assert!(offset % 4 == 0 && offset + 4 <= self.capacity);
-        // SAFETY: checked just above: 4-aligned (the ring start is page-aligned) and
-        // inside the ring. shmq touches counts only atomically; a peer (or a Python view
-        // from `access_buf`) could write it non-atomically, which changes the count, and
-        // so only when the object is evicted, never what memory is read.
-        unsafe { &*(self.ring.as_ptr().add(offset as usize) as *const AtomicU32) }
+    /// The count word of an object, at ring offset `offset` (8-aligned): its reader
+    /// count in the low 32 bits, [`Self::count_tag`] of its id in the high 32. A reader
+    /// increments it only while the tag is its object's (a compare-exchange), so a reader
+    /// that was stalled past the writer's reuse of the chunk (see `read_header`) does not
+    /// write into the next object: the bytes there would have to equal the old tag and
+    /// count, all 8 of them.
+    pub(super) fn count_word(&self, offset: u64) -> &AtomicU64 {
+        assert!(offset % COUNT_WORD_BYTES == 0 && offset + COUNT_WORD_BYTES <= self.capacity);
+        // SAFETY: checked just above: 8-aligned (the ring start is page-aligned) and
+        // inside the ring. shmq touches count words only atomically; a peer (or a Python
+        // view from `access_buf`) could write one non-atomically, which changes the count
+        // or the tag, and so only when the object is evicted (or that a read is not
+        // counted), never what memory is read.
+        unsafe { &*(self.ring.as_ptr().add(offset as usize) as *const AtomicU64) }
+    }
+
+    /// The tag of object `id` in its count word: the id mixed with a salt of this
+    /// segment, so that data which merely holds small integers (a following object's
+    /// bytes) does not look like a count word.
+    pub(super) fn count_tag(&self, id: u32) -> u32 {
+        id ^ self.count_salt
+    }
+
+    /// A fresh object's count word: its tag, count 0 (writer, before the handle is
+    /// handed out: Relaxed, the channel that carries the handle orders it as it does the
+    /// payload).
+    pub(super) fn init_count(&self, offset: u64, id: u32) {
+        self.count_word(offset)
+            .store(u64::from(self.count_tag(id)) << 32, Ordering::Relaxed);
     }
 
     /// Write the header of a freshly allocated chunk (writer only; published after).
@@ -514,7 +566,10 @@ impl StoreSegment {
             if attempt < 64 {
                 std::hint::spin_loop();
             } else if started.get_or_insert_with(Instant::now).elapsed() > COUNTING_PATIENCE {
-                return; // a reader died there: its increment will never come
+                // A reader died there (its increment will never come) or is stalled: its
+                // count word no longer carries its object's tag once the chunk is reused,
+                // so its increment finds nothing to count (`count_one_read`).
+                return;
             } else {
                 std::thread::yield_now();
             }

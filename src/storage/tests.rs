@@ -1,8 +1,8 @@
 //! Unit tests of the store (one process; the Python tests run real processes).
 
 use super::index::LOAN_ALIGN;
-use super::object::object_layout;
-use super::segment::INVALID_ID;
+use super::object::{count_one_read, object_layout};
+use super::segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
 use super::*;
 use crate::alloc::HEADER_BYTES;
 use crate::error::{Error, Result};
@@ -53,7 +53,7 @@ fn put_get_and_errors() {
 }
 
 #[test]
-fn parts_from_align_from_are_64_byte_aligned_and_counts_4_byte_aligned() {
+fn parts_from_align_from_are_64_byte_aligned_at_every_skew() {
     let (mut ring, mut s) = store(1 << 16, 1 << 15, 1);
     let seg = ring.segment().clone();
     // Odd raw allocations move the next chunk to every residue mod 64.
@@ -282,9 +282,8 @@ fn a_frame_changed_during_a_read_is_an_error_not_a_panic() {
     assert!(matches!(got, Err(Error::StaleObject { .. })), "{got:?}");
     // A frame scribbled over by another process: parts come out clamped to nothing.
     let (a, i) = s.put(&mut ring, "c", &[b"meta", b"data"], 1).unwrap();
-    let data_at = (a % 4096 + HEADER_BYTES) as usize;
-    let count_at = (4 - data_at % 4) % 4;
-    let entry0 = data_at + count_at + COUNT_BYTES + 4;
+    let data_at = a % 4096 + HEADER_BYTES;
+    let entry0 = (data_at + count_word_at(data_at) + COUNT_WORD_BYTES + 4) as usize;
     let lens = read_object(&seg, a, i, false, |v| {
         // SAFETY: inside the ring (the frame's first entry); a test stands in for a
         // peer process writing the segment.
@@ -303,8 +302,46 @@ fn layout_pads_inside_the_object() {
     let end = object_layout(9, [5u64, 70, 1].into_iter(), 3, 1, |i, off| {
         at.push((i, off))
     });
-    // data at ring offset 9: count at +3 (offset 12), frame n + 3 entries = 28 bytes,
-    // part 0 at +35, part 1 at ring offset 64 (+55), part 2 at 192 (+183).
-    assert_eq!(at, vec![(0, 35), (1, 55), (2, 183)]);
+    // data at ring offset 9: count word at +7 (offset 16, 8 bytes), frame n + 3 entries
+    // = 28 bytes, part 0 at +43, part 1 at ring offset 64 (+55), part 2 at 192 (+183).
+    assert_eq!(at, vec![(0, 43), (1, 55), (2, 183)]);
     assert_eq!(end, 184);
+}
+
+/// A reader that checked its object, then stalled past the writer's patience while the
+/// writer freed and reused the chunk, must not count into what is there now: neither
+/// the next object's count (same address after a `clear()`) nor its payload.
+#[test]
+fn a_stalled_reader_never_counts_into_the_next_object() {
+    let (mut ring, mut s) = store(4096, 4096, 1);
+    let seg = ring.segment().clone();
+    let word_at = |h: &ChunkHeader| {
+        let data = h.offset + HEADER_BYTES;
+        data + count_word_at(data)
+    };
+    // Counted while live.
+    let (a, i) = s.put(&mut ring, "a", &[b"meta", &[7u8; 100]], 1).unwrap();
+    let ha = seg.header_at(a).unwrap();
+    assert!(count_one_read(&seg, &ha, word_at(&ha)));
+    assert_eq!(object_reader_count(&seg, a, i).unwrap(), 1);
+    // The same address, the next object: its count is not touched.
+    s.clear(&mut ring).unwrap();
+    let (b, j) = s.put(&mut ring, "b", &[b"meta", &[9u8; 100]], 1).unwrap();
+    assert_eq!(b, a);
+    assert!(!count_one_read(&seg, &ha, word_at(&ha)));
+    assert_eq!(object_reader_count(&seg, b, j).unwrap(), 0);
+    // An object placed after another, then its memory covered by another object's
+    // payload: the payload is not touched.
+    for fill in [0u8, 0xff, 3] {
+        s.clear(&mut ring).unwrap();
+        s.put(&mut ring, "x", &[b"m", &[1u8; 200]], 1).unwrap();
+        let (c, _) = s.put(&mut ring, "c", &[b"m", &[3u8; 50]], 1).unwrap();
+        let hc = seg.header_at(c).unwrap();
+        s.clear(&mut ring).unwrap();
+        let (d, k) = s.put(&mut ring, "d", &[b"m", &[fill; 1024]], 0).unwrap();
+        let hd = seg.header_at(d).unwrap();
+        assert!(hd.offset + 64 < word_at(&hc) && word_at(&hc) + 8 < hd.offset + 1000);
+        assert!(!count_one_read(&seg, &hc, word_at(&hc)));
+        assert_eq!(read_all(&seg, d, k, false).unwrap()[1], vec![fill; 1024]);
+    }
 }

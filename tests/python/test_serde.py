@@ -496,16 +496,17 @@ def test_serialize_returns_consistent_sizes_and_the_store_layout(serde, case):
     address, mid = store.put("k", value)
     assert address == 11
     data_offset = address + 8
-    pad = -data_offset % 4
+    pad = -data_offset % 8
     with ring.access_buf(address) as (view, (hid, size)):
         assert hid == mid and size == 8 + len(view)
+        # The count word: the reader count (low half) and a tag of the id (high half).
         assert int.from_bytes(view[pad : pad + 4], "little") == 0, "the reader count starts at 0"
-        assert (data_offset + pad) % 4 == 0, "the reader count is 4-byte aligned"
-        n = int.from_bytes(view[pad + 4 : pad + 8], "little")
+        assert (data_offset + pad) % 8 == 0, "the count word is 8-byte aligned"
+        n = int.from_bytes(view[pad + 8 : pad + 12], "little")
         assert n == len(stored_parts)
-        at = pad + 8 + 8 * n
+        at = pad + 12 + 8 * n
         for i, expected in enumerate(stored_parts):
-            entry = pad + 8 + 8 * i
+            entry = pad + 12 + 8 * i
             off = int.from_bytes(view[entry : entry + 4], "little")
             length = int.from_bytes(view[entry + 4 : entry + 8], "little")
             assert bytes(view[off : off + length]) == expected

@@ -329,11 +329,11 @@ def test_tensor_data_is_64_byte_aligned_in_shared_memory():
         address, mid = store.put(f"k{skew}", value)
         data_offset = address % ring.data_buffer_size + 8
         with ring.access_buf(address) as (view, _):
-            pad = -data_offset % 4
-            n = int.from_bytes(view[pad + 4 : pad + 8], "little")
+            pad = -data_offset % 8  # to the 8-byte count word, then n, then the entries
+            n = int.from_bytes(view[pad + 8 : pad + 12], "little")
             assert n == 3  # the msgpack tree and two raw buffers
             for i in range(1, n):
-                off = int.from_bytes(view[pad + 8 + 8 * i : pad + 12 + 8 * i], "little")
+                off = int.from_bytes(view[pad + 12 + 8 * i : pad + 16 + 8 * i], "little")
                 assert (data_offset + off) % 64 == 0
         got = store.get(address, mid)
         assert torch.equal(got["a"], value["a"]) and np.array_equal(got["b"], value["b"]) and got["c"] == "text"
