@@ -30,8 +30,9 @@ const PUBLISHED_OFFSET: usize = 64;
 const SECRET_OFFSET: usize = 128;
 /// Where the count of zero-copy gets still holding a pin is (see `StoreSegment::pin_hint`).
 const PIN_HINT_OFFSET: usize = 192;
-/// Where the count of readers about to count a read is (see `StoreSegment::counting`).
-const COUNTING_OFFSET: usize = 200;
+/// Where the count of readers about to count a read is (see `StoreSegment::counting`):
+/// its own cache line, apart from the pin hint (both are written by readers).
+const COUNTING_OFFSET: usize = 256;
 /// How long the writer waits for readers in the middle of counting a read (they are
 /// there for nanoseconds; only one that died there makes it wait this long).
 const COUNTING_PATIENCE: Duration = Duration::from_millis(10);
@@ -90,7 +91,7 @@ pub(super) struct Published {
 const _: () = assert!(std::mem::size_of::<Published>() == 64);
 const _: () = assert!(PUBLISHED_OFFSET + 64 <= SECRET_OFFSET);
 const _: () = assert!(SECRET_OFFSET + SECRET_BYTES <= PIN_HINT_OFFSET);
-const _: () = assert!(PIN_HINT_OFFSET + 8 <= COUNTING_OFFSET);
+const _: () = assert!(PIN_HINT_OFFSET + 64 <= COUNTING_OFFSET); // another cache line
 const _: () = assert!(COUNTING_OFFSET + 8 <= RING_OFFSET);
 
 /// One consistent reading of [`Published`].
