@@ -136,6 +136,9 @@ pub struct StoreSegment {
     /// Mixed into the id tag of every count word (derived from the secret, so the same in
     /// every process of the segment; see `count_tag`).
     count_salt: u32,
+    /// Writer: announcements in `counting` taken as left by dead readers (see
+    /// `wait_for_counting_readers`). Process-local.
+    counting_floor: std::sync::atomic::AtomicU64,
     /// This process's pins of chunks it has zero-copy views of (see [`ChunkPin`]).
     pub(super) pins: Arc<Pins>,
     /// The writer's probe of every process's pins (`None` on readers).
@@ -245,6 +248,7 @@ impl StoreSegment {
             ring,
             capacity,
             count_salt: count_salt(&secret),
+            counting_floor: std::sync::atomic::AtomicU64::new(0),
             signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
         };
         // Release: pairs with the Acquire load in `open`: the header fields and the
@@ -300,6 +304,7 @@ impl StoreSegment {
             ring,
             capacity,
             count_salt: count_salt(&secret),
+            counting_floor: std::sync::atomic::AtomicU64::new(0),
             signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
         })
     }
@@ -546,22 +551,39 @@ impl StoreSegment {
     pub(super) fn counting(&self) -> &AtomicU64 {
         // SAFETY: COUNTING_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
         // mapping and 8-aligned. A peer that writes it can make the writer wait (up to
-        // COUNTING_PATIENCE per batch of frees) or not wait: what any process that may
+        // COUNTING_PATIENCE each time it raises it) or not wait: what any process that may
         // write the segment can do to the objects themselves anyway.
         unsafe { &*(self.segment.as_ptr().add(COUNTING_OFFSET) as *const AtomicU64) }
     }
 
     /// Writer, after publishing that chunks are freed: wait until no reader can still
     /// increment a count inside them (see `read_header`), so they can be reused.
+    ///
+    /// A reader killed inside its counting window leaves its announcement in `counting`
+    /// for good. So after one full `COUNTING_PATIENCE`, what is still announced is taken
+    /// as left by the dead (the floor), and later waits are for announcements above it:
+    /// one dead reader costs one patience, not one per batch of frees. A live reader
+    /// hidden under the floor was stalled past a patience already; its count word's tag
+    /// keeps its increment out of reused memory (`count_one_read`). The floor comes down
+    /// whenever `counting` is seen below it (those readers were alive after all).
     pub(super) fn wait_for_counting_readers(&self) {
         // SeqCst fence and load: with the reader's SeqCst increment and fence, either we
         // see its increment (and wait for its decrement), or it sees the chunk freed.
         fence(Ordering::SeqCst);
+        // Relaxed: only this process (the writer, under its store lock) uses the floor.
+        let floor = self
+            .counting_floor
+            .load(std::sync::atomic::Ordering::Relaxed);
         let mut started = None;
         for attempt in 0u32.. {
             // Acquire: pairs with the reader's Release decrement: its count increment
             // (into the old chunk) happens before we reuse the memory.
-            if self.counting().load(Ordering::Acquire) == 0 {
+            let now = self.counting().load(Ordering::Acquire);
+            if now <= floor {
+                if now < floor {
+                    self.counting_floor
+                        .store(now, std::sync::atomic::Ordering::Relaxed);
+                }
                 return;
             }
             if attempt < 64 {
@@ -570,11 +592,20 @@ impl StoreSegment {
                 // A reader died there (its increment will never come) or is stalled: its
                 // count word no longer carries its object's tag once the chunk is reused,
                 // so its increment finds nothing to count (`count_one_read`).
+                self.counting_floor
+                    .store(now, std::sync::atomic::Ordering::Relaxed);
                 return;
             } else {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// The writer's floor of `counting` (see `wait_for_counting_readers`).
+    #[cfg(test)]
+    pub(super) fn counting_floor(&self) -> u64 {
+        self.counting_floor
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Writer: whether some process may hold a zero-copy view of the chunk at ring offset

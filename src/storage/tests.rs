@@ -345,3 +345,29 @@ fn a_stalled_reader_never_counts_into_the_next_object() {
         assert_eq!(read_all(&seg, d, k, false).unwrap()[1], vec![fill; 1024]);
     }
 }
+
+/// A reader killed between announcing its increment and making it leaves `counting` > 0
+/// for good: the writer waits one patience for it, then takes it as the floor (later
+/// frees do not wait for it again), and lowers the floor once `counting` is below it.
+#[test]
+fn a_reader_dead_in_its_counting_window_is_waited_for_once() {
+    let (mut ring, mut s) = store(4096, 4096, 1);
+    let seg = ring.segment().clone();
+    let mut put_and_free = |key: &str| {
+        s.put(&mut ring, key, &[b"m", &[1u8; 10]], 1).unwrap();
+        let freed = ring.free_while(u64::MAX, |_, _| true).unwrap();
+        assert_eq!(freed.count, 1);
+    };
+    put_and_free("a");
+    assert_eq!(seg.counting_floor(), 0);
+    // The announcement of a reader that then died.
+    seg.counting().fetch_add(1, crate::sync::Ordering::SeqCst);
+    put_and_free("b");
+    assert_eq!(seg.counting_floor(), 1);
+    put_and_free("c");
+    assert_eq!(seg.counting_floor(), 1);
+    // It was alive after all, and made its increment (or a peer wrote the word).
+    seg.counting().fetch_sub(1, crate::sync::Ordering::SeqCst);
+    put_and_free("d");
+    assert_eq!(seg.counting_floor(), 0);
+}
