@@ -48,6 +48,17 @@ fn flock(kind: i32, byte: u64) -> libc::flock {
     fl
 }
 
+/// Set (`F_WRLCK`, `F_RDLCK`) or release (`F_UNLCK`) this open file description's lock on
+/// byte `byte` of `file`, without waiting (`F_OFD_SETLK`): roles here, pins in `pins`.
+pub(crate) fn lock_byte(file: &File, kind: i32, byte: u64) -> std::io::Result<()> {
+    let fl = flock(kind, byte);
+    // SAFETY: a valid descriptor and a pointer to a valid flock for the call.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// A role held in a segment: a lock on one byte of its file, released when dropped (or
 /// when the process dies). A forked child does not inherit it (see `crate::fork`).
 #[derive(Debug)]
@@ -67,10 +78,7 @@ impl RoleLock {
             .write(true)
             .open(path(segment))
             .map_err(|e| Error::os(format!("opening {} to lock a role in it", path(segment)), e))?;
-        let fl = flock(libc::F_WRLCK, byte);
-        // SAFETY: a valid descriptor and a pointer to a valid flock for the call.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
-            let e = std::io::Error::last_os_error();
+        if let Err(e) = lock_byte(&file, libc::F_WRLCK, byte) {
             return match e.raw_os_error() {
                 Some(libc::EAGAIN) | Some(libc::EACCES) => Ok(None),
                 _ => Err(Error::os(

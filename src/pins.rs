@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::fork;
+use crate::liveness::lock_byte;
 use crate::segment::SHM_DIR;
 
 /// This process's pins in one segment.
@@ -44,20 +45,6 @@ struct PinState {
     generation: u64,
     /// Views per pinned byte.
     held: HashMap<u64, u32>,
-}
-
-fn lock_byte(file: &File, kind: i32, byte: u64) -> std::io::Result<()> {
-    // SAFETY: `flock` is a plain C struct for which all-zero is a valid value.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = kind as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    fl.l_start = byte as libc::off_t;
-    fl.l_len = 1;
-    // SAFETY: a valid descriptor and a pointer to a valid flock for the call.
-    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 impl Pins {
