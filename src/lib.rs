@@ -22,7 +22,7 @@
 //! Internals, under those: `segment` (named POSIX shared memory, and the header check
 //! every kind of segment makes), `range_alloc` (the whole-page allocator of the arena's and
 //! the encoder cache's data regions), `fork` (what a forked child must not do with what it
-//! inherited), `sync` / `futex` / `doorbell` / `seqlock`
+//! inherited), `random` (secrets and nonces from the kernel), `sync` / `futex` / `doorbell` / `seqlock`
 //! (loom-swappable atomics, the process-shared futex, the sleep/wake handshake, the object
 //! store's seqlock), `private_map` (private copy-on-write views), `pins` (a process's views holding store
 //! chunks: file locks the writer checks before it frees), `transport` (ZeroMQ, for
@@ -95,6 +95,8 @@ pub mod liveness;
 pub(crate) mod pins;
 #[cfg(not(loom))]
 pub(crate) mod private_map;
+#[cfg(not(loom))]
+pub(crate) mod random;
 #[cfg(not(loom))]
 pub(crate) mod range_alloc;
 #[cfg(not(loom))]

@@ -50,17 +50,11 @@ const LINGER_MS: i32 = 1000;
 
 /// A secret of [`SECRET_BYTES`] random bytes, from the kernel.
 pub fn new_secret() -> Result<[u8; SECRET_BYTES]> {
-    use std::io::Read;
-    let mut secret = [0u8; SECRET_BYTES];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut secret))
-        .map_err(|e| Error::os("reading /dev/urandom for the queue's secret", e))?;
-    Ok(secret)
+    crate::random::random_bytes("the queue's remote secret")
 }
 
 fn random16() -> Result<[u8; 16]> {
-    let s = new_secret()?;
-    Ok(s[..16].try_into().expect("16 bytes"))
+    crate::random::random_bytes("a remote session id or nonce")
 }
 
 /// The MAC of the parts `parts` (each length-prefixed, after a domain tag).

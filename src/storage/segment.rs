@@ -172,31 +172,6 @@ pub struct ChunkHeader {
     pub size: u32,
 }
 
-/// 32 bytes from the kernel's random source.
-fn random_secret() -> Result<[u8; SECRET_BYTES]> {
-    let mut secret = [0u8; SECRET_BYTES];
-    let mut filled = 0;
-    while filled < SECRET_BYTES {
-        // SAFETY: the pointer and length describe the unfilled tail of `secret`.
-        let n = unsafe {
-            libc::getrandom(
-                secret[filled..].as_mut_ptr().cast(),
-                SECRET_BYTES - filled,
-                0,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(Error::os("getrandom for the store's signing secret", e));
-            }
-        } else {
-            filled += n as usize;
-        }
-    }
-    Ok(secret)
-}
-
 /// The salt of the count words' id tags: from the secret, domain-separated from the
 /// handle signatures (it is readable in the ring; the secret's other uses need no more).
 fn count_salt(secret: &[u8; SECRET_BYTES]) -> u32 {
@@ -219,7 +194,7 @@ impl StoreSegment {
             .ok_or_else(|| {
                 Error::InvalidArgument(format!("data_buffer_size {capacity} is too large"))
             })?;
-        let secret = random_secret()?;
+        let secret = crate::random::random_bytes::<SECRET_BYTES>("the store's signing secret")?;
         let segment = Segment::create(name, total)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
         // SAFETY: the segment is new, page-aligned and longer than RING_OFFSET; nobody
