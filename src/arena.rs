@@ -40,9 +40,9 @@
 //! so far, so an arena that never carries a large part costs no memory, and a full
 //! `/dev/shm` makes the writer fall back to copying instead of dying of `SIGBUS`.
 
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};

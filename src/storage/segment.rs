@@ -138,7 +138,7 @@ pub struct StoreSegment {
     count_salt: u32,
     /// Writer: announcements in `counting` taken as left by dead readers (see
     /// `wait_for_counting_readers`). Process-local.
-    counting_floor: std::sync::atomic::AtomicU64,
+    counting_floor: AtomicU64,
     /// This process's pins of chunks it has zero-copy views of (see [`ChunkPin`]).
     pub(super) pins: Arc<Pins>,
     /// The writer's probe of every process's pins (`None` on readers).
@@ -223,7 +223,7 @@ impl StoreSegment {
             ring,
             capacity,
             count_salt: count_salt(&secret),
-            counting_floor: std::sync::atomic::AtomicU64::new(0),
+            counting_floor: AtomicU64::new(0),
             signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
         };
         // Release: pairs with the Acquire load in `open`: the header fields and the
@@ -279,7 +279,7 @@ impl StoreSegment {
             ring,
             capacity,
             count_salt: count_salt(&secret),
-            counting_floor: std::sync::atomic::AtomicU64::new(0),
+            counting_floor: AtomicU64::new(0),
             signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
         })
     }
@@ -546,9 +546,7 @@ impl StoreSegment {
         // see its increment (and wait for its decrement), or it sees the chunk freed.
         fence(Ordering::SeqCst);
         // Relaxed: only this process (the writer, under its store lock) uses the floor.
-        let floor = self
-            .counting_floor
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let floor = self.counting_floor.load(Ordering::Relaxed);
         let mut started = None;
         for attempt in 0u32.. {
             // Acquire: pairs with the reader's Release decrement: its count increment
@@ -556,8 +554,7 @@ impl StoreSegment {
             let now = self.counting().load(Ordering::Acquire);
             if now <= floor {
                 if now < floor {
-                    self.counting_floor
-                        .store(now, std::sync::atomic::Ordering::Relaxed);
+                    self.counting_floor.store(now, Ordering::Relaxed);
                 }
                 return;
             }
@@ -567,8 +564,7 @@ impl StoreSegment {
                 // A reader died there (its increment will never come) or is stalled: its
                 // count word no longer carries its object's tag once the chunk is reused,
                 // so its increment finds nothing to count (`count_one_read`).
-                self.counting_floor
-                    .store(now, std::sync::atomic::Ordering::Relaxed);
+                self.counting_floor.store(now, Ordering::Relaxed);
                 return;
             } else {
                 std::thread::yield_now();
@@ -579,8 +575,7 @@ impl StoreSegment {
     /// The writer's floor of `counting` (see `wait_for_counting_readers`).
     #[cfg(test)]
     pub(super) fn counting_floor(&self) -> u64 {
-        self.counting_floor
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.counting_floor.load(Ordering::Relaxed)
     }
 
     /// Writer: whether some process may hold a zero-copy view of the chunk at ring offset
