@@ -212,20 +212,14 @@ impl StoreSegment {
                 SECRET_BYTES,
             );
         }
-        // SAFETY: RING_OFFSET < total.
-        let ring = unsafe { NonNull::new_unchecked(base.as_ptr().add(RING_OFFSET)) };
-        let s = StoreSegment {
-            pins: Arc::new(Pins::new(name)),
-            // Opened now, while the name surely is this segment's.
-            probe: Some(LockProbe::open(name)),
-            private: OnceLock::new(),
+        // Probe opened now, while the name surely is this segment's.
+        let s = StoreSegment::mapped(
+            name,
             segment,
-            ring,
             capacity,
-            count_salt: count_salt(&secret),
-            counting_floor: AtomicU64::new(0),
-            signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
-        };
+            &secret,
+            Some(LockProbe::open(name)),
+        );
         // Release: pairs with the Acquire load in `open`: the header fields and the
         // secret are visible to an opener that sees the magic.
         s.header().magic.store(STORE_MAGIC, Ordering::Release);
@@ -269,19 +263,33 @@ impl StoreSegment {
                 SECRET_BYTES,
             )
         };
-        // SAFETY: RING_OFFSET < segment.len().
+        Ok(StoreSegment::mapped(name, segment, capacity, &secret, None))
+    }
+
+    /// The segment `segment` (named `name`, at least `RING_OFFSET + capacity` bytes) with
+    /// signing secret `secret`; the writer passes its pin probe.
+    fn mapped(
+        name: &str,
+        segment: Segment,
+        capacity: u64,
+        secret: &[u8; SECRET_BYTES],
+        probe: Option<LockProbe>,
+    ) -> StoreSegment {
+        debug_assert!(segment.len() as u64 >= RING_OFFSET as u64 + capacity);
+        let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
+        // SAFETY: RING_OFFSET < segment.len() (both callers checked the size).
         let ring = unsafe { NonNull::new_unchecked(base.as_ptr().add(RING_OFFSET)) };
-        Ok(StoreSegment {
+        StoreSegment {
             pins: Arc::new(Pins::new(name)),
-            probe: None,
+            probe,
             private: OnceLock::new(),
             segment,
             ring,
             capacity,
-            count_salt: count_salt(&secret),
+            count_salt: count_salt(secret),
             counting_floor: AtomicU64::new(0),
-            signer: Signer::new_from_slice(&secret).expect("HMAC takes keys of any length"),
-        })
+            signer: Signer::new_from_slice(secret).expect("HMAC takes keys of any length"),
+        }
     }
 
     pub(super) fn header(&self) -> &StoreHeader {
