@@ -382,10 +382,7 @@ impl ObjectStore {
             format!("part {i} of the object is not C-contiguous")
         })?;
         let total: usize = spans.iter().map(|s| s.1).sum();
-        // The ring first, then the store (the order everywhere: `free_buf` holds the
-        // ring while its callback, e.g. `default_is_free_check`, takes the store).
-        let mut ring = self.ring.get().ring(py)?;
-        let mut store = self.store(py)?;
+        let (mut ring, mut store) = self.ring_and_store(py)?;
         let (store, ring) = (&mut *store, &mut *ring);
         let mut put = move || {
             // SAFETY: each span is a live, C-contiguous buffer export held by `buffers`
@@ -406,10 +403,7 @@ impl ObjectStore {
     /// is exactly this memory writes the rest around it (no copy). `None` if the ring
     /// has no room for it.
     fn loan(&self, py: Python<'_>, nbytes: u64) -> PyResult<Option<ShmView>> {
-        // The ring first, then the store (the order everywhere: `free_buf` holds the
-        // ring while its callback, e.g. `default_is_free_check`, takes the store).
-        let mut ring = self.ring.get().ring(py)?;
-        let mut store = self.store(py)?;
+        let (mut ring, mut store) = self.ring_and_store(py)?;
         match store.loan(&mut ring, nbytes) {
             Ok(loan) => {
                 let loan = Arc::new(loan);
@@ -612,19 +606,13 @@ impl ObjectStore {
     }
 
     fn free_unused(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        // The ring first, then the store (the order everywhere: `free_buf` holds the
-        // ring while its callback, e.g. `default_is_free_check`, takes the store).
-        let mut ring = self.ring.get().ring(py)?;
-        let mut store = self.store(py)?;
+        let (mut ring, mut store) = self.ring_and_store(py)?;
         let freed = store.free_unused(&mut ring)?;
         freed_ids(py, freed)
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
-        // The ring first, then the store (the order everywhere: `free_buf` holds the
-        // ring while its callback, e.g. `default_is_free_check`, takes the store).
-        let mut ring = self.ring.get().ring(py)?;
-        let mut store = self.store(py)?;
+        let (mut ring, mut store) = self.ring_and_store(py)?;
         Ok(store.clear(&mut ring)?)
     }
 
@@ -712,6 +700,17 @@ impl ObjectStore {
     /// The core store, locked (`RuntimeError` once a panic has poisoned it).
     fn store(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreStore>> {
         lock(py, &self.inner, "object store")
+    }
+
+    /// The ring's lock and the store's, in that order: the order everywhere (`free_buf`
+    /// holds the ring while its callback, e.g. `default_is_free_check`, takes the store).
+    fn ring_and_store<'a>(
+        &'a self,
+        py: Python<'_>,
+    ) -> PyResult<(BindingGuard<'a, CoreRing>, BindingGuard<'a, CoreStore>)> {
+        let ring = self.ring.get().ring(py)?;
+        let store = self.store(py)?;
+        Ok((ring, store))
     }
 
     /// A reader's check of a handle's signature (no index lookup).
