@@ -311,7 +311,7 @@ impl RemoteWriter {
             if self.peers.len() >= self.expected {
                 break;
             }
-            poll_slice(&self.socket, wait, "waiting for remote readers")?;
+            poll_slice(&self.socket, wait, || "waiting for remote readers".into())?;
             wait.step(&mut crate::wait::no_peer)?;
         }
         let m = mac(
@@ -593,7 +593,7 @@ impl RemoteReader {
             if let Some(f) = self.try_recv_frames()? {
                 return Ok(f);
             }
-            let context = format!("waiting for a message from {}", self.endpoint);
+            let context = || format!("waiting for a message from {}", self.endpoint);
             if !poll_slice(&self.socket, wait, context)? {
                 // A remote writer's liveness cannot be checked from here.
                 wait.step(&mut crate::wait::no_peer)?;
@@ -613,7 +613,9 @@ impl RemoteReader {
                     None => {}
                 }
             }
-            poll_slice(&self.socket, wait, format!("waiting for {}", self.endpoint))?;
+            poll_slice(&self.socket, wait, || {
+                format!("waiting for {}", self.endpoint)
+            })?;
             wait.step(&mut crate::wait::no_peer)?;
         }
     }

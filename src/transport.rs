@@ -27,16 +27,16 @@ const POLL_SLICE: Duration = Duration::from_millis(5);
 
 /// Wait until `socket` has a message to receive, at most one poll slice (less if `wait`
 /// has less time left); whether it has one. `context` says what was awaited, for the
-/// error.
+/// error (made only if there is one: this runs every slice of every wait).
 pub(crate) fn poll_slice(
     socket: &zmq::Socket,
     wait: &Wait,
-    context: impl Into<String>,
+    context: impl FnOnce() -> String,
 ) -> Result<bool> {
     let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
     let ready = socket
         .poll(zmq::POLLIN, slice.as_millis() as i64)
-        .map_err(Error::transport(context))?;
+        .map_err(|e| Error::transport(context())(e))?;
     Ok(ready != 0)
 }
 
@@ -187,7 +187,7 @@ impl Publisher {
             return Ok(());
         }
         while self.subscribers < n {
-            if !poll_slice(&self.socket, wait, "waiting for subscribers")? {
+            if !poll_slice(&self.socket, wait, || "waiting for subscribers".into())? {
                 wait.step(peers_alive)?;
                 continue;
             }
@@ -311,7 +311,7 @@ impl Subscriber {
             if let Some(m) = self.try_recv()? {
                 return Ok(m);
             }
-            let context = format!("waiting for a message from {}", self.endpoint);
+            let context = || format!("waiting for a message from {}", self.endpoint);
             if !poll_slice(&self.socket, wait, context)? {
                 wait.step(peer_alive)?;
             }
