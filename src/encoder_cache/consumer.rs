@@ -466,11 +466,15 @@ impl Consumer {
         // A load names keys someone saw held (a scheduler's `has`): if no open producer
         // has this one, a producer not opened yet may (it appeared since the last try,
         // less than `RETRY_OPEN` ago): try those now rather than answer "missing".
-        let held_open = self
-            .producers
-            .iter()
-            .any(|p| p.link.as_ref().is_some_and(|l| l.find(&key).is_some()));
-        if !held_open && self.producers.iter().any(|p| p.link.is_none()) {
+        // (Looked up first only when some producer is not open: the usual load, with every
+        // producer open, finds the key once, below.)
+        let unopened = self.producers.iter().any(|p| p.link.is_none());
+        if unopened
+            && !self
+                .producers
+                .iter()
+                .any(|p| p.link.as_ref().is_some_and(|l| l.find(&key).is_some()))
+        {
             let now = Instant::now();
             for p in &mut self.producers {
                 if p.link.is_none() {

@@ -210,9 +210,8 @@ impl ObjectStore {
         let segment = ring.segment();
         let (p, len) = segment.data_ptr(&h);
         let data_offset = h.offset + HEADER_BYTES;
-        let count_at = count_word_at(data_offset);
-        segment.init_count(data_offset + count_at, chunk.id);
-        let frame_at = (count_at + COUNT_WORD_BYTES) as usize;
+        segment.init_count(&h);
+        let frame_at = (count_word_at(data_offset) + COUNT_WORD_BYTES) as usize;
         let write = |at: usize, bytes: &[u8]| {
             debug_assert!(at + bytes.len() <= len);
             // SAFETY: the chunk is ours (just allocated, not yet handed out; readers only
@@ -291,11 +290,13 @@ impl ObjectStore {
         let (chunk, header) = self.allocate(ring, size_at)?;
         let segment = ring.segment();
         let data_offset = header.offset + HEADER_BYTES;
-        let count_at = count_word_at(data_offset);
         // Nobody has this chunk's handle yet; the channel that carries it orders these
         // stores. An empty object (no parts) until it is put.
-        segment.init_count(data_offset + count_at, chunk.id);
-        segment.store_u32(data_offset + count_at + COUNT_WORD_BYTES, 0);
+        segment.init_count(&header);
+        segment.store_u32(
+            data_offset + count_word_at(data_offset) + COUNT_WORD_BYTES,
+            0,
+        );
         // If pinning fails, the chunk (an empty object nobody knows) goes in its turn.
         let pin = pin_own(segment, header.offset)?;
         let spot = LoanSpot {

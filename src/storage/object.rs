@@ -130,13 +130,12 @@ pub(super) fn reader_count(data: &[u8]) -> u32 {
     word.load(Ordering::Acquire) as u32
 }
 
-/// Count one read of the object `h` whose count word is at ring offset `count_at`: add
-/// one to the count if the word still carries the object's tag; else (the chunk was
-/// reused after the reader's last check, which only a reader stalled longer than the
-/// writer's patience can see, or a peer wrote the word) count nothing. Returns whether
-/// it counted.
-pub(super) fn count_one_read(segment: &StoreSegment, h: &ChunkHeader, count_at: u64) -> bool {
-    let word = segment.count_word(count_at);
+/// Count one read of the object in chunk `h`: add one to the count if its count word
+/// still carries the object's tag; else (the chunk was reused after the reader's last
+/// check, which only a reader stalled longer than the writer's patience can see, or a
+/// peer wrote the word) count nothing. Returns whether it counted.
+pub(super) fn count_one_read(segment: &StoreSegment, h: &ChunkHeader) -> bool {
+    let word = segment.count_word_of(h);
     let tag = segment.count_tag(h.id);
     // Relaxed: the value only seeds the compare-exchange, which checks it.
     let mut seen = word.load(Ordering::Relaxed);
@@ -268,7 +267,7 @@ pub(super) fn read_header<R>(
     fence(Ordering::SeqCst);
     let validity = validity(segment, &h);
     if validity == Validity::Live {
-        count_one_read(segment, &h, h.offset + HEADER_BYTES + view.count_at as u64);
+        count_one_read(segment, &h);
     }
     // Release: pairs with the writer's Acquire load: the increment above happens before
     // the writer reuses the chunk.

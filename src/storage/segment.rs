@@ -471,12 +471,18 @@ impl StoreSegment {
         id ^ self.count_salt
     }
 
-    /// A fresh object's count word: its tag, count 0 (writer, before the handle is
-    /// handed out: Relaxed, the channel that carries the handle orders it as it does the
-    /// payload).
-    pub(super) fn init_count(&self, offset: u64, id: u32) {
-        self.count_word(offset)
-            .store(u64::from(self.count_tag(id)) << 32, Ordering::Relaxed);
+    /// The count word of the object in chunk `h`.
+    pub(super) fn count_word_of(&self, h: &ChunkHeader) -> &AtomicU64 {
+        let data = h.offset + HEADER_BYTES;
+        self.count_word(data + count_word_at(data))
+    }
+
+    /// A fresh object's count word in chunk `h`: its tag, count 0 (writer, before the
+    /// handle is handed out: Relaxed, the channel that carries the handle orders it as it
+    /// does the payload).
+    pub(super) fn init_count(&self, h: &ChunkHeader) {
+        self.count_word_of(h)
+            .store(u64::from(self.count_tag(h.id)) << 32, Ordering::Relaxed);
     }
 
     /// Write the header of a freshly allocated chunk (writer only; published after).
