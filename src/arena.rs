@@ -40,7 +40,6 @@
 //! so far, so an arena that never carries a large part costs no memory, and a full
 //! `/dev/shm` makes the writer fall back to copying instead of dying of `SIGBUS`.
 
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -50,6 +49,7 @@ use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::range_alloc::RangeAllocator;
 use crate::segment::{data_after_table, round_up, unique_name, HeaderCheck, Segment};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.
 pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"SHMQARN1");

@@ -668,20 +668,30 @@ mod tests {
         assert!(e.to_string().contains("rank 1 has joined already"), "{e}");
     }
 
-    #[test]
-    fn a_forged_message_is_refused() {
-        let ctx = zmq::Context::new();
-        let key = new_secret().unwrap();
-        let mut r = RemoteReader {
+    /// A reader of rank 1 whose handshake gave it `session`, before the start message
+    /// (its socket is connected to nothing: messages go to `accept` by hand).
+    fn reader_in_session(
+        ctx: &zmq::Context,
+        key: [u8; SECRET_BYTES],
+        session: [u8; 16],
+    ) -> RemoteReader {
+        RemoteReader {
             socket: LeakInChild::new(ctx.socket(zmq::DEALER).unwrap()),
             endpoint: "test".into(),
             key,
             rank: 1,
             nonce: [0; 16],
-            session: Some([5; 16]),
+            session: Some(session),
             seq: 0,
             started: false,
-        };
+        }
+    }
+
+    #[test]
+    fn a_forged_message_is_refused() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let mut r = reader_in_session(&ctx, key, [5; 16]);
         let msg = |h: [u8; HEADER], body: &[u8]| {
             vec![zmq::Message::from(&h[..]), zmq::Message::from(body)]
         };
@@ -712,16 +722,7 @@ mod tests {
         let ctx = zmq::Context::new();
         let key = new_secret().unwrap();
         let session = [5; 16];
-        let mut r = RemoteReader {
-            socket: LeakInChild::new(ctx.socket(zmq::DEALER).unwrap()),
-            endpoint: "test".into(),
-            key,
-            rank: 1,
-            nonce: [0; 16],
-            session: Some(session),
-            seq: 0,
-            started: false,
-        };
+        let mut r = reader_in_session(&ctx, key, session);
         let ready = header(
             KIND_READY,
             0,
