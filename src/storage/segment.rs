@@ -139,6 +139,8 @@ pub struct StoreSegment {
     /// Writer: announcements in `counting` taken as left by dead readers (see
     /// `wait_for_counting_readers`). Process-local.
     counting_floor: AtomicU64,
+    /// Writer: how many waits for counting readers ran out of patience (process-local).
+    patience_spent: AtomicU64,
     /// This process's pins of chunks it has zero-copy views of (see [`ChunkPin`]).
     pub(super) pins: Arc<Pins>,
     /// The writer's probe of every process's pins (`None` on readers).
@@ -288,6 +290,7 @@ impl StoreSegment {
             capacity,
             count_salt: count_salt(secret),
             counting_floor: AtomicU64::new(0),
+            patience_spent: AtomicU64::new(0),
             signer: Signer::new_from_slice(secret).expect("HMAC takes keys of any length"),
         }
     }
@@ -579,6 +582,7 @@ impl StoreSegment {
                 // count word no longer carries its object's tag once the chunk is reused,
                 // so its increment finds nothing to count (`count_one_read`).
                 self.counting_floor.store(now, Ordering::Relaxed);
+                self.patience_spent.fetch_add(1, Ordering::Relaxed);
                 return;
             } else {
                 std::thread::yield_now();
@@ -586,10 +590,15 @@ impl StoreSegment {
         }
     }
 
-    /// The writer's floor of `counting` (see `wait_for_counting_readers`).
+    /// The writer's floor of `counting`, and how many of its waits ran out of patience
+    /// (see `wait_for_counting_readers`).
     #[cfg(test)]
-    pub(super) fn counting_floor(&self) -> u64 {
-        self.counting_floor.load(Ordering::Relaxed)
+    pub(super) fn counting_floor(&self) -> (u64, u64) {
+        // Relaxed: read by the writer's own thread (a test).
+        (
+            self.counting_floor.load(Ordering::Relaxed),
+            self.patience_spent.load(Ordering::Relaxed),
+        )
     }
 
     /// Writer: whether some process may hold a zero-copy view of the chunk at ring offset

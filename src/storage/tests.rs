@@ -349,6 +349,7 @@ fn a_stalled_reader_never_counts_into_the_next_object() {
 /// A reader killed between announcing its increment and making it leaves `counting` > 0
 /// for good: the writer waits one patience for it, then takes it as the floor (later
 /// frees do not wait for it again), and lowers the floor once `counting` is below it.
+/// `counting_floor()` is (floor, waits that ran out of patience).
 #[test]
 fn a_reader_dead_in_its_counting_window_is_waited_for_once() {
     let (mut ring, mut s) = store(4096, 4096, 1);
@@ -359,15 +360,16 @@ fn a_reader_dead_in_its_counting_window_is_waited_for_once() {
         assert_eq!(freed.count, 1);
     };
     put_and_free("a");
-    assert_eq!(seg.counting_floor(), 0);
+    assert_eq!(seg.counting_floor(), (0, 0));
     // The announcement of a reader that then died.
     seg.counting().fetch_add(1, crate::sync::Ordering::SeqCst);
     put_and_free("b");
-    assert_eq!(seg.counting_floor(), 1);
+    assert_eq!(seg.counting_floor(), (1, 1));
+    // Not waited for again.
     put_and_free("c");
-    assert_eq!(seg.counting_floor(), 1);
+    assert_eq!(seg.counting_floor(), (1, 1));
     // It was alive after all, and made its increment (or a peer wrote the word).
     seg.counting().fetch_sub(1, crate::sync::Ordering::SeqCst);
     put_and_free("d");
-    assert_eq!(seg.counting_floor(), 0);
+    assert_eq!(seg.counting_floor(), (0, 1));
 }
