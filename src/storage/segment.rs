@@ -571,6 +571,7 @@ impl StoreSegment {
             let now = self.counting().load(Ordering::Acquire);
             if now <= floor {
                 if now < floor {
+                    // Relaxed: as the load of the floor above.
                     self.counting_floor.store(now, Ordering::Relaxed);
                 }
                 return;
@@ -580,7 +581,8 @@ impl StoreSegment {
             } else if started.get_or_insert_with(Instant::now).elapsed() > COUNTING_PATIENCE {
                 // A reader died there (its increment will never come) or is stalled: its
                 // count word no longer carries its object's tag once the chunk is reused,
-                // so its increment finds nothing to count (`count_one_read`).
+                // so its increment finds nothing to count (`count_one_read`). Relaxed
+                // (both): process-local, used only by the writer under its store lock.
                 self.counting_floor.store(now, Ordering::Relaxed);
                 self.patience_spent.fetch_add(1, Ordering::Relaxed);
                 return;
