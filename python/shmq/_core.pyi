@@ -38,7 +38,9 @@ __all__ = [
 __version__: str
 segment_prefix: str
 #: The store's layout (``src/alloc.rs``, ``src/storage/``): a chunk's ``[id][size]``
-#: header, where ids wrap, an object's reader count, the handle-signing secret.
+#: header, where ids wrap, the bytes vLLM counts for an object's reader flag in
+#: ``max_object_size`` (the stored count word is 8 bytes: count and id tag), the
+#: handle-signing secret.
 CHUNK_HEADER_BYTES: int
 ID_MAX: int
 COUNT_BYTES: int

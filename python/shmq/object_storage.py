@@ -285,7 +285,9 @@ class _WriterFlag(_IdIndex):
 
     def __getitem__(self, monotonic_id: int) -> int:  # type: ignore[override]
         entry = self._core.entry(super().__getitem__(monotonic_id))
-        if entry is None:  # removed by another thread between the two lookups
+        # Removed by another thread between the two lookups, or removed and put again
+        # (then the key names a newer object: not this id's count).
+        if entry is None or entry[1] != monotonic_id:
             raise KeyError(monotonic_id)
         return entry[2]
 
@@ -325,7 +327,8 @@ class ObjectStorage:
         self.serde_class = serde_class
         self.ser_de = serde_class()
         self.is_writer = ring_buffer.is_writer
-        #: The reader count in front of each object (vLLM's name; the core's layout).
+        #: Bytes vLLM counts for the reader flag of an object in ``max_object_size`` (vLLM's
+        #: name; the core stores an 8-byte count word, count and id tag, in front of it).
         self.flag_bytes: int = _core.COUNT_BYTES
         self._reader_lock = reader_lock
         self._core: Any = _core.ObjectStore(ring_buffer._core, max_object_size, n_readers, reader_lock is not None)

@@ -15,9 +15,10 @@
 //! (an `AtomicU32` needs 4-byte alignment), and whatever needs alignment inside a chunk
 //! is padded *inside* the chunk. An object's data is
 //! ```text
-//! [0..3 pad][count: u32][n: u32][n × (offset: u32, len: u32)][parts ...]
+//! [0..7 pad][count word: count u32 | tag u32][n: u32][n × (offset: u32, len: u32)][parts ...]
 //! ```
-//! The pad puts the reader count on a 4-byte boundary (it is an `AtomicU32`); the frame
+//! The pad puts the count word on an 8-byte boundary (it is an `AtomicU64`: the reader
+//! count and a tag of the object's id, see "Eviction" below); the frame
 //! gives each part's offset from the start of the data and its length. Parts from
 //! `align_from` on (the raw tensor and array buffers of the built-in serdes) start on
 //! 64-byte boundaries of the ring, which is page-aligned in memory; the others follow

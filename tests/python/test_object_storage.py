@@ -15,6 +15,7 @@ import pickle
 import secrets
 import signal
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -750,6 +751,35 @@ def test_writer_attributes():
     reader = ObjectStorage.create_from_handle(store.handle())
     assert reader.is_writer is False
     assert reader.n_readers == 3 and reader.max_object_size == 4096
+
+
+def test_writer_flag_of_an_id_whose_key_was_put_again_is_a_key_error():
+    # writer_flag[id] looks the id's key up, then the key's entry: if the key is put again
+    # in between (another thread), the entry is a newer object's, not this id's count.
+    from shmq.object_storage import _WriterFlag
+
+    ring = RingBuffer(1 << 16, create=True)
+    store = ObjectStorage(4096, 1, ring)
+    _, old_id = store.put("k", 1)
+    store.get_cached("k")  # the old object: handed out twice
+
+    class PutAgainBetween:
+        def __init__(self, core):
+            self.core = core
+
+        def key_of(self, monotonic_id):
+            key = self.core.key_of(monotonic_id)
+            store.clear()
+            store.put("k", 2)  # handed out once, under a new id
+            return key
+
+        def __getattr__(self, name):
+            return getattr(self.core, name)
+
+    racing = SimpleNamespace(_core=PutAgainBetween(store._core))
+    with pytest.raises(KeyError):
+        _WriterFlag(racing)[old_id]  # type: ignore[arg-type]
+    ring.close()
 
 
 def test_handle_is_picklable_and_opens_a_reader(children):
