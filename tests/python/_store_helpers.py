@@ -145,6 +145,20 @@ from _processes import ChildFailed, Children  # noqa: E402,F401
 # Exact comparison
 
 
+def store_frame(view: memoryview, data_offset: int) -> tuple[int, int, int, list[tuple[int, int]]]:
+    """Read the frame of a stored object from its chunk data ``view`` (at ring offset
+    ``data_offset``): ``[pad to 8][count: u32][tag: u32][n: u32][n x (offset, len)]``
+    (``src/storage/object.rs``). Returns ``(count, tag, pad, [(offset, len), ...])``."""
+    pad = -data_offset % 8
+
+    def word(at: int) -> int:
+        return int.from_bytes(view[at : at + 4], "little")
+
+    n = word(pad + 8)
+    entries = [(word(pad + 12 + 8 * i), word(pad + 16 + 8 * i)) for i in range(n)]
+    return word(pad), word(pad + 4), pad, entries
+
+
 def tensor_bytes(t: Any) -> bytes:
     """The bytes of every element of ``t`` in C order, read straight from its storage
     through its strides: works for every dtype (even those torch cannot copy) and for

@@ -33,6 +33,7 @@ from _store_helpers import (
     canon,
     register_point,
     serde_service,
+    store_frame,
     tensor_bytes,
     no_store_leftovers,  # noqa: F401 (an autouse fixture)
 )
@@ -480,12 +481,14 @@ def test_serialize_returns_consistent_sizes_and_the_store_layout(serde, case):
     stored = bytes(metadata) + b"".join(bytes(memoryview(p)) for p in parts)
     assert len(stored) == md_nbytes + nbytes
     assert canon(serde().deserialize(memoryview(stored))) == canon(value)
-    # In the store: [0-3 pad][4-byte reader count][n][n x (offset, len)][parts], offsets
-    # from the start of the chunk's data. A built-in serde's parts are its own (the
+    # In the store: [0-7 pad][count word: count u32, id tag u32][n][n x (offset, len)]
+    # [parts], offsets from the start of the chunk's data (see `store_frame`). A built-in serde's parts are its own (the
     # tree or pickle stream, then the raw buffers, each on a 64-byte boundary of the
     # ring); a custom serde's are its metadata and data, back to back, as in vLLM.
     ring = RingBuffer(1 << 16, create=True)
-    store = ObjectStorage(1 << 14, 1, ring, serde_class=serde)
+    # With a reader lock the writer's own get counts as a read (vLLM's), so the count
+    # word can be seen to change.
+    store = ObjectStorage(1 << 14, 1, ring, serde_class=serde, reader_lock=object())
     ring.allocate_buf(3)  # the object's chunk starts at an odd offset (11)
     builtin = serde is not PartsSerde
     stored_parts = (
@@ -496,19 +499,13 @@ def test_serialize_returns_consistent_sizes_and_the_store_layout(serde, case):
     address, mid = store.put("k", value)
     assert address == 11
     data_offset = address + 8
-    pad = -data_offset % 8
     with ring.access_buf(address) as (view, (hid, size)):
         assert hid == mid and size == 8 + len(view)
-        # The count word: the reader count (low half) and a tag of the id (high half).
-        assert int.from_bytes(view[pad : pad + 4], "little") == 0, "the reader count starts at 0"
-        assert (data_offset + pad) % 8 == 0, "the count word is 8-byte aligned"
-        n = int.from_bytes(view[pad + 8 : pad + 12], "little")
-        assert n == len(stored_parts)
-        at = pad + 12 + 8 * n
-        for i, expected in enumerate(stored_parts):
-            entry = pad + 12 + 8 * i
-            off = int.from_bytes(view[entry : entry + 4], "little")
-            length = int.from_bytes(view[entry + 4 : entry + 8], "little")
+        count, tag, pad, entries = store_frame(view, data_offset)
+        assert count == 0, "the reader count starts at 0"
+        assert len(entries) == len(stored_parts)
+        at = pad + 12 + 8 * len(entries)
+        for i, ((off, length), expected) in enumerate(zip(entries, stored_parts, strict=True)):
             assert bytes(view[off : off + length]) == expected
             if builtin and i >= 1:
                 assert (data_offset + off) % 64 == 0, "raw buffers are 64-byte aligned in the ring"
@@ -518,6 +515,9 @@ def test_serialize_returns_consistent_sizes_and_the_store_layout(serde, case):
             at = off + length
         assert at == len(view), "the chunk is sized exactly"
     assert canon(store.get(address, mid)) == canon(value)
+    with ring.access_buf(address) as (view, _):
+        # The read was counted in the count word's low half; the tag did not move.
+        assert store_frame(view, data_offset)[:2] == (1, tag) == (store.reader_count(address, mid), tag)
 
 
 def test_object_serde_is_abstract():

@@ -21,7 +21,7 @@ import torch
 from shmq import Handle, MessageQueue, ObjectStorage, PickleSerde, RingBuffer
 
 from _processes import STEP, free_port
-from _store_helpers import STALE
+from _store_helpers import STALE, store_frame
 from _vllm_helpers import (
     env_probe,
     external_writer_member,
@@ -329,11 +329,9 @@ def test_tensor_data_is_64_byte_aligned_in_shared_memory():
         address, mid = store.put(f"k{skew}", value)
         data_offset = address % ring.data_buffer_size + 8
         with ring.access_buf(address) as (view, _):
-            pad = -data_offset % 8  # to the 8-byte count word, then n, then the entries
-            n = int.from_bytes(view[pad + 8 : pad + 12], "little")
-            assert n == 3  # the msgpack tree and two raw buffers
-            for i in range(1, n):
-                off = int.from_bytes(view[pad + 12 + 8 * i : pad + 16 + 8 * i], "little")
+            _, _, _, entries = store_frame(view, data_offset)
+            assert len(entries) == 3  # the msgpack tree and two raw buffers
+            for off, _ in entries[1:]:
                 assert (data_offset + off) % 64 == 0
         got = store.get(address, mid)
         assert torch.equal(got["a"], value["a"]) and np.array_equal(got["b"], value["b"]) and got["c"] == "text"
