@@ -188,26 +188,27 @@ class EncoderCacheProducer:
         ``on_loaded``: see :meth:`on_loaded`.
         """
         self._check()
-        if self._core.has(key):  # the common case for repeated images: no work at all
-            if on_loaded is not None:
-                self.on_loaded(key, on_loaded)
-            return False
-        timeout = self.timeout if timeout is None else timeout
-        body, buffers = _oob.dumps(_map_tensors(value, _to_cpu))
-        if not self._slots.acquire(timeout=timeout):
-            raise TimeoutError(f"encoder cache {self.name!r}: earlier saves are still being copied after {timeout} s")
-        try:
-            reservation = self._core.reserve(key, [len(body), *(b.nbytes for b in buffers)], timeout)
-        except BaseException:
-            self._slots.release()
-            raise
-        if reservation is None:
-            self._slots.release()
-        else:
-            future = self._copier.submit(self._copy, reservation, [body, *buffers])
-            with self._lock:
-                self._pending.add(future)
-            future.add_done_callback(self._done)
+        reservation = None
+        # A key already published (the common case for repeated images): no work at all.
+        if not self._core.has(key):
+            timeout = self.timeout if timeout is None else timeout
+            body, buffers = _oob.dumps(_map_tensors(value, _to_cpu))
+            if not self._slots.acquire(timeout=timeout):
+                raise TimeoutError(
+                    f"encoder cache {self.name!r}: earlier saves are still being copied after {timeout} s"
+                )
+            try:
+                reservation = self._core.reserve(key, [len(body), *(b.nbytes for b in buffers)], timeout)
+            except BaseException:
+                self._slots.release()
+                raise
+            if reservation is None:  # held already (its copy still running)
+                self._slots.release()
+            else:
+                future = self._copier.submit(self._copy, reservation, [body, *buffers])
+                with self._lock:
+                    self._pending.add(future)
+                future.add_done_callback(self._done)
         if on_loaded is not None:
             self.on_loaded(key, on_loaded)
         return reservation is not None

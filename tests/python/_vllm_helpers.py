@@ -249,7 +249,6 @@ def vllm_member(
     os.environ.pop("SHMQ_VLLM", None)
     if enabled:
         os.environ["SHMQ_VLLM"] = "1"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"] = store_name  # where vLLM puts its cache
     # vLLM's msgpack decoder pins the memory of out-of-band tensors, which this CUDA
     # build of torch cannot do without a GPU driver: keep the test's tensors in band.

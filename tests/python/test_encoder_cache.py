@@ -89,6 +89,8 @@ def test_every_kind_of_value_reaches_two_consumers_exactly(children, cache_name)
         # What the producer saved is untouched, and a second save of a key copies nothing.
         assert {k: value_digest(v) for k, v in values.items()} == expected
         assert not producer.save("image", values["image"])
+        # ... nor even serializes it (a value that cannot be pickled is never looked at).
+        assert not producer.save("image", _Unpicklable())
         for c in consumers:
             c.exit()
         children.join()
@@ -455,3 +457,8 @@ def test_cuda_tensors_go_through_shared_cpu_memory(cache_name):
         on_gpu = consumer.get("k", device="cuda")["emb"]
         assert on_gpu.device.type == "cuda" and torch.equal(on_gpu, t)
         consumer.close()
+
+
+class _Unpicklable:
+    def __reduce__(self) -> object:
+        raise AssertionError("a save of a published key serialized its value")
