@@ -311,6 +311,8 @@ def _floor_small_calls(params: Params) -> dict[str, float]:
     n = min(params.objects, 20_000)
 
     def alloc_us(ring: Any) -> float:
+        # `_time_per_call_us`'s loop, written out: the call is ~0.1 µs, and calling it
+        # through a lambda or partial there adds ~0.02 µs to what is measured.
         per_call, clock = [], time.perf_counter_ns
         for _ in range(max(10, n // 100)):
             t0 = clock()
