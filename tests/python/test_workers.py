@@ -178,6 +178,83 @@ def test_report_ready_outside_a_worker_is_an_error():
         report_ready()
 
 
+# A script that starts workers without `if __name__ == "__main__":` (line 7). Every spawned
+# worker re-imports it as its main module and fails there, before shmq's bootstrap runs.
+_SCRIPT_WITHOUT_MAIN_GUARD = """\
+import json
+from shmq import WorkerDiedError, WorkerProcesses, report_ready
+
+def worker(rank):
+    report_ready()
+
+workers = WorkerProcesses(worker, 2, forward_stderr=False)
+try:
+    workers.wait_until_ready(timeout={timeout})
+except WorkerDiedError as e:
+    print(json.dumps({{"message": str(e), "tail": e.stderr_tail, "pids": workers.pids}}))
+"""
+
+
+def test_a_worker_that_fails_while_spawn_starts_it_shows_its_traceback(tmp_path):
+    script = tmp_path / "no_main_guard.py"
+    script.write_text(_SCRIPT_WITHOUT_MAIN_GUARD.format(timeout=STARTUP))
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=2 * STARTUP
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    _processes.CHILD_PIDS.update(report["pids"])
+    message, tail = report["message"], report["tail"]
+    assert " exited with code 1 before it was ready; the last lines of its stderr:\n" in message
+    # The worker's own traceback: the script's line that started workers again, and why.
+    assert f'File "{script}", line 7, in <module>' in message
+    assert "workers = WorkerProcesses(worker, 2, forward_stderr=False)" in message
+    assert tail[-1].startswith("RuntimeError: WorkerProcesses(...) ran while this process was starting as a spawned")
+    assert 'under `if __name__ == "__main__":`' in tail[-1]
+    assert "wrote nothing" not in message
+    # It went into the parent's pipe, not straight to the terminal (forwarding is off).
+    assert "Traceback" not in run.stderr, run.stderr
+    assert _wait_gone(report["pids"], 0) == []
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_a_target_whose_module_fails_to_import_in_the_worker(tmp_path, monkeypatch, context):
+    # The module imports in this process and raises in any other: a worker fails while it
+    # unpickles its target, before shmq's bootstrap runs.
+    name = f"_fails_to_import_in_workers_{context}"
+    (tmp_path / f"{name}.py").write_text(
+        "import os\n"
+        f"if os.getpid() != {os.getpid()}:\n"
+        "    raise ImportError('no GPU visible in this worker')\n"
+        "def target(rank):\n"
+        "    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get this sys.path
+    try:
+        module = __import__(name)
+        workers = WorkerProcesses(module.target, 1, context=context, forward_stderr=False)
+        pids = _track(workers)
+        with pytest.raises(WorkerDiedError) as info:
+            workers.wait_until_ready(timeout=STARTUP)
+    finally:
+        sys.modules.pop(name, None)
+    err = info.value
+    assert (err.name, err.pid, err.exitcode, err.before_ready) == ("Worker_0", pids[0], 1, True)
+    if context == "spawn":
+        # Its stderr is the parent's pipe from its first line of Python on.
+        assert err.stderr_tail[-1] == "ImportError: no GPU visible in this worker"
+        assert f'File "{tmp_path / name}.py", line 3, in <module>' in str(err)
+    else:
+        # A fork server's child gets the pipe only from the bootstrap on: the error says
+        # where the rest went instead of claiming the worker was silent.
+        assert err.stderr_tail == []
+        assert str(err).endswith(
+            "(it wrote nothing to stderr after shmq's bootstrap took it over; what it wrote while"
+            " starting, e.g. while re-importing the main module, went to the parent's stderr)"
+        )
+    assert workers.closed and _wait_gone(pids, 0) == []
+
+
 def test_workers_started_from_a_short_lived_thread_survive_it():
     # PR_SET_PDEATHSIG fires when the forking *thread* exits: WorkerProcesses forks from
     # a long-lived launcher thread when it is not called on the main thread.

@@ -59,11 +59,18 @@ Caveats, and how they are handled:
   ``python -m shmq cleanup`` does. A worker's own children die with it only if they are
   in its process group (the default for anything it starts) or call
   :func:`die_with_parent` themselves.
-- Output a worker writes before its bootstrap redirects stderr (interpreter start-up,
-  unpickling its arguments) goes straight to the parent's stderr and is not in the tail.
+- A spawned worker writes to the parent's pipe from its first line of Python, so what it
+  writes while multiprocessing starts it (re-importing the main module, unpickling its
+  target and arguments) is in the tail: a script without an
+  ``if __name__ == "__main__":`` guard fails with the worker's traceback. With ``fork``
+  and ``forkserver`` the pipe takes over in the bootstrap; what a fork server's child
+  writes before that goes to the fork server's stderr, and the error says so. What the
+  interpreter itself writes before it runs any Python (a broken ``.pth`` file) is never
+  in the tail.
 
 The package's layers, each using only those before it: ``protocol`` (the ticket, the
-TCP frames), ``errors``, ``child`` (what runs in a worker), ``supervisor`` (the parent's
+TCP frames), ``errors``, ``child`` (what runs in a worker), ``spawn`` (starting a spawned worker with
+its stderr in the parent's pipe), ``supervisor`` (the parent's
 thread that watches them, and shutdown), ``processes`` (:class:`WorkerProcesses`).
 """
 

@@ -50,6 +50,7 @@ class WorkerDiedError(RuntimeError):
         before_ready: bool = False,
         how: Optional[str] = None,
         stderr_captured: bool = True,
+        stderr_from_start: bool = True,
     ):
         self.name = name
         self.rank = rank
@@ -67,7 +68,15 @@ class WorkerDiedError(RuntimeError):
         if self.stderr_tail:
             message += "; the last lines of its stderr:\n" + "\n".join(f"    {line}" for line in self.stderr_tail)
         elif stderr_captured and not host:
-            message += " (it wrote nothing to stderr after start-up)"
+            if stderr_from_start:
+                message += " (it wrote nothing to stderr)"
+            else:
+                # Its stderr was captured from shmq's bootstrap on (start methods other than
+                # spawn): what it wrote while it started went to the stderr it inherited.
+                message += (
+                    " (it wrote nothing to stderr after shmq's bootstrap took it over; what it wrote"
+                    " while starting, e.g. while re-importing the main module, went to the parent's stderr)"
+                )
         super().__init__(message)
 
     def __reduce__(self) -> tuple:

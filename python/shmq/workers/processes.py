@@ -150,6 +150,15 @@ class WorkerProcesses:
     ):
         if n_workers < 0 or n_remote < 0 or n_workers + n_remote == 0:
             raise ValueError(f"need at least one worker (n_workers={n_workers}, n_remote={n_remote})")
+        if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+            # multiprocessing's own check would fail later, deep in Process.start(), with a
+            # message whose advice (freeze_support) is beside the point; this is the line
+            # the parent's WorkerDiedError shows from the worker's stderr.
+            raise RuntimeError(
+                "WorkerProcesses(...) ran while this process was starting as a spawned worker: "
+                "the spawn start method re-imports the main module in every worker, so a script "
+                'must start its workers under `if __name__ == "__main__":`'
+            )
         ctx = multiprocessing.get_context(context) if isinstance(context, (str, type(None))) else context
         self.grace = grace
         self._supervisor = Supervisor(

@@ -46,6 +46,7 @@ from .. import _core
 from .child import WorkerSpec, bootstrap
 from .errors import WorkerDiedError
 from .protocol import DEFAULT_GRACE, HANDSHAKE_TIMEOUT, WorkerTicket, mac, recv_frame, send_frame
+from .spawn import SpawnProcessWithStderr, can_capture_from_start
 
 if TYPE_CHECKING:
     from .processes import WorkerMonitor
@@ -96,6 +97,8 @@ class WorkerState:
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.partial = b""
         self.stderr_captured = False
+        # Captured from the child's first line of Python (spawn), not from its bootstrap on.
+        self.stderr_from_start = False
         self.ready_conn: Optional[multiprocessing.connection.Connection] = None
         self.stderr_fd: Optional[int] = None
         self.exit_fd: Optional[int] = None  # pidfd, or the process sentinel without pidfds
@@ -326,10 +329,28 @@ class Supervisor:
         process (``Launcher.call``): PR_SET_PDEATHSIG follows the forking thread."""
         ready_r, ready_w = ctx.Pipe(duplex=False)
         err_r, err_w = ctx.Pipe(duplex=False) if capture_stderr else (None, None)
+        # Spawned children get the pipe as their stderr before they run any Python (their
+        # start-up, the re-import of the main module, can fail too); others from the
+        # bootstrap, which redirects fd 2 once it runs.
+        from_start = err_w is not None and can_capture_from_start(ctx)
         spec = WorkerSpec(
-            target, w.rank, args, kwargs, os.getpid(), ready_w, err_w, death_signal, self.new_process_group
+            target,
+            w.rank,
+            args,
+            kwargs,
+            os.getpid(),
+            ready_w,
+            None if from_start else err_w,
+            death_signal,
+            self.new_process_group,
         )
-        process = ctx.Process(target=bootstrap, args=(spec,), name=w.name, daemon=False)
+        if from_start:
+            assert err_w is not None  # from_start says so
+            process: Any = SpawnProcessWithStderr(
+                target=bootstrap, args=(spec,), name=w.name, daemon=False, stderr_fd=err_w.fileno()
+            )
+        else:
+            process = ctx.Process(target=bootstrap, args=(spec,), name=w.name, daemon=False)
         try:
             process.start()
         finally:
@@ -348,6 +369,7 @@ class Supervisor:
         w.ready_conn = ready_r
         if err_r is not None:
             w.stderr_captured = True
+            w.stderr_from_start = from_start
             w.stderr_fd = os.dup(err_r.fileno())
             err_r.close()
             os.set_blocking(w.stderr_fd, False)
@@ -505,6 +527,7 @@ class Supervisor:
                 before_ready=not w.ready,
                 how=w.lost or None,
                 stderr_captured=w.remote or w.stderr_captured,
+                stderr_from_start=w.remote or w.stderr_from_start,
             )
             self.failures.append(w.error)
             monitors = list(self.monitors)
