@@ -803,7 +803,7 @@ impl ArenaReader {
         // holds data_offset + capacity bytes.
         match self
             .file
-            .map(self.map.geo.data_offset as u64 + r.offset, r.len as usize)
+            .view(self.map.geo.data_offset as u64 + r.offset, r.len as usize)
         {
             Ok(map) => Ok(ArenaView {
                 arena: self.clone(),

@@ -425,7 +425,7 @@ impl Consumer {
             });
         }
         let file = link.file.as_ref().expect("loaders open the file");
-        let map = file.map(geo.data_offset as u64 + offset, len as usize)?;
+        let map = file.view(geo.data_offset as u64 + offset, len as usize)?;
         let parts = PartsLayout::read(&map).map_err(|e| match e {
             Error::BadSegment { reason, .. } => Error::BadSegment {
                 name: segment.to_owned(),

@@ -351,7 +351,7 @@ impl ObjectViews<'_> {
         let (off, len) = (range.start, range.len());
         let at = RING_OFFSET as u64 + self.header.offset + HEADER_BYTES + off as u64;
         Ok(Some(PartView {
-            map: self.segment.private_file()?.map(at, len)?,
+            map: self.segment.private_file()?.view(at, len)?,
             _pin: pin.clone(),
         }))
     }
