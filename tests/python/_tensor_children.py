@@ -182,3 +182,59 @@ def raw_reader(out: Any, handle: Handle, rank: int) -> None:
         n = len(buf)
     obj = mq.dequeue(timeout=STEP)
     out.put(("second", n, digest(obj)))
+
+
+def rewriting_reader(out: Any, handle: Handle, rank: int, n: int) -> None:
+    """Read ``n`` tensors one at a time: check each holds exactly what was sent (filled
+    with its index), overwrite every byte of it, drop it and ack, so that the writer places
+    the next one in the same memory. Reports whether each was exact and where it lay."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    for i in range(n):
+        t = mq.dequeue(timeout=STEP)
+        exact = bool(torch.equal(t, torch.full_like(t, float(i))))
+        where = t.data_ptr()
+        t.fill_(-7.0)  # every page becomes this reader's private copy
+        del t
+        gc.collect()
+        out.put(("ack", exact, where))
+
+
+def two_views_reader(out: Any, handle: Handle, rank: int) -> None:
+    """Keep the views of two messages (filled with 1 and 2) alive together; write into
+    each and report what each then holds."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    a = mq.dequeue(timeout=STEP)
+    b = mq.dequeue(timeout=STEP)
+    a.fill_(5.0)
+    b_after_a = (float(b.min()), float(b.max()))
+    b[: b.numel() // 2] = 6.0
+    a_after_b = (float(a.min()), float(a.max()))
+    out.put(("views", b_after_a, a_after_b, float(b[0]), float(b[-1])))
+
+
+def consuming_reader(out: Any, handle: Handle, rank: int, n: int, measured: int) -> None:
+    """Read ``n`` tensors, consuming each in full (``copy_`` into a buffer of this
+    reader's); report the minor page faults the consumes of the last ``measured`` took
+    (``getrusage``: a count, not a time) and whether every consume read what was sent."""
+    import resource
+
+    torch.set_num_threads(1)
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    buf: Any = None
+    faults = 0
+    exact = True
+    for i in range(n):
+        t = mq.dequeue(timeout=STEP)
+        if buf is None:
+            buf = torch.zeros_like(t)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        buf.copy_(t)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        if i >= n - measured:
+            faults += after - before
+        exact = exact and float(buf[0]) == i and float(buf[-1]) == i
+        del t
+    out.put(("faults", faults, exact, buf.numel() * 4))

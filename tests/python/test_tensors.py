@@ -19,6 +19,7 @@ import torch
 
 from _processes import STEP
 from _tensor_children import (
+    consuming_reader,
     digest,
     digest_reader,
     holding_reader,
@@ -27,6 +28,8 @@ from _tensor_children import (
     private_write_reader,
     raw_reader,
     releasing_reader,
+    rewriting_reader,
+    two_views_reader,
 )
 from shmq import MessageQueue
 
@@ -204,6 +207,62 @@ def test_a_readers_write_never_reaches_the_writer_or_the_other_readers(children)
     assert sees[0] == sees[2] == (1.0, 1.0, n), f"a reader's write reached another reader: {sees}"
     assert bool(torch.all(t == 1.0)), "a reader's write reached the writer"
     mq.enqueue("bye", timeout=STEP)
+    children.join()
+
+
+def test_a_readers_writes_are_gone_when_its_memory_carries_the_next_message(children):
+    # Lockstep: the reader overwrites every byte of what it got and drops it before the
+    # writer sends the next, so the arena places every tensor in the same memory (lowest
+    # first) and the reader sees it at the same place of its own mapping. What the reader
+    # wrote must never show through what the writer sends next.
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=16 * MiB)
+    n = 6
+    out = children.queue()
+    children.start(rewriting_reader, out, mq.export_handle(), 0, n)
+    mq.wait_until_ready(timeout=STEP)
+    acks = []
+    for i in range(n):
+        mq.enqueue(torch.full((MiB,), float(i)), timeout=STEP)  # 4 MiB
+        acks.append(children.expect(out, "ack")[1:])
+    assert [exact for exact, _ in acks] == [True] * n, f"a reader's old writes showed through: {acks}"
+    assert len({where for _, where in acks}) == 1, "the tensors did not lie in the same memory of the reader"
+    assert mq.arena_fallbacks == 0
+    children.join()
+
+
+def test_two_live_views_in_one_reader_stay_independent(children):
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4)
+    out = children.queue()
+    children.start(two_views_reader, out, mq.export_handle(), 0)
+    mq.wait_until_ready(timeout=STEP)
+    one, two = torch.full((MiB,), 1.0), torch.full((MiB,), 2.0)
+    mq.enqueue(one, timeout=STEP)
+    mq.enqueue(two, timeout=STEP)
+    _, b_after_a, a_after_b, b_first, b_last = children.expect(out, "views")
+    assert b_after_a == (2.0, 2.0), "a write into one view reached another message's view"
+    assert a_after_b == (5.0, 5.0), "a write into one view reached another message's view"
+    assert (b_first, b_last) == (6.0, 2.0)
+    assert bool(torch.all(one == 1.0)) and bool(torch.all(two == 2.0))
+    children.join()
+
+
+def test_consuming_a_view_after_thousands_of_messages_does_not_fault(children):
+    # 2000 tensors of 1 MiB (256 pages each); the consumes of the last 100 read 25 600
+    # pages. A view mapped anew per message faults on every one of them; views of a
+    # mapping that stays fault on none once the arena's memory has been read once.
+    # Faults are counts (getrusage), not times.
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=8)
+    n, measured = 2000, 100
+    out = children.queue()
+    children.start(consuming_reader, out, mq.export_handle(), 0, n, measured)
+    mq.wait_until_ready(timeout=STEP)
+    for i in range(n):
+        mq.enqueue(torch.full((MiB // 4,), float(i)), timeout=STEP)
+    _, faults, exact, nbytes = children.expect(out, "faults", timeout=4 * STEP)
+    assert exact, "a consume did not read what was sent"
+    pages = measured * nbytes // 4096
+    assert faults < 64, f"{faults} minor faults over {measured} consumes of {pages} pages"
+    assert mq.arena_fallbacks == 0
     children.join()
 
 
