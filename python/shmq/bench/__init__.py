@@ -39,8 +39,12 @@ The package, one module per part (each uses only the ones before it):
 
 The harness is defensive: every wait has a timeout, a failed or hung child makes the
 parent terminate all children of that run (and remove the shared-memory segments they
-created), readers check they received exactly the objects sent, and a failure is shown
-in its cell while the other cells still run.
+created), readers check they received exactly the objects sent, and a failure (of a
+cell or of a floor) is shown in its cell and listed under the table while the other
+cells still run; the exit code is 1 only then. A row that cannot run here (torch, vLLM
+or pyzmq not installed) says "skipped", and one line under the table per reason says
+what it needs; skips are not failures. Without torch, the tensor rows send float32
+numpy arrays (the labels say so).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import statistics
 import uuid
 from typing import Any
 
-from .common import MiB, SYNC_TIMEOUT, BenchError, now_ns
+from .common import MiB, SYNC_TIMEOUT, Arrays, BenchError, measure_parts, need_torch, now_ns
 from .scenarios import Floor, Metric, Params, _time_per_call_us
 
 EMBEDDING_BYTES = 16 * MiB
@@ -104,13 +104,19 @@ class _Children:
                 p.join(5)
 
 
-def _fresh_embeddings(n: int) -> list:
-    import torch
+def _fresh_embeddings(n: int, lib: str) -> list:
+    import numpy as np
 
-    return [torch.randn(EMBEDDING_BYTES // 4) for _ in range(n)]
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(EMBEDDING_BYTES // 4, dtype=np.float32) for _ in range(n)]
+    if lib == "torch":
+        import torch
+
+        return [torch.from_numpy(a) for a in arrays]
+    return arrays
 
 
-def _shmq_handoff(n: int, warmup: int) -> dict[str, float]:
+def _shmq_handoff(n: int, warmup: int, lib: str) -> dict[str, float]:
     import multiprocessing
 
     from shmq import EncoderCacheProducer
@@ -124,7 +130,7 @@ def _shmq_handoff(n: int, warmup: int) -> dict[str, float]:
             kids.start(_shmq_consumer, cache, q)
         for _ in keys:
             kids.receive("ready")
-        for i, emb in enumerate(_fresh_embeddings(n + warmup)):
+        for i, emb in enumerate(_fresh_embeddings(n + warmup, lib)):
             key = f"image-{i}"
             t0 = now_ns()
             producer.save(key, emb, timeout=SYNC_TIMEOUT)
@@ -147,7 +153,8 @@ def _shmq_handoff(n: int, warmup: int) -> dict[str, float]:
     }
 
 
-def _torch_handoff(n: int, warmup: int) -> float:
+def _torch_handoff(n: int, warmup: int) -> dict[str, float]:
+    need_torch()
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")
@@ -158,7 +165,7 @@ def _torch_handoff(n: int, warmup: int) -> float:
             kids.start(_torch_consumer, q)
         for _ in queues:
             kids.receive("ready")
-        for i, emb in enumerate(_fresh_embeddings(n + warmup)):
+        for i, emb in enumerate(_fresh_embeddings(n + warmup, "torch")):
             t0 = now_ns()
             for q in queues:
                 q.put(emb)
@@ -168,13 +175,11 @@ def _torch_handoff(n: int, warmup: int) -> float:
             del emb
         for q in queues:
             q.put(None)
-    return statistics.median(handoffs)
+    return {"torch_ms": statistics.median(handoffs)}
 
 
 def _held_key_costs(params: Params) -> dict[str, float]:
     """``has`` and the load of held keys of 1 and 64 MiB, all in this process."""
-    import torch
-
     from shmq import EncoderCacheConsumer, EncoderCacheIndex, EncoderCacheProducer
 
     cache = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -182,8 +187,9 @@ def _held_key_costs(params: Params) -> dict[str, float]:
     with EncoderCacheProducer(cache, capacity=80 * MiB) as producer:
         index, consumer = EncoderCacheIndex(cache), EncoderCacheConsumer(cache)
         key = "0" * 64  # a sha256 hex digest's length
-        producer.save(key, torch.zeros(MiB // 4))
-        producer.save("big", torch.zeros(64 * MiB // 4))
+        arrays = Arrays(params.arrays)
+        producer.save(key, arrays.full(MiB // 4, 0.0))
+        producer.save("big", arrays.full(64 * MiB // 4, 0.0))
         producer.flush(SYNC_TIMEOUT)
         out["has_us"] = _time_per_call_us(lambda: index.has(key), params.objects)
 
@@ -201,8 +207,8 @@ def _held_key_costs(params: Params) -> dict[str, float]:
 
 def _floor_encoder_cache(params: Params) -> dict[str, float]:
     n, warmup = _images(params)
-    result = _shmq_handoff(n, warmup)
-    result["torch_ms"] = _torch_handoff(n, warmup)
+    result: dict = _shmq_handoff(n, warmup, params.arrays)
+    result.update(measure_parts(["torch_ms"], lambda: _torch_handoff(n, warmup)))
     result["published_save_ms"] = PUBLISHED_SAVE_MS
     result["published_load_ms"] = PUBLISHED_LOAD_MS
     result.update(_held_key_costs(params))

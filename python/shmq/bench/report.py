@@ -14,14 +14,26 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
-from .common import MAX_CHUNK_BYTES, MAX_CHUNKS, MiB, PROTOCOL, SMALL_OBJECT, BenchError
+from .common import (
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
+    TORCH_HINT,
+    MiB,
+    NotMeasured,
+    PROTOCOL,
+    SMALL_OBJECT,
+    BenchError,
+    Skip,
+    array_lib,
+)
 from .harness import Harness
-from .scenarios import FLOORS, PRESETS, SCENARIOS, Params, Scenario
+from .scenarios import FLOORS, PRESETS, SCENARIOS, Floor, Params, Scenario
 from .transports import TRANSPORTS, Transport
 
 
@@ -35,7 +47,17 @@ class Row:
     higher_is_better: bool
     values: dict[str, Optional[float]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    #: Cells that could not run here (transport name, or FLOOR_CELL) -> what they need.
+    skipped: dict[str, str] = field(default_factory=dict)
     floor: Optional[float] = None
+    #: A floor row: one value (``floor``), or its error / skip under FLOOR_CELL.
+    is_floor: bool = False
+    #: The title of the scenario or floor the row comes from.
+    group: str = ""
+
+
+#: The key of a floor row's one cell in ``Row.errors`` / ``Row.skipped``.
+FLOOR_CELL = "floor"
 
 
 class Progress:
@@ -116,16 +138,37 @@ def _cpu_busy(interval: float = 0.25) -> Optional[float]:
     return (busy1 - busy0) / max(1, total1 - total0)
 
 
-def _median_of(runs: int, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """Call ``measure`` ``runs`` times; the median of each metric."""
+def _median_of(runs: int, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Call ``measure`` ``runs`` times; the median of each metric (a metric that was not
+    measured in some run, a ``NotMeasured``, stays so)."""
     results = [measure() for _ in range(runs)]
-    return {key: statistics.median(r[key] for r in results) for key in results[0]}
+    out: dict[str, Any] = {}
+    for key in results[0]:
+        values = [r.get(key) for r in results]
+        numbers = [v for v in values if isinstance(v, (int, float))]
+        out[key] = statistics.median(numbers) if len(numbers) == len(values) else next(
+            v for v in values if not isinstance(v, (int, float))
+        )
+    return out
 
 
 def selected(params: Params, only: Sequence[str] = ()) -> list[Scenario]:
     """The scenarios this run measures: those that apply to the preset's tensor sizes
     and, if ``only`` is given, whose key starts with one of its entries."""
     return [s for s in SCENARIOS if s.applies(params) and (not only or any(s.key.startswith(o) for o in only))]
+
+
+def selected_floors(only: Sequence[str] = ()) -> list[Floor]:
+    """The floors this run measures: all of them without ``only`` or with "floors" in it,
+    else those whose key starts with one of its entries."""
+    if not only or "floors" in only:
+        return list(FLOORS)
+    return [f for f in FLOORS if any(f.key.startswith(o) for o in only)]
+
+
+def _labelled(label: str, params: Params) -> str:
+    """A metric's label with what the tensor rows send filled in."""
+    return label.replace("{tensor}", "tensor" if params.arrays == "torch" else "numpy array")
 
 
 def run_bench(
@@ -136,11 +179,13 @@ def run_bench(
     progress: Optional[Progress] = None,
     details: Optional[list[str]] = None,
     scenarios: Optional[Sequence[Scenario]] = None,
-    floors: bool = True,
+    floors: Optional[Sequence[Floor]] = None,
 ) -> list[Row]:
     """Run every scenario (default: :func:`selected`) for every transport that can run it
-    (``repeat`` times, keeping the median), then the floors; returns the rows. Failures
-    land in ``Row.errors`` (and their tracebacks in ``details``)."""
+    (``repeat`` times, keeping the median), then the floors (default: all); returns the
+    rows. Failures land in ``Row.errors`` (and their tracebacks in ``details``), cells
+    that cannot run here (a transport or library not installed) in ``Row.skipped``: no
+    failure stops the run."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -151,7 +196,14 @@ def run_bench(
         harness = Harness(ctx, workdir, timeout)
         for scenario in selected(params) if scenarios is None else scenarios:
             scenario_rows = [
-                Row(f"{scenario.key}.{m.key}", m.label, m.unit, m.higher_is_better) for m in scenario.metrics
+                Row(
+                    f"{scenario.key}.{m.key}",
+                    _labelled(m.label, params),
+                    m.unit,
+                    m.higher_is_better,
+                    group=scenario.title,
+                )
+                for m in scenario.metrics
             ]
             rows += scenario_rows
             for transport in transports:
@@ -162,26 +214,43 @@ def run_bench(
                 try:
                     reason = transport.unavailable()
                     if reason is not None:
-                        raise BenchError(reason)
+                        raise Skip(reason)
                     result = _median_of(repeat, partial(scenario.run, harness, transport, params))
-                except BenchError as e:
+                except Skip as e:
                     for row in scenario_rows:
                         row.values[transport.name] = None
-                        row.errors[transport.name] = str(e)
-                    if e.details:
-                        details.append(f"{scenario.title} - {transport.name}:\n{e.details}")
+                        row.skipped[transport.name] = str(e)
+                    continue
+                except Exception as e:  # noqa: BLE001 - BenchError, or a bug: shown, the run goes on
+                    for row in scenario_rows:
+                        row.values[transport.name] = None
+                        row.errors[transport.name] = str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {e}"
+                    more = e.details if isinstance(e, BenchError) else traceback.format_exc()
+                    if more:
+                        details.append(f"{scenario.title} - {transport.name}:\n{more}")
                     continue
                 for metric, row in zip(scenario.metrics, scenario_rows, strict=True):
                     row.values[transport.name] = result[metric.key]
-        for floor in FLOORS if floors else []:
+        for floor in FLOORS if floors is None else floors:
             if progress:
                 progress.step(floor.title)
-            result = _median_of(repeat, partial(floor.run, params))
-            rows += [
-                Row(f"{floor.key}.{m.key}", m.label, m.unit, m.higher_is_better, floor=result[m.key])
-                for m in floor.metrics
-                if m.key in result  # a reference that could not run here (vLLM absent)
-            ]
+            try:
+                result = _median_of(repeat, partial(floor.run, params))
+            except Skip as e:
+                result = {m.key: NotMeasured(str(e)) for m in floor.metrics}
+            except Exception as e:  # noqa: BLE001 - shown in the table, the run goes on
+                message = str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {e}"
+                result = {m.key: NotMeasured(message, failed=True) for m in floor.metrics}
+                details.append(f"{floor.title}:\n{e.details if isinstance(e, BenchError) else traceback.format_exc()}")
+            for m in floor.metrics:
+                label = _labelled(m.label, params)
+                row = Row(f"{floor.key}.{m.key}", label, m.unit, m.higher_is_better, is_floor=True, group=floor.title)
+                value = result.get(m.key, NotMeasured("not measured here", failed=True))
+                if isinstance(value, NotMeasured):
+                    (row.errors if value.failed else row.skipped)[FLOOR_CELL] = value.reason
+                else:
+                    row.floor = value
+                rows.append(row)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if progress:
@@ -189,9 +258,11 @@ def run_bench(
     return rows
 
 
-def _format_value(value: Optional[float], unit: str, missing: bool = False) -> str:
+def _format_value(value: Optional[float], unit: str, missing: bool = False, skipped: bool = False) -> str:
     if missing:
         return "-"
+    if skipped:
+        return "skipped"
     if value is None:
         return "failed"
     if unit == "us":
@@ -222,12 +293,13 @@ def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "sh
     header = ["scenario", *names, *(f"{reference} vs {n}" for n in others)]
     body: list[Optional[list[str]]] = []
     for i, row in enumerate(rows):
-        if row.floor is not None and i > 0 and rows[i - 1].floor is None:
+        if row.is_floor and i > 0 and not rows[i - 1].is_floor:
             body.append(None)  # a rule between the transports' rows and the floors
-        if row.floor is not None:
-            cells = [_format_value(row.floor, row.unit)] + ["-"] * (len(names) - 1) + [""] * len(others)
+        if row.is_floor:
+            first = _format_value(row.floor, row.unit, skipped=FLOOR_CELL in row.skipped)
+            cells = [first] + ["-"] * (len(names) - 1) + [""] * len(others)
         else:
-            cells = [_format_value(row.values.get(n), row.unit, n not in row.values) for n in names]
+            cells = [_format_value(row.values.get(n), row.unit, n not in row.values, n in row.skipped) for n in names]
             cells += [_format_ratio(row, reference, n) for n in others]
         body.append([row.label, *cells])
     widths = [max(len(r[i]) for r in [header, *body] if r) for i in range(len(header))]
@@ -284,8 +356,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scenarios",
         metavar="LIST",
-        help="comma-separated prefixes of the scenarios to run (latency, throughput, idle, "
-        "tensor, loan; 'floors' for the single-process rows); default: all",
+        help="comma-separated prefixes of the scenarios and floors to run (scenarios: "
+        + ", ".join(s.key for s in SCENARIOS)
+        + "; floors: "
+        + ", ".join(f.key for f in FLOORS)
+        + "; 'floors' for all floors); default: all",
     )
     parser.add_argument(
         "--repeat",
@@ -319,35 +394,41 @@ def main(args: argparse.Namespace) -> int:
         return 2
     transports = [by_name[n] for n in wanted]
     # Transports that cannot run here (vLLM not installed) are left out with a note,
-    # unless they were asked for by name.
-    notes = []
+    # unless they were asked for by name (their cells then say "skipped").
+    left_out: dict[str, list[str]] = {}
     if args.transports == DEFAULT_TRANSPORTS:
         for t in list(transports):
             reason = t.unavailable()
             if reason is not None:
                 transports.remove(t)
-                notes.append(f"{t.name}: left out, {reason}")
+                left_out.setdefault(reason, []).append(t.name)
     base = PRESETS[args.preset]
     params = dataclasses.replace(
         base,
         rounds=args.rounds if args.rounds is not None else base.rounds,
         warmup=args.warmup if args.warmup is not None else base.warmup,
         objects=args.objects if args.objects is not None else base.objects,
+        arrays=array_lib(),
     )
     only = [o.strip() for o in args.scenarios.split(",") if o.strip()] if args.scenarios else []
     scenarios = selected(params, only)
+    floors = selected_floors(only)
     if params.rounds < 1 or params.warmup < 0 or params.objects < 1 or args.repeat < 1:
         print("--rounds, --objects and --repeat must be >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
+    if not transports and not floors:
+        print("nothing to run: no transport can run here and no floor was chosen", file=sys.stderr)
         return 2
 
     machine = machine_info()
     print(_header(machine, params, args.repeat), flush=True)
-    for note in notes:
-        print(f"note: {note}", flush=True)
+    if params.arrays != "torch":
+        print(f"note: the tensor rows send float32 numpy arrays ({TORCH_HINT} for torch tensors)", flush=True)
+    for reason, names in left_out.items():
+        print(f"note: {', '.join(names)} left out: {reason}", flush=True)
 
-    floors = not only or "floors" in only
     cells = sum(1 for s in scenarios for t in transports if s.only is None or t.name in s.only)
-    progress = Progress(cells + (len(FLOORS) if floors else 0), enabled=not args.no_progress)
+    progress = Progress(cells + len(floors), enabled=not args.no_progress)
     details: list[str] = []
     started = time.monotonic()
     rows = run_bench(params, transports, args.timeout, args.repeat, progress, details, scenarios, floors)
@@ -355,7 +436,12 @@ def main(args: argparse.Namespace) -> int:
 
     print()
     print(format_table(rows, [t.name for t in transports]))
-    failures = sorted({f"{name}: {err}" for row in rows for name, err in row.errors.items()})
+    skipped = skip_lines(rows, [t.name for t in transports])
+    if skipped:
+        print("\nskipped (not failures):")
+        for line in skipped:
+            print(f"  {line}")
+    failures = failure_lines(rows)
     if failures:
         print("\nfailed:")
         for failure in failures:
@@ -371,8 +457,39 @@ def main(args: argparse.Namespace) -> int:
             "queue": {"max_chunk_bytes": MAX_CHUNK_BYTES, "max_chunks": MAX_CHUNKS},
             "wall_s": wall,
             "rows": [dataclasses.asdict(row) for row in rows],
+            "arrays": params.arrays,
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
             f.write("\n")
     return 1 if failures else 0
+
+
+def skip_lines(rows: Sequence[Row], names: Sequence[str]) -> list[str]:
+    """One line per reason a cell or row could not run here: what it needs, then which
+    cells (a transport's whole column as ``<name> (every row)``) or rows."""
+    by_reason: dict[str, list[str]] = {}
+    for name in names:
+        reasons = {row.skipped.get(name, "") for row in rows if name in row.values}
+        if len(reasons) == 1 and "" not in reasons:  # the whole column, for one reason
+            by_reason.setdefault(reasons.pop(), []).append(f"{name} (every row)")
+            continue
+        for row in rows:
+            if name in row.skipped:
+                by_reason.setdefault(row.skipped[name], []).append(f"{row.label} ({name})")
+    # Floor rows: by name when one row of a floor is skipped, else counted per floor.
+    floor_rows: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        if FLOOR_CELL in row.skipped:
+            floor_rows.setdefault((row.skipped[FLOOR_CELL], row.group), []).append(row.label)
+    for (reason, group), labels in floor_rows.items():
+        what = labels[0] if len(labels) == 1 else f"{len(labels)} {group} rows"
+        by_reason.setdefault(reason, []).append(what)
+    return [f"{', '.join(dict.fromkeys(what))}: {reason}" for reason, what in by_reason.items()]
+
+
+def failure_lines(rows: Sequence[Row]) -> list[str]:
+    """One line per distinct failure: the transport (or floor row) and its error."""
+    lines = [f"{name}: {err}" for row in rows for name, err in row.errors.items() if name != FLOOR_CELL]
+    lines += [f"{row.label}: {row.errors[FLOOR_CELL]}" for row in rows if FLOOR_CELL in row.errors]
+    return sorted(set(lines))

@@ -11,7 +11,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from .common import SMALL_OBJECT, SYNC_TIMEOUT, now_ns
+from .common import SMALL_OBJECT, SYNC_TIMEOUT, Arrays, now_ns
 from .transports import Transport
 
 
@@ -146,26 +146,34 @@ def _role_idle_reader(transport: Transport, channels: Sequence[Any], barrier: An
 
 
 def _role_tensor_writer(
-    transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int, warmup: int, nbytes: int, loan: bool
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    *,
+    n: int,
+    warmup: int,
+    nbytes: int,
+    loan: bool,
+    lib: str = "torch",
 ) -> dict:
-    """Send ``warmup`` float32 tensors of ``nbytes``, wait until the readers have them,
-    then send ``n`` more and ``None``. With ``loan``, each tensor is borrowed from the
-    transport and sent without a copy (only its last element is written: filling it is
-    the producer's work, not the transport's). Returns the time of the first measured
-    send and how long each measured send call took (ns)."""
-    import torch
-
+    """Send ``warmup`` float32 arrays of ``nbytes`` (torch tensors, or numpy arrays with
+    ``lib="numpy"``), wait until the readers have them, then send ``n`` more and
+    ``None``. With ``loan``, each array is borrowed from the transport and sent without a
+    copy (only its last element is written: filling it is the producer's work, not the
+    transport's). Returns the time of the first measured send and how long each measured
+    send call took (ns)."""
+    arrays = Arrays(lib)
     out = transport.open_writer(channels[0])
     if loan and out.loan is None:
         raise RuntimeError(f"{transport.name} cannot lend memory")
     out.ready()
     _sync(barrier)
     numel = nbytes // 4
-    fixed: Any = None if loan else torch.ones(numel)
+    fixed: Any = None if loan else arrays.ones(numel)
     lend: Any = out.loan  # not None with `loan` (checked above)
 
     def make(i: int) -> Any:
-        t = lend(numel) if loan else fixed
+        t = lend(numel, lib) if loan else fixed
         t[-1] = float(i)
         return t
 
@@ -188,10 +196,11 @@ def _role_tensor_writer(
 
 
 def _role_tensor_reader(
-    transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int, warmup: int, rank: int
+    transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int, warmup: int, rank: int, lib: str = "torch"
 ) -> int:
-    """Receive ``warmup`` tensors, then ``n`` more, touching each one's last element;
-    returns when the last arrived (``now_ns``)."""
+    """Receive ``warmup`` tensors (or arrays), then ``n`` more, touching each one's last
+    element; returns when the last arrived (``now_ns``)."""
+    Arrays(lib)  # its library imported (and torch's threads at 1) before the clock
     inbox = transport.open_reader(channels[0], rank)
     inbox.ready()
     _sync(barrier)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
-from .common import MiB, PROTOCOL, SMALL_OBJECT
+from .common import MiB, PROTOCOL, SMALL_OBJECT, Skip, measure_parts
 from .harness import Harness, Job
 from .roles import (
     _role_idle_reader,
@@ -23,7 +23,7 @@ from .roles import (
     _role_tensor_writer,
     _role_writer,
 )
-from .transports import Transport
+from .transports import Transport, vllm_missing
 
 
 @dataclass
@@ -36,6 +36,9 @@ class Params:
     wakes: int = 10  # wake-ups from idle in the idle scenario
     idle_s: float = 0.3  # seconds of idleness before each wake-up
     tensor_sizes: tuple[int, ...] = (MiB, 16 * MiB, 256 * MiB)  # bytes of the tensor rows
+    #: What the tensor rows send: "torch" tensors, or "numpy" arrays where torch is not
+    #: installed (``common.array_lib``; their labels say "numpy array" then).
+    arrays: str = "torch"
 
 
 PRESETS = {
@@ -50,7 +53,7 @@ class Metric:
     """One table row produced by a scenario."""
 
     key: str  # key in the scenario's result dict
-    label: str  # the row's name in the table
+    label: str  # the row's name in the table; "{tensor}" in it: what the tensor rows send
     unit: str  # "us" or "obj/s"
     higher_is_better: bool
 
@@ -155,8 +158,11 @@ def _bench_tensor(
     one send call (p50)."""
     channels = (harness.channel(transport, n_readers),)
     n, warmup = _tensor_counts(nbytes)
-    jobs = [Job(_role_tensor_writer, channels, {"n": n, "warmup": warmup, "nbytes": nbytes, "loan": loan})]
-    jobs += [Job(_role_tensor_reader, channels, {"n": n, "warmup": warmup, "rank": r}) for r in range(n_readers)]
+    lib = params.arrays
+    jobs = [Job(_role_tensor_writer, channels, {"n": n, "warmup": warmup, "nbytes": nbytes, "loan": loan, "lib": lib})]
+    jobs += [
+        Job(_role_tensor_reader, channels, {"n": n, "warmup": warmup, "rank": r, "lib": lib}) for r in range(n_readers)
+    ]
     writer, *ends = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
     seconds = (max(ends) - writer["t0"]) / 1e9
     send_us = sorted(ns / 1000 for ns in writer["send_ns"])
@@ -172,9 +178,10 @@ def _tensor_scenarios() -> list[Scenario]:
     for nbytes in (MiB, 16 * MiB, 256 * MiB):
         size = _size_name(nbytes)
         for r in (1, 3):
-            metrics = [Metric("rate", f"{size} tensor to {r} reader{'s' if r > 1 else ''}, per reader", "GB/s", True)]
+            label = f"{size} {{tensor}} to {r} reader{'s' if r > 1 else ''}, per reader"
+            metrics = [Metric("rate", label, "GB/s", True)]
             if r == 1:
-                metrics.append(Metric("send_p50", f"{size} tensor: send call, p50", "us", False))
+                metrics.append(Metric("send_p50", f"{size} {{tensor}}: send call, p50", "us", False))
             out.append(
                 Scenario(
                     f"tensor{nbytes // MiB}_{r}",
@@ -192,8 +199,8 @@ def _tensor_scenarios() -> list[Scenario]:
                 f"loaned {size} tensors",
                 partial(_bench_tensor, nbytes=nbytes, n_readers=1, loan=True),
                 [
-                    Metric("rate", f"loaned {size} tensor to 1 reader", "GB/s", True),
-                    Metric("send_p50", f"loaned {size} tensor: send call, p50", "us", False),
+                    Metric("rate", f"loaned {size} {{tensor}} to 1 reader", "GB/s", True),
+                    Metric("send_p50", f"loaned {size} {{tensor}}: send call, p50", "us", False),
                 ],
                 only=("shmq",),
                 tensor_size=nbytes,
@@ -280,24 +287,26 @@ def _floor_store(params: Params) -> dict[str, float]:
     h = viewer.put("big", big)
     out["big_get_us"] = _time_per_call_us(lambda: viewer.get(*h), 2000, batch=20)
     viewer.close()
-    vllm_us = _vllm_store_get_us(big)
-    if vllm_us is not None:
-        out["vllm_big_get_us"] = vllm_us
-        out["big_get_ratio"] = vllm_us / out["big_get_us"]
+
+    def vllm_get() -> dict[str, float]:
+        vllm_us = _vllm_store_get_us(big)
+        return {"vllm_big_get_us": vllm_us, "big_get_ratio": vllm_us / out["big_get_us"]}
+
+    out.update(measure_parts(["vllm_big_get_us", "big_get_ratio"], vllm_get))
     return out
 
 
-def _vllm_store_classes() -> Optional[tuple[Any, Any]]:
-    """vLLM 0.33's ``SingleWriterShmObjectStorage`` and ``SingleWriterShmRingBuffer``, or
-    ``None`` when vLLM is absent or its import fails here (no reference rows then)."""
-    try:
-        import torch  # noqa: F401 (vLLM's serde needs it)
-        from vllm.distributed.device_communicators.shm_object_storage import (
-            SingleWriterShmObjectStorage,
-            SingleWriterShmRingBuffer,
-        )
-    except Exception:
-        return None
+def _vllm_store_classes() -> tuple[Any, Any]:
+    """vLLM 0.33's ``SingleWriterShmObjectStorage`` and ``SingleWriterShmRingBuffer``;
+    ``Skip`` when vLLM (or torch, which its serde needs) is absent or its import fails."""
+    reason = vllm_missing()
+    if reason is not None:
+        raise Skip(reason)
+    from vllm.distributed.device_communicators.shm_object_storage import (
+        SingleWriterShmObjectStorage,
+        SingleWriterShmRingBuffer,
+    )
+
     return SingleWriterShmObjectStorage, SingleWriterShmRingBuffer
 
 
@@ -330,15 +339,20 @@ def _floor_small_calls(params: Params) -> dict[str, float]:
         return put, _time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
 
     ring = RingBuffer(MiB, create=True)
-    out = {"alloc_us": alloc_us(ring)}
+    out: dict[str, Any] = {"alloc_us": alloc_us(ring)}
     ring.close()
     store = ObjectStorage(MiB, 1, RingBuffer(256 * MiB, create=True))
     out["put_us"], out["get_us"] = put_get_us(store)
     store.close()
-    classes = _vllm_store_classes()
-    if classes is None:
-        return out
-    SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = classes
+    vllm_keys = [f"vllm_{k}_us" for k in ("alloc", "put", "get")] + [f"{k}_ratio" for k in ("alloc", "put", "get")]
+    out.update(measure_parts(vllm_keys, lambda: _vllm_small_calls(out, alloc_us, put_get_us)))
+    return out
+
+
+def _vllm_small_calls(ours: dict[str, float], alloc_us: Callable, put_get_us: Callable) -> dict[str, float]:
+    """``_floor_small_calls``'s calls on vLLM 0.33's classes, and their ratios to ``ours``."""
+    SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = _vllm_store_classes()
+    out = {}
     vring = SingleWriterShmRingBuffer(MiB, create=True)
     try:
         out["vllm_alloc_us"] = alloc_us(vring)
@@ -350,17 +364,14 @@ def _floor_small_calls(params: Params) -> dict[str, float]:
     finally:
         vring.close()
     for k in ("alloc", "put", "get"):
-        out[f"{k}_ratio"] = out[f"vllm_{k}_us"] / out[f"{k}_us"]
+        out[f"{k}_ratio"] = out[f"vllm_{k}_us"] / ours[f"{k}_us"]
     return out
 
 
-def _vllm_store_get_us(big: Any) -> Optional[float]:
+def _vllm_store_get_us(big: Any) -> float:
     """vLLM 0.33's ``SingleWriterShmObjectStorage.get`` of the same 4 MiB tensor (its own
-    MsgpackSerde), in the writer as above; ``None`` if vLLM is not importable."""
-    classes = _vllm_store_classes()
-    if classes is None:
-        return None
-    SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = classes
+    MsgpackSerde), in the writer as above; ``Skip`` if vLLM is not importable."""
+    SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = _vllm_store_classes()
     ring = SingleWriterShmRingBuffer(16 * MiB, create=True)
     try:
         store = SingleWriterShmObjectStorage(8 * MiB, 1, ring)

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
 
-from .common import MAX_CHUNK_BYTES, MAX_CHUNKS, PROTOCOL, SYNC_TIMEOUT
+from .common import MAX_CHUNK_BYTES, MAX_CHUNKS, PROTOCOL, SYNC_TIMEOUT, torch_missing
+
+#: What the vLLM columns need.
+VLLM_HINT = (
+    "needs vLLM 0.33: pip install --no-deps vllm==0.33.0 "
+    "and the small packages in tests/python/vllm-requirements.txt"
+)
 
 
 def _nothing() -> None:
@@ -33,9 +39,10 @@ class Endpoint:
     io: Callable[..., Any]
     ready: Callable[[], None] = _nothing
     close: Callable[[], None] = _nothing
-    #: Writer side, transports that can lend memory: ``loan(numel)`` returns a float32
-    #: tensor to fill in place and send without a copy.
-    loan: Optional[Callable[[int], Any]] = None
+    #: Writer side, transports that can lend memory: ``loan(numel, lib)`` returns a
+    #: float32 array of ``lib`` ("torch" or "numpy") to fill in place and send without a
+    #: copy.
+    loan: Optional[Callable[[int, str], Any]] = None
 
 
 class Transport(ABC):
@@ -99,8 +106,8 @@ class ShmqTransport(Transport):
         for _ in range(channel.n_readers):
             channel.handles.put(mq.export_handle())
 
-        def loan(numel: int) -> Any:
-            return mq.loan_tensor((numel,))
+        def loan(numel: int, lib: str) -> Any:
+            return mq.loan_tensor((numel,)) if lib == "torch" else mq.loan_array((numel,))
 
         return Endpoint(mq.enqueue, partial(mq.wait_until_ready, SYNC_TIMEOUT), loan=loan)
 
@@ -178,7 +185,7 @@ class ZmqTransport(Transport):
         try:
             import zmq  # noqa: F401
         except ImportError:
-            return "pyzmq is not installed"
+            return "needs pyzmq: pip install pyzmq"
         return None
 
     def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _ZmqChannel:
@@ -251,6 +258,18 @@ class ZmqTransport(Transport):
         return Endpoint(recv, ready, partial(zctx.destroy, linger=0))
 
 
+def vllm_missing() -> Optional[str]:
+    """``None`` when vLLM 0.33's queue can be imported here, else what its rows need."""
+    torch_reason = torch_missing()
+    if torch_reason is not None:
+        return f"{torch_reason}; then vLLM 0.33 ({VLLM_HINT.removeprefix('needs vLLM 0.33: ')})"
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: F401
+    except Exception as e:  # ImportError, or anything its import chain raises
+        return f"{VLLM_HINT} (importing it failed here: {type(e).__name__}: {e})"
+    return None
+
+
 @dataclass
 class _VllmChannel:
     n_readers: int
@@ -268,11 +287,7 @@ class VllmTransport(Transport):
         self.name = "vLLM arena" if arena else "vLLM"
 
     def unavailable(self) -> Optional[str]:
-        try:
-            from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: F401
-        except Exception as e:  # ImportError, or anything its import chain raises
-            return f"vLLM is not importable here ({type(e).__name__}: {e})"
-        return None
+        return vllm_missing()
 
     def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _VllmChannel:
         return _VllmChannel(n_readers, ctx.Queue())

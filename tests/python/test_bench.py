@@ -1,0 +1,126 @@
+"""``python -m shmq bench`` where torch is not installed (the README's first command
+installs only ``shmq[bench]``: numpy and pyzmq): the bench runs every row it can,
+prints its table, says what each skipped row needs, and exits 0 (a skip is not a
+failure).
+
+torch is hidden from the bench and from every process it spawns by a ``sitecustomize``
+on ``PYTHONPATH`` whose meta-path finder refuses ``torch`` and ``torch.*``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+HIDE_TORCH = textwrap.dedent(
+    """
+    import sys
+
+
+    class _NoTorch:
+        # Found before every other finder: `import torch` (or torch.anything) fails as
+        # it does where torch is not installed.
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ModuleNotFoundError(f"No module named {name!r} (hidden by test_bench)", name=name)
+            return None
+
+
+    sys.meta_path.insert(0, _NoTorch())
+    """
+)
+
+
+@pytest.fixture
+def no_torch_env(tmp_path: Path) -> dict[str, str]:
+    """An environment in which no Python process can import torch."""
+    (tmp_path / "sitecustomize.py").write_text(HIDE_TORCH)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("SHMQ_VLLM", None)
+    return env
+
+
+def test_torch_is_hidden(no_torch_env: dict[str, str], tmp_path: Path) -> None:
+    """The hiding works (else the test below would prove nothing), also in a process
+    spawned the way the bench spawns its children, and numpy still imports."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing
+
+
+            def can_import_torch(results=None):
+                try:
+                    import torch  # noqa: F401
+                except ImportError:
+                    found = False
+                else:
+                    found = True
+                if results is not None:
+                    results.put(found)
+                return found
+
+
+            if __name__ == "__main__":
+                import numpy  # noqa: F401
+
+                ctx = multiprocessing.get_context("spawn")
+                results = ctx.Queue()
+                child = ctx.Process(target=can_import_torch, args=(results,))
+                child.start()
+                print(can_import_torch(), results.get(timeout=60))
+                child.join()
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(probe)], env=no_torch_env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_bench_without_torch(no_torch_env: dict[str, str]) -> None:
+    """A short ``--quick`` run with a column and a floor row that need torch: every
+    other row is measured, the table is printed, the skipped ones say what they need."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "shmq",
+        "bench",
+        "--quick",
+        "--no-progress",
+        "--rounds=300",
+        "--warmup=30",
+        "--transports=shmq,vLLM",  # vLLM needs torch: its column is skipped
+        "--scenarios=latency,tensor16_1,encoder_cache",
+    ]
+    out = subprocess.run(cmd, env=no_torch_env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    text = out.stdout
+    assert out.returncode == 0, f"exit code {out.returncode}\n{text}\n{out.stderr}"
+    lines = text.splitlines()
+    # The table: its header, its rule, and measured rows.
+    header = next(i for i, line in enumerate(lines) if line.startswith("scenario"))
+    assert lines[header].split()[1:3] == ["shmq", "vLLM"], lines[header]
+    assert set(lines[header + 1]) <= {"-", " "}, lines[header + 1]
+    latency = next(line for line in lines if line.startswith("one-way latency, small object, p50"))
+    assert "µs" in latency and "skipped" in latency, latency  # shmq measured, vLLM skipped
+    assert any(line.startswith("16 MiB") and "numpy array" in line and "GB/s" in line for line in lines), text
+    assert any(line.startswith("encoder cache: save") and " ms" in line for line in lines), text
+    assert "failed" not in text, text
+    # What the skipped ones need, one line per group.
+    assert "note: the tensor rows send float32 numpy arrays (needs torch: pip install 'shmq[torch]'" in text
+    skipped = lines[lines.index("skipped (not failures):") + 1 :]
+    assert any(line.strip().startswith("vLLM (every row): needs torch: pip install 'shmq[torch]'") for line in skipped)
+    assert any("torch.multiprocessing" in line and "needs torch: pip install 'shmq[torch]'" in line for line in skipped)
