@@ -143,6 +143,30 @@ def test_a_readers_write_reaches_neither_the_writer_nor_other_readers(children):
     r1.stop()
 
 
+def test_a_readers_writes_are_gone_when_its_memory_holds_the_next_object(children):
+    # A reader's views come from one mapping of the store that stays: what it wrote into a
+    # dropped view must not show through the object placed in the same memory next, and
+    # two live views of one object are independent.
+    store = store_of(1)
+    reader = ViewReader(children, store)
+    a = store.put("a", tensor(1.0))
+    fresh, _ = reader.get("a", a)
+    again, _ = reader.get("a-again", a)  # a second live view of the same object
+    assert reader.ask("write", "a", 7.0)[0] == "written"
+    assert reader.check("a")[3] == 7.0 * N
+    assert reader.check("a-again") == again == fresh, "a write into one view reached another view"
+    assert reader.ask("drop", "a")[0] == "dropped"
+    assert reader.ask("drop", "a-again")[0] == "dropped"
+    store.put("b", tensor(2.0))
+    c = store.put("c", tensor(3.0))  # evicts "a" and takes its memory
+    assert not store.is_cached("a")
+    assert c[0] % store.ring_buffer.data_buffer_size == a[0] % store.ring_buffer.data_buffer_size
+    summary, mapping = reader.get("c", c)
+    assert mapping == reader.segment
+    assert summary == ("tensor", "torch.float32", (N,), 3.0 * N, 3.0), "the reader's old write showed through"
+    reader.stop()
+
+
 def test_a_killed_reader_gives_its_views_back(children):
     store = store_of(1)
     reader = ViewReader(children, store)
