@@ -49,8 +49,9 @@ pub enum Error {
     #[error("{0}")]
     WrongRole(String),
 
-    /// The object store's ring has no room (after freeing what could be freed).
-    #[error(transparent)]
+    /// The object store's ring has no room (after freeing what could be freed), or can
+    /// never have room for a chunk that large (see [`full_message`]).
+    #[error("{}", full_message(.0))]
     Full(#[from] crate::alloc::Full),
 
     /// An object handle `(address, id)` does not name a live object: evicted, reused,
@@ -93,20 +94,18 @@ pub enum Error {
     #[error("{0:?} is not held by this encoder cache")]
     UnknownKey(String),
 
-    /// A local reader died while the writer waited for it to free a chunk.
-    #[error(
-        "reader {reader} (pid {pid}) died before reading chunk {chunk}; the writer cannot go \
-         on without losing its messages (create the queue with on_dead_reader=\"drop\" to go on \
-         without dead readers)"
-    )]
+    /// A local reader died while the writer waited for it to free a chunk. The ring
+    /// that reports it does not name its queue: see [`Error::naming_queue`].
+    #[error("{}", dead_reader_message(*reader, *pid, *chunk, None))]
     DeadReader {
         reader: usize,
         pid: u32,
         chunk: usize,
     },
 
-    /// The writer died while a reader waited for its next message.
-    #[error("the writer (pid {pid}) died; no more messages will come")]
+    /// The writer died while a reader waited for its next message (see
+    /// [`Error::naming_queue`]).
+    #[error("{}", dead_writer_message(*pid, None))]
     DeadWriter { pid: u32 },
 
     /// A worker process (see `workers`) exited before it was ready, or failed while it
@@ -160,6 +159,60 @@ pub enum Error {
 /// the right range (the Python bindings report those the same way).
 pub fn stale_object_message(address: impl std::fmt::Display, id: impl std::fmt::Display) -> String {
     format!("Data for address:id '{address}:{id}' has been modified or is invalid.")
+}
+
+/// The message of [`Error::Full`]: the allocator's ("Not enough space in the data
+/// buffer, try calling free_buf() ..."), except for a chunk that no freeing can ever make
+/// room for (larger than the whole ring, or than a chunk header's 4-byte size can say):
+/// then that, so that nobody frees (or waits) in vain. Both start alike (vLLM 0.33's
+/// wording, which callers match).
+fn full_message(full: &crate::alloc::Full) -> String {
+    if full.needed > full.capacity {
+        format!(
+            "Not enough space in the data buffer: a chunk of {} bytes (the data with its 8-byte \
+             header and, for an object, its framing) can never fit in this ring of {} bytes, \
+             however much is freed; store smaller objects or make the ring (data_buffer_size) \
+             larger",
+            full.needed, full.capacity
+        )
+    } else if full.needed > u64::from(u32::MAX) {
+        format!(
+            "Not enough space in the data buffer: a chunk of {} bytes can never be stored (a \
+             chunk's size field holds at most {} bytes); store smaller objects",
+            full.needed,
+            u32::MAX
+        )
+    } else {
+        full.to_string()
+    }
+}
+
+/// The message of [`Error::DeadReader`], naming the queue (its ring segment) if known.
+fn dead_reader_message(reader: usize, pid: u32, chunk: usize, queue: Option<&str>) -> String {
+    let of_queue = queue.map_or_else(String::new, |q| format!(" of queue '{q}'"));
+    format!(
+        "reader {reader} (pid {pid}) died before reading chunk {chunk}{of_queue}; the writer \
+         cannot go on without losing its messages (create the queue with \
+         on_dead_reader=\"drop\" to go on without dead readers)"
+    )
+}
+
+/// The message of [`Error::DeadWriter`], naming the queue (its ring segment) if known.
+fn dead_writer_message(pid: u32, queue: Option<&str>) -> String {
+    let on_queue = queue.map_or_else(String::new, |q| format!(" on queue '{q}'"));
+    format!("the writer (pid {pid}) died; no more messages will come{on_queue}")
+}
+
+/// vLLM 0.33's message for a missing or invalid handle signature ("Missing SHM handle
+/// signature for cache key", which its callers and tests match), then which key (as the
+/// caller wrote it, e.g. a Python repr; `None` when no key was given) and what was wrong.
+/// [`Error::BadSignature`] says vLLM's sentence alone.
+pub fn bad_signature_message(missing: bool, key: Option<&str>, why: &str) -> String {
+    let what = if missing { "Missing" } else { "Invalid" };
+    match key {
+        Some(key) => format!("{what} SHM handle signature for cache key {key}: {why}"),
+        None => format!("{what} SHM handle signature for cache key: {why}"),
+    }
 }
 
 /// A signal's name ("SIGBUS"), or "signal N" for one without a common name.
@@ -233,5 +286,18 @@ impl Error {
     pub(crate) fn transport(context: impl Into<String>) -> impl FnOnce(zmq::Error) -> Self {
         let context = context.into();
         move |source| Error::Transport { context, source }
+    }
+
+    /// For a peer's death ([`Error::DeadReader`], [`Error::DeadWriter`]), the message
+    /// naming the queue whose ring segment is `queue`; `None` for other errors. The ring
+    /// that reports a death names only the peer, but a process may hold several queues.
+    pub fn naming_queue(&self, queue: &str) -> Option<String> {
+        match *self {
+            Error::DeadReader { reader, pid, chunk } => {
+                Some(dead_reader_message(reader, pid, chunk, Some(queue)))
+            }
+            Error::DeadWriter { pid } => Some(dead_writer_message(pid, Some(queue))),
+            _ => None,
+        }
     }
 }

@@ -157,11 +157,11 @@ class Writer:
         connect_ip: Optional[str] = None,
         spin_us: Optional[float] = None,
         yield_us: Optional[float] = None,
-        on_dead_reader: str = "raise",
+        on_dead_reader: Literal["raise", "drop"] = "raise",
         arena_bytes: Optional[int] = None,
         arena_threshold: Optional[int] = None,
         remote_hwm: Optional[int] = None,
-        slow_remote_reader: str = "block",
+        slow_remote_reader: Literal["block", "drop"] = "block",
     ) -> Writer: ...
     def handle(self) -> _HandleFields:
         """The fields of the queue's ``shmq.Handle``, by name."""
@@ -176,7 +176,8 @@ class Writer:
     def dropped_readers(self) -> list[int]: ...
     def arena_info(self) -> Optional[tuple[str, int, int, int]]:
         """``(name, capacity, reserved, outstanding)`` of the tensor arena."""
-    def wait_until_ready(self, timeout: Optional[float] = None) -> None: ...
+    def wait_until_ready(self, timeout: Optional[float] = None) -> None:
+        """Wait for every reader, then tell them the queue is ready; later calls return at once."""
     def enqueue(self, data: bytes, timeout: Optional[float] = None) -> None: ...
     def enqueue_parts(self, parts: list[Buffer], timeout: Optional[float] = None) -> None:
         """Send a body and its out-of-band buffers; large ones through the tensor arena."""
@@ -202,7 +203,8 @@ class Reader:
     @property
     def shutting_down(self) -> bool: ...
     def ring(self) -> Optional[Ring]: ...
-    def wait_until_ready(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> None: ...
+    def wait_until_ready(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> None:
+        """Wait for the writer's go-ahead; once it has come, later calls return at once."""
     def dequeue(
         self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None, indefinite: bool = False
     ) -> _Message: ...

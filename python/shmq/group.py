@@ -372,6 +372,12 @@ def create_message_queue_from_process_group(
     ops = _Ops(pg)
     if not 0 <= writer_rank < ops.world_size:
         raise ValueError(f"writer_rank {writer_rank} is not in 0..{ops.world_size - 1}")
+    if ops.world_size < 2 and external_writer_handle is None:
+        # vLLM 0.33 makes a queue without readers here; shmq refuses one (see MessageQueue).
+        raise ValueError(
+            "create_from_process_group needs a group of at least 2 ranks (the writer and a reader); "
+            "this group has 1: there is nobody to send to"
+        )
     # Looked up here at call time, so that tests can replace it (see the module doc).
     same_node = in_the_same_node_as(pg, source_rank=writer_rank)
     if len(same_node) != ops.world_size:

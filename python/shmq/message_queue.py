@@ -7,12 +7,13 @@ Rust (``shmq._core``); this module pickles objects and shapes the API.
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, cast
+from typing import Any, Iterator, Literal, NoReturn, Optional, cast
 
 from . import _core, _oob
 from ._cleanup import track
@@ -24,6 +25,31 @@ PeerDiedError = _core.PeerDiedError
 
 _dumps = _oob.dumps
 _loads = pickle.loads
+
+
+def _count(value: Any, name: str, unit: str, *, minimum: int = 1, maximum: int = 2**63 - 1) -> int:
+    """A count or size argument as an int of at least ``minimum``: ``TypeError`` for
+    anything but an int (a bool included), ``ValueError`` naming the argument for one out
+    of range (the core's conversion says ``OverflowError: can't convert negative int to
+    unsigned``, naming nothing)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    n = operator.index(value)
+    if n < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} number of {unit}, got {n}")
+    if n > maximum:
+        raise ValueError(f"{name} must be at most {maximum} {unit}, got {n}")
+    return n
+
+
+def _ranks(ranks: Any) -> list[int]:
+    """``local_reader_ranks`` as a list of ranks (non-negative ints)."""
+    out = list(ranks)
+    for r in out:
+        if isinstance(r, bool) or not hasattr(type(r), "__index__") or operator.index(r) < 0:
+            raise ValueError(f"local_reader_ranks must hold ranks (non-negative ints), got {out!r}")
+    return [operator.index(r) for r in out]
 
 
 def sched_yield() -> None:
@@ -76,6 +102,9 @@ class ShmRingBuffer:
     """
 
     def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: Optional[str] = None):
+        n_reader = _count(n_reader, "n_reader", "readers")
+        max_chunk_bytes = _count(max_chunk_bytes, "max_chunk_bytes", "bytes")
+        max_chunks = _count(max_chunks, "max_chunks", "chunks")
         self.n_reader = n_reader
         self.max_chunk_bytes = max_chunk_bytes
         self.max_chunks = max_chunks
@@ -246,14 +275,29 @@ class MessageQueue:
         *,
         spin_us: Optional[float] = None,
         yield_us: Optional[float] = None,
-        on_dead_reader: str = "raise",
+        on_dead_reader: Literal["raise", "drop"] = "raise",
         arena_bytes: Optional[int] = None,
         arena_threshold: Optional[int] = None,
         remote_hwm: Optional[int] = None,
-        slow_remote_reader: str = "block",
+        slow_remote_reader: Literal["block", "drop"] = "block",
     ):
+        # Sizes and counts are checked here, naming the argument. vLLM 0.33 accepts
+        # n_reader=0 (a queue that sends to nobody); shmq refuses it: a queue without
+        # readers is a mistake (e.g. n_reader computed from a group of one process).
+        # The core checks the rest (n_local_reader <= n_reader, the ranks' number and
+        # duplicates, the policies' names).
+        n_reader = _count(n_reader, "n_reader", "readers")
+        n_local_reader = _count(n_local_reader, "n_local_reader", "readers", minimum=0)
+        max_chunk_bytes = _count(max_chunk_bytes, "max_chunk_bytes", "bytes")
+        max_chunks = _count(max_chunks, "max_chunks", "chunks")
+        if arena_bytes is not None:
+            arena_bytes = _count(arena_bytes, "arena_bytes", "bytes (0: no arena)", minimum=0)
+        if arena_threshold is not None:
+            arena_threshold = _count(arena_threshold, "arena_threshold", "bytes", minimum=0)
+        if remote_hwm is not None:
+            remote_hwm = _count(remote_hwm, "remote_hwm", "messages", maximum=2**31 - 1)
         if local_reader_ranks is not None:
-            local_reader_ranks = list(local_reader_ranks)  # the core checks it (length, duplicates)
+            local_reader_ranks = _ranks(local_reader_ranks)
         self._writer = _core.Writer(
             n_reader,
             n_local_reader,
@@ -284,6 +328,14 @@ class MessageQueue:
     def export_handle(self) -> Handle:
         # None only for an object made without __init__ (whose other methods raise).
         return self.handle  # type: ignore[return-value]
+
+    def __reduce__(self) -> NoReturn:
+        # Pickling would copy a writer's or reader's sockets, mappings and role in the
+        # segment, which cannot be copied: another process needs the handle instead.
+        raise TypeError(
+            "a MessageQueue cannot be sent to another process: pass queue.export_handle() "
+            "and call MessageQueue.create_from_handle(handle, rank) in the child"
+        )
 
     @staticmethod
     def create_from_handle(
@@ -322,8 +374,11 @@ class MessageQueue:
         local readers and the rest as remote readers; the handle goes to every rank
         through ``pg`` and each other rank opens its reader. With
         ``external_writer_handle`` (vLLM 0.33), ``writer_rank`` opens that handle as a
-        reader instead and passes it on. With ``blocking``, all call
-        ``wait_until_ready()``. Returns this rank's queue."""
+        reader instead and passes it on. Returns this rank's queue.
+
+        With ``blocking`` (the default) every rank has called ``wait_until_ready()`` by
+        the time this returns: the queue is ready to use, no call of your own is needed
+        (one returns at once). With ``blocking=False``, every rank must call it."""
         from .group import create_message_queue_from_process_group
 
         return create_message_queue_from_process_group(
@@ -359,7 +414,8 @@ class MessageQueue:
 
     def wait_until_ready(self, timeout: Optional[float] = None) -> None:
         """Collective: the writer waits until every reader has subscribed, then tells them
-        all; each reader waits for that. After it returns no message can be lost."""
+        all; each reader waits for that. After it returns no message can be lost. Once it
+        has returned, later calls (on either side) return at once."""
         if self._writer is not None:
             self._writer.wait_until_ready(timeout)
         elif self._reader is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 from . import _core
 from ._cleanup import track
@@ -515,6 +515,14 @@ class ObjectStorage:
     def handle(self) -> ObjectStorageHandle:
         return ObjectStorageHandle(
             self.max_object_size, self.n_readers, self.ring_buffer.handle(), self.serde_class, self._reader_lock
+        )
+
+    def __reduce__(self) -> NoReturn:
+        # Pickling would copy the writer's index or a reader's mapping, which cannot be
+        # copied: another process needs the handle instead.
+        raise TypeError(
+            "an ObjectStorage cannot be sent to another process: pass store.handle() and call "
+            "ObjectStorage.create_from_handle(handle) in the child"
         )
 
     @staticmethod

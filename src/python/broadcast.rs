@@ -7,7 +7,9 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
 use super::parts;
 use super::view::ShmView;
-use super::wait::{blocking, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout};
+use super::wait::{
+    blocking_mapped, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout,
+};
 use crate::broadcast::queue::Canceller;
 use crate::broadcast::{ChunkKind, DeadReaderPolicy};
 use crate::broadcast::{
@@ -26,6 +28,28 @@ type RingTuple = (usize, usize, usize, String);
 
 fn ring_tuple(h: &RingHandle) -> RingTuple {
     (h.n_reader, h.max_chunk_bytes, h.max_chunks, h.name.clone())
+}
+
+/// The ring segment that names a queue in its errors (`None`: the queue has no ring,
+/// so no local peer whose death could be reported).
+struct QueueName(Option<String>);
+
+impl QueueName {
+    /// `e` as Python's error; a peer's death names the queue: the ring that reports it
+    /// names only the peer, and one process may hold several queues.
+    fn error(&self, py: Python<'_>, e: Error) -> PyErr {
+        let named = self.0.as_deref().and_then(|q| e.naming_queue(q));
+        let err = PyErr::from(e);
+        match named {
+            Some(message) => PyErr::from_type(err.get_type(py), message),
+            None => err,
+        }
+    }
+
+    /// [`QueueName::error`] for a result.
+    fn check<T>(&self, py: Python<'_>, r: crate::error::Result<T>) -> PyResult<T> {
+        r.map_err(|e| self.error(py, e))
+    }
 }
 
 /// A queue handle as Python has it: any object with the fields of `shmq.Handle`
@@ -290,6 +314,7 @@ impl Ring {
 pub struct Writer {
     inner: BindingLock<CoreWriter>,
     canceller: Canceller,
+    queue: QueueName,
 }
 
 #[pymethods]
@@ -359,6 +384,7 @@ impl Writer {
         let writer = CoreWriter::new(opts)?;
         Ok(Writer {
             canceller: writer.canceller(),
+            queue: QueueName(writer.ring().map(|r| r.name().to_owned())),
             inner: BindingLock::new(writer),
         })
     }
@@ -433,14 +459,17 @@ impl Writer {
         };
         let r = match total <= COPY_WITH_GIL_MAX {
             // Small and no wait needed: with the GIL held, as in `enqueue`.
-            true => w.try_enqueue_parts(&slices()).map_err(PyErr::from),
+            true => self.queue.check(py, w.try_enqueue_parts(&slices())),
             false => Ok(false),
         };
         let r = match r {
             Ok(true) => Ok(()),
-            Ok(false) => blocking(py, interrupts(timeout), |spec| {
-                w.enqueue_parts(&slices(), spec)
-            }),
+            Ok(false) => blocking_mapped(
+                py,
+                interrupts(timeout),
+                |spec| w.enqueue_parts(&slices(), spec),
+                |e| self.queue.error(py, e),
+            ),
             Err(e) => Err(e),
         };
         drop(buffers);
@@ -460,11 +489,18 @@ impl Writer {
         Ok(Some(unsafe { ShmView::new(Arc::new(loan), ptr, len) }))
     }
 
+    /// Wait until every reader has subscribed and tell them the queue is ready; once
+    /// done, later calls return at once.
     #[pyo3(signature = (timeout=None))]
     fn wait_until_ready(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<()> {
         let mut w = self.writer(py)?;
         let w = &mut *w;
-        blocking(py, interrupts(timeout), |spec| w.wait_until_ready(spec))
+        blocking_mapped(
+            py,
+            interrupts(timeout),
+            |spec| w.wait_until_ready(spec),
+            |e| self.queue.error(py, e),
+        )
     }
 
     /// Send `data` to every reader.
@@ -473,11 +509,16 @@ impl Writer {
         let mut w = self.writer(py)?;
         // A small message that needs no wait is sent with the GIL held (releasing it
         // would cost more than the copy).
-        if data.len() <= COPY_WITH_GIL_MAX && w.try_enqueue(data)? {
+        if data.len() <= COPY_WITH_GIL_MAX && self.queue.check(py, w.try_enqueue(data))? {
             return Ok(());
         }
         let w = &mut *w;
-        blocking(py, interrupts(timeout), |spec| w.enqueue(data, spec))
+        blocking_mapped(
+            py,
+            interrupts(timeout),
+            |spec| w.enqueue(data, spec),
+            |e| self.queue.error(py, e),
+        )
     }
 
     /// Wait for the next chunk and return a view of it, for zero-copy writing;
@@ -486,10 +527,15 @@ impl Writer {
     fn acquire_write(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<ShmView> {
         let mut w = self.writer(py)?;
         let w = &mut *w;
-        let (ptr, len) = blocking(py, interrupts(timeout), |spec| {
-            w.acquire_write(spec)
-                .map(|buf| (buf.as_mut_ptr() as usize, buf.len()))
-        })?;
+        let (ptr, len) = blocking_mapped(
+            py,
+            interrupts(timeout),
+            |spec| {
+                w.acquire_write(spec)
+                    .map(|buf| (buf.as_mut_ptr() as usize, buf.len()))
+            },
+            |e| self.queue.error(py, e),
+        )?;
         let ring = w.ring().expect("acquire_write succeeded").clone();
         // SAFETY: the range is the acquired chunk, inside the mapping kept alive by `ring`.
         Ok(unsafe { ShmView::new(ring, ptr as *mut u8, len) })
@@ -526,6 +572,7 @@ fn interrupts<'a>(timeout: Option<Timeout>) -> Interrupts<'a, 'a> {
 pub struct Reader {
     inner: BindingLock<CoreReader>,
     canceller: Canceller,
+    queue: QueueName,
     /// The ring's file, to map chunks for `acquire_read` (opened on first use).
     chunk_file: BindingLock<Option<Arc<PrivateFile>>>,
     /// The chunk `acquire_read` handed out: its view and mapping, until `finish_read`.
@@ -558,6 +605,7 @@ impl Reader {
         let reader = CoreReader::open_with(&handle, rank, policy)?;
         Ok(Reader {
             canceller: reader.canceller(),
+            queue: QueueName(reader.ring().map(|r| r.name().to_owned())),
             inner: BindingLock::new(reader),
             chunk_file: BindingLock::new(None),
             open_chunk: BindingLock::new(None),
@@ -589,9 +637,12 @@ impl Reader {
     ) -> PyResult<()> {
         let mut r = self.reader(py)?;
         let r = &mut *r;
-        blocking(py, reader_interrupts(timeout, cancel, false), |spec| {
-            r.wait_until_ready(spec)
-        })
+        blocking_mapped(
+            py,
+            reader_interrupts(timeout, cancel, false),
+            |spec| r.wait_until_ready(spec),
+            |e| self.queue.error(py, e),
+        )
     }
 
     /// The next message: its bytes, or for a message of several parts `(body, buffers)`
@@ -606,17 +657,24 @@ impl Reader {
         indefinite: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let mut r = self.reader(py)?;
-        if let Some(m) = r.try_take_message(|m| to_python(py, m))? {
+        if let Some(m) = self
+            .queue
+            .check(py, r.try_take_message(|m| to_python(py, m)))?
+        {
             return m;
         }
         if self.canceller.is_cancelled() {
             return Err(Error::Cancelled.into());
         }
         let r = &mut *r;
-        blocking(py, reader_interrupts(timeout, cancel, indefinite), |spec| {
-            r.wait_message(spec)
-        })?;
-        r.try_take_message(|m| to_python(py, m))?
+        blocking_mapped(
+            py,
+            reader_interrupts(timeout, cancel, indefinite),
+            |spec| r.wait_message(spec),
+            |e| self.queue.error(py, e),
+        )?;
+        self.queue
+            .check(py, r.try_take_message(|m| to_python(py, m)))?
             .ok_or_else(|| PyErr::from(r.not_ready_any_more()))?
     }
 
@@ -631,9 +689,12 @@ impl Reader {
     ) -> PyResult<Py<PyAny>> {
         let mut r = self.reader(py)?;
         let r = &mut *r;
-        let info = blocking(py, reader_interrupts(timeout, cancel, false), |spec| {
-            r.acquire_read(spec)
-        })?;
+        let info = blocking_mapped(
+            py,
+            reader_interrupts(timeout, cancel, false),
+            |spec| r.acquire_read(spec),
+            |e| self.queue.error(py, e),
+        )?;
         let data = r.chunk_data(&info);
         if info.kind == ChunkKind::Overflow {
             // The message came over the socket and is gone after finish_read: a copy.

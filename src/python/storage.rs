@@ -11,7 +11,7 @@ use super::parts;
 use super::view::ShmView;
 use super::wait::{lock, BindingGuard, BindingLock};
 use crate::alloc::{Freed, ID_MAX};
-use crate::error::{stale_object_message, Error};
+use crate::error::{bad_signature_message, stale_object_message, Error};
 use crate::storage::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo as CoreRing,
     ChunkHeader, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
@@ -71,20 +71,52 @@ const KEPT_VIEW: &str = "the deserializer kept a view of the shared memory, whic
 
 /// A handle signature from Python: vLLM 0.33's rules (a list of 32 ints, each exactly
 /// an `int` in 0..=255), and a `str` key. `None` for either is a missing signature.
+/// Refusals are [`bad_signature`]s saying what was wrong.
 fn signature_arg<'a, 'py>(
     key: Option<&'a Bound<'py, PyAny>>,
     signature: Option<&Bound<'py, PyAny>>,
-) -> Result<(&'a str, [u8; SIGNATURE_BYTES]), Error> {
-    let (Some(key), Some(signature)) = (key, signature) else {
-        return Err(Error::BadSignature { missing: true });
+) -> PyResult<(&'a str, [u8; SIGNATURE_BYTES])> {
+    let (Some(key_obj), Some(signature)) = (key, signature) else {
+        let why = match (key, signature) {
+            (None, None) => {
+                "no key and no signature were given; a reader's get and touch need \
+                             both (the key, and the signature the writer's get_signature(key) \
+                             returns)"
+            }
+            (None, _) => {
+                "no key was given; a reader's get and touch need the key the \
+                          signature was made for"
+            }
+            _ => "no signature was given; pass the one the writer's get_signature(key) returns",
+        };
+        return Err(bad_signature(true, key, why));
     };
-    let list = signature
-        .cast::<PyList>()
-        .map_err(|_| invalid_signature())?;
-    let key = key.cast::<PyString>().map_err(|_| invalid_signature())?;
+    let invalid = |why: String| bad_signature(false, key, &why);
+    let list = signature.cast::<PyList>().map_err(|_| {
+        invalid(format!(
+            "the signature must be a list of {SIGNATURE_BYTES} ints (what get_signature \
+             returns), got {}",
+            type_name(signature)
+        ))
+    })?;
+    let key = key_obj
+        .cast::<PyString>()
+        .map_err(|_| invalid(format!("the key must be a str, got {}", type_name(key_obj))))?;
     if list.len() != SIGNATURE_BYTES {
-        return Err(invalid_signature());
+        return Err(invalid(format!(
+            "the signature must be a list of {SIGNATURE_BYTES} ints, got a list of {}",
+            list.len()
+        )));
     }
+    // On an error only (the checks below are the hot path's): which item is not a byte.
+    let bad_item = |i: usize| {
+        let item = list
+            .get_item(i)
+            .map_or_else(|_| "?".into(), |v| short_repr(&v));
+        invalid(format!(
+            "the signature must be a list of {SIGNATURE_BYTES} ints in 0..255, item {i} is {item}"
+        ))
+    };
     let mut bytes = [0u8; SIGNATURE_BYTES];
     for (i, b) in bytes.iter_mut().enumerate() {
         // A reader checks a signature on every get: read the items through the C API
@@ -97,7 +129,7 @@ fn signature_arg<'a, 'py>(
             let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
             if item.is_null() || pyo3::ffi::PyLong_CheckExact(item) == 0 {
                 pyo3::ffi::PyErr_Clear();
-                return Err(invalid_signature());
+                return Err(bad_item(i));
             }
             pyo3::ffi::PyLong_AsLong(item)
         };
@@ -105,24 +137,83 @@ fn signature_arg<'a, 'py>(
         *b = u8::try_from(value).map_err(|_| {
             // SAFETY: with the GIL; clears the OverflowError PyLong_AsLong may have set.
             unsafe { pyo3::ffi::PyErr_Clear() };
-            invalid_signature()
+            bad_item(i)
         })?;
     }
-    let key = key.to_str().map_err(|_| invalid_signature())?;
+    let key = key
+        .to_str()
+        .map_err(|_| invalid("the key is not valid UTF-8".into()))?;
     Ok((key, bytes))
 }
 
-fn invalid_signature() -> Error {
-    Error::BadSignature { missing: false }
+/// A refused handle signature: `ValueError` with vLLM 0.33's message first ("Invalid SHM
+/// handle signature for cache key", which its callers match), then the key (its repr)
+/// and `why`.
+fn bad_signature(missing: bool, key: Option<&Bound<'_, PyAny>>, why: &str) -> PyErr {
+    let key = key.map(short_repr);
+    PyValueError::new_err(bad_signature_message(missing, key.as_deref(), why))
+}
+
+/// The refusal of a signature that does not sign `key`'s handle `(address, id)`.
+fn signature_mismatch(key: Option<&Bound<'_, PyAny>>, address: u64, id: u32) -> PyErr {
+    bad_signature(
+        false,
+        key,
+        &format!(
+            "the signature does not match this key, address {address} and id {id} (was it \
+             made for another key or object, or by another store?)"
+        ),
+    )
+}
+
+/// `v`'s repr, cut to a readable length (keys can be long).
+fn short_repr(v: &Bound<'_, PyAny>) -> String {
+    const MAX_CHARS: usize = 80;
+    let r = v
+        .repr()
+        .map_or_else(|_| "<no repr>".into(), |r| r.to_string());
+    if r.chars().count() <= MAX_CHARS {
+        r
+    } else {
+        format!("{}...", r.chars().take(MAX_CHARS).collect::<String>())
+    }
+}
+
+fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map_or_else(|_| "?".into(), |n| n.to_string())
 }
 
 /// The address and id of a handle to sign or check: out-of-range integers cannot have
 /// been signed (vLLM signs them as u64 and u32).
-fn signed_handle(address: &Bound<'_, PyAny>, id: &Bound<'_, PyAny>) -> Result<(u64, u32), Error> {
+fn signed_handle(
+    key: Option<&Bound<'_, PyAny>>,
+    address: &Bound<'_, PyAny>,
+    id: &Bound<'_, PyAny>,
+) -> PyResult<(u64, u32)> {
     match (int_in_range::<u64>(address), int_in_range::<u32>(id)) {
         (Ok(Some(a)), Ok(Some(i))) => Ok((a, i)),
-        _ => Err(invalid_signature()),
+        _ => Err(unsignable_handle(key, address, id)),
     }
+}
+
+/// The refusal of a handle whose address or id is not an int in range (u64, u32).
+fn unsignable_handle(
+    key: Option<&Bound<'_, PyAny>>,
+    address: &Bound<'_, PyAny>,
+    id: &Bound<'_, PyAny>,
+) -> PyErr {
+    bad_signature(
+        false,
+        key,
+        &format!(
+            "the handle (address {}, id {}) cannot have been signed: the address must be an \
+             int in 0..2**64 and the id an int in 0..2**32",
+            short_repr(address),
+            short_repr(id)
+        ),
+    )
 }
 
 /// The freed ids as a `range`, or a list when they wrap at 2**31.
@@ -442,11 +533,11 @@ impl ObjectStore {
         if !self.is_writer {
             // Refuse forged handles before touching the address; integers out of range
             // cannot have been signed.
-            let (key, signature) = signature_arg(key, signature)?;
+            let (key_str, signature) = signature_arg(key, signature)?;
             let (Some(a), Some(i)) = handle else {
-                return Err(invalid_signature().into());
+                return Err(unsignable_handle(key, address, id));
             };
-            self.segment.verify(key, a, i, &signature)?;
+            self.verify(key, key_str, a, i, &signature)?;
         }
         // Integers out of range (negative, huge) name no object: the same ValueError.
         let (Some(a), Some(i)) = handle else {
@@ -527,7 +618,7 @@ impl ObjectStore {
             return Ok(());
         }
         self.verify_signature(py, Some(key), address, id, signature)?;
-        let (a, i) = signed_handle(address, id)?;
+        let (a, i) = signed_handle(Some(key), address, id)?;
         Ok(check_object(&self.segment, a, i)?)
     }
 
@@ -543,16 +634,31 @@ impl ObjectStore {
         signature: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         if self.is_writer {
-            let key = key
+            let key_str = key
                 .and_then(|k| k.cast::<PyString>().ok())
                 .and_then(|k| k.to_str().ok().map(str::to_owned));
-            let current = match key {
+            let current = match key_str {
                 Some(k) => self.store(py)?.entry(&k).copied(),
                 None => None,
             };
-            let handle = signed_handle(address, id).ok();
-            if current.is_none() || current.map(|e| (e.address, e.id)) != handle {
-                return Err(invalid_signature().into());
+            let Some(current) = current else {
+                let why = match key {
+                    Some(_) => "no object is stored under this key",
+                    None => "no key was given",
+                };
+                return Err(bad_signature(false, key, why));
+            };
+            let handle = signed_handle(key, address, id)?;
+            if (current.address, current.id) != handle {
+                return Err(bad_signature(
+                    false,
+                    key,
+                    &format!(
+                        "the handle (address {}, id {}) is not this key's current object \
+                         (address {}, id {})",
+                        handle.0, handle.1, current.address, current.id
+                    ),
+                ));
             }
         }
         self.verify_reader(address, id, signature, key)
@@ -721,8 +827,24 @@ impl ObjectStore {
         signature: Option<&Bound<'_, PyAny>>,
         key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let (key, signature) = signature_arg(key, signature)?;
-        let (a, i) = signed_handle(address, id)?;
-        Ok(self.segment.verify(key, a, i, &signature)?)
+        let (key_str, signature) = signature_arg(key, signature)?;
+        let (a, i) = signed_handle(key, address, id)?;
+        self.verify(key, key_str, a, i, &signature)
+    }
+
+    /// Check `signature` against the handle `(a, i)` of `key_str` (`key`, the caller's
+    /// object, names it in the refusal).
+    fn verify(
+        &self,
+        key: Option<&Bound<'_, PyAny>>,
+        key_str: &str,
+        a: u64,
+        i: u32,
+        signature: &[u8],
+    ) -> PyResult<()> {
+        match self.segment.verify(key_str, a, i, signature) {
+            Err(Error::BadSignature { .. }) => Err(signature_mismatch(key, a, i)),
+            other => Ok(other?),
+        }
     }
 }

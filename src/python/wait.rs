@@ -78,6 +78,21 @@ where
     T: Send,
     F: for<'w> FnOnce(WaitSpec<'w>) -> Result<T> + Send,
 {
+    blocking_mapped(py, interrupts, f, PyErr::from)
+}
+
+/// [`blocking`], turning the core's error into Python's with `to_python` (which may
+/// add what only the binding knows, such as which queue; see `broadcast::QueueName`).
+pub(crate) fn blocking_mapped<T, F>(
+    py: Python<'_>,
+    interrupts: Interrupts<'_, '_>,
+    f: F,
+    to_python: impl FnOnce(Error) -> PyErr,
+) -> PyResult<T>
+where
+    T: Send,
+    F: for<'w> FnOnce(WaitSpec<'w>) -> Result<T> + Send,
+{
     let timeout = duration(interrupts.timeout);
     let cancel: Option<Py<PyAny>> = interrupts
         .cancel
@@ -114,7 +129,7 @@ where
     });
     match raised {
         Some(e) => Err(e),
-        None => result.map_err(PyErr::from),
+        None => result.map_err(to_python),
     }
 }
 

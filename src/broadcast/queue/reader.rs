@@ -169,6 +169,9 @@ pub struct Reader {
     rank: usize,
     /// A message received over a socket (all its frames), waiting to be taken.
     pending: Option<Vec<zmq::Message>>,
+    /// The writer's go-ahead has come: `wait_until_ready` returns at once from then on
+    /// (the writer sends it once; waiting for a second would wait forever).
+    ready: bool,
     canceller: Canceller,
     policy: WaitPolicy,
     /// What this reader's waits are for (in warnings and timeout errors).
@@ -263,6 +266,7 @@ impl Reader {
             source,
             rank,
             pending: None,
+            ready: false,
             canceller: Canceller::new(ring, false),
             policy,
             ready_what: format!("{what} to be ready").into(),
@@ -330,6 +334,7 @@ impl Reader {
     }
 
     /// Wait for the writer's go-ahead (see [`Writer::wait_until_ready`](super::Writer::wait_until_ready)).
+    /// Once it has come, later calls return at once, as the writer's do.
     pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.ready_what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
@@ -338,14 +343,19 @@ impl Reader {
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
+        if self.ready {
+            return Ok(());
+        }
         match &mut self.source {
             Source::Local { overflow, ring, .. } => {
                 let ring = ring.ring().clone();
-                overflow.wait_ready(wait, &mut || RingReader::check_writer(&ring))
+                overflow.wait_ready(wait, &mut || RingReader::check_writer(&ring))?;
             }
             // A remote writer's liveness cannot be checked from here.
-            Source::Remote { sub } => sub.wait_ready(wait),
+            Source::Remote { sub } => sub.wait_ready(wait)?,
         }
+        self.ready = true;
+        Ok(())
     }
 
     /// Wait until the next message can be taken without blocking (then take it with

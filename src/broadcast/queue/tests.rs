@@ -152,3 +152,34 @@ fn endpoints_with_a_nul_are_errors_not_panics() {
     .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }
+
+#[test]
+fn wait_until_ready_a_second_time_returns_at_once_on_every_side() {
+    // The writer says "ready" once: a reader that waited for a second one timed out.
+    let mut w = Writer::new(QueueOptions {
+        n_reader: 2,
+        n_local_reader: 1,
+        max_chunk_bytes: 64,
+        max_chunks: 2,
+        arena_bytes: 0,
+        connect_ip: Some("127.0.0.1".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let h = w.handle().clone();
+    let again = Some(Duration::from_millis(50));
+    std::thread::scope(|s| {
+        for rank in [0, 1] {
+            let h = h.clone();
+            s.spawn(move || {
+                let mut r = Reader::open(&h, rank).unwrap();
+                r.wait_until_ready(Some(Duration::from_secs(10))).unwrap();
+                r.wait_until_ready(again).unwrap();
+                assert_eq!(r.dequeue(Some(Duration::from_secs(10))).unwrap(), b"m");
+            });
+        }
+        w.wait_until_ready(Some(Duration::from_secs(10))).unwrap();
+        w.wait_until_ready(again).unwrap();
+        w.enqueue(b"m", Some(Duration::from_secs(10))).unwrap();
+    });
+}

@@ -86,7 +86,8 @@ impl Writer {
     pub fn new(opts: QueueOptions) -> Result<Writer> {
         if opts.n_local_reader > opts.n_reader {
             return Err(Error::InvalidArgument(format!(
-                "n_local_reader ({}) cannot exceed n_reader ({})",
+                "n_local_reader ({}) cannot exceed n_reader ({}): n_reader counts all readers, \
+                 local and remote",
                 opts.n_local_reader, opts.n_reader
             )));
         }
