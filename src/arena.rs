@@ -9,11 +9,17 @@
 //! in the chunk; readers map the bytes and hand them out without copying.
 //!
 //! # Readers own what they receive
-//! Every view a reader hands out is its own `MAP_PRIVATE` mapping of the part's pages:
+//! Every view a reader hands out shows the part's pages through a `MAP_PRIVATE` mapping:
 //! reading costs nothing (the pages are the writer's), and a reader that writes into a
 //! received tensor gets private copies of just the pages it writes (copy-on-write), so
 //! neither the writer nor another reader ever sees that write, and a later message never
-//! changes what a reader already holds. Unmapping the view drops those private pages.
+//! changes what a reader already holds. The mapping is one per reader process that stays
+//! (a *window* of the whole arena, [`crate::private_map`]): a view is a range of it, so a
+//! reader that consumes every byte of a message pays what reading a mapping that stays
+//! costs, with no `mmap`, `munmap` or first-touch page faults per message once the arena's
+//! pages have been read once. When a view goes, the pages it wrote (its private copies,
+//! found in `/proc/self/pagemap`) are dropped, so the next message placed there shows
+//! through; only then can a view of that range be made again in this process.
 //!
 //! # Leases
 //! Each allocation is a *lease*: a record in the lease table with the part's place in
