@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: Rust tests (unit, multi-process integration,
-# doc tests, examples) and the Python suite against a freshly built package.
+# doc tests, examples), the Python suite against a freshly built package, then shmq as a
+# newcomer meets it: the README's first command in a fresh venv, and the manylinux wheel
+# (built and audited here) installed where there is no Rust.
 #
 # Python packages go into ./.venv (made on first use, reused after). Set PYTHON to
 # choose the interpreter that makes it (default: python3, CPython >= 3.11).
@@ -93,3 +95,14 @@ step "Python: the README's examples"
 .venv/bin/python examples/serving.py
 # One worker crashes mid-run: the example must report it by name and exit cleanly.
 .venv/bin/python examples/serving.py --crash
+
+step "Newcomer: the README's first command from source, in a fresh venv without torch"
+# pip builds into target/release with the same profile and features as .venv's install
+# above, so cargo finds shmq up to date: nothing is compiled twice.
+bash scripts/newcomer.sh source
+
+step "Wheel: manylinux_2_17 abi3 wheel (maturin --zig) and sdist into dist/, audited"
+bash scripts/wheel.sh
+
+step "Newcomer: the wheel in a fresh venv with no cargo or rustc on PATH"
+bash scripts/newcomer.sh wheel
