@@ -83,7 +83,7 @@ wheel_step() (
   fi
   fresh_venv target/newcomer-wheel-venv
   # Binary wheels only: nothing may be compiled here (there is no Rust to do it).
-  pip install --quiet --only-binary=:all: "$wheel[bench]"
+  pip install --quiet --only-binary=:all: "${wheel}[bench]"
   echo "installed $(basename "$wheel") without Rust in $((SECONDS - start)) s"
   # Outside the source tree, so that nothing of it is imported.
   cd "$VIRTUAL_ENV"

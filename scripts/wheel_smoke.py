@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import sys
+from textwrap import shorten
 from typing import Any
 
 import numpy as np
@@ -84,7 +85,7 @@ def check_store(ctx: Any) -> None:
     assert array_ok, "store: the array read in the other process differs"
     assert meta == META, f"store: read {meta!r}, put {META!r}"
     assert refused.startswith("ValueError"), refused
-    print(f"store: array and dict read by a spawned reader with signed handles; forged signature -> {refused:.80}")
+    print(f"store: array and dict read by a spawned reader with signed handles; forged signature -> {shorten(refused, 100)}")
     store.close()
 
 
