@@ -372,12 +372,6 @@ def create_message_queue_from_process_group(
     ops = _Ops(pg)
     if not 0 <= writer_rank < ops.world_size:
         raise ValueError(f"writer_rank {writer_rank} is not in 0..{ops.world_size - 1}")
-    if ops.world_size < 2 and external_writer_handle is None:
-        # vLLM 0.33 makes a queue without readers here; shmq refuses one (see MessageQueue).
-        raise ValueError(
-            "create_from_process_group needs a group of at least 2 ranks (the writer and a reader); "
-            "this group has 1: there is nobody to send to"
-        )
     # Looked up here at call time, so that tests can replace it (see the module doc).
     same_node = in_the_same_node_as(pg, source_rank=writer_rank)
     if len(same_node) != ops.world_size:
@@ -386,6 +380,11 @@ def create_message_queue_from_process_group(
         # vLLM 0.33: the queue's writer is elsewhere; this rank reads it too and hands
         # its handle on.
         mq = MessageQueue.create_from_handle(external_writer_handle, ops.rank)
+        ops.broadcast(mq.export_handle(), src=writer_rank)
+    elif ops.world_size == 1:
+        # A group of one: a writer without readers, as vLLM 0.33 makes (the constructor
+        # refuses n_reader=0, a mistake when written by hand).
+        mq = MessageQueue._without_readers(max_chunk_bytes, max_chunks)
         ops.broadcast(mq.export_handle(), src=writer_rank)
     elif ops.rank == writer_rank:
         local_reader_ranks = [r for r in range(ops.world_size) if r != writer_rank and same_node[r]]

@@ -282,10 +282,11 @@ class MessageQueue:
         slow_remote_reader: Literal["block", "drop"] = "block",
     ):
         # Sizes and counts are checked here, naming the argument. vLLM 0.33 accepts
-        # n_reader=0 (a queue that sends to nobody); shmq refuses it: a queue without
-        # readers is a mistake (e.g. n_reader computed from a group of one process).
-        # The core checks the rest (n_local_reader <= n_reader, the ranks' number and
-        # duplicates, the policies' names).
+        # n_reader=0 (a queue that sends to nobody); shmq refuses it: made by hand, a
+        # queue without readers is a mistake. (create_from_process_group in a group of
+        # one process still makes one, as vLLM does: see _without_readers.) The core
+        # checks the rest (n_local_reader <= n_reader, the ranks' number and duplicates,
+        # the policies' names).
         n_reader = _count(n_reader, "n_reader", "readers")
         n_local_reader = _count(n_local_reader, "n_local_reader", "readers", minimum=0)
         max_chunk_bytes = _count(max_chunk_bytes, "max_chunk_bytes", "bytes")
@@ -298,13 +299,14 @@ class MessageQueue:
             remote_hwm = _count(remote_hwm, "remote_hwm", "messages", maximum=2**31 - 1)
         if local_reader_ranks is not None:
             local_reader_ranks = _ranks(local_reader_ranks)
-        self._writer = _core.Writer(
+        self._start_writer(
             n_reader,
             n_local_reader,
             local_reader_ranks,
             max_chunk_bytes,
             max_chunks,
             connect_ip,
+            enable_shm_tensor_arena,
             spin_us=spin_us,
             yield_us=yield_us,
             on_dead_reader=on_dead_reader,
@@ -312,6 +314,22 @@ class MessageQueue:
             arena_threshold=arena_threshold,
             remote_hwm=remote_hwm,
             slow_remote_reader=slow_remote_reader,
+        )
+
+    def _start_writer(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: Optional[list[int]],
+        max_chunk_bytes: int,
+        max_chunks: int,
+        connect_ip: Optional[str],
+        enable_shm_tensor_arena: bool,
+        **options: Any,
+    ) -> None:
+        """Make the writer, of arguments already checked (``options``: the core's)."""
+        self._writer = _core.Writer(
+            n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks, connect_ip, **options
         )
         self.handle = Handle(**self._writer.handle())
         # vLLM 0.33's opt-in arena flag: accepted (shmq's own arena is on unless
@@ -324,6 +342,17 @@ class MessageQueue:
         self.n_remote_reader = n_reader - n_local_reader
         self._is_writer = True
         self.shutting_down = False
+
+    @staticmethod
+    def _without_readers(max_chunk_bytes: int, max_chunks: int) -> "MessageQueue":
+        """A writer that sends to nobody: what ``create_from_process_group`` makes in a
+        group of one process, as vLLM 0.33 does there (the constructor refuses
+        ``n_reader=0``). Its enqueue and wait_until_ready return at once."""
+        self = MessageQueue.__new__(MessageQueue)
+        max_chunk_bytes = _count(max_chunk_bytes, "max_chunk_bytes", "bytes")
+        max_chunks = _count(max_chunks, "max_chunks", "chunks")
+        self._start_writer(0, 0, [], max_chunk_bytes, max_chunks, None, False)
+        return self
 
     def export_handle(self) -> Handle:
         # None only for an object made without __init__ (whose other methods raise).

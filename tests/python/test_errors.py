@@ -103,9 +103,14 @@ class _OneRankGroup:
         return [obj]
 
 
-def test_create_from_process_group_refuses_a_group_of_one():
-    with pytest.raises(ValueError, match="needs a group of at least 2 ranks .* this group has 1"):
-        MessageQueue.create_from_process_group(_OneRankGroup(), 1024, 2)
+def test_a_group_of_one_still_makes_a_queue_without_readers():
+    # As vLLM 0.33 does: only a queue made by hand with n_reader=0 is refused.
+    mq = MessageQueue.create_from_process_group(_OneRankGroup(), 1024, 2)
+    assert mq.export_handle().local_reader_ranks == [] and mq.buffer is None
+    mq.enqueue("to nobody", timeout=1)
+    mq.wait_until_ready(timeout=1)
+    with pytest.raises(ValueError, match="^max_chunks must be a positive number of chunks, got 0$"):
+        MessageQueue.create_from_process_group(_OneRankGroup(), 1024, 0)
 
 
 # ---------------------------------------------------------------------------------
