@@ -269,7 +269,8 @@ def test_an_object_larger_than_the_ring_is_refused_as_never_fitting():
     assert "free_buf" not in message, message
     assert not store.is_cached("big")
     # The same from the ring itself.
-    with pytest.raises(MemoryError, match="^Not enough space in the data buffer: a chunk of 5008 bytes .* can never fit"):
+    never = "^Not enough space in the data buffer: a chunk of 5008 bytes .* can never fit"
+    with pytest.raises(MemoryError, match=never):
         store.ring_buffer.allocate_buf(5000)
     # An object that fits the ring but not now (its one reader has read nothing) is
     # told to free, as before.
