@@ -572,11 +572,8 @@ mod tests {
         a[10] = 1; // page 0 written: a private copy
         a[3 * page] = 2; // page 3 too
                          // SAFETY: in bounds; only this thread uses the segment.
-        assert_eq!(
-            unsafe { *seg.as_ptr().add(10) },
-            7,
-            "a private write reached the segment"
-        );
+        let shared = unsafe { *seg.as_ptr().add(10) };
+        assert_eq!(shared, 7, "a private write reached the segment");
         // A second view of the same pages while `a` lives is a mapping of its own and
         // does not see `a`'s writes; one of other pages comes from the window.
         let b = f.view(page as u64, 2 * page).unwrap();
