@@ -15,6 +15,44 @@ from typing import Any, Callable, Optional, Sequence
 #: The object every scenario sends (a scheduler step's batch, in miniature).
 SMALL_OBJECT = {"req_ids": list(range(16)), "tokens": [[1, 2, 3, 4]] * 8, "flag": True, "name": "scheduler-output"}
 
+
+def _step_object(n_requests: int = 64) -> dict:
+    """A dict shaped like a decode step's scheduler output for ``n_requests`` requests:
+    per request an id string, one new token id, a 16-entry block table (ids past 65535,
+    as in a large KV cache) and sampling params; a dict of scheduled token counts; an
+    empty set of finished requests. 64 requests: 12,986 bytes pickled."""
+    ids = [f"cmpl-{i:032x}-0" for i in range(n_requests)]
+    requests = [
+        {
+            "req_id": req_id,
+            "new_token_ids": [1000 + 37 * i],
+            "block_ids": list(range(70_000 + 16 * i, 70_000 + 16 * i + 16)),
+            "num_computed_tokens": 512 + i,
+            "sampling_params": {
+                "temperature": 0.5 + i / 128,
+                "top_p": 0.9 + i / 1280,
+                "top_k": 50,
+                "max_tokens": 1024,
+                "seed": None,
+                "stop_token_ids": [2],
+            },
+        }
+        for i, req_id in enumerate(ids)
+    ]
+    return {
+        "scheduled_cached_reqs": requests,
+        "num_scheduled_tokens": {req_id: 1 for req_id in ids},
+        "total_num_scheduled_tokens": n_requests,
+        "finished_req_ids": set(),
+    }
+
+
+#: A step-sized message: a decode step's scheduler output for 64 requests (~12.7 KB).
+STEP_OBJECT = _step_object(64)
+
+#: The objects the ping-pong and throughput roles send, by name.
+OBJECTS = {"small": SMALL_OBJECT, "step": STEP_OBJECT}
+
 MiB = 1 << 20
 #: Queue geometry of every shmq queue in the benchmark (24 MiB x 10 chunks: large enough
 #: for a 16 MiB tensor in one chunk, as the project's performance targets assume).

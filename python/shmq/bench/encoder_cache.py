@@ -1,20 +1,38 @@
-"""Encoder-cache rows of ``python -m shmq bench`` (single-process floors that start their
-own consumer processes): the hand-off of one image's embedding from an encoder to two
-language-model workers.
+"""The encoder-cache hand-off, measured: one image's embedding (a fresh 16 MiB float32
+tensor, 1024 tokens x 4096) goes from an encoder (this process) to two language-model
+workers (consumer processes), each of which consumes every byte (copies it into its
+own buffer, made before the clock, and checks the image's number at both ends).
 
-- *save*: ``EncoderCacheProducer.save`` of a fresh 16 MiB float32 tensor until it is
-  published (``flush``), per image;
-- *load*: one consumer's ``load`` of that key into a dict plus a read of the tensor's
-  last element (a view: no copy), per image and consumer (median);
-- *hand-off*: from the start of the save to the later of the two consumers having the
-  tensor (each is told the key over a ``multiprocessing`` queue, whose latency is
-  included), per image (median);
-- the same hand-off through a ``torch.multiprocessing`` queue per consumer (torch moves
-  the tensor to shared memory and sends a handle), measured in the same run;
-- the engine's published figures for its SHM encoder-cache connector (311 ms save,
-  72 ms load per image, on its hardware; shown for reference, not measured here);
-- ``has(key)`` from an index in this process, and the load of a held key of 1 and
-  64 MiB (in this process): the load is a mapping, so its time does not grow with size.
+Three ways, in the same run:
+
+- shmq's encoder cache: ``EncoderCacheProducer.save`` + ``flush`` (published), then
+  each consumer's ``load`` (a zero-copy view) and its copy;
+- vLLM 0.33's upstream encoder-cache CPU connector (``vllm.distributed.ec_transfer.
+  ec_connector.cpu``), its data path driven directly: the shared region
+  (``ECSharedRegion``: one ``/dev/shm`` file, ``MAP_SHARED``, pre-faulted with
+  ``MADV_POPULATE_WRITE``, viewed as ``(num_blocks, block_size_bytes)`` int8 blocks of
+  one token's embedding each) opened by the encoder and by each consumer, the
+  scheduler's block allocator (``EmbeddingCache``: ``alloc``, ``mark_ready``, ``pin``
+  for a dispatched load, ``unpin`` once every consumer reported), and the copies of
+  ``ECCPUWorker.save_caches`` / ``start_load_caches`` over the same runs of blocks
+  (``_coalesce_runs``). What is *not* driven, and why: ``ECCPUWorker`` itself needs a
+  ``VllmConfig`` with an ``ec_transfer_config`` and an initialised tensor-parallel group
+  (``get_tensor_model_parallel_rank``), and its copies are ``swap_blocks_batch``
+  (``torch.ops._C_cache_ops``, vLLM's compiled CUDA kernels: a batch of
+  ``cudaMemcpyAsync`` between the region and GPU memory, on CUDA streams and events);
+  they cannot run without a GPU. So each copy that kernel would make is made here by
+  ``Tensor.copy_`` on the CPU, over exactly the same blocks, into a buffer the consumer
+  made before the clock (vLLM copies into a fresh GPU buffer per load). The block ids
+  and shape travel to the consumers over a ``multiprocessing`` queue (in vLLM, in the
+  scheduler's per-step connector metadata);
+- ``torch.multiprocessing`` queues (one per consumer): the storage moved to shared
+  memory at the send, a handle to each consumer.
+
+Rows: per image (median), the save until published (shmq) or until the blocks hold it
+(vLLM); each consumer's load and consume; the hand-off from the start of the save to
+the later of the two consumers having consumed it (the key reaching the consumers over
+a queue is inside it); and, in this process, ``has(key)`` and the load of a held key of
+1 and 64 MiB (a mapping: its time does not grow with size).
 """
 
 from __future__ import annotations
@@ -23,52 +41,56 @@ import gc
 import os
 import queue as queue_mod
 import statistics
+import traceback
 import uuid
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
-from .common import MiB, SYNC_TIMEOUT, Arrays, BenchError, measure_parts, need_torch, now_ns
-from .scenarios import Floor, Metric, Params, _time_per_call_us
+from .common import (
+    SYNC_TIMEOUT,
+    Arrays,
+    BenchError,
+    MiB,
+    Skip,
+    need_torch,
+    now_ns,
+    time_per_call_us,
+)
+from .transports import vllm_missing
 
 EMBEDDING_BYTES = 16 * MiB
-#: vLLM's SHM encoder-cache connector, per image, as its authors published them.
-PUBLISHED_SAVE_MS = 311.0
-PUBLISHED_LOAD_MS = 72.0
+#: The embedding's shape: tokens x hidden size (vLLM's block is one token's row).
+HIDDEN = 4096
+EMBEDDING_SHAPE = (EMBEDDING_BYTES // 4 // HIDDEN, HIDDEN)
 N_CONSUMERS = 2
+#: Embeddings each cache holds at once (older ones are evicted once consumed).
+CAPACITY_IMAGES = 8
 
 
-def _images(params: Params) -> tuple[int, int]:
-    """``(measured, warm-up)`` images per run."""
-    return (12, 2) if params.objects >= 50_000 else (6, 2)
-
-
-def _shmq_consumer(cache: str, keys: Any, done: Any, rank: int) -> None:
-    from shmq import EncoderCacheConsumer
-
-    consumer = EncoderCacheConsumer(cache)
-    done.put(("ready", rank))
-    while (key := keys.get(timeout=SYNC_TIMEOUT)) is not None:
-        t0 = now_ns()
-        got: dict = {}
-        missing = consumer.load([key], got)
-        if missing:
-            done.put(("error", rank, f"key {key} missing"))
-            return
-        float(got[key][-1])
-        t1 = now_ns()
-        del got
-        done.put(("done", rank, t0, t1))
-    consumer.close()
-
-
-def _torch_consumer(tensors: Any, done: Any, rank: int) -> None:
-    import torch  # noqa: F401  (the tensors' reductions)
-
-    done.put(("ready", rank))
-    while (t := tensors.get(timeout=SYNC_TIMEOUT)) is not None:
-        float(t[-1])
-        t1 = now_ns()
-        del t
-        done.put(("done", rank, 0, t1))
+def _consumer(
+    setup: Callable[[], dict], consume: Callable[[dict, Any, Any], None], inbox: Any, done: Any, rank: int
+) -> None:
+    """A consumer process: ``state = setup()`` (its ``"arrays"``: an :class:`Arrays`;
+    its ``"close"``, if any, is called at the end), then for each message from ``inbox``
+    until ``None``: ``consume(state, message, own)`` into its own buffer ``own``, timed,
+    and a check of the image's number (the message's last item) at both ends. Reports
+    ``("done", rank, t0, t1)`` per message, or ``("error", rank, text, traceback)``."""
+    try:
+        state = setup()
+        arrays = state["arrays"]
+        own = arrays.full(EMBEDDING_BYTES // 4, -1.0)  # made, and its pages touched, before the clock
+        done.put(("ready", rank))
+        while (message := inbox.get(timeout=SYNC_TIMEOUT)) is not None:
+            t0 = now_ns()
+            consume(state, message, own)
+            t1 = now_ns()
+            arrays.check(own, message[-1], f"consumer {rank}")
+            done.put(("done", rank, t0, t1))
+        close = state.get("close")
+        if close is not None:
+            close()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        done.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
 
 
 class _Children:
@@ -79,8 +101,8 @@ class _Children:
         self.procs: list[Any] = []
         self.done = ctx.Queue()
 
-    def start(self, target: Any, *args: Any) -> None:
-        p = self.ctx.Process(target=target, args=(*args, self.done, len(self.procs)), daemon=True)
+    def start(self, *args: Any) -> None:
+        p = self.ctx.Process(target=_consumer, args=(*args, self.done, len(self.procs)), daemon=True)
         p.start()
         self.procs.append(p)
 
@@ -89,6 +111,8 @@ class _Children:
             msg = self.done.get(timeout=SYNC_TIMEOUT)
         except queue_mod.Empty:
             raise BenchError("an encoder-cache consumer did not report in time") from None
+        if msg[0] == "error":
+            raise BenchError(f"encoder-cache consumer {msg[1]}: {msg[2]}", msg[3])
         if msg[0] != tag:
             raise BenchError(f"encoder-cache consumer: expected {tag!r}, got {msg!r}")
         return msg
@@ -104,48 +128,40 @@ class _Children:
                 p.join(5)
 
 
-def _fresh_embeddings(n: int, lib: str) -> list:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(EMBEDDING_BYTES // 4, dtype=np.float32) for _ in range(n)]
-    if lib == "torch":
-        import torch
-
-        return [torch.from_numpy(a) for a in arrays]
-    return arrays
-
-
-def _shmq_handoff(n: int, warmup: int, lib: str) -> dict[str, float]:
-    import multiprocessing
-
-    from shmq import EncoderCacheProducer
-
-    ctx = multiprocessing.get_context("spawn")
-    cache = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+def _handoff(
+    ctx: Any,
+    n: int,
+    warmup: int,
+    consumer: tuple,
+    save: Callable[[int], Any],
+    inboxes: list,
+    after: Callable[[int], None] = lambda i: None,
+) -> dict[str, float]:
+    """The loop every way shares: per image ``i``, ``message = save(i)`` (timed: the
+    save), the message to each consumer, both reports (the hand-off), ``after(i)``."""
     saves, loads, handoffs = [], [], []
-    with EncoderCacheProducer(cache, capacity=8 * EMBEDDING_BYTES + 8 * MiB) as producer, _Children(ctx) as kids:
-        keys = [ctx.Queue() for _ in range(N_CONSUMERS)]
-        for q in keys:
-            kids.start(_shmq_consumer, cache, q)
-        for _ in keys:
+    with _Children(ctx) as kids:
+        for inbox in inboxes:
+            kids.start(*consumer, inbox)
+        for _ in inboxes:
             kids.receive("ready")
-        for i, emb in enumerate(_fresh_embeddings(n + warmup, lib)):
-            key = f"image-{i}"
-            t0 = now_ns()
-            producer.save(key, emb, timeout=SYNC_TIMEOUT)
-            producer.flush(SYNC_TIMEOUT)
-            t1 = now_ns()
-            for q in keys:
-                q.put(key)
-            results = [kids.receive("done") for _ in keys]
-            if i >= warmup:
-                saves.append((t1 - t0) / 1e6)
-                loads += [(r[3] - r[2]) / 1e6 for r in results]
-                handoffs.append((max(r[3] for r in results) - t0) / 1e6)
-            del emb
-        for q in keys:
-            q.put(None)
+        try:
+            for i in range(n + warmup):
+                t0 = now_ns()
+                message = save(i)
+                t1 = now_ns()
+                for inbox in inboxes:
+                    inbox.put(message)
+                del message
+                results = [kids.receive("done") for _ in inboxes]
+                after(i)
+                if i >= warmup:
+                    saves.append((t1 - t0) / 1e6)
+                    loads += [(r[3] - r[2]) / 1e6 for r in results]
+                    handoffs.append((max(r[3] for r in results) - t0) / 1e6)
+        finally:
+            for inbox in inboxes:
+                inbox.put(None)
     return {
         "save_ms": statistics.median(saves),
         "load_ms": statistics.median(loads),
@@ -153,33 +169,187 @@ def _shmq_handoff(n: int, warmup: int, lib: str) -> dict[str, float]:
     }
 
 
-def _torch_handoff(n: int, warmup: int) -> dict[str, float]:
+# shmq's encoder cache ------------------------------------------------------------------
+
+
+def _shmq_open(cache: str, lib: str) -> dict:
+    from shmq import EncoderCacheConsumer
+
+    consumer = EncoderCacheConsumer(cache)
+    return {"consumer": consumer, "arrays": Arrays(lib), "close": consumer.close}
+
+
+def _shmq_consume(state: dict, message: tuple, own: Any) -> None:
+    key, _value = message
+    got: dict = {}
+    if state["consumer"].load([key], got):
+        raise RuntimeError(f"key {key} missing")
+    state["arrays"].copy(own, got.pop(key).reshape(-1))
+
+
+def shmq_handoff(ctx: Any, n: int, warmup: int, lib: str) -> dict[str, float]:
+    """shmq's encoder cache, ``lib`` arrays ("torch" tensors or "numpy" arrays)."""
+    from shmq import EncoderCacheProducer
+
+    arrays = Arrays(lib)
+    cache = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    with EncoderCacheProducer(cache, capacity=CAPACITY_IMAGES * EMBEDDING_BYTES + 8 * MiB) as producer:
+        embedding: list = []
+
+        def save(i: int) -> tuple:
+            key = f"image-{i}"
+            producer.save(key, embedding.pop(), timeout=SYNC_TIMEOUT)
+            producer.flush(SYNC_TIMEOUT)
+            return key, float(i)
+
+        def make(i: int) -> None:  # the encoder's output, before the clock
+            embedding.append(arrays.full(EMBEDDING_BYTES // 4, float(i)).reshape(EMBEDDING_SHAPE))
+
+        inboxes = [ctx.Queue() for _ in range(N_CONSUMERS)]
+        make(0)
+        consumer = (partial(_shmq_open, cache, lib), _shmq_consume)
+        return _handoff(ctx, n, warmup, consumer, save, inboxes, after=lambda i: make(i + 1))
+
+
+# vLLM 0.33's encoder-cache CPU connector, its data path -----------------------------------
+
+
+def _vllm_ec() -> tuple[Any, Any, Any]:
+    """``ECSharedRegion``, ``EmbeddingCache`` and the worker's ``_coalesce_runs``;
+    ``Skip`` where vLLM 0.33 (with that connector) cannot be imported."""
+    reason = vllm_missing()
+    if reason is not None:
+        raise Skip(reason)
+    try:
+        from vllm.distributed.ec_transfer.ec_connector.cpu.ec_shared_region import ECSharedRegion
+        from vllm.distributed.ec_transfer.ec_connector.cpu.scheduler.embedding_cache import EmbeddingCache
+        from vllm.distributed.ec_transfer.ec_connector.cpu.worker import _coalesce_runs
+    except Exception as e:  # noqa: BLE001 - a vLLM without that connector
+        raise Skip(f"needs vLLM 0.33's encoder-cache CPU connector (importing it failed: {type(e).__name__}: {e})")
+    return ECSharedRegion, EmbeddingCache, _coalesce_runs
+
+
+def _block_runs(coalesce: Callable, block_ids: list[int], block_bytes: int, nbytes: int) -> list[tuple[int, int, int]]:
+    """``(offset in the tensor, offset in the region, bytes)`` of each run of consecutive
+    blocks, as ``ECCPUWorker`` describes its copies (only the tensor's bytes)."""
+    used = -(-nbytes // block_bytes)
+    slots, first_blocks, counts = coalesce(block_ids[:used])
+    runs = []
+    for slot, first, count in zip(slots.tolist(), first_blocks.tolist(), counts.tolist(), strict=True):
+        start = slot * block_bytes
+        runs.append((start, first * block_bytes, min(count * block_bytes, nbytes - start)))
+    return runs
+
+
+def _vllm_open(engine_id: str, num_blocks: int, block_bytes: int) -> dict:
+    region_class, _cache, coalesce = _vllm_ec()
+    arrays = Arrays("torch")
+    region = region_class(engine_id, num_blocks, block_bytes)  # opens the encoder's file
+    state = {"region": region, "flat": region.blocks.view(-1), "coalesce": coalesce, "arrays": arrays}
+    state["close"] = partial(_vllm_close, state)
+    return state
+
+
+def _vllm_close(state: dict) -> None:
+    del state["flat"]  # the views of the mapping go before it is closed
+    gc.collect()
+    state["region"].cleanup()
+
+
+def _vllm_consume(state: dict, message: tuple, own: Any) -> None:
+    """``start_load_caches``' copy, on the CPU: each run of blocks into this consumer's
+    buffer (the bytes of ``own``), at the run's place in the tensor."""
+    import torch
+
+    block_ids, _value = message
+    flat, out = state["flat"], own.view(torch.int8)
+    runs = _block_runs(state["coalesce"], block_ids, state["region"].block_size_bytes, out.numel())
+    for start, region_at, length in runs:
+        out[start : start + length].copy_(flat[region_at : region_at + length])
+
+
+def vllm_cpu_handoff(ctx: Any, n: int, warmup: int) -> dict[str, float]:
+    """vLLM 0.33's encoder-cache CPU connector's data path (see the module docstring)."""
+    region_class, cache_class, coalesce = _vllm_ec()
+    import torch
+
+    arrays = Arrays("torch")
+    block_bytes = HIDDEN * 4  # vLLM: hidden size x element size, one token per block
+    blocks_per_image = EMBEDDING_BYTES // block_bytes
+    num_blocks = CAPACITY_IMAGES * blocks_per_image
+    engine_id = f"shmq-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    region = region_class(engine_id, num_blocks, block_bytes)  # creates and pre-faults the file
+    mapped = {"flat": region.blocks.view(-1)}  # emptied before the region is closed
+    try:
+        cache = cache_class(num_blocks)
+        embedding: list = [arrays.full(EMBEDDING_BYTES // 4, 0.0).reshape(EMBEDDING_SHAPE)]
+
+        def save(i: int) -> tuple:
+            key = f"image-{i}"
+            src = embedding.pop().reshape(-1).view(torch.int8)
+            entry = cache.alloc(key, blocks_per_image, EMBEDDING_SHAPE)
+            if entry is None:
+                raise RuntimeError("vLLM's EmbeddingCache had no room (consumed images should be evictable)")
+            block_ids, flat = list(entry.block_ids), mapped["flat"]
+            for start, region_at, length in _block_runs(coalesce, block_ids, block_bytes, src.numel()):
+                flat[region_at : region_at + length].copy_(src[start : start + length])
+            cache.mark_ready(key)  # the worker reported the save done
+            cache.pin(key)  # a load dispatched: pinned until every consumer reported it
+            return block_ids, float(i)
+
+        def after(i: int) -> None:
+            cache.unpin(f"image-{i}")  # every consumer reported its load
+            embedding.append(arrays.full(EMBEDDING_BYTES // 4, float(i + 1)).reshape(EMBEDDING_SHAPE))
+
+        inboxes = [ctx.Queue() for _ in range(N_CONSUMERS)]
+        consumer = (partial(_vllm_open, engine_id, num_blocks, block_bytes), _vllm_consume)
+        result = _handoff(ctx, n, warmup, consumer, save, inboxes, after)
+    finally:
+        mapped.clear()  # the views of the mapping go before it is closed
+        gc.collect()
+        region.cleanup()
+    return {f"vllm_{k}": v for k, v in result.items()}
+
+
+# torch.multiprocessing --------------------------------------------------------------------
+
+
+def _torch_open() -> dict:
+    import torch.multiprocessing  # noqa: F401 (the tensors' reductions)
+
+    return {"arrays": Arrays("torch")}
+
+
+def _torch_consume(state: dict, message: tuple, own: Any) -> None:
+    tensor, _value = message
+    own.copy_(tensor.reshape(-1))
+
+
+def torch_handoff(ctx: Any, n: int, warmup: int) -> dict[str, float]:
+    """The same hand-off through a ``torch.multiprocessing`` queue per consumer: the
+    send moves the tensor's storage to shared memory (inside the clock)."""
     need_torch()
     import torch.multiprocessing as tmp
 
-    ctx = tmp.get_context("spawn")
-    handoffs = []
-    with _Children(ctx) as kids:
-        queues = [ctx.Queue() for _ in range(N_CONSUMERS)]
-        for q in queues:
-            kids.start(_torch_consumer, q)
-        for _ in queues:
-            kids.receive("ready")
-        for i, emb in enumerate(_fresh_embeddings(n + warmup, "torch")):
-            t0 = now_ns()
-            for q in queues:
-                q.put(emb)
-            results = [kids.receive("done") for _ in queues]
-            if i >= warmup:
-                handoffs.append((max(r[3] for r in results) - t0) / 1e6)
-            del emb
-        for q in queues:
-            q.put(None)
-    return {"torch_ms": statistics.median(handoffs)}
+    arrays = Arrays("torch")
+    embedding: list = [arrays.full(EMBEDDING_BYTES // 4, 0.0).reshape(EMBEDDING_SHAPE)]
+
+    def save(i: int) -> tuple:
+        return embedding.pop(), float(i)  # the queues' feeder threads move it when sending
+
+    def after(i: int) -> None:
+        embedding.append(arrays.full(EMBEDDING_BYTES // 4, float(i + 1)).reshape(EMBEDDING_SHAPE))
+
+    inboxes = [tmp.get_context("spawn").Queue() for _ in range(N_CONSUMERS)]
+    result = _handoff(ctx, n, warmup, (_torch_open, _torch_consume), save, inboxes, after)
+    return {"torch_ms": result["handoff_ms"]}
 
 
-def _held_key_costs(params: Params) -> dict[str, float]:
-    """``has`` and the load of held keys of 1 and 64 MiB, all in this process."""
+# Costs of held keys, in this process ------------------------------------------------------
+
+
+def held_key_costs(lib: str, calls: int) -> dict[str, float]:
+    """``has`` and the load (a view, no copy) of held keys of 1 and 64 MiB."""
     from shmq import EncoderCacheConsumer, EncoderCacheIndex, EncoderCacheProducer
 
     cache = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -187,44 +357,19 @@ def _held_key_costs(params: Params) -> dict[str, float]:
     with EncoderCacheProducer(cache, capacity=80 * MiB) as producer:
         index, consumer = EncoderCacheIndex(cache), EncoderCacheConsumer(cache)
         key = "0" * 64  # a sha256 hex digest's length
-        arrays = Arrays(params.arrays)
+        arrays = Arrays(lib)
         producer.save(key, arrays.full(MiB // 4, 0.0))
         producer.save("big", arrays.full(64 * MiB // 4, 0.0))
         producer.flush(SYNC_TIMEOUT)
-        out["has_us"] = _time_per_call_us(lambda: index.has(key), params.objects)
+        out["has_us"] = time_per_call_us(lambda: index.has(key), calls)
 
         def load(k: str) -> None:
             got: dict = {}
             consumer.load([k], got)
 
-        out["load1_us"] = _time_per_call_us(lambda: load(key), 2000, batch=20)
-        out["load64_us"] = _time_per_call_us(lambda: load("big"), 2000, batch=20)
+        out["load1_us"] = time_per_call_us(lambda: load(key), 2000, batch=20)
+        out["load64_us"] = time_per_call_us(lambda: load("big"), 2000, batch=20)
         gc.collect()
         consumer.close()
         index.close()
     return out
-
-
-def _floor_encoder_cache(params: Params) -> dict[str, float]:
-    n, warmup = _images(params)
-    result: dict = _shmq_handoff(n, warmup, params.arrays)
-    result.update(measure_parts(["torch_ms"], lambda: _torch_handoff(n, warmup)))
-    result["published_save_ms"] = PUBLISHED_SAVE_MS
-    result["published_load_ms"] = PUBLISHED_LOAD_MS
-    result.update(_held_key_costs(params))
-    return result
-
-
-ENCODER_CACHE_FLOORS: list[Floor] = [
-    Floor("encoder_cache", "encoder cache hand-off", _floor_encoder_cache, [
-        Metric("save_ms", "encoder cache: save 16 MiB embedding, per image", "ms", False),
-        Metric("load_ms", "encoder cache: load by each of 2 consumers, per image", "ms", False),
-        Metric("handoff_ms", "encoder cache: save + load by 2 consumers, per image", "ms", False),
-        Metric("torch_ms", "torch.multiprocessing queue hand-off to 2, per image", "ms", False),
-        Metric("published_save_ms", "vLLM SHM EC connector save (published), per image", "ms", False),
-        Metric("published_load_ms", "vLLM SHM EC connector load (published), per image", "ms", False),
-        Metric("has_us", "encoder cache: has(key)", "us", False),
-        Metric("load1_us", "encoder cache: load of a held 1 MiB key", "us", False),
-        Metric("load64_us", "encoder cache: load of a held 64 MiB key", "us", False),
-    ]),
-]  # fmt: skip

@@ -14,6 +14,9 @@ from .common import BenchError
 from .roles import _child_main, _stack_file
 from .transports import Transport
 
+#: Seconds a child that has reported may take to exit, beyond the run's timeout.
+EXIT_GRACE = 10.0
+
 
 @dataclass
 class Job:
@@ -72,9 +75,11 @@ class Harness:
                     raise self._first_cause(procs, results, index, value, details)
                 values[index] = value
             for p in procs:
-                p.join(max(0.1, deadline - time.monotonic()))
+                # It has reported: give its exit (the transport's teardown) a moment even
+                # when the run's time is nearly spent.
+                p.join(max(EXIT_GRACE, deadline - time.monotonic()))
                 if p.exitcode is None:
-                    raise BenchError(f"{p.name} did not exit after reporting")
+                    raise BenchError(f"{p.name} did not exit within {EXIT_GRACE:g} s after reporting")
                 if p.exitcode != 0:
                     raise BenchError(f"{p.name} exited with code {p.exitcode} after reporting")
             ok = True

@@ -28,13 +28,14 @@ from .common import (
     NotMeasured,
     PROTOCOL,
     SMALL_OBJECT,
+    STEP_OBJECT,
     BenchError,
     Skip,
     array_lib,
 )
 from .harness import Harness
 from .scenarios import FLOORS, PRESETS, SCENARIOS, Floor, Params, Scenario
-from .transports import TRANSPORTS, Transport
+from .transports import TRANSPORTS, Transport, vllm_missing
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Row:
     is_floor: bool = False
     #: The title of the scenario or floor the row comes from.
     group: str = ""
+    #: A floor shown right under its scenario's rows (not in the floors at the end).
+    inline: bool = False
 
 
 #: The key of a floor row's one cell in ``Row.errors`` / ``Row.skipped``.
@@ -107,6 +110,18 @@ def machine_info() -> dict[str, Any]:
         zmq_version = f"{zmq.__version__} (libzmq {zmq.zmq_version()})"
     except ImportError:
         zmq_version = None
+    try:
+        import torch
+
+        torch_version: Optional[str] = torch.__version__
+    except ImportError:
+        torch_version = None
+    try:
+        from importlib.metadata import version
+
+        vllm_version: Optional[str] = version("vllm")
+    except Exception:  # noqa: BLE001 - not installed
+        vllm_version = None
     return {
         "nproc": nproc,
         "cpu": cpu,
@@ -115,6 +130,8 @@ def machine_info() -> dict[str, Any]:
         "kernel": platform.release(),
         "shmq": shmq_version,
         "pyzmq": zmq_version,
+        "torch": torch_version,
+        "vllm": vllm_version,
         "busy_before": _cpu_busy(),
     }
 
@@ -171,6 +188,58 @@ def _labelled(label: str, params: Params) -> str:
     return label.replace("{tensor}", "tensor" if params.arrays == "torch" else "numpy array")
 
 
+def _context(params: Params, transports: Sequence[Transport], floors: Sequence[Floor]) -> Any:
+    """The ``multiprocessing`` context every child process starts from. With
+    "forkserver", the server imports once what the children need (torch, pyzmq, vLLM's
+    queue and encoder-cache modules where they take part), so that each child starts
+    in milliseconds instead of importing them again (seconds each, on 2 cores)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(params.start_method)
+    if params.start_method == "forkserver":
+        names = {t.name for t in transports}
+        preload = ["shmq", "shmq.bench.roles", "shmq.bench.encoder_cache", "numpy"]
+        if params.arrays == "torch":
+            preload += ["torch", "torch.multiprocessing"]
+        if "pyzmq" in names:
+            preload.append("zmq")
+        if names & {"vLLM", "vLLM arena"}:
+            preload.append("vllm.distributed.device_communicators.shm_broadcast")
+        if any(f.key == "encoder_cache" for f in floors) and vllm_missing() is None:
+            preload += [
+                "vllm.distributed.ec_transfer.ec_connector.cpu.ec_shared_region",
+                "vllm.distributed.ec_transfer.ec_connector.cpu.worker",
+            ]
+        ctx.set_forkserver_preload(preload)  # an import that fails there is skipped
+    return ctx
+
+
+def _floor_rows(floor: Floor, params: Params, repeat: int, details: list[str], inline: bool = False) -> list[Row]:
+    """Measure ``floor`` (``repeat`` times, the median); its rows, each with its value,
+    or its skip or error (a floor that raises takes only its own rows with it)."""
+    try:
+        result = _median_of(repeat, partial(floor.run, params))
+    except Skip as e:
+        result = {m.key: NotMeasured(str(e)) for m in floor.metrics}
+    except Exception as e:  # noqa: BLE001 - shown in the table, the run goes on
+        message = str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {e}"
+        result = {m.key: NotMeasured(message, failed=True) for m in floor.metrics}
+        details.append(f"{floor.title}:\n{e.details if isinstance(e, BenchError) else traceback.format_exc()}")
+    rows = []
+    for m in floor.metrics:
+        label = _labelled(m.label, params)
+        row = Row(
+            f"{floor.key}.{m.key}", label, m.unit, m.higher_is_better, is_floor=True, group=floor.title, inline=inline
+        )
+        value = result.get(m.key, NotMeasured("not measured here", failed=True))
+        if isinstance(value, NotMeasured):
+            (row.errors if value.failed else row.skipped)[FLOOR_CELL] = value.reason
+        else:
+            row.floor = value
+        rows.append(row)
+    return rows
+
+
 def run_bench(
     params: Params,
     transports: Sequence[Transport],
@@ -182,19 +251,19 @@ def run_bench(
     floors: Optional[Sequence[Floor]] = None,
 ) -> list[Row]:
     """Run every scenario (default: :func:`selected`) for every transport that can run it
-    (``repeat`` times, keeping the median), then the floors (default: all); returns the
-    rows. Failures land in ``Row.errors`` (and their tracebacks in ``details``), cells
-    that cannot run here (a transport or library not installed) in ``Row.skipped``: no
-    failure stops the run."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
+    (``repeat`` times, keeping the median), each followed by its own floors, then the
+    floors (default: all); returns the rows. Failures land in ``Row.errors`` (and their
+    tracebacks in ``details``), cells that cannot run here (a transport or library not
+    installed) in ``Row.skipped``: no failure stops the run."""
     details = details if details is not None else []
+    scenarios = selected(params) if scenarios is None else scenarios
+    floors = FLOORS if floors is None else floors
+    ctx = _context(params, transports, floors)
     rows: list[Row] = []
     workdir = tempfile.mkdtemp(prefix="shmq-bench-")
     try:
         harness = Harness(ctx, workdir, timeout)
-        for scenario in selected(params) if scenarios is None else scenarios:
+        for scenario in scenarios:
             scenario_rows = [
                 Row(
                     f"{scenario.key}.{m.key}",
@@ -231,26 +300,14 @@ def run_bench(
                     continue
                 for metric, row in zip(scenario.metrics, scenario_rows, strict=True):
                     row.values[transport.name] = result[metric.key]
-        for floor in FLOORS if floors is None else floors:
+            for floor in scenario.floors:
+                if progress:
+                    progress.step(floor.title)
+                rows += _floor_rows(floor, params, repeat, details, inline=True)
+        for floor in floors:
             if progress:
                 progress.step(floor.title)
-            try:
-                result = _median_of(repeat, partial(floor.run, params))
-            except Skip as e:
-                result = {m.key: NotMeasured(str(e)) for m in floor.metrics}
-            except Exception as e:  # noqa: BLE001 - shown in the table, the run goes on
-                message = str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {e}"
-                result = {m.key: NotMeasured(message, failed=True) for m in floor.metrics}
-                details.append(f"{floor.title}:\n{e.details if isinstance(e, BenchError) else traceback.format_exc()}")
-            for m in floor.metrics:
-                label = _labelled(m.label, params)
-                row = Row(f"{floor.key}.{m.key}", label, m.unit, m.higher_is_better, is_floor=True, group=floor.title)
-                value = result.get(m.key, NotMeasured("not measured here", failed=True))
-                if isinstance(value, NotMeasured):
-                    (row.errors if value.failed else row.skipped)[FLOOR_CELL] = value.reason
-                else:
-                    row.floor = value
-                rows.append(row)
+            rows += _floor_rows(floor, params, repeat, details)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if progress:
@@ -273,13 +330,17 @@ def _format_value(value: Optional[float], unit: str, missing: bool = False, skip
         return f"{value:.2f} %"
     if unit == "GB/s":
         return f"{value:.1f} GB/s"
+    if unit == "ms":
+        return f"{value:.2f} ms" if value < 100 else f"{value:.0f} ms"
+    if unit == "":
+        return f"{value:.0f}"
     return f"{value:.3g} {unit}"
 
 
 def _format_ratio(row: Row, a: str, b: str) -> str:
     """How ``a`` compares with ``b`` in this row, e.g. ``7.3x faster``."""
     va, vb = row.values.get(a), row.values.get(b)
-    if not va or not vb:
+    if not va or not vb or row.unit in ("x", ""):  # ratios and counts are not compared
         return ""
     ratio = va / vb if row.higher_is_better else vb / va
     better, worse = ("less", "more") if row.unit == "%" else ("faster", "slower")
@@ -293,7 +354,7 @@ def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "sh
     header = ["scenario", *names, *(f"{reference} vs {n}" for n in others)]
     body: list[Optional[list[str]]] = []
     for i, row in enumerate(rows):
-        if row.is_floor and i > 0 and not rows[i - 1].is_floor:
+        if row.is_floor and not row.inline and i > 0 and (not rows[i - 1].is_floor or rows[i - 1].inline):
             body.append(None)  # a rule between the transports' rows and the floors
         if row.is_floor:
             first = _format_value(row.floor, row.unit, skipped=FLOOR_CELL in row.skipped)
@@ -320,9 +381,20 @@ def _header(machine: dict[str, Any], params: Params, repeat: int) -> str:
         + (f", pyzmq {machine['pyzmq']}" if machine["pyzmq"] else ""),
         f"latency: half the round trip, p50/p99 over {params.rounds:,} round trips after {params.warmup:,} "
         f"warm-up; throughput: {params.objects:,} objects, first send to last receive",
-        f"small object of {len(pickle.dumps(SMALL_OBJECT, PROTOCOL))} bytes pickled; spawned processes; "
-        f"shmq queues of {MAX_CHUNKS} x {MAX_CHUNK_BYTES // MiB} MiB chunks"
-        + (f"; median of {repeat} runs per cell" if repeat > 1 else ""),
+        f"small object of {len(pickle.dumps(SMALL_OBJECT, PROTOCOL))} bytes pickled; 64-request step of "
+        f"{len(pickle.dumps(STEP_OBJECT, PROTOCOL)):,} bytes pickled; shmq queues of {MAX_CHUNKS} x "
+        f"{MAX_CHUNK_BYTES // MiB} MiB chunks" + (f"; median of {repeat} runs per cell" if repeat > 1 else ""),
+        "tensor rows: 'fresh' = a new float32 array made by the writer for every send (inside the clock), "
+        f"each reader copies all of it into its own buffer ({params.fresh_warmup} warm-up messages, 3 over "
+        "16 MiB); 'hand-over only' = the same array every send, one element read; torch at 1 thread per process",
+        "processes: "
+        + (
+            "spawned (each imports what it needs)"
+            if params.start_method == "spawn"
+            else f"started by {params.start_method} (the modules they need imported once, in its server)"
+        )
+        + (f"; torch {machine['torch']}" if machine.get("torch") else "")
+        + (f"; vLLM {machine['vllm']}" if machine.get("vllm") else ""),
     ]
     busy = machine["busy_before"]
     if busy is not None and busy > 0.1:
@@ -341,8 +413,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const="quick",
         default="default",
-        help="5 000 round trips after 500 warm-up and 10 000 objects, instead of the standard "
-        "20 000 after 1 000 and 50 000",
+        help="a check that every row runs, in under a minute: 5 000 round trips after 500 warm-up, 10 000 "
+        "objects, 16 MiB tensors only and fewer of them, processes forked from a server that imported torch and "
+        "vLLM once; instead of the standard 20 000 after 1 000, 50 000, 1/16/256 MiB, spawned processes",
     )
     parser.add_argument("--rounds", type=int, metavar="N", help="ping-pong round trips to measure")
     parser.add_argument("--warmup", type=int, metavar="N", help="ping-pong round trips before measuring")
@@ -356,11 +429,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scenarios",
         metavar="LIST",
-        help="comma-separated prefixes of the scenarios and floors to run (scenarios: "
-        + ", ".join(s.key for s in SCENARIOS)
-        + "; floors: "
+        help="comma-separated prefixes of the keys of the scenarios and floors to run: latency (latency_step, "
+        "latency_remote), throughput (1, 3), idle, fresh, loan, consume, tensor (the hand-over-only rows), e.g. "
+        "fresh16_3 (16 MiB, 3 readers); floors: "
         + ", ".join(f.key for f in FLOORS)
-        + "; 'floors' for all floors); default: all",
+        + ", or 'floors' for all of them; default: all",
     )
     parser.add_argument(
         "--repeat",
@@ -372,9 +445,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=15.0,
+        default=60.0,
         metavar="S",
-        help="seconds one run (one scenario, one transport) may take (default %(default)g)",
+        help="seconds one run (one scenario, one transport, its processes' start included) may take; "
+        "tensor runs at least 120 (default %(default)g)",
+    )
+    parser.add_argument(
+        "--start-method",
+        choices=("spawn", "forkserver"),
+        help="how child processes start: spawn (the default preset's, the documented method) or forkserver "
+        "(--quick's: a server that imported torch and vLLM once forks each child)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--no-progress", action="store_true", help="do not print the progress line")
@@ -386,6 +466,9 @@ def main(args: argparse.Namespace) -> int:
     # does not need here; keep the table clean (here and in the spawned processes).
     warnings.filterwarnings("ignore", module="requests")
     os.environ.setdefault("PYTHONWARNINGS", "ignore::Warning:requests")
+    # torch logs deprecation warnings of its own modules that vLLM 0.33 imports; the
+    # same: errors only, in every process.
+    os.environ.setdefault("TORCH_LOGS", "-all")
     by_name = {t.name: t for t in TRANSPORTS}
     wanted = [n.strip() for n in args.transports.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in by_name]
@@ -409,6 +492,7 @@ def main(args: argparse.Namespace) -> int:
         warmup=args.warmup if args.warmup is not None else base.warmup,
         objects=args.objects if args.objects is not None else base.objects,
         arrays=array_lib(),
+        start_method=args.start_method or base.start_method,
     )
     only = [o.strip() for o in args.scenarios.split(",") if o.strip()] if args.scenarios else []
     scenarios = selected(params, only)
@@ -426,9 +510,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: the tensor rows send float32 numpy arrays ({TORCH_HINT} for torch tensors)", flush=True)
     for reason, names in left_out.items():
         print(f"note: {', '.join(names)} left out: {reason}", flush=True)
+    for t in transports:
+        if t.note:
+            print(f"note: {t.name}: {t.note}", flush=True)
 
     cells = sum(1 for s in scenarios for t in transports if s.only is None or t.name in s.only)
-    progress = Progress(cells + len(floors), enabled=not args.no_progress)
+    inline_floors = sum(len(s.floors) for s in scenarios)
+    progress = Progress(cells + inline_floors + len(floors), enabled=not args.no_progress)
     details: list[str] = []
     started = time.monotonic()
     rows = run_bench(params, transports, args.timeout, args.repeat, progress, details, scenarios, floors)

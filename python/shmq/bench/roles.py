@@ -5,13 +5,14 @@ returns a value the scenario turns into metrics."""
 from __future__ import annotations
 
 import faulthandler
+import mmap
 import os
 import signal
 import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from .common import SMALL_OBJECT, SYNC_TIMEOUT, Arrays, now_ns
+from .common import OBJECTS, SMALL_OBJECT, SYNC_TIMEOUT, Arrays, now_ns
 from .transports import Transport
 
 
@@ -20,22 +21,25 @@ def _sync(barrier: Any) -> None:
     barrier.wait(SYNC_TIMEOUT)
 
 
-def _role_ping(transport: Transport, channels: Sequence[Any], barrier: Any, *, rounds: int, warmup: int) -> list[int]:
-    """Send the small object on ``channels[0]`` and wait for it to come back on
-    ``channels[1]``; returns each measured round trip in ns. Ends with ``None``."""
+def _role_ping(
+    transport: Transport, channels: Sequence[Any], barrier: Any, *, rounds: int, warmup: int, obj: str = "small"
+) -> list[int]:
+    """Send ``OBJECTS[obj]`` (the small object, or the step) on ``channels[0]`` and wait
+    for it to come back on ``channels[1]``; returns each measured round trip in ns. Ends
+    with ``None``."""
     out = transport.open_writer(channels[0])
     back = transport.open_reader(channels[1], 0)
     out.ready()
     back.ready()
     _sync(barrier)
-    send, recv, obj, clock = out.io, back.io, SMALL_OBJECT, time.perf_counter_ns
+    send, recv, sent, clock = out.io, back.io, OBJECTS[obj], time.perf_counter_ns
     for _ in range(warmup):
-        send(obj)
+        send(sent)
         recv()
     samples = [0] * rounds
     for i in range(rounds):
         t0 = clock()
-        send(obj)
+        send(sent)
         recv()
         samples[i] = clock() - t0
     send(None)
@@ -45,23 +49,26 @@ def _role_ping(transport: Transport, channels: Sequence[Any], barrier: Any, *, r
     return samples
 
 
-def _role_pong(transport: Transport, channels: Sequence[Any], barrier: Any, *, rounds: int, warmup: int) -> int:
+def _role_pong(
+    transport: Transport, channels: Sequence[Any], barrier: Any, *, rounds: int, warmup: int, obj: str = "small"
+) -> int:
     """Echo what arrives on ``channels[0]`` back on ``channels[1]`` until ``None``;
-    checks the count and the first object."""
+    checks the count and that the first object is ``OBJECTS[obj]``."""
+    expected = OBJECTS[obj]
     out = transport.open_writer(channels[1])
     inbox = transport.open_reader(channels[0], 0)
     inbox.ready()
     out.ready()
     _sync(barrier)
     send, recv = out.io, inbox.io
-    obj = recv()
-    if obj != SMALL_OBJECT:
-        raise RuntimeError(f"pong received {obj!r}, not the small object")
+    got = recv()
+    if got != expected:
+        raise RuntimeError(f"pong received {str(got)[:200]}, not the {obj} object")
     count = 0
-    while obj is not None:
-        send(obj)
+    while got is not None:
+        send(got)
         count += 1
-        obj = recv()
+        got = recv()
     if count != rounds + warmup:
         raise RuntimeError(f"pong echoed {count} objects, expected {rounds + warmup}")
     _sync(barrier)
@@ -156,12 +163,13 @@ def _role_tensor_writer(
     loan: bool,
     lib: str = "torch",
 ) -> dict:
-    """Send ``warmup`` float32 arrays of ``nbytes`` (torch tensors, or numpy arrays with
-    ``lib="numpy"``), wait until the readers have them, then send ``n`` more and
-    ``None``. With ``loan``, each array is borrowed from the transport and sent without a
-    copy (only its last element is written: filling it is the producer's work, not the
-    transport's). Returns the time of the first measured send and how long each measured
-    send call took (ns)."""
+    """Hand-over only: send ``warmup`` float32 arrays of ``nbytes`` (torch tensors, or
+    numpy arrays with ``lib="numpy"``), wait until the readers have them, then send ``n``
+    more and ``None``. Every send is the same array, only its last element changed (with
+    ``loan``, a new loan each time, only its last element written): what the transport
+    costs alone, not what a producer and its readers do with the bytes (that is
+    :func:`_role_fresh_writer`). Returns the time of the first measured send and how long
+    each measured send call took (ns)."""
     arrays = Arrays(lib)
     out = transport.open_writer(channels[0])
     if loan and out.loan is None:
@@ -198,8 +206,8 @@ def _role_tensor_writer(
 def _role_tensor_reader(
     transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int, warmup: int, rank: int, lib: str = "torch"
 ) -> int:
-    """Receive ``warmup`` tensors (or arrays), then ``n`` more, touching each one's last
-    element; returns when the last arrived (``now_ns``)."""
+    """Hand-over only: receive ``warmup`` tensors (or arrays), then ``n`` more, reading
+    only each one's last element; returns when the last arrived (``now_ns``)."""
     Arrays(lib)  # its library imported (and torch's threads at 1) before the clock
     inbox = transport.open_reader(channels[0], rank)
     inbox.ready()
@@ -216,6 +224,193 @@ def _role_tensor_reader(
     _sync(barrier)
     inbox.close()
     return t_end
+
+
+def _role_fresh_writer(
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    *,
+    n: int,
+    warmup: int,
+    nbytes: int,
+    loan: bool,
+    lib: str = "torch",
+) -> dict:
+    """What a producer does: make a new float32 array of ``nbytes`` for every send,
+    filled with the message's number ``i`` (``full``, or with ``loan`` an array borrowed
+    from the transport and ``fill``-ed in place), and send it. ``warmup`` messages, a
+    barrier (the readers consumed them), then ``n`` measured ones and ``None``. Making
+    the array is inside the clock: it is the producer's work in every transport alike.
+    Returns the time of the first measured send, each measured send call's time (ns) and
+    how many loans were ordinary memory (no room in the transport's: sending copied)."""
+    arrays = Arrays(lib)
+    out = transport.open_writer(channels[0])
+    if loan and out.loan is None:
+        raise RuntimeError(f"{transport.name} cannot lend memory")
+    out.ready()
+    _sync(barrier)
+    numel = nbytes // 4
+    lend: Any = out.loan  # not None with `loan` (checked above)
+
+    def make(i: int) -> Any:
+        if not loan:
+            return arrays.full(numel, float(i))
+        t = lend(numel, lib)
+        arrays.fill(t, float(i))
+        return t
+
+    send, clock = out.io, time.perf_counter_ns
+    for i in range(warmup):
+        t = make(i)
+        send(t)
+        del t
+    _sync(barrier)  # the readers have consumed the warm-up messages
+    costs = [0] * n
+    t0 = now_ns()
+    for k in range(n):
+        t = make(warmup + k)
+        c0 = clock()
+        send(t)
+        costs[k] = clock() - c0
+        del t
+    send(None)
+    _sync(barrier)
+    fallbacks = out.loan_fallbacks()
+    out.close()
+    return {"t0": t0, "send_ns": costs, "loan_fallbacks": fallbacks}
+
+
+def _role_fresh_reader(
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    *,
+    n: int,
+    warmup: int,
+    nbytes: int,
+    rank: int,
+    lib: str = "torch",
+) -> int:
+    """What a consumer does: copy every byte of each message into its own buffer (made,
+    and its pages touched, before the clock) and check the message's number at both
+    ends. Returns when the last measured message was consumed (``now_ns``)."""
+    arrays = Arrays(lib)
+    inbox = transport.open_reader(channels[0], rank)
+    own = arrays.full(nbytes // 4, -1.0)
+    inbox.ready()
+    _sync(barrier)
+    recv, copy, check, who = inbox.io, arrays.copy, arrays.check, f"reader {rank}"
+    for i in range(warmup):
+        got = recv()
+        copy(own, got)
+        del got
+        check(own, float(i), who)
+    _sync(barrier)
+    for i in range(warmup, warmup + n):
+        got = recv()
+        copy(own, got)
+        del got
+        check(own, float(i), who)
+    t_end = now_ns()
+    if recv() is not None:
+        raise RuntimeError(f"reader {rank} expected the end mark")
+    _sync(barrier)
+    inbox.close()
+    return t_end
+
+
+class _Mapping:
+    """A float32 array over a file (in ``/dev/shm``) that stays mapped (``MAP_SHARED``)
+    for the whole run: the persistent mapping a received view is compared with."""
+
+    def __init__(self, arrays: Arrays, path: str, nbytes: int):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.array: Any = arrays.from_buffer(self.mm)
+
+    def close(self) -> None:
+        del self.array  # the buffer export goes first, then the mapping can close
+        self.mm.close()
+
+
+def _role_consume_writer(
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    *,
+    n: int,
+    warmup: int,
+    nbytes: int,
+    path: str,
+    lib: str = "torch",
+) -> int:
+    """For :func:`_role_consume_reader`: per message, a new array filled with ``i`` and
+    the same ``i`` written over the persistent mapping ``path`` (so both were just
+    written by this process), then wait at a barrier until the reader has consumed both
+    (lockstep: nothing else runs while the reader is timed)."""
+    arrays = Arrays(lib)
+    out = transport.open_writer(channels[0])
+    mapping = _Mapping(arrays, path, nbytes)
+    out.ready()
+    _sync(barrier)
+    for i in range(warmup + n):
+        t = arrays.full(nbytes // 4, float(i))
+        arrays.fill(mapping.array, float(i))
+        out.io(t)
+        del t
+        _sync(barrier)
+    out.io(None)
+    _sync(barrier)
+    mapping.close()
+    out.close()
+    return warmup + n
+
+
+def _role_consume_reader(
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    *,
+    n: int,
+    warmup: int,
+    nbytes: int,
+    path: str,
+    lib: str = "torch",
+) -> dict:
+    """Per message: the time to copy every byte of the received array into this
+    reader's own buffer, and of the persistent mapping of the same size (the limit: a
+    mapping whose page tables stay), in alternating order. Returns both lists (ns)."""
+    arrays = Arrays(lib)
+    inbox = transport.open_reader(channels[0], 0)
+    mapping = _Mapping(arrays, path, nbytes)
+    own = arrays.full(nbytes // 4, -1.0)
+    inbox.ready()
+    _sync(barrier)
+    recv, copy, check, clock = inbox.io, arrays.copy, arrays.check, time.perf_counter_ns
+    view_ns, mapping_ns = [], []
+    for i in range(warmup + n):
+        got = recv()
+        times = {}
+        for source in ("view", "mapping") if i % 2 == 0 else ("mapping", "view"):
+            t0 = clock()
+            copy(own, got if source == "view" else mapping.array)
+            times[source] = clock() - t0
+            check(own, float(i), f"the reader ({source})")
+        del got
+        if i >= warmup:
+            view_ns.append(times["view"])
+            mapping_ns.append(times["mapping"])
+        _sync(barrier)
+    if recv() is not None:
+        raise RuntimeError("the consume reader expected the end mark")
+    _sync(barrier)
+    mapping.close()
+    inbox.close()
+    return {"view_ns": view_ns, "mapping_ns": mapping_ns}
 
 
 def _stack_file(workdir: str, pid: int) -> str:

@@ -3,17 +3,32 @@ process): what is measured and how the roles' results become table rows."""
 
 from __future__ import annotations
 
-import math
+import os
 import pickle
 import statistics
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
-from .common import MiB, PROTOCOL, SMALL_OBJECT, Skip, measure_parts
+from . import encoder_cache
+from .common import (
+    PROTOCOL,
+    SMALL_OBJECT,
+    STEP_OBJECT,
+    MiB,
+    Skip,
+    measure_parts,
+    percentile,
+    time_per_call_us,
+)
 from .harness import Harness, Job
 from .roles import (
+    _role_consume_reader,
+    _role_consume_writer,
+    _role_fresh_reader,
+    _role_fresh_writer,
     _role_idle_reader,
     _role_idle_writer,
     _role_ping,
@@ -28,7 +43,7 @@ from .transports import Transport, vllm_missing
 
 @dataclass
 class Params:
-    """How much each scenario measures."""
+    """How much each scenario measures, and how its processes start."""
 
     rounds: int  # ping-pong round trips measured
     warmup: int  # ping-pong round trips before measuring
@@ -39,12 +54,39 @@ class Params:
     #: What the tensor rows send: "torch" tensors, or "numpy" arrays where torch is not
     #: installed (``common.array_lib``; their labels say "numpy array" then).
     arrays: str = "torch"
+    #: Bytes each tensor run sends to each reader after its warm-up (at most 200 messages,
+    #: at least 4).
+    tensor_budget: int = 1600 * MiB
+    #: Warm-up messages of the realistic tensor rows (3 at most for sizes over 16 MiB).
+    fresh_warmup: int = 10
+    #: Messages measured in the consume scenario.
+    consume_messages: int = 50
+    #: Images measured, and before them warm-up images, in the encoder-cache floor.
+    images: tuple[int, int] = (12, 2)
+    #: How every child process starts: "spawn" (the documented method) or "forkserver"
+    #: (a server that imported torch/vLLM once forks each one: starts in milliseconds).
+    start_method: str = "spawn"
 
 
 PRESETS = {
     # The project's standard counts (the performance targets were taken with these).
     "default": Params(rounds=20_000, warmup=1_000, objects=50_000, wakes=10, idle_s=0.3),
-    "quick": Params(rounds=5_000, warmup=500, objects=10_000, wakes=5, idle_s=0.2, tensor_sizes=(16 * MiB,)),
+    # Under a minute on 2 cores: 16 MiB tensors only, fewer messages, and processes forked
+    # from a server that has imported torch and vLLM (each spawned process would import
+    # them again: seconds each).
+    "quick": Params(
+        rounds=5_000,
+        warmup=500,
+        objects=10_000,
+        wakes=5,
+        idle_s=0.2,
+        tensor_sizes=(16 * MiB,),
+        tensor_budget=320 * MiB,
+        fresh_warmup=3,
+        consume_messages=10,
+        images=(6, 2),
+        start_method="forkserver",
+    ),
 }
 
 
@@ -54,8 +96,20 @@ class Metric:
 
     key: str  # key in the scenario's result dict
     label: str  # the row's name in the table; "{tensor}" in it: what the tensor rows send
-    unit: str  # "us" or "obj/s"
+    unit: str  # "us", "ms", "obj/s", "GB/s", "%", "x" or "" (a count)
     higher_is_better: bool
+
+
+@dataclass
+class Floor:
+    """A reference measured once, in this process, without any transport:
+    ``run(params)`` returns ``{metric key: value}`` (a ``NotMeasured`` for a metric
+    that could not be measured here)."""
+
+    key: str
+    title: str
+    run: Callable[[Params], dict[str, Any]]
+    metrics: list[Metric]
 
 
 @dataclass
@@ -71,35 +125,25 @@ class Scenario:
     only: Optional[tuple[str, ...]] = None
     #: Run only when the preset includes this tensor size.
     tensor_size: Optional[int] = None
+    #: Floors measured with it and shown right under its rows (e.g. the pickle floor of
+    #: the object it sends).
+    floors: list[Floor] = field(default_factory=list)
 
     def applies(self, params: Params) -> bool:
         return self.tensor_size is None or self.tensor_size in params.tensor_sizes
 
 
-@dataclass
-class Floor:
-    """A reference measured once, in this process, without any transport:
-    ``run(params)`` returns ``{metric key: value}``."""
-
-    key: str
-    title: str
-    run: Callable[[Params], dict[str, float]]
-    metrics: list[Metric]
+# Latency, throughput, idle -----------------------------------------------------------------
 
 
-def _percentile(sorted_values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-def _bench_latency(harness: Harness, transport: Transport, params: Params) -> dict[str, float]:
-    """Ping-pong through two 1-reader channels; one-way latency = round trip / 2."""
+def _bench_latency(harness: Harness, transport: Transport, params: Params, *, obj: str = "small") -> dict[str, float]:
+    """Ping-pong of ``OBJECTS[obj]`` through two 1-reader channels; one-way latency =
+    round trip / 2."""
     channels = (harness.channel(transport, 1), harness.channel(transport, 1))
-    kwargs = {"rounds": params.rounds, "warmup": params.warmup}
+    kwargs = {"rounds": params.rounds, "warmup": params.warmup, "obj": obj}
     samples, _ = harness.run(transport, [Job(_role_ping, channels, kwargs), Job(_role_pong, channels, kwargs)])
     one_way_us = sorted(ns / 2 / 1000 for ns in samples)
-    return {"p50": _percentile(one_way_us, 50), "p99": _percentile(one_way_us, 99)}
+    return {"p50": percentile(one_way_us, 50), "p99": percentile(one_way_us, 99)}
 
 
 def _bench_latency_remote(harness: Harness, transport: Transport, params: Params) -> dict[str, float]:
@@ -135,91 +179,186 @@ def _bench_idle(harness: Harness, transport: Transport, params: Params) -> dict[
     wake_us = sorted(ns / 1000 for ns in reader["latencies_ns"])
     return {
         "cpu_pct": 100 * reader["cpu"] / max(reader["wall"], 1e-9),
-        "wake_p50": _percentile(wake_us, 50),
-        "wake_p99": _percentile(wake_us, 99),
+        "wake_p50": percentile(wake_us, 50),
+        "wake_p99": percentile(wake_us, 99),
     }
 
+
+def _floor_pickle_step(params: Params) -> dict[str, float]:
+    """What one step handed over costs at least: ``dumps`` + ``loads`` of the step in
+    one process (per call, batches of 10)."""
+    step_us = time_per_call_us(lambda: pickle.loads(pickle.dumps(STEP_OBJECT, PROTOCOL)), params.rounds // 4, batch=10)
+    return {"step_us": step_us}
+
+
+# Tensors -----------------------------------------------------------------------------------
 
 #: Seconds one tensor run may take (the slow transports move GBs at well under 1 GB/s).
 TENSOR_TIMEOUT = 120.0
 
 
-def _tensor_counts(nbytes: int) -> tuple[int, int]:
-    """``(measured, warm-up)`` tensors of ``nbytes`` per run: at most ~1.6 GB measured."""
-    n = max(4, min(200, (1600 * MiB) // nbytes))
-    return n, max(2, n // 10)
+def _tensor_counts(params: Params, nbytes: int) -> int:
+    """Messages of ``nbytes`` measured per tensor run: ``tensor_budget`` bytes, 4 to 200."""
+    return max(4, min(200, params.tensor_budget // nbytes))
 
 
 def _bench_tensor(
-    harness: Harness, transport: Transport, params: Params, *, nbytes: int, n_readers: int, loan: bool = False
+    harness: Harness, transport: Transport, params: Params, *, nbytes: int, n_readers: int
 ) -> dict[str, float]:
-    """Tensors of ``nbytes`` to ``n_readers`` readers: bytes per reader per second from
-    the first measured send to the last reader's last receive, and the writer's cost of
-    one send call (p50)."""
+    """Hand-over only (the same array every send, each reader reads one element): bytes
+    per reader per second from the first measured send to the last reader's last
+    receive, and the writer's cost of one send call (p50)."""
     channels = (harness.channel(transport, n_readers),)
-    n, warmup = _tensor_counts(nbytes)
-    lib = params.arrays
-    jobs = [Job(_role_tensor_writer, channels, {"n": n, "warmup": warmup, "nbytes": nbytes, "loan": loan, "lib": lib})]
-    jobs += [
-        Job(_role_tensor_reader, channels, {"n": n, "warmup": warmup, "rank": r, "lib": lib}) for r in range(n_readers)
-    ]
+    n = _tensor_counts(params, nbytes)
+    warmup = max(2, n // 10)
+    kwargs = {"n": n, "warmup": warmup, "lib": params.arrays}
+    jobs = [Job(_role_tensor_writer, channels, {**kwargs, "nbytes": nbytes, "loan": False})]
+    jobs += [Job(_role_tensor_reader, channels, {**kwargs, "rank": r}) for r in range(n_readers)]
     writer, *ends = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
     seconds = (max(ends) - writer["t0"]) / 1e9
     send_us = sorted(ns / 1000 for ns in writer["send_ns"])
-    return {"rate": n * nbytes / seconds / 1e9, "send_p50": _percentile(send_us, 50)}
+    return {"rate": n * nbytes / seconds / 1e9, "send_p50": percentile(send_us, 50)}
+
+
+def _bench_fresh(
+    harness: Harness, transport: Transport, params: Params, *, nbytes: int, n_readers: int, loan: bool = False
+) -> dict[str, float]:
+    """Realistic: a new array made by the producer for every send (with ``loan``: a loan
+    filled in place), every reader copying all of it into its own buffer. Bytes per
+    reader per second from the writer's first measured send (before making it) to the
+    last reader's last consume, the send call's p50, and (loans) how many loans were not
+    the transport's memory."""
+    channels = (harness.channel(transport, n_readers),)
+    n = _tensor_counts(params, nbytes)
+    warmup = params.fresh_warmup if nbytes <= 16 * MiB else min(3, params.fresh_warmup)
+    kwargs = {"n": n, "warmup": warmup, "nbytes": nbytes, "lib": params.arrays}
+    jobs = [Job(_role_fresh_writer, channels, {**kwargs, "loan": loan})]
+    jobs += [Job(_role_fresh_reader, channels, {**kwargs, "rank": r}) for r in range(n_readers)]
+    writer, *ends = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
+    seconds = (max(ends) - writer["t0"]) / 1e9
+    send_us = sorted(ns / 1000 for ns in writer["send_ns"])
+    return {
+        "rate": n * nbytes / seconds / 1e9,
+        "send_p50": percentile(send_us, 50),
+        "fallbacks": float(writer["loan_fallbacks"]),
+    }
+
+
+def _bench_consume(harness: Harness, transport: Transport, params: Params, *, nbytes: int) -> dict[str, float]:
+    """One reader's copy of a received ``nbytes`` view into its own buffer, next to its
+    copy of a persistent mapping of a ``/dev/shm`` file (mapped once, written by the
+    writer just before, like the view): p50 of each, in ms, and their ratio."""
+    path = f"/dev/shm/shmq-bench-consume-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.close(fd)
+        channels = (harness.channel(transport, 1),)
+        kwargs = {"n": params.consume_messages, "warmup": 3, "nbytes": nbytes, "path": path, "lib": params.arrays}
+        jobs = [Job(_role_consume_writer, channels, kwargs), Job(_role_consume_reader, channels, kwargs)]
+        _, reader = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
+    finally:
+        os.unlink(path)
+    view_ms = statistics.median(reader["view_ns"]) / 1e6
+    mapping_ms = statistics.median(reader["mapping_ns"]) / 1e6
+    return {"view_ms": view_ms, "mapping_ms": mapping_ms, "ratio": view_ms / mapping_ms}
 
 
 def _size_name(nbytes: int) -> str:
     return f"{nbytes // MiB} MiB"
 
 
-def _tensor_scenarios() -> list[Scenario]:
+def _readers(r: int) -> str:
+    return f"{r} reader{'s' if r > 1 else ''}"
+
+
+SIZES = (MiB, 16 * MiB, 256 * MiB)
+
+
+def _fresh_scenarios() -> list[Scenario]:
+    """The realistic tensor rows: a fresh array per send, every byte consumed; shmq also
+    with a loan the producer fills."""
     out = []
-    for nbytes in (MiB, 16 * MiB, 256 * MiB):
-        size = _size_name(nbytes)
+    for nbytes in SIZES:
+        size, mib = _size_name(nbytes), nbytes // MiB
         for r in (1, 3):
-            label = f"{size} {{tensor}} to {r} reader{'s' if r > 1 else ''}, per reader"
+            label = f"{size} fresh {{tensor}} per send, consumed, {_readers(r)}, per reader"
             metrics = [Metric("rate", label, "GB/s", True)]
             if r == 1:
-                metrics.append(Metric("send_p50", f"{size} {{tensor}}: send call, p50", "us", False))
+                metrics.append(Metric("send_p50", f"{size} fresh {{tensor}}: send call, p50", "us", False))
             out.append(
                 Scenario(
-                    f"tensor{nbytes // MiB}_{r}",
-                    f"{size} tensors, {r} reader(s)",
+                    f"fresh{mib}_{r}",
+                    f"{size} fresh + consumed, {_readers(r)}",
+                    partial(_bench_fresh, nbytes=nbytes, n_readers=r),
+                    metrics,
+                    tensor_size=nbytes,
+                )
+            )
+        for r in (1, 3):
+            label = f"{size} loaned {{tensor}}, filled per send, consumed, {_readers(r)}, per reader"
+            metrics = [Metric("rate", label, "GB/s", True)]
+            if r == 1:
+                fallbacks = f"{size} loaned {{tensor}}: loans that were not shared memory (copied)"
+                metrics += [
+                    Metric("send_p50", f"{size} loaned {{tensor}}: send call, p50", "us", False),
+                    Metric("fallbacks", fallbacks, "", False),
+                ]
+            out.append(
+                Scenario(
+                    f"loan{mib}_{r}",
+                    f"{size} loaned + consumed, {_readers(r)}",
+                    partial(_bench_fresh, nbytes=nbytes, n_readers=r, loan=True),
+                    metrics,
+                    only=("shmq",),
+                    tensor_size=nbytes,
+                )
+            )
+    return out
+
+
+def _consume_scenarios() -> list[Scenario]:
+    nbytes = 16 * MiB
+    size = _size_name(nbytes)
+    return [
+        Scenario(
+            "consume16",
+            f"consume a received {size} view",
+            partial(_bench_consume, nbytes=nbytes),
+            [
+                Metric("view_ms", f"consume a received {size} view", "ms", False),
+                Metric("mapping_ms", f"consume a persistent {size} mapping (limit)", "ms", False),
+                Metric("ratio", f"consume {size}: received view / persistent mapping", "x", False),
+            ],
+            only=("shmq", "vLLM arena", "torch.mp"),
+            tensor_size=nbytes,
+        )
+    ]
+
+
+def _handover_scenarios() -> list[Scenario]:
+    """The transport-only tensor rows: the same array every send, one element read."""
+    out = []
+    for nbytes in SIZES:
+        size, mib = _size_name(nbytes), nbytes // MiB
+        for r in (1, 3):
+            what = f"{size} hand-over only (same {{tensor}}, one element read)"
+            metrics = [Metric("rate", f"{what}, {_readers(r)}, per reader", "GB/s", True)]
+            if r == 1:
+                metrics.append(Metric("send_p50", f"{what}: send call, p50", "us", False))
+            out.append(
+                Scenario(
+                    f"tensor{mib}_{r}",
+                    f"{size} hand-over only, {_readers(r)}",
                     partial(_bench_tensor, nbytes=nbytes, n_readers=r),
                     metrics,
                     tensor_size=nbytes,
                 )
             )
-    for nbytes in (16 * MiB, 256 * MiB):
-        size = _size_name(nbytes)
-        out.append(
-            Scenario(
-                f"loan{nbytes // MiB}",
-                f"loaned {size} tensors",
-                partial(_bench_tensor, nbytes=nbytes, n_readers=1, loan=True),
-                [
-                    Metric("rate", f"loaned {size} {{tensor}} to 1 reader", "GB/s", True),
-                    Metric("send_p50", f"loaned {size} {{tensor}}: send call, p50", "us", False),
-                ],
-                only=("shmq",),
-                tensor_size=nbytes,
-            )
-        )
     return out
 
 
-def _time_per_call_us(fn: Callable[[], Any], calls: int, batch: int = 100) -> float:
-    """Median time of one ``fn()`` in µs, over batches of ``batch`` calls (timing each
-    batch, so the clock itself is not what is measured)."""
-    clock = time.perf_counter_ns
-    per_call = []
-    for _ in range(max(10, calls // batch)):
-        t0 = clock()
-        for _ in range(batch):
-            fn()
-        per_call.append((clock() - t0) / batch / 1000)
-    return statistics.median(per_call)
+# Floors ------------------------------------------------------------------------------------
 
 
 def _floor_pickle(params: Params) -> dict[str, float]:
@@ -228,8 +367,8 @@ def _floor_pickle(params: Params) -> dict[str, float]:
     both in a row, while a writer and a reader on two cores run them in parallel, so a
     stream is bounded by the slower of the two."""
     pickled = pickle.dumps(SMALL_OBJECT, PROTOCOL)
-    dumps_us = _time_per_call_us(partial(pickle.dumps, SMALL_OBJECT, PROTOCOL), params.objects)
-    loads_us = _time_per_call_us(partial(pickle.loads, pickled), params.objects)
+    dumps_us = time_per_call_us(partial(pickle.dumps, SMALL_OBJECT, PROTOCOL), params.objects)
+    loads_us = time_per_call_us(partial(pickle.loads, pickled), params.objects)
     return {
         "serial_us": dumps_us + loads_us,
         "serial_rate": 1e6 / (dumps_us + loads_us),
@@ -285,7 +424,7 @@ def _floor_store(params: Params) -> dict[str, float]:
     # do not count as reads without a reader lock, so nothing is evicted meanwhile).
     viewer = ObjectStorage(8 * MiB, 1, RingBuffer(16 * MiB, create=True))
     h = viewer.put("big", big)
-    out["big_get_us"] = _time_per_call_us(lambda: viewer.get(*h), 2000, batch=20)
+    out["big_get_us"] = time_per_call_us(lambda: viewer.get(*h), 2000, batch=20)
     viewer.close()
 
     def vllm_get() -> dict[str, float]:
@@ -320,7 +459,7 @@ def _floor_small_calls(params: Params) -> dict[str, float]:
     n = min(params.objects, 20_000)
 
     def alloc_us(ring: Any) -> float:
-        # `_time_per_call_us`'s loop, written out: the call is ~0.1 µs, and calling it
+        # `time_per_call_us`'s loop, written out: the call is ~0.1 µs, and calling it
         # through a lambda or partial there adds ~0.02 µs to what is measured.
         per_call, clock = [], time.perf_counter_ns
         for _ in range(max(10, n // 100)):
@@ -334,9 +473,9 @@ def _floor_small_calls(params: Params) -> dict[str, float]:
     def put_get_us(store: Any) -> tuple[float, float]:
         keys = iter([f"small-{i}" for i in range(10 * n + 100)])
         handles: list[Any] = []
-        put = _time_per_call_us(lambda: handles.append(store.put(next(keys), SMALL_OBJECT)), n)
+        put = time_per_call_us(lambda: handles.append(store.put(next(keys), SMALL_OBJECT)), n)
         got = iter(handles)
-        return put, _time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
+        return put, time_per_call_us(lambda: store.get(*next(got)), min(n, len(handles)))
 
     ring = RingBuffer(MiB, create=True)
     out: dict[str, Any] = {"alloc_us": alloc_us(ring)}
@@ -379,9 +518,36 @@ def _vllm_store_get_us(big: Any) -> float:
         if decoder is not None and hasattr(decoder, "pin_tensors"):
             decoder.pin_tensors = False  # pinned memory needs a GPU driver: one plain copy
         h = store.put("big", big)
-        return _time_per_call_us(lambda: store.get(*h), 500, batch=10)
+        return time_per_call_us(lambda: store.get(*h), 500, batch=10)
     finally:
         ring.close()
+
+
+def _floor_encoder_cache(params: Params) -> dict[str, Any]:
+    """The encoder-cache hand-off (``encoder_cache``): shmq's, vLLM 0.33's CPU
+    connector's data path and torch.multiprocessing's, in the same run; each part that
+    cannot run here (no torch, no vLLM) or fails leaves the others' rows."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(params.start_method)
+    n, warmup = params.images
+    out: dict[str, Any] = measure_parts(
+        ["save_ms", "load_ms", "handoff_ms"], lambda: encoder_cache.shmq_handoff(ctx, n, warmup, params.arrays)
+    )
+    vllm_keys = ["vllm_save_ms", "vllm_load_ms", "vllm_handoff_ms"]
+    out.update(measure_parts(vllm_keys, lambda: encoder_cache.vllm_cpu_handoff(ctx, n, warmup)))
+    ours, theirs = out["handoff_ms"], out["vllm_handoff_ms"]
+    if isinstance(ours, float) and isinstance(theirs, float):
+        out["handoff_ratio"] = theirs / ours
+    else:
+        out["handoff_ratio"] = theirs if not isinstance(theirs, float) else ours
+    out.update(measure_parts(["torch_ms"], lambda: encoder_cache.torch_handoff(ctx, n, warmup)))
+    out.update(
+        measure_parts(
+            ["has_us", "load1_us", "load64_us"], lambda: encoder_cache.held_key_costs(params.arrays, params.objects)
+        )
+    )
+    return out
 
 
 SCENARIOS: list[Scenario] = [
@@ -392,6 +558,23 @@ SCENARIOS: list[Scenario] = [
         [
             Metric("p50", "one-way latency, small object, p50", "us", False),
             Metric("p99", "one-way latency, small object, p99", "us", False),
+        ],
+    ),
+    Scenario(
+        "latency_step",
+        "one-way latency of a step (ping-pong)",
+        partial(_bench_latency, obj="step"),
+        [
+            Metric("p50", "one-way latency, 64-request step, p50", "us", False),
+            Metric("p99", "one-way latency, 64-request step, p99", "us", False),
+        ],
+        floors=[
+            Floor(
+                "pickle_step",
+                "pickle floor of the step",
+                _floor_pickle_step,
+                [Metric("step_us", "pickle floor: 64-request step dumps+loads, one process", "us", False)],
+            )
         ],
     ),
     Scenario(
@@ -430,7 +613,9 @@ SCENARIOS: list[Scenario] = [
             Metric("wake_p99", "idle reader: wake-up latency, p99", "us", False),
         ],
     ),
-    *_tensor_scenarios(),
+    *_fresh_scenarios(),
+    *_consume_scenarios(),
+    *_handover_scenarios(),
 ]
 
 FLOORS: list[Floor] = [
@@ -472,10 +657,17 @@ FLOORS: list[Floor] = [
             Metric("parallel_rate", "pickle only: slower of dumps/loads, rate", "obj/s", True),
         ],
     ),
+    Floor("encoder_cache", "encoder cache hand-off", _floor_encoder_cache, [
+        Metric("save_ms", "encoder cache: save a fresh 16 MiB embedding, per image", "ms", False),
+        Metric("load_ms", "encoder cache: load + consume, each of 2 consumers, per image", "ms", False),
+        Metric("handoff_ms", "encoder cache: save until both consumers consumed it, per image", "ms", False),
+        Metric("vllm_save_ms", "vLLM 0.33 EC CPU connector data path: save 16 MiB, per image", "ms", False),
+        Metric("vllm_load_ms", "vLLM 0.33 EC CPU connector data path: load (copy out), each of 2", "ms", False),
+        Metric("vllm_handoff_ms", "vLLM 0.33 EC CPU connector data path: save until both loaded", "ms", False),
+        Metric("handoff_ratio", "encoder-cache hand-off: vLLM 0.33 CPU connector's time / shmq's", "x", True),
+        Metric("torch_ms", "torch.multiprocessing queue: hand-off to 2 consumers (consumed)", "ms", False),
+        Metric("has_us", "encoder cache: has(key)", "us", False),
+        Metric("load1_us", "encoder cache: load of a held 1 MiB key (a view)", "us", False),
+        Metric("load64_us", "encoder cache: load of a held 64 MiB key (a view)", "us", False),
+    ]),  # fmt: skip
 ]
-
-
-# The encoder-cache hand-off rows live in their own module (which imports this one).
-from .encoder_cache import ENCODER_CACHE_FLOORS  # noqa: E402
-
-FLOORS += ENCODER_CACHE_FLOORS

@@ -1,12 +1,13 @@
 """Transports: the ways to move objects from one writer process to reader processes
 that the benchmark compares (shmq's ``MessageQueue``, ``multiprocessing.Queue``, pyzmq
-PUB/SUB, and vLLM's ``MessageQueue`` with and without its tensor arena when vLLM is
-importable)."""
+PUB/SUB, vLLM's ``MessageQueue`` with and without its tensor arena when vLLM is
+importable, and ``torch.multiprocessing`` queues when torch is)."""
 
 from __future__ import annotations
 
 import itertools
 import pickle
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ class Endpoint:
     #: float32 array of ``lib`` ("torch" or "numpy") to fill in place and send without a
     #: copy.
     loan: Optional[Callable[[int, str], Any]] = None
+    #: Writer side, with ``loan``: how many loans so far were ordinary memory (no room
+    #: in the transport's memory), so that sending them copied.
+    loan_fallbacks: Callable[[], int] = lambda: 0
 
 
 class Transport(ABC):
@@ -55,6 +59,8 @@ class Transport(ABC):
     """
 
     name = "?"
+    #: What a reader of the table must know about this column (printed above it).
+    note = ""
 
     def unavailable(self) -> Optional[str]:
         """Why this transport cannot run here, or ``None`` when it can."""
@@ -109,7 +115,12 @@ class ShmqTransport(Transport):
         def loan(numel: int, lib: str) -> Any:
             return mq.loan_tensor((numel,)) if lib == "torch" else mq.loan_array((numel,))
 
-        return Endpoint(mq.enqueue, partial(mq.wait_until_ready, SYNC_TIMEOUT), loan=loan)
+        return Endpoint(
+            mq.enqueue,
+            partial(mq.wait_until_ready, SYNC_TIMEOUT),
+            loan=loan,
+            loan_fallbacks=lambda: mq.loan_fallbacks,
+        )
 
     def open_reader(self, channel: _ShmqChannel, rank: int) -> Endpoint:
         from shmq import MessageQueue
@@ -118,32 +129,94 @@ class ShmqTransport(Transport):
         return Endpoint(mq.dequeue, partial(mq.wait_until_ready, SYNC_TIMEOUT))
 
 
+def _without_torch_reductions() -> None:
+    """Give this process's ``multiprocessing`` its plain pickling of tensors back.
+
+    Importing torch registers ``torch.multiprocessing``'s reductions with
+    ``ForkingPickler``, so that a ``multiprocessing.Queue`` in a process that imports
+    torch moves a tensor's storage to shared memory and sends a handle: that is the
+    ``torch.mp`` column. The ``mp.Queue`` column shows the queue itself (tensors
+    pickled through its pipe), so its writer drops those reductions."""
+    if "torch" not in sys.modules:
+        return
+    from multiprocessing.reduction import ForkingPickler
+
+    reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    for cls, reduce in list(reducers.items()):
+        if getattr(reduce, "__module__", "").startswith("torch.multiprocessing"):
+            del reducers[cls]
+
+
 class MpQueueTransport(Transport):
-    """``multiprocessing.Queue``: one queue per reader, the writer puts into each."""
+    """``multiprocessing.Queue``: one queue per reader, the writer puts into each.
+    Tensors are pickled through the queue's pipe (see ``_without_torch_reductions``)."""
 
     name = "mp.Queue"
+    note = (
+        "multiprocessing.Queue per reader, tensors pickled through its pipe (a process that imports "
+        "torch would move them through torch's shared memory instead: the torch.mp column)"
+    )
 
     def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> list:
         return [ctx.Queue() for _ in range(n_readers)]
 
     def open_writer(self, channel: list) -> Endpoint:
-        if len(channel) == 1:
-            send = channel[0].put
-        else:
-            puts = [q.put for q in channel]
-
-            def send(obj: Any) -> None:
-                for put in puts:
-                    put(obj)
-
-        def close() -> None:
-            for q in channel:
-                q.close()
-                q.join_thread()
-
-        return Endpoint(send, close=close)
+        _without_torch_reductions()
+        return _queue_writer(channel)
 
     def open_reader(self, channel: list, rank: int) -> Endpoint:
+        return Endpoint(channel[rank].get)
+
+
+def _queue_writer(channel: list) -> Endpoint:
+    """The writer of one ``multiprocessing`` queue per reader: it puts into each."""
+    send: Callable[[Any], None]
+    if len(channel) == 1:
+        send = channel[0].put
+    else:
+        puts = [q.put for q in channel]
+
+        def send(obj: Any) -> None:
+            for put in puts:
+                put(obj)
+
+    def close() -> None:
+        for q in channel:
+            q.close()
+            q.join_thread()
+
+    return Endpoint(send, close=close)
+
+
+class TorchMpTransport(Transport):
+    """``torch.multiprocessing`` queues (spawn context), one per reader, the writer puts
+    into each: a tensor's storage is moved to shared memory when it is first sent (a
+    copy), then each reader gets a handle to it (a file descriptor) and maps it."""
+
+    name = "torch.mp"
+    note = (
+        "torch.multiprocessing queue (spawn) per reader: a tensor's storage is moved to shared memory at its "
+        "first send (a copy), readers map it; in the hand-over-only rows it is handed a tensor already in "
+        "shared memory after the first send (no copy at all then)"
+    )
+
+    def unavailable(self) -> Optional[str]:
+        return torch_missing()
+
+    def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> list:
+        import torch.multiprocessing as tmp
+
+        spawn = tmp.get_context("spawn")
+        return [spawn.Queue() for _ in range(n_readers)]
+
+    def open_writer(self, channel: list) -> Endpoint:
+        import torch.multiprocessing  # noqa: F401 (its reductions are what this column measures)
+
+        return _queue_writer(channel)
+
+    def open_reader(self, channel: list, rank: int) -> Endpoint:
+        import torch.multiprocessing  # noqa: F401
+
         return Endpoint(channel[rank].get)
 
 
@@ -320,4 +393,5 @@ TRANSPORTS: list[Transport] = [
     ZmqTransport(),
     VllmTransport(arena=False),
     VllmTransport(arena=True),
+    TorchMpTransport(),
 ]
