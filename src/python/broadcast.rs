@@ -476,6 +476,16 @@ impl Writer {
         r
     }
 
+    /// Reserve the first `nbytes` of the tensor arena now (see `ArenaWriter::reserve`);
+    /// the bytes reserved in all, or None if the queue has no arena.
+    fn reserve_arena(&self, py: Python<'_>, nbytes: usize) -> PyResult<Option<usize>> {
+        let mut w = self.writer(py)?;
+        let Some(a) = w.arena_mut() else {
+            return Ok(None);
+        };
+        Ok(Some(py.detach(|| a.reserve(nbytes))?))
+    }
+
     /// Lend `nbytes` of the tensor arena to fill in place, as a writable buffer; a part
     /// of a later message that lies inside it is sent without a copy. None if the queue
     /// has no arena or it has no room now. Dropped without being sent, it is returned.

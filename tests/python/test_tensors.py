@@ -266,6 +266,27 @@ def test_consuming_a_view_after_thousands_of_messages_does_not_fault(children):
     children.join()
 
 
+def test_the_arena_can_be_reserved_ahead(children):
+    # Reserved before the first send, the arena does not grow while tensors within the
+    # reservation go through (the first sends pay nothing for it).
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4)
+    assert mq.arena_stats()["reserved"] == 0
+    assert mq.reserve_arena(48 * MiB + 1) == 48 * MiB + 4096
+    assert mq.reserve_arena(MiB) == 48 * MiB + 4096  # never less than before
+    out = children.queue()
+    children.start(releasing_reader, out, mq.export_handle(), 0, 4)
+    mq.wait_until_ready(timeout=STEP)
+    for i in range(4):
+        mq.enqueue({"t": torch.full((2 * MiB,), float(i))}, timeout=STEP)  # 8 MiB each
+    assert children.expect(out, "firsts")[1] == [0.0, 1.0, 2.0, 3.0]
+    assert mq.arena_stats()["reserved"] == 48 * MiB + 4096
+    assert mq.arena_fallbacks == 0
+    with pytest.raises(ValueError, match="nbytes"):
+        mq.reserve_arena(-1)
+    assert MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2, arena_bytes=0).reserve_arena(MiB) == 0
+    children.join()
+
+
 def test_a_killed_reader_gives_its_parts_back(children):
     # Arena of 4 parts. Reader 1 holds 3 and is killed; reader 0 keeps nothing. The next
     # parts fit only if the dead reader's holds are dropped: no fallback may happen.
