@@ -4,8 +4,7 @@ One writer process puts objects under keys; any process reads them by
 ``(address, monotonic_id)``. The names, signatures, errors and behaviour are vLLM 0.33's
 (``SingleWriterShmRingBuffer`` / ``SingleWriterShmObjectStorage``), signed handles
 included; the allocator, the bounds checks, the reader counts and the HMAC are in Rust
-(``shmq._core``). Where shmq differs from vLLM 0.33, the README's compatibility section
-says so.
+(``shmq._core``). Where shmq differs from vLLM 0.33, ``docs/compatibility.md`` says so.
 """
 
 from __future__ import annotations
