@@ -193,10 +193,17 @@ impl Window {
         if len == 0 {
             return None;
         }
-        // SAFETY: a new private mapping of the whole file, as long as it was when opened
-        // (a peer of the same user that shrinks the file makes a later access SIGBUS: the
-        // same exposure as every mapping of a segment). MAP_NORESERVE: only the pages
-        // this process writes take memory, and only while a view holds them.
+        if let Some(why) = window_unfit() {
+            log::debug!("shmq: no window mapping ({why}); views map on their own");
+            return None;
+        }
+        // SAFETY: a new private mapping of the whole file, as long as it was when opened.
+        // Any process of the same user could shrink the file (a later access of the lost
+        // pages, even of ones this process wrote, is then a SIGBUS: the same exposure as
+        // every mapping of a segment) or punch holes in it (pages a view has not written
+        // then read zeros). MAP_NORESERVE: only the pages this process writes take memory,
+        // and only while a view holds them (`window_unfit` refuses strict overcommit,
+        // which ignores the flag).
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -244,7 +251,17 @@ impl Window {
     /// A view of pages `start..end` is gone: drop the pages it wrote (they show the
     /// segment again), then let another view have the range.
     fn release(&self, start: usize, end: usize) {
-        discard_written(self.base, start, end);
+        if discard_written(self.base, start, end).is_err() {
+            // The pages it wrote stay (locked memory: an mlock of the view, or mlockall
+            // after the window was made): the range must never show another message, so
+            // it stays claimed, and later views of it map on their own.
+            log::warn!(
+                "shmq: could not drop the pages a view wrote ({}); that range of the \
+                 mapping is retired",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
         let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
         live.remove(&start);
     }
@@ -284,27 +301,64 @@ const PM_PRESENT: u64 = 1 << 63;
 const PM_SWAPPED: u64 = 1 << 62;
 const PM_FILE: u64 = 1 << 61;
 
+/// Why this process should not use a window, if so: its memory is locked by default
+/// (`mlockall(MCL_FUTURE)`: mapping the window would copy the whole segment into locked
+/// private memory, and written pages could not be dropped), or the kernel ignores
+/// `MAP_NORESERVE` (strict overcommit: every reader would be charged the whole segment).
+fn window_unfit() -> Option<&'static str> {
+    if std::fs::read_to_string("/proc/sys/vm/overcommit_memory").is_ok_and(|m| m.trim() == "2") {
+        return Some("strict overcommit");
+    }
+    let page = page_size();
+    // SAFETY: a fresh private anonymous page of our own, unmapped below; nothing else
+    // refers to it.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return Some("no memory for a probe");
+        }
+        // MADV_DONTNEED fails with EINVAL on locked memory.
+        let locked = libc::madvise(p, page, libc::MADV_DONTNEED) != 0;
+        libc::munmap(p, page);
+        locked.then_some("memory is locked (mlockall)")
+    }
+}
+
+/// `MADV_DONTNEED_LOCKED` (Linux 5.18): `MADV_DONTNEED` for locked pages too.
+const MADV_DONTNEED_LOCKED: libc::c_int = 24;
+
 /// Drop the private copies among pages `start..end` (byte offsets, page-aligned) of the
 /// window at `base`: the pages this process wrote, as pagemap tells. Where pagemap cannot
-/// be read, every page of the range is dropped.
-fn discard_written(base: *mut u8, start: usize, end: usize) {
-    let dont_need = |from: usize, to: usize| {
+/// be read, every page of the range is dropped. An error if some could not be dropped.
+fn discard_written(base: *mut u8, start: usize, end: usize) -> std::io::Result<()> {
+    let dont_need = |from: usize, to: usize| -> std::io::Result<()> {
+        let (at, len) = (base.wrapping_add(from) as *mut libc::c_void, to - from);
         // SAFETY: `from..to` lies inside the window (a claimed range), which this process
         // mapped MAP_PRIVATE: MADV_DONTNEED drops this process's private copies of those
         // pages, and their next access maps the segment's page again. Nothing of this
-        // process reads the range any more (its view is gone).
-        unsafe {
-            libc::madvise(
-                base.add(from) as *mut libc::c_void,
-                to - from,
-                libc::MADV_DONTNEED,
-            )
+        // process reads the range any more (its view is gone). Locked pages refuse it
+        // (EINVAL); MADV_DONTNEED_LOCKED drops them too where the kernel has it.
+        let done = unsafe {
+            libc::madvise(at, len, libc::MADV_DONTNEED) == 0
+                || libc::madvise(at, len, MADV_DONTNEED_LOCKED) == 0
         };
+        if done {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
     };
     with_pagemap(|file| match file {
         Some(file) => discard_by_pagemap(file, base, start, end, dont_need),
         None => dont_need(start, end),
-    });
+    })
 }
 
 fn discard_by_pagemap(
@@ -312,8 +366,8 @@ fn discard_by_pagemap(
     base: *mut u8,
     start: usize,
     end: usize,
-    dont_need: impl Fn(usize, usize),
-) {
+    dont_need: impl Fn(usize, usize) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let page = page_size();
     // 8 bytes per page; read a batch of entries at a time.
     const BATCH: usize = 4096;
@@ -325,11 +379,8 @@ fn discard_by_pagemap(
         let buf = &mut entries[..n * 8];
         let index = (base as usize + at) / page;
         if file.read_exact_at(buf, index as u64 * 8).is_err() {
-            if let Some(r) = run.take() {
-                dont_need(r, at);
-            }
-            dont_need(at, end);
-            return;
+            // Drop the rest whole (what the run had found included).
+            return dont_need(run.unwrap_or(at), end);
         }
         for (k, e) in buf.chunks_exact(8).enumerate() {
             let e = u64::from_ne_bytes(e.try_into().expect("8 bytes"));
@@ -338,7 +389,7 @@ fn discard_by_pagemap(
             match (written, run) {
                 (true, None) => run = Some(here),
                 (false, Some(r)) => {
-                    dont_need(r, here);
+                    dont_need(r, here)?;
                     run = None;
                 }
                 _ => {}
@@ -346,8 +397,9 @@ fn discard_by_pagemap(
         }
         at += n * page;
     }
-    if let Some(r) = run {
-        dont_need(r, end);
+    match run {
+        Some(r) => dont_need(r, end),
+        None => Ok(()),
     }
 }
 
@@ -477,7 +529,8 @@ impl PrivateMap {
 impl std::ops::Deref for PrivateMap {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies in this object's own mapping, alive until drop.
+        // SAFETY: `ptr..ptr+len` lies in this object's own mapping or in its claimed range
+        // of the window (no other live view has those pages), alive until drop.
         // Pages not yet written here show the segment's bytes, which the layer above
         // keeps the writer from changing while the view lives.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
@@ -570,8 +623,9 @@ mod tests {
         let at = a.as_ptr() as usize;
         assert!(a.iter().all(|&x| x == 7));
         a[10] = 1; // page 0 written: a private copy
-        a[3 * page] = 2; // page 3 too
-                         // SAFETY: in bounds; only this thread uses the segment.
+                   // Page 3 too.
+        a[3 * page] = 2;
+        // SAFETY: in bounds; only this thread uses the segment.
         let shared = unsafe { *seg.as_ptr().add(10) };
         assert_eq!(shared, 7, "a private write reached the segment");
         // A second view of the same pages while `a` lives is a mapping of its own and
