@@ -23,6 +23,13 @@
 //! the window gets a mapping of its own instead ([`PrivateFile::map`], unmapped when
 //! dropped), as does a range past the window.
 //!
+//! Limits: a process whose memory is locked by default (`mlockall(MCL_FUTURE)`) or that
+//! runs under strict overcommit gets no window (views map on their own); one that locks
+//! its memory with `mlockall(MCL_CURRENT)` *after* it made a window should not (the lock
+//! makes the kernel copy the window's pages in privately, as they are then). A raw
+//! pointer kept past its view reads whatever the window shows later, where it used to
+//! fault: the bindings hand out buffers that keep their view alive, never raw pointers.
+//!
 //! What a view shows of pages it has not written is the segment's current content: the
 //! layer above must keep the writer off a range while a view of it lives (the arena's
 //! holds, the store's pins, the encoder cache's entry pins).
