@@ -14,7 +14,7 @@
 //! received tensor gets private copies of just the pages it writes (copy-on-write), so
 //! neither the writer nor another reader ever sees that write, and a later message never
 //! changes what a reader already holds. The mapping is one per reader process that stays
-//! (a *window* of the whole arena, [`crate::private_map`]): a view is a range of it, so a
+//! (a *window* of the whole arena, see `private_map.rs`): a view is a range of it, so a
 //! reader that consumes every byte of a message pays what reading a mapping that stays
 //! costs, with no `mmap`, `munmap` or first-touch page faults per message once the arena's
 //! pages have been read once. When a view goes, the pages it wrote (its private copies,
