@@ -50,7 +50,7 @@ pub enum Error {
     WrongRole(String),
 
     /// The object store's ring has no room (after freeing what could be freed), or can
-    /// never have room for a chunk that large (see [`full_message`]).
+    /// never have room for a chunk that large (see `full_message`).
     #[error("{}", full_message(.0))]
     Full(#[from] crate::alloc::Full),
 
