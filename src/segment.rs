@@ -16,6 +16,7 @@
 use std::ffi::CString;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use shared_memory::{Shmem, ShmemConf, ShmemError};
 
@@ -155,6 +156,7 @@ impl Segment {
         };
         segment.reserve_range(0, reserve)?;
         segment._creator_role = RoleLock::acquire(name, CREATOR_BYTE)?;
+        note_created(name);
         Ok(segment)
     }
 
@@ -267,6 +269,7 @@ impl Segment {
                 ));
             }
         }
+        forget_created(&self.name);
         Ok(())
     }
 }
@@ -368,7 +371,62 @@ impl Drop for Segment {
         if self.shmem.is_owner() && (!self.is_creator() || self.unlinked.load(Ordering::Relaxed)) {
             self.shmem.set_owner(false);
         }
+        if self.is_creator() {
+            forget_created(&self.name);
+        }
     }
+}
+
+// ---------------------------------------------------------------------------------
+// What this process created, for the exit hook (`remove_created`).
+//
+// Objects remove what they created when they are dropped, but Python does not promise to
+// drop objects at interpreter exit (a queue kept in a module-level list, a loan still
+// alive, a daemon thread's locals). So every segment and socket directory is noted here
+// while it exists, and the exit hook (`shmq._cleanup`) removes what is left. Entries
+// carry the creator's pid: a forked child inherits the list but removes only its own.
+
+/// `(creator pid, name)`: a segment's name, or the absolute path of a directory.
+static CREATED: Mutex<Vec<(u32, String)>> = Mutex::new(Vec::new());
+
+fn created() -> std::sync::MutexGuard<'static, Vec<(u32, String)>> {
+    // A panic while holding it leaves a plain list, still consistent.
+    CREATED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Note a segment name, or the absolute path of a directory in `/dev/shm`, that this
+/// process has just created.
+pub(crate) fn note_created(name_or_path: &str) {
+    created().push((std::process::id(), name_or_path.to_owned()));
+}
+
+/// Forget a name noted by [`note_created`]: its creator removed it.
+pub(crate) fn forget_created(name_or_path: &str) {
+    let me = std::process::id();
+    created().retain(|(pid, n)| !(*pid == me && n == name_or_path));
+}
+
+/// Remove every segment and directory this process created that is still there (at
+/// interpreter exit); their mappings stay valid for whoever has them. Returns how many
+/// were noted. A live object whose name goes here finds nothing to remove when it is
+/// dropped later: names carry the pid and random bits, so nobody else has taken it.
+pub fn remove_created() -> usize {
+    let me = std::process::id();
+    let mine: Vec<String> = {
+        let mut list = created();
+        let (mine, others) = list.drain(..).partition(|(pid, _)| *pid == me);
+        *list = others;
+        mine.into_iter().map(|(_, n)| n).collect()
+    };
+    for n in &mine {
+        if n.starts_with('/') {
+            let _ = std::fs::remove_dir_all(n);
+        } else if let Ok(id) = CString::new(os_id(n)) {
+            // SAFETY: `id` is a valid NUL-terminated string; an absent name is ENOENT.
+            unsafe { libc::shm_unlink(id.as_ptr()) };
+        }
+    }
+    mine.len()
 }
 
 #[cfg(test)]

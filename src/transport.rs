@@ -111,6 +111,7 @@ impl SocketDir {
             .mode(0o700)
             .create(&path)
             .map_err(|e| Error::os(format!("creating the socket directory {path}"), e))?;
+        crate::segment::note_created(&path);
         Ok(SocketDir {
             path,
             made_in: crate::fork::generation(),
@@ -122,6 +123,7 @@ impl Drop for SocketDir {
     fn drop(&mut self) {
         if !crate::fork::is_inherited(self.made_in) {
             let _ = std::fs::remove_dir_all(&self.path);
+            crate::segment::forget_created(&self.path);
         }
     }
 }

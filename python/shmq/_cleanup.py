@@ -1,34 +1,104 @@
-"""Removing this process's segments at interpreter exit.
+"""Removing this process's segments at interpreter exit, and ending its queue writers.
 
 A segment's creator removes it when the creating object is dropped, but Python does not
-promise to drop objects at exit. Every segment this process creates is registered here
-(weakly), and an ``atexit`` hook removes the names of those still alive; their memory
-stays mapped until the process ends, so late users are not cut off.
+promise to drop objects at exit (a queue kept in a module-level list, a loan still
+alive, a daemon thread's locals). So the core notes every segment and socket directory
+this process creates while it exists, and an ``atexit`` hook removes what is left
+(``_core.remove_created``): rings, tensor arenas, socket directories, stores, encoder
+caches, probes, whatever still refers to them. Their memory stays mapped until the
+process ends, so late users in this process and readers elsewhere are not cut off.
+
+Before that, the hook shuts down the queue writers still alive, so that their readers
+get every message sent and then "the writer shut down", not a hang or a "writer died".
+
+Endings covered: the end of the script, ``sys.exit`` (also in a worker), exit with
+daemon threads alive (also one blocked in a shmq call: the writer's shutdown ends it),
+``KeyboardInterrupt`` (SIGINT's default), and SIGTERM: its default action kills the
+process without running ``atexit``, so when shmq is imported in the main thread of a
+program that has no SIGTERM handler of its own, it installs one that runs this cleanup
+and then dies of SIGTERM as before (same exit status). It runs once the main thread
+executes Python code (shmq's own waits look every few milliseconds). A program that
+installs its own SIGTERM handler should exit through ``sys.exit`` in it (which runs the
+hook). SIGKILL and crashes leave segments behind: ``python -m shmq cleanup`` removes
+those whose creator is dead.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import signal
+import threading
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
+
+from . import _core
 
 
 class _Unlinkable(Protocol):
     def unlink(self) -> None: ...
 
 
+class _ShutsDown(Protocol):
+    def shutdown(self) -> None: ...
+
+
 _created: "weakref.WeakSet[_Unlinkable]" = weakref.WeakSet()
+_writers: "weakref.WeakSet[_ShutsDown]" = weakref.WeakSet()
 
 
 def track(segment: _Unlinkable) -> None:
     """Remove ``segment`` (a ``_core`` object this process created) at exit."""
     _created.add(segment)
+    _install_sigterm_handler()
 
 
-@atexit.register
-def _unlink_created_segments() -> None:
+def track_writer(writer: _ShutsDown) -> None:
+    """Shut ``writer`` (a ``_core.Writer``) down at exit, before its segments go."""
+    _writers.add(writer)
+    _install_sigterm_handler()
+
+
+def _clean_up() -> None:
+    for writer in list(_writers):
+        try:
+            writer.shutdown()
+        except Exception:
+            pass
     for segment in list(_created):
         try:
             segment.unlink()
         except OSError:
             pass
+    _core.remove_created()
+
+
+atexit.register(_clean_up)
+
+_sigterm_checked = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM's default action (die of it), after removing what this process made."""
+    try:
+        _clean_up()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler() -> None:
+    """Handle SIGTERM (see the module docs) if nobody does: only in the main thread
+    (where Python lets handlers be set) and only over the default action."""
+    global _sigterm_checked
+    if _sigterm_checked or threading.current_thread() is not threading.main_thread():
+        return
+    _sigterm_checked = True
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        pass  # not the main interpreter, or signals unavailable
+
+
+_install_sigterm_handler()

@@ -23,6 +23,7 @@ __all__ = [
     "EncoderCacheConsumer",
     "ENCODER_CACHE_MAX_KEY_LEN",
     "default_connect_ip",
+    "remove_created",
     "list_segments",
     "remove_orphans",
     "describe_segment",
@@ -92,6 +93,10 @@ class PeerDiedError(RuntimeError):
 
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
+
+def remove_created() -> int:
+    """Remove every segment and socket directory this process created that is still there
+    (the exit hook); returns how many there were."""
 
 def list_segments() -> list[_SegmentReport]:
     """Every shmq segment in /dev/shm."""

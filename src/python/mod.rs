@@ -10,6 +10,7 @@
 //! - `EncoderCacheProducer`, `EncoderCacheReservation`, `EncoderCacheConsumer`: the
 //!   encoder-cache hand-off (`shmq.encoder_cache`);
 //! - `list_segments()`, `remove_orphans()`, `describe_segment()`: cleanup and inspection;
+//! - `remove_created()`: the exit hook's removal of what this process created;
 //! - `default_connect_ip()`, `segment_prefix`, `PeerDiedError`.
 
 mod admin;
@@ -29,6 +30,13 @@ fn default_connect_ip() -> String {
     crate::transport::default_connect_ip()
 }
 
+/// Remove every segment and socket directory this process created that is still there
+/// (the exit hook of `shmq._cleanup`); returns how many there were.
+#[pyfunction]
+fn remove_created() -> usize {
+    crate::segment::remove_created()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Route the core's `log` records (e.g. "still waiting" warnings) to Python logging.
@@ -41,6 +49,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<view::ShmView>()?;
     encoder_cache::register(m)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_created, m)?)?;
     m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;
     m.add_function(wrap_pyfunction!(admin::remove_orphans, m)?)?;
     m.add_function(wrap_pyfunction!(admin::describe_segment, m)?)?;

@@ -1,0 +1,225 @@
+"""Every segment a process creates is removed by it, also at interpreter exit, whatever
+still refers to it, in every normal ending (issue 18 item 1): end of script, ``sys.exit``
+in a spawned worker, exit with daemon threads alive, exit while another thread is
+blocked in a shmq call, SIGTERM and SIGINT with their default handling.
+
+Each test runs a script in a fresh interpreter that prints the pids of the processes it
+makes (``PID <n>``); afterwards no shmq name of those pids may be left in ``/dev/shm``
+(a segment's name, and its socket directory's, carry its creator's pid).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from _processes import segments_of
+
+STEP = 60.0
+REPO_PYTHON = str(Path(__file__).resolve().parent)
+
+# A queue with a reader opened on it (arena and socket directory included), a loan and
+# an object store, all kept alive in module-level names.
+MAKE_EVERYTHING = """
+import os, sys, threading, time
+import numpy as np
+import shmq
+from shmq import MessageQueue, ObjectStorage, RingBuffer
+
+KEEP = []
+
+def make_everything():
+    q = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    r = MessageQueue.create_from_handle(q.export_handle(), 0)
+    loan = q.loan_array((1 << 20,), "float32")
+    loan[:] = 1.0
+    q.enqueue(loan)
+    got = r.dequeue(timeout=10)
+    assert float(got[0]) == 1.0
+    store = ObjectStorage(max_object_size=1 << 20, n_readers=1, ring_buffer=RingBuffer(4 << 20, create=True))
+    KEEP.extend([q, r, loan, got, store])
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        tensor = q.loan_tensor((1 << 18,))  # the README's loan, never sent
+        tensor.fill_(2.0)
+        KEEP.append(tensor)
+    # A daemon thread that refers to all of it: nothing is dropped at exit.
+    threading.Thread(target=lambda keep: time.sleep(600), args=(list(KEEP),), daemon=True).start()
+    return q, r
+"""
+
+
+def _run(script: str, tmp_path: Path, *, signal_after_ready: int | None = None) -> tuple[int, str, set[int]]:
+    """Run ``script``; return its exit status, its output and the pids it printed."""
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(MAKE_EVERYTHING) + textwrap.dedent(script))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO_PYTHON, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen(
+        [sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+    )
+    pids = {p.pid}
+    lines: list[str] = []
+    try:
+        if signal_after_ready is not None:
+            assert p.stdout is not None
+            deadline = time.monotonic() + STEP
+            for line in p.stdout:
+                lines.append(line)
+                if line.startswith("READY"):
+                    break
+                assert time.monotonic() < deadline, "".join(lines)
+            p.send_signal(signal_after_ready)
+        out, _ = p.communicate(timeout=STEP)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = "".join(lines) + out
+    pids |= {int(line.split()[1]) for line in text.splitlines() if line.startswith("PID ")}
+    return p.returncode, text, pids
+
+
+def _assert_nothing_left(pids: set[int], output: str) -> None:
+    deadline = time.monotonic() + 5.0
+    while (left := segments_of(pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a child's exit can trail its parent's by a moment
+    assert not left, f"left in /dev/shm: {sorted(left)}\n--- output:\n{output}"
+
+
+def test_end_of_script_with_everything_still_referenced(tmp_path):
+    code, out, pids = _run(
+        """
+        q, r = make_everything()
+        q.shutdown()  # the loan stays alive after it
+        print("PID", os.getpid())
+        """,
+        tmp_path,
+    )
+    assert code == 0, out
+    _assert_nothing_left(pids, out)
+
+
+def test_spawn_child_keeps_the_queue_in_a_module_list_with_a_daemon_thread(tmp_path):
+    (tmp_path / "exit_child.py").write_text(
+        textwrap.dedent(MAKE_EVERYTHING)
+        + textwrap.dedent(
+            """
+            def child():
+                print("PID", os.getpid(), flush=True)
+                make_everything()
+            """
+        )
+    )
+    code, out, pids = _run(
+        """
+        import multiprocessing as mp
+        import exit_child
+        if __name__ == "__main__":
+            p = mp.get_context("spawn").Process(target=exit_child.child)
+            p.start()
+            p.join(60)
+            print("EXIT", p.exitcode)
+        """,
+        tmp_path,
+    )
+    assert code == 0 and "EXIT 0" in out, out
+    _assert_nothing_left(pids, out)
+
+
+def test_sys_exit_in_a_spawned_worker(tmp_path):
+    (tmp_path / "exit_child.py").write_text(
+        textwrap.dedent(MAKE_EVERYTHING)
+        + textwrap.dedent(
+            """
+            def child():
+                print("PID", os.getpid(), flush=True)
+                make_everything()
+                sys.exit(3)
+            """
+        )
+    )
+    code, out, pids = _run(
+        """
+        import multiprocessing as mp
+        import exit_child
+        if __name__ == "__main__":
+            p = mp.get_context("spawn").Process(target=exit_child.child)
+            p.start()
+            p.join(60)
+            print("EXIT", p.exitcode)
+        """,
+        tmp_path,
+    )
+    assert code == 0 and "EXIT 3" in out, out
+    _assert_nothing_left(pids, out)
+
+
+def test_exit_while_daemon_threads_are_blocked_in_enqueue_and_dequeue(tmp_path):
+    code, out, pids = _run(
+        """
+        q, r = make_everything()
+        q2 = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=1)
+        r2 = MessageQueue.create_from_handle(q2.export_handle(), 0)
+        q2.enqueue(b"fills the only chunk")
+        errors = []
+        def blocked(f):
+            try:
+                f()
+            except BaseException as e:
+                errors.append(e)
+        threading.Thread(target=blocked, args=(lambda: q2.enqueue(b"waits"),), daemon=True).start()
+        threading.Thread(target=blocked, args=(lambda: r.dequeue(),), daemon=True).start()
+        time.sleep(0.3)
+        print("PID", os.getpid())
+        """,
+        tmp_path,
+    )
+    assert code == 0, out
+    _assert_nothing_left(pids, out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_default_signal_handling(tmp_path, sig):
+    code, out, pids = _run(
+        """
+        q, r = make_everything()
+        print("PID", os.getpid())
+        print("READY", flush=True)
+        time.sleep(60)
+        """,
+        tmp_path,
+        signal_after_ready=sig,
+    )
+    # SIGTERM still kills (same status as without shmq); SIGINT is KeyboardInterrupt.
+    if sig == signal.SIGTERM:
+        assert code == -signal.SIGTERM, out
+    else:
+        assert code != 0 and "KeyboardInterrupt" in out, out
+    _assert_nothing_left(pids, out)
+
+
+def test_a_program_with_its_own_sigterm_handler_keeps_it(tmp_path):
+    code, out, pids = _run(
+        """
+        import signal
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
+        q, r = make_everything()
+        print("PID", os.getpid())
+        print("READY", flush=True)
+        time.sleep(60)
+        """,
+        tmp_path,
+        signal_after_ready=signal.SIGTERM,
+    )
+    assert code == 7, out
+    _assert_nothing_left(pids, out)
