@@ -38,6 +38,7 @@ a queue is inside it); and, in this process, ``has(key)`` and the load of a held
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import queue as queue_mod
 import statistics
@@ -220,12 +221,20 @@ def _vllm_ec() -> tuple[Any, Any, Any]:
     reason = vllm_missing()
     if reason is not None:
         raise Skip(reason)
+    # The worker module imports vLLM's compiled ops, which warn (through the root
+    # logger: vLLM has not set up its own) that a CPU build has none: not this bench's
+    # concern, it only uses the module's `_coalesce_runs`.
+    vllm_log = logging.getLogger("vllm")
+    level = vllm_log.level
+    vllm_log.setLevel(logging.ERROR)
     try:
         from vllm.distributed.ec_transfer.ec_connector.cpu.ec_shared_region import ECSharedRegion
         from vllm.distributed.ec_transfer.ec_connector.cpu.scheduler.embedding_cache import EmbeddingCache
         from vllm.distributed.ec_transfer.ec_connector.cpu.worker import _coalesce_runs
     except Exception as e:  # noqa: BLE001 - a vLLM without that connector
         raise Skip(f"needs vLLM 0.33's encoder-cache CPU connector (importing it failed: {type(e).__name__}: {e})")
+    finally:
+        vllm_log.setLevel(level)
     return ECSharedRegion, EmbeddingCache, _coalesce_runs
 
 

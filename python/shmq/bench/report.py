@@ -190,27 +190,34 @@ def _labelled(label: str, params: Params) -> str:
 
 def _context(params: Params, transports: Sequence[Transport], floors: Sequence[Floor]) -> Any:
     """The ``multiprocessing`` context every child process starts from. With
-    "forkserver", the server imports once what the children need (torch, pyzmq, vLLM's
-    queue and encoder-cache modules where they take part), so that each child starts
-    in milliseconds instead of importing them again (seconds each, on 2 cores)."""
+    "forkserver", its server is started now and imports once what the children will
+    need (:mod:`.preload`: torch, pyzmq, vLLM's queue and encoder-cache region where they
+    take part, whether or not they can be imported here), so that each child starts in
+    milliseconds instead of importing them again (seconds each, on 2 cores); it does so
+    while this process goes on."""
     import multiprocessing
 
     ctx = multiprocessing.get_context(params.start_method)
-    if params.start_method == "forkserver":
-        names = {t.name for t in transports}
-        preload = ["shmq", "shmq.bench.roles", "shmq.bench.encoder_cache", "numpy"]
-        if params.arrays == "torch":
-            preload += ["torch", "torch.multiprocessing"]
-        if "pyzmq" in names:
-            preload.append("zmq")
-        if names & {"vLLM", "vLLM arena"}:
-            preload.append("vllm.distributed.device_communicators.shm_broadcast")
-        if any(f.key == "encoder_cache" for f in floors) and vllm_missing() is None:
-            preload += [
-                "vllm.distributed.ec_transfer.ec_connector.cpu.ec_shared_region",
-                "vllm.distributed.ec_transfer.ec_connector.cpu.worker",
-            ]
-        ctx.set_forkserver_preload(preload)  # an import that fails there is skipped
+    if params.start_method != "forkserver":
+        return ctx
+    from multiprocessing import forkserver
+
+    from . import preload
+
+    names = {t.name for t in transports}
+    modules = ["shmq", "shmq.bench.roles", "shmq.bench.encoder_cache", "numpy"]
+    if params.arrays == "torch":
+        modules += ["torch", "torch.multiprocessing"]
+    if "pyzmq" in names:
+        modules.append("zmq")
+    if names & {"vLLM", "vLLM arena"}:
+        modules.append("vllm.distributed.device_communicators.shm_broadcast")
+    if any(f.key == "encoder_cache" for f in floors) and params.arrays == "torch":
+        # (its worker module is imported by the consumers: it is quick, and it logs)
+        modules.append("vllm.distributed.ec_transfer.ec_connector.cpu.ec_shared_region")
+    os.environ[preload.ENV] = ",".join(modules)
+    ctx.set_forkserver_preload([preload.__name__])
+    forkserver.ensure_running()  # a no-op once it runs (the preload of the first call stays)
     return ctx
 
 
@@ -373,6 +380,13 @@ def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "sh
     return "\n".join([line(header), rule, *(line(r) if r else rule for r in body)])
 
 
+def _step_rounds(params: Params) -> str:
+    """The step latency's counts, where they differ from the small object's."""
+    if params.step_rounds is None or params.step_rounds >= params.rounds:
+        return ""
+    return f" (the step's: {params.step_rounds:,} after {min(params.warmup, max(1, params.step_rounds // 10)):,})"
+
+
 def _header(machine: dict[str, Any], params: Params, repeat: int) -> str:
     """What was measured where: the lines printed above the table."""
     lines = [
@@ -380,7 +394,7 @@ def _header(machine: dict[str, Any], params: Params, repeat: int) -> str:
         f"{machine['implementation']} {machine['python']}, Linux {machine['kernel']}"
         + (f", pyzmq {machine['pyzmq']}" if machine["pyzmq"] else ""),
         f"latency: half the round trip, p50/p99 over {params.rounds:,} round trips after {params.warmup:,} "
-        f"warm-up; throughput: {params.objects:,} objects, first send to last receive",
+        f"warm-up{_step_rounds(params)}; throughput: {params.objects:,} objects, first send to last receive",
         f"small object of {len(pickle.dumps(SMALL_OBJECT, PROTOCOL))} bytes pickled; 64-request step of "
         f"{len(pickle.dumps(STEP_OBJECT, PROTOCOL)):,} bytes pickled; shmq queues of {MAX_CHUNKS} x "
         f"{MAX_CHUNK_BYTES // MiB} MiB chunks" + (f"; median of {repeat} runs per cell" if repeat > 1 else ""),
@@ -476,15 +490,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"unknown transport(s) {unknown}; choose from {', '.join(by_name)}", file=sys.stderr)
         return 2
     transports = [by_name[n] for n in wanted]
-    # Transports that cannot run here (vLLM not installed) are left out with a note,
-    # unless they were asked for by name (their cells then say "skipped").
-    left_out: dict[str, list[str]] = {}
-    if args.transports == DEFAULT_TRANSPORTS:
-        for t in list(transports):
-            reason = t.unavailable()
-            if reason is not None:
-                transports.remove(t)
-                left_out.setdefault(reason, []).append(t.name)
     base = PRESETS[args.preset]
     params = dataclasses.replace(
         base,
@@ -500,6 +505,16 @@ def main(args: argparse.Namespace) -> int:
     if params.rounds < 1 or params.warmup < 0 or params.objects < 1 or args.repeat < 1:
         print("--rounds, --objects and --repeat must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
+    _context(params, transports, floors)  # a fork server starts importing meanwhile
+    # Transports that cannot run here (vLLM not installed) are left out with a note,
+    # unless they were asked for by name (their cells then say "skipped").
+    left_out: dict[str, list[str]] = {}
+    if args.transports == DEFAULT_TRANSPORTS:
+        for t in list(transports):
+            reason = t.unavailable()
+            if reason is not None:
+                transports.remove(t)
+                left_out.setdefault(reason, []).append(t.name)
     if not transports and not floors:
         print("nothing to run: no transport can run here and no floor was chosen", file=sys.stderr)
         return 2
@@ -545,7 +560,6 @@ def main(args: argparse.Namespace) -> int:
             "queue": {"max_chunk_bytes": MAX_CHUNK_BYTES, "max_chunks": MAX_CHUNKS},
             "wall_s": wall,
             "rows": [dataclasses.asdict(row) for row in rows],
-            "arrays": params.arrays,
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

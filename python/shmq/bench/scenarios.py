@@ -54,6 +54,9 @@ class Params:
     #: What the tensor rows send: "torch" tensors, or "numpy" arrays where torch is not
     #: installed (``common.array_lib``; their labels say "numpy array" then).
     arrays: str = "torch"
+    #: Ping-pong round trips of the step's latency (None: ``rounds``; never more); its
+    #: warm-up is a tenth of them at most.
+    step_rounds: Optional[int] = None
     #: Bytes each tensor run sends to each reader after its warm-up (at most 200 messages,
     #: at least 4).
     tensor_budget: int = 1600 * MiB
@@ -81,7 +84,8 @@ PRESETS = {
         wakes=5,
         idle_s=0.2,
         tensor_sizes=(16 * MiB,),
-        tensor_budget=320 * MiB,
+        step_rounds=1_000,
+        tensor_budget=160 * MiB,
         fresh_warmup=3,
         consume_messages=10,
         images=(6, 2),
@@ -140,7 +144,11 @@ def _bench_latency(harness: Harness, transport: Transport, params: Params, *, ob
     """Ping-pong of ``OBJECTS[obj]`` through two 1-reader channels; one-way latency =
     round trip / 2."""
     channels = (harness.channel(transport, 1), harness.channel(transport, 1))
-    kwargs = {"rounds": params.rounds, "warmup": params.warmup, "obj": obj}
+    rounds, warmup = params.rounds, params.warmup
+    if obj == "step" and params.step_rounds is not None:
+        rounds = min(rounds, params.step_rounds)
+        warmup = min(warmup, max(1, rounds // 10))
+    kwargs = {"rounds": rounds, "warmup": warmup, "obj": obj}
     samples, _ = harness.run(transport, [Job(_role_ping, channels, kwargs), Job(_role_pong, channels, kwargs)])
     one_way_us = sorted(ns / 2 / 1000 for ns in samples)
     return {"p50": percentile(one_way_us, 50), "p99": percentile(one_way_us, 99)}
@@ -428,7 +436,8 @@ def _floor_store(params: Params) -> dict[str, float]:
     viewer.close()
 
     def vllm_get() -> dict[str, float]:
-        vllm_us = _vllm_store_get_us(big)
+        # Each is a copy of 4 MiB and more (~10 ms): 500 in the standard run, 100 in --quick.
+        vllm_us = _vllm_store_get_us(big, min(500, params.objects // 100))
         return {"vllm_big_get_us": vllm_us, "big_get_ratio": vllm_us / out["big_get_us"]}
 
     out.update(measure_parts(["vllm_big_get_us", "big_get_ratio"], vllm_get))
@@ -507,7 +516,7 @@ def _vllm_small_calls(ours: dict[str, float], alloc_us: Callable, put_get_us: Ca
     return out
 
 
-def _vllm_store_get_us(big: Any) -> float:
+def _vllm_store_get_us(big: Any, calls: int) -> float:
     """vLLM 0.33's ``SingleWriterShmObjectStorage.get`` of the same 4 MiB tensor (its own
     MsgpackSerde), in the writer as above; ``Skip`` if vLLM is not importable."""
     SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = _vllm_store_classes()
@@ -518,7 +527,7 @@ def _vllm_store_get_us(big: Any) -> float:
         if decoder is not None and hasattr(decoder, "pin_tensors"):
             decoder.pin_tensors = False  # pinned memory needs a GPU driver: one plain copy
         h = store.put("big", big)
-        return time_per_call_us(lambda: store.get(*h), 500, batch=10)
+        return time_per_call_us(lambda: store.get(*h), calls, batch=10)
     finally:
         ring.close()
 
