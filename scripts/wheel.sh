@@ -78,8 +78,8 @@ for want in Cargo.toml Cargo.lock pyproject.toml src/lib.rs src/python/ python/s
     exit 1
   fi
 done
-if grep -q '\.so$' <<<"$listing"; then
-  echo "sdist $sdist holds a built library: $(grep '\.so$' <<<"$listing")"
+if grep -qE '\.(so|whl)$' <<<"$listing"; then
+  echo "sdist $sdist holds built files: $(grep -E '\.(so|whl)$' <<<"$listing")"
   exit 1
 fi
 echo "sdist: $(wc -l <<<"$listing") entries, with Cargo.toml, Cargo.lock, src/ and python/shmq/"
