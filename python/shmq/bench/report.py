@@ -400,7 +400,8 @@ def _header(machine: dict[str, Any], params: Params, repeat: int) -> str:
         f"{MAX_CHUNK_BYTES // MiB} MiB chunks" + (f"; median of {repeat} runs per cell" if repeat > 1 else ""),
         "tensor rows: 'fresh' = a new float32 array made by the writer for every send (inside the clock), "
         f"each reader copies all of it into its own buffer ({params.fresh_warmup} warm-up messages, 3 over "
-        "16 MiB); 'hand-over only' = the same array every send, one element read; torch at 1 thread per process",
+        "16 MiB); 'hand-over only' = the same array every send, one element read"
+        + ("; torch at 1 thread per process" if params.arrays == "torch" else ""),
         "processes: "
         + (
             "spawned (each imports what it needs)"

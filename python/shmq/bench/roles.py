@@ -160,30 +160,23 @@ def _role_tensor_writer(
     n: int,
     warmup: int,
     nbytes: int,
-    loan: bool,
     lib: str = "torch",
 ) -> dict:
     """Hand-over only: send ``warmup`` float32 arrays of ``nbytes`` (torch tensors, or
     numpy arrays with ``lib="numpy"``), wait until the readers have them, then send ``n``
-    more and ``None``. Every send is the same array, only its last element changed (with
-    ``loan``, a new loan each time, only its last element written): what the transport
-    costs alone, not what a producer and its readers do with the bytes (that is
-    :func:`_role_fresh_writer`). Returns the time of the first measured send and how long
-    each measured send call took (ns)."""
+    more and ``None``. Every send is the same array, only its last element changed: what
+    the transport costs alone, not what a producer and its readers do with the bytes
+    (that is :func:`_role_fresh_writer`). Returns the time of the first measured send
+    and how long each measured send call took (ns)."""
     arrays = Arrays(lib)
     out = transport.open_writer(channels[0])
-    if loan and out.loan is None:
-        raise RuntimeError(f"{transport.name} cannot lend memory")
     out.ready()
     _sync(barrier)
-    numel = nbytes // 4
-    fixed: Any = None if loan else arrays.ones(numel)
-    lend: Any = out.loan  # not None with `loan` (checked above)
+    fixed = arrays.ones(nbytes // 4)
 
     def make(i: int) -> Any:
-        t = lend(numel, lib) if loan else fixed
-        t[-1] = float(i)
-        return t
+        fixed[-1] = float(i)
+        return fixed
 
     send, clock = out.io, time.perf_counter_ns
     for i in range(warmup):

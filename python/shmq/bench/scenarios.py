@@ -220,7 +220,7 @@ def _bench_tensor(
     n = _tensor_counts(params, nbytes)
     warmup = max(2, n // 10)
     kwargs = {"n": n, "warmup": warmup, "lib": params.arrays}
-    jobs = [Job(_role_tensor_writer, channels, {**kwargs, "nbytes": nbytes, "loan": False})]
+    jobs = [Job(_role_tensor_writer, channels, {**kwargs, "nbytes": nbytes})]
     jobs += [Job(_role_tensor_reader, channels, {**kwargs, "rank": r}) for r in range(n_readers)]
     writer, *ends = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
     seconds = (max(ends) - writer["t0"]) / 1e9
