@@ -5,9 +5,17 @@
 //! - every name starts with [`NAME_PREFIX`], so shmq's segments can be told apart in
 //!   `/dev/shm` (and cleaned up after a crash);
 //! - the segment is created owner-only (mode 0600, done by the crate);
-//! - before creating, `/dev/shm` is checked for room and the pages are reserved with
-//!   `posix_fallocate`: `ftruncate` alone would let a full tmpfs show up much later as a
-//!   `SIGBUS` on first write, killing the process. Reserving commits the memory up front;
+//! - pages are reserved with `posix_fallocate` before anything is written there:
+//!   `ftruncate` alone would let a full tmpfs show up much later as a `SIGBUS` on first
+//!   touch (a read of a page not yet there allocates it too), killing the process.
+//!   [`Segment::create`] reserves the whole segment up front; [`Segment::create_sparse`]
+//!   sizes it with `ftruncate` (sparse) and reserves only a fixed first part, and the
+//!   layer above reserves the rest with [`Segment::reserve_range`] as it comes to use it
+//!   (the ring's chunks, the store's allocations, the arena): a segment far larger than
+//!   `/dev/shm` then starts in a small container and commits memory as it is used. The
+//!   free-space check at creation asks only for the part reserved then. A reservation
+//!   that finds `/dev/shm` full is an [`Error::NoSpace`] the caller turns into a fallback
+//!   (or a `MemoryError`), with one warning per process ([`warn_shm_too_small`]);
 //! - only the creating process unlinks the name when it drops the segment, even if a
 //!   forked child inherited the object;
 //! - the creator holds a role lock on the file for as long as it lives, so that anyone
@@ -39,6 +47,10 @@ pub struct Segment {
     _creator_role: Option<RoleLock>,
     /// Set once `unlink` removed the name, so `Drop` does not try again.
     unlinked: AtomicBool,
+    /// The creator's descriptor of the file, for `posix_fallocate`: it keeps reserving
+    /// the right file after the name is unlinked (at interpreter exit, say) while the
+    /// creator still writes. `None` in openers (they reserve through the name).
+    reserve_fd: Option<std::fs::File>,
 }
 
 // SAFETY: `Shmem` is neither Send nor Sync only because it holds the raw mapping pointer.
@@ -106,9 +118,53 @@ pub fn shm_free_bytes() -> Option<u64> {
     Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
+/// Log, once per process, that `/dev/shm` is too small: `what` says what shmq does about
+/// it (a fallback, or the error it raises). Called where a reservation found no room.
+pub fn warn_shm_too_small(what: &str) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    // Relaxed: it only decides which thread logs; nothing else is published by it.
+    if WARNED.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    log::warn!(
+        "{}",
+        shm_too_small_message(what, shm_free_bytes(), shm_total_bytes())
+    );
+}
+
+/// The text of [`warn_shm_too_small`].
+fn shm_too_small_message(what: &str, free: Option<u64>, total: Option<u64>) -> String {
+    let mib = |b: Option<u64>| b.map_or_else(|| "?".to_owned(), |b| (b >> 20).to_string());
+    format!(
+        "shmq: {SHM_DIR} is too small ({} MiB free of {} MiB): {what}. Give the container more \
+         shared memory: `docker run --shm-size=1g` (or `--ipc=host`); on Kubernetes mount an \
+         emptyDir with `medium: Memory` (and a `sizeLimit`) at {SHM_DIR}. (Shown once per \
+         process.)",
+        mib(free),
+        mib(total)
+    )
+}
+
+/// Size of the tmpfs behind `/dev/shm`, or `None` if it cannot be queried.
+fn shm_total_bytes() -> Option<u64> {
+    let path = CString::new(SHM_DIR).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: as in `shm_free_bytes`.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled the struct.
+    let st = unsafe { st.assume_init() };
+    #[allow(clippy::unnecessary_cast)]
+    Some(st.f_blocks as u64 * st.f_frsize as u64)
+}
+
 impl Segment {
     /// Create a new segment of `size` bytes (zero-filled) named `name`, with every page
     /// reserved in `/dev/shm` now.
+    // The crate's own segments are all sparse now; tests and small fixed segments use it.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub fn create(name: &str, size: usize) -> Result<Self> {
         Self::create_sparse(name, size, size)
     }
@@ -147,12 +203,19 @@ impl Segment {
                 ))
             }
         };
+        // The name is surely this segment's now (the create above was exclusive).
+        let reserve_fd = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("{SHM_DIR}/{name}"))
+            .ok();
         let mut segment = Segment {
             shmem,
             name: name.to_owned(),
             creator_pid: Some(std::process::id()),
             _creator_role: None,
             unlinked: AtomicBool::new(false),
+            reserve_fd,
         };
         segment.reserve_range(0, reserve)?;
         segment._creator_role = RoleLock::acquire(name, CREATOR_BYTE)?;
@@ -168,17 +231,27 @@ impl Segment {
             return Ok(());
         }
         use std::os::fd::AsRawFd;
-        let path = format!("{SHM_DIR}/{}", self.name);
-        let file = match std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-        {
-            Ok(f) => f,
-            // Not a tmpfs-backed /dev/shm (unusual); nothing to reserve through.
-            Err(_) => return Ok(()),
+        let opened;
+        let file = match &self.reserve_fd {
+            Some(f) => f,
+            None => {
+                let path = format!("{SHM_DIR}/{}", self.name);
+                match std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&path)
+                {
+                    Ok(f) => {
+                        opened = f;
+                        &opened
+                    }
+                    // Not a tmpfs-backed /dev/shm (unusual); nothing to reserve through.
+                    Err(_) => return Ok(()),
+                }
+            }
         };
-        // SAFETY: the fd is open for writing for the duration of the call.
+        // SAFETY: the fd is open for writing for the duration of the call; the call only
+        // allocates pages of the file (a peer may do the same: it changes no byte).
         let rc = unsafe {
             libc::posix_fallocate(file.as_raw_fd(), offset as libc::off_t, len as libc::off_t)
         };
@@ -211,6 +284,7 @@ impl Segment {
                 creator_pid: None,
                 _creator_role: None,
                 unlinked: AtomicBool::new(false),
+                reserve_fd: None,
             }),
             Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::ENOENT => {
                 Err(Error::SegmentNotFound {
@@ -490,6 +564,39 @@ mod tests {
         let err = Segment::create(&unique_name("test"), (free + (1 << 30)) as usize).unwrap_err();
         assert!(matches!(err, Error::NoSpace { .. }), "{err}");
         assert!(err.to_string().contains("--shm-size"));
+    }
+
+    #[test]
+    fn sparse_segment_larger_than_dev_shm_starts_and_reserves_as_used() {
+        let free = shm_free_bytes().unwrap() as usize;
+        let size = free.max(shm_total_bytes().unwrap() as usize) + (2 << 20);
+        let seg = Segment::create_sparse(&unique_name("test"), size, 4096).unwrap();
+        assert_eq!(seg.len(), size);
+        seg.reserve_range(size - 8192, 4096).unwrap();
+        // SAFETY: the page was just reserved; only this thread uses the mapping.
+        unsafe { *seg.as_ptr().add(size - 8192) = 1 };
+        // More than the whole tmpfs: refused before anything is allocated (tmpfs checks
+        // the size first), so the test never fills the machine's /dev/shm.
+        let beyond = shm_total_bytes().unwrap() as usize + (1 << 20);
+        let err = seg.reserve_range(4096, beyond).unwrap_err();
+        assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+        // Reserving still works once the name is gone (the creator keeps a descriptor).
+        seg.unlink().unwrap();
+        let err = seg.reserve_range(4096, beyond).unwrap_err();
+        assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+    }
+
+    #[test]
+    fn the_warning_says_how_to_raise_dev_shm() {
+        let m = shm_too_small_message("messages go over the socket", Some(1 << 20), Some(64 << 20));
+        for needle in [
+            "1 MiB free of 64 MiB",
+            "--shm-size=1g",
+            "--ipc=host",
+            "medium: Memory",
+        ] {
+            assert!(m.contains(needle), "{m}");
+        }
     }
 
     #[test]
