@@ -1,6 +1,21 @@
 //! The writer's side of a ring ([`RingWriter`]): it fills chunks in order, waits (spin,
 //! yield, sleep) while the next one is still unread, and decides what to do about a
 //! reader that died. Uses the ring, its slots, the flag protocol and [`crate::wait`].
+//!
+//! # Memory is committed as it is used
+//! The ring's segment is sparse: at creation only the header, the slots and the chunk
+//! states are reserved in `/dev/shm` (`posix_fallocate`); chunk data is reserved by the
+//! writer, per chunk, up to what a message needs, before it writes there
+//! ([`RingWriter::reserve`]; in steps of [`RESERVE_STEP`], so small messages make one
+//! syscall per chunk in all). What a chunk has reserved (its high-water mark) is kept in
+//! the writer's own memory and never shrinks. Readers read only the `len` bytes the
+//! writer published, which it reserved and wrote, so no process touches a page that is
+//! not there (a read of a missing tmpfs page would allocate it, and `SIGBUS` if
+//! `/dev/shm` is full). When `/dev/shm` has no room for a message, `reserve` says so
+//! (and one warning per process says how to raise `/dev/shm`): the queue then sends the
+//! message over its overflow socket, as it does one larger than a chunk. The data
+//! handed out for filling ([`RingWriter::data_mut`]) is only the reserved part, and a
+//! commit longer than it is refused, so nothing unreserved is ever published.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -10,7 +25,28 @@ use super::protocol::{self, ChunkFlags};
 use super::Ring;
 use crate::error::{Error, Result};
 use crate::liveness::{Liveness, RoleLock};
+use crate::segment::{round_up, warn_shm_too_small};
 use crate::wait::Wait;
+
+/// Chunk data is reserved in `/dev/shm` in steps of this many bytes (or to the end of
+/// the chunk), so a chunk's first small message reserves room for many more.
+pub const RESERVE_STEP: usize = 64 << 10;
+
+/// What the warning says happens when a chunk cannot be reserved.
+const NO_ROOM_FALLBACK: &str = "messages that find no room in the broadcast ring go over \
+     its local overflow socket (slower)";
+
+impl Ring {
+    /// Reserve the first `len` bytes of chunk `i`'s data in `/dev/shm` (they may have been
+    /// already: `posix_fallocate` leaves allocated pages as they are). For whoever writes
+    /// or reads chunk data beyond what the writer published (the whole-chunk views of the
+    /// bindings); the writer keeps its own high-water marks instead.
+    pub fn reserve_data(&self, i: usize, len: usize) -> Result<()> {
+        let offset = self.data_file_offset(i)? as usize;
+        self.segment
+            .reserve_range(offset, len.min(self.geo.data_stride))
+    }
+}
 
 /// What a reader should do when the reader it waits for has died.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -33,6 +69,8 @@ pub struct RingWriter {
     dropped: Vec<AtomicBool>,
     on_dead_reader: DeadReaderPolicy,
     messages: u64,
+    /// Bytes of each chunk's data reserved in `/dev/shm` so far (see the module docs).
+    reserved: Vec<usize>,
     /// The writer's slot, held for as long as this writer lives.
     _role: RoleLock,
 }
@@ -45,6 +83,7 @@ impl RingWriter {
         let dropped = (0..ring.n_reader())
             .map(|_| AtomicBool::new(false))
             .collect();
+        let reserved = vec![0; ring.max_chunks()];
         Ok(RingWriter {
             ring,
             next: 0,
@@ -52,6 +91,7 @@ impl RingWriter {
             dropped,
             on_dead_reader: DeadReaderPolicy::Raise,
             messages: 0,
+            reserved,
             _role: role,
         })
     }
@@ -158,14 +198,52 @@ impl RingWriter {
         Ok(i)
     }
 
-    /// The acquired chunk's data, to fill before `commit`.
+    /// Make sure the first `len` bytes of the next chunk's data (the acquired one, if
+    /// any) are reserved in `/dev/shm`; `false` if `/dev/shm` has no room for them (the
+    /// caller sends the message another way; one warning per process says so). The
+    /// chunk need not be acquired: reserving changes no byte a reader may be reading.
+    pub fn reserve(&mut self, len: usize) -> Result<bool> {
+        let i = self.next;
+        let len = len.min(self.ring.max_chunk_bytes());
+        if len <= self.reserved[i] {
+            return Ok(true);
+        }
+        let stride = self.ring.geo.data_stride;
+        // A step at a time (few syscalls), or exactly the pages needed when /dev/shm has
+        // no room for a whole step.
+        let step = round_up(len, RESERVE_STEP).map_or(stride, |s| s.min(stride));
+        let pages = round_up(len, 4096).map_or(stride, |s| s.min(stride));
+        for target in [step, pages] {
+            match self.ring.reserve_data(i, target) {
+                Ok(()) => {
+                    self.reserved[i] = target;
+                    return Ok(true);
+                }
+                Err(Error::NoSpace { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        warn_shm_too_small(NO_ROOM_FALLBACK);
+        Ok(false)
+    }
+
+    /// Bytes of chunk `i`'s data reserved in `/dev/shm` by this writer so far.
+    pub fn reserved(&self, i: usize) -> usize {
+        self.reserved.get(i).copied().unwrap_or(0)
+    }
+
+    /// The acquired chunk's data, to fill before `commit`: the part reserved so far (see
+    /// [`reserve`](Self::reserve)), never a page that is not there.
     pub fn data_mut(&mut self) -> Option<&mut [u8]> {
         let i = self.open?;
         let (p, n) = self.ring.data_ptr(i).ok()?;
+        let n = n.min(self.reserved[i]);
         // SAFETY: the chunk is acquired: per the protocol no reader reads it until the
-        // commit, and `&mut self` keeps this the only reference in this process. (A
-        // reader process that breaks the protocol could still read torn data; it cannot
-        // make this process misbehave.)
+        // commit, and `&mut self` keeps this the only reference in this process. The `n`
+        // bytes are inside the chunk and reserved in /dev/shm, so writing them cannot
+        // fault. (A reader process that breaks the protocol could still read torn data,
+        // and a same-uid peer that truncates the file could still make this fault: see
+        // the design notes on truncation.)
         Some(unsafe { std::slice::from_raw_parts_mut(p, n) })
     }
 
@@ -175,6 +253,14 @@ impl RingWriter {
             .open
             .take()
             .ok_or_else(|| Error::WrongRole("no chunk is acquired for writing".into()))?;
+        if kind != ChunkKind::Overflow && len > self.reserved[i] {
+            self.open = Some(i);
+            return Err(Error::InvalidArgument(format!(
+                "cannot publish {len} bytes of chunk {i}: only {} are reserved in /dev/shm \
+                 (reserve them first)",
+                self.reserved[i]
+            )));
+        }
         let ring = &*self.ring;
         // Relaxed: published by the Release store of `written` in `protocol::publish`.
         ring.len_of(i).store(len as u64, Ordering::Relaxed);
@@ -194,7 +280,9 @@ impl RingWriter {
         Ok(())
     }
 
-    /// Copy `msg` into the next chunk and publish it (waiting for room).
+    /// Copy `msg` into the next chunk and publish it (waiting for room). An
+    /// [`Error::NoSpace`] if `/dev/shm` has no room for it (nothing is acquired then;
+    /// a caller with another way to send it checks [`reserve`](Self::reserve) first).
     pub fn write(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
         if msg.len() > self.ring.max_chunk_bytes() {
             return Err(Error::InvalidArgument(format!(
@@ -203,8 +291,80 @@ impl RingWriter {
                 self.ring.max_chunk_bytes()
             )));
         }
+        if !self.reserve(msg.len())? {
+            return Err(Error::NoSpace {
+                name: self.ring.name().to_owned(),
+                needed: msg.len() as u64,
+                available: crate::segment::shm_free_bytes().unwrap_or(0),
+            });
+        }
         self.acquire(wait)?;
         self.data_mut().expect("acquired")[..msg.len()].copy_from_slice(msg);
         self.commit(msg.len(), ChunkKind::Inline)
+    }
+}
+
+#[cfg(test)]
+mod reservation_tests {
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::broadcast::ring::RingReader;
+
+    /// Bytes of the segment's file that tmpfs holds (allocated, not just sized).
+    fn allocated(ring: &Ring) -> u64 {
+        let m = std::fs::metadata(format!("/dev/shm/{}", ring.name())).unwrap();
+        m.blocks() * 512
+    }
+
+    #[test]
+    fn a_large_ring_commits_only_what_messages_use() {
+        // 10 chunks of 24 MiB (vLLM's sizes): 240 MiB of address space.
+        let ring = Arc::new(Ring::create(1, 24 << 20, 10).unwrap());
+        assert!(allocated(&ring) < 64 << 10, "{}", allocated(&ring));
+        let mut w = RingWriter::new(ring.clone()).unwrap();
+        let mut r = RingReader::new(ring.clone(), 0).unwrap();
+        let wait = || Wait::new("test", Some(Duration::from_secs(5)));
+        for i in 0..30u32 {
+            w.write(&i.to_le_bytes(), &mut wait()).unwrap();
+            let info = r.wait(&mut wait()).unwrap();
+            assert_eq!(r.data(&info), i.to_le_bytes());
+            r.finish();
+        }
+        // One step per chunk, nothing more.
+        assert_eq!(w.reserved(0), RESERVE_STEP);
+        assert!(
+            allocated(&ring) <= 11 * RESERVE_STEP as u64,
+            "{}",
+            allocated(&ring)
+        );
+        // A 3 MiB message reserves its chunk up to 3 MiB only.
+        let big = vec![7u8; 3 << 20];
+        let i = w.current_idx();
+        w.write(&big, &mut wait()).unwrap();
+        assert_eq!(w.reserved(i), 3 << 20);
+        let info = r.wait(&mut wait()).unwrap();
+        assert_eq!(r.data(&info), &big[..]);
+        r.finish();
+    }
+
+    #[test]
+    fn data_and_commits_stay_inside_what_is_reserved() {
+        let ring = Arc::new(Ring::create(1, 1 << 20, 2).unwrap());
+        let mut w = RingWriter::new(ring).unwrap();
+        w.acquire(&mut Wait::ready_now()).unwrap();
+        assert_eq!(w.data_mut().unwrap().len(), 0, "nothing reserved yet");
+        assert!(matches!(
+            w.commit(10, ChunkKind::Inline),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(w.reserve(10).unwrap());
+        assert_eq!(w.data_mut().unwrap().len(), RESERVE_STEP);
+        w.commit(10, ChunkKind::Inline).unwrap();
+        // An overflow mark carries no data: no reservation needed.
+        w.acquire(&mut Wait::ready_now()).unwrap();
+        w.commit(5 << 20, ChunkKind::Overflow).unwrap();
     }
 }
