@@ -282,9 +282,12 @@ impl Ring {
         ring_tuple(&self.ring.handle())
     }
 
-    /// A view of chunk `i`'s data.
+    /// A view of chunk `i`'s data (the whole chunk reserved in /dev/shm first: whoever
+    /// has the view may touch any of it; `MemoryError` when there is no room).
     fn data(&self, i: i64) -> PyResult<ShmView> {
-        let (p, n) = self.ring.data_ptr(self.chunk_index(i)?)?;
+        let i = self.chunk_index(i)?;
+        self.ring.reserve_data(i, self.ring.max_chunk_bytes())?;
+        let (p, n) = self.ring.data_ptr(i)?;
         // SAFETY: data_ptr returns a range inside the mapping, which the Arc keeps alive.
         Ok(unsafe { ShmView::new(self.ring.clone(), p, n) })
     }

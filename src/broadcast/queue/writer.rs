@@ -269,7 +269,9 @@ impl Writer {
     pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
         if let Some(ring) = self.ring.as_mut() {
-            if msg.len() <= ring.ring().max_chunk_bytes() {
+            // A message that fits in a chunk but finds no room in /dev/shm for it goes
+            // over the overflow socket too (see `RingWriter::reserve`).
+            if msg.len() <= ring.ring().max_chunk_bytes() && ring.reserve(msg.len())? {
                 ring.write(msg, wait)?;
             } else {
                 ring.acquire(wait)?;
@@ -352,7 +354,7 @@ impl Writer {
                     }
                 }
             };
-            if total <= ring.ring().max_chunk_bytes() {
+            if total <= ring.ring().max_chunk_bytes() && ring.reserve(total)? {
                 let data = ring.data_mut().expect("acquired");
                 framing::encode(&refs, data);
                 for (r, p) in refs.iter().zip(parts) {
@@ -363,8 +365,8 @@ impl Writer {
                 publish(self.arena.as_ref(), ring);
                 ring.commit(total, ChunkKind::Framed)?;
             } else {
-                // Too large for a chunk even so: the descriptors and the inline parts go
-                // over the overflow socket as frames.
+                // Too large for a chunk even so (or no room in /dev/shm for it): the
+                // descriptors and the inline parts go over the overflow socket as frames.
                 let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
                 let mut next = 1;
                 let over: Vec<PartRef> = refs
@@ -461,6 +463,15 @@ impl Writer {
             .ring
             .as_mut()
             .ok_or_else(|| Error::WrongRole("this queue has no shared-memory ring".into()))?;
+        // The caller may fill the whole chunk: reserve all of it in /dev/shm first.
+        let whole = ring.ring().max_chunk_bytes();
+        if !ring.reserve(whole)? {
+            return Err(Error::NoSpace {
+                name: ring.ring().name().to_owned(),
+                needed: whole as u64,
+                available: crate::segment::shm_free_bytes().unwrap_or(0),
+            });
+        }
         ring.acquire(wait)?;
         Ok(ring.data_mut().expect("acquired"))
     }

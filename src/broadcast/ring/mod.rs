@@ -120,7 +120,9 @@ impl Ring {
         max_chunks: usize,
     ) -> Result<Ring> {
         let geo = Geometry::new(n_reader, max_chunk_bytes, max_chunks)?;
-        let segment = Segment::create(name, geo.total)?;
+        // Sparse: the header, slots and chunk states are reserved now, chunk data as the
+        // writer uses it (see `writer`).
+        let segment = Segment::create_sparse(name, geo.total, geo.data_offset)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
         let probe = LockProbe::open(name);
         let ring = Ring {
