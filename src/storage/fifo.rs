@@ -1,13 +1,28 @@
 //! [`ChunkFifo`]: the segment plus, on the writer, the FIFO allocator: allocating,
 //! freeing oldest first (never a chunk some process pins) and clearing.
+//!
+//! # Memory is committed as it is used
+//! The segment is sparse: its first page (header, published state, secret) is reserved
+//! in `/dev/shm` at creation, the ring as chunks come to be allocated. Chunks are placed
+//! from ring offset 0 on, each at 0 or right after the previous one, so what has been
+//! reserved is a prefix `[0, reserved)` of the ring: before allocating, the writer
+//! reserves up to the end of where the chunk will land (in steps of [`RESERVE_STEP`]),
+//! and a `/dev/shm` without room for it is an [`Error::NoSpace`] before anything moves
+//! (the store frees what readers have finished with and tries again, then raises it as
+//! its `MemoryError`; one warning per process says how to raise `/dev/shm`). Readers
+//! only read chunks the writer allocated, so they never touch an unreserved page.
 
 use std::sync::Arc;
 
-use super::segment::{ChunkHeader, StoreSegment, INVALID_ID};
-use crate::alloc::{Chunk, FifoAllocator, Freed};
+use super::segment::{ChunkHeader, StoreSegment, INVALID_ID, RING_OFFSET};
+use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::segment::unique_name;
 use crate::sync::Ordering;
+
+/// The ring is reserved in `/dev/shm` in steps of this many bytes (or exactly what a
+/// chunk needs when a whole step does not fit).
+pub const RESERVE_STEP: u64 = 1 << 20;
 
 fn writer_only(what: &str) -> Error {
     Error::WrongRole(format!("Only the writer can {what}."))
@@ -30,6 +45,8 @@ pub(super) struct RingWriter {
     cleared_end_offset: u64,
     /// Ring bytes `[0, overwritten)` written since the last clear.
     pub(super) overwritten: u64,
+    /// Ring bytes `[0, reserved)` reserved in `/dev/shm` (see the module docs).
+    reserved: u64,
 }
 
 impl ChunkFifo {
@@ -44,6 +61,7 @@ impl ChunkFifo {
                 cleared_readable: false,
                 cleared_end_offset: 0,
                 overwritten: 0,
+                reserved: 0,
             }),
         })
     }
@@ -90,8 +108,27 @@ impl ChunkFifo {
             .writer
             .as_mut()
             .ok_or_else(|| writer_only("allocate buffers"))?;
+        let mut data_bytes_at = data_bytes_at;
+        // Where the chunk will land (the allocator's placement: after the newest chunk,
+        // or at 0 when it does not fit before the end), reserved before anything moves.
+        let capacity = segment.capacity();
+        let at = w.alloc.end() % capacity;
+        let size = data_bytes_at(at).saturating_add(HEADER_BYTES);
+        let lands_end = if at.saturating_add(size) > capacity {
+            data_bytes_at(0).saturating_add(HEADER_BYTES)
+        } else {
+            at + size
+        };
+        // A chunk larger than the ring is the allocator's error (Full), not ours.
+        reserve_ring(segment, &mut w.reserved, lands_end.min(capacity))?;
         let chunk = w.alloc.allocate_with(data_bytes_at)?;
         let end = chunk.offset(segment.capacity()) + chunk.size as u64;
+        if end > w.reserved {
+            // The placement above is the allocator's; should it ever differ, the chunk
+            // is still reserved before it is written (an error leaves it unwritten, to
+            // be freed in turn).
+            reserve_ring(segment, &mut w.reserved, end)?;
+        }
         if w.cleared_readable && end > w.overwritten {
             // The chunk covers bytes of chunks live at the last clear: say so before
             // writing them (`publish` orders this before the writes below).
@@ -112,6 +149,11 @@ impl ChunkFifo {
         // The header is written before the new id is published.
         segment.publish_ids(&w.alloc);
         Ok(chunk)
+    }
+
+    /// Ring bytes reserved in `/dev/shm` so far (writer; 0 on readers).
+    pub fn reserved(&self) -> u64 {
+        self.writer.as_ref().map_or(0, |w| w.reserved)
     }
 
     /// Free chunks oldest first while `is_free(id, data)` and fewer than `nbytes` bytes
@@ -221,4 +263,31 @@ impl ChunkFifo {
         segment.wait_for_counting_readers();
         Ok(())
     }
+}
+
+/// Reserve ring bytes up to `end` in `/dev/shm` (`*reserved` is how far they are): a
+/// step at a time, or exactly to `end` when a step does not fit; [`Error::NoSpace`] if
+/// even that does not.
+fn reserve_ring(segment: &StoreSegment, reserved: &mut u64, end: u64) -> Result<()> {
+    if end <= *reserved {
+        return Ok(());
+    }
+    let capacity = segment.capacity();
+    let step = end.max(reserved.saturating_add(RESERVE_STEP)).min(capacity);
+    let mut last = Ok(());
+    for target in [step, end] {
+        let (from, len) = (*reserved, target - *reserved);
+        last = segment
+            .segment
+            .reserve_range(RING_OFFSET + from as usize, len as usize);
+        match last {
+            Ok(()) => {
+                *reserved = target;
+                return Ok(());
+            }
+            Err(Error::NoSpace { .. }) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    last
 }

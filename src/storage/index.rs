@@ -12,6 +12,7 @@ use super::segment::{
 };
 use crate::alloc::{Chunk, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
+use crate::segment::warn_shm_too_small;
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
 /// (the count, the frame and the other parts: the pickle or msgpack stream and small
@@ -238,10 +239,20 @@ impl ObjectStore {
         ring: &mut ChunkFifo,
         size_at: impl Fn(u64) -> u64 + Copy,
     ) -> Result<(Chunk, ChunkHeader)> {
+        // Full, or no room in /dev/shm for where the chunk lands: free what every reader
+        // has finished with (when everything goes, the ring restarts at 0, in memory
+        // already reserved) and try once more.
         let chunk = match ring.allocate_with(size_at) {
-            Err(Error::Full(_)) => {
+            Err(Error::Full(_) | Error::NoSpace { .. }) => {
                 self.free_unused(ring)?;
-                ring.allocate_with(size_at)?
+                ring.allocate_with(size_at).inspect_err(|e| {
+                    if matches!(e, Error::NoSpace { .. }) {
+                        warn_shm_too_small(
+                            "the object store cannot grow into the rest of its ring, and a put \
+                             that finds no room raises MemoryError",
+                        );
+                    }
+                })?
             }
             other => other?,
         };

@@ -197,7 +197,8 @@ impl StoreSegment {
                 Error::InvalidArgument(format!("data_buffer_size {capacity} is too large"))
             })?;
         let secret = crate::random::random_bytes::<SECRET_BYTES>("the store's signing secret")?;
-        let segment = Segment::create(name, total)?;
+        // Sparse: the first page now, the ring as it is used (see `super::fifo`).
+        let segment = Segment::create_sparse(name, total, RING_OFFSET)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
         // SAFETY: the segment is new, page-aligned and longer than RING_OFFSET; nobody
         // else uses it before the magic is stored below (an opener refuses it until then).

@@ -373,3 +373,30 @@ fn a_reader_dead_in_its_counting_window_is_waited_for_once() {
     put_and_free("d");
     assert_eq!(seg.counting_floor(), (0, 1));
 }
+
+#[test]
+fn the_ring_is_reserved_in_dev_shm_as_it_is_used() {
+    use std::os::unix::fs::MetadataExt;
+    let (mut ring, mut s) = store(256 << 20, 64 << 20, 1);
+    let allocated = |ring: &ChunkFifo| {
+        std::fs::metadata(format!("/dev/shm/{}", ring.segment().name()))
+            .unwrap()
+            .blocks()
+            * 512
+    };
+    assert!(allocated(&ring) <= 4096, "{}", allocated(&ring));
+    for i in 0..100 {
+        s.put(&mut ring, &format!("k{i}"), &[b"small"], 1).unwrap();
+    }
+    assert_eq!(ring.reserved(), fifo::RESERVE_STEP);
+    assert!(
+        allocated(&ring) <= 4096 + fifo::RESERVE_STEP,
+        "{}",
+        allocated(&ring)
+    );
+    let big = vec![3u8; 3 << 20];
+    let (a, i) = s.put(&mut ring, "big", &[&big], 1).unwrap();
+    let end = ring.allocator().unwrap().end();
+    assert!(ring.reserved() >= end && ring.reserved() <= end + fifo::RESERVE_STEP);
+    assert_eq!(read_all(ring.segment(), a, i, false).unwrap(), vec![big]);
+}
