@@ -86,6 +86,9 @@ fn env_usize(name: &str) -> Option<usize> {
 
 /// The arena size a queue gets unless told otherwise: [`ARENA_BYTES_ENV`], else
 /// [`DEFAULT_CAPACITY`].
+/// How long after a failed reservation (a full `/dev/shm`) the arena tries again.
+const RESERVE_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 pub fn default_capacity() -> usize {
     env_usize(ARENA_BYTES_ENV).unwrap_or(DEFAULT_CAPACITY)
 }
@@ -284,8 +287,10 @@ pub struct ArenaWriter {
     outstanding: Vec<Outstanding>,
     /// Bytes of the data region reserved in `/dev/shm` so far (from its start).
     reserved: usize,
-    /// Set once reserving failed (full `/dev/shm`): no more growth is tried.
-    reserve_failed: bool,
+    /// When reserving last failed (a full `/dev/shm`): growth is tried again only after
+    /// [`RESERVE_RETRY`], not on every part (a failed `posix_fallocate` costs as much as
+    /// one that works).
+    reserve_failed_at: Option<std::time::Instant>,
     fallbacks: u64,
     /// Live loans by address in this process: start → (end, lease).
     loans: BTreeMap<usize, (usize, u32)>,
@@ -336,7 +341,7 @@ impl ArenaWriter {
             free_leases: (0..geo.max_leases as u32).rev().collect(),
             outstanding: Vec::new(),
             reserved: 0,
-            reserve_failed: false,
+            reserve_failed_at: None,
             fallbacks: 0,
             loans: BTreeMap::new(),
             is_loan: vec![false; geo.max_leases],
@@ -449,22 +454,38 @@ impl ArenaWriter {
         if end <= self.reserved {
             return true;
         }
-        if self.reserve_failed {
+        if self
+            .reserve_failed_at
+            .is_some_and(|t| t.elapsed() < RESERVE_RETRY)
+        {
             return false;
         }
-        // Grow in steps of at least 64 MiB (or to the end) to keep the syscalls rare.
-        let target = end
+        // Grow in steps of at least 64 MiB (or to the end) to keep the syscalls rare; where
+        // a step does not fit (a small `/dev/shm`), exactly what this part needs.
+        let step = end
             .max(self.reserved.saturating_add(64 << 20))
             .min(self.map.geo.capacity);
-        match self.grow_reservation(end, target) {
-            Ok(()) => true,
+        let grown = self.grow_reservation(end, step).or_else(|e| {
+            if step > end {
+                self.grow_reservation(end, end)
+            } else {
+                Err(e)
+            }
+        });
+        match grown {
+            Ok(()) => {
+                self.reserve_failed_at = None;
+                true
+            }
             Err(e) => {
-                log::warn!(
-                    "shmq: cannot reserve more of tensor arena {} ({e}); large parts are copied \
-                     through the queue instead",
-                    self.name()
-                );
-                self.reserve_failed = true;
+                if self.reserve_failed_at.is_none() {
+                    log::warn!(
+                        "shmq: cannot reserve more of tensor arena {} ({e}); large parts are \
+                         copied through the queue instead until there is room",
+                        self.name()
+                    );
+                }
+                self.reserve_failed_at = Some(std::time::Instant::now());
                 false
             }
         }
