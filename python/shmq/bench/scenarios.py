@@ -259,8 +259,10 @@ def _bench_consume(harness: Harness, transport: Transport, params: Params, *, nb
     path = f"/dev/shm/shmq-bench-consume-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-        os.close(fd)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
         channels = (harness.channel(transport, 1),)
         kwargs = {"n": params.consume_messages, "warmup": 3, "nbytes": nbytes, "path": path, "lib": params.arrays}
         jobs = [Job(_role_consume_writer, channels, kwargs), Job(_role_consume_reader, channels, kwargs)]
