@@ -97,9 +97,11 @@ def test_queue_carries_small_and_4mib_messages_in_64mib(sizes):
     _check_readers(got, got["sent"])
     assert got["shm_total"] == 64 << 20
     assert got["ring_bytes"] > got["shm_total"] or sizes == "defaults"
-    # Nothing had to fall back: there was room for all of it.
+    # Nothing had to fall back: there was room for all of it (the tensors in the arena,
+    # which reserves what a part needs where its 64 MiB step does not fit).
     assert got["warnings"] == 0, got
     assert got["overflow_count"] == 0, got
+    assert got["arena_fallbacks"] == 0, got
 
 
 @pytest.mark.timeout(300)
@@ -253,6 +255,7 @@ def run_queue(sizes: str, fill: bool) -> dict:
         "shm_total": _shm_total(),
         "overflow_count": overflow_at_fill_end if fill else ring.ring.overflow_count,
         "overflow_after_room": ring.ring.overflow_count,
+        "arena_fallbacks": mq.arena_fallbacks,
         "warnings": len(warnings.texts),
         "warning_texts": warnings.texts,
     }
