@@ -108,6 +108,21 @@ pub enum Error {
     #[error("{}", dead_writer_message(*pid, None))]
     DeadWriter { pid: u32 },
 
+    /// A call on a queue writer that was shut down (its `shutdown()`, or the writer
+    /// closed): it sends nothing more. Also how an `enqueue` blocked in another thread
+    /// ends when the writer is shut down.
+    #[error(
+        "the queue was shut down: this writer's shutdown() was called (or the writer was \
+         closed), so it sends no more messages"
+    )]
+    ShutDown,
+
+    /// The writer shut the queue down (its `shutdown()`, or its normal end): the reader
+    /// has received every message sent before, and no more will come. Not a death: see
+    /// [`Error::DeadWriter`] (see [`Error::naming_queue`]).
+    #[error("{}", writer_shut_down_message(None))]
+    WriterShutDown,
+
     /// A worker process (see `workers`) exited before it was ready, or failed while it
     /// ran: a non-zero exit `code` or a `signal`.
     #[error("{}", worker_died_message(*rank, *pid, *code, *signal, *before_ready, stderr_tail))]
@@ -203,6 +218,15 @@ fn dead_writer_message(pid: u32, queue: Option<&str>) -> String {
     format!("the writer (pid {pid}) died; no more messages will come{on_queue}")
 }
 
+/// The message of [`Error::WriterShutDown`], naming the queue (its ring segment) if known.
+fn writer_shut_down_message(queue: Option<&str>) -> String {
+    let of_queue = queue.map_or_else(String::new, |q| format!(" of queue '{q}'"));
+    format!(
+        "the writer{of_queue} shut down: every message it sent before has been received, and \
+         no more will come"
+    )
+}
+
 /// vLLM 0.33's message for a missing or invalid handle signature ("Missing SHM handle
 /// signature for cache key", which its callers and tests match), then which key (as the
 /// caller wrote it, e.g. a Python repr; `None` when no key was given) and what was wrong.
@@ -288,7 +312,8 @@ impl Error {
         move |source| Error::Transport { context, source }
     }
 
-    /// For a peer's death ([`Error::DeadReader`], [`Error::DeadWriter`]), the message
+    /// For a peer's death ([`Error::DeadReader`], [`Error::DeadWriter`]) or the writer's
+    /// end ([`Error::WriterShutDown`]), the message
     /// naming the queue whose ring segment is `queue`; `None` for other errors. The ring
     /// that reports a death names only the peer, but a process may hold several queues.
     pub fn naming_queue(&self, queue: &str) -> Option<String> {
@@ -297,6 +322,7 @@ impl Error {
                 Some(dead_reader_message(reader, pid, chunk, Some(queue)))
             }
             Error::DeadWriter { pid } => Some(dead_writer_message(pid, Some(queue))),
+            Error::WriterShutDown => Some(writer_shut_down_message(Some(queue))),
             _ => None,
         }
     }

@@ -24,6 +24,10 @@
 //! messages stay cheap). Messages are authenticated, not encrypted: a network where
 //! eavesdropping matters needs a tunnel (WireGuard, SSH) under it.
 //!
+//! - The writer's end (its `shutdown()` or its normal end) is a last message of its own
+//!   kind, CLOSED, with the next sequence number and a MAC: a reader that takes it has
+//!   every message before it and then fails with [`Error::WriterShutDown`].
+//!
 //! Frames, writer to reader: `[header, frame 1, ..]`, `header` =
 //! `"SQM1" | kind u8 | 3 zero bytes | seq u64 | session [16] | mac [32]` (64 bytes).
 //! Reader to writer: one frame, `"SQH1" | rank u64 | nonce [16] | mac [32]`.
@@ -45,6 +49,7 @@ const KIND_DATA: u8 = 0;
 const KIND_WELCOME: u8 = 1;
 const KIND_READY: u8 = 2;
 const KIND_REFUSED: u8 = 3;
+const KIND_CLOSED: u8 = 4;
 /// How long closing the writer's socket may still flush queued messages.
 const LINGER_MS: i32 = 1000;
 
@@ -392,6 +397,37 @@ impl RemoteWriter {
         Ok(())
     }
 
+    /// Tell every reader still sent to that the stream ends here (the CLOSED message, see
+    /// the module docs), waiting at most `grace` for room in a full reader's queue; a
+    /// reader not reached by then (or gone) is skipped. Sent, it is flushed when the
+    /// socket closes (within its linger time).
+    pub fn close(&mut self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        self.seq += 1;
+        let m = mac(
+            &self.key,
+            b"closed",
+            &[&self.session, &self.seq.to_le_bytes()],
+        );
+        let h = header(KIND_CLOSED, self.seq, &self.session, &m);
+        for k in 0..self.peers.len() {
+            if self.peers[k].dropped {
+                continue;
+            }
+            while let Err(zmq::Error::EAGAIN) = self.send_to(k, &h, &[]) {
+                if Instant::now() >= deadline {
+                    log::warn!(
+                        "shmq: remote reader rank {} did not take the writer's last message \
+                         within {grace:?}; it will see the writer go instead",
+                        self.peers[k].rank
+                    );
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+
     fn send_to(&self, k: usize, h: &[u8], frames: &[&[u8]]) -> std::result::Result<(), zmq::Error> {
         // The identity frame is where a full queue shows (EAGAIN): nothing of this
         // message has been queued then. Once it is accepted, the rest follows.
@@ -425,6 +461,8 @@ pub struct RemoteReader {
     /// Whether the writer's start message came: it comes once, and a second one (a
     /// replayed recording, which would rewind `seq`) is refused.
     started: bool,
+    /// The writer's CLOSED message came: every call fails with `WriterShutDown` now.
+    closed: bool,
 }
 
 impl std::fmt::Debug for RemoteReader {
@@ -475,6 +513,7 @@ impl RemoteReader {
             session: None,
             seq: 0,
             started: false,
+            closed: false,
         })
     }
 
@@ -549,6 +588,21 @@ impl RemoteReader {
                 self.seq = seq;
                 Ok(Some(frames))
             }
+            (KIND_CLOSED, Some(s)) if s == session => {
+                let want = mac(&self.key, b"closed", &[&session, &seq.to_le_bytes()]);
+                if !mac_eq(&want, got_mac) {
+                    return Err(self.refuse("a closing message failed authentication"));
+                }
+                if seq <= self.seq || (self.started && seq != self.seq + 1) {
+                    return Err(self.refuse(&format!(
+                        "the closing message {seq} arrived after message {}: messages were lost (a slow reader dropped by the writer?)",
+                        self.seq
+                    )));
+                }
+                self.seq = seq;
+                self.closed = true;
+                Err(Error::WriterShutDown)
+            }
             _ => Err(self.refuse(
                 "a message of another session arrived (is another process using the writer's port?)",
             )),
@@ -578,6 +632,9 @@ impl RemoteReader {
 
     /// The next message (its frames, authenticated), if one has arrived.
     pub fn try_recv_frames(&mut self) -> Result<Option<Vec<zmq::Message>>> {
+        if self.closed {
+            return Err(Error::WriterShutDown);
+        }
         while let Some(raw) = self.try_recv_raw()? {
             match self.accept(raw)? {
                 Some(frames) if !frames.is_empty() => return Ok(Some(frames)),
@@ -604,6 +661,9 @@ impl RemoteReader {
     /// Wait until the writer accepted this reader and said start.
     pub fn wait_ready(&mut self, wait: &mut Wait) -> Result<()> {
         loop {
+            if self.closed {
+                return Err(Error::WriterShutDown);
+            }
             while let Some(raw) = self.try_recv_raw()? {
                 match self.accept(raw)? {
                     Some(frames) if frames.is_empty() => return Ok(()),
@@ -684,7 +744,32 @@ mod tests {
             session: Some(session),
             seq: 0,
             started: false,
+            closed: false,
         }
+    }
+
+    #[test]
+    fn the_closing_message_ends_the_stream_and_a_forged_one_is_refused() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let session = [5; 16];
+        let mut r = reader_in_session(&ctx, key, session);
+        let closed = |key: &[u8; 32], seq: u64| {
+            let m = mac(key, b"closed", &[&session, &seq.to_le_bytes()]);
+            vec![zmq::Message::from(
+                &header(KIND_CLOSED, seq, &session, &m)[..],
+            )]
+        };
+        // Wrong key: refused as a stranger's, not taken as the end.
+        let e = r.accept(closed(&[9; 32], 1)).unwrap_err();
+        assert!(matches!(e, Error::Remote(_)), "{e}");
+        assert!(!r.closed);
+        // The real one: the end, and from then on every receive says so.
+        let e = r.accept(closed(&key, 1)).unwrap_err();
+        assert!(matches!(e, Error::WriterShutDown), "{e}");
+        assert!(matches!(r.try_recv_frames(), Err(Error::WriterShutDown)));
+        // A replay of it cannot rewind the stream.
+        assert!(matches!(r.accept(closed(&key, 1)), Err(Error::Remote(_))));
     }
 
     #[test]

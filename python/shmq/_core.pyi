@@ -28,6 +28,7 @@ __all__ = [
     "remove_orphans",
     "describe_segment",
     "PeerDiedError",
+    "QueueShutDownError",
     "segment_prefix",
     "CHUNK_HEADER_BYTES",
     "ID_MAX",
@@ -90,6 +91,10 @@ _SegmentReport = tuple[str, int, str, Optional[int], Literal["alive", "dead", "u
 
 class PeerDiedError(RuntimeError):
     """A process on the other side of a queue died."""
+
+class QueueShutDownError(RuntimeError):
+    """The queue was shut down by its writer: raised by the writer's later calls, and by
+    a reader's dequeue once it has received every message sent before."""
 
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
@@ -192,6 +197,8 @@ class Writer:
     def acquire_write(self, timeout: Optional[float] = None) -> ShmView: ...
     def commit_write(self) -> None: ...
     def shutdown(self) -> None: ...
+    @property
+    def shutting_down(self) -> bool: ...
 
 @final
 class Reader:

@@ -3,6 +3,11 @@
 These keep the names, signatures and errors of the engines' classes (vLLM's
 ``shm_broadcast``), so code written for those works unchanged. The work happens in
 Rust (``shmq._core``); this module pickles objects and shapes the API.
+
+Where shmq says more than the engines: the writer's ``shutdown()`` (or its normal end,
+also at interpreter exit) ends the queue, and readers get every message sent before it
+and then ``QueueShutDownError`` instead of waiting forever (see ``MessageQueue``);
+``PeerDiedError`` when the other side died instead.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, NoReturn, Optional, cast
 
 from . import _core, _oob
-from ._cleanup import track
+from ._cleanup import track, track_writer
 from ._loans import loan_memory, loaned_array, loaned_tensor
 
-__all__ = ["Handle", "MessageQueue", "PeerDiedError", "ShmRingBuffer", "sched_yield"]
+__all__ = ["Handle", "MessageQueue", "PeerDiedError", "QueueShutDownError", "ShmRingBuffer", "sched_yield"]
 
 PeerDiedError = _core.PeerDiedError
+QueueShutDownError = _core.QueueShutDownError
 
 _dumps = _oob.dumps
 _loads = pickle.loads
@@ -229,6 +235,15 @@ class MessageQueue:
       needs, the writer raises ``PeerDiedError`` naming it (``"raise"``, the default) or
       goes on without it (``"drop"``). A reader whose writer died raises
       ``PeerDiedError`` too, instead of waiting forever.
+    - The writer's ``shutdown()``, and its normal end (the object dropped, or the
+      interpreter exiting), end the queue: the writer's later calls, and one blocked in
+      another thread, raise ``QueueShutDownError`` (a ``RuntimeError``); every reader,
+      local or remote, gets every message sent before and then ``QueueShutDownError``
+      from ``dequeue`` (not a timeout, not a hang; ``PeerDiedError`` means the writer
+      died without ending the queue). It never waits for room in the ring: local readers
+      learn it from the writer's slot in the ring, remote ones from a last message on
+      their stream (sent within 1 s). A reader's own ``shutdown()`` (or ``cancel``)
+      still ends its blocked calls with ``RuntimeError("cancelled")``.
     - Large tensors and arrays (protocol-5 out-of-band buffers of at least
       ``arena_threshold`` bytes, default 1 MiB, ``SHMQ_ARENA_THRESHOLD``) are copied once
       into a *tensor arena* beside the ring (``arena_bytes``, default 1 GiB of address
@@ -332,6 +347,7 @@ class MessageQueue:
             n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks, connect_ip, **options
         )
         self.handle = Handle(**self._writer.handle())
+        track_writer(self._writer)  # its readers hear of its end, also at exit
         # vLLM 0.33's opt-in arena flag: accepted (shmq's own arena is on unless
         # arena_bytes=0; its views are private, so vLLM's reason to keep it off is gone).
         self.enable_shm_tensor_arena = bool(enable_shm_tensor_arena)
@@ -467,7 +483,9 @@ class MessageQueue:
 
     def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
         """The next object. ``TimeoutError`` after ``timeout`` seconds;
-        ``RuntimeError("cancelled")`` once ``cancel`` is set or ``shutdown()`` is called.
+        ``RuntimeError("cancelled")`` once ``cancel`` is set or this reader's
+        ``shutdown()`` is called; ``QueueShutDownError`` once the writer shut the queue
+        down and every message it sent before has been received.
         ``indefinite=True`` waits without logging "still waiting" warnings. vLLM 0.33's
         signature is ``dequeue(timeout, indefinite)``: a bool in second place is taken
         as ``indefinite`` (a cancel event is never a bool)."""
@@ -599,8 +617,10 @@ class MessageQueue:
             self._reader.finish_read()
 
     def shutdown(self) -> None:
-        """Wake calls blocked in this process with ``RuntimeError("cancelled")``; safe to
-        call from another thread."""
+        """Safe to call from another thread. A reader: wake its calls blocked in this
+        process with ``RuntimeError("cancelled")``. The writer: shut the queue down (see
+        the class docs): its later calls, and those blocked now, raise
+        ``QueueShutDownError``, and readers get it after the messages sent before."""
         self.shutting_down = True
         side = self._reader or self._writer
         if side is not None:

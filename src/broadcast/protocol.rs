@@ -89,6 +89,9 @@ pub fn finish_read(f: &impl ChunkFlags, r: usize) {
 pub const SLOT_ATTACHED: u32 = 1;
 pub const SLOT_DROPPED: u32 = 2;
 pub const SLOT_ATTACHING: u32 = 3;
+/// The writer's slot only: the writer shut the queue down after its last message
+/// (see [`slot_close`]).
+pub const SLOT_CLOSED: u32 = 4;
 
 /// The state part of a slot word.
 pub fn slot_state(word: u64) -> u32 {
@@ -149,6 +152,24 @@ pub fn slot_read<T>(word: &AtomicU64, read: impl FnOnce() -> T) -> Option<(u64, 
     fence(Ordering::Acquire);
     // Relaxed: ordered by the fence.
     (word.load(Ordering::Relaxed) == before).then_some((before, fields))
+}
+
+/// The writer shuts the queue down: every chunk it will ever publish is published. A
+/// reader that finds nothing to read and then sees [`slot_is_closed`] polls once more
+/// (to take a chunk published just before) and then knows the stream has ended.
+pub fn slot_close(word: &AtomicU64) {
+    // Release: pairs with the Acquire load in `slot_is_closed`; the `written = 1` stores
+    // of every chunk published before (program order in the one writer) are visible to a
+    // reader that sees CLOSED. A plain store: only the writer changes its own slot once
+    // attached, so there is no other store to lose; the generation is kept.
+    let w = word.load(Ordering::Relaxed);
+    word.store(slot_word((w >> 32) as u32, SLOT_CLOSED), Ordering::Release);
+}
+
+/// Whether the writer's slot says the writer shut the queue down (see [`slot_close`]).
+pub fn slot_is_closed(word: &AtomicU64) -> bool {
+    // Acquire: pairs with the Release store in `slot_close`.
+    slot_state(word.load(Ordering::Acquire)) == SLOT_CLOSED
 }
 
 /// Drop a slot whose holder was judged dead when its word was `seen`. Fails (returns

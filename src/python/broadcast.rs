@@ -312,8 +312,9 @@ impl Ring {
     }
 }
 
-/// The writing side of a queue.
-#[pyclass(module = "shmq._core", frozen)]
+/// The writing side of a queue (weakly referenced by `shmq._cleanup`, which shuts it
+/// down at exit).
+#[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct Writer {
     inner: BindingLock<CoreWriter>,
     canceller: Canceller,
@@ -558,9 +559,23 @@ impl Writer {
         Ok(self.writer(py)?.commit_write()?)
     }
 
-    /// Make this writer's blocked calls raise `RuntimeError("cancelled")`.
-    fn shutdown(&self) {
+    /// Shut the queue down: this writer's calls, also those blocked in other threads,
+    /// raise `QueueShutDownError` from now on, and every reader gets it after the messages
+    /// sent before (see `CoreWriter::close`). Safe from any thread; never waits for room.
+    fn shutdown(&self, py: Python<'_>) {
+        // First the flag, so that a call blocked in another thread ends and lets go of
+        // the writer's lock; then tell the readers, under that lock.
         self.canceller.cancel();
+        if let Ok(mut w) = self.writer(py) {
+            let w = &mut *w;
+            py.detach(|| w.close());
+        }
+    }
+
+    /// Whether `shutdown()` was called (or the writer closed).
+    #[getter]
+    fn shutting_down(&self) -> bool {
+        self.canceller.is_cancelled()
     }
 }
 

@@ -15,6 +15,13 @@ pyo3::create_exception!(
     "A process on the other side of a queue died (a reader the writer waits for, or the writer a reader waits for)."
 );
 
+pyo3::create_exception!(
+    shmq,
+    QueueShutDownError,
+    pyo3::exceptions::PyRuntimeError,
+    "The queue was shut down by its writer (shutdown(), or the writer's normal end): raised by the writer's later calls, and by a reader's dequeue once it has received every message sent before. Not a death (that is PeerDiedError)."
+);
+
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         let msg = err.to_string();
@@ -40,6 +47,7 @@ impl From<Error> for PyErr {
             Error::Os { .. } | Error::Transport { .. } => PyOSError::new_err(msg),
             Error::Remote(_) => PyConnectionError::new_err(msg),
             Error::DeadReader { .. } | Error::DeadWriter { .. } => PeerDiedError::new_err(msg),
+            Error::ShutDown | Error::WriterShutDown => QueueShutDownError::new_err(msg),
         }
     }
 }

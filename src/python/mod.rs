@@ -11,7 +11,7 @@
 //!   encoder-cache hand-off (`shmq.encoder_cache`);
 //! - `list_segments()`, `remove_orphans()`, `describe_segment()`: cleanup and inspection;
 //! - `remove_created()`: the exit hook's removal of what this process created;
-//! - `default_connect_ip()`, `segment_prefix`, `PeerDiedError`.
+//! - `default_connect_ip()`, `segment_prefix`, `PeerDiedError`, `QueueShutDownError`.
 
 mod admin;
 mod broadcast;
@@ -54,6 +54,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(admin::remove_orphans, m)?)?;
     m.add_function(wrap_pyfunction!(admin::describe_segment, m)?)?;
     m.add("PeerDiedError", m.py().get_type::<errors::PeerDiedError>())?;
+    m.add(
+        "QueueShutDownError",
+        m.py().get_type::<errors::QueueShutDownError>(),
+    )?;
     m.add("segment_prefix", crate::segment::NAME_PREFIX)?;
     // The store's layout constants, for the Python classes that show vLLM's names for
     // them (`RingBuffer.MD_SIZE`, `ID_MAX`, ...): defined once, in the core.

@@ -6,6 +6,15 @@
 //! writer publishes it *before* committing the mark, so a reader that sees the mark
 //! finds the message already on its way. Remote readers get every message over TCP.
 //!
+//! The writer's end ([`Writer::close`]: `shutdown()`, or the writer dropped) is told to
+//! every reader after its last message, without needing room in the ring: the writer's
+//! slot in the ring header turns CLOSED (see `protocol::slot_close`), which a local
+//! reader looks at when it finds no chunk to read — it polls once more, then fails with
+//! [`Error::WriterShutDown`] — and remote readers get a last authenticated CLOSED message
+//! on their stream (see [`crate::remote`]). A writer that dies without it is seen as dead
+//! ([`Error::DeadWriter`]) instead. The writer's own calls fail with [`Error::ShutDown`]
+//! from then on, also one blocked in another thread (the canceller is set first).
+//!
 //! Files: `options` (how a writer is made), `handle` (what a reader needs to join),
 //! `cancel` (ending blocked calls from another thread), `writer` and `reader`.
 

@@ -5,6 +5,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::super::framing::{self, PartRef};
 use super::super::ring::{ChunkInfo, ChunkKind, Ring, RingReader};
@@ -27,6 +28,10 @@ enum Source {
         sub: RemoteReader,
     },
 }
+
+/// How long a local reader still waits for the writer's go-ahead after it saw the writer
+/// shut down: a go-ahead sent just before may still be on its way over the socket.
+const READY_GRACE: Duration = Duration::from_secs(1);
 
 /// A message as a reader takes it: plain bytes, or a message of several parts (a body
 /// and the buffers it refers to, see [`Writer::enqueue_parts`](super::Writer::enqueue_parts)).
@@ -349,7 +354,16 @@ impl Reader {
         match &mut self.source {
             Source::Local { overflow, ring, .. } => {
                 let ring = ring.ring().clone();
-                overflow.wait_ready(wait, &mut || RingReader::check_writer(&ring))?;
+                let mut closed_since: Option<Instant> = None;
+                overflow.wait_ready(wait, &mut || {
+                    if ring.writer_closed() {
+                        let since = *closed_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() >= READY_GRACE {
+                            return Err(Error::WriterShutDown);
+                        }
+                    }
+                    RingReader::check_writer(&ring)
+                })?;
             }
             // A remote writer's liveness cannot be checked from here.
             Source::Remote { sub } => sub.wait_ready(wait)?,

@@ -183,3 +183,70 @@ fn wait_until_ready_a_second_time_returns_at_once_on_every_side() {
         w.enqueue(b"m", Some(Duration::from_secs(10))).unwrap();
     });
 }
+
+#[test]
+fn close_ends_the_writer_and_readers_get_everything_then_the_end() {
+    // Two chunks and one message over the overflow socket left in the ring when the
+    // writer closes; a local and a remote reader, both blocked without a timeout.
+    let mut w = Writer::new(QueueOptions {
+        n_reader: 2,
+        n_local_reader: 1,
+        max_chunk_bytes: 64,
+        max_chunks: 3,
+        arena_bytes: 0,
+        connect_ip: Some("127.0.0.1".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let h = w.handle().clone();
+    let msgs: Vec<Vec<u8>> = vec![b"a".to_vec(), vec![7; 500], b"c".to_vec()];
+    std::thread::scope(|s| {
+        for rank in [0, 1] {
+            let h = h.clone();
+            let msgs = msgs.clone();
+            s.spawn(move || {
+                let mut r = Reader::open(&h, rank).unwrap();
+                r.wait_until_ready(Some(Duration::from_secs(10))).unwrap();
+                for m in &msgs {
+                    assert_eq!(&r.dequeue(None).unwrap(), m);
+                }
+                for _ in 0..2 {
+                    let e = r.dequeue(None).unwrap_err();
+                    assert!(matches!(e, Error::WriterShutDown), "rank {rank}: {e}");
+                }
+            });
+        }
+        w.wait_until_ready(Some(Duration::from_secs(10))).unwrap();
+        for m in &msgs {
+            w.enqueue(m, Some(Duration::from_secs(10))).unwrap();
+        }
+        w.close();
+        assert!(w.is_shut_down());
+        let e = w
+            .enqueue(b"late", Some(Duration::from_secs(1)))
+            .unwrap_err();
+        assert!(matches!(e, Error::ShutDown), "{e}");
+    });
+}
+
+#[test]
+fn a_cancelled_writer_says_it_was_shut_down() {
+    let mut w = Writer::new(QueueOptions {
+        max_chunk_bytes: 64,
+        max_chunks: 1,
+        arena_bytes: 0,
+        ..QueueOptions::local(1)
+    })
+    .unwrap();
+    let _r = Reader::open(w.handle(), 0).unwrap(); // never reads
+    w.enqueue(b"fills the ring", None).unwrap();
+    let canceller = w.canceller();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            canceller.cancel();
+        });
+        let e = w.enqueue(b"blocked", None).unwrap_err();
+        assert!(matches!(e, Error::ShutDown), "{e}");
+    });
+}

@@ -4,6 +4,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::super::framing::{self, PartRef};
 use super::super::ring::{ChunkKind, Ring, RingWriter};
@@ -18,6 +19,9 @@ use crate::wait::{Wait, WaitPolicy, WaitSpec};
 /// What the writer's waits are for, in warnings and timeout errors.
 const WAITING_FOR_SUBSCRIBERS: &str = "the writer waiting for every reader to subscribe";
 const WAITING_FOR_A_CHUNK: &str = "the writer waiting for readers to free a chunk";
+/// How long shutting down may wait to tell remote readers (a full send queue); local
+/// readers are told through the ring without waiting.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// Where each part of a message goes for local readers: the body and small parts inline,
 /// parts inside a loan by reference, other large parts copied into the arena when it has
@@ -68,7 +72,10 @@ pub struct Writer {
     handle: Handle,
     overflow_count: u64,
     policy: WaitPolicy,
+    /// Set by `shutdown()` (from any thread): this writer's calls fail from then on.
     canceller: Canceller,
+    /// The readers have been told that the queue is shut down ([`Writer::close`]).
+    closed: bool,
     // Declared last so the sockets above close before their context terminates.
     _ctx: LeakInChild<zmq::Context>,
 }
@@ -173,8 +180,53 @@ impl Writer {
                 .wait
                 .unwrap_or_else(|| WaitPolicy::for_processes(opts.n_local_reader + 1)),
             canceller,
+            closed: false,
             _ctx: LeakInChild::new(ctx),
         })
+    }
+
+    /// Shut the queue down: this writer's calls fail with [`Error::ShutDown`] from now
+    /// on (also calls blocked in other threads: see [`Canceller`]), and every reader,
+    /// after the messages sent before, gets [`Error::WriterShutDown`]. Local readers learn
+    /// it from the writer's slot in the ring (no chunk needed, so this never waits for
+    /// room); remote readers from a closing message on the stream, sent within
+    /// `CLOSE_GRACE` (1 s; a reader whose queue stays full that long sees the writer go
+    /// instead). Runs when the writer is dropped too. Nothing in a forked child, which
+    /// does not own its parent's writer.
+    pub fn close(&mut self) {
+        if self.closed || fork::is_inherited(self._ctx.made_in()) {
+            return;
+        }
+        self.closed = true;
+        self.canceller.cancel();
+        if let Some(ring) = self.ring.as_ref() {
+            ring.ring().close_writer();
+        }
+        if let Some(remote) = self.remote.as_mut() {
+            remote.close(CLOSE_GRACE);
+        }
+    }
+
+    /// Whether the writer was shut down (`shutdown()` from any thread, or [`close`](Self::close)).
+    pub fn is_shut_down(&self) -> bool {
+        self.closed || self.canceller.is_cancelled()
+    }
+
+    /// [`Error::ShutDown`] once the writer was shut down.
+    fn check_open(&self) -> Result<()> {
+        if self.is_shut_down() {
+            return Err(Error::ShutDown);
+        }
+        Ok(())
+    }
+
+    /// A wait of this writer's ended by `shutdown()` says so ([`Error::ShutDown`]): the
+    /// canceller is only ever set by it.
+    fn why(&self, e: Error) -> Error {
+        match e {
+            Error::Cancelled if self.canceller.is_cancelled() => Error::ShutDown,
+            e => e,
+        }
     }
 
     pub fn handle(&self) -> &Handle {
@@ -224,6 +276,12 @@ impl Writer {
 
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
+        self.check_open()?;
+        let r = self.wait_until_ready_unchecked(wait);
+        r.map_err(|e| self.why(e))
+    }
+
+    fn wait_until_ready_unchecked(&mut self, wait: &mut Wait) -> Result<()> {
         if let Some(p) = self.local.as_mut() {
             // A local reader that died before subscribing would leave us waiting forever.
             let ring = self.ring.as_ref().map(|r| r.ring().clone());
@@ -268,6 +326,12 @@ impl Writer {
 
     pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
+        self.check_open()?;
+        let r = self.enqueue_unchecked(msg, wait);
+        r.map_err(|e| self.why(e))
+    }
+
+    fn enqueue_unchecked(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
         if let Some(ring) = self.ring.as_mut() {
             // A message that fits in a chunk but finds no room in /dev/shm for it goes
             // over the overflow socket too (see `RingWriter::reserve`).
@@ -322,6 +386,12 @@ impl Writer {
 
     pub fn enqueue_parts_with(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
+        self.check_open()?;
+        let r = self.enqueue_parts_unchecked(parts, wait);
+        r.map_err(|e| self.why(e))
+    }
+
+    fn enqueue_parts_unchecked(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
         if parts.is_empty() {
             return Err(Error::InvalidArgument(
                 "a message needs at least one part (its body)".into(),
@@ -454,6 +524,16 @@ impl Writer {
     /// [`acquire_write`](Self::acquire_write) under a wait of the caller's own.
     pub fn acquire_write_with(&mut self, wait: &mut Wait) -> Result<&mut [u8]> {
         fork::check(self._ctx.made_in(), "queue writer")?;
+        self.check_open()?;
+        if let Err(e) = self.acquire_write_unchecked(wait) {
+            return Err(self.why(e));
+        }
+        let ring = self.ring.as_mut().expect("acquired");
+        Ok(ring.data_mut().expect("acquired"))
+    }
+
+    /// Wait for the next chunk (no data borrowed: see `acquire_write_with`).
+    fn acquire_write_unchecked(&mut self, wait: &mut Wait) -> Result<()> {
         if self.n_remote_reader > 0 {
             return Err(Error::WrongRole(
                 "acquire_write needs all readers to be local; this queue has remote readers".into(),
@@ -472,19 +552,27 @@ impl Writer {
                 available: crate::segment::shm_free_bytes().unwrap_or(0),
             });
         }
-        ring.acquire(wait)?;
-        Ok(ring.data_mut().expect("acquired"))
+        ring.acquire(wait).map(drop)
     }
 
     /// Publish the chunk from [`acquire_write`](Self::acquire_write); readers see it
     /// whole (a chunk of `max_chunk_bytes`).
     pub fn commit_write(&mut self) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
+        self.check_open()?;
         let ring = self
             .ring
             .as_mut()
             .ok_or_else(|| Error::WrongRole("this queue has no shared-memory ring".into()))?;
         let n = ring.ring().max_chunk_bytes();
         ring.commit(n, ChunkKind::Raw)
+    }
+}
+
+impl Drop for Writer {
+    /// The writer's normal end tells the readers, as `shutdown()` does (a writer that
+    /// dies without it is seen as dead instead).
+    fn drop(&mut self) {
+        self.close();
     }
 }

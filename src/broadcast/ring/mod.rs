@@ -264,6 +264,19 @@ impl Ring {
         self.segment.unlink()
     }
 
+    /// Mark the queue shut down by its writer (after its last chunk) and wake the readers:
+    /// a reader takes what is left and then gets [`Error::WriterShutDown`] (see
+    /// `RingReader::wait`). Needs no room in the ring, so it never waits.
+    pub fn close_writer(&self) {
+        protocol::slot_close(&self.slot(0).word);
+        self.data_ready().doorbell().wake();
+    }
+
+    /// Whether the writer shut the queue down ([`close_writer`](Self::close_writer)).
+    pub fn writer_closed(&self) -> bool {
+        protocol::slot_is_closed(&self.slot(0).word)
+    }
+
     /// Readers sleep here; the writer rings it after publishing a chunk.
     pub fn data_ready(&self) -> &DoorbellWords {
         &self.shared().data_ready

@@ -83,8 +83,12 @@ impl RingReader {
         })
     }
 
-    /// Fails if the writer is proved dead.
+    /// Fails if the writer is proved dead. A writer that shut the queue down first is not
+    /// dead (its end is told apart by [`wait`](Self::wait)).
     pub fn check_writer(ring: &Ring) -> Result<()> {
+        if ring.writer_closed() {
+            return Ok(());
+        }
         let info = ring.slot_info(None)?;
         match (info.process, ring.holder_liveness(None, &info)) {
             (Some(w), Liveness::Dead) => Err(Error::DeadWriter { pid: w.pid }),
@@ -92,14 +96,21 @@ impl RingReader {
         }
     }
 
-    /// Wait until the next chunk is readable.
+    /// Wait until the next chunk is readable; [`Error::WriterShutDown`] once the writer
+    /// shut the queue down and every chunk it published has been read.
     pub fn wait(&self, wait: &mut Wait) -> Result<ChunkInfo> {
         let ring = &*self.ring;
         wait.until(
             Some(ring.data_ready()),
             &mut || Self::check_writer(ring),
-            || self.poll(),
-        )
+            || match self.poll() {
+                Some(info) => Some(Ok(info)),
+                // Once more after seeing the mark: a chunk published just before it
+                // is visible now (see `protocol::slot_close`).
+                None if ring.writer_closed() => Some(self.poll().ok_or(Error::WriterShutDown)),
+                None => None,
+            },
+        )?
     }
 
     /// The data of a chunk returned by `poll`/`wait`, valid until `finish`.

@@ -1,0 +1,244 @@
+"""The writer's end of a queue (issue 18 item 5): after the writer's ``shutdown()``, or
+its normal end (the object dropped, the interpreter exiting), its calls raise
+``QueueShutDownError`` (also one blocked in another thread), and every reader, local
+or remote, gets every message sent before (in a chunk, over the overflow socket, in the
+tensor arena) and then ``QueueShutDownError`` from ``dequeue``: not a timeout, not a
+hang, not ``PeerDiedError``. A reader's own ``shutdown()`` still says "cancelled".
+
+Readers run in their own processes and block in ``dequeue()`` without a timeout; each
+test is bounded by the reports' timeouts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmq
+from shmq import MessageQueue, PeerDiedError
+from shmq.message_queue import QueueShutDownError
+
+from _processes import STEP
+
+SHUT_DOWN = "the queue was shut down: this writer's shutdown"
+WRITER_SHUT_DOWN = "shut down: every message it sent before has been received"
+
+# A small object (in a chunk), one larger than a chunk (the overflow socket) and an array
+# above the arena threshold (the tensor arena, for local readers).
+CHUNK = 4096
+ARENA_THRESHOLD = 64 * 1024
+
+
+def _messages() -> list[Any]:
+    return [
+        "small",
+        b"x" * (3 * CHUNK),
+        np.arange(ARENA_THRESHOLD // 4 * 2, dtype=np.float32),
+        {"last": True},
+    ]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return bool(a == b)
+
+
+def _make_writer(n_remote: int) -> MessageQueue:
+    return MessageQueue(
+        n_reader=1 + n_remote,
+        n_local_reader=1,
+        max_chunk_bytes=CHUNK,
+        max_chunks=4,
+        connect_ip="127.0.0.1",
+        arena_threshold=ARENA_THRESHOLD,
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Children (module level: the spawn context pickles targets by reference)
+
+
+def reader_until_the_end(out: Any, handle: Any, rank: int) -> None:
+    """Take messages with ``dequeue()`` (no timeout) until it raises; report them all
+    and how it ended."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("ready",))
+    got = []
+    while True:
+        try:
+            got.append(mq.dequeue())
+        except BaseException as e:
+            outcome = {
+                "type": type(e).__name__,
+                "message": str(e),
+                "shut_down": isinstance(e, QueueShutDownError),
+                "runtime_error": isinstance(e, RuntimeError),
+                "peer_died": isinstance(e, PeerDiedError),
+            }
+            break
+    # Asked again, it says the same at once.
+    t0 = time.monotonic()
+    try:
+        mq.dequeue(timeout=STEP)
+        again = "returned"
+    except BaseException as e:
+        again = type(e).__name__
+    out.put(("ended", got, outcome, again, time.monotonic() - t0))
+
+
+_KEEP: list[Any] = []
+
+
+def writer_that_exits(out: Any, n_remote: int) -> None:
+    """Make the queue, send the messages, keep the queue in a module-level list with a
+    daemon thread alive, and exit normally (the interpreter's exit ends the queue)."""
+    mq = _make_writer(n_remote)
+    out.put(("handle", mq.export_handle()))
+    mq.wait_until_ready(timeout=STEP)
+    for m in _messages():
+        mq.enqueue(m, timeout=STEP)
+    _KEEP.append(mq)
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    out.put(("sent",))
+
+
+# ---------------------------------------------------------------------------------
+# The writer's own calls
+
+
+def test_the_writers_calls_after_shutdown_raise_queue_shut_down():
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    reader = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    mq.enqueue("before")
+    mq.shutdown()
+    mq.shutdown()  # twice is fine
+    assert mq.shutting_down is True
+    calls = {
+        "enqueue": lambda: mq.enqueue("after"),
+        "enqueue of buffers": lambda: mq.enqueue(np.zeros(1 << 20, dtype=np.uint8)),
+        "wait_until_ready": lambda: mq.wait_until_ready(timeout=1),
+        "acquire_write": lambda: mq.acquire_write(timeout=1).__enter__(),
+    }
+    for what, call in calls.items():
+        with pytest.raises(QueueShutDownError, match=SHUT_DOWN) as info:
+            call()
+        assert isinstance(info.value, RuntimeError) and not isinstance(info.value, PeerDiedError), what
+    assert shmq.message_queue.QueueShutDownError is shmq._core.QueueShutDownError
+    assert reader.dequeue(timeout=STEP) == "before"
+    with pytest.raises(QueueShutDownError, match=WRITER_SHUT_DOWN):
+        reader.dequeue(timeout=STEP)
+
+
+def test_an_enqueue_blocked_in_another_thread_ends_saying_why():
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    reader = MessageQueue.create_from_handle(mq.export_handle(), 0)  # never reads
+    mq.enqueue("m0")
+    mq.enqueue("m1")  # the ring is full
+    ended: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            mq.enqueue("blocked", timeout=STEP)
+        except BaseException as e:
+            ended.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    mq.shutdown()  # never waits for room in the full ring
+    took = time.monotonic() - t0
+    t.join(STEP)
+    assert not t.is_alive()
+    assert took < 1.0, took
+    assert len(ended) == 1 and isinstance(ended[0], QueueShutDownError), ended
+    assert SHUT_DOWN in str(ended[0])
+    # The readers still get what was sent before, then the end.
+    assert [reader.dequeue(timeout=STEP) for _ in range(2)] == ["m0", "m1"]
+    with pytest.raises(QueueShutDownError, match=WRITER_SHUT_DOWN):
+        reader.dequeue(timeout=STEP)
+
+
+def test_a_readers_own_shutdown_still_says_cancelled():
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    reader = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    threading.Timer(0.3, reader.shutdown).start()
+    with pytest.raises(RuntimeError, match="^cancelled$") as info:
+        reader.dequeue()
+    assert not isinstance(info.value, QueueShutDownError)
+    mq.enqueue("the writer goes on")
+
+
+# ---------------------------------------------------------------------------------
+# Readers in other processes, blocked in dequeue() without a timeout
+
+
+def _check_reader(report: tuple, what: str) -> None:
+    _, got, outcome, again, again_took = report
+    expected = _messages()
+    assert len(got) == len(expected) and all(_same(a, b) for a, b in zip(got, expected)), f"{what}: {got!r:.300}"
+    assert outcome["shut_down"] and outcome["runtime_error"] and not outcome["peer_died"], (what, outcome)
+    assert WRITER_SHUT_DOWN in outcome["message"], (what, outcome)
+    assert again == "QueueShutDownError" and again_took < 1.0, (what, again, again_took)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["shutdown", "dropped"])
+def test_readers_get_every_message_then_the_writers_end(children, end):
+    mq = _make_writer(n_remote=1)
+    outs = [children.queue(), children.queue()]
+    for rank, out in enumerate(outs):  # rank 0 local, rank 1 remote
+        children.start(reader_until_the_end, out, mq.export_handle(), rank)
+    mq.wait_until_ready(timeout=STEP)
+    for out in outs:
+        children.expect(out, "ready")
+    for m in _messages():
+        mq.enqueue(m, timeout=STEP)
+    time.sleep(0.3)  # the readers are asleep in dequeue()
+    if end == "shutdown":
+        mq.shutdown()
+    else:
+        del mq
+    for out, what in zip(outs, ["local reader", "remote reader"]):
+        _check_reader(children.expect(out, "ended"), what)
+    children.join()
+
+
+@pytest.mark.timeout(120)
+def test_readers_get_every_message_then_the_end_of_a_writer_process_that_exits(children):
+    writer_out = children.queue()
+    children.start(writer_that_exits, writer_out, 1)
+    handle = children.expect(writer_out, "handle")[1]
+    outs = [children.queue(), children.queue()]
+    for rank, out in enumerate(outs):
+        children.start(reader_until_the_end, out, handle, rank)
+    for out in outs:
+        children.expect(out, "ready")
+    children.expect(writer_out, "sent")
+    for out, what in zip(outs, ["local reader", "remote reader"]):
+        _check_reader(children.expect(out, "ended"), what)
+    children.join()
+
+
+def test_shutdown_with_a_full_ring_does_not_wait_and_readers_still_learn_it():
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    reader = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    t = threading.Thread(target=reader.wait_until_ready, args=(STEP,))
+    t.start()
+    mq.wait_until_ready(timeout=STEP)  # the overflow socket has its subscriber
+    t.join(STEP)
+    mq.enqueue("a")
+    mq.enqueue(b"b" * 5000)  # over the overflow socket
+    t0 = time.monotonic()
+    mq.shutdown()
+    assert time.monotonic() - t0 < 0.5
+    assert reader.dequeue(timeout=STEP) == "a"
+    assert reader.dequeue(timeout=STEP) == b"b" * 5000
+    with pytest.raises(QueueShutDownError, match=WRITER_SHUT_DOWN):
+        reader.dequeue()  # no timeout: it must not hang
