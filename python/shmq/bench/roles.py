@@ -241,6 +241,9 @@ def _role_fresh_writer(
     out = transport.open_writer(channels[0])
     if loan and out.loan is None:
         raise RuntimeError(f"{transport.name} cannot lend memory")
+    # The memory a few messages in flight take, before the clock (vLLM's arena is
+    # allocated whole when it is made; shmq's is taken as used unless reserved).
+    out.reserve(min(1 << 30, 4 * nbytes))
     out.ready()
     _sync(barrier)
     numel = nbytes // 4

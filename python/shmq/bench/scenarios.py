@@ -435,15 +435,40 @@ def _floor_store(params: Params) -> dict[str, float]:
     viewer = ObjectStorage(8 * MiB, 1, RingBuffer(16 * MiB, create=True))
     h = viewer.put("big", big)
     out["big_get_us"] = time_per_call_us(lambda: viewer.get(*h), 2000, batch=20)
+    # What a reader does with it: get, then read every byte (a copy into a buffer of its
+    # own, as into a GPU staging buffer).
+    consume = _consumer(big)
+    out["big_consume_us"] = time_per_call_us(lambda: consume(viewer.get(*h)), 500, batch=10)
     viewer.close()
 
     def vllm_get() -> dict[str, float]:
         # Each is a copy of 4 MiB and more (~10 ms): 500 in the standard run, 100 in --quick.
-        vllm_us = _vllm_store_get_us(big, min(500, params.objects // 100))
-        return {"vllm_big_get_us": vllm_us, "big_get_ratio": vllm_us / out["big_get_us"]}
+        calls = min(500, params.objects // 100)
+        vllm_us = _vllm_store_get_us(big, calls)
+        vllm_consume_us = _vllm_store_get_us(big, calls, consume)
+        return {
+            "vllm_big_get_us": vllm_us,
+            "big_get_ratio": vllm_us / out["big_get_us"],
+            "vllm_big_consume_us": vllm_consume_us,
+            "big_consume_ratio": vllm_consume_us / out["big_consume_us"],
+        }
 
-    out.update(measure_parts(["vllm_big_get_us", "big_get_ratio"], vllm_get))
+    out.update(
+        measure_parts(["vllm_big_get_us", "big_get_ratio", "vllm_big_consume_us", "big_consume_ratio"], vllm_get)
+    )
     return out
+
+
+def _consumer(like: Any) -> Callable[[Any], None]:
+    """``consume(x)``: copy every byte of ``x`` (a tensor or array like ``like``) into a
+    buffer made once, here."""
+    if type(like).__module__.startswith("torch"):
+        own = like.clone()
+        return own.copy_
+    import numpy as np
+
+    own_array = like.copy()
+    return lambda x: np.copyto(own_array, x)
 
 
 def _vllm_store_classes() -> tuple[Any, Any]:
@@ -518,9 +543,10 @@ def _vllm_small_calls(ours: dict[str, float], alloc_us: Callable, put_get_us: Ca
     return out
 
 
-def _vllm_store_get_us(big: Any, calls: int) -> float:
+def _vllm_store_get_us(big: Any, calls: int, consume: Optional[Callable[[Any], None]] = None) -> float:
     """vLLM 0.33's ``SingleWriterShmObjectStorage.get`` of the same 4 MiB tensor (its own
-    MsgpackSerde), in the writer as above; ``Skip`` if vLLM is not importable."""
+    MsgpackSerde), in the writer as above, followed by ``consume`` of what it returned
+    when given; ``Skip`` if vLLM is not importable."""
     SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = _vllm_store_classes()
     ring = SingleWriterShmRingBuffer(16 * MiB, create=True)
     try:
@@ -529,7 +555,9 @@ def _vllm_store_get_us(big: Any, calls: int) -> float:
         if decoder is not None and hasattr(decoder, "pin_tensors"):
             decoder.pin_tensors = False  # pinned memory needs a GPU driver: one plain copy
         h = store.put("big", big)
-        return time_per_call_us(lambda: store.get(*h), calls, batch=10)
+        if consume is None:
+            return time_per_call_us(lambda: store.get(*h), calls, batch=10)
+        return time_per_call_us(lambda: consume(store.get(*h)), calls, batch=10)
     finally:
         ring.close()
 
@@ -640,6 +668,9 @@ FLOORS: list[Floor] = [
             Metric("big_get_us", "object store: get (zero-copy view), 4 MiB float32 tensor", "us", False),
             Metric("vllm_big_get_us", "vLLM 0.33 object store: get, 4 MiB float32 tensor", "us", False),
             Metric("big_get_ratio", "store get 4 MiB: vLLM 0.33's (a copy) / shmq's (a view)", "x", True),
+            Metric("big_consume_us", "object store: get + consume every byte, 4 MiB float32 tensor", "us", False),
+            Metric("vllm_big_consume_us", "vLLM 0.33 object store: get + consume, 4 MiB float32 tensor", "us", False),
+            Metric("big_consume_ratio", "store get + consume 4 MiB: vLLM 0.33's time / shmq's", "x", True),
         ],
     ),
     Floor(

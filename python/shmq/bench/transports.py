@@ -47,6 +47,9 @@ class Endpoint:
     #: Writer side, with ``loan``: how many loans so far were ordinary memory (no room
     #: in the transport's memory), so that sending them copied.
     loan_fallbacks: Callable[[], int] = lambda: 0
+    #: Writer side, transports whose shared memory is taken as it is first used:
+    #: ``reserve(nbytes)`` takes it ahead (outside the clock), as their users are told to.
+    reserve: Callable[[int], Any] = lambda nbytes: None
 
 
 class Transport(ABC):
@@ -120,6 +123,7 @@ class ShmqTransport(Transport):
             partial(mq.wait_until_ready, SYNC_TIMEOUT),
             loan=loan,
             loan_fallbacks=lambda: mq.loan_fallbacks,
+            reserve=mq.reserve_arena,
         )
 
     def open_reader(self, channel: _ShmqChannel, rank: int) -> Endpoint:
