@@ -26,7 +26,9 @@
 //!
 //! - The writer's end (its `shutdown()` or its normal end) is a last message of its own
 //!   kind, CLOSED, with the next sequence number and a MAC: a reader that takes it has
-//!   every message before it and then fails with [`Error::WriterShutDown`].
+//!   every message before it and then fails with [`Error::WriterShutDown`]. The reader
+//!   answers `"SQB1"` (BYE), which the writer waits for a short while, so that a writer
+//!   process that exits at once still gets the message out.
 //!
 //! Frames, writer to reader: `[header, frame 1, ..]`, `header` =
 //! `"SQM1" | kind u8 | 3 zero bytes | seq u64 | session [16] | mac [32]` (64 bytes).
@@ -45,6 +47,8 @@ const HEADER: usize = 64;
 const HELLO: usize = 4 + 8 + 16 + 32;
 const MAGIC_MESSAGE: &[u8; 4] = b"SQM1";
 const MAGIC_HELLO: &[u8; 4] = b"SQH1";
+/// A reader's acknowledgement of the CLOSED message (see `RemoteWriter::close`).
+const MAGIC_BYE: &[u8; 4] = b"SQB1";
 const KIND_DATA: u8 = 0;
 const KIND_WELCOME: u8 = 1;
 const KIND_READY: u8 = 2;
@@ -145,6 +149,9 @@ pub struct RemoteWriter {
     /// When the HELLOs were last looked at while sending (see `send`).
     hellos_served: Instant,
 }
+
+/// How long closing waits for the readers' BYE (see [`RemoteWriter::close`]).
+const BYE_WAIT: Duration = Duration::from_millis(200);
 
 /// How often a sending writer looks for HELLOs (late or duplicate readers): often enough
 /// to answer them promptly, rarely enough to cost nothing per message.
@@ -398,9 +405,10 @@ impl RemoteWriter {
     }
 
     /// Tell every reader still sent to that the stream ends here (the CLOSED message, see
-    /// the module docs), waiting at most `grace` for room in a full reader's queue; a
-    /// reader not reached by then (or gone) is skipped. Sent, it is flushed when the
-    /// socket closes (within its linger time).
+    /// the module docs), waiting at most `grace` for room in a full reader's queue, then
+    /// for the readers' BYE (at most `BYE_WAIT`), so that a writer process that exits
+    /// right after still gets it out. A reader not reached is given up on: it sees the
+    /// writer go instead.
     pub fn close(&mut self, grace: Duration) {
         let deadline = Instant::now() + grace;
         self.seq += 1;
@@ -410,20 +418,47 @@ impl RemoteWriter {
             &[&self.session, &self.seq.to_le_bytes()],
         );
         let h = header(KIND_CLOSED, self.seq, &self.session, &m);
+        // The readers it was queued for, whose BYE is awaited.
+        let mut waiting: Vec<Vec<u8>> = Vec::new();
         for k in 0..self.peers.len() {
             if self.peers[k].dropped {
                 continue;
             }
-            while let Err(zmq::Error::EAGAIN) = self.send_to(k, &h, &[]) {
-                if Instant::now() >= deadline {
-                    log::warn!(
+            loop {
+                match self.send_to(k, &h, &[]) {
+                    Ok(()) => waiting.push(self.peers[k].id.clone()),
+                    Err(zmq::Error::EAGAIN) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_micros(200));
+                        continue;
+                    }
+                    Err(zmq::Error::EAGAIN) => log::warn!(
                         "shmq: remote reader rank {} did not take the writer's last message \
                          within {grace:?}; it will see the writer go instead",
                         self.peers[k].rank
-                    );
-                    break;
+                    ),
+                    Err(_) => {} // gone (or going): nothing to tell it
                 }
-                std::thread::sleep(Duration::from_micros(200));
+                break;
+            }
+        }
+        // Acknowledgements, [identity, BYE], for at most BYE_WAIT (a reader that is busy
+        // elsewhere has the message in its socket by then); anything else is dropped.
+        let deadline = deadline.min(Instant::now() + BYE_WAIT);
+        while !waiting.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let slice = left.min(Duration::from_millis(5)).as_millis().max(1) as i64;
+            if !matches!(self.socket.poll(zmq::POLLIN, slice), Ok(n) if n > 0) {
+                continue;
+            }
+            while let Ok(frames) = self.socket.recv_multipart(zmq::DONTWAIT) {
+                if let [id, bye] = &frames[..] {
+                    if &bye[..] == MAGIC_BYE {
+                        waiting.retain(|w| w[..] != id[..]);
+                    }
+                }
             }
         }
     }
@@ -601,6 +636,8 @@ impl RemoteReader {
                 }
                 self.seq = seq;
                 self.closed = true;
+                // Best effort: the writer waits for it only a short while.
+                let _ = self.socket.send(&MAGIC_BYE[..], zmq::DONTWAIT);
                 Err(Error::WriterShutDown)
             }
             _ => Err(self.refuse(
