@@ -25,8 +25,8 @@ from _processes import segments_of
 STEP = 60.0
 REPO_PYTHON = str(Path(__file__).resolve().parent)
 
-# A queue with a reader opened on it (arena and socket directory included), a loan and
-# an object store, all kept alive in module-level names.
+# A queue with a reader opened on it (ring, arena and socket directory), a loan, an object
+# store and an encoder cache, all kept alive in module-level names.
 MAKE_EVERYTHING = """
 import os, sys, threading, time
 import numpy as np
@@ -44,7 +44,9 @@ def make_everything():
     got = r.dequeue(timeout=10)
     assert float(got[0]) == 1.0
     store = ObjectStorage(max_object_size=1 << 20, n_readers=1, ring_buffer=RingBuffer(4 << 20, create=True))
-    KEEP.extend([q, r, loan, got, store])
+    cache = shmq.EncoderCacheProducer(capacity=8 << 20)
+    cache.save("image", np.ones(1 << 16, dtype=np.float32))
+    KEEP.extend([q, r, loan, got, store, cache])
     try:
         import torch
     except ImportError:
