@@ -14,13 +14,14 @@ get every message sent and then "the writer shut down", not a hang or a "writer 
 Endings covered: the end of the script, ``sys.exit`` (also in a worker), exit with
 daemon threads alive (also one blocked in a shmq call: the writer's shutdown ends it),
 ``KeyboardInterrupt`` (SIGINT's default), and SIGTERM: its default action kills the
-process without running ``atexit``, so when shmq is imported in the main thread of a
-program that has no SIGTERM handler of its own, it installs one that runs this cleanup
-and then dies of SIGTERM as before (same exit status). It runs once the main thread
-executes Python code (shmq's own waits look every few milliseconds). A program that
-installs its own SIGTERM handler should exit through ``sys.exit`` in it (which runs the
-hook). SIGKILL and crashes leave segments behind: ``python -m shmq cleanup`` removes
-those whose creator is dead.
+process without running ``atexit``, so when a process first creates a segment in its
+main thread and has no SIGTERM handler of its own, shmq installs one that runs this
+cleanup and then dies of SIGTERM as before (same exit status). Not at import, so a
+handler set before is kept (``WorkerProcesses``' workers turn SIGTERM into
+``SystemExit``, which runs the hook). The handler runs once the main thread executes
+Python code (shmq's own waits look every few milliseconds). A program that installs its
+own SIGTERM handler should exit through ``sys.exit`` in it. SIGKILL and crashes leave
+segments behind: ``python -m shmq cleanup`` removes those whose creator is dead.
 """
 
 from __future__ import annotations
@@ -101,4 +102,19 @@ def _install_sigterm_handler() -> None:
         pass  # not the main interpreter, or signals unavailable
 
 
-_install_sigterm_handler()
+def _after_fork_in_child() -> None:
+    """A forked child starts afresh: it has created nothing yet (the core's list is kept
+    per pid), its parent's writers are not its own, and the SIGTERM handler it inherited
+    is shmq's, not its program's: back to the default, so that a handler the child sets
+    (``WorkerProcesses``' workers do) decides, or shmq's again once it creates a segment."""
+    global _sigterm_checked
+    _sigterm_checked = False
+    _writers.clear()
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except (ValueError, OSError):
+        pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -225,3 +225,24 @@ def test_a_program_with_its_own_sigterm_handler_keeps_it(tmp_path):
     )
     assert code == 7, out
     _assert_nothing_left(pids, out)
+
+
+def test_the_sigterm_handler_is_set_on_first_creation_and_not_inherited_by_a_fork(tmp_path):
+    code, out, pids = _run(
+        """
+        import signal
+        print("AT IMPORT", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+        q, r = make_everything()
+        print("AFTER", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+        pid = os.fork()
+        if pid == 0:
+            print("CHILD", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("PID", os.getpid())
+        """,
+        tmp_path,
+    )
+    assert code == 0, out
+    assert "AT IMPORT True" in out and "AFTER False" in out and "CHILD True" in out, out
+    _assert_nothing_left(pids, out)
