@@ -123,6 +123,15 @@ pub enum Error {
     #[error("{}", writer_shut_down_message(None))]
     WriterShutDown,
 
+    /// The writer shut the queue down and went away before the last message it had sent
+    /// over the overflow socket reached this reader (its process exited at once, before
+    /// ZeroMQ delivered it): that message is lost.
+    #[error(
+        "the writer shut down and went away before its last message (sent over the overflow \
+         socket) reached this reader: that message is lost"
+    )]
+    WriterGoneMidMessage,
+
     /// A worker process (see `workers`) exited before it was ready, or failed while it
     /// ran: a non-zero exit `code` or a `signal`.
     #[error("{}", worker_died_message(*rank, *pid, *code, *signal, *before_ready, stderr_tail))]

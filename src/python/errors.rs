@@ -47,7 +47,9 @@ impl From<Error> for PyErr {
             Error::Os { .. } | Error::Transport { .. } => PyOSError::new_err(msg),
             Error::Remote(_) => PyConnectionError::new_err(msg),
             Error::DeadReader { .. } | Error::DeadWriter { .. } => PeerDiedError::new_err(msg),
-            Error::ShutDown | Error::WriterShutDown => QueueShutDownError::new_err(msg),
+            Error::ShutDown | Error::WriterShutDown | Error::WriterGoneMidMessage => {
+                QueueShutDownError::new_err(msg)
+            }
         }
     }
 }

@@ -29,8 +29,9 @@ enum Source {
     },
 }
 
-/// How long a local reader still waits for the writer's go-ahead after it saw the writer
-/// shut down: a go-ahead sent just before may still be on its way over the socket.
+/// How long a local reader still waits for what the writer sent over the socket (its
+/// go-ahead, an overflow message) after it saw the writer shut down (and, for a message,
+/// go away): sent just before, it may still be on its way.
 const READY_GRACE: Duration = Duration::from_secs(1);
 
 /// A message as a reader takes it: plain bytes, or a message of several parts (a body
@@ -390,8 +391,19 @@ impl Reader {
                 if info.kind == ChunkKind::Overflow && self.pending.is_none() {
                     // The writer sent the message before the mark; only a writer that
                     // died in between leaves us waiting, which the liveness check sees.
+                    // One that shut down and went away has sent it too, but its process
+                    // may have ended before ZeroMQ delivered it: after a grace, lost.
                     let r = ring.ring().clone();
-                    let alive = &mut || RingReader::check_writer(&r);
+                    let mut gone_since: Option<Instant> = None;
+                    let alive = &mut || {
+                        if r.writer_closed() && r.writer_gone() {
+                            let since = *gone_since.get_or_insert_with(Instant::now);
+                            if since.elapsed() >= READY_GRACE {
+                                return Err(Error::WriterGoneMidMessage);
+                            }
+                        }
+                        RingReader::check_writer(&r)
+                    };
                     self.pending = Some(overflow.recv_frames(wait, alive)?);
                 }
             }

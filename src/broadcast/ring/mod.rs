@@ -42,7 +42,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use super::protocol::{self, ChunkFlags};
 use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
-use crate::liveness::LockProbe;
+use crate::liveness::{Liveness, LockProbe};
 use crate::process::ProcessId;
 use crate::segment::{unique_name, HeaderCheck, Segment};
 
@@ -275,6 +275,13 @@ impl Ring {
     /// Whether the writer shut the queue down ([`close_writer`](Self::close_writer)).
     pub fn writer_closed(&self) -> bool {
         protocol::slot_is_closed(&self.slot(0).word)
+    }
+
+    /// Whether the writer object is proved gone (dropped, or its process ended): its
+    /// role lock is free. Read off the lock (byte 1, the writer slot's: see `slots`),
+    /// because a closed slot no longer names its holder.
+    pub fn writer_gone(&self) -> bool {
+        self.probe.liveness(1) == Liveness::Dead
     }
 
     /// Readers sleep here; the writer rings it after publishing a chunk.
