@@ -566,9 +566,14 @@ impl Writer {
         // First the flag, so that a call blocked in another thread ends and lets go of
         // the writer's lock; then tell the readers, under that lock.
         self.canceller.cancel();
-        if let Ok(mut w) = self.writer(py) {
-            let w = &mut *w;
-            py.detach(|| w.close());
+        match self.writer(py) {
+            Ok(mut w) => {
+                let w = &mut *w;
+                py.detach(|| w.close());
+            }
+            // Held by this thread (a signal handler run inside one of its waits) or
+            // poisoned: the local readers are told all the same.
+            Err(_) => self.canceller.close_ring(),
         }
     }
 

@@ -242,3 +242,26 @@ def test_shutdown_with_a_full_ring_does_not_wait_and_readers_still_learn_it():
     assert reader.dequeue(timeout=STEP) == b"b" * 5000
     with pytest.raises(QueueShutDownError, match=WRITER_SHUT_DOWN):
         reader.dequeue()  # no timeout: it must not hang
+
+
+def test_shutdown_from_a_signal_handler_inside_the_writers_own_wait():
+    # The handler runs inside the blocked enqueue's wait, which holds the writer: the
+    # readers are told all the same.
+    import signal
+
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=1)
+    reader = MessageQueue.create_from_handle(mq.export_handle(), 0)  # reads only later
+    mq.enqueue("m0")  # the ring is full
+    old = signal.signal(signal.SIGALRM, lambda *args: mq.shutdown())
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(QueueShutDownError, match=SHUT_DOWN):
+            mq.enqueue("blocked", timeout=STEP)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert reader.dequeue(timeout=STEP) == "m0"
+    t0 = time.monotonic()
+    with pytest.raises(QueueShutDownError, match=WRITER_SHUT_DOWN):
+        reader.dequeue(timeout=STEP)
+    assert time.monotonic() - t0 < 1.0

@@ -12,6 +12,8 @@ pub struct Canceller {
     flag: Arc<AtomicBool>,
     ring: Option<Arc<Ring>>,
     writer: bool,
+    /// The fork generation it was made in (see [`Canceller::close_ring`]).
+    made_in: u64,
 }
 
 impl Canceller {
@@ -20,6 +22,21 @@ impl Canceller {
             flag: Arc::new(AtomicBool::new(false)),
             ring,
             writer,
+            made_in: crate::fork::generation(),
+        }
+    }
+
+    /// A writer's canceller: tell the local readers that the queue is shut down (see
+    /// `Ring::close_writer`), for when the writer itself cannot be locked to
+    /// [`close`](super::Writer::close) it (a signal handler that runs inside one of its
+    /// own waits, say). Remote readers are not told then. Nothing for a reader's, or in
+    /// a forked child (the ring is its parent's).
+    pub fn close_ring(&self) {
+        if !self.writer || crate::fork::is_inherited(self.made_in) {
+            return;
+        }
+        if let Some(ring) = &self.ring {
+            ring.close_writer();
         }
     }
 
