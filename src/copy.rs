@@ -1,23 +1,27 @@
 //! Large copies into shared memory.
 //!
-//! A part copied into the tensor arena is read by other processes, usually not at once
-//! and not by this core: keeping it in this core's caches buys nothing, while ordinary
-//! stores first read every destination line into the cache ("read for ownership"), a
-//! third more memory traffic. Above [`STREAM_MIN`] bytes the copy uses non-temporal
-//! (streaming) stores where the CPU has them (x86-64 with AVX), which write whole lines
-//! straight to memory: ~1.3x faster for 16–256 MiB on the 2-core machine this was
-//! measured on (`cargo bench --bench arena`, `copy/16MiB`). Below it, and elsewhere, it is a
-//! plain `memcpy`.
+//! A part copied into the tensor arena is read by other processes, not by this core.
+//! Ordinary stores first read every destination line into the cache ("read for
+//! ownership", a third more memory traffic) and leave the bytes in the caches; streaming
+//! (non-temporal) stores write whole lines straight to memory: ~1.3x faster for
+//! 16–256 MiB on a 2-core machine with a small last-level cache (`cargo bench --bench
+//! arena`, `copy/16MiB`). But a reader on another core of the same chip that consumes the
+//! part soon after reads it from the shared last-level cache if it is still there, and
+//! from memory if it was streamed: on a 2-core machine with a 260 MiB L3, consuming a
+//! streamed 16 MiB part took 3.2 ms, one copied with ordinary stores 1.3 ms. So a copy
+//! streams only when it is too large to stay in the last-level cache anyway (at least
+//! half of it, and at least [`STREAM_MIN`] bytes), where the CPU has streaming stores
+//! (x86-64 with AVX); else it is a plain `memcpy`.
 
-/// Copies of at least this many bytes stream past the caches.
+/// Copies of fewer bytes than this never stream.
 pub const STREAM_MIN: usize = 2 << 20;
 
-/// Copy `src` into `dst` (same length), streaming large copies past the caches.
+/// Copy `src` into `dst` (same length), streaming copies too large for the caches.
 pub fn copy_large(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_large needs equal lengths");
     #[cfg(target_arch = "x86_64")]
     {
-        if src.len() >= STREAM_MIN && has_avx() {
+        if src.len() >= stream_min() && has_avx() {
             // SAFETY: AVX is available (checked at run time); `dst` and `src` are valid
             // for `len` bytes and do not overlap (a `&mut` and a `&` slice never do).
             unsafe { stream_copy_avx(dst.as_mut_ptr(), src.as_ptr(), src.len()) };
@@ -25,6 +29,32 @@ pub fn copy_large(dst: &mut [u8], src: &[u8]) {
         }
     }
     dst.copy_from_slice(src);
+}
+
+/// The size from which copies stream: half the last-level cache (as sysfs tells it; 32
+/// MiB where it does not), at least [`STREAM_MIN`].
+pub fn stream_min() -> usize {
+    use std::sync::OnceLock;
+    static MIN: OnceLock<usize> = OnceLock::new();
+    *MIN.get_or_init(|| (last_level_cache_bytes().unwrap_or(32 << 20) / 2).max(STREAM_MIN))
+}
+
+/// The largest cache of CPU 0 (`/sys/devices/system/cpu/cpu0/cache/index*/size`).
+fn last_level_cache_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| {
+        let size = std::fs::read_to_string(e.ok()?.path().join("size")).ok()?;
+        let size = size.trim();
+        let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit())?);
+        let n: usize = digits.parse().ok()?;
+        Some(match unit {
+            "K" => n << 10,
+            "M" => n << 20,
+            "G" => n << 30,
+            _ => n,
+        })
+    })
+    .max()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -90,6 +120,21 @@ mod tests {
                 assert_eq!(&dst[off..off + len], &src[..len], "off {off} len {len}");
                 assert!(dst[..off].iter().all(|&b| b == 0));
                 assert!(dst[off + len..].iter().all(|&b| b == 0));
+                // The streaming copy itself, whatever size streams on this machine.
+                #[cfg(target_arch = "x86_64")]
+                if has_avx() {
+                    dst.fill(0);
+                    let d = &mut dst[off..off + len];
+                    // SAFETY: AVX checked; `d` and `src[..len]` are valid, disjoint, `len` long.
+                    unsafe { stream_copy_avx(d.as_mut_ptr(), src.as_ptr(), len) };
+                    assert_eq!(
+                        &dst[off..off + len],
+                        &src[..len],
+                        "streamed: off {off} len {len}"
+                    );
+                    assert!(dst[..off].iter().all(|&b| b == 0));
+                    assert!(dst[off + len..].iter().all(|&b| b == 0));
+                }
             }
         }
     }
