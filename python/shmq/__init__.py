@@ -21,7 +21,7 @@ from .encoder_cache import (
     EncoderCacheProducer,
 )
 from .group import StatelessProcessGroup
-from .message_queue import Handle, MessageQueue, PeerDiedError, ShmRingBuffer, sched_yield
+from .message_queue import Handle, MessageQueue, PeerDiedError, QueueShutDownError, ShmRingBuffer, sched_yield
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
 from .serde import MsgpackSerde, ObjectSerde, PickleSerde
 from .workers import WorkerDiedError, WorkerProcesses, WorkersNotReadyError, report_ready
@@ -44,6 +44,7 @@ __all__ = [
     "ObjectStorage",
     "ObjectStorageHandle",
     "PeerDiedError",
+    "QueueShutDownError",
     "PickleSerde",
     "RingBuffer",
     "ShmObjectStorageHandle",

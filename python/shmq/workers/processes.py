@@ -32,8 +32,9 @@ class WorkerMonitor:
 
     When a worker exits before :meth:`WorkerProcesses.close` with a non-zero exit code or a
     signal (or before it was ready, or a remote worker's connection drops), the monitor at
-    once sets :attr:`cancel`, calls ``shutdown()`` on the queues it was given (their
-    blocked ``enqueue``/``dequeue`` calls in this process raise ``RuntimeError("cancelled")``),
+    once sets :attr:`cancel`, calls ``shutdown()`` on the queues it was given (a reader's
+    blocked ``dequeue`` in this process raises ``RuntimeError("cancelled")``; a writer's
+    ``shutdown()`` ends its queue: its blocked ``enqueue`` raises ``QueueShutDownError``),
     and leaving the ``with`` block raises the :class:`WorkerDiedError`, chained from
     whatever the block raised. A worker that exits with code 0 after it was ready has
     finished, not failed.
