@@ -47,17 +47,14 @@
 //! `/dev/shm` makes the writer fall back to copying instead of dying of `SIGBUS`.
 
 use std::collections::BTreeMap;
-use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
-// Process-local flags (not in shared memory): std's atomic, not `crate::sync`'s.
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::range_alloc::RangeAllocator;
-use crate::segment::{data_after_table, round_up, unique_name, HeaderCheck, Segment, SHM_DIR};
+use crate::segment::{data_after_table, round_up, unique_name, HeaderCheck, Segment};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.
@@ -299,13 +296,6 @@ pub struct ArenaWriter {
     loans: BTreeMap<usize, (usize, u32)>,
     /// Which lease records are loans (kept by their `Loan`, not by a publish).
     is_loan: Vec<bool>,
-    /// Per lease: a loan already sent, whose pages this process now maps privately
-    /// (copy-on-write), so that the writer's later writes reach no reader. Only touched
-    /// under `&self` by `publish` (hence atomics; Relaxed: this writer's thread only,
-    /// under the queue's lock) and under `&mut self` by `reclaim`.
-    sent_loan: Vec<AtomicBool>,
-    /// The segment's file, to remap a sent loan's pages privately and back.
-    file: std::fs::File,
 }
 
 impl std::fmt::Debug for ArenaWriter {
@@ -326,11 +316,6 @@ impl ArenaWriter {
         let geo = Geometry::new(n_reader, capacity, max_leases, page_size())?;
         let segment = Segment::create_sparse(&unique_name("arena"), geo.total, geo.data_offset)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(format!("{SHM_DIR}/{}", segment.name()))
-            .map_err(|e| Error::os(format!("opening tensor arena '{}'", segment.name()), e))?;
         let map = Mapped { segment, base, geo };
         let me = ProcessId::current();
         // SAFETY: the segment is new, page-aligned and larger than the header; no other
@@ -360,10 +345,6 @@ impl ArenaWriter {
             fallbacks: 0,
             loans: BTreeMap::new(),
             is_loan: vec![false; geo.max_leases],
-            sent_loan: (0..geo.max_leases)
-                .map(|_| AtomicBool::new(false))
-                .collect(),
-            file,
         })
     }
 
@@ -429,14 +410,7 @@ impl ArenaWriter {
         let mut k = 0;
         while k < self.outstanding.len() {
             let o = self.outstanding[k];
-            // A sent loan's pages are this process's private copies until remapped as
-            // the segment's; a range that cannot be is never given out again. Relaxed:
-            // see the field.
-            if self.is_unused(o.lease)
-                && (!self.sent_loan[o.lease as usize].load(Ordering::Relaxed)
-                    || self.remap_lease(o.lease as usize, true))
-            {
-                self.sent_loan[o.lease as usize].store(false, Ordering::Relaxed);
+            if self.is_unused(o.lease) {
                 // Relaxed: only this writer stores it; a new generation makes references
                 // to the old contents fail their check in a reader (stale or forged
                 // messages), and the next use bumps it again.
@@ -666,12 +640,6 @@ impl ArenaWriter {
         if start + bytes.len() > end {
             return None;
         }
-        // Sent before: what the writer holds now is its private copy (see `publish`),
-        // which readers cannot map; sent again, it is copied like any other part.
-        // Relaxed: see the field.
-        if self.sent_loan[lease as usize].load(Ordering::Relaxed) {
-            return None;
-        }
         // Only bytes of a live loan can be passed in (the caller borrows them from it), so
         // the lease is still this loan's; `reclaim` forgets a loan once it is returned.
         Some(self.reference(lease, start - self.map.data() as usize, bytes.len()))
@@ -689,62 +657,6 @@ impl ArenaWriter {
                 .fetch_add(1, Ordering::Relaxed);
         }
         self.abandon(r);
-        let lease = r.lease as usize;
-        // Relaxed: see the field.
-        if self.is_loan[lease] && !self.sent_loan[lease].swap(true, Ordering::Relaxed) {
-            self.remap_lease(lease, false);
-        }
-    }
-
-    /// Map lease `lease`'s pages in this process privately (copy-on-write: this
-    /// process's later writes reach no reader) or, with `shared`, as the segment's again.
-    /// Returns whether it worked.
-    fn remap_lease(&self, lease: usize, shared: bool) -> bool {
-        let rec = self.map.record(lease);
-        // Relaxed: stored by this writer (`allocate`), read in this thread.
-        let (offset, len) = (
-            rec.offset.load(Ordering::Relaxed) as usize,
-            rec.len.load(Ordering::Relaxed) as usize,
-        );
-        let flags = if shared {
-            libc::MAP_SHARED
-        } else {
-            libc::MAP_PRIVATE
-        };
-        // SAFETY: `offset..offset + len` is a lease of the data region (whole pages,
-        // inside the mapping: `allocate`), which only this lease's owner uses in this
-        // process. MAP_FIXED replaces those pages of our mapping, at the same address, by
-        // a mapping of the same file bytes: what the loan's holder reads stays the same.
-        // (A write by another thread at the very moment of the remap could be lost: only
-        // a write after the send, which the loan's contract already gives no meaning.)
-        // The whole mapping is unmapped together when the arena goes, remapped pages too.
-        // A peer of the same user can shrink the file under any mapping (SIGBUS): the same
-        // exposure as the segment's own mapping.
-        let p = unsafe {
-            let at = self.map.data().add(offset) as *mut libc::c_void;
-            let p = libc::mmap(
-                at,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags | libc::MAP_FIXED,
-                self.file.as_raw_fd(),
-                (self.map.geo.data_offset + offset) as libc::off_t,
-            );
-            if p != libc::MAP_FAILED && shared {
-                // Page tables in now, as after a reservation (best effort).
-                libc::madvise(at, len, libc::MADV_POPULATE_WRITE);
-            }
-            p
-        };
-        if p == libc::MAP_FAILED {
-            log::warn!(
-                "shmq: could not remap a loan of tensor arena {} ({})",
-                self.name(),
-                std::io::Error::last_os_error()
-            );
-            return false;
-        }
-        true
     }
 
     /// Drop the writer's hold of a copied part whose message will not be sent after all
@@ -763,9 +675,8 @@ impl ArenaWriter {
 
 /// Bytes of the arena lent to the writer's process to fill in place. Dropping it
 /// without sending gives the bytes back; once sent, readers hold them until they are
-/// done. Once sent, the writer's pages of it are a private copy-on-write mapping
-/// (`ArenaWriter::publish`): what the writer writes afterwards reaches no reader, and
-/// sending it again sends a copy of what the writer holds then.
+/// done. After a loan is sent, do not write it again: readers see such writes on pages
+/// they have not written themselves.
 pub struct Loan {
     map: Arc<Mapped>,
     lease: u32,
