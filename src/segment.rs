@@ -103,6 +103,16 @@ fn check_name(name: &str) -> Result<()> {
 
 /// Bytes free in the tmpfs behind `/dev/shm`, or `None` if it cannot be queried.
 pub fn shm_free_bytes() -> Option<u64> {
+    shm_statvfs().map(|(free, _)| free)
+}
+
+/// Size of the tmpfs behind `/dev/shm`, or `None` if it cannot be queried.
+fn shm_total_bytes() -> Option<u64> {
+    shm_statvfs().map(|(_, total)| total)
+}
+
+/// `(bytes free, bytes in all)` of the tmpfs behind `/dev/shm`.
+fn shm_statvfs() -> Option<(u64, u64)> {
     let path = CString::new(SHM_DIR).ok()?;
     let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
     // SAFETY: `path` is a valid NUL-terminated string and `st` points to writable memory
@@ -115,7 +125,10 @@ pub fn shm_free_bytes() -> Option<u64> {
     let st = unsafe { st.assume_init() };
     // The casts are no-ops on 64-bit Linux; fsblkcnt_t and c_ulong are 32 bits elsewhere.
     #[allow(clippy::unnecessary_cast)]
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
+    Some((
+        st.f_bavail as u64 * st.f_frsize as u64,
+        st.f_blocks as u64 * st.f_frsize as u64,
+    ))
 }
 
 /// Log, once per process, that `/dev/shm` is too small: `what` says what shmq does about
@@ -143,21 +156,6 @@ fn shm_too_small_message(what: &str, free: Option<u64>, total: Option<u64>) -> S
         mib(free),
         mib(total)
     )
-}
-
-/// Size of the tmpfs behind `/dev/shm`, or `None` if it cannot be queried.
-fn shm_total_bytes() -> Option<u64> {
-    let path = CString::new(SHM_DIR).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: as in `shm_free_bytes`.
-    let rc = unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled the struct.
-    let st = unsafe { st.assume_init() };
-    #[allow(clippy::unnecessary_cast)]
-    Some(st.f_blocks as u64 * st.f_frsize as u64)
 }
 
 impl Segment {
