@@ -68,6 +68,16 @@ def result_writer(rank: int) -> None:
     del mq
 
 
+def result_writer_that_fails(rank: int, delay: float) -> None:
+    """Like ``result_writer``, but raise after ``delay`` seconds: the worker exits with
+    code 1 through the interpreter's normal exit (which ends its queue too)."""
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    report_ready(mq.export_handle())
+    mq.wait_until_ready(timeout=STEP)
+    time.sleep(delay)
+    raise RuntimeError(f"rank {rank}: CUDA error (simulated)")
+
+
 def idle_reader(rank: int, handle: Any) -> None:
     """Join the parent's queue as reader ``rank`` and never read: the parent's enqueue
     blocks once the ring is full."""

@@ -356,6 +356,23 @@ def test_a_worker_sigkilled_mid_run_wakes_the_blocked_parent(blocked_in):
     del queue
 
 
+def test_a_worker_that_raises_is_named_though_its_queue_ends_first():
+    # A worker that fails with an exception exits normally: its queue's writer ends the
+    # queue at interpreter exit, so the parent's dequeue raises QueueShutDownError before
+    # the supervisor has seen the worker go. The monitor must still name the worker.
+    with WorkerProcesses(targets.result_writer_that_fails, 1, args=(0.5,)) as workers:
+        (handle,) = workers.wait_until_ready(timeout=STARTUP)
+        reader = MessageQueue.create_from_handle(handle, 0)
+        reader.wait_until_ready(timeout=STARTUP)
+        with pytest.raises(WorkerDiedError) as info:
+            with workers.monitor(reader):
+                reader.dequeue()  # no timeout: ended by the worker's end
+        err = info.value
+        assert (err.rank, err.exitcode) == (0, 1)
+        assert "CUDA error (simulated)" in str(err)
+        del reader
+
+
 def test_monitor_does_not_fire_for_workers_that_finish():
     with WorkerProcesses(targets.ready_then_exit, 3, args=(0,)) as workers:
         _track(workers)

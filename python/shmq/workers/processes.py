@@ -83,12 +83,17 @@ class WorkerMonitor:
         if (
             isinstance(exc, Exception)
             and self.error is None
-            and (isinstance(exc, _core.PeerDiedError) or self._supervisor.exit_unrecorded())
+            and (
+                isinstance(exc, (_core.PeerDiedError, _core.QueueShutDownError))
+                or self._supervisor.exit_unrecorded()
+            )
         ):
-            # The block failed because a worker died (shmq's own PeerDiedError can come
-            # first: a dying process gives up its role locks before it turns into a
-            # zombie), but the supervisor has not recorded that yet: give it a moment, so
-            # that the error names the worker.
+            # The block failed because a worker died, but the supervisor has not recorded
+            # that yet: give it a moment, so that the error names the worker. shmq's own
+            # errors can come first: PeerDiedError (a dying process gives up its role locks
+            # before it turns into a zombie), and QueueShutDownError (a worker that fails
+            # with an exception still exits normally: its queues' writers end them at
+            # interpreter exit, before the process is gone).
             self.cancel.wait(_RECORD_WITHIN)
         with self._supervisor.lock:
             if self in self._supervisor.monitors:
