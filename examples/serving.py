@@ -20,7 +20,15 @@ import sys
 
 import numpy as np
 
-from shmq import MessageQueue, ObjectStorage, RingBuffer, WorkerDiedError, WorkerProcesses, report_ready
+from shmq import (
+    MessageQueue,
+    ObjectStorage,
+    QueueShutDownError,
+    RingBuffer,
+    WorkerDiedError,
+    WorkerProcesses,
+    report_ready,
+)
 from shmq.admin import list_segments
 
 N_WORKERS, N_STEPS = 4, 10
@@ -34,14 +42,17 @@ def worker(rank, batch_handle, store_handle, crash):
     report_ready(results.export_handle())  # set-up done; the scheduler reads our results here
     batches.wait_until_ready()
     results.wait_until_ready()
-    while (batch := batches.dequeue()) is not None:
-        if crash and rank == CRASH_RANK and batch["step"] == CRASH_STEP:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
-        # The shared tensor by its signed handle: (address, id), signature, key.
-        address, monotonic_id, signature, key = batch["embeddings"]
-        embeddings = store.get(address, monotonic_id, signature=signature, key=key)
-        tokens = [req * 1000 + batch["step"] for req in batch["req_ids"]]  # "sampled tokens"
-        results.enqueue({"rank": rank, "step": batch["step"], "sum": float(embeddings.sum()), "tokens": tokens})
+    try:
+        while (batch := batches.dequeue()) is not None:
+            if crash and rank == CRASH_RANK and batch["step"] == CRASH_STEP:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+            # The shared tensor by its signed handle: (address, id), signature, key.
+            address, monotonic_id, signature, key = batch["embeddings"]
+            embeddings = store.get(address, monotonic_id, signature=signature, key=key)
+            tokens = [req * 1000 + batch["step"] for req in batch["req_ids"]]  # "sampled tokens"
+            results.enqueue({"rank": rank, "step": batch["step"], "sum": float(embeddings.sum()), "tokens": tokens})
+    except QueueShutDownError:
+        pass  # the scheduler ended the queue (it is shutting down): nothing more to do
 
 
 def serve(crash):
