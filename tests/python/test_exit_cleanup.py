@@ -111,14 +111,22 @@ def test_end_of_script_with_everything_still_referenced(tmp_path):
     _assert_nothing_left(pids, out)
 
 
-def test_spawn_child_keeps_the_queue_in_a_module_list_with_a_daemon_thread(tmp_path):
+@pytest.mark.parametrize(
+    "ending, exitcode",
+    [("", 0), ("sys.exit(3)", 3)],
+    ids=["spawn-child-returns-keeping-all-in-module-state", "sys-exit-in-a-spawned-worker"],
+)
+def test_a_spawned_child_that_ends_normally(tmp_path, ending, exitcode):
+    # make_everything keeps what it made in a module-level list, with a daemon thread
+    # alive; the child then returns, or leaves through sys.exit.
     (tmp_path / "exit_child.py").write_text(
         textwrap.dedent(MAKE_EVERYTHING)
         + textwrap.dedent(
-            """
+            f"""
             def child():
                 print("PID", os.getpid(), flush=True)
                 make_everything()
+                {ending}
             """
         )
     )
@@ -134,35 +142,7 @@ def test_spawn_child_keeps_the_queue_in_a_module_list_with_a_daemon_thread(tmp_p
         """,
         tmp_path,
     )
-    assert code == 0 and "EXIT 0" in out, out
-    _assert_nothing_left(pids, out)
-
-
-def test_sys_exit_in_a_spawned_worker(tmp_path):
-    (tmp_path / "exit_child.py").write_text(
-        textwrap.dedent(MAKE_EVERYTHING)
-        + textwrap.dedent(
-            """
-            def child():
-                print("PID", os.getpid(), flush=True)
-                make_everything()
-                sys.exit(3)
-            """
-        )
-    )
-    code, out, pids = _run(
-        """
-        import multiprocessing as mp
-        import exit_child
-        if __name__ == "__main__":
-            p = mp.get_context("spawn").Process(target=exit_child.child)
-            p.start()
-            p.join(60)
-            print("EXIT", p.exitcode)
-        """,
-        tmp_path,
-    )
-    assert code == 0 and "EXIT 3" in out, out
+    assert code == 0 and f"EXIT {exitcode}" in out, out
     _assert_nothing_left(pids, out)
 
 
