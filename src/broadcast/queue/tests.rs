@@ -56,17 +56,24 @@ fn options_are_checked() {
     );
 }
 
-#[test]
-fn local_and_remote_in_threads() {
-    let mut w = Writer::new(QueueOptions {
+/// A writer of 64-byte chunks with one local reader (rank 0) and one remote reader
+/// (rank 1, TCP on 127.0.0.1).
+fn one_local_one_remote(max_chunks: usize, arena_bytes: usize) -> Writer {
+    Writer::new(QueueOptions {
         n_reader: 2,
         n_local_reader: 1,
         max_chunk_bytes: 64,
-        max_chunks: 2,
+        max_chunks,
+        arena_bytes,
         connect_ip: Some("127.0.0.1".into()),
         ..Default::default()
     })
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn local_and_remote_in_threads() {
+    let mut w = one_local_one_remote(2, QueueOptions::default().arena_bytes);
     let h = w.handle().clone();
     let msgs: Vec<Vec<u8>> = (0..200).map(|i| vec![i as u8; (i * 7) % 150]).collect();
     std::thread::scope(|s| {
@@ -156,16 +163,7 @@ fn endpoints_with_a_nul_are_errors_not_panics() {
 #[test]
 fn wait_until_ready_a_second_time_returns_at_once_on_every_side() {
     // The writer says "ready" once: a reader that waited for a second one timed out.
-    let mut w = Writer::new(QueueOptions {
-        n_reader: 2,
-        n_local_reader: 1,
-        max_chunk_bytes: 64,
-        max_chunks: 2,
-        arena_bytes: 0,
-        connect_ip: Some("127.0.0.1".into()),
-        ..Default::default()
-    })
-    .unwrap();
+    let mut w = one_local_one_remote(2, 0);
     let h = w.handle().clone();
     let again = Some(Duration::from_millis(50));
     std::thread::scope(|s| {
@@ -188,16 +186,7 @@ fn wait_until_ready_a_second_time_returns_at_once_on_every_side() {
 fn close_ends_the_writer_and_readers_get_everything_then_the_end() {
     // Two chunks and one message over the overflow socket left in the ring when the
     // writer closes; a local and a remote reader, both blocked without a timeout.
-    let mut w = Writer::new(QueueOptions {
-        n_reader: 2,
-        n_local_reader: 1,
-        max_chunk_bytes: 64,
-        max_chunks: 3,
-        arena_bytes: 0,
-        connect_ip: Some("127.0.0.1".into()),
-        ..Default::default()
-    })
-    .unwrap();
+    let mut w = one_local_one_remote(3, 0);
     let h = w.handle().clone();
     let msgs: Vec<Vec<u8>> = vec![b"a".to_vec(), vec![7; 500], b"c".to_vec()];
     std::thread::scope(|s| {
