@@ -378,7 +378,7 @@ fn discard_by_pagemap(
     let page = page_size();
     // 8 bytes per page; read a batch of entries at a time.
     const BATCH: usize = 4096;
-    let mut entries = vec![0u8; BATCH * 8];
+    let mut entries = vec![0u8; ((end - start) / page).min(BATCH) * 8];
     let mut run: Option<usize> = None; // start of the current run of written pages
     let mut at = start;
     while at < end {
