@@ -66,8 +66,17 @@ def _run(script: str, tmp_path: Path, *, signal_after_ready: int | None = None) 
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(MAKE_EVERYTHING) + textwrap.dedent(script))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO_PYTHON, os.environ.get("PYTHONPATH", "")]))
+    # SIGINT back to its default in the child: a shell without job control starts
+    # background commands (`pytest &`) with SIGINT ignored, and the child would inherit
+    # that and never see the signal the test sends.
     p = subprocess.Popen(
-        [sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+        [sys.executable, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     pids = {p.pid}
     lines: list[str] = []
