@@ -21,8 +21,17 @@ cargo test --all-targets
 cargo test --doc
 cargo run --quiet --example broadcast
 
-step "Rust: loom model checks of the ring protocol and the sleep/wake handshake"
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom
+step "Rust: loom model checks of the ring protocol and the sleep/wake handshake, beside the fuzz targets"
+# The longest model (two readers, two messages) keeps one core busy for minutes; the fuzz
+# targets run one at a time, also on one core. So the models run in the background
+# while cargo-fuzz is built (if needed) and the fuzz targets build and run, and the
+# step waits for both. No debuginfo for the model checks: it only slows their build.
+export CARGO_PROFILE_RELEASE_DEBUG=0
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom --no-run
+loom_log=$PWD/target/loom/loom.log
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom >"$loom_log" 2>&1 &
+loom_pid=$!
+unset CARGO_PROFILE_RELEASE_DEBUG
 
 step "Rust: fuzz targets (cargo-fuzz, ${SHMQ_FUZZ_SECONDS:=15} s each, seed ${SHMQ_FUZZ_SEED:=1}; longer by hand, see the README)"
 # A fixed seed by default: the same clone fuzzes the same inputs, so a red run is one
@@ -50,9 +59,19 @@ for target in handle framing ring_reader arena_reader store_reader; do
   else
     tail -n 60 "$log"
     echo "fuzz target $target failed: the input is in $artifacts (see the README's Develop section)"
+    kill "$loom_pid" 2>/dev/null || true
     exit 1
   fi
 done
+
+step "Rust: the loom model checks' result"
+if wait "$loom_pid"; then
+  grep -E '^(test |test result)' "$loom_log"
+else
+  cat "$loom_log"
+  echo "loom model checks failed (output above, also in $loom_log)"
+  exit 1
+fi
 
 step "Python: test environment in .venv"
 # The two-host test makes network namespaces with iproute2 (skipped where it cannot).
@@ -84,8 +103,10 @@ step "Python: the stubs of shmq._core against the built module, and the types"
 .venv/bin/python -m mypy --strict tests/python/test_typing.py
 
 step "Python: pytest"
-# The plugin test must run here: a missing vLLM is a failure, not a skip.
-SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q
+# The plugin test must run here: a missing vLLM is a failure, not a skip. One pytest
+# worker per core (pytest-xdist): every test makes its own processes and segments, and
+# the suite is CPU-bound, so on 2 cores this takes ~6 minutes instead of ~9.
+SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -n "${SHMQ_TEST_WORKERS:-auto}"
 
 step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py
