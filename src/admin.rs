@@ -295,6 +295,60 @@ pub fn describe(name: &str) -> Result<String> {
     Err(not_shmq())
 }
 
+/// A segment's live metrics (see [`metrics`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Metrics {
+    /// A queue's ring: every side and the writer's counters.
+    Ring {
+        n_reader: usize,
+        max_chunks: usize,
+        max_chunk_bytes: usize,
+        stats: crate::broadcast::ring::RingStats,
+    },
+    Store {
+        capacity: u64,
+        occupancy: crate::storage::StoreOccupancy,
+        stats: crate::storage::StoreStats,
+    },
+    Arena(arena::ArenaInfo),
+    EncoderCache(crate::encoder_cache::CacheInfo),
+}
+
+/// The live metrics of segment `name`, read from the segment itself (so from any
+/// process of the machine): what `python -m shmq inspect --json`, `top` and the
+/// Prometheus collector show.
+pub fn metrics(name: &str) -> Result<Metrics> {
+    if let Ok(ring) = Ring::open(name) {
+        return Ok(Metrics::Ring {
+            n_reader: ring.n_reader(),
+            max_chunks: ring.max_chunks(),
+            max_chunk_bytes: ring.max_chunk_bytes(),
+            stats: ring.stats(),
+        });
+    }
+    if let Ok(store) = ChunkFifo::open(name, None) {
+        let seg = store.segment();
+        return Ok(Metrics::Store {
+            capacity: seg.capacity(),
+            occupancy: seg.occupancy(),
+            stats: seg.stats(),
+        });
+    }
+    if let Ok(a) = arena::describe(name) {
+        return Ok(Metrics::Arena(a));
+    }
+    if let Ok(c) = crate::encoder_cache::describe(name) {
+        return Ok(Metrics::EncoderCache(c));
+    }
+    // None opened it: say why in the words `describe` uses (it fails the same way),
+    // or, if it opens now (its creator finished setting it up in between), say so.
+    describe(name)?;
+    Err(Error::BadSegment {
+        name: name.to_owned(),
+        reason: "its creator was still setting it up; try again".into(),
+    })
+}
+
 /// The kind of shmq segment `name` says it is, by the tag of its magic ("SHMQSTO" of
 /// "SHMQSTO3"), whatever its layout version; `Unknown` if it has no shmq magic.
 fn claimed_kind(name: &str) -> Result<SegmentKind> {

@@ -66,6 +66,24 @@ pub fn descendants(pid: u32) -> Vec<ProcessId> {
     out
 }
 
+/// A clock for statistics that other processes read: `CLOCK_MONOTONIC_COARSE` in
+/// nanoseconds (the same clock for every process of the machine, read in a few
+/// nanoseconds, a few milliseconds coarse). 0 only if the clock cannot be read.
+pub fn coarse_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; clock_gettime only writes it.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
 impl ProcessId {
     /// This process.
     pub fn current() -> ProcessId {
@@ -87,6 +105,15 @@ impl ProcessId {
             Some((state, _)) if state == 'Z' || state == 'X' => Liveness::Dead,
             Some((_, start)) if self.start_time != 0 && start != self.start_time => Liveness::Dead,
             Some(_) => Liveness::Alive,
+        }
+    }
+
+    /// Its scheduler state from `/proc/<pid>/stat` (`R` running, `S` sleeping, `T`
+    /// stopped, ...) if it is visible here and is still the process of this start time.
+    pub fn state(&self) -> Option<char> {
+        match stat(self.pid) {
+            Some((state, start)) if self.start_time == 0 || start == self.start_time => Some(state),
+            _ => None,
         }
     }
 

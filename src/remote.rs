@@ -131,6 +131,8 @@ struct Peer {
     id: Vec<u8>,
     rank: u64,
     dropped: bool,
+    /// Its address as ZeroMQ saw the connection ("Peer-Address"), for warnings.
+    host: Option<String>,
 }
 
 /// The writer's end of the remote stream.
@@ -233,20 +235,43 @@ impl RemoteWriter {
         self.peers.iter().map(|p| p.rank).collect()
     }
 
+    /// Each accepted reader: rank, address (as ZeroMQ saw it) and whether it was dropped.
+    pub fn peers(&self) -> Vec<(u64, Option<String>, bool)> {
+        self.peers
+            .iter()
+            .map(|p| (p.rank, p.host.clone(), p.dropped))
+            .collect()
+    }
+
     /// Take the HELLOs that have arrived: accept the good ones, refuse duplicates and
     /// extra ranks, ignore anything else.
     fn serve_hellos(&mut self) -> Result<()> {
         loop {
-            let frames = match self.socket.recv_multipart(zmq::DONTWAIT) {
-                Ok(f) => f,
-                Err(zmq::Error::EAGAIN) => return Ok(()),
-                Err(e) => {
-                    return Err(Error::Transport {
-                        context: "receiving from a remote reader".into(),
-                        source: e,
-                    })
+            // Frame by frame (not `recv_multipart`) to keep the last frame's metadata:
+            // the peer's address, which names the reader in warnings.
+            let mut frames: Vec<Vec<u8>> = Vec::with_capacity(2);
+            let mut host = None;
+            loop {
+                let flags = if frames.is_empty() { zmq::DONTWAIT } else { 0 };
+                let mut m = match self.socket.recv_msg(flags) {
+                    Ok(m) => m,
+                    Err(zmq::Error::EAGAIN) if frames.is_empty() => return Ok(()),
+                    Err(e) => {
+                        return Err(Error::Transport {
+                            context: "receiving from a remote reader".into(),
+                            source: e,
+                        })
+                    }
+                };
+                let more = m.get_more();
+                if !more {
+                    host = m.gets("Peer-Address").map(str::to_owned);
                 }
-            };
+                frames.push(m.to_vec());
+                if !more {
+                    break;
+                }
+            }
             // [identity, hello]; anything else is not a shmq reader.
             let [id, hello] = &frames[..] else { continue };
             if hello.len() != HELLO || &hello[..4] != MAGIC_HELLO {
@@ -297,6 +322,7 @@ impl RemoteWriter {
                     id: id.clone(),
                     rank,
                     dropped: false,
+                    host,
                 });
                 if self.ready {
                     // Joined after the start: it gets READY at once and messages from
@@ -376,7 +402,17 @@ impl RemoteWriter {
                         }
                         SlowReaderPolicy::Block => {
                             std::thread::sleep(Duration::from_micros(200));
-                            wait.step(&mut crate::wait::no_peer)?;
+                            let p = &self.peers[k];
+                            let hwm = self.options.hwm;
+                            wait.step_explained(&mut crate::wait::no_peer, &mut || {
+                                format!(
+                                    "remote reader rank {} (host {}) has not taken the {hwm} \
+                                     messages queued for it (it is slow, stopped, or the \
+                                     network is)",
+                                    p.rank,
+                                    p.host.as_deref().unwrap_or("unknown")
+                                )
+                            })?;
                         }
                     },
                     Err(zmq::Error::EHOSTUNREACH) => {

@@ -242,7 +242,8 @@ impl<'a> Wait<'a> {
     }
 
     /// Check cancellation, the deadline and the warning clock; `now` is the current time.
-    fn check(&mut self, now: Instant) -> Result<()> {
+    /// A warning adds what `explain` says (who the wait is for, and what they are doing).
+    fn check(&mut self, now: Instant, explain: &mut dyn FnMut() -> String) -> Result<()> {
         if self.cancelled() {
             return Err(Error::Cancelled);
         }
@@ -253,8 +254,14 @@ impl<'a> Wait<'a> {
             });
         }
         if self.next_warning.is_some_and(|t| now >= t) {
+            let why = explain();
+            let why = if why.is_empty() {
+                why
+            } else {
+                format!(": {why}")
+            };
             log::warn!(
-                "shmq: {} for {:.0?} (set {WARNING_INTERVAL_ENV} to change how often this is logged)",
+                "shmq: {} for {:.0?}{why} (set {WARNING_INTERVAL_ENV} to change how often this is logged)",
                 self.what,
                 now - self.started
             );
@@ -288,6 +295,18 @@ impl<'a> Wait<'a> {
         &mut self,
         doorbell: Option<&DoorbellWords>,
         peer_alive: &mut dyn FnMut() -> Result<()>,
+        ready: impl FnMut() -> Option<T>,
+    ) -> Result<T> {
+        self.until_explained(doorbell, peer_alive, &mut String::new, ready)
+    }
+
+    /// [`until`](Self::until), whose "still waiting" warnings add what `explain` says:
+    /// who the wait is for and what they are doing (called once per warning only).
+    pub fn until_explained<T>(
+        &mut self,
+        doorbell: Option<&DoorbellWords>,
+        peer_alive: &mut dyn FnMut() -> Result<()>,
+        explain: &mut dyn FnMut() -> String,
         mut ready: impl FnMut() -> Option<T>,
     ) -> Result<T> {
         if let Some(v) = ready() {
@@ -304,7 +323,7 @@ impl<'a> Wait<'a> {
                 }
             }
             let now = Instant::now();
-            self.check(now)?;
+            self.check(now, explain)?;
             if now >= spin_end {
                 break;
             }
@@ -318,7 +337,7 @@ impl<'a> Wait<'a> {
                 return Ok(v);
             }
             let now = Instant::now();
-            self.check(now)?;
+            self.check(now, explain)?;
             if now >= next_slow {
                 self.slow_checks(now, peer_alive)?;
                 next_slow = now + HOOK_INTERVAL;
@@ -357,7 +376,7 @@ impl<'a> Wait<'a> {
                 return Ok(v);
             }
             let now = Instant::now();
-            self.check(now)?;
+            self.check(now, explain)?;
             self.slow_checks(now, peer_alive)?;
         }
     }
@@ -371,8 +390,18 @@ impl<'a> Wait<'a> {
 
     /// Run the checks of one wait step from outside `until` (a socket poll loop).
     pub fn step(&mut self, peer_alive: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        self.step_explained(peer_alive, &mut String::new)
+    }
+
+    /// [`step`](Self::step), whose warnings add what `explain` says (see
+    /// [`until_explained`](Self::until_explained)).
+    pub fn step_explained(
+        &mut self,
+        peer_alive: &mut dyn FnMut() -> Result<()>,
+        explain: &mut dyn FnMut() -> String,
+    ) -> Result<()> {
         let now = Instant::now();
-        self.check(now)?;
+        self.check(now, explain)?;
         self.slow_checks(now, peer_alive)
     }
 }

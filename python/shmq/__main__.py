@@ -11,13 +11,14 @@ import argparse
 import sys
 from typing import Any, Optional, Sequence
 
-from . import admin, bench
+from . import admin, bench, metrics
 
 #: name -> (module with add_arguments/main, one-line help)
 COMMANDS: dict[str, tuple[Any, str]] = {
     "bench": (bench, "latency and throughput of shmq's queue next to multiprocessing.Queue and pyzmq"),
     "cleanup": (admin.CleanupCommand, "remove segments left in /dev/shm by crashed processes"),
-    "inspect": (admin.InspectCommand, "show a live queue's or store's state (or list all segments)"),
+    "inspect": (admin.InspectCommand, "show a live queue's or store's state (or list all segments); --json: metrics"),
+    "top": (metrics.TopCommand, "a live table of every shmq queue, store and cache on this machine, with rates"),
 }
 
 

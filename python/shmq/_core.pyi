@@ -112,6 +112,10 @@ def remove_orphans(dry_run: bool = False, force: bool = False) -> list[_SegmentR
 def describe_segment(name: str) -> str:
     """A human-readable description of a segment's state."""
 
+def segment_metrics(name: str) -> dict[str, Any]:
+    """The live metrics of a segment as a dict (see `shmq.metrics`): `kind` and, by kind,
+    its counters; a ring's `writer` and `readers` are dicts of their own."""
+
 @final
 class ShmView:
     """A window into mapped memory; wrap it in ``memoryview``. Keeps the mapping alive."""

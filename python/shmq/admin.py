@@ -96,9 +96,26 @@ class InspectCommand:
     @staticmethod
     def add_arguments(parser) -> None:
         parser.add_argument("name", nargs="?", help="segment name (shmq_...); without it, list all segments")
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="print the live metrics (of the segment, or of every segment) as JSON: see shmq.metrics",
+        )
 
     @staticmethod
     def main(args) -> int:
+        if args.json:
+            import json
+
+            from . import metrics
+
+            try:
+                found = metrics.collect([args.name] if args.name else None)
+            except (FileNotFoundError, ValueError, OSError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(json.dumps(found[0] if args.name else found, indent=2))
+            return 0
         if args.name is None:
             for s in list_segments():
                 print(f"{s.name}  {s.kind}  {s.size} bytes  creator pid {s.creator_pid} ({s.creator_state})")

@@ -115,14 +115,59 @@ def activate() -> None:
             setattr(module, name, ours[name])
             newly.append(name)
     rebound = _rebind_loaded_modules()
+    metrics_on = _register_metrics()
     if newly:
         _announce(
             f"shmq {_shmq_version()} plugin active (pid {os.getpid()}): vLLM's {', '.join(newly)} are shmq's"
             + (f"; also rebound in {rebound} module(s) that imported them" if rebound else "")
+            + ("; shmq's metrics are in vLLM's /metrics" if metrics_on else "")
         )
         version = _vllm_version()
         if version and not version.startswith(TESTED_VLLM + "."):
             _logger().warning("shmq's vLLM plugin was checked against vLLM %s.x, this is %s", TESTED_VLLM, version)
+
+
+_VLLM_PROMETHEUS = "vllm.v1.metrics.prometheus"
+_VLLM_METRICS_ROUTE = "vllm.entrypoints.serve.instrumentator.metrics"
+
+
+def _register_metrics() -> bool:
+    """Put shmq's Prometheus collector (:mod:`shmq.metrics`) where vLLM's ``/metrics``
+    reads: ``prometheus_client``'s global ``REGISTRY``, and, when vLLM serves a registry
+    of its own (``PROMETHEUS_MULTIPROC_DIR``: a fresh registry with the multiprocess
+    collector), that one too, by wrapping vLLM's ``get_prometheus_registry``. The
+    collector reads every shmq segment on the machine, so it shows the engine's queues
+    from the API server process too. False where ``prometheus_client`` is missing."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    import importlib
+
+    from . import metrics
+
+    metrics.register_prometheus()
+    try:
+        vp = importlib.import_module(_VLLM_PROMETHEUS)
+    except ImportError:
+        return True
+    original = vp.get_prometheus_registry
+    if getattr(original, "_shmq", False):
+        return True
+
+    def get_prometheus_registry() -> Any:
+        registry = original()
+        metrics.register_prometheus(registry)
+        return registry
+
+    setattr(get_prometheus_registry, "_shmq", True)
+    get_prometheus_registry.__doc__ = original.__doc__
+    vp.get_prometheus_registry = get_prometheus_registry
+    # The /metrics route imported the name at its load: rebind it there too.
+    route = sys.modules.get(_VLLM_METRICS_ROUTE)
+    if route is not None and getattr(route, "get_prometheus_registry", None) is original:
+        setattr(route, "get_prometheus_registry", get_prometheus_registry)
+    return True
 
 
 def _announce(message: str) -> None:

@@ -84,7 +84,11 @@ pub(crate) struct Header {
     pub stat_reserved: AtomicU64,
     pub stat_saves: AtomicU64,
     pub stat_evictions: AtomicU64,
-    _pad4: [u64; 3],
+    /// Saves and waits for loads that had to wait (for room, or for consumers), and
+    /// their total time in ns.
+    pub stat_waits: AtomicU64,
+    pub stat_wait_ns: AtomicU64,
+    _pad4: u64,
 }
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_BYTES);
 const _: () = assert!(std::mem::align_of::<Header>() == 64);

@@ -95,6 +95,9 @@ pub struct CacheInfo {
     pub reserved: u64,
     pub saves: u64,
     pub evictions: u64,
+    /// Producer waits (for room, or for consumers to load), and their total time in ns.
+    pub waits: u64,
+    pub wait_ns: u64,
     pub consumers: Vec<ConsumerInfo>,
 }
 
@@ -122,6 +125,8 @@ pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
         reserved: h.stat_reserved.load(Ordering::Relaxed),
         saves: h.stat_saves.load(Ordering::Relaxed),
         evictions: h.stat_evictions.load(Ordering::Relaxed),
+        waits: h.stat_waits.load(Ordering::Relaxed),
+        wait_ns: h.stat_wait_ns.load(Ordering::Relaxed),
         consumers: consumers::list(&map),
     })
 }

@@ -292,14 +292,21 @@ impl Producer {
                     Ok(())
                 };
                 let mut failure = None;
-                let got = wait.until(Some(inner.map.bell()), &mut sweep, || match attempt() {
-                    Ok(Some(r)) => Some(r),
-                    Ok(None) => None,
-                    Err(e) => {
-                        failure = Some(e);
-                        Some(None)
-                    }
-                });
+                let started = std::time::Instant::now();
+                let got = wait.until_explained(
+                    Some(inner.map.bell()),
+                    &mut sweep,
+                    &mut || inner.room_holders(),
+                    || match attempt() {
+                        Ok(Some(r)) => Some(r),
+                        Ok(None) => None,
+                        Err(e) => {
+                            failure = Some(e);
+                            Some(None)
+                        }
+                    },
+                );
+                inner.count_wait(started.elapsed());
                 if let Some(e) = failure {
                     return Err(e);
                 }
@@ -395,13 +402,22 @@ impl Producer {
             inner.sweep();
             Ok(())
         };
-        let r = wait.until(Some(inner.map.bell()), &mut sweep, || {
-            match self.load_state(key) {
-                LoadState::Loaded => Some(Ok(())),
-                LoadState::Pending => None,
-                LoadState::Unknown => Some(Err(Error::UnknownKey(key.to_owned()))),
-            }
-        });
+        let ready = || match self.load_state(key) {
+            LoadState::Loaded => Some(Ok(())),
+            LoadState::Pending => None,
+            LoadState::Unknown => Some(Err(Error::UnknownKey(key.to_owned()))),
+        };
+        if let Some(r) = ready() {
+            return r;
+        }
+        let started = std::time::Instant::now();
+        let r = wait.until_explained(
+            Some(inner.map.bell()),
+            &mut sweep,
+            &mut || format!("key {key:?}: {}", inner.who_has_not_loaded(key)),
+            ready,
+        );
+        inner.count_wait(started.elapsed());
         match r {
             Ok(r) => r,
             Err(Error::Timeout { what, waited }) => Err(Error::Timeout {
@@ -608,6 +624,57 @@ impl Inner {
         } else {
             format!("not yet loaded by consumer(s) {}", waiting.join(", "))
         }
+    }
+
+    /// A wait of the producer ended after `waited`: count it (for the metrics).
+    fn count_wait(&self, waited: Duration) {
+        let h = self.map.header();
+        // Relaxed: statistics written by the producer alone (under no lock: a producer
+        // that waits in two threads may lose an update, which only skews a statistic).
+        h.stat_waits
+            .store(h.stat_waits.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        let ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+        h.stat_wait_ns.store(
+            h.stat_wait_ns.load(Ordering::Relaxed).wrapping_add(ns),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// For the "still waiting for room" warning: the oldest held keys that keep their
+    /// room, and why (which consumers have not loaded them, or that one maps them).
+    fn room_holders(&self) -> String {
+        let oldest: Vec<(String, u32)> = {
+            let st = lock(&self.state);
+            let by_entry: HashMap<u32, &String> = st.keys.iter().map(|(k, &e)| (e, k)).collect();
+            st.order
+                .values()
+                .take(3)
+                .filter_map(|e| by_entry.get(e).map(|k| ((*k).clone(), *e)))
+                .collect()
+        };
+        let named: Vec<String> = oldest
+            .iter()
+            .map(|(k, e)| {
+                if !self.fully_loaded(*e as usize) {
+                    format!("key {k:?} ({})", self.who_has_not_loaded(k))
+                } else if !self.pins_zero(*e as usize) {
+                    format!("key {k:?} (loaded, still mapped by a consumer)")
+                } else {
+                    format!("key {k:?} (free to evict)")
+                }
+            })
+            .collect();
+        let st = lock(&self.state);
+        format!(
+            "{} entries hold the room, the oldest: {}; {} evicted ones are still mapped",
+            st.order.len(),
+            if named.is_empty() {
+                "none".to_owned()
+            } else {
+                named.join(", ")
+            },
+            st.zombies.len()
+        )
     }
 
     fn full_error(&self, needed: usize, waited: Duration) -> Error {

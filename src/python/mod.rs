@@ -9,7 +9,8 @@
 //! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
 //! - `EncoderCacheProducer`, `EncoderCacheReservation`, `EncoderCacheConsumer`: the
 //!   encoder-cache hand-off (`shmq.encoder_cache`);
-//! - `list_segments()`, `remove_orphans()`, `describe_segment()`: cleanup and inspection;
+//! - `list_segments()`, `remove_orphans()`, `describe_segment()`, `segment_metrics()`:
+//!   cleanup, inspection and live metrics;
 //! - `remove_created()`: the exit hook's removal of what this process created;
 //! - `default_connect_ip()`, `segment_prefix`, `PeerDiedError`, `QueueShutDownError`.
 
@@ -53,6 +54,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;
     m.add_function(wrap_pyfunction!(admin::remove_orphans, m)?)?;
     m.add_function(wrap_pyfunction!(admin::describe_segment, m)?)?;
+    m.add_function(wrap_pyfunction!(admin::segment_metrics, m)?)?;
     m.add("PeerDiedError", m.py().get_type::<errors::PeerDiedError>())?;
     m.add(
         "QueueShutDownError",

@@ -148,6 +148,7 @@ impl ChunkFifo {
         segment.write_header(&chunk);
         // The header is written before the new id is published.
         segment.publish_ids(&w.alloc);
+        segment.count_writes(1, 0);
         Ok(chunk)
     }
 
@@ -202,6 +203,7 @@ impl ChunkFifo {
         if freed.count > 0 {
             segment.publish_ids(&w.alloc);
             segment.wait_for_counting_readers();
+            segment.count_writes(0, freed.count as u64);
         }
         Ok(freed)
     }

@@ -88,6 +88,6 @@ pub use object::{
     ObjectViews, PartView,
 };
 pub use segment::{
-    ChunkHeader, StoreOccupancy, StoreSegment, COUNT_BYTES, PART_ALIGN, SECRET_BYTES,
+    ChunkHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, PART_ALIGN, SECRET_BYTES,
     SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC,
 };

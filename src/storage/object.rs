@@ -225,7 +225,11 @@ pub fn read_object<R>(
     f: impl FnOnce(&ObjectView<'_>) -> R,
 ) -> Result<R> {
     let h = object_header(segment, address, id)?;
-    read_header(segment, h, address, id, count_read, f)
+    let r = read_header(segment, h, address, id, count_read, f)?;
+    if count_read {
+        segment.count_get();
+    }
+    Ok(r)
 }
 
 /// [`read_object`] from a header found valid for `(address, id)`.
@@ -410,9 +414,13 @@ pub fn read_object_viewed<R>(
         header: h,
         pin: std::cell::OnceCell::new(),
     };
-    read_header(segment, h, address, id, count_read, |object| {
+    let r = read_header(segment, h, address, id, count_read, |object| {
         f(object, &views)
-    })
+    })?;
+    if count_read {
+        segment.count_get();
+    }
+    Ok(r)
 }
 
 /// The reader count of the object at `(address, id)` (for inspection and tests).

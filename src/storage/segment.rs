@@ -33,6 +33,10 @@ const PIN_HINT_OFFSET: usize = 192;
 /// Where the count of readers about to count a read is (see `StoreSegment::counting`):
 /// its own cache line, apart from the pin hint (both are written by readers).
 const COUNTING_OFFSET: usize = 256;
+/// The writer's statistics (objects put, chunks freed): after the header, in its line.
+const WRITER_STATS_OFFSET: usize = 32;
+/// The readers' statistic (counted gets), in a cache line of its own.
+const GETS_OFFSET: usize = 320;
 /// How long the writer waits for readers in the middle of counting a read (they are
 /// there for nanoseconds; only one that died there makes it wait this long).
 const COUNTING_PATIENCE: Duration = Duration::from_millis(10);
@@ -93,6 +97,21 @@ const _: () = assert!(PUBLISHED_OFFSET + 64 <= SECRET_OFFSET);
 const _: () = assert!(SECRET_OFFSET + SECRET_BYTES <= PIN_HINT_OFFSET);
 const _: () = assert!(PIN_HINT_OFFSET + 64 <= COUNTING_OFFSET); // another cache line
 const _: () = assert!(COUNTING_OFFSET + 8 <= RING_OFFSET);
+const _: () = assert!(std::mem::size_of::<StoreHeader>() <= WRITER_STATS_OFFSET);
+const _: () = assert!(WRITER_STATS_OFFSET + 16 <= PUBLISHED_OFFSET);
+const _: () = assert!(GETS_OFFSET >= COUNTING_OFFSET + 64 && GETS_OFFSET + 8 <= RING_OFFSET);
+
+/// A store's metrics (see [`StoreSegment::stats`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Objects put (chunks allocated) and freed (evicted to make room, or cleared).
+    pub puts: u64,
+    pub evictions: u64,
+    /// Reads counted by readers (`get`s).
+    pub gets: u64,
+    /// Zero-copy gets still holding their objects' memory, in every process.
+    pub views_held: u64,
+}
 
 /// One consistent reading of [`Published`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -343,6 +362,44 @@ impl StoreSegment {
         ProcessId {
             pid: h.creator_pid,
             start_time: h.creator_start_time,
+        }
+    }
+
+    fn stat_word(&self, offset: usize) -> &AtomicU64 {
+        debug_assert!(offset % 8 == 0 && offset + 8 <= RING_OFFSET);
+        // SAFETY: WRITER_STATS_OFFSET.. and GETS_OFFSET.. lie below RING_OFFSET (checked
+        // at compile time), inside the mapping and 8-aligned (it is page-aligned); only
+        // accessed atomically. A peer that writes them changes what is reported, nothing
+        // else.
+        unsafe { &*(self.segment.as_ptr().add(offset) as *const AtomicU64) }
+    }
+
+    /// Writer: `n` more objects put (`evicted`: freed).
+    pub(super) fn count_writes(&self, put: u64, evicted: u64) {
+        for (offset, n) in [(WRITER_STATS_OFFSET, put), (WRITER_STATS_OFFSET + 8, evicted)] {
+            if n > 0 {
+                let w = self.stat_word(offset);
+                // Relaxed: a statistic written by the writer alone (a load and a store
+                // are no lost update); read by others for reports only.
+                w.store(w.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Any process: one more read counted.
+    pub(super) fn count_get(&self) {
+        // Relaxed: a statistic; several readers add to it, so an atomic add.
+        self.stat_word(GETS_OFFSET).fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Puts, evictions, gets and views held, as they are now.
+    pub fn stats(&self) -> StoreStats {
+        // Relaxed: statistics; the values may be from slightly different moments.
+        StoreStats {
+            puts: self.stat_word(WRITER_STATS_OFFSET).load(Ordering::Relaxed),
+            evictions: self.stat_word(WRITER_STATS_OFFSET + 8).load(Ordering::Relaxed),
+            gets: self.stat_word(GETS_OFFSET).load(Ordering::Relaxed),
+            views_held: self.pin_hint().load(Ordering::Relaxed),
         }
     }
 

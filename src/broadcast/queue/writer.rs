@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::super::framing::{self, PartRef};
-use super::super::ring::{ChunkKind, Ring, RingWriter};
+use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaWriter, Loan};
 use crate::error::{Error, Result};
@@ -33,19 +33,23 @@ fn place_parts(
     ring: &RingWriter,
 ) -> Vec<PartRef> {
     let mut at = framing::header_len(parts.len());
-    parts
+    let (mut loaned, mut copied, mut fallbacks) = (0, 0, 0);
+    let refs = parts
         .iter()
         .enumerate()
         .map(|(i, p)| {
             if i > 0 {
                 if let Some(a) = arena.as_deref_mut() {
                     if let Some(r) = a.find_loan(p) {
+                        loaned += 1;
                         return PartRef::Arena(r);
                     }
                     if p.len() >= threshold {
                         if let Some(r) = a.copy_in(p, &mut |r| reader_is_dead(ring.ring(), r)) {
+                            copied += 1;
                             return PartRef::Arena(r);
                         }
+                        fallbacks += 1;
                     }
                 }
             }
@@ -56,7 +60,12 @@ fn place_parts(
                 len: p.len(),
             }
         })
-        .collect()
+        .collect();
+    let ring = ring.ring();
+    ring.count_parts(PartCounter::Loaned, loaned);
+    ring.count_parts(PartCounter::Arena, copied);
+    ring.count_parts(PartCounter::Fallback, fallbacks);
+    refs
 }
 
 /// The writing side of a queue.
@@ -137,6 +146,7 @@ impl Writer {
                 .transpose()?;
             let mut writer = RingWriter::new(ring)?;
             writer.on_dead_reader(opts.on_dead_reader);
+            writer.set_reader_ranks(ranks.clone());
             (Some(writer), Some(local), arena)
         } else {
             (None, None, None)
@@ -350,6 +360,7 @@ impl Writer {
         }
         if let Some(remote) = self.remote.as_mut() {
             remote.send(&[msg], wait)?;
+            self.count_remote_send();
         }
         Ok(())
     }
@@ -478,6 +489,7 @@ impl Writer {
             frames.push(&block);
             frames.extend_from_slice(parts);
             remote.send(&frames, wait)?;
+            self.count_remote_send();
         }
         Ok(())
     }
@@ -493,6 +505,20 @@ impl Writer {
         self.arena
             .as_mut()?
             .loan(len, &mut |r| reader_is_dead(ring.ring(), r))
+    }
+
+    /// A message went to the remote readers: counted in the ring (where the metrics of
+    /// a queue live; a queue without local readers has no ring, and only
+    /// [`remote_peers`](Self::remote_peers) to show).
+    fn count_remote_send(&self) {
+        if let Some(ring) = self.ring.as_ref() {
+            ring.ring().count_parts(PartCounter::RemoteSend, 1);
+        }
+    }
+
+    /// The remote readers accepted so far: rank, address as ZeroMQ saw it, dropped.
+    pub fn remote_peers(&self) -> Vec<(u64, Option<String>, bool)> {
+        self.remote.as_ref().map_or_else(Vec::new, |r| r.peers())
     }
 
     /// Parts sent by copy because the arena had no room.

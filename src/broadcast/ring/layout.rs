@@ -73,6 +73,13 @@ pub(super) struct RingShared {
     pub(super) overflow_count: AtomicU64,
     pub(super) creator_pid: AtomicU32,
     pub(super) creator_start_time: AtomicU64,
+    /// The queue writer's statistics (see `super::stats`): parts copied into the tensor
+    /// arena, parts sent from a loan without a copy, large parts copied inline for lack
+    /// of arena room, messages sent to remote readers. Written by the writer only.
+    pub(super) arena_parts: AtomicU64,
+    pub(super) loaned_parts: AtomicU64,
+    pub(super) fallback_parts: AtomicU64,
+    pub(super) remote_sends: AtomicU64,
 }
 const _: () = assert!(64 + std::mem::size_of::<RingShared>() <= SLOTS_OFFSET);
 

@@ -8,9 +8,12 @@
 //! 0                 RingHeader: geometry; `magic` is stored last, with Release
 //! 64                doorbell "data ready": readers sleep on it, the writer rings it
 //! 128               doorbell "chunk freed": the writer sleeps on it, readers ring it
-//! 192               creator (pid, start time) and the overflow-message count
+//! 192               creator (pid, start time), the overflow-message count and the
+//!                   queue writer's part counters (`stats`)
 //! 256               slots: the writer's, then one per reader (64 bytes each):
-//!                     who holds it (pid + start time), state, messages handled
+//!                     who holds it (pid + start time), state, and its statistics:
+//!                     messages and bytes handled, waits, whether it waits now, when
+//!                     it last handled a message
 //! states_offset     chunk state blocks, `state_stride` bytes each (a multiple of 64):
 //!                     +0  len: u64      bytes of the message in the chunk
 //!                     +8  kind: u32     INLINE / OVERFLOW / RAW / FRAMED
@@ -32,6 +35,7 @@
 mod layout;
 mod reader;
 mod slots;
+mod stats;
 #[cfg(test)]
 mod tests;
 mod writer;
@@ -50,6 +54,7 @@ use layout::*;
 pub use layout::{ChunkKind, RingHandle, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};
 pub use reader::{ChunkInfo, RingReader};
 pub use slots::SlotInfo;
+pub use stats::{PartCounter, RingStats, SideStats};
 pub use writer::{DeadReaderPolicy, RingWriter};
 
 /// A mapped broadcast ring (either side). Shared by `Arc` between the writer or reader

@@ -100,17 +100,27 @@ impl RingReader {
     /// shut the queue down and every chunk it published has been read.
     pub fn wait(&self, wait: &mut Wait) -> Result<ChunkInfo> {
         let ring = &*self.ring;
-        wait.until(
+        let ready = || match self.poll() {
+            Some(info) => Some(Ok(info)),
+            // Once more after seeing the mark: a chunk published just before it
+            // is visible now (see `protocol::slot_close`).
+            None if ring.writer_closed() => Some(self.poll().ok_or(Error::WriterShutDown)),
+            None => None,
+        };
+        if let Some(r) = ready() {
+            return r;
+        }
+        // Blocked: say so in this reader's slot (the writer's warnings and the metrics
+        // read it), and name the writer if the wait lasts.
+        let since = ring.begin_wait(1 + self.reader);
+        let waited = wait.until_explained(
             Some(ring.data_ready()),
             &mut || Self::check_writer(ring),
-            || match self.poll() {
-                Some(info) => Some(Ok(info)),
-                // Once more after seeing the mark: a chunk published just before it
-                // is visible now (see `protocol::slot_close`).
-                None if ring.writer_closed() => Some(self.poll().ok_or(Error::WriterShutDown)),
-                None => None,
-            },
-        )?
+            &mut || ring.explain_writer(),
+            ready,
+        );
+        ring.end_wait(1 + self.reader, since);
+        waited?
     }
 
     /// The data of a chunk returned by `poll`/`wait`, valid until `finish`.
@@ -128,13 +138,12 @@ impl RingReader {
 
     /// Mark the current chunk as read by this reader and move to the next one.
     pub fn finish(&mut self) {
+        // Relaxed: ordered by the Acquire load of `written` that made the chunk readable
+        // (the writer does not change it until our read flag is set, just below).
+        let len = self.ring.len_of(self.next).load(Ordering::Relaxed) as usize;
         protocol::finish_read(&self.ring.chunk(self.next), self.reader);
         self.messages += 1;
-        // Relaxed: a statistic in this reader's own slot.
-        self.ring
-            .slot(1 + self.reader)
-            .messages
-            .store(self.messages, Ordering::Relaxed);
+        self.ring.record_message(1 + self.reader, self.messages, len);
         self.ring.chunk_freed().doorbell().ring();
         self.next = (self.next + 1) % self.ring.max_chunks();
     }

@@ -15,15 +15,29 @@ use crate::liveness::{Liveness, RoleLock};
 use crate::process::ProcessId;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
-/// Who holds a side of the ring, and how many messages it has handled.
+/// Who holds a side of the ring, and what it has done: its statistics, written only by
+/// the holder (Relaxed stores: other processes read them for reports and warnings, and
+/// they order nothing).
 #[repr(C, align(64))]
 pub(super) struct Slot {
     /// `generation << 32 | state` (see [`super::protocol`]).
     pub(super) word: AtomicU64,
     pub(super) pid: AtomicU32,
-    _pad: u32,
+    /// Waits that had to block (the next chunk was not ready when the call came).
+    pub(super) waits: AtomicU32,
     pub(super) start_time: AtomicU64,
+    /// Messages written (writer) or read (reader).
     pub(super) messages: AtomicU64,
+    /// Bytes of those messages (as published in the chunks: for a framed message its
+    /// descriptors and inline parts, not the arena parts it refers to).
+    pub(super) bytes: AtomicU64,
+    /// Time spent blocked in those waits, in ns.
+    pub(super) wait_ns: AtomicU64,
+    /// While the holder blocks in the queue waiting for the other side: when that wait
+    /// began ([`coarse_now_ns`](crate::process::coarse_now_ns)); 0 when it is not.
+    pub(super) waiting_since: AtomicU64,
+    /// When the holder last wrote or read a message (same clock); 0 before the first.
+    pub(super) last_ns: AtomicU64,
 }
 const _: () = assert!(std::mem::size_of::<Slot>() == SLOT_SIZE);
 
@@ -36,6 +50,16 @@ pub struct SlotInfo {
     pub dropped: bool,
     /// Messages written (writer) or read (reader).
     pub messages: u64,
+    /// Bytes of those messages (see [`RingStats`](super::RingStats)).
+    pub bytes: u64,
+    /// Waits that blocked, and the time spent in them.
+    pub waits: u64,
+    pub wait_ns: u64,
+    /// When the holder began the wait it is in now (`None`: it is not waiting in the
+    /// queue), and when it last handled a message, both on
+    /// [`coarse_now_ns`](crate::process::coarse_now_ns)'s clock.
+    pub waiting_since: Option<u64>,
+    pub last_ns: Option<u64>,
     /// The slot word the fields were read under (to drop the holder with a CAS).
     pub(super) word: u64,
 }
@@ -88,8 +112,13 @@ impl Ring {
         Ok(SlotInfo {
             process,
             dropped: protocol::slot_state(word) == SLOT_DROPPED,
-            // Relaxed: a statistic.
+            // Relaxed: statistics, each written by one process only.
             messages: slot.messages.load(Ordering::Relaxed),
+            bytes: slot.bytes.load(Ordering::Relaxed),
+            waits: slot.waits.load(Ordering::Relaxed).into(),
+            wait_ns: slot.wait_ns.load(Ordering::Relaxed),
+            waiting_since: Some(slot.waiting_since.load(Ordering::Relaxed)).filter(|&t| t != 0),
+            last_ns: Some(slot.last_ns.load(Ordering::Relaxed)).filter(|&t| t != 0),
             word,
         })
     }
@@ -106,6 +135,41 @@ impl Ring {
             Liveness::Unknown => process.liveness(),
             known => known,
         }
+    }
+
+    /// Record in slot `index` that its holder handled a message of `len` bytes, its
+    /// `messages`-th (called by the holder only).
+    pub(super) fn record_message(&self, index: usize, messages: u64, len: usize) {
+        let slot = self.slot(index);
+        // Relaxed: statistics, written only by this slot's holder (so a load and a store
+        // are not a lost update) and read by others for reports only.
+        slot.messages.store(messages, Ordering::Relaxed);
+        let bytes = slot.bytes.load(Ordering::Relaxed);
+        slot.bytes.store(bytes.wrapping_add(len as u64), Ordering::Relaxed);
+        slot.last_ns
+            .store(crate::process::coarse_now_ns(), Ordering::Relaxed);
+    }
+
+    /// Mark slot `index`'s holder as blocked in the queue from now on; returns the time
+    /// to give [`Ring::end_wait`].
+    pub(super) fn begin_wait(&self, index: usize) -> u64 {
+        let now = crate::process::coarse_now_ns().max(1);
+        // Relaxed: a statistic (see `record_message`).
+        self.slot(index).waiting_since.store(now, Ordering::Relaxed);
+        now
+    }
+
+    /// The wait begun at `since` is over (either way): count it.
+    pub(super) fn end_wait(&self, index: usize, since: u64) {
+        let slot = self.slot(index);
+        let now = crate::process::coarse_now_ns();
+        // Relaxed: statistics written only by this slot's holder (see `record_message`).
+        slot.waiting_since.store(0, Ordering::Relaxed);
+        let waits = slot.waits.load(Ordering::Relaxed);
+        slot.waits.store(waits.wrapping_add(1), Ordering::Relaxed);
+        let total = slot.wait_ns.load(Ordering::Relaxed);
+        slot.wait_ns
+            .store(total.wrapping_add(now.saturating_sub(since)), Ordering::Relaxed);
     }
 
     /// Drop reader `r`, judged dead from `info`; false if a new holder attached since.

@@ -69,6 +69,8 @@ pub struct RingWriter {
     dropped: Vec<AtomicBool>,
     on_dead_reader: DeadReaderPolicy,
     messages: u64,
+    /// The queue's rank of each reader, to name them in warnings (`None`: by index).
+    ranks: Option<Vec<usize>>,
     /// Bytes of each chunk's data reserved in `/dev/shm` so far (see the module docs).
     reserved: Vec<usize>,
     /// The writer's slot, held for as long as this writer lives.
@@ -91,6 +93,7 @@ impl RingWriter {
             dropped,
             on_dead_reader: DeadReaderPolicy::Raise,
             messages: 0,
+            ranks: None,
             reserved,
             _role: role,
         })
@@ -103,6 +106,11 @@ impl RingWriter {
 
     pub fn ring(&self) -> &Arc<Ring> {
         &self.ring
+    }
+
+    /// Name reader `r` as rank `ranks[r]` in warnings (a queue's readers have ranks).
+    pub fn set_reader_ranks(&mut self, ranks: Vec<usize>) {
+        self.ranks = Some(ranks);
     }
 
     /// Index of the chunk the next message goes to.
@@ -188,11 +196,25 @@ impl RingWriter {
         let i = self.next;
         let (ring, dropped, policy) = (&*self.ring, &self.dropped[..], self.on_dead_reader);
         let chunk = ring.chunk(i);
-        wait.until(
-            Some(ring.chunk_freed()),
-            &mut || Self::check_readers(ring, dropped, policy, i),
-            || protocol::is_free(&chunk, |r| Self::is_dropped(dropped, r)).then_some(()),
-        )?;
+        let free = || protocol::is_free(&chunk, |r| Self::is_dropped(dropped, r));
+        if !free() {
+            // Blocked: say so in the writer's slot (readers' warnings and the metrics
+            // read it), and name the readers behind if the wait lasts.
+            let ranks = self.ranks.as_deref();
+            let name = |r: usize| match ranks.and_then(|k| k.get(r)) {
+                Some(rank) => format!("reader {r} (rank {rank})"),
+                None => format!("reader {r}"),
+            };
+            let since = ring.begin_wait(0);
+            let waited = wait.until_explained(
+                Some(ring.chunk_freed()),
+                &mut || Self::check_readers(ring, dropped, policy, i),
+                &mut || ring.explain_readers_behind(i, &|r| Self::is_dropped(dropped, r), &name),
+                || free().then_some(()),
+            );
+            ring.end_wait(0, since);
+            waited?;
+        }
         protocol::begin_write(&chunk);
         self.open = Some(i);
         Ok(i)
@@ -271,10 +293,7 @@ impl RingWriter {
         }
         protocol::publish(&ring.chunk(i), |r| Self::is_dropped(&self.dropped, r));
         self.messages += 1;
-        // Relaxed: a statistic, stored (not added) since only the writer writes it.
-        ring.slot(0)
-            .messages
-            .store(self.messages, Ordering::Relaxed);
+        ring.record_message(0, self.messages, len);
         ring.data_ready().doorbell().ring();
         self.next = (i + 1) % ring.max_chunks();
         Ok(())

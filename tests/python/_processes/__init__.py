@@ -22,4 +22,5 @@ from .harness import _SEGMENT_NAME  # noqa: F401
 from .hostile_children import *  # noqa: F401,F403
 from .liveness_children import *  # noqa: F401,F403
 from .objects import *  # noqa: F401,F403
+from .metrics_children import *  # noqa: F401,F403
 from .queue_children import *  # noqa: F401,F403
