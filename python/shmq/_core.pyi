@@ -27,6 +27,7 @@ __all__ = [
     "list_segments",
     "remove_orphans",
     "describe_segment",
+    "segment_metrics",
     "PeerDiedError",
     "QueueShutDownError",
     "segment_prefix",

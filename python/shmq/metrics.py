@@ -135,20 +135,23 @@ class ShmqCollector:
 
         counters: dict[str, Any] = {}
         gauges: dict[str, Any] = {}
-        for specs, labels in [
+        by_labels: list[tuple[list[tuple[str, str, Any]], list[str]]]
+        by_labels = [
             (_QUEUE_COUNTERS, ["segment"]),
             (_READER_COUNTERS, ["segment", "reader"]),
             (_STORE_COUNTERS, ["segment"]),
             (_ARENA_COUNTERS, ["segment"]),
             (_CACHE_COUNTERS, ["segment"]),
-        ]:
+        ]
+        for specs, labels in by_labels:
             counters.update(families(specs, CounterMetricFamily, labels))
-        for specs, labels in [
+        by_labels = [
             (_READER_GAUGES, ["segment", "reader"]),
             (_STORE_GAUGES, ["segment"]),
             (_ARENA_GAUGES, ["segment"]),
             (_CACHE_GAUGES, ["segment"]),
-        ]:
+        ]
+        for specs, labels in by_labels:
             gauges.update(families(specs, GaugeMetricFamily, labels))
         readers_up = GaugeMetricFamily(
             "shmq_queue_reader_up", "1 while a queue's reader is alive (not proved dead), else 0.", labels=["segment", "reader"]

@@ -151,8 +151,8 @@ def _register_metrics() -> bool:
         vp = importlib.import_module(_VLLM_PROMETHEUS)
     except ImportError:
         return True
-    original = vp.get_prometheus_registry
-    if getattr(original, "_shmq", False):
+    original = getattr(vp, "get_prometheus_registry", None)
+    if original is None or getattr(original, "_shmq", False):
         return True
 
     def get_prometheus_registry() -> Any:
@@ -162,7 +162,7 @@ def _register_metrics() -> bool:
 
     setattr(get_prometheus_registry, "_shmq", True)
     get_prometheus_registry.__doc__ = original.__doc__
-    vp.get_prometheus_registry = get_prometheus_registry
+    setattr(vp, "get_prometheus_registry", get_prometheus_registry)
     # The /metrics route imported the name at its load: rebind it there too.
     route = sys.modules.get(_VLLM_METRICS_ROUTE)
     if route is not None and getattr(route, "get_prometheus_registry", None) is original:

@@ -376,7 +376,10 @@ impl StoreSegment {
 
     /// Writer: `n` more objects put (`evicted`: freed).
     pub(super) fn count_writes(&self, put: u64, evicted: u64) {
-        for (offset, n) in [(WRITER_STATS_OFFSET, put), (WRITER_STATS_OFFSET + 8, evicted)] {
+        for (offset, n) in [
+            (WRITER_STATS_OFFSET, put),
+            (WRITER_STATS_OFFSET + 8, evicted),
+        ] {
             if n > 0 {
                 let w = self.stat_word(offset);
                 // Relaxed: a statistic written by the writer alone (a load and a store
@@ -397,7 +400,9 @@ impl StoreSegment {
         // Relaxed: statistics; the values may be from slightly different moments.
         StoreStats {
             puts: self.stat_word(WRITER_STATS_OFFSET).load(Ordering::Relaxed),
-            evictions: self.stat_word(WRITER_STATS_OFFSET + 8).load(Ordering::Relaxed),
+            evictions: self
+                .stat_word(WRITER_STATS_OFFSET + 8)
+                .load(Ordering::Relaxed),
             gets: self.stat_word(GETS_OFFSET).load(Ordering::Relaxed),
             views_held: self.pin_hint().load(Ordering::Relaxed),
         }

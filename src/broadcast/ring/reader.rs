@@ -143,7 +143,8 @@ impl RingReader {
         let len = self.ring.len_of(self.next).load(Ordering::Relaxed) as usize;
         protocol::finish_read(&self.ring.chunk(self.next), self.reader);
         self.messages += 1;
-        self.ring.record_message(1 + self.reader, self.messages, len);
+        self.ring
+            .record_message(1 + self.reader, self.messages, len);
         self.ring.chunk_freed().doorbell().ring();
         self.next = (self.next + 1) % self.ring.max_chunks();
     }

@@ -145,7 +145,8 @@ impl Ring {
         // are not a lost update) and read by others for reports only.
         slot.messages.store(messages, Ordering::Relaxed);
         let bytes = slot.bytes.load(Ordering::Relaxed);
-        slot.bytes.store(bytes.wrapping_add(len as u64), Ordering::Relaxed);
+        slot.bytes
+            .store(bytes.wrapping_add(len as u64), Ordering::Relaxed);
         slot.last_ns
             .store(crate::process::coarse_now_ns(), Ordering::Relaxed);
     }
@@ -168,8 +169,10 @@ impl Ring {
         let waits = slot.waits.load(Ordering::Relaxed);
         slot.waits.store(waits.wrapping_add(1), Ordering::Relaxed);
         let total = slot.wait_ns.load(Ordering::Relaxed);
-        slot.wait_ns
-            .store(total.wrapping_add(now.saturating_sub(since)), Ordering::Relaxed);
+        slot.wait_ns.store(
+            total.wrapping_add(now.saturating_sub(since)),
+            Ordering::Relaxed,
+        );
     }
 
     /// Drop reader `r`, judged dead from `info`; false if a new holder attached since.

@@ -109,9 +109,9 @@ impl SideStats {
         let now = match self.waiting_seconds {
             // Stopped inside a call of the queue: it is not waiting for anything.
             Some(_) if self.is_stopped() => "stopped inside a call of the queue".to_owned(),
-            Some(s) if ready => format!(
-                "in the queue for {s:.1} s although a message is ready for it (not woken?)"
-            ),
+            Some(s) if ready => {
+                format!("in the queue for {s:.1} s although a message is ready for it (not woken?)")
+            }
             Some(s) => format!("asleep in the queue for {s:.1} s"),
             None => "not in the queue (busy elsewhere)".to_owned(),
         };
@@ -145,7 +145,9 @@ impl Ring {
         // Relaxed: statistics, each written by the writer alone; they order nothing.
         RingStats {
             writer: self.side(None, now),
-            readers: (0..self.n_reader()).map(|r| self.side(Some(r), now)).collect(),
+            readers: (0..self.n_reader())
+                .map(|r| self.side(Some(r), now))
+                .collect(),
             overflow_sends: s.overflow_count.load(Ordering::Relaxed),
             arena_parts: s.arena_parts.load(Ordering::Relaxed),
             loaned_parts: s.loaned_parts.load(Ordering::Relaxed),

@@ -153,3 +153,68 @@ fn too_large_message_and_bad_indices() {
     assert!(ring.metadata_ptr(5).is_err());
     assert!(RingReader::new(ring, 1).is_err());
 }
+
+#[test]
+fn stats_and_the_warnings_words_follow_each_side() {
+    let ring = Arc::new(Ring::create(2, 64, 2).unwrap());
+    let mut w = RingWriter::new(ring.clone()).unwrap();
+    w.set_reader_ranks(vec![3, 5]);
+    let mut r0 = RingReader::new(ring.clone(), 0).unwrap();
+    let _r1 = RingReader::new(ring.clone(), 1).unwrap();
+    w.write(b"hello", &mut wait()).unwrap();
+    w.write(b"second", &mut wait()).unwrap();
+    let info = r0.wait(&mut wait()).unwrap();
+    assert_eq!(info.len, 5);
+    r0.finish();
+    // The writer waits for chunk 0, which reader 1 has not read: it times out, and the
+    // wait is counted in its slot.
+    assert!(matches!(w.acquire(&mut wait()), Err(Error::Timeout { .. })));
+    let s = ring.stats();
+    assert_eq!((s.writer.messages, s.writer.bytes), (2, 11));
+    assert_eq!(s.writer.waits, 1);
+    assert!(s.writer.wait_seconds >= 0.03, "{}", s.writer.wait_seconds); // 50 ms
+    assert_eq!(s.writer.waiting_seconds, None, "the wait is over");
+    assert_eq!((s.readers[0].messages, s.readers[0].bytes), (1, 5));
+    assert_eq!(s.readers[0].behind(&s.writer), 1);
+    assert_eq!(s.readers[1].behind(&s.writer), 2);
+    assert_eq!(s.readers[1].idle_seconds, None, "reader 1 has read nothing");
+    assert!(s.readers[0].idle_seconds.is_some());
+    assert_eq!(s.readers[0].liveness, crate::liveness::Liveness::Alive);
+    let behind = ring.explain_readers_behind(0, &|_| false, &|r| format!("reader {r}"));
+    assert!(behind.contains("reader 1: pid "), "{behind}");
+    assert!(
+        behind.contains("2 messages behind, has not read a message yet"),
+        "{behind}"
+    );
+    assert!(
+        behind.contains("not in the queue (busy elsewhere)"),
+        "{behind}"
+    );
+    assert!(
+        !behind.contains("reader 0"),
+        "reader 0 has read chunk 0: {behind}"
+    );
+    let writer = ring.explain_writer();
+    assert!(writer.starts_with("the writer: pid "), "{writer}");
+    assert!(
+        writer.contains("2 messages written, last wrote"),
+        "{writer}"
+    );
+    // A reader that waits is marked as waiting while it does (seen from its slot).
+    let mut r0 = r0;
+    let info = r0.wait(&mut wait()).unwrap();
+    r0.finish();
+    assert_eq!(info.len, 6);
+    let ring2 = ring.clone();
+    let t = std::thread::spawn(move || {
+        let r = r0.wait(&mut Wait::new("test", Some(Duration::from_millis(300))));
+        (r.is_err(), ring2.stats().readers[0].waits)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let during = ring.stats().readers[0].waiting_seconds;
+    let (timed_out, waits) = t.join().unwrap();
+    assert!(timed_out);
+    assert!(during.is_some(), "reader 0 is inside a wait");
+    assert_eq!(ring.stats().readers[0].waiting_seconds, None);
+    assert_eq!(waits, 1);
+}
