@@ -30,7 +30,7 @@ pub const HEADER_BYTES: u64 = 8;
 pub const ID_MAX: u32 = 1 << 31;
 
 /// The allocation does not fit in the ring now (or ever, if larger than the ring).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
     "Not enough space in the data buffer, try calling free_buf() to free up space \
      ({needed} bytes needed, {live} of {capacity} bytes in use)"
@@ -39,6 +39,9 @@ pub struct Full {
     pub needed: u64,
     pub live: u64,
     pub capacity: u64,
+    /// What holds the room, when the store knows (added to the error's message by
+    /// [`crate::Error`]: the oldest object, which must go first, and what keeps it).
+    pub held_by: Option<String>,
 }
 
 /// A live chunk: where it is, its id and its size (header included).
@@ -181,6 +184,7 @@ impl FifoAllocator {
             needed,
             live: a.end - a.start,
             capacity,
+            held_by: None,
         };
         let total = |data: u64| data.saturating_add(HEADER_BYTES);
         let mut size = total(data_bytes_at(self.end % capacity));

@@ -207,7 +207,10 @@ fn full_message(full: &crate::alloc::Full) -> String {
             u32::MAX
         )
     } else {
-        full.to_string()
+        match &full.held_by {
+            Some(held) => format!("{full}; {held}"),
+            None => full.to_string(),
+        }
     }
 }
 

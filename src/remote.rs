@@ -725,8 +725,15 @@ impl RemoteReader {
             }
             let context = || format!("waiting for a message from {}", self.endpoint);
             if !poll_slice(&self.socket, wait, context)? {
-                // A remote writer's liveness cannot be checked from here.
-                wait.step(&mut crate::wait::no_peer)?;
+                // A remote writer's liveness cannot be checked from here: the warning
+                // says where it is and how far the stream got.
+                let (endpoint, seq) = (&self.endpoint, self.seq);
+                wait.step_explained(&mut crate::wait::no_peer, &mut || {
+                    format!(
+                        "the writer at {endpoint} (on another host: its liveness cannot be \
+                         checked from here), {seq} messages received from it so far"
+                    )
+                })?;
             }
         }
     }

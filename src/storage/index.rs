@@ -245,14 +245,22 @@ impl ObjectStore {
         let chunk = match ring.allocate_with(size_at) {
             Err(Error::Full(_) | Error::NoSpace { .. }) => {
                 self.free_unused(ring)?;
-                ring.allocate_with(size_at).inspect_err(|e| {
-                    if matches!(e, Error::NoSpace { .. }) {
-                        warn_shm_too_small(
-                            "the object store cannot grow into the rest of its ring, and a put \
-                             that finds no room raises MemoryError",
-                        );
+                match ring.allocate_with(size_at) {
+                    Ok(chunk) => chunk,
+                    Err(Error::Full(mut full)) => {
+                        full.held_by = self.room_holder(ring);
+                        return Err(Error::Full(full));
                     }
-                })?
+                    Err(e) => {
+                        if matches!(e, Error::NoSpace { .. }) {
+                            warn_shm_too_small(
+                                "the object store cannot grow into the rest of its ring, and a \
+                                 put that finds no room raises MemoryError",
+                            );
+                        }
+                        return Err(e);
+                    }
+                }
             }
             other => other?,
         };
@@ -262,6 +270,50 @@ impl ObjectStore {
             size: chunk.size,
         };
         Ok((chunk, header))
+    }
+
+    /// For a put that finds no room after freeing what could go: what holds it. Objects
+    /// go oldest first, so the oldest live one is what keeps the room: its key, and why
+    /// it stays (reads it still waits for, a touch, a zero-copy view still held).
+    fn room_holder(&self, ring: &ChunkFifo) -> Option<String> {
+        let alloc = ring.allocator()?;
+        let live = alloc.live().len();
+        let c = *alloc.live().next()?;
+        let seg = ring.segment();
+        let h = ChunkHeader {
+            offset: c.offset(seg.capacity()),
+            id: c.id,
+            size: c.size,
+        };
+        let what = match self.ids.get(&c.id) {
+            Some(key) => format!("key {key:?}"),
+            None => "a loan or an object being written".to_owned(),
+        };
+        let (p, n) = seg.data_ptr(&h);
+        // SAFETY: a live chunk of this writer's lies inside the ring (allocator
+        // invariant); only its reader count is read, which a peer can only make wrong.
+        let data = unsafe { std::slice::from_raw_parts(p, n) };
+        let handouts = self
+            .ids
+            .get(&c.id)
+            .and_then(|k| self.keys.get(k))
+            .map_or(0, |e| e.handouts);
+        let wanted = self.n_readers as u64 * handouts as u64;
+        let read = reader_count(data) as u64;
+        let why = if self.touched.contains(&c.id) {
+            "touched, so kept for a reader that will read it".to_owned()
+        } else if read < wanted {
+            format!("read {read} times of the {wanted} it waits for (readers have not got it)")
+        } else if seg.is_pinned(h.offset) {
+            "read by every reader, but a zero-copy view of it is still held (drop it, or get \
+             with copy=True)"
+                .to_owned()
+        } else {
+            "free to go".to_owned()
+        };
+        Some(format!(
+            "what holds the room: the oldest of the {live} live objects, {what}, {why}"
+        ))
     }
 
     fn register(&mut self, key: &str, address: u64, id: u32) {

@@ -236,3 +236,14 @@ print(json.dumps({"global": names(REGISTRY), "served": names(get_prometheus_regi
         assert "shmq_queue_reader_lag_messages" in got[where], got
     assert got["ring"] in got["labels"], got
     assert "shmq's metrics are in vLLM's /metrics" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_full_store_says_which_object_holds_the_room():
+    store = ObjectStorage(1024, 1, RingBuffer(8192, create=True))
+    with pytest.raises(MemoryError) as e:
+        for i in range(100):
+            store.put(f"k{i}", b"x" * 900)
+    message = str(e.value)
+    assert message.startswith("Not enough space in the data buffer"), message  # vLLM's words first
+    assert 'what holds the room: the oldest of the' in message, message
+    assert 'key "k0", read 0 times of the 1 it waits for' in message, message
