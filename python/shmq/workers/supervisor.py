@@ -38,7 +38,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import psutil
 
@@ -48,12 +48,16 @@ from .errors import WorkerDiedError
 from .protocol import DEFAULT_GRACE, HANDSHAKE_TIMEOUT, WorkerTicket, mac, recv_frame, send_frame
 from .spawn import SpawnProcessWithStderr, can_capture_from_start
 
-if TYPE_CHECKING:
-    from .processes import WorkerMonitor
-
 __all__ = ["WorkerInfo"]
 
 logger = logging.getLogger("shmq.workers")
+
+
+class FailureListener(Protocol):
+    """What the supervisor hands a failure to: an open ``WorkerMonitor`` (``processes``)."""
+
+    def _fire(self, error: WorkerDiedError, queues: Optional[list[Any]] = None) -> None: ...
+
 
 _SHM_DIR = "/dev/shm"
 _MAX_HANDSHAKES = 32  # remote handshakes in progress at once
@@ -229,7 +233,7 @@ class Supervisor:
         self.forward_stderr = forward_stderr
         self.new_process_group = new_process_group
         self.exit_order: list[WorkerState] = []
-        self.monitors: list[WorkerMonitor] = []
+        self.monitors: list[FailureListener] = []
         self.failures: list[WorkerDiedError] = []
         self.closing = False
         self.closed = False
