@@ -78,14 +78,14 @@ class _SegmentMemory:
 
     @property
     def size(self) -> int:
-        return os.stat(os.path.join("/dev/shm", self.name)).st_size
+        return os.stat(os.path.join(_core.SHM_DIR, self.name)).st_size
 
     @property
     def buf(self) -> memoryview:
         if self._buf is None:
             import mmap
 
-            with open(os.path.join("/dev/shm", self.name), "r+b") as f:
+            with open(os.path.join(_core.SHM_DIR, self.name), "r+b") as f:
                 self._buf = memoryview(mmap.mmap(f.fileno(), 0))
         return self._buf
 

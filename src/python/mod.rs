@@ -11,7 +11,8 @@
 //!   encoder-cache hand-off (`shmq.encoder_cache`);
 //! - `list_segments()`, `remove_orphans()`, `describe_segment()`: cleanup and inspection;
 //! - `remove_created()`: the exit hook's removal of what this process created;
-//! - `default_connect_ip()`, `segment_prefix`, `PeerDiedError`, `QueueShutDownError`.
+//! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
+//!   `QueueShutDownError`.
 
 mod admin;
 mod broadcast;
@@ -59,6 +60,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.py().get_type::<errors::QueueShutDownError>(),
     )?;
     m.add("segment_prefix", crate::segment::NAME_PREFIX)?;
+    // Where segments live: the Python package spells `/dev/shm` only through this.
+    m.add("SHM_DIR", crate::segment::SHM_DIR)?;
     // The store's layout constants, for the Python classes that show vLLM's names for
     // them (`RingBuffer.MD_SIZE`, `ID_MAX`, ...): defined once, in the core.
     m.add("CHUNK_HEADER_BYTES", crate::alloc::HEADER_BYTES)?;

@@ -59,7 +59,6 @@ class FailureListener(Protocol):
     def _fire(self, error: WorkerDiedError, queues: Optional[list[Any]] = None) -> None: ...
 
 
-_SHM_DIR = "/dev/shm"
 _MAX_HANDSHAKES = 32  # remote handshakes in progress at once
 
 
@@ -198,14 +197,14 @@ def _remove_segments_of(pids: set[int]) -> list[str]:
     for name, _size, _kind, creator_pid, creator_state in rows:
         if creator_pid in pids and creator_state == "dead":
             try:
-                os.unlink(os.path.join(_SHM_DIR, name))
+                os.unlink(os.path.join(_core.SHM_DIR, name))
                 removed.append(name)
             except FileNotFoundError:
                 pass
             except OSError as e:
                 logger.warning("could not remove %s: %s", name, e)
             # A ring's local socket lives in a directory beside it.
-            shutil.rmtree(os.path.join(_SHM_DIR, name + ".sock"), ignore_errors=True)
+            shutil.rmtree(os.path.join(_core.SHM_DIR, name + ".sock"), ignore_errors=True)
     return removed
 
 
