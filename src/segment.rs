@@ -30,12 +30,10 @@ use shared_memory::{Shmem, ShmemConf, ShmemError};
 
 use crate::error::{Error, Result};
 use crate::liveness::{RoleLock, CREATOR_BYTE};
+pub(crate) use crate::liveness::SHM_DIR;
 
 /// Every segment shmq creates has a name starting with this.
 pub const NAME_PREFIX: &str = "shmq_";
-
-/// Where Linux keeps POSIX shared memory.
-pub const SHM_DIR: &str = "/dev/shm";
 
 /// A mapped, named shared-memory segment.
 pub struct Segment {
