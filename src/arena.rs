@@ -54,7 +54,9 @@ use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::range_alloc::RangeAllocator;
-use crate::segment::{data_after_table, round_up, unique_name, HeaderCheck, Segment};
+use crate::segment::{
+    data_after_table, round_up, unique_name, HeaderCheck, Segment, MAX_READERS,
+};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.
@@ -161,7 +163,7 @@ impl Geometry {
         page_size: usize,
     ) -> Result<Geometry> {
         let bad = |what: String| Error::InvalidArgument(what);
-        if n_reader == 0 || n_reader > crate::broadcast::ring::MAX_READERS {
+        if n_reader == 0 || n_reader > MAX_READERS {
             return Err(bad(format!(
                 "an arena needs 1 to 4096 readers, got {n_reader}"
             )));

@@ -57,70 +57,63 @@
 //! ```
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-#[cfg(not(loom))]
-pub mod admin;
+/// Declares its items only outside loom builds. The loom model checks (`tests/loom.rs`)
+/// compile the protocols' atomics alone (`sync`, `doorbell`, `seqlock`, and the parts of
+/// `alloc`, `broadcast` and `encoder_cache` they drive, which switch themselves), so
+/// everything else is switched off here, in one place.
+macro_rules! not_loom {
+    ($($item:item)*) => { $( #[cfg(not(loom))] $item )* };
+}
+
+/// Internals that the loom model checks drive directly: public in a loom build, crate-only
+/// otherwise.
+macro_rules! public_under_loom {
+    ($($name:ident)*) => {
+        $(
+            #[cfg(loom)]
+            pub mod $name;
+            #[cfg(not(loom))]
+            pub(crate) mod $name;
+        )*
+    };
+}
+
 pub mod alloc;
-#[cfg(not(loom))]
-pub mod arena;
 pub mod broadcast;
-#[cfg(not(loom))]
-pub mod copy;
 pub mod encoder_cache;
 pub mod error;
-#[cfg(not(loom))]
-#[doc(hidden)]
-pub mod fuzzing;
-#[cfg(not(loom))]
-pub mod process;
-#[cfg(not(loom))]
-pub mod storage;
-#[cfg(not(loom))]
-pub mod wait;
-#[cfg(not(loom))]
-pub mod workers;
-
-// Internals. The loom model checks (tests/loom.rs) drive the doorbell, the store's
-// seqlock and the atomics directly, so a loom build makes those public.
-#[cfg(loom)]
-pub mod doorbell;
-#[cfg(not(loom))]
-pub(crate) mod doorbell;
-#[cfg(not(loom))]
-pub(crate) mod fork;
-#[cfg(not(loom))]
-pub(crate) mod futex;
-#[cfg(not(loom))]
-pub mod liveness;
-#[cfg(not(loom))]
-pub(crate) mod pins;
-#[cfg(not(loom))]
-pub(crate) mod private_map;
-#[cfg(not(loom))]
-pub(crate) mod random;
-#[cfg(not(loom))]
-pub(crate) mod range_alloc;
-#[cfg(not(loom))]
-pub mod remote;
-#[cfg(not(loom))]
-pub(crate) mod segment;
-#[cfg(loom)]
-pub mod seqlock;
-#[cfg(not(loom))]
-pub(crate) mod seqlock;
-#[cfg(loom)]
-pub mod sync;
-#[cfg(not(loom))]
-pub(crate) mod sync;
-#[cfg(not(loom))]
-pub(crate) mod transport;
-
-#[cfg(all(feature = "python", not(loom)))]
-mod python;
-
-#[cfg(not(loom))]
-pub use arena::{ArenaView, Loan};
-#[cfg(not(loom))]
-pub use broadcast::{Handle, OwnedPart, QueueOptions, Reader, Writer};
 pub use error::{Error, Result};
-#[cfg(not(loom))]
-pub use transport::default_connect_ip;
+
+// Internals the loom model checks drive.
+public_under_loom! { doorbell seqlock sync }
+
+not_loom! {
+    pub mod admin;
+    pub mod arena;
+    pub mod copy;
+    #[doc(hidden)]
+    pub mod fuzzing;
+    pub mod process;
+    pub mod storage;
+    pub mod wait;
+    pub mod workers;
+
+    pub use arena::{ArenaView, Loan};
+    pub use broadcast::{Handle, OwnedPart, QueueOptions, Reader, Writer};
+    pub use transport::default_connect_ip;
+
+    // Internals.
+    pub(crate) mod fork;
+    pub(crate) mod futex;
+    pub mod liveness;
+    pub(crate) mod pins;
+    pub(crate) mod private_map;
+    pub(crate) mod random;
+    pub(crate) mod range_alloc;
+    pub mod remote;
+    pub(crate) mod segment;
+    pub(crate) mod transport;
+
+    #[cfg(feature = "python")]
+    mod python;
+}

@@ -19,7 +19,10 @@ use std::os::fd::AsRawFd;
 
 use crate::error::{Error, Result};
 use crate::fork;
-use crate::segment::SHM_DIR;
+
+/// Where Linux keeps POSIX shared memory: the segments' files, whose bytes the role locks
+/// lock (defined here, the lowest module that needs it; `segment` re-exports it).
+pub(crate) const SHM_DIR: &str = "/dev/shm";
 
 /// What is known about the holder of a role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,11 +153,34 @@ pub fn creator_liveness(segment: &str) -> Liveness {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::segment::{unique_name, Segment};
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A file in `SHM_DIR` to hold roles on, as a segment's file is; removed on drop.
+    struct LockFile(String);
+
+    impl LockFile {
+        fn new() -> LockFile {
+            // Relaxed: only makes the names of one process's test files unique.
+            static NEXT: AtomicU32 = AtomicU32::new(0);
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let name = format!("shmq_test_liveness_{}_{n}", std::process::id());
+            File::create(path(&name)).unwrap();
+            LockFile(name)
+        }
+        fn name(&self) -> &str {
+            &self.0
+        }
+    }
+
+    impl Drop for LockFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(path(&self.0));
+        }
+    }
 
     #[test]
     fn a_role_is_held_once_and_seen_by_probes() {
-        let seg = Segment::create(&unique_name("test"), 4096).unwrap();
+        let seg = LockFile::new();
         let probe = LockProbe::open(seg.name());
         assert_eq!(probe.liveness(5), Liveness::Dead);
         let lock = RoleLock::acquire(seg.name(), 5).unwrap().expect("free");
@@ -182,7 +208,7 @@ mod tests {
 
     #[test]
     fn a_killed_holder_releases_its_role() {
-        let seg = Segment::create(&unique_name("test"), 4096).unwrap();
+        let seg = LockFile::new();
         // A child takes the role, then is killed with SIGKILL (no destructors run).
         // SAFETY: the child only takes the lock and then sleeps until killed.
         let pid = unsafe { libc::fork() };

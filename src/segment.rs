@@ -30,12 +30,15 @@ use shared_memory::{Shmem, ShmemConf, ShmemError};
 
 use crate::error::{Error, Result};
 use crate::liveness::{RoleLock, CREATOR_BYTE};
+pub(crate) use crate::liveness::SHM_DIR;
 
 /// Every segment shmq creates has a name starting with this.
 pub const NAME_PREFIX: &str = "shmq_";
 
-/// Where Linux keeps POSIX shared memory.
-pub const SHM_DIR: &str = "/dev/shm";
+/// The most readers a queue's segments are laid out for: the ring's state blocks, the
+/// arena's per-reader holds (more would make them absurd; engines use a handful).
+/// Defined here, below both; `broadcast::ring::MAX_READERS` is the public name.
+pub const MAX_READERS: usize = 4096;
 
 /// A mapped, named shared-memory segment.
 pub struct Segment {

@@ -31,6 +31,7 @@ __all__ = [
     "PeerDiedError",
     "QueueShutDownError",
     "segment_prefix",
+    "SHM_DIR",
     "CHUNK_HEADER_BYTES",
     "ID_MAX",
     "COUNT_BYTES",
@@ -40,6 +41,8 @@ __all__ = [
 
 __version__: str
 segment_prefix: str
+#: The directory of POSIX shared memory, where every segment is (``src/segment.rs``).
+SHM_DIR: str
 #: The store's layout (``src/alloc.rs``, ``src/storage/``): a chunk's ``[id][size]``
 #: header, where ids wrap, the bytes vLLM counts for an object's reader flag in
 #: ``max_object_size`` (the stored count word is 8 bytes: count and id tag), the

@@ -8,85 +8,23 @@ views), and ``pickle.loads(body, buffers=...)`` rebuilds the object on the other
   themselves (contiguous ones; others are pickled in band).
 - torch's own tensor pickling copies the storage through ``torch.save`` into the stream
   (several copies, never out of band), so plain CPU tensors (``torch.Tensor`` and
-  ``torch.nn.Parameter``) are reduced here instead: dtype, shape, ``requires_grad`` and
-  their bytes as one buffer, made contiguous once; conjugate and negative bits are
-  resolved. Every dtype works (bytes are moved as ``uint8``, so bfloat16 and float8 need
-  nothing from numpy). Other tensors (other devices, sparse, quantized, subclasses,
-  non-leaf tensors that require grad) keep torch's own pickling.
+  ``torch.nn.Parameter``) are reduced by the tensor codec instead
+  (``_tensor_codec.reduce_tensor``): dtype, shape, ``requires_grad`` and their bytes as
+  one buffer, made contiguous once. Every dtype works. Other tensors (other devices,
+  sparse, quantized, subclasses, non-leaf tensors that require grad) keep torch's own
+  pickling.
 """
 
 from __future__ import annotations
 
 import pickle
-import sys
 from typing import Any, Optional, Sequence
+
+from ._tensor_codec import reduce_tensor, tensor_types
 
 __all__ = ["dumps", "loads"]
 
 _PROTOCOL = 5
-
-
-def _tensor_types() -> Optional[tuple[type, type]]:
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "nn"):
-        return None
-    return torch.Tensor, torch.nn.Parameter
-
-
-def _raw_bytes(t: Any) -> Any:
-    """The bytes of CPU tensor ``t`` as a flat buffer (C order), made contiguous once."""
-    import torch
-
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    flat = t.contiguous().reshape(-1).view(torch.uint8)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        # A numpy view keeps `flat` (and so the bytes) alive as long as the buffer lives.
-        return flat.numpy()
-    import ctypes
-
-    holder = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
-    holder._tensor = flat  # keep the storage alive with the buffer
-    return holder
-
-
-def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
-    """The tensor from ``_reduce_tensor``'s parts. ``buf`` is what the queue received: a
-    private bytearray, or a zero-copy view of private memory (writable either way)."""
-    import torch
-
-    dt = getattr(torch, dtype)
-    if memoryview(buf).nbytes == 0:
-        t = torch.empty(shape, dtype=dt)
-    else:
-        t = torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape)
-    if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
-
-
-def _reduce_tensor(t: Any, parameter: bool) -> Any:
-    """``(rebuild, args)`` for a plain CPU tensor, or ``NotImplemented`` to let torch pickle
-    it (its own way keeps what this cannot: other devices, layouts, subclasses...)."""
-    if t.device.type != "cpu" or t.layout is not _strided() or t.is_quantized:
-        return NotImplemented
-    if t.requires_grad and not t.is_leaf:
-        return NotImplemented
-    try:
-        raw = _raw_bytes(t.detach())
-    except RuntimeError:
-        return NotImplemented
-    dtype = str(t.dtype).removeprefix("torch.")
-    return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype, tuple(t.shape), t.requires_grad, parameter)
-
-
-def _strided() -> Any:
-    return sys.modules["torch"].strided
 
 
 class _Sink:
@@ -129,11 +67,11 @@ class _Pickler(pickle.Pickler):
         # Called only for objects pickle has no fast path for (not dicts, lists, ints...).
         kind = type(obj)
         if kind is self._tensor:
-            return _reduce_tensor(obj, False)
+            return reduce_tensor(obj, False)
         if kind is self._parameter:
-            return _reduce_tensor(obj, True)
+            return reduce_tensor(obj, True)
         if self._tensor is None:
-            types = _tensor_types()  # torch imported since this pickler was made?
+            types = tensor_types()  # torch imported since this pickler was made?
             if types is not None:
                 self._tensor, self._parameter = types
                 return self.reducer_override(obj)

@@ -1,13 +1,13 @@
-"""``StatelessProcessGroup`` and ``MessageQueue.create_from_process_group``.
+"""``StatelessProcessGroup``, and the collectives ``MessageQueue.create_from_process_group`` uses.
 
 ``StatelessProcessGroup`` is the engines' small process group on a key-value store:
 processes exchange pickled Python objects through a ``torch.distributed.TCPStore``
 (hosted by rank 0) without touching torch's global process group.
 
-``create_message_queue_from_process_group`` (exposed as the static method
-``MessageQueue.create_from_process_group``) finds which ranks share the writer's
-machine, makes the writer with those as local readers and the others as remote readers,
-sends the handle through the group and opens the readers.
+``MessageQueue.create_from_process_group`` (in ``message_queue``, which uses this
+module's collectives) finds which ranks share the writer's machine, makes the writer
+with those as local readers and the others as remote readers, sends the handle through
+the group and opens the readers.
 
 Same-machine detection (``in_the_same_node_as``) never compares host names: the
 writer creates a tiny probe segment and every rank tries to open it by name, so ranks
@@ -35,8 +35,6 @@ from ._cleanup import track
 
 __all__ = [
     "StatelessProcessGroup",
-    "create_message_queue_from_process_group",
-    "create_single_reader_queues",
     "in_the_same_node_as",
 ]
 
@@ -356,79 +354,3 @@ def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
         return [bool(x) for x in ops.all_gather(here)]
     finally:
         del probe
-
-
-def create_message_queue_from_process_group(
-    pg: Any,
-    max_chunk_bytes: int,
-    max_chunks: int,
-    writer_rank: int = 0,
-    blocking: bool = True,
-    external_writer_handle: Any = None,
-):
-    """See ``MessageQueue.create_from_process_group``."""
-    from .message_queue import MessageQueue
-
-    ops = _Ops(pg)
-    if not 0 <= writer_rank < ops.world_size:
-        raise ValueError(f"writer_rank {writer_rank} is not in 0..{ops.world_size - 1}")
-    # Looked up here at call time, so that tests can replace it (see the module doc).
-    same_node = in_the_same_node_as(pg, source_rank=writer_rank)
-    if len(same_node) != ops.world_size:
-        raise RuntimeError(f"same-machine detection returned {len(same_node)} answers for {ops.world_size} ranks")
-    if ops.rank == writer_rank and external_writer_handle is not None:
-        # vLLM 0.33: the queue's writer is elsewhere; this rank reads it too and hands
-        # its handle on.
-        mq = MessageQueue.create_from_handle(external_writer_handle, ops.rank)
-        ops.broadcast(mq.export_handle(), src=writer_rank)
-    elif ops.world_size == 1:
-        # A group of one: a writer without readers, as vLLM 0.33 makes (the constructor
-        # refuses n_reader=0, a mistake when written by hand).
-        mq = MessageQueue._without_readers(max_chunk_bytes, max_chunks)
-        ops.broadcast(mq.export_handle(), src=writer_rank)
-    elif ops.rank == writer_rank:
-        local_reader_ranks = [r for r in range(ops.world_size) if r != writer_rank and same_node[r]]
-        mq = MessageQueue(
-            n_reader=ops.world_size - 1,
-            n_local_reader=len(local_reader_ranks),
-            local_reader_ranks=local_reader_ranks,
-            max_chunk_bytes=max_chunk_bytes,
-            max_chunks=max_chunks,
-        )
-        ops.broadcast(mq.export_handle(), src=writer_rank)
-    else:
-        handle = ops.broadcast(None, src=writer_rank)
-        mq = MessageQueue.create_from_handle(handle, ops.rank)
-    if blocking:
-        mq.wait_until_ready()
-    return mq
-
-
-def create_single_reader_queues(
-    pg: Any,
-    max_chunk_bytes: int,
-    max_chunks: int,
-    reader_rank: int = 0,
-    blocking: bool = False,
-):
-    """See ``MessageQueue.create_from_process_group_single_reader``. As in vLLM 0.33,
-    ``reader_rank`` is a global rank for a torch ``ProcessGroup`` (a group rank for a
-    ``StatelessProcessGroup``); which ranks share its machine is found with a probe
-    segment, not from the device count."""
-    from .message_queue import MessageQueue
-
-    ops = _Ops(pg)
-    reader = reader_rank if ops.stateless else ops.dist.get_group_rank(pg, reader_rank)
-    if not 0 <= reader < ops.world_size:
-        raise ValueError(f"reader_rank {reader_rank} is not in the process group")
-    same_node = in_the_same_node_as(pg, source_rank=reader)
-    mq = MessageQueue(
-        n_reader=1,
-        n_local_reader=1 if same_node[ops.rank] else 0,
-        max_chunk_bytes=max_chunk_bytes,
-        max_chunks=max_chunks,
-    )
-    handles = ops.all_gather(mq.export_handle())
-    if blocking:
-        mq.wait_until_ready()
-    return mq, handles if ops.rank == reader else []

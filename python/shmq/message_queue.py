@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, NoReturn, Optional, cast
 
-from . import _core, _oob
+from . import _core, _oob, group
 from ._cleanup import track, track_writer
 from ._loans import loan_memory, loaned_array, loaned_tensor
 
@@ -78,14 +78,14 @@ class _SegmentMemory:
 
     @property
     def size(self) -> int:
-        return os.stat(os.path.join("/dev/shm", self.name)).st_size
+        return os.stat(os.path.join(_core.SHM_DIR, self.name)).st_size
 
     @property
     def buf(self) -> memoryview:
         if self._buf is None:
             import mmap
 
-            with open(os.path.join("/dev/shm", self.name), "r+b") as f:
+            with open(os.path.join(_core.SHM_DIR, self.name), "r+b") as f:
                 self._buf = memoryview(mmap.mmap(f.fileno(), 0))
         return self._buf
 
@@ -424,11 +424,39 @@ class MessageQueue:
         With ``blocking`` (the default) every rank has called ``wait_until_ready()`` by
         the time this returns: the queue is ready to use, no call of your own is needed
         (one returns at once). With ``blocking=False``, every rank must call it."""
-        from .group import create_message_queue_from_process_group
-
-        return create_message_queue_from_process_group(
-            pg, max_chunk_bytes, max_chunks, writer_rank, blocking, external_writer_handle
-        )
+        ops = group._Ops(pg)
+        if not 0 <= writer_rank < ops.world_size:
+            raise ValueError(f"writer_rank {writer_rank} is not in 0..{ops.world_size - 1}")
+        # Looked up in shmq.group at call time, so that tests can replace it (see its module doc).
+        same_node = group.in_the_same_node_as(pg, source_rank=writer_rank)
+        if len(same_node) != ops.world_size:
+            raise RuntimeError(f"same-machine detection returned {len(same_node)} answers for {ops.world_size} ranks")
+        if ops.rank == writer_rank and external_writer_handle is not None:
+            # vLLM 0.33: the queue's writer is elsewhere; this rank reads it too and hands
+            # its handle on.
+            mq = MessageQueue.create_from_handle(external_writer_handle, ops.rank)
+            ops.broadcast(mq.export_handle(), src=writer_rank)
+        elif ops.world_size == 1:
+            # A group of one: a writer without readers, as vLLM 0.33 makes (the constructor
+            # refuses n_reader=0, a mistake when written by hand).
+            mq = MessageQueue._without_readers(max_chunk_bytes, max_chunks)
+            ops.broadcast(mq.export_handle(), src=writer_rank)
+        elif ops.rank == writer_rank:
+            local_reader_ranks = [r for r in range(ops.world_size) if r != writer_rank and same_node[r]]
+            mq = MessageQueue(
+                n_reader=ops.world_size - 1,
+                n_local_reader=len(local_reader_ranks),
+                local_reader_ranks=local_reader_ranks,
+                max_chunk_bytes=max_chunk_bytes,
+                max_chunks=max_chunks,
+            )
+            ops.broadcast(mq.export_handle(), src=writer_rank)
+        else:
+            handle = ops.broadcast(None, src=writer_rank)
+            mq = MessageQueue.create_from_handle(handle, ops.rank)
+        if blocking:
+            mq.wait_until_ready()
+        return mq
 
     @staticmethod
     def create_from_process_group_single_reader(
@@ -442,9 +470,21 @@ class MessageQueue:
         ``reader_rank`` (local if it shares this rank's machine, else remote), and the
         handles are gathered to ``reader_rank``. Returns this rank's writer and, on
         ``reader_rank``, the handles by rank (elsewhere ``[]``)."""
-        from .group import create_single_reader_queues
-
-        return create_single_reader_queues(pg, max_chunk_bytes, max_chunks, reader_rank, blocking)
+        ops = group._Ops(pg)
+        reader = reader_rank if ops.stateless else ops.dist.get_group_rank(pg, reader_rank)
+        if not 0 <= reader < ops.world_size:
+            raise ValueError(f"reader_rank {reader_rank} is not in the process group")
+        same_node = group.in_the_same_node_as(pg, source_rank=reader)
+        mq = MessageQueue(
+            n_reader=1,
+            n_local_reader=1 if same_node[ops.rank] else 0,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+        )
+        handles = ops.all_gather(mq.export_handle())
+        if blocking:
+            mq.wait_until_ready()
+        return mq, handles if ops.rank == reader else []
 
     @property
     def dropped_readers(self) -> list[int]:

@@ -4,7 +4,9 @@ A serde turns a value into ``(data, nbytes, metadata, metadata_nbytes)``; the st
 writes ``[metadata][data...]`` into shared memory and later hands the same bytes back
 to ``deserialize`` as one memoryview. Both serdes here frame the parts the same way:
 ``metadata`` is the number of parts and their lengths, so raw buffers (tensor and
-array data) are stored as separate segments, copied once and never pickled.
+array data) are stored as separate segments, copied once and never pickled; what a
+tensor or array is made of (dtype, shape, bytes) is the tensor codec's
+(``_tensor_codec``, the queue's too).
 
 Inside the store the built-in serdes skip that framing: ``ObjectStorage`` asks them for
 their parts (``_store_parts``), lays them out itself with the raw buffers on 64-byte
@@ -21,19 +23,17 @@ eviction while they live, and copies of small ones.
 from __future__ import annotations
 
 import io
-import logging
 import pickle
 import struct
-import sys
 import threading
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Union
 
 import msgpack
 
-__all__ = ["MsgpackSerde", "ObjectSerde", "PickleSerde", "store_codec"]
+from ._tensor_codec import array_raw, rebuild_array, rebuild_tensor, tensor_raw
 
-logger = logging.getLogger(__name__)
+__all__ = ["MsgpackSerde", "ObjectSerde", "PickleSerde", "store_codec"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -74,73 +74,6 @@ def _unframe(view: memoryview) -> list[memoryview]:
     return parts
 
 
-def _byte_view(buf: Any) -> memoryview:
-    """A flat unsigned-byte view of a C-contiguous buffer."""
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-# Raw buffers of tensors and arrays, shared by both serdes: (dtype name, shape, bytes).
-
-_SAME_SIZE_INT_NAMES = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-_warned_devices: set[str] = set()
-
-
-def _tensor_raw(obj: Any) -> Optional[tuple[str, list[int], memoryview]]:
-    """A plain CPU tensor's dtype name, shape and C-order bytes; ``None`` for tensors
-    this cannot describe exactly (quantized, sparse, subclasses), which get pickled."""
-    torch = sys.modules.get("torch")
-    np = sys.modules.get("numpy")
-    if torch is None or np is None or type(obj) is not torch.Tensor:
-        return None
-    if obj.layout != torch.strided or obj.is_quantized:
-        return None
-    t = obj.detach()
-    if t.device.type != "cpu":
-        if t.device.type not in _warned_devices:
-            _warned_devices.add(t.device.type)
-            logger.warning("shmq: %s tensors are copied to the CPU to be stored", t.device.type)
-        t = t.cpu()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    # Reinterpret as an integer type of the same size first: every dtype can be viewed so
-    # (keeping its strides), and copying integers works where copying the dtype itself
-    # is not implemented (int1..int7, float4, ...).
-    int_name = _SAME_SIZE_INT_NAMES.get(t.element_size())
-    same_size = t.view(getattr(torch, int_name)) if int_name is not None else t
-    flat = same_size.contiguous().reshape(-1).view(torch.uint8)
-    return str(t.dtype).removeprefix("torch."), list(t.shape), _byte_view(flat.numpy())
-
-
-def _array_raw(obj: Any) -> Optional[tuple[str, list[int], memoryview]]:
-    """A plain numpy array's dtype string (byte order included), shape and C-order bytes;
-    ``None`` for object or structured arrays and subclasses, which get pickled."""
-    np = sys.modules.get("numpy")
-    if np is None or type(obj) is not np.ndarray or obj.dtype.hasobject or obj.dtype.fields is not None:
-        return None
-    a = obj if obj.flags.c_contiguous else obj.copy(order="C")
-    return obj.dtype.str, list(obj.shape), _byte_view(a.reshape(-1).view(np.uint8))
-
-
-def _rebuild_tensor(dtype_name: str, shape: list[int], data: Buffer) -> Any:
-    """The tensor from ``_tensor_raw``'s parts (``data`` must be a writable copy)."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    if len(data) == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype).reshape(shape)
-
-
-def _rebuild_array(dtype_str: str, shape: list[int], data: Buffer) -> Any:
-    """The array from ``_array_raw``'s parts (``data`` must be a writable copy)."""
-    import numpy as np
-
-    return np.frombuffer(data, dtype=np.dtype(dtype_str)).reshape(shape)
-
-
 class ObjectSerde(ABC):
     """Turns values into bytes for the object store and back."""
 
@@ -169,12 +102,12 @@ class _OutOfBandPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         # Called only for objects pickle has no fast path for (not for dicts, lists...).
-        raw = _tensor_raw(obj)
+        raw = tensor_raw(obj)
         if raw is not None:
-            return _rebuild_tensor, (raw[0], raw[1], pickle.PickleBuffer(raw[2]))
-        raw = _array_raw(obj)
+            return rebuild_tensor, (pickle.PickleBuffer(raw[2]), raw[0], raw[1])
+        raw = array_raw(obj)
         if raw is not None:
-            return _rebuild_array, (raw[0], raw[1], pickle.PickleBuffer(raw[2]))
+            return rebuild_array, (pickle.PickleBuffer(raw[2]), raw[0], raw[1])
         return NotImplemented
 
 
@@ -315,11 +248,11 @@ class _MsgpackEncoder:
         registered = self.registry.get(kind)
         if registered is not None:
             return msgpack.ExtType(registered[0], registered[1](obj))
-        raw = _tensor_raw(obj)
+        raw = tensor_raw(obj)
         if raw is not None:
             self.buffers.append(raw[2])
             return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([raw[0], raw[1], len(self.buffers)]))
-        raw = _array_raw(obj)
+        raw = array_raw(obj)
         if raw is not None:
             self.buffers.append(raw[2])
             return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb([raw[0], raw[1], len(self.buffers)]))
@@ -345,9 +278,9 @@ class _MsgpackDecoder:
             return pickle.loads(data)
         if code in (_EXT_NDARRAY, _EXT_TENSOR):
             dtype, shape, index = msgpack.unpackb(data)
-            rebuild = _rebuild_array if code == _EXT_NDARRAY else _rebuild_tensor
+            rebuild = rebuild_array if code == _EXT_NDARRAY else rebuild_tensor
             raw = self.raws[index - 1]
-            return rebuild(dtype, shape, raw if self.raws_owned else bytearray(raw))
+            return rebuild(raw if self.raws_owned else bytearray(raw), dtype, shape)
         decode = self.decoders.get(code)
         if decode is None:
             raise ValueError(f"unknown msgpack extension code {code}: register its type with MsgpackSerde.register")

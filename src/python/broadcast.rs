@@ -10,6 +10,7 @@ use super::view::ShmView;
 use super::wait::{
     blocking_mapped, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout,
 };
+use super::COPY_WITH_GIL_MAX;
 use crate::broadcast::queue::Canceller;
 use crate::broadcast::{ChunkKind, DeadReaderPolicy};
 use crate::broadcast::{
@@ -20,9 +21,6 @@ use crate::error::Error;
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::remote::{RemoteOptions, SlowReaderPolicy};
 use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError, PyValueError};
-
-/// Messages up to this size are copied with the GIL held when no wait is needed.
-const COPY_WITH_GIL_MAX: usize = 64 * 1024;
 
 type RingTuple = (usize, usize, usize, String);
 

@@ -12,14 +12,12 @@ use pyo3::types::{PyDict, PyList, PyMemoryView};
 use super::parts::{self, slices};
 use super::view::ShmView;
 use super::wait::{blocking, lock, BindingLock, Interrupts, Timeout};
+use super::COPY_WITH_GIL_MAX;
 use crate::encoder_cache::{
     Consumer, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
     DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
 };
 use crate::wait::{Wait, WaitPolicy, WaitSpec};
-
-/// Parts above this many bytes in all are copied with the GIL released.
-const COPY_WITH_GIL_MAX: usize = 64 * 1024;
 
 fn state_name(s: LoadState) -> &'static str {
     match s {

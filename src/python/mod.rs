@@ -12,7 +12,8 @@
 //! - `list_segments()`, `remove_orphans()`, `describe_segment()`, `segment_metrics()`:
 //!   cleanup, inspection and live metrics;
 //! - `remove_created()`: the exit hook's removal of what this process created;
-//! - `default_connect_ip()`, `segment_prefix`, `PeerDiedError`, `QueueShutDownError`.
+//! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
+//!   `QueueShutDownError`.
 
 mod admin;
 mod broadcast;
@@ -24,6 +25,12 @@ mod view;
 mod wait;
 
 use pyo3::prelude::*;
+
+/// Copies into shared memory of up to this many bytes in all are made with the GIL held
+/// (when no wait is needed: releasing and taking it back costs more than such a copy);
+/// larger ones with the GIL released. Queue messages, store objects and encoder-cache
+/// parts alike.
+const COPY_WITH_GIL_MAX: usize = 64 * 1024;
 
 /// The IP remote readers should connect to (`SHMQ_HOST_IP`, else the host's address).
 #[pyfunction]
@@ -61,6 +68,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.py().get_type::<errors::QueueShutDownError>(),
     )?;
     m.add("segment_prefix", crate::segment::NAME_PREFIX)?;
+    // Where segments live: the Python package spells `/dev/shm` only through this.
+    m.add("SHM_DIR", crate::segment::SHM_DIR)?;
     // The store's layout constants, for the Python classes that show vLLM's names for
     // them (`RingBuffer.MD_SIZE`, `ID_MAX`, ...): defined once, in the core.
     m.add("CHUNK_HEADER_BYTES", crate::alloc::HEADER_BYTES)?;

@@ -10,15 +10,13 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyR
 use super::parts;
 use super::view::ShmView;
 use super::wait::{lock, BindingGuard, BindingLock};
+use super::COPY_WITH_GIL_MAX;
 use crate::alloc::{Freed, ID_MAX};
 use crate::error::{bad_signature_message, stale_object_message, Error};
 use crate::storage::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo as CoreRing,
     ChunkHeader, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
 };
-
-/// Payloads above this are copied with the GIL released.
-const COPY_WITH_GIL_MAX: usize = 64 * 1024;
 
 /// Call `f` on zero-copy memoryviews of `spans` (inside `segment`): one view, or a
 /// list of views if `as_list`; release them afterwards. A callback that kept the memory

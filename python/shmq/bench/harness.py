@@ -158,7 +158,7 @@ class Harness:
 
 
 def _remove_segments_of(pids: set[int]) -> None:
-    """Unlink the shmq segments in /dev/shm whose creator is one of ``pids`` (killed
+    """Unlink the shmq segments in ``SHM_DIR`` whose creator is one of ``pids`` (killed
     children cannot remove their own)."""
     try:
         from shmq import _core
@@ -167,6 +167,6 @@ def _remove_segments_of(pids: set[int]) -> None:
     for name, _size, _kind, creator, _alive in _core.list_segments():
         if creator in pids:
             try:
-                os.unlink(f"/dev/shm/{name}")
+                os.unlink(os.path.join(_core.SHM_DIR, name))
             except OSError:
                 pass

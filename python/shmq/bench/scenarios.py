@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
 
+from .._core import SHM_DIR
 from . import encoder_cache
 from .common import (
     PROTOCOL,
@@ -256,7 +257,7 @@ def _bench_consume(harness: Harness, transport: Transport, params: Params, *, nb
     """One reader's copy of a received ``nbytes`` view into its own buffer, next to its
     copy of a persistent mapping of a ``/dev/shm`` file (mapped once, written by the
     writer just before, like the view): p50 of each, in ms, and their ratio."""
-    path = f"/dev/shm/shmq-bench-consume-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(SHM_DIR, f"shmq-bench-consume-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:

@@ -38,7 +38,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import psutil
 
@@ -48,14 +48,17 @@ from .errors import WorkerDiedError
 from .protocol import DEFAULT_GRACE, HANDSHAKE_TIMEOUT, WorkerTicket, mac, recv_frame, send_frame
 from .spawn import SpawnProcessWithStderr, can_capture_from_start
 
-if TYPE_CHECKING:
-    from .processes import WorkerMonitor
-
 __all__ = ["WorkerInfo"]
 
 logger = logging.getLogger("shmq.workers")
 
-_SHM_DIR = "/dev/shm"
+
+class FailureListener(Protocol):
+    """What the supervisor hands a failure to: an open ``WorkerMonitor`` (``processes``)."""
+
+    def _fire(self, error: WorkerDiedError, queues: Optional[list[Any]] = None) -> None: ...
+
+
 _MAX_HANDSHAKES = 32  # remote handshakes in progress at once
 
 
@@ -194,14 +197,14 @@ def _remove_segments_of(pids: set[int]) -> list[str]:
     for name, _size, _kind, creator_pid, creator_state in rows:
         if creator_pid in pids and creator_state == "dead":
             try:
-                os.unlink(os.path.join(_SHM_DIR, name))
+                os.unlink(os.path.join(_core.SHM_DIR, name))
                 removed.append(name)
             except FileNotFoundError:
                 pass
             except OSError as e:
                 logger.warning("could not remove %s: %s", name, e)
             # A ring's local socket lives in a directory beside it.
-            shutil.rmtree(os.path.join(_SHM_DIR, name + ".sock"), ignore_errors=True)
+            shutil.rmtree(os.path.join(_core.SHM_DIR, name + ".sock"), ignore_errors=True)
     return removed
 
 
@@ -229,7 +232,7 @@ class Supervisor:
         self.forward_stderr = forward_stderr
         self.new_process_group = new_process_group
         self.exit_order: list[WorkerState] = []
-        self.monitors: list[WorkerMonitor] = []
+        self.monitors: list[FailureListener] = []
         self.failures: list[WorkerDiedError] = []
         self.closing = False
         self.closed = False

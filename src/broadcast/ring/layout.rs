@@ -22,7 +22,7 @@ pub(super) const STATE_LEN_OFFSET: usize = 0;
 pub(super) const STATE_KIND_OFFSET: usize = 8;
 pub(super) const STATE_FLAGS_OFFSET: usize = 16;
 /// More readers than this would make the state blocks absurd; engines use a handful.
-pub const MAX_READERS: usize = 4096;
+pub use crate::segment::MAX_READERS;
 
 /// What a chunk holds.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
