@@ -57,6 +57,13 @@ def test_the_writers_warning_names_a_stopped_reader_then_its_death(children):
         elif msg[0] == "ready":
             pids["ready"] = True
     time.sleep(0.3)
+    # The busy queue, read by a third process while the writer streams.
+    r = _cli("inspect", "--json", handle.buffer_handle[3])
+    assert r.returncode == 0, r.stderr
+    busy = json.loads(r.stdout)
+    assert busy["writer"]["messages"] > 0 and busy["writer"]["state"] == "alive", busy["writer"]
+    assert [rd["pid"] for rd in busy["readers"]] == [pids[0], pids[1]], busy["readers"]
+    assert all(rd["state"] == "alive" and rd["messages"] > 0 for rd in busy["readers"]), busy["readers"]
     os.kill(pids[1], signal.SIGSTOP)
     try:
         line = _warning(children, out, rf"reader 1 \(rank 1\): pid {pids[1]}, ")
