@@ -518,9 +518,6 @@ impl ArenaWriter {
             }
         }
         let dead: Vec<usize> = (0..n).filter(|&r| holding[r] && reader_is_dead(r)).collect();
-        if dead.is_empty() {
-            return;
-        }
         for o in &self.outstanding {
             for &r in &dead {
                 // Relaxed: the dead reader no longer touches it (proved by its liveness
@@ -531,10 +528,12 @@ impl ArenaWriter {
                     .store(0, Ordering::Relaxed);
             }
         }
-        log::info!(
-            "shmq: tensor arena {}: dropped the holds of dead reader(s) {dead:?}",
-            self.name()
-        );
+        if !dead.is_empty() {
+            log::info!(
+                "shmq: tensor arena {}: dropped the holds of dead reader(s) {dead:?}",
+                self.name()
+            );
+        }
         self.reclaim();
     }
 
