@@ -30,7 +30,7 @@
 //! lease goes back to the writer's allocator only when every count is zero, so no range
 //! is reused under a live view. The writer never waits for a lease: when none is free it
 //! reports `None` and the caller sends the bytes the ordinary way (a copy), counting it.
-//! Holds of a reader proved dead are dropped by the writer when it runs short of room.
+//! Holds of a reader proved dead are dropped by the writer (see *Dead readers* below).
 //!
 //! # Layout (offsets from the start of the segment; `#[repr(C)]`, pointer-free)
 //! ```text
@@ -279,13 +279,15 @@ impl Mapped {
     /// over it changes only what `inspect` shows (cut to what is valid UTF-8).
     fn queue(&self) -> String {
         // SAFETY: QUEUE_OFFSET + 1 + QUEUE_NAME_MAX <= TABLE_OFFSET <= the mapping's
-        // length; the bytes are written once before the magic is published. A peer
-        // process may still write them at any time: we copy them out as plain bytes (any
-        // value is valid) and only read, never trust, them.
-        let bytes = unsafe {
+        // length (the length byte is capped at QUEUE_NAME_MAX, whatever it says); the
+        // bytes are written once before the magic is published. A peer process may still
+        // write them at any time: we copy them out byte by byte with volatile reads (no
+        // reference to racing memory is formed; any value is a valid u8) and only show,
+        // never trust, them.
+        let bytes: Vec<u8> = unsafe {
             let at = self.base.as_ptr().add(QUEUE_OFFSET);
-            let len = (*at as usize).min(QUEUE_NAME_MAX);
-            std::slice::from_raw_parts(at.add(1), len).to_vec()
+            let len = (std::ptr::read_volatile(at) as usize).min(QUEUE_NAME_MAX);
+            (1..=len).map(|i| std::ptr::read_volatile(at.add(i))).collect()
         };
         match String::from_utf8(bytes) {
             Ok(s) => s,
@@ -378,8 +380,12 @@ impl ArenaWriter {
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
         let map = Mapped { segment, base, geo };
         let me = ProcessId::current();
-        // SAFETY: the segment is new, page-aligned and larger than the header; no other
-        // process uses it before the magic is stored below.
+        // SAFETY: the segment is new, page-aligned and larger than the header and the
+        // queue name (QUEUE_OFFSET + 1 + QUEUE_NAME_MAX <= TABLE_OFFSET < data_offset);
+        // no other process uses it before the magic is stored below (a same-uid peer that
+        // writes it anyway only spoils what openers read and check: the header is
+        // validated by `ArenaReader::open`, the name only shown by `inspect`). `cut` bytes
+        // of `queue` are copied, cut at a character boundary, and `cut` fits in the u8.
         unsafe {
             let h = base.as_ptr() as *mut ArenaHeader;
             (*h).version = ARENA_LAYOUT_VERSION;
