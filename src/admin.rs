@@ -234,10 +234,11 @@ pub fn describe(name: &str) -> Result<String> {
     if let Ok(a) = arena::describe(name) {
         let _ = writeln!(
             out,
-            "{name}: tensor arena of a queue, {} readers, {} bytes ({} reserved)\ncreator: {}\nin use: {} bytes; parts sent by copy for lack of room: {}",
+            "{name}: tensor arena of a queue, {} readers, {} bytes ({} reserved)\nqueue: {}\ncreator: {}\nin use: {} bytes; parts sent by copy for lack of room: {}",
             a.n_reader,
             a.capacity,
             a.reserved,
+            if a.queue.is_empty() { "(not recorded)" } else { &a.queue },
             describe_process(Some(a.creator), creator_liveness(name)),
             a.bytes_in_use,
             a.fallbacks,

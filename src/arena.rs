@@ -30,12 +30,13 @@
 //! lease goes back to the writer's allocator only when every count is zero, so no range
 //! is reused under a live view. The writer never waits for a lease: when none is free it
 //! reports `None` and the caller sends the bytes the ordinary way (a copy), counting it.
-//! Holds of a reader proved dead are dropped by the writer when it runs short of room.
+//! Holds of a reader proved dead are dropped by the writer (see *Dead readers* below).
 //!
 //! # Layout (offsets from the start of the segment; `#[repr(C)]`, pointer-free)
 //! ```text
 //! 0             ArenaHeader: geometry; `magic` stored last with Release
 //! 64            ArenaStats: fallbacks, bytes in use (for inspection)
+//! 128           the queue's ring name (for `inspect`): length u8, then the UTF-8 bytes
 //! table_offset  max_leases lease records of lease_stride bytes (multiple of 64):
 //!                 +0 generation: u32   +4 writer_hold: u32
 //!                 +8 offset: u64       +16 len: u64
@@ -45,6 +46,18 @@
 //! The data region is reserved (`posix_fallocate`) lazily, up to the highest byte used
 //! so far, so an arena that never carries a large part costs no memory, and a full
 //! `/dev/shm` makes the writer fall back to copying instead of dying of `SIGBUS`.
+//!
+//! # Made at first use
+//! A queue's arena is named when the queue is made (the name travels in the handle) but
+//! the segment is created only when the first large part, a loan or a reservation needs
+//! it ([`LazyArenaWriter`]); a reader opens it when the first message that refers to it
+//! arrives. A queue that only ever carries small messages has no arena file at all.
+//!
+//! # Dead readers
+//! A reader SIGKILLed while it holds views never drops its holds. The writer asks the
+//! ring's liveness locks whether readers are dead when it runs short of room, and also at
+//! most once every [`DEAD_CHECK_EVERY`] while leases are outstanding (one lock probe per
+//! reader, not per message), and drops the holds of each reader proved dead.
 
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
@@ -62,7 +75,7 @@ use crate::sync::{AtomicU32, AtomicU64, Ordering};
 /// "SHMQARN1" little-endian: marks a finished arena segment.
 pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"SHMQARN1");
 /// Bumped whenever the layout changes; openers refuse any other version.
-pub const ARENA_LAYOUT_VERSION: u32 = 1;
+pub const ARENA_LAYOUT_VERSION: u32 = 2;
 /// Default size of the data region (virtual: only what is used gets reserved).
 pub const DEFAULT_CAPACITY: usize = 1 << 30;
 /// Default size from which a message part goes to the arena.
@@ -102,7 +115,16 @@ pub fn default_threshold() -> usize {
 }
 
 const STATS_OFFSET: usize = 64;
-const TABLE_OFFSET: usize = 128;
+/// Where the queue's ring name is recorded: one length byte, then the name.
+const QUEUE_OFFSET: usize = 128;
+/// The longest queue name recorded (longer ones are cut, at a character boundary).
+const QUEUE_NAME_MAX: usize = 255;
+const TABLE_OFFSET: usize = 384;
+const _: () = assert!(QUEUE_OFFSET + 1 + QUEUE_NAME_MAX <= TABLE_OFFSET);
+
+/// How often, at most, the writer probes the readers' liveness while leases are
+/// outstanding (besides whenever room runs short).
+pub const DEAD_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 const LEASE_HOLDS_OFFSET: usize = 32;
 
 /// The segment header. Lives at offset 0 of the mapping.
@@ -129,7 +151,7 @@ struct ArenaStats {
     bytes_in_use: AtomicU64,
     reserved: AtomicU64,
 }
-const _: () = assert!(STATS_OFFSET + std::mem::size_of::<ArenaStats>() <= TABLE_OFFSET);
+const _: () = assert!(STATS_OFFSET + std::mem::size_of::<ArenaStats>() <= QUEUE_OFFSET);
 
 /// The fixed part of a lease record; the per-reader hold counts follow it.
 #[repr(C)]
@@ -253,6 +275,29 @@ impl Mapped {
         }
     }
 
+    /// The queue's ring name recorded by the writer ("" if none). A peer that scribbles
+    /// over it changes only what `inspect` shows (cut to what is valid UTF-8).
+    fn queue(&self) -> String {
+        // SAFETY: QUEUE_OFFSET + 1 + QUEUE_NAME_MAX <= TABLE_OFFSET <= the mapping's
+        // length (the length byte is capped at QUEUE_NAME_MAX, whatever it says); the
+        // bytes are written once before the magic is published. A peer process may still
+        // write them at any time: we copy them out byte by byte with volatile reads (no
+        // reference to racing memory is formed; any value is a valid u8) and only show,
+        // never trust, them.
+        let bytes: Vec<u8> = unsafe {
+            let at = self.base.as_ptr().add(QUEUE_OFFSET);
+            let len = (std::ptr::read_volatile(at) as usize).min(QUEUE_NAME_MAX);
+            (1..=len).map(|i| std::ptr::read_volatile(at.add(i))).collect()
+        };
+        match String::from_utf8(bytes) {
+            Ok(s) => s,
+            Err(e) => {
+                let valid = e.utf8_error().valid_up_to();
+                String::from_utf8_lossy(&e.into_bytes()[..valid]).into_owned()
+            }
+        }
+    }
+
     /// The start of the data region in this mapping.
     fn data(&self) -> *mut u8 {
         // SAFETY: data_offset < total <= the mapping's length.
@@ -294,6 +339,9 @@ pub struct ArenaWriter {
     /// one that works).
     reserve_failed_at: Option<std::time::Instant>,
     fallbacks: u64,
+    /// When the readers' liveness was last probed for dead holders (see
+    /// [`DEAD_CHECK_EVERY`]).
+    last_dead_check: Option<std::time::Instant>,
     /// Live loans by address in this process: start → (end, lease).
     loans: BTreeMap<usize, (usize, u32)>,
     /// Which lease records are loans (kept by their `Loan`, not by a publish).
@@ -315,13 +363,29 @@ impl ArenaWriter {
     /// to whole pages) and `max_leases` lease records. Only the header and the lease
     /// table are reserved now.
     pub fn create(n_reader: usize, capacity: usize, max_leases: usize) -> Result<ArenaWriter> {
+        Self::create_named(&unique_name("arena"), "", n_reader, capacity, max_leases)
+    }
+
+    /// [`create`](Self::create) under the segment name `name`, recording `queue` (the
+    /// name of the queue's ring, cut to 255 bytes) for `inspect`.
+    pub fn create_named(
+        name: &str,
+        queue: &str,
+        n_reader: usize,
+        capacity: usize,
+        max_leases: usize,
+    ) -> Result<ArenaWriter> {
         let geo = Geometry::new(n_reader, capacity, max_leases, page_size())?;
-        let segment = Segment::create_sparse(&unique_name("arena"), geo.total, geo.data_offset)?;
+        let segment = Segment::create_sparse(name, geo.total, geo.data_offset)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
         let map = Mapped { segment, base, geo };
         let me = ProcessId::current();
-        // SAFETY: the segment is new, page-aligned and larger than the header; no other
-        // process uses it before the magic is stored below.
+        // SAFETY: the segment is new, page-aligned and larger than the header and the
+        // queue name (QUEUE_OFFSET + 1 + QUEUE_NAME_MAX <= TABLE_OFFSET < data_offset);
+        // no other process uses it before the magic is stored below (a same-uid peer that
+        // writes it anyway only spoils what openers read and check: the header is
+        // validated by `ArenaReader::open`, the name only shown by `inspect`). `cut` bytes
+        // of `queue` are copied, cut at a character boundary, and `cut` fits in the u8.
         unsafe {
             let h = base.as_ptr() as *mut ArenaHeader;
             (*h).version = ARENA_LAYOUT_VERSION;
@@ -333,6 +397,13 @@ impl ArenaWriter {
             (*h).capacity = geo.capacity as u64;
             (*h).creator_pid = me.pid;
             (*h).creator_start_time = me.start_time;
+            let mut cut = queue.len().min(QUEUE_NAME_MAX);
+            while !queue.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let at = base.as_ptr().add(QUEUE_OFFSET);
+            *at = cut as u8;
+            std::ptr::copy_nonoverlapping(queue.as_ptr(), at.add(1), cut);
         }
         // Release: pairs with the Acquire load in `ArenaReader::open`: an opener that
         // sees the magic sees the whole header (the table is zero from the kernel).
@@ -345,6 +416,7 @@ impl ArenaWriter {
             reserved: 0,
             reserve_failed_at: None,
             fallbacks: 0,
+            last_dead_check: None,
             loans: BTreeMap::new(),
             is_loan: vec![false; geo.max_leases],
         })
@@ -434,6 +506,41 @@ impl ArenaWriter {
             .stats()
             .bytes_in_use
             .store(in_use as u64, Ordering::Relaxed);
+    }
+
+    /// Drop every hold of the readers proved dead (`reader_is_dead(r)`, asked only of
+    /// readers that hold something now), then [`reclaim`](Self::reclaim). The writer
+    /// does this by itself when room runs short and at most once every
+    /// [`DEAD_CHECK_EVERY`] when it places a part; call it to do it now.
+    pub fn reclaim_dead(&mut self, reader_is_dead: &mut dyn FnMut(usize) -> bool) {
+        self.last_dead_check = Some(std::time::Instant::now());
+        let n = self.map.geo.n_reader;
+        let mut holding = vec![false; n];
+        for o in &self.outstanding {
+            for (r, h) in holding.iter_mut().enumerate() {
+                // Relaxed: a hint of which readers to probe; a hold added or dropped
+                // meanwhile is seen on a later check.
+                *h |= self.map.hold(o.lease as usize, r).load(Ordering::Relaxed) != 0;
+            }
+        }
+        let dead: Vec<usize> = (0..n).filter(|&r| holding[r] && reader_is_dead(r)).collect();
+        for o in &self.outstanding {
+            for &r in &dead {
+                // Relaxed: the dead reader no longer touches it (proved by its liveness
+                // lock, released by the kernel only when the process is gone); the
+                // Acquire in `is_unused` orders our later reuse after this store anyway.
+                self.map
+                    .hold(o.lease as usize, r)
+                    .store(0, Ordering::Relaxed);
+            }
+        }
+        if !dead.is_empty() {
+            log::info!(
+                "shmq: tensor arena {}: dropped the holds of dead reader(s) {dead:?}",
+                self.name()
+            );
+        }
+        self.reclaim();
     }
 
     /// Reserve the first `bytes` of the data region now (rounded up to whole pages, at
@@ -535,22 +642,12 @@ impl ArenaWriter {
     ) -> Option<(u32, usize, usize)> {
         let len = self.free.rounded(len)?;
         self.reclaim();
-        if self.free_leases.is_empty() || !self.free.fits(len) {
-            let dead: Vec<usize> = (0..self.map.geo.n_reader)
-                .filter(|&r| reader_is_dead(r))
-                .collect();
-            if !dead.is_empty() {
-                for o in &self.outstanding {
-                    for &r in &dead {
-                        // Relaxed: the dead reader no longer touches it; the Acquire in
-                        // `is_unused` orders our later reuse after this store anyway.
-                        self.map
-                            .hold(o.lease as usize, r)
-                            .store(0, Ordering::Relaxed);
-                    }
-                }
-                self.reclaim();
-            }
+        let short = self.free_leases.is_empty() || !self.free.fits(len);
+        let due = self
+            .last_dead_check
+            .is_none_or(|t| t.elapsed() >= DEAD_CHECK_EVERY);
+        if short || due {
+            self.reclaim_dead(reader_is_dead);
         }
         let lease = *self.free_leases.last()?;
         let offset = self.free.take(len)?;
@@ -672,6 +769,125 @@ impl ArenaWriter {
                 .writer_hold
                 .store(0, Ordering::Release);
         }
+    }
+}
+
+/// A queue's arena, named now and made when first needed (see the module docs): the
+/// writer's handle on it whether or not the segment exists yet.
+#[derive(Debug)]
+pub struct LazyArenaWriter {
+    name: String,
+    queue: String,
+    n_reader: usize,
+    capacity: usize,
+    max_leases: usize,
+    made: Option<ArenaWriter>,
+    /// When making it last failed (say, `/dev/shm` full): tried again only after
+    /// [`RESERVE_RETRY`], not on every part.
+    failed_at: Option<std::time::Instant>,
+    /// Parts sent by copy before the arena could be made.
+    fallbacks: u64,
+}
+
+impl LazyArenaWriter {
+    /// Name an arena for the queue whose ring is `queue` (checking its parameters now);
+    /// nothing is created yet.
+    pub fn new(
+        queue: &str,
+        n_reader: usize,
+        capacity: usize,
+        max_leases: usize,
+    ) -> Result<LazyArenaWriter> {
+        let geo = Geometry::new(n_reader, capacity, max_leases, page_size())?;
+        Ok(LazyArenaWriter {
+            name: unique_name("arena"),
+            queue: queue.to_owned(),
+            n_reader,
+            capacity: geo.capacity,
+            max_leases,
+            made: None,
+            failed_at: None,
+            fallbacks: 0,
+        })
+    }
+
+    /// The segment's name (whether or not it exists yet).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Bytes of the data region.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// The arena, if it has been made.
+    pub fn get(&self) -> Option<&ArenaWriter> {
+        self.made.as_ref()
+    }
+    /// The arena, if it has been made.
+    pub fn get_mut(&mut self) -> Option<&mut ArenaWriter> {
+        self.made.as_mut()
+    }
+
+    /// The arena, made now if it is not yet; the error if it cannot be made.
+    pub fn make(&mut self) -> Result<&mut ArenaWriter> {
+        if self.made.is_none() {
+            let a = ArenaWriter::create_named(
+                &self.name,
+                &self.queue,
+                self.n_reader,
+                self.capacity,
+                self.max_leases,
+            )?;
+            self.failed_at = None;
+            self.made = Some(a);
+        }
+        Ok(self.made.as_mut().expect("made above"))
+    }
+
+    /// The arena for a part that needs it: made now if it is not yet, `None` (logged
+    /// once, tried again after a while) if it cannot be made.
+    pub fn for_part(&mut self) -> Option<&mut ArenaWriter> {
+        if self.made.is_none() {
+            if self
+                .failed_at
+                .is_some_and(|t| t.elapsed() < RESERVE_RETRY)
+            {
+                return None;
+            }
+            if let Err(e) = self.make() {
+                if self.failed_at.is_none() {
+                    log::warn!(
+                        "shmq: cannot make tensor arena {} ({e}); large parts are copied \
+                         through the queue instead until there is room",
+                        self.name
+                    );
+                }
+                self.failed_at = Some(std::time::Instant::now());
+                return None;
+            }
+        }
+        self.made.as_mut()
+    }
+
+    /// Count one part sent by copy (the arena had no room, or could not be made).
+    pub fn count_fallback(&mut self) {
+        match self.made.as_mut() {
+            Some(a) => a.count_fallback(),
+            None => self.fallbacks += 1,
+        }
+    }
+
+    /// Parts sent the ordinary way because the arena had no room (or could not be made).
+    pub fn fallbacks(&self) -> u64 {
+        self.fallbacks + self.made.as_ref().map_or(0, |a| a.fallbacks())
+    }
+    /// Leases handed out and not yet returned (0 before the arena is made).
+    pub fn outstanding(&self) -> usize {
+        self.made.as_ref().map_or(0, |a| a.outstanding())
+    }
+    /// Bytes of the data region reserved in `/dev/shm` so far.
+    pub fn reserved(&self) -> usize {
+        self.made.as_ref().map_or(0, |a| a.reserved())
     }
 }
 
@@ -938,9 +1154,11 @@ impl Drop for ArenaView {
 }
 
 /// What `inspect` shows of an arena.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArenaInfo {
     pub creator: ProcessId,
+    /// The name of the queue's ring it belongs to ("" if it was made without one).
+    pub queue: String,
     pub n_reader: usize,
     pub capacity: u64,
     pub reserved: u64,
@@ -959,6 +1177,7 @@ pub fn describe(name: &str) -> Result<ArenaInfo> {
             pid: h.creator_pid,
             start_time: h.creator_start_time,
         },
+        queue: a.map.queue(),
         n_reader: a.map.geo.n_reader,
         capacity: a.map.geo.capacity as u64,
         reserved: s.reserved.load(Ordering::Relaxed),
@@ -1046,6 +1265,60 @@ mod tests {
         drop(l2);
         w.reclaim();
         assert_eq!(w.outstanding(), 0);
+    }
+
+    #[test]
+    fn a_lazy_arena_is_made_at_first_use_and_names_its_queue() {
+        let mut lazy = LazyArenaWriter::new("shmq_ring_test_queue", 2, 1 << 20, 8).unwrap();
+        let name = lazy.name().to_owned();
+        assert!(lazy.get().is_none());
+        assert!(ArenaReader::open(&name, 0).is_err(), "made before it was needed");
+        assert_eq!((lazy.outstanding(), lazy.reserved(), lazy.fallbacks()), (0, 0, 0));
+        let w = lazy.for_part().unwrap();
+        assert_eq!(w.name(), name);
+        let info = describe(&name).unwrap();
+        assert_eq!(info.queue, "shmq_ring_test_queue");
+        assert_eq!(info.n_reader, 2);
+        assert!(ArenaReader::open(&name, 1).is_ok());
+        // An arena made without a queue records none.
+        let plain = ArenaWriter::create(1, 1 << 20, 8).unwrap();
+        assert_eq!(describe(plain.name()).unwrap().queue, "");
+    }
+
+    #[test]
+    fn dead_readers_holds_are_dropped_without_a_shortage() {
+        let mut w = ArenaWriter::create(2, 1 << 20, 8).unwrap();
+        let r1 = Arc::new(ArenaReader::open(w.name(), 1).unwrap());
+        let a = w.copy_in(&[1u8; 5000], &mut no_dead).unwrap();
+        w.publish(&a, 0..2);
+        let _held = r1.view(&a).unwrap();
+        // Reader 0 "died" holding `a` (it never took the message); reader 1 lives on.
+        w.reclaim();
+        assert_eq!(w.outstanding(), 1);
+        let mut asked = Vec::new();
+        w.reclaim_dead(&mut |r| {
+            asked.push(r);
+            r == 0
+        });
+        assert_eq!(asked, [0, 1], "only readers holding something are probed");
+        assert_eq!(w.outstanding(), 1, "reader 1 still holds it");
+        drop(_held);
+        w.reclaim();
+        assert_eq!(w.outstanding(), 0);
+        // Placing a part probes at most every DEAD_CHECK_EVERY, room or not.
+        let b = w.copy_in(&[2u8; 5000], &mut no_dead).unwrap();
+        w.publish(&b, 0..2);
+        let mut probes = 0;
+        let _c = w.copy_in(&[3u8; 5000], &mut |_| {
+            probes += 1;
+            false
+        });
+        assert_eq!(probes, 0, "probed again right away");
+        std::thread::sleep(DEAD_CHECK_EVERY);
+        let _d = w.copy_in(&[4u8; 5000], &mut |r| r == 0 || r == 1);
+        w.reclaim();
+        // b went with its dead holders; c and d are still the writer's (unpublished).
+        assert_eq!(w.outstanding(), 2);
     }
 
     #[test]

@@ -647,7 +647,7 @@ fn parts_and_loans_reach_local_and_remote_readers() {
     }
     expect_all_succeed(&mut children);
     assert_eq!(writer.arena_fallbacks(), 0);
-    let arena = writer.arena_mut().unwrap();
+    let arena = writer.arena_mut().unwrap().get_mut().unwrap();
     arena.reclaim();
     assert_eq!(arena.outstanding(), 0, "arena parts not given back");
 }

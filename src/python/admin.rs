@@ -124,6 +124,7 @@ pub fn segment_metrics<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, 
         }
         Metrics::Arena(a) => {
             d.set_item("kind", "arena")?;
+            d.set_item("queue", &a.queue)?;
             d.set_item("n_reader", a.n_reader)?;
             d.set_item("capacity", a.capacity)?;
             d.set_item("reserved", a.reserved)?;

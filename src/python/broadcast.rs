@@ -421,13 +421,15 @@ impl Writer {
         Ok(self.writer(py)?.arena_fallbacks())
     }
     /// `(segment name, capacity, bytes reserved, leases outstanding)` of the tensor
-    /// arena (after returning the leases nobody holds any more), or None without one.
+    /// arena (after returning the leases nobody holds any more, dead readers' holds
+    /// included), or None without one. An arena not made yet (no large part so far) has
+    /// its name, nothing reserved and nothing outstanding.
     fn arena_info(&self, py: Python<'_>) -> PyResult<Option<(String, usize, usize, usize)>> {
         let mut w = self.writer(py)?;
-        let Some(a) = w.arena_mut() else {
+        w.reclaim_arena();
+        let Some(a) = w.arena() else {
             return Ok(None);
         };
-        a.reclaim();
         Ok(Some((
             a.name().to_owned(),
             a.capacity(),
@@ -479,13 +481,14 @@ impl Writer {
     }
 
     /// Reserve the first `nbytes` of the tensor arena now (see `ArenaWriter::reserve`);
-    /// the bytes reserved in all, or None if the queue has no arena.
+    /// the bytes reserved in all, or None if the queue has no arena. Makes the arena if
+    /// it is not made yet.
     fn reserve_arena(&self, py: Python<'_>, nbytes: usize) -> PyResult<Option<usize>> {
         let mut w = self.writer(py)?;
         let Some(a) = w.arena_mut() else {
             return Ok(None);
         };
-        Ok(Some(py.detach(|| a.reserve(nbytes))?))
+        Ok(Some(py.detach(|| a.make()?.reserve(nbytes))?))
     }
 
     /// Lend `nbytes` of the tensor arena to fill in place, as a writable buffer; a part

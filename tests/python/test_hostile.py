@@ -92,6 +92,7 @@ def test_cleanup_in_another_pid_namespace_keeps_live_segments():
     if reason:
         pytest.skip(reason)
     mq = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=2)
+    mq.reserve_arena(0)  # the arena is made at first use: make it now
     ring, arena = mq.buffer.name, mq.handle.arena_name
     seen = _result(_peer("cleanup", prefix=IN_OTHER_PID_NAMESPACE))
     assert ring not in seen["would_remove"] and arena not in seen["would_remove"], seen

@@ -21,12 +21,34 @@ enum Source {
     Local {
         ring: RingReader,
         overflow: Subscriber,
-        /// The queue's tensor arena, if it has one.
-        arena: Option<Arc<ArenaReader>>,
+        /// The queue's tensor arena, if it has one (opened at first use).
+        arena: ArenaSlot,
     },
     Remote {
         sub: RemoteReader,
     },
+}
+
+/// A local reader's view of the queue's tensor arena: named in the handle, opened when
+/// the first message that refers to it comes (the writer makes the segment at first use,
+/// before it sends any such message).
+struct ArenaSlot {
+    name: Option<String>,
+    index: usize,
+    open: Option<Arc<ArenaReader>>,
+}
+
+impl ArenaSlot {
+    /// The arena as `refs` need it: opened now if one of them is in the arena and it is
+    /// not open yet; `None` if the queue has none (or `refs` need none and it is not open).
+    fn for_refs(&mut self, refs: &[PartRef]) -> Result<Option<&Arc<ArenaReader>>> {
+        if self.open.is_none() && refs.iter().any(|r| matches!(r, PartRef::Arena(_))) {
+            if let Some(name) = self.name.as_deref() {
+                self.open = Some(Arc::new(ArenaReader::open(name, self.index)?));
+            }
+        }
+        Ok(self.open.as_ref())
+    }
 }
 
 /// How long a local reader still waits for what the writer sent over the socket (its
@@ -156,7 +178,7 @@ fn release_arena_refs(refs: &[PartRef], arena: Option<&Arc<ArenaReader>>) {
 /// descriptor block and the frames it names.
 fn take_frames<R>(
     frames: Vec<zmq::Message>,
-    arena: Option<&Arc<ArenaReader>>,
+    arena: Option<&mut ArenaSlot>,
     f: impl FnOnce(Received<'_>) -> R,
 ) -> Result<R> {
     if frames.len() == 1 {
@@ -165,6 +187,10 @@ fn take_frames<R>(
     let mut frames: Vec<Option<zmq::Message>> = frames.into_iter().map(Some).collect();
     let block = frames[0].take().expect("at least two frames");
     let refs = framing::decode(&block, frames.len())?;
+    let arena = match arena {
+        Some(slot) => slot.for_refs(&refs)?,
+        None => None,
+    };
     let parts = resolve_parts(&refs, &block, &mut frames, arena)?;
     Ok(f(Received::Parts(parts)))
 }
@@ -221,11 +247,11 @@ impl Reader {
                 })?;
                 let ring = Arc::new(Ring::open(&buffer.name)?);
                 let ring = RingReader::new(ring, index)?;
-                let arena = handle
-                    .arena
-                    .as_deref()
-                    .map(|name| ArenaReader::open(name, index).map(Arc::new))
-                    .transpose()?;
+                let arena = ArenaSlot {
+                    name: handle.arena.clone(),
+                    index,
+                    open: None,
+                };
                 let overflow = Subscriber::connect(&ctx, addr, false)?;
                 Source::Local {
                     ring,
@@ -438,12 +464,15 @@ impl Reader {
                         let Some(frames) = self.pending.take() else {
                             return Ok(None);
                         };
-                        take_frames(frames, arena.as_ref(), f)
+                        take_frames(frames, Some(arena), f)
                     }
                     ChunkKind::Framed => {
                         let data = ring.data(&info);
                         framing::decode(data, 0)
-                            .and_then(|refs| resolve_parts(&refs, data, &mut [], arena.as_ref()))
+                            .and_then(|refs| {
+                                let arena = arena.for_refs(&refs)?;
+                                resolve_parts(&refs, data, &mut [], arena)
+                            })
                             .map(|parts| f(Received::Parts(parts)))
                     }
                     _ => Ok(f(Received::Bytes(ring.data(&info)))),
@@ -575,7 +604,9 @@ impl Reader {
                         _ => None,
                     };
                     if let Some(refs) = block.and_then(|(b, n)| framing::decode(b, n).ok()) {
-                        release_arena_refs(&refs, arena.as_ref());
+                        if let Ok(arena) = arena.for_refs(&refs) {
+                            release_arena_refs(&refs, arena);
+                        }
                     }
                 }
                 ring.finish();

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::super::framing::{self, PartRef};
 use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
-use crate::arena::{self, ArenaWriter, Loan};
+use crate::arena::{self, ArenaWriter, LazyArenaWriter, Loan};
 use crate::error::{Error, Result};
 use crate::fork::{self, LeakInChild};
 use crate::remote::{self, RemoteWriter};
@@ -25,10 +25,11 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// Where each part of a message goes for local readers: the body and small parts inline,
 /// parts inside a loan by reference, other large parts copied into the arena when it has
-/// room (else inline: the fallback, counted by the arena).
+/// room (else inline: the fallback, counted by the arena). The arena is made here when
+/// the first part that needs it comes.
 fn place_parts(
     parts: &[&[u8]],
-    mut arena: Option<&mut ArenaWriter>,
+    mut arena: Option<&mut LazyArenaWriter>,
     threshold: usize,
     ring: &RingWriter,
 ) -> Vec<PartRef> {
@@ -39,15 +40,23 @@ fn place_parts(
         .enumerate()
         .map(|(i, p)| {
             if i > 0 {
-                if let Some(a) = arena.as_deref_mut() {
-                    if let Some(r) = a.find_loan(p) {
+                if let Some(lazy) = arena.as_deref_mut() {
+                    // Loans exist only once the arena is made.
+                    if let Some(r) = lazy.get().and_then(|a| a.find_loan(p)) {
                         loaned += 1;
                         return PartRef::Arena(r);
                     }
                     if p.len() >= threshold {
-                        if let Some(r) = a.copy_in(p, &mut |r| reader_is_dead(ring.ring(), r)) {
-                            copied += 1;
-                            return PartRef::Arena(r);
+                        match lazy.for_part() {
+                            Some(a) => {
+                                if let Some(r) =
+                                    a.copy_in(p, &mut |r| reader_is_dead(ring.ring(), r))
+                                {
+                                    copied += 1;
+                                    return PartRef::Arena(r);
+                                }
+                            }
+                            None => lazy.count_fallback(),
                         }
                         fallbacks += 1;
                     }
@@ -72,7 +81,8 @@ fn place_parts(
 pub struct Writer {
     ring: Option<RingWriter>,
     /// Large message parts for local readers (with the ring).
-    arena: Option<ArenaWriter>,
+    /// Made when first needed (see [`LazyArenaWriter`]).
+    arena: Option<LazyArenaWriter>,
     arena_threshold: usize,
     local: Option<Publisher>,
     remote: Option<RemoteWriter>,
@@ -135,9 +145,11 @@ impl Writer {
                 opts.max_chunks,
             )?);
             let local = Publisher::bind_ipc(&ctx, ring.name())?;
+            // Named now (readers learn the name from the handle), made at first use.
             let arena = (opts.arena_bytes > 0)
                 .then(|| {
-                    ArenaWriter::create(
+                    LazyArenaWriter::new(
+                        ring.name(),
                         opts.n_local_reader,
                         opts.arena_bytes,
                         arena::DEFAULT_MAX_LEASES,
@@ -443,7 +455,7 @@ impl Writer {
                         data[offset..offset + len].copy_from_slice(p);
                     }
                 }
-                publish(self.arena.as_ref(), ring);
+                publish(self.arena.as_ref().and_then(|a| a.get()), ring);
                 ring.commit(total, ChunkKind::Framed)?;
             } else {
                 // Too large for a chunk even so (or no room in /dev/shm for it): the
@@ -470,12 +482,12 @@ impl Writer {
                     .expect("local readers have an overflow socket")
                     .send_frames(&frames);
                 if let Err(e) = sent {
-                    if let Some(arena) = self.arena.as_ref() {
+                    if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
                         arena_refs().for_each(|r| arena.abandon(r));
                     }
                     return Err(e);
                 }
-                publish(self.arena.as_ref(), ring);
+                publish(self.arena.as_ref().and_then(|a| a.get()), ring);
                 ring.commit(total, ChunkKind::Overflow)?;
                 self.overflow_count += 1;
             }
@@ -496,7 +508,8 @@ impl Writer {
 
     /// Lend `len` bytes of the tensor arena to fill in place; a message part that lies
     /// inside a live loan is sent by reference, without a copy. `None` when the queue has
-    /// no arena (no local readers, or `arena_bytes` 0) or it has no room now.
+    /// no arena (no local readers, or `arena_bytes` 0) or it has no room now. Makes the
+    /// arena if it is not made yet.
     pub fn loan(&mut self, len: usize) -> Option<Loan> {
         if fork::is_inherited(self._ctx.made_in()) {
             return None;
@@ -504,7 +517,20 @@ impl Writer {
         let ring = self.ring.as_ref()?;
         self.arena
             .as_mut()?
+            .for_part()?
             .loan(len, &mut |r| reader_is_dead(ring.ring(), r))
+    }
+
+    /// Drop the arena holds of readers proved dead and return the leases nobody holds
+    /// any more ([`ArenaWriter::reclaim_dead`]); nothing if the arena is not made.
+    pub fn reclaim_arena(&mut self) {
+        let (Some(ring), Some(a)) = (
+            self.ring.as_ref(),
+            self.arena.as_mut().and_then(|a| a.get_mut()),
+        ) else {
+            return;
+        };
+        a.reclaim_dead(&mut |r| reader_is_dead(ring.ring(), r));
     }
 
     /// A message went to the remote readers: counted in the ring (where the metrics of
@@ -526,13 +552,14 @@ impl Writer {
         self.arena.as_ref().map_or(0, |a| a.fallbacks())
     }
 
-    /// The tensor arena, if the queue has one.
-    pub fn arena(&self) -> Option<&ArenaWriter> {
+    /// The tensor arena, if the queue has one (made or not yet).
+    pub fn arena(&self) -> Option<&LazyArenaWriter> {
         self.arena.as_ref()
     }
 
-    /// The tensor arena, to return leases whose holds are gone ([`ArenaWriter::reclaim`]).
-    pub fn arena_mut(&mut self) -> Option<&mut ArenaWriter> {
+    /// The tensor arena, to make it ([`LazyArenaWriter::make`]) or return leases whose
+    /// holds are gone ([`ArenaWriter::reclaim`]).
+    pub fn arena_mut(&mut self) -> Option<&mut LazyArenaWriter> {
         self.arena.as_mut()
     }
 

@@ -11,10 +11,11 @@ Every blocking call a child makes has a timeout (``STEP``), so a broken queue fa
 test instead of hanging it.
 
 The package, by what each file holds: ``harness`` (running children, /dev/shm),
-``objects`` (the test stream), ``queue_children``, ``liveness_children`` and
+``objects`` (the test stream), ``arena_children``, ``queue_children``, ``liveness_children`` and
 ``group_children`` (the entry points of each test file's children).
 """
 
+from .arena_children import *  # noqa: F401,F403
 from .fuzz_children import *  # noqa: F401,F403
 from .group_children import *  # noqa: F401,F403
 from .harness import *  # noqa: F401,F403

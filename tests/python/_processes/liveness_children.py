@@ -106,8 +106,10 @@ def orphan_reader(out: Any, handle: Handle, rank: int, n_messages: int, spin_us:
 
 
 def segment_creator(out: Any) -> None:
-    """Create a queue (and so a segment), report its handle, sleep until killed."""
+    """Create a queue (and so a segment) and its arena, report its handle, sleep until
+    killed."""
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    mq.reserve_arena(0)  # the arena is made at first use: make it now
     out.put(("handle", mq.export_handle()))
     time.sleep(STEP)
     del mq
