@@ -614,6 +614,21 @@ impl RemoteWriter {
         Ok(())
     }
 
+    /// Whether sending a message of `bytes` would wait for a reader (or drop it): one
+    /// still sent to is out of credit, after taking the ACKs that arrived.
+    pub fn would_wait(&mut self, bytes: u64) -> Result<bool> {
+        let short = |w: &Self| {
+            w.peers
+                .iter()
+                .any(|p| !p.dropped && !p.has_credit(&w.options, bytes))
+        };
+        if !short(self) {
+            return Ok(false);
+        }
+        self.serve_hellos()?;
+        Ok(short(self))
+    }
+
     /// Send one message (its frames) to every accepted reader.
     ///
     /// First every reader still sent to must have credit for it (waiting, or dropping
