@@ -136,3 +136,35 @@ def test_connections_that_never_say_hello_are_closed_and_a_reader_still_joins(ch
             s.close(0)
         ctx.term()
         cmds.put(None)
+
+
+def test_connections_that_come_back_stay_bounded_in_number(children):
+    """DEALERs that reconnect at once when closed (ZeroMQ's default): the writer holds at
+    most the guard's count bound of them (64) and a burst, never all 200, and a real
+    reader still joins among them."""
+    out, cmds = children.queue(), children.queue()
+    children.start(guarded_writer, out, cmds)
+    _, handle, pid = children.expect(out, "handle")
+    base = _n_fds(pid)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for _ in range(N_DEALERS):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(handle.remote_subscribe_addr)
+            socks.append(s)
+        most = base
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            most = max(most, _n_fds(pid))
+            time.sleep(0.02)
+        assert base + 32 <= most < base + N_DEALERS - 20, (most, base)
+        children.start(one_message_reader, out, handle, 0)
+        assert children.expect(out, "sent") == ("sent",)
+        assert children.expect(out, "got") == ("got", "after the flood")
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        cmds.put(None)
