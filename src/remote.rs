@@ -35,7 +35,7 @@
 //!   reader's own connection can send it, and the writer accepts only running totals
 //!   that do not exceed what it sent.
 //! - Connections that never prove the secret are closed: at most `MAX_UNAUTHENTICATED`
-//!   at once, each for at most `HELLO_TIMEOUT` (see [`spawn_guard`]), so that idle
+//!   at once, each for at most `HELLO_TIMEOUT` (see `spawn_guard`), so that idle
 //!   ZeroMQ clients cannot use up the writer's file descriptors.
 //!
 //! The MAC is BLAKE3 in keyed mode (a MAC by design; several GB/s, so tensor-sized
