@@ -16,9 +16,27 @@
 //! - Every message carries the session id, a sequence number (1, 2, ...) and a MAC of
 //!   all its frames; a reader refuses a message that fails any of the three, before
 //!   anything is unpickled.
-//! - Sends are bounded: each reader has a queue of at most `hwm` messages in the writer
-//!   ([`RemoteOptions`]); when it is full the writer waits for that reader (`Block`, the
-//!   default: bounded by the enqueue's timeout) or stops sending to it (`Drop`).
+//! - Sends are bounded, in messages and in bytes, by credit ([`RemoteOptions`]): the
+//!   writer counts what it sent to each reader, and each reader tells it (ACK,
+//!   `"SQA1" | messages u64 | bytes u64`, running totals) how much of that it has taken
+//!   (returned to its caller). At most `hwm` messages and `max_queued_bytes` bytes sent
+//!   to a reader and not yet taken by it exist anywhere: in the writer's ZeroMQ queue,
+//!   in both kernels' TCP buffers and in the reader's ZeroMQ queue together, so neither
+//!   process's memory grows with a reader that stops reading (ZeroMQ reports no
+//!   per-peer queue depth, and its high-water marks count messages, not bytes, on each
+//!   side separately: they cannot give this bound). When a reader is out of credit the
+//!   writer waits for it (`Block`, the default: bounded by the enqueue's timeout) or
+//!   stops sending to it (`Drop`). A message larger than `max_queued_bytes` goes once
+//!   the reader has taken everything before it. The reader acknowledges every eighth
+//!   of either bound, and at once when the writer, out of credit, asks (PING, a message
+//!   of its own kind, MAC'd): so the writer never waits on an acknowledgement that is
+//!   not coming. The WELCOME carries both bounds (under its MAC) so the reader knows
+//!   when to acknowledge. An ACK needs no MAC: ZeroMQ routes by connection, so only the
+//!   reader's own connection can send it, and the writer accepts only running totals
+//!   that do not exceed what it sent.
+//! - Connections that never prove the secret are closed: at most `MAX_UNAUTHENTICATED`
+//!   at once, each for at most `HELLO_TIMEOUT` (see `spawn_guard`), so that idle
+//!   ZeroMQ clients cannot use up the writer's file descriptors.
 //!
 //! The MAC is BLAKE3 in keyed mode (a MAC by design; several GB/s, so tensor-sized
 //! messages stay cheap). Messages are authenticated, not encrypted: a network where
@@ -49,11 +67,22 @@ const MAGIC_MESSAGE: &[u8; 4] = b"SQM1";
 const MAGIC_HELLO: &[u8; 4] = b"SQH1";
 /// A reader's acknowledgement of the CLOSED message (see `RemoteWriter::close`).
 const MAGIC_BYE: &[u8; 4] = b"SQB1";
+/// A reader's running totals of messages and bytes taken (see the module docs).
+const MAGIC_ACK: &[u8; 4] = b"SQA1";
+const ACK: usize = 4 + 8 + 8;
 const KIND_DATA: u8 = 0;
 const KIND_WELCOME: u8 = 1;
 const KIND_READY: u8 = 2;
 const KIND_REFUSED: u8 = 3;
 const KIND_CLOSED: u8 = 4;
+/// The writer, out of credit for a reader, asks it to acknowledge what it has taken.
+const KIND_PING: u8 = 5;
+/// Room in the writer's ZeroMQ queue per reader beyond `hwm` data messages, for the
+/// handshake and control messages (WELCOME, READY, PING, CLOSED).
+const CONTROL_ROOM: i32 = 16;
+/// How often a writer out of credit asks the reader again (an ACK can be lost: the
+/// reader sends it without waiting).
+const PING_INTERVAL: Duration = Duration::from_millis(50);
 /// How long closing the writer's socket may still flush queued messages.
 const LINGER_MS: i32 = 1000;
 
@@ -103,18 +132,25 @@ pub enum SlowReaderPolicy {
     Drop,
 }
 
-/// How the remote stream is bounded.
+/// How the remote stream is bounded (see the module docs: credit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RemoteOptions {
-    /// Messages queued in the writer per remote reader, at most.
+    /// Messages sent to one remote reader and not yet taken by it, at most.
     pub hwm: i32,
+    /// Bytes (of message frames) sent to one remote reader and not yet taken by it, at
+    /// most; a larger message goes once the reader has taken everything before it.
+    pub max_queued_bytes: u64,
     pub slow_reader: SlowReaderPolicy,
 }
+
+/// Default of [`RemoteOptions::max_queued_bytes`]: 256 MiB.
+pub const DEFAULT_MAX_QUEUED_BYTES: u64 = 256 << 20;
 
 impl Default for RemoteOptions {
     fn default() -> Self {
         RemoteOptions {
             hwm: 1000,
+            max_queued_bytes: DEFAULT_MAX_QUEUED_BYTES,
             slow_reader: SlowReaderPolicy::Block,
         }
     }
@@ -125,6 +161,158 @@ fn socket(ctx: &zmq::Context, kind: zmq::SocketType, what: &str) -> Result<zmq::
         .map_err(Error::transport(format!("creating the {what} socket")))
 }
 
+/// How long a connection to the writer may stay without a HELLO that proves the
+/// secret, counted from its acceptance to a look at the HELLOs by the writer after that.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections without such a HELLO at once, at most: beyond it the oldest are closed.
+const MAX_UNAUTHENTICATED: usize = 64;
+/// How often the guard looks at its connections when nothing happens.
+const GUARD_TICK_MS: i64 = 200;
+
+/// What the writer's thread tells the guard thread (see [`spawn_guard`]).
+#[derive(Debug)]
+struct Guard {
+    /// Descriptors of connections whose HELLO proved the secret.
+    authenticated: std::sync::Mutex<std::collections::HashSet<i32>>,
+    /// When the writer last took every HELLO that had arrived, in ms since `epoch`.
+    served_ms: std::sync::atomic::AtomicU64,
+    epoch: Instant,
+    /// The writer is gone: the guard thread ends.
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Guard {
+    fn served(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        // Release: the descriptors marked authenticated before this look (under the
+        // mutex, itself ordered) are seen by a guard that reads this value (Acquire).
+        self.served_ms
+            .store(ms, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// The peer address of socket `fd`, as bytes (None if it is not a connected socket).
+fn peer_of(fd: i32) -> Option<Vec<u8>> {
+    // SAFETY: all-zero bytes are a valid `sockaddr_storage`.
+    let mut addr: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: `addr` is writable for `len` bytes, and getpeername writes at most that
+    // and sets `len`; a stale `fd` only makes it fail (EBADF, ENOTSOCK, ENOTCONN).
+    let rc = unsafe { libc::getpeername(fd, (&mut addr as *mut libc::sockaddr_storage).cast(), &mut len) };
+    if rc != 0 {
+        return None;
+    }
+    let len = (len as usize).min(std::mem::size_of::<libc::sockaddr_storage>());
+    // SAFETY: `addr` is a plain struct of `size_of` bytes, `len` is within it.
+    let bytes = unsafe { std::slice::from_raw_parts((&addr as *const libc::sockaddr_storage).cast::<u8>(), len) };
+    Some(bytes.to_vec())
+}
+
+/// Close the connection on `fd` if it is still the one accepted from `peer`: ZeroMQ
+/// sees it end and frees the descriptor.
+fn close_connection(fd: i32, peer: &Option<Vec<u8>>) {
+    // The descriptor may have been closed by ZeroMQ and reused since: only a socket
+    // with the same peer address and port (a live TCP connection's address pair is
+    // unique) is the same connection.
+    if peer.is_none() || peer_of(fd) != *peer {
+        return;
+    }
+    // SAFETY: shutdown changes no memory; on the checked socket it ends the connection
+    // (ZeroMQ, which owns the descriptor, reads its end and closes it).
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+}
+
+/// The guard of the writer's port: a thread that watches the connections the ROUTER
+/// accepts (ZeroMQ's socket monitor: the descriptor of each) and closes those that do
+/// not prove the secret in time, so that connections which never say HELLO cannot use
+/// up the writer's descriptors. ZeroMQ itself cannot: a ROUTER cannot close a peer,
+/// and its handshake and heartbeat timeouts end only connections that fail ZeroMQ's
+/// own handshake or stop answering, while a ZeroMQ peer that never says HELLO answers
+/// both. So the guard closes (`shutdown(2)`) a connection
+/// - without a good HELLO `HELLO_TIMEOUT` after its acceptance, once the writer has
+///   looked at the HELLOs after that time (a reader whose HELLO waits in the socket of
+///   a writer busy elsewhere is not closed for it), and
+/// - the oldest such connections beyond `MAX_UNAUTHENTICATED`, at once (under a flood
+///   this can close a real reader still in its handshake: it sees the writer go).
+///
+/// The writer marks a connection good by its descriptor, which ZeroMQ gives with each
+/// message (the `__fd` property).
+fn spawn_guard(ctx: &zmq::Context, router: &zmq::Socket) -> Result<std::sync::Arc<Guard>> {
+    let name = format!("inproc://shmq-remote-guard-{}", hex(&random16()?));
+    let events = zmq::SocketEvent::ACCEPTED as i32
+        | zmq::SocketEvent::DISCONNECTED as i32
+        | zmq::SocketEvent::CLOSED as i32
+        | zmq::SocketEvent::MONITOR_STOPPED as i32;
+    router
+        .monitor(&name, events)
+        .map_err(Error::transport("monitoring the remote socket"))?;
+    let mon = socket(ctx, zmq::PAIR, "remote monitor")?;
+    mon.connect(&name)
+        .map_err(Error::transport("connecting to the remote socket's monitor"))?;
+    let guard = std::sync::Arc::new(Guard {
+        authenticated: Default::default(),
+        served_ms: std::sync::atomic::AtomicU64::new(0),
+        epoch: Instant::now(),
+        stop: std::sync::atomic::AtomicBool::new(false),
+    });
+    let g = guard.clone();
+    std::thread::Builder::new()
+        .name("shmq-remote-guard".into())
+        .spawn(move || run_guard(mon, &g))
+        .map_err(|e| Error::Remote(format!("starting the remote port's guard thread: {e}")))?;
+    Ok(guard)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn run_guard(mon: zmq::Socket, guard: &Guard) {
+    use std::sync::atomic::Ordering;
+    // Connections not (yet) proved good: descriptor, acceptance, peer address.
+    let mut pending: Vec<(i32, Instant, Option<Vec<u8>>)> = Vec::new();
+    // Relaxed: the flag carries no data; the thread ends at most a tick later.
+    while !guard.stop.load(Ordering::Relaxed) {
+        if matches!(mon.poll(zmq::POLLIN, GUARD_TICK_MS), Ok(n) if n > 0) {
+            while let Ok(frames) = mon.recv_multipart(zmq::DONTWAIT) {
+                let Some(ev) = frames.first().filter(|f| f.len() == 6) else {
+                    continue;
+                };
+                let kind = u16::from_ne_bytes([ev[0], ev[1]]);
+                let fd = i32::from_ne_bytes([ev[2], ev[3], ev[4], ev[5]]);
+                match zmq::SocketEvent::from_raw(kind) {
+                    zmq::SocketEvent::ACCEPTED => pending.push((fd, Instant::now(), peer_of(fd))),
+                    zmq::SocketEvent::DISCONNECTED | zmq::SocketEvent::CLOSED => {
+                        pending.retain(|p| p.0 != fd);
+                        guard.authenticated.lock().unwrap_or_else(|e| e.into_inner()).remove(&fd);
+                    }
+                    zmq::SocketEvent::MONITOR_STOPPED => return,
+                    _ => {}
+                }
+            }
+        }
+        // Acquire: pairs with `Guard::served` (the HELLOs taken by then are marked).
+        let served = guard.epoch + Duration::from_millis(guard.served_ms.load(Ordering::Acquire));
+        {
+            let good = guard.authenticated.lock().unwrap_or_else(|e| e.into_inner());
+            pending.retain(|p| !good.contains(&p.0));
+        }
+        pending.retain(|(fd, at, peer)| {
+            let late = *at + HELLO_TIMEOUT <= served;
+            if late {
+                close_connection(*fd, peer);
+            }
+            !late
+        });
+        if pending.len() > MAX_UNAUTHENTICATED {
+            let extra = pending.len() - MAX_UNAUTHENTICATED;
+            for (fd, _, peer) in pending.drain(..extra) {
+                close_connection(fd, &peer);
+            }
+        }
+    }
+}
+
 /// A remote reader the writer accepted.
 #[derive(Debug)]
 struct Peer {
@@ -133,6 +321,25 @@ struct Peer {
     dropped: bool,
     /// Its address as ZeroMQ saw the connection ("Peer-Address"), for warnings.
     host: Option<String>,
+    /// Data messages and bytes sent to it, and the reader's running totals of those it
+    /// has taken (its last ACK): the difference is what its credit counts.
+    sent_msgs: u64,
+    sent_bytes: u64,
+    taken_msgs: u64,
+    taken_bytes: u64,
+    /// When the writer last asked it for an ACK, since its last ACK.
+    pinged: Option<Instant>,
+}
+
+impl Peer {
+    /// Whether a message of `bytes` may go to it now.
+    fn has_credit(&self, options: &RemoteOptions, bytes: u64) -> bool {
+        let msgs = self.sent_msgs - self.taken_msgs;
+        let queued = self.sent_bytes - self.taken_bytes;
+        msgs == 0
+            || (msgs < options.hwm.max(1) as u64
+                && queued.saturating_add(bytes) <= options.max_queued_bytes)
+    }
 }
 
 /// The writer's end of the remote stream.
@@ -150,6 +357,17 @@ pub struct RemoteWriter {
     options: RemoteOptions,
     /// When the HELLOs were last looked at while sending (see `send`).
     hellos_served: Instant,
+    /// What the guard of the port must know (see [`spawn_guard`]).
+    guard: std::sync::Arc<Guard>,
+}
+
+impl Drop for RemoteWriter {
+    fn drop(&mut self) {
+        // Relaxed: see `run_guard`. Not joined: in a forked child it does not exist.
+        self.guard
+            .stop
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// How long closing waits for the readers' BYE (see [`RemoteWriter::close`]).
@@ -191,7 +409,10 @@ impl RemoteWriter {
         let opt = |what: &str| Error::transport(format!("setting {what} on the remote socket"));
         s.set_router_mandatory(true)
             .map_err(opt("ROUTER_MANDATORY"))?;
-        s.set_sndhwm(options.hwm.max(1)).map_err(opt("SNDHWM"))?;
+        // The credit bounds data messages to `hwm` per reader (and in bytes); ZeroMQ's
+        // own bound only has to leave room for them and the control messages.
+        s.set_sndhwm(options.hwm.max(1).saturating_add(CONTROL_ROOM))
+            .map_err(opt("SNDHWM"))?;
         // What readers send is tiny (HELLOs); a flood of garbage is dropped at 1000.
         s.set_rcvhwm(1000).map_err(opt("RCVHWM"))?;
         s.set_maxmsgsize(HELLO as i64 * 4)
@@ -203,6 +424,7 @@ impl RemoteWriter {
             "binding the remote socket".into(),
             &addr,
         ))?;
+        let guard = spawn_guard(ctx, &s)?;
         let endpoint = s
             .get_last_endpoint()
             .map_err(Error::transport("reading the bound endpoint"))?
@@ -220,6 +442,7 @@ impl RemoteWriter {
                 ready: false,
                 options,
                 hellos_served: Instant::now(),
+                guard,
             },
             ipv6,
         ))
@@ -251,11 +474,15 @@ impl RemoteWriter {
             // the peer's address, which names the reader in warnings.
             let mut frames: Vec<Vec<u8>> = Vec::with_capacity(2);
             let mut host = None;
+            let mut fd = None;
             loop {
                 let flags = if frames.is_empty() { zmq::DONTWAIT } else { 0 };
                 let mut m = match self.socket.recv_msg(flags) {
                     Ok(m) => m,
-                    Err(zmq::Error::EAGAIN) if frames.is_empty() => return Ok(()),
+                    Err(zmq::Error::EAGAIN) if frames.is_empty() => {
+                        self.guard.served();
+                        return Ok(());
+                    }
                     Err(e) => {
                         return Err(Error::Transport {
                             context: "receiving from a remote reader".into(),
@@ -266,14 +493,19 @@ impl RemoteWriter {
                 let more = m.get_more();
                 if !more {
                     host = m.gets("Peer-Address").map(str::to_owned);
+                    fd = m.gets("__fd").and_then(|f| f.parse::<i32>().ok());
                 }
                 frames.push(m.to_vec());
                 if !more {
                     break;
                 }
             }
-            // [identity, hello]; anything else is not a shmq reader.
+            // [identity, hello] or [identity, ack]; anything else is not a shmq reader.
             let [id, hello] = &frames[..] else { continue };
+            if hello.len() == ACK && &hello[..4] == MAGIC_ACK {
+                self.take_ack(id, &hello[4..]);
+                continue;
+            }
             if hello.len() != HELLO || &hello[..4] != MAGIC_HELLO {
                 continue;
             }
@@ -286,6 +518,14 @@ impl RemoteWriter {
                     self.endpoint
                 );
                 continue;
+            }
+            if let Some(fd) = fd {
+                // Proved the secret: the guard leaves its connection alone.
+                self.guard
+                    .authenticated
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(fd);
             }
             let reason = if self.peers.iter().any(|p| p.rank == rank) {
                 Some(format!("rank {rank} has joined already"))
@@ -301,7 +541,12 @@ impl RemoteWriter {
             };
             let (kind, text) = match &reason {
                 Some(r) => (KIND_REFUSED, r.as_bytes().to_vec()),
-                None => (KIND_WELCOME, Vec::new()),
+                None => {
+                    // The bounds, so the reader knows when to acknowledge.
+                    let mut t = (self.options.hwm.max(1) as u64).to_le_bytes().to_vec();
+                    t.extend_from_slice(&self.options.max_queued_bytes.to_le_bytes());
+                    (KIND_WELCOME, t)
+                }
             };
             let m = mac(
                 &self.key,
@@ -323,6 +568,11 @@ impl RemoteWriter {
                     rank,
                     dropped: false,
                     host,
+                    sent_msgs: 0,
+                    sent_bytes: 0,
+                    taken_msgs: 0,
+                    taken_bytes: 0,
+                    pinged: None,
                 });
                 if self.ready {
                     // Joined after the start: it gets READY at once and messages from
@@ -367,11 +617,42 @@ impl RemoteWriter {
         Ok(())
     }
 
+    /// Whether sending a message of `bytes` would wait for a reader (or drop it): one
+    /// still sent to is out of credit, after taking the ACKs that arrived.
+    pub fn would_wait(&mut self, bytes: u64) -> Result<bool> {
+        let short = |w: &Self| {
+            w.peers
+                .iter()
+                .any(|p| !p.dropped && !p.has_credit(&w.options, bytes))
+        };
+        if !short(self) {
+            return Ok(false);
+        }
+        self.serve_hellos()?;
+        Ok(short(self))
+    }
+
     /// Send one message (its frames) to every accepted reader.
+    ///
+    /// First every reader still sent to must have credit for it (waiting, or dropping
+    /// it, per the policy): a wait that times out has sent the message to nobody and
+    /// used no sequence number, so the stream stays whole and the enqueue can be tried
+    /// again. Then it is queued for each (ZeroMQ's own queue has room for it: see
+    /// `CONTROL_ROOM`; were it full all the same, the policy applies there too).
     pub fn send(&mut self, frames: &[&[u8]], wait: &mut Wait) -> Result<()> {
         if self.hellos_served.elapsed() >= HELLO_INTERVAL {
             self.serve_hellos()?;
             self.hellos_served = Instant::now();
+        }
+        let bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
+        for k in 0..self.peers.len() {
+            while !self.peers[k].dropped && !self.peers[k].has_credit(&self.options, bytes) {
+                // Its ACKs may be waiting in the socket.
+                self.serve_hellos()?;
+                if !self.peers[k].has_credit(&self.options, bytes) {
+                    self.slow(k, wait)?;
+                }
+            }
         }
         self.seq += 1;
         let seq = self.seq.to_le_bytes();
@@ -383,38 +664,15 @@ impl RemoteWriter {
         drop(parts);
         let h = header(KIND_DATA, self.seq, &self.session, &m);
         for k in 0..self.peers.len() {
-            if self.peers[k].dropped {
-                continue;
-            }
-            loop {
+            while !self.peers[k].dropped {
                 match self.send_to(k, &h, frames) {
-                    Ok(()) => break,
-                    Err(zmq::Error::EAGAIN) => match self.options.slow_reader {
-                        SlowReaderPolicy::Drop => {
-                            log::warn!(
-                                "shmq: remote reader rank {} is not keeping up ({} messages queued); \
-                                 no more messages go to it",
-                                self.peers[k].rank,
-                                self.options.hwm
-                            );
-                            self.peers[k].dropped = true;
-                            break;
-                        }
-                        SlowReaderPolicy::Block => {
-                            std::thread::sleep(Duration::from_micros(200));
-                            let p = &self.peers[k];
-                            let hwm = self.options.hwm;
-                            wait.step_explained(&mut crate::wait::no_peer, &mut || {
-                                format!(
-                                    "remote reader rank {} (host {}) has not taken the {hwm} \
-                                     messages queued for it (it is slow, stopped, or the \
-                                     network is)",
-                                    p.rank,
-                                    p.host.as_deref().unwrap_or("unknown")
-                                )
-                            })?;
-                        }
-                    },
+                    Ok(()) => {
+                        let p = &mut self.peers[k];
+                        p.sent_msgs += 1;
+                        p.sent_bytes += bytes;
+                        break;
+                    }
+                    Err(zmq::Error::EAGAIN) => self.slow(k, wait)?,
                     Err(zmq::Error::EHOSTUNREACH) => {
                         // Disconnected for good (ZeroMQ forgot it): it cannot come back
                         // under the same identity.
@@ -423,7 +681,6 @@ impl RemoteWriter {
                             self.peers[k].rank
                         );
                         self.peers[k].dropped = true;
-                        break;
                     }
                     Err(e) => {
                         return Err(Error::Transport {
@@ -438,6 +695,45 @@ impl RemoteWriter {
             }
         }
         Ok(())
+    }
+
+    /// Reader `k` is out of credit (or, rarely, of room in ZeroMQ's queue): drop it, or
+    /// ask it for an ACK and wait a little (one step of `wait`: its timeout ends it).
+    fn slow(&mut self, k: usize, wait: &mut Wait) -> Result<()> {
+        let (hwm, max_bytes) = (self.options.hwm, self.options.max_queued_bytes);
+        match self.options.slow_reader {
+            SlowReaderPolicy::Drop => {
+                let p = &self.peers[k];
+                log::warn!(
+                    "shmq: remote reader rank {} is not keeping up ({} messages, {} bytes sent \
+                     to it and not taken; the bounds are {hwm} messages, {max_bytes} bytes); \
+                     no more messages go to it",
+                    p.rank,
+                    p.sent_msgs - p.taken_msgs,
+                    p.sent_bytes - p.taken_bytes,
+                );
+                self.peers[k].dropped = true;
+                Ok(())
+            }
+            SlowReaderPolicy::Block => {
+                self.ping(k);
+                // Woken by its ACK (or anything else arriving).
+                let _ = self.socket.poll(zmq::POLLIN, 1);
+                let p = &self.peers[k];
+                wait.step_explained(&mut crate::wait::no_peer, &mut || {
+                    format!(
+                        "remote reader rank {} (host {}) has not taken the {} messages ({} \
+                         bytes) sent to it (the bounds are {hwm} messages, {max_bytes} bytes: \
+                         remote_hwm, remote_max_queued_bytes; it is slow, stopped, or the \
+                         network is)",
+                        p.rank,
+                        p.host.as_deref().unwrap_or("unknown"),
+                        p.sent_msgs - p.taken_msgs,
+                        p.sent_bytes - p.taken_bytes,
+                    )
+                })
+            }
+        }
     }
 
     /// Tell every reader still sent to that the stream ends here (the CLOSED message, see
@@ -499,6 +795,39 @@ impl RemoteWriter {
         }
     }
 
+    /// A reader's ACK (`rest`: its running totals) from connection `id`: taken if it is
+    /// an accepted reader's and the totals neither go back nor exceed what was sent.
+    fn take_ack(&mut self, id: &[u8], rest: &[u8]) {
+        let msgs = u64::from_le_bytes(rest[..8].try_into().expect("8 bytes"));
+        let bytes = u64::from_le_bytes(rest[8..16].try_into().expect("8 bytes"));
+        if let Some(p) = self.peers.iter_mut().find(|p| p.id[..] == id[..]) {
+            if (p.taken_msgs..=p.sent_msgs).contains(&msgs)
+                && (p.taken_bytes..=p.sent_bytes).contains(&bytes)
+            {
+                p.taken_msgs = msgs;
+                p.taken_bytes = bytes;
+                p.pinged = None;
+            }
+        }
+    }
+
+    /// Ask reader `k` for an ACK (PING), unless it was asked within `PING_INTERVAL`.
+    fn ping(&mut self, k: usize) {
+        if self.peers[k]
+            .pinged
+            .is_some_and(|t| t.elapsed() < PING_INTERVAL)
+        {
+            return;
+        }
+        let m = mac(&self.key, b"ping", &[&self.session]);
+        let h = header(KIND_PING, 0, &self.session, &m);
+        // Best effort: it is asked again after PING_INTERVAL.
+        let _ = self
+            .socket
+            .send_multipart([&self.peers[k].id[..], &h[..]], zmq::DONTWAIT);
+        self.peers[k].pinged = Some(Instant::now());
+    }
+
     fn send_to(&self, k: usize, h: &[u8], frames: &[&[u8]]) -> std::result::Result<(), zmq::Error> {
         // The identity frame is where a full queue shows (EAGAIN): nothing of this
         // message has been queued then. Once it is accepted, the rest follows.
@@ -534,6 +863,20 @@ pub struct RemoteReader {
     started: bool,
     /// The writer's CLOSED message came: every call fails with `WriterShutDown` now.
     closed: bool,
+    /// Credit (see the module docs): data messages and bytes taken (running totals),
+    /// those last acknowledged, and how many of each between ACKs (an eighth of the
+    /// writer's bounds, from its WELCOME).
+    taken: Taken,
+}
+
+#[derive(Debug, Default)]
+struct Taken {
+    msgs: u64,
+    bytes: u64,
+    acked_msgs: u64,
+    acked_bytes: u64,
+    every_msgs: u64,
+    every_bytes: u64,
 }
 
 impl std::fmt::Debug for RemoteReader {
@@ -557,7 +900,9 @@ impl RemoteReader {
         let s = socket(ctx, zmq::DEALER, "remote reader")?;
         let opt =
             |what: &str| Error::transport(format!("setting {what} on the remote reader socket"));
-        s.set_rcvhwm(0).map_err(opt("RCVHWM"))?;
+        // The writer's credit bounds what is in flight to this reader (see the module
+        // docs); ZeroMQ's own bound only limits what anyone else on the port can push.
+        s.set_rcvhwm(1000).map_err(opt("RCVHWM"))?;
         s.set_linger(0).map_err(opt("LINGER"))?;
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
         crate::transport::check_endpoint(endpoint)?;
@@ -585,7 +930,29 @@ impl RemoteReader {
             seq: 0,
             started: false,
             closed: false,
+            taken: Taken::default(),
         })
+    }
+
+    /// Tell the writer what was taken (an ACK), if `now` or an eighth of a bound was
+    /// taken since the last one.
+    fn ack(&mut self, now: bool) {
+        let t = &self.taken;
+        let due = now
+            || t.msgs - t.acked_msgs >= t.every_msgs.max(1)
+            || t.bytes - t.acked_bytes >= t.every_bytes.max(1);
+        if !due || (t.msgs == t.acked_msgs && t.bytes == t.acked_bytes) {
+            return;
+        }
+        let mut a = [0u8; ACK];
+        a[..4].copy_from_slice(MAGIC_ACK);
+        a[4..12].copy_from_slice(&t.msgs.to_le_bytes());
+        a[12..20].copy_from_slice(&t.bytes.to_le_bytes());
+        // Best effort: the totals are running, and the writer asks again.
+        if self.socket.send(&a[..], zmq::DONTWAIT).is_ok() {
+            self.taken.acked_msgs = self.taken.msgs;
+            self.taken.acked_bytes = self.taken.bytes;
+        }
     }
 
     fn refuse(&self, why: &str) -> Error {
@@ -625,6 +992,14 @@ impl RemoteReader {
                     )));
                 }
                 self.session = Some(session);
+                // The writer's bounds: acknowledge every eighth of them (a writer that
+                // did not say gets an ACK for every message).
+                if let (Some(m), Some(b)) = (text.get(..8), text.get(8..16)) {
+                    let m = u64::from_le_bytes(m.try_into().expect("8 bytes"));
+                    let b = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                    self.taken.every_msgs = (m / 8).max(1);
+                    self.taken.every_bytes = (b / 8).max(1);
+                }
                 Ok(None)
             }
             (KIND_READY, Some(s)) if s == session => {
@@ -657,7 +1032,17 @@ impl RemoteReader {
                     )));
                 }
                 self.seq = seq;
+                self.taken.msgs += 1;
+                self.taken.bytes += frames.iter().map(|f| f.len() as u64).sum::<u64>();
+                self.ack(false);
                 Ok(Some(frames))
+            }
+            (KIND_PING, Some(s)) if s == session => {
+                if !mac_eq(&mac(&self.key, b"ping", &[&session]), got_mac) {
+                    return Err(self.refuse("a credit request failed authentication"));
+                }
+                self.ack(true);
+                Ok(None)
             }
             (KIND_CLOSED, Some(s)) if s == session => {
                 let want = mac(&self.key, b"closed", &[&session, &seq.to_le_bytes()]);
@@ -787,6 +1172,8 @@ mod tests {
             w.wait_for_readers(&mut wait()).unwrap();
         });
         assert_eq!(w.readers(), vec![1]);
+        // The reader's connection is known good to the port's guard (by its descriptor).
+        assert_eq!(w.guard.authenticated.lock().unwrap().len(), 1);
         w.send(&[b"one"], &mut wait()).unwrap();
         w.send(&[b"two", b"parts"], &mut wait()).unwrap();
         let got = r.recv_frames(&mut wait()).unwrap();
@@ -808,6 +1195,41 @@ mod tests {
         assert!(e.to_string().contains("rank 1 has joined already"), "{e}");
     }
 
+    #[test]
+    fn a_reader_that_takes_nothing_stops_the_writer_at_its_credit() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let options = RemoteOptions {
+            hwm: 100,
+            max_queued_bytes: 3 << 20,
+            slow_reader: SlowReaderPolicy::Block,
+        };
+        let (mut w, _) = RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
+        let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+            w.wait_for_readers(&mut wait()).unwrap();
+        });
+        let mib = vec![7u8; 1 << 20];
+        let short = || Wait::new("test", Some(Duration::from_millis(200)));
+        // Three MiB fit in the byte bound; the fourth waits, and times out.
+        for _ in 0..3 {
+            w.send(&[&mib], &mut short()).unwrap();
+        }
+        assert!(w.send(&[&mib], &mut short()).is_err());
+        // The reader takes one (and says so when asked): room for one more, and the
+        // stream is whole (the timed-out message used no sequence number).
+        r.recv_frames(&mut wait()).unwrap();
+        w.send(&[&mib], &mut wait()).unwrap();
+        for _ in 0..3 {
+            assert_eq!(r.recv_frames(&mut wait()).unwrap()[0].len(), 1 << 20);
+        }
+        // A message larger than the bound goes once the reader has taken everything.
+        let big = vec![1u8; 4 << 20];
+        w.send(&[&big], &mut wait()).unwrap();
+        assert_eq!(r.recv_frames(&mut wait()).unwrap()[0].len(), 4 << 20);
+    }
+
     /// A reader of rank 1 whose handshake gave it `session`, before the start message
     /// (its socket is connected to nothing: messages go to `accept` by hand).
     fn reader_in_session(
@@ -825,6 +1247,7 @@ mod tests {
             seq: 0,
             started: false,
             closed: false,
+            taken: Taken::default(),
         }
     }
 

@@ -180,6 +180,7 @@ class Writer:
         arena_threshold: Optional[int] = None,
         remote_hwm: Optional[int] = None,
         slow_remote_reader: Literal["block", "drop"] = "block",
+        remote_max_queued_bytes: Optional[int] = None,
     ) -> Writer: ...
     def handle(self) -> _HandleFields:
         """The fields of the queue's ``shmq.Handle``, by name."""

@@ -258,9 +258,13 @@ class MessageQueue:
       authenticated (a keyed MAC, a session and a sequence number): a stranger on the
       network, or a process that took a dead writer's port, can neither read the stream
       nor make a reader unpickle its bytes. At most ``remote_hwm`` messages (default
-      1000) wait in the writer for one remote reader; when it falls that far behind the
-      writer waits for it (``slow_remote_reader="block"``, within the enqueue timeout) or
-      stops sending to it (``"drop"``).
+      1000) and ``remote_max_queued_bytes`` bytes (default 256 MiB) sent to one remote
+      reader and not yet taken by it (dequeued) exist anywhere: in the writer, in the
+      network buffers and in the reader together (the reader acknowledges what it took),
+      so neither process's memory grows with a reader that stops reading. When it falls
+      that far behind the writer waits for it (``slow_remote_reader="block"``, within the
+      enqueue timeout) or stops sending to it (``"drop"``). A single message larger than
+      ``remote_max_queued_bytes`` goes once the reader has taken everything before it.
     - ``loan(nbytes)`` / ``loan_tensor(shape, dtype)`` / ``loan_array(shape, dtype)``:
       memory in the arena to fill in place; sending an object that holds it sends a
       reference, no copy at all.
@@ -295,6 +299,7 @@ class MessageQueue:
         arena_threshold: Optional[int] = None,
         remote_hwm: Optional[int] = None,
         slow_remote_reader: Literal["block", "drop"] = "block",
+        remote_max_queued_bytes: Optional[int] = None,
     ):
         # Sizes and counts are checked here, naming the argument. vLLM 0.33 accepts
         # n_reader=0 (a queue that sends to nobody); shmq refuses it: made by hand, a
@@ -312,6 +317,10 @@ class MessageQueue:
             arena_threshold = _count(arena_threshold, "arena_threshold", "bytes", minimum=0)
         if remote_hwm is not None:
             remote_hwm = _count(remote_hwm, "remote_hwm", "messages", maximum=2**31 - 1)
+        if remote_max_queued_bytes is not None:
+            remote_max_queued_bytes = _count(
+                remote_max_queued_bytes, "remote_max_queued_bytes", "bytes"
+            )
         if local_reader_ranks is not None:
             local_reader_ranks = _ranks(local_reader_ranks)
         self._start_writer(
@@ -329,6 +338,7 @@ class MessageQueue:
             arena_threshold=arena_threshold,
             remote_hwm=remote_hwm,
             slow_remote_reader=slow_remote_reader,
+            remote_max_queued_bytes=remote_max_queued_bytes,
         )
 
     def _start_writer(

@@ -322,7 +322,7 @@ pub struct Writer {
 #[pymethods]
 impl Writer {
     #[new]
-    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10_485_760, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader="block"))]
+    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10_485_760, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader="block", remote_max_queued_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         n_reader: usize,
@@ -338,6 +338,7 @@ impl Writer {
         arena_threshold: Option<usize>,
         remote_hwm: Option<i32>,
         slow_remote_reader: &str,
+        remote_max_queued_bytes: Option<u64>,
     ) -> PyResult<Writer> {
         let slow_reader = match slow_remote_reader {
             "block" => SlowReaderPolicy::Block,
@@ -359,6 +360,15 @@ impl Writer {
                 )))
             }
             Some(n) => remote.hwm = n,
+            None => {}
+        }
+        match remote_max_queued_bytes {
+            Some(0) => {
+                return Err(PyValueError::new_err(
+                    "remote_max_queued_bytes must be at least 1 byte, got 0",
+                ))
+            }
+            Some(n) => remote.max_queued_bytes = n,
             None => {}
         }
         let on_dead_reader = match on_dead_reader {

@@ -336,9 +336,17 @@ impl Writer {
         self.enqueue_with(msg, &mut wait)
     }
 
+    /// Whether sending `bytes` to the remote readers would wait for one (out of credit):
+    /// then the send needs a real wait (its timeout), not `Wait::ready_now`.
+    fn remote_would_wait(&mut self, bytes: u64) -> Result<bool> {
+        self.remote
+            .as_mut()
+            .map_or(Ok(false), |r| r.would_wait(bytes))
+    }
+
     /// Send `msg` if that needs no wait (the next chunk is free); `false` if it would.
     pub fn try_enqueue(&mut self, msg: &[u8]) -> Result<bool> {
-        if !self.can_write() {
+        if !self.can_write() || self.remote_would_wait(msg.len() as u64)? {
             return Ok(false);
         }
         // No wait needed: skip setting one up (clock read, canceller clone).
@@ -400,7 +408,10 @@ impl Writer {
 
     /// [`enqueue_parts`](Self::enqueue_parts) if that needs no wait; `false` if it would.
     pub fn try_enqueue_parts(&mut self, parts: &[&[u8]]) -> Result<bool> {
-        if !self.can_write() {
+        // The remote frames: the parts and a small block of references (over-counted
+        // here, which only errs on the side of a real wait).
+        let bytes = parts.iter().map(|p| p.len() as u64 + 16).sum::<u64>() + 64;
+        if !self.can_write() || self.remote_would_wait(bytes)? {
             return Ok(false);
         }
         self.enqueue_parts_with(parts, &mut Wait::ready_now())?;

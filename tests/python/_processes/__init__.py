@@ -13,6 +13,8 @@ test instead of hanging it.
 The package, by what each file holds: ``harness`` (running children, /dev/shm),
 ``objects`` (the test stream), ``arena_children``, ``queue_children``, ``liveness_children`` and
 ``group_children`` (the entry points of each test file's children).
+``objects`` (the test stream), ``queue_children``, ``liveness_children`` and
+``group_children``, ``remote_children`` (the entry points of each test file's children).
 """
 
 from .arena_children import *  # noqa: F401,F403
@@ -25,3 +27,4 @@ from .liveness_children import *  # noqa: F401,F403
 from .objects import *  # noqa: F401,F403
 from .metrics_children import *  # noqa: F401,F403
 from .queue_children import *  # noqa: F401,F403
+from .remote_children import *  # noqa: F401,F403

@@ -1,0 +1,60 @@
+"""Child entry points of the remote stream's bounds tests (each takes the report queue
+first): a remote reader that stops reading, a writer whose port is flooded."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shmq import Handle, MessageQueue
+
+from .harness import STEP
+
+MIB = 1 << 20
+
+
+def numbered_message(i: int, size: int = 2 * MIB) -> bytes:
+    """Message ``i`` of ``size`` bytes (its number in the first 8)."""
+    return i.to_bytes(8, "little") + bytes(size - 8)
+
+
+def stalled_remote_reader(out: Any, handle: Handle, rank: int, cmds: Any) -> None:
+    """Get ready, then read nothing until told: each command ``(n, timeout)`` reads up to
+    ``n`` messages and reports their numbers and the error that ended it (if any);
+    ``None`` ends the child."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("ready", os.getpid()))
+    while True:
+        cmd = cmds.get(timeout=STEP * 2)
+        if cmd is None:
+            return
+        n, timeout = cmd
+        got: list[int] = []
+        err = None
+        for _ in range(n):
+            try:
+                m = mq.dequeue(timeout=timeout)
+            except Exception as e:  # reported, not raised: the test checks which
+                err = (type(e).__name__, str(e))
+                break
+            got.append(int.from_bytes(m[:8], "little"))
+        out.put(("got", got, err))
+
+
+def guarded_writer(out: Any, cmds: Any) -> None:
+    """A writer for one remote reader: report its handle and pid, wait for the reader
+    (serving HELLOs all along), send one message, then wait to be told to end."""
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    out.put(("handle", mq.export_handle(), os.getpid()))
+    mq.wait_until_ready(timeout=STEP * 2)
+    mq.enqueue("after the flood", timeout=STEP)
+    out.put(("sent",))
+    cmds.get(timeout=STEP * 2)
+
+
+def one_message_reader(out: Any, handle: Handle, rank: int) -> None:
+    """Join as ``rank`` and report the first message."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("got", mq.dequeue(timeout=STEP)))

@@ -1,0 +1,170 @@
+"""The remote stream's bounds (issue 18, items 8 and 9), across real processes: a remote
+reader that stops reading holds the writer at its credit (messages or bytes), neither
+process's memory grows, and ``slow_remote_reader`` decides between waiting and
+dropping; connections that never say HELLO are closed, so they cannot use up the
+writer's file descriptors, and a real reader still joins after them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import zmq
+
+from shmq import MessageQueue
+
+from _processes import (
+    STEP,
+    guarded_writer,
+    numbered_message,
+    one_message_reader,
+    stalled_remote_reader,
+)
+
+MIB = 1 << 20
+# 300 messages of 2 MiB: 600 MB, which an unbounded stream would hold in the reader.
+N_MESSAGES = 300
+RSS_BOUND = 400 * MIB
+
+
+def _rss(pid: int) -> int:
+    """Resident memory of process ``pid``, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _n_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _start_stalled(children, **options):
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", **options)
+    out, cmds = children.queue(), children.queue()
+    children.start(stalled_remote_reader, out, mq.export_handle(), 0, cmds)
+    mq.wait_until_ready(timeout=STEP)
+    _, pid = children.expect(out, "ready")
+    return mq, out, cmds, pid
+
+
+@pytest.mark.parametrize(
+    "bound",
+    [{"remote_hwm": 10}, {"remote_max_queued_bytes": 16 * MIB}],
+    ids=["messages", "bytes"],
+)
+def test_a_reader_that_stops_reading_blocks_the_writer_within_bounded_memory(children, bound):
+    mq, out, cmds, pid = _start_stalled(children, slow_remote_reader="block", **bound)
+    writer_rss = _rss(os.getpid())
+    sent = 0
+    with pytest.raises(TimeoutError):
+        for i in range(N_MESSAGES):
+            mq.enqueue(numbered_message(i), timeout=2.0)
+            sent += 1
+    # Held at its credit: about 10 (or 8) messages, well before 300.
+    assert 1 <= sent <= 20, sent
+    assert _rss(pid) < RSS_BOUND, f"reader RSS {_rss(pid) / MIB:.0f} MiB"
+    assert _rss(os.getpid()) - writer_rss < RSS_BOUND, "the writer's memory grew"
+    # The reader takes what was sent, in order; the timed-out message went to nobody, so
+    # the stream goes on whole with it.
+    cmds.put((sent, STEP))
+    _, got, err = children.expect(out, "got")
+    assert (got, err) == (list(range(sent)), None)
+    mq.enqueue(numbered_message(sent), timeout=STEP)
+    cmds.put((1, STEP))
+    assert children.expect(out, "got")[1:] == ([sent], None)
+    cmds.put(None)
+    mq.shutdown()
+
+
+def test_a_reader_that_stops_reading_is_dropped_and_the_writer_goes_on(children, caplog):
+    mq, out, cmds, pid = _start_stalled(children, slow_remote_reader="drop", remote_hwm=10)
+    with caplog.at_level(logging.WARNING, logger="shmq"):
+        for i in range(N_MESSAGES):
+            mq.enqueue(numbered_message(i), timeout=STEP)
+    # (``dropped_readers`` lists local readers only; the warning names the remote one.)
+    assert any("rank 0 is not keeping up" in r.getMessage() for r in caplog.records), caplog.text
+    assert _rss(pid) < RSS_BOUND, f"reader RSS {_rss(pid) / MIB:.0f} MiB"
+    # It got a prefix of the stream, then nothing more.
+    cmds.put((N_MESSAGES, 2.0))
+    _, got, err = children.expect(out, "got")
+    assert 1 <= len(got) <= 20 and got == list(range(len(got))), got
+    assert err is not None and err[0] == "TimeoutError", err
+    cmds.put(None)
+    mq.shutdown()
+
+
+N_DEALERS = 200
+
+
+def test_connections_that_never_say_hello_are_closed_and_a_reader_still_joins(children):
+    out, cmds = children.queue(), children.queue()
+    children.start(guarded_writer, out, cmds)
+    _, handle, pid = children.expect(out, "handle")
+    base = _n_fds(pid)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for _ in range(N_DEALERS):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            # Not back once closed, so that the writer's count can go back to its start.
+            s.setsockopt(zmq.RECONNECT_IVL, -1)
+            s.connect(handle.remote_subscribe_addr)
+            socks.append(s)
+        # They connect (the writer holds a descriptor for each, up to the guard's count
+        # bound), then within the guard's time bound every one of them is closed.
+        most = base
+        deadline = time.monotonic() + STEP
+        while time.monotonic() < deadline:
+            n = _n_fds(pid)
+            most = max(most, n)
+            if most >= base + 32 and n <= base + 2:
+                break
+            time.sleep(0.05)
+        assert most >= base + 32, f"the connections never reached the writer ({most} vs {base})"
+        assert _n_fds(pid) <= base + 2, f"{_n_fds(pid)} descriptors, {base} before"
+        # A real reader still joins and gets the stream.
+        children.start(one_message_reader, out, handle, 0)
+        assert children.expect(out, "sent") == ("sent",)
+        assert children.expect(out, "got") == ("got", "after the flood")
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        cmds.put(None)
+
+
+def test_connections_that_come_back_stay_bounded_in_number(children):
+    """DEALERs that reconnect at once when closed (ZeroMQ's default): the writer holds at
+    most the guard's count bound of them (64) and a burst, never all 200, and a real
+    reader still joins among them."""
+    out, cmds = children.queue(), children.queue()
+    children.start(guarded_writer, out, cmds)
+    _, handle, pid = children.expect(out, "handle")
+    base = _n_fds(pid)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for _ in range(N_DEALERS):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(handle.remote_subscribe_addr)
+            socks.append(s)
+        most = base
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            most = max(most, _n_fds(pid))
+            time.sleep(0.02)
+        assert base + 32 <= most < base + N_DEALERS - 20, (most, base)
+        children.start(one_message_reader, out, handle, 0)
+        assert children.expect(out, "sent") == ("sent",)
+        assert children.expect(out, "got") == ("got", "after the flood")
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        cmds.put(None)
