@@ -7,8 +7,6 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from shmq import Handle, MessageQueue
 
 from .harness import STEP
@@ -24,6 +22,8 @@ def small_then_large_reader(out: Any, handle: Handle, rank: int, n_small: int, g
     out.put(("small", small))
     msg = mq.dequeue(timeout=STEP)
     t = msg["t"]
+    import torch  # here, not at the top: every test's children import this package
+
     out.put(("large", t.numel(), bool(torch.all(t == 7.0))))
     if not go.wait(STEP):
         raise TimeoutError("no go")
@@ -52,6 +52,6 @@ def tensor_counting_reader(out: Any, handle: Handle, rank: int, n: int) -> None:
     ok = []
     for i in range(n):
         msg = mq.dequeue(timeout=STEP)
-        ok.append(msg["i"] == i and bool(torch.all(msg["t"] == float(i))))
+        ok.append(msg["i"] == i and bool((msg["t"] == float(i)).all()))
         del msg
     out.put(("read", ok))
