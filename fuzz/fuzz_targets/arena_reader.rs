@@ -60,8 +60,9 @@ fuzz_target!(|input: Input| {
         panic!("an intact arena must open");
     };
     let arena = Arc::new(arena);
-    // Header (128 bytes), then the lease records (64 bytes each): 8 leases.
-    apply(writer.name(), 128 + 64 * 8, &input.patches);
+    // Header, statistics and the queue's name (384 bytes), then the lease records (64
+    // bytes each): 8 leases.
+    apply(writer.name(), 384 + 64 * 8, &input.patches);
     let patched = !input.patches.is_empty();
     let segment_len = std::fs::metadata(shmq_fuzz::segment_path(writer.name()))
         .unwrap()
@@ -116,7 +117,7 @@ fuzz_target!(|input: Input| {
                 }
                 if !view.is_empty() {
                     // Private: the write stays in this view. (The data region starts at
-                    // the first page after the lease table, which is 128 + 8 * 64 bytes.)
+                    // the first page after the lease table, which is 384 + 8 * 64 bytes.)
                     let at = shmq::arena::page_size() as u64 + r.offset;
                     let before = shmq_fuzz::read_at(writer.name(), at, 1);
                     view[0] ^= 0xff;

@@ -81,6 +81,13 @@ fuzz_target!(|input: Input| {
     let handle = writer.handle().clone();
     let ring = handle.buffer.as_ref().expect("local readers").name.clone();
     let arena = handle.arena.clone().expect("an arena");
+    // The arena is made at first use; these messages are small, so make it here, to
+    // scribble over it too.
+    writer
+        .arena_mut()
+        .expect("an arena")
+        .make()
+        .expect("making the arena");
     // Header, shared words, slots and chunk states come before the data.
     let control = (256 + 64 * (1 + n_reader) + 64 * max_chunks) as u64;
     let patched =
@@ -92,8 +99,9 @@ fuzz_target!(|input: Input| {
         return;
     };
     apply(&ring, control, &input.after_open);
-    // The lease table of the first leases (each record is 64 bytes after 128 of header).
-    apply(&arena, 128 + 64 * 8, &input.arena);
+    // The lease table of the first leases (each record is 64 bytes after 384 of header,
+    // statistics and the queue's name).
+    apply(&arena, 384 + 64 * 8, &input.arena);
     let mut got: Vec<Vec<Vec<u8>>> = Vec::new();
     for _ in 0..2 * max_chunks + 1 {
         let taken = reader.try_take_message(|m| match m {
