@@ -102,21 +102,29 @@ def test_a_reader_that_stops_reading_is_dropped_and_the_writer_goes_on(children,
 N_DEALERS = 200
 
 
+def _dealers(ctx, address: str, reconnect: bool) -> list:
+    """``N_DEALERS`` ZeroMQ DEALERs connected to ``address`` that never send anything
+    (``reconnect``: ZeroMQ's default of connecting again once closed)."""
+    socks = []
+    for _ in range(N_DEALERS):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if not reconnect:
+            s.setsockopt(zmq.RECONNECT_IVL, -1)
+        s.connect(address)
+        socks.append(s)
+    return socks
+
+
 def test_connections_that_never_say_hello_are_closed_and_a_reader_still_joins(children):
     out, cmds = children.queue(), children.queue()
     children.start(guarded_writer, out, cmds)
     _, handle, pid = children.expect(out, "handle")
     base = _n_fds(pid)
     ctx = zmq.Context()
-    socks = []
+    # Not back once closed, so that the writer's count can go back to its start.
+    socks = _dealers(ctx, handle.remote_subscribe_addr, reconnect=False)
     try:
-        for _ in range(N_DEALERS):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            # Not back once closed, so that the writer's count can go back to its start.
-            s.setsockopt(zmq.RECONNECT_IVL, -1)
-            s.connect(handle.remote_subscribe_addr)
-            socks.append(s)
         # They connect (the writer holds a descriptor for each, up to the guard's count
         # bound), then within the guard's time bound every one of them is closed.
         most = base
@@ -149,13 +157,8 @@ def test_connections_that_come_back_stay_bounded_in_number(children):
     _, handle, pid = children.expect(out, "handle")
     base = _n_fds(pid)
     ctx = zmq.Context()
-    socks = []
+    socks = _dealers(ctx, handle.remote_subscribe_addr, reconnect=True)
     try:
-        for _ in range(N_DEALERS):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(handle.remote_subscribe_addr)
-            socks.append(s)
         most = base
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
