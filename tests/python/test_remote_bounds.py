@@ -6,6 +6,7 @@ writer's file descriptors, and a real reader still joins after them."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -116,15 +117,33 @@ def _dealers(ctx, address: str, reconnect: bool) -> list:
     return socks
 
 
-def test_connections_that_never_say_hello_are_closed_and_a_reader_still_joins(children):
+@contextlib.contextmanager
+def _flooded_writer(children, reconnect: bool):
+    """A writer (in a child) with ``N_DEALERS`` silent DEALERs connected to its remote
+    port: yields its descriptor count before the flood and its pid. On leaving, checks
+    that a real reader still joins and gets the stream, then closes everything."""
     out, cmds = children.queue(), children.queue()
     children.start(guarded_writer, out, cmds)
     _, handle, pid = children.expect(out, "handle")
     base = _n_fds(pid)
     ctx = zmq.Context()
-    # Not back once closed, so that the writer's count can go back to its start.
-    socks = _dealers(ctx, handle.remote_subscribe_addr, reconnect=False)
+    socks = _dealers(ctx, handle.remote_subscribe_addr, reconnect=reconnect)
     try:
+        yield base, pid
+        # A real reader still joins and gets the stream.
+        children.start(one_message_reader, out, handle, 0)
+        assert children.expect(out, "sent") == ("sent",)
+        assert children.expect(out, "got") == ("got", "after the flood")
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        cmds.put(None)
+
+
+def test_connections_that_never_say_hello_are_closed_and_a_reader_still_joins(children):
+    # Not back once closed, so that the writer's count can go back to its start.
+    with _flooded_writer(children, reconnect=False) as (base, pid):
         # They connect (the writer holds a descriptor for each, up to the guard's count
         # bound), then within the guard's time bound every one of them is closed.
         most = base
@@ -137,39 +156,16 @@ def test_connections_that_never_say_hello_are_closed_and_a_reader_still_joins(ch
             time.sleep(0.05)
         assert most >= base + 32, f"the connections never reached the writer ({most} vs {base})"
         assert _n_fds(pid) <= base + 2, f"{_n_fds(pid)} descriptors, {base} before"
-        # A real reader still joins and gets the stream.
-        children.start(one_message_reader, out, handle, 0)
-        assert children.expect(out, "sent") == ("sent",)
-        assert children.expect(out, "got") == ("got", "after the flood")
-    finally:
-        for s in socks:
-            s.close(0)
-        ctx.term()
-        cmds.put(None)
 
 
 def test_connections_that_come_back_stay_bounded_in_number(children):
     """DEALERs that reconnect at once when closed (ZeroMQ's default): the writer holds at
     most the guard's count bound of them (64) and a burst, never all 200, and a real
     reader still joins among them."""
-    out, cmds = children.queue(), children.queue()
-    children.start(guarded_writer, out, cmds)
-    _, handle, pid = children.expect(out, "handle")
-    base = _n_fds(pid)
-    ctx = zmq.Context()
-    socks = _dealers(ctx, handle.remote_subscribe_addr, reconnect=True)
-    try:
+    with _flooded_writer(children, reconnect=True) as (base, pid):
         most = base
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             most = max(most, _n_fds(pid))
             time.sleep(0.02)
         assert base + 32 <= most < base + N_DEALERS - 20, (most, base)
-        children.start(one_message_reader, out, handle, 0)
-        assert children.expect(out, "sent") == ("sent",)
-        assert children.expect(out, "got") == ("got", "after the flood")
-    finally:
-        for s in socks:
-            s.close(0)
-        ctx.term()
-        cmds.put(None)
