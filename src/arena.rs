@@ -67,7 +67,7 @@ use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::range_alloc::RangeAllocator;
-use crate::segment::{
+use crate::segment::{LoanPages, 
     data_after_table, round_up, unique_name, HeaderCheck, Segment, MAX_READERS,
 };
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
@@ -342,8 +342,9 @@ pub struct ArenaWriter {
     /// When the readers' liveness was last probed for dead holders (see
     /// [`DEAD_CHECK_EVERY`]).
     last_dead_check: Option<std::time::Instant>,
-    /// Live loans by address in this process: start → (end, lease).
-    loans: BTreeMap<usize, (usize, u32)>,
+    /// Live loans by address in this process: start → (end, lease, its pages, which the
+    /// first publish seals).
+    loans: BTreeMap<usize, (usize, u32, Arc<LoanPages>)>,
     /// Which lease records are loans (kept by their `Loan`, not by a publish).
     is_loan: Vec<bool>,
 }
@@ -720,13 +721,17 @@ impl ArenaWriter {
         self.is_loan[lease as usize] = true;
         // SAFETY: inside the data region (allocate).
         let ptr = unsafe { self.map.data().add(offset) };
+        // The allocation is whole pages from a page boundary (the allocator's unit is the
+        // page), so sealing it touches no other lease's memory.
+        let pages = Arc::new(LoanPages::new(ptr, rounded));
         self.loans
-            .insert(ptr as usize, (ptr as usize + rounded, lease));
+            .insert(ptr as usize, (ptr as usize + rounded, lease, pages.clone()));
         Some(Loan {
             map: self.map.clone(),
             lease,
             ptr,
             len,
+            pages,
             made_in: crate::fork::generation(),
         })
     }
@@ -735,19 +740,28 @@ impl ArenaWriter {
     /// without a copy.
     pub fn find_loan(&self, bytes: &[u8]) -> Option<ArenaRef> {
         let start = bytes.as_ptr() as usize;
-        let (_, &(end, lease)) = self.loans.range(..=start).next_back()?;
-        if start + bytes.len() > end {
+        let (_, (end, lease, pages)) = self.loans.range(..=start).next_back()?;
+        if start + bytes.len() > *end || pages.is_sealed() {
+            // Not a loan's, or one sent already: its pages are the writer's own now
+            // (sealed), so what the writer sees there is sent the ordinary way, copied.
             return None;
         }
+        let lease = *lease;
         // Only bytes of a live loan can be passed in (the caller borrows them from it), so
         // the lease is still this loan's; `reclaim` forgets a loan once it is returned.
         Some(self.reference(lease, start - self.map.data() as usize, bytes.len()))
     }
 
     /// Publish `r`: add one hold per reader in `readers` on its lease, then drop the
-    /// writer's own hold of a copied part (a loan keeps its hold until the `Loan` goes).
-    /// Call it before the message that carries `r` becomes visible to readers.
+    /// writer's own hold of a copied part (a loan keeps its hold until the `Loan` goes,
+    /// and is sealed: see [`Loan`]). Call it before the message that carries `r` becomes
+    /// visible to readers.
     pub fn publish(&self, r: &ArenaRef, readers: impl Iterator<Item = usize>) {
+        if self.is_loan[r.lease as usize] {
+            if let Some((_, _, pages)) = self.loans.values().find(|(_, l, _)| *l == r.lease) {
+                pages.seal(&self.map.segment);
+            }
+        }
         for reader in readers {
             // Relaxed: the message carrying the reference is published with Release after
             // this, and the reader's decrement comes after it has seen that message.
@@ -893,13 +907,17 @@ impl LazyArenaWriter {
 
 /// Bytes of the arena lent to the writer's process to fill in place. Dropping it
 /// without sending gives the bytes back; once sent, readers hold them until they are
-/// done. After a loan is sent, do not write it again: readers see such writes on pages
-/// they have not written themselves.
+/// done. Sending seals it: the writer's mapping of its pages becomes a private
+/// copy-on-write view, so the writer still reads what it sent and whatever it writes
+/// afterwards reaches no reader and no message already sent. Sending it again sends what
+/// the writer sees then, copied like any other part. Dropping it maps the pages shared
+/// again before the arena can reuse them.
 pub struct Loan {
     map: Arc<Mapped>,
     lease: u32,
     ptr: *mut u8,
     len: usize,
+    pages: Arc<LoanPages>,
     /// The fork generation it was made in: a forked child's copy gives nothing back.
     made_in: u64,
 }
@@ -935,8 +953,9 @@ impl std::ops::Deref for Loan {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: `ptr..ptr+len` lies in the lease, inside the mapping `map` keeps alive.
-        // Readers that hold the lease read it through their own private mappings; a loan
-        // is only written before it is sent (documented contract).
+        // Readers that hold the lease read it through their own private mappings; once
+        // sent, the loan's pages are this process's private copy-on-write view (sealed
+        // by `publish`), so later writes through it reach no reader.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
@@ -952,6 +971,11 @@ impl Drop for Loan {
     fn drop(&mut self) {
         if crate::fork::is_inherited(self.made_in) {
             return; // the parent's loan, not this child's to give back
+        }
+        if !self.pages.unseal(&self.map.segment) {
+            // Its pages are still private here: writing them for another lease would
+            // reach nobody. Keep the writer's hold, so the arena never reuses them.
+            return;
         }
         // Release: pairs with the Acquire load in `ArenaWriter::is_unused`: the writes into
         // the loan happen before the writer reuses its bytes.
@@ -1265,6 +1289,32 @@ mod tests {
         drop(l2);
         w.reclaim();
         assert_eq!(w.outstanding(), 0);
+    }
+
+    #[test]
+    fn a_sent_loan_is_sealed_and_its_memory_shared_again_once_returned() {
+        let mut w = ArenaWriter::create(1, 1 << 20, 8).unwrap();
+        let r = Arc::new(ArenaReader::open(w.name(), 0).unwrap());
+        let mut loan = w.loan(3 * 4096 + 10, &mut no_dead).unwrap();
+        loan.fill(5);
+        let a = w.find_loan(&loan).unwrap();
+        w.publish(&a, 0..1);
+        loan.fill(7); // after the send: the writer's own copy
+        assert!(loan.iter().all(|&b| b == 7));
+        let v = r.view(&a).unwrap();
+        assert!(v.iter().all(|&b| b == 5), "a write after the send reached the reader");
+        // Sent again, it is copied (a new lease), not referenced.
+        assert!(w.find_loan(&loan).is_none());
+        drop((loan, v));
+        w.reclaim();
+        assert_eq!(w.outstanding(), 0);
+        // The same memory lent again is shared: what the writer writes, readers read.
+        let mut again = w.loan(3 * 4096 + 10, &mut no_dead).unwrap();
+        assert_eq!(w.find_loan(&again).unwrap().offset, a.offset, "not the same memory");
+        again.fill(9);
+        let b = w.find_loan(&again).unwrap();
+        w.publish(&b, 0..1);
+        assert!(r.view(&b).unwrap().iter().all(|&x| x == 9));
     }
 
     #[test]

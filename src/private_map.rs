@@ -42,16 +42,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
 
-/// The system's page size (mappings are made in whole pages).
-pub fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
-}
+pub use crate::segment::page_size;
 
 /// A read-only descriptor of a segment, to map ranges of it privately.
 #[derive(Debug)]

@@ -349,6 +349,144 @@ impl Segment {
     }
 }
 
+impl Segment {
+    /// Map `len` bytes at `ptr` (page-aligned, inside this mapping) again from the same
+    /// file offset: shared (`shared`), or as a private copy-on-write view whose unwritten
+    /// pages keep showing the file and whose written pages this process alone sees.
+    /// The address range stays mapped throughout, so references into it stay valid.
+    fn remap(&self, ptr: *mut u8, len: usize, shared: bool) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let base = self.as_ptr() as usize;
+        let (start, page) = (ptr as usize, page_size());
+        let offset = start.wrapping_sub(base);
+        if start < base || offset % page != 0 || len % page != 0 || offset + len > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{len} bytes at offset {offset} of segment '{}' are not whole pages of it",
+                self.name
+            )));
+        }
+        let opened;
+        let file = match &self.reserve_fd {
+            Some(f) => f,
+            None => {
+                opened = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(format!("{SHM_DIR}/{}", self.name))
+                    .map_err(|e| {
+                        Error::os(format!("opening shared memory segment '{}'", self.name), e)
+                    })?;
+                &opened
+            }
+        };
+        let flags = libc::MAP_FIXED | if shared { libc::MAP_SHARED } else { libc::MAP_PRIVATE };
+        // SAFETY: the range is whole pages inside this segment's mapping (checked above),
+        // so MAP_FIXED replaces only memory this segment owns, with the same file's same
+        // pages: every address stays mapped and readable, so references into the range
+        // (the loan's buffer) stay valid. A peer process cannot change what this maps: at
+        // worst it truncated the file, which makes access a SIGBUS exactly as before.
+        let p = unsafe {
+            libc::mmap(
+                ptr as *mut libc::c_void,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                file.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::os(
+                format!("remapping part of shared memory segment '{}'", self.name),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The pages of a writer's loan (a queue's or a store's), which the writer fills in place
+/// and then sends by reference. Once sent, [`seal`](Self::seal) turns this process's
+/// mapping of them into a private copy-on-write view: the writer still reads what it
+/// sent, and its later writes reach nobody — not the readers, not later messages.
+/// [`unseal`](Self::unseal) maps them shared again; the owner calls it when the loan is
+/// dropped, before the memory can be lent or written again.
+#[derive(Debug)]
+pub(crate) struct LoanPages {
+    start: *mut u8,
+    len: usize,
+    /// Set by the first `seal`. AcqRel/Acquire: a loan is sealed by the thread that sends
+    /// it and unsealed by whichever thread drops it; the flag carries "the mapping is
+    /// private now" between them (the remap itself is ordered by the kernel).
+    sealed: AtomicBool,
+}
+
+// SAFETY: only an address range and an atomic; the pages are touched only through
+// `Segment::remap`, whose own safety argument holds from any thread.
+unsafe impl Send for LoanPages {}
+// SAFETY: as for Send.
+unsafe impl Sync for LoanPages {}
+
+impl LoanPages {
+    /// The whole pages of `start..start + len` (`start` page-aligned; `len` is rounded up
+    /// to a page, so the loan's allocation must cover that much).
+    pub(crate) fn new(start: *mut u8, len: usize) -> LoanPages {
+        let page = page_size();
+        LoanPages {
+            start,
+            len: round_up(len.max(1), page).unwrap_or(len),
+            sealed: AtomicBool::new(false),
+        }
+    }
+
+    /// The loan was sent: from now on this process's writes to it are its own. Only the
+    /// first call remaps. A failure leaves the loan shared (as before sealing existed):
+    /// it is logged, not raised, since the message is already on its way.
+    pub(crate) fn seal(&self, segment: &Segment) {
+        if self.sealed.load(Ordering::Acquire) {
+            return;
+        }
+        match segment.remap(self.start, self.len, false) {
+            Ok(()) => self.sealed.store(true, Ordering::Release),
+            Err(e) => log::warn!("shmq: a sent loan stays writable for its readers: {e}"),
+        }
+    }
+
+    /// Whether it was sealed (sent) and not unsealed since.
+    pub(crate) fn is_sealed(&self) -> bool {
+        self.sealed.load(Ordering::Acquire)
+    }
+
+    /// Map the pages shared again (if sealed). `false` if that failed: the caller must
+    /// then never reuse the memory (writes there would reach only this process).
+    pub(crate) fn unseal(&self, segment: &Segment) -> bool {
+        if !self.sealed.load(Ordering::Acquire) {
+            return true;
+        }
+        match segment.remap(self.start, self.len, true) {
+            Ok(()) => {
+                self.sealed.store(false, Ordering::Release);
+                true
+            }
+            Err(e) => {
+                log::error!("shmq: a returned loan's memory is kept out of use: {e}");
+                false
+            }
+        }
+    }
+}
+
+/// The system's page size (mappings are made in whole pages).
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
 /// `n` rounded up to a multiple of `to` (which is above 0), or `None` on overflow.
 pub(crate) fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|v| v / to * to)

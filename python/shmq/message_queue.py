@@ -605,8 +605,9 @@ class MessageQueue:
     def loan(self, nbytes: int) -> memoryview:
         """Writer side: ``nbytes`` of writable memory in the tensor arena, to fill in place.
         A later ``enqueue`` of an object whose buffer lies in it (a tensor or array made
-        from it, see ``loan_tensor``/``loan_array``) sends a reference, no copy. Once sent,
-        do not write it again (readers may see such writes). Dropped unsent, it is given
+        from it, see ``loan_tensor``/``loan_array``) sends a reference, no copy, and seals
+        the loan: from then on the writer's writes into it are its own (copy-on-write) and
+        reach no reader; sending it again copies what the writer sees. Dropped, it is given
         back. Without an arena, or with no room in it, this is ordinary memory (counted in
         ``loan_fallbacks``) and sending it copies."""
         writer = self._writer

@@ -372,9 +372,10 @@ class ObjectStorage:
         """Writer: ``nbytes`` of writable shared memory in the ring, to fill in place (e.g.
         a model's output written straight into it). A later ``put`` of an object whose
         tensor or array is exactly this memory (see ``loan_tensor``/``loan_array``)
-        writes the rest of the object around it: no copy. The memory stays while the
-        loan lives, also once put (the object is not evicted before): drop it after the
-        put. Dropped without a put, it is given back. With no room in the ring, this is
+        writes the rest of the object around it: no copy, and seals the loan: later writes
+        into it are the writer's own (copy-on-write), never seen by readers of the object.
+        The memory stays while the loan lives, also once put (the object is not evicted
+        before): drop it after the put. Dropped without a put, it is given back. With no room in the ring, this is
         ordinary memory (counted in ``loan_fallbacks``) and ``put`` copies it."""
         if not self.is_writer:
             raise RuntimeError("Only the writer can loan memory.")

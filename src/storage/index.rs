@@ -12,7 +12,7 @@ use super::segment::{
 };
 use crate::alloc::{Chunk, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
-use crate::segment::warn_shm_too_small;
+use crate::segment::{warn_shm_too_small, LoanPages};
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
 /// (the count, the frame and the other parts: the pickle or msgpack stream and small
@@ -22,7 +22,7 @@ pub const LOAN_ROOM: u64 = 64 * 1024;
 pub(super) const LOAN_ALIGN: u64 = 4096;
 
 /// Where a loaned buffer is (the writer's bookkeeping).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(super) struct LoanSpot {
     pub(super) address: u64,
     /// The chunk's header.
@@ -30,16 +30,36 @@ pub(super) struct LoanSpot {
     /// The buffer's offset from the start of the chunk's data.
     buffer_at: u64,
     pub(super) len: u64,
+    /// The buffer's pages (whole pages: the chunk is sized for that), sealed by `put`.
+    pages: Arc<LoanPages>,
 }
 
 /// Memory loaned by the store's writer: `len` bytes of a chunk in the ring, to fill in
 /// place and `put` without a copy. The chunk stays (pinned) while the loan lives, also
-/// once put: drop it after the put to let the object be evicted in its turn.
+/// once put: drop it after the put to let the object be evicted in its turn. A `put`
+/// seals it, as a queue's [`Loan`](crate::Loan) is sealed when sent: the writer's
+/// mapping of its pages becomes a private copy-on-write view, so the object readers get
+/// is what was put, whatever the writer writes into the loan afterwards.
 #[derive(Debug)]
 pub struct StoreLoan {
     pub(super) ptr: *mut u8,
     pub(super) len: usize,
+    pages: Arc<LoanPages>,
     pub(super) _pin: Arc<ChunkPin>,
+}
+
+impl Drop for StoreLoan {
+    fn drop(&mut self) {
+        if crate::fork::is_inherited(self._pin.made_in) {
+            return; // a forked child's copy: its mapping is its own
+        }
+        // Shared again before the pin goes (after this body) and the chunk can be reused.
+        if !self.pages.unseal(&self._pin.segment.segment) {
+            // Still private here: a later object written there would reach nobody. Keep
+            // the chunk pinned for good instead.
+            std::mem::forget(self._pin.clone());
+        }
+    }
 }
 
 // SAFETY: the loan is the only handle to its bytes in this process (the writer's
@@ -349,7 +369,10 @@ impl ObjectStore {
             let data = chunk_offset + HEADER_BYTES;
             (data + LOAN_ROOM).next_multiple_of(LOAN_ALIGN) - data
         };
-        let size_at = |chunk_offset: u64| buffer_at(chunk_offset) + nbytes;
+        // The buffer ends on a page boundary too: sealing it (see `StoreLoan`) must not
+        // touch the next chunk's memory.
+        let size_at =
+            |chunk_offset: u64| buffer_at(chunk_offset) + nbytes.next_multiple_of(LOAN_ALIGN);
         let (chunk, header) = self.allocate(ring, size_at)?;
         let segment = ring.segment();
         let data_offset = header.offset + HEADER_BYTES;
@@ -362,18 +385,27 @@ impl ObjectStore {
         );
         // If pinning fails, the chunk (an empty object nobody knows) goes in its turn.
         let pin = pin_own(segment, header.offset)?;
+        let (p, _) = segment.data_ptr(&header);
+        let at = buffer_at(header.offset);
+        // SAFETY: buffer_at + nbytes (rounded up to LOAN_ALIGN) is the chunk's data size
+        // (size_at above).
+        let ptr = unsafe { p.add(at as usize) };
+        let pages = Arc::new(LoanPages::new(
+            ptr,
+            nbytes.next_multiple_of(LOAN_ALIGN) as usize,
+        ));
         let spot = LoanSpot {
             address: chunk.address,
             header,
-            buffer_at: buffer_at(header.offset),
+            buffer_at: at,
             len: nbytes,
+            pages: pages.clone(),
         };
         self.loans.insert(chunk.id, spot);
-        let (p, _) = segment.data_ptr(&header);
         Ok(StoreLoan {
-            // SAFETY: buffer_at + nbytes is the chunk's data size (size_at above).
-            ptr: unsafe { p.add(spot.buffer_at as usize) },
+            ptr,
             len: nbytes as usize,
+            pages,
             _pin: pin,
         })
     }
@@ -398,11 +430,11 @@ impl ObjectStore {
             let hit = self.loans.iter().find(|(_, s)| {
                 s.header.offset + HEADER_BYTES + s.buffer_at == at && s.len == part.len() as u64
             });
-            if let Some((&id, &spot)) = hit {
+            if let Some((&id, spot)) = hit {
                 if found.is_some() {
                     return None; // two loans in one object: copied into one chunk
                 }
-                found = Some((i, id, spot));
+                found = Some((i, id, spot.clone()));
             }
         }
         let (k, id, spot) = found?;
@@ -448,6 +480,8 @@ impl ObjectStore {
                 write(offsets[i], part);
             }
         }
+        // Before the handle is returned (and so before any reader can have it).
+        spot.pages.seal(&segment.segment);
         self.loans.remove(&id);
         self.register(key, spot.address, id);
         Some((spot.address, id))

@@ -289,7 +289,7 @@ pub(super) fn read_header<R>(
 pub struct ChunkPin {
     pub(super) segment: Arc<StoreSegment>,
     pub(super) _pin: Pin,
-    made_in: u64,
+    pub(super) made_in: u64,
 }
 
 impl Drop for ChunkPin {

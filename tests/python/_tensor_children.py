@@ -159,9 +159,9 @@ def releasing_reader(out: Any, handle: Handle, rank: int, n: int) -> None:
 
 
 def loan_reader(out: Any, handle: Handle, rank: int) -> None:
-    """Read a loaned tensor and array, then "go"; report what the tensor holds after
-    "go" (the writer changed its loan in between: a reader that sees the change got the
-    writer's very pages, not a copy)."""
+    """Read a loaned tensor and array, then "go"; report what they hold after "go" (the
+    writer wrote its loans in between: sealed once sent, the writes reach no reader),
+    then what a second send of the tensor holds."""
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready(timeout=STEP)
     first = mq.dequeue(timeout=STEP)
@@ -170,7 +170,23 @@ def loan_reader(out: Any, handle: Handle, rank: int) -> None:
     t, a = first["tensor"], first["array"]
     out.put(("loaned", float(t[0]), float(t[-1]), a.dtype.str, a.shape, float(a[0, 0]), float(a[-1, -1])))
     again = mq.dequeue(timeout=STEP)
-    out.put(("again", float(again["tensor"][5])))
+    out.put(("again", float(again["tensor"][5]), float(again["tensor"][0])))
+
+
+def sealed_loan_reader(out: Any, handle: Handle, rank: int) -> None:
+    """Read ``(i, tensor)`` messages until None; report every ``i`` whose tensor is not
+    all ``i`` (the writer writes ``1000 + i`` into each loan right after sending it)."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    n, wrong = 0, []
+    while (msg := mq.dequeue(timeout=STEP)) is not None:
+        i, t = msg
+        lo, hi = float(t.min()), float(t.max())
+        if (lo, hi) != (i, i):
+            wrong.append((i, lo, hi))
+        n += 1
+        del msg, t
+    out.put(("sealed", n, wrong))
 
 
 def raw_reader(out: Any, handle: Handle, rank: int) -> None:

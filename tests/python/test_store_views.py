@@ -252,6 +252,37 @@ def test_a_loaned_tensor_is_put_without_a_copy(children):
     reader.stop()
 
 
+def test_a_loan_written_after_its_put_changes_no_reader_and_its_memory_is_reused_clean(children):
+    """``put`` seals a loan: the writer's later writes are its own (copy-on-write), so an
+    object read before or after them is what was put; and once the loan is dropped its
+    memory, mapped shared again, carries the next objects correctly (20 loans through a
+    ring of 3 objects reuse every chunk several times)."""
+    store = store_of(1, objects=3)
+    reader = ViewReader(children, store)
+    for i in range(20):
+        out = store.loan_tensor((N,))
+        out.fill_(float(i))
+        handle = store.put(f"k{i}", {"t": out})
+        out.fill_(1000.0 + i)  # after the put: reaches nobody
+        assert float(out[0]) == 1000.0 + i  # the writer sees its own write
+        summary, mapping = reader.get(f"k{i}", handle)
+        assert mapping == reader.segment, f"not a view of the store: data in {mapping!r}"
+        assert summary == ("tensor", "torch.float32", (N,), float(N) * i, float(i)), (i, summary)
+        out[1] = -1.0
+        assert reader.check(f"k{i}") == summary, i
+        # A second put of the same loan stores what the writer sees now (copied).
+        if i == 0:
+            again = store.put("again", {"t": out})
+            summary2, _ = reader.get("again", again)
+            assert summary2[4] == 1000.0 and summary2[3] == float(N - 1) * 1000.0 - 1.0, summary2
+            assert reader.ask("drop", "again")[0] == "dropped"
+        assert reader.ask("drop", f"k{i}")[0] == "dropped"
+        del out
+        gc.collect()
+    assert store.loan_fallbacks == 0
+    reader.stop()
+
+
 def test_a_dropped_loan_is_given_back_and_a_full_ring_lends_ordinary_memory():
     store = store_of(1, objects=3)
     arr = store.loan_array((2, N // 2), "float32")

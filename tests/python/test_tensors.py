@@ -29,6 +29,7 @@ from _tensor_children import (
     raw_reader,
     releasing_reader,
     rewriting_reader,
+    sealed_loan_reader,
     two_views_reader,
 )
 from shmq import MessageQueue
@@ -321,22 +322,50 @@ def test_loaned_memory_is_sent_without_a_copy(children):
     before = mq.arena_stats()["outstanding"]
     mq.enqueue({"tensor": tensor, "array": array}, timeout=STEP)
     assert mq.arena_stats()["outstanding"] == before, "a loan send allocated (copied) a new part"
-    # Written after the send (which loans do not allow): readers see it only if they map
-    # the writer's very pages, i.e. if nothing was copied.
+    # Written after the send: sending sealed the loans (the writer's pages are its own
+    # copy now), so the writer reads its writes and the readers still see what was sent.
     tensor.fill_(6.0)
+    array[:] = 4.0
+    assert (float(tensor[0]), float(array[-1, -1])) == (6.0, 4.0)
     mq.enqueue("go", timeout=STEP)
     for out in outs:
-        assert children.expect(out, "loaned")[1:] == (6.0, 6.0, "<f8", (512, 1024), 3.0, 3.0)
-    # The same loan can be sent again.
+        assert children.expect(out, "loaned")[1:] == (5.0, 5.0, "<f8", (512, 1024), 3.0, 3.0)
+    # The same loan sent again carries what the writer sees now (copied, like any part).
     tensor[5] = 9.0
     mq.enqueue({"tensor": tensor}, timeout=STEP)
     for out in outs:
-        assert children.expect(out, "again")[1] == 9.0
+        assert children.expect(out, "again")[1:] == (9.0, 6.0)
     assert mq.loan_fallbacks == 0
     children.join()
     del tensor, array
     gc.collect()
     assert _outstanding(mq, at_most=0) == 0
+
+
+def test_a_loan_written_after_it_was_sent_changes_nothing_readers_get(children):
+    """Sending seals a loan: the writer's mapping of it becomes its own copy-on-write
+    view. ``fill_(i)`` → ``enqueue`` → ``fill_(1000 + i)``: both readers get ``i`` in
+    every element, and the writer reads ``1000 + i``. 40 loans through an arena with room
+    for 8 at a time (a ring of 4 messages keeps at most 6 alive): dropped loans are mapped shared again before their memory is lent
+    again, so every later message is right too (a page left private would send zeros or
+    an older message's bytes)."""
+    mq = MessageQueue(2, 2, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
+    outs = [children.queue() for _ in range(2)]
+    for rank, out in enumerate(outs):
+        children.start(sealed_loan_reader, out, mq.export_handle(), rank)
+    mq.wait_until_ready(timeout=STEP)
+    for i in range(40):
+        t = mq.loan_tensor((MiB // 4,), torch.float32)
+        t.fill_(float(i))
+        mq.enqueue((i, t), timeout=STEP)
+        t.fill_(1000.0 + i)
+        assert float(t.min()) == float(t.max()) == 1000.0 + i
+        del t
+    mq.enqueue(None, timeout=STEP)
+    for out in outs:
+        assert children.expect(out, "sealed")[1:] == (40, [])
+    assert mq.loan_fallbacks == 0, "loans were not given back"
+    children.join()
 
 
 def test_a_dropped_loan_is_given_back():
