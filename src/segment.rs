@@ -379,7 +379,15 @@ impl Segment {
                 &opened
             }
         };
-        let flags = libc::MAP_FIXED | if shared { libc::MAP_SHARED } else { libc::MAP_PRIVATE };
+        // Shared again means written again soon (the memory is lent or copied into next):
+        // MAP_POPULATE maps every page now, in one pass, instead of a fault per page on
+        // the next fill. The private view is only read, if at all.
+        let flags = libc::MAP_FIXED
+            | if shared {
+                libc::MAP_SHARED | libc::MAP_POPULATE
+            } else {
+                libc::MAP_PRIVATE
+            };
         // SAFETY: the range is whole pages inside this segment's mapping (checked above),
         // so MAP_FIXED replaces only memory this segment owns, with the same file's same
         // pages: every address stays mapped and readable, so references into the range
