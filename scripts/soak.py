@@ -23,21 +23,24 @@ not over shmq.
 After ``--warmup`` messages, and again at the end (every message read, before the queue
 is shut down), the writer samples the soak's own shmq segments in ``/dev/shm`` (bytes
 allocated to the ``shmq_*`` files its processes created; the whole file system's used
-bytes are reported too, but other processes share it, so it is not judged) and each
-process's RSS (psutil, else ``VmRSS`` in ``/proc/<pid>/status``). A progress line goes to
-stderr every ``--progress`` seconds. The run fails (exit status 1, each reason on
-stderr) if
+bytes are reported too, but other processes may share it, so it is judged only with
+``--fs-growth-mib``) and each process's RSS (psutil, else ``VmRSS`` in
+``/proc/<pid>/status``). A progress line (rate, /dev/shm, every process's RSS) goes to
+stderr every ``--progress`` seconds.
+
+The run fails (exit status 1, each reason on stderr) if
 
 * a surviving reader lost, duplicated, reordered or garbled a message, or crashed, or
   the writer did not drop exactly the killed reader, or a wait took longer than 60 s
   (a hang: the writer's enqueue and the readers' dequeue have timeouts);
 * the soak's segments in ``/dev/shm`` grew by more than ``--shm-growth-mib`` (default
-  8 MiB) from the warm-up sample to the end: the arena is reserved whole before the
+  8 MiB) from the warm-up sample to the end: the arena (128 MiB) is reserved whole before the
   start (``reserve_arena``), so only a leak (a segment not removed, a ring that keeps
   committing) can grow them; the ring's own chunks are 16 x 64 KiB;
 * any surviving process's RSS grew by more than ``--rss-growth-mib`` (default 64 MiB)
-  from the warm-up sample to the end: a leak of 64 bytes per message shows at 10^6;
+  from the warm-up sample to the end: a leak of 100 bytes per message shows at 10^6;
   the noise (allocator, arena pages first touched) is a few MiB;
+* with ``--fs-growth-mib``, /dev/shm's used bytes as a whole grew by more than that;
 * a ``shmq_*`` file made by one of the soak's processes is left in ``/dev/shm`` once the
   queue is shut down and every process has exited.
 
@@ -105,7 +108,7 @@ def segment_pid(name: str) -> int | None:
 def own_segments(pids: set[int]) -> dict[str, int]:
     """The soak's ``shmq_*`` files in /dev/shm and the bytes allocated to each (what they
     take of /dev/shm; a segment's apparent size is sparse). A socket directory counts 0."""
-    out = {}
+    out: dict[str, int] = {}
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:  # pragma: no cover - no /dev/shm
@@ -202,7 +205,8 @@ class Sender:
             msg = {"seq": seq, "kind": kind, "nbytes": nbytes, "a": self._stamp(a, seq)}
         else:
             kind = "small"
-            msg = {"seq": seq, "kind": kind, "name": f"request-{seq}", "ids": [seq, seq + 1, seq + 2], "sum": 3 * seq + 3}
+            ids = [seq, seq + 1, seq + 2]
+            msg = {"seq": seq, "kind": kind, "name": f"request-{seq}", "ids": ids, "sum": 3 * seq + 3}
         self.sent[kind] += 1
         return msg
 
@@ -262,13 +266,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--messages", type=int, default=1_000_000, help="messages to send (default 10^6)")
     p.add_argument("--readers", type=int, default=3, help="local reader processes (default 3: 4 processes in all)")
-    p.add_argument("--kill-after", type=int, default=None, help="SIGKILL a reader once this many messages are sent (default: a third of them)")
+    p.add_argument(
+        "--kill-after", type=int, default=None, help="SIGKILL a reader once this many are sent (default: a third)"
+    )
     p.add_argument("--kill-rank", type=int, default=1, help="the reader killed (default 1)")
-    p.add_argument("--warmup", type=int, default=None, help="messages before the first sample (default: 5%%, at least 2000)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="messages before the first sample (default: 5%%, at least 2000)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the mix (default 0)")
     p.add_argument("--arena-fraction", type=float, default=0.03, help="share of arena-sized arrays (default 0.03)")
     p.add_argument("--over-fraction", type=float, default=0.03, help="share of over-chunk messages (default 0.03)")
-    p.add_argument("--shm-growth-mib", type=float, default=8.0, help="bound on the growth of the soak's /dev/shm segments (default 8)")
+    p.add_argument(
+        "--shm-growth-mib", type=float, default=8.0, help="bound on the growth of the soak's segments (default 8)"
+    )
+    p.add_argument(
+        "--fs-growth-mib",
+        type=float,
+        default=None,
+        help="also bound the growth of /dev/shm's used bytes as a whole (default: reported, not judged; "
+        "set it where nothing else uses /dev/shm meanwhile)",
+    )
     p.add_argument("--rss-growth-mib", type=float, default=64.0, help="bound on each process's RSS growth (default 64)")
     p.add_argument("--progress", type=float, default=10.0, help="seconds between progress lines on stderr (default 10)")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
@@ -325,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         child.close()
         conns.append(parent)
         readers.append(p)
-    procs = {"writer": os.getpid(), **{f"r{r}": p.pid for r, p in enumerate(readers)}}
+    procs: dict[str, int] = {"writer": os.getpid(), **{f"r{r}": int(p.pid or 0) for r, p in enumerate(readers)}}
     all_pids = set(procs.values())
     mq.wait_until_ready(timeout=WAIT)
     for c in conns:
@@ -418,7 +435,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "exception" in report:
             failures.append(f"reader {rank} failed after {report['received']} messages: {report['exception']}")
         if report["n_errors"]:
-            failures.append(f"reader {rank}: {report['n_errors']} lost/reordered/garbled messages, first: {report['errors']}")
+            failures.append(
+                f"reader {rank}: {report['n_errors']} lost/reordered/garbled messages, first: {report['errors']}"
+            )
         if report["received"] != n:
             failures.append(f"reader {rank} received {report['received']} messages of {n}")
     for rank in range(n_readers):
@@ -430,6 +449,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"the soak's /dev/shm segments grew by {mib(shm_growth)} MiB (bound {args.shm_growth_mib} MiB): "
             f"{mib(warm['shm_own_bytes'])} -> {mib(end['shm_own_bytes'])} MiB, files {end['shm_own_files']}"
         )
+    fs_growth = end["shm_fs_used_bytes"] - warm["shm_fs_used_bytes"]
+    if args.fs_growth_mib is not None and fs_growth > args.fs_growth_mib * MiB:
+        failures.append(
+            f"/dev/shm's used bytes grew by {mib(fs_growth)} MiB (bound {args.fs_growth_mib} MiB): "
+            f"{mib(warm['shm_fs_used_bytes'])} -> {mib(end['shm_fs_used_bytes'])} MiB"
+        )
     rss_growth = {}
     for name in end["rss"]:
         before, after = warm["rss"].get(name), end["rss"][name]
@@ -438,7 +463,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         rss_growth[name] = after - before
         if after - before > args.rss_growth_mib * MiB:
-            failures.append(f"{name}'s RSS grew by {mib(after - before)} MiB (bound {args.rss_growth_mib} MiB): {mib(before)} -> {mib(after)} MiB")
+            failures.append(
+                f"{name}'s RSS grew by {mib(after - before)} MiB (bound {args.rss_growth_mib} MiB): "
+                f"{mib(before)} -> {mib(after)} MiB"
+            )
 
     # Shut down; then no shmq file of the soak's may be left.
     sent_by_kind = dict(sender.sent)
@@ -470,7 +498,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **{k: arena.get(k) for k in ("capacity", "reserved", "outstanding", "fallbacks")},
             "loan_fallbacks": loan_fallbacks,
         },
-        "bounds": {"shm_growth_mib": args.shm_growth_mib, "rss_growth_mib": args.rss_growth_mib},
+        "bounds": {
+            "shm_growth_mib": args.shm_growth_mib,
+            "fs_growth_mib": args.fs_growth_mib,
+            "rss_growth_mib": args.rss_growth_mib,
+        },
         "shm": {
             "own_warm_bytes": warm["shm_own_bytes"],
             "own_end_bytes": end["shm_own_bytes"],
@@ -478,6 +510,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "own_end_files": end["shm_own_files"],
             "fs_used_warm_bytes": warm["shm_fs_used_bytes"],
             "fs_used_end_bytes": end["shm_fs_used_bytes"],
+            "fs_used_growth_bytes": fs_growth,
             "left_after_shutdown": sorted(left),
         },
         "rss": {
