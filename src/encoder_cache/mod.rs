@@ -60,6 +60,8 @@
 pub mod key_index;
 
 #[cfg(not(loom))]
+mod backing;
+#[cfg(not(loom))]
 mod consumer;
 #[cfg(not(loom))]
 pub mod consumers;
