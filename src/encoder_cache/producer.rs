@@ -154,7 +154,7 @@ pub struct CacheStats {
     pub zombies: usize,
     /// Bytes of the data region in use (whole pages).
     pub bytes_in_use: usize,
-    /// Bytes of the data region reserved in /dev/shm so far.
+    /// Bytes of the data region backed in /dev/shm now.
     pub reserved: usize,
     pub capacity: usize,
     pub saves: u64,
@@ -262,8 +262,9 @@ impl Producer {
     }
 
     /// Reserve room for an entry of parts of `part_lens` bytes under `key`, evicting the
-    /// oldest entries every live consumer has loaded if needed, and waiting (as `wait`
-    /// allows) while nothing can be evicted. `Ok(None)`: the key is held (or being
+    /// oldest entries every live consumer has loaded if needed (for want of capacity,
+    /// entry records or /dev/shm), and waiting (as `wait` allows) while nothing can be
+    /// evicted; then [`Error::CacheFull`], which names /dev/shm when that was the limit. `Ok(None)`: the key is held (or being
     /// saved) already. Fill the parts and [`publish`](Reservation::publish) it.
     pub fn reserve_with(
         &self,
