@@ -112,7 +112,8 @@ class EncoderCacheProducer:
       as they are first used, and never more than this). When ``/dev/shm`` runs out
       first, it is handled as a full capacity: loaded keys are evicted and their pages
       given back to ``/dev/shm``; ``save`` waits, then raises ``MemoryError`` naming
-      ``/dev/shm``;
+      ``/dev/shm``. While loaded keys may go, an eighth of ``/dev/shm`` (at most 64 MiB)
+      is left free for other segments;
     - ``max_entries``: most keys held at once; ``max_consumers``: most consumers (≤ 64);
     - ``min_consumers``: a key counts as loaded only once at least this many consumers
       loaded it (besides every live consumer that joined before it was saved). With the

@@ -37,7 +37,9 @@
 //!   when the last view goes. `/dev/shm` running out before the capacity does is the
 //!   same pressure: the producer evicts by the same rule, gives the pages of free ranges
 //!   back to `/dev/shm` (`MADV_REMOVE`), tries again, and when nothing can go waits and
-//!   fails with the same error, naming `/dev/shm` as the limit. [`Producer::reserve`]
+//!   fails with the same error, naming `/dev/shm` as the limit. While something may go,
+//!   it also leaves a headroom of `/dev/shm` free for other segments (an eighth, at most
+//!   64 MiB) rather than grow into it. [`Producer::reserve`]
 //!   hands out room to fill in place (zero-copy for Rust producers); [`Producer::save`]
 //!   copies.
 //! - **Producer death and restarts**: a producer that dies (SIGKILL) leaves its segment

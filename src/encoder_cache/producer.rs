@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::private_map::page_size;
 use crate::process::ProcessId;
-use crate::segment::{shm_free_bytes, unique_name, warn_shm_too_small, Segment, SHM_DIR};
+use crate::segment::{unique_name, warn_shm_too_small, Segment, SHM_DIR};
 use crate::sync::Ordering;
 use crate::wait::Wait;
 
@@ -40,6 +40,37 @@ const LOADED_MEMORY: usize = 4096;
 /// The data region is reserved in `/dev/shm` in steps of at least this much (to keep the
 /// system calls rare), or exactly what an entry needs where a step does not fit.
 const RESERVE_STEP: usize = 64 << 20;
+/// While it has entries it may evict, the cache leaves this share of /dev/shm free (at
+/// most [`HEADROOM_MAX`]) for the machine's other segments (queues, stores): it evicts
+/// rather than take pages from there. With nothing to evict it uses all there is.
+const HEADROOM_SHARE: u64 = 8;
+const HEADROOM_MAX: u64 = 64 << 20;
+
+/// `(bytes free, bytes in all)` of the tmpfs behind /dev/shm, if it can be asked.
+fn shm_space() -> Option<(u64, u64)> {
+    let path = std::ffi::CString::new(SHM_DIR).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and `st` points to writable memory of the right
+    // type; statvfs only writes into it.
+    if unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled the struct.
+    let st = unsafe { st.assume_init() };
+    // No-op casts on 64-bit Linux; the types are 32 bits elsewhere.
+    #[allow(clippy::unnecessary_cast)]
+    Some((
+        st.f_bavail as u64 * st.f_frsize as u64,
+        st.f_blocks as u64 * st.f_frsize as u64,
+    ))
+}
+
+/// Whether taking `more` bytes of /dev/shm would leave less than the headroom free.
+fn crowds_shm(more: usize) -> bool {
+    shm_space().is_some_and(|(free, total)| {
+        free.saturating_sub(more as u64) < (total / HEADROOM_SHARE).min(HEADROOM_MAX)
+    })
+}
 
 /// How a producer's segment is sized and when its entries count as loaded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -716,7 +747,7 @@ impl Inner {
                  consumers load them, or give the container more shared memory: `docker run \
                  --shm-size=...` or `--ipc=host`; on Kubernetes an emptyDir with `medium: \
                  Memory` at {SHM_DIR})",
-                mib(shm_free_bytes().unwrap_or(0)),
+                mib(shm_space().map_or(0, |(free, _)| free)),
                 mib(st.backing.backed_bytes() as u64),
             )
         } else {
@@ -746,6 +777,21 @@ impl Inner {
         loop {
             if !st.free_entries.is_empty() {
                 if let Some(offset) = st.alloc.take(len) {
+                    // Pages it would take from the headroom: evict first if anything may go.
+                    let more: usize = st
+                        .backing
+                        .missing(offset, offset + len)
+                        .iter()
+                        .map(|(a, b)| b - a)
+                        .sum();
+                    if more > 0 && crowds_shm(more) {
+                        if let Some(victim) = self.oldest_evictable(st) {
+                            st.alloc.give_back(offset, len);
+                            self.retire(st, victim, true);
+                            self.release_free_pages(st);
+                            continue;
+                        }
+                    }
                     match self.back(st, offset, len) {
                         Ok(()) => {
                             st.shm_short = false;
@@ -791,14 +837,17 @@ impl Inner {
         }
     }
 
-    /// Evict the oldest READY entry that every consumer has loaded and none maps.
-    fn evict_oldest_loaded(&self, st: &mut State) -> bool {
-        let victim = st
-            .order
+    /// The oldest READY entry that every consumer has loaded and none maps.
+    fn oldest_evictable(&self, st: &State) -> Option<u32> {
+        st.order
             .values()
             .copied()
-            .find(|&e| self.fully_loaded(e as usize) && self.pins_zero(e as usize));
-        match victim {
+            .find(|&e| self.fully_loaded(e as usize) && self.pins_zero(e as usize))
+    }
+
+    /// Evict the oldest READY entry that every consumer has loaded and none maps.
+    fn evict_oldest_loaded(&self, st: &mut State) -> bool {
+        match self.oldest_evictable(st) {
             Some(e) => {
                 self.retire(st, e, true);
                 true
@@ -933,9 +982,13 @@ impl Inner {
         if end <= from {
             return Ok(());
         }
-        let step = end
+        let mut step = end
             .max(from.saturating_add(RESERVE_STEP))
             .min(self.map.geo.capacity);
+        // A step ahead of need only while it leaves the headroom free.
+        if step > end && crowds_shm(step - from) {
+            step = end;
+        }
         let mut last = Ok(());
         for target in [step, end] {
             last = self.commit(from, target - from);
@@ -956,7 +1009,7 @@ impl Inner {
     fn commit(&self, from: usize, len: usize) -> Result<()> {
         // Asked first: tmpfs would allocate page by page up to the failure and then
         // undo it all, which a producer polling for room would do again and again.
-        if let Some(free) = shm_free_bytes() {
+        if let Some((free, _)) = shm_space() {
             if len as u64 > free {
                 return Err(Error::NoSpace {
                     name: self.map.segment.name().to_owned(),

@@ -76,7 +76,8 @@ def _in_small_shm(shm_size: str, *args: str, timeout: float = 400) -> dict:
 def test_saves_go_on_when_dev_shm_runs_out_and_the_consumer_loads(shm_size, n):
     """A 1 GiB cache in a smaller /dev/shm: n saves of 8 MiB, each loaded by a consumer
     process, all succeed (entries the consumer loaded are evicted and their pages given
-    back), and the consumer gets every value right."""
+    back), the consumer gets every value right, and the cache leaves some /dev/shm to
+    the machine's other segments."""
     got = _in_small_shm(shm_size, "loaded", str(n))
     assert got["shm_total"] == int(shm_size[:-1]) * MiB
     assert got["errors"] == [], got["errors"]
@@ -88,6 +89,9 @@ def test_saves_go_on_when_dev_shm_runs_out_and_the_consumer_loads(shm_size, n):
     assert got["stats"]["evictions"] > 0, got["stats"]
     assert got["stats"]["capacity"] > got["shm_total"]
     assert got["stats"]["reserved"] <= got["shm_total"], got["stats"]
+    # While it had loaded entries to evict, it left an eighth of /dev/shm to the others
+    # (queues, stores) rather than take all of it.
+    assert got["shm_free"] >= got["shm_total"] // 8 - MiB, got
     # One warning saying how to raise /dev/shm (once per process).
     assert got["warnings"] <= 1, got["warning_texts"]
 
@@ -199,6 +203,11 @@ def _shm_total() -> int:
     return st.f_blocks * st.f_frsize
 
 
+def _shm_free() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
 def _value(i: int):
     import torch
 
@@ -262,12 +271,14 @@ def run_loaded(n: int) -> dict:
     consumer = out.get(timeout=4 * STEP) if not errors else {"error": "not waited for", "bad": [], "loaded": 0}
     proc.join(STEP)
     stats = producer.stats()
+    shm_free = _shm_free()
     producer.close()
     return {
         "errors": errors,
         "consumer": consumer,
         "stats": stats,
         "shm_total": _shm_total(),
+        "shm_free": shm_free,
         "warnings": len(warnings.texts),
         "warning_texts": warnings.texts,
     }
