@@ -39,7 +39,8 @@
 //!   back to `/dev/shm` (`MADV_REMOVE`), tries again, and when nothing can go waits and
 //!   fails with the same error, naming `/dev/shm` as the limit. While something may go,
 //!   it also leaves a headroom of `/dev/shm` free for other segments (an eighth, at most
-//!   64 MiB) rather than grow into it. [`Producer::reserve`]
+//!   64 MiB) rather than grow into it, and a save gives back what it grew into there
+//!   while nothing could go. [`Producer::reserve`]
 //!   hands out room to fill in place (zero-copy for Rust producers); [`Producer::save`]
 //!   copies.
 //! - **Producer death and restarts**: a producer that dies (SIGKILL) leaves its segment

@@ -42,7 +42,8 @@ const LOADED_MEMORY: usize = 4096;
 const RESERVE_STEP: usize = 64 << 20;
 /// While it has entries it may evict, the cache leaves this share of /dev/shm free (at
 /// most [`HEADROOM_MAX`]) for the machine's other segments (queues, stores): it evicts
-/// rather than take pages from there. With nothing to evict it uses all there is.
+/// rather than take pages from there. With nothing to evict it uses all there is, and
+/// gives it back at a later reservation that finds something to evict.
 const HEADROOM_SHARE: u64 = 8;
 const HEADROOM_MAX: u64 = 64 << 20;
 
@@ -295,8 +296,9 @@ impl Producer {
     /// Reserve room for an entry of parts of `part_lens` bytes under `key`, evicting the
     /// oldest entries every live consumer has loaded if needed (for want of capacity,
     /// entry records or /dev/shm), and waiting (as `wait` allows) while nothing can be
-    /// evicted; then [`Error::CacheFull`], which names /dev/shm when that was the limit. `Ok(None)`: the key is held (or being
-    /// saved) already. Fill the parts and [`publish`](Reservation::publish) it.
+    /// evicted; then [`Error::CacheFull`], which names /dev/shm when that was the limit.
+    /// `Ok(None)`: the key is held (or being saved) already. Fill the parts and
+    /// [`publish`](Reservation::publish) it.
     pub fn reserve_with(
         &self,
         key: &str,
@@ -772,12 +774,16 @@ impl Inner {
     /// the pages of free ranges are given back to /dev/shm before trying again. The
     /// loop ends: a pass either evicts an entry, or gives pages back that were not given
     /// back before (which only an eviction or a free makes possible again), or returns.
+    /// The same happens, short of failing, when new pages would leave less than the
+    /// headroom of /dev/shm free (see [`HEADROOM_SHARE`]).
     fn try_reserve(&self, st: &mut State, len: usize) -> Result<Option<(u32, usize)>> {
         self.free_zombies(st);
         loop {
             if !st.free_entries.is_empty() {
                 if let Some(offset) = st.alloc.take(len) {
-                    // Pages it would take from the headroom: evict first if anything may go.
+                    // New pages that would cut into the headroom: evict first if anything
+                    // may go (its range, still backed, is likely what the next take gives),
+                    // then give the pages of free ranges back; only then grow into it.
                     let more: usize = st
                         .backing
                         .missing(offset, offset + len)
@@ -788,7 +794,10 @@ impl Inner {
                         if let Some(victim) = self.oldest_evictable(st) {
                             st.alloc.give_back(offset, len);
                             self.retire(st, victim, true);
-                            self.release_free_pages(st);
+                            continue;
+                        }
+                        if self.release_free_pages(st) > 0 {
+                            st.alloc.give_back(offset, len);
                             continue;
                         }
                     }
@@ -796,6 +805,9 @@ impl Inner {
                         Ok(()) => {
                             st.shm_short = false;
                             let entry = st.free_entries.pop().expect("checked above");
+                            // In use from now on (so no release below can touch it).
+                            st.in_use.insert(offset, len);
+                            self.restore_headroom(st);
                             return Ok(Some((entry, offset)));
                         }
                         Err(Error::NoSpace { .. }) => {
@@ -834,6 +846,21 @@ impl Inner {
                 }
             }
             return Ok(None);
+        }
+    }
+
+    /// If less than the headroom of /dev/shm is free (the cache grew into it while
+    /// nothing could go), give back the pages of free ranges and evict what may go, until
+    /// it is free again or nothing more may go.
+    fn restore_headroom(&self, st: &mut State) {
+        while crowds_shm(0) {
+            if self.release_free_pages(st) > 0 {
+                continue;
+            }
+            match self.oldest_evictable(st) {
+                Some(victim) => self.retire(st, victim, true),
+                None => break,
+            }
         }
     }
 
@@ -949,7 +976,7 @@ impl Inner {
             .state
             .store(entries::word(generation, WRITING), Ordering::Relaxed);
         st.keys.insert(key.to_owned(), entry);
-        st.in_use.insert(offset, len);
+        debug_assert_eq!(st.in_use.get(&offset), Some(&len), "try_reserve records it");
         this.publish_stats(st);
         // SAFETY: offset + len <= capacity (the allocator's ranges lie in the data
         // region), so the pointer stays inside the mapping.
