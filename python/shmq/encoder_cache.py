@@ -34,7 +34,9 @@ hold back the eviction of keys published before it joined); one that dies stops
 counting within about a second of the producer next looking. Several producers may
 serve the same consumers: give the consumer all their names. A producer restarted
 under the name of a dead one replaces its segment, and consumers never serve the old
-keys again. All processes must be on one machine and share a pid namespace.
+keys again. A producer killed with SIGKILL leaves what it published held and loadable
+(complete) until then; a save it had not finished is never shown. All processes must be
+on one machine and share a pid namespace.
 
 Eviction waits for *every* live consumer, which fits workers that all need every key
 (tensor-parallel ranks of one engine). Consumers that need only some keys should
@@ -107,7 +109,11 @@ class EncoderCacheProducer:
     alone writes, named ``name`` (default: a fresh unique name; see :attr:`name`).
 
     - ``capacity``: bytes of entry data (address space; ``/dev/shm`` pages are reserved
-      as they are first used, and never more than this);
+      as they are first used, and never more than this). When ``/dev/shm`` runs out
+      first, it is handled as a full capacity: loaded keys are evicted and their pages
+      given back to ``/dev/shm``; ``save`` waits, then raises ``MemoryError`` naming
+      ``/dev/shm``. While loaded keys may go, an eighth of ``/dev/shm`` (at most 64 MiB)
+      is left free for other segments;
     - ``max_entries``: most keys held at once; ``max_consumers``: most consumers (≤ 64);
     - ``min_consumers``: a key counts as loaded only once at least this many consumers
       loaded it (besides every live consumer that joined before it was saved). With the
@@ -181,9 +187,9 @@ class EncoderCacheProducer:
         so nothing is copied into the cache; a key already published is not even
         serialized).
 
-        When the cache is full it evicts the oldest keys every live consumer has loaded;
-        if none can go it waits up to ``timeout`` seconds (default: the producer's) and
-        raises ``MemoryError``. Do not change the tensors until the save is published
+        When the cache (or ``/dev/shm``) is full it evicts the oldest keys every live
+        consumer has loaded; if none can go it waits up to ``timeout`` seconds (default:
+        the producer's) and raises ``MemoryError``. Do not change the tensors until the save is published
         (:meth:`flush`): the copy reads them. CUDA tensors are copied to the CPU first.
         ``on_loaded``: see :meth:`on_loaded`.
         """
@@ -315,8 +321,8 @@ class EncoderCacheProducer:
 
     def stats(self) -> dict[str, int]:
         """``entries``, ``pending`` (saves being copied), ``zombies`` (evicted, still
-        mapped by a consumer), ``bytes_in_use``, ``reserved`` (bytes of ``/dev/shm`` taken
-        so far), ``capacity``, ``saves``, ``evictions``."""
+        mapped by a consumer), ``bytes_in_use``, ``reserved`` (bytes of ``/dev/shm`` it
+        holds now), ``capacity``, ``saves``, ``evictions``."""
         return self._core.stats()
 
     def close(self, timeout: Optional[float] = 30.0) -> None:

@@ -18,10 +18,10 @@
 //!   must still be `READY` in that generation: a "present" key whose data is gone is
 //!   never reported.
 //! - **Entries** ([`entries`]) live in a data region reserved lazily in `/dev/shm` (a
-//!   full `/dev/shm` is an error at `save`, not a `SIGBUS`). Each holds parts (for
-//!   Python: a protocol-5 pickle and its out-of-band tensor buffers). A consumer maps an
-//!   entry privately (`MAP_PRIVATE`, see `crate::private_map`): the view is zero-copy,
-//!   writable, and a write stays private to that view.
+//!   full `/dev/shm` is an error at `save`, not a `SIGBUS`; see `backing`). Each holds
+//!   parts (for Python: a protocol-5 pickle and its out-of-band tensor buffers). A
+//!   consumer maps an entry privately (`MAP_PRIVATE`, see `crate::private_map`): the
+//!   view is zero-copy, writable, and a write stays private to that view.
 //! - **Pins and acknowledgements per consumer slot** ([`consumers`]): each consumer has a
 //!   slot (pid + start time); each entry has one pin count per slot (views alive) and one
 //!   acknowledgement bit per slot (loaded). An entry may be evicted only when no pin is
@@ -34,11 +34,26 @@
 //!   acknowledgement and unpin) up to a timeout, then fails with
 //!   [`Error::CacheFull`](crate::Error::CacheFull) saying what holds the room. Entries
 //!   evicted while a consumer maps them leave the index at once and free their bytes
-//!   when the last view goes. [`Producer::reserve`] hands out room to fill in place
-//!   (zero-copy for Rust producers); [`Producer::save`] copies.
-//! - **Restarts**: a producer started under the name of a dead one marks the old segment
-//!   superseded before removing it; consumers check that mark on every call (one load)
-//!   and open the new segment, so they never serve the old keys.
+//!   when the last view goes. `/dev/shm` running out before the capacity does is the
+//!   same pressure: the producer evicts by the same rule, gives the pages of free ranges
+//!   back to `/dev/shm` (`MADV_REMOVE`), tries again, and when nothing can go waits and
+//!   fails with the same error, naming `/dev/shm` as the limit. While something may go,
+//!   it also leaves a headroom of `/dev/shm` free for other segments (an eighth, at most
+//!   64 MiB) rather than grow into it, and a save gives back what it grew into there
+//!   while nothing could go. [`Producer::reserve`]
+//!   hands out room to fill in place (zero-copy for Rust producers); [`Producer::save`]
+//!   copies.
+//! - **Producer death and restarts**: a producer that dies (SIGKILL) leaves its segment
+//!   as it was. What it published stays held and loadable: an entry is READY only once
+//!   its bytes are written, and enters the index only after that, so every key the
+//!   index shows is complete. A save it had not finished (WRITING) was never in the
+//!   index, so `has` never shows it, in any process, before or after the death. (An
+//!   index slot it was rewriting when it died stays odd: lookups that pass it give up
+//!   after `key_index`'s bounded retries and answer "not held", which may also hide a
+//!   complete key further down that probe chain.) A producer started under the name of
+//!   a dead one marks the old segment superseded before removing it; consumers check
+//!   that mark on every call (one load) and open the new segment, so they never serve
+//!   the old keys.
 //!
 //! Memory ordering is argued at each atomic access; the protocols' invariants are in the
 //! docs of [`key_index`] (seqlock, chains, rebuild epoch), [`entries`] (pins: Dekker's
@@ -59,6 +74,8 @@
 
 pub mod key_index;
 
+#[cfg(not(loom))]
+mod backing;
 #[cfg(not(loom))]
 mod consumer;
 #[cfg(not(loom))]

@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::private_map::page_size;
 use crate::process::ProcessId;
-use crate::segment::{unique_name, Segment, SHM_DIR};
+use crate::segment::{unique_name, warn_shm_too_small, Segment, SHM_DIR};
 use crate::sync::Ordering;
 use crate::wait::Wait;
 
+use super::backing::Backing;
 use super::consumers::{self, ConsumerInfo, StuckClaims};
 use super::entries::{self, PartsLayout, READY, RETIRED, WRITING};
 use super::key_index::{IndexWriter, Key};
@@ -36,6 +37,41 @@ pub const DEFAULT_MAX_CONSUMERS: usize = 16;
 const SWEEP_INTERVAL: Duration = Duration::from_millis(200);
 /// Keys remembered as "evicted after every consumer loaded them", for `wait_loaded`.
 const LOADED_MEMORY: usize = 4096;
+/// The data region is reserved in `/dev/shm` in steps of at least this much (to keep the
+/// system calls rare), or exactly what an entry needs where a step does not fit.
+const RESERVE_STEP: usize = 64 << 20;
+/// While it has entries it may evict, the cache leaves this share of /dev/shm free (at
+/// most [`HEADROOM_MAX`]) for the machine's other segments (queues, stores): it evicts
+/// rather than take pages from there. With nothing to evict it uses all there is, and
+/// gives it back at a later reservation that finds something to evict.
+const HEADROOM_SHARE: u64 = 8;
+const HEADROOM_MAX: u64 = 64 << 20;
+
+/// `(bytes free, bytes in all)` of the tmpfs behind /dev/shm, if it can be asked.
+fn shm_space() -> Option<(u64, u64)> {
+    let path = std::ffi::CString::new(SHM_DIR).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and `st` points to writable memory of the right
+    // type; statvfs only writes into it.
+    if unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled the struct.
+    let st = unsafe { st.assume_init() };
+    // No-op casts on 64-bit Linux; the types are 32 bits elsewhere.
+    #[allow(clippy::unnecessary_cast)]
+    Some((
+        st.f_bavail as u64 * st.f_frsize as u64,
+        st.f_blocks as u64 * st.f_frsize as u64,
+    ))
+}
+
+/// Whether taking `more` bytes of /dev/shm would leave less than the headroom free.
+fn crowds_shm(more: usize) -> bool {
+    shm_space().is_some_and(|(free, total)| {
+        free.saturating_sub(more as u64) < (total / HEADROOM_SHARE).min(HEADROOM_MAX)
+    })
+}
 
 /// How a producer's segment is sized and when its entries count as loaded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,8 +124,13 @@ struct State {
     /// Evicted entries whose bytes a consumer still maps.
     zombies: Vec<u32>,
     alloc: RangeAllocator,
-    /// Bytes of the data region reserved in /dev/shm (from its start).
-    reserved: usize,
+    /// Ranges handed out to entries (WRITING, READY and zombies): offset → length.
+    in_use: BTreeMap<usize, usize>,
+    /// What of the data region is backed by pages of /dev/shm.
+    backing: Backing,
+    /// The last attempt to reserve found a range in the data region but no room in
+    /// /dev/shm for it (so a failure names /dev/shm, not the capacity, as the limit).
+    shm_short: bool,
     index: IndexWriter,
     stuck: StuckClaims,
     last_sweep: Instant,
@@ -145,7 +186,7 @@ pub struct CacheStats {
     pub zombies: usize,
     /// Bytes of the data region in use (whole pages).
     pub bytes_in_use: usize,
-    /// Bytes of the data region reserved in /dev/shm so far.
+    /// Bytes of the data region backed in /dev/shm now.
     pub reserved: usize,
     pub capacity: usize,
     pub saves: u64,
@@ -200,7 +241,9 @@ impl Producer {
             free_entries: (0..geo.max_entries as u32).rev().collect(),
             zombies: Vec::new(),
             alloc: RangeAllocator::new(geo.capacity, geo.page_size),
-            reserved: 0,
+            in_use: BTreeMap::new(),
+            backing: Backing::new(),
+            shm_short: false,
             index: IndexWriter::new(),
             stuck: StuckClaims::default(),
             last_sweep: Instant::now(),
@@ -251,9 +294,11 @@ impl Producer {
     }
 
     /// Reserve room for an entry of parts of `part_lens` bytes under `key`, evicting the
-    /// oldest entries every live consumer has loaded if needed, and waiting (as `wait`
-    /// allows) while nothing can be evicted. `Ok(None)`: the key is held (or being
-    /// saved) already. Fill the parts and [`publish`](Reservation::publish) it.
+    /// oldest entries every live consumer has loaded if needed (for want of capacity,
+    /// entry records or /dev/shm), and waiting (as `wait` allows) while nothing can be
+    /// evicted; then [`Error::CacheFull`], which names /dev/shm when that was the limit.
+    /// `Ok(None)`: the key is held (or being saved) already. Fill the parts and
+    /// [`publish`](Reservation::publish) it.
     pub fn reserve_with(
         &self,
         key: &str,
@@ -480,7 +525,7 @@ impl Producer {
             pending: st.keys.len() - st.order.len(),
             zombies: st.zombies.len(),
             bytes_in_use: geo.capacity - st.alloc.free_bytes(),
-            reserved: st.reserved,
+            reserved: st.backing.backed_bytes(),
             capacity: geo.capacity,
             saves: st.saves,
             evictions: st.evictions,
@@ -690,35 +735,105 @@ impl Inner {
             }
         }
         let pending = st.keys.len() - held;
+        let holders = format!(
+            "{not_loaded} held entries are not yet loaded by every live consumer, {pinned} are \
+             loaded but still mapped by a consumer, {} evicted ones are still mapped, {pending} \
+             saves are in progress",
+            st.zombies.len()
+        );
+        let reason = if st.shm_short {
+            let mib = |b: u64| b >> 20;
+            format!(
+                "{SHM_DIR} ran out before the cache's capacity did ({} MiB free; this cache's \
+                 entries hold {} MiB of it): {holders} (evict keys, let the \
+                 consumers load them, or give the container more shared memory: `docker run \
+                 --shm-size=...` or `--ipc=host`; on Kubernetes an emptyDir with `medium: \
+                 Memory` at {SHM_DIR})",
+                mib(shm_space().map_or(0, |(free, _)| free)),
+                mib(st.backing.backed_bytes() as u64),
+            )
+        } else {
+            format!("{holders} (evict keys, let the consumers load them, or make the cache larger)")
+        };
         Error::CacheFull {
             name: self.name.clone(),
             needed: needed as u64,
             capacity: self.map.geo.capacity as u64,
             held,
             waited,
-            reason: format!(
-                "{not_loaded} held entries are not yet loaded by every live consumer, {pinned} are \
-                 loaded but still mapped by a consumer, {} evicted ones are still mapped, {pending} \
-                 saves are in progress (evict keys, let the consumers load them, or make the cache larger)",
-                st.zombies.len()
-            ),
+            reason,
         }
     }
 
-    /// Find an entry record and a data range for `len` bytes (whole pages), evicting
-    /// loaded entries oldest first. `None`: no room now.
+    /// Find an entry record and a data range for `len` bytes (whole pages), backed in
+    /// /dev/shm, evicting loaded entries oldest first. `None`: no room now (in the
+    /// capacity, the entry records, or /dev/shm: `st.shm_short` says which).
+    ///
+    /// /dev/shm running out is handled like the capacity running out: what may go is
+    /// evicted (the same rule: loaded by every consumer that must, mapped by none), and
+    /// the pages of free ranges are given back to /dev/shm before trying again. The
+    /// loop ends: a pass either evicts an entry, or gives pages back that were not given
+    /// back before (which only an eviction or a free makes possible again), or returns.
+    /// The same happens, short of failing, when new pages would leave less than the
+    /// headroom of /dev/shm free (see [`HEADROOM_SHARE`]).
     fn try_reserve(&self, st: &mut State, len: usize) -> Result<Option<(u32, usize)>> {
         self.free_zombies(st);
         loop {
             if !st.free_entries.is_empty() {
                 if let Some(offset) = st.alloc.take(len) {
-                    if let Err(e) = self.reserve_to(st, offset + len) {
-                        st.alloc.give_back(offset, len);
-                        return Err(e);
+                    // New pages that would cut into the headroom: evict first if anything
+                    // may go (its range, still backed, is likely what the next take gives),
+                    // then give the pages of free ranges back; only then grow into it.
+                    let more: usize = st
+                        .backing
+                        .missing(offset, offset + len)
+                        .iter()
+                        .map(|(a, b)| b - a)
+                        .sum();
+                    if more > 0 && crowds_shm(more) {
+                        if let Some(victim) = self.oldest_evictable(st) {
+                            st.alloc.give_back(offset, len);
+                            self.retire(st, victim, true);
+                            continue;
+                        }
+                        if self.release_free_pages(st) > 0 {
+                            st.alloc.give_back(offset, len);
+                            continue;
+                        }
                     }
-                    let entry = st.free_entries.pop().expect("checked above");
-                    return Ok(Some((entry, offset)));
+                    match self.back(st, offset, len) {
+                        Ok(()) => {
+                            st.shm_short = false;
+                            let entry = st.free_entries.pop().expect("checked above");
+                            // In use from now on (so no release below can touch it).
+                            st.in_use.insert(offset, len);
+                            self.restore_headroom(st);
+                            return Ok(Some((entry, offset)));
+                        }
+                        Err(Error::NoSpace { .. }) => {
+                            st.alloc.give_back(offset, len);
+                            if !st.shm_short {
+                                warn_shm_too_small(
+                                    "the encoder cache evicts what its consumers have loaded \
+                                     and gives the pages back, and `save` waits for room (then \
+                                     raises MemoryError)",
+                                );
+                            }
+                            st.shm_short = true;
+                            if self.release_free_pages(st) > 0 {
+                                continue;
+                            }
+                        }
+                        Err(e) => {
+                            st.alloc.give_back(offset, len);
+                            return Err(e);
+                        }
+                    }
+                } else {
+                    st.shm_short = false;
                 }
+            } else {
+                st.shm_short = false;
             }
             if self.evict_oldest_loaded(st) {
                 continue;
@@ -734,14 +849,32 @@ impl Inner {
         }
     }
 
-    /// Evict the oldest READY entry that every consumer has loaded and none maps.
-    fn evict_oldest_loaded(&self, st: &mut State) -> bool {
-        let victim = st
-            .order
+    /// If less than the headroom of /dev/shm is free (the cache grew into it while
+    /// nothing could go), give back the pages of free ranges and evict what may go, until
+    /// it is free again or nothing more may go.
+    fn restore_headroom(&self, st: &mut State) {
+        while crowds_shm(0) {
+            if self.release_free_pages(st) > 0 {
+                continue;
+            }
+            match self.oldest_evictable(st) {
+                Some(victim) => self.retire(st, victim, true),
+                None => break,
+            }
+        }
+    }
+
+    /// The oldest READY entry that every consumer has loaded and none maps.
+    fn oldest_evictable(&self, st: &State) -> Option<u32> {
+        st.order
             .values()
             .copied()
-            .find(|&e| self.fully_loaded(e as usize) && self.pins_zero(e as usize));
-        match victim {
+            .find(|&e| self.fully_loaded(e as usize) && self.pins_zero(e as usize))
+    }
+
+    /// Evict the oldest READY entry that every consumer has loaded and none maps.
+    fn evict_oldest_loaded(&self, st: &mut State) -> bool {
+        match self.oldest_evictable(st) {
             Some(e) => {
                 self.retire(st, e, true);
                 true
@@ -816,6 +949,7 @@ impl Inner {
             .entry(e as usize)
             .state
             .store(entries::word(generation, entries::FREE), Ordering::Release);
+        st.in_use.remove(&offset);
         st.alloc.give_back(offset, len);
         st.free_entries.push(e);
         self.publish_stats(st);
@@ -842,6 +976,7 @@ impl Inner {
             .state
             .store(entries::word(generation, WRITING), Ordering::Relaxed);
         st.keys.insert(key.to_owned(), entry);
+        debug_assert_eq!(st.in_use.get(&offset), Some(&len), "try_reserve records it");
         this.publish_stats(st);
         // SAFETY: offset + len <= capacity (the allocator's ranges lie in the data
         // region), so the pointer stays inside the mapping.
@@ -860,32 +995,120 @@ impl Inner {
         }
     }
 
-    /// Make sure the first `end` bytes of the data region are reserved in /dev/shm.
-    fn reserve_to(&self, st: &mut State, end: usize) -> Result<()> {
-        if end <= st.reserved {
+    /// Make sure `offset..offset + len` of the data region is backed in /dev/shm: the
+    /// holes in it reserved again, and the mark raised past it (a step at a time, or
+    /// exactly to its end when a step does not fit). [`Error::NoSpace`] if /dev/shm has
+    /// no room for it (what was reserved before the failure stays reserved and recorded).
+    fn back(&self, st: &mut State, offset: usize, len: usize) -> Result<()> {
+        let end = offset + len;
+        for (a, b) in st.backing.missing(offset, end.min(st.backing.mark())) {
+            self.commit(a, b - a)?;
+            st.backing.fill(a, b);
+        }
+        let from = st.backing.mark();
+        if end <= from {
             return Ok(());
         }
-        // Grow in steps of at least 64 MiB (or to the end) to keep the syscalls rare.
-        let target = end
-            .max(st.reserved.saturating_add(64 << 20))
+        let mut step = end
+            .max(from.saturating_add(RESERVE_STEP))
             .min(self.map.geo.capacity);
-        let from = st.reserved;
+        // A step ahead of need only while it leaves the headroom free.
+        if step > end && crowds_shm(step - from) {
+            step = end;
+        }
+        let mut last = Ok(());
+        for target in [step, end] {
+            last = self.commit(from, target - from);
+            match last {
+                Ok(()) => {
+                    st.backing.fill(from, target);
+                    return Ok(());
+                }
+                Err(Error::NoSpace { .. }) if target != end => {}
+                Err(_) => break,
+            }
+        }
+        last
+    }
+
+    /// Reserve `from..from + len` of the data region in /dev/shm (the pages are not
+    /// backed yet), and fault the producer's page tables in.
+    fn commit(&self, from: usize, len: usize) -> Result<()> {
+        // Asked first: tmpfs would allocate page by page up to the failure and then
+        // undo it all, which a producer polling for room would do again and again.
+        if let Some((free, _)) = shm_space() {
+            if len as u64 > free {
+                return Err(Error::NoSpace {
+                    name: self.map.segment.name().to_owned(),
+                    needed: len as u64,
+                    available: free,
+                });
+            }
+        }
         self.map
             .segment
-            .reserve_range(self.map.geo.data_offset + from, target - from)?;
+            .reserve_range(self.map.geo.data_offset + from, len)?;
         // Fault the producer's page tables in now rather than page by page during the
         // first copies (best effort: older kernels lack it).
-        // SAFETY: the range lies inside the mapping (target <= capacity); the pages are
-        // reserved and hold no published entry (they lie beyond every range handed out).
+        // SAFETY: the range lies inside the mapping (from + len <= capacity); its pages
+        // are reserved and hold no entry a consumer may map (they are free or handed to
+        // the entry about to be written); MADV_POPULATE_WRITE changes no byte.
         unsafe {
             libc::madvise(
                 self.map.data().add(from) as *mut libc::c_void,
-                target - from,
+                len,
                 libc::MADV_POPULATE_WRITE,
             );
         }
-        st.reserved = target;
         Ok(())
+    }
+
+    /// Give the pages of every free range of the data region back to /dev/shm (a hole
+    /// punched in the file). Returns the bytes given back.
+    fn release_free_pages(&self, st: &mut State) -> usize {
+        let mark = st.backing.mark();
+        let mut free = Vec::new();
+        let mut at = 0;
+        for (&offset, &len) in &st.in_use {
+            if offset > at {
+                free.push((at, offset.min(mark)));
+            }
+            at = at.max(offset + len);
+            if at >= mark {
+                break;
+            }
+        }
+        if at < mark {
+            free.push((at, mark));
+        }
+        let mut released = 0;
+        for (a, b) in free {
+            for (x, y) in st.backing.backed(a, b) {
+                // SAFETY: `x..y` lies inside the data region (below the mark, which is at
+                // most the capacity), page-aligned (ranges are whole pages from a
+                // page-aligned start). It is free: no entry holds it, so no consumer
+                // maps it (an entry's range is freed only once no pin is left, and a
+                // consumer reads an entry only while pinned) and the producer writes it
+                // only after `back` reserved it again. MADV_REMOVE punches a hole in the
+                // shared file: its pages return to /dev/shm and leave every mapping of it
+                // (ours, consumers' idle private windows), none of which touches it.
+                let rc = unsafe {
+                    libc::madvise(
+                        self.map.data().add(x) as *mut libc::c_void,
+                        y - x,
+                        libc::MADV_REMOVE,
+                    )
+                };
+                if rc == 0 {
+                    st.backing.punch(x, y);
+                    released += y - x;
+                }
+            }
+        }
+        if released > 0 {
+            self.publish_stats(st);
+        }
+        released
     }
 
     fn publish_stats(&self, st: &State) {
@@ -897,7 +1120,8 @@ impl Inner {
             (self.map.geo.capacity - st.alloc.free_bytes()) as u64,
             Ordering::Relaxed,
         );
-        h.stat_reserved.store(st.reserved as u64, Ordering::Relaxed);
+        h.stat_reserved
+            .store(st.backing.backed_bytes() as u64, Ordering::Relaxed);
         h.stat_saves.store(st.saves, Ordering::Relaxed);
     }
 
