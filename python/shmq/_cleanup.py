@@ -20,18 +20,40 @@ cleanup and then dies of SIGTERM as before (same exit status). Not at import, so
 handler set before is kept (``WorkerProcesses``' workers turn SIGTERM into
 ``SystemExit``, which runs the hook). The handler runs once the main thread executes
 Python code (shmq's own waits look every few milliseconds). A program that installs its
-own SIGTERM handler should exit through ``sys.exit`` in it. SIGKILL and crashes leave
-segments behind: ``python -m shmq cleanup`` removes those whose creator is dead.
+own SIGTERM handler should exit through ``sys.exit`` in it.
+
+Children of ``multiprocessing``'s ``fork`` and ``forkserver`` methods leave through
+``os._exit`` once their target returns: no ``atexit`` there. multiprocessing runs its
+exit finalizers (``multiprocessing.util.Finalize`` with an exit priority) just before,
+so in such a child shmq registers its cleanup as one (from multiprocessing's after-fork
+callbacks, or at import when the child imports shmq itself). It runs when the target has
+returned (or raised, or called ``sys.exit``), after the child's own daemonic children
+are joined but *before* its non-daemon threads are: a queue such a thread still uses is
+shut down then (its calls raise ``QueueShutDownError``). A plain ``os.fork()`` child that
+leaves through ``os._exit`` runs nothing of Python's: it cannot be helped (let it exit
+through ``sys.exit``, or make nothing in it).
+
+:func:`at_exit` adds hooks that run first (workers kill their descendants there); all
+of it runs once per process, wherever it starts.
+
+SIGKILL and crashes leave segments behind: ``python -m shmq cleanup`` removes those
+whose creator is dead. Workers of ``WorkerProcesses`` whose parent is SIGKILLed remove
+theirs themselves before they die (see ``shmq.workers.child``). No process removes
+another's segments on its own: a segment's file exists a moment before its creator holds
+the lock that proves it alive, so "nobody holds it" is no proof in a process that cannot
+know whether a creator is just starting; ``cleanup`` is for an operator who knows.
 """
 
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import multiprocessing.util as mp_util
 import os
 import signal
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from . import _core
 
@@ -60,6 +82,14 @@ def track_writer(writer: _ShutsDown) -> None:
     _install_sigterm_handler()
 
 
+def at_exit(hook: Callable[[], object]) -> None:
+    """Run ``hook`` when this process exits, before its segments are removed, wherever
+    the cleanup runs (``atexit``, shmq's SIGTERM handler, a ``fork``/``forkserver``
+    child's exit finalizer). Not inherited by forked children. Workers use it to kill
+    their descendants."""
+    _exit_hooks.append(hook)
+
+
 def _clean_up() -> None:
     for writer in list(_writers):
         try:
@@ -69,12 +99,54 @@ def _clean_up() -> None:
     for segment in list(_created):
         try:
             segment.unlink()
-        except OSError:
-            pass
+        except Exception:
+            pass  # nothing may keep the others (and remove_created below) from running
     _core.remove_created()
 
 
-atexit.register(_clean_up)
+_exit_hooks: list[Callable[[], object]] = []
+_exited_in = 0  # the pid that ran the exit cleanup: once per process
+
+
+def _on_exit() -> None:
+    """This process's exit: the hooks, then the cleanup (once)."""
+    global _exited_in
+    if _exited_in == os.getpid():
+        return
+    _exited_in = os.getpid()
+    for hook in reversed(_exit_hooks):
+        try:
+            hook()
+        except Exception:
+            pass
+    _clean_up()
+
+
+atexit.register(_on_exit)
+
+
+class _Anchor:
+    """What multiprocessing's after-fork registry holds (weakly) for shmq."""
+
+
+_anchor = _Anchor()
+
+
+def _in_multiprocessing_child(_: object) -> None:
+    """Run by multiprocessing in every child it starts, before the target. Children of
+    the ``fork`` and ``forkserver`` methods leave through ``os._exit`` (no ``atexit``),
+    after multiprocessing's exit finalizers: shmq's exit goes there."""
+    process = multiprocessing.current_process()
+    method = getattr(process, "_start_method", None) or multiprocessing.get_start_method()
+    if method in ("fork", "forkserver"):
+        mp_util.Finalize(None, _on_exit, exitpriority=-100)
+
+
+mp_util.register_after_fork(_anchor, _in_multiprocessing_child)
+if multiprocessing.parent_process() is not None:
+    # Imported in a child that multiprocessing has started already (its target imports
+    # shmq): the after-fork callbacks have run, so register now.
+    _in_multiprocessing_child(None)
 
 _sigterm_checked = False
 
@@ -82,7 +154,7 @@ _sigterm_checked = False
 def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM's default action (die of it), after removing what this process made."""
     try:
-        _clean_up()
+        _on_exit()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -104,12 +176,13 @@ def _install_sigterm_handler() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child starts afresh: it has created nothing yet (the core's list is kept
-    per pid), its parent's writers are not its own, and the SIGTERM handler it inherited
+    per pid), its parent's writers and exit hooks are not its own, and the SIGTERM handler it inherited
     is shmq's, not its program's: back to the default, so that a handler the child sets
     (``WorkerProcesses``' workers do) decides, or shmq's again once it creates a segment."""
     global _sigterm_checked
     _sigterm_checked = False
     _writers.clear()
+    _exit_hooks.clear()
     try:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
