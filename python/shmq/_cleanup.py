@@ -27,14 +27,11 @@ Children of ``multiprocessing``'s ``fork`` and ``forkserver`` methods leave thro
 exit finalizers (``multiprocessing.util.Finalize`` with an exit priority) just before,
 so in such a child shmq registers its cleanup as one (from multiprocessing's after-fork
 callbacks, or at import when the child imports shmq itself). It runs when the target has
-returned (or raised, or called ``sys.exit``), after the child's own daemonic children
-are joined but *before* its non-daemon threads are: a queue such a thread still uses is
+returned (or raised, or called ``sys.exit``), after the child's own children are
+joined but *before* its non-daemon threads are: a queue such a thread still uses is
 shut down then (its calls raise ``QueueShutDownError``). A plain ``os.fork()`` child that
 leaves through ``os._exit`` runs nothing of Python's: it cannot be helped (let it exit
 through ``sys.exit``, or make nothing in it).
-
-:func:`at_exit` adds hooks that run first (workers kill their descendants there); all
-of it runs once per process, wherever it starts.
 
 SIGKILL and crashes leave segments behind: ``python -m shmq cleanup`` removes those
 whose creator is dead. Workers of ``WorkerProcesses`` whose parent is SIGKILLed remove
@@ -47,13 +44,11 @@ know whether a creator is just starting; ``cleanup`` is for an operator who know
 from __future__ import annotations
 
 import atexit
-import multiprocessing
-import multiprocessing.util as mp_util
 import os
 import signal
 import threading
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from . import _core
 
@@ -82,14 +77,6 @@ def track_writer(writer: _ShutsDown) -> None:
     _install_sigterm_handler()
 
 
-def at_exit(hook: Callable[[], object]) -> None:
-    """Run ``hook`` when this process exits, before its segments are removed, wherever
-    the cleanup runs (``atexit``, shmq's SIGTERM handler, a ``fork``/``forkserver``
-    child's exit finalizer). Not inherited by forked children. Workers use it to kill
-    their descendants."""
-    _exit_hooks.append(hook)
-
-
 def _clean_up() -> None:
     for writer in list(_writers):
         try:
@@ -104,25 +91,13 @@ def _clean_up() -> None:
     _core.remove_created()
 
 
-_exit_hooks: list[Callable[[], object]] = []
-_exited_in = 0  # the pid that ran the exit cleanup: once per process
+# Registered before multiprocessing's own exit hook (multiprocessing.util is imported
+# below, not earlier), so that it runs after it: in a parent, multiprocessing joins its
+# non-daemon children first, which may still be opening this process's queues.
+atexit.register(_clean_up)
 
-
-def _on_exit() -> None:
-    """This process's exit: the hooks, then the cleanup (once)."""
-    global _exited_in
-    if _exited_in == os.getpid():
-        return
-    _exited_in = os.getpid()
-    for hook in reversed(_exit_hooks):
-        try:
-            hook()
-        except Exception:
-            pass
-    _clean_up()
-
-
-atexit.register(_on_exit)
+import multiprocessing  # noqa: E402
+import multiprocessing.util as mp_util  # noqa: E402
 
 
 class _Anchor:
@@ -135,11 +110,11 @@ _anchor = _Anchor()
 def _in_multiprocessing_child(_: object) -> None:
     """Run by multiprocessing in every child it starts, before the target. Children of
     the ``fork`` and ``forkserver`` methods leave through ``os._exit`` (no ``atexit``),
-    after multiprocessing's exit finalizers: shmq's exit goes there."""
+    after multiprocessing's exit finalizers: shmq's cleanup goes there."""
     process = multiprocessing.current_process()
     method = getattr(process, "_start_method", None) or multiprocessing.get_start_method()
     if method in ("fork", "forkserver"):
-        mp_util.Finalize(None, _on_exit, exitpriority=-100)
+        mp_util.Finalize(None, _clean_up, exitpriority=-100)
 
 
 mp_util.register_after_fork(_anchor, _in_multiprocessing_child)
@@ -154,7 +129,7 @@ _sigterm_checked = False
 def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM's default action (die of it), after removing what this process made."""
     try:
-        _on_exit()
+        _clean_up()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -176,13 +151,12 @@ def _install_sigterm_handler() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child starts afresh: it has created nothing yet (the core's list is kept
-    per pid), its parent's writers and exit hooks are not its own, and the SIGTERM handler it inherited
+    per pid), its parent's writers are not its own, and the SIGTERM handler it inherited
     is shmq's, not its program's: back to the default, so that a handler the child sets
     (``WorkerProcesses``' workers do) decides, or shmq's again once it creates a segment."""
     global _sigterm_checked
     _sigterm_checked = False
     _writers.clear()
-    _exit_hooks.clear()
     try:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

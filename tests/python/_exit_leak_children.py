@@ -12,7 +12,7 @@ Scenarios:
   keeps them in a module-level list and returns (it leaves through ``os._exit``);
 - ``daemon-enqueue``: a program whose daemon thread made a queue (arena, socket
   directory) and is blocked in ``enqueue`` when the interpreter exits;
-- ``parent-sigkilled``: a ``WorkerProcesses`` parent whose two workers each made a
+- ``parent-sigkilled [START_METHOD]``: a ``WorkerProcesses`` parent whose two workers each made a
   ring and a store and started two ordinary children (a ``subprocess.Popen`` and a plain
   ``os.fork`` child, both sleeping) is SIGKILLed; waits up to ``GONE_WITHIN`` s for the
   segments and the grandchildren to go;
@@ -173,18 +173,18 @@ def _worker_with_segments_and_children(rank: int) -> None:
     time.sleep(3 * STEP)
 
 
-def _parent_of_workers() -> None:
+def _parent_of_workers(context: str) -> None:
     from shmq import WorkerProcesses
 
-    workers = WorkerProcesses(_worker_with_segments_and_children, 2, grace=2.0)
+    workers = WorkerProcesses(_worker_with_segments_and_children, 2, context=context, grace=2.0)
     infos = workers.wait_until_ready(timeout=STEP)
     print(json.dumps({"parent": os.getpid(), "infos": infos}), flush=True)
     time.sleep(3 * STEP)
 
 
-def parent_sigkilled() -> dict:
+def parent_sigkilled(context: str = "spawn") -> dict:
     parent = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "_parent"], stdout=subprocess.PIPE, text=True
+        [sys.executable, os.path.abspath(__file__), "_parent", context], stdout=subprocess.PIPE, text=True
     )
     assert parent.stdout is not None
     line = parent.stdout.readline()
@@ -288,6 +288,6 @@ SCENARIOS = {
 
 if __name__ == "__main__":
     if sys.argv[1] == "_parent":
-        _parent_of_workers()
+        _parent_of_workers(sys.argv[2])
     else:
-        print(json.dumps(SCENARIOS[sys.argv[1]]()), flush=True)
+        print(json.dumps(SCENARIOS[sys.argv[1]](*sys.argv[2:])), flush=True)

@@ -39,12 +39,12 @@ def _namespace_reason() -> str | None:
     return None
 
 
-def _scenario(name: str) -> dict:
-    """Run scenario ``name`` in a private 512 MiB /dev/shm; its report."""
+def _scenario(name: str, *args: str) -> dict:
+    """Run scenario ``name`` (with ``args``) in a private 512 MiB /dev/shm; its report."""
     reason = _namespace_reason()
     if reason:
         pytest.skip(reason)
-    script = f"mount -t tmpfs -o size=512m tmpfs /dev/shm && exec {sys.executable} {PROGRAM} {name}"
+    script = f"mount -t tmpfs -o size=512m tmpfs /dev/shm && exec {sys.executable} {PROGRAM} {' '.join([name, *args])}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
     p = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=240, env=env)
     assert p.returncode == 0, f"the scenario failed ({p.returncode}):\n{p.stderr[-4000:]}"
@@ -68,8 +68,10 @@ def test_a_daemon_thread_blocked_in_enqueue_at_exit_leaves_nothing():
     assert got["left"] == [], got
 
 
-def test_a_sigkilled_parent_strands_neither_segments_nor_grandchildren():
-    got = _scenario("parent-sigkilled")
+@pytest.mark.parametrize("context", ["spawn", "forkserver", "fork"])
+def test_a_sigkilled_parent_strands_neither_segments_nor_grandchildren(context):
+    # Each worker: a ring and a store of its own, a Popen child and a plain fork child.
+    got = _scenario("parent-sigkilled", context)
     # Two rings and two stores (one each per worker) were there while the parent lived.
     kinds = [n.split("_")[1] for n in got["made"] if not n.endswith(".sock")]
     assert sorted(kinds) == ["ring", "ring", "store", "store"], got

@@ -22,9 +22,11 @@ How a worker ends without stranding memory or processes:
   (``PR_SET_CHILD_SUBREAPER``): a daemon that double-forks (``setsid``, fork, the middle
   process exits) is adopted by the worker instead of init, so it stays in the worker's
   process tree, where ``close()`` finds it. At its own exit (end of the target,
-  ``sys.exit``, SIGTERM's ``SystemExit``; also through ``os._exit`` in ``fork`` and
-  ``forkserver`` workers, see ``shmq._cleanup``) the worker SIGKILLs every descendant
-  still running, also one its SIGTERM handler forked into a session of its own.
+  ``sys.exit``, SIGTERM's ``SystemExit``, whatever the start method: it is one of
+  multiprocessing's exit finalizers, which run after the worker's own multiprocessing
+  children are joined and before its non-daemon threads are) the worker SIGKILLs every
+  descendant still running, also one its SIGTERM handler forked into a session of its
+  own.
   Consequences of adoption: an adopted daemon that exits while the worker runs stays a
   zombie until the worker exits, and ``os.wait()`` in the worker can return it.
 """
@@ -36,6 +38,7 @@ import ctypes
 import json
 import logging
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Callable, Optional, Sequence
 
-from .. import _cleanup, _core
+from .. import _core
 from .protocol import DEFAULT_GRACE, WorkerTicket, mac, recv_frame, send_frame
 
 __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready"]
@@ -236,9 +239,10 @@ def bootstrap(spec: WorkerSpec) -> None:
         die_with_parent(spec.parent_pid, spec.death_signal)
     _become_subreaper()
     # The worker's descendants do not outlive it: killed at its exit (the end of its
-    # target, sys.exit, SIGTERM's SystemExit), also when it leaves through os._exit as
-    # fork and forkserver children do (see shmq._cleanup).
-    _cleanup.at_exit(_core.kill_descendants)
+    # target, sys.exit, SIGTERM's SystemExit), by one of multiprocessing's exit
+    # finalizers, which every start method runs once the target is done, after the
+    # worker's own multiprocessing children are joined.
+    multiprocessing.util.Finalize(None, _core.kill_descendants, exitpriority=-100)
     if spec.new_process_group:
         try:
             os.setpgid(0, 0)
