@@ -16,9 +16,10 @@ Scenarios:
   ring and a store and started two ordinary children (a ``subprocess.Popen`` and a plain
   ``os.fork`` child, both sleeping) is SIGKILLed; waits up to ``GONE_WITHIN`` s for the
   segments and the grandchildren to go;
-- ``close-daemons``: ``WorkerProcesses.close()`` of a worker that double-forked a
-  daemon (``setsid`` + fork) and forks a child in its SIGTERM handler (which moves to a
-  session of its own).
+- ``close-daemons [exits|stubborn]``: ``WorkerProcesses.close()`` of a worker that
+  double-forked a daemon (``setsid`` + fork) and forks a child in its SIGTERM handler
+  (which moves to a session of its own); then the worker exits, or (``stubborn``) waits
+  for the SIGKILL at the end of the grace period.
 """
 
 from __future__ import annotations
@@ -210,9 +211,10 @@ def parent_sigkilled(context: str = "spawn") -> dict:
 # close-daemons
 
 
-def _worker_with_daemons(rank: int, pid_file: str) -> None:
+def _worker_with_daemons(rank: int, pid_file: str, stubborn: bool) -> None:
     """Double-fork a daemon (setsid, then fork: the daemon's parent exits at once); on
-    SIGTERM, fork a child that sleeps, write its pid to ``pid_file`` and exit."""
+    SIGTERM, fork a child that sleeps, write its pid to ``pid_file`` and exit (or, if
+    ``stubborn``, go on sleeping until SIGKILL)."""
     from shmq.workers import report_ready
 
     r, w = os.pipe()
@@ -244,20 +246,22 @@ def _worker_with_daemons(rank: int, pid_file: str) -> None:
         with open(pid_file, "w") as f:
             f.write(str(child))
         time.sleep(0.3)  # the child is in its own session by now
-        sys.exit(0)
+        if not stubborn:
+            sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
     report_ready(daemon_pid)
     time.sleep(3 * STEP)
 
 
-def close_daemons() -> dict:
+def close_daemons(how: str = "exits") -> dict:
     import tempfile
 
     from shmq import WorkerProcesses
 
     pid_file = os.path.join(tempfile.mkdtemp(), "handler_child")
-    workers = WorkerProcesses(_worker_with_daemons, 1, args=(pid_file,), grace=5.0)
+    stubborn = how == "stubborn"
+    workers = WorkerProcesses(_worker_with_daemons, 1, args=(pid_file, stubborn), grace=2.0 if stubborn else 5.0)
     (daemon,) = workers.wait_until_ready(timeout=STEP)
     worker = workers.pids[0]
     workers.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -79,8 +80,13 @@ def test_a_sigkilled_parent_strands_neither_segments_nor_grandchildren(context):
     assert got["running"] == [], f"workers or their children outlived the SIGKILLed parent: {got}"
 
 
-def test_close_kills_a_double_forked_daemon_and_a_child_forked_in_the_sigterm_handler():
-    got = _scenario("close-daemons")
+@pytest.mark.parametrize("how", ["exits", "stubborn"])
+def test_close_kills_a_double_forked_daemon_and_a_child_forked_in_the_sigterm_handler(how):
+    # The handler's child moves to a session of its own; the worker then exits (its exit
+    # kills it), or waits for close()'s SIGKILL (close() finds it in the worker's tree
+    # before it sends that).
+    got = _scenario("close-daemons", how)
     assert got["handler_child"] is not None, f"the worker's SIGTERM handler did not run: {got}"
     assert got["running"] == [], f"survived close(): {got}"
     assert got["left"] == [], got
+    assert got["finished"] == {"Worker_0": -signal.SIGKILL if how == "stubborn" else 0}, got
