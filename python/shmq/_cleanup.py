@@ -112,7 +112,13 @@ def _in_multiprocessing_child(_: object) -> None:
     the ``fork`` and ``forkserver`` methods leave through ``os._exit`` (no ``atexit``),
     after multiprocessing's exit finalizers: shmq's cleanup goes there."""
     process = multiprocessing.current_process()
-    method = getattr(process, "_start_method", None) or multiprocessing.get_start_method()
+    # Without fixing the start method (get_start_method() would, for the whole child):
+    # the process's own, the one set, else the default (listed first).
+    method = (
+        getattr(process, "_start_method", None)
+        or multiprocessing.get_start_method(allow_none=True)
+        or multiprocessing.get_all_start_methods()[0]
+    )
     if method in ("fork", "forkserver"):
         mp_util.Finalize(None, _clean_up, exitpriority=-100)
 
