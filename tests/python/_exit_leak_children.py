@@ -7,15 +7,16 @@ bounded; processes still running at the end are killed (after the report).
 
 Scenarios:
 
-- ``fork-child``: a ``fork``-context ``multiprocessing`` child makes a queue with a
-  reader (ring, socket directory, tensor arena), an object store and an encoder cache,
-  keeps them in a module-level list and returns (it leaves through ``os._exit``);
+- ``fork-child [fork|forkserver]``: a ``multiprocessing`` child of that start method
+  makes a queue with a reader (ring, socket directory, tensor arena), an object store
+  and an encoder cache, keeps them in a module-level list and returns (both methods'
+  children leave through ``os._exit``);
 - ``daemon-enqueue``: a program whose daemon thread made a queue (arena, socket
   directory) and is blocked in ``enqueue`` when the interpreter exits;
-- ``parent-sigkilled [START_METHOD]``: a ``WorkerProcesses`` parent whose two workers each made a
-  ring and a store and started two ordinary children (a ``subprocess.Popen`` and a plain
-  ``os.fork`` child, both sleeping) is SIGKILLed; waits up to ``GONE_WITHIN`` s for the
-  segments and the grandchildren to go;
+- ``parent-sigkilled [START_METHOD]``: a ``WorkerProcesses`` parent whose two workers
+  each made a ring and a store and started two ordinary children (a
+  ``subprocess.Popen`` and a plain ``os.fork`` child, both sleeping) is SIGKILLed;
+  waits up to ``GONE_WITHIN`` s for the segments and the grandchildren to go;
 - ``close-daemons [exits|stubborn]``: ``WorkerProcesses.close()`` of a worker that
   double-forked a daemon (``setsid`` + fork) and forks a child in its SIGTERM handler
   (which moves to a session of its own); then the worker exits, or (``stubborn``) waits
@@ -114,8 +115,8 @@ def _fork_child_target(out: Any) -> None:
     out.put(_left())  # what it made, seen from inside
 
 
-def fork_child() -> dict:
-    ctx = multiprocessing.get_context("fork")
+def fork_child(method: str = "fork") -> dict:
+    ctx = multiprocessing.get_context(method)
     out = ctx.SimpleQueue()
     p = ctx.Process(target=_fork_child_target, args=(out,))
     p.start()

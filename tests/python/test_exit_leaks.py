@@ -1,9 +1,10 @@
 """Exits that used to leak shared memory or processes (issue 18, items 6 and 11), in real
-processes: a ``fork``-context child that returns (it leaves through ``os._exit``), a
-daemon thread blocked in ``enqueue`` at interpreter exit, a ``WorkerProcesses`` parent
-SIGKILLed (its workers' segments must go, and their ordinary children die), and
-``WorkerProcesses.close()`` of a worker with a double-forked daemon and a child forked
-in its SIGTERM handler.
+processes: a ``fork``- or ``forkserver``-context child that returns (it leaves through
+``os._exit``); a daemon thread blocked in ``enqueue`` at interpreter exit (a guard: it
+did not leak here before the fix either); a ``WorkerProcesses`` parent SIGKILLed (its
+workers' segments must go, and their ordinary children die); ``WorkerProcesses.close()``
+of a worker with a double-forked daemon and a child forked into a session of its own in
+its SIGTERM handler.
 
 Each scenario runs as a program (``_exit_leak_children.py``) in a mount namespace with a
 ``/dev/shm`` of its own (``unshare --mount`` and a fresh tmpfs), so that what it leaves
@@ -52,8 +53,9 @@ def _scenario(name: str, *args: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_a_fork_child_that_returns_leaves_nothing():
-    got = _scenario("fork-child")
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_fork_child_that_returns_leaves_nothing(method):
+    got = _scenario("fork-child", method)
     assert got["exitcode"] == 0, got
     # It made all of it (ring, socket directory, arena, store, encoder cache)...
     kinds = {n.split("_")[1] for n in got["made"]}
