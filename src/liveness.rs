@@ -15,7 +15,7 @@
 //! remove its segments; "unknown" never does.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::error::{Error, Result};
 use crate::fork;
@@ -148,6 +148,114 @@ impl LockProbe {
 /// Whether the creator of segment `segment` is alive (its creator lock is held).
 pub fn creator_liveness(segment: &str) -> Liveness {
     LockProbe::open(segment).liveness(CREATOR_BYTE)
+}
+
+// ---------------------------------------------------------------------------------
+// Process trees: what a worker does when the process it serves is gone.
+
+/// `pidfd_open(pid)`: a descriptor (close-on-exec) that becomes readable once process
+/// `pid` has exited, and that names that process only, whatever reuses its pid later.
+pub(crate) fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1; no
+    // memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the descriptor was just made for us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Wait (this thread) until the process of `pidfd` has exited.
+pub(crate) fn wait_for_exit(pidfd: &OwnedFd) {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd for the duration of the call.
+        let rc = unsafe { libc::poll(&mut p, 1, -1) };
+        if rc > 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return;
+        }
+    }
+}
+
+/// `(pid, parent pid)` of every running process (zombies left out: they cannot be
+/// signalled, and have no children), from `/proc/<pid>/stat`.
+fn running_processes() -> Vec<(i32, i32)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|pid| Some((pid, running_parent(pid)?)))
+        .collect()
+}
+
+/// The parent of process `pid`, if it runs (not a zombie).
+fn running_parent(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ...": comm may hold anything, up to the last ')'.
+    let mut rest = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = rest.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    rest.next()?.parse().ok()
+}
+
+/// SIGKILL every running descendant of this process (children, theirs, ...), in rounds
+/// until none is left (one forked meanwhile shows in the next round); returns how many
+/// were signalled. Each is signalled through a pidfd opened before its parent is checked
+/// again, so a pid reused meanwhile is never hit. Descendants that were orphaned reach
+/// this process only if it is a child subreaper (`PR_SET_CHILD_SUBREAPER`): workers are.
+pub fn kill_descendants() -> usize {
+    let me = std::process::id() as i32;
+    let mut signalled = 0;
+    for round in 0..50 {
+        let procs = running_processes();
+        let mut tree = vec![me];
+        let mut found = Vec::new();
+        while let Some(parent) = tree.pop() {
+            for &(pid, ppid) in &procs {
+                if ppid == parent && pid != me {
+                    tree.push(pid);
+                    found.push((pid, ppid));
+                }
+            }
+        }
+        if found.is_empty() {
+            break;
+        }
+        if round > 0 {
+            // Those signalled last round may not be zombies yet: give the kills a moment
+            // to land before looking again.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        for (pid, ppid) in found {
+            let Ok(fd) = pidfd_open(pid as u32) else {
+                continue; // gone already
+            };
+            if running_parent(pid) != Some(ppid) {
+                continue; // not the process found above any more
+            }
+            // SAFETY: pidfd_send_signal(2) with a valid pidfd, no siginfo, no flags.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    fd.as_raw_fd(),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            };
+            if rc == 0 {
+                signalled += 1;
+            }
+        }
+    }
+    signalled
 }
 
 #[cfg(test)]

@@ -20,8 +20,25 @@ cleanup and then dies of SIGTERM as before (same exit status). Not at import, so
 handler set before is kept (``WorkerProcesses``' workers turn SIGTERM into
 ``SystemExit``, which runs the hook). The handler runs once the main thread executes
 Python code (shmq's own waits look every few milliseconds). A program that installs its
-own SIGTERM handler should exit through ``sys.exit`` in it. SIGKILL and crashes leave
-segments behind: ``python -m shmq cleanup`` removes those whose creator is dead.
+own SIGTERM handler should exit through ``sys.exit`` in it.
+
+Children of ``multiprocessing``'s ``fork`` and ``forkserver`` methods leave through
+``os._exit`` once their target returns: no ``atexit`` there. multiprocessing runs its
+exit finalizers (``multiprocessing.util.Finalize`` with an exit priority) just before,
+so in such a child shmq registers its cleanup as one (from multiprocessing's after-fork
+callbacks, or at import when the child imports shmq itself). It runs when the target has
+returned (or raised, or called ``sys.exit``), after the child's own children are
+joined but *before* its non-daemon threads are: a queue such a thread still uses is
+shut down then (its calls raise ``QueueShutDownError``). A plain ``os.fork()`` child that
+leaves through ``os._exit`` runs nothing of Python's: it cannot be helped (let it exit
+through ``sys.exit``, or make nothing in it).
+
+SIGKILL and crashes leave segments behind: ``python -m shmq cleanup`` removes those
+whose creator is dead. Workers of ``WorkerProcesses`` whose parent is SIGKILLed remove
+theirs themselves before they die (see ``shmq.workers.child``). No process removes
+another's segments on its own: a segment's file exists a moment before its creator holds
+the lock that proves it alive, so "nobody holds it" is no proof in a process that cannot
+know whether a creator is just starting; ``cleanup`` is for an operator who knows.
 """
 
 from __future__ import annotations
@@ -69,12 +86,48 @@ def _clean_up() -> None:
     for segment in list(_created):
         try:
             segment.unlink()
-        except OSError:
-            pass
+        except Exception:
+            pass  # nothing may keep the others (and remove_created below) from running
     _core.remove_created()
 
 
+# Registered before multiprocessing's own exit hook (multiprocessing.util is imported
+# below, not earlier), so that it runs after it: in a parent, multiprocessing joins its
+# non-daemon children first, which may still be opening this process's queues.
 atexit.register(_clean_up)
+
+import multiprocessing  # noqa: E402
+import multiprocessing.util as mp_util  # noqa: E402
+
+
+class _Anchor:
+    """What multiprocessing's after-fork registry holds (weakly) for shmq."""
+
+
+_anchor = _Anchor()
+
+
+def _in_multiprocessing_child(_: object) -> None:
+    """Run by multiprocessing in every child it starts, before the target. Children of
+    the ``fork`` and ``forkserver`` methods leave through ``os._exit`` (no ``atexit``),
+    after multiprocessing's exit finalizers: shmq's cleanup goes there."""
+    process = multiprocessing.current_process()
+    # Without fixing the start method (get_start_method() would, for the whole child):
+    # the process's own, the one set, else the default (listed first).
+    method = (
+        getattr(process, "_start_method", None)
+        or multiprocessing.get_start_method(allow_none=True)
+        or multiprocessing.get_all_start_methods()[0]
+    )
+    if method in ("fork", "forkserver"):
+        mp_util.Finalize(None, _clean_up, exitpriority=-100)
+
+
+mp_util.register_after_fork(_anchor, _in_multiprocessing_child)
+if multiprocessing.parent_process() is not None:
+    # Imported in a child that multiprocessing has started already (its target imports
+    # shmq): the after-fork callbacks have run, so register now.
+    _in_multiprocessing_child(None)
 
 _sigterm_checked = False
 

@@ -24,6 +24,8 @@ __all__ = [
     "ENCODER_CACHE_MAX_KEY_LEN",
     "default_connect_ip",
     "remove_created",
+    "exit_with_process",
+    "kill_descendants",
     "list_segments",
     "remove_orphans",
     "describe_segment",
@@ -106,6 +108,14 @@ def default_connect_ip() -> str:
 def remove_created() -> int:
     """Remove every segment and socket directory this process created that is still there
     (the exit hook); returns how many there were."""
+
+def exit_with_process(pid: int) -> None:
+    """Once process ``pid`` has exited, a thread of this process (no GIL needed) kills this
+    process's descendants, removes what this process created and SIGKILLs it; at once if
+    ``pid`` is gone already. ``OSError`` without pidfds (Linux before 5.3)."""
+
+def kill_descendants() -> int:
+    """SIGKILL every running descendant of this process; returns how many were signalled."""
 
 def list_segments() -> list[_SegmentReport]:
     """Every shmq segment in /dev/shm."""

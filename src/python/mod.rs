@@ -12,6 +12,8 @@
 //! - `list_segments()`, `remove_orphans()`, `describe_segment()`, `segment_metrics()`:
 //!   cleanup, inspection and live metrics;
 //! - `remove_created()`: the exit hook's removal of what this process created;
+//!   `exit_with_process()`, `kill_descendants()`: a worker's end with its parent, and
+//!   with its own exit (`shmq.workers`);
 //! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
 //!   `QueueShutDownError`.
 
@@ -45,6 +47,20 @@ fn remove_created() -> usize {
     crate::segment::remove_created()
 }
 
+/// Die with process `pid`, cleanly: once it has exited, a thread of this process kills
+/// this process's descendants, removes what it created, and SIGKILLs it (see
+/// `segment::exit_with_process`). Workers' bootstrap calls it with their parent's pid.
+#[pyfunction]
+fn exit_with_process(pid: u32) -> PyResult<()> {
+    Ok(crate::segment::exit_with_process(pid)?)
+}
+
+/// SIGKILL every running descendant of this process; returns how many were signalled.
+#[pyfunction]
+fn kill_descendants(py: Python<'_>) -> usize {
+    py.detach(crate::liveness::kill_descendants)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Route the core's `log` records (e.g. "still waiting" warnings) to Python logging.
@@ -58,6 +74,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     encoder_cache::register(m)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
     m.add_function(wrap_pyfunction!(remove_created, m)?)?;
+    m.add_function(wrap_pyfunction!(exit_with_process, m)?)?;
+    m.add_function(wrap_pyfunction!(kill_descendants, m)?)?;
     m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;
     m.add_function(wrap_pyfunction!(admin::remove_orphans, m)?)?;
     m.add_function(wrap_pyfunction!(admin::describe_segment, m)?)?;

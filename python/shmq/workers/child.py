@@ -1,12 +1,34 @@
 """The worker side: what runs in a worker process.
 
 - :func:`bootstrap`, the entry point of every local worker: die with the parent, lead a
-  process group, send stderr into the parent's pipe, turn SIGTERM into ``SystemExit``,
-  then run ``target(rank, ...)``;
+  process group, adopt orphaned descendants, send stderr into the parent's pipe, turn
+  SIGTERM into ``SystemExit``, then run ``target(rank, ...)``;
 - :func:`report_ready`, which a worker calls once its set-up is done;
 - :func:`connect_to_parent`, how a worker the parent did not start (on another machine)
   joins over TCP;
 - :func:`die_with_parent`, for workers and their own children.
+
+How a worker ends without stranding memory or processes:
+
+- **With its parent** (``death_signal=SIGKILL``, the default), even a SIGKILLed one: a
+  thread of the core (``_core.exit_with_process``, no GIL needed, so a worker busy in
+  native code goes too) waits on the parent's pidfd; once the parent has exited it kills
+  the worker's descendants, removes every segment and socket directory the worker
+  created, and SIGKILLs the worker. (The kernel's ``PR_SET_PDEATHSIG`` would kill the
+  worker before it could do either; it is the fallback without pidfds, Linux < 5.3. A
+  worker that ``exec``s another program loses the watch.) Other ``death_signal`` values
+  are sent by the kernel as before (SIGTERM: ``SystemExit``, and the exit below).
+- **Its descendants never outlive it.** The worker is a child subreaper
+  (``PR_SET_CHILD_SUBREAPER``): a daemon that double-forks (``setsid``, fork, the middle
+  process exits) is adopted by the worker instead of init, so it stays in the worker's
+  process tree, where ``close()`` finds it. At its own exit (end of the target,
+  ``sys.exit``, SIGTERM's ``SystemExit``, whatever the start method: it is one of
+  multiprocessing's exit finalizers, which run after the worker's own multiprocessing
+  children are joined and before its non-daemon threads are) the worker SIGKILLs every
+  descendant still running, also one its SIGTERM handler forked into a session of its
+  own.
+  Consequences of adoption: an adopted daemon that exits while the worker runs stays a
+  zombie until the worker exits, and ``os.wait()`` in the worker can return it.
 """
 
 from __future__ import annotations
@@ -16,6 +38,7 @@ import ctypes
 import json
 import logging
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -27,6 +50,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Callable, Optional, Sequence
 
+from .. import _core
 from .protocol import DEFAULT_GRACE, WorkerTicket, mac, recv_frame, send_frame
 
 __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready"]
@@ -34,14 +58,53 @@ __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready"]
 logger = logging.getLogger("shmq.workers")
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, int(arg), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _prctl_set_pdeathsig(sig: int) -> bool:
+    return _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def _die_now_cleanly() -> None:
+    """What a worker does when its parent is gone: its descendants die, what it created
+    goes, and it dies of SIGKILL."""
+    _core.kill_descendants()
+    _core.remove_created()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Die of SIGKILL when process ``parent_pid`` exits, even by SIGKILL, but first kill
+    this process's descendants and remove the segments it created: a thread of the core
+    watches the parent's pidfd and does it without the GIL (see
+    ``_core.exit_with_process``). Without pidfds: :func:`die_with_parent` (the kernel's
+    SIGKILL, nothing removed)."""
+    direct = os.getppid() == parent_pid
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+        _core.exit_with_process(parent_pid)
+    except OSError:
+        die_with_parent(parent_pid, signal.SIGKILL)
+        return
+    if direct and os.getppid() != parent_pid:
+        # The parent died around pidfd_open: the pid watched may be another's by now.
+        _die_now_cleanly()
+
+
+def _become_subreaper() -> None:
+    """Adopt this process's orphaned descendants (``PR_SET_CHILD_SUBREAPER``): a daemon
+    that double-forks (``setsid``, fork, the middle process exits) stays in the worker's
+    process tree, where ``close()`` and the worker's own exit find and kill it, instead of
+    being handed to init."""
+    if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):  # pragma: no cover - not Linux
+        logger.debug("process %d cannot adopt its orphaned descendants", os.getpid())
 
 
 def _watch_pid_in_thread(pid: int, sig: int) -> None:
@@ -166,11 +229,20 @@ class WorkerSpec:
 
 
 def bootstrap(spec: WorkerSpec) -> None:
-    """Entry point of every local worker: die with the parent, own process group, stderr
+    """Entry point of every local worker: die with the parent (cleanly, see the module
+    docs), own process group, adopt orphaned descendants and kill them at exit, stderr
     into the parent's pipe, SIGTERM as SystemExit, then ``target(rank, ...)``."""
     global _channel
-    if spec.death_signal is not None:
+    if spec.death_signal == signal.SIGKILL:
+        _exit_with_parent(spec.parent_pid)
+    elif spec.death_signal is not None:
         die_with_parent(spec.parent_pid, spec.death_signal)
+    _become_subreaper()
+    # The worker's descendants do not outlive it: killed at its exit (the end of its
+    # target, sys.exit, SIGTERM's SystemExit), by one of multiprocessing's exit
+    # finalizers, which every start method runs once the target is done, after the
+    # worker's own multiprocessing children are joined.
+    multiprocessing.util.Finalize(None, _core.kill_descendants, exitpriority=-100)
     if spec.new_process_group:
         try:
             os.setpgid(0, 0)

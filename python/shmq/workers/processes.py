@@ -124,7 +124,9 @@ class WorkerProcesses:
 
     - ``context``: a ``multiprocessing`` start method name or context (``"spawn"``).
     - ``death_signal``: the signal a worker gets when the parent dies, even by SIGKILL
-      (default SIGKILL, see :func:`die_with_parent`), or None to let workers outlive it.
+      (see :func:`die_with_parent`), or None to let workers outlive it. The default,
+      SIGKILL, is preceded by a clean-up in the worker: it kills its descendants and
+      removes the segments it created first (see ``shmq.workers.child``).
     - ``new_process_group``: each worker leads its own process group (its descendants are
       signalled with it; a terminal's Ctrl-C reaches the parent only).
     - ``capture_stderr`` / ``forward_stderr``: keep the last ``stderr_tail_lines`` lines
@@ -323,9 +325,12 @@ class WorkerProcesses:
     def close(self, grace: Optional[float] = None) -> None:
         """Shut every worker down: SIGTERM to each worker's process group (remote workers
         are asked to stop), one shared deadline ``grace`` seconds away, then SIGKILL of
-        what remains, including each worker's descendants captured before the SIGTERM;
-        reap; remove the shared-memory segments the dead workers and their descendants
-        created. Idempotent; a second Ctrl-C during the grace period skips to SIGKILL."""
+        what remains, including each worker's descendants captured before the SIGTERM
+        and again before the SIGKILL; reap; remove the shared-memory segments the dead
+        workers and their descendants created. Workers adopt their orphaned descendants
+        (double-forked daemons) and kill what they still have when they exit (also what
+        a SIGTERM handler forked), so nothing a worker started outlives ``close()``.
+        Idempotent; a second Ctrl-C during the grace period skips to SIGKILL."""
         self._supervisor.close(self.grace if grace is None else grace)
         self._finalizer.detach()
 

@@ -698,7 +698,13 @@ class Supervisor:
         except KeyboardInterrupt as e:  # a second Ctrl-C: skip the grace period
             interrupted = e
         # Grace is over: SIGKILL what remains. Each worker's group (safe: unreaped), and
-        # the descendants captured above (psutil checks each one's identity).
+        # the descendants captured above (psutil checks each one's identity), with those
+        # that workers still running have made since (in their SIGTERM handler, say).
+        for w in local:
+            if not self.poll_exit(w):
+                late = [p for p in _descendants(w.started_pid) if p not in trees]
+                trees.extend(late)
+                self.captured_pids.update(p.pid for p in late)
         for w in local:
             if self.may_signal(w):
                 _signal_group_or_process(w.started_pid, signal.SIGKILL, self.new_process_group)
