@@ -247,7 +247,8 @@ impl Producer {
                 self.inner.name
             )));
         }
-        Ok(())
+        // A peer that truncated the segment (see `crate::sigbus`).
+        self.inner.map.segment.check_intact()
     }
 
     /// Reserve room for an entry of parts of `part_lens` bytes under `key`, evicting the
@@ -911,6 +912,11 @@ impl Inner {
     /// Publish reservation `r`'s entry: READY, then into the index.
     fn publish(&self, entry: u32, generation: u64, total: usize) -> Result<bool> {
         let mut st = lock(&self.state);
+        // The bytes may have been copied into the zero pages of a truncated segment.
+        if let Err(e) = self.map.segment.check_intact() {
+            self.abandon_locked(&mut st, entry);
+            return Err(e);
+        }
         let local = &st.entries[entry as usize];
         if local.generation != generation || local.key.is_none() {
             return Err(Error::InvalidArgument(
