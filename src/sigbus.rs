@@ -15,7 +15,8 @@
 //! shared mapping (ring, store, arena, encoder cache), a private window or view of one
 //! ([`PrivateFile`](crate::private_map::PrivateFile)) — is entered in a fixed, lock-free
 //! registry ([`Watch::protect`]) for as long as it is mapped, and taken out before it is
-//! unmapped. The first registration in a process installs a `SIGBUS` handler
+//! unmapped (a new mapping of a segment — a remap, say — must be registered the same
+//! way, or a truncation of it kills as before). The first registration in a process installs a `SIGBUS` handler
 //! (`SA_SIGINFO | SA_ONSTACK | SA_NODEFER`); later registrations reinstall it if someone
 //! replaced it meanwhile (Python's `faulthandler.enable()`, say), chaining to whatever
 //! was there. On a `SIGBUS` the kernel raised for an address inside a registered

@@ -290,7 +290,8 @@ impl Producer {
             None => {
                 let mut sweep = || {
                     inner.sweep();
-                    Ok(())
+                    // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+                    inner.map.segment.check_length()
                 };
                 let mut failure = None;
                 let started = std::time::Instant::now();
@@ -401,7 +402,8 @@ impl Producer {
         let inner = &self.inner;
         let mut sweep = || {
             inner.sweep();
-            Ok(())
+            // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+            inner.map.segment.check_length()
         };
         let ready = || match self.load_state(key) {
             LoadState::Loaded => Some(Ok(())),
@@ -445,7 +447,8 @@ impl Producer {
         let inner = &self.inner;
         let mut sweep = || {
             inner.sweep();
-            Ok(())
+            // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+            inner.map.segment.check_length()
         };
         let r = wait.until(Some(inner.map.bell()), &mut sweep, || {
             let st = lock(&inner.state);
