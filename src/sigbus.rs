@@ -16,33 +16,42 @@
 //! ([`PrivateFile`](crate::private_map::PrivateFile)) — is entered in a fixed, lock-free
 //! registry ([`Watch::protect`]) for as long as it is mapped, and taken out before it is
 //! unmapped (a new mapping of a segment — a remap, say — must be registered the same
-//! way, or a truncation of it kills as before). The first registration in a process installs a `SIGBUS` handler
-//! (`SA_SIGINFO | SA_ONSTACK | SA_NODEFER`); later registrations reinstall it if someone
-//! replaced it meanwhile (Python's `faulthandler.enable()`, say), chaining to whatever
-//! was there. On a `SIGBUS` the kernel raised for an address inside a registered
-//! mapping, the handler maps fresh anonymous zero pages over the *whole* mapping
-//! (`mmap(MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS)`, at the same address and with the
-//! same protection), sets the mapping's *hit* flag and returns: the faulting access is
-//! retried and reads (or writes) zeros. Any other `SIGBUS` — an address that is not
-//! shmq's, or a signal sent with `kill` — goes to the handler that was installed before
-//! (Python's `faulthandler`, a runtime's), or, where that was the default action, is
-//! delivered again under the default action: the process dies of it as before.
+//! way, or a truncation of it kills as before). The first registration in a process
+//! installs a `SIGBUS` handler (`SA_SIGINFO | SA_ONSTACK | SA_NODEFER`); later
+//! registrations put it back if another was installed over it meanwhile (Python's
+//! `faulthandler.enable()`, say), chaining to that one. On a `SIGBUS` the kernel raised
+//! for an address inside a registered mapping, the handler maps fresh anonymous zero
+//! pages over the *whole* mapping (`mmap(MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS)`, at
+//! the same address, readable and writable), sets the mapping's *hit* flag and returns:
+//! the faulting access is retried and reads (or writes) zeros. Any other `SIGBUS` — an
+//! address that is not shmq's, or a signal sent with `kill` — goes to the handler that
+//! was installed before (Python's `faulthandler`, a runtime's), or, where that was the
+//! default action, happens again under the default action: the process dies of it as
+//! before. A handler that chains back to shmq's is not called twice for one signal.
 //!
-//! The handler is async-signal-safe: it reads atomics, calls `mmap` and `sigaction`
-//! (system calls) and nothing else — no allocation, no lock, no logging.
+//! The handler is async-signal-safe: it reads and sets atomics, calls `mmap`,
+//! `sigaction` and `raise` (system calls; glibc's and musl's `mmap` take no lock) and
+//! nothing else — no allocation, no lock, no logging. It trusts that a registered range
+//! is mapped: a guard is released before its mapping goes, and nothing of shmq touches a
+//! mapping while its owner unmaps it (the owner keeps it while any access can happen).
 //!
 //! # Turning the damage into an error
 //! The zero pages only keep the process alive: the segment's content is lost to it. Each
-//! layer asks its segment's flag (one atomic load) where a call begins, at each step of a
-//! wait (the liveness checks, about once a second) and where a message or value is
-//! finished, and returns [`Error::BadSegment`] naming the segment and the truncation
-//! ([`truncated`]): a Python `ValueError`. Private views additionally compare the file's
-//! size with the range before they map it (`fstat`), so a reader is refused a part of a
-//! segment shrunk under it before it touches a page. What a call was doing when the fault
-//! came may have read or written zeros (a message the writer wrote into the zero pages
-//! reached no reader; a reader's buffer handed out before the fault reads zeros): the call,
-//! or the next one, reports the truncation; no call returns as if nothing happened once
-//! it has seen the flag, and no process dies of it.
+//! layer asks its segment's flag (one atomic load) where a call begins and where a
+//! message or value is done, and at each liveness step of a wait (about once a second)
+//! also compares the file's size with the mapping (a `stat`, so a blocked call notices a
+//! truncation that none of its accesses has hit); it then returns
+//! [`Error::BadSegment`] naming the segment and the truncation ([`truncated`]): a Python
+//! `ValueError`. Private views compare the file's size with their range before they map
+//! it (`fstat`), so a reader is refused a part of a segment shrunk under it before it
+//! touches a page. What a call was doing when the fault came may have read or written
+//! zeros (a message the writer wrote into the zero pages reaches no reader; a buffer a
+//! reader was handed before the truncation reads zeros): that call, or the next one,
+//! reports the truncation; no call returns as if nothing happened once the flag is set,
+//! and no process dies of it. A process that touches only pages a truncation left (one
+//! to half the size, say) goes on working until it touches a lost one or a wait looks at
+//! the size; a writer that reserves pages past the new end (`posix_fallocate`) grows the
+//! file again, with zeros there.
 //!
 //! # What this guarantees, and what it cannot (the same user's processes)
 //! shmq defends against accidents and crashes of peers — a process that dies at any
@@ -63,9 +72,11 @@
 //!
 //! # Limits
 //! The registry has [`SLOTS`] entries; a mapping made when it is full is not protected
-//! (a debug log says so) and a truncation of it kills as before. A handler installed
-//! after shmq's last mapping that does not chain to the previous one takes the signal
-//! away from shmq. Only Linux: elsewhere (and in loom builds) the registry does nothing.
+//! (a debug log says so) and a truncation of it kills as before. A handler installed over
+//! shmq's (`faulthandler.enable()` after shmq mapped a segment) gets the signal first
+//! until shmq maps its next segment and puts its own back: in between, a truncation
+//! kills as before (faulthandler reports it, then re-raises it). The handler is Linux's
+//! (`si_addr`, `MAP_FIXED` semantics); loom builds leave the module out.
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Arc;
