@@ -187,16 +187,24 @@ impl Drop for Guard {
 /// The error a layer returns once its segment was found truncated: a
 /// [`Error::BadSegment`] naming it, with its size now if it can still be read.
 pub(crate) fn truncated(name: &str, mapped: usize) -> Error {
-    let now = std::fs::metadata(format!("{}/{name}", crate::liveness::SHM_DIR))
-        .map(|m| format!("{} bytes long now", m.len()))
-        .unwrap_or_else(|_| "gone now".into());
+    let now = std::fs::metadata(format!("{}/{name}", crate::liveness::SHM_DIR)).map(|m| m.len());
+    let reason = match now {
+        // As long as it was: the fault was not a shrink that lasted.
+        Ok(len) if len >= mapped as u64 => format!(
+            "a page of it could not be had (SIGBUS) though it is {len} bytes long: another \
+             process truncated it and grew it again, or /dev/shm ran out of memory; its \
+             content is lost (this process reads zeros there instead of dying of SIGBUS)"
+        ),
+        _ => format!(
+            "it was truncated by another process while in use ({}, {mapped} bytes were \
+             mapped here): its content is lost (this process reads zeros there instead of \
+             dying of SIGBUS)",
+            now.map_or_else(|_| "gone now".into(), |len| format!("{len} bytes long now"))
+        ),
+    };
     Error::BadSegment {
         name: name.to_owned(),
-        reason: format!(
-            "it was truncated by another process while in use ({now}, {mapped} bytes were \
-             mapped here): its content is lost (this process reads zeros there instead of \
-             dying of SIGBUS)"
-        ),
+        reason,
     }
 }
 
