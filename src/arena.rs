@@ -445,6 +445,11 @@ impl ArenaWriter {
     pub fn reserved(&self) -> usize {
         self.reserved
     }
+    /// An error once a peer truncated the arena under this writer (see `crate::sigbus`).
+    pub fn check_intact(&self) -> Result<()> {
+        self.map.segment.check_intact()
+    }
+
     /// Remove the segment's name now (see `Segment::unlink`).
     pub fn unlink(&self) -> Result<()> {
         self.map.segment.unlink()
@@ -1054,6 +1059,13 @@ impl ArenaReader {
         self.map.segment.name()
     }
 
+    /// An error once a peer truncated the arena (see `crate::sigbus`): the file is
+    /// shorter than when opened, or a mapping of it here was hit.
+    pub fn check_intact(&self) -> Result<()> {
+        self.map.segment.check_intact()?;
+        self.file.check_intact()
+    }
+
     fn check(&self, r: &ArenaRef) -> Result<usize> {
         let bad = |reason: &str| Error::BadSegment {
             name: self.name().to_owned(),
@@ -1091,6 +1103,8 @@ impl ArenaReader {
 
     /// Map `r`'s bytes privately: a view that holds the lease until it is dropped.
     pub fn view(self: &Arc<Self>, r: &ArenaRef) -> Result<ArenaView> {
+        // Before the lease table is read: a truncated arena is an error, not a SIGBUS.
+        self.check_intact()?;
         let lease = self.check(r)?;
         // `check` bounded the range by the capacity, and `open` checked that the segment
         // holds data_offset + capacity bytes.

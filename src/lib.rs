@@ -19,8 +19,10 @@
 //!   process trees (the Rust side of the Python package's `WorkerProcesses`);
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!
-//! Internals, under those: `segment` (named POSIX shared memory, and the header check
-//! every kind of segment makes), `range_alloc` (the whole-page allocator of the arena's and
+//! Internals, under those: `sigbus` (a peer that truncates a mapped segment: the `SIGBUS`
+//! handler that turns the fault into zero pages and an error, and what shmq guarantees
+//! against the same user's processes), `segment` (named POSIX shared memory, and the
+//! header check every kind of segment makes), `range_alloc` (the whole-page allocator of the arena's and
 //! the encoder cache's data regions), `fork` (what a forked child must not do with what it
 //! inherited), `random` (secrets and nonces from the kernel), `sync` / `futex` / `doorbell` / `seqlock`
 //! (loom-swappable atomics, the process-shared futex, the sleep/wake handshake, the object
@@ -112,6 +114,7 @@ not_loom! {
     pub(crate) mod range_alloc;
     pub mod remote;
     pub(crate) mod segment;
+    pub(crate) mod sigbus;
     pub(crate) mod transport;
 
     #[cfg(feature = "python")]

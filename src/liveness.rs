@@ -13,6 +13,12 @@
 //! is not: proved, the holder is gone), **unknown** (the lock cannot be tested: no file
 //! to open, no permission). Only "dead" may make shmq drop a peer, report it dead or
 //! remove its segments; "unknown" never does.
+//!
+//! "Alive" proves less than "dead": any process that can open the file can lock its
+//! bytes, so a peer holding a read lock on a dead reader's byte makes that reader look
+//! alive (the writer then waits for it until its timeout, and `drop` does not drop it).
+//! What shmq guarantees against the same user's processes, and what it cannot, is in
+//! `crate::sigbus`.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

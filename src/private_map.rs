@@ -54,6 +54,9 @@ pub struct PrivateFile {
     /// The whole segment mapped privately, made at the first [`view`](Self::view);
     /// `None` if that mapping failed (views then map on their own).
     window: OnceLock<Option<Arc<Window>>>,
+    /// Whether the `SIGBUS` handler found one of this file's mappings truncated (see
+    /// `crate::sigbus`); every mapping made here is registered with it.
+    sigbus: crate::sigbus::Watch,
 }
 
 impl PrivateFile {
@@ -84,9 +87,14 @@ impl PrivateFile {
             len,
             name: name.to_owned(),
             window: OnceLock::new(),
+            sigbus: crate::sigbus::Watch::new(),
         })
     }
 
+    /// The range must lie inside the segment as it was when opened, and the segment must
+    /// still be that long: a peer that truncated it makes this an error
+    /// (`crate::sigbus::truncated`) before any page of the range is touched (one
+    /// `fstat`). A truncation after this check is caught by the `SIGBUS` handler.
     fn check_range(&self, offset: u64, len: usize) -> Result<()> {
         let end = offset.checked_add(len as u64);
         if end.is_none_or(|e| e > self.len) {
@@ -94,6 +102,20 @@ impl PrivateFile {
                 "bytes {offset}..+{len} lie outside segment '{}' ({} bytes)",
                 self.name, self.len
             )));
+        }
+        self.check_intact()
+    }
+
+    /// An error once the segment is shorter than when opened, or a mapping of it was
+    /// found truncated.
+    pub fn check_intact(&self) -> Result<()> {
+        // SAFETY: all-zero is a valid `stat`; fstat fills it for a valid descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: our own open descriptor and a valid struct.
+        let shrunk = unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } == 0
+            && (st.st_size as u64) < self.len;
+        if shrunk || self.sigbus.hit() {
+            return Err(crate::sigbus::truncated(&self.name, self.len as usize));
         }
         Ok(())
     }
@@ -110,13 +132,14 @@ impl PrivateFile {
         }
         let window = self
             .window
-            .get_or_init(|| Window::map(&self.fd, self.len as usize).map(Arc::new));
+            .get_or_init(|| Window::map(&self.fd, self.len as usize, &self.sigbus).map(Arc::new));
         if let Some(window) = window {
             let page = page_size() as u64;
             let start = (offset / page * page) as usize;
             let end = ((offset + len as u64).div_ceil(page) * page) as usize;
             if window.claim(start, end) {
                 return Ok(PrivateMap {
+                    sigbus: None,
                     // SAFETY: `offset + len <= self.len`, the window's length.
                     ptr: unsafe { window.base.add(offset as usize) },
                     len,
@@ -143,8 +166,10 @@ impl PrivateFile {
         let start = offset / page * page;
         let map_len = ((offset + len as u64).div_ceil(page) * page - start) as usize;
         // SAFETY: a new private mapping of whole pages of the segment, all inside the
-        // file (checked above against its length when opened; only the segment's owner,
-        // who created it 0600, could shrink it and make a later access SIGBUS).
+        // file (checked above against its length when opened and now). A process of the
+        // same user that shrinks the file later makes an access of the lost pages fault:
+        // the mapping is registered with the SIGBUS handler (below), which puts zero
+        // pages there and flags the file (`crate::sigbus`), so that is an error, not a crash.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -163,6 +188,7 @@ impl PrivateFile {
         }
         let p = p as *mut u8;
         Ok(PrivateMap {
+            sigbus: Some(self.sigbus.protect(p, map_len)),
             map: Mapping::Own(p, map_len),
             // SAFETY: the offset within the first page is below `map_len`.
             ptr: unsafe { p.add((offset - start) as usize) },
@@ -177,6 +203,8 @@ struct Window {
     len: usize,
     /// Page ranges of the live views carved out of it (start → end), never overlapping.
     live: Mutex<BTreeMap<usize, usize>>,
+    /// Its entry in the `SIGBUS` registry, released before it is unmapped.
+    sigbus: crate::sigbus::Guard,
 }
 
 // SAFETY: the mapping lives as long as the Window; the bytes are only reached through the
@@ -187,7 +215,7 @@ unsafe impl Sync for Window {}
 
 impl Window {
     /// Map all `len` bytes of `fd` privately; `None` if the mapping fails.
-    fn map(fd: &OwnedFd, len: usize) -> Option<Window> {
+    fn map(fd: &OwnedFd, len: usize, sigbus: &crate::sigbus::Watch) -> Option<Window> {
         if len == 0 {
             return None;
         }
@@ -197,9 +225,9 @@ impl Window {
         }
         // SAFETY: a new private mapping of the whole file, as long as it was when opened.
         // Any process of the same user could shrink the file (a later access of the lost
-        // pages, even of ones this process wrote, is then a SIGBUS: the same exposure as
-        // every mapping of a segment) or punch holes in it (pages a view has not written
-        // then read zeros). MAP_NORESERVE: only the pages this process writes take memory,
+        // pages, even of ones this process wrote, is then a SIGBUS, which the handler the
+        // window is registered with turns into zero pages and an error: `crate::sigbus`)
+        // or punch holes in it (pages a view has not written then read zeros). MAP_NORESERVE: only the pages this process writes take memory,
         // and only while a view holds them (`window_unfit` refuses strict overcommit,
         // which ignores the flag).
         let p = unsafe {
@@ -223,6 +251,7 @@ impl Window {
             base: p as *mut u8,
             len,
             live: Mutex::new(BTreeMap::new()),
+            sigbus: sigbus.protect(p as *mut u8, len),
         })
     }
 
@@ -273,6 +302,7 @@ impl std::fmt::Debug for Window {
 
 impl Drop for Window {
     fn drop(&mut self) {
+        self.sigbus.release();
         // SAFETY: our own mapping, unmapped once; every view holds an Arc to the window,
         // so none is left.
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
@@ -422,6 +452,9 @@ pub struct PrivateMap {
     map: Mapping,
     ptr: *mut u8,
     len: usize,
+    /// A mapping of its own's entry in the `SIGBUS` registry (`None` for a window view:
+    /// the window's covers it), released before it is unmapped.
+    sigbus: Option<crate::sigbus::Guard>,
 }
 
 // SAFETY: the bytes are this object's alone (its own mapping, or a window range no other
@@ -444,6 +477,7 @@ impl PrivateMap {
             map: Mapping::None,
             ptr: NonNull::dangling().as_ptr(),
             len: 0,
+            sigbus: None,
         }
     }
     pub fn as_ptr(&self) -> *mut u8 {
@@ -544,6 +578,8 @@ impl std::ops::DerefMut for PrivateMap {
 
 impl Drop for PrivateMap {
     fn drop(&mut self) {
+        // Out of the SIGBUS registry before the mapping goes.
+        drop(self.sigbus.take());
         match std::mem::replace(&mut self.map, Mapping::None) {
             Mapping::None => {}
             Mapping::Own(p, n) => {

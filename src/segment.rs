@@ -54,6 +54,10 @@ pub struct Segment {
     /// the right file after the name is unlinked (at interpreter exit, say) while the
     /// creator still writes. `None` in openers (they reserve through the name).
     reserve_fd: Option<std::fs::File>,
+    /// The mapping's entry in the `SIGBUS` registry (see `crate::sigbus`): a peer that
+    /// truncates the file makes [`check_intact`](Self::check_intact) an error here,
+    /// never a crash. Released in `Drop`, before the mapping goes.
+    sigbus: crate::sigbus::Guard,
 }
 
 // SAFETY: `Shmem` is neither Send nor Sync only because it holds the raw mapping pointer.
@@ -210,6 +214,7 @@ impl Segment {
             .write(true)
             .open(format!("{SHM_DIR}/{name}"))
             .ok();
+        let sigbus = protect(&shmem);
         let mut segment = Segment {
             shmem,
             name: name.to_owned(),
@@ -217,6 +222,7 @@ impl Segment {
             _creator_role: None,
             unlinked: AtomicBool::new(false),
             reserve_fd,
+            sigbus,
         };
         segment.reserve_range(0, reserve)?;
         segment._creator_role = RoleLock::acquire(name, CREATOR_BYTE)?;
@@ -280,6 +286,7 @@ impl Segment {
         check_name(name)?;
         match ShmemConf::new().os_id(os_id(name)).open() {
             Ok(shmem) => Ok(Segment {
+                sigbus: protect(&shmem),
                 shmem,
                 name: name.to_owned(),
                 creator_pid: None,
@@ -322,6 +329,37 @@ impl Segment {
     pub fn is_creator(&self) -> bool {
         self.creator_pid == Some(std::process::id())
     }
+
+    /// An [`Error::BadSegment`] once another process truncated the segment under this
+    /// mapping (the `SIGBUS` handler then put zero pages in its place: see
+    /// `crate::sigbus`). One atomic load: the layers above call it where a call begins,
+    /// at each step of a wait and where a message or value is done.
+    #[inline]
+    pub(crate) fn check_intact(&self) -> Result<()> {
+        if self.sigbus.hit() {
+            return Err(crate::sigbus::truncated(&self.name, self.len()));
+        }
+        Ok(())
+    }
+
+    /// [`check_intact`](Self::check_intact), and an error too if the file is shorter
+    /// than this mapping now (a `stat`: for the slow steps of waits, about once a
+    /// second, which then see a truncation that no access of theirs has hit yet).
+    pub(crate) fn check_length(&self) -> Result<()> {
+        self.check_intact()?;
+        match std::fs::metadata(format!("{SHM_DIR}/{}", self.name)) {
+            Ok(m) if m.len() < self.len() as u64 => {
+                Err(crate::sigbus::truncated(&self.name, self.len()))
+            }
+            // Gone (unlinked: its mapping stays valid) or as long: nothing lost.
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Register a new mapping with the `SIGBUS` handler.
+fn protect(shmem: &Shmem) -> crate::sigbus::Guard {
+    crate::sigbus::Watch::new().protect(shmem.as_ptr(), shmem.len())
 }
 
 impl Segment {
@@ -585,6 +623,8 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        // Out of the SIGBUS registry before `shmem` unmaps (after this body).
+        self.sigbus.release();
         // A forked child inherits the object but must not unlink its parent's segment,
         // and a segment unlinked already must not be unlinked again (the name may be
         // someone else's by now).
@@ -743,6 +783,39 @@ mod tests {
         let err = Segment::create(&unique_name("test"), (free + (1 << 30)) as usize).unwrap_err();
         assert!(matches!(err, Error::NoSpace { .. }), "{err}");
         assert!(err.to_string().contains("--shm-size"));
+    }
+
+    #[test]
+    fn a_peer_truncating_the_file_is_an_error_not_a_sigbus() {
+        let name = unique_name("test");
+        let creator = Segment::create(&name, 8 * 4096).unwrap();
+        let opener = Segment::open(&name).unwrap();
+        let path = format!("{SHM_DIR}/{name}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        // Not touched yet: only the length check (a stat) sees it.
+        opener.check_intact().unwrap();
+        let err = opener.check_length().unwrap_err();
+        assert!(err.to_string().contains("truncated"), "{err}");
+        // SAFETY: inside the mapping; the page is gone from the file, so this faults and
+        // the handler puts zero pages there (volatile: the access must happen).
+        let v = unsafe { creator.as_ptr().add(5 * 4096).read_volatile() };
+        assert_eq!(v, 0);
+        let err = creator.check_intact().unwrap_err();
+        assert!(
+            matches!(&err, Error::BadSegment { name: n, reason } if *n == name
+                && reason.contains("truncated by another process")),
+            "{err}"
+        );
+        // The other mapping is hit only where it touches a lost page.
+        opener.check_intact().unwrap();
+        // SAFETY: as above, in the opener's own mapping.
+        unsafe { opener.as_ptr().add(7 * 4096).write_volatile(1) };
+        assert!(opener.check_intact().is_err());
     }
 
     #[test]

@@ -111,7 +111,9 @@ impl Link {
     fn is_current(&mut self, now: Instant, segment: &str) -> bool {
         // Acquire: pairs with the producer's Release store of CLOSED / SUPERSEDED.
         if self.map.header().state.load(Ordering::Acquire) != STATE_OPEN {
-            return false;
+            // A truncated segment (read as zeros: see `crate::sigbus`) stays, so that
+            // loads report the truncation.
+            return self.map.segment.check_intact().is_err();
         }
         if now >= self.recheck_at {
             self.recheck_at = now + RECHECK_NAME;
@@ -489,7 +491,10 @@ impl Consumer {
                 continue;
             };
             let member = link.member(me)?;
-            if let Some(pin) = link.pin(&key, &member) {
+            let pin = link.pin(&key, &member);
+            // What this producer's segment answered may be zeros (a peer truncated it).
+            link.map.segment.check_intact()?;
+            if let Some(pin) = pin {
                 return Ok(Some(Held {
                     segment: &p.segment,
                     link,

@@ -290,7 +290,8 @@ impl Producer {
                 self.inner.name
             )));
         }
-        Ok(())
+        // A peer that truncated the segment (see `crate::sigbus`).
+        self.inner.map.segment.check_intact()
     }
 
     /// Reserve room for an entry of parts of `part_lens` bytes under `key`, evicting the
@@ -334,7 +335,8 @@ impl Producer {
             None => {
                 let mut sweep = || {
                     inner.sweep();
-                    Ok(())
+                    // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+                    inner.map.segment.check_length()
                 };
                 let mut failure = None;
                 let started = std::time::Instant::now();
@@ -445,7 +447,8 @@ impl Producer {
         let inner = &self.inner;
         let mut sweep = || {
             inner.sweep();
-            Ok(())
+            // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+            inner.map.segment.check_length()
         };
         let ready = || match self.load_state(key) {
             LoadState::Loaded => Some(Ok(())),
@@ -489,7 +492,8 @@ impl Producer {
         let inner = &self.inner;
         let mut sweep = || {
             inner.sweep();
-            Ok(())
+            // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+            inner.map.segment.check_length()
         };
         let r = wait.until(Some(inner.map.bell()), &mut sweep, || {
             let st = lock(&inner.state);
@@ -1135,6 +1139,11 @@ impl Inner {
     /// Publish reservation `r`'s entry: READY, then into the index.
     fn publish(&self, entry: u32, generation: u64, total: usize) -> Result<bool> {
         let mut st = lock(&self.state);
+        // The bytes may have been copied into the zero pages of a truncated segment.
+        if let Err(e) = self.map.segment.check_intact() {
+            self.abandon_locked(&mut st, entry);
+            return Err(e);
+        }
         let local = &st.entries[entry as usize];
         if local.generation != generation || local.key.is_none() {
             return Err(Error::InvalidArgument(

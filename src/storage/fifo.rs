@@ -104,6 +104,7 @@ impl ChunkFifo {
     /// [`FifoAllocator::allocate_with`]) and write its header.
     pub fn allocate_with(&mut self, data_bytes_at: impl FnMut(u64) -> u64) -> Result<Chunk> {
         let segment = &*self.segment;
+        segment.check_intact()?;
         let w = self
             .writer
             .as_mut()
@@ -149,6 +150,8 @@ impl ChunkFifo {
         // The header is written before the new id is published.
         segment.publish_ids(&w.alloc);
         segment.count_writes(1, 0);
+        // The header may have gone to the zero pages of a truncated segment.
+        segment.check_intact()?;
         Ok(chunk)
     }
 
@@ -166,6 +169,7 @@ impl ChunkFifo {
         mut is_free: impl FnMut(u32, &[u8]) -> bool,
     ) -> Result<Freed> {
         let segment = &*self.segment;
+        segment.check_intact()?;
         let w = self
             .writer
             .as_mut()

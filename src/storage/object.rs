@@ -211,7 +211,14 @@ fn validity(segment: &StoreSegment, h: &ChunkHeader) -> Validity {
 
 /// Check that `(address, id)` names a live object (what a reader's `touch` does).
 pub fn check_object(segment: &StoreSegment, address: u64, id: u32) -> Result<()> {
-    object_header(segment, address, id).map(|_| ())
+    intact_first(segment, object_header(segment, address, id).map(|_| ()))
+}
+
+/// `r`, unless the segment was found truncated meanwhile (its reads then read zeros:
+/// whatever they concluded, the truncation is the error; see `crate::sigbus`).
+fn intact_first<T>(segment: &StoreSegment, r: Result<T>) -> Result<T> {
+    segment.check_intact()?;
+    r
 }
 
 /// Read the object at `(address, id)`: check the handle, call `f` on its parts, check
@@ -224,8 +231,9 @@ pub fn read_object<R>(
     count_read: bool,
     f: impl FnOnce(&ObjectView<'_>) -> R,
 ) -> Result<R> {
-    let h = object_header(segment, address, id)?;
-    let r = read_header(segment, h, address, id, count_read, f)?;
+    segment.check_intact()?;
+    let h = intact_first(segment, object_header(segment, address, id))?;
+    let r = intact_first(segment, read_header(segment, h, address, id, count_read, f))?;
     if count_read {
         segment.count_get();
     }
@@ -408,7 +416,8 @@ pub fn read_object_viewed<R>(
     count_read: bool,
     f: impl FnOnce(&ObjectView<'_>, &ObjectViews<'_>) -> R,
 ) -> Result<R> {
-    let h = object_header(segment, address, id)?;
+    segment.check_intact()?;
+    let h = intact_first(segment, object_header(segment, address, id))?;
     let views = ObjectViews {
         segment,
         header: h,
@@ -416,7 +425,8 @@ pub fn read_object_viewed<R>(
     };
     let r = read_header(segment, h, address, id, count_read, |object| {
         f(object, &views)
-    })?;
+    });
+    let r = intact_first(segment, r)?;
     if count_read {
         segment.count_get();
     }
@@ -425,7 +435,7 @@ pub fn read_object_viewed<R>(
 
 /// The reader count of the object at `(address, id)` (for inspection and tests).
 pub fn object_reader_count(segment: &StoreSegment, address: u64, id: u32) -> Result<u32> {
-    let h = object_header(segment, address, id)?;
+    let h = intact_first(segment, object_header(segment, address, id))?;
     let (p, n) = segment.data_ptr(&h);
     // SAFETY: inside the ring (header_at), which `segment` keeps mapped; only the count
     // is read from it, atomically, whatever a peer writes there meanwhile.

@@ -346,6 +346,13 @@ impl StoreSegment {
     pub fn name(&self) -> &str {
         self.segment.name()
     }
+
+    /// An error once a peer truncated the segment under this process (see
+    /// `crate::sigbus`): one atomic load, where each read and write begins and ends.
+    #[inline]
+    pub fn check_intact(&self) -> Result<()> {
+        self.segment.check_intact()
+    }
     /// Bytes of the ring (`data_buffer_size`).
     pub fn capacity(&self) -> u64 {
         self.capacity

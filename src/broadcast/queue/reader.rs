@@ -453,6 +453,7 @@ impl Reader {
                 overflow,
                 arena,
             } => {
+                ring.ring().check_intact()?;
                 let Some(info) = ring.poll() else {
                     return Ok(None);
                 };
@@ -479,6 +480,8 @@ impl Reader {
                 };
                 // Consumed even if it could not be read: the next message is the next one.
                 ring.finish();
+                // A message read from the zero pages of a truncated segment is no message.
+                ring.ring().check_intact()?;
                 out.map(Some)
             }
             Source::Remote { sub } => {
@@ -610,7 +613,8 @@ impl Reader {
                     }
                 }
                 ring.finish();
-                Ok(())
+                // What the caller read may have been zeros (a peer truncated the ring).
+                ring.ring().check_intact()
             }
             Source::Remote { .. } => Err(Error::WrongRole(
                 "finish_read is only for local readers".into(),

@@ -434,6 +434,17 @@ impl Writer {
         if let Some(ring) = self.ring.as_mut() {
             ring.acquire(wait)?;
             let refs = place_parts(parts, self.arena.as_mut(), self.arena_threshold, ring);
+            // Parts copied into the zero pages of a truncated arena reach nobody.
+            if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
+                if let Err(e) = arena.check_intact() {
+                    for r in &refs {
+                        if let PartRef::Arena(a) = r {
+                            arena.abandon(a);
+                        }
+                    }
+                    return Err(e);
+                }
+            }
             let inline: usize = refs
                 .iter()
                 .zip(parts)

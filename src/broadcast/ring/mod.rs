@@ -226,6 +226,19 @@ impl Ring {
     pub fn name(&self) -> &str {
         self.segment.name()
     }
+
+    /// An error once a peer truncated the segment under this process (see
+    /// `crate::sigbus`): one atomic load, at each call's start and end.
+    #[inline]
+    pub fn check_intact(&self) -> Result<()> {
+        self.segment.check_intact()
+    }
+
+    /// [`check_intact`](Self::check_intact), and whether the file is still as long (a
+    /// `stat`): for the liveness steps of waits.
+    pub fn check_length(&self) -> Result<()> {
+        self.segment.check_length()
+    }
     pub fn n_reader(&self) -> usize {
         self.geo.n_reader
     }

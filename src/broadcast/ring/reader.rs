@@ -86,6 +86,7 @@ impl RingReader {
     /// Fails if the writer is proved dead. A writer that shut the queue down first is not
     /// dead (its end is told apart by [`wait`](Self::wait)).
     pub fn check_writer(ring: &Ring) -> Result<()> {
+        ring.check_length()?;
         if ring.writer_closed() {
             return Ok(());
         }
@@ -100,6 +101,7 @@ impl RingReader {
     /// shut the queue down and every chunk it published has been read.
     pub fn wait(&self, wait: &mut Wait) -> Result<ChunkInfo> {
         let ring = &*self.ring;
+        ring.check_intact()?;
         let ready = || match self.poll() {
             Some(info) => Some(Ok(info)),
             // Once more after seeing the mark: a chunk published just before it

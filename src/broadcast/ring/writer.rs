@@ -150,6 +150,7 @@ impl RingWriter {
         policy: DeadReaderPolicy,
         i: usize,
     ) -> Result<()> {
+        ring.check_length()?;
         let chunk = ring.chunk(i);
         for r in 0..ring.n_reader() {
             // Relaxed: a read flag still 0 here can only be a slow or dead reader; either
@@ -193,6 +194,7 @@ impl RingWriter {
     /// Wait until the next chunk is free, mark it not-written, and return its index. The
     /// chunk stays acquired until [`commit`](Self::commit) (or another `acquire`).
     pub fn acquire(&mut self, wait: &mut Wait) -> Result<usize> {
+        self.ring.check_intact()?;
         let i = self.next;
         let (ring, dropped, policy) = (&*self.ring, &self.dropped[..], self.on_dead_reader);
         let chunk = ring.chunk(i);
@@ -264,8 +266,8 @@ impl RingWriter {
         // commit, and `&mut self` keeps this the only reference in this process. The `n`
         // bytes are inside the chunk and reserved in /dev/shm, so writing them cannot
         // fault. (A reader process that breaks the protocol could still read torn data,
-        // and a same-uid peer that truncates the file could still make this fault: see
-        // the design notes on truncation.)
+        // and a same-uid peer that truncates the file could still make this fault, which
+        // `crate::sigbus` turns into zero pages and an error at `commit`.)
         Some(unsafe { std::slice::from_raw_parts_mut(p, n) })
     }
 
@@ -284,6 +286,12 @@ impl RingWriter {
             )));
         }
         let ring = &*self.ring;
+        // What was written may have gone to the zero pages of a truncated segment: then
+        // it is not published (the chunk stays acquired; the queue is lost anyway).
+        if let Err(e) = ring.check_intact() {
+            self.open = Some(i);
+            return Err(e);
+        }
         // Relaxed: published by the Release store of `written` in `protocol::publish`.
         ring.len_of(i).store(len as u64, Ordering::Relaxed);
         ring.kind_of(i).store(kind as u32, Ordering::Relaxed);
