@@ -190,14 +190,14 @@ impl ChunkFifo {
             }
             // A chunk already pinned stays, and stays readable: no stamp (readers
             // would take a live object for a stale one meanwhile).
-            if segment.is_pinned(h.offset) {
+            if segment.is_pinned(h.id) {
                 return false;
             }
             // Stamp the header (published with the new id_start below), then look for
             // zero-copy views again: this second look is the one that counts, since a
             // reader that pins it from now on sees the stamp.
             segment.store_u32(h.offset, INVALID_ID);
-            if segment.is_pinned(h.offset) {
+            if segment.is_pinned(h.id) {
                 // Some process still has views: keep the chunk (and all after it).
                 segment.store_u32(h.offset, c.id);
                 return false;
@@ -237,7 +237,7 @@ impl ChunkFifo {
         });
         if w.alloc
             .live()
-            .any(|c| segment.is_pinned(c.offset(capacity)))
+            .any(|c| segment.is_pinned(c.id))
         {
             // Some process has views of a chunk: keep every chunk where it is (the store
             // forgets their keys; they are freed oldest first once no view holds them)

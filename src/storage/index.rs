@@ -324,7 +324,7 @@ impl ObjectStore {
             "touched, so kept for a reader that will read it".to_owned()
         } else if read < wanted {
             format!("read {read} times of the {wanted} it waits for (readers have not got it)")
-        } else if seg.is_pinned(h.offset) {
+        } else if seg.is_pinned(h.id) {
             "read by every reader, but a zero-copy view of it is still held (drop it, or get \
              with copy=True)"
                 .to_owned()
@@ -384,7 +384,7 @@ impl ObjectStore {
             0,
         );
         // If pinning fails, the chunk (an empty object nobody knows) goes in its turn.
-        let pin = pin_own(segment, header.offset)?;
+        let pin = pin_own(segment, header.id)?;
         let (p, _) = segment.data_ptr(&header);
         let at = buffer_at(header.offset);
         // SAFETY: buffer_at + nbytes (rounded up to LOAN_ALIGN) is the chunk's data size

@@ -362,22 +362,32 @@ impl ObjectViews<'_> {
         let range = object.part_range(i);
         let (off, len) = (range.start, range.len());
         let at = RING_OFFSET as u64 + self.header.offset + HEADER_BYTES + off as u64;
+        let map = match self.segment.private_file()?.view(at, len) {
+            Ok(map) => map,
+            // Out of mappings (`vm.max_map_count`, ~65k: a process holding that many
+            // views) or of address space: this part is copied instead, like one below
+            // the view threshold.
+            Err(Error::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOMEM) => {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
         Ok(Some(PartView {
-            map: self.segment.private_file()?.view(at, len)?,
+            map,
             _pin: pin.clone(),
         }))
     }
 }
 
-/// Pin the chunk at ring offset `offset`: the writer's loans use this directly (no
+/// Pin the chunk with id `id`: the writer's loans use this directly (no
 /// check needed: the writer itself is what would free the chunk, and its frees probe
 /// for pins); readers through [`pin_chunk`].
-pub(super) fn pin_own(segment: &Arc<StoreSegment>, offset: u64) -> Result<Arc<ChunkPin>> {
+pub(super) fn pin_own(segment: &Arc<StoreSegment>, id: u32) -> Result<Arc<ChunkPin>> {
     // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned` (see
     // `pin_chunk`).
     segment.pin_hint().fetch_add(1, Ordering::SeqCst);
     let made_in = crate::fork::generation();
-    match segment.pins.pin(pin_byte(offset)) {
+    match segment.pins.pin(pin_byte(id)) {
         Ok(pin) => Ok(Arc::new(ChunkPin {
             segment: segment.clone(),
             _pin: pin,
@@ -394,7 +404,7 @@ pub(super) fn pin_own(segment: &Arc<StoreSegment>, offset: u64) -> Result<Arc<Ch
 /// Pin the chunk of `h` if it holds a live object (not a cleared one, which the writer
 /// reuses without looking for pins); `None` if it does not, or cannot be pinned.
 pub(super) fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<Arc<ChunkPin>> {
-    let pin = pin_own(segment, h.offset).ok()?;
+    let pin = pin_own(segment, h.id).ok()?;
     // SeqCst fence: the checks below come after the increment (and the lock) in the
     // order the writer's `is_pinned` is part of. If they pass, the writer will see the
     // pin before it frees or clears the chunk; if the writer marked it first, they fail

@@ -86,3 +86,25 @@ def view_reader(out: Any, handle_pickle: bytes, cmds: Any) -> None:
     del store
     gc.collect()
     out.put(("stopped", os.getpid()))
+
+
+def _locks_on(path: str) -> int:
+    """How many locks the kernel lists (``/proc/locks``) on the file at ``path``."""
+    st = os.stat(path)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as locks:
+        return sum(1 for line in locks if line.split()[5] == inode)
+
+
+def many_views_reader(out: Any, handle_pickle: bytes, handles: list[tuple[int, int]]) -> None:
+    """Get every object of ``handles`` and keep the views; report how many locks the
+    kernel keeps on the store's file then, and once they are all dropped."""
+    store = ObjectStorage.create_from_handle(pickle.loads(handle_pickle))
+    path = "/dev/shm/" + store.ring_buffer.shared_memory.name
+    before = _locks_on(path)
+    kept = [signed_get(store, address, mid) for address, mid in handles]
+    in_mapping = sum(mapping_of(t.data_ptr()) == path for t in kept)
+    holding = _locks_on(path)
+    kept.clear()
+    gc.collect()
+    out.put(("locks", in_mapping, before, holding, _locks_on(path)))
