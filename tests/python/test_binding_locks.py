@@ -178,10 +178,14 @@ def test_put_and_free_buf_with_the_stores_check_on_two_threads_do_not_deadlock()
     store = ObjectStorage(4096, 1, ring, reader_lock=object())
     errors: list[BaseException] = []
     stop = threading.Event()
+    freeing = threading.Event()
     done = {"puts": 0, "frees": 0}
 
     def putter() -> None:
         try:
+            # Once the other thread is inside its loop: on a busy machine this one could
+            # otherwise finish before that one is first scheduled.
+            assert freeing.wait(timeout=30), "the free_buf thread never ran"
             for i in range(3000):
                 try:
                     h = store.put(f"k{i}", {"i": i, "pad": b"x" * 500})
@@ -199,6 +203,7 @@ def test_put_and_free_buf_with_the_stores_check_on_two_threads_do_not_deadlock()
             while not stop.is_set():
                 ring.free_buf(store.default_is_free_check)
                 done["frees"] += 1
+                freeing.set()
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
