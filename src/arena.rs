@@ -757,16 +757,26 @@ impl ArenaWriter {
         Some(self.reference(lease, start - self.map.data() as usize, bytes.len()))
     }
 
+    /// Seal the loan that `r` (from [`find_loan`](Self::find_loan)) lies in, if it is not
+    /// sealed yet: call it before `r` goes into a message. `false` if its pages could not
+    /// be sealed (see [`LoanPages::seal`]): they are still shared with the readers, so
+    /// the part must be copied, not referenced. `true` for a part that is no loan's.
+    pub fn seal_loan(&self, r: &ArenaRef) -> bool {
+        if !self.is_loan[r.lease as usize] {
+            return true;
+        }
+        match self.loans.values().find(|(_, l, _)| *l == r.lease) {
+            Some((_, _, pages)) => pages.seal(&self.map.segment),
+            None => true,
+        }
+    }
+
     /// Publish `r`: add one hold per reader in `readers` on its lease, then drop the
     /// writer's own hold of a copied part (a loan keeps its hold until the `Loan` goes,
     /// and is sealed: see [`Loan`]). Call it before the message that carries `r` becomes
     /// visible to readers.
     pub fn publish(&self, r: &ArenaRef, readers: impl Iterator<Item = usize>) {
-        if self.is_loan[r.lease as usize] {
-            if let Some((_, _, pages)) = self.loans.values().find(|(_, l, _)| *l == r.lease) {
-                pages.seal(&self.map.segment);
-            }
-        }
+        self.seal_loan(r);
         for reader in readers {
             // Relaxed: the message carrying the reference is published with Release after
             // this, and the reader's decrement comes after it has seen that message.

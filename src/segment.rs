@@ -492,9 +492,10 @@ impl LoanPages {
         }
     }
 
-    /// The loan was sent: from now on this process's writes to it are its own. Only the
-    /// first call remaps. A failure leaves the loan shared (as before sealing existed):
-    /// it is logged, not raised, since the message is already on its way.
+    /// The loan is being sent: from now on this process's writes to it are its own. Only
+    /// the first call remaps. `false` if the pages could not be sealed (out of mappings,
+    /// `vm.max_map_count`, say): they are still shared, so the caller must not send them
+    /// by reference (a write after the send would reach the readers) but copy them.
     ///
     /// Replacing a filled (so populated) shared mapping costs the kernel a teardown of
     /// every page's entry (~0.35 ms for 16 MiB here), which would make a send cost in
@@ -502,9 +503,9 @@ impl LoanPages {
     /// tables (`mremap(MREMAP_DONTUNMAP)`, Linux 5.13+: ~15 µs for 16 MiB, and the range
     /// stays mapped throughout, empty), and `unseal` moves it back, pages still mapped.
     /// Where the kernel cannot, the pages are remapped in place.
-    pub(crate) fn seal(&self, segment: &Segment) {
+    pub(crate) fn seal(&self, segment: &Segment) -> bool {
         if self.sealed.load(Ordering::Acquire) {
-            return;
+            return true;
         }
         // SAFETY: `start..start + len` is whole pages of `segment`'s shared mapping (the
         // owner's allocation), which this process keeps mapped while the loan lives.
@@ -524,6 +525,7 @@ impl LoanPages {
             Ok(()) => {
                 self.parked.store(park, Ordering::Relaxed);
                 self.sealed.store(true, Ordering::Release);
+                true
             }
             Err(e) => {
                 if park != 0 {
@@ -531,7 +533,8 @@ impl LoanPages {
                     // nobody else's; it replaces the (still shared) range at `start`.
                     unsafe { libc::munmap(park as *mut libc::c_void, self.len) };
                 }
-                log::warn!("shmq: a sent loan stays writable for its readers: {e}")
+                log::info!("shmq: a loan could not be sealed, so it is sent by copy: {e}");
+                false
             }
         }
     }

@@ -460,6 +460,12 @@ impl ObjectStore {
         if at > spot.buffer_at {
             return None; // the rest does not fit before the buffer: copy
         }
+        // Sealed before the handle is returned (and so before any reader can have it). A
+        // loan whose pages cannot be sealed (out of mappings) is still shared: copied, so
+        // that the writer's later writes reach no reader.
+        if !spot.pages.seal(&segment.segment) {
+            return None;
+        }
         let (p, len) = segment.data_ptr(&spot.header);
         let write = |at: u64, bytes: &[u8]| {
             debug_assert!(at as usize + bytes.len() <= spot.buffer_at as usize);
@@ -480,8 +486,6 @@ impl ObjectStore {
                 write(offsets[i], part);
             }
         }
-        // Before the handle is returned (and so before any reader can have it).
-        spot.pages.seal(&segment.segment);
         self.loans.remove(&id);
         self.register(key, spot.address, id);
         Some((spot.address, id))

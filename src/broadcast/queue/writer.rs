@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::super::framing::{self, PartRef};
 use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
-use crate::arena::{self, ArenaWriter, LazyArenaWriter, Loan};
+use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
 use crate::error::{Error, Result};
 use crate::fork::{self, LeakInChild};
 use crate::remote::{self, RemoteWriter};
@@ -35,14 +35,29 @@ fn place_parts(
 ) -> Vec<PartRef> {
     let mut at = framing::header_len(parts.len());
     let (mut loaned, mut copied, mut fallbacks) = (0, 0, 0);
+    // The parts that lie in loans not sent before, all found before any is sealed (two
+    // parts of one loan in one message are both references). Loans exist only once the
+    // arena is made.
+    let in_loans: Vec<Option<ArenaRef>> = parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let a = arena.as_deref().and_then(|lazy| lazy.get())?;
+            (i > 0).then(|| a.find_loan(p)).flatten()
+        })
+        .collect();
     let refs = parts
         .iter()
         .enumerate()
         .map(|(i, p)| {
             if i > 0 {
                 if let Some(lazy) = arena.as_deref_mut() {
-                    // Loans exist only once the arena is made.
-                    if let Some(r) = lazy.get().and_then(|a| a.find_loan(p)) {
+                    // Sealed now, before the message can be seen: a loan whose pages
+                    // cannot be sealed (out of mappings) is still shared with the
+                    // readers, so it is copied like any other part.
+                    if let Some(r) =
+                        in_loans[i].filter(|r| lazy.get().is_some_and(|a| a.seal_loan(r)))
+                    {
                         loaned += 1;
                         return PartRef::Arena(r);
                     }
