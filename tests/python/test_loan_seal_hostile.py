@@ -119,3 +119,63 @@ def test_a_fork_after_the_send_changes_nothing_readers_get(children):
     assert children.expect(out, "sealed")[1:] == (16, [])
     assert mq.loan_fallbacks == 0
     children.join()
+
+
+def test_a_loan_sent_to_a_local_and_a_remote_reader_reaches_neither_once_written(children):
+    """One local reader (arena reference) and one remote reader (ZeroMQ frames, in
+    another process): the writer writes each loan right after the send; both readers get
+    what was sent (the remote frames are copied out of the loan within the send)."""
+    mq = MessageQueue(2, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
+    outs = [children.queue() for _ in range(2)]
+    for rank, out in enumerate(outs):
+        children.start(sealed_loan_reader, out, mq.export_handle(), rank)
+    mq.wait_until_ready(timeout=STEP)
+    for i in range(16):
+        t = mq.loan_tensor((MiB // 4,), torch.float32)
+        t.fill_(float(i))
+        mq.enqueue((i, t), timeout=STEP)
+        t.fill_(1000.0 + i)
+        del t
+        gc.collect()
+    mq.enqueue(None, timeout=STEP)
+    for out in outs:
+        assert children.expect(out, "sealed")[1:] == (16, [])
+    assert mq.loan_fallbacks == 0
+    children.join()
+
+
+def test_sent_loans_dropped_by_another_thread_while_the_writer_sends_leave_reuse_clean(children):
+    """Each sent loan goes to a thread that writes it and drops it (its pages mapped
+    shared again there) while the main thread goes on lending and sending: every message
+    a reader gets is what was sent, also in memory reused after such drops."""
+    import queue
+    import threading
+
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
+    out = children.queue()
+    children.start(sealed_loan_reader, out, mq.export_handle(), 0)
+    mq.wait_until_ready(timeout=STEP)
+    handoff: queue.Queue = queue.Queue()
+
+    def dropper() -> None:
+        while (item := handoff.get()) is not None:
+            i, t = item
+            t.fill_(1000.0 + i)
+            del item, t
+            gc.collect()
+
+    th = threading.Thread(target=dropper)
+    th.start()
+    try:
+        for i in range(40):
+            t = mq.loan_tensor((MiB // 4,), torch.float32)
+            t.fill_(float(i))
+            mq.enqueue((i, t), timeout=STEP)
+            handoff.put((i, t))
+            del t
+    finally:
+        handoff.put(None)
+        th.join()
+    mq.enqueue(None, timeout=STEP)
+    assert children.expect(out, "sealed")[1:] == (40, [])
+    children.join()
