@@ -759,7 +759,7 @@ impl ArenaWriter {
 
     /// Seal the loan that `r` (from [`find_loan`](Self::find_loan)) lies in, if it is not
     /// sealed yet: call it before `r` goes into a message. `false` if its pages could not
-    /// be sealed (see [`LoanPages::seal`]): they are still shared with the readers, so
+    /// be sealed (see `LoanPages::seal` in `segment`): they are still shared with the readers, so
     /// the part must be copied, not referenced. `true` for a part that is no loan's.
     pub fn seal_loan(&self, r: &ArenaRef) -> bool {
         if !self.is_loan[r.lease as usize] {
