@@ -563,9 +563,11 @@ def test_remote_worker_joins_over_tcp_and_strangers_are_refused(children):
         # The rank is taken now.
         with pytest.raises(PermissionError, match="rank 1 has already joined"):
             connect_to_parent(ticket, 1, die_with_parent=False)
+        # The worker is past report_ready (its "R" frame can reach the parent before its
+        # own call returns: closing before this report could interrupt that call).
+        children.expect(out, "ready")
     # close() asked the remote worker to stop: SIGTERM, a SystemExit(128 + SIGTERM) in its
     # main thread (which the test harness reports as an error).
-    children.expect(out, "ready")
     report = out.get(timeout=STARTUP)
     assert report[0] == "error" and f"SystemExit: {128 + signal.SIGTERM}" in report[2], report
     remote.join(STARTUP)
