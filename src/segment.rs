@@ -118,8 +118,9 @@ fn shm_total_bytes() -> Option<u64> {
     shm_statvfs().map(|(_, total)| total)
 }
 
-/// `(bytes free, bytes in all)` of the tmpfs behind `/dev/shm`.
-fn shm_statvfs() -> Option<(u64, u64)> {
+/// `(bytes free, bytes in all)` of the tmpfs behind `/dev/shm`, or `None` if it cannot be
+/// queried.
+pub(crate) fn shm_statvfs() -> Option<(u64, u64)> {
     let path = CString::new(SHM_DIR).ok()?;
     let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
     // SAFETY: `path` is a valid NUL-terminated string and `st` points to writable memory

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::private_map::page_size;
 use crate::process::ProcessId;
-use crate::segment::{unique_name, warn_shm_too_small, Segment, SHM_DIR};
+use crate::segment::{shm_statvfs, unique_name, warn_shm_too_small, Segment, SHM_DIR};
 use crate::sync::Ordering;
 use crate::wait::Wait;
 
@@ -47,28 +47,9 @@ const RESERVE_STEP: usize = 64 << 20;
 const HEADROOM_SHARE: u64 = 8;
 const HEADROOM_MAX: u64 = 64 << 20;
 
-/// `(bytes free, bytes in all)` of the tmpfs behind /dev/shm, if it can be asked.
-fn shm_space() -> Option<(u64, u64)> {
-    let path = std::ffi::CString::new(SHM_DIR).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `path` is NUL-terminated and `st` points to writable memory of the right
-    // type; statvfs only writes into it.
-    if unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled the struct.
-    let st = unsafe { st.assume_init() };
-    // No-op casts on 64-bit Linux; the types are 32 bits elsewhere.
-    #[allow(clippy::unnecessary_cast)]
-    Some((
-        st.f_bavail as u64 * st.f_frsize as u64,
-        st.f_blocks as u64 * st.f_frsize as u64,
-    ))
-}
-
 /// Whether taking `more` bytes of /dev/shm would leave less than the headroom free.
 fn crowds_shm(more: usize) -> bool {
-    shm_space().is_some_and(|(free, total)| {
+    shm_statvfs().is_some_and(|(free, total)| {
         free.saturating_sub(more as u64) < (total / HEADROOM_SHARE).min(HEADROOM_MAX)
     })
 }
@@ -753,7 +734,7 @@ impl Inner {
                  consumers load them, or give the container more shared memory: `docker run \
                  --shm-size=...` or `--ipc=host`; on Kubernetes an emptyDir with `medium: \
                  Memory` at {SHM_DIR})",
-                mib(shm_space().map_or(0, |(free, _)| free)),
+                mib(shm_statvfs().map_or(0, |(free, _)| free)),
                 mib(st.backing.backed_bytes() as u64),
             )
         } else {
@@ -1040,7 +1021,7 @@ impl Inner {
     fn commit(&self, from: usize, len: usize) -> Result<()> {
         // Asked first: tmpfs would allocate page by page up to the failure and then
         // undo it all, which a producer polling for room would do again and again.
-        if let Some((free, _)) = shm_space() {
+        if let Some((free, _)) = shm_statvfs() {
             if len as u64 > free {
                 return Err(Error::NoSpace {
                     name: self.map.segment.name().to_owned(),

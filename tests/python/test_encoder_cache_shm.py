@@ -18,57 +18,26 @@ not permitted).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _private_shm import capture_shm_warnings, run_in_private_shm, shm_free, shm_total
+
 STEP = 60.0  # bound on any one blocking call in the program
 MiB = 1 << 20
 ENTRY_BYTES = 8 * MiB
 WARNING = "is too small"
 
 
-def _namespace_reason() -> str | None:
-    """Why a private tmpfs /dev/shm cannot be made here, or None if it can."""
-    try:
-        r = subprocess.run(
-            ["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-            capture_output=True,
-            timeout=30,
-        )
-    except (FileNotFoundError, subprocess.TimeoutExpired) as e:
-        return f"unshare is not usable: {e}"
-    if r.returncode != 0:
-        return f"cannot mount a private /dev/shm (unshare --mount): {r.stderr.decode().strip()}"
-    return None
-
-
 def _in_small_shm(shm_size: str, *args: str, timeout: float = 400) -> dict:
     """Run this file as a program with ``args`` in a private /dev/shm of ``shm_size``;
     its last stdout line (JSON), once it exited 0."""
-    reason = _namespace_reason()
-    if reason:
-        pytest.skip(reason)
-    program = " ".join([sys.executable, os.path.abspath(__file__), *args])
-    script = f"mount -t tmpfs -o size={shm_size} tmpfs /dev/shm && exec {program}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
-    p = subprocess.run(
-        ["unshare", "--mount", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    # A SIGBUS would be -7 (or 135 from the shell): the one thing that must never happen.
-    assert p.returncode == 0, f"program failed ({p.returncode}):\n{p.stderr[-4000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_in_private_shm(__file__, list(args), shm_size, timeout)
 
 
 @pytest.mark.timeout(500)
@@ -180,34 +149,6 @@ def test_a_producer_sigkilled_mid_save_never_shows_the_unfinished_key(children, 
 # The program: runs inside the private /dev/shm.
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.texts: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if WARNING in msg and "/dev/shm" in msg:
-            self.texts.append(msg)
-
-
-def _capture_warnings() -> _Warnings:
-    h = _Warnings()
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger().addHandler(h)
-    return h
-
-
-def _shm_total() -> int:
-    st = os.statvfs("/dev/shm")
-    return st.f_blocks * st.f_frsize
-
-
-def _shm_free() -> int:
-    st = os.statvfs("/dev/shm")
-    return st.f_bavail * st.f_frsize
-
-
 def _value(i: int):
     import torch
 
@@ -248,7 +189,7 @@ def _loading_consumer(name: str, n: int, out) -> None:
 def run_loaded(n: int) -> dict:
     import multiprocessing as mp
 
-    warnings = _capture_warnings()
+    warnings = capture_shm_warnings(WARNING)
     from shmq import EncoderCacheProducer
 
     producer = EncoderCacheProducer(f"shm-loaded-{os.getpid()}", timeout=STEP)
@@ -278,21 +219,21 @@ def run_loaded(n: int) -> dict:
     except Exception as e:  # reported, not lost
         errors.append(f"last save: {e!r}")
     stats = producer.stats()
-    shm_free = _shm_free()
+    free_now = shm_free()
     producer.close()
     return {
         "errors": errors,
         "consumer": consumer,
         "stats": stats,
-        "shm_total": _shm_total(),
-        "shm_free": shm_free,
+        "shm_total": shm_total(),
+        "shm_free": free_now,
         "warnings": len(warnings.texts),
         "warning_texts": warnings.texts,
     }
 
 
 def run_stuck() -> dict:
-    warnings = _capture_warnings()
+    warnings = capture_shm_warnings(WARNING)
     from shmq import EncoderCacheProducer
 
     # min_consumers=1 and no consumer: no entry ever counts as loaded, none may go.

@@ -15,42 +15,20 @@ timed.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
+
+from _private_shm import run_in_private_shm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "_exit_leak_children.py")
 
 
-def _namespace_reason() -> str | None:
-    try:
-        r = subprocess.run(
-            ["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-            capture_output=True,
-            timeout=30,
-        )
-    except (FileNotFoundError, subprocess.TimeoutExpired) as e:
-        return f"unshare is not usable: {e}"
-    if r.returncode != 0:
-        return f"cannot mount a private /dev/shm (unshare --mount): {r.stderr.decode().strip()}"
-    return None
-
-
 def _scenario(name: str, *args: str) -> dict:
     """Run scenario ``name`` (with ``args``) in a private 512 MiB /dev/shm; its report."""
-    reason = _namespace_reason()
-    if reason:
-        pytest.skip(reason)
-    script = f"mount -t tmpfs -o size=512m tmpfs /dev/shm && exec {sys.executable} {PROGRAM} {' '.join([name, *args])}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
-    p = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, f"the scenario failed ({p.returncode}):\n{p.stderr[-4000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_in_private_shm(PROGRAM, [name, *args], "512m", 240)
 
 
 @pytest.mark.parametrize("method", ["fork", "forkserver"])

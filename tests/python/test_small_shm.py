@@ -17,16 +17,15 @@ not permitted).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
-import subprocess
 import sys
 import time
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _private_shm import capture_shm_warnings, run_in_private_shm, shm_total
+
 SHM_SIZE = "64m"
 STEP = 60.0  # bound on any one blocking call in the program
 N_SMALL = 10_000
@@ -47,40 +46,10 @@ STORE_SIZES = {
 }
 
 
-def _namespace_reason() -> str | None:
-    """Why a private tmpfs /dev/shm cannot be made here, or None if it can."""
-    try:
-        r = subprocess.run(
-            ["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-            capture_output=True,
-            timeout=30,
-        )
-    except (FileNotFoundError, subprocess.TimeoutExpired) as e:
-        return f"unshare is not usable: {e}"
-    if r.returncode != 0:
-        return f"cannot mount a private /dev/shm (unshare --mount): {r.stderr.decode().strip()}"
-    return None
-
-
 def _in_small_shm(*args: str, timeout: float = 240) -> dict:
     """Run this file as a program with ``args`` in a private 64 MiB /dev/shm; its last
     stdout line (JSON), once it exited 0."""
-    reason = _namespace_reason()
-    if reason:
-        pytest.skip(reason)
-    program = " ".join([sys.executable, os.path.abspath(__file__), *args])
-    script = f"mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && exec {program}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
-    p = subprocess.run(
-        ["unshare", "--mount", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    # A SIGBUS would be -7 (or 135 from the shell): the one thing that must never happen.
-    assert p.returncode == 0, f"program failed ({p.returncode}):\n{p.stderr[-4000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_in_private_shm(__file__, list(args), SHM_SIZE, timeout)
 
 
 def _check_readers(got: dict, expected: list) -> None:
@@ -139,29 +108,6 @@ def test_store_put_raises_memory_error_when_dev_shm_is_full(sizes):
 
 # ------------------------------------------------------------------------------------
 # The program: runs inside the private /dev/shm.
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.texts: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if WARNING in msg and "/dev/shm" in msg:
-            self.texts.append(msg)
-
-
-def _capture_warnings() -> _Warnings:
-    h = _Warnings()
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger().addHandler(h)
-    return h
-
-
-def _shm_total() -> int:
-    st = os.statvfs("/dev/shm")
-    return st.f_blocks * st.f_frsize
 
 
 def _fill_dev_shm(leave: int) -> str:
@@ -226,7 +172,7 @@ def _collect(procs, out) -> dict:
 
 
 def run_queue(sizes: str, fill: bool) -> dict:
-    warnings = _capture_warnings()
+    warnings = capture_shm_warnings(WARNING)
     from shmq import MessageQueue
 
     kwargs = QUEUE_SIZES[sizes]
@@ -252,7 +198,7 @@ def run_queue(sizes: str, fill: bool) -> dict:
         "sent": sent,
         "readers": readers,
         "ring_bytes": ring_bytes,
-        "shm_total": _shm_total(),
+        "shm_total": shm_total(),
         "overflow_count": overflow_at_fill_end if fill else ring.ring.overflow_count,
         "overflow_after_room": ring.ring.overflow_count,
         "arena_fallbacks": mq.arena_fallbacks,
@@ -283,7 +229,7 @@ def _store_reader(handle_pickle: bytes, rank: int, inbox, out) -> None:
 def run_store(sizes: str, fill: bool) -> dict:
     import multiprocessing as mp
 
-    warnings = _capture_warnings()
+    warnings = capture_shm_warnings(WARNING)
     from shmq import ObjectStorage, PickleSerde, RingBuffer
 
     data_buffer_size, max_object_size = STORE_SIZES[sizes]
