@@ -130,10 +130,12 @@ def _flooded_writer(children, reconnect: bool):
     socks = _dealers(ctx, handle.remote_subscribe_addr, reconnect=reconnect)
     try:
         yield base, pid
-        # A real reader still joins and gets the stream.
-        children.start(one_message_reader, out, handle, 0)
+        # A real reader still joins and gets the stream (it reports on a queue of its
+        # own: the writer's "sent" and its "got" come from two processes, in any order).
+        reader_out = children.queue()
+        children.start(one_message_reader, reader_out, handle, 0)
         assert children.expect(out, "sent") == ("sent",)
-        assert children.expect(out, "got") == ("got", "after the flood")
+        assert children.expect(reader_out, "got") == ("got", "after the flood")
     finally:
         for s in socks:
             s.close(0)
