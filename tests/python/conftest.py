@@ -9,6 +9,7 @@ import gc
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,18 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         sys.stderr.write(f"\nshmq segments left in /dev/shm by the test session: {sorted(left)}\n")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def cache_name():
+    """A unique cache name; no segment of it may be left at the end."""
+    name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    deadline = time.monotonic() + 3
+    while True:
+        gc.collect()
+        left = [n for n in os.listdir("/dev/shm") if name in n]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"encoder cache segments left in /dev/shm: {left}"

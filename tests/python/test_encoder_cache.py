@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -35,21 +34,6 @@ from shmq.encoder_cache import MAX_KEY_LEN
 # Room for n one-MiB values (each entry is its pickle, its part table and the tensor,
 # in whole pages).
 ENTRY = MiB + 8192
-
-
-@pytest.fixture
-def cache_name():
-    """A unique cache name; no segment of it may be left at the end."""
-    name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    deadline = time.monotonic() + 3
-    while True:
-        gc.collect()
-        left = [n for n in os.listdir("/dev/shm") if name in n]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert not left, f"encoder cache segments left in /dev/shm: {left}"
 
 
 class Scripted:

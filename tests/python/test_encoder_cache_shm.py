@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 import time
-import uuid
 
 import pytest
 
@@ -96,20 +95,6 @@ def _reserving_producer(out, name: str) -> None:
     assert reservation is not None
     out.put(("reserved", os.getpid()))
     time.sleep(3 * STEP)
-
-
-@pytest.fixture
-def cache_name():
-    """A unique cache name; no segment of it may be left at the end."""
-    name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    deadline = time.monotonic() + 3
-    while True:
-        left = [n for n in os.listdir("/dev/shm") if name in n]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert not left, f"encoder cache segments left in /dev/shm: {left}"
 
 
 def test_a_producer_sigkilled_mid_save_never_shows_the_unfinished_key(children, cache_name):
