@@ -5,7 +5,8 @@
 //! 1. **spin** for a short window (default 50 µs when every process of the ring has a
 //!    core, else none; [`SPIN_US_ENV`]): a message usually arrives within microseconds
 //!    while a serving engine is busy;
-//! 2. **yield** the CPU between polls for a while longer (default 50 µs, [`YIELD_US_ENV`]);
+//! 2. **yield** the CPU between polls for a while longer (default 50 µs, [`YIELD_US_ENV`];
+//!    up to 1 ms for a waiter whose peer usually answers that fast, [`WaitHistory`]);
 //! 3. **sleep** on the ring's doorbell (`crate::doorbell`) (a futex in the
 //!    shared segment) until the other side rings it: an idle waiter costs no CPU.
 //!
@@ -14,8 +15,8 @@
 //! cancel events there), whether the peer it waits for is still alive (about once a
 //! second) and the "still waiting" warning ([`WARNING_INTERVAL_ENV`]).
 
-use std::sync::atomic::AtomicBool;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::doorbell::DoorbellWords;
@@ -29,6 +30,11 @@ pub const VLLM_WARNING_INTERVAL_ENV: &str = "VLLM_RINGBUFFER_WARNING_INTERVAL";
 pub const SPIN_US_ENV: &str = "SHMQ_SPIN_US";
 /// Environment variable: microseconds a waiter yields before it goes to sleep.
 pub const YIELD_US_ENV: &str = "SHMQ_YIELD_US";
+/// Environment variable: microseconds the yield phase may grow to for a waiter whose
+/// recent waits were short (see [`WaitHistory`]).
+pub const YIELD_MAX_US_ENV: &str = "SHMQ_YIELD_MAX_US";
+/// The default of [`YIELD_MAX_US_ENV`] when every process of the ring has a core.
+pub const DEFAULT_YIELD_MAX: Duration = Duration::from_millis(1);
 
 /// How often the caller's hook runs while yielding, and at most how long one sleep lasts
 /// when there is a hook (so a Python cancel event is seen within this time).
@@ -62,33 +68,111 @@ pub fn warning_interval() -> Duration {
 pub struct WaitPolicy {
     pub spin: Duration,
     pub yield_for: Duration,
+    /// How long the yield phase may grow to for a waiter whose recent waits were short
+    /// ([`WaitHistory`]); no growth when it is at most `yield_for`.
+    pub yield_max: Duration,
 }
 
 impl WaitPolicy {
     /// The default for a ring that `processes` processes use (its writer and local
     /// readers): spin 50 µs if each can have a core, else not at all (spinners would take
     /// the cores the others need: on 2 cores, 3 readers get ~4x fewer messages through),
-    /// then yield for 50 µs. [`SPIN_US_ENV`] / [`YIELD_US_ENV`] override either.
+    /// then yield for 50 µs, or up to 1 ms for a waiter whose recent waits were short
+    /// when each process has a core ([`WaitHistory`]). [`SPIN_US_ENV`] /
+    /// [`YIELD_US_ENV`] / [`YIELD_MAX_US_ENV`] override each.
     pub fn for_processes(processes: usize) -> WaitPolicy {
         // Computed once: `available_parallelism` reads cgroup files (~15 µs), and every
         // blocking call starts from a policy.
-        static ENV: OnceLock<(Option<Duration>, Option<Duration>, usize)> = OnceLock::new();
-        let (spin, yield_for, cores) = *ENV.get_or_init(|| {
+        type Env = (Option<Duration>, Option<Duration>, Option<Duration>, usize);
+        static ENV: OnceLock<Env> = OnceLock::new();
+        let (spin, yield_for, yield_max, cores) = *ENV.get_or_init(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             (
                 env_duration(SPIN_US_ENV, micros),
                 env_duration(YIELD_US_ENV, micros),
+                env_duration(YIELD_MAX_US_ENV, micros),
                 cores,
             )
         });
-        let default_spin = if processes > cores {
+        let oversubscribed = processes > cores;
+        let default_spin = if oversubscribed {
             Duration::ZERO
         } else {
             Duration::from_micros(50)
         };
+        // An explicit yield time is kept as it is unless a maximum is given too.
+        let default_max = if oversubscribed || yield_for.is_some() {
+            None
+        } else {
+            Some(DEFAULT_YIELD_MAX)
+        };
+        let yield_for = yield_for.unwrap_or(Duration::from_micros(50));
         WaitPolicy {
             spin: spin.unwrap_or(default_spin),
-            yield_for: yield_for.unwrap_or(Duration::from_micros(50)),
+            yield_for,
+            yield_max: yield_max.or(default_max).unwrap_or(yield_for),
+        }
+    }
+
+    /// This policy with fixed phases: `spin`, then `yield_for`, never grown by history.
+    pub fn fixed(spin: Duration, yield_for: Duration) -> WaitPolicy {
+        WaitPolicy {
+            spin,
+            yield_for,
+            yield_max: yield_for,
+        }
+    }
+}
+
+/// How many recent waits a [`WaitHistory`] keeps.
+const HISTORY: usize = 8;
+
+/// The last few waits of one waiter (a queue's reader or writer, in one process), so
+/// that it keeps polling through the gaps its peer usually leaves instead of sleeping on
+/// every message. A reader whose writer sends a message every 130 µs (a ping-pong of
+/// step-sized messages: pickling takes that long) would otherwise go to sleep after the
+/// 100 µs of spinning and yielding, and pay a futex wake-up (tens of µs) per message.
+///
+/// The yield phase grows to twice the *typical* recent wait (the 6th shortest of the last
+/// 8) when that is at most [`WaitPolicy::yield_max`]; a waiter whose peer is usually slow
+/// or idle keeps the short default and sleeps at no CPU cost. Only the time until the
+/// condition held is recorded, never a wait that failed.
+#[derive(Debug, Default)]
+pub struct WaitHistory {
+    /// Microseconds, saturated.
+    samples: [AtomicU32; HISTORY],
+    next: AtomicU32,
+}
+
+impl WaitHistory {
+    /// Record a wait that ended because its condition held after `waited`.
+    pub fn record(&self, waited: Duration) {
+        let us = u32::try_from(waited.as_micros()).unwrap_or(u32::MAX);
+        // Relaxed: a statistic of this process that orders no other memory. Threads that
+        // share a handle may overwrite each other's sample (the index is loaded and
+        // stored, not incremented atomically): one sample lost changes only how long a
+        // later wait polls before it sleeps.
+        let i = self.next.load(Ordering::Relaxed);
+        self.next.store(i.wrapping_add(1), Ordering::Relaxed);
+        self.samples[i as usize % HISTORY].store(us, Ordering::Relaxed);
+    }
+
+    /// How long a wait under `policy` yields before it sleeps.
+    pub fn yield_for(&self, policy: &WaitPolicy) -> Duration {
+        if policy.yield_max <= policy.yield_for {
+            return policy.yield_for;
+        }
+        // Relaxed: see `record`.
+        let mut s = [0u32; HISTORY];
+        for (v, sample) in s.iter_mut().zip(&self.samples) {
+            *v = sample.load(Ordering::Relaxed);
+        }
+        s.sort_unstable();
+        let grown = Duration::from_micros(u64::from(s[HISTORY * 3 / 4 - 1]) * 2);
+        if grown <= policy.yield_max {
+            grown.max(policy.yield_for)
+        } else {
+            policy.yield_for
         }
     }
 }
@@ -160,6 +244,7 @@ pub struct Wait<'a> {
     cancel: Option<&'a AtomicBool>,
     hook: Option<Hook<'a>>,
     policy: WaitPolicy,
+    history: Option<Arc<WaitHistory>>,
     /// `None`: never warn (a wait the caller expects to be long).
     next_warning: Option<Instant>,
     next_liveness: Instant,
@@ -177,6 +262,7 @@ impl<'a> Wait<'a> {
             cancel: None,
             hook: None,
             policy: WaitPolicy::default(),
+            history: None,
             next_warning: Some(started + warning_interval()),
             next_liveness: started + LIVENESS_INTERVAL,
         }
@@ -194,6 +280,7 @@ impl<'a> Wait<'a> {
             cancel: None,
             hook: None,
             policy: WaitPolicy::default(),
+            history: None,
             next_warning: None,
             next_liveness: started,
         }
@@ -215,6 +302,19 @@ impl<'a> Wait<'a> {
     pub fn policy(mut self, policy: WaitPolicy) -> Self {
         self.policy = policy;
         self
+    }
+
+    /// Learn from and add to `history`: how long this waiter's recent waits lasted sets
+    /// how long this one yields before it sleeps.
+    pub fn learning(mut self, history: &Arc<WaitHistory>) -> Self {
+        self.history = Some(history.clone());
+        self
+    }
+
+    fn record(&self, since: Instant) {
+        if let Some(h) = &self.history {
+            h.record(since.elapsed());
+        }
     }
 
     /// Do not log "still waiting" warnings (for waits expected to last, e.g. an idle
@@ -310,6 +410,9 @@ impl<'a> Wait<'a> {
         mut ready: impl FnMut() -> Option<T>,
     ) -> Result<T> {
         if let Some(v) = ready() {
+            if let Some(h) = &self.history {
+                h.record(Duration::ZERO);
+            }
             return Ok(v);
         }
         let start = Instant::now();
@@ -319,6 +422,7 @@ impl<'a> Wait<'a> {
             for _ in 0..64 {
                 std::hint::spin_loop();
                 if let Some(v) = ready() {
+                    self.record(start);
                     return Ok(v);
                 }
             }
@@ -329,11 +433,16 @@ impl<'a> Wait<'a> {
             }
         }
         // Yield: give the core to others between polls.
-        let yield_end = spin_end + self.policy.yield_for;
+        let yield_for = self
+            .history
+            .as_ref()
+            .map_or(self.policy.yield_for, |h| h.yield_for(&self.policy));
+        let yield_end = spin_end + yield_for;
         let mut next_slow = Instant::now() + HOOK_INTERVAL;
         loop {
             std::thread::yield_now();
             if let Some(v) = ready() {
+                self.record(start);
                 return Ok(v);
             }
             let now = Instant::now();
@@ -373,6 +482,7 @@ impl<'a> Wait<'a> {
                 Some(timeout.max(Duration::from_micros(100))),
             );
             if let Some(v) = found.or_else(&mut ready) {
+                self.record(start);
                 return Ok(v);
             }
             let now = Instant::now();
@@ -426,6 +536,71 @@ mod tests {
             })
             .unwrap();
         assert_eq!(v, 1001);
+    }
+
+    #[test]
+    fn history_grows_the_yield_phase_only_for_short_waits() {
+        let policy = WaitPolicy {
+            spin: Duration::from_micros(50),
+            yield_for: Duration::from_micros(50),
+            yield_max: Duration::from_millis(1),
+        };
+        let h = WaitHistory::default();
+        // No history yet: the default.
+        assert_eq!(h.yield_for(&policy), policy.yield_for);
+        // A peer that answers every 130 µs: poll twice that before sleeping.
+        for _ in 0..HISTORY {
+            h.record(Duration::from_micros(130));
+        }
+        assert_eq!(h.yield_for(&policy), Duration::from_micros(260));
+        // Two long waits of the last eight (an idle spell) do not undo it ...
+        h.record(Duration::from_secs(3));
+        h.record(Duration::from_secs(3));
+        assert_eq!(h.yield_for(&policy), Duration::from_micros(260));
+        // ... three do: the typical wait is long now, so the waiter sleeps early again.
+        h.record(Duration::from_secs(3));
+        assert_eq!(h.yield_for(&policy), policy.yield_for);
+        // A peer whose gaps exceed half the maximum: no growth either.
+        for _ in 0..HISTORY {
+            h.record(Duration::from_micros(600));
+        }
+        assert_eq!(h.yield_for(&policy), policy.yield_for);
+        // Waits shorter than the default never shrink it.
+        for _ in 0..HISTORY {
+            h.record(Duration::from_micros(5));
+        }
+        assert_eq!(h.yield_for(&policy), policy.yield_for);
+        // A fixed policy never grows.
+        for _ in 0..HISTORY {
+            h.record(Duration::from_micros(130));
+        }
+        let fixed = WaitPolicy::fixed(policy.spin, policy.yield_for);
+        assert_eq!(h.yield_for(&fixed), policy.yield_for);
+    }
+
+    #[test]
+    fn a_wait_records_how_long_it_took() {
+        let h = Arc::new(WaitHistory::default());
+        let policy = WaitPolicy::fixed(Duration::ZERO, Duration::from_millis(100));
+        let until = Instant::now() + Duration::from_millis(2);
+        Wait::new("t", Some(Duration::from_secs(5)))
+            .policy(policy)
+            .learning(&h)
+            .until(None, &mut no_peer, || (Instant::now() >= until).then_some(()))
+            .unwrap();
+        let grown = WaitPolicy { yield_max: Duration::from_secs(1), ..policy };
+        // All eight samples are needed for the typical wait: one 2 ms wait and seven
+        // zeros give the default; eight such waits give twice 2 ms or more.
+        assert_eq!(h.yield_for(&grown), policy.yield_for);
+        for _ in 1..HISTORY {
+            let until = Instant::now() + Duration::from_millis(2);
+            Wait::new("t", None)
+                .policy(policy)
+                .learning(&h)
+                .until(None, &mut no_peer, || (Instant::now() >= until).then_some(()))
+                .unwrap();
+        }
+        assert!(h.yield_for(&grown) >= Duration::from_millis(4));
     }
 
     #[test]
@@ -483,10 +658,7 @@ mod tests {
                 flag.store(true, std::sync::atomic::Ordering::SeqCst);
                 bell.doorbell().ring();
             });
-            let policy = WaitPolicy {
-                spin: Duration::ZERO,
-                yield_for: Duration::from_millis(1),
-            };
+            let policy = WaitPolicy::fixed(Duration::ZERO, Duration::from_millis(1));
             let started = Instant::now();
             let got = Wait::new("t", Some(Duration::from_secs(20)))
                 .policy(policy)

@@ -228,9 +228,11 @@ class MessageQueue:
     - ``spin_us`` / ``yield_us``: how long a blocked call spins, then yields the CPU,
       before it sleeps on a futex in the segment. Defaults: spin 50 µs if the writer
       and the local readers each have a core, else not at all (spinning processes would
-      take the cores the others need); yield 50 µs. The ``SHMQ_SPIN_US`` /
-      ``SHMQ_YIELD_US`` environment variables set other defaults. An idle reader costs
-      no CPU; the writer wakes sleepers only when there are any.
+      take the cores the others need); yield 50 µs, grown up to 1 ms (when each has a
+      core and ``yield_us`` is not given) to twice the typical recent wait of a waiter
+      whose peer answers that quickly. The ``SHMQ_SPIN_US`` / ``SHMQ_YIELD_US`` /
+      ``SHMQ_YIELD_MAX_US`` environment variables set other defaults. An idle reader
+      costs no CPU; the writer wakes sleepers only when there are any.
     - ``on_dead_reader``: when a local reader dies without reading a chunk the writer
       needs, the writer raises ``PeerDiedError`` naming it (``"raise"``, the default) or
       goes on without it (``"drop"``). A reader whose writer died raises

@@ -63,9 +63,12 @@ pub(crate) fn wait_policy(
             "{name} must be a non-negative number of microseconds, got {x}"
         ))),
     };
+    let yield_for = us(yield_us, d.yield_for, "yield_us")?;
     Ok(WaitPolicy {
         spin: us(spin_us, d.spin, "spin_us")?,
-        yield_for: us(yield_us, d.yield_for, "yield_us")?,
+        yield_for,
+        // A yield time given here is kept as given, never grown by the waiter's history.
+        yield_max: if yield_us.is_some() { yield_for } else { d.yield_max },
     })
 }
 

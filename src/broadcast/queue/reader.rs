@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::fork::{self, LeakInChild};
 use crate::remote::RemoteReader;
 use crate::transport::Subscriber;
-use crate::wait::{Wait, WaitPolicy, WaitSpec};
+use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
 
 enum Source {
     Local {
@@ -206,6 +206,8 @@ pub struct Reader {
     ready: bool,
     canceller: Canceller,
     policy: WaitPolicy,
+    /// This reader's recent waits (how long its waits poll before sleeping).
+    history: Arc<WaitHistory>,
     /// What this reader's waits are for (in warnings and timeout errors).
     what: Arc<str>,
     ready_what: Arc<str>,
@@ -301,6 +303,7 @@ impl Reader {
             ready: false,
             canceller: Canceller::new(ring, false),
             policy,
+            history: Arc::default(),
             ready_what: format!("{what} to be ready").into(),
             what: what.into(),
             _ctx: LeakInChild::new(ctx),
@@ -363,6 +366,7 @@ impl Reader {
         canceller: &'a Canceller,
     ) -> Wait<'a> {
         spec.into_wait(what, self.policy, canceller.flag())
+            .learning(&self.history)
     }
 
     /// Wait for the writer's go-ahead (see [`Writer::wait_until_ready`](super::Writer::wait_until_ready)).

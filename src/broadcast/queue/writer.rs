@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::fork::{self, LeakInChild};
 use crate::remote::{self, RemoteWriter};
 use crate::transport::{default_connect_ip, Publisher};
-use crate::wait::{Wait, WaitPolicy, WaitSpec};
+use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
 
 /// What the writer's waits are for, in warnings and timeout errors.
 const WAITING_FOR_SUBSCRIBERS: &str = "the writer waiting for every reader to subscribe";
@@ -106,6 +106,8 @@ pub struct Writer {
     handle: Handle,
     overflow_count: u64,
     policy: WaitPolicy,
+    /// This writer's recent waits (how long its waits poll before sleeping).
+    history: Arc<WaitHistory>,
     /// Set by `shutdown()` (from any thread): this writer's calls fail from then on.
     canceller: Canceller,
     /// The readers have been told that the queue is shut down ([`Writer::close`]).
@@ -216,6 +218,7 @@ impl Writer {
             policy: opts
                 .wait
                 .unwrap_or_else(|| WaitPolicy::for_processes(opts.n_local_reader + 1)),
+            history: Arc::default(),
             canceller,
             closed: false,
             _ctx: LeakInChild::new(ctx),
@@ -347,7 +350,8 @@ impl Writer {
         let canceller = self.canceller.clone();
         let mut wait = wait
             .into()
-            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag());
+            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag())
+            .learning(&self.history);
         self.enqueue_with(msg, &mut wait)
     }
 
@@ -417,7 +421,8 @@ impl Writer {
         let canceller = self.canceller.clone();
         let mut wait = wait
             .into()
-            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag());
+            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag())
+            .learning(&self.history);
         self.enqueue_parts_with(parts, &mut wait)
     }
 
@@ -607,7 +612,8 @@ impl Writer {
         let canceller = self.canceller.clone();
         let mut wait = wait
             .into()
-            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag());
+            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag())
+            .learning(&self.history);
         self.acquire_write_with(&mut wait)
     }
 
