@@ -56,7 +56,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::fork::LeakInChild;
-use crate::transport::poll_slice;
+use crate::transport::{poll_slice, POLL_SLICE};
 use crate::wait::Wait;
 
 /// Bytes of the queue's secret.
@@ -1067,18 +1067,29 @@ impl RemoteReader {
         }
     }
 
-    fn try_recv_raw(&self) -> Result<Option<Vec<zmq::Message>>> {
-        let first = match self.socket.recv_msg(zmq::DONTWAIT) {
+    /// The next raw message (its frames), waiting up to `timeout` for it (not at all
+    /// when zero). The wait is the receive itself (ZeroMQ's receive timeout), not a poll
+    /// then a receive: half the system calls per message. An interrupted wait (EINTR)
+    /// returns `None`, so the caller's wait runs its checks (signals) first.
+    fn recv_raw(&self, timeout: Duration) -> Result<Option<Vec<zmq::Message>>> {
+        let what = || format!("receiving from {}", self.endpoint);
+        let first = if timeout.is_zero() {
+            self.socket.recv_msg(zmq::DONTWAIT)
+        } else {
+            let ms = i32::try_from(timeout.as_millis().max(1)).unwrap_or(i32::MAX);
+            self.socket
+                .set_rcvtimeo(ms)
+                .map_err(|e| Error::transport(what())(e))?;
+            self.socket.recv_msg(0)
+        };
+        let first = match first {
             Ok(m) => m,
-            Err(zmq::Error::EAGAIN) => return Ok(None),
-            Err(e) => {
-                return Err(Error::Transport {
-                    context: format!("receiving from {}", self.endpoint),
-                    source: e,
-                })
-            }
+            Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => return Ok(None),
+            Err(e) => return Err(Error::transport(what())(e)),
         };
         let mut frames = vec![first];
+        // The other frames of a message arrive with its first (ZeroMQ delivers messages
+        // whole), so these receives do not wait.
         while frames.last().is_some_and(|m| m.get_more()) {
             frames.push(self.socket.recv_msg(0).map_err(Error::transport(format!(
                 "receiving a frame from {}",
@@ -1088,38 +1099,51 @@ impl RemoteReader {
         Ok(Some(frames))
     }
 
+    fn try_recv_raw(&self) -> Result<Option<Vec<zmq::Message>>> {
+        self.recv_raw(Duration::ZERO)
+    }
+
     /// The next message (its frames, authenticated), if one has arrived.
     pub fn try_recv_frames(&mut self) -> Result<Option<Vec<zmq::Message>>> {
+        self.recv_frames_for(Duration::ZERO)
+    }
+
+    /// The next message (its frames, authenticated), if one arrives within `timeout`.
+    fn recv_frames_for(&mut self, timeout: Duration) -> Result<Option<Vec<zmq::Message>>> {
         if self.closed {
             return Err(Error::WriterShutDown);
         }
-        while let Some(raw) = self.try_recv_raw()? {
+        let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
+        loop {
+            let left = deadline.map_or(Duration::ZERO, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            let Some(raw) = self.recv_raw(left)? else {
+                return Ok(None);
+            };
             match self.accept(raw)? {
                 Some(frames) if !frames.is_empty() => return Ok(Some(frames)),
                 _ => continue, // handshake traffic
             }
         }
-        Ok(None)
     }
 
     /// Wait for the next message.
     pub fn recv_frames(&mut self, wait: &mut Wait) -> Result<Vec<zmq::Message>> {
         loop {
-            if let Some(f) = self.try_recv_frames()? {
+            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
+            if let Some(f) = self.recv_frames_for(slice)? {
                 return Ok(f);
             }
-            let context = || format!("waiting for a message from {}", self.endpoint);
-            if !poll_slice(&self.socket, wait, context)? {
-                // A remote writer's liveness cannot be checked from here: the warning
-                // says where it is and how far the stream got.
-                let (endpoint, seq) = (&self.endpoint, self.seq);
-                wait.step_explained(&mut crate::wait::no_peer, &mut || {
-                    format!(
-                        "the writer at {endpoint} (on another host: its liveness cannot be \
-                         checked from here), {seq} messages received from it so far"
-                    )
-                })?;
-            }
+            // A remote writer's liveness cannot be checked from here: the warning says
+            // where it is and how far the stream got.
+            let (endpoint, seq) = (&self.endpoint, self.seq);
+            wait.step_explained(&mut crate::wait::no_peer, &mut || {
+                format!(
+                    "the writer at {endpoint} (on another host: its liveness cannot be \
+                     checked from here), {seq} messages received from it so far"
+                )
+            })?;
         }
     }
 

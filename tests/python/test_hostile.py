@@ -122,6 +122,51 @@ def test_fork_after_making_a_writer_harms_nobody(tmp_path):
     assert got["got"] == ["before", "after"], got
 
 
+_FORK_MAKES_ITS_OWN_REMOTE_QUEUES = """
+import os, threading
+from shmq import MessageQueue
+
+def pair():
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    t = threading.Thread(target=r.wait_until_ready, kwargs={"timeout": 20})
+    t.start()
+    w.wait_until_ready(timeout=20)
+    t.join()
+    return w, r
+
+w, r = pair()
+w.enqueue("parent 1")
+assert r.dequeue(timeout=20) == "parent 1"
+pid = os.fork()
+if pid == 0:
+    w2, r2 = pair()
+    w2.enqueue("child")
+    ok = r2.dequeue(timeout=20) == "child"
+    w2.shutdown()
+    del w2, r2
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+w.enqueue("parent 2")
+assert r.dequeue(timeout=20) == "parent 2"
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_makes_remote_queues_of_its_own():
+    # A process's remote sockets share one ZeroMQ context (transport::shared_context);
+    # a forked child must make its own, not use (or tear down) the parent's.
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_MAKES_ITS_OWN_REMOTE_QUEUES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["child", "exit", "0"], (done.stdout, done.stderr)
+
+
 def _writer_with_one_remote_reader() -> MessageQueue:
     return MessageQueue(1, 0, connect_ip="127.0.0.1")
 

@@ -236,7 +236,7 @@ impl Reader {
 
     /// [`open`](Self::open), waiting as `policy` says in this reader's blocking calls.
     pub fn open_with(handle: &Handle, rank: usize, policy: WaitPolicy) -> Result<Reader> {
-        let ctx = zmq::Context::new();
+        let ctx = crate::transport::shared_context();
         let source = match handle.local_reader_ranks.iter().position(|&r| r == rank) {
             Some(index) => {
                 let buffer = handle.buffer.as_ref().ok_or_else(|| {

@@ -153,7 +153,13 @@ impl Writer {
                 "local_reader_ranks has duplicates: {ranks:?}"
             )));
         }
-        let ctx = zmq::Context::new();
+        // The local publisher's context is its own: dropping it flushes the overflow
+        // messages still queued (`transport::shared_context` says why the rest share one).
+        let ctx = if opts.n_local_reader > 0 {
+            zmq::Context::new()
+        } else {
+            crate::transport::shared_context()
+        };
         let n_remote_reader = opts.n_reader - opts.n_local_reader;
         let (ring, local, arena) = if opts.n_local_reader > 0 {
             let ring = Arc::new(Ring::create(
@@ -184,7 +190,7 @@ impl Writer {
             let ip = opts.connect_ip.clone().unwrap_or_else(default_connect_ip);
             let secret = remote::new_secret()?;
             let (p, v6) = RemoteWriter::bind(
-                &ctx,
+                &crate::transport::shared_context(),
                 &ip,
                 secret,
                 n_remote_reader,
