@@ -210,45 +210,47 @@ impl FifoAllocator {
         Ok(chunk)
     }
 
+    /// The oldest live chunk: the next one to free.
+    pub fn oldest(&self) -> Option<&Chunk> {
+        self.live.front()
+    }
+
+    /// Free the oldest live chunk and return it (`None` when none is live).
+    pub fn free_oldest(&mut self) -> Option<Chunk> {
+        let capacity = self.capacity;
+        let oldest = self.live.pop_front()?;
+        self.id_start = (self.id_start + 1) % ID_MAX;
+        match self.live.front() {
+            // Move to the next chunk: it is less than a lap ahead of `start`.
+            Some(next) => {
+                let gap = (next.address % capacity + capacity - self.start % capacity) % capacity;
+                self.start += gap;
+                if self.start >= capacity {
+                    // The oldest chunk is a whole lap ahead: move both ends back by one lap.
+                    self.start -= capacity;
+                    self.end -= capacity;
+                }
+            }
+            // Nothing live: the line restarts at 0.
+            None => (self.start, self.end) = (0, 0),
+        }
+        Some(oldest)
+    }
+
     /// Free chunks oldest first while `is_free(chunk)` says so and fewer than `nbytes`
     /// bytes (of size) have been freed; stop at the first chunk still in use. A chunk is
     /// freed as soon as `is_free` returns true for it. The freed ids are consecutive:
     /// the result says which.
     pub fn free_while(&mut self, nbytes: u64, mut is_free: impl FnMut(&Chunk) -> bool) -> Freed {
-        let capacity = self.capacity;
         let mut freed = Freed {
             first_id: self.id_start,
             count: 0,
             bytes: 0,
         };
-        while freed.bytes < nbytes {
-            let Some(oldest) = self.live.front() else {
-                break;
-            };
-            if !is_free(oldest) {
-                break;
-            }
+        while freed.bytes < nbytes && self.oldest().is_some_and(&mut is_free) {
+            let oldest = self.free_oldest().expect("a chunk is live");
             freed.bytes += oldest.size as u64;
             freed.count += 1;
-            self.live.pop_front();
-            match self.live.front() {
-                // Move to the next chunk: it is less than a lap ahead of `start`.
-                Some(next) => {
-                    let gap =
-                        (next.address % capacity + capacity - self.start % capacity) % capacity;
-                    self.start += gap;
-                }
-                // Nothing live: the line restarts at 0.
-                None => (self.start, self.end) = (0, 0),
-            }
-        }
-        if freed.count > 0 {
-            self.id_start = (self.id_start + freed.count) % ID_MAX;
-        }
-        if self.start >= capacity {
-            // The oldest chunk is a whole lap ahead: move both ends back by one lap.
-            self.start -= capacity;
-            self.end -= capacity;
         }
         freed
     }

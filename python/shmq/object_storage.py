@@ -181,9 +181,13 @@ class RingBuffer:
     def free_buf(self, is_free_fn: Callable[[int, memoryview], bool], nbytes: Optional[int] = None) -> Sequence[int]:
         """Free chunks oldest first while ``is_free_fn(id, data)`` is true and fewer than
         ``nbytes`` bytes (default: all) have been freed. Returns the freed ids (a
-        ``range``, or a list when they wrap at ``2**31``). ``is_free_fn`` runs while this
-        ring is busy: if it uses the ring (its state, ``metadata``, allocating, freeing),
-        ``free_buf`` raises ``RuntimeError`` (other threads simply wait)."""
+        ``range``, or a list when they wrap at ``2**31`` or are not consecutive).
+        ``is_free_fn`` runs with the ring unlocked: it may use the ring (its state,
+        ``metadata``, allocating, freeing, clearing) and its store, as may other threads
+        meanwhile. Only chunks live when ``free_buf`` starts are asked about, and only a
+        chunk ``is_free_fn`` approved is freed: one that went meanwhile is skipped and the
+        next oldest asked. An exception from ``is_free_fn`` propagates; the chunks it
+        approved before stay freed."""
         return self._core.free(is_free_fn, nbytes)
 
     def clear(self) -> None:

@@ -462,30 +462,33 @@ impl Writer {
             format!("message part {i} is not a contiguous buffer")
         })?;
         let total: usize = spans.iter().map(|s| s.1).sum();
-        let mut w = self.writer(py)?;
-        let w = &mut *w;
-        let slices = move || -> Vec<&[u8]> {
-            // SAFETY: each span is a live, contiguous buffer export held by `buffers`
-            // until the end of this call; its exporter cannot free or resize it
-            // meanwhile. (Another thread may still write into it: then that part's bytes
-            // are whatever it wrote, as with any buffer being sent.)
-            unsafe { parts::slices(&spans) }
+        let r = {
+            let mut w = self.writer(py)?;
+            let w = &mut *w;
+            let slices = move || -> Vec<&[u8]> {
+                // SAFETY: each span is a live, contiguous buffer export held by `buffers`
+                // until the end of this call; its exporter cannot free or resize it
+                // meanwhile. (Another thread may still write into it: then that part's
+                // bytes are whatever it wrote, as with any buffer being sent.)
+                unsafe { parts::slices(&spans) }
+            };
+            let r = match total <= COPY_WITH_GIL_MAX {
+                // Small and no wait needed: with the GIL held, as in `enqueue`.
+                true => self.queue.check(py, w.try_enqueue_parts(&slices())),
+                false => Ok(false),
+            };
+            match r {
+                Ok(true) => Ok(()),
+                Ok(false) => blocking_mapped(
+                    py,
+                    interrupts(timeout),
+                    |spec| w.enqueue_parts(&slices(), spec),
+                    |e| self.queue.error(py, e),
+                ),
+                Err(e) => Err(e),
+            }
         };
-        let r = match total <= COPY_WITH_GIL_MAX {
-            // Small and no wait needed: with the GIL held, as in `enqueue`.
-            true => self.queue.check(py, w.try_enqueue_parts(&slices())),
-            false => Ok(false),
-        };
-        let r = match r {
-            Ok(true) => Ok(()),
-            Ok(false) => blocking_mapped(
-                py,
-                interrupts(timeout),
-                |spec| w.enqueue_parts(&slices(), spec),
-                |e| self.queue.error(py, e),
-            ),
-            Err(e) => Err(e),
-        };
+        // Released with the writer let go: an exporter's release may run Python code.
         drop(buffers);
         r
     }

@@ -15,7 +15,7 @@ use crate::alloc::{Freed, ID_MAX};
 use crate::error::{bad_signature_message, stale_object_message, Error};
 use crate::storage::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo as CoreRing,
-    ChunkHeader, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
+    ChunkHeader, FreeOldestFirst, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
 };
 
 /// Call `f` on zero-copy memoryviews of `spans` (inside `segment`): one view, or a
@@ -242,7 +242,7 @@ where
 #[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct ChunkFifo {
     segment: Arc<StoreSegment>,
-    /// Fixed at open: read without the lock (a `free_buf` callback may ask it).
+    /// Fixed at open: read without the lock.
     is_writer: bool,
     inner: BindingLock<CoreRing>,
 }
@@ -365,7 +365,11 @@ impl ChunkFifo {
     }
 
     /// Free chunks oldest first while `is_free(id, memoryview)` is true and fewer than
-    /// `nbytes` bytes have been freed; returns the freed ids.
+    /// `nbytes` bytes have been freed; returns the freed ids. `is_free` runs with the
+    /// ring unlocked (it may use the ring and its store): only chunks live at the start
+    /// are asked about, and only a chunk `is_free` approved is freed (see
+    /// `FreeOldestFirst`). An exception from `is_free` propagates; what it approved
+    /// before stays freed.
     #[pyo3(signature = (is_free, nbytes=None))]
     fn free(
         &self,
@@ -373,25 +377,22 @@ impl ChunkFifo {
         is_free: &Bound<'_, PyAny>,
         nbytes: Option<u64>,
     ) -> PyResult<Py<PyAny>> {
-        let mut ring = self.ring(py)?;
-        let mut raised = None;
-        let freed = ring.free_while(nbytes.unwrap_or(u64::MAX), |id, data| {
-            if raised.is_some() {
-                return false;
+        let mut run = FreeOldestFirst::new(&*self.ring(py)?, nbytes.unwrap_or(u64::MAX))?;
+        loop {
+            // Each statement takes the lock and lets it go.
+            let next = run.next(&*self.ring(py)?)?;
+            let Some(chunk) = next else { break };
+            let data = self.segment.chunk_data(&chunk);
+            let approved = with_views(py, &self.segment, std::iter::once(data), false, |mv| {
+                is_free.call1((chunk.id, mv))?.is_truthy()
+            })?;
+            if !approved || !run.free(&mut *self.ring(py)?, &chunk)? {
+                break;
             }
-            match with_views(py, &self.segment, std::iter::once(data), false, |mv| {
-                is_free.call1((id, mv))?.is_truthy()
-            }) {
-                Ok(v) => v,
-                Err(e) => {
-                    raised = Some(e);
-                    false
-                }
-            }
-        })?;
-        match raised {
-            Some(e) => Err(e),
-            None => freed_ids(py, freed),
+        }
+        match run.consecutive() {
+            Some(freed) => freed_ids(py, freed),
+            None => Ok(PyList::new(py, run.freed_ids())?.into_any().unbind()),
         }
     }
 
@@ -471,19 +472,23 @@ impl ObjectStore {
             format!("part {i} of the object is not C-contiguous")
         })?;
         let total: usize = spans.iter().map(|s| s.1).sum();
-        let (mut ring, mut store) = self.ring_and_store(py)?;
-        let (store, ring) = (&mut *store, &mut *ring);
-        let mut put = move || {
-            // SAFETY: each span is a live, C-contiguous buffer export held by `buffers`
-            // until the end of this call; the exporters cannot free it meanwhile.
-            let slices = unsafe { parts::slices(&spans) };
-            store.put(ring, key, &slices, align_from)
+        let r = {
+            let (mut ring, mut store) = self.ring_and_store(py)?;
+            let (store, ring) = (&mut *store, &mut *ring);
+            let mut put = move || {
+                // SAFETY: each span is a live, C-contiguous buffer export held by
+                // `buffers` until the end of this call; the exporters cannot free it
+                // meanwhile.
+                let slices = unsafe { parts::slices(&spans) };
+                store.put(ring, key, &slices, align_from)
+            };
+            if total > COPY_WITH_GIL_MAX {
+                py.detach(put)
+            } else {
+                put()
+            }
         };
-        let r = if total > COPY_WITH_GIL_MAX {
-            py.detach(put)
-        } else {
-            put()
-        };
+        // Released with the locks let go: an exporter's release may run Python code.
         drop(buffers);
         Ok(r?)
     }
@@ -806,8 +811,8 @@ impl ObjectStore {
         lock(py, &self.inner, "object store")
     }
 
-    /// The ring's lock and the store's, in that order: the order everywhere (`free_buf`
-    /// holds the ring while its callback, e.g. `default_is_free_check`, takes the store).
+    /// The ring's lock and the store's, in that order: the order everywhere a call
+    /// takes both.
     fn ring_and_store<'a>(
         &'a self,
         py: Python<'_>,

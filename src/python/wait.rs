@@ -2,7 +2,7 @@
 //! every few milliseconds the wait re-takes it to check for signals (Ctrl-C) and the
 //! caller's cancel event. Also the locks around the binding objects' core state
 //! (`BindingLock`): taken without blocking while the GIL is held, and a clear error,
-//! never a hang or a silent use, when re-entered from a callback or poisoned by a panic.
+//! never a hang or a silent use, when re-entered from that check or poisoned by a panic.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -148,9 +148,15 @@ fn is_main_thread(py: Python<'_>) -> bool {
 }
 
 /// The mutex around a binding object's core state. Besides the mutex it knows which
-/// thread holds it, so that a call into the object from a Python callback that one of
-/// the object's own calls runs under the lock (a `free_buf` callback that reads the
-/// ring's attributes) is an error instead of a deadlock on itself.
+/// thread holds it, so that a call into the object from Python code that one of the
+/// object's own calls runs under the lock is an error instead of a deadlock on itself.
+///
+/// The bindings call no user code under these locks where they can help it (a
+/// `free_buf` callback runs with the ring unlocked). What remains: a blocking queue
+/// call checks for signals (running their Python handlers) and its cancel event's
+/// `is_set` during its wait, which needs the reader's or writer's state, so with that
+/// lock held; and any Python object made under a lock may start the garbage collector,
+/// which may run a finalizer. Such code calling the same object gets the error.
 pub(crate) struct BindingLock<T> {
     mutex: Mutex<T>,
     /// The holder's thread token (`thread_token`), 0 when free. Relaxed: only compared
@@ -205,11 +211,12 @@ fn thread_token() -> usize {
 /// lock while it waits for the GIL.
 ///
 /// Errors, each a `RuntimeError` naming `what` (`"queue writer"`, `"ring buffer"`, ...):
-/// - the lock is held by this thread already: the object was called from a callback
-///   that one of its own calls runs with the lock held (waiting would never end);
-/// - a panic poisoned the lock (a bug, or a `PanicException` raised by a Python callback
-///   run under the lock, which pyo3 resumes as a panic): the state it guards may be
-///   half-updated, so the object is unusable from then on, never silently used.
+/// - the lock is held by this thread already: the object was called from Python code
+///   that one of its own calls runs with the lock held (a cancel event's `is_set`, a
+///   signal handler: see [`BindingLock`]); waiting would never end;
+/// - a panic poisoned the lock (a bug, or a `PanicException` raised by such code, which
+///   pyo3 resumes as a panic): the state it guards may be half-updated, so the object
+///   is unusable from then on, never silently used.
 pub(crate) fn lock<'a, T: Send>(
     py: Python<'_>,
     m: &'a BindingLock<T>,
@@ -229,7 +236,8 @@ pub(crate) fn lock<'a, T: Send>(
             Err(TryLockError::WouldBlock) if m.holder.load(Ordering::Relaxed) == me => {
                 return Err(PyRuntimeError::new_err(format!(
                     "this {what} was called from a callback that one of its own calls is \
-                     running (a free_buf callback, say); that call holds it until it returns"
+                     running (a cancel event's is_set, a signal handler); that call holds \
+                     it until it returns"
                 )))
             }
             // A poisoned `lock()` here is seen as such by the next `try_lock`.

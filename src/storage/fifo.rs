@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::segment::{ChunkHeader, StoreSegment, INVALID_ID, RING_OFFSET};
+use super::segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
 use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::segment::unique_name;
@@ -162,7 +162,8 @@ impl ChunkFifo {
 
     /// Free chunks oldest first while `is_free(id, data)` and fewer than `nbytes` bytes
     /// have been freed; a chunk is freed (and handles to it stop working) as soon as
-    /// `is_free` returns true for it.
+    /// `is_free` returns true for it. `is_free` runs with the ring borrowed: for code
+    /// that must not (a Python callback, which may use the ring), see [`FreeOldestFirst`].
     pub fn free_while(
         &mut self,
         nbytes: u64,
@@ -174,42 +175,63 @@ impl ChunkFifo {
             .writer
             .as_mut()
             .ok_or_else(|| writer_only("free buffers"))?;
-        let capacity = segment.capacity();
-        let freed = w.alloc.free_while(nbytes, |c| {
-            let h = ChunkHeader {
-                offset: c.offset(capacity),
-                id: c.id,
-                size: c.size,
+        let mut freed = Freed {
+            first_id: w.alloc.id_start(),
+            count: 0,
+            bytes: 0,
+        };
+        while freed.bytes < nbytes {
+            let Some(&c) = w.alloc.oldest() else {
+                break;
             };
-            let (p, n) = segment.data_ptr(&h);
-            // SAFETY: a live chunk of ours lies inside the ring (allocator invariant);
-            // readers only read it, and a peer writing it can only change what `is_free`
-            // decides.
-            if !is_free(c.id, unsafe { std::slice::from_raw_parts(p, n) }) {
-                return false;
+            if !is_free(c.id, segment.chunk_data(&c)) || !stamp_unpinned(segment, &c) {
+                break;
             }
-            // A chunk already pinned stays, and stays readable: no stamp (readers
-            // would take a live object for a stale one meanwhile).
-            if segment.is_pinned(h.id) {
-                return false;
-            }
-            // Stamp the header (published with the new id_start below), then look for
-            // zero-copy views again: this second look is the one that counts, since a
-            // reader that pins it from now on sees the stamp.
-            segment.store_u32(h.offset, INVALID_ID);
-            if segment.is_pinned(h.id) {
-                // Some process still has views: keep the chunk (and all after it).
-                segment.store_u32(h.offset, c.id);
-                return false;
-            }
-            true
-        });
+            w.alloc.free_oldest();
+            freed.count += 1;
+            freed.bytes += c.size as u64;
+        }
         if freed.count > 0 {
             segment.publish_ids(&w.alloc);
             segment.wait_for_counting_readers();
             segment.count_writes(0, freed.count as u64);
         }
         Ok(freed)
+    }
+
+    /// The oldest live chunk (writer only): what [`free_oldest`](Self::free_oldest)
+    /// frees.
+    pub fn oldest(&self) -> Result<Option<Chunk>> {
+        self.segment.check_intact()?;
+        let w = self
+            .writer
+            .as_ref()
+            .ok_or_else(|| writer_only("free buffers"))?;
+        Ok(w.alloc.oldest().copied())
+    }
+
+    /// Free the oldest live chunk if it is still `chunk` (found by
+    /// [`oldest`](Self::oldest), and judged free while the ring was not borrowed), with
+    /// the checks of [`free_while`](Self::free_while): a chunk some process pins stays.
+    pub fn free_oldest(&mut self, chunk: &Chunk) -> Result<FreeOldest> {
+        let segment = &*self.segment;
+        segment.check_intact()?;
+        let w = self
+            .writer
+            .as_mut()
+            .ok_or_else(|| writer_only("free buffers"))?;
+        if w.alloc.oldest() != Some(chunk) {
+            // Freed (or cleared) meanwhile: the chunk approved is not there to free.
+            return Ok(FreeOldest::NotOldest);
+        }
+        if !stamp_unpinned(segment, chunk) {
+            return Ok(FreeOldest::Pinned);
+        }
+        w.alloc.free_oldest();
+        segment.publish_ids(&w.alloc);
+        segment.wait_for_counting_readers();
+        segment.count_writes(0, 1);
+        Ok(FreeOldest::Freed)
     }
 
     /// Forget every chunk (writer only). Ids keep counting and addresses restart at 0;
@@ -268,6 +290,115 @@ impl ChunkFifo {
         // does. Readers from now on see the objects cleared and do not count.
         segment.wait_for_counting_readers();
         Ok(())
+    }
+}
+
+/// Stamp the header of the live chunk `c`, about to be freed, unless some process pins
+/// it: true if stamped (free it now), false if pinned (it stays, and stays readable).
+fn stamp_unpinned(segment: &StoreSegment, c: &Chunk) -> bool {
+    // A chunk already pinned stays, and stays readable: no stamp (readers would take a
+    // live object for a stale one meanwhile).
+    if segment.is_pinned(c.id) {
+        return false;
+    }
+    // Stamp the header (published with the new id_start by the caller), then look for
+    // zero-copy views again: this second look is the one that counts, since a reader
+    // that pins it from now on sees the stamp.
+    let offset = c.offset(segment.capacity());
+    segment.store_u32(offset, INVALID_ID);
+    if segment.is_pinned(c.id) {
+        // Some process still has views: keep the chunk (and all after it).
+        segment.store_u32(offset, c.id);
+        return false;
+    }
+    true
+}
+
+/// What [`ChunkFifo::free_oldest`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeOldest {
+    Freed,
+    /// Some process pins the chunk: it stays (and so do the chunks after it).
+    Pinned,
+    /// The chunk is not the oldest live one any more (freed or cleared meanwhile).
+    NotOldest,
+}
+
+/// [`ChunkFifo::free_while`] for an `is_free` that runs without the ring borrowed, so
+/// that it may use the ring itself (allocate, free, clear, read its state): a Python
+/// callback. The caller loops: [`next`](Self::next) with the ring, `is_free` on that
+/// chunk without it, [`free`](Self::free) with it again, until either says stop.
+///
+/// Only chunks live when it starts are asked about (one allocated meanwhile, by the
+/// callback say, is not), and only the chunk `is_free` approved is ever freed: one that
+/// went meanwhile (another free, a clear) is not freed again; the next oldest is asked.
+#[derive(Debug)]
+pub struct FreeOldestFirst {
+    nbytes: u64,
+    /// The ids live at the start: `[id_start, id_end)` then.
+    ids: (u32, u32),
+    /// Freed by this run, oldest first (consecutive unless something else freed between).
+    freed: Vec<u32>,
+    bytes: u64,
+}
+
+impl FreeOldestFirst {
+    /// Free chunks of `ring` oldest first while fewer than `nbytes` bytes have been
+    /// freed (writer only).
+    pub fn new(ring: &ChunkFifo, nbytes: u64) -> Result<FreeOldestFirst> {
+        ring.segment.check_intact()?;
+        let a = ring
+            .allocator()
+            .ok_or_else(|| writer_only("free buffers"))?;
+        Ok(FreeOldestFirst {
+            nbytes,
+            ids: (a.id_start(), a.id_end()),
+            freed: Vec::new(),
+            bytes: 0,
+        })
+    }
+
+    /// The chunk to ask `is_free` about next, or `None` when done: `nbytes` freed, or
+    /// no chunk left of those live at the start.
+    pub fn next(&self, ring: &ChunkFifo) -> Result<Option<Chunk>> {
+        if self.bytes >= self.nbytes {
+            return Ok(None);
+        }
+        Ok(ring
+            .oldest()?
+            .filter(|c| id_in(c.id, self.ids.0, self.ids.1)))
+    }
+
+    /// Free `chunk` (from [`next`](Self::next), approved by `is_free`) if it is still the
+    /// oldest; whether to go on (false: it is pinned).
+    pub fn free(&mut self, ring: &mut ChunkFifo, chunk: &Chunk) -> Result<bool> {
+        match ring.free_oldest(chunk)? {
+            FreeOldest::Freed => {
+                self.freed.push(chunk.id);
+                self.bytes += chunk.size as u64;
+                Ok(true)
+            }
+            FreeOldest::Pinned => Ok(false),
+            FreeOldest::NotOldest => Ok(true),
+        }
+    }
+
+    /// The ids freed, oldest first.
+    pub fn freed_ids(&self) -> &[u32] {
+        &self.freed
+    }
+
+    /// What was freed as a [`Freed`] (from the oldest id live at the start when nothing
+    /// was), if the ids are consecutive: always, unless something else freed chunks
+    /// between two of this run's.
+    pub fn consecutive(&self) -> Option<Freed> {
+        let first_id = self.freed.first().copied().unwrap_or(self.ids.0);
+        let freed = Freed {
+            first_id,
+            count: self.freed.len() as u32,
+            bytes: self.bytes,
+        };
+        freed.ids().eq(self.freed.iter().copied()).then_some(freed)
     }
 }
 

@@ -81,7 +81,7 @@ mod segment;
 #[cfg(test)]
 mod tests;
 
-pub use fifo::ChunkFifo;
+pub use fifo::{ChunkFifo, FreeOldest, FreeOldestFirst};
 pub use index::{Entry, ObjectStore, StoreLoan, LOAN_ROOM};
 pub use object::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkPin, ObjectView,

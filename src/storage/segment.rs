@@ -597,6 +597,22 @@ impl StoreSegment {
         (p, h.size as usize - HEADER_BYTES as usize)
     }
 
+    /// The data of the live chunk `c` (after its header), from the allocator (panics if
+    /// it does not lie inside the ring, see [`data_ptr`](Self::data_ptr)). Only the
+    /// writer writes chunks, and only before it publishes them or after it frees them: a
+    /// caller that keeps the bytes past the chunk's life sees whatever is written there
+    /// next, never memory outside the ring.
+    pub fn chunk_data(&self, c: &Chunk) -> &[u8] {
+        let (p, n) = self.data_ptr(&ChunkHeader {
+            offset: c.offset(self.capacity),
+            id: c.id,
+            size: c.size,
+        });
+        // SAFETY: `data_ptr` checked the span lies inside the ring, which stays mapped
+        // as long as `self`; ring bytes are plain memory that any process may read.
+        unsafe { std::slice::from_raw_parts(p, n) }
+    }
+
     /// How many zero-copy gets hold a pin (or are taking one) in any process: while it
     /// is 0 the writer need not probe for pins. A reader that dies keeps it above 0,
     /// which only makes the writer probe.

@@ -400,3 +400,82 @@ fn the_ring_is_reserved_in_dev_shm_as_it_is_used() {
     assert!(ring.reserved() >= end && ring.reserved() <= end + fifo::RESERVE_STEP);
     assert_eq!(read_all(ring.segment(), a, i, false).unwrap(), vec![big]);
 }
+
+#[test]
+fn free_oldest_first_frees_only_what_was_approved_and_still_the_oldest() {
+    // What a Python `free_buf` does: ask about a chunk with the ring not borrowed (the
+    // caller may use the ring meanwhile), then free it if it is still the oldest.
+    let mut ring = ChunkFifo::create(4096, None).unwrap();
+    let ids: Vec<u32> = (0..6).map(|_| ring.allocate(10).unwrap().id).collect();
+    let mut run = FreeOldestFirst::new(&ring, u64::MAX).unwrap();
+    let c0 = run.next(&ring).unwrap().unwrap();
+    assert_eq!(c0.id, ids[0]);
+    assert!(run.free(&mut ring, &c0).unwrap());
+    // Between the question and the free, something else frees the chunk asked about:
+    // it is not freed twice, and the next oldest is not freed unasked.
+    let c1 = run.next(&ring).unwrap().unwrap();
+    ring.free_while(u64::MAX, |id, _| id == c1.id).unwrap();
+    assert_eq!(ring.free_oldest(&c1).unwrap(), FreeOldest::NotOldest);
+    assert!(run.free(&mut ring, &c1).unwrap(), "goes on with the next oldest");
+    assert_eq!(ring.allocator().unwrap().id_start(), ids[2]);
+    let c2 = run.next(&ring).unwrap().unwrap();
+    assert_eq!(c2.id, ids[2]);
+    assert!(run.free(&mut ring, &c2).unwrap());
+    // A chunk allocated after the start is never asked about.
+    let later = ring.allocate(10).unwrap();
+    for &id in &ids[3..] {
+        let c = run.next(&ring).unwrap().unwrap();
+        assert_eq!(c.id, id);
+        assert!(run.free(&mut ring, &c).unwrap());
+    }
+    assert_eq!(run.next(&ring).unwrap(), None);
+    assert_eq!(ring.allocator().unwrap().oldest(), Some(&later));
+    // Something freed between two of its frees: the ids are not consecutive.
+    assert_eq!(run.freed_ids(), &[ids[0], ids[2], ids[3], ids[4], ids[5]]);
+    assert_eq!(run.consecutive(), None);
+
+    // Cleared meanwhile: nothing is left from the start.
+    let mut run = FreeOldestFirst::new(&ring, u64::MAX).unwrap();
+    let c = run.next(&ring).unwrap().unwrap();
+    ring.clear().unwrap();
+    assert!(run.free(&mut ring, &c).unwrap());
+    assert_eq!(run.next(&ring).unwrap(), None);
+    let none = run.consecutive().unwrap();
+    assert_eq!((none.first_id, none.count, none.bytes), (later.id, 0, 0));
+
+    // nbytes: stops once reached; the ids are consecutive.
+    let ids: Vec<u32> = (0..3).map(|_| ring.allocate(10).unwrap().id).collect();
+    let mut run = FreeOldestFirst::new(&ring, 1).unwrap();
+    let c = run.next(&ring).unwrap().unwrap();
+    assert!(run.free(&mut ring, &c).unwrap());
+    assert_eq!(run.next(&ring).unwrap(), None);
+    let freed = run.consecutive().unwrap();
+    assert_eq!((freed.first_id, freed.count, freed.bytes), (ids[0], 1, 18));
+
+    // A reader's ring frees nothing.
+    let reader = ChunkFifo::open(ring.segment().name(), None).unwrap();
+    assert!(matches!(
+        FreeOldestFirst::new(&reader, u64::MAX),
+        Err(Error::WrongRole(_))
+    ));
+}
+
+#[test]
+fn free_oldest_keeps_a_viewed_chunk() {
+    let (mut ring, mut s) = store(3 * 8192, 9000, 1);
+    let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
+    let seg = ring.segment().clone();
+    let view = read_object_viewed(&seg, a, i, true, |object, views| views.map(object, 1))
+        .unwrap()
+        .unwrap()
+        .expect("a live object can be viewed");
+    let mut run = FreeOldestFirst::new(&ring, u64::MAX).unwrap();
+    let c = run.next(&ring).unwrap().unwrap();
+    assert_eq!(ring.free_oldest(&c).unwrap(), FreeOldest::Pinned);
+    assert!(!run.free(&mut ring, &c).unwrap(), "stops at a pinned chunk");
+    // Not stamped: still readable.
+    assert_eq!(read_all(&seg, a, i, false).unwrap()[1], vec![7u8; 8000]);
+    drop(view);
+    assert!(run.free(&mut ring, &c).unwrap());
+    assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+}

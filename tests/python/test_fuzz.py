@@ -10,7 +10,7 @@ examples each, the whole file in well under a minute.
 Also the issue's small fixes, each a test that failed before: ``access_buf(-1)`` is a
 ``ValueError``, an object too small for its serde's framing is a ``ValueError`` (not
 ``struct.error``), ``inspect`` of a store it cannot open says why as a store, and a
-``free_buf`` callback that uses its own ring raises instead of deadlocking.
+``free_buf`` callback may use its own ring (it once deadlocked, then raised).
 
 The core's own fuzz targets (cargo-fuzz, ``fuzz/``) write over the segments themselves;
 see the README's Develop section.
@@ -295,48 +295,69 @@ def test_inspect_of_a_store_it_cannot_open_describes_a_store():
         ring.close()
 
 
-def test_a_free_buf_callback_that_uses_its_ring_raises_instead_of_deadlocking():
-    # In a child: before the fix the callback deadlocked on the ring's own lock, and a
-    # hang here must fail the test, not stop it.
+def test_a_free_buf_callback_may_use_its_ring():
+    # In a child: the callback once deadlocked on the ring's own lock, and a hang here
+    # must fail the test, not stop it. The callback runs with the ring unlocked; the
+    # loop asks only about chunks live when it started and frees only a chunk the
+    # callback approved that is still the oldest.
     script = textwrap.dedent(
         """
         import threading
         from shmq import RingBuffer
 
         ring = RingBuffer(1024, create=True)
-        ring.allocate_buf(10)
-        ring.allocate_buf(20)
-        uses = {
-            "monotonic_id_start": lambda: ring.monotonic_id_start,
-            "data_buffer_end": lambda: ring.data_buffer_end,
-            "metadata": lambda: dict(ring.metadata),
-            "allocate_buf": lambda: ring.allocate_buf(5),
-            "free_buf": lambda: ring.free_buf(lambda i, v: True),
-            "clear": lambda: ring.clear(),
-        }
-        for name, use in uses.items():
-            try:
-                ring.free_buf(lambda i, v: use() is None)
-            except RuntimeError as e:
-                assert "called from a callback" in str(e), (name, e)
-            else:
-                raise AssertionError(f"{name} inside free_buf's callback did not raise")
-        # Nothing was freed, and the ring works on; what does not touch it is fine.
-        assert ring.monotonic_id_start == 0 and len(ring.metadata) == 2
-        assert ring.free_buf(lambda i, v: ring.is_writer and len(v) >= 10) == range(0, 2)
-        # Another thread that uses the ring during a callback waits for it, no error.
+        a0, i0 = ring.allocate_buf(10)
+        a1, i1 = ring.allocate_buf(20)
+
+        # Reads: the ring as it is, the chunk asked about still live.
         seen = []
-        def other():
-            seen.append(ring.monotonic_id_end)
-        ring.allocate_buf(10)
-        t = threading.Thread(target=other)
-        def slow(i, v):
-            t.start()
-            t.join(0.2)
+        def reads(i, v):
+            seen.append((i, ring.monotonic_id_start, ring.data_buffer_end, dict(ring.metadata)))
+            return False
+        assert ring.free_buf(reads) == range(0, 0)
+        assert seen == [(i0, 0, 18 + 28, {i0: a0, i1: a1})], seen
+
+        # Allocating: the new chunks stay (not live when free_buf started).
+        new = []
+        def allocates(i, v):
+            new.append(ring.allocate_buf(5))
             return True
-        ring.free_buf(slow)
-        t.join(10)
-        assert seen == [3], seen
+        assert ring.free_buf(allocates) == range(i0, i1 + 1)
+        assert [i for _, i in new] == [2, 3] and dict(ring.metadata) == {i: a for a, i in new}, (new, ring.metadata)
+
+        # Freeing: a nested free_buf frees the chunk asked about, so the outer loop
+        # does not free it again, nor the next one unasked; it returns what it freed.
+        for _ in range(4):
+            ring.allocate_buf(5)  # ids 4..7
+        asked, inner = [], []
+        def frees_the_even_ones(i, v):
+            asked.append(i)
+            if i % 2 == 0:
+                inner.append(list(ring.free_buf(lambda j, w: True, 1)))
+            return True
+        assert ring.free_buf(frees_the_even_ones) == [3, 5, 7]
+        assert asked == [2, 3, 4, 5, 6, 7] and inner == [[2], [4], [6]], (asked, inner)
+        assert dict(ring.metadata) == {} and ring.monotonic_id_start == 8
+
+        # Clearing: nothing is left that was live at the start, so nothing is freed.
+        for _ in range(3):
+            ring.allocate_buf(5)  # ids 8..10
+        def clears(i, v):
+            ring.clear()
+            return True
+        assert ring.free_buf(clears) == range(8, 8)
+        assert dict(ring.metadata) == {} and ring.monotonic_id_start == ring.monotonic_id_end == 11
+
+        # Another thread uses the ring while a callback runs: no wait (not locked).
+        seen = []
+        ring.allocate_buf(10)  # id 11
+        t = threading.Thread(target=lambda: seen.append(ring.allocate_buf(10)[1]))
+        def other_thread(i, v):
+            t.start()
+            t.join(10)
+            return not t.is_alive()
+        assert ring.free_buf(other_thread) == range(11, 12)
+        assert seen == [12] and list(ring.metadata) == [12], (seen, ring.metadata)
         ring.close()
         print("ok")
         """
