@@ -1,34 +1,50 @@
 //! shmq: shared-memory IPC for model-serving engines.
 //!
-//! # The API, by what it does (each module uses only the ones listed before it)
+//! # Modules, lowest first
+//! Each module uses only the modules listed before it: no arrow points up, so there is no
+//! circle (`tests/layering.rs` checks the source against this list, which names every
+//! module of `src/` once). Public modules are links; the others are internal (`sync`,
+//! `seqlock` and `doorbell` are public in a loom build, for the model checks).
+//! - `sync`: the atomics of the cross-process protocols, which loom swaps for its own;
+//! - `futex`: the process-shared futex on a 32-bit word in shared memory;
+//! - `seqlock`: the object store's seqlock (the state its writer publishes);
+//! - `doorbell`: the sleep/wake handshake between the two sides of a ring;
+//! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic;
 //! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
-//! - [`process`]: naming a process by pid and start time;
-//! - [`liveness`]: telling a live peer from a dead one by the role locks it holds (also
-//!   across pid namespaces): alive, dead, or unknown;
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
 //!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet);
-//! - [`alloc`], [`storage`]: the object store's FIFO allocator and the store on it;
-//! - [`copy`], [`arena`]: large copies into shared memory; the tensor arena (large
-//!   message parts read as private views, and [`Loan`]s to fill in place);
+//! - [`copy`]: large copies into shared memory;
+//! - `random`: secrets and nonces from the kernel;
+//! - `fork`: what a forked child must not do with what it inherited;
+//! - [`liveness`]: telling a live peer from a dead one by the role locks it holds on
+//!   bytes of a segment's file (also across pid namespaces): alive, dead, or unknown;
+//!   where the segments' files are (`SHM_DIR`); the end of a process tree (pidfds,
+//!   [`liveness::kill_descendants`]);
+//! - [`process`]: naming a process by pid and start time; its descendants;
+//! - `sigbus`: a peer that truncates a mapped segment: the `SIGBUS` handler that turns
+//!   the fault into zero pages and an error, and what shmq guarantees against the same
+//!   user's processes;
+//! - `segment`: named POSIX shared memory, and the header check every kind of segment
+//!   makes;
+//! - `range_alloc`: the whole-page allocator of the arena's and the encoder cache's data
+//!   regions;
+//! - `private_map`: private copy-on-write views of a segment;
+//! - `pins`: a process's views holding store chunks (file locks the writer checks before
+//!   it frees);
+//! - `transport`: ZeroMQ, for local readers' oversized messages;
 //! - [`remote`]: the authenticated stream to remote readers (and its bounds);
+//! - [`storage`]: the object store, on the FIFO allocator;
+//! - [`arena`]: the tensor arena (large message parts read as private views, and
+//!   [`Loan`]s to fill in place);
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
 //! - [`encoder_cache`]: the encoder-cache hand-off: a producer's entries by key to every
 //!   consumer process as private views, with a key index any process can ask;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - [`workers`]: worker processes with a ready pipe, a death watch and shutdown of whole
-//!   process trees (the Rust side of the Python package's `WorkerProcesses`);
+//!   process trees (the Rust side of the Python package's `WorkerProcesses`), and a
+//!   worker's end with its parent;
+//! - `fuzzing` (hidden): entry points for the fuzz targets in `fuzz/`, not API;
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
-//!
-//! Internals, under those: `sigbus` (a peer that truncates a mapped segment: the `SIGBUS`
-//! handler that turns the fault into zero pages and an error, and what shmq guarantees
-//! against the same user's processes), `segment` (named POSIX shared memory, and the
-//! header check every kind of segment makes), `range_alloc` (the whole-page allocator of the arena's and
-//! the encoder cache's data regions), `fork` (what a forked child must not do with what it
-//! inherited), `random` (secrets and nonces from the kernel), `sync` / `futex` / `doorbell` / `seqlock`
-//! (loom-swappable atomics, the process-shared futex, the sleep/wake handshake, the object
-//! store's seqlock), `private_map` (private copy-on-write views), `pins` (a process's views holding store
-//! chunks: file locks the writer checks before it frees), `transport` (ZeroMQ, for
-//! local readers' oversized messages).
 //!
 //! # Glossary: shmq's names and the engines' (vLLM's) names
 //! | shmq (Rust) | the engines (Python; shmq keeps these names in `shmq`) |

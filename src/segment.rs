@@ -757,36 +757,6 @@ pub fn remove_created() -> usize {
     mine.len()
 }
 
-/// Watch process `pid` (a worker's parent) from a thread of this process: once it has
-/// exited, kill this process's descendants, remove what this process created (as
-/// [`remove_created`]) and die of SIGKILL. All of it without Python's GIL, so that a
-/// worker whose main thread never lets go of it (a long call into native code) still
-/// goes, and leaves neither memory nor processes behind. If `pid` is gone already, that
-/// happens now. Err only if pidfds are not available (Linux before 5.3).
-// Only the Python bindings (workers' bootstrap) call it.
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
-pub fn exit_with_process(pid: u32) -> Result<()> {
-    let pidfd = match crate::liveness::pidfd_open(pid) {
-        Ok(fd) => Some(fd),
-        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => None,
-        Err(e) => return Err(Error::os(format!("watching process {pid} (pidfd_open)"), e)),
-    };
-    let watch = move || {
-        if let Some(fd) = &pidfd {
-            crate::liveness::wait_for_exit(fd);
-        }
-        crate::liveness::kill_descendants();
-        remove_created();
-        // SAFETY: kill(2) of this process; no memory is passed.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    };
-    std::thread::Builder::new()
-        .name("shmq-exit-with".into())
-        .spawn(watch)
-        .map_err(|e| Error::os("starting the thread that watches the parent", e))?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -59,6 +59,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::process::{self, ProcessId};
+use crate::{liveness, segment};
 
 /// Environment variable: the fd of a worker's ready pipe (see [`report_ready`]).
 pub const READY_FD_ENV: &str = "SHMQ_READY_FD";
@@ -92,6 +93,36 @@ pub fn report_ready() -> Result<()> {
         .write_all(b"R")
         .map_err(|e| Error::os("reporting ready to the parent", e))?;
     *reported = true;
+    Ok(())
+}
+
+/// In a worker: watch process `pid` (its parent) from a thread of this process: once it
+/// has exited, kill this process's descendants, remove what this process created (as
+/// [`segment::remove_created`]) and die of SIGKILL. All of it without Python's GIL, so
+/// that a worker whose main thread never lets go of it (a long call into native code)
+/// still goes, and leaves neither memory nor processes behind. If `pid` is gone already,
+/// that happens now. Err only if pidfds are not available (Linux before 5.3).
+// Only the Python bindings (workers' bootstrap) call it.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn exit_with_process(pid: u32) -> Result<()> {
+    let pidfd = match liveness::pidfd_open(pid) {
+        Ok(fd) => Some(fd),
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => None,
+        Err(e) => return Err(Error::os(format!("watching process {pid} (pidfd_open)"), e)),
+    };
+    let watch = move || {
+        if let Some(fd) = &pidfd {
+            liveness::wait_for_exit(fd);
+        }
+        liveness::kill_descendants();
+        segment::remove_created();
+        // SAFETY: kill(2) of this process; no memory is passed.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    };
+    std::thread::Builder::new()
+        .name("shmq-exit-with".into())
+        .spawn(watch)
+        .map_err(|e| Error::os("starting the thread that watches the parent", e))?;
     Ok(())
 }
 
@@ -151,15 +182,6 @@ pub struct Workers {
     /// Ranks in the order they exited.
     exit_order: Vec<usize>,
     closed: bool,
-}
-
-/// `syscall(pidfd_open)`: an fd that becomes readable when process `pid` exits.
-fn pidfd_open(pid: u32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new fd or -1; no memory is
-    // passed.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    // SAFETY: a non-negative return is a new fd that nothing else owns.
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
 /// How child `pid` ended, without reaping it; `None` while it runs (or if it is not our
@@ -322,7 +344,7 @@ impl Workers {
             pid,
             ready_pipe: Some(std::fs::File::from(ready_r)),
             ready: false,
-            pidfd: pidfd_open(pid),
+            pidfd: liveness::pidfd_open(pid).ok(),
             exit: None,
             reaped: false,
             tail,
@@ -588,9 +610,9 @@ impl Workers {
             .collect();
         if let Ok(segments) = crate::admin::list_segments() {
             for s in segments {
-                let dead = s.creator_liveness == crate::liveness::Liveness::Dead;
+                let dead = s.creator_liveness == liveness::Liveness::Dead;
                 if dead && s.creator.is_some_and(|c| pids.contains(&c.pid)) {
-                    let path = format!("{}/{}", crate::segment::SHM_DIR, s.name);
+                    let path = format!("{}/{}", segment::SHM_DIR, s.name);
                     let _ = std::fs::remove_file(&path);
                     // A ring's local socket lives in a directory beside it.
                     let _ = std::fs::remove_dir_all(format!(

@@ -49,10 +49,10 @@ fn remove_created() -> usize {
 
 /// Die with process `pid`, cleanly: once it has exited, a thread of this process kills
 /// this process's descendants, removes what it created, and SIGKILLs it (see
-/// `segment::exit_with_process`). Workers' bootstrap calls it with their parent's pid.
+/// `workers::exit_with_process`). Workers' bootstrap calls it with their parent's pid.
 #[pyfunction]
 fn exit_with_process(pid: u32) -> PyResult<()> {
-    Ok(crate::segment::exit_with_process(pid)?)
+    Ok(crate::workers::exit_with_process(pid)?)
 }
 
 /// SIGKILL every running descendant of this process; returns how many were signalled.
