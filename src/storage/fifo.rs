@@ -50,6 +50,14 @@ pub(super) struct RingWriter {
 }
 
 impl ChunkFifo {
+    /// The segment, checked intact, and the writer's state; a reader is refused the
+    /// call `what` names.
+    fn writer_parts(&mut self, what: &str) -> Result<(&StoreSegment, &mut RingWriter)> {
+        self.segment.check_intact()?;
+        let w = self.writer.as_mut().ok_or_else(|| writer_only(what))?;
+        Ok((&self.segment, w))
+    }
+
     /// Create a ring of `capacity` bytes (this process is its writer).
     pub fn create(capacity: u64, name: Option<&str>) -> Result<ChunkFifo> {
         let alloc = FifoAllocator::new(capacity).map_err(Error::InvalidArgument)?;
@@ -103,12 +111,7 @@ impl ChunkFifo {
     /// Allocate a chunk sized by `data_bytes_at(ring offset)` (see
     /// [`FifoAllocator::allocate_with`]) and write its header.
     pub fn allocate_with(&mut self, data_bytes_at: impl FnMut(u64) -> u64) -> Result<Chunk> {
-        let segment = &*self.segment;
-        segment.check_intact()?;
-        let w = self
-            .writer
-            .as_mut()
-            .ok_or_else(|| writer_only("allocate buffers"))?;
+        let (segment, w) = self.writer_parts("allocate buffers")?;
         let mut data_bytes_at = data_bytes_at;
         // Where the chunk will land (the allocator's placement: after the newest chunk,
         // or at 0 when it does not fit before the end), reserved before anything moves.
@@ -169,12 +172,7 @@ impl ChunkFifo {
         nbytes: u64,
         mut is_free: impl FnMut(u32, &[u8]) -> bool,
     ) -> Result<Freed> {
-        let segment = &*self.segment;
-        segment.check_intact()?;
-        let w = self
-            .writer
-            .as_mut()
-            .ok_or_else(|| writer_only("free buffers"))?;
+        let (segment, w) = self.writer_parts("free buffers")?;
         let mut freed = Freed {
             first_id: w.alloc.id_start(),
             count: 0,
@@ -214,12 +212,7 @@ impl ChunkFifo {
     /// [`oldest`](Self::oldest), and judged free while the ring was not borrowed), with
     /// the checks of [`free_while`](Self::free_while): a chunk some process pins stays.
     pub fn free_oldest(&mut self, chunk: &Chunk) -> Result<FreeOldest> {
-        let segment = &*self.segment;
-        segment.check_intact()?;
-        let w = self
-            .writer
-            .as_mut()
-            .ok_or_else(|| writer_only("free buffers"))?;
+        let (segment, w) = self.writer_parts("free buffers")?;
         if w.alloc.oldest() != Some(chunk) {
             // Freed (or cleared) meanwhile: the chunk approved is not there to free.
             return Ok(FreeOldest::NotOldest);
