@@ -15,7 +15,8 @@ use crate::alloc::{Freed, ID_MAX};
 use crate::error::{bad_signature_message, stale_object_message, Error};
 use crate::storage::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo as CoreRing,
-    ChunkHeader, FreeOldestFirst, ObjectStore as CoreStore, StoreSegment, SIGNATURE_BYTES,
+    ChunkHeader, FreeOldestFirst, KeptPart, ObjectStore as CoreStore, StoreSegment,
+    SIGNATURE_BYTES,
 };
 
 /// Call `f` on zero-copy memoryviews of `spans` (inside `segment`): one view, or a
@@ -556,15 +557,9 @@ impl ObjectStore {
                 }
                 let list = PyList::empty(py);
                 list.append(py.None())?;
-                for k in 1..object.len() {
-                    let part = object.part(k);
-                    let view = if part.len() >= view_from {
-                        views.map(object, k)?
-                    } else {
-                        None
-                    };
-                    match view {
-                        Some(v) => {
+                for part in views.kept_parts(object, view_from) {
+                    match part? {
+                        KeptPart::View(v) => {
                             let v = Arc::new(v);
                             let (ptr, len) = (v.as_ptr(), v.len());
                             // SAFETY: the private mapping is `len` bytes at `ptr`, alive as
@@ -572,7 +567,7 @@ impl ObjectStore {
                             let view = Bound::new(py, unsafe { ShmView::new(v, ptr, len) })?;
                             list.append(PyMemoryView::from(view.as_any())?)?;
                         }
-                        None => list.append(PyByteArray::new(py, part))?,
+                        KeptPart::Copy(bytes) => list.append(PyByteArray::new(py, bytes))?,
                     }
                 }
                 with_views(

@@ -54,8 +54,9 @@
 //!
 //! # Zero-copy views and loans
 //! [`read_object_viewed`] lets a reader map parts privately (copy-on-write) and keep
-//! them: the chunk is pinned — a shared lock on a byte of the segment's file, see the
-//! `pins` module — until the last such view is dropped (or its process dies). The
+//! them ([`ObjectViews::kept_parts`] decides per part: a view from a size threshold on,
+//! else a copy): the chunk is pinned — a shared lock on a byte of the segment's file,
+//! see the `pins` module — until the last such view is dropped (or its process dies). The
 //! writer frees a chunk only after stamping its header and finding no pin, and a
 //! `clear()` that finds a pinned chunk frees nothing at once (the chunks go oldest first
 //! as usual). [`ObjectStore::loan`] gives the writer a pinned chunk with [`LOAN_ROOM`]
@@ -84,8 +85,8 @@ mod tests;
 pub use fifo::{ChunkFifo, FreeOldest, FreeOldestFirst};
 pub use index::{Entry, ObjectStore, StoreLoan, LOAN_ROOM};
 pub use object::{
-    check_object, object_reader_count, read_object, read_object_viewed, ChunkPin, ObjectView,
-    ObjectViews, PartView,
+    check_object, object_reader_count, read_object, read_object_viewed, ChunkPin, KeptPart,
+    ObjectView, ObjectViews, PartView,
 };
 pub use segment::{
     ChunkHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, PART_ALIGN, SECRET_BYTES,

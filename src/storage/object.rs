@@ -379,6 +379,52 @@ impl ObjectViews<'_> {
     }
 }
 
+/// A part of an object read through [`ObjectViews::kept_part`] (or
+/// [`ObjectViews::kept_parts`]), as the caller may keep it beyond the read.
+#[derive(Debug)]
+pub enum KeptPart<'a> {
+    /// A private copy-on-write mapping of the part: zero-copy, and the object's chunk
+    /// is not reused while it (or another view of the same read) lives.
+    View(PartView),
+    /// The part's bytes in shared memory, to be copied before the read returns (they
+    /// are valid only during the read): the part is below the view threshold, or it
+    /// could not be viewed (a cleared object, pinning failed, or no mapping to be had,
+    /// as [`ObjectViews::map`] says).
+    Copy(&'a [u8]),
+}
+
+impl<'a> ObjectViews<'a> {
+    /// Part `i` of `object` (the object being read) in the form the caller keeps it: a
+    /// private view ([`KeptPart::View`]) if it is `view_from` bytes or more and
+    /// [`ObjectViews::map`] maps it, else its bytes to copy ([`KeptPart::Copy`]). An
+    /// error is `map`'s (mapping failed other than for want of memory).
+    pub fn kept_part<'o>(
+        &self,
+        object: &ObjectView<'o>,
+        i: usize,
+        view_from: usize,
+    ) -> Result<KeptPart<'o>> {
+        let part = object.part(i);
+        if part.len() >= view_from {
+            if let Some(view) = self.map(object, i)? {
+                return Ok(KeptPart::View(view));
+            }
+        }
+        Ok(KeptPart::Copy(part))
+    }
+
+    /// [`ObjectViews::kept_part`] of each part of `object` after the first, in order
+    /// (the first part — a serde's metadata — is the caller's to read in place during
+    /// the read). Lazy: each part is mapped when the iterator reaches it.
+    pub fn kept_parts<'s, 'o: 's>(
+        &'s self,
+        object: &'s ObjectView<'o>,
+        view_from: usize,
+    ) -> impl Iterator<Item = Result<KeptPart<'o>>> + 's {
+        (1..object.len()).map(move |i| self.kept_part(object, i, view_from))
+    }
+}
+
 /// Pin the chunk with id `id`: the writer's loans use this directly (no
 /// check needed: the writer itself is what would free the chunk, and its frees probe
 /// for pins); readers through [`pin_chunk`].

@@ -4,6 +4,7 @@ use super::index::LOAN_ALIGN;
 use super::object::{count_one_read, object_layout};
 use super::segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
 use super::*;
+use std::sync::Arc;
 use crate::alloc::HEADER_BYTES;
 use crate::error::{Error, Result};
 
@@ -478,4 +479,68 @@ fn free_oldest_keeps_a_viewed_chunk() {
     drop(view);
     assert!(run.free(&mut ring, &c).unwrap());
     assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+}
+
+/// Parts kept beyond a read, as [`ObjectViews::kept_parts`] gives them: views (with their
+/// bytes) or copies.
+fn kept(seg: &Arc<StoreSegment>, a: u64, i: u32, view_from: usize) -> Vec<(bool, Vec<u8>, Option<PartView>)> {
+    read_object_viewed(seg, a, i, true, |object, views| {
+        views
+            .kept_parts(object, view_from)
+            .map(|p| match p.unwrap() {
+                KeptPart::View(v) => (true, v.to_vec(), Some(v)),
+                KeptPart::Copy(bytes) => (false, bytes.to_vec(), None),
+            })
+            .collect()
+    })
+    .unwrap()
+}
+
+#[test]
+fn kept_parts_views_from_the_threshold_and_copies_below() {
+    let (mut ring, mut s) = store(4 * 16384, 20_000, 1);
+    let parts: [&[u8]; 4] = [b"head", &[7u8; 8000], &[3u8; 100], &[5u8; 4096]];
+    let (a, i) = s.put(&mut ring, "a", &parts, 1).unwrap();
+    let seg = ring.segment().clone();
+    let got = kept(&seg, a, i, 4096);
+    // The first part is not among them; the others are in order, 4096 bytes or more
+    // viewed, smaller ones copied.
+    let shape: Vec<(bool, &[u8])> = got.iter().map(|(v, b, _)| (*v, &b[..])).collect();
+    assert_eq!(shape, vec![(true, parts[1]), (false, parts[2]), (true, parts[3])]);
+    let views: Vec<PartView> = got.into_iter().filter_map(|(_, _, v)| v).collect();
+    assert_eq!(&views[0][..], parts[1]);
+    assert_eq!(&views[1][..], parts[3]);
+    // Read by its one reader, but viewed: the chunk is pinned, not freed.
+    let run = FreeOldestFirst::new(&ring, u64::MAX).unwrap();
+    let c = run.next(&ring).unwrap().unwrap();
+    assert_eq!(ring.free_oldest(&c).unwrap(), FreeOldest::Pinned);
+    drop(run);
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+    // One view alone still pins it.
+    let mut views = views.into_iter();
+    drop(views.next());
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 0);
+    assert_eq!(read_all(&seg, a, i, false).unwrap()[3], parts[3]);
+    drop(views);
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 1);
+    assert!(read_object(&seg, a, i, false, |_| ()).is_err());
+
+    // Below every part's size nothing is viewed and nothing pinned.
+    let (b, j) = s.put(&mut ring, "b", &parts, 1).unwrap();
+    let got = kept(&seg, b, j, 8001);
+    assert!(got.iter().all(|(v, _, view)| !v && view.is_none()));
+    assert_eq!(got[0].1, parts[1]);
+    assert_eq!(s.free_unused(&mut ring).unwrap().count, 1);
+}
+
+#[test]
+fn kept_parts_of_a_cleared_object_are_copies() {
+    let (mut ring, mut s) = store(3 * 8192, 9000, 1);
+    let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
+    s.clear(&mut ring).unwrap();
+    let seg = ring.segment().clone();
+    let got = kept(&seg, a, i, 0);
+    assert_eq!(got.len(), 1);
+    assert!(!got[0].0 && got[0].2.is_none());
+    assert_eq!(got[0].1, vec![7u8; 8000]);
 }
