@@ -495,8 +495,6 @@ impl PrivateMap {
     /// Give this mapping a private copy of every page it has not written yet, so that it
     /// no longer shows later changes of the segment (one copy of the bytes). For views
     /// from [`PrivateFile::map`] (a window view's pages go back to the window instead).
-    // Used by the Python bindings' `acquire_read`.
-    #[cfg_attr(not(feature = "python"), allow(dead_code))]
     pub fn detach(&self) {
         let Mapping::Own(p, n) = self.map else { return };
         let page = page_size();
@@ -525,7 +523,6 @@ impl PrivateMap {
     /// points into it (a raw pointer kept without a buffer export) reads zeros from now
     /// on, never the segment's later content, and nothing is copied. For views from
     /// [`PrivateFile::map`]; a window view is refused (its range is the window's).
-    #[cfg_attr(not(feature = "python"), allow(dead_code))]
     pub fn retire(&self) -> Result<()> {
         let Mapping::Own(p, n) = self.map else {
             return match self.map {

@@ -19,7 +19,9 @@ pub mod queue;
 pub mod ring;
 
 #[cfg(not(loom))]
-pub use queue::{Canceller, Handle, OwnedPart, Part, QueueOptions, Reader, Received, Writer};
+pub use queue::{
+    Canceller, ChunkEnd, ChunkView, Handle, OwnedPart, Part, QueueOptions, Reader, Received, Writer,
+};
 #[cfg(not(loom))]
 pub use ring::{
     ChunkInfo, ChunkKind, DeadReaderPolicy, Ring, RingHandle, RingReader, RingWriter, SlotInfo,

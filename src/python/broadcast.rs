@@ -1,4 +1,10 @@
 //! Bindings for the broadcast ring and queue: `Ring`, `Writer`, `Reader`.
+//!
+//! `Reader.acquire_read`/`finish_read` wrap the core reader's: the private mapping of
+//! the chunk and its life cycle (detached or retired when the chunk is given back) are
+//! the core's ([`crate::broadcast::ChunkView`], [`crate::broadcast::ChunkEnd`]); the
+//! binding only wraps the mapping in a `ShmView` and tells the core, at `finish_read`,
+//! whether that view is still exported (detach) or not (revoke it, retire).
 
 use std::sync::Arc;
 
@@ -12,13 +18,12 @@ use super::wait::{
 };
 use super::COPY_WITH_GIL_MAX;
 use crate::broadcast::queue::Canceller;
-use crate::broadcast::{ChunkKind, DeadReaderPolicy};
+use crate::broadcast::{ChunkEnd, DeadReaderPolicy};
 use crate::broadcast::{
     Handle, Part, QueueOptions, Reader as CoreReader, Received, Ring as CoreRing, RingHandle,
     Writer as CoreWriter,
 };
 use crate::error::Error;
-use crate::private_map::{PrivateFile, PrivateMap};
 use crate::remote::{RemoteOptions, SlowReaderPolicy};
 use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError, PyValueError};
 
@@ -620,10 +625,9 @@ pub struct Reader {
     inner: BindingLock<CoreReader>,
     canceller: Canceller,
     queue: QueueName,
-    /// The ring's file, to map chunks for `acquire_read` (opened on first use).
-    chunk_file: BindingLock<Option<Arc<PrivateFile>>>,
-    /// The chunk `acquire_read` handed out: its view and mapping, until `finish_read`.
-    open_chunk: BindingLock<Option<(Py<ShmView>, Arc<PrivateMap>)>>,
+    /// The view of the chunk `acquire_read` handed out, until `finish_read` (the core
+    /// reader keeps its mapping).
+    open_chunk: BindingLock<Option<Py<ShmView>>>,
 }
 
 #[pymethods]
@@ -654,7 +658,6 @@ impl Reader {
             canceller: reader.canceller(),
             queue: QueueName(reader.ring().map(|r| r.name().to_owned())),
             inner: BindingLock::new(reader),
-            chunk_file: BindingLock::new(None),
             open_chunk: BindingLock::new(None),
         })
     }
@@ -736,34 +739,21 @@ impl Reader {
     ) -> PyResult<Py<PyAny>> {
         let mut r = self.reader(py)?;
         let r = &mut *r;
-        let info = blocking_mapped(
+        let chunk = blocking_mapped(
             py,
             reader_interrupts(timeout, cancel, false),
             |spec| r.acquire_read(spec),
             |e| self.queue.error(py, e),
         )?;
-        let data = r.chunk_data(&info);
-        if info.kind == ChunkKind::Overflow {
+        let Some(map) = chunk.private_map() else {
             // The message came over the socket and is gone after finish_read: a copy.
-            return Ok(PyBytes::new(py, data).into_any().unbind());
-        }
-        let len = data.len();
-        let ring = r.ring().expect("a local reader has a ring").clone();
-        // A mapping of the chunk of its own, private (copy-on-write): what the caller
-        // makes of it can be detached from the chunk when the chunk is given back.
-        let file = {
-            let mut f = lock(py, &self.chunk_file, READER)?;
-            match &*f {
-                Some(file) => file.clone(),
-                None => f.insert(Arc::new(PrivateFile::open(ring.name())?)).clone(),
-            }
+            return Ok(PyBytes::new(py, &chunk).into_any().unbind());
         };
-        let map = Arc::new(file.map(ring.data_file_offset(info.index)?, len)?);
-        let ptr = map.as_ptr();
+        let (ptr, len) = (map.as_ptr(), map.len());
         // SAFETY: the range is the whole private mapping, which the view owns (via the
         // Arc); it stays mapped as long as any buffer of the view exists.
         let view = Py::new(py, unsafe { ShmView::new(map.clone(), ptr, len) })?;
-        *lock(py, &self.open_chunk, READER)? = Some((view.clone_ref(py), map));
+        *lock(py, &self.open_chunk, READER)? = Some(view.clone_ref(py));
         Ok(view.into_any())
     }
 
@@ -773,15 +763,15 @@ impl Reader {
     /// view is revoked (no new buffers) and its memory retired (zero pages in place), for
     /// a raw pointer kept without a buffer (numpy's `frombuffer` keeps one).
     fn finish_read(&self, py: Python<'_>) -> PyResult<()> {
-        if let Some((view, map)) = lock(py, &self.open_chunk, READER)?.take() {
-            if view.get().is_exported() {
-                map.detach();
-            } else {
+        let end = match lock(py, &self.open_chunk, READER)?.take() {
+            Some(view) if view.get().is_exported() => ChunkEnd::Detach,
+            Some(view) => {
                 view.get().revoke();
-                map.retire()?;
+                ChunkEnd::Retire
             }
-        }
-        Ok(self.reader(py)?.finish_read()?)
+            None => ChunkEnd::Retire,
+        };
+        Ok(self.reader(py)?.finish_read(end)?)
     }
 
     /// Wake this reader's blocked calls (from any thread) with `RuntimeError("cancelled")`.

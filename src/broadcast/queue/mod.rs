@@ -33,7 +33,7 @@ use crate::liveness::Liveness;
 pub use cancel::Canceller;
 pub use handle::Handle;
 pub use options::QueueOptions;
-pub use reader::{OwnedPart, Part, Reader, Received};
+pub use reader::{ChunkEnd, ChunkView, OwnedPart, Part, Reader, Received};
 pub use writer::Writer;
 
 /// An error for the first local reader proved dead.

@@ -2,17 +2,24 @@
 //! (parts in the tensor arena as private views, oversized messages from the overflow
 //! socket), a remote reader from its TCP subscription. Uses the ring's reader, the
 //! arena, the framing and the transport.
+//!
+//! Zero-copy reading of one chunk ([`Reader::acquire_read`], [`Reader::finish_read`])
+//! hands out a [`ChunkView`]: a private (copy-on-write) mapping of the chunk, made
+//! here, whose life cycle ([`ChunkEnd`]: detached or retired when the chunk is given
+//! back) is the reader's, so every user of the reader (Rust, or the Python bindings) gets
+//! the same semantics.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::super::framing::{self, PartRef};
-use super::super::ring::{ChunkInfo, ChunkKind, Ring, RingReader};
+use super::super::ring::{ChunkKind, Ring, RingReader};
 use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
 use crate::error::{Error, Result};
 use crate::fork::{self, LeakInChild};
+use crate::private_map::{PrivateFile, PrivateMap};
 use crate::remote::RemoteReader;
 use crate::transport::Subscriber;
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
@@ -23,6 +30,9 @@ enum Source {
         overflow: Subscriber,
         /// The queue's tensor arena, if it has one (opened at first use).
         arena: ArenaSlot,
+        /// The ring's file, to map chunks privately for `acquire_read` (opened at
+        /// first use).
+        chunk_file: Option<PrivateFile>,
     },
     Remote {
         sub: RemoteReader,
@@ -195,6 +205,92 @@ fn take_frames<R>(
     Ok(f(Received::Parts(parts)))
 }
 
+/// A chunk as [`Reader::acquire_read`] hands it out, to read (and write) in place.
+///
+/// For a message in the ring: a mapping of the chunk's bytes of its own, private
+/// (copy-on-write): writes through it stay in this process and never reach the ring.
+/// What becomes of it when the chunk is given back is for [`Reader::finish_read`] to say
+/// ([`ChunkEnd`]): either way it never shows the writer's next message in that chunk.
+/// For an oversized message (an overflow mark, [`is_overflow`](Self::is_overflow)): the
+/// message as it came over the socket (its first frame), owned.
+///
+/// The view and the reader share the mapping (the reader keeps it until `finish_read`,
+/// to detach or retire it there): do not hold a borrow of the view's bytes across that
+/// call.
+pub struct ChunkView {
+    data: ChunkData,
+}
+
+enum ChunkData {
+    /// A private mapping of the chunk's data, shared with the reader until `finish_read`.
+    Mapped(Arc<PrivateMap>),
+    /// An overflow message's bytes (the first frame from the socket).
+    Message(zmq::Message),
+}
+
+impl ChunkView {
+    /// Whether this is an overflow message (bytes from the socket, not a mapping of the
+    /// chunk).
+    pub fn is_overflow(&self) -> bool {
+        matches!(self.data, ChunkData::Message(_))
+    }
+
+    /// The private mapping of the chunk (`None` for an overflow message), for the Python
+    /// bindings' view, which keeps it alive.
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
+    pub(crate) fn private_map(&self) -> Option<&Arc<PrivateMap>> {
+        match &self.data {
+            ChunkData::Mapped(m) => Some(m),
+            ChunkData::Message(_) => None,
+        }
+    }
+}
+
+impl fmt::Debug for ChunkView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChunkView")
+            .field("overflow", &self.is_overflow())
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl std::ops::Deref for ChunkView {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.data {
+            ChunkData::Mapped(m) => m,
+            ChunkData::Message(m) => m,
+        }
+    }
+}
+
+impl std::ops::DerefMut for ChunkView {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.data {
+            // SAFETY: the mapping is private to this process and stays mapped as long as
+            // the Arc; the reader's copy of the Arc touches its bytes only in
+            // `finish_read` (detach: writes each page's byte with its own value; retire:
+            // zero pages in place), which the caller calls with no borrow of them alive
+            // (see the type's docs).
+            ChunkData::Mapped(m) => unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) },
+            ChunkData::Message(m) => m,
+        }
+    }
+}
+
+/// What [`Reader::finish_read`] does with the private mapping of the chunk that
+/// [`Reader::acquire_read`] handed out (nothing, for an overflow message).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkEnd {
+    /// The caller still uses the view: give it a private copy of every page it has not
+    /// written yet (one copy of the bytes), so it keeps the message it showed.
+    Detach,
+    /// The caller is done with the view: replace its pages in place by zero pages (no
+    /// copy), so that whatever still points into it reads zeros from then on.
+    Retire,
+}
+
 /// The reading side of a queue (one per reader process).
 pub struct Reader {
     source: Source,
@@ -211,6 +307,9 @@ pub struct Reader {
     /// What this reader's waits are for (in warnings and timeout errors).
     what: Arc<str>,
     ready_what: Arc<str>,
+    /// The mapping of the chunk [`acquire_read`](Reader::acquire_read) handed out, until
+    /// [`finish_read`](Reader::finish_read) detaches or retires it.
+    open_chunk: Option<Arc<PrivateMap>>,
     _ctx: LeakInChild<zmq::Context>,
 }
 
@@ -259,6 +358,7 @@ impl Reader {
                     ring,
                     overflow,
                     arena,
+                    chunk_file: None,
                 }
             }
             None => {
@@ -306,6 +406,7 @@ impl Reader {
             history: Arc::default(),
             ready_what: format!("{what} to be ready").into(),
             what: what.into(),
+            open_chunk: None,
             _ctx: LeakInChild::new(ctx),
         })
     }
@@ -456,6 +557,7 @@ impl Reader {
                 ring,
                 overflow,
                 arena,
+                ..
             } => {
                 ring.ring().check_intact()?;
                 let Some(info) = ring.poll() else {
@@ -558,17 +660,19 @@ impl Reader {
     }
 
     /// Zero-copy reading of a chunk filled with
-    /// [`Writer::acquire_write`](super::Writer::acquire_write): wait for it and return
-    /// where it is ([`chunk_data`](Self::chunk_data)); release it with
-    /// [`finish_read`](Self::finish_read).
-    pub fn acquire_read<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<ChunkInfo> {
+    /// [`Writer::acquire_write`](super::Writer::acquire_write): wait for it and return a
+    /// private view of it ([`ChunkView`]: writes through it stay in this process); give
+    /// the chunk back with [`finish_read`](Self::finish_read), which says what becomes
+    /// of the view. For an overflow mark the view is the message that came over the
+    /// socket. Only for a local reader.
+    pub fn acquire_read<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<ChunkView> {
         let (canceller, what) = (self.canceller.clone(), self.what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
         self.acquire_read_with(&mut wait)
     }
 
     /// [`acquire_read`](Self::acquire_read) under a wait of the caller's own.
-    pub fn acquire_read_with(&mut self, wait: &mut Wait) -> Result<ChunkInfo> {
+    pub fn acquire_read_with(&mut self, wait: &mut Wait) -> Result<ChunkView> {
         if !self.is_local() {
             return Err(Error::WrongRole(
                 "acquire_read is only for local readers".into(),
@@ -577,30 +681,54 @@ impl Reader {
         // For an overflow mark this also receives the message, so it is consumed with
         // the chunk (and the next overflow message stays in step).
         self.wait_message_with(wait)?;
-        match &self.source {
-            Source::Local { ring, .. } => ring.poll().ok_or_else(|| chunk_changed(ring.ring())),
-            Source::Remote { .. } => unreachable!("checked above"),
+        let Source::Local {
+            ring, chunk_file, ..
+        } = &mut self.source
+        else {
+            unreachable!("checked above")
+        };
+        let info = ring.poll().ok_or_else(|| chunk_changed(ring.ring()))?;
+        if info.kind == ChunkKind::Overflow {
+            // The message came over the socket and is gone after finish_read: the view
+            // owns its first frame. A message of several frames keeps them until then
+            // (finish_read gives its arena parts back), so the view gets a copy.
+            let message = match self.pending.as_mut() {
+                Some(f) if f.len() == 1 => std::mem::replace(&mut f[0], zmq::Message::new()),
+                Some(f) => zmq::Message::from(&f[0][..]),
+                None => zmq::Message::new(),
+            };
+            return Ok(ChunkView {
+                data: ChunkData::Message(message),
+            });
         }
+        let len = ring.data(&info).len();
+        let r = ring.ring();
+        // A mapping of the chunk of its own, private (copy-on-write): what the caller
+        // makes of it can be detached from the chunk when the chunk is given back.
+        let file = match chunk_file {
+            Some(file) => file,
+            None => chunk_file.insert(PrivateFile::open(r.name())?),
+        };
+        let map = Arc::new(file.map(r.data_file_offset(info.index)?, len)?);
+        self.open_chunk = Some(map.clone());
+        Ok(ChunkView {
+            data: ChunkData::Mapped(map),
+        })
     }
 
-    /// Data of a chunk from [`acquire_read`](Self::acquire_read): the chunk itself, or
-    /// for an overflow mark the message that came over the socket (its first frame).
-    pub fn chunk_data(&self, info: &ChunkInfo) -> &[u8] {
-        match (&self.source, info.kind) {
-            (Source::Local { .. }, ChunkKind::Overflow) => self
-                .pending
-                .as_ref()
-                .and_then(|f| f.first())
-                .map_or(&[], |m| &m[..]),
-            (Source::Local { ring, .. }, _) => ring.data(info),
-            (Source::Remote { .. }, _) => &[],
-        }
-    }
-
-    /// Mark the chunk from [`acquire_read`](Self::acquire_read) as read. A message of
-    /// several parts read this way gives its arena parts back.
-    pub fn finish_read(&mut self) -> Result<()> {
+    /// Give back the chunk from [`acquire_read`](Self::acquire_read) (mark it as read);
+    /// the writer's next message in it never shows through its view. `end` says what
+    /// becomes of the view's mapping first: [`ChunkEnd::Detach`] if the caller still uses
+    /// the view, [`ChunkEnd::Retire`] if not. A message of several parts read this way
+    /// gives its arena parts back.
+    pub fn finish_read(&mut self, end: ChunkEnd) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
+        if let Some(map) = self.open_chunk.take() {
+            match end {
+                ChunkEnd::Detach => map.detach(),
+                ChunkEnd::Retire => map.retire()?,
+            }
+        }
         match &mut self.source {
             Source::Local { ring, arena, .. } => {
                 let pending = self.pending.take();

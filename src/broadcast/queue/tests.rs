@@ -239,3 +239,72 @@ fn a_cancelled_writer_says_it_was_shut_down() {
         assert!(matches!(e, Error::ShutDown), "{e}");
     });
 }
+
+/// The shared bytes of chunk 0 of `r`'s ring (what the writer wrote there last).
+fn shared_chunk0(r: &Reader, n: usize) -> Vec<u8> {
+    let (p, len) = r.ring().unwrap().data_ptr(0).unwrap();
+    assert!(n <= len);
+    // SAFETY: `p..p+len` is chunk 0's data in the ring's mapping, which `r` keeps alive;
+    // no writer writes while this test reads it.
+    unsafe { std::slice::from_raw_parts(p, n) }.to_vec()
+}
+
+#[test]
+fn acquire_read_hands_out_a_private_view_that_never_shows_the_next_message() {
+    let t = Some(Duration::from_secs(10));
+    // One chunk: the writer's next message goes into the chunk just read.
+    let mut w = Writer::new(QueueOptions {
+        max_chunk_bytes: 64,
+        max_chunks: 1,
+        ..QueueOptions::local(1)
+    })
+    .unwrap();
+    let h = w.handle().clone();
+    let mut r = std::thread::scope(|s| {
+        let reader = s.spawn(move || {
+            let mut r = Reader::open(&h, 0).unwrap();
+            r.wait_until_ready(t).unwrap();
+            r
+        });
+        w.wait_until_ready(t).unwrap();
+        reader.join().unwrap()
+    });
+
+    // Kept past finish_read (ChunkEnd::Detach): writes stay private, and it keeps the
+    // message it showed.
+    w.enqueue(b"first message", t).unwrap();
+    let mut v = r.acquire_read(t).unwrap();
+    assert!(!v.is_overflow());
+    assert_eq!(&v[..], b"first message");
+    v[0] = b'F';
+    assert_eq!(&v[..], b"First message");
+    assert_eq!(
+        shared_chunk0(&r, 13),
+        b"first message",
+        "a write reached the ring"
+    );
+    r.finish_read(ChunkEnd::Detach).unwrap();
+    w.enqueue(b"second message", t).unwrap();
+    assert_eq!(shared_chunk0(&r, 14), b"second message");
+    assert_eq!(&v[..], b"First message");
+
+    // Not used any more (ChunkEnd::Retire): it reads zeros, never the next message.
+    let v2 = r.acquire_read(t).unwrap();
+    assert_eq!(&v2[..], b"second message");
+    r.finish_read(ChunkEnd::Retire).unwrap();
+    assert!(v2.iter().all(|&b| b == 0));
+    w.enqueue(b"third message!", t).unwrap();
+    assert!(v2.iter().all(|&b| b == 0));
+    assert_eq!(&v[..], b"First message");
+
+    // An oversized message is the one from the socket, owned.
+    let big: Vec<u8> = (0..200).map(|i| i as u8).collect();
+    let v3 = r.acquire_read(t).unwrap();
+    assert_eq!(&v3[..], b"third message!");
+    r.finish_read(ChunkEnd::Retire).unwrap();
+    w.enqueue(&big, t).unwrap();
+    let v4 = r.acquire_read(t).unwrap();
+    assert!(v4.is_overflow());
+    r.finish_read(ChunkEnd::Retire).unwrap();
+    assert_eq!(&v4[..], &big[..]);
+}
