@@ -20,7 +20,7 @@ pub mod ring;
 
 #[cfg(not(loom))]
 pub use queue::{
-    Canceller, ChunkEnd, ChunkView, Handle, OwnedPart, Part, QueueOptions, Reader, Received, Writer,
+    Canceller, ChunkRead, Handle, OwnedPart, Part, QueueOptions, Reader, Received, Writer,
 };
 #[cfg(not(loom))]
 pub use ring::{

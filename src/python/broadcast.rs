@@ -1,10 +1,11 @@
 //! Bindings for the broadcast ring and queue: `Ring`, `Writer`, `Reader`.
 //!
-//! `Reader.acquire_read`/`finish_read` wrap the core reader's: the private mapping of
-//! the chunk and its life cycle (detached or retired when the chunk is given back) are
-//! the core's ([`crate::broadcast::ChunkView`], [`crate::broadcast::ChunkEnd`]); the
-//! binding only wraps the mapping in a `ShmView` and tells the core, at `finish_read`,
-//! whether that view is still exported (detach) or not (revoke it, retire).
+//! `Reader.acquire_read`/`finish_read` wrap the core reader's `acquire_chunk` /
+//! `finish_chunk` (the variant of `acquire_read` whose view does not borrow the reader):
+//! the private mapping of the chunk and its life cycle (detached or retired when the
+//! chunk is given back) are the core's; the binding only wraps the mapping in a
+//! `ShmView` and tells the core, at `finish_read`, whether that view is still exported
+//! (detach) or not (revoke it, retire).
 
 use std::sync::Arc;
 
@@ -18,7 +19,8 @@ use super::wait::{
 };
 use super::COPY_WITH_GIL_MAX;
 use crate::broadcast::queue::Canceller;
-use crate::broadcast::{ChunkEnd, DeadReaderPolicy};
+use crate::broadcast::queue::ChunkEnd;
+use crate::broadcast::DeadReaderPolicy;
 use crate::broadcast::{
     Handle, Part, QueueOptions, Reader as CoreReader, Received, Ring as CoreRing, RingHandle,
     Writer as CoreWriter,
@@ -742,7 +744,7 @@ impl Reader {
         let chunk = blocking_mapped(
             py,
             reader_interrupts(timeout, cancel, false),
-            |spec| r.acquire_read(spec),
+            |spec| r.acquire_chunk(spec),
             |e| self.queue.error(py, e),
         )?;
         let Some(map) = chunk.private_map() else {
@@ -771,7 +773,7 @@ impl Reader {
             }
             None => ChunkEnd::Retire,
         };
-        Ok(self.reader(py)?.finish_read(end)?)
+        Ok(self.reader(py)?.finish_chunk(end)?)
     }
 
     /// Wake this reader's blocked calls (from any thread) with `RuntimeError("cancelled")`.

@@ -33,7 +33,9 @@ use crate::liveness::Liveness;
 pub use cancel::Canceller;
 pub use handle::Handle;
 pub use options::QueueOptions;
-pub use reader::{ChunkEnd, ChunkView, OwnedPart, Part, Reader, Received};
+#[cfg(feature = "python")]
+pub(crate) use reader::ChunkEnd;
+pub use reader::{ChunkRead, OwnedPart, Part, Reader, Received};
 pub use writer::Writer;
 
 /// An error for the first local reader proved dead.

@@ -10,6 +10,7 @@
 //! the same semantics.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -214,10 +215,11 @@ fn take_frames<R>(
 /// For an oversized message (an overflow mark, [`is_overflow`](Self::is_overflow)): the
 /// message as it came over the socket (its first frame), owned.
 ///
-/// The view and the reader share the mapping (the reader keeps it until `finish_read`,
-/// to detach or retire it there): do not hold a borrow of the view's bytes across that
-/// call.
-pub struct ChunkView {
+/// The view and the reader share the mapping (the reader keeps it until
+/// `finish_chunk`, to detach or retire it there): crate-private, for callers that hold
+/// no borrow of the view's bytes across that call (the public API is [`ChunkRead`],
+/// which borrows the reader).
+pub(crate) struct ChunkView {
     data: ChunkData,
 }
 
@@ -231,7 +233,7 @@ enum ChunkData {
 impl ChunkView {
     /// Whether this is an overflow message (bytes from the socket, not a mapping of the
     /// chunk).
-    pub fn is_overflow(&self) -> bool {
+    pub(crate) fn is_overflow(&self) -> bool {
         matches!(self.data, ChunkData::Message(_))
     }
 
@@ -282,13 +284,51 @@ impl std::ops::DerefMut for ChunkView {
 /// What [`Reader::finish_read`] does with the private mapping of the chunk that
 /// [`Reader::acquire_read`] handed out (nothing, for an overflow message).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ChunkEnd {
+// `Detach` is the Python binding's (its view may outlive the chunk) and the tests'.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) enum ChunkEnd {
     /// The caller still uses the view: give it a private copy of every page it has not
     /// written yet (one copy of the bytes), so it keeps the message it showed.
     Detach,
     /// The caller is done with the view: replace its pages in place by zero pages (no
     /// copy), so that whatever still points into it reads zeros from then on.
     Retire,
+}
+
+/// A chunk from [`Reader::acquire_read`], read (and written) in place through a private
+/// copy-on-write mapping of it: writes stay in this process and never reach the ring.
+/// It borrows the reader, so it is gone before [`Reader::finish_read`] gives the chunk
+/// back. For an oversized message ([`is_overflow`](Self::is_overflow)) it is the message
+/// as it came over the socket.
+pub struct ChunkRead<'r> {
+    view: ChunkView,
+    _reader: PhantomData<&'r mut Reader>,
+}
+
+impl ChunkRead<'_> {
+    /// Whether this is an overflow message (bytes from the socket, not the chunk).
+    pub fn is_overflow(&self) -> bool {
+        self.view.is_overflow()
+    }
+}
+
+impl fmt::Debug for ChunkRead<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.view.fmt(f)
+    }
+}
+
+impl std::ops::Deref for ChunkRead<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.view
+    }
+}
+
+impl std::ops::DerefMut for ChunkRead<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.view
+    }
 }
 
 /// The reading side of a queue (one per reader process).
@@ -661,18 +701,39 @@ impl Reader {
 
     /// Zero-copy reading of a chunk filled with
     /// [`Writer::acquire_write`](super::Writer::acquire_write): wait for it and return a
-    /// private view of it ([`ChunkView`]: writes through it stay in this process); give
-    /// the chunk back with [`finish_read`](Self::finish_read), which says what becomes
-    /// of the view. For an overflow mark the view is the message that came over the
-    /// socket. Only for a local reader.
-    pub fn acquire_read<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<ChunkView> {
-        let (canceller, what) = (self.canceller.clone(), self.what.clone());
-        let mut wait = self.wait(&what, wait.into(), &canceller);
-        self.acquire_read_with(&mut wait)
+    /// private view of it ([`ChunkRead`]: writes through it stay in this process). The
+    /// view borrows the reader: drop it, then give the chunk back with
+    /// [`finish_read`](Self::finish_read). For an overflow mark the view is the message
+    /// that came over the socket. Only for a local reader.
+    pub fn acquire_read<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<ChunkRead<'_>> {
+        let view = self.acquire_chunk(wait)?;
+        Ok(ChunkRead {
+            view,
+            _reader: PhantomData,
+        })
     }
 
     /// [`acquire_read`](Self::acquire_read) under a wait of the caller's own.
-    pub fn acquire_read_with(&mut self, wait: &mut Wait) -> Result<ChunkView> {
+    pub fn acquire_read_with(&mut self, wait: &mut Wait) -> Result<ChunkRead<'_>> {
+        let view = self.acquire_chunk_with(wait)?;
+        Ok(ChunkRead {
+            view,
+            _reader: PhantomData,
+        })
+    }
+
+    /// [`acquire_read`](Self::acquire_read) whose view does not borrow the reader (the
+    /// Python binding's: its view may outlive the chunk); the caller says at
+    /// [`finish_chunk`](Self::finish_chunk) what becomes of it, and holds no borrow of
+    /// its bytes across that call.
+    pub(crate) fn acquire_chunk<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<ChunkView> {
+        let (canceller, what) = (self.canceller.clone(), self.what.clone());
+        let mut wait = self.wait(&what, wait.into(), &canceller);
+        self.acquire_chunk_with(&mut wait)
+    }
+
+    /// [`acquire_chunk`](Self::acquire_chunk) under a wait of the caller's own.
+    pub(crate) fn acquire_chunk_with(&mut self, wait: &mut Wait) -> Result<ChunkView> {
         if !self.is_local() {
             return Err(Error::WrongRole(
                 "acquire_read is only for local readers".into(),
@@ -716,12 +777,18 @@ impl Reader {
         })
     }
 
-    /// Give back the chunk from [`acquire_read`](Self::acquire_read) (mark it as read);
-    /// the writer's next message in it never shows through its view. `end` says what
-    /// becomes of the view's mapping first: [`ChunkEnd::Detach`] if the caller still uses
-    /// the view, [`ChunkEnd::Retire`] if not. A message of several parts read this way
-    /// gives its arena parts back.
-    pub fn finish_read(&mut self, end: ChunkEnd) -> Result<()> {
+    /// Give back the chunk from [`acquire_read`](Self::acquire_read) (mark it as read),
+    /// once its view is dropped. A message of several parts read this way gives its
+    /// arena parts back.
+    pub fn finish_read(&mut self) -> Result<()> {
+        self.finish_chunk(ChunkEnd::Retire)
+    }
+
+    /// Give back the chunk from [`acquire_chunk`](Self::acquire_chunk); the writer's
+    /// next message in it never shows through its view. `end` says what becomes of the
+    /// view's mapping first: [`ChunkEnd::Detach`] if the caller still uses the view,
+    /// [`ChunkEnd::Retire`] if not.
+    pub(crate) fn finish_chunk(&mut self, end: ChunkEnd) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if let Some(map) = self.open_chunk.take() {
             match end {

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::super::ring::RingHandle;
+use super::reader::ChunkEnd;
 use super::*;
 
 #[test]
@@ -273,7 +274,7 @@ fn acquire_read_hands_out_a_private_view_that_never_shows_the_next_message() {
     // Kept past finish_read (ChunkEnd::Detach): writes stay private, and it keeps the
     // message it showed.
     w.enqueue(b"first message", t).unwrap();
-    let mut v = r.acquire_read(t).unwrap();
+    let mut v = r.acquire_chunk(t).unwrap();
     assert!(!v.is_overflow());
     assert_eq!(&v[..], b"first message");
     v[0] = b'F';
@@ -283,15 +284,15 @@ fn acquire_read_hands_out_a_private_view_that_never_shows_the_next_message() {
         b"first message",
         "a write reached the ring"
     );
-    r.finish_read(ChunkEnd::Detach).unwrap();
+    r.finish_chunk(ChunkEnd::Detach).unwrap();
     w.enqueue(b"second message", t).unwrap();
     assert_eq!(shared_chunk0(&r, 14), b"second message");
     assert_eq!(&v[..], b"First message");
 
     // Not used any more (ChunkEnd::Retire): it reads zeros, never the next message.
-    let v2 = r.acquire_read(t).unwrap();
+    let v2 = r.acquire_chunk(t).unwrap();
     assert_eq!(&v2[..], b"second message");
-    r.finish_read(ChunkEnd::Retire).unwrap();
+    r.finish_chunk(ChunkEnd::Retire).unwrap();
     assert!(v2.iter().all(|&b| b == 0));
     w.enqueue(b"third message!", t).unwrap();
     assert!(v2.iter().all(|&b| b == 0));
@@ -299,12 +300,28 @@ fn acquire_read_hands_out_a_private_view_that_never_shows_the_next_message() {
 
     // An oversized message is the one from the socket, owned.
     let big: Vec<u8> = (0..200).map(|i| i as u8).collect();
-    let v3 = r.acquire_read(t).unwrap();
+    let v3 = r.acquire_chunk(t).unwrap();
     assert_eq!(&v3[..], b"third message!");
-    r.finish_read(ChunkEnd::Retire).unwrap();
+    r.finish_chunk(ChunkEnd::Retire).unwrap();
     w.enqueue(&big, t).unwrap();
-    let v4 = r.acquire_read(t).unwrap();
+    let v4 = r.acquire_chunk(t).unwrap();
     assert!(v4.is_overflow());
-    r.finish_read(ChunkEnd::Retire).unwrap();
+    r.finish_chunk(ChunkEnd::Retire).unwrap();
     assert_eq!(&v4[..], &big[..]);
+
+    // The public API: the view borrows the reader, so it is gone before finish_read;
+    // what it wrote reaches neither the ring nor the next message.
+    w.enqueue(b"fifth message", t).unwrap();
+    let mut v5 = r.acquire_read(t).unwrap();
+    assert!(!v5.is_overflow());
+    assert_eq!(&v5[..], b"fifth message");
+    v5.fill(b'x');
+    drop(v5);
+    assert_eq!(shared_chunk0(&r, 13), b"fifth message");
+    r.finish_read().unwrap();
+    w.enqueue(b"sixth message", t).unwrap();
+    let v6 = r.acquire_read(t).unwrap();
+    assert_eq!(&v6[..], b"sixth message");
+    drop(v6);
+    r.finish_read().unwrap();
 }
