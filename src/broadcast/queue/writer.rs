@@ -153,12 +153,14 @@ impl Writer {
                 "local_reader_ranks has duplicates: {ranks:?}"
             )));
         }
-        // The local publisher's context is its own: dropping it flushes the overflow
-        // messages still queued (`transport::shared_context` says why the rest share one).
+        // The remote socket uses the process's context; the local publisher has one of
+        // its own: dropping it flushes the overflow messages still queued
+        // (`transport::shared_context` says why).
+        let shared = crate::transport::shared_context();
         let ctx = if opts.n_local_reader > 0 {
             zmq::Context::new()
         } else {
-            crate::transport::shared_context()
+            shared.clone()
         };
         let n_remote_reader = opts.n_reader - opts.n_local_reader;
         let (ring, local, arena) = if opts.n_local_reader > 0 {
@@ -190,7 +192,7 @@ impl Writer {
             let ip = opts.connect_ip.clone().unwrap_or_else(default_connect_ip);
             let secret = remote::new_secret()?;
             let (p, v6) = RemoteWriter::bind(
-                &crate::transport::shared_context(),
+                &shared,
                 &ip,
                 secret,
                 n_remote_reader,
