@@ -168,6 +168,9 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_UNAUTHENTICATED: usize = 64;
 /// How often the guard looks at its connections when nothing happens.
 const GUARD_TICK_MS: i64 = 200;
+/// How long the guard of a dropped writer reads its monitor at most, waiting for ZeroMQ's
+/// MONITOR_STOPPED (the socket's linger, `LINGER_MS`, and then some).
+const GUARD_DRAIN: Duration = Duration::from_secs(5);
 
 /// What the writer's thread tells the guard thread (see [`spawn_guard`]).
 #[derive(Debug)]
@@ -177,7 +180,8 @@ struct Guard {
     /// When the writer last took every HELLO that had arrived, in ms since `epoch`.
     served_ms: std::sync::atomic::AtomicU64,
     epoch: Instant,
-    /// The writer is gone: the guard thread ends.
+    /// The writer is gone: the guard closes nothing more, and ends once ZeroMQ stopped
+    /// the monitor (at most `GUARD_DRAIN` later).
     stop: std::sync::atomic::AtomicBool,
 }
 
@@ -271,8 +275,21 @@ fn run_guard(mon: zmq::Socket, guard: &Guard) {
     use std::sync::atomic::Ordering;
     // Connections not (yet) proved good: descriptor, acceptance, peer address.
     let mut pending: Vec<(i32, Instant, Option<Vec<u8>>)> = Vec::new();
-    // Relaxed: the flag carries no data; the thread ends at most a tick later.
-    while !guard.stop.load(Ordering::Relaxed) {
+    // Once the writer is gone, the guard closes nothing more but goes on reading the
+    // monitor until ZeroMQ says it stopped (the socket's close emits its last events
+    // from ZeroMQ's threads after the writer dropped it). A monitor nobody reads blocks
+    // the thread that emits into it (libzmq sends monitor events blocking): with the
+    // process's shared context (`transport::shared_context`) that is the I/O thread of
+    // every other socket of the process, whose new listeners then accept nothing.
+    let mut draining_until: Option<Instant> = None;
+    loop {
+        // Relaxed: the flag carries no data; it is seen at most a tick later.
+        if draining_until.is_none() && guard.stop.load(Ordering::Relaxed) {
+            draining_until = Some(Instant::now() + GUARD_DRAIN);
+        }
+        if draining_until.is_some_and(|t| Instant::now() >= t) {
+            return;
+        }
         if matches!(mon.poll(zmq::POLLIN, GUARD_TICK_MS), Ok(n) if n > 0) {
             while let Ok(frames) = mon.recv_multipart(zmq::DONTWAIT) {
                 let Some(ev) = frames.first().filter(|f| f.len() == 6) else {
@@ -290,6 +307,9 @@ fn run_guard(mon: zmq::Socket, guard: &Guard) {
                     _ => {}
                 }
             }
+        }
+        if draining_until.is_some() {
+            continue;
         }
         // Acquire: pairs with `Guard::served` (the HELLOs taken by then are marked).
         let served = guard.epoch + Duration::from_millis(guard.served_ms.load(Ordering::Acquire));

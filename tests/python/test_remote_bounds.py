@@ -83,6 +83,30 @@ def test_a_reader_that_stops_reading_blocks_the_writer_within_bounded_memory(chi
     mq.shutdown()
 
 
+def test_writers_made_one_after_another_each_get_their_reader(children):
+    """A process's remote sockets share one ZeroMQ context. A writer dropped with
+    messages still queued for its reader emits the last monitor events of its port from
+    ZeroMQ's I/O thread after the drop; its guard must go on reading them, or that thread
+    blocks and the next writer's port accepts nobody (this timed out within a few
+    rounds before the guard drained its monitor)."""
+    for round_ in range(10):
+        mq = MessageQueue(1, 0, connect_ip="127.0.0.1", slow_remote_reader="block", remote_hwm=10)
+        out, cmds = children.queue(), children.queue()
+        children.start(stalled_remote_reader, out, mq.export_handle(), 0, cmds)
+        mq.wait_until_ready(timeout=STEP)  # round 2-10: the next writer's port
+        children.expect(out, "ready")
+        sent = 0
+        with pytest.raises(TimeoutError):
+            for i in range(N_MESSAGES):
+                mq.enqueue(numbered_message(i), timeout=0.5)
+                sent += 1
+        cmds.put((sent, STEP))
+        assert children.expect(out, "got")[1:] == (list(range(sent)), None), round_
+        cmds.put(None)
+        mq.shutdown()
+        del mq
+
+
 def test_a_reader_that_stops_reading_is_dropped_and_the_writer_goes_on(children, caplog):
     mq, out, cmds, pid, reader_rss = _start_stalled(children, slow_remote_reader="drop", remote_hwm=10)
     with caplog.at_level(logging.WARNING, logger="shmq"):
