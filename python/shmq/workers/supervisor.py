@@ -500,6 +500,10 @@ class Supervisor:
             os.close(w.exit_fd)
         w.exit_fd = None
         self._read_stderr(w, final=True)  # all it wrote is in the pipe by now
+        if w.ready_conn is not None and w.ready_conn.poll(0):
+            # Its ready report and its exit came in one select, the exit handled first:
+            # the report was sent before the exit, so it is taken first.
+            self._read_ready(w)
         exited, code = self._exit_status(w)
         if not exited:  # pragma: no cover - a pidfd or sentinel is readable only at exit
             logger.warning("%s: exit signalled but no exit status", w.describe())
