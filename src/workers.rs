@@ -1,32 +1,41 @@
-//! Worker processes for Rust serving stacks: start them, wait until they are ready under a
-//! deadline, notice at once when one dies, and shut them all down. The Rust side of the
-//! Python package's `WorkerProcesses` (same behaviour, same messages), without Python.
+//! Worker processes: start them, wait until they are ready under a deadline, notice at
+//! once when one dies, and shut them all down, process trees and shared-memory segments
+//! included. The one implementation of worker supervision: Rust serving stacks use
+//! [`Workers::spawn`]; the Python package's `WorkerProcesses` starts its interpreters
+//! with `multiprocessing` and hands each one to [`Workers::adopt`] (the bindings'
+//! `_core.WorkerGroup`), keeping only what is Python (pickling the target, the ready
+//! report's payload, the remote workers' handshake, the public API).
 //!
-//! [`Workers::spawn`] starts one process per [`Command`]. Each worker
-//! - has a **ready pipe**: it calls [`report_ready`] once its set-up is done (the pipe's
-//!   fd is in [`READY_FD_ENV`], its rank in [`RANK_ENV`]);
+//! Each worker
+//! - has a **ready pipe**: it sends one frame, a 4-byte big-endian length and a payload
+//!   (Python: the pickled `info`; [`report_ready`] sends an empty one), once its set-up
+//!   is done. The pipe's fd is in [`READY_FD_ENV`] and its rank in [`RANK_ENV`] for
+//!   workers of [`Workers::spawn`];
 //! - **dies with the parent**, even a SIGKILLed one (`PR_SET_PDEATHSIG`, set between fork
 //!   and exec, then the parent is checked again in case it died in between). The kernel
 //!   sends that signal when the *thread* that forked the worker exits: spawn workers from
 //!   a thread that lives as long as they do (the main thread);
 //! - **leads its own process group**, so its descendants are signalled with it and a
 //!   terminal's Ctrl-C reaches only the parent, which then shuts the workers down;
-//! - writes **stderr through a pipe**: forwarded to the parent's stderr prefixed
-//!   `(worker 2 pid=...)`, its last lines kept for the error that names it.
+//! - writes **stderr through a pipe**: forwarded to the parent's stderr (fd 2) prefixed
+//!   `(Worker_2 pid=...)`, a line at a time, its last lines kept for the error that
+//!   names it.
 //!
-//! [`Workers::wait_until_ready`] fails with [`Error::WorkerDied`] as soon as a worker
-//! exits first (rank, pid, exit code or signal, its last stderr lines), and with
-//! [`Error::WorkersNotReady`] naming the stragglers when the deadline passes.
-//! [`Workers::wait_any`] waits for the first exit; [`Workers::check`] reports a failure.
+//! One supervisor thread per group waits (one `poll`) on every worker's pidfd, ready
+//! pipe and stderr pipe: it records readiness and exits under one lock, whose condition
+//! variable the waits ([`Workers::wait_until_ready`], [`Workers::wait_any`],
+//! [`Workers::wait_failures`], ...) wait on. A worker that exits early is named at
+//! once ([`Error::WorkerDied`]: rank, pid, exit code or signal, its last stderr lines);
+//! one that exits after it was ready with code 0 has finished, not failed.
 //! [`Workers::close`] (also on drop) sends SIGTERM to every worker's process group, waits
-//! one shared grace period, SIGKILLs what remains (including descendants found in each
-//! worker's process tree before the SIGTERM), reaps, and removes the shared-memory
-//! segments the dead workers left.
+//! one shared grace period, SIGKILLs what remains (with the descendants found in each
+//! worker's process tree before the SIGTERM and again before the SIGKILL), reaps, and
+//! removes the shared-memory segments the dead workers left.
 //!
 //! Exits are read with `waitid(WNOWAIT)`, without reaping: while a worker is an unreaped
 //! child (a zombie at worst), its pid, which is also its process group's id, cannot be
 //! reused, so signalling the group can only reach the worker's own descendants. Workers
-//! are reaped last, in [`Workers::close`].
+//! are reaped last, in [`Workers::close`] (an adopted worker by whoever adopted it).
 //!
 //! ```no_run
 //! use std::process::Command;
@@ -40,7 +49,7 @@
 //!     # let _ = rank;
 //! } else {
 //!     let exe = std::env::current_exe().unwrap();
-//!     let mut workers = Workers::spawn((0..4).map(|_| Command::new(&exe)), WorkerOptions::default())?;
+//!     let workers = Workers::spawn((0..4).map(|_| Command::new(&exe)), WorkerOptions::default())?;
 //!     workers.wait_until_ready(Duration::from_secs(60))?; // names a worker that died first
 //!     // ... broadcast to them; workers.check()? between steps ...
 //!     workers.close();
@@ -49,14 +58,15 @@
 //! ```
 
 use std::collections::{HashSet, VecDeque};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
-use std::process::{Child, ChildStderr, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub use crate::error::{StderrCapture, WorkerDeath, WorkerExit};
 use crate::error::{Error, Result};
 use crate::process::{self, ProcessId};
 use crate::{liveness, segment};
@@ -67,9 +77,15 @@ pub const READY_FD_ENV: &str = "SHMQ_READY_FD";
 pub const RANK_ENV: &str = "SHMQ_WORKER_RANK";
 /// The grace period between SIGTERM and SIGKILL of [`WorkerOptions::default`].
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
+/// The largest ready report's payload; a longer one counts as no report.
+pub const MAX_READY_PAYLOAD: usize = 64 << 20;
+/// How long [`Workers::close`] waits for what SIGKILL hit to be gone.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// Without pidfds (Linux < 5.3) exits are polled this often.
+const EXIT_POLL: Duration = Duration::from_millis(50);
 
-/// In a worker: tell the parent that this worker's set-up is done. Only the first call
-/// writes; later ones do nothing.
+/// In a worker: tell the parent that this worker's set-up is done (an empty ready
+/// frame). Only the first call writes; later ones do nothing.
 pub fn report_ready() -> Result<()> {
     static REPORTED: Mutex<bool> = Mutex::new(false);
     let mut reported = REPORTED.lock().unwrap_or_else(|e| e.into_inner());
@@ -90,7 +106,7 @@ pub fn report_ready() -> Result<()> {
     // the `OwnedFd` closes it after the write.
     let pipe = unsafe { OwnedFd::from_raw_fd(fd) };
     std::fs::File::from(pipe)
-        .write_all(b"R")
+        .write_all(&0u32.to_be_bytes())
         .map_err(|e| Error::os("reporting ready to the parent", e))?;
     *reported = true;
     Ok(())
@@ -129,15 +145,19 @@ pub(crate) fn exit_with_process(pid: u32) -> Result<()> {
 /// How [`Workers`] run their processes.
 #[derive(Clone, Debug)]
 pub struct WorkerOptions {
-    /// The signal a worker gets when the parent dies (default SIGKILL); `None`: workers
-    /// may outlive the parent.
+    /// The signal a worker of [`Workers::spawn`] gets when the parent dies (default
+    /// SIGKILL); `None`: workers may outlive the parent.
     pub death_signal: Option<i32>,
     /// Between SIGTERM and SIGKILL in [`Workers::close`] and on drop.
     pub grace: Duration,
-    /// Copy each worker's stderr to the parent's, prefixed `(worker N pid=...)`.
+    /// Copy each worker's stderr to the parent's fd 2, prefixed `(Worker_N pid=...)`.
     pub forward_stderr: bool,
     /// How many of its last stderr lines [`Error::WorkerDied`] shows.
     pub stderr_tail_lines: usize,
+    /// Workers are named `{name_prefix}_{rank}`.
+    pub name_prefix: String,
+    /// Each worker leads its own process group (signalled as a whole).
+    pub new_process_group: bool,
 }
 
 impl Default for WorkerOptions {
@@ -147,46 +167,195 @@ impl Default for WorkerOptions {
             grace: DEFAULT_GRACE,
             forward_stderr: true,
             stderr_tail_lines: 20,
+            name_prefix: "Worker".to_owned(),
+            new_process_group: true,
         }
     }
 }
 
-/// How a worker ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WorkerExit {
-    /// It exited with this code.
-    Code(i32),
-    /// A signal killed it.
-    Signal(i32),
+/// A process started by someone else, for [`Workers::adopt`].
+#[derive(Debug)]
+pub struct StartedWorker {
+    pub pid: u32,
+    /// Our own child, watched and waited for here. `false`: another process's child (a
+    /// fork server's), whose exit its owner reports with [`Workers::report_exit`].
+    pub own_child: bool,
+    /// The read end of its ready pipe.
+    pub ready: Option<OwnedFd>,
+    /// The read end of its stderr pipe, and from when on it holds the worker's stderr.
+    pub stderr: Option<(OwnedFd, StderrCapture)>,
+    /// Whether [`Workers::close`] reaps it (else its owner does).
+    pub reap: bool,
 }
 
-struct Worker {
+/// A snapshot of one worker ([`Workers::status`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerStatus {
+    pub name: String,
+    pub rank: usize,
+    /// `None`: not started, or a remote worker not connected yet.
+    pub pid: Option<u32>,
+    /// Where a remote worker runs (`""` for a local one).
+    pub host: String,
+    pub ready: bool,
+    pub exited: bool,
+    /// How it ended, when known.
+    pub exit: Option<WorkerExit>,
+}
+
+/// What a wait ended with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Waited {
+    /// What was waited for happened.
+    Done,
+    /// This worker failed (its death is [`Workers::death_of`]).
+    Failed(usize),
+    /// The timeout passed first.
+    TimedOut,
+}
+
+/// A ready frame being read.
+#[derive(Default)]
+struct ReadyFrame {
+    bytes: Vec<u8>,
+}
+
+impl ReadyFrame {
+    /// The payload, once the frame is whole.
+    fn payload(&self) -> Option<&[u8]> {
+        let len = u32::from_be_bytes(self.bytes.get(..4)?.try_into().ok()?) as usize;
+        self.bytes.get(4..4 + len)
+    }
+
+    fn too_long(&self) -> bool {
+        self.bytes.len() >= 4
+            && u32::from_be_bytes(self.bytes[..4].try_into().unwrap()) as usize
+                > MAX_READY_PAYLOAD
+    }
+}
+
+struct Member {
     rank: usize,
-    child: Child,
-    pid: u32,
-    /// Read end of the ready pipe, until the worker reported ready (or closed it).
-    ready_pipe: Option<std::fs::File>,
-    ready: bool,
-    /// Readable when the worker exits; `None` on kernels without pidfds (then polled).
-    pidfd: Option<OwnedFd>,
-    exit: Option<WorkerExit>,
+    name: String,
+    pid: Option<u32>,
+    host: String,
+    remote: bool,
+    own_child: bool,
+    own_group: bool,
+    reap: bool,
     reaped: bool,
-    tail: Arc<Mutex<VecDeque<String>>>,
-    stderr_thread: Option<JoinHandle<()>>,
+    ready: bool,
+    ready_payload: Option<Vec<u8>>,
+    exited: bool,
+    exit: Option<WorkerExit>,
+    /// Set by [`Workers::report_exit`] until the supervisor thread takes it.
+    reported_exit: Option<Option<WorkerExit>>,
+    lost: Option<String>,
+    death: Option<WorkerDeath>,
+    tail: VecDeque<String>,
+    partial: Vec<u8>,
+    capture: StderrCapture,
+    ready_fd: Option<OwnedFd>,
+    ready_frame: ReadyFrame,
+    stderr_fd: Option<OwnedFd>,
+    /// Readable when the worker exits; `None` on kernels without pidfds (then polled),
+    /// and for workers whose exit is reported.
+    exit_fd: Option<OwnedFd>,
+}
+
+impl Member {
+    fn describe(&self) -> String {
+        match (self.remote, self.pid) {
+            (false, Some(pid)) => format!("{} (rank {}, pid {pid})", self.name, self.rank),
+            (false, None) => format!("{} (rank {}, not started)", self.name, self.rank),
+            (true, Some(pid)) => format!("{} (rank {}, remote, pid {pid})", self.name, self.rank),
+            (true, None) => format!("{} (rank {}, remote, not connected)", self.name, self.rank),
+        }
+    }
+
+    fn status(&self) -> WorkerStatus {
+        WorkerStatus {
+            name: self.name.clone(),
+            rank: self.rank,
+            pid: self.pid,
+            host: self.host.clone(),
+            ready: self.ready,
+            exited: self.exited,
+            exit: self.exit,
+        }
+    }
+
+    fn local_pid(&self) -> Option<u32> {
+        self.pid.filter(|_| !self.remote)
+    }
+
+    /// Whether signalling its pid (or group) can only reach its processes.
+    fn may_signal(&self) -> bool {
+        match self.local_pid() {
+            None => false,
+            Some(_) if self.reaped => false,
+            Some(pid) if self.own_child => unreaped(pid),
+            Some(_) => !self.exited,
+        }
+    }
+
+    fn signal(&self, sig: i32) {
+        if let Some(pid) = self.local_pid() {
+            signal_group(pid, sig, self.own_group);
+        }
+    }
+}
+
+struct State {
+    members: Vec<Member>,
+    /// Ranks in the order they exited.
+    exit_order: Vec<usize>,
+    /// Ranks of the failures, in the order they were recorded.
+    failures: Vec<usize>,
+    closing: bool,
+    closed: bool,
+    stopping: bool,
+    /// Pids of descendants captured by close (their segments are removed too).
+    captured: Vec<ProcessId>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+    /// Wakes the supervisor thread (an eventfd).
+    wake: OwnedFd,
+    forward_stderr: bool,
+    tail_lines: usize,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: write(2) of 8 bytes from a live u64 into our eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
 }
 
 /// A group of worker processes; see the [module documentation](self).
 pub struct Workers {
-    workers: Vec<Worker>,
-    options: WorkerOptions,
-    /// Ranks in the order they exited.
-    exit_order: Vec<usize>,
-    closed: bool,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    grace: Duration,
+    death_signal: Option<i32>,
+    /// Serializes close.
+    close_lock: Mutex<()>,
+    /// The process that made the group: a forked copy of it (whose supervisor thread
+    /// does not exist) never closes the parent's workers.
+    owner: u32,
 }
 
-/// How child `pid` ended, without reaping it; `None` while it runs (or if it is not our
-/// unreaped child).
-fn exit_status(pid: u32) -> Option<WorkerExit> {
+/// How child `pid` ended, without reaping it: `Ok(None)` while it runs; `Err` if it is
+/// not our unreaped child.
+fn exit_status(pid: u32) -> std::io::Result<Option<WorkerExit>> {
     // SAFETY: siginfo_t is plain data; all-zero is a valid value for waitid to fill.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
     // SAFETY: waitid(2) writes only into `info`, which outlives the call.
@@ -198,85 +367,155 @@ fn exit_status(pid: u32) -> Option<WorkerExit> {
             libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
         )
     };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     // SAFETY: after a successful waitid, si_pid tells whether a child was found (0: none
     // has exited) and si_status is set for CLD_* codes.
     let (found, status) = unsafe { (info.si_pid(), info.si_status()) };
-    if rc != 0 || found == 0 {
-        return None;
+    if found == 0 {
+        return Ok(None);
     }
-    Some(if info.si_code == libc::CLD_EXITED {
+    Ok(Some(if info.si_code == libc::CLD_EXITED {
         WorkerExit::Code(status)
     } else {
         WorkerExit::Signal(status)
-    })
+    }))
 }
 
-/// `sig` to the process group that worker `pid` leads, or to the worker alone if it has
-/// no group yet. Only while `pid` is our unreaped child (see the module documentation).
-fn signal_group(pid: u32, sig: i32) {
+/// Whether `pid` is our child and not reaped yet (running, or a zombie).
+fn unreaped(pid: u32) -> bool {
+    exit_status(pid).is_ok()
+}
+
+/// `sig` to the process group that worker `pid` leads (when `own_group`), or to the
+/// worker alone (also when it has no group yet). Only while `pid` is our unreaped child,
+/// or a running one (see the module documentation).
+fn signal_group(pid: u32, sig: i32, own_group: bool) {
     // SAFETY: kill(2)/killpg(2) take plain integers; an unreaped child's pid (and group id)
     // cannot name another process.
     unsafe {
-        if libc::killpg(pid as libc::pid_t, sig) != 0 {
+        if !own_group || libc::killpg(pid as libc::pid_t, sig) != 0 {
             libc::kill(pid as libc::pid_t, sig);
         }
     }
 }
 
-/// A thread that forwards a worker's stderr line by line and keeps its last lines.
-fn spawn_stderr_thread(
-    stderr: ChildStderr,
-    prefix: String,
-    tail: Arc<Mutex<VecDeque<String>>>,
-    keep: usize,
-    forward: bool,
-) -> Result<JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("shmq-worker-stderr".into())
-        .spawn(move || {
-            let mut reader = BufReader::new(stderr);
-            let mut line = Vec::new();
-            while matches!(reader.read_until(b'\n', &mut line), Ok(n) if n > 0) {
-                let text = String::from_utf8_lossy(&line)
-                    .trim_end_matches(['\n', '\r'])
-                    .to_owned();
-                line.clear();
-                if forward {
-                    let _ = writeln!(std::io::stderr().lock(), "{prefix}{text}");
-                }
-                let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
-                if tail.len() == keep {
-                    tail.pop_front();
-                }
-                if keep > 0 {
-                    tail.push_back(text);
-                }
-            }
-        })
-        .map_err(|e| Error::os("starting a worker's stderr thread", e))
+fn set_nonblocking(fd: &OwnedFd) {
+    // SAFETY: fcntl(2) on a descriptor we own; no memory is passed.
+    unsafe {
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+        }
+    }
+}
+
+/// One `read(2)` of a non-blocking fd: `Some(n)` bytes (0: EOF or an error), `None`:
+/// nothing there now.
+fn read_some(fd: &OwnedFd, buf: &mut [u8]) -> Option<usize> {
+    loop {
+        // SAFETY: read(2) into `buf`, which is valid for `buf.len()` bytes.
+        let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n >= 0 {
+            return Some(n as usize);
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => return None,
+            _ => return Some(0),
+        }
+    }
 }
 
 impl Workers {
+    /// A group of `n_local` local workers (ranks `0..n_local`, started later and given to
+    /// [`adopt`](Self::adopt)) and `n_remote` remote ones (the ranks after those, which
+    /// join through [`claim_remote`](Self::claim_remote)); its supervisor thread runs
+    /// from now on.
+    pub fn new(n_local: usize, n_remote: usize, options: WorkerOptions) -> Result<Workers> {
+        // SAFETY: eventfd(2) takes two integers and returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(Error::os(
+                "creating the workers' wake-up eventfd",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let members = (0..n_local + n_remote)
+            .map(|rank| Member {
+                rank,
+                name: format!("{}_{rank}", options.name_prefix),
+                pid: None,
+                host: String::new(),
+                remote: rank >= n_local,
+                own_child: true,
+                own_group: options.new_process_group,
+                reap: false,
+                reaped: false,
+                ready: false,
+                ready_payload: None,
+                exited: false,
+                exit: None,
+                reported_exit: None,
+                lost: None,
+                death: None,
+                tail: VecDeque::new(),
+                partial: Vec::new(),
+                capture: StderrCapture::No,
+                ready_fd: None,
+                ready_frame: ReadyFrame::default(),
+                stderr_fd: None,
+                exit_fd: None,
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                members,
+                exit_order: Vec::new(),
+                failures: Vec::new(),
+                closing: false,
+                closed: false,
+                stopping: false,
+                captured: Vec::new(),
+            }),
+            changed: Condvar::new(),
+            // SAFETY: the descriptor was just made and nothing else owns it.
+            wake: unsafe { OwnedFd::from_raw_fd(fd) },
+            forward_stderr: options.forward_stderr,
+            tail_lines: options.stderr_tail_lines,
+        });
+        let for_thread = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("shmq-workers".into())
+            .spawn(move || supervise(&for_thread))
+            .map_err(|e| Error::os("starting the workers' supervisor thread", e))?;
+        Ok(Workers {
+            shared,
+            thread: Mutex::new(Some(thread)),
+            grace: options.grace,
+            death_signal: options.death_signal,
+            close_lock: Mutex::new(()),
+            owner: std::process::id(),
+        })
+    }
+
     /// Start one worker per command (ranks in order). If one cannot start, those already
     /// started are shut down and the error is returned.
     pub fn spawn(
         commands: impl IntoIterator<Item = Command>,
         options: WorkerOptions,
     ) -> Result<Workers> {
-        let mut workers = Workers {
-            workers: Vec::new(),
-            options,
-            exit_order: Vec::new(),
-            closed: false,
-        };
+        let commands: Vec<Command> = commands.into_iter().collect();
+        let workers = Workers::new(commands.len(), 0, options)?;
         for (rank, command) in commands.into_iter().enumerate() {
-            let worker = workers.spawn_one(rank, command)?; // drop closes the others
-            workers.workers.push(worker);
+            let started = workers.spawn_one(rank, command)?; // drop closes the others
+            workers.adopt(rank, started)?;
         }
         Ok(workers)
     }
 
-    fn spawn_one(&self, rank: usize, mut command: Command) -> Result<Worker> {
+    fn spawn_one(&self, rank: usize, mut command: Command) -> Result<StartedWorker> {
         let mut fds = [0 as RawFd; 2];
         // SAFETY: pipe2(2) writes two fds into the array. O_CLOEXEC: no other child that
         // this process starts meanwhile inherits them.
@@ -291,7 +530,8 @@ impl Workers {
             unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         let ready_w_fd = ready_w.as_raw_fd();
         let parent = std::process::id() as libc::pid_t;
-        let death_signal = self.options.death_signal;
+        let death_signal = self.death_signal;
+        let new_group = self.shared.lock().members[rank].own_group;
         command
             .env(READY_FD_ENV, ready_w_fd.to_string())
             .env(RANK_ENV, rank.to_string())
@@ -300,7 +540,7 @@ impl Workers {
         // async-signal-safe calls (setpgid, prctl, getppid, fcntl), allocating nothing.
         unsafe {
             command.pre_exec(move || {
-                if libc::setpgid(0, 0) != 0 {
+                if new_group && libc::setpgid(0, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 if let Some(sig) = death_signal {
@@ -326,307 +566,821 @@ impl Workers {
             )
         })?;
         drop(ready_w); // the child has its copy; the parent's would hide the child's EOF
-        let pid = child.id();
-        let tail = Arc::new(Mutex::new(VecDeque::new()));
-        let stderr_thread = match child.stderr.take() {
-            Some(stderr) => Some(spawn_stderr_thread(
-                stderr,
-                format!("(worker {rank} pid={pid}) "),
-                tail.clone(),
-                self.options.stderr_tail_lines,
-                self.options.forward_stderr,
-            )?),
-            None => None,
-        };
-        Ok(Worker {
-            rank,
-            child,
-            pid,
-            ready_pipe: Some(std::fs::File::from(ready_r)),
-            ready: false,
-            pidfd: liveness::pidfd_open(pid).ok(),
-            exit: None,
-            reaped: false,
-            tail,
-            stderr_thread,
+        // The child is waited for (and reaped) through its pid from here on; dropping
+        // `Child` neither waits nor kills.
+        let stderr = child
+            .stderr
+            .take()
+            .map(|s| (OwnedFd::from(s), StderrCapture::FromStart));
+        Ok(StartedWorker {
+            pid: child.id(),
+            own_child: true,
+            ready: Some(ready_r),
+            stderr,
+            reap: true,
         })
     }
 
-    /// Every worker's pid, by rank.
-    pub fn pids(&self) -> Vec<u32> {
-        self.workers.iter().map(|w| w.pid).collect()
+    /// Watch local worker `rank`, started by the caller. Err if `rank` is not a local
+    /// rank not yet adopted, or the group is closing (then the worker is killed).
+    pub fn adopt(&self, rank: usize, worker: StartedWorker) -> Result<()> {
+        let exit_fd = if worker.own_child {
+            liveness::pidfd_open(worker.pid).ok()
+        } else {
+            None
+        };
+        let mut state = self.shared.lock();
+        let closing = state.closing;
+        let m = match state.members.get_mut(rank) {
+            Some(m) if !m.remote && m.pid.is_none() => m,
+            _ => {
+                return Err(Error::WrongRole(format!(
+                    "rank {rank} is not a local worker waiting to be adopted"
+                )))
+            }
+        };
+        m.pid = Some(worker.pid);
+        m.own_child = worker.own_child;
+        m.reap = worker.reap && worker.own_child;
+        if let Some(fd) = &worker.ready {
+            set_nonblocking(fd);
+        }
+        m.ready_fd = worker.ready;
+        if let Some((fd, capture)) = worker.stderr {
+            set_nonblocking(&fd);
+            m.stderr_fd = Some(fd);
+            m.capture = capture;
+        }
+        m.exit_fd = exit_fd;
+        if closing {
+            m.signal(libc::SIGKILL);
+        }
+        drop(state);
+        self.shared.wake();
+        Ok(())
+    }
+
+    /// A remote worker asks to join as `rank` with `pid`: `Ok` reserves the rank (so that
+    /// two quick joins cannot both pass), `Err` says why it is refused.
+    pub fn claim_remote(&self, rank: usize, pid: u32) -> std::result::Result<(), String> {
+        let mut state = self.shared.lock();
+        if state.closing {
+            return Err("the worker group is shutting down".to_owned());
+        }
+        let remote: Vec<usize> = state
+            .members
+            .iter()
+            .filter(|m| m.remote)
+            .map(|m| m.rank)
+            .collect();
+        match state.members.get_mut(rank) {
+            Some(m) if m.remote => {
+                if m.pid.is_some() || m.exited {
+                    return Err(format!("rank {rank} has already joined"));
+                }
+                m.pid = Some(pid);
+                Ok(())
+            }
+            _ => Err(format!(
+                "rank {rank} is not a remote rank of this group (remote ranks: {remote:?})"
+            )),
+        }
+    }
+
+    /// Remote worker `rank` (claimed) is connected from `host`. `false`: the group is
+    /// closing (drop the connection).
+    pub fn remote_connected(&self, rank: usize, host: &str) -> bool {
+        let mut state = self.shared.lock();
+        if state.closing {
+            return false;
+        }
+        if let Some(m) = state.members.get_mut(rank) {
+            m.host = host.to_owned();
+        }
+        self.shared.changed.notify_all();
+        true
+    }
+
+    /// Remote worker `rank` reported ready with `payload`.
+    pub fn remote_ready(&self, rank: usize, payload: Vec<u8>) {
+        let mut state = self.shared.lock();
+        if let Some(m) = state.members.get_mut(rank).filter(|m| m.remote) {
+            m.ready = true;
+            m.ready_payload = Some(payload);
+        }
+        self.shared.changed.notify_all();
+    }
+
+    /// Worker `rank` has exited (a remote worker, or a local one that is not our own
+    /// child: the caller learnt its exit), with `tail` as its last stderr lines (a
+    /// remote worker sends them) and `how` replacing the exit in the message. The
+    /// supervisor thread records it as it records the exits it sees.
+    pub fn report_exit(
+        &self,
+        rank: usize,
+        exit: Option<WorkerExit>,
+        tail: Vec<String>,
+        how: Option<String>,
+    ) {
+        let mut state = self.shared.lock();
+        let keep = self.shared.tail_lines;
+        if let Some(m) = state.members.get_mut(rank) {
+            if m.exited || m.reported_exit.is_some() {
+                return;
+            }
+            for line in tail {
+                push_line(&mut m.tail, keep, line);
+            }
+            m.lost = how;
+            m.reported_exit = Some(exit);
+        }
+        drop(state);
+        self.shared.wake();
+    }
+
+    /// Every worker's pid, by rank (`None`: not started or not connected).
+    pub fn pids(&self) -> Vec<Option<u32>> {
+        self.shared.lock().members.iter().map(|m| m.pid).collect()
     }
 
     /// How each worker ended, by rank (`None`: still running, as far as seen).
     pub fn exits(&self) -> Vec<Option<WorkerExit>> {
-        self.workers.iter().map(|w| w.exit).collect()
+        self.shared.lock().members.iter().map(|m| m.exit).collect()
     }
 
-    /// Wait up to `timeout` for readiness reports and exits, and record them.
-    fn poll(&mut self, timeout: Duration) -> Result<()> {
-        let mut fds = Vec::new();
-        let mut owners = Vec::new(); // (worker index, is the ready pipe)
-        for (i, w) in self.workers.iter().enumerate() {
-            if let Some(pipe) = &w.ready_pipe {
-                fds.push(libc::pollfd {
-                    fd: pipe.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                });
-                owners.push((i, true));
-            }
-            if let (Some(pidfd), None) = (&w.pidfd, w.exit) {
-                fds.push(libc::pollfd {
-                    fd: pidfd.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                });
-                owners.push((i, false));
-            }
-        }
-        // Without pidfds, exits are polled: wake at least every 50 ms.
-        let slice = if self
-            .workers
+    /// A snapshot of every worker, by rank.
+    pub fn status(&self) -> Vec<WorkerStatus> {
+        self.shared.lock().members.iter().map(Member::status).collect()
+    }
+
+    /// The ranks that have exited, in order.
+    pub fn exit_order(&self) -> Vec<usize> {
+        self.shared.lock().exit_order.clone()
+    }
+
+    /// Each worker's ready payload, by rank (`None`: not ready).
+    pub fn ready_payloads(&self) -> Vec<Option<Vec<u8>>> {
+        let state = self.shared.lock();
+        state
+            .members
             .iter()
-            .any(|w| w.pidfd.is_none() && w.exit.is_none())
-        {
-            timeout.min(Duration::from_millis(50))
-        } else {
-            timeout
-        };
-        let ms = slice.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs for the whole call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(Error::os("waiting for workers", e));
-            }
-        }
-        for (fd, &(i, is_ready_pipe)) in fds.iter().zip(&owners) {
-            if fd.revents != 0 && is_ready_pipe {
-                let w = &mut self.workers[i];
-                let mut byte = [0u8; 1];
-                // EOF (0 bytes) or an error: the worker closed it without a word; its exit
-                // tells the rest.
-                w.ready = matches!(
-                    std::io::Read::read(w.ready_pipe.as_mut().unwrap(), &mut byte),
-                    Ok(1)
-                );
-                w.ready_pipe = None;
-            }
-        }
-        for i in 0..self.workers.len() {
-            if self.workers[i].exit.is_none() {
-                if let Some(exit) = exit_status(self.workers[i].pid) {
-                    self.record_exit(i, exit);
-                }
-            }
-        }
-        Ok(())
+            .map(|m| m.ready_payload.clone())
+            .collect()
     }
 
-    fn record_exit(&mut self, i: usize, exit: WorkerExit) {
-        let w = &mut self.workers[i];
-        w.exit = Some(exit);
-        w.pidfd = None;
-        self.exit_order.push(i);
-        if !self.closed {
-            // Its descendants are orphans now: they go down with it (safe: unreaped).
-            signal_group(w.pid, libc::SIGKILL);
-        }
+    /// Every failure so far, in the order they were recorded.
+    pub fn failures(&self) -> Vec<WorkerDeath> {
+        let state = self.shared.lock();
+        state
+            .failures
+            .iter()
+            .filter_map(|&i| state.members[i].death.clone())
+            .collect()
     }
 
-    /// The error that names worker `i`, with its last stderr lines (all of them: its
-    /// stderr thread gets up to a second to read what is still in the pipe).
-    fn died(&mut self, i: usize) -> Error {
-        let w = &mut self.workers[i];
-        let deadline = Instant::now() + Duration::from_secs(1);
-        while w.stderr_thread.as_ref().is_some_and(|t| !t.is_finished())
-            && Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let (code, signal) = match w.exit {
-            Some(WorkerExit::Code(c)) => (Some(c), None),
-            Some(WorkerExit::Signal(s)) => (None, Some(s)),
-            None => (None, None),
-        };
-        Error::WorkerDied {
-            rank: w.rank,
-            pid: w.pid,
-            code,
-            signal,
-            before_ready: !w.ready,
-            stderr_tail: w
-                .tail
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+    /// The failure of worker `rank`, if it failed.
+    pub fn death_of(&self, rank: usize) -> Option<WorkerDeath> {
+        self.shared.lock().members.get(rank)?.death.clone()
+    }
+
+    /// Worker `rank` in words: "Worker_1 (rank 1, pid 123)".
+    pub fn describe(&self, rank: usize) -> Option<String> {
+        Some(self.shared.lock().members.get(rank)?.describe())
+    }
+
+    /// Whether close has begun.
+    pub fn closing(&self) -> bool {
+        self.shared.lock().closing
+    }
+
+    /// Whether close has finished.
+    pub fn closed(&self) -> bool {
+        self.shared.lock().closed
+    }
+
+    /// Whether a local worker is dead or dying but its exit is not recorded yet (a
+    /// multi-threaded process shows as a zombie before it can be waited for).
+    pub fn exit_unrecorded(&self) -> bool {
+        let pids: Vec<u32> = {
+            let state = self.shared.lock();
+            state
+                .members
                 .iter()
-                .cloned()
+                .filter(|m| !m.exited)
+                .filter_map(Member::local_pid)
+                .collect()
+        };
+        pids.into_iter().any(|pid| {
+            !matches!(
+                ProcessId { pid, start_time: 0 }.state(),
+                Some(s) if s != 'Z' && s != 'X'
+            )
+        })
+    }
+
+    /// Wait on the condition variable until `done` says so or `timeout` passes (`None`:
+    /// no limit); `done` returns `Some` to stop.
+    fn wait_for<T>(
+        &self,
+        timeout: Option<Duration>,
+        mut done: impl FnMut(&State) -> Option<T>,
+    ) -> Option<T> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut state = self.shared.lock();
+        loop {
+            if let Some(out) = done(&state) {
+                return Some(out);
+            }
+            let slice = match deadline {
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => left,
+                    _ => return None,
+                },
+                None => Duration::from_secs(3600),
+            };
+            state = self
+                .shared
+                .changed
+                .wait_timeout(state, slice)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Wait up to `timeout` until every worker has reported ready ([`Waited::Done`]) or
+    /// one has exited first, or failed ([`Waited::Failed`]). `Err` once closing.
+    pub fn wait_ready_for(&self, timeout: Option<Duration>) -> Result<Waited> {
+        let waited = self.wait_for(timeout, |state| {
+            if state.closing {
+                return Some(Err(Error::WrongRole(
+                    "the worker processes have been closed".to_owned(),
+                )));
+            }
+            let dead = state.exit_order.iter().copied().find(|&i| {
+                let m = &state.members[i];
+                !m.ready || m.death.is_some()
+            });
+            if let Some(i) = dead {
+                return Some(Ok(Waited::Failed(i)));
+            }
+            state
+                .members
+                .iter()
+                .all(|m| m.ready)
+                .then_some(Ok(Waited::Done))
+        });
+        waited.unwrap_or(Ok(Waited::TimedOut))
+    }
+
+    /// The error of a worker that exited before the others were ready: its recorded
+    /// death, or (one that finished after it was ready) a death made now.
+    pub fn death_or_exit(&self, rank: usize) -> WorkerDeath {
+        let state = self.shared.lock();
+        let m = &state.members[rank];
+        m.death.clone().unwrap_or_else(|| death(m, false))
+    }
+
+    /// Wait until every worker has reported ready. [`Error::WorkerDied`] as soon as one
+    /// exits first; [`Error::WorkersNotReady`] naming those not ready when `timeout`
+    /// passes.
+    pub fn wait_until_ready(&self, timeout: Duration) -> Result<()> {
+        match self.wait_ready_for(Some(timeout))? {
+            Waited::Done => Ok(()),
+            Waited::Failed(i) => Err(Error::WorkerDied(Box::new(self.death_or_exit(i)))),
+            Waited::TimedOut => Err(self.not_ready(timeout)),
+        }
+    }
+
+    /// [`Error::WorkersNotReady`] for the workers not ready now.
+    pub fn not_ready(&self, waited: Duration) -> Error {
+        let state = self.shared.lock();
+        Error::WorkersNotReady {
+            waited,
+            total: state.members.len(),
+            not_ready: state
+                .members
+                .iter()
+                .filter(|m| !m.ready)
+                .map(|m| (m.name.clone(), m.describe()))
                 .collect(),
         }
     }
 
-    /// Wait until every worker has called [`report_ready`]. [`Error::WorkerDied`] as soon
-    /// as one exits first; [`Error::WorkersNotReady`] naming those not ready when
-    /// `timeout` passes.
-    pub fn wait_until_ready(&mut self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        loop {
-            if let Some(&i) = self.exit_order.first() {
-                return Err(self.died(i));
-            }
-            if self.workers.iter().all(|w| w.ready) {
-                return Ok(());
-            }
-            let waited = start.elapsed();
-            if waited >= timeout {
-                return Err(Error::WorkersNotReady {
-                    waited,
-                    not_ready: self
-                        .workers
-                        .iter()
-                        .filter(|w| !w.ready)
-                        .map(|w| (w.rank, w.pid))
-                        .collect(),
-                });
-            }
-            self.poll(timeout - waited)?;
-        }
-    }
-
     /// Wait up to `timeout` (`None`: no limit) until a worker exits, or one already has:
-    /// the first to exit, with how it ended.
-    pub fn wait_any(&mut self, timeout: Option<Duration>) -> Result<Option<(usize, WorkerExit)>> {
-        let start = Instant::now();
-        loop {
-            if let Some(&i) = self.exit_order.first() {
-                return Ok(Some((i, self.workers[i].exit.unwrap())));
-            }
-            // One reading of the clock: two could straddle the deadline (t - elapsed
-            // then underflows: it panicked in CI).
-            let left = match timeout {
-                Some(t) => match t.checked_sub(start.elapsed()) {
-                    Some(left) if !left.is_zero() => left,
-                    _ => return Ok(None),
-                },
-                None => Duration::from_secs(3600),
-            };
-            self.poll(left)?;
-        }
+    /// the first to exit, with how it ended (`None` if unknown).
+    pub fn wait_any(
+        &self,
+        timeout: Option<Duration>,
+    ) -> Result<Option<(usize, Option<WorkerExit>)>> {
+        Ok(self.wait_for(timeout, |state| {
+            let &i = state.exit_order.first()?;
+            Some((i, state.members[i].exit))
+        }))
     }
 
-    /// [`Error::WorkerDied`] for the first worker that exited with a non-zero code or a
-    /// signal (or exited before it was ready); `Ok` while none has. Does not block.
-    pub fn check(&mut self) -> Result<()> {
-        self.poll(Duration::ZERO)?;
-        let failed = self.exit_order.iter().copied().find(|&i| {
-            let w = &self.workers[i];
-            !w.ready || w.exit != Some(WorkerExit::Code(0))
-        });
-        match failed {
-            Some(i) => Err(self.died(i)),
+    /// Wait up to `timeout` until every worker has exited ([`Waited::Done`]) or one has
+    /// failed ([`Waited::Failed`], the first failure).
+    pub fn wait_all_exited(&self, timeout: Option<Duration>) -> Waited {
+        self.wait_for(timeout, |state| {
+            if let Some(&i) = state.failures.first() {
+                return Some(Waited::Failed(i));
+            }
+            state
+                .members
+                .iter()
+                .all(|m| m.exited)
+                .then_some(Waited::Done)
+        })
+        .unwrap_or(Waited::TimedOut)
+    }
+
+    /// Wait up to `timeout` until more than `seen` failures are recorded or the group is
+    /// closing; how many there are.
+    pub fn wait_failures(&self, seen: usize, timeout: Option<Duration>) -> usize {
+        self.wait_for(timeout, |state| {
+            (state.failures.len() > seen || state.closing).then_some(state.failures.len())
+        })
+        .unwrap_or(seen)
+    }
+
+    /// [`Error::WorkerDied`] for the first worker that failed (exited with a non-zero code
+    /// or a signal, or before it was ready); `Ok` while none has. Does not block.
+    pub fn check(&self) -> Result<()> {
+        match self.failures().into_iter().next() {
+            Some(death) => Err(Error::WorkerDied(Box::new(death))),
             None => Ok(()),
         }
     }
 
     /// Shut every worker down with the grace period of the options; see
     /// [`Workers::close_with`].
-    pub fn close(&mut self) {
-        self.close_with(self.options.grace)
+    pub fn close(&self) {
+        self.close_with(self.grace)
     }
 
-    /// Shut every worker down: SIGTERM to each worker's process group, one shared deadline
-    /// `grace` away, then SIGKILL of what remains, including the descendants found in each
-    /// worker's process tree before the SIGTERM; reap; remove the shared-memory segments
-    /// the dead workers and their descendants created. Idempotent.
-    pub fn close_with(&mut self, grace: Duration) {
-        if self.closed {
+    /// Shut every worker down: [`close_begin`](Self::close_begin), then wait until
+    /// `grace` has passed or every worker has exited, then
+    /// [`close_finish`](Self::close_finish). Idempotent.
+    pub fn close_with(&self, grace: Duration) {
+        if self.close_begin() {
+            self.wait_exits(Instant::now() + grace);
+            self.close_finish();
+        }
+    }
+
+    /// The first step of close: no more failures are reported, the whole process trees
+    /// of running workers are captured (once a worker exits, its children are reparented
+    /// and can no longer be found from it), and each gets SIGTERM (its group). Remote
+    /// workers are the caller's to tell. `false` if close had begun already.
+    pub fn close_begin(&self) -> bool {
+        if std::process::id() != self.owner {
+            return false;
+        }
+        let mut state = self.shared.lock();
+        if state.closing {
+            return false;
+        }
+        state.closing = true;
+        self.shared.changed.notify_all();
+        poll_exits(&mut state);
+        let running: Vec<u32> = state
+            .members
+            .iter()
+            .filter(|m| !m.exited)
+            .filter_map(Member::local_pid)
+            .collect();
+        let trees: Vec<ProcessId> = running.iter().flat_map(|&p| process::descendants(p)).collect();
+        state.captured.extend(trees);
+        for m in &state.members {
+            if !m.exited && m.may_signal() {
+                m.signal(libc::SIGTERM);
+            }
+        }
+        true
+    }
+
+    /// Wait until every started worker has exited or `deadline` passes; whether all have.
+    pub fn wait_exits(&self, deadline: Instant) -> bool {
+        let mut state = self.shared.lock();
+        loop {
+            poll_exits(&mut state);
+            let running = state
+                .members
+                .iter()
+                .any(|m| !m.exited && m.pid.is_some() && (!m.remote || !m.host.is_empty()));
+            let now = Instant::now();
+            if !running {
+                return true;
+            }
+            if now >= deadline {
+                return false;
+            }
+            // Woken by the supervisor on each exit; the slice covers the polled ones.
+            state = self
+                .shared
+                .changed
+                .wait_timeout(state, (deadline - now).min(EXIT_POLL))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// The last step of close: SIGKILL of what remains (each worker's group, the trees
+    /// captured at the start, and what running workers have started since), reaping
+    /// (of the workers this group started), the supervisor thread stopped, the last
+    /// stderr read, and the segments the dead workers and their descendants created
+    /// removed. Idempotent.
+    pub fn close_finish(&self) {
+        if std::process::id() != self.owner {
             return;
         }
-        self.closed = true;
-        let _ = self.poll(Duration::ZERO);
-        let running: Vec<u32> = self
-            .workers
-            .iter()
-            .filter(|w| w.exit.is_none())
-            .map(|w| w.pid)
-            .collect();
-        // Whole trees, before anyone is signalled: once a worker exits, its children are
-        // reparented and can no longer be found from it.
-        let trees: Vec<ProcessId> = running
-            .iter()
-            .flat_map(|&pid| process::descendants(pid))
-            .collect();
-        for &pid in &running {
-            signal_group(pid, libc::SIGTERM);
+        let _serial = self.close_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.shared.lock();
+        if state.closed {
+            return;
         }
-        let deadline = Instant::now() + grace;
-        while self.workers.iter().any(|w| w.exit.is_none()) {
-            let now = Instant::now();
-            if now >= deadline || self.poll(deadline - now).is_err() {
-                break;
+        if !state.closing {
+            drop(state);
+            self.close_begin();
+            state = self.shared.lock();
+        }
+        poll_exits(&mut state);
+        let late: Vec<ProcessId> = state
+            .members
+            .iter()
+            .filter(|m| !m.exited)
+            .filter_map(Member::local_pid)
+            .flat_map(process::descendants)
+            .collect();
+        for p in late {
+            if !state.captured.contains(&p) {
+                state.captured.push(p);
             }
         }
-        for w in &self.workers {
-            if !w.reaped {
-                signal_group(w.pid, libc::SIGKILL);
+        for m in &state.members {
+            if m.may_signal() {
+                m.signal(libc::SIGKILL);
             }
         }
-        for p in &trees {
+        for p in &state.captured {
             if p.is_alive() {
                 // SAFETY: kill(2) with plain integers; `is_alive` checked the start time, so
-                // the pid still names the descendant found above.
+                // the pid still names the descendant found before.
                 unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGKILL) };
             }
         }
-        for w in &mut self.workers {
-            if let Ok(status) = w.child.wait() {
-                use std::os::unix::process::ExitStatusExt;
-                w.reaped = true;
-                w.exit.get_or_insert(match status.signal() {
-                    Some(s) => WorkerExit::Signal(s),
-                    None => WorkerExit::Code(status.code().unwrap_or(-1)),
-                });
-            }
-        }
-        // Descendants outside a worker's group may take a moment to die; then their stderr
-        // copies close and the forwarding threads end.
-        let until = Instant::now() + Duration::from_secs(5);
-        while trees.iter().any(ProcessId::is_alive) && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        for w in &mut self.workers {
-            if w.stderr_thread.as_ref().is_some_and(|t| t.is_finished()) {
-                let _ = w.stderr_thread.take().map(JoinHandle::join);
-            }
-        }
-        let pids: HashSet<u32> = self
-            .workers
-            .iter()
-            .map(|w| w.pid)
-            .chain(trees.iter().map(|p| p.pid))
-            .collect();
-        if let Ok(segments) = crate::admin::list_segments() {
-            for s in segments {
-                let dead = s.creator_liveness == liveness::Liveness::Dead;
-                if dead && s.creator.is_some_and(|c| pids.contains(&c.pid)) {
-                    let path = format!("{}/{}", segment::SHM_DIR, s.name);
-                    let _ = std::fs::remove_file(&path);
-                    // A ring's local socket lives in a directory beside it.
-                    let _ = std::fs::remove_dir_all(format!(
-                        "{path}{}",
-                        crate::transport::SOCKET_DIR_SUFFIX
-                    ));
+        drop(state);
+        self.wait_exits(Instant::now() + KILL_WAIT);
+        let mut state = self.shared.lock();
+        for m in &mut state.members {
+            if let (true, false, Some(pid)) = (m.reap, m.reaped, m.local_pid()) {
+                let mut status = 0;
+                // SAFETY: waitpid(2) of our own child, writing only `status`.
+                if unsafe { libc::waitpid(pid as libc::pid_t, &mut status, 0) } == pid as i32 {
+                    m.reaped = true;
                 }
             }
         }
+        state.stopping = true;
+        drop(state);
+        self.shared.wake();
+        if let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            if std::thread::current().id() != thread.thread().id() {
+                let _ = thread.join();
+            }
+        }
+        let mut state = self.shared.lock();
+        // Whatever the workers still had in the pipes, then every fd.
+        let mut forward = Vec::new();
+        for i in 0..state.members.len() {
+            drain_stderr(&mut state, i, self.shared.tail_lines, &mut forward, true);
+            let m = &mut state.members[i];
+            m.ready_fd = None;
+            m.stderr_fd = None;
+            m.exit_fd = None;
+        }
+        let captured = state.captured.clone();
+        let mut pids: HashSet<u32> = state.members.iter().filter_map(Member::local_pid).collect();
+        drop(state);
+        forward_lines(self.shared.forward_stderr, &forward);
+        // SIGKILL lands asynchronously: wait until the descendants are gone (or zombies),
+        // so that nothing of the group runs after close returns.
+        let until = Instant::now() + KILL_WAIT;
+        while captured.iter().any(ProcessId::is_alive) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for p in captured.iter().filter(|p| p.is_alive()) {
+            log::error!(
+                "process {} (a worker's descendant) did not exit after SIGKILL",
+                p.pid
+            );
+        }
+        pids.extend(captured.iter().map(|p| p.pid));
+        let removed = remove_segments_of(&pids);
+        if !removed.is_empty() {
+            log::info!(
+                "removed {} shared-memory segment(s) left by workers: {removed:?}",
+                removed.len()
+            );
+        }
+        let mut state = self.shared.lock();
+        state.closed = true;
+        self.shared.changed.notify_all();
     }
 }
 
 impl Drop for Workers {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// Remove the shmq segments (and rings' socket directories) created by dead processes
+/// in `pids`; their names.
+fn remove_segments_of(pids: &HashSet<u32>) -> Vec<String> {
+    let mut removed = Vec::new();
+    let Ok(segments) = crate::admin::list_segments() else {
+        return removed;
+    };
+    for s in segments {
+        let dead = s.creator_liveness == liveness::Liveness::Dead;
+        if dead && s.creator.is_some_and(|c| pids.contains(&c.pid)) {
+            let path = format!("{}/{}", segment::SHM_DIR, s.name);
+            match std::fs::remove_file(&path) {
+                Ok(()) => removed.push(s.name.clone()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => log::warn!("could not remove {path}: {e}"),
+            }
+            // A ring's local socket lives in a directory beside it.
+            let _ = std::fs::remove_dir_all(format!(
+                "{path}{}",
+                crate::transport::SOCKET_DIR_SUFFIX
+            ));
+        }
+    }
+    removed
+}
+
+fn push_line(tail: &mut VecDeque<String>, keep: usize, line: String) {
+    if keep == 0 {
+        return;
+    }
+    if tail.len() == keep {
+        tail.pop_front();
+    }
+    tail.push_back(line);
+}
+
+/// Read what member `i` wrote to stderr and is in the pipe now (the whole pipe: the
+/// caller reads again when the fd is readable), keep its lines, and add them, prefixed,
+/// to `forward`. At EOF (every copy of the write end closed) the fd is closed; then, and
+/// when the worker has exited (`last`), a last partial line is kept too.
+fn drain_stderr(state: &mut State, i: usize, keep: usize, forward: &mut Vec<u8>, last: bool) {
+    let m = &mut state.members[i];
+    let mut buf = [0u8; 65536];
+    let mut eof = false;
+    while let Some(fd) = &m.stderr_fd {
+        match read_some(fd, &mut buf) {
+            None => break,
+            Some(0) => {
+                m.stderr_fd = None;
+                eof = true;
+            }
+            Some(n) => m.partial.extend_from_slice(&buf[..n]),
+        }
+    }
+    let prefix = format!("({} pid={}) ", m.name, m.pid.unwrap_or(0));
+    let mut lines: Vec<Vec<u8>> = Vec::new();
+    while let Some(nl) = m.partial.iter().position(|&b| b == b'\n') {
+        let rest = m.partial.split_off(nl + 1);
+        lines.push(std::mem::replace(&mut m.partial, rest));
+    }
+    if (eof || last) && !m.partial.is_empty() {
+        lines.push(std::mem::take(&mut m.partial));
+    }
+    for line in lines {
+        let text = String::from_utf8_lossy(&line)
+            .trim_end_matches('\n')
+            .trim_end_matches('\r')
+            .to_owned();
+        forward.extend_from_slice(prefix.as_bytes());
+        forward.extend_from_slice(text.as_bytes());
+        forward.push(b'\n');
+        push_line(&mut m.tail, keep, text);
+    }
+}
+
+/// Copy forwarded lines to this process's fd 2 (one write per batch: lines of workers
+/// do not interleave).
+fn forward_lines(forward: bool, bytes: &[u8]) {
+    if forward && !bytes.is_empty() {
+        let _ = std::io::stderr().lock().write_all(bytes);
+    }
+}
+
+/// Read member `i`'s ready frame as far as it has come; at its end (or EOF, or a frame
+/// too long) the pipe is closed.
+fn read_ready(state: &mut State, i: usize) -> bool {
+    let m = &mut state.members[i];
+    let mut changed = false;
+    let mut buf = [0u8; 65536];
+    while let Some(fd) = &m.ready_fd {
+        match read_some(fd, &mut buf) {
+            None => break,
+            Some(0) => {
+                // Closed without a (whole) word: its exit tells the rest.
+                m.ready_fd = None;
+            }
+            Some(n) => {
+                m.ready_frame.bytes.extend_from_slice(&buf[..n]);
+                if m.ready_frame.too_long() {
+                    m.ready_fd = None;
+                } else if let Some(payload) = m.ready_frame.payload() {
+                    m.ready_payload = Some(payload.to_vec());
+                    m.ready = true;
+                    m.ready_fd = None;
+                    changed = true;
+                }
+            }
+        }
+    }
+    changed
+}
+
+/// The death of member `m`, as it stands.
+fn death(m: &Member, failed: bool) -> WorkerDeath {
+    WorkerDeath {
+        name: m.name.clone(),
+        rank: m.rank,
+        pid: m.pid,
+        host: m.host.clone(),
+        exit: m.exit,
+        before_ready: failed && !m.ready,
+        how: m.lost.clone(),
+        stderr_tail: m.tail.iter().cloned().collect(),
+        stderr: if m.remote {
+            StderrCapture::FromStart
+        } else {
+            m.capture
+        },
+    }
+}
+
+fn set_exited(state: &mut State, i: usize, exit: Option<WorkerExit>) {
+    let m = &mut state.members[i];
+    if !m.exited {
+        m.exited = true;
+        m.exit = m.exit.or(exit);
+        m.exit_fd = None;
+        state.exit_order.push(i);
+    }
+}
+
+/// Record the exits of local own children that have exited (never reaps): for close,
+/// whose waits must not depend on the supervisor thread.
+fn poll_exits(state: &mut State) {
+    for i in 0..state.members.len() {
+        let m = &state.members[i];
+        if m.exited || !m.own_child {
+            continue;
+        }
+        let Some(pid) = m.local_pid() else { continue };
+        match exit_status(pid) {
+            Ok(None) => {}
+            Ok(Some(exit)) => set_exited(state, i, Some(exit)),
+            Err(_) => set_exited(state, i, None), // reaped by someone else
+        }
+    }
+}
+
+/// Member `i` has exited: take what it wrote, its ready report if it came in the same
+/// round, its status; its descendants go down with it; the failure is recorded (with the
+/// exit, in one locked step, so that a waiter sees the error with its whole tail).
+fn on_exit(
+    shared: &Shared,
+    state: &mut State,
+    i: usize,
+    exit: Option<WorkerExit>,
+    forward: &mut Vec<u8>,
+) {
+    drain_stderr(state, i, shared.tail_lines, forward, true);
+    // Its ready report and its exit came in one poll: the report was sent first.
+    read_ready(state, i);
+    let m = &state.members[i];
+    if !state.closing && m.own_child && m.own_group && m.local_pid().is_some_and(unreaped) {
+        // Its descendants are orphans now: they go down with it. Safe while it is our
+        // unreaped zombie (its pid, the group's id, cannot be reused meanwhile).
+        m.signal(libc::SIGKILL);
+    }
+    set_exited(state, i, exit);
+    let m = &mut state.members[i];
+    m.ready_fd = None;
+    if state.closing || m.death.is_some() {
+        return;
+    }
+    if m.ready && m.exit == Some(WorkerExit::Code(0)) && m.lost.is_none() {
+        return; // a worker that finished its work
+    }
+    m.death = Some(death(m, true));
+    state.failures.push(i);
+}
+
+/// The supervisor thread: one poll over every worker's fds, until close stops it.
+fn supervise(shared: &Shared) {
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut owners: Vec<(usize, u8)> = Vec::new(); // (member, 0 ready / 1 stderr / 2 exit)
+    loop {
+        fds.clear();
+        owners.clear();
+        fds.push(libc::pollfd {
+            fd: shared.wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        let poll_exits_too;
+        {
+            let state = shared.lock();
+            if state.stopping {
+                return;
+            }
+            for (i, m) in state.members.iter().enumerate() {
+                for (kind, fd) in [(0u8, &m.ready_fd), (1, &m.stderr_fd), (2, &m.exit_fd)] {
+                    if let Some(fd) = fd {
+                        fds.push(libc::pollfd {
+                            fd: fd.as_raw_fd(),
+                            events: libc::POLLIN,
+                            revents: 0,
+                        });
+                        owners.push((i, kind));
+                    }
+                }
+            }
+            poll_exits_too = state.members.iter().any(|m| {
+                !m.exited && m.own_child && m.exit_fd.is_none() && m.local_pid().is_some()
+            });
+        }
+        let ms = if poll_exits_too {
+            EXIT_POLL.as_millis() as i32
+        } else {
+            -1
+        };
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs for the whole call.
+        // Its descriptors stay open meanwhile: only this thread closes members' fds while
+        // it runs (close_finish closes them after joining it).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            log::error!(
+                "worker supervisor: poll failed: {}",
+                std::io::Error::last_os_error()
+            );
+            std::thread::sleep(EXIT_POLL);
+            continue;
+        }
+        if fds[0].revents != 0 {
+            let mut count = 0u64;
+            // SAFETY: read(2) of 8 bytes into a live u64 from our eventfd.
+            unsafe { libc::read(shared.wake.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
+        }
+        let mut forward = Vec::new();
+        let mut state = shared.lock();
+        let mut changed = false;
+        let mut exited: Vec<usize> = Vec::new();
+        for (fd, &(i, kind)) in fds[1..].iter().zip(&owners) {
+            if fd.revents == 0 {
+                continue;
+            }
+            match kind {
+                0 => changed |= read_ready(&mut state, i),
+                1 => drain_stderr(&mut state, i, shared.tail_lines, &mut forward, false),
+                _ => exited.push(i),
+            }
+        }
+        for i in 0..state.members.len() {
+            let m = &state.members[i];
+            if m.exited {
+                continue;
+            }
+            let polled = m.own_child && m.exit_fd.is_none() && m.local_pid().is_some();
+            if exited.contains(&i) || polled {
+                match m.local_pid().map(exit_status) {
+                    Some(Ok(None)) => {
+                        // A pidfd is readable only at exit; should one say so early, poll.
+                        state.members[i].exit_fd = None;
+                        continue;
+                    }
+                    Some(Ok(Some(exit))) => on_exit(shared, &mut state, i, Some(exit), &mut forward),
+                    _ => on_exit(shared, &mut state, i, None, &mut forward),
+                }
+                changed = true;
+            } else if let Some(exit) = state.members[i].reported_exit.take() {
+                on_exit(shared, &mut state, i, exit, &mut forward);
+                changed = true;
+            }
+        }
+        if changed {
+            shared.changed.notify_all();
+        }
+        drop(state);
+        forward_lines(shared.forward_stderr, &forward);
     }
 }

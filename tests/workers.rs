@@ -15,9 +15,9 @@ use shmq::Error;
 /// Marks this binary run again as the parent of `workers_die_with_a_sigkilled_parent`.
 const ROLE_ENV: &str = "SHMQ_TEST_WORKERS_ROLE";
 const STARTUP: Duration = Duration::from_secs(60);
-/// What a worker script runs once it is set up. (Through /proc: dash's `>&$fd` takes
-/// single-digit fds only.)
-const READY: &str = r#"printf R > "/proc/self/fd/$SHMQ_READY_FD""#;
+/// What a worker script runs once it is set up: an empty ready frame (a 4-byte length
+/// of 0). (Through /proc: dash's `>&$fd` takes single-digit fds only.)
+const READY: &str = r#"printf '\000\000\000\000' > "/proc/self/fd/$SHMQ_READY_FD""#;
 
 fn sh(script: &str) -> Command {
     let mut c = Command::new("sh");
@@ -51,8 +51,8 @@ fn wait_gone(pids: &[u32], within: Duration) -> Vec<u32> {
 #[test]
 fn all_ready_then_closed() {
     let script = format!("{READY}; exec sleep 30");
-    let mut workers = Workers::spawn((0..3).map(|_| sh(&script)), quiet()).unwrap();
-    let pids = workers.pids();
+    let workers = Workers::spawn((0..3).map(|_| sh(&script)), quiet()).unwrap();
+    let pids: Vec<u32> = workers.pids().into_iter().flatten().collect();
     workers.wait_until_ready(STARTUP).unwrap();
     assert_eq!(
         workers.wait_any(Some(Duration::from_millis(100))).unwrap(),
@@ -73,8 +73,8 @@ fn a_worker_that_dies_before_it_is_ready_is_named_at_once() {
     let failing = "echo 'loading weights' >&2; echo 'CUDA out of memory' >&2; exit 3";
     let commands = [sh(&ready), sh(failing), sh(&ready)];
     let start = Instant::now();
-    let mut workers = Workers::spawn(commands, quiet()).unwrap();
-    let pids = workers.pids();
+    let workers = Workers::spawn(commands, quiet()).unwrap();
+    let pids: Vec<u32> = workers.pids().into_iter().flatten().collect();
     let err = workers.wait_until_ready(STARTUP).unwrap_err();
     assert!(
         start.elapsed() < STARTUP / 2,
@@ -82,26 +82,22 @@ fn a_worker_that_dies_before_it_is_ready_is_named_at_once() {
         start.elapsed()
     );
     match &err {
-        Error::WorkerDied {
-            rank,
-            pid,
-            code,
-            signal,
-            before_ready,
-            stderr_tail,
-        } => {
+        Error::WorkerDied(death) => {
             assert_eq!(
-                (*rank, *pid, *code, *signal, *before_ready),
-                (1, pids[1], Some(3), None, true)
+                (death.rank, death.pid, death.exit, death.before_ready),
+                (1, Some(pids[1]), Some(WorkerExit::Code(3)), true)
             );
-            assert_eq!(stderr_tail, &["loading weights", "CUDA out of memory"]);
+            assert_eq!(
+                death.stderr_tail,
+                &["loading weights", "CUDA out of memory"]
+            );
         }
         other => panic!("expected WorkerDied, got {other:?}"),
     }
     assert_eq!(
         err.to_string(),
         format!(
-            "worker 1 (pid {}) exited with code 3 before it was ready; the last lines of its stderr:\n    \
+            "Worker_1 (rank 1, pid {}) exited with code 3 before it was ready; the last lines of its stderr:\n    \
              loading weights\n    CUDA out of memory",
             pids[1]
         )
@@ -113,11 +109,11 @@ fn a_worker_that_dies_before_it_is_ready_is_named_at_once() {
 #[test]
 fn a_signal_is_named_and_check_reports_it() {
     let script = format!("{READY}; sleep 0.2; echo 'last words' >&2; kill -BUS $$");
-    let mut workers = Workers::spawn([sh(&script)], quiet()).unwrap();
+    let workers = Workers::spawn([sh(&script)], quiet()).unwrap();
     workers.wait_until_ready(STARTUP).unwrap();
     workers.check().unwrap();
     let first = workers.wait_any(Some(STARTUP)).unwrap();
-    assert_eq!(first, Some((0, WorkerExit::Signal(libc::SIGBUS))));
+    assert_eq!(first, Some((0, Some(WorkerExit::Signal(libc::SIGBUS)))));
     let err = workers.check().unwrap_err().to_string();
     assert!(
         err.ends_with("was killed by SIGBUS while it was running; the last lines of its stderr:\n    last words"),
@@ -128,24 +124,35 @@ fn a_signal_is_named_and_check_reports_it() {
 #[test]
 fn a_deadline_that_passes_names_the_workers_not_ready() {
     let commands = [sh(&format!("{READY}; exec sleep 30")), sh("exec sleep 30")];
-    let mut workers = Workers::spawn(commands, quiet()).unwrap();
-    let pids = workers.pids();
+    let workers = Workers::spawn(commands, quiet()).unwrap();
+    let pids: Vec<u32> = workers.pids().into_iter().flatten().collect();
     let start = Instant::now();
     let err = workers
         .wait_until_ready(Duration::from_secs(2))
         .unwrap_err();
     assert!(start.elapsed() >= Duration::from_secs(2));
     match &err {
-        Error::WorkersNotReady { not_ready, .. } => assert_eq!(not_ready, &[(1, pids[1])]),
+        Error::WorkersNotReady {
+            not_ready, total, ..
+        } => {
+            assert_eq!(*total, 2);
+            assert_eq!(
+                not_ready,
+                &[(
+                    "Worker_1".to_owned(),
+                    format!("Worker_1 (rank 1, pid {})", pids[1])
+                )]
+            );
+        }
         other => panic!("expected WorkersNotReady, got {other:?}"),
     }
     let message = err.to_string();
     assert!(
-        message.starts_with("1 worker(s) not ready after 2."),
+        message.starts_with("1 of 2 worker(s) not ready after 2 s:"),
         "{message}"
     );
     assert!(
-        message.ends_with(&format!(": worker 1 (pid {})", pids[1])),
+        message.ends_with(&format!(": Worker_1 (rank 1, pid {})", pids[1])),
         "{message}"
     );
 }
@@ -156,8 +163,8 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period_with_its_children(
     let script = format!("trap '' TERM; sleep 30 & setsid sleep 30 & {READY}; wait");
     let grace = Duration::from_millis(1500);
     let options = WorkerOptions { grace, ..quiet() };
-    let mut workers = Workers::spawn([sh(&script)], options).unwrap();
-    let worker = workers.pids()[0];
+    let workers = Workers::spawn([sh(&script)], options).unwrap();
+    let worker = workers.pids()[0].unwrap();
     workers.wait_until_ready(STARTUP).unwrap();
     let mut children = descendants(worker);
     let deadline = Instant::now() + STARTUP;
@@ -183,15 +190,15 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period_with_its_children(
 #[test]
 fn the_children_of_a_worker_that_dies_die_with_it() {
     let script = format!("sleep 30 & {READY}; sleep 0.5; exit 4");
-    let mut workers = Workers::spawn([sh(&script)], quiet()).unwrap();
-    let worker = workers.pids()[0];
+    let workers = Workers::spawn([sh(&script)], quiet()).unwrap();
+    let worker = workers.pids()[0].unwrap();
     workers.wait_until_ready(STARTUP).unwrap();
     // `sleep 30`, and perhaps the foreground `sleep 0.5`.
     let children: Vec<u32> = descendants(worker).iter().map(|p| p.pid).collect();
     assert!(!children.is_empty());
     assert_eq!(
         workers.wait_any(Some(STARTUP)).unwrap(),
-        Some((0, WorkerExit::Code(4)))
+        Some((0, Some(WorkerExit::Code(4))))
     );
     assert!(wait_gone(&children, Duration::from_secs(1)).is_empty());
 }
@@ -208,9 +215,14 @@ fn workers_die_with_a_sigkilled_parent() {
     let script = format!("{READY}; exec sleep 30");
     if std::env::var_os(ROLE_ENV).is_some() {
         // The parent: start two workers, say their pids, wait to be killed.
-        let mut workers = Workers::spawn((0..2).map(|_| sh(&script)), quiet()).unwrap();
+        let workers = Workers::spawn((0..2).map(|_| sh(&script)), quiet()).unwrap();
         workers.wait_until_ready(STARTUP).unwrap();
-        let pids: Vec<String> = workers.pids().iter().map(u32::to_string).collect();
+        let pids: Vec<String> = workers
+            .pids()
+            .iter()
+            .flatten()
+            .map(u32::to_string)
+            .collect();
         println!("WORKERS {}", pids.join(" "));
         std::thread::sleep(STARTUP);
         return;

@@ -22,6 +22,8 @@ __all__ = [
     "EncoderCacheReservation",
     "EncoderCacheConsumer",
     "ENCODER_CACHE_MAX_KEY_LEN",
+    "WorkerGroup",
+    "worker_died_message",
     "default_connect_ip",
     "remove_created",
     "exit_with_process",
@@ -116,6 +118,77 @@ def exit_with_process(pid: int) -> None:
 
 def kill_descendants() -> int:
     """SIGKILL every running descendant of this process; returns how many were signalled."""
+
+# (name, rank, pid, exitcode, stderr_tail, host, before_ready, how, stderr_captured,
+# stderr_from_start): WorkerDiedError's arguments.
+_Death = tuple[str, int, Optional[int], Optional[int], list[str], str, bool, Optional[str], bool, bool]
+
+def worker_died_message(
+    name: str,
+    rank: int,
+    pid: Optional[int],
+    exitcode: Optional[int],
+    stderr_tail: list[str],
+    host: str,
+    before_ready: bool,
+    how: Optional[str],
+    stderr_captured: bool,
+    stderr_from_start: bool,
+) -> str:
+    """``WorkerDiedError``'s message (the core's wording)."""
+
+@final
+class WorkerGroup:
+    """The core's supervision of a group of workers (``src/workers.rs``): a native thread
+    watches each adopted worker's pidfd, ready pipe and stderr pipe. Waits release the GIL
+    and check for signals every 50 ms; they return ``("done", None)``,
+    ``("failed", rank)`` or ``("timeout", None)``."""
+
+    def __new__(
+        cls,
+        n_local: int,
+        n_remote: int,
+        name_prefix: str,
+        stderr_tail_lines: int,
+        forward_stderr: bool,
+        new_process_group: bool,
+        grace: float,
+    ) -> WorkerGroup: ...
+    def adopt(
+        self,
+        rank: int,
+        pid: int,
+        own_child: bool,
+        ready_fd: Optional[int],
+        stderr_fd: Optional[int],
+        stderr_from_start: bool,
+    ) -> None:
+        """Watch local worker ``rank``; the fds are duplicated (the caller keeps its own)."""
+    def claim_remote(self, rank: int, pid: int) -> Optional[str]:
+        """Why remote worker ``rank`` is refused, or None (the rank is reserved)."""
+    def remote_connected(self, rank: int, host: str) -> bool: ...
+    def remote_ready(self, rank: int, payload: bytes) -> None: ...
+    def report_exit(self, rank: int, exitcode: Optional[int], stderr_tail: list[str], how: Optional[str]) -> None: ...
+    def status(self) -> list[tuple[str, int, Optional[int], str, bool, bool, Optional[int]]]:
+        """(name, rank, pid, host, ready, exited, exitcode) of every worker, by rank."""
+    def exit_order(self) -> list[int]: ...
+    def ready_payloads(self) -> list[Optional[bytes]]: ...
+    def failures(self) -> list[_Death]: ...
+    def death_or_exit(self, rank: int) -> _Death: ...
+    def describe(self, rank: int) -> Optional[str]: ...
+    def not_ready(self, waited: float) -> tuple[str, list[str]]: ...
+    @property
+    def closing(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    def exit_unrecorded(self) -> bool: ...
+    def wait_ready(self, timeout: Optional[float] = None) -> tuple[str, Optional[int]]: ...
+    def wait_any(self, timeout: Optional[float] = None) -> Optional[int]: ...
+    def wait_all_exited(self, timeout: Optional[float] = None) -> tuple[str, Optional[int]]: ...
+    def wait_failures(self, seen: int, timeout: Optional[float] = None) -> int: ...
+    def close_begin(self) -> bool: ...
+    def wait_exits(self, timeout: float) -> bool: ...
+    def close_finish(self) -> None: ...
 
 def list_segments() -> list[_SegmentReport]:
     """Every shmq segment in /dev/shm."""

@@ -13,7 +13,8 @@
 //!   cleanup, inspection and live metrics;
 //! - `remove_created()`: the exit hook's removal of what this process created;
 //!   `exit_with_process()`, `kill_descendants()`: a worker's end with its parent, and
-//!   with its own exit (`shmq.workers`);
+//!   with its own exit (`shmq.workers`); `WorkerGroup`, `worker_died_message()`: the
+//!   core's worker supervision, which `shmq.workers.WorkerProcesses` hands its workers to;
 //! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
 //!   `QueueShutDownError`.
 
@@ -25,6 +26,7 @@ mod parts;
 mod storage;
 mod view;
 mod wait;
+mod workers;
 
 use pyo3::prelude::*;
 
@@ -72,6 +74,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;
     encoder_cache::register(m)?;
+    m.add_class::<workers::WorkerGroup>()?;
+    m.add_function(wrap_pyfunction!(workers::worker_died_message, m)?)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
     m.add_function(wrap_pyfunction!(remove_created, m)?)?;
     m.add_function(wrap_pyfunction!(exit_with_process, m)?)?;

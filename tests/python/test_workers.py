@@ -277,7 +277,7 @@ def test_workers_started_from_a_short_lived_thread_survive_it():
 # Supervision
 
 
-def test_stderr_tail_and_signal_name_of_a_worker_killed_by_sigbus(capsys):
+def test_stderr_tail_and_signal_name_of_a_worker_killed_by_sigbus(capfd):
     with WorkerProcesses(targets.last_words_then_sigbus, 1, args=(30,), stderr_tail_lines=20) as workers:
         pids = _track(workers)
         # It dies right after reporting ready: the wait may see the death already (a
@@ -298,7 +298,7 @@ def test_stderr_tail_and_signal_name_of_a_worker_killed_by_sigbus(capsys):
     words = [line for line in err.stderr_tail if line.startswith("last words")]
     assert words and words == [f"last words {i}" for i in range(30 - len(words), 30)]
     # Still forwarded to the parent's stderr, every line, prefixed with the worker.
-    forwarded = capsys.readouterr().err
+    forwarded = capfd.readouterr().err
     assert f"(Worker_0 pid={pids[0]}) last words 0\n" in forwarded
     assert f"(Worker_0 pid={pids[0]}) last words 29\n" in forwarded
 

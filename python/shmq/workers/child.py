@@ -167,7 +167,9 @@ class _PipeChannel(_ParentChannel):
         self._conn = conn
 
     def send_ready(self, info: Any) -> None:
-        self._conn.send(("ready", info))
+        # One frame, a 4-byte big-endian length and the pickled info, which the parent's
+        # core reads (``src/workers.rs``).
+        self._conn.send(info)
         self._conn.close()
 
 

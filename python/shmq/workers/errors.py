@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 from typing import Optional, Sequence
 
+from .. import _core
+
 __all__ = ["WorkerDiedError", "WorkersNotReadyError"]
 
 
@@ -13,19 +15,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _describe_exit(exitcode: Optional[int]) -> str:
-    """``exitcode`` in words, as ``multiprocessing`` reports it (negative: the signal that
-    killed the process): "exited with code 1", "was killed by SIGBUS"."""
-    if exitcode is None:
-        return "exited (exit code unknown)"
-    if exitcode < 0:
-        return f"was killed by {_signal_name(-exitcode)}"
-    if exitcode > 128 and exitcode - 128 < signal.NSIG:
-        # The bootstrap turns SIGTERM into SystemExit(128 + SIGTERM), as shells report it.
-        return f"exited with code {exitcode} (128 + {_signal_name(exitcode - 128)}: it was asked to stop)"
-    return f"exited with code {exitcode}"
 
 
 class WorkerDiedError(RuntimeError):
@@ -60,23 +49,19 @@ class WorkerDiedError(RuntimeError):
         self.signal_name = _signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
         self.stderr_tail = list(stderr_tail)
         self.before_ready = before_ready
-        where = f"rank {rank}, pid {pid}" if pid is not None else f"rank {rank}"
-        if host:
-            where += f" on {host}"
-        when = "before it was ready" if before_ready else "while it was running"
-        message = f"{name} ({where}) {how or _describe_exit(exitcode)} {when}"
-        if self.stderr_tail:
-            message += "; the last lines of its stderr:\n" + "\n".join(f"    {line}" for line in self.stderr_tail)
-        elif stderr_captured and not host:
-            if stderr_from_start:
-                message += " (it wrote nothing to stderr)"
-            else:
-                # Its stderr was captured from shmq's bootstrap on (start methods other than
-                # spawn): what it wrote while it started went to the stderr it inherited.
-                message += (
-                    " (it wrote nothing to stderr after shmq's bootstrap took it over; what it wrote"
-                    " while starting, e.g. while re-importing the main module, went to the parent's stderr)"
-                )
+        # The wording is the core's (``src/error.rs``), for Rust and Python alike.
+        message = _core.worker_died_message(
+            name,
+            rank,
+            pid,
+            exitcode,
+            self.stderr_tail,
+            host,
+            before_ready,
+            how,
+            stderr_captured,
+            stderr_from_start,
+        )
         super().__init__(message)
 
     def __reduce__(self) -> tuple:

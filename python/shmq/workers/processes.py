@@ -8,7 +8,6 @@ import multiprocessing
 import multiprocessing.process
 import signal
 import threading
-import time
 import weakref
 from types import TracebackType
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -69,9 +68,9 @@ class WorkerMonitor:
     def __enter__(self) -> "WorkerMonitor":
         with self._supervisor.lock:
             self._supervisor.monitors.append(self)
-            earlier = self._supervisor.failures[0] if self._supervisor.failures else None
-        if earlier is not None:
-            self._fire(earlier)
+        errors = self._supervisor.errors()
+        if errors:
+            self._fire(errors[0])
         return self
 
     def __exit__(
@@ -101,9 +100,10 @@ class WorkerMonitor:
             # Let the queues go: the error raised below keeps this monitor alive (through
             # its traceback), and a queue kept alive keeps its segment.
             queues, self._queues = self._queues, []
-            # Recorded, but perhaps not yet handed to this monitor (that happens just
-            # after the supervisor releases the lock).
-            recorded = self._supervisor.failures[0] if self._supervisor.failures else None
+        # Recorded, but perhaps not yet handed to this monitor (the relay thread does
+        # that just after the core records it).
+        errors = self._supervisor.errors()
+        recorded = errors[0] if errors else None
         if self.error is None and recorded is not None:
             self._fire(recorded, queues)
         del queues  # this frame lives on in the traceback of what is raised below
@@ -178,11 +178,12 @@ class WorkerProcesses:
         try:
             if n_remote:
                 self._supervisor.listen(remote_host or _core.default_connect_ip(), remote_port)
-            for w in self._supervisor.workers[:n_workers]:
+            for rank in range(n_workers):
                 Launcher.call(
                     functools.partial(
                         self._supervisor.start_local,
-                        ctx, w, target, tuple(args), dict(kwargs or {}), death_signal, capture_stderr,
+                        ctx, rank, f"{name_prefix}_{rank}", target, tuple(args), dict(kwargs or {}),
+                        death_signal, capture_stderr, new_process_group,
                     )
                 )  # fmt: skip
         except BaseException:
@@ -200,31 +201,18 @@ class WorkerProcesses:
         seconds pass. Either way (and on Ctrl-C) the group is closed first, unless
         ``close_on_failure`` is false."""
         supervisor = self._supervisor
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            with supervisor.changed:
-                while True:
-                    if supervisor.closed or supervisor.closing:
-                        raise RuntimeError("the worker processes have been closed")
-                    dead = [w for w in supervisor.exit_order if not w.ready or w.error is not None]
-                    if dead:
-                        w = dead[0]
-                        raise w.error or WorkerDiedError(
-                            w.name, w.rank, w.pid, w.exitcode, list(w.tail), host=w.host, before_ready=False
-                        )
-                    waiting = [w for w in supervisor.workers if not w.ready]
-                    if not waiting:
-                        return [w.info for w in supervisor.workers]
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        names = [w.name for w in waiting]
-                        raise WorkersNotReadyError(
-                            f"{len(waiting)} of {len(supervisor.workers)} worker(s) not ready after {timeout} s: "
-                            + ", ".join(w.describe() for w in waiting),
-                            names,
-                        )
-                    # Woken by the supervisor when a worker reports ready or exits.
-                    supervisor.changed.wait(left)
+            if supervisor.closed:
+                raise RuntimeError("the worker processes have been closed")
+            # In the core, with the GIL released; a RuntimeError once the group closes.
+            outcome, rank = supervisor.group.wait_ready(timeout)
+            if outcome == "done":
+                return supervisor.infos()
+            if outcome == "failed" and rank is not None:
+                raise supervisor.error_of(rank)
+            assert timeout is not None  # without one, the wait ends only as above
+            message, names = supervisor.group.not_ready(timeout)
+            raise WorkersNotReadyError(message, names)
         except BaseException:
             if close_on_failure:
                 self.close()
@@ -241,47 +229,39 @@ class WorkerProcesses:
     @property
     def processes(self) -> list[multiprocessing.process.BaseProcess]:
         """The local workers' ``multiprocessing`` process objects, by rank."""
-        return [w.process for w in self._supervisor.workers if w.process is not None]
+        return [p for p in self._supervisor.processes if p is not None]
 
     @property
     def pids(self) -> list[Optional[int]]:
         """Every worker's pid by rank (None: a remote worker not connected yet)."""
-        return [w.pid for w in self._supervisor.workers]
+        return [w.pid for w in self.info()]
 
     @property
     def names(self) -> list[str]:
         """Every worker's name by rank."""
-        return [w.name for w in self._supervisor.workers]
+        return [w.name for w in self.info()]
 
     def info(self) -> list[WorkerInfo]:
         """A snapshot of every worker, by rank."""
-        with self._supervisor.lock:
-            return [w.snapshot() for w in self._supervisor.workers]
+        return self._supervisor.snapshots()
 
     def sentinels(self) -> list[int]:
         """The local workers' process sentinels (for ``multiprocessing.connection.wait``);
         each becomes ready when its worker exits."""
-        return [w.process.sentinel for w in self._supervisor.workers if w.process is not None and not w.reaped]
+        supervisor = self._supervisor
+        return [p.sentinel for r, p in enumerate(supervisor.processes) if p is not None and r not in supervisor.reaped]
 
     def finished(self) -> dict[str, Optional[int]]:
         """The workers that have exited: name → exit code (negative: killed by that signal;
         None: a remote worker that left without saying)."""
-        with self._supervisor.lock:
-            return {w.name: w.exitcode for w in self._supervisor.exit_order}
+        info = self.info()
+        return {info[r].name: info[r].exitcode for r in self._supervisor.group.exit_order()}
 
     def join_first(self, timeout: Optional[float] = None) -> Optional[WorkerInfo]:
         """Wait until a worker exits (or one already has); that worker, or None when
         ``timeout`` passes first."""
-        supervisor = self._supervisor
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with supervisor.changed:
-            while True:
-                if supervisor.exit_order:
-                    return supervisor.exit_order[0].snapshot()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                supervisor.changed.wait(left)
+        rank = self._supervisor.group.wait_any(timeout)
+        return None if rank is None else self.info()[rank]
 
     def join(self, timeout: Optional[float] = None) -> dict[str, Optional[int]]:
         """Wait until every worker has exited (after they were told to stop: a ``None``
@@ -291,21 +271,16 @@ class WorkerProcesses:
         signal), and ``TimeoutError`` naming those still running when ``timeout`` seconds
         pass. Does not stop anyone: :meth:`close` does."""
         supervisor = self._supervisor
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with supervisor.changed:
-            while True:
-                if supervisor.failures:
-                    raise supervisor.failures[0]
-                running = [w for w in supervisor.workers if not w.exited]
-                if not running:
-                    return self.finished()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(
-                        f"{len(running)} worker(s) still running after {timeout} s: "
-                        + ", ".join(w.describe() for w in running)
-                    )
-                supervisor.changed.wait(left)
+        outcome, _ = supervisor.group.wait_all_exited(timeout)
+        if outcome == "failed":
+            raise supervisor.errors()[0]
+        if outcome == "timeout":
+            running = [w.rank for w in self.info() if not w.exited]
+            raise TimeoutError(
+                f"{len(running)} worker(s) still running after {timeout} s: "
+                + ", ".join(str(supervisor.group.describe(r)) for r in running)
+            )
+        return self.finished()
 
     def monitor(self, *queues: Any) -> WorkerMonitor:
         """A context manager that raises :class:`WorkerDiedError` when a worker fails
@@ -317,8 +292,7 @@ class WorkerProcesses:
     @property
     def failures(self) -> list[WorkerDiedError]:
         """Every worker failure seen so far (before :meth:`close`)."""
-        with self._supervisor.lock:
-            return list(self._supervisor.failures)
+        return self._supervisor.errors()
 
     # -- shutdown --------------------------------------------------------------------
 

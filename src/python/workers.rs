@@ -1,0 +1,366 @@
+//! `WorkerGroup`: the core's worker supervision (`crate::workers::Workers`) for the
+//! Python package's `WorkerProcesses`, which starts the interpreters and hands each one
+//! over. Conversions only: fds are duplicated (the caller keeps its own), deaths become
+//! tuples of `WorkerDiedError`'s arguments, waits release the GIL and check signals
+//! between slices.
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::error::{StderrCapture, WorkerDeath, WorkerExit};
+use crate::workers::{StartedWorker, Waited, WorkerOptions, Workers};
+
+/// How long a wait runs without the GIL before it checks for signals (Ctrl-C).
+const SLICE: Duration = Duration::from_millis(50);
+
+/// `WorkerDiedError`'s arguments: (name, rank, pid, exitcode, stderr_tail, host,
+/// before_ready, how, stderr_captured, stderr_from_start).
+type DeathTuple = (
+    String,
+    usize,
+    Option<u32>,
+    Option<i32>,
+    Vec<String>,
+    String,
+    bool,
+    Option<String>,
+    bool,
+    bool,
+);
+
+fn death_tuple(d: WorkerDeath) -> DeathTuple {
+    let (captured, from_start) = match d.stderr {
+        StderrCapture::No => (false, true),
+        StderrCapture::FromStart => (true, true),
+        StderrCapture::FromBootstrap => (true, false),
+    };
+    (
+        d.name,
+        d.rank,
+        d.pid,
+        d.exit.map(WorkerExit::exitcode),
+        d.stderr_tail,
+        d.host,
+        d.before_ready,
+        d.how,
+        captured,
+        from_start,
+    )
+}
+
+/// `WorkerDiedError`'s message (the core's wording), from its arguments.
+#[pyfunction]
+#[pyo3(signature = (name, rank, pid, exitcode, stderr_tail, host, before_ready, how, stderr_captured, stderr_from_start))]
+#[allow(clippy::too_many_arguments)]
+pub fn worker_died_message(
+    name: String,
+    rank: usize,
+    pid: Option<u32>,
+    exitcode: Option<i32>,
+    stderr_tail: Vec<String>,
+    host: String,
+    before_ready: bool,
+    how: Option<String>,
+    stderr_captured: bool,
+    stderr_from_start: bool,
+) -> String {
+    WorkerDeath {
+        name,
+        rank,
+        pid,
+        host,
+        exit: exitcode.map(WorkerExit::from_exitcode),
+        before_ready,
+        how,
+        stderr_tail,
+        stderr: match (stderr_captured, stderr_from_start) {
+            (false, _) => StderrCapture::No,
+            (true, true) => StderrCapture::FromStart,
+            (true, false) => StderrCapture::FromBootstrap,
+        },
+    }
+    .to_string()
+}
+
+fn dup(fd: Option<i32>) -> PyResult<Option<OwnedFd>> {
+    let Some(fd) = fd else { return Ok(None) };
+    if fd < 0 {
+        return Err(PyValueError::new_err(format!("not a file descriptor: {fd}")));
+    }
+    // SAFETY: the fd is only borrowed for the duplication; if it is not open, the
+    // duplication fails with EBADF (no other fd is touched).
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    Ok(Some(borrowed.try_clone_to_owned()?))
+}
+
+fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
+        Some(t) if t == f64::INFINITY => Ok(None),
+        Some(t) => Err(PyValueError::new_err(format!(
+            "timeout must be a non-negative number of seconds, got {t}"
+        ))),
+    }
+}
+
+/// Run `wait(slice)` with the GIL released, slice after slice until it returns `Some` or
+/// `timeout` passes (`None`), checking for signals between slices.
+fn sliced<T: Send>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    wait: impl Fn(Duration) -> Option<T> + Sync,
+) -> PyResult<Option<T>> {
+    let deadline = seconds(timeout)?.map(|t| Instant::now() + t);
+    loop {
+        let slice = match deadline {
+            Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
+            None => SLICE,
+        };
+        if let Some(out) = py.detach(|| wait(slice)) {
+            return Ok(Some(out));
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+        py.check_signals()?;
+    }
+}
+
+/// What a wait for readiness or exits ended with: ("done", None), ("failed", rank) or
+/// ("timeout", None).
+fn waited(w: Option<Waited>) -> (&'static str, Option<usize>) {
+    match w {
+        Some(Waited::Done) => ("done", None),
+        Some(Waited::Failed(rank)) => ("failed", Some(rank)),
+        Some(Waited::TimedOut) | None => ("timeout", None),
+    }
+}
+
+/// A group of workers supervised by a thread of the core (see `shmq.workers`).
+#[pyclass(module = "shmq._core", frozen)]
+pub struct WorkerGroup {
+    inner: Workers,
+}
+
+#[pymethods]
+impl WorkerGroup {
+    #[new]
+    #[pyo3(signature = (n_local, n_remote, name_prefix, stderr_tail_lines, forward_stderr, new_process_group, grace))]
+    fn new(
+        n_local: usize,
+        n_remote: usize,
+        name_prefix: String,
+        stderr_tail_lines: usize,
+        forward_stderr: bool,
+        new_process_group: bool,
+        grace: f64,
+    ) -> PyResult<Self> {
+        let options = WorkerOptions {
+            death_signal: None, // the Python bootstrap sets it up in the worker
+            grace: seconds(Some(grace))?.unwrap_or(Duration::MAX),
+            forward_stderr,
+            stderr_tail_lines,
+            name_prefix,
+            new_process_group,
+        };
+        Ok(WorkerGroup {
+            inner: Workers::new(n_local, n_remote, options)?,
+        })
+    }
+
+    /// Watch local worker `rank` (pid `pid`); `ready_fd` and `stderr_fd` are duplicated.
+    #[pyo3(signature = (rank, pid, own_child, ready_fd, stderr_fd, stderr_from_start))]
+    fn adopt(
+        &self,
+        rank: usize,
+        pid: u32,
+        own_child: bool,
+        ready_fd: Option<i32>,
+        stderr_fd: Option<i32>,
+        stderr_from_start: bool,
+    ) -> PyResult<()> {
+        let capture = if stderr_from_start {
+            StderrCapture::FromStart
+        } else {
+            StderrCapture::FromBootstrap
+        };
+        let worker = StartedWorker {
+            pid,
+            own_child,
+            ready: dup(ready_fd)?,
+            stderr: dup(stderr_fd)?.map(|fd| (fd, capture)),
+            reap: false,
+        };
+        Ok(self.inner.adopt(rank, worker)?)
+    }
+
+    /// Why remote worker `rank` (pid `pid`) is refused, or None (its rank is reserved).
+    fn claim_remote(&self, rank: usize, pid: u32) -> Option<String> {
+        self.inner.claim_remote(rank, pid).err()
+    }
+
+    fn remote_connected(&self, rank: usize, host: &str) -> bool {
+        self.inner.remote_connected(rank, host)
+    }
+
+    fn remote_ready(&self, rank: usize, payload: Vec<u8>) {
+        self.inner.remote_ready(rank, payload)
+    }
+
+    #[pyo3(signature = (rank, exitcode, stderr_tail, how))]
+    fn report_exit(
+        &self,
+        rank: usize,
+        exitcode: Option<i32>,
+        stderr_tail: Vec<String>,
+        how: Option<String>,
+    ) {
+        self.inner.report_exit(
+            rank,
+            exitcode.map(WorkerExit::from_exitcode),
+            stderr_tail,
+            how,
+        )
+    }
+
+    /// (name, rank, pid, host, ready, exited, exitcode) of every worker, by rank.
+    #[allow(clippy::type_complexity)]
+    fn status(&self) -> Vec<(String, usize, Option<u32>, String, bool, bool, Option<i32>)> {
+        self.inner
+            .status()
+            .into_iter()
+            .map(|s| {
+                let code = s.exit.map(WorkerExit::exitcode);
+                (s.name, s.rank, s.pid, s.host, s.ready, s.exited, code)
+            })
+            .collect()
+    }
+
+    fn exit_order(&self) -> Vec<usize> {
+        self.inner.exit_order()
+    }
+
+    fn ready_payloads<'py>(&self, py: Python<'py>) -> Vec<Option<Bound<'py, PyBytes>>> {
+        self.inner
+            .ready_payloads()
+            .into_iter()
+            .map(|p| p.map(|b| PyBytes::new(py, &b)))
+            .collect()
+    }
+
+    fn failures(&self) -> Vec<DeathTuple> {
+        self.inner.failures().into_iter().map(death_tuple).collect()
+    }
+
+    /// The death of `rank`: recorded, or (it finished) made now.
+    fn death_or_exit(&self, rank: usize) -> DeathTuple {
+        death_tuple(self.inner.death_or_exit(rank))
+    }
+
+    fn describe(&self, rank: usize) -> Option<String> {
+        self.inner.describe(rank)
+    }
+
+    /// (message, names) of the workers not ready after `waited` seconds.
+    fn not_ready(&self, waited: f64) -> PyResult<(String, Vec<String>)> {
+        let waited = seconds(Some(waited))?.unwrap_or(Duration::MAX);
+        match self.inner.not_ready(waited) {
+            e @ crate::Error::WorkersNotReady { .. } => {
+                let names = match &e {
+                    crate::Error::WorkersNotReady { not_ready, .. } => {
+                        not_ready.iter().map(|(n, _)| n.clone()).collect()
+                    }
+                    _ => Vec::new(),
+                };
+                Ok((e.to_string(), names))
+            }
+            other => Err(other.into()),
+        }
+    }
+
+    #[getter]
+    fn closing(&self) -> bool {
+        self.inner.closing()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.closed()
+    }
+
+    fn exit_unrecorded(&self) -> bool {
+        self.inner.exit_unrecorded()
+    }
+
+    /// Until all are ready (see `waited`). RuntimeError once closing.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_ready(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<(&'static str, Option<usize>)> {
+        let out = sliced(py, timeout, |slice| match self.inner.wait_ready_for(Some(slice)) {
+            Ok(Waited::TimedOut) => None,
+            other => Some(other),
+        })?;
+        Ok(waited(out.transpose()?))
+    }
+
+    /// The first rank to exit, or None when `timeout` passes.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_any(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<usize>> {
+        let out = sliced(py, timeout, |slice| {
+            self.inner.wait_any(Some(slice)).ok().flatten()
+        })?;
+        Ok(out.map(|(rank, _)| rank))
+    }
+
+    /// Until every worker has exited, or the first failure (see `waited`).
+    #[pyo3(signature = (timeout=None))]
+    fn wait_all_exited(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<(&'static str, Option<usize>)> {
+        let out = sliced(py, timeout, |slice| match self.inner.wait_all_exited(Some(slice)) {
+            Waited::TimedOut => None,
+            other => Some(other),
+        })?;
+        Ok(waited(out))
+    }
+
+    /// Until more than `seen` failures are recorded or the group is closing (or
+    /// `timeout` passes): how many there are.
+    #[pyo3(signature = (seen, timeout=None))]
+    fn wait_failures(&self, py: Python<'_>, seen: usize, timeout: Option<f64>) -> PyResult<usize> {
+        let out = sliced(py, timeout, |slice| {
+            let n = self.inner.wait_failures(seen, Some(slice));
+            (n > seen || self.inner.closing()).then_some(n)
+        })?;
+        Ok(out.unwrap_or(seen))
+    }
+
+    fn close_begin(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.inner.close_begin())
+    }
+
+    /// Wait up to `timeout` seconds until every started worker has exited; whether all
+    /// have.
+    fn wait_exits(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let out = sliced(py, Some(timeout), |slice| {
+            self.inner
+                .wait_exits(Instant::now() + slice)
+                .then_some(())
+        })?;
+        Ok(out.is_some())
+    }
+
+    fn close_finish(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close_finish())
+    }
+}
