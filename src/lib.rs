@@ -41,8 +41,8 @@
 //!   consumer process as private views, with a key index any process can ask;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - [`workers`]: worker processes with a ready pipe, a death watch and shutdown of whole
-//!   process trees (the Rust side of the Python package's `WorkerProcesses`), and a
-//!   worker's end with its parent;
+//!   process trees (the one supervision: the Python package's `WorkerProcesses` hands
+//!   it the interpreters it starts), and a worker's end with its parent;
 //! - `fuzzing` (hidden): entry points for the fuzz targets in `fuzz/`, not API;
 //! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
 //!

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shmq::process::{descendants, ProcessId};
-use shmq::workers::{report_ready, WorkerExit, WorkerOptions, Workers};
+use shmq::workers::{report_ready, Waited, WorkerExit, WorkerOptions, Workers};
 use shmq::Error;
 
 /// Marks this binary run again as the parent of `workers_die_with_a_sigkilled_parent`.
@@ -268,4 +268,51 @@ fn workers_die_with_a_sigkilled_parent() {
         left.is_empty(),
         "workers {left:?} outlived their SIGKILLed parent"
     );
+}
+
+#[test]
+fn a_ready_frame_may_come_in_pieces_and_its_payload_is_kept() {
+    // The header and part of the payload, then the rest a moment later.
+    let script = r#"fd="/proc/self/fd/$SHMQ_READY_FD"; printf '\000\000\000\003ab' > "$fd"; sleep 0.3; printf c > "$fd"; exec sleep 30"#;
+    let workers = Workers::spawn([sh(script)], quiet()).unwrap();
+    assert_eq!(
+        workers
+            .wait_ready_for(Some(Duration::from_millis(100)))
+            .unwrap(),
+        Waited::TimedOut
+    );
+    workers.wait_until_ready(STARTUP).unwrap();
+    assert_eq!(workers.ready_payloads(), vec![Some(b"abc".to_vec())]);
+}
+
+#[test]
+fn a_remote_rank_is_claimed_once_and_its_reported_exit_is_a_failure() {
+    let workers = Workers::new(0, 1, quiet()).unwrap();
+    assert_eq!(
+        workers.claim_remote(3, 1234).unwrap_err(),
+        "rank 3 is not a remote rank of this group (remote ranks: [0])"
+    );
+    workers.claim_remote(0, 1234).unwrap();
+    assert_eq!(
+        workers.claim_remote(0, 99).unwrap_err(),
+        "rank 0 has already joined"
+    );
+    assert!(workers.remote_connected(0, "gpu-host-2"));
+    workers.remote_ready(0, b"info".to_vec());
+    workers.wait_until_ready(STARTUP).unwrap();
+    workers.report_exit(
+        0,
+        Some(WorkerExit::Code(1)),
+        vec!["RuntimeError: no route".to_owned()],
+        None,
+    );
+    assert_eq!(workers.wait_failures(0, Some(STARTUP)), 1);
+    assert_eq!(
+        workers.check().unwrap_err().to_string(),
+        "Worker_0 (rank 0, pid 1234 on gpu-host-2) exited with code 1 while it was running; \
+         the last lines of its stderr:\n    RuntimeError: no route"
+    );
+    assert_eq!(workers.status()[0].exit, Some(WorkerExit::Code(1)));
+    workers.close();
+    assert!(workers.closed());
 }

@@ -762,19 +762,8 @@ impl ObjectStore {
         let Ok(id) = u32::try_from(id) else {
             return Ok(true);
         };
-        // Only views of this store's ring are read (as a count, atomically): anything
-        // else could be any memory.
-        let ring = self.segment.ring_ptr() as usize;
         let (p, n) = (buffer.buf_ptr() as usize, buffer.len_bytes());
-        if p < ring || p + n > ring + self.segment.capacity() as usize {
-            return Err(PyValueError::new_err(
-                "default_is_free_check needs a chunk view of this store's ring",
-            ));
-        }
-        // SAFETY: checked just above to lie inside the ring, which `self.segment` keeps
-        // mapped; the bytes are only read as the count, atomically.
-        let data = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
-        Ok(self.store(py)?.is_free(id, data))
+        Ok(self.store(py)?.is_free_at(&self.segment, id, p, n)?)
     }
 
     /// `{key: (address, id, handouts)}` of the live objects (writer side).

@@ -189,6 +189,32 @@ impl ObjectStore {
         reader_count(data) as u64 >= self.n_readers as u64 * handouts as u64
     }
 
+    /// vLLM's `default_is_free_check(id, buf)` where `buf` is memory of this process at
+    /// address `addr`, `len` bytes: [`is_free`](Self::is_free) of it if it lies inside
+    /// `segment`'s ring (a chunk's data); `InvalidArgument` if it does not (anything else
+    /// could be any memory, and is never read).
+    pub fn is_free_at(
+        &self,
+        segment: &StoreSegment,
+        id: u32,
+        addr: usize,
+        len: usize,
+    ) -> Result<bool> {
+        let ring = segment.ring_ptr() as usize;
+        if addr < ring || addr.saturating_add(len) > ring + segment.capacity() as usize {
+            return Err(Error::InvalidArgument(
+                "default_is_free_check needs a chunk view of this store's ring".to_owned(),
+            ));
+        }
+        // SAFETY: `addr .. addr + len` was checked just above to lie inside the ring, which
+        // `segment` keeps mapped while it is borrowed, and the pointer is derived from the
+        // ring's own; the bytes are only read as the count, atomically (any process
+        // mapping the segment may write them meanwhile).
+        let data =
+            unsafe { std::slice::from_raw_parts(segment.ring_ptr().add(addr - ring), len) };
+        Ok(self.is_free(id, data))
+    }
+
     /// Store an object made of `parts` under `key`; returns `(address, id)`. Parts from
     /// `align_from` on start at 64-byte boundaries of the ring; the others follow each
     /// other. When the ring is full, first frees objects every reader has finished with.

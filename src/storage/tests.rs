@@ -544,3 +544,29 @@ fn kept_parts_of_a_cleared_object_are_copies() {
     assert!(!got[0].0 && got[0].2.is_none());
     assert_eq!(got[0].1, vec![7u8; 8000]);
 }
+
+#[test]
+fn is_free_at_reads_only_memory_of_the_ring() {
+    let (mut ring, mut s) = store(4096, 1024, 1);
+    let (a, i) = s.put(&mut ring, "k", &[b"v"], 1).unwrap();
+    let seg = ring.segment().clone();
+    let base = seg.ring_ptr() as usize;
+    // Inside the ring: read as the object's count. A put is one hand-out, not read yet.
+    let chunk = base + a as usize;
+    assert!(!s.is_free_at(&seg, i, chunk, 8).unwrap());
+    // An id the index does not know has no hand-outs: free, by the count read there.
+    assert!(s.is_free_at(&seg, i + 100, chunk, 8).unwrap());
+    // Outside: refused, never read.
+    let other = [0u8; 16];
+    for (p, n) in [
+        (other.as_ptr() as usize, other.len()),
+        (base - 1, 8),
+        (base + seg.capacity() as usize - 4, 8),
+        (base, usize::MAX),
+    ] {
+        assert!(matches!(
+            s.is_free_at(&seg, i, p, n),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}

@@ -33,9 +33,10 @@ What it guarantees:
   stragglers when the deadline passes. Workers on other machines join over TCP with the
   same :func:`report_ready` (:func:`connect_to_parent`, authenticated by a random token
   carried in the :class:`WorkerTicket`).
-- **Supervision.** A supervisor thread watches every worker (pidfds) and forwards each
-  worker's stderr to the parent's stderr, prefixed ``(Worker_1 pid=...)``, keeping the
-  last lines for error messages. :meth:`~WorkerProcesses.monitor` wakes the parent's
+- **Supervision.** A native thread of the core (``src/workers.rs``, the same supervision
+  Rust serving stacks use) watches every worker (pidfds) and forwards each worker's
+  stderr to the parent's stderr (file descriptor 2, a whole line per write), prefixed
+  ``(Worker_1 pid=...)``, keeping the last lines for error messages. :meth:`~WorkerProcesses.monitor` wakes the parent's
   blocked ``MessageQueue`` calls when a worker fails, and raises ``WorkerDiedError``.
 - **Shutdown.** :meth:`~WorkerProcesses.close`: SIGTERM to every worker's process group,
   one shared grace period, then SIGKILL of what remains, including descendants captured
@@ -70,8 +71,9 @@ Caveats, and how they are handled:
 
 The package's layers, each using only those before it: ``protocol`` (the ticket, the
 TCP frames), ``errors``, ``child`` (what runs in a worker), ``spawn`` (starting a spawned worker with
-its stderr in the parent's pipe), ``supervisor`` (the parent's
-thread that watches them, and shutdown), ``processes`` (:class:`WorkerProcesses`).
+its stderr in the parent's pipe), ``supervisor`` (starting workers and handing them to
+the core's ``WorkerGroup``, which watches them and shuts them down; failures to the
+monitors; remote workers' handshake), ``processes`` (:class:`WorkerProcesses`).
 """
 
 from .child import ParentLink, connect_to_parent, die_with_parent, report_ready

@@ -131,7 +131,8 @@ class WorkerProcesses:
       signalled with it; a terminal's Ctrl-C reaches the parent only).
     - ``capture_stderr`` / ``forward_stderr``: keep the last ``stderr_tail_lines`` lines
       each worker writes to stderr (for error messages), and copy them to the parent's
-      ``sys.stderr`` prefixed ``(Worker_1 pid=...)``.
+      stderr (file descriptor 2: what replaces ``sys.stderr`` in Python does not see
+      them) prefixed ``(Worker_1 pid=...)``.
     - ``remote_host`` / ``remote_port``: where remote workers connect (default: this
       host's address, ``SHMQ_HOST_IP``; any free port); see :attr:`ticket`.
     - ``grace``: the default of :meth:`close` (also at exit and on garbage collection).

@@ -361,6 +361,7 @@ class Supervisor:
 
     def _close(self, grace: float) -> None:
         interrupted: Optional[BaseException] = None
+        sockets: list[socket.socket] = []
         try:
             self.group.close_begin()
             with self.lock:
