@@ -943,13 +943,7 @@ impl Workers {
         state.closing = true;
         self.shared.changed.notify_all();
         poll_exits(&mut state);
-        let running: Vec<u32> = state
-            .members
-            .iter()
-            .filter(|m| !m.exited)
-            .filter_map(Member::local_pid)
-            .collect();
-        let trees: Vec<ProcessId> = running.iter().flat_map(|&p| process::descendants(p)).collect();
+        let trees = running_trees(&state);
         state.captured.extend(trees);
         for m in &state.members {
             if !m.exited && m.may_signal() {
@@ -1005,14 +999,7 @@ impl Workers {
             state = self.shared.lock();
         }
         poll_exits(&mut state);
-        let late: Vec<ProcessId> = state
-            .members
-            .iter()
-            .filter(|m| !m.exited)
-            .filter_map(Member::local_pid)
-            .flat_map(process::descendants)
-            .collect();
-        for p in late {
+        for p in running_trees(&state) {
             if !state.captured.contains(&p) {
                 state.captured.push(p);
             }
@@ -1093,6 +1080,18 @@ impl Drop for Workers {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+/// Every descendant of the local workers still running (whole trees: once a worker
+/// exits, its children are reparented and can no longer be found from it).
+fn running_trees(state: &State) -> Vec<ProcessId> {
+    state
+        .members
+        .iter()
+        .filter(|m| !m.exited)
+        .filter_map(Member::local_pid)
+        .flat_map(process::descendants)
+        .collect()
 }
 
 /// Remove the shmq segments (and rings' socket directories) created by dead processes

@@ -37,7 +37,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Timeout {
     }
 }
 
-fn duration(timeout: Option<Timeout>) -> Option<Duration> {
+pub(crate) fn duration(timeout: Option<Timeout>) -> Option<Duration> {
     timeout.and_then(|t| t.0)
 }
 

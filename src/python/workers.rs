@@ -11,6 +11,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use super::wait::{duration, Timeout};
+
 use crate::error::{StderrCapture, WorkerDeath, WorkerExit};
 use crate::workers::{StartedWorker, Waited, WorkerOptions, Workers};
 
@@ -97,25 +99,14 @@ fn dup(fd: Option<i32>) -> PyResult<Option<OwnedFd>> {
     Ok(Some(borrowed.try_clone_to_owned()?))
 }
 
-fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
-        Some(t) if t == f64::INFINITY => Ok(None),
-        Some(t) => Err(PyValueError::new_err(format!(
-            "timeout must be a non-negative number of seconds, got {t}"
-        ))),
-    }
-}
-
 /// Run `wait(slice)` with the GIL released, slice after slice until it returns `Some` or
 /// `timeout` passes (`None`), checking for signals between slices.
 fn sliced<T: Send>(
     py: Python<'_>,
-    timeout: Option<f64>,
+    timeout: Option<Timeout>,
     wait: impl Fn(Duration) -> Option<T> + Sync,
 ) -> PyResult<Option<T>> {
-    let deadline = seconds(timeout)?.map(|t| Instant::now() + t);
+    let deadline = duration(timeout).map(|t| Instant::now() + t);
     loop {
         let slice = match deadline {
             Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
@@ -158,11 +149,11 @@ impl WorkerGroup {
         stderr_tail_lines: usize,
         forward_stderr: bool,
         new_process_group: bool,
-        grace: f64,
+        grace: Timeout,
     ) -> PyResult<Self> {
         let options = WorkerOptions {
             death_signal: None, // the Python bootstrap sets it up in the worker
-            grace: seconds(Some(grace))?.unwrap_or(Duration::MAX),
+            grace: duration(Some(grace)).unwrap_or(Duration::MAX),
             forward_stderr,
             stderr_tail_lines,
             name_prefix,
@@ -267,8 +258,8 @@ impl WorkerGroup {
     }
 
     /// (message, names) of the workers not ready after `waited` seconds.
-    fn not_ready(&self, waited: f64) -> PyResult<(String, Vec<String>)> {
-        let waited = seconds(Some(waited))?.unwrap_or(Duration::MAX);
+    fn not_ready(&self, waited: Timeout) -> PyResult<(String, Vec<String>)> {
+        let waited = duration(Some(waited)).unwrap_or(Duration::MAX);
         match self.inner.not_ready(waited) {
             e @ crate::Error::WorkersNotReady { .. } => {
                 let names = match &e {
@@ -302,7 +293,7 @@ impl WorkerGroup {
     fn wait_ready(
         &self,
         py: Python<'_>,
-        timeout: Option<f64>,
+        timeout: Option<Timeout>,
     ) -> PyResult<(&'static str, Option<usize>)> {
         let out = sliced(py, timeout, |slice| match self.inner.wait_ready_for(Some(slice)) {
             Ok(Waited::TimedOut) => None,
@@ -313,7 +304,7 @@ impl WorkerGroup {
 
     /// The first rank to exit, or None when `timeout` passes.
     #[pyo3(signature = (timeout=None))]
-    fn wait_any(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<usize>> {
+    fn wait_any(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<Option<usize>> {
         let out = sliced(py, timeout, |slice| {
             self.inner.wait_any(Some(slice)).ok().flatten()
         })?;
@@ -325,7 +316,7 @@ impl WorkerGroup {
     fn wait_all_exited(
         &self,
         py: Python<'_>,
-        timeout: Option<f64>,
+        timeout: Option<Timeout>,
     ) -> PyResult<(&'static str, Option<usize>)> {
         let out = sliced(py, timeout, |slice| match self.inner.wait_all_exited(Some(slice)) {
             Waited::TimedOut => None,
@@ -337,7 +328,7 @@ impl WorkerGroup {
     /// Until more than `seen` failures are recorded or the group is closing (or
     /// `timeout` passes): how many there are.
     #[pyo3(signature = (seen, timeout=None))]
-    fn wait_failures(&self, py: Python<'_>, seen: usize, timeout: Option<f64>) -> PyResult<usize> {
+    fn wait_failures(&self, py: Python<'_>, seen: usize, timeout: Option<Timeout>) -> PyResult<usize> {
         let out = sliced(py, timeout, |slice| {
             let n = self.inner.wait_failures(seen, Some(slice));
             (n > seen || self.inner.closing()).then_some(n)
@@ -351,7 +342,7 @@ impl WorkerGroup {
 
     /// Wait up to `timeout` seconds until every started worker has exited; whether all
     /// have.
-    fn wait_exits(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+    fn wait_exits(&self, py: Python<'_>, timeout: Timeout) -> PyResult<bool> {
         let out = sliced(py, Some(timeout), |slice| {
             self.inner
                 .wait_exits(Instant::now() + slice)
