@@ -56,10 +56,15 @@
 //! | [`storage::ChunkFifo`]: the store's ring of variable-size chunks | `SingleWriterShmRingBuffer` |
 //! | [`alloc::Chunk`]: one allocation in it | a chunk (`[id][size][data]`) |
 //! | [`storage::ObjectStore`] | `SingleWriterShmObjectStorage` |
+//! | [`storage::ObjectFrame`]: an object in its chunk (count word, part table, parts) | (none: one pickled blob) |
+//! | the *count word* of an object's chunk: how often it was read (with a tag of its id) | the chunk's flag bytes (reader count) |
+//! | [`storage::Entry`]'s `handouts`: how often the writer handed the object out | `writer_flag` (`increment_writer_flag`) |
+//! | a *view*: zero-copy memory of a segment ([`storage::PartView`], [`ArenaView`], Python's `ShmView`) | a `memoryview` of the buffer |
 //! | [`arena::ArenaWriter`], [`arena::ArenaReader`]: leases with per-reader holds | `ShmTensorArena` (slots) |
 //! | [`Loan`] | (none: memory lent to fill in place and send without a copy) |
 //! | doorbell (`DoorbellWords` + `Doorbell`) | (none: the engines poll; shmq sleeps on a futex) |
-//! | [`workers::Workers`] | `CoreEngineProcManager` and its helpers |
+//! | [`workers::Workers`] | `CoreEngineProcManager` and its helpers (Python: `WorkerProcesses`) |
+//! | [`workers::WorkerStatus`], [`workers::WorkerDeath`] | (Python: `WorkerInfo`, `WorkerDiedError`) |
 //! | `current_idx` | `current_idx` |
 //!
 //! ```no_run

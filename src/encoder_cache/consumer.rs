@@ -4,7 +4,7 @@
 //! A consumer is given producer names. It opens each producer's segment when it can (a
 //! producer that is not there yet is retried every [`RETRY_OPEN`], and at once by a load
 //! of a key no open producer holds), joins it (a consumer
-//! slot, see `consumers`), and drops it as soon as its producer closes it or a restarted
+//! slot, see `slots`), and drops it as soon as its producer closes it or a restarted
 //! producer of the same name supersedes it, so it never answers from a dead producer's
 //! stale keys: the state word is checked on every call, and about once a second the
 //! name is checked to still lead to the same segment (a segment removed by
@@ -20,10 +20,10 @@ use crate::process::ProcessId;
 use crate::segment::SHM_DIR;
 use crate::sync::Ordering;
 
-use super::consumers;
 use super::entries::{self, PartsLayout, READY};
 use super::key_index::{Key, Lookup};
 use super::layout::{segment_name, Mapped, STATE_OPEN};
+use super::slots;
 
 /// How often a producer that could not be opened is tried again.
 pub const RETRY_OPEN: Duration = Duration::from_millis(100);
@@ -43,7 +43,7 @@ struct Membership {
 
 impl Drop for Membership {
     fn drop(&mut self) {
-        consumers::leave(&self.map, self.slot, self.word);
+        slots::leave(&self.map, self.slot, self.word);
     }
 }
 
@@ -88,7 +88,7 @@ impl Link {
             });
         }
         let member = if join {
-            let (slot, word, role) = consumers::join(&map, me)?;
+            let (slot, word, role) = slots::join(&map, me)?;
             Some(Arc::new(Membership {
                 map: map.clone(),
                 slot,
@@ -146,10 +146,10 @@ impl Link {
         let m = self.member.as_ref().ok_or_else(|| {
             Error::WrongRole("an index-only encoder cache reader cannot load entries".into())
         })?;
-        if consumers::holds(&self.map, m.slot, m.word) {
+        if slots::holds(&self.map, m.slot, m.word) {
             return Ok(m.clone());
         }
-        let (slot, word, role) = consumers::join(&self.map, me)?;
+        let (slot, word, role) = slots::join(&self.map, me)?;
         let m = Arc::new(Membership {
             map: self.map.clone(),
             slot,
@@ -209,7 +209,7 @@ impl Drop for Pin {
     fn drop(&mut self) {
         let map = &self.member_map;
         // A slot reclaimed from us had its pins zeroed: leave the next occupant's alone.
-        if consumers::holds(map, self.slot, self.word) {
+        if slots::holds(map, self.slot, self.word) {
             // Release: pairs with the producer's SeqCst (so Acquire) pin loads: our reads
             // of the bytes happen before it reuses them. Saturating: a count zeroed by a
             // reclaim must not wrap around.

@@ -74,7 +74,7 @@ pub(crate) struct Header {
     pub state: AtomicU32,
     /// The key index's rebuild seqlock (see `key_index`).
     pub index_epoch: AtomicU32,
-    /// Orders consumer joins against entry publications (see `consumers`).
+    /// Orders consumer joins against entry publications (see `slots`).
     pub clock: AtomicU64,
     _pad2: [u64; 6],
     // +128: the doorbell the producer sleeps on while it waits for consumers.
@@ -101,7 +101,7 @@ pub(crate) const STATE_OPEN: u32 = 1;
 pub(crate) const STATE_CLOSED: u32 = 2;
 pub(crate) const STATE_SUPERSEDED: u32 = 3;
 
-/// One consumer slot (see `consumers`).
+/// One consumer slot (see `slots`).
 #[repr(C)]
 pub(crate) struct ConsumerSlot {
     /// `sequence << 2 | state`; the sequence grows on every change (a seqlock for the

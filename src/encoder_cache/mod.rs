@@ -22,7 +22,7 @@
 //!   parts (for Python: a protocol-5 pickle and its out-of-band tensor buffers). A
 //!   consumer maps an entry privately (`MAP_PRIVATE`, see `crate::private_map`): the
 //!   view is zero-copy, writable, and a write stays private to that view.
-//! - **Pins and acknowledgements per consumer slot** ([`consumers`]): each consumer has a
+//! - **Pins and acknowledgements per consumer slot** ([`slots`]): each consumer has a
 //!   slot (pid + start time); each entry has one pin count per slot (views alive) and one
 //!   acknowledgement bit per slot (loaded). An entry may be evicted only when no pin is
 //!   held and every live consumer that joined before it was published has acknowledged
@@ -57,7 +57,7 @@
 //!
 //! Memory ordering is argued at each atomic access; the protocols' invariants are in the
 //! docs of [`key_index`] (seqlock, chains, rebuild epoch), [`entries`] (pins: Dekker's
-//! pattern) and [`consumers`] (slots, the join clock). `tests/loom.rs` model-checks the
+//! pattern) and [`slots`] (consumer slots, the join clock). `tests/loom.rs` model-checks the
 //! key-index seqlock.
 //!
 //! ```no_run
@@ -74,78 +74,71 @@
 
 pub mod key_index;
 
-#[cfg(not(loom))]
-mod backing;
-#[cfg(not(loom))]
-mod consumer;
-#[cfg(not(loom))]
-pub mod consumers;
-#[cfg(not(loom))]
-pub mod entries;
-#[cfg(not(loom))]
-pub mod layout;
-#[cfg(not(loom))]
-mod producer;
+// Everything but the key index is left out of the loom build (`tests/loom.rs` drives
+// the key index alone).
+not_loom! {
+    mod backing;
+    mod consumer;
+    pub mod entries;
+    pub mod layout;
+    mod producer;
+    pub mod slots;
 
-#[cfg(not(loom))]
-pub use consumer::{Consumer, EntryView, RETRY_OPEN};
-#[cfg(not(loom))]
-pub use consumers::ConsumerInfo;
-#[cfg(not(loom))]
-pub use producer::{
-    CacheStats, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
-    DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
-};
-
-/// What `inspect` shows of an encoder-cache segment.
-#[cfg(not(loom))]
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CacheInfo {
-    pub creator: crate::process::ProcessId,
-    /// "open", "closed" or "superseded".
-    pub state: &'static str,
-    pub capacity: u64,
-    pub max_entries: usize,
-    pub max_consumers: usize,
-    pub entries: u64,
-    pub bytes_in_use: u64,
-    pub reserved: u64,
-    pub saves: u64,
-    pub evictions: u64,
-    /// Producer waits (for room, or for consumers to load), and their total time in ns.
-    pub waits: u64,
-    pub wait_ns: u64,
-    pub consumers: Vec<ConsumerInfo>,
-}
-
-/// Describe the encoder-cache segment `segment` (fails if it is not one).
-#[cfg(not(loom))]
-pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
-    use crate::sync::Ordering;
-    let map = layout::Mapped::open(segment)?;
-    let h = map.header();
-    // Relaxed: statistics and a state for display.
-    let state = match h.state.load(Ordering::Relaxed) {
-        layout::STATE_OPEN => "open",
-        layout::STATE_CLOSED => "closed",
-        layout::STATE_SUPERSEDED => "superseded",
-        _ => "unknown",
+    pub use consumer::{Consumer, EntryView, RETRY_OPEN};
+    pub use producer::{
+        CacheStats, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
+        DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
     };
-    Ok(CacheInfo {
-        creator: map.creator(),
-        state,
-        capacity: map.geo.capacity as u64,
-        max_entries: map.geo.max_entries,
-        max_consumers: map.geo.max_consumers,
-        entries: h.stat_entries.load(Ordering::Relaxed),
-        bytes_in_use: h.stat_bytes.load(Ordering::Relaxed),
-        reserved: h.stat_reserved.load(Ordering::Relaxed),
-        saves: h.stat_saves.load(Ordering::Relaxed),
-        evictions: h.stat_evictions.load(Ordering::Relaxed),
-        waits: h.stat_waits.load(Ordering::Relaxed),
-        wait_ns: h.stat_wait_ns.load(Ordering::Relaxed),
-        consumers: consumers::list(&map),
-    })
+    pub use slots::ConsumerInfo;
+
+    /// What `inspect` shows of an encoder-cache segment.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub struct CacheInfo {
+        pub creator: crate::process::ProcessId,
+        /// "open", "closed" or "superseded".
+        pub state: &'static str,
+        pub capacity: u64,
+        pub max_entries: usize,
+        pub max_consumers: usize,
+        pub entries: u64,
+        pub bytes_in_use: u64,
+        pub reserved: u64,
+        pub saves: u64,
+        pub evictions: u64,
+        /// Producer waits (for room, or for consumers to load), and their total time in ns.
+        pub waits: u64,
+        pub wait_ns: u64,
+        pub consumers: Vec<ConsumerInfo>,
+    }
+
+    /// Describe the encoder-cache segment `segment` (fails if it is not one).
+    pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
+        use crate::sync::Ordering;
+        let map = layout::Mapped::open(segment)?;
+        let h = map.header();
+        // Relaxed: statistics and a state for display.
+        let state = match h.state.load(Ordering::Relaxed) {
+            layout::STATE_OPEN => "open",
+            layout::STATE_CLOSED => "closed",
+            layout::STATE_SUPERSEDED => "superseded",
+            _ => "unknown",
+        };
+        Ok(CacheInfo {
+            creator: map.creator(),
+            state,
+            capacity: map.geo.capacity as u64,
+            max_entries: map.geo.max_entries,
+            max_consumers: map.geo.max_consumers,
+            entries: h.stat_entries.load(Ordering::Relaxed),
+            bytes_in_use: h.stat_bytes.load(Ordering::Relaxed),
+            reserved: h.stat_reserved.load(Ordering::Relaxed),
+            saves: h.stat_saves.load(Ordering::Relaxed),
+            evictions: h.stat_evictions.load(Ordering::Relaxed),
+            waits: h.stat_waits.load(Ordering::Relaxed),
+            wait_ns: h.stat_wait_ns.load(Ordering::Relaxed),
+            consumers: slots::list(&map),
+        })
+    }
 }
 
 #[cfg(all(test, not(loom)))]

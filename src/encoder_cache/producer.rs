@@ -18,10 +18,10 @@ use crate::sync::Ordering;
 use crate::wait::Wait;
 
 use super::backing::Backing;
-use super::consumers::{self, ConsumerInfo, StuckClaims};
 use super::entries::{self, PartsLayout, READY, RETIRED, WRITING};
 use super::key_index::{IndexWriter, Key};
 use super::layout::{segment_name, Geometry, Mapped, SEGMENT_PREFIX, STATE_CLOSED};
+use super::slots::{self, ConsumerInfo, StuckClaims};
 use crate::range_alloc::RangeAllocator;
 
 /// Default bytes of a producer's data region (address space; pages are reserved only as
@@ -499,7 +499,7 @@ impl Producer {
 
     /// The consumers joined now.
     pub fn consumers(&self) -> Vec<ConsumerInfo> {
-        consumers::list(&self.inner.map)
+        slots::list(&self.inner.map)
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -594,12 +594,12 @@ impl Inner {
             if acks & (1 << s) != 0 {
                 return true;
             }
-            match consumers::snapshot(self.map.consumer(s)) {
+            match slots::snapshot(self.map.consumer(s)) {
                 // Not readable: be safe.
                 None => false,
                 Some(snap) => match snap.state() {
-                    consumers::FREE => true,
-                    consumers::JOINED => snap.joined_at > published_at,
+                    slots::FREE => true,
+                    slots::JOINED => snap.joined_at > published_at,
                     // Joining or being reclaimed: treat as not loaded yet.
                     _ => false,
                 },
@@ -636,11 +636,11 @@ impl Inner {
             rec.published_at.load(Ordering::Relaxed),
             rec.acks.load(Ordering::Relaxed),
         );
-        let waiting: Vec<String> = consumers::list(&self.map)
+        let waiting: Vec<String> = slots::list(&self.map)
             .into_iter()
             .filter(|c| acks & (1 << c.slot) == 0)
             .filter(|c| {
-                consumers::snapshot(self.map.consumer(c.slot))
+                slots::snapshot(self.map.consumer(c.slot))
                     .is_some_and(|s| s.joined_at < published_at)
             })
             .map(|c| format!("pid {}", c.process.pid))
@@ -825,7 +825,7 @@ impl Inner {
             }
             if st.last_sweep.elapsed() >= SWEEP_INTERVAL {
                 st.last_sweep = Instant::now();
-                if consumers::reclaim_dead(&self.map, Some(&mut st.stuck)) > 0 {
+                if slots::reclaim_dead(&self.map, Some(&mut st.stuck)) > 0 {
                     self.free_zombies(st);
                     continue;
                 }
@@ -1113,7 +1113,7 @@ impl Inner {
     fn sweep(&self) {
         let mut st = lock(&self.state);
         st.last_sweep = Instant::now();
-        consumers::reclaim_dead(&self.map, Some(&mut st.stuck));
+        slots::reclaim_dead(&self.map, Some(&mut st.stuck));
         self.free_zombies(&mut st);
     }
 
@@ -1149,7 +1149,7 @@ impl Inner {
         rec.offset.store(offset as u64, Ordering::Relaxed);
         rec.len.store(total as u64, Ordering::Relaxed);
         rec.acks.store(0, Ordering::Relaxed);
-        // SeqCst read-modify-write: see `consumers` (late joiners).
+        // SeqCst read-modify-write: see `slots` (late joiners).
         let published_at = self.map.header().clock.fetch_add(1, Ordering::SeqCst);
         rec.published_at.store(published_at, Ordering::Relaxed);
         // Release: pairs with the consumer's (SeqCst, so Acquire) state load in

@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::consumers;
 use super::layout::Mapped;
+use super::slots;
 use super::*;
 use crate::error::Error;
 use crate::process::ProcessId;
@@ -230,7 +230,7 @@ fn a_dead_consumer_stops_counting_and_its_pins_go() {
     p.save("k1", &[b"1"], None).unwrap();
     // A consumer that joined, pinned k1 without acknowledging it, and died.
     let map = Mapped::open(p.segment_name()).unwrap();
-    let (slot, _, role) = consumers::join(&map, dead_process()).unwrap();
+    let (slot, _, role) = slots::join(&map, dead_process()).unwrap();
     drop(role); // what dying does to it
     map.pin(0, slot).fetch_add(1, Ordering::SeqCst);
     // (It joined after k1 was published: make k1 wait for it.)
@@ -258,7 +258,7 @@ fn consumer_slots_are_bounded_and_dead_ones_reused() {
     drop(cs);
     let map = Mapped::open(p.segment_name()).unwrap();
     for _ in 0..4 {
-        let (_, _, role) = consumers::join(&map, dead_process()).unwrap();
+        let (_, _, role) = slots::join(&map, dead_process()).unwrap();
         drop(role); // what dying does to it
     }
     // Every slot is taken by a dead process: a new consumer reclaims one.

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
+use super::store_segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
 use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::segment::unique_name;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::fifo::ChunkFifo;
 use super::object::{object_layout, pin_own, reader_count, ChunkPin};
-use super::segment::{
+use super::store_segment::{
     count_word_at, ChunkHeader, StoreSegment, COUNT_BYTES, COUNT_WORD_BYTES, PART_ALIGN,
     SIGNATURE_BYTES,
 };

@@ -70,7 +70,7 @@
 //! every process that can open the segment (mode 0600: the same user), and by nobody else.
 //!
 //! # Files
-//! - `segment`: the segment's header, published state, secret, and byte access;
+//! - `store_segment`: the store segment's header, published state, secret, and byte access;
 //! - `fifo`: [`ChunkFifo`], the chunks in FIFO order (allocator on the writer);
 //! - `object`: an object's layout, reading it, and zero-copy views ([`PartView`]);
 //! - `index`: [`ObjectStore`], the key index with eviction and loans ([`StoreLoan`]).
@@ -78,7 +78,7 @@
 mod fifo;
 mod index;
 mod object;
-mod segment;
+mod store_segment;
 #[cfg(test)]
 mod tests;
 
@@ -86,9 +86,9 @@ pub use fifo::{ChunkFifo, FreeOldest, FreeOldestFirst};
 pub use index::{Entry, ObjectStore, StoreLoan, LOAN_ROOM};
 pub use object::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkPin, KeptPart,
-    ObjectView, ObjectViews, PartView,
+    ObjectFrame, ObjectViews, PartView,
 };
-pub use segment::{
+pub use store_segment::{
     ChunkHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, PART_ALIGN, SECRET_BYTES,
     SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC,
 };

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::segment::{
+use super::store_segment::{
     count_word_at, id_in, pin_byte, ChunkHeader, StoreSegment, COUNT_WORD_BYTES, PART_ALIGN,
     RING_OFFSET,
 };
@@ -35,7 +35,7 @@ pub(super) fn object_layout(
 }
 
 /// The object in a chunk's data, its frame checked against the chunk's bounds.
-pub struct ObjectView<'a> {
+pub struct ObjectFrame<'a> {
     /// The chunk's data (after the 8-byte header).
     pub(super) data: &'a [u8],
     /// Where the count word is in `data`.
@@ -43,10 +43,10 @@ pub struct ObjectView<'a> {
     pub(super) n: usize,
 }
 
-impl<'a> ObjectView<'a> {
+impl<'a> ObjectFrame<'a> {
     /// Parse the frame of the object whose chunk data is `data` (at ring offset
     /// `data_offset`); any frame that points outside the data is an error.
-    fn parse(data: &'a [u8], data_offset: u64) -> Option<ObjectView<'a>> {
+    fn parse(data: &'a [u8], data_offset: u64) -> Option<ObjectFrame<'a>> {
         let count_at = count_word_at(data_offset) as usize;
         let word = |at: usize| -> Option<u32> {
             let b = data.get(at..at.checked_add(4)?)?;
@@ -58,7 +58,7 @@ impl<'a> ObjectView<'a> {
         if frame_end > data.len() {
             return None;
         }
-        let view = ObjectView { data, count_at, n };
+        let view = ObjectFrame { data, count_at, n };
         for i in 0..n {
             let (off, len) = view.entry(i);
             if off < frame_end || off.checked_add(len)? > data.len() {
@@ -229,7 +229,7 @@ pub fn read_object<R>(
     address: u64,
     id: u32,
     count_read: bool,
-    f: impl FnOnce(&ObjectView<'_>) -> R,
+    f: impl FnOnce(&ObjectFrame<'_>) -> R,
 ) -> Result<R> {
     segment.check_intact()?;
     let h = intact_first(segment, object_header(segment, address, id))?;
@@ -247,7 +247,7 @@ pub(super) fn read_header<R>(
     address: u64,
     id: u32,
     count_read: bool,
-    f: impl FnOnce(&ObjectView<'_>) -> R,
+    f: impl FnOnce(&ObjectFrame<'_>) -> R,
 ) -> Result<R> {
     let stale = || Error::StaleObject {
         address,
@@ -259,7 +259,7 @@ pub(super) fn read_header<R>(
     // a stale handle, or a peer writing the ring, may change these bytes under us: the
     // frame is bounds-checked before use and the handle checked again after `f`.
     let data = unsafe { std::slice::from_raw_parts(p, n) };
-    let view = ObjectView::parse(data, h.offset + HEADER_BYTES).ok_or_else(stale)?;
+    let view = ObjectFrame::parse(data, h.offset + HEADER_BYTES).ok_or_else(stale)?;
     let out = f(&view);
     if !count_read {
         return if still_valid(segment, &h) {
@@ -351,7 +351,7 @@ pub struct ObjectViews<'a> {
 impl ObjectViews<'_> {
     /// A private mapping of part `i` of `object` (the object being read); `None` when
     /// the object cannot be viewed (a cleared object, or pinning failed): copy instead.
-    pub fn map(&self, object: &ObjectView<'_>, i: usize) -> Result<Option<PartView>> {
+    pub fn map(&self, object: &ObjectFrame<'_>, i: usize) -> Result<Option<PartView>> {
         let pin = self
             .pin
             .get_or_init(|| pin_chunk(self.segment, &self.header));
@@ -400,7 +400,7 @@ impl<'a> ObjectViews<'a> {
     /// error is `map`'s (mapping failed other than for want of memory).
     pub fn kept_part<'o>(
         &self,
-        object: &ObjectView<'o>,
+        object: &ObjectFrame<'o>,
         i: usize,
         view_from: usize,
     ) -> Result<KeptPart<'o>> {
@@ -418,7 +418,7 @@ impl<'a> ObjectViews<'a> {
     /// the read). Lazy: each part is mapped when the iterator reaches it.
     pub fn kept_parts<'s, 'o: 's>(
         &'s self,
-        object: &'s ObjectView<'o>,
+        object: &'s ObjectFrame<'o>,
         view_from: usize,
     ) -> impl Iterator<Item = Result<KeptPart<'o>>> + 's {
         (1..object.len()).map(move |i| self.kept_part(object, i, view_from))
@@ -470,7 +470,7 @@ pub fn read_object_viewed<R>(
     address: u64,
     id: u32,
     count_read: bool,
-    f: impl FnOnce(&ObjectView<'_>, &ObjectViews<'_>) -> R,
+    f: impl FnOnce(&ObjectFrame<'_>, &ObjectViews<'_>) -> R,
 ) -> Result<R> {
     segment.check_intact()?;
     let h = intact_first(segment, object_header(segment, address, id))?;

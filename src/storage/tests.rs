@@ -2,7 +2,7 @@
 
 use super::index::LOAN_ALIGN;
 use super::object::{count_one_read, object_layout};
-use super::segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
+use super::store_segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
 use super::*;
 use std::sync::Arc;
 use crate::alloc::HEADER_BYTES;
