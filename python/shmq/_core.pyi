@@ -139,7 +139,7 @@ def worker_died_message(
 
 @final
 class WorkerGroup:
-    """The core's supervision of a group of workers (``src/workers.rs``): a native thread
+    """The core's supervision of a group of workers (``src/workers/``): a native thread
     watches each adopted worker's pidfd, ready pipe and stderr pipe. Waits release the GIL
     and check for signals every 50 ms; they return ``("done", None)``,
     ``("failed", rank)`` or ``("timeout", None)``."""

@@ -168,7 +168,7 @@ class _PipeChannel(_ParentChannel):
 
     def send_ready(self, info: Any) -> None:
         # One frame, a 4-byte big-endian length and the pickled info, which the parent's
-        # core reads (``src/workers.rs``).
+        # core reads (``src/workers/``).
         self._conn.send(info)
         self._conn.close()
 
