@@ -4,7 +4,7 @@
 //! tuples of `WorkerDiedError`'s arguments, waits release the GIL and check signals
 //! between slices.
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
@@ -93,10 +93,14 @@ fn dup(fd: Option<i32>) -> PyResult<Option<OwnedFd>> {
     if fd < 0 {
         return Err(PyValueError::new_err(format!("not a file descriptor: {fd}")));
     }
-    // SAFETY: the fd is only borrowed for the duplication; if it is not open, the
-    // duplication fails with EBADF (no other fd is touched).
-    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
-    Ok(Some(borrowed.try_clone_to_owned()?))
+    // SAFETY: fcntl(2) takes plain integers: a number that is not an open fd fails with
+    // EBADF, and nothing but the new descriptor is made.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if new < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: `new` was just made by the duplication and nothing else owns it.
+    Ok(Some(unsafe { OwnedFd::from_raw_fd(new) }))
 }
 
 /// Run `wait(slice)` with the GIL released, slice after slice until it returns `Some` or

@@ -31,6 +31,7 @@ impl ReadyFrame {
     }
 }
 
+/// One worker, as the supervisor knows it.
 pub(super) struct Member {
     pub(super) rank: usize,
     pub(super) name: String,
@@ -45,7 +46,7 @@ pub(super) struct Member {
     pub(super) ready_payload: Option<Vec<u8>>,
     pub(super) exited: bool,
     pub(super) exit: Option<WorkerExit>,
-    /// Set by [`Workers::report_exit`] until the supervisor thread takes it.
+    /// Set by [`super::Workers::report_exit`] until the supervisor thread takes it.
     pub(super) reported_exit: Option<Option<WorkerExit>>,
     pub(super) lost: Option<String>,
     pub(super) death: Option<WorkerDeath>,

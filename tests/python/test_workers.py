@@ -593,3 +593,24 @@ def test_a_remote_worker_that_fails_is_named_with_its_traceback(children):
     assert err.stderr_tail[-1] == "RuntimeError: remote rank 1: no route to the model store"
     remote.join(STARTUP)
     assert remote.exitcode == 1
+
+
+def test_the_core_group_refuses_a_closed_fd_and_a_rank_it_does_not_have():
+    from shmq import _core
+
+    group = _core.WorkerGroup(1, 0, "Worker", 5, False, True, 1.0)
+    try:
+        r, w = os.pipe()
+        os.close(r)
+        os.close(w)
+        with pytest.raises(OSError):
+            group.adopt(0, os.getpid(), True, r, None, True)  # a closed fd: EBADF, nothing adopted
+        with pytest.raises(RuntimeError, match="rank 3 is not a local worker waiting to be adopted"):
+            group.adopt(3, os.getpid(), True, None, None, True)
+        with pytest.raises(ValueError, match="timeout must be a non-negative number"):
+            group.wait_ready(-1.0)
+        assert group.status()[0][2] is None  # rank 0 was never adopted
+    finally:
+        group.close_begin()
+        group.close_finish()
+    assert group.closed
