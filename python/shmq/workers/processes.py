@@ -255,8 +255,9 @@ class WorkerProcesses:
     def finished(self) -> dict[str, Optional[int]]:
         """The workers that have exited: name → exit code (negative: killed by that signal;
         None: a remote worker that left without saying)."""
-        info = self.info()
-        return {info[r].name: info[r].exitcode for r in self._supervisor.group.exit_order()}
+        order = self._supervisor.group.exit_order()
+        info = self.info()  # after the order: every rank in it has its exit recorded here
+        return {info[r].name: info[r].exitcode for r in order}
 
     def join_first(self, timeout: Optional[float] = None) -> Optional[WorkerInfo]:
         """Wait until a worker exits (or one already has); that worker, or None when
