@@ -132,6 +132,20 @@ pub enum SlowReaderPolicy {
     Drop,
 }
 
+impl std::str::FromStr for SlowReaderPolicy {
+    type Err = Error;
+    /// `"block"` or `"drop"` (the Python argument `slow_remote_reader`).
+    fn from_str(s: &str) -> Result<SlowReaderPolicy> {
+        match s {
+            "block" => Ok(SlowReaderPolicy::Block),
+            "drop" => Ok(SlowReaderPolicy::Drop),
+            other => Err(Error::InvalidArgument(format!(
+                "slow_remote_reader must be \"block\" or \"drop\", got {other:?}"
+            ))),
+        }
+    }
+}
+
 /// How the remote stream is bounded (see the module docs: credit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RemoteOptions {
@@ -145,6 +159,25 @@ pub struct RemoteOptions {
 
 /// Default of [`RemoteOptions::max_queued_bytes`]: 256 MiB.
 pub const DEFAULT_MAX_QUEUED_BYTES: u64 = 256 << 20;
+
+impl RemoteOptions {
+    /// `InvalidArgument` unless `hwm` is at least 1 message and `max_queued_bytes` at
+    /// least 1 byte ([`Writer::new`](crate::Writer::new) checks).
+    pub fn check(&self) -> Result<()> {
+        if self.hwm < 1 {
+            return Err(Error::InvalidArgument(format!(
+                "remote_hwm must be at least 1 message, got {}",
+                self.hwm
+            )));
+        }
+        if self.max_queued_bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "remote_max_queued_bytes must be at least 1 byte, got 0".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
 
 impl Default for RemoteOptions {
     fn default() -> Self {

@@ -114,6 +114,35 @@ impl WaitPolicy {
         }
     }
 
+    /// The policy for `processes` processes ([`for_processes`](Self::for_processes)) with
+    /// the spin and yield times given in microseconds, where given: a yield time given
+    /// here is kept as given, never grown by the waiter's history. `InvalidArgument` for
+    /// a negative or non-finite time.
+    pub fn from_micros(
+        processes: usize,
+        spin_us: Option<f64>,
+        yield_us: Option<f64>,
+    ) -> Result<WaitPolicy> {
+        let d = WaitPolicy::for_processes(processes);
+        let us = |v: Option<f64>, default: Duration, name: &str| match v {
+            None => Ok(default),
+            Some(x) if x.is_finite() && x >= 0.0 => Ok(Duration::from_secs_f64(x / 1e6)),
+            Some(x) => Err(Error::InvalidArgument(format!(
+                "{name} must be a non-negative number of microseconds, got {x}"
+            ))),
+        };
+        let yield_for = us(yield_us, d.yield_for, "yield_us")?;
+        Ok(WaitPolicy {
+            spin: us(spin_us, d.spin, "spin_us")?,
+            yield_for,
+            yield_max: if yield_us.is_some() {
+                yield_for
+            } else {
+                d.yield_max
+            },
+        })
+    }
+
     /// This policy with fixed phases: `spin`, then `yield_for`, never grown by history.
     pub fn fixed(spin: Duration, yield_for: Duration) -> WaitPolicy {
         WaitPolicy {
@@ -525,6 +554,26 @@ pub fn no_peer() -> Result<()> {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn policies_from_micros_keep_what_is_given_and_refuse_what_cannot_be_a_time() {
+        let p = WaitPolicy::from_micros(2, Some(10.0), Some(20.0)).unwrap();
+        assert_eq!(
+            p,
+            WaitPolicy::fixed(Duration::from_micros(10), Duration::from_micros(20))
+        );
+        assert_eq!(
+            WaitPolicy::from_micros(3, None, None).unwrap(),
+            WaitPolicy::for_processes(3)
+        );
+        for (spin, yld, message) in [
+            (Some(-1.0), None, "spin_us must be a non-negative number of microseconds, got -1"),
+            (None, Some(f64::NAN), "yield_us must be a non-negative number of microseconds, got NaN"),
+        ] {
+            let e = WaitPolicy::from_micros(2, spin, yld).unwrap_err();
+            assert!(matches!(&e, Error::InvalidArgument(m) if m == message), "{e}");
+        }
+    }
 
     #[test]
     fn ready_value_is_returned() {

@@ -347,46 +347,13 @@ impl Writer {
         slow_remote_reader: &str,
         remote_max_queued_bytes: Option<u64>,
     ) -> PyResult<Writer> {
-        let slow_reader = match slow_remote_reader {
-            "block" => SlowReaderPolicy::Block,
-            "drop" => SlowReaderPolicy::Drop,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "slow_remote_reader must be \"block\" or \"drop\", got {other:?}"
-                )))
-            }
+        let defaults = RemoteOptions::default();
+        let remote = RemoteOptions {
+            slow_reader: slow_remote_reader.parse::<SlowReaderPolicy>()?,
+            hwm: remote_hwm.unwrap_or(defaults.hwm),
+            max_queued_bytes: remote_max_queued_bytes.unwrap_or(defaults.max_queued_bytes),
         };
-        let mut remote = RemoteOptions {
-            slow_reader,
-            ..RemoteOptions::default()
-        };
-        match remote_hwm {
-            Some(n) if n < 1 => {
-                return Err(PyValueError::new_err(format!(
-                    "remote_hwm must be at least 1 message, got {n}"
-                )))
-            }
-            Some(n) => remote.hwm = n,
-            None => {}
-        }
-        match remote_max_queued_bytes {
-            Some(0) => {
-                return Err(PyValueError::new_err(
-                    "remote_max_queued_bytes must be at least 1 byte, got 0",
-                ))
-            }
-            Some(n) => remote.max_queued_bytes = n,
-            None => {}
-        }
-        let on_dead_reader = match on_dead_reader {
-            "raise" => DeadReaderPolicy::Raise,
-            "drop" => DeadReaderPolicy::Drop,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "on_dead_reader must be \"raise\" or \"drop\", got {other:?}"
-                )))
-            }
-        };
+        let on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>()?;
         let opts = QueueOptions {
             n_reader,
             n_local_reader,

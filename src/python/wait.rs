@@ -49,27 +49,13 @@ pub(crate) struct Interrupts<'a, 'py> {
 }
 
 /// A wait policy from the optional `spin_us` / `yield_us` arguments, for a ring used by
-/// `processes` processes (defaults: `WaitPolicy::for_processes`).
+/// `processes` processes (`WaitPolicy::from_micros`).
 pub(crate) fn wait_policy(
     processes: usize,
     spin_us: Option<f64>,
     yield_us: Option<f64>,
 ) -> PyResult<WaitPolicy> {
-    let d = WaitPolicy::for_processes(processes);
-    let us = |v: Option<f64>, default: Duration, name: &str| match v {
-        None => Ok(default),
-        Some(x) if x.is_finite() && x >= 0.0 => Ok(Duration::from_secs_f64(x / 1e6)),
-        Some(x) => Err(PyValueError::new_err(format!(
-            "{name} must be a non-negative number of microseconds, got {x}"
-        ))),
-    };
-    let yield_for = us(yield_us, d.yield_for, "yield_us")?;
-    Ok(WaitPolicy {
-        spin: us(spin_us, d.spin, "spin_us")?,
-        yield_for,
-        // A yield time given here is kept as given, never grown by the waiter's history.
-        yield_max: if yield_us.is_some() { yield_for } else { d.yield_max },
-    })
+    Ok(WaitPolicy::from_micros(processes, spin_us, yield_us)?)
 }
 
 /// Run the core's blocking call `f` with the GIL released, handing it the caller's terms

@@ -55,6 +55,55 @@ fn options_are_checked() {
         e.to_string().contains("local_reader_ranks has 2 entries"),
         "{e}"
     );
+    // The remote bounds and the policies' names: the same checks and messages as the
+    // Python arguments (which go through them).
+    for (remote, message) in [
+        (
+            crate::remote::RemoteOptions {
+                hwm: 0,
+                ..Default::default()
+            },
+            "remote_hwm must be at least 1 message, got 0",
+        ),
+        (
+            crate::remote::RemoteOptions {
+                max_queued_bytes: 0,
+                ..Default::default()
+            },
+            "remote_max_queued_bytes must be at least 1 byte, got 0",
+        ),
+    ] {
+        let e = Writer::new(QueueOptions {
+            remote,
+            ..QueueOptions::local(1)
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m == message),
+            "{e}"
+        );
+    }
+    use crate::broadcast::ring::DeadReaderPolicy;
+    use crate::remote::SlowReaderPolicy;
+    assert_eq!(
+        "drop".parse::<DeadReaderPolicy>().unwrap(),
+        DeadReaderPolicy::Drop
+    );
+    assert_eq!(
+        "block".parse::<SlowReaderPolicy>().unwrap(),
+        SlowReaderPolicy::Block
+    );
+    assert_eq!(
+        "ignore"
+            .parse::<DeadReaderPolicy>()
+            .unwrap_err()
+            .to_string(),
+        r#"on_dead_reader must be "raise" or "drop", got "ignore""#
+    );
+    assert_eq!(
+        "wait".parse::<SlowReaderPolicy>().unwrap_err().to_string(),
+        r#"slow_remote_reader must be "block" or "drop", got "wait""#
+    );
 }
 
 /// A writer of 64-byte chunks with one local reader (rank 0) and one remote reader

@@ -127,6 +127,7 @@ impl fmt::Debug for Writer {
 impl Writer {
     /// Create the queue: the ring (if there are local readers) and the sockets.
     pub fn new(opts: QueueOptions) -> Result<Writer> {
+        opts.remote.check()?;
         if opts.n_local_reader > opts.n_reader {
             return Err(Error::InvalidArgument(format!(
                 "n_local_reader ({}) cannot exceed n_reader ({}): n_reader counts all readers, \

@@ -58,6 +58,20 @@ pub enum DeadReaderPolicy {
     Drop,
 }
 
+impl std::str::FromStr for DeadReaderPolicy {
+    type Err = Error;
+    /// `"raise"` or `"drop"` (the Python argument `on_dead_reader`).
+    fn from_str(s: &str) -> Result<DeadReaderPolicy> {
+        match s {
+            "raise" => Ok(DeadReaderPolicy::Raise),
+            "drop" => Ok(DeadReaderPolicy::Drop),
+            other => Err(Error::InvalidArgument(format!(
+                "on_dead_reader must be \"raise\" or \"drop\", got {other:?}"
+            ))),
+        }
+    }
+}
+
 /// The writer's side of a ring: it fills chunks in order, 0, 1, .., max_chunks-1, 0, ..
 #[derive(Debug)]
 pub struct RingWriter {
