@@ -15,7 +15,7 @@ use crate::alloc::{Freed, ID_MAX};
 use crate::error::{bad_signature_message, stale_object_message, Error};
 use crate::storage::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo as CoreRing,
-    ChunkHeader, FreeOldestFirst, KeptPart, ObjectStore as CoreStore, StoreSegment,
+    ChunkHeader, FreeOldestFirst, KeptPart, ObjectStore as CoreStore, StoreRole, StoreSegment,
     SIGNATURE_BYTES,
 };
 
@@ -433,9 +433,8 @@ pub struct ObjectStore {
     ring: Py<ChunkFifo>,
     segment: Arc<StoreSegment>,
     inner: BindingLock<CoreStore>,
-    /// Whether `get` in the writer's process counts as a read.
-    count_writer_reads: bool,
-    is_writer: bool,
+    /// Fixed at creation: read without the lock.
+    role: StoreRole,
 }
 
 #[pymethods]
@@ -449,14 +448,17 @@ impl ObjectStore {
         count_writer_reads: bool,
     ) -> PyResult<Self> {
         let r = ring.get();
-        let (segment, is_writer) = (r.segment.clone(), r.is_writer);
+        let segment = r.segment.clone();
+        let role = StoreRole {
+            is_writer: r.is_writer,
+            count_writer_reads,
+        };
         let inner = BindingLock::new(CoreStore::new(max_object_size, n_readers)?);
         Ok(ObjectStore {
             ring,
             segment,
             inner,
-            count_writer_reads,
-            is_writer,
+            role,
         })
     }
 
@@ -534,7 +536,7 @@ impl ObjectStore {
         view_from: Option<usize>,
     ) -> PyResult<Py<PyAny>> {
         let handle = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?);
-        if !self.is_writer {
+        if self.role.checks_signatures() {
             // Refuse forged handles before touching the address; integers out of range
             // cannot have been signed.
             let (key_str, signature) = signature_arg(key, signature)?;
@@ -547,7 +549,7 @@ impl ObjectStore {
         let (Some(a), Some(i)) = handle else {
             return Err(PyValueError::new_err(stale_object_message(address, id)));
         };
-        let count = !self.is_writer || self.count_writer_reads;
+        let count = self.role.counts_reads();
         if let (Some(view_from), true) = (view_from, split) {
             return read_object_viewed(&self.segment, a, i, count, |object, views| {
                 if object.is_empty() {
@@ -609,7 +611,7 @@ impl ObjectStore {
         id: &Bound<'_, PyAny>,
         signature: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        if self.is_writer && !self.count_writer_reads {
+        if self.role.touch_protects() {
             if let Ok(key) = key.cast::<PyString>() {
                 self.store(py)?.touch(key.to_str()?);
             }
@@ -631,7 +633,7 @@ impl ObjectStore {
         id: &Bound<'_, PyAny>,
         signature: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        if self.is_writer {
+        if self.role.checks_current_entry() {
             let key_str = key
                 .and_then(|k| k.cast::<PyString>().ok())
                 .and_then(|k| k.to_str().ok().map(str::to_owned));
@@ -785,7 +787,7 @@ impl ObjectStore {
     }
     #[getter]
     fn is_writer(&self) -> bool {
-        self.is_writer
+        self.role.is_writer
     }
 }
 

@@ -108,6 +108,43 @@ pub struct Entry {
     pub handouts: u32,
 }
 
+/// Which side of a store this process is, and whether the writer counts its own reads
+/// (vLLM 0.33's `reader_lock`): the rules `SingleWriterShmObjectStorage` applies by role,
+/// in one place (the Python store and Rust callers alike ask these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreRole {
+    pub is_writer: bool,
+    /// Whether a get in the writer's process counts as a read.
+    pub count_writer_reads: bool,
+}
+
+impl StoreRole {
+    /// Whether a get counts as a read (the `count` of [`read_object`](super::read_object)):
+    /// always on a reader; on the writer only when it counts its own reads.
+    pub fn counts_reads(self) -> bool {
+        !self.is_writer || self.count_writer_reads
+    }
+
+    /// Whether a get checks the handle's signature first: on a reader, whose handles
+    /// come from elsewhere (the writer made its own).
+    pub fn checks_signatures(self) -> bool {
+        !self.is_writer
+    }
+
+    /// Whether `touch(key, ...)` keeps the key's object from eviction (the writer that does
+    /// not count its reads: until `get_cached(key)` or `release_touches()`) rather than
+    /// check the handle it is given.
+    pub fn touch_protects(self) -> bool {
+        self.is_writer && !self.count_writer_reads
+    }
+
+    /// Whether `verify_signature` also checks that the handle is its key's current
+    /// object: on the writer, which has the index.
+    pub fn checks_current_entry(self) -> bool {
+        self.is_writer
+    }
+}
+
 /// Key → object index over a [`ChunkFifo`] (the spec's `ObjectStorage`, minus serde).
 /// Methods take the ring explicitly so the ring can be shared with its own API.
 #[derive(Debug)]

@@ -83,7 +83,7 @@ mod store_segment;
 mod tests;
 
 pub use fifo::{ChunkFifo, FreeOldest, FreeOldestFirst};
-pub use index::{Entry, ObjectStore, StoreLoan, LOAN_ROOM};
+pub use index::{Entry, ObjectStore, StoreLoan, StoreRole, LOAN_ROOM};
 pub use object::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkPin, KeptPart,
     ObjectFrame, ObjectViews, PartView,

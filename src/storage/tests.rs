@@ -570,3 +570,32 @@ fn is_free_at_reads_only_memory_of_the_ring() {
         ));
     }
 }
+
+#[test]
+fn store_roles_apply_vllms_rules() {
+    use super::StoreRole;
+    let reader = StoreRole {
+        is_writer: false,
+        count_writer_reads: false,
+    };
+    let writer = StoreRole {
+        is_writer: true,
+        count_writer_reads: false,
+    };
+    let counting_writer = StoreRole {
+        is_writer: true,
+        count_writer_reads: true,
+    };
+    // (counts reads, checks signatures, touch protects, checks the current entry)
+    let rules = |r: StoreRole| {
+        (
+            r.counts_reads(),
+            r.checks_signatures(),
+            r.touch_protects(),
+            r.checks_current_entry(),
+        )
+    };
+    assert_eq!(rules(reader), (true, true, false, false));
+    assert_eq!(rules(writer), (false, false, true, true));
+    assert_eq!(rules(counting_writer), (true, false, false, true));
+}
