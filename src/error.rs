@@ -246,6 +246,23 @@ pub fn bad_signature_message(missing: bool, key: Option<&str>, why: &str) -> Str
     }
 }
 
+/// The value of `choices` named `value`, for the option `argument`; `InvalidArgument`
+/// naming the choices otherwise (`on_dead_reader must be "raise" or "drop", got "x"`).
+pub(crate) fn parse_choice<T: Copy>(
+    argument: &str,
+    value: &str,
+    choices: &[(&str, T)],
+) -> Result<T> {
+    if let Some(&(_, v)) = choices.iter().find(|(name, _)| *name == value) {
+        return Ok(v);
+    }
+    let names: Vec<String> = choices.iter().map(|(n, _)| format!("{n:?}")).collect();
+    Err(Error::InvalidArgument(format!(
+        "{argument} must be {}, got {value:?}",
+        names.join(" or ")
+    )))
+}
+
 /// A signal's name ("SIGBUS"), or "signal N" for one without a name (Linux's numbering;
 /// the same names as Python's `signal.Signals`).
 pub fn signal_name(signal: i32) -> String {

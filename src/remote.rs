@@ -136,13 +136,8 @@ impl std::str::FromStr for SlowReaderPolicy {
     type Err = Error;
     /// `"block"` or `"drop"` (the Python argument `slow_remote_reader`).
     fn from_str(s: &str) -> Result<SlowReaderPolicy> {
-        match s {
-            "block" => Ok(SlowReaderPolicy::Block),
-            "drop" => Ok(SlowReaderPolicy::Drop),
-            other => Err(Error::InvalidArgument(format!(
-                "slow_remote_reader must be \"block\" or \"drop\", got {other:?}"
-            ))),
-        }
+        let choices = [("block", SlowReaderPolicy::Block), ("drop", SlowReaderPolicy::Drop)];
+        crate::error::parse_choice("slow_remote_reader", s, &choices)
     }
 }
 

@@ -126,14 +126,22 @@ fn sliced<T: Send>(
     }
 }
 
-/// What a wait for readiness or exits ended with: ("done", None), ("failed", rank) or
-/// ("timeout", None).
-fn waited(w: Option<Waited>) -> (&'static str, Option<usize>) {
-    match w {
+/// A wait for readiness or exits, slice after slice (see [`sliced`]), as Python sees its
+/// end: ("done", None), ("failed", rank) or ("timeout", None).
+fn waited_sliced(
+    py: Python<'_>,
+    timeout: Option<Timeout>,
+    wait: impl Fn(Duration) -> crate::Result<Waited> + Sync,
+) -> PyResult<(&'static str, Option<usize>)> {
+    let out = sliced(py, timeout, |slice| match wait(slice) {
+        Ok(Waited::TimedOut) => None,
+        other => Some(other),
+    })?;
+    Ok(match out.transpose()? {
         Some(Waited::Done) => ("done", None),
         Some(Waited::Failed(rank)) => ("failed", Some(rank)),
         Some(Waited::TimedOut) | None => ("timeout", None),
-    }
+    })
 }
 
 /// A group of workers supervised by a thread of the core (see `shmq.workers`).
@@ -262,20 +270,17 @@ impl WorkerGroup {
     }
 
     /// (message, names) of the workers not ready after `waited` seconds.
-    fn not_ready(&self, waited: Timeout) -> PyResult<(String, Vec<String>)> {
-        let waited = duration(Some(waited)).unwrap_or(Duration::MAX);
-        match self.inner.not_ready(waited) {
-            e @ crate::Error::WorkersNotReady { .. } => {
-                let names = match &e {
-                    crate::Error::WorkersNotReady { not_ready, .. } => {
-                        not_ready.iter().map(|(n, _)| n.clone()).collect()
-                    }
-                    _ => Vec::new(),
-                };
-                Ok((e.to_string(), names))
+    fn not_ready(&self, waited: Timeout) -> (String, Vec<String>) {
+        let e = self
+            .inner
+            .not_ready(duration(Some(waited)).unwrap_or(Duration::MAX));
+        let names = match &e {
+            crate::Error::WorkersNotReady { not_ready, .. } => {
+                not_ready.iter().map(|(n, _)| n.clone()).collect()
             }
-            other => Err(other.into()),
-        }
+            _ => Vec::new(),
+        };
+        (e.to_string(), names)
     }
 
     #[getter]
@@ -299,11 +304,7 @@ impl WorkerGroup {
         py: Python<'_>,
         timeout: Option<Timeout>,
     ) -> PyResult<(&'static str, Option<usize>)> {
-        let out = sliced(py, timeout, |slice| match self.inner.wait_ready_for(Some(slice)) {
-            Ok(Waited::TimedOut) => None,
-            other => Some(other),
-        })?;
-        Ok(waited(out.transpose()?))
+        waited_sliced(py, timeout, |slice| self.inner.wait_ready_for(Some(slice)))
     }
 
     /// The first rank to exit, or None when `timeout` passes.
@@ -322,11 +323,7 @@ impl WorkerGroup {
         py: Python<'_>,
         timeout: Option<Timeout>,
     ) -> PyResult<(&'static str, Option<usize>)> {
-        let out = sliced(py, timeout, |slice| match self.inner.wait_all_exited(Some(slice)) {
-            Waited::TimedOut => None,
-            other => Some(other),
-        })?;
-        Ok(waited(out))
+        waited_sliced(py, timeout, |slice| Ok(self.inner.wait_all_exited(Some(slice))))
     }
 
     /// Until more than `seen` failures are recorded or the group is closing (or

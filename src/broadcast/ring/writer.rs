@@ -62,13 +62,11 @@ impl std::str::FromStr for DeadReaderPolicy {
     type Err = Error;
     /// `"raise"` or `"drop"` (the Python argument `on_dead_reader`).
     fn from_str(s: &str) -> Result<DeadReaderPolicy> {
-        match s {
-            "raise" => Ok(DeadReaderPolicy::Raise),
-            "drop" => Ok(DeadReaderPolicy::Drop),
-            other => Err(Error::InvalidArgument(format!(
-                "on_dead_reader must be \"raise\" or \"drop\", got {other:?}"
-            ))),
-        }
+        let choices = [
+            ("raise", DeadReaderPolicy::Raise),
+            ("drop", DeadReaderPolicy::Drop),
+        ];
+        crate::error::parse_choice("on_dead_reader", s, &choices)
     }
 }
 
