@@ -680,6 +680,23 @@ impl RemoteWriter {
         Ok(short(self))
     }
 
+    /// Wait until every reader still sent to has credit for a message of `bytes` (or is
+    /// dropped, per the policy); sends nothing. [`send`](Self::send) does this first; a
+    /// caller that must do all its waiting before it sends anything anywhere (see
+    /// `Wait::commit`) calls it before.
+    pub fn wait_for_credit(&mut self, bytes: u64, wait: &mut Wait) -> Result<()> {
+        for k in 0..self.peers.len() {
+            while !self.peers[k].dropped && !self.peers[k].has_credit(&self.options, bytes) {
+                // Its ACKs may be waiting in the socket.
+                self.serve_hellos()?;
+                if !self.peers[k].has_credit(&self.options, bytes) {
+                    self.slow(k, wait)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Send one message (its frames) to every accepted reader.
     ///
     /// First every reader still sent to must have credit for it (waiting, or dropping
@@ -693,15 +710,7 @@ impl RemoteWriter {
             self.hellos_served = Instant::now();
         }
         let bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
-        for k in 0..self.peers.len() {
-            while !self.peers[k].dropped && !self.peers[k].has_credit(&self.options, bytes) {
-                // Its ACKs may be waiting in the socket.
-                self.serve_hellos()?;
-                if !self.peers[k].has_credit(&self.options, bytes) {
-                    self.slow(k, wait)?;
-                }
-            }
-        }
+        self.wait_for_credit(bytes, wait)?;
         self.seq += 1;
         let seq = self.seq.to_le_bytes();
         let mut parts: Vec<&[u8]> = Vec::with_capacity(frames.len() + 2);

@@ -223,11 +223,34 @@ pub type Hook<'a> = &'a mut (dyn FnMut() -> Result<()> + Send);
 /// (no "still waiting" warnings, for a wait expected to be long). The queue adds the
 /// rest itself: what the wait is for (in warnings and timeout errors), how it spins,
 /// yields and sleeps, and its `shutdown`. `None` and `Some(duration)` convert into one.
+///
+/// A caller that must let go of the writer or reader now and then during a long wait
+/// (the Python bindings do, to run Python code with no lock held) gives a hook that
+/// ends the wait with an error, and a [`WaitClock`] in `resume`: then it calls the same
+/// method again with the same clock, and the wait goes on where it stopped.
 #[derive(Default)]
 pub struct WaitSpec<'a> {
     pub timeout: Option<Duration>,
     pub hook: Option<Hook<'a>>,
     pub quiet: bool,
+    pub resume: Option<&'a mut WaitClock>,
+}
+
+/// Where a wait stood when it ended, so that a blocking call started again with the
+/// same clock ([`WaitSpec::resume`]) goes on from there instead of starting over: the
+/// same start and deadline (timeouts and "still waiting" warnings count the whole
+/// wait), the same liveness clock, and no second spin phase. Only a call that can be
+/// started over may be resumed so: one ended by its hook, which (see
+/// [`Wait::commit`]) is never called once the call has done something it cannot undo.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WaitClock {
+    /// `None`: no wait has begun with this clock yet.
+    started: Option<Instant>,
+    deadline: Option<Instant>,
+    next_warning: Option<Instant>,
+    next_liveness: Option<Instant>,
+    /// The end of the yield phase, once the spin phase is over.
+    yield_end: Option<Instant>,
 }
 
 impl From<Option<Duration>> for WaitSpec<'_> {
@@ -261,6 +284,9 @@ impl<'a> WaitSpec<'a> {
         if self.quiet {
             wait = wait.quiet();
         }
+        if let Some(clock) = self.resume {
+            wait = wait.resuming(clock);
+        }
         wait
     }
 }
@@ -277,6 +303,28 @@ pub struct Wait<'a> {
     /// `None`: never warn (a wait the caller expects to be long).
     next_warning: Option<Instant>,
     next_liveness: Instant,
+    /// The end of the yield phase, once `until` has spun (kept for a resumed wait).
+    yield_end: Option<Instant>,
+    /// Set by [`commit`](Self::commit): the hook is not called any more.
+    committed: bool,
+    /// It goes on from an earlier call's wait ([`resuming`](Self::resuming)).
+    resumed: bool,
+    /// Where the clocks go when the wait ends ([`resuming`](Self::resuming)).
+    clock: Option<&'a mut WaitClock>,
+}
+
+impl Drop for Wait<'_> {
+    fn drop(&mut self) {
+        if let Some(clock) = self.clock.take() {
+            *clock = WaitClock {
+                started: Some(self.started),
+                deadline: self.deadline,
+                next_warning: self.next_warning,
+                next_liveness: Some(self.next_liveness),
+                yield_end: self.yield_end,
+            };
+        }
+    }
 }
 
 impl<'a> Wait<'a> {
@@ -294,6 +342,10 @@ impl<'a> Wait<'a> {
             history: None,
             next_warning: Some(started + warning_interval()),
             next_liveness: started + LIVENESS_INTERVAL,
+            yield_end: None,
+            committed: false,
+            resumed: false,
+            clock: None,
         }
     }
 
@@ -312,6 +364,10 @@ impl<'a> Wait<'a> {
             history: None,
             next_warning: None,
             next_liveness: started,
+            yield_end: None,
+            committed: false,
+            resumed: false,
+            clock: None,
         }
     }
 
@@ -327,6 +383,31 @@ impl<'a> Wait<'a> {
         self
     }
 
+    /// Go on from where the wait that last used `clock` stopped (none yet: start it), and
+    /// leave this wait's clocks in it when it ends (see [`WaitClock`]). Call it after
+    /// [`quiet`](Self::quiet): a quiet wait stays quiet.
+    pub fn resuming(mut self, clock: &'a mut WaitClock) -> Self {
+        if let Some(started) = clock.started {
+            self.started = started;
+            self.deadline = clock.deadline;
+            if self.next_warning.is_some() {
+                self.next_warning = clock.next_warning;
+            }
+            self.next_liveness = clock.next_liveness.unwrap_or(self.next_liveness);
+            self.yield_end = clock.yield_end;
+            self.resumed = true;
+        }
+        self.clock = Some(clock);
+        self
+    }
+
+    /// The call has done what it cannot undo (sent part of a message): from here on it
+    /// must not be ended by its hook and started over (see [`WaitClock`]), so the hook
+    /// is not called any more. The deadline and the cancel flag still end the wait.
+    pub fn commit(&mut self) {
+        self.committed = true;
+    }
+
     /// Spin and yield as `policy` says (default: [`WaitPolicy::default`]).
     pub fn policy(mut self, policy: WaitPolicy) -> Self {
         self.policy = policy;
@@ -340,7 +421,10 @@ impl<'a> Wait<'a> {
         self
     }
 
-    fn record(&self, since: Instant) {
+    /// The condition held: record how long since `since`, and forget the phase (a later
+    /// `until` of the same wait waits for something else).
+    fn done(&mut self, since: Instant) {
+        self.yield_end = None;
         if let Some(h) = &self.history {
             h.record(since.elapsed());
         }
@@ -353,7 +437,13 @@ impl<'a> Wait<'a> {
         self
     }
 
-    /// Time since the wait began.
+    /// Whether it goes on from an earlier call's wait (see [`WaitClock`]): statistics
+    /// count the wait once, in the call that began it.
+    pub fn is_resumed(&self) -> bool {
+        self.resumed
+    }
+
+    /// Time since the wait began (the whole wait's, for a resumed one).
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
     }
@@ -399,19 +489,20 @@ impl<'a> Wait<'a> {
         Ok(())
     }
 
-    /// The periodic checks of the slow phases: the hook and, about once a second, the
-    /// peer's liveness.
+    /// The periodic checks of the slow phases: about twice a second the peer's liveness,
+    /// then the hook. In that order: a hook that ends every wait it is called in (see
+    /// [`WaitClock`]) must not keep the liveness check from running.
     fn slow_checks(
         &mut self,
         now: Instant,
         peer_alive: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
-        if let Some(hook) = self.hook.as_mut() {
-            hook()?;
-        }
         if now >= self.next_liveness {
             peer_alive()?;
             self.next_liveness = now + LIVENESS_INTERVAL;
+        }
+        if let Some(hook) = self.hook.as_mut().filter(|_| !self.committed) {
+            hook()?;
         }
         Ok(())
     }
@@ -438,40 +529,57 @@ impl<'a> Wait<'a> {
         explain: &mut dyn FnMut() -> String,
         mut ready: impl FnMut() -> Option<T>,
     ) -> Result<T> {
+        // A resumed wait (see `WaitClock`) goes on in the phase where it stopped, and
+        // its history counts from the start of the whole wait.
+        let resumed_yield_end = self.yield_end;
         if let Some(v) = ready() {
-            if let Some(h) = &self.history {
-                h.record(Duration::ZERO);
+            match resumed_yield_end {
+                Some(_) => self.done(self.started),
+                None => {
+                    if let Some(h) = &self.history {
+                        h.record(Duration::ZERO);
+                    }
+                }
             }
             return Ok(v);
         }
-        let start = Instant::now();
-        let spin_end = start + self.policy.spin;
-        // Spin: poll back to back, looking at the clock only every 64 polls.
-        loop {
-            for _ in 0..64 {
-                std::hint::spin_loop();
-                if let Some(v) = ready() {
-                    self.record(start);
-                    return Ok(v);
+        let start = match resumed_yield_end {
+            Some(_) => self.started,
+            None => Instant::now(),
+        };
+        let yield_end = match resumed_yield_end {
+            Some(end) => end,
+            None => {
+                let spin_end = start + self.policy.spin;
+                // Spin: poll back to back, looking at the clock only every 64 polls.
+                loop {
+                    for _ in 0..64 {
+                        std::hint::spin_loop();
+                        if let Some(v) = ready() {
+                            self.done(start);
+                            return Ok(v);
+                        }
+                    }
+                    let now = Instant::now();
+                    self.check(now, explain)?;
+                    if now >= spin_end {
+                        break;
+                    }
                 }
+                let yield_for = self
+                    .history
+                    .as_ref()
+                    .map_or(self.policy.yield_for, |h| h.yield_for(&self.policy));
+                spin_end + yield_for
             }
-            let now = Instant::now();
-            self.check(now, explain)?;
-            if now >= spin_end {
-                break;
-            }
-        }
+        };
+        self.yield_end = Some(yield_end);
         // Yield: give the core to others between polls.
-        let yield_for = self
-            .history
-            .as_ref()
-            .map_or(self.policy.yield_for, |h| h.yield_for(&self.policy));
-        let yield_end = spin_end + yield_for;
         let mut next_slow = Instant::now() + HOOK_INTERVAL;
         loop {
             std::thread::yield_now();
             if let Some(v) = ready() {
-                self.record(start);
+                self.done(start);
                 return Ok(v);
             }
             let now = Instant::now();
@@ -511,7 +619,7 @@ impl<'a> Wait<'a> {
                 Some(timeout.max(Duration::from_micros(100))),
             );
             if let Some(v) = found.or_else(&mut ready) {
-                self.record(start);
+                self.done(start);
                 return Ok(v);
             }
             let now = Instant::now();
@@ -760,5 +868,82 @@ mod tests {
             .until(None, &mut no_peer, || None::<()>);
         assert!(matches!(err, Err(Error::Cancelled)));
         assert_eq!(calls, 3);
+    }
+    #[test]
+    fn a_wait_ended_by_its_hook_goes_on_with_its_clock() {
+        let mut clock = WaitClock::default();
+        let timeout = Some(Duration::from_millis(120));
+        let mut pauses = 0;
+        let started = Instant::now();
+        let flag = AtomicBool::new(false);
+        let err = loop {
+            // Each round is a new call of the same blocking operation, as the Python
+            // bindings make it after running signal handlers with no lock held.
+            let mut pause = || Err(Error::Cancelled);
+            let spec = WaitSpec {
+                timeout,
+                hook: Some(&mut pause),
+                quiet: false,
+                resume: Some(&mut clock),
+            };
+            let r = spec
+                .into_wait("t", WaitPolicy::default(), &flag)
+                .until(None, &mut no_peer, || None::<()>);
+            match r {
+                Err(Error::Cancelled) => pauses += 1,
+                other => break other.unwrap_err(),
+            }
+        };
+        // The deadline is the first call's: the rounds did not each get 120 ms.
+        let Error::Timeout { waited, .. } = err else {
+            panic!("{err:?}")
+        };
+        assert!(pauses >= 2, "{pauses}");
+        assert!(waited >= Duration::from_millis(120), "{waited:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        // And the clock says where it stood: a resumed wait does not spin again.
+        assert!(clock.started.is_some() && clock.yield_end.is_some());
+    }
+
+    #[test]
+    fn a_committed_wait_calls_no_hook() {
+        let mut calls = 0;
+        let mut hook = || {
+            calls += 1;
+            Err(Error::Cancelled)
+        };
+        let mut wait = Wait::new("t", Some(Duration::from_millis(30))).with_hook(&mut hook);
+        wait.commit();
+        let err = wait.until(None, &mut no_peer, || None::<()>).unwrap_err();
+        drop(wait);
+        assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+        assert_eq!(calls, 0);
+    }
+    #[test]
+    fn a_wait_its_hook_ends_every_time_still_checks_its_peer() {
+        let mut clock = WaitClock::default();
+        let flag = AtomicBool::new(false);
+        let bell = DoorbellWords::default();
+        let started = Instant::now();
+        let err = loop {
+            let mut pause = || Err(Error::Cancelled);
+            let spec = WaitSpec {
+                timeout: Some(Duration::from_secs(20)),
+                hook: Some(&mut pause),
+                quiet: false,
+                resume: Some(&mut clock),
+            };
+            let r = spec.into_wait("t", WaitPolicy::default(), &flag).until(
+                Some(&bell),
+                &mut || Err(Error::WrongRole("peer died".into())),
+                || None::<()>,
+            );
+            match r {
+                Err(Error::Cancelled) => {}
+                other => break other.unwrap_err(),
+            }
+        };
+        assert!(err.to_string().contains("peer died"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 }

@@ -363,7 +363,8 @@ impl Producer {
         timeout: Option<Duration>,
     ) -> Result<Option<Reservation>> {
         let what = format!("encoder cache '{}' waiting for room", self.inner.name);
-        self.reserve_with(key, part_lens, &mut Wait::new(&what, timeout))
+        let mut wait = Wait::new(&what, timeout);
+        self.reserve_with(key, part_lens, &mut wait)
     }
 
     /// Save `parts` under `key` (copy into shared memory, then publish). `Ok(false)`: the
@@ -460,7 +461,8 @@ impl Producer {
     /// [`wait_loaded_with`](Self::wait_loaded_with) waiting at most `timeout`.
     pub fn wait_loaded(&self, key: &str, timeout: Option<Duration>) -> Result<()> {
         let what = format!("waiting for the consumers to load key {key:?}");
-        self.wait_loaded_with(key, &mut Wait::new(&what, timeout))
+        let mut wait = Wait::new(&what, timeout);
+        self.wait_loaded_with(key, &mut wait)
     }
 
     /// Wait (as `wait` allows) until some of `keys` are no longer [`LoadState::Pending`];

@@ -15,7 +15,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 use super::parts;
 use super::view::ShmView;
 use super::wait::{
-    blocking_mapped, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout,
+    blocking_on, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout,
 };
 use super::COPY_WITH_GIL_MAX;
 use crate::broadcast::queue::Canceller;
@@ -437,8 +437,6 @@ impl Writer {
         })?;
         let total: usize = spans.iter().map(|s| s.1).sum();
         let r = {
-            let mut w = self.writer(py)?;
-            let w = &mut *w;
             let slices = move || -> Vec<&[u8]> {
                 // SAFETY: each span is a live, contiguous buffer export held by `buffers`
                 // until the end of this call; its exporter cannot free or resize it
@@ -448,17 +446,23 @@ impl Writer {
             };
             let r = match total <= COPY_WITH_GIL_MAX {
                 // Small and no wait needed: with the GIL held, as in `enqueue`.
-                true => self.queue.check(py, w.try_enqueue_parts(&slices())),
+                true => {
+                    let mut w = self.writer(py)?;
+                    self.queue.check(py, w.try_enqueue_parts(&slices()))
+                }
                 false => Ok(false),
             };
             match r {
                 Ok(true) => Ok(()),
-                Ok(false) => blocking_mapped(
+                Ok(false) => blocking_on(
                     py,
+                    &self.inner,
+                    WRITER,
                     interrupts(timeout),
-                    |spec| w.enqueue_parts(&slices(), spec),
+                    |w, spec| w.enqueue_parts(&slices(), spec),
                     |e| self.queue.error(py, e),
-                ),
+                )
+                .map(drop),
                 Err(e) => Err(e),
             }
         };
@@ -495,44 +499,48 @@ impl Writer {
     /// done, later calls return at once.
     #[pyo3(signature = (timeout=None))]
     fn wait_until_ready(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<()> {
-        let mut w = self.writer(py)?;
-        let w = &mut *w;
-        blocking_mapped(
+        blocking_on(
             py,
+            &self.inner,
+            WRITER,
             interrupts(timeout),
-            |spec| w.wait_until_ready(spec),
+            |w, spec| w.wait_until_ready(spec),
             |e| self.queue.error(py, e),
         )
+        .map(drop)
     }
 
     /// Send `data` to every reader.
     #[pyo3(signature = (data, timeout=None))]
     fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
-        let mut w = self.writer(py)?;
         // A small message that needs no wait is sent with the GIL held (releasing it
         // would cost more than the copy).
-        if data.len() <= COPY_WITH_GIL_MAX && self.queue.check(py, w.try_enqueue(data))? {
+        if data.len() <= COPY_WITH_GIL_MAX
+            && self.queue.check(py, self.writer(py)?.try_enqueue(data))?
+        {
             return Ok(());
         }
-        let w = &mut *w;
-        blocking_mapped(
+        blocking_on(
             py,
+            &self.inner,
+            WRITER,
             interrupts(timeout),
-            |spec| w.enqueue(data, spec),
+            |w, spec| w.enqueue(data, spec),
             |e| self.queue.error(py, e),
         )
+        .map(drop)
     }
 
     /// Wait for the next chunk and return a view of it, for zero-copy writing;
     /// publish it with `commit_write()`.
     #[pyo3(signature = (timeout=None))]
     fn acquire_write(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<ShmView> {
-        let mut w = self.writer(py)?;
-        let w = &mut *w;
-        let (ptr, len) = blocking_mapped(
+        let (w, (ptr, len)) = blocking_on(
             py,
+            &self.inner,
+            WRITER,
             interrupts(timeout),
-            |spec| {
+            |w, spec| {
                 w.acquire_write(spec)
                     .map(|buf| (buf.as_mut_ptr() as usize, buf.len()))
             },
@@ -559,8 +567,8 @@ impl Writer {
                 let w = &mut *w;
                 py.detach(|| w.close());
             }
-            // Held by this thread (a signal handler run inside one of its waits) or
-            // poisoned: the local readers are told all the same.
+            // Held by this thread (a finalizer run under one of its calls) or poisoned:
+            // the local readers are told all the same.
             Err(_) => self.canceller.close_ring(),
         }
     }
@@ -575,9 +583,12 @@ impl Writer {
 impl Writer {
     /// The core writer, locked (`RuntimeError` once a panic has poisoned it).
     fn writer(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreWriter>> {
-        lock(py, &self.inner, "queue writer")
+        lock(py, &self.inner, WRITER)
     }
 }
+
+/// What a poisoned lock of a `Writer` calls it.
+const WRITER: &str = "queue writer";
 
 /// The terms of a writer's blocking call: a timeout, no cancel event.
 fn interrupts<'a>(timeout: Option<Timeout>) -> Interrupts<'a, 'a> {
@@ -654,14 +665,15 @@ impl Reader {
         timeout: Option<Timeout>,
         cancel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let mut r = self.reader(py)?;
-        let r = &mut *r;
-        blocking_mapped(
+        blocking_on(
             py,
+            &self.inner,
+            READER,
             reader_interrupts(timeout, cancel, false),
-            |spec| r.wait_until_ready(spec),
+            |r, spec| r.wait_until_ready(spec),
             |e| self.queue.error(py, e),
         )
+        .map(drop)
     }
 
     /// The next message: its bytes, or for a message of several parts `(body, buffers)`
@@ -675,21 +687,21 @@ impl Reader {
         cancel: Option<&Bound<'py, PyAny>>,
         indefinite: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let mut r = self.reader(py)?;
         if let Some(m) = self
             .queue
-            .check(py, r.try_take_message(|m| to_python(py, m)))?
+            .check(py, self.reader(py)?.try_take_message(|m| to_python(py, m)))?
         {
             return m;
         }
         if self.canceller.is_cancelled() {
             return Err(Error::Cancelled.into());
         }
-        let r = &mut *r;
-        blocking_mapped(
+        let (mut r, ()) = blocking_on(
             py,
+            &self.inner,
+            READER,
             reader_interrupts(timeout, cancel, indefinite),
-            |spec| r.wait_message(spec),
+            |r, spec| r.wait_message(spec),
             |e| self.queue.error(py, e),
         )?;
         self.queue
@@ -706,12 +718,12 @@ impl Reader {
         timeout: Option<Timeout>,
         cancel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        let mut r = self.reader(py)?;
-        let r = &mut *r;
-        let chunk = blocking_mapped(
+        let (_r, chunk) = blocking_on(
             py,
+            &self.inner,
+            READER,
             reader_interrupts(timeout, cancel, false),
-            |spec| r.acquire_chunk(spec),
+            |r, spec| r.acquire_chunk(spec),
             |e| self.queue.error(py, e),
         )?;
         let Some(map) = chunk.private_map() else {

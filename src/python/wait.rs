@@ -1,8 +1,10 @@
 //! Running a core blocking call from Python: the GIL is released for the wait, and
-//! every few milliseconds the wait re-takes it to check for signals (Ctrl-C) and the
-//! caller's cancel event. Also the locks around the binding objects' core state
-//! (`BindingLock`): taken without blocking while the GIL is held, and a clear error,
-//! never a hang or a silent use, when re-entered from that check or poisoned by a panic.
+//! every few milliseconds the call checks for signals (Ctrl-C: their Python handlers
+//! run) and the caller's cancel event, with no lock of the binding held
+//! ([`blocking_on`] lets go of the object's lock for them). Also the locks around the
+//! binding objects' core state (`BindingLock`): taken without blocking while the GIL is
+//! held, and a clear error, never a hang or a silent use, when re-entered or poisoned by
+//! a panic.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,7 +15,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::wait::{Hook, WaitPolicy, WaitSpec};
+use crate::wait::{Hook, WaitClock, WaitPolicy, WaitSpec};
 
 /// A `timeout` argument: seconds as a float, checked when the argument is converted (so
 /// before any fast path); negative or NaN is a `ValueError`, `inf` means no timeout.
@@ -58,67 +60,132 @@ pub(crate) fn wait_policy(
     Ok(WaitPolicy::from_micros(processes, spin_us, yield_us)?)
 }
 
+/// What a blocking call checks every few milliseconds: signals (their Python handlers
+/// run; an exception they raise ends the call) and the cancel event.
+struct Checks {
+    timeout: Option<Duration>,
+    cancel: Option<Py<PyAny>>,
+    quiet: bool,
+    /// Whether to check at all: it takes the GIL every few ms, only worth it for a
+    /// cancel event, or in the main thread, where Ctrl-C must interrupt the wait. Other
+    /// waits sleep undisturbed (shutdown() and the timeout still end them at once).
+    needed: bool,
+}
+
+impl Checks {
+    fn new(py: Python<'_>, interrupts: Interrupts<'_, '_>) -> Checks {
+        let cancel: Option<Py<PyAny>> = interrupts
+            .cancel
+            .filter(|c| !c.is_none())
+            .map(|c| c.clone().unbind());
+        Checks {
+            timeout: duration(interrupts.timeout),
+            needed: cancel.is_some() || is_main_thread(py),
+            cancel,
+            quiet: interrupts.quiet,
+        }
+    }
+
+    /// Run the checks (with the GIL): `Ok(true)` if the cancel event is set, the error a
+    /// signal handler (or `is_set`) raised.
+    fn run(&self, py: Python<'_>) -> PyResult<bool> {
+        py.check_signals()?;
+        match &self.cancel {
+            Some(c) => c.bind(py).call_method0("is_set")?.is_truthy(),
+            None => Ok(false),
+        }
+    }
+}
+
 /// Run the core's blocking call `f` with the GIL released, handing it the caller's terms
 /// as a [`WaitSpec`]: the timeout, quiet or not, and a hook that checks signals (Ctrl-C)
 /// and the `cancel` event every few milliseconds. What the wait is for, how it spins and
-/// sleeps, and `shutdown()` are the core's business.
+/// sleeps, and `shutdown()` are the core's business. For a call that holds no lock of
+/// the binding (the hook runs Python code); one that does uses [`blocking_on`].
 pub(crate) fn blocking<T, F>(py: Python<'_>, interrupts: Interrupts<'_, '_>, f: F) -> PyResult<T>
 where
     T: Send,
     F: for<'w> FnOnce(WaitSpec<'w>) -> Result<T> + Send,
 {
-    blocking_mapped(py, interrupts, f, PyErr::from)
-}
-
-/// [`blocking`], turning the core's error into Python's with `to_python` (which may
-/// add what only the binding knows, such as which queue; see `broadcast::QueueName`).
-pub(crate) fn blocking_mapped<T, F>(
-    py: Python<'_>,
-    interrupts: Interrupts<'_, '_>,
-    f: F,
-    to_python: impl FnOnce(Error) -> PyErr,
-) -> PyResult<T>
-where
-    T: Send,
-    F: for<'w> FnOnce(WaitSpec<'w>) -> Result<T> + Send,
-{
-    let timeout = duration(interrupts.timeout);
-    let cancel: Option<Py<PyAny>> = interrupts
-        .cancel
-        .filter(|c| !c.is_none())
-        .map(|c| c.clone().unbind());
-    let quiet = interrupts.quiet;
-    // The hook takes the GIL every few ms: only worth it for a cancel event, or in the
-    // main thread, where Ctrl-C must interrupt the wait. Other waits sleep undisturbed
-    // (shutdown() and the timeout still end them at once).
-    let needs_hook = cancel.is_some() || is_main_thread(py);
+    let checks = Checks::new(py, interrupts);
     let mut raised: Option<PyErr> = None;
     let result = py.detach(|| {
         let mut hook = || -> Result<()> {
-            Python::attach(|py| {
-                let checked = py.check_signals().and_then(|()| match &cancel {
-                    Some(c) => c.bind(py).call_method0("is_set")?.is_truthy(),
-                    None => Ok(false),
-                });
-                match checked {
-                    Ok(false) => Ok(()),
-                    Ok(true) => Err(Error::Cancelled),
-                    Err(e) => {
-                        raised = Some(e);
-                        Err(Error::Cancelled)
-                    }
+            Python::attach(|py| match checks.run(py) {
+                Ok(false) => Ok(()),
+                Ok(true) => Err(Error::Cancelled),
+                Err(e) => {
+                    raised = Some(e);
+                    Err(Error::Cancelled)
                 }
             })
         };
         f(WaitSpec {
-            timeout,
-            hook: needs_hook.then_some(&mut hook as Hook<'_>),
-            quiet,
+            timeout: checks.timeout,
+            hook: checks.needed.then_some(&mut hook as Hook<'_>),
+            quiet: checks.quiet,
+            resume: None,
         })
     });
     match raised {
         Some(e) => Err(e),
-        None => result.map_err(to_python),
+        None => result.map_err(PyErr::from),
+    }
+}
+
+/// Run the blocking call `f` on the core object behind `lock` (a queue's writer or
+/// reader) with the GIL released, as [`blocking`] does, but never running Python code
+/// with the lock held: every few milliseconds the call's hook ends it, the lock is let
+/// go, the checks run (signal handlers and the cancel event's `is_set`, which may call
+/// this same object: its getters, `shutdown()`), and `f` is called again under the lock
+/// with the same [`WaitClock`], so the wait goes on where it stopped (same deadline,
+/// warnings and statistics; the core never ends a call at its hook once it has sent
+/// anything: see `Wait::commit`). Returns `f`'s value with the lock still held, for what
+/// must follow under the same hold; the core's error goes through `to_python` (which
+/// may add what only the binding knows, such as which queue: see `broadcast::QueueName`).
+pub(crate) fn blocking_on<'l, S, T, F>(
+    py: Python<'_>,
+    lock_: &'l BindingLock<S>,
+    what: &str,
+    interrupts: Interrupts<'_, '_>,
+    mut f: F,
+    to_python: impl Fn(Error) -> PyErr,
+) -> PyResult<(BindingGuard<'l, S>, T)>
+where
+    S: Send,
+    T: Send,
+    F: for<'w> FnMut(&mut S, WaitSpec<'w>) -> Result<T> + Send,
+{
+    let checks = Checks::new(py, interrupts);
+    let mut clock = WaitClock::default();
+    loop {
+        let mut guard = lock(py, lock_, what)?;
+        let state = &mut *guard;
+        let mut paused = false;
+        let result = py.detach(|| {
+            // Ends the call so that the checks run with the lock let go.
+            let mut pause = || -> Result<()> {
+                paused = true;
+                Err(Error::Cancelled)
+            };
+            f(
+                state,
+                WaitSpec {
+                    timeout: checks.timeout,
+                    hook: checks.needed.then_some(&mut pause as Hook<'_>),
+                    quiet: checks.quiet,
+                    resume: Some(&mut clock),
+                },
+            )
+        });
+        match result {
+            Ok(v) => return Ok((guard, v)),
+            Err(e) if !paused => return Err(to_python(e)),
+            Err(_) => drop(guard),
+        }
+        if checks.run(py)? {
+            return Err(to_python(Error::Cancelled));
+        }
     }
 }
 
@@ -137,12 +204,11 @@ fn is_main_thread(py: Python<'_>) -> bool {
 /// thread holds it, so that a call into the object from Python code that one of the
 /// object's own calls runs under the lock is an error instead of a deadlock on itself.
 ///
-/// The bindings call no user code under these locks where they can help it (a
-/// `free_buf` callback runs with the ring unlocked). What remains: a blocking queue
-/// call checks for signals (running their Python handlers) and its cancel event's
-/// `is_set` during its wait, which needs the reader's or writer's state, so with that
-/// lock held; and any Python object made under a lock may start the garbage collector,
-/// which may run a finalizer. Such code calling the same object gets the error.
+/// The bindings call no user code under these locks (a `free_buf` callback runs with
+/// the ring unlocked; a blocking queue call lets go of its lock to check for signals and
+/// its cancel event: [`blocking_on`]). What remains: any Python object made under a lock
+/// may start the garbage collector, which may run a finalizer; one that calls the same
+/// object gets the error.
 pub(crate) struct BindingLock<T> {
     mutex: Mutex<T>,
     /// The holder's thread token (`thread_token`), 0 when free. Relaxed: only compared
@@ -198,8 +264,8 @@ fn thread_token() -> usize {
 ///
 /// Errors, each a `RuntimeError` naming `what` (`"queue writer"`, `"ring buffer"`, ...):
 /// - the lock is held by this thread already: the object was called from Python code
-///   that one of its own calls runs with the lock held (a cancel event's `is_set`, a
-///   signal handler: see [`BindingLock`]); waiting would never end;
+///   that one of its own calls runs with the lock held (a finalizer the garbage
+///   collector ran: see [`BindingLock`]); waiting would never end;
 /// - a panic poisoned the lock (a bug, or a `PanicException` raised by such code, which
 ///   pyo3 resumes as a panic): the state it guards may be half-updated, so the object
 ///   is unusable from then on, never silently used.
@@ -221,9 +287,9 @@ pub(crate) fn lock<'a, T: Send>(
             Err(TryLockError::Poisoned(_)) => return Err(poisoned(what)),
             Err(TryLockError::WouldBlock) if m.holder.load(Ordering::Relaxed) == me => {
                 return Err(PyRuntimeError::new_err(format!(
-                    "this {what} was called from a callback that one of its own calls is \
-                     running (a cancel event's is_set, a signal handler); that call holds \
-                     it until it returns"
+                    "this {what} was called from code that one of its own calls is running \
+                     (a finalizer run by the garbage collector); that call holds it until \
+                     it returns"
                 )))
             }
             // A poisoned `lock()` here is seen as such by the next `try_lock`.

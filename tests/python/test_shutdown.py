@@ -245,8 +245,8 @@ def test_shutdown_with_a_full_ring_does_not_wait_and_readers_still_learn_it():
 
 
 def test_shutdown_from_a_signal_handler_inside_the_writers_own_wait():
-    # The handler runs inside the blocked enqueue's wait, which holds the writer: the
-    # readers are told all the same.
+    # The handler runs while the enqueue waits for room, with the writer let go (see
+    # test_binding_locks): it shuts the queue down, and the enqueue ends with it.
     import signal
 
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=1)

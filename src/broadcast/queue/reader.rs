@@ -350,6 +350,11 @@ pub struct Reader {
     /// The mapping of the chunk [`acquire_read`](Reader::acquire_read) handed out, until
     /// [`finish_read`](Reader::finish_read) detaches or retires it.
     open_chunk: Option<Arc<PrivateMap>>,
+    /// Since when the waits of this reader have seen the writer shut down (before the
+    /// go-ahead) or gone (before an overflow message came): after [`READY_GRACE`] the
+    /// wait fails. Kept here, not in the wait, so that a wait started over (see
+    /// [`WaitClock`](crate::wait::WaitClock)) still ends.
+    writer_gone_since: Option<Instant>,
     _ctx: LeakInChild<zmq::Context>,
 }
 
@@ -447,6 +452,7 @@ impl Reader {
             ready_what: format!("{what} to be ready").into(),
             what: what.into(),
             open_chunk: None,
+            writer_gone_since: None,
             _ctx: LeakInChild::new(ctx),
         })
     }
@@ -526,7 +532,7 @@ impl Reader {
         match &mut self.source {
             Source::Local { overflow, ring, .. } => {
                 let ring = ring.ring().clone();
-                let mut closed_since: Option<Instant> = None;
+                let closed_since = &mut self.writer_gone_since;
                 overflow.wait_ready(wait, &mut || {
                     if ring.writer_closed() {
                         let since = *closed_since.get_or_insert_with(Instant::now);
@@ -536,6 +542,7 @@ impl Reader {
                     }
                     RingReader::check_writer(&ring)
                 })?;
+                self.writer_gone_since = None;
             }
             // A remote writer's liveness cannot be checked from here.
             Source::Remote { sub } => sub.wait_ready(wait)?,
@@ -565,7 +572,7 @@ impl Reader {
                     // One that shut down and went away has sent it too, but its process
                     // may have ended before ZeroMQ delivered it: after a grace, lost.
                     let r = ring.ring().clone();
-                    let mut gone_since: Option<Instant> = None;
+                    let gone_since = &mut self.writer_gone_since;
                     let alive = &mut || {
                         if r.writer_closed() && r.writer_gone() {
                             let since = *gone_since.get_or_insert_with(Instant::now);
@@ -576,6 +583,7 @@ impl Reader {
                         RingReader::check_writer(&r)
                     };
                     self.pending = Some(overflow.recv_frames(wait, alive)?);
+                    self.writer_gone_since = None;
                 }
             }
             Source::Remote { sub } => {

@@ -374,3 +374,70 @@ fn acquire_read_hands_out_a_private_view_that_never_shows_the_next_message() {
     drop(v6);
     r.finish_read().unwrap();
 }
+
+#[test]
+fn an_enqueue_ended_by_its_hook_and_started_again_sends_each_message_once() {
+    // What the Python bindings do to run signal handlers with the writer let go: the
+    // hook ends the call, which is made again with the same clock. The writer waits for
+    // its slow remote reader's credit before it writes to the local one, so a call
+    // started again never sends a message twice.
+    use crate::wait::{WaitClock, WaitSpec};
+    let mut w = Writer::new(QueueOptions {
+        n_reader: 2,
+        n_local_reader: 1,
+        max_chunk_bytes: 64,
+        max_chunks: 2,
+        arena_bytes: 0,
+        connect_ip: Some("127.0.0.1".into()),
+        remote: crate::remote::RemoteOptions {
+            hwm: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let h = w.handle().clone();
+    let msgs: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 10]).collect();
+    let t = Some(Duration::from_secs(20));
+    let mut pauses = 0;
+    std::thread::scope(|s| {
+        for rank in [0, 1] {
+            let (h, msgs) = (h.clone(), msgs.clone());
+            s.spawn(move || {
+                let mut r = Reader::open(&h, rank).unwrap();
+                r.wait_until_ready(t).unwrap();
+                for m in &msgs {
+                    if rank == 1 {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    assert_eq!(&r.dequeue(t).unwrap(), m);
+                }
+                let e = r.dequeue(Some(Duration::from_millis(300))).unwrap_err();
+                assert!(matches!(e, Error::Timeout { .. }), "a message more: {e:?}");
+            });
+        }
+        w.wait_until_ready(t).unwrap();
+        for m in &msgs {
+            let mut clock = WaitClock::default();
+            loop {
+                let mut paused = false;
+                let mut pause = || {
+                    paused = true;
+                    Err(Error::Cancelled)
+                };
+                let spec = WaitSpec {
+                    timeout: t,
+                    hook: Some(&mut pause),
+                    quiet: false,
+                    resume: Some(&mut clock),
+                };
+                match w.enqueue(m, spec) {
+                    Ok(()) => break,
+                    Err(_) if paused => pauses += 1,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+    });
+    assert!(pauses > 0, "the writer never waited for its remote reader");
+}

@@ -390,13 +390,20 @@ impl Writer {
     }
 
     fn enqueue_unchecked(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
+        // Every wait comes before anything is sent (see `Wait::commit`).
+        if let Some(remote) = self.remote.as_mut() {
+            remote.wait_for_credit(msg.len() as u64, wait)?;
+        }
         if let Some(ring) = self.ring.as_mut() {
             // A message that fits in a chunk but finds no room in /dev/shm for it goes
             // over the overflow socket too (see `RingWriter::reserve`).
-            if msg.len() <= ring.ring().max_chunk_bytes() && ring.reserve(msg.len())? {
-                ring.write(msg, wait)?;
+            let inline = msg.len() <= ring.ring().max_chunk_bytes() && ring.reserve(msg.len())?;
+            ring.acquire(wait)?;
+            wait.commit();
+            if inline {
+                ring.data_mut().expect("acquired")[..msg.len()].copy_from_slice(msg);
+                ring.commit(msg.len(), ChunkKind::Inline)?;
             } else {
-                ring.acquire(wait)?;
                 let local = self
                     .local
                     .as_ref()
@@ -407,6 +414,7 @@ impl Writer {
             }
         }
         if let Some(remote) = self.remote.as_mut() {
+            wait.commit();
             remote.send(&[msg], wait)?;
             self.count_remote_send();
         }
@@ -460,8 +468,21 @@ impl Writer {
                 "a message needs at least one part (its body)".into(),
             ));
         }
+        // The remote readers' frames: a block of references to the parts that follow it.
+        let remote_block = self.remote.is_some().then(|| {
+            let refs: Vec<PartRef> = (1..=parts.len())
+                .map(|index| PartRef::Frame { index })
+                .collect();
+            framing::encode_vec(&refs)
+        });
+        // Every wait comes before anything is sent (see `Wait::commit`).
+        if let (Some(remote), Some(block)) = (self.remote.as_mut(), &remote_block) {
+            let bytes = block.len() as u64 + parts.iter().map(|p| p.len() as u64).sum::<u64>();
+            remote.wait_for_credit(bytes, wait)?;
+        }
         if let Some(ring) = self.ring.as_mut() {
             ring.acquire(wait)?;
+            wait.commit();
             let refs = place_parts(parts, self.arena.as_mut(), self.arena_threshold, ring);
             // Parts copied into the zero pages of a truncated arena reach nobody.
             if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
@@ -543,13 +564,10 @@ impl Writer {
                 self.overflow_count += 1;
             }
         }
-        if let Some(remote) = self.remote.as_mut() {
-            let refs: Vec<PartRef> = (1..=parts.len())
-                .map(|index| PartRef::Frame { index })
-                .collect();
-            let block = framing::encode_vec(&refs);
+        if let (Some(remote), Some(block)) = (self.remote.as_mut(), &remote_block) {
+            wait.commit();
             let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
-            frames.push(&block);
+            frames.push(block);
             frames.extend_from_slice(parts);
             remote.send(&frames, wait)?;
             self.count_remote_send();

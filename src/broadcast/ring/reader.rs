@@ -114,14 +114,14 @@ impl RingReader {
         }
         // Blocked: say so in this reader's slot (the writer's warnings and the metrics
         // read it), and name the writer if the wait lasts.
-        let since = ring.begin_wait(1 + self.reader);
+        let since = ring.begin_wait(1 + self.reader, wait);
         let waited = wait.until_explained(
             Some(ring.data_ready()),
             &mut || Self::check_writer(ring),
             &mut || ring.explain_writer(),
             ready,
         );
-        ring.end_wait(1 + self.reader, since);
+        ring.end_wait(1 + self.reader, since, wait);
         waited?
     }
 

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::liveness::{Liveness, RoleLock};
 use crate::process::ProcessId;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::wait::Wait;
 
 /// Who holds a side of the ring, and what it has done: its statistics, written only by
 /// the holder (Relaxed stores: other processes read them for reports and warnings, and
@@ -151,23 +152,28 @@ impl Ring {
             .store(crate::process::coarse_now_ns(), Ordering::Relaxed);
     }
 
-    /// Mark slot `index`'s holder as blocked in the queue from now on; returns the time
-    /// to give [`Ring::end_wait`].
-    pub(super) fn begin_wait(&self, index: usize) -> u64 {
+    /// Mark slot `index`'s holder as blocked in the queue from now on, for `wait`, which
+    /// may go on from an earlier call (see [`WaitClock`](crate::wait::WaitClock): then
+    /// the slot says since when the whole wait lasts); returns the time to give
+    /// [`Ring::end_wait`].
+    pub(super) fn begin_wait(&self, index: usize, wait: &Wait) -> u64 {
         let now = crate::process::coarse_now_ns().max(1);
+        let began = now.saturating_sub(wait.elapsed().as_nanos() as u64).max(1);
         // Relaxed: a statistic (see `record_message`).
-        self.slot(index).waiting_since.store(now, Ordering::Relaxed);
+        self.slot(index).waiting_since.store(began, Ordering::Relaxed);
         now
     }
 
-    /// The wait begun at `since` is over (either way): count it.
-    pub(super) fn end_wait(&self, index: usize, since: u64) {
+    /// The part of `wait` begun at `since` is over (either way): count its time, and the
+    /// wait itself once (in the call that began it).
+    pub(super) fn end_wait(&self, index: usize, since: u64, wait: &Wait) {
         let slot = self.slot(index);
         let now = crate::process::coarse_now_ns();
         // Relaxed: statistics written only by this slot's holder (see `record_message`).
         slot.waiting_since.store(0, Ordering::Relaxed);
         let waits = slot.waits.load(Ordering::Relaxed);
-        slot.waits.store(waits.wrapping_add(1), Ordering::Relaxed);
+        let first = u32::from(!wait.is_resumed());
+        slot.waits.store(waits.wrapping_add(first), Ordering::Relaxed);
         let total = slot.wait_ns.load(Ordering::Relaxed);
         slot.wait_ns.store(
             total.wrapping_add(now.saturating_sub(since)),

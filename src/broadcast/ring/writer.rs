@@ -219,14 +219,14 @@ impl RingWriter {
                 Some(rank) => format!("reader {r} (rank {rank})"),
                 None => format!("reader {r}"),
             };
-            let since = ring.begin_wait(0);
+            let since = ring.begin_wait(0, wait);
             let waited = wait.until_explained(
                 Some(ring.chunk_freed()),
                 &mut || Self::check_readers(ring, dropped, policy, i),
                 &mut || ring.explain_readers_behind(i, &|r| Self::is_dropped(dropped, r), &name),
                 || free().then_some(()),
             );
-            ring.end_wait(0, since);
+            ring.end_wait(0, since, wait);
             waited?;
         }
         protocol::begin_write(&chunk);
