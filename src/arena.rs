@@ -65,6 +65,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
+use crate::region::{region, RawRegion};
 use crate::process::ProcessId;
 use crate::range_alloc::RangeAllocator;
 use crate::segment::{LoanPages, 
@@ -734,8 +735,12 @@ impl ArenaWriter {
         Some(Loan {
             map: self.map.clone(),
             lease,
-            ptr,
-            len,
+            // SAFETY: `ptr..ptr+len` lies in the lease, inside the mapping that `map`
+            // keeps alive as long as the loan; the allocator gave the lease to this loan
+            // alone. Readers that hold the lease read it through their own private
+            // mappings; once sent, the loan's pages are this process's private
+            // copy-on-write view (sealed by `publish`), so later writes reach no reader.
+            bytes: unsafe { RawRegion::new(ptr, len) },
             pages,
             made_in: crate::fork::generation(),
         })
@@ -930,8 +935,7 @@ impl LazyArenaWriter {
 pub struct Loan {
     map: Arc<Mapped>,
     lease: u32,
-    ptr: *mut u8,
-    len: usize,
+    bytes: RawRegion,
     pages: Arc<LoanPages>,
     /// The fork generation it was made in: a forked child's copy gives nothing back.
     made_in: u64,
@@ -947,40 +951,12 @@ impl std::fmt::Debug for Loan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Loan")
             .field("lease", &self.lease)
-            .field("len", &self.len)
+            .field("len", &self.bytes.len())
             .finish()
     }
 }
 
-impl Loan {
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl std::ops::Deref for Loan {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies in the lease, inside the mapping `map` keeps alive.
-        // Readers that hold the lease read it through their own private mappings; once
-        // sent, the loan's pages are this process's private copy-on-write view (sealed
-        // by `publish`), so later writes through it reach no reader.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl std::ops::DerefMut for Loan {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`; `&mut self` makes this the only reference in this process.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
+region!(Loan, bytes, mut);
 
 impl Drop for Loan {
     fn drop(&mut self) {
@@ -1164,30 +1140,7 @@ impl std::fmt::Debug for ArenaView {
     }
 }
 
-impl ArenaView {
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.map.as_ptr()
-    }
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-}
-
-impl std::ops::Deref for ArenaView {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.map
-    }
-}
-
-impl std::ops::DerefMut for ArenaView {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.map
-    }
-}
+region!(ArenaView, map, mut);
 
 impl Drop for ArenaView {
     fn drop(&mut self) {

@@ -12,7 +12,8 @@
 //! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic;
 //! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
-//!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet);
+//!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet, and the clock of a wait
+//!   started over);
 //! - [`copy`]: large copies into shared memory;
 //! - `random`: secrets and nonces from the kernel;
 //! - `fork`: what a forked child must not do with what it inherited;
@@ -29,6 +30,8 @@
 //! - `range_alloc`: the whole-page allocator of the arena's and the encoder cache's data
 //!   regions;
 //! - `private_map`: private copy-on-write views of a segment;
+//! - `region`: what every region of shared memory handed out (loan, view) gives: its
+//!   pointer, length and bytes;
 //! - `pins`: a process's views holding store chunks (file locks the writer checks before
 //!   it frees);
 //! - `transport`: ZeroMQ, for local readers' oversized messages;
@@ -132,6 +135,7 @@ not_loom! {
     pub(crate) mod pins;
     pub(crate) mod private_map;
     pub(crate) mod random;
+    pub(crate) mod region;
     pub(crate) mod range_alloc;
     pub mod remote;
     pub(crate) mod segment;

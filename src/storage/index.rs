@@ -13,6 +13,7 @@ use super::store_segment::{
 use crate::alloc::{Chunk, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::segment::{warn_shm_too_small, LoanPages};
+use crate::region::RawRegion;
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
 /// (the count, the frame and the other parts: the pickle or msgpack stream and small
@@ -42,8 +43,7 @@ pub(super) struct LoanSpot {
 /// is what was put, whatever the writer writes into the loan afterwards.
 #[derive(Debug)]
 pub struct StoreLoan {
-    pub(super) ptr: *mut u8,
-    pub(super) len: usize,
+    pub(super) bytes: RawRegion,
     pages: Arc<LoanPages>,
     pub(super) _pin: Arc<ChunkPin>,
 }
@@ -69,35 +69,7 @@ unsafe impl Send for StoreLoan {}
 // SAFETY: as for Send: `&StoreLoan` gives the pointer out, not access.
 unsafe impl Sync for StoreLoan {}
 
-impl std::ops::Deref for StoreLoan {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: `len` bytes of the loan's chunk, mapped and unreused while the pin
-        // lives. Readers only get the chunk's handle once it is put; from then on they
-        // read what the writer wrote, and a writer that keeps writing is racing only with
-        // its own readers' view of the data (byte values, never memory safety).
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl std::ops::DerefMut for StoreLoan {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`; `&mut self` makes this the only slice made from it.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl StoreLoan {
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
+crate::region::region!(StoreLoan, bytes, mut);
 
 /// The writer's bookkeeping for one object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -466,8 +438,12 @@ impl ObjectStore {
         };
         self.loans.insert(chunk.id, spot);
         Ok(StoreLoan {
-            ptr,
-            len: nbytes as usize,
+            // SAFETY: `len` bytes of the loan's chunk, mapped and not reused while the pin
+            // lives, and handed to this loan alone. Readers only get the chunk's handle
+            // once it is put; from then on they read what the writer wrote, and a writer
+            // that keeps writing races only with its own readers' view of the data (byte
+            // values, never memory safety).
+            bytes: unsafe { RawRegion::new(ptr, nbytes as usize) },
             pages,
             _pin: pin,
         })

@@ -321,24 +321,7 @@ pub struct PartView {
     pub(super) _pin: Arc<ChunkPin>,
 }
 
-impl PartView {
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.map.as_ptr()
-    }
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-}
-
-impl std::ops::Deref for PartView {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.map
-    }
-}
+crate::region::region!(PartView, map);
 
 /// What [`read_object_viewed`] offers to map parts of the object it reads. The chunk is
 /// pinned at the first [`ObjectViews::map`] (objects read without views cost no pin).
