@@ -29,9 +29,9 @@
 //!   makes;
 //! - `range_alloc`: the whole-page allocator of the arena's and the encoder cache's data
 //!   regions;
-//! - `private_map`: private copy-on-write views of a segment;
 //! - `region`: what every region of shared memory handed out (loan, view) gives: its
 //!   pointer, length and bytes;
+//! - `private_map`: private copy-on-write views of a segment;
 //! - `pins`: a process's views holding store chunks (file locks the writer checks before
 //!   it frees);
 //! - `transport`: ZeroMQ, for local readers' oversized messages;

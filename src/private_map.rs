@@ -41,6 +41,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
+use crate::region::{region, RawRegion};
 
 pub use crate::segment::page_size;
 
@@ -138,11 +139,16 @@ impl PrivateFile {
             let start = (offset / page * page) as usize;
             let end = ((offset + len as u64).div_ceil(page) * page) as usize;
             if window.claim(start, end) {
+                // SAFETY: `offset + len <= self.len`, the window's length.
+                let ptr = unsafe { window.base.add(offset as usize) };
                 return Ok(PrivateMap {
                     sigbus: None,
-                    // SAFETY: `offset + len <= self.len`, the window's length.
-                    ptr: unsafe { window.base.add(offset as usize) },
-                    len,
+                    // SAFETY: the range lies in the window's pages `start..end`, which this
+                    // view has claimed (no other live view has them) and which stay mapped
+                    // while the view holds the window. Pages not yet written here show the
+                    // segment's bytes, which the layer above keeps the writer from changing
+                    // while the view lives.
+                    bytes: unsafe { RawRegion::new(ptr, len) },
                     map: Mapping::Window {
                         window: window.clone(),
                         start,
@@ -187,12 +193,16 @@ impl PrivateFile {
             ));
         }
         let p = p as *mut u8;
+        // SAFETY: the offset within the first page is below `map_len`.
+        let ptr = unsafe { p.add((offset - start) as usize) };
         Ok(PrivateMap {
             sigbus: Some(self.sigbus.protect(p, map_len)),
             map: Mapping::Own(p, map_len),
-            // SAFETY: the offset within the first page is below `map_len`.
-            ptr: unsafe { p.add((offset - start) as usize) },
-            len,
+            // SAFETY: the range lies in this view's own mapping, made just above and
+            // unmapped only when the view is dropped; writes go to private copy-on-write
+            // pages. Pages not yet written show the segment's bytes, which the layer above
+            // keeps the writer from changing while the view lives.
+            bytes: unsafe { RawRegion::new(ptr, len) },
         })
     }
 }
@@ -450,8 +460,7 @@ enum Mapping {
 /// range of the file's window (see the module docs). Given back when dropped.
 pub struct PrivateMap {
     map: Mapping,
-    ptr: *mut u8,
-    len: usize,
+    bytes: RawRegion,
     /// A mapping of its own's entry in the `SIGBUS` registry (`None` for a window view:
     /// the window's covers it), released before it is unmapped.
     sigbus: Option<crate::sigbus::Guard>,
@@ -466,28 +475,22 @@ unsafe impl Sync for PrivateMap {}
 impl std::fmt::Debug for PrivateMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PrivateMap")
-            .field("len", &self.len)
+            .field("len", &self.bytes.len())
             .finish()
     }
 }
+
+region!(PrivateMap, bytes, mut);
 
 impl PrivateMap {
     fn empty() -> PrivateMap {
         PrivateMap {
             map: Mapping::None,
-            ptr: NonNull::dangling().as_ptr(),
-            len: 0,
+            // SAFETY: zero bytes at a dangling, non-null pointer: an empty slice, nothing
+            // to keep mapped.
+            bytes: unsafe { RawRegion::new(NonNull::dangling().as_ptr(), 0) },
             sigbus: None,
         }
-    }
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 }
 
@@ -552,24 +555,6 @@ impl PrivateMap {
             ));
         }
         Ok(())
-    }
-}
-
-impl std::ops::Deref for PrivateMap {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies in this object's own mapping or in its claimed range
-        // of the window (no other live view has those pages), alive until drop.
-        // Pages not yet written here show the segment's bytes, which the layer above
-        // keeps the writer from changing while the view lives.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl std::ops::DerefMut for PrivateMap {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`; writes go to private copy-on-write pages.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 

@@ -1,11 +1,12 @@
 //! The regions of shared memory that shmq hands out to fill or to read (a queue's
 //! [`Loan`](crate::Loan) and [`ArenaView`](crate::ArenaView), the store's
-//! [`StoreLoan`](crate::storage::StoreLoan) and [`PartView`](crate::storage::PartView)):
-//! one definition of their pointer, length and slice access ([`region!`]), and of the
-//! raw range a loan writes into ([`RawRegion`]).
+//! [`StoreLoan`](crate::storage::StoreLoan) and [`PartView`](crate::storage::PartView),
+//! and the private mapping under every view): one definition of their pointer, length
+//! and slice access ([`region!`]), and of the raw range under them ([`RawRegion`]).
 
 /// `len` bytes at `ptr`, inside a mapping that the region's owner keeps alive: the bytes
-/// of a loan. Made only through [`RawRegion::new`], whose contract its slices rely on.
+/// of a loan or of a private mapping. Made only through [`RawRegion::new`], whose
+/// contract its slices rely on.
 #[derive(Debug)]
 pub(crate) struct RawRegion {
     ptr: *mut u8,
@@ -19,9 +20,10 @@ impl RawRegion {
     /// For as long as the `RawRegion` lives, `ptr..ptr + len` must stay mapped, readable
     /// and writable in this process, and no other object of this process may make
     /// references to those bytes: its owner keeps the mapping alive and the range to
-    /// itself (an arena lease, a pinned store chunk). A peer process may still write
-    /// them (a hostile one, or readers through a mapping of their own): that changes
-    /// byte values, which any bit pattern is, never memory safety.
+    /// itself (an arena lease, a pinned store chunk, a private mapping of its own). A
+    /// peer process may still write them (a hostile one, or readers through a mapping
+    /// of their own): that changes byte values, which any bit pattern is, never memory
+    /// safety.
     pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> RawRegion {
         RawRegion { ptr, len }
     }

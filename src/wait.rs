@@ -869,31 +869,40 @@ mod tests {
         assert!(matches!(err, Err(Error::Cancelled)));
         assert_eq!(calls, 3);
     }
-    #[test]
-    fn a_wait_ended_by_its_hook_goes_on_with_its_clock() {
-        let mut clock = WaitClock::default();
-        let timeout = Some(Duration::from_millis(120));
-        let mut pauses = 0;
-        let started = Instant::now();
+    /// Wait with a hook that ends every call it is called in, calling again with the
+    /// same clock, as the Python bindings do after running signal handlers with no lock
+    /// held, until the wait ends otherwise: that error, and how many calls the hook ended.
+    fn wait_resumed(
+        clock: &mut WaitClock,
+        timeout: Duration,
+        doorbell: Option<&DoorbellWords>,
+        peer_alive: &mut dyn FnMut() -> Result<()>,
+    ) -> (Error, usize) {
         let flag = AtomicBool::new(false);
-        let err = loop {
-            // Each round is a new call of the same blocking operation, as the Python
-            // bindings make it after running signal handlers with no lock held.
+        let mut pauses = 0;
+        loop {
             let mut pause = || Err(Error::Cancelled);
             let spec = WaitSpec {
-                timeout,
+                timeout: Some(timeout),
                 hook: Some(&mut pause),
                 quiet: false,
-                resume: Some(&mut clock),
+                resume: Some(&mut *clock),
             };
             let r = spec
                 .into_wait("t", WaitPolicy::default(), &flag)
-                .until(None, &mut no_peer, || None::<()>);
+                .until(doorbell, &mut *peer_alive, || None::<()>);
             match r {
                 Err(Error::Cancelled) => pauses += 1,
-                other => break other.unwrap_err(),
+                other => return (other.unwrap_err(), pauses),
             }
-        };
+        }
+    }
+
+    #[test]
+    fn a_wait_ended_by_its_hook_goes_on_with_its_clock() {
+        let mut clock = WaitClock::default();
+        let started = Instant::now();
+        let (err, pauses) = wait_resumed(&mut clock, Duration::from_millis(120), None, &mut no_peer);
         // The deadline is the first call's: the rounds did not each get 120 ms.
         let Error::Timeout { waited, .. } = err else {
             panic!("{err:?}")
@@ -919,30 +928,17 @@ mod tests {
         assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
         assert_eq!(calls, 0);
     }
+
     #[test]
     fn a_wait_its_hook_ends_every_time_still_checks_its_peer() {
-        let mut clock = WaitClock::default();
-        let flag = AtomicBool::new(false);
         let bell = DoorbellWords::default();
         let started = Instant::now();
-        let err = loop {
-            let mut pause = || Err(Error::Cancelled);
-            let spec = WaitSpec {
-                timeout: Some(Duration::from_secs(20)),
-                hook: Some(&mut pause),
-                quiet: false,
-                resume: Some(&mut clock),
-            };
-            let r = spec.into_wait("t", WaitPolicy::default(), &flag).until(
-                Some(&bell),
-                &mut || Err(Error::WrongRole("peer died".into())),
-                || None::<()>,
-            );
-            match r {
-                Err(Error::Cancelled) => {}
-                other => break other.unwrap_err(),
-            }
-        };
+        let (err, _) = wait_resumed(
+            &mut WaitClock::default(),
+            Duration::from_secs(20),
+            Some(&bell),
+            &mut || Err(Error::WrongRole("peer died".into())),
+        );
         assert!(err.to_string().contains("peer died"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(5));
     }

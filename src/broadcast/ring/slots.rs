@@ -160,7 +160,9 @@ impl Ring {
         let now = crate::process::coarse_now_ns().max(1);
         let began = now.saturating_sub(wait.elapsed().as_nanos() as u64).max(1);
         // Relaxed: a statistic (see `record_message`).
-        self.slot(index).waiting_since.store(began, Ordering::Relaxed);
+        self.slot(index)
+            .waiting_since
+            .store(began, Ordering::Relaxed);
         now
     }
 
@@ -173,7 +175,8 @@ impl Ring {
         slot.waiting_since.store(0, Ordering::Relaxed);
         let waits = slot.waits.load(Ordering::Relaxed);
         let first = u32::from(!wait.is_resumed());
-        slot.waits.store(waits.wrapping_add(first), Ordering::Relaxed);
+        slot.waits
+            .store(waits.wrapping_add(first), Ordering::Relaxed);
         let total = slot.wait_ns.load(Ordering::Relaxed);
         slot.wait_ns.store(
             total.wrapping_add(now.saturating_sub(since)),
