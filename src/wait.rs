@@ -251,6 +251,20 @@ pub struct WaitClock {
     next_liveness: Option<Instant>,
     /// The end of the yield phase, once the spin phase is over.
     yield_end: Option<Instant>,
+    /// When the wait first blocked on a ring (see [`Wait::blocked_since`]).
+    blocked_since: Option<Instant>,
+}
+
+impl WaitClock {
+    /// The deadline of the wait it carries on (`None`: none, or no wait begun yet).
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// How long since the wait it carries on began (zero if none has).
+    pub fn elapsed(&self) -> Duration {
+        self.started.map_or(Duration::ZERO, |t| t.elapsed())
+    }
 }
 
 impl From<Option<Duration>> for WaitSpec<'_> {
@@ -309,6 +323,8 @@ pub struct Wait<'a> {
     committed: bool,
     /// It goes on from an earlier call's wait ([`resuming`](Self::resuming)).
     resumed: bool,
+    /// When it first blocked on a ring ([`blocked_since`](Self::blocked_since)).
+    blocked_since: Option<Instant>,
     /// Where the clocks go when the wait ends ([`resuming`](Self::resuming)).
     clock: Option<&'a mut WaitClock>,
 }
@@ -322,6 +338,7 @@ impl Drop for Wait<'_> {
                 next_warning: self.next_warning,
                 next_liveness: Some(self.next_liveness),
                 yield_end: self.yield_end,
+                blocked_since: self.blocked_since,
             };
         }
     }
@@ -345,6 +362,7 @@ impl<'a> Wait<'a> {
             yield_end: None,
             committed: false,
             resumed: false,
+            blocked_since: None,
             clock: None,
         }
     }
@@ -367,6 +385,7 @@ impl<'a> Wait<'a> {
             yield_end: None,
             committed: false,
             resumed: false,
+            blocked_since: None,
             clock: None,
         }
     }
@@ -395,6 +414,7 @@ impl<'a> Wait<'a> {
             }
             self.next_liveness = clock.next_liveness.unwrap_or(self.next_liveness);
             self.yield_end = clock.yield_end;
+            self.blocked_since = clock.blocked_since;
             self.resumed = true;
         }
         self.clock = Some(clock);
@@ -437,10 +457,23 @@ impl<'a> Wait<'a> {
         self
     }
 
-    /// Whether it goes on from an earlier call's wait (see [`WaitClock`]): statistics
-    /// count the wait once, in the call that began it.
+    /// Whether it goes on from an earlier call's wait (see [`WaitClock`]).
     pub fn is_resumed(&self) -> bool {
         self.resumed
+    }
+
+    /// For a ring's wait statistics: when this wait first blocked on the ring, over all
+    /// the calls it goes on from (see [`WaitClock`]), and whether that is now (then the
+    /// statistics count a wait; a resumed one is counted once).
+    pub fn blocked_since(&mut self) -> (Instant, bool) {
+        match self.blocked_since {
+            Some(t) => (t, false),
+            None => {
+                let t = Instant::now();
+                self.blocked_since = Some(t);
+                (t, true)
+            }
+        }
     }
 
     /// Time since the wait began (the whole wait's, for a resumed one).

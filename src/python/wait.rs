@@ -9,7 +9,7 @@
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -140,7 +140,9 @@ where
 /// this same object: its getters, `shutdown()`), and `f` is called again under the lock
 /// with the same [`WaitClock`], so the wait goes on where it stopped (same deadline,
 /// warnings and statistics; the core never ends a call at its hook once it has sent
-/// anything: see `Wait::commit`). Returns `f`'s value with the lock still held, for what
+/// anything: see `Wait::commit`). Another thread may take the object between two calls:
+/// taking it back then waits no longer than the deadline ([`relock`]). Returns `f`'s
+/// value with the lock still held, for what
 /// must follow under the same hold; the core's error goes through `to_python` (which
 /// may add what only the binding knows, such as which queue: see `broadcast::QueueName`).
 pub(crate) fn blocking_on<'l, S, T, F>(
@@ -158,8 +160,8 @@ where
 {
     let checks = Checks::new(py, interrupts);
     let mut clock = WaitClock::default();
+    let mut guard = lock(py, lock_, what)?;
     loop {
-        let mut guard = lock(py, lock_, what)?;
         let state = &mut *guard;
         let mut paused = false;
         let result = py.detach(|| {
@@ -185,6 +187,42 @@ where
         }
         if checks.run(py)? {
             return Err(to_python(Error::Cancelled));
+        }
+        guard = match relock(py, lock_, what, &checks, &clock)? {
+            Ok(g) => g,
+            Err(e) => return Err(to_python(e)),
+        };
+    }
+}
+
+/// Take `lock_` again after a pause of [`blocking_on`]. Another thread may have taken
+/// it meanwhile (a call of its own on the same object): unlike [`lock`], this does not
+/// wait for it without end, but keeps running the checks every few milliseconds and
+/// ends at the call's deadline (`Error::Timeout`) or its cancel event (`Cancelled`).
+fn relock<'l, S: Send>(
+    py: Python<'_>,
+    lock_: &'l BindingLock<S>,
+    what: &str,
+    checks: &Checks,
+    clock: &WaitClock,
+) -> PyResult<Result<BindingGuard<'l, S>>> {
+    const POLL: Duration = Duration::from_millis(1);
+    const CHECKS_EVERY: u32 = 10;
+    let mut polls = 0u32;
+    loop {
+        if let Some(guard) = try_lock(lock_, what)? {
+            return Ok(Ok(guard));
+        }
+        if clock.deadline().is_some_and(|d| Instant::now() >= d) {
+            return Ok(Err(Error::Timeout {
+                what: format!("waiting for this {what}, which another thread is using"),
+                waited: clock.elapsed(),
+            }));
+        }
+        py.detach(|| std::thread::sleep(POLL));
+        polls += 1;
+        if checks.needed && polls % CHECKS_EVERY == 0 && checks.run(py)? {
+            return Ok(Err(Error::Cancelled));
         }
     }
 }
@@ -274,27 +312,35 @@ pub(crate) fn lock<'a, T: Send>(
     m: &'a BindingLock<T>,
     what: &str,
 ) -> PyResult<BindingGuard<'a, T>> {
-    let me = thread_token();
     loop {
-        match m.mutex.try_lock() {
-            Ok(guard) => {
-                m.holder.store(me, Ordering::Relaxed);
-                return Ok(BindingGuard {
-                    guard,
-                    holder: &m.holder,
-                });
-            }
-            Err(TryLockError::Poisoned(_)) => return Err(poisoned(what)),
-            Err(TryLockError::WouldBlock) if m.holder.load(Ordering::Relaxed) == me => {
-                return Err(PyRuntimeError::new_err(format!(
+        if let Some(guard) = try_lock(m, what)? {
+            return Ok(guard);
+        }
+        // A poisoned `lock()` here is seen as such by the next `try_lock`.
+        py.detach(|| drop(m.mutex.lock()));
+    }
+}
+
+/// [`lock`] if that needs no wait; `None` while another thread holds the lock.
+fn try_lock<'a, T: Send>(m: &'a BindingLock<T>, what: &str) -> PyResult<Option<BindingGuard<'a, T>>> {
+    let me = thread_token();
+    match m.mutex.try_lock() {
+        Ok(guard) => {
+            m.holder.store(me, Ordering::Relaxed);
+            Ok(Some(BindingGuard {
+                guard,
+                holder: &m.holder,
+            }))
+        }
+        Err(TryLockError::Poisoned(_)) => Err(poisoned(what)),
+        Err(TryLockError::WouldBlock) if m.holder.load(Ordering::Relaxed) == me => {
+            Err(PyRuntimeError::new_err(format!(
                     "this {what} was called from code that one of its own calls is running \
                      (a finalizer run by the garbage collector); that call holds it until \
                      it returns"
-                )))
-            }
-            // A poisoned `lock()` here is seen as such by the next `try_lock`.
-            Err(TryLockError::WouldBlock) => py.detach(|| drop(m.mutex.lock())),
+            )))
         }
+        Err(TryLockError::WouldBlock) => Ok(None),
     }
 }
 

@@ -123,6 +123,41 @@ def test_a_signal_handler_may_call_the_blocked_writer_and_the_wait_goes_on():
     assert reader.dequeue(timeout=10) == "m1"
 
 
+def test_a_call_whose_reader_another_thread_took_meanwhile_still_ends_at_its_deadline():
+    # The main thread's dequeue lets go of the reader for its (slow) cancel check; another
+    # thread's dequeue takes the reader then and keeps it for its own whole wait (no
+    # check: not the main thread, no cancel event). The first call must still end at its
+    # own deadline, not wait for the other's.
+    import threading
+    import time
+
+    writer, reader = _blocked_reader()
+
+    class SlowCheck:
+        def is_set(self) -> bool:
+            time.sleep(0.05)  # the GIL and the reader let go: the other thread gets in
+            return False
+
+    other: list[BaseException] = []
+
+    def takes_the_reader() -> None:
+        time.sleep(0.2)  # once the main thread's dequeue is waiting
+        try:
+            reader.dequeue(timeout=4)
+        except BaseException as e:
+            other.append(e)
+
+    t = threading.Thread(target=takes_the_reader)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="another thread is using"):
+        reader.dequeue(timeout=1.0, cancel=SlowCheck())
+    waited = time.monotonic() - t0
+    t.join(10)
+    assert 1.0 <= waited < 2.5, waited
+    assert len(other) == 1 and isinstance(other[0], TimeoutError), other
+
+
 def test_a_finalizer_that_calls_its_reader_under_its_lock_gets_an_error_not_a_deadlock():
     # The one way left to meet a held lock: the garbage collector runs a finalizer while
     # the reader makes the message's objects under its lock. The core reader is called

@@ -350,10 +350,10 @@ pub struct Reader {
     /// The mapping of the chunk [`acquire_read`](Reader::acquire_read) handed out, until
     /// [`finish_read`](Reader::finish_read) detaches or retires it.
     open_chunk: Option<Arc<PrivateMap>>,
-    /// Since when the waits of this reader have seen the writer shut down (before the
-    /// go-ahead) or gone (before an overflow message came): after [`READY_GRACE`] the
-    /// wait fails. Kept here, not in the wait, so that a wait started over (see
-    /// [`WaitClock`](crate::wait::WaitClock)) still ends.
+    /// Since when this reader's wait has seen the writer shut down (before the go-ahead)
+    /// or gone (before an overflow message came): after [`READY_GRACE`] the wait fails.
+    /// Kept here, not in the wait's closure, so that a wait started over (see
+    /// [`WaitClock`](crate::wait::WaitClock)) still ends; a new wait starts afresh.
     writer_gone_since: Option<Instant>,
     _ctx: LeakInChild<zmq::Context>,
 }
@@ -529,6 +529,9 @@ impl Reader {
         if self.ready {
             return Ok(());
         }
+        if !wait.is_resumed() {
+            self.writer_gone_since = None;
+        }
         match &mut self.source {
             Source::Local { overflow, ring, .. } => {
                 let ring = ring.ring().clone();
@@ -563,6 +566,9 @@ impl Reader {
     /// [`wait_message`](Self::wait_message) under a wait of the caller's own.
     pub fn wait_message_with(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
+        if !wait.is_resumed() {
+            self.writer_gone_since = None;
+        }
         match &mut self.source {
             Source::Local { ring, overflow, .. } => {
                 let info = ring.wait(wait)?;

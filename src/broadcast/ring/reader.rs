@@ -121,7 +121,7 @@ impl RingReader {
             &mut || ring.explain_writer(),
             ready,
         );
-        ring.end_wait(1 + self.reader, since, wait);
+        ring.end_wait(1 + self.reader, since);
         waited?
     }
 

@@ -153,30 +153,32 @@ impl Ring {
     }
 
     /// Mark slot `index`'s holder as blocked in the queue from now on, for `wait`, which
-    /// may go on from an earlier call (see [`WaitClock`](crate::wait::WaitClock): then
-    /// the slot says since when the whole wait lasts); returns the time to give
-    /// [`Ring::end_wait`].
-    pub(super) fn begin_wait(&self, index: usize, wait: &Wait) -> u64 {
+    /// may go on from an earlier call (see [`WaitClock`](crate::wait::WaitClock)): then
+    /// the slot says since when the whole wait has been blocked. Returns the time to give
+    /// [`Ring::end_wait`], and whether the wait is counted (once per wait).
+    pub(super) fn begin_wait(&self, index: usize, wait: &mut Wait) -> (u64, bool) {
+        let (blocked_since, first) = wait.blocked_since();
         let now = crate::process::coarse_now_ns().max(1);
-        let began = now.saturating_sub(wait.elapsed().as_nanos() as u64).max(1);
+        let began = now
+            .saturating_sub(blocked_since.elapsed().as_nanos() as u64)
+            .max(1);
         // Relaxed: a statistic (see `record_message`).
         self.slot(index)
             .waiting_since
             .store(began, Ordering::Relaxed);
-        now
+        (now, first)
     }
 
-    /// The part of `wait` begun at `since` is over (either way): count its time, and the
-    /// wait itself once (in the call that began it).
-    pub(super) fn end_wait(&self, index: usize, since: u64, wait: &Wait) {
+    /// The part of a wait begun at `since` (from [`Ring::begin_wait`]) is over (either
+    /// way): count its time, and the wait itself if `counted`.
+    pub(super) fn end_wait(&self, index: usize, (since, counted): (u64, bool)) {
         let slot = self.slot(index);
         let now = crate::process::coarse_now_ns();
         // Relaxed: statistics written only by this slot's holder (see `record_message`).
         slot.waiting_since.store(0, Ordering::Relaxed);
         let waits = slot.waits.load(Ordering::Relaxed);
-        let first = u32::from(!wait.is_resumed());
         slot.waits
-            .store(waits.wrapping_add(first), Ordering::Relaxed);
+            .store(waits.wrapping_add(u32::from(counted)), Ordering::Relaxed);
         let total = slot.wait_ns.load(Ordering::Relaxed);
         slot.wait_ns.store(
             total.wrapping_add(now.saturating_sub(since)),

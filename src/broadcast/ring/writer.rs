@@ -226,7 +226,7 @@ impl RingWriter {
                 &mut || ring.explain_readers_behind(i, &|r| Self::is_dropped(dropped, r), &name),
                 || free().then_some(()),
             );
-            ring.end_wait(0, since, wait);
+            ring.end_wait(0, since);
             waited?;
         }
         protocol::begin_write(&chunk);
