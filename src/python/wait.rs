@@ -142,9 +142,9 @@ where
 /// warnings and statistics; the core never ends a call at its hook once it has sent
 /// anything: see `Wait::commit`). Another thread may take the object between two calls:
 /// taking it back then waits no longer than the deadline ([`relock`]). Returns `f`'s
-/// value with the lock still held, for what
-/// must follow under the same hold; the core's error goes through `to_python` (which
-/// may add what only the binding knows, such as which queue: see `broadcast::QueueName`).
+/// value with the lock still held, for what must follow under the same hold; the core's
+/// error goes through `to_python` (which may add what only the binding knows, such as
+/// which queue: see `broadcast::QueueName`).
 pub(crate) fn blocking_on<'l, S, T, F>(
     py: Python<'_>,
     lock_: &'l BindingLock<S>,
