@@ -998,10 +998,6 @@ impl ArenaReader {
     /// Open the arena `name` as reader number `reader`.
     pub fn open(name: &str, reader: usize) -> Result<ArenaReader> {
         let segment = Segment::open(name)?;
-        let bad = |reason: String| Error::BadSegment {
-            name: name.to_owned(),
-            reason,
-        };
         let check = HeaderCheck {
             min_len: TABLE_OFFSET,
             magic: ARENA_MAGIC,
@@ -1025,7 +1021,7 @@ impl ArenaReader {
                 != (geo.lease_stride as u64, geo.data_offset as u64)
             || segment.len() < geo.total
         {
-            return Err(bad("its header does not match its size".into()));
+            return Err(segment.header_mismatch());
         }
         if reader >= geo.n_reader {
             return Err(Error::InvalidArgument(format!(

@@ -672,6 +672,20 @@ pub(crate) struct HeaderCheck {
 }
 
 impl Segment {
+    /// The error for this segment when it cannot be used: `reason` says why (an opener's
+    /// checks of its header and geometry all say it this way).
+    pub(crate) fn bad(&self, reason: impl Into<String>) -> Error {
+        Error::BadSegment {
+            name: self.name.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    /// An opener's refusal of a header whose geometry does not match the segment's size.
+    pub(crate) fn header_mismatch(&self) -> Error {
+        self.bad("its header does not match its size")
+    }
+
     /// The header of type `H` at the start of the segment and the mapping's base
     /// address, once the segment is at least `check.min_len` bytes long and the header
     /// carries `check.magic` and `check.version`; `fields` picks the header's magic and
@@ -689,10 +703,7 @@ impl Segment {
         fields: impl FnOnce(&H) -> (&AtomicU64, &u32),
     ) -> Result<(NonNull<u8>, &H)> {
         debug_assert!(check.min_len >= std::mem::size_of::<H>());
-        let bad = |reason: String| Error::BadSegment {
-            name: self.name.clone(),
-            reason,
-        };
+        let bad = |reason: String| self.bad(reason);
         if self.len() < check.min_len {
             return Err(bad(format!("it is only {} bytes long", self.len())));
         }

@@ -286,10 +286,6 @@ impl Mapped {
     }
 
     fn validate(segment: Segment) -> Result<Mapped> {
-        let bad = |reason: String| Error::BadSegment {
-            name: segment.name().to_owned(),
-            reason,
-        };
         let check = HeaderCheck {
             min_len: HEADER_BYTES,
             magic: MAGIC,
@@ -308,13 +304,13 @@ impl Mapped {
             header.max_consumers as usize,
             header.page_size as usize,
         )
-        .map_err(|e| bad(format!("its header is invalid ({e})")))?;
+        .map_err(|e| segment.bad(format!("its header is invalid ({e})")))?;
         if geo.page_size != page_size()
             || geo.capacity as u64 != header.capacity
             || geo.data_offset as u64 != header.data_offset
             || segment.len() < geo.total
         {
-            return Err(bad("its header does not match its size".into()));
+            return Err(segment.header_mismatch());
         }
         Ok(Mapped { segment, base, geo })
     }

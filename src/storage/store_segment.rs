@@ -250,10 +250,6 @@ impl StoreSegment {
 
     pub(super) fn open(name: &str) -> Result<StoreSegment> {
         let segment = Segment::open(name)?;
-        let bad = |reason: String| Error::BadSegment {
-            name: name.to_owned(),
-            reason,
-        };
         let check = HeaderCheck {
             min_len: RING_OFFSET,
             magic: STORE_MAGIC,
@@ -271,7 +267,7 @@ impl StoreSegment {
             unsafe { segment.checked_header(&check, |h: &StoreHeader| (&h.magic, &h.version)) }?;
         let capacity = header.capacity;
         if (segment.len() - RING_OFFSET) as u64 != capacity || capacity <= HEADER_BYTES {
-            return Err(bad("its header does not match its size".into()));
+            return Err(segment.header_mismatch());
         }
         let mut secret = [0u8; SECRET_BYTES];
         // SAFETY: SECRET_OFFSET + SECRET_BYTES <= RING_OFFSET <= len; the secret was

@@ -165,10 +165,6 @@ impl Ring {
     /// layout version.
     pub fn open(name: &str) -> Result<Ring> {
         let segment = Segment::open(name)?;
-        let bad = |reason: String| Error::BadSegment {
-            name: name.to_owned(),
-            reason,
-        };
         let check = HeaderCheck {
             min_len: SLOTS_OFFSET,
             magic: RING_MAGIC,
@@ -201,7 +197,7 @@ impl Ring {
             geo.data_offset as u64,
         );
         if stored != expected || segment.len() < geo.total {
-            return Err(bad("its header does not match its size".into()));
+            return Err(segment.header_mismatch());
         }
         let probe = LockProbe::open(name);
         Ok(Ring {
