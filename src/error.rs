@@ -59,12 +59,16 @@ pub enum Error {
     #[error("{}", stale_object_message(address, id))]
     StaleObject { address: u64, id: u64 },
 
-    /// A handle's signature is missing or does not match (vLLM 0.33's messages).
-    #[error(
-        "{} SHM handle signature for cache key.",
-        if *missing { "Missing" } else { "Invalid" }
-    )]
-    BadSignature { missing: bool },
+    /// A handle's signature is missing or does not match (vLLM 0.33's messages); `why`,
+    /// when known, says what was wrong (the Python store adds the key's repr).
+    #[error("{}", match why {
+        Some(why) => bad_signature_message(*missing, None, &why.to_string()),
+        None => format!("{} SHM handle signature for cache key.", if *missing { "Missing" } else { "Invalid" }),
+    })]
+    BadSignature {
+        missing: bool,
+        why: Option<HandleRefusal>,
+    },
 
     /// `put` of a key the store already has.
     #[error("Key '{0}' already exists in the storage.")]
@@ -232,6 +236,43 @@ fn writer_shut_down_message(queue: Option<&str>) -> String {
         "the writer{of_queue} shut down: every message it sent before has been received, and \
          no more will come"
     )
+}
+
+/// Why a store refuses a handle a request brings back: the words after vLLM's "Invalid SHM
+/// handle signature for cache key ...:" (readers: the signature; the writer also checks
+/// that the handle is the key's current object, see `storage::StoreRole`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum HandleRefusal {
+    /// The writer was given no key to look the handle up under.
+    #[error("no key was given")]
+    NoKey,
+    /// The writer has no object under the key.
+    #[error("no object is stored under this key")]
+    NoEntry,
+    /// The writer's object under the key is another one.
+    #[error(
+        "the handle (address {}, id {}) is not this key's current object (address {}, id {})",
+        handle.0, handle.1, current.0, current.1
+    )]
+    NotCurrent {
+        handle: (u64, u32),
+        current: (u64, u32),
+    },
+    /// The signature was not made for this key and handle by this store.
+    #[error(
+        "the signature does not match this key, address {address} and id {id} (was it made \
+         for another key or object, or by another store?)"
+    )]
+    Mismatch { address: u64, id: u32 },
+}
+
+impl From<HandleRefusal> for Error {
+    fn from(why: HandleRefusal) -> Error {
+        Error::BadSignature {
+            missing: false,
+            why: Some(why),
+        }
+    }
 }
 
 /// vLLM 0.33's message for a missing or invalid handle signature ("Missing SHM handle

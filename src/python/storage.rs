@@ -12,7 +12,7 @@ use super::view::ShmView;
 use super::wait::{lock, BindingGuard, BindingLock};
 use super::COPY_WITH_GIL_MAX;
 use crate::alloc::{Freed, ID_MAX};
-use crate::error::{bad_signature_message, stale_object_message, Error};
+use crate::error::{bad_signature_message, stale_object_message, Error, HandleRefusal};
 use crate::storage::{
     check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo as CoreRing,
     ChunkHeader, FreeOldestFirst, KeptPart, ObjectStore as CoreStore, StoreRole, StoreSegment,
@@ -153,16 +153,9 @@ fn bad_signature(missing: bool, key: Option<&Bound<'_, PyAny>>, why: &str) -> Py
     PyValueError::new_err(bad_signature_message(missing, key.as_deref(), why))
 }
 
-/// The refusal of a signature that does not sign `key`'s handle `(address, id)`.
-fn signature_mismatch(key: Option<&Bound<'_, PyAny>>, address: u64, id: u32) -> PyErr {
-    bad_signature(
-        false,
-        key,
-        &format!(
-            "the signature does not match this key, address {address} and id {id} (was it \
-             made for another key or object, or by another store?)"
-        ),
-    )
+/// The store's refusal of a handle `key` (the caller's object) brought.
+fn refused(key: Option<&Bound<'_, PyAny>>, why: HandleRefusal) -> PyErr {
+    bad_signature(false, key, &why.to_string())
 }
 
 /// `v`'s repr, cut to a readable length (keys can be long).
@@ -634,32 +627,16 @@ impl ObjectStore {
         signature: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         if self.role.checks_current_entry() {
-            let key_str = key
-                .and_then(|k| k.cast::<PyString>().ok())
-                .and_then(|k| k.to_str().ok().map(str::to_owned));
-            let current = match key_str {
-                Some(k) => self.store(py)?.entry(&k).copied(),
-                None => None,
-            };
-            let Some(current) = current else {
-                let why = match key {
-                    Some(_) => "no object is stored under this key",
-                    None => "no key was given",
-                };
-                return Err(bad_signature(false, key, why));
-            };
-            let handle = signed_handle(key, address, id)?;
-            if (current.address, current.id) != handle {
-                return Err(bad_signature(
-                    false,
-                    key,
-                    &format!(
-                        "the handle (address {}, id {}) is not this key's current object \
-                         (address {}, id {})",
-                        handle.0, handle.1, current.address, current.id
-                    ),
-                ));
+            let store = self.store(py)?;
+            // A key that is not a str has no entry.
+            let current = match key.map(|k| k.cast::<PyString>().ok().map(|k| k.to_str())) {
+                Some(Some(k)) => store.current(Some(k?)),
+                Some(None) => Err(HandleRefusal::NoEntry),
+                None => store.current(None),
             }
+            .map_err(|why| refused(key, why))?;
+            let handle = signed_handle(key, address, id)?;
+            current.check_handle(handle).map_err(|why| refused(key, why))?;
         }
         self.verify_reader(address, id, signature, key)
     }
@@ -832,7 +809,7 @@ impl ObjectStore {
         signature: &[u8],
     ) -> PyResult<()> {
         match self.segment.verify(key_str, a, i, signature) {
-            Err(Error::BadSignature { .. }) => Err(signature_mismatch(key, a, i)),
+            Err(Error::BadSignature { why: Some(why), .. }) => Err(refused(key, why)),
             other => Ok(other?),
         }
     }

@@ -11,7 +11,7 @@ use super::store_segment::{
     SIGNATURE_BYTES,
 };
 use crate::alloc::{Chunk, Freed, HEADER_BYTES};
-use crate::error::{Error, Result};
+use crate::error::{Error, HandleRefusal, Result};
 use crate::segment::{warn_shm_too_small, LoanPages};
 use crate::region::RawRegion;
 
@@ -78,6 +78,20 @@ pub struct Entry {
     pub id: u32,
     /// Times handed out by `put`/`get_cached`.
     pub handouts: u32,
+}
+
+impl Entry {
+    /// Whether `handle` `(address, id)` names this entry's object.
+    pub fn check_handle(&self, handle: (u64, u32)) -> Result<(), HandleRefusal> {
+        if (self.address, self.id) == handle {
+            Ok(())
+        } else {
+            Err(HandleRefusal::NotCurrent {
+                handle,
+                current: (self.address, self.id),
+            })
+        }
+    }
 }
 
 /// Which side of a store this process is, and whether the writer counts its own reads
@@ -558,6 +572,14 @@ impl ObjectStore {
         Some(segment.sign(key, e.address, e.id))
     }
 
+    /// The writer's first check of a handle a request brings back: `key` (`None`: none
+    /// was given) must have an entry, the handle's [`Entry::check_handle`] must be it.
+    pub fn current(&self, key: Option<&str>) -> Result<&Entry, HandleRefusal> {
+        self.keys
+            .get(key.ok_or(HandleRefusal::NoKey)?)
+            .ok_or(HandleRefusal::NoEntry)
+    }
+
     /// The writer's check of a handle a request brings back: it must be `key`'s current
     /// entry and carry the right signature.
     pub fn verify_current(
@@ -568,12 +590,8 @@ impl ObjectStore {
         id: u32,
         signature: &[u8],
     ) -> Result<()> {
-        match self.keys.get(key) {
-            Some(e) if (e.address, e.id) == (address, id) => {
-                segment.verify(key, address, id, signature)
-            }
-            _ => Err(Error::BadSignature { missing: false }),
-        }
+        self.current(Some(key))?.check_handle((address, id))?;
+        segment.verify(key, address, id, signature)
     }
 
     /// Free objects, oldest first, that every reader has finished with, up to about

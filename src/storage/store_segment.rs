@@ -11,7 +11,7 @@ use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
 use crate::alloc::{Chunk, FifoAllocator, HEADER_BYTES, ID_MAX};
-use crate::error::{Error, Result};
+use crate::error::{Error, HandleRefusal, Result};
 use crate::liveness::{Liveness, LockProbe};
 use crate::pins::Pins;
 use crate::private_map::PrivateFile;
@@ -731,7 +731,7 @@ impl StoreSegment {
     pub fn verify(&self, key: &str, address: u64, id: u32, signature: &[u8]) -> Result<()> {
         self.keyed_mac(key, address, id)
             .verify_slice(signature)
-            .map_err(|_| Error::BadSignature { missing: false })
+            .map_err(|_| HandleRefusal::Mismatch { address, id }.into())
     }
 }
 

@@ -6,7 +6,7 @@ use super::store_segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
 use super::*;
 use std::sync::Arc;
 use crate::alloc::HEADER_BYTES;
-use crate::error::{Error, Result};
+use crate::error::{Error, HandleRefusal, Result};
 
 fn store(capacity: u64, max: u64, readers: u32) -> (ChunkFifo, ObjectStore) {
     (
@@ -89,7 +89,10 @@ fn signatures_bind_key_address_and_id() {
     for (k, a2, i2) in [("k2", a, i), ("k", a + 1, i), ("k", a, i + 1)] {
         assert!(matches!(
             reader.segment().verify(k, a2, i2, &sig),
-            Err(Error::BadSignature { missing: false })
+            Err(Error::BadSignature {
+                missing: false,
+                why: Some(HandleRefusal::Mismatch { .. })
+            })
         ));
     }
     let mut flipped = sig;
@@ -97,7 +100,23 @@ fn signatures_bind_key_address_and_id() {
     assert!(reader.segment().verify("k", a, i, &flipped).is_err());
     assert!(reader.segment().verify("k", a, i, &sig[..31]).is_err());
     s.verify_current(&seg, "k", a, i, &sig).unwrap();
-    assert!(s.verify_current(&seg, "k", a + 1, i, &sig).is_err());
+    let refused = s.verify_current(&seg, "k", a + 1, i, &sig).unwrap_err();
+    assert_eq!(
+        refused.to_string(),
+        format!(
+            "Invalid SHM handle signature for cache key: the handle (address {}, id {i}) is \
+             not this key's current object (address {a}, id {i})",
+            a + 1
+        )
+    );
+    assert!(matches!(
+        s.verify_current(&seg, "k2", a, i, &sig),
+        Err(Error::BadSignature {
+            why: Some(HandleRefusal::NoEntry),
+            ..
+        })
+    ));
+    assert_eq!(s.current(None).unwrap_err(), HandleRefusal::NoKey);
     // A second store has another secret.
     let (other, _) = store(4096, 1024, 1);
     assert_ne!(other.segment().secret(), seg.secret());

@@ -370,5 +370,9 @@ def test_a_refused_signature_names_the_key_and_what_was_wrong(children):
         store.verify_signature("nope", address, mid, signature)
     with pytest.raises(ValueError, match=rf"^{re.escape(INVALID)} 'img-3': the handle \(address 1, id 0\) is not"):
         store.verify_signature("img-3", 1, 0, signature)
+    with pytest.raises(ValueError, match=f"^{re.escape(INVALID)}: no key was given$"):
+        store.verify_signature(None, address, mid, signature)
+    with pytest.raises(ValueError, match=f"^{re.escape(INVALID)} 7: no object is stored under this key$"):
+        store.verify_signature(7, address, mid, signature)
     other_store.close()
     store.close()
