@@ -1,6 +1,6 @@
 //! Object-store benchmarks (`cargo bench --bench alloc`).
 //!
-//! - `alloc+free/fixed`: allocate a 1 KiB chunk and free the oldest, in a 1 MiB ring
+//! - `alloc+free/fixed`: allocate a 1 KiB block and free the oldest, in a 1 MiB ring
 //!   kept about half full: the steady state of a cache that evicts as it goes. One
 //!   iteration is one allocate plus one free; the figure is per pair.
 //! - `alloc+free/random`: the same with sizes drawn from 64 B .. 64 KiB (xorshift).
@@ -16,7 +16,7 @@
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use shmq::alloc::FifoAllocator;
-use shmq::storage::{read_object, ChunkFifo, ObjectStore};
+use shmq::storage::{read_object, BlockFifo, ObjectStore};
 use std::hint::black_box;
 
 struct XorShift(u64);
@@ -71,7 +71,7 @@ fn store(c: &mut Criterion) {
     let mut g = c.benchmark_group("store");
     g.throughput(Throughput::Elements(1));
     g.bench_function("put+get 135B", |b| {
-        let mut ring = ChunkFifo::create(16 << 20, None).unwrap();
+        let mut ring = BlockFifo::create(16 << 20, None).unwrap();
         let mut store = ObjectStore::new(1 << 20, 1).unwrap();
         let payload = [7u8; 135];
         let seg = ring.segment().clone();
@@ -89,7 +89,7 @@ fn store(c: &mut Criterion) {
         })
     });
     g.bench_function("sign+verify", |b| {
-        let ring = ChunkFifo::create(4096, None).unwrap();
+        let ring = BlockFifo::create(4096, None).unwrap();
         let seg = ring.segment().clone();
         let mut n = 0u32;
         b.iter(|| {
@@ -102,7 +102,7 @@ fn store(c: &mut Criterion) {
     let big = vec![1u8; 4 << 20];
     g.throughput(Throughput::Bytes(big.len() as u64));
     g.bench_function("read 4MiB", |b| {
-        let mut ring = ChunkFifo::create(64 << 20, None).unwrap();
+        let mut ring = BlockFifo::create(64 << 20, None).unwrap();
         let mut store = ObjectStore::new(8 << 20, u32::MAX).unwrap();
         let (a, i) = store.put(&mut ring, "big", &[b"meta", &big], 1).unwrap();
         let seg = ring.segment().clone();
@@ -110,7 +110,7 @@ fn store(c: &mut Criterion) {
         b.iter(|| read_object(&seg, a, i, true, |o| out.copy_from_slice(o.part(1))).unwrap())
     });
     g.bench_function("put 4MiB", |b| {
-        let mut ring = ChunkFifo::create(64 << 20, None).unwrap();
+        let mut ring = BlockFifo::create(64 << 20, None).unwrap();
         let mut store = ObjectStore::new(8 << 20, 0).unwrap();
         let mut n = 0u64;
         b.iter_batched(

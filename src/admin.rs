@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::liveness::{creator_liveness, Liveness};
 use crate::process::ProcessId;
 use crate::segment::{Segment, NAME_PREFIX, SHM_DIR};
-use crate::storage::ChunkFifo;
+use crate::storage::BlockFifo;
 use crate::transport::SOCKET_DIR_SUFFIX;
 
 /// What a segment is.
@@ -64,7 +64,7 @@ fn pid_from_name(name: &str) -> Option<u32> {
 fn report(name: &str, size: u64) -> SegmentReport {
     let (kind, creator) = if let Ok(ring) = Ring::open(name) {
         (SegmentKind::Ring, Some(ring.creator()))
-    } else if let Ok(store) = ChunkFifo::open(name, None) {
+    } else if let Ok(store) = BlockFifo::open(name, None) {
         (SegmentKind::Store, Some(store.segment().creator()))
     } else if let Ok(a) = arena::describe(name) {
         (SegmentKind::Arena, Some(a.creator))
@@ -215,7 +215,7 @@ pub fn describe(name: &str) -> Result<String> {
         }
         return Ok(out);
     }
-    if let Ok(store) = ChunkFifo::open(name, None) {
+    if let Ok(store) = BlockFifo::open(name, None) {
         let seg = store.segment();
         let o = seg.occupancy();
         let pct = 100.0 * o.live_bytes as f64 / seg.capacity().max(1) as f64;
@@ -224,7 +224,7 @@ pub fn describe(name: &str) -> Result<String> {
             "{name}: object store, {} bytes\ncreator: {}\nlive: {} chunks, {} bytes ({pct:.1}% of the ring), ids {}..{}",
             seg.capacity(),
             describe_process(Some(seg.creator()), creator_liveness(name)),
-            o.live_chunks,
+            o.live_blocks,
             o.live_bytes,
             o.id_start,
             o.id_end,
@@ -287,7 +287,7 @@ pub fn describe(name: &str) -> Result<String> {
     };
     match claimed_kind(name)? {
         SegmentKind::Ring => Ring::open(name).map(|_| ())?,
-        SegmentKind::Store => ChunkFifo::open(name, None).map(|_| ())?,
+        SegmentKind::Store => BlockFifo::open(name, None).map(|_| ())?,
         SegmentKind::Arena => arena::describe(name).map(|_| ())?,
         SegmentKind::EncoderCache => crate::encoder_cache::describe(name).map(|_| ())?,
         SegmentKind::Unknown => {}
@@ -327,7 +327,7 @@ pub fn metrics(name: &str) -> Result<Metrics> {
             stats: ring.stats(),
         });
     }
-    if let Ok(store) = ChunkFifo::open(name, None) {
+    if let Ok(store) = BlockFifo::open(name, None) {
         let seg = store.segment();
         return Ok(Metrics::Store {
             capacity: seg.capacity(),
@@ -391,7 +391,7 @@ mod tests {
     #[test]
     fn live_segments_are_listed_and_kept() {
         let ring = Ring::create(2, 64, 2).unwrap();
-        let store = ChunkFifo::create(4096, None).unwrap();
+        let store = BlockFifo::create(4096, None).unwrap();
         let arena = crate::arena::ArenaWriter::create(2, 1 << 20, 4).unwrap();
         let cache = crate::encoder_cache::Producer::create(None, Default::default()).unwrap();
         let all = list_segments().unwrap();
@@ -435,7 +435,7 @@ mod tests {
     fn a_store_that_cannot_be_opened_is_described_as_a_store() {
         // A store of another layout version (as an older shmq made it): `inspect` said
         // "it is not a shmq broadcast ring".
-        let store = ChunkFifo::create(4096, None).unwrap();
+        let store = BlockFifo::create(4096, None).unwrap();
         let seg = Segment::open(store.segment().name()).unwrap();
         // SAFETY: the version field (offset 8) of a segment only this test uses; a test
         // standing in for an older shmq.

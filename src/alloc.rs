@@ -1,30 +1,30 @@
 //! The FIFO allocator of the object store, as pure arithmetic on addresses and ids.
 //!
-//! One writer allocates variable-size chunks in a ring of `capacity` bytes and frees them
+//! One writer allocates variable-size blocks in a ring of `capacity` bytes and frees them
 //! oldest first. Nothing here touches memory: the store ([`crate::storage`]) writes the
-//! chunk headers, so this module can be property-tested and benchmarked on its own.
+//! block headers, so this module can be property-tested and benchmarked on its own.
 //!
 //! The arithmetic is vLLM 0.33's (`SingleWriterShmRingBuffer`), so that addresses, ids and
 //! the `data_buffer_start`/`data_buffer_end` a caller can observe are the same:
 //!
-//! - **Chunks are packed tightly**: `[4-byte id][4-byte size][data]`, the next chunk
+//! - **Blocks are packed tightly**: `[4-byte id][4-byte size][data]`, the next block
 //!   right after (a 200-byte ring holds allocations of 100 and 80 bytes). Nothing is
-//!   rounded: whoever needs alignment inside a chunk pads inside it (the store does, see
+//!   rounded: whoever needs alignment inside a block pads inside it (the store does, see
 //!   [`crate::storage`]).
 //! - **Addresses** are positions on a line; `address % capacity` is the offset in the
-//!   ring. A chunk that would not fit before the end of the ring starts at the next lap.
-//!   When the last live chunk is freed, or on `clear`, the line restarts at 0; when the
-//!   oldest live chunk is a whole lap ahead, both ends move back by one lap. Addresses
+//!   ring. A block that would not fit before the end of the ring starts at the next lap.
+//!   When the last live block is freed, or on `clear`, the line restarts at 0; when the
+//!   oldest live block is a whole lap ahead, both ends move back by one lap. Addresses
 //!   therefore stay below `2 * capacity`; they are not unique over time (ids are).
 //! - **Ids count up from 0 and wrap at 2**31** (they are stored in 4 bytes). They keep
 //!   counting across `clear`, so a handle issued before a clear never names a later
-//!   chunk (until the ids wrap).
-//! - **The live span** is from the oldest live chunk's address to the end of the newest;
+//!   block (until the ids wrap).
+//! - **The live span** is from the oldest live block's address to the end of the newest;
 //!   an allocation that would make it exceed `capacity` fails with [`Full`].
 
 use std::collections::VecDeque;
 
-/// Bytes of the chunk header: `[4-byte id][4-byte size]`.
+/// Bytes of the block header: `[4-byte id][4-byte size]`.
 pub const HEADER_BYTES: u64 = 8;
 /// Ids wrap at this value.
 pub const ID_MAX: u32 = 1 << 31;
@@ -44,23 +44,23 @@ pub struct Full {
     pub held_by: Option<String>,
 }
 
-/// A live chunk: where it is, its id and its size (header included).
+/// A live block: where it is, its id and its size (header included).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Chunk {
+pub struct Block {
     pub address: u64,
     pub id: u32,
     pub size: u32,
 }
 
-impl Chunk {
-    /// Offset of the chunk in a ring of `capacity` bytes.
+impl Block {
+    /// Offset of the block in a ring of `capacity` bytes.
     pub fn offset(&self, capacity: u64) -> u64 {
         self.address % capacity
     }
 }
 
 /// What [`FifoAllocator::free_while`] freed: `count` consecutive ids from `first_id`
-/// (wrapping at [`ID_MAX`]), `bytes` bytes of chunk size in all.
+/// (wrapping at [`ID_MAX`]), `bytes` bytes of block size in all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Freed {
     pub first_id: u32,
@@ -80,15 +80,15 @@ impl Freed {
 #[derive(Clone, Debug)]
 pub struct FifoAllocator {
     capacity: u64,
-    /// Address of the oldest live chunk (0 when none is live).
+    /// Address of the oldest live block (0 when none is live).
     start: u64,
-    /// Address just past the newest chunk (0 when none is live).
+    /// Address just past the newest block (0 when none is live).
     end: u64,
-    /// Id of the oldest live chunk (or `id_end` when none is live).
+    /// Id of the oldest live block (or `id_end` when none is live).
     id_start: u32,
     /// Id the next allocation gets.
     id_end: u32,
-    live: VecDeque<Chunk>,
+    live: VecDeque<Block>,
 }
 
 impl FifoAllocator {
@@ -124,15 +124,15 @@ impl FifoAllocator {
     pub fn capacity(&self) -> u64 {
         self.capacity
     }
-    /// Address of the oldest live chunk (`data_buffer_start`).
+    /// Address of the oldest live block (`data_buffer_start`).
     pub fn start(&self) -> u64 {
         self.start
     }
-    /// Address past the newest chunk (`data_buffer_end`).
+    /// Address past the newest block (`data_buffer_end`).
     pub fn end(&self) -> u64 {
         self.end
     }
-    /// Id of the oldest live chunk (`monotonic_id_start`).
+    /// Id of the oldest live block (`monotonic_id_start`).
     pub fn id_start(&self) -> u32 {
         self.id_start
     }
@@ -140,22 +140,22 @@ impl FifoAllocator {
     pub fn id_end(&self) -> u32 {
         self.id_end
     }
-    /// Bytes between the oldest live chunk and the end of the newest.
+    /// Bytes between the oldest live block and the end of the newest.
     pub fn live_bytes(&self) -> u64 {
         self.end - self.start
     }
-    /// Live chunks, oldest first.
-    pub fn live(&self) -> impl ExactSizeIterator<Item = &Chunk> + '_ {
+    /// Live blocks, oldest first.
+    pub fn live(&self) -> impl ExactSizeIterator<Item = &Block> + '_ {
         self.live.iter()
     }
-    /// The live chunk with this id, if any.
-    pub fn get(&self, id: u32) -> Option<&Chunk> {
+    /// The live block with this id, if any.
+    pub fn get(&self, id: u32) -> Option<&Block> {
         // Live ids are consecutive (mod ID_MAX) from id_start.
         let k = id.wrapping_sub(self.id_start) % ID_MAX;
         self.live.get(k as usize).filter(|c| c.id == id)
     }
 
-    /// Ring offset where a chunk of `size` bytes (header included) would start.
+    /// Ring offset where a block of `size` bytes (header included) would start.
     fn place(&self, size: u64) -> (u64, u64) {
         let offset = self.end % self.capacity;
         if offset + size > self.capacity {
@@ -166,19 +166,19 @@ impl FifoAllocator {
         }
     }
 
-    /// Allocate `data_bytes` of data (plus the header). Returns the chunk.
-    pub fn allocate(&mut self, data_bytes: u64) -> Result<Chunk, Full> {
+    /// Allocate `data_bytes` of data (plus the header). Returns the block.
+    pub fn allocate(&mut self, data_bytes: u64) -> Result<Block, Full> {
         self.allocate_with(|_| data_bytes)
     }
 
-    /// Allocate a chunk whose data size depends on where it lands: `data_bytes_at(offset)`
-    /// is asked for the ring offset the chunk would start at (once for the current end
+    /// Allocate a block whose data size depends on where it lands: `data_bytes_at(offset)`
+    /// is asked for the ring offset the block would start at (once for the current end
     /// of the ring and, if that does not fit before the end, once more for offset 0).
-    /// This lets the store size a chunk exactly for the padding its contents need.
+    /// This lets the store size a block exactly for the padding its contents need.
     pub fn allocate_with(
         &mut self,
         mut data_bytes_at: impl FnMut(u64) -> u64,
-    ) -> Result<Chunk, Full> {
+    ) -> Result<Block, Full> {
         let capacity = self.capacity;
         let full = |needed: u64, a: &FifoAllocator| Full {
             needed,
@@ -199,34 +199,34 @@ impl FifoAllocator {
         if address + size - self.start > capacity {
             return Err(full(size, self));
         }
-        let chunk = Chunk {
+        let block = Block {
             address,
             id: self.id_end,
             size: size as u32,
         };
-        self.live.push_back(chunk);
+        self.live.push_back(block);
         self.end = address + size;
         self.id_end = (self.id_end + 1) % ID_MAX;
-        Ok(chunk)
+        Ok(block)
     }
 
-    /// The oldest live chunk: the next one to free.
-    pub fn oldest(&self) -> Option<&Chunk> {
+    /// The oldest live block: the next one to free.
+    pub fn oldest(&self) -> Option<&Block> {
         self.live.front()
     }
 
-    /// Free the oldest live chunk and return it (`None` when none is live).
-    pub fn free_oldest(&mut self) -> Option<Chunk> {
+    /// Free the oldest live block and return it (`None` when none is live).
+    pub fn free_oldest(&mut self) -> Option<Block> {
         let capacity = self.capacity;
         let oldest = self.live.pop_front()?;
         self.id_start = (self.id_start + 1) % ID_MAX;
         match self.live.front() {
-            // Move to the next chunk: it is less than a lap ahead of `start`.
+            // Move to the next block: it is less than a lap ahead of `start`.
             Some(next) => {
                 let gap = (next.address % capacity + capacity - self.start % capacity) % capacity;
                 self.start += gap;
                 if self.start >= capacity {
-                    // The oldest chunk is a whole lap ahead: move both ends back by one lap.
+                    // The oldest block is a whole lap ahead: move both ends back by one lap.
                     self.start -= capacity;
                     self.end -= capacity;
                 }
@@ -237,25 +237,25 @@ impl FifoAllocator {
         Some(oldest)
     }
 
-    /// Free chunks oldest first while `is_free(chunk)` says so and fewer than `nbytes`
-    /// bytes (of size) have been freed; stop at the first chunk still in use. A chunk is
+    /// Free blocks oldest first while `is_free(block)` says so and fewer than `nbytes`
+    /// bytes (of size) have been freed; stop at the first block still in use. A block is
     /// freed as soon as `is_free` returns true for it. The freed ids are consecutive:
     /// the result says which.
-    pub fn free_while(&mut self, nbytes: u64, mut is_free: impl FnMut(&Chunk) -> bool) -> Freed {
+    pub fn free_while(&mut self, nbytes: u64, mut is_free: impl FnMut(&Block) -> bool) -> Freed {
         let mut freed = Freed {
             first_id: self.id_start,
             count: 0,
             bytes: 0,
         };
         while freed.bytes < nbytes && self.oldest().is_some_and(&mut is_free) {
-            let oldest = self.free_oldest().expect("a chunk is live");
+            let oldest = self.free_oldest().expect("a block is live");
             freed.bytes += oldest.size as u64;
             freed.count += 1;
         }
         freed
     }
 
-    /// Forget every chunk. Ids keep counting up; addresses restart at 0.
+    /// Forget every block. Ids keep counting up; addresses restart at 0.
     pub fn clear(&mut self) {
         self.live.clear();
         self.start = 0;
@@ -269,7 +269,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn chunks_are_packed_tightly() {
+    fn blocks_are_packed_tightly() {
         let mut a = FifoAllocator::new(200).unwrap();
         let c0 = a.allocate(100).unwrap();
         let c1 = a.allocate(80).unwrap();
@@ -318,7 +318,7 @@ mod tests {
         a.free_while(u64::MAX, |c| c.id == 0);
         let c = a.allocate(30).unwrap(); // next lap: 100..138
         assert_eq!(c.address, 100);
-        // Freeing id 1 makes the chunk at 100 the oldest: a lap ahead, so both ends move.
+        // Freeing id 1 makes the block at 100 the oldest: a lap ahead, so both ends move.
         a.free_while(u64::MAX, |c| c.id == 1);
         assert_eq!((a.start(), a.end()), (0, 38));
         // Freeing everything restarts the line.

@@ -50,7 +50,7 @@ pub enum Error {
     WrongRole(String),
 
     /// The object store's ring has no room (after freeing what could be freed), or can
-    /// never have room for a chunk that large (see `full_message`).
+    /// never have room for a block that large (see `full_message`).
     #[error("{}", full_message(.0))]
     Full(#[from] crate::alloc::Full),
 
@@ -185,8 +185,8 @@ pub fn stale_object_message(address: impl std::fmt::Display, id: impl std::fmt::
 }
 
 /// The message of [`Error::Full`]: the allocator's ("Not enough space in the data
-/// buffer, try calling free_buf() ..."), except for a chunk that no freeing can ever make
-/// room for (larger than the whole ring, or than a chunk header's 4-byte size can say):
+/// buffer, try calling free_buf() ..."), except for a block that no freeing can ever make
+/// room for (larger than the whole ring, or than a block header's 4-byte size can say):
 /// then that, so that nobody frees (or waits) in vain. Both start alike (vLLM 0.33's
 /// wording, which callers match).
 fn full_message(full: &crate::alloc::Full) -> String {

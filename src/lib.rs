@@ -32,7 +32,7 @@
 //! - `region`: what every region of shared memory handed out (loan, view) gives: its
 //!   pointer, length and bytes;
 //! - `private_map`: private copy-on-write views of a segment;
-//! - `pins`: a process's views holding store chunks (file locks the writer checks before
+//! - `pins`: a process's views holding store blocks (file locks the writer checks before
 //!   it frees);
 //! - `transport`: ZeroMQ, for local readers' oversized messages;
 //! - [`remote`]: the authenticated stream to remote readers (and its bounds);
@@ -56,11 +56,13 @@
 //! | [`Handle`] | `Handle` |
 //! | [`broadcast::ring::Ring`]: the broadcast ring; its *chunks* hold one message each | `ShmRingBuffer` |
 //! | [`broadcast::ring::ChunkInfo`]: a chunk a reader found; `ChunkState`: its flags | a chunk's "metadata" (written flag, read flags) |
-//! | [`storage::ChunkFifo`]: the store's ring of variable-size chunks | `SingleWriterShmRingBuffer` |
-//! | [`alloc::Chunk`]: one allocation in it | a chunk (`[id][size][data]`) |
+//! | *chunk*: only the broadcast ring's fixed-size message slot ([`broadcast::ring::Ring`]) | a chunk in either ring |
+//! | *block*: one variable-size allocation in the store's ring | a chunk of `SingleWriterShmRingBuffer` |
+//! | [`storage::BlockFifo`]: the store's ring of variable-size blocks | `SingleWriterShmRingBuffer` |
+//! | [`alloc::Block`]: one block in it | a chunk (`[id][size][data]`) |
 //! | [`storage::ObjectStore`] | `SingleWriterShmObjectStorage` |
-//! | [`storage::ObjectFrame`]: an object in its chunk (count word, part table, parts) | (none: one pickled blob) |
-//! | the *count word* of an object's chunk: how often it was read (with a tag of its id) | the chunk's flag bytes (reader count) |
+//! | [`storage::ObjectFrame`]: an object in its block (count word, part table, parts) | (none: one pickled blob) |
+//! | the *count word* of an object's block: how often it was read (with a tag of its id) | the chunk's flag bytes (reader count) |
 //! | [`storage::Entry`]'s `handouts`: how often the writer handed the object out | `writer_flag` (`increment_writer_flag`) |
 //! | a *view*: zero-copy memory of a segment ([`storage::PartView`], [`ArenaView`], Python's `ShmView`) | a `memoryview` of the buffer |
 //! | [`arena::ArenaWriter`], [`arena::ArenaReader`]: leases with per-reader holds | `ShmTensorArena` (slots) |

@@ -20,7 +20,7 @@ impl RawRegion {
     /// For as long as the `RawRegion` lives, `ptr..ptr + len` must stay mapped, readable
     /// and writable in this process, and no other object of this process may make
     /// references to those bytes: its owner keeps the mapping alive and the range to
-    /// itself (an arena lease, a pinned store chunk, a private mapping of its own). A
+    /// itself (an arena lease, a pinned store block, a private mapping of its own). A
     /// peer process may still write them (a hostile one, or readers through a mapping
     /// of their own): that changes byte values, which any bit pattern is, never memory
     /// safety.

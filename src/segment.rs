@@ -11,7 +11,7 @@
 //!   [`Segment::create`] reserves the whole segment up front; [`Segment::create_sparse`]
 //!   sizes it with `ftruncate` (sparse) and reserves only a fixed first part, and the
 //!   layer above reserves the rest with [`Segment::reserve_range`] as it comes to use it
-//!   (the ring's chunks, the store's allocations, the arena): a segment far larger than
+//!   (the ring's chunks, the store's blocks, the arena): a segment far larger than
 //!   `/dev/shm` then starts in a small container and commits memory as it is used. The
 //!   free-space check at creation asks only for the part reserved then. A reservation
 //!   that finds `/dev/shm` full is an [`Error::NoSpace`] the caller turns into a fallback

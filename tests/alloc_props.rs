@@ -3,17 +3,17 @@
 //! - **vLLM 0.33's arithmetic** (`SingleWriterShmRingBuffer`: `allocate_buf`,
 //!   `free_buf`, `clear`), restated here from its documented behaviour: the addresses,
 //!   ids, `data_buffer_start`/`data_buffer_end` and "full" decisions must be the same.
-//! - **The ring as occupied byte ranges**: whatever the arithmetic, live chunks never
+//! - **The ring as occupied byte ranges**: whatever the arithmetic, live blocks never
 //!   overlap in the ring, never cross its end, and their ids are consecutive.
 
 use proptest::prelude::*;
-use shmq::alloc::{Chunk, FifoAllocator, HEADER_BYTES, ID_MAX};
+use shmq::alloc::{Block, FifoAllocator, HEADER_BYTES, ID_MAX};
 use std::collections::BTreeMap;
 
 #[derive(Clone, Debug)]
 enum Op {
     Alloc(u64),
-    /// Free oldest-first with the first `in_use` live chunks (by position) free, and
+    /// Free oldest-first with the first `in_use` live blocks (by position) free, and
     /// at most `nbytes` freed.
     Free {
         in_use: usize,
@@ -40,9 +40,9 @@ struct VllmModel {
     end: u64,
     id_start: u32,
     id_end: u32,
-    /// id → address of live chunks (vLLM's `metadata`).
+    /// id → address of live blocks (vLLM's `metadata`).
     metadata: BTreeMap<u32, u64>,
-    /// id → chunk size (header included), what vLLM reads back from the header.
+    /// id → block size (header included), what vLLM reads back from the header.
     sizes: BTreeMap<u32, u64>,
 }
 
@@ -107,23 +107,23 @@ impl VllmModel {
 
 fn check_layout(a: &FifoAllocator) {
     let cap = a.capacity();
-    let chunks: Vec<Chunk> = a.live().copied().collect();
-    for c in &chunks {
+    let blocks: Vec<Block> = a.live().copied().collect();
+    for c in &blocks {
         assert!(
             c.address % cap + c.size as u64 <= cap,
             "{c:?} crosses the end of the ring"
         );
         assert!(c.address < 2 * cap, "{c:?}: addresses stay below two laps");
     }
-    for (i, x) in chunks.iter().enumerate() {
-        for y in &chunks[i + 1..] {
+    for (i, x) in blocks.iter().enumerate() {
+        for y in &blocks[i + 1..] {
             let (xo, yo) = (x.address % cap, y.address % cap);
             let overlap = xo < yo + y.size as u64 && yo < xo + x.size as u64;
             assert!(!overlap, "{x:?} and {y:?} overlap in the ring");
         }
         assert_eq!(
             x.id,
-            (chunks[0].id + i as u32) % ID_MAX,
+            (blocks[0].id + i as u32) % ID_MAX,
             "ids are not consecutive"
         );
     }
@@ -148,7 +148,7 @@ proptest! {
             match op {
                 Op::Alloc(n) => {
                     let got = a.allocate(n).ok().map(|c| (c.address, c.id));
-                    // vLLM would raise for a chunk larger than the ring too.
+                    // vLLM would raise for a block larger than the ring too.
                     let want = if n + HEADER_BYTES > capacity { None } else { model.allocate(n) };
                     prop_assert_eq!(got, want, "allocate({})", n);
                 }

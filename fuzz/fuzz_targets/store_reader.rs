@@ -1,9 +1,9 @@
 //! The object store's reader side (`read_object`, `check_object`, `object_reader_count`,
 //! `header_at`, `verify`: what `ObjectStorage.get`/`touch` run) with arbitrary addresses,
 //! ids, keys and signatures, on a store whose segment the fuzzer wrote over: its header,
-//! the published state, the signing secret, chunk headers, reader counts and object
+//! the published state, the signing secret, block headers, reader counts and object
 //! frames, before the reader opens it and again *while* a read uses the object (as the
-//! writer reusing the chunk, or any process that can write the segment, could). Every
+//! writer reusing the block, or any process that can write the segment, could). Every
 //! call is a value or an error, never a panic, a crash or a read outside the ring.
 //! Without patches, every live object reads back as it was put, and its signature holds.
 #![no_main]
@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use shmq::storage::{
-    check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo, ObjectStore,
+    check_object, object_reader_count, read_object, read_object_viewed, BlockFifo, ObjectStore,
     PartView,
 };
 use shmq_fuzz::{apply, read_at, touch, write_at, Patch};
@@ -88,7 +88,7 @@ fn parts_of(spec: &[(u8, u8)]) -> Vec<Vec<u8>> {
 fuzz_target!(|input: Input| {
     let capacity = 64 + input.capacity as u64 % 8192;
     let n_readers = 1 + input.n_readers as u32 % 3;
-    let mut ring = ChunkFifo::create(capacity, None).expect("a store");
+    let mut ring = BlockFifo::create(capacity, None).expect("a store");
     let mut store = ObjectStore::new(capacity, n_readers).expect("a store");
     let seg = ring.segment().clone();
     let name = seg.name().to_owned();
@@ -128,10 +128,10 @@ fuzz_target!(|input: Input| {
         }
     }
     let patched = !input.patches.is_empty() || !input.during.is_empty();
-    // The header page (header, published state, secret), then the first chunks.
+    // The header page (header, published state, secret), then the first blocks.
     apply(&name, RING_OFFSET + 256, &input.patches);
     keep_seq_even(&name);
-    let Ok(reader) = ChunkFifo::open(&name, None) else {
+    let Ok(reader) = BlockFifo::open(&name, None) else {
         assert!(patched, "a reader of an intact store must open");
         return;
     };
@@ -210,10 +210,10 @@ fuzz_target!(|input: Input| {
         let _ = check_object(rseg, address, id);
         let _ = object_reader_count(rseg, address, id);
         if let Ok(h) = rseg.header_at(address) {
-            // What `access_buf` hands out: the chunk's data, inside the ring.
+            // What `access_buf` hands out: the block's data, inside the ring.
             assert!(h.offset + h.size as u64 <= capacity);
             let (p, n) = rseg.data_ptr(&h);
-            // SAFETY: `header_at` checked that the chunk lies inside the ring, which
+            // SAFETY: `header_at` checked that the block lies inside the ring, which
             // `reader` keeps mapped. Only this thread writes the segment (through its
             // file), and not while this slice lives.
             touch(unsafe { std::slice::from_raw_parts(p, n) });

@@ -15,7 +15,7 @@ __all__ = [
     "Ring",
     "Writer",
     "Reader",
-    "ChunkFifo",
+    "BlockFifo",
     "ObjectStore",
     "ShmView",
     "EncoderCacheProducer",
@@ -36,7 +36,7 @@ __all__ = [
     "QueueShutDownError",
     "segment_prefix",
     "SHM_DIR",
-    "CHUNK_HEADER_BYTES",
+    "BLOCK_HEADER_BYTES",
     "ID_MAX",
     "COUNT_BYTES",
     "SECRET_BYTES",
@@ -47,11 +47,11 @@ __version__: str
 segment_prefix: str
 #: The directory of POSIX shared memory, where every segment is (``src/segment.rs``).
 SHM_DIR: str
-#: The store's layout (``src/alloc.rs``, ``src/storage/``): a chunk's ``[id][size]``
+#: The store's layout (``src/alloc.rs``, ``src/storage/``): a block's ``[id][size]``
 #: header, where ids wrap, the bytes vLLM counts for an object's reader flag in
 #: ``max_object_size`` (the stored count word is 8 bytes: count and id tag), the
 #: handle-signing secret.
-CHUNK_HEADER_BYTES: int
+BLOCK_HEADER_BYTES: int
 ID_MAX: int
 COUNT_BYTES: int
 SECRET_BYTES: int
@@ -239,6 +239,11 @@ class Ring:
         """``(pid, alive, dropped, messages)`` of the writer's slot or reader ``reader``'s."""
     def unlink(self) -> None:
         """Remove the segment's name now if this process created it."""
+    @property
+    def size(self) -> int:
+        """The segment's bytes (``buf()``'s length)."""
+    def buf(self) -> ShmView:
+        """The whole segment (reserved in /dev/shm first); shmq's layout."""
     def handle(self) -> _RingTuple: ...
     def data(self, i: int) -> ShmView: ...
     def metadata(self, i: int) -> ShmView: ...
@@ -321,17 +326,20 @@ class Reader:
 # -- object store (src/python/storage.rs) --------------------------------------------
 
 @final
-class ChunkFifo:
+class BlockFifo:
     """The object store's ring segment (``RingBuffer``); the creator is its writer."""
 
     @staticmethod
-    def create(capacity: int, name: Optional[str] = None) -> ChunkFifo: ...
+    def create(capacity: int, name: Optional[str] = None) -> BlockFifo: ...
     @staticmethod
-    def open(name: str, capacity: Optional[int] = None) -> ChunkFifo: ...
+    def open(name: str, capacity: Optional[int] = None) -> BlockFifo: ...
     @property
     def name(self) -> str: ...
     @property
     def capacity(self) -> int: ...
+    @property
+    def size(self) -> int:
+        """``buf()``'s bytes: the capacity."""
     @property
     def is_writer(self) -> bool: ...
     @property
@@ -339,7 +347,7 @@ class ChunkFifo:
     def state(self) -> Optional[tuple[int, int, int, int]]:
         """``(start, end, id_start, id_end)`` on the writer; None on a reader."""
     def live(self) -> dict[int, int]: ...
-    def chunk_address(self, id: int) -> Optional[int]: ...
+    def block_address(self, id: int) -> Optional[int]: ...
     def live_len(self) -> int: ...
     def allocate(self, size: int) -> tuple[int, int]: ...
     def header(self, address: int) -> tuple[int, int]: ...
@@ -352,10 +360,10 @@ class ChunkFifo:
 
 @final
 class ObjectStore:
-    """Key → object index over a ``ChunkFifo``; payloads are serialized parts."""
+    """Key → object index over a ``BlockFifo``; payloads are serialized parts."""
 
     def __new__(
-        cls, ring: ChunkFifo, max_object_size: int, n_readers: int, count_writer_reads: bool = False
+        cls, ring: BlockFifo, max_object_size: int, n_readers: int, count_writer_reads: bool = False
     ) -> ObjectStore: ...
     def put(self, key: str, parts: list[Buffer], align_from: int) -> tuple[int, int]: ...
     def get(
@@ -372,7 +380,7 @@ class ObjectStore:
         with ``view_from``, parts after the first are the callee's to keep: private views
         of those of ``view_from`` bytes or more, copies of the others)."""
     def loan(self, nbytes: int) -> Optional[ShmView]:
-        """Writer: a chunk's buffer to fill in place and ``put`` without a copy."""
+        """Writer: a block's buffer to fill in place and ``put`` without a copy."""
     def touch(self, key: object, address: int, id: int, signature: Optional[list[int]]) -> None: ...
     def verify_signature(self, key: Optional[str], address: int, id: int, signature: Optional[list[int]]) -> None: ...
     def get_signature(self, key: str) -> list[int]: ...

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Literal, NoReturn, Optional, cast
 from . import _core, _oob, group
 from ._cleanup import track, track_writer
 from ._loans import loan_memory, loaned_array, loaned_tensor
+from ._segment_memory import SegmentMemory
 
 __all__ = ["Handle", "MessageQueue", "PeerDiedError", "QueueShutDownError", "ShmRingBuffer", "sched_yield"]
 
@@ -64,36 +65,6 @@ def sched_yield() -> None:
         os.sched_yield()
     else:  # pragma: no cover - platforms without sched_yield
         time.sleep(0)
-
-
-class _SegmentMemory:
-    """The segment as ``multiprocessing.shared_memory.SharedMemory`` shows it (``name``,
-    ``size``, ``buf``; vLLM's ``ShmRingBuffer.shared_memory``), without its resource
-    tracker. ``buf`` maps the whole segment on first use; its layout is shmq's, not
-    vLLM's: use ``get_data``/``get_metadata`` to reach chunks and flags."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self._buf: Optional[memoryview] = None
-
-    @property
-    def size(self) -> int:
-        return os.stat(os.path.join(_core.SHM_DIR, self.name)).st_size
-
-    @property
-    def buf(self) -> memoryview:
-        if self._buf is None:
-            import mmap
-
-            with open(os.path.join(_core.SHM_DIR, self.name), "r+b") as f:
-                self._buf = memoryview(mmap.mmap(f.fileno(), 0))
-        return self._buf
-
-    def close(self) -> None:
-        self._buf = None
-
-    def __repr__(self) -> str:
-        return f"SharedMemory(name={self.name!r})"
 
 
 class ShmRingBuffer:
@@ -146,7 +117,7 @@ class ShmRingBuffer:
         self.total_bytes_of_buffer = (self.max_chunk_bytes + self.metadata_size) * self.max_chunks
         self.data_offset = 0
         self.metadata_offset = self.max_chunk_bytes * self.max_chunks
-        self.shared_memory = _SegmentMemory(self.name)
+        self.shared_memory = SegmentMemory(self.name, lambda: self.ring)
 
     @classmethod
     def _wrap(cls, ring: _core.Ring) -> "ShmRingBuffer":

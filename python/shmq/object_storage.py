@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 from . import _core
 from ._cleanup import track
 from ._loans import loan_memory, loaned_array, loaned_tensor
+from ._segment_memory import SegmentMemory
 from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
 
 __all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer", "VIEW_THRESHOLD"]
@@ -36,46 +37,15 @@ class _Closed:
         raise ValueError(f"{self._what} has been closed")
 
 
-class _SharedMemory:
-    """The ring's memory, shaped like ``multiprocessing.shared_memory.SharedMemory``
-    (``name``, ``size``, ``buf``, ``close()``, ``unlink()``) without its resource tracker.
-    ``buf`` is the ring itself (``data_buffer_size`` bytes): the segment's header, which
-    holds the signing secret, is not part of it."""
-
-    def __init__(self, ring: _core.ChunkFifo):
-        self._ring: Any = ring
-        self.name: str = ring.name
-        self.size: int = ring.capacity
-
-    @property
-    def buf(self) -> Optional[memoryview]:
-        """A zero-copy view of the ring; ``None`` once closed."""
-        if isinstance(self._ring, _Closed):
-            return None
-        return memoryview(self._ring.buf())
-
-    def close(self) -> None:
-        """Drop this object's hold on the mapping (views made before keep it alive)."""
-        self._ring = _Closed("the shared memory")
-
-    def unlink(self) -> None:
-        """Remove the segment's name now if this process created it."""
-        if not isinstance(self._ring, _Closed):
-            self._ring.unlink()
-
-    def __repr__(self) -> str:
-        return f"SharedMemory(name={self.name!r}, size={self.size})"
-
-
-class _LiveChunks(Mapping):
-    """The writer's live chunks, monotonic id → address (vLLM's ``metadata`` dict), read
+class _LiveBlocks(Mapping):
+    """The writer's live blocks, monotonic id → address (vLLM's ``metadata`` dict), read
     from the allocator on each access: no copy is kept in Python."""
 
     def __init__(self, ring: "RingBuffer"):
         self._ring = ring
 
     def __getitem__(self, monotonic_id: int) -> int:
-        address = self._ring._core.chunk_address(monotonic_id) if type(monotonic_id) is int else None
+        address = self._ring._core.block_address(monotonic_id) if type(monotonic_id) is int else None
         if address is None:
             raise KeyError(monotonic_id)
         return address
@@ -91,20 +61,20 @@ class _LiveChunks(Mapping):
 
 
 class RingBuffer:
-    """A FIFO allocator of variable-size chunks over a shared-memory ring of
+    """A FIFO allocator of variable-size blocks over a shared-memory ring of
     ``data_buffer_size`` bytes (vLLM's ``SingleWriterShmRingBuffer``). ``create=True``
     makes the segment (named ``name``, or a fresh name) and this object its only writer;
     otherwise ``name`` opens an existing one for reading.
 
-    Each chunk is ``[4-byte id][4-byte size][data]``, ``size`` counting the header, and
-    the next chunk starts right after it. Addresses and ids follow vLLM 0.33's
+    Each block is ``[4-byte id][4-byte size][data]``, ``size`` counting the header, and
+    the next block starts right after it. Addresses and ids follow vLLM 0.33's
     arithmetic: ``address % data_buffer_size`` is the offset; ids count up from 0,
     wrapping at ``2**31``, and keep counting across ``clear()``, after which addresses
     restart at 0.
     """
 
     # vLLM's names for the core's layout constants (defined once, in the core).
-    MD_SIZE: int = _core.CHUNK_HEADER_BYTES  # [id][size]
+    MD_SIZE: int = _core.BLOCK_HEADER_BYTES  # [id][size]
     ID_NBYTES = SIZE_NBYTES = MD_SIZE // 2
     ID_MAX: int = _core.ID_MAX
     AUTH_SECRET_BYTES: int = _core.SECRET_BYTES
@@ -116,14 +86,14 @@ class RingBuffer:
         self.data_buffer_size = data_buffer_size
         self.is_writer = bool(create)
         if create:
-            self._core: Any = _core.ChunkFifo.create(data_buffer_size, name)
+            self._core: Any = _core.BlockFifo.create(data_buffer_size, name)
             track(self._core)
         elif name is None:
             raise ValueError("a reader needs the name of an existing ring buffer (create=True makes a new one)")
         else:
-            self._core = _core.ChunkFifo.open(name, data_buffer_size)
-        self.shared_memory = _SharedMemory(self._core)
-        self._metadata = _LiveChunks(self)
+            self._core = _core.BlockFifo.open(name, data_buffer_size)
+        self.shared_memory = SegmentMemory(self._core.name, lambda: self._core, self._core.size)
+        self._metadata = _LiveBlocks(self)
 
     def handle(self) -> tuple[int, str]:
         """``(data_buffer_size, name)``: ``RingBuffer(*handle)`` opens it as a reader."""
@@ -160,7 +130,7 @@ class RingBuffer:
 
     @property
     def metadata(self) -> Mapping[int, int]:
-        """Live chunks on the writer: monotonic id → address."""
+        """Live blocks on the writer: monotonic id → address."""
         return self._metadata
 
     def get_auth_secret(self) -> bytes:
@@ -169,29 +139,29 @@ class RingBuffer:
         return self._core.secret()
 
     def allocate_buf(self, size: int) -> tuple[int, int]:
-        """A chunk for ``size`` bytes of data: ``(address, monotonic_id)``. ``MemoryError``
-        when the live chunks leave no room (free some with ``free_buf``)."""
+        """A block for ``size`` bytes of data: ``(address, monotonic_id)``. ``MemoryError``
+        when the live blocks leave no room (free some with ``free_buf``)."""
         return self._core.allocate(size)
 
     def access_buf(self, address: int) -> AbstractContextManager[tuple[memoryview, tuple[int, int]]]:
-        """``(data view, (id, size))`` of the chunk at ``address``; ``ValueError`` if no
-        chunk can be there. The view is released when the block ends."""
-        return _ChunkAccess(self, address)
+        """``(data view, (id, size))`` of the block at ``address``; ``ValueError`` if no
+        block can be there. The view is released when the ``with`` statement ends."""
+        return _BlockAccess(self, address)
 
     def free_buf(self, is_free_fn: Callable[[int, memoryview], bool], nbytes: Optional[int] = None) -> Sequence[int]:
-        """Free chunks oldest first while ``is_free_fn(id, data)`` is true and fewer than
+        """Free blocks oldest first while ``is_free_fn(id, data)`` is true and fewer than
         ``nbytes`` bytes (default: all) have been freed. Returns the freed ids (a
         ``range``, or a list when they wrap at ``2**31`` or are not consecutive).
         ``is_free_fn`` runs with the ring unlocked: it may use the ring (its state,
         ``metadata``, allocating, freeing, clearing) and its store, as may other threads
-        meanwhile. Only chunks live when ``free_buf`` starts are asked about, and only a
-        chunk ``is_free_fn`` approved is freed: one that went meanwhile is skipped and the
-        next oldest asked. An exception from ``is_free_fn`` propagates; the chunks it
+        meanwhile. Only blocks live when ``free_buf`` starts are asked about, and only a
+        block ``is_free_fn`` approved is freed: one that went meanwhile is skipped and the
+        next oldest asked. An exception from ``is_free_fn`` propagates; the blocks it
         approved before stay freed."""
         return self._core.free(is_free_fn, nbytes)
 
     def clear(self) -> None:
-        """Forget every chunk (writer only). Ids keep counting and addresses restart at
+        """Forget every block (writer only). Ids keep counting and addresses restart at
         0; handles issued before read their data until the memory is reused."""
         self._core.clear()
 
@@ -211,8 +181,8 @@ class RingBuffer:
         return f"<RingBuffer {role} {self.shared_memory.name!r} {self.data_buffer_size} bytes>"
 
 
-class _ChunkAccess:
-    """``RingBuffer.access_buf``'s context manager: the chunk is looked up on entry and
+class _BlockAccess:
+    """``RingBuffer.access_buf``'s context manager: the block is looked up on entry and
     its view released on exit, as a ``@contextmanager`` generator would, at half the
     cost of one (a generator frame and its wrapper on every access)."""
 
@@ -426,7 +396,7 @@ class ObjectStorage:
         return self._core.free_unused()
 
     def default_is_free_check(self, id: int, buf: memoryview) -> bool:
-        """Whether the object ``id`` (its chunk data ``buf``, from the ring) may be
+        """Whether the object ``id`` (its block data ``buf``, from the ring) may be
         evicted: not touched, and read ``n_readers`` times per hand-out."""
         return self._core.is_free(id, buf)
 

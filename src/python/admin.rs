@@ -115,7 +115,7 @@ pub fn segment_metrics<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, 
         } => {
             d.set_item("kind", "store")?;
             d.set_item("capacity", capacity)?;
-            d.set_item("objects", occupancy.live_chunks)?;
+            d.set_item("objects", occupancy.live_blocks)?;
             d.set_item("bytes_in_use", occupancy.live_bytes)?;
             d.set_item("puts", stats.puts)?;
             d.set_item("gets", stats.gets)?;

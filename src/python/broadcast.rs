@@ -283,6 +283,20 @@ impl Ring {
         Ok(self.ring.unlink()?)
     }
 
+    /// The segment's bytes (its mapping's length).
+    #[getter]
+    fn size(&self) -> usize {
+        self.ring.segment_len()
+    }
+
+    /// A view of the whole segment (reserved in /dev/shm first; `MemoryError` when there
+    /// is no room). Its layout is shmq's: `data` and `metadata` reach chunks and flags.
+    fn buf(&self) -> PyResult<ShmView> {
+        let (p, n) = self.ring.segment_bytes()?;
+        // SAFETY: the whole mapping, which the Arc keeps alive.
+        Ok(unsafe { ShmView::new(self.ring.clone(), p, n) })
+    }
+
     fn handle(&self) -> RingTuple {
         ring_tuple(&self.ring.handle())
     }

@@ -4,7 +4,7 @@
 //! Contents of `shmq._core`:
 //! - `Ring`: a broadcast ring segment (`ShmRingBuffer` in Python);
 //! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`);
-//! - `ChunkFifo`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
+//! - `BlockFifo`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
 //!   `ObjectStorage`);
 //! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
 //! - `EncoderCacheProducer`, `EncoderCacheReservation`, `EncoderCacheConsumer`: the
@@ -70,7 +70,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<broadcast::Ring>()?;
     m.add_class::<broadcast::Writer>()?;
     m.add_class::<broadcast::Reader>()?;
-    m.add_class::<storage::ChunkFifo>()?;
+    m.add_class::<storage::BlockFifo>()?;
     m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;
     encoder_cache::register(m)?;
@@ -94,7 +94,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SHM_DIR", crate::segment::SHM_DIR)?;
     // The store's layout constants, for the Python classes that show vLLM's names for
     // them (`RingBuffer.MD_SIZE`, `ID_MAX`, ...): defined once, in the core.
-    m.add("CHUNK_HEADER_BYTES", crate::alloc::HEADER_BYTES)?;
+    m.add("BLOCK_HEADER_BYTES", crate::alloc::HEADER_BYTES)?;
     m.add("ID_MAX", crate::alloc::ID_MAX)?;
     m.add("COUNT_BYTES", crate::storage::COUNT_BYTES)?;
     m.add("SECRET_BYTES", crate::storage::SECRET_BYTES)?;

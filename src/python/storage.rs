@@ -1,4 +1,4 @@
-//! Bindings for the object store: `ChunkFifo` (the spec's `RingBuffer`) and `ObjectStore`.
+//! Bindings for the object store: `BlockFifo` (the spec's `RingBuffer`) and `ObjectStore`.
 
 use std::sync::Arc;
 
@@ -14,15 +14,15 @@ use super::COPY_WITH_GIL_MAX;
 use crate::alloc::{Freed, ID_MAX};
 use crate::error::{bad_signature_message, stale_object_message, Error, HandleRefusal};
 use crate::storage::{
-    check_object, object_reader_count, read_object, read_object_viewed, ChunkFifo as CoreRing,
-    ChunkHeader, FreeOldestFirst, KeptPart, ObjectStore as CoreStore, StoreRole, StoreSegment,
+    check_object, object_reader_count, read_object, read_object_viewed, BlockFifo as CoreRing,
+    BlockHeader, FreeOldestFirst, KeptPart, ObjectStore as CoreStore, StoreRole, StoreSegment,
     SIGNATURE_BYTES,
 };
 
 /// Call `f` on zero-copy memoryviews of `spans` (inside `segment`): one view, or a
 /// list of views if `as_list`; release them afterwards. A callback that kept the memory
 /// (returned a view, a slice of it, an array over it, the list...) is an error: the
-/// chunk may be reused as soon as this returns.
+/// block may be reused as soon as this returns.
 fn with_views<'py, R>(
     py: Python<'py>,
     segment: &Arc<StoreSegment>,
@@ -234,16 +234,16 @@ where
 
 /// The store's ring segment, writer or reader side.
 #[pyclass(module = "shmq._core", frozen, weakref)]
-pub struct ChunkFifo {
+pub struct BlockFifo {
     segment: Arc<StoreSegment>,
     /// Fixed at open: read without the lock.
     is_writer: bool,
     inner: BindingLock<CoreRing>,
 }
 
-impl ChunkFifo {
-    fn wrap(ring: CoreRing) -> ChunkFifo {
-        ChunkFifo {
+impl BlockFifo {
+    fn wrap(ring: CoreRing) -> BlockFifo {
+        BlockFifo {
             segment: ring.segment().clone(),
             is_writer: ring.is_writer(),
             inner: BindingLock::new(ring),
@@ -257,18 +257,18 @@ impl ChunkFifo {
 }
 
 #[pymethods]
-impl ChunkFifo {
+impl BlockFifo {
     /// Create a ring of `capacity` bytes; this process is its writer.
     #[staticmethod]
     #[pyo3(signature = (capacity, name=None))]
-    fn create(capacity: u64, name: Option<&str>) -> PyResult<ChunkFifo> {
+    fn create(capacity: u64, name: Option<&str>) -> PyResult<BlockFifo> {
         Ok(Self::wrap(CoreRing::create(capacity, name)?))
     }
 
     /// Open an existing ring as a reader; `capacity`, if given, must match.
     #[staticmethod]
     #[pyo3(signature = (name, capacity=None))]
-    fn open(name: &str, capacity: Option<u64>) -> PyResult<ChunkFifo> {
+    fn open(name: &str, capacity: Option<u64>) -> PyResult<BlockFifo> {
         Ok(Self::wrap(CoreRing::open(name, capacity)?))
     }
 
@@ -278,6 +278,11 @@ impl ChunkFifo {
     }
     #[getter]
     fn capacity(&self) -> u64 {
+        self.segment.capacity()
+    }
+    /// The bytes of `buf()` (the ring's capacity).
+    #[getter]
+    fn size(&self) -> u64 {
         self.segment.capacity()
     }
     #[getter]
@@ -297,7 +302,7 @@ impl ChunkFifo {
             .map(|a| (a.start(), a.end(), a.id_start(), a.id_end())))
     }
 
-    /// Live chunks on the writer as a dict id → address.
+    /// Live blocks on the writer as a dict id → address.
     fn live<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         if let Some(a) = self.ring(py)?.allocator() {
@@ -308,8 +313,8 @@ impl ChunkFifo {
         Ok(d)
     }
 
-    /// Address of the live chunk `id` (writer side).
-    fn chunk_address(&self, py: Python<'_>, id: i64) -> PyResult<Option<u64>> {
+    /// Address of the live block `id` (writer side).
+    fn block_address(&self, py: Python<'_>, id: i64) -> PyResult<Option<u64>> {
         let Ok(id) = u32::try_from(id) else {
             return Ok(None);
         };
@@ -320,29 +325,29 @@ impl ChunkFifo {
             .map(|c| c.address))
     }
 
-    /// Number of live chunks (writer side; 0 on a reader).
+    /// Number of live blocks (writer side; 0 on a reader).
     fn live_len(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.ring(py)?.allocator().map_or(0, |a| a.live().len()))
     }
 
-    /// Allocate a chunk with `size` bytes of data: `(address, id)`.
+    /// Allocate a block with `size` bytes of data: `(address, id)`.
     fn allocate(&self, py: Python<'_>, size: i64) -> PyResult<(u64, u32)> {
         // Negative sizes are as invalid as 0 (which the core rejects with the message).
         let c = self.ring(py)?.allocate(u64::try_from(size).unwrap_or(0))?;
         Ok((c.address, c.id))
     }
 
-    /// `(id, size)` of the chunk at `address` (bounds-checked).
+    /// `(id, size)` of the block at `address` (bounds-checked).
     fn header(&self, address: &Bound<'_, PyAny>) -> PyResult<(u32, u32)> {
         let h = self.header_at(address)?;
         Ok((h.id, h.size))
     }
 
-    /// A view of the data of the chunk at `address` (bounds-checked).
+    /// A view of the data of the block at `address` (bounds-checked).
     fn data(&self, address: &Bound<'_, PyAny>) -> PyResult<ShmView> {
         let h = self.header_at(address)?;
         let (p, n) = self.segment.data_ptr(&h);
-        // SAFETY: header_at checked the chunk lies in the ring; the Arc keeps it mapped.
+        // SAFETY: header_at checked the block lies in the ring; the Arc keeps it mapped.
         Ok(unsafe { ShmView::new(self.segment.clone(), p, n) })
     }
 
@@ -358,10 +363,10 @@ impl ChunkFifo {
         }
     }
 
-    /// Free chunks oldest first while `is_free(id, memoryview)` is true and fewer than
+    /// Free blocks oldest first while `is_free(id, memoryview)` is true and fewer than
     /// `nbytes` bytes have been freed; returns the freed ids. `is_free` runs with the
-    /// ring unlocked (it may use the ring and its store): only chunks live at the start
-    /// are asked about, and only a chunk `is_free` approved is freed (see
+    /// ring unlocked (it may use the ring and its store): only blocks live at the start
+    /// are asked about, and only a block `is_free` approved is freed (see
     /// `FreeOldestFirst`). An exception from `is_free` propagates; what it approved
     /// before stays freed.
     #[pyo3(signature = (is_free, nbytes=None))]
@@ -375,12 +380,12 @@ impl ChunkFifo {
         loop {
             // Each statement takes the lock and lets it go.
             let next = run.next(&*self.ring(py)?)?;
-            let Some(chunk) = next else { break };
-            let data = self.segment.chunk_data(&chunk);
+            let Some(block) = next else { break };
+            let data = self.segment.block_data(&block);
             let approved = with_views(py, &self.segment, std::iter::once(data), false, |mv| {
-                is_free.call1((chunk.id, mv))?.is_truthy()
+                is_free.call1((block.id, mv))?.is_truthy()
             })?;
-            if !approved || !run.free(&mut *self.ring(py)?, &chunk)? {
+            if !approved || !run.free(&mut *self.ring(py)?, &block)? {
                 break;
             }
         }
@@ -406,11 +411,11 @@ impl ChunkFifo {
     }
 }
 
-impl ChunkFifo {
-    /// The chunk header at a Python `address`: any int (negative or huge ones name no
-    /// chunk: the same `ValueError` as an address out of the ring, as the docs promise,
+impl BlockFifo {
+    /// The block header at a Python `address`: any int (negative or huge ones name no
+    /// block: the same `ValueError` as an address out of the ring, as the docs promise,
     /// not pyo3's `OverflowError`); `TypeError` for anything else.
-    fn header_at(&self, address: &Bound<'_, PyAny>) -> PyResult<ChunkHeader> {
+    fn header_at(&self, address: &Bound<'_, PyAny>) -> PyResult<BlockHeader> {
         match int_in_range::<u64>(address)? {
             Some(a) => Ok(self.segment.header_at(a)?),
             None => Err(PyValueError::new_err(format!(
@@ -420,10 +425,10 @@ impl ChunkFifo {
     }
 }
 
-/// Key → object store on a `ChunkFifo`; payloads are already-serialized bytes.
+/// Key → object store on a `BlockFifo`; payloads are already-serialized bytes.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct ObjectStore {
-    ring: Py<ChunkFifo>,
+    ring: Py<BlockFifo>,
     segment: Arc<StoreSegment>,
     inner: BindingLock<CoreStore>,
     /// Fixed at creation: read without the lock.
@@ -435,7 +440,7 @@ impl ObjectStore {
     #[new]
     #[pyo3(signature = (ring, max_object_size, n_readers, count_writer_reads=false))]
     fn new(
-        ring: Py<ChunkFifo>,
+        ring: Py<BlockFifo>,
         max_object_size: u64,
         n_readers: u32,
         count_writer_reads: bool,
@@ -489,7 +494,7 @@ impl ObjectStore {
         Ok(r?)
     }
 
-    /// Writer: `nbytes` of a new chunk to fill in place; `put` of an object whose buffer
+    /// Writer: `nbytes` of a new block to fill in place; `put` of an object whose buffer
     /// is exactly this memory writes the rest around it (no copy). `None` if the ring
     /// has no room for it.
     fn loan(&self, py: Python<'_>, nbytes: u64) -> PyResult<Option<ShmView>> {
@@ -498,7 +503,7 @@ impl ObjectStore {
             Ok(loan) => {
                 let loan = Arc::new(loan);
                 let (ptr, len) = (loan.as_ptr(), loan.len());
-                // SAFETY: the loan is `len` bytes at `ptr` of the ring, which its chunk
+                // SAFETY: the loan is `len` bytes at `ptr` of the ring, which its block
                 // pin and the segment it holds keep mapped and unreused while it lives.
                 Ok(Some(unsafe { ShmView::new(loan, ptr, len) }))
             }
@@ -733,7 +738,7 @@ impl ObjectStore {
         }
     }
 
-    /// vLLM's `default_is_free_check(id, buf)`: `buf` is the chunk's data (a view from
+    /// vLLM's `default_is_free_check(id, buf)`: `buf` is the block's data (a view from
     /// the ring); true if the object is not touched and every reader has read it as
     /// often as it was handed out.
     fn is_free(&self, py: Python<'_>, id: i64, buf: &Bound<'_, PyAny>) -> PyResult<bool> {

@@ -1,27 +1,27 @@
-//! [`ChunkFifo`]: the segment plus, on the writer, the FIFO allocator: allocating,
-//! freeing oldest first (never a chunk some process pins) and clearing.
+//! [`BlockFifo`]: the segment plus, on the writer, the FIFO allocator: allocating,
+//! freeing oldest first (never a block some process pins) and clearing.
 //!
 //! # Memory is committed as it is used
 //! The segment is sparse: its first page (header, published state, secret) is reserved
-//! in `/dev/shm` at creation, the ring as chunks come to be allocated. Chunks are placed
+//! in `/dev/shm` at creation, the ring as blocks come to be allocated. Blocks are placed
 //! from ring offset 0 on, each at 0 or right after the previous one, so what has been
 //! reserved is a prefix `[0, reserved)` of the ring: before allocating, the writer
-//! reserves up to the end of where the chunk will land (in steps of [`RESERVE_STEP`]),
+//! reserves up to the end of where the block will land (in steps of [`RESERVE_STEP`]),
 //! and a `/dev/shm` without room for it is an [`Error::NoSpace`] before anything moves
 //! (the store frees what readers have finished with and tries again, then raises it as
 //! its `MemoryError`; one warning per process says how to raise `/dev/shm`). Readers
-//! only read chunks the writer allocated, so they never touch an unreserved page.
+//! only read blocks the writer allocated, so they never touch an unreserved page.
 
 use std::sync::Arc;
 
 use super::store_segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
-use crate::alloc::{Chunk, FifoAllocator, Freed, HEADER_BYTES};
+use crate::alloc::{Block, FifoAllocator, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::segment::unique_name;
 use crate::sync::Ordering;
 
 /// The ring is reserved in `/dev/shm` in steps of this many bytes (or exactly what a
-/// chunk needs when a whole step does not fit).
+/// block needs when a whole step does not fit).
 pub const RESERVE_STEP: u64 = 1 << 20;
 
 fn writer_only(what: &str) -> Error {
@@ -30,7 +30,7 @@ fn writer_only(what: &str) -> Error {
 
 /// The spec's `RingBuffer`: the segment plus, on the writer, the FIFO allocator.
 #[derive(Debug)]
-pub struct ChunkFifo {
+pub struct BlockFifo {
     pub(super) segment: Arc<StoreSegment>,
     pub(super) writer: Option<RingWriter>,
 }
@@ -39,9 +39,9 @@ pub struct ChunkFifo {
 #[derive(Debug)]
 pub(super) struct RingWriter {
     pub(super) alloc: FifoAllocator,
-    /// Whether the chunks live at the last clear may still be read (see the module docs).
+    /// Whether the blocks live at the last clear may still be read (see the module docs).
     cleared_readable: bool,
-    /// End offset of the furthest of those chunks.
+    /// End offset of the furthest of those blocks.
     cleared_end_offset: u64,
     /// Ring bytes `[0, overwritten)` written since the last clear.
     pub(super) overwritten: u64,
@@ -49,7 +49,7 @@ pub(super) struct RingWriter {
     reserved: u64,
 }
 
-impl ChunkFifo {
+impl BlockFifo {
     /// The segment, checked intact, and the writer's state; a reader is refused the
     /// call `what` names.
     fn writer_parts(&mut self, what: &str) -> Result<(&StoreSegment, &mut RingWriter)> {
@@ -59,10 +59,10 @@ impl ChunkFifo {
     }
 
     /// Create a ring of `capacity` bytes (this process is its writer).
-    pub fn create(capacity: u64, name: Option<&str>) -> Result<ChunkFifo> {
+    pub fn create(capacity: u64, name: Option<&str>) -> Result<BlockFifo> {
         let alloc = FifoAllocator::new(capacity).map_err(Error::InvalidArgument)?;
         let name = name.map_or_else(|| unique_name("store"), str::to_owned);
-        Ok(ChunkFifo {
+        Ok(BlockFifo {
             segment: Arc::new(StoreSegment::create(&name, capacity)?),
             writer: Some(RingWriter {
                 alloc,
@@ -75,7 +75,7 @@ impl ChunkFifo {
     }
 
     /// Open an existing ring as a reader; `capacity`, if given, must match.
-    pub fn open(name: &str, capacity: Option<u64>) -> Result<ChunkFifo> {
+    pub fn open(name: &str, capacity: Option<u64>) -> Result<BlockFifo> {
         let segment = StoreSegment::open(name)?;
         if let Some(c) = capacity.filter(|&c| c != segment.capacity()) {
             return Err(Error::InvalidArgument(format!(
@@ -83,7 +83,7 @@ impl ChunkFifo {
                 segment.capacity()
             )));
         }
-        Ok(ChunkFifo {
+        Ok(BlockFifo {
             segment: Arc::new(segment),
             writer: None,
         })
@@ -100,20 +100,20 @@ impl ChunkFifo {
         self.writer.as_ref().map(|w| &w.alloc)
     }
 
-    /// Allocate a chunk with `data_bytes` of data and write its header.
-    pub fn allocate(&mut self, data_bytes: u64) -> Result<Chunk> {
+    /// Allocate a block with `data_bytes` of data and write its header.
+    pub fn allocate(&mut self, data_bytes: u64) -> Result<Block> {
         if data_bytes == 0 {
             return Err(Error::InvalidArgument("Size must be greater than 0".into()));
         }
         self.allocate_with(|_| data_bytes)
     }
 
-    /// Allocate a chunk sized by `data_bytes_at(ring offset)` (see
+    /// Allocate a block sized by `data_bytes_at(ring offset)` (see
     /// [`FifoAllocator::allocate_with`]) and write its header.
-    pub fn allocate_with(&mut self, data_bytes_at: impl FnMut(u64) -> u64) -> Result<Chunk> {
+    pub fn allocate_with(&mut self, data_bytes_at: impl FnMut(u64) -> u64) -> Result<Block> {
         let (segment, w) = self.writer_parts("allocate buffers")?;
         let mut data_bytes_at = data_bytes_at;
-        // Where the chunk will land (the allocator's placement: after the newest chunk,
+        // Where the block will land (the allocator's placement: after the newest block,
         // or at 0 when it does not fit before the end), reserved before anything moves.
         let capacity = segment.capacity();
         let at = w.alloc.end() % capacity;
@@ -123,18 +123,18 @@ impl ChunkFifo {
         } else {
             at + size
         };
-        // A chunk larger than the ring is the allocator's error (Full), not ours.
+        // A block larger than the ring is the allocator's error (Full), not ours.
         reserve_ring(segment, &mut w.reserved, lands_end.min(capacity))?;
-        let chunk = w.alloc.allocate_with(data_bytes_at)?;
-        let end = chunk.offset(segment.capacity()) + chunk.size as u64;
+        let block = w.alloc.allocate_with(data_bytes_at)?;
+        let end = block.offset(segment.capacity()) + block.size as u64;
         if end > w.reserved {
-            // The placement above is the allocator's; should it ever differ, the chunk
+            // The placement above is the allocator's; should it ever differ, the block
             // is still reserved before it is written (an error leaves it unwritten, to
             // be freed in turn).
             reserve_ring(segment, &mut w.reserved, end)?;
         }
         if w.cleared_readable && end > w.overwritten {
-            // The chunk covers bytes of chunks live at the last clear: say so before
+            // The block covers bytes of blocks live at the last clear: say so before
             // writing them (`publish` orders this before the writes below).
             w.overwritten = end;
             let done = w.overwritten >= w.cleared_end_offset;
@@ -149,13 +149,13 @@ impl ChunkFifo {
                 }
             });
         }
-        segment.write_header(&chunk);
+        segment.write_header(&block);
         // The header is written before the new id is published.
         segment.publish_ids(&w.alloc);
         segment.count_writes(1, 0);
         // The header may have gone to the zero pages of a truncated segment.
         segment.check_intact()?;
-        Ok(chunk)
+        Ok(block)
     }
 
     /// Ring bytes reserved in `/dev/shm` so far (writer; 0 on readers).
@@ -163,8 +163,8 @@ impl ChunkFifo {
         self.writer.as_ref().map_or(0, |w| w.reserved)
     }
 
-    /// Free chunks oldest first while `is_free(id, data)` and fewer than `nbytes` bytes
-    /// have been freed; a chunk is freed (and handles to it stop working) as soon as
+    /// Free blocks oldest first while `is_free(id, data)` and fewer than `nbytes` bytes
+    /// have been freed; a block is freed (and handles to it stop working) as soon as
     /// `is_free` returns true for it. `is_free` runs with the ring borrowed: for code
     /// that must not (a Python callback, which may use the ring), see [`FreeOldestFirst`].
     pub fn free_while(
@@ -182,7 +182,7 @@ impl ChunkFifo {
             let Some(&c) = w.alloc.oldest() else {
                 break;
             };
-            if !is_free(c.id, segment.chunk_data(&c)) || !stamp_unpinned(segment, &c) {
+            if !is_free(c.id, segment.block_data(&c)) || !stamp_unpinned(segment, &c) {
                 break;
             }
             w.alloc.free_oldest();
@@ -197,9 +197,9 @@ impl ChunkFifo {
         Ok(freed)
     }
 
-    /// The oldest live chunk (writer only): what [`free_oldest`](Self::free_oldest)
+    /// The oldest live block (writer only): what [`free_oldest`](Self::free_oldest)
     /// frees.
-    pub fn oldest(&self) -> Result<Option<Chunk>> {
+    pub fn oldest(&self) -> Result<Option<Block>> {
         self.segment.check_intact()?;
         let w = self
             .writer
@@ -208,16 +208,16 @@ impl ChunkFifo {
         Ok(w.alloc.oldest().copied())
     }
 
-    /// Free the oldest live chunk if it is still `chunk` (found by
+    /// Free the oldest live block if it is still `block` (found by
     /// [`oldest`](Self::oldest), and judged free while the ring was not borrowed), with
-    /// the checks of [`free_while`](Self::free_while): a chunk some process pins stays.
-    pub fn free_oldest(&mut self, chunk: &Chunk) -> Result<FreeOldest> {
+    /// the checks of [`free_while`](Self::free_while): a block some process pins stays.
+    pub fn free_oldest(&mut self, block: &Block) -> Result<FreeOldest> {
         let (segment, w) = self.writer_parts("free buffers")?;
-        if w.alloc.oldest() != Some(chunk) {
-            // Freed (or cleared) meanwhile: the chunk approved is not there to free.
+        if w.alloc.oldest() != Some(block) {
+            // Freed (or cleared) meanwhile: the block approved is not there to free.
             return Ok(FreeOldest::NotOldest);
         }
-        if !stamp_unpinned(segment, chunk) {
+        if !stamp_unpinned(segment, block) {
             return Ok(FreeOldest::Pinned);
         }
         w.alloc.free_oldest();
@@ -227,9 +227,9 @@ impl ChunkFifo {
         Ok(FreeOldest::Freed)
     }
 
-    /// Forget every chunk (writer only). Ids keep counting and addresses restart at 0;
+    /// Forget every block (writer only). Ids keep counting and addresses restart at 0;
     /// handles issued before keep reading their data until the memory is reused. If a
-    /// process holds a zero-copy view of some chunk, nothing moves instead: the chunks
+    /// process holds a zero-copy view of some block, nothing moves instead: the blocks
     /// stay, to be freed oldest first like unused objects, each once no view holds it.
     pub fn clear(&mut self) -> Result<()> {
         let segment = &*self.segment;
@@ -241,7 +241,7 @@ impl ChunkFifo {
         let (cleared_start, cleared_end) = (w.alloc.id_start(), w.alloc.id_end());
         // The writer alone publishes: its snapshot is what it last published.
         let before = segment.snapshot().unwrap_or_default();
-        // Publish first that every live chunk is cleared, then look for zero-copy views:
+        // Publish first that every live block is cleared, then look for zero-copy views:
         // a reader that pins one from now on sees it cleared and copies instead.
         segment.publish(|p| {
             // Relaxed: inside the seqlock (see `publish`).
@@ -254,7 +254,7 @@ impl ChunkFifo {
             .live()
             .any(|c| segment.is_pinned(c.id))
         {
-            // Some process has views of a chunk: keep every chunk where it is (the store
+            // Some process has views of a block: keep every block where it is (the store
             // forgets their keys; they are freed oldest first once no view holds them)
             // and put the published state back.
             segment.publish(|p| {
@@ -286,10 +286,10 @@ impl ChunkFifo {
     }
 }
 
-/// Stamp the header of the live chunk `c`, about to be freed, unless some process pins
+/// Stamp the header of the live block `c`, about to be freed, unless some process pins
 /// it: true if stamped (free it now), false if pinned (it stays, and stays readable).
-fn stamp_unpinned(segment: &StoreSegment, c: &Chunk) -> bool {
-    // A chunk already pinned stays, and stays readable: no stamp (readers would take a
+fn stamp_unpinned(segment: &StoreSegment, c: &Block) -> bool {
+    // A block already pinned stays, and stays readable: no stamp (readers would take a
     // live object for a stale one meanwhile).
     if segment.is_pinned(c.id) {
         return false;
@@ -300,30 +300,30 @@ fn stamp_unpinned(segment: &StoreSegment, c: &Chunk) -> bool {
     let offset = c.offset(segment.capacity());
     segment.store_u32(offset, INVALID_ID);
     if segment.is_pinned(c.id) {
-        // Some process still has views: keep the chunk (and all after it).
+        // Some process still has views: keep the block (and all after it).
         segment.store_u32(offset, c.id);
         return false;
     }
     true
 }
 
-/// What [`ChunkFifo::free_oldest`] did.
+/// What [`BlockFifo::free_oldest`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FreeOldest {
     Freed,
-    /// Some process pins the chunk: it stays (and so do the chunks after it).
+    /// Some process pins the block: it stays (and so do the blocks after it).
     Pinned,
-    /// The chunk is not the oldest live one any more (freed or cleared meanwhile).
+    /// The block is not the oldest live one any more (freed or cleared meanwhile).
     NotOldest,
 }
 
-/// [`ChunkFifo::free_while`] for an `is_free` that runs without the ring borrowed, so
+/// [`BlockFifo::free_while`] for an `is_free` that runs without the ring borrowed, so
 /// that it may use the ring itself (allocate, free, clear, read its state): a Python
 /// callback. The caller loops: [`next`](Self::next) with the ring, `is_free` on that
-/// chunk without it, [`free`](Self::free) with it again, until either says stop.
+/// block without it, [`free`](Self::free) with it again, until either says stop.
 ///
-/// Only chunks live when it starts are asked about (one allocated meanwhile, by the
-/// callback say, is not), and only the chunk `is_free` approved is ever freed: one that
+/// Only blocks live when it starts are asked about (one allocated meanwhile, by the
+/// callback say, is not), and only the block `is_free` approved is ever freed: one that
 /// went meanwhile (another free, a clear) is not freed again; the next oldest is asked.
 #[derive(Debug)]
 pub struct FreeOldestFirst {
@@ -336,9 +336,9 @@ pub struct FreeOldestFirst {
 }
 
 impl FreeOldestFirst {
-    /// Free chunks of `ring` oldest first while fewer than `nbytes` bytes have been
+    /// Free blocks of `ring` oldest first while fewer than `nbytes` bytes have been
     /// freed (writer only).
-    pub fn new(ring: &ChunkFifo, nbytes: u64) -> Result<FreeOldestFirst> {
+    pub fn new(ring: &BlockFifo, nbytes: u64) -> Result<FreeOldestFirst> {
         ring.segment.check_intact()?;
         let a = ring
             .allocator()
@@ -351,9 +351,9 @@ impl FreeOldestFirst {
         })
     }
 
-    /// The chunk to ask `is_free` about next, or `None` when done: `nbytes` freed, or
-    /// no chunk left of those live at the start.
-    pub fn next(&self, ring: &ChunkFifo) -> Result<Option<Chunk>> {
+    /// The block to ask `is_free` about next, or `None` when done: `nbytes` freed, or
+    /// no block left of those live at the start.
+    pub fn next(&self, ring: &BlockFifo) -> Result<Option<Block>> {
         if self.bytes >= self.nbytes {
             return Ok(None);
         }
@@ -362,13 +362,13 @@ impl FreeOldestFirst {
             .filter(|c| id_in(c.id, self.ids.0, self.ids.1)))
     }
 
-    /// Free `chunk` (from [`next`](Self::next), approved by `is_free`) if it is still the
+    /// Free `block` (from [`next`](Self::next), approved by `is_free`) if it is still the
     /// oldest; whether to go on (false: it is pinned).
-    pub fn free(&mut self, ring: &mut ChunkFifo, chunk: &Chunk) -> Result<bool> {
-        match ring.free_oldest(chunk)? {
+    pub fn free(&mut self, ring: &mut BlockFifo, block: &Block) -> Result<bool> {
+        match ring.free_oldest(block)? {
             FreeOldest::Freed => {
-                self.freed.push(chunk.id);
-                self.bytes += chunk.size as u64;
+                self.freed.push(block.id);
+                self.bytes += block.size as u64;
                 Ok(true)
             }
             FreeOldest::Pinned => Ok(false),
@@ -382,7 +382,7 @@ impl FreeOldestFirst {
     }
 
     /// What was freed as a [`Freed`] (from the oldest id live at the start when nothing
-    /// was), if the ids are consecutive: always, unless something else freed chunks
+    /// was), if the ids are consecutive: always, unless something else freed blocks
     /// between two of this run's.
     pub fn consecutive(&self) -> Option<Freed> {
         let first_id = self.freed.first().copied().unwrap_or(self.ids.0);

@@ -1,16 +1,16 @@
-//! [`ObjectStore`]: the writer's key → object index over a [`ChunkFifo`]: put, hand-outs,
+//! [`ObjectStore`]: the writer's key → object index over a [`BlockFifo`]: put, hand-outs,
 //! touches, eviction of what every reader has finished with, and loans.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use super::fifo::ChunkFifo;
-use super::object::{object_layout, pin_own, reader_count, ChunkPin};
+use super::fifo::BlockFifo;
+use super::object::{object_layout, pin_own, reader_count, BlockPin};
 use super::store_segment::{
-    count_word_at, ChunkHeader, StoreSegment, COUNT_BYTES, COUNT_WORD_BYTES, PART_ALIGN,
+    count_word_at, BlockHeader, StoreSegment, COUNT_BYTES, COUNT_WORD_BYTES, PART_ALIGN,
     SIGNATURE_BYTES,
 };
-use crate::alloc::{Chunk, Freed, HEADER_BYTES};
+use crate::alloc::{Block, Freed, HEADER_BYTES};
 use crate::error::{Error, HandleRefusal, Result};
 use crate::segment::{warn_shm_too_small, LoanPages};
 use crate::region::RawRegion;
@@ -26,17 +26,17 @@ pub(super) const LOAN_ALIGN: u64 = 4096;
 #[derive(Clone, Debug)]
 pub(super) struct LoanSpot {
     pub(super) address: u64,
-    /// The chunk's header.
-    pub(super) header: ChunkHeader,
-    /// The buffer's offset from the start of the chunk's data.
+    /// The block's header.
+    pub(super) header: BlockHeader,
+    /// The buffer's offset from the start of the block's data.
     buffer_at: u64,
     pub(super) len: u64,
-    /// The buffer's pages (whole pages: the chunk is sized for that), sealed by `put`.
+    /// The buffer's pages (whole pages: the block is sized for that), sealed by `put`.
     pages: Arc<LoanPages>,
 }
 
-/// Memory loaned by the store's writer: `len` bytes of a chunk in the ring, to fill in
-/// place and `put` without a copy. The chunk stays (pinned) while the loan lives, also
+/// Memory loaned by the store's writer: `len` bytes of a block in the ring, to fill in
+/// place and `put` without a copy. The block stays (pinned) while the loan lives, also
 /// once put: drop it after the put to let the object be evicted in its turn. A `put`
 /// seals it, as a queue's [`Loan`](crate::Loan) is sealed when sent: the writer's
 /// mapping of its pages becomes a private copy-on-write view, so the object readers get
@@ -45,7 +45,7 @@ pub(super) struct LoanSpot {
 pub struct StoreLoan {
     pub(super) bytes: RawRegion,
     pages: Arc<LoanPages>,
-    pub(super) _pin: Arc<ChunkPin>,
+    pub(super) _pin: Arc<BlockPin>,
 }
 
 impl Drop for StoreLoan {
@@ -53,17 +53,17 @@ impl Drop for StoreLoan {
         if crate::fork::is_inherited(self._pin.made_in) {
             return; // a forked child's copy: its mapping is its own
         }
-        // Shared again before the pin goes (after this body) and the chunk can be reused.
+        // Shared again before the pin goes (after this body) and the block can be reused.
         if !self.pages.unseal(&self._pin.segment.segment) {
             // Still private here: a later object written there would reach nobody. Keep
-            // the chunk pinned for good instead.
+            // the block pinned for good instead.
             std::mem::forget(self._pin.clone());
         }
     }
 }
 
 // SAFETY: the loan is the only handle to its bytes in this process (the writer's
-// bookkeeping keeps only their place), and the pin keeps the chunk from reuse; moving or
+// bookkeeping keeps only their place), and the pin keeps the block from reuse; moving or
 // sharing it between threads is like a Vec's.
 unsafe impl Send for StoreLoan {}
 // SAFETY: as for Send: `&StoreLoan` gives the pointer out, not access.
@@ -131,7 +131,7 @@ impl StoreRole {
     }
 }
 
-/// Key → object index over a [`ChunkFifo`] (the spec's `ObjectStorage`, minus serde).
+/// Key → object index over a [`BlockFifo`] (the spec's `ObjectStorage`, minus serde).
 /// Methods take the ring explicitly so the ring can be shared with its own API.
 #[derive(Debug)]
 pub struct ObjectStore {
@@ -141,7 +141,7 @@ pub struct ObjectStore {
     pub(super) ids: HashMap<u32, Arc<str>>,
     /// Ids the writer `touch`ed: not evicted until handed out again or released.
     pub(super) touched: HashSet<u32>,
-    /// Loaned buffers not yet put, by chunk id.
+    /// Loaned buffers not yet put, by block id.
     pub(super) loans: HashMap<u32, LoanSpot>,
 }
 
@@ -198,7 +198,7 @@ impl ObjectStore {
         true
     }
 
-    /// Whether the object with id `id`, whose chunk data is `data`, may be evicted: not
+    /// Whether the object with id `id`, whose block data is `data`, may be evicted: not
     /// touched, and read `n_readers` times per hand-out.
     pub fn is_free(&self, id: u32, data: &[u8]) -> bool {
         if self.touched.contains(&id) {
@@ -214,7 +214,7 @@ impl ObjectStore {
 
     /// vLLM's `default_is_free_check(id, buf)` where `buf` is memory of this process at
     /// address `addr`, `len` bytes: [`is_free`](Self::is_free) of it if it lies inside
-    /// `segment`'s ring (a chunk's data); `InvalidArgument` if it does not (anything else
+    /// `segment`'s ring (a block's data); `InvalidArgument` if it does not (anything else
     /// could be any memory, and is never read).
     pub fn is_free_at(
         &self,
@@ -243,7 +243,7 @@ impl ObjectStore {
     /// other. When the ring is full, first frees objects every reader has finished with.
     pub fn put(
         &mut self,
-        ring: &mut ChunkFifo,
+        ring: &mut BlockFifo,
         key: &str,
         parts: &[&[u8]],
         align_from: usize,
@@ -267,16 +267,16 @@ impl ObjectStore {
         }
         let lens = || parts.iter().map(|p| p.len() as u64);
         let n = parts.len();
-        let size_at = |chunk_offset: u64| {
+        let size_at = |block_offset: u64| {
             object_layout(
-                chunk_offset + HEADER_BYTES,
+                block_offset + HEADER_BYTES,
                 lens(),
                 n,
                 align_from,
                 |_, _| (),
             )
         };
-        let (chunk, h) = self.allocate(ring, size_at)?;
+        let (block, h) = self.allocate(ring, size_at)?;
         let segment = ring.segment();
         let (p, len) = segment.data_ptr(&h);
         let data_offset = h.offset + HEADER_BYTES;
@@ -284,7 +284,7 @@ impl ObjectStore {
         let frame_at = (count_word_at(data_offset) + COUNT_WORD_BYTES) as usize;
         let write = |at: usize, bytes: &[u8]| {
             debug_assert!(at + bytes.len() <= len);
-            // SAFETY: the chunk is ours (just allocated, not yet handed out; readers only
+            // SAFETY: the block is ours (just allocated, not yet handed out; readers only
             // read it after they get its handle), and `object_layout` sized it so that
             // every write made here stays inside its `len` bytes.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at), bytes.len()) };
@@ -297,25 +297,25 @@ impl ObjectStore {
             write(at as usize, parts[i]);
         });
         debug_assert_eq!(end as usize, len);
-        self.register(key, chunk.address, chunk.id);
-        Ok((chunk.address, chunk.id))
+        self.register(key, block.address, block.id);
+        Ok((block.address, block.id))
     }
 
-    /// A new chunk of `size_at(its offset)` data bytes, and its header; if the ring is
+    /// A new block of `size_at(its offset)` data bytes, and its header; if the ring is
     /// full, first free what every reader has finished with.
     fn allocate(
         &mut self,
-        ring: &mut ChunkFifo,
+        ring: &mut BlockFifo,
         size_at: impl Fn(u64) -> u64 + Copy,
-    ) -> Result<(Chunk, ChunkHeader)> {
-        // Full, or no room in /dev/shm for where the chunk lands: free what every reader
+    ) -> Result<(Block, BlockHeader)> {
+        // Full, or no room in /dev/shm for where the block lands: free what every reader
         // has finished with (when everything goes, the ring restarts at 0, in memory
         // already reserved) and try once more.
-        let chunk = match ring.allocate_with(size_at) {
+        let block = match ring.allocate_with(size_at) {
             Err(Error::Full(_) | Error::NoSpace { .. }) => {
                 self.free_unused(ring)?;
                 match ring.allocate_with(size_at) {
-                    Ok(chunk) => chunk,
+                    Ok(block) => block,
                     Err(Error::Full(mut full)) => {
                         full.held_by = self.room_holder(ring);
                         return Err(Error::Full(full));
@@ -333,23 +333,23 @@ impl ObjectStore {
             }
             other => other?,
         };
-        let header = ChunkHeader {
-            offset: chunk.offset(ring.segment().capacity()),
-            id: chunk.id,
-            size: chunk.size,
+        let header = BlockHeader {
+            offset: block.offset(ring.segment().capacity()),
+            id: block.id,
+            size: block.size,
         };
-        Ok((chunk, header))
+        Ok((block, header))
     }
 
     /// For a put that finds no room after freeing what could go: what holds it. Objects
     /// go oldest first, so the oldest live one is what keeps the room: its key, and why
     /// it stays (reads it still waits for, a touch, a zero-copy view still held).
-    fn room_holder(&self, ring: &ChunkFifo) -> Option<String> {
+    fn room_holder(&self, ring: &BlockFifo) -> Option<String> {
         let alloc = ring.allocator()?;
         let live = alloc.live().len();
         let c = *alloc.live().next()?;
         let seg = ring.segment();
-        let h = ChunkHeader {
+        let h = BlockHeader {
             offset: c.offset(seg.capacity()),
             id: c.id,
             size: c.size,
@@ -359,7 +359,7 @@ impl ObjectStore {
             None => "a loan or an object being written".to_owned(),
         };
         let (p, n) = seg.data_ptr(&h);
-        // SAFETY: a live chunk of this writer's lies inside the ring (allocator
+        // SAFETY: a live block of this writer's lies inside the ring (allocator
         // invariant); only its reader count is read, which a peer can only make wrong.
         let data = unsafe { std::slice::from_raw_parts(p, n) };
         let handouts = self
@@ -396,11 +396,11 @@ impl ObjectStore {
         self.ids.insert(id, key);
     }
 
-    /// Loan `nbytes` of a new chunk to fill in place (writer only): `put` of an object
+    /// Loan `nbytes` of a new block to fill in place (writer only): `put` of an object
     /// one of whose buffers (from `align_from` on) is exactly this memory writes the rest
     /// of the object around it, with no copy. `Error::Full` if there is no room even
     /// after freeing what every reader has finished with.
-    pub fn loan(&mut self, ring: &mut ChunkFifo, nbytes: u64) -> Result<StoreLoan> {
+    pub fn loan(&mut self, ring: &mut BlockFifo, nbytes: u64) -> Result<StoreLoan> {
         if !ring.is_writer() {
             return Err(Error::WrongRole("Only the writer can loan memory.".into()));
         }
@@ -414,29 +414,29 @@ impl ObjectStore {
                 max: self.max_object_size,
             });
         }
-        let buffer_at = |chunk_offset: u64| {
-            let data = chunk_offset + HEADER_BYTES;
+        let buffer_at = |block_offset: u64| {
+            let data = block_offset + HEADER_BYTES;
             (data + LOAN_ROOM).next_multiple_of(LOAN_ALIGN) - data
         };
         // The buffer ends on a page boundary too: sealing it (see `StoreLoan`) must not
-        // touch the next chunk's memory.
+        // touch the next block's memory.
         let size_at =
-            |chunk_offset: u64| buffer_at(chunk_offset) + nbytes.next_multiple_of(LOAN_ALIGN);
-        let (chunk, header) = self.allocate(ring, size_at)?;
+            |block_offset: u64| buffer_at(block_offset) + nbytes.next_multiple_of(LOAN_ALIGN);
+        let (block, header) = self.allocate(ring, size_at)?;
         let segment = ring.segment();
         let data_offset = header.offset + HEADER_BYTES;
-        // Nobody has this chunk's handle yet; the channel that carries it orders these
+        // Nobody has this block's handle yet; the channel that carries it orders these
         // stores. An empty object (no parts) until it is put.
         segment.init_count(&header);
         segment.store_u32(
             data_offset + count_word_at(data_offset) + COUNT_WORD_BYTES,
             0,
         );
-        // If pinning fails, the chunk (an empty object nobody knows) goes in its turn.
+        // If pinning fails, the block (an empty object nobody knows) goes in its turn.
         let pin = pin_own(segment, header.id)?;
         let (p, _) = segment.data_ptr(&header);
         let at = buffer_at(header.offset);
-        // SAFETY: buffer_at + nbytes (rounded up to LOAN_ALIGN) is the chunk's data size
+        // SAFETY: buffer_at + nbytes (rounded up to LOAN_ALIGN) is the block's data size
         // (size_at above).
         let ptr = unsafe { p.add(at as usize) };
         let pages = Arc::new(LoanPages::new(
@@ -444,16 +444,16 @@ impl ObjectStore {
             nbytes.next_multiple_of(LOAN_ALIGN) as usize,
         ));
         let spot = LoanSpot {
-            address: chunk.address,
+            address: block.address,
             header,
             buffer_at: at,
             len: nbytes,
             pages: pages.clone(),
         };
-        self.loans.insert(chunk.id, spot);
+        self.loans.insert(block.id, spot);
         Ok(StoreLoan {
-            // SAFETY: `len` bytes of the loan's chunk, mapped and not reused while the pin
-            // lives, and handed to this loan alone. Readers only get the chunk's handle
+            // SAFETY: `len` bytes of the loan's block, mapped and not reused while the pin
+            // lives, and handed to this loan alone. Readers only get the block's handle
             // once it is put; from then on they read what the writer wrote, and a writer
             // that keeps writing races only with its own readers' view of the data (byte
             // values, never memory safety).
@@ -467,7 +467,7 @@ impl ObjectStore {
     /// on), if the others fit in the room before it; `None` to copy instead.
     fn put_in_loan(
         &mut self,
-        ring: &ChunkFifo,
+        ring: &BlockFifo,
         key: &str,
         parts: &[&[u8]],
         align_from: usize,
@@ -485,7 +485,7 @@ impl ObjectStore {
             });
             if let Some((&id, spot)) = hit {
                 if found.is_some() {
-                    return None; // two loans in one object: copied into one chunk
+                    return None; // two loans in one object: copied into one block
                 }
                 found = Some((i, id, spot.clone()));
             }
@@ -522,9 +522,9 @@ impl ObjectStore {
         let (p, len) = segment.data_ptr(&spot.header);
         let write = |at: u64, bytes: &[u8]| {
             debug_assert!(at as usize + bytes.len() <= spot.buffer_at as usize);
-            // SAFETY: the chunk is this writer's (live, loaned, its handle not yet given
+            // SAFETY: the block is this writer's (live, loaned, its handle not yet given
             // out), and every write here ends before the buffer (checked just above), which
-            // lies inside the chunk's `len` bytes.
+            // lies inside the block's `len` bytes.
             unsafe {
                 std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at as usize), bytes.len())
             };
@@ -596,7 +596,7 @@ impl ObjectStore {
 
     /// Free objects, oldest first, that every reader has finished with, up to about
     /// `2 * max_object_size` bytes. Returns the freed ids.
-    pub fn free_unused(&mut self, ring: &mut ChunkFifo) -> Result<Freed> {
+    pub fn free_unused(&mut self, ring: &mut BlockFifo) -> Result<Freed> {
         let limit = 2 * self.max_object_size;
         let freed = ring.free_while(limit, |id, data| self.is_free(id, data))?;
         for id in freed.ids() {
@@ -608,13 +608,13 @@ impl ObjectStore {
         Ok(freed)
     }
 
-    /// Forget every object and chunk.
-    pub fn clear(&mut self, ring: &mut ChunkFifo) -> Result<()> {
+    /// Forget every object and block.
+    pub fn clear(&mut self, ring: &mut BlockFifo) -> Result<()> {
         ring.clear()?;
         self.keys.clear();
         self.ids.clear();
         self.touched.clear();
-        // Loans whose chunks a view kept (see `ChunkFifo::clear`) can still be put.
+        // Loans whose blocks a view kept (see `BlockFifo::clear`) can still be put.
         if let Some(alloc) = ring.allocator() {
             self.loans.retain(|id, _| alloc.get(*id).is_some());
         }

@@ -1,4 +1,4 @@
-//! The object store: a FIFO ring of variable-size chunks in one segment (one writer
+//! The object store: a FIFO ring of variable-size blocks in one segment (one writer
 //! allocates, any process reads by `(address, id)`), and on top of it a key → object
 //! index whose objects carry an atomic reader count and whose handles are signed.
 //!
@@ -7,13 +7,13 @@
 //! 0      StoreHeader: magic (stored last, Release), layout version, capacity, creator
 //! 64     Published: what readers check a handle against, under a seqlock (`seq`)
 //! 128    the handle-signing secret: 32 random bytes, written before the magic
-//! 4096   the ring: `capacity` bytes of chunks packed tightly (vLLM 0.33's layout):
+//! 4096   the ring: `capacity` bytes of blocks packed tightly (vLLM 0.33's layout):
 //!          +0 id: u32, +4 size: u32 (header included), +8 data: `size - 8` bytes
 //! ```
-//! Chunk boundaries are wherever the allocator ([`crate::alloc`]) puts them: any byte
+//! Block boundaries are wherever the allocator ([`crate::alloc`]) puts them: any byte
 //! offset. Header words are therefore read and written byte by byte through `AtomicU8`
-//! (an `AtomicU32` needs 4-byte alignment), and whatever needs alignment inside a chunk
-//! is padded *inside* the chunk. An object's data is
+//! (an `AtomicU32` needs 4-byte alignment), and whatever needs alignment inside a block
+//! is padded *inside* the block. An object's data is
 //! ```text
 //! [0..7 pad][count word: count u32 | tag u32][n: u32][n × (offset: u32, len: u32)][parts ...]
 //! ```
@@ -23,15 +23,15 @@
 //! `align_from` on (the raw tensor and array buffers of the built-in serdes) start on
 //! 64-byte boundaries of the ring, which is page-aligned in memory; the others follow
 //! each other without gaps, so a custom serde's `[metadata][data...]` stays contiguous.
-//! Chunks are sized exactly for the offset they land on ([`crate::alloc::FifoAllocator::allocate_with`]).
+//! Blocks are sized exactly for the offset they land on ([`crate::alloc::FifoAllocator::allocate_with`]).
 //!
 //! # Which handles are valid
 //! The writer publishes, under a seqlock, the live ids `[id_start, id_end)` and the ids
-//! `[cleared_start, cleared_end)` of the chunks that were live at the last `clear()`,
+//! `[cleared_start, cleared_end)` of the blocks that were live at the last `clear()`,
 //! with `overwritten`: since that clear the writer has written only ring bytes
-//! `[0, overwritten)` (chunks are placed from offset 0 on, each at 0 or right after the
+//! `[0, overwritten)` (blocks are placed from offset 0 on, each at 0 or right after the
 //! previous one, so what they cover is always a prefix). A reader accepts `(address, id)`
-//! only if the id is live, or cleared and its chunk starts at or after `overwritten`
+//! only if the id is live, or cleared and its block starts at or after `overwritten`
 //! (vLLM 0.33 lets requests that are still draining read their objects after a
 //! `clear()`, until the memory is reused), and the header at the address holds that id.
 //! It checks the same again after using the payload, so an object reused meanwhile is
@@ -41,9 +41,9 @@
 //! # Eviction
 //! `put` hands an object out once; each `get_cached` hands it out again. Every reader
 //! increments the count once per read (one atomic compare-exchange, no lock; reads of a
-//! cleared object are not counted). The count lies in the chunk, so a reader announces
+//! cleared object are not counted). The count lies in the block, so a reader announces
 //! its increment in the segment header (`counting`) before its last check of the
-//! handle, and the writer, after freeing chunks, waits for announced increments before
+//! handle, and the writer, after freeing blocks, waits for announced increments before
 //! it reuses them (up to `COUNTING_PATIENCE`: the reader may have died there). The count
 //! shares an 8-byte word with a tag of the object's id, and the increment is made only
 //! while the tag is there, so a reader stalled past that patience does not write into
@@ -55,11 +55,11 @@
 //! # Zero-copy views and loans
 //! [`read_object_viewed`] lets a reader map parts privately (copy-on-write) and keep
 //! them ([`ObjectViews::kept_parts`] decides per part: a view from a size threshold on,
-//! else a copy): the chunk is pinned — a shared lock on a byte of the segment's file,
+//! else a copy): the block is pinned — a shared lock on a byte of the segment's file,
 //! see the `pins` module — until the last such view is dropped (or its process dies). The
-//! writer frees a chunk only after stamping its header and finding no pin, and a
-//! `clear()` that finds a pinned chunk frees nothing at once (the chunks go oldest first
-//! as usual). [`ObjectStore::loan`] gives the writer a pinned chunk with [`LOAN_ROOM`]
+//! writer frees a block only after stamping its header and finding no pin, and a
+//! `clear()` that finds a pinned block frees nothing at once (the blocks go oldest first
+//! as usual). [`ObjectStore::loan`] gives the writer a pinned block with [`LOAN_ROOM`]
 //! bytes before a page-aligned buffer; `put` of parts one of which is that buffer writes
 //! the others into the room, so the buffer is never copied.
 //!
@@ -71,7 +71,7 @@
 //!
 //! # Files
 //! - `store_segment`: the store segment's header, published state, secret, and byte access;
-//! - `fifo`: [`ChunkFifo`], the chunks in FIFO order (allocator on the writer);
+//! - `fifo`: [`BlockFifo`], the blocks in FIFO order (allocator on the writer);
 //! - `object`: an object's layout, reading it, and zero-copy views ([`PartView`]);
 //! - `index`: [`ObjectStore`], the key index with eviction and loans ([`StoreLoan`]).
 
@@ -82,13 +82,13 @@ mod store_segment;
 #[cfg(test)]
 mod tests;
 
-pub use fifo::{ChunkFifo, FreeOldest, FreeOldestFirst};
+pub use fifo::{BlockFifo, FreeOldest, FreeOldestFirst};
 pub use index::{Entry, ObjectStore, StoreLoan, StoreRole, LOAN_ROOM};
 pub use object::{
-    check_object, object_reader_count, read_object, read_object_viewed, ChunkPin, KeptPart,
+    check_object, object_reader_count, read_object, read_object_viewed, BlockPin, KeptPart,
     ObjectFrame, ObjectViews, PartView,
 };
 pub use store_segment::{
-    ChunkHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, PART_ALIGN, SECRET_BYTES,
+    BlockHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, PART_ALIGN, SECRET_BYTES,
     SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC,
 };

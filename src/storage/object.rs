@@ -1,10 +1,10 @@
-//! One object in a chunk: where its count and parts go, reading it by handle (checked
-//! before and after), and zero-copy views of its parts that pin the chunk.
+//! One object in a block: where its count and parts go, reading it by handle (checked
+//! before and after), and zero-copy views of its parts that pin the block.
 
 use std::sync::Arc;
 
 use super::store_segment::{
-    count_word_at, id_in, pin_byte, ChunkHeader, StoreSegment, COUNT_WORD_BYTES, PART_ALIGN,
+    count_word_at, id_in, pin_byte, BlockHeader, StoreSegment, COUNT_WORD_BYTES, PART_ALIGN,
     RING_OFFSET,
 };
 use crate::alloc::HEADER_BYTES;
@@ -14,7 +14,7 @@ use crate::private_map::PrivateMap;
 use crate::sync::{fence, AtomicU64, Ordering};
 
 /// Where the count word and the parts of an object go: offsets from the start of the
-/// chunk's data, which is at ring offset `data_offset`. The frame is `[pad to 8][count
+/// block's data, which is at ring offset `data_offset`. The frame is `[pad to 8][count
 /// word (8)][n (4)][n × (offset, len) (4 + 4)]`, then the parts.
 pub(super) fn object_layout(
     data_offset: u64,
@@ -34,9 +34,9 @@ pub(super) fn object_layout(
     at
 }
 
-/// The object in a chunk's data, its frame checked against the chunk's bounds.
+/// The object in a block's data, its frame checked against the block's bounds.
 pub struct ObjectFrame<'a> {
-    /// The chunk's data (after the 8-byte header).
+    /// The block's data (after the 8-byte header).
     pub(super) data: &'a [u8],
     /// Where the count word is in `data`.
     pub(super) count_at: usize,
@@ -44,7 +44,7 @@ pub struct ObjectFrame<'a> {
 }
 
 impl<'a> ObjectFrame<'a> {
-    /// Parse the frame of the object whose chunk data is `data` (at ring offset
+    /// Parse the frame of the object whose block data is `data` (at ring offset
     /// `data_offset`); any frame that points outside the data is an error.
     fn parse(data: &'a [u8], data_offset: u64) -> Option<ObjectFrame<'a>> {
         let count_at = count_word_at(data_offset) as usize;
@@ -81,15 +81,15 @@ impl<'a> ObjectFrame<'a> {
     pub fn is_empty(&self) -> bool {
         self.n == 0
     }
-    /// Part `i`: inside the chunk. The frame is read again here from shared memory; if
-    /// it changed since `parse` checked it (the writer reused the chunk after a `clear()`
+    /// Part `i`: inside the block. The frame is read again here from shared memory; if
+    /// it changed since `parse` checked it (the writer reused the block after a `clear()`
     /// while a reader used it, or another process wrote it), the range may be anything:
     /// it is then clamped to nothing, and `read_object`'s check after the read reports a
     /// reused object as modified. (Found by `fuzz/fuzz_targets/store_reader.rs`.)
     pub fn part(&self, i: usize) -> &'a [u8] {
         &self.data[self.part_range(i)]
     }
-    /// Where part `i` lies in the chunk's data, clamped as `part` says (an empty range
+    /// Where part `i` lies in the block's data, clamped as `part` says (an empty range
     /// at 0 when the frame no longer fits).
     pub(super) fn part_range(&self, i: usize) -> std::ops::Range<usize> {
         let (off, len) = self.entry(i);
@@ -113,7 +113,7 @@ impl<'a> ObjectFrame<'a> {
     }
 }
 
-/// The reader count of the object whose chunk data is `data` (the low half of its
+/// The reader count of the object whose block data is `data` (the low half of its
 /// count word).
 pub(super) fn reader_count(data: &[u8]) -> u32 {
     let count_at = count_word_at(data.as_ptr() as u64) as usize;
@@ -130,11 +130,11 @@ pub(super) fn reader_count(data: &[u8]) -> u32 {
     word.load(Ordering::Acquire) as u32
 }
 
-/// Count one read of the object in chunk `h`: add one to the count if its count word
-/// still carries the object's tag; else (the chunk was reused after the reader's last
+/// Count one read of the object in block `h`: add one to the count if its count word
+/// still carries the object's tag; else (the block was reused after the reader's last
 /// check, which only a reader stalled longer than the writer's patience can see, or a
 /// peer wrote the word) count nothing. Returns whether it counted.
-pub(super) fn count_one_read(segment: &StoreSegment, h: &ChunkHeader) -> bool {
+pub(super) fn count_one_read(segment: &StoreSegment, h: &BlockHeader) -> bool {
     let word = segment.count_word_of(h);
     let tag = segment.count_tag(h.id);
     // Relaxed: the value only seeds the compare-exchange, which checks it.
@@ -158,12 +158,12 @@ pub(super) fn count_one_read(segment: &StoreSegment, h: &ChunkHeader) -> bool {
 
 /// The header of the object at `address` if `(address, id)` names a live (or cleared
 /// but intact) object.
-fn object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<ChunkHeader> {
+fn object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<BlockHeader> {
     let stale = || Error::StaleObject {
         address,
         id: id as u64,
     };
-    // vLLM's arithmetic never gives a chunk an address of two laps or more.
+    // vLLM's arithmetic never gives a block an address of two laps or more.
     if address / 2 >= segment.capacity() {
         return Err(stale());
     }
@@ -181,10 +181,10 @@ fn object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<ChunkH
 
 /// Whether `(address, id)` still names the object whose header is `h`: to call after
 /// using its payload.
-fn still_valid(segment: &StoreSegment, h: &ChunkHeader) -> bool {
+fn still_valid(segment: &StoreSegment, h: &BlockHeader) -> bool {
     // Acquire fence: the payload reads before it complete before the loads below; if
     // they show the object still valid, the writer had not started reusing it (it
-    // publishes before it writes, see `ChunkFifo::allocate_with`/`free_while`).
+    // publishes before it writes, see `BlockFifo::allocate_with`/`free_while`).
     fence(Ordering::Acquire);
     validity(segment, h) != Validity::Stale
 }
@@ -198,7 +198,7 @@ enum Validity {
     Cleared,
 }
 
-fn validity(segment: &StoreSegment, h: &ChunkHeader) -> Validity {
+fn validity(segment: &StoreSegment, h: &BlockHeader) -> Validity {
     if segment.load_u32(h.offset) != h.id {
         return Validity::Stale;
     }
@@ -243,7 +243,7 @@ pub fn read_object<R>(
 /// [`read_object`] from a header found valid for `(address, id)`.
 pub(super) fn read_header<R>(
     segment: &StoreSegment,
-    h: ChunkHeader,
+    h: BlockHeader,
     address: u64,
     id: u32,
     count_read: bool,
@@ -268,10 +268,10 @@ pub(super) fn read_header<R>(
             Err(stale())
         };
     }
-    // The count lies in the chunk: it must not be incremented once the chunk may be
+    // The count lies in the block: it must not be incremented once the block may be
     // reused (that would write into another object). So announce the increment first
     // (SeqCst, then a SeqCst fence: with the writer's fence and load in
-    // `wait_for_counting_readers`, either the check below sees the chunk freed, or the
+    // `wait_for_counting_readers`, either the check below sees the block freed, or the
     // writer waits for our decrement before it reuses the memory). The writer waits only
     // COUNTING_PATIENCE (a reader may have died here); one stalled longer finds its
     // object's tag gone from the count word and counts nothing (`count_one_read`).
@@ -282,7 +282,7 @@ pub(super) fn read_header<R>(
         count_one_read(segment, &h);
     }
     // Release: pairs with the writer's Acquire load: the increment above happens before
-    // the writer reuses the chunk.
+    // the writer reuses the block.
     segment.counting().fetch_sub(1, Ordering::Release);
     if validity == Validity::Stale {
         return Err(stale());
@@ -290,22 +290,22 @@ pub(super) fn read_header<R>(
     Ok(out)
 }
 
-/// Keeps an object's chunk from being freed or overwritten while zero-copy views of it
+/// Keeps an object's block from being freed or overwritten while zero-copy views of it
 /// live in this process (a read lock on a byte of the segment's file, see
 /// `pins` module); shared by the views of one `get`.
 #[derive(Debug)]
-pub struct ChunkPin {
+pub struct BlockPin {
     pub(super) segment: Arc<StoreSegment>,
     pub(super) _pin: Pin,
     pub(super) made_in: u64,
 }
 
-impl Drop for ChunkPin {
+impl Drop for BlockPin {
     fn drop(&mut self) {
         // A forked child's copy counts nothing: the hint is its parent's to decrement.
         if !crate::fork::is_inherited(self.made_in) {
             // Release: once the writer's (SeqCst) load of the hint reads 0 it reuses the
-            // chunk without probing, so everything done with the chunk under this pin (a
+            // block without probing, so everything done with the block under this pin (a
             // loan filled on another thread, a view's reads) must come before.
             self.segment.pin_hint().fetch_sub(1, Ordering::Release);
         }
@@ -314,21 +314,21 @@ impl Drop for ChunkPin {
 
 /// A private, copy-on-write mapping of one part of a stored object: zero-copy to read;
 /// a write copies the touched pages, never reaching the writer or another reader. The
-/// object's chunk is not reused while it lives.
+/// object's block is not reused while it lives.
 #[derive(Debug)]
 pub struct PartView {
     pub(super) map: PrivateMap,
-    pub(super) _pin: Arc<ChunkPin>,
+    pub(super) _pin: Arc<BlockPin>,
 }
 
 crate::region::region!(PartView, map);
 
-/// What [`read_object_viewed`] offers to map parts of the object it reads. The chunk is
+/// What [`read_object_viewed`] offers to map parts of the object it reads. The block is
 /// pinned at the first [`ObjectViews::map`] (objects read without views cost no pin).
 pub struct ObjectViews<'a> {
     pub(super) segment: &'a Arc<StoreSegment>,
-    pub(super) header: ChunkHeader,
-    pub(super) pin: std::cell::OnceCell<Option<Arc<ChunkPin>>>,
+    pub(super) header: BlockHeader,
+    pub(super) pin: std::cell::OnceCell<Option<Arc<BlockPin>>>,
 }
 
 impl ObjectViews<'_> {
@@ -337,7 +337,7 @@ impl ObjectViews<'_> {
     pub fn map(&self, object: &ObjectFrame<'_>, i: usize) -> Result<Option<PartView>> {
         let pin = self
             .pin
-            .get_or_init(|| pin_chunk(self.segment, &self.header));
+            .get_or_init(|| pin_block(self.segment, &self.header));
         let Some(pin) = pin else { return Ok(None) };
         // The part as `part` clamps it (the frame is shared memory a peer may change:
         // read it once, as a range, not as a pointer into the data; a clamped part is
@@ -366,7 +366,7 @@ impl ObjectViews<'_> {
 /// [`ObjectViews::kept_parts`]), as the caller may keep it beyond the read.
 #[derive(Debug)]
 pub enum KeptPart<'a> {
-    /// A private copy-on-write mapping of the part: zero-copy, and the object's chunk
+    /// A private copy-on-write mapping of the part: zero-copy, and the object's block
     /// is not reused while it (or another view of the same read) lives.
     View(PartView),
     /// The part's bytes in shared memory, to be copied before the read returns (they
@@ -408,35 +408,35 @@ impl<'a> ObjectViews<'a> {
     }
 }
 
-/// Pin the chunk with id `id`: the writer's loans use this directly (no
-/// check needed: the writer itself is what would free the chunk, and its frees probe
-/// for pins); readers through [`pin_chunk`].
-pub(super) fn pin_own(segment: &Arc<StoreSegment>, id: u32) -> Result<Arc<ChunkPin>> {
+/// Pin the block with id `id`: the writer's loans use this directly (no
+/// check needed: the writer itself is what would free the block, and its frees probe
+/// for pins); readers through [`pin_block`].
+pub(super) fn pin_own(segment: &Arc<StoreSegment>, id: u32) -> Result<Arc<BlockPin>> {
     // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned` (see
-    // `pin_chunk`).
+    // `pin_block`).
     segment.pin_hint().fetch_add(1, Ordering::SeqCst);
     let made_in = crate::fork::generation();
     match segment.pins.pin(pin_byte(id)) {
-        Ok(pin) => Ok(Arc::new(ChunkPin {
+        Ok(pin) => Ok(Arc::new(BlockPin {
             segment: segment.clone(),
             _pin: pin,
             made_in,
         })),
         Err(e) => {
-            // Relaxed: no pin was taken, so nothing was done with the chunk under it.
+            // Relaxed: no pin was taken, so nothing was done with the block under it.
             segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
             Err(e)
         }
     }
 }
 
-/// Pin the chunk of `h` if it holds a live object (not a cleared one, which the writer
+/// Pin the block of `h` if it holds a live object (not a cleared one, which the writer
 /// reuses without looking for pins); `None` if it does not, or cannot be pinned.
-pub(super) fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<Arc<ChunkPin>> {
+pub(super) fn pin_block(segment: &Arc<StoreSegment>, h: &BlockHeader) -> Option<Arc<BlockPin>> {
     let pin = pin_own(segment, h.id).ok()?;
     // SeqCst fence: the checks below come after the increment (and the lock) in the
     // order the writer's `is_pinned` is part of. If they pass, the writer will see the
-    // pin before it frees or clears the chunk; if the writer marked it first, they fail
+    // pin before it frees or clears the block; if the writer marked it first, they fail
     // (and dropping the pin undoes it).
     fence(Ordering::SeqCst);
     let live = segment.load_u32(h.offset) == h.id
@@ -447,7 +447,7 @@ pub(super) fn pin_chunk(segment: &Arc<StoreSegment>, h: &ChunkHeader) -> Option<
 }
 
 /// [`read_object`], and `f` may also map parts privately (through `views`) to keep
-/// them beyond the call: the chunk then stays until the last of them is dropped.
+/// them beyond the call: the block then stays until the last of them is dropped.
 pub fn read_object_viewed<R>(
     segment: &Arc<StoreSegment>,
     address: u64,

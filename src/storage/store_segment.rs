@@ -1,6 +1,6 @@
 //! The store's segment: its header, the published state readers check handles against
 //! (a seqlock), the signing secret, the pin hint and the counting window, and byte-level
-//! access to the chunks in its ring. Any process that maps the segment uses this; the
+//! access to the blocks in its ring. Any process that maps the segment uses this; the
 //! allocator is the writer's ([`super::fifo`]).
 
 use std::ptr::NonNull;
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-use crate::alloc::{Chunk, FifoAllocator, HEADER_BYTES, ID_MAX};
+use crate::alloc::{Block, FifoAllocator, HEADER_BYTES, ID_MAX};
 use crate::error::{Error, HandleRefusal, Result};
 use crate::liveness::{Liveness, LockProbe};
 use crate::pins::Pins;
@@ -33,7 +33,7 @@ const PIN_HINT_OFFSET: usize = 192;
 /// Where the count of readers about to count a read is (see `StoreSegment::counting`):
 /// its own cache line, apart from the pin hint (both are written by readers).
 const COUNTING_OFFSET: usize = 256;
-/// The writer's statistics (objects put, chunks freed): after the header, in its line.
+/// The writer's statistics (objects put, blocks freed): after the header, in its line.
 const WRITER_STATS_OFFSET: usize = 32;
 /// The readers' statistic (counted gets), in a cache line of its own.
 const GETS_OFFSET: usize = 320;
@@ -44,16 +44,16 @@ const COUNTING_PATIENCE: Duration = Duration::from_millis(10);
 pub const SECRET_BYTES: usize = 32;
 /// Bytes of a handle signature (one SHA-256 digest).
 pub const SIGNATURE_BYTES: usize = 32;
-/// Stored in the header of a freed chunk: never a valid id (ids are below 2**31).
+/// Stored in the header of a freed block: never a valid id (ids are below 2**31).
 pub(super) const INVALID_ID: u32 = u32::MAX;
 /// Bytes of an object's reader count, as vLLM 0.33 measures an object (its flag bytes):
 /// what `put` adds to the parts' sizes before comparing with `max_object_size`.
 pub const COUNT_BYTES: usize = 4;
-/// Bytes of the word that holds an object's count in its chunk: the count (low half) and
+/// Bytes of the word that holds an object's count in its block: the count (low half) and
 /// a tag of the object's id (high half), 8-aligned (see `StoreSegment::count_word`).
 pub(super) const COUNT_WORD_BYTES: u64 = 8;
 
-/// Where an object's count word is, from the start of its chunk's data at ring offset
+/// Where an object's count word is, from the start of its block's data at ring offset
 /// `data_offset`: the first multiple of 8 (the ring starts page-aligned, so ring offsets
 /// and addresses agree on alignment).
 pub(super) fn count_word_at(data_offset: u64) -> u64 {
@@ -89,7 +89,7 @@ pub(super) struct Published {
     pub(super) cleared_end: AtomicU32,
     pub(super) overwritten: AtomicU64,
     /// Statistics for `inspect` (outside the seqlock: they order nothing).
-    live_chunks: AtomicU64,
+    live_blocks: AtomicU64,
     live_bytes: AtomicU64,
 }
 const _: () = assert!(std::mem::size_of::<Published>() == 64);
@@ -104,7 +104,7 @@ const _: () = assert!(GETS_OFFSET >= COUNTING_OFFSET + 64 && GETS_OFFSET + 8 <= 
 /// A store's metrics (see [`StoreSegment::stats`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StoreStats {
-    /// Objects put (chunks allocated) and freed (evicted to make room, or cleared).
+    /// Objects put (blocks allocated) and freed (evicted to make room, or cleared).
     pub puts: u64,
     pub evictions: u64,
     /// Reads counted by readers (`get`s).
@@ -129,7 +129,7 @@ pub(super) fn id_in(id: u32, start: u32, end: u32) -> bool {
 }
 
 impl Snapshot {
-    /// Whether a chunk with this id at this ring offset may still hold its object.
+    /// Whether a block with this id at this ring offset may still hold its object.
     pub(super) fn names(&self, id: u32, offset: u64) -> bool {
         id_in(id, self.id_start, self.id_end)
             || (id_in(id, self.cleared_start, self.cleared_end) && offset >= self.overwritten)
@@ -139,8 +139,8 @@ impl Snapshot {
 /// The store's occupancy as its writer last published it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StoreOccupancy {
-    pub live_chunks: u64,
-    /// Bytes from the oldest live chunk to the end of the newest.
+    pub live_blocks: u64,
+    /// Bytes from the oldest live block to the end of the newest.
     pub live_bytes: u64,
     pub id_start: u32,
     pub id_end: u32,
@@ -160,7 +160,7 @@ pub struct StoreSegment {
     counting_floor: AtomicU64,
     /// Writer: how many waits for counting readers ran out of patience (process-local).
     patience_spent: AtomicU64,
-    /// This process's pins of chunks it has zero-copy views of (see [`ChunkPin`]).
+    /// This process's pins of blocks it has zero-copy views of (see [`BlockPin`]).
     pub(super) pins: Arc<Pins>,
     /// The writer's probe of every process's pins (`None` on readers).
     pub(super) probe: Option<LockProbe>,
@@ -170,8 +170,8 @@ pub struct StoreSegment {
 
 // SAFETY: `ring` points into `segment`'s mapping, alive as long as `self`. Shared state
 // in it is reached through atomics (headers, published state, reader counts) or, for
-// payload bytes, only by the single writer before it publishes a chunk and by readers
-// after; see the module docs for how a reader detects a chunk reused under it.
+// payload bytes, only by the single writer before it publishes a block and by readers
+// after; see the module docs for how a reader detects a block reused under it.
 unsafe impl Send for StoreSegment {}
 // SAFETY: as for Send: `&StoreSegment` exposes atomics and bounds-checked reads only.
 unsafe impl Sync for StoreSegment {}
@@ -185,9 +185,9 @@ impl std::fmt::Debug for StoreSegment {
     }
 }
 
-/// A chunk found at an address: its ring offset, id and size (header included).
+/// A block found at an address: its ring offset, id and size (header included).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ChunkHeader {
+pub struct BlockHeader {
     pub offset: u64,
     pub id: u32,
     pub size: u32,
@@ -417,7 +417,7 @@ impl StoreSegment {
         let ids = self.snapshot().unwrap_or_default();
         // Relaxed: statistics; the values may be from slightly different moments.
         StoreOccupancy {
-            live_chunks: p.live_chunks.load(Ordering::Relaxed),
+            live_blocks: p.live_blocks.load(Ordering::Relaxed),
             live_bytes: p.live_bytes.load(Ordering::Relaxed),
             id_start: ids.id_start,
             id_end: ids.id_end,
@@ -462,7 +462,7 @@ impl StoreSegment {
         let p = self.published();
         // The seqlock's write side (only the writer, under the store's lock, calls this);
         // its closing Release fence orders the update before every later write of the
-        // writer (into chunks it concerns), for readers that check it again after reading.
+        // writer (into blocks it concerns), for readers that check it again after reading.
         seqlock::write(&p.seq, || update(p));
     }
 
@@ -475,7 +475,7 @@ impl StoreSegment {
         });
         let p = self.published();
         // Relaxed: statistics for inspection; nothing is ordered by them.
-        p.live_chunks
+        p.live_blocks
             .store(a.live().len() as u64, Ordering::Relaxed);
         p.live_bytes.store(a.live_bytes(), Ordering::Relaxed);
     }
@@ -520,7 +520,7 @@ impl StoreSegment {
     /// The count word of an object, at ring offset `offset` (8-aligned): its reader
     /// count in the low 32 bits, [`Self::count_tag`] of its id in the high 32. A reader
     /// increments it only while the tag is its object's (a compare-exchange), so a reader
-    /// that was stalled past the writer's reuse of the chunk (see `read_header`) does not
+    /// that was stalled past the writer's reuse of the block (see `read_header`) does not
     /// write into the next object: the bytes there would have to equal the old tag and
     /// count, all 8 of them.
     pub(super) fn count_word(&self, offset: u64) -> &AtomicU64 {
@@ -540,29 +540,29 @@ impl StoreSegment {
         id ^ self.count_salt
     }
 
-    /// The count word of the object in chunk `h`.
-    pub(super) fn count_word_of(&self, h: &ChunkHeader) -> &AtomicU64 {
+    /// The count word of the object in block `h`.
+    pub(super) fn count_word_of(&self, h: &BlockHeader) -> &AtomicU64 {
         let data = h.offset + HEADER_BYTES;
         self.count_word(data + count_word_at(data))
     }
 
-    /// A fresh object's count word in chunk `h`: its tag, count 0 (writer, before the
+    /// A fresh object's count word in block `h`: its tag, count 0 (writer, before the
     /// handle is handed out: Relaxed, the channel that carries the handle orders it as it
     /// does the payload).
-    pub(super) fn init_count(&self, h: &ChunkHeader) {
+    pub(super) fn init_count(&self, h: &BlockHeader) {
         self.count_word_of(h)
             .store(u64::from(self.count_tag(h.id)) << 32, Ordering::Relaxed);
     }
 
-    /// Write the header of a freshly allocated chunk (writer only; published after).
-    pub(super) fn write_header(&self, chunk: &Chunk) {
-        let offset = chunk.offset(self.capacity);
-        self.store_u32(offset + 4, chunk.size);
-        self.store_u32(offset, chunk.id);
+    /// Write the header of a freshly allocated block (writer only; published after).
+    pub(super) fn write_header(&self, block: &Block) {
+        let offset = block.offset(self.capacity);
+        self.store_u32(offset + 4, block.size);
+        self.store_u32(offset, block.id);
     }
 
-    /// The header at `address`, checked to describe a chunk inside the ring.
-    pub fn header_at(&self, address: u64) -> Result<ChunkHeader> {
+    /// The header at `address`, checked to describe a block inside the ring.
+    pub fn header_at(&self, address: u64) -> Result<BlockHeader> {
         let offset = address % self.capacity;
         let invalid = || Error::InvalidArgument(format!("no chunk can be at address {address}"));
         if offset + HEADER_BYTES > self.capacity {
@@ -573,13 +573,13 @@ impl StoreSegment {
         if (size as u64) < HEADER_BYTES || offset + size as u64 > self.capacity {
             return Err(invalid());
         }
-        Ok(ChunkHeader { offset, id, size })
+        Ok(BlockHeader { offset, id, size })
     }
 
-    /// Start and length of a chunk's data (after the 8-byte header). Panics if `h` does
+    /// Start and length of a block's data (after the 8-byte header). Panics if `h` does
     /// not lie inside the ring (headers from `header_at` and the allocator always do; a
-    /// `ChunkHeader` made up by hand may not).
-    pub fn data_ptr(&self, h: &ChunkHeader) -> (*mut u8, usize) {
+    /// `BlockHeader` made up by hand may not).
+    pub fn data_ptr(&self, h: &BlockHeader) -> (*mut u8, usize) {
         assert!(
             h.size as u64 >= HEADER_BYTES
                 && h.offset
@@ -593,13 +593,13 @@ impl StoreSegment {
         (p, h.size as usize - HEADER_BYTES as usize)
     }
 
-    /// The data of the live chunk `c` (after its header), from the allocator (panics if
+    /// The data of the live block `c` (after its header), from the allocator (panics if
     /// it does not lie inside the ring, see [`data_ptr`](Self::data_ptr)). Only the
-    /// writer writes chunks, and only before it publishes them or after it frees them: a
-    /// caller that keeps the bytes past the chunk's life sees whatever is written there
+    /// writer writes blocks, and only before it publishes them or after it frees them: a
+    /// caller that keeps the bytes past the block's life sees whatever is written there
     /// next, never memory outside the ring.
-    pub fn chunk_data(&self, c: &Chunk) -> &[u8] {
-        let (p, n) = self.data_ptr(&ChunkHeader {
+    pub fn block_data(&self, c: &Block) -> &[u8] {
+        let (p, n) = self.data_ptr(&BlockHeader {
             offset: c.offset(self.capacity),
             id: c.id,
             size: c.size,
@@ -630,7 +630,7 @@ impl StoreSegment {
         unsafe { &*(self.segment.as_ptr().add(COUNTING_OFFSET) as *const AtomicU64) }
     }
 
-    /// Writer, after publishing that chunks are freed: wait until no reader can still
+    /// Writer, after publishing that blocks are freed: wait until no reader can still
     /// increment a count inside them (see `read_header`), so they can be reused.
     ///
     /// A reader killed inside its counting window leaves its announcement in `counting`
@@ -642,14 +642,14 @@ impl StoreSegment {
     /// whenever `counting` is seen below it (those readers were alive after all).
     pub(super) fn wait_for_counting_readers(&self) {
         // SeqCst fence and load: with the reader's SeqCst increment and fence, either we
-        // see its increment (and wait for its decrement), or it sees the chunk freed.
+        // see its increment (and wait for its decrement), or it sees the block freed.
         fence(Ordering::SeqCst);
         // Relaxed: only this process (the writer, under its store lock) uses the floor.
         let floor = self.counting_floor.load(Ordering::Relaxed);
         let mut started = None;
         for attempt in 0u32.. {
             // Acquire: pairs with the reader's Release decrement: its count increment
-            // (into the old chunk) happens before we reuse the memory.
+            // (into the old block) happens before we reuse the memory.
             let now = self.counting().load(Ordering::Acquire);
             if now <= floor {
                 if now < floor {
@@ -662,7 +662,7 @@ impl StoreSegment {
                 std::hint::spin_loop();
             } else if started.get_or_insert_with(Instant::now).elapsed() > COUNTING_PATIENCE {
                 // A reader died there (its increment will never come) or is stalled: its
-                // count word no longer carries its object's tag once the chunk is reused,
+                // count word no longer carries its object's tag once the block is reused,
                 // so its increment finds nothing to count (`count_one_read`). Relaxed
                 // (both): process-local, used only by the writer under its store lock.
                 self.counting_floor.store(now, Ordering::Relaxed);
@@ -685,12 +685,12 @@ impl StoreSegment {
         )
     }
 
-    /// Writer: whether some process may hold a zero-copy view of the chunk with id `id`. Call it after marking the chunk as no longer its object (its header
+    /// Writer: whether some process may hold a zero-copy view of the block with id `id`. Call it after marking the block as no longer its object (its header
     /// stamped, or the clear published): see `pins` module for why a view cannot be
     /// missed then. A probe that cannot tell answers "pinned" (the memory is kept).
     pub(super) fn is_pinned(&self, id: u32) -> bool {
         // SeqCst fence and load: with the reader's SeqCst increment and fence in
-        // `pin_chunk`, either this load sees the increment or the reader's check sees
+        // `pin_block`, either this load sees the increment or the reader's check sees
         // our mark (store buffering is ruled out on both sides).
         fence(Ordering::SeqCst);
         if self.pin_hint().load(Ordering::SeqCst) == 0 {
@@ -735,16 +735,16 @@ impl StoreSegment {
     }
 }
 
-/// Where the bytes whose read locks pin chunks start: far beyond any segment's end (a
+/// Where the bytes whose read locks pin blocks start: far beyond any segment's end (a
 /// lock may lie past the end of the file), clear of every other lock on it (byte 0 is
 /// the creator's role lock).
 const PIN_BYTES_FROM: u64 = 1 << 48;
 
-/// The byte of the segment's file whose read locks pin the chunk with id `id`. By id, not
+/// The byte of the segment's file whose read locks pin the block with id `id`. By id, not
 /// by place: objects are made and read in id order, so the pins a process holds are mostly
 /// runs of neighbouring bytes, which the kernel keeps as one lock each. Its lock list is
 /// walked on every lock call; one entry per pin made a get with 10,000 views held cost
-/// ~0.5 ms (issue 18). Chunks alive at the same time never share an id.
+/// ~0.5 ms (issue 18). Blocks alive at the same time never share an id.
 pub(super) fn pin_byte(id: u32) -> u64 {
     PIN_BYTES_FROM + id as u64
 }

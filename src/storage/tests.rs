@@ -8,9 +8,9 @@ use std::sync::Arc;
 use crate::alloc::HEADER_BYTES;
 use crate::error::{Error, HandleRefusal, Result};
 
-fn store(capacity: u64, max: u64, readers: u32) -> (ChunkFifo, ObjectStore) {
+fn store(capacity: u64, max: u64, readers: u32) -> (BlockFifo, ObjectStore) {
     (
-        ChunkFifo::create(capacity, None).unwrap(),
+        BlockFifo::create(capacity, None).unwrap(),
         ObjectStore::new(max, readers).unwrap(),
     )
 }
@@ -25,7 +25,7 @@ fn read_all(seg: &StoreSegment, a: u64, i: u32, count: bool) -> Result<Vec<Vec<u
 fn put_get_and_errors() {
     let (mut ring, mut s) = store(4096, 1024, 1);
     let (addr, id) = s.put(&mut ring, "a", &[b"meta", b"data"], 2).unwrap();
-    let reader = ChunkFifo::open(ring.segment().name(), Some(4096)).unwrap();
+    let reader = BlockFifo::open(ring.segment().name(), Some(4096)).unwrap();
     let got = read_object(reader.segment(), addr, id, true, |v| v.span().to_vec()).unwrap();
     assert_eq!(got, b"metadata");
     assert_eq!(object_reader_count(reader.segment(), addr, id).unwrap(), 1);
@@ -57,7 +57,7 @@ fn put_get_and_errors() {
 fn parts_from_align_from_are_64_byte_aligned_at_every_skew() {
     let (mut ring, mut s) = store(1 << 16, 1 << 15, 1);
     let seg = ring.segment().clone();
-    // Odd raw allocations move the next chunk to every residue mod 64.
+    // Odd raw allocations move the next block to every residue mod 64.
     for skew in 0..70u64 {
         let key = format!("k{skew}");
         let parts: [&[u8]; 3] = [b"tree", &[1u8; 100], &[2u8; 3]];
@@ -83,7 +83,7 @@ fn signatures_bind_key_address_and_id() {
     let (a, i) = s.put(&mut ring, "k", &[b"v"], 1).unwrap();
     let seg = ring.segment().clone();
     let sig = s.signature(&seg, "k").unwrap();
-    let reader = ChunkFifo::open(seg.name(), None).unwrap();
+    let reader = BlockFifo::open(seg.name(), None).unwrap();
     reader.segment().verify("k", a, i, &sig).unwrap();
     assert_eq!(reader.segment().secret(), seg.secret());
     for (k, a2, i2) in [("k2", a, i), ("k", a + 1, i), ("k", a, i + 1)] {
@@ -231,10 +231,10 @@ fn a_cleared_object_is_read_but_not_viewed() {
 #[test]
 fn readers_cannot_write() {
     let (ring, _) = store(1024, 100, 1);
-    let mut reader = ChunkFifo::open(ring.segment().name(), None).unwrap();
+    let mut reader = BlockFifo::open(ring.segment().name(), None).unwrap();
     assert!(matches!(reader.allocate(10), Err(Error::WrongRole(_))));
     assert!(matches!(reader.clear(), Err(Error::WrongRole(_))));
-    assert!(ChunkFifo::open(ring.segment().name(), Some(999)).is_err());
+    assert!(BlockFifo::open(ring.segment().name(), Some(999)).is_err());
 }
 
 #[test]
@@ -288,7 +288,7 @@ fn a_stale_header_inside_new_data_is_refused() {
 fn a_frame_changed_during_a_read_is_an_error_not_a_panic() {
     // A reader is using object "a" when the writer clears the store and puts a larger
     // object in the same place: the frame the reader checked now describes parts
-    // beyond the old chunk. Reading the parts again must not panic (it did: a slice
+    // beyond the old block. Reading the parts again must not panic (it did: a slice
     // index out of range), and the read is reported as modified.
     let (mut ring, mut s) = store(4096, 2048, 1);
     let seg = ring.segment().clone();
@@ -329,13 +329,13 @@ fn layout_pads_inside_the_object() {
 }
 
 /// A reader that checked its object, then stalled past the writer's patience while the
-/// writer freed and reused the chunk, must not count into what is there now: neither
+/// writer freed and reused the block, must not count into what is there now: neither
 /// the next object's count (same address after a `clear()`) nor its payload.
 #[test]
 fn a_stalled_reader_never_counts_into_the_next_object() {
     let (mut ring, mut s) = store(4096, 4096, 1);
     let seg = ring.segment().clone();
-    let word_at = |h: &ChunkHeader| {
+    let word_at = |h: &BlockHeader| {
         let data = h.offset + HEADER_BYTES;
         data + count_word_at(data)
     };
@@ -398,7 +398,7 @@ fn a_reader_dead_in_its_counting_window_is_waited_for_once() {
 fn the_ring_is_reserved_in_dev_shm_as_it_is_used() {
     use std::os::unix::fs::MetadataExt;
     let (mut ring, mut s) = store(256 << 20, 64 << 20, 1);
-    let allocated = |ring: &ChunkFifo| {
+    let allocated = |ring: &BlockFifo| {
         std::fs::metadata(format!("/dev/shm/{}", ring.segment().name()))
             .unwrap()
             .blocks()
@@ -423,15 +423,15 @@ fn the_ring_is_reserved_in_dev_shm_as_it_is_used() {
 
 #[test]
 fn free_oldest_first_frees_only_what_was_approved_and_still_the_oldest() {
-    // What a Python `free_buf` does: ask about a chunk with the ring not borrowed (the
+    // What a Python `free_buf` does: ask about a block with the ring not borrowed (the
     // caller may use the ring meanwhile), then free it if it is still the oldest.
-    let mut ring = ChunkFifo::create(4096, None).unwrap();
+    let mut ring = BlockFifo::create(4096, None).unwrap();
     let ids: Vec<u32> = (0..6).map(|_| ring.allocate(10).unwrap().id).collect();
     let mut run = FreeOldestFirst::new(&ring, u64::MAX).unwrap();
     let c0 = run.next(&ring).unwrap().unwrap();
     assert_eq!(c0.id, ids[0]);
     assert!(run.free(&mut ring, &c0).unwrap());
-    // Between the question and the free, something else frees the chunk asked about:
+    // Between the question and the free, something else frees the block asked about:
     // it is not freed twice, and the next oldest is not freed unasked.
     let c1 = run.next(&ring).unwrap().unwrap();
     ring.free_while(u64::MAX, |id, _| id == c1.id).unwrap();
@@ -441,7 +441,7 @@ fn free_oldest_first_frees_only_what_was_approved_and_still_the_oldest() {
     let c2 = run.next(&ring).unwrap().unwrap();
     assert_eq!(c2.id, ids[2]);
     assert!(run.free(&mut ring, &c2).unwrap());
-    // A chunk allocated after the start is never asked about.
+    // A block allocated after the start is never asked about.
     let later = ring.allocate(10).unwrap();
     for &id in &ids[3..] {
         let c = run.next(&ring).unwrap().unwrap();
@@ -473,7 +473,7 @@ fn free_oldest_first_frees_only_what_was_approved_and_still_the_oldest() {
     assert_eq!((freed.first_id, freed.count, freed.bytes), (ids[0], 1, 18));
 
     // A reader's ring frees nothing.
-    let reader = ChunkFifo::open(ring.segment().name(), None).unwrap();
+    let reader = BlockFifo::open(ring.segment().name(), None).unwrap();
     assert!(matches!(
         FreeOldestFirst::new(&reader, u64::MAX),
         Err(Error::WrongRole(_))
@@ -481,7 +481,7 @@ fn free_oldest_first_frees_only_what_was_approved_and_still_the_oldest() {
 }
 
 #[test]
-fn free_oldest_keeps_a_viewed_chunk() {
+fn free_oldest_keeps_a_viewed_block() {
     let (mut ring, mut s) = store(3 * 8192, 9000, 1);
     let (a, i) = s.put(&mut ring, "a", &[b"head", &[7u8; 8000]], 1).unwrap();
     let seg = ring.segment().clone();
@@ -492,7 +492,7 @@ fn free_oldest_keeps_a_viewed_chunk() {
     let mut run = FreeOldestFirst::new(&ring, u64::MAX).unwrap();
     let c = run.next(&ring).unwrap().unwrap();
     assert_eq!(ring.free_oldest(&c).unwrap(), FreeOldest::Pinned);
-    assert!(!run.free(&mut ring, &c).unwrap(), "stops at a pinned chunk");
+    assert!(!run.free(&mut ring, &c).unwrap(), "stops at a pinned block");
     // Not stamped: still readable.
     assert_eq!(read_all(&seg, a, i, false).unwrap()[1], vec![7u8; 8000]);
     drop(view);
@@ -529,7 +529,7 @@ fn kept_parts_views_from_the_threshold_and_copies_below() {
     let views: Vec<PartView> = got.into_iter().filter_map(|(_, _, v)| v).collect();
     assert_eq!(&views[0][..], parts[1]);
     assert_eq!(&views[1][..], parts[3]);
-    // Read by its one reader, but viewed: the chunk is pinned, not freed.
+    // Read by its one reader, but viewed: the block is pinned, not freed.
     let run = FreeOldestFirst::new(&ring, u64::MAX).unwrap();
     let c = run.next(&ring).unwrap().unwrap();
     assert_eq!(ring.free_oldest(&c).unwrap(), FreeOldest::Pinned);
@@ -571,10 +571,10 @@ fn is_free_at_reads_only_memory_of_the_ring() {
     let seg = ring.segment().clone();
     let base = seg.ring_ptr() as usize;
     // Inside the ring: read as the object's count. A put is one hand-out, not read yet.
-    let chunk = base + a as usize;
-    assert!(!s.is_free_at(&seg, i, chunk, 8).unwrap());
+    let block = base + a as usize;
+    assert!(!s.is_free_at(&seg, i, block, 8).unwrap());
     // An id the index does not know has no hand-outs: free, by the count read there.
-    assert!(s.is_free_at(&seg, i + 100, chunk, 8).unwrap());
+    assert!(s.is_free_at(&seg, i + 100, block, 8).unwrap());
     // Outside: refused, never read.
     let other = [0u8; 16];
     for (p, n) in [

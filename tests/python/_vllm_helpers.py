@@ -86,6 +86,21 @@ def vllm_style_reader(out: Any, handle: Any, rank: int) -> None:
     out.put(("read", got, attrs))
 
 
+def ring_memory_writer(out: Any, handle: Any, pattern: bytes) -> None:
+    """Open the ``ShmRingBuffer`` of ``handle``, write ``pattern`` at the start of chunk
+    1's data through ``get_data``, and report the segment's ``shared_memory`` size and
+    what its ``buf`` shows there."""
+    from shmq import ShmRingBuffer
+
+    ring = ShmRingBuffer(*handle)
+    with ring.get_data(1) as data:
+        data[: len(pattern)] = pattern
+    sm = ring.shared_memory
+    buf = sm.buf
+    assert buf is not None
+    out.put(("written", sm.size, len(buf), bytes(buf).find(pattern)))
+
+
 def env_probe(out: Any, env: dict[str, str]) -> None:
     """Report the connect address shmq picks with ``env`` (and no other SHMQ_/VLLM_
     address variable) set."""

@@ -161,10 +161,10 @@ def test_ring_ids_count_from_zero_and_addresses_grow():
     assert [mid for _, mid in got] == list(range(len(sizes)))
     assert got[0][0] == 0
     for (a, _), s in zip(got, sizes, strict=True):
-        # every chunk [id][size][data] lies inside the ring at offset address % size
+        # every block [id][size][data] lies inside the ring at offset address % size
         assert a % 4096 + 8 + s <= 4096
     for (a0, _), s0, (a1, _) in zip(got, sizes, got[1:], strict=False):
-        assert a1 >= a0 + 8 + s0, "chunks overlap or addresses went back"
+        assert a1 >= a0 + 8 + s0, "blocks overlap or addresses went back"
     assert ring.metadata == {mid: a for a, mid in got}
     assert (ring.monotonic_id_start, ring.monotonic_id_end) == (0, len(sizes))
     assert ring.data_buffer_start == got[0][0]
@@ -172,10 +172,10 @@ def test_ring_ids_count_from_zero_and_addresses_grow():
     assert ring.data_buffer_end - ring.data_buffer_start <= ring.data_buffer_size
 
 
-def test_ring_chunk_layout_and_reader_process_sees_the_data(children):
+def test_ring_block_layout_and_reader_process_sees_the_data(children):
     ring = RingBuffer(8192, create=True)
     sizes = [1, 17, 300, 64, 1000]
-    chunks = []
+    blocks = []
     for n, s in enumerate(sizes):
         address, mid = ring.allocate_buf(s)
         payload = bytes((n * 31 + k) % 256 for k in range(s))
@@ -184,10 +184,10 @@ def test_ring_chunk_layout_and_reader_process_sees_the_data(children):
             assert len(view) == s
             assert tuple(header) == (mid, s + 8), "size counts the 8 header bytes"
             view[:] = payload
-        chunks.append((address, mid, s, payload))
+        blocks.append((address, mid, s, payload))
     # [4-byte id][4-byte size][data] at address % data_buffer_size of shared_memory.buf
     buf = ring.shared_memory.buf
-    for address, mid, s, payload in chunks:
+    for address, mid, s, payload in blocks:
         off = address % ring.data_buffer_size
         assert int.from_bytes(buf[off : off + 4], "little") == mid
         assert int.from_bytes(buf[off + 4 : off + 8], "little") == s + 8
@@ -197,7 +197,7 @@ def test_ring_chunk_layout_and_reader_process_sees_the_data(children):
     out, cmds = children.queue(), children.queue()
     children.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)
     children.expect(out, "ready")
-    for address, mid, s, payload in chunks:
+    for address, mid, s, payload in blocks:
         cmds.put(("read", address))
         _, addr, data, header, view_type = children.expect(out, "read")
         assert addr == address
@@ -266,7 +266,7 @@ def test_ring_not_enough_space():
     assert (ring.data_buffer_start, ring.data_buffer_end) == (0, 0)
     a1, i1 = ring.allocate_buf(500)
     assert (a1, i1) == (0, i0 + 1)
-    # A chunk that does not fit before the end of the ring starts the next lap.
+    # A block that does not fit before the end of the ring starts the next lap.
     a2, i2 = ring.allocate_buf(100)  # 508..616
     assert a2 == 508
     assert list(ring.free_buf(lambda i, v: True, 1)) == [i1]
@@ -279,13 +279,13 @@ def test_ring_not_enough_space():
     assert int.from_bytes(buf[0:4], "little") == i3
     assert bytes(buf[8:508]) == b"\x5a" * 500
     buf.release()
-    # Once the oldest live chunk is a lap ahead, both ends move back by a lap.
+    # Once the oldest live block is a lap ahead, both ends move back by a lap.
     assert list(ring.free_buf(lambda i, v: True, 1)) == [i2]
     assert (ring.data_buffer_start, ring.data_buffer_end) == (0, 508)
     assert ring.metadata == {i3: 1000}
 
 
-def test_ring_packs_chunks_tightly_as_vllm():
+def test_ring_packs_blocks_tightly_as_vllm():
     """vLLM 0.33's test: a 200-byte ring holds allocations of 100 and 80 bytes."""
     ring = RingBuffer(200, create=True)
     assert ring.allocate_buf(100) == (0, 0)
@@ -315,7 +315,7 @@ def test_ring_free_buf_oldest_first_until_in_use_or_nbytes():
     assert ring.monotonic_id_start == 2
     assert ring.data_buffer_start == handles[2][0]
 
-    assert list(ring.free_buf(lambda i, v: True, 1)) == [2], "nbytes=1: stop after one chunk"
+    assert list(ring.free_buf(lambda i, v: True, 1)) == [2], "nbytes=1: stop after one block"
     assert list(ring.free_buf(lambda i, v: True, 3 * 58)) == [3, 4, 5], "stop once nbytes are freed"
     assert ring.monotonic_id_start == 6
     assert list(ring.free_buf(lambda i, v: False)) == []
@@ -331,8 +331,8 @@ def test_ring_free_buf_oldest_first_until_in_use_or_nbytes():
 
 
 def test_ring_clear_forgets_everything_and_ids_keep_counting(children):
-    """vLLM 0.33: clear() forgets every chunk, ids keep counting, addresses restart at 0;
-    the memory is left as it was until new chunks are written over it."""
+    """vLLM 0.33: clear() forgets every block, ids keep counting, addresses restart at 0;
+    the memory is left as it was until new blocks are written over it."""
     ring = RingBuffer(4096, create=True)
     old = [ring.allocate_buf(n) for n in (10, 20, 30)]
     for address, _mid in old:
@@ -346,7 +346,7 @@ def test_ring_clear_forgets_everything_and_ids_keep_counting(children):
     address, mid = ring.allocate_buf(10)
     assert (address, mid) == (0, 3), "ids keep counting, addresses restart at 0"
     assert ring.metadata == {3: 0}
-    # The new chunk took the first old one's place; the others are untouched.
+    # The new block took the first old one's place; the others are untouched.
     with ring.access_buf(0) as (_, header):
         assert tuple(header) == (3, 18)
     out, cmds = children.queue(), children.queue()
@@ -396,7 +396,7 @@ def test_ring_named_segment_is_created_and_removed():
 
 
 @pytest.mark.parametrize("size", [1000, 777, 4097])
-def test_ring_many_laps_never_overlap_live_chunks(size, children):
+def test_ring_many_laps_never_overlap_live_blocks(size, children):
     rng = np.random.default_rng(size)
     ring = RingBuffer(size, create=True)
     live: dict[int, tuple[int, bytes]] = {}  # id -> (address, payload)
@@ -428,9 +428,9 @@ def test_ring_many_laps_never_overlap_live_chunks(size, children):
         live[mid] = (address, payload)
         assert ring.data_buffer_end - ring.data_buffer_start <= size
         assert ring.metadata == {i: a for i, (a, _) in live.items()}
-        for i, (a, p) in live.items():  # no live chunk was overwritten
+        for i, (a, p) in live.items():  # no live block was overwritten
             with ring.access_buf(a) as (view, header):
-                assert header[0] == i and bytes(view) == p, f"chunk {i} corrupted at step {step}"
+                assert header[0] == i and bytes(view) == p, f"block {i} corrupted at step {step}"
     assert laps >= 3, "the test should go round the ring several times"
     out, cmds = children.queue(), children.queue()
     children.start(ring_reader, out, pickle.dumps(ring.handle()), cmds)

@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from shmq import Handle, MessageQueue, ObjectStorage, PickleSerde, RingBuffer
+from shmq import Handle, MessageQueue, ObjectStorage, PickleSerde, RingBuffer, ShmRingBuffer
 
 from _processes import STEP, free_port
 from _store_helpers import STALE, store_frame
 from _vllm_helpers import (
     env_probe,
     external_writer_member,
+    ring_memory_writer,
     signed_reader,
     single_reader_member,
     stateless_tensor_member,
@@ -419,6 +420,37 @@ def test_a_custom_serde_gets_metadata_and_data_back_to_back():
 
 # ---------------------------------------------------------------------------------
 # The broadcast queue: vLLM 0.33's arguments and attributes
+
+
+def test_ring_shared_memory_shows_the_segment_another_process_wrote(children):
+    """``ShmRingBuffer.shared_memory`` (vLLM's ``SharedMemory``) is the whole segment, the
+    same class as the store's: what another process writes into a chunk is in ``buf``."""
+    ring = ShmRingBuffer(1, 4096, 2)
+    sm = ring.shared_memory
+    assert sm.name == ring.name and sm.size == os.stat(f"/dev/shm/{ring.name}").st_size
+    assert sm.size >= ring.total_bytes_of_buffer
+    pattern = os.urandom(32)
+    out = children.queue()
+    children.start(ring_memory_writer, out, ring.handle(), pattern)
+    tag, size, buf_len, found = out.get(timeout=STEP)
+    assert (tag, size, buf_len) == ("written", sm.size, sm.size)
+    buf = sm.buf
+    assert buf is not None and len(buf) == sm.size
+    at = bytes(buf).find(pattern)
+    assert at == found and at >= 0, "the child's write is where its own view saw it"
+    with ring.get_data(1) as data:
+        assert bytes(data[:32]) == pattern
+    sm.close()
+    assert sm.buf is None and sm.size == len(buf), "size stays known after close"
+    assert bytes(buf[at : at + 32]) == pattern, "a view made before close keeps the mapping"
+    buf.release()
+    # A ring whose segment is not on this machine (a handle from another node): the
+    # object can be made, its memory cannot be reached.
+    away = ShmRingBuffer(1, 4096, 2, name="shmq_no_such_ring_here")
+    with pytest.raises(FileNotFoundError, match="does not exist on this machine"):
+        away.shared_memory.size
+    with pytest.raises(FileNotFoundError, match="does not exist on this machine"):
+        away.shared_memory.buf
 
 
 def test_message_queue_takes_vllm_arguments_and_attributes(children):

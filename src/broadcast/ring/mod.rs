@@ -349,6 +349,19 @@ impl Ring {
         unsafe { &*(self.state_ptr(i).add(STATE_KIND_OFFSET) as *const AtomicU32) }
     }
 
+    /// The segment's length in bytes.
+    pub fn segment_len(&self) -> usize {
+        self.segment.len()
+    }
+
+    /// Start and length of the whole segment in this process (what Python's
+    /// `ShmRingBuffer.shared_memory.buf` shows), all of it reserved in `/dev/shm` first, so
+    /// that touching any byte cannot fault (`Error::NoSpace` when there is no room).
+    pub fn segment_bytes(&self) -> Result<(*mut u8, usize)> {
+        self.segment.reserve_range(0, self.segment.len())?;
+        Ok((self.segment.as_ptr(), self.segment.len()))
+    }
+
     /// Start and length of chunk `i`'s data in this process.
     pub fn data_ptr(&self, i: usize) -> Result<(*mut u8, usize)> {
         self.check_chunk(i)?;
