@@ -43,7 +43,7 @@
 //!                 +32 holds: [u32; n_reader]
 //! data_offset   `capacity` bytes of part data (page-aligned; leases are whole pages)
 //! ```
-//! The data region is reserved (`posix_fallocate`) lazily, up to the highest byte used
+//! The data region is reserved (`fallocate`) lazily, up to the highest byte used
 //! so far, so an arena that never carries a large part costs no memory, and a full
 //! `/dev/shm` makes the writer fall back to copying instead of dying of `SIGBUS`.
 //!
@@ -336,7 +336,7 @@ pub struct ArenaWriter {
     /// Bytes of the data region reserved in `/dev/shm` so far (from its start).
     reserved: usize,
     /// When reserving last failed (a full `/dev/shm`): growth is tried again only after
-    /// [`RESERVE_RETRY`], not on every part (a failed `posix_fallocate` costs as much as
+    /// [`RESERVE_RETRY`], not on every part (a failed `fallocate` costs as much as
     /// one that works).
     reserve_failed_at: Option<std::time::Instant>,
     fallbacks: u64,

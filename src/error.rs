@@ -278,7 +278,8 @@ impl From<HandleRefusal> for Error {
 /// vLLM 0.33's message for a missing or invalid handle signature ("Missing SHM handle
 /// signature for cache key", which its callers and tests match), then which key (as the
 /// caller wrote it, e.g. a Python repr; `None` when no key was given) and what was wrong.
-/// [`Error::BadSignature`] says vLLM's sentence alone.
+/// [`Error::BadSignature`] says this without a key, or vLLM's sentence alone when it
+/// does not know what was wrong.
 pub fn bad_signature_message(missing: bool, key: Option<&str>, why: &str) -> String {
     let what = if missing { "Missing" } else { "Invalid" };
     match key {

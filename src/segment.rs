@@ -5,7 +5,7 @@
 //! - every name starts with [`NAME_PREFIX`], so shmq's segments can be told apart in
 //!   `/dev/shm` (and cleaned up after a crash);
 //! - the segment is created owner-only (mode 0600, done by the crate);
-//! - pages are reserved with `posix_fallocate` before anything is written there:
+//! - pages are reserved with `fallocate` before anything is written there:
 //!   `ftruncate` alone would let a full tmpfs show up much later as a `SIGBUS` on first
 //!   touch (a read of a page not yet there allocates it too), killing the process.
 //!   [`Segment::create`] reserves the whole segment up front; [`Segment::create_sparse`]
@@ -50,7 +50,7 @@ pub struct Segment {
     _creator_role: Option<RoleLock>,
     /// Set once `unlink` removed the name, so `Drop` does not try again.
     unlinked: AtomicBool,
-    /// The creator's descriptor of the file, for `posix_fallocate`: it keeps reserving
+    /// The creator's descriptor of the file, for `fallocate`: it keeps reserving
     /// the right file after the name is unlinked (at interpreter exit, say) while the
     /// creator still writes. `None` in openers (they reserve through the name).
     reserve_fd: Option<std::fs::File>,
@@ -258,10 +258,30 @@ impl Segment {
                 }
             }
         };
+        // The fallocate system call itself, not glibc's posix_fallocate: where the file
+        // system cannot allocate (not a tmpfs), that one emulates it by writing a byte
+        // per block, which could undo a peer's write; this one fails with EOPNOTSUPP.
+        // Mode 0, as posix_fallocate: a range past a truncated end grows the file again
+        // (see `crate::sigbus`).
         // SAFETY: the fd is open for writing for the duration of the call; the call only
         // allocates pages of the file (a peer may do the same: it changes no byte).
-        let rc = unsafe {
-            libc::posix_fallocate(file.as_raw_fd(), offset as libc::off_t, len as libc::off_t)
+        let fallocate = || unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                0,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        let rc = loop {
+            if fallocate() == 0 {
+                break 0;
+            }
+            match std::io::Error::last_os_error().raw_os_error() {
+                // A signal came (a large range takes a while): allocated pages stay.
+                Some(libc::EINTR) => continue,
+                e => break e.unwrap_or(libc::EIO),
+            }
         };
         match rc {
             0 => Ok(()),
@@ -270,8 +290,8 @@ impl Segment {
                 needed: len as u64,
                 available: shm_free_bytes().unwrap_or(0),
             }),
-            // Filesystems without fallocate support: fall back to ftruncate's lazy pages.
-            libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+            // File systems without fallocate: fall back to ftruncate's lazy pages.
+            libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS => Ok(()),
             err => Err(Error::os(
                 format!(
                     "reserving {len} bytes for shared memory segment '{}'",

@@ -50,7 +50,7 @@
 //! reports the truncation; no call returns as if nothing happened once the flag is set,
 //! and no process dies of it. A process that touches only pages a truncation left (one
 //! to half the size, say) goes on working until it touches a lost one or a wait looks at
-//! the size; a writer that reserves pages past the new end (`posix_fallocate`) grows the
+//! the size; a writer that reserves pages past the new end (`fallocate`) grows the
 //! file again, with zeros there.
 //!
 //! # What this guarantees, and what it cannot (the same user's processes)

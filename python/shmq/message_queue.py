@@ -67,6 +67,16 @@ def sched_yield() -> None:
         time.sleep(0)
 
 
+def _not_on_this_machine(name: str, open_error: Optional[BaseException]) -> FileNotFoundError:
+    """The error of using a ring whose segment ``name`` could not be opened here."""
+    e = FileNotFoundError(
+        f"shared memory segment {name!r} does not exist on this machine "
+        "(was the handle made on another node, or has its creator exited?)"
+    )
+    e.__cause__ = open_error
+    return e
+
+
 class ShmRingBuffer:
     """A shared-memory ring of ``max_chunks`` chunks of ``max_chunk_bytes`` bytes, each
     with one written flag and ``n_reader`` read flags.
@@ -117,7 +127,14 @@ class ShmRingBuffer:
         self.total_bytes_of_buffer = (self.max_chunk_bytes + self.metadata_size) * self.max_chunks
         self.data_offset = 0
         self.metadata_offset = self.max_chunk_bytes * self.max_chunks
-        self.shared_memory = SegmentMemory(self.name, lambda: self.ring)
+        core, name, open_error = self._core, self.name, self._open_error
+
+        def segment() -> _core.Ring:  # not a method: the memory must not keep self alive
+            if core is None:
+                raise _not_on_this_machine(name, open_error)
+            return core
+
+        self.shared_memory = SegmentMemory(name, segment, core.size if core is not None else None)
 
     @classmethod
     def _wrap(cls, ring: _core.Ring) -> "ShmRingBuffer":
@@ -132,10 +149,7 @@ class ShmRingBuffer:
     @property
     def ring(self) -> _core.Ring:
         if self._core is None:
-            raise FileNotFoundError(
-                f"shared memory segment {self.name!r} does not exist on this machine "
-                "(was the handle made on another node, or has its creator exited?)"
-            ) from self._open_error
+            raise _not_on_this_machine(self.name, self._open_error)
         return self._core
 
     def handle(self) -> tuple[int, int, int, str]:

@@ -9,6 +9,7 @@ included; the allocator, the bounds checks, the reader counts and the HMAC are i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -42,19 +43,25 @@ class _LiveBlocks(Mapping):
     from the allocator on each access: no copy is kept in Python."""
 
     def __init__(self, ring: "RingBuffer"):
-        self._ring = ring
+        # Weak: the ring owns this mapping, which must not keep it (and its segment) alive.
+        self._ring = weakref.ref(ring)
+
+    @property
+    def _core(self) -> Any:
+        ring = self._ring()
+        return ring._core if ring is not None else _Closed("the ring buffer")
 
     def __getitem__(self, monotonic_id: int) -> int:
-        address = self._ring._core.block_address(monotonic_id) if type(monotonic_id) is int else None
+        address = self._core.block_address(monotonic_id) if type(monotonic_id) is int else None
         if address is None:
             raise KeyError(monotonic_id)
         return address
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._ring._core.live())
+        return iter(self._core.live())
 
     def __len__(self) -> int:
-        return self._ring._core.live_len()
+        return self._core.live_len()
 
     def __repr__(self) -> str:
         return repr(dict(self))
@@ -92,7 +99,8 @@ class RingBuffer:
             raise ValueError("a reader needs the name of an existing ring buffer (create=True makes a new one)")
         else:
             self._core = _core.BlockFifo.open(name, data_buffer_size)
-        self.shared_memory = SegmentMemory(self._core.name, lambda: self._core, self._core.size)
+        core = self._core  # not self: the memory must not keep the ring alive
+        self.shared_memory = SegmentMemory(core.name, lambda: core, core.size)
         self._metadata = _LiveBlocks(self)
 
     def handle(self) -> tuple[int, str]:

@@ -3,7 +3,7 @@
 //! those and records them here).
 //!
 //! The data region is a sparse file range. The producer reserves pages
-//! (`posix_fallocate`) up to a high-water mark as entries first need them, in steps, so
+//! (`fallocate`) up to a high-water mark as entries first need them, in steps, so
 //! that a full `/dev/shm` is an error at `save` and never a `SIGBUS` at a later write.
 //! When `/dev/shm` runs out before the cache's capacity does, the producer evicts what
 //! may go and gives the pages of free ranges back to `/dev/shm` (`MADV_REMOVE`, a hole

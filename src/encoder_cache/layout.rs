@@ -17,7 +17,7 @@
 //! data_offset       `capacity` bytes of entry data, page-aligned, reserved lazily
 //! ```
 //! Everything but the data region is reserved when the segment is made; the data region
-//! is reserved (`posix_fallocate`) as entries need it, and given back in part when
+//! is reserved (`fallocate`) as entries need it, and given back in part when
 //! `/dev/shm` runs out (see `backing`), so a full `/dev/shm` is an error at `save`,
 //! never a `SIGBUS`.
 

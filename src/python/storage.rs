@@ -632,12 +632,14 @@ impl ObjectStore {
         signature: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         if self.role.checks_current_entry() {
-            let store = self.store(py)?;
-            // A key that is not a str has no entry.
-            let current = match key.map(|k| k.cast::<PyString>().ok().map(|k| k.to_str())) {
-                Some(Some(k)) => store.current(Some(k?)),
-                Some(None) => Err(HandleRefusal::NoEntry),
-                None => store.current(None),
+            // A key that is not a str (or not valid UTF-8) has no entry. The store is
+            // locked for the lookup only: the refusals below run Python (reprs).
+            let current = match key {
+                None => Err(HandleRefusal::NoKey),
+                Some(k) => match k.cast::<PyString>().ok().and_then(|k| k.to_str().ok()) {
+                    Some(k) => self.store(py)?.current(Some(k)).copied(),
+                    None => Err(HandleRefusal::NoEntry),
+                },
             }
             .map_err(|why| refused(key, why))?;
             let handle = signed_handle(key, address, id)?;

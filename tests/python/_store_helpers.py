@@ -52,8 +52,8 @@ ABSURD_CASES = [
     "wrong_id_plus_1",
     "wrong_id_other_object",
     "evicted_object",
-    "freed_chunk_id_2**32-1",
-    "live_chunk_id_2**32-1",
+    "freed_block_id_2**32-1",
+    "live_block_id_2**32-1",
     "id_2**31",
     "id_2**31-1",
     "id_2**32",
@@ -146,7 +146,7 @@ from _processes import ChildFailed, Children  # noqa: E402,F401
 
 
 def store_frame(view: memoryview, data_offset: int) -> tuple[int, int, int, list[tuple[int, int]]]:
-    """Read the frame of a stored object from its chunk data ``view`` (at ring offset
+    """Read the frame of a stored object from its block data ``view`` (at ring offset
     ``data_offset``): ``[pad to 8][count: u32][tag: u32][n: u32][n x (offset, len)]``
     (``src/storage/object.rs``). Returns ``(count, tag, pad, [(offset, len), ...])``."""
     pad = -data_offset % 8
@@ -436,7 +436,7 @@ def absurd_scenario(store: ObjectStorage) -> list[tuple[str, Any, Any]]:
     The same scenario is built by the parent for the reader side."""
     rng = np.random.default_rng(1234)
     old_a, old_id = store.put("old", bytes(rng.integers(0, 256, 300, dtype=np.uint8)))
-    store.clear()  # "old" is now a freed chunk
+    store.clear()  # "old" is now a freed block
     a, mid = store.put("a", bytes(rng.integers(0, 256, 600, dtype=np.uint8)))
     b, bid = store.put("b", b"bbbb")
     cap = store.ring_buffer.data_buffer_size
@@ -445,8 +445,8 @@ def absurd_scenario(store: ObjectStorage) -> list[tuple[str, Any, Any]]:
         ("wrong_id_plus_1", a, mid + 1),
         ("wrong_id_other_object", a, bid),
         ("evicted_object", old_a, old_id),
-        ("freed_chunk_id_2**32-1", old_a, 2**32 - 1),
-        ("live_chunk_id_2**32-1", a, 2**32 - 1),
+        ("freed_block_id_2**32-1", old_a, 2**32 - 1),
+        ("live_block_id_2**32-1", a, 2**32 - 1),
         ("id_2**31", a, 2**31),
         ("id_2**31-1", a, 2**31 - 1),
         ("id_2**32", a, 2**32),

@@ -189,7 +189,7 @@ def test_clear_moves_nothing_while_a_view_lives(children):
     summary, _ = reader.get("b", b)
     store.clear()
     assert len(store.key_index) == 0
-    # The chunks stay where they are: "a" (not viewed) is reused in turn, "b" is not.
+    # The blocks stay where they are: "a" (not viewed) is reused in turn, "b" is not.
     store.put("c", tensor(3.0))
     store.put("d", tensor(4.0))  # takes the room of "a"
     with pytest.raises(MemoryError):
@@ -228,11 +228,11 @@ def test_a_loaned_tensor_is_put_without_a_copy(children):
     t = store.loan_tensor((N,))
     t.copy_(torch.arange(N, dtype=torch.float32))  # "the model writes its output here"
     a = store.put("a", {"t": t, "meta": "loaned"})
-    # The object is the loan's chunk: the tensor's bytes lie inside it, nothing else was
+    # The object is the loan's block: the tensor's bytes lie inside it, nothing else was
     # allocated.
     offset = t.data_ptr() - _ring_address(store)
-    chunk_id, chunk_size = store.ring_buffer._core.header(a[0])
-    assert chunk_id == a[1] and a[0] < offset < a[0] + chunk_size
+    block_id, block_size = store.ring_buffer._core.header(a[0])
+    assert block_id == a[1] and a[0] < offset < a[0] + block_size
     assert store.ring_buffer._core.live_len() == 1
     summary, mapping = reader.get("a", a)
     assert mapping == reader.segment
@@ -256,7 +256,7 @@ def test_a_loan_written_after_its_put_changes_no_reader_and_its_memory_is_reused
     """``put`` seals a loan: the writer's later writes are its own (copy-on-write), so an
     object read before or after them is what was put; and once the loan is dropped its
     memory, mapped shared again, carries the next objects correctly (20 loans through a
-    ring of 3 objects reuse every chunk several times)."""
+    ring of 3 objects reuse every block several times)."""
     store = store_of(1, objects=3)
     reader = ViewReader(children, store)
     for i in range(20):

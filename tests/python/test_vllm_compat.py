@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmq import Handle, MessageQueue, ObjectStorage, PickleSerde, RingBuffer, ShmRingBuffer
+from shmq import Handle, MessageQueue, ObjectStorage, PickleSerde, RingBuffer, ShmRingBuffer, _core
 
 from _processes import STEP, free_port
 from _store_helpers import STALE, store_frame
@@ -424,26 +424,34 @@ def test_a_custom_serde_gets_metadata_and_data_back_to_back():
 
 def test_ring_shared_memory_shows_the_segment_another_process_wrote(children):
     """``ShmRingBuffer.shared_memory`` (vLLM's ``SharedMemory``) is the whole segment, the
-    same class as the store's: what another process writes into a chunk is in ``buf``."""
+    same class as the store's: what another process writes into a chunk is in ``buf``,
+    and what this one writes into ``buf`` is in the chunk."""
     ring = ShmRingBuffer(1, 4096, 2)
     sm = ring.shared_memory
-    assert sm.name == ring.name and sm.size == os.stat(f"/dev/shm/{ring.name}").st_size
+    assert type(sm) is type(RingBuffer(4096, create=True).shared_memory)
+    assert sm.name == ring.name and sm.size == os.stat(os.path.join(_core.SHM_DIR, ring.name)).st_size
     assert sm.size >= ring.total_bytes_of_buffer
+    buf = sm.buf  # mapped before the child writes: a copy would not see it
+    assert buf is not None and len(buf) == sm.size
     pattern = os.urandom(32)
     out = children.queue()
     children.start(ring_memory_writer, out, ring.handle(), pattern)
     tag, size, buf_len, found = out.get(timeout=STEP)
     assert (tag, size, buf_len) == ("written", sm.size, sm.size)
-    buf = sm.buf
-    assert buf is not None and len(buf) == sm.size
     at = bytes(buf).find(pattern)
     assert at == found and at >= 0, "the child's write is where its own view saw it"
+    mine = os.urandom(32)
+    buf[at : at + 32] = mine
     with ring.get_data(1) as data:
-        assert bytes(data[:32]) == pattern
+        assert bytes(data[:32]) == mine
     sm.close()
-    assert sm.buf is None and sm.size == len(buf), "size stays known after close"
-    assert bytes(buf[at : at + 32]) == pattern, "a view made before close keeps the mapping"
+    assert sm.buf is None and sm.size == len(buf)
+    assert bytes(buf[at : at + 32]) == mine, "a view made before close keeps the mapping"
     buf.release()
+    # The size stays known after close, read before or not.
+    other = ShmRingBuffer(1, 4096, 2)
+    other.shared_memory.close()
+    assert other.shared_memory.size == os.stat(os.path.join(_core.SHM_DIR, other.name)).st_size
     # A ring whose segment is not on this machine (a handle from another node): the
     # object can be made, its memory cannot be reached.
     away = ShmRingBuffer(1, 4096, 2, name="shmq_no_such_ring_here")
@@ -451,6 +459,23 @@ def test_ring_shared_memory_shows_the_segment_another_process_wrote(children):
         away.shared_memory.size
     with pytest.raises(FileNotFoundError, match="does not exist on this machine"):
         away.shared_memory.buf
+
+
+def test_a_dropped_ring_or_store_is_gone_without_the_garbage_collector():
+    """``shared_memory`` does not keep its ring alive: dropping the creator removes the
+    segment at once, with no collection (a reference cycle would keep it until one)."""
+    gc.collect()
+    gc.disable()
+    try:
+        for make in (lambda: ShmRingBuffer(1, 4096, 2), lambda: RingBuffer(4096, create=True)):
+            ring = make()
+            path = os.path.join(_core.SHM_DIR, ring.shared_memory.name)
+            ring.shared_memory.buf.release()
+            assert ring.shared_memory.size > 0 and os.path.exists(path)
+            del ring
+            assert not os.path.exists(path), path
+    finally:
+        gc.enable()
 
 
 def test_message_queue_takes_vllm_arguments_and_attributes(children):

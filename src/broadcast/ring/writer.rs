@@ -4,7 +4,7 @@
 //!
 //! # Memory is committed as it is used
 //! The ring's segment is sparse: at creation only the header, the slots and the chunk
-//! states are reserved in `/dev/shm` (`posix_fallocate`); chunk data is reserved by the
+//! states are reserved in `/dev/shm` (`fallocate`); chunk data is reserved by the
 //! writer, per chunk, up to what a message needs, before it writes there
 //! ([`RingWriter::reserve`]; in steps of [`RESERVE_STEP`], so small messages make one
 //! syscall per chunk in all). What a chunk has reserved (its high-water mark) is kept in
@@ -38,7 +38,7 @@ const NO_ROOM_FALLBACK: &str = "messages that find no room in the broadcast ring
 
 impl Ring {
     /// Reserve the first `len` bytes of chunk `i`'s data in `/dev/shm` (they may have been
-    /// already: `posix_fallocate` leaves allocated pages as they are). For whoever writes
+    /// already: `fallocate` leaves allocated pages as they are). For whoever writes
     /// or reads chunk data beyond what the writer published (the whole-chunk views of the
     /// bindings); the writer keeps its own high-water marks instead.
     pub fn reserve_data(&self, i: usize, len: usize) -> Result<()> {
