@@ -61,10 +61,7 @@ pub enum Error {
 
     /// A handle's signature is missing or does not match (vLLM 0.33's messages); `why`,
     /// when known, says what was wrong (the Python store adds the key's repr).
-    #[error("{}", match why {
-        Some(why) => bad_signature_message(*missing, None, &why.to_string()),
-        None => format!("{} SHM handle signature for cache key.", if *missing { "Missing" } else { "Invalid" }),
-    })]
+    #[error("{}", bad_signature_message(*missing, None, why.map(|w| w.to_string()).as_deref()))]
     BadSignature {
         missing: bool,
         why: Option<HandleRefusal>,
@@ -278,13 +275,14 @@ impl From<HandleRefusal> for Error {
 /// vLLM 0.33's message for a missing or invalid handle signature ("Missing SHM handle
 /// signature for cache key", which its callers and tests match), then which key (as the
 /// caller wrote it, e.g. a Python repr; `None` when no key was given) and what was wrong.
-/// [`Error::BadSignature`] says this without a key, or vLLM's sentence alone when it
-/// does not know what was wrong.
-pub fn bad_signature_message(missing: bool, key: Option<&str>, why: &str) -> String {
+/// Without a key or a reason (`None`), vLLM's sentence alone.
+pub fn bad_signature_message(missing: bool, key: Option<&str>, why: Option<&str>) -> String {
     let what = if missing { "Missing" } else { "Invalid" };
-    match key {
-        Some(key) => format!("{what} SHM handle signature for cache key {key}: {why}"),
-        None => format!("{what} SHM handle signature for cache key: {why}"),
+    match (key, why) {
+        (Some(key), Some(why)) => format!("{what} SHM handle signature for cache key {key}: {why}"),
+        (Some(key), None) => format!("{what} SHM handle signature for cache key {key}."),
+        (None, Some(why)) => format!("{what} SHM handle signature for cache key: {why}"),
+        (None, None) => format!("{what} SHM handle signature for cache key."),
     }
 }
 

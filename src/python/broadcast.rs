@@ -293,7 +293,10 @@ impl Ring {
     /// is no room). Its layout is shmq's: `data` and `metadata` reach chunks and flags.
     fn buf(&self) -> PyResult<ShmView> {
         let (p, n) = self.ring.segment_bytes()?;
-        // SAFETY: the whole mapping, which the Arc keeps alive.
+        // SAFETY: `segment_bytes` is exactly this process's mapping, which the Arc keeps
+        // alive as long as the view. It is writable shared memory, header and atomics
+        // included (as `metadata`'s views are): peers may change any byte under it, which
+        // a byte view tolerates; shmq checks what it reads itself, never trusting this.
         Ok(unsafe { ShmView::new(self.ring.clone(), p, n) })
     }
 

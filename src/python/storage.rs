@@ -150,7 +150,7 @@ fn signature_arg<'a, 'py>(
 /// and `why`.
 fn bad_signature(missing: bool, key: Option<&Bound<'_, PyAny>>, why: &str) -> PyErr {
     let key = key.map(short_repr);
-    PyValueError::new_err(bad_signature_message(missing, key.as_deref(), why))
+    PyValueError::new_err(bad_signature_message(missing, key.as_deref(), Some(why)))
 }
 
 /// The store's refusal of a handle `key` (the caller's object) brought.

@@ -117,6 +117,10 @@ fn signatures_bind_key_address_and_id() {
         })
     ));
     assert_eq!(s.current(None).unwrap_err(), HandleRefusal::NoKey);
+    // Without a reason, vLLM's sentence alone.
+    let bare = |missing| Error::BadSignature { missing, why: None }.to_string();
+    assert_eq!(bare(true), "Missing SHM handle signature for cache key.");
+    assert_eq!(bare(false), "Invalid SHM handle signature for cache key.");
     // A second store has another secret.
     let (other, _) = store(4096, 1024, 1);
     assert_ne!(other.segment().secret(), seg.secret());
