@@ -723,9 +723,8 @@ impl Segment {
         fields: impl FnOnce(&H) -> (&AtomicU64, &u32),
     ) -> Result<(NonNull<u8>, &H)> {
         debug_assert!(check.min_len >= std::mem::size_of::<H>());
-        let bad = |reason: String| self.bad(reason);
         if self.len() < check.min_len {
-            return Err(bad(format!("it is only {} bytes long", self.len())));
+            return Err(self.bad(format!("it is only {} bytes long", self.len())));
         }
         let base = NonNull::new(self.as_ptr()).expect("mmap never returns null");
         // SAFETY: the mapping is page-aligned and at least `check.min_len` bytes long,
@@ -737,13 +736,13 @@ impl Segment {
         // Acquire: pairs with the creator's Release store of the magic, which it makes
         // last: an opener that sees the magic sees the header fields written before it.
         if magic.load(Ordering::Acquire) != check.magic {
-            return Err(bad(check.not_this_kind.into()));
+            return Err(self.bad(check.not_this_kind));
         }
         // The version only now, after the Acquire above (the creator wrote it before
         // its Release store of the magic).
         let version = *version;
         if version != check.version {
-            return Err(bad(format!(
+            return Err(self.bad(format!(
                 "its layout version is {version}, this shmq reads version {}",
                 check.version
             )));
