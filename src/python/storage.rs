@@ -351,16 +351,15 @@ impl BlockFifo {
         Ok(unsafe { ShmView::new(self.segment.clone(), p, n) })
     }
 
-    /// A view of the whole ring (`shared_memory.buf`).
-    fn buf(&self) -> ShmView {
-        // SAFETY: the ring is `capacity` bytes from `ring_ptr`, kept mapped by the Arc.
-        unsafe {
-            ShmView::new(
-                self.segment.clone(),
-                self.segment.ring_ptr(),
-                self.segment.capacity() as usize,
-            )
-        }
+    /// A view of the whole ring (`shared_memory.buf`), reserved in /dev/shm first
+    /// (`MemoryError` when there is no room).
+    fn buf(&self) -> PyResult<ShmView> {
+        let (p, n) = self.segment.ring_bytes()?;
+        // SAFETY: `ring_bytes` is the ring inside this process's mapping, which the Arc
+        // keeps alive as long as the view. Peers (the writer, readers' counts) may change
+        // any byte under it, which a byte view tolerates; shmq checks what it reads from
+        // the ring itself (headers, bounds, signatures), never trusting this view.
+        Ok(unsafe { ShmView::new(self.segment.clone(), p, n) })
     }
 
     /// Free blocks oldest first while `is_free(id, memoryview)` is true and fewer than

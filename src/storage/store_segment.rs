@@ -166,6 +166,8 @@ pub struct StoreSegment {
     pub(super) probe: Option<LockProbe>,
     /// A read-only descriptor to map object parts privately (opened at the first view).
     pub(super) private: OnceLock<PrivateFile>,
+    /// Whether this process reserved the whole ring in `/dev/shm` (see `ring_bytes`).
+    whole_reserved: OnceLock<()>,
 }
 
 // SAFETY: `ring` points into `segment`'s mapping, alive as long as `self`. Shared state
@@ -301,6 +303,7 @@ impl StoreSegment {
             pins: Arc::new(Pins::new(name)),
             probe,
             private: OnceLock::new(),
+            whole_reserved: OnceLock::new(),
             segment,
             ring,
             capacity,
@@ -485,9 +488,24 @@ impl StoreSegment {
         self.segment.unlink()
     }
 
-    /// The whole ring, for `shared_memory.buf`.
+    /// Where the ring starts in this process.
     pub fn ring_ptr(&self) -> *mut u8 {
         self.ring.as_ptr()
+    }
+
+    /// Start and length of the whole ring in this process (what Python's
+    /// `RingBuffer.shared_memory.buf` shows), all of it reserved in `/dev/shm` first, so
+    /// that touching any byte cannot fault (`Error::NoSpace` when there is no room). The
+    /// writer otherwise reserves only as far as it has allocated.
+    pub fn ring_bytes(&self) -> Result<(*mut u8, usize)> {
+        // The flag only spares this process a second reservation (two threads may both
+        // reserve: the second finds the pages allocated).
+        if self.whole_reserved.get().is_none() {
+            self.segment
+                .reserve_range(RING_OFFSET, self.capacity as usize)?;
+            let _ = self.whole_reserved.set(());
+        }
+        Ok((self.ring.as_ptr(), self.capacity as usize))
     }
 
     /// The byte at ring offset `offset`, as an atomic.

@@ -106,6 +106,19 @@ def test_store_put_raises_memory_error_when_dev_shm_is_full(sizes):
     assert got["put_after_room"], got
 
 
+@pytest.mark.timeout(300)
+def test_shared_memory_buf_too_large_for_dev_shm_raises_memory_error():
+    """``shared_memory.buf`` shows a whole ring (vLLM's 240 MiB queue, a 1 GiB store):
+    committing it in 64 MiB is a ``MemoryError``, not a ``SIGBUS`` at the first touch,
+    and the queue and the store go on working (the failed reservation took nothing)."""
+    got = _in_small_shm("buf", "vllm")
+    for what in ("queue", "store"):
+        assert got[what]["error"] == "MemoryError", got
+        assert "/dev/shm" in got[what]["text"], got
+    assert got["shm_used_after"] < 16 << 20, got
+    _check_readers(got, got["sent"])
+
+
 # ------------------------------------------------------------------------------------
 # The program: runs inside the private /dev/shm.
 
@@ -276,10 +289,46 @@ def run_store(sizes: str, fill: bool) -> dict:
     }
 
 
+def run_buf() -> dict:
+    """Touch ``shared_memory.buf`` of a queue and a store larger than /dev/shm, then use
+    both: a 4 MiB tensor through the queue to 2 reader processes and through the store."""
+    from shmq import MessageQueue, ObjectStorage, PickleSerde, RingBuffer
+
+    mq = MessageQueue(2, 2, **QUEUE_SIZES["vllm"])
+    ring = RingBuffer(STORE_SIZES["1gib"][0], create=True)
+    store = ObjectStorage(STORE_SIZES["1gib"][1], 1, ring, PickleSerde)
+    result: dict = {}
+    for what, memory in (("queue", mq.buffer.shared_memory), ("store", ring.shared_memory)):
+        try:
+            view = memory.buf
+            view[len(view) - 1] = 1  # would be a SIGBUS, ending this program, without room
+            result[what] = {"error": None, "text": ""}
+        except MemoryError as e:
+            result[what] = {"error": "MemoryError", "text": str(e)}
+    st = os.statvfs("/dev/shm")
+    result["shm_used_after"] = (st.f_blocks - st.f_bfree) * st.f_frsize
+    n = N_SMALL // N_TENSORS  # message n - 1 is a tensor
+    procs, out = _start_readers(_queue_reader, lambda r: (pickle.dumps(mq.export_handle()), r, n))
+    mq.wait_until_ready(timeout=STEP)
+    sent = []
+    for i in range(n):
+        msg = _message(i)
+        mq.enqueue(msg, timeout=STEP)
+        sent.append(_summary(msg))
+    result["readers"] = _collect(procs, out)
+    result["sent"] = sent
+    address, monotonic_id = store.put("t", sent_tensor := _message(n - 1))
+    got = store.get(address, monotonic_id, store.get_signature("t"), "t")
+    assert _summary(got) == _summary(sent_tensor), (_summary(got), _summary(sent_tensor))
+    return result
+
+
 if __name__ == "__main__":
     what, sizes = sys.argv[1], sys.argv[2]
     started = time.monotonic()
-    if what.startswith("queue"):
+    if what == "buf":
+        result = run_buf()
+    elif what.startswith("queue"):
         result = run_queue(sizes, fill=what.endswith("_full"))
     else:
         result = run_store(sizes, fill=what.endswith("_full"))
