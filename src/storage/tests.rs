@@ -422,6 +422,13 @@ fn the_ring_is_reserved_in_dev_shm_as_it_is_used() {
     let (a, i) = s.put(&mut ring, "big", &[&big], 1).unwrap();
     let end = ring.allocator().unwrap().end();
     assert!(ring.reserved() >= end && ring.reserved() <= end + fifo::RESERVE_STEP);
+    assert_eq!(read_all(ring.segment(), a, i, false).unwrap(), vec![big.clone()]);
+    // The whole-ring view (`shared_memory.buf`) reserves all of it first, in a reader
+    // too; what was stored stays as it was.
+    let reader = BlockFifo::open(ring.segment().name(), Some(256 << 20)).unwrap();
+    let (p, n) = reader.segment().ring_bytes().unwrap();
+    assert_eq!((p, n), (reader.segment().ring_ptr(), 256 << 20));
+    assert!(allocated(&ring) >= 256 << 20, "{}", allocated(&ring));
     assert_eq!(read_all(ring.segment(), a, i, false).unwrap(), vec![big]);
 }
 
