@@ -24,7 +24,7 @@
 use std::ffi::CString;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use shared_memory::{Shmem, ShmemConf, ShmemError};
 
@@ -58,6 +58,9 @@ pub struct Segment {
     /// truncates the file makes [`check_intact`](Self::check_intact) an error here,
     /// never a crash. Released in `Drop`, before the mapping goes.
     sigbus: crate::sigbus::Guard,
+    /// Set once [`reserve_whole`](Self::reserve_whole) reserved all of the segment in
+    /// this process.
+    whole_reserved: OnceLock<()>,
 }
 
 // SAFETY: `Shmem` is neither Send nor Sync only because it holds the raw mapping pointer.
@@ -224,11 +227,25 @@ impl Segment {
             unlinked: AtomicBool::new(false),
             reserve_fd,
             sigbus,
+            whole_reserved: OnceLock::new(),
         };
         segment.reserve_range(0, reserve)?;
         segment._creator_role = RoleLock::acquire(name, CREATOR_BYTE)?;
         note_created(name);
         Ok(segment)
+    }
+
+    /// Reserve all of the segment's pages now, once per process (for a view of the whole
+    /// segment that its holder may touch anywhere: `Error::NoSpace` when there is no room,
+    /// never a `SIGBUS` later).
+    pub fn reserve_whole(&self) -> Result<()> {
+        // The flag only spares this process a second reservation (two threads may both
+        // reserve: the second finds the pages allocated).
+        if self.whole_reserved.get().is_none() {
+            self.reserve_range(0, self.len())?;
+            let _ = self.whole_reserved.set(());
+        }
+        Ok(())
     }
 
     /// Reserve the pages of `offset..offset + len` now, so a full `/dev/shm` is an error
@@ -314,6 +331,7 @@ impl Segment {
                 _creator_role: None,
                 unlinked: AtomicBool::new(false),
                 reserve_fd: None,
+                whole_reserved: OnceLock::new(),
             }),
             Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::ENOENT => {
                 Err(Error::SegmentNotFound {

@@ -166,8 +166,6 @@ pub struct StoreSegment {
     pub(super) probe: Option<LockProbe>,
     /// A read-only descriptor to map object parts privately (opened at the first view).
     pub(super) private: OnceLock<PrivateFile>,
-    /// Whether this process reserved the whole ring in `/dev/shm` (see `ring_bytes`).
-    whole_reserved: OnceLock<()>,
 }
 
 // SAFETY: `ring` points into `segment`'s mapping, alive as long as `self`. Shared state
@@ -303,7 +301,6 @@ impl StoreSegment {
             pins: Arc::new(Pins::new(name)),
             probe,
             private: OnceLock::new(),
-            whole_reserved: OnceLock::new(),
             segment,
             ring,
             capacity,
@@ -494,17 +491,11 @@ impl StoreSegment {
     }
 
     /// Start and length of the whole ring in this process (what Python's
-    /// `RingBuffer.shared_memory.buf` shows), all of it reserved in `/dev/shm` first, so
-    /// that touching any byte cannot fault (`Error::NoSpace` when there is no room). The
-    /// writer otherwise reserves only as far as it has allocated.
+    /// `RingBuffer.shared_memory.buf` shows), all of the segment reserved in `/dev/shm`
+    /// first (once per process), so that touching any byte cannot fault (`Error::NoSpace`
+    /// when there is no room). The writer otherwise reserves only as far as it allocated.
     pub fn ring_bytes(&self) -> Result<(*mut u8, usize)> {
-        // The flag only spares this process a second reservation (two threads may both
-        // reserve: the second finds the pages allocated).
-        if self.whole_reserved.get().is_none() {
-            self.segment
-                .reserve_range(RING_OFFSET, self.capacity as usize)?;
-            let _ = self.whole_reserved.set(());
-        }
+        self.segment.reserve_whole()?;
         Ok((self.ring.as_ptr(), self.capacity as usize))
     }
 

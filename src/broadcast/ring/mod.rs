@@ -41,7 +41,7 @@ mod tests;
 mod writer;
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use super::protocol::{self, ChunkFlags};
 use crate::doorbell::DoorbellWords;
@@ -65,8 +65,6 @@ pub struct Ring {
     geo: Geometry,
     /// Tests the role locks of the ring's slots (see `slots`).
     probe: LockProbe,
-    /// Set once [`Ring::segment_bytes`] reserved the whole segment in this process.
-    whole_reserved: AtomicBool,
 }
 
 // SAFETY: `base` points into `segment`'s mapping, which lives as long as `self`. All
@@ -137,7 +135,6 @@ impl Ring {
             base,
             geo,
             probe,
-            whole_reserved: Default::default(),
         };
         // SAFETY: the segment is new, at least SLOTS_OFFSET bytes long, page-aligned, and
         // no other process can use it before `magic` is set below.
@@ -208,7 +205,6 @@ impl Ring {
             base,
             geo,
             probe,
-            whole_reserved: Default::default(),
         })
     }
 
@@ -362,12 +358,7 @@ impl Ring {
     /// `ShmRingBuffer.shared_memory.buf` shows), all of it reserved in `/dev/shm` first, so
     /// that touching any byte cannot fault (`Error::NoSpace` when there is no room).
     pub fn segment_bytes(&self) -> Result<(*mut u8, usize)> {
-        // Relaxed: the flag only spares this process a second reservation; the pages a
-        // reservation allocated stay allocated whichever thread made it.
-        if !self.whole_reserved.load(Ordering::Relaxed) {
-            self.segment.reserve_range(0, self.segment.len())?;
-            self.whole_reserved.store(true, Ordering::Relaxed);
-        }
+        self.segment.reserve_whole()?;
         Ok((self.segment.as_ptr(), self.segment.len()))
     }
 
