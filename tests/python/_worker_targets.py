@@ -116,6 +116,24 @@ def last_words_then_sigbus(rank: int, n_lines: int) -> None:
     time.sleep(STEP)
 
 
+def remote_worker_that_misses_the_first_sigterm(out: Any, ticket: str, rank: int) -> None:
+    """A remote worker whose main thread enters a blocking call just as its link's
+    SIGTERM lands, as a race can make it: the signal is taken (``sigwait``) before
+    CPython's handler sees it, then the main thread sleeps. Only another SIGTERM can
+    wake it before its grace ends."""
+    # Blocked here, so in every thread started from here on too (the link's watch, the
+    # queue's feeder): the link's SIGTERM stays pending until sigwait takes it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    out.put(("pid", os.getpid()))
+    with connect_to_parent(ticket, rank):
+        report_ready({"rank": rank, "pid": os.getpid(), "where": "remote"})
+        out.put(("ready",))
+        signal.sigwait({signal.SIGTERM})
+        out.put(("first SIGTERM taken",))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        time.sleep(STEP)
+
+
 def remote_worker(out: Any, ticket: str, rank: int, fail: bool) -> None:
     """A worker the parent did not start (as on another machine): join over TCP, report
     ready (or raise first, when ``fail``), then idle until the parent stops it."""

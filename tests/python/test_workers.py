@@ -578,6 +578,27 @@ def test_remote_worker_joins_over_tcp_and_strangers_are_refused(children):
     assert remote.exitcode is not None
 
 
+def test_a_remote_worker_stops_when_its_first_sigterm_is_lost_in_a_race(children):
+    """CPython runs a SIGTERM's handler when the main thread next runs Python code: one
+    that lands just before a blocking call (``time.sleep``) is not acted on until the
+    call returns. The link sends it again until shmq's handler ran, so the worker still
+    stops within the grace with SystemExit(143), not SIGKILL at its end."""
+    with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
+        _track(workers)
+        out = children.queue()
+        remote = children.start(targets.remote_worker_that_misses_the_first_sigterm, out, str(workers.ticket), 1)
+        children.expect(out, "pid", timeout=STARTUP)
+        workers.wait_until_ready(timeout=STARTUP)
+        children.expect(out, "ready")
+    # close() waits up to the grace (5 s) for the remote worker's exit report; the worker
+    # itself would be SIGKILLed by its link at the end of it.
+    assert out.get(timeout=STARTUP) == ("first SIGTERM taken",)
+    report = out.get(timeout=STARTUP)
+    assert report[0] == "error" and f"SystemExit: {128 + signal.SIGTERM}" in report[2], report
+    remote.join(STARTUP)
+    assert remote.exitcode == 1  # the harness's exit after its report, not -SIGKILL
+
+
 def test_a_remote_worker_that_fails_is_named_with_its_traceback(children):
     with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
         _track(workers)

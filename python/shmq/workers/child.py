@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
@@ -198,9 +199,21 @@ def report_ready(info: Any = None) -> None:
         _reported = True
 
 
+# Set once `_exit_on_sigterm` has run, and while a parent link is stopping this process
+# (see `ParentLink._stop_main_thread`).
+_sigterm_handled = threading.Event()
+_link_stopping = threading.Event()
+# How often a remote worker's link sends SIGTERM again while shmq's handler has not run.
+_SIGTERM_RESEND = 0.1
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     # SystemExit unwinds the worker (finally blocks, atexit: segments are removed by their
-    # creators); the code says which signal, as a shell would.
+    # creators); the code says which signal, as a shell would. While a parent link stops
+    # this process, only the first time: its repeats must not interrupt that unwinding.
+    if _sigterm_handled.is_set() and _link_stopping.is_set():
+        return
+    _sigterm_handled.set()
     raise SystemExit(128 + signum)
 
 
@@ -336,8 +349,36 @@ class ParentLink:
             pass  # the connection dropped: the parent is gone (or this worker is leaving)
         if self._leaving.is_set():
             return
-        os.kill(os.getpid(), signal.SIGTERM)  # a SystemExit in the main thread
-        if not self._leaving.wait(grace):
+        self._stop_main_thread(grace)
+
+    def _stop_main_thread(self, grace: float) -> None:
+        """SIGTERM to the main thread (shmq's handler: a ``SystemExit`` there), then
+        SIGKILL if this worker is still there ``grace`` seconds later.
+
+        CPython runs a signal's handler only when the main thread next executes Python
+        code: a SIGTERM that lands just before the main thread enters a blocking call
+        (``time.sleep``, say) waits until that call returns by itself, after the grace.
+        So while shmq's handler has not run, the signal is sent again every
+        ``_SIGTERM_RESEND`` seconds (a repeat interrupts the call, and the handler runs
+        once). A handler of the worker's own gets one signal."""
+        deadline = time.monotonic() + grace
+        ours = signal.getsignal(signal.SIGTERM) is _exit_on_sigterm
+        _link_stopping.set()
+        _sigterm_handled.clear()
+        while True:
+            try:
+                main = threading.main_thread().ident
+                if main is None:
+                    raise ProcessLookupError
+                signal.pthread_kill(main, signal.SIGTERM)
+            except OSError:  # ProcessLookupError included
+                os.kill(os.getpid(), signal.SIGTERM)
+            left = deadline - time.monotonic()
+            if not ours or left <= 0 or self._leaving.wait(min(_SIGTERM_RESEND, left)):
+                break
+            if _sigterm_handled.is_set():
+                break
+        if not self._leaving.wait(max(0.0, deadline - time.monotonic())):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def __enter__(self) -> "ParentLink":
