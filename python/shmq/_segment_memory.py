@@ -35,7 +35,8 @@ class SegmentMemory:
     @property
     def buf(self) -> Optional[memoryview]:
         """A zero-copy view of the memory; ``None`` once closed. Views made before
-        ``close()`` keep the mapping alive."""
+        ``close()`` keep the mapping alive. The first one in a process reserves the
+        whole segment in ``/dev/shm`` (``MemoryError`` when there is no room)."""
         if self._core is None:
             return None
         return memoryview(self._core().buf())

@@ -317,9 +317,10 @@ def run_buf() -> dict:
         sent.append(_summary(msg))
     result["readers"] = _collect(procs, out)
     result["sent"] = sent
-    address, monotonic_id = store.put("t", sent_tensor := _message(n - 1))
+    tensor = _message(n - 1)
+    address, monotonic_id = store.put("t", tensor)
     got = store.get(address, monotonic_id, store.get_signature("t"), "t")
-    assert _summary(got) == _summary(sent_tensor), (_summary(got), _summary(sent_tensor))
+    assert _summary(got) == _summary(tensor), (_summary(got), _summary(tensor))
     return result
 
 

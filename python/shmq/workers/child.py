@@ -365,18 +365,19 @@ class ParentLink:
         ours = signal.getsignal(signal.SIGTERM) is _exit_on_sigterm
         _link_stopping.set()
         _sigterm_handled.clear()
+        # The main thread is the process's first thread: it lives as long as the process
+        # (finalization included), so its id stays valid for pthread_kill.
+        main = threading.main_thread().ident
+        assert main is not None  # started: it imported this module
         while True:
-            try:
-                main = threading.main_thread().ident
-                if main is None:
-                    raise ProcessLookupError
-                signal.pthread_kill(main, signal.SIGTERM)
-            except OSError:  # ProcessLookupError included
-                os.kill(os.getpid(), signal.SIGTERM)
+            signal.pthread_kill(main, signal.SIGTERM)
             left = deadline - time.monotonic()
-            if not ours or left <= 0 or self._leaving.wait(min(_SIGTERM_RESEND, left)):
-                break
-            if _sigterm_handled.is_set():
+            if (
+                not ours
+                or left <= 0
+                or self._leaving.wait(min(_SIGTERM_RESEND, left))
+                or _sigterm_handled.is_set()
+            ):
                 break
         if not self._leaving.wait(max(0.0, deadline - time.monotonic())):
             os.kill(os.getpid(), signal.SIGKILL)
