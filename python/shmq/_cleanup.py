@@ -13,14 +13,17 @@ get every message sent and then "the writer shut down", not a hang or a "writer 
 
 Endings covered: the end of the script, ``sys.exit`` (also in a worker), exit with
 daemon threads alive (also one blocked in a shmq call: the writer's shutdown ends it),
-``KeyboardInterrupt`` (SIGINT's default), and SIGTERM: its default action kills the
-process without running ``atexit``, so when a process first creates a segment in its
-main thread and has no SIGTERM handler of its own, shmq installs one that runs this
-cleanup and then dies of SIGTERM as before (same exit status). Not at import, so a
-handler set before is kept (``WorkerProcesses``' workers turn SIGTERM into
-``SystemExit``, which runs the hook). The handler runs once the main thread executes
-Python code (shmq's own waits look every few milliseconds). A program that installs its
-own SIGTERM handler should exit through ``sys.exit`` in it.
+``KeyboardInterrupt`` (SIGINT's default).
+
+Endings that run no exit hook — SIGTERM's and other signals' default action, SIGKILL (vLLM's
+shutdown SIGKILLs an engine core or worker that lingers), a crash, ``os._exit`` — are
+covered by the process's *janitor* (``shmq._janitor``), started with its first segment: a
+small separate process that the core tells of every segment made and removed, and that
+removes what is left once the process is gone. shmq installs **no signal handler** for
+this: SIGTERM kills a process at once, as it would without shmq (the janitor removes its
+segments within milliseconds), and a program's own handlers stay its own. Readers of a
+writer killed that way get ``PeerDiedError``, not ``QueueShutDownError``: a program that
+wants its readers told "shut down" handles SIGTERM itself and exits through ``sys.exit``.
 
 Children of ``multiprocessing``'s ``fork`` and ``forkserver`` methods leave through
 ``os._exit`` once their target returns: no ``atexit`` there. multiprocessing runs its
@@ -29,26 +32,24 @@ so in such a child shmq registers its cleanup as one (from multiprocessing's aft
 callbacks, or at import when the child imports shmq itself). It runs when the target has
 returned (or raised, or called ``sys.exit``), after the child's own children are
 joined but *before* its non-daemon threads are: a queue such a thread still uses is
-shut down then (its calls raise ``QueueShutDownError``). A plain ``os.fork()`` child that
-leaves through ``os._exit`` runs nothing of Python's: it cannot be helped (let it exit
-through ``sys.exit``, or make nothing in it).
+shut down then (its calls raise ``QueueShutDownError``). A forked child starts without a
+janitor (it closes the parent's socket) and starts its own with its first segment.
 
-SIGKILL and crashes leave segments behind: ``python -m shmq cleanup`` removes those
-whose creator is dead. Workers of ``WorkerProcesses`` whose parent is SIGKILLed remove
-theirs themselves before they die (see ``shmq.workers.child``). No process removes
-another's segments on its own: a segment's file exists a moment before its creator holds
-the lock that proves it alive, so "nobody holds it" is no proof in a process that cannot
-know whether a creator is just starting; ``cleanup`` is for an operator who knows.
+What a process leaves when even its janitor could not run (the janitor itself killed,
+no interpreter to start one) is removed by ``python -m shmq cleanup``, which removes
+segments whose creator is dead. No process removes another's segments on its own: a
+segment's file exists a moment before its creator holds the lock that proves it alive,
+so "nobody holds it" is no proof in a process that cannot know whether a creator is just
+starting; ``cleanup`` is for an operator who knows.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import signal
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Protocol
 
 from . import _core
 
@@ -68,13 +69,25 @@ _writers: "weakref.WeakSet[_ShutsDown]" = weakref.WeakSet()
 def track(segment: _Unlinkable) -> None:
     """Remove ``segment`` (a ``_core`` object this process created) at exit."""
     _created.add(segment)
-    _install_sigterm_handler()
+    _ensure_janitor()
 
 
 def track_writer(writer: _ShutsDown) -> None:
     """Shut ``writer`` (a ``_core.Writer``) down at exit, before its segments go."""
     _writers.add(writer)
-    _install_sigterm_handler()
+    _ensure_janitor()
+
+
+def _ensure_janitor() -> None:
+    """Start this process's janitor (see the module docs) once: not again after a failed
+    start, which leaves this process to its exit hook and ``cleanup``."""
+    global _janitor_tried
+    if _janitor_tried:
+        return
+    _janitor_tried = True
+    from . import _janitor
+
+    _janitor.start()
 
 
 def _clean_up() -> None:
@@ -129,45 +142,18 @@ if multiprocessing.parent_process() is not None:
     # shmq): the after-fork callbacks have run, so register now.
     _in_multiprocessing_child(None)
 
-_sigterm_checked = False
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM's default action (die of it), after removing what this process made."""
-    try:
-        _clean_up()
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_sigterm_handler() -> None:
-    """Handle SIGTERM (see the module docs) if nobody does: only in the main thread
-    (where Python lets handlers be set) and only over the default action."""
-    global _sigterm_checked
-    if _sigterm_checked or threading.current_thread() is not threading.main_thread():
-        return
-    _sigterm_checked = True
-    try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    except (ValueError, OSError):
-        pass  # not the main interpreter, or signals unavailable
+_janitor_tried = False
 
 
 def _after_fork_in_child() -> None:
     """A forked child starts afresh: it has created nothing yet (the core's list is kept
-    per pid), its parent's writers are not its own, and the SIGTERM handler it inherited
-    is shmq's, not its program's: back to the default, so that a handler the child sets
-    (``WorkerProcesses``' workers do) decides, or shmq's again once it creates a segment."""
-    global _sigterm_checked
-    _sigterm_checked = False
+    per pid), its parent's writers are not its own, and its parent's janitor is not its
+    janitor: it closes its copy of that socket (so that the parent's janitor is not kept
+    waiting for the child to end) and starts its own with its first segment."""
+    global _janitor_tried
+    _janitor_tried = False
     _writers.clear()
-    try:
-        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    except (ValueError, OSError):
-        pass
+    _core.forget_inherited_janitor()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -26,6 +26,9 @@ __all__ = [
     "worker_died_message",
     "default_connect_ip",
     "remove_created",
+    "new_janitor_socket",
+    "has_janitor",
+    "forget_inherited_janitor",
     "exit_with_process",
     "kill_descendants",
     "list_segments",
@@ -110,6 +113,17 @@ def default_connect_ip() -> str:
 def remove_created() -> int:
     """Remove every segment and socket directory this process created that is still there
     (the exit hook); returns how many there were."""
+
+def new_janitor_socket() -> int:
+    """Make this process's janitor socket: the names of the segments it created and still
+    has go to it now, later ones as they come. Returns the janitor's end (close-on-exec):
+    pass it to the janitor process (``shmq._janitor``), then close it here."""
+
+def has_janitor() -> bool:
+    """Whether this process has a janitor (one inherited through ``fork`` does not count)."""
+
+def forget_inherited_janitor() -> None:
+    """Close a janitor socket inherited through ``fork``."""
 
 def exit_with_process(pid: int) -> None:
     """Once process ``pid`` has exited, a thread of this process (no GIL needed) kills this

@@ -12,6 +12,8 @@
 //! - `list_segments()`, `remove_orphans()`, `describe_segment()`, `segment_metrics()`:
 //!   cleanup, inspection and live metrics;
 //! - `remove_created()`: the exit hook's removal of what this process created;
+//!   `new_janitor_socket()`, `has_janitor()`, `forget_inherited_janitor()`: the janitor
+//!   that removes them when the process dies without its exit hook (`shmq._janitor`);
 //!   `exit_with_process()`, `kill_descendants()`: a worker's end with its parent, and
 //!   with its own exit (`shmq.workers`); `WorkerGroup`, `worker_died_message()`: the
 //!   core's worker supervision, which `shmq.workers.WorkerProcesses` hands its workers to;
@@ -49,6 +51,29 @@ fn remove_created() -> usize {
     crate::segment::remove_created()
 }
 
+/// Make this process's janitor socket (see `segment::set_janitor`): every segment this
+/// process made and still has is sent to it now, later ones as they come. Returns the
+/// janitor's end, a close-on-exec descriptor the caller passes to the janitor process it
+/// starts (`shmq._janitor`) and then closes.
+#[pyfunction]
+fn new_janitor_socket() -> PyResult<i32> {
+    use std::os::fd::IntoRawFd;
+    Ok(crate::segment::new_janitor_socket()?.into_raw_fd())
+}
+
+/// Whether this process has a janitor (one inherited through `fork` does not count).
+#[pyfunction]
+fn has_janitor() -> bool {
+    crate::segment::has_janitor()
+}
+
+/// Close a janitor socket this process inherited through `fork` (its janitor is the
+/// parent's, which would otherwise wait for this process to end too).
+#[pyfunction]
+fn forget_inherited_janitor() {
+    crate::segment::forget_inherited_janitor_now()
+}
+
 /// Die with process `pid`, cleanly: once it has exited, a thread of this process kills
 /// this process's descendants, removes what it created, and SIGKILLs it (see
 /// `workers::exit_with_process`). Workers' bootstrap calls it with their parent's pid.
@@ -78,6 +103,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(workers::worker_died_message, m)?)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
     m.add_function(wrap_pyfunction!(remove_created, m)?)?;
+    m.add_function(wrap_pyfunction!(new_janitor_socket, m)?)?;
+    m.add_function(wrap_pyfunction!(has_janitor, m)?)?;
+    m.add_function(wrap_pyfunction!(forget_inherited_janitor, m)?)?;
     m.add_function(wrap_pyfunction!(exit_with_process, m)?)?;
     m.add_function(wrap_pyfunction!(kill_descendants, m)?)?;
     m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;

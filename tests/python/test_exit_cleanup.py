@@ -1,7 +1,9 @@
 """Every segment a process creates is removed by it, also at interpreter exit, whatever
 still refers to it, in every normal ending (issue 18 item 1): end of script, ``sys.exit``
 in a spawned worker, exit with daemon threads alive, exit while another thread is
-blocked in a shmq call, SIGTERM and SIGINT with their default handling.
+blocked in a shmq call, SIGINT with its default handling; and, through the process's
+janitor (``shmq._janitor``), every ending that runs no exit hook: SIGTERM's default
+action, SIGKILL, ``os._exit``. shmq installs no signal handler for any of it (issue 32).
 
 Each test runs a script in a fresh interpreter that prints the pids of the processes it
 makes (``PID <n>``); afterwards no shmq name of those pids may be left in ``/dev/shm``
@@ -179,7 +181,9 @@ def test_exit_while_daemon_threads_are_blocked_in_enqueue_and_dequeue(tmp_path):
     _assert_nothing_left(pids, out)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"]
+)
 def test_default_signal_handling(tmp_path, sig):
     code, out, pids = _run(
         """
@@ -191,11 +195,44 @@ def test_default_signal_handling(tmp_path, sig):
         tmp_path,
         signal_after_ready=sig,
     )
-    # SIGTERM still kills (same status as without shmq); SIGINT is KeyboardInterrupt.
-    if sig == signal.SIGTERM:
-        assert code == -signal.SIGTERM, out
-    else:
+    # SIGTERM and SIGKILL kill (same status as without shmq): the janitor removes what
+    # the process made; SIGINT is KeyboardInterrupt, and the exit hook does.
+    if sig == signal.SIGINT:
         assert code != 0 and "KeyboardInterrupt" in out, out
+    else:
+        assert code == -sig, out
+    _assert_nothing_left(pids, out)
+
+
+def test_sigterm_kills_at_once_a_program_busy_in_native_code(tmp_path):
+    # With no handler of its own, a program dies of SIGTERM at once, whatever its main
+    # thread does; a Python-level handler (shmq's until issue 32) would run only when the
+    # main thread next executed bytecode: never, in this C loop (sum over a range runs
+    # in C and checks for no signal).
+    code, out, pids = _run(
+        """
+        q, r = make_everything()
+        print("PID", os.getpid())
+        print("READY", flush=True)
+        sum(range(10**15))
+        """,
+        tmp_path,
+        signal_after_ready=signal.SIGTERM,
+    )
+    assert code == -signal.SIGTERM, out
+    _assert_nothing_left(pids, out)
+
+
+def test_os_exit_leaves_nothing(tmp_path):
+    code, out, pids = _run(
+        """
+        q, r = make_everything()
+        print("PID", os.getpid(), flush=True)
+        os._exit(5)
+        """,
+        tmp_path,
+    )
+    assert code == 5, out
     _assert_nothing_left(pids, out)
 
 
@@ -216,16 +253,23 @@ def test_a_program_with_its_own_sigterm_handler_keeps_it(tmp_path):
     _assert_nothing_left(pids, out)
 
 
-def test_the_sigterm_handler_is_set_on_first_creation_and_not_inherited_by_a_fork(tmp_path):
+def test_shmq_installs_no_signal_handler_and_a_fork_starts_its_own_janitor(tmp_path):
     code, out, pids = _run(
         """
         import signal
-        print("AT IMPORT", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+        from shmq import _core
+        before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         q, r = make_everything()
-        print("AFTER", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+        print("SAME", {s: signal.getsignal(s) for s in before} == before)
+        print("JANITOR", _core.has_janitor())
         pid = os.fork()
         if pid == 0:
-            print("CHILD", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+            # The parent's janitor is not the child's; its first segment starts its own,
+            # which removes it when the child leaves through os._exit (no exit hook).
+            print("CHILD JANITOR", _core.has_janitor(), flush=True)
+            child_q = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+            print("CHILD JANITOR AFTER", _core.has_janitor(), flush=True)
+            print("PID", os.getpid(), flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
         print("PID", os.getpid())
@@ -233,5 +277,6 @@ def test_the_sigterm_handler_is_set_on_first_creation_and_not_inherited_by_a_for
         tmp_path,
     )
     assert code == 0, out
-    assert "AT IMPORT True" in out and "AFTER False" in out and "CHILD True" in out, out
+    assert "SAME True" in out and "JANITOR True" in out, out
+    assert "CHILD JANITOR False" in out and "CHILD JANITOR AFTER True" in out, out
     _assert_nothing_left(pids, out)
