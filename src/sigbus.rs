@@ -17,9 +17,12 @@
 //! registry ([`Watch::protect`]) for as long as it is mapped, and taken out before it is
 //! unmapped (a new mapping of a segment — a remap, say — must be registered the same
 //! way, or a truncation of it kills as before). The first registration in a process
-//! installs a `SIGBUS` handler (`SA_SIGINFO | SA_ONSTACK | SA_NODEFER`); later
-//! registrations put it back if another was installed over it meanwhile (Python's
-//! `faulthandler.enable()`, say), chaining to that one. On a `SIGBUS` the kernel raised
+//! installs a `SIGBUS` handler (`SA_SIGINFO | SA_ONSTACK | SA_NODEFER`), once per process:
+//! a handler the program (or Python's `faulthandler.enable()`, or a runtime) installs
+//! later stays installed, and shmq never puts its own back over it (issue 32: doing so
+//! made shmq chain to a handler that chained back to it, and its guard against that loop
+//! killed programs whose own handler ran in two threads at once or left through
+//! `siglongjmp`). On a `SIGBUS` the kernel raised
 //! for an address inside a registered mapping, the handler maps fresh anonymous zero
 //! pages over the *whole* mapping (`mmap(MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS)`, at
 //! the same address, readable and writable), sets the mapping's *hit* flag and returns:
@@ -27,7 +30,10 @@
 //! address that is not shmq's, or a signal sent with `kill` — goes to the handler that
 //! was installed before (Python's `faulthandler`, a runtime's), or, where that was the
 //! default action, happens again under the default action: the process dies of it as
-//! before. A handler that chains back to shmq's is not called twice for one signal.
+//! before. No loop can arise: shmq chains only to the handler that was there before its
+//! own, which cannot know of shmq's; so the handler keeps no state across a chained call
+//! (a handler that recovers with `siglongjmp`, or runs in several threads at once, works
+//! as it does without shmq).
 //!
 //! The handler is async-signal-safe: it reads and sets atomics, calls `mmap`,
 //! `sigaction` and `raise` (system calls; glibc's and musl's `mmap` take no lock) and
@@ -73,9 +79,11 @@
 //! # Limits
 //! The registry has [`SLOTS`] entries; a mapping made when it is full is not protected
 //! (a debug log says so) and a truncation of it kills as before. A handler installed over
-//! shmq's (`faulthandler.enable()` after shmq mapped a segment) gets the signal first
-//! until shmq maps its next segment and puts its own back: in between, a truncation
-//! kills as before (faulthandler reports it, then re-raises it). The handler is Linux's
+//! shmq's (`faulthandler.enable()` after shmq mapped a segment) gets every `SIGBUS` first,
+//! for good: a truncation then does what that handler does with it (faulthandler reports
+//! it and re-raises it as a sent signal, which kills: as it would without shmq); one that
+//! calls the handler it replaced with the fault's own siginfo gets shmq's error instead.
+//! The handler is Linux's
 //! (`si_addr`, `MAP_FIXED` semantics); loom builds leave the module out.
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
@@ -261,8 +269,9 @@ mod linux {
     static PREV_ACTION: AtomicUsize = AtomicUsize::new(libc::SIG_DFL);
     static PREV_FLAGS: AtomicUsize = AtomicUsize::new(0);
 
-    /// Handlers being chained to now (see `chain`).
-    static CHAINING: AtomicUsize = AtomicUsize::new(0);
+    /// Set once the handler was installed in this process (a forked child inherits the
+    /// handler and this flag alike): never again, whatever was installed over it since.
+    static INSTALLED: AtomicBool = AtomicBool::new(false);
 
     /// Serializes installations (never taken in the handler).
     static INSTALLING: Mutex<()> = Mutex::new(());
@@ -271,10 +280,18 @@ mod linux {
         handler as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize
     }
 
-    /// Install the handler unless it is the current one; the current one becomes the
+    /// Install the handler, the first time only; the handler current then becomes the
     /// one chained to.
     pub(crate) fn install() {
+        // Relaxed: a shortcut only; the flag is read again under the lock below.
+        if INSTALLED.load(Ordering::Relaxed) {
+            return;
+        }
         let _g = INSTALLING.lock().unwrap_or_else(|e| e.into_inner());
+        // Relaxed: written and read under INSTALLING.
+        if INSTALLED.swap(true, Ordering::Relaxed) {
+            return;
+        }
         // SAFETY: all-zero is a valid sigaction (no handler, no flags, empty mask).
         let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
         // SAFETY: queries the current action into a valid struct; changes nothing.
@@ -361,21 +378,14 @@ mod linux {
         chain(sig, info, ctx, code > 0);
     }
 
-    /// Hand a signal that is not ours to the handler installed before ours.
+    /// Hand a signal that is not ours to the handler installed before ours. Nothing is
+    /// kept across the call: that handler may run in several threads at once, or never
+    /// return (`siglongjmp`).
     fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void, fault: bool) {
-        // A handler that chains back to ours (one installed over ours that we then
-        // reinstalled over) must not make a loop: the second time through, the default
-        // action. Relaxed: only the count matters (one process, a signal at a time).
-        let nested = CHAINING.fetch_add(1, Ordering::Relaxed) > 0;
         // Acquire: pairs with the Release stores in `install`.
-        let mut action = PREV_ACTION.load(Ordering::Acquire);
-        if nested {
-            action = libc::SIG_DFL;
-        }
+        let action = PREV_ACTION.load(Ordering::Acquire);
         let flags = PREV_FLAGS.load(Ordering::Acquire) as libc::c_int;
         if action == libc::SIG_IGN && !fault {
-            // Relaxed: as above.
-            CHAINING.fetch_sub(1, Ordering::Relaxed);
             return;
         }
         if action == libc::SIG_DFL || action == libc::SIG_IGN || action == ours() {
@@ -392,8 +402,6 @@ mod linux {
                     libc::raise(sig);
                 }
             }
-            // Relaxed: as above.
-            CHAINING.fetch_sub(1, Ordering::Relaxed);
             return;
         }
         if flags & libc::SA_SIGINFO != 0 {
@@ -407,8 +415,6 @@ mod linux {
             let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(action) };
             f(sig);
         }
-        // Relaxed: as above.
-        CHAINING.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
