@@ -36,6 +36,63 @@ ENGINE_ARGS = dict(
 )
 
 
+PROFILE_ENV = "SHMQ_ENGINE_PROFILE"
+
+
+def _profile_queues(out_dir: str) -> None:
+    """In every engine process (vLLM spawns them, and each imports this file as
+    ``__mp_main__``): time the queue calls of vLLM's class and of shmq's (whichever the
+    plugin left in place), in the calling thread's CPU time (a spin is CPU too) and in
+    wall time, and write the totals to ``out_dir/<pid>.json`` every 64 calls."""
+    import atexit
+    import functools
+
+    stats: dict[str, list[float]] = {}
+
+    def dump() -> None:
+        try:
+            import setproctitle
+
+            title = setproctitle.getproctitle()
+        except Exception:
+            title = "?"
+        with open(os.path.join(out_dir, f"{os.getpid()}.json"), "w") as f:
+            json.dump({"title": title, "stats": stats}, f)
+
+    def wrap(cls: type, name: str, key: str) -> None:
+        original = getattr(cls, name)
+        if getattr(original, "_profiled", False):
+            return
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                s = stats.setdefault(key, [0, 0.0, 0.0])
+                s[0] += 1
+                s[1] += time.thread_time() - c0
+                s[2] += time.perf_counter() - w0
+                if s[0] % 64 == 0:
+                    dump()
+
+        timed._profiled = True  # type: ignore[attr-defined]
+        setattr(cls, name, timed)
+
+    import shmq
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    for cls, tag in ((shm_broadcast.MessageQueue, "vllm"), (shmq.MessageQueue, "shmq")):
+        wrap(cls, "enqueue", f"{tag}.enqueue")
+        wrap(cls, "dequeue", f"{tag}.dequeue")
+    atexit.register(dump)
+
+
+if os.environ.get(PROFILE_ENV):
+    _profile_queues(os.environ[PROFILE_ENV])
+
+
 def prompts(n: int) -> list[str]:
     return [f"the scheduler {i} sends a batch of tokens to the worker {i % 7}" for i in range(n)]
 
@@ -101,6 +158,10 @@ def result(payload: dict) -> None:
 def cmd_offline(args: argparse.Namespace) -> None:
     from vllm import LLM
 
+    if args.profile:
+        import tempfile
+
+        os.environ[PROFILE_ENV] = tempfile.mkdtemp(prefix="shmq-engine-profile-")
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **ENGINE_ARGS)
     started = time.perf_counter() - t0
@@ -131,9 +192,11 @@ def cmd_offline(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + 15
     while (engine_processes() or shm_names(pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
+    queue_profile = _read_profile(os.environ.get(PROFILE_ENV)) if args.profile else None
     result(
         dict(
             live,
+            queue_profile=queue_profile,
             start_s=started,
             tokens=tokens,
             batch_tokens_per_s=batch_tps,
@@ -142,6 +205,19 @@ def cmd_offline(args: argparse.Namespace) -> None:
             engine_processes_after=engine_processes(),
         )
     )
+
+
+def _read_profile(out_dir: str | None) -> dict[str, dict[str, list[float]]]:
+    """The engine processes' queue-call totals, by process title."""
+    got: dict[str, dict[str, list[float]]] = {}
+    if not out_dir:
+        return got
+    for name in os.listdir(out_dir):
+        with open(os.path.join(out_dir, name)) as f:
+            entry = json.load(f)
+        if entry["stats"]:
+            got[f"{entry['title']} ({name.split('.')[0]})"] = entry["stats"]
+    return got
 
 
 def cmd_worker_death(args: argparse.Namespace) -> None:
@@ -272,6 +348,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--end", choices=["scope", "shutdown"], default="scope")
+    p.add_argument("--profile", action="store_true", help="time the engine processes' queue calls")
     p = sub.add_parser("worker-death")
     p.add_argument("model")
     p.add_argument("--when", choices=["idle", "generating"], default="generating")
