@@ -25,6 +25,8 @@ __all__ = [
     "WorkerGroup",
     "worker_died_message",
     "default_connect_ip",
+    "handle_to_text",
+    "handle_from_text",
     "remove_created",
     "new_janitor_socket",
     "has_janitor",
@@ -109,6 +111,14 @@ class QueueShutDownError(RuntimeError):
 
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
+
+def handle_to_text(handle: _HandleLike) -> str:
+    """The handle's one-line text form (``shmq-handle-3|...``), as Rust's ``Handle``
+    prints it, secret included."""
+
+def handle_from_text(text: str) -> _HandleFields:
+    """The fields of the handle whose text form is ``text``; ``ValueError`` saying what
+    is wrong when it is not one."""
 
 def remove_created() -> int:
     """Remove every segment and socket directory this process created that is still there

@@ -199,6 +199,25 @@ class Handle:
     #: handle must travel over a trusted channel; it is left out of the repr.
     remote_secret: Optional[str] = field(default=None, repr=False)
 
+    def __str__(self) -> str:
+        """The handle's one-line text form, the one the Rust crate's ``Handle`` prints and
+        parses (``shmq-handle-3|ranks|ring|local addr|remote addr|ipv6|arena|secret``, see
+        the guide): a handle printed here opens a Rust reader, and ``Handle.from_str``
+        reads one a Rust writer printed. It carries ``remote_secret`` (64 hexadecimal
+        digits): send it over a trusted channel, as the handle itself. The
+        compatibility fields ``local_notify_addr`` and ``tensor_arena_handle`` are not
+        in it (shmq does not use them)."""
+        return _core.handle_to_text(self)
+
+    @classmethod
+    def from_str(cls, text: str) -> Handle:
+        """The handle whose text form (``str(handle)``, or a Rust ``Handle``'s
+        ``to_string()``) is ``text``; ``ValueError`` saying what is wrong when it is not
+        one (naming only the text's first characters: the last field is the secret)."""
+        if not isinstance(text, str):
+            raise TypeError(f"Handle.from_str takes a str, got {type(text).__name__}")
+        return cls(**_core.handle_from_text(text))
+
 
 class MessageQueue:
     """A broadcast queue: one writer, ``n_reader`` readers, every object to every reader.
@@ -666,4 +685,4 @@ class MessageQueue:
 
     def __repr__(self) -> str:
         role = "writer" if self._writer is not None else "local reader" if self._is_local_reader else "remote reader"
-        return f"<MessageQueue {role} {self.handle}>"
+        return f"<MessageQueue {role} {self.handle!r}>"  # repr: str(handle) holds the secret

@@ -165,6 +165,20 @@ fn handle_fields<'py>(py: Python<'py>, h: &Handle) -> PyResult<Bound<'py, PyDict
     Ok(d)
 }
 
+/// `str(handle)` for a `shmq.Handle`: the text form that Rust's `Handle` prints
+/// (`shmq-handle-3|...`, see `broadcast::queue::handle`), secret included.
+#[pyfunction]
+pub(super) fn handle_to_text(handle: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(handle.extract::<PyHandle>()?.0.to_string())
+}
+
+/// `Handle.from_str(text)`: the fields of the `shmq.Handle` whose text form is `text`
+/// (`ValueError` saying what is wrong when it is not one).
+#[pyfunction]
+pub(super) fn handle_from_text<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyDict>> {
+    handle_fields(py, &text.parse::<Handle>()?)
+}
+
 /// A received message as Python sees it: `bytes`, or `(body: bytes, buffers: list)`
 /// where each buffer is a `bytearray` (copied from the chunk) or a writable `memoryview`
 /// of memory private to this process (a frame, or an arena part mapped copy-on-write).

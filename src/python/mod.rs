@@ -4,6 +4,8 @@
 //! Contents of `shmq._core`:
 //! - `Ring`: a broadcast ring segment (`ShmRingBuffer` in Python);
 //! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`);
+//!   `handle_to_text()`, `handle_from_text()`: its handle's text form (`str(Handle)`,
+//!   `Handle.from_str`), the Rust `Handle`'s `Display` / `FromStr`;
 //! - `BlockFifo`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
 //!   `ObjectStorage`);
 //! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
@@ -108,6 +110,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forget_inherited_janitor, m)?)?;
     m.add_function(wrap_pyfunction!(exit_with_process, m)?)?;
     m.add_function(wrap_pyfunction!(kill_descendants, m)?)?;
+    m.add_function(wrap_pyfunction!(broadcast::handle_to_text, m)?)?;
+    m.add_function(wrap_pyfunction!(broadcast::handle_from_text, m)?)?;
     m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;
     m.add_function(wrap_pyfunction!(admin::remove_orphans, m)?)?;
     m.add_function(wrap_pyfunction!(admin::describe_segment, m)?)?;

@@ -37,6 +37,54 @@ fn handle_text_round_trip() {
     assert!("nonsense".parse::<Handle>().is_err());
 }
 
+/// A text that is not a handle: an error that says which part is wrong (never showing a
+/// field's value beyond the text's first characters: the last one is the secret).
+#[test]
+fn handle_text_errors_say_what_is_wrong() {
+    let secret = "ab".repeat(32);
+    let ok = format!("shmq-handle-3|0|1,64,2,shmq_ring_x|||0||{secret}");
+    assert!(ok.parse::<Handle>().is_ok());
+    for (text, why) in [
+        (
+            "nonsense".to_string(),
+            "it must start with \"shmq-handle-3|\"",
+        ),
+        ("shmq-handle-2|0|||0||".to_string(), "another shmq version"),
+        (
+            "shmq-handle-3|0||||0|".to_string(),
+            "8 fields separated by '|' expected, found 7",
+        ),
+        (ok.replace("|0|1,", "|x|1,"), "a local reader rank must be"),
+        (
+            ok.replace("1,64,2,shmq_ring_x", "1,64,2"),
+            "the ring must be n_reader,",
+        ),
+        (
+            ok.replace("1,64,", "1,-64,"),
+            "the ring's max_chunk_bytes must be",
+        ),
+        (
+            ok.replace("|||0|", "|||yes|"),
+            "the IPv6 flag must be 0 or 1",
+        ),
+        (
+            ok.replace(&secret, &secret[..62]),
+            "the secret must be 64 hexadecimal digits",
+        ),
+        (
+            ok.replace(&secret, &"zz".repeat(32)),
+            "the secret must be 64 hexadecimal digits",
+        ),
+    ] {
+        let e = text.parse::<Handle>().unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        let shown = e.to_string();
+        assert!(shown.starts_with("not a shmq queue handle ("), "{shown}");
+        assert!(shown.contains(why), "{text:?}: {shown}");
+        assert!(!shown.contains(&secret[..40]), "{shown}");
+    }
+}
+
 #[test]
 fn options_are_checked() {
     let e = Writer::new(QueueOptions {
