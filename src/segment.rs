@@ -29,8 +29,8 @@ use std::sync::{Mutex, OnceLock};
 use shared_memory::{Shmem, ShmemConf, ShmemError};
 
 use crate::error::{Error, Result};
-use crate::liveness::{RoleLock, CREATOR_BYTE};
 pub(crate) use crate::liveness::SHM_DIR;
+use crate::liveness::{RoleLock, CREATOR_BYTE};
 
 /// Every segment shmq creates has a name starting with this.
 pub const NAME_PREFIX: &str = "shmq_";
@@ -58,6 +58,11 @@ pub struct Segment {
     /// truncates the file makes [`check_intact`](Self::check_intact) an error here,
     /// never a crash. Released in `Drop`, before the mapping goes.
     sigbus: crate::sigbus::Guard,
+    /// Set once a size check ([`reserve_range`](Self::reserve_range),
+    /// [`check_length`](Self::check_length)) found the file shorter than the mapping:
+    /// from then on [`check_intact`](Self::check_intact) is the error, as after a fault,
+    /// even if the file is grown again (its content is lost all the same).
+    shrunk: AtomicBool,
     /// Set once [`reserve_whole`](Self::reserve_whole) reserved all of the segment in
     /// this process.
     whole_reserved: OnceLock<()>,
@@ -227,6 +232,7 @@ impl Segment {
             unlinked: AtomicBool::new(false),
             reserve_fd,
             sigbus,
+            shrunk: AtomicBool::new(false),
             whole_reserved: OnceLock::new(),
         };
         segment.reserve_range(0, reserve)?;
@@ -251,6 +257,13 @@ impl Segment {
     /// Reserve the pages of `offset..offset + len` now, so a full `/dev/shm` is an error
     /// here and not a `SIGBUS` later. On failure in `create` the segment is dropped (and
     /// so unlinked) by the caller.
+    ///
+    /// A reservation never changes the file's size (`FALLOC_FL_KEEP_SIZE`): a file that
+    /// another process truncated stays short, and one found shorter than this mapping,
+    /// before or after the pages are taken, is the truncation error
+    /// (`crate::sigbus::truncated`) from here on (see [`check_intact`](Self::check_intact)).
+    /// Growing it back would hand every process zeros where the lost pages were, with
+    /// no fault to tell them (issue 32).
     pub fn reserve_range(&self, offset: usize, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
@@ -275,17 +288,20 @@ impl Segment {
                 }
             }
         };
+        // Before: no pages are taken for a file already truncated (past its end they
+        // would only be freed when it is removed).
+        self.check_file_len(file)?;
         // The fallocate system call itself, not glibc's posix_fallocate: where the file
         // system cannot allocate (not a tmpfs), that one emulates it by writing a byte
         // per block, which could undo a peer's write; this one fails with EOPNOTSUPP.
-        // Mode 0, as posix_fallocate: a range past a truncated end grows the file again
-        // (see `crate::sigbus`).
+        // KEEP_SIZE: a range past a truncated end is not made part of the file again.
         // SAFETY: the fd is open for writing for the duration of the call; the call only
-        // allocates pages of the file (a peer may do the same: it changes no byte).
+        // allocates pages of the file and changes neither its size nor any byte (a peer
+        // may do the same).
         let fallocate = || unsafe {
             libc::fallocate(
                 file.as_raw_fd(),
-                0,
+                libc::FALLOC_FL_KEEP_SIZE,
                 offset as libc::off_t,
                 len as libc::off_t,
             )
@@ -301,7 +317,9 @@ impl Segment {
             }
         };
         match rc {
-            0 => Ok(()),
+            // After: a truncation that came during the call (the pages reserved past the
+            // new end are not the file's, and touching them is a SIGBUS).
+            0 => self.check_file_len(file),
             libc::ENOSPC => Err(Error::NoSpace {
                 name: self.name.clone(),
                 needed: len as u64,
@@ -331,6 +349,7 @@ impl Segment {
                 _creator_role: None,
                 unlinked: AtomicBool::new(false),
                 reserve_fd: None,
+                shrunk: AtomicBool::new(false),
                 whole_reserved: OnceLock::new(),
             }),
             Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::ENOENT => {
@@ -373,26 +392,57 @@ impl Segment {
     /// mapping (the `SIGBUS` handler then put zero pages in its place: see
     /// `crate::sigbus`). One atomic load: the layers above call it where a call begins,
     /// at each step of a wait and where a message or value is done.
+    /// Also an error once a size check here found the file shorter than the mapping.
     #[inline]
     pub(crate) fn check_intact(&self) -> Result<()> {
-        if self.sigbus.hit() {
+        // Relaxed: the flag carries no data; the error is built from the file's size now.
+        if self.sigbus.hit() || self.shrunk.load(Ordering::Relaxed) {
             return Err(crate::sigbus::truncated(&self.name, self.len()));
         }
         Ok(())
     }
 
     /// [`check_intact`](Self::check_intact), and an error too if the file is shorter
-    /// than this mapping now (a `stat`: for the slow steps of waits, about once a
-    /// second, which then see a truncation that no access of theirs has hit yet).
+    /// than this mapping now: an `fstat` of the creator's descriptor (a `stat` of the
+    /// name in openers). For the slow steps of waits, about once a second, which then
+    /// see a truncation that no access of theirs has hit yet, and for calls that answer
+    /// from this process's own records of what the segment holds (the store's
+    /// `is_cached`), which touch no page of it.
     pub(crate) fn check_length(&self) -> Result<()> {
         self.check_intact()?;
-        match std::fs::metadata(format!("{SHM_DIR}/{}", self.name)) {
-            Ok(m) if m.len() < self.len() as u64 => {
-                Err(crate::sigbus::truncated(&self.name, self.len()))
-            }
-            // Gone (unlinked: its mapping stays valid) or as long: nothing lost.
-            _ => Ok(()),
+        let len = match &self.reserve_fd {
+            Some(f) => f.metadata(),
+            None => std::fs::metadata(format!("{SHM_DIR}/{}", self.name)),
+        };
+        match len {
+            Ok(m) => self.check_size(m.len()),
+            // Gone (unlinked: its mapping stays valid): nothing lost.
+            Err(_) => Ok(()),
         }
+    }
+
+    /// The truncation error if `file`'s size is below this mapping's (and from then on:
+    /// see [`check_intact`](Self::check_intact)).
+    fn check_file_len(&self, file: &std::fs::File) -> Result<()> {
+        match file.metadata() {
+            Ok(m) => self.check_size(m.len()),
+            Err(e) => Err(Error::os(
+                format!("reading the size of shared memory segment '{}'", self.name),
+                e,
+            )),
+        }
+    }
+
+    /// The truncation error if the file is `len` bytes long now, less than this mapping
+    /// (which is as long as the file was when it was made or opened: a shmq segment
+    /// never shrinks on its own).
+    fn check_size(&self, len: u64) -> Result<()> {
+        if len < self.len() as u64 {
+            // Relaxed: see `check_intact`.
+            self.shrunk.store(true, Ordering::Relaxed);
+            return Err(crate::sigbus::truncated_to(&self.name, self.len(), len));
+        }
+        Ok(())
     }
 }
 
@@ -1003,7 +1053,11 @@ mod tests {
         // SAFETY: as above; the loan's range stays mapped (privately now).
         unsafe {
             *seg.as_ptr() = 2;
-            assert_eq!(*other.as_ptr(), 1, "a write after the seal reached the segment");
+            assert_eq!(
+                *other.as_ptr(),
+                1,
+                "a write after the seal reached the segment"
+            );
         }
         assert!(pages.unseal(&seg));
         // SAFETY: as above; shared again, with the pages it had.
@@ -1078,6 +1132,7 @@ mod tests {
         let name = unique_name("test");
         let creator = Segment::create(&name, 8 * 4096).unwrap();
         let opener = Segment::open(&name).unwrap();
+        let other = Segment::open(&name).unwrap();
         let path = format!("{SHM_DIR}/{name}");
         std::fs::OpenOptions::new()
             .write(true)
@@ -1085,10 +1140,12 @@ mod tests {
             .unwrap()
             .set_len(4096)
             .unwrap();
-        // Not touched yet: only the length check (a stat) sees it.
+        // Not touched yet: only the length check (a stat) sees it, and from then on
+        // the atomic check too.
         opener.check_intact().unwrap();
         let err = opener.check_length().unwrap_err();
         assert!(err.to_string().contains("truncated"), "{err}");
+        assert!(opener.check_intact().is_err());
         // SAFETY: inside the mapping; the page is gone from the file, so this faults and
         // the handler puts zero pages there (volatile: the access must happen).
         let v = unsafe { creator.as_ptr().add(5 * 4096).read_volatile() };
@@ -1099,11 +1156,55 @@ mod tests {
                 && reason.contains("truncated by another process")),
             "{err}"
         );
-        // The other mapping is hit only where it touches a lost page.
-        opener.check_intact().unwrap();
-        // SAFETY: as above, in the opener's own mapping.
-        unsafe { opener.as_ptr().add(7 * 4096).write_volatile(1) };
-        assert!(opener.check_intact().is_err());
+        // Another mapping is hit only where it touches a lost page.
+        other.check_intact().unwrap();
+        // SAFETY: as above, in that opener's own mapping.
+        unsafe { other.as_ptr().add(7 * 4096).write_volatile(1) };
+        assert!(other.check_intact().is_err());
+    }
+
+    #[test]
+    fn a_reservation_never_grows_a_truncated_file_back() {
+        // Issue 32: a writer's reservation past a truncated end (mode 0 fallocate) made
+        // the file whole again, so nobody faulted and readers took zeros for data.
+        let name = unique_name("test");
+        let creator = Segment::create_sparse(&name, 64 * 4096, 4096).unwrap();
+        let opener = Segment::open(&name).unwrap();
+        let path = format!("{SHM_DIR}/{name}");
+        let len = || std::fs::metadata(&path).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        for seg in [&creator, &opener] {
+            // Inside what is left, or past it: the file is short, so both are the error.
+            for (offset, n) in [(0, 4096), (8 * 4096, 4 * 4096)] {
+                let err = seg.reserve_range(offset, n).unwrap_err();
+                assert!(
+                    matches!(&err, Error::BadSegment { name: n, reason } if *n == name
+                        && reason.contains("truncated") && reason.contains("4096 bytes long now")),
+                    "{err}"
+                );
+            }
+            assert_eq!(len(), 4096, "a reservation grew the file");
+            // And from then on, without a fault or a stat: even once the file is as long
+            // as before again (its lost pages would read zeros).
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_len(64 * 4096)
+                .unwrap();
+            assert!(seg.check_intact().is_err());
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_len(4096)
+                .unwrap();
+        }
     }
 
     #[test]

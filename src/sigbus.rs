@@ -55,9 +55,18 @@
 //! reader was handed before the truncation reads zeros): that call, or the next one,
 //! reports the truncation; no call returns as if nothing happened once the flag is set,
 //! and no process dies of it. A process that touches only pages a truncation left (one
-//! to half the size, say) goes on working until it touches a lost one or a wait looks at
-//! the size; a writer that reserves pages past the new end (`fallocate`) grows the
-//! file again, with zeros there.
+//! to half the size, say) goes on working until it touches a lost one, a wait looks at
+//! the size, or it reserves more pages. A reservation ([`Segment::reserve_range`](crate::segment::Segment::reserve_range),
+//! `fallocate` with `FALLOC_FL_KEEP_SIZE`) never changes the file's size and compares
+//! it with the mapping before and after: a writer never grows a truncated file back
+//! (that handed every process zeros where the lost pages were, with no fault to tell
+//! it: issue 32), and the shrink it finds is its error. A size check that found the file
+//! short is remembered like a fault: the segment's checks fail from then on, also if the
+//! file is grown again. Calls that answer from the process's own records without
+//! touching the segment compare its size first (the store's `put` before it writes,
+//! `is_cached`, `get_cached`: an `fstat` of the creator's descriptor), and a queue reader
+//! asks the flags of the tensor arena's mappings at every call, not only for a message
+//! with a part there (a view it handed out may read zeros now).
 //!
 //! # What this guarantees, and what it cannot (the same user's processes)
 //! shmq defends against accidents and crashes of peers — a process that dies at any
@@ -78,7 +87,10 @@
 //!
 //! # Limits
 //! The registry has [`SLOTS`] entries; a mapping made when it is full is not protected
-//! (a debug log says so) and a truncation of it kills as before. A handler installed over
+//! (a debug log says so) and a truncation of it kills as before. A file that another
+//! process truncates and grows back to its length (two `truncate`s) before any shmq
+//! process touches a lost page or looks at the size is not found: the lost pages then
+//! read zeros, with no fault. A handler installed over
 //! shmq's (`faulthandler.enable()` after shmq mapped a segment) gets every `SIGBUS` first,
 //! for good: a truncation then does what that handler does with it (faulthandler reports
 //! it and re-raises it as a sent signal, which kills: as it would without shmq); one that
@@ -146,7 +158,11 @@ impl Watch {
     /// Register `len` bytes at `start` (a mapping of a segment just made) until the
     /// returned guard is dropped, which must happen before the mapping is unmapped.
     pub(crate) fn protect(&self, start: *mut u8, len: usize) -> Guard {
-        let slot = register(start as usize, len, Arc::as_ptr(&self.hit) as *mut AtomicBool);
+        let slot = register(
+            start as usize,
+            len,
+            Arc::as_ptr(&self.hit) as *mut AtomicBool,
+        );
         Guard {
             slot,
             hit: self.hit.clone(),
@@ -196,6 +212,16 @@ impl Drop for Guard {
 /// [`Error::BadSegment`] naming it, with its size now if it can still be read.
 pub(crate) fn truncated(name: &str, mapped: usize) -> Error {
     let now = std::fs::metadata(format!("{}/{name}", crate::liveness::SHM_DIR)).map(|m| m.len());
+    truncation(name, mapped, now)
+}
+
+/// [`truncated`] for a file whose size was just read (`len`, below `mapped`) through a
+/// descriptor: the same error, with that size.
+pub(crate) fn truncated_to(name: &str, mapped: usize, len: u64) -> Error {
+    truncation(name, mapped, Ok(len))
+}
+
+fn truncation(name: &str, mapped: usize, now: std::io::Result<u64>) -> Error {
     let reason = match now {
         // As long as it was: the fault was not a shrink that lasted.
         Ok(len) if len >= mapped as u64 => format!(
@@ -468,7 +494,10 @@ mod tests {
         unsafe { libc::munmap(p as *mut libc::c_void, len) };
         let _ = std::fs::remove_file(&path);
         let err = truncated("shmq_test_x", len).to_string();
-        assert!(err.contains("shmq_test_x") && err.contains("truncated"), "{err}");
+        assert!(
+            err.contains("shmq_test_x") && err.contains("truncated"),
+            "{err}"
+        );
     }
 
     #[test]
