@@ -65,11 +65,11 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
-use crate::region::{region, RawRegion};
 use crate::process::ProcessId;
 use crate::range_alloc::RangeAllocator;
-use crate::segment::{LoanPages, 
-    data_after_table, round_up, unique_name, HeaderCheck, Segment, MAX_READERS,
+use crate::region::{region, RawRegion};
+use crate::segment::{
+    data_after_table, round_up, unique_name, HeaderCheck, LoanPages, Segment, MAX_READERS,
 };
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
@@ -288,7 +288,9 @@ impl Mapped {
         let bytes: Vec<u8> = unsafe {
             let at = self.base.as_ptr().add(QUEUE_OFFSET);
             let len = (std::ptr::read_volatile(at) as usize).min(QUEUE_NAME_MAX);
-            (1..=len).map(|i| std::ptr::read_volatile(at.add(i))).collect()
+            (1..=len)
+                .map(|i| std::ptr::read_volatile(at.add(i)))
+                .collect()
         };
         match String::from_utf8(bytes) {
             Ok(s) => s,
@@ -380,6 +382,20 @@ impl ArenaWriter {
         let geo = Geometry::new(n_reader, capacity, max_leases, page_size())?;
         let segment = Segment::create_sparse(name, geo.total, geo.data_offset)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
+        // A process forked from the writer does not get the arena's data pages: a loan
+        // handed out before a fork and sent after it must be private to the writer once
+        // sent (the send moves its pages aside here, but a child would keep the shared
+        // mapping and could write into what every reader's view shows). The child
+        // faults if it touches an inherited loan instead. The header stays inherited.
+        // SAFETY: the range lies inside the mapping just made (data_offset < total,
+        // both page multiples); MADV_DONTFORK changes no content, only what fork copies.
+        unsafe {
+            libc::madvise(
+                base.as_ptr().add(geo.data_offset) as *mut libc::c_void,
+                geo.total - geo.data_offset,
+                libc::MADV_DONTFORK,
+            );
+        }
         let map = Mapped { segment, base, geo };
         let me = ProcessId::current();
         // SAFETY: the segment is new, page-aligned and larger than the header and the
@@ -446,7 +462,9 @@ impl ArenaWriter {
     pub fn reserved(&self) -> usize {
         self.reserved
     }
-    /// An error once a peer truncated the arena under this writer (see `crate::sigbus`).
+    /// An error once a peer truncated the arena under this writer (see `crate::sigbus`):
+    /// a fault in its mapping, or a reservation that found the file short (the writer
+    /// then sends the part it was for no other way: a copy would hide the loss).
     pub fn check_intact(&self) -> Result<()> {
         self.map.segment.check_intact()
     }
@@ -530,7 +548,9 @@ impl ArenaWriter {
                 *h |= self.map.hold(o.lease as usize, r).load(Ordering::Relaxed) != 0;
             }
         }
-        let dead: Vec<usize> = (0..n).filter(|&r| holding[r] && reader_is_dead(r)).collect();
+        let dead: Vec<usize> = (0..n)
+            .filter(|&r| holding[r] && reader_is_dead(r))
+            .collect();
         for o in &self.outstanding {
             for &r in &dead {
                 // Relaxed: the dead reader no longer touches it (proved by its liveness
@@ -592,6 +612,12 @@ impl ArenaWriter {
             Ok(()) => {
                 self.reserve_failed_at = None;
                 true
+            }
+            // A truncated arena: no fallback, the writer's next check is the error (the
+            // segment remembers it: see `Segment::reserve_range`).
+            Err(e @ Error::BadSegment { .. }) => {
+                log::debug!("shmq: tensor arena {}: {e}", self.name());
+                false
             }
             Err(e) => {
                 if self.reserve_failed_at.is_none() {
@@ -882,10 +908,7 @@ impl LazyArenaWriter {
     /// once, tried again after a while) if it cannot be made.
     pub fn for_part(&mut self) -> Option<&mut ArenaWriter> {
         if self.made.is_none() {
-            if self
-                .failed_at
-                .is_some_and(|t| t.elapsed() < RESERVE_RETRY)
-            {
+            if self.failed_at.is_some_and(|t| t.elapsed() < RESERVE_RETRY) {
                 return None;
             }
             if let Err(e) = self.make() {
@@ -1042,10 +1065,19 @@ impl ArenaReader {
     }
 
     /// An error once a peer truncated the arena (see `crate::sigbus`): the file is
-    /// shorter than when opened, or a mapping of it here was hit.
+    /// shorter than when opened (an `fstat`), or a mapping of it here was hit.
     pub fn check_intact(&self) -> Result<()> {
         self.map.segment.check_intact()?;
         self.file.check_intact()
+    }
+
+    /// An error once a mapping of the arena in this process was found truncated: the
+    /// lease table's, or a view's, one that a caller may still hold and that reads zeros
+    /// now (the `SIGBUS` handler's flags: atomic loads, no system call). For every call
+    /// of the reader, also those whose message has no part here.
+    pub fn check_faults(&self) -> Result<()> {
+        self.map.segment.check_intact()?;
+        self.file.check_faults()
     }
 
     fn check(&self, r: &ArenaRef) -> Result<usize> {
@@ -1275,7 +1307,10 @@ mod tests {
         loan.fill(7); // after the send: the writer's own copy
         assert!(loan.iter().all(|&b| b == 7));
         let v = r.view(&a).unwrap();
-        assert!(v.iter().all(|&b| b == 5), "a write after the send reached the reader");
+        assert!(
+            v.iter().all(|&b| b == 5),
+            "a write after the send reached the reader"
+        );
         // Sent again, it is copied (a new lease), not referenced.
         assert!(w.find_loan(&loan).is_none());
         drop((loan, v));
@@ -1283,7 +1318,11 @@ mod tests {
         assert_eq!(w.outstanding(), 0);
         // The same memory lent again is shared: what the writer writes, readers read.
         let mut again = w.loan(3 * 4096 + 10, &mut no_dead).unwrap();
-        assert_eq!(w.find_loan(&again).unwrap().offset, a.offset, "not the same memory");
+        assert_eq!(
+            w.find_loan(&again).unwrap().offset,
+            a.offset,
+            "not the same memory"
+        );
         again.fill(9);
         let b = w.find_loan(&again).unwrap();
         w.publish(&b, 0..1);
@@ -1295,8 +1334,14 @@ mod tests {
         let mut lazy = LazyArenaWriter::new("shmq_ring_test_queue", 2, 1 << 20, 8).unwrap();
         let name = lazy.name().to_owned();
         assert!(lazy.get().is_none());
-        assert!(ArenaReader::open(&name, 0).is_err(), "made before it was needed");
-        assert_eq!((lazy.outstanding(), lazy.reserved(), lazy.fallbacks()), (0, 0, 0));
+        assert!(
+            ArenaReader::open(&name, 0).is_err(),
+            "made before it was needed"
+        );
+        assert_eq!(
+            (lazy.outstanding(), lazy.reserved(), lazy.fallbacks()),
+            (0, 0, 0)
+        );
         let w = lazy.for_part().unwrap();
         assert_eq!(w.name(), name);
         let info = describe(&name).unwrap();

@@ -38,6 +38,7 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
@@ -58,6 +59,9 @@ pub struct PrivateFile {
     /// Whether the `SIGBUS` handler found one of this file's mappings truncated (see
     /// `crate::sigbus`); every mapping made here is registered with it.
     sigbus: crate::sigbus::Watch,
+    /// Set once [`check_intact`](Self::check_intact) found the file shorter than when
+    /// opened: it stays an error if the file is grown again (what was lost is zeros).
+    shrunk: AtomicBool,
 }
 
 impl PrivateFile {
@@ -89,6 +93,7 @@ impl PrivateFile {
             name: name.to_owned(),
             window: OnceLock::new(),
             sigbus: crate::sigbus::Watch::new(),
+            shrunk: AtomicBool::new(false),
         })
     }
 
@@ -107,15 +112,33 @@ impl PrivateFile {
         self.check_intact()
     }
 
-    /// An error once the segment is shorter than when opened, or a mapping of it was
-    /// found truncated.
+    /// An error once the segment is shorter than when opened (an `fstat`; and from then
+    /// on, even if it is grown again), or a mapping of it was found truncated.
     pub fn check_intact(&self) -> Result<()> {
+        self.check_faults()?;
         // SAFETY: all-zero is a valid `stat`; fstat fills it for a valid descriptor.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: our own open descriptor and a valid struct.
-        let shrunk = unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } == 0
-            && (st.st_size as u64) < self.len;
-        if shrunk || self.sigbus.hit() {
+        if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } == 0
+            && (st.st_size as u64) < self.len
+        {
+            // Relaxed: the flag carries no data; the error is built from the size now.
+            self.shrunk.store(true, Ordering::Relaxed);
+            return Err(crate::sigbus::truncated_to(
+                &self.name,
+                self.len as usize,
+                st.st_size as u64,
+            ));
+        }
+        Ok(())
+    }
+
+    /// An error once a mapping made here was found truncated (the `SIGBUS` handler's
+    /// flag), or [`check_intact`](Self::check_intact) found the file short: atomic
+    /// loads, no system call.
+    pub fn check_faults(&self) -> Result<()> {
+        // Relaxed: as in `check_intact`.
+        if self.sigbus.hit() || self.shrunk.load(Ordering::Relaxed) {
             return Err(crate::sigbus::truncated(&self.name, self.len as usize));
         }
         Ok(())

@@ -60,6 +60,13 @@ impl ArenaSlot {
         }
         Ok(self.open.as_ref())
     }
+
+    /// An error once the arena, if it is open here, was found truncated: a view this
+    /// reader handed out may read zeros now, so every call says so, also one whose
+    /// message has no part in the arena (atomic loads: see `ArenaReader::check_faults`).
+    fn check_faults(&self) -> Result<()> {
+        self.open.as_ref().map_or(Ok(()), |a| a.check_faults())
+    }
 }
 
 /// How long a local reader still waits for what the writer sent over the socket (its
@@ -570,7 +577,13 @@ impl Reader {
             self.writer_gone_since = None;
         }
         match &mut self.source {
-            Source::Local { ring, overflow, .. } => {
+            Source::Local {
+                ring,
+                overflow,
+                arena,
+                ..
+            } => {
+                arena.check_faults()?;
                 let info = ring.wait(wait)?;
                 if info.kind == ChunkKind::Overflow && self.pending.is_none() {
                     // The writer sent the message before the mark; only a writer that
@@ -614,6 +627,7 @@ impl Reader {
                 ..
             } => {
                 ring.ring().check_intact()?;
+                arena.check_faults()?;
                 let Some(info) = ring.poll() else {
                     return Ok(None);
                 };
@@ -642,6 +656,7 @@ impl Reader {
                 ring.finish();
                 // A message read from the zero pages of a truncated segment is no message.
                 ring.ring().check_intact()?;
+                arena.check_faults()?;
                 out.map(Some)
             }
             Source::Remote { sub } => {
@@ -826,8 +841,10 @@ impl Reader {
                     }
                 }
                 ring.finish();
-                // What the caller read may have been zeros (a peer truncated the ring).
-                ring.ring().check_intact()
+                // What the caller read may have been zeros (a peer truncated the ring or
+                // the arena).
+                ring.ring().check_intact()?;
+                arena.check_faults()
             }
             Source::Remote { .. } => Err(Error::WrongRole(
                 "finish_read is only for local readers".into(),
