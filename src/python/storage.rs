@@ -642,7 +642,9 @@ impl ObjectStore {
             }
             .map_err(|why| refused(key, why))?;
             let handle = signed_handle(key, address, id)?;
-            current.check_handle(handle).map_err(|why| refused(key, why))?;
+            current
+                .check_handle(handle)
+                .map_err(|why| refused(key, why))?;
         }
         self.verify_reader(address, id, signature, key)
     }
@@ -683,14 +685,17 @@ impl ObjectStore {
         Ok(object_reader_count(&self.segment, a, i)?)
     }
 
+    /// Whether `key` has an object; `ValueError` if the store was truncated (its
+    /// objects are lost).
     fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
-        Ok(self.store(py)?.entry(key).is_some())
+        Ok(self.store(py)?.is_cached(&self.segment, key)?)
     }
 
-    /// Hand the object out once more: `(address, id)`; `KeyError` if unknown.
+    /// Hand the object out once more: `(address, id)`; `KeyError` if unknown,
+    /// `ValueError` if the store was truncated.
     fn get_cached(&self, py: Python<'_>, key: &str) -> PyResult<(u64, u32)> {
         self.store(py)?
-            .get_cached(key)
+            .get_cached(&self.segment, key)?
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
     }
 

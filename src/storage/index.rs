@@ -12,8 +12,8 @@ use super::store_segment::{
 };
 use crate::alloc::{Block, Freed, HEADER_BYTES};
 use crate::error::{Error, HandleRefusal, Result};
-use crate::segment::{warn_shm_too_small, LoanPages};
 use crate::region::RawRegion;
+use crate::segment::{warn_shm_too_small, LoanPages};
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
 /// (the count, the frame and the other parts: the pickle or msgpack stream and small
@@ -233,8 +233,7 @@ impl ObjectStore {
         // `segment` keeps mapped while it is borrowed, and the pointer is derived from the
         // ring's own; the bytes are only read as the count, atomically (any process
         // mapping the segment may write them meanwhile).
-        let data =
-            unsafe { std::slice::from_raw_parts(segment.ring_ptr().add(addr - ring), len) };
+        let data = unsafe { std::slice::from_raw_parts(segment.ring_ptr().add(addr - ring), len) };
         Ok(self.is_free(id, data))
     }
 
@@ -251,6 +250,8 @@ impl ObjectStore {
         if !ring.is_writer() {
             return Err(Error::WrongRole("Only the writer can put objects.".into()));
         }
+        // A truncated store is refused before anything is written (see `is_cached`).
+        ring.segment().check_length()?;
         if self.keys.contains_key(key) {
             return Err(Error::KeyExists(key.to_owned()));
         }
@@ -262,7 +263,7 @@ impl ObjectStore {
                 max: self.max_object_size,
             });
         }
-        if let Some(placed) = self.put_in_loan(ring, key, parts, align_from) {
+        if let Some(placed) = self.put_in_loan(ring, key, parts, align_from)? {
             return Ok(placed);
         }
         let lens = || parts.iter().map(|p| p.len() as u64);
@@ -297,6 +298,9 @@ impl ObjectStore {
             write(at as usize, parts[i]);
         });
         debug_assert_eq!(end as usize, len);
+        // What was written may have gone to the zero pages of a truncated segment: then
+        // it is no object (the block goes in its turn; the store is lost anyway).
+        segment.check_intact()?;
         self.register(key, block.address, block.id);
         Ok((block.address, block.id))
     }
@@ -471,9 +475,9 @@ impl ObjectStore {
         key: &str,
         parts: &[&[u8]],
         align_from: usize,
-    ) -> Option<(u64, u32)> {
+    ) -> Result<Option<(u64, u32)>> {
         if self.loans.is_empty() {
-            return None;
+            return Ok(None);
         }
         let segment = ring.segment();
         let base = segment.ring_ptr() as usize;
@@ -485,15 +489,17 @@ impl ObjectStore {
             });
             if let Some((&id, spot)) = hit {
                 if found.is_some() {
-                    return None; // two loans in one object: copied into one block
+                    return Ok(None); // two loans in one object: copied into one block
                 }
                 found = Some((i, id, spot.clone()));
             }
         }
-        let (k, id, spot) = found?;
-        if ring.allocator()?.get(id).is_none() {
+        let Some((k, id, spot)) = found else {
+            return Ok(None);
+        };
+        if ring.allocator().is_none_or(|a| a.get(id).is_none()) {
             self.loans.remove(&id);
-            return None;
+            return Ok(None);
         }
         let data_offset = spot.header.offset + HEADER_BYTES;
         let frame_at = count_word_at(data_offset) + COUNT_WORD_BYTES;
@@ -511,13 +517,13 @@ impl ObjectStore {
             at += part.len() as u64;
         }
         if at > spot.buffer_at {
-            return None; // the rest does not fit before the buffer: copy
+            return Ok(None); // the rest does not fit before the buffer: copy
         }
         // Sealed before the handle is returned (and so before any reader can have it). A
         // loan whose pages cannot be sealed (out of mappings) is still shared: copied, so
         // that the writer's later writes reach no reader.
         if !spot.pages.seal(&segment.segment) {
-            return None;
+            return Ok(None);
         }
         let (p, len) = segment.data_ptr(&spot.header);
         let write = |at: u64, bytes: &[u8]| {
@@ -539,18 +545,32 @@ impl ObjectStore {
                 write(offsets[i], part);
             }
         }
+        // As in `put`: written to the zero pages of a truncated segment, it is no object.
+        segment.check_intact()?;
         self.loans.remove(&id);
         self.register(key, spot.address, id);
-        Some((spot.address, id))
+        Ok(Some((spot.address, id)))
+    }
+
+    /// Whether `key` has an object in the store. The index is this process's own: a
+    /// store truncated by another process (its objects lost, zeros where they were) is
+    /// the truncation error instead, never "cached" (an `fstat` on the writer).
+    pub fn is_cached(&self, segment: &StoreSegment, key: &str) -> Result<bool> {
+        segment.check_length()?;
+        Ok(self.keys.contains_key(key))
     }
 
     /// Hand `key`'s object out once more (every reader will read it once more); this
-    /// also ends a `touch` of it.
-    pub fn get_cached(&mut self, key: &str) -> Option<(u64, u32)> {
-        let e = self.keys.get_mut(key)?;
+    /// also ends a `touch` of it. `None` if `key` has no object; the truncation error
+    /// if the store lost its objects (see [`is_cached`](Self::is_cached)).
+    pub fn get_cached(&mut self, segment: &StoreSegment, key: &str) -> Result<Option<(u64, u32)>> {
+        segment.check_length()?;
+        let Some(e) = self.keys.get_mut(key) else {
+            return Ok(None);
+        };
         e.handouts += 1;
         self.touched.remove(&e.id);
-        Some((e.address, e.id))
+        Ok(Some((e.address, e.id)))
     }
 
     /// Keep `key`'s object from being evicted until the next `get_cached(key)` or

@@ -349,6 +349,13 @@ impl StoreSegment {
     pub fn check_intact(&self) -> Result<()> {
         self.segment.check_intact()
     }
+
+    /// [`check_intact`](Self::check_intact), and an error too if the file is shorter
+    /// than the mapping now (an `fstat` on the writer): for calls that touch no page of
+    /// the ring and would otherwise not notice (`put` before it writes, `is_cached`).
+    pub fn check_length(&self) -> Result<()> {
+        self.segment.check_length()
+    }
     /// Bytes of the ring (`data_buffer_size`).
     pub fn capacity(&self) -> u64 {
         self.capacity

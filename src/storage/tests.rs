@@ -4,9 +4,9 @@ use super::index::LOAN_ALIGN;
 use super::object::{count_one_read, object_layout};
 use super::store_segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
 use super::*;
-use std::sync::Arc;
 use crate::alloc::HEADER_BYTES;
 use crate::error::{Error, HandleRefusal, Result};
+use std::sync::Arc;
 
 fn store(capacity: u64, max: u64, readers: u32) -> (BlockFifo, ObjectStore) {
     (
@@ -130,7 +130,7 @@ fn signatures_bind_key_address_and_id() {
 fn eviction_waits_for_every_handout_and_touch() {
     let (mut ring, mut s) = store(512, 200, 2);
     let (a, i) = s.put(&mut ring, "k", &[&[1u8; 150]], 1).unwrap();
-    s.get_cached("k").unwrap();
+    s.get_cached(ring.segment(), "k").unwrap().unwrap();
     let seg = ring.segment().clone();
     for _ in 0..3 {
         read_all(&seg, a, i, true).unwrap();
@@ -422,7 +422,10 @@ fn the_ring_is_reserved_in_dev_shm_as_it_is_used() {
     let (a, i) = s.put(&mut ring, "big", &[&big], 1).unwrap();
     let end = ring.allocator().unwrap().end();
     assert!(ring.reserved() >= end && ring.reserved() <= end + fifo::RESERVE_STEP);
-    assert_eq!(read_all(ring.segment(), a, i, false).unwrap(), vec![big.clone()]);
+    assert_eq!(
+        read_all(ring.segment(), a, i, false).unwrap(),
+        vec![big.clone()]
+    );
     // The whole-ring view (`shared_memory.buf`) reserves all of it first, in a reader
     // too; what was stored stays as it was.
     let reader = BlockFifo::open(ring.segment().name(), Some(256 << 20)).unwrap();
@@ -447,7 +450,10 @@ fn free_oldest_first_frees_only_what_was_approved_and_still_the_oldest() {
     let c1 = run.next(&ring).unwrap().unwrap();
     ring.free_while(u64::MAX, |id, _| id == c1.id).unwrap();
     assert_eq!(ring.free_oldest(&c1).unwrap(), FreeOldest::NotOldest);
-    assert!(run.free(&mut ring, &c1).unwrap(), "goes on with the next oldest");
+    assert!(
+        run.free(&mut ring, &c1).unwrap(),
+        "goes on with the next oldest"
+    );
     assert_eq!(ring.allocator().unwrap().id_start(), ids[2]);
     let c2 = run.next(&ring).unwrap().unwrap();
     assert_eq!(c2.id, ids[2]);
@@ -513,7 +519,12 @@ fn free_oldest_keeps_a_viewed_block() {
 
 /// Parts kept beyond a read, as [`ObjectViews::kept_parts`] gives them: views (with their
 /// bytes) or copies.
-fn kept(seg: &Arc<StoreSegment>, a: u64, i: u32, view_from: usize) -> Vec<(bool, Vec<u8>, Option<PartView>)> {
+fn kept(
+    seg: &Arc<StoreSegment>,
+    a: u64,
+    i: u32,
+    view_from: usize,
+) -> Vec<(bool, Vec<u8>, Option<PartView>)> {
     read_object_viewed(seg, a, i, true, |object, views| {
         views
             .kept_parts(object, view_from)
@@ -536,7 +547,10 @@ fn kept_parts_views_from_the_threshold_and_copies_below() {
     // The first part is not among them; the others are in order, 4096 bytes or more
     // viewed, smaller ones copied.
     let shape: Vec<(bool, &[u8])> = got.iter().map(|(v, b, _)| (*v, &b[..])).collect();
-    assert_eq!(shape, vec![(true, parts[1]), (false, parts[2]), (true, parts[3])]);
+    assert_eq!(
+        shape,
+        vec![(true, parts[1]), (false, parts[2]), (true, parts[3])]
+    );
     let views: Vec<PartView> = got.into_iter().filter_map(|(_, _, v)| v).collect();
     assert_eq!(&views[0][..], parts[1]);
     assert_eq!(&views[1][..], parts[3]);
@@ -628,4 +642,33 @@ fn store_roles_apply_vllms_rules() {
     assert_eq!(rules(reader), (true, true, false, false));
     assert_eq!(rules(writer), (false, false, true, true));
     assert_eq!(rules(counting_writer), (true, false, false, true));
+}
+
+#[test]
+fn a_truncated_store_refuses_puts_and_reports_no_object_cached() {
+    // Issue 32: the index is the writer's own memory; the objects it names were lost.
+    let (mut ring, mut s) = store(4 << 20, 1 << 20, 1);
+    s.put(&mut ring, "a", &[&[1u8; 1000]], 1).unwrap();
+    assert!(s.is_cached(ring.segment(), "a").unwrap());
+    let name = ring.segment().name().to_owned();
+    let path = format!("{}/{name}", crate::liveness::SHM_DIR);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let truncated = |r: Result<()>| match r {
+        Err(Error::BadSegment { name: n, reason }) => n == name && reason.contains("truncated"),
+        _ => false,
+    };
+    assert!(truncated(s.is_cached(ring.segment(), "a").map(|_| ())));
+    assert!(truncated(s.get_cached(ring.segment(), "a").map(|_| ())));
+    // Past what was reserved (the step of the first put): refused before any page is
+    // taken, and the file stays short.
+    assert!(truncated(
+        s.put(&mut ring, "b", &[&[2u8; 3 << 20]], 1).map(|_| ())
+    ));
+    assert!(truncated(s.put(&mut ring, "c", &[b"small"], 1).map(|_| ())));
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 4096);
 }
