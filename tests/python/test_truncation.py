@@ -108,10 +108,16 @@ def assert_truncation_error(reply: dict, segment: str, who: str, kinds: tuple[st
     assert kind in kinds and segment in msg and "truncated" in msg, f"{who}: {kind}: {msg}"
 
 
-def truncate(segment: str, how: str) -> None:
+def truncate(segment: str, how: str | int) -> None:
+    """Truncate ``segment`` to nothing (``"zero"``), half its size (``"half"``), or a
+    number of bytes."""
     path = os.path.join(SHM_DIR, segment)
     size = os.stat(path).st_size
-    os.truncate(path, 0 if how == "zero" else size // 2)
+    os.truncate(path, how if isinstance(how, int) else 0 if how == "zero" else size // 2)
+
+
+def size_of(segment: str) -> int:
+    return os.stat(os.path.join(SHM_DIR, segment)).st_size
 
 
 @pytest.fixture
@@ -134,7 +140,7 @@ def open_queue(peers, n_readers: int = 2):
     writer, *readers = peers(1 + n_readers)
     handle = writer.call(
         "from shmq import MessageQueue\n"
-        "mq = MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=4)\n"
+        f"mq = MessageQueue({n_readers}, {n_readers}, max_chunk_bytes=1 << 16, max_chunks=4)\n"
         "result = base64.b64encode(pickle.dumps(mq.export_handle())).decode()"
     )
     for i, r in enumerate(readers):
@@ -187,6 +193,85 @@ def test_ring_truncated_under_writer_and_readers(peers, how):
     for i, r in enumerate(readers):
         r.send("mq.dequeue(timeout=STEP)")
         assert_truncation_error(r.reply(), ring, f"reader {i}")
+
+
+def test_ring_truncated_with_messages_unread_is_not_grown_back_nor_read_as_zeros(peers):
+    """Issue 32 (3a): the ring is truncated to one page with three messages unread, then
+    the writer sends again. Its reservation of the next chunk used to grow the file back
+    (``fallocate``), so nothing faulted: no error anywhere, and the reader got message 0
+    with most of its elements zeroed and "malformed message" for the next two. Now the
+    reservation finds the file shorter than the segment and is the truncation error, the
+    file stays short, and every dequeue of the reader is that error too."""
+    writer, (reader,) = open_queue(peers, n_readers=1)
+    ring = segment_of(writer.p.pid, "ring")
+    writer.call(
+        "import numpy as np\nfor i in range(3): mq.enqueue(np.full(4000, i + 1, dtype=np.float32), timeout=STEP)"
+    )
+    truncate(ring, 4096)
+    writer.send("mq.enqueue(np.full(4000, 4, dtype=np.float32), timeout=STEP)")
+    assert_truncation_error(writer.reply(), ring, "writer")
+    assert size_of(ring) == 4096, "the writer's reservation grew the file back"
+    for i in range(4):
+        reader.send("mq.dequeue(timeout=STEP)")
+        assert_truncation_error(reader.reply(), ring, f"reader's dequeue {i}")
+    writer.send("mq.enqueue(5, timeout=STEP)")
+    assert_truncation_error(writer.reply(), ring, "writer, next call")
+
+
+def test_arena_truncated_under_a_held_view_fails_the_readers_next_dequeues(peers):
+    """Issue 32 (3b): the arena is truncated while a reader holds a view of it; the view
+    reads zeros (no SIGBUS). The reader's next dequeues, of small messages that never
+    touch the arena, used to return as if nothing happened: now each is the truncation
+    error (the arena's mappings here were hit)."""
+    writer, (reader,) = open_queue(peers, n_readers=1)
+    writer.call("import numpy as np\nmq.enqueue(np.ones(1 << 19, dtype=np.float32), timeout=STEP)")
+    reader.call("kept = mq.dequeue(timeout=STEP)")
+    arena = segment_of(writer.p.pid, "arena")
+    truncate(arena, 4096)
+    assert reader.call("result = float(kept.sum())") == 0.0
+    writer.call("for i in range(3): mq.enqueue(i, timeout=STEP)")
+    for i in range(3):
+        reader.send("mq.dequeue(timeout=STEP)")
+        assert_truncation_error(reader.reply(), arena, f"reader's dequeue {i}")
+    # The writer's next large part (64 MiB, after the 2 MiB the reader holds) needs more
+    # of the arena than its first reservation (64 MiB): the reservation does not grow
+    # the file back, it is the error (not a silent copy).
+    writer.send("mq.enqueue(np.ones(16 << 20, dtype=np.float32), timeout=STEP)")
+    assert_truncation_error(writer.reply(), arena, "writer")
+    assert size_of(arena) == 4096, "the writer's reservation grew the file back"
+
+
+STORE_SPARSE_SETUP = """
+from shmq import ObjectStorage, RingBuffer
+ring = RingBuffer(64 << 20, create=True)
+store = ObjectStorage(1 << 20, 1, ring)
+addresses = {k: store.put(k, b'v' * 100000 + k.encode()) for k in 'abcdefgh'}
+result = [base64.b64encode(pickle.dumps(store.handle())).decode(), addresses,
+          {k: list(store.get_signature(k)) for k in addresses}]
+"""
+
+
+def test_store_truncated_refuses_put_and_reports_no_lost_object(peers):
+    """Issue 32 (3c): the store is truncated to one page (its header). A ``put`` whose
+    block reaches past what the writer had reserved used to grow the file back and
+    succeed, and ``is_cached`` said True for the lost objects. Now ``put``,
+    ``is_cached``, ``get_cached`` and every ``get`` are the truncation error, and the
+    file stays short."""
+    writer, reader = peers(2)
+    handle, addresses, signatures = writer.call(STORE_SPARSE_SETUP)
+    reader.call(f"HANDLE, ADDRESSES, SIGNATURES = {handle!r}, {addresses!r}, {signatures!r}\n" + STORE_READER)
+    assert reader.call("result = len(get('a'))") == 100001
+    store = segment_of(writer.p.pid, "store")
+    truncate(store, 4096)
+    writer.send("store.put('z', b'z' * 500000)")
+    assert_truncation_error(writer.reply(), store, "writer's put")
+    assert size_of(store) == 4096, "the writer's reservation grew the file back"
+    for call in ["store.is_cached('a')", "store.get_cached('a')", "store.get(*addresses['a'])", "store.put('y', 1)"]:
+        writer.send(call)
+        assert_truncation_error(writer.reply(), store, f"writer's {call}")
+    for k in "ah":
+        reader.send(f"get({k!r})")
+        assert_truncation_error(reader.reply(), store, f"reader's get({k!r})")
 
 
 def test_arena_truncated_under_writer_and_readers(peers):
@@ -326,7 +411,9 @@ def test_a_handler_installed_over_shmqs_stays_and_gets_the_fault_first():
             "other = MessageQueue(1, 1)"
         )
         rings = [
-            n for n in os.listdir(SHM_DIR) if n.startswith("shmq_ring_") and f"_{p.p.pid}_" in n and not n.endswith(".sock")
+            n
+            for n in os.listdir(SHM_DIR)
+            if n.startswith("shmq_ring_") and f"_{p.p.pid}_" in n and not n.endswith(".sock")
         ]
         assert len(rings) == 2, rings
         for n in rings:
