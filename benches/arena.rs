@@ -35,12 +35,10 @@ fn copies(c: &mut Criterion) {
 }
 
 fn queue(c: &mut Criterion) {
-    let mut writer = Writer::new(QueueOptions {
-        max_chunk_bytes: 64 << 10,
-        max_chunks: 4,
-        ..QueueOptions::local(1)
-    })
-    .unwrap();
+    let mut opts = QueueOptions::local(1);
+    opts.max_chunk_bytes = 64 << 10;
+    opts.max_chunks = 4;
+    let mut writer = Writer::new(opts).unwrap();
     let mut reader = Reader::open(writer.handle(), 0).unwrap();
     for (size, copied) in [(16usize << 20, true), (16 << 20, false), (256 << 20, false)] {
         let body = b"body";

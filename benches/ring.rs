@@ -42,11 +42,10 @@ const MESSAGE: [u8; 64] = [0xAB; 64];
 const STOP: &[u8] = b"";
 
 fn options() -> QueueOptions {
-    QueueOptions {
-        max_chunk_bytes: 24 << 20,
-        max_chunks: 10,
-        ..QueueOptions::local(1)
-    }
+    let mut opts = QueueOptions::local(1);
+    opts.max_chunk_bytes = 24 << 20;
+    opts.max_chunks = 10;
+    opts
 }
 
 // ---------------------------------------------------------------------------------

@@ -24,11 +24,10 @@ fn main() -> Result<(), Box<dyn Error>> {
 
 fn writer() -> Result<(), Box<dyn Error>> {
     // Chunks of 64 KiB: larger messages still work, they go over a local socket.
-    let mut writer = Writer::new(QueueOptions {
-        max_chunk_bytes: 64 * 1024,
-        max_chunks: 4,
-        ..QueueOptions::local(N_READERS)
-    })?;
+    let mut opts = QueueOptions::local(N_READERS);
+    opts.max_chunk_bytes = 64 * 1024;
+    opts.max_chunks = 4;
+    let mut writer = Writer::new(opts)?;
     let handle = writer.handle().to_string();
 
     let exe = std::env::current_exe()?;

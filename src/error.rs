@@ -7,13 +7,19 @@ use std::time::Duration;
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Every error of the crate, one variant per shape of failure. It is
+/// `#[non_exhaustive]`: later versions may add variants, so a `match` on it outside the
+/// crate needs a `_` arm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A blocking call reached its deadline. `what` says who waited for what.
     #[error("timed out after {waited:.3?}: {what}")]
     Timeout { what: String, waited: Duration },
 
-    /// The wait was cancelled (`shutdown()` or a cancel event).
+    /// The wait was cancelled: [`Reader::shutdown`](crate::Reader::shutdown), a
+    /// [`Canceller`](crate::broadcast::Canceller)'s `cancel()` from another thread, or a
+    /// cancel flag of the caller's (Python: `shutdown()` or a `cancel` event).
     #[error("cancelled")]
     Cancelled,
 
@@ -109,16 +115,18 @@ pub enum Error {
     #[error("{}", dead_writer_message(*pid, None))]
     DeadWriter { pid: u32 },
 
-    /// A call on a queue writer that was shut down (its `shutdown()`, or the writer
-    /// closed): it sends nothing more. Also how an `enqueue` blocked in another thread
-    /// ends when the writer is shut down.
+    /// A call on a queue writer that was shut down ([`Writer::close`](crate::Writer::close),
+    /// or its [`Canceller`](crate::broadcast::Canceller)'s `cancel()` from another thread;
+    /// Python's `shutdown()`): it sends nothing more. Also how an `enqueue` blocked in
+    /// another thread ends when the writer is shut down.
     #[error(
         "the queue was shut down: this writer's shutdown() was called (or the writer was \
          closed), so it sends no more messages"
     )]
     ShutDown,
 
-    /// The writer shut the queue down (its `shutdown()`, or its normal end): the reader
+    /// The writer shut the queue down ([`Writer::close`](crate::Writer::close), Python's
+    /// `shutdown()`, or its normal end: dropped): the reader
     /// has received every message sent before, and no more will come. Not a death: see
     /// [`Error::DeadWriter`] (see [`Error::naming_queue`]).
     #[error("{}", writer_shut_down_message(None))]

@@ -399,12 +399,10 @@ fn three_local_readers_get_every_message_in_order() {
         role.run(|r| read_and_check(r, N, CHUNK, true));
     }
     let started = Instant::now();
-    let mut writer = Writer::new(QueueOptions {
-        max_chunk_bytes: CHUNK,
-        max_chunks: 8,
-        ..QueueOptions::local(3)
-    })
-    .unwrap();
+    let mut opts = QueueOptions::local(3);
+    opts.max_chunk_bytes = CHUNK;
+    opts.max_chunks = 8;
+    let mut writer = Writer::new(opts).unwrap();
     let segment = segment_path(&writer);
     assert!(Path::new(&segment).exists());
     let mut children: Vec<_> = (0..3)
@@ -438,15 +436,13 @@ fn local_and_remote_reader_get_every_message_in_order() {
         role.run(|r| read_and_check(r, N, CHUNK, local));
     }
     let started = Instant::now();
-    let mut writer = Writer::new(QueueOptions {
-        n_reader: 2,
-        n_local_reader: 1,
-        max_chunk_bytes: CHUNK,
-        max_chunks: 8,
-        connect_ip: Some("127.0.0.1".into()),
-        ..Default::default()
-    })
-    .unwrap();
+    let mut opts = QueueOptions::default();
+    opts.n_reader = 2;
+    opts.n_local_reader = 1;
+    opts.max_chunk_bytes = CHUNK;
+    opts.max_chunks = 8;
+    opts.connect_ip = Some("127.0.0.1".into());
+    let mut writer = Writer::new(opts).unwrap();
     assert_eq!((writer.n_local_reader(), writer.n_remote_reader()), (1, 1));
     let remote = writer.handle().remote_subscribe_addr.clone().unwrap();
     assert!(remote.starts_with("tcp://127.0.0.1:"), "{remote}");
@@ -493,12 +489,10 @@ fn full_ring_and_idle_writer_time_out() {
             Ok(())
         });
     }
-    let mut writer = Writer::new(QueueOptions {
-        max_chunk_bytes: 256,
-        max_chunks: CHUNKS,
-        ..QueueOptions::local(1)
-    })
-    .unwrap();
+    let mut opts = QueueOptions::local(1);
+    opts.max_chunk_bytes = 256;
+    opts.max_chunks = CHUNKS;
+    let mut writer = Writer::new(opts).unwrap();
     let segment = segment_path(&writer);
     let mut children = vec![spawn_reader(NAME, writer.handle(), 0)];
     writer_step(&mut children, "waiting for the reader to subscribe", |w| {
@@ -611,15 +605,13 @@ fn parts_and_loans_reach_local_and_remote_readers() {
     if let Some(role) = ChildRole::from_env() {
         role.run(|r| read_parts(r, N));
     }
-    let mut writer = Writer::new(QueueOptions {
-        n_reader: 3,
-        n_local_reader: 2,
-        max_chunk_bytes: 64 << 10,
-        max_chunks: 4,
-        connect_ip: Some("127.0.0.1".into()),
-        ..Default::default()
-    })
-    .unwrap();
+    let mut opts = QueueOptions::default();
+    opts.n_reader = 3;
+    opts.n_local_reader = 2;
+    opts.max_chunk_bytes = 64 << 10;
+    opts.max_chunks = 4;
+    opts.connect_ip = Some("127.0.0.1".into());
+    let mut writer = Writer::new(opts).unwrap();
     assert!(writer.handle().arena.is_some());
     let mut children: Vec<_> = (0..3)
         .map(|rank| spawn_reader(NAME, writer.handle(), rank))

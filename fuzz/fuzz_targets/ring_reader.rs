@@ -39,14 +39,12 @@ fuzz_target!(|input: Input| {
     let n_reader = 1 + input.n_reader as usize % 3;
     let max_chunk_bytes = 1 + input.max_chunk_bytes as usize % 2048;
     let max_chunks = 1 + input.max_chunks as usize % 4;
-    let mut writer = Writer::new(QueueOptions {
-        max_chunk_bytes,
-        max_chunks,
-        arena_bytes: 256 << 10,
-        arena_threshold: ARENA_THRESHOLD,
-        ..QueueOptions::local(n_reader)
-    })
-    .expect("a small queue");
+    let mut opts = QueueOptions::local(n_reader);
+    opts.max_chunk_bytes = max_chunk_bytes;
+    opts.max_chunks = max_chunks;
+    opts.arena_bytes = 256 << 10;
+    opts.arena_threshold = ARENA_THRESHOLD;
+    let mut writer = Writer::new(opts).expect("a small queue");
     // What went into chunks, in order (an overflow message goes over the socket, which
     // the reader joins too late to get: it stops there).
     let mut sent: Vec<Vec<Vec<u8>>> = Vec::new();

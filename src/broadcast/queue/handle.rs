@@ -1,28 +1,7 @@
 //! [`Handle`]: what a reader process needs to join a queue, and its one-line text form
 //! (`Display` / `FromStr`), checked field by field when parsed.
 //!
-//! The text form is the one both languages speak: Python's `shmq.Handle` prints it
-//! (`str(handle)`) and parses it (`Handle.from_str(text)`) through this code, so a handle
-//! printed by a Rust writer opens a Python reader and the other way round. Eight fields
-//! separated by `|`, empty for "none":
-//!
-//! ```text
-//! shmq-handle-3|<ranks>|<ring>|<local addr>|<remote addr>|<ipv6>|<arena>|<secret>
-//! ```
-//!
-//! - `ranks`: the local readers' ranks, comma-separated (`0,1`);
-//! - `ring`: the shared-memory ring as `n_reader,max_chunk_bytes,max_chunks,name`
-//!   (Python's `buffer_handle` tuple);
-//! - `local addr` / `remote addr`: the ZeroMQ addresses of the local overflow socket and
-//!   of the remote readers' stream (`ipc://...`, `tcp://host:port`);
-//! - `ipv6`: `1` if the remote address is IPv6, else `0`;
-//! - `arena`: the tensor arena's segment name (Python's `arena_name`);
-//! - `secret`: the remote readers' secret, its 32 bytes as 64 lowercase hexadecimal
-//!   digits (Python's `remote_secret` holds the same string; uppercase digits parse too).
-//!
-//! The text carries the secret: send it over a trusted channel, as the handle itself.
-//! `Debug` (and Python's `repr`) leave the secret out; an error names only the text's
-//! first characters and which field is wrong, never a field's value.
+//! The text form is the one both languages speak (see [`Handle`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -32,11 +11,34 @@ use crate::error::{Error, Result};
 use crate::remote::SECRET_BYTES;
 
 /// Everything a reader process needs to join a queue. Send it to readers however you
-/// like; `Display`/`FromStr` give its one-line text form, the same that Python's
-/// `shmq.Handle` prints and parses (see the [module docs](self) for the fields):
+/// like; `Display`/`FromStr` give its one-line text form.
+///
+/// That text is the one both languages speak: Python's `shmq.Handle` prints it
+/// (`str(handle)`) and parses it (`Handle.from_str(text)`) through this code, so a
+/// handle printed by a Rust writer opens a Python reader and the other way round. Eight
+/// fields separated by `|`, empty for "none":
+///
+/// ```text
+/// shmq-handle-3|<ranks>|<ring>|<local addr>|<remote addr>|<ipv6>|<arena>|<secret>
+/// ```
+///
+/// - `ranks`: the local readers' ranks, comma-separated (`0,1`);
+/// - `ring`: the shared-memory ring as `n_reader,max_chunk_bytes,max_chunks,name`
+///   (Python's `buffer_handle` tuple);
+/// - `local addr` / `remote addr`: the ZeroMQ addresses of the local overflow socket
+///   and of the remote readers' stream (`ipc://...`, `tcp://host:port`);
+/// - `ipv6`: `1` if the remote address is IPv6, else `0`;
+/// - `arena`: the tensor arena's segment name (Python's `arena_name`);
+/// - `secret`: the remote readers' secret, its 32 bytes as 64 lowercase hexadecimal
+///   digits (Python's `remote_secret` holds the same string; uppercase digits parse
+///   too).
+///
+/// The text carries the secret: send it over a trusted channel, as the handle itself.
+/// `Debug` (and Python's `repr`) leave the secret out; a parse error names only the
+/// text's first characters and which field is wrong, never a field's value.
 ///
 /// ```
-/// let text = "shmq-handle-3|0,1|2,65536,4,shmq_ring_1_ab|ipc:///tmp/s/local|||0||";
+/// let text = "shmq-handle-3|0,1|2,65536,4,shmq_ring_1_ab|ipc:///tmp/s/local||0||";
 /// let handle: shmq::Handle = text.parse()?;
 /// assert_eq!(handle.local_reader_ranks, [0, 1]);
 /// assert_eq!(handle.buffer.as_ref().map(|b| b.max_chunk_bytes), Some(65536));

@@ -6,7 +6,7 @@
 //! writer publishes it *before* committing the mark, so a reader that sees the mark
 //! finds the message already on its way. Remote readers get every message over TCP.
 //!
-//! The writer's end ([`Writer::close`]: `shutdown()`, or the writer dropped) is told to
+//! The writer's end ([`Writer::close`], Python's `shutdown()`, or the writer dropped) is told to
 //! every reader after its last message, without needing room in the ring: the writer's
 //! slot in the ring header turns CLOSED (see `protocol::slot_close`), which a local
 //! reader looks at when it finds no chunk to read — it polls once more, then fails with

@@ -7,7 +7,19 @@ use crate::wait::WaitPolicy;
 use super::super::ring::DeadReaderPolicy;
 
 /// How a writer is made. `Default` gives the engines' defaults: 10 chunks of 10 MiB.
+///
+/// It is `#[non_exhaustive]` (later versions may add options), so outside this crate it
+/// is not built with a struct literal: start from [`QueueOptions::local`] or
+/// `QueueOptions::default()` and set the fields you need.
+///
+/// ```
+/// let mut opts = shmq::QueueOptions::local(2); // two readers, both on this machine
+/// opts.max_chunk_bytes = 64 * 1024;
+/// opts.max_chunks = 4;
+/// # let _ = opts;
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct QueueOptions {
     /// All readers, local and remote.
     pub n_reader: usize,

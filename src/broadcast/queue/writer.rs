@@ -108,7 +108,8 @@ pub struct Writer {
     policy: WaitPolicy,
     /// This writer's recent waits (how long its waits poll before sleeping).
     history: Arc<WaitHistory>,
-    /// Set by `shutdown()` (from any thread): this writer's calls fail from then on.
+    /// Set by [`Writer::close`], or by a clone's `cancel()` from any thread: this writer's
+    /// calls fail from then on.
     canceller: Canceller,
     /// The readers have been told that the queue is shut down ([`Writer::close`]).
     closed: bool,
@@ -256,7 +257,8 @@ impl Writer {
         }
     }
 
-    /// Whether the writer was shut down (`shutdown()` from any thread, or [`close`](Self::close)).
+    /// Whether the writer was shut down ([`close`](Self::close), or its [`Canceller`]'s
+    /// `cancel()` from any thread).
     pub fn is_shut_down(&self) -> bool {
         self.closed || self.canceller.is_cancelled()
     }
@@ -269,8 +271,8 @@ impl Writer {
         Ok(())
     }
 
-    /// A wait of this writer's ended by `shutdown()` says so ([`Error::ShutDown`]): the
-    /// canceller is only ever set by it.
+    /// A wait of this writer's ended by its canceller says so ([`Error::ShutDown`]): the
+    /// canceller is only ever set to shut the writer down (`close`, `cancel()`).
     fn why(&self, e: Error) -> Error {
         match e {
             Error::Cancelled if self.canceller.is_cancelled() => Error::ShutDown,
@@ -693,8 +695,8 @@ impl Writer {
 }
 
 impl Drop for Writer {
-    /// The writer's normal end tells the readers, as `shutdown()` does (a writer that
-    /// dies without it is seen as dead instead).
+    /// The writer's normal end tells the readers, as [`close`](Self::close) does (a
+    /// writer that dies without it is seen as dead instead).
     fn drop(&mut self) {
         self.close();
     }
