@@ -8,6 +8,7 @@ Each subcommand is an object (a module or a class) that provides
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -37,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status when whoever read the output stopped reading (``... | head -1``): what
+#: a shell reports for a program killed by SIGPIPE (128 + 13), as ``cat`` would give.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -44,10 +50,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.run(args)
+        status = args.run(args)
+        # Output still buffered fails here, not in the interpreter's exit (where it
+        # would print "Exception ignored ... BrokenPipeError").
+        sys.stdout.flush()
+        return status
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away: stop quietly, as Python's docs advise
+        # (library/signal.html, "Note on SIGPIPE"): what is left in stdout's buffer goes
+        # to /dev/null so that the exit's flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
 
 
 # Guarded: "spawn" children re-import this module as __mp_main__.

@@ -18,12 +18,16 @@ import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, NoReturn, Optional, cast
+from typing import TYPE_CHECKING, Any, Iterator, Literal, NoReturn, Optional, cast
 
 from . import _core, _oob, group
 from ._cleanup import track, track_writer
 from ._loans import loan_memory, loaned_array, loaned_tensor
 from ._segment_memory import SegmentMemory
+
+if TYPE_CHECKING:  # for annotations only: importing shmq imports neither
+    import numpy.typing as npt
+    import torch
 
 __all__ = ["Handle", "MessageQueue", "PeerDiedError", "QueueShutDownError", "ShmRingBuffer", "sched_yield"]
 
@@ -625,15 +629,15 @@ class MessageQueue:
 
     loan_fallbacks = 0
 
-    def loan_tensor(self, shape: Any, dtype: Any = None) -> Any:
+    def loan_tensor(self, shape: Any, dtype: Any = None) -> torch.Tensor:
         """A torch tensor of ``shape`` and ``dtype`` (default float32) in loaned memory,
         to fill in place and send without a copy (see ``loan``)."""
-        return loaned_tensor(self.loan, shape, dtype)
+        return cast("torch.Tensor", loaned_tensor(self.loan, shape, dtype))
 
-    def loan_array(self, shape: Any, dtype: Any = "float32") -> Any:
+    def loan_array(self, shape: Any, dtype: Any = "float32") -> npt.NDArray[Any]:
         """A numpy array of ``shape`` and ``dtype`` in loaned memory, to fill in place and
         send without a copy (see ``loan``)."""
-        return loaned_array(self.loan, shape, dtype)
+        return cast("npt.NDArray[Any]", loaned_array(self.loan, shape, dtype))
 
     @contextmanager
     def acquire_write(self, timeout: Optional[float] = None) -> Iterator[memoryview]:

@@ -210,10 +210,15 @@ def register_prometheus(registry: Any = None) -> ShmqCollector:
     return collector
 
 
-def start_http_server(port: int, addr: str = "0.0.0.0") -> Any:
+def start_http_server(port: int, addr: str = "127.0.0.1") -> Any:
     """Serve shmq's metrics (and whatever else is in ``prometheus_client``'s global
     registry) on ``http://addr:port/metrics`` from a daemon thread; returns what
-    ``prometheus_client.start_http_server`` returns."""
+    ``prometheus_client.start_http_server`` returns.
+
+    ``addr`` defaults to ``127.0.0.1``: only this machine can read the metrics (segment
+    names, process ids and rates say what runs here). Pass ``addr="0.0.0.0"`` (or one
+    interface's address, ``"::"`` for IPv6) for a Prometheus server on another machine.
+    (``prometheus_client``'s own default is ``0.0.0.0``.)"""
     register_prometheus()
     import prometheus_client
 

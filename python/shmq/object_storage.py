@@ -13,13 +13,17 @@ import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional, Sequence, cast
 
 from . import _core
 from ._cleanup import track
 from ._loans import loan_memory, loaned_array, loaned_tensor
 from ._segment_memory import SegmentMemory
 from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
+
+if TYPE_CHECKING:  # for annotations only: importing shmq imports neither
+    import numpy.typing as npt
+    import torch
 
 __all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer", "VIEW_THRESHOLD"]
 
@@ -368,15 +372,15 @@ class ObjectStorage:
     #: Loans that got ordinary memory because the ring had no room.
     loan_fallbacks = 0
 
-    def loan_tensor(self, shape: Any, dtype: Any = None) -> Any:
+    def loan_tensor(self, shape: Any, dtype: Any = None) -> torch.Tensor:
         """A torch tensor of ``shape`` and ``dtype`` (default float32) in loaned memory,
         to fill in place and ``put`` without a copy (see ``loan``)."""
-        return loaned_tensor(self.loan, shape, dtype)
+        return cast("torch.Tensor", loaned_tensor(self.loan, shape, dtype))
 
-    def loan_array(self, shape: Any, dtype: Any = "float32") -> Any:
+    def loan_array(self, shape: Any, dtype: Any = "float32") -> npt.NDArray[Any]:
         """A numpy array of ``shape`` and ``dtype`` in loaned memory, to fill in place
         and ``put`` without a copy (see ``loan``)."""
-        return loaned_array(self.loan, shape, dtype)
+        return cast("npt.NDArray[Any]", loaned_array(self.loan, shape, dtype))
 
     def is_cached(self, key: str) -> bool:
         return self._core.is_cached(key)

@@ -254,3 +254,59 @@ def test_a_full_store_says_which_object_holds_the_room():
     assert message.startswith("Not enough space in the data buffer"), message  # vLLM's words first
     assert 'what holds the room: the oldest of the' in message, message
     assert 'key "k0", read 0 times of the 1 it waits for' in message, message
+
+
+def test_inspect_into_a_reader_that_stopped_reading_exits_quietly():
+    """``python -m shmq inspect --json | head -1``: when whoever reads the output has
+    gone, the command stops with status 141 (a shell's SIGPIPE status) and prints
+    nothing, no ``BrokenPipeError`` traceback. A pipe whose read end is closed before the
+    command starts makes its first write fail, every time."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "shmq", "inspect", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=STEP,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert r.stderr == ""
+    assert r.returncode == 141
+    # The pipeline itself, with output to cut (a queue exists): head's line, no traceback.
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 12, max_chunks=2)
+    r = subprocess.run(
+        ["sh", "-c", f"'{sys.executable}' -m shmq inspect --json | head -1"],
+        capture_output=True,
+        text=True,
+        timeout=STEP,
+        check=False,
+    )
+    assert r.returncode == 0 and r.stdout == "[\n" and r.stderr == "", r
+    del mq
+
+
+def test_the_metrics_server_listens_on_localhost_unless_told_otherwise():
+    """``metrics.start_http_server(port)`` binds 127.0.0.1 (prometheus_client's own
+    default is every interface); ``addr=`` still chooses."""
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    server, _ = metrics.start_http_server(0)
+    try:
+        host, port = server.server_address[:2]
+        assert host == "127.0.0.1"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=STEP) as page:
+            assert page.status == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+    server, _ = metrics.start_http_server(0, addr="0.0.0.0")
+    try:
+        assert server.server_address[0] == "0.0.0.0"
+    finally:
+        server.shutdown()
+        server.server_close()

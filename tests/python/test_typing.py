@@ -15,10 +15,12 @@ import pickle
 import socket
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, assert_type
 
 import numpy as np
+import numpy.typing as npt
 import pytest
+import torch
 
 import shmq
 from shmq import (
@@ -72,6 +74,9 @@ def test_message_queue_writer_reader_and_loans() -> None:
     buffer_handle: Optional[tuple[int, int, int, str]] = handle.buffer_handle
     assert ranks == [0] and buffer_handle is not None
     copied: Handle = pickle.loads(pickle.dumps(handle))
+    handle_text: str = str(handle)
+    parsed: Handle = Handle.from_str(handle_text)
+    assert parsed == handle
     reader: MessageQueue = MessageQueue.create_from_handle(copied, 0)
 
     def ready() -> None:
@@ -91,7 +96,14 @@ def test_message_queue_writer_reader_and_loans() -> None:
 
     loan: memoryview = writer.loan(64)
     loan[:3] = b"abc"
-    array: np.ndarray[Any, Any] = writer.loan_array((4,), "int32")
+    # Loans are typed (not Any): assert_type fails the check if they lose their types.
+    array = writer.loan_array((4,), "int32")
+    assert_type(array, npt.NDArray[Any])
+    tensor = writer.loan_tensor((2, 3), torch.int64)
+    assert_type(tensor, torch.Tensor)
+    assert isinstance(array, np.ndarray) and isinstance(tensor, torch.Tensor)
+    assert tensor.shape == (2, 3) and tensor.dtype == torch.int64
+    del tensor
     array[:] = 7
     writer.enqueue((bytes(loan[:3]), array), timeout=10)
     text, numbers = reader.dequeue(timeout=10)
