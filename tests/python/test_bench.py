@@ -1,14 +1,19 @@
 """``python -m shmq bench`` where torch is not installed (the README's first command
-installs only ``shmq[bench]``: numpy and pyzmq): the bench runs every row it can,
-prints its table, says what each skipped row needs, and exits 0 (a skip is not a
+installs only ``shmq[bench]``: numpy, pyzmq and iceoryx2): the bench runs every row it
+can, prints its table, says what each skipped row needs, and exits 0 (a skip is not a
 failure).
 
 torch is hidden from the bench and from every process it spawns by a ``sitecustomize``
 on ``PYTHONPATH`` whose meta-path finder refuses ``torch`` and ``torch.*``.
+
+The iceoryx2 column's transport moves what it is given to several readers intact, in
+real processes started by the bench's harness, and says what it needs where iceoryx2
+is not installed.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -103,7 +108,7 @@ def test_bench_without_torch(no_torch_env: dict[str, str]) -> None:
         "--no-progress",
         "--rounds=300",
         "--warmup=30",
-        "--transports=shmq,torch.mp",  # torch.mp needs torch: its column is skipped
+        "--transports=shmq,torch.mp,iceoryx2",  # torch.mp needs torch: its column is skipped
         "--scenarios=latency,fresh16_1,encoder_cache",
     ]
     out = subprocess.run(cmd, env=no_torch_env, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -112,11 +117,13 @@ def test_bench_without_torch(no_torch_env: dict[str, str]) -> None:
     lines = text.splitlines()
     # The table: its header, its rule, and measured rows.
     header = next(i for i, line in enumerate(lines) if line.startswith("scenario"))
-    assert lines[header].split()[1:3] == ["shmq", "torch.mp"], lines[header]
+    assert lines[header].split()[1:4] == ["shmq", "torch.mp", "iceoryx2"], lines[header]
     assert set(lines[header + 1]) <= {"-", " "}, lines[header + 1]
     latency = next(line for line in lines if line.startswith("one-way latency, small object, p50"))
-    assert "µs" in latency and "skipped" in latency, latency  # shmq measured, torch.mp skipped
-    assert any(line.startswith("16 MiB fresh numpy array") and "GB/s" in line for line in lines), text
+    # shmq and iceoryx2 measured, torch.mp skipped
+    assert latency.count("µs") == 2 and "skipped" in latency, latency
+    fresh = next(line for line in lines if line.startswith("16 MiB fresh numpy array per send"))
+    assert fresh.count("GB/s") == 2, fresh
     assert any(line.startswith("encoder cache: save") and " ms" in line for line in lines), text
     assert "failed" not in text, text
     # What the skipped ones need, one line per group.
@@ -128,3 +135,40 @@ def test_bench_without_torch(no_torch_env: dict[str, str]) -> None:
     # connector, which needs vLLM too) say so; its shmq rows were measured (above).
     assert any("torch.multiprocessing" in line and needs_torch in line for line in skipped), skipped
     assert any("encoder cache hand-off rows" in line and "vLLM 0.33" in line for line in skipped), skipped
+
+
+def test_iceoryx2_moves_objects_to_two_readers_intact(tmp_path: Path) -> None:
+    """The iceoryx2 transport, through the bench's harness and roles, in spawned
+    processes: N small objects to 2 readers (each checks it got exactly N, and the
+    first), then numbered 1 MiB arrays (past the publisher's first segment: it grows)
+    that each reader copies out and checks at both ends, in order."""
+    pytest.importorskip("iceoryx2")
+    from shmq.bench.harness import Harness, Job
+    from shmq.bench.roles import _role_fresh_reader, _role_fresh_writer, _role_reader, _role_writer
+    from shmq.bench.transports import Iceoryx2Transport
+
+    transport = Iceoryx2Transport()
+    assert transport.unavailable() is None
+    harness = Harness(multiprocessing.get_context("spawn"), str(tmp_path), timeout=120)
+
+    n = 3000
+    channels = (harness.channel(transport, 2),)
+    jobs = [Job(_role_writer, channels, {"n": n})]
+    jobs += [Job(_role_reader, channels, {"n": n, "rank": r}) for r in range(2)]
+    t0, *ends = harness.run(transport, jobs)
+    assert len(ends) == 2 and all(t_end > t0 for t_end in ends)
+
+    channels = (harness.channel(transport, 2),)
+    kwargs = {"n": 20, "warmup": 2, "nbytes": 1 << 20, "lib": "numpy"}
+    jobs = [Job(_role_fresh_writer, channels, {**kwargs, "loan": False})]
+    jobs += [Job(_role_fresh_reader, channels, {**kwargs, "rank": r}) for r in range(2)]
+    writer, *ends = harness.run(transport, jobs)
+    assert len(writer["send_ns"]) == 20 and all(t_end > writer["t0"] for t_end in ends)
+
+
+def test_iceoryx2_unavailable_says_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where iceoryx2 cannot be imported, its column is skipped with the install hint."""
+    from shmq.bench.transports import ICEORYX2_HINT, Iceoryx2Transport
+
+    monkeypatch.setitem(sys.modules, "iceoryx2", None)  # `import iceoryx2` raises ImportError
+    assert Iceoryx2Transport().unavailable() == ICEORYX2_HINT

@@ -8,6 +8,7 @@ import faulthandler
 import mmap
 import os
 import signal
+import threading
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -116,40 +117,96 @@ def _role_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *,
     return t_end
 
 
-def _role_idle_writer(transport: Transport, channels: Sequence[Any], barrier: Any, *, wakes: int, idle_s: float) -> int:
-    """``wakes`` times: stay idle for ``idle_s`` seconds, then send the send time; ends
-    with ``None``."""
+def _role_idle_writer(
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    *,
+    wakes: int,
+    idle_s: float,
+    steady_wakes: int = 0,
+    steady_gap_s: float = 0.0,
+) -> int:
+    """``wakes`` times: stay idle for ``idle_s`` seconds, then send the send time; then
+    ``steady_wakes`` times the same after ``steady_gap_s`` seconds; ends with ``None``."""
     out = transport.open_writer(channels[0])
     out.ready()
     _sync(barrier)
-    for _ in range(wakes):
-        time.sleep(idle_s)
+    for gap in [idle_s] * wakes + [steady_gap_s] * steady_wakes:
+        time.sleep(gap)
         out.io(now_ns())
     out.io(None)
     _sync(barrier)
     out.close()
-    return wakes
+    return wakes + steady_wakes
 
 
-def _role_idle_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *, wakes: int) -> dict:
-    """Block in receive while the writer is idle; returns this process's CPU time over
-    the whole wait (user + sys, ``os.times``), the wall time, and each wake-up latency."""
+def _cpu_window(start_ns: int, end_ns: int, marks: list) -> None:
+    """Append (``now_ns()``, this process's CPU time in ns) at ``start_ns`` and at
+    ``end_ns`` (a thread of the reader: it sleeps in between; what it costs itself, two
+    wake-ups, is in the figure)."""
+    for at in (start_ns, end_ns):
+        time.sleep(max(0.0, (at - now_ns()) / 1e9))
+        marks.append((now_ns(), time.process_time_ns()))
+
+
+def _role_idle_reader(
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    *,
+    wakes: int,
+    steady_wakes: int = 0,
+    steady_window_s: tuple[float, float] = (1.5, 4.5),
+) -> dict:
+    """Block in receive while the writer is idle. First ``wakes`` messages a short idle
+    stretch apart: this process's CPU time over that whole wait (``process_time``: user
+    + sys, all threads), its wall time and each wake-up latency. Then ``steady_wakes``
+    messages a long stretch apart: the CPU time over ``steady_window_s`` seconds after
+    the previous message arrived (measured by a thread while the main one is blocked in
+    receive; the window must end before the next message arrives), its wall time, and
+    each wake-up latency."""
     inbox = transport.open_reader(channels[0], 0)
     inbox.ready()
     _sync(barrier)
     recv = inbox.io
     latencies = []
-    t0, wall0 = os.times(), now_ns()
+    cpu0, wall0 = time.process_time_ns(), now_ns()
     for _ in range(wakes):
         sent = recv()
         latencies.append(now_ns() - sent)
-    t1, wall1 = os.times(), now_ns()
+    cpu1, wall1 = time.process_time_ns(), now_ns()
+    steady_cpu = steady_wall = 0
+    steady_latencies = []
+    arrived = wall1
+    for i in range(steady_wakes):
+        marks: list = []
+        start, end = (arrived + int(s * 1e9) for s in steady_window_s)
+        sampler = threading.Thread(target=_cpu_window, args=(start, end, marks), daemon=True)
+        sampler.start()
+        sent = recv()
+        arrived = now_ns()
+        steady_latencies.append(arrived - sent)
+        sampler.join(SYNC_TIMEOUT)
+        if len(marks) != 2 or marks[1][0] > sent:
+            raise RuntimeError(
+                f"steady idle {i}: the measured window ({steady_window_s[0]:g}-{steady_window_s[1]:g} s after a "
+                "message) did not end before the next message was sent"
+            )
+        steady_wall += marks[1][0] - marks[0][0]
+        steady_cpu += marks[1][1] - marks[0][1]
     if recv() is not None:
         raise RuntimeError("the idle reader expected the end mark")
     _sync(barrier)
     inbox.close()
-    cpu = (t1.user - t0.user) + (t1.system - t0.system)
-    return {"cpu": cpu, "wall": (wall1 - wall0) / 1e9, "latencies_ns": latencies}
+    return {
+        "cpu": (cpu1 - cpu0) / 1e9,
+        "wall": (wall1 - wall0) / 1e9,
+        "latencies_ns": latencies,
+        "steady_cpu": steady_cpu / 1e9,
+        "steady_wall": steady_wall / 1e9,
+        "steady_latencies_ns": steady_latencies,
+    }
 
 
 def _role_tensor_writer(

@@ -49,8 +49,11 @@ class Params:
     rounds: int  # ping-pong round trips measured
     warmup: int  # ping-pong round trips before measuring
     objects: int  # objects sent in the throughput scenarios
-    wakes: int = 10  # wake-ups from idle in the idle scenario
-    idle_s: float = 0.3  # seconds of idleness before each wake-up
+    wakes: int = 10  # wake-ups from a short idle stretch in the idle scenario
+    idle_s: float = 0.3  # seconds of each short idle stretch (under 1 s: see IDLE_STEADY_WINDOW)
+    #: Long idle stretches in the idle scenario, after the short ones: the reader's CPU
+    #: is measured over IDLE_STEADY_WINDOW of each, and the message that ends it wakes it.
+    steady_wakes: int = 2  # (at least 1)
     tensor_sizes: tuple[int, ...] = (MiB, 16 * MiB, 256 * MiB)  # bytes of the tensor rows
     #: What the tensor rows send: "torch" tensors, or "numpy" arrays where torch is not
     #: installed (``common.array_lib``; their labels say "numpy array" then).
@@ -84,6 +87,7 @@ PRESETS = {
         objects=10_000,
         wakes=5,
         idle_s=0.2,
+        steady_wakes=1,
         tensor_sizes=(16 * MiB,),
         step_rounds=1_000,
         tensor_budget=160 * MiB,
@@ -174,23 +178,39 @@ def _bench_throughput(harness: Harness, transport: Transport, params: Params, *,
     return {"rate": n / ((max(t_ends) - t0) / 1e9)}
 
 
+#: Seconds after a reader's last message over which its steady idle CPU is measured:
+#: from well after vLLM's readers stop spinning (they spin for 1 s after each read,
+#: then sleep on a ZeroMQ socket) for 3 s.
+IDLE_STEADY_WINDOW = (1.5, 4.5)
+#: Seconds the writer waits before each message of the long idle stretches (the window
+#: must end before it sends).
+IDLE_STEADY_GAP_S = 5.0
+
+
 def _bench_idle(harness: Harness, transport: Transport, params: Params) -> dict[str, float]:
-    """A reader blocked while its writer is idle: its CPU use (os.times, user + sys, over
-    ``wakes`` idle stretches of ``idle_s`` s) and how long a message sent after each
-    stretch takes to arrive."""
+    """A reader blocked while its writer is idle. ``wakes`` short stretches of
+    ``idle_s`` s (each message within the first second after the one before): the
+    reader's CPU use over them (user + sys, all its threads) and how long a message
+    sent after each takes to arrive. Then ``steady_wakes`` stretches of
+    IDLE_STEADY_GAP_S s: its CPU over IDLE_STEADY_WINDOW after each message (the steady
+    idle), and the median wake-up latency of the message that ends each."""
     channels = (harness.channel(transport, 1),)
-    kwargs = {"wakes": params.wakes}
+    kwargs = {"wakes": params.wakes, "steady_wakes": params.steady_wakes}
     jobs = [
-        Job(_role_idle_writer, channels, {**kwargs, "idle_s": params.idle_s}),
-        Job(_role_idle_reader, channels, kwargs),
+        Job(_role_idle_writer, channels, {**kwargs, "idle_s": params.idle_s, "steady_gap_s": IDLE_STEADY_GAP_S}),
+        Job(_role_idle_reader, channels, {**kwargs, "steady_window_s": IDLE_STEADY_WINDOW}),
     ]
-    _, reader = harness.run(transport, jobs)
+    timeout = harness.timeout + params.wakes * params.idle_s + params.steady_wakes * IDLE_STEADY_GAP_S
+    _, reader = harness.run(transport, jobs, timeout=timeout)
     wake_us = sorted(ns / 1000 for ns in reader["latencies_ns"])
-    return {
-        "cpu_pct": 100 * reader["cpu"] / max(reader["wall"], 1e-9),
+    out = {
+        "cpu_recent_pct": 100 * reader["cpu"] / max(reader["wall"], 1e-9),
         "wake_p50": percentile(wake_us, 50),
         "wake_p99": percentile(wake_us, 99),
     }
+    out["cpu_steady_pct"] = 100 * reader["steady_cpu"] / max(reader["steady_wall"], 1e-9)
+    out["wake_steady"] = statistics.median(ns / 1000 for ns in reader["steady_latencies_ns"])
+    return out
 
 
 def _floor_pickle_step(params: Params) -> dict[str, float]:
@@ -648,9 +668,19 @@ SCENARIOS: list[Scenario] = [
         "idle reader",
         _bench_idle,
         [
-            Metric("cpu_pct", "idle reader: CPU while blocked", "%", False),
-            Metric("wake_p50", "idle reader: wake-up latency, p50", "us", False),
-            Metric("wake_p99", "idle reader: wake-up latency, p99", "us", False),
+            Metric(
+                "cpu_steady_pct",
+                f"idle reader: CPU while blocked, {IDLE_STEADY_WINDOW[0]:g}-{IDLE_STEADY_WINDOW[1]:g} s after its "
+                "last message",
+                "%",
+                False,
+            ),
+            Metric(
+                "wake_steady", f"idle reader: wake-up latency after {IDLE_STEADY_GAP_S:g} s idle, median", "us", False
+            ),
+            Metric("cpu_recent_pct", "idle reader: CPU while blocked in the 1st second after a message", "%", False),
+            Metric("wake_p50", "idle reader: wake-up latency, < 1 s after the last message, p50", "us", False),
+            Metric("wake_p99", "idle reader: wake-up latency, < 1 s after the last message, p99", "us", False),
         ],
     ),
     *_fresh_scenarios(),

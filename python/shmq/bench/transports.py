@@ -1,14 +1,17 @@
 """Transports: the ways to move objects from one writer process to reader processes
 that the benchmark compares (shmq's ``MessageQueue``, ``multiprocessing.Queue``, pyzmq
 PUB/SUB, vLLM's ``MessageQueue`` with and without its tensor arena when vLLM is
-importable, and ``torch.multiprocessing`` queues when torch is)."""
+importable, ``torch.multiprocessing`` queues when torch is, and iceoryx2's
+publish-subscribe when it is installed)."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import sys
 import time
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
@@ -390,6 +393,201 @@ class VllmTransport(Transport):
         return Endpoint(mq.dequeue, mq.wait_until_ready)
 
 
+#: What the iceoryx2 column needs.
+ICEORYX2_HINT = "needs iceoryx2: pip install iceoryx2 (in shmq's [bench] extra)"
+
+#: The largest message an iceoryx2 publisher's first data segment holds (64 KiB: the
+#: small object and the step); a larger one grows the segment to fit it exactly
+#: (``AllocationStrategy.BestFit``), once per new size, in the warm-up messages.
+ICEORYX2_INITIAL_SLICE = 64 * 1024
+
+#: This process's iceoryx2 node while it has endpoints open: [pid, node, open
+#: endpoints] (one node per process, as iceoryx2 recommends; the pid tells a forked
+#: child to make its own).
+_iceoryx2_node: Optional[list] = None
+
+
+def _iceoryx2() -> tuple[Any, Any]:
+    """The ``iceoryx2`` module and this process's node, for one more endpoint (its log
+    at errors only: it says at info level that it found no config file)."""
+    global _iceoryx2_node
+    import iceoryx2 as iox  # type: ignore[import-untyped]
+
+    if _iceoryx2_node is None or _iceoryx2_node[0] != os.getpid():
+        iox.set_log_level_from_env_or(iox.LogLevel.Error)
+        node = (
+            iox.NodeBuilder.new()
+            .signal_handling_mode(iox.SignalHandlingMode.Disabled)  # SIGTERM/SIGINT as without it
+            .create(iox.ServiceType.Ipc)
+        )
+        _iceoryx2_node = [os.getpid(), node, 0]
+    _iceoryx2_node[2] += 1
+    return iox, _iceoryx2_node[1]
+
+
+def _iceoryx2_release() -> None:
+    """One endpoint fewer: after the last, let go of the node, so that it is removed
+    (from /tmp/iceoryx2 and /dev/shm) once the endpoints' services are dropped too, at
+    the latest when the role returns: a forked child ends in ``os._exit``, where no
+    finalizer would run."""
+    global _iceoryx2_node
+    if _iceoryx2_node is not None and _iceoryx2_node[0] == os.getpid():
+        _iceoryx2_node[2] -= 1
+        if _iceoryx2_node[2] <= 0:
+            _iceoryx2_node = None
+
+
+def _wait_for(what: str, done: Callable[[], bool]) -> None:
+    """Poll ``done()`` every millisecond until it is true (a handshake, not a hot path);
+    ``TimeoutError`` after SYNC_TIMEOUT."""
+    deadline = time.monotonic() + SYNC_TIMEOUT
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"iceoryx2: no {what} after {SYNC_TIMEOUT:g} s")
+        time.sleep(0.001)
+
+
+@dataclass
+class _Iceoryx2Channel:
+    n_readers: int
+    name: str  # the service name, unique per channel (its publish-subscribe and event services)
+
+
+class Iceoryx2Transport(Transport):
+    """iceoryx2 (Eclipse iceoryx2, PyPI ``iceoryx2``): a publish-subscribe service
+    whose payload is a dynamic ``u8`` slice, objects pickled in Python as its users
+    must: the writer pickles (protocol 5, in-band), loans a slice of that length from
+    its data segment, copies the bytes in and sends it; a reader receives the sample
+    and unpickles from the slice's ``memoryview`` (a copy out of shared memory), then
+    releases it.
+
+    No message is lost: safe overflow off and ``BackpressureStrategy.RetryUntilDelivered``
+    (a writer whose reader's buffer is full retries until there is room), a subscriber
+    buffer of MAX_CHUNKS samples (the depth of the shmq and vLLM rings), no history.
+    A reader that finds nothing blocks: an event service of the same name, whose
+    ``Notifier`` the writer notifies after each send and whose ``Listener`` the reader
+    waits on (``blocking_wait``, which lets go of the GIL). Handshake: the writer waits
+    until all its subscribers are there, a reader until the publisher is, and then
+    connects its end of the publisher's connection (``has_samples``): a publisher
+    whose subscriber's buffer is full and whose connection that subscriber has not yet
+    opened drops the sample for it rather than wait, so the first messages could be
+    lost to a reader that is slow to start.
+    """
+
+    name = "iceoryx2"
+    note = (
+        "iceoryx2 publish-subscribe, dynamic u8 slice: the writer pickles, loans a slice and copies the pickle in; "
+        "readers unpickle from the sample's memoryview (a copy); the writer notifies an event service after "
+        "each send and a reader with nothing to read blocks on its listener; no loss (no safe overflow, "
+        f"retry until delivered), subscriber buffers of {MAX_CHUNKS} samples"
+    )
+
+    def unavailable(self) -> Optional[str]:
+        try:
+            import iceoryx2  # type: ignore[import-untyped]  # noqa: F401
+        except ImportError:
+            return ICEORYX2_HINT
+        except Exception as e:  # noqa: BLE001 - a broken install says why
+            return f"{ICEORYX2_HINT} (importing it failed here: {type(e).__name__}: {e})"
+        return None
+
+    def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _Iceoryx2Channel:
+        return _Iceoryx2Channel(n_readers, f"shmq-bench/{os.getpid()}/{uuid.uuid4().hex}")
+
+    @staticmethod
+    def _services(channel: _Iceoryx2Channel) -> tuple[Any, Any, Any]:
+        """The module, and the channel's publish-subscribe and event services (opened,
+        or created by whichever end comes first, with the same settings)."""
+        import ctypes
+
+        iox, node = _iceoryx2()
+        n = channel.n_readers
+        name = iox.ServiceName.new(channel.name)
+        pubsub = (
+            node.service_builder(name)
+            .publish_subscribe(iox.Slice[ctypes.c_uint8])
+            .max_publishers(1)
+            .max_subscribers(n)
+            .max_nodes(n + 1)
+            .history_size(0)
+            .subscriber_max_buffer_size(MAX_CHUNKS)
+            .subscriber_max_borrowed_samples(1)
+            .enable_safe_overflow(False)
+            .open_or_create()
+        )
+        event = node.service_builder(name).event().max_notifiers(1).max_listeners(n).max_nodes(n + 1).open_or_create()
+        return iox, pubsub, event
+
+    def open_writer(self, channel: _Iceoryx2Channel) -> Endpoint:
+        import ctypes
+
+        iox, pubsub, event = self._services(channel)
+        publisher = (
+            pubsub.publisher_builder()
+            .initial_max_slice_len(ICEORYX2_INITIAL_SLICE)
+            .allocation_strategy(iox.AllocationStrategy.BestFit)
+            .backpressure_strategy(iox.BackpressureStrategy.RetryUntilDelivered)
+            .create()
+        )
+        notifier = event.notifier_builder().create()
+        n_readers = channel.n_readers
+
+        def ready() -> None:
+            _wait_for(f"{n_readers} subscribers", lambda: pubsub.dynamic_config.number_of_subscribers >= n_readers)
+            publisher.update_connections()
+
+        dumps, loan, memmove, notify = pickle.dumps, publisher.loan_slice_uninit, ctypes.memmove, notifier.notify
+
+        def send(obj: Any) -> None:
+            data = dumps(obj, PROTOCOL)
+            sample = loan(len(data))
+            memmove(sample.payload_ptr, data, len(data))
+            if sample.assume_init().send() != n_readers:  # how many subscribers it reached
+                raise RuntimeError(f"iceoryx2 delivered a message to fewer than {n_readers} readers")
+            notify()
+
+        def close() -> None:
+            publisher.delete()
+            notifier.delete()
+            _iceoryx2_release()
+
+        return Endpoint(send, ready, close)
+
+    def open_reader(self, channel: _Iceoryx2Channel, rank: int) -> Endpoint:
+        _, pubsub, event = self._services(channel)
+        # The listener first: once the writer sees this subscriber, its notifications reach us.
+        listener = event.listener_builder().create()
+        subscriber = pubsub.subscriber_builder().buffer_size(MAX_CHUNKS).create()
+
+        def ready() -> None:
+            _wait_for("publisher", lambda: pubsub.dynamic_config.number_of_publishers >= 1)
+            # Connect our end of the publisher's connection now (a subscriber does so
+            # only when it looks for samples): until it is connected, a publisher whose
+            # buffer to us is full drops the sample for us instead of retrying.
+            subscriber.has_samples()
+
+        receive, wait, loads = subscriber.receive, listener.blocking_wait, pickle.loads
+
+        def recv() -> Any:
+            sample = receive()
+            while sample is None:
+                # Sent after our receive found nothing: its notification wakes us (the
+                # listener keeps it until we wait); one from a message already read
+                # wakes us once for nothing.
+                wait()
+                sample = receive()
+            obj = loads(sample.payload().as_memory_view())
+            sample.delete()
+            return obj
+
+        def close() -> None:
+            subscriber.delete()
+            listener.delete()
+            _iceoryx2_release()
+
+        return Endpoint(recv, ready, close)
+
+
 #: The transports, in table column order (vLLM's are shown only where it is importable).
 TRANSPORTS: list[Transport] = [
     ShmqTransport(),
@@ -398,4 +596,5 @@ TRANSPORTS: list[Transport] = [
     VllmTransport(arena=False),
     VllmTransport(arena=True),
     TorchMpTransport(),
+    Iceoryx2Transport(),
 ]
