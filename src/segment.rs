@@ -911,7 +911,7 @@ pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
 /// Make the socket pair for a janitor: this process's end goes to [`set_janitor`], the
 /// other end (close-on-exec, so pass it on explicitly) is returned for the janitor.
 pub fn new_janitor_socket() -> Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
+    use std::os::fd::{AsRawFd, FromRawFd};
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: `fds` has room for the two descriptors socketpair(2) writes; nothing else
     // is touched.
@@ -936,6 +936,20 @@ pub fn new_janitor_socket() -> Result<std::os::fd::OwnedFd> {
             std::os::fd::OwnedFd::from_raw_fd(fds[1]),
         )
     };
+    // Room for many thousands of names queued at once (a burst of creations while the
+    // janitor is not scheduled), so that a non-blocking send rarely finds it full.
+    let room: libc::c_int = 4 << 20;
+    // SAFETY: a valid socket and an int option of the right size; failure is harmless
+    // (the default buffer stays).
+    unsafe {
+        libc::setsockopt(
+            ours.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&room as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
     set_janitor(ours);
     Ok(theirs)
 }
@@ -973,14 +987,17 @@ fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &st
     loop {
         // SAFETY: `fd` is an open socket owned by the slot, which the caller holds locked;
         // `message` is a live buffer of the given length. MSG_NOSIGNAL: a janitor that died
-        // is EPIPE here, never a SIGPIPE to the host program. A message of a
-        // SOCK_SEQPACKET socket arrives whole or not at all.
+        // is EPIPE here, never a SIGPIPE to the host program. MSG_DONTWAIT: a janitor that
+        // does not read (stopped, say) never blocks a segment's creation; the message is
+        // then lost (a lost `-` is harmless: the janitor's removal of a name already gone
+        // finds nothing; a lost `+` leaves that segment to `cleanup` after a crash). A
+        // message of a SOCK_SEQPACKET socket arrives whole or not at all.
         let sent = unsafe {
             libc::send(
                 fd.as_raw_fd(),
                 message.as_ptr().cast(),
                 message.len(),
-                libc::MSG_NOSIGNAL,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
             )
         };
         if sent >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
