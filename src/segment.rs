@@ -893,6 +893,8 @@ fn janitor() -> std::sync::MutexGuard<'static, Option<(u32, std::os::fd::OwnedFd
 /// section above) to the core: every name this process has created and not removed is
 /// sent now, and every later one as it comes. Replaces an earlier janitor (whose end is
 /// closed, so it removes what it was told and ends). Returns how many names were sent.
+// Only the Python bindings start a janitor (a Rust program may hand it a socket too).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
     let me = std::process::id();
     let mut slot = janitor();
@@ -910,6 +912,8 @@ pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
 
 /// Make the socket pair for a janitor: this process's end goes to [`set_janitor`], the
 /// other end (close-on-exec, so pass it on explicitly) is returned for the janitor.
+// Only the Python bindings start a janitor (a Rust program may hand it a socket too).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn new_janitor_socket() -> Result<std::os::fd::OwnedFd> {
     use std::os::fd::{AsRawFd, FromRawFd};
     let mut fds = [0 as libc::c_int; 2];
@@ -955,6 +959,8 @@ pub fn new_janitor_socket() -> Result<std::os::fd::OwnedFd> {
 }
 
 /// Whether this process (not a parent it was forked from) has a janitor.
+// Only the Python bindings start a janitor (a Rust program may hand it a socket too).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn has_janitor() -> bool {
     let mut slot = janitor();
     forget_inherited_janitor(&mut slot);
@@ -962,6 +968,8 @@ pub fn has_janitor() -> bool {
 }
 
 /// Close a janitor's socket inherited through `fork` (its janitor is the parent's).
+// Only the Python bindings start a janitor (a Rust program may hand it a socket too).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn forget_inherited_janitor_now() {
     forget_inherited_janitor(&mut janitor());
 }
@@ -1083,6 +1091,37 @@ mod tests {
             *seg.as_ptr() = 3;
             assert_eq!(*other.as_ptr(), 3, "not shared again after the unseal");
         }
+    }
+
+    #[test]
+    fn the_janitor_hears_of_every_segment_made_and_removed() {
+        use std::os::fd::AsRawFd;
+        let theirs = new_janitor_socket().unwrap();
+        assert!(has_janitor());
+        let name = unique_name("test");
+        let seg = Segment::create(&name, 4096).unwrap();
+        drop(seg);
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            // SAFETY: a valid socket and a live buffer; MSG_DONTWAIT: no blocking.
+            let n = unsafe {
+                libc::recv(
+                    theirs.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                break;
+            }
+            got.push(String::from_utf8_lossy(&buf[..n as usize]).into_owned());
+        }
+        assert!(got.contains(&format!("+{name}")), "{got:?}");
+        assert!(got.contains(&format!("-{name}")), "{got:?}");
+        // Later tests in this process go on without a janitor.
+        *janitor() = None;
     }
 
     #[test]
