@@ -777,7 +777,7 @@ impl RemoteWriter {
                 // Woken by its ACK (or anything else arriving).
                 let _ = self.socket.poll(zmq::POLLIN, 1);
                 let p = &self.peers[k];
-                wait.step_explained(&mut crate::wait::no_peer, &mut || {
+                let mut behind = || {
                     format!(
                         "remote reader rank {} (host {}) has not taken the {} messages ({} \
                          bytes) sent to it (the bounds are {hwm} messages, {max_bytes} bytes: \
@@ -788,7 +788,25 @@ impl RemoteWriter {
                         p.sent_msgs - p.taken_msgs,
                         p.sent_bytes - p.taken_bytes,
                     )
-                })
+                };
+                // A timeout names the reader waited for and what to do, whatever the
+                // wait was called (a writer's "waiting for readers to free a chunk").
+                wait.step_explained(&mut crate::wait::no_peer, &mut behind)
+                    .map_err(|e| match e {
+                        Error::Timeout { waited, .. } => Error::Timeout {
+                            what: format!(
+                                "the writer waiting for a remote reader to take what was sent \
+                                 to it: {}; have that reader dequeue (or check the network), \
+                                 enqueue with a longer timeout, raise remote_hwm / \
+                                 remote_max_queued_bytes, or make the queue with \
+                                 slow_remote_reader=\"drop\" to go on without a reader that \
+                                 falls behind",
+                                behind()
+                            ),
+                            waited,
+                        },
+                        e => e,
+                    })
             }
         }
     }

@@ -43,13 +43,63 @@ const SLEEP_SLICE_WITH_HOOK: Duration = Duration::from_millis(10);
 /// How often a waiter checks that its peer is alive.
 const LIVENESS_INTERVAL: Duration = Duration::from_millis(500);
 
-fn env_duration(name: &str, unit: fn(f64) -> Duration) -> Option<Duration> {
-    let v: f64 = std::env::var(name).ok()?.trim().parse().ok()?;
-    (v.is_finite() && v >= 0.0).then(|| unit(v))
+/// The longest timeout kept as a deadline: 10⁹ s, about 31.7 years. A longer one, and an
+/// infinite one, mean no timeout at all (see [`timeout_from_secs`]): a deadline that far
+/// away is never reached, and one further still cannot be represented (an `Instant`
+/// plus `Duration::MAX` panics).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
+
+/// The longest a waiter may spin, or yield, before it sleeps (`spin_us` / `yield_us` and
+/// their environment variables): 10 s, [`MAX_PHASE_US`] microseconds.
+pub const MAX_PHASE: Duration = Duration::from_secs(10);
+/// [`MAX_PHASE`] in microseconds.
+pub const MAX_PHASE_US: f64 = 10_000_000.0;
+
+/// A timeout given in seconds (`name` is the argument's name, for the error): `None`, no
+/// timeout, for `+inf` and for anything longer than [`MAX_TIMEOUT`];
+/// `Error::InvalidArgument` for a negative number or NaN. Every timeout a caller gives
+/// as a number goes through here, so that none can panic a `Duration` conversion or an
+/// `Instant` addition.
+pub fn timeout_from_secs(name: &str, secs: f64) -> Result<Option<Duration>> {
+    if secs.is_nan() || secs < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "{name} must be a non-negative number of seconds, or None (or inf) for no \
+             timeout, got {secs:?}"
+        )));
+    }
+    if secs > MAX_TIMEOUT.as_secs_f64() {
+        return Ok(None);
+    }
+    Ok(Some(Duration::from_secs_f64(secs)))
 }
 
-fn micros(us: f64) -> Duration {
-    Duration::from_secs_f64(us / 1e6)
+/// The instant `timeout` after `from`; `None` (no deadline) for one longer than
+/// [`MAX_TIMEOUT`], which a caller's own `Duration` may be (up to `Duration::MAX`).
+pub fn deadline_after(from: Instant, timeout: Duration) -> Option<Instant> {
+    if timeout > MAX_TIMEOUT {
+        return None;
+    }
+    from.checked_add(timeout)
+}
+
+/// The instant `d` after `from`, at most [`MAX_TIMEOUT`] later: for waits that need an
+/// instant to stop at, however long they were given (a grace period of `Duration::MAX`).
+pub fn saturating_deadline(from: Instant, d: Duration) -> Instant {
+    let d = d.min(MAX_TIMEOUT);
+    from.checked_add(d).unwrap_or(from)
+}
+
+/// The duration an environment variable gives in `unit`s per second (1: seconds, 10⁶:
+/// microseconds), if it is a number from 0 to `max`; anything else is ignored (as an
+/// unset variable), never a panic.
+fn env_duration(name: &str, per_second: f64, max: Duration) -> Option<Duration> {
+    let v: f64 = std::env::var(name).ok()?.trim().parse().ok()?;
+    let secs = v / per_second;
+    (secs >= 0.0 && secs <= max.as_secs_f64()).then(|| Duration::from_secs_f64(secs))
+}
+
+fn micros_env(name: &str) -> Option<Duration> {
+    env_duration(name, 1e6, MAX_PHASE)
 }
 
 /// Seconds between warnings while a wait goes on, from [`WARNING_INTERVAL_ENV`] (or
@@ -57,8 +107,8 @@ fn micros(us: f64) -> Duration {
 pub fn warning_interval() -> Duration {
     static V: OnceLock<Duration> = OnceLock::new();
     *V.get_or_init(|| {
-        env_duration(WARNING_INTERVAL_ENV, Duration::from_secs_f64)
-            .or_else(|| env_duration(VLLM_WARNING_INTERVAL_ENV, Duration::from_secs_f64))
+        env_duration(WARNING_INTERVAL_ENV, 1.0, MAX_TIMEOUT)
+            .or_else(|| env_duration(VLLM_WARNING_INTERVAL_ENV, 1.0, MAX_TIMEOUT))
             .unwrap_or(Duration::from_secs(60))
     })
 }
@@ -88,9 +138,9 @@ impl WaitPolicy {
         let (spin, yield_for, yield_max, cores) = *ENV.get_or_init(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             (
-                env_duration(SPIN_US_ENV, micros),
-                env_duration(YIELD_US_ENV, micros),
-                env_duration(YIELD_MAX_US_ENV, micros),
+                micros_env(SPIN_US_ENV),
+                micros_env(YIELD_US_ENV),
+                micros_env(YIELD_MAX_US_ENV),
                 cores,
             )
         });
@@ -117,7 +167,7 @@ impl WaitPolicy {
     /// The policy for `processes` processes ([`for_processes`](Self::for_processes)) with
     /// the spin and yield times given in microseconds, where given: a yield time given
     /// here is kept as given, never grown by the waiter's history. `InvalidArgument` for
-    /// a negative or non-finite time.
+    /// a time that is negative, NaN or longer than [`MAX_PHASE`] (infinite included).
     pub fn from_micros(
         processes: usize,
         spin_us: Option<f64>,
@@ -126,9 +176,11 @@ impl WaitPolicy {
         let d = WaitPolicy::for_processes(processes);
         let us = |v: Option<f64>, default: Duration, name: &str| match v {
             None => Ok(default),
-            Some(x) if x.is_finite() && x >= 0.0 => Ok(Duration::from_secs_f64(x / 1e6)),
+            Some(x) if (0.0..=MAX_PHASE_US).contains(&x) => Ok(Duration::from_secs_f64(x / 1e6)),
             Some(x) => Err(Error::InvalidArgument(format!(
-                "{name} must be a non-negative number of microseconds, got {x}"
+                "{name} must be a non-negative number of microseconds, at most {MAX_PHASE_US} \
+                 ({} s), got {x:?}",
+                MAX_PHASE.as_secs()
             ))),
         };
         let yield_for = us(yield_us, d.yield_for, "yield_us")?;
@@ -352,12 +404,12 @@ impl<'a> Wait<'a> {
         Wait {
             what,
             started,
-            deadline: timeout.map(|t| started + t),
+            deadline: timeout.and_then(|t| deadline_after(started, t)),
             cancel: None,
             hook: None,
             policy: WaitPolicy::default(),
             history: None,
-            next_warning: Some(started + warning_interval()),
+            next_warning: Some(saturating_deadline(started, warning_interval())),
             next_liveness: started + LIVENESS_INTERVAL,
             yield_end: None,
             committed: false,
@@ -517,7 +569,7 @@ impl<'a> Wait<'a> {
                 self.what,
                 now - self.started
             );
-            self.next_warning = Some(now + warning_interval());
+            self.next_warning = Some(saturating_deadline(now, warning_interval()));
         }
         Ok(())
     }
@@ -583,7 +635,9 @@ impl<'a> Wait<'a> {
         let yield_end = match resumed_yield_end {
             Some(end) => end,
             None => {
-                let spin_end = start + self.policy.spin;
+                // The phases are capped: a policy's fields are public, and an
+                // `Instant` plus a huge `Duration` panics.
+                let spin_end = start + self.policy.spin.min(MAX_PHASE);
                 // Spin: poll back to back, looking at the clock only every 64 polls.
                 loop {
                     for _ in 0..64 {
@@ -603,7 +657,7 @@ impl<'a> Wait<'a> {
                     .history
                     .as_ref()
                     .map_or(self.policy.yield_for, |h| h.yield_for(&self.policy));
-                spin_end + yield_for
+                spin_end + yield_for.min(MAX_PHASE)
             }
         };
         self.yield_end = Some(yield_end);
@@ -707,13 +761,75 @@ mod tests {
             WaitPolicy::from_micros(3, None, None).unwrap(),
             WaitPolicy::for_processes(3)
         );
-        for (spin, yld, message) in [
-            (Some(-1.0), None, "spin_us must be a non-negative number of microseconds, got -1"),
-            (None, Some(f64::NAN), "yield_us must be a non-negative number of microseconds, got NaN"),
+        let range = "a non-negative number of microseconds, at most 10000000 (10 s)";
+        for (spin, yld, name, got) in [
+            (Some(-1.0), None, "spin_us", "-1.0"),
+            (None, Some(f64::NAN), "yield_us", "NaN"),
+            (Some(1e300), None, "spin_us", "1e300"),
+            (None, Some(f64::INFINITY), "yield_us", "inf"),
+            (None, Some(1.8e19), "yield_us", "1.8e19"),
         ] {
             let e = WaitPolicy::from_micros(2, spin, yld).unwrap_err();
-            assert!(matches!(&e, Error::InvalidArgument(m) if m == message), "{e}");
+            let message = format!("{name} must be {range}, got {got}");
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if *m == message),
+                "{e}"
+            );
         }
+        let p = WaitPolicy::from_micros(2, Some(MAX_PHASE_US), Some(0.0)).unwrap();
+        assert_eq!(p, WaitPolicy::fixed(MAX_PHASE, Duration::ZERO));
+    }
+
+    #[test]
+    fn timeouts_beyond_the_longest_mean_none_and_bad_ones_are_refused() {
+        let t = |s: f64| timeout_from_secs("timeout", s);
+        assert_eq!(t(0.0).unwrap(), Some(Duration::ZERO));
+        assert_eq!(t(1.5).unwrap(), Some(Duration::from_millis(1500)));
+        assert_eq!(t(1e9).unwrap(), Some(MAX_TIMEOUT));
+        let beyond = [1e9 + 1.0, 1.8e19, 2f64.powi(64), 1e300, f64::MAX];
+        for s in beyond.into_iter().chain([f64::INFINITY]) {
+            assert_eq!(t(s).unwrap(), None, "{s}");
+        }
+        for s in [-1.0, -0.5, f64::NEG_INFINITY, f64::NAN] {
+            let e = t(s).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m)
+                    if m.starts_with("timeout must be a non-negative number of seconds")),
+                "{e}"
+            );
+        }
+        let now = Instant::now();
+        let second = Duration::from_secs(1);
+        assert_eq!(deadline_after(now, second), Some(now + second));
+        assert_eq!(deadline_after(now, Duration::MAX), None);
+        let longest = MAX_TIMEOUT + Duration::from_nanos(1);
+        assert_eq!(deadline_after(now, longest), None);
+        assert_eq!(saturating_deadline(now, Duration::MAX), now + MAX_TIMEOUT);
+    }
+
+    #[test]
+    fn a_wait_of_the_longest_duration_has_no_deadline_and_no_panic() {
+        // A caller's own Duration::MAX (a Rust caller need not go through
+        // timeout_from_secs): no deadline, where `Instant + Duration::MAX` panicked.
+        let mut n = 0;
+        let mut wait = Wait::new("test", Some(Duration::MAX));
+        assert_eq!(wait.remaining(), None);
+        let v = wait
+            .until(None, &mut no_peer, || {
+                n += 1;
+                (n > 10).then_some(n)
+            })
+            .unwrap();
+        assert_eq!(v, 11);
+        let huge = WaitPolicy::fixed(Duration::MAX, Duration::MAX);
+        let mut m = 0;
+        Wait::new("test", Some(Duration::from_secs(5)))
+            .policy(huge)
+            .until(None, &mut no_peer, || {
+                m += 1;
+                (m > 100).then_some(())
+            })
+            .unwrap();
     }
 
     #[test]

@@ -204,6 +204,46 @@ fn the_children_of_a_worker_that_dies_die_with_it() {
 }
 
 #[test]
+fn too_many_workers_are_refused_before_anything_is_allocated() {
+    use shmq::workers::MAX_WORKERS;
+    for (local, remote) in [
+        (1 << 40, 0),
+        (0, 1 << 40),
+        (usize::MAX, 1),
+        (MAX_WORKERS, 1),
+    ] {
+        let e = Workers::new(local, remote, quiet()).err().expect("refused");
+        let text = e.to_string();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(
+            text.contains(&format!("at most {MAX_WORKERS} workers")),
+            "{text}"
+        );
+    }
+    Workers::new(0, MAX_WORKERS, quiet()).unwrap().close();
+}
+
+#[test]
+fn waits_and_a_grace_of_duration_max_wait_without_end_instead_of_panicking() {
+    // `Instant::now() + Duration::MAX` panicked: in `wait_any`, and in `close` with the
+    // grace the Python bindings give for an infinite one.
+    let options = WorkerOptions {
+        grace: Duration::MAX,
+        ..quiet()
+    };
+    let workers = Workers::spawn([sh("exit 3")], options).unwrap();
+    assert_eq!(
+        workers.wait_any(Some(Duration::MAX)).unwrap(),
+        Some((0, Some(WorkerExit::Code(3))))
+    );
+    assert_eq!(
+        workers.wait_all_exited(Some(Duration::MAX)),
+        Waited::Failed(0)
+    );
+    workers.close();
+}
+
+#[test]
 fn report_ready_outside_a_worker_is_an_error() {
     if std::env::var_os(shmq::workers::READY_FD_ENV).is_none() {
         assert!(matches!(report_ready(), Err(Error::WrongRole(_))));

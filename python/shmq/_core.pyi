@@ -33,6 +33,7 @@ __all__ = [
     "forget_inherited_janitor",
     "exit_with_process",
     "kill_descendants",
+    "timeout_seconds",
     "list_segments",
     "remove_orphans",
     "describe_segment",
@@ -142,6 +143,10 @@ def exit_with_process(pid: int) -> None:
 
 def kill_descendants() -> int:
     """SIGKILL every running descendant of this process; returns how many were signalled."""
+
+def timeout_seconds(timeout: Optional[float]) -> Optional[float]:
+    """``timeout`` as the core takes it: seconds, or None for no timeout (None, inf, or
+    more than 10⁹ s); ``ValueError`` for a negative number or NaN."""
 
 # (name, rank, pid, exitcode, stderr_tail, host, before_ready, how, stderr_captured,
 # stderr_from_start): WorkerDiedError's arguments.

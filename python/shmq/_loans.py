@@ -3,22 +3,34 @@ whose ``loan(nbytes)`` gives a writable memoryview of shared memory to fill in p
 
 from __future__ import annotations
 
+import math
+import operator
+import sys
 from typing import Any, Callable, Optional
 
 __all__ = ["loan_memory", "loaned_array", "loaned_tensor"]
 
 
-def loan_memory(loan: Callable[[int], Optional[Any]], nbytes: Any) -> tuple[memoryview, bool]:
+def loan_memory(loan: Callable[[int], Optional[Any]], nbytes: Any, holds: Callable[[], str]) -> tuple[memoryview, bool]:
     """``nbytes`` of memory from a core ``loan`` (a writer's or a store's): the loaned
     shared memory, or ordinary memory when it has no room. Returns ``(memory,
-    fell_back)``; ``ValueError`` unless ``nbytes`` is an int >= 0."""
+    fell_back)``; ``ValueError`` unless ``nbytes`` is an int >= 0; ``MemoryError`` saying
+    the size asked and what the shared memory holds (``holds()``, e.g. "the queue's
+    tensor arena holds 1073741824 bytes") when ordinary memory cannot have it either."""
     if type(nbytes) is not int or nbytes < 0:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     if nbytes == 0:
         return memoryview(bytearray()), False
-    view = loan(nbytes)
+    # More than an index can count is no loan (the core's size is a 64-bit number).
+    view = loan(nbytes) if nbytes <= sys.maxsize else None
     if view is None:
-        return memoryview(bytearray(nbytes)), True
+        try:
+            return memoryview(bytearray(nbytes)), True
+        except (MemoryError, OverflowError):
+            raise MemoryError(
+                f"cannot loan {nbytes} bytes: {holds()}, and this process cannot allocate "
+                f"that much ordinary memory instead"
+            ) from None
     return memoryview(view), False
 
 
@@ -44,7 +56,8 @@ def loaned_array(loan: Callable[[int], memoryview], shape: Any, dtype: Any = "fl
 
     dtype = np.dtype(dtype)
     shape = _shape(shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    # Python ints: numpy's product of a huge shape wraps around (to 0, or negative).
+    nbytes = math.prod(operator.index(d) for d in shape) * dtype.itemsize
     if nbytes == 0:
         return np.empty(shape, dtype=dtype)
     return np.frombuffer(loan(nbytes), dtype=dtype).reshape(shape)

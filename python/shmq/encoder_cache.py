@@ -139,6 +139,7 @@ class EncoderCacheProducer:
     ):
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        _core.timeout_seconds(timeout)  # a bad one is refused here, not at the first save
         self._core = _core.EncoderCacheProducer(name, capacity, max_entries, max_consumers, min_consumers)
         track(self._core)
         self.timeout = timeout
@@ -197,7 +198,9 @@ class EncoderCacheProducer:
         reservation = None
         # A key already published (the common case for repeated images): no work at all.
         if not self._core.has(key):
-            timeout = self.timeout if timeout is None else timeout
+            # As the core takes it (None: no limit, also for inf or more than 10⁹ s):
+            # the semaphore's own timeout overflows where the core's does not.
+            timeout = _core.timeout_seconds(self.timeout if timeout is None else timeout)
             body, buffers = _oob.dumps(_map_tensors(value, _to_cpu))
             if not self._slots.acquire(timeout=timeout):
                 raise TimeoutError(
@@ -240,7 +243,7 @@ class EncoderCacheProducer:
         ``timeout``); raises if one of them failed."""
         with self._lock:
             pending = list(self._pending)
-        _, not_done = concurrent.futures.wait(pending, timeout=timeout)
+        _, not_done = concurrent.futures.wait(pending, timeout=_core.timeout_seconds(timeout))
         if not_done:
             raise TimeoutError(f"encoder cache {self.name!r}: {len(not_done)} saves not published after {timeout} s")
         if not self._closed:

@@ -528,13 +528,25 @@ class MessageQueue:
         else:
             raise RuntimeError("this MessageQueue has no handle: make it with MessageQueue(...) or create_from_handle")
 
+    def _not_the_writer(self, action: str) -> RuntimeError:
+        """The error for a writer's call made on a reader, or on an object with no role
+        at all (made without ``__init__``: ``MessageQueue.__new__``, a subclass that
+        skips it)."""
+        if self._reader is not None:
+            return RuntimeError(f"only the writer can {action}: this MessageQueue is a reader")
+        return RuntimeError(
+            f"only the writer can {action}: this MessageQueue has no handle, it is neither the "
+            "writer nor a reader (make the writer with MessageQueue(...), readers with "
+            "MessageQueue.create_from_handle)"
+        )
+
     def enqueue(self, obj: Any, timeout: Optional[float] = None) -> None:
         """Send ``obj`` to every reader; blocks while the ring is full and raises
         ``TimeoutError`` after ``timeout`` seconds. ``obj`` is pickled with protocol 5:
         tensors and arrays travel as raw buffers, large ones through the tensor arena."""
         writer = self._writer
         if writer is None:
-            raise RuntimeError("only the writer can enqueue: this MessageQueue is a reader")
+            raise self._not_the_writer("enqueue")
         body, buffers = _dumps(obj)
         if buffers:
             writer.enqueue_parts([body, *buffers], timeout)
@@ -601,7 +613,7 @@ class MessageQueue:
         do not fit are copied through the queue). A queue without an arena returns 0."""
         writer = self._writer
         if writer is None:
-            raise RuntimeError("only the writer can reserve the tensor arena: this MessageQueue is a reader")
+            raise self._not_the_writer("reserve the tensor arena")
         if type(nbytes) is not int or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
         reserved = writer.reserve_arena(nbytes)
@@ -622,12 +634,19 @@ class MessageQueue:
         ``loan_fallbacks``) and sending it copies."""
         writer = self._writer
         if writer is None:
-            raise RuntimeError("only the writer can loan memory: this MessageQueue is a reader")
-        memory, fell_back = loan_memory(writer.loan, nbytes)
+            raise self._not_the_writer("loan memory")
+        memory, fell_back = loan_memory(writer.loan, nbytes, self._arena_holds)
         self.loan_fallbacks += fell_back
         return memory
 
     loan_fallbacks = 0
+
+    def _arena_holds(self) -> str:
+        """What the tensor arena can hold, for a loan's error."""
+        stats = self.arena_stats()
+        if stats is None:
+            return "this queue has no tensor arena (arena_bytes=0, or no local readers)"
+        return f"the queue's tensor arena holds {stats['capacity']} bytes"
 
     def loan_tensor(self, shape: Any, dtype: Any = None) -> torch.Tensor:
         """A torch tensor of ``shape`` and ``dtype`` (default float32) in loaned memory,
@@ -688,5 +707,13 @@ class MessageQueue:
             side.shutdown()
 
     def __repr__(self) -> str:
-        role = "writer" if self._writer is not None else "local reader" if self._is_local_reader else "remote reader"
+        role = (
+            "writer"
+            if self._writer is not None
+            else "local reader"
+            if self._is_local_reader
+            else "remote reader"
+            if self._reader is not None
+            else "without a handle"
+        )
         return f"<MessageQueue {role} {self.handle!r}>"  # repr: str(handle) holds the secret

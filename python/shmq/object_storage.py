@@ -365,7 +365,14 @@ class ObjectStorage:
         ordinary memory (counted in ``loan_fallbacks``) and ``put`` copies it."""
         if not self.is_writer:
             raise RuntimeError("Only the writer can loan memory.")
-        memory, fell_back = loan_memory(self._core.loan, nbytes)
+        memory, fell_back = loan_memory(
+            self._core.loan,
+            nbytes,
+            lambda: (
+                f"the store's ring holds {self.ring_buffer.data_buffer_size} bytes "
+                f"(objects of at most max_object_size={self.max_object_size})"
+            ),
+        )
         self.loan_fallbacks += fell_back
         return memory
 

@@ -392,7 +392,11 @@ impl Writer {
             max_chunk_bytes,
             max_chunks,
             connect_ip,
-            wait: Some(wait_policy(n_local_reader + 1, spin_us, yield_us)?),
+            wait: Some(wait_policy(
+                n_local_reader.saturating_add(1),
+                spin_us,
+                yield_us,
+            )?),
             on_dead_reader,
             arena_bytes: arena_bytes.unwrap_or_else(crate::arena::default_capacity),
             arena_threshold: arena_threshold.unwrap_or_else(crate::arena::default_threshold),

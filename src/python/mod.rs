@@ -110,6 +110,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forget_inherited_janitor, m)?)?;
     m.add_function(wrap_pyfunction!(exit_with_process, m)?)?;
     m.add_function(wrap_pyfunction!(kill_descendants, m)?)?;
+    m.add_function(wrap_pyfunction!(wait::timeout_seconds, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast::handle_to_text, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast::handle_from_text, m)?)?;
     m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;

@@ -11,36 +11,55 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyRuntimeError};
 use pyo3::prelude::*;
+use pyo3::types::PyInt;
 
 use crate::error::{Error, Result};
 use crate::wait::{Hook, WaitClock, WaitPolicy, WaitSpec};
 
 /// A `timeout` argument: seconds as a float, checked when the argument is converted (so
-/// before any fast path); negative or NaN is a `ValueError`, `inf` means no timeout.
-/// Methods take `Option<Timeout>`, `None` meaning no timeout.
+/// before any fast path) by the core's `wait::timeout_from_secs`: negative or NaN is a
+/// `ValueError`; `inf`, and anything longer than `wait::MAX_TIMEOUT` (10⁹ s; an int too
+/// large for a float included), mean no timeout. Methods take `Option<Timeout>`, `None`
+/// meaning no timeout.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Timeout(Option<Duration>);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Timeout {
     type Error = PyErr;
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Timeout> {
-        let t: f64 = obj.extract()?;
-        if t.is_finite() && t >= 0.0 {
-            Ok(Timeout(Some(Duration::from_secs_f64(t))))
-        } else if t == f64::INFINITY {
-            Ok(Timeout(None))
-        } else {
-            Err(PyValueError::new_err(format!(
-                "timeout must be a non-negative number of seconds, got {t}"
-            )))
-        }
+        let t: f64 = match obj.extract() {
+            Ok(t) => t,
+            // An int beyond a float's range: as long as an infinite timeout, or as
+            // negative as an infinitely negative one.
+            Err(e)
+                if e.is_instance_of::<PyOverflowError>(obj.py())
+                    && obj.is_instance_of::<PyInt>() =>
+            {
+                if obj.gt(0)? {
+                    f64::INFINITY
+                } else {
+                    f64::NEG_INFINITY
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Timeout(crate::wait::timeout_from_secs("timeout", t)?))
     }
 }
 
 pub(crate) fn duration(timeout: Option<Timeout>) -> Option<Duration> {
     timeout.and_then(|t| t.0)
+}
+
+/// `timeout` as the core takes it: seconds, or None for no timeout (None, inf, or more
+/// than 10⁹ s); `ValueError` for a negative number or NaN. For the Python package's own
+/// waits (a semaphore, futures), whose timeouts must mean what the core's do (and which
+/// raise `OverflowError`, or hang on NaN, where the core's do not).
+#[pyfunction]
+pub(crate) fn timeout_seconds(timeout: Option<Timeout>) -> Option<f64> {
+    duration(timeout).map(|d| d.as_secs_f64())
 }
 
 /// What may end a blocking call early, besides its timeout.

@@ -86,6 +86,11 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
 /// The largest ready report's payload; a longer one counts as no report.
 pub const MAX_READY_PAYLOAD: usize = 64 << 20;
 /// How long [`Workers::close`] waits for what SIGKILL hit to be gone.
+/// The most workers one group supervises, local and remote together: as many as a
+/// queue has readers at most (`segment::MAX_READERS`). A larger count is refused before
+/// anything is allocated for it ([`Workers::new`]); the machine's own limits (processes,
+/// file descriptors: three per local worker) usually stop a group well before.
+pub const MAX_WORKERS: usize = 4096;
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Without pidfds (Linux < 5.3) exits are polled this often.
 const EXIT_POLL: Duration = Duration::from_millis(50);
@@ -237,8 +242,15 @@ impl Workers {
     /// A group of `n_local` local workers (ranks `0..n_local`, started later and given to
     /// [`adopt`](Self::adopt)) and `n_remote` remote ones (the ranks after those, which
     /// join through [`claim_remote`](Self::claim_remote)); its supervisor thread runs
-    /// from now on.
+    /// from now on. `InvalidArgument` for more than [`MAX_WORKERS`] in all.
     pub fn new(n_local: usize, n_remote: usize, options: WorkerOptions) -> Result<Workers> {
+        let total = n_local.checked_add(n_remote).filter(|&n| n <= MAX_WORKERS);
+        if total.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "too many workers: {n_local} local (n_workers) + {n_remote} remote (n_remote); \
+                 a group supervises at most {MAX_WORKERS} workers in all"
+            )));
+        }
         // SAFETY: eventfd(2) takes two integers and returns a new descriptor or -1.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
@@ -590,7 +602,8 @@ impl Workers {
         timeout: Option<Duration>,
         mut done: impl FnMut(&State) -> Option<T>,
     ) -> Option<T> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // `None` for a timeout too long to be a deadline (up to `Duration::MAX`).
+        let deadline = timeout.and_then(|t| crate::wait::deadline_after(Instant::now(), t));
         let mut state = self.shared.lock();
         loop {
             if let Some(out) = done(&state) {
@@ -728,7 +741,8 @@ impl Workers {
     /// [`close_finish`](Self::close_finish). Idempotent.
     pub fn close_with(&self, grace: Duration) {
         if self.close_begin() {
-            self.wait_exits(Instant::now() + grace);
+            // A grace of `Duration::MAX` (none given) waits as long as any deadline can.
+            self.wait_exits(crate::wait::saturating_deadline(Instant::now(), grace));
             self.close_finish();
         }
     }

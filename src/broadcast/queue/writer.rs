@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::super::framing::{self, PartRef};
-use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter};
+use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
 use crate::error::{Error, Result};
@@ -19,6 +19,10 @@ use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
 /// What the writer's waits are for, in warnings and timeout errors.
 const WAITING_FOR_SUBSCRIBERS: &str = "the writer waiting for every reader to subscribe";
 const WAITING_FOR_A_CHUNK: &str = "the writer waiting for readers to free a chunk";
+/// A writer without local readers has no chunks: it waits only for remote readers (a
+/// timeout names the one it waited for: `RemoteWriter`'s `slow`).
+const WAITING_FOR_REMOTE_READERS: &str =
+    "the writer waiting for remote readers to take the messages sent to them";
 /// How long shutting down may wait to tell remote readers (a full send queue); local
 /// readers are told through the ring without waiting.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
@@ -134,6 +138,15 @@ impl Writer {
                 "n_local_reader ({}) cannot exceed n_reader ({}): n_reader counts all readers, \
                  local and remote",
                 opts.n_local_reader, opts.n_reader
+            )));
+        }
+        // Checked before the default ranks are made (one per local reader): a huge count
+        // would abort the process on the allocation instead of reaching the ring's check.
+        if opts.n_local_reader > MAX_READERS {
+            return Err(Error::InvalidArgument(format!(
+                "n_local_reader must be at most {MAX_READERS} (the most readers a ring has), \
+                 got {}",
+                opts.n_local_reader
             )));
         }
         let ranks = opts
@@ -348,6 +361,15 @@ impl Writer {
         Ok(())
     }
 
+    /// What an enqueue that waits for room waits for, in its warnings and timeout.
+    fn waiting_for_room(&self) -> &'static str {
+        if self.ring.is_some() {
+            WAITING_FOR_A_CHUNK
+        } else {
+            WAITING_FOR_REMOTE_READERS
+        }
+    }
+
     /// Whether a message that fits in a chunk could be written without waiting.
     pub fn can_write(&self) -> bool {
         self.ring.as_ref().is_none_or(|r| r.can_write())
@@ -361,7 +383,7 @@ impl Writer {
         let canceller = self.canceller.clone();
         let mut wait = wait
             .into()
-            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag())
+            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
             .learning(&self.history);
         self.enqueue_with(msg, &mut wait)
     }
@@ -440,7 +462,7 @@ impl Writer {
         let canceller = self.canceller.clone();
         let mut wait = wait
             .into()
-            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag())
+            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
             .learning(&self.history);
         self.enqueue_parts_with(parts, &mut wait)
     }
