@@ -42,6 +42,21 @@ const HOOK_INTERVAL: Duration = Duration::from_millis(2);
 const SLEEP_SLICE_WITH_HOOK: Duration = Duration::from_millis(10);
 /// How often a waiter checks that its peer is alive.
 const LIVENESS_INTERVAL: Duration = Duration::from_millis(500);
+/// The longest sleep slice with a hook, once a waiter has slept a while.
+const SLEEP_SLICE_WITH_HOOK_MAX: Duration = Duration::from_millis(250);
+
+/// How long one sleep with a hook lasts after `asleep` of sleeping in this wait: 10 ms at
+/// first (a cancel event set or a signal handled on another thread is seen that soon
+/// while messages are flowing), then a tenth of the time already asleep, up to 250 ms. A
+/// waiter idle for seconds then wakes 4–6 times a second (the liveness step included),
+/// not 100: its CPU in the steady idle was a 100-per-second wake-up and a Python call
+/// each time. A signal delivered to the sleeping thread itself (CPython's main thread,
+/// where a process-directed signal such as Ctrl-C goes) ends the sleep at once (EINTR)
+/// whatever the slice; a cancel event is seen within a tenth of the idle time, at most
+/// 250 ms.
+fn hook_slice(asleep: Duration) -> Duration {
+    (asleep / 10).clamp(SLEEP_SLICE_WITH_HOOK, SLEEP_SLICE_WITH_HOOK_MAX)
+}
 
 /// The longest timeout kept as a deadline: 10⁹ s, about 31.7 years. A longer one, and an
 /// infinite one, mean no timeout at all (see [`timeout_from_secs`]): a deadline that far
@@ -305,6 +320,8 @@ pub struct WaitClock {
     yield_end: Option<Instant>,
     /// When the wait first blocked on a ring (see [`Wait::blocked_since`]).
     blocked_since: Option<Instant>,
+    /// When the wait began to sleep (see [`hook_slice`]).
+    asleep_since: Option<Instant>,
 }
 
 impl WaitClock {
@@ -377,6 +394,8 @@ pub struct Wait<'a> {
     resumed: bool,
     /// When it first blocked on a ring ([`blocked_since`](Self::blocked_since)).
     blocked_since: Option<Instant>,
+    /// When it began to sleep: a resumed wait goes on with the slices it had reached.
+    asleep_since: Option<Instant>,
     /// Where the clocks go when the wait ends ([`resuming`](Self::resuming)).
     clock: Option<&'a mut WaitClock>,
 }
@@ -391,6 +410,7 @@ impl Drop for Wait<'_> {
                 next_liveness: Some(self.next_liveness),
                 yield_end: self.yield_end,
                 blocked_since: self.blocked_since,
+                asleep_since: self.asleep_since,
             };
         }
     }
@@ -415,6 +435,7 @@ impl<'a> Wait<'a> {
             committed: false,
             resumed: false,
             blocked_since: None,
+            asleep_since: None,
             clock: None,
         }
     }
@@ -438,6 +459,7 @@ impl<'a> Wait<'a> {
             committed: false,
             resumed: false,
             blocked_since: None,
+            asleep_since: None,
             clock: None,
         }
     }
@@ -467,6 +489,7 @@ impl<'a> Wait<'a> {
             self.next_liveness = clock.next_liveness.unwrap_or(self.next_liveness);
             self.yield_end = clock.yield_end;
             self.blocked_since = clock.blocked_since;
+            self.asleep_since = clock.asleep_since;
             self.resumed = true;
         }
         self.clock = Some(clock);
@@ -683,13 +706,14 @@ impl<'a> Wait<'a> {
         let doorbell = doorbell
             .expect("the yield loop only ends with a doorbell")
             .doorbell();
-        let slice = if self.hook.is_some() {
-            SLEEP_SLICE_WITH_HOOK
-        } else {
-            LIVENESS_INTERVAL
-        };
+        let asleep_since = *self.asleep_since.get_or_insert_with(Instant::now);
         loop {
             let now = Instant::now();
+            let slice = if self.hook.is_some() {
+                hook_slice(now.saturating_duration_since(asleep_since))
+            } else {
+                LIVENESS_INTERVAL
+            };
             let mut timeout = slice.min(self.next_liveness.saturating_duration_since(now));
             if let Some(d) = self.deadline {
                 timeout = timeout.min(d.saturating_duration_since(now));
@@ -981,6 +1005,14 @@ mod tests {
                 started.elapsed()
             );
         });
+    }
+
+    #[test]
+    fn an_idle_waiter_sleeps_longer_slices_up_to_a_bound() {
+        assert_eq!(hook_slice(Duration::ZERO), SLEEP_SLICE_WITH_HOOK);
+        assert_eq!(hook_slice(Duration::from_millis(50)), SLEEP_SLICE_WITH_HOOK);
+        assert_eq!(hook_slice(Duration::from_secs(1)), Duration::from_millis(100));
+        assert_eq!(hook_slice(Duration::from_secs(60)), SLEEP_SLICE_WITH_HOOK_MAX);
     }
 
     #[test]
