@@ -132,6 +132,35 @@ pub enum Error {
     #[error("{}", writer_shut_down_message(None))]
     WriterShutDown,
 
+    /// A remote reader's writer is gone without shutting the queue down: the connection
+    /// that carried the stream ended (the writer died, hangs, or the network failed: see
+    /// `remote`), or before the start no connection to it could be made. The reader has
+    /// every message that arrived before (`received` of them).
+    #[error(
+        "the writer at {endpoint} is gone: {reason}; {received} messages received from it; \
+         no more will come"
+    )]
+    RemoteWriterGone {
+        endpoint: String,
+        received: u64,
+        reason: String,
+    },
+
+    /// The writer stopped sending to this remote reader because it fell behind
+    /// (`slow_remote_reader="drop"`), and said so after the messages it had sent to it
+    /// (`received` of them).
+    #[error(
+        "remote reader rank {rank} was dropped by the writer at {endpoint}: it fell behind the \
+         queue's bounds (slow_remote_reader=\"drop\"); {received} messages received before; no \
+         more will come (make the queue with slow_remote_reader=\"block\", or raise \
+         remote_hwm / remote_max_queued_bytes)"
+    )]
+    ReaderDropped {
+        rank: u64,
+        endpoint: String,
+        received: u64,
+    },
+
     /// The writer shut the queue down and went away before the last message it had sent
     /// over the overflow socket reached this reader (its process exited at once, before
     /// ZeroMQ delivered it): that message is lost.

@@ -45,8 +45,10 @@ impl From<Error> for PyErr {
                 PyPermissionError::new_err(msg)
             }
             Error::Os { .. } | Error::Transport { .. } => PyOSError::new_err(msg),
-            Error::Remote(_) => PyConnectionError::new_err(msg),
-            Error::DeadReader { .. } | Error::DeadWriter { .. } => PeerDiedError::new_err(msg),
+            Error::Remote(_) | Error::ReaderDropped { .. } => PyConnectionError::new_err(msg),
+            Error::DeadReader { .. }
+            | Error::DeadWriter { .. }
+            | Error::RemoteWriterGone { .. } => PeerDiedError::new_err(msg),
             Error::ShutDown | Error::WriterShutDown | Error::WriterGoneMidMessage => {
                 QueueShutDownError::new_err(msg)
             }

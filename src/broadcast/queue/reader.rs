@@ -554,7 +554,7 @@ impl Reader {
                 })?;
                 self.writer_gone_since = None;
             }
-            // A remote writer's liveness cannot be checked from here.
+            // A remote writer that cannot be reached, or goes, ends the wait (see `remote`).
             Source::Remote { sub } => sub.wait_ready(wait)?,
         }
         self.ready = true;
@@ -607,7 +607,7 @@ impl Reader {
             }
             Source::Remote { sub } => {
                 if self.pending.is_none() {
-                    // A remote writer's liveness cannot be checked from here.
+                    // A remote writer gone without shutdown ends the wait (see `remote`).
                     self.pending = Some(sub.recv_frames(wait)?);
                 }
             }

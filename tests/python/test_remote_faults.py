@@ -1,0 +1,199 @@
+"""The remote stream's faults (issue 33, items 1-4), in real processes over 127.0.0.1: no
+remote wait goes on without an end, and joining survives what a network and its peers
+do to it.
+
+- A remote reader learns that its writer is gone, and raises what a local reader
+  raises: ``PeerDiedError`` for a writer killed (at once: its connection closes), stopped
+  or cut off (ZeroMQ's heartbeats: within ``SILENT_WRITER_BOUND``), or dead before the
+  reader joined (``SILENT_WRITER_BOUND``); ``QueueShutDownError`` after every message for
+  a writer that shut the queue down and left at once.
+- A reader that ``slow_remote_reader="drop"`` dropped gets the messages sent to it before,
+  then an error that says it was dropped (it waited forever before).
+- Joining: a reader's HELLO is said again until the writer answers, so a flood of silent
+  TCP connections that makes the writer's port guard close the reader's first connection
+  does not keep it out (before: the writer raised "Host unreachable" on every call and
+  the reader timed out); a rank whose reader died before the queue was ready is free
+  again for a replacement (before: "Host unreachable", then "rank 0 has joined
+  already").
+
+Each test failed (a timeout, or a wrong error) before these were made.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from _processes import STEP, busy_writer, counting_writer, hello_then_sleep, joining_reader, stalled_remote_reader
+from shmq import MessageQueue, PeerDiedError, QueueShutDownError
+
+# A writer that stops answering is found by ZeroMQ's heartbeats: a PING every second, the
+# connection given up 4 s after one goes unanswered: at most 5 s (docs/operations.md).
+SILENT_WRITER_BOUND = 5.0
+# Slack for a busy 2-core machine on top of the bounds above.
+SLACK = 2.5
+
+
+def _remote_reader_of(children, n: int):
+    """A writer child for one remote reader that sends ``n`` numbers, and this process's
+    reader of them, ready: (reader, writer process, its command queue)."""
+    out, cmds = children.queue(), children.queue()
+    proc = children.start(counting_writer, out, n, cmds)
+    _, handle, _ = children.expect(out, "handle")
+    reader = MessageQueue.create_from_handle(handle, 0)
+    reader.wait_until_ready(timeout=STEP)
+    children.expect(out, "sent")
+    assert [reader.dequeue(timeout=STEP) for _ in range(n)] == list(range(n))
+    return reader, proc, cmds
+
+
+def _gone(children, proc) -> None:
+    proc.join(STEP)
+    children.procs.remove(proc)
+
+
+def test_a_remote_reader_learns_at_once_that_its_writer_was_killed(children):
+    reader, writer, _ = _remote_reader_of(children, 100)
+    os.kill(writer.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(PeerDiedError, match="the writer at tcp://127.0.0.1:.* is gone") as e:
+        reader.dequeue(timeout=20)
+    took = time.monotonic() - t0
+    assert took < 1.0 + SLACK, f"{took:.2f} s"
+    assert "100 messages received" in str(e.value)
+    # Every later call says the same, at once.
+    t0 = time.monotonic()
+    with pytest.raises(PeerDiedError):
+        reader.dequeue(timeout=20)
+    assert time.monotonic() - t0 < 1.0
+    _gone(children, writer)
+
+
+def test_a_remote_reader_learns_that_its_writer_stopped_answering(children):
+    """A stopped writer process (SIGSTOP) answers nothing, as a machine that hangs or a
+    link that went down: ZeroMQ's heartbeats find it within their bound."""
+    reader, writer, _ = _remote_reader_of(children, 5)
+    os.kill(writer.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerDiedError, match="is gone"):
+            reader.dequeue(timeout=20)
+        took = time.monotonic() - t0
+        assert took < SILENT_WRITER_BOUND + SLACK, f"{took:.2f} s"
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        os.kill(writer.pid, signal.SIGCONT)
+    _gone(children, writer)
+
+
+def test_a_remote_reader_of_a_writer_dead_before_it_joined_does_not_wait_for_its_timeout(children):
+    out, cmds = children.queue(), children.queue()
+    writer = children.start(counting_writer, out, 0, cmds)
+    _, handle, _ = children.expect(out, "handle")
+    os.kill(writer.pid, signal.SIGKILL)
+    _gone(children, writer)
+    reader = MessageQueue.create_from_handle(handle, 0)
+    t0 = time.monotonic()
+    with pytest.raises(PeerDiedError, match="cannot reach the writer"):
+        reader.wait_until_ready(timeout=20)
+    took = time.monotonic() - t0
+    assert took < SILENT_WRITER_BOUND + SLACK, f"{took:.2f} s"
+
+
+def test_a_writer_that_shuts_down_and_leaves_at_once_ends_its_remote_reader(children):
+    reader, writer, cmds = _remote_reader_of(children, 10)
+    cmds.put("shutdown")
+    t0 = time.monotonic()
+    with pytest.raises(QueueShutDownError):
+        reader.dequeue(timeout=20)
+    assert time.monotonic() - t0 < 1.0 + SLACK
+    _gone(children, writer)
+
+
+def test_a_dropped_remote_reader_is_told_it_was_dropped(children):
+    """``slow_remote_reader="drop"``: a reader stopped (SIGSTOP) while the writer goes on is
+    dropped at its credit; resumed, it gets what was sent to it before, then an error
+    that says so, also after the writer shut down (before: it waited forever)."""
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", slow_remote_reader="drop", remote_hwm=10)
+    out, cmds = children.queue(), children.queue()
+    reader = children.start(stalled_remote_reader, out, mq.export_handle(), 0, cmds)
+    mq.wait_until_ready(timeout=STEP)
+    children.expect(out, "ready")
+    os.kill(reader.pid, signal.SIGSTOP)
+    try:
+        for i in range(30):
+            mq.enqueue(i.to_bytes(8, "little"), timeout=STEP)
+        mq.shutdown()
+    finally:
+        os.kill(reader.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+    cmds.put((100, 10.0))
+    _, got, err = children.expect(out, "got")
+    took = time.monotonic() - t0
+    assert got == list(range(10)), got
+    assert err is not None and err[0] == "ConnectionError", err
+    assert "dropped" in err[1] and "rank 0" in err[1], err
+    assert took < 1.0 + SLACK, f"{took:.2f} s"
+    cmds.put(None)
+
+
+N_SILENT = 100
+
+
+def test_a_reader_joins_a_busy_writer_through_a_flood_of_silent_connections(children):
+    """The reader says HELLO, then 100 plain TCP connections that never say anything reach
+    the writer's port while the writer is busy elsewhere: its port guard closes the
+    oldest beyond its bound at once, the reader's first among them. The reader says HELLO
+    again on its next connection, and the writer, once it waits, goes on past the dead
+    one (before: "Host unreachable" from every wait_until_ready, a TimeoutError in the
+    reader)."""
+    out = children.queue()
+    children.start(busy_writer, out, 3.0)
+    _, handle, _ = children.expect(out, "handle")
+    reader_out = children.queue()
+    children.start(joining_reader, reader_out, handle, 0, 20.0)
+    children.expect(reader_out, "hello")
+    time.sleep(0.3)  # its connection is the oldest
+    port = int(handle.remote_subscribe_addr.rsplit(":", 1)[1])
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=STEP) for _ in range(N_SILENT)]
+    try:
+        assert children.expect(out, "sent") == ("sent",)
+        assert children.expect(reader_out, "got") == ("got", "after the flood")
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_a_rank_whose_reader_died_before_the_queue_was_ready_takes_a_replacement(children):
+    """Two remote readers: rank 0 joins (the writer takes its HELLO while it waits for
+    rank 1) and is killed. The writer waits on (timeouts, never an error about the dead
+    one), a replacement takes rank 0, and once rank 1 joins every reader gets the stream
+    (before: the replacement was refused with "rank 0 has joined already", and the writer
+    raised "Host unreachable" once both ranks were in)."""
+    mq = MessageQueue(2, 0, connect_ip="127.0.0.1")
+    handle = mq.export_handle()
+    out = children.queue()
+    first = children.start(hello_then_sleep, out, handle, 0)
+    children.expect(out, "hello")
+    with pytest.raises(TimeoutError):
+        mq.wait_until_ready(timeout=1.0)  # takes rank 0's HELLO, waits for rank 1
+    os.kill(first.pid, signal.SIGKILL)
+    _gone(children, first)
+    with pytest.raises(TimeoutError):
+        mq.wait_until_ready(timeout=0.5)
+    replacement_out, other_out = children.queue(), children.queue()
+    children.start(joining_reader, replacement_out, handle, 0, STEP)
+    assert children.expect(replacement_out, "hello")[0] == "hello"
+    with pytest.raises(TimeoutError):
+        mq.wait_until_ready(timeout=1.0)  # rank 1 is not there yet
+    children.start(joining_reader, other_out, handle, 1, STEP)
+    mq.wait_until_ready(timeout=STEP)
+    mq.enqueue("to both", timeout=STEP)
+    assert children.expect(replacement_out, "got") == ("got", "to both")
+    assert children.expect(other_out, "hello")[0] == "hello"
+    assert children.expect(other_out, "got") == ("got", "to both")
+    mq.shutdown()
