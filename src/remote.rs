@@ -47,6 +47,28 @@
 //!   every message before it and then fails with [`Error::WriterShutDown`]. The reader
 //!   answers `"SQB1"` (BYE), which the writer waits for a short while, so that a writer
 //!   process that exits at once still gets the message out.
+//! - A reader the writer drops (`SlowReaderPolicy::Drop`) is told so the same way:
+//!   DROPPED, after the last message sent to it, with the next sequence number, its rank
+//!   and a MAC; it then fails with [`Error::ReaderDropped`] instead of waiting for
+//!   messages that will not come.
+//!
+//! No wait of a remote reader goes on without an end (see [`RemoteReader`]): its
+//! connection carries ZeroMQ's heartbeats (a PING every [`HEARTBEAT_INTERVAL`], the
+//! connection given up when one goes unanswered for the heartbeat timeout), and the
+//! reader watches its connection through ZeroMQ's socket monitor. Once the writer has
+//! said start, a connection that ends without CLOSED (the writer killed: at once; a
+//! writer that hangs, or a network that fails: within the interval plus the timeout) is
+//! the writer's death, [`Error::RemoteWriterGone`], after every message that arrived
+//! before it; a new connection could not carry the stream on (what was in flight is
+//! lost), so the reader does not make one. Before the start a lost connection is made
+//! again, and the HELLO said again on it, until the reader's own deadline; only a writer
+//! that cannot be reached at all for the interval plus the timeout is gone.
+//!
+//! Joining is idempotent: a HELLO said again (same nonce) on a new connection moves the
+//! reader to it, and a rank whose reader went away before the queue was ready is free
+//! for another (the writer looks: ZeroMQ forgets a closed connection, so a send to it
+//! fails with `EHOSTUNREACH`). One bad connection never fails the writer's wait: it is
+//! forgotten and the wait goes on.
 //!
 //! Frames, writer to reader: `[header, frame 1, ..]`, `header` =
 //! `"SQM1" | kind u8 | 3 zero bytes | seq u64 | session [16] | mac [32]` (64 bytes).
@@ -77,12 +99,51 @@ const KIND_REFUSED: u8 = 3;
 const KIND_CLOSED: u8 = 4;
 /// The writer, out of credit for a reader, asks it to acknowledge what it has taken.
 const KIND_PING: u8 = 5;
-/// Room in the writer's ZeroMQ queue per reader beyond `hwm` data messages, for the
-/// handshake and control messages (WELCOME, READY, PING, CLOSED).
-const CONTROL_ROOM: i32 = 16;
+/// The writer dropped this reader (see the module docs).
+const KIND_DROPPED: u8 = 6;
 /// How often a writer out of credit asks the reader again (an ACK can be lost: the
 /// reader sends it without waiting).
 const PING_INTERVAL: Duration = Duration::from_millis(50);
+/// PINGs sent to one reader and not yet answered by an ACK, at most: the reader answers
+/// the first it reads with everything it took before it, so more would only fill its
+/// queue while it does not read.
+const MAX_UNANSWERED_PINGS: u32 = 4;
+
+/// How often a remote reader's connection carries a ZeroMQ heartbeat (PING) to the writer.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+/// Default of how long a PING may go unanswered (no PONG, no other frame from the
+/// writer) before the reader gives the connection up: see [`heartbeat_timeout`].
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(4);
+/// The environment variable that sets another heartbeat timeout, in seconds (0: no
+/// heartbeats; then only a connection that closes ends a wait).
+pub const HEARTBEAT_TIMEOUT_ENV: &str = "SHMQ_REMOTE_HEARTBEAT_TIMEOUT";
+/// How often a reader says HELLO again until the writer has said start.
+const HELLO_AGAIN: Duration = Duration::from_secs(1);
+
+/// How long a remote reader's PING may go unanswered before it gives its connection up
+/// ([`HEARTBEAT_TIMEOUT_ENV`], else [`DEFAULT_HEARTBEAT_TIMEOUT`]); `None`: no
+/// heartbeats. A frame that takes longer than this to cross the network (a tensor of
+/// 256 MiB on a 1 Gbit/s link takes about 2 s) delays every PONG behind it, so a slow
+/// network with large messages needs a longer one.
+pub fn heartbeat_timeout() -> Option<Duration> {
+    let default = Some(DEFAULT_HEARTBEAT_TIMEOUT);
+    let Ok(text) = std::env::var(HEARTBEAT_TIMEOUT_ENV) else {
+        return default;
+    };
+    match text.trim().parse::<f64>() {
+        Ok(0.0) => None,
+        // ZeroMQ takes milliseconds in an int, and the TTL it sends in 16 bits of tenths.
+        Ok(s) if (0.001..=6000.0).contains(&s) => Some(Duration::from_secs_f64(s)),
+        _ => {
+            log::warn!(
+                "shmq: {HEARTBEAT_TIMEOUT_ENV}={text:?} is not a number of seconds from \
+                 0.001 to 6000 (or 0 for none); using {DEFAULT_HEARTBEAT_TIMEOUT:?}"
+            );
+            default
+        }
+    }
+}
+
 /// How long closing the writer's socket may still flush queued messages.
 const LINGER_MS: i32 = 1000;
 
@@ -136,7 +197,10 @@ impl std::str::FromStr for SlowReaderPolicy {
     type Err = Error;
     /// `"block"` or `"drop"` (the Python argument `slow_remote_reader`).
     fn from_str(s: &str) -> Result<SlowReaderPolicy> {
-        let choices = [("block", SlowReaderPolicy::Block), ("drop", SlowReaderPolicy::Drop)];
+        let choices = [
+            ("block", SlowReaderPolicy::Block),
+            ("drop", SlowReaderPolicy::Drop),
+        ];
         crate::error::parse_choice("slow_remote_reader", s, &choices)
     }
 }
@@ -192,6 +256,8 @@ fn socket(ctx: &zmq::Context, kind: zmq::SocketType, what: &str) -> Result<zmq::
 /// How long a connection to the writer may stay without a HELLO that proves the
 /// secret, counted from its acceptance to a look at the HELLOs by the writer after that.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long ZeroMQ's own handshake may take on a connection, on either side (ms).
+const HANDSHAKE_IVL_MS: i32 = 5000;
 /// Connections without such a HELLO at once, at most: beyond it the oldest are closed.
 const MAX_UNAUTHENTICATED: usize = 64;
 /// How often the guard looks at its connections when nothing happens.
@@ -230,13 +296,21 @@ fn peer_of(fd: i32) -> Option<Vec<u8>> {
     let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
     // SAFETY: `addr` is writable for `len` bytes, and getpeername writes at most that
     // and sets `len`; a stale `fd` only makes it fail (EBADF, ENOTSOCK, ENOTCONN).
-    let rc = unsafe { libc::getpeername(fd, (&mut addr as *mut libc::sockaddr_storage).cast(), &mut len) };
+    let rc = unsafe {
+        libc::getpeername(
+            fd,
+            (&mut addr as *mut libc::sockaddr_storage).cast(),
+            &mut len,
+        )
+    };
     if rc != 0 {
         return None;
     }
     let len = (len as usize).min(std::mem::size_of::<libc::sockaddr_storage>());
     // SAFETY: `addr` is a plain struct of `size_of` bytes, `len` is within it.
-    let bytes = unsafe { std::slice::from_raw_parts((&addr as *const libc::sockaddr_storage).cast::<u8>(), len) };
+    let bytes = unsafe {
+        std::slice::from_raw_parts((&addr as *const libc::sockaddr_storage).cast::<u8>(), len)
+    };
     Some(bytes.to_vec())
 }
 
@@ -279,8 +353,9 @@ fn spawn_guard(ctx: &zmq::Context, router: &zmq::Socket) -> Result<std::sync::Ar
         .monitor(&name, events)
         .map_err(Error::transport("monitoring the remote socket"))?;
     let mon = socket(ctx, zmq::PAIR, "remote monitor")?;
-    mon.connect(&name)
-        .map_err(Error::transport("connecting to the remote socket's monitor"))?;
+    mon.connect(&name).map_err(Error::transport(
+        "connecting to the remote socket's monitor",
+    ))?;
     let guard = std::sync::Arc::new(Guard {
         authenticated: Default::default(),
         served_ms: std::sync::atomic::AtomicU64::new(0),
@@ -329,7 +404,11 @@ fn run_guard(mon: zmq::Socket, guard: &Guard) {
                     zmq::SocketEvent::ACCEPTED => pending.push((fd, Instant::now(), peer_of(fd))),
                     zmq::SocketEvent::DISCONNECTED | zmq::SocketEvent::CLOSED => {
                         pending.retain(|p| p.0 != fd);
-                        guard.authenticated.lock().unwrap_or_else(|e| e.into_inner()).remove(&fd);
+                        guard
+                            .authenticated
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(&fd);
                     }
                     zmq::SocketEvent::MONITOR_STOPPED => return,
                     _ => {}
@@ -342,7 +421,10 @@ fn run_guard(mon: zmq::Socket, guard: &Guard) {
         // Acquire: pairs with `Guard::served` (the HELLOs taken by then are marked).
         let served = guard.epoch + Duration::from_millis(guard.served_ms.load(Ordering::Acquire));
         {
-            let good = guard.authenticated.lock().unwrap_or_else(|e| e.into_inner());
+            let good = guard
+                .authenticated
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             pending.retain(|p| !good.contains(&p.0));
         }
         pending.retain(|(fd, at, peer)| {
@@ -364,8 +446,14 @@ fn run_guard(mon: zmq::Socket, guard: &Guard) {
 /// A remote reader the writer accepted.
 #[derive(Debug)]
 struct Peer {
+    /// Its connection (ZeroMQ's routing id): the latest one its HELLO came on.
     id: Vec<u8>,
     rank: u64,
+    /// The nonce of its HELLO: the same again is the same reader (on a new connection,
+    /// or saying HELLO again); another is another reader for the rank.
+    nonce: [u8; 16],
+    /// The writer told it to start (READY).
+    started: bool,
     dropped: bool,
     /// Its address as ZeroMQ saw the connection ("Peer-Address"), for warnings.
     host: Option<String>,
@@ -375,8 +463,21 @@ struct Peer {
     sent_bytes: u64,
     taken_msgs: u64,
     taken_bytes: u64,
+    /// The sequence number of the last message it was sent (its READY's, until data).
+    last_seq: u64,
     /// When the writer last asked it for an ACK, since its last ACK.
     pinged: Option<Instant>,
+    /// PINGs sent to it since its last ACK.
+    unanswered_pings: u32,
+}
+
+/// What a look at a reader's connection found (see [`RemoteWriter::probe`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Probe {
+    /// The message was queued for it.
+    Sent,
+    /// ZeroMQ closed its connection (the reader went away, or the network did).
+    Gone,
 }
 
 impl Peer {
@@ -457,10 +558,17 @@ impl RemoteWriter {
         let opt = |what: &str| Error::transport(format!("setting {what} on the remote socket"));
         s.set_router_mandatory(true)
             .map_err(opt("ROUTER_MANDATORY"))?;
-        // The credit bounds data messages to `hwm` per reader (and in bytes); ZeroMQ's
-        // own bound only has to leave room for them and the control messages.
-        s.set_sndhwm(options.hwm.max(1).saturating_add(CONTROL_ROOM))
-            .map_err(opt("SNDHWM"))?;
+        // The credit bounds what is queued for a reader: `hwm` data messages and
+        // `max_queued_bytes` bytes, and a few control messages (PINGs are bounded too).
+        // ZeroMQ's own bound is off: it counts a queue's room in batches (its low-water
+        // mark), so it can refuse a message well before it holds `hwm` of them, and the
+        // last message to a dropped reader (DROPPED) must always find room.
+        s.set_sndhwm(0).map_err(opt("SNDHWM"))?;
+        // A connection that does not finish ZeroMQ's own handshake (a plain TCP client
+        // that says nothing) is closed by ZeroMQ within this, not its default 30 s; the
+        // guard bounds how many there are meanwhile.
+        s.set_handshake_ivl(HANDSHAKE_IVL_MS)
+            .map_err(opt("HANDSHAKE_IVL"))?;
         // What readers send is tiny (HELLOs); a flood of garbage is dropped at 1000.
         s.set_rcvhwm(1000).map_err(opt("RCVHWM"))?;
         s.set_maxmsgsize(HELLO as i64 * 4)
@@ -558,8 +666,8 @@ impl RemoteWriter {
                 continue;
             }
             let rank = u64::from_le_bytes(hello[4..12].try_into().expect("8 bytes"));
-            let nonce = &hello[12..28];
-            let want = mac(&self.key, b"hello", &[&rank.to_le_bytes(), nonce]);
+            let nonce: [u8; 16] = hello[12..28].try_into().expect("16 bytes");
+            let want = mac(&self.key, b"hello", &[&rank.to_le_bytes(), &nonce]);
             if !mac_eq(&want, &hello[28..60]) {
                 log::warn!(
                     "shmq: refused a connection to {} that does not hold the queue's secret",
@@ -575,69 +683,177 @@ impl RemoteWriter {
                     .unwrap_or_else(|e| e.into_inner())
                     .insert(fd);
             }
-            let reason = if self.peers.iter().any(|p| p.rank == rank) {
-                Some(format!("rank {rank} has joined already"))
-            } else if self.local_ranks.contains(&(rank as usize)) {
-                Some(format!("rank {rank} is a local reader"))
-            } else if self.peers.len() >= self.expected {
-                Some(format!(
-                    "the queue has {} remote readers already",
-                    self.expected
-                ))
-            } else {
-                None
-            };
-            let (kind, text) = match &reason {
-                Some(r) => (KIND_REFUSED, r.as_bytes().to_vec()),
-                None => {
-                    // The bounds, so the reader knows when to acknowledge.
-                    let mut t = (self.options.hwm.max(1) as u64).to_le_bytes().to_vec();
-                    t.extend_from_slice(&self.options.max_queued_bytes.to_le_bytes());
-                    (KIND_WELCOME, t)
-                }
-            };
-            let m = mac(
-                &self.key,
-                if kind == KIND_WELCOME {
-                    b"welcome"
-                } else {
-                    b"refused"
-                },
-                &[&rank.to_le_bytes(), nonce, &self.session, &text],
-            );
-            let h = header(kind, 0, &self.session, &m);
-            // Best effort: a peer gone meanwhile is simply not there.
-            let _ = self
-                .socket
-                .send_multipart([&id[..], &h[..], &text[..]], zmq::DONTWAIT);
-            if reason.is_none() {
-                self.peers.push(Peer {
-                    id: id.clone(),
-                    rank,
-                    dropped: false,
-                    host,
-                    sent_msgs: 0,
-                    sent_bytes: 0,
-                    taken_msgs: 0,
-                    taken_bytes: 0,
-                    pinged: None,
-                });
-                if self.ready {
-                    // Joined after the start: it gets READY at once and messages from
-                    // now on (it has not missed any it was counted for).
-                    let m = mac(
-                        &self.key,
-                        b"ready",
-                        &[&self.session, &self.seq.to_le_bytes()],
-                    );
-                    let h = header(KIND_READY, self.seq, &self.session, &m);
-                    let _ = self.socket.send_multipart([&id[..], &h[..]], zmq::DONTWAIT);
-                }
-            }
+            self.hello(id, rank, nonce, host)?;
         }
     }
 
-    /// Wait until every remote reader has joined, then tell them all to start.
+    /// A HELLO that proved the secret, from connection `id`: accept the reader, move a
+    /// known one to this connection, or refuse it (with the reason, under a MAC).
+    fn hello(&mut self, id: &[u8], rank: u64, nonce: [u8; 16], host: Option<String>) -> Result<()> {
+        let known = self.peers.iter().position(|p| p.rank == rank);
+        if let Some(k) = known {
+            let p = &self.peers[k];
+            if p.nonce == nonce && p.id[..] == id[..] {
+                // Said again on the same connection: the answer is on its way.
+                return Ok(());
+            }
+            if p.nonce == nonce && !p.dropped && p.sent_msgs == 0 {
+                // The same reader on a new connection (its first one closed: a flood
+                // the port's guard cut, a network blip): it lost nothing, so it goes on
+                // there. The old connection is gone (a DEALER has one at a time).
+                let p = &mut self.peers[k];
+                p.id = id.to_vec();
+                p.host = host;
+                p.pinged = None;
+                p.unanswered_pings = 0;
+                let started = p.started;
+                self.welcome(id, rank, &nonce);
+                if started {
+                    self.peers[k].started = false;
+                    self.start(k)?;
+                }
+                return Ok(());
+            }
+            if p.nonce != nonce && !self.ready && self.probe(k) == Probe::Gone {
+                // Another reader for a rank whose reader went away before the start:
+                // the rank is free again.
+                log::warn!(
+                    "shmq: remote reader rank {rank} (host {}) went away before the queue was \
+                     ready; a new reader takes its rank",
+                    self.peers[k].host.as_deref().unwrap_or("unknown")
+                );
+                self.peers.remove(k);
+            }
+        }
+        let reason = if let Some(p) = self.peers.iter().find(|p| p.rank == rank) {
+            Some(if p.nonce == nonce {
+                format!(
+                    "rank {rank} lost its connection after messages were sent to it (or was \
+                     dropped): it cannot join again"
+                )
+            } else {
+                format!("rank {rank} has joined already")
+            })
+        } else if self.local_ranks.contains(&(rank as usize)) {
+            Some(format!("rank {rank} is a local reader"))
+        } else if self.peers.len() >= self.expected {
+            Some(format!(
+                "the queue has {} remote readers already",
+                self.expected
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            let m = mac(
+                &self.key,
+                b"refused",
+                &[
+                    &rank.to_le_bytes(),
+                    &nonce,
+                    &self.session,
+                    reason.as_bytes(),
+                ],
+            );
+            let h = header(KIND_REFUSED, 0, &self.session, &m);
+            // Best effort: a peer gone meanwhile is simply not there.
+            let _ = self
+                .socket
+                .send_multipart([id, &h[..], reason.as_bytes()], zmq::DONTWAIT);
+            return Ok(());
+        }
+        self.welcome(id, rank, &nonce);
+        self.peers.push(Peer {
+            id: id.to_vec(),
+            rank,
+            nonce,
+            started: false,
+            dropped: false,
+            host,
+            sent_msgs: 0,
+            sent_bytes: 0,
+            taken_msgs: 0,
+            taken_bytes: 0,
+            last_seq: self.seq,
+            pinged: None,
+            unanswered_pings: 0,
+        });
+        if self.ready {
+            // Joined after the start: it gets READY at once and messages from now on
+            // (it has not missed any it was counted for).
+            self.start(self.peers.len() - 1)?;
+        }
+        Ok(())
+    }
+
+    /// Answer a HELLO with WELCOME: the session, and the bounds, so the reader knows
+    /// when to acknowledge; under a MAC bound to the reader's nonce. Best effort: a
+    /// reader whose connection went meanwhile says HELLO again on its next one.
+    fn welcome(&self, id: &[u8], rank: u64, nonce: &[u8; 16]) {
+        let mut text = (self.options.hwm.max(1) as u64).to_le_bytes().to_vec();
+        text.extend_from_slice(&self.options.max_queued_bytes.to_le_bytes());
+        let m = mac(
+            &self.key,
+            b"welcome",
+            &[&rank.to_le_bytes(), nonce, &self.session, &text],
+        );
+        let h = header(KIND_WELCOME, 0, &self.session, &m);
+        let _ = self
+            .socket
+            .send_multipart([id, &h[..], &text[..]], zmq::DONTWAIT);
+    }
+
+    /// Tell reader `k` to start (READY, at the current sequence number). A reader whose
+    /// connection is gone is forgotten instead: before the start its rank is free again,
+    /// after it (see `hello`) it is dropped.
+    fn start(&mut self, k: usize) -> Result<()> {
+        let m = mac(
+            &self.key,
+            b"ready",
+            &[&self.session, &self.seq.to_le_bytes()],
+        );
+        let h = header(KIND_READY, self.seq, &self.session, &m);
+        match self
+            .socket
+            .send_multipart([&self.peers[k].id[..], &h[..]], zmq::DONTWAIT)
+        {
+            Ok(()) => {
+                let p = &mut self.peers[k];
+                p.started = true;
+                p.last_seq = self.seq;
+                Ok(())
+            }
+            // Gone (ZeroMQ closed its connection: `EHOSTUNREACH`), or going (its queue
+            // is closing: `EAGAIN`, the only cause with no bound on the queue).
+            Err(zmq::Error::EHOSTUNREACH | zmq::Error::EAGAIN) => {
+                let p = &self.peers[k];
+                log::warn!(
+                    "shmq: remote reader rank {} (host {}) went away before it was told to \
+                     start; {}",
+                    p.rank,
+                    p.host.as_deref().unwrap_or("unknown"),
+                    if self.ready {
+                        "no messages go to it"
+                    } else {
+                        "waiting for a reader of its rank again"
+                    }
+                );
+                if self.ready {
+                    self.peers[k].dropped = true;
+                } else {
+                    self.peers.remove(k);
+                }
+                Ok(())
+            }
+            Err(e) => Err(Error::Transport {
+                context: format!("telling remote reader rank {} to start", self.peers[k].rank),
+                source: e,
+            }),
+        }
+    }
+
+    /// Wait until every remote reader has joined, then tell them all to start. A reader
+    /// that went away meanwhile is forgotten, and the wait goes on for its rank.
     pub fn wait_for_readers(&mut self, wait: &mut Wait) -> Result<()> {
         if self.ready {
             return Ok(());
@@ -645,21 +861,19 @@ impl RemoteWriter {
         loop {
             self.serve_hellos()?;
             if self.peers.len() >= self.expected {
-                break;
+                // From the last: `start` may forget the reader it is given.
+                for k in (0..self.peers.len()).rev() {
+                    if !self.peers[k].started {
+                        self.start(k)?;
+                    }
+                }
+                if self.peers.len() >= self.expected {
+                    break;
+                }
+                continue;
             }
             poll_slice(&self.socket, wait, || "waiting for remote readers".into())?;
             wait.step(&mut crate::wait::no_peer)?;
-        }
-        let m = mac(
-            &self.key,
-            b"ready",
-            &[&self.session, &self.seq.to_le_bytes()],
-        );
-        let h = header(KIND_READY, self.seq, &self.session, &m);
-        for p in &self.peers {
-            self.socket
-                .send_multipart([&p.id[..], &h[..]], 0)
-                .map_err(Error::transport("telling a remote reader to start"))?;
         }
         self.ready = true;
         Ok(())
@@ -727,18 +941,13 @@ impl RemoteWriter {
                         let p = &mut self.peers[k];
                         p.sent_msgs += 1;
                         p.sent_bytes += bytes;
+                        p.last_seq = self.seq;
                         break;
                     }
-                    Err(zmq::Error::EAGAIN) => self.slow(k, wait)?,
-                    Err(zmq::Error::EHOSTUNREACH) => {
-                        // Disconnected for good (ZeroMQ forgot it): it cannot come back
-                        // under the same identity.
-                        log::warn!(
-                            "shmq: remote reader rank {} is gone; no more messages go to it",
-                            self.peers[k].rank
-                        );
-                        self.peers[k].dropped = true;
-                    }
+                    // Disconnected for good (ZeroMQ forgot it, or is closing its queue:
+                    // with no bound on the queue that is the only `EAGAIN`): it cannot
+                    // come back under the same identity.
+                    Err(zmq::Error::EHOSTUNREACH | zmq::Error::EAGAIN) => self.gone(k),
                     Err(e) => {
                         return Err(Error::Transport {
                             context: format!(
@@ -754,8 +963,8 @@ impl RemoteWriter {
         Ok(())
     }
 
-    /// Reader `k` is out of credit (or, rarely, of room in ZeroMQ's queue): drop it, or
-    /// ask it for an ACK and wait a little (one step of `wait`: its timeout ends it).
+    /// Reader `k` is out of credit: drop it, or ask it for an ACK and wait a little (one
+    /// step of `wait`: its timeout ends it). One whose connection is gone is dropped.
     fn slow(&mut self, k: usize, wait: &mut Wait) -> Result<()> {
         let (hwm, max_bytes) = (self.options.hwm, self.options.max_queued_bytes);
         match self.options.slow_reader {
@@ -769,11 +978,14 @@ impl RemoteWriter {
                     p.sent_msgs - p.taken_msgs,
                     p.sent_bytes - p.taken_bytes,
                 );
-                self.peers[k].dropped = true;
+                self.drop_reader(k);
                 Ok(())
             }
             SlowReaderPolicy::Block => {
-                self.ping(k);
+                if self.ping(k) == Probe::Gone {
+                    self.gone(k);
+                    return Ok(());
+                }
                 // Woken by its ACK (or anything else arriving).
                 let _ = self.socket.poll(zmq::POLLIN, 1);
                 let p = &self.peers[k];
@@ -812,10 +1024,11 @@ impl RemoteWriter {
     }
 
     /// Tell every reader still sent to that the stream ends here (the CLOSED message, see
-    /// the module docs), waiting at most `grace` for room in a full reader's queue, then
-    /// for the readers' BYE (at most `BYE_WAIT`), so that a writer process that exits
-    /// right after still gets it out. A reader not reached is given up on: it sees the
-    /// writer go instead.
+    /// the module docs; ZeroMQ's queue has no bound here, so it is queued behind what
+    /// was sent before), then wait for the readers' BYE (at most `BYE_WAIT`, and at most
+    /// `grace`), so that a writer process that exits right after still gets it out. A
+    /// reader not reached in time (one that does not read: the message waits behind
+    /// what it has not taken) sees the writer go instead.
     pub fn close(&mut self, grace: Duration) {
         let deadline = Instant::now() + grace;
         self.seq += 1;
@@ -831,21 +1044,9 @@ impl RemoteWriter {
             if self.peers[k].dropped {
                 continue;
             }
-            loop {
-                match self.send_to(k, &h, &[]) {
-                    Ok(()) => waiting.push(self.peers[k].id.clone()),
-                    Err(zmq::Error::EAGAIN) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_micros(200));
-                        continue;
-                    }
-                    Err(zmq::Error::EAGAIN) => log::warn!(
-                        "shmq: remote reader rank {} did not take the writer's last message \
-                         within {grace:?}; it will see the writer go instead",
-                        self.peers[k].rank
-                    ),
-                    Err(_) => {} // gone (or going): nothing to tell it
-                }
-                break;
+            // An error is a reader gone (or going): nothing to tell it.
+            if self.send_to(k, &h, &[]).is_ok() {
+                waiting.push(self.peers[k].id.clone());
             }
         }
         // Acknowledgements, [identity, BYE], for at most BYE_WAIT (a reader that is busy
@@ -882,25 +1083,73 @@ impl RemoteWriter {
                 p.taken_msgs = msgs;
                 p.taken_bytes = bytes;
                 p.pinged = None;
+                p.unanswered_pings = 0;
             }
         }
     }
 
-    /// Ask reader `k` for an ACK (PING), unless it was asked within `PING_INTERVAL`.
-    fn ping(&mut self, k: usize) {
-        if self.peers[k]
-            .pinged
-            .is_some_and(|t| t.elapsed() < PING_INTERVAL)
+    /// Ask reader `k` for an ACK (PING), unless it was asked within `PING_INTERVAL` or
+    /// has `MAX_UNANSWERED_PINGS` unanswered already; whether its connection is gone.
+    fn ping(&mut self, k: usize) -> Probe {
+        let p = &self.peers[k];
+        if p.pinged.is_some_and(|t| t.elapsed() < PING_INTERVAL)
+            || p.unanswered_pings >= MAX_UNANSWERED_PINGS
         {
-            return;
+            return Probe::Sent;
         }
+        let probe = self.probe(k);
+        let p = &mut self.peers[k];
+        p.pinged = Some(Instant::now());
+        if probe == Probe::Sent {
+            p.unanswered_pings += 1;
+        }
+        probe
+    }
+
+    /// Send reader `k` a PING (harmless: it answers with an ACK only if it took
+    /// something since its last), to learn whether its connection is still there.
+    /// Only for a reader that was sent WELCOME on its connection (it knows the session).
+    fn probe(&self, k: usize) -> Probe {
         let m = mac(&self.key, b"ping", &[&self.session]);
         let h = header(KIND_PING, 0, &self.session, &m);
-        // Best effort: it is asked again after PING_INTERVAL.
+        match self
+            .socket
+            .send_multipart([&self.peers[k].id[..], &h[..]], zmq::DONTWAIT)
+        {
+            // No bound on the queue: `EAGAIN` is a queue ZeroMQ is closing.
+            Err(zmq::Error::EHOSTUNREACH | zmq::Error::EAGAIN) => Probe::Gone,
+            // Sent, or not for another reason (it is asked again).
+            _ => Probe::Sent,
+        }
+    }
+
+    /// Reader `k`'s connection is gone: no more messages go to it.
+    fn gone(&mut self, k: usize) {
+        log::warn!(
+            "shmq: remote reader rank {} (host {}) is gone (its connection closed); no more \
+             messages go to it",
+            self.peers[k].rank,
+            self.peers[k].host.as_deref().unwrap_or("unknown")
+        );
+        self.peers[k].dropped = true;
+    }
+
+    /// Stop sending to reader `k`, and tell it so (DROPPED, after the messages sent to
+    /// it before: see the module docs), so that it does not wait for more. ZeroMQ's
+    /// queue has no bound here, so the message is queued unless the connection is gone.
+    fn drop_reader(&mut self, k: usize) {
+        let p = &mut self.peers[k];
+        p.dropped = true;
+        let seq = p.last_seq + 1;
+        let m = mac(
+            &self.key,
+            b"dropped",
+            &[&self.session, &seq.to_le_bytes(), &p.rank.to_le_bytes()],
+        );
+        let h = header(KIND_DROPPED, seq, &self.session, &m);
         let _ = self
             .socket
             .send_multipart([&self.peers[k].id[..], &h[..]], zmq::DONTWAIT);
-        self.peers[k].pinged = Some(Instant::now());
     }
 
     fn send_to(&self, k: usize, h: &[u8], frames: &[&[u8]]) -> std::result::Result<(), zmq::Error> {
@@ -923,6 +1172,15 @@ impl RemoteWriter {
 }
 
 /// A remote reader's end of the stream.
+///
+/// Its socket is a DEALER connected to the writer's port, with ZeroMQ's heartbeats on
+/// ([`HEARTBEAT_INTERVAL`], [`heartbeat_timeout`]) and its own handshake bounded, and a
+/// socket monitor that tells it when a connection is made (ZeroMQ's handshake done) and
+/// when one ends (closed by the writer's side or the kernel, or given up for want of a
+/// heartbeat's answer). Before the writer says start, the reader says HELLO on every new
+/// connection and every [`HELLO_AGAIN`] (a HELLO taken from a connection the writer's
+/// port guard closed under a flood, or lost with it, is said again); after it, the end
+/// of the connection is the end of the stream.
 pub struct RemoteReader {
     socket: LeakInChild<zmq::Socket>,
     endpoint: String,
@@ -936,8 +1194,10 @@ pub struct RemoteReader {
     /// Whether the writer's start message came: it comes once, and a second one (a
     /// replayed recording, which would rewind `seq`) is refused.
     started: bool,
-    /// The writer's CLOSED message came: every call fails with `WriterShutDown` now.
-    closed: bool,
+    /// How the stream ended, once it has: every call fails with its error from then on.
+    ended: Option<Ended>,
+    /// The connection to the writer, as ZeroMQ's socket monitor tells it.
+    link: Link,
     /// Credit (see the module docs): data messages and bytes taken (running totals),
     /// those last acknowledged, and how many of each between ACKs (an eighth of the
     /// writer's bounds, from its WELCOME).
@@ -954,6 +1214,46 @@ struct Taken {
     every_bytes: u64,
 }
 
+/// How a remote reader's stream ended.
+#[derive(Clone, Debug)]
+enum Ended {
+    /// The writer's CLOSED came: [`Error::WriterShutDown`].
+    Closed,
+    /// The writer's DROPPED came: [`Error::ReaderDropped`].
+    Dropped,
+    /// The writer is gone, for the reason given: [`Error::RemoteWriterGone`].
+    Gone(String),
+}
+
+/// What a remote reader knows of its connection to the writer.
+struct Link {
+    /// ZeroMQ's monitor of the reader's socket (a PAIR connected to it): one event per
+    /// connection made (`HANDSHAKE_SUCCEEDED`) and ended (`DISCONNECTED`). Only these
+    /// two: libzmq sends monitor events blocking, from its I/O thread, and the events of
+    /// retried connections (one per reconnect interval while the writer is gone) would
+    /// fill the monitor of a reader that does not look at it for long.
+    events: LeakInChild<zmq::Socket>,
+    /// A connection to the writer is up: ZeroMQ's handshake done, and not ended since.
+    up: bool,
+    /// Since when no connection has been up (the connect, or the end of the last one).
+    down_since: Option<Instant>,
+    /// A connection ended after the writer said start: the stream ends after what
+    /// arrived before.
+    broken: bool,
+    /// When HELLO was last said.
+    hello_at: Instant,
+    /// The heartbeat timeout in force (`None`: no heartbeats).
+    heartbeat: Option<Duration>,
+}
+
+impl Link {
+    /// How long the reader goes without any connection to the writer before the start
+    /// until the writer counts as gone: as long as a silent connection lasts.
+    fn unreachable_after(&self) -> Option<Duration> {
+        self.heartbeat.map(|t| HEARTBEAT_INTERVAL + t)
+    }
+}
+
 impl std::fmt::Debug for RemoteReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteReader")
@@ -961,6 +1261,39 @@ impl std::fmt::Debug for RemoteReader {
             .field("rank", &self.rank)
             .finish()
     }
+}
+
+impl Drop for RemoteReader {
+    fn drop(&mut self) {
+        // In a forked child the sockets are the parent's and are leaked, untouched.
+        if crate::fork::is_inherited(self.socket.made_in()) {
+            return;
+        }
+        // Stop the monitor before its reading end closes: libzmq would otherwise emit the
+        // events of the socket's closing (from its I/O thread, blocking) into a monitor
+        // that nobody reads any more, and that thread serves every socket of the process.
+        // SAFETY: `zmq_socket_monitor` with a null endpoint stops the monitor of the
+        // socket it is given (zmq_socket_monitor(3)); the pointer is this reader's own
+        // open socket, used by no other thread (the reader is dropped, `&mut self`).
+        unsafe {
+            zmq_socket_monitor(self.socket.as_mut_ptr(), std::ptr::null(), 0);
+        }
+    }
+}
+
+extern "C" {
+    /// libzmq's, linked in by the zmq crate (whose own `monitor` cannot pass the null
+    /// endpoint that stops a monitor).
+    fn zmq_socket_monitor(
+        socket: *mut std::ffi::c_void,
+        endpoint: *const std::ffi::c_char,
+        events: std::ffi::c_int,
+    ) -> std::ffi::c_int;
+}
+
+/// Milliseconds as ZeroMQ's options take them.
+fn millis(d: Duration) -> i32 {
+    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
 }
 
 impl RemoteReader {
@@ -975,37 +1308,166 @@ impl RemoteReader {
         let s = socket(ctx, zmq::DEALER, "remote reader")?;
         let opt =
             |what: &str| Error::transport(format!("setting {what} on the remote reader socket"));
-        // The writer's credit bounds what is in flight to this reader (see the module
-        // docs); ZeroMQ's own bound only limits what anyone else on the port can push.
+        // Until the writer proved the secret, only it and the handshake are bounded by
+        // this; from its WELCOME on, its credit bounds the stream (see `accept`).
         s.set_rcvhwm(1000).map_err(opt("RCVHWM"))?;
         s.set_linger(0).map_err(opt("LINGER"))?;
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
+        let heartbeat = heartbeat_timeout();
+        if let Some(timeout) = heartbeat {
+            s.set_heartbeat_ivl(millis(HEARTBEAT_INTERVAL))
+                .map_err(opt("HEARTBEAT_IVL"))?;
+            s.set_heartbeat_timeout(millis(timeout))
+                .map_err(opt("HEARTBEAT_TIMEOUT"))?;
+            // A writer that accepts the connection but never finishes ZeroMQ's
+            // handshake (a stopped process: its kernel accepts for it) is given up too.
+            s.set_handshake_ivl(millis(timeout).max(HANDSHAKE_IVL_MS))
+                .map_err(opt("HANDSHAKE_IVL"))?;
+        }
+        // The monitor first, so that it sees the first connection.
+        let name = format!("inproc://shmq-remote-reader-{}", hex(&random16()?));
+        let events =
+            zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32 | zmq::SocketEvent::DISCONNECTED as i32;
+        s.monitor(&name, events)
+            .map_err(Error::transport("monitoring the remote reader socket"))?;
+        let mon = socket(ctx, zmq::PAIR, "remote reader monitor")?;
+        mon.connect(&name).map_err(Error::transport(
+            "connecting to the remote reader socket's monitor",
+        ))?;
         crate::transport::check_endpoint(endpoint)?;
         s.connect(endpoint)
             .map_err(crate::transport::endpoint_error(
                 "connecting".into(),
                 endpoint,
             ))?;
-        let nonce = random16()?;
-        let m = mac(&key, b"hello", &[&rank.to_le_bytes(), &nonce]);
-        let mut hello = [0u8; HELLO];
-        hello[..4].copy_from_slice(MAGIC_HELLO);
-        hello[4..12].copy_from_slice(&rank.to_le_bytes());
-        hello[12..28].copy_from_slice(&nonce);
-        hello[28..60].copy_from_slice(&m);
-        s.send(&hello[..], 0)
-            .map_err(Error::transport(format!("saying hello to {endpoint}")))?;
-        Ok(RemoteReader {
+        let now = Instant::now();
+        let reader = RemoteReader {
             socket: LeakInChild::new(s),
             endpoint: endpoint.to_owned(),
             key,
             rank,
-            nonce,
+            nonce: random16()?,
             session: None,
             seq: 0,
             started: false,
-            closed: false,
+            ended: None,
+            link: Link {
+                events: LeakInChild::new(mon),
+                up: false,
+                down_since: Some(now),
+                broken: false,
+                hello_at: now,
+                heartbeat,
+            },
             taken: Taken::default(),
+        };
+        // Queued until the connection is made (a DEALER queues for a connect).
+        reader
+            .socket
+            .send(&reader.hello()[..], 0)
+            .map_err(Error::transport(format!("saying hello to {endpoint}")))?;
+        Ok(reader)
+    }
+
+    /// This reader's HELLO: rank, nonce and their MAC.
+    fn hello(&self) -> [u8; HELLO] {
+        let m = mac(
+            &self.key,
+            b"hello",
+            &[&self.rank.to_le_bytes(), &self.nonce],
+        );
+        let mut hello = [0u8; HELLO];
+        hello[..4].copy_from_slice(MAGIC_HELLO);
+        hello[4..12].copy_from_slice(&self.rank.to_le_bytes());
+        hello[12..28].copy_from_slice(&self.nonce);
+        hello[28..60].copy_from_slice(&m);
+        hello
+    }
+
+    /// Say HELLO again (best effort: it is said again later).
+    fn say_hello(&mut self) {
+        let _ = self.socket.send(&self.hello()[..], zmq::DONTWAIT);
+        self.link.hello_at = Instant::now();
+    }
+
+    /// Take the monitor's events: a connection made (before the start: HELLO on it), a
+    /// connection ended (after the start: the stream breaks).
+    fn watch_link(&mut self) {
+        while let Ok(frames) = self.link.events.recv_multipart(zmq::DONTWAIT) {
+            let Some(ev) = frames.first().filter(|f| f.len() == 6) else {
+                continue;
+            };
+            match zmq::SocketEvent::from_raw(u16::from_ne_bytes([ev[0], ev[1]])) {
+                zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
+                    self.link.up = true;
+                    self.link.down_since = None;
+                    if !self.started {
+                        self.say_hello();
+                    }
+                }
+                zmq::SocketEvent::DISCONNECTED => {
+                    self.link.up = false;
+                    self.link.down_since.get_or_insert_with(Instant::now);
+                    if self.started {
+                        self.link.broken = true;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// End the stream (`how`): no more connections to the writer's port, and every call
+    /// fails with the error of `how` from now on; that error.
+    fn end(&mut self, how: Ended) -> Error {
+        if matches!(how, Ended::Gone(_)) {
+            // Best effort: only stops ZeroMQ from connecting again.
+            let _ = self.socket.disconnect(&self.endpoint);
+        }
+        self.ended = Some(how);
+        self.ended_error().expect("just ended")
+    }
+
+    /// The error of the stream's end, if it has ended.
+    fn ended_error(&self) -> Option<Error> {
+        Some(match self.ended.as_ref()? {
+            Ended::Closed => Error::WriterShutDown,
+            Ended::Dropped => Error::ReaderDropped {
+                rank: self.rank,
+                endpoint: self.endpoint.clone(),
+                received: self.taken.msgs,
+            },
+            Ended::Gone(reason) => Error::RemoteWriterGone {
+                endpoint: self.endpoint.clone(),
+                received: self.taken.msgs,
+                reason: reason.clone(),
+            },
+        })
+    }
+
+    /// The stream broke after the start: the reason the writer is gone.
+    fn broken_reason(&self) -> String {
+        let silence = self.link.heartbeat.map_or_else(String::new, |t| {
+            format!(" or stopped answering ZeroMQ's heartbeats for {t:?}")
+        });
+        format!(
+            "its connection closed{silence} without the writer's shutdown (the writer died or \
+             hangs, or the network between failed)"
+        )
+    }
+
+    /// Before the start: the reason the writer is gone, if no connection to it has been
+    /// up for as long as a silent one lasts.
+    fn unreachable(&self) -> Option<String> {
+        let after = self.link.unreachable_after()?;
+        let since = self.link.down_since?;
+        (since.elapsed() >= after).then(|| {
+            format!(
+                "this reader cannot reach the writer: no connection to it for {:.1?} \
+                 (ZeroMQ's handshake not done; the writer died before this reader joined, \
+                 or the network is down)",
+                since.elapsed()
+            )
         })
     }
 
@@ -1051,7 +1513,7 @@ impl RemoteReader {
         let session: [u8; 16] = h[16..32].try_into().expect("16 bytes");
         let got_mac = &h[32..64];
         match (kind, self.session) {
-            (KIND_WELCOME | KIND_REFUSED, None) => {
+            (KIND_WELCOME | KIND_REFUSED, known) if known.is_none_or(|s| s == session) => {
                 let text: &[u8] = frames.first().map_or(&[], |m| &m[..]);
                 let tag: &[u8] = if kind == KIND_WELCOME { b"welcome" } else { b"refused" };
                 let want = mac(&self.key, tag, &[&self.rank.to_le_bytes(), &self.nonce, &session, text]);
@@ -1066,6 +1528,10 @@ impl RemoteReader {
                         String::from_utf8_lossy(text)
                     )));
                 }
+                if known.is_some() {
+                    // The answer to a HELLO said again: nothing new.
+                    return Ok(None);
+                }
                 self.session = Some(session);
                 // The writer's bounds: acknowledge every eighth of them (a writer that
                 // did not say gets an ACK for every message).
@@ -1075,6 +1541,11 @@ impl RemoteReader {
                     self.taken.every_msgs = (m / 8).max(1);
                     self.taken.every_bytes = (b / 8).max(1);
                 }
+                // From here on the writer's credit bounds what it sends (see the module
+                // docs); ZeroMQ's bound, which counts its room in batches, could stop
+                // taking frames from the network before that, and with them the
+                // heartbeats' answers. Best effort: the bound stays as it was otherwise.
+                let _ = self.socket.set_rcvhwm(0);
                 Ok(None)
             }
             (KIND_READY, Some(s)) if s == session => {
@@ -1087,6 +1558,9 @@ impl RemoteReader {
                         "a second start message arrived (a replay? is another process using the writer's port?)",
                     ));
                 }
+                // The connections that ended before this one (which carried the start:
+                // its handshake's event came before the message) are not the stream's.
+                self.watch_link();
                 self.started = true;
                 self.seq = seq;
                 Ok(Some(Vec::new()))
@@ -1131,14 +1605,48 @@ impl RemoteReader {
                     )));
                 }
                 self.seq = seq;
-                self.closed = true;
                 // Best effort: the writer waits for it only a short while.
                 let _ = self.socket.send(&MAGIC_BYE[..], zmq::DONTWAIT);
-                Err(Error::WriterShutDown)
+                Err(self.end(Ended::Closed))
+            }
+            (KIND_DROPPED, Some(s)) if s == session => {
+                let want = mac(
+                    &self.key,
+                    b"dropped",
+                    &[&session, &seq.to_le_bytes(), &self.rank.to_le_bytes()],
+                );
+                if !mac_eq(&want, got_mac) {
+                    return Err(self.refuse("a message that it was dropped failed authentication"));
+                }
+                if seq != self.seq + 1 {
+                    return Err(self.refuse(&format!(
+                        "the message that it was dropped ({seq}) arrived after message {}: \
+                         messages were lost",
+                        self.seq
+                    )));
+                }
+                self.seq = seq;
+                Err(self.end(Ended::Dropped))
             }
             _ => Err(self.refuse(
                 "a message of another session arrived (is another process using the writer's port?)",
             )),
+        }
+    }
+
+    /// [`accept`](Self::accept), where a message that is not the writer's, after the
+    /// stream's connection ended, is the writer's end (something else took its port, and
+    /// ZeroMQ connected to it before the reader stopped it): the writer is gone.
+    fn accept_checked(&mut self, frames: Vec<zmq::Message>) -> Result<Option<Vec<zmq::Message>>> {
+        match self.accept(frames) {
+            Err(Error::Remote(why)) => {
+                self.watch_link();
+                if self.link.broken {
+                    return Err(self.end(Ended::Gone(self.broken_reason())));
+                }
+                Err(Error::Remote(why))
+            }
+            r => r,
         }
     }
 
@@ -1178,25 +1686,39 @@ impl RemoteReader {
         self.recv_raw(Duration::ZERO)
     }
 
-    /// The next message (its frames, authenticated), if one has arrived.
+    /// The next message (its frames, authenticated), if one has arrived. Once the stream
+    /// has ended (the writer shut down, dropped this reader, or is gone), its error.
     pub fn try_recv_frames(&mut self) -> Result<Option<Vec<zmq::Message>>> {
         self.recv_frames_for(Duration::ZERO)
     }
 
     /// The next message (its frames, authenticated), if one arrives within `timeout`.
     fn recv_frames_for(&mut self, timeout: Duration) -> Result<Option<Vec<zmq::Message>>> {
-        if self.closed {
-            return Err(Error::WriterShutDown);
+        if let Some(e) = self.ended_error() {
+            return Err(e);
         }
         let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
         loop {
             let left = deadline.map_or(Duration::ZERO, |d| {
                 d.saturating_duration_since(Instant::now())
             });
-            let Some(raw) = self.recv_raw(left)? else {
-                return Ok(None);
+            let raw = match self.recv_raw(left)? {
+                Some(raw) => raw,
+                None => {
+                    // Nothing came: has the stream's connection ended? Then what
+                    // arrived before it is taken first (a receive that finds nothing
+                    // takes ZeroMQ's pending work first, so it sees all of it).
+                    self.watch_link();
+                    if !self.link.broken {
+                        return Ok(None);
+                    }
+                    match self.try_recv_raw()? {
+                        Some(raw) => raw,
+                        None => return Err(self.end(Ended::Gone(self.broken_reason()))),
+                    }
+                }
             };
-            match self.accept(raw)? {
+            match self.accept_checked(raw)? {
                 Some(frames) if !frames.is_empty() => return Ok(Some(frames)),
                 _ => continue, // handshake traffic
             }
@@ -1210,32 +1732,40 @@ impl RemoteReader {
             if let Some(f) = self.recv_frames_for(slice)? {
                 return Ok(f);
             }
-            // A remote writer's liveness cannot be checked from here: the warning says
-            // where it is and how far the stream got.
+            // The connection is watched (see the type's docs): the warning says where
+            // the writer is and how far the stream got.
             let (endpoint, seq) = (&self.endpoint, self.seq);
             wait.step_explained(&mut crate::wait::no_peer, &mut || {
                 format!(
-                    "the writer at {endpoint} (on another host: its liveness cannot be \
-                     checked from here), {seq} messages received from it so far"
+                    "the writer at {endpoint} (on another host; its connection is up), {seq} \
+                     messages received from it so far"
                 )
             })?;
         }
     }
 
-    /// Wait until the writer accepted this reader and said start.
+    /// Wait until the writer accepted this reader and said start, saying HELLO again on
+    /// every new connection and every [`HELLO_AGAIN`] until then.
     pub fn wait_ready(&mut self, wait: &mut Wait) -> Result<()> {
         loop {
-            if self.closed {
-                return Err(Error::WriterShutDown);
+            if let Some(e) = self.ended_error() {
+                return Err(e);
             }
             while let Some(raw) = self.try_recv_raw()? {
-                match self.accept(raw)? {
+                match self.accept_checked(raw)? {
                     Some(frames) if frames.is_empty() => return Ok(()),
                     Some(_) => {
                         return Err(self.refuse("a message arrived before the writer said start"))
                     }
                     None => {}
                 }
+            }
+            self.watch_link();
+            if let Some(reason) = self.unreachable() {
+                return Err(self.end(Ended::Gone(reason)));
+            }
+            if self.link.hello_at.elapsed() >= HELLO_AGAIN {
+                self.say_hello();
             }
             poll_slice(&self.socket, wait, || {
                 format!("waiting for {}", self.endpoint)
@@ -1329,6 +1859,110 @@ mod tests {
         assert_eq!(r.recv_frames(&mut wait()).unwrap()[0].len(), 4 << 20);
     }
 
+    #[test]
+    fn a_reader_whose_writer_goes_without_shutdown_gets_what_arrived_then_an_error() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let (mut w, _) =
+            RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], RemoteOptions::default())
+                .unwrap();
+        let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+            w.wait_for_readers(&mut wait()).unwrap();
+        });
+        w.send(&[b"one"], &mut wait()).unwrap();
+        w.send(&[b"two"], &mut wait()).unwrap();
+        // Gone without CLOSED (as a killed writer: its connection closes).
+        drop(w);
+        let t0 = Instant::now();
+        assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"one");
+        assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"two");
+        let e = r.recv_frames(&mut wait()).unwrap_err();
+        assert!(
+            matches!(e, Error::RemoteWriterGone { received: 2, .. }),
+            "{e}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+        // And from then on, at once.
+        assert!(matches!(
+            r.try_recv_frames(),
+            Err(Error::RemoteWriterGone { .. })
+        ));
+    }
+
+    #[test]
+    fn a_dropped_reader_gets_what_was_sent_to_it_then_is_told() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let options = RemoteOptions {
+            hwm: 4,
+            max_queued_bytes: 1 << 20,
+            slow_reader: SlowReaderPolicy::Drop,
+        };
+        let (mut w, _) = RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
+        let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+            w.wait_for_readers(&mut wait()).unwrap();
+        });
+        // Four fit its credit; the fifth drops it (it reads nothing meanwhile).
+        for i in 0..10u8 {
+            w.send(&[&[i]], &mut wait()).unwrap();
+        }
+        assert_eq!(w.peers(), vec![(1, Some("127.0.0.1".into()), true)]);
+        for i in 0..4u8 {
+            assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], &[i]);
+        }
+        let e = r.recv_frames(&mut wait()).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::ReaderDropped {
+                    rank: 1,
+                    received: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // The writer's end does not change what the reader was told.
+        w.close(Duration::from_millis(100));
+        assert!(matches!(
+            r.try_recv_frames(),
+            Err(Error::ReaderDropped { .. })
+        ));
+    }
+
+    #[test]
+    fn a_rank_whose_reader_went_before_the_start_is_free_again() {
+        let ctx = zmq::Context::new();
+        let key = new_secret().unwrap();
+        let (mut w, _) =
+            RemoteWriter::bind(&ctx, "127.0.0.1", key, 2, vec![0], RemoteOptions::default())
+                .unwrap();
+        let first = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+        let short = || Wait::new("test", Some(Duration::from_millis(300)));
+        // The writer takes its HELLO, and waits for rank 2.
+        assert!(matches!(
+            w.wait_for_readers(&mut short()),
+            Err(Error::Timeout { .. })
+        ));
+        assert_eq!(w.readers(), vec![1]);
+        drop(first);
+        std::thread::sleep(Duration::from_millis(100));
+        let mut again = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+        let mut other = RemoteReader::connect(&ctx, w.endpoint(), false, key, 2).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| again.wait_ready(&mut wait()).unwrap());
+            s.spawn(|| other.wait_ready(&mut wait()).unwrap());
+            w.wait_for_readers(&mut wait()).unwrap();
+        });
+        w.send(&[b"both"], &mut wait()).unwrap();
+        assert_eq!(&again.recv_frames(&mut wait()).unwrap()[0][..], b"both");
+        assert_eq!(&other.recv_frames(&mut wait()).unwrap()[0][..], b"both");
+    }
+
     /// A reader of rank 1 whose handshake gave it `session`, before the start message
     /// (its socket is connected to nothing: messages go to `accept` by hand).
     fn reader_in_session(
@@ -1345,7 +1979,15 @@ mod tests {
             session: Some(session),
             seq: 0,
             started: false,
-            closed: false,
+            ended: None,
+            link: Link {
+                events: LeakInChild::new(ctx.socket(zmq::PAIR).unwrap()),
+                up: false,
+                down_since: None,
+                broken: false,
+                hello_at: Instant::now(),
+                heartbeat: None,
+            },
             taken: Taken::default(),
         }
     }
@@ -1365,7 +2007,7 @@ mod tests {
         // Wrong key: refused as a stranger's, not taken as the end.
         let e = r.accept(closed(&[9; 32], 1)).unwrap_err();
         assert!(matches!(e, Error::Remote(_)), "{e}");
-        assert!(!r.closed);
+        assert!(r.ended.is_none());
         // The real one: the end, and from then on every receive says so.
         let e = r.accept(closed(&key, 1)).unwrap_err();
         assert!(matches!(e, Error::WriterShutDown), "{e}");

@@ -244,7 +244,11 @@ class MessageQueue:
     - ``on_dead_reader``: when a local reader dies without reading a chunk the writer
       needs, the writer raises ``PeerDiedError`` naming it (``"raise"``, the default) or
       goes on without it (``"drop"``). A reader whose writer died raises
-      ``PeerDiedError`` too, instead of waiting forever.
+      ``PeerDiedError`` too, instead of waiting forever; a remote reader as well, after
+      every message that arrived: at once for a writer killed on a machine that stays
+      up, within 5 s for one that hangs or whose machine or network went away (ZeroMQ's
+      heartbeats, ``SHMQ_REMOTE_HEARTBEAT_TIMEOUT``), and within 5 s of ``wait_until_ready``
+      for one it cannot reach at all.
     - The writer's ``shutdown()``, and its normal end (the object dropped, or the
       interpreter exiting), end the queue: the writer's later calls, and one blocked in
       another thread, raise ``QueueShutDownError`` (a ``RuntimeError``); every reader,
@@ -273,8 +277,12 @@ class MessageQueue:
       network buffers and in the reader together (the reader acknowledges what it took),
       so neither process's memory grows with a reader that stops reading. When it falls
       that far behind the writer waits for it (``slow_remote_reader="block"``, within the
-      enqueue timeout) or stops sending to it (``"drop"``). A single message larger than
-      ``remote_max_queued_bytes`` goes once the reader has taken everything before it.
+      enqueue timeout) or stops sending to it (``"drop"``; the reader gets what was sent
+      to it before, then ``ConnectionError`` saying it was dropped). A single message
+      larger than ``remote_max_queued_bytes`` goes once the reader has taken everything
+      before it. A remote reader says its HELLO again on every new connection until the
+      writer starts it, so it joins through floods of idle connections; a rank whose
+      reader went away before the queue was ready is free for another.
     - ``loan(nbytes)`` / ``loan_tensor(shape, dtype)`` / ``loan_array(shape, dtype)``:
       memory in the arena to fill in place; sending an object that holds it sends a
       reference, no copy at all.
