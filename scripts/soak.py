@@ -78,6 +78,9 @@ try:
 except ImportError:  # pragma: no cover - psutil is optional
     psutil = None
 
+# What reading a process's RSS may raise.
+_RSS_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError) + ((psutil.Error,) if psutil is not None else ())
+
 
 # ---------------------------------------------------------------------------------
 # Measurements
@@ -92,7 +95,7 @@ def rss_bytes(pid: int) -> int | None:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
-    except (OSError, ValueError) if psutil is None else (OSError, ValueError, psutil.Error):
+    except _RSS_ERRORS:
         return None
     return None
 

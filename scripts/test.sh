@@ -94,6 +94,9 @@ if [ ! -e "$vllm_stamp" ]; then
   touch "$vllm_stamp"
 fi
 
+step "Python: ruff over the package, the tests, the scripts and the examples"
+.venv/bin/python -m ruff check python tests scripts examples
+
 step "Python: the stubs of shmq._core against the built module, and the types"
 # stubtest compares python/shmq/_core.pyi with the extension (every name, signature,
 # default; the allowlist says why each exception exists); mypy checks the package, and

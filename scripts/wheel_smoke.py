@@ -85,7 +85,10 @@ def check_store(ctx: Any) -> None:
     assert array_ok, "store: the array read in the other process differs"
     assert meta == META, f"store: read {meta!r}, put {META!r}"
     assert refused.startswith("ValueError"), refused
-    print(f"store: array and dict read by a spawned reader with signed handles; forged signature -> {shorten(refused, 100)}")
+    print(
+        "store: array and dict read by a spawned reader with signed handles; "
+        f"forged signature -> {shorten(refused, 100)}"
+    )
     store.close()
 
 

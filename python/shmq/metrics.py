@@ -154,7 +154,9 @@ class ShmqCollector:
         for specs, labels in by_labels:
             gauges.update(families(specs, GaugeMetricFamily, labels))
         readers_up = GaugeMetricFamily(
-            "shmq_queue_reader_up", "1 while a queue's reader is alive (not proved dead), else 0.", labels=["segment", "reader"]
+            "shmq_queue_reader_up",
+            "1 while a queue's reader is alive (not proved dead), else 0.",
+            labels=["segment", "reader"],
         )
 
         def add(specs: list[tuple[str, str, Any]], into: dict[str, Any], m: dict[str, Any], labels: list[str]) -> None:
@@ -270,15 +272,18 @@ def _rows(now: list[dict[str, Any]], before: dict[str, dict[str, Any]], seconds:
                     else "busy elsewhere"
                 )
                 lines.append(
-                    f"{'':<34}   reader {r['reader']}: pid {r['pid']} ({r['state']}{', dropped' if r['dropped'] else ''}) "
+                    f"{'':<34}   reader {r['reader']}: pid {r['pid']} "
+                    f"({r['state']}{', dropped' if r['dropped'] else ''}) "
                     f"{r['messages']:,} msgs {_rate(r['messages'], prev_r, seconds)}, {r['behind']} behind, {doing}"
                 )
         elif kind == "store":
             prev_p = b["puts"] if b else None
             prev_g = b["gets"] if b else None
             lines.append(
-                f"{m['name']:<34} store   {m['objects']} objects, {_human(m['bytes_in_use'])} of {_human(m['capacity'])}; "
-                f"puts {m['puts']:,} {_rate(m['puts'], prev_p, seconds)}, gets {m['gets']:,} {_rate(m['gets'], prev_g, seconds)}, "
+                f"{m['name']:<34} store   {m['objects']} objects, "
+                f"{_human(m['bytes_in_use'])} of {_human(m['capacity'])}; "
+                f"puts {m['puts']:,} {_rate(m['puts'], prev_p, seconds)}, "
+                f"gets {m['gets']:,} {_rate(m['gets'], prev_g, seconds)}, "
                 f"evictions {m['evictions']:,}, views held {m['views_held']}"
             )
         elif kind == "arena":
@@ -290,7 +295,8 @@ def _rows(now: list[dict[str, Any]], before: dict[str, dict[str, Any]], seconds:
             prev_s = b["saves"] if b else None
             lines.append(
                 f"{m['name']:<34} encoder cache ({m['state']}) {m['entries']} entries, {_human(m['bytes_in_use'])} of "
-                f"{_human(m['capacity'])}; saves {m['saves']:,} {_rate(m['saves'], prev_s, seconds)}, loads {m['loads']:,}, "
+                f"{_human(m['capacity'])}; saves {m['saves']:,} {_rate(m['saves'], prev_s, seconds)}, "
+                f"loads {m['loads']:,}, "
                 f"evictions {m['evictions']:,}, waits {m['waits']} ({m['wait_seconds']:.2f} s)"
             )
     return lines

@@ -199,13 +199,13 @@ def _register_metrics() -> bool:
         metrics.register_prometheus(registry)
         return registry
 
-    setattr(get_prometheus_registry, "_shmq", True)
+    setattr(get_prometheus_registry, "_shmq", True)  # noqa: B010 - an attribute mypy does not know
     get_prometheus_registry.__doc__ = original.__doc__
-    setattr(vp, "get_prometheus_registry", get_prometheus_registry)
+    setattr(vp, "get_prometheus_registry", get_prometheus_registry)  # noqa: B010 - a module's name, for mypy
     # The /metrics route imported the name at its load: rebind it there too.
     route = sys.modules.get(_VLLM_METRICS_ROUTE)
     if route is not None and getattr(route, "get_prometheus_registry", None) is original:
-        setattr(route, "get_prometheus_registry", get_prometheus_registry)
+        setattr(route, "get_prometheus_registry", get_prometheus_registry)  # noqa: B010 - as above
     return True
 
 

@@ -31,7 +31,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -154,7 +153,13 @@ print(sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmq_")), flush=
 
 def daemon_enqueue() -> dict:
     p = subprocess.run([sys.executable, "-c", _DAEMON_ENQUEUE], capture_output=True, text=True, timeout=STEP)
-    return {"exitcode": p.returncode, "made": p.stdout.strip(), "left": _left(), "running": [], "stderr": p.stderr[-2000:]}
+    return {
+        "exitcode": p.returncode,
+        "made": p.stdout.strip(),
+        "left": _left(),
+        "running": [],
+        "stderr": p.stderr[-2000:],
+    }
 
 
 # ---------------------------------------------------------------------------------

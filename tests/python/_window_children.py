@@ -359,7 +359,7 @@ def store_window_reader(out: Any, handle_pickle: bytes, cmds: Any, signing_key: 
         return store.get(address, mid, signature, signing_key)
 
     _serve(out, cmds, load)
-    del store
+    store = None  # drop it (and its views' owner) before the collection below
     gc.collect()
 
 

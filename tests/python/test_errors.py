@@ -202,8 +202,8 @@ def test_a_dead_reader_error_names_its_queue(children):
     PeerDiedError names the second queue's ring (and the reader, as before)."""
     queues = [MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=2, arena_bytes=0) for _ in range(2)]
     outs = [children.queue() for _ in queues]
-    procs = [children.start(killed_reader, out, mq.export_handle(), 0) for mq, out in zip(queues, outs)]
-    for mq, out in zip(queues, outs):
+    procs = [children.start(killed_reader, out, mq.export_handle(), 0) for mq, out in zip(queues, outs, strict=True)]
+    for mq, out in zip(queues, outs, strict=True):
         mq.wait_until_ready(timeout=STEP)
         children.expect(out, "ready")
     victim, alive = procs[1], procs[0]

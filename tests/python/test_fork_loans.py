@@ -33,7 +33,10 @@ SCRIPT = textwrap.dedent(
     view = r.dequeue(timeout=10)
     os.write(go_w, b"x")
     _, status = os.waitpid(pid, 0)
-    print("CHILD", "signal" if os.WIFSIGNALED(status) else "exit", os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+    if os.WIFSIGNALED(status):
+        print("CHILD signal", os.WTERMSIG(status))
+    else:
+        print("CHILD exit", os.WEXITSTATUS(status))
     print("VIEW", float(view.min()), float(view.max()))
     nxt = q.loan_array((1 << 18,), "float32")
     nxt[:] = 3.0

@@ -11,7 +11,6 @@ after ``cargo test`` in ``scripts/test.sh``, which builds the examples).
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import subprocess
@@ -184,7 +183,11 @@ def test_a_python_writers_handle_opens_a_rust_reader(rust_example: str) -> None:
 def rust_parse(rust_example: str, lines: list[str]) -> list[str]:
     """What ``handle_roundtrip parse`` prints for each line."""
     done = subprocess.run(
-        [rust_example, "parse"], input="".join(f"{line}\n" for line in lines), capture_output=True, text=True, timeout=STEP
+        [rust_example, "parse"],
+        input="".join(f"{line}\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=STEP,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
@@ -207,7 +210,7 @@ def test_both_languages_print_and_refuse_the_same_texts(rust_example: str) -> No
     ]
     texts = [str(h) for h in handles]
     assert rust_parse(rust_example, texts) == texts
-    for h, t in zip(handles, texts):
+    for h, t in zip(handles, texts, strict=True):
         back = Handle.from_str(t)
         assert (back.local_reader_ranks, back.buffer_handle, back.remote_subscribe_addr) == (
             h.local_reader_ranks,
@@ -229,7 +232,7 @@ def test_both_languages_print_and_refuse_the_same_texts(rust_example: str) -> No
         texts[2].replace("|1|", "|true|"),
         texts[2].replace("3,0,7", "3,-1,7"),
     ]
-    for text, rust in zip(bad, rust_parse(rust_example, bad)):
+    for text, rust in zip(bad, rust_parse(rust_example, bad), strict=True):
         with pytest.raises(ValueError, match=r"^not a shmq queue handle \(") as e:
             Handle.from_str(text)
         # The same words in both languages, and never the secret.

@@ -182,7 +182,8 @@ def test_a_readers_own_shutdown_still_says_cancelled():
 def _check_reader(report: tuple, what: str) -> None:
     _, got, outcome, again, again_took = report
     expected = _messages()
-    assert len(got) == len(expected) and all(_same(a, b) for a, b in zip(got, expected)), f"{what}: {got!r:.300}"
+    same = len(got) == len(expected) and all(_same(a, b) for a, b in zip(got, expected, strict=True))
+    assert same, f"{what}: {got!r:.300}"
     assert outcome["shut_down"] and outcome["runtime_error"] and not outcome["peer_died"], (what, outcome)
     assert WRITER_SHUT_DOWN in outcome["message"], (what, outcome)
     assert again == "QueueShutDownError" and again_took < 1.0, (what, again, again_took)
@@ -205,7 +206,7 @@ def test_readers_get_every_message_then_the_writers_end(children, end):
         mq.shutdown()
     else:
         del mq
-    for out, what in zip(outs, ["local reader", "remote reader"]):
+    for out, what in zip(outs, ["local reader", "remote reader"], strict=True):
         _check_reader(children.expect(out, "ended"), what)
     children.join()
 
@@ -221,7 +222,7 @@ def test_readers_get_every_message_then_the_end_of_a_writer_process_that_exits(c
     for out in outs:
         children.expect(out, "ready")
     children.expect(writer_out, "sent")
-    for out, what in zip(outs, ["local reader", "remote reader"]):
+    for out, what in zip(outs, ["local reader", "remote reader"], strict=True):
         _check_reader(children.expect(out, "ended"), what)
     children.join()
 

@@ -347,7 +347,8 @@ def test_a_loan_written_after_it_was_sent_changes_nothing_readers_get(children):
     view. ``fill_(i)`` → ``enqueue`` → ``fill_(1000 + i)``: both readers get ``i`` in
     every element, and the writer reads ``1000 + i``. 40 loans through an arena with room
     for 8 at a time (a ring of 4 messages keeps at most 6 alive): dropped loans are mapped
-    shared again before their memory is lent again, so every later message is right too (a page left private would send zeros or
+    shared again before their memory is lent again, so every later message is right too (a page
+    left private would send zeros or
     an older message's bytes)."""
     mq = MessageQueue(2, 2, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
     outs = [children.queue() for _ in range(2)]

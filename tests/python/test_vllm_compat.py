@@ -456,9 +456,9 @@ def test_ring_shared_memory_shows_the_segment_another_process_wrote(children):
     # object can be made, its memory cannot be reached.
     away = ShmRingBuffer(1, 4096, 2, name="shmq_no_such_ring_here")
     with pytest.raises(FileNotFoundError, match="does not exist on this machine"):
-        away.shared_memory.size
+        _ = away.shared_memory.size
     with pytest.raises(FileNotFoundError, match="does not exist on this machine"):
-        away.shared_memory.buf
+        _ = away.shared_memory.buf
 
 
 def test_a_dropped_ring_or_store_is_gone_without_the_garbage_collector():

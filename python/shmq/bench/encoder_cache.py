@@ -232,7 +232,9 @@ def _vllm_ec() -> tuple[Any, Any, Any]:
         from vllm.distributed.ec_transfer.ec_connector.cpu.scheduler.embedding_cache import EmbeddingCache
         from vllm.distributed.ec_transfer.ec_connector.cpu.worker import _coalesce_runs
     except Exception as e:  # noqa: BLE001 - a vLLM without that connector
-        raise Skip(f"needs vLLM 0.33's encoder-cache CPU connector (importing it failed: {type(e).__name__}: {e})")
+        raise Skip(
+            f"needs vLLM 0.33's encoder-cache CPU connector (importing it failed: {type(e).__name__}: {e})"
+        ) from e
     finally:
         vllm_log.setLevel(level)
     return ECSharedRegion, EmbeddingCache, _coalesce_runs

@@ -35,7 +35,7 @@ from .common import (
 )
 from .harness import Harness
 from .scenarios import FLOORS, PRESETS, SCENARIOS, Floor, Params, Scenario
-from .transports import TRANSPORTS, Transport, vllm_missing
+from .transports import TRANSPORTS, Transport
 
 
 @dataclass
