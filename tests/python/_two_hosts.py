@@ -3,9 +3,11 @@
 line with what it saw and exits 0 only if everything checked out.
 
 Roles: ``writer`` (host A), ``local`` (host A, reads through shared memory),
-``remote`` (host B, with its own /dev/shm: it must not see host A's segments), and
+``remote`` (host B, with its own /dev/shm: it must not see host A's segments),
 ``group RANK``: one rank of a 3-process StatelessProcessGroup (store on host A) that
-makes its queue with ``MessageQueue.create_from_process_group``, rank 0 writing.
+makes its queue with ``MessageQueue.create_from_process_group``, rank 0 writing, and
+``writer_then_hold`` / ``remote_until_gone``: a remote reader whose link to the writer
+goes down.
 """
 
 from __future__ import annotations
@@ -100,6 +102,38 @@ def reader(workdir: str, rank: int) -> dict:
     }
 
 
+def writer_then_hold(workdir: str) -> dict:
+    """A writer for one remote reader (rank 0) that sends 10 numbers, then holds the queue
+    open (neither sends nor shuts down) until it is killed."""
+    mq = MessageQueue(n_reader=1, n_local_reader=0, connect_ip=HOST_A)
+    tmp = handle_path(workdir) + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(mq.export_handle(), f)
+    os.rename(tmp, handle_path(workdir))
+    mq.wait_until_ready(TIMEOUT)
+    for i in range(10):
+        mq.enqueue(i, timeout=TIMEOUT)
+    time.sleep(TIMEOUT)
+    return {"held": True}
+
+
+def remote_until_gone(workdir: str) -> dict:
+    """Rank 0 of ``writer_then_hold``'s queue: read the 10 numbers, say so (a file
+    ``got``), then wait for more and report the error that ends the wait, with the
+    wall-clock time it came (both hosts share the clock)."""
+    mq = MessageQueue.create_from_handle(read_handle(workdir), 0)
+    mq.wait_until_ready(TIMEOUT)
+    got = [mq.dequeue(timeout=TIMEOUT) for _ in range(10)]
+    with open(os.path.join(workdir, "got"), "w") as f:
+        f.write("got")
+    try:
+        mq.dequeue(timeout=TIMEOUT)
+        error = None
+    except Exception as e:  # reported: the test checks which
+        error = [type(e).__name__, str(e)]
+    return {"got": got, "error": error, "at": time.time()}
+
+
 STORE_PORT = 29517  # inside the test's own network namespaces: nothing else uses it
 
 
@@ -126,6 +160,10 @@ if __name__ == "__main__":
     role, workdir = sys.argv[1], sys.argv[2]
     if role == "group":
         result = group_member(int(sys.argv[3]))
+    elif role == "writer_then_hold":
+        result = writer_then_hold(workdir)
+    elif role == "remote_until_gone":
+        result = remote_until_gone(workdir)
     else:
         result = writer(workdir) if role == "writer" else reader(workdir, 1 if role == "local" else 2)
     print(json.dumps(result), flush=True)

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -128,3 +129,39 @@ def test_process_group_across_two_hosts(two_hosts, tmp_path):
     for name in ("rank1", "rank2"):
         r = results[name]
         assert (r["count"], r["mismatches"], r["end_mark"]) == (N_OBJECTS, 0, True), (name, r)
+
+
+@pytest.mark.timeout(120)
+def test_a_remote_reader_whose_link_goes_down_learns_its_writer_is_gone(two_hosts, tmp_path):
+    """The link between the hosts goes down (``ip link set ... down``: no FIN, no RST,
+    nothing more arrives): the remote reader's ZeroMQ heartbeats go unanswered, and it
+    raises ``PeerDiedError`` within their bound (a PING every second, 4 s to answer), not
+    at its timeout (issue 33: it waited for good before)."""
+    workdir = str(tmp_path)
+    procs = {
+        "writer": _start(NS_A, "writer_then_hold", workdir, own_shm=False),
+        "remote": _start(NS_B, "remote_until_gone", workdir, own_shm=True),
+    }
+    try:
+        got = os.path.join(workdir, "got")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(got):
+            assert time.monotonic() < deadline, "the remote reader never got its messages"
+            for name, p in procs.items():
+                assert p.poll() is None, f"{name} ended early:\n{p.communicate()[1][-3000:]}"
+            time.sleep(0.05)
+        down_at = time.time()
+        _run("ip", "-n", NS_B, "link", "set", VETH_B, "down")
+        out, err = procs["remote"].communicate(timeout=60)
+        assert procs["remote"].returncode == 0, err[-3000:]
+        r = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert r["got"] == list(range(10))
+    assert r["error"] is not None and r["error"][0] == "PeerDiedError", r["error"]
+    assert "is gone" in r["error"][1], r["error"]
+    took = r["at"] - down_at
+    assert took < 5.0 + 2.5, f"{took:.2f} s"
