@@ -452,6 +452,18 @@ fn protect(shmem: &Shmem) -> crate::sigbus::Guard {
 }
 
 impl Segment {
+    /// Keep the segment when this process dies without its exit hook: its janitor is told
+    /// to leave it (it is still removed when this process drops it or exits normally).
+    /// For segments meant to outlive a crashed creator, such as a named encoder cache
+    /// whose published entries stay readable until a producer of the same name replaces
+    /// it; `cleanup` removes them otherwise.
+    pub fn survive_crash(&self) {
+        if self.is_creator() {
+            survivors().push((std::process::id(), self.name.clone()));
+            tell_janitor(b'-', &self.name);
+        }
+    }
+
     /// Remove the segment's name now, if this process created it; the mapping stays
     /// valid for every process that has it. Used to clean up at interpreter exit, when
     /// objects may never be dropped.
@@ -848,6 +860,14 @@ impl Drop for Segment {
 /// `(creator pid, name)`: a segment's name, or the absolute path of a directory.
 static CREATED: Mutex<Vec<(u32, String)>> = Mutex::new(Vec::new());
 
+/// Names of [`CREATED`] that this process's janitor must leave (see
+/// [`Segment::survive_crash`]), with their creator's pid.
+static SURVIVORS: Mutex<Vec<(u32, String)>> = Mutex::new(Vec::new());
+
+fn survivors() -> std::sync::MutexGuard<'static, Vec<(u32, String)>> {
+    SURVIVORS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn created() -> std::sync::MutexGuard<'static, Vec<(u32, String)>> {
     // A panic while holding it leaves a plain list, still consistent.
     CREATED.lock().unwrap_or_else(|e| e.into_inner())
@@ -864,6 +884,7 @@ pub(crate) fn note_created(name_or_path: &str) {
 pub(crate) fn forget_created(name_or_path: &str) {
     let me = std::process::id();
     created().retain(|(pid, n)| !(*pid == me && n == name_or_path));
+    survivors().retain(|(pid, n)| !(*pid == me && n == name_or_path));
     tell_janitor(b'-', name_or_path);
 }
 
@@ -899,9 +920,10 @@ pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
     let me = std::process::id();
     let mut slot = janitor();
     *slot = Some((me, fd));
+    let kept = survivors().clone();
     let names: Vec<String> = created()
         .iter()
-        .filter(|(pid, _)| *pid == me)
+        .filter(|(pid, n)| *pid == me && !kept.iter().any(|(p, k)| p == pid && k == n))
         .map(|(_, n)| n.clone())
         .collect();
     for n in &names {
@@ -1028,6 +1050,7 @@ pub fn remove_created() -> usize {
         let mut list = created();
         let (mine, others) = list.drain(..).partition(|(pid, _)| *pid == me);
         *list = others;
+        survivors().retain(|(pid, _)| *pid != me);
         mine.into_iter().map(|(_, n)| n).collect()
     };
     for n in &mine {

@@ -204,6 +204,11 @@ impl Producer {
         }
         replace_if_stale(&segment_name)?;
         let segment = Segment::create_sparse(&segment_name, geo.total, geo.data_offset)?;
+        if name.is_some() {
+            // A named cache outlives a crashed producer: what it published stays
+            // readable by name until a producer of the same name replaces it.
+            segment.survive_crash();
+        }
         let map = Mapped::init(segment, geo, ProcessId::current());
         map.publish();
         let state = State {
