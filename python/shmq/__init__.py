@@ -21,7 +21,7 @@ from .encoder_cache import (
     EncoderCacheProducer,
 )
 from .group import StatelessProcessGroup
-from .message_queue import Handle, MessageQueue, PeerDiedError, QueueShutDownError, ShmRingBuffer, sched_yield
+from .message_queue import Handle, MessageKindError, MessageQueue, PeerDiedError, QueueShutDownError, ShmRingBuffer, sched_yield
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
 from .serde import MsgpackSerde, ObjectSerde, PickleSerde
 from .workers import WorkerDiedError, WorkerProcesses, WorkersNotReadyError, report_ready
@@ -38,6 +38,7 @@ __all__ = [
     "EncoderCacheMetadata",
     "EncoderCacheProducer",
     "Handle",
+    "MessageKindError",
     "MessageQueue",
     "MsgpackSerde",
     "ObjectSerde",

@@ -314,9 +314,11 @@ class Writer:
         """``(name, capacity, reserved, outstanding)`` of the tensor arena."""
     def wait_until_ready(self, timeout: Optional[float] = None) -> None:
         """Wait for every reader, then tell them the queue is ready; later calls return at once."""
-    def enqueue(self, data: bytes, timeout: Optional[float] = None) -> None: ...
+    def enqueue(self, data: bytes, timeout: Optional[float] = None) -> None:
+        """Send ``data`` as raw bytes (one frame): a reader's ``dequeue`` returns ``bytes``."""
     def enqueue_parts(self, parts: list[Buffer], timeout: Optional[float] = None) -> None:
-        """Send a body and its out-of-band buffers; large ones through the tensor arena."""
+        """Send a body and its out-of-band buffers; large ones through the tensor arena.
+        A reader's ``dequeue`` returns ``(body, buffers)``, never ``bytes``."""
     def reserve_arena(self, nbytes: int) -> Optional[int]: ...
     def loan(self, nbytes: int) -> Optional[ShmView]:
         """Writable memory in the tensor arena, sent by reference (None: no room)."""
@@ -346,7 +348,9 @@ class Reader:
         """Wait for the writer's go-ahead; once it has come, later calls return at once."""
     def dequeue(
         self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None, indefinite: bool = False
-    ) -> _Message: ...
+    ) -> _Message:
+        """Raw bytes (``enqueue``, ``acquire_write``) as ``bytes``; a message of parts
+        (``enqueue_parts``: a pickled object) as ``(body, buffers)``."""
     def acquire_read(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> ShmView | bytes:
         """A view of the next chunk (bytes for an overflow message); then ``finish_read``."""
     def finish_read(self) -> None: ...

@@ -29,12 +29,37 @@ if TYPE_CHECKING:  # for annotations only: importing shmq imports neither
     import numpy.typing as npt
     import torch
 
-__all__ = ["Handle", "MessageQueue", "PeerDiedError", "QueueShutDownError", "ShmRingBuffer", "sched_yield"]
+__all__ = [
+    "Handle",
+    "MessageKindError",
+    "MessageQueue",
+    "PeerDiedError",
+    "QueueShutDownError",
+    "ShmRingBuffer",
+    "sched_yield",
+]
 
 PeerDiedError = _core.PeerDiedError
 QueueShutDownError = _core.QueueShutDownError
 
 _dumps = _oob.dumps
+
+
+class MessageKindError(ValueError):
+    """A message of the other kind: ``dequeue()`` met raw bytes (a Rust writer's
+    ``enqueue``, ``enqueue_bytes``, ``acquire_write``), or ``dequeue_bytes()`` met a
+    pickled object (``enqueue``). The message is consumed; the reader reads the next one."""
+
+
+_RAW_FOR_DEQUEUE = (
+    "this message was sent as raw bytes (by a Rust writer's enqueue, enqueue_bytes, or "
+    "acquire_write), not as a pickled Python object; read it with dequeue_bytes() / "
+    "acquire_read() (the message is consumed; the reader goes on with the next one)"
+)
+_PICKLED_FOR_DEQUEUE_BYTES = (
+    "this message was sent as a pickled Python object (by enqueue), not as raw bytes; "
+    "read it with dequeue() (the message is consumed; the reader goes on with the next one)"
+)
 _loads = pickle.loads
 
 
@@ -556,10 +581,19 @@ class MessageQueue:
         if writer is None:
             raise self._not_the_writer("enqueue")
         body, buffers = _dumps(obj)
-        if buffers:
-            writer.enqueue_parts([body, *buffers], timeout)
-        else:
-            writer.enqueue(body, timeout)
+        # Always a message of parts (the pickle stream is its body): a reader tells it
+        # from raw bytes (enqueue_bytes) by that, never by guessing from the bytes.
+        writer.enqueue_parts([body, *buffers], timeout)
+
+    def enqueue_bytes(self, data: Any, timeout: Optional[float] = None) -> None:
+        """Send the bytes of ``data`` (any contiguous bytes-like object) as they are, not
+        pickled: a Rust reader's ``dequeue`` gets them as sent, a Python reader reads
+        them with ``dequeue_bytes()`` (or ``acquire_read()``). Blocks while the ring is
+        full, ``TimeoutError`` after ``timeout`` seconds."""
+        writer = self._writer
+        if writer is None:
+            raise self._not_the_writer("enqueue_bytes")
+        writer.enqueue(data if type(data) is bytes else bytes(data), timeout)
 
     def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
         """The next object. ``TimeoutError`` after ``timeout`` seconds;
@@ -580,9 +614,27 @@ class MessageQueue:
             )
         message = reader.dequeue(timeout, cancel, indefinite)
         if type(message) is bytes:
-            return _loads(message)
+            raise MessageKindError(_RAW_FOR_DEQUEUE)
         body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
-        return _loads(body, buffers=buffers)
+        return _loads(body, buffers=buffers) if buffers else _loads(body)
+
+    def dequeue_bytes(self, timeout: Optional[float] = None, cancel: Any = None) -> bytes:
+        """The next message as raw ``bytes`` (a copy, owned): what a Rust writer's
+        ``enqueue``, ``enqueue_bytes`` or ``acquire_write`` sent. Waits as ``dequeue``
+        does (same errors). A pickled object (sent by ``enqueue``) raises
+        ``MessageKindError`` (a ``ValueError``); the message is consumed and the reader
+        stays usable. A chunk from ``acquire_write`` arrives whole (``max_chunk_bytes``)."""
+        reader = self._reader
+        if reader is None:
+            raise RuntimeError(
+                "only readers can dequeue_bytes: this MessageQueue is the writer"
+                if self._writer is not None
+                else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
+            )
+        message = reader.dequeue(timeout, cancel, False)
+        if type(message) is not bytes:
+            raise MessageKindError(_PICKLED_FOR_DEQUEUE_BYTES)
+        return message
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """The writer sends ``obj`` and returns it; a reader returns what it receives."""

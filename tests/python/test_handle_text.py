@@ -155,8 +155,8 @@ def test_a_python_writers_handle_opens_a_rust_reader(rust_example: str) -> None:
         reader.stdin.write(text + "\n")
         reader.stdin.close()
         writer.wait_until_ready(timeout=STEP)
-        for obj in objects:
-            writer.enqueue(obj, timeout=STEP)
+        for obj in objects:  # raw bytes (Rust's dequeue refuses a pickled object)
+            writer.enqueue_bytes(pickle.dumps(obj, protocol=5), timeout=STEP)
         with writer.acquire_write(timeout=STEP) as chunk:
             chunk[: len(raw)] = raw
         out = output(reader)
@@ -174,7 +174,7 @@ def test_a_python_writers_handle_opens_a_rust_reader(rust_example: str) -> None:
         messages.append(bytes.fromhex(data))
         assert len(messages[-1]) == int(length)
     assert len(messages) == len(objects) + 1
-    # What enqueue sent is the pickle stream (Rust gets the bytes, Python unpickles them).
+    # What enqueue_bytes sent arrives as sent.
     assert [pickle.loads(m) for m in messages[:-1]] == objects
     # acquire_write's chunk arrives whole (max_chunk_bytes), starting with what was written.
     assert len(messages[-1]) == CHUNK and messages[-1].startswith(raw)

@@ -193,7 +193,8 @@ fn release_arena_refs(refs: &[PartRef], arena: Option<&Arc<ArenaReader>>) {
 }
 
 /// Call `f` on the message carried by `frames`: one frame is plain bytes, more are a
-/// descriptor block and the frames it names.
+/// descriptor block and the frames it names (a message of parts is never one frame: the
+/// writer adds an empty one if it would be).
 fn take_frames<R>(
     frames: Vec<zmq::Message>,
     arena: Option<&mut ArenaSlot>,
@@ -672,12 +673,16 @@ impl Reader {
     }
 
     /// Take the next plain message if it is here now: call `f` on its bytes. A message
-    /// of several parts is an error here (read those with `dequeue_parts`).
+    /// of several parts (a Python writer's pickled object included) is an error here,
+    /// naming the mismatch; it is consumed and the reader goes on with the next one.
     pub fn try_take<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
         match self.try_take_message(|m| match m {
             Received::Bytes(b) => Ok(f(b)),
             Received::Parts(p) => Err(Error::InvalidArgument(format!(
-                "the message has {} parts; read it with dequeue_parts",
+                "this message was sent as a message of {} part(s) (a Python writer's \
+                 enqueue of a pickled object, or enqueue_parts), not as raw bytes; read it \
+                 with dequeue_parts, or have a Python writer send raw bytes with \
+                 enqueue_bytes (the message is consumed)",
                 p.len()
             ))),
         })? {

@@ -572,6 +572,11 @@ impl Writer {
                     .collect();
                 let block = framing::encode_vec(&over);
                 frames.insert(0, &block);
+                // A message of parts is never one frame: one frame is raw bytes (see
+                // `framing`). Parts all in the arena get an empty frame that none names.
+                if frames.len() == 1 {
+                    frames.push(&[]);
+                }
                 let sent = self
                     .local
                     .as_ref()
