@@ -29,6 +29,10 @@ Where no interpreter can be started (``sys.executable`` empty, as in some embedd
 janitor runs; exit cleanup still removes what a process made when it ends normally, and
 ``python -m shmq cleanup`` removes what a killed one left.
 
+``SHMQ_NO_JANITOR=1`` in a process's environment starts none there (a sandbox that
+allows no extra process, say): its segments are then left behind by a death without
+exit hook, for ``cleanup``, as before the janitor.
+
 Run as a script: ``python -I -S _janitor.py FD PREFIX SHM_DIR``.
 """
 
@@ -39,6 +43,10 @@ import signal
 import socket
 import subprocess
 import sys
+
+
+#: Set to ``1`` to start no janitor in this process (see the module docs).
+DISABLE_ENV = "SHMQ_NO_JANITOR"
 
 
 def _remove(name: str, prefix: str, shm_dir: str) -> None:
@@ -101,6 +109,8 @@ def start(executable: str | None = None) -> bool:
     none could be started (the caller goes on without it)."""
     from . import _core
 
+    if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
     if _core.has_janitor():
         return True
     python = executable if executable is not None else sys.executable

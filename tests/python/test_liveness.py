@@ -225,14 +225,17 @@ def test_reader_raises_peer_died_error_when_the_writer_is_killed(children, polic
     children.join()
 
 
-def test_a_killed_creator_leaves_its_segment_in_dev_shm(children):
-    # Nothing removes the segment of a creator killed with SIGKILL: it stays in /dev/shm
-    # until someone removes it (here, this test).
+@pytest.mark.parametrize("janitor", [True, False], ids=["janitor", "SHMQ_NO_JANITOR"])
+def test_a_killed_creators_segments_go_with_its_janitor_and_stay_without(children, janitor):
+    # A creator killed with SIGKILL runs no exit hook: its janitor (shmq._janitor)
+    # removes its segments; without one (SHMQ_NO_JANITOR=1), they stay in /dev/shm until
+    # someone removes them (cleanup; here, this test).
     out = children.queue()
-    creator = children.start(segment_creator, out)
+    creator = children.start(segment_creator, out, janitor)
     handle = children.expect(out, "handle")[1]
     name = handle.buffer_handle[3]
     path = os.path.join(SHM_DIR, name)
+    arena = os.path.join(SHM_DIR, handle.arena_name)
     try:
         assert segment_creator_pid(name) == creator.pid, name
         assert os.path.exists(path)
@@ -240,8 +243,14 @@ def test_a_killed_creator_leaves_its_segment_in_dev_shm(children):
         creator.join(STEP)
         assert creator.exitcode == -signal.SIGKILL
         children.procs.remove(creator)
-        assert os.path.exists(path), f"{path} vanished although its creator was SIGKILLed"
-        assert os.path.exists(os.path.join(SHM_DIR, handle.arena_name))
+        if janitor:
+            deadline = time.monotonic() + STEP
+            while (os.path.exists(path) or os.path.exists(arena)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not os.path.exists(path) and not os.path.exists(arena), "the janitor left them"
+        else:
+            assert os.path.exists(path), f"{path} vanished although its creator was SIGKILLed"
+            assert os.path.exists(arena)
     finally:
         _remove_segment(name)
         _remove_segment(handle.arena_name)

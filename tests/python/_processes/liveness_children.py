@@ -105,9 +105,12 @@ def orphan_reader(out: Any, handle: Handle, rank: int, n_messages: int, spin_us:
     out.put(("ended", outcome, time.monotonic()))
 
 
-def segment_creator(out: Any) -> None:
+def segment_creator(out: Any, janitor: bool = False) -> None:
     """Create a queue (and so a segment) and its arena, report its handle, sleep until
-    killed."""
+    killed. Without ``janitor`` the process starts none (``SHMQ_NO_JANITOR=1``), so that
+    a SIGKILL leaves its segments for ``cleanup``, as the tests of cleanup need."""
+    if not janitor:
+        os.environ["SHMQ_NO_JANITOR"] = "1"
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
     mq.reserve_arena(0)  # the arena is made at first use: make it now
     out.put(("handle", mq.export_handle()))
