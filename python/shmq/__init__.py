@@ -21,7 +21,15 @@ from .encoder_cache import (
     EncoderCacheProducer,
 )
 from .group import StatelessProcessGroup
-from .message_queue import Handle, MessageKindError, MessageQueue, PeerDiedError, QueueShutDownError, ShmRingBuffer, sched_yield
+from .message_queue import (
+    Handle,
+    MessageKindError,
+    MessageQueue,
+    PeerDiedError,
+    QueueShutDownError,
+    ShmRingBuffer,
+    sched_yield,
+)
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
 from .serde import MsgpackSerde, ObjectSerde, PickleSerde
 from .workers import WorkerDiedError, WorkerProcesses, WorkersNotReadyError, report_ready

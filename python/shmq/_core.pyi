@@ -98,7 +98,7 @@ class _CancelEvent(Protocol):
 
 # A received message: plain bytes, or the body and its out-of-band buffers (bytearray
 # copies of small ones, writable memoryviews of private memory for large ones).
-_Message = bytes | tuple[bytes, list[bytearray | memoryview]]
+_Message = bytes | tuple[bytes] | tuple[bytes, list[bytearray | memoryview]]
 
 # (name, size, kind, creator pid, creator state)
 _SegmentReport = tuple[str, int, str, Optional[int], Literal["alive", "dead", "unknown"]]
@@ -315,10 +315,14 @@ class Writer:
     def wait_until_ready(self, timeout: Optional[float] = None) -> None:
         """Wait for every reader, then tell them the queue is ready; later calls return at once."""
     def enqueue(self, data: bytes, timeout: Optional[float] = None) -> None:
-        """Send ``data`` as raw bytes (one frame): a reader's ``dequeue`` returns ``bytes``."""
+        """Send ``data`` as raw bytes (one frame): a reader's ``dequeue`` returns ``(data,)``."""
+    def enqueue_body(self, body: bytes, timeout: Optional[float] = None) -> None:
+        """Send ``body`` (a pickle stream, no out-of-band buffers) as a message of one part,
+        as cheaply as ``enqueue``: a reader's ``dequeue`` returns it as ``bytes``."""
     def enqueue_parts(self, parts: list[Buffer], timeout: Optional[float] = None) -> None:
         """Send a body and its out-of-band buffers; large ones through the tensor arena.
-        A reader's ``dequeue`` returns ``(body, buffers)``, never ``bytes``."""
+        A reader's ``dequeue`` returns ``(body, buffers)`` (just ``body``, ``bytes``, when
+        there are no buffers)."""
     def reserve_arena(self, nbytes: int) -> Optional[int]: ...
     def loan(self, nbytes: int) -> Optional[ShmView]:
         """Writable memory in the tensor arena, sent by reference (None: no room)."""
@@ -349,8 +353,9 @@ class Reader:
     def dequeue(
         self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None, indefinite: bool = False
     ) -> _Message:
-        """Raw bytes (``enqueue``, ``acquire_write``) as ``bytes``; a message of parts
-        (``enqueue_parts``: a pickled object) as ``(body, buffers)``."""
+        """A message of parts (a pickled object) as ``bytes`` when it has no buffers
+        (``enqueue_body``), else ``(body, buffers)`` (``enqueue_parts``); raw bytes
+        (``enqueue``, ``acquire_write``) as a 1-tuple ``(bytes,)``."""
     def acquire_read(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> ShmView | bytes:
         """A view of the next chunk (bytes for an overflow message); then ``finish_read``."""
     def finish_read(self) -> None: ...

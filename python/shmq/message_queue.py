@@ -582,8 +582,12 @@ class MessageQueue:
             raise self._not_the_writer("enqueue")
         body, buffers = _dumps(obj)
         # Always a message of parts (the pickle stream is its body): a reader tells it
-        # from raw bytes (enqueue_bytes) by that, never by guessing from the bytes.
-        writer.enqueue_parts([body, *buffers], timeout)
+        # from raw bytes (enqueue_bytes) by that, never by guessing from the bytes. With
+        # no buffers, one part: sent as cheaply as raw bytes (only the chunk kind differs).
+        if buffers:
+            writer.enqueue_parts([body, *buffers], timeout)
+        else:
+            writer.enqueue_body(body, timeout)
 
     def enqueue_bytes(self, data: Any, timeout: Optional[float] = None) -> None:
         """Send the bytes of ``data`` (any contiguous bytes-like object) as they are, not
@@ -613,10 +617,14 @@ class MessageQueue:
                 else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
             )
         message = reader.dequeue(timeout, cancel, indefinite)
+        # bytes: a pickled object with no out-of-band buffers; (body, buffers): one with
+        # them; (bytes,): raw bytes (see _core.Reader.dequeue).
         if type(message) is bytes:
+            return _loads(message)
+        if len(message) == 1:
             raise MessageKindError(_RAW_FOR_DEQUEUE)
         body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
-        return _loads(body, buffers=buffers) if buffers else _loads(body)
+        return _loads(body, buffers=buffers)
 
     def dequeue_bytes(self, timeout: Optional[float] = None, cancel: Any = None) -> bytes:
         """The next message as raw ``bytes`` (a copy, owned): what a Rust writer's
@@ -632,9 +640,9 @@ class MessageQueue:
                 else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
             )
         message = reader.dequeue(timeout, cancel, False)
-        if type(message) is not bytes:
-            raise MessageKindError(_PICKLED_FOR_DEQUEUE_BYTES)
-        return message
+        if type(message) is tuple and len(message) == 1:
+            return message[0]
+        raise MessageKindError(_PICKLED_FOR_DEQUEUE_BYTES)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """The writer sends ``obj`` and returns it; a reader returns what it receives."""

@@ -20,12 +20,14 @@
 //!
 //! **Raw bytes or a message of parts** is never guessed from the bytes (a raw message may
 //! start with anything, "SQF1" included): it is said outside them. In the ring, by the
-//! chunk's kind in its metadata (`Framed` for parts; `Inline` / `Raw` for bytes from
-//! `enqueue` / `acquire_write`). Over a socket (overflow, remote), by the frame count: raw
-//! bytes are one frame, a message of parts is the descriptor block and at least one more
-//! (the writer adds an empty frame, named by no descriptor, when all its parts are in the
-//! arena). Python's `MessageQueue.enqueue` always sends a message of parts (the pickle
-//! stream is the body, even with no buffers), and `enqueue_bytes` raw bytes, so each side
+//! chunk's kind in its metadata (`Framed` for parts, `Body` for a message of one part
+//! copied as it is, with no descriptors, from `enqueue_body`; `Inline` / `Raw` for bytes
+//! from `enqueue` / `acquire_write`). Over a socket (overflow, remote), by the frame count:
+//! raw bytes are one frame, a message of parts is the descriptor block and at least one
+//! more (the writer adds an empty frame, named by no descriptor, when all its parts are in
+//! the arena; a body is a block naming the frame after it). Python's
+//! `MessageQueue.enqueue` always sends a message of parts (the pickle stream is the body;
+//! with no buffers, through `enqueue_body`), and `enqueue_bytes` raw bytes, so each side
 //! tells a pickled object from raw bytes and refuses the one it was not asked for with an
 //! error naming the mismatch (Rust `dequeue`: `InvalidArgument`; Python `dequeue`:
 //! `shmq.MessageKindError`, a `ValueError`), the message consumed, the reader usable.

@@ -14,9 +14,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
 use super::parts;
 use super::view::ShmView;
-use super::wait::{
-    blocking_on, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout,
-};
+use super::wait::{blocking_on, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout};
 use super::COPY_WITH_GIL_MAX;
 use crate::broadcast::queue::Canceller;
 use crate::broadcast::queue::ChunkEnd;
@@ -179,17 +177,25 @@ pub(super) fn handle_from_text<'py>(py: Python<'py>, text: &str) -> PyResult<Bou
     handle_fields(py, &text.parse::<Handle>()?)
 }
 
-/// A received message as Python sees it: `bytes`, or `(body: bytes, buffers: list)`
-/// where each buffer is a `bytearray` (copied from the chunk) or a writable `memoryview`
-/// of memory private to this process (a frame, or an arena part mapped copy-on-write).
+/// A received message as Python sees it, its kind told by its type: a message of parts
+/// with no buffers (a pickled object with none out of band) as its body, `bytes`; one
+/// with buffers as `(body: bytes, buffers: list)`, where each buffer is a `bytearray`
+/// (copied from the chunk) or a writable `memoryview` of memory private to this process
+/// (a frame, or an arena part mapped copy-on-write); raw bytes as a 1-tuple `(bytes,)`.
 fn to_python<'py>(py: Python<'py>, m: Received<'_>) -> PyResult<Bound<'py, PyAny>> {
     let parts = match m {
-        Received::Bytes(b) => return Ok(PyBytes::new(py, b).into_any()),
+        Received::Bytes(b) => {
+            let b = PyBytes::new(py, b).into_any();
+            return Ok(PyTuple::new(py, [b])?.into_any());
+        }
         Received::Parts(parts) => parts,
     };
     let mut parts = parts.into_iter();
     let body = parts.next().expect("a message has a body");
     let body = PyBytes::new(py, &body);
+    if parts.len() == 0 {
+        return Ok(body.into_any());
+    }
     let buffers = PyList::empty(py);
     for p in parts {
         let b = match p {
@@ -566,6 +572,29 @@ impl Writer {
         .map(drop)
     }
 
+    /// Send `body` (a pickle stream with no out-of-band buffers) as a message of one
+    /// part: a reader's `dequeue` returns it as `bytes` (raw bytes from `enqueue` come as
+    /// `(bytes,)`). As cheap as `enqueue`: only the chunk's kind differs.
+    #[pyo3(signature = (body, timeout=None))]
+    fn enqueue_body(&self, py: Python<'_>, body: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
+        if body.len() <= COPY_WITH_GIL_MAX
+            && self
+                .queue
+                .check(py, self.writer(py)?.try_enqueue_body(body))?
+        {
+            return Ok(());
+        }
+        blocking_on(
+            py,
+            &self.inner,
+            WRITER,
+            interrupts(timeout),
+            |w, spec| w.enqueue_body(body, spec),
+            |e| self.queue.error(py, e),
+        )
+        .map(drop)
+    }
+
     /// Wait for the next chunk and return a view of it, for zero-copy writing;
     /// publish it with `commit_write()`.
     #[pyo3(signature = (timeout=None))]
@@ -711,9 +740,11 @@ impl Reader {
         .map(drop)
     }
 
-    /// The next message: its bytes, or for a message of several parts `(body, buffers)`
-    /// (small buffers copied into bytearrays, large ones zero-copy views of private
-    /// memory: writable, and writes stay in this process).
+    /// The next message, its kind told by its type (see `to_python`): a message of one
+    /// part (`enqueue_body`) as `bytes`, of several (`enqueue_parts`) as `(body,
+    /// buffers)` (small buffers copied into bytearrays, large ones zero-copy views of
+    /// private memory: writable, and writes stay in this process), raw bytes (`enqueue`,
+    /// `acquire_write`) as `(bytes,)`.
     #[pyo3(signature = (timeout=None, cancel=None, indefinite=false))]
     fn dequeue<'py>(
         &self,

@@ -651,6 +651,9 @@ impl Reader {
                             })
                             .map(|parts| f(Received::Parts(parts)))
                     }
+                    ChunkKind::Body => {
+                        Ok(f(Received::Parts(vec![Part::Borrowed(ring.data(&info))])))
+                    }
                     _ => Ok(f(Received::Bytes(ring.data(&info)))),
                 };
                 // Consumed even if it could not be read: the next message is the next one.

@@ -195,6 +195,50 @@ fn local_and_remote_in_threads() {
     assert!(w.overflow_count() > 0);
 }
 
+/// `enqueue_body` sends a message of one part (a chunk of kind `Body`, or over a socket a
+/// block and a frame): every reader, local (in a chunk and overflowing) and remote, gets
+/// it from `dequeue_parts` as one part, and `dequeue` refuses it (consumed), while raw
+/// bytes in between stay raw.
+#[test]
+fn a_body_is_a_message_of_one_part_everywhere() {
+    let mut w = one_local_one_remote(4, QueueOptions::default().arena_bytes);
+    let h = w.handle().clone();
+    let msgs: Vec<Vec<u8>> = (0..60).map(|i| vec![i as u8; (i * 13) % 150]).collect();
+    let t = Some(Duration::from_secs(10));
+    std::thread::scope(|s| {
+        for rank in [0, 1] {
+            let h = h.clone();
+            let msgs = msgs.clone();
+            s.spawn(move || {
+                let mut r = Reader::open(&h, rank).unwrap();
+                r.wait_until_ready(t).unwrap();
+                for (i, m) in msgs.iter().enumerate() {
+                    match i % 3 {
+                        0 => assert_eq!(&r.dequeue(t).unwrap(), m),
+                        1 => {
+                            let parts = r.dequeue_parts(t).unwrap();
+                            assert_eq!(parts.len(), 1);
+                            assert_eq!(&parts[0][..], &m[..]);
+                        }
+                        _ => {
+                            let e = r.dequeue(t).unwrap_err();
+                            assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+                        }
+                    }
+                }
+            });
+        }
+        w.wait_until_ready(t).unwrap();
+        for (i, m) in msgs.iter().enumerate() {
+            match i % 3 {
+                0 => w.enqueue(m, t).unwrap(),
+                _ => w.enqueue_body(m, t).unwrap(),
+            }
+        }
+    });
+    assert!(w.overflow_count() > 0);
+}
+
 #[test]
 fn shutdown_wakes_a_blocked_reader() {
     let w = Writer::new(QueueOptions {

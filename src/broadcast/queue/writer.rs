@@ -409,14 +409,54 @@ impl Writer {
     pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
-        let r = self.enqueue_unchecked(msg, wait);
+        let r = self.enqueue_unchecked(msg, false, wait);
         r.map_err(|e| self.why(e))
     }
 
-    fn enqueue_unchecked(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
+    /// Send `body` as a message of one part (no buffers), waiting while the ring is
+    /// full: what [`enqueue_parts`](Self::enqueue_parts)`(&[body])` sends as readers see
+    /// it (`dequeue_parts` gets one part, `dequeue` refuses it), as cheap as
+    /// [`enqueue`](Self::enqueue): in the ring a chunk of kind `Body`, the bytes copied
+    /// as they are, no part descriptors. Python's `enqueue` of a pickled object with no
+    /// out-of-band buffers.
+    pub fn enqueue_body<'w>(&mut self, body: &[u8], wait: impl Into<WaitSpec<'w>>) -> Result<()> {
+        if self.try_enqueue_body(body)? {
+            return Ok(());
+        }
+        let canceller = self.canceller.clone();
+        let mut wait = wait
+            .into()
+            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
+            .learning(&self.history);
+        self.enqueue_body_with(body, &mut wait)
+    }
+
+    /// [`enqueue_body`](Self::enqueue_body) if that needs no wait; `false` if it would.
+    pub fn try_enqueue_body(&mut self, body: &[u8]) -> Result<bool> {
+        let bytes = (body.len() + framing::header_len(1)) as u64;
+        if !self.can_write() || self.remote_would_wait(bytes)? {
+            return Ok(false);
+        }
+        self.enqueue_body_with(body, &mut Wait::ready_now())?;
+        Ok(true)
+    }
+
+    pub fn enqueue_body_with(&mut self, body: &[u8], wait: &mut Wait) -> Result<()> {
+        fork::check(self._ctx.made_in(), "queue writer")?;
+        self.check_open()?;
+        let r = self.enqueue_unchecked(body, true, wait);
+        r.map_err(|e| self.why(e))
+    }
+
+    /// Send `msg`: raw bytes, or (`body`) a message of one part, its body. In the ring
+    /// they differ only by the chunk's kind; over a socket a body goes as a message of
+    /// parts does (a descriptor block naming the frame after it), raw bytes as one frame.
+    fn enqueue_unchecked(&mut self, msg: &[u8], body: bool, wait: &mut Wait) -> Result<()> {
+        let block = || framing::encode_vec(&[PartRef::Frame { index: 1 }]);
         // Every wait comes before anything is sent (see `Wait::commit`).
         if let Some(remote) = self.remote.as_mut() {
-            remote.wait_for_credit(msg.len() as u64, wait)?;
+            let extra = if body { framing::header_len(1) } else { 0 };
+            remote.wait_for_credit((msg.len() + extra) as u64, wait)?;
         }
         if let Some(ring) = self.ring.as_mut() {
             // A message that fits in a chunk but finds no room in /dev/shm for it goes
@@ -426,20 +466,33 @@ impl Writer {
             wait.commit();
             if inline {
                 ring.data_mut().expect("acquired")[..msg.len()].copy_from_slice(msg);
-                ring.commit(msg.len(), ChunkKind::Inline)?;
+                let kind = if body {
+                    ChunkKind::Body
+                } else {
+                    ChunkKind::Inline
+                };
+                ring.commit(msg.len(), kind)?;
             } else {
                 let local = self
                     .local
                     .as_ref()
                     .expect("local readers have an overflow socket");
-                local.send(msg)?;
+                if body {
+                    local.send_frames(&[&block(), msg])?;
+                } else {
+                    local.send(msg)?;
+                }
                 ring.commit(msg.len(), ChunkKind::Overflow)?;
                 self.overflow_count += 1;
             }
         }
         if let Some(remote) = self.remote.as_mut() {
             wait.commit();
-            remote.send(&[msg], wait)?;
+            if body {
+                remote.send(&[&block(), msg], wait)?;
+            } else {
+                remote.send(&[msg], wait)?;
+            }
             self.count_remote_send();
         }
         Ok(())

@@ -37,6 +37,9 @@ pub enum ChunkKind {
     /// A message of several parts (`len` bytes): part descriptors, then the parts copied
     /// inline; larger parts are in the tensor arena (see `super::framing`).
     Framed = 3,
+    /// A message of one part, its body (`len` bytes, no part descriptors): a Python
+    /// writer's pickled object with no out-of-band buffers (see `super::framing`).
+    Body = 4,
 }
 
 impl ChunkKind {
@@ -45,6 +48,7 @@ impl ChunkKind {
             1 => ChunkKind::Inline,
             2 => ChunkKind::Overflow,
             3 => ChunkKind::Framed,
+            4 => ChunkKind::Body,
             _ => ChunkKind::Raw,
         }
     }

@@ -73,7 +73,9 @@ impl RingReader {
         // A peer that wrote a bogus length cannot make us read outside the chunk.
         let len = match kind {
             ChunkKind::Raw => self.ring.max_chunk_bytes(),
-            ChunkKind::Inline | ChunkKind::Framed => len.min(self.ring.max_chunk_bytes()),
+            ChunkKind::Inline | ChunkKind::Framed | ChunkKind::Body => {
+                len.min(self.ring.max_chunk_bytes())
+            }
             ChunkKind::Overflow => len,
         };
         Some(ChunkInfo {
