@@ -477,7 +477,9 @@ def absurd_scenario(store: ObjectStorage) -> list[tuple[str, Any, Any]]:
 
 def abandoned_writer(out: Any, values: dict[str, Any]) -> None:
     """Creates a store, puts ``values``, reports the pickled handle and the handles, then
-    exits without running any destructor (the segment stays in /dev/shm)."""
+    exits without running any destructor. Without a janitor (``SHMQ_NO_JANITOR=1``), so
+    the segment stays in /dev/shm (with one, the janitor would remove it)."""
+    os.environ["SHMQ_NO_JANITOR"] = "1"
     ring = RingBuffer(1 << 16, create=True)
     store = ObjectStorage(8192, 1, ring)
     handles = {k: store.put(k, v) for k, v in values.items()}
