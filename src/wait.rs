@@ -916,9 +916,14 @@ mod tests {
         Wait::new("t", Some(Duration::from_secs(5)))
             .policy(policy)
             .learning(&h)
-            .until(None, &mut no_peer, || (Instant::now() >= until).then_some(()))
+            .until(None, &mut no_peer, || {
+                (Instant::now() >= until).then_some(())
+            })
             .unwrap();
-        let grown = WaitPolicy { yield_max: Duration::from_secs(1), ..policy };
+        let grown = WaitPolicy {
+            yield_max: Duration::from_secs(1),
+            ..policy
+        };
         // All eight samples are needed for the typical wait: one 2 ms wait and seven
         // zeros give the default; eight such waits give twice 2 ms or more.
         assert_eq!(h.yield_for(&grown), policy.yield_for);
@@ -927,7 +932,9 @@ mod tests {
             Wait::new("t", None)
                 .policy(policy)
                 .learning(&h)
-                .until(None, &mut no_peer, || (Instant::now() >= until).then_some(()))
+                .until(None, &mut no_peer, || {
+                    (Instant::now() >= until).then_some(())
+                })
                 .unwrap();
         }
         assert!(h.yield_for(&grown) >= Duration::from_millis(4));
@@ -1011,8 +1018,14 @@ mod tests {
     fn an_idle_waiter_sleeps_longer_slices_up_to_a_bound() {
         assert_eq!(hook_slice(Duration::ZERO), SLEEP_SLICE_WITH_HOOK);
         assert_eq!(hook_slice(Duration::from_millis(50)), SLEEP_SLICE_WITH_HOOK);
-        assert_eq!(hook_slice(Duration::from_secs(1)), Duration::from_millis(100));
-        assert_eq!(hook_slice(Duration::from_secs(60)), SLEEP_SLICE_WITH_HOOK_MAX);
+        assert_eq!(
+            hook_slice(Duration::from_secs(1)),
+            Duration::from_millis(100)
+        );
+        assert_eq!(
+            hook_slice(Duration::from_secs(60)),
+            SLEEP_SLICE_WITH_HOOK_MAX
+        );
     }
 
     #[test]
@@ -1069,9 +1082,11 @@ mod tests {
                 quiet: false,
                 resume: Some(&mut *clock),
             };
-            let r = spec
-                .into_wait("t", WaitPolicy::default(), &flag)
-                .until(doorbell, &mut *peer_alive, || None::<()>);
+            let r = spec.into_wait("t", WaitPolicy::default(), &flag).until(
+                doorbell,
+                &mut *peer_alive,
+                || None::<()>,
+            );
             match r {
                 Err(Error::Cancelled) => pauses += 1,
                 other => return (other.unwrap_err(), pauses),
@@ -1083,7 +1098,8 @@ mod tests {
     fn a_wait_ended_by_its_hook_goes_on_with_its_clock() {
         let mut clock = WaitClock::default();
         let started = Instant::now();
-        let (err, pauses) = wait_resumed(&mut clock, Duration::from_millis(120), None, &mut no_peer);
+        let (err, pauses) =
+            wait_resumed(&mut clock, Duration::from_millis(120), None, &mut no_peer);
         // The deadline is the first call's: the rounds did not each get 120 ms.
         let Error::Timeout { waited, .. } = err else {
             panic!("{err:?}")

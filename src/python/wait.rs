@@ -341,7 +341,10 @@ pub(crate) fn lock<'a, T: Send>(
 }
 
 /// [`lock`] if that needs no wait; `None` while another thread holds the lock.
-fn try_lock<'a, T: Send>(m: &'a BindingLock<T>, what: &str) -> PyResult<Option<BindingGuard<'a, T>>> {
+fn try_lock<'a, T: Send>(
+    m: &'a BindingLock<T>,
+    what: &str,
+) -> PyResult<Option<BindingGuard<'a, T>>> {
     let me = thread_token();
     match m.mutex.try_lock() {
         Ok(guard) => {
@@ -354,7 +357,7 @@ fn try_lock<'a, T: Send>(m: &'a BindingLock<T>, what: &str) -> PyResult<Option<B
         Err(TryLockError::Poisoned(_)) => Err(poisoned(what)),
         Err(TryLockError::WouldBlock) if m.holder.load(Ordering::Relaxed) == me => {
             Err(PyRuntimeError::new_err(format!(
-                    "this {what} was called from code that one of its own calls is running \
+                "this {what} was called from code that one of its own calls is running \
                      (a finalizer run by the garbage collector); that call holds it until \
                      it returns"
             )))

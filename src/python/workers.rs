@@ -91,7 +91,9 @@ pub fn worker_died_message(
 fn dup(fd: Option<i32>) -> PyResult<Option<OwnedFd>> {
     let Some(fd) = fd else { return Ok(None) };
     if fd < 0 {
-        return Err(PyValueError::new_err(format!("not a file descriptor: {fd}")));
+        return Err(PyValueError::new_err(format!(
+            "not a file descriptor: {fd}"
+        )));
     }
     // SAFETY: fcntl(2) takes plain integers: a number that is not an open fd fails with
     // EBADF, and nothing but the new descriptor is made.
@@ -323,13 +325,20 @@ impl WorkerGroup {
         py: Python<'_>,
         timeout: Option<Timeout>,
     ) -> PyResult<(&'static str, Option<usize>)> {
-        waited_sliced(py, timeout, |slice| Ok(self.inner.wait_all_exited(Some(slice))))
+        waited_sliced(py, timeout, |slice| {
+            Ok(self.inner.wait_all_exited(Some(slice)))
+        })
     }
 
     /// Until more than `seen` failures are recorded or the group is closing (or
     /// `timeout` passes): how many there are.
     #[pyo3(signature = (seen, timeout=None))]
-    fn wait_failures(&self, py: Python<'_>, seen: usize, timeout: Option<Timeout>) -> PyResult<usize> {
+    fn wait_failures(
+        &self,
+        py: Python<'_>,
+        seen: usize,
+        timeout: Option<Timeout>,
+    ) -> PyResult<usize> {
         let out = sliced(py, timeout, |slice| {
             let n = self.inner.wait_failures(seen, Some(slice));
             (n > seen || self.inner.closing()).then_some(n)
@@ -345,9 +354,7 @@ impl WorkerGroup {
     /// have.
     fn wait_exits(&self, py: Python<'_>, timeout: Timeout) -> PyResult<bool> {
         let out = sliced(py, Some(timeout), |slice| {
-            self.inner
-                .wait_exits(Instant::now() + slice)
-                .then_some(())
+            self.inner.wait_exits(Instant::now() + slice).then_some(())
         })?;
         Ok(out.is_some())
     }

@@ -250,10 +250,7 @@ impl BlockFifo {
             p.cleared_end.store(cleared_end, Ordering::Relaxed);
             p.overwritten.store(0, Ordering::Relaxed);
         });
-        if w.alloc
-            .live()
-            .any(|c| segment.is_pinned(c.id))
-        {
+        if w.alloc.live().any(|c| segment.is_pinned(c.id)) {
             // Some process has views of a block: keep every block where it is (the store
             // forgets their keys; they are freed oldest first once no view holds them)
             // and put the published state back.

@@ -68,14 +68,14 @@ use std::time::{Duration, Instant};
 
 mod watch;
 
-pub use crate::error::{StderrCapture, WorkerDeath, WorkerExit};
-use watch::{
-    death, drain_stderr, forward_lines, poll_exits, push_line, remove_segments_of,
-    running_trees, set_nonblocking, supervise, Member, ReadyFrame, Shared, State,
-};
 use crate::error::{Error, Result};
+pub use crate::error::{StderrCapture, WorkerDeath, WorkerExit};
 use crate::process::ProcessId;
 use crate::{liveness, segment};
+use watch::{
+    death, drain_stderr, forward_lines, poll_exits, push_line, remove_segments_of, running_trees,
+    set_nonblocking, supervise, Member, ReadyFrame, Shared, State,
+};
 
 /// Environment variable: the fd of a worker's ready pipe (see [`report_ready`]).
 pub const READY_FD_ENV: &str = "SHMQ_READY_FD";
@@ -383,8 +383,8 @@ impl Workers {
             )
         })?;
         drop(ready_w); // the child has its copy; the parent's would hide the child's EOF
-        // The child is waited for (and reaped) through its pid from here on; dropping
-        // `Child` neither waits nor kills.
+                       // The child is waited for (and reaped) through its pid from here on; dropping
+                       // `Child` neither waits nor kills.
         let stderr = child
             .stderr
             .take()
@@ -527,7 +527,12 @@ impl Workers {
 
     /// A snapshot of every worker, by rank.
     pub fn status(&self) -> Vec<WorkerStatus> {
-        self.shared.lock().members.iter().map(Member::status).collect()
+        self.shared
+            .lock()
+            .members
+            .iter()
+            .map(Member::status)
+            .collect()
     }
 
     /// The ranks that have exited, in order.

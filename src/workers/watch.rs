@@ -26,8 +26,7 @@ impl ReadyFrame {
 
     pub(super) fn too_long(&self) -> bool {
         self.bytes.len() >= 4
-            && u32::from_be_bytes(self.bytes[..4].try_into().unwrap()) as usize
-                > MAX_READY_PAYLOAD
+            && u32::from_be_bytes(self.bytes[..4].try_into().unwrap()) as usize > MAX_READY_PAYLOAD
     }
 }
 
@@ -242,10 +241,8 @@ pub(super) fn remove_segments_of(pids: &HashSet<u32>) -> Vec<String> {
                 Err(e) => log::warn!("could not remove {path}: {e}"),
             }
             // A ring's local socket lives in a directory beside it.
-            let _ = std::fs::remove_dir_all(format!(
-                "{path}{}",
-                crate::transport::SOCKET_DIR_SUFFIX
-            ));
+            let _ =
+                std::fs::remove_dir_all(format!("{path}{}", crate::transport::SOCKET_DIR_SUFFIX));
         }
     }
     removed
@@ -265,7 +262,13 @@ pub(super) fn push_line(tail: &mut VecDeque<String>, keep: usize, line: String) 
 /// caller reads again when the fd is readable), keep its lines, and add them, prefixed,
 /// to `forward`. At EOF (every copy of the write end closed) the fd is closed; then, and
 /// when the worker has exited (`last`), a last partial line is kept too.
-pub(super) fn drain_stderr(state: &mut State, i: usize, keep: usize, forward: &mut Vec<u8>, last: bool) {
+pub(super) fn drain_stderr(
+    state: &mut State,
+    i: usize,
+    keep: usize,
+    forward: &mut Vec<u8>,
+    last: bool,
+) {
     let m = &mut state.members[i];
     let mut buf = [0u8; 65536];
     let mut eof = false;
@@ -498,7 +501,9 @@ pub(super) fn supervise(shared: &Shared) {
                         state.members[i].exit_fd = None;
                         continue;
                     }
-                    Some(Ok(Some(exit))) => on_exit(shared, &mut state, i, Some(exit), &mut forward),
+                    Some(Ok(Some(exit))) => {
+                        on_exit(shared, &mut state, i, Some(exit), &mut forward)
+                    }
                     _ => on_exit(shared, &mut state, i, None, &mut forward),
                 }
                 changed = true;
