@@ -12,6 +12,10 @@ cd "$(dirname "$0")/.."
 step() { printf '\n== %s\n' "$*"; }
 
 step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
+# Formatting: cargo fmt, and rustfmt on each file (cargo fmt does not follow modules
+# declared inside a macro).
+cargo fmt --all -- --check
+find src tests benches examples -name '*.rs' -print0 | xargs -0 rustfmt --edition 2021 --check
 cargo clippy --all-targets -- -D warnings
 cargo clippy --all-targets --features python -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
