@@ -1178,7 +1178,7 @@ impl RemoteWriter {
 /// socket monitor that tells it when a connection is made (ZeroMQ's handshake done) and
 /// when one ends (closed by the writer's side or the kernel, or given up for want of a
 /// heartbeat's answer). Before the writer says start, the reader says HELLO on every new
-/// connection and every [`HELLO_AGAIN`] (a HELLO taken from a connection the writer's
+/// connection and every `HELLO_AGAIN` (a HELLO taken from a connection the writer's
 /// port guard closed under a flood, or lost with it, is said again); after it, the end
 /// of the connection is the end of the stream.
 pub struct RemoteReader {
@@ -1745,7 +1745,7 @@ impl RemoteReader {
     }
 
     /// Wait until the writer accepted this reader and said start, saying HELLO again on
-    /// every new connection and every [`HELLO_AGAIN`] until then.
+    /// every new connection and every `HELLO_AGAIN` until then.
     pub fn wait_ready(&mut self, wait: &mut Wait) -> Result<()> {
         loop {
             if let Some(e) = self.ended_error() {
