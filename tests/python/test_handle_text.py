@@ -10,14 +10,14 @@ after ``cargo test`` in ``scripts/test.sh``, which builds the examples).
 
 from __future__ import annotations
 
-import json
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _rust_examples import build_example
 
 from shmq import Handle, MessageQueue
 from _processes import segments_of
@@ -33,22 +33,7 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def rust_example() -> str:
     """The path of the built ``handle_roundtrip`` example."""
-    if shutil.which("cargo") is None:
-        pytest.skip("cargo is not on PATH: the Rust side of these tests cannot be built")
-    build = subprocess.run(
-        ["cargo", "build", "--quiet", "--example", "handle_roundtrip", "--message-format=json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=850,
-    )
-    assert build.returncode == 0, build.stderr
-    for line in build.stdout.splitlines():
-        message = json.loads(line)
-        if message.get("reason") == "compiler-artifact" and message["target"]["name"] == "handle_roundtrip":
-            if message.get("executable"):
-                return str(message["executable"])
-    raise AssertionError(f"cargo built no handle_roundtrip executable: {build.stdout[-2000:]}")
+    return build_example("handle_roundtrip")
 
 
 def output(p: subprocess.Popen[str]) -> str:

@@ -11,14 +11,14 @@ the message consumed and the reader going on. The Rust side is
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from _rust_examples import build_example
 
 import shmq
 from shmq import Handle, MessageKindError, MessageQueue
@@ -49,22 +49,7 @@ def fnv1a(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def rust_example() -> str:
     """The path of the built ``raw_to_python`` example."""
-    if shutil.which("cargo") is None:
-        pytest.skip("cargo is not on PATH: the Rust side of these tests cannot be built")
-    build = subprocess.run(
-        ["cargo", "build", "--quiet", "--example", "raw_to_python", "--message-format=json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=850,
-    )
-    assert build.returncode == 0, build.stderr
-    for line in build.stdout.splitlines():
-        m = json.loads(line)
-        if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "raw_to_python":
-            if m.get("executable"):
-                return str(m["executable"])
-    raise AssertionError(f"cargo built no raw_to_python executable: {build.stdout[-2000:]}")
+    return build_example("raw_to_python")
 
 
 def test_message_matches_the_examples() -> None:
