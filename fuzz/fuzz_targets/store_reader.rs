@@ -119,7 +119,7 @@ fuzz_target!(|input: Input| {
                 }
             }
             Op::GetCached(key) => {
-                store.get_cached(&format!("k{key}"));
+                let _ = store.get_cached(&seg, &format!("k{key}"));
             }
             Op::FreeUnused => {
                 store.free_unused(&mut ring).expect("free_unused");
