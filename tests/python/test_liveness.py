@@ -456,4 +456,6 @@ def test_wait_policy_env_vars(children, env):
     # (running or runnable) that long; the other reader's explicit spin_us=0,
     # yield_us=0 overrides the environment and sleeps at once.
     assert env_busy >= 0.12, busy
-    assert explicit_busy < 0.08, busy
+    # Busy counts runnable time too, which a loaded machine (the suite's other worker)
+    # inflates for both: the explicit reader is busy less than half as long, and short.
+    assert explicit_busy < min(0.15, env_busy / 2), busy
