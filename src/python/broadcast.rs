@@ -363,6 +363,46 @@ pub struct Writer {
     queue: QueueName,
 }
 
+impl Writer {
+    /// `enqueue` or `enqueue_body` (`as_body`): a small message that needs no wait is
+    /// sent with the GIL held (releasing it would cost more than the copy).
+    fn send_whole(
+        &self,
+        py: Python<'_>,
+        data: &[u8],
+        as_body: bool,
+        timeout: Option<Timeout>,
+    ) -> PyResult<()> {
+        if data.len() <= COPY_WITH_GIL_MAX {
+            let mut writer = self.writer(py)?;
+            let sent = if as_body {
+                writer.try_enqueue_body(data)
+            } else {
+                writer.try_enqueue(data)
+            };
+            drop(writer);
+            if self.queue.check(py, sent)? {
+                return Ok(());
+            }
+        }
+        blocking_on(
+            py,
+            &self.inner,
+            WRITER,
+            interrupts(timeout),
+            |w, spec| {
+                if as_body {
+                    w.enqueue_body(data, spec)
+                } else {
+                    w.enqueue(data, spec)
+                }
+            },
+            |e| self.queue.error(py, e),
+        )
+        .map(drop)
+    }
+}
+
 #[pymethods]
 impl Writer {
     #[new]
@@ -554,22 +594,7 @@ impl Writer {
     /// Send `data` to every reader.
     #[pyo3(signature = (data, timeout=None))]
     fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
-        // A small message that needs no wait is sent with the GIL held (releasing it
-        // would cost more than the copy).
-        if data.len() <= COPY_WITH_GIL_MAX
-            && self.queue.check(py, self.writer(py)?.try_enqueue(data))?
-        {
-            return Ok(());
-        }
-        blocking_on(
-            py,
-            &self.inner,
-            WRITER,
-            interrupts(timeout),
-            |w, spec| w.enqueue(data, spec),
-            |e| self.queue.error(py, e),
-        )
-        .map(drop)
+        self.send_whole(py, data, false, timeout)
     }
 
     /// Send `body` (a pickle stream with no out-of-band buffers) as a message of one
@@ -577,22 +602,7 @@ impl Writer {
     /// `(bytes,)`). As cheap as `enqueue`: only the chunk's kind differs.
     #[pyo3(signature = (body, timeout=None))]
     fn enqueue_body(&self, py: Python<'_>, body: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
-        if body.len() <= COPY_WITH_GIL_MAX
-            && self
-                .queue
-                .check(py, self.writer(py)?.try_enqueue_body(body))?
-        {
-            return Ok(());
-        }
-        blocking_on(
-            py,
-            &self.inner,
-            WRITER,
-            interrupts(timeout),
-            |w, spec| w.enqueue_body(body, spec),
-            |e| self.queue.error(py, e),
-        )
-        .map(drop)
+        self.send_whole(py, body, true, timeout)
     }
 
     /// Wait for the next chunk and return a view of it, for zero-copy writing;

@@ -377,15 +377,7 @@ impl Writer {
 
     /// Send `msg` to every reader, waiting while the ring is full.
     pub fn enqueue<'w>(&mut self, msg: &[u8], wait: impl Into<WaitSpec<'w>>) -> Result<()> {
-        if self.try_enqueue(msg)? {
-            return Ok(());
-        }
-        let canceller = self.canceller.clone();
-        let mut wait = wait
-            .into()
-            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
-            .learning(&self.history);
-        self.enqueue_with(msg, &mut wait)
+        self.send_whole(msg, false, wait.into())
     }
 
     /// Whether sending `bytes` to the remote readers would wait for one (out of credit):
@@ -398,19 +390,11 @@ impl Writer {
 
     /// Send `msg` if that needs no wait (the next chunk is free); `false` if it would.
     pub fn try_enqueue(&mut self, msg: &[u8]) -> Result<bool> {
-        if !self.can_write() || self.remote_would_wait(msg.len() as u64)? {
-            return Ok(false);
-        }
-        // No wait needed: skip setting one up (clock read, canceller clone).
-        self.enqueue_with(msg, &mut Wait::ready_now())?;
-        Ok(true)
+        self.try_send_whole(msg, false)
     }
 
     pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
-        fork::check(self._ctx.made_in(), "queue writer")?;
-        self.check_open()?;
-        let r = self.enqueue_unchecked(msg, false, wait);
-        r.map_err(|e| self.why(e))
+        self.send_whole_with(msg, false, wait)
     }
 
     /// Send `body` as a message of one part (no buffers), waiting while the ring is
@@ -420,31 +404,47 @@ impl Writer {
     /// as they are, no part descriptors. Python's `enqueue` of a pickled object with no
     /// out-of-band buffers.
     pub fn enqueue_body<'w>(&mut self, body: &[u8], wait: impl Into<WaitSpec<'w>>) -> Result<()> {
-        if self.try_enqueue_body(body)? {
-            return Ok(());
-        }
-        let canceller = self.canceller.clone();
-        let mut wait = wait
-            .into()
-            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
-            .learning(&self.history);
-        self.enqueue_body_with(body, &mut wait)
+        self.send_whole(body, true, wait.into())
     }
 
     /// [`enqueue_body`](Self::enqueue_body) if that needs no wait; `false` if it would.
     pub fn try_enqueue_body(&mut self, body: &[u8]) -> Result<bool> {
-        let bytes = (body.len() + framing::header_len(1)) as u64;
-        if !self.can_write() || self.remote_would_wait(bytes)? {
-            return Ok(false);
-        }
-        self.enqueue_body_with(body, &mut Wait::ready_now())?;
-        Ok(true)
+        self.try_send_whole(body, true)
     }
 
     pub fn enqueue_body_with(&mut self, body: &[u8], wait: &mut Wait) -> Result<()> {
+        self.send_whole_with(body, true, wait)
+    }
+
+    /// [`enqueue`](Self::enqueue) or [`enqueue_body`](Self::enqueue_body) (`as_body`):
+    /// at once if that needs no wait, else with the wait `spec` describes.
+    fn send_whole(&mut self, msg: &[u8], as_body: bool, spec: WaitSpec<'_>) -> Result<()> {
+        if self.try_send_whole(msg, as_body)? {
+            return Ok(());
+        }
+        let canceller = self.canceller.clone();
+        let mut wait = spec
+            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
+            .learning(&self.history);
+        self.send_whole_with(msg, as_body, &mut wait)
+    }
+
+    /// Send `msg` (raw, or as a one-part body: `as_body`) if that needs no wait; `false`
+    /// if it would. A body goes to remote readers with a one-part header.
+    fn try_send_whole(&mut self, msg: &[u8], as_body: bool) -> Result<bool> {
+        let header = if as_body { framing::header_len(1) } else { 0 };
+        if !self.can_write() || self.remote_would_wait((msg.len() + header) as u64)? {
+            return Ok(false);
+        }
+        // No wait needed: skip setting one up (clock read, canceller clone).
+        self.send_whole_with(msg, as_body, &mut Wait::ready_now())?;
+        Ok(true)
+    }
+
+    fn send_whole_with(&mut self, msg: &[u8], as_body: bool, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
-        let r = self.enqueue_unchecked(body, true, wait);
+        let r = self.enqueue_unchecked(msg, as_body, wait);
         r.map_err(|e| self.why(e))
     }
 
