@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from shmq.bench.engine import engine_env
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = str(ROOT / "tests" / "engine" / "driver.py")
 ENGINE_START = 240.0  # an engine's start on 2 cores takes 30-60 s; a loaded CI more
@@ -41,20 +43,7 @@ def engine() -> tuple[str, str]:
 
 
 def _env(plugin: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        VLLM_CPU_OMP_THREADS_BIND="0|1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_LOGGING_LEVEL="INFO",
-        PYTHONUNBUFFERED="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    env.pop("PYTHONPATH", None)
-    if plugin:
-        env["SHMQ_VLLM"] = "1"
-    else:
-        env.pop("SHMQ_VLLM", None)
-    return env
+    return engine_env(plugin, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
 
 
 def _shm(pids: set[int]) -> set[str]:

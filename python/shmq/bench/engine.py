@@ -32,8 +32,11 @@ ENGINE_SH = ROOT / "scripts" / "engine.sh"
 DRIVER = ROOT / "tests" / "engine" / "driver.py"
 
 
-def _env(plugin: bool) -> dict[str, str]:
+def engine_env(plugin: bool, **extra: str) -> dict[str, str]:
+    """The environment an engine runs in (TP=2 bound to the two cores, 1 GiB of KV cache),
+    with the plugin on or off; ``extra`` adds variables. The engine tests use it too."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
     env.pop("PYTHONPATH", None)
     if plugin:
         env["SHMQ_VLLM"] = "1"
@@ -45,7 +48,7 @@ def _env(plugin: bool) -> dict[str, str]:
 def _drive(python: str, model: str, plugin: bool, *args: str) -> dict[str, Any]:
     p = subprocess.run(
         [python, str(DRIVER), args[0], model, *args[1:]],
-        env=_env(plugin),
+        env=engine_env(plugin),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
