@@ -127,7 +127,9 @@ not_loom! {
     pub mod workers;
 
     pub use arena::{ArenaView, Loan};
-    pub use broadcast::{Handle, OwnedPart, QueueOptions, Reader, Writer};
+    pub use broadcast::{
+        Array, ArrayMeta, ArrayRef, Dtype, Element, Handle, OwnedPart, QueueOptions, Reader, Writer,
+    };
     pub use transport::default_connect_ip;
 
     // Internals.

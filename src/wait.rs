@@ -289,7 +289,8 @@ pub type Hook<'a> = &'a mut (dyn FnMut() -> Result<()> + Send);
 /// Python bindings check signals and cancel events there), and whether to stay quiet
 /// (no "still waiting" warnings, for a wait expected to be long). The queue adds the
 /// rest itself: what the wait is for (in warnings and timeout errors), how it spins,
-/// yields and sleeps, and its `shutdown`. `None` and `Some(duration)` convert into one.
+/// yields and sleeps, and its `shutdown`. A `Duration`, `None` and `Some(duration)`
+/// convert into one.
 ///
 /// A caller that must let go of the writer or reader now and then during a long wait
 /// (the Python bindings do, to run Python code with no lock held) gives a hook that
@@ -333,6 +334,13 @@ impl WaitClock {
     /// How long since the wait it carries on began (zero if none has).
     pub fn elapsed(&self) -> Duration {
         self.started.map_or(Duration::ZERO, |t| t.elapsed())
+    }
+}
+
+/// A timeout: `writer.enqueue(msg, Duration::from_secs(5))`.
+impl From<Duration> for WaitSpec<'_> {
+    fn from(timeout: Duration) -> Self {
+        Some(timeout).into()
     }
 }
 

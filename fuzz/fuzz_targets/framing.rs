@@ -2,11 +2,14 @@
 //! the first frame of an overflow message: any bytes and frame count give an error or
 //! parts that lie inside the block (inline) or among the frames that came (frame), never
 //! a panic; and the parts it found encode back to descriptors that decode to them again.
+//! The same bytes as a typed array's header (`ArrayMeta::decode`) against `frames * 4096`
+//! bytes of data: an error, or fields whose elements lie inside that data.
 #![no_main]
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use shmq::fuzzing::{decode_framing, encode_framing, header_len, PartRef};
+use shmq::ArrayMeta;
 
 #[derive(Arbitrary, Debug)]
 struct Input {
@@ -17,6 +20,13 @@ struct Input {
 fuzz_target!(|input: Input| {
     let Input { frames, block } = input;
     let frames = frames as usize;
+    if let Ok(meta) = ArrayMeta::decode(&block, frames * 4096) {
+        assert!(meta.span().unwrap() <= frames * 4096, "{meta:?}");
+        assert_eq!(
+            ArrayMeta::decode(&meta.encode(), frames * 4096).unwrap(),
+            meta
+        );
+    }
     let Ok(parts) = decode_framing(&block, frames) else {
         return;
     };

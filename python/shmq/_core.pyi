@@ -98,7 +98,12 @@ class _CancelEvent(Protocol):
 
 # A received message: plain bytes, or the body and its out-of-band buffers (bytearray
 # copies of small ones, writable memoryviews of private memory for large ones).
-_Message = bytes | tuple[bytes] | tuple[bytes, list[bytearray | memoryview]]
+_Message = (
+    bytes
+    | tuple[bytes]
+    | tuple[bytes, list[bytearray | memoryview]]
+    | tuple[str, tuple[int, ...], tuple[int, ...], bytearray | memoryview]
+)
 
 # (name, size, kind, creator pid, creator state)
 _SegmentReport = tuple[str, int, str, Optional[int], Literal["alive", "dead", "unknown"]]
@@ -323,6 +328,12 @@ class Writer:
         """Send a body and its out-of-band buffers; large ones through the tensor arena.
         A reader's ``dequeue`` returns ``(body, buffers)`` (just ``body``, ``bytes``, when
         there are no buffers)."""
+    def enqueue_array(
+        self, dtype: str, shape: list[int], data: Buffer, timeout: Optional[float] = None
+    ) -> None:
+        """Send a typed array: ``dtype`` by name (``"float32"``...), its C-contiguous
+        ``shape`` and its bytes (exactly as many as the shape says). A reader's
+        ``dequeue`` returns ``(dtype, shape, strides, data)``."""
     def reserve_arena(self, nbytes: int) -> Optional[int]: ...
     def loan(self, nbytes: int) -> Optional[ShmView]:
         """Writable memory in the tensor arena, sent by reference (None: no room)."""
@@ -355,7 +366,8 @@ class Reader:
     ) -> _Message:
         """A message of parts (a pickled object) as ``bytes`` when it has no buffers
         (``enqueue_body``), else ``(body, buffers)`` (``enqueue_parts``); raw bytes
-        (``enqueue``, ``acquire_write``) as a 1-tuple ``(bytes,)``."""
+        (``enqueue``, ``acquire_write``) as a 1-tuple ``(bytes,)``; a typed array
+        (``enqueue_array``) as ``(dtype, shape, strides, data)``."""
     def acquire_read(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> ShmView | bytes:
         """A view of the next chunk (bytes for an overflow message); then ``finish_read``."""
     def finish_read(self) -> None: ...

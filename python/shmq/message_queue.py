@@ -18,9 +18,10 @@ import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Literal, NoReturn, Optional, cast
+from typing import TYPE_CHECKING, Any, Iterator, Literal, NoReturn, Optional, cast, overload
 
 from . import _core, _oob, group
+from ._arrays import ArrayKind, from_wire, to_wire
 from ._cleanup import track, track_writer
 from ._loans import loan_memory, loaned_array, loaned_tensor
 from ._segment_memory import SegmentMemory
@@ -46,9 +47,11 @@ _dumps = _oob.dumps
 
 
 class MessageKindError(ValueError):
-    """A message of the other kind: ``dequeue()`` met raw bytes (a Rust writer's
-    ``enqueue``, ``enqueue_bytes``, ``acquire_write``), or ``dequeue_bytes()`` met a
-    pickled object (``enqueue``). The message is consumed; the reader reads the next one."""
+    """A message of another kind than the call reads: ``dequeue()`` met raw bytes (a
+    Rust writer's ``enqueue``, ``enqueue_bytes``, ``acquire_write``), ``dequeue_bytes()``
+    met a pickled object (``enqueue``) or a typed array (``enqueue_array``),
+    ``dequeue_array()`` met anything but a typed array. The message is consumed; the
+    reader reads the next one."""
 
 
 _RAW_FOR_DEQUEUE = (
@@ -59,6 +62,15 @@ _RAW_FOR_DEQUEUE = (
 _PICKLED_FOR_DEQUEUE_BYTES = (
     "this message was sent as a pickled Python object (by enqueue), not as raw bytes; "
     "read it with dequeue() (the message is consumed; the reader goes on with the next one)"
+)
+_ARRAY_FOR_DEQUEUE_BYTES = (
+    "this message was sent as a typed array (by enqueue_array), not as raw bytes; read "
+    "it with dequeue() or dequeue_array() (the message is consumed; the reader goes on "
+    "with the next one)"
+)
+_NOT_AN_ARRAY = (
+    "this message was sent as {what}, not as a typed array (enqueue_array); read it with "
+    "{call} (the message is consumed; the reader goes on with the next one)"
 )
 _loads = pickle.loads
 
@@ -599,6 +611,22 @@ class MessageQueue:
             raise self._not_the_writer("enqueue_bytes")
         writer.enqueue(data if type(data) is bytes else bytes(data), timeout)
 
+    def enqueue_array(self, array: Any, timeout: Optional[float] = None) -> None:
+        """Send ``array`` (a numpy array, a torch tensor on the CPU, or a typed
+        memoryview) as a typed array, the format Rust speaks too: its dtype, shape and
+        bytes, not pickled. A Python reader's ``dequeue()`` returns a numpy array (and
+        ``dequeue_array(kind=...)`` a torch tensor or a memoryview), a Rust reader's
+        ``Reader::dequeue_array`` an ``Array`` it reads as a typed slice. Large arrays go
+        through the tensor arena (readers get them with no copy; none at all for an
+        array in a ``loan_array``/``loan_tensor``); a non-contiguous one is made
+        contiguous first. Dtypes: bool, (u)int8-64, float16, bfloat16, float32, float64.
+        Blocks while the ring is full, ``TimeoutError`` after ``timeout`` seconds."""
+        writer = self._writer
+        if writer is None:
+            raise self._not_the_writer("enqueue_array")
+        dtype, shape, data = to_wire(array)
+        writer.enqueue_array(dtype, shape, data, timeout)
+
     def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
         """The next object. ``TimeoutError`` after ``timeout`` seconds;
         ``RuntimeError("cancelled")`` once ``cancel`` is set or this reader's
@@ -623,8 +651,52 @@ class MessageQueue:
             return _loads(message)
         if len(message) == 1:
             raise MessageKindError(_RAW_FOR_DEQUEUE)
+        if len(message) == 4:
+            # A typed array (enqueue_array): a numpy array (bfloat16, which numpy lacks,
+            # a torch tensor).
+            dtype, shape, strides, data = cast("tuple[str, tuple[int, ...], tuple[int, ...], Any]", message)
+            return from_wire(dtype, shape, strides, data, "torch" if dtype == "bfloat16" else "numpy")
         body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
         return _loads(body, buffers=buffers)
+
+    @overload
+    def dequeue_array(
+        self, timeout: Optional[float] = None, cancel: Any = None, *, kind: Literal["numpy"] = "numpy"
+    ) -> npt.NDArray[Any]: ...
+    @overload
+    def dequeue_array(
+        self, timeout: Optional[float] = None, cancel: Any = None, *, kind: Literal["torch"]
+    ) -> torch.Tensor: ...
+    @overload
+    def dequeue_array(
+        self, timeout: Optional[float] = None, cancel: Any = None, *, kind: Literal["memoryview"]
+    ) -> memoryview: ...
+    def dequeue_array(self, timeout: Optional[float] = None, cancel: Any = None, *, kind: ArrayKind = "numpy") -> Any:
+        """The next message, a typed array (a Python writer's ``enqueue_array``, a Rust
+        writer's ``Writer::enqueue_array``), as ``kind`` says: a numpy array, a torch
+        tensor, or a memoryview of its format and shape (C-contiguous arrays of a dtype
+        the struct module knows). No copy for a large array: it is a view of memory
+        private to this process (writable; writes stay here). Waits as ``dequeue`` does
+        (same errors); any other kind of message raises ``MessageKindError`` (consumed,
+        the reader stays usable)."""
+        if kind not in ("numpy", "torch", "memoryview"):
+            raise ValueError(f"kind must be 'numpy', 'torch' or 'memoryview', got {kind!r}")
+        reader = self._reader
+        if reader is None:
+            raise RuntimeError(
+                "only readers can dequeue_array: this MessageQueue is the writer"
+                if self._writer is not None
+                else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
+            )
+        message = reader.dequeue(timeout, cancel, False)
+        if type(message) is tuple and len(message) == 4:
+            dtype, shape, strides, data = message
+            return from_wire(dtype, shape, strides, data, kind)
+        if type(message) is tuple and len(message) == 1:
+            what, call = "raw bytes (enqueue_bytes, or a Rust writer's enqueue)", "dequeue_bytes()"
+        else:
+            what, call = "a pickled Python object (enqueue)", "dequeue()"
+        raise MessageKindError(_NOT_AN_ARRAY.format(what=what, call=call))
 
     def dequeue_bytes(self, timeout: Optional[float] = None, cancel: Any = None) -> bytes:
         """The next message as raw ``bytes`` (a copy, owned): what a Rust writer's
@@ -641,7 +713,9 @@ class MessageQueue:
             )
         message = reader.dequeue(timeout, cancel, False)
         if type(message) is tuple and len(message) == 1:
-            return message[0]
+            return cast(bytes, message[0])
+        if type(message) is tuple and len(message) == 4:
+            raise MessageKindError(_ARRAY_FOR_DEQUEUE_BYTES)
         raise MessageKindError(_PICKLED_FOR_DEQUEUE_BYTES)
 
     def broadcast_object(self, obj: Any = None) -> Any:

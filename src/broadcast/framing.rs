@@ -8,7 +8,8 @@
 //! - **arena**: a reference to bytes in the tensor arena (see [`crate::arena`]).
 //!
 //! ```text
-//! 0   magic: u32 = "SQF1"    4  n_parts: u32
+//! 0   magic: u32 = "SQF1" (a body and its buffers) or "SQA1" (an array: its header and
+//!     its data, see `super::array`)    4  n_parts: u32
 //! 8   n_parts descriptors of 32 bytes:
 //!       +0 kind: u32 (1 inline, 2 frame, 3 arena)   +4 lease: u32   +8 generation: u32
 //!       +16 offset: u64 (inline: from the block's start; frame: frame number; arena:
@@ -36,6 +37,7 @@ use crate::arena::ArenaRef;
 use crate::error::{Error, Result};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"SQF1");
+const MAGIC_ARRAY: u32 = u32::from_le_bytes(*b"SQA1");
 const HEADER: usize = 8;
 const DESC: usize = 32;
 const KIND_INLINE: u32 = 1;
@@ -63,9 +65,27 @@ pub fn align(at: usize) -> usize {
     at.div_ceil(8) * 8
 }
 
+/// What a message of parts is: a body and the buffers it refers to (for Python, a pickle
+/// stream and its out-of-band buffers), or a typed array (its header and its data, see
+/// `super::array`). Said by the descriptor block's magic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Parts,
+    Array,
+}
+
 /// Write the descriptor block for `parts` into `out` (at least `header_len` long).
 pub fn encode(parts: &[PartRef], out: &mut [u8]) {
-    out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    encode_as(Format::Parts, parts, out)
+}
+
+/// [`encode`] for a message of `format`.
+pub fn encode_as(format: Format, parts: &[PartRef], out: &mut [u8]) {
+    let magic = match format {
+        Format::Parts => MAGIC,
+        Format::Array => MAGIC_ARRAY,
+    };
+    out[0..4].copy_from_slice(&magic.to_le_bytes());
     out[4..8].copy_from_slice(&(parts.len() as u32).to_le_bytes());
     for (i, p) in parts.iter().enumerate() {
         let d = &mut out[HEADER + DESC * i..HEADER + DESC * (i + 1)];
@@ -84,9 +104,9 @@ pub fn encode(parts: &[PartRef], out: &mut [u8]) {
 }
 
 /// The descriptor block `parts` as a new vector (for a frame of its own).
-pub fn encode_vec(parts: &[PartRef]) -> Vec<u8> {
+pub fn encode_vec(format: Format, parts: &[PartRef]) -> Vec<u8> {
     let mut v = vec![0; header_len(parts.len())];
-    encode(parts, &mut v);
+    encode_as(format, parts, &mut v);
     v
 }
 
@@ -100,15 +120,22 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 /// Read a descriptor block. `block` is the whole chunk data (inline parts must lie inside
 /// it) or a frame of its own; `frames` is how many frames follow it.
 pub fn decode(block: &[u8], frames: usize) -> Result<Vec<PartRef>> {
+    decode_as(block, frames).map(|(_, parts)| parts)
+}
+
+/// [`decode`], and what the message is.
+pub fn decode_as(block: &[u8], frames: usize) -> Result<(Format, Vec<PartRef>)> {
     let bad = |why: &str| Error::InvalidArgument(format!("malformed message: {why}"));
-    if block.len() < HEADER || u32_at(block, 0) != MAGIC {
-        return Err(bad("no part descriptors"));
-    }
+    let format = match (block.len() >= HEADER).then(|| u32_at(block, 0)) {
+        Some(MAGIC) => Format::Parts,
+        Some(MAGIC_ARRAY) => Format::Array,
+        _ => return Err(bad("no part descriptors")),
+    };
     let n = u32_at(block, 4) as usize;
     if n == 0 || n > (block.len() - HEADER) / DESC {
         return Err(bad("bad part count"));
     }
-    (0..n)
+    let parts = (0..n)
         .map(|i| {
             let d = HEADER + DESC * i;
             let (kind, offset, len) = (
@@ -139,7 +166,8 @@ pub fn decode(block: &[u8], frames: usize) -> Result<Vec<PartRef>> {
                 _ => Err(bad("an unknown part kind or a missing frame")),
             }
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    Ok((format, parts))
 }
 
 #[cfg(test)]
@@ -164,6 +192,12 @@ mod tests {
         let mut block = vec![0u8; 120];
         encode(&parts, &mut block);
         assert_eq!(decode(&block, 2).unwrap(), parts);
+        let mut array = block.clone();
+        encode_as(Format::Array, &parts, &mut array);
+        assert_eq!(
+            decode_as(&array, 2).unwrap(),
+            (Format::Array, parts.to_vec())
+        );
         // Too few frames, a short block, a bad magic, a huge count: errors, no panic.
         assert!(decode(&block, 1).is_err());
         assert!(decode(&block[..100], 2).is_err());

@@ -20,11 +20,12 @@ use crate::broadcast::queue::Canceller;
 use crate::broadcast::queue::ChunkEnd;
 use crate::broadcast::DeadReaderPolicy;
 use crate::broadcast::{
-    Handle, Part, QueueOptions, Reader as CoreReader, Received, Ring as CoreRing, RingHandle,
-    Writer as CoreWriter,
+    ArrayMeta, ArrayRef, Dtype, Handle, Part, QueueOptions, Reader as CoreReader, Received,
+    Ring as CoreRing, RingHandle, Writer as CoreWriter,
 };
 use crate::error::Error;
 use crate::remote::{RemoteOptions, SlowReaderPolicy};
+use crate::wait::WaitSpec;
 use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError, PyValueError};
 
 type RingTuple = (usize, usize, usize, String);
@@ -179,9 +180,9 @@ pub(super) fn handle_from_text<'py>(py: Python<'py>, text: &str) -> PyResult<Bou
 
 /// A received message as Python sees it, its kind told by its type: a message of parts
 /// with no buffers (a pickled object with none out of band) as its body, `bytes`; one
-/// with buffers as `(body: bytes, buffers: list)`, where each buffer is a `bytearray`
-/// (copied from the chunk) or a writable `memoryview` of memory private to this process
-/// (a frame, or an arena part mapped copy-on-write); raw bytes as a 1-tuple `(bytes,)`.
+/// with buffers as `(body: bytes, buffers: list)`, where each buffer is what
+/// [`part_to_python`] makes; raw bytes as a 1-tuple `(bytes,)`; a typed array as a
+/// 4-tuple `(dtype: str, shape: tuple, strides: tuple, data)`.
 fn to_python<'py>(py: Python<'py>, m: Received<'_>) -> PyResult<Bound<'py, PyAny>> {
     let parts = match m {
         Received::Bytes(b) => {
@@ -189,6 +190,15 @@ fn to_python<'py>(py: Python<'py>, m: Received<'_>) -> PyResult<Bound<'py, PyAny
             return Ok(PyTuple::new(py, [b])?.into_any());
         }
         Received::Parts(parts) => parts,
+        Received::Array { meta, data } => {
+            let fields = (
+                meta.dtype.name(),
+                PyTuple::new(py, &meta.shape)?,
+                PyTuple::new(py, &meta.strides)?,
+                part_to_python(py, data)?,
+            );
+            return Ok(fields.into_pyobject(py)?.into_any());
+        }
     };
     let mut parts = parts.into_iter();
     let body = parts.next().expect("a message has a body");
@@ -198,29 +208,35 @@ fn to_python<'py>(py: Python<'py>, m: Received<'_>) -> PyResult<Bound<'py, PyAny
     }
     let buffers = PyList::empty(py);
     for p in parts {
-        let b = match p {
-            Part::Borrowed(b) => PyByteArray::new(py, b).into_any(),
-            Part::Frame(m) => {
-                let m = Arc::new(m);
-                let (ptr, len) = (m.as_ptr() as *mut u8, m.len());
-                // SAFETY: the frame's bytes live in the zmq message, which the view owns
-                // (moved into the Arc before the pointer was taken, so small messages kept
-                // inside the message struct do not move); a received frame is this
-                // process's own memory, so handing out a writable view of it is sound.
-                let view = Bound::new(py, unsafe { ShmView::new(m, ptr, len) })?;
-                PyMemoryView::from(view.as_any())?.into_any()
-            }
-            Part::Arena(v) => {
-                let (ptr, len) = (v.as_ptr(), v.len());
-                // SAFETY: the bytes are the view's own private mapping, which it unmaps only
-                // when dropped, i.e. after the last buffer export of this ShmView is gone.
-                let view = Bound::new(py, unsafe { ShmView::new(Arc::new(v), ptr, len) })?;
-                PyMemoryView::from(view.as_any())?.into_any()
-            }
-        };
-        buffers.append(b)?;
+        buffers.append(part_to_python(py, p)?)?;
     }
     Ok(PyTuple::new(py, [body.into_any(), buffers.into_any()])?.into_any())
+}
+
+/// A received buffer as Python has it: a `bytearray` (copied from the chunk) or a
+/// writable `memoryview` of memory private to this process (a frame, or an arena part
+/// mapped copy-on-write).
+fn part_to_python<'py>(py: Python<'py>, p: Part<'_>) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match p {
+        Part::Borrowed(b) => PyByteArray::new(py, b).into_any(),
+        Part::Frame(m) => {
+            let m = Arc::new(m);
+            let (ptr, len) = (m.as_ptr() as *mut u8, m.len());
+            // SAFETY: the frame's bytes live in the zmq message, which the view owns
+            // (moved into the Arc before the pointer was taken, so small messages kept
+            // inside the message struct do not move); a received frame is this
+            // process's own memory, so handing out a writable view of it is sound.
+            let view = Bound::new(py, unsafe { ShmView::new(m, ptr, len) })?;
+            PyMemoryView::from(view.as_any())?.into_any()
+        }
+        Part::Arena(v) => {
+            let (ptr, len) = (v.as_ptr(), v.len());
+            // SAFETY: the bytes are the view's own private mapping, which it unmaps only
+            // when dropped, i.e. after the last buffer export of this ShmView is gone.
+            let view = Bound::new(py, unsafe { ShmView::new(Arc::new(v), ptr, len) })?;
+            PyMemoryView::from(view.as_any())?.into_any()
+        }
+    })
 }
 
 /// A broadcast ring segment (either side).
@@ -513,43 +529,41 @@ impl Writer {
         parts: &Bound<'_, PyList>,
         timeout: Option<Timeout>,
     ) -> PyResult<()> {
-        let (buffers, spans) = parts::buffers(parts, |i| {
-            format!("message part {i} is not a contiguous buffer")
-        })?;
-        let total: usize = spans.iter().map(|s| s.1).sum();
-        let r = {
-            let slices = move || -> Vec<&[u8]> {
-                // SAFETY: each span is a live, contiguous buffer export held by `buffers`
-                // until the end of this call; its exporter cannot free or resize it
-                // meanwhile. (Another thread may still write into it: then that part's
-                // bytes are whatever it wrote, as with any buffer being sent.)
-                unsafe { parts::slices(&spans) }
-            };
-            let r = match total <= COPY_WITH_GIL_MAX {
-                // Small and no wait needed: with the GIL held, as in `enqueue`.
-                true => {
-                    let mut w = self.writer(py)?;
-                    self.queue.check(py, w.try_enqueue_parts(&slices()))
-                }
-                false => Ok(false),
-            };
-            match r {
-                Ok(true) => Ok(()),
-                Ok(false) => blocking_on(
-                    py,
-                    &self.inner,
-                    WRITER,
-                    interrupts(timeout),
-                    |w, spec| w.enqueue_parts(&slices(), spec),
-                    |e| self.queue.error(py, e),
-                )
-                .map(drop),
-                Err(e) => Err(e),
-            }
-        };
-        // Released with the writer let go: an exporter's release may run Python code.
-        drop(buffers);
-        r
+        self.send_buffers(
+            py,
+            parts,
+            timeout,
+            |i| format!("message part {i} is not a contiguous buffer"),
+            |w, parts| w.try_enqueue_parts(parts),
+            |w, parts, spec| w.enqueue_parts(parts, spec),
+        )
+    }
+
+    /// Send a typed array: `dtype` by name (`"float32"`...), its C-contiguous `shape`
+    /// and its bytes `data` (contiguous, exactly as many as the shape says). Its data
+    /// travels as a large part of `enqueue_parts` does.
+    #[pyo3(signature = (dtype, shape, data, timeout=None))]
+    fn enqueue_array(
+        &self,
+        py: Python<'_>,
+        dtype: &str,
+        shape: Vec<usize>,
+        data: &Bound<'_, PyAny>,
+        timeout: Option<Timeout>,
+    ) -> PyResult<()> {
+        let meta = ArrayMeta::contiguous(Dtype::from_name(dtype)?, &shape);
+        let header = PyBytes::new(py, &meta.encode());
+        let parts = PyList::new(py, [header.as_any(), data])?;
+        self.send_buffers(
+            py,
+            &parts,
+            timeout,
+            |_| "an array's data must be one contiguous buffer".into(),
+            |w, parts| w.try_enqueue_array(&ArrayRef::with_strides(meta.clone(), parts[1])?),
+            |w, parts, spec| {
+                w.enqueue_array(&ArrayRef::with_strides(meta.clone(), parts[1])?, spec)
+            },
+        )
     }
 
     /// Reserve the first `nbytes` of the tensor arena now (see `ArenaWriter::reserve`);
@@ -658,6 +672,58 @@ impl Writer {
     /// The core writer, locked (`RuntimeError` once a panic has poisoned it).
     fn writer(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreWriter>> {
         lock(py, &self.inner, WRITER)
+    }
+
+    /// Send the bytes-like `parts` with `try_send` (at once, with the GIL held, when
+    /// they are small: as `enqueue` does) or else `send`, which may wait (the GIL let
+    /// go, Ctrl-C and the timeout honoured); `not_contiguous(i)` words the error for a
+    /// part that is not one contiguous buffer.
+    fn send_buffers(
+        &self,
+        py: Python<'_>,
+        parts: &Bound<'_, PyList>,
+        timeout: Option<Timeout>,
+        not_contiguous: impl FnOnce(usize) -> String,
+        try_send: impl FnOnce(&mut CoreWriter, &[&[u8]]) -> crate::error::Result<bool>,
+        send: impl for<'w> Fn(&mut CoreWriter, &[&[u8]], WaitSpec<'w>) -> crate::error::Result<()>
+            + Send
+            + Sync,
+    ) -> PyResult<()> {
+        let (buffers, spans) = parts::buffers(parts, not_contiguous)?;
+        let total: usize = spans.iter().map(|s| s.1).sum();
+        let r = {
+            let slices = move || -> Vec<&[u8]> {
+                // SAFETY: each span is a live, contiguous buffer export held by `buffers`
+                // until the end of this call; its exporter cannot free or resize it
+                // meanwhile. (Another thread may still write into it: then that part's
+                // bytes are whatever it wrote, as with any buffer being sent.)
+                unsafe { parts::slices(&spans) }
+            };
+            let r = match total <= COPY_WITH_GIL_MAX {
+                // Small and no wait needed: with the GIL held, as in `enqueue`.
+                true => {
+                    let mut w = self.writer(py)?;
+                    self.queue.check(py, try_send(&mut w, &slices()))
+                }
+                false => Ok(false),
+            };
+            match r {
+                Ok(true) => Ok(()),
+                Ok(false) => blocking_on(
+                    py,
+                    &self.inner,
+                    WRITER,
+                    interrupts(timeout),
+                    |w, spec| send(w, &slices(), spec),
+                    |e| self.queue.error(py, e),
+                )
+                .map(drop),
+                Err(e) => Err(e),
+            }
+        };
+        // Released with the writer let go: an exporter's release may run Python code.
+        drop(buffers);
+        r
     }
 }
 

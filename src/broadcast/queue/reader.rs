@@ -14,7 +14,8 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::super::framing::{self, PartRef};
+use super::super::array::{Array, ArrayMeta};
+use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, Ring, RingReader};
 use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
@@ -77,9 +78,52 @@ const READY_GRACE: Duration = Duration::from_secs(1);
 /// A message as a reader takes it: plain bytes, or a message of several parts (a body
 /// and the buffers it refers to, see [`Writer::enqueue_parts`](super::Writer::enqueue_parts)).
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Received<'a> {
     Bytes(&'a [u8]),
     Parts(Vec<Part<'a>>),
+    /// A typed array ([`Writer::enqueue_array`](super::Writer::enqueue_array), Python's
+    /// `enqueue_array`): its fields, checked against its data.
+    Array {
+        meta: ArrayMeta,
+        data: Part<'a>,
+    },
+}
+
+impl Received<'_> {
+    /// What the message is, in words, for an error naming a mismatch.
+    pub fn kind_words(&self) -> String {
+        match self {
+            Received::Bytes(_) => "raw bytes (enqueue, or Python's enqueue_bytes)".into(),
+            Received::Parts(p) => format!(
+                "a message of {} part(s) (a Python writer's enqueue of a pickled object, or \
+                 enqueue_parts)",
+                p.len()
+            ),
+            Received::Array { meta, .. } => format!(
+                "a typed array ({} {:?}: enqueue_array)",
+                meta.dtype, meta.shape
+            ),
+        }
+    }
+}
+
+/// The message that `parts` of `format` make: an array's header is read and checked
+/// against its data here (an error if it is malformed; the parts are dropped with it).
+fn received(format: Format, parts: Vec<Part<'_>>) -> Result<Received<'_>> {
+    match format {
+        Format::Parts => Ok(Received::Parts(parts)),
+        Format::Array => {
+            let [header, data]: [Part<'_>; 2] = parts.try_into().map_err(|p: Vec<Part<'_>>| {
+                Error::InvalidArgument(format!(
+                    "malformed array message: {} parts, not 2 (a header and the data)",
+                    p.len()
+                ))
+            })?;
+            let meta = ArrayMeta::decode(&header, data.len())?;
+            Ok(Received::Array { meta, data })
+        }
+    }
 }
 
 /// One part of a received message.
@@ -205,13 +249,13 @@ fn take_frames<R>(
     }
     let mut frames: Vec<Option<zmq::Message>> = frames.into_iter().map(Some).collect();
     let block = frames[0].take().expect("at least two frames");
-    let refs = framing::decode(&block, frames.len())?;
+    let (format, refs) = framing::decode_as(&block, frames.len())?;
     let arena = match arena {
         Some(slot) => slot.for_refs(&refs)?,
         None => None,
     };
     let parts = resolve_parts(&refs, &block, &mut frames, arena)?;
-    Ok(f(Received::Parts(parts)))
+    Ok(f(received(format, parts)?))
 }
 
 /// A chunk as [`Reader::acquire_read`] hands it out, to read (and write) in place.
@@ -644,12 +688,12 @@ impl Reader {
                     }
                     ChunkKind::Framed => {
                         let data = ring.data(&info);
-                        framing::decode(data, 0)
-                            .and_then(|refs| {
+                        framing::decode_as(data, 0)
+                            .and_then(|(format, refs)| {
                                 let arena = arena.for_refs(&refs)?;
-                                resolve_parts(&refs, data, &mut [], arena)
+                                received(format, resolve_parts(&refs, data, &mut [], arena)?)
                             })
-                            .map(|parts| f(Received::Parts(parts)))
+                            .map(f)
                     }
                     ChunkKind::Body => {
                         Ok(f(Received::Parts(vec![Part::Borrowed(ring.data(&info))])))
@@ -681,12 +725,15 @@ impl Reader {
     pub fn try_take<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
         match self.try_take_message(|m| match m {
             Received::Bytes(b) => Ok(f(b)),
-            Received::Parts(p) => Err(Error::InvalidArgument(format!(
-                "this message was sent as a message of {} part(s) (a Python writer's \
-                 enqueue of a pickled object, or enqueue_parts), not as raw bytes; read it \
-                 with dequeue_parts, or have a Python writer send raw bytes with \
-                 enqueue_bytes (the message is consumed)",
-                p.len()
+            other => Err(Error::InvalidArgument(format!(
+                "this message was sent as {}, not as raw bytes; read it with {}, or have a \
+                 Python writer send raw bytes with enqueue_bytes (the message is consumed)",
+                other.kind_words(),
+                if matches!(other, Received::Array { .. }) {
+                    "dequeue_array"
+                } else {
+                    "dequeue_parts"
+                }
             ))),
         })? {
             Some(r) => r.map(Some),
@@ -722,18 +769,51 @@ impl Reader {
     /// small parts copied out of the chunk, large ones as private views of the tensor
     /// arena that hold their bytes until dropped (no copy).
     pub fn dequeue_parts<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<OwnedPart>> {
-        fn own(m: Received<'_>) -> Vec<OwnedPart> {
+        fn own(m: Received<'_>) -> Result<Vec<OwnedPart>> {
             match m {
-                Received::Bytes(b) => vec![OwnedPart::Copied(b.to_vec())],
-                Received::Parts(p) => p.into_iter().map(OwnedPart::from).collect(),
+                Received::Bytes(b) => Ok(vec![OwnedPart::Copied(b.to_vec())]),
+                Received::Parts(p) => Ok(p.into_iter().map(OwnedPart::from).collect()),
+                other => Err(Error::InvalidArgument(format!(
+                    "this message was sent as {}; read it with dequeue_array (the message is \
+                     consumed)",
+                    other.kind_words()
+                ))),
             }
         }
         if let Some(m) = self.try_take_message(own)? {
-            return Ok(m);
+            return m;
         }
         self.wait_message(wait)?;
         self.try_take_message(own)?
-            .ok_or_else(|| self.not_ready_any_more())
+            .ok_or_else(|| self.not_ready_any_more())?
+    }
+
+    /// Wait for the next message, a typed array (see [`crate::broadcast::array`]), and
+    /// return it: its data copied out of the chunk if small, a private view of the tensor
+    /// arena (or the frame it came in) if large: no copy. Any other message is an error
+    /// naming what it is; it is consumed and the reader goes on with the next one.
+    pub fn dequeue_array<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Array> {
+        fn own(m: Received<'_>) -> Result<Array> {
+            match m {
+                Received::Array { meta, data } => Ok(Array::new(meta, data.into())),
+                other => Err(Error::InvalidArgument(format!(
+                    "this message was sent as {}, not as a typed array; read it with {} (the \
+                     message is consumed)",
+                    other.kind_words(),
+                    if matches!(other, Received::Bytes(_)) {
+                        "dequeue"
+                    } else {
+                        "dequeue_parts"
+                    }
+                ))),
+            }
+        }
+        if let Some(m) = self.try_take_message(own)? {
+            return m;
+        }
+        self.wait_message(wait)?;
+        self.try_take_message(own)?
+            .ok_or_else(|| self.not_ready_any_more())?
     }
 
     /// Zero-copy reading of a chunk filled with

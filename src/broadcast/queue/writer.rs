@@ -6,7 +6,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::super::framing::{self, PartRef};
+use super::super::array::ArrayRef;
+use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
@@ -452,7 +453,7 @@ impl Writer {
     /// they differ only by the chunk's kind; over a socket a body goes as a message of
     /// parts does (a descriptor block naming the frame after it), raw bytes as one frame.
     fn enqueue_unchecked(&mut self, msg: &[u8], body: bool, wait: &mut Wait) -> Result<()> {
-        let block = || framing::encode_vec(&[PartRef::Frame { index: 1 }]);
+        let block = || framing::encode_vec(Format::Parts, &[PartRef::Frame { index: 1 }]);
         // Every wait comes before anything is sent (see `Wait::commit`).
         if let Some(remote) = self.remote.as_mut() {
             let extra = if body { framing::header_len(1) } else { 0 };
@@ -509,37 +510,80 @@ impl Writer {
         parts: &[&[u8]],
         wait: impl Into<WaitSpec<'w>>,
     ) -> Result<()> {
-        if self.try_enqueue_parts(parts)? {
-            return Ok(());
-        }
-        let canceller = self.canceller.clone();
-        let mut wait = wait
-            .into()
-            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
-            .learning(&self.history);
-        self.enqueue_parts_with(parts, &mut wait)
+        self.send_parts(Format::Parts, parts, wait.into())
     }
 
     /// [`enqueue_parts`](Self::enqueue_parts) if that needs no wait; `false` if it would.
     pub fn try_enqueue_parts(&mut self, parts: &[&[u8]]) -> Result<bool> {
+        self.try_send_parts(Format::Parts, parts)
+    }
+
+    pub fn enqueue_parts_with(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
+        self.send_parts_with(Format::Parts, parts, wait)
+    }
+
+    /// Send a typed array to every reader (see [`crate::broadcast::array`]), waiting
+    /// while the ring is full: its data travels as a large part of
+    /// [`enqueue_parts`](Self::enqueue_parts) does (through the tensor arena with one
+    /// copy, or none if it lies in a live [`Loan`]; a frame of its own to remote
+    /// readers). A Rust reader takes it with
+    /// [`Reader::dequeue_array`](super::Reader::dequeue_array), a Python reader with
+    /// `dequeue()` (a numpy array) or `dequeue_array()`.
+    pub fn enqueue_array<'w>(
+        &mut self,
+        array: &ArrayRef<'_>,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<()> {
+        let header = array.meta().encode();
+        self.send_parts(Format::Array, &[&header, array.data()], wait.into())
+    }
+
+    /// [`enqueue_array`](Self::enqueue_array) if that needs no wait; `false` if it would.
+    pub fn try_enqueue_array(&mut self, array: &ArrayRef<'_>) -> Result<bool> {
+        let header = array.meta().encode();
+        self.try_send_parts(Format::Array, &[&header, array.data()])
+    }
+
+    pub fn enqueue_array_with(&mut self, array: &ArrayRef<'_>, wait: &mut Wait) -> Result<()> {
+        let header = array.meta().encode();
+        self.send_parts_with(Format::Array, &[&header, array.data()], wait)
+    }
+
+    fn send_parts(&mut self, format: Format, parts: &[&[u8]], spec: WaitSpec<'_>) -> Result<()> {
+        if self.try_send_parts(format, parts)? {
+            return Ok(());
+        }
+        let canceller = self.canceller.clone();
+        let mut wait = spec
+            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
+            .learning(&self.history);
+        self.send_parts_with(format, parts, &mut wait)
+    }
+
+    fn try_send_parts(&mut self, format: Format, parts: &[&[u8]]) -> Result<bool> {
         // The remote frames: the parts and a small block of references (over-counted
         // here, which only errs on the side of a real wait).
         let bytes = parts.iter().map(|p| p.len() as u64 + 16).sum::<u64>() + 64;
         if !self.can_write() || self.remote_would_wait(bytes)? {
             return Ok(false);
         }
-        self.enqueue_parts_with(parts, &mut Wait::ready_now())?;
+        self.send_parts_with(format, parts, &mut Wait::ready_now())?;
         Ok(true)
     }
 
-    pub fn enqueue_parts_with(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
+    fn send_parts_with(&mut self, format: Format, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
-        let r = self.enqueue_parts_unchecked(parts, wait);
+        let r = self.enqueue_parts_unchecked(format, parts, wait);
         r.map_err(|e| self.why(e))
     }
 
-    fn enqueue_parts_unchecked(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
+    fn enqueue_parts_unchecked(
+        &mut self,
+        format: Format,
+        parts: &[&[u8]],
+        wait: &mut Wait,
+    ) -> Result<()> {
         if parts.is_empty() {
             return Err(Error::InvalidArgument(
                 "a message needs at least one part (its body)".into(),
@@ -550,7 +594,7 @@ impl Writer {
             let refs: Vec<PartRef> = (1..=parts.len())
                 .map(|index| PartRef::Frame { index })
                 .collect();
-            framing::encode_vec(&refs)
+            framing::encode_vec(format, &refs)
         });
         // Every wait comes before anything is sent (see `Wait::commit`).
         if let (Some(remote), Some(block)) = (self.remote.as_mut(), &remote_block) {
@@ -598,7 +642,7 @@ impl Writer {
             };
             if total <= ring.ring().max_chunk_bytes() && ring.reserve(total)? {
                 let data = ring.data_mut().expect("acquired");
-                framing::encode(&refs, data);
+                framing::encode_as(format, &refs, data);
                 for (r, p) in refs.iter().zip(parts) {
                     if let PartRef::Inline { offset, len } = *r {
                         data[offset..offset + len].copy_from_slice(p);
@@ -623,7 +667,7 @@ impl Writer {
                         other => *other,
                     })
                     .collect();
-                let block = framing::encode_vec(&over);
+                let block = framing::encode_vec(format, &over);
                 frames.insert(0, &block);
                 // A message of parts is never one frame: one frame is raw bytes (see
                 // `framing`). Parts all in the arena get an empty frame that none names.
