@@ -1,0 +1,273 @@
+"""A Rust scheduler and Python workers in one queue, both ways, in real processes: raw
+bytes and typed arrays (numpy arrays, torch tensors; a few bytes to 16 MiB) in order and
+intact, 10⁵ messages each way; each side refuses a message of another kind with an error
+naming it, the message consumed and the reader going on.
+
+The Rust side is ``examples/cross_language.rs`` (built here with cargo): its ``writer``
+sends messages ``0..count`` of ``expected(i)`` below, its ``reader`` checks them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import subprocess
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from _rust_examples import build_example
+
+from shmq import Handle, MessageKindError, MessageQueue
+
+STEP = 120  # seconds: every wait here has a bound
+COUNT = 100_000
+SIZES = [0, 1, 7, 100, 1000, 4097, 70_000]  # as the example's
+LARGE = 16 << 20
+
+pytestmark = pytest.mark.timeout(900)
+
+
+# (i * 31 + j) % 251 for j in range(n) is PATTERN[(i * 31) % 251:][:n]: a view, no work.
+PATTERN = np.arange(LARGE + 251, dtype=np.int64) % 251
+
+
+def expected(i: int) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """The example's message ``i``: ``("bytes", (n,), values)`` or ``(dtype, shape,
+    values)``, element ``j`` being ``(i * 31 + j) % 251``."""
+    large = i % 10_007 == 5
+    n = LARGE if large else SIZES[(i // 4) % len(SIZES)]
+    kind = i % 4
+    if kind == 0:
+        dtype, shape = "bytes", (n,)
+    elif kind == 1:
+        dtype, shape = "float32", (n // 4 if large else n,)
+    elif kind == 2:
+        dtype, shape = "int64", (2, n // 16 if large else n)
+    else:
+        dtype, shape = "uint16", (n // 2 if large else n, 1)
+    count = shape[0] * (shape[1] if len(shape) == 2 else 1)
+    start = (i * 31) % 251
+    return dtype, shape, PATTERN[start : start + count]
+
+
+def message(i: int) -> Any:
+    """Message ``i`` as a Python writer sends it: bytes, or an array (the int64 ones as
+    torch tensors, to send both kinds of array)."""
+    dtype, shape, values = expected(i)
+    if dtype == "bytes":
+        return values.astype(np.uint8).tobytes()
+    array = values.astype(dtype).reshape(shape)
+    return torch.from_numpy(array) if dtype == "int64" else array
+
+
+def wrong(i: int, got: Any) -> bool:
+    """Whether ``got`` (read with ``dequeue_bytes`` or ``dequeue``) is not message ``i``."""
+    dtype, shape, values = expected(i)
+    if dtype == "bytes":
+        return type(got) is not bytes or got != values.astype(np.uint8).tobytes()
+    return (
+        type(got) is not np.ndarray
+        or got.dtype.name != dtype
+        or got.shape != shape
+        or not np.array_equal(got.reshape(-1), values)
+    )
+
+
+def read_all(out: Any, handle: Handle, rank: int, count: int) -> None:
+    """A Python reader: every message in order, checked; puts ``(read, wrong indices)``."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    bad = []
+    for i in range(count):
+        got = mq.dequeue_bytes(timeout=STEP) if i % 4 == 0 else mq.dequeue(timeout=STEP)
+        if wrong(i, got):
+            bad.append(i)
+    out.put((count, bad[:10]))
+
+
+@pytest.fixture(scope="module")
+def rust_example() -> str:
+    return build_example("cross_language")
+
+
+def test_message_matches_the_examples() -> None:
+    assert expected(5)[1] == (LARGE // 4,) and expected(6)[1] == (2, 1)
+    assert expected(3)[1] == (0, 1) and expected(7)[0] == "uint16" and list(expected(7)[2]) == [217]
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    """What the example printed, once it ended well."""
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.wait(timeout=STEP)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_a_rust_writer_feeds_two_python_readers_and_a_rust_reader(rust_example: str) -> None:
+    writer = subprocess.Popen(
+        [rust_example, "writer", "3", str(COUNT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    rust_reader = None
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    readers = []
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        line = writer.stdout.readline()
+        handle = Handle.from_str(line)
+        readers = [ctx.Process(target=read_all, args=(out, handle, rank, COUNT)) for rank in (0, 1)]
+        for r in readers:
+            r.start()
+        rust_reader = subprocess.Popen(
+            [rust_example, "reader", "2", str(COUNT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert rust_reader.stdin is not None
+        rust_reader.stdin.write(line)
+        rust_reader.stdin.close()
+        results = [out.get(timeout=600) for _ in readers]
+        assert results == [(COUNT, []), (COUNT, [])]
+        assert _finish(rust_reader).startswith(f"ok {COUNT} ")
+        assert writer.stdout.readline().startswith(f"sent {COUNT} ")
+        writer.stdin.close()
+        writer.wait(timeout=STEP)
+        assert writer.returncode == 0
+    finally:
+        for p in (writer, rust_reader):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        for r in readers:
+            r.join(timeout=STEP)
+            if r.is_alive():
+                r.kill()
+
+
+def test_a_python_writer_feeds_a_rust_reader_and_a_python_reader(rust_example: str) -> None:
+    mq = MessageQueue(2, 2, max_chunk_bytes=1 << 20, max_chunks=16)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    python_reader = ctx.Process(target=read_all, args=(out, mq.export_handle(), 1, COUNT))
+    python_reader.start()
+    rust_reader = subprocess.Popen(
+        [rust_example, "reader", "0", str(COUNT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert rust_reader.stdin is not None
+        rust_reader.stdin.write(str(mq.export_handle()) + "\n")
+        rust_reader.stdin.close()
+        mq.wait_until_ready(timeout=STEP)
+        for i in range(COUNT):
+            m = message(i)
+            if i % 4 == 0:
+                mq.enqueue_bytes(m, timeout=STEP)
+            else:
+                mq.enqueue_array(m, timeout=STEP)
+        assert out.get(timeout=600) == (COUNT, [])
+        assert _finish(rust_reader).startswith(f"ok {COUNT} ")
+    finally:
+        if rust_reader.poll() is None:
+            rust_reader.kill()
+            rust_reader.wait()
+        python_reader.join(timeout=STEP)
+        if python_reader.is_alive():
+            python_reader.kill()
+        mq.shutdown()
+
+
+def test_a_rust_reader_names_a_pickled_object_and_goes_on(rust_example: str) -> None:
+    mq = MessageQueue(1, 1)
+    rust_reader = subprocess.Popen(
+        [rust_example, "reader", "0", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert rust_reader.stdin is not None
+        rust_reader.stdin.write(str(mq.export_handle()) + "\n")
+        rust_reader.stdin.close()
+        mq.wait_until_ready(timeout=STEP)
+        mq.enqueue_bytes(message(0))
+        mq.enqueue({"not": "an array"})  # message 1 is an array: refused, named
+        assert rust_reader.stdout is not None
+        out = rust_reader.stdout.read()
+        assert rust_reader.wait(timeout=STEP) == 1
+        assert "message 1" in out and "a message of 1 part(s) (a Python writer's enqueue of a pickled object" in out
+    finally:
+        if rust_reader.poll() is None:
+            rust_reader.kill()
+            rust_reader.wait()
+        mq.shutdown()
+
+
+def _kinds_reader(out: Any, handle: Handle) -> None:
+    mq = MessageQueue.create_from_handle(handle, 0)
+    mq.wait_until_ready(timeout=STEP)
+    got: list[Any] = []
+    calls = [
+        ("dequeue_bytes", {}),  # an array: refused
+        ("dequeue_array", {}),  # a pickled object: refused
+        ("dequeue_array", {}),  # raw bytes: refused
+        ("dequeue_array", {"kind": "torch"}),
+        ("dequeue_array", {"kind": "memoryview"}),
+        ("dequeue", {}),  # bfloat16: a torch tensor
+        ("dequeue", {}),  # strided on the writer's side: sent contiguous
+        ("dequeue_array", {"kind": "numpy"}),  # 8 MiB: the arena, no copy
+    ]
+    for name, kwargs in calls:
+        try:
+            v = getattr(mq, name)(timeout=STEP, **kwargs)
+        except MessageKindError as e:
+            got.append(("error", str(e)))
+            continue
+        if isinstance(v, torch.Tensor):
+            got.append(("torch", str(v.dtype), tuple(v.shape), v.float().sum().item()))
+        elif isinstance(v, memoryview):
+            got.append(("memoryview", v.format, v.shape, v.tolist()))
+        else:
+            got.append(("numpy", v.dtype.name, v.shape, v.tolist() if v.size < 100 else float(v.sum())))
+    out.put(got)
+
+
+def test_a_python_reader_reads_arrays_as_asked_and_names_other_kinds() -> None:
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_kinds_reader, args=(out, mq.export_handle()))
+    child.start()
+    try:
+        mq.wait_until_ready(timeout=STEP)
+        mq.enqueue_array(np.arange(3, dtype=np.int8))
+        mq.enqueue({"step": 1})
+        mq.enqueue_bytes(b"raw")
+        mq.enqueue_array(np.ones((2, 3), dtype=np.float16))
+        mq.enqueue_array(memoryview(np.arange(6, dtype=np.int32)).cast("B").cast("i", [3, 2]))
+        mq.enqueue_array(torch.full((4,), 2.5, dtype=torch.bfloat16))
+        mq.enqueue_array(np.arange(12, dtype=np.uint32).reshape(3, 4).T)
+        mq.enqueue_array(np.ones(2 << 20, dtype=np.float32))
+        got = out.get(timeout=STEP)
+    finally:
+        child.join(timeout=STEP)
+        if child.is_alive():
+            child.kill()
+        mq.shutdown()
+    assert child.exitcode == 0
+    assert got[0][0] == "error" and "typed array (by enqueue_array)" in got[0][1] and "dequeue_array()" in got[0][1]
+    assert got[1][0] == "error" and "pickled Python object" in got[1][1] and "read it with dequeue()" in got[1][1]
+    assert got[2][0] == "error" and "raw bytes" in got[2][1] and "dequeue_bytes()" in got[2][1]
+    assert got[3] == ("torch", "torch.float16", (2, 3), 6.0)
+    assert got[4] == ("memoryview", "i", (3, 2), [[0, 1], [2, 3], [4, 5]])
+    assert got[5] == ("torch", "torch.bfloat16", (4,), 10.0)
+    assert got[6] == ("numpy", "uint32", (4, 3), np.arange(12).reshape(3, 4).T.tolist())
+    assert got[7] == ("numpy", "float32", (2 << 20,), float(2 << 20))
+
+
+def test_enqueue_array_refuses_what_it_cannot_send() -> None:
+    mq = MessageQueue(1, 1)  # no reader needed: every call fails before sending
+    with pytest.raises(TypeError, match="numpy array of dtype complex64"):
+        mq.enqueue_array(np.ones(2, dtype=np.complex64))
+    with pytest.raises(TypeError, match="got list"):
+        mq.enqueue_array([1, 2, 3])
+    with pytest.raises(TypeError, match="dtype object"):
+        mq.enqueue_array(np.array([None]))
+    mq.shutdown()
