@@ -14,6 +14,12 @@
 //!   [`expected`]; print `ok <count> <seconds>`, or `error: <text>` and exit 1 at the
 //!   first difference.
 //!
+//! - `cross_language send <n_readers> <count> <bytes|f32> <nbytes>` and `take <rank>
+//!   <count> [kind]`: the bench's rows (`python -m shmq bench --scenarios cross-language`):
+//!   `count` messages of `nbytes` (raw bytes, or a float32 array), each one fresh (its
+//!   first 8 bytes are its number); the reader reads every byte of each (a sum) and
+//!   prints `took <count> <seconds> <sum>`, timed from its first message.
+//!
 //! Run as a Rust user would, from this repository: `cargo run --example cross_language
 //! writer 1 1000 | cargo run --example cross_language reader 0 1000` (the reader reads
 //! the handle the writer prints).
@@ -71,7 +77,16 @@ fn main() -> Result<(), Box<dyn Error>> {
             }
             Ok(())
         }
-        _ => Err("usage: cross_language writer <n_readers> <count> | reader <rank> <count>".into()),
+        Some("send") => {
+            let kind = args.get(3).ok_or("missing argument")?.clone();
+            send(arg(1)?, arg(2)?, &kind, arg(4)?)
+        }
+        Some("take") => take(arg(1)?, arg(2)?),
+        _ => Err(
+            "usage: cross_language writer <n_readers> <count> | reader <rank> <count> | \
+                  send <n_readers> <count> <bytes|f32> <nbytes> | take <rank> <count>"
+                .into(),
+        ),
     }
 }
 
@@ -181,4 +196,58 @@ fn check(p: &Patterns, i: usize, m: Received<'_>) -> Result<(), String> {
         }
         (want, got) => Err(format!("{want:?} expected, got {}", got.kind_words())),
     }
+}
+
+/// The bench's writer (see the module docs).
+fn send(n_readers: usize, count: usize, kind: &str, nbytes: usize) -> Result<(), Box<dyn Error>> {
+    let mut opts = QueueOptions::local(n_readers);
+    opts.max_chunk_bytes = (2 * nbytes).max(1 << 16);
+    opts.max_chunks = 16;
+    let mut writer = Writer::new(opts)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", writer.handle())?;
+    out.flush()?;
+    writer.wait_until_ready(TIMEOUT)?;
+    let mut message = vec![0f32; nbytes.div_ceil(4).max(2)];
+    for i in 0..count {
+        // Fresh data: the message's number in its first 8 bytes.
+        message[..2].copy_from_slice(bytemuck::cast_slice(&[i as u64]));
+        let bytes: &[u8] = bytemuck::cast_slice(&message);
+        match kind {
+            "bytes" => writer.enqueue(&bytes[..nbytes], TIMEOUT)?,
+            _ => writer.enqueue_array(&ArrayRef::new(&message, &[message.len()])?, TIMEOUT)?,
+        }
+    }
+    std::io::stdin().read_to_end(&mut Vec::new())?;
+    Ok(())
+}
+
+/// The bench's reader (see the module docs).
+fn take(rank: usize, count: usize) -> Result<(), Box<dyn Error>> {
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line)?;
+    let handle: Handle = line.parse()?;
+    let mut reader = Reader::open(&handle, rank)?;
+    reader.wait_until_ready(TIMEOUT)?;
+    let (mut start, mut sum) = (None, 0u64);
+    for _ in 0..count {
+        reader.wait_message(TIMEOUT)?;
+        start.get_or_insert_with(Instant::now);
+        // Every byte read (in blocks whose sums fit a u32: the compiler vectorizes them).
+        let bytes_sum = |b: &[u8]| {
+            b.chunks(1 << 16)
+                .map(|c| u64::from(c.iter().map(|&x| u32::from(x)).sum::<u32>()))
+                .sum::<u64>()
+        };
+        sum += reader
+            .try_take_message(|m| match m {
+                Received::Bytes(b) => bytes_sum(b),
+                Received::Array { data, .. } => bytes_sum(&data),
+                _ => 0,
+            })?
+            .ok_or("a message seen as ready was gone")?;
+    }
+    let seconds = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    println!("took {count} {seconds:.6} {sum}");
+    Ok(())
 }

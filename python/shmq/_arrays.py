@@ -84,7 +84,7 @@ def to_wire(array: Any) -> tuple[str, list[int], Any]:
     if fmt not in _FORMATS:
         raise _unsupported(f"a memoryview of format {view.format!r}")
     if not view.c_contiguous:
-        view = memoryview(view.tobytes()).cast(fmt, view.shape or ())
+        view = memoryview(view.tobytes()).cast(fmt, view.shape or ())  # type: ignore[call-overload]
     return _FORMATS[fmt], list(view.shape or ()), view
 
 
@@ -121,7 +121,7 @@ def from_wire(dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], data
         n = _ITEMSIZE[dtype]
         for d in shape:
             n *= d
-        return memoryview(data)[:n].cast("B").cast(fmt, shape)
+        return memoryview(data)[:n].cast("B").cast(fmt, shape)  # type: ignore[call-overload]
     raise ValueError(f"kind must be 'numpy', 'torch' or 'memoryview', got {kind!r}")
 
 

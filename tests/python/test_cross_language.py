@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -271,3 +272,34 @@ def test_enqueue_array_refuses_what_it_cannot_send() -> None:
     with pytest.raises(TypeError, match="dtype object"):
         mq.enqueue_array(np.array([None]))
     mq.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["bytes", "f32", "pickled"])
+def test_the_benchs_python_writer_and_reader(kind: str) -> None:
+    """The Python side of ``python -m shmq bench --scenarios cross-language`` (the same
+    command line as the Rust example's ``send`` / ``take``): every message arrives, each
+    read in full (the sum of its bytes: the message numbers in its first 8 bytes)."""
+    count, nbytes = 200, 4096 if kind != "f32" else 1 << 20
+    command = [sys.executable, "-m", "shmq.bench.cross_language"]
+    writer = subprocess.Popen(
+        [*command, "send", "1", str(count), kind, str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        reader = subprocess.run(
+            [*command, "take", "0", str(count), kind],
+            input=writer.stdout.readline(),
+            capture_output=True,
+            text=True,
+            timeout=STEP,
+        )
+        assert reader.returncode == 0, reader.stderr
+        took, n, _seconds, total = reader.stdout.split()
+        # Message i carries i as a little-endian u64 in its first bytes, zeros elsewhere.
+        assert (took, int(n), int(total)) == ("took", count, sum(sum(i.to_bytes(8, "little")) for i in range(count)))
+        writer.stdin.close()
+        assert writer.wait(timeout=STEP) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()

@@ -445,7 +445,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenarios",
         metavar="LIST",
         help="comma-separated prefixes of the keys of the scenarios and floors to run: engine (vLLM's own engine, "
-        "plugin off and on: a checkout of shmq only, see shmq.bench.engine), latency (latency_step, "
+        "plugin off and on: a checkout of shmq only, see shmq.bench.engine), cross-language (Rust and Python writers "
+        "and readers, each direction: a checkout and cargo), latency (latency_step, "
         "latency_remote), throughput (1, 3), idle, fresh, loan, consume, tensor (the hand-over-only rows), e.g. "
         "fresh16_3 (16 MiB, 3 readers); floors: "
         + ", ".join(f.key for f in FLOORS)
@@ -508,6 +509,15 @@ def main(args: argparse.Namespace) -> int:
 
         code = engine.main(max(3, args.repeat), args.preset == "quick")
         only = [o for o in only if o != "engine"]
+        if not only:
+            return code
+    if "cross-language" in only:
+        # Rust and Python on either side of one queue (its own table; see
+        # shmq.bench.cross_language).
+        from . import cross_language
+
+        code = cross_language.main(args.repeat, args.preset == "quick")
+        only = [o for o in only if o != "cross-language"]
         if not only:
             return code
     scenarios = selected(params, only)
