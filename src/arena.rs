@@ -94,7 +94,7 @@ fn env_usize(name: &str) -> Option<usize> {
     match v.trim().parse() {
         Ok(n) => Some(n),
         Err(_) => {
-            log::warn!("shmq: ignoring {name}={v:?}: not a number of bytes");
+            warn_user!("shmq: ignoring {name}={v:?}: not a number of bytes");
             None
         }
     }
@@ -621,7 +621,7 @@ impl ArenaWriter {
             }
             Err(e) => {
                 if self.reserve_failed_at.is_none() {
-                    log::warn!(
+                    warn_user!(
                         "shmq: cannot reserve more of tensor arena {} ({e}); large parts are \
                          copied through the queue instead until there is room",
                         self.name()
@@ -749,6 +749,9 @@ impl ArenaWriter {
         len: usize,
         reader_is_dead: &mut dyn FnMut(usize) -> bool,
     ) -> Option<Loan> {
+        // Loans dropped while the process was out of mappings give their memory back
+        // first, where they can now.
+        crate::segment::retry_deferred_unseals();
         let (lease, offset, rounded) = self.allocate(len, reader_is_dead)?;
         self.is_loan[lease as usize] = true;
         // SAFETY: inside the data region (allocate).
@@ -913,7 +916,7 @@ impl LazyArenaWriter {
             }
             if let Err(e) = self.make() {
                 if self.failed_at.is_none() {
-                    log::warn!(
+                    warn_user!(
                         "shmq: cannot make tensor arena {} ({e}); large parts are copied \
                          through the queue instead until there is room",
                         self.name
@@ -987,8 +990,21 @@ impl Drop for Loan {
             return; // the parent's loan, not this child's to give back
         }
         if !self.pages.unseal(&self.map.segment) {
-            // Its pages are still private here: writing them for another lease would
-            // reach nobody. Keep the writer's hold, so the arena never reuses them.
+            // Its pages are still private here (the process is out of mappings): writing
+            // them for another lease would reach nobody. The writer keeps its hold, so the
+            // arena does not reuse them, until a retry succeeds (at this process's next
+            // seal or loan), never for good.
+            let (pages, map, lease) = (self.pages.clone(), self.map.clone(), self.lease);
+            crate::segment::defer_unseal(Box::new(move || {
+                if !pages.unseal(&map.segment) {
+                    return false;
+                }
+                // Release: as below.
+                map.record(lease as usize)
+                    .writer_hold
+                    .store(0, Ordering::Release);
+                true
+            }));
             return;
         }
         // Release: pairs with the Acquire load in `ArenaWriter::is_unused`: the writes into

@@ -24,15 +24,32 @@
 //! dropped), as does a range past the window.
 //!
 //! Limits: a process whose memory is locked by default (`mlockall(MCL_FUTURE)`) or that
-//! runs under strict overcommit gets no window (views map on their own); one that locks
-//! its memory with `mlockall(MCL_CURRENT)` *after* it made a window should not (the lock
-//! makes the kernel copy the window's pages in privately, as they are then). A raw
+//! runs under strict overcommit gets no window (views map on their own). One that locks
+//! its memory with `mlockall(MCL_CURRENT)` *after* it made a window makes the kernel copy
+//! every page of the window in privately, as the segment was then: a later message in
+//! memory that no view has shown since would read those stale copies (zeros, say). So a
+//! page that nothing ever touches (the *lock sentinel*, mapped before the first window)
+//! tells whether the process was locked since: the lock faults it in (`mincore`), and
+//! from then on each view first drops the private copies in its range (pagemap, and
+//! `MADV_DONTNEED_LOCKED`), or maps on its own where they cannot be dropped. A
 //! pointer kept past its view reads whatever the window shows later, where it used to
 //! fault: the bindings hand out buffers that keep their view alive, never raw pointers.
 //!
 //! What a view shows of pages it has not written is the segment's current content: the
 //! layer above must keep the writer off a range while a view of it lives (the arena's
 //! holds, the store's pins, the encoder cache's entry pins).
+//!
+//! # Counting mappings: [`take_mappings`]
+//! Every mapping and every split of one counts against the process's
+//! `vm.max_map_count` (65530 by default); past it, every `mmap` of the process fails,
+//! the host program's too (numpy's, malloc's). shmq's mappings that grow with what a
+//! program holds (a sealed loan: its range split out and its shared pages parked, 3 per
+//! loan) ask [`take_mappings`] first and fall back (a loan is sent by copy) when the
+//! process would pass three quarters of the limit: a quarter stays for the host. The
+//! process's count is read from `/proc/self/maps` at most once a second, or sooner
+//! once shmq's own use since reaches a 32nd of the limit (so that a host that grew
+//! meanwhile loses at most that much to shmq). `SHMQ_MAX_MAP_COUNT`
+//! sets a lower limit than the kernel's (for tests, or to leave the host more).
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -161,7 +178,7 @@ impl PrivateFile {
             let page = page_size() as u64;
             let start = (offset / page * page) as usize;
             let end = ((offset + len as u64).div_ceil(page) * page) as usize;
-            if window.claim(start, end) {
+            if window.claim(start, end) && window.fresh(start, end) {
                 // SAFETY: `offset + len <= self.len`, the window's length.
                 let ptr = unsafe { window.base.add(offset as usize) };
                 return Ok(PrivateMap {
@@ -256,6 +273,8 @@ impl Window {
             log::debug!("shmq: no window mapping ({why}); views map on their own");
             return None;
         }
+        // Before the window: a lock from now on faults in both (see `locked_since_window`).
+        lock_sentinel();
         // SAFETY: a new private mapping of the whole file, as long as it was when opened.
         // Any process of the same user could shrink the file (a later access of the lost
         // pages, even of ones this process wrote, is then a SIGBUS, which the handler the
@@ -308,6 +327,22 @@ impl Window {
         true
     }
 
+    /// Whether the freshly claimed pages `start..end` show the segment: always, unless the
+    /// process was locked since the window was made (then the lock copied them in as they
+    /// were: those copies are dropped here). Pages that cannot be dropped stay claimed
+    /// for good (as in `release`), and the view maps on its own.
+    fn fresh(&self, start: usize, end: usize) -> bool {
+        if !locked_since_window() || discard_written(self.base, start, end).is_ok() {
+            return true;
+        }
+        warn_user!(
+            "shmq: this process was locked (mlockall) after it mapped a segment, and the \
+             pages it copied could not be dropped ({}); views of that range map on their own",
+            std::io::Error::last_os_error()
+        );
+        false
+    }
+
     /// A view of pages `start..end` is gone: drop the pages it wrote (they show the
     /// segment again), then let another view have the range.
     fn release(&self, start: usize, end: usize) {
@@ -315,7 +350,7 @@ impl Window {
             // The pages it wrote stay (locked memory: an mlock of the view, or mlockall
             // after the window was made): the range must never show another message, so
             // it stays claimed, and later views of it map on their own.
-            log::warn!(
+            warn_user!(
                 "shmq: could not drop the pages a view wrote ({}); that range of the \
                  mapping is retired",
                 std::io::Error::last_os_error()
@@ -390,6 +425,154 @@ fn window_unfit() -> Option<&'static str> {
         libc::munmap(p, page);
         locked.then_some("memory is locked (mlockall)")
     }
+}
+
+/// The process's mapping limit as shmq sees it: `vm.max_map_count`, or
+/// `SHMQ_MAX_MAP_COUNT` where that is lower (read once).
+pub(crate) fn map_count_limit() -> usize {
+    static LIMIT: OnceLock<usize> = OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        let kernel = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(65530);
+        match std::env::var("SHMQ_MAX_MAP_COUNT")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+        {
+            Some(lower) => lower.min(kernel),
+            None => kernel,
+        }
+    })
+}
+
+/// The process's mappings now: the lines of `/proc/self/maps` (`None` if unreadable).
+fn count_mappings() -> Option<usize> {
+    use std::io::Read;
+    let mut f = std::fs::File::open("/proc/self/maps").ok()?;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut lines = 0;
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => return Some(lines),
+            Ok(n) => lines += buf[..n].iter().filter(|&&b| b == b'\n').count(),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+}
+
+/// What [`take_mappings`] knows: the room below the ceiling at the last reading of the
+/// process's count, when that was, whether a request was refused since, and shmq's own
+/// use since (taken minus given back).
+struct MapBudget {
+    room: usize,
+    used_since: isize,
+    counted_at: Option<std::time::Instant>,
+    refused: bool,
+}
+
+static MAP_BUDGET: Mutex<MapBudget> = Mutex::new(MapBudget {
+    room: 0,
+    used_since: 0,
+    counted_at: None,
+    refused: false,
+});
+
+/// Ask for `n` more mappings of shmq's own (see the module docs): `false` when they would
+/// take the process past three quarters of its limit ([`map_count_limit`]); the caller
+/// then does without (a loan is copied). Give them back with [`give_back_mappings`].
+///
+/// The process's count is read again once shmq's own use since the last reading reaches
+/// half the room left then, or a 32nd of the limit (the host may have grown meanwhile:
+/// shmq takes at most that much of what it left), or a second has passed. A process
+/// refused reads it again only after a second (a long `/proc/self/maps` costs
+/// milliseconds), unless what shmq gave back since makes room.
+pub(crate) fn take_mappings(n: usize) -> bool {
+    let limit = map_count_limit();
+    let mut b = MAP_BUDGET.lock().unwrap_or_else(|e| e.into_inner());
+    let fresh = b
+        .counted_at
+        .is_some_and(|t| t.elapsed() < std::time::Duration::from_secs(1));
+    let step = (b.room / 2).min(limit / 32) as isize;
+    if fresh && b.used_since + n as isize <= step {
+        b.used_since += n as isize;
+        return true;
+    }
+    if fresh && b.refused {
+        return false;
+    }
+    let Some(now) = count_mappings() else {
+        return false;
+    };
+    b.room = (limit / 4 * 3).saturating_sub(now);
+    b.used_since = 0;
+    b.counted_at = Some(std::time::Instant::now());
+    b.refused = n > (b.room / 2).min(limit / 32);
+    if b.refused {
+        log::info!(
+            "shmq: this process has {now} mappings of its limit {limit} (vm.max_map_count \
+             or SHMQ_MAX_MAP_COUNT): loans are sent by copy until it has fewer"
+        );
+        return false;
+    }
+    b.used_since = n as isize;
+    true
+}
+
+/// Mappings from [`take_mappings`] are gone again.
+pub(crate) fn give_back_mappings(n: usize) {
+    let mut b = MAP_BUDGET.lock().unwrap_or_else(|e| e.into_inner());
+    b.used_since -= n as isize;
+}
+
+/// The lock sentinel (see the module docs): one private anonymous page that nothing
+/// touches, so it is resident only once a lock (`mlockall(MCL_CURRENT)`, which faults in
+/// every page of the process) made it so. Mapped before the first window; its address,
+/// or 0 where it could not be mapped.
+fn lock_sentinel() -> usize {
+    static SENTINEL: OnceLock<usize> = OnceLock::new();
+    *SENTINEL.get_or_init(|| {
+        // SAFETY: a new private anonymous page at a place the kernel picks; nothing
+        // refers to it, and it is never unmapped (one page per process).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                page_size(),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            0
+        } else {
+            p as usize
+        }
+    })
+}
+
+/// Whether this process's memory was locked (and so its windows copied in privately)
+/// since the lock sentinel was mapped; once true, true for good. Where there is no
+/// sentinel, true (views then check their range: correct, only slower).
+fn locked_since_window() -> bool {
+    static LOCKED: AtomicBool = AtomicBool::new(false);
+    // Relaxed: a flag that only ever goes from false to true and carries no data.
+    if LOCKED.load(Ordering::Relaxed) {
+        return true;
+    }
+    let sentinel = lock_sentinel();
+    let mut resident = 0u8;
+    // SAFETY: the sentinel is one mapped page of our own, and `resident` has room for one
+    // page's entry; mincore only reads the page tables.
+    let locked = sentinel == 0
+        || unsafe { libc::mincore(sentinel as *mut libc::c_void, page_size(), &mut resident) } != 0
+        || resident & 1 != 0;
+    if locked {
+        LOCKED.store(true, Ordering::Relaxed);
+    }
+    locked
 }
 
 /// `MADV_DONTNEED_LOCKED` (Linux 5.18): `MADV_DONTNEED` for locked pages too.

@@ -155,7 +155,7 @@ pub fn warn_shm_too_small(what: &str) {
     if WARNED.swap(true, Ordering::Relaxed) {
         return;
     }
-    log::warn!(
+    warn_user!(
         "{}",
         shm_too_small_message(what, shm_free_bytes(), shm_total_bytes())
     );
@@ -194,6 +194,7 @@ impl Segment {
             ));
         }
         let reserve = reserve.min(size);
+        refuse_populating_lock(name, size as u64, (size - reserve) as u64)?;
         if let Some(free) = shm_free_bytes() {
             if (reserve as u64) > free {
                 return Err(Error::NoSpace {
@@ -340,6 +341,11 @@ impl Segment {
     /// Open an existing segment by name.
     pub fn open(name: &str) -> Result<Self> {
         check_name(name)?;
+        if let Ok(meta) = std::fs::metadata(format!("{SHM_DIR}/{name}")) {
+            use std::os::unix::fs::MetadataExt;
+            let unreserved = meta.size().saturating_sub(meta.blocks() * 512);
+            refuse_populating_lock(name, meta.size(), unreserved)?;
+        }
         match ShmemConf::new().os_id(os_id(name)).open() {
             Ok(shmem) => Ok(Segment {
                 sigbus: protect(&shmem),
@@ -444,6 +450,57 @@ impl Segment {
         }
         Ok(())
     }
+}
+
+/// Whether this process's new mappings are populated as they are made: memory locked
+/// by default (`mlockall(MCL_FUTURE)` without `MCL_ONFAULT`). A probe: a fresh anonymous
+/// page is resident at once only then.
+fn maps_populated() -> bool {
+    let page = page_size();
+    // SAFETY: a fresh private anonymous page of our own, unmapped below; nothing else
+    // refers to it, and it is never touched (mincore only reads the page tables).
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return false;
+        }
+        let mut resident = 0u8;
+        let populated = libc::mincore(p, page, &mut resident) == 0 && resident & 1 != 0;
+        libc::munmap(p, page);
+        populated
+    }
+}
+
+/// Refuse to map segment `name` (`size` bytes, `unreserved` of them not yet in
+/// `/dev/shm`) in a process whose mappings are populated as they are made
+/// (`mlockall(MCL_FUTURE)`): the lock would fault in every page of the sparse segment,
+/// filling `/dev/shm` with memory the writer never reserved (a 512 MiB ring in a
+/// 512 MiB `/dev/shm`, and every other queue starved). A clear error instead, saying
+/// what works: locking with `MCL_ONFAULT` (pages locked as they are used).
+fn refuse_populating_lock(name: &str, size: u64, unreserved: u64) -> Result<()> {
+    if unreserved < page_size() as u64 || !maps_populated() {
+        return Ok(());
+    }
+    Err(Error::Os {
+        context: format!(
+            "mapping shared memory segment '{name}' ({size} bytes, {unreserved} of them not \
+             yet in use)"
+        ),
+        source: std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "this process locks its memory as it maps it (mlockall with MCL_FUTURE), which \
+             would fill /dev/shm with every page of the segment, starving other queues; \
+             lock with mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT) instead: pages \
+             are then locked as they are used",
+        ),
+    })
 }
 
 /// Register a new mapping with the `SIGBUS` handler.
@@ -604,9 +661,18 @@ impl LoanPages {
     /// tables (`mremap(MREMAP_DONTUNMAP)`, Linux 5.13+: ~15 µs for 16 MiB, and the range
     /// stays mapped throughout, empty), and `unseal` moves it back, pages still mapped.
     /// Where the kernel cannot, the pages are remapped in place.
+    ///
+    /// A seal costs the process up to [`SEAL_MAPPINGS`] mappings while the loan lives;
+    /// they are asked of `private_map::take_mappings` first, which refuses them well
+    /// before `vm.max_map_count` (the loan is then sent by copy), so that loans never
+    /// take the mappings the host program needs.
     pub(crate) fn seal(&self, segment: &Segment) -> bool {
         if self.sealed.load(Ordering::Acquire) {
             return true;
+        }
+        retry_deferred_unseals();
+        if !crate::private_map::take_mappings(SEAL_MAPPINGS) {
+            return false;
         }
         let park = self.park();
         match segment.remap(self.start, self.len, false) {
@@ -621,6 +687,7 @@ impl LoanPages {
                     // nobody else's; it replaces the (still shared) range at `start`.
                     unsafe { libc::munmap(park as *mut libc::c_void, self.len) };
                 }
+                crate::private_map::give_back_mappings(SEAL_MAPPINGS);
                 log::info!("shmq: a loan could not be sealed, so it is sent by copy: {e}");
                 false
             }
@@ -703,6 +770,7 @@ impl LoanPages {
             };
             if back != libc::MAP_FAILED {
                 self.sealed.store(false, Ordering::Release);
+                crate::private_map::give_back_mappings(SEAL_MAPPINGS);
                 return true;
             }
             // SAFETY: as above; the parked mapping is dropped, and the pages are mapped
@@ -712,13 +780,56 @@ impl LoanPages {
         match segment.remap(self.start, self.len, true) {
             Ok(()) => {
                 self.sealed.store(false, Ordering::Release);
+                crate::private_map::give_back_mappings(SEAL_MAPPINGS);
                 true
             }
             Err(e) => {
-                log::error!("shmq: a returned loan's memory is kept out of use: {e}");
+                warn_user!(
+                    "shmq: a returned loan's memory is kept out of use until this process \
+                     can map it again: {e}"
+                );
                 false
             }
         }
+    }
+}
+
+/// Mappings a sealed loan may cost: its range split out of the segment's mapping (two
+/// splits) and its shared pages parked aside (one).
+pub(crate) const SEAL_MAPPINGS: usize = 3;
+
+/// The unseals that failed (the process was out of mappings: `unseal` needs one or two
+/// for a moment), each with what gives the memory back once it succeeds; tried again by
+/// [`retry_deferred_unseals`]. Each entry returns `true` once done (it is then dropped,
+/// and with it the pin or hold it kept). Tagged with the fork generation it was made in:
+/// a forked child's inherited entries are the parent's, never retried there.
+type DeferredUnseal = (u64, Box<dyn FnMut() -> bool + Send>);
+static DEFERRED_UNSEALS: Mutex<Vec<DeferredUnseal>> = Mutex::new(Vec::new());
+/// Whether `DEFERRED_UNSEALS` may hold entries. Relaxed: a hint that spares the common
+/// case a lock; the entries themselves are read under the mutex.
+static ANY_DEFERRED_UNSEAL: AtomicBool = AtomicBool::new(false);
+
+/// A loan's memory could not be shared again when it was dropped (`LoanPages::unseal`
+/// failed): `retry` tries again (and gives the memory back once it succeeds), at the
+/// next seal, loan or allocation of any loan of this process, so that the memory is
+/// kept out of use only while the process is out of mappings, never for good.
+pub(crate) fn defer_unseal(retry: Box<dyn FnMut() -> bool + Send>) {
+    let mut list = DEFERRED_UNSEALS.lock().unwrap_or_else(|e| e.into_inner());
+    list.push((crate::fork::generation(), retry));
+    ANY_DEFERRED_UNSEAL.store(true, Ordering::Relaxed);
+}
+
+/// Try the unseals [`defer_unseal`] keeps again; cheap (one atomic load) when there are
+/// none.
+pub(crate) fn retry_deferred_unseals() {
+    if !ANY_DEFERRED_UNSEAL.load(Ordering::Relaxed) {
+        return;
+    }
+    let generation = crate::fork::generation();
+    let mut list = DEFERRED_UNSEALS.lock().unwrap_or_else(|e| e.into_inner());
+    list.retain_mut(|(made_in, retry)| *made_in != generation || !retry());
+    if list.iter().all(|(made_in, _)| *made_in != generation) {
+        ANY_DEFERRED_UNSEAL.store(false, Ordering::Relaxed);
     }
 }
 

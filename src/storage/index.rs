@@ -55,9 +55,11 @@ impl Drop for StoreLoan {
         }
         // Shared again before the pin goes (after this body) and the block can be reused.
         if !self.pages.unseal(&self._pin.segment.segment) {
-            // Still private here: a later object written there would reach nobody. Keep
-            // the block pinned for good instead.
-            std::mem::forget(self._pin.clone());
+            // Still private here (the process is out of mappings): a later object written
+            // there would reach nobody. The block stays pinned until a retry succeeds
+            // (at this process's next seal, loan or allocation), never for good.
+            let (pages, pin) = (self.pages.clone(), self._pin.clone());
+            crate::segment::defer_unseal(Box::new(move || pages.unseal(&pin.segment.segment)));
         }
     }
 }
@@ -314,9 +316,11 @@ impl ObjectStore {
     ) -> Result<(Block, BlockHeader)> {
         // Full, or no room in /dev/shm for where the block lands: free what every reader
         // has finished with (when everything goes, the ring restarts at 0, in memory
-        // already reserved) and try once more.
+        // already reserved) and try once more; loans dropped while the process was out of
+        // mappings give their blocks back first, where they can now.
         let block = match ring.allocate_with(size_at) {
             Err(Error::Full(_) | Error::NoSpace { .. }) => {
+                crate::segment::retry_deferred_unseals();
                 self.free_unused(ring)?;
                 match ring.allocate_with(size_at) {
                     Ok(block) => block,
@@ -408,6 +412,7 @@ impl ObjectStore {
         if !ring.is_writer() {
             return Err(Error::WrongRole("Only the writer can loan memory.".into()));
         }
+        crate::segment::retry_deferred_unseals();
         if nbytes == 0 {
             return Err(Error::InvalidArgument("Size must be greater than 0".into()));
         }
