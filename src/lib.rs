@@ -85,6 +85,11 @@
 //! ```
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+/// Report a warning to the user: `format!` arguments (see [`warning`]).
+macro_rules! warn_user {
+    ($($arg:tt)*) => { $crate::warning::emit(module_path!(), format_args!($($arg)*)) };
+}
+
 /// Declares its items only outside loom builds. The loom model checks (`tests/loom.rs`)
 /// compile the protocols' atomics alone (`sync`, `doorbell`, `seqlock`, and the parts of
 /// `alloc`, `broadcast` and `encoder_cache` they drive, which switch themselves), so
@@ -110,7 +115,9 @@ pub mod alloc;
 pub mod broadcast;
 pub mod encoder_cache;
 pub mod error;
+pub mod warning;
 pub use error::{Error, Result};
+pub use warning::set_warning_hook;
 
 // Internals the loom model checks drive.
 public_under_loom! { doorbell seqlock sync }

@@ -135,7 +135,7 @@ pub fn heartbeat_timeout() -> Option<Duration> {
         // ZeroMQ takes milliseconds in an int, and the TTL it sends in 16 bits of tenths.
         Ok(s) if (0.001..=6000.0).contains(&s) => Some(Duration::from_secs_f64(s)),
         _ => {
-            log::warn!(
+            warn_user!(
                 "shmq: {HEARTBEAT_TIMEOUT_ENV}={text:?} is not a number of seconds from \
                  0.001 to 6000 (or 0 for none); using {DEFAULT_HEARTBEAT_TIMEOUT:?}"
             );
@@ -669,7 +669,7 @@ impl RemoteWriter {
             let nonce: [u8; 16] = hello[12..28].try_into().expect("16 bytes");
             let want = mac(&self.key, b"hello", &[&rank.to_le_bytes(), &nonce]);
             if !mac_eq(&want, &hello[28..60]) {
-                log::warn!(
+                warn_user!(
                     "shmq: refused a connection to {} that does not hold the queue's secret",
                     self.endpoint
                 );
@@ -717,7 +717,7 @@ impl RemoteWriter {
             if p.nonce != nonce && !self.ready && self.probe(k) == Probe::Gone {
                 // Another reader for a rank whose reader went away before the start:
                 // the rank is free again.
-                log::warn!(
+                warn_user!(
                     "shmq: remote reader rank {rank} (host {}) went away before the queue was \
                      ready; a new reader takes its rank",
                     self.peers[k].host.as_deref().unwrap_or("unknown")
@@ -827,7 +827,7 @@ impl RemoteWriter {
             // is closing: `EAGAIN`, the only cause with no bound on the queue).
             Err(zmq::Error::EHOSTUNREACH | zmq::Error::EAGAIN) => {
                 let p = &self.peers[k];
-                log::warn!(
+                warn_user!(
                     "shmq: remote reader rank {} (host {}) went away before it was told to \
                      start; {}",
                     p.rank,
@@ -970,7 +970,7 @@ impl RemoteWriter {
         match self.options.slow_reader {
             SlowReaderPolicy::Drop => {
                 let p = &self.peers[k];
-                log::warn!(
+                warn_user!(
                     "shmq: remote reader rank {} is not keeping up ({} messages, {} bytes sent \
                      to it and not taken; the bounds are {hwm} messages, {max_bytes} bytes); \
                      no more messages go to it",
@@ -1125,7 +1125,7 @@ impl RemoteWriter {
 
     /// Reader `k`'s connection is gone: no more messages go to it.
     fn gone(&mut self, k: usize) {
-        log::warn!(
+        warn_user!(
             "shmq: remote reader rank {} (host {}) is gone (its connection closed); no more \
              messages go to it",
             self.peers[k].rank,

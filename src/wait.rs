@@ -595,7 +595,7 @@ impl<'a> Wait<'a> {
             } else {
                 format!(": {why}")
             };
-            log::warn!(
+            warn_user!(
                 "shmq: {} for {:.0?}{why} (set {WARNING_INTERVAL_ENV} to change how often this is logged)",
                 self.what,
                 now - self.started

@@ -378,7 +378,7 @@ impl Consumer {
                 match Link::open(&p.segment, self.join, self.me) {
                     Ok(l) => p.link = Some(l),
                     Err(Error::SegmentNotFound { .. }) | Err(Error::BadSegment { .. }) => {}
-                    Err(e) => log::warn!(
+                    Err(e) => warn_user!(
                         "shmq: cannot use encoder cache segment '{}' yet: {e}",
                         p.segment
                     ),

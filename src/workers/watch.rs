@@ -238,7 +238,7 @@ pub(super) fn remove_segments_of(pids: &HashSet<u32>) -> Vec<String> {
             match std::fs::remove_file(&path) {
                 Ok(()) => removed.push(s.name.clone()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => log::warn!("could not remove {path}: {e}"),
+                Err(e) => warn_user!("could not remove {path}: {e}"),
             }
             // A ring's local socket lives in a directory beside it.
             let _ =

@@ -10,6 +10,7 @@ sends messages ``0..count`` of ``expected(i)`` below, its ``reader`` checks them
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 from typing import Any
@@ -303,3 +304,23 @@ def test_the_benchs_python_writer_and_reader(kind: str) -> None:
         if writer.poll() is None:
             writer.kill()
             writer.wait()
+
+
+def test_a_rust_program_without_a_logger_hears_shmqs_warnings(rust_example: str) -> None:
+    """shmq's warnings reach a Rust program that set no logger (on stderr), not only
+    one with a `log` logger."""
+    writer = subprocess.Popen(
+        [rust_example, "writer", "1", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SHMQ_ARENA_BYTES": "lots"},
+    )
+    try:
+        assert writer.stderr is not None
+        line = writer.stderr.readline()
+    finally:
+        writer.kill()
+        writer.communicate()
+    assert line == 'shmq warning: ignoring SHMQ_ARENA_BYTES="lots": not a number of bytes\n'

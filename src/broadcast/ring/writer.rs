@@ -190,7 +190,7 @@ impl RingWriter {
                     // A CAS on the slot word judged: a process that took the slot since
                     // (the dead one's lock was free) is not dropped.
                     if ring.drop_reader(r, &info) {
-                        log::warn!(
+                        warn_user!(
                             "shmq: reader {r} (pid {}) died; going on without it",
                             process.pid
                         );
