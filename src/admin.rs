@@ -177,7 +177,8 @@ pub fn describe(name: &str) -> Result<String> {
         let w = ring.slot_info(None)?;
         let _ = writeln!(
             out,
-            "{name}: broadcast ring, {} readers, {} chunks of {} bytes\ncreator: {}\nwriter: {}, {} messages written, {} sent over the overflow socket",
+            "{name}: broadcast ring{}, {} readers, {} chunks of {} bytes\ncreator: {}\nwriter: {}, {} messages written, {} sent over the overflow socket",
+            ring.label().map_or(String::new(), |l| format!(" of queue {l:?}")),
             ring.n_reader(),
             ring.max_chunks(),
             ring.max_chunk_bytes(),
@@ -301,6 +302,8 @@ pub fn describe(name: &str) -> Result<String> {
 pub enum Metrics {
     /// A queue's ring: every side and the writer's counters.
     Ring {
+        /// The queue's name, if its writer gave one (`QueueOptions::name`).
+        label: Option<String>,
         n_reader: usize,
         max_chunks: usize,
         max_chunk_bytes: usize,
@@ -321,6 +324,7 @@ pub enum Metrics {
 pub fn metrics(name: &str) -> Result<Metrics> {
     if let Ok(ring) = Ring::open(name) {
         return Ok(Metrics::Ring {
+            label: ring.label(),
             n_reader: ring.n_reader(),
             max_chunks: ring.max_chunks(),
             max_chunk_bytes: ring.max_chunk_bytes(),

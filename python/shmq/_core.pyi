@@ -268,6 +268,9 @@ class Ring:
     @property
     def creator_pid(self) -> int: ...
     @property
+    def label(self) -> Optional[str]:
+        """The queue's name its writer gave it (``MessageQueue(name=...)``), if any."""
+    @property
     def overflow_count(self) -> int: ...
     def slot(self, reader: Optional[int] = None) -> tuple[Optional[int], bool, bool, int]:
         """``(pid, alive, dropped, messages)`` of the writer's slot or reader ``reader``'s."""
@@ -303,6 +306,7 @@ class Writer:
         remote_hwm: Optional[int] = None,
         slow_remote_reader: Literal["block", "drop"] = "block",
         remote_max_queued_bytes: Optional[int] = None,
+        name: Optional[str] = None,
     ) -> Writer: ...
     def handle(self) -> _HandleFields:
         """The fields of the queue's ``shmq.Handle``, by name."""

@@ -89,6 +89,17 @@ class CleanupCommand:
         return 0
 
 
+def _queue_name(s: SegmentInfo) -> str:
+    """`` of queue "name"`` for a ring whose writer named its queue, else ``""``."""
+    if s.kind != "broadcast ring":
+        return ""
+    try:
+        label = _core.segment_metrics(s.name).get("label")
+    except (OSError, ValueError):  # gone meanwhile, or not readable
+        return ""
+    return f' of queue "{label}"' if label else ""
+
+
 class InspectCommand:
     """Print the state of a live queue or store: its writer and readers (pids, alive or
     not, messages handled), chunk flags and overflow count, or the store's occupancy."""
@@ -118,7 +129,8 @@ class InspectCommand:
             return 0
         if args.name is None:
             for s in list_segments():
-                print(f"{s.name}  {s.kind}  {s.size} bytes  creator pid {s.creator_pid} ({s.creator_state})")
+                kind = f"{s.kind}{_queue_name(s)}"
+                print(f"{s.name}  {kind}  {s.size} bytes  creator pid {s.creator_pid} ({s.creator_state})")
             return 0
         try:
             print(inspect(args.name), end="")

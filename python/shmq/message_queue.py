@@ -323,6 +323,11 @@ class MessageQueue:
     - ``loan(nbytes)`` / ``loan_tensor(shape, dtype)`` / ``loan_array(shape, dtype)``:
       memory in the arena to fill in place; sending an object that holds it sends a
       reference, no copy at all.
+    - ``name``: what to call the queue (1 to 63 bytes of text), shown by ``python -m shmq
+      inspect`` and ``top`` and as the ``queue`` label of its metrics beside its segment's
+      name (``shmq_ring_<pid>_<hex>``); readers on this machine see it as ``mq.name``.
+    - ``enqueue_array`` / ``dequeue_array``: typed arrays, the format Rust readers and
+      writers speak too; ``enqueue_bytes`` / ``dequeue_bytes``: raw bytes.
     """
 
     # Class-level defaults make a handle-less object fail with a clear error.
@@ -334,6 +339,7 @@ class MessageQueue:
     _is_local_reader = False
     _is_remote_reader = False
     local_reader_rank = -1
+    name: Optional[str] = None
     enable_shm_tensor_arena = False
     tensor_arena = None
 
@@ -355,6 +361,7 @@ class MessageQueue:
         remote_hwm: Optional[int] = None,
         slow_remote_reader: Literal["block", "drop"] = "block",
         remote_max_queued_bytes: Optional[int] = None,
+        name: Optional[str] = None,
     ):
         # Sizes and counts are checked here, naming the argument. vLLM 0.33 accepts
         # n_reader=0 (a queue that sends to nobody); shmq refuses it: made by hand, a
@@ -378,6 +385,8 @@ class MessageQueue:
             )
         if local_reader_ranks is not None:
             local_reader_ranks = _ranks(local_reader_ranks)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
         self._start_writer(
             n_reader,
             n_local_reader,
@@ -394,6 +403,7 @@ class MessageQueue:
             remote_hwm=remote_hwm,
             slow_remote_reader=slow_remote_reader,
             remote_max_queued_bytes=remote_max_queued_bytes,
+            name=name,
         )
 
     def _start_writer(
@@ -412,6 +422,7 @@ class MessageQueue:
             n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks, connect_ip, **options
         )
         self.handle = Handle(**self._writer.handle())
+        self.name = options.get("name")
         track_writer(self._writer)  # its readers hear of its end, also at exit
         # vLLM 0.33's opt-in arena flag: accepted (shmq's own arena is on unless
         # arena_bytes=0; its views are private, so vLLM's reason to keep it off is gone).
@@ -464,6 +475,7 @@ class MessageQueue:
             assert index is not None and ring is not None, "a local reader has an index and a ring"
             self.local_reader_rank = index
             self.buffer = ShmRingBuffer._wrap(ring)
+            self.name = ring.label
         self.n_local_reader = len(handle.local_reader_ranks)
         self.n_remote_reader = 0
         self.shutting_down = False
@@ -858,4 +870,5 @@ class MessageQueue:
             if self._reader is not None
             else "without a handle"
         )
-        return f"<MessageQueue {role} {self.handle!r}>"  # repr: str(handle) holds the secret
+        named = f" {self.name!r}" if self.name is not None else ""
+        return f"<MessageQueue{named} {role} {self.handle!r}>"  # repr: str(handle) holds the secret

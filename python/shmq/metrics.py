@@ -120,7 +120,8 @@ def _field(m: dict[str, Any], field: Any) -> float:
 
 class ShmqCollector:
     """A ``prometheus_client`` collector of every shmq segment on the machine (read at
-    each scrape). Labels: ``segment`` (and ``reader`` for a queue's readers)."""
+    each scrape). Labels: ``segment``; a queue's also ``queue`` (the name its writer gave
+    it, ``MessageQueue(name=...)``; empty for none) and, for its readers, ``reader``."""
 
     def describe(self) -> list[Any]:
         # Metric names are fixed, but which exist depends on the segments: describe
@@ -137,8 +138,8 @@ class ShmqCollector:
         gauges: dict[str, Any] = {}
         by_labels: list[tuple[list[tuple[str, str, Any]], list[str]]]
         by_labels = [
-            (_QUEUE_COUNTERS, ["segment"]),
-            (_READER_COUNTERS, ["segment", "reader"]),
+            (_QUEUE_COUNTERS, ["segment", "queue"]),
+            (_READER_COUNTERS, ["segment", "queue", "reader"]),
             (_STORE_COUNTERS, ["segment"]),
             (_ARENA_COUNTERS, ["segment"]),
             (_CACHE_COUNTERS, ["segment"]),
@@ -146,7 +147,7 @@ class ShmqCollector:
         for specs, labels in by_labels:
             counters.update(families(specs, CounterMetricFamily, labels))
         by_labels = [
-            (_READER_GAUGES, ["segment", "reader"]),
+            (_READER_GAUGES, ["segment", "queue", "reader"]),
             (_STORE_GAUGES, ["segment"]),
             (_ARENA_GAUGES, ["segment"]),
             (_CACHE_GAUGES, ["segment"]),
@@ -156,7 +157,7 @@ class ShmqCollector:
         readers_up = GaugeMetricFamily(
             "shmq_queue_reader_up",
             "1 while a queue's reader is alive (not proved dead), else 0.",
-            labels=["segment", "reader"],
+            labels=["segment", "queue", "reader"],
         )
 
         def add(specs: list[tuple[str, str, Any]], into: dict[str, Any], m: dict[str, Any], labels: list[str]) -> None:
@@ -167,9 +168,10 @@ class ShmqCollector:
             seg = [m["name"]]
             kind = m["kind"]
             if kind == "queue":
-                add(_QUEUE_COUNTERS, counters, m, seg)
+                queue = seg + [m["label"] or ""]
+                add(_QUEUE_COUNTERS, counters, m, queue)
                 for r in m["readers"]:
-                    labels = seg + [str(r["reader"])]
+                    labels = queue + [str(r["reader"])]
                     add(_READER_COUNTERS, counters, r, labels)
                     add(_READER_GAUGES, gauges, r, labels)
                     readers_up.add_metric(labels, 0.0 if r["state"] == "dead" or r["dropped"] else 1.0)
@@ -255,8 +257,9 @@ def _rows(now: list[dict[str, Any]], before: dict[str, dict[str, Any]], seconds:
             readers = m["readers"]
             lag = max((r["behind"] for r in readers), default=0)
             waiting = sum(r["waiting_seconds"] is not None for r in readers)
+            named = f" {m['label']!r}" if m["label"] else ""
             lines.append(
-                f"{m['name']:<34} queue   writer pid {w['pid']} ({w['state']}) "
+                f"{m['name']:<34} queue{named}   writer pid {w['pid']} ({w['state']}) "
                 f"{w['messages']:,} msgs {_rate(w['messages'], prev, seconds)}, "
                 f"{m['n_reader']} readers (max lag {lag}, {waiting} waiting), "
                 f"overflow {m['overflow_sends']}, arena {m['arena_parts']}, loans {m['loaned_parts']}, "

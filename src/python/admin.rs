@@ -86,12 +86,14 @@ pub fn segment_metrics<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, 
     d.set_item("name", name)?;
     match m {
         Metrics::Ring {
+            label,
             n_reader,
             max_chunks,
             max_chunk_bytes,
             stats,
         } => {
             d.set_item("kind", "queue")?;
+            d.set_item("label", label)?;
             d.set_item("n_reader", n_reader)?;
             d.set_item("max_chunks", max_chunks)?;
             d.set_item("max_chunk_bytes", max_chunk_bytes)?;

@@ -295,6 +295,11 @@ impl Ring {
     fn creator_pid(&self) -> u32 {
         self.ring.creator().pid
     }
+    /// The queue's name its writer gave it (`MessageQueue(name=...)`), if any.
+    #[getter]
+    fn label(&self) -> Option<String> {
+        self.ring.label()
+    }
     #[getter]
     fn overflow_count(&self) -> u64 {
         self.ring.overflow_count()
@@ -422,7 +427,7 @@ impl Writer {
 #[pymethods]
 impl Writer {
     #[new]
-    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10_485_760, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader="block", remote_max_queued_bytes=None))]
+    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10_485_760, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader="block", remote_max_queued_bytes=None, name=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         n_reader: usize,
@@ -439,6 +444,7 @@ impl Writer {
         remote_hwm: Option<i32>,
         slow_remote_reader: &str,
         remote_max_queued_bytes: Option<u64>,
+        name: Option<String>,
     ) -> PyResult<Writer> {
         let defaults = RemoteOptions::default();
         let remote = RemoteOptions {
@@ -463,6 +469,7 @@ impl Writer {
             arena_bytes: arena_bytes.unwrap_or_else(crate::arena::default_capacity),
             arena_threshold: arena_threshold.unwrap_or_else(crate::arena::default_threshold),
             remote,
+            name,
         };
         let writer = CoreWriter::new(opts)?;
         Ok(Writer {

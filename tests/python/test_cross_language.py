@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -318,9 +320,15 @@ def test_a_rust_program_without_a_logger_hears_shmqs_warnings(rust_example: str)
         env={**os.environ, "SHMQ_ARENA_BYTES": "lots"},
     )
     try:
-        assert writer.stderr is not None
+        assert writer.stderr is not None and writer.stdout is not None
         line = writer.stderr.readline()
+        handle = Handle.from_str(writer.stdout.readline())
     finally:
         writer.kill()
         writer.communicate()
     assert line == 'shmq warning: ignoring SHMQ_ARENA_BYTES="lots": not a number of bytes\n'
+    # Killed, the writer (a Rust program: no janitor) leaves its ring; remove it here.
+    assert handle.buffer_handle is not None
+    ring = Path("/dev/shm") / handle.buffer_handle[3]
+    ring.unlink()
+    shutil.rmtree(f"{ring}.sock", ignore_errors=True)

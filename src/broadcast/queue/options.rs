@@ -45,6 +45,11 @@ pub struct QueueOptions {
     /// How the remote stream is bounded (messages queued per remote reader, and what to
     /// do with one that does not keep up).
     pub remote: RemoteOptions,
+    /// A name for the queue (1 to 63 bytes, no control characters), shown by `python -m
+    /// shmq inspect` and `top` and in the metrics' `queue` label beside the segment's
+    /// own name (`shmq_ring_<pid>_<hex>`). Kept in the ring: only a queue with local
+    /// readers has one to show.
+    pub name: Option<String>,
 }
 
 impl Default for QueueOptions {
@@ -61,6 +66,7 @@ impl Default for QueueOptions {
             arena_bytes: arena::default_capacity(),
             arena_threshold: arena::default_threshold(),
             remote: RemoteOptions::default(),
+            name: None,
         }
     }
 }

@@ -172,6 +172,9 @@ impl Writer {
         // The remote socket uses the process's context; the local publisher has one of
         // its own: dropping it flushes the overflow messages still queued
         // (`transport::shared_context` says why).
+        if let Some(name) = &opts.name {
+            super::super::ring::check_label(name)?;
+        }
         let shared = crate::transport::shared_context();
         let ctx = if opts.n_local_reader > 0 {
             zmq::Context::new()
@@ -185,6 +188,9 @@ impl Writer {
                 opts.max_chunk_bytes,
                 opts.max_chunks,
             )?);
+            if let Some(name) = &opts.name {
+                ring.set_label(name)?;
+            }
             let local = Publisher::bind_ipc(&ctx, ring.name())?;
             // Named now (readers learn the name from the handle), made at first use.
             let arena = (opts.arena_bytes > 0)

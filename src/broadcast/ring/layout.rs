@@ -4,7 +4,7 @@
 //! (see the layout in [`super`]); it uses nothing but the doorbell's words and the error
 //! type.
 
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
 
 use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
@@ -13,10 +13,10 @@ use crate::segment::round_up;
 /// "SHMQRNG1" in little-endian: marks a finished broadcast-ring segment.
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"SHMQRNG1");
 /// Bumped whenever the layout changes; openers refuse any other version.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 pub(super) const CACHE_LINE: usize = 64;
-pub(super) const SLOTS_OFFSET: usize = 256;
+pub(super) const SLOTS_OFFSET: usize = 320;
 pub(super) const SLOT_SIZE: usize = 64;
 pub(super) const STATE_LEN_OFFSET: usize = 0;
 pub(super) const STATE_KIND_OFFSET: usize = 8;
@@ -84,8 +84,15 @@ pub(super) struct RingShared {
     pub(super) loaned_parts: AtomicU64,
     pub(super) fallback_parts: AtomicU64,
     pub(super) remote_sends: AtomicU64,
+    /// The queue's name as its writer gave it (`QueueOptions::name`), UTF-8, NUL-padded;
+    /// all zero for none. Written once by the creator, read by `inspect`, `top` and the
+    /// metrics (see `Ring::label`).
+    pub(super) label: [AtomicU8; LABEL_BYTES],
 }
 const _: () = assert!(64 + std::mem::size_of::<RingShared>() <= SLOTS_OFFSET);
+
+/// Bytes of a ring's label, its NUL padding included: a name is at most one less.
+pub const LABEL_BYTES: usize = 64;
 
 /// Sizes derived from the three parameters of a ring.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

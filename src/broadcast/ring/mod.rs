@@ -10,7 +10,8 @@
 //! 128               doorbell "chunk freed": the writer sleeps on it, readers ring it
 //! 192               creator (pid, start time), the overflow-message count and the
 //!                   queue writer's part counters (`stats`)
-//! 256               slots: the writer's, then one per reader (64 bytes each):
+//! 256               the queue's name (64 bytes of UTF-8, NUL-padded; `QueueOptions::name`)
+//! 320               slots: the writer's, then one per reader (64 bytes each):
 //!                     who holds it (pid + start time), state, and its statistics:
 //!                     messages and bytes handled, waits, whether it waits now, when
 //!                     it last handled a message
@@ -51,7 +52,19 @@ use crate::process::ProcessId;
 use crate::segment::{unique_name, HeaderCheck, Segment};
 
 use layout::*;
-pub use layout::{ChunkKind, RingHandle, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};
+pub use layout::{ChunkKind, RingHandle, LABEL_BYTES, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};
+
+/// Whether `label` can name a queue: 1 to `LABEL_BYTES - 1` bytes of UTF-8, no
+/// control characters.
+pub fn check_label(label: &str) -> Result<()> {
+    if label.is_empty() || label.len() >= LABEL_BYTES || label.chars().any(char::is_control) {
+        return Err(Error::InvalidArgument(format!(
+            "a queue's name must be 1 to {} bytes of text with no control characters, got {label:?}",
+            LABEL_BYTES - 1
+        )));
+    }
+    Ok(())
+}
 pub use reader::{ChunkInfo, RingReader};
 pub use slots::SlotInfo;
 pub use stats::{PartCounter, RingStats, SideStats};
@@ -258,6 +271,39 @@ impl Ring {
         }
     }
     /// Messages the writer has sent over the overflow socket.
+    /// Give the ring its queue's name (see [`LABEL_BYTES`]): by its creator, once, before
+    /// the queue's handle exists.
+    pub(crate) fn set_label(&self, label: &str) -> Result<()> {
+        check_label(label)?;
+        let bytes = label.as_bytes();
+        for (i, b) in self.shared().label.iter().enumerate() {
+            // Relaxed: written once, before any reader can have the handle; a concurrent
+            // `inspect` (which finds segments by listing /dev/shm) may see a label half
+            // written, which only shows, for that one look, part of a name.
+            b.store(bytes.get(i).copied().unwrap_or(0), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The queue's name its writer gave it, if any. Any process that can write the
+    /// segment can write these bytes: what is not UTF-8 is replaced, control characters
+    /// dropped.
+    pub fn label(&self) -> Option<String> {
+        // Relaxed: see `set_label`.
+        let bytes: Vec<u8> = self
+            .shared()
+            .label
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .take_while(|&b| b != 0)
+            .collect();
+        let text: String = String::from_utf8_lossy(&bytes)
+            .chars()
+            .filter(|c| !c.is_control())
+            .collect();
+        (!text.is_empty()).then_some(text)
+    }
+
     pub fn overflow_count(&self) -> u64 {
         // Relaxed: a statistic.
         self.shared().overflow_count.load(Ordering::Relaxed)
