@@ -86,8 +86,9 @@ fuzz_target!(|input: Input| {
         .expect("an arena")
         .make()
         .expect("making the arena");
-    // Header, shared words, slots and chunk states come before the data.
-    let control = (256 + 64 * (1 + n_reader) + 64 * max_chunks) as u64;
+    // Header, shared words, the name, slots and chunk states come before the data
+    // (slots from byte 320: see the layout in src/broadcast/ring/mod.rs).
+    let control = (320 + 64 * (1 + n_reader) + 64 * max_chunks) as u64;
     let patched =
         !input.before_open.is_empty() || !input.after_open.is_empty() || !input.arena.is_empty();
     apply(&ring, control, &input.before_open);
