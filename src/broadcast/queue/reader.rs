@@ -741,7 +741,27 @@ impl Reader {
         }
     }
 
-    /// Wait for the next message and call `f` on its bytes.
+    /// Wait for the next message (as [`dequeue`](Self::dequeue) does: this reader's wait
+    /// policy and canceller, `wait` a timeout or a [`WaitSpec`]) and call `f` on its bytes
+    /// where they are, in shared memory: no copy. Raw bytes only, as `dequeue`.
+    pub fn dequeue_view<'w, R>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R> {
+        let mut f = Some(f);
+        if let Some(r) = self.try_take(|b| (f.take().expect("called once"))(b))? {
+            return Ok(r);
+        }
+        let (canceller, what) = (self.canceller.clone(), self.what.clone());
+        let mut wait = self.wait(&what, wait.into(), &canceller);
+        self.dequeue_with(&mut wait, f.take().expect("not called yet"))
+    }
+
+    /// Wait for the next message and call `f` on its bytes, with a wait built by the
+    /// caller ([`WaitSpec::into_wait`], which takes the wait policy: this reader's is
+    /// [`wait_policy`](Self::wait_policy)); [`dequeue_view`](Self::dequeue_view) builds
+    /// it as `dequeue` does.
     pub fn dequeue_with<R>(&mut self, wait: &mut Wait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.wait_message_with(wait)?;
         self.try_take(f)?.ok_or_else(|| self.not_ready_any_more())

@@ -195,6 +195,63 @@ fn local_and_remote_in_threads() {
     assert!(w.overflow_count() > 0);
 }
 
+/// Typed arrays reach a local reader (inline, over the overflow socket, through the arena)
+/// and a remote one (frames) with their dtype, shape and values; a raw message between
+/// them is read in place with `dequeue_view`; each wrong call names what the message is,
+/// consumes it, and the reader goes on.
+#[test]
+fn arrays_to_local_and_remote_readers() {
+    use crate::broadcast::{ArrayRef, Dtype};
+    let mut w = one_local_one_remote(4, 64 << 20);
+    let h = w.handle().clone();
+    let sizes = [0usize, 3, 1000, 300_000];
+    let t = Duration::from_secs(10);
+    std::thread::scope(|s| {
+        for rank in [0, 1] {
+            let h = h.clone();
+            s.spawn(move || {
+                let mut r = Reader::open(&h, rank).unwrap();
+                r.wait_until_ready(t).unwrap();
+                for &n in &sizes {
+                    let a = r.dequeue_array(t).unwrap();
+                    assert_eq!((a.dtype(), a.shape()), (Dtype::F32, &[n, 2][..]));
+                    let want: Vec<f32> = (0..2 * n).map(|i| i as f32).collect();
+                    assert_eq!(a.to_vec::<f32>().unwrap(), want);
+                    assert!(a.to_vec::<i32>().is_err());
+                }
+                assert_eq!(r.dequeue_view(t, |b| b.to_vec()).unwrap(), b"raw");
+                let e = r.dequeue(t).unwrap_err().to_string();
+                assert!(
+                    e.contains("a typed array (int64 [2]: enqueue_array)")
+                        && e.contains("dequeue_array"),
+                    "{e}"
+                );
+                let e = r.dequeue_array(t).unwrap_err().to_string();
+                assert!(
+                    e.contains("raw bytes") && e.contains("read it with dequeue"),
+                    "{e}"
+                );
+                let e = r.dequeue_parts(t).unwrap_err().to_string();
+                assert!(e.contains("a typed array"), "{e}");
+                assert_eq!(r.dequeue(t).unwrap(), b"last");
+            });
+        }
+        w.wait_until_ready(t).unwrap();
+        for &n in &sizes {
+            let v: Vec<f32> = (0..2 * n).map(|i| i as f32).collect();
+            w.enqueue_array(&ArrayRef::new(&v, &[n, 2]).unwrap(), t)
+                .unwrap();
+        }
+        w.enqueue(b"raw", t).unwrap();
+        w.enqueue_array(&ArrayRef::new(&[1i64, 2], &[2]).unwrap(), t)
+            .unwrap();
+        w.enqueue(b"not an array", t).unwrap();
+        w.enqueue_array(&ArrayRef::new(&[1u8], &[1]).unwrap(), t)
+            .unwrap();
+        w.enqueue(b"last", t).unwrap();
+    });
+}
+
 /// `enqueue_body` sends a message of one part (a chunk of kind `Body`, or over a socket a
 /// block and a frame): every reader, local (in a chunk and overflowing) and remote, gets
 /// it from `dequeue_parts` as one part, and `dequeue` refuses it (consumed), while raw
