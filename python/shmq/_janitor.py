@@ -15,7 +15,10 @@ What it changes for the host program, and why each is harmless:
 
 - One extra process per process that creates segments, ~10 MB and no CPU while its
   owner lives (it sleeps in ``recv``). It is started detached (its own session, and its
-  first parent exits at once, so the owner never sees it as a child: no ``wait()`` of the
+  first parent — a ``/bin/sh`` that puts it in the background, ~2 ms; where there is no
+  ``/bin/sh``, the janitor's own interpreter, which forks — exits at once, so the owner
+  never sees it as a child and waits only for that first parent, not for an interpreter
+  to start: no ``wait()`` of the
   host reaps it, no ``SIGCHLD`` from it, and a tree kill of the owner's children — vLLM's
   shutdown does one — does not stop it before it has cleaned up). It ends when its owner
   does. It ignores ``SIGINT`` (a Ctrl-C reaches only the terminal's process group, not
@@ -104,6 +107,9 @@ def _main(argv: list[str]) -> None:
     _serve(fd, prefix, shm_dir)
 
 
+_SH = "/bin/sh"
+
+
 def start(executable: str | None = None) -> bool:
     """Start this process's janitor (see the module docs) unless it has one. False where
     none could be started (the caller goes on without it)."""
@@ -117,9 +123,15 @@ def start(executable: str | None = None) -> bool:
     if not python or not os.access(python, os.X_OK):
         return False
     theirs = _core.new_janitor_socket()
+    command = [python, "-I", "-S", os.path.abspath(__file__), str(theirs), _core.segment_prefix, _core.SHM_DIR]
+    if os.access(_SH, os.X_OK):
+        # The shell starts the janitor in the background and exits: the owner waits for
+        # a shell (~2 ms), not for an interpreter to start (~30-70 ms). The janitor's
+        # socket is already its own: what the owner sends meanwhile waits in the socket.
+        command = [_SH, "-c", '"$@" </dev/null >/dev/null &', "sh", *command]
     try:
         first = subprocess.Popen(
-            [python, "-I", "-S", os.path.abspath(__file__), str(theirs), _core.segment_prefix, _core.SHM_DIR],
+            command,
             pass_fds=(theirs,),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
