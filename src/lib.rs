@@ -40,6 +40,8 @@
 //! - [`arena`]: the tensor arena (large message parts read as private views, and
 //!   [`Loan`]s to fill in place);
 //! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
+//! - [`relay`]: one copy of a remote stream per node: a remote reader that writes every
+//!   message, whole, into a queue of its own for the readers on its machine;
 //! - [`encoder_cache`]: the encoder-cache hand-off: a producer's entries by key to every
 //!   consumer process as private views, with a key index any process can ask;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
@@ -129,6 +131,7 @@ not_loom! {
     #[doc(hidden)]
     pub mod fuzzing;
     pub mod process;
+    pub mod relay;
     pub mod storage;
     pub mod wait;
     pub mod workers;

@@ -31,6 +31,7 @@ from .message_queue import (
     sched_yield,
 )
 from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
+from .relay import Relay
 from .serde import MsgpackSerde, ObjectSerde, PickleSerde
 from .workers import WorkerDiedError, WorkerProcesses, WorkersNotReadyError, report_ready
 
@@ -54,6 +55,7 @@ __all__ = [
     "ObjectStorageHandle",
     "PeerDiedError",
     "QueueShutDownError",
+    "Relay",
     "PickleSerde",
     "RingBuffer",
     "ShmObjectStorageHandle",

@@ -12,13 +12,14 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from . import admin, bench, metrics
+from . import admin, bench, metrics, relay
 
 #: name -> (module with add_arguments/main, one-line help)
 COMMANDS: dict[str, tuple[Any, str]] = {
     "bench": (bench, "latency and throughput of shmq's queue next to multiprocessing.Queue and pyzmq"),
     "cleanup": (admin.CleanupCommand, "remove segments left in /dev/shm by crashed processes"),
     "inspect": (admin.InspectCommand, "show a live queue's or store's state (or list all segments); --json: metrics"),
+    "relay": (relay.RelayCommand, "serve this machine's readers of a remote queue with one stream (one copy per node)"),
     "top": (metrics.TopCommand, "a live table of every shmq queue, store and cache on this machine, with rates"),
 }
 

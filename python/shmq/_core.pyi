@@ -380,6 +380,35 @@ class Reader:
 # -- object store (src/python/storage.rs) --------------------------------------------
 
 @final
+class Relay:
+    """One copy of a remote stream per node (``shmq.Relay``)."""
+
+    def __init__(
+        self,
+        upstream: str,
+        rank: int,
+        n_local_reader: int,
+        local_reader_ranks: Optional[list[int]] = None,
+        max_chunk_bytes: int = 10485760,
+        max_chunks: int = 10,
+        spin_us: Optional[float] = None,
+        yield_us: Optional[float] = None,
+        on_dead_reader: str = "raise",
+        arena_bytes: Optional[int] = None,
+        arena_threshold: Optional[int] = None,
+    ) -> None: ...
+    def handle_text(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def forwarded(self) -> tuple[int, int]: ...
+    @property
+    def stopped(self) -> bool: ...
+    def wait_until_ready(self, timeout: Optional[float] = None) -> None: ...
+    def run(self) -> bool: ...
+    def stop(self) -> None: ...
+    def close(self) -> None: ...
+
 class BlockFifo:
     """The object store's ring segment (``RingBuffer``); the creator is its writer."""
 

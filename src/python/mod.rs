@@ -6,6 +6,7 @@
 //! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`);
 //!   `handle_to_text()`, `handle_from_text()`: its handle's text form (`str(Handle)`,
 //!   `Handle.from_str`), the Rust `Handle`'s `Display` / `FromStr`;
+//! - `Relay`: one copy of a remote stream per node (`shmq.Relay`);
 //! - `BlockFifo`, `ObjectStore`: the object store's ring and index (`RingBuffer`,
 //!   `ObjectStorage`);
 //! - `ShmView`: a zero-copy buffer over shared memory (wrap it in `memoryview`);
@@ -27,6 +28,7 @@ mod broadcast;
 mod encoder_cache;
 mod errors;
 mod parts;
+mod relay;
 mod storage;
 mod view;
 mod wait;
@@ -97,6 +99,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<broadcast::Ring>()?;
     m.add_class::<broadcast::Writer>()?;
     m.add_class::<broadcast::Reader>()?;
+    m.add_class::<relay::Relay>()?;
     m.add_class::<storage::BlockFifo>()?;
     m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;

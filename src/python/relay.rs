@@ -1,0 +1,162 @@
+//! Binding for the relay (`shmq.Relay`): `Relay`. Handles cross as their text form
+//! (`str(Handle)`, `Handle.from_str`), so this file needs nothing of the queue's binding.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::wait::{blocking, duration, lock, wait_policy, BindingLock, Interrupts, Timeout};
+use crate::broadcast::{DeadReaderPolicy, Handle, QueueOptions};
+use crate::error::Error;
+use crate::relay::{Relay as CoreRelay, RelayEnd, RelayStopper};
+
+const RELAY: &str = "relay";
+
+/// One copy of a remote stream per node: a remote reader of an upstream queue that
+/// writes every message, whole, into a queue of its own for the readers on this machine.
+#[pyclass(module = "shmq._core")]
+pub(super) struct Relay {
+    inner: BindingLock<CoreRelay>,
+    /// Outside the lock: `stop()` must work while `run()` holds it (from another thread,
+    /// or from a signal handler that `run`'s checks call).
+    stopper: RelayStopper,
+    handle: String,
+    /// The relay's ring segment, which names its queue in a local peer's death.
+    queue: Option<String>,
+}
+
+impl Relay {
+    /// `e` as Python's error; a local peer's death names the relay's queue.
+    fn error(&self, py: Python<'_>, e: Error) -> PyErr {
+        let named = self.queue.as_deref().and_then(|q| e.naming_queue(q));
+        let err = PyErr::from(e);
+        match named {
+            Some(message) => PyErr::from_type(err.get_type(py), message),
+            None => err,
+        }
+    }
+}
+
+#[pymethods]
+impl Relay {
+    /// Join the queue of `upstream` (a handle's text form) as its remote reader `rank`,
+    /// and make this machine's queue for `n_local_reader` readers (ranks
+    /// `local_reader_ranks`, default `0..n_local_reader`).
+    #[new]
+    #[pyo3(signature = (upstream, rank, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10_485_760, max_chunks=10, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        upstream: &str,
+        rank: usize,
+        n_local_reader: usize,
+        local_reader_ranks: Option<Vec<usize>>,
+        max_chunk_bytes: usize,
+        max_chunks: usize,
+        spin_us: Option<f64>,
+        yield_us: Option<f64>,
+        on_dead_reader: &str,
+        arena_bytes: Option<usize>,
+        arena_threshold: Option<usize>,
+    ) -> PyResult<Relay> {
+        let upstream: Handle = upstream
+            .parse()
+            .map_err(|e: Error| PyValueError::new_err(format!("not a shmq Handle: {e}")))?;
+        let mut opts = QueueOptions::local(n_local_reader);
+        opts.local_reader_ranks = local_reader_ranks;
+        opts.max_chunk_bytes = max_chunk_bytes;
+        opts.max_chunks = max_chunks;
+        opts.wait = Some(wait_policy(
+            n_local_reader.saturating_add(1),
+            spin_us,
+            yield_us,
+        )?);
+        opts.on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>()?;
+        if let Some(b) = arena_bytes {
+            opts.arena_bytes = b;
+        }
+        if let Some(t) = arena_threshold {
+            opts.arena_threshold = t;
+        }
+        let relay = CoreRelay::new(&upstream, rank, opts)?;
+        Ok(Relay {
+            stopper: relay.stopper(),
+            handle: relay.handle().to_string(),
+            queue: relay.local().ring().map(|r| r.name().to_owned()),
+            inner: BindingLock::new(relay),
+        })
+    }
+
+    /// The text form of the relay's own queue's handle, for its readers.
+    fn handle_text(&self) -> String {
+        self.handle.clone()
+    }
+
+    /// The rank the relay reads as, upstream.
+    #[getter]
+    fn rank(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(py, &self.inner, RELAY)?.rank())
+    }
+
+    /// (messages, bytes) passed on so far.
+    #[getter]
+    fn forwarded(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        Ok(lock(py, &self.inner, RELAY)?.forwarded())
+    }
+
+    /// Wait for the local readers, then for the upstream writer's start (`timeout`
+    /// seconds for both).
+    #[pyo3(signature = (timeout=None))]
+    fn wait_until_ready(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<()> {
+        let mut guard = lock(py, &self.inner, RELAY)?;
+        let relay = &mut *guard;
+        let t = duration(timeout);
+        let interrupts = Interrupts {
+            timeout,
+            cancel: None,
+            quiet: false,
+        };
+        // The core's error comes back as a value, to be named here (a signal handler's
+        // exception comes back as the error).
+        blocking(py, interrupts, |spec| {
+            Ok(relay.wait_until_ready(t, spec.hook))
+        })?
+        .map_err(|e| self.error(py, e))
+    }
+
+    /// Pass messages on until the upstream writer shuts down (`True`, the relay's queue
+    /// shut down after the same messages) or `stop()` (`False`). The upstream writer's
+    /// death raises `PeerDiedError`, a local reader's death `PeerDiedError` too (unless
+    /// `on_dead_reader="drop"`). Signal handlers run while it waits for upstream; an
+    /// exception they raise ends it, and `run()` may be called again (nothing is lost).
+    fn run(&self, py: Python<'_>) -> PyResult<bool> {
+        let mut guard = lock(py, &self.inner, RELAY)?;
+        let relay = &mut *guard;
+        let interrupts = Interrupts {
+            timeout: None,
+            cancel: None,
+            quiet: true,
+        };
+        match blocking(py, interrupts, |spec| Ok(relay.run(spec.hook)))? {
+            Ok(RelayEnd::UpstreamShutDown) => Ok(true),
+            Ok(RelayEnd::Stopped) => Ok(false),
+            Err(e) => Err(self.error(py, e)),
+        }
+    }
+
+    /// End `run()` from any thread (or a signal handler) and shut the relay's queue down.
+    fn stop(&self) {
+        self.stopper.stop();
+    }
+
+    /// Whether `stop()` was called.
+    #[getter]
+    fn stopped(&self) -> bool {
+        self.stopper.is_stopped()
+    }
+
+    /// Shut the relay's queue down and leave the upstream stream.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.stopper.stop();
+        lock(py, &self.inner, RELAY)?.close();
+        Ok(())
+    }
+}
