@@ -15,6 +15,7 @@ __all__ = [
     "Ring",
     "Writer",
     "Reader",
+    "Relay",
     "BlockFifo",
     "ObjectStore",
     "ShmView",
@@ -380,11 +381,12 @@ class Reader:
 # -- object store (src/python/storage.rs) --------------------------------------------
 
 @final
+@final
 class Relay:
     """One copy of a remote stream per node (``shmq.Relay``)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         upstream: str,
         rank: int,
         n_local_reader: int,
@@ -396,7 +398,7 @@ class Relay:
         on_dead_reader: str = "raise",
         arena_bytes: Optional[int] = None,
         arena_threshold: Optional[int] = None,
-    ) -> None: ...
+    ) -> Relay: ...
     def handle_text(self) -> str: ...
     @property
     def rank(self) -> int: ...
