@@ -108,6 +108,22 @@ def test_message_queue_writer_reader_and_loans() -> None:
     writer.enqueue((bytes(loan[:3]), array), timeout=10)
     text, numbers = reader.dequeue(timeout=10)
     assert text == b"abc" and list(numbers) == [7, 7, 7, 7]
+    # Typed arrays: the kind chosen gives the type.
+    writer.enqueue_array(np.arange(3, dtype=np.int64), timeout=10)
+    writer.enqueue_array(torch.ones(2), timeout=10)
+    writer.enqueue_array(np.zeros(2, dtype=np.uint8), timeout=10)
+    as_numpy = reader.dequeue_array(timeout=10)
+    assert_type(as_numpy, npt.NDArray[Any])
+    as_torch = reader.dequeue_array(timeout=10, kind="torch")
+    assert_type(as_torch, torch.Tensor)
+    as_view = reader.dequeue_array(timeout=10, kind="memoryview")
+    assert_type(as_view, memoryview)
+    assert list(as_numpy) == [0, 1, 2] and as_torch.tolist() == [1.0, 1.0] and as_view.tolist() == [0, 0]
+    writer.enqueue_bytes(b"raw", timeout=10)
+    raw: bytes = reader.dequeue_bytes(timeout=10)
+    assert raw == b"raw"
+    name: Optional[str] = writer.name
+    assert name is None
     stats: Optional[dict[str, Any]] = writer.arena_stats()
     fallbacks: int = writer.arena_fallbacks
     assert stats is not None and fallbacks == 0
