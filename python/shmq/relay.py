@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from . import _core
+from . import _cleanup, _core
 from .message_queue import Handle
 
 __all__ = ["Relay", "RelayCommand"]
@@ -79,6 +79,8 @@ class Relay:
             yield_us=yield_us,
         )
         self.rank = rank
+        # Shut down at exit; its segments removed by the janitor if the process dies.
+        _cleanup.track_writer(self)
 
     def export_handle(self) -> Handle:
         """The handle of the relay's own queue, for its local readers."""
@@ -112,6 +114,10 @@ class Relay:
         """Shut the relay's queue down (its readers get ``QueueShutDownError`` after what
         was passed on) and leave the upstream stream."""
         self._core.close()
+
+    def shutdown(self) -> None:
+        """:meth:`close` (the name the exit hook calls)."""
+        self.close()
 
     def __enter__(self) -> Relay:
         return self
