@@ -126,6 +126,7 @@ public_under_loom! { doorbell seqlock sync }
 
 not_loom! {
     pub mod admin;
+    pub mod auth;
     pub mod arena;
     pub mod copy;
     #[doc(hidden)]

@@ -82,7 +82,8 @@ use crate::transport::{poll_slice, POLL_SLICE};
 use crate::wait::Wait;
 
 /// Bytes of the queue's secret.
-pub const SECRET_BYTES: usize = 32;
+pub use crate::auth::SECRET_BYTES;
+use crate::auth::{mac, mac_eq};
 const HEADER: usize = 64;
 const HELLO: usize = 4 + 8 + 16 + 32;
 const MAGIC_MESSAGE: &[u8; 4] = b"SQM1";
@@ -149,28 +150,11 @@ const LINGER_MS: i32 = 1000;
 
 /// A secret of [`SECRET_BYTES`] random bytes, from the kernel.
 pub fn new_secret() -> Result<[u8; SECRET_BYTES]> {
-    crate::random::random_bytes("the queue's remote secret")
+    crate::auth::new_secret("the queue's remote secret")
 }
 
 fn random16() -> Result<[u8; 16]> {
-    crate::random::random_bytes("a remote session id or nonce")
-}
-
-/// The MAC of the parts `parts` (each length-prefixed, after a domain tag).
-fn mac(key: &[u8; SECRET_BYTES], tag: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    let mut h = blake3::Hasher::new_keyed(key);
-    h.update(&(tag.len() as u64).to_le_bytes());
-    h.update(tag);
-    for p in parts {
-        h.update(&(p.len() as u64).to_le_bytes());
-        h.update(p);
-    }
-    *h.finalize().as_bytes()
-}
-
-/// Compare MACs in constant time (blake3's `Hash` equality is constant-time).
-fn mac_eq(a: &[u8; 32], b: &[u8]) -> bool {
-    <[u8; 32]>::try_from(b).is_ok_and(|b| blake3::Hash::from(*a) == blake3::Hash::from(b))
+    crate::auth::nonce("a remote session id or nonce")
 }
 
 fn header(kind: u8, seq: u64, session: &[u8; 16], mac: &[u8; 32]) -> [u8; HEADER] {

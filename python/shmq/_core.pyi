@@ -26,6 +26,8 @@ __all__ = [
     "WorkerGroup",
     "worker_died_message",
     "default_connect_ip",
+    "auth_mac",
+    "auth_check",
     "handle_to_text",
     "handle_from_text",
     "remove_created",
@@ -116,6 +118,11 @@ class QueueShutDownError(RuntimeError):
     """The queue was shut down by its writer: raised by the writer's later calls, and by
     a reader's dequeue once it has received every message sent before."""
 
+def auth_mac(secret: bytes, tag: bytes, parts: list[bytes]) -> bytes:
+    """The keyed MAC (BLAKE3) of ``parts`` under ``secret`` (32 bytes) in the domain
+    ``tag``: what the queue's remote stream and the worker handshake prove a secret with."""
+def auth_check(secret: bytes, tag: bytes, parts: list[bytes], claimed: bytes) -> bool:
+    """Whether ``claimed`` is ``auth_mac(secret, tag, parts)`` (constant-time)."""
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
 
@@ -381,7 +388,6 @@ class Reader:
 # -- object store (src/python/storage.rs) --------------------------------------------
 
 @final
-@final
 class Relay:
     """One copy of a remote stream per node (``shmq.Relay``)."""
 
@@ -411,6 +417,7 @@ class Relay:
     def stop(self) -> None: ...
     def close(self) -> None: ...
 
+@final
 class BlockFifo:
     """The object store's ring segment (``RingBuffer``); the creator is its writer."""
 

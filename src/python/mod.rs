@@ -24,6 +24,7 @@
 //!   `QueueShutDownError`.
 
 mod admin;
+mod auth;
 mod broadcast;
 mod encoder_cache;
 mod errors;
@@ -107,6 +108,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<workers::WorkerGroup>()?;
     m.add_function(wrap_pyfunction!(workers::worker_died_message, m)?)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
+    m.add_function(wrap_pyfunction!(auth::auth_mac, m)?)?;
+    m.add_function(wrap_pyfunction!(auth::auth_check, m)?)?;
     m.add_function(wrap_pyfunction!(remove_created, m)?)?;
     m.add_function(wrap_pyfunction!(new_janitor_socket, m)?)?;
     m.add_function(wrap_pyfunction!(has_janitor, m)?)?;

@@ -3,24 +3,26 @@
 The protocol: frames of ``[4-byte big-endian length][1-byte kind][payload]``::
 
     parent -> worker   C  {"nonce": hex}                       challenge
-    worker -> parent   H  {"rank", "pid", "host", "mac"}       mac = HMAC-SHA256(token, nonce|rank|pid)
+    worker -> parent   H  {"rank", "pid", "host", "mac"}       mac = MAC(token, nonce, rank, pid)
     parent -> worker   A  {"ok": bool, "error": str}           admitted, or why not
     worker -> parent   R  pickle(info)                          ready (only once admitted)
     worker -> parent   X  {"exitcode", "stderr": [lines]}       leaving
     parent -> worker   S  {"grace": seconds}                    stop
 
 The token never crosses the network (only a MAC over a fresh challenge), so a recorded
-handshake cannot be replayed. The parent unpickles only frames from an admitted worker;
-the worker unpickles nothing.
+handshake cannot be replayed. The MAC is the queue's remote stream's (``src/auth.rs``:
+keyed BLAKE3 over a domain tag and length-prefixed parts, through ``_core.auth_mac``),
+in a domain of its own, so one implementation proves the secret for both. The parent
+unpickles only frames from an admitted worker; the worker unpickles nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import socket
 import struct
 from dataclasses import dataclass, field
+
+from .. import _core
 
 __all__ = ["DEFAULT_GRACE", "WorkerTicket"]
 
@@ -56,8 +58,10 @@ class WorkerTicket:
             raise ValueError(f"not a worker ticket (expected {prefix}HOST:PORT/TOKEN): {text[:40]!r}")
         address, _, token = text[len(prefix) :].partition("/")
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not token:
-            raise ValueError(f"not a worker ticket (expected {prefix}HOST:PORT/TOKEN): {text[:40]!r}")
+        if not host or not port.isdigit() or not _is_token(token):
+            raise ValueError(
+                f"not a worker ticket (expected {prefix}HOST:PORT/TOKEN, TOKEN 64 hexadecimal digits): {text[:40]!r}"
+            )
         return cls(host.strip("[]"), int(port), token)
 
 
@@ -84,5 +88,16 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, bytes]:
     return data[:1], data[1:]
 
 
+def _is_token(token: str) -> bool:
+    """Whether ``token`` is a ticket's token: 32 bytes as 64 hexadecimal digits."""
+    try:
+        return len(bytes.fromhex(token)) == 32 and len(token) == 64
+    except ValueError:
+        return False
+
+
 def mac(token: str, nonce: str, rank: int, pid: int) -> str:
-    return hmac.new(token.encode(), f"{nonce}|{rank}|{pid}".encode(), hashlib.sha256).hexdigest()
+    """The worker's answer to the parent's challenge ``nonce``: the core's keyed MAC (see
+    the module docs) of the nonce, the rank and the pid under the token, as hex."""
+    parts = [nonce.encode(), str(rank).encode(), str(pid).encode()]
+    return _core.auth_mac(bytes.fromhex(token), b"shmq worker hello", parts).hex()
