@@ -356,3 +356,52 @@ fn a_remote_rank_is_claimed_once_and_its_reported_exit_is_a_failure() {
     workers.close();
     assert!(workers.closed());
 }
+
+#[test]
+fn a_death_notice_is_a_failure_before_the_worker_has_exited() {
+    // The worker prints its traceback, sends a death notice (a frame whose length word
+    // has the top bit set: exit code 1, then its last line), and then hangs as a
+    // teardown can. Before ready, and after it (the pipe stays open after the report).
+    let notice = r#"printf '\200\000\000\0221\nValueError: boom' > "$fd""#;
+    let before = format!(
+        r#"fd="/proc/self/fd/$SHMQ_READY_FD"; echo 'Traceback (most recent call last):' >&2; echo 'ValueError: boom' >&2; {notice}; exec sleep 30"#
+    );
+    let after = r#"fd="/proc/self/fd/$SHMQ_READY_FD"; exec 9>"$fd"; printf '\000\000\000\000' >&9; sleep 0.2; echo 'ValueError: boom' >&2; printf '\200\000\000\0221\nValueError: boom' >&9; exec sleep 30"#;
+    let workers = Workers::spawn([sh(&before)], quiet()).unwrap();
+    let pid = workers.pids()[0].unwrap();
+    let err = workers.wait_until_ready(STARTUP).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "Worker_0 (rank 0, pid {pid}) exited with code 1 before it was ready; the last \
+             lines of its stderr:\n    Traceback (most recent call last):\n    ValueError: boom"
+        )
+    );
+    assert!(alive(pid), "the failure waited for the exit");
+    assert!(!workers.status()[0].exited);
+    drop(workers);
+
+    let workers = Workers::spawn([sh(after)], quiet()).unwrap();
+    let pid = workers.pids()[0].unwrap();
+    workers.wait_until_ready(STARTUP).unwrap();
+    assert_eq!(
+        workers.wait_all_exited(Some(STARTUP)),
+        Waited::Failed(0),
+        "the notice after ready was not seen"
+    );
+    assert!(alive(pid), "the failure waited for the exit");
+    let death = workers.death_of(0).unwrap();
+    assert_eq!(
+        (death.exit, death.before_ready, death.stderr_tail),
+        (
+            Some(WorkerExit::Code(1)),
+            false,
+            vec!["ValueError: boom".to_owned()]
+        )
+    );
+    workers.close();
+    assert_eq!(
+        workers.exits(),
+        vec![Some(WorkerExit::Signal(libc::SIGTERM))]
+    );
+}

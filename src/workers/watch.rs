@@ -11,22 +11,77 @@ use super::{StderrCapture, WorkerDeath, WorkerExit, WorkerStatus, EXIT_POLL, MAX
 use crate::process::{self, ProcessId};
 use crate::{liveness, segment};
 
-/// A ready frame being read.
+/// What a worker's ready pipe carries: frames of a 4-byte big-endian word and a payload.
+/// A word without [`NOTICE_FLAG`] is the ready report (its payload's length, once); one
+/// with it is a death notice (the payload's length in the other bits), after which the
+/// worker writes nothing more. A notice's payload is UTF-8 text: the exit code the
+/// worker is about to exit with, a newline, and the last lines of its traceback.
 #[derive(Default)]
 pub(super) struct ReadyFrame {
     pub(super) bytes: Vec<u8>,
 }
 
-impl ReadyFrame {
-    /// The payload, once the frame is whole.
-    pub(super) fn payload(&self) -> Option<&[u8]> {
-        let len = u32::from_be_bytes(self.bytes.get(..4)?.try_into().ok()?) as usize;
-        self.bytes.get(4..4 + len)
-    }
+/// The bit of a frame's length word that makes it a death notice (a ready report's
+/// length, at most [`MAX_READY_PAYLOAD`], never has it).
+pub(super) const NOTICE_FLAG: u32 = 1 << 31;
+/// The longest death notice's payload; a longer one is ignored (the exit still tells).
+pub(super) const MAX_NOTICE: usize = 64 << 10;
 
-    pub(super) fn too_long(&self) -> bool {
-        self.bytes.len() >= 4
-            && u32::from_be_bytes(self.bytes[..4].try_into().unwrap()) as usize > MAX_READY_PAYLOAD
+/// A frame read whole from a worker's ready pipe.
+enum Frame {
+    Ready(Vec<u8>),
+    Notice(Vec<u8>),
+    /// Longer than the protocol allows: the pipe is closed, the frame ignored.
+    TooLong,
+}
+
+impl ReadyFrame {
+    /// The next whole frame, taken out of the buffer; `None` until one has come whole.
+    fn take(&mut self) -> Option<Frame> {
+        let word = u32::from_be_bytes(self.bytes.get(..4)?.try_into().ok()?);
+        let notice = word & NOTICE_FLAG != 0;
+        let len = (word & !NOTICE_FLAG) as usize;
+        let limit = if notice {
+            MAX_NOTICE
+        } else {
+            MAX_READY_PAYLOAD
+        };
+        if len > limit {
+            return Some(Frame::TooLong);
+        }
+        let payload = self.bytes.get(4..4 + len)?.to_vec();
+        self.bytes.drain(..4 + len);
+        Some(if notice {
+            Frame::Notice(payload)
+        } else {
+            Frame::Ready(payload)
+        })
+    }
+}
+
+/// A worker's death notice: it raised, printed its traceback, and is exiting with `exit`
+/// (its interpreter's teardown, which can take a while, has yet to run).
+#[derive(Clone, Debug)]
+pub(super) struct Notice {
+    pub(super) exit: WorkerExit,
+    /// The traceback's last lines (the error's tail when its stderr pipe had none).
+    pub(super) lines: Vec<String>,
+}
+
+impl Notice {
+    fn parse(payload: &[u8], keep: usize) -> Notice {
+        let text = String::from_utf8_lossy(payload);
+        let mut lines = text.lines();
+        let code = lines
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .unwrap_or(1);
+        let lines: Vec<String> = lines.map(str::to_owned).collect();
+        let skip = lines.len().saturating_sub(keep);
+        Notice {
+            exit: WorkerExit::from_exitcode(code),
+            lines: lines.into_iter().skip(skip).collect(),
+        }
     }
 }
 
@@ -54,6 +109,8 @@ pub(super) struct Member {
     pub(super) capture: StderrCapture,
     pub(super) ready_fd: Option<OwnedFd>,
     pub(super) ready_frame: ReadyFrame,
+    /// Its death notice, once it has sent one (before its exit).
+    pub(super) notice: Option<Notice>,
     pub(super) stderr_fd: Option<OwnedFd>,
     /// Readable when the worker exits; `None` on kernels without pidfds (then polled),
     /// and for workers whose exit is reported.
@@ -311,9 +368,10 @@ pub(super) fn forward_lines(forward: bool, bytes: &[u8]) {
     }
 }
 
-/// Read member `i`'s ready frame as far as it has come; at its end (or EOF, or a frame
-/// too long) the pipe is closed.
-pub(super) fn read_ready(state: &mut State, i: usize) -> bool {
+/// Read member `i`'s ready pipe as far as it has come: its ready report, then (if it
+/// raises) its death notice, after which the pipe is closed; also at EOF, or at a frame
+/// too long. Whether it became ready. `keep`: how many of a notice's lines to keep.
+pub(super) fn read_ready(state: &mut State, i: usize, keep: usize) -> bool {
     let m = &mut state.members[i];
     let mut changed = false;
     let mut buf = [0u8; 65536];
@@ -324,17 +382,29 @@ pub(super) fn read_ready(state: &mut State, i: usize) -> bool {
                 // Closed without a (whole) word: its exit tells the rest.
                 m.ready_fd = None;
             }
-            Some(n) => {
-                m.ready_frame.bytes.extend_from_slice(&buf[..n]);
-                if m.ready_frame.too_long() {
-                    m.ready_fd = None;
-                } else if let Some(payload) = m.ready_frame.payload() {
-                    m.ready_payload = Some(payload.to_vec());
+            Some(n) => m.ready_frame.bytes.extend_from_slice(&buf[..n]),
+        }
+        while let Some(frame) = m.ready_frame.take() {
+            match frame {
+                Frame::Ready(payload) if !m.ready => {
+                    m.ready_payload = Some(payload);
                     m.ready = true;
-                    m.ready_fd = None;
                     changed = true;
                 }
+                Frame::Ready(_) => {} // a second report says nothing new
+                Frame::Notice(payload) => {
+                    m.notice = Some(Notice::parse(&payload, keep));
+                    m.ready_fd = None;
+                    break;
+                }
+                Frame::TooLong => {
+                    m.ready_fd = None;
+                    break;
+                }
             }
+        }
+        if m.ready_fd.is_none() {
+            m.ready_frame.bytes = Vec::new();
         }
     }
     changed
@@ -347,10 +417,16 @@ pub(super) fn death(m: &Member, failed: bool) -> WorkerDeath {
         rank: m.rank,
         pid: m.pid,
         host: m.host.clone(),
-        exit: m.exit,
+        // Before its exit, a death notice says what the exit will be.
+        exit: m.exit.or(m.notice.as_ref().map(|n| n.exit)),
         before_ready: failed && !m.ready,
         how: m.lost.clone(),
-        stderr_tail: m.tail.iter().cloned().collect(),
+        stderr_tail: match &m.notice {
+            // Nothing in its stderr pipe (not captured; or the traceback went to a
+            // `sys.stderr` that is not fd 2): the traceback it sent is the tail.
+            Some(n) if m.tail.is_empty() => n.lines.clone(),
+            _ => m.tail.iter().cloned().collect(),
+        },
         stderr: if m.remote {
             StderrCapture::FromStart
         } else {
@@ -398,7 +474,7 @@ pub(super) fn on_exit(
 ) {
     drain_stderr(state, i, shared.tail_lines, forward, true);
     // Its ready report and its exit came in one poll: the report was sent first.
-    read_ready(state, i);
+    read_ready(state, i, shared.tail_lines);
     let m = &state.members[i];
     if !state.closing && m.own_child && m.own_group && m.local_pid().is_some_and(unreaped) {
         // Its descendants are orphans now: they go down with it. Safe while it is our
@@ -414,6 +490,21 @@ pub(super) fn on_exit(
     if m.ready && m.exit == Some(WorkerExit::Code(0)) && m.lost.is_none() {
         return; // a worker that finished its work
     }
+    m.death = Some(death(m, true));
+    state.failures.push(i);
+}
+
+/// Member `i` has sent a death notice (it raised, and its interpreter is tearing down):
+/// its failure is recorded now, with the traceback it wrote to stderr before the notice
+/// (so already in the pipe), instead of when its exit comes. Nothing while closing, or
+/// once its failure or exit is recorded.
+pub(super) fn on_notice(shared: &Shared, state: &mut State, i: usize, forward: &mut Vec<u8>) {
+    let m = &state.members[i];
+    if state.closing || m.exited || m.death.is_some() || m.notice.is_none() {
+        return;
+    }
+    drain_stderr(state, i, shared.tail_lines, forward, false);
+    let m = &mut state.members[i];
     m.death = Some(death(m, true));
     state.failures.push(i);
 }
@@ -478,15 +569,25 @@ pub(super) fn supervise(shared: &Shared) {
         let mut state = shared.lock();
         let mut changed = false;
         let mut exited: Vec<usize> = Vec::new();
+        let mut notices: Vec<usize> = Vec::new();
         for (fd, &(i, kind)) in fds[1..].iter().zip(&owners) {
             if fd.revents == 0 {
                 continue;
             }
             match kind {
-                0 => changed |= read_ready(&mut state, i),
+                0 => {
+                    changed |= read_ready(&mut state, i, shared.tail_lines);
+                    notices.push(i);
+                }
                 1 => drain_stderr(&mut state, i, shared.tail_lines, &mut forward, false),
                 _ => exited.push(i),
             }
+        }
+        // After every fd of the round was read: a notice's traceback is in its stderr pipe.
+        for i in notices {
+            let failures = state.failures.len();
+            on_notice(shared, &mut state, i, &mut forward);
+            changed |= state.failures.len() > failures;
         }
         for i in 0..state.members.len() {
             let m = &state.members[i];

@@ -6,10 +6,12 @@ Each takes its rank first, as ``WorkerProcesses`` calls it. Every wait is bounde
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -56,6 +58,20 @@ def one_fails_in_setup(rank: int, failing_rank: int) -> None:
     report_ready(mq.buffer.name)
     time.sleep(STEP)
     del mq
+
+
+def raises_then_hangs_at_exit(rank: int, hang: str, ready: bool) -> None:
+    """Make the interpreter's teardown hang for ``STEP`` seconds (``hang``: an atexit
+    handler that sleeps, or a non-daemon thread), report ready if ``ready``, then raise:
+    the worker prints its traceback and stays alive, tearing down, until stopped."""
+    if hang == "atexit":
+        atexit.register(time.sleep, STEP)
+    else:
+        threading.Thread(target=time.sleep, args=(STEP,), name="hangs-the-exit").start()
+    if ready:
+        report_ready(os.getpid())
+    print(f"rank {rank}: serving", file=sys.stderr)
+    raise RuntimeError(f"rank {rank}: CUDA error (simulated), then a teardown that hangs")
 
 
 def result_writer(rank: int) -> None:

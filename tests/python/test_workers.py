@@ -377,6 +377,56 @@ def test_a_worker_that_raises_is_named_though_its_queue_ends_first():
         del reader
 
 
+@pytest.mark.parametrize(
+    "hang, ready, context, capture_stderr",
+    [
+        ("atexit", False, "spawn", True),
+        ("thread", True, "spawn", True),
+        ("thread", True, "fork", True),
+        ("atexit", True, "spawn", False),
+    ],
+)
+def test_a_worker_that_raises_is_reported_before_its_teardown_ends(hang, ready, context, capture_stderr):
+    # The worker's bootstrap sends a death notice once its traceback is printed, before
+    # the interpreter tears down (atexit handlers, non-daemon threads: here, one hangs
+    # for targets.STEP seconds). The parent's error comes while the worker still runs,
+    # with the same message as an exit would have given (the code it exits with, 1).
+    with WorkerProcesses(
+        targets.raises_then_hangs_at_exit,
+        1,
+        args=(hang, ready),
+        context=context,
+        capture_stderr=capture_stderr,
+        grace=1.0,
+    ) as workers:
+        (pid,) = _track(workers)
+        with pytest.raises(WorkerDiedError) as info:
+            if ready:
+                workers.wait_until_ready(timeout=STARTUP, close_on_failure=False)
+                workers.join(timeout=targets.STEP / 2)  # the failure, not a TimeoutError
+            else:
+                workers.wait_until_ready(timeout=targets.STEP / 2, close_on_failure=False)
+        assert not _gone(pid), "the failure was reported only when the worker had exited"
+        assert not workers.info()[0].exited and workers.finished() == {}
+        err = info.value
+        assert (err.rank, err.pid, err.exitcode, err.before_ready) == (0, pid, 1, not ready)
+        when = "while it was running" if ready else "before it was ready"
+        assert str(err).startswith(f"Worker_0 (rank 0, pid {pid}) exited with code 1 {when}")
+        last = "RuntimeError: rank 0: CUDA error (simulated), then a teardown that hangs"
+        assert err.stderr_tail[-1] == last  # stderr's tail, or (not captured) the notice's
+        assert "Traceback (most recent call last):" in err.stderr_tail
+        # What else it wrote comes from its stderr pipe only (a forked worker under
+        # pytest writes to pytest's sys.stderr, not fd 2: the notice's lines then too).
+        if capture_stderr and context == "spawn":
+            assert err.stderr_tail[0] == "rank 0: serving"
+        elif not capture_stderr:
+            assert "rank 0: serving" not in err.stderr_tail
+        assert workers.failures == [err]
+    # close() stopped the hanging teardown (SIGTERM, or SIGKILL after the grace).
+    assert _wait_gone([pid], 0) == []
+    assert _segments_of([pid]) == set()
+
+
 def test_monitor_does_not_fire_for_workers_that_finish():
     with WorkerProcesses(targets.ready_then_exit, 3, args=(0,)) as workers:
         _track(workers)

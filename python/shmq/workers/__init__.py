@@ -38,6 +38,11 @@ What it guarantees:
   stderr to the parent's stderr (file descriptor 2, a whole line per write), prefixed
   ``(Worker_1 pid=...)``, keeping the last lines for error messages. :meth:`~WorkerProcesses.monitor` wakes the parent's
   blocked ``MessageQueue`` calls when a worker fails, and raises ``WorkerDiedError``.
+  A worker whose target raises is a failure at once: its bootstrap prints the
+  traceback, then sends a death notice (exit code and traceback) on its ready pipe
+  before the interpreter tears down (0.4-0.6 s with torch; forever if an ``atexit``
+  handler or a non-daemon thread hangs). A killed worker is seen at its exit (pidfd); a
+  hung one is alive, so only the parent's timeouts tell.
 - **Shutdown.** :meth:`~WorkerProcesses.close`: SIGTERM to every worker's process group,
   one shared grace period, then SIGKILL of what remains, including descendants captured
   before the SIGTERM; reaping; removal of the segments the dead workers (and their

@@ -90,9 +90,10 @@ class WorkerMonitor:
             # The block failed because a worker died, but the supervisor has not recorded
             # that yet: give it a moment, so that the error names the worker. shmq's own
             # errors can come first: PeerDiedError (a dying process gives up its role locks
-            # before it turns into a zombie), and QueueShutDownError (a worker that fails
-            # with an exception still exits normally: its queues' writers end them at
-            # interpreter exit, before the process is gone).
+            # before it turns into a zombie), and QueueShutDownError (a worker that ends
+            # through the interpreter's exit, sys.exit say, has its queues' writers end
+            # them before the process is gone; one that raises sends a death notice
+            # before that).
             self.cancel.wait(_RECORD_WITHIN)
         with self._supervisor.lock:
             if self in self._supervisor.monitors:
