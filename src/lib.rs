@@ -11,11 +11,13 @@
 //! - `doorbell`: the sleep/wake handshake between the two sides of a ring;
 //! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic;
 //! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
+//! - [`warning`]: where shmq's warnings go (a hook, the `log` crate, or stderr);
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
 //!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet, and the clock of a wait
 //!   started over);
 //! - [`copy`]: large copies into shared memory;
 //! - `random`: secrets and nonces from the kernel;
+//! - [`auth`]: the keyed MAC that proves a secret (remote stream, worker handshake);
 //! - `fork`: what a forked child must not do with what it inherited;
 //! - [`liveness`]: telling a live peer from a dead one by the role locks it holds on
 //!   bytes of a segment's file (also across pid namespaces): alive, dead, or unknown;
@@ -25,6 +27,7 @@
 //! - `sigbus`: a peer that truncates a mapped segment: the `SIGBUS` handler that turns
 //!   the fault into zero pages and an error, and what shmq guarantees against the same
 //!   user's processes;
+//! - `map_budget`: shmq's own mappings counted against the process's `vm.max_map_count`;
 //! - `segment`: named POSIX shared memory, and the header check every kind of segment
 //!   makes;
 //! - `range_alloc`: the whole-page allocator of the arena's and the encoder cache's data
@@ -148,6 +151,7 @@ not_loom! {
     pub(crate) mod futex;
     pub mod liveness;
     pub(crate) mod pins;
+    pub(crate) mod map_budget;
     pub(crate) mod private_map;
     pub(crate) mod random;
     pub(crate) mod region;

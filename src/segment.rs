@@ -663,7 +663,7 @@ impl LoanPages {
     /// Where the kernel cannot, the pages are remapped in place.
     ///
     /// A seal costs the process up to [`SEAL_MAPPINGS`] mappings while the loan lives;
-    /// they are asked of `private_map::take_mappings` first, which refuses them well
+    /// they are asked of `map_budget::take_mappings` first, which refuses them well
     /// before `vm.max_map_count` (the loan is then sent by copy), so that loans never
     /// take the mappings the host program needs.
     pub(crate) fn seal(&self, segment: &Segment) -> bool {
@@ -671,7 +671,7 @@ impl LoanPages {
             return true;
         }
         retry_deferred_unseals();
-        if !crate::private_map::take_mappings(SEAL_MAPPINGS) {
+        if !crate::map_budget::take_mappings(SEAL_MAPPINGS) {
             return false;
         }
         let park = self.park();
@@ -687,7 +687,7 @@ impl LoanPages {
                     // nobody else's; it replaces the (still shared) range at `start`.
                     unsafe { libc::munmap(park as *mut libc::c_void, self.len) };
                 }
-                crate::private_map::give_back_mappings(SEAL_MAPPINGS);
+                crate::map_budget::give_back_mappings(SEAL_MAPPINGS);
                 log::info!("shmq: a loan could not be sealed, so it is sent by copy: {e}");
                 false
             }
@@ -770,7 +770,7 @@ impl LoanPages {
             };
             if back != libc::MAP_FAILED {
                 self.sealed.store(false, Ordering::Release);
-                crate::private_map::give_back_mappings(SEAL_MAPPINGS);
+                crate::map_budget::give_back_mappings(SEAL_MAPPINGS);
                 return true;
             }
             // SAFETY: as above; the parked mapping is dropped, and the pages are mapped
@@ -780,7 +780,7 @@ impl LoanPages {
         match segment.remap(self.start, self.len, true) {
             Ok(()) => {
                 self.sealed.store(false, Ordering::Release);
-                crate::private_map::give_back_mappings(SEAL_MAPPINGS);
+                crate::map_budget::give_back_mappings(SEAL_MAPPINGS);
                 true
             }
             Err(e) => {

@@ -3,7 +3,7 @@
 //! - `protocol`: the chunk-flag protocol, on abstract atomics (model-checked);
 //! - [`ring`]: the shared-memory ring of chunks, its slots and doorbells.
 //! - `framing`: how a message of several parts (a body and its buffers) is laid out;
-//! - [`array`]: typed arrays, the message format both languages speak for numbers.
+//! - [`array`](mod@array): typed arrays, the message format both languages speak for numbers.
 //! - [`queue`]: [`Writer`] and [`Reader`], which combine the ring (local readers) with
 //!   the ZeroMQ transport (oversized messages and remote readers).
 
