@@ -463,7 +463,7 @@ def connect_to_parent(
     start) as worker ``rank``; afterwards :func:`report_ready` reports to that parent.
 
     The parent accepts the ranks it was told to expect as remote (``n_remote``), each
-    once, and only from a process that proves it knows the ticket's token (HMAC over a
+    once, and only from a process that proves it knows the ticket's token (the core's keyed MAC over a
     fresh challenge: the token itself never crosses the network). A refusal (wrong token,
     unexpected or taken rank) raises ``PermissionError``.
 
