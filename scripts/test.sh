@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n== %s\n' "$*"; }
+step() { printf '\n== %s  (at %d min %02d s)\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)); }
 
 step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
 # Formatting: cargo fmt, and rustfmt on each file (cargo fmt does not follow modules
@@ -141,3 +141,4 @@ bash scripts/wheel.sh
 
 step "Newcomer: the wheel in a fresh venv with no cargo or rustc on PATH"
 bash scripts/newcomer.sh wheel
+step "Done"
