@@ -395,26 +395,15 @@ fn window_unfit() -> Option<&'static str> {
     if std::fs::read_to_string("/proc/sys/vm/overcommit_memory").is_ok_and(|m| m.trim() == "2") {
         return Some("strict overcommit");
     }
-    let page = page_size();
-    // SAFETY: a fresh private anonymous page of our own, unmapped below; nothing else
-    // refers to it.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            page,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        if p == libc::MAP_FAILED {
-            return Some("no memory for a probe");
-        }
-        // MADV_DONTNEED fails with EINVAL on locked memory.
-        let locked = libc::madvise(p, page, libc::MADV_DONTNEED) != 0;
-        libc::munmap(p, page);
+    // MADV_DONTNEED fails with EINVAL on locked memory.
+    crate::segment::probe_page(|p, page| {
+        // SAFETY: `p` is the probe's own page (see `probe_page`): dropping its contents
+        // touches nothing else.
+        unsafe { libc::madvise(p, page, libc::MADV_DONTNEED) != 0 }
+    })
+    .map_or(Some("no memory for a probe"), |locked| {
         locked.then_some("memory is locked (mlockall)")
-    }
+    })
 }
 
 /// The lock sentinel (see the module docs): one private anonymous page that nothing

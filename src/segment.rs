@@ -456,9 +456,22 @@ impl Segment {
 /// by default (`mlockall(MCL_FUTURE)` without `MCL_ONFAULT`). A probe: a fresh anonymous
 /// page is resident at once only then.
 fn maps_populated() -> bool {
+    probe_page(|p, page| {
+        let mut resident = 0u8;
+        // SAFETY: `p` is the probe's own mapping of `page` bytes (see `probe_page`);
+        // mincore only reads the page tables, into one byte per page.
+        unsafe { libc::mincore(p, page, &mut resident) == 0 && resident & 1 != 0 }
+    })
+    .unwrap_or(false)
+}
+
+/// `f` on a fresh private anonymous page of this process's own (its address and
+/// length), made for the call and unmapped after it: how shmq asks the kernel what a new
+/// mapping of this process is like (populated, locked). `None` where it cannot be mapped.
+pub(crate) fn probe_page<R>(f: impl FnOnce(*mut libc::c_void, usize) -> R) -> Option<R> {
     let page = page_size();
-    // SAFETY: a fresh private anonymous page of our own, unmapped below; nothing else
-    // refers to it, and it is never touched (mincore only reads the page tables).
+    // SAFETY: a new private anonymous page at a place the kernel picks; nothing else
+    // refers to it, and it is unmapped below, after `f`, which gets only its address.
     unsafe {
         let p = libc::mmap(
             std::ptr::null_mut(),
@@ -469,12 +482,11 @@ fn maps_populated() -> bool {
             0,
         );
         if p == libc::MAP_FAILED {
-            return false;
+            return None;
         }
-        let mut resident = 0u8;
-        let populated = libc::mincore(p, page, &mut resident) == 0 && resident & 1 != 0;
+        let r = f(p, page);
         libc::munmap(p, page);
-        populated
+        Some(r)
     }
 }
 
