@@ -585,6 +585,17 @@ class MessageQueue:
         else:
             raise RuntimeError("this MessageQueue has no handle: make it with MessageQueue(...) or create_from_handle")
 
+    def _reader_for(self, action: str) -> _core.Reader:
+        """This queue's reader, for ``action``; a ``RuntimeError`` saying what this
+        queue is when it is no reader."""
+        if self._reader is None:
+            raise RuntimeError(
+                f"only readers can {action}: this MessageQueue is the writer"
+                if self._writer is not None
+                else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
+            )
+        return self._reader
+
     def _not_the_writer(self, action: str) -> RuntimeError:
         """The error for a writer's call made on a reader, or on an object with no role
         at all (made without ``__init__``: ``MessageQueue.__new__``, a subclass that
@@ -649,13 +660,7 @@ class MessageQueue:
         as ``indefinite`` (a cancel event is never a bool)."""
         if type(cancel) is bool:
             cancel, indefinite = None, cancel
-        reader = self._reader
-        if reader is None:
-            raise RuntimeError(
-                "only readers can dequeue: this MessageQueue is the writer"
-                if self._writer is not None
-                else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
-            )
+        reader = self._reader_for("dequeue")
         message = reader.dequeue(timeout, cancel, indefinite)
         # bytes: a pickled object with no out-of-band buffers; (body, buffers): one with
         # them; (bytes,): raw bytes (see _core.Reader.dequeue).
@@ -693,13 +698,7 @@ class MessageQueue:
         the reader stays usable)."""
         if kind not in ("numpy", "torch", "memoryview"):
             raise ValueError(f"kind must be 'numpy', 'torch' or 'memoryview', got {kind!r}")
-        reader = self._reader
-        if reader is None:
-            raise RuntimeError(
-                "only readers can dequeue_array: this MessageQueue is the writer"
-                if self._writer is not None
-                else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
-            )
+        reader = self._reader_for("dequeue_array")
         message = reader.dequeue(timeout, cancel, False)
         if type(message) is tuple and len(message) == 4:
             dtype, shape, strides, data = message
@@ -716,13 +715,7 @@ class MessageQueue:
         does (same errors). A pickled object (sent by ``enqueue``) raises
         ``MessageKindError`` (a ``ValueError``); the message is consumed and the reader
         stays usable. A chunk from ``acquire_write`` arrives whole (``max_chunk_bytes``)."""
-        reader = self._reader
-        if reader is None:
-            raise RuntimeError(
-                "only readers can dequeue_bytes: this MessageQueue is the writer"
-                if self._writer is not None
-                else "this MessageQueue has no handle: make readers with MessageQueue.create_from_handle"
-            )
+        reader = self._reader_for("dequeue_bytes")
         message = reader.dequeue(timeout, cancel, False)
         if type(message) is tuple and len(message) == 1:
             return cast(bytes, message[0])
