@@ -90,6 +90,30 @@ fn main() -> Result<(), Box<dyn Error>> {
     }
 }
 
+/// A writer for `n_readers` local readers, chunks of `max_chunk_bytes`: its handle printed
+/// (one line on stdout, for the readers), and its readers joined.
+fn start_writer(n_readers: usize, max_chunk_bytes: usize) -> Result<Writer, Box<dyn Error>> {
+    let mut opts = QueueOptions::local(n_readers);
+    opts.max_chunk_bytes = max_chunk_bytes;
+    opts.max_chunks = 16;
+    let mut writer = Writer::new(opts)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", writer.handle())?;
+    out.flush()?;
+    writer.wait_until_ready(TIMEOUT)?;
+    Ok(writer)
+}
+
+/// Reader `rank` of the queue whose handle is the first line on stdin, joined.
+fn join(rank: usize) -> Result<Reader, Box<dyn Error>> {
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line)?;
+    let handle: Handle = line.parse()?;
+    let mut reader = Reader::open(&handle, rank)?;
+    reader.wait_until_ready(TIMEOUT)?;
+    Ok(reader)
+}
+
 /// Element `j` of every message `i` is `(i * 31 + j) % 251`: `pattern[(i * 31) % 251..]`
 /// of these, made once (so that neither side spends its time making or checking values).
 struct Patterns {
@@ -119,14 +143,8 @@ fn slice<T>(pattern: &[T], i: usize, n: usize) -> &[T] {
 
 fn writer(n_readers: usize, count: usize) -> Result<(), Box<dyn Error>> {
     let p = Patterns::new();
-    let mut opts = QueueOptions::local(n_readers);
-    opts.max_chunk_bytes = 1 << 20;
-    opts.max_chunks = 16;
-    let mut writer = Writer::new(opts)?;
+    let mut writer = start_writer(n_readers, 1 << 20)?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", writer.handle())?;
-    out.flush()?;
-    writer.wait_until_ready(TIMEOUT)?;
     let start = Instant::now();
     for i in 0..count {
         match expected(i) {
@@ -149,12 +167,8 @@ fn writer(n_readers: usize, count: usize) -> Result<(), Box<dyn Error>> {
 }
 
 fn reader(rank: usize, count: usize) -> Result<(), Box<dyn Error>> {
-    let mut line = String::new();
-    std::io::stdin().lock().read_line(&mut line)?;
-    let handle: Handle = line.parse()?;
     let p = Patterns::new();
-    let mut reader = Reader::open(&handle, rank)?;
-    reader.wait_until_ready(TIMEOUT)?;
+    let mut reader = join(rank)?;
     let mut start = None;
     for i in 0..count {
         reader.wait_message(TIMEOUT)?;
@@ -200,14 +214,7 @@ fn check(p: &Patterns, i: usize, m: Received<'_>) -> Result<(), String> {
 
 /// The bench's writer (see the module docs).
 fn send(n_readers: usize, count: usize, kind: &str, nbytes: usize) -> Result<(), Box<dyn Error>> {
-    let mut opts = QueueOptions::local(n_readers);
-    opts.max_chunk_bytes = (2 * nbytes).max(1 << 16);
-    opts.max_chunks = 16;
-    let mut writer = Writer::new(opts)?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", writer.handle())?;
-    out.flush()?;
-    writer.wait_until_ready(TIMEOUT)?;
+    let mut writer = start_writer(n_readers, (2 * nbytes).max(1 << 16))?;
     let mut message = vec![0f32; nbytes.div_ceil(4).max(2)];
     for i in 0..count {
         // Fresh data: the message's number in its first 8 bytes.
@@ -224,11 +231,7 @@ fn send(n_readers: usize, count: usize, kind: &str, nbytes: usize) -> Result<(),
 
 /// The bench's reader (see the module docs).
 fn take(rank: usize, count: usize) -> Result<(), Box<dyn Error>> {
-    let mut line = String::new();
-    std::io::stdin().lock().read_line(&mut line)?;
-    let handle: Handle = line.parse()?;
-    let mut reader = Reader::open(&handle, rank)?;
-    reader.wait_until_ready(TIMEOUT)?;
+    let mut reader = join(rank)?;
     let (mut start, mut sum) = (None, 0u64);
     for _ in 0..count {
         reader.wait_message(TIMEOUT)?;
