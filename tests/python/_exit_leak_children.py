@@ -134,19 +134,27 @@ import os, threading, time
 import numpy as np
 from shmq import MessageQueue
 
+from shmq import metrics
+
 made = threading.Event()
+rings = []
 
 def blocked():
     # Only this thread refers to the queue: nothing drops it at exit.
     q = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=1)
     r = MessageQueue.create_from_handle(q.export_handle(), 0)
     q.enqueue(np.ones(1 << 20, dtype=np.float32))  # through the arena: it is made now
+    rings.append(q.buffer.name)
     made.set()
     q.enqueue(b"waits for the only chunk, which nobody reads")
 
 threading.Thread(target=blocked, daemon=True).start()
 assert made.wait({STEP})
-time.sleep(0.3)
+# The thread is blocked in its enqueue (the writer's slot says so) when the script ends.
+deadline = time.monotonic() + {STEP}
+while metrics.collect(rings)[0]["writer"]["waiting_seconds"] is None:
+    assert time.monotonic() < deadline, "the enqueue never blocked"
+    time.sleep(0.002)
 print(sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmq_")), flush=True)
 """
 
@@ -251,7 +259,10 @@ def _worker_with_daemons(rank: int, pid_file: str, stubborn: bool) -> None:
                 os._exit(0)
         with open(pid_file, "w") as f:
             f.write(str(child))
-        time.sleep(0.3)  # the child is in its own session by now
+        # The child is in its own session before the worker goes on.
+        deadline = time.monotonic() + STEP
+        while os.getsid(child) == os.getsid(0) and time.monotonic() < deadline:
+            time.sleep(0.002)
         if not stubborn:
             sys.exit(0)
 

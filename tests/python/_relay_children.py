@@ -76,10 +76,11 @@ def writer(out: Any, ip: str, cmds: Any) -> None:
         out.put(("sent", time.monotonic() - t0, list(warnings.messages)))
 
 
-def reader(out: Any, handle_text: str, rank: int) -> None:
+def reader(out: Any, handle_text: str, rank: int, progress: Any = None) -> None:
     """A local reader of the relay's queue: read until an error, then report
     ``("done", rank, numbers read, all as sent, error type, error text, when)`` (``when``:
-    ``time.monotonic()``, which every process on the machine shares)."""
+    ``time.monotonic()``, which every process on the machine shares). ``progress``: a
+    shared array where it keeps how many messages it has read (at index ``rank``)."""
     mq = MessageQueue.create_from_handle(Handle.from_str(handle_text), rank)
     out.put(("joined", rank))
     mq.wait_until_ready(timeout=STEP)
@@ -93,6 +94,8 @@ def reader(out: Any, handle_text: str, rank: int) -> None:
             return
         good = good and check(len(got), m)
         got.append(m["i"])
+        if progress is not None:
+            progress[rank] = len(got)
 
 
 def _handle_file(workdir: str, name: str) -> str:
@@ -131,6 +134,9 @@ def _script_reader(workdir: str, rank: int) -> dict:
             m = mq.dequeue(timeout=STEP * 2)
             good = good and check(len(got), m)
             got.append(m["i"])
+            if len(got) == N_OBJECTS:  # the test waits for this file
+                with open(os.path.join(workdir, f"r{rank}.got"), "w") as f:
+                    f.write("got")
     except Exception as e:  # reported: the test checks which
         error = [type(e).__name__, str(e)]
     return {"rank": rank, "got": got, "good": good, "error": error, "at": time.monotonic()}

@@ -72,8 +72,14 @@ def writer(workdir: str) -> dict:
     for obj in objects():
         mq.enqueue(obj, timeout=TIMEOUT)
     mq.enqueue(None, timeout=TIMEOUT)
-    # Let the TCP socket flush before the process (and its ZeroMQ context) goes.
-    time.sleep(1.0)
+    # The process (and its ZeroMQ context) goes only once both readers have the end mark:
+    # each says so with a file.
+    done = [os.path.join(workdir, f"done.{rank}") for rank in (1, 2)]
+    deadline = time.monotonic() + TIMEOUT
+    while not all(map(os.path.exists, done)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the readers never took the end mark")
+        time.sleep(0.01)
     return {"sent": N_OBJECTS, "remote_addr": mq.export_handle().remote_subscribe_addr}
 
 
@@ -93,6 +99,8 @@ def reader(workdir: str, rank: int) -> dict:
         count += 1
         mismatches += not same(got, expected)
     end = mq.dequeue(timeout=TIMEOUT)
+    with open(os.path.join(workdir, f"done.{rank}"), "w") as f:
+        f.write("done")
     return {
         "count": count,
         "mismatches": mismatches,

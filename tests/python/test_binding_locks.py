@@ -135,15 +135,20 @@ def test_a_call_whose_reader_another_thread_took_meanwhile_still_ends_at_its_dea
 
     writer, reader = _blocked_reader()
 
+    checking = threading.Event()  # the main thread's dequeue is waiting: it checks
+
     class SlowCheck:
         def is_set(self) -> bool:
+            checking.set()
             time.sleep(0.05)  # the GIL and the reader let go: the other thread gets in
             return False
 
     other: list[BaseException] = []
 
     def takes_the_reader() -> None:
-        time.sleep(0.2)  # once the main thread's dequeue is waiting
+        if not checking.wait(10):  # once the main thread's dequeue is waiting
+            other.append(AssertionError("the main thread's dequeue never checked its cancel event"))
+            return
         try:
             reader.dequeue(timeout=4)
         except BaseException as e:

@@ -172,7 +172,16 @@ def test_exit_while_daemon_threads_are_blocked_in_enqueue_and_dequeue(tmp_path):
                 errors.append(e)
         threading.Thread(target=blocked, args=(lambda: q2.enqueue(b"waits"),), daemon=True).start()
         threading.Thread(target=blocked, args=(lambda: r.dequeue(),), daemon=True).start()
-        time.sleep(0.3)
+        # Both threads are blocked in their calls (as each queue's slot shows) when the
+        # interpreter exits.
+        from shmq import metrics
+        def blocked_in(ring, side):
+            m = metrics.collect([ring])[0]
+            return (m["writer"] if side is None else m["readers"][side])["waiting_seconds"] is not None
+        deadline = time.monotonic() + 30
+        while not (blocked_in(q2.buffer.name, None) and blocked_in(q.buffer.name, 0)):
+            assert time.monotonic() < deadline, "the threads never blocked"
+            time.sleep(0.002)
         print("PID", os.getpid())
         """,
         tmp_path,

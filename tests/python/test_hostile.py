@@ -255,6 +255,8 @@ def test_a_process_on_a_dead_writers_port_cannot_feed_the_reader(tmp_path, child
 
     ctx = zmq.Context()
     evil = ctx.socket(zmq.DEALER)
+    # Tells when the reader has reconnected (its connection's ZMTP handshake is done).
+    monitor = evil.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     deadline = time.monotonic() + STEP
     while True:
         try:
@@ -265,7 +267,9 @@ def test_a_process_on_a_dead_writers_port_cannot_feed_the_reader(tmp_path, child
                 pytest.skip("the dead writer's port did not become free")
             time.sleep(0.1)
     try:
-        time.sleep(0.5)  # the reader, not in a call, reconnects
+        # The reader, not in a call, reconnects.
+        assert monitor.poll(int(STEP * 1000)), "the reader never connected to the new port holder"
+        monitor.recv_multipart()
         # A bare pickle: refused on its first bytes, and seen for what it is: the
         # writer's connection ended, so the writer is gone.
         evil.send(pickle.dumps(Payload()))
@@ -279,6 +283,8 @@ def test_a_process_on_a_dead_writers_port_cannot_feed_the_reader(tmp_path, child
             reader.dequeue(timeout=STEP)
         assert not marker.exists(), "the reader unpickled the stranger's bytes"
     finally:
+        evil.disable_monitor()
+        monitor.close(linger=0)
         evil.close(linger=0)
         ctx.term()
 

@@ -28,6 +28,7 @@ from shmq import MessageQueue, PeerDiedError, QueueShutDownError
 from _processes import (
     SHM_DIR,
     STEP,
+    blocked_in_queue,
     doomed_writer,
     env_policy_reader,
     idle_cpu_reader,
@@ -35,6 +36,7 @@ from _processes import (
     segment_creator,
     segment_creator_pid,
     sequence_reader,
+    wait_for,
 )
 
 # A dead peer is checked for about twice a second; "within a few seconds" allows for a
@@ -123,7 +125,7 @@ def _stream_until_the_victim_dies(children, on_dead_reader: str, n: int):
     def killer() -> None:
         try:
             children.expect(victim_out, "progress")  # it has read 10 messages
-            time.sleep(0.2)  # by now the writer is blocked on the slow reader
+            wait_for(lambda: blocked_in_queue(mq.buffer.name), STEP, "the writer blocked on the slow reader")
             killed_at.append(_sigkill(victim))
         except BaseException as e:  # pragma: no cover - reported by the test
             killer_error.append(e)
@@ -206,7 +208,8 @@ def test_reader_raises_peer_died_error_when_the_writer_is_killed(children, polic
         reader = children.start(orphan_reader, reader_out, handle, 0, 2, *policy)
         children.expect(writer_out, "sent")
         assert children.expect(reader_out, "waiting")[1] == [0, 1]
-        time.sleep(0.6)  # the reader is now asleep in dequeue() (no timeout)
+        # The reader is asleep in dequeue() (no timeout): blocked past its spin and yield.
+        wait_for(lambda: blocked_in_queue(name, 0, for_at_least=0.1), STEP, "the reader asleep in dequeue()")
         killed_at = _sigkill(writer)
         _, outcome, ended = children.expect(reader_out, "ended", timeout=STEP)
         reader.join(STEP)

@@ -16,7 +16,16 @@ import time
 import numpy as np
 import pytest
 
-from _processes import STEP, busy_reader, counting_reader, stalling_writer, store_getter, warning_reader
+from _processes import (
+    STEP,
+    busy_reader,
+    counting_reader,
+    queue_side,
+    stalling_writer,
+    store_getter,
+    wait_for,
+    warning_reader,
+)
 from shmq import MessageQueue, ObjectStorage, RingBuffer, metrics
 
 REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python")
@@ -56,7 +65,13 @@ def test_the_writers_warning_names_a_stopped_reader_then_its_death(children):
             pids[msg[1]] = msg[2]
         elif msg[0] == "ready":
             pids["ready"] = True
-    time.sleep(0.3)
+    # The stream is under way: the writer and both readers have handled messages.
+    ring = handle.buffer_handle[3]
+    wait_for(
+        lambda: all(queue_side(ring, side)["messages"] > 0 for side in (None, 0, 1)),
+        STEP,
+        "the writer and both readers to handle messages",
+    )
     # The busy queue, read by a third process while the writer streams.
     r = _cli("inspect", "--json", handle.buffer_handle[3])
     assert r.returncode == 0, r.stderr

@@ -108,16 +108,20 @@ def _creators(names: set[str]) -> dict[str, int | None]:
             creators[name] = int(m.group(1))
         else:
             unknown.add(name)
-    for attempt in range(2):  # a segment being made has no header yet: look once more
-        if not unknown:
-            break
-        if attempt:
-            time.sleep(0.5)
+    # A segment being made has no header yet: look again until each has one or is gone
+    # (bounded).
+    deadline = time.monotonic() + 2.0
+    while unknown:
         headers = {s.name: s.creator_pid for s in list_segments()}
         for name in list(unknown):
             if headers.get(name) is not None:
                 creators[name] = headers[name]
                 unknown.discard(name)
+            elif not (SHM_DIR / name).exists():
+                unknown.discard(name)
+        if not unknown or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     creators.update({name: None for name in unknown if (SHM_DIR / name).exists()})
     return creators
 

@@ -81,7 +81,7 @@ def _wait_file(path: str, proc: subprocess.Popen) -> str:
 def behind_relay(children, tmp_path):
     """A writer child (one remote reader), a relay process for it, and N_LOCAL readers
     of the relay, all ready: (writer's out queue, its commands, its pid, relay, readers'
-    out queue)."""
+    out queue, how many messages each reader has read so far)."""
     out, cmds = children.queue(), children.queue()
     children.start(rc.writer, out, "127.0.0.1", cmds)
     _, text, writer_pid = children.expect(out, "handle")
@@ -89,16 +89,22 @@ def behind_relay(children, tmp_path):
     try:
         local = _wait_file(str(tmp_path / "relay.handle"), relay)
         readers = children.queue()
+        progress = _processes.CTX.Array("q", N_LOCAL)
         for rank in range(N_LOCAL):
-            children.start(rc.reader, readers, local, rank)
+            children.start(rc.reader, readers, local, rank, progress)
         for _ in range(N_LOCAL):
             children.expect(readers, "joined")
         children.expect(out, "ready")
-        yield out, cmds, writer_pid, relay, readers
+        yield out, cmds, writer_pid, relay, readers, progress
     finally:
         if relay.poll() is None:
             relay.kill()
         relay.communicate(timeout=rc.STEP)
+
+
+def _have_read(progress, n: int) -> None:
+    """Wait until every reader behind the relay has read ``n`` messages."""
+    _processes.wait_for(lambda: all(k >= n for k in progress[:]), rc.STEP, f"every reader to read {n} messages")
 
 
 def _done(children, readers) -> dict[int, tuple]:
@@ -108,7 +114,7 @@ def _done(children, readers) -> dict[int, tuple]:
 
 @pytest.mark.timeout(150)
 def test_readers_behind_a_relay_get_every_message_and_the_writers_shutdown(children, behind_relay):
-    out, cmds, _, relay, readers = behind_relay
+    out, cmds, _, relay, readers, _ = behind_relay
     cmds.put(("send", 0, rc.N_OBJECTS))
     children.expect(out, "sent")
     cmds.put("shutdown")
@@ -124,10 +130,10 @@ def test_readers_behind_a_relay_get_every_message_and_the_writers_shutdown(child
 
 @pytest.mark.timeout(150)
 def test_a_killed_relay_is_a_dead_writer_to_its_readers_and_a_gone_reader_to_the_writer(children, behind_relay):
-    out, cmds, _, relay, readers = behind_relay
+    out, cmds, _, relay, readers, progress = behind_relay
     cmds.put(("send", 0, 20))
     children.expect(out, "sent")
-    time.sleep(0.5)  # the readers take the 20 and wait for more
+    _have_read(progress, 20)  # the readers take the 20 and wait for more
     os.kill(relay.pid, signal.SIGKILL)
     killed = time.monotonic()
     done = _done(children, readers)
@@ -147,10 +153,10 @@ def test_a_killed_relay_is_a_dead_writer_to_its_readers_and_a_gone_reader_to_the
 
 @pytest.mark.timeout(150)
 def test_the_writers_death_reaches_the_readers_behind_the_relay_as_a_death(children, behind_relay):
-    out, cmds, writer_pid, relay, readers = behind_relay
+    out, cmds, writer_pid, relay, readers, progress = behind_relay
     cmds.put(("send", 0, 20))
     children.expect(out, "sent")
-    time.sleep(0.5)
+    _have_read(progress, 20)
     os.kill(writer_pid, signal.SIGKILL)
     killed = time.monotonic()
     _, err = relay.communicate(timeout=rc.STEP)
@@ -224,7 +230,9 @@ def test_a_relay_on_another_host_serves_its_readers_and_passes_the_writers_death
             for name, p in procs.items():
                 assert p.poll() is None, f"{name} ended early:\n{p.communicate()[1][-3000:]}"
             time.sleep(0.05)
-        time.sleep(1.0)  # the stream reaches host B's readers
+        # The stream reaches host B's readers: each says so with a file.
+        got = [os.path.join(workdir, f"r{rank}.got") for rank in (0, 1)]
+        _processes.wait_for(lambda: all(map(os.path.exists, got)), 60, "host B's readers to read the stream")
         writer.kill()
         killed = time.monotonic()
         b.communicate(timeout=60)

@@ -22,7 +22,7 @@ import shmq
 from shmq import MessageQueue, PeerDiedError
 from shmq.message_queue import QueueShutDownError
 
-from _processes import STEP
+from _processes import STEP, blocked_in_queue, wait_for
 
 SHUT_DOWN = "the queue was shut down: this writer's shutdown"
 WRITER_SHUT_DOWN = "shut down: every message it sent before has been received"
@@ -63,9 +63,10 @@ def _make_writer(n_remote: int) -> MessageQueue:
 # Children (module level: the spawn context pickles targets by reference)
 
 
-def reader_until_the_end(out: Any, handle: Any, rank: int) -> None:
+def reader_until_the_end(out: Any, handle: Any, rank: int, got_all: Any = None) -> None:
     """Take messages with ``dequeue()`` (no timeout) until it raises; report them all
-    and how it ended."""
+    and how it ended. ``got_all``: an event it sets once it has every message of
+    ``_messages()`` (and goes back into ``dequeue()``)."""
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready(timeout=STEP)
     out.put(("ready",))
@@ -73,6 +74,8 @@ def reader_until_the_end(out: Any, handle: Any, rank: int) -> None:
     while True:
         try:
             got.append(mq.dequeue())
+            if got_all is not None and len(got) == len(_messages()):
+                got_all.set()
         except BaseException as e:
             outcome = {
                 "type": type(e).__name__,
@@ -150,7 +153,7 @@ def test_an_enqueue_blocked_in_another_thread_ends_saying_why():
 
     t = threading.Thread(target=blocked)
     t.start()
-    time.sleep(0.3)
+    wait_for(lambda: blocked_in_queue(mq.buffer.name), STEP, "the enqueue blocked on the full ring")
     t0 = time.monotonic()
     mq.shutdown()  # never waits for room in the full ring
     took = time.monotonic() - t0
@@ -194,14 +197,20 @@ def _check_reader(report: tuple, what: str) -> None:
 def test_readers_get_every_message_then_the_writers_end(children, end):
     mq = _make_writer(n_remote=1)
     outs = [children.queue(), children.queue()]
+    got_all = [children.event(), children.event()]
     for rank, out in enumerate(outs):  # rank 0 local, rank 1 remote
-        children.start(reader_until_the_end, out, mq.export_handle(), rank)
+        children.start(reader_until_the_end, out, mq.export_handle(), rank, got_all[rank])
     mq.wait_until_ready(timeout=STEP)
     for out in outs:
         children.expect(out, "ready")
+    ring = mq.buffer.name
     for m in _messages():
         mq.enqueue(m, timeout=STEP)
-    time.sleep(0.3)  # the readers are asleep in dequeue()
+    # The readers are asleep in dequeue(): both have every message, and the local one
+    # is blocked past its spin and yield (a remote reader has no slot to show it).
+    for rank, ev in enumerate(got_all):
+        assert ev.wait(STEP), f"reader {rank} never got every message"
+    wait_for(lambda: blocked_in_queue(ring, 0, for_at_least=0.1), STEP, "the local reader asleep in dequeue()")
     if end == "shutdown":
         mq.shutdown()
     else:

@@ -10,7 +10,8 @@ test with the child's traceback instead of as a bare exit code.
 Every blocking call a child makes has a timeout (``STEP``), so a broken queue fails the
 test instead of hanging it.
 
-The package, by what each file holds: ``harness`` (running children, /dev/shm),
+The package, by what each file holds: ``harness`` (running children, waiting for a
+state with ``wait_for`` instead of sleeping, /dev/shm),
 ``objects`` (the test stream), ``arena_children``, ``queue_children``, ``liveness_children`` and
 ``group_children`` (the entry points of each test file's children).
 ``objects`` (the test stream), ``queue_children``, ``liveness_children`` and

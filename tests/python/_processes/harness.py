@@ -1,5 +1,6 @@
 """Running children (the ``spawn`` context, reports through queues, every wait bounded by
-``STEP``) and finding the shmq segments they leave in /dev/shm."""
+``STEP``), waiting for a state (``wait_for``: a condition polled under a deadline; a
+queue side blocked in a call), and finding the shmq segments they leave in /dev/shm."""
 
 from __future__ import annotations
 
@@ -77,6 +78,41 @@ def _child_main(target: Callable[..., None], out: Any, args: tuple) -> None:
 
 class ChildFailed(AssertionError):
     pass
+
+
+# ---------------------------------------------------------------------------------
+# Waiting for a state instead of sleeping
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = STEP, what: str = "the condition") -> Any:
+    """Poll ``cond()`` until it is true (returning its value), failing the test with
+    ``what`` once ``timeout`` seconds have passed: how a test waits for another process
+    or thread to reach a state, instead of sleeping for a guessed while."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout} s for {what}")
+        time.sleep(0.002)
+
+
+def queue_side(ring_name: str, reader: int | None = None) -> dict[str, Any]:
+    """The queue metrics of the writer (``reader=None``) or reader ``reader`` of the ring
+    segment ``ring_name``, read from its slot in shared memory (``shmq.metrics``)."""
+    from shmq import metrics
+
+    m = metrics.collect([ring_name])[0]
+    return m["writer"] if reader is None else m["readers"][reader]
+
+
+def blocked_in_queue(ring_name: str, reader: int | None = None, for_at_least: float = 0.0) -> bool:
+    """Whether that side of the queue is blocked in a call now (waiting for room or for a
+    message), for ``for_at_least`` seconds already: past the spin and yield phases of a
+    wait (a millisecond or so), it is asleep on the segment's futex."""
+    waiting = queue_side(ring_name, reader)["waiting_seconds"]
+    return waiting is not None and waiting >= for_at_least
 
 
 class Children:
