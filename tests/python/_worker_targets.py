@@ -24,9 +24,19 @@ STEP = 30.0
 def _sleeper_command(ignore_sigterm: bool) -> list[str]:
     code = "import signal, time\n"
     if ignore_sigterm:
-        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        # Says so once SIGTERM is ignored (read by _ignoring_sigterm).
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ignoring', flush=True)\n"
     code += f"time.sleep({STEP})\n"
     return [sys.executable, "-c", code]
+
+
+def _ignoring_sigterm(*children: subprocess.Popen) -> None:
+    """Wait until each child of ``_sleeper_command(True)`` (stdout piped) has installed
+    its SIG_IGN: it says so on its stdout."""
+    for child in children:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # "" (end of file) if the child died first
+        assert line.strip() == "ignoring", f"child {child.pid} said {line!r}"
 
 
 def ready_then_sleep(rank: int, tag: str = "") -> None:
@@ -107,9 +117,9 @@ def stubborn_with_children(rank: int) -> None:
     """Ignore SIGTERM; start two children that ignore it too: one in this worker's process
     group, one in a session of its own (out of reach of a group kill). Report their pids."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    in_group = subprocess.Popen(_sleeper_command(True))
-    own_session = subprocess.Popen(_sleeper_command(True), start_new_session=True)
-    time.sleep(0.3)  # let both children install their SIG_IGN
+    in_group = subprocess.Popen(_sleeper_command(True), stdout=subprocess.PIPE, text=True)
+    own_session = subprocess.Popen(_sleeper_command(True), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    _ignoring_sigterm(in_group, own_session)
     report_ready((os.getpid(), in_group.pid, own_session.pid))
     time.sleep(STEP)
 
