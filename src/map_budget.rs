@@ -111,4 +111,3 @@ pub(crate) fn give_back_mappings(n: usize) {
     let mut b = MAP_BUDGET.lock().unwrap_or_else(|e| e.into_inner());
     b.used_since -= n as isize;
 }
-
