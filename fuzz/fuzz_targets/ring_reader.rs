@@ -115,6 +115,13 @@ fuzz_target!(|input: Input| {
                     p.to_vec()
                 })
                 .collect(),
+            shmq::broadcast::Received::Array { meta, data } => {
+                // Checked against its data when received: every element lies inside it.
+                assert!(meta.span().expect("checked") <= data.len(), "{meta:?}");
+                touch(&data);
+                vec![data.to_vec()]
+            }
+            _ => Vec::new(),
         });
         match taken {
             Ok(Some(m)) => got.push(m),
