@@ -210,7 +210,8 @@ def test_serve_same_outputs_metrics_and_nothing_left_after_stop(engine, tmp_path
         assert _completions(server) == served_without_plugin
         assert server.complete(PROMPTS[0], stream=True) == served_without_plugin[0]
         metrics = _http(f"{server.url}/metrics")
-        sent = r'^shmq_queue_sent_messages_total\{segment="shmq_ring_\d+_[0-9a-f]+"\} [1-9]'
+        # Labels (in any order): the segment, and the queue's name (vLLM names none).
+        sent = r'^shmq_queue_sent_messages_total\{(?=[^}]*segment="shmq_ring_\d+_[0-9a-f]+")[^}]*\} [1-9]'
         assert re.search(sent, metrics, re.M), metrics[-3000:]
         # The plugin's INFO line in every process: the API server, the engine core, both workers.
         announced = set(re.findall(r"shmq \S+ plugin active \(pid (\d+)\)", server.text()))
