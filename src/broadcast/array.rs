@@ -32,23 +32,25 @@ const MAGIC: u32 = u32::from_le_bytes(*b"SQAH");
 /// The most dimensions an array message may have (numpy's limit is 64).
 pub const MAX_NDIM: usize = 64;
 
-/// What an array's elements are. The codes are the wire format (never reordered).
+/// What an array's elements are. The discriminants are the wire format's codes (never
+/// changed; a new dtype takes the next one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
+#[repr(u32)]
 pub enum Dtype {
-    Bool,
-    U8,
-    I8,
-    U16,
-    I16,
-    U32,
-    I32,
-    U64,
-    I64,
-    F16,
-    BF16,
-    F32,
-    F64,
+    Bool = 1,
+    U8 = 2,
+    I8 = 3,
+    U16 = 4,
+    I16 = 5,
+    U32 = 6,
+    I32 = 7,
+    U64 = 8,
+    I64 = 9,
+    F16 = 10,
+    BF16 = 11,
+    F32 = 12,
+    F64 = 13,
 }
 
 const ALL: [Dtype; 13] = [

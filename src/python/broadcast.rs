@@ -36,12 +36,12 @@ fn ring_tuple(h: &RingHandle) -> RingTuple {
 
 /// The ring segment that names a queue in its errors (`None`: the queue has no ring,
 /// so no local peer whose death could be reported).
-struct QueueName(Option<String>);
+pub(super) struct QueueName(pub(super) Option<String>);
 
 impl QueueName {
     /// `e` as Python's error; a peer's death names the queue: the ring that reports it
     /// names only the peer, and one process may hold several queues.
-    fn error(&self, py: Python<'_>, e: Error) -> PyErr {
+    pub(super) fn error(&self, py: Python<'_>, e: Error) -> PyErr {
         let named = self.0.as_deref().and_then(|q| e.naming_queue(q));
         let err = PyErr::from(e);
         match named {
@@ -559,16 +559,16 @@ impl Writer {
         timeout: Option<Timeout>,
     ) -> PyResult<()> {
         let meta = ArrayMeta::contiguous(Dtype::from_name(dtype)?, &shape);
-        let header = PyBytes::new(py, &meta.encode());
-        let parts = PyList::new(py, [header.as_any(), data])?;
+        // One buffer, the data: the core writes the header from `meta`.
+        let parts = PyList::new(py, [data])?;
         self.send_buffers(
             py,
             &parts,
             timeout,
             |_| "an array's data must be one contiguous buffer".into(),
-            |w, parts| w.try_enqueue_array(&ArrayRef::with_strides(meta.clone(), parts[1])?),
+            |w, parts| w.try_enqueue_array(&ArrayRef::with_strides(meta.clone(), parts[0])?),
             |w, parts, spec| {
-                w.enqueue_array(&ArrayRef::with_strides(meta.clone(), parts[1])?, spec)
+                w.enqueue_array(&ArrayRef::with_strides(meta.clone(), parts[0])?, spec)
             },
         )
     }
