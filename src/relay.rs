@@ -239,10 +239,12 @@ fn pass_on(local: &mut Writer, m: Received<'_>) -> Result<usize> {
             .map(|()| bytes)
         }
         Received::Array { meta, data } => {
-            let bytes = data.len();
+            // Exactly the bytes its elements reach (checked when received): a writer may
+            // have sent more, which `ArrayRef` refuses for a contiguous array.
+            let data = &data[..meta.span()?];
             local
-                .enqueue_array(&ArrayRef::with_strides(meta, &data)?, forever())
-                .map(|()| bytes)
+                .enqueue_array(&ArrayRef::with_strides(meta, data)?, forever())
+                .map(|()| data.len())
         }
     }
 }

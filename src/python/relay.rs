@@ -1,9 +1,11 @@
 //! Binding for the relay (`shmq.Relay`): `Relay`. Handles cross as their text form
-//! (`str(Handle)`, `Handle.from_str`), so this file needs nothing of the queue's binding.
+//! (`str(Handle)`, `Handle.from_str`); errors name the relay's queue as the queue's
+//! binding names its own (`QueueName`).
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::broadcast::QueueName;
 use super::wait::{blocking, duration, lock, wait_policy, BindingLock, Interrupts, Timeout};
 use crate::broadcast::{DeadReaderPolicy, Handle, QueueOptions};
 use crate::error::Error;
@@ -21,19 +23,7 @@ pub(super) struct Relay {
     stopper: RelayStopper,
     handle: String,
     /// The relay's ring segment, which names its queue in a local peer's death.
-    queue: Option<String>,
-}
-
-impl Relay {
-    /// `e` as Python's error; a local peer's death names the relay's queue.
-    fn error(&self, py: Python<'_>, e: Error) -> PyErr {
-        let named = self.queue.as_deref().and_then(|q| e.naming_queue(q));
-        let err = PyErr::from(e);
-        match named {
-            Some(message) => PyErr::from_type(err.get_type(py), message),
-            None => err,
-        }
-    }
+    queue: QueueName,
 }
 
 #[pymethods]
@@ -80,7 +70,7 @@ impl Relay {
         Ok(Relay {
             stopper: relay.stopper(),
             handle: relay.handle().to_string(),
-            queue: relay.local().ring().map(|r| r.name().to_owned()),
+            queue: QueueName(relay.local().ring().map(|r| r.name().to_owned())),
             inner: BindingLock::new(relay),
         })
     }
@@ -119,7 +109,7 @@ impl Relay {
         blocking(py, interrupts, |spec| {
             Ok(relay.wait_until_ready(t, spec.hook))
         })?
-        .map_err(|e| self.error(py, e))
+        .map_err(|e| self.queue.error(py, e))
     }
 
     /// Pass messages on until the upstream writer shuts down (`True`, the relay's queue
@@ -138,7 +128,7 @@ impl Relay {
         match blocking(py, interrupts, |spec| Ok(relay.run(spec.hook)))? {
             Ok(RelayEnd::UpstreamShutDown) => Ok(true),
             Ok(RelayEnd::Stopped) => Ok(false),
-            Err(e) => Err(self.error(py, e)),
+            Err(e) => Err(self.queue.error(py, e)),
         }
     }
 
