@@ -412,25 +412,8 @@ fn window_unfit() -> Option<&'static str> {
 /// or 0 where it could not be mapped.
 fn lock_sentinel() -> usize {
     static SENTINEL: OnceLock<usize> = OnceLock::new();
-    *SENTINEL.get_or_init(|| {
-        // SAFETY: a new private anonymous page at a place the kernel picks; nothing
-        // refers to it, and it is never unmapped (one page per process).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                page_size(),
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            0
-        } else {
-            p as usize
-        }
-    })
+    // Never unmapped (one page per process), and nothing refers to it.
+    *SENTINEL.get_or_init(|| crate::segment::anon_page().map_or(0, |p| p.as_ptr() as usize))
 }
 
 /// Whether this process's memory was locked (and so its windows copied in privately)

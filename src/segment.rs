@@ -465,29 +465,34 @@ fn maps_populated() -> bool {
     .unwrap_or(false)
 }
 
-/// `f` on a fresh private anonymous page of this process's own (its address and
-/// length), made for the call and unmapped after it: how shmq asks the kernel what a new
-/// mapping of this process is like (populated, locked). `None` where it cannot be mapped.
-pub(crate) fn probe_page<R>(f: impl FnOnce(*mut libc::c_void, usize) -> R) -> Option<R> {
-    let page = page_size();
-    // SAFETY: a new private anonymous page at a place the kernel picks; nothing else
-    // refers to it, and it is unmapped below, after `f`, which gets only its address.
-    unsafe {
-        let p = libc::mmap(
+/// A new private anonymous page of this process's own, at a place the kernel picks
+/// (`None` where it cannot be mapped): the caller owns it and unmaps it, or keeps it.
+pub(crate) fn anon_page() -> Option<NonNull<libc::c_void>> {
+    // SAFETY: asks for a new mapping only; it overlaps nothing of the process's, and no
+    // other process can reach private anonymous memory.
+    let p = unsafe {
+        libc::mmap(
             std::ptr::null_mut(),
-            page,
+            page_size(),
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
             0,
-        );
-        if p == libc::MAP_FAILED {
-            return None;
-        }
-        let r = f(p, page);
-        libc::munmap(p, page);
-        Some(r)
-    }
+        )
+    };
+    (p != libc::MAP_FAILED).then(|| NonNull::new(p)).flatten()
+}
+
+/// `f` on a fresh private anonymous page of this process's own (its address and
+/// length), made for the call and unmapped after it: how shmq asks the kernel what a new
+/// mapping of this process is like (populated, locked). `None` where it cannot be mapped.
+pub(crate) fn probe_page<R>(f: impl FnOnce(*mut libc::c_void, usize) -> R) -> Option<R> {
+    let p = anon_page()?.as_ptr();
+    let r = f(p, page_size());
+    // SAFETY: the page `anon_page` just made, which nothing else refers to (`f` got only
+    // its address, for the call).
+    unsafe { libc::munmap(p, page_size()) };
+    Some(r)
 }
 
 /// Refuse to map segment `name` (`size` bytes, `unreserved` of them not yet in
