@@ -23,7 +23,7 @@ import torch
 
 from _rust_examples import build_example
 
-from shmq import Handle, MessageKindError, MessageQueue
+from shmq import Handle, MessageKindError, MessageQueue, metrics
 
 STEP = 120  # seconds: every wait here has a bound
 COUNT = 100_000
@@ -230,6 +230,8 @@ def _kinds_reader(out: Any, handle: Handle) -> None:
             got.append(("memoryview", v.format, v.shape, v.tolist()))
         else:
             got.append(("numpy", v.dtype.name, v.shape, v.tolist() if v.size < 100 else float(v.sum())))
+    # The last (8 MiB) array is a view of the tensor arena, not a copy.
+    got.append(("last array over", type(v.base).__name__))
     out.put(got)
 
 
@@ -250,6 +252,8 @@ def test_a_python_reader_reads_arrays_as_asked_and_names_other_kinds() -> None:
         mq.enqueue_array(np.arange(12, dtype=np.uint32).reshape(3, 4).T)
         mq.enqueue_array(np.ones(2 << 20, dtype=np.float32))
         got = out.get(timeout=STEP)
+        assert mq.handle is not None and mq.handle.buffer_handle is not None
+        arena_parts = metrics.collect([mq.handle.buffer_handle[3]])[0]["arena_parts"]
     finally:
         child.join(timeout=STEP)
         if child.is_alive():
@@ -264,6 +268,7 @@ def test_a_python_reader_reads_arrays_as_asked_and_names_other_kinds() -> None:
     assert got[5] == ("torch", "torch.bfloat16", (4,), 10.0)
     assert got[6] == ("numpy", "uint32", (4, 3), np.arange(12).reshape(3, 4).T.tolist())
     assert got[7] == ("numpy", "float32", (2 << 20,), float(2 << 20))
+    assert got[8] == ("last array over", "ShmView") and arena_parts == 1
 
 
 def test_enqueue_array_refuses_what_it_cannot_send() -> None:
