@@ -3,8 +3,11 @@ queue, each direction next to Rust -> Rust.
 
 One writer and one reader, each in its own process: Rust (``examples/cross_language.rs``,
 built here with ``cargo build --release``) or Python (``python -m
-shmq.bench.cross_language``, the same command line). Two kinds of message, each fresh (its
-number in its first 8 bytes) and read in full by the reader (a sum over every byte):
+shmq.bench.cross_language``, the same command line). Two kinds of message, each made new only
+in its first 8 bytes (its number; the rest of the producer's buffer is reused, so the
+producer's own writing of fresh data is not in the figure: the writer's copy into shared
+memory and the reader's pass over every byte are) and read in full by the reader (a sum
+over every byte):
 4 KiB of raw bytes (``enqueue`` / ``enqueue_bytes`` -> ``dequeue`` / ``dequeue_bytes``) and
 a 1 MiB float32 array (``enqueue_array`` -> ``dequeue_array`` / ``dequeue()``, through the
 tensor arena). Messages per second from the reader's first message to its last, the
@@ -93,6 +96,7 @@ def main(rounds: int, quick: bool) -> int:
         return 2
     counts = {"bytes": 5_000 if quick else 50_000, "f32": 300 if quick else 2_000}
     print(f"\nRust and Python on either side of one queue (1 writer, 1 reader), medians of {rounds} round(s)")
+    print("each message new in its first 8 bytes only (the producer's buffer reused), read in full by the reader")
     print("| message | writer -> reader | messages/s | vs Rust -> Rust |")
     print("|---|---|---|---|")
     for label, kind, nbytes in KINDS:
