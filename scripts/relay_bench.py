@@ -150,6 +150,8 @@ def role_reader(impl: str, rank: int, handle_name: str, messages: int, workdir: 
         m = mq.dequeue()
         if m is None:
             break
+        if hasattr(m[1], "sum"):
+            m[1].sum()  # read in full, as a worker would (a view of shared memory, else a copy)
         got[m[0]] = time.monotonic()
         if len([k for k in got if k >= 0]) == messages:
             _publish(workdir, f"read.{rank}", b"1")
