@@ -29,10 +29,9 @@ step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks in
 # Formatting: cargo fmt, and rustfmt on each file (cargo fmt does not follow modules
 # declared inside a macro).
 cargo fmt --all -- --check
-find src tests benches examples -name '*.rs' -print0 | xargs -0 rustfmt --edition 2021 --check
-cargo clippy --all-targets -- -D warnings
-cargo clippy --all-targets --features python -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+find src tests benches examples bindings fuzz -name '*.rs' -print0 | xargs -0 rustfmt --edition 2021 --check
+cargo clippy --workspace --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 
 step "Rust: cargo test (unit, integration in several processes, doc tests, examples)"
 cargo test --all-targets

@@ -13,7 +13,14 @@ use crate::broadcast::Ring;
 use crate::error::{Error, Result};
 use crate::liveness::{creator_liveness, Liveness};
 use crate::process::ProcessId;
-use crate::segment::{Segment, NAME_PREFIX, SHM_DIR};
+use crate::segment::Segment;
+// What this process created: the prefix of every name, where the files are, their removal
+// at a normal exit, and the janitor that removes them when the process dies without one.
+pub use crate::liveness::SHM_DIR;
+pub use crate::segment::{
+    forget_inherited_janitor_now, has_janitor, new_janitor_socket, remove_created, set_janitor,
+    NAME_PREFIX,
+};
 use crate::storage::BlockFifo;
 use crate::transport::SOCKET_DIR_SUFFIX;
 

@@ -1,6 +1,6 @@
 //! One error type for the crate. Each variant is one shape of failure that a caller may
 //! want to handle differently; the Python bindings map each to one builtin exception
-//! type in one place (`src/python/errors.rs`).
+//! type in one place (`bindings/python/src/errors.rs`).
 
 use std::time::Duration;
 

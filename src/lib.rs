@@ -52,7 +52,10 @@
 //!   process trees (the one supervision: the Python package's `WorkerProcesses` hands
 //!   it the interpreters it starts), and a worker's end with its parent;
 //! - `fuzzing` (hidden): entry points for the fuzz targets in `fuzz/`, not API;
-//! - `python` (feature `python`): the PyO3 bindings, module `shmq._core`.
+//!
+//! The PyO3 binding (module `shmq._core`) is a crate of its own, `bindings/python`, in
+//! this workspace: this crate never compiles pyo3, and the binding sees only its public
+//! API.
 //!
 //! # Glossary: shmq's names and the engines' (vLLM's) names
 //! | shmq (Rust) | the engines (Python; shmq keeps these names in `shmq`) |
@@ -152,7 +155,7 @@ not_loom! {
     pub mod liveness;
     pub(crate) mod pins;
     pub(crate) mod map_budget;
-    pub(crate) mod private_map;
+    pub mod private_map;
     pub(crate) mod random;
     pub(crate) mod region;
     pub(crate) mod range_alloc;
@@ -160,7 +163,4 @@ not_loom! {
     pub(crate) mod segment;
     pub(crate) mod sigbus;
     pub(crate) mod transport;
-
-    #[cfg(feature = "python")]
-    mod python;
 }

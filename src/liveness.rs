@@ -28,7 +28,7 @@ use crate::fork;
 
 /// Where Linux keeps POSIX shared memory: the segments' files, whose bytes the role locks
 /// lock (defined here, the lowest module that needs it; `segment` re-exports it).
-pub(crate) const SHM_DIR: &str = "/dev/shm";
+pub const SHM_DIR: &str = "/dev/shm";
 
 /// What is known about the holder of a role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1042,8 +1042,6 @@ fn janitor() -> std::sync::MutexGuard<'static, Option<(u32, std::os::fd::OwnedFd
 /// section above) to the core: every name this process has created and not removed is
 /// sent now, and every later one as it comes. Replaces an earlier janitor (whose end is
 /// closed, so it removes what it was told and ends). Returns how many names were sent.
-// Only the Python bindings start a janitor (a Rust program may hand it a socket too).
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
     let me = std::process::id();
     let mut slot = janitor();
@@ -1062,8 +1060,6 @@ pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
 
 /// Make the socket pair for a janitor: this process's end goes to [`set_janitor`], the
 /// other end (close-on-exec, so pass it on explicitly) is returned for the janitor.
-// Only the Python bindings start a janitor (a Rust program may hand it a socket too).
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn new_janitor_socket() -> Result<std::os::fd::OwnedFd> {
     use std::os::fd::{AsRawFd, FromRawFd};
     let mut fds = [0 as libc::c_int; 2];
@@ -1109,8 +1105,6 @@ pub fn new_janitor_socket() -> Result<std::os::fd::OwnedFd> {
 }
 
 /// Whether this process (not a parent it was forked from) has a janitor.
-// Only the Python bindings start a janitor (a Rust program may hand it a socket too).
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn has_janitor() -> bool {
     let mut slot = janitor();
     forget_inherited_janitor(&mut slot);
@@ -1118,8 +1112,6 @@ pub fn has_janitor() -> bool {
 }
 
 /// Close a janitor's socket inherited through `fork` (its janitor is the parent's).
-// Only the Python bindings start a janitor (a Rust program may hand it a socket too).
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn forget_inherited_janitor_now() {
     forget_inherited_janitor(&mut janitor());
 }
@@ -1170,8 +1162,6 @@ fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &st
 /// interpreter exit); their mappings stay valid for whoever has them. Returns how many
 /// were noted. A live object whose name goes here finds nothing to remove when it is
 /// dropped later: names carry the pid and random bits, so nobody else has taken it.
-// Only the Python bindings' exit hook calls it.
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn remove_created() -> usize {
     let me = std::process::id();
     let mine: Vec<String> = {

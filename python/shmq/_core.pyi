@@ -1,4 +1,4 @@
-"""Type stubs for the Rust extension module ``shmq._core`` (``src/python/``).
+"""Type stubs for the Rust extension module ``shmq._core`` (``bindings/python/src/``).
 
 Checked against the built module by ``python -m mypy.stubtest shmq._core`` in
 ``scripts/test.sh`` (allowlist: ``scripts/stubtest-allowlist``). Every class is a
@@ -253,7 +253,7 @@ class ShmView:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
-# -- broadcast queue (src/python/broadcast.rs) ---------------------------------------
+# -- broadcast queue (bindings/python/src/broadcast.rs) ---------------------------------------
 
 @final
 class Ring:
@@ -385,7 +385,7 @@ class Reader:
     def finish_read(self) -> None: ...
     def shutdown(self) -> None: ...
 
-# -- object store (src/python/storage.rs) --------------------------------------------
+# -- object store (bindings/python/src/storage.rs) --------------------------------------------
 
 @final
 class Relay:
@@ -499,7 +499,7 @@ class ObjectStore:
     @property
     def is_writer(self) -> bool: ...
 
-# -- encoder-cache hand-off (src/python/encoder_cache.rs; API in shmq.encoder_cache) --
+# -- encoder-cache hand-off (bindings/python/src/encoder_cache.rs; API in shmq.encoder_cache) --
 
 ENCODER_CACHE_MAX_KEY_LEN: int
 

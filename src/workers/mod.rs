@@ -138,9 +138,7 @@ pub fn report_ready() -> Result<()> {
 /// that a worker whose main thread never lets go of it (a long call into native code)
 /// still goes, and leaves neither memory nor processes behind. If `pid` is gone already,
 /// that happens now. Err only if pidfds are not available (Linux before 5.3).
-// Only the Python bindings (workers' bootstrap) call it.
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
-pub(crate) fn exit_with_process(pid: u32) -> Result<()> {
+pub fn exit_with_process(pid: u32) -> Result<()> {
     let pidfd = match liveness::pidfd_open(pid) {
         Ok(fd) => Some(fd),
         Err(e) if e.raw_os_error() == Some(libc::ESRCH) => None,

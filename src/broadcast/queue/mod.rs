@@ -33,9 +33,7 @@ use crate::liveness::Liveness;
 pub use cancel::Canceller;
 pub use handle::Handle;
 pub use options::QueueOptions;
-#[cfg(feature = "python")]
-pub(crate) use reader::ChunkEnd;
-pub use reader::{ChunkRead, OwnedPart, Part, Reader, Received};
+pub use reader::{ChunkEnd, ChunkRead, ChunkView, OwnedPart, Part, Reader, Received};
 pub use writer::Writer;
 
 /// An error for the first local reader proved dead.

@@ -268,10 +268,10 @@ fn take_frames<R>(
 /// message as it came over the socket (its first frame), owned.
 ///
 /// The view and the reader share the mapping (the reader keeps it until
-/// `finish_chunk`, to detach or retire it there): crate-private, for callers that hold
-/// no borrow of the view's bytes across that call (the public API is [`ChunkRead`],
-/// which borrows the reader).
-pub(crate) struct ChunkView {
+/// `finish_chunk`, to detach or retire it there): only for callers that hold no borrow
+/// of the view's bytes across that call ([`Reader::acquire_chunk_unborrowed`] is
+/// `unsafe` for this; the safe API is [`ChunkRead`], which borrows the reader).
+pub struct ChunkView {
     data: ChunkData,
 }
 
@@ -285,14 +285,13 @@ enum ChunkData {
 impl ChunkView {
     /// Whether this is an overflow message (bytes from the socket, not a mapping of the
     /// chunk).
-    pub(crate) fn is_overflow(&self) -> bool {
+    pub fn is_overflow(&self) -> bool {
         matches!(self.data, ChunkData::Message(_))
     }
 
     /// The private mapping of the chunk (`None` for an overflow message), for the Python
     /// bindings' view, which keeps it alive.
-    #[cfg_attr(not(feature = "python"), allow(dead_code))]
-    pub(crate) fn private_map(&self) -> Option<&Arc<PrivateMap>> {
+    pub fn private_map(&self) -> Option<&Arc<PrivateMap>> {
         match &self.data {
             ChunkData::Mapped(m) => Some(m),
             ChunkData::Message(_) => None,
@@ -336,9 +335,7 @@ impl std::ops::DerefMut for ChunkView {
 /// What [`Reader::finish_read`] does with the private mapping of the chunk that
 /// [`Reader::acquire_read`] handed out (nothing, for an overflow message).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-// `Detach` is the Python binding's (its view may outlive the chunk) and the tests'.
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
-pub(crate) enum ChunkEnd {
+pub enum ChunkEnd {
     /// The caller still uses the view: give it a private copy of every page it has not
     /// written yet (one copy of the bytes), so it keeps the message it showed.
     Detach,
@@ -869,6 +866,22 @@ impl Reader {
         self.acquire_chunk_with(&mut wait)
     }
 
+    /// [`acquire_read`](Self::acquire_read) for a binding whose view may outlive the
+    /// chunk (Python's `acquire_read`: its buffer object is made of the view's pointer).
+    ///
+    /// # Safety
+    /// No borrow of the returned view's bytes (through `Deref` / `DerefMut`) may be alive
+    /// across [`finish_chunk`](Self::finish_chunk), which writes the mapping's pages in
+    /// place (`Detach`: each page's byte with its own value; `Retire`: zero pages).
+    /// Pointers kept past it read the detached copy or zeros, never the writer's next
+    /// message.
+    pub unsafe fn acquire_chunk_unborrowed<'w>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<ChunkView> {
+        self.acquire_chunk(wait)
+    }
+
     /// [`acquire_chunk`](Self::acquire_chunk) under a wait of the caller's own.
     pub(crate) fn acquire_chunk_with(&mut self, wait: &mut Wait) -> Result<ChunkView> {
         if !self.is_local() {
@@ -921,11 +934,12 @@ impl Reader {
         self.finish_chunk(ChunkEnd::Retire)
     }
 
-    /// Give back the chunk from [`acquire_chunk`](Self::acquire_chunk); the writer's
-    /// next message in it never shows through its view. `end` says what becomes of the
+    /// Give back the chunk from
+    /// [`acquire_chunk_unborrowed`](Self::acquire_chunk_unborrowed); the writer's next
+    /// message in it never shows through its view. `end` says what becomes of the
     /// view's mapping first: [`ChunkEnd::Detach`] if the caller still uses the view,
     /// [`ChunkEnd::Retire`] if not.
-    pub(crate) fn finish_chunk(&mut self, end: ChunkEnd) -> Result<()> {
+    pub fn finish_chunk(&mut self, end: ChunkEnd) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if let Some(map) = self.open_chunk.take() {
             match end {

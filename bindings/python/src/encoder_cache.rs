@@ -1,10 +1,11 @@
-//! Bindings for the encoder-cache hand-off (`crate::encoder_cache`): `EncoderCacheProducer`,
+//! Bindings for the encoder-cache hand-off (`shmq::encoder_cache`): `EncoderCacheProducer`,
 //! `EncoderCacheReservation`, `EncoderCacheConsumer`. The Python package
 //! (`shmq.encoder_cache`) pickles values into parts and runs saves on a background thread.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use crate::errors::OrRaise;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMemoryView};
@@ -13,11 +14,11 @@ use super::parts::{self, slices};
 use super::view::ShmView;
 use super::wait::{blocking, lock, BindingLock, Interrupts, Timeout};
 use super::COPY_WITH_GIL_MAX;
-use crate::encoder_cache::{
+use shmq::encoder_cache::{
     Consumer, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
     DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
 };
-use crate::wait::{Wait, WaitPolicy, WaitSpec};
+use shmq::wait::{Wait, WaitPolicy, WaitSpec};
 
 fn state_name(s: LoadState) -> &'static str {
     match s {
@@ -42,7 +43,7 @@ fn fill(r: &mut Reservation, parts: &[&[u8]]) -> PyResult<()> {
         ));
     }
     for (i, p) in parts.iter().enumerate() {
-        crate::copy::copy_large(r.part_mut(i), p);
+        shmq::copy::copy_large(r.part_mut(i), p);
     }
     Ok(())
 }
@@ -90,7 +91,8 @@ impl EncoderCacheProducer {
                 max_consumers,
                 min_consumers,
             },
-        )?;
+        )
+        .or_raise()?;
         Ok(EncoderCacheProducer {
             producer,
             closing: AtomicBool::new(false),
@@ -241,12 +243,12 @@ impl EncoderCacheProducer {
         // Relaxed: a flag the waits poll; ordering with their state is not needed.
         self.closing
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        Ok(self.producer.close()?)
+        self.producer.close().or_raise()
     }
 
     /// Remove the segment's name now (at interpreter exit).
     fn unlink(&self) -> PyResult<()> {
-        Ok(self.producer.unlink()?)
+        self.producer.unlink().or_raise()
     }
 }
 
@@ -286,7 +288,7 @@ impl EncoderCacheReservation {
             // SAFETY: `bufs` holds every export until after this call returns.
             let parts = unsafe { slices(&spans) };
             fill(&mut r, &parts)?;
-            Ok(r.publish()?)
+            r.publish().or_raise()
         };
         let published = if total <= COPY_WITH_GIL_MAX {
             run()
@@ -328,9 +330,9 @@ impl EncoderCacheConsumer {
     #[pyo3(signature = (producers, index_only=false))]
     fn new(producers: Vec<String>, index_only: bool) -> PyResult<Self> {
         let c = if index_only {
-            Consumer::index_only(&producers)?
+            Consumer::index_only(&producers).or_raise()?
         } else {
-            Consumer::new(&producers)?
+            Consumer::new(&producers).or_raise()?
         };
         Ok(EncoderCacheConsumer {
             inner: BindingLock::new(Some(c)),
@@ -346,7 +348,7 @@ impl EncoderCacheConsumer {
     /// stays in this process), acknowledged to its producer; None if no producer holds
     /// it. The entry stays held until every view of it is gone.
     fn load<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Option<Bound<'py, PyList>>> {
-        let Some(view) = self.with(py, |c| Ok(c.load(key)?))? else {
+        let Some(view) = self.with(py, |c| c.load(key).or_raise())? else {
             return Ok(None);
         };
         let view = Arc::new(view);
@@ -365,7 +367,7 @@ impl EncoderCacheConsumer {
 
     /// Acknowledge `key` without mapping it; whether some producer held it.
     fn acknowledge(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
-        self.with(py, |c| Ok(c.acknowledge(key)?))
+        self.with(py, |c| c.acknowledge(key).or_raise())
     }
 
     /// `(segment name, open now)` for each producer.
@@ -387,7 +389,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EncoderCacheConsumer>()?;
     m.add(
         "ENCODER_CACHE_MAX_KEY_LEN",
-        crate::encoder_cache::key_index::MAX_KEY_LEN,
+        shmq::encoder_cache::key_index::MAX_KEY_LEN,
     )?;
     Ok(())
 }

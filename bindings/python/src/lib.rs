@@ -35,6 +35,7 @@ mod view;
 mod wait;
 mod workers;
 
+use crate::errors::OrRaise;
 use pyo3::prelude::*;
 
 /// Copies into shared memory of up to this many bytes in all are made with the GIL held
@@ -46,14 +47,14 @@ const COPY_WITH_GIL_MAX: usize = 64 * 1024;
 /// The IP remote readers should connect to (`SHMQ_HOST_IP`, else the host's address).
 #[pyfunction]
 fn default_connect_ip() -> String {
-    crate::transport::default_connect_ip()
+    shmq::default_connect_ip()
 }
 
 /// Remove every segment and socket directory this process created that is still there
 /// (the exit hook of `shmq._cleanup`); returns how many there were.
 #[pyfunction]
 fn remove_created() -> usize {
-    crate::segment::remove_created()
+    shmq::admin::remove_created()
 }
 
 /// Make this process's janitor socket (see `segment::set_janitor`): every segment this
@@ -63,20 +64,20 @@ fn remove_created() -> usize {
 #[pyfunction]
 fn new_janitor_socket() -> PyResult<i32> {
     use std::os::fd::IntoRawFd;
-    Ok(crate::segment::new_janitor_socket()?.into_raw_fd())
+    Ok(shmq::admin::new_janitor_socket().or_raise()?.into_raw_fd())
 }
 
 /// Whether this process has a janitor (one inherited through `fork` does not count).
 #[pyfunction]
 fn has_janitor() -> bool {
-    crate::segment::has_janitor()
+    shmq::admin::has_janitor()
 }
 
 /// Close a janitor socket this process inherited through `fork` (its janitor is the
 /// parent's, which would otherwise wait for this process to end too).
 #[pyfunction]
 fn forget_inherited_janitor() {
-    crate::segment::forget_inherited_janitor_now()
+    shmq::admin::forget_inherited_janitor_now()
 }
 
 /// Die with process `pid`, cleanly: once it has exited, a thread of this process kills
@@ -84,13 +85,13 @@ fn forget_inherited_janitor() {
 /// `workers::exit_with_process`). Workers' bootstrap calls it with their parent's pid.
 #[pyfunction]
 fn exit_with_process(pid: u32) -> PyResult<()> {
-    Ok(crate::workers::exit_with_process(pid)?)
+    shmq::workers::exit_with_process(pid).or_raise()
 }
 
 /// SIGKILL every running descendant of this process; returns how many were signalled.
 #[pyfunction]
 fn kill_descendants(py: Python<'_>) -> usize {
-    py.detach(crate::liveness::kill_descendants)
+    py.detach(shmq::liveness::kill_descendants)
 }
 
 #[pymodule]
@@ -128,15 +129,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "QueueShutDownError",
         m.py().get_type::<errors::QueueShutDownError>(),
     )?;
-    m.add("segment_prefix", crate::segment::NAME_PREFIX)?;
+    m.add("segment_prefix", shmq::admin::NAME_PREFIX)?;
     // Where segments live: the Python package spells `/dev/shm` only through this.
-    m.add("SHM_DIR", crate::segment::SHM_DIR)?;
+    m.add("SHM_DIR", shmq::admin::SHM_DIR)?;
     // The store's layout constants, for the Python classes that show vLLM's names for
     // them (`RingBuffer.MD_SIZE`, `ID_MAX`, ...): defined once, in the core.
-    m.add("BLOCK_HEADER_BYTES", crate::alloc::HEADER_BYTES)?;
-    m.add("ID_MAX", crate::alloc::ID_MAX)?;
-    m.add("COUNT_BYTES", crate::storage::COUNT_BYTES)?;
-    m.add("SECRET_BYTES", crate::storage::SECRET_BYTES)?;
+    m.add("BLOCK_HEADER_BYTES", shmq::alloc::HEADER_BYTES)?;
+    m.add("ID_MAX", shmq::alloc::ID_MAX)?;
+    m.add("COUNT_BYTES", shmq::storage::COUNT_BYTES)?;
+    m.add("SECRET_BYTES", shmq::storage::SECRET_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

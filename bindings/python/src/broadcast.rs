@@ -9,6 +9,7 @@
 
 use std::sync::Arc;
 
+use crate::errors::{exception, OrRaise};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
@@ -16,17 +17,17 @@ use super::parts;
 use super::view::ShmView;
 use super::wait::{blocking_on, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout};
 use super::COPY_WITH_GIL_MAX;
-use crate::broadcast::queue::Canceller;
-use crate::broadcast::queue::ChunkEnd;
-use crate::broadcast::DeadReaderPolicy;
-use crate::broadcast::{
+use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError, PyValueError};
+use shmq::broadcast::queue::Canceller;
+use shmq::broadcast::queue::ChunkEnd;
+use shmq::broadcast::DeadReaderPolicy;
+use shmq::broadcast::{
     ArrayMeta, ArrayRef, Dtype, Handle, Part, QueueOptions, Reader as CoreReader, Received,
     Ring as CoreRing, RingHandle, Writer as CoreWriter,
 };
-use crate::error::Error;
-use crate::remote::{RemoteOptions, SlowReaderPolicy};
-use crate::wait::WaitSpec;
-use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError, PyValueError};
+use shmq::error::Error;
+use shmq::remote::{RemoteOptions, SlowReaderPolicy};
+use shmq::wait::WaitSpec;
 
 type RingTuple = (usize, usize, usize, String);
 
@@ -43,7 +44,7 @@ impl QueueName {
     /// names only the peer, and one process may hold several queues.
     pub(super) fn error(&self, py: Python<'_>, e: Error) -> PyErr {
         let named = self.0.as_deref().and_then(|q| e.naming_queue(q));
-        let err = PyErr::from(e);
+        let err = exception(e);
         match named {
             Some(message) => PyErr::from_type(err.get_type(py), message),
             None => err,
@@ -51,7 +52,7 @@ impl QueueName {
     }
 
     /// [`QueueName::error`] for a result.
-    fn check<T>(&self, py: Python<'_>, r: crate::error::Result<T>) -> PyResult<T> {
+    fn check<T>(&self, py: Python<'_>, r: shmq::error::Result<T>) -> PyResult<T> {
         r.map_err(|e| self.error(py, e))
     }
 }
@@ -123,7 +124,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PyHandle {
                     .collect::<Option<Vec<u8>>>();
                 Some(
                     bytes
-                        .and_then(|b| <[u8; crate::remote::SECRET_BYTES]>::try_from(b).ok())
+                        .and_then(|b| <[u8; shmq::remote::SECRET_BYTES]>::try_from(b).ok())
                         .ok_or_else(|| {
                             PyValueError::new_err("remote_secret must be 64 hexadecimal digits")
                         })?,
@@ -175,7 +176,7 @@ pub(super) fn handle_to_text(handle: &Bound<'_, PyAny>) -> PyResult<String> {
 /// (`ValueError` saying what is wrong when it is not one).
 #[pyfunction]
 pub(super) fn handle_from_text<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyDict>> {
-    handle_fields(py, &text.parse::<Handle>()?)
+    handle_fields(py, &text.parse::<Handle>().or_raise()?)
 }
 
 /// A received message as Python sees it, its kind told by its type: a message of parts
@@ -198,6 +199,12 @@ fn to_python<'py>(py: Python<'py>, m: Received<'_>) -> PyResult<Bound<'py, PyAny
                 part_to_python(py, data)?,
             );
             return Ok(fields.into_pyobject(py)?.into_any());
+        }
+        // A kind of message added to the core after this binding: refused by name.
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "this shmq._core cannot convert a message of this kind: {other:?}"
+            )))
         }
     };
     let mut parts = parts.into_iter();
@@ -256,8 +263,10 @@ impl Ring {
         name: Option<&str>,
     ) -> PyResult<Ring> {
         let ring = match name {
-            Some(n) => CoreRing::create_named(n, n_reader, max_chunk_bytes, max_chunks)?,
-            None => CoreRing::create(n_reader, max_chunk_bytes, max_chunks)?,
+            Some(n) => {
+                CoreRing::create_named(n, n_reader, max_chunk_bytes, max_chunks).or_raise()?
+            }
+            None => CoreRing::create(n_reader, max_chunk_bytes, max_chunks).or_raise()?,
         };
         Ok(Ring {
             ring: Arc::new(ring),
@@ -267,7 +276,7 @@ impl Ring {
     #[staticmethod]
     fn open(name: &str) -> PyResult<Ring> {
         Ok(Ring {
-            ring: Arc::new(CoreRing::open(name)?),
+            ring: Arc::new(CoreRing::open(name).or_raise()?),
         })
     }
 
@@ -309,7 +318,7 @@ impl Ring {
     /// reader `reader`'s.
     #[pyo3(signature = (reader=None))]
     fn slot(&self, reader: Option<usize>) -> PyResult<(Option<u32>, bool, bool, u64)> {
-        let s = self.ring.slot_info(reader)?;
+        let s = self.ring.slot_info(reader).or_raise()?;
         Ok((
             s.process.map(|p| p.pid),
             s.process.is_some_and(|p| p.is_alive()),
@@ -321,7 +330,7 @@ impl Ring {
     /// Remove the segment's name now if this process created it (the memory stays
     /// mapped for whoever has it); for cleanup at interpreter exit.
     fn unlink(&self) -> PyResult<()> {
-        Ok(self.ring.unlink()?)
+        self.ring.unlink().or_raise()
     }
 
     /// The segment's bytes (its mapping's length).
@@ -333,7 +342,7 @@ impl Ring {
     /// A view of the whole segment (reserved in /dev/shm first; `MemoryError` when there
     /// is no room). Its layout is shmq's: `data` and `metadata` reach chunks and flags.
     fn buf(&self) -> PyResult<ShmView> {
-        let (p, n) = self.ring.segment_bytes()?;
+        let (p, n) = self.ring.segment_bytes().or_raise()?;
         // SAFETY: `segment_bytes` is exactly this process's mapping, which the Arc keeps
         // alive as long as the view. It is writable shared memory, header and atomics
         // included (as `metadata`'s views are): peers may change any byte under it, which
@@ -349,29 +358,36 @@ impl Ring {
     /// has the view may touch any of it; `MemoryError` when there is no room).
     fn data(&self, i: i64) -> PyResult<ShmView> {
         let i = self.chunk_index(i)?;
-        self.ring.reserve_data(i, self.ring.max_chunk_bytes())?;
-        let (p, n) = self.ring.data_ptr(i)?;
+        self.ring
+            .reserve_data(i, self.ring.max_chunk_bytes())
+            .or_raise()?;
+        let (p, n) = self.ring.data_ptr(i).or_raise()?;
         // SAFETY: data_ptr returns a range inside the mapping, which the Arc keeps alive.
         Ok(unsafe { ShmView::new(self.ring.clone(), p, n) })
     }
 
     /// A view of chunk `i`'s flags: `[written, read_0, ..]`.
     fn metadata(&self, i: i64) -> PyResult<ShmView> {
-        let (p, n) = self.ring.metadata_ptr(self.chunk_index(i)?)?;
+        let (p, n) = self.ring.metadata_ptr(self.chunk_index(i)?).or_raise()?;
         // SAFETY: as in `data`.
         Ok(unsafe { ShmView::new(self.ring.clone(), p, n) })
     }
 
     /// A snapshot of chunk `i`'s flags, read atomically.
     fn metadata_snapshot<'py>(&self, py: Python<'py>, i: i64) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(py, &self.ring.metadata(self.chunk_index(i)?)?))
+        Ok(PyBytes::new(
+            py,
+            &self.ring.metadata(self.chunk_index(i)?).or_raise()?,
+        ))
     }
 }
 
 impl Ring {
     /// A Python index as a chunk index (negative ones are out of range too).
     fn chunk_index(&self, i: i64) -> PyResult<usize> {
-        Ok(usize::try_from(i).map_err(|_| self.ring.chunk_out_of_range(i))?)
+        usize::try_from(i)
+            .map_err(|_| self.ring.chunk_out_of_range(i))
+            .or_raise()
     }
 }
 
@@ -448,30 +464,29 @@ impl Writer {
     ) -> PyResult<Writer> {
         let defaults = RemoteOptions::default();
         let remote = RemoteOptions {
-            slow_reader: slow_remote_reader.parse::<SlowReaderPolicy>()?,
+            slow_reader: slow_remote_reader.parse::<SlowReaderPolicy>().or_raise()?,
             hwm: remote_hwm.unwrap_or(defaults.hwm),
             max_queued_bytes: remote_max_queued_bytes.unwrap_or(defaults.max_queued_bytes),
         };
-        let on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>()?;
-        let opts = QueueOptions {
-            n_reader,
-            n_local_reader,
-            local_reader_ranks,
-            max_chunk_bytes,
-            max_chunks,
-            connect_ip,
-            wait: Some(wait_policy(
-                n_local_reader.saturating_add(1),
-                spin_us,
-                yield_us,
-            )?),
-            on_dead_reader,
-            arena_bytes: arena_bytes.unwrap_or_else(crate::arena::default_capacity),
-            arena_threshold: arena_threshold.unwrap_or_else(crate::arena::default_threshold),
-            remote,
-            name,
-        };
-        let writer = CoreWriter::new(opts)?;
+        let on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>().or_raise()?;
+        let mut opts = QueueOptions::default();
+        opts.n_reader = n_reader;
+        opts.n_local_reader = n_local_reader;
+        opts.local_reader_ranks = local_reader_ranks;
+        opts.max_chunk_bytes = max_chunk_bytes;
+        opts.max_chunks = max_chunks;
+        opts.connect_ip = connect_ip;
+        opts.wait = Some(wait_policy(
+            n_local_reader.saturating_add(1),
+            spin_us,
+            yield_us,
+        )?);
+        opts.on_dead_reader = on_dead_reader;
+        opts.arena_bytes = arena_bytes.unwrap_or_else(shmq::arena::default_capacity);
+        opts.arena_threshold = arena_threshold.unwrap_or_else(shmq::arena::default_threshold);
+        opts.remote = remote;
+        opts.name = name;
+        let writer = CoreWriter::new(opts).or_raise()?;
         Ok(Writer {
             canceller: writer.canceller(),
             queue: QueueName(writer.ring().map(|r| r.name().to_owned())),
@@ -558,7 +573,7 @@ impl Writer {
         data: &Bound<'_, PyAny>,
         timeout: Option<Timeout>,
     ) -> PyResult<()> {
-        let meta = ArrayMeta::contiguous(Dtype::from_name(dtype)?, &shape);
+        let meta = ArrayMeta::contiguous(Dtype::from_name(dtype).or_raise()?, &shape);
         // One buffer, the data: the core writes the header from `meta`.
         let parts = PyList::new(py, [data])?;
         self.send_buffers(
@@ -581,7 +596,7 @@ impl Writer {
         let Some(a) = w.arena_mut() else {
             return Ok(None);
         };
-        Ok(Some(py.detach(|| a.make()?.reserve(nbytes))?))
+        Ok(Some(py.detach(|| a.make()?.reserve(nbytes)).or_raise()?))
     }
 
     /// Lend `nbytes` of the tensor arena to fill in place, as a writable buffer; a part
@@ -647,7 +662,7 @@ impl Writer {
     }
 
     fn commit_write(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(self.writer(py)?.commit_write()?)
+        self.writer(py)?.commit_write().or_raise()
     }
 
     /// Shut the queue down: this writer's calls, also those blocked in other threads,
@@ -691,8 +706,8 @@ impl Writer {
         parts: &Bound<'_, PyList>,
         timeout: Option<Timeout>,
         not_contiguous: impl FnOnce(usize) -> String,
-        try_send: impl FnOnce(&mut CoreWriter, &[&[u8]]) -> crate::error::Result<bool>,
-        send: impl for<'w> Fn(&mut CoreWriter, &[&[u8]], WaitSpec<'w>) -> crate::error::Result<()>
+        try_send: impl FnOnce(&mut CoreWriter, &[&[u8]]) -> shmq::error::Result<bool>,
+        send: impl for<'w> Fn(&mut CoreWriter, &[&[u8]], WaitSpec<'w>) -> shmq::error::Result<()>
             + Send
             + Sync,
     ) -> PyResult<()> {
@@ -780,7 +795,7 @@ impl Reader {
             Err(e) => return Err(e),
         };
         let policy = wait_policy(handle.local_reader_ranks.len() + 1, spin_us, yield_us)?;
-        let reader = CoreReader::open_with(&handle, rank, policy)?;
+        let reader = CoreReader::open_with(&handle, rank, policy).or_raise()?;
         Ok(Reader {
             canceller: reader.canceller(),
             queue: QueueName(reader.ring().map(|r| r.name().to_owned())),
@@ -843,7 +858,7 @@ impl Reader {
             return m;
         }
         if self.canceller.is_cancelled() {
-            return Err(Error::Cancelled.into());
+            return Err(exception(Error::Cancelled));
         }
         let (mut r, ()) = blocking_on(
             py,
@@ -855,7 +870,7 @@ impl Reader {
         )?;
         self.queue
             .check(py, r.try_take_message(|m| to_python(py, m)))?
-            .ok_or_else(|| PyErr::from(r.not_ready_any_more()))?
+            .ok_or_else(|| exception(r.not_ready_any_more()))?
     }
 
     /// Wait for the next chunk and return a view of its data (zero-copy); release it
@@ -872,7 +887,10 @@ impl Reader {
             &self.inner,
             READER,
             reader_interrupts(timeout, cancel, false),
-            |r, spec| r.acquire_chunk(spec),
+            // SAFETY: no Rust borrow of the view's bytes outlives this call: the ShmView
+            // below keeps only its pointer and the mapping's Arc, and `finish_read`
+            // detaches (buffers still exported) or revokes it before `finish_chunk`.
+            |r, spec| unsafe { r.acquire_chunk_unborrowed(spec) },
             |e| self.queue.error(py, e),
         )?;
         let Some(map) = chunk.private_map() else {
@@ -901,7 +919,7 @@ impl Reader {
             }
             None => ChunkEnd::Retire,
         };
-        Ok(self.reader(py)?.finish_chunk(end)?)
+        self.reader(py)?.finish_chunk(end).or_raise()
     }
 
     /// Wake this reader's blocked calls (from any thread) with `RuntimeError("cancelled")`.

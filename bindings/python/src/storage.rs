@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use crate::errors::{exception, OrRaise};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -11,9 +12,9 @@ use super::parts;
 use super::view::ShmView;
 use super::wait::{lock, BindingGuard, BindingLock};
 use super::COPY_WITH_GIL_MAX;
-use crate::alloc::{Freed, ID_MAX};
-use crate::error::{bad_signature_message, stale_object_message, Error, HandleRefusal};
-use crate::storage::{
+use shmq::alloc::{Freed, ID_MAX};
+use shmq::error::{bad_signature_message, stale_object_message, Error, HandleRefusal};
+use shmq::storage::{
     check_object, object_reader_count, read_object, read_object_viewed, BlockFifo as CoreRing,
     BlockHeader, FreeOldestFirst, KeptPart, ObjectStore as CoreStore, StoreRole, StoreSegment,
     SIGNATURE_BYTES,
@@ -262,14 +263,14 @@ impl BlockFifo {
     #[staticmethod]
     #[pyo3(signature = (capacity, name=None))]
     fn create(capacity: u64, name: Option<&str>) -> PyResult<BlockFifo> {
-        Ok(Self::wrap(CoreRing::create(capacity, name)?))
+        Ok(Self::wrap(CoreRing::create(capacity, name).or_raise()?))
     }
 
     /// Open an existing ring as a reader; `capacity`, if given, must match.
     #[staticmethod]
     #[pyo3(signature = (name, capacity=None))]
     fn open(name: &str, capacity: Option<u64>) -> PyResult<BlockFifo> {
-        Ok(Self::wrap(CoreRing::open(name, capacity)?))
+        Ok(Self::wrap(CoreRing::open(name, capacity).or_raise()?))
     }
 
     #[getter]
@@ -333,7 +334,10 @@ impl BlockFifo {
     /// Allocate a block with `size` bytes of data: `(address, id)`.
     fn allocate(&self, py: Python<'_>, size: i64) -> PyResult<(u64, u32)> {
         // Negative sizes are as invalid as 0 (which the core rejects with the message).
-        let c = self.ring(py)?.allocate(u64::try_from(size).unwrap_or(0))?;
+        let c = self
+            .ring(py)?
+            .allocate(u64::try_from(size).unwrap_or(0))
+            .or_raise()?;
         Ok((c.address, c.id))
     }
 
@@ -354,7 +358,7 @@ impl BlockFifo {
     /// A view of the whole ring (`shared_memory.buf`), reserved in /dev/shm first
     /// (`MemoryError` when there is no room).
     fn buf(&self) -> PyResult<ShmView> {
-        let (p, n) = self.segment.ring_bytes()?;
+        let (p, n) = self.segment.ring_bytes().or_raise()?;
         // SAFETY: `ring_bytes` is the ring inside this process's mapping, which the Arc
         // keeps alive as long as the view. Peers (the writer, readers' counts) may change
         // any byte under it, which a byte view tolerates; shmq checks what it reads from
@@ -375,16 +379,17 @@ impl BlockFifo {
         is_free: &Bound<'_, PyAny>,
         nbytes: Option<u64>,
     ) -> PyResult<Py<PyAny>> {
-        let mut run = FreeOldestFirst::new(&*self.ring(py)?, nbytes.unwrap_or(u64::MAX))?;
+        let mut run =
+            FreeOldestFirst::new(&*self.ring(py)?, nbytes.unwrap_or(u64::MAX)).or_raise()?;
         loop {
             // Each statement takes the lock and lets it go.
-            let next = run.next(&*self.ring(py)?)?;
+            let next = run.next(&*self.ring(py)?).or_raise()?;
             let Some(block) = next else { break };
             let data = self.segment.block_data(&block);
             let approved = with_views(py, &self.segment, std::iter::once(data), false, |mv| {
                 is_free.call1((block.id, mv))?.is_truthy()
             })?;
-            if !approved || !run.free(&mut *self.ring(py)?, &block)? {
+            if !approved || !run.free(&mut *self.ring(py)?, &block).or_raise()? {
                 break;
             }
         }
@@ -395,7 +400,7 @@ impl BlockFifo {
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(self.ring(py)?.clear()?)
+        self.ring(py)?.clear().or_raise()
     }
 
     /// The handle-signing secret (32 bytes).
@@ -406,7 +411,7 @@ impl BlockFifo {
     /// Remove the segment's name now if this process created it (the memory stays
     /// mapped for whoever has it); for cleanup at interpreter exit.
     fn unlink(&self) -> PyResult<()> {
-        Ok(self.segment.unlink()?)
+        self.segment.unlink().or_raise()
     }
 }
 
@@ -416,7 +421,7 @@ impl BlockFifo {
     /// not pyo3's `OverflowError`); `TypeError` for anything else.
     fn header_at(&self, address: &Bound<'_, PyAny>) -> PyResult<BlockHeader> {
         match int_in_range::<u64>(address)? {
-            Some(a) => Ok(self.segment.header_at(a)?),
+            Some(a) => Ok(self.segment.header_at(a).or_raise()?),
             None => Err(PyValueError::new_err(format!(
                 "no chunk can be at address {address}"
             ))),
@@ -450,7 +455,7 @@ impl ObjectStore {
             is_writer: r.is_writer,
             count_writer_reads,
         };
-        let inner = BindingLock::new(CoreStore::new(max_object_size, n_readers)?);
+        let inner = BindingLock::new(CoreStore::new(max_object_size, n_readers).or_raise()?);
         Ok(ObjectStore {
             ring,
             segment,
@@ -490,7 +495,7 @@ impl ObjectStore {
         };
         // Released with the locks let go: an exporter's release may run Python code.
         drop(buffers);
-        Ok(r?)
+        r.or_raise()
     }
 
     /// Writer: `nbytes` of a new block to fill in place; `put` of an object whose buffer
@@ -507,7 +512,7 @@ impl ObjectStore {
                 Ok(Some(unsafe { ShmView::new(loan, ptr, len) }))
             }
             Err(Error::Full(_)) => Ok(None),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(exception(e)),
         }
     }
 
@@ -557,7 +562,7 @@ impl ObjectStore {
                 let list = PyList::empty(py);
                 list.append(py.None())?;
                 for part in views.kept_parts(object, view_from) {
-                    match part? {
+                    match part.or_raise()? {
                         KeptPart::View(v) => {
                             let v = Arc::new(v);
                             let (ptr, len) = (v.as_ptr(), v.len());
@@ -582,7 +587,8 @@ impl ObjectStore {
                         Ok(out?.unbind())
                     },
                 )
-            })?;
+            })
+            .or_raise()?;
         }
         read_object(&self.segment, a, i, count, |object| {
             let spans: Vec<&[u8]> = if split {
@@ -593,7 +599,8 @@ impl ObjectStore {
             with_views(py, &self.segment, spans.into_iter(), split, |arg| {
                 Ok(deserialize.call1((arg,))?.unbind())
             })
-        })?
+        })
+        .or_raise()?
     }
 
     /// `touch(key, address, id, signature)`: on a writer without a reader lock, keep
@@ -616,7 +623,7 @@ impl ObjectStore {
         }
         self.verify_signature(py, Some(key), address, id, signature)?;
         let (a, i) = signed_handle(Some(key), address, id)?;
-        Ok(check_object(&self.segment, a, i)?)
+        check_object(&self.segment, a, i).or_raise()
     }
 
     /// vLLM's `verify_signature`: on the writer the handle must also be the key's
@@ -682,32 +689,33 @@ impl ObjectStore {
         let (Some(a), Some(i)) = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?) else {
             return Err(PyValueError::new_err(stale_object_message(address, id)));
         };
-        Ok(object_reader_count(&self.segment, a, i)?)
+        object_reader_count(&self.segment, a, i).or_raise()
     }
 
     /// Whether `key` has an object; `ValueError` if the store was truncated (its
     /// objects are lost).
     fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
-        Ok(self.store(py)?.is_cached(&self.segment, key)?)
+        self.store(py)?.is_cached(&self.segment, key).or_raise()
     }
 
     /// Hand the object out once more: `(address, id)`; `KeyError` if unknown,
     /// `ValueError` if the store was truncated.
     fn get_cached(&self, py: Python<'_>, key: &str) -> PyResult<(u64, u32)> {
         self.store(py)?
-            .get_cached(&self.segment, key)?
+            .get_cached(&self.segment, key)
+            .or_raise()?
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(key.to_owned()))
     }
 
     fn free_unused(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let (mut ring, mut store) = self.ring_and_store(py)?;
-        let freed = store.free_unused(&mut ring)?;
+        let freed = store.free_unused(&mut ring).or_raise()?;
         freed_ids(py, freed)
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         let (mut ring, mut store) = self.ring_and_store(py)?;
-        Ok(store.clear(&mut ring)?)
+        store.clear(&mut ring).or_raise()
     }
 
     /// `(address, id, handouts)` of `key`'s object, if stored (writer side).
@@ -753,7 +761,9 @@ impl ObjectStore {
             return Ok(true);
         };
         let (p, n) = (buffer.buf_ptr() as usize, buffer.len_bytes());
-        Ok(self.store(py)?.is_free_at(&self.segment, id, p, n)?)
+        self.store(py)?
+            .is_free_at(&self.segment, id, p, n)
+            .or_raise()
     }
 
     /// `{key: (address, id, handouts)}` of the live objects (writer side).
@@ -821,7 +831,7 @@ impl ObjectStore {
     ) -> PyResult<()> {
         match self.segment.verify(key_str, a, i, signature) {
             Err(Error::BadSignature { why: Some(why), .. }) => Err(refused(key, why)),
-            other => Ok(other?),
+            other => Ok(other.or_raise()?),
         }
     }
 }

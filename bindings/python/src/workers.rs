@@ -1,4 +1,4 @@
-//! `WorkerGroup`: the core's worker supervision (`crate::workers::Workers`) for the
+//! `WorkerGroup`: the core's worker supervision (`shmq::workers::Workers`) for the
 //! Python package's `WorkerProcesses`, which starts the interpreters and hands each one
 //! over. Conversions only: fds are duplicated (the caller keeps its own), deaths become
 //! tuples of `WorkerDiedError`'s arguments, waits release the GIL and check signals
@@ -7,14 +7,15 @@
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+use crate::errors::OrRaise;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::wait::{duration, Timeout};
 
-use crate::error::{StderrCapture, WorkerDeath, WorkerExit};
-use crate::workers::{StartedWorker, Waited, WorkerOptions, Workers};
+use shmq::error::{StderrCapture, WorkerDeath, WorkerExit};
+use shmq::workers::{StartedWorker, Waited, WorkerOptions, Workers};
 
 /// How long a wait runs without the GIL before it checks for signals (Ctrl-C).
 const SLICE: Duration = Duration::from_millis(50);
@@ -133,13 +134,13 @@ fn sliced<T: Send>(
 fn waited_sliced(
     py: Python<'_>,
     timeout: Option<Timeout>,
-    wait: impl Fn(Duration) -> crate::Result<Waited> + Sync,
+    wait: impl Fn(Duration) -> shmq::Result<Waited> + Sync,
 ) -> PyResult<(&'static str, Option<usize>)> {
     let out = sliced(py, timeout, |slice| match wait(slice) {
         Ok(Waited::TimedOut) => None,
         other => Some(other),
     })?;
-    Ok(match out.transpose()? {
+    Ok(match out.transpose().or_raise()? {
         Some(Waited::Done) => ("done", None),
         Some(Waited::Failed(rank)) => ("failed", Some(rank)),
         Some(Waited::TimedOut) | None => ("timeout", None),
@@ -174,7 +175,7 @@ impl WorkerGroup {
             new_process_group,
         };
         Ok(WorkerGroup {
-            inner: Workers::new(n_local, n_remote, options)?,
+            inner: Workers::new(n_local, n_remote, options).or_raise()?,
         })
     }
 
@@ -201,7 +202,7 @@ impl WorkerGroup {
             stderr: dup(stderr_fd)?.map(|fd| (fd, capture)),
             reap: false,
         };
-        Ok(self.inner.adopt(rank, worker)?)
+        self.inner.adopt(rank, worker).or_raise()
     }
 
     /// Why remote worker `rank` (pid `pid`) is refused, or None (its rank is reserved).
@@ -277,7 +278,7 @@ impl WorkerGroup {
             .inner
             .not_ready(duration(Some(waited)).unwrap_or(Duration::MAX));
         let names = match &e {
-            crate::Error::WorkersNotReady { not_ready, .. } => {
+            shmq::Error::WorkersNotReady { not_ready, .. } => {
                 not_ready.iter().map(|(n, _)| n.clone()).collect()
             }
             _ => Vec::new(),

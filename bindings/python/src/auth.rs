@@ -1,11 +1,11 @@
-//! Bindings for `crate::auth`: the keyed MAC that the worker handshake
+//! Bindings for `shmq::auth`: the keyed MAC that the worker handshake
 //! (`shmq.workers.protocol`) shares with the queue's remote stream.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::auth::{mac, mac_eq, SECRET_BYTES};
+use shmq::auth::{mac, mac_eq, SECRET_BYTES};
 
 fn key(secret: &[u8]) -> PyResult<[u8; SECRET_BYTES]> {
     secret.try_into().map_err(|_| {

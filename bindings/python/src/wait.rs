@@ -11,12 +11,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
+use crate::errors::{exception, OrRaise};
 use pyo3::exceptions::{PyOverflowError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyInt;
 
-use crate::error::{Error, Result};
-use crate::wait::{Hook, WaitClock, WaitPolicy, WaitSpec};
+use shmq::error::{Error, Result};
+use shmq::wait::{Hook, WaitClock, WaitPolicy, WaitSpec};
 
 /// A `timeout` argument: seconds as a float, checked when the argument is converted (so
 /// before any fast path) by the core's `wait::timeout_from_secs`: negative or NaN is a
@@ -45,7 +46,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Timeout {
             }
             Err(e) => return Err(e),
         };
-        Ok(Timeout(crate::wait::timeout_from_secs("timeout", t)?))
+        Ok(Timeout(
+            shmq::wait::timeout_from_secs("timeout", t).or_raise()?,
+        ))
     }
 }
 
@@ -76,7 +79,7 @@ pub(crate) fn wait_policy(
     spin_us: Option<f64>,
     yield_us: Option<f64>,
 ) -> PyResult<WaitPolicy> {
-    Ok(WaitPolicy::from_micros(processes, spin_us, yield_us)?)
+    WaitPolicy::from_micros(processes, spin_us, yield_us).or_raise()
 }
 
 /// What a blocking call checks every few milliseconds: signals (their Python handlers
@@ -148,7 +151,7 @@ where
     });
     match raised {
         Some(e) => Err(e),
-        None => result.map_err(PyErr::from),
+        None => result.map_err(exception),
     }
 }
 

@@ -2,14 +2,15 @@
 //! (`str(Handle)`, `Handle.from_str`); errors name the relay's queue as the queue's
 //! binding names its own (`QueueName`).
 
+use crate::errors::OrRaise;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::broadcast::QueueName;
 use super::wait::{blocking, duration, lock, wait_policy, BindingLock, Interrupts, Timeout};
-use crate::broadcast::{DeadReaderPolicy, Handle, QueueOptions};
-use crate::error::Error;
-use crate::relay::{Relay as CoreRelay, RelayEnd, RelayStopper};
+use shmq::broadcast::{DeadReaderPolicy, Handle, QueueOptions};
+use shmq::error::Error;
+use shmq::relay::{Relay as CoreRelay, RelayEnd, RelayStopper};
 
 const RELAY: &str = "relay";
 
@@ -59,14 +60,14 @@ impl Relay {
             spin_us,
             yield_us,
         )?);
-        opts.on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>()?;
+        opts.on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>().or_raise()?;
         if let Some(b) = arena_bytes {
             opts.arena_bytes = b;
         }
         if let Some(t) = arena_threshold {
             opts.arena_threshold = t;
         }
-        let relay = CoreRelay::new(&upstream, rank, opts)?;
+        let relay = CoreRelay::new(&upstream, rank, opts).or_raise()?;
         Ok(Relay {
             stopper: relay.stopper(),
             handle: relay.handle().to_string(),

@@ -1,11 +1,12 @@
-//! Bindings for `crate::admin`: listing, describing and removing segments.
+//! Bindings for `shmq::admin`: listing, describing and removing segments.
 
+use crate::errors::OrRaise;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::admin::{self, Metrics, SegmentReport};
-use crate::broadcast::ring::SideStats;
-use crate::liveness::Liveness;
+use shmq::admin::{self, Metrics, SegmentReport};
+use shmq::broadcast::ring::SideStats;
+use shmq::liveness::Liveness;
 
 /// `(name, size, kind, creator pid or None, creator: "alive" | "dead" | "unknown")`.
 type ReportTuple = (String, u64, &'static str, Option<u32>, &'static str);
@@ -28,7 +29,11 @@ fn tuple(s: SegmentReport) -> ReportTuple {
 /// Every shmq segment in /dev/shm.
 #[pyfunction]
 pub fn list_segments() -> PyResult<Vec<ReportTuple>> {
-    Ok(admin::list_segments()?.into_iter().map(tuple).collect())
+    Ok(admin::list_segments()
+        .or_raise()?
+        .into_iter()
+        .map(tuple)
+        .collect())
 }
 
 /// Remove (or with `dry_run` only list) the segments whose creator is proved dead; with
@@ -36,7 +41,8 @@ pub fn list_segments() -> PyResult<Vec<ReportTuple>> {
 #[pyfunction]
 #[pyo3(signature = (dry_run=false, force=false))]
 pub fn remove_orphans(dry_run: bool, force: bool) -> PyResult<Vec<ReportTuple>> {
-    Ok(admin::remove_orphans(dry_run, force)?
+    Ok(admin::remove_orphans(dry_run, force)
+        .or_raise()?
         .into_iter()
         .map(tuple)
         .collect())
@@ -45,7 +51,7 @@ pub fn remove_orphans(dry_run: bool, force: bool) -> PyResult<Vec<ReportTuple>> 
 /// A human-readable description of a segment's state.
 #[pyfunction]
 pub fn describe_segment(name: &str) -> PyResult<String> {
-    Ok(admin::describe(name)?)
+    admin::describe(name).or_raise()
 }
 
 fn liveness_str(l: Liveness) -> &'static str {
@@ -81,7 +87,7 @@ fn side_dict<'py>(
 /// its counters; a ring's `writer` and `readers` are dicts of their own.
 #[pyfunction]
 pub fn segment_metrics<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
-    let m = py.detach(|| admin::metrics(name))?;
+    let m = py.detach(|| admin::metrics(name)).or_raise()?;
     let d = PyDict::new(py);
     d.set_item("name", name)?;
     match m {
