@@ -325,6 +325,8 @@ pub fn bad_signature_message(missing: bool, key: Option<&str>, why: Option<&str>
 
 /// The value of `choices` named `value`, for the option `argument`; `InvalidArgument`
 /// naming the choices otherwise (`on_dead_reader must be "raise" or "drop", got "x"`).
+// Its callers are switched off in a loom build.
+#[cfg_attr(loom, allow(dead_code))]
 pub(crate) fn parse_choice<T: Copy>(
     argument: &str,
     value: &str,

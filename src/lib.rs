@@ -94,6 +94,8 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 /// Report a warning to the user: `format!` arguments (see [`warning`]).
+// Its callers are switched off in a loom build.
+#[cfg_attr(loom, allow(unused_macros))]
 macro_rules! warn_user {
     ($($arg:tt)*) => { $crate::warning::emit(module_path!(), format_args!($($arg)*)) };
 }
