@@ -16,6 +16,37 @@ pub fn new_secret(what: &str) -> Result<[u8; SECRET_BYTES]> {
     crate::random::random_bytes(what)
 }
 
+/// A secret's one text form, in a queue's handle and in a worker's ticket alike: its
+/// [`SECRET_BYTES`] bytes as `2 * SECRET_BYTES` lowercase hexadecimal digits.
+pub fn secret_to_text(secret: &[u8; SECRET_BYTES]) -> String {
+    to_hex(secret)
+}
+
+/// The secret that [`secret_to_text`] wrote (upper-case digits are taken too); `None`
+/// for anything else.
+pub fn secret_from_text(text: &str) -> Option<[u8; SECRET_BYTES]> {
+    // Digits only: `from_str_radix` alone would also take a sign ("+f").
+    if text.len() != 2 * SECRET_BYTES || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; SECRET_BYTES];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Bytes as lowercase hexadecimal digits (a secret's text form; random names).
+pub fn to_hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    bytes
+        .iter()
+        .fold(String::with_capacity(2 * bytes.len()), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
 /// A fresh 16-byte nonce (or session id), from the kernel.
 pub fn nonce(what: &str) -> Result<[u8; 16]> {
     crate::random::random_bytes(what)
@@ -54,5 +85,18 @@ mod tests {
             &mac(&[8; SECRET_BYTES], b"hello", &[b"ab", b"c"])
         ));
         assert!(!mac_eq(&m, &m[..31]));
+    }
+
+    #[test]
+    fn secret_text_round_trips_and_refuses_anything_else() {
+        let key: [u8; SECRET_BYTES] = std::array::from_fn(|i| (i * 37) as u8);
+        let text = secret_to_text(&key);
+        assert_eq!(text.len(), 2 * SECRET_BYTES);
+        assert_eq!(secret_from_text(&text), Some(key));
+        assert_eq!(secret_from_text(&text.to_uppercase()), Some(key));
+        assert_eq!(secret_from_text(&text[..62]), None);
+        assert_eq!(secret_from_text(&format!("{}zz", &text[..62])), None);
+        assert_eq!(secret_from_text(&format!("+{}", &text[..63])), None);
+        assert_eq!(secret_from_text(&"é".repeat(32)), None);
     }
 }

@@ -328,7 +328,10 @@ fn close_connection(fd: i32, peer: &Option<Vec<u8>>) {
 /// The writer marks a connection good by its descriptor, which ZeroMQ gives with each
 /// message (the `__fd` property).
 fn spawn_guard(ctx: &zmq::Context, router: &zmq::Socket) -> Result<std::sync::Arc<Guard>> {
-    let name = format!("inproc://shmq-remote-guard-{}", hex(&random16()?));
+    let name = format!(
+        "inproc://shmq-remote-guard-{}",
+        crate::auth::to_hex(&random16()?)
+    );
     let events = zmq::SocketEvent::ACCEPTED as i32
         | zmq::SocketEvent::DISCONNECTED as i32
         | zmq::SocketEvent::CLOSED as i32
@@ -352,10 +355,6 @@ fn spawn_guard(ctx: &zmq::Context, router: &zmq::Socket) -> Result<std::sync::Ar
         .spawn(move || run_guard(mon, &g))
         .map_err(|e| Error::Remote(format!("starting the remote port's guard thread: {e}")))?;
     Ok(guard)
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn run_guard(mon: zmq::Socket, guard: &Guard) {
@@ -1309,7 +1308,10 @@ impl RemoteReader {
                 .map_err(opt("HANDSHAKE_IVL"))?;
         }
         // The monitor first, so that it sees the first connection.
-        let name = format!("inproc://shmq-remote-reader-{}", hex(&random16()?));
+        let name = format!(
+            "inproc://shmq-remote-reader-{}",
+            crate::auth::to_hex(&random16()?)
+        );
         let events =
             zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32 | zmq::SocketEvent::DISCONNECTED as i32;
         s.monitor(&name, events)

@@ -28,6 +28,8 @@ __all__ = [
     "default_connect_ip",
     "auth_mac",
     "auth_check",
+    "secret_from_text",
+    "new_secret_text",
     "handle_to_text",
     "handle_from_text",
     "remove_created",
@@ -123,6 +125,11 @@ def auth_mac(secret: bytes, tag: bytes, parts: list[bytes]) -> bytes:
     ``tag``: what the queue's remote stream and the worker handshake prove a secret with."""
 def auth_check(secret: bytes, tag: bytes, parts: list[bytes], claimed: bytes) -> bool:
     """Whether ``claimed`` is ``auth_mac(secret, tag, parts)`` (constant-time)."""
+def secret_from_text(text: str) -> bytes:
+    """The 32 bytes of a secret in its text form (64 hexadecimal digits: a ``Handle``'s
+    ``remote_secret``, a worker ticket's token); ``ValueError`` for anything else."""
+def new_secret_text() -> str:
+    """A new secret from the kernel, in its text form."""
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
 

@@ -35,3 +35,24 @@ def test_a_ticket_needs_a_32_byte_token(token: str) -> None:
 def test_a_secret_of_another_length_is_refused() -> None:
     with pytest.raises(ValueError, match="a secret is 32 bytes"):
         _core.auth_mac(b"short", b"tag", [b"x"])
+
+
+def test_a_secret_has_one_text_form_for_handles_and_tickets() -> None:
+    """The core writes and reads a secret's text (``auth::secret_to_text``): a queue
+    handle's ``remote_secret`` and a worker ticket's token are the same form."""
+    from shmq import MessageQueue
+
+    text = _core.new_secret_text()
+    assert len(text) == 64 and text == text.lower()
+    assert _core.secret_from_text(text).hex() == text
+    assert _core.secret_from_text(text.upper()).hex() == text
+    WorkerTicket.parse(f"shmq-workers://127.0.0.1:5000/{text}")  # a ticket takes it
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1")  # one remote reader: a secret
+    try:
+        secret = mq.export_handle().remote_secret
+        assert secret is not None and _core.secret_from_text(secret).hex() == secret
+    finally:
+        mq.shutdown()
+    for bad in ["", "ab" * 31, "ab" * 33, "zz" * 32, "é" * 64]:
+        with pytest.raises(ValueError, match="a secret is 64 hexadecimal digits"):
+            _core.secret_from_text(bad)

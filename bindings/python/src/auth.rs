@@ -5,7 +5,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use shmq::auth::{mac, mac_eq, SECRET_BYTES};
+use shmq::auth;
+use shmq::auth::{mac, mac_eq, new_secret, secret_to_text, SECRET_BYTES};
+
+use crate::errors::OrRaise;
 
 fn key(secret: &[u8]) -> PyResult<[u8; SECRET_BYTES]> {
     secret.try_into().map_err(|_| {
@@ -15,6 +18,28 @@ fn key(secret: &[u8]) -> PyResult<[u8; SECRET_BYTES]> {
             secret.len()
         ))
     })
+}
+
+/// The secret that `text` spells in its one text form (a queue handle's, a worker
+/// ticket's: `shmq::auth::secret_to_text`).
+#[pyfunction]
+pub fn secret_from_text<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyBytes>> {
+    let secret = auth::secret_from_text(text).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "a secret is {} hexadecimal digits ({SECRET_BYTES} bytes), got {} characters",
+            2 * SECRET_BYTES,
+            text.chars().count()
+        ))
+    })?;
+    Ok(PyBytes::new(py, &secret))
+}
+
+/// A new secret from the kernel, in its text form.
+#[pyfunction]
+pub fn new_secret_text() -> PyResult<String> {
+    Ok(secret_to_text(
+        &new_secret("a worker ticket's token").or_raise()?,
+    ))
 }
 
 /// The MAC of `parts` under `secret` (32 bytes), in the domain `tag`.

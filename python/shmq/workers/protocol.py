@@ -91,13 +91,14 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, bytes]:
 def _is_token(token: str) -> bool:
     """Whether ``token`` is a ticket's token: 32 bytes as 64 hexadecimal digits."""
     try:
-        return len(bytes.fromhex(token)) == 32 and len(token) == 64
+        _core.secret_from_text(token)
     except ValueError:
         return False
+    return True
 
 
 def mac(token: str, nonce: str, rank: int, pid: int) -> str:
     """The worker's answer to the parent's challenge ``nonce``: the core's keyed MAC (see
     the module docs) of the nonce, the rank and the pid under the token, as hex."""
     parts = [nonce.encode(), str(rank).encode(), str(pid).encode()]
-    return _core.auth_mac(bytes.fromhex(token), b"shmq worker hello", parts).hex()
+    return _core.auth_mac(_core.secret_from_text(token), b"shmq worker hello", parts).hex()

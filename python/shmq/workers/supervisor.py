@@ -260,7 +260,7 @@ class Supervisor:
     def listen(self, host: str, port: int) -> WorkerTicket:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = self.listener = socket.create_server((host, port), family=family, backlog=64)
-        self.token = secrets.token_hex(32)
+        self.token = _core.new_secret_text()
         self.ticket = WorkerTicket(host, listener.getsockname()[1], self.token)
         threading.Thread(target=self._accept, args=(listener,), name="shmq-workers-listen", daemon=True).start()
         return self.ticket

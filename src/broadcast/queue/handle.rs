@@ -7,6 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::super::ring::RingHandle;
+use crate::auth::{secret_from_text, secret_to_text};
 use crate::error::{Error, Result};
 use crate::remote::SECRET_BYTES;
 
@@ -77,21 +78,6 @@ impl fmt::Debug for Handle {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<[u8; SECRET_BYTES]> {
-    if s.len() != 2 * SECRET_BYTES || !s.is_ascii() {
-        return None;
-    }
-    let mut out = [0u8; SECRET_BYTES];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
-    }
-    Some(out)
-}
-
 impl fmt::Display for Handle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ranks: Vec<String> = self
@@ -118,7 +104,9 @@ impl fmt::Display for Handle {
             self.remote_subscribe_addr.as_deref().unwrap_or(""),
             u8::from(self.remote_addr_ipv6),
             self.arena.as_deref().unwrap_or(""),
-            self.remote_secret.map(|k| hex(&k)).unwrap_or_default()
+            self.remote_secret
+                .map(|k| secret_to_text(&k))
+                .unwrap_or_default()
         )
     }
 }
@@ -191,7 +179,7 @@ impl FromStr for Handle {
             arena: opt(parts[6]),
             remote_secret: match parts[7] {
                 "" => None,
-                k => Some(unhex(k).ok_or_else(|| {
+                k => Some(secret_from_text(k).ok_or_else(|| {
                     bad(&format!(
                         "the secret must be {} hexadecimal digits",
                         2 * SECRET_BYTES
