@@ -26,27 +26,28 @@ trap 'kill "$envs_pid" 2>/dev/null || true' EXIT
 step "Python environments: made in the background by scripts/envs.sh (log: target/envs.log); $(df_line)"
 
 step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
-# Formatting: cargo fmt, and rustfmt on each file (cargo fmt does not follow modules
-# declared inside a macro).
+# Formatting: every crate of the workspace, and the fuzz targets (a workspace of their own).
 cargo fmt --all -- --check
-find src tests benches examples bindings fuzz -name '*.rs' -print0 | xargs -0 rustfmt --edition 2021 --check
+cargo fmt --manifest-path fuzz/Cargo.toml --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 
 step "Rust: cargo test (unit, integration in several processes, doc tests, examples)"
-cargo test --all-targets
-cargo test --doc
+# Every crate but the binding (its test harness would link libpython; the Python suite
+# below tests it).
+cargo test --workspace --exclude shmq-python --all-targets
+cargo test --workspace --exclude shmq-python --doc
 cargo run --quiet --example broadcast
 
-step "Rust: loom model checks of the ring protocol and the sleep/wake handshake, beside the fuzz targets"
+step "Rust: loom model checks of the protocols (crates/protocol), beside the fuzz targets"
 # The longest model (two readers, two messages) keeps one core busy for minutes; the fuzz
 # targets run one at a time, also on one core. So the models run in the background
 # while cargo-fuzz is built (if needed) and the fuzz targets build and run, and the
 # step waits for both. No debuginfo for the model checks: it only slows their build.
 export CARGO_PROFILE_RELEASE_DEBUG=0
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom --no-run
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq-protocol --test loom --no-run
 loom_log=$PWD/target/loom/loom.log
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom >"$loom_log" 2>&1 &
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq-protocol --test loom >"$loom_log" 2>&1 &
 loom_pid=$!
 unset CARGO_PROFILE_RELEASE_DEBUG
 

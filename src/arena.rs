@@ -71,7 +71,7 @@ use crate::region::{region, RawRegion};
 use crate::segment::{
     data_after_table, round_up, unique_name, HeaderCheck, LoanPages, Segment, MAX_READERS,
 };
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.
 pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"SHMQARN1");

@@ -58,7 +58,7 @@ pub enum Error {
     /// The object store's ring has no room (after freeing what could be freed), or can
     /// never have room for a block that large (see `full_message`).
     #[error("{}", full_message(.0))]
-    Full(#[from] crate::alloc::Full),
+    Full(#[from] shmq_protocol::alloc::Full),
 
     /// An object handle `(address, id)` does not name a live object: evicted, reused,
     /// cleared, forged or out of range.
@@ -223,7 +223,7 @@ pub fn stale_object_message(address: impl std::fmt::Display, id: impl std::fmt::
 /// room for (larger than the whole ring, or than a block header's 4-byte size can say):
 /// then that, so that nobody frees (or waits) in vain. Both start alike (vLLM 0.33's
 /// wording, which callers match).
-fn full_message(full: &crate::alloc::Full) -> String {
+fn full_message(full: &shmq_protocol::alloc::Full) -> String {
     if full.needed > full.capacity {
         format!(
             "Not enough space in the data buffer: a chunk of {} bytes (the data with its 8-byte \
@@ -300,6 +300,13 @@ pub enum HandleRefusal {
     Mismatch { address: u64, id: u32 },
 }
 
+/// A key or an insertion the encoder cache's key index refuses (`shmq-protocol`).
+impl From<shmq_protocol::key_index::IndexError> for Error {
+    fn from(e: shmq_protocol::key_index::IndexError) -> Error {
+        Error::InvalidArgument(e.0)
+    }
+}
+
 impl From<HandleRefusal> for Error {
     fn from(why: HandleRefusal) -> Error {
         Error::BadSignature {
@@ -325,8 +332,6 @@ pub fn bad_signature_message(missing: bool, key: Option<&str>, why: Option<&str>
 
 /// The value of `choices` named `value`, for the option `argument`; `InvalidArgument`
 /// naming the choices otherwise (`on_dead_reader must be "raise" or "drop", got "x"`).
-// Its callers are switched off in a loom build.
-#[cfg_attr(loom, allow(dead_code))]
 pub(crate) fn parse_choice<T: Copy>(
     argument: &str,
     value: &str,
@@ -492,8 +497,6 @@ impl std::fmt::Display for WorkerDeath {
     }
 }
 
-// The loom build leaves out the modules that use these.
-#[cfg_attr(loom, allow(dead_code))]
 impl Error {
     pub(crate) fn os(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Os {

@@ -1,15 +1,21 @@
 //! shmq: shared-memory IPC for model-serving engines.
 //!
+//! # Crates, lowest first
+//! The layers are crates of one cargo workspace, so an upward import does not compile:
+//! - `shmq-protocol` (`crates/protocol`): the cross-process protocols on atomics — the
+//!   ring's chunk flags, the doorbell's sleep/wake handshake, the store's and the key
+//!   index's seqlocks, the FIFO allocator (re-exported here as [`alloc`]) and the futex;
+//!   what loom model-checks (`crates/protocol/tests/loom.rs`);
+//! - `shmq` (this crate): segments, the queue, the store, the arena, the encoder cache,
+//!   workers; no Python;
+//! - `shmq-python` (`bindings/python`): the PyO3 binding, module `shmq._core`; it sees
+//!   only this crate's public API.
+//!
 //! # Modules, lowest first
-//! Each module uses only the modules listed before it: no arrow points up, so there is no
-//! circle (`tests/layering.rs` checks the source against this list, which names every
-//! module of `src/` once). Public modules are links; the others are internal (`sync`,
-//! `seqlock` and `doorbell` are public in a loom build, for the model checks).
-//! - `sync`: the atomics of the cross-process protocols, which loom swaps for its own;
-//! - `futex`: the process-shared futex on a 32-bit word in shared memory;
-//! - `seqlock`: the object store's seqlock (the state its writer publishes);
-//! - `doorbell`: the sleep/wake handshake between the two sides of a ring;
-//! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic;
+//! Within this crate, each module uses only the modules listed before it: no arrow
+//! points up, so there is no circle (`tests/layering.rs` checks the source against this
+//! list, which names every module of `src/` once). Public modules are links; the others
+//! are internal.
 //! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
 //! - [`warning`]: where shmq's warnings go (a hook, the `log` crate, or stderr);
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
@@ -51,11 +57,7 @@
 //! - [`workers`]: worker processes with a ready pipe, a death watch and shutdown of whole
 //!   process trees (the one supervision: the Python package's `WorkerProcesses` hands
 //!   it the interpreters it starts), and a worker's end with its parent;
-//! - `fuzzing` (hidden): entry points for the fuzz targets in `fuzz/`, not API;
-//!
-//! The PyO3 binding (module `shmq._core`) is a crate of its own, `bindings/python`, in
-//! this workspace: this crate never compiles pyo3, and the binding sees only its public
-//! API.
+//! - `fuzzing` (hidden): entry points for the fuzz targets in `fuzz/`, not API.
 //!
 //! # Glossary: shmq's names and the engines' (vLLM's) names
 //! | shmq (Rust) | the engines (Python; shmq keeps these names in `shmq`) |
@@ -94,75 +96,48 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 /// Report a warning to the user: `format!` arguments (see [`warning`]).
-// Its callers are switched off in a loom build.
-#[cfg_attr(loom, allow(unused_macros))]
 macro_rules! warn_user {
     ($($arg:tt)*) => { $crate::warning::emit(module_path!(), format_args!($($arg)*)) };
 }
 
-/// Declares its items only outside loom builds. The loom model checks (`tests/loom.rs`)
-/// compile the protocols' atomics alone (`sync`, `doorbell`, `seqlock`, and the parts of
-/// `alloc`, `broadcast` and `encoder_cache` they drive, which switch themselves), so
-/// everything else is switched off here, in one place.
-macro_rules! not_loom {
-    ($($item:item)*) => { $( #[cfg(not(loom))] $item )* };
-}
+// The cross-process protocols are the crate below this one (`shmq-protocol`, which
+// loom model-checks); the object store's allocator is public API here too.
+pub use shmq_protocol::alloc;
 
-/// Internals that the loom model checks drive directly: public in a loom build, crate-only
-/// otherwise.
-macro_rules! public_under_loom {
-    ($($name:ident)*) => {
-        $(
-            #[cfg(loom)]
-            pub mod $name;
-            #[cfg(not(loom))]
-            pub(crate) mod $name;
-        )*
-    };
-}
-
-pub mod alloc;
+pub mod admin;
+pub mod arena;
+pub mod auth;
 pub mod broadcast;
+pub mod copy;
 pub mod encoder_cache;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
+pub mod liveness;
+pub mod private_map;
+pub mod process;
+pub mod relay;
+pub mod remote;
+pub mod storage;
+pub mod wait;
 pub mod warning;
+pub mod workers;
+
+pub use arena::{ArenaView, Loan};
+pub use broadcast::{
+    Array, ArrayMeta, ArrayRef, Dtype, Element, Handle, OwnedPart, QueueOptions, Reader, Writer,
+};
 pub use error::{Error, Result};
+pub use transport::default_connect_ip;
 pub use warning::set_warning_hook;
 
-// Internals the loom model checks drive.
-public_under_loom! { doorbell seqlock sync }
-
-not_loom! {
-    pub mod admin;
-    pub mod auth;
-    pub mod arena;
-    pub mod copy;
-    #[doc(hidden)]
-    pub mod fuzzing;
-    pub mod process;
-    pub mod relay;
-    pub mod storage;
-    pub mod wait;
-    pub mod workers;
-
-    pub use arena::{ArenaView, Loan};
-    pub use broadcast::{
-        Array, ArrayMeta, ArrayRef, Dtype, Element, Handle, OwnedPart, QueueOptions, Reader, Writer,
-    };
-    pub use transport::default_connect_ip;
-
-    // Internals.
-    pub(crate) mod fork;
-    pub(crate) mod futex;
-    pub mod liveness;
-    pub(crate) mod pins;
-    pub(crate) mod map_budget;
-    pub mod private_map;
-    pub(crate) mod random;
-    pub(crate) mod region;
-    pub(crate) mod range_alloc;
-    pub mod remote;
-    pub(crate) mod segment;
-    pub(crate) mod sigbus;
-    pub(crate) mod transport;
-}
+// Internals.
+pub(crate) mod fork;
+pub(crate) mod map_budget;
+pub(crate) mod pins;
+pub(crate) mod random;
+pub(crate) mod range_alloc;
+pub(crate) mod region;
+pub(crate) mod segment;
+pub(crate) mod sigbus;
+pub(crate) mod transport;

@@ -96,7 +96,7 @@
 //! it and re-raises it as a sent signal, which kills: as it would without shmq); one that
 //! calls the handler it replaced with the fault's own siginfo gets shmq's error instead.
 //! The handler is Linux's
-//! (`si_addr`, `MAP_FIXED` semantics); loom builds leave the module out.
+//! (`si_addr`, `MAP_FIXED` semantics).
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Arc;

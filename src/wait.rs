@@ -7,7 +7,7 @@
 //!    while a serving engine is busy;
 //! 2. **yield** the CPU between polls for a while longer (default 50 µs, [`YIELD_US_ENV`];
 //!    up to 1 ms for a waiter whose peer usually answers that fast, [`WaitHistory`]);
-//! 3. **sleep** on the ring's doorbell (`crate::doorbell`) (a futex in the
+//! 3. **sleep** on the ring's doorbell (`shmq_protocol::doorbell`) (a futex in the
 //!    shared segment) until the other side rings it: an idle waiter costs no CPU.
 //!
 //! While it waits it also checks, each at its own pace: the deadline and the cancel flag
@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
+use shmq_protocol::doorbell::DoorbellWords;
 
 /// Environment variable: seconds between "still waiting" warnings (default 60).
 pub const WARNING_INTERVAL_ENV: &str = "SHMQ_RINGBUFFER_WARNING_INTERVAL";

@@ -18,12 +18,12 @@ use crate::error::{Error, Result};
 use crate::private_map::{PrivateFile, PrivateMap};
 use crate::process::ProcessId;
 use crate::segment::SHM_DIR;
-use crate::sync::Ordering;
+use shmq_protocol::sync::Ordering;
 
 use super::entries::{self, PartsLayout, READY};
-use super::key_index::{Key, Lookup};
 use super::layout::{segment_name, Mapped, STATE_OPEN};
 use super::slots;
+use shmq_protocol::key_index::{Key, Lookup};
 
 /// How often a producer that could not be opened is tried again.
 pub const RETRY_OPEN: Duration = Duration::from_millis(100);

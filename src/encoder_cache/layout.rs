@@ -23,14 +23,14 @@
 
 use std::ptr::NonNull;
 
-use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
 use crate::private_map::page_size;
 use crate::process::ProcessId;
 use crate::segment::{data_after_table, round_up, HeaderCheck, Segment};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use shmq_protocol::doorbell::DoorbellWords;
+use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 
-use super::key_index::{IndexSlot, KeyIndex, SLOT_BYTES};
+use shmq_protocol::key_index::{IndexSlot, KeyIndex, SLOT_BYTES};
 
 /// "SHMQENC1" little-endian: marks a finished encoder-cache segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SHMQENC1");

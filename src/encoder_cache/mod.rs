@@ -57,8 +57,8 @@
 //!
 //! Memory ordering is argued at each atomic access; the protocols' invariants are in the
 //! docs of [`key_index`] (seqlock, chains, rebuild epoch), [`entries`] (pins: Dekker's
-//! pattern) and [`slots`] (consumer slots, the join clock). `tests/loom.rs` model-checks the
-//! key-index seqlock.
+//! pattern) and [`slots`] (consumer slots, the join clock).
+//! `crates/protocol/tests/loom.rs` model-checks the key-index seqlock.
 //!
 //! ```no_run
 //! use shmq::encoder_cache::{Consumer, Producer, ProducerOptions};
@@ -72,74 +72,70 @@
 //! # Ok::<(), shmq::Error>(())
 //! ```
 
-pub mod key_index;
+// The key index's protocol is in `shmq-protocol` (model-checked with loom).
+pub use shmq_protocol::key_index;
 
-// Everything but the key index is left out of the loom build (`tests/loom.rs` drives
-// the key index alone).
-not_loom! {
-    mod backing;
-    mod consumer;
-    pub mod entries;
-    pub mod layout;
-    mod producer;
-    pub mod slots;
+mod backing;
+mod consumer;
+pub mod entries;
+pub mod layout;
+mod producer;
+pub mod slots;
 
-    pub use consumer::{Consumer, EntryView, RETRY_OPEN};
-    pub use producer::{
-        CacheStats, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
-        DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
-    };
-    pub use slots::ConsumerInfo;
+pub use consumer::{Consumer, EntryView, RETRY_OPEN};
+pub use producer::{
+    CacheStats, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
+    DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
+};
+pub use slots::ConsumerInfo;
 
-    /// What `inspect` shows of an encoder-cache segment.
-    #[derive(Clone, Debug, PartialEq, Eq)]
-    pub struct CacheInfo {
-        pub creator: crate::process::ProcessId,
-        /// "open", "closed" or "superseded".
-        pub state: &'static str,
-        pub capacity: u64,
-        pub max_entries: usize,
-        pub max_consumers: usize,
-        pub entries: u64,
-        pub bytes_in_use: u64,
-        pub reserved: u64,
-        pub saves: u64,
-        pub evictions: u64,
-        /// Producer waits (for room, or for consumers to load), and their total time in ns.
-        pub waits: u64,
-        pub wait_ns: u64,
-        pub consumers: Vec<ConsumerInfo>,
-    }
-
-    /// Describe the encoder-cache segment `segment` (fails if it is not one).
-    pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
-        use crate::sync::Ordering;
-        let map = layout::Mapped::open(segment)?;
-        let h = map.header();
-        // Relaxed: statistics and a state for display.
-        let state = match h.state.load(Ordering::Relaxed) {
-            layout::STATE_OPEN => "open",
-            layout::STATE_CLOSED => "closed",
-            layout::STATE_SUPERSEDED => "superseded",
-            _ => "unknown",
-        };
-        Ok(CacheInfo {
-            creator: map.creator(),
-            state,
-            capacity: map.geo.capacity as u64,
-            max_entries: map.geo.max_entries,
-            max_consumers: map.geo.max_consumers,
-            entries: h.stat_entries.load(Ordering::Relaxed),
-            bytes_in_use: h.stat_bytes.load(Ordering::Relaxed),
-            reserved: h.stat_reserved.load(Ordering::Relaxed),
-            saves: h.stat_saves.load(Ordering::Relaxed),
-            evictions: h.stat_evictions.load(Ordering::Relaxed),
-            waits: h.stat_waits.load(Ordering::Relaxed),
-            wait_ns: h.stat_wait_ns.load(Ordering::Relaxed),
-            consumers: slots::list(&map),
-        })
-    }
+/// What `inspect` shows of an encoder-cache segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheInfo {
+    pub creator: crate::process::ProcessId,
+    /// "open", "closed" or "superseded".
+    pub state: &'static str,
+    pub capacity: u64,
+    pub max_entries: usize,
+    pub max_consumers: usize,
+    pub entries: u64,
+    pub bytes_in_use: u64,
+    pub reserved: u64,
+    pub saves: u64,
+    pub evictions: u64,
+    /// Producer waits (for room, or for consumers to load), and their total time in ns.
+    pub waits: u64,
+    pub wait_ns: u64,
+    pub consumers: Vec<ConsumerInfo>,
 }
 
-#[cfg(all(test, not(loom)))]
+/// Describe the encoder-cache segment `segment` (fails if it is not one).
+pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
+    use shmq_protocol::sync::Ordering;
+    let map = layout::Mapped::open(segment)?;
+    let h = map.header();
+    // Relaxed: statistics and a state for display.
+    let state = match h.state.load(Ordering::Relaxed) {
+        layout::STATE_OPEN => "open",
+        layout::STATE_CLOSED => "closed",
+        layout::STATE_SUPERSEDED => "superseded",
+        _ => "unknown",
+    };
+    Ok(CacheInfo {
+        creator: map.creator(),
+        state,
+        capacity: map.geo.capacity as u64,
+        max_entries: map.geo.max_entries,
+        max_consumers: map.geo.max_consumers,
+        entries: h.stat_entries.load(Ordering::Relaxed),
+        bytes_in_use: h.stat_bytes.load(Ordering::Relaxed),
+        reserved: h.stat_reserved.load(Ordering::Relaxed),
+        saves: h.stat_saves.load(Ordering::Relaxed),
+        evictions: h.stat_evictions.load(Ordering::Relaxed),
+        waits: h.stat_waits.load(Ordering::Relaxed),
+        wait_ns: h.stat_wait_ns.load(Ordering::Relaxed),
+        consumers: slots::list(&map),
+    })
+}
+#[cfg(test)]
 mod tests;

@@ -14,15 +14,15 @@ use crate::error::{Error, Result};
 use crate::private_map::page_size;
 use crate::process::ProcessId;
 use crate::segment::{shm_statvfs, unique_name, warn_shm_too_small, Segment, SHM_DIR};
-use crate::sync::Ordering;
 use crate::wait::Wait;
+use shmq_protocol::sync::Ordering;
 
 use super::backing::Backing;
 use super::entries::{self, PartsLayout, READY, RETIRED, WRITING};
-use super::key_index::{IndexWriter, Key};
 use super::layout::{segment_name, Geometry, Mapped, SEGMENT_PREFIX, STATE_CLOSED};
 use super::slots::{self, ConsumerInfo, StuckClaims};
 use crate::range_alloc::RangeAllocator;
+use shmq_protocol::key_index::{IndexWriter, Key};
 
 /// Default bytes of a producer's data region (address space; pages are reserved only as
 /// they are used).

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::liveness::{Liveness, LockProbe, RoleLock};
 use crate::process::ProcessId;
-use crate::sync::{fence, Ordering};
+use shmq_protocol::sync::{fence, Ordering};
 
 use super::layout::{ConsumerSlot, Mapped};
 
@@ -87,7 +87,7 @@ pub(crate) fn snapshot(slot: &ConsumerSlot) -> Option<Snapshot> {
                 joined_at,
             });
         }
-        crate::sync::yield_now();
+        shmq_protocol::sync::yield_now();
     }
     None
 }

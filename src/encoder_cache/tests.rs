@@ -9,7 +9,7 @@ use super::slots;
 use super::*;
 use crate::error::Error;
 use crate::process::ProcessId;
-use crate::sync::Ordering;
+use shmq_protocol::sync::Ordering;
 
 const PAGE: usize = 4096;
 

@@ -15,10 +15,10 @@
 use std::sync::Arc;
 
 use super::store_segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
-use crate::alloc::{Block, FifoAllocator, Freed, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::segment::unique_name;
-use crate::sync::Ordering;
+use shmq_protocol::alloc::{Block, FifoAllocator, Freed, HEADER_BYTES};
+use shmq_protocol::sync::Ordering;
 
 /// The ring is reserved in `/dev/shm` in steps of this many bytes (or exactly what a
 /// block needs when a whole step does not fit).

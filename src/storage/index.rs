@@ -10,10 +10,10 @@ use super::store_segment::{
     count_word_at, BlockHeader, StoreSegment, COUNT_BYTES, COUNT_WORD_BYTES, PART_ALIGN,
     SIGNATURE_BYTES,
 };
-use crate::alloc::{Block, Freed, HEADER_BYTES};
 use crate::error::{Error, HandleRefusal, Result};
 use crate::region::RawRegion;
 use crate::segment::{warn_shm_too_small, LoanPages};
+use shmq_protocol::alloc::{Block, Freed, HEADER_BYTES};
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
 /// (the count, the frame and the other parts: the pickle or msgpack stream and small

@@ -10,7 +10,7 @@
 //! 4096   the ring: `capacity` bytes of blocks packed tightly (vLLM 0.33's layout):
 //!          +0 id: u32, +4 size: u32 (header included), +8 data: `size - 8` bytes
 //! ```
-//! Block boundaries are wherever the allocator ([`crate::alloc`]) puts them: any byte
+//! Block boundaries are wherever the allocator ([`shmq_protocol::alloc`]) puts them: any byte
 //! offset. Header words are therefore read and written byte by byte through `AtomicU8`
 //! (an `AtomicU32` needs 4-byte alignment), and whatever needs alignment inside a block
 //! is padded *inside* the block. An object's data is
@@ -23,7 +23,7 @@
 //! `align_from` on (the raw tensor and array buffers of the built-in serdes) start on
 //! 64-byte boundaries of the ring, which is page-aligned in memory; the others follow
 //! each other without gaps, so a custom serde's `[metadata][data...]` stays contiguous.
-//! Blocks are sized exactly for the offset they land on ([`crate::alloc::FifoAllocator::allocate_with`]).
+//! Blocks are sized exactly for the offset they land on ([`shmq_protocol::alloc::FifoAllocator::allocate_with`]).
 //!
 //! # Which handles are valid
 //! The writer publishes, under a seqlock, the live ids `[id_start, id_end)` and the ids

@@ -7,11 +7,11 @@ use super::store_segment::{
     count_word_at, id_in, pin_byte, BlockHeader, StoreSegment, COUNT_WORD_BYTES, PART_ALIGN,
     RING_OFFSET,
 };
-use crate::alloc::HEADER_BYTES;
 use crate::error::{Error, Result};
 use crate::pins::Pin;
 use crate::private_map::PrivateMap;
-use crate::sync::{fence, AtomicU64, Ordering};
+use shmq_protocol::alloc::HEADER_BYTES;
+use shmq_protocol::sync::{fence, AtomicU64, Ordering};
 
 /// Where the count word and the parts of an object go: offsets from the start of the
 /// block's data, which is at ring offset `data_offset`. The frame is `[pad to 8][count

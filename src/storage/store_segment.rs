@@ -10,15 +10,15 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-use crate::alloc::{Block, FifoAllocator, HEADER_BYTES, ID_MAX};
 use crate::error::{Error, HandleRefusal, Result};
 use crate::liveness::{Liveness, LockProbe};
 use crate::pins::Pins;
 use crate::private_map::PrivateFile;
 use crate::process::ProcessId;
 use crate::segment::{HeaderCheck, Segment};
-use crate::seqlock;
-use crate::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use shmq_protocol::alloc::{Block, FifoAllocator, HEADER_BYTES, ID_MAX};
+use shmq_protocol::seqlock;
+use shmq_protocol::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 /// "SHMQSTO3" little-endian: marks a finished object-store segment.
 pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO3");
@@ -439,7 +439,7 @@ impl StoreSegment {
         // consistent read.
         let mut started = None;
         for attempt in 0u32.. {
-            // The seqlock's read side (see `crate::seqlock` for the orderings).
+            // The seqlock's read side (see `shmq_protocol::seqlock` for the orderings).
             let snap = seqlock::read(&p.seq, || {
                 // Relaxed: ordered by the seqlock's Acquire load and fence.
                 Snapshot {

@@ -4,8 +4,8 @@ use super::index::LOAN_ALIGN;
 use super::object::{count_one_read, object_layout};
 use super::store_segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
 use super::*;
-use crate::alloc::HEADER_BYTES;
 use crate::error::{Error, HandleRefusal, Result};
+use shmq_protocol::alloc::HEADER_BYTES;
 use std::sync::Arc;
 
 fn store(capacity: u64, max: u64, readers: u32) -> (BlockFifo, ObjectStore) {
@@ -386,14 +386,16 @@ fn a_reader_dead_in_its_counting_window_is_waited_for_once() {
     put_and_free("a");
     assert_eq!(seg.counting_floor(), (0, 0));
     // The announcement of a reader that then died.
-    seg.counting().fetch_add(1, crate::sync::Ordering::SeqCst);
+    seg.counting()
+        .fetch_add(1, shmq_protocol::sync::Ordering::SeqCst);
     put_and_free("b");
     assert_eq!(seg.counting_floor(), (1, 1));
     // Not waited for again.
     put_and_free("c");
     assert_eq!(seg.counting_floor(), (1, 1));
     // It was alive after all, and made its increment (or a peer wrote the word).
-    seg.counting().fetch_sub(1, crate::sync::Ordering::SeqCst);
+    seg.counting()
+        .fetch_sub(1, shmq_protocol::sync::Ordering::SeqCst);
     put_and_free("d");
     assert_eq!(seg.counting_floor(), (0, 1));
 }

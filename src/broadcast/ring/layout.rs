@@ -6,9 +6,9 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
 
-use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
 use crate::segment::round_up;
+use shmq_protocol::doorbell::DoorbellWords;
 
 /// "SHMQRNG1" in little-endian: marks a finished broadcast-ring segment.
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"SHMQRNG1");

@@ -26,8 +26,8 @@
 //! a doorbell) is its own cache line, so work on different chunks or by different
 //! readers never bounces a line needlessly.
 //!
-//! The flag protocol itself is in `super::protocol` (model-checked with loom); the
-//! sleep/wake handshake is in `crate::doorbell`.
+//! The flag protocol itself is in `shmq_protocol::ring` (model-checked with loom); the
+//! sleep/wake handshake is in `shmq_protocol::doorbell`.
 //!
 //! Files: `layout` (the `#[repr(C)]` structures and the geometry), `slots` (who
 //! holds each side), `writer` and `reader` (the two sides' state machines); the ring
@@ -44,12 +44,12 @@ mod writer;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 
-use super::protocol::{self, ChunkFlags};
-use crate::doorbell::DoorbellWords;
 use crate::error::{Error, Result};
 use crate::liveness::{Liveness, LockProbe};
 use crate::process::ProcessId;
 use crate::segment::{unique_name, HeaderCheck, Segment};
+use shmq_protocol::doorbell::DoorbellWords;
+use shmq_protocol::ring::{self as protocol, ChunkFlags};
 
 use layout::*;
 pub use layout::{ChunkKind, RingHandle, LABEL_BYTES, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};

@@ -6,10 +6,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::layout::ChunkKind;
-use super::{protocol, Ring};
+use super::Ring;
 use crate::error::{Error, Result};
 use crate::liveness::{Liveness, RoleLock};
 use crate::wait::Wait;
+use shmq_protocol::ring as protocol;
 
 /// A message found in the ring by a reader.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

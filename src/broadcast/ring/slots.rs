@@ -1,27 +1,27 @@
 //! Who holds each side of a ring: one slot for the writer and one per reader.
 //!
 //! A slot records its holder (pid and start time, to name it), a state and a message
-//! count, under the generation-stamped seqlock of [`super::protocol`] (`slot_*`). Holding
+//! count, under the generation-stamped seqlock of [`shmq_protocol::ring`] (`slot_*`). Holding
 //! a slot also means holding its role lock (byte `1 + slot` of the ring's file, see
 //! [`crate::liveness`]): a second process cannot take a slot that a live one holds, and
 //! whether a holder is alive is read off that lock — also from another pid namespace,
 //! where its pid means nothing. Uses the ring's mapping ([`super::Ring`]).
 
 use super::layout::{SLOTS_OFFSET, SLOT_SIZE};
-use super::protocol::{self, SLOT_ATTACHED, SLOT_DROPPED};
 use super::Ring;
 use crate::error::{Error, Result};
 use crate::liveness::{Liveness, RoleLock};
 use crate::process::ProcessId;
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::wait::Wait;
+use shmq_protocol::ring::{self as protocol, SLOT_ATTACHED, SLOT_DROPPED};
+use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Who holds a side of the ring, and what it has done: its statistics, written only by
 /// the holder (Relaxed stores: other processes read them for reports and warnings, and
 /// they order nothing).
 #[repr(C, align(64))]
 pub(super) struct Slot {
-    /// `generation << 32 | state` (see [`super::protocol`]).
+    /// `generation << 32 | state` (see [`shmq_protocol::ring`]).
     pub(super) word: AtomicU64,
     pub(super) pid: AtomicU32,
     /// Waits that had to block (the next chunk was not ready when the call came).

@@ -8,7 +8,7 @@ use super::layout::RingShared;
 use super::Ring;
 use crate::liveness::Liveness;
 use crate::process::{coarse_now_ns, ProcessId};
-use crate::sync::{AtomicU64, Ordering};
+use shmq_protocol::sync::{AtomicU64, Ordering};
 
 /// One side of a ring (the writer, or one reader), as its slot says.
 #[derive(Clone, Debug, PartialEq)]

@@ -9,10 +9,10 @@ use std::time::Duration;
 /// Make slot `index` name a holder that is gone: attached, with no role lock held.
 fn fake_dead_holder(ring: &Ring, index: usize) {
     let slot = ring.slot(index);
-    let generation = super::protocol::slot_begin_attach(&slot.word).unwrap();
+    let generation = shmq_protocol::ring::slot_begin_attach(&slot.word).unwrap();
     slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
     slot.start_time.store(1, Ordering::Relaxed);
-    super::protocol::slot_end_attach(&slot.word, generation);
+    shmq_protocol::ring::slot_end_attach(&slot.word, generation);
 }
 
 fn wait() -> Wait<'static> {

@@ -21,12 +21,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::layout::ChunkKind;
-use super::protocol::{self, ChunkFlags};
 use super::Ring;
 use crate::error::{Error, Result};
 use crate::liveness::{Liveness, RoleLock};
 use crate::segment::{round_up, warn_shm_too_small};
 use crate::wait::Wait;
+use shmq_protocol::ring::{self as protocol, ChunkFlags};
 
 /// Chunk data is reserved in `/dev/shm` in steps of this many bytes (or to the end of
 /// the chunk), so a chunk's first small message reserves room for many more.

@@ -1,7 +1,7 @@
 //! The FIFO allocator of the object store, as pure arithmetic on addresses and ids.
 //!
 //! One writer allocates variable-size blocks in a ring of `capacity` bytes and frees them
-//! oldest first. Nothing here touches memory: the store ([`crate::storage`]) writes the
+//! oldest first. Nothing here touches memory: the store (`shmq::storage`) writes the
 //! block headers, so this module can be property-tested and benchmarked on its own.
 //!
 //! The arithmetic is vLLM 0.33's (`SingleWriterShmRingBuffer`), so that addresses, ids and
@@ -10,7 +10,7 @@
 //! - **Blocks are packed tightly**: `[4-byte id][4-byte size][data]`, the next block
 //!   right after (a 200-byte ring holds allocations of 100 and 80 bytes). Nothing is
 //!   rounded: whoever needs alignment inside a block pads inside it (the store does, see
-//!   [`crate::storage`]).
+//!   `shmq::storage`).
 //! - **Addresses** are positions on a line; `address % capacity` is the offset in the
 //!   ring. A block that would not fit before the end of the ring starts at the next lap.
 //!   When the last live block is freed, or on `clear`, the line restarts at 0; when the
@@ -40,7 +40,7 @@ pub struct Full {
     pub live: u64,
     pub capacity: u64,
     /// What holds the room, when the store knows (added to the error's message by
-    /// [`crate::Error`]: the oldest object, which must go first, and what keeps it).
+    /// `shmq::Error`: the oldest object, which must go first, and what keeps it).
     pub held_by: Option<String>,
 }
 

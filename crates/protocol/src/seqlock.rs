@@ -1,18 +1,18 @@
 //! The object store's seqlock (the state its writer publishes for readers to check
 //! handles against, `storage::Published`), on abstract atomics so that loom can check it
-//! (`tests/loom.rs`); [`crate::storage`] applies it to the words in shared memory.
+//! (`crates/protocol/tests/loom.rs`); `shmq::storage` applies it to the words in shared memory.
 //!
 //! One writer, any number of readers, a sequence word `seq` that is even when the fields
 //! are consistent and odd while the writer updates them (it only ever grows, by 2 per
 //! update, so a reader never mistakes A→B→A for "unchanged"):
 //!
-//! - [`write`]: `seq += 1` (odd), Release fence, the field stores (Relaxed), then
+//! - [`write`](fn@write): `seq += 1` (odd), Release fence, the field stores (Relaxed), then
 //!   `seq += 1` (even) with Release, then a Release fence.
 //! - [`read`]: load `seq` (Acquire); if even, the field loads (Relaxed), an Acquire
 //!   fence, and `seq` again (Relaxed): the fields are consistent if it is unchanged.
 //!
-//! Why each ordering is needed (`tests/loom.rs` fails without any of the first three):
-//! - the Acquire load of `seq` pairs with the Release store that ends [`write`]: a reader
+//! Why each ordering is needed (`crates/protocol/tests/loom.rs` fails without any of the first three):
+//! - the Acquire load of `seq` pairs with the Release store that ends [`write`](fn@write): a reader
 //!   that sees an update's even `seq` sees that update's fields;
 //! - the Release fence after the odd store pairs with the Acquire fence in [`read`]: a
 //!   reader that sees any field of an update under way sees the odd (or a later) `seq`
@@ -20,7 +20,7 @@
 //!   update gave up and then checks the published state again (the store's
 //!   `still_valid`): if what it read is the writer's later data, written after that
 //!   fence, its re-check sees the update (at least begun), never the old state;
-//! - the Release fence that ends [`write`] orders the *whole* update (not only its start)
+//! - the Release fence that ends [`write`](fn@write) orders the *whole* update (not only its start)
 //!   before whatever the writer does next. The model passes without it (the opening
 //!   fence suffices for the properties above); it is kept as the store's writer had it,
 //!   for one fence per update, off the readers' path.

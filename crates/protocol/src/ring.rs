@@ -1,6 +1,6 @@
 //! The chunk-flag protocol of the broadcast ring (the engines' `ShmRingBuffer` chunk
 //! states, written out below), on abstract flags so it can
-//! be model-checked with loom; [`super::ring`] applies it to flags in shared memory.
+//! be model-checked with loom; `shmq::broadcast::ring` applies it to flags in shared memory.
 //!
 //! Per chunk: one `written` flag and one `read` flag per reader.
 //!

@@ -7,7 +7,7 @@
 //! load when nobody sleeps, a futex wake when someone does. A waiter that found nothing
 //! calls [`Doorbell::sleep`].
 //!
-//! No wake-up is lost (model-checked in `tests/loom.rs`). This is Dekker's pattern, with
+//! No wake-up is lost (model-checked in `crates/protocol/tests/loom.rs`). This is Dekker's pattern, with
 //! the two SeqCst fences pairing:
 //! - the publisher stores its data, fences, then loads `sleepers`;
 //! - the sleeper increments `sleepers`, fences, loads `seq`, then checks its condition.

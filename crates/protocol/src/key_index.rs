@@ -49,8 +49,22 @@
 //! (a lookup that cannot get a stable read answers [`Lookup::Busy`]), and the entry
 //! index it returns is checked by the caller against the entry table.
 
-use crate::error::{Error, Result};
 use crate::sync::{fence, yield_now, AtomicU32, AtomicU64, Ordering};
+
+/// A key or an insertion the index refuses, in words for the user (shmq's
+/// `Error::InvalidArgument`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IndexError(pub String);
+
+impl std::fmt::Display for IndexError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for IndexError {}
+
+type Result<T> = std::result::Result<T, IndexError>;
 
 /// Longest key, in bytes.
 pub const MAX_KEY_LEN: usize = 160;
@@ -135,7 +149,7 @@ impl Key {
     /// `bytes` as a key: 1 to [`MAX_KEY_LEN`] bytes.
     pub fn new(bytes: &[u8]) -> Result<Key> {
         if bytes.is_empty() || bytes.len() > MAX_KEY_LEN {
-            return Err(Error::InvalidArgument(format!(
+            return Err(IndexError(format!(
                 "an encoder cache key must be 1 to {MAX_KEY_LEN} bytes long, got {} bytes",
                 bytes.len()
             )));
@@ -472,9 +486,7 @@ impl IndexWriter {
                 }
             }
         }
-        Err(Error::InvalidArgument(
-            "the encoder cache's key index is full".into(),
-        ))
+        Err(IndexError("the encoder cache's key index is full".into()))
     }
 
     /// Remove `key`; whether it was there.

@@ -6,14 +6,14 @@
 //!   since the model futex sleeps without a timeout);
 //! - the slot seqlock: no torn holder, and a drop never lands on a holder that attached
 //!   after the writer judged the old one.
-//! - the object store's published state (`shmq::seqlock`): no torn snapshot, and a
+//! - the object store's published state (`shmq_protocol::seqlock`): no torn snapshot, and a
 //!   reader's check after reading never vouches for bytes the writer reused.
 //! - the encoder cache's key index: a reader racing with the writer never sees a torn
 //!   slot (a key with another key's entry), and a key present throughout a lookup is
 //!   found even while other keys are removed, inserted into its chain, or the table is
 //!   rebuilt.
 //!
-//! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom`
+//! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq-protocol --test loom`
 //! (scripts/test.sh does). Without `--cfg loom` this file compiles to nothing.
 #![cfg(loom)]
 
@@ -24,9 +24,9 @@ use loom::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use loom::sync::{Arc, Condvar, Mutex};
 use loom::thread;
 
-use shmq::broadcast::protocol::{self, ChunkFlags};
-use shmq::doorbell::{Doorbell, Futex};
-use shmq::encoder_cache::key_index::{IndexSlot, IndexWriter, Key, KeyIndex, Lookup};
+use shmq_protocol::doorbell::{Doorbell, Futex};
+use shmq_protocol::key_index::{IndexSlot, IndexWriter, Key, KeyIndex, Lookup};
+use shmq_protocol::ring::{self as protocol, ChunkFlags};
 
 /// One chunk shared by a writer and `N` readers; the payload is a loom cell, so loom
 /// reports any write that is not ordered after every read of the previous message (and
@@ -204,7 +204,7 @@ fn doorbell_loses_no_wake_up() {
 #[test]
 fn slot_seqlock_never_tears_and_drops_only_the_judged_holder() {
     use loom::sync::atomic::{AtomicU32, AtomicU64};
-    use shmq::broadcast::protocol::{
+    use shmq_protocol::ring::{
         slot_begin_attach, slot_drop, slot_end_attach, slot_read, slot_state, SLOT_ATTACHED,
         SLOT_DROPPED,
     };
@@ -380,7 +380,7 @@ fn key_index_chain_survives_removal_reuse_and_rebuild() {
     });
 }
 
-/// The object store's published state (`storage::Published` under `shmq::seqlock`): a
+/// The object store's published state (`storage::Published` under `shmq_protocol::seqlock`): a
 /// reader never sees the fields of two updates mixed, and a reader that reads an object's
 /// bytes and then finds the object still published (the store's `still_valid`) read the
 /// object's own bytes, never what the writer put there after it gave the object up.
@@ -392,11 +392,11 @@ fn key_index_chain_survives_removal_reuse_and_rebuild() {
 /// snapshot, reads the byte if object 0 is live, then checks again as `still_valid` does.
 /// Without the opening Release fence or the closing Release store of `seqlock::write`,
 /// or the Acquire load or the Acquire fence of `seqlock::read`, loom finds a failing
-/// execution (the closing Release fence is not needed here, see `shmq::seqlock`).
+/// execution (the closing Release fence is not needed here, see `shmq_protocol::seqlock`).
 #[test]
 fn store_seqlock_never_tears_and_never_vouches_for_reused_bytes() {
     use loom::sync::atomic::AtomicU64;
-    use shmq::seqlock;
+    use shmq_protocol::seqlock;
 
     struct Published {
         seq: AtomicU64,

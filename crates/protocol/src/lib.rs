@@ -1,0 +1,26 @@
+//! shmq's cross-process protocols: what two processes agree on through atomics in shared
+//! memory, written on abstract atomics ([`sync`]) so that loom can stand in for them.
+//! `RUSTFLAGS="--cfg loom" cargo test --release -p shmq-protocol --test loom` model-checks
+//! them (`crates/protocol/tests/loom.rs`); the `shmq` crate applies them to its segments. Nothing here
+//! maps memory or knows a segment. A loom build compiles every module but `futex`; where
+//! loom needs another path, the module says so next to it (`sync`'s atomics, the
+//! doorbell's OS futex, the key index's retry clock).
+//!
+//! # Modules, lowest first
+//! - [`sync`]: the atomics, which loom swaps for its own;
+//! - `futex` (not in a loom build): the process-shared Linux futex on a 32-bit word;
+//! - [`doorbell`]: the sleep/wake handshake between the two sides of a ring;
+//! - [`seqlock`]: the object store's seqlock (the state its writer publishes);
+//! - [`ring`]: the chunk-flag protocol of the broadcast ring;
+//! - [`key_index`]: the encoder cache's key index (a seqlock per slot, open addressing);
+//! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+pub mod alloc;
+pub mod doorbell;
+#[cfg(not(loom))]
+pub mod futex;
+pub mod key_index;
+pub mod ring;
+pub mod seqlock;
+pub mod sync;
