@@ -10,19 +10,19 @@ use std::fmt::Write as _;
 
 use crate::arena;
 use crate::broadcast::Ring;
-use crate::error::{Error, Result};
-use crate::liveness::{creator_liveness, Liveness};
-use crate::process::ProcessId;
-use crate::segment::Segment;
+use shmq_os::error::{Error, Result};
+use shmq_os::liveness::{creator_liveness, Liveness};
+use shmq_os::process::ProcessId;
+use shmq_os::segment::Segment;
 // What this process created: the prefix of every name, where the files are, their removal
 // at a normal exit, and the janitor that removes them when the process dies without one.
-pub use crate::liveness::SHM_DIR;
-pub use crate::segment::{
+use crate::storage::BlockFifo;
+use crate::transport::SOCKET_DIR_SUFFIX;
+pub use shmq_os::liveness::SHM_DIR;
+pub use shmq_os::segment::{
     forget_inherited_janitor_now, has_janitor, new_janitor_socket, remove_created, set_janitor,
     NAME_PREFIX,
 };
-use crate::storage::BlockFifo;
-use crate::transport::SOCKET_DIR_SUFFIX;
 
 /// What a segment is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,7 +59,7 @@ pub struct SegmentReport {
     pub creator_liveness: Liveness,
 }
 
-/// The pid in a name made by [`crate::segment::unique_name`]: `shmq_<kind>_<pid>_<hex>`.
+/// The pid in a name made by [`shmq_os::segment::unique_name`]: `shmq_<kind>_<pid>_<hex>`.
 fn pid_from_name(name: &str) -> Option<u32> {
     name.strip_prefix(NAME_PREFIX)?
         .split('_')
@@ -389,7 +389,7 @@ fn claimed_kind(name: &str) -> Result<SegmentKind> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::segment::unique_name;
+    use shmq_os::segment::unique_name;
 
     #[test]
     fn names_carry_the_creator_pid() {

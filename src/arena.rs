@@ -63,12 +63,13 @@ use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
-use crate::private_map::{PrivateFile, PrivateMap};
-use crate::process::ProcessId;
-use crate::range_alloc::RangeAllocator;
-use crate::region::{region, RawRegion};
-use crate::segment::{
+use shmq_os::error::{Error, Result};
+use shmq_os::private_map::{PrivateFile, PrivateMap};
+use shmq_os::process::ProcessId;
+use shmq_os::range_alloc::RangeAllocator;
+use shmq_os::region;
+use shmq_os::region::RawRegion;
+use shmq_os::segment::{
     data_after_table, round_up, unique_name, HeaderCheck, LoanPages, Segment, MAX_READERS,
 };
 use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
@@ -164,7 +165,7 @@ struct LeaseRecord {
 }
 const _: () = assert!(std::mem::size_of::<LeaseRecord>() <= LEASE_HOLDS_OFFSET);
 
-pub use crate::private_map::page_size;
+pub use shmq_os::private_map::page_size;
 
 /// Sizes derived from an arena's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -462,7 +463,7 @@ impl ArenaWriter {
     pub fn reserved(&self) -> usize {
         self.reserved
     }
-    /// An error once a peer truncated the arena under this writer (see `crate::sigbus`):
+    /// An error once a peer truncated the arena under this writer (see `shmq_os::sigbus`):
     /// a fault in its mapping, or a reservation that found the file short (the writer
     /// then sends the part it was for no other way: a copy would hide the loss).
     pub fn check_intact(&self) -> Result<()> {
@@ -723,7 +724,7 @@ impl ArenaWriter {
         // that lies in the arena is a loan, sent by reference, never copied in).
         let dst =
             unsafe { std::slice::from_raw_parts_mut(self.map.data().add(offset), bytes.len()) };
-        crate::copy::copy_large(dst, bytes);
+        shmq_os::copy::copy_large(dst, bytes);
         Some(self.reference(lease, offset, bytes.len()))
     }
 
@@ -751,7 +752,7 @@ impl ArenaWriter {
     ) -> Option<Loan> {
         // Loans dropped while the process was out of mappings give their memory back
         // first, where they can now.
-        crate::segment::retry_deferred_unseals();
+        shmq_os::segment::retry_deferred_unseals();
         let (lease, offset, rounded) = self.allocate(len, reader_is_dead)?;
         self.is_loan[lease as usize] = true;
         // SAFETY: inside the data region (allocate).
@@ -771,7 +772,7 @@ impl ArenaWriter {
             // copy-on-write view (sealed by `publish`), so later writes reach no reader.
             bytes: unsafe { RawRegion::new(ptr, len) },
             pages,
-            made_in: crate::fork::generation(),
+            made_in: shmq_os::fork::generation(),
         })
     }
 
@@ -986,7 +987,7 @@ region!(Loan, bytes, mut);
 
 impl Drop for Loan {
     fn drop(&mut self) {
-        if crate::fork::is_inherited(self.made_in) {
+        if shmq_os::fork::is_inherited(self.made_in) {
             return; // the parent's loan, not this child's to give back
         }
         if !self.pages.unseal(&self.map.segment) {
@@ -995,7 +996,7 @@ impl Drop for Loan {
             // arena does not reuse them, until a retry succeeds (at this process's next
             // seal or loan), never for good.
             let (pages, map, lease) = (self.pages.clone(), self.map.clone(), self.lease);
-            crate::segment::defer_unseal(Box::new(move || {
+            shmq_os::segment::defer_unseal(Box::new(move || {
                 if !pages.unseal(&map.segment) {
                     return false;
                 }
@@ -1080,7 +1081,7 @@ impl ArenaReader {
         self.map.segment.name()
     }
 
-    /// An error once a peer truncated the arena (see `crate::sigbus`): the file is
+    /// An error once a peer truncated the arena (see `shmq_os::sigbus`): the file is
     /// shorter than when opened (an `fstat`), or a mapping of it here was hit.
     pub fn check_intact(&self) -> Result<()> {
         self.map.segment.check_intact()?;
@@ -1146,7 +1147,7 @@ impl ArenaReader {
                 arena: self.clone(),
                 lease,
                 map,
-                made_in: crate::fork::generation(),
+                made_in: shmq_os::fork::generation(),
             }),
             Err(e) => {
                 self.release(r);
@@ -1192,7 +1193,7 @@ impl Drop for ArenaView {
         // writer only writes the shared pages, never our private ones, and a page of
         // ours it changes now is one we no longer read. A forked child's copy of a view
         // drops nothing: the hold is its parent's.
-        if !crate::fork::is_inherited(self.made_in) {
+        if !shmq_os::fork::is_inherited(self.made_in) {
             release_hold(&self.arena.map, self.lease, self.arena.reader);
         }
     }

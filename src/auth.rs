@@ -6,14 +6,14 @@
 //! for the other. Why a MAC of shmq's own rather than ZeroMQ's CURVE: see
 //! docs/operations.md (multi-node).
 
-use crate::error::Result;
+use shmq_os::error::Result;
 
 /// Bytes of a secret (a queue's remote secret, a worker ticket's token).
 pub const SECRET_BYTES: usize = 32;
 
 /// A secret of [`SECRET_BYTES`] random bytes, from the kernel; `what` names it in an error.
 pub fn new_secret(what: &str) -> Result<[u8; SECRET_BYTES]> {
-    crate::random::random_bytes(what)
+    shmq_os::random::random_bytes(what)
 }
 
 /// A secret's one text form, in a queue's handle and in a worker's ticket alike: its
@@ -49,7 +49,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 
 /// A fresh 16-byte nonce (or session id), from the kernel.
 pub fn nonce(what: &str) -> Result<[u8; 16]> {
-    crate::random::random_bytes(what)
+    shmq_os::random::random_bytes(what)
 }
 
 /// The MAC of `parts` (each length-prefixed, after the domain `tag`) under `key`.

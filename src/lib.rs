@@ -6,8 +6,14 @@
 //!   ring's chunk flags, the doorbell's sleep/wake handshake, the store's and the key
 //!   index's seqlocks, the FIFO allocator (re-exported here as [`alloc`]) and the futex;
 //!   what loom model-checks (`crates/protocol/tests/loom.rs`);
-//! - `shmq` (this crate): segments, the queue, the store, the arena, the encoder cache,
-//!   workers; no Python;
+//! - `shmq-os` (`crates/os`): the operating-system layer — named segments and their
+//!   header check, liveness of peers (role locks, pidfds), processes, the `SIGBUS` of a
+//!   truncating peer, the mapping budget, private copy-on-write views, store pins, fork
+//!   safety — and the one error type ([`Error`]) with the warnings' hook. Its public
+//!   modules are this crate's too ([`error`], [`warning`], [`copy`], [`liveness`],
+//!   [`process`], [`private_map`]);
+//! - `shmq` (this crate): the queue, the store, the arena, the encoder cache, the remote
+//!   stream and its relay, workers; no Python;
 //! - `shmq-python` (`bindings/python`): the PyO3 binding, module `shmq._core`; it sees
 //!   only this crate's public API.
 //!
@@ -16,33 +22,11 @@
 //! points up, so there is no circle (`tests/layering.rs` checks the source against this
 //! list, which names every module of `src/` once). Public modules are links; the others
 //! are internal.
-//! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
-//! - [`warning`]: where shmq's warnings go (a hook, the `log` crate, or stderr);
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
 //!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet, and the clock of a wait
 //!   started over);
-//! - [`copy`]: large copies into shared memory;
-//! - `random`: secrets and nonces from the kernel;
-//! - [`auth`]: the keyed MAC that proves a secret (remote stream, worker handshake);
-//! - `fork`: what a forked child must not do with what it inherited;
-//! - [`liveness`]: telling a live peer from a dead one by the role locks it holds on
-//!   bytes of a segment's file (also across pid namespaces): alive, dead, or unknown;
-//!   where the segments' files are (`SHM_DIR`); the end of a process tree (pidfds,
-//!   [`liveness::kill_descendants`]);
-//! - [`process`]: naming a process by pid and start time; its descendants;
-//! - `sigbus`: a peer that truncates a mapped segment: the `SIGBUS` handler that turns
-//!   the fault into zero pages and an error, and what shmq guarantees against the same
-//!   user's processes;
-//! - `map_budget`: shmq's own mappings counted against the process's `vm.max_map_count`;
-//! - `segment`: named POSIX shared memory, and the header check every kind of segment
-//!   makes;
-//! - `range_alloc`: the whole-page allocator of the arena's and the encoder cache's data
-//!   regions;
-//! - `region`: what every region of shared memory handed out (loan, view) gives: its
-//!   pointer, length and bytes;
-//! - `private_map`: private copy-on-write views of a segment;
-//! - `pins`: a process's views holding store blocks (file locks the writer checks before
-//!   it frees);
+//! - [`auth`]: the keyed MAC that proves a secret (remote stream, worker handshake), and
+//!   a secret's one text form;
 //! - `transport`: ZeroMQ, for local readers' oversized messages;
 //! - [`remote`]: the authenticated stream to remote readers (and its bounds);
 //! - [`storage`]: the object store, on the FIFO allocator;
@@ -95,32 +79,29 @@
 //! ```
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-/// Report a warning to the user: `format!` arguments (see [`warning`]).
-macro_rules! warn_user {
-    ($($arg:tt)*) => { $crate::warning::emit(module_path!(), format_args!($($arg)*)) };
-}
+// `warn_user!`: report a warning to the user (see [`warning`]), from the layer below.
+#[macro_use]
+extern crate shmq_os;
 
 // The cross-process protocols are the crate below this one (`shmq-protocol`, which
 // loom model-checks); the object store's allocator is public API here too.
 pub use shmq_protocol::alloc;
 
+// The operating-system layer below this crate (`shmq-os`): its public modules are part
+// of this crate's API, at the same paths as before the split.
+pub use shmq_os::{copy, error, liveness, private_map, process, warning};
+
 pub mod admin;
 pub mod arena;
 pub mod auth;
 pub mod broadcast;
-pub mod copy;
 pub mod encoder_cache;
-pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod liveness;
-pub mod private_map;
-pub mod process;
 pub mod relay;
 pub mod remote;
 pub mod storage;
 pub mod wait;
-pub mod warning;
 pub mod workers;
 
 pub use arena::{ArenaView, Loan};
@@ -132,12 +113,4 @@ pub use transport::default_connect_ip;
 pub use warning::set_warning_hook;
 
 // Internals.
-pub(crate) mod fork;
-pub(crate) mod map_budget;
-pub(crate) mod pins;
-pub(crate) mod random;
-pub(crate) mod range_alloc;
-pub(crate) mod region;
-pub(crate) mod segment;
-pub(crate) mod sigbus;
 pub(crate) mod transport;

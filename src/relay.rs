@@ -27,8 +27,8 @@
 use std::time::{Duration, Instant};
 
 use crate::broadcast::{ArrayRef, Canceller, Handle, QueueOptions, Reader, Received, Writer};
-use crate::error::{Error, Result};
 use crate::wait::{Hook, WaitSpec};
+use shmq_os::error::{Error, Result};
 
 /// How [`Relay::run`] ended without an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

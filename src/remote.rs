@@ -76,10 +76,10 @@
 
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::fork::LeakInChild;
 use crate::transport::{poll_slice, POLL_SLICE};
 use crate::wait::Wait;
+use shmq_os::error::{Error, Result};
+use shmq_os::fork::LeakInChild;
 
 /// Bytes of the queue's secret.
 pub use crate::auth::SECRET_BYTES;
@@ -185,7 +185,7 @@ impl std::str::FromStr for SlowReaderPolicy {
             ("block", SlowReaderPolicy::Block),
             ("drop", SlowReaderPolicy::Drop),
         ];
-        crate::error::parse_choice("slow_remote_reader", s, &choices)
+        shmq_os::error::parse_choice("slow_remote_reader", s, &choices)
     }
 }
 
@@ -1249,7 +1249,7 @@ impl std::fmt::Debug for RemoteReader {
 impl Drop for RemoteReader {
     fn drop(&mut self) {
         // In a forked child the sockets are the parent's and are leaked, untouched.
-        if crate::fork::is_inherited(self.socket.made_in()) {
+        if shmq_os::fork::is_inherited(self.socket.made_in()) {
             return;
         }
         // Stop the monitor before its reading end closes: libzmq would otherwise emit the

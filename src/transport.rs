@@ -9,14 +9,14 @@
 //!   every message after that reaches every reader.
 //!
 //! Sockets (and the queues' contexts) are never torn down in a forked child: see
-//! [`crate::fork`].
+//! [`shmq_os::fork`].
 //!
 //! High-water marks are off on both ends: a slow remote reader makes the writer's
 //! memory grow rather than lose messages (local readers are bounded by the ring).
 
-use crate::error::{Error, Result};
-use crate::fork::LeakInChild;
 use crate::wait::Wait;
+use shmq_os::error::{Error, Result};
+use shmq_os::fork::LeakInChild;
 use std::time::Duration;
 
 /// The handshake message the writer publishes once every reader has subscribed.
@@ -32,7 +32,7 @@ pub const READY: &[u8] = b"READY";
 /// messages are flushed when that context ends (`LINGER_MS`).
 ///
 /// It is never terminated (it lives as long as the process). A forked child gets its
-/// own, leaking the inherited one unused ([`crate::fork`]); a caller that finds the
+/// own, leaking the inherited one unused ([`shmq_os::fork`]); a caller that finds the
 /// slot locked (another thread making one, or a lock a fork left taken) gets a context
 /// of its own, which ends with its last socket as before.
 pub(crate) fn shared_context() -> zmq::Context {
@@ -41,7 +41,7 @@ pub(crate) fn shared_context() -> zmq::Context {
     let Ok(mut slot) = SHARED.try_lock() else {
         return zmq::Context::new();
     };
-    let generation = crate::fork::generation();
+    let generation = shmq_os::fork::generation();
     match slot.take() {
         Some((made_in, ctx)) if made_in == generation => {
             *slot = Some((made_in, ctx.clone()));
@@ -140,24 +140,24 @@ struct SocketDir {
 impl SocketDir {
     fn create(segment: &str) -> Result<SocketDir> {
         use std::os::unix::fs::DirBuilderExt;
-        let path = format!("{}/{segment}{SOCKET_DIR_SUFFIX}", crate::segment::SHM_DIR);
+        let path = format!("{}/{segment}{SOCKET_DIR_SUFFIX}", shmq_os::segment::SHM_DIR);
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&path)
             .map_err(|e| Error::os(format!("creating the socket directory {path}"), e))?;
-        crate::segment::note_created(&path);
+        shmq_os::segment::note_created(&path);
         Ok(SocketDir {
             path,
-            made_in: crate::fork::generation(),
+            made_in: shmq_os::fork::generation(),
         })
     }
 }
 
 impl Drop for SocketDir {
     fn drop(&mut self) {
-        if !crate::fork::is_inherited(self.made_in) {
+        if !shmq_os::fork::is_inherited(self.made_in) {
             let _ = std::fs::remove_dir_all(&self.path);
-            crate::segment::forget_created(&self.path);
+            shmq_os::segment::forget_created(&self.path);
         }
     }
 }

@@ -56,7 +56,7 @@ __all__ = [
 
 __version__: str
 segment_prefix: str
-#: The directory of POSIX shared memory, where every segment is (``src/segment.rs``).
+#: The directory of POSIX shared memory, where every segment is (``crates/os/src/segment.rs``).
 SHM_DIR: str
 #: The store's layout (``src/alloc.rs``, ``src/storage/``): a block's ``[id][size]``
 #: header, where ids wrap, the bytes vLLM counts for an object's reader flag in

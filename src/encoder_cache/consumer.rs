@@ -14,10 +14,10 @@ use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::private_map::{PrivateFile, PrivateMap};
-use crate::process::ProcessId;
-use crate::segment::SHM_DIR;
+use shmq_os::error::{Error, Result};
+use shmq_os::private_map::{PrivateFile, PrivateMap};
+use shmq_os::process::ProcessId;
+use shmq_os::segment::SHM_DIR;
 use shmq_protocol::sync::Ordering;
 
 use super::entries::{self, PartsLayout, READY};
@@ -38,7 +38,7 @@ struct Membership {
     slot: usize,
     word: u64,
     /// The slot's role lock, held while joined (released after `leave`, on drop).
-    _role: crate::liveness::RoleLock,
+    _role: shmq_os::liveness::RoleLock,
 }
 
 impl Drop for Membership {
@@ -111,7 +111,7 @@ impl Link {
     fn is_current(&mut self, now: Instant, segment: &str) -> bool {
         // Acquire: pairs with the producer's Release store of CLOSED / SUPERSEDED.
         if self.map.header().state.load(Ordering::Acquire) != STATE_OPEN {
-            // A truncated segment (read as zeros: see `crate::sigbus`) stays, so that
+            // A truncated segment (read as zeros: see `shmq_os::sigbus`) stays, so that
             // loads report the truncation.
             return self.map.segment.check_intact().is_err();
         }

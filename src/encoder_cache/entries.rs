@@ -1,5 +1,5 @@
 //! Entries: their life cycle in shared memory and the byte layout of one entry's data (the
-//! producer allocates the data region with `crate::range_alloc::RangeAllocator`).
+//! producer allocates the data region with `shmq_os::range_alloc::RangeAllocator`).
 //!
 //! # Life cycle (the `state` word of an entry record: `generation << 2 | state`)
 //! ```text
@@ -28,7 +28,7 @@
 //! A consumer reads the table from its own private mapping and checks every part lies
 //! inside it, so a corrupted entry is an error, never a read out of bounds.
 
-use crate::error::{Error, Result};
+use shmq_os::error::{Error, Result};
 
 pub(crate) const FREE: u64 = 0;
 pub(crate) const WRITING: u64 = 1;

@@ -23,10 +23,10 @@
 
 use std::ptr::NonNull;
 
-use crate::error::{Error, Result};
-use crate::private_map::page_size;
-use crate::process::ProcessId;
-use crate::segment::{data_after_table, round_up, HeaderCheck, Segment};
+use shmq_os::error::{Error, Result};
+use shmq_os::private_map::page_size;
+use shmq_os::process::ProcessId;
+use shmq_os::segment::{data_after_table, round_up, HeaderCheck, Segment};
 use shmq_protocol::doorbell::DoorbellWords;
 use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 

@@ -20,7 +20,7 @@
 //! - **Entries** ([`entries`]) live in a data region reserved lazily in `/dev/shm` (a
 //!   full `/dev/shm` is an error at `save`, not a `SIGBUS`; see `backing`). Each holds
 //!   parts (for Python: a protocol-5 pickle and its out-of-band tensor buffers). A
-//!   consumer maps an entry privately (`MAP_PRIVATE`, see `crate::private_map`): the
+//!   consumer maps an entry privately (`MAP_PRIVATE`, see `shmq_os::private_map`): the
 //!   view is zero-copy, writable, and a write stays private to that view.
 //! - **Pins and acknowledgements per consumer slot** ([`slots`]): each consumer has a
 //!   slot (pid + start time); each entry has one pin count per slot (views alive) and one
@@ -92,7 +92,7 @@ pub use slots::ConsumerInfo;
 /// What `inspect` shows of an encoder-cache segment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheInfo {
-    pub creator: crate::process::ProcessId,
+    pub creator: shmq_os::process::ProcessId,
     /// "open", "closed" or "superseded".
     pub state: &'static str,
     pub capacity: u64,

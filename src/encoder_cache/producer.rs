@@ -10,18 +10,18 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::private_map::page_size;
-use crate::process::ProcessId;
-use crate::segment::{shm_statvfs, unique_name, warn_shm_too_small, Segment, SHM_DIR};
 use crate::wait::Wait;
+use shmq_os::error::{Error, Result};
+use shmq_os::private_map::page_size;
+use shmq_os::process::ProcessId;
+use shmq_os::segment::{shm_statvfs, unique_name, warn_shm_too_small, Segment, SHM_DIR};
 use shmq_protocol::sync::Ordering;
 
 use super::backing::Backing;
 use super::entries::{self, PartsLayout, READY, RETIRED, WRITING};
 use super::layout::{segment_name, Geometry, Mapped, SEGMENT_PREFIX, STATE_CLOSED};
 use super::slots::{self, ConsumerInfo, StuckClaims};
-use crate::range_alloc::RangeAllocator;
+use shmq_os::range_alloc::RangeAllocator;
 use shmq_protocol::key_index::{IndexWriter, Key};
 
 /// Default bytes of a producer's data region (address space; pages are reserved only as
@@ -276,7 +276,7 @@ impl Producer {
                 self.inner.name
             )));
         }
-        // A peer that truncated the segment (see `crate::sigbus`).
+        // A peer that truncated the segment (see `shmq_os::sigbus`).
         self.inner.map.segment.check_intact()
     }
 
@@ -321,7 +321,7 @@ impl Producer {
             None => {
                 let mut sweep = || {
                     inner.sweep();
-                    // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+                    // A peer that truncated the segment ends the wait (see `shmq_os::sigbus`).
                     inner.map.segment.check_length()
                 };
                 let mut failure = None;
@@ -380,7 +380,7 @@ impl Producer {
             return Ok(false);
         };
         for (i, p) in parts.iter().enumerate() {
-            crate::copy::copy_large(r.part_mut(i), p);
+            shmq_os::copy::copy_large(r.part_mut(i), p);
         }
         r.publish()
     }
@@ -434,7 +434,7 @@ impl Producer {
         let inner = &self.inner;
         let mut sweep = || {
             inner.sweep();
-            // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+            // A peer that truncated the segment ends the wait (see `shmq_os::sigbus`).
             inner.map.segment.check_length()
         };
         let ready = || match self.load_state(key) {
@@ -480,7 +480,7 @@ impl Producer {
         let inner = &self.inner;
         let mut sweep = || {
             inner.sweep();
-            // A peer that truncated the segment ends the wait (see `crate::sigbus`).
+            // A peer that truncated the segment ends the wait (see `shmq_os::sigbus`).
             inner.map.segment.check_length()
         };
         let r = wait.until(Some(inner.map.bell()), &mut sweep, || {

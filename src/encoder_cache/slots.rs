@@ -26,16 +26,16 @@
 //!
 //! # Dead consumers
 //! A consumer holds its slot's role lock (byte `1 + slot` of the segment's file, see
-//! [`crate::liveness`]) for as long as it is joined. A JOINED slot whose lock is free is
+//! [`shmq_os::liveness`]) for as long as it is joined. A JOINED slot whose lock is free is
 //! proved dead (also from another pid namespace) and is reclaimed: its pin counts are
 //! zeroed (its views died with it), then it is freed. Where the lock cannot be tested,
 //! the pid decides, and a pid that is not visible is "unknown": never reclaimed.
 
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::liveness::{Liveness, LockProbe, RoleLock};
-use crate::process::ProcessId;
+use shmq_os::error::{Error, Result};
+use shmq_os::liveness::{Liveness, LockProbe, RoleLock};
+use shmq_os::process::ProcessId;
 use shmq_protocol::sync::{fence, Ordering};
 
 use super::layout::{ConsumerSlot, Mapped};

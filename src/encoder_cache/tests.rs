@@ -7,15 +7,15 @@ use std::time::{Duration, Instant};
 use super::layout::Mapped;
 use super::slots;
 use super::*;
-use crate::error::Error;
-use crate::process::ProcessId;
+use shmq_os::error::Error;
+use shmq_os::process::ProcessId;
 use shmq_protocol::sync::Ordering;
 
 const PAGE: usize = 4096;
 
 fn name(tag: &str) -> String {
     // shmq_t_<pid>_<hex>: unique, and the name shows which test process made it.
-    format!("{}-{tag}", crate::segment::unique_name("t"))
+    format!("{}-{tag}", shmq_os::segment::unique_name("t"))
 }
 
 fn producer(tag: &str, pages: usize, max_entries: usize) -> Producer {

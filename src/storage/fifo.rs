@@ -15,8 +15,8 @@
 use std::sync::Arc;
 
 use super::store_segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
-use crate::error::{Error, Result};
-use crate::segment::unique_name;
+use shmq_os::error::{Error, Result};
+use shmq_os::segment::unique_name;
 use shmq_protocol::alloc::{Block, FifoAllocator, Freed, HEADER_BYTES};
 use shmq_protocol::sync::Ordering;
 

@@ -10,9 +10,9 @@ use super::store_segment::{
     count_word_at, BlockHeader, StoreSegment, COUNT_BYTES, COUNT_WORD_BYTES, PART_ALIGN,
     SIGNATURE_BYTES,
 };
-use crate::error::{Error, HandleRefusal, Result};
-use crate::region::RawRegion;
-use crate::segment::{warn_shm_too_small, LoanPages};
+use shmq_os::error::{Error, HandleRefusal, Result};
+use shmq_os::region::RawRegion;
+use shmq_os::segment::{warn_shm_too_small, LoanPages};
 use shmq_protocol::alloc::{Block, Freed, HEADER_BYTES};
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
@@ -50,7 +50,7 @@ pub struct StoreLoan {
 
 impl Drop for StoreLoan {
     fn drop(&mut self) {
-        if crate::fork::is_inherited(self._pin.made_in) {
+        if shmq_os::fork::is_inherited(self._pin.made_in) {
             return; // a forked child's copy: its mapping is its own
         }
         // Shared again before the pin goes (after this body) and the block can be reused.
@@ -59,7 +59,7 @@ impl Drop for StoreLoan {
             // there would reach nobody. The block stays pinned until a retry succeeds
             // (at this process's next seal, loan or allocation), never for good.
             let (pages, pin) = (self.pages.clone(), self._pin.clone());
-            crate::segment::defer_unseal(Box::new(move || pages.unseal(&pin.segment.segment)));
+            shmq_os::segment::defer_unseal(Box::new(move || pages.unseal(&pin.segment.segment)));
         }
     }
 }
@@ -71,7 +71,7 @@ unsafe impl Send for StoreLoan {}
 // SAFETY: as for Send: `&StoreLoan` gives the pointer out, not access.
 unsafe impl Sync for StoreLoan {}
 
-crate::region::region!(StoreLoan, bytes, mut);
+shmq_os::region!(StoreLoan, bytes, mut);
 
 /// The writer's bookkeeping for one object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -320,7 +320,7 @@ impl ObjectStore {
         // mappings give their blocks back first, where they can now.
         let block = match ring.allocate_with(size_at) {
             Err(Error::Full(_) | Error::NoSpace { .. }) => {
-                crate::segment::retry_deferred_unseals();
+                shmq_os::segment::retry_deferred_unseals();
                 self.free_unused(ring)?;
                 match ring.allocate_with(size_at) {
                     Ok(block) => block,
@@ -412,7 +412,7 @@ impl ObjectStore {
         if !ring.is_writer() {
             return Err(Error::WrongRole("Only the writer can loan memory.".into()));
         }
-        crate::segment::retry_deferred_unseals();
+        shmq_os::segment::retry_deferred_unseals();
         if nbytes == 0 {
             return Err(Error::InvalidArgument("Size must be greater than 0".into()));
         }

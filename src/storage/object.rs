@@ -7,9 +7,9 @@ use super::store_segment::{
     count_word_at, id_in, pin_byte, BlockHeader, StoreSegment, COUNT_WORD_BYTES, PART_ALIGN,
     RING_OFFSET,
 };
-use crate::error::{Error, Result};
-use crate::pins::Pin;
-use crate::private_map::PrivateMap;
+use shmq_os::error::{Error, Result};
+use shmq_os::pins::Pin;
+use shmq_os::private_map::PrivateMap;
 use shmq_protocol::alloc::HEADER_BYTES;
 use shmq_protocol::sync::{fence, AtomicU64, Ordering};
 
@@ -215,7 +215,7 @@ pub fn check_object(segment: &StoreSegment, address: u64, id: u32) -> Result<()>
 }
 
 /// `r`, unless the segment was found truncated meanwhile (its reads then read zeros:
-/// whatever they concluded, the truncation is the error; see `crate::sigbus`).
+/// whatever they concluded, the truncation is the error; see `shmq_os::sigbus`).
 fn intact_first<T>(segment: &StoreSegment, r: Result<T>) -> Result<T> {
     segment.check_intact()?;
     r
@@ -303,7 +303,7 @@ pub struct BlockPin {
 impl Drop for BlockPin {
     fn drop(&mut self) {
         // A forked child's copy counts nothing: the hint is its parent's to decrement.
-        if !crate::fork::is_inherited(self.made_in) {
+        if !shmq_os::fork::is_inherited(self.made_in) {
             // Release: once the writer's (SeqCst) load of the hint reads 0 it reuses the
             // block without probing, so everything done with the block under this pin (a
             // loan filled on another thread, a view's reads) must come before.
@@ -321,7 +321,7 @@ pub struct PartView {
     pub(super) _pin: Arc<BlockPin>,
 }
 
-crate::region::region!(PartView, map);
+shmq_os::region!(PartView, map);
 
 /// What [`read_object_viewed`] offers to map parts of the object it reads. The block is
 /// pinned at the first [`ObjectViews::map`] (objects read without views cost no pin).
@@ -415,7 +415,7 @@ pub(super) fn pin_own(segment: &Arc<StoreSegment>, id: u32) -> Result<Arc<BlockP
     // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned` (see
     // `pin_block`).
     segment.pin_hint().fetch_add(1, Ordering::SeqCst);
-    let made_in = crate::fork::generation();
+    let made_in = shmq_os::fork::generation();
     match segment.pins.pin(pin_byte(id)) {
         Ok(pin) => Ok(Arc::new(BlockPin {
             segment: segment.clone(),

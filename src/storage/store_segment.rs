@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-use crate::error::{Error, HandleRefusal, Result};
-use crate::liveness::{Liveness, LockProbe};
-use crate::pins::Pins;
-use crate::private_map::PrivateFile;
-use crate::process::ProcessId;
-use crate::segment::{HeaderCheck, Segment};
+use shmq_os::error::{Error, HandleRefusal, Result};
+use shmq_os::liveness::{Liveness, LockProbe};
+use shmq_os::pins::Pins;
+use shmq_os::private_map::PrivateFile;
+use shmq_os::process::ProcessId;
+use shmq_os::segment::{HeaderCheck, Segment};
 use shmq_protocol::alloc::{Block, FifoAllocator, HEADER_BYTES, ID_MAX};
 use shmq_protocol::seqlock;
 use shmq_protocol::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -215,7 +215,7 @@ impl StoreSegment {
             .ok_or_else(|| {
                 Error::InvalidArgument(format!("data_buffer_size {capacity} is too large"))
             })?;
-        let secret = crate::random::random_bytes::<SECRET_BYTES>("the store's signing secret")?;
+        let secret = shmq_os::random::random_bytes::<SECRET_BYTES>("the store's signing secret")?;
         // Sparse: the first page now, the ring as it is used (see `super::fifo`).
         let segment = Segment::create_sparse(name, total, RING_OFFSET)?;
         let base = NonNull::new(segment.as_ptr()).expect("mmap never returns null");
@@ -344,7 +344,7 @@ impl StoreSegment {
     }
 
     /// An error once a peer truncated the segment under this process (see
-    /// `crate::sigbus`): one atomic load, where each read and write begins and ends.
+    /// `shmq_os::sigbus`): one atomic load, where each read and write begins and ends.
     #[inline]
     pub fn check_intact(&self) -> Result<()> {
         self.segment.check_intact()

@@ -4,7 +4,7 @@ use super::index::LOAN_ALIGN;
 use super::object::{count_one_read, object_layout};
 use super::store_segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
 use super::*;
-use crate::error::{Error, HandleRefusal, Result};
+use shmq_os::error::{Error, HandleRefusal, Result};
 use shmq_protocol::alloc::HEADER_BYTES;
 use std::sync::Arc;
 
@@ -653,7 +653,7 @@ fn a_truncated_store_refuses_puts_and_reports_no_object_cached() {
     s.put(&mut ring, "a", &[&[1u8; 1000]], 1).unwrap();
     assert!(s.is_cached(ring.segment(), "a").unwrap());
     let name = ring.segment().name().to_owned();
-    let path = format!("{}/{name}", crate::liveness::SHM_DIR);
+    let path = format!("{}/{name}", shmq_os::liveness::SHM_DIR);
     std::fs::OpenOptions::new()
         .write(true)
         .open(&path)

@@ -77,10 +77,10 @@ use std::time::{Duration, Instant};
 
 mod watch;
 
-use crate::error::{Error, Result};
-pub use crate::error::{StderrCapture, WorkerDeath, WorkerExit};
-use crate::process::ProcessId;
-use crate::{liveness, segment};
+use shmq_os::error::{Error, Result};
+pub use shmq_os::error::{StderrCapture, WorkerDeath, WorkerExit};
+use shmq_os::process::ProcessId;
+use shmq_os::{liveness, segment};
 use watch::{
     death, drain_stderr, forward_lines, poll_exits, push_line, remove_segments_of, running_trees,
     set_nonblocking, supervise, Member, ReadyFrame, Shared, State,

@@ -8,8 +8,8 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use super::{StderrCapture, WorkerDeath, WorkerExit, WorkerStatus, EXIT_POLL, MAX_READY_PAYLOAD};
-use crate::process::{self, ProcessId};
-use crate::{liveness, segment};
+use shmq_os::process::{self, ProcessId};
+use shmq_os::{liveness, segment};
 
 /// What a worker's ready pipe carries: frames of a 4-byte big-endian word and a payload.
 /// A word without [`NOTICE_FLAG`] is the ready report (its payload's length, once); one

@@ -1,5 +1,5 @@
 """Hostile tests of views carved out of one private mapping per reader that stays (the
-*window*, ``src/private_map.rs``): when a view goes, the pages it wrote are dropped
+*window*, ``crates/os/src/private_map.rs``): when a view goes, the pages it wrote are dropped
 (``/proc/self/pagemap``, ``MADV_DONTNEED``) so the next message placed in that memory
 shows through, and a view overlapping a live one gets a mapping of its own.
 

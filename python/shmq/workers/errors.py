@@ -49,7 +49,7 @@ class WorkerDiedError(RuntimeError):
         self.signal_name = _signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
         self.stderr_tail = list(stderr_tail)
         self.before_ready = before_ready
-        # The wording is the core's (``src/error.rs``), for Rust and Python alike.
+        # The wording is the core's (``crates/os/src/error.rs``), for Rust and Python alike.
         message = _core.worker_died_message(
             name,
             rank,

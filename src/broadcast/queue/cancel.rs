@@ -22,7 +22,7 @@ impl Canceller {
             flag: Arc::new(AtomicBool::new(false)),
             ring,
             writer,
-            made_in: crate::fork::generation(),
+            made_in: shmq_os::fork::generation(),
         }
     }
 
@@ -32,7 +32,7 @@ impl Canceller {
     /// own waits, say). Remote readers are not told then. Nothing for a reader's, or in
     /// a forked child (the ring is its parent's).
     pub fn close_ring(&self) {
-        if !self.writer || crate::fork::is_inherited(self.made_in) {
+        if !self.writer || shmq_os::fork::is_inherited(self.made_in) {
             return;
         }
         if let Some(ring) = &self.ring {

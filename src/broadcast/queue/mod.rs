@@ -27,8 +27,8 @@ mod tests;
 mod writer;
 
 use super::ring::Ring;
-use crate::error::{Error, Result};
-use crate::liveness::Liveness;
+use shmq_os::error::{Error, Result};
+use shmq_os::liveness::Liveness;
 
 pub use cancel::Canceller;
 pub use handle::Handle;

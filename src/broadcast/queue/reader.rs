@@ -19,12 +19,12 @@ use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, Ring, RingReader};
 use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
-use crate::error::{Error, Result};
-use crate::fork::{self, LeakInChild};
-use crate::private_map::{PrivateFile, PrivateMap};
 use crate::remote::RemoteReader;
 use crate::transport::Subscriber;
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
+use shmq_os::error::{Error, Result};
+use shmq_os::fork::{self, LeakInChild};
+use shmq_os::private_map::{PrivateFile, PrivateMap};
 
 enum Source {
     Local {

@@ -11,11 +11,11 @@ use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
-use crate::error::{Error, Result};
-use crate::fork::{self, LeakInChild};
 use crate::remote::{self, RemoteWriter};
 use crate::transport::{default_connect_ip, Publisher};
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
+use shmq_os::error::{Error, Result};
+use shmq_os::fork::{self, LeakInChild};
 
 /// What the writer's waits are for, in warnings and timeout errors.
 const WAITING_FOR_SUBSCRIBERS: &str = "the writer waiting for every reader to subscribe";
@@ -804,7 +804,7 @@ impl Writer {
             return Err(Error::NoSpace {
                 name: ring.ring().name().to_owned(),
                 needed: whole as u64,
-                available: crate::segment::shm_free_bytes().unwrap_or(0),
+                available: shmq_os::segment::shm_free_bytes().unwrap_or(0),
             });
         }
         ring.acquire(wait).map(drop)

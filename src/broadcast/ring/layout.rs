@@ -6,8 +6,8 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
 
-use crate::error::{Error, Result};
-use crate::segment::round_up;
+use shmq_os::error::{Error, Result};
+use shmq_os::segment::round_up;
 use shmq_protocol::doorbell::DoorbellWords;
 
 /// "SHMQRNG1" in little-endian: marks a finished broadcast-ring segment.
@@ -22,7 +22,7 @@ pub(super) const STATE_LEN_OFFSET: usize = 0;
 pub(super) const STATE_KIND_OFFSET: usize = 8;
 pub(super) const STATE_FLAGS_OFFSET: usize = 16;
 /// More readers than this would make the state blocks absurd; engines use a handful.
-pub use crate::segment::MAX_READERS;
+pub use shmq_os::segment::MAX_READERS;
 
 /// What a chunk holds.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -44,10 +44,10 @@ mod writer;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 
-use crate::error::{Error, Result};
-use crate::liveness::{Liveness, LockProbe};
-use crate::process::ProcessId;
-use crate::segment::{unique_name, HeaderCheck, Segment};
+use shmq_os::error::{Error, Result};
+use shmq_os::liveness::{Liveness, LockProbe};
+use shmq_os::process::ProcessId;
+use shmq_os::segment::{unique_name, HeaderCheck, Segment};
 use shmq_protocol::doorbell::DoorbellWords;
 use shmq_protocol::ring::{self as protocol, ChunkFlags};
 
@@ -237,7 +237,7 @@ impl Ring {
     }
 
     /// An error once a peer truncated the segment under this process (see
-    /// `crate::sigbus`): one atomic load, at each call's start and end.
+    /// `shmq_os::sigbus`): one atomic load, at each call's start and end.
     #[inline]
     pub fn check_intact(&self) -> Result<()> {
         self.segment.check_intact()

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use super::layout::ChunkKind;
 use super::Ring;
-use crate::error::{Error, Result};
-use crate::liveness::{Liveness, RoleLock};
 use crate::wait::Wait;
+use shmq_os::error::{Error, Result};
+use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_protocol::ring as protocol;
 
 /// A message found in the ring by a reader.

@@ -3,16 +3,16 @@
 //! A slot records its holder (pid and start time, to name it), a state and a message
 //! count, under the generation-stamped seqlock of [`shmq_protocol::ring`] (`slot_*`). Holding
 //! a slot also means holding its role lock (byte `1 + slot` of the ring's file, see
-//! [`crate::liveness`]): a second process cannot take a slot that a live one holds, and
+//! [`shmq_os::liveness`]): a second process cannot take a slot that a live one holds, and
 //! whether a holder is alive is read off that lock — also from another pid namespace,
 //! where its pid means nothing. Uses the ring's mapping ([`super::Ring`]).
 
 use super::layout::{SLOTS_OFFSET, SLOT_SIZE};
 use super::Ring;
-use crate::error::{Error, Result};
-use crate::liveness::{Liveness, RoleLock};
-use crate::process::ProcessId;
 use crate::wait::Wait;
+use shmq_os::error::{Error, Result};
+use shmq_os::liveness::{Liveness, RoleLock};
+use shmq_os::process::ProcessId;
 use shmq_protocol::ring::{self as protocol, SLOT_ATTACHED, SLOT_DROPPED};
 use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 
@@ -35,7 +35,7 @@ pub(super) struct Slot {
     /// Time spent blocked in those waits, in ns.
     pub(super) wait_ns: AtomicU64,
     /// While the holder blocks in the queue waiting for the other side: when that wait
-    /// began ([`coarse_now_ns`](crate::process::coarse_now_ns)); 0 when it is not.
+    /// began ([`coarse_now_ns`](shmq_os::process::coarse_now_ns)); 0 when it is not.
     pub(super) waiting_since: AtomicU64,
     /// When the holder last wrote or read a message (same clock); 0 before the first.
     pub(super) last_ns: AtomicU64,
@@ -58,7 +58,7 @@ pub struct SlotInfo {
     pub wait_ns: u64,
     /// When the holder began the wait it is in now (`None`: it is not waiting in the
     /// queue), and when it last handled a message, both on
-    /// [`coarse_now_ns`](crate::process::coarse_now_ns)'s clock.
+    /// [`coarse_now_ns`](shmq_os::process::coarse_now_ns)'s clock.
     pub waiting_since: Option<u64>,
     pub last_ns: Option<u64>,
     /// The slot word the fields were read under (to drop the holder with a CAS).
@@ -149,7 +149,7 @@ impl Ring {
         slot.bytes
             .store(bytes.wrapping_add(len as u64), Ordering::Relaxed);
         slot.last_ns
-            .store(crate::process::coarse_now_ns(), Ordering::Relaxed);
+            .store(shmq_os::process::coarse_now_ns(), Ordering::Relaxed);
     }
 
     /// Mark slot `index`'s holder as blocked in the queue from now on, for `wait`, which
@@ -158,7 +158,7 @@ impl Ring {
     /// [`Ring::end_wait`], and whether the wait is counted (once per wait).
     pub(super) fn begin_wait(&self, index: usize, wait: &mut Wait) -> (u64, bool) {
         let (blocked_since, first) = wait.blocked_since();
-        let now = crate::process::coarse_now_ns().max(1);
+        let now = shmq_os::process::coarse_now_ns().max(1);
         let began = now
             .saturating_sub(blocked_since.elapsed().as_nanos() as u64)
             .max(1);
@@ -173,7 +173,7 @@ impl Ring {
     /// way): count its time, and the wait itself if `counted`.
     pub(super) fn end_wait(&self, index: usize, (since, counted): (u64, bool)) {
         let slot = self.slot(index);
-        let now = crate::process::coarse_now_ns();
+        let now = shmq_os::process::coarse_now_ns();
         // Relaxed: statistics written only by this slot's holder (see `record_message`).
         slot.waiting_since.store(0, Ordering::Relaxed);
         let waits = slot.waits.load(Ordering::Relaxed);

@@ -6,8 +6,8 @@
 
 use super::layout::RingShared;
 use super::Ring;
-use crate::liveness::Liveness;
-use crate::process::{coarse_now_ns, ProcessId};
+use shmq_os::liveness::Liveness;
+use shmq_os::process::{coarse_now_ns, ProcessId};
 use shmq_protocol::sync::{AtomicU64, Ordering};
 
 /// One side of a ring (the writer, or one reader), as its slot says.

@@ -179,7 +179,7 @@ fn stats_and_the_warnings_words_follow_each_side() {
     assert_eq!(s.readers[1].behind(&s.writer), 2);
     assert_eq!(s.readers[1].idle_seconds, None, "reader 1 has read nothing");
     assert!(s.readers[0].idle_seconds.is_some());
-    assert_eq!(s.readers[0].liveness, crate::liveness::Liveness::Alive);
+    assert_eq!(s.readers[0].liveness, shmq_os::liveness::Liveness::Alive);
     let behind = ring.explain_readers_behind(0, &|_| false, &|r| format!("reader {r}"));
     assert!(behind.contains("reader 1: pid "), "{behind}");
     assert!(

@@ -22,10 +22,10 @@ use std::sync::Arc;
 
 use super::layout::ChunkKind;
 use super::Ring;
-use crate::error::{Error, Result};
-use crate::liveness::{Liveness, RoleLock};
-use crate::segment::{round_up, warn_shm_too_small};
 use crate::wait::Wait;
+use shmq_os::error::{Error, Result};
+use shmq_os::liveness::{Liveness, RoleLock};
+use shmq_os::segment::{round_up, warn_shm_too_small};
 use shmq_protocol::ring::{self as protocol, ChunkFlags};
 
 /// Chunk data is reserved in `/dev/shm` in steps of this many bytes (or to the end of
@@ -66,7 +66,7 @@ impl std::str::FromStr for DeadReaderPolicy {
             ("raise", DeadReaderPolicy::Raise),
             ("drop", DeadReaderPolicy::Drop),
         ];
-        crate::error::parse_choice("on_dead_reader", s, &choices)
+        shmq_os::error::parse_choice("on_dead_reader", s, &choices)
     }
 }
 
@@ -279,7 +279,7 @@ impl RingWriter {
         // bytes are inside the chunk and reserved in /dev/shm, so writing them cannot
         // fault. (A reader process that breaks the protocol could still read torn data,
         // and a same-uid peer that truncates the file could still make this fault, which
-        // `crate::sigbus` turns into zero pages and an error at `commit`.)
+        // `shmq_os::sigbus` turns into zero pages and an error at `commit`.)
         Some(unsafe { std::slice::from_raw_parts_mut(p, n) })
     }
 
@@ -334,7 +334,7 @@ impl RingWriter {
             return Err(Error::NoSpace {
                 name: self.ring.name().to_owned(),
                 needed: msg.len() as u64,
-                available: crate::segment::shm_free_bytes().unwrap_or(0),
+                available: shmq_os::segment::shm_free_bytes().unwrap_or(0),
             });
         }
         self.acquire(wait)?;

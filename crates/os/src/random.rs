@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 
 /// `N` random bytes for `what` (named in the error if the kernel refuses).
-pub(crate) fn random_bytes<const N: usize>(what: &str) -> Result<[u8; N]> {
+pub fn random_bytes<const N: usize>(what: &str) -> Result<[u8; N]> {
     let mut out = [0u8; N];
     let mut filled = 0;
     while filled < N {

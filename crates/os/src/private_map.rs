@@ -49,7 +49,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
-use crate::region::{region, RawRegion};
+use crate::region;
+use crate::region::RawRegion;
 
 pub use crate::segment::page_size;
 

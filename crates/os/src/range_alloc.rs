@@ -1,5 +1,5 @@
 //! The allocator of a data region in whole pages, shared by the tensor arena's writer
-//! ([`crate::arena`]) and the encoder cache's producer ([`crate::encoder_cache`]).
+//! (`shmq::arena`) and the encoder cache's producer (`shmq::encoder_cache`).
 
 use std::collections::BTreeMap;
 
@@ -8,7 +8,7 @@ use crate::segment::round_up;
 /// Free ranges of a data region (offset → length, whole pages, coalesced), handed out
 /// lowest first so that the reserved part of `/dev/shm` stays as small as the load allows.
 #[derive(Debug)]
-pub(crate) struct RangeAllocator {
+pub struct RangeAllocator {
     free: BTreeMap<usize, usize>,
     page: usize,
     capacity: usize,

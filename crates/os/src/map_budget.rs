@@ -15,7 +15,7 @@ use std::sync::{Mutex, OnceLock};
 
 /// The process's mapping limit as shmq sees it: `vm.max_map_count`, or
 /// `SHMQ_MAX_MAP_COUNT` where that is lower (read once).
-pub(crate) fn map_count_limit() -> usize {
+pub fn map_count_limit() -> usize {
     static LIMIT: OnceLock<usize> = OnceLock::new();
     *LIMIT.get_or_init(|| {
         let kernel = std::fs::read_to_string("/proc/sys/vm/max_map_count")
@@ -74,7 +74,7 @@ static MAP_BUDGET: Mutex<MapBudget> = Mutex::new(MapBudget {
 /// shmq takes at most that much of what it left), or a second has passed. A process
 /// refused reads it again only after a second (a long `/proc/self/maps` costs
 /// milliseconds), unless what shmq gave back since makes room.
-pub(crate) fn take_mappings(n: usize) -> bool {
+pub fn take_mappings(n: usize) -> bool {
     let limit = map_count_limit();
     let mut b = MAP_BUDGET.lock().unwrap_or_else(|e| e.into_inner());
     let fresh = b
@@ -107,7 +107,7 @@ pub(crate) fn take_mappings(n: usize) -> bool {
 }
 
 /// Mappings from [`take_mappings`] are gone again.
-pub(crate) fn give_back_mappings(n: usize) {
+pub fn give_back_mappings(n: usize) {
     let mut b = MAP_BUDGET.lock().unwrap_or_else(|e| e.into_inner());
     b.used_since -= n as isize;
 }

@@ -29,7 +29,7 @@ use std::sync::{Mutex, OnceLock};
 use shared_memory::{Shmem, ShmemConf, ShmemError};
 
 use crate::error::{Error, Result};
-pub(crate) use crate::liveness::SHM_DIR;
+pub use crate::liveness::SHM_DIR;
 use crate::liveness::{RoleLock, CREATOR_BYTE};
 
 /// Every segment shmq creates has a name starting with this.
@@ -128,7 +128,7 @@ fn shm_total_bytes() -> Option<u64> {
 
 /// `(bytes free, bytes in all)` of the tmpfs behind `/dev/shm`, or `None` if it cannot be
 /// queried.
-pub(crate) fn shm_statvfs() -> Option<(u64, u64)> {
+pub fn shm_statvfs() -> Option<(u64, u64)> {
     let path = CString::new(SHM_DIR).ok()?;
     let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
     // SAFETY: `path` is a valid NUL-terminated string and `st` points to writable memory
@@ -384,6 +384,12 @@ impl Segment {
         self.shmem.len()
     }
 
+    /// Whether the mapping is empty (never, for a segment shmq made or opened: every kind
+    /// has a header).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Base address of the mapping in this process.
     pub fn as_ptr(&self) -> *mut u8 {
         self.shmem.as_ptr()
@@ -400,7 +406,7 @@ impl Segment {
     /// at each step of a wait and where a message or value is done.
     /// Also an error once a size check here found the file shorter than the mapping.
     #[inline]
-    pub(crate) fn check_intact(&self) -> Result<()> {
+    pub fn check_intact(&self) -> Result<()> {
         // Relaxed: the flag carries no data; the error is built from the file's size now.
         if self.sigbus.hit() || self.shrunk.load(Ordering::Relaxed) {
             return Err(crate::sigbus::truncated(&self.name, self.len()));
@@ -414,7 +420,7 @@ impl Segment {
     /// see a truncation that no access of theirs has hit yet, and for calls that answer
     /// from this process's own records of what the segment holds (the store's
     /// `is_cached`), which touch no page of it.
-    pub(crate) fn check_length(&self) -> Result<()> {
+    pub fn check_length(&self) -> Result<()> {
         self.check_intact()?;
         let len = match &self.reserve_fd {
             Some(f) => f.metadata(),
@@ -467,7 +473,7 @@ fn maps_populated() -> bool {
 
 /// A new private anonymous page of this process's own, at a place the kernel picks
 /// (`None` where it cannot be mapped): the caller owns it and unmaps it, or keeps it.
-pub(crate) fn anon_page() -> Option<NonNull<libc::c_void>> {
+pub fn anon_page() -> Option<NonNull<libc::c_void>> {
     // SAFETY: asks for a new mapping only; it overlaps nothing of the process's, and no
     // other process can reach private anonymous memory.
     let p = unsafe {
@@ -486,7 +492,7 @@ pub(crate) fn anon_page() -> Option<NonNull<libc::c_void>> {
 /// `f` on a fresh private anonymous page of this process's own (its address and
 /// length), made for the call and unmapped after it: how shmq asks the kernel what a new
 /// mapping of this process is like (populated, locked). `None` where it cannot be mapped.
-pub(crate) fn probe_page<R>(f: impl FnOnce(*mut libc::c_void, usize) -> R) -> Option<R> {
+pub fn probe_page<R>(f: impl FnOnce(*mut libc::c_void, usize) -> R) -> Option<R> {
     let p = anon_page()?.as_ptr();
     let r = f(p, page_size());
     // SAFETY: the page `anon_page` just made, which nothing else refers to (`f` got only
@@ -633,7 +639,7 @@ impl Segment {
 /// [`unseal`](Self::unseal) maps them shared again; the owner calls it when the loan is
 /// dropped, before the memory can be lent or written again.
 #[derive(Debug)]
-pub(crate) struct LoanPages {
+pub struct LoanPages {
     start: *mut u8,
     len: usize,
     /// Set by the first `seal`. Release/Acquire: a loan is sealed by the thread that sends
@@ -657,7 +663,7 @@ unsafe impl Sync for LoanPages {}
 impl LoanPages {
     /// The whole pages of `start..start + len` (`start` page-aligned; `len` is rounded up
     /// to a page, so the loan's allocation must cover that much).
-    pub(crate) fn new(start: *mut u8, len: usize) -> LoanPages {
+    pub fn new(start: *mut u8, len: usize) -> LoanPages {
         let page = page_size();
         LoanPages {
             start,
@@ -683,7 +689,7 @@ impl LoanPages {
     /// they are asked of `map_budget::take_mappings` first, which refuses them well
     /// before `vm.max_map_count` (the loan is then sent by copy), so that loans never
     /// take the mappings the host program needs.
-    pub(crate) fn seal(&self, segment: &Segment) -> bool {
+    pub fn seal(&self, segment: &Segment) -> bool {
         if self.sealed.load(Ordering::Acquire) {
             return true;
         }
@@ -760,13 +766,13 @@ impl LoanPages {
     }
 
     /// Whether it was sealed (sent) and not unsealed since.
-    pub(crate) fn is_sealed(&self) -> bool {
+    pub fn is_sealed(&self) -> bool {
         self.sealed.load(Ordering::Acquire)
     }
 
     /// Map the pages shared again (if sealed). `false` if that failed: the caller must
     /// then never reuse the memory (writes there would reach only this process).
-    pub(crate) fn unseal(&self, segment: &Segment) -> bool {
+    pub fn unseal(&self, segment: &Segment) -> bool {
         if !self.sealed.load(Ordering::Acquire) {
             return true;
         }
@@ -813,7 +819,7 @@ impl LoanPages {
 
 /// Mappings a sealed loan may cost: its range split out of the segment's mapping (two
 /// splits) and its shared pages parked aside (one).
-pub(crate) const SEAL_MAPPINGS: usize = 3;
+pub const SEAL_MAPPINGS: usize = 3;
 
 /// The unseals that failed (the process was out of mappings: `unseal` needs one or two
 /// for a moment), each with what gives the memory back once it succeeds; tried again by
@@ -830,7 +836,7 @@ static ANY_DEFERRED_UNSEAL: AtomicBool = AtomicBool::new(false);
 /// failed): `retry` tries again (and gives the memory back once it succeeds), at the
 /// next seal, loan or allocation of any loan of this process, so that the memory is
 /// kept out of use only while the process is out of mappings, never for good.
-pub(crate) fn defer_unseal(retry: Box<dyn FnMut() -> bool + Send>) {
+pub fn defer_unseal(retry: Box<dyn FnMut() -> bool + Send>) {
     let mut list = DEFERRED_UNSEALS.lock().unwrap_or_else(|e| e.into_inner());
     list.push((crate::fork::generation(), retry));
     ANY_DEFERRED_UNSEAL.store(true, Ordering::Relaxed);
@@ -838,7 +844,7 @@ pub(crate) fn defer_unseal(retry: Box<dyn FnMut() -> bool + Send>) {
 
 /// Try the unseals [`defer_unseal`] keeps again; cheap (one atomic load) when there are
 /// none.
-pub(crate) fn retry_deferred_unseals() {
+pub fn retry_deferred_unseals() {
     if !ANY_DEFERRED_UNSEAL.load(Ordering::Relaxed) {
         return;
     }
@@ -862,7 +868,7 @@ pub fn page_size() -> usize {
 }
 
 /// `n` rounded up to a multiple of `to` (which is above 0), or `None` on overflow.
-pub(crate) fn round_up(n: usize, to: usize) -> Option<usize> {
+pub fn round_up(n: usize, to: usize) -> Option<usize> {
     n.checked_add(to - 1).map(|v| v / to * to)
 }
 
@@ -870,7 +876,7 @@ pub(crate) fn round_up(n: usize, to: usize) -> Option<usize> {
 /// records of `stride` bytes from `table_offset`, then `capacity` bytes of data from the
 /// next multiple of `page_size`. Returns `(data_offset, total)`, or `None` if the segment
 /// would be too large (an overflow, or a total above `isize::MAX`).
-pub(crate) fn data_after_table(
+pub fn data_after_table(
     table_offset: usize,
     stride: usize,
     count: usize,
@@ -887,7 +893,7 @@ pub(crate) fn data_after_table(
 
 /// What an opener expects at the start of a kind of segment: see
 /// [`Segment::checked_header`]. Each kind states only its constants.
-pub(crate) struct HeaderCheck {
+pub struct HeaderCheck {
     /// The segment must be at least this long: the header and whatever the opener reads
     /// before it can check the rest against the header's geometry.
     pub min_len: usize,
@@ -902,7 +908,7 @@ pub(crate) struct HeaderCheck {
 impl Segment {
     /// The error for this segment when it cannot be used: `reason` says why (an opener's
     /// checks of its header and geometry all say it this way).
-    pub(crate) fn bad(&self, reason: impl Into<String>) -> Error {
+    pub fn bad(&self, reason: impl Into<String>) -> Error {
         Error::BadSegment {
             name: self.name.clone(),
             reason: reason.into(),
@@ -910,7 +916,7 @@ impl Segment {
     }
 
     /// An opener's refusal of a header whose geometry does not match the segment's size.
-    pub(crate) fn header_mismatch(&self) -> Error {
+    pub fn header_mismatch(&self) -> Error {
         self.bad("its header does not match its size")
     }
 
@@ -925,7 +931,7 @@ impl Segment {
     /// `check.min_len` must be at least `size_of::<H>()`, `H` must need no more than a
     /// page's alignment (the mapping is page-aligned), and every bit pattern must be a
     /// valid `H`: a peer with access to the segment may have written anything there.
-    pub(crate) unsafe fn checked_header<H>(
+    pub unsafe fn checked_header<H>(
         &self,
         check: &HeaderCheck,
         fields: impl FnOnce(&H) -> (&AtomicU64, &u32),
@@ -1003,13 +1009,13 @@ fn created() -> std::sync::MutexGuard<'static, Vec<(u32, String)>> {
 
 /// Note a segment name, or the absolute path of a directory in `/dev/shm`, that this
 /// process has just created (and tell this process's janitor, if it has one).
-pub(crate) fn note_created(name_or_path: &str) {
+pub fn note_created(name_or_path: &str) {
     created().push((std::process::id(), name_or_path.to_owned()));
     tell_janitor(b'+', name_or_path);
 }
 
 /// Forget a name noted by [`note_created`]: its creator removed it.
-pub(crate) fn forget_created(name_or_path: &str) {
+pub fn forget_created(name_or_path: &str) {
     let me = std::process::id();
     created().retain(|(pid, n)| !(*pid == me && n == name_or_path));
     survivors().retain(|(pid, n)| !(*pid == me && n == name_or_path));

@@ -17,8 +17,8 @@ pub enum Error {
     #[error("timed out after {waited:.3?}: {what}")]
     Timeout { what: String, waited: Duration },
 
-    /// The wait was cancelled: [`Reader::shutdown`](crate::Reader::shutdown), a
-    /// [`Canceller`](crate::broadcast::Canceller)'s `cancel()` from another thread, or a
+    /// The wait was cancelled: `shmq::Reader::shutdown`, a
+    /// `shmq::broadcast::Canceller`'s `cancel()` from another thread, or a
     /// cancel flag of the caller's (Python: `shutdown()` or a `cancel` event).
     #[error("cancelled")]
     Cancelled,
@@ -115,8 +115,8 @@ pub enum Error {
     #[error("{}", dead_writer_message(*pid, None))]
     DeadWriter { pid: u32 },
 
-    /// A call on a queue writer that was shut down ([`Writer::close`](crate::Writer::close),
-    /// or its [`Canceller`](crate::broadcast::Canceller)'s `cancel()` from another thread;
+    /// A call on a queue writer that was shut down (`shmq::Writer::close`,
+    /// or its `shmq::broadcast::Canceller`'s `cancel()` from another thread;
     /// Python's `shutdown()`): it sends nothing more. Also how an `enqueue` blocked in
     /// another thread ends when the writer is shut down.
     #[error(
@@ -125,7 +125,7 @@ pub enum Error {
     )]
     ShutDown,
 
-    /// The writer shut the queue down ([`Writer::close`](crate::Writer::close), Python's
+    /// The writer shut the queue down (`shmq::Writer::close`, Python's
     /// `shutdown()`, or its normal end: dropped): the reader
     /// has received every message sent before, and no more will come. Not a death: see
     /// [`Error::DeadWriter`] (see [`Error::naming_queue`]).
@@ -332,11 +332,7 @@ pub fn bad_signature_message(missing: bool, key: Option<&str>, why: Option<&str>
 
 /// The value of `choices` named `value`, for the option `argument`; `InvalidArgument`
 /// naming the choices otherwise (`on_dead_reader must be "raise" or "drop", got "x"`).
-pub(crate) fn parse_choice<T: Copy>(
-    argument: &str,
-    value: &str,
-    choices: &[(&str, T)],
-) -> Result<T> {
+pub fn parse_choice<T: Copy>(argument: &str, value: &str, choices: &[(&str, T)]) -> Result<T> {
     if let Some(&(_, v)) = choices.iter().find(|(name, _)| *name == value) {
         return Ok(v);
     }
@@ -498,14 +494,14 @@ impl std::fmt::Display for WorkerDeath {
 }
 
 impl Error {
-    pub(crate) fn os(context: impl Into<String>, source: std::io::Error) -> Self {
+    pub fn os(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Os {
             context: context.into(),
             source,
         }
     }
 
-    pub(crate) fn transport(context: impl Into<String>) -> impl FnOnce(zmq::Error) -> Self {
+    pub fn transport(context: impl Into<String>) -> impl FnOnce(zmq::Error) -> Self {
         let context = context.into();
         move |source| Error::Transport { context, source }
     }

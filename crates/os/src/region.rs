@@ -1,14 +1,14 @@
 //! The regions of shared memory that shmq hands out to fill or to read (a queue's
-//! [`Loan`](crate::Loan) and [`ArenaView`](crate::ArenaView), the store's
-//! [`StoreLoan`](crate::storage::StoreLoan) and [`PartView`](crate::storage::PartView),
+//! `shmq::Loan` and `shmq::ArenaView`, the store's
+//! `shmq::storage::StoreLoan` and `shmq::storage::PartView`,
 //! and the private mapping under every view): one definition of their pointer, length
-//! and slice access ([`region!`]), and of the raw range under them ([`RawRegion`]).
+//! and slice access ([`region!`](macro@crate::region)), and of the raw range under them ([`RawRegion`]).
 
 /// `len` bytes at `ptr`, inside a mapping that the region's owner keeps alive: the bytes
 /// of a loan or of a private mapping. Made only through [`RawRegion::new`], whose
 /// contract its slices rely on.
 #[derive(Debug)]
-pub(crate) struct RawRegion {
+pub struct RawRegion {
     ptr: *mut u8,
     len: usize,
 }
@@ -24,14 +24,17 @@ impl RawRegion {
     /// peer process may still write them (a hostile one, or readers through a mapping
     /// of their own): that changes byte values, which any bit pattern is, never memory
     /// safety.
-    pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> RawRegion {
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> RawRegion {
         RawRegion { ptr, len }
     }
-    pub(crate) fn as_ptr(&self) -> *mut u8 {
+    pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -53,6 +56,7 @@ impl std::ops::DerefMut for RawRegion {
 /// `as_ptr`, `len`, `is_empty` and `Deref<Target = [u8]>` (with `mut`: `DerefMut` too)
 /// for a region type whose bytes are its field `$field` (a `PrivateMap` or a
 /// [`RawRegion`]), so that every region type gives its bytes the same way.
+#[macro_export]
 macro_rules! region {
     ($ty:ty, $field:ident) => {
         impl $ty {
@@ -77,7 +81,7 @@ macro_rules! region {
         }
     };
     ($ty:ty, $field:ident, mut) => {
-        $crate::region::region!($ty, $field);
+        $crate::region!($ty, $field);
 
         impl std::ops::DerefMut for $ty {
             fn deref_mut(&mut self) -> &mut [u8] {
@@ -86,4 +90,3 @@ macro_rules! region {
         }
     };
 }
-pub(crate) use region;

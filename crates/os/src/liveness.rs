@@ -59,7 +59,7 @@ fn flock(kind: i32, byte: u64) -> libc::flock {
 
 /// Set (`F_WRLCK`, `F_RDLCK`) or release (`F_UNLCK`) this open file description's lock on
 /// byte `byte` of `file`, without waiting (`F_OFD_SETLK`): roles here, pins in `pins`.
-pub(crate) fn lock_byte(file: &File, kind: i32, byte: u64) -> std::io::Result<()> {
+pub fn lock_byte(file: &File, kind: i32, byte: u64) -> std::io::Result<()> {
     let fl = flock(kind, byte);
     // SAFETY: a valid descriptor and a pointer to a valid flock for the call.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
@@ -161,7 +161,7 @@ pub fn creator_liveness(segment: &str) -> Liveness {
 
 /// `pidfd_open(pid)`: a descriptor (close-on-exec) that becomes readable once process
 /// `pid` has exited, and that names that process only, whatever reuses its pid later.
-pub(crate) fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1; no
     // memory is passed.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
@@ -173,7 +173,7 @@ pub(crate) fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
 }
 
 /// Wait (this thread) until the process of `pidfd` has exited.
-pub(crate) fn wait_for_exit(pidfd: &OwnedFd) {
+pub fn wait_for_exit(pidfd: &OwnedFd) {
     let mut p = libc::pollfd {
         fd: pidfd.as_raw_fd(),
         events: libc::POLLIN,

@@ -105,7 +105,7 @@ use crate::error::Error;
 
 /// The most mappings protected at once (each segment is one; a reader's window and each
 /// of its views mapped on their own are one each).
-pub(crate) const SLOTS: usize = 4096;
+pub const SLOTS: usize = 4096;
 
 /// One registry entry. `state` says what the other words hold: [`FREE`], [`BUSY`] (being
 /// filled or emptied: the handler skips it) or [`LIVE`].
@@ -138,18 +138,18 @@ static HITS: AtomicUsize = AtomicUsize::new(0);
 /// Whether some mapping of the thing watched was hit: shared by every mapping of one
 /// segment in this process that is registered through it.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Watch {
+pub struct Watch {
     hit: Arc<AtomicBool>,
 }
 
 impl Watch {
-    pub(crate) fn new() -> Watch {
+    pub fn new() -> Watch {
         Watch::default()
     }
 
     /// Whether the handler found one of this watch's mappings truncated.
     #[inline]
-    pub(crate) fn hit(&self) -> bool {
+    pub fn hit(&self) -> bool {
         // Acquire: pairs with the handler's Release store, made after it replaced the
         // mapping: whoever sees the flag sees the zero pages (and not the file's) there.
         self.hit.load(Ordering::Acquire)
@@ -157,7 +157,7 @@ impl Watch {
 
     /// Register `len` bytes at `start` (a mapping of a segment just made) until the
     /// returned guard is dropped, which must happen before the mapping is unmapped.
-    pub(crate) fn protect(&self, start: *mut u8, len: usize) -> Guard {
+    pub fn protect(&self, start: *mut u8, len: usize) -> Guard {
         let slot = register(
             start as usize,
             len,
@@ -172,7 +172,7 @@ impl Watch {
 
 /// A registered mapping; dropping it takes the mapping out of the registry.
 #[derive(Debug)]
-pub(crate) struct Guard {
+pub struct Guard {
     slot: Option<usize>,
     /// The flag the slot points to (kept alive while the slot is registered).
     hit: Arc<AtomicBool>,
@@ -181,14 +181,14 @@ pub(crate) struct Guard {
 impl Guard {
     /// Whether the handler found this mapping (or another of its watch's) truncated.
     #[inline]
-    pub(crate) fn hit(&self) -> bool {
+    pub fn hit(&self) -> bool {
         // Acquire: as in `Watch::hit`.
         self.hit.load(Ordering::Acquire)
     }
 
     /// Take the mapping out of the registry now (before it is unmapped); dropping the
     /// guard does the same.
-    pub(crate) fn release(&mut self) {
+    pub fn release(&mut self) {
         if let Some(i) = self.slot.take() {
             let slot = &REGISTRY[i];
             // Relaxed: only this guard's owner moves the slot out of LIVE (the handler
@@ -210,14 +210,14 @@ impl Drop for Guard {
 
 /// The error a layer returns once its segment was found truncated: a
 /// [`Error::BadSegment`] naming it, with its size now if it can still be read.
-pub(crate) fn truncated(name: &str, mapped: usize) -> Error {
+pub fn truncated(name: &str, mapped: usize) -> Error {
     let now = std::fs::metadata(format!("{}/{name}", crate::liveness::SHM_DIR)).map(|m| m.len());
     truncation(name, mapped, now)
 }
 
 /// [`truncated`] for a file whose size was just read (`len`, below `mapped`) through a
 /// descriptor: the same error, with that size.
-pub(crate) fn truncated_to(name: &str, mapped: usize, len: u64) -> Error {
+pub fn truncated_to(name: &str, mapped: usize, len: u64) -> Error {
     truncation(name, mapped, Ok(len))
 }
 
@@ -244,7 +244,7 @@ fn truncation(name: &str, mapped: usize, now: std::io::Result<u64>) -> Error {
 
 /// How many faults the handler has turned into zero pages in this process.
 #[cfg_attr(not(test), allow(dead_code))]
-pub(crate) fn hits() -> usize {
+pub fn hits() -> usize {
     // Relaxed: a statistic.
     HITS.load(Ordering::Relaxed)
 }
@@ -308,7 +308,7 @@ mod linux {
 
     /// Install the handler, the first time only; the handler current then becomes the
     /// one chained to.
-    pub(crate) fn install() {
+    pub fn install() {
         // Relaxed: a shortcut only; the flag is read again under the lock below.
         if INSTALLED.load(Ordering::Relaxed) {
             return;

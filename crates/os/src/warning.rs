@@ -23,7 +23,7 @@ pub fn set_warning_hook(hook: Option<WarningHook>) {
 
 /// Report a warning (see the module docs) from the module `target` (the `log` target, as
 /// `log::warn!` would name it); used through the crate's `warn_user!` macro.
-pub(crate) fn emit(target: &str, args: fmt::Arguments<'_>) {
+pub fn emit(target: &str, args: fmt::Arguments<'_>) {
     if let Some(hook) = HOOK.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
         hook(&args.to_string());
         return;

@@ -1,0 +1,58 @@
+//! shmq's operating-system layer: named shared-memory segments and what keeps them safe
+//! among processes that do not trust each other's timing — who is alive (role locks on a
+//! segment's file, pidfds), what a truncating peer's `SIGBUS` becomes, private
+//! copy-on-write views, the mapping budget, fork safety — and the one error type every
+//! layer above returns. It knows nothing of queues, stores or arenas (the `shmq` crate
+//! above it does); the protocols on atomics are the crate beside it (`shmq-protocol`).
+//!
+//! # Modules, lowest first
+//! Each module uses only the modules listed before it.
+//! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
+//! - [`warning`]: where shmq's warnings go (a hook, the `log` crate, or stderr);
+//! - [`copy`]: large copies into shared memory;
+//! - [`random`]: secrets and nonces from the kernel;
+//! - [`fork`]: what a forked child must not do with what it inherited;
+//! - [`liveness`]: telling a live peer from a dead one by the role locks it holds on
+//!   bytes of a segment's file (also across pid namespaces): alive, dead, or unknown;
+//!   where the segments' files are (`SHM_DIR`); the end of a process tree (pidfds,
+//!   [`liveness::kill_descendants`]);
+//! - [`process`]: naming a process by pid and start time; its descendants;
+//! - [`sigbus`]: a peer that truncates a mapped segment: the `SIGBUS` handler that turns
+//!   the fault into zero pages and an error, and what shmq guarantees against the same
+//!   user's processes;
+//! - [`map_budget`]: shmq's own mappings counted against the process's
+//!   `vm.max_map_count`;
+//! - [`segment`]: named POSIX shared memory, and the header check every kind of segment
+//!   makes;
+//! - [`range_alloc`]: the whole-page allocator of the arena's and the encoder cache's
+//!   data regions;
+//! - [`region`](mod@region): what every region of shared memory handed out (loan, view) gives: its
+//!   pointer, length and bytes;
+//! - [`private_map`]: private copy-on-write views of a segment;
+//! - [`pins`]: a process's views holding store blocks (file locks the writer checks
+//!   before it frees).
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+/// Report a warning to the user: `format!` arguments (see [`warning`]); for this crate
+/// and the ones above it.
+#[macro_export]
+macro_rules! warn_user {
+    ($($arg:tt)*) => { $crate::warning::emit(module_path!(), format_args!($($arg)*)) };
+}
+
+pub mod error;
+pub mod warning;
+pub use error::{Error, Result};
+
+pub mod copy;
+pub mod fork;
+pub mod liveness;
+pub mod map_budget;
+pub mod pins;
+pub mod private_map;
+pub mod process;
+pub mod random;
+pub mod range_alloc;
+pub mod region;
+pub mod segment;
+pub mod sigbus;
