@@ -440,6 +440,39 @@ impl Writer {
     }
 }
 
+/// The options of a queue's local side as Python spells them (a writer's, a relay's), set
+/// on `opts`, which already says how many local readers there are; `None` keeps the core's
+/// default.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn set_local_options(
+    opts: &mut QueueOptions,
+    local_reader_ranks: Option<Vec<usize>>,
+    max_chunk_bytes: usize,
+    max_chunks: usize,
+    spin_us: Option<f64>,
+    yield_us: Option<f64>,
+    on_dead_reader: &str,
+    arena_bytes: Option<usize>,
+    arena_threshold: Option<usize>,
+) -> PyResult<()> {
+    opts.local_reader_ranks = local_reader_ranks;
+    opts.max_chunk_bytes = max_chunk_bytes;
+    opts.max_chunks = max_chunks;
+    opts.wait = Some(wait_policy(
+        opts.n_local_reader.saturating_add(1),
+        spin_us,
+        yield_us,
+    )?);
+    opts.on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>().or_raise()?;
+    if let Some(b) = arena_bytes {
+        opts.arena_bytes = b;
+    }
+    if let Some(t) = arena_threshold {
+        opts.arena_threshold = t;
+    }
+    Ok(())
+}
+
 #[pymethods]
 impl Writer {
     #[new]
@@ -468,22 +501,21 @@ impl Writer {
             hwm: remote_hwm.unwrap_or(defaults.hwm),
             max_queued_bytes: remote_max_queued_bytes.unwrap_or(defaults.max_queued_bytes),
         };
-        let on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>().or_raise()?;
         let mut opts = QueueOptions::default();
         opts.n_reader = n_reader;
         opts.n_local_reader = n_local_reader;
-        opts.local_reader_ranks = local_reader_ranks;
-        opts.max_chunk_bytes = max_chunk_bytes;
-        opts.max_chunks = max_chunks;
         opts.connect_ip = connect_ip;
-        opts.wait = Some(wait_policy(
-            n_local_reader.saturating_add(1),
+        set_local_options(
+            &mut opts,
+            local_reader_ranks,
+            max_chunk_bytes,
+            max_chunks,
             spin_us,
             yield_us,
-        )?);
-        opts.on_dead_reader = on_dead_reader;
-        opts.arena_bytes = arena_bytes.unwrap_or_else(shmq::arena::default_capacity);
-        opts.arena_threshold = arena_threshold.unwrap_or_else(shmq::arena::default_threshold);
+            on_dead_reader,
+            arena_bytes,
+            arena_threshold,
+        )?;
         opts.remote = remote;
         opts.name = name;
         let writer = CoreWriter::new(opts).or_raise()?;

@@ -6,9 +6,9 @@ use crate::errors::OrRaise;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::broadcast::QueueName;
-use super::wait::{blocking, duration, lock, wait_policy, BindingLock, Interrupts, Timeout};
-use shmq::broadcast::{DeadReaderPolicy, Handle, QueueOptions};
+use super::broadcast::{set_local_options, QueueName};
+use super::wait::{blocking, duration, lock, BindingLock, Interrupts, Timeout};
+use shmq::broadcast::{Handle, QueueOptions};
 use shmq::error::Error;
 use shmq::relay::{Relay as CoreRelay, RelayEnd, RelayStopper};
 
@@ -52,21 +52,17 @@ impl Relay {
             .parse()
             .map_err(|e: Error| PyValueError::new_err(format!("not a shmq Handle: {e}")))?;
         let mut opts = QueueOptions::local(n_local_reader);
-        opts.local_reader_ranks = local_reader_ranks;
-        opts.max_chunk_bytes = max_chunk_bytes;
-        opts.max_chunks = max_chunks;
-        opts.wait = Some(wait_policy(
-            n_local_reader.saturating_add(1),
+        set_local_options(
+            &mut opts,
+            local_reader_ranks,
+            max_chunk_bytes,
+            max_chunks,
             spin_us,
             yield_us,
-        )?);
-        opts.on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>().or_raise()?;
-        if let Some(b) = arena_bytes {
-            opts.arena_bytes = b;
-        }
-        if let Some(t) = arena_threshold {
-            opts.arena_threshold = t;
-        }
+            on_dead_reader,
+            arena_bytes,
+            arena_threshold,
+        )?;
         let relay = CoreRelay::new(&upstream, rank, opts).or_raise()?;
         Ok(Relay {
             stopper: relay.stopper(),
