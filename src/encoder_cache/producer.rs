@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::wait::Wait;
+use crate::wait::{Wait, WaitPolicy, WaitSpec};
 use shmq_os::error::{Error, Result};
 use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
@@ -368,7 +368,7 @@ impl Producer {
         timeout: Option<Duration>,
     ) -> Result<Option<Reservation>> {
         let what = format!("encoder cache '{}' waiting for room", self.inner.name);
-        let mut wait = Wait::new(&what, timeout);
+        let mut wait = self.wait(&what, timeout);
         self.reserve_with(key, part_lens, &mut wait)
     }
 
@@ -466,7 +466,7 @@ impl Producer {
     /// [`wait_loaded_with`](Self::wait_loaded_with) waiting at most `timeout`.
     pub fn wait_loaded(&self, key: &str, timeout: Option<Duration>) -> Result<()> {
         let what = format!("waiting for the consumers to load key {key:?}");
-        let mut wait = Wait::new(&what, timeout);
+        let mut wait = self.wait(&what, timeout);
         self.wait_loaded_with(key, &mut wait)
     }
 
@@ -522,6 +522,19 @@ impl Producer {
             saves: st.saves,
             evictions: st.evictions,
         }
+    }
+
+    /// The wait that `spec` describes (a timeout, a hook), for `what`, as this producer's
+    /// waits go: it sleeps on the segment's doorbell, never spinning (consumers load at
+    /// their own pace, so a spinning producer would only take their CPU), and it ends
+    /// with [`Error::Cancelled`] once the producer is [closed](Self::close) from another
+    /// thread. What the `_with` methods take.
+    pub fn wait<'a, 'w: 'a>(&'a self, what: &'a str, spec: impl Into<WaitSpec<'w>>) -> Wait<'a> {
+        spec.into().into_wait(
+            what,
+            WaitPolicy::for_processes(usize::MAX),
+            &self.inner.closed,
+        )
     }
 
     /// Stop serving: the segment is marked closed (consumers drop it at their next call;
@@ -1214,7 +1227,9 @@ impl Inner {
 
     fn close(&self) -> Result<()> {
         let _st = lock(&self.state);
-        // Relaxed: read by this process's own calls (which also take the lock).
+        // Relaxed: read by this process's own calls (which also take the lock), and
+        // polled by its waits (`Producer::wait`), which need no ordering with anything
+        // else it guards: they only end.
         if self.closed.swap(true, std::sync::atomic::Ordering::Relaxed) {
             return Ok(());
         }

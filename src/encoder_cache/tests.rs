@@ -435,3 +435,25 @@ fn corrupt_segments_are_errors_not_crashes() {
     assert!(!c2.has("k"));
     assert!(Mapped::open(p.segment_name()).is_err());
 }
+
+#[test]
+fn closing_the_producer_ends_its_blocked_waits() {
+    // A consumer joined before the key was saved and never loads it: the producer's
+    // wait for the load blocks (no timeout) until another thread closes the producer.
+    let p = producer("close-wakes", 16, 8);
+    let _c = Consumer::new(&[p.name()]).unwrap();
+    assert!(p.save("k", &[b"x"], None).unwrap());
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let started = Instant::now();
+            (p.wait_loaded("k", None), started.elapsed())
+        });
+        // The waiter is blocked until the close, however late it comes.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!waiter.is_finished());
+        p.close().unwrap();
+        let (result, took) = waiter.join().unwrap();
+        assert!(matches!(result, Err(Error::Cancelled)), "{result:?}");
+        assert!(took < Duration::from_secs(10), "{took:?}");
+    });
+}

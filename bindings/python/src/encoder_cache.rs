@@ -2,7 +2,6 @@
 //! `EncoderCacheReservation`, `EncoderCacheConsumer`. The Python package
 //! (`shmq.encoder_cache`) pickles values into parts and runs saves on a background thread.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use crate::errors::OrRaise;
@@ -18,7 +17,6 @@ use shmq::encoder_cache::{
     Consumer, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
     DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
 };
-use shmq::wait::{Wait, WaitPolicy, WaitSpec};
 
 fn state_name(s: LoadState) -> &'static str {
     match s {
@@ -52,8 +50,6 @@ fn fill(r: &mut Reservation, parts: &[&[u8]]) -> PyResult<()> {
 #[pyclass(module = "shmq._core", frozen, weakref)]
 pub struct EncoderCacheProducer {
     producer: Producer,
-    /// Ends this producer's waits (set by `close`).
-    closing: AtomicBool,
 }
 
 impl EncoderCacheProducer {
@@ -63,12 +59,6 @@ impl EncoderCacheProducer {
             cancel: None,
             quiet: true,
         }
-    }
-
-    /// The wait `spec` describes, for `what`, ending when the producer closes. The
-    /// producer sleeps on its doorbell, never spinning (consumers take their time).
-    fn wait<'a, 'w: 'a>(&'a self, what: &'a str, spec: WaitSpec<'w>) -> Wait<'a> {
-        spec.into_wait(what, WaitPolicy::for_processes(usize::MAX), &self.closing)
     }
 }
 
@@ -93,10 +83,7 @@ impl EncoderCacheProducer {
             },
         )
         .or_raise()?;
-        Ok(EncoderCacheProducer {
-            producer,
-            closing: AtomicBool::new(false),
-        })
+        Ok(EncoderCacheProducer { producer })
     }
 
     /// The name consumers open it by.
@@ -133,7 +120,7 @@ impl EncoderCacheProducer {
         // The core tries once before it starts waiting: a cache with room does not wait.
         let what = format!("encoder cache '{}' waiting for room", p.name());
         let r = blocking(py, Self::interrupts(timeout), |spec| {
-            p.reserve_with(key, &part_lens, &mut self.wait(&what, spec))
+            p.reserve_with(key, &part_lens, &mut p.wait(&what, spec))
         })?;
         Ok(r.map(|r| EncoderCacheReservation {
             inner: BindingLock::new(Some(r)),
@@ -187,7 +174,7 @@ impl EncoderCacheProducer {
             p.name()
         );
         blocking(py, Self::interrupts(timeout), |spec| {
-            p.wait_loaded_with(key, &mut self.wait(&what, spec))
+            p.wait_loaded_with(key, &mut p.wait(&what, spec))
         })
     }
 
@@ -203,7 +190,7 @@ impl EncoderCacheProducer {
         let p = &self.producer;
         let what = "waiting for encoder cache consumers";
         let done = blocking(py, Self::interrupts(timeout), |spec| {
-            p.wait_any_loaded_with(&keys, &mut self.wait(what, spec))
+            p.wait_any_loaded_with(&keys, &mut p.wait(what, spec))
         })?;
         Ok(done.into_iter().map(|(k, s)| (k, state_name(s))).collect())
     }
@@ -240,9 +227,6 @@ impl EncoderCacheProducer {
 
     /// Stop serving and remove the segment's name (consumers' views stay valid).
     fn close(&self) -> PyResult<()> {
-        // Relaxed: a flag the waits poll; ordering with their state is not needed.
-        self.closing
-            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.producer.close().or_raise()
     }
 
