@@ -72,7 +72,7 @@ print(f"auditwheel: {name} is {wanted}, abi3, no external libraries beyond the p
 
 # The sdist must build shmq: the crate, its lock file, the Python package.
 listing=$(tar -tzf "$sdist")
-for want in Cargo.toml Cargo.lock pyproject.toml src/lib.rs crates/protocol/Cargo.toml crates/protocol/src/lib.rs crates/os/Cargo.toml crates/os/src/lib.rs bindings/python/Cargo.toml bindings/python/src/lib.rs python/shmq/__init__.py python/shmq/_core.pyi python/shmq/py.typed; do
+for want in Cargo.toml Cargo.lock pyproject.toml src/lib.rs crates/core/Cargo.toml crates/core/src/lib.rs crates/workers/Cargo.toml crates/protocol/Cargo.toml crates/protocol/src/lib.rs crates/os/Cargo.toml crates/os/src/lib.rs bindings/python/Cargo.toml bindings/python/src/lib.rs python/shmq/__init__.py python/shmq/_core.pyi python/shmq/py.typed; do
   if ! grep -q "^shmq-[^/]*/$want" <<<"$listing"; then
     echo "sdist $sdist lacks $want"
     exit 1

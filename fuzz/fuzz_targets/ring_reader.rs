@@ -87,7 +87,7 @@ fuzz_target!(|input: Input| {
         .make()
         .expect("making the arena");
     // Header, shared words, the name, slots and chunk states come before the data
-    // (slots from byte 320: see the layout in src/broadcast/ring/mod.rs).
+    // (slots from byte 320: see the layout in crates/core/src/broadcast/ring/mod.rs).
     let control = (320 + 64 * (1 + n_reader) + 64 * max_chunks) as u64;
     let patched =
         !input.before_open.is_empty() || !input.after_open.is_empty() || !input.arena.is_empty();

@@ -58,7 +58,7 @@ __version__: str
 segment_prefix: str
 #: The directory of POSIX shared memory, where every segment is (``crates/os/src/segment.rs``).
 SHM_DIR: str
-#: The store's layout (``src/alloc.rs``, ``src/storage/``): a block's ``[id][size]``
+#: The store's layout (``src/alloc.rs``, ``crates/core/src/storage/``): a block's ``[id][size]``
 #: header, where ids wrap, the bytes vLLM counts for an object's reader flag in
 #: ``max_object_size`` (the stored count word is 8 bytes: count and id tag), the
 #: handle-signing secret.
@@ -188,7 +188,7 @@ def worker_died_message(
 
 @final
 class WorkerGroup:
-    """The core's supervision of a group of workers (``src/workers/``): a native thread
+    """The core's supervision of a group of workers (``crates/workers/src/``): a native thread
     watches each adopted worker's pidfd, ready pipe and stderr pipe. Waits release the GIL
     and check for signals every 50 ms; they return ``("done", None)``,
     ``("failed", rank)`` or ``("timeout", None)``."""

@@ -44,7 +44,7 @@ acknowledge the others (``load(keys)`` without ``into``), or the producer should
 ``evict`` them, or the cache fills up and ``save`` raises.
 
 How it works (segment layout, key-index seqlock, pins, acknowledgements): the module
-docs of ``src/encoder_cache/``.
+docs of ``crates/core/src/encoder_cache/``.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ from _processes import ChildFailed, Children  # noqa: E402,F401
 def store_frame(view: memoryview, data_offset: int) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Read the frame of a stored object from its block data ``view`` (at ring offset
     ``data_offset``): ``[pad to 8][count: u32][tag: u32][n: u32][n x (offset, len)]``
-    (``src/storage/object.rs``). Returns ``(count, tag, pad, [(offset, len), ...])``."""
+    (``crates/core/src/storage/object.rs``). Returns ``(count, tag, pad, [(offset, len), ...])``."""
     pad = -data_offset % 8
 
     def word(at: int) -> int:

@@ -1,4 +1,4 @@
-"""The one MAC that proves a secret (``src/auth.rs``), as the worker handshake uses it:
+"""The one MAC that proves a secret (``crates/core/src/auth.rs``), as the worker handshake uses it:
 the worker's answer to the parent's challenge is the core's keyed MAC in a domain of its
 own; tickets carry a 32-byte token and refuse anything else. (The queue's remote stream
 uses the same MAC: tests/python/test_remote_faults.py and the Rust unit tests.)"""

@@ -40,6 +40,15 @@ macro_rules! warn_user {
     ($($arg:tt)*) => { $crate::warning::emit(module_path!(), format_args!($($arg)*)) };
 }
 
+/// `log::info!` / `debug!` / `error!` (the level first: `shmq_log!(info, "...")`) under
+/// shmq's one log target, [`warning::log_target`], whichever layer crate logs.
+#[macro_export]
+macro_rules! shmq_log {
+    ($level:ident, $($arg:tt)+) => {
+        log::$level!(target: &*$crate::warning::log_target(module_path!()), $($arg)+)
+    };
+}
+
 pub mod error;
 pub mod warning;
 pub use error::{Error, Result};

@@ -96,7 +96,8 @@ pub fn take_mappings(n: usize) -> bool {
     b.counted_at = Some(std::time::Instant::now());
     b.refused = n > (b.room / 2).min(limit / 32);
     if b.refused {
-        log::info!(
+        shmq_log!(
+            info,
             "shmq: this process has {now} mappings of its limit {limit} (vm.max_map_count \
              or SHMQ_MAX_MAP_COUNT): loans are sent by copy until it has fewer"
         );

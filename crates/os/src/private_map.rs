@@ -261,7 +261,10 @@ impl Window {
             return None;
         }
         if let Some(why) = window_unfit() {
-            log::debug!("shmq: no window mapping ({why}); views map on their own");
+            shmq_log!(
+                debug,
+                "shmq: no window mapping ({why}); views map on their own"
+            );
             return None;
         }
         // Before the window: a lock from now on faults in both (see `locked_since_window`).
@@ -284,7 +287,8 @@ impl Window {
             )
         };
         if p == libc::MAP_FAILED {
-            log::debug!(
+            shmq_log!(
+                debug,
                 "shmq: no window mapping ({}); views map on their own",
                 std::io::Error::last_os_error()
             );

@@ -711,7 +711,10 @@ impl LoanPages {
                     unsafe { libc::munmap(park as *mut libc::c_void, self.len) };
                 }
                 crate::map_budget::give_back_mappings(SEAL_MAPPINGS);
-                log::info!("shmq: a loan could not be sealed, so it is sent by copy: {e}");
+                shmq_log!(
+                    info,
+                    "shmq: a loan could not be sealed, so it is sent by copy: {e}"
+                );
                 false
             }
         }

@@ -274,7 +274,8 @@ fn register(start: usize, len: usize, hit: *mut AtomicBool) -> Option<usize> {
     }
     static FULL: std::sync::Once = std::sync::Once::new();
     FULL.call_once(|| {
-        log::debug!(
+        shmq_log!(
+            debug,
             "shmq: more than {SLOTS} mappings at once; later ones are not protected from \
              SIGBUS if a peer truncates their segment"
         )

@@ -21,9 +21,22 @@ pub fn set_warning_hook(hook: Option<WarningHook>) {
     *HOOK.write().unwrap_or_else(|e| e.into_inner()) = hook;
 }
 
-/// Report a warning (see the module docs) from the module `target` (the `log` target, as
-/// `log::warn!` would name it); used through the crate's `warn_user!` macro.
-pub fn emit(target: &str, args: fmt::Arguments<'_>) {
+/// The `log` target of a warning from the module `module`: under `shmq::` whichever
+/// layer crate it comes from (`shmq_core::remote` → `shmq::remote`), so that a program's
+/// log filter, and Python's `logging.getLogger("shmq")`, see one name for shmq.
+pub fn log_target(module: &str) -> std::borrow::Cow<'_, str> {
+    match module.split_once("::") {
+        Some((krate, rest)) if krate.starts_with("shmq_") => format!("shmq::{rest}").into(),
+        None if module.starts_with("shmq_") => "shmq".into(),
+        _ => module.into(),
+    }
+}
+
+/// Report a warning (see the module docs) from the module `module` (its `log` target is
+/// [`log_target`]); used through the crate's `warn_user!` macro.
+pub fn emit(module: &str, args: fmt::Arguments<'_>) {
+    let target = log_target(module);
+    let target = target.as_ref();
     if let Some(hook) = HOOK.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
         hook(&args.to_string());
         return;
@@ -60,5 +73,17 @@ mod tests {
         set_warning_hook(None);
         warn_user!("shmq: not hooked");
         assert_eq!(*got.lock().unwrap(), ["shmq: waiting for 2 readers"]);
+    }
+
+    #[test]
+    fn every_layer_logs_under_shmq() {
+        assert_eq!(log_target("shmq_core::remote"), "shmq::remote");
+        assert_eq!(
+            log_target("shmq_os::segment::janitor"),
+            "shmq::segment::janitor"
+        );
+        assert_eq!(log_target("shmq_workers"), "shmq");
+        assert_eq!(log_target("shmq::relay"), "shmq::relay");
+        assert_eq!(log_target("my_app::io"), "my_app::io");
     }
 }

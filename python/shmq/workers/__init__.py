@@ -33,7 +33,7 @@ What it guarantees:
   stragglers when the deadline passes. Workers on other machines join over TCP with the
   same :func:`report_ready` (:func:`connect_to_parent`, authenticated by a random token
   carried in the :class:`WorkerTicket`).
-- **Supervision.** A native thread of the core (``src/workers/``, the same supervision
+- **Supervision.** A native thread of the core (``crates/workers/src/``, the same supervision
   Rust serving stacks use) watches every worker (pidfds) and forwards each worker's
   stderr to the parent's stderr (file descriptor 2, a whole line per write), prefixed
   ``(Worker_1 pid=...)``, keeping the last lines for error messages. :meth:`~WorkerProcesses.monitor` wakes the parent's

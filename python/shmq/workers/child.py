@@ -167,7 +167,7 @@ class _ParentChannel(ABC):
 
 # A death notice's frame: its length word has this bit set (a ready report's never has:
 # its payload is at most 64 MiB), and its payload is at most _MAX_NOTICE bytes. The
-# parent's core reads both frames (``src/workers/watch.rs``).
+# parent's core reads both frames (``crates/workers/src/watch.rs``).
 _NOTICE_FLAG = 1 << 31
 _MAX_NOTICE = 64 << 10
 # How many of a traceback's last lines a death notice carries (the parent keeps its
@@ -191,7 +191,7 @@ class _PipeChannel(_ParentChannel):
 
     def send_ready(self, info: Any) -> None:
         # One frame, a 4-byte big-endian length and the pickled info, which the parent's
-        # core reads (``src/workers/``). The pipe stays open: a death notice may follow.
+        # core reads (``crates/workers/src/``). The pipe stays open: a death notice may follow.
         self._conn.send(info)
 
     def send_death_notice(self, exitcode: int, lines: Sequence[str]) -> None:

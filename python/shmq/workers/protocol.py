@@ -10,7 +10,7 @@ The protocol: frames of ``[4-byte big-endian length][1-byte kind][payload]``::
     parent -> worker   S  {"grace": seconds}                    stop
 
 The token never crosses the network (only a MAC over a fresh challenge), so a recorded
-handshake cannot be replayed. The MAC is the queue's remote stream's (``src/auth.rs``:
+handshake cannot be replayed. The MAC is the queue's remote stream's (``crates/core/src/auth.rs``:
 keyed BLAKE3 over a domain tag and length-prefixed parts, through ``_core.auth_mac``),
 in a domain of its own, so one implementation proves the secret for both. The parent
 unpickles only frames from an admitted worker; the worker unpickles nothing.

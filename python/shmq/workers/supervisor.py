@@ -1,6 +1,6 @@
 """The parent side's machinery: the core's supervision, and what only Python can do.
 
-The watching is the core's (``_core.WorkerGroup``, ``src/workers/``, the same code a
+The watching is the core's (``_core.WorkerGroup``, ``crates/workers/src/``, the same code a
 Rust serving stack uses): one native thread waits on every worker's pidfd, ready pipe
 and stderr pipe, records readiness and exits (never reaping: see below), forwards stderr
 to the parent's fd 2 prefixed ``(Worker_1 pid=...)`` and keeps each worker's last lines,

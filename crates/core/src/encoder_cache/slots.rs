@@ -222,7 +222,8 @@ pub(crate) fn reclaim_dead(map: &Mapped, mut stuck: Option<&mut StuckClaims>) ->
             _ => false,
         };
         if dead && reclaim(map, s, snap.word) {
-            log::info!(
+            shmq_log!(
+                info,
                 "shmq: consumer pid {} of encoder cache '{}' is gone; its holds were dropped",
                 snap.process.pid,
                 map.segment.name()

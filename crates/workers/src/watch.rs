@@ -7,7 +7,7 @@ use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
-use super::{StderrCapture, WorkerDeath, WorkerExit, WorkerStatus, EXIT_POLL, MAX_READY_PAYLOAD};
+use crate::{StderrCapture, WorkerDeath, WorkerExit, WorkerStatus, EXIT_POLL, MAX_READY_PAYLOAD};
 use shmq_os::process::{self, ProcessId};
 use shmq_os::{liveness, segment};
 
@@ -285,7 +285,7 @@ pub(super) fn running_trees(state: &State) -> Vec<ProcessId> {
 /// in `pids`; their names.
 pub(super) fn remove_segments_of(pids: &HashSet<u32>) -> Vec<String> {
     let mut removed = Vec::new();
-    let Ok(segments) = crate::admin::list_segments() else {
+    let Ok(segments) = shmq_core::admin::list_segments() else {
         return removed;
     };
     for s in segments {
@@ -299,7 +299,7 @@ pub(super) fn remove_segments_of(pids: &HashSet<u32>) -> Vec<String> {
             }
             // A ring's local socket lives in a directory beside it.
             let _ =
-                std::fs::remove_dir_all(format!("{path}{}", crate::transport::SOCKET_DIR_SUFFIX));
+                std::fs::remove_dir_all(format!("{path}{}", shmq_core::admin::SOCKET_DIR_SUFFIX));
         }
     }
     removed
@@ -553,7 +553,8 @@ pub(super) fn supervise(shared: &Shared) {
         // it runs (close_finish closes them after joining it).
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
         if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            log::error!(
+            shmq_log!(
+                error,
                 "worker supervisor: poll failed: {}",
                 std::io::Error::last_os_error()
             );

@@ -10,14 +10,16 @@ use std::fmt::Write as _;
 
 use crate::arena;
 use crate::broadcast::Ring;
+use crate::storage::BlockFifo;
 use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{creator_liveness, Liveness};
 use shmq_os::process::ProcessId;
 use shmq_os::segment::Segment;
+
+// What a queue writer's socket directory beside its segment ends with (`<segment>.sock`).
+pub use crate::transport::SOCKET_DIR_SUFFIX;
 // What this process created: the prefix of every name, where the files are, their removal
 // at a normal exit, and the janitor that removes them when the process dies without one.
-use crate::storage::BlockFifo;
-use crate::transport::SOCKET_DIR_SUFFIX;
 pub use shmq_os::liveness::SHM_DIR;
 pub use shmq_os::segment::{
     forget_inherited_janitor_now, has_janitor, new_janitor_socket, remove_created, set_janitor,

@@ -13,6 +13,7 @@ use super::super::ring::DeadReaderPolicy;
 /// `QueueOptions::default()` and set the fields you need.
 ///
 /// ```
+/// # use shmq_core as shmq; // what the `shmq` crate re-exports
 /// let mut opts = shmq::QueueOptions::local(2); // two readers, both on this machine
 /// opts.max_chunk_bytes = 64 * 1024;
 /// opts.max_chunks = 4;

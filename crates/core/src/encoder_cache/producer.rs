@@ -575,7 +575,8 @@ fn replace_if_stale(name: &str) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::os(format!("removing the stale segment {path}"), e)),
     }
-    log::info!(
+    shmq_log!(
+        info,
         "shmq: replaced {} '{name}' left by dead producer pid {}",
         if was_cache {
             "encoder cache"

@@ -61,6 +61,7 @@
 //! `crates/protocol/tests/loom.rs` model-checks the key-index seqlock.
 //!
 //! ```no_run
+//! # use shmq_core as shmq; // what the `shmq` crate re-exports
 //! use shmq::encoder_cache::{Consumer, Producer, ProducerOptions};
 //! let producer = Producer::create(Some("encoder-0"), ProducerOptions::default())?;
 //! producer.save("sha256:ab12...", &[b"embedding bytes"], None)?;

@@ -39,6 +39,7 @@ use shmq_os::error::{Error, Result};
 /// text's first characters and which field is wrong, never a field's value.
 ///
 /// ```
+/// # use shmq_core as shmq; // what the `shmq` crate re-exports
 /// let text = "shmq-handle-3|0,1|2,65536,4,shmq_ring_1_ab|ipc:///tmp/s/local||0||";
 /// let handle: shmq::Handle = text.parse()?;
 /// assert_eq!(handle.local_reader_ranks, [0, 1]);

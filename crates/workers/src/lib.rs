@@ -47,6 +47,7 @@
 //! are reaped last, in [`Workers::close`] (an adopted worker by whoever adopted it).
 //!
 //! ```no_run
+//! # mod shmq { pub use shmq_os::Error; pub mod workers { pub use shmq_workers::*; } } // the `shmq` crate
 //! use std::process::Command;
 //! use std::time::Duration;
 //! use shmq::workers::{report_ready, WorkerOptions, Workers, RANK_ENV};
@@ -65,6 +66,7 @@
 //! }
 //! # Ok::<(), shmq::Error>(())
 //! ```
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::collections::{HashSet, VecDeque};
 use std::io::Write;
@@ -74,6 +76,10 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+// `warn_user!`: report a warning to the user, from the layer below.
+#[macro_use]
+extern crate shmq_os;
 
 mod watch;
 
@@ -616,7 +622,7 @@ impl Workers {
         mut done: impl FnMut(&State) -> Option<T>,
     ) -> Option<T> {
         // `None` for a timeout too long to be a deadline (up to `Duration::MAX`).
-        let deadline = timeout.and_then(|t| crate::wait::deadline_after(Instant::now(), t));
+        let deadline = timeout.and_then(|t| shmq_core::wait::deadline_after(Instant::now(), t));
         let mut state = self.shared.lock();
         loop {
             if let Some(out) = done(&state) {
@@ -759,7 +765,7 @@ impl Workers {
     pub fn close_with(&self, grace: Duration) {
         if self.close_begin() {
             // A grace of `Duration::MAX` (none given) waits as long as any deadline can.
-            self.wait_exits(crate::wait::saturating_deadline(Instant::now(), grace));
+            self.wait_exits(shmq_core::wait::saturating_deadline(Instant::now(), grace));
             self.close_finish();
         }
     }
@@ -893,7 +899,8 @@ impl Workers {
             std::thread::sleep(Duration::from_millis(5));
         }
         for p in captured.iter().filter(|p| p.is_alive()) {
-            log::error!(
+            shmq_log!(
+                error,
                 "process {} (a worker's descendant) did not exit after SIGKILL",
                 p.pid
             );
@@ -901,7 +908,8 @@ impl Workers {
         pids.extend(captured.iter().map(|p| p.pid));
         let removed = remove_segments_of(&pids);
         if !removed.is_empty() {
-            log::info!(
+            shmq_log!(
+                info,
                 "removed {} shared-memory segment(s) left by workers: {removed:?}",
                 removed.len()
             );

@@ -484,7 +484,8 @@ impl ArenaWriter {
             .fallbacks
             .store(self.fallbacks, Ordering::Relaxed);
         if self.fallbacks == 1 || self.fallbacks.is_power_of_two() {
-            log::info!(
+            shmq_log!(
+                info,
                 "shmq: tensor arena {} full ({} parts outstanding); sent a part by copy \
                  ({} such fallbacks so far)",
                 self.name(),
@@ -563,7 +564,8 @@ impl ArenaWriter {
             }
         }
         if !dead.is_empty() {
-            log::info!(
+            shmq_log!(
+                info,
                 "shmq: tensor arena {}: dropped the holds of dead reader(s) {dead:?}",
                 self.name()
             );
@@ -617,7 +619,7 @@ impl ArenaWriter {
             // A truncated arena: no fallback, the writer's next check is the error (the
             // segment remembers it: see `Segment::reserve_range`).
             Err(e @ Error::BadSegment { .. }) => {
-                log::debug!("shmq: tensor arena {}: {e}", self.name());
+                shmq_log!(debug, "shmq: tensor arena {}: {e}", self.name());
                 false
             }
             Err(e) => {
