@@ -9,7 +9,8 @@ uses ``shmq/__init__.py``); ``shmq._core`` (the extension) imports nothing of th
 package. The parents that Python loads before a submodule are not arrows of their own:
 ``shmq.workers.child`` is not in a circle with ``shmq.workers`` unless it imports from it.
 
-The Rust side's check of the same rule is ``tests/layering.rs``.
+On the Rust side the layers are crates of one cargo workspace: the compiler refuses an
+import from a layer above.
 """
 
 from __future__ import annotations

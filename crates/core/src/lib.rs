@@ -3,10 +3,10 @@
 //! below it (`shmq-os`, `shmq-protocol`); worker supervision (`shmq-workers`) is above.
 //!
 //! # Modules, lowest first
-//! Within this crate, each module uses only the modules listed before it: no arrow
-//! points up, so there is no circle (`crates/core/tests/layering.rs` checks the source against this
-//! list, which names every module of `src/` once). Public modules are links; the others
-//! are internal.
+//! A reading order: each module uses only the ones listed before it (when this crate was
+//! split off, a scan of the source proved it). The layers that must not be crossed are
+//! crates, which the compiler keeps apart. Public modules are links; the others are
+//! internal.
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
 //!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet, and the clock of a wait
 //!   started over);
