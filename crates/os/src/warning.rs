@@ -21,26 +21,37 @@ pub fn set_warning_hook(hook: Option<WarningHook>) {
     *HOOK.write().unwrap_or_else(|e| e.into_inner()) = hook;
 }
 
-/// The `log` target of a warning from the module `module`: under `shmq::` whichever
-/// layer crate it comes from (`shmq_core::remote` → `shmq::remote`), so that a program's
-/// log filter, and Python's `logging.getLogger("shmq")`, see one name for shmq.
+/// Each layer crate and the path its modules have in the `shmq` crate, which re-exports
+/// them (`shmq_workers` is `shmq::workers`; the others' modules are at `shmq`'s root).
+const LAYERS: [(&str, &str); 4] = [
+    ("shmq_workers", "shmq::workers"),
+    ("shmq_core", "shmq"),
+    ("shmq_os", "shmq"),
+    ("shmq_protocol", "shmq"),
+];
+
+/// The `log` target of a record from the module `module` (its `module_path!()`): the path
+/// the module has in the `shmq` crate (`shmq_core::remote` → `shmq::remote`,
+/// `shmq_workers::watch` → `shmq::workers::watch`), so that a program's log filter, and
+/// Python's `logging.getLogger("shmq")`, see one name for shmq whichever layer logs.
 pub fn log_target(module: &str) -> std::borrow::Cow<'_, str> {
-    match module.split_once("::") {
-        Some((krate, rest)) if krate.starts_with("shmq_") => format!("shmq::{rest}").into(),
-        None if module.starts_with("shmq_") => "shmq".into(),
-        _ => module.into(),
+    let (krate, rest) = module.split_once("::").unwrap_or((module, ""));
+    match LAYERS.iter().find(|(layer, _)| *layer == krate) {
+        Some((_, path)) if rest.is_empty() => (*path).into(),
+        Some((_, path)) => format!("{path}::{rest}").into(),
+        None => module.into(),
     }
 }
 
 /// Report a warning (see the module docs) from the module `module` (its `log` target is
 /// [`log_target`]); used through the crate's `warn_user!` macro.
 pub fn emit(module: &str, args: fmt::Arguments<'_>) {
-    let target = log_target(module);
-    let target = target.as_ref();
     if let Some(hook) = HOOK.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
         hook(&args.to_string());
         return;
     }
+    let target = log_target(module);
+    let target = target.as_ref();
     let metadata = log::Metadata::builder()
         .level(log::Level::Warn)
         .target(target)
@@ -82,8 +93,11 @@ mod tests {
             log_target("shmq_os::segment::janitor"),
             "shmq::segment::janitor"
         );
-        assert_eq!(log_target("shmq_workers"), "shmq");
+        assert_eq!(log_target("shmq_workers"), "shmq::workers");
+        assert_eq!(log_target("shmq_workers::watch"), "shmq::workers::watch");
+        assert_eq!(log_target("shmq_protocol::ring"), "shmq::ring");
         assert_eq!(log_target("shmq::relay"), "shmq::relay");
+        assert_eq!(log_target("shmq_extra::x"), "shmq_extra::x");
         assert_eq!(log_target("my_app::io"), "my_app::io");
     }
 }
