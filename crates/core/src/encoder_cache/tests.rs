@@ -439,14 +439,19 @@ fn corrupt_segments_are_errors_not_crashes() {
 #[test]
 fn closing_the_producer_ends_its_blocked_waits() {
     // A consumer joined before the key was saved and never loads it: the producer's
-    // wait for the load blocks (no timeout) until another thread closes the producer.
+    // wait for the load blocks until another thread closes the producer. (Its timeout is
+    // only there so that a close that did not end the wait fails this test with a
+    // `Timeout` instead of hanging it.)
     let p = producer("close-wakes", 16, 8);
     let _c = Consumer::new(&[p.name()]).unwrap();
     assert!(p.save("k", &[b"x"], None).unwrap());
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
             let started = Instant::now();
-            (p.wait_loaded("k", None), started.elapsed())
+            (
+                p.wait_loaded("k", Some(Duration::from_secs(30))),
+                started.elapsed(),
+            )
         });
         // The waiter is blocked until the close, however late it comes.
         std::thread::sleep(Duration::from_millis(100));
