@@ -20,16 +20,18 @@ if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >
   apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null || echo "(could not install iproute2)"
 fi
 
-step ".venv: the [test] extra, maturin, $(cat tests/engine/torch.txt)"
+step ".venv: shmq's requirements, the [test] extra, maturin, $(cat tests/engine/torch.txt)"
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-# The [test] extra as pyproject.toml lists it (shmq itself is built later, by test.sh).
+# shmq's requirements and its [test] extra as pyproject.toml lists them (shmq itself is
+# built later, by test.sh, with --no-deps: everything it needs is here).
 .venv/bin/python - >target/test-requirements.txt <<'PY'
 import tomllib
 with open("pyproject.toml", "rb") as f:
-    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"]["test"]))
+    project = tomllib.load(f)["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
 PY
 .venv/bin/python -m pip install --quiet --no-warn-conflicts "maturin>=1.9.4,<2" \
   -r target/test-requirements.txt -r tests/engine/torch.txt

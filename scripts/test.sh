@@ -104,7 +104,7 @@ if ! wait "$envs_pid"; then
   exit 1
 fi
 grep '^== ' "$envs_log"
-.venv/bin/python -m pip install --quiet --no-warn-conflicts -e ".[test]"
+.venv/bin/python -m pip install --quiet --no-deps -e .
 
 step "Python: ruff over the package, the tests, the scripts and the examples"
 .venv/bin/python -m ruff check python tests scripts examples
