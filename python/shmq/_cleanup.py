@@ -3,9 +3,10 @@
 A segment's creator removes it when the creating object is dropped, but Python does not
 promise to drop objects at exit (a queue kept in a module-level list, a loan still
 alive, a daemon thread's locals). So the core notes every segment and socket directory
-this process creates while it exists, and an ``atexit`` hook removes what is left
-(``_core.remove_created``): rings, tensor arenas, socket directories, stores, encoder
-caches, probes, whatever still refers to them. Their memory stays mapped until the
+this process creates while it exists (one registry, in the core: ``segment.rs``'s
+``note_created``; this module keeps no list of its own), and an ``atexit`` hook removes
+what is left (``_core.remove_created``): rings, tensor arenas, socket directories,
+stores, encoder caches, probes, whatever still refers to them. Their memory stays mapped until the
 process ends, so late users in this process and readers elsewhere are not cut off.
 
 Before that, the hook shuts down the queue writers still alive, so that their readers
@@ -53,21 +54,16 @@ from typing import Protocol
 from . import _core
 
 
-class _Unlinkable(Protocol):
-    def unlink(self) -> None: ...
-
-
 class _ShutsDown(Protocol):
     def shutdown(self) -> None: ...
 
 
-_created: "weakref.WeakSet[_Unlinkable]" = weakref.WeakSet()
 _writers: "weakref.WeakSet[_ShutsDown]" = weakref.WeakSet()
 
 
-def track(segment: _Unlinkable) -> None:
-    """Remove ``segment`` (a ``_core`` object this process created) at exit."""
-    _created.add(segment)
+def created_segments() -> None:
+    """Called once this process has created a segment: make sure its janitor runs (the
+    core itself notes what was created, for the janitor and the exit hook)."""
     _ensure_janitor()
 
 
@@ -93,11 +89,6 @@ def _clean_up() -> None:
     for writer in list(_writers):
         try:
             writer.shutdown()
-        except Exception:
-            pass
-    for segment in list(_created):
-        try:
-            segment.unlink()
         except Exception:
             pass  # nothing may keep the others (and remove_created below) from running
     _core.remove_created()

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import _core, _oob
-from ._cleanup import track
+from ._cleanup import created_segments
 
 __all__ = [
     "EncoderCacheConnector",
@@ -141,7 +141,7 @@ class EncoderCacheProducer:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         _core.timeout_seconds(timeout)  # a bad one is refused here, not at the first save
         self._core = _core.EncoderCacheProducer(name, capacity, max_entries, max_consumers, min_consumers)
-        track(self._core)
+        created_segments()
         self.timeout = timeout
         self._slots = threading.BoundedSemaphore(max_pending)
         self._copier = concurrent.futures.ThreadPoolExecutor(

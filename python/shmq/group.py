@@ -31,7 +31,7 @@ from collections import deque
 from typing import Any, Optional
 
 from . import _core
-from ._cleanup import track
+from ._cleanup import created_segments
 
 __all__ = [
     "StatelessProcessGroup",
@@ -338,7 +338,7 @@ def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
     try:
         if ops.rank == source_rank:
             probe = _core.Ring.create(1, 64, 1)
-            track(probe)
+            created_segments()
             ops.broadcast(probe.name, src=source_rank)
             here = True
         else:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, NoReturn, Optional, ca
 
 from . import _core, _oob, group
 from ._arrays import ArrayKind, from_wire, to_wire
-from ._cleanup import track, track_writer
+from ._cleanup import created_segments, track_writer
 from ._loans import loan_memory, loaned_array, loaned_tensor
 from ._segment_memory import SegmentMemory
 
@@ -140,7 +140,7 @@ class ShmRingBuffer:
         self._core: Optional[_core.Ring] = None
         if name is None:
             self._core = _core.Ring.create(n_reader, max_chunk_bytes, max_chunks)
-            track(self._core)
+            created_segments()
             self.is_creator = True
             name = self._core.name
         else:
@@ -183,7 +183,7 @@ class ShmRingBuffer:
         self.n_reader, self.max_chunk_bytes, self.max_chunks = ring.n_reader, ring.max_chunk_bytes, ring.max_chunks
         self._open_error, self._core, self.is_creator, self.name = None, ring, ring.is_creator, ring.name
         if ring.is_creator:
-            track(ring)
+            created_segments()
         self._vllm_attributes()
         return self
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional, Sequence, cast
 
 from . import _core
-from ._cleanup import track
+from ._cleanup import created_segments
 from ._loans import loan_memory, loaned_array, loaned_tensor
 from ._segment_memory import SegmentMemory
 from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
@@ -98,7 +98,7 @@ class RingBuffer:
         self.is_writer = bool(create)
         if create:
             self._core: Any = _core.BlockFifo.create(data_buffer_size, name)
-            track(self._core)
+            created_segments()
         elif name is None:
             raise ValueError("a reader needs the name of an existing ring buffer (create=True makes a new one)")
         else:
