@@ -405,3 +405,57 @@ fn a_death_notice_is_a_failure_before_the_worker_has_exited() {
         vec![Some(WorkerExit::Signal(libc::SIGTERM))]
     );
 }
+
+/// Marks this binary run again as a process that dies with the process named in it.
+const DIE_WITH_ENV: &str = "SHMQ_TEST_DIE_WITH";
+
+#[test]
+fn a_process_dies_with_a_process_that_is_not_its_parent_and_with_one_already_gone() {
+    if let Some(pid) = std::env::var_os(DIE_WITH_ENV) {
+        // The watcher: die of SIGTERM when `pid` (not this process's parent: a pidfd
+        // watched by a thread of the core) exits, say so, wait to be killed.
+        let pid: u32 = pid.to_str().unwrap().parse().unwrap();
+        shmq::workers::die_with_process(pid, libc::SIGTERM).unwrap();
+        println!("WATCHING");
+        std::thread::sleep(STARTUP);
+        return;
+    }
+    let run_watcher = |pid: u32| {
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "a_process_dies_with_a_process_that_is_not_its_parent_and_with_one_already_gone",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(DIE_WITH_ENV, pid.to_string())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    use std::os::unix::process::ExitStatusExt;
+    // A process to die with, started by this test (a sibling of the watcher).
+    let mut other = Command::new("sleep").arg("60").spawn().unwrap();
+    let mut watcher = run_watcher(other.id());
+    let stdout = BufReader::new(watcher.stdout.take().unwrap());
+    assert!(
+        stdout
+            .lines()
+            .map_while(Result::ok)
+            .any(|l| l.contains("WATCHING")),
+        "the watcher never got as far as watching"
+    );
+    assert!(alive(watcher.id()));
+    other.kill().unwrap();
+    other.wait().unwrap();
+    let status = watcher.wait().unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    // A process that is gone already: the signal comes at once (and `WATCHING` is never
+    // printed: the process is dead before it gets there).
+    let mut gone = Command::new("true").spawn().unwrap();
+    let gone_pid = gone.id();
+    gone.wait().unwrap();
+    let status = run_watcher(gone_pid).wait_with_output().unwrap();
+    assert_eq!(status.status.signal(), Some(libc::SIGTERM), "{status:?}");
+    assert!(!String::from_utf8_lossy(&status.stdout).contains("WATCHING"));
+}

@@ -37,6 +37,8 @@ __all__ = [
     "has_janitor",
     "forget_inherited_janitor",
     "exit_with_process",
+    "die_with_process",
+    "become_subreaper",
     "kill_descendants",
     "timeout_seconds",
     "list_segments",
@@ -159,7 +161,18 @@ def forget_inherited_janitor() -> None:
 def exit_with_process(pid: int) -> None:
     """Once process ``pid`` has exited, a thread of this process (no GIL needed) kills this
     process's descendants, removes what this process created and SIGKILLs it; at once if
-    ``pid`` is gone already. ``OSError`` without pidfds (Linux before 5.3)."""
+    ``pid`` is gone already, or if it was this process's parent and stopped being it
+    while the watch was set up. ``OSError`` without pidfds (Linux before 5.3)."""
+
+def die_with_process(pid: int, signal: int) -> None:
+    """Make this process get ``signal`` when process ``pid`` exits, even by SIGKILL: the
+    kernel sends it when ``pid`` is this process's parent (``PR_SET_PDEATHSIG``; now, if
+    the parent died already), else a thread of this process watches ``pid``'s pidfd.
+    ``OSError`` where neither is available."""
+
+def become_subreaper() -> None:
+    """Adopt this process's orphaned descendants (``PR_SET_CHILD_SUBREAPER``).
+    ``OSError`` where the kernel refuses."""
 
 def kill_descendants() -> int:
     """SIGKILL every running descendant of this process; returns how many were signalled."""

@@ -17,8 +17,9 @@
 //! - `remove_created()`: the exit hook's removal of what this process created;
 //!   `new_janitor_socket()`, `has_janitor()`, `forget_inherited_janitor()`: the janitor
 //!   that removes them when the process dies without its exit hook (`shmq._janitor`);
-//!   `exit_with_process()`, `kill_descendants()`: a worker's end with its parent, and
-//!   with its own exit (`shmq.workers`); `WorkerGroup`, `worker_died_message()`: the
+//!   `exit_with_process()`, `die_with_process()`, `become_subreaper()`,
+//!   `kill_descendants()`: a worker's end with its parent, and with its own exit
+//!   (`shmq.workers`); `WorkerGroup`, `worker_died_message()`: the
 //!   core's worker supervision, which `shmq.workers.WorkerProcesses` hands its workers to;
 //! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
 //!   `QueueShutDownError`.
@@ -88,6 +89,19 @@ fn exit_with_process(pid: u32) -> PyResult<()> {
     shmq::workers::exit_with_process(pid).or_raise()
 }
 
+/// Make this process get `signal` when process `pid` exits (see
+/// `workers::die_with_process`).
+#[pyfunction]
+fn die_with_process(pid: u32, signal: i32) -> PyResult<()> {
+    shmq::workers::die_with_process(pid, signal).or_raise()
+}
+
+/// Adopt this process's orphaned descendants (`PR_SET_CHILD_SUBREAPER`).
+#[pyfunction]
+fn become_subreaper() -> PyResult<()> {
+    shmq::workers::become_subreaper().or_raise()
+}
+
 /// SIGKILL every running descendant of this process; returns how many were signalled.
 #[pyfunction]
 fn kill_descendants(py: Python<'_>) -> usize {
@@ -118,6 +132,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(has_janitor, m)?)?;
     m.add_function(wrap_pyfunction!(forget_inherited_janitor, m)?)?;
     m.add_function(wrap_pyfunction!(exit_with_process, m)?)?;
+    m.add_function(wrap_pyfunction!(die_with_process, m)?)?;
+    m.add_function(wrap_pyfunction!(become_subreaper, m)?)?;
     m.add_function(wrap_pyfunction!(kill_descendants, m)?)?;
     m.add_function(wrap_pyfunction!(wait::timeout_seconds, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast::handle_to_text, m)?)?;

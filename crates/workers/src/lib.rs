@@ -139,31 +139,142 @@ pub fn report_ready() -> Result<()> {
 }
 
 /// In a worker: watch process `pid` (its parent) from a thread of this process: once it
-/// has exited, kill this process's descendants, remove what this process created (as
-/// [`segment::remove_created`]) and die of SIGKILL. All of it without Python's GIL, so
-/// that a worker whose main thread never lets go of it (a long call into native code)
-/// still goes, and leaves neither memory nor processes behind. If `pid` is gone already,
-/// that happens now. Err only if pidfds are not available (Linux before 5.3).
+/// has exited, [end this process cleanly](exit_now): kill its descendants, remove what it
+/// created (as [`segment::remove_created`]) and die of SIGKILL. All of it without
+/// Python's GIL, so that a worker whose main thread never lets go of it (a long call into
+/// native code) still goes, and leaves neither memory nor processes behind. If `pid` is
+/// gone already, or is this process's parent and stops being it while the watch is set
+/// up (it died and this process was handed to another), that happens now. Err only if
+/// pidfds are not available (Linux before 5.3): see [`die_with_process`].
 pub fn exit_with_process(pid: u32) -> Result<()> {
+    let direct = parent_pid() == pid;
     let pidfd = match liveness::pidfd_open(pid) {
         Ok(fd) => Some(fd),
         Err(e) if e.raw_os_error() == Some(libc::ESRCH) => None,
         Err(e) => return Err(Error::os(format!("watching process {pid} (pidfd_open)"), e)),
     };
+    if direct && parent_pid() != pid {
+        // The parent died around pidfd_open: the pid watched may be another's by now.
+        exit_now();
+    }
     let watch = move || {
         if let Some(fd) = &pidfd {
             liveness::wait_for_exit(fd);
         }
-        liveness::kill_descendants();
-        segment::remove_created();
-        // SAFETY: kill(2) of this process; no memory is passed.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        exit_now();
     };
     std::thread::Builder::new()
         .name("shmq-exit-with".into())
         .spawn(watch)
         .map_err(|e| Error::os("starting the thread that watches the parent", e))?;
     Ok(())
+}
+
+/// End this process now as a worker whose parent is gone: kill its descendants, remove
+/// the segments it created ([`segment::remove_created`]), and die of SIGKILL. Runs no
+/// exit hook or destructor (they could hang; SIGKILL is what a dead parent's worker would
+/// get from the kernel).
+pub fn exit_now() -> ! {
+    liveness::kill_descendants();
+    segment::remove_created();
+    // SAFETY: kill(2) of this process; no memory is passed.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    // SIGKILL cannot be caught or blocked: the kill above does not return in practice.
+    std::process::abort()
+}
+
+/// Make this process get `signal` when process `pid` exits, even by SIGKILL: the one way
+/// shmq makes a process die with its parent (workers of [`Workers::spawn`] get the same
+/// from [`set_parent_death_signal`] between fork and exec).
+///
+/// - `pid` is this process's parent: the kernel sends it (`PR_SET_PDEATHSIG`). The kernel
+///   does so when the *thread* that forked this process exits: have a thread that lives
+///   as long as its process start it. If the parent died before the signal was set, this
+///   process gets it now.
+/// - any other process (a fork server started this one), or where the kernel's way
+///   failed: a thread of this process waits on `pid`'s pidfd and sends the signal; now,
+///   if `pid` is gone already.
+///
+/// For a clean end with SIGKILL (descendants killed, segments removed), use
+/// [`exit_with_process`]. Err where neither way is available (not Linux, or Linux before
+/// 5.3 for a process that is not the parent).
+pub fn die_with_process(pid: u32, signal: i32) -> Result<()> {
+    if parent_pid() == pid {
+        match set_parent_death_signal(signal, pid as libc::pid_t) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                // The parent died between the check and prctl: nobody will send it.
+                send_to_self(signal);
+                return Ok(());
+            }
+            Err(_) => {} // watched below instead
+        }
+    }
+    let pidfd = match liveness::pidfd_open(pid) {
+        Ok(fd) => fd,
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+            send_to_self(signal);
+            return Ok(());
+        }
+        Err(e) => {
+            return Err(Error::os(
+                format!(
+                    "making process {} die with process {pid}",
+                    std::process::id()
+                ),
+                e,
+            ))
+        }
+    };
+    std::thread::Builder::new()
+        .name("shmq-die-with".into())
+        .spawn(move || {
+            liveness::wait_for_exit(&pidfd);
+            send_to_self(signal);
+        })
+        .map_err(|e| Error::os("starting the thread that watches the parent", e))?;
+    Ok(())
+}
+
+/// Set this process's parent-death signal (`PR_SET_PDEATHSIG`), then check that its
+/// parent is still `parent`: `ESRCH` if it died in between (nobody would send the signal).
+/// Async-signal-safe (prctl, getppid; nothing allocated), so it also runs between fork and
+/// exec.
+pub fn set_parent_death_signal(signal: i32, parent: libc::pid_t) -> std::io::Result<()> {
+    // SAFETY: prctl(2) with an integer signal number; no memory is passed.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: getppid(2) cannot fail and touches no memory.
+    if unsafe { libc::getppid() } != parent {
+        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    Ok(())
+}
+
+/// Make this process adopt its orphaned descendants (`PR_SET_CHILD_SUBREAPER`): a daemon
+/// that double-forks stays in its process tree, where [`liveness::kill_descendants`]
+/// finds it, instead of being handed to init.
+pub fn become_subreaper() -> Result<()> {
+    // SAFETY: prctl(2) with an integer flag; no memory is passed.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(Error::os(
+            "adopting orphaned descendants (PR_SET_CHILD_SUBREAPER)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+fn parent_pid() -> u32 {
+    // SAFETY: getppid(2) cannot fail and touches no memory.
+    unsafe { libc::getppid() as u32 }
+}
+
+fn send_to_self(signal: i32) {
+    // SAFETY: kill(2) of this process with a signal number; no memory is passed. An
+    // invalid number is EINVAL, nothing else.
+    unsafe { libc::kill(libc::getpid(), signal) };
 }
 
 /// How [`Workers`] run their processes.
@@ -375,13 +486,8 @@ impl Workers {
                     return Err(std::io::Error::last_os_error());
                 }
                 if let Some(sig) = death_signal {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, sig as libc::c_ulong, 0, 0, 0) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    // The parent died between fork and prctl: nobody would send the signal.
-                    if libc::getppid() != parent {
-                        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-                    }
+                    // ESRCH: the parent died between fork and prctl.
+                    set_parent_death_signal(sig, parent)?;
                 }
                 // Keep the ready pipe's write end open across exec (in this child only).
                 if libc::fcntl(ready_w_fd, libc::F_SETFD, 0) != 0 {

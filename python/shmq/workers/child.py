@@ -36,7 +36,6 @@ How a worker ends without stranding memory or processes:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import ctypes
 import json
 import logging
 import multiprocessing.connection
@@ -60,45 +59,16 @@ __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready"]
 
 logger = logging.getLogger("shmq.workers")
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl(option: int, arg: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, int(arg), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _prctl_set_pdeathsig(sig: int) -> bool:
-    return _prctl(_PR_SET_PDEATHSIG, sig)
-
-
-def _die_now_cleanly() -> None:
-    """What a worker does when its parent is gone: its descendants die, what it created
-    goes, and it dies of SIGKILL."""
-    _core.kill_descendants()
-    _core.remove_created()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _exit_with_parent(parent_pid: int) -> None:
     """Die of SIGKILL when process ``parent_pid`` exits, even by SIGKILL, but first kill
     this process's descendants and remove the segments it created: a thread of the core
     watches the parent's pidfd and does it without the GIL (see
     ``_core.exit_with_process``). Without pidfds: :func:`die_with_parent` (the kernel's
     SIGKILL, nothing removed)."""
-    direct = os.getppid() == parent_pid
     try:
         _core.exit_with_process(parent_pid)
     except OSError:
         die_with_parent(parent_pid, signal.SIGKILL)
-        return
-    if direct and os.getppid() != parent_pid:
-        # The parent died around pidfd_open: the pid watched may be another's by now.
-        _die_now_cleanly()
 
 
 def _become_subreaper() -> None:
@@ -106,25 +76,10 @@ def _become_subreaper() -> None:
     that double-forks (``setsid``, fork, the middle process exits) stays in the worker's
     process tree, where ``close()`` and the worker's own exit find and kill it, instead of
     being handed to init."""
-    if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):  # pragma: no cover - not Linux
-        logger.debug("process %d cannot adopt its orphaned descendants", os.getpid())
-
-
-def _watch_pid_in_thread(pid: int, sig: int) -> None:
-    """Send ``sig`` to this process when process ``pid`` exits (pidfd; a daemon thread)."""
     try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os.kill(os.getpid(), sig)
-        return
-
-    def watch() -> None:
-        import select
-
-        select.select([fd], [], [])
-        os.kill(os.getpid(), sig)
-
-    threading.Thread(target=watch, name="shmq-parent-watch", daemon=True).start()
+        _core.become_subreaper()
+    except OSError:  # pragma: no cover - not Linux
+        logger.debug("process %d cannot adopt its orphaned descendants", os.getpid())
 
 
 def die_with_parent(parent_pid: Optional[int] = None, sig: int = signal.SIGKILL) -> None:
@@ -135,20 +90,16 @@ def die_with_parent(parent_pid: Optional[int] = None, sig: int = signal.SIGKILL)
 
     ``parent_pid``: the process to die with (default: the current parent). When it is not
     this process's parent (a fork server started it), its pidfd is watched from a thread.
+    The core's ``workers::die_with_process`` does both (the one implementation, shared
+    with Rust's ``Workers::spawn``).
 
     Caveat: the kernel sends the signal when the *thread* that forked this process exits.
     Fork from a thread that lives as long as its process (``WorkerProcesses`` does)."""
     if parent_pid is None:
         parent_pid = os.getppid()
-    if os.getppid() == parent_pid and _prctl_set_pdeathsig(sig):
-        # The parent may have died between fork and prctl: then this process was
-        # reparented and nobody will send the signal.
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), sig)
-        return
-    if hasattr(os, "pidfd_open"):
-        _watch_pid_in_thread(parent_pid, sig)
-    else:  # pragma: no cover - not Linux
+    try:
+        _core.die_with_process(parent_pid, int(sig))
+    except OSError:  # pragma: no cover - not Linux, or Linux before 5.3
         logger.warning("cannot make process %d die with its parent on this platform", os.getpid())
 
 
