@@ -99,7 +99,7 @@ def wait_for(predicate: Any, what: str, timeout: float = STEP) -> None:
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout} s for {what}")
-        time.sleep(0.002)
+        time.sleep(0.002)  # polling the predicate
 
 
 def scripted(out: Any, commands: Any, role: str, names: list[str], producer_options: dict | None = None) -> None:
@@ -197,4 +197,4 @@ def holding_consumer(out: Any, names: list[str], key: str) -> None:
     got: dict = {}
     assert not c.load([key], got)
     out.put(("holding", os.getpid()))
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: holds the entry until killed

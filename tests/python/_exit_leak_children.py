@@ -68,6 +68,8 @@ def _kill(pids: list[int]) -> None:
 
 
 def _sleeper(start_new_session: bool = False) -> subprocess.Popen:
+    """A ``subprocess.Popen`` child that sleeps until killed (not synchronisation: it only
+    has to be alive)."""
     return subprocess.Popen(
         [sys.executable, "-c", f"import time; time.sleep({3 * STEP})"], start_new_session=start_new_session
     )
@@ -78,7 +80,7 @@ def _fork_sleeper() -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            time.sleep(3 * STEP)
+            time.sleep(3 * STEP)  # not synchronisation: alive until killed
         finally:
             os._exit(0)
     return pid
@@ -185,7 +187,7 @@ def _worker_with_segments_and_children(rank: int) -> None:
     popen = _sleeper()
     forked = _fork_sleeper()
     report_ready({"worker": os.getpid(), "grandchildren": [popen.pid, forked]})
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: alive until the SIGKILLed parent takes it down
 
 
 def _parent_of_workers(context: str) -> None:
@@ -194,7 +196,7 @@ def _parent_of_workers(context: str) -> None:
     workers = WorkerProcesses(_worker_with_segments_and_children, 2, context=context, grace=2.0)
     infos = workers.wait_until_ready(timeout=STEP)
     print(json.dumps({"parent": os.getpid(), "infos": infos}), flush=True)
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: alive until the scenario SIGKILLs it
 
 
 def parent_sigkilled(context: str = "spawn") -> dict:
@@ -240,7 +242,7 @@ def _worker_with_daemons(rank: int, pid_file: str, stubborn: bool) -> None:
             os.close(r)
             os.write(w, b"%d\n" % os.getpid())
             os.close(w)
-            time.sleep(3 * STEP)
+            time.sleep(3 * STEP)  # not synchronisation: the daemon lives on until killed
         os._exit(0)
     os.close(w)
     os.waitpid(first, 0)
@@ -254,7 +256,7 @@ def _worker_with_daemons(rank: int, pid_file: str, stubborn: bool) -> None:
         if child == 0:
             try:
                 os.setsid()
-                time.sleep(3 * STEP)
+                time.sleep(3 * STEP)  # not synchronisation: alive until killed
             finally:
                 os._exit(0)
         with open(pid_file, "w") as f:
@@ -268,7 +270,7 @@ def _worker_with_daemons(rank: int, pid_file: str, stubborn: bool) -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     report_ready(daemon_pid)
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: idle until close() stops it
 
 
 def close_daemons(how: str = "exits") -> dict:

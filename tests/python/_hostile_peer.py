@@ -23,13 +23,19 @@ def _handle(arg: str):
 
 
 def slow_reader(arg: str) -> dict:
-    """Open reader 0, sleep (so the writer fills the ring and checks on us), then read
-    every message until None."""
-    from shmq import MessageQueue
+    """Open reader 0, read nothing until the writer has filled the ring and been blocked
+    on it (checking on us, every 0.5 s) for 2 s, then read every message until None."""
+    from shmq import MessageQueue, metrics
 
-    mq = MessageQueue.create_from_handle(_handle(arg), 0)
+    handle = _handle(arg)
+    mq = MessageQueue.create_from_handle(handle, 0)
     mq.wait_until_ready(timeout=STEP)
-    time.sleep(2.5)
+    ring = handle.buffer_handle[3]
+    deadline = time.monotonic() + STEP
+    while (metrics.collect([ring])[0]["writer"]["waiting_seconds"] or 0.0) < 2.0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the writer never blocked on the full ring")
+        time.sleep(0.01)  # polling the writer's slot
     got = []
     while (obj := mq.dequeue(timeout=STEP)) is not None:
         got.append(obj)

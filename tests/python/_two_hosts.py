@@ -121,7 +121,7 @@ def writer_then_hold(workdir: str) -> dict:
     mq.wait_until_ready(TIMEOUT)
     for i in range(10):
         mq.enqueue(i, timeout=TIMEOUT)
-    time.sleep(TIMEOUT)
+    time.sleep(TIMEOUT)  # not synchronisation: holds the queue open until killed
     return {"held": True}
 
 

@@ -1,7 +1,9 @@
 """Worker functions for test_workers.py (module level, so spawned workers can import them).
 
 Each takes its rank first, as ``WorkerProcesses`` calls it. Every wait is bounded
-(``STEP``), so a worker the test forgets cannot outlive it for long.
+(``STEP``), so a worker the test forgets cannot outlive it for long. A worker waits for
+what the test does (an event it sets, a state of a queue) instead of sleeping; the
+``time.sleep(STEP)`` calls left keep a worker alive and idle until the test stops it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def _sleeper_command(ignore_sigterm: bool) -> list[str]:
     if ignore_sigterm:
         # Says so once SIGTERM is ignored (read by _ignoring_sigterm).
         code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ignoring', flush=True)\n"
-    code += f"time.sleep({STEP})\n"
+    code += f"time.sleep({STEP})\n"  # not synchronisation: alive until killed
     return [sys.executable, "-c", code]
 
 
@@ -42,13 +44,15 @@ def _ignoring_sigterm(*children: subprocess.Popen) -> None:
 def ready_then_sleep(rank: int, tag: str = "") -> None:
     """Report ready with ``(rank, pid, tag)``, then idle until stopped."""
     report_ready((rank, os.getpid(), tag))
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: idle until stopped
 
 
-def ready_then_exit(rank: int, code: int) -> None:
-    """Report ready, then exit with ``code``."""
+def ready_then_exit(rank: int, code: int, go: Any) -> None:
+    """Report ready, then exit with ``code`` once the test sets the event ``go`` (after
+    every worker was ready: an exit before that would fail the wait for ready)."""
     report_ready(rank)
-    time.sleep(0.2)
+    if not go.wait(STEP):
+        raise TimeoutError(f"rank {rank}: the test never said go")
     sys.exit(code)
 
 
@@ -56,7 +60,7 @@ def some_never_ready(rank: int, ready_ranks: tuple[int, ...]) -> None:
     """Only the ranks in ``ready_ranks`` report ready; all idle until stopped."""
     if rank in ready_ranks:
         report_ready()
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: idle until stopped
 
 
 def one_fails_in_setup(rank: int, failing_rank: int) -> None:
@@ -66,7 +70,7 @@ def one_fails_in_setup(rank: int, failing_rank: int) -> None:
         print(f"rank {rank}: loading the model", file=sys.stderr)
         raise ValueError(f"rank {rank}: CUDA out of memory while loading weights")
     report_ready(mq.buffer.name)
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: idle until stopped
     del mq
 
 
@@ -75,8 +79,9 @@ def raises_then_hangs_at_exit(rank: int, hang: str, ready: bool) -> None:
     handler that sleeps, or a non-daemon thread), report ready if ``ready``, then raise:
     the worker prints its traceback and stays alive, tearing down, until stopped."""
     if hang == "atexit":
-        atexit.register(time.sleep, STEP)
+        atexit.register(time.sleep, STEP)  # not synchronisation: the hanging teardown under test
     else:
+        # Not synchronisation: the hanging teardown under test.
         threading.Thread(target=time.sleep, args=(STEP,), name="hangs-the-exit").start()
     if ready:
         report_ready(os.getpid())
@@ -90,17 +95,30 @@ def result_writer(rank: int) -> None:
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
     report_ready(mq.export_handle())
     mq.wait_until_ready(timeout=STEP)
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: idle until stopped
     del mq
 
 
-def result_writer_that_fails(rank: int, delay: float) -> None:
-    """Like ``result_writer``, but raise after ``delay`` seconds: the worker exits with
-    code 1 through the interpreter's normal exit (which ends its queue too)."""
+def _reader_blocked(ring_name: str, rank: int) -> bool:
+    """Whether reader ``rank`` of the ring is blocked in a call (its slot in shared
+    memory says so)."""
+    from shmq import metrics
+
+    return metrics.collect([ring_name])[0]["readers"][rank]["waiting_seconds"] is not None
+
+
+def result_writer_that_fails(rank: int) -> None:
+    """Like ``result_writer``, but raise once the parent (reader 0) is blocked in a call
+    on the queue: the worker exits with code 1 through the interpreter's normal exit
+    (which ends its queue too)."""
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
     report_ready(mq.export_handle())
     mq.wait_until_ready(timeout=STEP)
-    time.sleep(delay)
+    deadline = time.monotonic() + STEP
+    while not _reader_blocked(mq.buffer.name, 0):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the parent never blocked in dequeue")
+        time.sleep(0.002)  # polling the reader's slot
     raise RuntimeError(f"rank {rank}: CUDA error (simulated)")
 
 
@@ -110,7 +128,7 @@ def idle_reader(rank: int, handle: Any) -> None:
     mq = MessageQueue.create_from_handle(handle, rank)
     report_ready()
     mq.wait_until_ready(timeout=STEP)
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: idle until stopped
 
 
 def stubborn_with_children(rank: int) -> None:
@@ -121,14 +139,17 @@ def stubborn_with_children(rank: int) -> None:
     own_session = subprocess.Popen(_sleeper_command(True), stdout=subprocess.PIPE, text=True, start_new_session=True)
     _ignoring_sigterm(in_group, own_session)
     report_ready((os.getpid(), in_group.pid, own_session.pid))
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: idle until killed
 
 
-def dies_leaving_a_child(rank: int) -> None:
-    """Start a child (in this worker's process group), report its pid, then die."""
+def dies_leaving_a_child(rank: int, go: Any) -> None:
+    """Start a child (in this worker's process group), report its pid, then die once the
+    test sets the event ``go`` (after its wait for ready returned: a death before that
+    would fail the wait)."""
     child = subprocess.Popen(_sleeper_command(False))
     report_ready(child.pid)
-    time.sleep(0.5)
+    if not go.wait(STEP):
+        raise TimeoutError(f"rank {rank}: the test never said go")
     os._exit(3)
 
 
@@ -139,7 +160,7 @@ def last_words_then_sigbus(rank: int, n_lines: int) -> None:
     for i in range(n_lines):
         print(f"last words {i}", file=sys.stderr)
     os.kill(os.getpid(), signal.SIGBUS)
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: never gets past the signal
 
 
 def remote_worker_that_misses_the_first_sigterm(out: Any, ticket: str, rank: int) -> None:
@@ -157,7 +178,7 @@ def remote_worker_that_misses_the_first_sigterm(out: Any, ticket: str, rank: int
         signal.sigwait({signal.SIGTERM})
         out.put(("first SIGTERM taken",))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        time.sleep(STEP)
+        time.sleep(STEP)  # not synchronisation: the blocking call the second SIGTERM must end
 
 
 def remote_worker(out: Any, ticket: str, rank: int, fail: bool) -> None:
@@ -169,4 +190,4 @@ def remote_worker(out: Any, ticket: str, rank: int, fail: bool) -> None:
             raise RuntimeError(f"remote rank {rank}: no route to the model store")
         report_ready({"rank": rank, "pid": os.getpid(), "where": "remote"})
         out.put(("ready",))
-        time.sleep(STEP)
+        time.sleep(STEP)  # not synchronisation: idle until stopped

@@ -17,11 +17,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import torch
 
-from _processes import SHM_DIR, STEP, tensor_counting_reader, hoarding_reader, small_then_large_reader
+from _processes import SHM_DIR, STEP, tensor_counting_reader, hoarding_reader, small_then_large_reader, wait_for
 from shmq import MessageQueue
 
 MiB = 1 << 20
@@ -70,9 +69,7 @@ def test_small_messages_make_no_arena_and_the_first_large_part_makes_it(children
     go.set()
     for out in outs:
         children.expect(out, "dropped")
-    deadline = time.monotonic() + STEP
-    while mq.arena_stats()["outstanding"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: mq.arena_stats()["outstanding"] == 0, STEP, "the dropped parts to come back")
     assert mq.arena_stats()["outstanding"] == 0
     mq.enqueue("bye", timeout=STEP)
     children.join()
@@ -133,9 +130,9 @@ def test_a_sigkilled_readers_arena_holds_come_back_without_a_shortage(children):
     doomed.join(STEP)
     children.procs.remove(doomed)
     # Within a bounded time of the death, its holds are gone (reader 0 drops its own).
-    deadline = time.monotonic() + 10.0
-    while mq.arena_stats()["outstanding"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(
+        lambda: mq.arena_stats()["outstanding"] == 0, 10.0, "the dead reader's holds to be given back"
+    )
     assert mq.arena_stats()["outstanding"] == 0, "the dead reader's holds were not given back"
     # Later tensors go through the arena (no copy), and reader 0 gets them all.
     for i in range(held, held + more):

@@ -140,7 +140,9 @@ def test_a_call_whose_reader_another_thread_took_meanwhile_still_ends_at_its_dea
     class SlowCheck:
         def is_set(self) -> bool:
             checking.set()
-            time.sleep(0.05)  # the GIL and the reader let go: the other thread gets in
+            # Not synchronisation: the slow check under test (run at every check of the
+            # call, so the other thread, with the GIL and the reader let go, gets in).
+            time.sleep(0.05)
             return False
 
     other: list[BaseException] = []

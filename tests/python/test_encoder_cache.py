@@ -193,7 +193,7 @@ def test_a_full_cache_blocks_then_raises_and_wakes_when_room_comes(children, cac
         result = {}
         saver = threading.Thread(target=lambda: result.setdefault("ok", producer.save("k2", one_mib(2))))
         saver.start()
-        time.sleep(0.2)
+        saver.join(0.2)  # not synchronisation: a bounded check that the save blocks
         assert saver.is_alive(), "the save waits"
         c("load", ["k1"], False, expect="loaded")
         saver.join(STEP)
@@ -276,7 +276,9 @@ def test_several_producers_serve_the_same_consumers(children, cache_name):
         # A producer that appears after the consumer started is found and joined at the
         # consumer's next call.
         with EncoderCacheProducer(names[2], capacity=8 * MiB) as c:
-            time.sleep(0.15)  # the consumer looks for missing producers every 0.1 s
+            # Not synchronisation: the consumer looks for missing producers every 0.1 s at
+            # most; that interval passes, so its next call looks.
+            time.sleep(0.15)
             assert consumer("has", ["from-c"], expect="has") == [[False]]
             assert len(c.consumers()) == 1
             c.save("from-c", one_mib(3))

@@ -94,7 +94,7 @@ def _reserving_producer(out, name: str) -> None:
     reservation = p._core.reserve("unfinished", [4096, MiB], STEP)
     assert reservation is not None
     out.put(("reserved", os.getpid()))
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: holds the reservation until killed
 
 
 def test_a_producer_sigkilled_mid_save_never_shows_the_unfinished_key(children, cache_name):

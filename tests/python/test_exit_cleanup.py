@@ -57,7 +57,8 @@ def make_everything():
         tensor = q.loan_tensor((1 << 18,))  # the README's loan, never sent
         tensor.fill_(2.0)
         KEEP.append(tensor)
-    # A daemon thread that refers to all of it: nothing is dropped at exit.
+    # A daemon thread that refers to all of it: nothing is dropped at exit (its sleep is
+    # not synchronisation: it keeps the references until the interpreter exits).
     threading.Thread(target=lambda keep: time.sleep(600), args=(list(KEEP),), daemon=True).start()
     return q, r
 """
@@ -199,7 +200,7 @@ def test_default_signal_handling(tmp_path, sig):
         q, r = make_everything()
         print("PID", os.getpid())
         print("READY", flush=True)
-        time.sleep(60)
+        time.sleep(60)  # not synchronisation: runs until the test signals it
         """,
         tmp_path,
         signal_after_ready=sig,
@@ -253,7 +254,7 @@ def test_a_program_with_its_own_sigterm_handler_keeps_it(tmp_path):
         q, r = make_everything()
         print("PID", os.getpid())
         print("READY", flush=True)
-        time.sleep(60)
+        time.sleep(60)  # not synchronisation: runs until the test signals it
         """,
         tmp_path,
         signal_after_ready=signal.SIGTERM,

@@ -220,12 +220,13 @@ def test_a_second_reader_of_a_remote_rank_is_refused():
 
     t = threading.Thread(target=twin_joins)
     t.start()
-    # The writer answers a hello whenever it sends; send until the twin has its answer.
+    # The writer answers a hello whenever it sends; send until the twin has its answer
+    # (one message every 0.05 s at most: the wait for the twin's end paces the sends).
     sent = 0
     while t.is_alive() and sent < STEP / 0.05:
         mq.enqueue(sent)
         sent += 1
-        time.sleep(0.05)
+        t.join(0.05)
     t.join(STEP)
     assert refused and isinstance(refused[0], ConnectionError), refused
     assert "rank 0 has joined already" in str(refused[0])

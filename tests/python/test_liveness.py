@@ -81,6 +81,7 @@ def test_idle_reader_uses_no_cpu_and_wakes_for_a_late_message(children):
     assert idle_fraction < 0.05, f"an idle reader used {idle_fraction:.1%} of a CPU ({cpu:.3f} s in {wall:.2f} s)"
 
     _, waiting_since = children.expect(out, "waiting")
+    # Not synchronisation: the reader is to idle 2 s in dequeue() before the message comes.
     time.sleep(max(0.0, waiting_since + 2.0 - time.monotonic()))
     sent = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
     mq.enqueue(("late", sent), timeout=STEP)
@@ -247,9 +248,11 @@ def test_a_killed_creators_segments_go_with_its_janitor_and_stay_without(childre
         assert creator.exitcode == -signal.SIGKILL
         children.procs.remove(creator)
         if janitor:
-            deadline = time.monotonic() + STEP
-            while (os.path.exists(path) or os.path.exists(arena)) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(
+                lambda: not os.path.exists(path) and not os.path.exists(arena),
+                STEP,
+                "the janitor to remove the killed creator's segments (it left them)",
+            )
             assert not os.path.exists(path) and not os.path.exists(arena), "the janitor left them"
         else:
             assert os.path.exists(path), f"{path} vanished although its creator was SIGKILLed"

@@ -67,12 +67,12 @@ def _relay(handle_text: str, out_path: str, *extra: str, ns: str | None = None) 
     return p
 
 
-def _wait_file(path: str, proc: subprocess.Popen) -> str:
+def _wait_file(path: str, proc: subprocess.Popen, who: str = "the relay") -> str:
     deadline = time.monotonic() + rc.STEP
     while not os.path.exists(path):
-        assert proc.poll() is None, f"the relay ended early:\n{proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "the relay never wrote its handle"
-        time.sleep(0.05)
+        assert proc.poll() is None, f"{who} ended early:\n{proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"{who} never wrote its handle"
+        time.sleep(0.05)  # polling for the file
     with open(path) as f:
         return f.read().strip()
 
@@ -194,14 +194,7 @@ def test_a_relay_on_another_host_serves_its_readers_and_passes_the_writers_death
     writer = _in_ns(NS_A, "writer", workdir, own_shm=False)
     procs = {"writer": writer}
     try:
-        path = os.path.join(workdir, "writer.handle")
-        deadline = time.monotonic() + rc.STEP
-        while not os.path.exists(path):
-            assert writer.poll() is None, writer.communicate()[1][-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        with open(path) as f:
-            text = f.read().strip()
+        text = _wait_file(os.path.join(workdir, "writer.handle"), writer, "the writer")
         py = sys.executable
         script = os.path.join(HERE, "_relay_children.py")
         relay_out = os.path.join(workdir, "relay.handle")

@@ -26,9 +26,18 @@ import signal
 import socket
 import time
 
+import psutil
 import pytest
 
-from _processes import STEP, busy_writer, counting_writer, hello_then_sleep, joining_reader, stalled_remote_reader
+from _processes import (
+    STEP,
+    busy_writer,
+    counting_writer,
+    hello_then_sleep,
+    joining_reader,
+    stalled_remote_reader,
+    wait_for,
+)
 from shmq import MessageQueue, PeerDiedError, QueueShutDownError
 
 # A writer that stops answering is found by ZeroMQ's heartbeats: a PING every second, the
@@ -49,6 +58,14 @@ def _remote_reader_of(children, n: int):
     children.expect(out, "sent")
     assert [reader.dequeue(timeout=STEP) for _ in range(n)] == list(range(n))
     return reader, proc, cmds
+
+
+def _connections_accepted(pid: int, port: int) -> int:
+    """How many TCP connections process ``pid`` has accepted on its port ``port``."""
+    return sum(
+        c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port
+        for c in psutil.Process(pid).net_connections("tcp")
+    )
 
 
 def _gone(children, proc) -> None:
@@ -153,12 +170,13 @@ def test_a_reader_joins_a_busy_writer_through_a_flood_of_silent_connections(chil
     reader)."""
     out = children.queue()
     children.start(busy_writer, out, 3.0)
-    _, handle, _ = children.expect(out, "handle")
+    _, handle, writer_pid = children.expect(out, "handle")
     reader_out = children.queue()
     children.start(joining_reader, reader_out, handle, 0, 20.0)
     children.expect(reader_out, "hello")
-    time.sleep(0.3)  # its connection is the oldest
     port = int(handle.remote_subscribe_addr.rsplit(":", 1)[1])
+    # Its connection is the oldest: the writer has accepted it before the flood comes.
+    wait_for(lambda: _connections_accepted(writer_pid, port) >= 1, STEP, "the writer to accept the reader's connection")
     silent = [socket.create_connection(("127.0.0.1", port), timeout=STEP) for _ in range(N_SILENT)]
     try:
         assert children.expect(out, "sent") == ("sent",)

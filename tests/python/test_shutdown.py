@@ -107,6 +107,7 @@ def writer_that_exits(out: Any, n_remote: int) -> None:
     for m in _messages():
         mq.enqueue(m, timeout=STEP)
     _KEEP.append(mq)
+    # Not synchronisation: a daemon thread still running at the interpreter's exit.
     threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
     out.put(("sent",))
 

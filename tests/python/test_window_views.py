@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from _processes import STEP, Children
+from _processes import STEP, Children, wait_for
 from _store_helpers import SIGNING_KEY, no_store_leftovers  # noqa: F401 (an autouse fixture)
 from _window_children import (
     ec_window_consumer,
@@ -99,9 +99,7 @@ def test_a_reader_that_forks_while_it_holds_views(children):
     assert all(parent.values()), f"in the parent: {parent}"
     assert a_ptr == z_ptr, "a did not lie in the memory the first message had"
     # Both views are gone in the parent (the child's copies held nothing): all back.
-    deadline = time.monotonic() + STEP
-    while mq.arena_stats()["outstanding"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: mq.arena_stats()["outstanding"] == 0, STEP, "the parent's parts to come back")
     assert mq.arena_stats()["outstanding"] == 0
     mq.enqueue(expected(na, 3_000_000), timeout=STEP)
     mq.enqueue(expected(nb, 4_000_000), timeout=STEP)

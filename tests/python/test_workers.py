@@ -158,9 +158,7 @@ def test_a_deadline_that_passes_names_the_workers_not_ready():
     workers = WorkerProcesses(targets.some_never_ready, 4, args=((0, 2),))
     pids = _track(workers)
     # Ranks 0 and 2 report ready (however slowly this machine starts them); 1 and 3 never.
-    deadline = time.monotonic() + STARTUP
-    while not all(workers.info()[r].ready for r in (0, 2)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _processes.wait_for(lambda: all(workers.info()[r].ready for r in (0, 2)), STARTUP, "ranks 0 and 2 to be ready")
     t0 = time.monotonic()
     with pytest.raises(WorkersNotReadyError) as info:
         workers.wait_until_ready(timeout=1.5)
@@ -364,7 +362,8 @@ def test_a_worker_that_raises_is_named_though_its_queue_ends_first():
     # A worker that fails with an exception exits normally: its queue's writer ends the
     # queue at interpreter exit, so the parent's dequeue raises QueueShutDownError before
     # the supervisor has seen the worker go. The monitor must still name the worker.
-    with WorkerProcesses(targets.result_writer_that_fails, 1, args=(0.5,)) as workers:
+    # (The worker raises once this dequeue is blocked.)
+    with WorkerProcesses(targets.result_writer_that_fails, 1) as workers:
         (handle,) = workers.wait_until_ready(timeout=STARTUP)
         reader = MessageQueue.create_from_handle(handle, 0)
         reader.wait_until_ready(timeout=STARTUP)
@@ -428,14 +427,13 @@ def test_a_worker_that_raises_is_reported_before_its_teardown_ends(hang, ready, 
 
 
 def test_monitor_does_not_fire_for_workers_that_finish():
-    with WorkerProcesses(targets.ready_then_exit, 3, args=(0,)) as workers:
+    go = multiprocessing.get_context("spawn").Event()
+    with WorkerProcesses(targets.ready_then_exit, 3, args=(0, go)) as workers:
         _track(workers)
         workers.wait_until_ready(timeout=STARTUP)
         with workers.monitor() as monitor:
-            deadline = time.monotonic() + STARTUP
-            while len(workers.finished()) < 3 and time.monotonic() < deadline:
-                workers.join_first(timeout=1)
-                time.sleep(0.05)
+            go.set()  # every worker is ready: now they exit
+            _processes.wait_for(lambda: len(workers.finished()) == 3, STARTUP, "the three workers to finish")
         assert monitor.error is None and not monitor.cancel.is_set()
         assert workers.join(timeout=STARTUP) == {"Worker_0": 0, "Worker_1": 0, "Worker_2": 0}
         assert workers.finished() == {"Worker_0": 0, "Worker_1": 0, "Worker_2": 0}
@@ -457,9 +455,11 @@ def test_other_start_methods(context):
 
 
 def test_join_waits_for_every_worker_and_raises_on_a_failure():
-    with WorkerProcesses(targets.ready_then_exit, 2, args=(5,)) as workers:
+    go = multiprocessing.get_context("spawn").Event()
+    with WorkerProcesses(targets.ready_then_exit, 2, args=(5, go)) as workers:
         pids = _track(workers)
         workers.wait_until_ready(timeout=STARTUP)
+        go.set()  # every worker is ready: now they exit
         with pytest.raises(
             WorkerDiedError, match=r"Worker_\d \(rank \d, pid \d+\) exited with code 5 while it was running"
         ):
@@ -509,9 +509,11 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period_with_its_chi
 
 
 def test_the_children_of_a_worker_that_dies_die_with_it():
-    with WorkerProcesses(targets.dies_leaving_a_child, 1) as workers:
+    go = multiprocessing.get_context("spawn").Event()
+    with WorkerProcesses(targets.dies_leaving_a_child, 1, args=(go,)) as workers:
         _track(workers)
         (child,) = workers.wait_until_ready(timeout=STARTUP)
+        go.set()  # ready: now it dies
         first = workers.join_first(timeout=STARTUP)
         assert first.exitcode == 3
         # Killed with its worker's process group when the worker's exit was noticed.
@@ -552,6 +554,37 @@ def test_workers_die_with_a_sigkilled_parent(context):
         for p in pids:
             if not _gone(p):
                 os.kill(p, signal.SIGKILL)
+
+
+_DIES_WITH_PARENT = """
+import os, signal, subprocess, sys, time
+if sys.argv[1] == "middle":
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], "child", sys.argv[2]])
+    child.wait()  # until this process is SIGKILLed
+else:
+    from shmq.workers import die_with_parent
+    die_with_parent(sig=signal.SIGTERM)  # the kernel's PR_SET_PDEATHSIG: a direct parent
+    print(os.getpid(), flush=True)
+    signal.pause()
+"""
+
+
+def test_die_with_parent_makes_a_workers_own_child_die_with_it():
+    # die_with_parent() in a process whose parent is SIGKILLed: it gets the signal asked
+    # for (SIGTERM), from the core's die_with_process (the one die-with-parent of shmq).
+    middle = subprocess.Popen(
+        [sys.executable, "-c", _DIES_WITH_PARENT, "middle", _DIES_WITH_PARENT], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(middle.stdout.readline())  # the child says its pid once it is set up
+        child_process = psutil.Process(child)
+        assert child_process.ppid() == middle.pid
+        os.kill(middle.pid, signal.SIGKILL)
+        middle.wait(timeout=STARTUP)
+        assert _wait_gone([child], GONE_WITHIN) == [], f"child {child} outlived its SIGKILLed parent"
+    finally:
+        middle.kill()
+        middle.communicate(timeout=STARTUP)
 
 
 def test_ctrl_c_in_the_parent_shuts_the_workers_down():

@@ -41,7 +41,7 @@ def hoarding_reader(out: Any, handle: Handle, rank: int, n: int) -> None:
     mq.wait_until_ready(timeout=STEP)
     kept = [mq.dequeue(timeout=STEP)["t"] for _ in range(n)]
     out.put(("holding", len(kept), os.getpid()))
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: holds its tensors until killed
 
 
 def tensor_counting_reader(out: Any, handle: Handle, rank: int, n: int) -> None:

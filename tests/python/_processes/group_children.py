@@ -192,7 +192,7 @@ def stateless_expiry_member(out: Any, port: int, rank: int, expiration: float, r
         pg.send_obj("old", dst=1)
         report["old_before"] = pg.store.check([old_key])
         pg.barrier(timeout=STEP)  # rank 1 has received "old"
-        time.sleep(expiration + 0.5)
+        time.sleep(expiration + 0.5)  # not synchronisation: lets the data expire (the behaviour under test)
         pg.expire_data()
         report["old_after_expire"] = pg.store.check([old_key])
         pg.send_obj("new", dst=1)  # send_obj expires too; "new" is fresh and stays

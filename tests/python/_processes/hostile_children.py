@@ -18,14 +18,14 @@ def remote_writer_then_sleep(out: Any) -> None:
     out.put(("handle", mq.export_handle()))
     mq.wait_until_ready(timeout=STEP)
     mq.enqueue("from the real writer")
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: alive until killed
 
 
 def hold_rank(out: Any, handle: Handle, rank: int) -> None:
     """Open reader ``rank`` and hold it until killed."""
     mq = MessageQueue.create_from_handle(handle, rank)
     out.put(("holding", os.getpid()))
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: holds the rank until killed
     del mq
 
 

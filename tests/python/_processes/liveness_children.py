@@ -65,7 +65,7 @@ def sequence_reader(out: Any, handle: Handle, rank: int, stop: Any, delay: float
         if len(got) == report_after:
             out.put(("progress", rank, len(got)))
         if delay:
-            time.sleep(delay)
+            time.sleep(delay)  # not synchronisation: a slow reader, as asked
     out.put(("got", rank, got))
 
 
@@ -78,7 +78,7 @@ def doomed_writer(out: Any, n_messages: int) -> None:
     for i in range(n_messages):
         mq.enqueue(i, timeout=STEP)
     out.put(("sent",))
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: alive until killed
     del mq
 
 
@@ -114,7 +114,7 @@ def segment_creator(out: Any, janitor: bool = False) -> None:
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
     mq.reserve_arena(0)  # the arena is made at first use: make it now
     out.put(("handle", mq.export_handle()))
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: alive until killed
     del mq
 
 

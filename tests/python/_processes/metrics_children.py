@@ -64,7 +64,7 @@ def busy_reader(out: Any, handle: Handle, rank: int) -> None:
     mq.wait_until_ready(timeout=STEP)
     out.put(("reader", rank, os.getpid()))
     while mq.dequeue(timeout=STEP) is not None:
-        time.sleep(0.05)
+        time.sleep(0.05)  # not synchronisation: busy elsewhere (the behaviour under test)
     out.put(("done", rank))
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
 
 from shmq import Handle, MessageQueue, ShmRingBuffer
 
-from .harness import STEP, LogRecords
+from .harness import STEP, LogRecords, wait_for
 from .objects import describe, digest_update, iter_objects, same
 
 
@@ -153,9 +154,25 @@ def cancel_reader(out: Any, handle: Handle, rank: int, how: str) -> None:
     mq.wait_until_ready(timeout=STEP)
     ev = threading.Event()
     fired_at: list[float] = []
+    began: list[float] = []  # when the dequeue began
+    main = threading.get_ident()
+
+    def in_dequeue() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_name == "dequeue":
+                return True
+            frame = frame.f_back
+        return False
 
     def fire() -> None:
-        time.sleep(0.3)
+        # Once the main thread is in its dequeue, and has been for 0.3 s (the test checks
+        # that the call really blocked until this thread acted).
+        wait_for(
+            lambda: began and in_dequeue() and time.monotonic() - began[0] >= 0.3,
+            STEP,
+            "the main thread blocked in dequeue() for 0.3 s",
+        )
         fired_at.append(time.monotonic())
         if how == "shutdown":
             mq.shutdown()
@@ -165,6 +182,7 @@ def cancel_reader(out: Any, handle: Handle, rank: int, how: str) -> None:
     t = threading.Thread(target=fire, daemon=True)
     t.start()
     t0 = time.monotonic()
+    began.append(t0)
     try:
         if how == "shutdown":
             obj = mq.dequeue(timeout=STEP)
@@ -261,5 +279,5 @@ def killed_reader(out: Any, handle: Handle, rank: int) -> None:
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready(timeout=STEP)
     out.put(("ready", rank))
-    time.sleep(STEP)
+    time.sleep(STEP)  # not synchronisation: alive until killed
     del mq

@@ -89,7 +89,7 @@ def busy_writer(out: Any, busy_s: float) -> None:
 
     mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
     out.put(("handle", mq.export_handle(), os.getpid()))
-    time.sleep(busy_s)
+    time.sleep(busy_s)  # not synchronisation: busy, in no call of the queue (the behaviour under test)
     mq.wait_until_ready(timeout=STEP)
     mq.enqueue("after the flood", timeout=STEP)
     out.put(("sent",))
@@ -118,5 +118,5 @@ def hello_then_sleep(out: Any, handle: Handle, rank: int) -> None:
 
     mq = MessageQueue.create_from_handle(handle, rank)
     out.put(("hello", os.getpid()))
-    time.sleep(STEP * 2)
+    time.sleep(STEP * 2)  # not synchronisation: alive until killed
     del mq
