@@ -1,28 +1,37 @@
-"""Pickling for the queue: protocol 5 with out-of-band buffers.
+"""shmq's one pickler: protocol 5 with out-of-band buffers, for the queue, the object
+store's ``PickleSerde`` and the encoder cache.
 
-``dumps(obj)`` returns the pickle stream and the raw buffers it refers to; the queue
-sends them as separate parts (large ones through the tensor arena, read as zero-copy
-views), and ``pickle.loads(body, buffers=...)`` rebuilds the object on the other side.
+``dumps(obj)`` (the queue's) and ``dumps_to_cpu(obj)`` (the store's and the encoder
+cache's) return the pickle stream and the raw buffers it refers to; the caller stores or
+sends them as separate parts (large ones through the tensor arena or 64-byte aligned in
+the store, read as zero-copy views), and ``pickle.loads(body, buffers=...)`` rebuilds the
+object on the other side.
 
-- numpy arrays and ``pickle.PickleBuffer`` objects give their buffers to protocol 5
-  themselves (contiguous ones; others are pickled in band).
+- numpy arrays (plain ones of a fixed-size dtype) are reduced by the tensor codec
+  (``_tensor_codec.reduce_array``): dtype (byte order included), shape, memory order and
+  their bytes as one buffer, made contiguous once. (numpy's own protocol-5 pickling
+  pickles a non-contiguous array in band and loses a non-native byte order on the
+  way.) ``pickle.PickleBuffer`` objects give their buffers to protocol 5 themselves
+  (contiguous ones; others are pickled in band).
 - torch's own tensor pickling copies the storage through ``torch.save`` into the stream
-  (several copies, never out of band), so plain CPU tensors (``torch.Tensor`` and
+  (several copies, never out of band), so tensors (``torch.Tensor`` and
   ``torch.nn.Parameter``) are reduced by the tensor codec instead
   (``_tensor_codec.reduce_tensor``): dtype, shape, ``requires_grad`` and their bytes as
-  one buffer, made contiguous once. Every dtype works. Other tensors (other devices,
-  sparse, quantized, subclasses, non-leaf tensors that require grad) keep torch's own
+  one buffer, made contiguous once. Every dtype works. Tensors on other devices follow
+  the codec's one policy, in the flavour of each ``dumps``: the queue leaves them to
+  torch's pickling (they come back on their device), the store and the encoder cache
+  copy them to the CPU. Sparse and quantized tensors and subclasses keep torch's own
   pickling.
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from ._tensor_codec import reduce_tensor, tensor_types
+from ._tensor_codec import array_type, reduce_array, reduce_tensor, tensor_types
 
-__all__ = ["dumps", "loads"]
+__all__ = ["dumps", "dumps_to_cpu", "loads"]
 
 _PROTOCOL = 5
 
@@ -46,11 +55,13 @@ class _Pickler(pickle.Pickler):
     ``BytesIO`` to rewind and copy out.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, to_cpu: bool) -> None:
+        self.to_cpu = to_cpu
         self.out: list[bytes] = []
         self.buffers: list[memoryview] = []
         self._tensor: Optional[type] = None
         self._parameter: Optional[type] = None
+        self._ndarray: Optional[type] = None
         super().__init__(_Sink(self.out), protocol=_PROTOCOL, buffer_callback=self._take)
 
     def _take(self, pb: pickle.PickleBuffer) -> bool:
@@ -67,45 +78,61 @@ class _Pickler(pickle.Pickler):
         # Called only for objects pickle has no fast path for (not dicts, lists, ints...).
         kind = type(obj)
         if kind is self._tensor:
-            return reduce_tensor(obj, False)
+            return reduce_tensor(obj, False, self.to_cpu)
         if kind is self._parameter:
-            return reduce_tensor(obj, True)
-        if self._tensor is None:
-            types = tensor_types()  # torch imported since this pickler was made?
-            if types is not None:
-                self._tensor, self._parameter = types
+            return reduce_tensor(obj, True, self.to_cpu)
+        if kind is self._ndarray:
+            return reduce_array(obj)
+        if self._tensor is None or self._ndarray is None:
+            # torch or numpy imported since this pickler was made?
+            tensors, ndarray = tensor_types(), array_type()
+            if (tensors is not None and self._tensor is None) or (ndarray is not None and self._ndarray is None):
+                if tensors is not None:
+                    self._tensor, self._parameter = tensors
+                self._ndarray = ndarray
                 return self.reducer_override(obj)
         return NotImplemented
 
 
-# Picklers ready for reuse (popped and pushed back: atomic under the GIL, so threads that
-# enqueue at the same time each get their own).
-_picklers: list[_Pickler] = []
 _NO_BUFFERS: tuple = ()
 
 
-def dumps(obj: Any) -> tuple[bytes, Sequence[memoryview]]:
-    """``obj`` pickled with protocol 5: the stream and its out-of-band buffers."""
-    try:
-        p = _picklers.pop()
-    except IndexError:
-        p = _Pickler()
-    # A pickler whose dump raised is dropped, not reused (its output and buffers would
-    # need clearing: the error path does not have to be fast).
-    p.dump(obj)
-    # The memo holds the objects just pickled (tensors included): let them go.
-    p.clear_memo()
-    out = p.out
-    body = b"".join(out)  # the one piece itself when there is one
-    out.clear()
-    buffers = p.buffers
-    if buffers:
-        p.buffers = []
-    else:
-        buffers = _NO_BUFFERS  # type: ignore[assignment]
-    if len(_picklers) < 8:
-        _picklers.append(p)
-    return body, buffers
+def _dumper(to_cpu: bool) -> Callable[[Any], tuple[bytes, Sequence[memoryview]]]:
+    """A ``dumps`` of the flavour ``to_cpu``, with its own picklers ready for reuse."""
+    # Popped and pushed back: atomic under the GIL, so threads that dump at the same time
+    # each get their own.
+    picklers: list[_Pickler] = []
 
+    def dumps(obj: Any) -> tuple[bytes, Sequence[memoryview]]:
+        try:
+            p = picklers.pop()
+        except IndexError:
+            p = _Pickler(to_cpu)
+        # A pickler whose dump raised is dropped, not reused (its output and buffers
+        # would need clearing: the error path does not have to be fast).
+        p.dump(obj)
+        # The memo holds the objects just pickled (tensors included): let them go.
+        p.clear_memo()
+        out = p.out
+        body = b"".join(out)  # the one piece itself when there is one
+        out.clear()
+        buffers = p.buffers
+        if buffers:
+            p.buffers = []
+        else:
+            buffers = _NO_BUFFERS  # type: ignore[assignment]
+        if len(picklers) < 8:
+            picklers.append(p)
+        return body, buffers
+
+    return dumps
+
+
+#: ``obj`` pickled with protocol 5 for the queue: the stream and its out-of-band buffers
+#: (tensors on other devices keep torch's pickling).
+dumps = _dumper(to_cpu=False)
+#: The same for the store and the encoder cache: tensors on other devices are copied to
+#: the CPU (logged once per device type).
+dumps_to_cpu = _dumper(to_cpu=True)
 
 loads = pickle.loads

@@ -1,16 +1,24 @@
 """Tensors and numpy arrays as dtype name + shape + raw bytes, and back: the one codec of
-the queue's protocol-5 pickler (``_oob``, which the encoder cache uses too) and the
-store's serdes (``serde``).
+shmq's one protocol-5 pickler (``_oob``: the queue's, the store's ``PickleSerde``, the
+encoder cache's) and the store's ``MsgpackSerde``.
 
 Every dtype works: bytes are moved as ``uint8`` (bfloat16 and float8 need nothing from
 numpy), and a strided tensor is copied contiguous as an integer type of its element
 size (copying works for those where copying the dtype itself is not implemented:
 int1..int7, float4, ...). Conjugate and negative bits are resolved first.
 
-What each user does with tensors it cannot describe exactly (other devices, sparse,
-quantized, subclasses) is its own: the queue leaves them to torch's pickling
-(``reduce_tensor``), the store moves other devices' tensors to the CPU and pickles the
-rest (``tensor_raw``).
+**Tensors on other devices (CUDA...)**: one policy, here (:func:`reduce_tensor`), in one
+of two flavours that each user names:
+
+- the queue (``keep_device``): torch's own pickling, which copies the storage through
+  the CPU and rebuilds the tensor on its device in the reader, as vLLM's queue does;
+  non-leaf tensors that require grad likewise (torch refuses them);
+- the object store and the encoder cache (``to_cpu``): copied to the CPU (detached)
+  and stored as CPU tensors; they come back on the CPU (the encoder cache's ``load``
+  takes a ``device=``). Logged once per process and device type (a cost the caller may
+  not expect).
+
+Sparse and quantized tensors and subclasses keep torch's pickling everywhere.
 """
 
 from __future__ import annotations
@@ -18,20 +26,23 @@ from __future__ import annotations
 import logging
 import pickle
 import sys
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 __all__ = [
     "array_raw",
+    "array_type",
     "dtype_name",
+    "on_cpu",
     "rebuild_array",
     "rebuild_tensor",
+    "reduce_array",
     "reduce_tensor",
     "tensor_bytes",
     "tensor_raw",
     "tensor_types",
 ]
 
-# The store's logger: its warnings come from the store's reduction (`tensor_raw`).
+# The store's logger: the one warning here is the store's (a tensor copied to the CPU).
 logger = logging.getLogger("shmq.serde")
 
 #: The integer dtype of each element size, to copy any dtype's elements as.
@@ -99,20 +110,42 @@ def rebuild_tensor(
     return t
 
 
-def reduce_tensor(t: Any, parameter: bool) -> Any:
-    """The queue's reduction: ``(rebuild_tensor, args)`` for a plain CPU tensor (its bytes
-    one out-of-band buffer; ``requires_grad`` and ``Parameter`` kept), or
-    ``NotImplemented`` to let torch pickle it (its own way keeps what this cannot: other
-    devices, layouts, non-leaf tensors that require grad...)."""
-    if t.device.type != "cpu" or t.layout is not sys.modules["torch"].strided or t.is_quantized:
+def reduce_tensor(t: Any, parameter: bool, to_cpu: bool) -> Any:
+    """The one reduction of a tensor: ``(rebuild_tensor, args)`` for a strided tensor
+    (its bytes one out-of-band buffer; ``requires_grad`` and ``Parameter`` kept), or
+    ``NotImplemented`` to let torch pickle it. ``to_cpu`` picks the flavour for tensors on
+    other devices and non-leaf tensors that require grad (see the module docs): copied
+    to the CPU and detached (a copy from another device logged once per device type), or
+    left to torch's pickling (which keeps their device)."""
+    torch = sys.modules["torch"]
+    if t.layout is not torch.strided or t.is_quantized:
         return NotImplemented
-    if t.requires_grad and not t.is_leaf:
-        return NotImplemented
+    requires_grad = t.requires_grad
+    if t.device.type != "cpu" or (requires_grad and not t.is_leaf):
+        if not to_cpu:
+            return NotImplemented
+        t = on_cpu(t)
+        requires_grad = False
     try:
         raw = tensor_bytes(t.detach())
     except RuntimeError:
         return NotImplemented
-    return rebuild_tensor, (pickle.PickleBuffer(raw), dtype_name(t), tuple(t.shape), t.requires_grad, parameter)
+    return rebuild_tensor, (pickle.PickleBuffer(raw), dtype_name(t), tuple(t.shape), requires_grad, parameter)
+
+
+_warned_devices: set[str] = set()
+
+
+def on_cpu(t: Any) -> Any:
+    """``t`` detached, on the CPU: copied there from another device (logged once per
+    process and device type)."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t
+    if t.device.type not in _warned_devices:
+        _warned_devices.add(t.device.type)
+        logger.warning("shmq: %s tensors are copied to the CPU to be stored", t.device.type)
+    return t.cpu()
 
 
 def _byte_view(buf: Any) -> memoryview:
@@ -121,26 +154,18 @@ def _byte_view(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-_warned_devices: set[str] = set()
-
-
 def tensor_raw(obj: Any) -> Optional[tuple[str, list[int], memoryview]]:
-    """The store's reduction: a plain tensor's dtype name, shape and C-order bytes (a
-    tensor on another device is copied to the CPU, logged once per device type); ``None``
-    for what this cannot describe exactly (quantized, sparse, subclasses), which gets
-    pickled."""
+    """The msgpack serde's reduction: a plain tensor's dtype name, shape and C-order
+    bytes (the ``to_cpu`` flavour of the module docs: on the CPU, detached; logged);
+    ``None`` for what this cannot describe exactly (quantized, sparse, subclasses), which
+    gets pickled."""
     torch = sys.modules.get("torch")
     np = sys.modules.get("numpy")
     if torch is None or np is None or type(obj) is not torch.Tensor:
         return None
     if obj.layout != torch.strided or obj.is_quantized:
         return None
-    t = obj.detach()
-    if t.device.type != "cpu":
-        if t.device.type not in _warned_devices:
-            _warned_devices.add(t.device.type)
-            logger.warning("shmq: %s tensors are copied to the CPU to be stored", t.device.type)
-        t = t.cpu()
+    t = on_cpu(obj)
     return dtype_name(t), list(t.shape), _byte_view(tensor_bytes(t))
 
 
@@ -154,8 +179,34 @@ def array_raw(obj: Any) -> Optional[tuple[str, list[int], memoryview]]:
     return obj.dtype.str, list(obj.shape), _byte_view(a.reshape(-1).view(np.uint8))
 
 
-def rebuild_array(buf: Any, dtype: str, shape: Any) -> Any:
-    """The array of dtype string ``dtype`` and ``shape`` over ``buf`` (writable, kept)."""
+def rebuild_array(buf: Any, dtype: str, shape: Any, order: Literal["C", "F"] = "C") -> Any:
+    """The array of dtype string ``dtype``, ``shape`` and memory ``order`` (``"C"`` or
+    ``"F"``) over ``buf`` (writable if ``buf`` is, kept)."""
     import numpy as np
 
-    return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+    return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape, order=order)
+
+
+def array_type() -> Optional[type]:
+    """``numpy.ndarray`` once numpy is imported, else ``None``."""
+    np = sys.modules.get("numpy")
+    return None if np is None else np.ndarray
+
+
+def reduce_array(a: Any) -> Any:
+    """The pickler's reduction of a plain numpy array: ``(rebuild_array, args)`` with its
+    bytes as one out-of-band buffer (C- or Fortran-contiguous ones as they are, others
+    copied C-contiguous once), its dtype string (byte order included) and memory order;
+    ``NotImplemented`` for object and structured arrays (numpy's own pickling)."""
+    if a.dtype.hasobject or a.dtype.fields is not None or a.dtype.itemsize == 0:
+        return NotImplemented
+    import numpy as np
+
+    if a.flags.c_contiguous:
+        flat, order = a, "C"
+    elif a.flags.f_contiguous:
+        flat, order = a.T, "F"  # the transpose of a Fortran-ordered array is C-ordered
+    else:
+        flat, order = np.ascontiguousarray(a), "C"
+    raw = flat.reshape(-1).view(np.uint8)
+    return rebuild_array, (pickle.PickleBuffer(raw), a.dtype.str, a.shape, order)

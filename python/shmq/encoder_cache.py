@@ -25,9 +25,10 @@ goes through an RPC framework or a file on disk.
 
 Values are anything picklable; torch tensors (every dtype, bfloat16 and float8
 included) and numpy arrays travel as raw buffers beside a protocol-5 pickle (see
-``_oob``). **CUDA tensors** are copied to shared CPU memory by ``save`` and come back on
-the CPU; pass ``device=`` to ``load`` (or to the consumer) to have them copied onto a
-device. (A CUDA-IPC path that keeps them on the GPU is not implemented.)
+``_oob``, shmq's one pickler). **CUDA tensors** are copied to shared CPU memory by
+``save`` (the store's policy too, logged once per process) and come back on the CPU; pass
+``device=`` to ``load`` (or to the consumer) to have them copied onto a device. (A
+CUDA-IPC path that keeps them on the GPU is not implemented.)
 
 Consumers come and go: a consumer that joins late sees every key held (and does not
 hold back the eviction of keys published before it joined); one that dies stops
@@ -94,10 +95,6 @@ def _map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
             return new_items
         return type(obj)(*new_items) if hasattr(obj, "_fields") else type(obj)(new_items)
     return obj
-
-
-def _to_cpu(t: Any) -> Any:
-    return t if t.device.type == "cpu" else t.detach().cpu()
 
 
 def _names(producers: str | Iterable[str]) -> list[str]:
@@ -201,7 +198,7 @@ class EncoderCacheProducer:
             # As the core takes it (None: no limit, also for inf or more than 10⁹ s):
             # the semaphore's own timeout overflows where the core's does not.
             timeout = _core.timeout_seconds(self.timeout if timeout is None else timeout)
-            body, buffers = _oob.dumps(_map_tensors(value, _to_cpu))
+            body, buffers = _oob.dumps_to_cpu(value)
             if not self._slots.acquire(timeout=timeout):
                 raise TimeoutError(
                     f"encoder cache {self.name!r}: earlier saves are still being copied after {timeout} s"

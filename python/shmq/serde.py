@@ -4,9 +4,11 @@ A serde turns a value into ``(data, nbytes, metadata, metadata_nbytes)``; the st
 writes ``[metadata][data...]`` into shared memory and later hands the same bytes back
 to ``deserialize`` as one memoryview. Both serdes here frame the parts the same way:
 ``metadata`` is the number of parts and their lengths, so raw buffers (tensor and
-array data) are stored as separate segments, copied once and never pickled; what a
-tensor or array is made of (dtype, shape, bytes) is the tensor codec's
-(``_tensor_codec``, the queue's too).
+array data) are stored as separate segments, copied once and never pickled.
+``PickleSerde`` pickles with shmq's one pickler (``_oob``, the queue's and the encoder
+cache's too); ``MsgpackSerde`` describes tensors and arrays (dtype, shape, bytes) with
+the same tensor codec (``_tensor_codec``), whose one policy for tensors on other devices
+the store shares with the encoder cache: copied to the CPU.
 
 Inside the store the built-in serdes skip that framing: ``ObjectStorage`` asks them for
 their parts (``_store_parts``), lays them out itself with the raw buffers on 64-byte
@@ -22,7 +24,6 @@ eviction while they live, and copies of small ones.
 
 from __future__ import annotations
 
-import io
 import pickle
 import struct
 import threading
@@ -31,6 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import msgpack
 
+from ._oob import dumps_to_cpu
 from ._tensor_codec import array_raw, rebuild_array, rebuild_tensor, tensor_raw
 
 __all__ = ["MsgpackSerde", "ObjectSerde", "PickleSerde", "store_codec"]
@@ -96,21 +98,6 @@ def _result(parts: list[Buffer]) -> tuple[Union[Buffer, list[Buffer]], int, byte
     return parts, nbytes, metadata, len(metadata)
 
 
-class _OutOfBandPickler(pickle.Pickler):
-    """Pickles tensors and numpy arrays as dtype + shape + a raw out-of-band buffer, so
-    every dtype and byte order round-trips exactly and no data goes through pickle."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        # Called only for objects pickle has no fast path for (not for dicts, lists...).
-        raw = tensor_raw(obj)
-        if raw is not None:
-            return rebuild_tensor, (pickle.PickleBuffer(raw[2]), raw[0], raw[1])
-        raw = array_raw(obj)
-        if raw is not None:
-            return rebuild_array, (pickle.PickleBuffer(raw[2]), raw[0], raw[1])
-        return NotImplemented
-
-
 class PickleSerde(ObjectSerde):
     """Pickle protocol 5 for everything. Tensor and array data, and other large buffers
     (bytearrays, ...), go out of band as separate segments instead of through the pickle
@@ -124,14 +111,10 @@ class PickleSerde(ObjectSerde):
 
     def _store_parts(self, value: Any) -> list[Buffer]:
         """``[pickle stream, *out-of-band buffers]``: the parts the store lays out itself
-        (the buffers 64-byte aligned)."""
-        buffers: list[pickle.PickleBuffer] = []
-        out = io.BytesIO()
-        _OutOfBandPickler(out, protocol=5, buffer_callback=buffers.append).dump(value)
-        try:
-            return [out.getbuffer(), *[b.raw() for b in buffers]]
-        except BufferError:  # a non-contiguous buffer: keep everything in band
-            return [pickle.dumps(value, protocol=5)]
+        (the buffers 64-byte aligned). shmq's one pickler (``_oob``), in the flavour
+        that copies tensors on other devices to the CPU."""
+        body, buffers = dumps_to_cpu(value)
+        return [body, *buffers]
 
     def _load_parts(self, parts: list[memoryview], raws_owned: bool = False) -> Any:
         body, *raws = parts

@@ -43,7 +43,7 @@ def digest(obj: Any) -> Any:
             hashlib.sha256(_tensor_bytes(obj)).hexdigest(),
         )
     if isinstance(obj, np.ndarray):
-        # Read-only arrays arrive read-only (numpy's own protocol-5 pickling keeps the flag).
+        # Read-only arrays arrive read-only (protocol 5's READONLY_BUFFER keeps the flag).
         return ("ndarray", obj.dtype.str, obj.shape, obj.flags.writeable, hashlib.sha256(obj.tobytes()).hexdigest())
     if isinstance(obj, dict):
         return ("dict", [(k, digest(v)) for k, v in obj.items()])
@@ -143,7 +143,7 @@ def holding_reader(out: Any, handle: Handle, rank: int, n: int) -> None:
     mq.wait_until_ready(timeout=STEP)
     kept = [mq.dequeue(timeout=STEP) for _ in range(n)]
     out.put(("holding", len(kept), os.getpid()))
-    time.sleep(3 * STEP)
+    time.sleep(3 * STEP)  # not synchronisation: holds its tensors until killed
 
 
 def releasing_reader(out: Any, handle: Handle, rank: int, n: int) -> None:
