@@ -97,6 +97,25 @@ fn place_parts(
     refs
 }
 
+/// The arena parts among a message's references.
+fn arena_parts(refs: &[PartRef]) -> impl Iterator<Item = &ArenaRef> {
+    refs.iter().filter_map(|r| match r {
+        PartRef::Arena(a) => Some(a),
+        _ => None,
+    })
+}
+
+/// One hold per reader not dropped on each arena part of a message. Before the message
+/// is visible: a reader may drop its hold as soon as it has read the message.
+fn publish_holds(arena: Option<&ArenaWriter>, ring: &RingWriter, refs: &[PartRef]) {
+    if let Some(arena) = arena {
+        let n = ring.ring().n_reader();
+        for r in arena_parts(refs) {
+            arena.publish(r, (0..n).filter(|&i| !ring.is_reader_dropped(i)));
+        }
+    }
+}
+
 /// The writing side of a queue.
 pub struct Writer {
     ring: Option<RingWriter>,
@@ -584,6 +603,11 @@ impl Writer {
         r.map_err(|e| self.why(e))
     }
 
+    /// Send one message of `parts` to every reader: the remote readers' credit first
+    /// (every wait comes before anything is sent), then the local readers' chunk, in the
+    /// ring ([`enqueue_ring`](Self::enqueue_ring)) or, too large for one, over the
+    /// overflow socket ([`enqueue_overflow`](Self::enqueue_overflow)), then the remote
+    /// readers' frames ([`enqueue_remote`](Self::enqueue_remote)).
     fn enqueue_parts_unchecked(
         &mut self,
         format: Format,
@@ -607,103 +631,130 @@ impl Writer {
             let bytes = block.len() as u64 + parts.iter().map(|p| p.len() as u64).sum::<u64>();
             remote.wait_for_credit(bytes, wait)?;
         }
-        if let Some(ring) = self.ring.as_mut() {
-            ring.acquire(wait)?;
-            wait.commit();
-            let refs = place_parts(parts, self.arena.as_mut(), self.arena_threshold, ring);
-            // Parts copied into the zero pages of a truncated arena reach nobody.
-            if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
-                if let Err(e) = arena.check_intact() {
-                    for r in &refs {
-                        if let PartRef::Arena(a) = r {
-                            arena.abandon(a);
-                        }
-                    }
-                    return Err(e);
-                }
-            }
-            let inline: usize = refs
-                .iter()
-                .zip(parts)
-                .filter(|(r, _)| matches!(r, PartRef::Inline { .. }))
-                .map(|(_, p)| framing::align(p.len()))
-                .sum();
-            let total = framing::header_len(parts.len()) + inline;
-            let arena_refs = || {
-                refs.iter().filter_map(|r| match r {
-                    PartRef::Arena(a) => Some(a),
-                    _ => None,
-                })
-            };
+        if self.ring.is_some() {
+            let (refs, total) = self.place_local(parts, wait)?;
             let ring = self.ring.as_mut().expect("checked above");
-            let publish = |arena: Option<&ArenaWriter>, ring: &RingWriter| {
-                // Before the message is visible: a reader may drop its hold as soon as it
-                // has read the message.
-                if let Some(arena) = arena {
-                    let n = ring.ring().n_reader();
-                    for r in arena_refs() {
-                        arena.publish(r, (0..n).filter(|&i| !ring.is_reader_dropped(i)));
-                    }
-                }
-            };
             if total <= ring.ring().max_chunk_bytes() && ring.reserve(total)? {
-                let data = ring.data_mut().expect("acquired");
-                framing::encode_as(format, &refs, data);
-                for (r, p) in refs.iter().zip(parts) {
-                    if let PartRef::Inline { offset, len } = *r {
-                        data[offset..offset + len].copy_from_slice(p);
-                    }
-                }
-                publish(self.arena.as_ref().and_then(|a| a.get()), ring);
-                ring.commit(total, ChunkKind::Framed)?;
+                self.enqueue_ring(format, parts, &refs, total)?;
             } else {
-                // Too large for a chunk even so (or no room in /dev/shm for it): the
-                // descriptors and the inline parts go over the overflow socket as frames.
-                let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
-                let mut next = 1;
-                let over: Vec<PartRef> = refs
-                    .iter()
-                    .zip(parts)
-                    .map(|(r, p)| match r {
-                        PartRef::Inline { .. } => {
-                            frames.push(p);
-                            next += 1;
-                            PartRef::Frame { index: next - 1 }
-                        }
-                        other => *other,
-                    })
-                    .collect();
-                let block = framing::encode_vec(format, &over);
-                frames.insert(0, &block);
-                // A message of parts is never one frame: one frame is raw bytes (see
-                // `framing`). Parts all in the arena get an empty frame that none names.
-                if frames.len() == 1 {
-                    frames.push(&[]);
-                }
-                let sent = self
-                    .local
-                    .as_ref()
-                    .expect("local readers have an overflow socket")
-                    .send_frames(&frames);
-                if let Err(e) = sent {
-                    if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
-                        arena_refs().for_each(|r| arena.abandon(r));
-                    }
-                    return Err(e);
-                }
-                publish(self.arena.as_ref().and_then(|a| a.get()), ring);
-                ring.commit(total, ChunkKind::Overflow)?;
-                self.overflow_count += 1;
+                self.enqueue_overflow(format, parts, &refs, total)?;
             }
         }
-        if let (Some(remote), Some(block)) = (self.remote.as_mut(), &remote_block) {
-            wait.commit();
-            let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
-            frames.push(block);
-            frames.extend_from_slice(parts);
-            remote.send(&frames, wait)?;
-            self.count_remote_send();
+        if let Some(block) = &remote_block {
+            self.enqueue_remote(block, parts, wait)?;
         }
+        Ok(())
+    }
+
+    /// The local readers' message, up to its sending: the next chunk (the last wait),
+    /// then each part's place (inline, or in the arena). Returns the parts' references
+    /// and the bytes the message takes in a chunk (header and inline parts).
+    fn place_local(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<(Vec<PartRef>, usize)> {
+        let ring = self.ring.as_mut().expect("the caller checked");
+        ring.acquire(wait)?;
+        wait.commit();
+        let refs = place_parts(parts, self.arena.as_mut(), self.arena_threshold, ring);
+        // Parts copied into the zero pages of a truncated arena reach nobody.
+        if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
+            if let Err(e) = arena.check_intact() {
+                for r in &refs {
+                    if let PartRef::Arena(a) = r {
+                        arena.abandon(a);
+                    }
+                }
+                return Err(e);
+            }
+        }
+        let inline: usize = refs
+            .iter()
+            .zip(parts)
+            .filter(|(r, _)| matches!(r, PartRef::Inline { .. }))
+            .map(|(_, p)| framing::align(p.len()))
+            .sum();
+        let total = framing::header_len(parts.len()) + inline;
+        Ok((refs, total))
+    }
+
+    /// The local readers' message in the chunk acquired and reserved for it (`total`
+    /// bytes): the references, the inline parts, the arena holds, then the commit.
+    fn enqueue_ring(
+        &mut self,
+        format: Format,
+        parts: &[&[u8]],
+        refs: &[PartRef],
+        total: usize,
+    ) -> Result<()> {
+        let ring = self.ring.as_mut().expect("acquired");
+        let data = ring.data_mut().expect("acquired");
+        framing::encode_as(format, refs, data);
+        for (r, p) in refs.iter().zip(parts) {
+            if let PartRef::Inline { offset, len } = *r {
+                data[offset..offset + len].copy_from_slice(p);
+            }
+        }
+        publish_holds(self.arena.as_ref().and_then(|a| a.get()), ring, refs);
+        ring.commit(total, ChunkKind::Framed)
+    }
+
+    /// The local readers' message too large for a chunk even so (or with no room in
+    /// /dev/shm for it): the descriptors and the inline parts go over the overflow socket
+    /// as frames, and the chunk acquired for it says so.
+    fn enqueue_overflow(
+        &mut self,
+        format: Format,
+        parts: &[&[u8]],
+        refs: &[PartRef],
+        total: usize,
+    ) -> Result<()> {
+        let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+        let mut next = 1;
+        let over: Vec<PartRef> = refs
+            .iter()
+            .zip(parts)
+            .map(|(r, p)| match r {
+                PartRef::Inline { .. } => {
+                    frames.push(p);
+                    next += 1;
+                    PartRef::Frame { index: next - 1 }
+                }
+                other => *other,
+            })
+            .collect();
+        let block = framing::encode_vec(format, &over);
+        frames.insert(0, &block);
+        // A message of parts is never one frame: one frame is raw bytes (see
+        // `framing`). Parts all in the arena get an empty frame that none names.
+        if frames.len() == 1 {
+            frames.push(&[]);
+        }
+        let sent = self
+            .local
+            .as_ref()
+            .expect("local readers have an overflow socket")
+            .send_frames(&frames);
+        if let Err(e) = sent {
+            if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
+                arena_parts(refs).for_each(|r| arena.abandon(r));
+            }
+            return Err(e);
+        }
+        let ring = self.ring.as_mut().expect("acquired");
+        publish_holds(self.arena.as_ref().and_then(|a| a.get()), ring, refs);
+        ring.commit(total, ChunkKind::Overflow)?;
+        self.overflow_count += 1;
+        Ok(())
+    }
+
+    /// The remote readers' message: `block` (the references) and then every part, each
+    /// a frame; their credit was waited for before anything was sent.
+    fn enqueue_remote(&mut self, block: &[u8], parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
+        let remote = self.remote.as_mut().expect("the block is made for it");
+        wait.commit();
+        let mut frames: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+        frames.push(block);
+        frames.extend_from_slice(parts);
+        remote.send(&frames, wait)?;
+        self.count_remote_send();
         Ok(())
     }
 

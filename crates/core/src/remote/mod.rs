@@ -1,0 +1,212 @@
+//! The remote stream: every message to the readers on other machines, over TCP, to
+//! readers that proved they hold the queue's secret, each message authenticated.
+//!
+//! Anyone who can reach the writer's port can connect to it, and anyone can bind that
+//! port once the writer is gone; neither may count as a reader, receive messages, or
+//! make a reader unpickle bytes of its own. So:
+//!
+//! - The writer makes a 32-byte secret; it travels in the [`Handle`](crate::Handle), over
+//!   the user's own trusted channel (like the handle itself).
+//! - The writer's socket is a ZeroMQ ROUTER: it sends to each reader it accepted, and to
+//!   nobody else. A reader (DEALER) says HELLO with its rank, a fresh nonce and a MAC of
+//!   both under the secret; the writer accepts one reader per rank, at most as many as
+//!   it has remote readers, and answers WELCOME with the session id and a MAC that binds
+//!   it to the reader's nonce — so a reader knows it talks to the writer, not to a
+//!   process that took a dead writer's port. Anything else that arrives is dropped.
+//! - Every message carries the session id, a sequence number (1, 2, ...) and a MAC of
+//!   all its frames; a reader refuses a message that fails any of the three, before
+//!   anything is unpickled.
+//! - Sends are bounded, in messages and in bytes, by credit ([`RemoteOptions`]): the
+//!   writer counts what it sent to each reader, and each reader tells it (ACK,
+//!   `"SQA1" | messages u64 | bytes u64`, running totals) how much of that it has taken
+//!   (returned to its caller). At most `hwm` messages and `max_queued_bytes` bytes sent
+//!   to a reader and not yet taken by it exist anywhere: in the writer's ZeroMQ queue,
+//!   in both kernels' TCP buffers and in the reader's ZeroMQ queue together, so neither
+//!   process's memory grows with a reader that stops reading (ZeroMQ reports no
+//!   per-peer queue depth, and its high-water marks count messages, not bytes, on each
+//!   side separately: they cannot give this bound). When a reader is out of credit the
+//!   writer waits for it (`Block`, the default: bounded by the enqueue's timeout) or
+//!   stops sending to it (`Drop`). A message larger than `max_queued_bytes` goes once
+//!   the reader has taken everything before it. The reader acknowledges every eighth
+//!   of either bound, and at once when the writer, out of credit, asks (PING, a message
+//!   of its own kind, MAC'd): so the writer never waits on an acknowledgement that is
+//!   not coming. The WELCOME carries both bounds (under its MAC) so the reader knows
+//!   when to acknowledge. An ACK needs no MAC: ZeroMQ routes by connection, so only the
+//!   reader's own connection can send it, and the writer accepts only running totals
+//!   that do not exceed what it sent.
+//! - Connections that never prove the secret are closed: at most `MAX_UNAUTHENTICATED`
+//!   at once, each for at most `HELLO_TIMEOUT` (see `spawn_guard`), so that idle
+//!   ZeroMQ clients cannot use up the writer's file descriptors.
+//!
+//! The MAC is BLAKE3 in keyed mode (a MAC by design; several GB/s, so tensor-sized
+//! messages stay cheap). Messages are authenticated, not encrypted: a network where
+//! eavesdropping matters needs a tunnel (WireGuard, SSH) under it.
+//!
+//! - The writer's end (its `shutdown()` or its normal end) is a last message of its own
+//!   kind, CLOSED, with the next sequence number and a MAC: a reader that takes it has
+//!   every message before it and then fails with [`Error::WriterShutDown`]. The reader
+//!   answers `"SQB1"` (BYE), which the writer waits for a short while, so that a writer
+//!   process that exits at once still gets the message out.
+//! - A reader the writer drops (`SlowReaderPolicy::Drop`) is told so the same way:
+//!   DROPPED, after the last message sent to it, with the next sequence number, its rank
+//!   and a MAC; it then fails with [`Error::ReaderDropped`] instead of waiting for
+//!   messages that will not come.
+//!
+//! No wait of a remote reader goes on without an end (see [`RemoteReader`]): its
+//! connection carries ZeroMQ's heartbeats (a PING every [`HEARTBEAT_INTERVAL`], the
+//! connection given up when one goes unanswered for the heartbeat timeout), and the
+//! reader watches its connection through ZeroMQ's socket monitor. Once the writer has
+//! said start, a connection that ends without CLOSED (the writer killed: at once; a
+//! writer that hangs, or a network that fails: within the interval plus the timeout) is
+//! the writer's death, [`Error::RemoteWriterGone`], after every message that arrived
+//! before it; a new connection could not carry the stream on (what was in flight is
+//! lost), so the reader does not make one. Before the start a lost connection is made
+//! again, and the HELLO said again on it, until the reader's own deadline; only a writer
+//! that cannot be reached at all for the interval plus the timeout is gone.
+//!
+//! Joining is idempotent: a HELLO said again (same nonce) on a new connection moves the
+//! reader to it, and a rank whose reader went away before the queue was ready is free
+//! for another (the writer looks: ZeroMQ forgets a closed connection, so a send to it
+//! fails with `EHOSTUNREACH`). One bad connection never fails the writer's wait: it is
+//! forgotten and the wait goes on.
+//!
+//! Frames, writer to reader: `[header, frame 1, ..]`, `header` =
+//! `"SQM1" | kind u8 | 3 zero bytes | seq u64 | session [16] | mac [32]` (64 bytes).
+//! Reader to writer: one frame, `"SQH1" | rank u64 | nonce [16] | mac [32]`.
+//!
+//! The files: this one (the options, the heartbeat, the secret), `wire` (the frames'
+//! magics, kinds and header), `writer` (the writer's end; `writer/handshake`: its side of
+//! joining), `guard` (the guard of the writer's port), `reader` (the reader's end) and
+//! `tests`.
+
+mod guard;
+mod reader;
+#[cfg(test)]
+mod tests;
+mod wire;
+mod writer;
+
+use std::time::Duration;
+
+use shmq_os::error::{Error, Result};
+
+pub use reader::RemoteReader;
+pub use writer::RemoteWriter;
+
+/// Bytes of the queue's secret.
+pub use crate::auth::SECRET_BYTES;
+
+/// How often a remote reader's connection carries a ZeroMQ heartbeat (PING) to the writer.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+/// Default of how long a PING may go unanswered (no PONG, no other frame from the
+/// writer) before the reader gives the connection up: see [`heartbeat_timeout`].
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(4);
+/// The environment variable that sets another heartbeat timeout, in seconds (0: no
+/// heartbeats; then only a connection that closes ends a wait).
+pub const HEARTBEAT_TIMEOUT_ENV: &str = "SHMQ_REMOTE_HEARTBEAT_TIMEOUT";
+
+/// How long a remote reader's PING may go unanswered before it gives its connection up
+/// ([`HEARTBEAT_TIMEOUT_ENV`], else [`DEFAULT_HEARTBEAT_TIMEOUT`]); `None`: no
+/// heartbeats. A frame that takes longer than this to cross the network (a tensor of
+/// 256 MiB on a 1 Gbit/s link takes about 2 s) delays every PONG behind it, so a slow
+/// network with large messages needs a longer one.
+pub fn heartbeat_timeout() -> Option<Duration> {
+    let default = Some(DEFAULT_HEARTBEAT_TIMEOUT);
+    let Ok(text) = std::env::var(HEARTBEAT_TIMEOUT_ENV) else {
+        return default;
+    };
+    match text.trim().parse::<f64>() {
+        Ok(0.0) => None,
+        // ZeroMQ takes milliseconds in an int, and the TTL it sends in 16 bits of tenths.
+        Ok(s) if (0.001..=6000.0).contains(&s) => Some(Duration::from_secs_f64(s)),
+        _ => {
+            warn_user!(
+                "shmq: {HEARTBEAT_TIMEOUT_ENV}={text:?} is not a number of seconds from \
+                 0.001 to 6000 (or 0 for none); using {DEFAULT_HEARTBEAT_TIMEOUT:?}"
+            );
+            default
+        }
+    }
+}
+
+/// A secret of [`SECRET_BYTES`] random bytes, from the kernel.
+pub fn new_secret() -> Result<[u8; SECRET_BYTES]> {
+    crate::auth::new_secret("the queue's remote secret")
+}
+
+fn random16() -> Result<[u8; 16]> {
+    crate::auth::nonce("a remote session id or nonce")
+}
+
+/// What the writer does with a remote reader whose queue (`hwm` messages) is full.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SlowReaderPolicy {
+    /// Wait until it takes messages again, within the enqueue's timeout.
+    #[default]
+    Block,
+    /// Stop sending to it (it sees a gap and fails); the others go on.
+    Drop,
+}
+
+impl std::str::FromStr for SlowReaderPolicy {
+    type Err = Error;
+    /// `"block"` or `"drop"` (the Python argument `slow_remote_reader`).
+    fn from_str(s: &str) -> Result<SlowReaderPolicy> {
+        let choices = [
+            ("block", SlowReaderPolicy::Block),
+            ("drop", SlowReaderPolicy::Drop),
+        ];
+        shmq_os::error::parse_choice("slow_remote_reader", s, &choices)
+    }
+}
+
+/// How the remote stream is bounded (see the module docs: credit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteOptions {
+    /// Messages sent to one remote reader and not yet taken by it, at most.
+    pub hwm: i32,
+    /// Bytes (of message frames) sent to one remote reader and not yet taken by it, at
+    /// most; a larger message goes once the reader has taken everything before it.
+    pub max_queued_bytes: u64,
+    pub slow_reader: SlowReaderPolicy,
+}
+
+/// Default of [`RemoteOptions::max_queued_bytes`]: 256 MiB.
+pub const DEFAULT_MAX_QUEUED_BYTES: u64 = 256 << 20;
+
+impl RemoteOptions {
+    /// `InvalidArgument` unless `hwm` is at least 1 message and `max_queued_bytes` at
+    /// least 1 byte ([`Writer::new`](crate::Writer::new) checks).
+    pub fn check(&self) -> Result<()> {
+        if self.hwm < 1 {
+            return Err(Error::InvalidArgument(format!(
+                "remote_hwm must be at least 1 message, got {}",
+                self.hwm
+            )));
+        }
+        if self.max_queued_bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "remote_max_queued_bytes must be at least 1 byte, got 0".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            hwm: 1000,
+            max_queued_bytes: DEFAULT_MAX_QUEUED_BYTES,
+            slow_reader: SlowReaderPolicy::Block,
+        }
+    }
+}
+
+fn socket(ctx: &zmq::Context, kind: zmq::SocketType, what: &str) -> Result<zmq::Socket> {
+    ctx.socket(kind)
+        .map_err(Error::transport(format!("creating the {what} socket")))
+}
+
+/// How long ZeroMQ's own handshake may take on a connection, on either side (ms).
+const HANDSHAKE_IVL_MS: i32 = 5000;

@@ -1,0 +1,658 @@
+//! The reader's end of the remote stream: connecting, saying HELLO, checking every
+//! message (session, sequence number, MAC), acknowledging what it took, and watching
+//! its connection to the writer.
+
+use std::time::{Duration, Instant};
+
+use super::wire::*;
+use super::{
+    heartbeat_timeout, random16, socket, HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES,
+};
+use crate::auth::{mac, mac_eq};
+use crate::transport::{poll_slice, POLL_SLICE};
+use crate::wait::Wait;
+use shmq_os::error::{Error, Result};
+use shmq_os::fork::LeakInChild;
+
+/// How often a reader says HELLO again until the writer has said start.
+const HELLO_AGAIN: Duration = Duration::from_secs(1);
+
+/// A remote reader's end of the stream.
+///
+/// Its socket is a DEALER connected to the writer's port, with ZeroMQ's heartbeats on
+/// ([`HEARTBEAT_INTERVAL`], [`heartbeat_timeout`]) and its own handshake bounded, and a
+/// socket monitor that tells it when a connection is made (ZeroMQ's handshake done) and
+/// when one ends (closed by the writer's side or the kernel, or given up for want of a
+/// heartbeat's answer). Before the writer says start, the reader says HELLO on every new
+/// connection and every `HELLO_AGAIN` (a HELLO taken from a connection the writer's
+/// port guard closed under a flood, or lost with it, is said again); after it, the end
+/// of the connection is the end of the stream.
+pub struct RemoteReader {
+    socket: LeakInChild<zmq::Socket>,
+    endpoint: String,
+    key: [u8; SECRET_BYTES],
+    rank: u64,
+    nonce: [u8; 16],
+    /// The writer's session, once it proved it holds the secret.
+    session: Option<[u8; 16]>,
+    /// Sequence number of the last message taken.
+    seq: u64,
+    /// Whether the writer's start message came: it comes once, and a second one (a
+    /// replayed recording, which would rewind `seq`) is refused.
+    started: bool,
+    /// How the stream ended, once it has: every call fails with its error from then on.
+    pub(super) ended: Option<Ended>,
+    /// The connection to the writer, as ZeroMQ's socket monitor tells it.
+    link: Link,
+    /// Credit (see the `remote` module docs): data messages and bytes taken (running
+    /// totals), those last acknowledged, and how many of each between ACKs (an eighth of
+    /// the writer's bounds, from its WELCOME).
+    taken: Taken,
+}
+
+#[derive(Debug, Default)]
+struct Taken {
+    msgs: u64,
+    bytes: u64,
+    acked_msgs: u64,
+    acked_bytes: u64,
+    every_msgs: u64,
+    every_bytes: u64,
+}
+
+/// How a remote reader's stream ended.
+#[derive(Clone, Debug)]
+pub(super) enum Ended {
+    /// The writer's CLOSED came: [`Error::WriterShutDown`].
+    Closed,
+    /// The writer's DROPPED came: [`Error::ReaderDropped`].
+    Dropped,
+    /// The writer is gone, for the reason given: [`Error::RemoteWriterGone`].
+    Gone(String),
+}
+
+/// What a remote reader knows of its connection to the writer.
+struct Link {
+    /// ZeroMQ's monitor of the reader's socket (a PAIR connected to it): one event per
+    /// connection made (`HANDSHAKE_SUCCEEDED`) and ended (`DISCONNECTED`). Only these
+    /// two: libzmq sends monitor events blocking, from its I/O thread, and the events of
+    /// retried connections (one per reconnect interval while the writer is gone) would
+    /// fill the monitor of a reader that does not look at it for long.
+    events: LeakInChild<zmq::Socket>,
+    /// A connection to the writer is up: ZeroMQ's handshake done, and not ended since.
+    up: bool,
+    /// Since when no connection has been up (the connect, or the end of the last one).
+    down_since: Option<Instant>,
+    /// A connection ended after the writer said start: the stream ends after what
+    /// arrived before.
+    broken: bool,
+    /// When HELLO was last said.
+    hello_at: Instant,
+    /// The heartbeat timeout in force (`None`: no heartbeats).
+    heartbeat: Option<Duration>,
+}
+
+impl Link {
+    /// How long the reader goes without any connection to the writer before the start
+    /// until the writer counts as gone: as long as a silent connection lasts.
+    fn unreachable_after(&self) -> Option<Duration> {
+        self.heartbeat.map(|t| HEARTBEAT_INTERVAL + t)
+    }
+}
+
+impl std::fmt::Debug for RemoteReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteReader")
+            .field("endpoint", &self.endpoint)
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+impl Drop for RemoteReader {
+    fn drop(&mut self) {
+        // In a forked child the sockets are the parent's and are leaked, untouched.
+        if shmq_os::fork::is_inherited(self.socket.made_in()) {
+            return;
+        }
+        // Stop the monitor before its reading end closes: libzmq would otherwise emit the
+        // events of the socket's closing (from its I/O thread, blocking) into a monitor
+        // that nobody reads any more, and that thread serves every socket of the process.
+        // SAFETY: `zmq_socket_monitor` with a null endpoint stops the monitor of the
+        // socket it is given (zmq_socket_monitor(3)); the pointer is this reader's own
+        // open socket, used by no other thread (the reader is dropped, `&mut self`).
+        unsafe {
+            zmq_socket_monitor(self.socket.as_mut_ptr(), std::ptr::null(), 0);
+        }
+    }
+}
+
+extern "C" {
+    /// libzmq's, linked in by the zmq crate (whose own `monitor` cannot pass the null
+    /// endpoint that stops a monitor).
+    fn zmq_socket_monitor(
+        socket: *mut std::ffi::c_void,
+        endpoint: *const std::ffi::c_char,
+        events: std::ffi::c_int,
+    ) -> std::ffi::c_int;
+}
+
+/// Milliseconds as ZeroMQ's options take them.
+fn millis(d: Duration) -> i32 {
+    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
+}
+
+impl RemoteReader {
+    /// Connect to `endpoint` as rank `rank` and say HELLO.
+    pub fn connect(
+        ctx: &zmq::Context,
+        endpoint: &str,
+        ipv6: bool,
+        key: [u8; SECRET_BYTES],
+        rank: u64,
+    ) -> Result<RemoteReader> {
+        let s = socket(ctx, zmq::DEALER, "remote reader")?;
+        let opt =
+            |what: &str| Error::transport(format!("setting {what} on the remote reader socket"));
+        // Until the writer proved the secret, only it and the handshake are bounded by
+        // this; from its WELCOME on, its credit bounds the stream (see `accept`).
+        s.set_rcvhwm(1000).map_err(opt("RCVHWM"))?;
+        s.set_linger(0).map_err(opt("LINGER"))?;
+        s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
+        let heartbeat = heartbeat_timeout();
+        if let Some(timeout) = heartbeat {
+            s.set_heartbeat_ivl(millis(HEARTBEAT_INTERVAL))
+                .map_err(opt("HEARTBEAT_IVL"))?;
+            s.set_heartbeat_timeout(millis(timeout))
+                .map_err(opt("HEARTBEAT_TIMEOUT"))?;
+            // A writer that accepts the connection but never finishes ZeroMQ's
+            // handshake (a stopped process: its kernel accepts for it) is given up too.
+            s.set_handshake_ivl(millis(timeout).max(HANDSHAKE_IVL_MS))
+                .map_err(opt("HANDSHAKE_IVL"))?;
+        }
+        // The monitor first, so that it sees the first connection.
+        let name = format!(
+            "inproc://shmq-remote-reader-{}",
+            crate::auth::to_hex(&random16()?)
+        );
+        let events =
+            zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32 | zmq::SocketEvent::DISCONNECTED as i32;
+        s.monitor(&name, events)
+            .map_err(Error::transport("monitoring the remote reader socket"))?;
+        let mon = socket(ctx, zmq::PAIR, "remote reader monitor")?;
+        mon.connect(&name).map_err(Error::transport(
+            "connecting to the remote reader socket's monitor",
+        ))?;
+        crate::transport::check_endpoint(endpoint)?;
+        s.connect(endpoint)
+            .map_err(crate::transport::endpoint_error(
+                "connecting".into(),
+                endpoint,
+            ))?;
+        let now = Instant::now();
+        let reader = RemoteReader {
+            socket: LeakInChild::new(s),
+            endpoint: endpoint.to_owned(),
+            key,
+            rank,
+            nonce: random16()?,
+            session: None,
+            seq: 0,
+            started: false,
+            ended: None,
+            link: Link {
+                events: LeakInChild::new(mon),
+                up: false,
+                down_since: Some(now),
+                broken: false,
+                hello_at: now,
+                heartbeat,
+            },
+            taken: Taken::default(),
+        };
+        // Queued until the connection is made (a DEALER queues for a connect).
+        reader
+            .socket
+            .send(&reader.hello()[..], 0)
+            .map_err(Error::transport(format!("saying hello to {endpoint}")))?;
+        Ok(reader)
+    }
+
+    /// This reader's HELLO: rank, nonce and their MAC.
+    fn hello(&self) -> [u8; HELLO] {
+        let m = mac(
+            &self.key,
+            b"hello",
+            &[&self.rank.to_le_bytes(), &self.nonce],
+        );
+        let mut hello = [0u8; HELLO];
+        hello[..4].copy_from_slice(MAGIC_HELLO);
+        hello[4..12].copy_from_slice(&self.rank.to_le_bytes());
+        hello[12..28].copy_from_slice(&self.nonce);
+        hello[28..60].copy_from_slice(&m);
+        hello
+    }
+
+    /// Say HELLO again (best effort: it is said again later).
+    fn say_hello(&mut self) {
+        let _ = self.socket.send(&self.hello()[..], zmq::DONTWAIT);
+        self.link.hello_at = Instant::now();
+    }
+
+    /// Take the monitor's events: a connection made (before the start: HELLO on it), a
+    /// connection ended (after the start: the stream breaks).
+    fn watch_link(&mut self) {
+        while let Ok(frames) = self.link.events.recv_multipart(zmq::DONTWAIT) {
+            let Some(ev) = frames.first().filter(|f| f.len() == 6) else {
+                continue;
+            };
+            match zmq::SocketEvent::from_raw(u16::from_ne_bytes([ev[0], ev[1]])) {
+                zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
+                    self.link.up = true;
+                    self.link.down_since = None;
+                    if !self.started {
+                        self.say_hello();
+                    }
+                }
+                zmq::SocketEvent::DISCONNECTED => {
+                    self.link.up = false;
+                    self.link.down_since.get_or_insert_with(Instant::now);
+                    if self.started {
+                        self.link.broken = true;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// End the stream (`how`): no more connections to the writer's port, and every call
+    /// fails with the error of `how` from now on; that error.
+    fn end(&mut self, how: Ended) -> Error {
+        if matches!(how, Ended::Gone(_)) {
+            // Best effort: only stops ZeroMQ from connecting again.
+            let _ = self.socket.disconnect(&self.endpoint);
+        }
+        self.ended = Some(how);
+        self.ended_error().expect("just ended")
+    }
+
+    /// The error of the stream's end, if it has ended.
+    fn ended_error(&self) -> Option<Error> {
+        Some(match self.ended.as_ref()? {
+            Ended::Closed => Error::WriterShutDown,
+            Ended::Dropped => Error::ReaderDropped {
+                rank: self.rank,
+                endpoint: self.endpoint.clone(),
+                received: self.taken.msgs,
+            },
+            Ended::Gone(reason) => Error::RemoteWriterGone {
+                endpoint: self.endpoint.clone(),
+                received: self.taken.msgs,
+                reason: reason.clone(),
+            },
+        })
+    }
+
+    /// The stream broke after the start: the reason the writer is gone.
+    fn broken_reason(&self) -> String {
+        let silence = self.link.heartbeat.map_or_else(String::new, |t| {
+            format!(" or stopped answering ZeroMQ's heartbeats for {t:?}")
+        });
+        format!(
+            "its connection closed{silence} without the writer's shutdown (the writer died or \
+             hangs, or the network between failed)"
+        )
+    }
+
+    /// Before the start: the reason the writer is gone, if no connection to it has been
+    /// up for as long as a silent one lasts.
+    fn unreachable(&self) -> Option<String> {
+        let after = self.link.unreachable_after()?;
+        let since = self.link.down_since?;
+        (since.elapsed() >= after).then(|| {
+            format!(
+                "this reader cannot reach the writer: no connection to it for {:.1?} \
+                 (ZeroMQ's handshake not done; the writer died before this reader joined, \
+                 or the network is down)",
+                since.elapsed()
+            )
+        })
+    }
+
+    /// Tell the writer what was taken (an ACK), if `now` or an eighth of a bound was
+    /// taken since the last one.
+    fn ack(&mut self, now: bool) {
+        let t = &self.taken;
+        let due = now
+            || t.msgs - t.acked_msgs >= t.every_msgs.max(1)
+            || t.bytes - t.acked_bytes >= t.every_bytes.max(1);
+        if !due || (t.msgs == t.acked_msgs && t.bytes == t.acked_bytes) {
+            return;
+        }
+        let mut a = [0u8; ACK];
+        a[..4].copy_from_slice(MAGIC_ACK);
+        a[4..12].copy_from_slice(&t.msgs.to_le_bytes());
+        a[12..20].copy_from_slice(&t.bytes.to_le_bytes());
+        // Best effort: the totals are running, and the writer asks again.
+        if self.socket.send(&a[..], zmq::DONTWAIT).is_ok() {
+            self.taken.acked_msgs = self.taken.msgs;
+            self.taken.acked_bytes = self.taken.bytes;
+        }
+    }
+
+    fn refuse(&self, why: &str) -> Error {
+        Error::Remote(format!(
+            "remote reader rank {} of {}: {why}",
+            self.rank, self.endpoint
+        ))
+    }
+
+    /// Check one message from the socket; `Ok(None)` for one to ignore (not from the
+    /// writer, or a handshake message).
+    pub(super) fn accept(
+        &mut self,
+        mut frames: Vec<zmq::Message>,
+    ) -> Result<Option<Vec<zmq::Message>>> {
+        if frames.is_empty() || frames[0].len() != HEADER || &frames[0][..4] != MAGIC_MESSAGE {
+            return Err(self.refuse("a message that is not from a shmq writer arrived (is another process using the writer's port?)"));
+        }
+        let h = frames.remove(0);
+        let (kind, seq) = (
+            h[4],
+            u64::from_le_bytes(h[8..16].try_into().expect("8 bytes")),
+        );
+        let session: [u8; 16] = h[16..32].try_into().expect("16 bytes");
+        let got_mac = &h[32..64];
+        match (kind, self.session) {
+            (KIND_WELCOME | KIND_REFUSED, known) if known.is_none_or(|s| s == session) => {
+                let text: &[u8] = frames.first().map_or(&[], |m| &m[..]);
+                let tag: &[u8] = if kind == KIND_WELCOME { b"welcome" } else { b"refused" };
+                let want = mac(&self.key, tag, &[&self.rank.to_le_bytes(), &self.nonce, &session, text]);
+                if !mac_eq(&want, got_mac) {
+                    return Err(self.refuse(
+                        "the writer's answer does not prove it holds the queue's secret (is another process using the writer's port?)",
+                    ));
+                }
+                if kind == KIND_REFUSED {
+                    return Err(self.refuse(&format!(
+                        "the writer refused it: {}",
+                        String::from_utf8_lossy(text)
+                    )));
+                }
+                if known.is_some() {
+                    // The answer to a HELLO said again: nothing new.
+                    return Ok(None);
+                }
+                self.session = Some(session);
+                // The writer's bounds: acknowledge every eighth of them (a writer that
+                // did not say gets an ACK for every message).
+                if let (Some(m), Some(b)) = (text.get(..8), text.get(8..16)) {
+                    let m = u64::from_le_bytes(m.try_into().expect("8 bytes"));
+                    let b = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                    self.taken.every_msgs = (m / 8).max(1);
+                    self.taken.every_bytes = (b / 8).max(1);
+                }
+                // From here on the writer's credit bounds what it sends (see the `remote`
+                // module docs); ZeroMQ's bound, which counts its room in batches, could stop
+                // taking frames from the network before that, and with them the
+                // heartbeats' answers. Best effort: the bound stays as it was otherwise.
+                let _ = self.socket.set_rcvhwm(0);
+                Ok(None)
+            }
+            (KIND_READY, Some(s)) if s == session => {
+                let want = mac(&self.key, b"ready", &[&session, &seq.to_le_bytes()]);
+                if !mac_eq(&want, got_mac) {
+                    return Err(self.refuse("a start message failed authentication"));
+                }
+                if self.started {
+                    return Err(self.refuse(
+                        "a second start message arrived (a replay? is another process using the writer's port?)",
+                    ));
+                }
+                // The connections that ended before this one (which carried the start:
+                // its handshake's event came before the message) are not the stream's.
+                self.watch_link();
+                self.started = true;
+                self.seq = seq;
+                Ok(Some(Vec::new()))
+            }
+            (KIND_DATA, Some(s)) if s == session => {
+                let seq_bytes = seq.to_le_bytes();
+                let mut parts: Vec<&[u8]> = vec![&session, &seq_bytes];
+                parts.extend(frames.iter().map(|m| &m[..]));
+                if !mac_eq(&mac(&self.key, b"data", &parts), got_mac) {
+                    return Err(self.refuse(
+                        "a message failed authentication (is another process using the writer's port?)",
+                    ));
+                }
+                if seq != self.seq + 1 {
+                    return Err(self.refuse(&format!(
+                        "message {seq} arrived after message {}: messages were lost (a slow reader dropped by the writer?)",
+                        self.seq
+                    )));
+                }
+                self.seq = seq;
+                self.taken.msgs += 1;
+                self.taken.bytes += frames.iter().map(|f| f.len() as u64).sum::<u64>();
+                self.ack(false);
+                Ok(Some(frames))
+            }
+            (KIND_PING, Some(s)) if s == session => {
+                if !mac_eq(&mac(&self.key, b"ping", &[&session]), got_mac) {
+                    return Err(self.refuse("a credit request failed authentication"));
+                }
+                self.ack(true);
+                Ok(None)
+            }
+            (KIND_CLOSED, Some(s)) if s == session => {
+                let want = mac(&self.key, b"closed", &[&session, &seq.to_le_bytes()]);
+                if !mac_eq(&want, got_mac) {
+                    return Err(self.refuse("a closing message failed authentication"));
+                }
+                if seq <= self.seq || (self.started && seq != self.seq + 1) {
+                    return Err(self.refuse(&format!(
+                        "the closing message {seq} arrived after message {}: messages were lost (a slow reader dropped by the writer?)",
+                        self.seq
+                    )));
+                }
+                self.seq = seq;
+                // Best effort: the writer waits for it only a short while.
+                let _ = self.socket.send(&MAGIC_BYE[..], zmq::DONTWAIT);
+                Err(self.end(Ended::Closed))
+            }
+            (KIND_DROPPED, Some(s)) if s == session => {
+                let want = mac(
+                    &self.key,
+                    b"dropped",
+                    &[&session, &seq.to_le_bytes(), &self.rank.to_le_bytes()],
+                );
+                if !mac_eq(&want, got_mac) {
+                    return Err(self.refuse("a message that it was dropped failed authentication"));
+                }
+                if seq != self.seq + 1 {
+                    return Err(self.refuse(&format!(
+                        "the message that it was dropped ({seq}) arrived after message {}: \
+                         messages were lost",
+                        self.seq
+                    )));
+                }
+                self.seq = seq;
+                Err(self.end(Ended::Dropped))
+            }
+            _ => Err(self.refuse(
+                "a message of another session arrived (is another process using the writer's port?)",
+            )),
+        }
+    }
+
+    /// [`accept`](Self::accept), where a message that is not the writer's, after the
+    /// stream's connection ended, is the writer's end (something else took its port, and
+    /// ZeroMQ connected to it before the reader stopped it): the writer is gone.
+    fn accept_checked(&mut self, frames: Vec<zmq::Message>) -> Result<Option<Vec<zmq::Message>>> {
+        match self.accept(frames) {
+            Err(Error::Remote(why)) => {
+                self.watch_link();
+                if self.link.broken {
+                    return Err(self.end(Ended::Gone(self.broken_reason())));
+                }
+                Err(Error::Remote(why))
+            }
+            r => r,
+        }
+    }
+
+    /// The next raw message (its frames), waiting up to `timeout` for it (not at all
+    /// when zero). The wait is the receive itself (ZeroMQ's receive timeout), not a poll
+    /// then a receive: half the system calls per message. An interrupted wait (EINTR)
+    /// returns `None`, so the caller's wait runs its checks (signals) first.
+    fn recv_raw(&self, timeout: Duration) -> Result<Option<Vec<zmq::Message>>> {
+        let what = || format!("receiving from {}", self.endpoint);
+        let first = if timeout.is_zero() {
+            self.socket.recv_msg(zmq::DONTWAIT)
+        } else {
+            let ms = i32::try_from(timeout.as_millis().max(1)).unwrap_or(i32::MAX);
+            self.socket
+                .set_rcvtimeo(ms)
+                .map_err(|e| Error::transport(what())(e))?;
+            self.socket.recv_msg(0)
+        };
+        let first = match first {
+            Ok(m) => m,
+            Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => return Ok(None),
+            Err(e) => return Err(Error::transport(what())(e)),
+        };
+        let mut frames = vec![first];
+        // The other frames of a message arrive with its first (ZeroMQ delivers messages
+        // whole), so these receives do not wait.
+        while frames.last().is_some_and(|m| m.get_more()) {
+            frames.push(self.socket.recv_msg(0).map_err(Error::transport(format!(
+                "receiving a frame from {}",
+                self.endpoint
+            )))?);
+        }
+        Ok(Some(frames))
+    }
+
+    fn try_recv_raw(&self) -> Result<Option<Vec<zmq::Message>>> {
+        self.recv_raw(Duration::ZERO)
+    }
+
+    /// The next message (its frames, authenticated), if one has arrived. Once the stream
+    /// has ended (the writer shut down, dropped this reader, or is gone), its error.
+    pub fn try_recv_frames(&mut self) -> Result<Option<Vec<zmq::Message>>> {
+        self.recv_frames_for(Duration::ZERO)
+    }
+
+    /// The next message (its frames, authenticated), if one arrives within `timeout`.
+    fn recv_frames_for(&mut self, timeout: Duration) -> Result<Option<Vec<zmq::Message>>> {
+        if let Some(e) = self.ended_error() {
+            return Err(e);
+        }
+        let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
+        loop {
+            let left = deadline.map_or(Duration::ZERO, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            let raw = match self.recv_raw(left)? {
+                Some(raw) => raw,
+                None => {
+                    // Nothing came: has the stream's connection ended? Then what
+                    // arrived before it is taken first (a receive that finds nothing
+                    // takes ZeroMQ's pending work first, so it sees all of it).
+                    self.watch_link();
+                    if !self.link.broken {
+                        return Ok(None);
+                    }
+                    match self.try_recv_raw()? {
+                        Some(raw) => raw,
+                        None => return Err(self.end(Ended::Gone(self.broken_reason()))),
+                    }
+                }
+            };
+            match self.accept_checked(raw)? {
+                Some(frames) if !frames.is_empty() => return Ok(Some(frames)),
+                _ => continue, // handshake traffic
+            }
+        }
+    }
+
+    /// Wait for the next message.
+    pub fn recv_frames(&mut self, wait: &mut Wait) -> Result<Vec<zmq::Message>> {
+        loop {
+            let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
+            if let Some(f) = self.recv_frames_for(slice)? {
+                return Ok(f);
+            }
+            // The connection is watched (see the type's docs): the warning says where
+            // the writer is and how far the stream got.
+            let (endpoint, seq) = (&self.endpoint, self.seq);
+            wait.step_explained(&mut crate::wait::no_peer, &mut || {
+                format!(
+                    "the writer at {endpoint} (on another host; its connection is up), {seq} \
+                     messages received from it so far"
+                )
+            })?;
+        }
+    }
+
+    /// Wait until the writer accepted this reader and said start, saying HELLO again on
+    /// every new connection and every `HELLO_AGAIN` until then.
+    pub fn wait_ready(&mut self, wait: &mut Wait) -> Result<()> {
+        loop {
+            if let Some(e) = self.ended_error() {
+                return Err(e);
+            }
+            while let Some(raw) = self.try_recv_raw()? {
+                match self.accept_checked(raw)? {
+                    Some(frames) if frames.is_empty() => return Ok(()),
+                    Some(_) => {
+                        return Err(self.refuse("a message arrived before the writer said start"))
+                    }
+                    None => {}
+                }
+            }
+            self.watch_link();
+            if let Some(reason) = self.unreachable() {
+                return Err(self.end(Ended::Gone(reason)));
+            }
+            if self.link.hello_at.elapsed() >= HELLO_AGAIN {
+                self.say_hello();
+            }
+            poll_slice(&self.socket, wait, || {
+                format!("waiting for {}", self.endpoint)
+            })?;
+            wait.step(&mut crate::wait::no_peer)?;
+        }
+    }
+}
+
+#[cfg(test)]
+/// A reader of rank 1 whose handshake gave it `session`, before the start message
+/// (its socket is connected to nothing: messages go to `accept` by hand).
+pub(super) fn reader_in_session(
+    ctx: &zmq::Context,
+    key: [u8; SECRET_BYTES],
+    session: [u8; 16],
+) -> RemoteReader {
+    RemoteReader {
+        socket: LeakInChild::new(ctx.socket(zmq::DEALER).unwrap()),
+        endpoint: "test".into(),
+        key,
+        rank: 1,
+        nonce: [0; 16],
+        session: Some(session),
+        seq: 0,
+        started: false,
+        ended: None,
+        link: Link {
+            events: LeakInChild::new(ctx.socket(zmq::PAIR).unwrap()),
+            up: false,
+            down_since: None,
+            broken: false,
+            hello_at: Instant::now(),
+            heartbeat: None,
+        },
+        taken: Taken::default(),
+    }
+}

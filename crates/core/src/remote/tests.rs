@@ -1,0 +1,274 @@
+//! The remote stream's tests: writer and readers over loopback TCP, and forged,
+//! replayed and closing messages fed to a reader by hand.
+
+use std::time::{Duration, Instant};
+
+use super::reader::reader_in_session;
+use super::wire::*;
+use super::*;
+use crate::auth::mac;
+use crate::wait::Wait;
+
+fn wait() -> Wait<'static> {
+    Wait::new("test", Some(Duration::from_secs(10)))
+}
+
+#[test]
+fn readers_with_the_secret_get_authenticated_messages_and_others_nothing() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let (mut w, _) =
+        RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], RemoteOptions::default()).unwrap();
+    // A stranger with a wrong secret, and a raw client sending garbage.
+    let mut stranger = RemoteReader::connect(&ctx, w.endpoint(), false, [7; 32], 1).unwrap();
+    let raw = ctx.socket(zmq::DEALER).unwrap();
+    raw.connect(w.endpoint()).unwrap();
+    raw.send(&[1u8, 0, 2, 0, 1][..], 0).unwrap();
+    let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+        w.wait_for_readers(&mut wait()).unwrap();
+    });
+    assert_eq!(w.readers(), vec![1]);
+    // The reader's connection is known good to the port's guard (by its descriptor).
+    assert_eq!(w.guard.authenticated.lock().unwrap().len(), 1);
+    w.send(&[b"one"], &mut wait()).unwrap();
+    w.send(&[b"two", b"parts"], &mut wait()).unwrap();
+    let got = r.recv_frames(&mut wait()).unwrap();
+    assert_eq!(&got[0][..], b"one");
+    let got = r.recv_frames(&mut wait()).unwrap();
+    assert_eq!((&got[0][..], &got[1][..]), (&b"two"[..], &b"parts"[..]));
+    // The stranger and the raw client got nothing.
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(stranger.try_recv_frames().unwrap().is_none());
+    assert!(matches!(
+        raw.recv_msg(zmq::DONTWAIT),
+        Err(zmq::Error::EAGAIN)
+    ));
+    // A second reader of the same rank is refused, with the writer's word for it.
+    let mut twin = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    w.send(&[b"three"], &mut wait()).unwrap();
+    let e = twin.wait_ready(&mut wait()).unwrap_err();
+    assert!(e.to_string().contains("rank 1 has joined already"), "{e}");
+}
+
+#[test]
+fn a_reader_that_takes_nothing_stops_the_writer_at_its_credit() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let options = RemoteOptions {
+        hwm: 100,
+        max_queued_bytes: 3 << 20,
+        slow_reader: SlowReaderPolicy::Block,
+    };
+    let (mut w, _) = RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
+    let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+        w.wait_for_readers(&mut wait()).unwrap();
+    });
+    let mib = vec![7u8; 1 << 20];
+    let short = || Wait::new("test", Some(Duration::from_millis(200)));
+    // Three MiB fit in the byte bound; the fourth waits, and times out.
+    for _ in 0..3 {
+        w.send(&[&mib], &mut short()).unwrap();
+    }
+    assert!(w.send(&[&mib], &mut short()).is_err());
+    // The reader takes one (and says so when asked): room for one more, and the
+    // stream is whole (the timed-out message used no sequence number).
+    r.recv_frames(&mut wait()).unwrap();
+    w.send(&[&mib], &mut wait()).unwrap();
+    for _ in 0..3 {
+        assert_eq!(r.recv_frames(&mut wait()).unwrap()[0].len(), 1 << 20);
+    }
+    // A message larger than the bound goes once the reader has taken everything.
+    let big = vec![1u8; 4 << 20];
+    w.send(&[&big], &mut wait()).unwrap();
+    assert_eq!(r.recv_frames(&mut wait()).unwrap()[0].len(), 4 << 20);
+}
+
+#[test]
+fn a_reader_whose_writer_goes_without_shutdown_gets_what_arrived_then_an_error() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let (mut w, _) =
+        RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], RemoteOptions::default()).unwrap();
+    let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+        w.wait_for_readers(&mut wait()).unwrap();
+    });
+    w.send(&[b"one"], &mut wait()).unwrap();
+    w.send(&[b"two"], &mut wait()).unwrap();
+    // Gone without CLOSED (as a killed writer: its connection closes).
+    drop(w);
+    let t0 = Instant::now();
+    assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"one");
+    assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"two");
+    let e = r.recv_frames(&mut wait()).unwrap_err();
+    assert!(
+        matches!(e, Error::RemoteWriterGone { received: 2, .. }),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    // And from then on, at once.
+    assert!(matches!(
+        r.try_recv_frames(),
+        Err(Error::RemoteWriterGone { .. })
+    ));
+}
+
+#[test]
+fn a_dropped_reader_gets_what_was_sent_to_it_then_is_told() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let options = RemoteOptions {
+        hwm: 4,
+        max_queued_bytes: 1 << 20,
+        slow_reader: SlowReaderPolicy::Drop,
+    };
+    let (mut w, _) = RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
+    let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+        w.wait_for_readers(&mut wait()).unwrap();
+    });
+    // Four fit its credit; the fifth drops it (it reads nothing meanwhile).
+    for i in 0..10u8 {
+        w.send(&[&[i]], &mut wait()).unwrap();
+    }
+    assert_eq!(w.peers(), vec![(1, Some("127.0.0.1".into()), true)]);
+    for i in 0..4u8 {
+        assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], &[i]);
+    }
+    let e = r.recv_frames(&mut wait()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ReaderDropped {
+                rank: 1,
+                received: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // The writer's end does not change what the reader was told.
+    w.close(Duration::from_millis(100));
+    assert!(matches!(
+        r.try_recv_frames(),
+        Err(Error::ReaderDropped { .. })
+    ));
+}
+
+#[test]
+fn a_rank_whose_reader_went_before_the_start_is_free_again() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let (mut w, _) =
+        RemoteWriter::bind(&ctx, "127.0.0.1", key, 2, vec![0], RemoteOptions::default()).unwrap();
+    let first = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    let short = || Wait::new("test", Some(Duration::from_millis(300)));
+    // The writer takes its HELLO, and waits for rank 2.
+    assert!(matches!(
+        w.wait_for_readers(&mut short()),
+        Err(Error::Timeout { .. })
+    ));
+    assert_eq!(w.readers(), vec![1]);
+    drop(first);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut again = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    let mut other = RemoteReader::connect(&ctx, w.endpoint(), false, key, 2).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| again.wait_ready(&mut wait()).unwrap());
+        s.spawn(|| other.wait_ready(&mut wait()).unwrap());
+        w.wait_for_readers(&mut wait()).unwrap();
+    });
+    w.send(&[b"both"], &mut wait()).unwrap();
+    assert_eq!(&again.recv_frames(&mut wait()).unwrap()[0][..], b"both");
+    assert_eq!(&other.recv_frames(&mut wait()).unwrap()[0][..], b"both");
+}
+
+#[test]
+fn the_closing_message_ends_the_stream_and_a_forged_one_is_refused() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let session = [5; 16];
+    let mut r = reader_in_session(&ctx, key, session);
+    let closed = |key: &[u8; 32], seq: u64| {
+        let m = mac(key, b"closed", &[&session, &seq.to_le_bytes()]);
+        vec![zmq::Message::from(
+            &header(KIND_CLOSED, seq, &session, &m)[..],
+        )]
+    };
+    // Wrong key: refused as a stranger's, not taken as the end.
+    let e = r.accept(closed(&[9; 32], 1)).unwrap_err();
+    assert!(matches!(e, Error::Remote(_)), "{e}");
+    assert!(r.ended.is_none());
+    // The real one: the end, and from then on every receive says so.
+    let e = r.accept(closed(&key, 1)).unwrap_err();
+    assert!(matches!(e, Error::WriterShutDown), "{e}");
+    assert!(matches!(r.try_recv_frames(), Err(Error::WriterShutDown)));
+    // A replay of it cannot rewind the stream.
+    assert!(matches!(r.accept(closed(&key, 1)), Err(Error::Remote(_))));
+}
+
+#[test]
+fn a_forged_message_is_refused() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let mut r = reader_in_session(&ctx, key, [5; 16]);
+    let msg =
+        |h: [u8; HEADER], body: &[u8]| vec![zmq::Message::from(&h[..]), zmq::Message::from(body)];
+    // Right session, wrong key.
+    let m = mac(&[9; 32], b"data", &[&[5; 16], &1u64.to_le_bytes(), b"x"]);
+    assert!(r
+        .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+        .is_err());
+    // Right key, body changed after the MAC.
+    let m = mac(&key, b"data", &[&[5; 16], &1u64.to_le_bytes(), b"x"]);
+    assert!(r
+        .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"y"))
+        .is_err());
+    // A good one, then a replay of it.
+    assert!(r
+        .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+        .unwrap()
+        .is_some());
+    assert!(r
+        .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+        .is_err());
+    // Garbage.
+    assert!(r.accept(vec![zmq::Message::from(&b"junk"[..])]).is_err());
+}
+
+#[test]
+fn a_replayed_start_message_cannot_rewind_the_stream() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let session = [5; 16];
+    let mut r = reader_in_session(&ctx, key, session);
+    let ready = header(
+        KIND_READY,
+        0,
+        &session,
+        &mac(&key, b"ready", &[&session, &0u64.to_le_bytes()]),
+    );
+    let data_mac = mac(&key, b"data", &[&session, &1u64.to_le_bytes(), b"x"]);
+    let data = || {
+        vec![
+            zmq::Message::from(&header(KIND_DATA, 1, &session, &data_mac)[..]),
+            zmq::Message::from(&b"x"[..]),
+        ]
+    };
+    assert!(r
+        .accept(vec![zmq::Message::from(&ready[..])])
+        .unwrap()
+        .is_some());
+    assert!(r.accept(data()).unwrap().is_some());
+    // Someone who recorded the stream replays the start and the first message.
+    let e = r.accept(vec![zmq::Message::from(&ready[..])]).unwrap_err();
+    assert!(e.to_string().contains("a second start message"), "{e}");
+    assert!(r.accept(data()).is_err(), "a replayed message was taken");
+}
