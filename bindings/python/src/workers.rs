@@ -12,13 +12,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::wait::{duration, Timeout};
+use super::wait::{blocking, duration, Interrupts, Timeout};
 
 use shmq::error::{StderrCapture, WorkerDeath, WorkerExit};
 use shmq::workers::{StartedWorker, Waited, WorkerOptions, Workers};
-
-/// How long a wait runs without the GIL before it checks for signals (Ctrl-C).
-const SLICE: Duration = Duration::from_millis(50);
 
 /// `WorkerDiedError`'s arguments: (name, rank, pid, exitcode, stderr_tail, host,
 /// before_ready, how, stderr_captured, stderr_from_start).
@@ -107,26 +104,20 @@ fn dup(fd: Option<i32>) -> PyResult<Option<OwnedFd>> {
 }
 
 /// Run `wait(slice)` with the GIL released, slice after slice until it returns `Some` or
-/// `timeout` passes (`None`), checking for signals between slices.
+/// `timeout` passes (`None`): the core's loop for such waits (`wait::in_slices`), with the
+/// binding's hook between slices (signals: Ctrl-C ends the wait), as every blocking call
+/// of the binding has ([`blocking`]).
 fn sliced<T: Send>(
     py: Python<'_>,
     timeout: Option<Timeout>,
     wait: impl Fn(Duration) -> Option<T> + Sync,
 ) -> PyResult<Option<T>> {
-    let deadline = duration(timeout).map(|t| Instant::now() + t);
-    loop {
-        let slice = match deadline {
-            Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
-            None => SLICE,
-        };
-        if let Some(out) = py.detach(|| wait(slice)) {
-            return Ok(Some(out));
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Ok(None);
-        }
-        py.check_signals()?;
-    }
+    let interrupts = Interrupts {
+        timeout,
+        cancel: None,
+        quiet: true,
+    };
+    blocking(py, interrupts, |spec| shmq::wait::in_slices(spec, &wait))
 }
 
 /// A wait for readiness or exits, slice after slice (see [`sliced`]), as Python sees its

@@ -304,6 +304,48 @@ pub struct WaitSpec<'a> {
     pub resume: Option<&'a mut WaitClock>,
 }
 
+/// How long one slice of [`in_slices`] lasts when there is a hook to run between slices.
+const SLICE_WITH_HOOK: Duration = Duration::from_millis(50);
+/// ... and when there is none: only the deadline ends the wait, but the slice is bounded
+/// so that a blocking call that adds it to `Instant::now()` never overflows.
+const SLICE_WITHOUT_HOOK: Duration = Duration::from_secs(3600);
+
+/// The wait loop for what has a blocking call of its own that takes a timeout (a
+/// condition variable, `poll`: the worker supervisor's waits), beside [`Wait::until`]'s
+/// for shared memory: `step(slice)` blocks up to `slice` and returns `Some` once what it
+/// waits for is there. Between slices the spec's hook runs (every 50 ms: the Python
+/// bindings check signals there); its error ends the wait. `Ok(None)`: the spec's
+/// timeout passed first. (`quiet` and `resume` mean nothing here: such waits give no
+/// "still waiting" warnings and hold no lock across slices.)
+pub fn in_slices<T>(
+    spec: WaitSpec<'_>,
+    mut step: impl FnMut(Duration) -> Option<T>,
+) -> Result<Option<T>> {
+    let start = Instant::now();
+    let deadline = spec.timeout.and_then(|t| deadline_after(start, t));
+    let mut hook = spec.hook;
+    let longest = if hook.is_some() {
+        SLICE_WITH_HOOK
+    } else {
+        SLICE_WITHOUT_HOOK
+    };
+    loop {
+        let slice = match deadline {
+            Some(d) => d.saturating_duration_since(Instant::now()).min(longest),
+            None => longest,
+        };
+        if let Some(out) = step(slice) {
+            return Ok(Some(out));
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+        if let Some(hook) = hook.as_mut() {
+            hook()?;
+        }
+    }
+}
+
 /// Where a wait stood when it ended, so that a blocking call started again with the
 /// same clock ([`WaitSpec::resume`]) goes on from there instead of starting over: the
 /// same start and deadline (timeouts and "still waiting" warnings count the whole
@@ -781,6 +823,50 @@ pub fn no_peer() -> Result<()> {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn in_slices_runs_the_hook_between_slices_and_ends_at_the_deadline_or_its_error() {
+        // Ready at the third slice: the hook ran between the slices, each at most 50 ms.
+        let mut slices = Vec::new();
+        let mut hooks = 0;
+        let mut hook = || -> Result<()> {
+            hooks += 1;
+            Ok(())
+        };
+        let got = in_slices(
+            WaitSpec {
+                timeout: Some(Duration::from_secs(10)),
+                hook: Some(&mut hook),
+                ..WaitSpec::default()
+            },
+            |slice| {
+                slices.push(slice);
+                (slices.len() == 3).then_some("ready")
+            },
+        );
+        assert_eq!(got.unwrap(), Some("ready"));
+        assert_eq!(hooks, 2);
+        assert!(slices.iter().all(|s| *s <= SLICE_WITH_HOOK), "{slices:?}");
+        // The hook's error ends the wait.
+        let mut refuse = || -> Result<()> { Err(Error::Cancelled) };
+        let got: Result<Option<()>> = in_slices(
+            WaitSpec {
+                hook: Some(&mut refuse),
+                ..WaitSpec::default()
+            },
+            |_| None,
+        );
+        assert!(matches!(got, Err(Error::Cancelled)), "{got:?}");
+        // No hook: one slice as long as the timeout, then `None` once it has passed.
+        let mut calls = Vec::new();
+        let got: Result<Option<()>> = in_slices(Duration::from_millis(30).into(), |slice| {
+            calls.push(slice);
+            std::thread::sleep(slice);
+            None
+        });
+        assert_eq!(got.unwrap(), None);
+        assert!(calls[0] > SLICE_WITH_HOOK / 2 && calls[0] <= Duration::from_millis(30));
+    }
 
     #[test]
     fn policies_from_micros_keep_what_is_given_and_refuse_what_cannot_be_a_time() {
