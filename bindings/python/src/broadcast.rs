@@ -35,28 +35,6 @@ fn ring_tuple(h: &RingHandle) -> RingTuple {
     (h.n_reader, h.max_chunk_bytes, h.max_chunks, h.name.clone())
 }
 
-/// The ring segment that names a queue in its errors (`None`: the queue has no ring,
-/// so no local peer whose death could be reported).
-pub(super) struct QueueName(pub(super) Option<String>);
-
-impl QueueName {
-    /// `e` as Python's error; a peer's death names the queue: the ring that reports it
-    /// names only the peer, and one process may hold several queues.
-    pub(super) fn error(&self, py: Python<'_>, e: Error) -> PyErr {
-        let named = self.0.as_deref().and_then(|q| e.naming_queue(q));
-        let err = exception(e);
-        match named {
-            Some(message) => PyErr::from_type(err.get_type(py), message),
-            None => err,
-        }
-    }
-
-    /// [`QueueName::error`] for a result.
-    fn check<T>(&self, py: Python<'_>, r: shmq::error::Result<T>) -> PyResult<T> {
-        r.map_err(|e| self.error(py, e))
-    }
-}
-
 /// A queue handle as Python has it: any object with the fields of `shmq.Handle`
 /// (`local_reader_ranks`, `buffer_handle`, `local_subscribe_addr`,
 /// `remote_subscribe_addr`, `remote_addr_ipv6`, and optionally `arena_name`), read by
@@ -397,7 +375,6 @@ impl Ring {
 pub struct Writer {
     inner: BindingLock<CoreWriter>,
     canceller: Canceller,
-    queue: QueueName,
 }
 
 impl Writer {
@@ -418,24 +395,17 @@ impl Writer {
                 writer.try_enqueue(data)
             };
             drop(writer);
-            if self.queue.check(py, sent)? {
+            if sent.or_raise()? {
                 return Ok(());
             }
         }
-        blocking_on(
-            py,
-            &self.inner,
-            WRITER,
-            interrupts(timeout),
-            |w, spec| {
-                if as_body {
-                    w.enqueue_body(data, spec)
-                } else {
-                    w.enqueue(data, spec)
-                }
-            },
-            |e| self.queue.error(py, e),
-        )
+        blocking_on(py, &self.inner, WRITER, interrupts(timeout), |w, spec| {
+            if as_body {
+                w.enqueue_body(data, spec)
+            } else {
+                w.enqueue(data, spec)
+            }
+        })
         .map(drop)
     }
 }
@@ -521,7 +491,6 @@ impl Writer {
         let writer = CoreWriter::new(opts).or_raise()?;
         Ok(Writer {
             canceller: writer.canceller(),
-            queue: QueueName(writer.ring().map(|r| r.name().to_owned())),
             inner: BindingLock::new(writer),
         })
     }
@@ -648,14 +617,9 @@ impl Writer {
     /// done, later calls return at once.
     #[pyo3(signature = (timeout=None))]
     fn wait_until_ready(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<()> {
-        blocking_on(
-            py,
-            &self.inner,
-            WRITER,
-            interrupts(timeout),
-            |w, spec| w.wait_until_ready(spec),
-            |e| self.queue.error(py, e),
-        )
+        blocking_on(py, &self.inner, WRITER, interrupts(timeout), |w, spec| {
+            w.wait_until_ready(spec)
+        })
         .map(drop)
     }
 
@@ -677,17 +641,11 @@ impl Writer {
     /// publish it with `commit_write()`.
     #[pyo3(signature = (timeout=None))]
     fn acquire_write(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<ShmView> {
-        let (w, (ptr, len)) = blocking_on(
-            py,
-            &self.inner,
-            WRITER,
-            interrupts(timeout),
-            |w, spec| {
+        let (w, (ptr, len)) =
+            blocking_on(py, &self.inner, WRITER, interrupts(timeout), |w, spec| {
                 w.acquire_write(spec)
                     .map(|buf| (buf.as_mut_ptr() as usize, buf.len()))
-            },
-            |e| self.queue.error(py, e),
-        )?;
+            })?;
         let ring = w.ring().expect("acquire_write succeeded").clone();
         // SAFETY: the range is the acquired chunk, inside the mapping kept alive by `ring`.
         Ok(unsafe { ShmView::new(ring, ptr as *mut u8, len) })
@@ -757,21 +715,18 @@ impl Writer {
                 // Small and no wait needed: with the GIL held, as in `enqueue`.
                 true => {
                     let mut w = self.writer(py)?;
-                    self.queue.check(py, try_send(&mut w, &slices()))
+                    try_send(&mut w, &slices()).or_raise()
                 }
                 false => Ok(false),
             };
             match r {
                 Ok(true) => Ok(()),
-                Ok(false) => blocking_on(
-                    py,
-                    &self.inner,
-                    WRITER,
-                    interrupts(timeout),
-                    |w, spec| send(w, &slices(), spec),
-                    |e| self.queue.error(py, e),
-                )
-                .map(drop),
+                Ok(false) => {
+                    blocking_on(py, &self.inner, WRITER, interrupts(timeout), |w, spec| {
+                        send(w, &slices(), spec)
+                    })
+                    .map(drop)
+                }
                 Err(e) => Err(e),
             }
         };
@@ -798,7 +753,6 @@ fn interrupts<'a>(timeout: Option<Timeout>) -> Interrupts<'a, 'a> {
 pub struct Reader {
     inner: BindingLock<CoreReader>,
     canceller: Canceller,
-    queue: QueueName,
     /// The view of the chunk `acquire_read` handed out, until `finish_read` (the core
     /// reader keeps its mapping).
     open_chunk: BindingLock<Option<Py<ShmView>>>,
@@ -830,7 +784,6 @@ impl Reader {
         let reader = CoreReader::open_with(&handle, rank, policy).or_raise()?;
         Ok(Reader {
             canceller: reader.canceller(),
-            queue: QueueName(reader.ring().map(|r| r.name().to_owned())),
             inner: BindingLock::new(reader),
             open_chunk: BindingLock::new(None),
         })
@@ -865,7 +818,6 @@ impl Reader {
             READER,
             reader_interrupts(timeout, cancel, false),
             |r, spec| r.wait_until_ready(spec),
-            |e| self.queue.error(py, e),
         )
         .map(drop)
     }
@@ -884,8 +836,9 @@ impl Reader {
         indefinite: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Some(m) = self
-            .queue
-            .check(py, self.reader(py)?.try_take_message(|m| to_python(py, m)))?
+            .reader(py)?
+            .try_take_message(|m| to_python(py, m))
+            .or_raise()?
         {
             return m;
         }
@@ -898,10 +851,9 @@ impl Reader {
             READER,
             reader_interrupts(timeout, cancel, indefinite),
             |r, spec| r.wait_message(spec),
-            |e| self.queue.error(py, e),
         )?;
-        self.queue
-            .check(py, r.try_take_message(|m| to_python(py, m)))?
+        r.try_take_message(|m| to_python(py, m))
+            .or_raise()?
             .ok_or_else(|| exception(r.not_ready_any_more()))?
     }
 
@@ -923,7 +875,6 @@ impl Reader {
             // below keeps only its pointer and the mapping's Arc, and `finish_read`
             // detaches (buffers still exported) or revokes it before `finish_chunk`.
             |r, spec| unsafe { r.acquire_chunk_unborrowed(spec) },
-            |e| self.queue.error(py, e),
         )?;
         let Some(map) = chunk.private_map() else {
             // The message came over the socket and is gone after finish_read: a copy.

@@ -61,7 +61,7 @@ pub fn exception(err: Error) -> PyErr {
         Error::DeadReader { .. } | Error::DeadWriter { .. } | Error::RemoteWriterGone { .. } => {
             PeerDiedError::new_err(msg)
         }
-        Error::ShutDown | Error::WriterShutDown | Error::WriterGoneMidMessage => {
+        Error::ShutDown | Error::WriterShutDown { .. } | Error::WriterGoneMidMessage => {
             QueueShutDownError::new_err(msg)
         }
         // A variant added to the core after this list: a RuntimeError until it has a

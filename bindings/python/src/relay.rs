@@ -1,12 +1,11 @@
 //! Binding for the relay (`shmq.Relay`): `Relay`. Handles cross as their text form
-//! (`str(Handle)`, `Handle.from_str`); errors name the relay's queue as the queue's
-//! binding names its own (`QueueName`).
+//! (`str(Handle)`, `Handle.from_str`).
 
-use crate::errors::OrRaise;
+use crate::errors::{exception, OrRaise};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::broadcast::{set_local_options, QueueName};
+use super::broadcast::set_local_options;
 use super::wait::{blocking, duration, lock, BindingLock, Interrupts, Timeout};
 use shmq::broadcast::{Handle, QueueOptions};
 use shmq::error::Error;
@@ -23,8 +22,6 @@ pub(super) struct Relay {
     /// or from a signal handler that `run`'s checks call).
     stopper: RelayStopper,
     handle: String,
-    /// The relay's ring segment, which names its queue in a local peer's death.
-    queue: QueueName,
 }
 
 #[pymethods]
@@ -67,7 +64,6 @@ impl Relay {
         Ok(Relay {
             stopper: relay.stopper(),
             handle: relay.handle().to_string(),
-            queue: QueueName(relay.local().ring().map(|r| r.name().to_owned())),
             inner: BindingLock::new(relay),
         })
     }
@@ -101,12 +97,12 @@ impl Relay {
             cancel: None,
             quiet: false,
         };
-        // The core's error comes back as a value, to be named here (a signal handler's
-        // exception comes back as the error).
+        // The core's error comes back as a value (a signal handler's exception comes back
+        // as the error).
         blocking(py, interrupts, |spec| {
             Ok(relay.wait_until_ready(t, spec.hook))
         })?
-        .map_err(|e| self.queue.error(py, e))
+        .map_err(exception)
     }
 
     /// Pass messages on until the upstream writer shuts down (`True`, the relay's queue
@@ -125,7 +121,7 @@ impl Relay {
         match blocking(py, interrupts, |spec| Ok(relay.run(spec.hook)))? {
             Ok(RelayEnd::UpstreamShutDown) => Ok(true),
             Ok(RelayEnd::Stopped) => Ok(false),
-            Err(e) => Err(self.queue.error(py, e)),
+            Err(e) => Err(exception(e)),
         }
     }
 

@@ -164,16 +164,14 @@ where
 /// warnings and statistics; the core never ends a call at its hook once it has sent
 /// anything: see `Wait::commit`). Another thread may take the object between two calls:
 /// taking it back then waits no longer than the deadline ([`relock`]). Returns `f`'s
-/// value with the lock still held, for what must follow under the same hold; the core's
-/// error goes through `to_python` (which may add what only the binding knows, such as
-/// which queue: see `broadcast::QueueName`).
+/// value with the lock still held, for what must follow under the same hold. (The core's
+/// errors name their queue themselves.)
 pub(crate) fn blocking_on<'l, S, T, F>(
     py: Python<'_>,
     lock_: &'l BindingLock<S>,
     what: &str,
     interrupts: Interrupts<'_, '_>,
     mut f: F,
-    to_python: impl Fn(Error) -> PyErr,
 ) -> PyResult<(BindingGuard<'l, S>, T)>
 where
     S: Send,
@@ -204,15 +202,15 @@ where
         });
         match result {
             Ok(v) => return Ok((guard, v)),
-            Err(e) if !paused => return Err(to_python(e)),
+            Err(e) if !paused => return Err(exception(e)),
             Err(_) => drop(guard),
         }
         if checks.run(py)? {
-            return Err(to_python(Error::Cancelled));
+            return Err(exception(Error::Cancelled));
         }
         guard = match relock(py, lock_, what, &checks, &clock)? {
             Ok(g) => g,
-            Err(e) => return Err(to_python(e)),
+            Err(e) => return Err(exception(e)),
         };
     }
 }

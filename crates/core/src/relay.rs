@@ -182,7 +182,7 @@ impl Relay {
             };
             match self.upstream.wait_message(spec) {
                 Ok(()) => {}
-                Err(Error::WriterShutDown) => {
+                Err(Error::WriterShutDown { .. }) => {
                     self.ended = true;
                     self.local.close();
                     return Ok(RelayEnd::UpstreamShutDown);

@@ -101,19 +101,21 @@ pub enum Error {
     #[error("{0:?} is not held by this encoder cache")]
     UnknownKey(String),
 
-    /// A local reader died while the writer waited for it to free a chunk. The ring
-    /// that reports it does not name its queue: see [`Error::naming_queue`].
-    #[error("{}", dead_reader_message(*reader, *pid, *chunk, None))]
+    /// A local reader died while the writer waited for it to free a chunk. `queue`: the
+    /// queue's ring segment, which the message names (one process may hold several
+    /// queues).
+    #[error("{}", dead_reader_message(*reader, *pid, *chunk, queue.as_deref()))]
     DeadReader {
         reader: usize,
         pid: u32,
         chunk: usize,
+        queue: Option<String>,
     },
 
-    /// The writer died while a reader waited for its next message (see
-    /// [`Error::naming_queue`]).
-    #[error("{}", dead_writer_message(*pid, None))]
-    DeadWriter { pid: u32 },
+    /// The writer died while a reader waited for its next message; `queue` as for
+    /// [`Error::DeadReader`].
+    #[error("{}", dead_writer_message(*pid, queue.as_deref()))]
+    DeadWriter { pid: u32, queue: Option<String> },
 
     /// A call on a queue writer that was shut down (`shmq::Writer::close`,
     /// or its `shmq::broadcast::Canceller`'s `cancel()` from another thread;
@@ -128,9 +130,10 @@ pub enum Error {
     /// The writer shut the queue down (`shmq::Writer::close`, Python's
     /// `shutdown()`, or its normal end: dropped): the reader
     /// has received every message sent before, and no more will come. Not a death: see
-    /// [`Error::DeadWriter`] (see [`Error::naming_queue`]).
-    #[error("{}", writer_shut_down_message(None))]
-    WriterShutDown,
+    /// [`Error::DeadWriter`]. `queue`: the queue's ring segment, which the message names
+    /// (`None` for a remote stream's reader, which has none).
+    #[error("{}", writer_shut_down_message(queue.as_deref()))]
+    WriterShutDown { queue: Option<String> },
 
     /// A remote reader's writer is gone without shutting the queue down: the connection
     /// that carried the stream ended (the writer died, hangs, or the network failed: see
@@ -504,20 +507,5 @@ impl Error {
     pub fn transport(context: impl Into<String>) -> impl FnOnce(zmq::Error) -> Self {
         let context = context.into();
         move |source| Error::Transport { context, source }
-    }
-
-    /// For a peer's death ([`Error::DeadReader`], [`Error::DeadWriter`]) or the writer's
-    /// end ([`Error::WriterShutDown`]), the message
-    /// naming the queue whose ring segment is `queue`; `None` for other errors. The ring
-    /// that reports a death names only the peer, but a process may hold several queues.
-    pub fn naming_queue(&self, queue: &str) -> Option<String> {
-        match *self {
-            Error::DeadReader { reader, pid, chunk } => {
-                Some(dead_reader_message(reader, pid, chunk, Some(queue)))
-            }
-            Error::DeadWriter { pid } => Some(dead_writer_message(pid, Some(queue))),
-            Error::WriterShutDown => Some(writer_shut_down_message(Some(queue))),
-            _ => None,
-        }
     }
 }

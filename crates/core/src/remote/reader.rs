@@ -280,7 +280,7 @@ impl RemoteReader {
     /// The error of the stream's end, if it has ended.
     fn ended_error(&self) -> Option<Error> {
         Some(match self.ended.as_ref()? {
-            Ended::Closed => Error::WriterShutDown,
+            Ended::Closed => Error::WriterShutDown { queue: None },
             Ended::Dropped => Error::ReaderDropped {
                 rank: self.rank,
                 endpoint: self.endpoint.clone(),

@@ -589,7 +589,9 @@ impl Reader {
                     if ring.writer_closed() {
                         let since = *closed_since.get_or_insert_with(Instant::now);
                         if since.elapsed() >= READY_GRACE {
-                            return Err(Error::WriterShutDown);
+                            return Err(Error::WriterShutDown {
+                                queue: Some(ring.name().to_owned()),
+                            });
                         }
                     }
                     RingReader::check_writer(&ring)

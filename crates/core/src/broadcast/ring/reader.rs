@@ -95,7 +95,10 @@ impl RingReader {
         }
         let info = ring.slot_info(None)?;
         match (info.process, ring.holder_liveness(None, &info)) {
-            (Some(w), Liveness::Dead) => Err(Error::DeadWriter { pid: w.pid }),
+            (Some(w), Liveness::Dead) => Err(Error::DeadWriter {
+                pid: w.pid,
+                queue: Some(ring.name().to_owned()),
+            }),
             _ => Ok(()),
         }
     }
@@ -109,7 +112,11 @@ impl RingReader {
             Some(info) => Some(Ok(info)),
             // Once more after seeing the mark: a chunk published just before it
             // is visible now (see `protocol::slot_close`).
-            None if ring.writer_closed() => Some(self.poll().ok_or(Error::WriterShutDown)),
+            None if ring.writer_closed() => {
+                Some(self.poll().ok_or_else(|| Error::WriterShutDown {
+                    queue: Some(ring.name().to_owned()),
+                }))
+            }
             None => None,
         };
         if let Some(r) = ready() {

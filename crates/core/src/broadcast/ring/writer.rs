@@ -184,6 +184,7 @@ impl RingWriter {
                         reader: r,
                         pid: process.pid,
                         chunk: i,
+                        queue: Some(ring.name().to_owned()),
                     });
                 }
                 DeadReaderPolicy::Drop => {
