@@ -40,10 +40,8 @@ use crate::errors::OrRaise;
 use pyo3::prelude::*;
 
 /// Copies into shared memory of up to this many bytes in all are made with the GIL held
-/// (when no wait is needed: releasing and taking it back costs more than such a copy);
-/// larger ones with the GIL released. Queue messages, store objects and encoder-cache
-/// parts alike.
-const COPY_WITH_GIL_MAX: usize = 64 * 1024;
+/// (when no wait is needed): the core's `copy::SHORT_COPY_MAX`.
+const COPY_WITH_GIL_MAX: usize = shmq::copy::SHORT_COPY_MAX;
 
 /// The IP remote readers should connect to (`SHMQ_HOST_IP`, else the host's address).
 #[pyfunction]

@@ -16,6 +16,13 @@
 /// Copies of fewer bytes than this never stream.
 pub const STREAM_MIN: usize = 2 << 20;
 
+/// Copies of up to this many bytes in all are *short*: a few microseconds at most, less
+/// than handing the CPU to another thread and taking it back (a lock's release and
+/// retake). A caller that holds a lock others may wait on (the Python binding: the GIL)
+/// keeps it across a short copy that needs no wait, and lets it go for longer ones.
+/// Queue messages, store objects and encoder-cache parts alike.
+pub const SHORT_COPY_MAX: usize = 64 * 1024;
+
 /// Copy `src` into `dst` (same length), streaming copies too large for the caches.
 pub fn copy_large(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_large needs equal lengths");
