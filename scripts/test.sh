@@ -40,17 +40,16 @@ cargo test --workspace --exclude shmq-python --all-targets
 cargo test --workspace --exclude shmq-python --doc
 cargo run --quiet --example broadcast
 
-step "Rust: loom model checks of the protocols (crates/protocol), beside the fuzz targets"
-# The longest model (two readers, two messages) keeps one core busy for minutes; the fuzz
-# targets run one at a time, also on one core. So the models run in the background
-# while cargo-fuzz is built (if needed), the fuzz targets build and run, and shmq is
-# built into .venv and type-checked; their result is read just before pytest. No debuginfo for the model checks: it only slows their build.
-export CARGO_PROFILE_RELEASE_DEBUG=0
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq-protocol --test loom --no-run
+step "Rust: loom model checks of the protocols (crates/protocol): built now, run beside what follows"
+# The longest model (two readers, two messages) keeps one core busy for minutes. So the
+# models are built here and run in the background from once the fuzz targets are built
+# (which wants both cores): beside the fuzz runs (one core), shmq's build into .venv and
+# the type checks; their result is read just before pytest. No debuginfo for the model
+# checks: it only slows their build.
+loom=(env CARGO_PROFILE_RELEASE_DEBUG=0 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom
+  cargo test --release -p shmq-protocol --test loom)
+"${loom[@]}" --no-run
 loom_log=$PWD/target/loom/loom.log
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq-protocol --test loom >"$loom_log" 2>&1 &
-loom_pid=$!
-unset CARGO_PROFILE_RELEASE_DEBUG
 
 step "Rust: fuzz targets under AddressSanitizer (cargo-fuzz, ${SHMQ_FUZZ_SECONDS:=10} s each, seed ${SHMQ_FUZZ_SEED:=1}; longer by hand, see the README)"
 # A fixed seed by default: the same clone fuzzes the same inputs, so a red run is one
@@ -72,6 +71,8 @@ if ! command -v cargo-fuzz >/dev/null 2>&1; then
 fi
 fuzz() { RUSTC_BOOTSTRAP=1 cargo fuzz "$1" --sanitizer address --target-dir "$PWD/target/fuzz" "${@:2}"; }
 fuzz build
+"${loom[@]}" >"$loom_log" 2>&1 & # a simple command: its pid is the one to kill
+loom_pid=$!
 for target in handle framing ring_reader arena_reader store_reader; do
   corpus="$PWD/target/fuzz/corpus/$target" artifacts="$PWD/target/fuzz/artifacts/$target"
   mkdir -p "$corpus" "$artifacts"
@@ -109,7 +110,7 @@ step "Python: the stubs of shmq._core against the built module, and the types"
 .venv/bin/python -m mypy python/shmq
 .venv/bin/python -m mypy --strict tests/python/test_typing.py
 
-step "Rust: the loom model checks' result (they ran in the background since the fuzz step)"
+step "Rust: the loom model checks' result (they ran in the background since the fuzz targets were built)"
 if wait "$loom_pid"; then
   loom_pid=''
   grep -E '^(test |test result)' "$loom_log"
