@@ -290,3 +290,65 @@ def test_shmq_installs_no_signal_handler_and_a_fork_starts_its_own_janitor(tmp_p
     assert "SAME True" in out and "JANITOR True" in out, out
     assert "CHILD JANITOR False" in out and "CHILD JANITOR AFTER True" in out, out
     _assert_nothing_left(pids, out)
+
+
+def test_a_named_segment_taken_over_after_the_exit_hook_is_not_removed_by_its_late_drop(tmp_path):
+    # The exit hook removes a named encoder cache whose producer is still referenced; a
+    # new producer of the same name (another process) takes the name; the old object is
+    # dropped later, and its process ends (its janitor then runs): neither may remove
+    # the new producer's segment, whose name is the same.
+    import shmq
+
+    name = f"takeover-{os.getpid()}-{os.urandom(4).hex()}"
+    script = tmp_path / "named.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import gc, sys
+            import shmq
+            from shmq import _cleanup
+
+            old = shmq.EncoderCacheProducer(capacity=1 << 20, name={name!r})
+            old.save("k", b"old")
+            _cleanup._clean_up()  # what the exit hook does; `old` stays referenced
+            print("CLEANED", flush=True)
+            sys.stdin.readline()  # the name has been taken over
+            del old
+            gc.collect()
+            print("DROPPED", flush=True)
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_PYTHON, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    new = None
+    try:
+        assert p.stdout.readline().strip() == "CLEANED"
+        ours = [n for n in os.listdir("/dev/shm") if n.endswith(name)]
+        assert ours == [], f"the exit hook left {ours}"
+        new = shmq.EncoderCacheProducer(capacity=1 << 20, name=name)
+        new.save("k", b"new")
+        ours = [n for n in os.listdir("/dev/shm") if n.endswith(name)]
+        assert len(ours) == 1, ours
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "DROPPED"
+        assert p.wait(timeout=STEP) == 0
+        # Its janitor runs once it is gone: not synchronisation, a bounded check that
+        # nothing removes the new segment within 2 s (a janitor takes milliseconds).
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and os.path.exists(f"/dev/shm/{ours[0]}"):
+            time.sleep(0.05)
+        assert os.path.exists(f"/dev/shm/{ours[0]}"), "the old producer's late drop or janitor removed the new one"
+        consumer = shmq.EncoderCacheConsumer(name)
+        try:
+            assert consumer.get("k") == b"new"
+        finally:
+            consumer.close()
+    finally:
+        p.kill()
+        p.wait(timeout=STEP)
+        if new is not None:
+            new.close()

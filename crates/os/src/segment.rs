@@ -552,6 +552,11 @@ impl Segment {
         if !self.is_creator() || self.unlinked.swap(true, Ordering::Relaxed) {
             return Ok(());
         }
+        if !is_noted(&self.name) {
+            // The exit hook removed it already (`remove_created`): the name may be
+            // another process's by now (a named encoder cache or store taken over).
+            return Ok(());
+        }
         let name = CString::new(os_id(&self.name)).expect("names have no NUL (check_name)");
         // SAFETY: `name` is a valid NUL-terminated string.
         if unsafe { libc::shm_unlink(name.as_ptr()) } != 0 {
@@ -973,10 +978,14 @@ impl Drop for Segment {
         // Out of the SIGBUS registry before `shmem` unmaps (after this body).
         self.sigbus.release();
         // A forked child inherits the object but must not unlink its parent's segment,
-        // and a segment unlinked already must not be unlinked again (the name may be
-        // someone else's by now).
+        // and a segment unlinked already — by `unlink`, or by the exit hook
+        // (`remove_created`, which leaves the name unnoted) — must not be unlinked again:
+        // the name may be someone else's by now (a named encoder cache or store).
         // Relaxed: `&mut self`, nothing else uses the flag now.
-        if self.shmem.is_owner() && (!self.is_creator() || self.unlinked.load(Ordering::Relaxed)) {
+        let removed = !self.is_creator()
+            || self.unlinked.load(Ordering::Relaxed)
+            || !is_noted(&self.name);
+        if self.shmem.is_owner() && removed {
             self.shmem.set_owner(false);
         }
         if self.is_creator() {
@@ -1015,6 +1024,16 @@ fn created() -> std::sync::MutexGuard<'static, Vec<(u32, String)>> {
 pub fn note_created(name_or_path: &str) {
     created().push((std::process::id(), name_or_path.to_owned()));
     tell_janitor(b'+', name_or_path);
+}
+
+/// Whether this process noted `name_or_path` ([`note_created`]) and has not removed it
+/// since: the one registry of what this process created, which `unlink`, drops and
+/// the exit hook all go by.
+fn is_noted(name_or_path: &str) -> bool {
+    let me = std::process::id();
+    created()
+        .iter()
+        .any(|(pid, n)| *pid == me && n == name_or_path)
 }
 
 /// Forget a name noted by [`note_created`]: its creator removed it.
@@ -1169,8 +1188,9 @@ fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &st
 
 /// Remove every segment and directory this process created that is still there (at
 /// interpreter exit); their mappings stay valid for whoever has them. Returns how many
-/// were noted. A live object whose name goes here finds nothing to remove when it is
-/// dropped later: names carry the pid and random bits, so nobody else has taken it.
+/// were noted. A live object whose name goes here removes nothing when it is dropped
+/// later (the name is no longer noted: a named encoder cache or store may have been
+/// created anew by another process meanwhile).
 pub fn remove_created() -> usize {
     let me = std::process::id();
     let mine: Vec<String> = {
@@ -1187,6 +1207,9 @@ pub fn remove_created() -> usize {
             // SAFETY: `id` is a valid NUL-terminated string; an absent name is ENOENT.
             unsafe { libc::shm_unlink(id.as_ptr()) };
         }
+        // Removed: the janitor must not remove it again once this process is gone (a
+        // process of the same name's successor may have taken it by then).
+        tell_janitor(b'-', n);
     }
     mine.len()
 }
