@@ -7,7 +7,7 @@ sends them as separate parts (large ones through the tensor arena or 64-byte ali
 the store, read as zero-copy views), and ``pickle.loads(body, buffers=...)`` rebuilds the
 object on the other side.
 
-- numpy arrays (plain ones of a fixed-size dtype) are reduced by the tensor codec
+- numpy arrays (plain ones: ``_tensor_codec.plain_dtype``) are reduced by the tensor codec
   (``_tensor_codec.reduce_array``): dtype (byte order included), shape, memory order and
   their bytes as one buffer, made contiguous once. (numpy's own protocol-5 pickling
   pickles a non-contiguous array in band and loses a non-native byte order on the
@@ -27,13 +27,15 @@ object on the other side.
 from __future__ import annotations
 
 import pickle
+import sys
 from typing import Any, Callable, Optional, Sequence
 
-from ._tensor_codec import array_type, reduce_array, reduce_tensor, tensor_types
+from ._tensor_codec import array_type, on_cpu, reduce_array, reduce_tensor, same, tensor_types
 
 __all__ = ["dumps", "dumps_to_cpu", "loads"]
 
 _PROTOCOL = 5
+_modules = sys.modules
 
 
 class _Sink:
@@ -83,15 +85,36 @@ class _Pickler(pickle.Pickler):
             return reduce_tensor(obj, True, self.to_cpu)
         if kind is self._ndarray:
             return reduce_array(obj)
-        if self._tensor is None or self._ndarray is None:
-            # torch or numpy imported since this pickler was made?
-            tensors, ndarray = tensor_types(), array_type()
-            if (tensors is not None and self._tensor is None) or (ndarray is not None and self._ndarray is None):
-                if tensors is not None:
-                    self._tensor, self._parameter = tensors
-                self._ndarray = ndarray
-                return self.reducer_override(obj)
+        # torch or numpy imported since this pickler last looked? (A dict lookup: this
+        # runs for every object without a fast path, dataclasses and classes included.)
+        if (self._tensor is None and "torch" in _modules) or (self._ndarray is None and "numpy" in _modules):
+            return self._imported_since(obj)
         return NotImplemented
+
+    def _imported_since(self, obj: Any) -> Any:
+        """``reducer_override`` again once numpy's or torch's types are there."""
+        found = False
+        if self._ndarray is None:
+            self._ndarray = array_type()
+            found = self._ndarray is not None
+        if self._tensor is None:
+            types = tensor_types()
+            if types is not None:
+                self._tensor, self._parameter = types
+                found = True
+        return self.reducer_override(obj) if found else NotImplemented
+
+
+class _CpuPickler(_Pickler):
+    """The ``to_cpu`` flavour's pickler: also tensor subclasses on other devices go to
+    the CPU (as their CPU copy, pickled by torch)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        tensor = self._tensor
+        if tensor is not None and type(obj) is not tensor and isinstance(obj, tensor):
+            if obj.device.type != "cpu":  # type: ignore[attr-defined]
+                return same, (on_cpu(obj),)
+        return super().reducer_override(obj)
 
 
 _NO_BUFFERS: tuple = ()
@@ -107,7 +130,7 @@ def _dumper(to_cpu: bool) -> Callable[[Any], tuple[bytes, Sequence[memoryview]]]
         try:
             p = picklers.pop()
         except IndexError:
-            p = _Pickler(to_cpu)
+            p = _CpuPickler(True) if to_cpu else _Pickler(False)
         # A pickler whose dump raised is dropped, not reused (its output and buffers
         # would need clearing: the error path does not have to be fast).
         p.dump(obj)

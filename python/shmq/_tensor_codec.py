@@ -10,11 +10,12 @@ int1..int7, float4, ...). Conjugate and negative bits are resolved first.
 **Tensors on other devices (CUDA...)**: one policy, here (:func:`reduce_tensor`), in one
 of two flavours that each user names:
 
-- the queue (``keep_device``): torch's own pickling, which copies the storage through
+- the queue (``to_cpu=False``): torch's own pickling, which copies the storage through
   the CPU and rebuilds the tensor on its device in the reader, as vLLM's queue does;
   non-leaf tensors that require grad likewise (torch refuses them);
-- the object store and the encoder cache (``to_cpu``): copied to the CPU (detached)
-  and stored as CPU tensors; they come back on the CPU (the encoder cache's ``load``
+- the object store and the encoder cache (``to_cpu=True``): copied to the CPU
+  (detached; a leaf keeps ``requires_grad``), subclasses included, and stored as CPU
+  tensors; they come back on the CPU (the encoder cache's ``load``
   takes a ``device=``). Logged once per process and device type (a cost the caller may
   not expect).
 
@@ -33,10 +34,12 @@ __all__ = [
     "array_type",
     "dtype_name",
     "on_cpu",
+    "plain_dtype",
     "rebuild_array",
     "rebuild_tensor",
     "reduce_array",
     "reduce_tensor",
+    "same",
     "tensor_bytes",
     "tensor_raw",
     "tensor_types",
@@ -112,25 +115,35 @@ def rebuild_tensor(
 
 def reduce_tensor(t: Any, parameter: bool, to_cpu: bool) -> Any:
     """The one reduction of a tensor: ``(rebuild_tensor, args)`` for a strided tensor
-    (its bytes one out-of-band buffer; ``requires_grad`` and ``Parameter`` kept), or
-    ``NotImplemented`` to let torch pickle it. ``to_cpu`` picks the flavour for tensors on
-    other devices and non-leaf tensors that require grad (see the module docs): copied
-    to the CPU and detached (a copy from another device logged once per device type), or
-    left to torch's pickling (which keeps their device)."""
+    (its bytes one out-of-band buffer; ``requires_grad`` of a leaf and ``Parameter``
+    kept), or ``NotImplemented`` to let torch pickle it. ``to_cpu`` picks the flavour for
+    tensors on other devices and non-leaf tensors that require grad (see the module
+    docs): copied to the CPU and detached (a copy from another device logged once per
+    device type; a leaf keeps ``requires_grad``), or left to torch's pickling (which
+    keeps their device). What this cannot describe of a CPU copy (sparse, quantized) is
+    torch's pickling of the copy, never of the original."""
     torch = sys.modules["torch"]
-    if t.layout is not torch.strided or t.is_quantized:
-        return NotImplemented
-    requires_grad = t.requires_grad
-    if t.device.type != "cpu" or (requires_grad and not t.is_leaf):
+    original = t
+    requires_grad = t.requires_grad and t.is_leaf
+    if t.device.type != "cpu" or (t.requires_grad and not t.is_leaf):
         if not to_cpu:
             return NotImplemented
         t = on_cpu(t)
-        requires_grad = False
+    # Torch's own pickling for what this cannot describe: of the CPU copy, if one was made.
+    theirs = NotImplemented if t is original else (same, (t,))
+    if t.layout is not torch.strided or t.is_quantized:
+        return theirs
     try:
         raw = tensor_bytes(t.detach())
     except RuntimeError:
-        return NotImplemented
+        return theirs
     return rebuild_tensor, (pickle.PickleBuffer(raw), dtype_name(t), tuple(t.shape), requires_grad, parameter)
+
+
+def same(obj: Any) -> Any:
+    """``obj`` itself: a reduction ``(same, (copy,))`` pickles ``copy`` in place of the
+    object reduced (a tensor's CPU copy in place of the tensor)."""
+    return obj
 
 
 _warned_devices: set[str] = set()
@@ -169,11 +182,39 @@ def tensor_raw(obj: Any) -> Optional[tuple[str, list[int], memoryview]]:
     return dtype_name(t), list(t.shape), _byte_view(tensor_bytes(t))
 
 
+_plain_dtypes: dict[Any, bool] = {}
+
+
+def plain_dtype(dt: Any) -> bool:
+    """Whether numpy dtype ``dt`` is described exactly by its string ``dt.str`` (byte
+    order included): not object, structured, empty, with metadata, or a user-defined
+    dtype (numpy's test ``rational``, ml_dtypes' ``bfloat16``...), whose string is only
+    ``'V<size>'``. Those keep numpy's own pickling. Remembered per dtype."""
+    plain = _plain_dtypes.get(dt)
+    if plain is None:
+        import numpy as np
+
+        try:
+            plain = (
+                not dt.hasobject
+                and dt.fields is None
+                and dt.itemsize > 0
+                and dt.metadata is None
+                and np.dtype(dt.str) == dt
+            )
+        except TypeError:
+            plain = False
+        if len(_plain_dtypes) < 1024:  # a bound for programs that make dtypes without end
+            _plain_dtypes[dt] = plain
+    return plain
+
+
 def array_raw(obj: Any) -> Optional[tuple[str, list[int], memoryview]]:
     """A plain numpy array's dtype string (byte order included), shape and C-order bytes;
-    ``None`` for object or structured arrays and subclasses, which get pickled."""
+    ``None`` for subclasses and arrays whose dtype is not plain (:func:`plain_dtype`),
+    which get pickled."""
     np = sys.modules.get("numpy")
-    if np is None or type(obj) is not np.ndarray or obj.dtype.hasobject or obj.dtype.fields is not None:
+    if np is None or type(obj) is not np.ndarray or not plain_dtype(obj.dtype):
         return None
     a = obj if obj.flags.c_contiguous else obj.copy(order="C")
     return obj.dtype.str, list(obj.shape), _byte_view(a.reshape(-1).view(np.uint8))
@@ -188,17 +229,19 @@ def rebuild_array(buf: Any, dtype: str, shape: Any, order: Literal["C", "F"] = "
 
 
 def array_type() -> Optional[type]:
-    """``numpy.ndarray`` once numpy is imported, else ``None``."""
+    """``numpy.ndarray`` once numpy is imported (not half-way, in another thread), else
+    ``None``."""
     np = sys.modules.get("numpy")
-    return None if np is None else np.ndarray
+    return None if np is None else getattr(np, "ndarray", None)
 
 
 def reduce_array(a: Any) -> Any:
     """The pickler's reduction of a plain numpy array: ``(rebuild_array, args)`` with its
     bytes as one out-of-band buffer (C- or Fortran-contiguous ones as they are, others
     copied C-contiguous once), its dtype string (byte order included) and memory order;
-    ``NotImplemented`` for object and structured arrays (numpy's own pickling)."""
-    if a.dtype.hasobject or a.dtype.fields is not None or a.dtype.itemsize == 0:
+    ``NotImplemented`` where the dtype is not plain (:func:`plain_dtype`: object,
+    structured, user-defined...): numpy's own pickling."""
+    if not plain_dtype(a.dtype):
         return NotImplemented
     import numpy as np
 

@@ -44,7 +44,18 @@ def digest(obj: Any) -> Any:
         )
     if isinstance(obj, np.ndarray):
         # Read-only arrays arrive read-only (protocol 5's READONLY_BUFFER keeps the flag).
-        return ("ndarray", obj.dtype.str, obj.shape, obj.flags.writeable, hashlib.sha256(obj.tobytes()).hexdigest())
+        # Memory order: a Fortran-ordered array arrives Fortran-ordered ("C" for every
+        # other, a non-contiguous one included: it arrives as its contiguous copy).
+        order = "F" if obj.flags.f_contiguous and not obj.flags.c_contiguous else "C"
+        return (
+            "ndarray",
+            obj.dtype.str,
+            str(obj.dtype),  # a user-defined dtype's .str is only "|V<size>"
+            obj.shape,
+            obj.flags.writeable,
+            order,
+            hashlib.sha256(obj.tobytes()).hexdigest(),
+        )
     if isinstance(obj, dict):
         return ("dict", [(k, digest(v)) for k, v in obj.items()])
     if isinstance(obj, (list, tuple)):

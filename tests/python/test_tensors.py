@@ -14,6 +14,7 @@ import signal
 import time
 
 import numpy as np
+from numpy._core._rational_tests import rational
 import pytest
 import torch
 
@@ -87,6 +88,8 @@ def every_kind_of_object() -> list:
         np.arange(20)[::3],  # non-contiguous: copied contiguous once, out of band
         # Non-contiguous and big-endian: numpy's own pickling would hand back '<i4'.
         np.arange(24, dtype=">i4").reshape(4, 6)[:, ::2],
+        # A user-defined dtype (numpy's own test dtype): numpy's pickling, not raw bytes.
+        np.array([rational(1, 2), rational(-3, 4)]),
         np.array(2.5, dtype=np.float32),  # 0-d array
     ]
     ro = np.arange(2 * MiB // 8, dtype=np.float64)
