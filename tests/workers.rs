@@ -458,4 +458,9 @@ fn a_process_dies_with_a_process_that_is_not_its_parent_and_with_one_already_gon
     let status = run_watcher(gone_pid).wait_with_output().unwrap();
     assert_eq!(status.status.signal(), Some(libc::SIGTERM), "{status:?}");
     assert!(!String::from_utf8_lossy(&status.stdout).contains("WATCHING"));
+    // No signal number: refused, never a process that silently outlives its parent.
+    for bad in [0, -1, libc::SIGRTMAX() + 1] {
+        let e = shmq::workers::die_with_process(std::process::id(), bad).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
+    }
 }

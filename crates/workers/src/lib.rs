@@ -196,9 +196,18 @@ pub fn exit_now() -> ! {
 ///   if `pid` is gone already.
 ///
 /// For a clean end with SIGKILL (descendants killed, segments removed), use
-/// [`exit_with_process`]. Err where neither way is available (not Linux, or Linux before
-/// 5.3 for a process that is not the parent).
+/// [`exit_with_process`]. Err for a `signal` that is no signal number
+/// ([`Error::InvalidArgument`]), and where neither way is available (not Linux, or Linux
+/// before 5.3 for a process that is not the parent).
 pub fn die_with_process(pid: u32, signal: i32) -> Result<()> {
+    // 0 would clear the parent-death signal and an invalid one would never be sent:
+    // either way the process would silently outlive `pid`.
+    if !(1..=libc::SIGRTMAX()).contains(&signal) {
+        return Err(Error::InvalidArgument(format!(
+            "signal must be a signal number from 1 to {}, got {signal}",
+            libc::SIGRTMAX()
+        )));
+    }
     if parent_pid() == pid {
         match set_parent_death_signal(signal, pid as libc::pid_t) {
             Ok(()) => return Ok(()),
