@@ -982,9 +982,8 @@ impl Drop for Segment {
         // (`remove_created`, which leaves the name unnoted) — must not be unlinked again:
         // the name may be someone else's by now (a named encoder cache or store).
         // Relaxed: `&mut self`, nothing else uses the flag now.
-        let removed = !self.is_creator()
-            || self.unlinked.load(Ordering::Relaxed)
-            || !is_noted(&self.name);
+        let removed =
+            !self.is_creator() || self.unlinked.load(Ordering::Relaxed) || !is_noted(&self.name);
         if self.shmem.is_owner() && removed {
             self.shmem.set_owner(false);
         }
