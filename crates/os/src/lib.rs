@@ -12,10 +12,12 @@
 //! - [`copy`]: large copies into shared memory;
 //! - [`random`]: secrets and nonces from the kernel;
 //! - [`fork`]: what a forked child must not do with what it inherited;
+//! - [`segment_file`]: a segment's file in `/dev/shm` (where the segments' files are,
+//!   `SHM_DIR`): the one place that turns a segment's name into an open descriptor
+//!   (read-write or read-only, a new open file description each time), or removes it;
 //! - [`liveness`]: telling a live peer from a dead one by the role locks it holds on
 //!   bytes of a segment's file (also across pid namespaces): alive, dead, or unknown;
-//!   where the segments' files are (`SHM_DIR`); the end of a process tree (pidfds,
-//!   [`liveness::kill_descendants`]);
+//!   the end of a process tree (pidfds, [`liveness::kill_descendants`]);
 //! - [`process`]: naming a process by pid and start time; its descendants;
 //! - [`sigbus`]: a peer that truncates a mapped segment: the `SIGBUS` handler that turns
 //!   the fault into zero pages and an error, and what shmq guarantees against the same
@@ -64,4 +66,5 @@ pub mod random;
 pub mod range_alloc;
 pub mod region;
 pub mod segment;
+pub mod segment_file;
 pub mod sigbus;

@@ -20,15 +20,13 @@
 //! What shmq guarantees against the same user's processes, and what it cannot, is in
 //! `crate::sigbus`.
 
-use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::error::{Error, Result};
 use crate::fork;
+use crate::segment_file::{path, Access, SegmentFile};
 
-/// Where Linux keeps POSIX shared memory: the segments' files, whose bytes the role locks
-/// lock (defined here, the lowest module that needs it; `segment` re-exports it).
-pub const SHM_DIR: &str = "/dev/shm";
+pub use crate::segment_file::SHM_DIR;
 
 /// What is known about the holder of a role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,10 +41,6 @@ pub enum Liveness {
 /// The lock byte of a segment's creator; roles of a ring use `1 + slot`.
 pub const CREATOR_BYTE: u64 = 0;
 
-fn path(segment: &str) -> String {
-    format!("{SHM_DIR}/{segment}")
-}
-
 fn flock(kind: i32, byte: u64) -> libc::flock {
     // SAFETY: `flock` is a plain C struct for which all-zero is a valid value.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
@@ -59,9 +53,11 @@ fn flock(kind: i32, byte: u64) -> libc::flock {
 
 /// Set (`F_WRLCK`, `F_RDLCK`) or release (`F_UNLCK`) this open file description's lock on
 /// byte `byte` of `file`, without waiting (`F_OFD_SETLK`): roles here, pins in `pins`.
-pub fn lock_byte(file: &File, kind: i32, byte: u64) -> std::io::Result<()> {
+pub fn lock_byte(file: &SegmentFile, kind: i32, byte: u64) -> std::io::Result<()> {
     let fl = flock(kind, byte);
-    // SAFETY: a valid descriptor and a pointer to a valid flock for the call.
+    // SAFETY: a valid descriptor (`file` owns it for the call) and a pointer to a valid
+    // flock for the call. The lock is this open file description's; a peer can only
+    // hold conflicting locks on the same byte, which makes this fail, never misbehave.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -72,7 +68,7 @@ pub fn lock_byte(file: &File, kind: i32, byte: u64) -> std::io::Result<()> {
 /// when the process dies). A forked child does not inherit it (see `crate::fork`).
 #[derive(Debug)]
 pub struct RoleLock {
-    file: Option<File>,
+    file: Option<SegmentFile>,
     generation: u64,
 }
 
@@ -82,11 +78,7 @@ impl RoleLock {
     pub fn acquire(segment: &str, byte: u64) -> Result<Option<RoleLock>> {
         // A descriptor of its own (its own open file description), so that this lock is
         // independent of any other lock or probe of this process on the same file.
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path(segment))
-            .map_err(|e| Error::os(format!("opening {} to lock a role in it", path(segment)), e))?;
+        let file = SegmentFile::open_to(segment, Access::ReadWrite, "lock a role in it")?;
         if let Err(e) = lock_byte(&file, libc::F_WRLCK, byte) {
             return match e.raw_os_error() {
                 Some(libc::EAGAIN) | Some(libc::EACCES) => Ok(None),
@@ -122,14 +114,14 @@ impl Drop for RoleLock {
 /// that every lock, also this process's own roles, shows).
 #[derive(Debug)]
 pub struct LockProbe {
-    file: Option<File>,
+    file: Option<SegmentFile>,
 }
 
 impl LockProbe {
     /// A probe of segment `segment`; one that cannot open the file answers `Unknown`.
     pub fn open(segment: &str) -> LockProbe {
         LockProbe {
-            file: File::open(path(segment)).ok(),
+            file: SegmentFile::try_open(segment, Access::ReadOnly).ok(),
         }
     }
 
@@ -139,7 +131,9 @@ impl LockProbe {
             return Liveness::Unknown;
         };
         let mut fl = flock(libc::F_WRLCK, byte);
-        // SAFETY: a valid descriptor and a pointer to a valid flock for the call.
+        // SAFETY: a valid descriptor (`file` owns it for the call) and a pointer to a
+        // valid flock for the call, which the kernel fills. A peer's locks only change
+        // the answer (see the module docs), never make the call unsafe.
         if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) } != 0 {
             return Liveness::Unknown;
         }
@@ -278,7 +272,7 @@ mod tests {
             static NEXT: AtomicU32 = AtomicU32::new(0);
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
             let name = format!("shmq_test_liveness_{}_{n}", std::process::id());
-            File::create(path(&name)).unwrap();
+            std::fs::File::create(path(&name)).unwrap();
             LockFile(name)
         }
         fn name(&self) -> &str {

@@ -21,14 +21,13 @@
 //! pin (and keeps the memory).
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::fork;
 use crate::liveness::lock_byte;
-use crate::segment::SHM_DIR;
+use crate::segment_file::{Access, SegmentFile};
 
 /// This process's pins in one segment.
 #[derive(Debug)]
@@ -40,7 +39,7 @@ pub struct Pins {
 #[derive(Debug, Default)]
 struct PinState {
     /// The descriptor that holds the locks (opened at the first pin).
-    file: Option<File>,
+    file: Option<SegmentFile>,
     /// The fork generation `file` was opened in: a forked child opens its own.
     generation: u64,
     /// Views per pinned byte.
@@ -71,11 +70,7 @@ impl Pins {
             s.held.clear();
         }
         if s.file.is_none() {
-            let path = format!("{SHM_DIR}/{}", self.segment);
-            let file = OpenOptions::new()
-                .read(true)
-                .open(&path)
-                .map_err(|e| Error::os(format!("opening {path} to pin memory in it"), e))?;
+            let file = SegmentFile::open_to(&self.segment, Access::ReadOnly, "pin memory in it")?;
             fork::close_in_children(file.as_raw_fd());
             s.file = Some(file);
             s.generation = fork::generation();

@@ -42,7 +42,7 @@
 //! What a sealed loan costs in mappings is counted in `crate::map_budget`.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,13 +51,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::error::{Error, Result};
 use crate::region;
 use crate::region::RawRegion;
+use crate::segment_file::{Access, SegmentFile};
 
 pub use crate::segment::page_size;
 
 /// A read-only descriptor of a segment, to map ranges of it privately.
 #[derive(Debug)]
 pub struct PrivateFile {
-    fd: OwnedFd,
+    file: SegmentFile,
     /// The segment's length when opened: no mapping may reach past it.
     len: u64,
     name: String,
@@ -75,28 +76,14 @@ pub struct PrivateFile {
 impl PrivateFile {
     /// Open the segment `name` (in `/dev/shm`) read-only.
     pub fn open(name: &str) -> Result<PrivateFile> {
-        let c_name = std::ffi::CString::new(format!("/{name}"))
-            .map_err(|_| Error::InvalidArgument(format!("invalid segment name {name:?}")))?;
-        // SAFETY: a valid NUL-terminated name. Read-only is enough for MAP_PRIVATE maps
-        // that are written into: the writes go to private pages.
-        let fd = unsafe { libc::shm_open(c_name.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(Error::os(
-                format!("opening shared memory segment '{name}'"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let len = std::fs::File::from(
-            fd.try_clone()
-                .map_err(|e| Error::os(format!("duplicating the descriptor of '{name}'"), e))?,
-        )
-        .metadata()
-        .map_err(|e| Error::os(format!("reading the size of '{name}'"), e))?
-        .len();
+        // Read-only is enough for MAP_PRIVATE maps that are written into: the writes go
+        // to private pages, and no view can ever write the segment.
+        let file = SegmentFile::open(name, Access::ReadOnly)?;
+        let len = file
+            .size()
+            .map_err(|e| Error::os(format!("reading the size of '{name}'"), e))?;
         Ok(PrivateFile {
-            fd,
+            file,
             len,
             name: name.to_owned(),
             window: OnceLock::new(),
@@ -124,19 +111,17 @@ impl PrivateFile {
     /// on, even if it is grown again), or a mapping of it was found truncated.
     pub fn check_intact(&self) -> Result<()> {
         self.check_faults()?;
-        // SAFETY: all-zero is a valid `stat`; fstat fills it for a valid descriptor.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: our own open descriptor and a valid struct.
-        if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } == 0
-            && (st.st_size as u64) < self.len
-        {
-            // Relaxed: the flag carries no data; the error is built from the size now.
-            self.shrunk.store(true, Ordering::Relaxed);
-            return Err(crate::sigbus::truncated_to(
-                &self.name,
-                self.len as usize,
-                st.st_size as u64,
-            ));
+        // A peer may have truncated the file since it was opened: its size now (fstat).
+        if let Ok(now) = self.file.size() {
+            if now < self.len {
+                // Relaxed: the flag carries no data; the error is built from the size now.
+                self.shrunk.store(true, Ordering::Relaxed);
+                return Err(crate::sigbus::truncated_to(
+                    &self.name,
+                    self.len as usize,
+                    now,
+                ));
+            }
         }
         Ok(())
     }
@@ -164,7 +149,7 @@ impl PrivateFile {
         }
         let window = self
             .window
-            .get_or_init(|| Window::map(&self.fd, self.len as usize, &self.sigbus).map(Arc::new));
+            .get_or_init(|| Window::map(&self.file, self.len as usize, &self.sigbus).map(Arc::new));
         if let Some(window) = window {
             let page = page_size() as u64;
             let start = (offset / page * page) as usize;
@@ -213,7 +198,7 @@ impl PrivateFile {
                 map_len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE,
-                self.fd.as_raw_fd(),
+                self.file.as_raw_fd(),
                 start as libc::off_t,
             )
         };
@@ -255,8 +240,8 @@ unsafe impl Send for Window {}
 unsafe impl Sync for Window {}
 
 impl Window {
-    /// Map all `len` bytes of `fd` privately; `None` if the mapping fails.
-    fn map(fd: &OwnedFd, len: usize, sigbus: &crate::sigbus::Watch) -> Option<Window> {
+    /// Map all `len` bytes of `file` privately; `None` if the mapping fails.
+    fn map(file: &SegmentFile, len: usize, sigbus: &crate::sigbus::Watch) -> Option<Window> {
         if len == 0 {
             return None;
         }
@@ -282,7 +267,7 @@ impl Window {
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_NORESERVE,
-                fd.as_raw_fd(),
+                file.as_raw_fd(),
                 0,
             )
         };

@@ -1,10 +1,11 @@
 //! Named POSIX shared-memory segments.
 //!
-//! A [`Segment`] wraps the `shared_memory` crate's mapping and adds what a long-running
-//! server needs around it:
+//! A [`Segment`] is a shared mapping of a segment's file (opened through
+//! [`SegmentFile`], whose descriptor it keeps) with what a long-running server needs
+//! around it:
 //! - every name starts with [`NAME_PREFIX`], so shmq's segments can be told apart in
 //!   `/dev/shm` (and cleaned up after a crash);
-//! - the segment is created owner-only (mode 0600, done by the crate);
+//! - the segment is created exclusively and owner-only (mode 0600: [`SegmentFile::create`]);
 //! - pages are reserved with `fallocate` before anything is written there:
 //!   `ftruncate` alone would let a full tmpfs show up much later as a `SIGBUS` on first
 //!   touch (a read of a page not yet there allocates it too), killing the process.
@@ -26,11 +27,10 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use shared_memory::{Shmem, ShmemConf, ShmemError};
-
 use crate::error::{Error, Result};
-pub use crate::liveness::SHM_DIR;
 use crate::liveness::{RoleLock, CREATOR_BYTE};
+pub use crate::segment_file::SHM_DIR;
+use crate::segment_file::{path, Access, SegmentFile};
 
 /// Every segment shmq creates has a name starting with this.
 pub const NAME_PREFIX: &str = "shmq_";
@@ -42,7 +42,15 @@ pub const MAX_READERS: usize = 4096;
 
 /// A mapped, named shared-memory segment.
 pub struct Segment {
-    shmem: Shmem,
+    /// The shared mapping of the whole file: `len` bytes at `ptr`, unmapped in `Drop`.
+    ptr: NonNull<u8>,
+    len: usize,
+    /// The descriptor the mapping was made from. The creator (and a child forked from it)
+    /// reserves pages through it (`fallocate`) and reads the file's size from it: it
+    /// keeps naming the right file after the name is unlinked (at interpreter exit, say)
+    /// while the creator still writes. Openers reserve and remap through the name
+    /// instead, as a name that is gone has nothing left to reserve for them.
+    file: SegmentFile,
     name: String,
     creator_pid: Option<u32>,
     /// The creator's role lock (byte 0 of the file): proves to `cleanup` and `inspect`,
@@ -50,10 +58,6 @@ pub struct Segment {
     _creator_role: Option<RoleLock>,
     /// Set once `unlink` removed the name, so `Drop` does not try again.
     unlinked: AtomicBool,
-    /// The creator's descriptor of the file, for `fallocate`: it keeps reserving
-    /// the right file after the name is unlinked (at interpreter exit, say) while the
-    /// creator still writes. `None` in openers (they reserve through the name).
-    reserve_fd: Option<std::fs::File>,
     /// The mapping's entry in the `SIGBUS` registry (see `crate::sigbus`): a peer that
     /// truncates the file makes [`check_intact`](Self::check_intact) an error here,
     /// never a crash. Released in `Drop`, before the mapping goes.
@@ -68,11 +72,12 @@ pub struct Segment {
     whole_reserved: OnceLock<()>,
 }
 
-// SAFETY: `Shmem` is neither Send nor Sync only because it holds the raw mapping pointer.
-// The mapping is plain shared memory that stays valid until `Drop` (which needs `&mut`,
-// so no other reference exists then). Every access that other threads or processes can
-// race with goes through atomics or is guarded by the protocol of the layer above
-// (ring flags, allocator ownership); `Segment` itself hands out only the base pointer.
+// SAFETY: `Segment` is neither Send nor Sync only because it holds the raw mapping
+// pointer. The mapping is plain shared memory that stays valid until `Drop` (which needs
+// `&mut`, so no other reference exists then). Every access that other threads or
+// processes can race with goes through atomics or is guarded by the protocol of the
+// layer above (ring flags, allocator ownership); `Segment` itself hands out only the
+// base pointer.
 unsafe impl Send for Segment {}
 // SAFETY: see `Send` above; `&Segment` only allows reading the pointer, length and name.
 unsafe impl Sync for Segment {}
@@ -101,10 +106,6 @@ pub fn unique_name(kind: &str) -> String {
         pid = std::process::id(),
         r = (nanos as u64 ^ (n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16)) as u32
     )
-}
-
-fn os_id(name: &str) -> String {
-    format!("/{name}")
 }
 
 fn check_name(name: &str) -> Result<()> {
@@ -204,9 +205,9 @@ impl Segment {
                 });
             }
         }
-        let shmem = match ShmemConf::new().os_id(os_id(name)).size(size).create() {
-            Ok(s) => s,
-            Err(ShmemError::MappingIdExists) => {
+        let file = match SegmentFile::create(name) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                 return Err(Error::InvalidArgument(format!(
                     "shared memory segment '{name}' already exists"
                 )))
@@ -214,25 +215,34 @@ impl Segment {
             Err(e) => {
                 return Err(Error::os(
                     format!("creating shared memory segment '{name}' ({size} bytes)"),
-                    std::io::Error::other(e.to_string()),
+                    e,
                 ))
             }
         };
-        // The name is surely this segment's now (the create above was exclusive).
-        let reserve_fd = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(format!("{SHM_DIR}/{name}"))
-            .ok();
-        let sigbus = protect(&shmem);
+        // The name is surely this segment's now (the create above was exclusive): if it
+        // cannot be sized or mapped, it goes again.
+        let ptr = match file
+            .set_len(size as u64)
+            .and_then(|()| map_shared(&file, size))
+        {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = crate::segment_file::unlink(name);
+                return Err(Error::os(
+                    format!("creating shared memory segment '{name}' ({size} bytes)"),
+                    e,
+                ));
+            }
+        };
         let mut segment = Segment {
-            shmem,
+            sigbus: protect(ptr, size),
+            ptr,
+            len: size,
+            file,
             name: name.to_owned(),
             creator_pid: Some(std::process::id()),
             _creator_role: None,
             unlinked: AtomicBool::new(false),
-            reserve_fd,
-            sigbus,
             shrunk: AtomicBool::new(false),
             whole_reserved: OnceLock::new(),
         };
@@ -271,23 +281,17 @@ impl Segment {
         }
         use std::os::fd::AsRawFd;
         let opened;
-        let file = match &self.reserve_fd {
+        let file = match self.creators_file() {
             Some(f) => f,
-            None => {
-                let path = format!("{SHM_DIR}/{}", self.name);
-                match std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(&path)
-                {
-                    Ok(f) => {
-                        opened = f;
-                        &opened
-                    }
-                    // Not a tmpfs-backed /dev/shm (unusual); nothing to reserve through.
-                    Err(_) => return Ok(()),
+            None => match SegmentFile::try_open(&self.name, Access::ReadWrite) {
+                Ok(f) => {
+                    opened = f;
+                    &opened
                 }
-            }
+                // Not a tmpfs-backed /dev/shm (unusual), or the name is gone; nothing to
+                // reserve through.
+                Err(_) => return Ok(()),
+            },
         };
         // Before: no pages are taken for a file already truncated (past its end they
         // would only be freed when it is removed).
@@ -296,9 +300,10 @@ impl Segment {
         // system cannot allocate (not a tmpfs), that one emulates it by writing a byte
         // per block, which could undo a peer's write; this one fails with EOPNOTSUPP.
         // KEEP_SIZE: a range past a truncated end is not made part of the file again.
-        // SAFETY: the fd is open for writing for the duration of the call; the call only
-        // allocates pages of the file and changes neither its size nor any byte (a peer
-        // may do the same).
+        // SAFETY: the fd is open for writing for the duration of the call (`file` owns
+        // it); the call only allocates pages of the file and changes neither its size nor
+        // any byte (a peer may do the same, or truncate the file: the checks of its size
+        // before and after make that an error here).
         let fallocate = || unsafe {
             libc::fallocate(
                 file.as_raw_fd(),
@@ -341,39 +346,44 @@ impl Segment {
     /// Open an existing segment by name.
     pub fn open(name: &str) -> Result<Self> {
         check_name(name)?;
-        if let Ok(meta) = std::fs::metadata(format!("{SHM_DIR}/{name}")) {
+        if let Ok(meta) = std::fs::metadata(path(name)) {
             use std::os::unix::fs::MetadataExt;
             let unreserved = meta.size().saturating_sub(meta.blocks() * 512);
             refuse_populating_lock(name, meta.size(), unreserved)?;
         }
-        match ShmemConf::new().os_id(os_id(name)).open() {
-            Ok(shmem) => Ok(Segment {
-                sigbus: protect(&shmem),
-                shmem,
+        let opened = SegmentFile::try_open(name, Access::ReadWrite).and_then(|file| {
+            // The whole file, as long as it is now.
+            let len = usize::try_from(file.size()?).map_err(std::io::Error::other)?;
+            let ptr = map_shared(&file, len)?;
+            Ok((file, ptr, len))
+        });
+        match opened {
+            Ok((file, ptr, len)) => Ok(Segment {
+                sigbus: protect(ptr, len),
+                ptr,
+                len,
+                file,
                 name: name.to_owned(),
                 creator_pid: None,
                 _creator_role: None,
                 unlinked: AtomicBool::new(false),
-                reserve_fd: None,
                 shrunk: AtomicBool::new(false),
                 whole_reserved: OnceLock::new(),
             }),
-            Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::ENOENT => {
-                Err(Error::SegmentNotFound {
-                    name: name.to_owned(),
-                })
-            }
-            Err(ShmemError::MapOpenFailed(errno)) if errno as i32 == libc::EACCES => {
-                Err(Error::os(
-                    format!("opening shared memory segment '{name}'"),
-                    std::io::Error::from_raw_os_error(libc::EACCES),
-                ))
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::SegmentNotFound {
+                name: name.to_owned(),
+            }),
             Err(e) => Err(Error::os(
                 format!("opening shared memory segment '{name}'"),
-                std::io::Error::other(e.to_string()),
+                e,
             )),
         }
+    }
+
+    /// The descriptor the creator (or a child forked from it) reserves and reads the
+    /// size through; `None` in openers (see the `file` field).
+    fn creators_file(&self) -> Option<&SegmentFile> {
+        self.creator_pid.is_some().then_some(&self.file)
     }
 
     pub fn name(&self) -> &str {
@@ -381,7 +391,7 @@ impl Segment {
     }
 
     pub fn len(&self) -> usize {
-        self.shmem.len()
+        self.len
     }
 
     /// Whether the mapping is empty (never, for a segment shmq made or opened: every kind
@@ -392,7 +402,7 @@ impl Segment {
 
     /// Base address of the mapping in this process.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.shmem.as_ptr()
+        self.ptr.as_ptr()
     }
 
     /// Whether this process created the segment (and will unlink it on drop).
@@ -422,9 +432,9 @@ impl Segment {
     /// `is_cached`), which touch no page of it.
     pub fn check_length(&self) -> Result<()> {
         self.check_intact()?;
-        let len = match &self.reserve_fd {
+        let len = match self.creators_file() {
             Some(f) => f.metadata(),
-            None => std::fs::metadata(format!("{SHM_DIR}/{}", self.name)),
+            None => std::fs::metadata(path(&self.name)),
         };
         match len {
             Ok(m) => self.check_size(m.len()),
@@ -435,7 +445,7 @@ impl Segment {
 
     /// The truncation error if `file`'s size is below this mapping's (and from then on:
     /// see [`check_intact`](Self::check_intact)).
-    fn check_file_len(&self, file: &std::fs::File) -> Result<()> {
+    fn check_file_len(&self, file: &SegmentFile) -> Result<()> {
         match file.metadata() {
             Ok(m) => self.check_size(m.len()),
             Err(e) => Err(Error::os(
@@ -526,9 +536,34 @@ fn refuse_populating_lock(name: &str, size: u64, unreserved: u64) -> Result<()> 
     })
 }
 
+/// Map all `len` bytes of `file` shared, read-write, at a place the kernel picks.
+fn map_shared(file: &SegmentFile, len: usize) -> std::io::Result<NonNull<u8>> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a new mapping at a place the kernel picks: it replaces nothing of this
+    // process's. `file` is open read-write for the call. A peer process that can open the
+    // file may write it or truncate it later: the mapping is plain shared memory that the
+    // layers above only reach through atomics and checked protocols, and a truncation
+    // makes an access a SIGBUS, which the handler the caller registers the mapping with
+    // (`protect`) turns into zero pages and an error (`crate::sigbus`).
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(NonNull::new(p.cast()).expect("mmap never returns null without MAP_FIXED"))
+}
+
 /// Register a new mapping with the `SIGBUS` handler.
-fn protect(shmem: &Shmem) -> crate::sigbus::Guard {
-    crate::sigbus::Watch::new().protect(shmem.as_ptr(), shmem.len())
+fn protect(ptr: NonNull<u8>, len: usize) -> crate::sigbus::Guard {
+    crate::sigbus::Watch::new().protect(ptr.as_ptr(), len)
 }
 
 impl Segment {
@@ -557,10 +592,7 @@ impl Segment {
             // another process's by now (a named encoder cache or store taken over).
             return Ok(());
         }
-        let name = CString::new(os_id(&self.name)).expect("names have no NUL (check_name)");
-        // SAFETY: `name` is a valid NUL-terminated string.
-        if unsafe { libc::shm_unlink(name.as_ptr()) } != 0 {
-            let err = std::io::Error::last_os_error();
+        if let Err(err) = crate::segment_file::unlink(&self.name) {
             if err.raw_os_error() != Some(libc::ENOENT) {
                 return Err(Error::os(
                     format!("removing shared memory segment '{}'", self.name),
@@ -590,16 +622,10 @@ impl Segment {
             )));
         }
         let opened;
-        let file = match &self.reserve_fd {
+        let file = match self.creators_file() {
             Some(f) => f,
             None => {
-                opened = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(format!("{SHM_DIR}/{}", self.name))
-                    .map_err(|e| {
-                        Error::os(format!("opening shared memory segment '{}'", self.name), e)
-                    })?;
+                opened = SegmentFile::open(&self.name, Access::ReadWrite)?;
                 &opened
             }
         };
@@ -975,21 +1001,23 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // Out of the SIGBUS registry before `shmem` unmaps (after this body).
+        // Out of the SIGBUS registry before the mapping goes.
         self.sigbus.release();
-        // A forked child inherits the object but must not unlink its parent's segment,
-        // and a segment unlinked already — by `unlink`, or by the exit hook
-        // (`remove_created`, which leaves the name unnoted) — must not be unlinked again:
-        // the name may be someone else's by now (a named encoder cache or store).
-        // Relaxed: `&mut self`, nothing else uses the flag now.
-        let removed =
-            !self.is_creator() || self.unlinked.load(Ordering::Relaxed) || !is_noted(&self.name);
-        if self.shmem.is_owner() && removed {
-            self.shmem.set_owner(false);
-        }
-        if self.is_creator() {
+        // SAFETY: this segment's own mapping, made in `create`/`open` and unmapped only
+        // here; `&mut self`, so nothing borrowed from it (`as_ptr`'s users hold the
+        // segment) is left. Other processes' mappings of the file are theirs.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        // Only the creator unlinks: a forked child inherits the object but must not
+        // unlink its parent's segment, and `unlink` leaves a segment unlinked already —
+        // by `unlink`, or by the exit hook (`remove_created`, which leaves the name
+        // unnoted) — alone (the name may be someone else's by now: a named encoder cache
+        // or store). It forgets the name once it is gone; one it could not remove is
+        // forgotten here all the same (nothing more can be done about it from a
+        // destructor).
+        if self.is_creator() && self.unlink().is_err() {
             forget_created(&self.name);
         }
+        // The descriptor (`file`) closes after this body.
     }
 }
 
@@ -1202,9 +1230,9 @@ pub fn remove_created() -> usize {
     for n in &mine {
         if n.starts_with('/') {
             let _ = std::fs::remove_dir_all(n);
-        } else if let Ok(id) = CString::new(os_id(n)) {
-            // SAFETY: `id` is a valid NUL-terminated string; an absent name is ENOENT.
-            unsafe { libc::shm_unlink(id.as_ptr()) };
+        } else {
+            // An absent name is ENOENT: nothing to do.
+            let _ = crate::segment_file::unlink(n);
         }
         // Removed: the janitor must not remove it again once this process is gone (a
         // process of the same name's successor may have taken it by then).

@@ -211,7 +211,7 @@ impl Drop for Guard {
 /// The error a layer returns once its segment was found truncated: a
 /// [`Error::BadSegment`] naming it, with its size now if it can still be read.
 pub fn truncated(name: &str, mapped: usize) -> Error {
-    let now = std::fs::metadata(format!("{}/{name}", crate::liveness::SHM_DIR)).map(|m| m.len());
+    let now = std::fs::metadata(crate::segment_file::path(name)).map(|m| m.len());
     truncation(name, mapped, now)
 }
 

@@ -1,0 +1,208 @@
+//! A segment's file in `/dev/shm`: the one place that turns a segment's name into an
+//! open file.
+//!
+//! A [`SegmentFile`] owns one descriptor of the file, opened by its path in [`SHM_DIR`]
+//! (as `shm_open` would open it): close-on-exec, never through a symbolic link
+//! (`O_NOFOLLOW`), read-write or read-only ([`Access`]), and, when it makes the file,
+//! owner-only (mode 0600) and exclusively. Each open makes a new *open file
+//! description*, which is what the open-file-description locks of `crate::liveness` and
+//! `crate::pins` belong to: a role lock, a pin holder and a probe each open the file
+//! afresh, so that no lock of one is another's (a `dup` would share them).
+//!
+//! Why each holder opens its own:
+//! - the segment's mapping ([`crate::segment::Segment`]), read-write: shared pages are
+//!   written through it; a creator keeps it to reserve pages (`fallocate`) and to read the
+//!   file's size after the name is gone; an opener opens the file again by name when it
+//!   reserves or remaps (a name that is gone has nothing left to reserve for it);
+//! - a role ([`crate::liveness::RoleLock`]), read-write: a write lock needs a descriptor
+//!   open for writing, and a description of its own;
+//! - a probe ([`crate::liveness::LockProbe`]), read-only: it holds no lock, so every lock
+//!   shows to it, this process's own included;
+//! - pins ([`crate::pins::Pins`]), read-only: read locks, one description for all of a
+//!   process's pins of the segment;
+//! - private views ([`crate::private_map::PrivateFile`]), read-only: its `MAP_PRIVATE`
+//!   views can never write the segment, whatever is written into them.
+//!
+//! Anyone who can open the file (the same user) can also truncate it, lock its bytes or
+//! write it: what shmq guarantees against such a peer is in `crate::sigbus`.
+//!
+//! Why not the `shared_memory` crate (which shmq used before): it maps with `shm_open`
+//! and keeps the descriptor to itself (no way to `fallocate` through it, to read the
+//! file's size once the name is gone, or to lock it), its `Shmem` is neither `Send` nor
+//! `Sync`, and it unlinks on drop by a flag of its own. shmq had to open the same file
+//! again by path for each of those, beside the crate's descriptor: the file was opened
+//! five ways. What the crate did — `shm_open` (here: `open` of the same path with the
+//! same flags, as glibc's `shm_open` does), `ftruncate`, `mmap(MAP_SHARED)`, `shm_unlink`
+//! — is a few calls of `libc`, now in this module and `crate::segment`.
+
+use std::fs::{File, Metadata, OpenOptions};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+
+use crate::error::{Error, Result};
+
+/// Where Linux keeps POSIX shared memory: the segments' files, whose bytes the role locks
+/// lock (`crate::liveness` and `crate::segment` re-export it).
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// The path of segment `name`'s file.
+pub fn path(name: &str) -> String {
+    format!("{SHM_DIR}/{name}")
+}
+
+/// How a [`SegmentFile`] is opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Read and write: for shared mappings, reservations and write (role) locks.
+    ReadWrite,
+    /// Read only: for read locks, probes and private views that must never write the
+    /// segment.
+    ReadOnly,
+}
+
+/// An open descriptor of a segment's file (closed when dropped): see the module docs.
+#[derive(Debug)]
+pub struct SegmentFile {
+    file: File,
+}
+
+impl SegmentFile {
+    /// Open segment `name`'s file, a new open file description; the error is the
+    /// system's (callers that treat any failure as "cannot tell" or "nothing to do").
+    /// A name that is not one file name in [`SHM_DIR`] is `InvalidInput`.
+    pub fn try_open(name: &str, access: Access) -> std::io::Result<SegmentFile> {
+        Self::options(name, access)?
+            .open(path(name))
+            .map(|file| SegmentFile { file })
+    }
+
+    /// [`try_open`](Self::try_open), with the error naming the segment: "opening shared
+    /// memory segment '...'" ([`Error::InvalidArgument`] for a name that is not one file
+    /// name).
+    pub fn open(name: &str, access: Access) -> Result<SegmentFile> {
+        check_name(name).map_err(|_| invalid_name(name))?;
+        Self::try_open(name, access)
+            .map_err(|e| Error::os(format!("opening shared memory segment '{name}'"), e))
+    }
+
+    /// [`try_open`](Self::try_open), with the error naming the file and why it was
+    /// opened: "opening /dev/shm/... to `purpose`" ([`Error::InvalidArgument`] for a name
+    /// that is not one file name).
+    pub fn open_to(name: &str, access: Access, purpose: &str) -> Result<SegmentFile> {
+        check_name(name).map_err(|_| invalid_name(name))?;
+        Self::try_open(name, access)
+            .map_err(|e| Error::os(format!("opening {} to {purpose}", path(name)), e))
+    }
+
+    /// Create segment `name`'s file, empty, owner-only (mode 0600) and read-write; an
+    /// error if the name exists (`AlreadyExists`), so the file is surely this caller's.
+    pub fn create(name: &str) -> std::io::Result<SegmentFile> {
+        Self::options(name, Access::ReadWrite)?
+            .create_new(true)
+            .mode(0o600)
+            .open(path(name))
+            .map(|file| SegmentFile { file })
+    }
+
+    /// The open flags for `access`: std's `open` adds `O_CLOEXEC`; `O_NOFOLLOW` as
+    /// `shm_open`, so a link a peer put at the name is never followed elsewhere.
+    fn options(name: &str, access: Access) -> std::io::Result<OpenOptions> {
+        check_name(name)?;
+        let mut options = OpenOptions::new();
+        options
+            .read(true)
+            .write(access == Access::ReadWrite)
+            .custom_flags(libc::O_NOFOLLOW);
+        Ok(options)
+    }
+
+    /// The file's metadata now (`fstat`): its size may differ from when it was opened
+    /// (a peer can truncate it).
+    pub fn metadata(&self) -> std::io::Result<Metadata> {
+        self.file.metadata()
+    }
+
+    /// The file's length in bytes now (`fstat`).
+    pub fn size(&self) -> std::io::Result<u64> {
+        self.metadata().map(|m| m.len())
+    }
+
+    /// Set the file's length (`ftruncate`): only for a file this process just created.
+    pub fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.file.set_len(len)
+    }
+}
+
+/// Remove segment `name`'s file from [`SHM_DIR`] (as `shm_unlink`): every mapping and
+/// open descriptor of it stays valid; the name is free for a new segment.
+pub fn unlink(name: &str) -> std::io::Result<()> {
+    check_name(name)?;
+    std::fs::remove_file(path(name))
+}
+
+/// `InvalidInput` unless `name` is one file name in [`SHM_DIR`] (as `shm_open` takes
+/// them: no `/`, not `.` or `..`; and no NUL, which no path can hold).
+fn check_name(name: &str) -> std::io::Result<()> {
+    if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("invalid segment name {name:?}"),
+        ));
+    }
+    Ok(())
+}
+
+fn invalid_name(name: &str) -> Error {
+    Error::InvalidArgument(format!("invalid segment name {name:?}"))
+}
+
+impl AsFd for SegmentFile {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+}
+
+impl AsRawFd for SegmentFile {
+    fn as_raw_fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_are_not_one_file_are_refused() {
+        for name in ["", ".", "..", "a/b", "/x", "a\0b"] {
+            let err = SegmentFile::try_open(name, Access::ReadOnly).unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "{name:?}");
+        }
+    }
+
+    #[test]
+    fn a_created_file_is_owner_only_exclusive_and_never_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let name = format!("shmq_test_segfile_{}", std::process::id());
+        let f = SegmentFile::create(&name).unwrap();
+        let mode = f.metadata().unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        let again = SegmentFile::create(&name).unwrap_err();
+        assert_eq!(again.kind(), std::io::ErrorKind::AlreadyExists);
+        f.set_len(4096).unwrap();
+        let r = SegmentFile::open(&name, Access::ReadOnly).unwrap();
+        assert_eq!(r.size().unwrap(), 4096);
+        let link = format!("{name}_link");
+        std::os::unix::fs::symlink(path(&name), path(&link)).unwrap();
+        let err = SegmentFile::try_open(&link, Access::ReadOnly).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ELOOP));
+        std::fs::remove_file(path(&link)).unwrap();
+        std::fs::remove_file(path(&name)).unwrap();
+        let err = SegmentFile::open(&name, Access::ReadWrite).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with(&format!("opening shared memory segment '{name}'")),
+            "{err}"
+        );
+    }
+}
