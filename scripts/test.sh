@@ -20,10 +20,14 @@ df_line() { df -h --output=avail,size . | tail -n 1 | awk '{print "disk: " $1 " 
 export PIP_NO_CACHE_DIR=1 CARGO_INCREMENTAL=0
 mkdir -p target
 envs_log=$PWD/target/envs.log
-bash scripts/envs.sh >"$envs_log" 2>&1 &
+setsid -w bash scripts/envs.sh >"$envs_log" 2>&1 &
 envs_pid=$!
 loom_pid='' wheel_pid=''
-trap 'kill $envs_pid $loom_pid $wheel_pid 2>/dev/null || true' EXIT
+# Background jobs run under setsid: each leads a process group of its own (a background
+# job of a script is no group leader, so setsid makes the group without forking: the pid
+# is the group's id; -w: were it to fork, it would wait and pass the status on), and a
+# failure kills each whole group, what it started included.
+trap 'for p in $envs_pid $loom_pid $wheel_pid; do kill -- "-$p" "$p" 2>/dev/null || true; done' EXIT
 step "Python environments: made in the background by scripts/envs.sh (log: target/envs.log); $(df_line)"
 
 step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
@@ -71,7 +75,7 @@ if ! command -v cargo-fuzz >/dev/null 2>&1; then
 fi
 fuzz() { RUSTC_BOOTSTRAP=1 cargo fuzz "$1" --sanitizer address --target-dir "$PWD/target/fuzz" "${@:2}"; }
 fuzz build
-"${loom[@]}" >"$loom_log" 2>&1 & # a simple command: its pid is the one to kill
+setsid -w "${loom[@]}" >"$loom_log" 2>&1 &
 loom_pid=$!
 for target in handle framing ring_reader arena_reader store_reader; do
   corpus="$PWD/target/fuzz/corpus/$target" artifacts="$PWD/target/fuzz/artifacts/$target"
@@ -90,12 +94,13 @@ for target in handle framing ring_reader arena_reader store_reader; do
 done
 
 step "Python: the environments from scripts/envs.sh, then shmq built into .venv; $(df_line)"
-if ! wait "$envs_pid"; then
+rc=0 && wait "$envs_pid" || rc=$?
+envs_pid='' # waited for: its pid is not ours to signal any more
+if [ "$rc" != 0 ]; then
   tail -n 80 "$envs_log"
   echo "making the Python environments failed (output above, all of it in $envs_log)"
   exit 1
 fi
-envs_pid='' # waited for: its pid is not ours to signal any more
 grep '^== ' "$envs_log"
 .venv/bin/python -m pip install --quiet --no-deps -e .
 
@@ -111,8 +116,9 @@ step "Python: the stubs of shmq._core against the built module, and the types"
 .venv/bin/python -m mypy --strict tests/python/test_typing.py
 
 step "Rust: the loom model checks' result (they ran in the background since the fuzz targets were built)"
-if wait "$loom_pid"; then
-  loom_pid=''
+rc=0 && wait "$loom_pid" || rc=$?
+loom_pid=''
+if [ "$rc" = 0 ]; then
   grep -E '^(test |test result)' "$loom_log"
 else
   cat "$loom_log"
@@ -140,7 +146,7 @@ step "Wheel: manylinux_2_17 abi3 wheel (maturin --zig) and sdist into dist/, aud
 # that run beside it, the examples and the newcomer from source, which mostly wait on
 # pip and on processes, not on the CPU. (Not beside the engine's tests: they time it.)
 wheel_log=$PWD/target/wheel.log
-bash scripts/wheel.sh >"$wheel_log" 2>&1 &
+setsid -w bash scripts/wheel.sh >"$wheel_log" 2>&1 &
 wheel_pid=$!
 
 step "Python: the README's examples"
@@ -158,12 +164,13 @@ step "Newcomer: the README's first command from source, in a fresh venv without 
 bash scripts/newcomer.sh source
 
 step "Wheel: its build and audit, from the background (log: target/wheel.log)"
-if ! wait "$wheel_pid"; then
+rc=0 && wait "$wheel_pid" || rc=$?
+wheel_pid=''
+if [ "$rc" != 0 ]; then
   tail -n 80 "$wheel_log"
   echo "building or auditing the wheel failed (output above, all of it in $wheel_log)"
   exit 1
 fi
-wheel_pid=''
 cat "$wheel_log"
 
 step "Newcomer: the wheel in a fresh venv with no cargo or rustc on PATH"

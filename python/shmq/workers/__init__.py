@@ -48,10 +48,15 @@ What it guarantees:
   before the SIGTERM; reaping; removal of the segments the dead workers (and their
   descendants) created. Idempotent; also runs at interpreter exit, on garbage collection,
   and when Ctrl-C ends a ``with`` block.
-- **Orphans.** Each worker gets ``PR_SET_PDEATHSIG`` (SIGKILL by default): it dies with
-  the parent even when the parent is SIGKILLed. Each worker leads its own process group,
-  so its descendants go down with it, and a Ctrl-C in the terminal reaches only the
-  parent, which then shuts the workers down in order.
+- **Orphans.** Each worker dies with the parent, even when the parent is SIGKILLed. By
+  default (``death_signal=SIGKILL``) a thread of the core in the worker waits on the
+  parent's pidfd and, once the parent is gone, kills the worker's descendants, removes
+  the segments the worker created and SIGKILLs it (``_core.exit_with_process``, without
+  the GIL: also a worker busy in native code goes). Another ``death_signal`` is sent by
+  the kernel (``PR_SET_PDEATHSIG``), or by such a thread where the worker's parent is
+  not the process it is to die with. Each worker leads its own process group, so its
+  descendants go down with it, and a Ctrl-C in the terminal reaches only the parent,
+  which then shuts the workers down in order.
 
 Caveats, and how they are handled:
 
@@ -59,12 +64,12 @@ Caveats, and how they are handled:
   process. Workers are therefore always forked from a long-lived thread: the main
   thread, or (when :class:`WorkerProcesses` is made in another thread) a daemon launcher
   thread that lives as long as the process.
-- With the ``forkserver`` context the parent of a worker is the fork server, so instead
-  of ``PR_SET_PDEATHSIG`` a thread in the worker watches the parent's pidfd.
-- A worker killed by the death signal cannot remove its own segments; the next
-  ``python -m shmq cleanup`` does. A worker's own children die with it only if they are
-  in its process group (the default for anything it starts) or call
-  :func:`die_with_parent` themselves.
+- With the ``forkserver`` context the parent of a worker is the fork server: the
+  worker's thread watches the real parent's pidfd (for every death signal).
+- A worker killed by a death signal other than the default SIGKILL cannot remove its own
+  segments (its janitor does, or the next ``python -m shmq cleanup``). A worker's own
+  children die with it only if they are in its process group (the default for anything
+  it starts) or call :func:`die_with_parent` themselves.
 - A spawned worker writes to the parent's pipe from its first line of Python, so what it
   writes while multiprocessing starts it (re-importing the main module, unpickling its
   target and arguments) is in the tail: a script without an

@@ -59,6 +59,7 @@ __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready"]
 
 logger = logging.getLogger("shmq.workers")
 
+
 def _exit_with_parent(parent_pid: int) -> None:
     """Die of SIGKILL when process ``parent_pid`` exits, even by SIGKILL, but first kill
     this process's descendants and remove the segments it created: a thread of the core
