@@ -47,11 +47,12 @@ def ready_then_sleep(rank: int, tag: str = "") -> None:
     time.sleep(STEP)  # not synchronisation: idle until stopped
 
 
-def ready_then_exit(rank: int, code: int, go: Any) -> None:
+def ready_then_exit(rank: int, code: int, go: Any = None) -> None:
     """Report ready, then exit with ``code`` once the test sets the event ``go`` (after
-    every worker was ready: an exit before that would fail the wait for ready)."""
+    every worker was ready: an exit before that would fail the wait for ready). Without
+    ``go`` (a group of one, whose ready report comes before its exit): at once."""
     report_ready(rank)
-    if not go.wait(STEP):
+    if go is not None and not go.wait(STEP):
         raise TimeoutError(f"rank {rank}: the test never said go")
     sys.exit(code)
 
