@@ -3,7 +3,7 @@
 A segment's creator removes it when the creating object is dropped, but Python does not
 promise to drop objects at exit (a queue kept in a module-level list, a loan still
 alive, a daemon thread's locals). So the core notes every segment and socket directory
-this process creates while it exists (one registry, in the core: ``segment.rs``'s
+this process creates while it exists (one registry, in the core: ``segment/created.rs``'s
 ``note_created``; this module keeps no list of its own), and an ``atexit`` hook removes
 what is left (``_core.remove_created``): rings, tensor arenas, socket directories,
 stores, encoder caches, probes, whatever still refers to them. Their memory stays mapped until the

@@ -1,0 +1,227 @@
+//! What this process created — the one registry the exit hook (`remove_created`), the
+//! objects' own `unlink` and drops, and the janitor all go by — and the janitor itself:
+//! what removes this process's segments when it dies without its exit hook.
+
+use std::sync::Mutex;
+
+use crate::error::{Error, Result};
+
+// ---------------------------------------------------------------------------------
+// What this process created, for the exit hook (`remove_created`).
+//
+// Objects remove what they created when they are dropped, but Python does not promise to
+// drop objects at interpreter exit (a queue kept in a module-level list, a loan still
+// alive, a daemon thread's locals). So every segment and socket directory is noted here
+// while it exists, and the exit hook (`shmq._cleanup`) removes what is left. Entries
+// carry the creator's pid: a forked child inherits the list but removes only its own.
+
+/// `(creator pid, name)`: a segment's name, or the absolute path of a directory.
+static CREATED: Mutex<Vec<(u32, String)>> = Mutex::new(Vec::new());
+
+/// Names of [`CREATED`] that this process's janitor must leave (see
+/// [`Segment::survive_crash`]), with their creator's pid.
+static SURVIVORS: Mutex<Vec<(u32, String)>> = Mutex::new(Vec::new());
+
+pub(super) fn survivors() -> std::sync::MutexGuard<'static, Vec<(u32, String)>> {
+    SURVIVORS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn created() -> std::sync::MutexGuard<'static, Vec<(u32, String)>> {
+    // A panic while holding it leaves a plain list, still consistent.
+    CREATED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Note a segment name, or the absolute path of a directory in `/dev/shm`, that this
+/// process has just created (and tell this process's janitor, if it has one).
+pub fn note_created(name_or_path: &str) {
+    created().push((std::process::id(), name_or_path.to_owned()));
+    tell_janitor(b'+', name_or_path);
+}
+
+/// Whether this process noted `name_or_path` ([`note_created`]) and has not removed it
+/// since: the one registry of what this process created, which `unlink`, drops and
+/// the exit hook all go by.
+pub(super) fn is_noted(name_or_path: &str) -> bool {
+    let me = std::process::id();
+    created()
+        .iter()
+        .any(|(pid, n)| *pid == me && n == name_or_path)
+}
+
+/// Forget a name noted by [`note_created`]: its creator removed it.
+pub fn forget_created(name_or_path: &str) {
+    let me = std::process::id();
+    created().retain(|(pid, n)| !(*pid == me && n == name_or_path));
+    survivors().retain(|(pid, n)| !(*pid == me && n == name_or_path));
+    tell_janitor(b'-', name_or_path);
+}
+
+// ---------------------------------------------------------------------------------
+// The janitor: what removes this process's segments when it dies without exit cleanup.
+//
+// A process killed by SIGKILL (vLLM's shutdown does that to its engine core and workers
+// when they linger), by a signal's default action or by a crash runs no destructor and no
+// exit hook. So a process can hand one end of a `SOCK_SEQPACKET` socket pair to a
+// *janitor*: a small process of its own (the Python package starts one, see
+// `shmq._janitor`) that holds the other end. Every name noted above is sent to it as
+// `+name`, every removal as `-name`; when every copy of this end is closed — the process
+// is gone, however it ended — the janitor reads end-of-file and removes the names still
+// listed. Names carry their creator's pid and random bits, so nobody else has taken one.
+// No signal handler is needed for it, and nothing runs in this process at its death.
+
+/// This process's end of the socket to its janitor, with the pid that set it: a forked
+/// child inherits the descriptor but not the janitor (it closes its copy at first use,
+/// so that the parent's janitor is not kept waiting for it).
+static JANITOR: Mutex<Option<(u32, std::os::fd::OwnedFd)>> = Mutex::new(None);
+
+pub(super) fn janitor() -> std::sync::MutexGuard<'static, Option<(u32, std::os::fd::OwnedFd)>> {
+    JANITOR.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Hand this process's end of a janitor's socket (a `SOCK_SEQPACKET` pair; see the
+/// section above) to the core: every name this process has created and not removed is
+/// sent now, and every later one as it comes. Replaces an earlier janitor (whose end is
+/// closed, so it removes what it was told and ends). Returns how many names were sent.
+pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
+    let me = std::process::id();
+    let mut slot = janitor();
+    *slot = Some((me, fd));
+    let kept = survivors().clone();
+    let names: Vec<String> = created()
+        .iter()
+        .filter(|(pid, n)| *pid == me && !kept.iter().any(|(p, k)| p == pid && k == n))
+        .map(|(_, n)| n.clone())
+        .collect();
+    for n in &names {
+        send_to_janitor(&slot, b'+', n);
+    }
+    names.len()
+}
+
+/// Make the socket pair for a janitor: this process's end goes to [`set_janitor`], the
+/// other end (close-on-exec, so pass it on explicitly) is returned for the janitor.
+pub fn new_janitor_socket() -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: `fds` has room for the two descriptors socketpair(2) writes; nothing else
+    // is touched.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(Error::os(
+            "making the socket pair for shmq's janitor".to_owned(),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: both descriptors were just made by socketpair(2) and nothing else owns them.
+    let (ours, theirs) = unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    };
+    // Room for many thousands of names queued at once (a burst of creations while the
+    // janitor is not scheduled), so that a non-blocking send rarely finds it full.
+    let room: libc::c_int = 4 << 20;
+    // SAFETY: a valid socket and an int option of the right size; failure is harmless
+    // (the default buffer stays).
+    unsafe {
+        libc::setsockopt(
+            ours.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&room as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+    set_janitor(ours);
+    Ok(theirs)
+}
+
+/// Whether this process (not a parent it was forked from) has a janitor.
+pub fn has_janitor() -> bool {
+    let mut slot = janitor();
+    forget_inherited_janitor(&mut slot);
+    slot.is_some()
+}
+
+/// Close a janitor's socket inherited through `fork` (its janitor is the parent's).
+pub fn forget_inherited_janitor_now() {
+    forget_inherited_janitor(&mut janitor());
+}
+
+fn forget_inherited_janitor(slot: &mut Option<(u32, std::os::fd::OwnedFd)>) {
+    if matches!(slot, Some((pid, _)) if *pid != std::process::id()) {
+        *slot = None; // closes the descriptor
+    }
+}
+
+pub(super) fn tell_janitor(op: u8, name: &str) {
+    let mut slot = janitor();
+    forget_inherited_janitor(&mut slot);
+    send_to_janitor(&slot, op, name);
+}
+
+fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &str) {
+    use std::os::fd::AsRawFd;
+    let Some((_, fd)) = slot else { return };
+    let mut message = Vec::with_capacity(name.len() + 1);
+    message.push(op);
+    message.extend_from_slice(name.as_bytes());
+    loop {
+        // SAFETY: `fd` is an open socket owned by the slot, which the caller holds locked;
+        // `message` is a live buffer of the given length. MSG_NOSIGNAL: a janitor that died
+        // is EPIPE here, never a SIGPIPE to the host program. MSG_DONTWAIT: a janitor that
+        // does not read (stopped, say) never blocks a segment's creation; the message is
+        // then lost (a lost `-` is harmless: the janitor's removal of a name already gone
+        // finds nothing; a lost `+` leaves that segment to `cleanup` after a crash). A
+        // message of a SOCK_SEQPACKET socket arrives whole or not at all.
+        let sent = unsafe {
+            libc::send(
+                fd.as_raw_fd(),
+                message.as_ptr().cast(),
+                message.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if sent >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            // A janitor that is gone cannot be helped from here: the exit hook and the
+            // objects' own drops still remove what they made; `cleanup` finds the rest.
+            return;
+        }
+    }
+}
+
+/// Remove every segment and directory this process created that is still there (at
+/// interpreter exit); their mappings stay valid for whoever has them. Returns how many
+/// were noted. A live object whose name goes here removes nothing when it is dropped
+/// later (the name is no longer noted: a named encoder cache or store may have been
+/// created anew by another process meanwhile).
+pub fn remove_created() -> usize {
+    let me = std::process::id();
+    let mine: Vec<String> = {
+        let mut list = created();
+        let (mine, others) = list.drain(..).partition(|(pid, _)| *pid == me);
+        *list = others;
+        survivors().retain(|(pid, _)| *pid != me);
+        mine.into_iter().map(|(_, n)| n).collect()
+    };
+    for n in &mine {
+        if n.starts_with('/') {
+            let _ = std::fs::remove_dir_all(n);
+        } else {
+            // An absent name is ENOENT: nothing to do.
+            let _ = crate::segment_file::unlink(n);
+        }
+        // Removed: the janitor must not remove it again once this process is gone (a
+        // process of the same name's successor may have taken it by then).
+        tell_janitor(b'-', n);
+    }
+    mine.len()
+}
