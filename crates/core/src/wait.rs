@@ -859,13 +859,18 @@ mod tests {
         assert!(matches!(got, Err(Error::Cancelled)), "{got:?}");
         // No hook: one slice as long as the timeout, then `None` once it has passed.
         let mut calls = Vec::new();
-        let got: Result<Option<()>> = in_slices(Duration::from_millis(30).into(), |slice| {
+        // (Longer than a hook's 50 ms slice: a loop that sliced without a hook would call
+        // `step` three times.)
+        let got: Result<Option<()>> = in_slices(Duration::from_millis(120).into(), |slice| {
             calls.push(slice);
             std::thread::sleep(slice);
             None
         });
         assert_eq!(got.unwrap(), None);
-        assert!(calls[0] > SLICE_WITH_HOOK / 2 && calls[0] <= Duration::from_millis(30));
+        // One slice, the rest of the timeout (a loaded machine may start it late: its
+        // length is only bounded above).
+        assert_eq!(calls.len(), 1, "{calls:?}");
+        assert!(calls[0] <= Duration::from_millis(120), "{calls:?}");
     }
 
     #[test]
