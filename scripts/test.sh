@@ -30,6 +30,37 @@ loom_pid='' wheel_pid=''
 trap 'for p in $envs_pid $loom_pid $wheel_pid; do kill -- "-$p" "$p" 2>/dev/null || true; done' EXIT
 step "Python environments: made in the background by scripts/envs.sh (log: target/envs.log); $(df_line)"
 
+step "libzmq (ZeroMQ's C++ library, which zmq-sys compiles from source): built once, linked by every build below"
+# zmq-sys compiles libzmq in each profile and target dir that builds it: the lints and
+# tests (debug), the fuzz targets, shmq's build into .venv: 35-45 s each on 2 cores, most
+# of a release build of shmq. So it is built once here, and every cargo call below links
+# that build instead, through a links override (cargo's own way to skip a -sys crate's
+# build script: `[target.<triple>.zmq]`). Cargo reads that only from a config file (not
+# from `--config`, which cargo-clippy and cargo-fuzz do not pass on, nor from the
+# environment), so the calls below get a CARGO_HOME of this script's own,
+# target/cargo-home: your config.toml plus the override, the registry shared through a
+# link. The wheel is the exception: it builds its own libzmq (zig, for manylinux).
+real_cargo_home=${CARGO_HOME:-$HOME/.cargo}
+cargo build --quiet --release -p zmq-sys --target-dir target/libzmq
+libzmq_out=$(ls -t target/libzmq/release/build/zmq-sys-*/output | head -n 1)
+libzmq_dir=$(sed -n 's/^cargo:rustc-link-search=native=//p' "$libzmq_out" | head -n 1)
+if [ ! -f "$libzmq_dir/libzmq.a" ]; then
+  echo "no libzmq.a where $libzmq_out says it is ($libzmq_dir)"
+  exit 1
+fi
+host=$(rustc -vV | sed -n 's/^host: //p')
+cargo_home=$PWD/target/cargo-home
+mkdir -p "$cargo_home" "$real_cargo_home/registry" "$real_cargo_home/git"
+ln -sfn "$real_cargo_home/registry" "$cargo_home/registry"
+ln -sfn "$real_cargo_home/git" "$cargo_home/git"
+{
+  cat "$real_cargo_home/config.toml" 2>/dev/null || true
+  printf '\n[target.%s.zmq]\nrustc-link-lib = ["static=zmq", "stdc++"]\nrustc-link-search = ["native=%s"]\n' \
+    "$host" "$libzmq_dir"
+} >"$cargo_home/config.toml"
+export CARGO_HOME=$cargo_home
+echo "libzmq: $libzmq_dir/libzmq.a"
+
 step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
 # Formatting: every crate of the workspace, and the fuzz targets (a workspace of their own).
 cargo fmt --all -- --check
@@ -142,11 +173,12 @@ bash scripts/engine.sh >/dev/null
 .venv/bin/python -m pytest -q -p no:xdist -p no:cacheprovider --durations=0 tests/engine
 
 step "Wheel: manylinux_2_17 abi3 wheel (maturin --zig) and sdist into dist/, audited: in the background"
-# Its own target dir and build venv (scripts/wheel.sh): it shares nothing with the steps
+# Its own target dir, build venv and libzmq (your CARGO_HOME, not the override above: the
+# wheel's libzmq is built by zig, for manylinux). It shares nothing with the steps
 # that run beside it, the examples and the newcomer from source, which mostly wait on
 # pip and on processes, not on the CPU. (Not beside the engine's tests: they time it.)
 wheel_log=$PWD/target/wheel.log
-setsid -w bash scripts/wheel.sh >"$wheel_log" 2>&1 &
+setsid -w env CARGO_HOME="$real_cargo_home" bash scripts/wheel.sh >"$wheel_log" 2>&1 &
 wheel_pid=$!
 
 step "Python: the README's examples"

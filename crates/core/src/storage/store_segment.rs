@@ -160,7 +160,7 @@ pub struct StoreSegment {
     counting_floor: AtomicU64,
     /// Writer: how many waits for counting readers ran out of patience (process-local).
     patience_spent: AtomicU64,
-    /// This process's pins of blocks it has zero-copy views of (see [`BlockPin`]).
+    /// This process's pins of blocks it has zero-copy views of (see [`BlockPin`](super::object::BlockPin)).
     pub(super) pins: Arc<Pins>,
     /// The writer's probe of every process's pins (`None` on readers).
     pub(super) probe: Option<LockProbe>,
