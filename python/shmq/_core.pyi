@@ -28,6 +28,8 @@ __all__ = [
     "default_connect_ip",
     "auth_mac",
     "auth_check",
+    "auth_message_mac",
+    "auth_message_check",
     "secret_from_text",
     "new_secret_text",
     "handle_to_text",
@@ -127,6 +129,15 @@ def auth_mac(secret: bytes, tag: bytes, parts: list[bytes]) -> bytes:
     ``tag``: what the queue's remote stream and the worker handshake prove a secret with."""
 def auth_check(secret: bytes, tag: bytes, parts: list[bytes], claimed: bytes) -> bool:
     """Whether ``claimed`` is ``auth_mac(secret, tag, parts)`` (constant-time)."""
+def auth_message_mac(secret: bytes, tag: bytes, session: bytes, seq: int, body: list[bytes]) -> bytes:
+    """The seal of message ``seq`` of ``session``: ``auth_mac(secret, tag, [session,
+    seq as 8 little-endian bytes, *body])``, what the remote stream and the worker link
+    put on every message after their handshake."""
+def auth_message_check(
+    secret: bytes, tag: bytes, session: bytes, seq: int, body: list[bytes], claimed: bytes
+) -> bool:
+    """Whether ``claimed`` is ``auth_message_mac(secret, tag, session, seq, body)``
+    (constant-time)."""
 def secret_from_text(text: str) -> bytes:
     """The 32 bytes of a secret in its text form (64 hexadecimal digits: a ``Handle``'s
     ``remote_secret``, a worker ticket's token); ``ValueError`` for anything else."""

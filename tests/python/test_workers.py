@@ -17,6 +17,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +30,7 @@ import pytest
 import _processes
 import _worker_targets as targets
 from shmq import MessageQueue, WorkerDiedError, WorkerProcesses
-from shmq.workers import WorkersNotReadyError, WorkerTicket, connect_to_parent, report_ready
+from shmq.workers import WorkersNotReadyError, WorkerTicket, connect_to_parent, protocol, report_ready
 
 HERE = Path(__file__).resolve().parent
 WAKE_WITHIN = 1.0  # the issue's bound for waking a parent blocked on a dead worker
@@ -659,6 +660,77 @@ def test_remote_worker_joins_over_tcp_and_strangers_are_refused(children):
     assert report[0] == "error" and f"SystemExit: {128 + signal.SIGTERM}" in report[2], report
     remote.join(STARTUP)
     assert remote.exitcode is not None
+
+
+def _join_as(ticket: WorkerTicket, rank: int) -> tuple[socket.socket, str, str]:
+    """The genuine handshake of remote worker ``rank``, made by hand: (the connection,
+    the parent's nonce, this side's nonce). What a hostile worker that knows the token
+    does before it misbehaves."""
+    sock = socket.create_connection((ticket.host, ticket.port), timeout=STARTUP)
+    kind, payload = protocol.recv_frame(sock)
+    assert kind == b"C"
+    theirs, ours, pid = json.loads(payload)["nonce"], protocol.new_nonce(), os.getpid()
+    proof = protocol.hello_mac(ticket.token, theirs, rank, pid, ours)
+    hello = {"rank": rank, "pid": pid, "host": "here", "nonce": ours, "mac": proof}
+    protocol.send_frame(sock, b"H", json.dumps(hello).encode())
+    kind, payload = protocol.recv_frame(sock)
+    answer = json.loads(payload)
+    assert kind == b"A" and answer["ok"], answer
+    # The parent proved the token too: the worker's check of it passes.
+    assert protocol.welcome_is_genuine(ticket.token, ours, theirs, rank, answer["mac"])
+    return sock, theirs, ours
+
+
+@pytest.mark.parametrize("frame", ["unsealed", "sealed with another token"])
+def test_a_frame_on_a_remote_workers_link_that_is_not_the_workers_ends_it(frame):
+    """After the handshake every frame is sealed: a ready frame that is not the admitted
+    worker's (what a process on the path of the connection could inject: the parent
+    would unpickle it) is never taken; the worker is reported as gone, its link closed."""
+    with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
+        _track(workers)
+        sock, theirs, ours = _join_as(workers.ticket, 1)
+        try:
+            info = pickle.dumps({"rank": 1, "forged": True})
+            if frame == "unsealed":
+                protocol.send_frame(sock, b"R", info)
+            else:
+                protocol.SealedLink(sock, protocol.new_nonce(), theirs, ours, parent=False).send(b"R", info)
+            with pytest.raises(WorkerDiedError, match="failed authentication|without its seal") as died:
+                workers.wait_until_ready(timeout=STARTUP)
+            assert died.value.rank == 1
+            sock.settimeout(STARTUP)
+            assert sock.recv(1) == b""  # the parent ended the link
+        finally:
+            sock.close()
+
+
+def test_a_parent_that_cannot_prove_the_token_is_refused_by_the_worker():
+    """A listener that answers a worker's hello with "ok" but knows no token (one that
+    took the parent's address, say) does not get a worker: the worker raises before it
+    reports or takes a stop from it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ticket = WorkerTicket("127.0.0.1", listener.getsockname()[1], protocol.new_nonce())
+    hellos: list[dict] = []
+
+    def impostor() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            protocol.send_frame(conn, b"C", json.dumps({"nonce": protocol.new_nonce()}).encode())
+            hellos.append(json.loads(protocol.recv_frame(conn)[1]))
+            protocol.send_frame(conn, b"A", json.dumps({"ok": True, "mac": "00" * 32}).encode())
+            conn.settimeout(STARTUP)
+            conn.recv(1)  # until the worker hangs up
+
+    t = threading.Thread(target=impostor, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(PermissionError, match="without proving it knows the ticket's token"):
+            connect_to_parent(ticket, 1, die_with_parent=False)
+        t.join(STARTUP)
+        assert not t.is_alive()  # the worker hung up
+        assert hellos and hellos[0]["rank"] == 1 and len(hellos[0]["nonce"]) == 64
+    finally:
+        listener.close()
 
 
 def test_a_remote_worker_stops_when_its_first_sigterm_is_lost_in_a_race(children):

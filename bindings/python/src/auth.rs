@@ -1,4 +1,4 @@
-//! Bindings for `shmq::auth`: the keyed MAC that the worker handshake
+//! Bindings for `shmq::auth`: the keyed MAC and the message seal that the worker link
 //! (`shmq.workers.protocol`) shares with the queue's remote stream.
 
 use pyo3::exceptions::PyValueError;
@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use shmq::auth;
-use shmq::auth::{mac, mac_eq, new_secret, secret_to_text, SECRET_BYTES};
+use shmq::auth::{mac, mac_eq, message_mac, new_secret, secret_to_text, SECRET_BYTES};
 
 use crate::errors::OrRaise;
 
@@ -65,4 +65,46 @@ pub fn auth_check(
 ) -> PyResult<bool> {
     let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
     Ok(mac_eq(&mac(&key(secret)?, tag, &parts), claimed))
+}
+
+/// The seal of message `seq` of `session` (`shmq::auth::message_mac`): the MAC of the
+/// session, the number and the `body` parts under `secret`, in the domain `tag`.
+#[pyfunction]
+pub fn auth_message_mac<'py>(
+    py: Python<'py>,
+    secret: &[u8],
+    tag: &[u8],
+    session: &[u8],
+    seq: u64,
+    body: Vec<Vec<u8>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let m = message_mac(
+        &key(secret)?,
+        tag,
+        session,
+        seq,
+        body.iter().map(Vec::as_slice),
+    );
+    Ok(PyBytes::new(py, &m))
+}
+
+/// Whether `claimed` is the seal of message `seq` of `session` (compared in constant
+/// time).
+#[pyfunction]
+pub fn auth_message_check(
+    secret: &[u8],
+    tag: &[u8],
+    session: &[u8],
+    seq: u64,
+    body: Vec<Vec<u8>>,
+    claimed: &[u8],
+) -> PyResult<bool> {
+    let m = message_mac(
+        &key(secret)?,
+        tag,
+        session,
+        seq,
+        body.iter().map(Vec::as_slice),
+    );
+    Ok(mac_eq(&m, claimed))
 }

@@ -123,6 +123,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
     m.add_function(wrap_pyfunction!(auth::auth_mac, m)?)?;
     m.add_function(wrap_pyfunction!(auth::auth_check, m)?)?;
+    m.add_function(wrap_pyfunction!(auth::auth_message_mac, m)?)?;
+    m.add_function(wrap_pyfunction!(auth::auth_message_check, m)?)?;
     m.add_function(wrap_pyfunction!(auth::secret_from_text, m)?)?;
     m.add_function(wrap_pyfunction!(auth::new_secret_text, m)?)?;
     m.add_function(wrap_pyfunction!(remove_created, m)?)?;

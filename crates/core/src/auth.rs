@@ -1,10 +1,17 @@
 //! The one way shmq proves a peer knows a secret: a keyed MAC (BLAKE3 in keyed mode) over
-//! a domain tag and length-prefixed parts, compared in constant time. The queue's remote
-//! stream ([`crate::remote`]: a reader's HELLO, every message) and the worker handshake
-//! (Python's `shmq.workers`: a remote worker's answer to the parent's challenge, through
-//! the bindings) both use it, each with its own tag, so a MAC made for one can never pass
-//! for the other. Why a MAC of shmq's own rather than ZeroMQ's CURVE: see
-//! docs/operations.md (multi-node).
+//! a domain tag and length-prefixed parts, compared in constant time; and the one way it
+//! seals a stream's messages with it, [`message_mac`]: each message's MAC covers the
+//! session (fresh for each connection) and the message's sequence number, so a message
+//! altered, replayed from another session, dropped or reordered fails its check.
+//!
+//! Both of shmq's authenticated streams are built on these two: the queue's remote stream
+//! ([`crate::remote`]: a reader's HELLO and the writer's WELCOME prove the secret to each
+//! other, then every message is sealed) and the worker link (Python's `shmq.workers`, through
+//! the bindings: the same two proofs over each side's fresh nonce, then every frame
+//! sealed). Their transports differ (ZeroMQ with credit for the stream, one TCP connection
+//! whose loss is the worker's death for the link); each uses its own tags, so a MAC made
+//! for one can never pass for the other. Why a MAC of shmq's own rather than ZeroMQ's
+//! CURVE: see docs/operations.md (multi-node).
 
 use shmq_os::error::Result;
 
@@ -55,11 +62,37 @@ pub fn nonce(what: &str) -> Result<[u8; 16]> {
 /// The MAC of `parts` (each length-prefixed, after the domain `tag`) under `key`.
 pub fn mac(key: &[u8; SECRET_BYTES], tag: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     let mut h = blake3::Hasher::new_keyed(key);
-    h.update(&(tag.len() as u64).to_le_bytes());
-    h.update(tag);
-    for p in parts {
-        h.update(&(p.len() as u64).to_le_bytes());
-        h.update(p);
+    for p in std::iter::once(tag).chain(parts.iter().copied()) {
+        put(&mut h, p);
+    }
+    *h.finalize().as_bytes()
+}
+
+/// One length-prefixed item of a MAC.
+fn put(h: &mut blake3::Hasher, item: &[u8]) {
+    h.update(&(item.len() as u64).to_le_bytes());
+    h.update(item);
+}
+
+/// The seal of message `seq` of `session`: the [`mac`] of the session, the sequence
+/// number (8 bytes, little-endian) and the message's `body` parts, in the domain `tag`.
+/// The receiver recomputes it and checks the number is the one it expects next, so a
+/// message from another session (a replay), altered, lost or out of order is refused. The
+/// remote stream seals its DATA, READY, CLOSED and DROPPED messages with it; the worker
+/// link every frame after its handshake.
+pub fn message_mac<'a>(
+    key: &[u8; SECRET_BYTES],
+    tag: &[u8],
+    session: &[u8],
+    seq: u64,
+    body: impl IntoIterator<Item = &'a [u8]>,
+) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_keyed(key);
+    put(&mut h, tag);
+    put(&mut h, session);
+    put(&mut h, &seq.to_le_bytes());
+    for p in body {
+        put(&mut h, p);
     }
     *h.finalize().as_bytes()
 }
@@ -85,6 +118,26 @@ mod tests {
             &mac(&[8; SECRET_BYTES], b"hello", &[b"ab", b"c"])
         ));
         assert!(!mac_eq(&m, &m[..31]));
+    }
+
+    #[test]
+    fn a_message_seal_is_the_mac_of_its_session_number_and_body() {
+        // The wire form the remote stream always had: the seal changes nothing on it.
+        let key = [3u8; SECRET_BYTES];
+        let (session, seq) = ([5u8; 16], 9u64);
+        let m = message_mac(&key, b"data", &session, seq, [&b"ab"[..], b"c"]);
+        assert_eq!(
+            m,
+            mac(&key, b"data", &[&session, &seq.to_le_bytes(), b"ab", b"c"])
+        );
+        for other in [
+            message_mac(&key, b"data", &session, seq + 1, [&b"ab"[..], b"c"]),
+            message_mac(&key, b"data", &[6u8; 16], seq, [&b"ab"[..], b"c"]),
+            message_mac(&key, b"ready", &session, seq, [&b"ab"[..], b"c"]),
+            message_mac(&key, b"data", &session, seq, [&b"abc"[..]]),
+        ] {
+            assert!(!mac_eq(&m, &other));
+        }
     }
 
     #[test]

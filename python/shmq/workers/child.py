@@ -53,7 +53,17 @@ from types import TracebackType
 from typing import Any, Callable, Optional, Sequence
 
 from .. import _core
-from .protocol import DEFAULT_GRACE, WorkerTicket, mac, recv_frame, send_frame
+from .protocol import (
+    DEFAULT_GRACE,
+    SealedLink,
+    WorkerTicket,
+    hello_mac,
+    is_nonce,
+    new_nonce,
+    recv_frame,
+    send_frame,
+    welcome_is_genuine,
+)
 
 __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready"]
 
@@ -299,17 +309,14 @@ def _send_death_notice(exitcode: int, lines: Sequence[str]) -> None:
 
 
 class _TcpChannel(_ParentChannel):
-    def __init__(self, sock: socket.socket):
-        self._sock = sock
-        self._send_lock = threading.Lock()
+    def __init__(self, link: SealedLink):
+        self._link = link
 
     def send_ready(self, info: Any) -> None:
-        with self._send_lock:
-            send_frame(self._sock, b"R", pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL))
+        self._link.send(b"R", pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL))
 
     def send_exit(self, exitcode: int, stderr: Sequence[str]) -> None:
-        with self._send_lock:
-            send_frame(self._sock, b"X", json.dumps({"exitcode": exitcode, "stderr": list(stderr)}).encode())
+        self._link.send(b"X", json.dumps({"exitcode": exitcode, "stderr": list(stderr)}).encode())
 
 
 class ParentLink:
@@ -319,9 +326,10 @@ class ParentLink:
     parent how the worker ended (exit code 0, or 1 with the traceback's last lines, which
     the parent puts in its ``WorkerDiedError``)."""
 
-    def __init__(self, sock: socket.socket, rank: int, die_with_parent: bool):
-        self._sock = sock
-        self._channel = _TcpChannel(sock)
+    def __init__(self, link: SealedLink, rank: int, die_with_parent: bool):
+        self._link = link
+        self._sock = link.sock
+        self._channel = _TcpChannel(link)
         self.rank = rank
         self._leaving = threading.Event()
         if die_with_parent:
@@ -341,17 +349,17 @@ class ParentLink:
         self._sock.close()
 
     def _watch(self) -> None:
-        """Stop this process when the parent says so or disappears (not when the worker
-        leaves on its own)."""
+        """Stop this process when the parent says so or disappears, or when its link fails
+        (a frame that is not the parent's): not when the worker leaves on its own."""
         grace = DEFAULT_GRACE
         try:
             while True:
-                kind, payload = recv_frame(self._sock)
+                kind, payload = self._link.recv()
                 if kind == b"S":
                     grace = float(json.loads(payload).get("grace", grace))
                     break
         except (OSError, EOFError, ValueError):
-            pass  # the connection dropped: the parent is gone (or this worker is leaving)
+            pass  # the link dropped or failed: the parent is gone (or this worker is leaving)
         if self._leaving.is_set():
             return
         self._stop_main_thread(grace)
@@ -430,16 +438,24 @@ def connect_to_parent(
         kind, payload = recv_frame(sock)
         if kind != b"C":
             raise ConnectionError(f"{ticket.host}:{ticket.port} is not a shmq worker parent")
-        nonce = json.loads(payload)["nonce"]
-        pid = os.getpid()
-        hello = {"rank": rank, "pid": pid, "host": socket.gethostname(), "mac": mac(ticket.token, nonce, rank, pid)}
+        nonce = json.loads(payload).get("nonce")
+        if not isinstance(nonce, str) or not is_nonce(nonce):
+            raise ConnectionError(f"{ticket.host}:{ticket.port} sent a malformed challenge")
+        pid, ours = os.getpid(), new_nonce()
+        proof = hello_mac(ticket.token, nonce, rank, pid, ours)
+        hello = {"rank": rank, "pid": pid, "host": socket.gethostname(), "nonce": ours, "mac": proof}
         send_frame(sock, b"H", json.dumps(hello).encode())
         kind, payload = recv_frame(sock)
         answer = json.loads(payload) if kind == b"A" else {"ok": False, "error": "no answer"}
-        if not answer.get("ok"):
+        if not isinstance(answer, dict) or not answer.get("ok"):
+            error = answer.get("error") if isinstance(answer, dict) else "a malformed answer"
+            raise PermissionError(f"the parent at {ticket.host}:{ticket.port} refused worker rank {rank}: {error}")
+        if not welcome_is_genuine(ticket.token, ours, nonce, rank, answer.get("mac")):
             raise PermissionError(
-                f"the parent at {ticket.host}:{ticket.port} refused worker rank {rank}: {answer.get('error')}"
+                f"{ticket.host}:{ticket.port} admitted worker rank {rank} without proving it knows the "
+                "ticket's token: not the parent that issued this ticket"
             )
+        sealed = SealedLink(sock, ticket.token, nonce, ours, parent=False)
     except BaseException:
         sock.close()
         raise
@@ -447,7 +463,7 @@ def connect_to_parent(
     # let TCP keepalive notice a parent machine that vanished without a word.
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    link = ParentLink(sock, rank, die_with_parent)
+    link = ParentLink(sealed, rank, die_with_parent)
     with _channel_lock:
         _channel = link._channel
     return link

@@ -1,25 +1,36 @@
-"""What both sides share: the ticket a remote worker joins with, and the TCP protocol.
+"""What both sides share: the ticket a remote worker joins with, and the link's protocol.
 
-The protocol: frames of ``[4-byte big-endian length][1-byte kind][payload]``::
+The link is an authenticated stream built as the queue's remote stream is (the core's
+``auth``: one secret, one MAC, one seal): a handshake in which each side proves it knows
+the ticket's token over the other's fresh nonce, then every frame sealed with the core's
+message MAC. Only the transport is the link's own: one TCP connection, whose loss is the
+worker's death (the stream is ZeroMQ with credit).
 
-    parent -> worker   C  {"nonce": hex}                       challenge
-    worker -> parent   H  {"rank", "pid", "host", "mac"}       mac = MAC(token, nonce, rank, pid)
-    parent -> worker   A  {"ok": bool, "error": str}           admitted, or why not
-    worker -> parent   R  pickle(info)                          ready (only once admitted)
-    worker -> parent   X  {"exitcode", "stderr": [lines]}       leaving
-    parent -> worker   S  {"grace": seconds}                    stop
+Frames are ``[4-byte big-endian length][1-byte kind][payload]``; after the handshake the
+payload starts with the frame's 8-byte sequence number and its 32-byte seal::
 
-The token never crosses the network (only a MAC over a fresh challenge), so a recorded
-handshake cannot be replayed. The MAC is the queue's remote stream's (``crates/core/src/auth.rs``:
-keyed BLAKE3 over a domain tag and length-prefixed parts, through ``_core.auth_mac``),
-in a domain of its own, so one implementation proves the secret for both. The parent
-unpickles only frames from an admitted worker; the worker unpickles nothing.
+    parent -> worker   C  {"nonce": hex}                            challenge (32 bytes)
+    worker -> parent   H  {"rank", "pid", "host", "nonce", "mac"}   mac: hello_mac()
+    parent -> worker   A  {"ok": true, "mac"}                       mac: welcome_mac()
+                       A  {"ok": false, "error": str}               refused, then closed
+      -- sealed from here: SealedLink --
+    worker -> parent   R  pickle(info)                              ready
+    worker -> parent   X  {"exitcode", "stderr": [lines]}           leaving
+    parent -> worker   S  {"grace": seconds}                        stop
+
+The token never crosses the network (only MACs over fresh nonces), so a recorded
+handshake cannot be replayed, and a process that does not know the token can pass for
+neither side. The session of the sealed frames is both nonces: a frame from another
+connection, altered, dropped or reordered fails its check and ends the link. The parent
+unpickles only sealed frames from an admitted worker; the worker unpickles nothing.
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
 import struct
+import threading
 from dataclasses import dataclass, field
 
 from .. import _core
@@ -97,8 +108,104 @@ def _is_token(token: str) -> bool:
     return True
 
 
-def mac(token: str, nonce: str, rank: int, pid: int) -> str:
-    """The worker's answer to the parent's challenge ``nonce``: the core's keyed MAC (see
-    the module docs) of the nonce, the rank and the pid under the token, as hex."""
-    parts = [nonce.encode(), str(rank).encode(), str(pid).encode()]
-    return _core.auth_mac(_core.secret_from_text(token), b"shmq worker hello", parts).hex()
+def new_nonce() -> str:
+    """A fresh nonce for the handshake: 32 random bytes, as hex."""
+    return secrets.token_hex(32)
+
+
+def is_nonce(text: str) -> bool:
+    """Whether ``text`` is a handshake nonce: 32 bytes as 64 hexadecimal digits."""
+    try:
+        return len(text) == 64 and len(bytes.fromhex(text)) == 32
+    except ValueError:
+        return False
+
+
+def _hello_parts(parent_nonce: str, rank: int, pid: int, worker_nonce: str) -> list[bytes]:
+    return [parent_nonce.encode(), str(rank).encode(), str(pid).encode(), worker_nonce.encode()]
+
+
+def _welcome_parts(worker_nonce: str, parent_nonce: str, rank: int) -> list[bytes]:
+    return [worker_nonce.encode(), parent_nonce.encode(), str(rank).encode()]
+
+
+def _proof(claimed: object) -> bytes:
+    """A claimed MAC's bytes (b"" for anything that is not hex: it then fails its check)."""
+    try:
+        return bytes.fromhex(claimed) if isinstance(claimed, str) else b""
+    except ValueError:
+        return b""
+
+
+def hello_mac(token: str, parent_nonce: str, rank: int, pid: int, worker_nonce: str) -> str:
+    """The worker's proof that it knows the token: the core's MAC (see the module docs) of
+    the parent's challenge, the rank, the pid and the worker's own nonce, as hex."""
+    parts = _hello_parts(parent_nonce, rank, pid, worker_nonce)
+    return _core.auth_mac(_core.secret_from_text(token), _HELLO, parts).hex()
+
+
+def hello_is_genuine(token: str, parent_nonce: str, rank: int, pid: int, worker_nonce: str, claimed: object) -> bool:
+    """Whether ``claimed`` is :func:`hello_mac` (compared in constant time, by the core)."""
+    parts = _hello_parts(parent_nonce, rank, pid, worker_nonce)
+    return _core.auth_check(_core.secret_from_text(token), _HELLO, parts, _proof(claimed))
+
+
+def welcome_mac(token: str, worker_nonce: str, parent_nonce: str, rank: int) -> str:
+    """The parent's proof that it knows the token, over the worker's nonce: what the
+    worker checks before it takes the parent's word for anything."""
+    parts = _welcome_parts(worker_nonce, parent_nonce, rank)
+    return _core.auth_mac(_core.secret_from_text(token), _WELCOME, parts).hex()
+
+
+def welcome_is_genuine(token: str, worker_nonce: str, parent_nonce: str, rank: int, claimed: object) -> bool:
+    """Whether ``claimed`` is :func:`welcome_mac` (compared in constant time, by the core)."""
+    parts = _welcome_parts(worker_nonce, parent_nonce, rank)
+    return _core.auth_check(_core.secret_from_text(token), _WELCOME, parts, _proof(claimed))
+
+
+_HELLO = b"shmq worker hello"
+_WELCOME = b"shmq worker welcome"
+PARENT_TO_WORKER = b"shmq worker link: parent to worker"
+WORKER_TO_PARENT = b"shmq worker link: worker to parent"
+_SEAL = struct.Struct("!Q32s")
+
+
+class SealedLink:
+    """The frames after the handshake: each carries its number (each direction counts its
+    own from 0) and its seal, the core's message MAC (``_core.auth_message_mac``, as the
+    remote stream's messages) over the session (both nonces), the number, the kind and the
+    payload, in a domain for each direction. :meth:`recv` raises ``ValueError`` for a
+    frame that fails its seal or comes out of turn: the link is over then."""
+
+    def __init__(self, sock: socket.socket, token: str, parent_nonce: str, worker_nonce: str, *, parent: bool):
+        self.sock = sock
+        self._key = _core.secret_from_text(token)
+        if not (is_nonce(parent_nonce) and is_nonce(worker_nonce)):
+            raise ValueError("a nonce is 64 hexadecimal digits")
+        self._session = bytes.fromhex(parent_nonce) + bytes.fromhex(worker_nonce)
+        self._sends, self._receives = (
+            (PARENT_TO_WORKER, WORKER_TO_PARENT) if parent else (WORKER_TO_PARENT, PARENT_TO_WORKER)
+        )
+        self._sent = 0
+        self._received = 0
+        self._send_lock = threading.Lock()  # several threads send; one receives
+
+    def send(self, kind: bytes, payload: bytes) -> None:
+        with self._send_lock:
+            seq = self._sent
+            seal = _core.auth_message_mac(self._key, self._sends, self._session, seq, [kind, payload])
+            send_frame(self.sock, kind, _SEAL.pack(seq, seal) + payload)
+            self._sent += 1
+
+    def recv(self) -> tuple[bytes, bytes]:
+        kind, body = recv_frame(self.sock)
+        if len(body) < _SEAL.size:
+            raise ValueError("a frame without its seal (is another process on this connection?)")
+        seq, seal = _SEAL.unpack_from(body)
+        payload = body[_SEAL.size :]
+        if not _core.auth_message_check(self._key, self._receives, self._session, seq, [kind, payload], seal):
+            raise ValueError("a frame failed authentication (is another process on this connection?)")
+        if seq != self._received:
+            raise ValueError(f"frame {seq} arrived where frame {self._received} was due: frames were lost")
+        self._received += 1
+        return kind, payload

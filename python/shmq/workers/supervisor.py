@@ -20,7 +20,6 @@ list of children so that nobody reaps them earlier.
 from __future__ import annotations
 
 import atexit
-import hmac
 import json
 import logging
 import multiprocessing.process
@@ -28,7 +27,6 @@ import multiprocessing.util  # registers multiprocessing's atexit hook before ou
 import os
 import pickle
 import queue as queue_module
-import secrets
 import socket
 import threading
 import weakref
@@ -39,7 +37,18 @@ from typing import Any, Callable, Optional, Protocol
 from .. import _core
 from .child import WorkerSpec, bootstrap
 from .errors import WorkerDiedError
-from .protocol import DEFAULT_GRACE, HANDSHAKE_TIMEOUT, WorkerTicket, mac, recv_frame, send_frame
+from .protocol import (
+    DEFAULT_GRACE,
+    HANDSHAKE_TIMEOUT,
+    SealedLink,
+    WorkerTicket,
+    hello_is_genuine,
+    is_nonce,
+    new_nonce,
+    recv_frame,
+    send_frame,
+    welcome_mac,
+)
 from .spawn import SpawnProcessWithStderr, can_capture_from_start
 
 __all__ = ["WorkerInfo"]
@@ -121,7 +130,7 @@ class Supervisor:
         self.handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self.token = ""
         self.ticket: Optional[WorkerTicket] = None
-        self.sockets: dict[int, socket.socket] = {}
+        self.links: dict[int, SealedLink] = {}
         # Failures reach the monitors from this thread (their queues are Python objects).
         self.relay = threading.Thread(target=self._relay_failures, name="shmq-workers-failures", daemon=True)
         self.relay.start()
@@ -287,55 +296,69 @@ class Supervisor:
         finally:
             self.handshakes.release()
         if rank is not None:
-            self._serve_remote(rank, conn)
+            self._serve_remote(rank, self.links[rank])
 
     def _handshake_with(self, conn: socket.socket, peer: Any) -> Optional[int]:
-        """The admitted worker's rank (its connection registered), or None."""
+        """The admitted worker's rank (its link registered), or None."""
         conn.settimeout(HANDSHAKE_TIMEOUT)
         try:
-            nonce = secrets.token_hex(32)
+            nonce = new_nonce()
             send_frame(conn, b"C", json.dumps({"nonce": nonce}).encode())
             kind, payload = recv_frame(conn)
             hello = json.loads(payload) if kind == b"H" else {}
+            if not isinstance(hello, dict):
+                hello = {}
             error = self._admit(hello, nonce)
             if error:
                 logger.warning("refused a worker from %s claiming rank %s: %s", peer, hello.get("rank"), error)
                 send_frame(conn, b"A", json.dumps({"ok": False, "error": error}).encode())
                 conn.close()
                 return None
-            send_frame(conn, b"A", json.dumps({"ok": True}).encode())
+            rank = int(hello["rank"])  # checked by _admit
+            answer = {"ok": True, "mac": welcome_mac(self.token, hello["nonce"], nonce, rank)}
+            send_frame(conn, b"A", json.dumps(answer).encode())
+            link = SealedLink(conn, self.token, nonce, hello["nonce"], parent=True)
         except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
             logger.warning("worker handshake with %s failed: %s", peer, e)
             conn.close()
             return None
-        rank = int(hello["rank"])  # checked by _admit
         with self.lock:
             if not self.group.remote_connected(rank, str(hello.get("host") or peer[0])):
                 conn.close()  # the group is closing
                 return None
-            self.sockets[rank] = conn
+            self.links[rank] = link
         return rank
 
     def _admit(self, hello: dict, nonce: str) -> str:
         """Why this hello is refused, or "" to admit it (its rank is then reserved)."""
         rank, pid, claimed = hello.get("rank"), hello.get("pid"), hello.get("mac")
+        theirs = hello.get("nonce")
         if not isinstance(rank, int) or not isinstance(pid, int) or not isinstance(claimed, str):
             return "malformed hello"
-        if not hmac.compare_digest(claimed, mac(self.token, nonce, rank, pid)):
+        if not isinstance(theirs, str) or not is_nonce(theirs):
+            return "malformed hello (no nonce: a worker of an older shmq?)"
+        if not hello_is_genuine(self.token, nonce, rank, pid, theirs, claimed):
             return "wrong token"
         if not (0 <= rank < 2**32 and 0 <= pid < 2**32):
             return "malformed hello"
         return self.group.claim_remote(rank, pid) or ""
 
-    def _serve_remote(self, rank: int, conn: socket.socket) -> None:
-        """Read an admitted remote worker's frames until it leaves or its connection
-        drops."""
-        conn.settimeout(None)  # it may say nothing for as long as it runs
+    def _serve_remote(self, rank: int, link: SealedLink) -> None:
+        """Read an admitted remote worker's frames until it leaves or its link drops (or
+        fails: a frame that is not the worker's ends it)."""
+        link.sock.settimeout(None)  # it may say nothing for as long as it runs
         while True:
             try:
-                kind, payload = recv_frame(conn)
+                kind, payload = link.recv()
             except (OSError, EOFError, ValueError) as e:
                 how = "lost its connection to the parent" + ("" if isinstance(e, EOFError) else f" ({e})")
+                if isinstance(e, ValueError):
+                    # The stream is not the worker's any more: end it, so the worker's
+                    # own side sees it go (and stops, when it dies with its parent).
+                    try:
+                        link.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
                 self.group.report_exit(rank, None, [], how)
                 return
             if kind == b"R":
@@ -361,14 +384,14 @@ class Supervisor:
 
     def _close(self, grace: float) -> None:
         interrupted: Optional[BaseException] = None
-        sockets: list[socket.socket] = []
+        links: list[SealedLink] = []
         try:
             self.group.close_begin()
             with self.lock:
-                sockets = list(self.sockets.values())
-            for sock in sockets:
+                links = list(self.links.values())
+            for link in links:
                 try:
-                    send_frame(sock, b"S", json.dumps({"grace": grace}).encode())
+                    link.send(b"S", json.dumps({"grace": grace}).encode())
                 except OSError:
                     pass
             self.group.wait_exits(grace)
@@ -383,10 +406,10 @@ class Supervisor:
             except OSError:
                 pass
             self.listener.close()
-        for sock in sockets:
+        for link in links:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
+                link.sock.shutdown(socket.SHUT_RDWR)
+                link.sock.close()
             except OSError:
                 pass
         if interrupted is not None:

@@ -8,7 +8,7 @@ use super::wire::*;
 use super::{
     heartbeat_timeout, random16, socket, HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES,
 };
-use crate::auth::{mac, mac_eq};
+use crate::auth::{mac, mac_eq, message_mac};
 use crate::transport::{poll_slice, POLL_SLICE};
 use crate::wait::Wait;
 use shmq_os::error::{Error, Result};
@@ -401,7 +401,7 @@ impl RemoteReader {
                 Ok(None)
             }
             (KIND_READY, Some(s)) if s == session => {
-                let want = mac(&self.key, b"ready", &[&session, &seq.to_le_bytes()]);
+                let want = message_mac(&self.key, b"ready", &session, seq, []);
                 if !mac_eq(&want, got_mac) {
                     return Err(self.refuse("a start message failed authentication"));
                 }
@@ -418,10 +418,8 @@ impl RemoteReader {
                 Ok(Some(Vec::new()))
             }
             (KIND_DATA, Some(s)) if s == session => {
-                let seq_bytes = seq.to_le_bytes();
-                let mut parts: Vec<&[u8]> = vec![&session, &seq_bytes];
-                parts.extend(frames.iter().map(|m| &m[..]));
-                if !mac_eq(&mac(&self.key, b"data", &parts), got_mac) {
+                let body = frames.iter().map(|m| &m[..]);
+                if !mac_eq(&message_mac(&self.key, b"data", &session, seq, body), got_mac) {
                     return Err(self.refuse(
                         "a message failed authentication (is another process using the writer's port?)",
                     ));
@@ -446,7 +444,7 @@ impl RemoteReader {
                 Ok(None)
             }
             (KIND_CLOSED, Some(s)) if s == session => {
-                let want = mac(&self.key, b"closed", &[&session, &seq.to_le_bytes()]);
+                let want = message_mac(&self.key, b"closed", &session, seq, []);
                 if !mac_eq(&want, got_mac) {
                     return Err(self.refuse("a closing message failed authentication"));
                 }
@@ -462,10 +460,12 @@ impl RemoteReader {
                 Err(self.end(Ended::Closed))
             }
             (KIND_DROPPED, Some(s)) if s == session => {
-                let want = mac(
+                let want = message_mac(
                     &self.key,
                     b"dropped",
-                    &[&session, &seq.to_le_bytes(), &self.rank.to_le_bytes()],
+                    &session,
+                    seq,
+                    [&self.rank.to_le_bytes()[..]],
                 );
                 if !mac_eq(&want, got_mac) {
                     return Err(self.refuse("a message that it was dropped failed authentication"));

@@ -2,7 +2,7 @@
 //! and READY, the start of the stream, once every remote reader has joined.
 
 use super::{Peer, Probe, RemoteWriter};
-use crate::auth::{mac, mac_eq};
+use crate::auth::{mac, mac_eq, message_mac};
 use crate::remote::wire::*;
 use crate::transport::poll_slice;
 use crate::wait::Wait;
@@ -194,11 +194,7 @@ impl RemoteWriter {
     /// connection is gone is forgotten instead: before the start its rank is free again,
     /// after it (see `hello`) it is dropped.
     fn start(&mut self, k: usize) -> Result<()> {
-        let m = mac(
-            &self.key,
-            b"ready",
-            &[&self.session, &self.seq.to_le_bytes()],
-        );
+        let m = message_mac(&self.key, b"ready", &self.session, self.seq, []);
         let h = header(KIND_READY, self.seq, &self.session, &m);
         match self
             .socket

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::guard::{spawn_guard, Guard};
 use super::wire::*;
 use super::{random16, socket, RemoteOptions, SlowReaderPolicy, HANDSHAKE_IVL_MS, SECRET_BYTES};
-use crate::auth::mac;
+use crate::auth::{mac, message_mac};
 use crate::wait::Wait;
 use shmq_os::error::{Error, Result};
 use shmq_os::fork::LeakInChild;
@@ -250,13 +250,13 @@ impl RemoteWriter {
         let bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
         self.wait_for_credit(bytes, wait)?;
         self.seq += 1;
-        let seq = self.seq.to_le_bytes();
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(frames.len() + 2);
-        parts.push(&self.session);
-        parts.push(&seq);
-        parts.extend_from_slice(frames);
-        let m = mac(&self.key, b"data", &parts);
-        drop(parts);
+        let m = message_mac(
+            &self.key,
+            b"data",
+            &self.session,
+            self.seq,
+            frames.iter().copied(),
+        );
         let h = header(KIND_DATA, self.seq, &self.session, &m);
         for k in 0..self.peers.len() {
             while !self.peers[k].dropped {
@@ -356,11 +356,7 @@ impl RemoteWriter {
     pub fn close(&mut self, grace: Duration) {
         let deadline = Instant::now() + grace;
         self.seq += 1;
-        let m = mac(
-            &self.key,
-            b"closed",
-            &[&self.session, &self.seq.to_le_bytes()],
-        );
+        let m = message_mac(&self.key, b"closed", &self.session, self.seq, []);
         let h = header(KIND_CLOSED, self.seq, &self.session, &m);
         // The readers it was queued for, whose BYE is awaited.
         let mut waiting: Vec<Vec<u8>> = Vec::new();
@@ -466,10 +462,12 @@ impl RemoteWriter {
         let p = &mut self.peers[k];
         p.dropped = true;
         let seq = p.last_seq + 1;
-        let m = mac(
+        let m = message_mac(
             &self.key,
             b"dropped",
-            &[&self.session, &seq.to_le_bytes(), &p.rank.to_le_bytes()],
+            &self.session,
+            seq,
+            [&p.rank.to_le_bytes()[..]],
         );
         let h = header(KIND_DROPPED, seq, &self.session, &m);
         let _ = self
