@@ -15,6 +15,7 @@ use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{creator_liveness, Liveness};
 use shmq_os::process::ProcessId;
 use shmq_os::segment::Segment;
+use shmq_os::segment_file;
 
 // What a queue writer's socket directory beside its segment ends with (`<segment>.sock`).
 pub use crate::transport::SOCKET_DIR_SUFFIX;
@@ -131,10 +132,15 @@ pub fn remove_orphans(dry_run: bool, force: bool) -> Result<Vec<SegmentReport>> 
         .collect();
     if !dry_run {
         for s in &orphans {
-            match std::fs::remove_file(format!("{SHM_DIR}/{}", s.name)) {
+            match segment_file::unlink(&s.name) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(Error::os(format!("removing {SHM_DIR}/{}", s.name), e)),
+                Err(e) => {
+                    return Err(Error::os(
+                        format!("removing {}", segment_file::path(&s.name)),
+                        e,
+                    ))
+                }
             }
         }
         remove_stray_socket_dirs();
@@ -156,7 +162,7 @@ fn remove_stray_socket_dirs() {
             continue;
         };
         if segment.starts_with(NAME_PREFIX)
-            && !std::path::Path::new(&format!("{SHM_DIR}/{segment}")).exists()
+            && !std::path::Path::new(&segment_file::path(segment)).exists()
         {
             let _ = std::fs::remove_dir_all(entry.path());
         }

@@ -9,7 +9,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 
 use crate::{StderrCapture, WorkerDeath, WorkerExit, WorkerStatus, EXIT_POLL, MAX_READY_PAYLOAD};
 use shmq_os::process::{self, ProcessId};
-use shmq_os::{liveness, segment};
+use shmq_os::{liveness, segment_file};
 
 /// What a worker's ready pipe carries: frames of a 4-byte big-endian word and a payload.
 /// A word without [`NOTICE_FLAG`] is the ready report (its payload's length, once); one
@@ -291,8 +291,8 @@ pub(super) fn remove_segments_of(pids: &HashSet<u32>) -> Vec<String> {
     for s in segments {
         let dead = s.creator_liveness == liveness::Liveness::Dead;
         if dead && s.creator.is_some_and(|c| pids.contains(&c.pid)) {
-            let path = format!("{}/{}", segment::SHM_DIR, s.name);
-            match std::fs::remove_file(&path) {
+            let path = segment_file::path(&s.name);
+            match segment_file::unlink(&s.name) {
                 Ok(()) => removed.push(s.name.clone()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => warn_user!("could not remove {path}: {e}"),

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use shmq_os::error::{Error, Result};
 use shmq_os::private_map::{PrivateFile, PrivateMap};
 use shmq_os::process::ProcessId;
-use shmq_os::segment::SHM_DIR;
+use shmq_os::segment_file;
 use shmq_protocol::sync::Ordering;
 
 use super::entries::{self, PartsLayout, READY};
@@ -58,7 +58,7 @@ struct Link {
 }
 
 fn inode_of(segment: &str) -> Option<u64> {
-    std::fs::metadata(format!("{SHM_DIR}/{segment}"))
+    std::fs::metadata(segment_file::path(segment))
         .ok()
         .map(|m| m.ino())
 }

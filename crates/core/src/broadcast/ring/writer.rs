@@ -355,7 +355,7 @@ mod reservation_tests {
 
     /// Bytes of the segment's file that tmpfs holds (allocated, not just sized).
     fn allocated(ring: &Ring) -> u64 {
-        let m = std::fs::metadata(format!("/dev/shm/{}", ring.name())).unwrap();
+        let m = std::fs::metadata(shmq_os::segment_file::path(ring.name())).unwrap();
         m.blocks() * 512
     }
 

@@ -25,7 +25,8 @@ use crate::wait::{Wait, WaitPolicy, WaitSpec};
 use shmq_os::error::{Error, Result};
 use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
-use shmq_os::segment::{unique_name, Segment, SHM_DIR};
+use shmq_os::segment::{unique_name, Segment};
+use shmq_os::segment_file;
 use shmq_protocol::sync::Ordering;
 
 use super::backing::Backing;
@@ -541,7 +542,7 @@ impl Producer {
 
 /// If segment `name` exists and its producer is dead, mark it superseded and remove it.
 fn replace_if_stale(name: &str) -> Result<()> {
-    let path = format!("{SHM_DIR}/{name}");
+    let path = segment_file::path(name);
     if !std::path::Path::new(&path).exists() {
         return Ok(());
     }
@@ -559,7 +560,7 @@ fn replace_if_stale(name: &str) -> Result<()> {
         )));
     }
     let was_cache = Mapped::mark_superseded(old);
-    match std::fs::remove_file(&path) {
+    match segment_file::unlink(name) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::os(format!("removing the stale segment {path}"), e)),
