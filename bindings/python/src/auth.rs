@@ -78,14 +78,7 @@ pub fn auth_message_mac<'py>(
     seq: u64,
     body: Vec<Vec<u8>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let m = message_mac(
-        &key(secret)?,
-        tag,
-        session,
-        seq,
-        body.iter().map(Vec::as_slice),
-    );
-    Ok(PyBytes::new(py, &m))
+    Ok(PyBytes::new(py, &seal(secret, tag, session, seq, &body)?))
 }
 
 /// Whether `claimed` is the seal of message `seq` of `session` (compared in constant
@@ -99,12 +92,16 @@ pub fn auth_message_check(
     body: Vec<Vec<u8>>,
     claimed: &[u8],
 ) -> PyResult<bool> {
-    let m = message_mac(
-        &key(secret)?,
-        tag,
-        session,
-        seq,
-        body.iter().map(Vec::as_slice),
-    );
-    Ok(mac_eq(&m, claimed))
+    Ok(mac_eq(&seal(secret, tag, session, seq, &body)?, claimed))
+}
+
+fn seal(
+    secret: &[u8],
+    tag: &[u8],
+    session: &[u8],
+    seq: u64,
+    body: &[Vec<u8>],
+) -> PyResult<[u8; 32]> {
+    let body = body.iter().map(Vec::as_slice);
+    Ok(message_mac(&key(secret)?, tag, session, seq, body))
 }
