@@ -33,33 +33,13 @@ step "Python environments: made in the background by scripts/envs.sh (log: targe
 step "libzmq (ZeroMQ's C++ library, which zmq-sys compiles from source): built once, linked by every build below"
 # zmq-sys compiles libzmq in each profile and target dir that builds it: the lints and
 # tests (debug), the fuzz targets, shmq's build into .venv: 35-45 s each on 2 cores, most
-# of a release build of shmq. So it is built once here, and every cargo call below links
-# that build instead, through a links override (cargo's own way to skip a -sys crate's
-# build script: `[target.<triple>.zmq]`). Cargo reads that only from a config file (not
-# from `--config`, which cargo-clippy and cargo-fuzz do not pass on, nor from the
-# environment), so the calls below get a CARGO_HOME of this script's own,
-# target/cargo-home: your config.toml plus the override, the registry shared through a
-# link. The wheel is the exception: it builds its own libzmq (zig, for manylinux).
+# of a release build of shmq. scripts/libzmq_once.py builds it once and gives the cargo
+# calls below a CARGO_HOME of their own (target/cargo-home: your config plus a links
+# override for zmq-sys, everything else of your CARGO_HOME linked; why, in its docs). The
+# wheel is the exception: it builds its own libzmq (zig, for manylinux).
 real_cargo_home=${CARGO_HOME:-$HOME/.cargo}
-cargo build --quiet --release -p zmq-sys --target-dir target/libzmq
-libzmq_out=$(ls -t target/libzmq/release/build/zmq-sys-*/output | head -n 1)
-libzmq_dir=$(sed -n 's/^cargo:rustc-link-search=native=//p' "$libzmq_out" | head -n 1)
-if [ ! -f "$libzmq_dir/libzmq.a" ]; then
-  echo "no libzmq.a where $libzmq_out says it is ($libzmq_dir)"
-  exit 1
-fi
-host=$(rustc -vV | sed -n 's/^host: //p')
-cargo_home=$PWD/target/cargo-home
-mkdir -p "$cargo_home" "$real_cargo_home/registry" "$real_cargo_home/git"
-ln -sfn "$real_cargo_home/registry" "$cargo_home/registry"
-ln -sfn "$real_cargo_home/git" "$cargo_home/git"
-{
-  cat "$real_cargo_home/config.toml" 2>/dev/null || true
-  printf '\n[target.%s.zmq]\nrustc-link-lib = ["static=zmq", "stdc++"]\nrustc-link-search = ["native=%s"]\n' \
-    "$host" "$libzmq_dir"
-} >"$cargo_home/config.toml"
+cargo_home=$("${PYTHON:-python3}" scripts/libzmq_once.py)
 export CARGO_HOME=$cargo_home
-echo "libzmq: $libzmq_dir/libzmq.a"
 
 step "Rust: lints (clippy, every warning an error: undocumented unsafe blocks included) and docs"
 # Formatting: every crate of the workspace, and the fuzz targets (a workspace of their own).

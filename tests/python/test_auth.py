@@ -29,17 +29,18 @@ from shmq.workers.protocol import (
 def test_the_worker_hello_and_welcome_are_the_cores_mac_in_domains_of_their_own() -> None:
     token, theirs, ours = secrets.token_hex(32), secrets.token_hex(32), secrets.token_hex(32)
     key = bytes.fromhex(token)
-    answer = hello_mac(token, theirs, 3, 4242, ours)
-    parts = [theirs.encode(), b"3", b"4242", ours.encode()]
+    answer = hello_mac(token, theirs, 3, 4242, "node-1", ours)
+    parts = [theirs.encode(), b"3", b"4242", b"node-1", ours.encode()]
     assert bytes.fromhex(answer) == _core.auth_mac(key, b"shmq worker hello", parts)
-    assert hello_is_genuine(token, theirs, 3, 4242, ours, answer)
-    # Another domain, another rank, another nonce, another key, not hex: refused.
+    assert hello_is_genuine(token, theirs, 3, 4242, "node-1", ours, answer)
+    # Another domain, rank, host, nonce or key, or not hex: refused.
     assert not _core.auth_check(key, b"hello", parts, bytes.fromhex(answer))
-    assert not hello_is_genuine(token, theirs, 4, 4242, ours, answer)
-    assert not hello_is_genuine(token, theirs, 3, 4242, secrets.token_hex(32), answer)
-    assert not hello_is_genuine(secrets.token_hex(32), theirs, 3, 4242, ours, answer)
-    assert not hello_is_genuine(token, theirs, 3, 4242, ours, "not hex")
-    assert not hello_is_genuine(token, theirs, 3, 4242, ours, None)
+    assert not hello_is_genuine(token, theirs, 4, 4242, "node-1", ours, answer)
+    assert not hello_is_genuine(token, theirs, 3, 4242, "node-2", ours, answer)
+    assert not hello_is_genuine(token, theirs, 3, 4242, "node-1", secrets.token_hex(32), answer)
+    assert not hello_is_genuine(secrets.token_hex(32), theirs, 3, 4242, "node-1", ours, answer)
+    assert not hello_is_genuine(token, theirs, 3, 4242, "node-1", ours, "not hex")
+    assert not hello_is_genuine(token, theirs, 3, 4242, "node-1", ours, None)
     # The parent's answer: over the worker's nonce, and never the hello's MAC.
     welcome = welcome_mac(token, ours, theirs, 3)
     assert welcome_is_genuine(token, ours, theirs, 3, welcome)

@@ -670,7 +670,7 @@ def _join_as(ticket: WorkerTicket, rank: int) -> tuple[socket.socket, str, str]:
     kind, payload = protocol.recv_frame(sock)
     assert kind == b"C"
     theirs, ours, pid = json.loads(payload)["nonce"], protocol.new_nonce(), os.getpid()
-    proof = protocol.hello_mac(ticket.token, theirs, rank, pid, ours)
+    proof = protocol.hello_mac(ticket.token, theirs, rank, pid, "here", ours)
     hello = {"rank": rank, "pid": pid, "host": "here", "nonce": ours, "mac": proof}
     protocol.send_frame(sock, b"H", json.dumps(hello).encode())
     kind, payload = protocol.recv_frame(sock)
@@ -715,7 +715,8 @@ def test_a_parent_that_cannot_prove_the_token_is_refused_by_the_worker():
     def impostor() -> None:
         conn, _ = listener.accept()
         with conn:
-            protocol.send_frame(conn, b"C", json.dumps({"nonce": protocol.new_nonce()}).encode())
+            challenge = {"nonce": protocol.new_nonce(), "version": protocol.PROTOCOL_VERSION}
+            protocol.send_frame(conn, b"C", json.dumps(challenge).encode())
             hellos.append(json.loads(protocol.recv_frame(conn)[1]))
             protocol.send_frame(conn, b"A", json.dumps({"ok": True, "mac": "00" * 32}).encode())
             conn.settimeout(STARTUP)
@@ -729,6 +730,31 @@ def test_a_parent_that_cannot_prove_the_token_is_refused_by_the_worker():
         t.join(STARTUP)
         assert not t.is_alive()  # the worker hung up
         assert hellos and hellos[0]["rank"] == 1 and len(hellos[0]["nonce"]) == 64
+    finally:
+        listener.close()
+
+
+def test_a_worker_tells_a_parent_of_an_older_shmq_from_a_refusal():
+    """An older parent's challenge has no version: the worker says so, before it sends a
+    hello (not "wrong token", which would send the user off to check the token)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ticket = WorkerTicket("127.0.0.1", listener.getsockname()[1], protocol.new_nonce())
+    got: list[bytes] = []
+
+    def old_parent() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            protocol.send_frame(conn, b"C", json.dumps({"nonce": protocol.new_nonce()}).encode())
+            conn.settimeout(STARTUP)
+            got.append(conn.recv(1))  # b"": the worker hung up without a hello
+
+    t = threading.Thread(target=old_parent, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(PermissionError, match="speaks worker protocol 1, this worker 2"):
+            connect_to_parent(ticket, 1, die_with_parent=False)
+        t.join(STARTUP)
+        assert got == [b""]
     finally:
         listener.close()
 

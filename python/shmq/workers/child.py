@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 from .. import _core
 from .protocol import (
     DEFAULT_GRACE,
+    PROTOCOL_VERSION,
     SealedLink,
     WorkerTicket,
     hello_mac,
@@ -425,11 +426,13 @@ def connect_to_parent(
     The parent accepts the ranks it was told to expect as remote (``n_remote``), each
     once, and only from a process that proves it knows the ticket's token (the core's keyed MAC over a
     fresh challenge: the token itself never crosses the network). A refusal (wrong token,
-    unexpected or taken rank) raises ``PermissionError``.
+    unexpected or taken rank) raises ``PermissionError``; so does a parent that cannot
+    prove the token in turn (over this worker's nonce), or one of another shmq version.
+    Every frame after that is sealed (see ``shmq.workers.protocol``).
 
-    ``die_with_parent``: when the parent closes the group (or dies: the connection drops),
-    this process gets SIGTERM (a ``SystemExit`` in its main thread) and, if it is still
-    there after the grace period, SIGKILL."""
+    ``die_with_parent``: when the parent closes the group (or dies: the connection drops;
+    or a frame on the link fails its seal), this process gets SIGTERM (a ``SystemExit``
+    in its main thread) and, if it is still there after the grace period, SIGKILL."""
     global _channel
     if isinstance(ticket, str):
         ticket = WorkerTicket.parse(ticket)
@@ -438,12 +441,18 @@ def connect_to_parent(
         kind, payload = recv_frame(sock)
         if kind != b"C":
             raise ConnectionError(f"{ticket.host}:{ticket.port} is not a shmq worker parent")
-        nonce = json.loads(payload).get("nonce")
+        challenge = json.loads(payload)
+        nonce = challenge.get("nonce") if isinstance(challenge, dict) else None
         if not isinstance(nonce, str) or not is_nonce(nonce):
             raise ConnectionError(f"{ticket.host}:{ticket.port} sent a malformed challenge")
-        pid, ours = os.getpid(), new_nonce()
-        proof = hello_mac(ticket.token, nonce, rank, pid, ours)
-        hello = {"rank": rank, "pid": pid, "host": socket.gethostname(), "nonce": ours, "mac": proof}
+        if challenge.get("version") != PROTOCOL_VERSION:
+            raise PermissionError(
+                f"the parent at {ticket.host}:{ticket.port} speaks worker protocol {challenge.get('version', 1)}, "
+                f"this worker {PROTOCOL_VERSION}: run the same shmq version on both machines"
+            )
+        pid, ours, host = os.getpid(), new_nonce(), socket.gethostname()
+        proof = hello_mac(ticket.token, nonce, rank, pid, host, ours)
+        hello = {"rank": rank, "pid": pid, "host": host, "nonce": ours, "mac": proof}
         send_frame(sock, b"H", json.dumps(hello).encode())
         kind, payload = recv_frame(sock)
         answer = json.loads(payload) if kind == b"A" else {"ok": False, "error": "no answer"}

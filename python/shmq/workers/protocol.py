@@ -9,7 +9,7 @@ worker's death (the stream is ZeroMQ with credit).
 Frames are ``[4-byte big-endian length][1-byte kind][payload]``; after the handshake the
 payload starts with the frame's 8-byte sequence number and its 32-byte seal::
 
-    parent -> worker   C  {"nonce": hex}                            challenge (32 bytes)
+    parent -> worker   C  {"nonce": hex, "version": 2}              challenge (32 bytes)
     worker -> parent   H  {"rank", "pid", "host", "nonce", "mac"}   mac: hello_mac()
     parent -> worker   A  {"ok": true, "mac"}                       mac: welcome_mac()
                        A  {"ok": false, "error": str}               refused, then closed
@@ -21,8 +21,11 @@ payload starts with the frame's 8-byte sequence number and its 32-byte seal::
 The token never crosses the network (only MACs over fresh nonces), so a recorded
 handshake cannot be replayed, and a process that does not know the token can pass for
 neither side. The session of the sealed frames is both nonces: a frame from another
-connection, altered, dropped or reordered fails its check and ends the link. The parent
+connection, altered, replayed or out of turn (one before it lost) fails its check and
+ends the link; a last frame lost with the connection is the connection's loss. The parent
 unpickles only sealed frames from an admitted worker; the worker unpickles nothing.
+``version`` (2: this protocol) lets a worker tell a parent of an older shmq from one
+that refuses it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ DEFAULT_GRACE = 5.0
 """Seconds a shutdown waits after SIGTERM before it sends SIGKILL."""
 
 HANDSHAKE_TIMEOUT = 10.0
+PROTOCOL_VERSION = 2
+"""The link's protocol, in the parent's challenge (an older shmq's had none)."""
 MAX_FRAME = 64 << 20
 
 
@@ -121,8 +126,8 @@ def is_nonce(text: str) -> bool:
         return False
 
 
-def _hello_parts(parent_nonce: str, rank: int, pid: int, worker_nonce: str) -> list[bytes]:
-    return [parent_nonce.encode(), str(rank).encode(), str(pid).encode(), worker_nonce.encode()]
+def _hello_parts(parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> list[bytes]:
+    return [parent_nonce.encode(), str(rank).encode(), str(pid).encode(), host.encode(), worker_nonce.encode()]
 
 
 def _welcome_parts(worker_nonce: str, parent_nonce: str, rank: int) -> list[bytes]:
@@ -137,16 +142,19 @@ def _proof(claimed: object) -> bytes:
         return b""
 
 
-def hello_mac(token: str, parent_nonce: str, rank: int, pid: int, worker_nonce: str) -> str:
+def hello_mac(token: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> str:
     """The worker's proof that it knows the token: the core's MAC (see the module docs) of
-    the parent's challenge, the rank, the pid and the worker's own nonce, as hex."""
-    parts = _hello_parts(parent_nonce, rank, pid, worker_nonce)
+    the parent's challenge, the rank, the pid, the host it names and the worker's own
+    nonce, as hex."""
+    parts = _hello_parts(parent_nonce, rank, pid, host, worker_nonce)
     return _core.auth_mac(_core.secret_from_text(token), _HELLO, parts).hex()
 
 
-def hello_is_genuine(token: str, parent_nonce: str, rank: int, pid: int, worker_nonce: str, claimed: object) -> bool:
+def hello_is_genuine(
+    token: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str, claimed: object
+) -> bool:
     """Whether ``claimed`` is :func:`hello_mac` (compared in constant time, by the core)."""
-    parts = _hello_parts(parent_nonce, rank, pid, worker_nonce)
+    parts = _hello_parts(parent_nonce, rank, pid, host, worker_nonce)
     return _core.auth_check(_core.secret_from_text(token), _HELLO, parts, _proof(claimed))
 
 

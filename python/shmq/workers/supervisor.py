@@ -40,6 +40,7 @@ from .errors import WorkerDiedError
 from .protocol import (
     DEFAULT_GRACE,
     HANDSHAKE_TIMEOUT,
+    PROTOCOL_VERSION,
     SealedLink,
     WorkerTicket,
     hello_is_genuine,
@@ -303,7 +304,7 @@ class Supervisor:
         conn.settimeout(HANDSHAKE_TIMEOUT)
         try:
             nonce = new_nonce()
-            send_frame(conn, b"C", json.dumps({"nonce": nonce}).encode())
+            send_frame(conn, b"C", json.dumps({"nonce": nonce, "version": PROTOCOL_VERSION}).encode())
             kind, payload = recv_frame(conn)
             hello = json.loads(payload) if kind == b"H" else {}
             if not isinstance(hello, dict):
@@ -332,12 +333,14 @@ class Supervisor:
     def _admit(self, hello: dict, nonce: str) -> str:
         """Why this hello is refused, or "" to admit it (its rank is then reserved)."""
         rank, pid, claimed = hello.get("rank"), hello.get("pid"), hello.get("mac")
-        theirs = hello.get("nonce")
+        theirs, host = hello.get("nonce"), hello.get("host")
         if not isinstance(rank, int) or not isinstance(pid, int) or not isinstance(claimed, str):
             return "malformed hello"
         if not isinstance(theirs, str) or not is_nonce(theirs):
             return "malformed hello (no nonce: a worker of an older shmq?)"
-        if not hello_is_genuine(self.token, nonce, rank, pid, theirs, claimed):
+        if not isinstance(host, str):
+            return "malformed hello"
+        if not hello_is_genuine(self.token, nonce, rank, pid, host, theirs, claimed):
             return "wrong token"
         if not (0 <= rank < 2**32 and 0 <= pid < 2**32):
             return "malformed hello"
@@ -409,9 +412,9 @@ class Supervisor:
         for link in links:
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)
-                link.sock.close()
             except OSError:
-                pass
+                pass  # already shut down (a link that failed), or the peer is gone
+            link.sock.close()
         if interrupted is not None:
             raise interrupted
 
