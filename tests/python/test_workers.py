@@ -704,59 +704,62 @@ def test_a_frame_on_a_remote_workers_link_that_is_not_the_workers_ends_it(frame)
             sock.close()
 
 
+@contextlib.contextmanager
+def _fake_parent(serve):
+    """A listener that plays the parent's side of one connection with ``serve(conn)`` in
+    a thread; yields a ticket to it (a random token). The thread must be done at the end:
+    the worker hung up."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ticket = WorkerTicket("127.0.0.1", listener.getsockname()[1], protocol.new_nonce())
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(STARTUP)
+            serve(conn)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield ticket
+        t.join(STARTUP)
+        assert not t.is_alive()
+    finally:
+        listener.close()
+
+
 def test_a_parent_that_cannot_prove_the_token_is_refused_by_the_worker():
     """A listener that answers a worker's hello with "ok" but knows no token (one that
     took the parent's address, say) does not get a worker: the worker raises before it
     reports or takes a stop from it."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    ticket = WorkerTicket("127.0.0.1", listener.getsockname()[1], protocol.new_nonce())
     hellos: list[dict] = []
 
-    def impostor() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            challenge = {"nonce": protocol.new_nonce(), "version": protocol.PROTOCOL_VERSION}
-            protocol.send_frame(conn, b"C", json.dumps(challenge).encode())
-            hellos.append(json.loads(protocol.recv_frame(conn)[1]))
-            protocol.send_frame(conn, b"A", json.dumps({"ok": True, "mac": "00" * 32}).encode())
-            conn.settimeout(STARTUP)
-            conn.recv(1)  # until the worker hangs up
+    def impostor(conn: socket.socket) -> None:
+        challenge = {"nonce": protocol.new_nonce(), "version": protocol.PROTOCOL_VERSION}
+        protocol.send_frame(conn, b"C", json.dumps(challenge).encode())
+        hellos.append(json.loads(protocol.recv_frame(conn)[1]))
+        protocol.send_frame(conn, b"A", json.dumps({"ok": True, "mac": "00" * 32}).encode())
+        conn.recv(1)  # until the worker hangs up
 
-    t = threading.Thread(target=impostor, daemon=True)
-    t.start()
-    try:
+    with _fake_parent(impostor) as ticket:
         with pytest.raises(PermissionError, match="without proving it knows the ticket's token"):
             connect_to_parent(ticket, 1, die_with_parent=False)
-        t.join(STARTUP)
-        assert not t.is_alive()  # the worker hung up
-        assert hellos and hellos[0]["rank"] == 1 and len(hellos[0]["nonce"]) == 64
-    finally:
-        listener.close()
+    assert hellos and hellos[0]["rank"] == 1 and len(hellos[0]["nonce"]) == 64
 
 
 def test_a_worker_tells_a_parent_of_an_older_shmq_from_a_refusal():
     """An older parent's challenge has no version: the worker says so, before it sends a
     hello (not "wrong token", which would send the user off to check the token)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    ticket = WorkerTicket("127.0.0.1", listener.getsockname()[1], protocol.new_nonce())
     got: list[bytes] = []
 
-    def old_parent() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            protocol.send_frame(conn, b"C", json.dumps({"nonce": protocol.new_nonce()}).encode())
-            conn.settimeout(STARTUP)
-            got.append(conn.recv(1))  # b"": the worker hung up without a hello
+    def old_parent(conn: socket.socket) -> None:
+        protocol.send_frame(conn, b"C", json.dumps({"nonce": protocol.new_nonce()}).encode())
+        got.append(conn.recv(1))  # b"": the worker hung up without a hello
 
-    t = threading.Thread(target=old_parent, daemon=True)
-    t.start()
-    try:
+    with _fake_parent(old_parent) as ticket:
         with pytest.raises(PermissionError, match="speaks worker protocol 1, this worker 2"):
             connect_to_parent(ticket, 1, die_with_parent=False)
-        t.join(STARTUP)
-        assert got == [b""]
-    finally:
-        listener.close()
+    assert got == [b""]
 
 
 def test_a_remote_worker_stops_when_its_first_sigterm_is_lost_in_a_race(children):
