@@ -50,11 +50,12 @@ def build() -> tuple[list[str], list[str]]:
 
 def static_libs(libs: list[str], paths: list[str]) -> list[Path]:
     """The files of the static libraries, found in the search paths."""
+    dirs = [Path(p.split("=", 1)[-1]) for p in paths]  # "native=DIR" or "DIR"
     found = []
     for lib in libs:
         if lib.startswith("static="):
             name = f"lib{lib.removeprefix('static=')}.a"
-            hits = [Path(p.split("=", 1)[-1]) / name for p in paths if (Path(p.split("=", 1)[-1]) / name).is_file()]
+            hits = [d / name for d in dirs if (d / name).is_file()]
             if not hits:
                 sys.exit(f"libzmq_once: {name} is in none of {paths}")
             found.append(hits[0])

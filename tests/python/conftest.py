@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -45,6 +46,22 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def _left_after_collecting(left_now: Callable[[], set[str]]) -> set[str]:
+    """What ``left_now()`` still finds once collections have had up to 3 s to remove it.
+    Creators unlink their segment when they are dropped; one held only by a reference
+    cycle goes at a collection. Collect only then: a full collection in a process that
+    imported torch and vLLM takes 0.1-0.3 s, which every test paid (a quarter of the
+    suite's time) while most leave nothing behind."""
+    left = left_now()
+    deadline = time.monotonic() + 3.0
+    while left and time.monotonic() < deadline:
+        gc.collect()
+        left = left_now()
+        if left:
+            time.sleep(0.05)
+    return left
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_segments(request):
     """No test may leave a shmq segment in /dev/shm that this process or one of its
@@ -59,21 +76,7 @@ def no_leftover_segments(request):
         for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, attr):
                 setattr(sys, attr, None)
-    def left_now() -> set[str]:
-        return {n for n in _processes.segments_of(_our_pids()) if n not in before}
-
-    left = left_now()
-    deadline = time.monotonic() + 3.0
-    while left:
-        # Creators unlink their segment when they are dropped; one held only by a
-        # reference cycle goes at a collection. Collect only then: a full collection
-        # in a process that imported torch and vLLM takes 0.1-0.3 s, which every test
-        # paid here (a quarter of the suite's time) while most leave nothing behind.
-        gc.collect()
-        left = left_now()
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    left = _left_after_collecting(lambda: {n for n in _processes.segments_of(_our_pids()) if n not in before})
     assert not left, f"shared memory segments left in /dev/shm: {sorted(left)}"
 
 
@@ -90,12 +93,5 @@ def cache_name():
     """A unique cache name; no segment of it may be left at the end."""
     name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield name
-    left = [n for n in os.listdir("/dev/shm") if name in n]
-    deadline = time.monotonic() + 3
-    while left:  # collect only when something is left (see no_leftover_segments)
-        gc.collect()
-        left = [n for n in os.listdir("/dev/shm") if name in n]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    left = _left_after_collecting(lambda: {n for n in os.listdir("/dev/shm") if name in n})
     assert not left, f"encoder cache segments left in /dev/shm: {left}"

@@ -59,7 +59,7 @@ from .protocol import (
     SealedLink,
     WorkerTicket,
     hello_mac,
-    is_nonce,
+    is_secret_text,
     new_nonce,
     recv_frame,
     send_frame,
@@ -443,7 +443,7 @@ def connect_to_parent(
             raise ConnectionError(f"{ticket.host}:{ticket.port} is not a shmq worker parent")
         challenge = json.loads(payload)
         nonce = challenge.get("nonce") if isinstance(challenge, dict) else None
-        if not isinstance(nonce, str) or not is_nonce(nonce):
+        if not isinstance(nonce, str) or not is_secret_text(nonce):
             raise ConnectionError(f"{ticket.host}:{ticket.port} sent a malformed challenge")
         if challenge.get("version") != PROTOCOL_VERSION:
             raise PermissionError(

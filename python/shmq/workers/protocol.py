@@ -30,7 +30,6 @@ that refuses it.
 
 from __future__ import annotations
 
-import secrets
 import socket
 import struct
 import threading
@@ -74,7 +73,7 @@ class WorkerTicket:
             raise ValueError(f"not a worker ticket (expected {prefix}HOST:PORT/TOKEN): {text[:40]!r}")
         address, _, token = text[len(prefix) :].partition("/")
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not _is_token(token):
+        if not host or not port.isdigit() or not is_secret_text(token):
             raise ValueError(
                 f"not a worker ticket (expected {prefix}HOST:PORT/TOKEN, TOKEN 64 hexadecimal digits): {text[:40]!r}"
             )
@@ -104,26 +103,20 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, bytes]:
     return data[:1], data[1:]
 
 
-def _is_token(token: str) -> bool:
-    """Whether ``token`` is a ticket's token: 32 bytes as 64 hexadecimal digits."""
+def is_secret_text(text: str) -> bool:
+    """Whether ``text`` is 32 bytes in a secret's one text form (the core's
+    ``secret_from_text``): a ticket's token, a handshake nonce."""
     try:
-        _core.secret_from_text(token)
+        _core.secret_from_text(text)
     except ValueError:
         return False
     return True
 
 
 def new_nonce() -> str:
-    """A fresh nonce for the handshake: 32 random bytes, as hex."""
-    return secrets.token_hex(32)
-
-
-def is_nonce(text: str) -> bool:
-    """Whether ``text`` is a handshake nonce: 32 bytes as 64 hexadecimal digits."""
-    try:
-        return len(text) == 64 and len(bytes.fromhex(text)) == 32
-    except ValueError:
-        return False
+    """A fresh nonce for the handshake: 32 random bytes from the kernel, in the same text
+    form."""
+    return _core.new_secret_text()
 
 
 def _hello_parts(parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> list[bytes]:
@@ -134,41 +127,44 @@ def _welcome_parts(worker_nonce: str, parent_nonce: str, rank: int) -> list[byte
     return [worker_nonce.encode(), parent_nonce.encode(), str(rank).encode()]
 
 
-def _proof(claimed: object) -> bytes:
-    """A claimed MAC's bytes (b"" for anything that is not hex: it then fails its check)."""
+def _prove(token: str, tag: bytes, parts: list[bytes]) -> str:
+    """The core's MAC of ``parts`` under the token, in the domain ``tag``, as hex."""
+    return _core.auth_mac(_core.secret_from_text(token), tag, parts).hex()
+
+
+def _is_proof(token: str, tag: bytes, parts: list[bytes], claimed: object) -> bool:
+    """Whether ``claimed`` is :func:`_prove`'s hex (compared in constant time, by the core;
+    anything that is not hex fails)."""
     try:
-        return bytes.fromhex(claimed) if isinstance(claimed, str) else b""
+        proof = bytes.fromhex(claimed) if isinstance(claimed, str) else b""
     except ValueError:
-        return b""
+        proof = b""
+    return _core.auth_check(_core.secret_from_text(token), tag, parts, proof)
 
 
 def hello_mac(token: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> str:
     """The worker's proof that it knows the token: the core's MAC (see the module docs) of
     the parent's challenge, the rank, the pid, the host it names and the worker's own
     nonce, as hex."""
-    parts = _hello_parts(parent_nonce, rank, pid, host, worker_nonce)
-    return _core.auth_mac(_core.secret_from_text(token), _HELLO, parts).hex()
+    return _prove(token, _HELLO, _hello_parts(parent_nonce, rank, pid, host, worker_nonce))
 
 
 def hello_is_genuine(
     token: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str, claimed: object
 ) -> bool:
-    """Whether ``claimed`` is :func:`hello_mac` (compared in constant time, by the core)."""
-    parts = _hello_parts(parent_nonce, rank, pid, host, worker_nonce)
-    return _core.auth_check(_core.secret_from_text(token), _HELLO, parts, _proof(claimed))
+    """Whether ``claimed`` is :func:`hello_mac`."""
+    return _is_proof(token, _HELLO, _hello_parts(parent_nonce, rank, pid, host, worker_nonce), claimed)
 
 
 def welcome_mac(token: str, worker_nonce: str, parent_nonce: str, rank: int) -> str:
     """The parent's proof that it knows the token, over the worker's nonce: what the
     worker checks before it takes the parent's word for anything."""
-    parts = _welcome_parts(worker_nonce, parent_nonce, rank)
-    return _core.auth_mac(_core.secret_from_text(token), _WELCOME, parts).hex()
+    return _prove(token, _WELCOME, _welcome_parts(worker_nonce, parent_nonce, rank))
 
 
 def welcome_is_genuine(token: str, worker_nonce: str, parent_nonce: str, rank: int, claimed: object) -> bool:
-    """Whether ``claimed`` is :func:`welcome_mac` (compared in constant time, by the core)."""
-    parts = _welcome_parts(worker_nonce, parent_nonce, rank)
-    return _core.auth_check(_core.secret_from_text(token), _WELCOME, parts, _proof(claimed))
+    """Whether ``claimed`` is :func:`welcome_mac`."""
+    return _is_proof(token, _WELCOME, _welcome_parts(worker_nonce, parent_nonce, rank), claimed)
 
 
 _HELLO = b"shmq worker hello"
@@ -188,9 +184,8 @@ class SealedLink:
     def __init__(self, sock: socket.socket, token: str, parent_nonce: str, worker_nonce: str, *, parent: bool):
         self.sock = sock
         self._key = _core.secret_from_text(token)
-        if not (is_nonce(parent_nonce) and is_nonce(worker_nonce)):
-            raise ValueError("a nonce is 64 hexadecimal digits")
-        self._session = bytes.fromhex(parent_nonce) + bytes.fromhex(worker_nonce)
+        # Both nonces' bytes (``ValueError`` for anything that is not one).
+        self._session = _core.secret_from_text(parent_nonce) + _core.secret_from_text(worker_nonce)
         self._sends, self._receives = (
             (PARENT_TO_WORKER, WORKER_TO_PARENT) if parent else (WORKER_TO_PARENT, PARENT_TO_WORKER)
         )

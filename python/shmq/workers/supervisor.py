@@ -44,7 +44,7 @@ from .protocol import (
     SealedLink,
     WorkerTicket,
     hello_is_genuine,
-    is_nonce,
+    is_secret_text,
     new_nonce,
     recv_frame,
     send_frame,
@@ -336,7 +336,7 @@ class Supervisor:
         theirs, host = hello.get("nonce"), hello.get("host")
         if not isinstance(rank, int) or not isinstance(pid, int) or not isinstance(claimed, str):
             return "malformed hello"
-        if not isinstance(theirs, str) or not is_nonce(theirs):
+        if not isinstance(theirs, str) or not is_secret_text(theirs):
             return "malformed hello (no nonce: a worker of an older shmq?)"
         if not isinstance(host, str):
             return "malformed hello"
