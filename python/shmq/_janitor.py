@@ -25,8 +25,11 @@ What it changes for the host program, and why each is harmless:
   its session anyway) and dies of ``SIGTERM`` as any process.
 - It runs ``python -I -S``: no site-packages, no user code, no environment variables
   beyond the interpreter's own; it imports only the standard library.
-- It removes only names that start with shmq's prefix, in ``/dev/shm``, that its owner
-  sent: names carry the owner's pid and random bits, so nobody else has one.
+- It removes only what its owner made: names in ``/dev/shm`` that its owner sent, each
+  only while the file of that name is still the very file its owner made (the device
+  and inode the owner sent with the name; ``lstat``, so a symlink is never followed).
+  A name the caller chose (``RingBuffer(name="vllm_mm_...")``, a named store or encoder
+  cache) is removed as shmq's own are, and a successor's file under the same name never.
 
 Where no interpreter can be started (``sys.executable`` empty, as in some embedders), no
 janitor runs; exit cleanup still removes what a process made when it ends normally, and
@@ -36,7 +39,7 @@ janitor runs; exit cleanup still removes what a process made when it ends normal
 allows no extra process, say): its segments are then left behind by a death without
 exit hook, for ``cleanup``, as before the janitor.
 
-Run as a script: ``python -I -S _janitor.py FD PREFIX SHM_DIR``.
+Run as a script: ``python -I -S _janitor.py FD SHM_DIR``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
@@ -52,30 +56,63 @@ import sys
 DISABLE_ENV = "SHMQ_NO_JANITOR"
 
 
-def _remove(name: str, prefix: str, shm_dir: str) -> None:
+def _same_file(path: str, identity: tuple[int, int], directory: bool) -> bool:
+    """Whether ``path`` is still the file (or directory) its owner made: the same device
+    and inode, and not a symlink (``lstat``: a symlink put in its place is never
+    followed)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    return kind and (st.st_dev, st.st_ino) == identity
+
+
+def _remove(name: str, identity: tuple[int, int], shm_dir: str) -> None:
+    """Remove ``name`` (a segment in ``shm_dir``, or the absolute path of a socket
+    directory directly in it) if it is still the one its owner made."""
     if name.startswith("/"):
-        # A socket directory: `<shm_dir>/<prefix>...`, holding socket files only.
-        if not name.startswith(os.path.join(shm_dir, prefix)) or "/" in name[len(shm_dir) + 1 :]:
+        # A socket directory: `<shm_dir>/<name>`, holding socket files only.
+        if not name.startswith(shm_dir + "/") or "/" in name[len(shm_dir) + 1 :]:
+            return
+        if not _same_file(name, identity, directory=True):
             return
         try:
             for entry in os.scandir(name):
                 try:
-                    os.unlink(entry.path)
+                    os.unlink(entry.path)  # unlink never follows a symlink
                 except OSError:
                     pass
             os.rmdir(name)
         except OSError:
             pass
-    elif name.startswith(prefix) and "/" not in name:
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-        except OSError:
-            pass
+    elif name and "/" not in name and name not in (".", ".."):
+        path = os.path.join(shm_dir, name)
+        # The window between this check and the unlink is a few microseconds: a successor
+        # must remove the old file (its creator proved dead) and make its own in it.
+        if _same_file(path, identity, directory=False):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
-def _serve(fd: int, prefix: str, shm_dir: str) -> None:
+def _parse(message: bytes) -> tuple[str, str, tuple[int, int]] | None:
+    """``(op, name, (dev, ino))`` of ``+DEV:INO:name`` or ``-name``; None if malformed."""
+    op, rest = message[:1], message[1:].decode("utf-8", "replace")
+    if op == b"-":
+        return "-", rest, (0, 0)
+    if op != b"+":
+        return None
+    dev, ino, name = (rest.split(":", 2) + ["", ""])[:3]
+    if not (dev.isdigit() and ino.isdigit() and name):
+        return None
+    return "+", name, (int(dev), int(ino))
+
+
+def _serve(fd: int, shm_dir: str) -> None:
     """Listen to the owner until it is gone, then remove what it left."""
-    listed: set[str] = set()
+    listed: dict[str, tuple[int, int]] = {}
     with socket.socket(fileno=fd) as sock:
         while True:
             try:
@@ -86,17 +123,21 @@ def _serve(fd: int, prefix: str, shm_dir: str) -> None:
                 break
             if not message:
                 break
-            name = message[1:].decode("utf-8", "replace")
-            if message[:1] == b"+":
-                listed.add(name)
-            elif message[:1] == b"-":
-                listed.discard(name)
+            parsed = _parse(message)
+            if parsed is None:
+                continue
+            op, name, identity = parsed
+            if op == "+":
+                listed[name] = identity
+            else:
+                listed.pop(name, None)
+    # Segments first, then their socket directories.
     for name in sorted(listed, key=lambda n: n.startswith("/")):
-        _remove(name, prefix, shm_dir)
+        _remove(name, listed[name], shm_dir)
 
 
 def _main(argv: list[str]) -> None:
-    fd, prefix, shm_dir = int(argv[1]), argv[2], argv[3]
+    fd, shm_dir = int(argv[1]), argv[2]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # Detach: the first process exits at once (its parent reaps it), the second is
@@ -104,7 +145,7 @@ def _main(argv: list[str]) -> None:
     if os.fork() != 0:
         os._exit(0)
     os.chdir("/")
-    _serve(fd, prefix, shm_dir)
+    _serve(fd, shm_dir)
 
 
 _SH = "/bin/sh"
@@ -123,7 +164,7 @@ def start(executable: str | None = None) -> bool:
     if not python or not os.access(python, os.X_OK):
         return False
     theirs = _core.new_janitor_socket()
-    command = [python, "-I", "-S", os.path.abspath(__file__), str(theirs), _core.segment_prefix, _core.SHM_DIR]
+    command = [python, "-I", "-S", os.path.abspath(__file__), str(theirs), _core.SHM_DIR]
     if os.access(_SH, os.X_OK):
         # The shell starts the janitor in the background and exits: the owner waits for
         # a shell (~2 ms), not for an interpreter to start (~30-70 ms). The janitor's

@@ -1,6 +1,8 @@
-"""Make the tiny random Llama that the engine tests and the engine bench serve.
+"""Make the tiny random models that the engine tests and the engine bench serve.
 
-Run in the engine venv (``scripts/engine.sh``): ``python make_model.py DIR``. No hub
+Run in the engine venv (``scripts/engine.sh``): ``python make_model.py DIR`` makes the
+Llama, ``python make_model.py --llava DIR`` a tiny Llava (the same Llama behind a CLIP
+vision tower: images 32x32 in patches of 8, so 16 image tokens an image). No hub
 access: the tokenizer is a byte-level BPE trained here with ``tokenizers`` on a small
 generated text, the weights are random (fixed seed, so every run makes the same model),
 and the chat template is written beside them so that ``vllm serve``'s chat endpoint works.
@@ -27,30 +29,40 @@ def corpus() -> list[str]:
     return lines
 
 
-def main(out: str) -> None:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+#: The Llava's chat template: an image part of a message becomes ``<image>``.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}<image>{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
+
+def tokenizer(extra_specials: tuple[str, ...] = ()):
+    """The byte-level BPE trained here (vocab 1024), with ``extra_specials`` added."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", *extra_specials]
     trainer = trainers.BpeTrainer(
         vocab_size=1024, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(corpus(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=256,
-        intermediate_size=512,
+
+def llama_config(fast, hidden: int = 256):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -59,6 +71,93 @@ def main(out: str) -> None:
         eos_token_id=fast.eos_token_id,
         torch_dtype="bfloat16",
     )
+
+
+def llava(out: str) -> None:
+    """A tiny Llava: CLIP vision tower (image 32, patch 8, 2 layers, hidden 64), a
+    projector, the Llama above (hidden 128); ``<image>`` and ``<pad>`` added to the
+    tokenizer; ``CLIPImageProcessor`` (32x32) in a ``LlavaProcessor``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    fast = tokenizer(("<image>", "<pad>"))
+    fast.pad_token = "<pad>"
+    fast.chat_template = LLAVA_CHAT_TEMPLATE
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
+        do_center_crop=True,
+        do_convert_rgb=True,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=fast,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token="<image>",
+    )
+    processor.save_pretrained(path)
+    fast.save_pretrained(path)
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(
+        image_size=32,
+        patch_size=8,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        projection_dim=64,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=llama_config(fast, hidden=128),
+        image_token_index=fast.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        pad_token_id=fast.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    model = LlavaForConditionalGeneration(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    # transformers 5 saves the CLIP tower's weights as `...vision_tower.<x>`; vLLM 0.32's
+    # loader wants `...vision_tower.vision_model.<x>`.
+    for shard in path.glob("*.safetensors"):
+        tensors = load_file(shard)
+        renamed = {}
+        for key, value in tensors.items():
+            head, sep, tail = key.partition("vision_tower.")
+            if sep and not tail.startswith("vision_model."):
+                key = f"{head}vision_tower.vision_model.{tail}"
+            renamed[key] = value
+        save_file(renamed, shard, metadata={"format": "pt"})
+    generation = {"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id}
+    (path / "generation_config.json").write_text(json.dumps(generation))
+
+
+def main(out: str) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    fast = tokenizer()
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+    torch.manual_seed(0)
+    config = llama_config(fast)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     generation = {"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id}
@@ -66,4 +165,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--llava":
+        llava(sys.argv[2])
+    else:
+        main(sys.argv[1])

@@ -1,8 +1,8 @@
 //! Finding, describing and removing shmq segments: what `python -m shmq cleanup` and
 //! `python -m shmq inspect` do.
 //!
-//! Every segment shmq creates is named `shmq_*` in `/dev/shm` and records its creator
-//! (pid and start time) in its header. A segment whose creator is gone was left by a
+//! Every segment shmq creates is in `/dev/shm`, named `shmq_*` unless its creator chose the
+//! name, and records its creator (pid and start time) in its header. A segment whose creator is gone was left by a
 //! crash (a clean exit removes it) and can be removed; readers that still map it keep
 //! their mapping.
 
@@ -102,16 +102,33 @@ fn report(name: &str, size: u64) -> SegmentReport {
     }
 }
 
-/// Every shmq segment on this machine (in this container's `/dev/shm`).
+/// Every shmq segment on this machine (in this container's `/dev/shm`): those named
+/// `shmq_*`, and those made under a name their creator chose (vLLM names its multimodal
+/// store `vllm_mm_<id>`), found by their header among this user's files (every user's,
+/// for root). A file of another program is only opened, never changed.
 pub fn list_segments() -> Result<Vec<SegmentReport>> {
+    use std::os::unix::fs::MetadataExt;
     let dir = std::fs::read_dir(SHM_DIR).map_err(|e| Error::os(format!("listing {SHM_DIR}"), e))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
     let mut out: Vec<SegmentReport> = dir
         .filter_map(|entry| entry.ok())
         .filter_map(|entry| {
             let name = entry.file_name().into_string().ok()?;
+            // Not followed: a symlink is nobody's segment.
             let meta = entry.metadata().ok()?;
             // Segments are files; a ring's socket directory goes with its ring.
-            (meta.is_file() && name.starts_with(NAME_PREFIX)).then(|| report(&name, meta.len()))
+            if !meta.is_file() {
+                return None;
+            }
+            if name.starts_with(NAME_PREFIX) {
+                return Some(report(&name, meta.len()));
+            }
+            if me != 0 && meta.uid() != me {
+                return None;
+            }
+            let found = report(&name, meta.len());
+            (found.kind != SegmentKind::Unknown).then_some(found)
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use super::store_segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
 use shmq_os::error::{Error, Result};
+use shmq_os::liveness::{creator_liveness, Liveness};
 use shmq_os::segment::unique_name;
+use shmq_os::segment_file;
 use shmq_protocol::alloc::{Block, FifoAllocator, Freed, HEADER_BYTES};
 use shmq_protocol::sync::Ordering;
 
@@ -26,6 +28,42 @@ pub const RESERVE_STEP: u64 = 1 << 20;
 
 fn writer_only(what: &str) -> Error {
     Error::WrongRole(format!("Only the writer can {what}."))
+}
+
+/// If `name` is a finished store whose creator is proved dead, remove its name.
+fn remove_if_dead_store(name: &str) -> Result<()> {
+    if !std::path::Path::new(&segment_file::path(name)).exists() {
+        return Ok(());
+    }
+    // Only a store whose header is finished: its creator took its role lock before it
+    // stored the magic, so "no lock held" then proves it dead (not one still starting).
+    let Ok(old) = StoreSegment::open(name) else {
+        return Ok(());
+    };
+    let creator = old.creator();
+    drop(old);
+    if creator_liveness(name) != Liveness::Dead {
+        return Ok(());
+    }
+    match segment_file::unlink(name) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(Error::os(
+                format!(
+                    "removing the dead writer's store {}",
+                    segment_file::path(name)
+                ),
+                e,
+            ))
+        }
+    }
+    shmq_os::shmq_log!(
+        info,
+        "shmq: replaced the store '{name}' left by dead writer pid {}",
+        creator.pid
+    );
+    Ok(())
 }
 
 /// The spec's `RingBuffer`: the segment plus, on the writer, the FIFO allocator.
@@ -59,8 +97,16 @@ impl BlockFifo {
     }
 
     /// Create a ring of `capacity` bytes (this process is its writer).
+    ///
+    /// A `name` the caller chose that a crashed writer's store still holds (its creator
+    /// proved dead by its role lock) is taken over: the old segment's name is removed
+    /// first (readers that map it keep their mapping). Any other file of that name is
+    /// refused ("already exists").
     pub fn create(capacity: u64, name: Option<&str>) -> Result<BlockFifo> {
         let alloc = FifoAllocator::new(capacity).map_err(Error::InvalidArgument)?;
+        if let Some(name) = name {
+            remove_if_dead_store(name)?;
+        }
         let name = name.map_or_else(|| unique_name("store"), str::to_owned);
         Ok(BlockFifo {
             segment: Arc::new(StoreSegment::create(&name, capacity)?),

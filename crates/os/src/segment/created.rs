@@ -66,8 +66,10 @@ pub fn forget_created(name_or_path: &str) {
 // `shmq._janitor`) that holds the other end. Every name noted above is sent to it as
 // `+name`, every removal as `-name`; when every copy of this end is closed — the process
 // is gone, however it ended — the janitor reads end-of-file and removes the names still
-// listed. Names carry their creator's pid and random bits, so nobody else has taken one.
-// No signal handler is needed for it, and nothing runs in this process at its death.
+// listed, each only if the file of that name is still the one this process made (same
+// device and inode; a successor may have made a new one under a name given by the caller,
+// as vLLM names its multimodal store). No signal handler is needed for it, and nothing
+// runs in this process at its death.
 
 /// This process's end of the socket to its janitor, with the pid that set it: a forked
 /// child inherits the descriptor but not the janitor (it closes its copy at first use,
@@ -168,11 +170,35 @@ pub(super) fn tell_janitor(op: u8, name: &str) {
     send_to_janitor(&slot, op, name);
 }
 
+/// The identity of a noted name as the janitor checks it before removing it: the device
+/// and inode of the file (or directory) itself, never of what a symlink points to. `None`
+/// when it is not there (any more).
+fn identity(name_or_path: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let path = if name_or_path.starts_with('/') {
+        name_or_path.to_owned()
+    } else {
+        crate::segment_file::path(name_or_path)
+    };
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    (meta.is_file() || meta.is_dir()).then(|| (meta.dev(), meta.ino()))
+}
+
+/// Send `+DEV:INO:name` (a creation, with the identity the janitor checks before it
+/// removes the name: never a successor's file of the same name, nor a symlink put in its
+/// place) or `-name` (a removal).
 fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &str) {
     use std::os::fd::AsRawFd;
     let Some((_, fd)) = slot else { return };
-    let mut message = Vec::with_capacity(name.len() + 1);
+    let mut message = Vec::with_capacity(name.len() + 48);
     message.push(op);
+    if op == b'+' {
+        // Gone already (removed by someone else meanwhile): nothing for the janitor.
+        let Some((dev, ino)) = identity(name) else {
+            return;
+        };
+        message.extend_from_slice(format!("{dev}:{ino}:").as_bytes());
+    }
     message.extend_from_slice(name.as_bytes());
     loop {
         // SAFETY: `fd` is an open socket owned by the slot, which the caller holds locked;
