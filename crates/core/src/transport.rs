@@ -62,16 +62,24 @@ pub(crate) const POLL_SLICE: Duration = Duration::from_millis(5);
 /// Wait until `socket` has a message to receive, at most one poll slice (less if `wait`
 /// has less time left); whether it has one. `context` says what was awaited, for the
 /// error (made only if there is one: this runs every slice of every wait).
+///
+/// A poll a signal interrupted (EINTR: a handled signal, SIGCHLD or one of the
+/// program's own, or Ctrl-C) is no error but a slice that found nothing: `false`, so the
+/// caller's `wait.step` runs next, and with it the wait's hook (the Python bindings run
+/// the signal handlers there: a `KeyboardInterrupt` a handler raises ends the wait, a
+/// handler that only counts lets it go on), and the next slice gets what is left of the
+/// timeout.
 pub(crate) fn poll_slice(
     socket: &zmq::Socket,
     wait: &Wait,
     context: impl FnOnce() -> String,
 ) -> Result<bool> {
     let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
-    let ready = socket
-        .poll(zmq::POLLIN, slice.as_millis() as i64)
-        .map_err(|e| Error::transport(context())(e))?;
-    Ok(ready != 0)
+    match socket.poll(zmq::POLLIN, slice.as_millis() as i64) {
+        Ok(ready) => Ok(ready != 0),
+        Err(zmq::Error::EINTR) => Ok(false),
+        Err(e) => Err(Error::transport(context())(e)),
+    }
 }
 
 /// How long closing a publisher may still flush queued messages.
@@ -227,10 +235,16 @@ impl Publisher {
                 wait.step(peers_alive)?;
                 continue;
             }
-            let msg = self
-                .socket
-                .recv_bytes(0)
-                .map_err(Error::transport("receiving a subscription"))?;
+            // Without waiting: the poll saw it there. A receive a signal interrupted
+            // (EINTR) runs the wait's checks (the signal handlers), then polls again.
+            let msg = match self.socket.recv_bytes(zmq::DONTWAIT) {
+                Ok(msg) => msg,
+                Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => {
+                    wait.step(peers_alive)?;
+                    continue;
+                }
+                Err(e) => return Err(Error::transport("receiving a subscription")(e)),
+            };
             // A subscription message is 0x01 followed by the topic; 0x00 is an unsubscribe.
             match msg.first() {
                 Some(1) => self.subscribers += 1,
@@ -293,11 +307,13 @@ impl Subscriber {
         })
     }
 
-    /// The next message if one has arrived.
+    /// The next message if one has arrived. A receive a signal interrupted (EINTR) is
+    /// one that found nothing: the caller's wait runs its checks (signals), then tries
+    /// again.
     pub fn try_recv(&self) -> Result<Option<zmq::Message>> {
         match self.socket.recv_msg(zmq::DONTWAIT) {
             Ok(m) => Ok(Some(m)),
-            Err(zmq::Error::EAGAIN) => Ok(None),
+            Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => Ok(None),
             Err(e) => Err(Error::Transport {
                 context: format!("receiving from {}", self.endpoint),
                 source: e,

@@ -26,6 +26,10 @@ impl RemoteWriter {
                         self.guard.served();
                         return Ok(());
                     }
+                    // A signal interrupted the receive: the caller's wait runs its checks
+                    // (the signal handlers), then serves again. Not every HELLO that has
+                    // arrived was taken, so the guard is not told so.
+                    Err(zmq::Error::EINTR) if frames.is_empty() => return Ok(()),
                     Err(e) => {
                         return Err(Error::Transport {
                             context: "receiving from a remote reader".into(),
