@@ -182,10 +182,13 @@ def remote_worker_that_misses_the_first_sigterm(out: Any, ticket: str, rank: int
         time.sleep(STEP)  # not synchronisation: the blocking call the second SIGTERM must end
 
 
-def remote_worker(out: Any, ticket: str, rank: int, fail: bool) -> None:
+def remote_worker(out: Any, ticket: str, rank: int, fail: bool, go: Any = None) -> None:
     """A worker the parent did not start (as on another machine): join over TCP, report
-    ready (or raise first, when ``fail``), then idle until the parent stops it."""
+    ready (or raise first, when ``fail``), then idle until the parent stops it. With the
+    event ``go``: join only once the test sets it (after the ``pid`` report)."""
     out.put(("pid", os.getpid()))
+    if go is not None and not go.wait(STEP):
+        raise TimeoutError(f"rank {rank}: the test never said go")
     with connect_to_parent(ticket, rank):
         if fail:
             raise RuntimeError(f"remote rank {rank}: no route to the model store")

@@ -135,7 +135,10 @@ class WorkerProcesses:
       stderr (file descriptor 2: what replaces ``sys.stderr`` in Python does not see
       them) prefixed ``(Worker_1 pid=...)``.
     - ``remote_host`` / ``remote_port``: where remote workers connect (default: this
-      host's address, ``SHMQ_HOST_IP``; any free port); see :attr:`ticket`.
+      host's address, ``SHMQ_HOST_IP``; any free port); see :attr:`ticket`. Before a
+      connection proved the token it has 10 s for its whole handshake and frames of at
+      most 4 KiB; of 32 such connections at once, the oldest of the host with the most
+      gives way to a new one.
     - ``grace``: the default of :meth:`close` (also at exit and on garbage collection).
     """
 

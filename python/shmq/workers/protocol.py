@@ -33,7 +33,9 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .. import _core
 
@@ -43,9 +45,17 @@ DEFAULT_GRACE = 5.0
 """Seconds a shutdown waits after SIGTERM before it sends SIGKILL."""
 
 HANDSHAKE_TIMEOUT = 10.0
+"""Seconds the parent gives one connection for its whole handshake, from its accept to the
+parent's answer (every read and write of it together, not each read)."""
 PROTOCOL_VERSION = 2
 """The link's protocol, in the parent's challenge (an older shmq's had none)."""
 MAX_FRAME = 64 << 20
+"""The largest frame of an admitted link."""
+MAX_HELLO_FRAME = 4096
+"""The largest frame the parent reads before the peer proved the token: the hello (about
+300 bytes; its longest field is the host name, at most 255 bytes before JSON's escapes).
+A larger length is refused before anything more is read."""
+_RECV_CHUNK = 64 << 10  # the most one recv asks for (CPython allocates what is asked)
 
 
 @dataclass(frozen=True)
@@ -84,10 +94,19 @@ def send_frame(sock: socket.socket, kind: bytes, payload: bytes) -> None:
     sock.sendall(struct.pack("!I", len(payload) + 1) + kind + payload)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+    """``n`` bytes, read as they come (each read asks for at most 64 KiB). With
+    ``deadline`` (a ``time.monotonic()`` time), every read waits only for what is left of
+    it, and ``TimeoutError`` comes once it passed: a peer that sends a byte now and then
+    cannot stretch the whole read past it."""
     chunks = []
     while n:
-        chunk = sock.recv(n)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the deadline passed")
+            sock.settimeout(left)
+        chunk = sock.recv(min(n, _RECV_CHUNK))  # TimeoutError at the deadline
         if not chunk:
             raise EOFError("connection closed")
         chunks.append(chunk)
@@ -95,11 +114,15 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket) -> tuple[bytes, bytes]:
-    (length,) = struct.unpack("!I", recv_exact(sock, 4))
-    if not 1 <= length <= MAX_FRAME:
-        raise ValueError(f"bad frame length {length}")
-    data = recv_exact(sock, length)
+def recv_frame(
+    sock: socket.socket, max_length: int = MAX_FRAME, deadline: Optional[float] = None
+) -> tuple[bytes, bytes]:
+    """One frame's kind and payload. A length over ``max_length`` raises ``ValueError``
+    before the frame's body is read; ``deadline``: see :func:`recv_exact`."""
+    (length,) = struct.unpack("!I", recv_exact(sock, 4, deadline))
+    if not 1 <= length <= max_length:
+        raise ValueError(f"bad frame length {length} (at most {max_length} here)")
+    data = recv_exact(sock, length, deadline)
     return data[:1], data[1:]
 
 

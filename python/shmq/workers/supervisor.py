@@ -20,6 +20,7 @@ list of children so that nobody reaps them earlier.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import multiprocessing.process
@@ -29,6 +30,7 @@ import pickle
 import queue as queue_module
 import socket
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from .errors import WorkerDiedError
 from .protocol import (
     DEFAULT_GRACE,
     HANDSHAKE_TIMEOUT,
+    MAX_HELLO_FRAME,
     PROTOCOL_VERSION,
     SealedLink,
     WorkerTicket,
@@ -63,7 +66,39 @@ class FailureListener(Protocol):
     def _fire(self, error: WorkerDiedError, queues: Optional[list[Any]] = None) -> None: ...
 
 
-_MAX_HANDSHAKES = 32  # remote handshakes in progress at once
+_MAX_HANDSHAKES = 32  # remote connections not admitted yet, at once (see _start_handshake)
+_ACCEPT_PAUSE = 0.05  # seconds between accepts while they fail (out of descriptors), doubling
+_ACCEPT_PAUSE_MAX = 1.0
+# accept(2): the listener itself is gone (closed, shut down): the accept thread ends.
+_LISTENER_GONE = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK, errno.EFAULT})
+# accept(2): the connection failed before it was taken (Linux passes on its network errors).
+_PEER_FAILED = frozenset(
+    {
+        errno.ECONNABORTED,
+        errno.EPROTO,
+        errno.ENETDOWN,
+        errno.ENOPROTOOPT,
+        errno.EHOSTDOWN,
+        errno.ENONET,
+        errno.EHOSTUNREACH,
+        errno.EOPNOTSUPP,
+        errno.ENETUNREACH,
+        errno.EPERM,
+    }
+)
+
+
+class _Handshake:
+    """A connection the parent accepted and has not admitted: the host it came from, its
+    deadline, and whether it still waits for its hello (only such a one gives way to a
+    newer connection)."""
+
+    __slots__ = ("host", "deadline", "waiting")
+
+    def __init__(self, host: str, deadline: float):
+        self.host = host
+        self.deadline = deadline
+        self.waiting = True
 
 
 @dataclass(frozen=True)
@@ -128,7 +163,9 @@ class Supervisor:
         self.exit_relays: list[threading.Thread] = []
         # Remote workers.
         self.listener: Optional[socket.socket] = None
-        self.handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        self.accepting = True  # False from close() on: the accept thread's errors are its end
+        self.pending_lock = threading.Lock()
+        self.pending: dict[socket.socket, _Handshake] = {}  # unauthenticated, oldest first
         self.token = ""
         self.ticket: Optional[WorkerTicket] = None
         self.links: dict[int, SealedLink] = {}
@@ -276,59 +313,164 @@ class Supervisor:
         return self.ticket
 
     def _accept(self, listener: socket.socket) -> None:
+        """Accept connections until close(). No error of ``accept`` ends this but the
+        listener's own end: out of descriptors (``EMFILE``, ``ENFILE``) or memory, the
+        error is logged once and accepting goes on after a pause (the connection waits in
+        the backlog meanwhile); a connection that failed before it was accepted
+        (``ECONNABORTED`` and the network errors ``accept(2)`` passes on) is skipped."""
+        failing: Optional[str] = None  # the error of the streak in progress, logged once
+        pause = _ACCEPT_PAUSE
         while True:
             try:
                 conn, peer = listener.accept()
-            except OSError:
-                return  # closed (close() shuts it down, which wakes this)
-            # A handshake can stall (a stranger connects and says nothing): never in this
-            # thread, and only so many at once (a flood of connections gets closed).
-            if not self.handshakes.acquire(blocking=False):
-                logger.warning("too many worker handshakes in progress: closed a connection from %s", peer)
-                conn.close()
+            except OSError as e:
+                if not self.accepting or e.errno in _LISTENER_GONE:
+                    if self.accepting:
+                        logger.error("the port for remote workers stopped accepting: %s", e)
+                    return  # closed (close() shuts it down, which wakes this)
+                if e.errno in _PEER_FAILED:
+                    continue  # that connection's own failure: the next one
+                if failing is None:
+                    failing = os.strerror(e.errno) if e.errno else str(e)
+                    logger.warning(
+                        "the port for remote workers cannot accept now (%s): retrying every %.0f s at most",
+                        failing,
+                        _ACCEPT_PAUSE_MAX,
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, _ACCEPT_PAUSE_MAX)
                 continue
-            threading.Thread(
-                target=self._handshake, args=(conn, peer), name="shmq-workers-handshake", daemon=True
-            ).start()
+            if failing is not None:
+                logger.warning("the port for remote workers accepts again (after: %s)", failing)
+                failing, pause = None, _ACCEPT_PAUSE
+            try:
+                self._start_handshake(conn, peer)
+            except Exception as e:  # e.g. RuntimeError: can't start new thread
+                logger.warning("could not start the handshake with %s: %s", peer, e)
+                self._forget_handshake(conn)
+                conn.close()
+
+    def _start_handshake(self, conn: socket.socket, peer: Any) -> None:
+        """Take a slot for this connection's handshake and start it in a thread of its own
+        (a handshake can stall: never in the accept thread). With every slot taken, the
+        oldest connection still waiting for its hello, of the host with most of them,
+        gives way (strangers cannot starve a worker: to push its handshake out, a host
+        must open more connections than there are slots in the round trip of its hello)."""
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        pending = _Handshake(host, time.monotonic() + HANDSHAKE_TIMEOUT)
+        with self.pending_lock:
+            if len(self.pending) >= _MAX_HANDSHAKES:
+                victim = self._handshake_to_drop()
+                if victim is None:  # every slot past its hello: being admitted now
+                    logger.warning("too many worker handshakes in progress: closed a connection from %s", peer)
+                    conn.close()
+                    return
+                old_conn, old = victim
+                del self.pending[old_conn]
+                logger.warning(
+                    "%d worker handshakes in progress: dropped the oldest waiting one of %s, for a connection from %s",
+                    _MAX_HANDSHAKES,
+                    old.host,
+                    peer,
+                )
+                # Wakes its thread's read (an end of file), which then closes it. In the
+                # lock: the thread closes the connection only after it left ``pending``.
+                try:
+                    old_conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self.pending[conn] = pending
+        threading.Thread(target=self._handshake, args=(conn, peer), name="shmq-workers-handshake", daemon=True).start()
+
+    def _handshake_to_drop(self) -> Optional[tuple[socket.socket, "_Handshake"]]:
+        """Of the handshakes waiting for their hello, the oldest of the host with the most
+        (call it holding ``pending_lock``); None if none waits."""
+        waiting = [(conn, h) for conn, h in self.pending.items() if h.waiting]  # oldest first
+        if not waiting:
+            return None
+        per_host: dict[str, int] = {}
+        for _, h in waiting:
+            per_host[h.host] = per_host.get(h.host, 0) + 1
+        most = max(per_host.values())
+        return next((conn, h) for conn, h in waiting if per_host[h.host] == most)
+
+    def _forget_handshake(self, conn: socket.socket) -> None:
+        with self.pending_lock:
+            self.pending.pop(conn, None)
 
     def _handshake(self, conn: socket.socket, peer: Any) -> None:
         try:
             rank = self._handshake_with(conn, peer)
+        except Exception as e:  # never a traceback for what a stranger sent
+            logger.error("worker handshake with %s failed: %s: %s", peer, type(e).__name__, e)
+            rank = None
         finally:
-            self.handshakes.release()
-        if rank is not None:
+            self._forget_handshake(conn)
+        if rank is None:
+            conn.close()
+        else:
             self._serve_remote(rank, self.links[rank])
 
     def _handshake_with(self, conn: socket.socket, peer: Any) -> Optional[int]:
-        """The admitted worker's rank (its link registered), or None."""
-        conn.settimeout(HANDSHAKE_TIMEOUT)
+        """The admitted worker's rank (its link registered), or None (the caller closes
+        the connection). One deadline for the whole handshake; before the worker proved
+        the token, a frame may be ``MAX_HELLO_FRAME`` bytes at most."""
+        with self.pending_lock:
+            entry = self.pending.get(conn)
+        if entry is None:
+            return None  # dropped for a newer connection before it started
+        deadline = entry.deadline
+        hello: Any = {}
         try:
             nonce = new_nonce()
-            send_frame(conn, b"C", json.dumps({"nonce": nonce, "version": PROTOCOL_VERSION}).encode())
-            kind, payload = recv_frame(conn)
+            self._send_by(conn, deadline, b"C", json.dumps({"nonce": nonce, "version": PROTOCOL_VERSION}).encode())
+            kind, payload = recv_frame(conn, MAX_HELLO_FRAME, deadline)
+            with self.pending_lock:
+                if self.pending.get(conn) is not entry:
+                    return None  # dropped for a newer connection (logged there)
+                entry.waiting = False  # being admitted: never dropped from here on
             hello = json.loads(payload) if kind == b"H" else {}
             if not isinstance(hello, dict):
                 hello = {}
             error = self._admit(hello, nonce)
             if error:
-                logger.warning("refused a worker from %s claiming rank %s: %s", peer, hello.get("rank"), error)
-                send_frame(conn, b"A", json.dumps({"ok": False, "error": error}).encode())
-                conn.close()
+                logger.warning("refused a worker from %s claiming rank %.40r: %s", peer, hello.get("rank"), error)
+                self._send_by(conn, deadline, b"A", json.dumps({"ok": False, "error": error}).encode())
                 return None
             rank = int(hello["rank"])  # checked by _admit
             answer = {"ok": True, "mac": welcome_mac(self.token, hello["nonce"], nonce, rank)}
+            # The worker proved the token and has its rank now: its welcome is not cut
+            # short by the deadline (a fresh timeout of its own).
+            conn.settimeout(HANDSHAKE_TIMEOUT)
             send_frame(conn, b"A", json.dumps(answer).encode())
             link = SealedLink(conn, self.token, nonce, hello["nonce"], parent=True)
+        except TimeoutError:  # a read or write at the deadline, or one after it
+            logger.warning("worker handshake with %s failed: not done within %.0f s", peer, HANDSHAKE_TIMEOUT)
+            return None
+        except RecursionError:
+            logger.warning("worker handshake with %s failed: a hello nested too deep", peer)
+            return None
         except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
-            logger.warning("worker handshake with %s failed: %s", peer, e)
-            conn.close()
+            # ValueError: a bad frame length, JSON or UTF-8 that is not.
+            with self.pending_lock:
+                dropped = self.pending.get(conn) is not entry
+            if not dropped:  # (a dropped one's end was logged when it was dropped)
+                logger.warning("worker handshake with %s failed: %s", peer, e)
             return None
         with self.lock:
             if not self.group.remote_connected(rank, str(hello.get("host") or peer[0])):
-                conn.close()  # the group is closing
-                return None
+                return None  # the group is closing
             self.links[rank] = link
         return rank
+
+    @staticmethod
+    def _send_by(conn: socket.socket, deadline: float, kind: bytes, payload: bytes) -> None:
+        """``send_frame`` within what is left of the handshake's deadline."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        conn.settimeout(left)
+        send_frame(conn, kind, payload)
 
     def _admit(self, hello: dict, nonce: str) -> str:
         """Why this hello is refused, or "" to admit it (its rank is then reserved)."""
@@ -340,10 +482,10 @@ class Supervisor:
             return "malformed hello (no nonce: a worker of an older shmq?)"
         if not isinstance(host, str):
             return "malformed hello"
-        if not hello_is_genuine(self.token, nonce, rank, pid, host, theirs, claimed):
-            return "wrong token"
         if not (0 <= rank < 2**32 and 0 <= pid < 2**32):
             return "malformed hello"
+        if not hello_is_genuine(self.token, nonce, rank, pid, host, theirs, claimed):
+            return "wrong token"
         return self.group.claim_remote(rank, pid) or ""
 
     def _serve_remote(self, rank: int, link: SealedLink) -> None:
@@ -404,6 +546,7 @@ class Supervisor:
         self.group.close_finish()
         self._reap()
         if self.listener is not None:
+            self.accepting = False
             try:
                 self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
             except OSError:
