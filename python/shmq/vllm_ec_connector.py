@@ -180,12 +180,15 @@ class ShmqECConnector(ECConnectorBase):
         self.consumer.load([k for k in keys if k in encoder_cache])
         missing = self.consumer.load([k for k in keys if k not in encoder_cache], encoder_cache)
         if not self._loaded and len(missing) < len(keys):
-            log.info("shmq encoder-cache connector: first item loaded from cache %r (TP rank %d)", self.cache_name, _tp_rank())
+            rank = _tp_rank()
+            log.info("shmq encoder-cache connector: first item loaded from %r (TP rank %d)", self.cache_name, rank)
         self._loaded += len(keys) - len(missing)
         if missing:
             # Evicted between the scheduler's lookup and this load (only an item left
             # unread past unread_ttl_s can be): vLLM fails the request when it looks.
-            log.error("shmq encoder-cache connector: items gone from cache %r before loading: %s", self.cache_name, missing)
+            log.error(
+                "shmq encoder-cache connector: items gone from cache %r before loading: %s", self.cache_name, missing
+            )
 
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
         """Save ``encoder_cache[mm_hash]`` (TP rank 0 only). Returns once room is

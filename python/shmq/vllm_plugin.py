@@ -182,7 +182,7 @@ def _register_ec_connector() -> bool:
     where this vLLM has no EC connectors."""
     try:
         from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
-    except ImportError:
+    except Exception:  # a vLLM without EC connectors (or whose module fails to import)
         return False
     registry = getattr(ECConnectorFactory, "_registry", {})
     if EC_CONNECTOR not in registry:

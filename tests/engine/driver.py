@@ -9,7 +9,7 @@ command prints one line ``RESULT <json>`` at the end; the caller reads nothing e
     python driver.py worker-death MODEL [--when idle|generating]
     python driver.py sparse MODEL [--seconds S] [--every S]
     python driver.py mm LLAVA [--cache shm|lru] [--cache-mib M] [--sequence 0,0,1,...]
-                              [--end scope|shutdown|sigkill]
+                              [--end scope|shutdown]
     python driver.py epd LLAVA --role ec_producer|ec_consumer|ec_both|none [--name NAME]
                               [--connector shmq|example] [--storage DIR]
     python driver.py serve MODEL [vllm serve's arguments...]
@@ -309,10 +309,6 @@ def cmd_mm(args: argparse.Namespace) -> None:
         cache_queries=info.total if info is not None else None,
         cache_class=type(cache).__name__ if cache is not None else None,
     )
-    if args.end == "sigkill":
-        # The front end dies at once, as on an OOM kill: no exit hook, no destructor.
-        result(dict(live, tokens=tokens, texts=texts, start_s=started, request_s=request_s, engine_pids=engine_processes()))
-        os.kill(os.getpid(), signal.SIGKILL)
     if args.end == "shutdown":
         llm.llm_engine.engine_core.shutdown()
     del llm, cache
@@ -516,7 +512,7 @@ def main() -> None:
     p.add_argument("--cache-mib", type=float, default=256, help="mm_processor_cache_gb, in MiB")
     p.add_argument("--sequence", default="0,1,2,0,1,2,0,1,2", help="the image of each request")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--end", choices=["scope", "shutdown", "sigkill"], default="scope")
+    p.add_argument("--end", choices=["scope", "shutdown"], default="scope")
     p = sub.add_parser("epd")
     p.add_argument("model")
     p.add_argument("--role", choices=["ec_producer", "ec_consumer", "ec_both", "none"], required=True)
@@ -533,7 +529,13 @@ def main() -> None:
     p.add_argument("--every", type=float, default=0.5)
     p.add_argument("--idle", type=float, default=5.0)
     args = parser.parse_args()
-    commands = {"offline": cmd_offline, "mm": cmd_mm, "epd": cmd_epd, "worker-death": cmd_worker_death, "sparse": cmd_sparse}
+    commands = {
+        "offline": cmd_offline,
+        "mm": cmd_mm,
+        "epd": cmd_epd,
+        "worker-death": cmd_worker_death,
+        "sparse": cmd_sparse,
+    }
     commands[args.command](args)
 
 

@@ -408,3 +408,58 @@ def vllm_plugin_off(out: Any) -> None:
             },
         )
     )
+
+
+# ---------------------------------------------------------------------------------
+# shmq's encoder-cache connector (shmq.vllm_ec_connector) over vLLM's ECConnectorBase
+
+
+def ec_config(role: str, name: str, **extra: Any) -> Any:
+    """A stand-in for vLLM's config with a real ``ECTransferConfig`` naming shmq's
+    connector (the connector reads nothing else of it)."""
+    from types import SimpleNamespace
+
+    from vllm.config import ECTransferConfig
+
+    ec = ECTransferConfig(
+        ec_connector="ShmqECConnector",
+        ec_connector_module_path="shmq.vllm_ec_connector",
+        ec_role=role,
+        ec_connector_extra_config={"name": name, **extra},
+    )
+    return SimpleNamespace(ec_transfer_config=ec, model_config=None)
+
+
+def ec_worker(out: Any, cmds: Any, role: str, name: str, extra: dict) -> None:
+    """A worker's side of the connector, driven by commands: ``("save", key, value)`` →
+    ``("saved", key, saved count)``; ``("load", metadata)`` → ``("loaded", {key: (sum,
+    shape, is a view of shared memory)})``; ``("stop",)``."""
+    import torch
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from shmq.vllm_ec_connector import ShmqECConnector
+
+    connector = ShmqECConnector(ec_config(role, name, **extra), ECConnectorRole.WORKER)
+    out.put(("ready", os.getpid()))
+    while True:
+        cmd = cmds.get(timeout=4 * STEP)  # siblings importing vLLM meanwhile take a while
+        if cmd[0] == "stop":
+            break
+        if cmd[0] == "save":
+            connector.save_caches({cmd[1]: cmd[2]}, cmd[1])
+            connector.wait_for_save()
+            out.put(("saved", cmd[1], connector.stats()["saved"]))
+        elif cmd[0] == "load":
+            cache: dict[str, Any] = {}
+            connector.bind_connector_metadata(cmd[1])
+            connector.start_load_caches(cache)
+            connector.clear_connector_metadata()
+            got = {}
+            for k, t in cache.items():
+                assert isinstance(t, torch.Tensor)
+                # A view of the cache's shared memory, not a copy: its storage is not
+                # torch's own allocation.
+                got[k] = (float(t.float().sum()), tuple(t.shape), not t.untyped_storage().resizable())
+            out.put(("loaded", got))
+    connector.shutdown()
+    out.put(("stopped", os.getpid()))

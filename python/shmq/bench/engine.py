@@ -121,7 +121,7 @@ def main(rounds: int, quick: bool) -> int:
 
 
 def run_mm(rounds: int, progress: Any = None) -> list[tuple[str, float, float, str]]:
-    """``--scenarios engine-mm``: image requests through vLLM's multimodal processor cache
+    """``--scenarios engine-mm`` (with :func:`run_epd`): image requests through vLLM's multimodal processor cache
     (``mm_processor_cache_type="shm"``, 256 MiB) on a tiny random Llava, vLLM's own store
     (plugin off) against shmq's (plugin on), alternating; each request alone, one image,
     one output token (so its time is the time to first token): four fresh images, then
@@ -156,6 +156,92 @@ def run_mm(rounds: int, progress: Any = None) -> list[tuple[str, float, float, s
     ]
 
 
+def _epd_round(python: str, model: str, connector: str, images: int) -> list[float]:
+    """One 1E1PD deployment (two offline instances, TP=2 each, ``driver.py epd``) over
+    ``connector`` (``shmq``: shmq's encoder-cache connector; ``example``: vLLM's
+    ``ECExampleConnector``, a safetensors file per item in a temporary directory): each
+    image to the encoder (one token), then to the prefill/decode instance (one token:
+    its time to first token, the item's hand-off included). Returns the latter's
+    times, in ms."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="shmq-epd-") as storage:
+        name = f"bench{os.getpid()}"
+        procs = []
+        for role in ("ec_producer", "ec_consumer"):
+            procs.append(
+                subprocess.Popen(
+                    [python, str(DRIVER), "epd", model, "--role", role, "--name", name, "--connector", connector,
+                     "--storage", storage],
+                    env=engine_env(True),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+
+        def line(p: subprocess.Popen, prefix: str) -> str:
+            assert p.stdout is not None
+            for text in p.stdout:
+                if text.startswith(prefix):
+                    return text[len(prefix) :]
+            raise RuntimeError(f"an EPD instance ({connector}) ended (exit {p.wait()}) without {prefix!r}")
+
+        def ask(p: subprocess.Popen, n: int, image: int) -> float:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps({"n": n, "image": image, "uuid": f"b{image}", "max_tokens": 1}) + "\n")
+            p.stdin.flush()
+            return float(json.loads(line(p, "OUT "))["seconds"]) * 1e3
+
+        try:
+            encoder, pd = procs
+            line(encoder, "READY")
+            line(pd, "READY")
+            times = []
+            for n in range(images):
+                ask(encoder, n, n)
+                times.append(ask(pd, n, n))
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("quit\n")
+                p.stdin.flush()
+                line(p, "RESULT ")
+            return times
+        finally:
+            for p in procs:
+                try:
+                    os.killpg(p.pid, 9)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+            subprocess.run([sys.executable, "-m", "shmq", "cleanup"], capture_output=True, timeout=60)
+
+
+def run_epd(rounds: int, progress: Any = None) -> list[tuple[str, float, float, str]]:
+    """Part of ``--scenarios engine-mm``: the prefill/decode instance's time to first token for
+    an image the encoder instance encoded, through vLLM's ``ECExampleConnector`` (a file
+    per item) against shmq's connector, alternating, medians over the rounds."""
+    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True)
+    python, model = made.stdout.strip().splitlines()[-1], str(ROOT / "target" / "engine-llava")
+    got: dict[str, list[float]] = {"example": [], "shmq": []}
+    for r in range(rounds):
+        for connector in ("example", "shmq") if r % 2 == 0 else ("shmq", "example"):
+            if progress:
+                progress(f"EPD, round {r + 1}/{rounds}, {connector} connector")
+            times = _epd_round(python, model, connector, 5)
+            got[connector].append(statistics.median(times[1:]))  # the first pays the first step
+    return [
+        (
+            "prefill/decode instance's time to first token, 1 image encoded by the encoder instance",
+            statistics.median(got["example"]),
+            statistics.median(got["shmq"]),
+            "ms",
+        )
+    ]
+
+
 def main_mm(rounds: int) -> int:
     def progress(message: str) -> None:
         print(f"  engine-mm: {message}", file=sys.stderr, flush=True)
@@ -167,4 +253,10 @@ def main_mm(rounds: int) -> int:
     for label, off, on, unit in rows:
         ratio = f"{on / off:.2f}x" if off else ""
         print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {ratio} |")
+    epd = run_epd(rounds, progress)
+    print(f"\nDisaggregated encoding, 1 encoder + 1 prefill/decode instance (TP=2 each), medians of {rounds} round(s)")
+    print("| what | ECExampleConnector (a file per item) | shmq's connector | shmq / file |")
+    print("|---|---|---|---|")
+    for label, off, on, unit in epd:
+        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {on / off:.2f}x |")
     return 0

@@ -1,0 +1,112 @@
+"""shmq's encoder-cache connector (``shmq.vllm_ec_connector``) as vLLM 0.33 loads it:
+vLLM's own ``ECConnectorBase`` and ``ECTransferConfig``, the scheduler side in this
+process and the workers' sides in others, over one shared-memory cache. (vLLM's engine
+runs it end to end in ``tests/engine``: an encoder-only and a prefill/decode instance.)
+
+Needs vLLM 0.33 in the environment (``tests/python/vllm-requirements.txt``), as the
+plugin's tests.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from _processes import STEP
+from _vllm_helpers import ec_config, ec_worker
+
+try:
+    import vllm  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    if os.environ.get("SHMQ_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip("vLLM is not installed (see tests/python/vllm-requirements.txt)", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _request(*identifiers: str) -> SimpleNamespace:
+    """What the connector reads of vLLM's ``Request``."""
+    features = [SimpleNamespace(identifier=i) for i in identifiers]
+    return SimpleNamespace(request_id="r1", mm_features=features, get_num_encoder_embeds=lambda index: 16 + index)
+
+
+@pytest.fixture
+def ec_name():
+    name = f"ect{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    left = [n for n in os.listdir("/dev/shm") if name in n]
+    assert not left, left
+
+
+def test_the_scheduler_finds_what_the_producer_saved_and_every_consumer_rank_loads_it(children, ec_name):
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from shmq.vllm_ec_connector import ShmqECConnector, ShmqECConnectorMetadata
+
+    # vLLM's factory finds it by module path (and by name once the plugin registered it).
+    found = ECConnectorFactory.get_connector_class(ec_config("ec_consumer", ec_name).ec_transfer_config)
+    assert found is ShmqECConnector
+    out = children.queue()
+    cmds = {role: children.queue() for role in ("producer", "c0", "c1")}
+    children.start(ec_worker, out, cmds["producer"], "ec_producer", ec_name, {})
+    for c in ("c0", "c1"):
+        children.start(ec_worker, out, cmds[c], "ec_consumer", ec_name, {})
+    for _ in cmds:
+        children.expect(out, "ready", timeout=4 * STEP)
+    scheduler = ShmqECConnector(ec_config("ec_consumer", ec_name), ECConnectorRole.SCHEDULER)
+    try:
+        embedding = torch.arange(16 * 64, dtype=torch.bfloat16).reshape(16, 64)
+        assert not scheduler.has_cache_item("image-a")
+        cmds["producer"].put(("save", "image-a", embedding))
+        assert children.expect(out, "saved")[1:] == ("image-a", 1)
+        # Saved once: a second save of the same item copies nothing.
+        cmds["producer"].put(("save", "image-a", embedding))
+        assert children.expect(out, "saved")[1:] == ("image-a", 1)
+        assert scheduler.has_cache_item("image-a") and not scheduler.has_cache_item("image-b")
+        # The scheduler's step: the items found are the workers' to load.
+        scheduler.update_state_after_alloc(_request("image-a", "image-b"), 0)
+        scheduler.update_state_after_alloc(_request("image-a", "image-b"), 1)  # not held: encoded locally
+        meta = scheduler.build_connector_meta(None)
+        assert isinstance(meta, ShmqECConnectorMetadata) and meta.mm_hashes == {"image-a": 16}
+        assert scheduler.build_connector_meta(None).mm_hashes == {}, "a new step starts empty"
+        for c in ("c0", "c1"):
+            cmds[c].put(("load", meta))
+            got = children.expect(out, "loaded")[1]
+            assert got == {"image-a": (float(embedding.float().sum()), (16, 64), True)}, got
+    finally:
+        scheduler.shutdown()
+        for q in cmds.values():
+            q.put(("stop",))
+    for _ in cmds:
+        children.expect(out, "stopped")
+    children.join()
+
+
+def test_items_no_consumer_loads_never_hold_the_producer(children, ec_name):
+    # A consumer joined and never loads (requests that went to the encoder only): once
+    # the cache is full, items unread past unread_ttl_s are evicted for new ones instead
+    # of every later save failing.
+    out = children.queue()
+    cmds = {role: children.queue() for role in ("producer", "c0")}
+    extra = {"capacity_mb": 1, "save_timeout_s": 0.2, "unread_ttl_s": 0}
+    children.start(ec_worker, out, cmds["producer"], "ec_producer", ec_name, extra)
+    children.start(ec_worker, out, cmds["c0"], "ec_consumer", ec_name, {})
+    for _ in cmds:
+        children.expect(out, "ready", timeout=4 * STEP)
+    try:
+        for n in range(6):  # 6 x 384 KiB through 1 MiB
+            cmds["producer"].put(("save", f"item-{n}", torch.full((96, 1024), float(n))))
+            assert children.expect(out, "saved")[1:] == (f"item-{n}", n + 1)
+    finally:
+        for q in cmds.values():
+            q.put(("stop",))
+    for _ in cmds:
+        children.expect(out, "stopped")
+    children.join()
