@@ -64,8 +64,15 @@ def to_wire(array: Any) -> tuple[str, list[int], Any]:
         name = str(array.dtype).removeprefix("torch.")
         if name not in DTYPES:
             raise _unsupported(f"a tensor of {array.dtype}")
+        if array.layout != torch.strided:
+            raise TypeError(
+                f"enqueue_array sends dense tensors; this one's layout is {array.layout}: send "
+                f"tensor.to_dense(), or the tensor with enqueue() (pickled)"
+            )
         shape = list(array.shape)
-        flat = array.detach().contiguous().reshape(-1)
+        # A neg-bit view (torch's lazy negation: `x._neg_view()`, the imaginary part of a
+        # conjugate) holds its values negated: resolved, its bytes are the values.
+        flat = array.detach().resolve_neg().contiguous().reshape(-1)
         # Bytes as numpy sees them (numpy has no bfloat16: the bytes are what travels).
         return name, shape, flat.view(torch.uint8).numpy() if flat.numel() else b""
     numpy = sys.modules.get("numpy")
@@ -117,6 +124,15 @@ def from_wire(dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], data
             raise ValueError(
                 f"a memoryview cannot show this array ({dtype}, strides {strides}): read it "
                 f"with kind='numpy' or kind='torch'"
+            )
+        if 0 in shape:
+            if len(shape) == 1:
+                return memoryview(b"").cast(fmt)  # type: ignore[call-overload]
+            # memoryview.cast refuses a 0 in a shape of more than one dimension.
+            raise ValueError(
+                f"a memoryview cannot show an empty array of shape {tuple(shape)} (Python's "
+                f"memoryview has no empty shape of more than one dimension): read it with "
+                f"kind='numpy' or kind='torch'"
             )
         n = _ITEMSIZE[dtype]
         for d in shape:

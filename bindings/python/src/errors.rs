@@ -51,7 +51,9 @@ pub fn exception(err: Error) -> PyErr {
         | Error::KeyExists(_)
         | Error::TooLarge { .. } => PyValueError::new_err(msg),
         Error::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
-        Error::BadSegment { .. } | Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        Error::BadSegment { .. } | Error::SegmentExists { .. } | Error::InvalidArgument(_) => {
+            PyValueError::new_err(msg)
+        }
         Error::WrongRole(_) | Error::WorkerDied { .. } => PyRuntimeError::new_err(msg),
         Error::Os { ref source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
             PyPermissionError::new_err(msg)

@@ -17,8 +17,9 @@ use shmq_os::process::ProcessId;
 use shmq_os::segment::Segment;
 use shmq_os::segment_file;
 
-// What a queue writer's socket directory beside its segment ends with (`<segment>.sock`).
-pub use crate::transport::SOCKET_DIR_SUFFIX;
+// What a queue writer's socket directory beside its segment ends with (`<segment>.sock`,
+// or `<segment>.<16 hex digits>.sock` where that was taken), and the segment of one.
+pub use crate::transport::{socket_dir_segment, SOCKET_DIR_SUFFIX};
 // What this process created: the prefix of every name, where the files are, their removal
 // at a normal exit, and the janitor that removes them when the process dies without one.
 pub use shmq_os::liveness::SHM_DIR;
@@ -165,8 +166,28 @@ pub fn remove_orphans(dry_run: bool, force: bool) -> Result<Vec<SegmentReport>> 
     Ok(orphans)
 }
 
-/// Remove the socket directories (`<segment>.sock`) whose segment is gone: nobody can
-/// join through them any more (connections already made do not need the path).
+/// Remove the socket directories of segment `segment` (`<segment>.sock`, and
+/// `<segment>.<16 hex digits>.sock` where that name was taken: see
+/// [`socket_dir_segment`]), as its creator is gone.
+pub fn remove_socket_dirs_of(segment: &str) {
+    let _ = std::fs::remove_dir_all(format!("{SHM_DIR}/{segment}{SOCKET_DIR_SUFFIX}"));
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return;
+    };
+    for entry in dir.filter_map(|e| e.ok()) {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            continue;
+        };
+        if name.starts_with(segment) && socket_dir_segment(name) == Some(segment) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// Remove the socket directories (`<segment>.sock`, see [`socket_dir_segment`]) whose
+/// segment is gone: nobody can join through them any more (connections already made
+/// do not need the path).
 fn remove_stray_socket_dirs() {
     let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
         return;
@@ -175,7 +196,7 @@ fn remove_stray_socket_dirs() {
         let Ok(name) = entry.file_name().into_string() else {
             continue;
         };
-        let Some(segment) = name.strip_suffix(SOCKET_DIR_SUFFIX) else {
+        let Some(segment) = socket_dir_segment(&name) else {
             continue;
         };
         if segment.starts_with(NAME_PREFIX)

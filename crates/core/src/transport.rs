@@ -130,15 +130,37 @@ pub struct Publisher {
     _dir: Option<SocketDir>,
 }
 
-/// The suffix of the directory that holds a segment's local socket: `/dev/shm/<segment>`
-/// + this.
+/// The suffix of the directory that holds a segment's local socket: the directory is
+/// `/dev/shm/<segment>.sock`, or `<segment>.<16 hex digits>.sock` where that name was
+/// taken (see [`SocketDir`]).
 pub const SOCKET_DIR_SUFFIX: &str = ".sock";
+
+/// How many names [`SocketDir::create`] tries past `<segment>.sock`.
+const SOCKET_DIR_TRIES: usize = 16;
+
+/// The segment whose socket directory is `/dev/shm/<dir>` ([`SOCKET_DIR_SUFFIX`]):
+/// `<segment>.sock` or `<segment>.<16 hex digits>.sock`; `None` for any other name.
+pub fn socket_dir_segment(dir: &str) -> Option<&str> {
+    let stem = dir.strip_suffix(SOCKET_DIR_SUFFIX)?;
+    Some(match stem.rsplit_once('.') {
+        Some((segment, r)) if r.len() == 16 && r.bytes().all(|b| b.is_ascii_hexdigit()) => segment,
+        _ => stem,
+    })
+}
 
 /// The owner-only (0700) directory of a local socket, next to its segment in `/dev/shm`.
 /// Owner-only, so another user cannot reach the socket (a 0600 segment is not enough:
 /// the socket is a second door); in `/dev/shm`, so that processes that share the
 /// segment reach it also from another network namespace (an abstract socket would not
 /// be). The process that made it removes it (a forked child does not).
+///
+/// Its name is `<segment>.sock`, unless something has that name: anyone may make a
+/// file or directory in `/dev/shm`, and another user who sees the segment appear can
+/// make `<segment>.sock` before the writer does (issue 44). The directory is then
+/// `<segment>.<r>.sock`, `r` 64 bits from the kernel's random source, which nobody can
+/// tell in advance; `mkdir` makes it or fails, never taking what is there. Readers
+/// learn the socket's address from the queue's handle, so the name does not matter to
+/// them.
 #[derive(Debug)]
 struct SocketDir {
     path: String,
@@ -148,11 +170,30 @@ struct SocketDir {
 impl SocketDir {
     fn create(segment: &str) -> Result<SocketDir> {
         use std::os::unix::fs::DirBuilderExt;
-        let path = format!("{}/{segment}{SOCKET_DIR_SUFFIX}", shmq_os::segment::SHM_DIR);
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|e| Error::os(format!("creating the socket directory {path}"), e))?;
+        let dir = shmq_os::segment::SHM_DIR;
+        let mut path = format!("{dir}/{segment}{SOCKET_DIR_SUFFIX}");
+        let mut tries = 0;
+        loop {
+            match std::fs::DirBuilder::new().mode(0o700).create(&path) {
+                Ok(()) => break,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AlreadyExists
+                        && tries < SOCKET_DIR_TRIES =>
+                {
+                    tries += 1;
+                    let r = u64::from_le_bytes(shmq_os::random::random_bytes::<8>(
+                        "a socket directory's name",
+                    )?);
+                    path = format!("{dir}/{segment}.{r:016x}{SOCKET_DIR_SUFFIX}");
+                }
+                Err(e) => {
+                    return Err(Error::os(
+                        format!("creating the socket directory {path}"),
+                        e,
+                    ))
+                }
+            }
+        }
         shmq_os::segment::note_created(&path);
         Ok(SocketDir {
             path,
@@ -412,4 +453,67 @@ pub fn default_connect_ip() -> String {
         }
     }
     "127.0.0.1".to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    #[test]
+    fn a_socket_dirs_segment_is_read_from_either_form_of_its_name() {
+        assert_eq!(
+            socket_dir_segment("shmq_ring_1_ab.sock"),
+            Some("shmq_ring_1_ab")
+        );
+        assert_eq!(
+            socket_dir_segment("shmq_ring_1_ab.0123456789abcdef.sock"),
+            Some("shmq_ring_1_ab")
+        );
+        // Not 16 hex digits: part of the segment's name.
+        assert_eq!(socket_dir_segment("a.b.sock"), Some("a.b"));
+        assert_eq!(socket_dir_segment("shmq_ring_1_ab"), None);
+    }
+
+    /// Issue 44: another user made `<segment>.sock` first (a directory anyone may write
+    /// in, or a file): the writer's socket goes in a directory of a fresh name beside it,
+    /// owner-only, and the other user's entry is left alone.
+    #[test]
+    fn a_taken_socket_dir_name_is_passed_over() {
+        for squat_dir in [true, false] {
+            let segment = shmq_os::segment::unique_name("test");
+            let taken = format!("{}/{segment}{SOCKET_DIR_SUFFIX}", shmq_os::segment::SHM_DIR);
+            if squat_dir {
+                std::fs::create_dir(&taken).unwrap();
+                std::fs::set_permissions(&taken, std::fs::Permissions::from_mode(0o777)).unwrap();
+            } else {
+                std::fs::write(&taken, b"").unwrap();
+            }
+            // SAFETY: geteuid has no preconditions.
+            if unsafe { libc::geteuid() } == 0 {
+                std::os::unix::fs::lchown(&taken, Some(65534), Some(65534)).unwrap();
+            }
+            let ctx = zmq::Context::new();
+            let publisher = Publisher::bind_ipc(&ctx, &segment).unwrap();
+            let endpoint = publisher.endpoint().to_owned();
+            let path = endpoint.strip_prefix("ipc://").unwrap();
+            let dir = std::path::Path::new(path).parent().unwrap();
+            assert_ne!(dir, std::path::Path::new(&taken), "{endpoint}");
+            let dir_name = dir.file_name().unwrap().to_str().unwrap();
+            assert_eq!(socket_dir_segment(dir_name), Some(segment.as_str()));
+            let meta = std::fs::metadata(dir).unwrap();
+            // SAFETY: geteuid has no preconditions.
+            assert_eq!(meta.uid(), unsafe { libc::geteuid() });
+            assert_eq!(meta.permissions().mode() & 0o777, 0o700);
+            drop(publisher);
+            drop(ctx);
+            assert!(!dir.exists(), "the writer's own directory goes with it");
+            assert!(std::path::Path::new(&taken).exists(), "the other's stays");
+            if squat_dir {
+                std::fs::remove_dir(&taken).unwrap();
+            } else {
+                std::fs::remove_file(&taken).unwrap();
+            }
+        }
+    }
 }

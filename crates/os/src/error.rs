@@ -43,6 +43,11 @@ pub enum Error {
     )]
     SegmentNotFound { name: String },
 
+    /// A segment was to be made under a name a file in `/dev/shm` already has. Made
+    /// under a fresh name ([`crate::segment::with_unique_name`]), another is drawn.
+    #[error("shared memory segment '{name}' already exists")]
+    SegmentExists { name: String },
+
     /// The segment exists but is not a shmq segment of the expected kind and layout.
     #[error("shared memory segment '{name}' cannot be used: {reason}")]
     BadSegment { name: String, reason: String },

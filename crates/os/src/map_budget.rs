@@ -13,8 +13,13 @@
 
 use std::sync::{Mutex, OnceLock};
 
+/// Environment variable: a mapping limit for shmq's own below `vm.max_map_count`.
+pub const MAX_MAP_COUNT_ENV: &str = "SHMQ_MAX_MAP_COUNT";
+
 /// The process's mapping limit as shmq sees it: `vm.max_map_count`, or
-/// `SHMQ_MAX_MAP_COUNT` where that is lower (read once).
+/// `SHMQ_MAX_MAP_COUNT` where that is lower (read once). A value that is not a whole
+/// number from 0 to the kernel's limit is reported once (a warning naming it and the
+/// limit used instead, the kernel's), never ignored silently.
 pub fn map_count_limit() -> usize {
     static LIMIT: OnceLock<usize> = OnceLock::new();
     *LIMIT.get_or_init(|| {
@@ -22,14 +27,39 @@ pub fn map_count_limit() -> usize {
             .ok()
             .and_then(|s| s.trim().parse::<usize>().ok())
             .unwrap_or(65530);
-        match std::env::var("SHMQ_MAX_MAP_COUNT")
-            .ok()
-            .and_then(|s| s.trim().parse::<usize>().ok())
-        {
-            Some(lower) => lower.min(kernel),
-            None => kernel,
+        let raw = std::env::var_os(MAX_MAP_COUNT_ENV);
+        let (limit, complaint) = limit_from_env(raw.as_deref(), kernel);
+        if let Some(complaint) = complaint {
+            warn_user!("shmq: {complaint}");
         }
+        limit
     })
+}
+
+/// The limit from `SHMQ_MAX_MAP_COUNT`'s value `raw` (`None`: unset) and the kernel's
+/// `vm.max_map_count`, and what to report about a value that cannot be used as it is.
+fn limit_from_env(raw: Option<&std::ffi::OsStr>, kernel: usize) -> (usize, Option<String>) {
+    let Some(raw) = raw else {
+        return (kernel, None);
+    };
+    let text = raw.to_string_lossy();
+    match text.trim().parse::<usize>() {
+        Ok(lower) if lower <= kernel => (lower, None),
+        Ok(higher) => (
+            kernel,
+            Some(format!(
+                "{MAX_MAP_COUNT_ENV}={higher} is above the kernel's vm.max_map_count \
+                 ({kernel}), which it can only lower: using {kernel}"
+            )),
+        ),
+        Err(_) => (
+            kernel,
+            Some(format!(
+                "{MAX_MAP_COUNT_ENV}={text:?} is not a whole number of mappings from 0 to \
+                 {kernel} (the kernel's vm.max_map_count): it is ignored, using {kernel}"
+            )),
+        ),
+    }
 }
 
 /// The process's mappings now: the lines of `/proc/self/maps` (`None` if unreadable).
@@ -111,4 +141,37 @@ pub fn take_mappings(n: usize) -> bool {
 pub fn give_back_mappings(n: usize) {
     let mut b = MAP_BUDGET.lock().unwrap_or_else(|e| e.into_inner());
     b.used_since -= n as isize;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::limit_from_env;
+    use std::ffi::OsStr;
+
+    /// Issue 44: a bad `SHMQ_MAX_MAP_COUNT` is reported, naming the variable, the value
+    /// and the limit used instead.
+    #[test]
+    fn a_bad_limit_is_reported_with_the_one_used_instead() {
+        assert_eq!(limit_from_env(None, 65530), (65530, None));
+        assert_eq!(
+            limit_from_env(Some(OsStr::new("3000")), 65530),
+            (3000, None)
+        );
+        assert_eq!(limit_from_env(Some(OsStr::new(" 0 ")), 65530), (0, None));
+        for bad in ["-1", "abc", "", "1e3", "1180591620717411303424"] {
+            let (limit, complaint) = limit_from_env(Some(OsStr::new(bad)), 65530);
+            assert_eq!(limit, 65530, "{bad}");
+            let complaint = complaint.unwrap();
+            assert!(
+                complaint.starts_with(&format!("SHMQ_MAX_MAP_COUNT={bad:?} is not a whole number"))
+                    && complaint.ends_with("using 65530"),
+                "{complaint}"
+            );
+        }
+        let (limit, complaint) = limit_from_env(Some(OsStr::new("100000")), 65530);
+        assert_eq!(limit, 65530);
+        assert!(complaint
+            .unwrap()
+            .contains("100000 is above the kernel's vm.max_map_count (65530)"));
+    }
 }

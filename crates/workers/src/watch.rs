@@ -298,8 +298,7 @@ pub(super) fn remove_segments_of(pids: &HashSet<u32>) -> Vec<String> {
                 Err(e) => warn_user!("could not remove {path}: {e}"),
             }
             // A ring's local socket lives in a directory beside it.
-            let _ =
-                std::fs::remove_dir_all(format!("{path}{}", shmq_core::admin::SOCKET_DIR_SUFFIX));
+            shmq_core::admin::remove_socket_dirs_of(&s.name);
         }
     }
     removed

@@ -14,7 +14,7 @@ use shmq_os::process::ProcessId;
 use shmq_os::range_alloc::RangeAllocator;
 use shmq_os::region;
 use shmq_os::region::RawRegion;
-use shmq_os::segment::{round_up, unique_name, LoanPages, Segment};
+use shmq_os::segment::{round_up, with_unique_name, LoanPages, Segment};
 use shmq_protocol::sync::Ordering;
 
 /// The writer's in-process record of a lease it has handed out.
@@ -66,7 +66,9 @@ impl ArenaWriter {
     /// to whole pages) and `max_leases` lease records. Only the header and the lease
     /// table are reserved now.
     pub fn create(n_reader: usize, capacity: usize, max_leases: usize) -> Result<ArenaWriter> {
-        Self::create_named(&unique_name("arena"), "", n_reader, capacity, max_leases)
+        with_unique_name("arena", |name| {
+            Self::create_named(name, "", n_reader, capacity, max_leases)
+        })
     }
 
     /// [`create`](Self::create) under the segment name `name`, recording `queue` (the

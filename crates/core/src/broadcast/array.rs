@@ -301,7 +301,27 @@ impl<'a> ArrayRef<'a> {
     }
 
     /// The array `meta` says, in `data` (strides in bytes; every element inside `data`).
+    /// Refused as a reader's [`ArrayMeta::decode`] would refuse it, so that no writer
+    /// sends an array no reader can take: a dimension or a stride past `2**63 - 1` (an
+    /// empty array's too: shape `(0, 2**60)` of float64 has a stride of `2**63` bytes).
     pub fn with_strides(meta: ArrayMeta, data: &'a [u8]) -> Result<ArrayRef<'a>> {
+        let too_large = |&v: &usize| v > isize::MAX as usize;
+        let (what, v) = match (
+            meta.shape.iter().find(|v| too_large(v)),
+            meta.strides.iter().find(|v| too_large(v)),
+        ) {
+            (Some(&n), _) => ("a dimension of", n),
+            (None, Some(&s)) => ("a stride (in bytes) of", s),
+            (None, None) => ("", 0),
+        };
+        if !what.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "an array of shape {:?} and dtype {} cannot be sent: it has {what} {v}, past \
+                 2**63 - 1, which no reader takes (an empty array too: its strides follow \
+                 from its shape)",
+                meta.shape, meta.dtype
+            )));
+        }
         let span = meta.span()?;
         let exact = !meta.is_contiguous() || span == data.len();
         if span > data.len() || !exact {
@@ -491,5 +511,36 @@ mod tests {
         );
         assert_eq!(t.to_vec::<i32>().unwrap(), [0, 3, 1, 4, 2, 5]);
         assert!(t.as_slice::<i32>().is_err());
+    }
+
+    /// Issue 44: what a writer may send, every reader takes. An empty array of float64
+    /// and shape (0, 2**60) was sent (its first stride, 2**63 bytes, saturated past
+    /// what a header may hold) and every reader refused it as malformed.
+    #[test]
+    fn what_a_writer_may_send_a_reader_takes() {
+        for (dtype, shape) in [
+            (Dtype::F64, vec![0, 1 << 60]),
+            (Dtype::U8, vec![0, 1 << 63]),
+            (Dtype::F32, vec![0, 1 << 62, 4]),
+            (Dtype::I64, vec![0, usize::MAX]),
+        ] {
+            let meta = ArrayMeta::contiguous(dtype, &shape);
+            let err = ArrayRef::with_strides(meta.clone(), &[]).unwrap_err();
+            assert!(err.to_string().contains("cannot be sent"), "{err}");
+            assert!(ArrayMeta::decode(&meta.encode(), 0).is_err(), "{shape:?}");
+        }
+        for (dtype, shape) in [
+            (Dtype::F32, vec![0, 1 << 60]),
+            (Dtype::U8, vec![0, 1 << 62]),
+            (Dtype::F64, vec![1 << 59, 0]),
+            (Dtype::F64, vec![0]),
+            (Dtype::I32, vec![]),
+        ] {
+            let meta = ArrayMeta::contiguous(dtype, &shape);
+            let n = meta.span().unwrap();
+            let data = vec![0u8; n];
+            let sent = ArrayRef::with_strides(meta.clone(), &data).unwrap();
+            assert_eq!(ArrayMeta::decode(&sent.meta().encode(), n).unwrap(), meta);
+        }
     }
 }

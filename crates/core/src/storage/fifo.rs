@@ -17,7 +17,7 @@ use std::sync::Arc;
 use super::store_segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
 use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{creator_liveness, Liveness};
-use shmq_os::segment::unique_name;
+use shmq_os::segment::with_unique_name;
 use shmq_os::segment_file;
 use shmq_protocol::alloc::{Block, FifoAllocator, Freed, HEADER_BYTES};
 use shmq_protocol::sync::Ordering;
@@ -107,9 +107,12 @@ impl BlockFifo {
         if let Some(name) = name {
             remove_if_dead_store(name)?;
         }
-        let name = name.map_or_else(|| unique_name("store"), str::to_owned);
+        let segment = match name {
+            Some(name) => StoreSegment::create(name, capacity)?,
+            None => with_unique_name("store", |name| StoreSegment::create(name, capacity))?,
+        };
         Ok(BlockFifo {
-            segment: Arc::new(StoreSegment::create(&name, capacity)?),
+            segment: Arc::new(segment),
             writer: Some(RingWriter {
                 alloc,
                 cleared_readable: false,

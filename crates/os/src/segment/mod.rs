@@ -102,20 +102,80 @@ impl std::fmt::Debug for Segment {
     }
 }
 
-/// A fresh segment name: prefix, a kind tag, the creator's pid and random bits.
+/// A fresh segment name: prefix, a kind tag, the creator's pid and 32 random bits from
+/// the kernel's random source, so that another user cannot tell a name before the
+/// segment is made (and make a file of that name first: see [`with_unique_name`], which
+/// draws again when a name is taken).
 pub fn unique_name(kind: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    // Relaxed: the counter only has to hand out distinct values within this process.
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
+    let r = match crate::random::random_bytes::<4>("a segment name") {
+        Ok(b) => u32::from_le_bytes(b),
+        // No getrandom (a kernel before 3.17): the clock and a counter, unique within
+        // this process and unlikely to be met by another's.
+        Err(_) => {
+            static COUNTER: AtomicU64 = AtomicU64::new(0);
+            // Relaxed: the counter only has to hand out distinct values in this process.
+            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos())
+                .unwrap_or(0);
+            (nanos as u64 ^ (n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16)) as u32
+        }
+    };
     format!(
         "{NAME_PREFIX}{kind}_{pid}_{r:08x}",
-        pid = std::process::id(),
-        r = (nanos as u64 ^ (n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16)) as u32
+        pid = std::process::id()
     )
+}
+
+/// How many fresh names [`with_unique_name`] tries.
+const UNIQUE_NAME_TRIES: usize = 16;
+
+/// `create(name)` with a fresh [`unique_name`] of `kind`, drawn again (up to 16 times)
+/// while the name is taken ([`Error::SegmentExists`]: a file of that name was there,
+/// say one another user made to stop this process making segments).
+pub fn with_unique_name<T>(kind: &str, mut create: impl FnMut(&str) -> Result<T>) -> Result<T> {
+    let mut tries = 1;
+    loop {
+        match create(&unique_name(kind)) {
+            Err(Error::SegmentExists { .. }) if tries < UNIQUE_NAME_TRIES => tries += 1,
+            done => return done,
+        }
+    }
+}
+
+/// Bidirectional-text controls: embeddings and overrides (U+202A-U+202E), isolates
+/// (U+2066-U+2069), the marks (U+200E, U+200F, U+061C).
+const BIDI_CONTROLS: [char; 12] = [
+    '\u{202A}', '\u{202B}', '\u{202C}', '\u{202D}', '\u{202E}', '\u{2066}', '\u{2067}', '\u{2068}',
+    '\u{2069}', '\u{200E}', '\u{200F}', '\u{061C}',
+];
+/// Characters that show as nothing: zero-width space, non-joiner and joiner, word
+/// joiner, and the byte-order mark (zero-width no-break space).
+const ZERO_WIDTH: [char; 5] = ['\u{200B}', '\u{200C}', '\u{200D}', '\u{2060}', '\u{FEFF}'];
+
+/// What is wrong with `name` as a name people read and type (a queue's, a store's):
+/// `None` if nothing. Refused: a leading `-` (a command line takes it for an option:
+/// `python -m shmq inspect -x`), a control character (Unicode category Cc: a newline,
+/// a tab, NUL...), a bidirectional-text control (a right-to-left override makes a name
+/// read as another), a zero-width character (two names that look the same). The one
+/// check of both, so that they cannot drift apart.
+pub fn name_trouble(name: &str) -> Option<String> {
+    if name.starts_with('-') {
+        return Some("it starts with '-' (a command line would take it for an option)".into());
+    }
+    name.chars().find_map(|c| {
+        let what = if c.is_control() {
+            "a control character"
+        } else if BIDI_CONTROLS.contains(&c) {
+            "a bidirectional-text control"
+        } else if ZERO_WIDTH.contains(&c) {
+            "a zero-width character"
+        } else {
+            return None;
+        };
+        Some(format!("{c:?} (U+{:04X}, {what}) is not allowed", c as u32))
+    })
 }
 
 fn check_name(name: &str) -> Result<()> {
@@ -125,6 +185,18 @@ fn check_name(name: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// [`check_name`] and, for a name about to be made, [`name_trouble`]'s rules.
+fn check_new_name(name: &str) -> Result<()> {
+    check_name(name)?;
+    match name_trouble(name) {
+        Some(why) => Err(Error::InvalidArgument(format!(
+            "invalid shared memory name {name:?}: {why} (a name has no control characters, \
+             bidirectional-text controls or zero-width characters, and does not start with '-')"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Bytes free in the tmpfs behind `/dev/shm`, or `None` if it cannot be queried.
@@ -198,7 +270,7 @@ impl Segment {
     /// reserved now; reserve more with [`reserve_range`](Self::reserve_range) before
     /// writing there (an unreserved page that cannot be had is a `SIGBUS` on first touch).
     pub fn create_sparse(name: &str, size: usize, reserve: usize) -> Result<Self> {
-        check_name(name)?;
+        check_new_name(name)?;
         if size == 0 {
             return Err(Error::InvalidArgument(
                 "a shared memory segment cannot be empty".into(),
@@ -218,9 +290,7 @@ impl Segment {
         let file = match SegmentFile::create(name) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(Error::InvalidArgument(format!(
-                    "shared memory segment '{name}' already exists"
-                )))
+                return Err(Error::SegmentExists { name: name.into() })
             }
             Err(e) => {
                 return Err(Error::os(

@@ -265,3 +265,77 @@ fn bad_names_are_rejected() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+/// Issue 44: a name a file already has is `SegmentExists`, and a fresh name is drawn
+/// again while the one drawn is taken (another user who made files under names shmq
+/// draws cannot stop it making segments); names have the kernel's random bits.
+#[test]
+fn a_taken_name_is_drawn_again() {
+    let name = unique_name("test");
+    std::fs::write(path(&name), b"").unwrap();
+    let err = Segment::create(&name, 4096).unwrap_err();
+    assert!(matches!(err, Error::SegmentExists { .. }), "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!("shared memory segment '{name}' already exists")
+    );
+    std::fs::remove_file(path(&name)).unwrap();
+
+    let mut drawn = Vec::new();
+    let seg = with_unique_name("test", |n| {
+        drawn.push(n.to_owned());
+        if drawn.len() < 5 {
+            // Taken, as by a squatter who got there first.
+            std::fs::write(path(n), b"").unwrap();
+        }
+        Segment::create(n, 4096)
+    })
+    .unwrap();
+    assert_eq!(drawn.len(), 5);
+    assert_eq!(seg.name(), drawn[4]);
+    for n in &drawn[..4] {
+        std::fs::remove_file(path(n)).unwrap();
+    }
+    let distinct: std::collections::HashSet<_> = drawn.iter().collect();
+    assert_eq!(distinct.len(), drawn.len(), "{drawn:?}");
+
+    // Past 16 tries the error is the caller's.
+    let mut tries = 0;
+    let err = with_unique_name("test", |n| -> Result<()> {
+        tries += 1;
+        Err(Error::SegmentExists { name: n.into() })
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::SegmentExists { .. }));
+    assert_eq!(tries, 16);
+}
+
+/// Issue 44: names people read (queues', stores') refuse a leading '-', control,
+/// bidirectional-text and zero-width characters, naming the one found.
+#[test]
+fn names_with_characters_that_mislead_are_refused() {
+    for (name, why) in [
+        ("-store", "starts with '-'"),
+        ("a\nb", "U+000A, a control character"),
+        ("a\tb", "U+0009, a control character"),
+        ("a\u{7f}b", "U+007F, a control character"),
+        ("a\u{85}b", "U+0085, a control character"),
+        ("abc\u{202E}gpj", "U+202E, a bidirectional-text control"),
+        ("a\u{2066}b", "U+2066, a bidirectional-text control"),
+        ("a\u{200F}b", "U+200F, a bidirectional-text control"),
+        ("a\u{200B}b", "U+200B, a zero-width character"),
+        ("a\u{2060}b", "U+2060, a zero-width character"),
+        ("\u{FEFF}ab", "U+FEFF, a zero-width character"),
+    ] {
+        let trouble = name_trouble(name).unwrap_or_default();
+        assert!(trouble.contains(why), "{name:?}: {trouble:?}");
+        let err = Segment::create(name, 4096).unwrap_err().to_string();
+        assert!(err.contains(why), "{name:?}: {err}");
+        assert!(!std::path::Path::new(&path(name)).exists());
+    }
+    // A '-' inside a name is fine (vLLM's stores are `vllm_mm_<urlsafe base64>`), and
+    // so is text that is not ASCII.
+    for name in ["vllm_mm_-AbC_x-", "a-b", "scheduler → workers", "名前"] {
+        assert_eq!(name_trouble(name), None, "{name:?}");
+    }
+}

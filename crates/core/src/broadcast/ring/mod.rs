@@ -47,20 +47,25 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{Liveness, LockProbe};
 use shmq_os::process::ProcessId;
-use shmq_os::segment::{unique_name, HeaderCheck, Segment};
+use shmq_os::segment::{name_trouble, with_unique_name, HeaderCheck, Segment};
 use shmq_protocol::doorbell::DoorbellWords;
 use shmq_protocol::ring::{self as protocol, ChunkFlags};
 
 use layout::*;
 pub use layout::{ChunkKind, RingHandle, LABEL_BYTES, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};
 
-/// Whether `label` can name a queue: 1 to `LABEL_BYTES - 1` bytes of UTF-8, no
-/// control characters.
+/// Whether `label` can name a queue: 1 to `LABEL_BYTES - 1` bytes of UTF-8, with none
+/// of the characters [`name_trouble`] refuses (control, bidirectional-text and
+/// zero-width characters; a leading `-`).
 pub fn check_label(label: &str) -> Result<()> {
-    if label.is_empty() || label.len() >= LABEL_BYTES || label.chars().any(char::is_control) {
+    let trouble = name_trouble(label);
+    if label.is_empty() || label.len() >= LABEL_BYTES || trouble.is_some() {
         return Err(Error::InvalidArgument(format!(
-            "a queue's name must be 1 to {} bytes of text with no control characters, got {label:?}",
-            LABEL_BYTES - 1
+            "a queue's name must be 1 to {} bytes of text with no control characters \
+             (nor bidirectional-text controls or zero-width characters), not starting with \
+             '-', got {label:?}{}",
+            LABEL_BYTES - 1,
+            trouble.map_or_else(String::new, |t| format!(": {t}"))
         )));
     }
     Ok(())
@@ -125,9 +130,12 @@ impl ChunkFlags for ChunkState<'_> {
 }
 
 impl Ring {
-    /// Create a ring in a new segment with a fresh `shmq_ring_*` name.
+    /// Create a ring in a new segment with a fresh `shmq_ring_*` name (drawn again while
+    /// a file has the one drawn: see `with_unique_name`).
     pub fn create(n_reader: usize, max_chunk_bytes: usize, max_chunks: usize) -> Result<Ring> {
-        Self::create_named(&unique_name("ring"), n_reader, max_chunk_bytes, max_chunks)
+        with_unique_name("ring", |name| {
+            Self::create_named(name, n_reader, max_chunk_bytes, max_chunks)
+        })
     }
 
     /// Create a ring in a new segment called `name`.

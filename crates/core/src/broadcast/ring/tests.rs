@@ -133,7 +133,7 @@ fn open_checks_the_header() {
     let other = Ring::open(ring.name()).unwrap();
     assert_eq!(other.handle(), ring.handle());
     assert!(!other.is_creator());
-    let seg = Segment::create(&unique_name("test"), 4096).unwrap();
+    let seg = Segment::create(&shmq_os::segment::unique_name("test"), 4096).unwrap();
     let err = Ring::open(seg.name()).unwrap_err();
     assert!(
         err.to_string().contains("not a shmq broadcast ring"),

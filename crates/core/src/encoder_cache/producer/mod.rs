@@ -25,7 +25,7 @@ use crate::wait::{Wait, WaitPolicy, WaitSpec};
 use shmq_os::error::{Error, Result};
 use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
-use shmq_os::segment::{unique_name, Segment};
+use shmq_os::segment::{with_unique_name, Segment};
 use shmq_os::segment_file;
 use shmq_protocol::sync::Ordering;
 
@@ -176,10 +176,7 @@ impl Producer {
     /// the same dead producer's name at the same moment are not kept apart reliably: one
     /// may remove the other's new segment. Give each encoder process its own name.)
     pub fn create(name: Option<&str>, options: ProducerOptions) -> Result<Producer> {
-        let segment_name = match name {
-            Some(n) => segment_name(n)?,
-            None => unique_name("ec"),
-        };
+        let named = name.map(segment_name).transpose()?;
         let geo = Geometry::new(
             options.capacity,
             options.max_entries,
@@ -192,8 +189,18 @@ impl Producer {
                 options.min_consumers, geo.max_consumers
             )));
         }
-        replace_if_stale(&segment_name)?;
-        let segment = Segment::create_sparse(&segment_name, geo.total, geo.data_offset)?;
+        let segment = match &named {
+            Some(segment_name) => {
+                replace_if_stale(segment_name)?;
+                Segment::create_sparse(segment_name, geo.total, geo.data_offset)?
+            }
+            // A fresh name: no stale segment to replace, and another is drawn while one
+            // is taken.
+            None => with_unique_name("ec", |n| {
+                Segment::create_sparse(n, geo.total, geo.data_offset)
+            })?,
+        };
+        let segment_name = segment.name().to_owned();
         if name.is_some() {
             // A named cache outlives a crashed producer: what it published stays
             // readable by name until a producer of the same name replaces it.
