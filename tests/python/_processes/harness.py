@@ -35,8 +35,9 @@ STEP = 30.0
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "shmq_"
 # shmq names its segments shmq_<kind>_<creator pid>_<random> (a ring's local socket
-# lives in the directory <ring name>.sock beside it).
-_SEGMENT_NAME = re.compile(r"^shmq_[a-z]+_(\d+)_[0-9a-f]+(\.sock)?$")
+# lives in the directory <ring name>.sock beside it, or <ring name>.<16 hex>.sock where
+# that name was taken).
+_SEGMENT_NAME = re.compile(r"^shmq_[a-z]+_(\d+)_[0-9a-f]+(\.[0-9a-f]{16})?(\.sock)?$")
 
 # Pids of every child process the tests started (the leftover check needs them: a
 # segment's name carries its creator's pid).
