@@ -161,7 +161,8 @@ pub enum Error {
         "remote reader rank {rank} was dropped by the writer at {endpoint}: it fell behind the \
          queue's bounds (slow_remote_reader=\"drop\"); {received} messages received before; no \
          more will come (make the queue with slow_remote_reader=\"block\", or raise \
-         remote_hwm / remote_max_queued_bytes)"
+         remote_hwm / remote_max_queued_bytes; in Rust, QueueOptions::remote's slow_reader \
+         (SlowReaderPolicy::Block), hwm and max_queued_bytes)"
     )]
     ReaderDropped {
         rank: u64,
@@ -227,17 +228,18 @@ pub fn stale_object_message(address: impl std::fmt::Display, id: impl std::fmt::
 }
 
 /// The message of [`Error::Full`]: the allocator's ("Not enough space in the data
-/// buffer, try calling free_buf() ..."), except for a block that no freeing can ever make
-/// room for (larger than the whole ring, or than a block header's 4-byte size can say):
-/// then that, so that nobody frees (or waits) in vain. Both start alike (vLLM 0.33's
-/// wording, which callers match).
+/// buffer, try calling free_buf() to free up space (...; Rust: free_while)"), except for
+/// a block that no freeing can ever make room for (larger than the whole ring, or than a
+/// block header's 4-byte size can say): then that, so that nobody frees (or waits) in
+/// vain. Both start alike (vLLM 0.33's wording, which callers match); each names the
+/// Python spelling and the Rust one, since both languages show the same text.
 fn full_message(full: &shmq_protocol::alloc::Full) -> String {
     if full.needed > full.capacity {
         format!(
             "Not enough space in the data buffer: a chunk of {} bytes (the data with its 8-byte \
              header and, for an object, its framing) can never fit in this ring of {} bytes, \
-             however much is freed; store smaller objects or make the ring (data_buffer_size) \
-             larger",
+             however much is freed; store smaller objects or make the ring (data_buffer_size; \
+             Rust: BlockFifo::create's capacity) larger",
             full.needed, full.capacity
         )
     } else if full.needed > u64::from(u32::MAX) {
@@ -260,8 +262,9 @@ fn dead_reader_message(reader: usize, pid: u32, chunk: usize, queue: Option<&str
     let of_queue = queue.map_or_else(String::new, |q| format!(" of queue '{q}'"));
     format!(
         "reader {reader} (pid {pid}) died before reading chunk {chunk}{of_queue}; the writer \
-         cannot go on without losing its messages (create the queue with \
-         on_dead_reader=\"drop\" to go on without dead readers)"
+         cannot go on without losing its messages (to go on without dead readers, make the \
+         queue with on_dead_reader=\"drop\" in Python, or with QueueOptions::on_dead_reader \
+         set to DeadReaderPolicy::Drop in Rust)"
     )
 }
 

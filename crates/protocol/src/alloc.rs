@@ -33,7 +33,7 @@ pub const ID_MAX: u32 = 1 << 31;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
     "Not enough space in the data buffer, try calling free_buf() to free up space \
-     ({needed} bytes needed, {live} of {capacity} bytes in use)"
+     ({needed} bytes needed, {live} of {capacity} bytes in use; Rust: free_while)"
 )]
 pub struct Full {
     pub needed: u64,

@@ -336,7 +336,8 @@ impl RemoteWriter {
                                  enqueue with a longer timeout, raise remote_hwm / \
                                  remote_max_queued_bytes, or make the queue with \
                                  slow_remote_reader=\"drop\" to go on without a reader that \
-                                 falls behind",
+                                 falls behind (in Rust, QueueOptions::remote's hwm, \
+                                 max_queued_bytes and slow_reader: SlowReaderPolicy::Drop)",
                                 behind()
                             ),
                             waited,
