@@ -2,13 +2,15 @@
 ``vllm_mm_<id>``): removed by their creator's janitor after a SIGKILL like shmq's own, only
 the very file the creator made (never a successor's under the same name, never through a
 symlink), listed and removed by ``cleanup`` when nothing else removed them, and taken over
-by a new writer once the old one is proved dead. All in real processes (issues 42, 44).
+by a new writer once the old one is proved dead; and the janitor itself: no name lost to
+a stall, not held by a child forked at C level. All in real processes (issues 42, 44).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,3 +174,127 @@ def test_the_janitor_never_follows_a_symlink_in_its_owners_place(named, tmp_path
         assert os.path.islink(path), "the janitor removed a symlink that is not what its owner made"
     finally:
         os.unlink(path)
+
+
+# --- The janitor itself: not lost to a stall, not held by a C-level fork (issue 44) -------
+
+# A creator driven line by line on stdin: "burst N" makes and drops N stores (2N messages
+# to the janitor), "keep N" makes N stores it keeps, "fork" forks at C level (glibc's
+# fork(): pthread_atfork handlers run, Python's fork hooks do not) a child that sleeps.
+DRIVEN = """
+import ctypes, os, sys, time
+from shmq import RingBuffer
+kept = [RingBuffer(4096, create=True)]
+print("pid", os.getpid(), flush=True)
+for line in sys.stdin:
+    cmd, _, arg = line.strip().partition(" ")
+    if cmd == "burst":
+        for _ in range(int(arg)):
+            RingBuffer(4096, create=True)
+    elif cmd == "keep":
+        kept += [RingBuffer(4096, create=True) for _ in range(int(arg))]
+    elif cmd == "fork":
+        child = ctypes.CDLL(None).fork()
+        if child == 0:
+            time.sleep(120)
+            os._exit(0)
+        print("child", child, flush=True)
+        continue
+    print("done", cmd, flush=True)
+"""
+
+
+def _janitor_queue(owner: int) -> int | None:
+    """Bytes queued in ``owner``'s janitor socket that the janitor has not read yet."""
+    out = subprocess.run(["ss", "-xpn"], capture_output=True, text=True, timeout=STEP).stdout
+    for line in out.splitlines():
+        f = line.split()
+        if f and f[0] == "u_seq" and f"pid={owner}," in line:
+            return int(f[3])
+    return None
+
+
+def _janitor_pid(owner: int) -> int | None:
+    """The pid of ``owner``'s janitor: the process at the other end of its janitor's
+    socket pair (``ss`` shows both ends' inodes)."""
+    out = subprocess.run(["ss", "-xpn"], capture_output=True, text=True, timeout=STEP).stdout
+    peer = None
+    for line in out.splitlines():
+        f = line.split()
+        if f and f[0] == "u_seq" and f"pid={owner}," in line:
+            peer = f[7]
+    if peer is None:
+        return None
+    for line in out.splitlines():
+        f = line.split()
+        if f and f[0] == "u_seq" and f[5] == peer:
+            m = re.search(r"pid=(\d+),", line)
+            return int(m.group(1)) if m else None
+    return None
+
+
+class _Driven:
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", DRIVEN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.pid = int(self.read("pid"))
+        from _processes import CHILD_PIDS
+
+        CHILD_PIDS.add(self.pid)  # the leftover check counts its segments
+
+    def read(self, tag: str) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        assert line and line[0] == tag, line
+        return line[1]
+
+    def ask(self, line: str, tag: str = "done") -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.read(tag)
+
+    def segments(self) -> set[str]:
+        from _processes import segments_of
+
+        return segments_of({self.pid})
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs ss (iproute2) to find the janitor's pid")
+def test_a_janitor_stalled_during_a_burst_loses_no_name():
+    # The janitor stopped while its owner makes and drops thousands of stores (more
+    # messages than its socket holds), then keeps ten: before, those ten names were
+    # dropped with the socket full and left after the owner's SIGKILL.
+    owner = _Driven()
+    janitor = _janitor_pid(owner.pid)
+    assert janitor, "the owner's janitor was not found"
+    os.kill(janitor, signal.SIGSTOP)
+    try:
+        owner.ask("burst 6000")
+        owner.ask("keep 10")
+    finally:
+        os.kill(janitor, signal.SIGCONT)
+    # Once the janitor has read what its socket held, the owner's next message takes
+    # what was held back along with it.
+    wait_for(lambda: _janitor_queue(owner.pid) == 0, STEP, "the janitor to read its socket")
+    owner.ask("keep 1")
+    wait_for(lambda: _janitor_queue(owner.pid) == 0, STEP, "the janitor to read the held-back names")
+    assert len(owner.segments()) == 12
+    owner.proc.kill()
+    owner.proc.wait(STEP)
+    wait_for(lambda: not owner.segments(), STEP, "the janitor to remove every kept store")
+
+
+def test_a_child_forked_at_c_level_does_not_keep_its_parents_segments():
+    # glibc's fork() without Python's fork hooks: the child inherits the janitor's socket.
+    # Before, the janitor saw its owner's death only once that child had exited too.
+    owner = _Driven()
+    child = int(owner.ask("fork", "child"))
+    try:
+        assert owner.segments()
+        owner.proc.kill()
+        owner.proc.wait(STEP)
+        wait_for(lambda: not owner.segments(), STEP, "the janitor to remove the killed owner's store")
+        assert os.path.exists(f"/proc/{child}"), "the forked child is still alive"
+    finally:
+        os.kill(child, signal.SIGKILL)

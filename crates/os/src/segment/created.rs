@@ -2,6 +2,7 @@
 //! objects' own `unlink` and drops, and the janitor all go by — and the janitor itself:
 //! what removes this process's segments when it dies without its exit hook.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
@@ -85,8 +86,25 @@ pub(super) fn janitor() -> std::sync::MutexGuard<'static, Option<(u32, std::os::
 /// sent now, and every later one as it comes. Replaces an earlier janitor (whose end is
 /// closed, so it removes what it was told and ends). Returns how many names were sent.
 pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
+    use std::os::fd::AsRawFd;
     let me = std::process::id();
     let mut slot = janitor();
+    if let Some((pid, old)) = slot.take() {
+        if pid == me {
+            // Closed here now: no longer the fork handler's to close in children.
+            crate::fork::forget_fd(old.as_raw_fd());
+        }
+        drop_inherited_or_own(pid, old);
+    }
+    // Closed in every forked child at the fork itself (a `pthread_atfork` handler: also
+    // for a child forked from C, where Python's fork hooks do not run), so that a child
+    // that lives on never keeps this process's janitor from seeing it die.
+    // Relaxed: read only by this process's own later calls, under the slot's lock.
+    JANITOR_CLOSED_IN_CHILDREN.store(
+        crate::fork::close_in_children(fd.as_raw_fd()),
+        Ordering::Relaxed,
+    );
+    backlog().clear();
     *slot = Some((me, fd));
     let kept = survivors().clone();
     let names: Vec<String> = created()
@@ -160,8 +178,35 @@ pub fn forget_inherited_janitor_now() {
 
 fn forget_inherited_janitor(slot: &mut Option<(u32, std::os::fd::OwnedFd)>) {
     if matches!(slot, Some((pid, _)) if *pid != std::process::id()) {
-        *slot = None; // closes the descriptor
+        if let Some((pid, fd)) = slot.take() {
+            drop_inherited_or_own(pid, fd);
+        }
+        backlog().clear(); // the parent's messages, not this process's
     }
+}
+
+/// Whether the janitor's descriptor of this process is registered with the fork handler
+/// (which closes it in every child at the fork).
+static JANITOR_CLOSED_IN_CHILDREN: AtomicBool = AtomicBool::new(false);
+
+/// Close a janitor descriptor, unless it was inherited and the fork handler already closed
+/// it in this child (its number may have been reused since: closing it again could close
+/// another descriptor of this process).
+fn drop_inherited_or_own(pid: u32, fd: std::os::fd::OwnedFd) {
+    // Relaxed: see `set_janitor`.
+    if pid != std::process::id() && JANITOR_CLOSED_IN_CHILDREN.load(Ordering::Relaxed) {
+        std::mem::forget(fd);
+    } else {
+        drop(fd);
+    }
+}
+
+/// Messages the janitor's socket had no room for (a janitor not scheduled during a burst
+/// of creations): sent before any later message, so that none is lost or reordered.
+static BACKLOG: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+fn backlog() -> std::sync::MutexGuard<'static, Vec<Vec<u8>>> {
+    BACKLOG.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 pub(super) fn tell_janitor(op: u8, name: &str) {
@@ -188,7 +233,6 @@ fn identity(name_or_path: &str) -> Option<(u64, u64)> {
 /// removes the name: never a successor's file of the same name, nor a symlink put in its
 /// place) or `-name` (a removal).
 fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &str) {
-    use std::os::fd::AsRawFd;
     let Some((_, fd)) = slot else { return };
     let mut message = Vec::with_capacity(name.len() + 48);
     message.push(op);
@@ -200,14 +244,43 @@ fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &st
         message.extend_from_slice(format!("{dev}:{ino}:").as_bytes());
     }
     message.extend_from_slice(name.as_bytes());
-    loop {
+    // The caller holds the slot's lock: the backlog and the socket are used in turn.
+    let mut pending = backlog();
+    if op == b'-' {
+        // A creation still pending and its removal cancel out: the backlog never holds
+        // more than the names that exist.
+        let creates_name = |m: &Vec<u8>| {
+            m.first() == Some(&b'+')
+                && m[1..].splitn(3, |&b| b == b':').nth(2) == Some(name.as_bytes())
+        };
+        if let Some(i) = pending.iter().position(creates_name) {
+            pending.remove(i);
+            return;
+        }
+    }
+    let may_wait = pending.is_empty();
+    pending.push(message);
+    flush_to_janitor(fd, &mut pending, may_wait);
+}
+
+/// Send the pending messages, oldest first, until the socket has no room. A socket with
+/// no room is given up to 100 ms (a janitor not scheduled at the moment) when nothing was
+/// pending before (`may_wait`: once per burst, not per message); what is still pending
+/// then waits for the next message. A janitor that is gone (EPIPE) is given
+/// nothing more: the exit hook and the objects' own drops still remove what they made,
+/// and `cleanup` finds the rest.
+fn flush_to_janitor(fd: &std::os::fd::OwnedFd, pending: &mut Vec<Vec<u8>>, may_wait: bool) {
+    use std::os::fd::AsRawFd;
+    let mut sent_count = 0;
+    let mut waited = !may_wait;
+    while sent_count < pending.len() {
+        let message = &pending[sent_count];
         // SAFETY: `fd` is an open socket owned by the slot, which the caller holds locked;
         // `message` is a live buffer of the given length. MSG_NOSIGNAL: a janitor that died
         // is EPIPE here, never a SIGPIPE to the host program. MSG_DONTWAIT: a janitor that
-        // does not read (stopped, say) never blocks a segment's creation; the message is
-        // then lost (a lost `-` is harmless: the janitor's removal of a name already gone
-        // finds nothing; a lost `+` leaves that segment to `cleanup` after a crash). A
-        // message of a SOCK_SEQPACKET socket arrives whole or not at all.
+        // does not read (stopped, say) never blocks a segment's creation for long (the
+        // wait below is bounded). A message of a SOCK_SEQPACKET socket arrives whole or
+        // not at all.
         let sent = unsafe {
             libc::send(
                 fd.as_raw_fd(),
@@ -216,12 +289,31 @@ fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &st
                 libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
             )
         };
-        if sent >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            // A janitor that is gone cannot be helped from here: the exit hook and the
-            // objects' own drops still remove what they made; `cleanup` finds the rest.
-            return;
+        if sent >= 0 {
+            sent_count += 1;
+            continue;
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) if !waited => {
+                waited = true;
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd for the duration of the call.
+                unsafe { libc::poll(&mut p, 1, 100) };
+            }
+            Some(libc::EAGAIN) => break, // kept for the next message
+            _ => {
+                // Gone: nothing more can reach it.
+                pending.clear();
+                return;
+            }
         }
     }
+    pending.drain(..sent_count);
 }
 
 /// Remove every segment and directory this process created that is still there (at
