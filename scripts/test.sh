@@ -126,6 +126,9 @@ step "Python: the stubs of shmq._core against the built module, and the types"
 .venv/bin/python -m mypy python/shmq
 .venv/bin/python -m mypy --strict tests/python/test_typing.py
 
+step "Python: the API reference (pdoc, from the docstrings and the stubs) into target/api-reference, its links checked"
+.venv/bin/python scripts/api_reference.py
+
 step "Rust: the loom model checks' result (they ran in the background since the fuzz targets were built)"
 rc=0 && wait "$loom_pid" || rc=$?
 loom_pid=''
