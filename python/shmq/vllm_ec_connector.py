@@ -235,6 +235,20 @@ class ShmqECConnector(ECConnectorBase):
             log.warning("shmq encoder-cache connector: evicted items of cache %r no consumer loaded", self.cache_name)
         return evicted
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """At the end of each step: a producer waits until this step's saves are
+        published (their copies run in the background meanwhile), so that an item is in
+        the cache before the encoder instance answers its request. Nothing is held for a
+        request: ``(None, None)``."""
+        if self.producer is not None:
+            try:
+                self.producer.flush(timeout=30.0)
+            except TimeoutError as e:
+                log.warning("shmq encoder-cache connector: saves not published yet: %s", e)
+            except Exception as e:  # a failed copy: that item is not cached, the engine goes on
+                log.error("shmq encoder-cache connector: a save to cache %r failed: %s", self.cache_name, e)
+        return None, None
+
     def wait_for_save(self) -> None:
         """Wait until every save so far is published."""
         if self.producer is not None:
