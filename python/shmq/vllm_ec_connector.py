@@ -198,13 +198,19 @@ class ShmqECConnector(ECConnectorBase):
         if self.producer is None:
             return
         try:
-            saved = self._save(mm_hash, encoder_cache[mm_hash])
+            self._save_or_evict(mm_hash, encoder_cache[mm_hash])
+        except Exception as e:  # the item is not cached (the consumer encodes it): never the engine's failure
+            log.error("shmq encoder-cache connector: %s not cached in %r: %s", mm_hash, self.cache_name, e)
+
+    def _save_or_evict(self, mm_hash: str, value: Any) -> None:
+        try:
+            saved = self._save(mm_hash, value)
         except MemoryError:
             if not self._evict_unread():
                 log.warning("shmq encoder-cache connector: cache %r full, %s not cached", self.cache_name, mm_hash)
                 return
             try:
-                saved = self._save(mm_hash, encoder_cache[mm_hash])
+                saved = self._save(mm_hash, value)
             except MemoryError as e:
                 log.warning("shmq encoder-cache connector: %s not cached: %s", mm_hash, e)
                 return
@@ -219,8 +225,9 @@ class ShmqECConnector(ECConnectorBase):
         return self.producer.save(key, value)
 
     def _evict_unread(self) -> bool:
-        """Evict the items saved more than ``unread_ttl_s`` ago that a consumer has not
-        loaded; whether any went."""
+        """Evict the items saved more than ``unread_ttl_s`` ago (those that are still
+        there: the cache has already let go of the items every consumer loaded, when it
+        needed room); whether any went."""
         assert self.producer is not None
         now = time.monotonic()
         held = set(self.producer.keys())
