@@ -18,7 +18,17 @@
 //!   cleanup ([`admin`]);
 //! - `shmq-workers` (`crates/workers`): worker supervision ([`workers`]);
 //! - `shmq-python` (`bindings/python`): the PyO3 binding, module `shmq._core`; it sees
-//!   only this crate's public API. No crate a Rust user builds depends on pyo3.
+//!   only this crate's public API. No crate a Rust user builds depends on pyo3, and this
+//!   crate has no cargo features.
+//!
+//! # Building: libzmq
+//! The `zmq` crate compiles libzmq from its C++ source (most of a first build). The
+//! repository's `.cargo/config.toml` adds libzmq's Linux build flags (eventfd,
+//! `SOCK_CLOEXEC`, `accept4`), which cargo does not apply to a project that depends on
+//! this crate: put the same `[env]` lines in your own `.cargo/config.toml`, or link a
+//! system libzmq (built with them, and no C++ to compile):
+//! `[target.x86_64-unknown-linux-gnu.zmq] rustc-link-lib = ["zmq"]` there, after
+//! `apt-get install libzmq3-dev`. `docs/guide.md` ("Building libzmq") has the details.
 //!
 //! # Glossary: shmq's names and the engines' (vLLM's) names
 //! | shmq (Rust) | the engines (Python; shmq keeps these names in `shmq`) |
@@ -56,4 +66,7 @@
 //! ```
 
 pub use shmq_core::*;
+// Inlined, so that `cargo doc -p shmq` has pages for `shmq::workers` (a re-exported crate
+// is otherwise only a line under "Re-exports", linking to a crate with no pages there).
+#[doc(inline)]
 pub use shmq_workers as workers;
