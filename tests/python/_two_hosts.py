@@ -7,12 +7,14 @@ Roles: ``writer`` (host A), ``local`` (host A, reads through shared memory),
 ``group RANK``: one rank of a 3-process StatelessProcessGroup (store on host A) that
 makes its queue with ``MessageQueue.create_from_process_group``, rank 0 writing, and
 ``writer_then_hold`` / ``remote_until_gone``: a remote reader whose link to the writer
-goes down.
+goes down; ``writer_blocked`` / ``remote_holding``: a writer blocked on the credit of a
+remote reader whose link goes down (test_remote_link_cut.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import random
@@ -142,6 +144,98 @@ def remote_until_gone(workdir: str) -> dict:
     return {"got": got, "error": error, "at": time.time()}
 
 
+# The remote reader's window in writer_blocked: messages sent to it and not yet taken.
+BLOCKED_HWM = 4
+# How long writer_blocked's enqueue that waits for the reader's credit may wait.
+BLOCKED_TIMEOUT = 30.0
+
+
+def _mark(workdir: str, name: str) -> None:
+    with open(os.path.join(workdir, name), "w") as f:
+        f.write(name)
+
+
+def _await_mark(workdir: str, name: str, timeout: float = TIMEOUT) -> bool:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(workdir, name)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def writer_blocked(workdir: str) -> dict:
+    """A writer for one remote reader (rank 0) that may have ``BLOCKED_HWM`` messages in
+    flight to it: sends that many (the reader takes none yet), says so (a file ``full``),
+    then enqueues one more, which waits for the reader's credit (at most
+    ``BLOCKED_TIMEOUT``); reports how and when (wall clock) that enqueue ended, then
+    sends 3 more (the seconds each took, or the error that ended them), shuts the queue
+    down and waits for the reader's ``done``.
+    The shmq warnings logged are reported too."""
+    warnings = _Warnings()
+    logging.getLogger("shmq").addHandler(warnings)
+    logging.getLogger("shmq").setLevel(logging.WARNING)
+    mq = MessageQueue(n_reader=1, n_local_reader=0, connect_ip=HOST_A, remote_hwm=BLOCKED_HWM)
+    tmp = handle_path(workdir) + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(mq.export_handle(), f)
+    os.rename(tmp, handle_path(workdir))
+    mq.wait_until_ready(TIMEOUT)
+    for i in range(BLOCKED_HWM):
+        mq.enqueue(i, timeout=TIMEOUT)
+    _mark(workdir, "full")
+    try:
+        mq.enqueue(BLOCKED_HWM, timeout=BLOCKED_TIMEOUT)
+        blocked_error = None
+    except Exception as e:  # reported: the test checks which
+        blocked_error = [type(e).__name__, str(e)]
+    blocked_ended = time.time()
+    after: list = []
+    for i in range(BLOCKED_HWM + 1, BLOCKED_HWM + 4):
+        t0 = time.monotonic()
+        try:
+            mq.enqueue(i, timeout=5.0)
+        except Exception as e:  # reported: the test checks
+            after.append([type(e).__name__, str(e)])
+            break
+        after.append(time.monotonic() - t0)
+    mq.shutdown()
+    _await_mark(workdir, "done")  # the process (its ZeroMQ context) stays until the reader is done
+    return {
+        "blocked_error": blocked_error,
+        "blocked_ended": blocked_ended,
+        "after": after,
+        "warnings": warnings.messages,
+    }
+
+
+def remote_holding(workdir: str) -> dict:
+    """Rank 0 of ``writer_blocked``'s queue: get ready, then take nothing (busy elsewhere:
+    not in a call of the queue) until the file ``read`` appears; then dequeue until an
+    error ends it, and report the numbers taken and that error; says ``done`` (a file)."""
+    mq = MessageQueue.create_from_handle(read_handle(workdir), 0)
+    mq.wait_until_ready(TIMEOUT)
+    if not _await_mark(workdir, "read", 2 * TIMEOUT):
+        raise TimeoutError("never told to read")
+    got = []
+    try:
+        while True:
+            got.append(mq.dequeue(timeout=TIMEOUT))
+    except Exception as e:  # reported: the test checks which
+        error = [type(e).__name__, str(e)]
+    _mark(workdir, "done")
+    return {"got": got, "error": error}
+
+
 STORE_PORT = 29517  # inside the test's own network namespaces: nothing else uses it
 
 
@@ -172,6 +266,10 @@ if __name__ == "__main__":
         result = writer_then_hold(workdir)
     elif role == "remote_until_gone":
         result = remote_until_gone(workdir)
+    elif role == "writer_blocked":
+        result = writer_blocked(workdir)
+    elif role == "remote_holding":
+        result = remote_holding(workdir)
     else:
         result = writer(workdir) if role == "writer" else reader(workdir, 1 if role == "local" else 2)
     print(json.dumps(result), flush=True)

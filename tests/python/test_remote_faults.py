@@ -16,14 +16,24 @@ do to it.
   again for a replacement (before: "Host unreachable", then "rank 0 has joined
   already").
 
+- A writer blocked on a remote reader's credit does not wait for a reader that stopped
+  answering (issue 44): a reader process stopped (SIGSTOP) answers none of the writer's
+  ZeroMQ heartbeats, as a machine that hangs or a link that is cut
+  (test_remote_link_cut.py has the link): within ``SILENT_READER_BOUND`` the writer
+  counts it gone (a warning naming its rank) and its enqueue returns (before: it waited
+  until its own timeout, for good without one). A reader stopped for less (2 s) is not
+  cut off: it gets every message once it reads.
+
 Each test failed (a timeout, or a wrong error) before these were made.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import threading
 import time
 
 import psutil
@@ -43,6 +53,10 @@ from shmq import MessageQueue, PeerDiedError, QueueShutDownError
 # A writer that stops answering is found by ZeroMQ's heartbeats: a PING every second, the
 # connection given up 4 s after one goes unanswered: at most 5 s (docs/operations.md).
 SILENT_WRITER_BOUND = 5.0
+# The writer's side of the same heartbeats: a PING every second, the reader's
+# connection given up when nothing comes back for 4 s: at most 5 s after the last thing
+# heard from it.
+SILENT_READER_BOUND = 5.0
 # Slack for a busy 2-core machine on top of the bounds above.
 SLACK = 2.5
 
@@ -214,4 +228,78 @@ def test_a_rank_whose_reader_died_before_the_queue_was_ready_takes_a_replacement
     assert children.expect(replacement_out, "got") == ("got", "to both")
     assert children.expect(other_out, "hello")[0] == "hello"
     assert children.expect(other_out, "got") == ("got", "to both")
+    mq.shutdown()
+
+
+HWM = 4
+
+
+def _num(i: int) -> bytes:
+    """Message ``i`` as ``stalled_remote_reader`` reads it (its number, 8 bytes)."""
+    return i.to_bytes(8, "little")
+
+
+def _writer_with_stalled_reader(children):
+    """This process writes to one remote reader (a child that reads only when told) with
+    room for ``HWM`` messages in flight; the window is full: the next enqueue waits for
+    the reader. (queue, reader process, its report queue, its command queue)."""
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_hwm=HWM)
+    out, cmds = children.queue(), children.queue()
+    reader = children.start(stalled_remote_reader, out, mq.export_handle(), 0, cmds)
+    mq.wait_until_ready(timeout=STEP)
+    children.expect(out, "ready")
+    for i in range(HWM):
+        mq.enqueue(_num(i), timeout=STEP)
+    return mq, reader, out, cmds
+
+
+def test_a_writer_blocked_on_a_remote_reader_that_stopped_answering_goes_on_without_it(children, caplog):
+    mq, reader, out, cmds = _writer_with_stalled_reader(children)
+    os.kill(reader.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="shmq"):
+            mq.enqueue(_num(HWM), timeout=STEP)
+            took = time.monotonic() - t0
+            # Later messages go on at once: the gone reader holds nothing up.
+            t1 = time.monotonic()
+            mq.enqueue(_num(HWM + 1), timeout=STEP)
+            assert time.monotonic() - t1 < 1.0
+    finally:
+        os.kill(reader.pid, signal.SIGCONT)
+    assert 3.0 < took < SILENT_READER_BOUND + SLACK, f"{took:.2f} s (its timeout: {STEP} s)"
+    gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+    assert gone and "remote reader rank 0 (host 127.0.0.1)" in gone[0], caplog.text
+    # The reader, resumed, gets what had arrived, then learns its connection is gone.
+    cmds.put((100, 10.0))
+    _, got, err = children.expect(out, "got")
+    assert got == list(range(HWM)), got
+    assert err is not None and err[0] == "PeerDiedError" and "is gone" in err[1], err
+    cmds.put(None)
+    mq.shutdown()
+
+
+def test_a_remote_reader_stopped_for_less_than_the_bound_is_not_cut_off(children, caplog):
+    mq, reader, out, cmds = _writer_with_stalled_reader(children)
+    os.kill(reader.pid, signal.SIGSTOP)
+    resume = threading.Timer(2.0, os.kill, (reader.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        t0 = time.monotonic()
+        # The writer waits for the reader past the bound: it was silent for less than
+        # the heartbeats' timeout, and it is still there (it takes nothing: stalled).
+        with caplog.at_level(logging.WARNING, logger="shmq"):
+            with pytest.raises(TimeoutError, match="remote reader rank 0"):
+                mq.enqueue(_num(HWM), timeout=SILENT_READER_BOUND + SLACK)
+        assert time.monotonic() - t0 >= SILENT_READER_BOUND + SLACK - 0.1
+    finally:
+        resume.join()
+        os.kill(reader.pid, signal.SIGCONT)
+    assert not [r for r in caplog.records if "is gone" in r.getMessage()], caplog.text
+    # The reader reads: the message that timed out is sent again, and it gets them all.
+    cmds.put((HWM + 1, 10.0))
+    mq.enqueue(_num(HWM), timeout=STEP)
+    _, got, err = children.expect(out, "got")
+    assert (got, err) == (list(range(HWM + 1)), None)
+    cmds.put(None)
     mq.shutdown()

@@ -42,7 +42,7 @@ impl Guard {
 }
 
 /// The peer address of socket `fd`, as bytes (None if it is not a connected socket).
-fn peer_of(fd: i32) -> Option<Vec<u8>> {
+pub(super) fn peer_of(fd: i32) -> Option<Vec<u8>> {
     // SAFETY: all-zero bytes are a valid `sockaddr_storage`.
     let mut addr: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;

@@ -64,6 +64,17 @@
 //! again, and the HELLO said again on it, until the reader's own deadline; only a writer
 //! that cannot be reached at all for the interval plus the timeout is gone.
 //!
+//! No wait of the writer for a remote reader goes on without an end either: the
+//! writer's end of each connection carries ZeroMQ's heartbeats too (a PING every
+//! [`HEARTBEAT_INTERVAL`]; the connection is closed when nothing comes from the reader,
+//! no PONG and none of its own PINGs or ACKs, for the heartbeat timeout after one). A
+//! reader whose connection closed (it died; or it hangs, its machine died or the network
+//! between failed: within the interval plus the timeout of the last thing heard from
+//! it) is gone: a warning, no more messages to it, and a writer waiting for its credit
+//! goes on without it (the writer asks the kernel whether the connection the reader's
+//! HELLO came on is still there, so it needs no more PINGs to find out). A reader
+//! silent for less than the timeout (a pause, a link down for a moment) is not cut off.
+//!
 //! Joining is idempotent: a HELLO said again (same nonce) on a new connection moves the
 //! reader to it, and a rank whose reader went away before the queue was ready is free
 //! for another (the writer looks: ZeroMQ forgets a closed connection, so a send to it
@@ -129,6 +140,11 @@ pub fn heartbeat_timeout() -> Option<Duration> {
     }
 }
 
+/// Milliseconds as ZeroMQ's options take them.
+fn millis(d: Duration) -> i32 {
+    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
+}
+
 /// A secret of [`SECRET_BYTES`] random bytes, from the kernel.
 pub fn new_secret() -> Result<[u8; SECRET_BYTES]> {
     crate::auth::new_secret("the queue's remote secret")
@@ -141,7 +157,9 @@ fn random16() -> Result<[u8; 16]> {
 /// What the writer does with a remote reader whose queue (`hwm` messages) is full.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SlowReaderPolicy {
-    /// Wait until it takes messages again, within the enqueue's timeout.
+    /// Wait until it takes messages again, within the enqueue's timeout, or until it is
+    /// gone (its connection closed, or silent for the heartbeat timeout after a PING:
+    /// see the module docs); then go on without it.
     #[default]
     Block,
     /// Stop sending to it (it sees a gap and fails); the others go on.

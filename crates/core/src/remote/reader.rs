@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::wire::*;
 use super::{
-    heartbeat_timeout, random16, socket, HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES,
+    heartbeat_timeout, millis, random16, socket, HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES,
 };
 use crate::auth::{mac, mac_eq, message_mac};
 use crate::transport::{poll_slice, POLL_SLICE};
@@ -135,11 +135,6 @@ extern "C" {
         endpoint: *const std::ffi::c_char,
         events: std::ffi::c_int,
     ) -> std::ffi::c_int;
-}
-
-/// Milliseconds as ZeroMQ's options take them.
-fn millis(d: Duration) -> i32 {
-    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
 }
 
 impl RemoteReader {

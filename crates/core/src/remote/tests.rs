@@ -89,6 +89,39 @@ fn a_reader_that_takes_nothing_stops_the_writer_at_its_credit() {
 }
 
 #[test]
+fn a_writer_waiting_for_credit_stops_once_the_readers_connection_closes() {
+    // The writer waits for a reader that takes nothing until it has asked it for credit
+    // as often as it will (`MAX_UNANSWERED_PINGS`); then the reader's connection closes
+    // (the reader gone, or given up by the heartbeats). Asking sends nothing more, yet the
+    // writer sees the connection closed and goes on without it (before: it waited for
+    // that reader until its timeout).
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let options = RemoteOptions {
+        hwm: 2,
+        ..RemoteOptions::default()
+    };
+    let (mut w, _) = RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
+    let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+        w.wait_for_readers(&mut wait()).unwrap();
+    });
+    w.send(&[b"one"], &mut wait()).unwrap();
+    w.send(&[b"two"], &mut wait()).unwrap();
+    let short = Duration::from_millis(500);
+    let e = w
+        .send(&[b"three"], &mut Wait::new("test", Some(short)))
+        .unwrap_err();
+    assert!(e.to_string().contains("remote reader rank 1"), "{e}");
+    drop(r);
+    let t0 = Instant::now();
+    w.send(&[b"three"], &mut wait()).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(w.peers(), vec![(1, Some("127.0.0.1".into()), true)]);
+}
+
+#[test]
 fn a_reader_whose_writer_goes_without_shutdown_gets_what_arrived_then_an_error() {
     let ctx = zmq::Context::new();
     let key = new_secret().unwrap();

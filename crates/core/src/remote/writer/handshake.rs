@@ -3,6 +3,7 @@
 
 use super::{Peer, Probe, RemoteWriter};
 use crate::auth::{mac, mac_eq, message_mac};
+use crate::remote::guard::peer_of;
 use crate::remote::wire::*;
 use crate::transport::poll_slice;
 use crate::wait::Wait;
@@ -74,13 +75,22 @@ impl RemoteWriter {
                     .unwrap_or_else(|e| e.into_inner())
                     .insert(fd);
             }
-            self.hello(id, rank, nonce, host)?;
+            // The connection as the kernel knows it, to see it close (`connection_closed`).
+            let conn = fd.and_then(|fd| Some((fd, peer_of(fd)?)));
+            self.hello(id, rank, nonce, host, conn)?;
         }
     }
 
     /// A HELLO that proved the secret, from connection `id`: accept the reader, move a
     /// known one to this connection, or refuse it (with the reason, under a MAC).
-    fn hello(&mut self, id: &[u8], rank: u64, nonce: [u8; 16], host: Option<String>) -> Result<()> {
+    fn hello(
+        &mut self,
+        id: &[u8],
+        rank: u64,
+        nonce: [u8; 16],
+        host: Option<String>,
+        conn: Option<(i32, Vec<u8>)>,
+    ) -> Result<()> {
         let known = self.peers.iter().position(|p| p.rank == rank);
         if let Some(k) = known {
             let p = &self.peers[k];
@@ -95,6 +105,7 @@ impl RemoteWriter {
                 let p = &mut self.peers[k];
                 p.id = id.to_vec();
                 p.host = host;
+                p.conn = conn;
                 p.pinged = None;
                 p.unanswered_pings = 0;
                 let started = p.started;
@@ -161,6 +172,7 @@ impl RemoteWriter {
             started: false,
             dropped: false,
             host,
+            conn,
             sent_msgs: 0,
             sent_bytes: 0,
             taken_msgs: 0,

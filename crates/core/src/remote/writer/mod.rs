@@ -5,9 +5,12 @@ mod handshake;
 
 use std::time::{Duration, Instant};
 
-use super::guard::{spawn_guard, Guard};
+use super::guard::{peer_of, spawn_guard, Guard};
 use super::wire::*;
-use super::{random16, socket, RemoteOptions, SlowReaderPolicy, HANDSHAKE_IVL_MS, SECRET_BYTES};
+use super::{
+    heartbeat_timeout, millis, random16, socket, RemoteOptions, SlowReaderPolicy, HANDSHAKE_IVL_MS,
+    HEARTBEAT_INTERVAL, SECRET_BYTES,
+};
 use crate::auth::{mac, message_mac};
 use crate::wait::Wait;
 use shmq_os::error::{Error, Result};
@@ -38,6 +41,9 @@ struct Peer {
     dropped: bool,
     /// Its address as ZeroMQ saw the connection ("Peer-Address"), for warnings.
     host: Option<String>,
+    /// Its connection as the kernel knows it: the descriptor ZeroMQ gave with its HELLO
+    /// ("__fd") and that socket's peer address then (see [`RemoteWriter::connection_closed`]).
+    conn: Option<(i32, Vec<u8>)>,
     /// Data messages and bytes sent to it, and the reader's running totals of those it
     /// has taken (its last ACK): the difference is what its credit counts.
     sent_msgs: u64,
@@ -87,6 +93,8 @@ pub struct RemoteWriter {
     options: RemoteOptions,
     /// When the HELLOs were last looked at while sending (see `send`).
     hellos_served: Instant,
+    /// The heartbeat timeout of the readers' connections (`None`: no heartbeats).
+    heartbeat: Option<Duration>,
     /// What the guard of the port must know (see [`spawn_guard`]).
     pub(super) guard: std::sync::Arc<Guard>,
 }
@@ -155,6 +163,21 @@ impl RemoteWriter {
         s.set_maxmsgsize(HELLO as i64 * 4)
             .map_err(opt("MAXMSGSIZE"))?;
         s.set_linger(LINGER_MS).map_err(opt("LINGER"))?;
+        // ZeroMQ's heartbeats on the writer's side too: a PING to each reader every
+        // interval, and a connection that carries nothing from its reader for the
+        // timeout after one (no PONG, none of the reader's own PINGs or ACKs) is closed.
+        // So a reader whose machine or network went away, or that hangs, is gone for the
+        // writer within the interval plus the timeout of the last thing heard from it,
+        // as the writer is for the reader, and a writer waiting for its credit stops
+        // waiting then (see `slow`). The reader's own PINGs come every interval whatever
+        // the writer sends, so a large frame on its way does not make it look silent.
+        let heartbeat = heartbeat_timeout();
+        if let Some(timeout) = heartbeat {
+            s.set_heartbeat_ivl(millis(HEARTBEAT_INTERVAL))
+                .map_err(opt("HEARTBEAT_IVL"))?;
+            s.set_heartbeat_timeout(millis(timeout))
+                .map_err(opt("HEARTBEAT_TIMEOUT"))?;
+        }
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
         crate::transport::check_endpoint(&addr)?;
         s.bind(&addr).map_err(crate::transport::endpoint_error(
@@ -179,6 +202,7 @@ impl RemoteWriter {
                 ready: false,
                 options,
                 hellos_served: Instant::now(),
+                heartbeat,
                 guard,
             },
             ipv6,
@@ -287,10 +311,28 @@ impl RemoteWriter {
         Ok(())
     }
 
+    /// Whether reader `k`'s connection is closed: the descriptor its HELLO came on no
+    /// longer holds a socket connected to the same peer address and port (ZeroMQ closed
+    /// it: the reader went away, or stopped answering the heartbeats; a live connection's
+    /// address pair is unique, so a descriptor reused since is another connection). Asks
+    /// the kernel and sends nothing, so it also holds once the reader has been asked for
+    /// credit `MAX_UNANSWERED_PINGS` times, when no more PINGs go to find out; and it
+    /// does not wait for ZeroMQ to forget the connection's routing id.
+    fn connection_closed(&self, k: usize) -> bool {
+        self.peers[k]
+            .conn
+            .as_ref()
+            .is_some_and(|(fd, peer)| peer_of(*fd).as_ref() != Some(peer))
+    }
+
     /// Reader `k` is out of credit: drop it, or ask it for an ACK and wait a little (one
     /// step of `wait`: its timeout ends it). One whose connection is gone is dropped.
     fn slow(&mut self, k: usize, wait: &mut Wait) -> Result<()> {
         let (hwm, max_bytes) = (self.options.hwm, self.options.max_queued_bytes);
+        if self.connection_closed(k) {
+            self.gone(k);
+            return Ok(());
+        }
         match self.options.slow_reader {
             SlowReaderPolicy::Drop => {
                 let p = &self.peers[k];
@@ -446,9 +488,15 @@ impl RemoteWriter {
 
     /// Reader `k`'s connection is gone: no more messages go to it.
     fn gone(&mut self, k: usize) {
+        let silence = self.heartbeat.map_or_else(String::new, |t| {
+            format!(
+                ", or nothing came from it for {t:?} after a heartbeat: it hangs, or its \
+                 machine or the network went away"
+            )
+        });
         warn_user!(
-            "shmq: remote reader rank {} (host {}) is gone (its connection closed); no more \
-             messages go to it",
+            "shmq: remote reader rank {} (host {}) is gone (its connection closed{silence}); \
+             no more messages go to it",
             self.peers[k].rank,
             self.peers[k].host.as_deref().unwrap_or("unknown")
         );
