@@ -132,7 +132,7 @@ pub struct Publisher {
 
 /// The suffix of the directory that holds a segment's local socket: the directory is
 /// `/dev/shm/<segment>.sock`, or `<segment>.<16 hex digits>.sock` where that name was
-/// taken (see [`SocketDir`]).
+/// taken (the writer then draws another name).
 pub const SOCKET_DIR_SUFFIX: &str = ".sock";
 
 /// How many names [`SocketDir::create`] tries past `<segment>.sock`.
