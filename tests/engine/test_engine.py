@@ -74,21 +74,50 @@ def _wait_no_shm(pids: set[int], seconds: float = 15.0) -> set[str]:
     return left
 
 
+def _run_driver(argv: list[str], env: dict[str, str], timeout: float = 600) -> dict:
+    """Run ``driver.py`` in a process group of its own and return its ``RESULT``, with
+    its output as ``_log``. Once the driver has exited, what is left of its group is
+    killed: an engine process that outlived it (vLLM's CPU all-reduce spins forever
+    when a TP peer dies in the middle of one) would otherwise keep the output pipe open
+    and be counted by the tests after this one."""
+    import threading
+
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    # The driver prints its result last: once it has exited, give the reader a moment
+    # to take the rest of the pipe (an orphan of its group keeps the pipe open).
+    reader.join(5.0)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    reader.join(10.0)
+    log = "".join(lines)
+    results = [line for line in lines if line.startswith("RESULT ")]
+    assert results, f"no result (exit {code}{', timed out' if code is None else ''}):\n{log[-6000:]}"
+    got = json.loads(results[-1][len("RESULT ") :])
+    got["_log"] = log
+    got["_exit"] = code
+    return got
+
+
 def _drive(engine: tuple[str, str], plugin: bool, *args: str, timeout: float = 600) -> dict:
     python, model = engine
-    p = subprocess.run(
-        [python, DRIVER, args[0], model, *args[1:]],
-        env=_env(plugin),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {p.returncode}):\n{p.stdout[-6000:]}"
-    got = json.loads(lines[-1][len("RESULT ") :])
-    got["_log"] = p.stdout
-    return got
+    return _run_driver([python, DRIVER, args[0], model, *args[1:]], _env(plugin), timeout)
 
 
 def test_offline_greedy_outputs_are_identical_and_nothing_is_left(engine):
@@ -278,19 +307,8 @@ LLAVA = str(ROOT / "target" / "engine-llava")
 
 def _drive_mm(engine: tuple[str, str], plugin: bool, *args: str, **env: str) -> dict:
     python, _ = engine
-    p = subprocess.run(
-        [python, DRIVER, "mm", LLAVA, "--cache-mib", MM_CACHE_MIB, "--sequence", MM_SEQUENCE, *args],
-        env={**_env(plugin), **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {p.returncode}):\n{p.stdout[-6000:]}"
-    got = json.loads(lines[-1][len("RESULT ") :])
-    got["_log"] = p.stdout
-    return got
+    argv = [python, DRIVER, "mm", LLAVA, "--cache-mib", MM_CACHE_MIB, "--sequence", MM_SEQUENCE, *args]
+    return _run_driver(argv, {**_env(plugin), **env})
 
 
 @pytest.fixture(scope="module")
@@ -474,8 +492,9 @@ def test_epd_through_shmqs_encoder_cache_connector_same_outputs_and_an_encoder_k
     finally:
         encoder.kill()
         pd.kill()
-    # The named cache outlives its crashed producer on purpose (its items stay loadable
-    # until an encoder of that name replaces it); cleanup removes it once nobody needs it.
-    out = subprocess.run([sys.executable, "-m", "shmq", "cleanup"], capture_output=True, text=True, timeout=60,
-                         check=True).stdout
+        # The named cache outlives its crashed producer on purpose (its items stay
+        # loadable until an encoder of that name replaces it); cleanup removes it once
+        # nobody needs it.
+        out = subprocess.run([sys.executable, "-m", "shmq", "cleanup"], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
     assert not [n for n in os.listdir("/dev/shm") if name in n], out
