@@ -21,8 +21,11 @@ What it changes for the host program, and why each is harmless:
   to start: no ``wait()`` of the
   host reaps it, no ``SIGCHLD`` from it, and a tree kill of the owner's children — vLLM's
   shutdown does one — does not stop it before it has cleaned up). It ends when its owner
-  does. It ignores ``SIGINT`` (a Ctrl-C reaches only the terminal's process group, not
-  its session anyway) and dies of ``SIGTERM`` as any process.
+  does. (An owner that is a subreaper, ``PR_SET_CHILD_SUBREAPER``, as shmq's workers
+  are, adopts it as it adopts every orphan below it: it is then that owner's child, one
+  that exits only after the owner.) It ignores ``SIGINT`` (a Ctrl-C reaches only the
+  terminal's process group, not its session anyway) and dies of ``SIGTERM`` as any
+  process.
 - It runs ``python -I -S``: no site-packages, no user code, no environment variables
   beyond the interpreter's own; it imports only the standard library.
 - It removes only what its owner made: names in ``/dev/shm`` that its owner sent, each
@@ -39,7 +42,7 @@ janitor runs; exit cleanup still removes what a process made when it ends normal
 allows no extra process, say): its segments are then left behind by a death without
 exit hook, for ``cleanup``, as before the janitor.
 
-Run as a script: ``python -I -S _janitor.py FD SHM_DIR``.
+Run as a script: ``python -I -S _janitor.py FD SHM_DIR [--in-background]``.
 """
 
 from __future__ import annotations
@@ -136,13 +139,20 @@ def _serve(fd: int, shm_dir: str) -> None:
         _remove(name, listed[name], shm_dir)
 
 
+#: The last argument when a shell started the janitor in the background: it is detached
+#: already (the shell, its parent, has exited), so it does not fork again.
+IN_BACKGROUND = "--in-background"
+
+
 def _main(argv: list[str]) -> None:
     fd, shm_dir = int(argv[1]), argv[2]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    # Detach: the first process exits at once (its parent reaps it), the second is
-    # nobody's child in the owner's tree.
-    if os.fork() != 0:
+    # Detach: the first process exits at once (its parent, the owner, reaps it), the
+    # second is nobody's child in the owner's tree. Started by a shell in the background,
+    # it is detached already: a second process here would exit unreaped where the owner
+    # is a subreaper (orphans are given to it, and it reaps only its own children).
+    if argv[-1] != IN_BACKGROUND and os.fork() != 0:
         os._exit(0)
     os.chdir("/")
     _serve(fd, shm_dir)
@@ -169,7 +179,7 @@ def start(executable: str | None = None) -> bool:
         # The shell starts the janitor in the background and exits: the owner waits for
         # a shell (~2 ms), not for an interpreter to start (~30-70 ms). The janitor's
         # socket is already its own: what the owner sends meanwhile waits in the socket.
-        command = [_SH, "-c", '"$@" </dev/null >/dev/null &', "sh", *command]
+        command = [_SH, "-c", '"$@" </dev/null >/dev/null &', "sh", *command, IN_BACKGROUND]
     try:
         first = subprocess.Popen(
             command,

@@ -214,9 +214,10 @@ def _janitor_queue(owner: int) -> int | None:
     return None
 
 
-def _janitor_pid(owner: int) -> int | None:
+def _janitor_pid(owner: int, alone: bool = False) -> int | None:
     """The pid of ``owner``'s janitor: the process at the other end of its janitor's
-    socket pair (``ss`` shows both ends' inodes)."""
+    socket pair (``ss`` shows both ends' inodes); with ``alone``, only once no other
+    process holds that end too."""
     out = subprocess.run(["ss", "-xpn"], capture_output=True, text=True, timeout=STEP).stdout
     peer = None
     for line in out.splitlines():
@@ -228,8 +229,10 @@ def _janitor_pid(owner: int) -> int | None:
     for line in out.splitlines():
         f = line.split()
         if f and f[0] == "u_seq" and f[5] == peer:
-            m = re.search(r"pid=(\d+),", line)
-            return int(m.group(1)) if m else None
+            holders = re.findall(r"pid=(\d+),", line)
+            if not holders or (alone and len(holders) > 1):
+                return None
+            return int(holders[0])
     return None
 
 
@@ -298,3 +301,53 @@ def test_a_child_forked_at_c_level_does_not_keep_its_parents_segments():
         assert os.path.exists(f"/proc/{child}"), "the forked child is still alive"
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+SUBREAPER = """
+import ctypes, os, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+from shmq import RingBuffer
+ring = RingBuffer(4096, create=True)
+print("pid", os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs ss (iproute2) to find the janitor's pid")
+def test_a_subreaper_owner_keeps_no_zombie_of_its_janitor():
+    # A subreaper is given the orphans below it: the janitor's start left one of its
+    # processes there unreaped (a zombie for the owner's life).
+    owner = subprocess.Popen([sys.executable, "-c", SUBREAPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert owner.stdout is not None
+        pid = int(owner.stdout.readline().split()[1])
+        def settled() -> int | None:
+            # The janitor alone holds its end, asleep (in recv), and the owner adopted it:
+            # whatever started it (a shell, an interpreter that forked it) has exited.
+            j = _janitor_pid(pid, alone=True)
+            if j is None:
+                return None
+            with open(f"/proc/{j}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return j if fields[0] == "S" and int(fields[1]) == pid else None
+
+        janitor = wait_for(settled, STEP, "the owner's janitor to settle")
+
+        def zombies() -> list[int]:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+            out = []
+            for c in children:
+                try:
+                    with open(f"/proc/{c}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            out.append(c)
+                except FileNotFoundError:
+                    pass
+            return out
+
+        assert zombies() == [], f"zombies of the owner (its janitor is {janitor})"
+    finally:
+        owner.kill()
+        owner.wait(STEP)
