@@ -351,3 +351,56 @@ def test_a_subreaper_owner_keeps_no_zombie_of_its_janitor():
     finally:
         owner.kill()
         owner.wait(STEP)
+
+
+QUEUE_OWNER = """
+import os, sys
+from shmq import MessageQueue
+q = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+print("pid", os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs ss (iproute2) to find the janitor's pid")
+def test_the_janitor_never_empties_a_directory_a_symlink_points_to(tmp_path):
+    # A queue's socket directory (<ring>.sock) replaced by a symlink to another
+    # directory while its owner lives: once the owner dies, its janitor must not delete
+    # the files of that other directory (before: it listed the "socket directory"
+    # through the symlink and unlinked every entry).
+    victim = tmp_path / "elsewhere"
+    victim.mkdir()
+    (victim / "keep").write_text("keep me")
+    owner = subprocess.Popen([sys.executable, "-c", QUEUE_OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    link = None
+    try:
+        assert owner.stdout is not None
+        pid = int(owner.stdout.readline().split()[1])
+        dirs = [n for n in os.listdir(SHM) if n.startswith(f"shmq_ring_{pid}_") and n.endswith(".sock")]
+        assert dirs, os.listdir(SHM)
+        link = os.path.join(SHM, dirs[0])
+        janitor = wait_for(lambda: _janitor_pid(pid), STEP, "the owner's janitor")
+        os.rename(link, link + "-moved")
+        os.symlink(victim, link)
+        owner.kill()
+        owner.wait(STEP)
+        # The janitor has done all it will once it has exited.
+        wait_for(lambda: not os.path.exists(f"/proc/{janitor}") or _state(janitor) == "Z", STEP, "the janitor to end")
+        assert (victim / "keep").read_text() == "keep me", "the janitor deleted files through a symlink"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(STEP)
+        if link is not None:
+            if os.path.islink(link):
+                os.unlink(link)
+            shutil.rmtree(link + "-moved", ignore_errors=True)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
