@@ -487,9 +487,16 @@ class ObjectStore:
     """Key → object index over a ``BlockFifo``; payloads are serialized parts."""
 
     def __new__(
-        cls, ring: BlockFifo, max_object_size: int, n_readers: int, count_writer_reads: bool = False
-    ) -> ObjectStore: ...
-    def put(self, key: str, parts: list[Buffer], align_from: int) -> tuple[int, int]: ...
+        cls,
+        ring: BlockFifo,
+        max_object_size: int,
+        n_readers: int,
+        count_writer_reads: bool = False,
+        on_dead_reader: str = "raise",
+    ) -> ObjectStore:
+        """A reader takes a reader slot; ``on_dead_reader`` is the writer's policy."""
+    def put(self, key: str, parts: list[Buffer], align_from: int) -> tuple[int, int]:
+        """``MemoryError`` when full, ``PeerDiedError`` when a dead reader holds the room."""
     def get(
         self,
         address: int,
@@ -529,6 +536,15 @@ class ObjectStore:
     def n_readers(self) -> int: ...
     @property
     def is_writer(self) -> bool: ...
+    @property
+    def on_dead_reader(self) -> str: ...
+    @property
+    def reader_slot(self) -> Optional[int]: ...
+    def dropped_readers(self) -> list[int]: ...
+    def readers(self) -> list[tuple[int, Optional[int], str, int]]:
+        """``(slot, pid or None, status, reads)`` of each reader slot."""
+    def close(self) -> None:
+        """A reader gives its slot back."""
 
 # -- encoder-cache hand-off (bindings/python/src/encoder_cache.rs; API in shmq.encoder_cache) --
 

@@ -9,11 +9,12 @@ included; the allocator, the bounds checks, the reader counts and the HMAC are i
 
 from __future__ import annotations
 
+import multiprocessing.util as _mp_util
 import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NamedTuple, NoReturn, Optional, Sequence, cast
 
 from . import _core
 from ._cleanup import created_segments
@@ -25,11 +26,39 @@ if TYPE_CHECKING:  # for annotations only: importing shmq imports neither
     import numpy.typing as npt
     import torch
 
-__all__ = ["ObjectStorage", "ObjectStorageHandle", "RingBuffer", "VIEW_THRESHOLD"]
+__all__ = [
+    "ObjectStorage",
+    "ObjectStorageHandle",
+    "ReaderSlotInfo",
+    "RingBuffer",
+    "StoreReaderDiedError",
+    "VIEW_THRESHOLD",
+]
 
 #: Default ``ObjectStorage.view_threshold``: below it a private mapping costs more than
 #: a copy.
 VIEW_THRESHOLD = 256 * 1024
+
+
+class StoreReaderDiedError(_core.PeerDiedError, MemoryError):
+    """``put`` found no room because the oldest object waits for a reader that died
+    before reading it (``on_dead_reader="raise"``, the default): the message names the
+    reader (its slot and pid). A ``PeerDiedError``, as the queue's, and a ``MemoryError``
+    too: a full store, which vLLM's callers catch as such."""
+
+
+class ReaderSlotInfo(NamedTuple):
+    """A reader slot of a store, as ``ObjectStorage.readers()`` shows it."""
+
+    slot: int
+    #: The process that took it last (``None``: nobody has).
+    pid: Optional[int]
+    #: ``"empty"``, ``"attaching"``, ``"alive"``, ``"unknown"`` (alive as far as can be
+    #: told from here), ``"left"`` (its reader closed the store), ``"dead"`` (died without
+    #: closing it: its lock is free), ``"dropped"`` (the writer went on without it).
+    status: str
+    #: Reads counted by its readers.
+    reads: int
 
 
 class _Closed:
@@ -289,6 +318,17 @@ class ObjectStorage:
     and refuse anything else with ``ValueError`` ("SHM handle signature") before reading
     at the address. ``reader_lock`` is accepted for compatibility and not needed (counts
     are atomic); a ``get`` in the writer's process counts as a read only if it was given.
+
+    Each reader takes a *reader slot* (one of the first ``n_readers``; ``reader_slot``),
+    whose lock proves it alive, and counts its reads there; ``close()`` gives it back. A
+    ``put`` that finds no room because the oldest object waits for a reader that died
+    (without closing the store) does what ``on_dead_reader`` says: ``"raise"`` (the
+    default) raises ``StoreReaderDiedError`` (a ``PeerDiedError`` and a ``MemoryError``)
+    naming it; ``"drop"`` goes on without it: from then on no object waits for its reads
+    (``dropped_readers``). A reader that is alive, however slow, is never dropped; one that
+    closed the store is not dead: its reads are still expected, of the next reader that
+    opens the store. Other full stores are a ``MemoryError`` saying what holds the room;
+    ``clear()`` empties the store at once.
     """
 
     def __init__(
@@ -300,6 +340,7 @@ class ObjectStorage:
         reader_lock: Any = None,
         *,
         view_threshold: int = VIEW_THRESHOLD,
+        on_dead_reader: Literal["raise", "drop"] = "raise",
     ):
         if type(view_threshold) is not int or view_threshold < 0:
             raise ValueError(f"view_threshold must be an int >= 0, got {view_threshold!r}")
@@ -316,7 +357,16 @@ class ObjectStorage:
         #: name; the core stores an 8-byte count word, count and id tag, in front of it).
         self.flag_bytes: int = _core.COUNT_BYTES
         self._reader_lock = reader_lock
-        self._core: Any = _core.ObjectStore(ring_buffer._core, max_object_size, n_readers, reader_lock is not None)
+        self._core: Any = _core.ObjectStore(
+            ring_buffer._core, max_object_size, n_readers, reader_lock is not None, on_dead_reader
+        )
+        #: What the writer's ``put`` does about a reader that died holding the room.
+        self.on_dead_reader: str = on_dead_reader
+        if not self.is_writer:
+            # A reader gives its slot back when it closes, when it is dropped, and at the
+            # process's normal exit (multiprocessing runs exit finalizers also in children
+            # that leave through os._exit): the writer never takes it for a dead one.
+            self._leave: Any = _mp_util.Finalize(self, self._core.close, exitpriority=0)
         codec = store_codec(self.ser_de)
         self._parts: Optional[Callable[[Any], list[Buffer]]]
         self._load: Callable[[Any], Any]
@@ -342,17 +392,23 @@ class ObjectStorage:
     def put(self, key: str, value: Any) -> tuple[int, int]:
         """Store ``value`` under ``key``: ``(address, monotonic_id)``. ``ValueError`` if the
         key exists or the serialized object exceeds ``max_object_size``; ``MemoryError``
-        if there is no room after freeing every object all readers have finished with."""
+        if there is no room after freeing every object all readers have finished with,
+        saying what holds the room (the oldest object, and which readers it waits for);
+        ``StoreReaderDiedError`` (a ``PeerDiedError`` and a ``MemoryError``) if one of
+        them died, unless ``on_dead_reader="drop"``, which goes on without it."""
         core = self._core
         # core.put refuses a reader ("Only the writer can put objects.") and a known key
         # ("Key '...' already exists in the storage.") under the lock it takes anyway:
         # neither check is repeated here.
         parts_of = self._parts
-        if parts_of is not None:
-            return core.put(key, parts_of(value), 1)
-        data, _, metadata, _ = self.ser_de.serialize(value)
-        parts = [metadata, *data] if isinstance(data, list) else [metadata, data]
-        return core.put(key, parts, len(parts))
+        try:
+            if parts_of is not None:
+                return core.put(key, parts_of(value), 1)
+            data, _, metadata, _ = self.ser_de.serialize(value)
+            parts = [metadata, *data] if isinstance(data, list) else [metadata, data]
+            return core.put(key, parts, len(parts))
+        except _core.PeerDiedError as e:
+            raise StoreReaderDiedError(*e.args) from None
 
     def loan(self, nbytes: int) -> memoryview:
         """Writer: ``nbytes`` of writable shared memory in the ring, to fill in place (e.g.
@@ -420,10 +476,30 @@ class ObjectStorage:
         return self._core.is_free(id, buf)
 
     def clear(self) -> None:
-        """Forget every object (writer). Ids keep counting; handles issued before keep
-        reading their objects until the memory is reused. A no-op on a reader."""
+        """Forget every object (writer): how to empty a full store at once, whatever its
+        objects wait for. Ids keep counting; handles issued before keep reading their
+        objects until new ones are written over them, then raise ``ValueError`` ("has been
+        modified or is invalid"). Objects a zero-copy view holds stay until it is dropped.
+        A no-op on a reader."""
         if self.is_writer:
             self._core.clear()
+
+    @property
+    def dropped_readers(self) -> list[int]:
+        """Writer: reader slots dropped after their readers died (``on_dead_reader="drop"``)."""
+        return self._core.dropped_readers() if self.is_writer else []
+
+    @property
+    def reader_slot(self) -> Optional[int]:
+        """Reader: the reader slot it counts its reads in (``None``: it found none free, as
+        when more readers open the store than ``n_readers``, and reads anonymously: the
+        writer cannot tell whether it lives)."""
+        return self._core.reader_slot
+
+    def readers(self) -> list[ReaderSlotInfo]:
+        """The store's reader slots (the first ``n_readers``): who holds each, whether it
+        lives, what it has read. Only the writer can tell a dead reader (``"dead"``)."""
+        return [ReaderSlotInfo(*r) for r in self._core.readers()]
 
     # -- any side --------------------------------------------------------------------
 
@@ -525,7 +601,11 @@ class ObjectStorage:
         return ObjectStorage(handle.max_object_size, handle.n_readers, ring, handle.serde_class, handle.reader_lock)
 
     def close(self) -> None:
-        """Close the ring buffer (the writer removes the segment). Idempotent."""
+        """Close the ring buffer (the writer removes the segment); a reader gives its
+        reader slot back first. Idempotent."""
+        leave = getattr(self, "_leave", None)
+        if leave is not None:
+            leave()
         self._core = _Closed("the object storage")
         self.ring_buffer.close()
 

@@ -147,15 +147,20 @@ from _processes import ChildFailed, Children  # noqa: E402,F401
 
 def store_frame(view: memoryview, data_offset: int) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Read the frame of a stored object from its block data ``view`` (at ring offset
-    ``data_offset``): ``[pad to 8][count: u32][tag: u32][n: u32][n x (offset, len)]``
-    (``crates/core/src/storage/object.rs``). Returns ``(count, tag, pad, [(offset, len), ...])``."""
+    ``data_offset``): ``[pad to 8][count: u32][tag: u32][n | s << 24: u32]`` then, if ``s``
+    (reader slots, in a store of two or more readers) is not 0, ``[pad: u32][s x (count:
+    u32, tag: u32)]``, then ``[n x (offset, len)]`` (``crates/core/src/storage/``). Returns
+    ``(count, tag, pad, [(offset, len), ...])``: the count word's count (the reads of
+    readers without a slot) and tag."""
     pad = -data_offset % 8
 
     def word(at: int) -> int:
         return int.from_bytes(view[at : at + 4], "little")
 
-    n = word(pad + 8)
-    entries = [(word(pad + 12 + 8 * i), word(pad + 16 + 8 * i)) for i in range(n)]
+    frame = word(pad + 8)
+    n, slots = frame & 0xFFFFFF, frame >> 24
+    table = pad + 12 if slots == 0 else pad + 16 + 8 * slots
+    entries = [(word(table + 8 * i), word(table + 4 + 8 * i)) for i in range(n)]
     return word(pad), word(pad + 4), pad, entries
 
 
@@ -312,16 +317,27 @@ def store_reader(out: Any, handle_pickle: bytes, cmds: Any) -> None:
     ``("get", tag, address, id)`` → ``("got", tag, value)`` or ``("raised", tag, type, msg)``;
     ``("count", tag, address, id)`` → ``("count", tag, reader_count)``;
     ``("put", tag)`` → the outcome of a put attempt (readers may not put);
-    ``("stop",)``."""
+    ``("close", tag)`` → ``("closed", tag)`` once it has closed the store (it stays alive);
+    ``("exit keeping it",)``: ends with the store still referenced (a module global), so
+    that only the process's normal exit lets it go;
+    ``("stop",)``. The ``ready`` report carries the reader slot it took."""
     # A handle carrying a multiprocessing lock travels as a Process argument instead.
     handle = pickle.loads(handle_pickle) if isinstance(handle_pickle, bytes) else handle_pickle
     store = ObjectStorage.create_from_handle(handle)
-    out.put(("ready", os.getpid(), store.is_writer))
+    out.put(("ready", os.getpid(), store.is_writer, store.reader_slot))
     while True:
         cmd = cmds.get(timeout=STEP)
         op = cmd[0]
         if op == "stop":
             break
+        if op == "exit keeping it":
+            _KEPT.append(store)
+            out.put(("exiting", os.getpid()))
+            return
+        if op == "close":
+            store.close()
+            out.put(("closed", cmd[1]))
+            continue
         try:
             if op == "get":
                 out.put(("got", cmd[1], signed_get(store, cmd[2], cmd[3])))
@@ -336,6 +352,10 @@ def store_reader(out: Any, handle_pickle: bytes, cmds: Any) -> None:
     del store
     gc.collect()
     out.put(("stopped", os.getpid()))
+
+
+# What a child keeps until it exits (see ``store_reader``'s "exit keeping it").
+_KEPT: list[Any] = []
 
 
 def ring_reader(out: Any, handle_pickle: bytes, cmds: Any) -> None:

@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use crate::errors::{exception, OrRaise};
+use crate::errors::{exception, OrRaise, PeerDiedError};
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyRange, PyString};
 
@@ -13,11 +13,12 @@ use super::view::ShmView;
 use super::wait::{lock, BindingGuard, BindingLock};
 use super::COPY_WITH_GIL_MAX;
 use shmq::alloc::{Freed, ID_MAX};
+use shmq::broadcast::DeadReaderPolicy;
 use shmq::error::{bad_signature_message, stale_object_message, Error, HandleRefusal};
 use shmq::storage::{
-    check_object, object_reader_count, read_object, read_object_viewed, BlockFifo as CoreRing,
-    BlockHeader, FreeOldestFirst, KeptPart, ObjectStore as CoreStore, StoreRole, StoreSegment,
-    SIGNATURE_BYTES,
+    check_object, object_reader_count, read_object, read_object_viewed, store_full_message,
+    BlockFifo as CoreRing, BlockHeader, CountRead, FreeOldestFirst, KeptPart,
+    ObjectStore as CoreStore, ReaderSlot, ReaderStatus, StoreRole, StoreSegment, SIGNATURE_BYTES,
 };
 
 /// Call `f` on zero-copy memoryviews of `spans` (inside `segment`): one view, or a
@@ -429,6 +430,9 @@ impl BlockFifo {
     }
 }
 
+/// A reader slot as `ObjectStore.readers()` gives it: `(slot, pid, status, reads)`.
+type ReaderRow = (usize, Option<u32>, &'static str, u64);
+
 /// Key → object store on a `BlockFifo`; payloads are already-serialized bytes.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct ObjectStore {
@@ -437,30 +441,47 @@ pub struct ObjectStore {
     inner: BindingLock<CoreStore>,
     /// Fixed at creation: read without the lock.
     role: StoreRole,
+    /// A reader's slot (`None`: the writer, or a reader that found none and reads
+    /// anonymously); left by `close()`.
+    slot: Option<ReaderSlot>,
 }
 
 #[pymethods]
 impl ObjectStore {
+    /// The writer's store, or a reader's (which takes a reader slot: see
+    /// `shmq::storage::ReaderSlot`). `on_dead_reader` ("raise" or "drop") is what the
+    /// writer's put does about a reader that died holding the room.
     #[new]
-    #[pyo3(signature = (ring, max_object_size, n_readers, count_writer_reads=false))]
+    #[pyo3(signature = (ring, max_object_size, n_readers, count_writer_reads=false, on_dead_reader="raise"))]
     fn new(
         ring: Py<BlockFifo>,
         max_object_size: u64,
         n_readers: u32,
         count_writer_reads: bool,
+        on_dead_reader: &str,
     ) -> PyResult<Self> {
+        let policy = on_dead_reader.parse::<DeadReaderPolicy>().or_raise()?;
         let r = ring.get();
         let segment = r.segment.clone();
         let role = StoreRole {
             is_writer: r.is_writer,
             count_writer_reads,
         };
-        let inner = BindingLock::new(CoreStore::new(max_object_size, n_readers).or_raise()?);
+        let mut store = CoreStore::new(max_object_size, n_readers).or_raise()?;
+        store.set_on_dead_reader(policy);
+        // A reader that cannot take a slot (none free, or its lock cannot be had here)
+        // reads anonymously, as readers did before slots: opening never fails for it.
+        let slot = if role.is_writer {
+            None
+        } else {
+            ReaderSlot::take(&segment, n_readers).ok().flatten()
+        };
         Ok(ObjectStore {
             ring,
             segment,
-            inner,
+            inner: BindingLock::new(store),
             role,
+            slot,
         })
     }
 
@@ -477,7 +498,7 @@ impl ObjectStore {
             format!("part {i} of the object is not C-contiguous")
         })?;
         let total: usize = spans.iter().map(|s| s.1).sum();
-        let r = {
+        let (r, dead) = {
             let (mut ring, mut store) = self.ring_and_store(py)?;
             let (store, ring) = (&mut *store, &mut *ring);
             let mut put = move || {
@@ -485,7 +506,8 @@ impl ObjectStore {
                 // `buffers` until the end of this call; the exporters cannot free it
                 // meanwhile.
                 let slices = unsafe { parts::slices(&spans) };
-                store.put(ring, key, &slices, align_from)
+                let r = store.put(ring, key, &slices, align_from);
+                (r, store.dead_reader().is_some())
             };
             if total > COPY_WITH_GIL_MAX {
                 py.detach(put)
@@ -495,7 +517,16 @@ impl ObjectStore {
         };
         // Released with the locks let go: an exporter's release may run Python code.
         drop(buffers);
-        r.or_raise()
+        match r {
+            // The store's words (no ring advice to call free_buf()); a reader that died
+            // holding the room is a PeerDiedError (the Python store makes it a MemoryError
+            // too, as vLLM's callers expect of a full store).
+            Err(Error::Full(full)) if dead => {
+                Err(PeerDiedError::new_err(store_full_message(&full)))
+            }
+            Err(Error::Full(full)) => Err(PyMemoryError::new_err(store_full_message(&full))),
+            other => other.or_raise(),
+        }
     }
 
     /// Writer: `nbytes` of a new block to fill in place; `put` of an object whose buffer
@@ -551,7 +582,7 @@ impl ObjectStore {
         let (Some(a), Some(i)) = handle else {
             return Err(PyValueError::new_err(stale_object_message(address, id)));
         };
-        let count = self.role.counts_reads();
+        let count = self.count();
         if let (Some(view_from), true) = (view_from, split) {
             return read_object_viewed(&self.segment, a, i, count, |object, views| {
                 if object.is_empty() {
@@ -787,9 +818,70 @@ impl ObjectStore {
     fn is_writer(&self) -> bool {
         self.role.is_writer
     }
+
+    /// `"raise"` or `"drop"`: what the writer's put does about a reader that died
+    /// holding the room.
+    #[getter]
+    fn on_dead_reader(&self, py: Python<'_>) -> PyResult<&'static str> {
+        Ok(match self.store(py)?.on_dead_reader() {
+            DeadReaderPolicy::Raise => "raise",
+            DeadReaderPolicy::Drop => "drop",
+        })
+    }
+
+    /// A reader's slot, `None` if it reads anonymously (and on the writer).
+    #[getter]
+    fn reader_slot(&self) -> Option<usize> {
+        self.slot.as_ref().map(ReaderSlot::index)
+    }
+
+    /// Writer: reader slots dropped after their readers died.
+    fn dropped_readers(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        Ok(self.store(py)?.dropped_readers())
+    }
+
+    /// The reader slots as this process sees them: `(slot, pid or None, status, reads)`,
+    /// status one of "empty", "attaching", "alive", "unknown" (alive as far as can be
+    /// told), "left", "dead", "dropped". Only the writer can tell "dead" (and "dropped").
+    fn readers(&self, py: Python<'_>) -> PyResult<Vec<ReaderRow>> {
+        let store = self.store(py)?;
+        Ok(store
+            .readers(&self.segment)
+            .into_iter()
+            .map(|r| {
+                let status = match r.status {
+                    ReaderStatus::Empty => "empty",
+                    ReaderStatus::Attaching => "attaching",
+                    ReaderStatus::Alive { known: true } => "alive",
+                    ReaderStatus::Alive { known: false } => "unknown",
+                    ReaderStatus::Left => "left",
+                    ReaderStatus::Dead => "dead",
+                    ReaderStatus::Dropped => "dropped",
+                };
+                (r.slot, r.process.map(|p| p.pid), status, r.reads)
+            })
+            .collect())
+    }
+
+    /// A reader gives its slot back (the writer does not take it for a dead one).
+    /// Idempotent; a no-op on the writer.
+    fn close(&self) {
+        if let Some(slot) = &self.slot {
+            slot.leave();
+        }
+    }
 }
 
 impl ObjectStore {
+    /// How this process's gets count: a reader in its slot (anonymously without one), the
+    /// writer only when it counts its own reads.
+    fn count(&self) -> CountRead {
+        match &self.slot {
+            Some(slot) => slot.count(),
+            None => self.role.counts_reads().into(),
+        }
+    }
+
     /// The core store, locked (`RuntimeError` once a panic has poisoned it).
     fn store(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreStore>> {
         lock(py, &self.inner, "object store")

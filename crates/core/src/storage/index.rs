@@ -5,15 +5,17 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::fifo::BlockFifo;
-use super::object::{object_layout, pin_own, reader_count, BlockPin};
+use super::object::{counted_reads, object_layout, pin_own, reads_by, BlockPin};
+use super::readers::{drop_slot, judge_slot, object_slots, reader_slots, ReaderInfo, ReaderStatus};
 use super::store_segment::{
-    count_word_at, BlockHeader, StoreSegment, COUNT_BYTES, COUNT_WORD_BYTES, PART_ALIGN,
-    SIGNATURE_BYTES,
+    count_word_at, frame_word, part_table_offset, BlockHeader, StoreSegment, COUNT_BYTES,
+    COUNT_WORD_BYTES, MAX_PARTS, PART_ALIGN, SIGNATURE_BYTES,
 };
+use crate::broadcast::DeadReaderPolicy;
 use shmq_os::error::{Error, HandleRefusal, Result};
 use shmq_os::region::RawRegion;
 use shmq_os::segment::{warn_shm_too_small, LoanPages};
-use shmq_protocol::alloc::{Block, Freed, HEADER_BYTES};
+use shmq_protocol::alloc::{Block, Freed, Full, HEADER_BYTES};
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it
 /// (the count, the frame and the other parts: the pickle or msgpack stream and small
@@ -139,6 +141,15 @@ impl StoreRole {
 pub struct ObjectStore {
     max_object_size: u64,
     n_readers: u32,
+    /// Reader words in each object (see `super::readers`).
+    slots: usize,
+    /// Reader slots dropped after their readers died (this writer's own record: eviction
+    /// never trusts the segment's word for it), one per reader slot.
+    dropped: Vec<bool>,
+    on_dead_reader: DeadReaderPolicy,
+    /// The dead reader the last `put` or `loan` found holding the room (and raised for):
+    /// `None` after one that did not fail so.
+    dead_reader: Option<ReaderInfo>,
     pub(super) keys: HashMap<Arc<str>, Entry>,
     pub(super) ids: HashMap<u32, Arc<str>>,
     /// Ids the writer `touch`ed: not evicted until handed out again or released.
@@ -157,6 +168,10 @@ impl ObjectStore {
         Ok(ObjectStore {
             max_object_size,
             n_readers,
+            slots: object_slots(n_readers),
+            dropped: vec![false; reader_slots(n_readers)],
+            on_dead_reader: DeadReaderPolicy::Raise,
+            dead_reader: None,
             keys: HashMap::new(),
             ids: HashMap::new(),
             touched: HashSet::new(),
@@ -169,6 +184,76 @@ impl ObjectStore {
     }
     pub fn n_readers(&self) -> u32 {
         self.n_readers
+    }
+
+    /// What a put (or loan) that finds no room does about a reader that died without
+    /// reading what holds the room (see `super::readers`): fail naming it
+    /// ([`DeadReaderPolicy::Raise`], the default), or go on without it
+    /// ([`DeadReaderPolicy::Drop`]).
+    pub fn set_on_dead_reader(&mut self, policy: DeadReaderPolicy) {
+        self.on_dead_reader = policy;
+    }
+    pub fn on_dead_reader(&self) -> DeadReaderPolicy {
+        self.on_dead_reader
+    }
+
+    /// Reader slots dropped after their readers died.
+    pub fn dropped_readers(&self) -> Vec<usize> {
+        (0..self.dropped.len())
+            .filter(|&s| self.dropped[s])
+            .collect()
+    }
+
+    /// The reader slots of `segment` (this store's ring's) as this writer sees them: who
+    /// holds each, whether it lives, what it read (see `super::readers`).
+    pub fn readers(&self, segment: &StoreSegment) -> Vec<ReaderInfo> {
+        (0..self.dropped.len())
+            .map(|s| {
+                let mut info = judge_slot(segment, s);
+                if self.dropped[s] {
+                    info.status = ReaderStatus::Dropped;
+                }
+                info
+            })
+            .collect()
+    }
+
+    /// The dead reader that made the last `put` or `loan` fail (with
+    /// [`DeadReaderPolicy::Raise`]): that failure's `Error::Full` is a reader's death.
+    pub fn dead_reader(&self) -> Option<&ReaderInfo> {
+        self.dead_reader.as_ref()
+    }
+
+    /// Go on without every reader proved dead (see `super::readers`): from now on no
+    /// object waits for its slot. Returns the slots dropped now.
+    pub fn drop_dead_readers(&mut self, segment: &StoreSegment) -> Vec<usize> {
+        let mut now = Vec::new();
+        for s in 0..self.dropped.len() {
+            if self.dropped[s] {
+                continue;
+            }
+            let info = judge_slot(segment, s);
+            if drop_slot(segment, &info) {
+                self.dropped[s] = true;
+                warn_user!(
+                    "shmq: {info} of object store '{}' died; going on without it \
+                     (on_dead_reader=\"drop\")",
+                    segment.name()
+                );
+                now.push(s);
+            }
+        }
+        now
+    }
+
+    fn is_dropped(&self, s: usize) -> bool {
+        self.dropped.get(s).copied().unwrap_or(false)
+    }
+
+    /// Reads each object waits for per hand-out: one per reader not dropped.
+    fn reads_per_handout(&self) -> u64 {
+        let dropped = self.dropped.iter().filter(|&&d| d).count() as u64;
+        u64::from(self.n_readers).saturating_sub(dropped)
     }
     pub fn entry(&self, key: &str) -> Option<&Entry> {
         self.keys.get(key)
@@ -201,7 +286,8 @@ impl ObjectStore {
     }
 
     /// Whether the object with id `id`, whose block data is `data`, may be evicted: not
-    /// touched, and read `n_readers` times per hand-out.
+    /// touched, and read `n_readers` times per hand-out (by readers not dropped: a dropped
+    /// reader's reads do not count, and nothing waits for them).
     pub fn is_free(&self, id: u32, data: &[u8]) -> bool {
         if self.touched.contains(&id) {
             return false;
@@ -211,7 +297,8 @@ impl ObjectStore {
             .get(&id)
             .and_then(|k| self.keys.get(k))
             .map_or(0, |e| e.handouts);
-        reader_count(data) as u64 >= self.n_readers as u64 * handouts as u64
+        counted_reads(data, |s| self.is_dropped(s))
+            >= self.reads_per_handout() * u64::from(handouts)
     }
 
     /// vLLM's `default_is_free_check(id, buf)` where `buf` is memory of this process at
@@ -257,6 +344,12 @@ impl ObjectStore {
         if self.keys.contains_key(key) {
             return Err(Error::KeyExists(key.to_owned()));
         }
+        if parts.len() > MAX_PARTS {
+            return Err(Error::InvalidArgument(format!(
+                "an object has at most {MAX_PARTS} parts, got {}",
+                parts.len()
+            )));
+        }
         // vLLM's measure: the count plus the serialized bytes (not the frame or padding).
         let size = COUNT_BYTES as u64 + parts.iter().map(|p| p.len() as u64).sum::<u64>();
         if size > self.max_object_size {
@@ -269,12 +362,13 @@ impl ObjectStore {
             return Ok(placed);
         }
         let lens = || parts.iter().map(|p| p.len() as u64);
-        let n = parts.len();
+        let (n, slots) = (parts.len(), self.slots);
         let size_at = |block_offset: u64| {
             object_layout(
                 block_offset + HEADER_BYTES,
                 lens(),
                 n,
+                slots,
                 align_from,
                 |_, _| (),
             )
@@ -283,8 +377,10 @@ impl ObjectStore {
         let segment = ring.segment();
         let (p, len) = segment.data_ptr(&h);
         let data_offset = h.offset + HEADER_BYTES;
-        segment.init_count(&h);
-        let frame_at = (count_word_at(data_offset) + COUNT_WORD_BYTES) as usize;
+        let count_at = count_word_at(data_offset);
+        segment.init_counts(&h, slots);
+        let frame_at = (count_at + COUNT_WORD_BYTES) as usize;
+        let table_at = (count_at + part_table_offset(slots)) as usize;
         let write = |at: usize, bytes: &[u8]| {
             debug_assert!(at + bytes.len() <= len);
             // SAFETY: the block is ours (just allocated, not yet handed out; readers only
@@ -292,9 +388,9 @@ impl ObjectStore {
             // every write made here stays inside its `len` bytes.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at), bytes.len()) };
         };
-        write(frame_at, &(n as u32).to_le_bytes());
-        let end = object_layout(data_offset, lens(), n, align_from, |i, at| {
-            let entry_at = frame_at + 4 + 8 * i;
+        write(frame_at, &frame_word(n, slots).to_le_bytes());
+        let end = object_layout(data_offset, lens(), n, slots, align_from, |i, at| {
+            let entry_at = table_at + 8 * i;
             write(entry_at, &(at as u32).to_le_bytes());
             write(entry_at + 4, &(parts[i].len() as u32).to_le_bytes());
             write(at as usize, parts[i]);
@@ -318,24 +414,38 @@ impl ObjectStore {
         // has finished with (when everything goes, the ring restarts at 0, in memory
         // already reserved) and try once more; loans dropped while the process was out of
         // mappings give their blocks back first, where they can now.
+        self.dead_reader = None;
         let block = match ring.allocate_with(size_at) {
             Err(Error::Full(_) | Error::NoSpace { .. }) => {
                 shmq_os::segment::retry_deferred_unseals();
-                self.free_unused(ring)?;
-                match ring.allocate_with(size_at) {
-                    Ok(block) => block,
-                    Err(Error::Full(mut full)) => {
-                        full.held_by = self.room_holder(ring);
-                        return Err(Error::Full(full));
-                    }
-                    Err(e) => {
-                        if matches!(e, Error::NoSpace { .. }) {
-                            warn_shm_too_small(
-                                "the object store cannot grow into the rest of its ring, and a \
-                                 put that finds no room raises MemoryError",
-                            );
+                loop {
+                    self.free_unused(ring)?;
+                    match ring.allocate_with(size_at) {
+                        Ok(block) => break block,
+                        Err(Error::Full(mut full)) => {
+                            // Readers that died go now, with "drop" (each round drops at
+                            // least one, so this ends): what waited only for them is freed.
+                            if self.on_dead_reader == DeadReaderPolicy::Drop
+                                && !self.drop_dead_readers(ring.segment()).is_empty()
+                            {
+                                continue;
+                            }
+                            if let Some((held_by, dead)) = self.room_holder(ring) {
+                                full.held_by = Some(held_by);
+                                self.dead_reader =
+                                    dead.filter(|_| self.on_dead_reader == DeadReaderPolicy::Raise);
+                            }
+                            return Err(Error::Full(full));
                         }
-                        return Err(e);
+                        Err(e) => {
+                            if matches!(e, Error::NoSpace { .. }) {
+                                warn_shm_too_small(
+                                    "the object store cannot grow into the rest of its ring, \
+                                     and a put that finds no room raises MemoryError",
+                                );
+                            }
+                            return Err(e);
+                        }
                     }
                 }
             }
@@ -349,10 +459,11 @@ impl ObjectStore {
         Ok((block, header))
     }
 
-    /// For a put that finds no room after freeing what could go: what holds it. Objects
-    /// go oldest first, so the oldest live one is what keeps the room: its key, and why
-    /// it stays (reads it still waits for, a touch, a zero-copy view still held).
-    fn room_holder(&self, ring: &BlockFifo) -> Option<String> {
+    /// For a put that finds no room after freeing what could go: what holds it, and the
+    /// dead reader it waits for, if it does. Objects go oldest first, so the oldest live
+    /// one is what keeps the room: its key, and why it stays (reads it still waits for,
+    /// and from which readers; a touch; a zero-copy view still held), with what to do.
+    fn room_holder(&self, ring: &BlockFifo) -> Option<(String, Option<ReaderInfo>)> {
         let alloc = ring.allocator()?;
         let live = alloc.live().len();
         let c = *alloc.live().next()?;
@@ -375,12 +486,15 @@ impl ObjectStore {
             .get(&c.id)
             .and_then(|k| self.keys.get(k))
             .map_or(0, |e| e.handouts);
-        let wanted = self.n_readers as u64 * handouts as u64;
-        let read = reader_count(data) as u64;
+        let wanted = self.reads_per_handout() * u64::from(handouts);
+        let read = counted_reads(data, |s| self.is_dropped(s));
+        let mut dead = None;
         let why = if self.touched.contains(&c.id) {
             "touched, so kept for a reader that will read it".to_owned()
         } else if read < wanted {
-            format!("read {read} times of the {wanted} it waits for (readers have not got it)")
+            let (waits, first_dead) = self.waiting_for(seg, data, handouts);
+            dead = first_dead;
+            format!("read {read} times of the {wanted} it waits for: {waits}")
         } else if seg.is_pinned(h.id) {
             "read by every reader, but a zero-copy view of it is still held (drop it, or get \
              with copy=True)"
@@ -388,9 +502,72 @@ impl ObjectStore {
         } else {
             "free to go".to_owned()
         };
-        Some(format!(
-            "what holds the room: the oldest of the {live} live objects, {what}, {why}"
+        Some((
+            format!("what holds the room: the oldest of the {live} live objects, {what}, {why}"),
+            dead,
         ))
+    }
+
+    /// Which readers an object (block data `data`, handed out `handouts` times) still
+    /// waits for, in words, with what to do; and the first of them that died, if the
+    /// policy is to raise for it.
+    fn waiting_for(
+        &self,
+        segment: &StoreSegment,
+        data: &[u8],
+        handouts: u32,
+    ) -> (String, Option<ReaderInfo>) {
+        let mut said = Vec::new();
+        let mut dead = None;
+        for s in (0..self.dropped.len()).filter(|&s| !self.is_dropped(s)) {
+            // An object without reader words (a store of one reader) counts every read in
+            // its count word: what is missing is that reader's.
+            if reads_by(data, s).is_some_and(|c| c >= handouts) {
+                continue;
+            }
+            let info = judge_slot(segment, s);
+            let pid = info.process.map(|p| p.pid);
+            said.push(match (info.status, pid) {
+                (ReaderStatus::Dead, _) => {
+                    dead.get_or_insert(info);
+                    format!("{info} died before reading it")
+                }
+                (ReaderStatus::Alive { known: true }, Some(pid)) => format!(
+                    "reader slot {s} (pid {pid}, alive) has not read it yet: a put finds room \
+                     once it has"
+                ),
+                (ReaderStatus::Alive { .. }, _) => format!(
+                    "{info} has not read it yet (whether it lives cannot be told from here)"
+                ),
+                (ReaderStatus::Left, _) => format!(
+                    "{info} closed the store before reading it (its reads are still expected: \
+                     a reader that opens the store takes its place)"
+                ),
+                (ReaderStatus::Empty | ReaderStatus::Attaching, _) => format!(
+                    "no reader has opened the store for reader slot {s} yet (n_readers={} \
+                     counts it)",
+                    self.n_readers
+                ),
+                (ReaderStatus::Dropped, _) => format!("{info} was dropped"),
+            });
+        }
+        let mut text = if said.is_empty() {
+            "readers have not got it".to_owned()
+        } else {
+            said.join("; ")
+        };
+        if dead.is_some() && self.on_dead_reader == DeadReaderPolicy::Raise {
+            text.push_str(
+                " (to go on without dead readers, make the store with on_dead_reader=\"drop\" \
+                 in Python, or call ObjectStore::set_on_dead_reader(DeadReaderPolicy::Drop) in \
+                 Rust)",
+            );
+        }
+        text.push_str(
+            "; to empty a full store, call the writer's clear(): readers' handles to the \
+             objects it forgets read them until new objects are written over them",
+        );
+        (text, dead)
     }
 
     fn register(&mut self, key: &str, address: u64, id: u32) {
@@ -435,11 +612,11 @@ impl ObjectStore {
         let segment = ring.segment();
         let data_offset = header.offset + HEADER_BYTES;
         // Nobody has this block's handle yet; the channel that carries it orders these
-        // stores. An empty object (no parts) until it is put.
-        segment.init_count(&header);
+        // stores. An empty object (no parts, no reader words) until it is put.
+        segment.init_counts(&header, 0);
         segment.store_u32(
             data_offset + count_word_at(data_offset) + COUNT_WORD_BYTES,
-            0,
+            frame_word(0, 0),
         );
         // If pinning fails, the block (an empty object nobody knows) goes in its turn.
         let pin = pin_own(segment, header.id)?;
@@ -507,8 +684,11 @@ impl ObjectStore {
             return Ok(None);
         }
         let data_offset = spot.header.offset + HEADER_BYTES;
-        let frame_at = count_word_at(data_offset) + COUNT_WORD_BYTES;
-        let mut at = frame_at + 4 + 8 * parts.len() as u64;
+        let slots = self.slots;
+        let count_at = count_word_at(data_offset);
+        let frame_at = count_at + COUNT_WORD_BYTES;
+        let table_at = count_at + part_table_offset(slots);
+        let mut at = table_at + 8 * parts.len() as u64;
         let mut offsets = Vec::with_capacity(parts.len());
         for (i, part) in parts.iter().enumerate() {
             if i == k {
@@ -541,9 +721,11 @@ impl ObjectStore {
             };
         };
         debug_assert!(spot.buffer_at + spot.len <= len as u64);
-        write(frame_at, &(parts.len() as u32).to_le_bytes());
+        // The reader words end before the part table, so before the buffer (checked above).
+        segment.init_counts(&spot.header, slots);
+        write(frame_at, &frame_word(parts.len(), slots).to_le_bytes());
         for (i, part) in parts.iter().enumerate() {
-            let entry_at = frame_at + 4 + 8 * i as u64;
+            let entry_at = table_at + 8 * i as u64;
             write(entry_at, &(offsets[i] as u32).to_le_bytes());
             write(entry_at + 4, &(part.len() as u32).to_le_bytes());
             if i != k {
@@ -644,5 +826,26 @@ impl ObjectStore {
             self.loans.retain(|id, _| alloc.get(*id).is_some());
         }
         Ok(())
+    }
+}
+
+/// The message of a put's `Error::Full` in the store's words: vLLM's "Not enough space in
+/// the data buffer" and what holds the room, without the ring's advice to call `free_buf()`
+/// (a `RingBuffer` method: a store frees what it can by itself before it says so). A block
+/// that can never fit keeps `Error::Full`'s own message.
+pub fn store_full_message(full: &Full) -> String {
+    if full.needed > full.capacity || full.needed > u64::from(u32::MAX) {
+        return Error::Full(full.clone()).to_string();
+    }
+    let head = format!(
+        "Not enough space in the data buffer ({} bytes needed, {} of {} bytes in use)",
+        full.needed, full.live, full.capacity
+    );
+    match &full.held_by {
+        Some(held) => format!("{head}; {held}"),
+        None => format!(
+            "{head}; to empty a full store, call the writer's clear(): readers' handles to \
+             the objects it forgets read them until new objects are written over them"
+        ),
     }
 }

@@ -15,8 +15,11 @@
 //! (an `AtomicU32` needs 4-byte alignment), and whatever needs alignment inside a block
 //! is padded *inside* the block. An object's data is
 //! ```text
-//! [0..7 pad][count word: count u32 | tag u32][n: u32][n × (offset: u32, len: u32)][parts ...]
+//! [0..7 pad][count word: count u32 | tag u32][frame word: n | s << 24: u32]
+//!   [if s > 0: 4 pad, s × reader word: count u32 | tag u32][n × (offset: u32, len: u32)][parts ...]
 //! ```
+//! (`s`: one reader word per reader slot in a store of two or more readers, see
+//! "Readers" below; with none, the frame is `[count word][n][table]`, as in version 4.)
 //! The pad puts the count word on an 8-byte boundary (it is an `AtomicU64`: the reader
 //! count and a tag of the object's id, see "Eviction" below); the frame
 //! gives each part's offset from the start of the data and its length. Parts from
@@ -48,9 +51,18 @@
 //! shares an 8-byte word with a tag of the object's id, and the increment is made only
 //! while the tag is there, so a reader stalled past that patience does not write into
 //! the next object either (it would have to find those 8 bytes again). So the object
-//! may be evicted when `count >= n_readers * handouts`, oldest first, unless the writer
+//! may be evicted when `count >= n_readers * handouts` (the count word and the reader
+//! words added up, less the readers dropped, see "Readers"), oldest first, unless the writer
 //! `touch`ed it and has not yet handed it out again or released its touches, or some
 //! process *pins* it.
+//!
+//! # Readers, and readers that die
+//! A process that opens the store as a reader takes a reader slot in the header page,
+//! under a role lock that proves it alive; an object of a store of two or more readers
+//! carries one count word per slot (its reader words, see the layout above), in which
+//! its slot's reader counts its reads. So the writer knows which reader an object
+//! still waits for, and a put that finds no room because a reader died before reading
+//! fails naming it, or (`on_dead_reader = "drop"`) goes on without it: see `readers`.
 //!
 //! # Zero-copy views and loans
 //! [`read_object_viewed`] lets a reader map parts privately (copy-on-write) and keep
@@ -73,22 +85,25 @@
 //! - `store_segment`: the store segment's header, published state, secret, and byte access;
 //! - `fifo`: [`BlockFifo`], the blocks in FIFO order (allocator on the writer);
 //! - `object`: an object's layout, reading it, and zero-copy views ([`PartView`]);
-//! - `index`: [`ObjectStore`], the key index with eviction and loans ([`StoreLoan`]).
+//! - `index`: [`ObjectStore`], the key index with eviction and loans ([`StoreLoan`]);
+//! - `readers`: reader slots ([`ReaderSlot`]), and how the writer judges them.
 
 mod fifo;
 mod index;
 mod object;
+mod readers;
 mod store_segment;
 #[cfg(test)]
 mod tests;
 
 pub use fifo::{BlockFifo, FreeOldest, FreeOldestFirst};
-pub use index::{Entry, ObjectStore, StoreLoan, StoreRole, LOAN_ROOM};
+pub use index::{store_full_message, Entry, ObjectStore, StoreLoan, StoreRole, LOAN_ROOM};
 pub use object::{
-    check_object, object_reader_count, read_object, read_object_viewed, BlockPin, KeptPart,
-    ObjectFrame, ObjectViews, PartView,
+    check_object, object_reader_count, read_object, read_object_viewed, BlockPin, CountRead,
+    KeptPart, ObjectFrame, ObjectViews, PartView,
 };
+pub use readers::{judge_slot, reader_slots, ReaderInfo, ReaderSlot, ReaderStatus};
 pub use store_segment::{
-    BlockHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, PART_ALIGN, SECRET_BYTES,
-    SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC,
+    BlockHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, MAX_PARTS,
+    MAX_READER_SLOTS, PART_ALIGN, SECRET_BYTES, SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC,
 };

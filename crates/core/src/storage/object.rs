@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use super::store_segment::{
-    count_word_at, id_in, pin_byte, BlockHeader, StoreSegment, COUNT_WORD_BYTES, PART_ALIGN,
+    count_word_at, frame_parts, frame_slots, id_in, part_table_offset, pin_byte,
+    reader_word_offset, BlockHeader, StoreSegment, COUNT_WORD_BYTES, MAX_READER_SLOTS, PART_ALIGN,
     RING_OFFSET,
 };
 use shmq_os::error::{Error, Result};
@@ -15,15 +16,18 @@ use shmq_protocol::sync::{fence, AtomicU64, Ordering};
 
 /// Where the count word and the parts of an object go: offsets from the start of the
 /// block's data, which is at ring offset `data_offset`. The frame is `[pad to 8][count
-/// word (8)][n (4)][n × (offset, len) (4 + 4)]`, then the parts.
+/// word (8)][frame word (4): n parts, s reader words][if s > 0: pad (4), s × reader word
+/// (8)][n × (offset, len) (4 + 4)]`, then the parts (see `super::readers` for the reader
+/// words; with none, the frame is version 4's `[count word][n][table]`).
 pub(super) fn object_layout(
     data_offset: u64,
     lens: impl Iterator<Item = u64>,
     n: usize,
+    slots: usize,
     align_from: usize,
     mut place: impl FnMut(usize, u64),
 ) -> u64 {
-    let mut at = count_word_at(data_offset) + COUNT_WORD_BYTES + 4 + 8 * n as u64;
+    let mut at = count_word_at(data_offset) + part_table_offset(slots) + 8 * n as u64;
     for (i, len) in lens.enumerate() {
         if i >= align_from {
             at = (data_offset + at).next_multiple_of(PART_ALIGN) - data_offset;
@@ -38,8 +42,8 @@ pub(super) fn object_layout(
 pub struct ObjectFrame<'a> {
     /// The block's data (after the 8-byte header).
     pub(super) data: &'a [u8],
-    /// Where the count word is in `data`.
-    pub(super) count_at: usize,
+    /// Where the part table is in `data` (after the reader words, if any).
+    pub(super) table_at: usize,
     pub(super) n: usize,
 }
 
@@ -52,13 +56,17 @@ impl<'a> ObjectFrame<'a> {
             let b = data.get(at..at.checked_add(4)?)?;
             Some(u32::from_le_bytes(b.try_into().ok()?))
         };
-        let n = word(count_at + COUNT_WORD_BYTES as usize)? as usize;
-        let frame_end =
-            (count_at + COUNT_WORD_BYTES as usize + 4).checked_add(n.checked_mul(8)?)?;
+        let frame = word(count_at + COUNT_WORD_BYTES as usize)?;
+        let (n, slots) = (frame_parts(frame), frame_slots(frame));
+        if slots > MAX_READER_SLOTS {
+            return None;
+        }
+        let table_at = count_at + part_table_offset(slots) as usize;
+        let frame_end = table_at.checked_add(n.checked_mul(8)?)?;
         if frame_end > data.len() {
             return None;
         }
-        let view = ObjectFrame { data, count_at, n };
+        let view = ObjectFrame { data, table_at, n };
         for i in 0..n {
             let (off, len) = view.entry(i);
             if off < frame_end || off.checked_add(len)? > data.len() {
@@ -69,7 +77,7 @@ impl<'a> ObjectFrame<'a> {
     }
 
     pub(super) fn entry(&self, i: usize) -> (usize, usize) {
-        let at = self.count_at + COUNT_WORD_BYTES as usize + 4 + 8 * i;
+        let at = self.table_at + 8 * i;
         let w = |k: usize| u32::from_le_bytes(self.data[k..k + 4].try_into().unwrap()) as usize;
         (w(at), w(at + 4))
     }
@@ -102,8 +110,7 @@ impl<'a> ObjectFrame<'a> {
     /// serde follow each other without gaps: this is its `[metadata][data...]`).
     pub fn span(&self) -> &'a [u8] {
         if self.n == 0 {
-            let at = self.count_at + COUNT_WORD_BYTES as usize + 4;
-            return &self.data[at..at];
+            return &self.data[self.table_at..self.table_at];
         }
         let (first, _) = self.entry(0);
         let (last, len) = self.entry(self.n - 1);
@@ -113,29 +120,96 @@ impl<'a> ObjectFrame<'a> {
     }
 }
 
-/// The reader count of the object whose block data is `data` (the low half of its
-/// count word).
-pub(super) fn reader_count(data: &[u8]) -> u32 {
-    let count_at = count_word_at(data.as_ptr() as u64) as usize;
-    if data.len() < count_at + COUNT_WORD_BYTES as usize {
-        // Not an object (a raw allocation through the ring's own API): nothing counts.
-        return 0;
+/// The count of the 8-byte word at `at` in `data` (a block's data: the count word or a
+/// reader word), if it lies inside `data`.
+fn count_in(data: &[u8], at: usize) -> Option<u32> {
+    if data.len() < at.checked_add(COUNT_WORD_BYTES as usize)? {
+        return None;
     }
-    // SAFETY: inside `data` (checked above) and 8-aligned by construction. shmq accesses
-    // count words only atomically (a Python view from `access_buf` could write one:
-    // that changes the count, which only decides when the object may be evicted).
-    let word = unsafe { &*(data.as_ptr().add(count_at) as *const AtomicU64) };
+    // SAFETY: inside `data` (checked above) and 8-aligned (`at` is the count word's place,
+    // 8-aligned in memory as the ring is page-aligned, plus a multiple of 8). shmq
+    // accesses count words only atomically (a Python view from `access_buf` could write
+    // one: that changes the count, which only decides when the object may be evicted).
+    let word = unsafe { &*(data.as_ptr().add(at) as *const AtomicU64) };
     // Acquire: pairs with the Release compare-exchange in `count_one_read`; the reader's use
     // of the payload happens before the writer frees (and later overwrites) it.
-    word.load(Ordering::Acquire) as u32
+    Some(word.load(Ordering::Acquire) as u32)
 }
 
-/// Count one read of the object in block `h`: add one to the count if its count word
-/// still carries the object's tag; else (the block was reused after the reader's last
-/// check, which only a reader stalled longer than the writer's patience can see, or a
-/// peer wrote the word) count nothing. Returns whether it counted.
-pub(super) fn count_one_read(segment: &StoreSegment, h: &BlockHeader) -> bool {
-    let word = segment.count_word_of(h);
+/// The reads counted in the object whose block data is `data`: its count word's (readers
+/// without a slot) and those of its reader words (`super::readers`) for which `skip(s)`
+/// is false (the writer skips readers it dropped). Reader words are per slot, as many
+/// as the frame word says; a frame that does not fit `data` has none.
+pub(super) fn counted_reads(data: &[u8], skip: impl Fn(usize) -> bool) -> u64 {
+    let count_at = count_word_at(data.as_ptr() as u64) as usize;
+    // Not an object (a raw allocation through the ring's own API): nothing counts.
+    let Some(main) = count_in(data, count_at) else {
+        return 0;
+    };
+    let frame_at = count_at + COUNT_WORD_BYTES as usize;
+    let Some(frame) = data.get(frame_at..frame_at + 4) else {
+        return main.into();
+    };
+    let slots = frame_slots(u32::from_le_bytes(frame.try_into().expect("4 bytes")));
+    (0..slots.min(MAX_READER_SLOTS))
+        .filter(|&s| !skip(s))
+        .map_while(|s| count_in(data, count_at + reader_word_offset(s) as usize))
+        .fold(u64::from(main), |sum, c| sum + u64::from(c))
+}
+
+/// The reads reader slot `s` counted in the object whose block data is `data`; `None` if
+/// the object has no reader word for it (it has none for slots of a store of one
+/// reader: that reader's reads are in the count word).
+pub(super) fn reads_by(data: &[u8], s: usize) -> Option<u32> {
+    let count_at = count_word_at(data.as_ptr() as u64) as usize;
+    let frame_at = count_at + COUNT_WORD_BYTES as usize;
+    let frame = data.get(frame_at..frame_at + 4)?;
+    if s >= frame_slots(u32::from_le_bytes(frame.try_into().expect("4 bytes"))) {
+        return None;
+    }
+    count_in(data, count_at + reader_word_offset(s) as usize)
+}
+
+/// The reader count of the object whose block data is `data`: every read counted in it,
+/// by any reader (for inspection; eviction skips dropped readers, see `counted_reads`).
+pub(super) fn reader_count(data: &[u8]) -> u32 {
+    counted_reads(data, |_| false).min(u64::from(u32::MAX)) as u32
+}
+
+/// How a read is counted (see `read_object`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CountRead {
+    /// Not at all (the writer's own gets, without a reader lock).
+    No,
+    /// In the object's count word: a reader without a slot.
+    Anonymous,
+    /// In the reader word of slot `s` (a [`ReaderSlot`](super::ReaderSlot)'s
+    /// [`count`](super::ReaderSlot::count)): the writer can then tell which reader read
+    /// what, and go on without it if it dies. An object without a word for the slot
+    /// counts the read in its count word.
+    AsReader(usize),
+}
+
+impl From<bool> for CountRead {
+    /// `true`: [`CountRead::Anonymous`]; `false`: [`CountRead::No`].
+    fn from(count: bool) -> CountRead {
+        if count {
+            CountRead::Anonymous
+        } else {
+            CountRead::No
+        }
+    }
+}
+
+/// Count one read of the object in block `h`, in reader slot `slot`'s word if the object
+/// has one for it, else in its count word: add one to the count if the word still
+/// carries the object's tag; else (the block was reused after the reader's last check,
+/// which only a reader stalled longer than the writer's patience can see, or a peer
+/// wrote the word) count nothing. Returns whether it counted.
+pub(super) fn count_one_read(segment: &StoreSegment, h: &BlockHeader, slot: Option<usize>) -> bool {
+    let word = slot
+        .and_then(|s| segment.reader_word_of(h, s))
+        .unwrap_or_else(|| segment.count_word_of(h));
     let tag = segment.count_tag(h.id);
     // Relaxed: the value only seeds the compare-exchange, which checks it.
     let mut seen = word.load(Ordering::Relaxed);
@@ -222,19 +296,20 @@ fn intact_first<T>(segment: &StoreSegment, r: Result<T>) -> Result<T> {
 }
 
 /// Read the object at `(address, id)`: check the handle, call `f` on its parts, check
-/// the handle again, and (if `count_read`) count this as one read. Any process may call
-/// it.
+/// the handle again, and count this as one read as `count` says (`true`: anonymously,
+/// `false`: not at all). Any process may call it.
 pub fn read_object<R>(
     segment: &StoreSegment,
     address: u64,
     id: u32,
-    count_read: bool,
+    count: impl Into<CountRead>,
     f: impl FnOnce(&ObjectFrame<'_>) -> R,
 ) -> Result<R> {
+    let count = count.into();
     segment.check_intact()?;
     let h = intact_first(segment, object_header(segment, address, id))?;
-    let r = intact_first(segment, read_header(segment, h, address, id, count_read, f))?;
-    if count_read {
+    let r = intact_first(segment, read_header(segment, h, address, id, count, f))?;
+    if count != CountRead::No {
         segment.count_get();
     }
     Ok(r)
@@ -246,7 +321,7 @@ pub(super) fn read_header<R>(
     h: BlockHeader,
     address: u64,
     id: u32,
-    count_read: bool,
+    count: CountRead,
     f: impl FnOnce(&ObjectFrame<'_>) -> R,
 ) -> Result<R> {
     let stale = || Error::StaleObject {
@@ -261,13 +336,18 @@ pub(super) fn read_header<R>(
     let data = unsafe { std::slice::from_raw_parts(p, n) };
     let view = ObjectFrame::parse(data, h.offset + HEADER_BYTES).ok_or_else(stale)?;
     let out = f(&view);
-    if !count_read {
+    let slot = match count {
+        CountRead::No => None,
+        CountRead::Anonymous => Some(None),
+        CountRead::AsReader(s) => Some(Some(s)),
+    };
+    let Some(slot) = slot else {
         return if still_valid(segment, &h) {
             Ok(out)
         } else {
             Err(stale())
         };
-    }
+    };
     // The count lies in the block: it must not be incremented once the block may be
     // reused (that would write into another object). So announce the increment first
     // (SeqCst, then a SeqCst fence: with the writer's fence and load in
@@ -278,8 +358,10 @@ pub(super) fn read_header<R>(
     segment.counting().fetch_add(1, Ordering::SeqCst);
     fence(Ordering::SeqCst);
     let validity = validity(segment, &h);
-    if validity == Validity::Live {
-        count_one_read(segment, &h);
+    if validity == Validity::Live && count_one_read(segment, &h, slot) {
+        if let Some(s) = slot {
+            segment.count_reader_read(s);
+        }
     }
     // Release: pairs with the writer's Acquire load: the increment above happens before
     // the writer reuses the block.
@@ -452,9 +534,10 @@ pub fn read_object_viewed<R>(
     segment: &Arc<StoreSegment>,
     address: u64,
     id: u32,
-    count_read: bool,
+    count: impl Into<CountRead>,
     f: impl FnOnce(&ObjectFrame<'_>, &ObjectViews<'_>) -> R,
 ) -> Result<R> {
+    let count = count.into();
     segment.check_intact()?;
     let h = intact_first(segment, object_header(segment, address, id))?;
     let views = ObjectViews {
@@ -462,11 +545,9 @@ pub fn read_object_viewed<R>(
         header: h,
         pin: std::cell::OnceCell::new(),
     };
-    let r = read_header(segment, h, address, id, count_read, |object| {
-        f(object, &views)
-    });
+    let r = read_header(segment, h, address, id, count, |object| f(object, &views));
     let r = intact_first(segment, r)?;
-    if count_read {
+    if count != CountRead::No {
         segment.count_get();
     }
     Ok(r)

@@ -22,8 +22,10 @@ use shmq_protocol::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 /// "SHMQSTO3" little-endian: marks a finished object-store segment.
 pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO3");
-/// 3: an object's count is a tagged 8-byte word (see `StoreSegment::count_word`).
-pub const STORE_LAYOUT_VERSION: u32 = 4;
+/// 3: an object's count is a tagged 8-byte word (see `StoreSegment::count_word`); 5:
+/// reader slots in the header page, and an object's frame carries one count word per
+/// reader slot (see `super::readers`).
+pub const STORE_LAYOUT_VERSION: u32 = 5;
 /// The ring starts one page into the segment.
 pub(super) const RING_OFFSET: usize = 4096;
 const PUBLISHED_OFFSET: usize = 64;
@@ -37,6 +39,15 @@ const COUNTING_OFFSET: usize = 256;
 const WRITER_STATS_OFFSET: usize = 32;
 /// The readers' statistic (counted gets), in a cache line of its own.
 const GETS_OFFSET: usize = 320;
+/// Where the reader slots are (see `super::readers`): after the counters, to the end of
+/// the header page.
+pub(super) const READER_SLOTS_OFFSET: usize = 1024;
+/// Bytes of one reader slot.
+pub(super) const READER_SLOT_BYTES: usize = 32;
+/// How many reader slots the header page holds: readers beyond them (a store of more
+/// `n_readers`, or more processes opening it than it has readers) count anonymously.
+/// Below 256: an object's frame says how many count words of slots it has in one byte.
+pub const MAX_READER_SLOTS: usize = (RING_OFFSET - READER_SLOTS_OFFSET) / READER_SLOT_BYTES;
 /// How long the writer waits for readers in the middle of counting a read (they are
 /// there for nanoseconds; only one that died there makes it wait this long).
 const COUNTING_PATIENCE: Duration = Duration::from_millis(10);
@@ -52,6 +63,42 @@ pub const COUNT_BYTES: usize = 4;
 /// Bytes of the word that holds an object's count in its block: the count (low half) and
 /// a tag of the object's id (high half), 8-aligned (see `StoreSegment::count_word`).
 pub(super) const COUNT_WORD_BYTES: u64 = 8;
+
+/// Bits of an object's frame word that count its parts (the rest, above, count its
+/// reader words: see [`frame_word`]).
+pub(super) const PART_BITS: u32 = 24;
+/// Most parts an object may have.
+pub const MAX_PARTS: usize = (1 << PART_BITS) - 1;
+
+/// The frame word of an object (the u32 after its count word): its number of parts in the
+/// low [`PART_BITS`] bits, its number of reader words (count words of reader slots, see
+/// `super::readers`) in the high 8. An object of a store of one reader has none, and its
+/// frame is the layout of version 4: `[count word][n][n × (offset, len)]`.
+pub(super) fn frame_word(parts: usize, slots: usize) -> u32 {
+    debug_assert!(parts <= MAX_PARTS && slots <= MAX_READER_SLOTS);
+    parts as u32 | (slots as u32) << PART_BITS
+}
+/// The number of parts a frame word says.
+pub(super) fn frame_parts(word: u32) -> usize {
+    (word & ((1 << PART_BITS) - 1)) as usize
+}
+/// The number of reader words a frame word says.
+pub(super) fn frame_slots(word: u32) -> usize {
+    (word >> PART_BITS) as usize
+}
+/// From an object's count word: where the count word of reader slot `s` is (after the
+/// frame word and 4 bytes of padding, so 8-aligned like the count word).
+pub(super) fn reader_word_offset(s: usize) -> u64 {
+    COUNT_WORD_BYTES + 8 + 8 * s as u64
+}
+/// From an object's count word: where its part table starts, with `slots` reader words.
+pub(super) fn part_table_offset(slots: usize) -> u64 {
+    if slots == 0 {
+        COUNT_WORD_BYTES + 4
+    } else {
+        reader_word_offset(slots)
+    }
+}
 
 /// Where an object's count word is, from the start of its block's data at ring offset
 /// `data_offset`: the first multiple of 8 (the ring starts page-aligned, so ring offsets
@@ -100,6 +147,8 @@ const _: () = assert!(COUNTING_OFFSET + 8 <= RING_OFFSET);
 const _: () = assert!(std::mem::size_of::<StoreHeader>() <= WRITER_STATS_OFFSET);
 const _: () = assert!(WRITER_STATS_OFFSET + 16 <= PUBLISHED_OFFSET);
 const _: () = assert!(GETS_OFFSET >= COUNTING_OFFSET + 64 && GETS_OFFSET + 8 <= RING_OFFSET);
+const _: () = assert!(GETS_OFFSET + 64 <= READER_SLOTS_OFFSET && READER_SLOTS_OFFSET % 64 == 0);
+const _: () = assert!(MAX_READER_SLOTS < 256);
 
 /// A store's metrics (see [`StoreSegment::stats`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -562,12 +611,39 @@ impl StoreSegment {
         self.count_word(data + count_word_at(data))
     }
 
-    /// A fresh object's count word in block `h`: its tag, count 0 (writer, before the
-    /// handle is handed out: Relaxed, the channel that carries the handle orders it as it
-    /// does the payload).
-    pub(super) fn init_count(&self, h: &BlockHeader) {
-        self.count_word_of(h)
-            .store(u64::from(self.count_tag(h.id)) << 32, Ordering::Relaxed);
+    /// A fresh object's count word in block `h`, and its `slots` reader words after the
+    /// frame word: its tag, count 0 (writer, before the handle is handed out: Relaxed, the
+    /// channel that carries the handle orders it as it does the payload). The block must
+    /// be sized for them (`object_layout` with `slots`); the frame word is the caller's.
+    pub(super) fn init_counts(&self, h: &BlockHeader, slots: usize) {
+        let fresh = u64::from(self.count_tag(h.id)) << 32;
+        self.count_word_of(h).store(fresh, Ordering::Relaxed);
+        let data = h.offset + HEADER_BYTES;
+        let count_at = data + count_word_at(data);
+        for s in 0..slots {
+            self.count_word(count_at + reader_word_offset(s))
+                .store(fresh, Ordering::Relaxed);
+        }
+    }
+
+    /// The count word of reader slot `s` in the object of block `h`, if its frame gives
+    /// that slot one (`super::readers`); `None` if it does not (that reader counts in the
+    /// object's count word), or if the frame does not fit the block (reused meanwhile, or
+    /// written by a peer: then no word of the block's is touched). The word found may
+    /// still be another object's by now: its tag says (`count_one_read`).
+    pub(super) fn reader_word_of(&self, h: &BlockHeader, s: usize) -> Option<&AtomicU64> {
+        let data = h.offset + HEADER_BYTES;
+        let count_at = data + count_word_at(data);
+        let end = h.offset.checked_add(h.size as u64)?.min(self.capacity);
+        if count_at + COUNT_WORD_BYTES + 4 > end {
+            return None;
+        }
+        if s >= frame_slots(self.load_u32(count_at + COUNT_WORD_BYTES)) {
+            return None;
+        }
+        let at = count_at + reader_word_offset(s);
+        // Inside the block, so inside the ring, and 8-aligned as the count word is.
+        (at + COUNT_WORD_BYTES <= end).then(|| self.count_word(at))
     }
 
     /// Write the header of a freshly allocated block (writer only; published after).

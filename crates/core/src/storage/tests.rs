@@ -323,7 +323,7 @@ fn a_frame_changed_during_a_read_is_an_error_not_a_panic() {
 #[test]
 fn layout_pads_inside_the_object() {
     let mut at = Vec::new();
-    let end = object_layout(9, [5u64, 70, 1].into_iter(), 3, 1, |i, off| {
+    let end = object_layout(9, [5u64, 70, 1].into_iter(), 3, 0, 1, |i, off| {
         at.push((i, off))
     });
     // data at ring offset 9: count word at +7 (offset 16, 8 bytes), frame n + 3 entries
@@ -346,13 +346,13 @@ fn a_stalled_reader_never_counts_into_the_next_object() {
     // Counted while live.
     let (a, i) = s.put(&mut ring, "a", &[b"meta", &[7u8; 100]], 1).unwrap();
     let ha = seg.header_at(a).unwrap();
-    assert!(count_one_read(&seg, &ha));
+    assert!(count_one_read(&seg, &ha, None));
     assert_eq!(object_reader_count(&seg, a, i).unwrap(), 1);
     // The same address, the next object: its count is not touched.
     s.clear(&mut ring).unwrap();
     let (b, j) = s.put(&mut ring, "b", &[b"meta", &[9u8; 100]], 1).unwrap();
     assert_eq!(b, a);
-    assert!(!count_one_read(&seg, &ha));
+    assert!(!count_one_read(&seg, &ha, None));
     assert_eq!(object_reader_count(&seg, b, j).unwrap(), 0);
     // An object placed after another, then its memory covered by another object's
     // payload: the payload is not touched.
@@ -365,7 +365,7 @@ fn a_stalled_reader_never_counts_into_the_next_object() {
         let (d, k) = s.put(&mut ring, "d", &[b"m", &[fill; 1024]], 0).unwrap();
         let hd = seg.header_at(d).unwrap();
         assert!(hd.offset + 64 < word_at(&hc) && word_at(&hc) + 8 < hd.offset + 1000);
-        assert!(!count_one_read(&seg, &hc));
+        assert!(!count_one_read(&seg, &hc, None));
         assert_eq!(read_all(&seg, d, k, false).unwrap()[1], vec![fill; 1024]);
     }
 }
@@ -673,4 +673,132 @@ fn a_truncated_store_refuses_puts_and_reports_no_object_cached() {
     ));
     assert!(truncated(s.put(&mut ring, "c", &[b"small"], 1).map(|_| ())));
     assert_eq!(std::fs::metadata(&path).unwrap().len(), 4096);
+}
+
+/// Reader slots (`readers`): a reader's reads count in its slot's words; the writer names
+/// the reader an object waits for; a dead one fails the put (`Raise`) or is dropped
+/// (`Drop`), and its reads then count for nothing; a live or closed one is never dropped.
+#[test]
+fn reader_slots_tell_the_writer_who_an_object_waits_for() {
+    use crate::broadcast::DeadReaderPolicy;
+    // Two objects of ~215 bytes fit (2 parts, not aligned: see `object_layout`), not three.
+    let (mut ring, mut s) = store(500, 300, 2);
+    let seg = ring.segment().clone();
+    let (a, b) = (
+        ReaderSlot::take(&seg, 2).unwrap().unwrap(),
+        ReaderSlot::take(&seg, 2).unwrap().unwrap(),
+    );
+    assert_eq!((a.index(), b.index()), (0, 1));
+    // Every slot held by a live reader: a third one reads anonymously.
+    assert!(ReaderSlot::take(&seg, 2).unwrap().is_none());
+    let statuses = |s: &ObjectStore| s.readers(&seg).iter().map(|r| r.status).collect::<Vec<_>>();
+    let alive = ReaderStatus::Alive { known: true };
+    assert_eq!(statuses(&s), [alive, alive]);
+
+    // The frame: two reader words, between the frame word and the part table.
+    let (ha, ia) = s.put(&mut ring, "a", &[b"meta", &[1u8; 150]], 2).unwrap();
+    let read = |h: (u64, u32), slot: &ReaderSlot| {
+        read_object(&seg, h.0, h.1, slot.count(), |v| v.part(1).to_vec()).unwrap()
+    };
+    assert_eq!(read((ha, ia), &b), [1u8; 150]);
+    assert_eq!(object_reader_count(&seg, ha, ia).unwrap(), 1);
+    assert_eq!(s.readers(&seg)[1].reads, 1);
+
+    // b dies; "a" waits for a (alive), not b.
+    b.die();
+    assert_eq!(statuses(&s), [alive, ReaderStatus::Dead]);
+    let (hb, ib) = s.put(&mut ring, "b", &[b"meta", &[2u8; 150]], 2).unwrap();
+    let e = s
+        .put(&mut ring, "c", &[b"meta", &[3u8; 150]], 2)
+        .unwrap_err();
+    let Error::Full(full) = &e else { panic!("{e}") };
+    let msg = store_full_message(full);
+    assert!(
+        msg.starts_with("Not enough space in the data buffer ("),
+        "{msg}"
+    );
+    assert!(!msg.contains("free_buf"), "{msg}");
+    assert!(msg.contains("reader slot 0 (pid"), "{msg}");
+    assert!(msg.contains("alive) has not read it yet"), "{msg}");
+    assert!(s.dead_reader().is_none(), "{msg}");
+
+    // a reads "a" ("c" takes its room) and "b": now the oldest is "b", which b (dead)
+    // never read.
+    assert_eq!(read((ha, ia), &a), [1u8; 150]);
+    assert_eq!(read((hb, ib), &a), [2u8; 150]);
+    s.put(&mut ring, "c", &[b"meta", &[3u8; 150]], 2).unwrap();
+    let e = s
+        .put(&mut ring, "d", &[b"meta", &[4u8; 150]], 2)
+        .unwrap_err();
+    assert_eq!(s.dead_reader().map(|r| r.slot), Some(1), "{e}");
+    assert!(e.to_string().contains("died before reading it"), "{e}");
+    assert!(s.entry("b").is_some() && s.dropped_readers().is_empty());
+
+    // Drop: b goes; "b" needs a's read alone, which it has.
+    s.set_on_dead_reader(DeadReaderPolicy::Drop);
+    s.put(&mut ring, "d", &[b"meta", &[4u8; 150]], 2).unwrap();
+    assert!(s.dead_reader().is_none());
+    assert_eq!(s.dropped_readers(), [1]);
+    assert_eq!(statuses(&s), [alive, ReaderStatus::Dropped]);
+    assert!(s.entry("b").is_none());
+    // A dropped slot is never taken again; a's slot, once a closes, is (left, not dead).
+    a.leave();
+    assert_eq!(statuses(&s), [ReaderStatus::Left, ReaderStatus::Dropped]);
+    let c = ReaderSlot::take(&seg, 2).unwrap().unwrap();
+    assert_eq!(c.index(), 0);
+    drop(c);
+}
+
+/// A dead reader's reads count for nothing once it is dropped: an object it read but a
+/// live reader has not stays (the dead one's read does not stand in for the live one's).
+#[test]
+fn a_dropped_readers_reads_do_not_stand_in_for_a_live_one() {
+    use crate::broadcast::DeadReaderPolicy;
+    // Three objects of ~250 bytes fit, not four.
+    let (mut ring, mut s) = store(800, 300, 2);
+    s.set_on_dead_reader(DeadReaderPolicy::Drop);
+    let seg = ring.segment().clone();
+    let (a, b) = (
+        ReaderSlot::take(&seg, 2).unwrap().unwrap(),
+        ReaderSlot::take(&seg, 2).unwrap().unwrap(),
+    );
+    let (h, i) = s.put(&mut ring, "first", &[&[1u8; 200]], 1).unwrap();
+    read_object(&seg, h, i, b.count(), |_| ()).unwrap();
+    b.die();
+    s.put(&mut ring, "second", &[&[2u8; 200]], 1).unwrap();
+    s.put(&mut ring, "third", &[&[3u8; 200]], 1).unwrap();
+    let e = s.put(&mut ring, "fourth", &[&[4u8; 200]], 1).unwrap_err();
+    assert_eq!(s.dropped_readers(), [1], "{e}");
+    assert!(s.entry("first").is_some(), "{e}");
+    read_object(&seg, h, i, a.count(), |_| ()).unwrap();
+    s.put(&mut ring, "fourth", &[&[4u8; 200]], 1).unwrap();
+    assert!(s.entry("first").is_none());
+}
+
+/// A store of one reader keeps version 4's frame (no reader words); its reader's reads
+/// are in the count word, and dropping it leaves nothing to wait for.
+#[test]
+fn a_store_of_one_reader_has_no_reader_words_and_drops_its_reader() {
+    use crate::broadcast::DeadReaderPolicy;
+    // Three objects of ~230 bytes fit, not four.
+    let (mut ring, mut s) = store(800, 300, 1);
+    let seg = ring.segment().clone();
+    let r = ReaderSlot::take(&seg, 1).unwrap().unwrap();
+    let (h, i) = s.put(&mut ring, "a", &[&[1u8; 200]], 1).unwrap();
+    let data = h + HEADER_BYTES;
+    let frame = data + count_word_at(data) + COUNT_WORD_BYTES;
+    assert_eq!(seg.load_u32(frame), 1, "n = 1 part, no reader words");
+    read_object(&seg, h, i, r.count(), |_| ()).unwrap();
+    assert_eq!(object_reader_count(&seg, h, i).unwrap(), 1);
+    s.put(&mut ring, "b", &[&[2u8; 200]], 1).unwrap();
+    s.put(&mut ring, "c", &[&[3u8; 200]], 1).unwrap();
+    r.die();
+    // "d" takes the room of "a" (read); "e" waits for "b", which the dead reader never read.
+    s.put(&mut ring, "d", &[&[4u8; 200]], 1).unwrap();
+    assert!(s.put(&mut ring, "e", &[&[5u8; 200]], 1).is_err());
+    assert_eq!(s.dead_reader().map(|r| r.slot), Some(0));
+    s.set_on_dead_reader(DeadReaderPolicy::Drop);
+    s.put(&mut ring, "e", &[&[5u8; 200]], 1).unwrap();
+    s.put(&mut ring, "f", &[&[6u8; 200]], 1).unwrap();
+    assert_eq!(s.dropped_readers(), [0]);
 }

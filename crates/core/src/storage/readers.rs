@@ -1,0 +1,357 @@
+//! Reader slots: which processes read a store, so that its writer can tell which reader
+//! an object still waits for, and go on without one that died (`on_dead_reader`).
+//!
+//! # Slots
+//! The header page holds [`MAX_READER_SLOTS`] slots. A process that opens the store as a
+//! reader takes one ([`ReaderSlot::take`]): one of the first `n_readers`, under its role
+//! lock (byte `1 + slot` of the segment's file, see [`shmq_os::liveness`]), held for as
+//! long as it reads. A slot records its holder (pid and start time, to name it), a state,
+//! and the reads it counted, under the generation-stamped seqlock of
+//! [`shmq_protocol::ring`]'s slots:
+//! ```text
+//! EMPTY --take--> ATTACHED --close (the holder)--> LEFT --take--> ATTACHED ...
+//!                     \--died: lock free--(writer, on_dead_reader="drop")--> DROPPED (for good)
+//! ```
+//! A reader takes an empty or left slot first, else the slot of a reader that died (its
+//! lock is free: it takes its place, and the reads still expected of it). A process that
+//! finds no slot (more readers opened than `n_readers`, or `n_readers` beyond
+//! [`MAX_READER_SLOTS`]) reads anonymously, as every reader did before slots.
+//!
+//! # Which reader read what
+//! An object of a store of two or more readers carries one count word per slot (of the
+//! first `n_readers`), after its frame word (see `super::object`): a reader with a slot
+//! counts its reads there, others in the object's count word. The object may be evicted
+//! once the count word and the words of the slots the writer has not dropped add up to
+//! `(n_readers - dropped) × hand-outs`. An object of a store of one reader has no reader
+//! words: its reader's reads are in the count word, which is enough, since dropping that
+//! reader leaves no read to wait for.
+//!
+//! # Dead readers
+//! A put that finds no room looks at the slots. A slot ATTACHED whose role lock is free is
+//! proved dead — also from another pid namespace, where its pid means nothing: a live
+//! reader, however slow, holds its lock, and one that closed said LEFT before letting it
+//! go. With `on_dead_reader = "raise"` the put fails, naming the dead reader, if the oldest
+//! object (which holds the room) waits for its reads; with `"drop"` the writer drops it
+//! (a compare-and-swap to DROPPED on the word it judged, so a process that took the slot
+//! meanwhile is not dropped) and goes on: from then on no object waits for that slot.
+//!
+//! # What a peer can do
+//! Any process that may write the segment can write the slots: name another pid, make a
+//! slot look taken, left or dropped (readers then take other slots, or none, and read
+//! anonymously), or hold a slot's lock byte to make a dead reader look alive (the writer
+//! then waits for it, as for a slow one). Which slots are dropped, for eviction, is the
+//! writer's own memory, never read back from the segment; and a reader's counts were
+//! always writable by peers (they decide only when an object is evicted).
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::store_segment::{
+    StoreSegment, MAX_READER_SLOTS, READER_SLOTS_OFFSET, READER_SLOT_BYTES,
+};
+use shmq_os::error::Result;
+use shmq_os::liveness::{Liveness, RoleLock};
+use shmq_os::process::ProcessId;
+use shmq_protocol::ring::{
+    slot_begin_attach, slot_drop, slot_end_attach, slot_read, slot_state, SLOT_ATTACHED,
+    SLOT_ATTACHING, SLOT_DROPPED,
+};
+use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
+
+/// The state of a slot whose reader closed the store (the ring's slot states end at 4).
+const SLOT_LEFT: u32 = 5;
+
+/// One reader slot in the header page.
+#[repr(C, align(32))]
+pub(super) struct ReaderSlotWords {
+    /// `generation << 32 | state` ([`shmq_protocol::ring`]'s slot protocol, and
+    /// [`SLOT_LEFT`]).
+    word: AtomicU64,
+    pid: AtomicU32,
+    _pad: AtomicU32,
+    start_time: AtomicU64,
+    /// Reads counted by its holders (a statistic, written by the holder only).
+    reads: AtomicU64,
+}
+const _: () = assert!(std::mem::size_of::<ReaderSlotWords>() == READER_SLOT_BYTES);
+
+/// The role-lock byte of reader slot `s` in the segment's file (byte 0 is the creator's;
+/// pins are far above, see `store_segment::pin_byte`).
+fn lock_byte(s: usize) -> u64 {
+    1 + s as u64
+}
+
+impl StoreSegment {
+    /// Reader slot `s` (below [`MAX_READER_SLOTS`]).
+    pub(super) fn reader_slot(&self, s: usize) -> &ReaderSlotWords {
+        assert!(s < MAX_READER_SLOTS, "no reader slot {s}");
+        // SAFETY: READER_SLOTS_OFFSET + MAX_READER_SLOTS * READER_SLOT_BYTES <= RING_OFFSET
+        // (by MAX_READER_SLOTS's definition), inside the mapping; 32-aligned (the mapping is
+        // page-aligned); every field is an atomic. A peer can write anything there, which
+        // changes only what the slots say (see the module docs), never memory safety.
+        unsafe {
+            &*(self
+                .segment
+                .as_ptr()
+                .add(READER_SLOTS_OFFSET + s * READER_SLOT_BYTES)
+                as *const ReaderSlotWords)
+        }
+    }
+
+    /// Reader slot `s` counted one more read (its holder, for statistics).
+    pub(super) fn count_reader_read(&self, s: usize) {
+        if s < MAX_READER_SLOTS {
+            // Relaxed: a statistic; an atomic add, since a forked copy of the holder may
+            // count into the same slot.
+            self.reader_slot(s).reads.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The reader slots of a store of `n_readers` readers: the first `n_readers`, at most
+/// [`MAX_READER_SLOTS`].
+pub fn reader_slots(n_readers: u32) -> usize {
+    (n_readers as usize).min(MAX_READER_SLOTS)
+}
+
+/// How many reader words an object of a store of `n_readers` readers carries: one per
+/// reader slot, none for a store of one reader (see the module docs).
+pub(super) fn object_slots(n_readers: u32) -> usize {
+    if n_readers < 2 {
+        0
+    } else {
+        reader_slots(n_readers)
+    }
+}
+
+/// A reader slot held by this process: its reads are counted in the slot's words, and the
+/// writer can tell whether it lives. Given back (LEFT) by [`leave`](Self::leave) or when
+/// dropped; a process that dies gives it back through its role lock, and is then a dead
+/// reader.
+#[derive(Debug)]
+pub struct ReaderSlot {
+    segment: Arc<StoreSegment>,
+    index: usize,
+    /// The slot word of this occupancy (ATTACHED), to leave it by compare-and-swap.
+    word: u64,
+    made_in: u64,
+    /// The slot's role lock, until it is left.
+    lock: Mutex<Option<RoleLock>>,
+}
+
+impl ReaderSlot {
+    /// Take a slot of `segment`'s first [`reader_slots`]`(n_readers)`: an empty or left
+    /// one first, else that of a reader that died (whose place this one takes). `None` if
+    /// every one is held by a live process or dropped: this process then reads
+    /// anonymously.
+    pub fn take(segment: &Arc<StoreSegment>, n_readers: u32) -> Result<Option<ReaderSlot>> {
+        let slots = reader_slots(n_readers);
+        for dead_too in [false, true] {
+            for s in 0..slots {
+                let slot = segment.reader_slot(s);
+                // Relaxed: a hint; the state is checked again under the lock.
+                let state = slot_state(slot.word.load(Ordering::Relaxed));
+                let wanted = match state {
+                    SLOT_DROPPED => false,
+                    SLOT_ATTACHED => dead_too,
+                    _ => !dead_too,
+                };
+                if !wanted {
+                    continue;
+                }
+                // The slot's role lock first: a live holder keeps it, and while we hold it
+                // nobody else attaches.
+                let Some(lock) = RoleLock::acquire(segment.name(), lock_byte(s))? else {
+                    continue;
+                };
+                // A CAS that fails if the writer dropped the slot meanwhile (it drops only
+                // the exact ATTACHED word it judged: one of us wins).
+                let Some(generation) = slot_begin_attach(&slot.word) else {
+                    continue;
+                };
+                let me = ProcessId::current();
+                // Relaxed: published by the Release store in `slot_end_attach`.
+                slot.pid.store(me.pid, Ordering::Relaxed);
+                slot.start_time.store(me.start_time, Ordering::Relaxed);
+                slot_end_attach(&slot.word, generation);
+                return Ok(Some(ReaderSlot {
+                    segment: segment.clone(),
+                    index: s,
+                    word: (u64::from(generation) << 32) | u64::from(SLOT_ATTACHED),
+                    made_in: shmq_os::fork::generation(),
+                    lock: Mutex::new(Some(lock)),
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The slot's number.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// How this process counts its reads: in this slot's words, or (in a forked child,
+    /// which does not hold the slot's lock) anonymously.
+    pub fn count(&self) -> super::CountRead {
+        if shmq_os::fork::is_inherited(self.made_in) {
+            super::CountRead::Anonymous
+        } else {
+            super::CountRead::AsReader(self.index)
+        }
+    }
+}
+
+impl ReaderSlot {
+    /// Give the slot back: its reader closed the store (the writer does not take it for a
+    /// dead one; its reads are still expected, of whoever takes the slot next).
+    /// Idempotent; reads counted afterwards go to the slot still, harmlessly.
+    pub fn leave(&self) {
+        self.leave_as(true);
+    }
+
+    /// Let the slot go as a reader that died would: its lock, not its state (tests).
+    #[cfg(test)]
+    pub(super) fn die(&self) {
+        self.leave_as(false);
+    }
+
+    fn leave_as(&self, closed: bool) {
+        let mut lock = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(lock) = lock.take() else { return };
+        if shmq_os::fork::is_inherited(self.made_in) {
+            return; // a forked child's copy: the slot is its parent's (the lock knows)
+        }
+        if closed {
+            // LEFT before the lock goes (below): the writer, which judges a slot dead by
+            // ATTACHED and a free lock and reads the word again after its lock probe,
+            // never takes a reader that closed for a dead one. A CAS: a slot the writer
+            // dropped (it judged us dead: we were not) stays dropped. Release: nothing is
+            // published by it; the reads we counted were Release already.
+            let left = (self.word & !0xffff_ffff) | u64::from(SLOT_LEFT);
+            let _ = self.segment.reader_slot(self.index).word.compare_exchange(
+                self.word,
+                left,
+                Ordering::Release,
+                Ordering::Relaxed,
+            );
+        }
+        drop(lock);
+    }
+}
+
+impl Drop for ReaderSlot {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+/// What the writer finds in a reader slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReaderStatus {
+    /// No reader has taken it yet.
+    Empty,
+    /// A reader is taking it now.
+    Attaching,
+    /// Its reader holds it and lives (or cannot be told dead: `known` is false).
+    Alive { known: bool },
+    /// Its reader closed the store; its reads are still expected (a reader that opens the
+    /// store takes its place).
+    Left,
+    /// Its reader died without closing (its role lock is free).
+    Dead,
+    /// Dropped by the writer after its reader died.
+    Dropped,
+}
+
+/// A reader slot as the writer sees it ([`judge_slot`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReaderInfo {
+    pub slot: usize,
+    /// Its last holder, if the slot names one (read consistently).
+    pub process: Option<ProcessId>,
+    pub status: ReaderStatus,
+    /// Reads counted by its holders.
+    pub reads: u64,
+    /// The slot word judged (to drop it by CAS).
+    pub(super) word: u64,
+}
+
+/// Writer: what reader slot `s` of `segment` holds. A slot is `Dead` only if it was
+/// ATTACHED, its role lock is free, and its word did not change across the lock probe
+/// (a reader that closes says LEFT before it lets the lock go).
+pub fn judge_slot(segment: &StoreSegment, s: usize) -> ReaderInfo {
+    let slot = segment.reader_slot(s);
+    // Relaxed field loads inside the seqlock read (ordered by its Acquire load and
+    // fence); a torn read (an attach under way) names nobody.
+    let read = slot_read(&slot.word, || {
+        (
+            slot.pid.load(Ordering::Relaxed),
+            slot.start_time.load(Ordering::Relaxed),
+        )
+    });
+    // Relaxed: a statistic.
+    let reads = slot.reads.load(Ordering::Relaxed);
+    let Some((word, (pid, start_time))) = read else {
+        return ReaderInfo {
+            slot: s,
+            process: None,
+            status: ReaderStatus::Attaching,
+            reads,
+            word: 0,
+        };
+    };
+    let process = Some(ProcessId { pid, start_time });
+    let (process, status) = match slot_state(word) {
+        SLOT_ATTACHED => {
+            // By its role lock; by its pid only where the lock cannot be tested (and then
+            // a pid that is not visible here is `Unknown`, never `Dead`).
+            let liveness = match segment.probe.as_ref().map(|p| p.liveness(lock_byte(s))) {
+                Some(Liveness::Unknown) | None => ProcessId { pid, start_time }.liveness(),
+                Some(known) => known,
+            };
+            // Acquire: after the probe (a system call), the word is read again: a reader
+            // that closed stored LEFT before it released its lock, so a LEFT is seen here
+            // if the release was.
+            let again = slot.word.load(Ordering::Acquire);
+            let status = match liveness {
+                _ if again != word => match slot_state(again) {
+                    // It closed, or was dropped, or a new reader took the slot, meanwhile.
+                    SLOT_LEFT => ReaderStatus::Left,
+                    SLOT_DROPPED => ReaderStatus::Dropped,
+                    _ => ReaderStatus::Alive { known: false },
+                },
+                Liveness::Dead => ReaderStatus::Dead,
+                Liveness::Alive => ReaderStatus::Alive { known: true },
+                Liveness::Unknown => ReaderStatus::Alive { known: false },
+            };
+            (process, status)
+        }
+        SLOT_LEFT => (process, ReaderStatus::Left),
+        SLOT_DROPPED => (process, ReaderStatus::Dropped),
+        SLOT_ATTACHING => (None, ReaderStatus::Attaching),
+        _ => (None, ReaderStatus::Empty),
+    };
+    ReaderInfo {
+        slot: s,
+        process,
+        status,
+        reads,
+        word,
+    }
+}
+
+/// Writer: drop the reader of `info` (judged `Dead`): false if the slot changed since (a
+/// new reader took it).
+pub(super) fn drop_slot(segment: &StoreSegment, info: &ReaderInfo) -> bool {
+    info.status == ReaderStatus::Dead && slot_drop(&segment.reader_slot(info.slot).word, info.word)
+}
+
+impl std::fmt::Display for ReaderInfo {
+    /// "reader slot 1 (pid 4242)".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.process {
+            Some(p) => write!(f, "reader slot {} (pid {})", self.slot, p.pid),
+            None => write!(f, "reader slot {}", self.slot),
+        }
+    }
+}
