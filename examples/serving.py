@@ -8,8 +8,11 @@ for them under a deadline, watches them, and shuts everything down.
 
 With ``--crash``, worker 2 fails at step 5 (a simulated CUDA error). The scheduler is
 blocked waiting for its result at that moment; the monitor wakes it with an error that
-names the worker and shows its traceback, and the script ends cleanly: no worker
-processes and no shared-memory segments are left behind.
+names the worker and shows its traceback, and shuts the batch queue down: the other
+workers' ``dequeue`` raises ``QueueShutDownError``, ``sibling_failure()`` tells them
+which worker failed, and they return (exit code 0, no traceback). ``join`` then has
+every exit code (it does not raise the failure the monitor raised), and the script ends
+cleanly: no worker processes and no shared-memory segments are left behind.
 
 Run: python examples/serving.py [--crash]   (scripts/test.sh runs both)
 """
@@ -30,6 +33,7 @@ from shmq import (
     report_ready,
 )
 from shmq.admin import list_segments
+from shmq.workers import sibling_failure
 
 N_WORKERS, N_STEPS = 4, 10
 CRASH_RANK, CRASH_STEP = 2, 5
@@ -52,7 +56,11 @@ def worker(rank, batch_handle, store_handle, crash):
             tokens = [req * 1000 + batch["step"] for req in batch["req_ids"]]  # "sampled tokens"
             results.enqueue({"rank": rank, "step": batch["step"], "sum": float(embeddings.sum()), "tokens": tokens})
     except QueueShutDownError:
-        pass  # the scheduler ended the queue (it is shutting down): nothing more to do
+        # The scheduler ended the queue before its None: it is shutting down, because a
+        # worker failed (sibling_failure() names it) or for reasons of its own (None).
+        failed = sibling_failure()
+        if failed is not None:
+            print(f"worker {rank}: stopping: {failed.name} (pid {failed.pid}) failed with exit code {failed.exitcode}")
 
 
 def serve(crash):
@@ -84,6 +92,9 @@ def serve(crash):
             if not crash:
                 raise
             print(f"scheduler: a worker failed, shutting down:\n{e}")
+            # The other workers end by themselves (their queue was shut down); join
+            # waits for them and does not raise the failure above again.
+            print(f"scheduler: exit codes: {workers.join(timeout=60)}")
         finally:
             pids = set(workers.pids)
             del results

@@ -7,15 +7,19 @@ Rust (``shmq._core``); this module pickles objects and shapes the API.
 Where shmq says more than the engines: the writer's ``shutdown()`` (or its normal end,
 also at interpreter exit) ends the queue, and readers get every message sent before it
 and then ``QueueShutDownError`` instead of waiting forever (see ``MessageQueue``);
-``PeerDiedError`` when the other side died instead.
+``PeerDiedError`` when the other side died instead. A local reader's normal end (the
+object dropped, or its process's interpreter exiting) leaves the queue: its writer goes
+on without it rather than report a death.
 """
 
 from __future__ import annotations
 
+import multiprocessing.util
 import operator
 import os
 import pickle
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Literal, NoReturn, Optional, cast, overload
@@ -116,6 +120,37 @@ def _not_on_this_machine(name: str, open_error: Optional[BaseException]) -> File
     )
     e.__cause__ = open_error
     return e
+
+
+# This process's local readers, which leave their queues at its exit (see _leave_at_exit).
+_readers: "weakref.WeakSet[MessageQueue]" = weakref.WeakSet()
+_leave_hook_pid: Optional[int] = None
+
+
+def _track_reader(mq: "MessageQueue") -> None:
+    """Make local reader ``mq`` leave its queue at this process's exit."""
+    global _leave_hook_pid
+    _readers.add(mq)
+    if _leave_hook_pid != os.getpid():
+        # One of multiprocessing's exit finalizers: they run at the interpreter's exit
+        # (multiprocessing's own atexit hook) and, in a child of any start method, once its
+        # target is done, also in a forked child, which ends in os._exit (no atexit there).
+        # A forked child starts without its parent's finalizers: registered again there.
+        _leave_hook_pid = os.getpid()
+        multiprocessing.util.Finalize(None, _leave_at_exit, exitpriority=-100)
+
+
+def _leave_at_exit() -> None:
+    """At this process's normal end (the end of the script, ``sys.exit``, an exception
+    that ends it, a multiprocessing child's target done), its local readers leave their
+    queues: each lets go of its core reader, whose end marks its slot in the ring as left,
+    so that the writer goes on without it instead of reporting it dead (a reader still in
+    a call, in a thread that outlives this, is not let go: it dies with the process)."""
+    for mq in list(_readers):
+        try:
+            mq._leave()
+        except Exception:  # pragma: no cover - nothing may keep the others from leaving
+            pass
 
 
 class ShmRingBuffer:
@@ -286,6 +321,14 @@ class MessageQueue:
       up, within 5 s for one that hangs or whose machine or network went away (ZeroMQ's
       heartbeats, ``SHMQ_REMOTE_HEARTBEAT_TIMEOUT``), and within 5 s of ``wait_until_ready``
       for one it cannot reach at all.
+    - A local reader's normal end is not a death: the reader object dropped, or its
+      process's interpreter exiting (the end of the script, ``sys.exit``, an exception
+      that ends it, a ``multiprocessing`` child's target done, whatever its start
+      method) *leaves* the queue. The writer goes on without a reader that left, whatever
+      ``on_dead_reader`` says, and logs it once (INFO, logger ``shmq``: "reader 1 (rank 1)
+      left queue ... going on without it"); before the queue is ready, its rank is free
+      for another reader. A reader killed (a signal, ``os._exit``) or crashed in native
+      code has died: ``on_dead_reader`` applies.
     - The writer's ``shutdown()``, and its normal end (the object dropped, or the
       interpreter exiting), end the queue: the writer's later calls, and one blocked in
       another thread, raise ``QueueShutDownError`` (a ``RuntimeError``); every reader,
@@ -342,6 +385,7 @@ class MessageQueue:
     name: Optional[str] = None
     enable_shm_tensor_arena = False
     tensor_arena = None
+    _left = False
 
     def __init__(
         self,
@@ -476,6 +520,7 @@ class MessageQueue:
             self.local_reader_rank = index
             self.buffer = ShmRingBuffer._wrap(ring)
             self.name = ring.label
+            _track_reader(self)
         self.n_local_reader = len(handle.local_reader_ranks)
         self.n_remote_reader = 0
         self.shutting_down = False
@@ -585,9 +630,19 @@ class MessageQueue:
         else:
             raise RuntimeError("this MessageQueue has no handle: make it with MessageQueue(...) or create_from_handle")
 
+    def _leave(self) -> None:
+        """Let go of this reader's core reader (at the process's exit): dropped, it
+        leaves the queue (its writer goes on without it), unless a call in progress in
+        another thread still holds it."""
+        if self._reader is not None:
+            self._left = True
+            self._reader = None
+
     def _reader_for(self, action: str) -> _core.Reader:
         """This queue's reader, for ``action``; a ``RuntimeError`` saying what this
         queue is when it is no reader."""
+        if self._left:
+            raise RuntimeError(f"cannot {action}: this reader left its queue when its process began to exit")
         if self._reader is None:
             raise RuntimeError(
                 f"only readers can {action}: this MessageQueue is the writer"

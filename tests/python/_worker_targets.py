@@ -195,3 +195,103 @@ def remote_worker(out: Any, ticket: str, rank: int, fail: bool, go: Any = None) 
         report_ready({"rank": rank, "pid": os.getpid(), "where": "remote"})
         out.put(("ready",))
         time.sleep(STEP)  # not synchronisation: idle until stopped
+
+
+# ---------------------------------------------------------------------------------
+# Worker groups (test_worker_groups.py): a sibling's death, join, readers that leave
+
+
+def exit_when_told(rank: int, codes: tuple[int, ...], events: tuple[Any, ...]) -> None:
+    """Report ready, then exit with ``codes[rank]`` once the test sets ``events[rank]``."""
+    report_ready(rank)
+    if not events[rank].wait(STEP):
+        raise TimeoutError(f"rank {rank}: the test never said go")
+    sys.exit(codes[rank])
+
+
+def group_reader(rank: int, handle: Any, failing_rank: int, out: Any) -> None:
+    """The README's worker loop, catching the end of the queue: read batches until
+    ``None``; ``failing_rank`` raises at batch 2. A worker whose queue is shut down puts
+    ``(rank, "shut down", what sibling_failure() says)`` in ``out`` and returns (exit
+    code 0); one that read its ``None``, ``(rank, "finished", None)``."""
+    from shmq import QueueShutDownError
+    from shmq.workers import sibling_failure
+
+    queue = MessageQueue.create_from_handle(handle, rank)
+    report_ready()
+    queue.wait_until_ready(timeout=STEP)
+    try:
+        while (batch := queue.dequeue(timeout=STEP)) is not None:
+            if rank == failing_rank and batch == 2:
+                raise RuntimeError(f"rank {rank}: CUDA error at batch {batch} (simulated)")
+    except QueueShutDownError:
+        failed = sibling_failure()
+        said = None if failed is None else (failed.name, failed.rank, failed.exitcode, failed.pid, str(failed))
+        out.put((rank, "shut down", said))
+        return
+    out.put((rank, "finished", None))
+
+
+def reads_one_then_returns(rank: int, handle: Any) -> None:
+    """Join the parent's queue, read one message, and end normally (the target returns)
+    while the parent still sends."""
+    mq = MessageQueue.create_from_handle(handle, rank)
+    report_ready()
+    mq.wait_until_ready(timeout=STEP)
+    mq.dequeue(timeout=STEP)
+
+
+_KEPT: list[Any] = []  # a reader kept past the target's end (a module global)
+
+
+def _reader_that_ends(handle: Any, how: str, out: Any) -> None:
+    """Read one message from ``handle`` as reader 0, then end ``how``: "return" (the
+    reader a local of the target), "global" (kept in a module global, so only the
+    process's exit lets it go), "sys.exit" (sys.exit(0) with the reader a local),
+    "os._exit" (no exit hook at all: a death)."""
+    mq = MessageQueue.create_from_handle(handle, 0)
+    mq.wait_until_ready(timeout=STEP)
+    out.send(("read", mq.dequeue(timeout=STEP)))  # a pipe: sent before os._exit too
+    if how == "global":
+        _KEPT.append(mq)
+    elif how == "sys.exit":
+        sys.exit(0)
+    elif how == "os._exit":
+        os._exit(0)
+
+
+def writer_past_a_reader_that_ends(out: Any, start_method: str, how: str) -> None:
+    """A writer (``on_dead_reader="raise"``, 2 chunks) whose one reader, a child started
+    with ``start_method``, reads one message and ends ``how`` (see
+    ``_reader_that_ends``); the writer then sends 6 more. Puts ``("done", error or None,
+    dropped_readers, the reader's exit code, shmq's log records at INFO and above)`` in
+    ``out``. In a process of its own, so that its logging is set up from the start."""
+    import logging
+    import multiprocessing
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.levelname} {record.getMessage()}")
+
+    shmq_logger = logging.getLogger("shmq")
+    shmq_logger.setLevel(logging.INFO)
+    shmq_logger.addHandler(Keep())
+    ctx = multiprocessing.get_context(start_method)
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2, arena_bytes=0)
+    from_reader, to_writer = ctx.Pipe(duplex=False)
+    reader = ctx.Process(target=_reader_that_ends, args=(mq.export_handle(), how, to_writer))
+    reader.start()
+    to_writer.close()
+    mq.wait_until_ready(timeout=STEP)
+    mq.enqueue("first", timeout=STEP)
+    assert from_reader.poll(STEP) and from_reader.recv() == ("read", "first")
+    reader.join(STEP)
+    error = None
+    try:
+        for i in range(6):
+            mq.enqueue(i, timeout=STEP)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    out.put(("done", error, mq.dropped_readers, reader.exitcode, records))

@@ -9,15 +9,20 @@ The glue around the queues that every serving stack writes by hand (vLLM's
         store = ObjectStorage.create_from_handle(store_handle)
         report_ready()                      # set-up done
         queue.wait_until_ready()
-        while (batch := queue.dequeue()) is not None:
-            ...
+        try:
+            while (batch := queue.dequeue()) is not None:
+                ...
+        except QueueShutDownError:          # the parent stopped: a sibling failed?
+            print("stopped:", sibling_failure())   # its WorkerDiedError, or None
 
     with WorkerProcesses(worker, 4, args=(queue.export_handle(), store.handle())) as workers:
-        workers.wait_until_ready(timeout=60)   # WorkerDiedError at once if one dies first
+        infos = workers.wait_until_ready(timeout=60)  # by rank; WorkerDiedError if one dies
         queue.wait_until_ready()
         with workers.monitor(queue):           # a crash wakes the blocked enqueue
             for batch in batches:
                 queue.enqueue(batch)
+            queue.enqueue(None)
+            codes = workers.join(timeout=60)   # {"Worker_0": 0, ...}, in rank order
     # leaving the block: SIGTERM, a shared grace period, SIGKILL of whole process trees,
     # and the dead workers' /dev/shm segments removed
 
@@ -33,6 +38,12 @@ What it guarantees:
   stragglers when the deadline passes. Workers on other machines join over TCP with the
   same :func:`report_ready` (:func:`connect_to_parent`, authenticated by a random token
   carried in the :class:`WorkerTicket`).
+- **A sibling's death.** The monitor shuts the monitored queues down: the surviving
+  workers' ``dequeue`` raises ``QueueShutDownError`` after the messages sent before, and
+  :func:`sibling_failure` (told to every worker before the queues end) names the worker
+  that failed, so a worker loop ends cleanly. :meth:`~WorkerProcesses.join` raises a
+  failure once: one already raised (by ``wait_until_ready``, a monitor, an earlier
+  ``join``) is not raised again, and ``join`` returns every exit code.
 - **Supervision.** A native thread of the core (``crates/workers/src/``, the same supervision
   Rust serving stacks use) watches every worker (pidfds) and forwards each worker's
   stderr to the parent's stderr (file descriptor 2, a whole line per write), prefixed
@@ -86,7 +97,7 @@ the core's ``WorkerGroup``, which watches them and shuts them down; failures to 
 monitors; remote workers' handshake), ``processes`` (:class:`WorkerProcesses`).
 """
 
-from .child import ParentLink, connect_to_parent, die_with_parent, report_ready
+from .child import ParentLink, connect_to_parent, die_with_parent, report_ready, sibling_failure
 from .errors import WorkerDiedError, WorkersNotReadyError
 from .processes import WorkerMonitor, WorkerProcesses
 from .protocol import DEFAULT_GRACE, WorkerTicket
@@ -104,4 +115,5 @@ __all__ = [
     "connect_to_parent",
     "die_with_parent",
     "report_ready",
+    "sibling_failure",
 ]

@@ -6,6 +6,8 @@
   traceback and send the parent a death notice on the ready pipe before exiting, so
   the failure is reported before the interpreter's teardown, not after it;
 - :func:`report_ready`, which a worker calls once its set-up is done;
+- :func:`sibling_failure`, which tells a worker that another worker of its group
+  failed (why the parent shut the group's queues down);
 - :func:`connect_to_parent`, how a worker the parent did not start (on another machine)
   joins over TCP;
 - :func:`die_with_parent`, for workers and their own children.
@@ -53,6 +55,7 @@ from types import TracebackType
 from typing import Any, Callable, Optional, Sequence
 
 from .. import _core
+from .errors import WorkerDiedError, failure_from_notice
 from .protocol import (
     DEFAULT_GRACE,
     PROTOCOL_VERSION,
@@ -66,7 +69,7 @@ from .protocol import (
     welcome_is_genuine,
 )
 
-__all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready"]
+__all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready", "sibling_failure"]
 
 logger = logging.getLogger("shmq.workers")
 
@@ -194,6 +197,49 @@ def report_ready(info: Any = None) -> None:
         _reported = True
 
 
+# ---------------------------------------------------------------------------------
+# A sibling's failure, as the parent tells it
+
+# The parent tells every worker of its group's first failure (``Supervisor.tell_siblings``)
+# before it shuts the monitored queues down: a local worker on a pipe of its own (read
+# here, when asked), a remote one on its link (the watch thread stores it).
+_notice_conn: Optional[multiprocessing.connection.Connection] = None
+_sibling_failure: Optional[WorkerDiedError] = None
+_notice_lock = threading.Lock()
+
+
+def sibling_failure() -> Optional[WorkerDiedError]:
+    """In a worker: the failure of another worker of its group, as the parent told it
+    (the first one), or None while the parent has told of none.
+
+    The parent tells every worker as soon as it learns of a failure, *before* a
+    :meth:`~shmq.WorkerProcesses.monitor` shuts the group's queues down: a worker whose
+    ``dequeue`` raises ``QueueShutDownError`` calls this to tell "the parent stopped
+    because ``Worker_2`` died" (a :class:`WorkerDiedError` naming it: rank, pid, exit code
+    or signal, its last stderr lines) from a plain shutdown (None). A remote worker hears
+    of it on its link to the parent, which can arrive a moment after its queue's end.
+    Outside a worker, always None."""
+    global _notice_conn, _sibling_failure
+    with _notice_lock:
+        conn = _notice_conn
+        if _sibling_failure is None and conn is not None:
+            try:
+                if conn.poll(0):
+                    _sibling_failure = failure_from_notice(conn.recv_bytes())
+            except (OSError, EOFError):  # the parent closed its end (closing, or gone)
+                conn.close()
+                _notice_conn = None
+        return _sibling_failure
+
+
+def _told_of_failure(payload: bytes) -> None:
+    """A remote worker's link brought the parent's notice of a sibling's failure."""
+    global _sibling_failure
+    with _notice_lock:
+        if _sibling_failure is None:
+            _sibling_failure = failure_from_notice(payload)
+
+
 # Set once `_exit_on_sigterm` has run, and while a parent link is stopping this process
 # (see `ParentLink._stop_main_thread`).
 _sigterm_handled = threading.Event()
@@ -236,13 +282,15 @@ class WorkerSpec:
     stderr_conn: Optional[multiprocessing.connection.Connection]
     death_signal: Optional[int]
     new_process_group: bool
+    # The read end of the pipe on which the parent tells of a sibling's failure.
+    notice_conn: Optional[multiprocessing.connection.Connection] = None
 
 
 def bootstrap(spec: WorkerSpec) -> None:
     """Entry point of every local worker: die with the parent (cleanly, see the module
     docs), own process group, adopt orphaned descendants and kill them at exit, stderr
     into the parent's pipe, SIGTERM as SystemExit, then ``target(rank, ...)``."""
-    global _channel
+    global _channel, _notice_conn
     if spec.death_signal == signal.SIGKILL:
         _exit_with_parent(spec.parent_pid)
     elif spec.death_signal is not None:
@@ -271,6 +319,8 @@ def bootstrap(spec: WorkerSpec) -> None:
     _install_sigterm_handler()
     with _channel_lock:
         _channel = _PipeChannel(spec.ready_conn)
+    with _notice_lock:
+        _notice_conn = spec.notice_conn
     worker_pid = os.getpid()
     try:
         spec.target(spec.rank, *spec.args, **spec.kwargs)
@@ -359,6 +409,8 @@ class ParentLink:
                 if kind == b"S":
                     grace = float(json.loads(payload).get("grace", grace))
                     break
+                if kind == b"F":  # another worker of the group failed
+                    _told_of_failure(payload)
         except (OSError, EOFError, ValueError):
             pass  # the link dropped or failed: the parent is gone (or this worker is leaving)
         if self._leaving.is_set():

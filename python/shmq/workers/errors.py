@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import signal
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .. import _core
 
@@ -85,6 +86,53 @@ def _rebuild_worker_died_error(
     err = WorkerDiedError(name, rank, pid, exitcode, tail, host=host, before_ready=before_ready)
     err.args = (message,)
     return err
+
+
+def failure_notice(error: WorkerDiedError, limit: int) -> bytes:
+    """``error`` as the parent tells it to the other workers (see ``sibling_failure``):
+    JSON of its attributes and message, at most ``limit`` bytes (the oldest stderr lines
+    are left out first, then the message is cut)."""
+    tail = list(error.stderr_tail)
+    message = str(error)
+    while True:
+        fields: dict[str, Any] = {
+            "name": error.name,
+            "rank": error.rank,
+            "pid": error.pid,
+            "exitcode": error.exitcode,
+            "host": error.host,
+            "before_ready": error.before_ready,
+            "stderr_tail": tail,
+            "message": message,
+        }
+        payload = json.dumps(fields).encode()
+        if len(payload) <= limit:
+            return payload
+        if tail:
+            tail.pop(0)
+        else:
+            message = message[: max(0, len(message) - (len(payload) - limit) - 1)]
+
+
+def failure_from_notice(payload: bytes) -> Optional[WorkerDiedError]:
+    """The error a :func:`failure_notice` carries; None for one that is not (the worker
+    trusts its parent, but never with more than plain fields)."""
+    try:
+        f = json.loads(payload)
+        name, rank, pid, exitcode = str(f["name"]), int(f["rank"]), f["pid"], f["exitcode"]
+        tail = [str(line) for line in f["stderr_tail"]]
+        return _rebuild_worker_died_error(
+            name,
+            rank,
+            None if pid is None else int(pid),
+            None if exitcode is None else int(exitcode),
+            tail,
+            str(f["host"]),
+            bool(f["before_ready"]),
+            str(f["message"]),
+        )
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 class WorkersNotReadyError(TimeoutError):

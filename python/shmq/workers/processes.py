@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import multiprocessing
 import multiprocessing.process
 import signal
 import threading
+import time
 import weakref
 from types import TracebackType
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -24,6 +26,8 @@ logger = logging.getLogger("shmq.workers")
 # How long a monitor waits for the supervisor to record an exit it already sees (the
 # supervisor takes milliseconds; this only bounds a stalled one).
 _RECORD_WITHIN = 2.0
+# How often join(), waiting past a failure it already reported, looks for normal exits.
+_JOIN_STEP = 0.05
 
 
 class WorkerMonitor:
@@ -38,8 +42,21 @@ class WorkerMonitor:
     whatever the block raised. A worker that exits with code 0 after it was ready has
     finished, not failed.
 
+    **What the surviving workers see.** A sibling's failure ends the group's work: every
+    queue given here that this process writes is shut down, so each surviving worker
+    reading it gets the messages sent before and then ``QueueShutDownError`` from
+    ``dequeue`` (not a hang, not a death). Before that, the parent has told every worker
+    which one failed: in a worker, :func:`~shmq.workers.sibling_failure` returns that
+    worker's :class:`WorkerDiedError` (None after a plain shutdown), so a worker loop
+    catches ``QueueShutDownError``, says why, and returns, ending cleanly (exit code 0)
+    rather than with a traceback (see the README's worker loop). Workers still running
+    when the parent leaves its ``with WorkerProcesses`` block are stopped by
+    :meth:`~WorkerProcesses.close` (SIGTERM, a ``SystemExit`` in the worker).
+
     Code that waits on anything else can pass :attr:`cancel` where a ``threading.Event``
-    is taken (``dequeue(cancel=...)``) or call :meth:`check`."""
+    is taken (``dequeue(cancel=...)``) or call :meth:`check`. The error raised (by
+    leaving the block or by :meth:`check`) counts as reported: :meth:`WorkerProcesses.join`
+    does not raise it again."""
 
     def __init__(self, supervisor: Supervisor, queues: Iterable[Any]):
         self._supervisor = supervisor
@@ -63,12 +80,13 @@ class WorkerMonitor:
     def check(self) -> None:
         """Raise the :class:`WorkerDiedError` if a worker has failed."""
         if self.error is not None:
+            self._supervisor.report(self.error)
             raise self.error
 
     def __enter__(self) -> "WorkerMonitor":
         with self._supervisor.lock:
             self._supervisor.monitors.append(self)
-        errors = self._supervisor.errors()
+        errors = self._supervisor.tell_siblings()
         if errors:
             self._fire(errors[0])
         return self
@@ -102,8 +120,8 @@ class WorkerMonitor:
             # its traceback), and a queue kept alive keeps its segment.
             queues, self._queues = self._queues, []
         # Recorded, but perhaps not yet handed to this monitor (the relay thread does
-        # that just after the core records it).
-        errors = self._supervisor.errors()
+        # that just after the core records it; the workers are told first).
+        errors = self._supervisor.tell_siblings()
         recorded = errors[0] if errors else None
         if self.error is None and recorded is not None:
             self._fire(recorded, queues)
@@ -111,6 +129,7 @@ class WorkerMonitor:
         if self.error is not None and not isinstance(exc, WorkerDiedError):
             if exc is not None and not isinstance(exc, Exception):
                 return  # KeyboardInterrupt, SystemExit: let them through
+            self._supervisor.report(self.error)
             raise self.error from exc
 
 
@@ -198,13 +217,16 @@ class WorkerProcesses:
     # -- readiness -------------------------------------------------------------------
 
     def wait_until_ready(self, timeout: Optional[float] = None, *, close_on_failure: bool = True) -> list[Any]:
-        """Wait until every worker has called :func:`report_ready`; their ``info``
-        objects, by rank.
+        """Wait until every worker has called :func:`report_ready`; returns what they
+        passed it, a list indexed by rank (``infos[rank]``: worker ``rank``'s ``info``
+        object; None for a worker that passed none), the order of :attr:`names` and
+        :attr:`pids`.
 
         Raises :class:`WorkerDiedError` as soon as a worker exits first (any exit code),
         and :class:`WorkersNotReadyError` naming those not ready when ``timeout``
         seconds pass. Either way (and on Ctrl-C) the group is closed first, unless
-        ``close_on_failure`` is false."""
+        ``close_on_failure`` is false. A ``WorkerDiedError`` raised here counts as
+        reported: :meth:`join` does not raise it again."""
         supervisor = self._supervisor
         try:
             if supervisor.closed:
@@ -214,7 +236,9 @@ class WorkerProcesses:
             if outcome == "done":
                 return supervisor.infos()
             if outcome == "failed" and rank is not None:
-                raise supervisor.error_of(rank)
+                error = supervisor.error_of(rank)
+                supervisor.report(error)
+                raise error
             assert timeout is not None  # without one, the wait ends only as above
             message, names = supervisor.group.not_ready(timeout)
             raise WorkersNotReadyError(message, names)
@@ -257,8 +281,9 @@ class WorkerProcesses:
         return [p.sentinel for r, p in enumerate(supervisor.processes) if p is not None and r not in supervisor.reaped]
 
     def finished(self) -> dict[str, Optional[int]]:
-        """The workers that have exited: name → exit code (negative: killed by that signal;
-        None: a remote worker that left without saying)."""
+        """The workers that have exited so far: name → exit code (negative: killed by that
+        signal; None: a remote worker that left without saying), in the order they
+        exited. Does not wait (:meth:`join` does) and raises nothing."""
         order = self._supervisor.group.exit_order()
         info = self.info()  # after the order: every rank in it has its exit recorded here
         return {info[r].name: info[r].exitcode for r in order}
@@ -271,28 +296,70 @@ class WorkerProcesses:
 
     def join(self, timeout: Optional[float] = None) -> dict[str, Optional[int]]:
         """Wait until every worker has exited (after they were told to stop: a ``None``
-        batch, say); their exit codes by name (:meth:`finished`).
+        batch, say); returns their exit codes, a dict keyed by worker name
+        (``codes[workers.names[rank]]``), in rank order: ``list(codes.values())[rank]``
+        is worker ``rank``'s. An exit code is negative for the signal that killed the
+        worker, None for a remote worker that left without saying.
 
         Raises :class:`WorkerDiedError` as soon as a worker fails (non-zero exit code or a
-        signal), and ``TimeoutError`` naming those still running when ``timeout`` seconds
-        pass. Does not stop anyone: :meth:`close` does."""
+        signal) unless that failure was raised to the caller already (by
+        :meth:`wait_until_ready`, a monitor, or an earlier ``join``): after a failure
+        reported that way, ``join`` waits for the other workers and returns every exit
+        code, the failed worker's included. Raises ``TimeoutError`` naming those still
+        running when ``timeout`` seconds pass. Does not stop anyone: :meth:`close`
+        does."""
         supervisor = self._supervisor
+        # The core's wait (which also checks the timeout) ends at the first failure.
         outcome, _ = supervisor.group.wait_all_exited(timeout)
         if outcome == "failed":
-            raise supervisor.errors()[0]
+            unreported = supervisor.unreported()
+            if unreported is not None:
+                supervisor.report(unreported)
+                raise unreported
+            outcome = self._join_past_failures(timeout)
         if outcome == "timeout":
             running = [w.rank for w in self.info() if not w.exited]
             raise TimeoutError(
                 f"{len(running)} worker(s) still running after {timeout} s: "
                 + ", ".join(str(supervisor.group.describe(r)) for r in running)
             )
-        return self.finished()
+        return {w.name: w.exitcode for w in self.info()}
+
+    def _join_past_failures(self, timeout: Optional[float]) -> str:
+        """``join``'s wait once the failures so far have all been reported: until every
+        worker has exited ("done"), or ``timeout`` passes ("timeout"); a new failure
+        raises."""
+        supervisor = self._supervisor
+        try:
+            deadline = None if timeout is None else time.monotonic() + float(timeout)
+        except OverflowError:  # longer than any float: no deadline (the core checked it)
+            deadline = None
+        while True:
+            seen = len(supervisor.errors())
+            unreported = supervisor.unreported()
+            if unreported is not None:
+                supervisor.report(unreported)
+                raise unreported
+            if all(w.exited for w in self.info()):
+                return "done"
+            left = None if deadline is None or deadline == math.inf else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return "timeout"
+            step = _JOIN_STEP if left is None else min(_JOIN_STEP, left)
+            if supervisor.group.closing:
+                supervisor.group.wait_exits(step)
+            else:
+                # Wakes at a new failure; normal exits are seen at the next step.
+                supervisor.group.wait_failures(seen, step)
 
     def monitor(self, *queues: Any) -> WorkerMonitor:
         """A context manager that raises :class:`WorkerDiedError` when a worker fails
         while it is open, waking the parent's blocked calls on ``queues`` (anything with a
         ``shutdown()`` method, e.g. ``MessageQueue``) so it never hangs on a dead
-        worker. See :class:`WorkerMonitor`."""
+        worker. A failure shuts ``queues`` down: the surviving workers reading a queue this
+        process writes get ``QueueShutDownError`` after the messages sent before, and
+        :func:`~shmq.workers.sibling_failure` tells them which worker failed. See
+        :class:`WorkerMonitor`."""
         return WorkerMonitor(self._supervisor, queues)
 
     @property

@@ -17,6 +17,7 @@ payload starts with the frame's 8-byte sequence number and its 32-byte seal::
     worker -> parent   R  pickle(info)                              ready
     worker -> parent   X  {"exitcode", "stderr": [lines]}           leaving
     parent -> worker   S  {"grace": seconds}                        stop
+    parent -> worker   F  {"name", "rank", "pid", "exitcode", ...}  a sibling failed
 
 The token never crosses the network (only MACs over fresh nonces), so a recorded
 handshake cannot be replayed, and a process that does not know the token can pass for

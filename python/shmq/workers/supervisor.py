@@ -23,6 +23,7 @@ import atexit
 import errno
 import json
 import logging
+import multiprocessing.connection
 import multiprocessing.process
 import multiprocessing.util  # registers multiprocessing's atexit hook before ours (see _close_all_at_exit)
 import os
@@ -38,7 +39,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from .. import _core
 from .child import WorkerSpec, bootstrap
-from .errors import WorkerDiedError
+from .errors import WorkerDiedError, failure_notice
 from .protocol import (
     DEFAULT_GRACE,
     HANDSHAKE_TIMEOUT,
@@ -66,6 +67,9 @@ class FailureListener(Protocol):
     def _fire(self, error: WorkerDiedError, queues: Optional[list[Any]] = None) -> None: ...
 
 
+# A notice of a sibling's failure goes to a local worker in one write of at most
+# PIPE_BUF bytes (atomic, and it never waits: the pipe is empty, and its end non-blocking).
+_NOTICE_LIMIT = 4000
 _MAX_HANDSHAKES = 32  # remote connections not admitted yet, at once (see _start_handshake)
 _ACCEPT_PAUSE = 0.05  # seconds between accepts while they fail (out of descriptors), doubling
 _ACCEPT_PAUSE_MAX = 1.0
@@ -157,6 +161,12 @@ class Supervisor:
         self.reaped: set[int] = set()
         self.monitors: list[FailureListener] = []
         self._errors: list[WorkerDiedError] = []  # the core's failures, each made once
+        # Ranks whose failure was raised to the caller (``report``): join() does not
+        # raise it again.
+        self.reported: set[int] = set()
+        # The write ends of the local workers' notice pipes, by rank (see tell_siblings).
+        self.notices: dict[int, multiprocessing.connection.Connection] = {}
+        self.told = False
         self._infos: dict[int, Any] = {}  # unpickled ready reports, by rank
         self.close_lock = threading.Lock()
         self.closed = False
@@ -181,6 +191,49 @@ class Supervisor:
             deaths = self.group.failures()
             self._errors.extend(_error(d) for d in deaths[len(self._errors) :])
             return list(self._errors)
+
+    def report(self, error: WorkerDiedError) -> None:
+        """Note ``error`` as raised to the caller (so that ``join`` does not raise it
+        again)."""
+        with self.lock:
+            self.reported.add(error.rank)
+
+    def unreported(self) -> Optional[WorkerDiedError]:
+        """The first failure not raised to the caller yet, or None."""
+        errors = self.errors()
+        with self.lock:
+            return next((e for e in errors if e.rank not in self.reported), None)
+
+    def tell_siblings(self) -> list[WorkerDiedError]:
+        """Every failure so far (``errors``); the first time there is one, every other
+        worker is told of it first (``child.sibling_failure``): before a monitor shuts
+        the group's queues down, so that a worker whose queue ends can tell why."""
+        errors = self.errors()
+        if not errors:
+            return errors
+        payload = failure_notice(errors[0], _NOTICE_LIMIT)
+        # A Connection's frame (its recv_bytes reads it): the length, then the bytes.
+        frame = len(payload).to_bytes(4, "big") + payload
+        with self.lock:
+            if self.told:
+                return errors
+            self.told = True
+            failed = errors[0].rank
+            # Under the lock, which close() takes to close these pipes: never a write
+            # into a descriptor number reused since. Non-blocking writes into empty pipes.
+            for rank, conn in self.notices.items():
+                if rank != failed:
+                    try:
+                        os.write(conn.fileno(), frame)
+                    except OSError:  # that worker is gone (EPIPE)
+                        pass
+            links = [link for rank, link in self.links.items() if rank != failed]
+        for link in links:
+            try:
+                link.send(b"F", payload)
+            except OSError:
+                pass  # its link is gone: it is told of its own end
+        return errors
 
     def error_of(self, rank: int) -> WorkerDiedError:
         """The failure of ``rank`` (or, one that finished early, its exit as an error)."""
@@ -211,7 +264,7 @@ class Supervisor:
             n = self.group.wait_failures(seen)
             if n > seen:
                 seen = n
-                errors = self.errors()
+                errors = self.tell_siblings()
                 with self.lock:
                     monitors = list(self.monitors)
                 # Outside the lock: a monitor calls the queues' shutdown().
@@ -238,6 +291,7 @@ class Supervisor:
         lives as long as the process (``Launcher.call``): PR_SET_PDEATHSIG follows the
         forking thread."""
         ready_r, ready_w = ctx.Pipe(duplex=False)
+        notice_r, notice_w = ctx.Pipe(duplex=False)  # the parent tells of a sibling's failure
         err_r, err_w = ctx.Pipe(duplex=False) if capture_stderr else (None, None)
         # Spawned children get the pipe as their stderr before they run any Python (their
         # start-up, the re-import of the main module, can fail too); others from the
@@ -253,6 +307,7 @@ class Supervisor:
             None if from_start else err_w,
             death_signal,
             new_process_group,
+            notice_r,
         )
         if from_start:
             assert err_w is not None  # from_start says so
@@ -263,12 +318,18 @@ class Supervisor:
             process = ctx.Process(target=bootstrap, args=(spec,), name=name, daemon=False)
         try:
             process.start()
+        except BaseException:
+            notice_w.close()
+            raise
         finally:
             # The child has its copies (or never started): the parent's write ends must go,
             # or the parent would never see EOF.
             ready_w.close()
+            notice_r.close()
             if err_w is not None:
                 err_w.close()
+        os.set_blocking(notice_w.fileno(), False)
+        self.notices[rank] = notice_w
         # This group reaps its workers itself, after killing their process groups; nobody
         # else may reap them first (multiprocessing does, for every child it knows, at
         # each Process.start() and at exit: a reaped pid can be reused, and killpg would
@@ -558,6 +619,10 @@ class Supervisor:
             except OSError:
                 pass  # already shut down (a link that failed), or the peer is gone
             link.sock.close()
+        with self.lock:
+            for conn in self.notices.values():
+                conn.close()
+            self.notices = {}
         if interrupted is not None:
             raise interrupted
 

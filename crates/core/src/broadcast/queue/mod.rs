@@ -36,10 +36,11 @@ pub use options::QueueOptions;
 pub use reader::{ChunkEnd, ChunkRead, ChunkView, OwnedPart, Part, Reader, Received};
 pub use writer::Writer;
 
-/// An error for the first local reader proved dead.
+/// An error for the first local reader proved dead. One that left is not: before the
+/// queue is ready its rank is free for another reader, which the writer waits for.
 fn dead_local_reader(ring: &Ring) -> Result<()> {
     for r in 0..ring.n_reader() {
-        if reader_is_dead(ring, r) {
+        if reader_is_dead(ring, r) && !ring.reader_left(r) {
             let pid = ring.slot_info(Some(r))?.process.map_or(0, |p| p.pid);
             return Err(Error::DeadReader {
                 reader: r,
@@ -52,8 +53,9 @@ fn dead_local_reader(ring: &Ring) -> Result<()> {
     Ok(())
 }
 
-/// Whether local reader `r` is proved dead (its slot's role lock is free while the slot
-/// names a holder). A reader that cannot be judged is not dead.
+/// Whether local reader `r` is proved gone (its slot's role lock is free while the slot
+/// names a holder): dead, or left (see [`Ring::reader_left`]), which is what the arena
+/// asks before it drops a reader's holds. A reader that cannot be judged is not gone.
 fn reader_is_dead(ring: &Ring, r: usize) -> bool {
     ring.slot_info(Some(r))
         .is_ok_and(|info| ring.holder_liveness(Some(r), &info) == Liveness::Dead)

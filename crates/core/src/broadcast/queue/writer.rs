@@ -350,6 +350,15 @@ impl Writer {
             .as_ref()
             .map_or_else(Vec::new, |r| r.dropped_readers())
     }
+    /// Local readers that left the queue (their reader dropped, or their process ended
+    /// normally) and that this writer goes on without: not deaths, whatever
+    /// `on_dead_reader` says (the writer learns of a departure when it next waits for
+    /// that reader).
+    pub fn left_readers(&self) -> Vec<usize> {
+        self.ring
+            .as_ref()
+            .map_or_else(Vec::new, |r| r.left_readers())
+    }
     /// Ends this writer's blocked calls (from any thread) with [`Error::Cancelled`].
     pub fn canceller(&self) -> Canceller {
         self.canceller.clone()

@@ -1,5 +1,7 @@
 //! One reader's side of a ring ([`RingReader`]): it reads chunks in the writer's order,
 //! borrows their bytes in place until it marks them read, and notices a dead writer.
+//! Dropped, it leaves the queue (see `slots`), so that its writer does not take its end
+//! for a death.
 //! Uses the ring, its slots, the flag protocol and [`crate::wait`].
 
 use std::sync::atomic::Ordering;
@@ -27,6 +29,9 @@ pub struct RingReader {
     reader: usize,
     next: usize,
     messages: u64,
+    /// The fork generation it was made in: a forked child's copy does not leave the
+    /// queue for its parent.
+    made_in: u64,
     /// This reader's slot, held for as long as it lives.
     _role: RoleLock,
 }
@@ -47,6 +52,7 @@ impl RingReader {
             reader,
             next: 0,
             messages: 0,
+            made_in: shmq_os::fork::generation(),
             _role: role,
         })
     }
@@ -159,5 +165,17 @@ impl RingReader {
             .record_message(1 + self.reader, self.messages, len);
         self.ring.chunk_freed().doorbell().ring();
         self.next = (self.next + 1) % self.ring.max_chunks();
+    }
+}
+
+impl Drop for RingReader {
+    /// A reader's normal end: it leaves the queue before it lets go of its slot's lock,
+    /// so its writer goes on without it instead of reporting a death. Not while a panic
+    /// unwinds (a failure, which the writer hears of as a death, as of a killed process)
+    /// nor in a forked child, whose copy does not hold the slot.
+    fn drop(&mut self) {
+        if !std::thread::panicking() && !shmq_os::fork::is_inherited(self.made_in) {
+            self.ring.leave(self.reader);
+        }
     }
 }

@@ -6,6 +6,11 @@
 //! [`shmq_os::liveness`]): a second process cannot take a slot that a live one holds, and
 //! whether a holder is alive is read off that lock — also from another pid namespace,
 //! where its pid means nothing. Uses the ring's mapping ([`super::Ring`]).
+//!
+//! A reader that ends normally (its [`RingReader`](super::RingReader) dropped) *leaves*
+//! first: its slot turns CLOSED (the state the writer's slot takes when it shuts the
+//! queue down) while it still holds its lock, so the writer, which finds the lock free a
+//! moment later, tells a reader that left from one that died (see [`SlotInfo::left`]).
 
 use super::layout::{SLOTS_OFFSET, SLOT_SIZE};
 use super::Ring;
@@ -13,7 +18,7 @@ use crate::wait::Wait;
 use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::process::ProcessId;
-use shmq_protocol::ring::{self as protocol, SLOT_ATTACHED, SLOT_DROPPED};
+use shmq_protocol::ring::{self as protocol, SLOT_ATTACHED, SLOT_CLOSED, SLOT_DROPPED};
 use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Who holds a side of the ring, and what it has done: its statistics, written only by
@@ -49,6 +54,10 @@ pub struct SlotInfo {
     pub process: Option<ProcessId>,
     /// Dropped by the writer after its process died.
     pub dropped: bool,
+    /// A reader's slot only: its holder left the queue (its reader was dropped, closed,
+    /// or its process ended normally) rather than dying with it open. Its `process` still
+    /// names who held it; its role lock is free once it has gone.
+    pub left: bool,
     /// Messages written (writer) or read (reader).
     pub messages: u64,
     /// Bytes of those messages (see [`RingStats`](super::RingStats)).
@@ -105,14 +114,20 @@ impl Ring {
         let (word, process) = match read {
             Some((w, (pid, start_time))) => {
                 let state = protocol::slot_state(w);
-                let named = state == SLOT_ATTACHED || state == SLOT_DROPPED;
+                // A reader that left still names who held the slot (the writer's closed
+                // slot does not: `writer_gone` reads its lock instead).
+                let named = state == SLOT_ATTACHED
+                    || state == SLOT_DROPPED
+                    || (state == SLOT_CLOSED && reader.is_some());
                 (w, named.then_some(ProcessId { pid, start_time }))
             }
             None => (0, None),
         };
+        let state = protocol::slot_state(word);
         Ok(SlotInfo {
             process,
-            dropped: protocol::slot_state(word) == SLOT_DROPPED,
+            dropped: state == SLOT_DROPPED,
+            left: state == SLOT_CLOSED && reader.is_some(),
             // Relaxed: statistics, each written by one process only.
             messages: slot.messages.load(Ordering::Relaxed),
             bytes: slot.bytes.load(Ordering::Relaxed),
@@ -184,6 +199,26 @@ impl Ring {
             total.wrapping_add(now.saturating_sub(since)),
             Ordering::Relaxed,
         );
+    }
+
+    /// Reader `r` leaves the queue (its holder calls it, still holding the slot's role
+    /// lock): its slot turns CLOSED, so that the writer, which finds the lock free once
+    /// the reader has gone, knows it left rather than died; and the writer, who may be
+    /// waiting for this reader to free a chunk, is woken to see it.
+    pub(super) fn leave(&self, r: usize) {
+        // A plain store, as `slot_close` makes for the writer's slot: besides the holder
+        // (us), only the writer changes a reader's slot once attached, and only with a
+        // CAS on a holder proved dead (`drop_reader`), which we are not while we hold the
+        // lock. Release (in `slot_close`): pairs with the Acquire load in `reader_left`
+        // (and `slot_read`): a writer that sees CLOSED sees the reads we finished.
+        protocol::slot_close(&self.slot(1 + r).word);
+        self.chunk_freed().doorbell().ring();
+    }
+
+    /// Whether reader `r` left the queue ([`leave`](Self::leave)) rather than died; a new
+    /// holder of the slot (the rank opened again) is not.
+    pub fn reader_left(&self, r: usize) -> bool {
+        r < self.geo.n_reader && protocol::slot_is_closed(&self.slot(1 + r).word)
     }
 
     /// Drop reader `r`, judged dead from `info`; false if a new holder attached since.

@@ -20,6 +20,8 @@ pub struct SideStats {
     pub liveness: Liveness,
     /// Dropped by the writer after it died.
     pub dropped: bool,
+    /// A reader that left the queue (not a death: see [`SlotInfo::left`](super::SlotInfo)).
+    pub left: bool,
     /// Messages written (writer) or read (reader), and their bytes as published in the
     /// ring (a framed message's descriptors and inline parts; arena parts are counted by
     /// [`RingStats::arena_parts`] and [`RingStats::loaned_parts`]).
@@ -82,6 +84,7 @@ impl SideStats {
             return format!("{name}: not opened by any process yet");
         };
         let state = match (self.liveness, self.process_state) {
+            _ if self.left => "left the queue".to_owned(),
             (Liveness::Dead, _) => "dead".to_owned(),
             _ if self.is_stopped() => "alive but stopped (SIGSTOP or a debugger)".to_owned(),
             (Liveness::Alive, _) => "alive".to_owned(),
@@ -128,6 +131,7 @@ impl Ring {
             process: info.process,
             liveness,
             dropped: info.dropped,
+            left: info.left,
             messages: info.messages,
             bytes: info.bytes,
             waits: info.waits,

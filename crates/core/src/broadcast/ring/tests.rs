@@ -117,6 +117,60 @@ fn a_dead_reader_is_reported_or_dropped() {
 }
 
 #[test]
+fn a_reader_that_left_is_gone_not_dead() {
+    let ring = Arc::new(Ring::create(2, 64, 1).unwrap());
+    let mut w = RingWriter::new(ring.clone()).unwrap();
+    let mut r0 = RingReader::new(ring.clone(), 0).unwrap();
+    let r1 = RingReader::new(ring.clone(), 1).unwrap();
+    w.write(b"one", &mut wait()).unwrap();
+    r0.poll().unwrap();
+    r0.finish();
+    // Reader 1 ends normally without reading chunk 0: it leaves.
+    drop(r1);
+    let info = ring.slot_info(Some(1)).unwrap();
+    assert!(info.left && !info.dropped, "{info:?}");
+    assert!(
+        info.process.is_some(),
+        "a reader that left still names its holder"
+    );
+    assert!(!ring.slot_info(Some(0)).unwrap().left);
+    assert!(ring.reader_left(1) && !ring.reader_left(0));
+    // With the default policy (raise) as well: the writer goes on without it.
+    let long = || Wait::new("test", Some(Duration::from_secs(10)));
+    w.acquire(&mut long()).unwrap();
+    assert_eq!(w.left_readers(), vec![1]);
+    assert!(
+        w.dropped_readers().is_empty(),
+        "a reader that left was not dropped as dead"
+    );
+    w.commit(3, ChunkKind::Inline).unwrap();
+    assert_eq!(ring.metadata(0).unwrap(), vec![1, 0, 1]);
+    // Its rank can be opened again (a new holder is not one that left).
+    let again = RingReader::new(ring.clone(), 1).unwrap();
+    assert!(!ring.reader_left(1));
+    drop(again);
+}
+
+#[test]
+fn a_reader_dropped_by_a_panic_has_not_left() {
+    let ring = Arc::new(Ring::create(1, 64, 1).unwrap());
+    let mut w = RingWriter::new(ring.clone()).unwrap();
+    let r0 = RingReader::new(ring.clone(), 0).unwrap();
+    w.write(b"one", &mut wait()).unwrap();
+    let thread = std::thread::spawn(move || {
+        let _reader = r0;
+        panic!("a reader's failure (this panic is the test's)");
+    });
+    assert!(thread.join().is_err());
+    assert!(!ring.slot_info(Some(0)).unwrap().left);
+    let long = || Wait::new("test", Some(Duration::from_secs(10)));
+    match w.acquire(&mut long()) {
+        Err(Error::DeadReader { reader: 0, .. }) => {}
+        other => panic!("expected DeadReader, got {other:?}"),
+    }
+}
+
+#[test]
 fn a_dead_writer_is_reported() {
     let ring = Arc::new(Ring::create(1, 64, 1).unwrap());
     let r = RingReader::new(ring.clone(), 0).unwrap();

@@ -17,7 +17,7 @@
 //! handed out for filling ([`RingWriter::data_mut`]) is only the reserved part, and a
 //! commit longer than it is refused, so nothing unreserved is ever published.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use super::layout::ChunkKind;
@@ -49,6 +49,10 @@ impl Ring {
 }
 
 /// What a reader should do when the reader it waits for has died.
+///
+/// A reader that *left* (its reader dropped, or its process ended normally: see
+/// `slots`) is not a death: the writer goes on without it whatever the policy, and says
+/// so once (an `info` log record, "reader 1 (rank 1, pid 4242) left queue ...").
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum DeadReaderPolicy {
     /// Fail the blocked call with [`Error::DeadReader`].
@@ -70,6 +74,13 @@ impl std::str::FromStr for DeadReaderPolicy {
     }
 }
 
+/// A reader the writer waits for.
+const ACTIVE: u8 = 0;
+/// A reader dropped after it died ([`DeadReaderPolicy::Drop`]).
+const DIED: u8 = 1;
+/// A reader that left the queue (see `slots`): the writer goes on without it.
+const LEFT: u8 = 2;
+
 /// The writer's side of a ring: it fills chunks in order, 0, 1, .., max_chunks-1, 0, ..
 #[derive(Debug)]
 pub struct RingWriter {
@@ -77,8 +88,9 @@ pub struct RingWriter {
     next: usize,
     /// The chunk acquired and not yet committed, if any.
     open: Option<usize>,
-    /// Readers dropped after they died (see [`DeadReaderPolicy::Drop`]).
-    dropped: Vec<AtomicBool>,
+    /// Each reader's standing: [`ACTIVE`], [`DIED`] (dropped after it died, see
+    /// [`DeadReaderPolicy::Drop`]) or [`LEFT`]; only the last two are skipped.
+    dropped: Vec<AtomicU8>,
     on_dead_reader: DeadReaderPolicy,
     messages: u64,
     /// The queue's rank of each reader, to name them in warnings (`None`: by index).
@@ -95,7 +107,7 @@ impl RingWriter {
     pub fn new(ring: Arc<Ring>) -> Result<RingWriter> {
         let role = ring.attach(0)?;
         let dropped = (0..ring.n_reader())
-            .map(|_| AtomicBool::new(false))
+            .map(|_| AtomicU8::new(ACTIVE))
             .collect();
         let reserved = vec![0; ring.max_chunks()];
         Ok(RingWriter {
@@ -130,44 +142,103 @@ impl RingWriter {
         self.next
     }
 
-    /// Readers dropped so far.
+    /// Readers dropped so far after they died (not those that left).
     pub fn dropped_readers(&self) -> Vec<usize> {
+        self.readers_in(DIED)
+    }
+
+    /// Readers that left the queue and that this writer goes on without (it learns of a
+    /// departure when it next waits for that reader).
+    pub fn left_readers(&self) -> Vec<usize> {
+        self.readers_in(LEFT)
+    }
+
+    fn readers_in(&self, standing: u8) -> Vec<usize> {
         // Relaxed: only this writer stores these flags.
         (0..self.dropped.len())
-            .filter(|&r| self.dropped[r].load(Ordering::Relaxed))
+            .filter(|&r| self.dropped[r].load(Ordering::Relaxed) == standing)
             .collect()
     }
 
-    fn is_dropped(dropped: &[AtomicBool], r: usize) -> bool {
+    /// Whether reader `r` no longer holds chunks back (it died and was dropped, or left).
+    fn is_dropped(dropped: &[AtomicU8], r: usize) -> bool {
         // Relaxed: only this writer stores these flags.
-        dropped[r].load(Ordering::Relaxed)
+        dropped[r].load(Ordering::Relaxed) != ACTIVE
     }
 
-    /// Whether reader `r` was dropped after it died.
+    /// Whether reader `r` no longer holds chunks back: dropped after it died, or gone
+    /// from the queue (it left).
     pub fn is_reader_dropped(&self, r: usize) -> bool {
         Self::is_dropped(&self.dropped, r)
     }
 
-    /// Whether the next chunk can be written without waiting.
-    pub fn can_write(&self) -> bool {
-        protocol::is_free(&self.ring.chunk(self.next), |r| {
-            Self::is_dropped(&self.dropped, r)
-        })
+    /// Whether reader `r` is skipped from now on: dropped, or seen to have left just
+    /// now (then marked [`LEFT`], and said once). For the writer's waits only: it reads
+    /// the reader's slot, which the writer's fast path does not.
+    fn is_gone(
+        ring: &Ring,
+        dropped: &[AtomicU8],
+        r: usize,
+        name: &dyn Fn(usize) -> String,
+    ) -> bool {
+        if Self::is_dropped(dropped, r) {
+            return true;
+        }
+        if !ring.reader_left(r) {
+            return false;
+        }
+        // Relaxed: only this writer stores these flags.
+        dropped[r].store(LEFT, Ordering::Relaxed);
+        let pid = ring
+            .slot_info(Some(r))
+            .ok()
+            .and_then(|info| info.process)
+            .map_or_else(String::new, |p| format!("pid {}: ", p.pid));
+        shmq_log!(
+            info,
+            "shmq: {} left queue '{}' ({pid}its reader was closed, or its process ended \
+             normally); going on without it",
+            name(r),
+            ring.name()
+        );
+        true
     }
 
-    /// Check the readers still holding chunk `i`: a dead one is an error or is dropped.
+    /// Reader `r` in warnings: "reader 1 (rank 2)" when the queue's ranks are known.
+    fn namer(ranks: Option<&[usize]>) -> impl Fn(usize) -> String + '_ {
+        move |r: usize| match ranks.and_then(|k| k.get(r)) {
+            Some(rank) => format!("reader {r} (rank {rank})"),
+            None => format!("reader {r}"),
+        }
+    }
+
+    /// Whether the next chunk can be written without waiting. A chunk held back only by
+    /// readers that left is free (their departure is noted here).
+    pub fn can_write(&self) -> bool {
+        let chunk = self.ring.chunk(self.next);
+        protocol::is_free(&chunk, |r| Self::is_dropped(&self.dropped, r)) || {
+            let name = Self::namer(self.ranks.as_deref());
+            protocol::is_free(&chunk, |r| {
+                Self::is_gone(&self.ring, &self.dropped, r, &name)
+            })
+        }
+    }
+
+    /// Check the readers still holding chunk `i`: one that left is skipped from now on, a
+    /// dead one is an error or is dropped.
     fn check_readers(
         ring: &Ring,
-        dropped: &[AtomicBool],
+        dropped: &[AtomicU8],
         policy: DeadReaderPolicy,
         i: usize,
+        name: &dyn Fn(usize) -> String,
     ) -> Result<()> {
         ring.check_length()?;
         let chunk = ring.chunk(i);
         for r in 0..ring.n_reader() {
-            // Relaxed: a read flag still 0 here can only be a slow or dead reader; either
-            // way it is re-checked on the next poll.
-            if Self::is_dropped(dropped, r) || chunk.read(r).load(Ordering::Relaxed) == 1 {
+            // Relaxed: a read flag still 0 here can only be a slow, gone or dead reader;
+            // either way it is re-checked on the next poll.
+            if Self::is_gone(ring, dropped, r, name) || chunk.read(r).load(Ordering::Relaxed) == 1 {
                 continue;
             }
             let info = ring.slot_info(Some(r))?;
@@ -178,6 +249,11 @@ impl RingWriter {
             else {
                 continue;
             };
+            // A reader leaves (its slot CLOSED) before it frees its lock: one whose slot
+            // said ATTACHED above and whose lock is free now may have left in between.
+            if Self::is_gone(ring, dropped, r, name) {
+                continue;
+            }
             match policy {
                 DeadReaderPolicy::Raise => {
                     return Err(Error::DeadReader {
@@ -196,7 +272,7 @@ impl RingWriter {
                             process.pid
                         );
                         // Relaxed: read only by this writer.
-                        dropped[r].store(true, Ordering::Relaxed);
+                        dropped[r].store(DIED, Ordering::Relaxed);
                     }
                 }
             }
@@ -214,18 +290,18 @@ impl RingWriter {
         let free = || protocol::is_free(&chunk, |r| Self::is_dropped(dropped, r));
         if !free() {
             // Blocked: say so in the writer's slot (readers' warnings and the metrics
-            // read it), and name the readers behind if the wait lasts.
-            let ranks = self.ranks.as_deref();
-            let name = |r: usize| match ranks.and_then(|k| k.get(r)) {
-                Some(rank) => format!("reader {r} (rank {rank})"),
-                None => format!("reader {r}"),
-            };
+            // read it), and name the readers behind if the wait lasts. A reader that
+            // leaves frees the chunk at once (it rings the doorbell on its way out).
+            let name = Self::namer(self.ranks.as_deref());
             let since = ring.begin_wait(0, wait);
             let waited = wait.until_explained(
                 Some(ring.chunk_freed()),
-                &mut || Self::check_readers(ring, dropped, policy, i),
+                &mut || Self::check_readers(ring, dropped, policy, i, &name),
                 &mut || ring.explain_readers_behind(i, &|r| Self::is_dropped(dropped, r), &name),
-                || free().then_some(()),
+                || {
+                    protocol::is_free(&chunk, |r| Self::is_gone(ring, dropped, r, &name))
+                        .then_some(())
+                },
             );
             ring.end_wait(0, since);
             waited?;
