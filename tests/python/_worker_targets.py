@@ -295,3 +295,18 @@ def writer_past_a_reader_that_ends(out: Any, start_method: str, how: str) -> Non
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     out.put(("done", error, mq.dropped_readers, reader.exitcode, records))
+
+
+def remote_worker_told_of_a_failure(out: Any, ticket: str, rank: int) -> None:
+    """A remote worker (joined over TCP) that waits until its parent tells it of a
+    sibling's failure, reports what ``sibling_failure()`` says, and leaves (code 0)."""
+    from shmq.workers import sibling_failure
+
+    with connect_to_parent(ticket, rank):
+        report_ready(rank)
+        deadline = time.monotonic() + STEP
+        while (failed := sibling_failure()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: never told of a sibling's failure")
+            time.sleep(0.01)  # polling: the link's watch thread stores the notice
+        out.put(("told", failed.name, failed.rank, failed.exitcode, failed.pid, str(failed)))

@@ -81,6 +81,23 @@ def test_a_siblings_death_ends_the_others_cleanly_and_names_it():
     assert sibling_failure() is None  # not in a worker
 
 
+def test_a_remote_worker_is_told_of_a_siblings_failure_on_its_link(children):
+    event = SPAWN.Event()
+    workers = WorkerProcesses(targets.exit_when_told, 1, args=((3,), (event,)), n_remote=1, remote_host="127.0.0.1")
+    with workers:
+        (local_pid,) = _track(workers)
+        out = children.queue()
+        children.start(targets.remote_worker_told_of_a_failure, out, str(workers.ticket), 1)
+        assert workers.wait_until_ready(timeout=STARTUP) == [0, 1]
+        event.set()  # Worker_0 exits with code 3
+        _, name, rank, exitcode, pid, message = children.expect(out, "told", timeout=STARTUP)
+        assert (name, rank, exitcode, pid) == ("Worker_0", 0, 3, local_pid)
+        assert message.startswith(f"Worker_0 (rank 0, pid {local_pid}) exited with code 3")
+        with pytest.raises(WorkerDiedError, match="Worker_0"):  # nobody had raised it
+            workers.join(timeout=STARTUP)
+        assert workers.join(timeout=STARTUP) == {"Worker_0": 3, "Worker_1": 0}
+
+
 # ---------------------------------------------------------------------------------
 # join() and wait_until_ready()
 
