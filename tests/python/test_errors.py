@@ -272,11 +272,11 @@ def test_an_object_larger_than_the_ring_is_refused_as_never_fitting():
     never = "^Not enough space in the data buffer: a chunk of 5008 bytes .* can never fit"
     with pytest.raises(MemoryError, match=never):
         store.ring_buffer.allocate_buf(5000)
-    # An object that fits the ring but not now (its one reader has read nothing) is
-    # told to free, as before.
+    # An object that fits the ring but not now (its one reader has read nothing): the
+    # error says what holds the room (no free_buf(), which ObjectStorage does not have).
     store.put("a", b"a" * 1500)
     store.put("b", b"b" * 1500)
-    with pytest.raises(MemoryError, match=r"^Not enough space in the data buffer, try calling free_buf\(\)"):
+    with pytest.raises(MemoryError, match=r"^Not enough space in the data buffer \((?s:(?!free_buf).)*$"):
         store.put("c", b"c" * 1500)
     store.close()
 
