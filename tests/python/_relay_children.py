@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from _processes.harness import LogRecords
 from shmq import Handle, MessageQueue
 
 STEP = 30.0
@@ -41,21 +42,12 @@ def check(i: int, got: Any) -> bool:
     return bool(got == want)
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def writer(out: Any, ip: str, cmds: Any) -> None:
     """A writer with one remote reader (rank 0: the relay). Reports its handle's text,
     then takes commands: ``("send", a, b)`` sends objects ``a..b`` (reporting ``sent``
     with the seconds it took and the shmq warnings logged meanwhile), ``"shutdown"``
     shuts the queue down and leaves at once, ``None`` returns. The test may kill it."""
-    warnings = _Warnings()
+    warnings = LogRecords()
     logging.getLogger("shmq").addHandler(warnings)
     logging.getLogger("shmq").setLevel(logging.WARNING)
     mq = MessageQueue(1, 0, max_chunk_bytes=MAX_CHUNK, max_chunks=4, connect_ip=ip)
@@ -73,7 +65,7 @@ def writer(out: Any, ip: str, cmds: Any) -> None:
         t0 = time.monotonic()
         for i in range(a, b):
             mq.enqueue(obj(i), timeout=STEP)
-        out.put(("sent", time.monotonic() - t0, list(warnings.messages)))
+        out.put(("sent", time.monotonic() - t0, [message for _, _, message in warnings.records]))
 
 
 def reader(out: Any, handle_text: str, rank: int, progress: Any = None) -> None:

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from _processes.harness import LogRecords
 from shmq import MessageQueue, StatelessProcessGroup, _core
 
 HOST_A = "10.213.7.1"
@@ -164,15 +165,6 @@ def _await_mark(workdir: str, name: str, timeout: float = TIMEOUT) -> bool:
     return True
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def writer_blocked(workdir: str) -> dict:
     """A writer for one remote reader (rank 0) that may have ``BLOCKED_HWM`` messages in
     flight to it: sends that many (the reader takes none yet), says so (a file ``full``),
@@ -181,7 +173,7 @@ def writer_blocked(workdir: str) -> dict:
     sends 3 more (the seconds each took, or the error that ended them), shuts the queue
     down and waits for the reader's ``done``.
     The shmq warnings logged are reported too."""
-    warnings = _Warnings()
+    warnings = LogRecords()
     logging.getLogger("shmq").addHandler(warnings)
     logging.getLogger("shmq").setLevel(logging.WARNING)
     mq = MessageQueue(n_reader=1, n_local_reader=0, connect_ip=HOST_A, remote_hwm=BLOCKED_HWM)
@@ -214,7 +206,7 @@ def writer_blocked(workdir: str) -> dict:
         "blocked_error": blocked_error,
         "blocked_ended": blocked_ended,
         "after": after,
-        "warnings": warnings.messages,
+        "warnings": [message for _, _, message in warnings.records],
     }
 
 

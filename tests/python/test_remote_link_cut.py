@@ -18,7 +18,6 @@ test_remote_faults.py has the same over 127.0.0.1 with a stopped reader.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -26,7 +25,7 @@ import time
 import pytest
 
 from _two_hosts import BLOCKED_HWM, BLOCKED_TIMEOUT
-from test_two_hosts import NS_A, NS_B, VETH_B, _run, _start, two_hosts  # noqa: F401 (a fixture)
+from test_two_hosts import NS_A, NS_B, VETH_B, _results, _run, _start, two_hosts  # noqa: F401 (a fixture)
 
 # The writer's heartbeat bound (docs/operations.md): a PING every second, the connection
 # given up when nothing comes back for 4 s.
@@ -53,7 +52,6 @@ def _cut_and_collect(workdir: str, cut_s: float, read_after_s: float) -> tuple[d
         "writer": _start(NS_A, "writer_blocked", workdir, own_shm=False),
         "reader": _start(NS_B, "remote_holding", workdir, own_shm=True),
     }
-    results = {}
     try:
         _wait_for_file(os.path.join(workdir, "full"), procs, "the writer filled the reader's window")
         # Not synchronisation: the writer's next enqueue is in its wait by then.
@@ -65,15 +63,12 @@ def _cut_and_collect(workdir: str, cut_s: float, read_after_s: float) -> tuple[d
         time.sleep(max(0.0, cut_at + read_after_s - time.time()))
         with open(os.path.join(workdir, "read"), "w") as f:
             f.write("read")
-        for name, p in procs.items():
-            out, err = p.communicate(timeout=90)
-            assert p.returncode == 0, f"{name} failed ({p.returncode}):\n{err[-3000:]}"
-            results[name] = json.loads(out.strip().splitlines()[-1])
-    finally:
+    except BaseException:
         for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+            p.kill()
+            p.wait(10)
+        raise
+    results = _results(procs)
     return results["writer"], results["reader"], cut_at
 
 

@@ -60,12 +60,29 @@ def _drive(python: str, model: str, plugin: bool, *args: str) -> dict[str, Any]:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def _engine(model: str) -> tuple[str, str]:
+    """(the engine venv's python, the model directory ``target/<model>``), made by
+    ``scripts/engine.sh`` where they are not there yet."""
+    if not ENGINE_SH.exists() or not DRIVER.exists():
+        raise RuntimeError("the engine scenarios run from a checkout of shmq (scripts/engine.sh makes vLLM's venv)")
+    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True)
+    return made.stdout.strip().splitlines()[-1], str(ROOT / "target" / model)
+
+
+Rows = list[tuple[str, float, float, str]]
+
+
+def _rows(got: dict[bool, dict[str, list[float]]], labels: list[tuple[str, str, str]]) -> Rows:
+    """(label, plugin off, plugin on, unit) for each ``(key, label, unit)``: medians over the rounds."""
+    return [
+        (label, statistics.median(got[False][key]), statistics.median(got[True][key]), unit)
+        for key, label, unit in labels
+    ]
+
+
 def run(rounds: int, quick: bool, progress: Any = None) -> list[tuple[str, float, float, str]]:
     """Measure; return rows (label, plugin off, plugin on, unit)."""
-    if not ENGINE_SH.exists() or not DRIVER.exists():
-        raise RuntimeError("the engine scenario runs from a checkout of shmq (scripts/engine.sh makes vLLM's venv)")
-    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True)
-    python, model = made.stdout.strip().splitlines()[-1], str(ROOT / "target" / "engine-model")
+    python, model = _engine("engine-model")
     sparse_s = "10" if quick else "30"
     got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
 
@@ -100,10 +117,7 @@ def run(rounds: int, quick: bool, progress: Any = None) -> list[tuple[str, float
         ("left_offline", "shmq files left in /dev/shm after LLM goes out of scope", "files"),
         ("left_death", "shmq files left in /dev/shm after a worker's death", "files"),
     ]
-    return [
-        (label, statistics.median(got[False][key]), statistics.median(got[True][key]), unit)
-        for key, label, unit in labels
-    ]
+    return _rows(got, labels)
 
 
 def main(rounds: int, quick: bool) -> int:
@@ -128,10 +142,7 @@ def run_mm(rounds: int, progress: Any = None) -> list[tuple[str, float, float, s
     the same four again (cache hits: the front end sends the workers only the item's
     address, they read it from the store). Rows: medians over the rounds of each run's
     median request time."""
-    if not ENGINE_SH.exists() or not DRIVER.exists():
-        raise RuntimeError("the engine scenario runs from a checkout of shmq (scripts/engine.sh makes vLLM's venv)")
-    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True)
-    python, model = made.stdout.strip().splitlines()[-1], str(ROOT / "target" / "engine-llava")
+    python, model = _engine("engine-llava")
     got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     for r in range(rounds):
         for plugin in (False, True) if r % 2 == 0 else (True, False):
@@ -150,10 +161,7 @@ def run_mm(rounds: int, progress: Any = None) -> list[tuple[str, float, float, s
         ("hit", "time to first token, 1 repeated image (cache hit)", "ms"),
         ("left", "files left in /dev/shm after LLM goes out of scope (shmq's and vllm_mm_*)", "files"),
     ]
-    return [
-        (label, statistics.median(got[False][key]), statistics.median(got[True][key]), unit)
-        for key, label, unit in labels
-    ]
+    return _rows(got, labels)
 
 
 def _epd_round(python: str, model: str, connector: str, images: int) -> list[float]:
@@ -223,8 +231,7 @@ def run_epd(rounds: int, progress: Any = None) -> list[tuple[str, float, float, 
     """Part of ``--scenarios engine-mm``: the prefill/decode instance's time to first token for
     an image the encoder instance encoded, through vLLM's ``ECExampleConnector`` (a file
     per item) against shmq's connector, alternating, medians over the rounds."""
-    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True)
-    python, model = made.stdout.strip().splitlines()[-1], str(ROOT / "target" / "engine-llava")
+    python, model = _engine("engine-llava")
     got: dict[str, list[float]] = {"example": [], "shmq": []}
     for r in range(rounds):
         for connector in ("example", "shmq") if r % 2 == 0 else ("shmq", "example"):

@@ -140,6 +140,22 @@ pub fn heartbeat_timeout() -> Option<Duration> {
     }
 }
 
+/// ZeroMQ's heartbeats on `s` (a PING every [`HEARTBEAT_INTERVAL`]; the connection given
+/// up when nothing comes from the peer for [`heartbeat_timeout`] after one), the same on
+/// the writer's and the reader's sockets; `what` names the socket in errors. Returns the
+/// timeout set (`None`: heartbeats are off).
+fn set_heartbeats(s: &zmq::Socket, what: &str) -> Result<Option<Duration>> {
+    let Some(timeout) = heartbeat_timeout() else {
+        return Ok(None);
+    };
+    let opt = |o: &str| Error::transport(format!("setting {o} on the {what} socket"));
+    s.set_heartbeat_ivl(millis(HEARTBEAT_INTERVAL))
+        .map_err(opt("HEARTBEAT_IVL"))?;
+    s.set_heartbeat_timeout(millis(timeout))
+        .map_err(opt("HEARTBEAT_TIMEOUT"))?;
+    Ok(Some(timeout))
+}
+
 /// Milliseconds as ZeroMQ's options take them.
 fn millis(d: Duration) -> i32 {
     i32::try_from(d.as_millis()).unwrap_or(i32::MAX)

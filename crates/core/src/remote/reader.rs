@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::wire::*;
 use super::{
-    heartbeat_timeout, millis, random16, socket, HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES,
+    millis, random16, set_heartbeats, socket, HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES,
 };
 use crate::auth::{mac, mac_eq, message_mac};
 use crate::transport::{poll_slice, POLL_SLICE};
@@ -20,7 +20,7 @@ const HELLO_AGAIN: Duration = Duration::from_secs(1);
 /// A remote reader's end of the stream.
 ///
 /// Its socket is a DEALER connected to the writer's port, with ZeroMQ's heartbeats on
-/// ([`HEARTBEAT_INTERVAL`], [`heartbeat_timeout`]) and its own handshake bounded, and a
+/// ([`HEARTBEAT_INTERVAL`], [`heartbeat_timeout`](super::heartbeat_timeout)) and its own handshake bounded, and a
 /// socket monitor that tells it when a connection is made (ZeroMQ's handshake done) and
 /// when one ends (closed by the writer's side or the kernel, or given up for want of a
 /// heartbeat's answer). Before the writer says start, the reader says HELLO on every new
@@ -154,12 +154,8 @@ impl RemoteReader {
         s.set_rcvhwm(1000).map_err(opt("RCVHWM"))?;
         s.set_linger(0).map_err(opt("LINGER"))?;
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
-        let heartbeat = heartbeat_timeout();
+        let heartbeat = set_heartbeats(&s, "remote reader")?;
         if let Some(timeout) = heartbeat {
-            s.set_heartbeat_ivl(millis(HEARTBEAT_INTERVAL))
-                .map_err(opt("HEARTBEAT_IVL"))?;
-            s.set_heartbeat_timeout(millis(timeout))
-                .map_err(opt("HEARTBEAT_TIMEOUT"))?;
             // A writer that accepts the connection but never finishes ZeroMQ's
             // handshake (a stopped process: its kernel accepts for it) is given up too.
             s.set_handshake_ivl(millis(timeout).max(HANDSHAKE_IVL_MS))

@@ -215,7 +215,7 @@ impl Ring {
         self.chunk_freed().doorbell().ring();
     }
 
-    /// Whether reader `r` left the queue ([`leave`](Self::leave)) rather than died; a new
+    /// Whether reader `r` left the queue (closed it, or its process ended normally) rather than died; a new
     /// holder of the slot (the rank opened again) is not.
     pub fn reader_left(&self, r: usize) -> bool {
         r < self.geo.n_reader && protocol::slot_is_closed(&self.slot(1 + r).word)

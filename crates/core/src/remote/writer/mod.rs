@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use super::guard::{peer_of, spawn_guard, Guard};
 use super::wire::*;
 use super::{
-    heartbeat_timeout, millis, random16, socket, RemoteOptions, SlowReaderPolicy, HANDSHAKE_IVL_MS,
-    HEARTBEAT_INTERVAL, SECRET_BYTES,
+    random16, set_heartbeats, socket, RemoteOptions, SlowReaderPolicy, HANDSHAKE_IVL_MS,
+    SECRET_BYTES,
 };
 use crate::auth::{mac, message_mac};
 use crate::wait::Wait;
@@ -171,13 +171,7 @@ impl RemoteWriter {
         // as the writer is for the reader, and a writer waiting for its credit stops
         // waiting then (see `slow`). The reader's own PINGs come every interval whatever
         // the writer sends, so a large frame on its way does not make it look silent.
-        let heartbeat = heartbeat_timeout();
-        if let Some(timeout) = heartbeat {
-            s.set_heartbeat_ivl(millis(HEARTBEAT_INTERVAL))
-                .map_err(opt("HEARTBEAT_IVL"))?;
-            s.set_heartbeat_timeout(millis(timeout))
-                .map_err(opt("HEARTBEAT_TIMEOUT"))?;
-        }
+        let heartbeat = set_heartbeats(&s, "remote")?;
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
         crate::transport::check_endpoint(&addr)?;
         s.bind(&addr).map_err(crate::transport::endpoint_error(
