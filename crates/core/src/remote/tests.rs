@@ -53,21 +53,27 @@ fn readers_with_the_secret_get_authenticated_messages_and_others_nothing() {
     assert!(e.to_string().contains("rank 1 has joined already"), "{e}");
 }
 
+/// A writer on 127.0.0.1 and its one remote reader (rank 1), both ready.
+fn ready_pair(ctx: &zmq::Context, options: RemoteOptions) -> (RemoteWriter, RemoteReader) {
+    let key = new_secret().unwrap();
+    let (mut w, _) = RemoteWriter::bind(ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
+    let mut r = RemoteReader::connect(ctx, w.endpoint(), false, key, 1).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+        w.wait_for_readers(&mut wait()).unwrap();
+    });
+    (w, r)
+}
+
 #[test]
 fn a_reader_that_takes_nothing_stops_the_writer_at_its_credit() {
     let ctx = zmq::Context::new();
-    let key = new_secret().unwrap();
     let options = RemoteOptions {
         hwm: 100,
         max_queued_bytes: 3 << 20,
         slow_reader: SlowReaderPolicy::Block,
     };
-    let (mut w, _) = RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
-    let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
-    std::thread::scope(|s| {
-        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
-        w.wait_for_readers(&mut wait()).unwrap();
-    });
+    let (mut w, mut r) = ready_pair(&ctx, options);
     let mib = vec![7u8; 1 << 20];
     let short = || Wait::new("test", Some(Duration::from_millis(200)));
     // Three MiB fit in the byte bound; the fourth waits, and times out.
@@ -96,17 +102,11 @@ fn a_writer_waiting_for_credit_stops_once_the_readers_connection_closes() {
     // writer sees the connection closed and goes on without it (before: it waited for
     // that reader until its timeout).
     let ctx = zmq::Context::new();
-    let key = new_secret().unwrap();
     let options = RemoteOptions {
         hwm: 2,
         ..RemoteOptions::default()
     };
-    let (mut w, _) = RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
-    let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
-    std::thread::scope(|s| {
-        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
-        w.wait_for_readers(&mut wait()).unwrap();
-    });
+    let (mut w, r) = ready_pair(&ctx, options);
     w.send(&[b"one"], &mut wait()).unwrap();
     w.send(&[b"two"], &mut wait()).unwrap();
     let short = Duration::from_millis(500);
