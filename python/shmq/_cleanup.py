@@ -74,15 +74,19 @@ def track_writer(writer: _ShutsDown) -> None:
 
 
 def _ensure_janitor() -> None:
-    """Start this process's janitor (see the module docs) once: not again after a failed
-    start, which leaves this process to its exit hook and ``cleanup``."""
-    global _janitor_tried
-    if _janitor_tried:
+    """Start this process's janitor (see the module docs), and a new one when the core
+    found it gone (killed: noticed at the next name sent to it, whose segment then starts
+    the new one, which is sent every name still noted); not again after a failed start,
+    which leaves this process to its exit hook and ``cleanup``."""
+    global _janitor_tried, _janitor_started
+    if _janitor_tried and not _janitor_started:
+        return
+    if _janitor_started and _core.has_janitor():
         return
     _janitor_tried = True
     from . import _janitor
 
-    _janitor.start()
+    _janitor_started = _janitor.start()
 
 
 def _clean_up() -> None:
@@ -133,6 +137,7 @@ if multiprocessing.parent_process() is not None:
     _in_multiprocessing_child(None)
 
 _janitor_tried = False
+_janitor_started = False
 
 
 def _after_fork_in_child() -> None:
@@ -140,8 +145,8 @@ def _after_fork_in_child() -> None:
     per pid), its parent's writers are not its own, and its parent's janitor is not its
     janitor: it closes its copy of that socket (so that the parent's janitor is not kept
     waiting for the child to end) and starts its own with its first segment."""
-    global _janitor_tried
-    _janitor_tried = False
+    global _janitor_tried, _janitor_started
+    _janitor_tried = _janitor_started = False
     _writers.clear()
     _core.forget_inherited_janitor()
 

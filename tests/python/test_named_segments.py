@@ -404,3 +404,21 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs ss (iproute2) to find the janitor's pid")
+def test_a_killed_janitor_is_noticed_and_replaced_with_every_name():
+    # The janitor SIGKILLed while its owner lives: the owner's next segment finds it gone
+    # and starts a new one, which is sent every name still held; the owner's SIGKILL then
+    # leaves nothing. Before: the names were lost with the first janitor.
+    owner = _Driven()
+    first = wait_for(lambda: _janitor_pid(owner.pid), STEP, "the owner's janitor")
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: _state(first) in ("gone", "Z"), STEP, "the janitor to die")
+    owner.ask("keep 2")
+    second = wait_for(lambda: _janitor_pid(owner.pid), STEP, "a new janitor")
+    assert second != first
+    assert len(owner.segments()) == 3
+    owner.proc.kill()
+    owner.proc.wait(STEP)
+    wait_for(lambda: not owner.segments(), STEP, "the new janitor to remove every store")

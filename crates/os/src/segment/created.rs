@@ -113,7 +113,10 @@ pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
         .map(|(_, n)| n.clone())
         .collect();
     for n in &names {
-        send_to_janitor(&slot, b'+', n);
+        if !send_to_janitor(&slot, b'+', n) {
+            janitor_gone(&mut slot);
+            return 0;
+        }
     }
     names.len()
 }
@@ -212,7 +215,23 @@ fn backlog() -> std::sync::MutexGuard<'static, Vec<Vec<u8>>> {
 pub(super) fn tell_janitor(op: u8, name: &str) {
     let mut slot = janitor();
     forget_inherited_janitor(&mut slot);
-    send_to_janitor(&slot, op, name);
+    if !send_to_janitor(&slot, op, name) {
+        janitor_gone(&mut slot);
+    }
+}
+
+/// This process's janitor is gone (killed: its end of the socket is closed). Its end is
+/// closed here too, so that [`has_janitor`] says so and the Python package starts a new
+/// one with the next segment, which is sent every name still noted.
+fn janitor_gone(slot: &mut Option<(u32, std::os::fd::OwnedFd)>) {
+    use std::os::fd::AsRawFd;
+    if let Some((pid, fd)) = slot.take() {
+        if pid == std::process::id() {
+            crate::fork::forget_fd(fd.as_raw_fd());
+        }
+        drop_inherited_or_own(pid, fd);
+    }
+    backlog().clear();
 }
 
 /// The identity of a noted name as the janitor checks it before removing it: the device
@@ -232,14 +251,15 @@ fn identity(name_or_path: &str) -> Option<(u64, u64)> {
 /// Send `+DEV:INO:name` (a creation, with the identity the janitor checks before it
 /// removes the name: never a successor's file of the same name, nor a symlink put in its
 /// place) or `-name` (a removal).
-fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &str) {
-    let Some((_, fd)) = slot else { return };
+/// Returns false once the janitor is found gone (its end closed).
+fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &str) -> bool {
+    let Some((_, fd)) = slot else { return true };
     let mut message = Vec::with_capacity(name.len() + 48);
     message.push(op);
     if op == b'+' {
         // Gone already (removed by someone else meanwhile): nothing for the janitor.
         let Some((dev, ino)) = identity(name) else {
-            return;
+            return true;
         };
         message.extend_from_slice(format!("{dev}:{ino}:").as_bytes());
     }
@@ -255,21 +275,20 @@ fn send_to_janitor(slot: &Option<(u32, std::os::fd::OwnedFd)>, op: u8, name: &st
         };
         if let Some(i) = pending.iter().position(creates_name) {
             pending.remove(i);
-            return;
+            return true;
         }
     }
     let may_wait = pending.is_empty();
     pending.push(message);
-    flush_to_janitor(fd, &mut pending, may_wait);
+    flush_to_janitor(fd, &mut pending, may_wait)
 }
 
 /// Send the pending messages, oldest first, until the socket has no room. A socket with
 /// no room is given up to 100 ms (a janitor not scheduled at the moment) when nothing was
 /// pending before (`may_wait`: once per burst, not per message); what is still pending
-/// then waits for the next message. A janitor that is gone (EPIPE) is given
-/// nothing more: the exit hook and the objects' own drops still remove what they made,
-/// and `cleanup` finds the rest.
-fn flush_to_janitor(fd: &std::os::fd::OwnedFd, pending: &mut Vec<Vec<u8>>, may_wait: bool) {
+/// then waits for the next message. Returns false for a janitor that is gone (EPIPE:
+/// its end is closed).
+fn flush_to_janitor(fd: &std::os::fd::OwnedFd, pending: &mut Vec<Vec<u8>>, may_wait: bool) -> bool {
     use std::os::fd::AsRawFd;
     let mut sent_count = 0;
     let mut waited = !may_wait;
@@ -307,13 +326,14 @@ fn flush_to_janitor(fd: &std::os::fd::OwnedFd, pending: &mut Vec<Vec<u8>>, may_w
             }
             Some(libc::EAGAIN) => break, // kept for the next message
             _ => {
-                // Gone: nothing more can reach it.
+                // Gone: nothing more can reach it (the caller closes its end).
                 pending.clear();
-                return;
+                return false;
             }
         }
     }
     pending.drain(..sent_count);
+    true
 }
 
 /// Remove every segment and directory this process created that is still there (at
