@@ -78,15 +78,12 @@ def _ensure_janitor() -> None:
     found it gone (killed: noticed at the next name sent to it, whose segment then starts
     the new one, which is sent every name still noted); not again after a failed start,
     which leaves this process to its exit hook and ``cleanup``."""
-    global _janitor_tried, _janitor_started
-    if _janitor_tried and not _janitor_started:
+    global _janitor_start
+    if _janitor_start is False or (_janitor_start and _core.has_janitor()):
         return
-    if _janitor_started and _core.has_janitor():
-        return
-    _janitor_tried = True
     from . import _janitor
 
-    _janitor_started = _janitor.start()
+    _janitor_start = _janitor.start()
 
 
 def _clean_up() -> None:
@@ -136,8 +133,9 @@ if multiprocessing.parent_process() is not None:
     # shmq): the after-fork callbacks have run, so register now.
     _in_multiprocessing_child(None)
 
-_janitor_tried = False
-_janitor_started = False
+# How this process's last janitor start went: None (none tried yet), True (started; a
+# new one is started if the core finds it gone), False (failed: not tried again).
+_janitor_start: bool | None = None
 
 
 def _after_fork_in_child() -> None:
@@ -145,8 +143,8 @@ def _after_fork_in_child() -> None:
     per pid), its parent's writers are not its own, and its parent's janitor is not its
     janitor: it closes its copy of that socket (so that the parent's janitor is not kept
     waiting for the child to end) and starts its own with its first segment."""
-    global _janitor_tried, _janitor_started
-    _janitor_tried = _janitor_started = False
+    global _janitor_start
+    _janitor_start = None
     _writers.clear()
     _core.forget_inherited_janitor()
 
