@@ -10,6 +10,7 @@
 //! - [`sync`]: the atomics, which loom swaps for its own;
 //! - `futex` (not in a loom build): the process-shared Linux futex on a 32-bit word;
 //! - [`doorbell`]: the sleep/wake handshake between the two sides of a ring;
+//! - [`multiwait`]: one sleep on several doorbells at once (`futex_waitv`);
 //! - [`seqlock`]: the object store's seqlock (the state its writer publishes);
 //! - [`ring`]: the chunk-flag protocol of the broadcast ring;
 //! - [`key_index`]: the encoder cache's key index (a seqlock per slot, open addressing);
@@ -21,6 +22,7 @@ pub mod doorbell;
 #[cfg(not(loom))]
 pub mod futex;
 pub mod key_index;
+pub mod multiwait;
 pub mod ring;
 pub mod seqlock;
 pub mod sync;

@@ -476,3 +476,95 @@ fn store_seqlock_never_tears_and_never_vouches_for_reused_bytes() {
         reader.join().unwrap();
     });
 }
+
+/// `futex_waitv` as the kernel provides it: the check of every word and going to sleep
+/// are atomic with respect to wakes on any of them (one lock stands in for the kernel's
+/// hash-bucket locks). No timeouts: a lost wake-up is a deadlock loom reports.
+struct ModelFutexMany {
+    wakes: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl shmq_protocol::multiwait::FutexMany for &ModelFutexMany {
+    fn wait_any(
+        &self,
+        words: &[(&AtomicU32, u32)],
+        _timeout: Option<Duration>,
+    ) -> Result<(), shmq_protocol::multiwait::Unsupported> {
+        let mut wakes = self.wakes.lock().unwrap();
+        if words.iter().any(|(w, e)| w.load(Ordering::SeqCst) != *e) {
+            return Ok(());
+        }
+        let seen = *wakes;
+        while *wakes == seen {
+            wakes = self.cv.wait(wakes).unwrap();
+        }
+        Ok(())
+    }
+    fn wake_all(&self, _word: &AtomicU32) {
+        *self.wakes.lock().unwrap() += 1;
+        self.cv.notify_all();
+    }
+}
+
+/// One sleeper on two doorbells (`shmq_protocol::multiwait`): a publisher rings the
+/// second while the sleeper counts itself on both and checks; no wake-up is lost.
+#[test]
+fn multiwait_loses_no_wake_up() {
+    use shmq_protocol::doorbell::DoorbellWords;
+    use shmq_protocol::multiwait::{sleep_any, WakeWord};
+    model(3, || {
+        let bells = Arc::new([DoorbellWords::default(), DoorbellWords::default()]);
+        let data = Arc::new(AtomicU8::new(0));
+        let futex = Arc::new(ModelFutexMany {
+            wakes: Mutex::new(0),
+            cv: Condvar::new(),
+        });
+        let publisher = {
+            let (bells, data, futex) = (bells.clone(), data.clone(), futex.clone());
+            thread::spawn(move || {
+                // What the writer of the second queue does on commit: publish, then ring.
+                data.store(1, Ordering::Release);
+                Doorbell {
+                    seq: &bells[1].seq,
+                    sleepers: &bells[1].sleepers,
+                    futex: ModelBell(&futex),
+                }
+                .ring();
+            })
+        };
+        let wake = WakeWord::default();
+        let refs = [&bells[0], &bells[1]];
+        loop {
+            let seen = wake.current();
+            let ready = sleep_any(
+                &&*futex,
+                &refs,
+                &wake,
+                seen,
+                || data.load(Ordering::Acquire) == 1,
+                None,
+            )
+            .unwrap();
+            if ready {
+                break;
+            }
+        }
+        publisher.join().unwrap();
+    });
+}
+
+/// A doorbell's futex over the multi-wait model (a publisher's wake reaches a sleeper
+/// that sleeps on several words).
+struct ModelBell<'a>(&'a ModelFutexMany);
+
+impl Futex for ModelBell<'_> {
+    fn wait(&self, word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+        use shmq_protocol::multiwait::FutexMany;
+        let _ = (&self.0).wait_any(&[(word, expected)], timeout);
+    }
+    fn wake_all(&self, word: &AtomicU32) {
+        use shmq_protocol::multiwait::FutexMany;
+        (&self.0).wake_all(word)
+    }
+}
