@@ -22,9 +22,9 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Literal, NoReturn, Optional, cast, overload
+from typing import TYPE_CHECKING, Any, Iterator, Literal, NoReturn, Optional, Sequence, cast, overload
 
-from . import _core, _oob, group
+from . import _core, _oob, group, vllm_plugin
 from ._arrays import ArrayKind, from_wire, to_wire
 from ._cleanup import created_segments, track_writer
 from ._loans import loan_memory, loaned_array, loaned_tensor
@@ -587,16 +587,31 @@ class MessageQueue:
         max_chunks: int,
         reader_rank: int = 0,
         blocking: bool = False,
+        *,
+        same_node: Optional[Sequence[bool]] = None,
     ) -> "tuple[MessageQueue, list[Handle]]":
-        """vLLM 0.33: every rank of ``pg`` makes a writer with one reader, group rank
+        """vLLM 0.33: every rank of ``pg`` makes a writer with one reader, global rank
         ``reader_rank`` (local if it shares this rank's machine, else remote), and the
         handles are gathered to ``reader_rank``. Returns this rank's writer and, on
-        ``reader_rank``, the handles by rank (elsewhere ``[]``)."""
+        ``reader_rank``, the handles by rank (elsewhere ``[]``).
+
+        Which ranks share the reader's machine is the caller's to say where it knows:
+        ``same_node``, one bool per group rank (the same list on every rank). Under the
+        vLLM plugin, vLLM's own rule says it, as vLLM's class decides (ranks per node =
+        the platform's device count), so that a worker's queue has the remote address
+        vLLM's executor expects even where two of vLLM's nodes share one ``/dev/shm``.
+        Otherwise shmq probes: a rank that can open a segment the reader made shares its
+        machine."""
         ops = group._Ops(pg)
         reader = reader_rank if ops.stateless else ops.dist.get_group_rank(pg, reader_rank)
         if not 0 <= reader < ops.world_size:
             raise ValueError(f"reader_rank {reader_rank} is not in the process group")
-        same_node = group.in_the_same_node_as(pg, source_rank=reader)
+        if same_node is None and not ops.stateless and vllm_plugin.is_active():
+            same_node = vllm_plugin.same_node_as_vllm_decides(pg, reader_rank)
+        if same_node is None:
+            same_node = group.in_the_same_node_as(pg, source_rank=reader)
+        elif len(same_node) != ops.world_size or not all(type(x) is bool for x in same_node):
+            raise ValueError(f"same_node must hold one bool per rank of the group ({ops.world_size}), got {same_node!r}")
         mq = MessageQueue(
             n_reader=1,
             n_local_reader=1 if same_node[ops.rank] else 0,

@@ -51,6 +51,7 @@ __all__ = [
     "check_version",
     "is_active",
     "register",
+    "same_node_as_vllm_decides",
 ]
 
 #: The environment variable that turns the plugin on (``1``, ``true``, ``yes``, ``on``).
@@ -126,6 +127,28 @@ def check_version(version: str | None = None) -> str:
 def is_active() -> bool:
     """Whether shmq's classes are in place of vLLM's in this process."""
     return bool(_replaced)
+
+
+def same_node_as_vllm_decides(pg: Any, reader_rank: int) -> list[bool]:
+    """For each rank of ``pg`` (a ``torch.distributed`` group), whether vLLM counts it on
+    the machine of global rank ``reader_rank``, by vLLM's own rule in
+    ``create_from_process_group_single_reader``: ranks per node = the GPUs assigned to
+    this process, else the platform's device count; two ranks share a node when their
+    global ranks divided by that are equal. vLLM's multi-node executor expects a
+    worker's response queue to follow this rule (it opens the queues of another node's
+    workers by their remote address), so shmq's class follows it under the plugin
+    instead of probing ``/dev/shm``."""
+    import torch.distributed as dist
+    from vllm.platforms import current_platform
+
+    try:
+        from vllm.platforms.interface import get_assigned_physical_gpu_ids
+    except ImportError:  # not in every vLLM version
+        assigned = None
+    else:
+        assigned = get_assigned_physical_gpu_ids()
+    local_size = len(assigned) if assigned else current_platform.device_count()
+    return [rank // local_size == reader_rank // local_size for rank in dist.get_process_group_ranks(pg)]
 
 
 def _shmq_classes() -> dict[str, Any]:

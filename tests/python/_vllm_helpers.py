@@ -135,16 +135,23 @@ def vllm_warning_interval_reader(out: Any, handle: Any, rank: int, env: dict[str
 # Process groups
 
 
-def single_reader_member(out: Any, port: int, rank: int, world_size: int, reader_rank: int, release: Any) -> None:
+def single_reader_member(
+    out: Any, port: int, rank: int, world_size: int, reader_rank: int, same_node: Any, release: Any
+) -> None:
     """vLLM 0.33's ``create_from_process_group_single_reader`` over a stateless group:
-    every rank makes a writer read by ``reader_rank``; the reader opens them all from the
-    gathered handles and receives one message from each."""
+    every rank makes a writer read by ``reader_rank`` (local where ``same_node`` says so,
+    when given); the reader opens them all from the gathered handles as vLLM's
+    multi-node executor does (rank 0 where the handle has a local reader, -1 where only a
+    remote one) and receives one message from each."""
     from shmq import MessageQueue
 
     pg = _join_group("stateless", port, rank, world_size)
-    mq, handles = MessageQueue.create_from_process_group_single_reader(pg, 1 << 16, 2, reader_rank=reader_rank)
+    mq, handles = MessageQueue.create_from_process_group_single_reader(
+        pg, 1 << 16, 2, reader_rank=reader_rank, same_node=same_node
+    )
     report: dict[str, Any] = {"rank": rank, "n_handles": len(handles), "n_local_reader": mq.n_local_reader}
-    readers = [MessageQueue.create_from_handle(h, 0) for h in handles]  # [] but on the reader
+    # [] but on the reader
+    readers = [MessageQueue.create_from_handle(h, 0 if h.local_reader_ranks else -1) for h in handles]
     mq.wait_until_ready(timeout=STEP)  # this rank's writer: its one reader has subscribed
     for r in readers:
         r.wait_until_ready(timeout=STEP)

@@ -552,11 +552,31 @@ def _run_members(children, target, n, *args):
 
 
 def test_single_reader_queues_gather_every_handle_to_the_reader(children):
-    msgs = _run_members(children, single_reader_member, 3, 1)
+    msgs = _run_members(children, single_reader_member, 3, 1, None)
     reports = {m[1]["rank"]: m[1] for m in msgs}
     assert reports[1]["n_handles"] == 3 and reports[0]["n_handles"] == reports[2]["n_handles"] == 0
     assert all(r["n_local_reader"] == 1 for r in reports.values()), "all on one machine"
     assert reports[1]["got"] == [("from", 0), ("from", 1), ("from", 2)]
+
+
+def test_single_reader_queues_follow_the_locality_the_caller_states(children):
+    """Issue 43: where the caller says which ranks share the reader's machine (vLLM's
+    rule, by device count), shmq follows it rather than its /dev/shm probe: ranks 0 and 2
+    are said to be elsewhere, so their queues are remote-only although they share this
+    machine, and the reader opens them as vLLM's executor does (rank -1)."""
+    msgs = _run_members(children, single_reader_member, 3, 1, [False, True, False])
+    reports = {m[1]["rank"]: m[1] for m in msgs}
+    assert [reports[r]["n_local_reader"] for r in range(3)] == [0, 1, 0]
+    assert reports[1]["got"] == [("from", 0), ("from", 1), ("from", 2)]
+
+
+def test_a_negative_rank_opens_a_remote_reader_or_is_refused_naming_it():
+    """vLLM's executor opens another node's response queue as ``create_from_handle(h, -1)``."""
+    remote = MessageQueue(n_reader=1, n_local_reader=0, max_chunk_bytes=1024, max_chunks=2, connect_ip="127.0.0.1")
+    assert MessageQueue.create_from_handle(remote.export_handle(), -1).n_local_reader == 0
+    local = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
+    with pytest.raises(ValueError, match=r"rank -1 is not a local reader \(\[0\]\) and the queue has no remote readers"):
+        MessageQueue.create_from_handle(local.export_handle(), -1)
 
 
 def test_external_writer_handle_makes_every_rank_a_reader(children):

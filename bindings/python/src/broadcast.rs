@@ -770,13 +770,21 @@ impl Reader {
         yield_us: Option<f64>,
     ) -> PyResult<Reader> {
         let handle = handle.0;
-        // A negative or huge rank is a ValueError (pyo3 would say OverflowError).
+        // A rank that is not in `local_reader_ranks` opens a remote reader, a negative one
+        // included: vLLM's multi-node executor opens its peers' response queues as
+        // `create_from_handle(handle, -1)`. Such a rank matches no local reader, so any
+        // value that fits no `usize` stands for "no local rank" (pyo3 would say
+        // OverflowError); a queue without remote readers refuses it below, naming it.
         let rank = match rank.extract::<usize>() {
             Ok(r) => r,
             Err(e) if e.is_instance_of::<PyOverflowError>(rank.py()) => {
-                return Err(PyValueError::new_err(format!(
-                    "rank must be a non-negative int, got {rank}"
-                )))
+                if handle.remote_subscribe_addr.is_none() {
+                    return Err(PyValueError::new_err(format!(
+                        "rank {rank} is not a local reader ({:?}) and the queue has no remote readers",
+                        handle.local_reader_ranks
+                    )));
+                }
+                usize::MAX
             }
             Err(e) => return Err(e),
         };
