@@ -932,6 +932,16 @@ impl Reader {
     fn reader(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreReader>> {
         lock(py, &self.inner, READER)
     }
+
+    /// What `wait_any` watches for this reader's next message (`None`: a remote reader).
+    pub(crate) fn ready_target(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<Option<shmq::broadcast::wait_any::ReadyTarget>> {
+        Ok(shmq::broadcast::wait_any::ReadyTarget::of(
+            &*self.reader(py)?,
+        ))
+    }
 }
 
 /// The terms of a reader's blocking call.

@@ -21,6 +21,8 @@
 //!   `kill_descendants()`: a worker's end with its parent, and with its own exit
 //!   (`shmq.workers`); `WorkerGroup`, `worker_died_message()`: the
 //!   core's worker supervision, which `shmq.workers.WorkerProcesses` hands its workers to;
+//! - `ReadyTarget`, `WakeWord`, `ready_target()`, `wait_any()`: one thread waiting for
+//!   several local readers at once (`MessageQueue.dequeue_async`, `shmq.Gather`);
 //! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
 //!   `QueueShutDownError`.
 
@@ -34,6 +36,7 @@ mod relay;
 mod storage;
 mod view;
 mod wait;
+mod wait_any;
 mod workers;
 
 use crate::errors::OrRaise;
@@ -118,6 +121,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<storage::ObjectStore>()?;
     m.add_class::<view::ShmView>()?;
     encoder_cache::register(m)?;
+    wait_any::register(m)?;
     m.add_class::<workers::WorkerGroup>()?;
     m.add_function(wrap_pyfunction!(workers::worker_died_message, m)?)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;

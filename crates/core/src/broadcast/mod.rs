@@ -7,11 +7,13 @@
 //! - [`array`](mod@array): typed arrays, the message format both languages speak for numbers.
 //! - [`queue`]: [`Writer`] and [`Reader`], which combine the ring (local readers) with
 //!   the ZeroMQ transport (oversized messages and remote readers).
+//! - [`wait_any`]: one thread waiting for several local readers at once (`futex_waitv`).
 
 pub mod array;
 pub(crate) mod framing;
 pub mod queue;
 pub mod ring;
+pub mod wait_any;
 
 pub use array::{Array, ArrayMeta, ArrayRef, Dtype, Element};
 pub use queue::{

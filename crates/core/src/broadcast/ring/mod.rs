@@ -352,6 +352,15 @@ impl Ring {
         self.probe.liveness(1) == Liveness::Dead
     }
 
+    /// Whether chunk `index` is readable by local reader `reader` now (the check of
+    /// [`RingReader::poll`], for a waiter that does not hold the reader: see
+    /// `broadcast::wait_any`). `false` for an index or reader out of range.
+    pub fn is_readable_by(&self, index: usize, reader: usize) -> bool {
+        index < self.max_chunks()
+            && reader < self.n_reader()
+            && protocol::is_readable(&self.chunk(index), reader)
+    }
+
     /// Readers sleep here; the writer rings it after publishing a chunk.
     pub fn data_ready(&self) -> &DoorbellWords {
         &self.shared().data_ready
