@@ -14,14 +14,20 @@
 //! - [`seqlock`]: the object store's seqlock (the state its writer publishes);
 //! - [`ring`]: the chunk-flag protocol of the broadcast ring;
 //! - [`key_index`]: the encoder cache's key index (a seqlock per slot, open addressing);
+//! - [`consumer_slot`]: the encoder cache's consumer slots (claim, join, leave, the
+//!   reclaim of a dead consumer's slot, the join clock);
+//! - [`lease`]: the tensor arena's leases (the writer's and the readers' holds, and
+//!   when a range may be reused);
 //! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod alloc;
+pub mod consumer_slot;
 pub mod doorbell;
 #[cfg(not(loom))]
 pub mod futex;
 pub mod key_index;
+pub mod lease;
 pub mod multiwait;
 pub mod ring;
 pub mod seqlock;

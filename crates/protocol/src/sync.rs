@@ -1,8 +1,8 @@
 //! The atomics of the cross-process protocols, in one place so that `loom` can stand in
 //! for them: `RUSTFLAGS="--cfg loom" cargo test --release -p shmq-protocol --test loom` model-checks the
 //! ring's flag protocol, the slot seqlock, the sleep/wake handshake, the object store's
-//! seqlock (`crate::seqlock`) and the encoder cache's key-index seqlock (see
-//! `crates/protocol/tests/loom.rs`).
+//! seqlock (`crate::seqlock`), the encoder cache's key-index seqlock and consumer slots,
+//! and the arena's lease holds (see `crates/protocol/tests/loom.rs`).
 
 #[cfg(loom)]
 pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};

@@ -568,3 +568,287 @@ impl Futex for ModelBell<'_> {
         (&self.0).wake_all(word)
     }
 }
+
+/// The encoder cache's consumer slots (`shmq_protocol::consumer_slot`), joining: two
+/// consumers race for one free slot while the producer publishes an entry (its clock
+/// tick) and then reads the slot, as `fully_loaded` does. Exactly one consumer gets the
+/// slot; a reader of the slot never sees a pid paired with the other consumer's start
+/// time or another join's clock value (what the joiner publishes is visible, whole, to
+/// whoever sees it JOINED); and a producer whose tick came after the join's never reads
+/// the slot as FREE (it would not wait for a consumer that joined before its entry).
+#[test]
+fn consumer_slot_join_is_exclusive_whole_and_ordered_by_the_clock() {
+    use loom::sync::atomic::AtomicU64;
+    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot, FREE, JOINED};
+
+    /// Join as consumer `pid` (start time `10 * pid`) if the slot is free: the joined
+    /// word and `joined_at`.
+    fn try_join(s: &ConsumerSlot, clock: &AtomicU64, pid: u32) -> Option<(u64, u64)> {
+        let free = slot::free_word(s)?;
+        let claimed = slot::claim(s, free)?;
+        let word = slot::join(s, claimed, pid, 10 * u64::from(pid), clock);
+        Some((word, s.joined_at.load(Ordering::Relaxed)))
+    }
+
+    model(2, || {
+        let s = Arc::new(ConsumerSlot::new());
+        let clock = Arc::new(AtomicU64::new(0));
+        let joiners: Vec<_> = [1, 2]
+            .into_iter()
+            .map(|pid| {
+                let (s, clock) = (s.clone(), clock.clone());
+                thread::spawn(move || try_join(&s, &clock, pid).map(|j| (pid, j)))
+            })
+            .collect();
+        // The producer: publish an entry (its clock tick), then read the slot.
+        let published_at = slot::tick(&clock);
+        let seen = slot::snapshot(&s, 3);
+        let joined: Vec<(u32, (u64, u64))> = joiners
+            .into_iter()
+            .filter_map(|j| j.join().unwrap())
+            .collect();
+        assert_eq!(joined.len(), 1, "two consumers in one slot: {joined:?}");
+        let (pid, (word, joined_at)) = joined[0];
+        let Some(seen) = seen else { return };
+        match seen.state() {
+            JOINED => assert_eq!(
+                (seen.word, seen.pid, seen.start_time, seen.joined_at),
+                (word, pid, 10 * u64::from(pid), joined_at),
+                "a torn or stale consumer slot"
+            ),
+            FREE => assert!(
+                published_at < joined_at,
+                "the producer's tick {published_at} came after the join's {joined_at}, \
+                 yet it read the slot as free"
+            ),
+            _ => {}
+        }
+    });
+}
+
+/// The encoder cache's consumer slots, reclaiming: consumer 1 joined and died holding a
+/// pin; two reclaimers (the producer, and a joiner that found no free slot) judge the
+/// slot from their own snapshots and reclaim it, while consumer 2 waits to take it.
+/// The slot is reclaimed at most once (one pin zeroing), never from consumer 2 (a
+/// snapshot that shows consumer 2 is not judged dead, and a reclaim based on consumer
+/// 1's word fails once the word moved on); no snapshot pairs one consumer's pid with the
+/// other's start time; and consumer 2 finds the pin zeroed when it gets the slot (the
+/// reclaimer's zeroing is published by the FREE it stores).
+#[test]
+fn consumer_slot_of_a_dead_consumer_is_reclaimed_once_and_handed_over_clean() {
+    use loom::sync::atomic::AtomicU64;
+    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot, JOINED};
+
+    model(2, || {
+        let s = Arc::new(ConsumerSlot::new());
+        let clock = Arc::new(AtomicU64::new(0));
+        // Consumer 1's pin count on an entry, and how many times a reclaim zeroed it.
+        let pin = Arc::new(AtomicU32::new(0));
+        let zeroings = Arc::new(AtomicU32::new(0));
+        let claimed = slot::claim(&s, slot::free_word(&s).unwrap()).unwrap();
+        slot::join(&s, claimed, 1, 10, &clock);
+        pin.store(1, Ordering::Relaxed);
+
+        let reclaimers: Vec<_> = (0..2)
+            .map(|_| {
+                let (s, pin, zeroings) = (s.clone(), pin.clone(), zeroings.clone());
+                thread::spawn(move || {
+                    let Some(snap) = slot::snapshot(&s, 2) else {
+                        return false;
+                    };
+                    if snap.state() == JOINED {
+                        let holder = (snap.pid, snap.start_time);
+                        assert!(
+                            holder == (1, 10) || holder == (2, 20),
+                            "torn slot: pid {} with start time {}",
+                            snap.pid,
+                            snap.start_time
+                        );
+                    }
+                    // Judged dead: consumer 1 only (its liveness lock is free).
+                    if snap.state() != JOINED || snap.pid != 1 {
+                        return false;
+                    }
+                    slot::reclaim(&s, snap.word, || {
+                        pin.store(0, Ordering::Relaxed);
+                        zeroings.fetch_add(1, Ordering::Relaxed);
+                    })
+                })
+            })
+            .collect();
+        // Consumer 2: take the slot if it is free. One attempt, in a thread of its own: a
+        // retry after a yield would hide a stale pin from loom (it does not return, after
+        // a yield, values the thread saw before it).
+        let consumer = {
+            let (s, pin, clock) = (s.clone(), pin.clone(), clock.clone());
+            thread::spawn(move || {
+                let claimed = slot::claim(&s, slot::free_word(&s)?)?;
+                // The pin count it inherits: Relaxed, as the consumer's own pin updates are.
+                assert_eq!(
+                    pin.load(Ordering::Relaxed),
+                    0,
+                    "a dead consumer's pin survived"
+                );
+                Some(slot::join(&s, claimed, 2, 20, &clock))
+            })
+        };
+        let mine = consumer.join().unwrap();
+        let wins = reclaimers
+            .into_iter()
+            .map(|r| r.join().unwrap())
+            .filter(|&won| won)
+            .count();
+        assert!(wins <= 1, "reclaimed {wins} times");
+        assert_eq!(zeroings.load(Ordering::Relaxed) as usize, wins);
+        if let Some(word) = mine {
+            assert_eq!(wins, 1, "consumer 2 took a slot nobody freed");
+            assert!(slot::holds(&s, word), "consumer 2's slot was reclaimed");
+            assert!(slot::leave(&s, word));
+        }
+    });
+}
+
+/// The tensor arena's leases (`shmq_protocol::lease`), a copied part: the writer fills a
+/// lease, adds a hold for each of two readers, drops its own hold and publishes the
+/// message (the ring's Release, modelled by one flag). Reader 0 reads the bytes and
+/// drops its hold; reader 1 has died (proved dead: the writer drops its holds). The
+/// writer reuses the range once the lease is unused. The bytes are a loom cell: a reuse
+/// while reader 0 still reads is a race loom reports; reader 0 also sees the whole part
+/// of its own generation.
+#[test]
+fn arena_lease_is_not_reused_under_a_live_readers_hold() {
+    use loom::sync::atomic::AtomicU32;
+    use shmq_protocol::lease::{Lease, LeaseRecord};
+
+    struct Arena {
+        record: LeaseRecord,
+        holds: [AtomicU32; 2],
+        message: AtomicU32,
+        bytes: UnsafeCell<(u32, u32)>,
+    }
+    impl Arena {
+        fn lease(&self) -> Lease<'_> {
+            Lease {
+                record: &self.record,
+                holds: &self.holds,
+            }
+        }
+    }
+
+    model(3, || {
+        let a = Arc::new(Arena {
+            record: LeaseRecord::new(),
+            holds: std::array::from_fn(|_| AtomicU32::new(0)),
+            message: AtomicU32::new(0),
+            bytes: UnsafeCell::new((0, 0)),
+        });
+        let reader = {
+            let a = a.clone();
+            thread::spawn(move || {
+                let mut generation = 0;
+                // Acquire: the ring's Acquire on the chunk that carries the reference.
+                if !eventually(|| {
+                    generation = a.message.load(Ordering::Acquire);
+                    generation != 0
+                }) {
+                    return;
+                }
+                let lease = a.lease();
+                assert_eq!(lease.read(), (generation, 0, 4096), "a stale lease record");
+                // SAFETY: loom's cell; loom fails the model on a concurrent write.
+                let got = a.bytes.with(|p| unsafe { *p });
+                assert_eq!(got, (1, 1), "a half-written or reused part");
+                lease.release(0);
+            })
+        };
+        let lease = a.lease();
+        let generation = lease.take(0, 4096);
+        // SAFETY: loom's cell, as above.
+        a.bytes.with_mut(|p| unsafe { *p = (1, 0) });
+        // SAFETY: as above.
+        a.bytes.with_mut(|p| unsafe { (*p).1 = 1 });
+        lease.add_holds(0..2);
+        lease.drop_writer_hold();
+        a.message.store(generation, Ordering::Release);
+        // Reader 1 is proved dead: `reclaim_dead` drops its holds.
+        assert!(lease.is_held_by(1));
+        lease.drop_holds_of(1);
+        if eventually(|| lease.is_unused()) {
+            lease.retire();
+            lease.take(4096, 4096);
+            // SAFETY: as above: a race with reader 0's read is what the model checks.
+            a.bytes.with_mut(|p| unsafe { *p = (2, 2) });
+        }
+        reader.join().unwrap();
+    });
+}
+
+/// The tensor arena's leases, a loan: its owner (another thread of the writer's
+/// process) fills the lease in place, sends it (one hold for the reader; the loan keeps
+/// the writer's hold) and later drops the loan (the writer's hold goes, Release). The
+/// writer, in its own thread, reuses the range only once both holds are gone: it never
+/// writes over the loan's writes nor under the reader's read (loom's cell checks), and,
+/// loading the writer's hold first, it sees the reader's hold that the loan's thread
+/// added before dropping it.
+#[test]
+fn arena_loan_is_not_reused_before_it_is_dropped_and_read() {
+    use loom::sync::atomic::AtomicU32;
+    use shmq_protocol::lease::{Lease, LeaseRecord};
+
+    struct Arena {
+        record: LeaseRecord,
+        holds: [AtomicU32; 1],
+        message: AtomicU32,
+        bytes: UnsafeCell<u32>,
+    }
+    impl Arena {
+        fn lease(&self) -> Lease<'_> {
+            Lease {
+                record: &self.record,
+                holds: &self.holds,
+            }
+        }
+    }
+
+    model(3, || {
+        let a = Arc::new(Arena {
+            record: LeaseRecord::new(),
+            holds: [AtomicU32::new(0)],
+            message: AtomicU32::new(0),
+            bytes: UnsafeCell::new(0),
+        });
+        // The writer lends the lease; the loan goes to another thread.
+        let generation = a.lease().take(0, 4096);
+        let loan = {
+            let a = a.clone();
+            thread::spawn(move || {
+                // SAFETY: loom's cell; loom fails the model on a concurrent access.
+                a.bytes.with_mut(|p| unsafe { *p = 1 });
+                a.lease().add_holds(0..1);
+                a.message.store(generation, Ordering::Release);
+                a.lease().drop_writer_hold();
+            })
+        };
+        let reader = {
+            let a = a.clone();
+            thread::spawn(move || {
+                if !eventually(|| a.message.load(Ordering::Acquire) != 0) {
+                    return;
+                }
+                // SAFETY: as above.
+                assert_eq!(a.bytes.with(|p| unsafe { *p }), 1);
+                a.lease().release(0);
+            })
+        };
+        let lease = a.lease();
+        if eventually(|| lease.is_unused()) {
+            lease.retire();
+            lease.take(0, 4096);
+            // SAFETY: as above: a race with the loan's write or the reader's read is
+            // what the model checks.
+            a.bytes.with_mut(|p| unsafe { *p = 2 });
+        }
+        loan.join().unwrap();
+        reader.join().unwrap();
+    });
+}

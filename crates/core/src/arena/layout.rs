@@ -1,11 +1,13 @@
 //! The arena segment's layout (see the `arena` module docs: Layout): the header, the
-//! statistics, the lease records and the sizes derived from an arena's parameters, and
-//! [`Mapped`], a mapped segment that reads them.
+//! statistics, the lease table (records and holds as `shmq_protocol::lease` lays them
+//! out) and the sizes derived from an arena's parameters, and [`Mapped`], a mapped
+//! segment that reads them.
 
 use std::ptr::NonNull;
 
 use shmq_os::error::{Error, Result};
 use shmq_os::segment::{data_after_table, round_up, Segment, MAX_READERS};
+use shmq_protocol::lease::{Lease, LeaseRecord, HOLDS_OFFSET};
 use shmq_protocol::sync::{AtomicU32, AtomicU64};
 
 const STATS_OFFSET: usize = 64;
@@ -15,7 +17,6 @@ pub(super) const QUEUE_OFFSET: usize = 128;
 pub(super) const QUEUE_NAME_MAX: usize = 255;
 pub(super) const TABLE_OFFSET: usize = 384;
 const _: () = assert!(QUEUE_OFFSET + 1 + QUEUE_NAME_MAX <= TABLE_OFFSET);
-const LEASE_HOLDS_OFFSET: usize = 32;
 
 /// The segment header. Lives at offset 0 of the mapping.
 #[repr(C)]
@@ -42,16 +43,6 @@ pub(super) struct ArenaStats {
     pub(super) reserved: AtomicU64,
 }
 const _: () = assert!(STATS_OFFSET + std::mem::size_of::<ArenaStats>() <= QUEUE_OFFSET);
-
-/// The fixed part of a lease record; the per-reader hold counts follow it.
-#[repr(C)]
-pub(super) struct LeaseRecord {
-    pub(super) generation: AtomicU32,
-    pub(super) writer_hold: AtomicU32,
-    pub(super) offset: AtomicU64,
-    pub(super) len: AtomicU64,
-}
-const _: () = assert!(std::mem::size_of::<LeaseRecord>() <= LEASE_HOLDS_OFFSET);
 
 /// Sizes derived from an arena's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,7 +81,7 @@ impl Geometry {
         }
         let too_large = || bad(format!("an arena of {capacity} bytes is too large"));
         let capacity = round_up(capacity.max(page_size), page_size).ok_or_else(too_large)?;
-        let lease_stride = round_up(LEASE_HOLDS_OFFSET + 4 * n_reader, 64).ok_or_else(too_large)?;
+        let lease_stride = round_up(HOLDS_OFFSET + 4 * n_reader, 64).ok_or_else(too_large)?;
         let (data_offset, total) =
             data_after_table(TABLE_OFFSET, lease_stride, max_leases, page_size, capacity)
                 .ok_or_else(too_large)?;
@@ -134,32 +125,30 @@ impl Mapped {
         unsafe { &*(self.base.as_ptr().add(STATS_OFFSET) as *const ArenaStats) }
     }
 
-    pub(super) fn record(&self, lease: usize) -> &LeaseRecord {
-        debug_assert!(lease < self.geo.max_leases);
-        // SAFETY: lease < max_leases, so the record lies inside the table (Geometry::new);
-        // records are 64-aligned (TABLE_OFFSET and the stride are multiples of 64); every
-        // field is an atomic. A peer process that writes garbage into a record can only
-        // change counts and generations, which readers validate and the writer trusts
-        // only to decide when a range may be reused.
+    /// Lease `lease`: its record and its readers' hold counts (the protocol on them is
+    /// [`shmq_protocol::lease`]).
+    pub(super) fn lease(&self, lease: usize) -> Lease<'_> {
+        assert!(lease < self.geo.max_leases);
+        // SAFETY: lease < max_leases (asserted), so the record and the n_reader hold counts
+        // after it lie inside the table (Geometry::new: lease_stride covers HOLDS_OFFSET +
+        // 4 * n_reader bytes), inside the mapping that `self` keeps alive. The record is
+        // 64-aligned (TABLE_OFFSET and the stride are multiples of 64), the counts 4-aligned
+        // (HOLDS_OFFSET is a multiple of 4). Every field is an atomic (or an atomic's
+        // padding-free integer), valid for any bit pattern: a peer process that writes
+        // garbage into a record can only change counts and generations, which readers
+        // validate and the writer trusts only to decide when a range may be reused.
         unsafe {
-            &*(self
+            let at = self
                 .base
                 .as_ptr()
-                .add(TABLE_OFFSET + lease * self.geo.lease_stride)
-                as *const LeaseRecord)
-        }
-    }
-
-    pub(super) fn hold(&self, lease: usize, reader: usize) -> &AtomicU32 {
-        debug_assert!(reader < self.geo.n_reader);
-        // SAFETY: reader < n_reader: inside the record (lease_stride covers the counts);
-        // 4-aligned; atomic only.
-        unsafe {
-            &*(self
-                .base
-                .as_ptr()
-                .add(TABLE_OFFSET + lease * self.geo.lease_stride + LEASE_HOLDS_OFFSET + 4 * reader)
-                as *const AtomicU32)
+                .add(TABLE_OFFSET + lease * self.geo.lease_stride);
+            Lease {
+                record: &*(at as *const LeaseRecord),
+                holds: std::slice::from_raw_parts(
+                    at.add(HOLDS_OFFSET) as *const AtomicU32,
+                    self.geo.n_reader,
+                ),
+            }
         }
     }
 

@@ -31,6 +31,9 @@
 //! is reused under a live view. The writer never waits for a lease: when none is free it
 //! reports `None` and the caller sends the bytes the ordinary way (a copy), counting it.
 //! Holds of a reader proved dead are dropped by the writer (see *Dead readers* below).
+//! The protocol on a lease's words (taking it, the holds, when its range may be reused,
+//! and why each ordering suffices) is [`shmq_protocol::lease`], model-checked with loom
+//! there; this module applies it to the segment's lease table.
 //!
 //! # Layout (offsets from the start of the segment; `#[repr(C)]`, pointer-free)
 //! ```text
@@ -61,7 +64,7 @@
 //!
 //! # Files
 //! This one (the constants, the defaults, [`ArenaRef`]); `layout` (the segment's
-//! header, statistics and lease records, and its mapping); `writer` ([`ArenaWriter`]
+//! header, statistics and lease table, and its mapping); `writer` ([`ArenaWriter`]
 //! and [`Loan`]); `lazy` ([`LazyArenaWriter`]); `reader` ([`ArenaReader`],
 //! [`ArenaView`], [`describe`]); `tests`.
 

@@ -102,14 +102,8 @@ impl ArenaReader {
         if lease >= self.map.geo.max_leases {
             return Err(bad("a lease that does not exist"));
         }
-        let rec = self.map.record(lease);
-        // Relaxed: the writer stored these before publishing the message we got them from
-        // (Release there, Acquire when we read the chunk).
-        let (generation, offset, len) = (
-            rec.generation.load(Ordering::Relaxed),
-            rec.offset.load(Ordering::Relaxed),
-            rec.len.load(Ordering::Relaxed),
-        );
+        // Stored by the writer before it published the message we got them from.
+        let (generation, offset, len) = self.map.lease(lease).read();
         let end = r.offset.checked_add(r.len);
         if generation != r.generation
             || r.offset < offset
@@ -154,12 +148,8 @@ impl ArenaReader {
 }
 
 fn release_hold(map: &Mapped, lease: usize, reader: usize) {
-    // Release: pairs with the Acquire load in `ArenaWriter::is_unused`: our reads of the
-    // bytes happen before the writer reuses them. Saturating: a count the writer already
-    // zeroed (it thought us dead) must not wrap around and pin the lease forever.
-    let _ = map
-        .hold(lease, reader)
-        .fetch_update(Ordering::Release, Ordering::Relaxed, |h| h.checked_sub(1));
+    // Our reads of the bytes happen before the writer reuses them (`Lease::release`).
+    map.lease(lease).release(reader);
 }
 
 /// Bytes of a message part, mapped privately in a reader: writable, and the writes stay

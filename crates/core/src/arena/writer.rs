@@ -195,30 +195,15 @@ impl ArenaWriter {
         }
     }
 
-    /// Whether every hold on `lease` has been dropped.
-    fn is_unused(&self, lease: u32) -> bool {
-        let (map, l) = (&self.map, lease as usize);
-        // Acquire: pairs with the Release decrement in `ArenaView::drop` (and the Release
-        // store in `Loan::drop`): whatever the holder did with the bytes happened before
-        // the writer reuses them.
-        map.record(l).writer_hold.load(Ordering::Acquire) == 0
-            && (0..map.geo.n_reader).all(|r| map.hold(l, r).load(Ordering::Acquire) == 0)
-    }
-
     /// Give back every outstanding lease whose holds are all gone (done before every
     /// allocation; call it to see the current count in [`outstanding`](Self::outstanding)).
     pub fn reclaim(&mut self) {
         let mut k = 0;
         while k < self.outstanding.len() {
             let o = self.outstanding[k];
-            if self.is_unused(o.lease) {
-                // Relaxed: only this writer stores it; a new generation makes references
-                // to the old contents fail their check in a reader (stale or forged
-                // messages), and the next use bumps it again.
-                self.map
-                    .record(o.lease as usize)
-                    .generation
-                    .fetch_add(1, Ordering::Relaxed);
+            let lease = self.map.lease(o.lease as usize);
+            if lease.is_unused() {
+                lease.retire();
                 self.outstanding.swap_remove(k);
                 self.loans.remove(&(self.map.data() as usize + o.offset));
                 self.free.give_back(o.offset, o.len);
@@ -244,23 +229,20 @@ impl ArenaWriter {
         let n = self.map.geo.n_reader;
         let mut holding = vec![false; n];
         for o in &self.outstanding {
+            let lease = self.map.lease(o.lease as usize);
             for (r, h) in holding.iter_mut().enumerate() {
-                // Relaxed: a hint of which readers to probe; a hold added or dropped
-                // meanwhile is seen on a later check.
-                *h |= self.map.hold(o.lease as usize, r).load(Ordering::Relaxed) != 0;
+                *h |= lease.is_held_by(r);
             }
         }
         let dead: Vec<usize> = (0..n)
             .filter(|&r| holding[r] && reader_is_dead(r))
             .collect();
         for o in &self.outstanding {
+            let lease = self.map.lease(o.lease as usize);
             for &r in &dead {
-                // Relaxed: the dead reader no longer touches it (proved by its liveness
-                // lock, released by the kernel only when the process is gone); the
-                // Acquire in `is_unused` orders our later reuse after this store anyway.
-                self.map
-                    .hold(o.lease as usize, r)
-                    .store(0, Ordering::Relaxed);
+                // Proved dead by its liveness lock, which the kernel releases only when
+                // the process is gone.
+                lease.drop_holds_of(r);
             }
         }
         if !dead.is_empty() {
@@ -392,17 +374,13 @@ impl ArenaWriter {
             return None;
         }
         self.free_leases.pop();
-        let rec = self.map.record(lease as usize);
-        // Relaxed: these reach readers only through a message, which the ring publishes
-        // with Release after this (and readers load with Acquire).
-        rec.generation.fetch_add(1, Ordering::Relaxed);
-        rec.offset.store(offset as u64, Ordering::Relaxed);
-        rec.len.store(len as u64, Ordering::Relaxed);
         // Held by the writer until the message that carries it is published (`publish`)
         // or, for a loan, until the `Loan` is dropped: until then no reader holds it, and
         // `reclaim` must not take it back (say, while the next part of the same message
-        // is being placed). Relaxed: read in this process only.
-        rec.writer_hold.store(1, Ordering::Relaxed);
+        // is being placed).
+        self.map
+            .lease(lease as usize)
+            .take(offset as u64, len as u64);
         self.is_loan[lease as usize] = false;
         self.outstanding.push(Outstanding { lease, offset, len });
         Some((lease, offset, len))
@@ -431,12 +409,7 @@ impl ArenaWriter {
     }
 
     fn reference(&self, lease: u32, offset: usize, len: usize) -> ArenaRef {
-        // Relaxed: only this writer stores the generation.
-        let generation = self
-            .map
-            .record(lease as usize)
-            .generation
-            .load(Ordering::Relaxed);
+        let generation = self.map.lease(lease as usize).generation();
         ArenaRef {
             lease,
             generation,
@@ -514,13 +487,7 @@ impl ArenaWriter {
     /// visible to readers.
     pub fn publish(&self, r: &ArenaRef, readers: impl Iterator<Item = usize>) {
         self.seal_loan(r);
-        for reader in readers {
-            // Relaxed: the message carrying the reference is published with Release after
-            // this, and the reader's decrement comes after it has seen that message.
-            self.map
-                .hold(r.lease as usize, reader)
-                .fetch_add(1, Ordering::Relaxed);
-        }
+        self.map.lease(r.lease as usize).add_holds(readers);
         self.abandon(r);
     }
 
@@ -528,12 +495,7 @@ impl ArenaWriter {
     /// (loans keep theirs).
     pub fn abandon(&self, r: &ArenaRef) {
         if !self.is_loan[r.lease as usize] {
-            // Release: pairs with the Acquire in `is_unused` (the holds added above are
-            // seen before the lease can be judged unused).
-            self.map
-                .record(r.lease as usize)
-                .writer_hold
-                .store(0, Ordering::Release);
+            self.map.lease(r.lease as usize).drop_writer_hold();
         }
     }
 }
@@ -586,19 +548,13 @@ impl Drop for Loan {
                 if !pages.unseal(&map.segment) {
                     return false;
                 }
-                // Release: as below.
-                map.record(lease as usize)
-                    .writer_hold
-                    .store(0, Ordering::Release);
+                map.lease(lease as usize).drop_writer_hold();
                 true
             }));
             return;
         }
-        // Release: pairs with the Acquire load in `ArenaWriter::is_unused`: the writes into
-        // the loan happen before the writer reuses its bytes.
-        self.map
-            .record(self.lease as usize)
-            .writer_hold
-            .store(0, Ordering::Release);
+        // The loan's writes happen before the writer reuses its bytes (the Release of
+        // `drop_writer_hold`).
+        self.map.lease(self.lease as usize).drop_writer_hold();
     }
 }

@@ -44,7 +44,7 @@ pub const MAX_CONSUMERS: usize = 64;
 pub const MAX_ENTRIES: usize = 1 << 20;
 
 pub(crate) const HEADER_BYTES: usize = 256;
-const CONSUMER_SLOT_BYTES: usize = 64;
+const CONSUMER_SLOT_BYTES: usize = shmq_protocol::consumer_slot::SLOT_BYTES;
 const ENTRY_PINS_OFFSET: usize = 48;
 
 /// Types that live in a shared segment: `#[repr(C)]`, no pointers, every field either
@@ -101,23 +101,12 @@ pub(crate) const STATE_OPEN: u32 = 1;
 pub(crate) const STATE_CLOSED: u32 = 2;
 pub(crate) const STATE_SUPERSEDED: u32 = 3;
 
-/// One consumer slot (see `slots`).
-#[repr(C)]
-pub(crate) struct ConsumerSlot {
-    /// `sequence << 2 | state`; the sequence grows on every change (a seqlock for the
-    /// fields below, and the tag that compare-and-swaps name a slot's occupancy by).
-    pub word: AtomicU64,
-    pub pid: AtomicU32,
-    _pad0: u32,
-    pub start_time: AtomicU64,
-    /// The clock value of the join: entries published later wait for this consumer.
-    pub joined_at: AtomicU64,
-    /// Keys this consumer loaded (statistic).
-    pub loads: AtomicU64,
-    _pad1: [u64; 3],
-}
+/// One consumer slot (see `slots`; the protocol on its word is
+/// [`shmq_protocol::consumer_slot`]).
+pub(crate) use shmq_protocol::consumer_slot::ConsumerSlot;
 const _: () = assert!(std::mem::size_of::<ConsumerSlot>() == CONSUMER_SLOT_BYTES);
-// SAFETY: repr(C), atomics only.
+// SAFETY: repr(C), atomics and padding integers only (see `consumer_slot`): any bit
+// pattern a peer leaves is a valid slot.
 unsafe impl InSharedMemory for ConsumerSlot {}
 
 /// The fixed part of an entry record; `max_consumers` pin counts (u32) follow at +48.
