@@ -6,6 +6,8 @@
   engines' ``SingleWriterShmObjectStorage``.
 - Worker processes around them (``WorkerProcesses``, ``report_ready``): start, ready
   handshake with a deadline, supervision, shutdown of whole process trees.
+- ``Gather``: many writers to one reader (workers' results back to a scheduler), one
+  wait for all their queues; ``await queue.dequeue_async()`` for asyncio.
 - The encoder-cache hand-off: tensors by key from an encoder process to every worker,
   as zero-copy views, with ``has(key)`` from any process (``shmq.encoder_cache``).
 
@@ -20,6 +22,7 @@ from .encoder_cache import (
     EncoderCacheMetadata,
     EncoderCacheProducer,
 )
+from .gather import Gather
 from .group import StatelessProcessGroup
 from .message_queue import (
     Handle,
@@ -46,6 +49,7 @@ __all__ = [
     "EncoderCacheIndex",
     "EncoderCacheMetadata",
     "EncoderCacheProducer",
+    "Gather",
     "Handle",
     "MessageKindError",
     "MessageQueue",

@@ -23,6 +23,10 @@ __all__ = [
     "EncoderCacheReservation",
     "EncoderCacheConsumer",
     "ENCODER_CACHE_MAX_KEY_LEN",
+    "ReadyTarget",
+    "WakeWord",
+    "ready_target",
+    "wait_any",
     "WorkerGroup",
     "worker_died_message",
     "default_connect_ip",
@@ -415,6 +419,39 @@ class Reader:
         """A view of the next chunk (bytes for an overflow message); then ``finish_read``."""
     def finish_read(self) -> None: ...
     def shutdown(self) -> None: ...
+
+# -- one wait for several readers (bindings/python/src/wait_any.rs) ---------------------------
+
+@final
+class ReadyTarget:
+    """What tells whether a local reader's next call returns at once, watched without the
+    reader (taken with ``ready_target(reader)`` before each wait)."""
+
+    def ready(self) -> bool:
+        """A message, the writer's shutdown, or the reader cancelled."""
+    def check_writer(self) -> None:
+        """Raise the reader's ``PeerDiedError`` if its writer is proved dead."""
+    @property
+    def queue(self) -> str: ...
+
+@final
+class WakeWord:
+    """A waiter's wake word: ``wake()`` ends a ``wait_any`` given a value ``current()``
+    returned before."""
+
+    def __new__(cls) -> WakeWord: ...
+    def current(self) -> int: ...
+    def wake(self) -> None: ...
+
+def ready_target(reader: Reader) -> Optional[ReadyTarget]:
+    """The target of ``reader``'s next message; ``None`` for a remote reader."""
+
+def wait_any(
+    targets: list[ReadyTarget], wake: WakeWord, wake_seen: int, timeout: Optional[float] = None
+) -> list[int]:
+    """Sleep (GIL released) until one of ``targets`` is ready or its writer is proved dead,
+    ``wake`` no longer holds ``wake_seen``, or ``timeout`` seconds pass: the indices of the
+    targets ready (empty: woken, or timed out). ``OSError`` without ``futex_waitv``."""
 
 # -- object store (bindings/python/src/storage.rs) --------------------------------------------
 

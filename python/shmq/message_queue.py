@@ -22,7 +22,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Literal, NoReturn, Optional, Sequence, cast, overload
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, cast, overload
 
 from . import _core, _oob, group, vllm_plugin
 from ._arrays import ArrayKind, from_wire, to_wire
@@ -386,6 +386,7 @@ class MessageQueue:
     enable_shm_tensor_arena = False
     tensor_arena = None
     _left = False
+    _name_release: Optional[Callable[[], Any]] = None
 
     def __init__(
         self,
@@ -467,6 +468,8 @@ class MessageQueue:
         )
         self.handle = Handle(**self._writer.handle())
         self.name = options.get("name")
+        if self.name is not None:
+            self._claim_name(self.name)
         track_writer(self._writer)  # its readers hear of its end, also at exit
         # vLLM 0.33's opt-in arena flag: accepted (shmq's own arena is on unless
         # arena_bytes=0; its views are private, so vLLM's reason to keep it off is gone).
@@ -525,6 +528,40 @@ class MessageQueue:
         self.n_remote_reader = 0
         self.shutting_down = False
         return self
+
+    def _claim_name(self, name: str) -> None:
+        """Record this writer's handle under ``name`` (see ``open``); removed when it shuts
+        down or is dropped. ``FileExistsError`` (the writer ended again) when another live
+        queue of this user holds the name."""
+        from . import _names
+
+        try:
+            token = _names.claim("queue", name, {"handle": str(self.handle)})
+        except BaseException:
+            assert self._writer is not None
+            self._writer.shutdown()
+            raise
+        self._name_release = weakref.finalize(self, _names.release, "queue", name, token, os.getpid())
+
+    @staticmethod
+    def open(
+        name: str, rank: int, *, spin_us: Optional[float] = None, yield_us: Optional[float] = None
+    ) -> "MessageQueue":
+        """Open the reader of rank ``rank`` of the queue named ``name`` on this machine
+        (its writer made with ``MessageQueue(..., name=name)``), without its handle: as
+        ``create_from_handle(handle, rank)`` with the handle the writer recorded under
+        that name. Names are scoped to the user (another user's queue of the same name is
+        not found) and held by one live writer at a time (a second one raises
+        ``FileExistsError``); the name is free again once its writer shuts down, is
+        dropped or dies. ``FileNotFoundError`` naming it when there is no such queue (never
+        made, shut down, or its writer died); ``PermissionError`` when the user's
+        directory of names (``/dev/shm/.shmq-names-<uid>``) is not the user's own.
+        ``spin_us`` / ``yield_us`` as for the constructor."""
+        from . import _names
+
+        record = _names.lookup("queue", name)
+        handle = Handle.from_str(record["handle"])
+        return MessageQueue.create_from_handle(handle, rank, spin_us=spin_us, yield_us=yield_us)
 
     @staticmethod
     def create_from_process_group(
@@ -746,6 +783,49 @@ class MessageQueue:
         body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
         return _loads(body, buffers=buffers)
 
+    async def dequeue_async(self, timeout: Optional[float] = None) -> Any:
+        """``await queue.dequeue_async()``: the next object, as ``dequeue`` returns it,
+        without blocking the event loop. A local reader waits through its loop's one
+        waiter thread (shared by every queue awaited in that loop, gone when none is; it
+        sleeps on all their doorbells at once, no polling, no thread per queue). Same
+        errors as ``dequeue``: ``TimeoutError`` after ``timeout`` seconds, ``QueueShutDownError``
+        after the last message of a writer that shut down, ``PeerDiedError`` for a writer
+        that died, ``RuntimeError("cancelled")`` after ``shutdown()``; cancelling the task
+        cancels the wait (no message is lost). ``OSError`` where the kernel has no
+        ``futex_waitv`` (Linux before 5.16). A remote reader (and, rarely, a message larger
+        than a chunk still on its way) waits in the loop's default executor instead."""
+        import asyncio
+
+        from . import _aio
+
+        reader = self._reader_for("dequeue_async")
+        loop = asyncio.get_running_loop()
+        seconds = _core.timeout_seconds(timeout)
+        deadline = None if seconds is None else loop.time() + seconds
+        if not reader.is_local:
+            return await _aio.in_executor(self.dequeue, seconds)
+        while True:
+            target = _core.ready_target(reader)
+            assert target is not None, "a local reader has a ready target"
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            if target.ready():
+                try:
+                    return self.dequeue(0)
+                except TimeoutError:
+                    # An overflow mark whose message is still on the queue's socket.
+                    return await _aio.in_executor(self.dequeue, remaining)
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(
+                    f"dequeue_async: no message from the writer of queue {self._queue_words()} within {timeout} s"
+                )
+            if await _aio.wait_ready([target], remaining) and not target.ready():
+                target.check_writer()  # PeerDiedError for a writer proved dead
+
+    def _queue_words(self) -> str:
+        """The queue, in an error message: its name and segment."""
+        segment = self.buffer.name if self.buffer is not None else "?"
+        return f"{self.name!r} ({segment})" if self.name is not None else segment
+
     @overload
     def dequeue_array(
         self, timeout: Optional[float] = None, cancel: Any = None, *, kind: Literal["numpy"] = "numpy"
@@ -919,6 +999,8 @@ class MessageQueue:
         the class docs): its later calls, and those blocked now, raise
         ``QueueShutDownError``, and readers get it after the messages sent before."""
         self.shutting_down = True
+        if self._name_release is not None:
+            self._name_release()
         side = self._reader or self._writer
         if side is not None:
             side.shutdown()

@@ -125,6 +125,9 @@ class RingBuffer:
     def __init__(self, data_buffer_size: int, name: Optional[str] = None, create: bool = False):
         self.data_buffer_size = data_buffer_size
         self.is_writer = bool(create)
+        #: The writer of a segment named by its caller: an ``ObjectStorage`` on it can be
+        #: opened by that name (``ObjectStorage.open``).
+        self._named = bool(create) and name is not None
         if create:
             self._core: Any = _core.BlockFifo.create(data_buffer_size, name)
             created_segments()
@@ -380,6 +383,9 @@ class ObjectStorage:
         else:
             self._parts, self._load, self._split = None, self.ser_de.deserialize, False
             self._load_owned = None
+        self._name_release: Optional[Callable[[], Any]] = None
+        if self.is_writer and ring_buffer._named:
+            self._claim_name()
         if self.is_writer:
             self.key_index: Optional[Mapping[str, tuple[int, int]]] = _KeyIndex(self)
             self.id_index: Optional[Mapping[int, str]] = _IdIndex(self)
@@ -600,12 +606,79 @@ class ObjectStorage:
         ring = RingBuffer(*handle.ring_buffer_handle)
         return ObjectStorage(handle.max_object_size, handle.n_readers, ring, handle.serde_class, handle.reader_lock)
 
+    def _claim_name(self) -> None:
+        """Record this writer's handle under its ring's name (see ``open``); removed when
+        the store is closed or dropped."""
+        import os
+
+        from . import _names
+
+        name = self.ring_buffer.shared_memory.name
+        serde = f"{self.serde_class.__module__}:{self.serde_class.__qualname__}"
+        details = {
+            "max_object_size": self.max_object_size,
+            "n_readers": self.n_readers,
+            "ring_buffer_handle": list(self.ring_buffer.handle()),
+            "serde_class": serde,
+        }
+        token = _names.claim("store", name, details)
+        self._name_release = weakref.finalize(self, _names.release, "store", name, token, os.getpid())
+
+    @staticmethod
+    def open(name: str, serde_class: Optional[type[ObjectSerde]] = None) -> "ObjectStorage":
+        """Open the store named ``name`` on this machine as a reader, without its handle:
+        the store whose writer was made on ``RingBuffer(data_buffer_size, name=name,
+        create=True)`` (vLLM's way of naming its multimodal store), as
+        ``create_from_handle`` does with the handle the writer recorded under that name.
+        ``serde_class``: the writer's by default (imported by its module and name; pass it
+        when the writer's is defined in its ``__main__``). Names are scoped to the user: a
+        store of another user is not found, and a segment of that name that belongs to
+        another user is a ``PermissionError`` naming it; ``FileNotFoundError`` naming it when
+        there is no such store (never made, closed, or its writer died)."""
+        import importlib
+        import os
+
+        from . import _names
+
+        try:
+            record = _names.lookup("store", name)
+        except FileNotFoundError:
+            path = f"{_core.SHM_DIR}/{name}" if "/" not in name else None
+            try:
+                owner = os.stat(path).st_uid if path is not None else None
+            except OSError:
+                owner = None
+            if owner is not None and owner != os.getuid():
+                raise PermissionError(
+                    f"shared memory segment {name!r} belongs to another user (uid {owner}; this is uid "
+                    f"{os.getuid()}): stores are opened by name only by their own user"
+                ) from None
+            raise
+        if serde_class is None:
+            module, _, qualname = record["serde_class"].partition(":")
+            try:
+                found: Any = importlib.import_module(module)
+                for part in qualname.split("."):
+                    found = getattr(found, part)
+            except (ImportError, AttributeError) as e:
+                raise ValueError(
+                    f"store {name!r} was made with serde_class {record['serde_class']}, which this process "
+                    "cannot import: pass serde_class= to ObjectStorage.open"
+                ) from e
+            serde_class = cast("type[ObjectSerde]", found)
+        size, ring_name = record["ring_buffer_handle"]
+        handle = ObjectStorageHandle(record["max_object_size"], record["n_readers"], (size, ring_name), serde_class)
+        return ObjectStorage.create_from_handle(handle)
+
     def close(self) -> None:
         """Close the ring buffer (the writer removes the segment); a reader gives its
         reader slot back first. Idempotent."""
         leave = getattr(self, "_leave", None)
         if leave is not None:
             leave()
+        release = getattr(self, "_name_release", None)
+        if release is not None:
+            release()
         self._core = _Closed("the object storage")
         self.ring_buffer.close()
 

@@ -1,0 +1,102 @@
+"""Many writers to one reader (issue 45 item 7): ``Gather`` reads several workers' result
+queues with one wait, in real processes. Each writer's messages come in the order it
+sent them; a writer that ends normally (its queue shut down, or just its process's
+normal end) is left out quietly; one that is killed is reported by name, after every
+message it sent, and the others go on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+
+from _processes.harness import STEP
+from _processes.named_children import named_writer
+from shmq import Gather, MessageQueue, PeerDiedError, QueueShutDownError
+
+N = 30
+ENDS = {"worker-0": "shutdown", "worker-1": "exit", "worker-2": "kill"}
+
+
+def _workers(children):
+    """One writer process per entry of ``ENDS``, each with its own named queue, sending
+    ``N`` messages ``(name, j)`` once ``go`` is set, then ending as its entry says. The
+    Gather of their queues here, ready; the workers' processes by name."""
+    out, go, end = children.queue(), children.event(), children.event()
+    suffix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    queue_names = {name: f"{name} results {suffix}" for name in ENDS}
+    procs = {
+        name: children.start(named_writer, out, queue_names[name], go, [(name, j) for j in range(N)], end, how)
+        for name, how in ENDS.items()
+    }
+    for _ in ENDS:
+        children.expect(out, "ready")
+    gather = Gather({name: MessageQueue.open(q, 0) for name, q in queue_names.items()})
+    gather.wait_until_ready(timeout=STEP)
+    go.set()
+    end.set()
+    return gather, procs
+
+
+def _check(got: dict[str, list], died: list[PeerDiedError], gather: Gather, procs) -> None:
+    for name in ENDS:
+        assert got[name] == [(name, j) for j in range(N)], f"{name}'s messages, in order"
+    # The killed worker, and only it, is reported dead: by name, after its last message.
+    assert len(died) == 1
+    assert died[0].writer == "worker-2"  # type: ignore[attr-defined]
+    assert "writer 'worker-2' of this Gather died" in str(died[0]) and f"pid {procs['worker-2'].pid}" in str(died[0])
+    assert sorted(gather.ended) == ["worker-0", "worker-1"] and gather.died == ["worker-2"] and gather.live == []
+
+
+def test_gather_reads_every_worker_in_order_and_names_the_dead_one(children) -> None:
+    gather, procs = _workers(children)
+    got: dict[str, list] = {name: [] for name in ENDS}
+    died: list[PeerDiedError] = []
+    while True:
+        try:
+            for name, obj in gather:
+                got[name].append(obj)
+                assert len(got[name]) <= N
+            break
+        except PeerDiedError as e:
+            assert len(got[e.writer]) == N, "reported dead before all of its messages"  # type: ignore[attr-defined]
+            died.append(e)
+    _check(got, died, gather, procs)
+    with pytest.raises(QueueShutDownError, match="every writer of this Gather has ended"):
+        gather.recv(timeout=STEP)
+
+
+def test_gather_in_an_event_loop(children) -> None:
+    gather, procs = _workers(children)
+    got: dict[str, list] = {name: [] for name in ENDS}
+    died: list[PeerDiedError] = []
+
+    async def main() -> None:
+        while True:
+            try:
+                name, obj = await gather.recv_async(timeout=STEP)
+            except QueueShutDownError:
+                return
+            except PeerDiedError as e:
+                died.append(e)
+                continue
+            got[name].append(obj)
+
+    asyncio.run(main())
+    _check(got, died, gather, procs)
+
+
+def test_gather_times_out_and_refuses_what_it_cannot_read() -> None:
+    writers = [MessageQueue(1, 1) for _ in range(2)]
+    try:
+        readers = {f"w{i}": MessageQueue.create_from_handle(w.export_handle(), 0) for i, w in enumerate(writers)}
+        gather = Gather(readers)
+        with pytest.raises(TimeoutError, match=r"no message from \['w0', 'w1'\] within 0.1 s"):
+            gather.recv(timeout=0.1)
+        with pytest.raises(ValueError, match="queue '0' is not a local reader"):
+            Gather([writers[0]])
+    finally:
+        for w in writers:
+            w.shutdown()
