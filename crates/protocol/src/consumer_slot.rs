@@ -259,3 +259,61 @@ pub fn reclaim(slot: &ConsumerSlot, word: u64, zero_pins: impl FnOnce()) -> bool
     slot.word.store(next(reclaiming, FREE), Ordering::Release);
     true
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_goes_round_and_each_occupancy_has_its_own_word() {
+        let (s, clock) = (ConsumerSlot::new(), AtomicU64::new(7));
+        let free = free_word(&s).unwrap();
+        let claimed = claim(&s, free).unwrap();
+        assert_eq!(
+            claim(&s, free),
+            None,
+            "a second claim of the same free word"
+        );
+        assert_eq!(free_word(&s), None);
+        let joined = join(&s, claimed, 42, 1234, &clock);
+        let snap = snapshot(&s, 1).unwrap();
+        assert_eq!(
+            (snap.state(), snap.pid, snap.start_time, snap.joined_at),
+            (JOINED, 42, 1234, 7)
+        );
+        assert_eq!(tick(&clock), 8);
+        assert!(holds(&s, joined));
+        assert!(leave(&s, joined));
+        assert!(!holds(&s, joined));
+        assert!(!leave(&s, joined), "left twice");
+        // The next occupancy's word differs from the last one's, so a stale word names
+        // nothing.
+        let again = join(
+            &s,
+            claim(&s, free_word(&s).unwrap()).unwrap(),
+            43,
+            1,
+            &clock,
+        );
+        assert_ne!(again, joined);
+        assert!(!reclaim(&s, joined, || panic!(
+            "an old occupancy was reclaimed"
+        )));
+    }
+
+    #[test]
+    fn a_reclaim_zeroes_once_and_only_from_the_judged_word() {
+        let (s, clock) = (ConsumerSlot::new(), AtomicU64::new(0));
+        let joined = join(&s, claim(&s, 0).unwrap(), 1, 1, &clock);
+        assert!(!reclaim(&s, 0, || panic!("a free word was reclaimed")));
+        let mut zeroed = 0;
+        assert!(reclaim(&s, joined, || zeroed += 1));
+        assert!(!reclaim(&s, joined, || zeroed += 1));
+        assert_eq!(zeroed, 1);
+        assert_eq!(state(free_word(&s).unwrap()), FREE);
+        // A joiner that died mid-join: its CLAIMED word can be reclaimed too.
+        let claimed = claim(&s, free_word(&s).unwrap()).unwrap();
+        assert!(reclaim(&s, claimed, || {}));
+        assert!(free_word(&s).is_some());
+    }
+}

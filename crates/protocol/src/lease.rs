@@ -178,3 +178,40 @@ impl Lease<'_> {
             .fetch_update(Ordering::Release, Ordering::Relaxed, |h| h.checked_sub(1));
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_is_unused_only_once_every_hold_is_gone() {
+        let record = LeaseRecord::new();
+        let holds: Vec<AtomicU32> = (0..3).map(|_| AtomicU32::new(0)).collect();
+        let lease = Lease {
+            record: &record,
+            holds: &holds,
+        };
+        assert!(lease.is_unused());
+        let generation = lease.take(4096, 8192);
+        assert_eq!(lease.read(), (generation, 4096, 8192));
+        assert_eq!(lease.generation(), generation);
+        assert!(!lease.is_unused(), "the writer holds a lease it just took");
+        lease.add_holds([0, 2].into_iter());
+        lease.drop_writer_hold();
+        assert!(!lease.is_unused());
+        assert!(lease.is_held_by(0) && !lease.is_held_by(1) && lease.is_held_by(2));
+        lease.release(0);
+        lease.release(0); // saturates: no wrap-around
+        assert!(!lease.is_held_by(0));
+        assert!(!lease.is_unused(), "reader 2 still holds it");
+        lease.drop_holds_of(2);
+        lease.release(2); // a reader thought dead drops a hold already dropped
+        assert!(lease.is_unused());
+        lease.retire();
+        assert_ne!(
+            lease.generation(),
+            generation,
+            "references to the old contents pass"
+        );
+    }
+}

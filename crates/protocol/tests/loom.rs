@@ -12,6 +12,13 @@
 //!   slot (a key with another key's entry), and a key present throughout a lookup is
 //!   found even while other keys are removed, inserted into its chain, or the table is
 //!   rebuilt.
+//! - the encoder cache's consumer slots (`shmq_protocol::consumer_slot`): one slot never
+//!   goes to two consumers, a joined slot is never read torn, a producer whose clock tick
+//!   came after a join never reads the slot as free; a dead consumer's slot is reclaimed
+//!   at most once, never from its successor, and its successor finds the pins zeroed.
+//! - the arena's leases (`shmq_protocol::lease`): the writer never reuses a range while a
+//!   live reader or a loan (dropped in another thread) still holds it, also after it
+//!   dropped a dead reader's holds (loom's cell checks).
 //!
 //! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq-protocol --test loom`
 //! (scripts/test.sh does). Without `--cfg loom` this file compiles to nothing.
