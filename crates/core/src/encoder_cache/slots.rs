@@ -12,7 +12,7 @@
 //! proved dead (also from another pid namespace) and is reclaimed: its pin counts are
 //! zeroed (its views died with it), then it is freed. Where the lock cannot be tested,
 //! the pid decides, and a pid that is not visible is "unknown": never reclaimed. A slot
-//! stuck CLAIMED for longer than [`STUCK_CLAIM`] (its joiner died mid-join) is reclaimed
+//! stuck CLAIMED for longer than `STUCK_CLAIM` (its joiner died mid-join) is reclaimed
 //! too, by the producer.
 
 use std::time::{Duration, Instant};
