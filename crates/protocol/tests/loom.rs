@@ -15,7 +15,8 @@
 //! - the encoder cache's consumer slots (`shmq_protocol::consumer_slot`): one slot never
 //!   goes to two consumers, a joined slot is never read torn, a producer whose clock tick
 //!   came after a join never reads the slot as free; a dead consumer's slot is reclaimed
-//!   at most once, never from its successor, and its successor finds the pins zeroed.
+//!   at most once, never from its successor, and its successor finds the pins zeroed;
+//!   the next occupant of a slot left normally sees the leaver's unpins.
 //! - the arena's leases (`shmq_protocol::lease`): the writer never reuses a range while a
 //!   live reader or a loan (dropped in another thread) still holds it, also after it
 //!   dropped a dead reader's holds (loom's cell checks).
@@ -857,5 +858,42 @@ fn arena_loan_is_not_reused_before_it_is_dropped_and_read() {
         }
         loan.join().unwrap();
         reader.join().unwrap();
+    });
+}
+
+/// The encoder cache's consumer slots, leaving: consumer 1 drops its last pin (Relaxed
+/// here, so that what is checked is the leave's ordering, not the unpin's own Release)
+/// and leaves; consumer 2 takes the slot it left. Consumer 2 finds the pin count zero (the leave's Release, paired with
+/// the claim's Acquire, carries the unpin), and consumer 1, once left, no longer holds
+/// the slot.
+#[test]
+fn consumer_slot_left_is_handed_over_with_the_leavers_unpins() {
+    use loom::sync::atomic::AtomicU64;
+    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot};
+
+    model(2, || {
+        let s = Arc::new(ConsumerSlot::new());
+        let clock = Arc::new(AtomicU64::new(0));
+        let pin = Arc::new(AtomicU32::new(1));
+        let claimed = slot::claim(&s, slot::free_word(&s).unwrap()).unwrap();
+        let word = slot::join(&s, claimed, 1, 10, &clock);
+        let leaver = {
+            let (s, pin) = (s.clone(), pin.clone());
+            thread::spawn(move || {
+                pin.fetch_sub(1, Ordering::Relaxed);
+                assert!(slot::leave(&s, word));
+                assert!(!slot::holds(&s, word));
+            })
+        };
+        // One attempt, no yield (see the reclaim model).
+        if let Some(claimed) = slot::free_word(&s).and_then(|free| slot::claim(&s, free)) {
+            assert_eq!(
+                pin.load(Ordering::Relaxed),
+                0,
+                "the leaver's unpin was lost"
+            );
+            slot::join(&s, claimed, 2, 20, &clock);
+        }
+        leaver.join().unwrap();
     });
 }
