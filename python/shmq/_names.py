@@ -125,13 +125,21 @@ def release(kind: str, name: str, token: str, pid: int) -> None:
 
 
 def _read(path: str) -> Optional[dict[str, Any]]:
+    """The record at ``path``; None when there is none, or what is there is not a whole
+    record (never an error of another type: the file is only as good as whoever wrote it)."""
     try:
         with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
+            record = json.load(f)
+    except (OSError, ValueError):
         return None
-    except ValueError:
-        return None  # a record being replaced, or not one of ours
+    if (
+        not isinstance(record, dict)
+        or type(record.get("pid")) is not int
+        or type(record.get("start")) not in (int, type(None))
+        or not isinstance(record.get("token"), str)
+    ):
+        return None
+    return record
 
 
 def lookup(kind: str, name: str) -> dict[str, Any]:

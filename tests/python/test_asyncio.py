@@ -135,3 +135,23 @@ def test_the_writer_cannot_dequeue_async() -> None:
             asyncio.run(w.dequeue_async())
     finally:
         w.shutdown()
+
+
+def test_a_remote_reader_dequeues_async_through_the_executor() -> None:
+    writer = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    try:
+        reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+        ready = threading.Thread(target=writer.wait_until_ready, args=(STEP,))
+        ready.start()
+        reader.wait_until_ready(timeout=STEP)
+        ready.join()
+
+        async def main() -> object:
+            with pytest.raises(TimeoutError):
+                await reader.dequeue_async(timeout=0.1)
+            writer.enqueue({"over": "tcp"})
+            return await reader.dequeue_async(timeout=STEP)
+
+        assert asyncio.run(main()) == {"over": "tcp"}
+    finally:
+        writer.shutdown()

@@ -121,3 +121,20 @@ def test_a_directory_of_names_that_is_not_the_users_is_refused() -> None:
     finally:
         os.chown(directory, os.getuid(), -1)
         mq.shutdown()
+
+
+def test_a_damaged_record_is_no_queue_and_its_name_can_be_taken() -> None:
+    name = _name("damaged")
+    mq = MessageQueue(1, 1, name=name)
+    record = _names._record_path("queue", name, create=False)
+    mq.shutdown()
+    for garbage in ("not json", '{"pid": "x"}', "[1, 2]"):
+        with open(record, "w") as f:
+            f.write(garbage)
+        with pytest.raises(FileNotFoundError, match=f"no queue named {name!r}"):
+            MessageQueue.open(name, 0)
+        taken = MessageQueue(1, 1, name=name)
+        try:
+            assert MessageQueue.open(name, 0).name == name
+        finally:
+            taken.shutdown()
