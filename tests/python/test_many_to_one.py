@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 
 import pytest
@@ -97,6 +98,37 @@ def test_gather_times_out_and_refuses_what_it_cannot_read() -> None:
             gather.recv(timeout=0.1)
         with pytest.raises(ValueError, match="queue '0' is not a local reader"):
             Gather([writers[0]])
+    finally:
+        for w in writers:
+            w.shutdown()
+
+
+def test_messages_larger_than_a_chunk_come_through_gather_and_dequeue_async() -> None:
+    # Larger than a chunk: an overflow mark in the ring, the bytes over the queue's socket.
+    writers = [MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=4) for _ in range(2)]
+    try:
+        readers = {f"w{i}": MessageQueue.create_from_handle(w.export_handle(), 0) for i, w in enumerate(writers)}
+        ready = [threading.Thread(target=w.wait_until_ready, args=(STEP,)) for w in writers]
+        for t in ready:
+            t.start()
+        gather = Gather(readers)
+        gather.wait_until_ready(timeout=STEP)
+        for t in ready:
+            t.join()
+        big = [bytes([i]) * (64 << 10) for i in range(3)]
+        for i, w in enumerate(writers):
+            for b in big:
+                w.enqueue((i, b), timeout=STEP)
+        got = [gather.recv(timeout=STEP) for _ in range(6)]
+        assert [obj for name, obj in got if name == "w0"] == [(0, b) for b in big]
+        assert [obj for name, obj in got if name == "w1"] == [(1, b) for b in big]
+
+        async def main() -> list:
+            for b in big:
+                writers[1].enqueue(b, timeout=STEP)
+            return [await readers["w1"].dequeue_async(timeout=STEP) for _ in big]
+
+        assert asyncio.run(main()) == big
     finally:
         for w in writers:
             w.shutdown()
