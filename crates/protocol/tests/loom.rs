@@ -897,3 +897,38 @@ fn consumer_slot_left_is_handed_over_with_the_leavers_unpins() {
         leaver.join().unwrap();
     });
 }
+
+/// The multi-wait's wake word (`shmq_protocol::multiwait::WakeWord`): a sleeper that read
+/// the word, then found nothing to wait for yet, is woken by another thread that adds
+/// something and bumps the word, wherever the bump falls in its sleep.
+#[test]
+fn multiwait_wake_word_loses_no_wake_up() {
+    use shmq_protocol::doorbell::DoorbellWords;
+    use shmq_protocol::multiwait::{sleep_any, WakeWord};
+    model(3, || {
+        let wake = Arc::new(WakeWord::default());
+        let added = Arc::new(AtomicU8::new(0));
+        let futex = Arc::new(ModelFutexMany {
+            wakes: Mutex::new(0),
+            cv: Condvar::new(),
+        });
+        let registrar = {
+            let (wake, added, futex) = (wake.clone(), added.clone(), futex.clone());
+            thread::spawn(move || {
+                // What a coroutine that starts waiting does: add its queue, then wake.
+                added.store(1, Ordering::Relaxed);
+                wake.wake(&&*futex);
+            })
+        };
+        let bell = DoorbellWords::default();
+        loop {
+            // The waiter: the word first, then what to wait for (see `WakeWord::current`).
+            let seen = wake.current();
+            if added.load(Ordering::Relaxed) == 1 {
+                break;
+            }
+            sleep_any(&&*futex, &[&bell], &wake, seen, || false, None).unwrap();
+        }
+        registrar.join().unwrap();
+    });
+}
