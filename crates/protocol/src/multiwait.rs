@@ -16,7 +16,8 @@
 //! word, in the kernel: `futex_waitv`) returns at once. The wake word is the sleeper's
 //! own: whoever changes what the sleeper waits for bumps it and wakes it (see
 //! [`WakeWord`]); the sleeper read it before it looked at what to wait for.
-//! Model-checked in `crates/protocol/tests/loom.rs` (`multiwait_loses_no_wake_up`).
+//! Model-checked in `crates/protocol/tests/loom.rs` (`multiwait_loses_no_wake_up`,
+//! `multiwait_wake_word_loses_no_wake_up`).
 
 use std::time::Duration;
 
