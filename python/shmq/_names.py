@@ -8,7 +8,8 @@ queue's handle holds the secret of its remote stream). Names are scoped to the u
 another user's queue of the same name is another queue, out of reach. A name is held by
 one live writer at a time; the record goes when the writer shuts down, closes or is
 dropped, and one left by a writer that died (SIGKILL) is recognized as such (its pid and
-start time no longer match a running process) and replaced or reported.
+start time no longer match a running process): reported and removed by an open of its
+name, replaced by a new writer of it, and removed by any new writer's claim.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def claim(kind: str, name: str, details: dict[str, Any]) -> str:
     """Record ``details`` under ``name`` for this process; the token that
     :func:`release` needs. ``FileExistsError`` when a live writer holds the name."""
     path = _record_path(kind, name, create=True)
+    _sweep()
     token = uuid.uuid4().hex
     record = {"kind": kind, "name": name, "pid": os.getpid(), "start": _start_time(os.getpid()), "token": token}
     record.update(details)
@@ -108,6 +110,27 @@ def claim(kind: str, name: str, details: dict[str, Any]) -> str:
         except FileNotFoundError:
             pass
     return token
+
+
+def _sweep() -> None:
+    """Remove the records of writers that died (SIGKILL leaves them): every claim does,
+    so that they do not pile up in ``/dev/shm``."""
+    d = directory()
+    try:
+        entries = os.listdir(d)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.endswith(".tmp"):
+            continue
+        path = f"{d}/{entry}"
+        record = _read(path)
+        if record is not None and not _alive(record):
+            try:
+                if (_read(path) or {}).get("token") == record["token"]:
+                    os.unlink(path)
+            except OSError:
+                pass
 
 
 def release(kind: str, name: str, token: str, pid: int) -> None:

@@ -138,3 +138,23 @@ def test_a_damaged_record_is_no_queue_and_its_name_can_be_taken() -> None:
             assert MessageQueue.open(name, 0).name == name
         finally:
             taken.shutdown()
+
+
+def test_a_killed_writers_record_is_removed_by_the_next_named_writer(children) -> None:
+    name = _name("swept")
+    out, go = children.queue(), children.event()
+    p = children.start(named_writer, out, name, go, [], None, "kill")
+    children.expect(out, "ready")
+    record = _names._record_path("queue", name, create=False)
+    assert os.path.exists(record)
+    go.set()
+    mq = MessageQueue.open(name, 0)
+    mq.wait_until_ready(timeout=STEP)
+    wait_for(lambda: not p.is_alive(), what="the writer to be killed")
+    other = MessageQueue(1, 1, name=_name("another"))  # any claim sweeps the dead writers' records
+    try:
+        assert not os.path.exists(record)
+        with pytest.raises(FileNotFoundError, match=f"no queue named {name!r}"):
+            MessageQueue.open(name, 0)
+    finally:
+        other.shutdown()
