@@ -147,9 +147,9 @@ def test_a_killed_writers_record_is_removed_by_the_next_named_writer(children) -
     children.expect(out, "ready")
     record = _names._record_path("queue", name, create=False)
     assert os.path.exists(record)
-    go.set()
     mq = MessageQueue.open(name, 0)
     mq.wait_until_ready(timeout=STEP)
+    go.set()
     wait_for(lambda: not p.is_alive(), what="the writer to be killed")
     other = MessageQueue(1, 1, name=_name("another"))  # any claim sweeps the dead writers' records
     try:
