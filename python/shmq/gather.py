@@ -12,12 +12,17 @@ of one queue: one wait, one wake per message; each worker's queue costs its ring
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Iterator, Mapping, Optional, Union
 
 from . import _aio, _core
 from .message_queue import MessageQueue, PeerDiedError, QueueShutDownError
 
 __all__ = ["Gather"]
+
+# How often a busy Gather looks at its writers' liveness (a wait does on its own), as a
+# queue's own wait does.
+_LIVENESS_INTERVAL = 0.5
 
 
 class Gather:
@@ -37,7 +42,7 @@ class Gather:
     - A writer that dies (killed, ``os._exit``, a crash) is reported, after every message
       it sent: ``recv`` raises ``PeerDiedError`` naming it (its ``writer`` attribute is the
       name); it is then left out (listed in ``died``) and the next ``recv`` goes on with the
-      others.
+      others. Found within about half a second, also while the others keep sending.
 
     ``recv_async()`` is the same for ``asyncio`` (through the event loop's one waiter, see
     ``MessageQueue.dequeue_async``).
@@ -70,6 +75,7 @@ class Gather:
         self.died: list[str] = []
         self._turn = 0
         self._wake = _core.WakeWord()
+        self._next_liveness = time.monotonic() + _LIVENESS_INTERVAL
 
     @classmethod
     def open(cls, names: Iterable[str], rank: int = 0) -> "Gather":
@@ -114,6 +120,18 @@ class Gather:
             return name, obj, True
         return None
 
+    def _look_at_writers(self) -> None:
+        """Twice a second at most, while messages keep coming (a wait looks at them
+        itself): raise for a writer proved dead with nothing left to read, so that a
+        busy stream from the others does not hide a death."""
+        now = time.monotonic()
+        if now < self._next_liveness:
+            return
+        self._next_liveness = now + _LIVENESS_INTERVAL
+        names = list(self.live)
+        targets = [self._target(n) for n in names]
+        self._check(names, targets, list(range(len(names))))
+
     def _dead(self, name: str, error: PeerDiedError) -> PeerDiedError:
         """Leave out writer ``name``, which died; the error that says so."""
         self.live.remove(name)
@@ -140,13 +158,12 @@ class Gather:
     def recv(self, timeout: Optional[float] = None) -> tuple[str, Any]:
         """``(name, obj)``: the next message of any writer (see the class docs).
         ``TimeoutError`` after ``timeout`` seconds without one."""
-        import time
-
         seconds = _core.timeout_seconds(timeout)
         deadline = None if seconds is None else time.monotonic() + seconds
         while True:
             if not self.live:
                 raise self._all_ended()
+            self._look_at_writers()
             got = self._take()
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if got is not None:
@@ -171,6 +188,7 @@ class Gather:
         while True:
             if not self.live:
                 raise self._all_ended()
+            self._look_at_writers()
             got = self._take()
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
             if got is not None:

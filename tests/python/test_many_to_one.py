@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from _processes.harness import STEP
+from _processes.harness import STEP, wait_for
 from _processes.named_children import named_writer
 from shmq import Gather, MessageQueue, PeerDiedError, QueueShutDownError
 
@@ -132,3 +132,43 @@ def test_messages_larger_than_a_chunk_come_through_gather_and_dequeue_async() ->
     finally:
         for w in writers:
             w.shutdown()
+
+
+def test_a_death_is_reported_while_another_writer_keeps_the_gather_busy(children) -> None:
+    # Writer "busy" (here) always has messages waiting, so the Gather never waits; writer
+    # "doomed" (another process) is killed. Its death must still be reported.
+    out, go = children.queue(), children.event()
+    name = f"doomed {os.getpid()}-{uuid.uuid4().hex[:8]}"
+    doomed = children.start(named_writer, out, name, go, [], None, "kill")
+    children.expect(out, "ready")
+    busy = MessageQueue(1, 1, max_chunks=10)
+    try:
+        gather = Gather(
+            {"busy": MessageQueue.create_from_handle(busy.export_handle(), 0), "doomed": MessageQueue.open(name, 0)}
+        )
+        ready = threading.Thread(target=busy.wait_until_ready, args=(STEP,))
+        ready.start()
+        gather.wait_until_ready(timeout=STEP)
+        ready.join()
+        sent = 0
+        for _ in range(9):
+            busy.enqueue(sent, timeout=STEP)
+            sent += 1
+        go.set()
+        got = []
+
+        def busy_until_the_death() -> bool:
+            nonlocal sent
+            try:
+                got.append(gather.recv(timeout=STEP))
+            except PeerDiedError as e:
+                assert e.writer == "doomed" and f"pid {doomed.pid}" in str(e)  # type: ignore[attr-defined]
+                return True
+            busy.enqueue(sent, timeout=STEP)  # "busy" never runs dry
+            sent += 1
+            return False
+
+        wait_for(busy_until_the_death, what="the killed writer to be reported while the other keeps sending")
+        assert got == [("busy", i) for i in range(len(got))] and gather.died == ["doomed"]
+    finally:
+        busy.shutdown()
