@@ -28,7 +28,7 @@ import pickle
 import sys
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import _core
 from ._cleanup import created_segments
@@ -39,6 +39,13 @@ __all__ = [
 ]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+#: A framework's own rule for which ranks share the reader's machine, where the framework
+#: decides that itself: ``rule(pg, reader_rank)`` → one bool per rank of ``pg`` (a
+#: ``torch.distributed`` group). ``shmq.vllm_plugin.activate()`` sets vLLM's (by device
+#: count); ``MessageQueue.create_from_process_group_single_reader`` follows it where its
+#: caller states nothing, and probes ``/dev/shm`` where it is unset.
+locality_rule: Optional[Callable[[Any, int], list[bool]]] = None
 
 # How often barrier() looks for the other ranks' arrival keys.
 _BARRIER_POLL_S = 0.005

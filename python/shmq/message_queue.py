@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, cast, overload
 
-from . import _core, _oob, group, vllm_plugin
+from . import _core, _oob, group
 from ._arrays import ArrayKind, from_wire, to_wire
 from ._cleanup import created_segments, track_writer
 from ._loans import loan_memory, loaned_array, loaned_tensor
@@ -321,6 +321,14 @@ class MessageQueue:
       up, within 5 s for one that hangs or whose machine or network went away (ZeroMQ's
       heartbeats, ``SHMQ_REMOTE_HEARTBEAT_TIMEOUT``), and within 5 s of ``wait_until_ready``
       for one it cannot reach at all.
+    - ``on_lost_remote_reader``: a remote reader that is gone for the writer (its
+      connection closed, or nothing came from it within the heartbeat bound) is left
+      behind with a warning and the writer goes on with the others (``"warn"``, the
+      default, whatever ``on_dead_reader`` says), or the send that finds it, and every
+      later one, raises ``PeerDiedError`` naming its rank and host after the message went
+      to the others (``"raise"``; the vLLM plugin's default, so that a lost worker node
+      ends vLLM's engine as a dead local worker does, instead of leaving it waiting for
+      that node). ``MessageQueue.default_on_lost_remote_reader`` is the default.
     - A local reader's normal end is not a death: the reader object dropped, or its
       process's interpreter exiting (the end of the script, ``sys.exit``, an exception
       that ends it, a ``multiprocessing`` child's target done, whatever its start
@@ -387,6 +395,11 @@ class MessageQueue:
     tensor_arena = None
     _left = False
     _name_release: Optional[Callable[[], Any]] = None
+    #: ``on_lost_remote_reader`` where the constructor is not told: ``"warn"``; the vLLM
+    #: plugin makes it ``"raise"`` (a lost worker node ends vLLM's engine, as a dead local
+    #: worker does).
+    default_on_lost_remote_reader: Literal["warn", "raise"] = "warn"
+    _lost_remote_raises = False
 
     def __init__(
         self,
@@ -407,6 +420,7 @@ class MessageQueue:
         slow_remote_reader: Literal["block", "drop"] = "block",
         remote_max_queued_bytes: Optional[int] = None,
         name: Optional[str] = None,
+        on_lost_remote_reader: Optional[Literal["warn", "raise"]] = None,
     ):
         # Sizes and counts are checked here, naming the argument. vLLM 0.33 accepts
         # n_reader=0 (a queue that sends to nobody); shmq refuses it: made by hand, a
@@ -432,6 +446,11 @@ class MessageQueue:
             local_reader_ranks = _ranks(local_reader_ranks)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
+        if on_lost_remote_reader is None:
+            on_lost_remote_reader = type(self).default_on_lost_remote_reader
+        if on_lost_remote_reader not in ("warn", "raise"):
+            raise ValueError(f"on_lost_remote_reader must be 'warn' or 'raise', got {on_lost_remote_reader!r}")
+        self._lost_remote_raises = on_lost_remote_reader == "raise"
         self._start_writer(
             n_reader,
             n_local_reader,
@@ -633,9 +652,10 @@ class MessageQueue:
         ``reader_rank``, the handles by rank (elsewhere ``[]``).
 
         Which ranks share the reader's machine is the caller's to say where it knows:
-        ``same_node``, one bool per group rank (the same list on every rank). Under the
-        vLLM plugin, vLLM's own rule says it, as vLLM's class decides (ranks per node =
-        the platform's device count), so that a worker's queue has the remote address
+        ``same_node``, one bool per group rank (the same list on every rank). Else a
+        framework's rule (``shmq.group.locality_rule``): under the vLLM plugin, vLLM's
+        own, as vLLM's class decides (ranks per node = the platform's device count), so
+        that a worker's queue has the remote address
         vLLM's executor expects even where two of vLLM's nodes share one ``/dev/shm``.
         Otherwise shmq probes: a rank that can open a segment the reader made shares its
         machine."""
@@ -643,12 +663,14 @@ class MessageQueue:
         reader = reader_rank if ops.stateless else ops.dist.get_group_rank(pg, reader_rank)
         if not 0 <= reader < ops.world_size:
             raise ValueError(f"reader_rank {reader_rank} is not in the process group")
-        if same_node is None and not ops.stateless and vllm_plugin.is_active():
-            same_node = vllm_plugin.same_node_as_vllm_decides(pg, reader_rank)
+        if same_node is None and not ops.stateless and group.locality_rule is not None:
+            same_node = group.locality_rule(pg, reader_rank)
         if same_node is None:
             same_node = group.in_the_same_node_as(pg, source_rank=reader)
         elif len(same_node) != ops.world_size or not all(type(x) is bool for x in same_node):
-            raise ValueError(f"same_node must hold one bool per rank of the group ({ops.world_size}), got {same_node!r}")
+            raise ValueError(
+                f"same_node must hold one bool per rank of the group ({ops.world_size}), got {same_node!r}"
+            )
         mq = MessageQueue(
             n_reader=1,
             n_local_reader=1 if same_node[ops.rank] else 0,
@@ -730,6 +752,21 @@ class MessageQueue:
             writer.enqueue_parts([body, *buffers], timeout)
         else:
             writer.enqueue_body(body, timeout)
+        if self._lost_remote_raises and writer.remote_dropped_count:
+            self._raise_lost_remote_reader()
+
+    def _raise_lost_remote_reader(self) -> NoReturn:
+        """``on_lost_remote_reader="raise"``: a remote reader this writer no longer sends
+        to (gone: its connection closed or silent past the heartbeat bound; or dropped
+        as slow) is an error, from the send that found it and every later one."""
+        assert self._writer is not None
+        lost = [(rank, host) for rank, host, dropped in self._writer.remote_peers if dropped]
+        names = ", ".join(f"rank {rank} (host {host or 'unknown'})" for rank, host in lost)
+        raise PeerDiedError(
+            f"remote reader {names} is gone: its connection closed, or nothing came from it within the "
+            "heartbeat bound (SHMQ_REMOTE_HEARTBEAT_TIMEOUT), or it fell behind; no more messages go to it "
+            '(on_lost_remote_reader="raise")'
+        )
 
     def enqueue_bytes(self, data: Any, timeout: Optional[float] = None) -> None:
         """Send the bytes of ``data`` (any contiguous bytes-like object) as they are, not
@@ -740,6 +777,8 @@ class MessageQueue:
         if writer is None:
             raise self._not_the_writer("enqueue_bytes")
         writer.enqueue(data if type(data) is bytes else bytes(data), timeout)
+        if self._lost_remote_raises and writer.remote_dropped_count:
+            self._raise_lost_remote_reader()
 
     def enqueue_array(self, array: Any, timeout: Optional[float] = None) -> None:
         """Send ``array`` (a numpy array, a torch tensor on the CPU, or a typed
@@ -756,6 +795,8 @@ class MessageQueue:
             raise self._not_the_writer("enqueue_array")
         dtype, shape, data = to_wire(array)
         writer.enqueue_array(dtype, shape, data, timeout)
+        if self._lost_remote_raises and writer.remote_dropped_count:
+            self._raise_lost_remote_reader()
 
     def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
         """The next object. ``TimeoutError`` after ``timeout`` seconds;

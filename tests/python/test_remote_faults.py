@@ -239,11 +239,11 @@ def _num(i: int) -> bytes:
     return i.to_bytes(8, "little")
 
 
-def _writer_with_stalled_reader(children):
+def _writer_with_stalled_reader(children, **options):
     """This process writes to one remote reader (a child that reads only when told) with
     room for ``HWM`` messages in flight; the window is full: the next enqueue waits for
     the reader. (queue, reader process, its report queue, its command queue)."""
-    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_hwm=HWM)
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_hwm=HWM, **options)
     out, cmds = children.queue(), children.queue()
     reader = children.start(stalled_remote_reader, out, mq.export_handle(), 0, cmds)
     mq.wait_until_ready(timeout=STEP)
@@ -277,6 +277,25 @@ def test_a_writer_blocked_on_a_remote_reader_that_stopped_answering_goes_on_with
     assert err is not None and err[0] == "PeerDiedError" and "is gone" in err[1], err
     cmds.put(None)
     mq.shutdown()
+
+
+def test_a_lost_remote_reader_is_an_error_for_a_writer_that_asks_for_one(children):
+    """``on_lost_remote_reader="raise"`` (the vLLM plugin's default: vLLM's engine cannot
+    go on without a worker node): the send that finds the reader gone raises
+    ``PeerDiedError`` naming it, and so does every later one."""
+    mq, reader, out, cmds = _writer_with_stalled_reader(children, on_lost_remote_reader="raise")
+    os.kill(reader.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(PeerDiedError, match=r"remote reader rank 0 \(host 127.0.0.1\) is gone"):
+            mq.enqueue(_num(HWM), timeout=STEP)
+        with pytest.raises(PeerDiedError, match="rank 0"):
+            mq.enqueue(_num(HWM + 1), timeout=STEP)
+    finally:
+        os.kill(reader.pid, signal.SIGCONT)
+    cmds.put(None)
+    mq.shutdown()
+    with pytest.raises(ValueError, match="on_lost_remote_reader must be 'warn' or 'raise'"):
+        MessageQueue(1, 0, connect_ip="127.0.0.1", on_lost_remote_reader="ignore")  # type: ignore[arg-type]
 
 
 def test_a_remote_reader_stopped_for_less_than_the_bound_is_not_cut_off(children, caplog):

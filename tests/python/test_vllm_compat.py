@@ -575,7 +575,8 @@ def test_a_negative_rank_opens_a_remote_reader_or_is_refused_naming_it():
     remote = MessageQueue(n_reader=1, n_local_reader=0, max_chunk_bytes=1024, max_chunks=2, connect_ip="127.0.0.1")
     assert MessageQueue.create_from_handle(remote.export_handle(), -1).n_local_reader == 0
     local = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
-    with pytest.raises(ValueError, match=r"rank -1 is not a local reader \(\[0\]\) and the queue has no remote readers"):
+    refused = r"rank -1 is not a local reader \(\[0\]\) and the queue has no remote readers"
+    with pytest.raises(ValueError, match=refused):
         MessageQueue.create_from_handle(local.export_handle(), -1)
 
 

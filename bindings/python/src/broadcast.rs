@@ -501,6 +501,18 @@ impl Writer {
         Ok(self.writer(py)?.dropped_readers())
     }
 
+    /// How many remote readers this writer no longer sends to (gone or dropped).
+    #[getter]
+    fn remote_dropped_count(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.writer(py)?.remote_dropped_count())
+    }
+
+    /// The remote readers accepted so far: `(rank, host as ZeroMQ saw it, dropped)`.
+    #[getter]
+    fn remote_peers(&self, py: Python<'_>) -> PyResult<Vec<(u64, Option<String>, bool)>> {
+        Ok(self.writer(py)?.remote_peers())
+    }
+
     /// The fields of the queue's `shmq.Handle`, by name.
     fn handle<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         handle_fields(py, self.writer(py)?.handle())

@@ -808,6 +808,12 @@ impl Writer {
         self.remote.as_ref().map_or_else(Vec::new, |r| r.peers())
     }
 
+    /// How many remote readers this writer no longer sends to (gone, or dropped as
+    /// slow): cheap, no allocation, for a check after every send.
+    pub fn remote_dropped_count(&self) -> usize {
+        self.remote.as_ref().map_or(0, |r| r.dropped_count())
+    }
+
     /// Parts sent by copy because the arena had no room.
     pub fn arena_fallbacks(&self) -> u64 {
         self.arena.as_ref().map_or(0, |a| a.fallbacks())

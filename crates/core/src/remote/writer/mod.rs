@@ -221,6 +221,11 @@ impl RemoteWriter {
             .collect()
     }
 
+    /// How many accepted readers are no longer sent to (gone, or dropped as slow).
+    pub fn dropped_count(&self) -> usize {
+        self.peers.iter().filter(|p| p.dropped).count()
+    }
+
     /// Whether sending a message of `bytes` would wait for a reader (or drop it): one
     /// still sent to is out of credit, after taking the ACKs that arrived.
     pub fn would_wait(&mut self, bytes: u64) -> Result<bool> {
