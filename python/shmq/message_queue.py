@@ -755,6 +755,23 @@ class MessageQueue:
         if self._lost_remote_raises and writer.remote_dropped_count:
             self._raise_lost_remote_reader()
 
+    def lost_remote_readers(self) -> Optional[list[tuple[int, Optional[str]]]]:
+        """Writer side: the remote readers this writer no longer sends to, as ``(rank,
+        host)``: gone (their connection closed, or nothing came from them within the
+        heartbeat bound) or dropped as slow. Looks first for connections ZeroMQ closed
+        since the last send, so that a writer that sends nothing for a while (waiting for
+        its workers' answers) learns of a lost reader within the bound too. Never waits:
+        ``None`` while another thread is in a call of this writer (that call does the
+        same check). ``[]`` for a queue without remote readers."""
+        writer = self._writer
+        if writer is None:
+            raise self._not_the_writer("lost_remote_readers")
+        if not self.n_remote_reader:
+            return []
+        if writer.check_remote_peers() is None:
+            return None
+        return [(rank, host) for rank, host, dropped in writer.remote_peers if dropped]
+
     def _raise_lost_remote_reader(self) -> NoReturn:
         """``on_lost_remote_reader="raise"``: a remote reader this writer no longer sends
         to (gone: its connection closed or silent past the heartbeat bound; or dropped

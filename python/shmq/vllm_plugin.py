@@ -157,6 +157,90 @@ def same_node_as_vllm_decides(pg: Any, reader_rank: int) -> list[bool]:
     return [rank // local_size == reader_rank // local_size for rank in dist.get_process_group_ranks(pg)]
 
 
+#: How often the executor's watch of its worker nodes looks (see _watch_worker_nodes).
+NODE_WATCH_INTERVAL_S = 1.0
+
+
+def _watch_worker_nodes() -> bool:
+    """Make vLLM's multi-node executor watch its worker nodes as it watches its local
+    workers. vLLM's ``MultiprocExecutor.start_worker_monitor`` waits for a local
+    worker's process to end and then fails the engine (``is_failed``, ``shutdown()``,
+    its failure callback); a worker on another node has no process here to wait for,
+    and one that hangs, or whose link is cut, leaves the engine waiting for its answer.
+    With the plugin, an executor whose step broadcast has remote readers also starts a
+    thread that looks every :data:`NODE_WATCH_INTERVAL_S` whether shmq's writer lost one
+    (:meth:`shmq.MessageQueue.lost_remote_readers`: its connection closed, or silent
+    past the heartbeat bound) and then fails the engine the way vLLM's own monitor
+    does, after killing this node's workers (stuck in a collective with the lost node).
+    The thread ends with the executor (its shutdown, or the object gone)."""
+    try:
+        from vllm.v1.executor import multiproc_executor
+    except ImportError:
+        return False
+    cls = multiproc_executor.MultiprocExecutor
+    original = cls.start_worker_monitor
+    if getattr(original, "_shmq_watches_nodes", False):
+        return True
+
+    def start_worker_monitor(self: Any, inline: bool = False) -> None:
+        mq = getattr(self, "rpc_broadcast_mq", None)
+        if getattr(mq, "n_remote_reader", 0) and hasattr(mq, "lost_remote_readers"):
+            _start_node_watch(self, mq)
+        return original(self, inline)
+
+    start_worker_monitor._shmq_watches_nodes = True  # type: ignore[attr-defined]
+    cls.start_worker_monitor = start_worker_monitor
+    return True
+
+
+def _start_node_watch(executor: Any, mq: Any) -> None:
+    import threading
+    import weakref
+
+    executor_ref = weakref.ref(executor)
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(NODE_WATCH_INTERVAL_S):
+            ex = executor_ref()
+            if ex is None:
+                return
+            try:
+                lost = mq.lost_remote_readers()
+            except Exception:  # the queue shut down meanwhile
+                return
+            if not lost:
+                if getattr(ex, "shutting_down", False):
+                    return
+                continue
+            # This node's workers are in (or will enter) a collective with the lost node:
+            # one that cannot complete, where a worker does not answer SIGTERM. They go
+            # at once, also where the engine is failing already (the executor's send
+            # raised first): else vLLM's shutdown waits for them, its caller kills the
+            # executor's process first, and they stay, orphaned, until gloo's timeout.
+            for handle in getattr(ex, "workers", None) or []:
+                proc = getattr(handle, "proc", None)
+                if proc is not None and proc.is_alive():
+                    proc.kill()
+            if getattr(ex, "shutting_down", False) or getattr(ex, "is_failed", False):
+                return
+            ex.is_failed = True
+            _logger().error(
+                "shmq: worker node(s) %s gone for the step broadcast (connection closed, or silent past "
+                "SHMQ_REMOTE_HEARTBEAT_TIMEOUT), shutting down executor.",
+                ", ".join(f"rank {rank} (host {host or 'unknown'})" for rank, host in lost),
+            )
+            ex.shutdown()
+            callback = getattr(ex, "failure_callback", None)
+            if callback is not None:
+                ex.failure_callback = None
+                callback()
+            return
+
+    weakref.finalize(executor, stop.set)
+    threading.Thread(target=watch, daemon=True, name="ShmqWorkerNodeWatch").start()
+
+
 def _shmq_classes() -> dict[str, Any]:
     import shmq
 
@@ -196,6 +280,7 @@ def activate() -> None:
     # cannot go on without a worker node.
     group.locality_rule = same_node_as_vllm_decides
     MessageQueue.default_on_lost_remote_reader = "raise"
+    _watch_worker_nodes()
     metrics_on = _register_metrics()
     ec_on = _register_ec_connector()
     if newly:

@@ -541,12 +541,16 @@ def cmd_multinode(args: argparse.Namespace) -> None:
     gc.collect()
     ended_at = time.time()
     deadline = time.monotonic() + 20
-    while (_descendants() or shm_names(pids)) and time.monotonic() < deadline:
+    while _descendants() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine_gone_at = time.time()  # node 0's end: its last engine process is gone
+    while shm_names(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     result(
         dict(
             **live,
             **outcome,
+            engine_gone_at=engine_gone_at,
             start_s=started,
             tokens=tokens,
             texts=texts,

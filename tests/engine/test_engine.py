@@ -33,15 +33,6 @@ PROMPTS = [f"the scheduler {i} sends a batch of tokens to the worker {i % 7}" fo
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="session")
-def engine() -> tuple[str, str]:
-    """(the engine venv's python, the model directory)."""
-    out = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "engine.sh")], check=True, stdout=subprocess.PIPE, text=True, timeout=3000
-    )
-    return out.stdout.strip().splitlines()[-1], str(ROOT / "target" / "engine-model")
-
-
 def _env(plugin: bool) -> dict[str, str]:
     return engine_env(plugin, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
 

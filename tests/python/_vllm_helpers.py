@@ -317,6 +317,12 @@ def vllm_member(
         },
         "load_time_binding": mm_shm.SingleWriterShmObjectStorage.__module__,
     }
+    # Across nodes: vLLM's locality rule, and a lost worker node an error (the watch of
+    # worker nodes needs vLLM's executor module, which this venv's vLLM without its heavy
+    # dependencies cannot import: the engine tests check it).
+    import shmq.group
+
+    report["multinode"] = (shmq.group.locality_rule is not None, shmq.MessageQueue.default_on_lost_remote_reader)
     _join_group("gloo", port, rank, world_size)
     coordinator = GroupCoordinator(
         group_ranks=[list(range(world_size))],

@@ -298,6 +298,26 @@ def test_a_lost_remote_reader_is_an_error_for_a_writer_that_asks_for_one(childre
         MessageQueue(1, 0, connect_ip="127.0.0.1", on_lost_remote_reader="ignore")  # type: ignore[arg-type]
 
 
+def test_a_writer_that_sends_nothing_learns_of_a_lost_remote_reader_within_the_bound(children):
+    """``lost_remote_readers()``: a writer waiting for something else (vLLM's executor,
+    for its workers' answers) finds a reader that stopped answering by the connection
+    ZeroMQ closed, without sending; never waits itself."""
+    mq, reader, out, cmds = _writer_with_stalled_reader(children)
+    assert mq.lost_remote_readers() == []
+    os.kill(reader.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        lost = wait_for(mq.lost_remote_readers, SILENT_READER_BOUND + SLACK + 2, "the stopped reader lost")
+        took = time.monotonic() - t0
+    finally:
+        os.kill(reader.pid, signal.SIGCONT)
+    assert lost == [(0, "127.0.0.1")], lost
+    assert took < SILENT_READER_BOUND + SLACK, took
+    assert MessageQueue(1, 1).lost_remote_readers() == []  # no remote readers
+    cmds.put(None)
+    mq.shutdown()
+
+
 def test_a_remote_reader_stopped_for_less_than_the_bound_is_not_cut_off(children, caplog):
     mq, reader, out, cmds = _writer_with_stalled_reader(children)
     os.kill(reader.pid, signal.SIGSTOP)

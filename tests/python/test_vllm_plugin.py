@@ -70,6 +70,7 @@ def test_vllm_builds_and_uses_the_queue_and_the_store(children, enabled):
         assert r["queue_class"].startswith(expected_module), r
         assert r["store_class"].startswith(expected_module), r
         assert r["stateless_queue_class"].startswith(expected_module), r
+        assert r["multinode"] == ((True, "raise") if enabled else (False, "warn")), r["multinode"]
         if enabled:
             assert len(r["log"]) == 1 and "plugin active" in r["log"][0], r["log"]
             assert r["log_via_logging"] == (rank == 0), "vLLM's logger where it is set up, else stderr"

@@ -507,6 +507,14 @@ impl Writer {
         Ok(self.writer(py)?.remote_dropped_count())
     }
 
+    /// Look for remote readers whose connection closed while this writer sent nothing
+    /// (each is warned about once and no longer sent to); the number no longer sent to,
+    /// or `None` when another thread is in a call of this writer (that call does the
+    /// same check when it sends). Never waits.
+    fn check_remote_peers(&self) -> PyResult<Option<usize>> {
+        Ok(crate::wait::try_lock(&self.inner, WRITER)?.map(|mut w| w.check_remote_peers()))
+    }
+
     /// The remote readers accepted so far: `(rank, host as ZeroMQ saw it, dropped)`.
     #[getter]
     fn remote_peers(&self, py: Python<'_>) -> PyResult<Vec<(u64, Option<String>, bool)>> {

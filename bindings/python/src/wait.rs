@@ -342,7 +342,7 @@ pub(crate) fn lock<'a, T: Send>(
 }
 
 /// [`lock`] if that needs no wait; `None` while another thread holds the lock.
-fn try_lock<'a, T: Send>(
+pub(crate) fn try_lock<'a, T: Send>(
     m: &'a BindingLock<T>,
     what: &str,
 ) -> PyResult<Option<BindingGuard<'a, T>>> {

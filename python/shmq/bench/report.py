@@ -446,7 +446,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="comma-separated prefixes of the keys of the scenarios and floors to run: engine (vLLM's own engine, "
         "plugin off and on: a checkout of shmq only, see shmq.bench.engine), engine-mm (the same with images through "
-        "vLLM's multimodal cache), cross-language (Rust and Python writers "
+        "vLLM's multimodal cache), engine-multinode (two nodes of this machine, faults beside vLLM alone), "
+        "cross-language (Rust and Python writers "
         "and readers, each direction: a checkout and cargo), latency (latency_step, "
         "latency_remote), throughput (1, 3), idle, fresh, loan, consume, tensor (the hand-over-only rows), e.g. "
         "fresh16_3 (16 MiB, 3 readers); floors: "
@@ -504,6 +505,14 @@ def main(args: argparse.Namespace) -> int:
         start_method=args.start_method or base.start_method,
     )
     only = [o.strip() for o in args.scenarios.split(",") if o.strip()] if args.scenarios else []
+    if "engine-multinode" in only:
+        # vLLM's engine on two nodes of this machine (see shmq.bench.multinode).
+        from . import multinode
+
+        code = multinode.main(1 if args.preset == "quick" else max(3, args.repeat))
+        only = [o for o in only if o != "engine-multinode"]
+        if not only:
+            return code
     if "engine-mm" in only:
         # vLLM's engine with images through its multimodal cache (see shmq.bench.engine).
         from . import engine

@@ -814,6 +814,13 @@ impl Writer {
         self.remote.as_ref().map_or(0, |r| r.dropped_count())
     }
 
+    /// Look for remote readers whose connection closed while this writer sent nothing
+    /// (see [`RemoteWriter::check_connections`]); returns
+    /// [`remote_dropped_count`](Self::remote_dropped_count).
+    pub fn check_remote_peers(&mut self) -> usize {
+        self.remote.as_mut().map_or(0, |r| r.check_connections())
+    }
+
     /// Parts sent by copy because the arena had no room.
     pub fn arena_fallbacks(&self) -> u64 {
         self.arena.as_ref().map_or(0, |a| a.fallbacks())

@@ -226,6 +226,20 @@ impl RemoteWriter {
         self.peers.iter().filter(|p| p.dropped).count()
     }
 
+    /// Find the readers whose connection ZeroMQ closed since the last send (it closes
+    /// one when the heartbeats go unanswered: a reader that died, hangs, or is cut off),
+    /// as a send would: each is gone (warned about once, no more sent to it). Sends and
+    /// waits for nothing; for a writer that sends nothing for a while. Returns
+    /// [`dropped_count`](Self::dropped_count).
+    pub fn check_connections(&mut self) -> usize {
+        for k in 0..self.peers.len() {
+            if !self.peers[k].dropped && self.connection_closed(k) {
+                self.gone(k);
+            }
+        }
+        self.dropped_count()
+    }
+
     /// Whether sending a message of `bytes` would wait for a reader (or drop it): one
     /// still sent to is out of credit, after taking the ACKs that arrived.
     pub fn would_wait(&mut self, bytes: u64) -> Result<bool> {
