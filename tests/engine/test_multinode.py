@@ -46,7 +46,8 @@ def _shmq_names(names: list[str] | None) -> list[str]:
 def vllm_alone(engine, tmp_path_factory) -> dict:
     """Two nodes without the plugin: the tokens the runs with shmq must match."""
     python, model = engine
-    out = mn.run_offline(python, model, False, tmp_path_factory.mktemp("multinode"))
+    # vLLM alone leaves node 1 running after node 0's end: no wait for it.
+    out = mn.run_offline(python, model, False, tmp_path_factory.mktemp("multinode"), node1_wait=0.5)
     assert not out["plugin"] and out["error"] is None, out["node0_log"]
     return out
 
@@ -66,34 +67,26 @@ def test_two_nodes_offline_same_tokens_and_node1_ends_with_node0(engine, tmp_pat
     assert on["node1_gone_after_s"] <= BOUND + SLACK, on["node1_log"]
 
 
-def test_two_nodes_sharing_one_dev_shm_then_node1s_worker_killed(engine, tmp_path, vllm_alone):
+def test_two_nodes_sharing_one_dev_shm_then_node1_stopped_past_the_bound(engine, tmp_path, vllm_alone):
     # Two containers on one host with one IPC namespace: node 1 sees node 0's /dev/shm,
     # so shmq's probe alone would call it local; vLLM's rule (one device per node) says
     # otherwise and shmq follows vLLM (before: vLLM's AssertionError at start).
+    # Then node 1 stopped (SIGSTOP) for 10 s: past shmq's bound, it is gone for the
+    # executor's step broadcast and the engine fails within the bound, not at the resume
+    # (vLLM alone waits the 10 s and goes on; for a node that never comes back, for
+    # ever). (Node 1's worker SIGKILLed: the bench, beside vLLM alone.)
     python, model = engine
     before = set(os.listdir("/dev/shm"))
-    on = mn.run_offline(python, model, True, tmp_path, faults=("worker",), private_shm=False)
+    on = mn.run_offline(python, model, True, tmp_path, faults=("stop",), private_shm=False)
     assert on["tokens"] == vllm_alone["tokens"], on["node0_log"]
     assert not on["hung"] and on["error"], on["node0_log"]
-    assert on["error_after_s"] <= 1.0 + SLACK, on["error_after_s"]
-    assert on["shm_after"] == [] and on["engine_processes_after"] == [], on["node0_log"]
-    time.sleep(1)
-    left = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("shmq_")]
-    assert left == [], left
-
-
-def test_node1_stopped_past_the_heartbeat_bound_is_an_error_within_it(engine, tmp_path):
-    # SIGSTOP for 10 s: past shmq's bound, node 1 is gone for the executor's step
-    # broadcast, and the executor's next send fails the engine (vLLM alone waits the
-    # 10 s and goes on; a node that never comes back would leave it waiting).
-    python, model = engine
-    on = mn.run_offline(python, model, True, tmp_path, faults=("stop",))
-    assert not on["hung"] and on["error"], on["node0_log"]
-    # The error comes within the bound of the stop, not after the resume (10 s).
     assert on["error_after_s"] <= BOUND + SLACK, (on["error_after_s"], on["node0_log"])
     assert on["lost_warned"], on["node0_log"]
     assert on["shm_after"] == [] and on["engine_processes_after"] == [], on["node0_log"]
-    assert on["node1_left"] is not None and _shmq_names(on["node1_left"]) == [], on["node1_log"]
+    assert on["node1_left"] is not None, "node 1 still ran 15 s after node 0's end:\n" + on["node1_log"]
+    time.sleep(1)
+    left = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("shmq_")]
+    assert left == [], left
 
 
 @pytest.mark.skipif(bool(mn.refused(link=True)), reason=str(mn.refused(link=True)))

@@ -372,6 +372,7 @@ def run_offline(
     window: float = 50.0,
     between: float = 6.0,
     link: Optional[str] = None,
+    node1_wait: float = 15.0,
     **extra: str,
 ) -> dict[str, Any]:
     """Node 1, then node 0 offline; greedy tokens, then (``faults``) generation for
@@ -379,8 +380,9 @@ def run_offline(
     each next one ``between`` seconds after the last ended. Returns node 0's result
     with:
 
-    - ``node1_left``: node 1's ``/dev/shm`` once it ended (``None``: still running 15 s
-      after node 0's end, then killed);
+    - ``node1_left``: node 1's ``/dev/shm`` once it ended (``None``: still running
+      ``node1_wait`` seconds after node 0's end; then it is killed, and what it left
+      then is ``node1_left_after_kill``);
     - ``node1_gone_after_s``: node 1's end after node 0's (its last engine process
       gone), or after the last fault where node 0 never ended;
     - ``error_after_s``: the caller's error after the last fault;
@@ -416,7 +418,7 @@ def run_offline(
                     fault_at.append(time.time())
                     _inject(fault, node0, node1)
             out = node0.result(window + 200)
-            left = node1.leftovers(15)
+            left = node1.leftovers(node1_wait)
             if left is None:  # still running: what it leaves once killed
                 node1.stop()
                 out["node1_left_after_kill"] = node1.leftovers(0)
@@ -504,7 +506,7 @@ def run_bench(rounds: int, progress: Any = None) -> tuple[Rows, list[tuple[str, 
                     (f"{label} ({key})", statistics.median(got[False][k]), statistics.median(got[True][k]), unit)
                 )
     faults: list[tuple[str, str, str]] = []
-    for plan in (("worker",), ("stop",), ("cut2", "cut30"), ("core",)):
+    for plan in (("worker",), ("whole",), ("stop",), ("cut2", "cut30"), ("core",)):
         cells = []
         for plugin in (False, True):
             if progress:
