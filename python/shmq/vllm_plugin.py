@@ -190,7 +190,46 @@ def _watch_worker_nodes() -> bool:
 
     start_worker_monitor._shmq_watches_nodes = True  # type: ignore[attr-defined]
     cls.start_worker_monitor = start_worker_monitor
+    _workers_die_with_their_executor(multiproc_executor.WorkerProc)
     return True
+
+
+def _workers_die_with_their_executor(worker_cls: Any) -> None:
+    """A vLLM worker process never outlives the process that started it (the engine
+    core, or node 1's ``vllm serve --headless``). vLLM's own death pipe tells a worker
+    that its parent is gone, but a worker stuck in a native collective whose peer died
+    (vLLM's CPU all-reduce spins, gloo waits for its timeout) never reads it, and stays
+    orphaned, spinning, once its parent was killed before it could kill the worker
+    (vLLM's front end kills a failed engine core after a few seconds, while the executor
+    still waits out its workers' grace period). With the plugin each worker asks the
+    kernel for SIGKILL when its parent ends (``PR_SET_PDEATHSIG``), from vLLM's own
+    ``monitor_death_pipe`` (so only in vLLM's workers, which plugins reach before it)."""
+    original = worker_cls.monitor_death_pipe
+    if getattr(original, "_shmq_pdeathsig", False):
+        return
+
+    def monitor_death_pipe(self: Any, death_pipe: Any, shutdown_requested: Any) -> Any:
+        if death_pipe is not None:
+            _die_with_parent()
+        return original(self, death_pipe, shutdown_requested)
+
+    monitor_death_pipe._shmq_pdeathsig = True  # type: ignore[attr-defined]
+    worker_cls.monitor_death_pipe = monitor_death_pipe
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: vLLM's death pipe alone, as without shmq
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _start_node_watch(executor: Any, mq: Any) -> None:
