@@ -770,14 +770,17 @@ class MessageQueue:
             return []
         if writer.check_remote_peers() is None:
             return None
-        return [(rank, host) for rank, host, dropped in writer.remote_peers if dropped]
+        return self._dropped_remote_readers()
+
+    def _dropped_remote_readers(self) -> list[tuple[int, Optional[str]]]:
+        assert self._writer is not None
+        return [(rank, host) for rank, host, dropped in self._writer.remote_peers if dropped]
 
     def _raise_lost_remote_reader(self) -> NoReturn:
         """``on_lost_remote_reader="raise"``: a remote reader this writer no longer sends
         to (gone: its connection closed or silent past the heartbeat bound; or dropped
         as slow) is an error, from the send that found it and every later one."""
-        assert self._writer is not None
-        lost = [(rank, host) for rank, host, dropped in self._writer.remote_peers if dropped]
+        lost = self._dropped_remote_readers()
         names = ", ".join(f"rank {rank} (host {host or 'unknown'})" for rank, host in lost)
         raise PeerDiedError(
             f"remote reader {names} is gone: its connection closed, or nothing came from it within the "

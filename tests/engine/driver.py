@@ -188,6 +188,17 @@ def sampling(max_tokens: int):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def time_per_output_token(llm, prompt: str, reps: int) -> list[float]:
+    """One request alone, 64 tokens, ``reps`` times: seconds per output token (its decode
+    steps are the step broadcast's path)."""
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        single = llm.generate([prompt], sampling(64), use_tqdm=False)
+        out.append((time.perf_counter() - t) / max(1, len(single[0].outputs[0].token_ids)))
+    return out
+
+
 def result(payload: dict) -> None:
     print("RESULT " + json.dumps(payload), flush=True)
 
@@ -211,12 +222,7 @@ def cmd_offline(args: argparse.Namespace) -> None:
         outputs = llm.generate(ps, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         batch_tps.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
-    # One request alone: time per output token (decode steps, the queue's path).
-    tpot = []
-    for _ in range(args.reps):
-        t = time.perf_counter()
-        single = llm.generate(ps[:1], sampling(64), use_tqdm=False)
-        tpot.append((time.perf_counter() - t) / max(1, len(single[0].outputs[0].token_ids)))
+    tpot = time_per_output_token(llm, ps[0], args.reps)
     assert outputs is not None
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     pids = our_pids()
@@ -508,11 +514,7 @@ def cmd_multinode(args: argparse.Namespace) -> None:
     outputs = llm.generate(ps, sampling(args.max_tokens), use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     texts = [o.outputs[0].text for o in outputs]
-    tpot = []
-    for _ in range(args.reps):
-        t = time.perf_counter()
-        single = llm.generate(ps[:1], sampling(64), use_tqdm=False)
-        tpot.append((time.perf_counter() - t) / max(1, len(single[0].outputs[0].token_ids)))
+    tpot = time_per_output_token(llm, ps[0], args.reps)
     pids = {os.getpid(), *_descendants()}
     live = {"shm_while_running": shm_names(pids), "plugin": plugin_active()}
     outcome: dict = {"error": None, "error_at": None, "batches_at": [], "hung": False}

@@ -573,7 +573,8 @@ def test_single_reader_queues_follow_the_locality_the_caller_states(children):
 def test_a_negative_rank_opens_a_remote_reader_or_is_refused_naming_it():
     """vLLM's executor opens another node's response queue as ``create_from_handle(h, -1)``."""
     remote = MessageQueue(n_reader=1, n_local_reader=0, max_chunk_bytes=1024, max_chunks=2, connect_ip="127.0.0.1")
-    assert MessageQueue.create_from_handle(remote.export_handle(), -1).n_local_reader == 0
+    reader = MessageQueue.create_from_handle(remote.export_handle(), -1)
+    assert reader._is_remote_reader and not reader._is_local_reader
     local = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
     refused = r"rank -1 is not a local reader \(\[0\]\) and the queue has no remote readers"
     with pytest.raises(ValueError, match=refused):
