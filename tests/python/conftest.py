@@ -1,6 +1,8 @@
-"""Fixtures shared by the Python tests: child processes, and the /dev/shm leftover check.
+"""Fixtures shared by the Python tests: child processes, and the /dev/shm leftover check
+(every test, once, here).
 
-Child-process code lives in the ``_processes`` package (a child cannot import this file).
+Helpers and child-process code live in the ``_processes`` package (a child cannot import
+this file).
 """
 
 from __future__ import annotations
@@ -8,10 +10,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -46,22 +46,6 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-def _left_after_collecting(left_now: Callable[[], set[str]]) -> set[str]:
-    """What ``left_now()`` still finds once collections have had up to 3 s to remove it.
-    Creators unlink their segment when they are dropped; one held only by a reference
-    cycle goes at a collection. Collect only then: a full collection in a process that
-    imported torch and vLLM takes 0.1-0.3 s, which every test paid (a quarter of the
-    suite's time) while most leave nothing behind."""
-    left = left_now()
-    deadline = time.monotonic() + 3.0
-    while left and time.monotonic() < deadline:
-        gc.collect()
-        left = left_now()
-        if left:
-            time.sleep(0.05)
-    return left
-
-
 @pytest.fixture(autouse=True)
 def no_leftover_segments(request):
     """No test may leave a shmq segment in /dev/shm that this process or one of its
@@ -76,8 +60,10 @@ def no_leftover_segments(request):
         for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, attr):
                 setattr(sys, attr, None)
-    left = _left_after_collecting(lambda: {n for n in _processes.segments_of(_our_pids()) if n not in before})
-    assert not left, f"shared memory segments left in /dev/shm: {sorted(left)}"
+    _processes.wait_until_gone(
+        lambda: {n for n in _processes.segments_of(_our_pids()) if n not in before},
+        "the shmq segments this test made",
+    )
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -93,5 +79,6 @@ def cache_name():
     """A unique cache name; no segment of it may be left at the end."""
     name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield name
-    left = _left_after_collecting(lambda: {n for n in os.listdir("/dev/shm") if name in n})
-    assert not left, f"encoder cache segments left in /dev/shm: {left}"
+    _processes.wait_until_gone(
+        lambda: {n for n in os.listdir(_processes.SHM_DIR) if name in n}, f"the segments of encoder cache {name}"
+    )

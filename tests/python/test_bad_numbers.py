@@ -23,7 +23,7 @@ import threading
 
 import pytest
 
-import _worker_targets as targets
+from _processes import worker_targets as targets
 from _processes import STEP, stalled_remote_reader
 from shmq import MessageQueue, ObjectStorage, RingBuffer, WorkerProcesses, _core
 from shmq.encoder_cache import EncoderCacheProducer

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from _rust_examples import build_example
+from _processes.rust_examples import build_example
 
 from shmq import Handle, MessageKindError, MessageQueue, metrics
 

@@ -19,9 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from _encoder_cache_children import MiB, every_kind_of_value, holding_consumer, one_mib, scripted, value_digest
 from _processes import STEP
-from _tensor_children import digest
+from _processes.encoder_cache_children import (
+    MiB,
+    every_kind_of_value,
+    holding_consumer,
+    one_mib,
+    scripted,
+    value_digest,
+)
+from _processes.tensor_children import digest
 from shmq import (
     EncoderCacheConnector,
     EncoderCacheConsumer,
@@ -37,7 +44,7 @@ ENTRY = MiB + 8192
 
 
 class Scripted:
-    """A child process that runs commands (see ``_encoder_cache_children.scripted``)."""
+    """A child process that runs commands (see ``_processes.encoder_cache_children.scripted``)."""
 
     def __init__(self, children, role: str, names: list[str], **producer_options):
         self.children = children

@@ -5,7 +5,7 @@ first where vLLM's callers and tests match it.
 Readers, writers and store readers run in spawned processes wherever shared memory
 crosses processes. The one child entry point of this file's own lives here at module
 level (spawned children import this module by name; the others come from
-``_processes`` and ``_vllm_helpers``).
+``_processes`` and ``_processes.vllm_children``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from shmq import MessageQueue, ObjectStorage, PeerDiedError, RingBuffer, ShmRingBuffer
 
 from _processes import SHM_DIR, STEP, doomed_writer, killed_reader
-from _vllm_helpers import signed_reader
+from _processes.vllm_children import signed_reader
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,7 @@ workers' segments must go, and their ordinary children die); ``WorkerProcesses.c
 of a worker with a double-forked daemon and a child forked into a session of its own in
 its SIGTERM handler.
 
-Each scenario runs as a program (``_exit_leak_children.py``) in a mount namespace with a
+Each scenario runs as a program (``_processes/exit_leak_children.py``) in a mount namespace with a
 ``/dev/shm`` of its own (``unshare --mount`` and a fresh tmpfs), so that what it leaves
 is exactly what is listed there afterwards, whatever else runs on the machine. Skipped,
 with the reason, where mount namespaces cannot be made. Waits are bounded; nothing is
@@ -20,10 +20,10 @@ import signal
 
 import pytest
 
-from _private_shm import run_in_private_shm
+from _processes.private_shm import run_in_private_shm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROGRAM = os.path.join(HERE, "_exit_leak_children.py")
+PROGRAM = os.path.join(HERE, "_processes", "exit_leak_children.py")
 
 
 def _scenario(name: str, *args: str) -> dict:

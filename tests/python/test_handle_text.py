@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _rust_examples import build_example
+from _processes.rust_examples import build_example
 
 from shmq import Handle, MessageQueue
 from _processes import segments_of

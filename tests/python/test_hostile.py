@@ -26,7 +26,7 @@ from _processes import STEP, hold_rank, raw_chunk_keeper, remote_writer_then_sle
 from shmq import MessageQueue, PeerDiedError
 
 HERE = Path(__file__).resolve().parent
-PEER = str(HERE / "_hostile_peer.py")
+PEER = str(HERE / "_processes" / "hostile_peer.py")
 
 
 def _b64(obj) -> str:

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from _loan_seal_children import hogged_queue_writer, hogged_store_writer, two_part_reader
+from _processes.loan_seal_children import hogged_queue_writer, hogged_store_writer, two_part_reader
 from _processes import STEP
-from _store_helpers import no_store_leftovers, signed_get  # noqa: F401 (an autouse fixture)
-from _tensor_children import sealed_loan_reader
+from _processes.store_children import signed_get
+from _processes.tensor_children import sealed_loan_reader
 from shmq import MessageQueue, ObjectStorage, metrics
 
 pytestmark = pytest.mark.timeout(180)

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from _private_shm import run_in_private_shm
+from _processes.private_shm import run_in_private_shm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,7 +112,7 @@ def _fill_twice(store, ring_bytes: int) -> dict:
 
 
 def run_hogged(n: int) -> dict:
-    from _loan_seal_children import _MappingHog
+    from _processes.loan_seal_children import _MappingHog
     from shmq import ObjectStorage, RingBuffer
 
     ring_bytes = (n + 1000) * BLOCK_BYTES + 16 * MiB

@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-from _private_shm import run_in_private_shm
+from _processes.private_shm import run_in_private_shm
 
 pytestmark = pytest.mark.timeout(300)
 

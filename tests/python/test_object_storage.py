@@ -32,15 +32,13 @@ from shmq import (
     SingleWriterShmRingBuffer,
 )
 
-from _store_helpers import (
+from _processes import CTX, SHM_DIR, Children, shm_segments
+from _processes.store_children import (
     ABSURD_CASES,
-    CTX,
-    SHM_DIR,
     SIGNATURE_REFUSED,
     UNSIGNABLE_CASES,
     STALE,
     PartsSerde,
-    Children,
     abandoned_writer,
     absurd_reader,
     absurd_scenario,
@@ -48,11 +46,9 @@ from _store_helpers import (
     canon,
     killed_reader,
     ring_reader,
-    shm_segments,
     signed_get,
     store_reader,
     view_lifetime,
-    no_store_leftovers,  # noqa: F401 (an autouse fixture)
 )
 
 pytestmark = pytest.mark.timeout(90)

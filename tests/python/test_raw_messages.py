@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from _rust_examples import build_example
+from _processes.rust_examples import build_example
 
 import shmq
 from shmq import Handle, MessageKindError, MessageQueue

@@ -29,7 +29,7 @@ import time
 import pytest
 
 import _processes
-import _relay_children as rc
+from _processes import relay_children as rc
 from test_two_hosts import NS_A, NS_B, two_hosts  # noqa: F401 (a fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -172,7 +172,7 @@ def test_the_writers_death_reaches_the_readers_behind_the_relay_as_a_death(child
 
 
 def _in_ns(ns: str, role: str, workdir: str, *extra: str, own_shm: bool) -> subprocess.Popen:
-    python = [sys.executable, os.path.join(HERE, "_relay_children.py"), role, workdir, *extra]
+    python = [sys.executable, os.path.join(HERE, "_processes", "relay_children.py"), role, workdir, *extra]
     if own_shm:
         script = "mount -t tmpfs -o size=256m tmpfs /dev/shm && exec " + " ".join(python)
         cmd = ["ip", "netns", "exec", ns, "unshare", "-m", "sh", "-c", script]
@@ -196,7 +196,7 @@ def test_a_relay_on_another_host_serves_its_readers_and_passes_the_writers_death
     try:
         text = _wait_file(os.path.join(workdir, "writer.handle"), writer, "the writer")
         py = sys.executable
-        script = os.path.join(HERE, "_relay_children.py")
+        script = os.path.join(HERE, "_processes", "relay_children.py")
         relay_out = os.path.join(workdir, "relay.handle")
         host_b = (
             "mount -t tmpfs -o size=256m tmpfs /dev/shm && "

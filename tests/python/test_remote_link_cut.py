@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from _two_hosts import BLOCKED_HWM, BLOCKED_TIMEOUT
+from _processes.two_hosts import BLOCKED_HWM, BLOCKED_TIMEOUT
 from test_two_hosts import NS_A, NS_B, VETH_B, _results, _run, _start, two_hosts  # noqa: F401 (a fixture)
 
 # The writer's heartbeat bound (docs/operations.md): a PING every second, the connection

@@ -23,9 +23,9 @@ import torch  # the tensor tests must run: torch is required, not optional
 
 from shmq import MsgpackSerde, ObjectSerde, ObjectStorage, PickleSerde, RingBuffer
 
-from _store_helpers import (
+from _processes import Children
+from _processes.store_children import (
     KEEPERS,
-    Children,
     PartsSerde,
     Point,
     POINT_ENCODED,
@@ -35,7 +35,6 @@ from _store_helpers import (
     serde_service,
     store_frame,
     tensor_bytes,
-    no_store_leftovers,  # noqa: F401 (an autouse fixture)
 )
 
 pytestmark = pytest.mark.timeout(180)

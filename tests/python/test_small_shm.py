@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from _private_shm import capture_shm_warnings, run_in_private_shm, shm_total
+from _processes.private_shm import capture_shm_warnings, run_in_private_shm, shm_total
 
 SHM_SIZE = "64m"
 STEP = 60.0  # bound on any one blocking call in the program

@@ -22,13 +22,8 @@ import pytest
 import shmq
 from shmq import ObjectStorage, RingBuffer, object_storage
 
-from _processes.harness import wait_for
-from _store_helpers import (
-    STEP,
-    Children,
-    store_reader,
-    no_store_leftovers,  # noqa: F401 (an autouse fixture)
-)
+from _processes.harness import STEP, Children, wait_for
+from _processes.store_children import store_reader
 
 pytestmark = pytest.mark.timeout(120)
 

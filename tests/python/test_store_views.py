@@ -2,7 +2,7 @@
 copy-on-write views of the shared memory, which keep their object from eviction (and
 from ``clear()``) while they live in any process; ``copy=True`` gives owned copies.
 
-Readers are real processes (``_store_view_children.view_reader``); whether a reader got
+Readers are real processes (``_processes.store_view_children.view_reader``); whether a reader got
 a view or a copy is read off its ``/proc/self/maps``: a view's data lies in a mapping
 of the store's segment, a copy's elsewhere.
 """
@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from _processes import Children
-from _store_helpers import no_store_leftovers  # noqa: F401 (an autouse fixture)
-from _store_view_children import many_views_reader, mapping_of, view_reader
+from _processes.store_view_children import many_views_reader, mapping_of, view_reader
 from shmq import ObjectStorage, PickleSerde, RingBuffer
 from shmq.object_storage import VIEW_THRESHOLD
 

@@ -2,7 +2,7 @@
 (one copy in, zero-copy private views out), loans (no copy at all), in real processes.
 
 Every comparison is exact: a digest of type, dtype, shape, ``requires_grad`` and the
-bytes, taken on both sides (``_tensor_children.digest``).
+bytes, taken on both sides (``_processes.tensor_children.digest``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _processes import STEP
-from _tensor_children import (
+from _processes.tensor_children import (
     consuming_reader,
     digest,
     digest_reader,

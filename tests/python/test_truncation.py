@@ -4,7 +4,7 @@ killed the writer and every reader with SIGBUS; now every participant lives, and
 call that finds the damage (the blocked one, or the next) raises ``ValueError`` naming
 the segment and the truncation.
 
-Every participant is a real process (``_truncation_peer.py``, driven line by line); the
+Every participant is a real process (``_processes/truncation_peer.py``, driven line by line); the
 test process is the third party that truncates. Every blocking call has a timeout.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-PEER = str(HERE / "_truncation_peer.py")
+PEER = str(HERE / "_processes" / "truncation_peer.py")
 STEP = 30.0
 SHM_DIR = "/dev/shm"
 

@@ -58,7 +58,7 @@ def two_hosts():
 
 
 def _start(ns: str, role: str, workdir: str, own_shm: bool, *extra: str) -> subprocess.Popen:
-    python = [sys.executable, os.path.join(HERE, "_two_hosts.py"), role, workdir, *extra]
+    python = [sys.executable, os.path.join(HERE, "_processes", "two_hosts.py"), role, workdir, *extra]
     if own_shm:
         # Another machine: a private mount namespace with an empty /dev/shm of its own.
         script = "mount -t tmpfs -o size=256m tmpfs /dev/shm && exec " + " ".join(python)
@@ -97,7 +97,7 @@ def test_remote_reader_on_another_host(two_hosts, tmp_path):
             "remote": _start(NS_B, "remote", workdir, own_shm=True),
         }
     )
-    from _two_hosts import N_OBJECTS
+    from _processes.two_hosts import N_OBJECTS
 
     assert results["writer"]["remote_addr"].startswith("tcp://10.213.7.1:")
     for name in ("local", "remote"):
@@ -121,7 +121,7 @@ def test_process_group_across_two_hosts(two_hosts, tmp_path):
             "rank2": _start(NS_B, "group", workdir, True, "2"),
         }
     )
-    from _two_hosts import N_OBJECTS
+    from _processes.two_hosts import N_OBJECTS
 
     assert results["rank0"]["writer"] and results["rank0"]["local_reader_ranks"] == [1]
     assert results["rank1"]["local"] is True

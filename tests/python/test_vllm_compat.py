@@ -21,8 +21,8 @@ import torch
 from shmq import Handle, MessageQueue, ObjectStorage, PickleSerde, RingBuffer, ShmRingBuffer, _core
 
 from _processes import STEP, free_port
-from _store_helpers import STALE, store_frame
-from _vllm_helpers import (
+from _processes.store_children import STALE, store_frame
+from _processes.vllm_children import (
     env_probe,
     external_writer_member,
     ring_memory_writer,

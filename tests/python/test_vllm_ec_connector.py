@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from _processes import STEP
-from _vllm_helpers import ec_config, ec_worker
+from _processes.vllm_children import ec_config, ec_worker
 
 try:
     import vllm  # noqa: F401

@@ -16,7 +16,7 @@ import secrets
 import pytest
 
 from _processes import CTX, STEP, free_port
-from _vllm_helpers import vllm_member, vllm_plugin_off
+from _processes.vllm_children import vllm_member, vllm_plugin_off
 
 try:
     import vllm  # noqa: F401

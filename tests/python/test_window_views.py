@@ -3,7 +3,7 @@
 (``/proc/self/pagemap``, ``MADV_DONTNEED``) so the next message placed in that memory
 shows through, and a view overlapping a live one gets a mapping of its own.
 
-Real processes; every received tensor is compared exactly (``_window_children.expected``:
+Real processes; every received tensor is compared exactly (``_processes.window_children.expected``:
 what was sent, with the reader's own writes applied):
 
 - a reader that writes partial pages of many views from several threads and drops them
@@ -28,8 +28,8 @@ import time
 import pytest
 
 from _processes import STEP, Children, wait_for
-from _store_helpers import SIGNING_KEY, no_store_leftovers  # noqa: F401 (an autouse fixture)
-from _window_children import (
+from _processes.store_children import SIGNING_KEY
+from _processes.window_children import (
     ec_window_consumer,
     expected,
     forking_reader,
@@ -112,7 +112,7 @@ def test_a_reader_that_forks_while_it_holds_views(children):
 
 
 class _Served:
-    """A child running ``_window_children._serve``'s commands."""
+    """A child running ``_processes.window_children._serve``'s commands."""
 
     def __init__(self, children: Children, target, *args):
         self.children = children

@@ -21,7 +21,7 @@ import time
 import pytest
 
 import _processes
-import _worker_targets as targets
+from _processes import worker_targets as targets
 from shmq import MessageQueue, QueueShutDownError, WorkerDiedError, WorkerProcesses
 from shmq.workers import sibling_failure
 

@@ -1,6 +1,6 @@
 """Strangers on a ``WorkerProcesses`` parent's port, before any authentication (issue 44).
 
-Each test runs a real parent (``_worker_parent.py``, mode "remote": one remote rank,
+Each test runs a real parent (``_processes/worker_parent.py``, mode "remote": one remote rank,
 listening on 127.0.0.1) in a process of its own, attacks its port from this process with
 plain TCP connections that know no token, and then has a genuine remote worker (a spawned
 process calling ``connect_to_parent``) join it:
@@ -20,6 +20,7 @@ process calling ``connect_to_parent``) join it:
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import socket
@@ -34,7 +35,7 @@ from typing import Any, Optional
 import psutil
 
 import _processes
-import _worker_targets as targets
+from _processes import worker_targets as targets
 from shmq.workers import WorkerTicket, protocol
 
 HERE = Path(__file__).resolve().parent
@@ -55,11 +56,16 @@ class _Parent:
     JSON lines and its stderr's lines (its log)."""
 
     def __init__(self, free_fds: Optional[int] = None):
-        args = [sys.executable, str(HERE / "_worker_parent.py"), "0", "spawn", "remote"]
+        args = [sys.executable, str(HERE / "_processes" / "worker_parent.py"), "0", "spawn", "remote"]
         if free_fds is not None:
             args.append(str(free_fds))
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),  # it imports _processes
         )
         self._lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []

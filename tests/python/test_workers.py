@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 import _processes
-import _worker_targets as targets
+from _processes import worker_targets as targets
 from shmq import MessageQueue, WorkerDiedError, WorkerProcesses
 from shmq.workers import WorkersNotReadyError, WorkerTicket, connect_to_parent, protocol, report_ready
 
@@ -524,10 +524,11 @@ def test_the_children_of_a_worker_that_dies_die_with_it():
 
 def _start_parent(n_workers: int, context: str = "spawn", mode: str = "wait") -> tuple[subprocess.Popen, list[int]]:
     parent = subprocess.Popen(
-        [sys.executable, str(HERE / "_worker_parent.py"), str(n_workers), context, mode],
+        [sys.executable, str(HERE / "_processes" / "worker_parent.py"), str(n_workers), context, mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),  # it imports _processes
     )
     line = parent.stdout.readline()
     if not line:

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from _processes import STEP
-from _tensor_children import digest, scribble, tensors_in
+from _processes.harness import STEP, wait_for
+from _processes.tensor_children import digest, scribble, tensors_in
 from shmq import EncoderCacheConnector, EncoderCacheConsumer, EncoderCacheIndex, EncoderCacheProducer
 
 MiB = 1 << 20
@@ -94,14 +94,6 @@ def one_mib(i: int) -> torch.Tensor:
     return torch.full((MiB // 4,), float(i))
 
 
-def wait_for(predicate: Any, what: str, timeout: float = STEP) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout} s for {what}")
-        time.sleep(0.002)  # polling the predicate
-
-
 def scripted(out: Any, commands: Any, role: str, names: list[str], producer_options: dict | None = None) -> None:
     """Run commands from the test: ``role`` is "consumer", "index" or "producer".
     Each command is ``(name, *args)``; each is answered with one report."""
@@ -121,7 +113,7 @@ def scripted(out: Any, commands: Any, role: str, names: list[str], producer_opti
             break
         if cmd == "wait_has":  # (keys): poll until every key is held
             (keys,) = args
-            wait_for(lambda keys=keys: all(side.has(k) for k in keys), f"keys {keys}")
+            wait_for(lambda keys=keys: all(side.has(k) for k in keys), STEP, f"keys {keys}")
             out.put(("has", True))
         elif cmd == "has":  # (keys): has() of each now
             out.put(("has", [side.has(k) for k in args[0]]))
@@ -152,7 +144,7 @@ def scripted(out: Any, commands: Any, role: str, names: list[str], producer_opti
             bad = []
             for i in range(n):
                 key = f"k{i}"
-                wait_for(lambda key=key: side.has(key), key, timeout)
+                wait_for(lambda key=key: side.has(key), timeout, f"key {key}")
                 got = {}
                 assert not side.load([key], got), key
                 if not bool(torch.all(got[key] == float(i))):
@@ -193,7 +185,7 @@ def _writable(t: Any) -> bool:
 def holding_consumer(out: Any, names: list[str], key: str) -> None:
     """Load ``key``, keep it, report, then wait to be killed."""
     c = EncoderCacheConsumer(names)
-    wait_for(lambda: c.has(key), key)
+    wait_for(lambda: c.has(key), STEP, f"key {key}")
     got: dict = {}
     assert not c.load([key], got)
     out.put(("holding", os.getpid()))

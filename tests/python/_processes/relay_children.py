@@ -1,7 +1,7 @@
 """Child processes of test_relay.py (and, run as a script, the processes of its
 two-host test): a writer whose remote reader is a relay, and the relay's local readers.
 
-As a script: ``python _relay_children.py ROLE WORKDIR [RANK]`` with ROLE ``writer``
+As a script: ``python _processes/relay_children.py ROLE WORKDIR [RANK]`` with ROLE ``writer``
 (host A: a queue with one remote reader, the relay; sends ``N_OBJECTS`` objects and
 holds the queue until killed) or ``reader`` (host B: a local reader of the relay's
 queue, whose handle the relay wrote to ``WORKDIR/relay.handle``); each prints one JSON
@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from _processes.harness import LogRecords
+from _processes.harness import STEP, LogRecords, wait_for
 from shmq import Handle, MessageQueue
 
-STEP = 30.0
 MAX_CHUNK = 64 * 1024
 N_OBJECTS = 60
 
@@ -92,11 +91,7 @@ def reader(out: Any, handle_text: str, rank: int, progress: Any = None) -> None:
 
 def _handle_file(workdir: str, name: str) -> str:
     path = os.path.join(workdir, name)
-    deadline = time.monotonic() + STEP * 2
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {path}")
-        time.sleep(0.05)
+    wait_for(lambda: os.path.exists(path), STEP * 2, f"the file {path}", interval=0.05)
     with open(path) as f:
         return f.read().strip()
 

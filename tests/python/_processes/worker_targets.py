@@ -20,7 +20,7 @@ from typing import Any
 from shmq import MessageQueue
 from shmq.workers import connect_to_parent, report_ready
 
-STEP = 30.0
+from _processes.harness import STEP, blocked_in_queue, wait_for
 
 
 def _sleeper_command(ignore_sigterm: bool) -> list[str]:
@@ -100,14 +100,6 @@ def result_writer(rank: int) -> None:
     del mq
 
 
-def _reader_blocked(ring_name: str, rank: int) -> bool:
-    """Whether reader ``rank`` of the ring is blocked in a call (its slot in shared
-    memory says so)."""
-    from shmq import metrics
-
-    return metrics.collect([ring_name])[0]["readers"][rank]["waiting_seconds"] is not None
-
-
 def result_writer_that_fails(rank: int) -> None:
     """Like ``result_writer``, but raise once the parent (reader 0) is blocked in a call
     on the queue: the worker exits with code 1 through the interpreter's normal exit
@@ -115,11 +107,7 @@ def result_writer_that_fails(rank: int) -> None:
     mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
     report_ready(mq.export_handle())
     mq.wait_until_ready(timeout=STEP)
-    deadline = time.monotonic() + STEP
-    while not _reader_blocked(mq.buffer.name, 0):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank}: the parent never blocked in dequeue")
-        time.sleep(0.002)  # polling the reader's slot
+    wait_for(lambda: blocked_in_queue(mq.buffer.name, 0), STEP, f"rank {rank}: the parent to block in dequeue")
     raise RuntimeError(f"rank {rank}: CUDA error (simulated)")
 
 
@@ -304,9 +292,6 @@ def remote_worker_told_of_a_failure(out: Any, ticket: str, rank: int) -> None:
 
     with connect_to_parent(ticket, rank):
         report_ready(rank)
-        deadline = time.monotonic() + STEP
-        while (failed := sibling_failure()) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: never told of a sibling's failure")
-            time.sleep(0.01)  # polling: the link's watch thread stores the notice
+        # Polled: the link's watch thread stores the notice.
+        failed = wait_for(sibling_failure, STEP, f"rank {rank}: news of a sibling's failure", interval=0.01)
         out.put(("told", failed.name, failed.rank, failed.exitcode, failed.pid, str(failed)))

@@ -2,7 +2,7 @@
 press Ctrl-C (SIGINT), or let it exit without closing them, and check what becomes of the
 workers.
 
-Run: python _worker_parent.py N_WORKERS [START_METHOD] [MODE] [FREE_FDS]
+Run: python _processes/worker_parent.py N_WORKERS [START_METHOD] [MODE] [FREE_FDS]
 Prints one JSON line {"parent": pid, "workers": [pids]} once every worker is ready. MODE
 "wait" (default): then waits for the workers (so a SIGINT arrives while it blocks in
 join_first). MODE "exit": then exits without closing them, and they do not die with it
@@ -25,7 +25,7 @@ import sys
 
 from shmq.workers import WorkerProcesses
 
-import _worker_targets
+from _processes import worker_targets
 
 
 def _is_open(fd: int) -> bool:
@@ -47,7 +47,7 @@ if __name__ == "__main__":
     mode = sys.argv[3] if len(sys.argv) > 3 else "wait"
     if mode == "remote":
         with WorkerProcesses(
-            _worker_targets.ready_then_sleep, n, n_remote=1, remote_host="127.0.0.1", context=context, grace=2.0
+            worker_targets.ready_then_sleep, n, n_remote=1, remote_host="127.0.0.1", context=context, grace=2.0
         ) as workers:
             free = None
             if len(sys.argv) > 4:
@@ -66,11 +66,11 @@ if __name__ == "__main__":
             sys.stdin.readline()  # until the test says so (a line, or the end of its pipe)
         sys.exit(0)
     if mode == "exit":
-        workers = WorkerProcesses(_worker_targets.ready_then_sleep, n, context=context, death_signal=None, grace=2.0)
+        workers = WorkerProcesses(worker_targets.ready_then_sleep, n, context=context, death_signal=None, grace=2.0)
         workers.wait_until_ready(timeout=60)
         print(json.dumps({"parent": os.getpid(), "workers": workers.pids}), flush=True)
         sys.exit(0)  # no close(): the exit hook closes them
-    with WorkerProcesses(_worker_targets.ready_then_sleep, n, context=context, grace=2.0) as workers:
+    with WorkerProcesses(worker_targets.ready_then_sleep, n, context=context, grace=2.0) as workers:
         workers.wait_until_ready(timeout=60)
         print(json.dumps({"parent": os.getpid(), "workers": workers.pids}), flush=True)
         workers.join_first(timeout=60)

@@ -111,11 +111,8 @@ def threaded_reader(out: Any, handle: Handle, rank: int, n: int, seed: int, work
         try:
             while True:
                 with cond:
-                    deadline = time.monotonic() + 3 * STEP
-                    while not pool and not done[0]:
-                        if time.monotonic() > deadline:
-                            raise TimeoutError("a worker waited too long for a view")
-                        cond.wait(0.05)
+                    if not cond.wait_for(lambda: pool or done[0], 3 * STEP):
+                        raise TimeoutError("a worker waited too long for a view")
                     if not pool:
                         return
                     h = pool.pop(rng.randrange(len(pool)))
@@ -135,6 +132,8 @@ def threaded_reader(out: Any, handle: Handle, rank: int, n: int, seed: int, work
                 del h
         except BaseException:
             errors.append(traceback.format_exc())
+            with cond:
+                cond.notify_all()  # the reader stops waiting for this worker
 
     threads = [threading.Thread(target=work, args=(seed * 100 + w,), daemon=True) for w in range(workers)]
     for th in threads:
@@ -152,11 +151,8 @@ def threaded_reader(out: Any, handle: Handle, rank: int, n: int, seed: int, work
             start, end, path = mapping_span(h.t.data_ptr())
             addresses.append((h.t.data_ptr(), end - start, path))
             with cond:
-                deadline = time.monotonic() + STEP
-                while alive[0] >= keep:
-                    if errors or time.monotonic() > deadline:
-                        raise TimeoutError(f"the workers kept {alive[0]} views: {errors}")
-                    cond.wait(0.05)
+                if not cond.wait_for(lambda: alive[0] < keep or errors, STEP) or alive[0] >= keep:
+                    raise TimeoutError(f"the workers kept {alive[0]} views: {errors}")
                 alive[0] += 1
                 pool.append(h)
                 cond.notify_all()

@@ -11,39 +11,25 @@ Readers open the store from a *pickled* handle (``pickle.dumps(store.handle())``
 ``pickle.dumps(ring.handle())``), as a real engine process would.
 
 Every blocking call has a timeout (``STEP``): a broken store fails the test instead of
-hanging it. The child-process manager is the queue tests' (``_processes``). This module
+hanging it. The child-process manager is the queue tests' (``harness``). This module
 does not import torch: a child imports it only when it deserializes a tensor.
 """
 
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import pickle
-import re
 import signal
 import struct
 import sys
-import time
 from typing import Any
 
 import numpy as np
-import pytest
 
 from shmq import MsgpackSerde, ObjectSerde, ObjectStorage, RingBuffer
 
-CTX = mp.get_context("spawn")
-
-# Bound on any one blocking call; generous, because it only turns a hang into a failure.
-STEP = 30.0
-
-SHM_DIR = "/dev/shm"
-# shmq names its segments shmq_<kind>_<creator pid>_<random hex>.
-_SEGMENT_NAME = re.compile(r"^shmq_[a-z]+_(\d+)_[0-9a-f]+$")
-
-# Pids of every child these helpers started (a segment's name carries its creator's pid).
-CHILD_PIDS: set[int] = set()
+from .harness import SHM_DIR, STEP
 
 STALE = "has been modified or is invalid"
 
@@ -93,52 +79,6 @@ UNSIGNABLE_CASES = {
     "address_2**64",
     "address_2**100",
 }
-
-
-# ---------------------------------------------------------------------------------
-# /dev/shm
-
-
-def shm_segments() -> set[str]:
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith("shmq_")}
-    except FileNotFoundError:  # pragma: no cover
-        return set()
-
-
-def creator_pid(name: str) -> int | None:
-    m = _SEGMENT_NAME.match(name)
-    return int(m.group(1)) if m else None
-
-
-def segments_of(pids: set[int]) -> set[str]:
-    return {n for n in shm_segments() if creator_pid(n) in pids}
-
-
-def our_pids() -> set[int]:
-    return {os.getpid()} | CHILD_PIDS
-
-
-def leftovers(before: set[str], timeout: float = 3.0) -> set[str]:
-    """Segments created by this process or its children since ``before`` that are still
-    there after a few garbage collections."""
-    deadline = time.monotonic() + timeout
-    while True:
-        gc.collect()
-        left = {n for n in segments_of(our_pids()) if n not in before}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
-# ---------------------------------------------------------------------------------
-# Children
-
-
-# The child-process machinery is the queue tests' (``_processes``): children report
-# ``("error", pid, traceback)`` when they raise, which ``Children.receive`` turns into a
-# test failure.
-from _processes import ChildFailed, Children  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------------------------
@@ -629,20 +569,3 @@ class PartsSerde(ObjectSerde):
             out.append(bytes(data_view[at : at + length]).decode())
             at += length
         return out
-
-
-@pytest.fixture(autouse=True)
-def no_store_leftovers():
-    """No segment created by a test (in this process or a child) may stay in /dev/shm.
-    Test modules that import this fixture get it for every test."""
-    before = shm_segments()
-    yield
-    left = leftovers(before, timeout=0.2)
-    if left:
-        # A failed test's traceback (kept in sys.last_*) holds its locals, and so its
-        # stores; let it go so that only real leftovers are reported.
-        for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
-            if hasattr(sys, attr):
-                setattr(sys, attr, None)
-        left = leftovers(before)
-    assert not left, f"shared memory segments left in /dev/shm: {sorted(left)}"

@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# tests/python, where the program imports ``_processes`` from.
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def namespace_reason() -> str | None:
@@ -46,7 +47,7 @@ def run_in_private_shm(program: str, args: list[str], shm_size: str, timeout: fl
         pytest.skip(reason)
     command = " ".join([sys.executable, os.path.abspath(program), *args])
     script = f"mount -t tmpfs -o size={shm_size} tmpfs /dev/shm && exec {command}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
     p = subprocess.run(
         ["unshare", "--mount", "sh", "-c", script],
         capture_output=True,

@@ -1,5 +1,5 @@
 """Processes of the two-host test (test_two_hosts.py), run as
-``python _two_hosts.py ROLE WORKDIR`` inside network namespaces. Each prints one JSON
+``python _processes/two_hosts.py ROLE WORKDIR`` inside network namespaces. Each prints one JSON
 line with what it saw and exits 0 only if everything checked out.
 
 Roles: ``writer`` (host A), ``local`` (host A, reads through shared memory),
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from _processes.harness import LogRecords
+from _processes.harness import LogRecords, WaitTimeout, wait_for
 from shmq import MessageQueue, StatelessProcessGroup, _core
 
 HOST_A = "10.213.7.1"
@@ -54,11 +54,7 @@ def handle_path(workdir: str) -> str:
 
 
 def read_handle(workdir: str):
-    deadline = time.monotonic() + TIMEOUT
-    while not os.path.exists(handle_path(workdir)):
-        if time.monotonic() > deadline:
-            raise TimeoutError("no handle from the writer")
-        time.sleep(0.05)
+    wait_for(lambda: os.path.exists(handle_path(workdir)), TIMEOUT, "the writer's handle", interval=0.05)
     with open(handle_path(workdir), "rb") as f:
         return pickle.load(f)
 
@@ -78,11 +74,7 @@ def writer(workdir: str) -> dict:
     # The process (and its ZeroMQ context) goes only once both readers have the end mark:
     # each says so with a file.
     done = [os.path.join(workdir, f"done.{rank}") for rank in (1, 2)]
-    deadline = time.monotonic() + TIMEOUT
-    while not all(map(os.path.exists, done)):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the readers never took the end mark")
-        time.sleep(0.01)
+    wait_for(lambda: all(map(os.path.exists, done)), TIMEOUT, "both readers to take the end mark", interval=0.01)
     return {"sent": N_OBJECTS, "remote_addr": mq.export_handle().remote_subscribe_addr}
 
 
@@ -156,13 +148,9 @@ def _mark(workdir: str, name: str) -> None:
         f.write(name)
 
 
-def _await_mark(workdir: str, name: str, timeout: float = TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(os.path.join(workdir, name)):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+def _await_mark(workdir: str, name: str, timeout: float = TIMEOUT) -> None:
+    path = os.path.join(workdir, name)
+    wait_for(lambda: os.path.exists(path), timeout, f"the file {name!r}", interval=0.02)
 
 
 def writer_blocked(workdir: str) -> dict:
@@ -201,7 +189,10 @@ def writer_blocked(workdir: str) -> dict:
             break
         after.append(time.monotonic() - t0)
     mq.shutdown()
-    _await_mark(workdir, "done")  # the process (its ZeroMQ context) stays until the reader is done
+    try:
+        _await_mark(workdir, "done")  # the process (its ZeroMQ context) stays until the reader is done
+    except WaitTimeout:
+        pass  # the report goes out all the same: the test checks the reader's own
     return {
         "blocked_error": blocked_error,
         "blocked_ended": blocked_ended,
@@ -216,8 +207,7 @@ def remote_holding(workdir: str) -> dict:
     error ends it, and report the numbers taken and that error; says ``done`` (a file)."""
     mq = MessageQueue.create_from_handle(read_handle(workdir), 0)
     mq.wait_until_ready(TIMEOUT)
-    if not _await_mark(workdir, "read", 2 * TIMEOUT):
-        raise TimeoutError("never told to read")
+    _await_mark(workdir, "read", 2 * TIMEOUT)  # told to read
     got = []
     try:
         while True:

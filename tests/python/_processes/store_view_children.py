@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from _processes import STEP
-from _store_helpers import signed_get
+from _processes.store_children import signed_get
 from shmq import ObjectStorage
 
 

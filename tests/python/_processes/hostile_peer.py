@@ -1,6 +1,6 @@
 """Peers for test_hostile.py that must run as separate programs (in another pid
 namespace through ``unshare``, or as a process that forks): run as
-``python _hostile_peer.py ROLE ARG``, with the handle as base64 pickle.
+``python _processes/hostile_peer.py ROLE ARG``, with the handle as base64 pickle.
 
 Each prints one JSON line with what it saw and exits 0, or prints a traceback and exits
 1. Every blocking call has a timeout.
@@ -15,7 +15,7 @@ import pickle
 import sys
 import time
 
-STEP = 30.0
+from _processes.harness import STEP, blocked_in_queue, wait_for
 
 
 def _handle(arg: str):
@@ -25,17 +25,13 @@ def _handle(arg: str):
 def slow_reader(arg: str) -> dict:
     """Open reader 0, read nothing until the writer has filled the ring and been blocked
     on it (checking on us, every 0.5 s) for 2 s, then read every message until None."""
-    from shmq import MessageQueue, metrics
+    from shmq import MessageQueue
 
     handle = _handle(arg)
     mq = MessageQueue.create_from_handle(handle, 0)
     mq.wait_until_ready(timeout=STEP)
     ring = handle.buffer_handle[3]
-    deadline = time.monotonic() + STEP
-    while (metrics.collect([ring])[0]["writer"]["waiting_seconds"] or 0.0) < 2.0:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the writer never blocked on the full ring")
-        time.sleep(0.01)  # polling the writer's slot
+    wait_for(lambda: blocked_in_queue(ring, for_at_least=2.0), STEP, "the writer to block on the full ring for 2 s")
     got = []
     while (obj := mq.dequeue(timeout=STEP)) is not None:
         got.append(obj)

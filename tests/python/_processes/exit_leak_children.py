@@ -1,6 +1,6 @@
 """Programs for test_exit_leaks.py, run in a private ``/dev/shm`` (``unshare --mount``).
 
-Run: ``python _exit_leak_children.py SCENARIO``. Each scenario makes its processes, lets
+Run: ``python _processes/exit_leak_children.py SCENARIO``. Each scenario makes its processes, lets
 them end the way the test is about, and prints one JSON line: what is left in
 ``/dev/shm`` (``left``) and which of its processes still run (``running``). Every wait is
 bounded; processes still running at the end are killed (after the report).
