@@ -10,13 +10,17 @@
 //! - `shmq-os` (`crates/os`): the operating-system layer — named segments and their
 //!   header check, liveness of peers (role locks, pidfds), processes, the `SIGBUS` of a
 //!   truncating peer, the mapping budget, private copy-on-write views, store pins, fork
-//!   safety — and the one error type ([`Error`]) with the warnings' hook ([`error`],
-//!   [`warning`], [`copy`], [`liveness`], [`process`], [`private_map`]);
+//!   safety — with its errors ([`error::OsError`]) and the warnings' hook ([`warning`],
+//!   [`copy`], [`liveness`], [`process`], [`private_map`]);
 //! - `shmq-core` (`crates/core`): the queue ([`broadcast`]), the store ([`storage`]), the
 //!   arena ([`arena`]), the encoder cache ([`encoder_cache`]), the remote stream
 //!   ([`remote`]) and its relay ([`relay`]), waits ([`wait`]), the MAC ([`auth`]),
-//!   cleanup ([`admin`]);
-//! - `shmq-workers` (`crates/workers`): worker supervision ([`workers`]);
+//!   cleanup ([`admin`]); and the error type ([`Error`], in [`error`]): its own variants,
+//!   and one per layer or module with errors of its own, each defined beside what raises
+//!   it (the operating-system layer's, the queue's, the store's, the encoder cache's, the
+//!   remote stream's), which `?` converts into;
+//! - `shmq-workers` (`crates/workers`): worker supervision ([`workers`]), with its own
+//!   error ([`workers::Error`]) that wraps the core's;
 //! - `shmq-python` (`bindings/python`): the PyO3 binding, module `shmq._core`; it sees
 //!   only this crate's public API. No crate a Rust user builds depends on pyo3, and this
 //!   crate has no cargo features.

@@ -9,8 +9,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shmq::process::{descendants, ProcessId};
+use shmq::workers::Error;
 use shmq::workers::{report_ready, Waited, WorkerExit, WorkerOptions, Workers};
-use shmq::Error;
+use shmq::Error as CoreError;
 
 /// Marks this binary run again as the parent of `workers_die_with_a_sigkilled_parent`.
 const ROLE_ENV: &str = "SHMQ_TEST_WORKERS_ROLE";
@@ -214,7 +215,10 @@ fn too_many_workers_are_refused_before_anything_is_allocated() {
     ] {
         let e = Workers::new(local, remote, quiet()).err().expect("refused");
         let text = e.to_string();
-        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(
+            matches!(e, Error::Core(CoreError::InvalidArgument(_))),
+            "{e:?}"
+        );
         assert!(
             text.contains(&format!("at most {MAX_WORKERS} workers")),
             "{text}"
@@ -246,7 +250,10 @@ fn waits_and_a_grace_of_duration_max_wait_without_end_instead_of_panicking() {
 #[test]
 fn report_ready_outside_a_worker_is_an_error() {
     if std::env::var_os(shmq::workers::READY_FD_ENV).is_none() {
-        assert!(matches!(report_ready(), Err(Error::WrongRole(_))));
+        assert!(matches!(
+            report_ready(),
+            Err(Error::Core(CoreError::WrongRole(_)))
+        ));
     }
 }
 
@@ -461,6 +468,9 @@ fn a_process_dies_with_a_process_that_is_not_its_parent_and_with_one_already_gon
     // No signal number: refused, never a process that silently outlives its parent.
     for bad in [0, -1, libc::SIGRTMAX() + 1] {
         let e = shmq::workers::die_with_process(std::process::id(), bad).unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
+        assert!(
+            matches!(e, Error::Core(CoreError::InvalidArgument(_))),
+            "{bad}: {e}"
+        );
     }
 }

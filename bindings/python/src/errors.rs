@@ -1,4 +1,5 @@
-//! The one place where core errors become Python exceptions.
+//! The one place where errors of every layer (operating system, core, workers) become
+//! Python exceptions.
 
 use pyo3::exceptions::{
     PyConnectionError, PyFileNotFoundError, PyKeyError, PyMemoryError, PyOSError,
@@ -6,7 +7,8 @@ use pyo3::exceptions::{
 };
 use pyo3::{PyErr, PyResult};
 
-use shmq::error::Error;
+use shmq::error::{CacheError, Error, OsError, QueueError, RemoteError, StoreError};
+use shmq::workers::Error as WorkersError;
 
 pyo3::create_exception!(
     shmq,
@@ -22,52 +24,137 @@ pyo3::create_exception!(
     "The queue was shut down by its writer (shutdown(), or the writer's normal end): raised by the writer's later calls, and by a reader's dequeue once it has received every message sent before. Not a death (that is PeerDiedError)."
 );
 
-/// `result.or_raise()?`: a core result as PyO3's, its error the Python exception that
-/// [`exception`] makes. Every core call's `?` in this crate goes through it
-/// (`From<shmq::Error> for PyErr` cannot be written here: both types are other crates').
+/// `result.or_raise()?`: a result of any layer (the core's, the operating-system
+/// layer's, the workers') as PyO3's, its error the Python exception that [`exception`]
+/// makes. Every call's `?` in this crate goes through it (`From<shmq::Error> for PyErr`
+/// cannot be written here: both types are other crates').
 pub trait OrRaise<T> {
     fn or_raise(self) -> PyResult<T>;
 }
 
-impl<T> OrRaise<T> for shmq::Result<T> {
+impl<T, E: Into<AnyError>> OrRaise<T> for Result<T, E> {
     fn or_raise(self) -> PyResult<T> {
-        self.map_err(exception)
+        self.map_err(|e| exception(e.into()))
     }
 }
 
-/// The Python exception for a core error: its type by the error's variant, its message the
-/// error's text.
-pub fn exception(err: Error) -> PyErr {
+/// An error of any layer, each with its own type: what [`exception`] maps.
+pub enum AnyError {
+    Os(OsError),
+    Core(Error),
+    Workers(WorkersError),
+}
+
+impl From<OsError> for AnyError {
+    fn from(e: OsError) -> Self {
+        AnyError::Os(e)
+    }
+}
+
+impl From<Error> for AnyError {
+    fn from(e: Error) -> Self {
+        AnyError::Core(e)
+    }
+}
+
+impl From<WorkersError> for AnyError {
+    fn from(e: WorkersError) -> Self {
+        AnyError::Workers(e)
+    }
+}
+
+/// The Python exception for an error of any layer: its type by the error's variant (the
+/// layers' errors nested as they wrap each other), its message the error's text.
+pub fn exception(err: impl Into<AnyError>) -> PyErr {
+    match err.into() {
+        AnyError::Os(e) => os_exception(e),
+        AnyError::Core(e) => core_exception(e),
+        AnyError::Workers(WorkersError::Core(e)) => core_exception(e),
+        AnyError::Workers(e @ WorkersError::WorkersNotReady { .. }) => {
+            PyTimeoutError::new_err(e.to_string())
+        }
+        AnyError::Workers(e) => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn core_exception(err: Error) -> PyErr {
     let msg = err.to_string();
     match err {
-        Error::Timeout { .. } | Error::WorkersNotReady { .. } => PyTimeoutError::new_err(msg),
+        Error::Os(e) => os_exception(e),
+        Error::Queue(e) => queue_exception(e),
+        Error::Store(e) => store_exception(e),
+        Error::Cache(e) => cache_exception(e),
+        Error::Remote(e) => remote_exception(e),
+        Error::Timeout { .. } => PyTimeoutError::new_err(msg),
         Error::Cancelled => PyRuntimeError::new_err("cancelled"),
-        Error::NoSpace { .. } | Error::Full(_) | Error::CacheFull { .. } => {
-            PyMemoryError::new_err(msg)
-        }
-        Error::UnknownKey(key) => PyKeyError::new_err(key),
-        Error::StaleObject { .. }
-        | Error::BadSignature { .. }
-        | Error::KeyExists(_)
-        | Error::TooLarge { .. } => PyValueError::new_err(msg),
-        Error::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
-        Error::BadSegment { .. } | Error::SegmentExists { .. } | Error::InvalidArgument(_) => {
-            PyValueError::new_err(msg)
-        }
-        Error::WrongRole(_) | Error::WorkerDied { .. } => PyRuntimeError::new_err(msg),
-        Error::Os { ref source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
-            PyPermissionError::new_err(msg)
-        }
-        Error::Os { .. } | Error::Transport { .. } => PyOSError::new_err(msg),
-        Error::Remote(_) | Error::ReaderDropped { .. } => PyConnectionError::new_err(msg),
-        Error::DeadReader { .. } | Error::DeadWriter { .. } | Error::RemoteWriterGone { .. } => {
-            PeerDiedError::new_err(msg)
-        }
-        Error::ShutDown | Error::WriterShutDown { .. } | Error::WriterGoneMidMessage => {
-            QueueShutDownError::new_err(msg)
-        }
+        Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        Error::WrongRole(_) => PyRuntimeError::new_err(msg),
+        Error::Transport { .. } => PyOSError::new_err(msg),
         // A variant added to the core after this list: a RuntimeError until it has a
         // line of its own here.
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn os_exception(err: OsError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        OsError::NoSpace { .. } => PyMemoryError::new_err(msg),
+        OsError::SegmentNotFound { .. } => PyFileNotFoundError::new_err(msg),
+        OsError::BadSegment { .. }
+        | OsError::SegmentExists { .. }
+        | OsError::InvalidArgument(_) => PyValueError::new_err(msg),
+        OsError::Forked(_) => PyRuntimeError::new_err(msg),
+        OsError::Os { ref source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
+            PyPermissionError::new_err(msg)
+        }
+        OsError::Os { .. } => PyOSError::new_err(msg),
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn queue_exception(err: QueueError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        QueueError::DeadReader { .. } | QueueError::DeadWriter { .. } => {
+            PeerDiedError::new_err(msg)
+        }
+        QueueError::ShutDown
+        | QueueError::WriterShutDown { .. }
+        | QueueError::WriterGoneMidMessage => QueueShutDownError::new_err(msg),
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn store_exception(err: StoreError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        StoreError::Full(_) => PyMemoryError::new_err(msg),
+        StoreError::StaleObject { .. }
+        | StoreError::BadSignature { .. }
+        | StoreError::KeyExists(_)
+        | StoreError::TooLarge { .. } => PyValueError::new_err(msg),
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn cache_exception(err: CacheError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        CacheError::Full { .. } => PyMemoryError::new_err(msg),
+        CacheError::UnknownKey(key) => PyKeyError::new_err(key),
+        CacheError::TooLarge { .. } => PyValueError::new_err(msg),
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn remote_exception(err: RemoteError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        RemoteError::WriterGone { .. } => PeerDiedError::new_err(msg),
+        RemoteError::Refused(_) | RemoteError::ReaderDropped { .. } => {
+            PyConnectionError::new_err(msg)
+        }
         _ => PyRuntimeError::new_err(msg),
     }
 }

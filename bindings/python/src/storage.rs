@@ -14,7 +14,8 @@ use super::wait::{lock, BindingGuard, BindingLock};
 use super::COPY_WITH_GIL_MAX;
 use shmq::alloc::{Freed, ID_MAX};
 use shmq::broadcast::DeadReaderPolicy;
-use shmq::error::{bad_signature_message, stale_object_message, Error, HandleRefusal};
+use shmq::error::{Error, HandleRefusal, StoreError};
+use shmq::storage::{bad_signature_message, stale_object_message};
 use shmq::storage::{
     check_object, object_reader_count, read_object, read_object_viewed, store_full_message,
     BlockFifo as CoreRing, BlockHeader, CountRead, FreeOldestFirst, KeptPart,
@@ -521,10 +522,12 @@ impl ObjectStore {
             // The store's words (no ring advice to call free_buf()); a reader that died
             // holding the room is a PeerDiedError (the Python store makes it a MemoryError
             // too, as vLLM's callers expect of a full store).
-            Err(Error::Full(full)) if dead => {
+            Err(Error::Store(StoreError::Full(full))) if dead => {
                 Err(PeerDiedError::new_err(store_full_message(&full)))
             }
-            Err(Error::Full(full)) => Err(PyMemoryError::new_err(store_full_message(&full))),
+            Err(Error::Store(StoreError::Full(full))) => {
+                Err(PyMemoryError::new_err(store_full_message(&full)))
+            }
             other => other.or_raise(),
         }
     }
@@ -542,7 +545,7 @@ impl ObjectStore {
                 // pin and the segment it holds keep mapped and unreused while it lives.
                 Ok(Some(unsafe { ShmView::new(loan, ptr, len) }))
             }
-            Err(Error::Full(_)) => Ok(None),
+            Err(Error::Store(StoreError::Full(_))) => Ok(None),
             Err(e) => Err(exception(e)),
         }
     }
@@ -922,7 +925,9 @@ impl ObjectStore {
         signature: &[u8],
     ) -> PyResult<()> {
         match self.segment.verify(key_str, a, i, signature) {
-            Err(Error::BadSignature { why: Some(why), .. }) => Err(refused(key, why)),
+            Err(Error::Store(StoreError::BadSignature { why: Some(why), .. })) => {
+                Err(refused(key, why))
+            }
             other => Ok(other.or_raise()?),
         }
     }

@@ -14,8 +14,8 @@ use pyo3::types::PyBytes;
 
 use super::wait::{blocking, duration, Interrupts, Timeout};
 
-use shmq::error::{StderrCapture, WorkerDeath, WorkerExit};
 use shmq::workers::{StartedWorker, Waited, WorkerOptions, Workers};
+use shmq::workers::{StderrCapture, WorkerDeath, WorkerExit};
 
 /// `WorkerDiedError`'s arguments: (name, rank, pid, exitcode, stderr_tail, host,
 /// before_ready, how, stderr_captured, stderr_from_start).
@@ -125,7 +125,7 @@ fn sliced<T: Send>(
 fn waited_sliced(
     py: Python<'_>,
     timeout: Option<Timeout>,
-    wait: impl Fn(Duration) -> shmq::Result<Waited> + Sync,
+    wait: impl Fn(Duration) -> shmq::workers::Result<Waited> + Sync,
 ) -> PyResult<(&'static str, Option<usize>)> {
     let out = sliced(py, timeout, |slice| match wait(slice) {
         Ok(Waited::TimedOut) => None,
@@ -269,7 +269,7 @@ impl WorkerGroup {
             .inner
             .not_ready(duration(Some(waited)).unwrap_or(Duration::MAX));
         let names = match &e {
-            shmq::Error::WorkersNotReady { not_ready, .. } => {
+            shmq::workers::Error::WorkersNotReady { not_ready, .. } => {
                 not_ready.iter().map(|(n, _)| n.clone()).collect()
             }
             _ => Vec::new(),

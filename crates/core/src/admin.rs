@@ -10,8 +10,8 @@ use std::fmt::Write as _;
 
 use crate::arena;
 use crate::broadcast::Ring;
+use crate::error::{Error, OsError, Result};
 use crate::storage::BlockFifo;
-use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{creator_liveness, Liveness};
 use shmq_os::process::ProcessId;
 use shmq_os::segment::Segment;
@@ -335,9 +335,12 @@ pub fn describe(name: &str) -> Result<String> {
     // None of these opened it: say why in the words of the kind the segment says it is
     // (a store of another layout version is "not a shmq object store of this version",
     // not "not a broadcast ring").
-    let not_shmq = || Error::BadSegment {
-        name: name.to_owned(),
-        reason: "it is not a shmq segment (or its creator has not finished setting it up)".into(),
+    let not_shmq = || {
+        Error::Os(OsError::BadSegment {
+            name: name.to_owned(),
+            reason: "it is not a shmq segment (or its creator has not finished setting it up)"
+                .into(),
+        })
     };
     match claimed_kind(name)? {
         SegmentKind::Ring => Ring::open(name).map(|_| ())?,
@@ -401,10 +404,10 @@ pub fn metrics(name: &str) -> Result<Metrics> {
     // None opened it: say why in the words `describe` uses (it fails the same way),
     // or, if it opens now (its creator finished setting it up in between), say so.
     describe(name)?;
-    Err(Error::BadSegment {
+    Err(Error::Os(OsError::BadSegment {
         name: name.to_owned(),
         reason: "its creator was still setting it up; try again".into(),
-    })
+    }))
 }
 
 /// The kind of shmq segment `name` says it is, by the tag of its magic ("SHMQSTO" of
@@ -486,7 +489,7 @@ mod tests {
             .contains("object store, 4096 bytes"));
         assert!(matches!(
             describe("shmq_missing_1_2"),
-            Err(Error::SegmentNotFound { .. })
+            Err(Error::Os(OsError::SegmentNotFound { .. }))
         ));
     }
 

@@ -13,14 +13,14 @@
 //! for one can never pass for the other. Why a MAC of shmq's own rather than ZeroMQ's
 //! CURVE: see docs/operations.md (multi-node).
 
-use shmq_os::error::Result;
+use crate::error::Result;
 
 /// Bytes of a secret (a queue's remote secret, a worker ticket's token).
 pub const SECRET_BYTES: usize = 32;
 
 /// A secret of [`SECRET_BYTES`] random bytes, from the kernel; `what` names it in an error.
 pub fn new_secret(what: &str) -> Result<[u8; SECRET_BYTES]> {
-    shmq_os::random::random_bytes(what)
+    Ok(shmq_os::random::random_bytes(what)?)
 }
 
 /// A secret's one text form, in a queue's handle and in a worker's ticket alike: its
@@ -56,7 +56,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 
 /// A fresh 16-byte nonce (or session id), from the kernel.
 pub fn nonce(what: &str) -> Result<[u8; 16]> {
-    shmq_os::random::random_bytes(what)
+    Ok(shmq_os::random::random_bytes(what)?)
 }
 
 /// The MAC of `parts` (each length-prefixed, after the domain `tag`) under `key`.

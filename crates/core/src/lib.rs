@@ -7,6 +7,10 @@
 //! split off, a scan of the source proved it). The layers that must not be crossed are
 //! crates, which the compiler keeps apart. Public modules are links; the others are
 //! internal.
+//! - [`error`]: the core's error ([`Error`]): its own variants (waits, arguments,
+//!   roles, ZeroMQ) and one per layer or module with errors of its own
+//!   ([`error::OsError`], [`broadcast::QueueError`], [`storage::StoreError`],
+//!   [`encoder_cache::CacheError`], [`remote::RemoteError`]), which `?` converts into;
 //! - [`wait`]: how blocked writers and readers wait (spin, yield, then sleep), and the
 //!   terms a caller sets ([`wait::WaitSpec`]: timeout, hook, quiet, and the clock of a wait
 //!   started over);
@@ -36,13 +40,14 @@ pub use shmq_protocol::alloc;
 
 // The operating-system layer below this crate (`shmq-os`): its public modules are part
 // of this crate's API, at the same paths as before the split.
-pub use shmq_os::{copy, error, liveness, private_map, process, warning};
+pub use shmq_os::{copy, liveness, private_map, process, warning};
 
 pub mod admin;
 pub mod arena;
 pub mod auth;
 pub mod broadcast;
 pub mod encoder_cache;
+pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod relay;

@@ -13,22 +13,22 @@
 //! - to the writer it is one remote reader: killed, its connection closes and the writer
 //!   stops sending to it (with a warning naming its rank and host); stopped or cut off,
 //!   ZeroMQ's heartbeats close the connection (see [`crate::remote`]);
-//! - to its local readers it is their writer: killed, they get [`Error::DeadWriter`].
+//! - to its local readers it is their writer: killed, they get [`QueueError::DeadWriter`].
 //!
-//! What comes from upstream is passed on: a writer that shuts down ([`Error::WriterShutDown`]
+//! What comes from upstream is passed on: a writer that shuts down ([`QueueError::WriterShutDown`]
 //! after its last message) shuts the relay's queue down after the same messages, so its
-//! readers end the same way; a writer that dies ([`Error::RemoteWriterGone`]) or drops
-//! the relay ([`Error::ReaderDropped`]) ends [`Relay::run`] with that error, and the
+//! readers end the same way; a writer that dies ([`RemoteError::WriterGone`]) or drops
+//! the relay ([`RemoteError::ReaderDropped`]) ends [`Relay::run`] with that error, and the
 //! relay's process must then die too (without shutting its queue down) for the local
 //! readers to see a death: `python -m shmq relay` exits at once. A local reader that dies
-//! ends `run` with [`Error::DeadReader`] unless the local queue drops dead readers
+//! ends `run` with [`QueueError::DeadReader`] unless the local queue drops dead readers
 //! (`on_dead_reader`).
 
 use std::time::{Duration, Instant};
 
 use crate::broadcast::{ArrayRef, Canceller, Handle, QueueOptions, Reader, Received, Writer};
+use crate::error::{Error, QueueError, Result};
 use crate::wait::{Hook, WaitSpec};
-use shmq_os::error::{Error, Result};
 
 /// How [`Relay::run`] ended without an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,7 +182,7 @@ impl Relay {
             };
             match self.upstream.wait_message(spec) {
                 Ok(()) => {}
-                Err(Error::WriterShutDown { .. }) => {
+                Err(Error::Queue(QueueError::WriterShutDown { .. })) => {
                     self.ended = true;
                     self.local.close();
                     return Ok(RelayEnd::UpstreamShutDown);
@@ -197,14 +197,15 @@ impl Relay {
                     self.forwarded += 1;
                     self.forwarded_bytes += bytes as u64;
                 }
-                Some(Err(Error::ShutDown | Error::Cancelled)) if self.stopper.is_stopped() => {}
+                Some(Err(Error::Queue(QueueError::ShutDown) | Error::Cancelled))
+                    if self.stopper.is_stopped() => {}
                 Some(Err(e)) => return Err(e),
                 None => {}
             }
         }
     }
 
-    /// Shut the relay's queue down (its readers get [`Error::WriterShutDown`] after the
+    /// Shut the relay's queue down (its readers get [`QueueError::WriterShutDown`] after the
     /// messages passed on before) and leave the upstream stream.
     pub fn close(&mut self) {
         self.stopper.stop();

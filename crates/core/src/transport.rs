@@ -14,8 +14,8 @@
 //! High-water marks are off on both ends: a slow remote reader makes the writer's
 //! memory grow rather than lose messages (local readers are bounded by the ring).
 
+use crate::error::{Error, Result};
 use crate::wait::Wait;
-use shmq_os::error::{Error, Result};
 use shmq_os::fork::LeakInChild;
 use std::time::Duration;
 

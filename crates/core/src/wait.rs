@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 use shmq_protocol::doorbell::DoorbellWords;
 
 /// Environment variable: seconds between "still waiting" warnings (default 60).

@@ -71,7 +71,7 @@ pub fn is_inherited(made_in: u64) -> bool {
 /// in a forked child.
 pub fn check(made_in: u64, what: &str) -> Result<()> {
     if is_inherited(made_in) {
-        return Err(Error::WrongRole(format!(
+        return Err(Error::Forked(format!(
             "this {what} was made before a fork() and cannot be used in the forked child \
              (pid {}); make a new one in the child, or start children with the 'spawn' method",
             std::process::id()

@@ -1,13 +1,15 @@
 //! shmq's operating-system layer: named shared-memory segments and what keeps them safe
 //! among processes that do not trust each other's timing — who is alive (role locks on a
 //! segment's file, pidfds), what a truncating peer's `SIGBUS` becomes, private
-//! copy-on-write views, the mapping budget, fork safety — and the one error type every
-//! layer above returns. It knows nothing of queues, stores or arenas (the `shmq` crate
-//! above it does); the protocols on atomics are the crate beside it (`shmq-protocol`).
+//! copy-on-write views, the mapping budget, fork safety — and their errors, which the
+//! layers above wrap in theirs. It knows nothing of queues, stores or arenas (the `shmq`
+//! crate above it does); the protocols on atomics are the crate beside it
+//! (`shmq-protocol`).
 //!
 //! # Modules, lowest first
 //! Each module uses only the modules listed before it.
-//! - [`error`]: the one error type ([`Error`], one variant per shape of failure);
+//! - [`error`]: this layer's errors ([`Error`]: segments, refused arguments, a fork,
+//!   failed system calls), which the core's error wraps;
 //! - [`warning`]: where shmq's warnings go (a hook, the `log` crate, or stderr);
 //! - [`copy`]: large copies into shared memory;
 //! - [`random`]: secrets and nonces from the kernel;

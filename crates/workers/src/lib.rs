@@ -47,7 +47,7 @@
 //! are reaped last, in [`Workers::close`] (an adopted worker by whoever adopted it).
 //!
 //! ```no_run
-//! # mod shmq { pub use shmq_os::Error; pub mod workers { pub use shmq_workers::*; } } // the `shmq` crate
+//! # mod shmq { pub mod workers { pub use shmq_workers::*; } } // the `shmq` crate
 //! use std::process::Command;
 //! use std::time::Duration;
 //! use shmq::workers::{report_ready, WorkerOptions, Workers, RANK_ENV};
@@ -64,7 +64,7 @@
 //!     // ... broadcast to them; workers.check()? between steps ...
 //!     workers.close();
 //! }
-//! # Ok::<(), shmq::Error>(())
+//! # Ok::<(), shmq::workers::Error>(())
 //! ```
 #![deny(clippy::undocumented_unsafe_blocks)]
 
@@ -83,8 +83,9 @@ extern crate shmq_os;
 
 mod watch;
 
-use shmq_os::error::{Error, Result};
-pub use shmq_os::error::{StderrCapture, WorkerDeath, WorkerExit};
+mod error;
+pub use error::{signal_name, Error, Result, StderrCapture, WorkerDeath, WorkerExit};
+use shmq_core::Error as CoreError;
 use shmq_os::process::ProcessId;
 use shmq_os::{liveness, segment};
 use watch::{
@@ -122,10 +123,10 @@ pub fn report_ready() -> Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| {
-            Error::WrongRole(format!(
+            Error::Core(CoreError::WrongRole(format!(
                 "report_ready() is for worker processes started by shmq::workers::Workers \
                  ({READY_FD_ENV} is not set)"
-            ))
+            )))
         })?;
     // SAFETY: the parent left this fd open across exec for exactly this (`pre_exec` in
     // `Workers::spawn`), and this is its only user: `REPORTED` makes it used once, and
@@ -197,16 +198,16 @@ pub fn exit_now() -> ! {
 ///
 /// For a clean end with SIGKILL (descendants killed, segments removed), use
 /// [`exit_with_process`]. Err for a `signal` that is no signal number
-/// ([`Error::InvalidArgument`]), and where neither way is available (not Linux, or Linux
+/// ([`CoreError::InvalidArgument`]), and where neither way is available (not Linux, or Linux
 /// before 5.3 for a process that is not the parent).
 pub fn die_with_process(pid: u32, signal: i32) -> Result<()> {
     // 0 would clear the parent-death signal and an invalid one would never be sent:
     // either way the process would silently outlive `pid`.
     if !(1..=libc::SIGRTMAX()).contains(&signal) {
-        return Err(Error::InvalidArgument(format!(
+        return Err(Error::Core(CoreError::InvalidArgument(format!(
             "signal must be a signal number from 1 to {}, got {signal}",
             libc::SIGRTMAX()
-        )));
+        ))));
     }
     if parent_pid() == pid {
         match set_parent_death_signal(signal, pid as libc::pid_t) {
@@ -379,10 +380,10 @@ impl Workers {
     pub fn new(n_local: usize, n_remote: usize, options: WorkerOptions) -> Result<Workers> {
         let total = n_local.checked_add(n_remote).filter(|&n| n <= MAX_WORKERS);
         if total.is_none() {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::Core(CoreError::InvalidArgument(format!(
                 "too many workers: {n_local} local (n_workers) + {n_remote} remote (n_remote); \
                  a group supervises at most {MAX_WORKERS} workers in all"
-            )));
+            ))));
         }
         // SAFETY: eventfd(2) takes two integers and returns a new descriptor or -1.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
@@ -540,9 +541,9 @@ impl Workers {
         let m = match state.members.get_mut(rank) {
             Some(m) if !m.remote && m.pid.is_none() => m,
             _ => {
-                return Err(Error::WrongRole(format!(
+                return Err(Error::Core(CoreError::WrongRole(format!(
                     "rank {rank} is not a local worker waiting to be adopted"
-                )))
+                ))))
             }
         };
         m.pid = Some(worker.pid);
@@ -764,9 +765,9 @@ impl Workers {
     pub fn wait_ready_for(&self, timeout: Option<Duration>) -> Result<Waited> {
         let waited = self.wait_for(timeout, |state| {
             if state.closing {
-                return Some(Err(Error::WrongRole(
+                return Some(Err(Error::Core(CoreError::WrongRole(
                     "the worker processes have been closed".to_owned(),
-                )));
+                ))));
             }
             // A failure (also one a death notice told before the exit), or an exit
             // before ready.

@@ -5,7 +5,7 @@
 
 use std::ptr::NonNull;
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 use shmq_os::segment::{data_after_table, round_up, Segment, MAX_READERS};
 use shmq_protocol::lease::{Lease, LeaseRecord, HOLDS_OFFSET};
 use shmq_protocol::sync::{AtomicU32, AtomicU64};

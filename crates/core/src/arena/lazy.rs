@@ -3,7 +3,7 @@
 
 use super::layout::Geometry;
 use super::{page_size, ArenaWriter, RESERVE_RETRY};
-use shmq_os::error::Result;
+use crate::error::Result;
 use shmq_os::segment::unique_name;
 
 /// A queue's arena, named now and made when first needed (see the `arena` module

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::layout::{ArenaHeader, Geometry, Mapped, TABLE_OFFSET};
 use super::{page_size, ArenaRef, ARENA_LAYOUT_VERSION, ARENA_MAGIC};
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, Result};
 use shmq_os::private_map::{PrivateFile, PrivateMap};
 use shmq_os::process::ProcessId;
 use shmq_os::region;
@@ -57,7 +57,7 @@ impl ArenaReader {
                 != (geo.lease_stride as u64, geo.data_offset as u64)
             || segment.len() < geo.total
         {
-            return Err(segment.header_mismatch());
+            return Err(segment.header_mismatch().into());
         }
         if reader >= geo.n_reader {
             return Err(Error::InvalidArgument(format!(
@@ -81,7 +81,7 @@ impl ArenaReader {
     /// shorter than when opened (an `fstat`), or a mapping of it here was hit.
     pub fn check_intact(&self) -> Result<()> {
         self.map.segment.check_intact()?;
-        self.file.check_intact()
+        Ok(self.file.check_intact()?)
     }
 
     /// An error once a mapping of the arena in this process was found truncated: the
@@ -90,13 +90,15 @@ impl ArenaReader {
     /// of the reader, also those whose message has no part here.
     pub fn check_faults(&self) -> Result<()> {
         self.map.segment.check_intact()?;
-        self.file.check_faults()
+        Ok(self.file.check_faults()?)
     }
 
     fn check(&self, r: &ArenaRef) -> Result<usize> {
-        let bad = |reason: &str| Error::BadSegment {
-            name: self.name().to_owned(),
-            reason: format!("a message names {reason} ({r:?})"),
+        let bad = |reason: &str| {
+            Error::Os(OsError::BadSegment {
+                name: self.name().to_owned(),
+                reason: format!("a message names {reason} ({r:?})"),
+            })
         };
         let lease = r.lease as usize;
         if lease >= self.map.geo.max_leases {
@@ -141,7 +143,7 @@ impl ArenaReader {
             }),
             Err(e) => {
                 self.release(r);
-                Err(e)
+                Err(e.into())
             }
         }
     }

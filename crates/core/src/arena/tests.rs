@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::*;
-use shmq_os::error::Error;
+use crate::error::{Error, OsError};
 
 fn no_dead(_: usize) -> bool {
     false
@@ -194,7 +194,7 @@ fn bad_references_are_errors() {
         },
     ] {
         assert!(
-            matches!(r.view(&bad), Err(Error::BadSegment { .. })),
+            matches!(r.view(&bad), Err(Error::Os(OsError::BadSegment { .. }))),
             "{bad:?}"
         );
     }

@@ -9,7 +9,7 @@ use super::layout::{ArenaHeader, Geometry, Mapped, QUEUE_NAME_MAX, QUEUE_OFFSET}
 use super::{
     page_size, ArenaRef, ARENA_LAYOUT_VERSION, ARENA_MAGIC, DEAD_CHECK_EVERY, RESERVE_RETRY,
 };
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, Result};
 use shmq_os::process::ProcessId;
 use shmq_os::range_alloc::RangeAllocator;
 use shmq_os::region;
@@ -167,12 +167,12 @@ impl ArenaWriter {
     /// a fault in its mapping, or a reservation that found the file short (the writer
     /// then sends the part it was for no other way: a copy would hide the loss).
     pub fn check_intact(&self) -> Result<()> {
-        self.map.segment.check_intact()
+        Ok(self.map.segment.check_intact()?)
     }
 
     /// Remove the segment's name now (see `Segment::unlink`).
     pub fn unlink(&self) -> Result<()> {
-        self.map.segment.unlink()
+        Ok(self.map.segment.unlink()?)
     }
 
     /// Count one fallback (a part sent the ordinary way), for the statistics.
@@ -300,7 +300,7 @@ impl ArenaWriter {
             }
             // A truncated arena: no fallback, the writer's next check is the error (the
             // segment remembers it: see `Segment::reserve_range`).
-            Err(e @ Error::BadSegment { .. }) => {
+            Err(e @ Error::Os(OsError::BadSegment { .. })) => {
                 shmq_log!(debug, "shmq: tensor arena {}: {e}", self.name());
                 false
             }
@@ -346,7 +346,7 @@ impl ArenaWriter {
                     .store(target as u64, Ordering::Relaxed);
                 Ok(())
             }
-            Err(e) => Err(e),
+            Err(e) => Err(e.into()),
         }
     }
 

@@ -26,7 +26,7 @@
 use std::fmt;
 
 use super::queue::OwnedPart;
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"SQAH");
 /// The most dimensions an array message may have (numpy's limit is 64).

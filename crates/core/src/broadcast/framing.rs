@@ -34,7 +34,7 @@
 //! `shmq.MessageKindError`, a `ValueError`), the message consumed, the reader usable.
 
 use crate::arena::ArenaRef;
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"SQF1");
 const MAGIC_ARRAY: u32 = u32::from_le_bytes(*b"SQA1");

@@ -8,14 +8,17 @@
 //! - [`queue`]: [`Writer`] and [`Reader`], which combine the ring (local readers) with
 //!   the ZeroMQ transport (oversized messages and remote readers).
 //! - [`wait_any`]: one thread waiting for several local readers at once (`futex_waitv`).
+//! - `error`: [`QueueError`], how a queue ends (a dead peer, a shutdown).
 
 pub mod array;
+mod error;
 pub(crate) mod framing;
 pub mod queue;
 pub mod ring;
 pub mod wait_any;
 
 pub use array::{Array, ArrayMeta, ArrayRef, Dtype, Element};
+pub use error::QueueError;
 pub use queue::{
     Canceller, ChunkRead, Handle, OwnedPart, Part, QueueOptions, Reader, Received, Writer,
 };

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::queue::{Canceller, Reader};
 use super::ring::{Ring, RingReader};
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, Result};
 use shmq_protocol::doorbell::DoorbellWords;
 use shmq_protocol::multiwait::{self, OsFutexMany, MAX_WORDS};
 
@@ -70,7 +70,7 @@ impl ReadyTarget {
         self.check_writer().is_err()
     }
 
-    /// The reader's error when its writer is proved dead ([`Error::DeadWriter`]), or its
+    /// The reader's error when its writer is proved dead ([`QueueError::DeadWriter`]), or its
     /// segment no longer whole; `Ok` otherwise.
     pub fn check_writer(&self) -> Result<()> {
         RingReader::check_writer(&self.ring)
@@ -90,7 +90,7 @@ impl ReadyTarget {
 /// dead), `wake` is no longer `wake_seen` (read with [`WakeWord::current`] before the
 /// caller chose its targets), or `timeout` passes. Returns the indices of the targets
 /// ready (empty: woken or timed out). At most [`MAX_TARGETS`] targets; an
-/// [`Error::Os`] of kind `Unsupported` where the kernel has no `futex_waitv`.
+/// [`OsError::Os`] of kind `Unsupported` where the kernel has no `futex_waitv`.
 pub fn wait_any(
     targets: &[&ReadyTarget],
     wake: &WakeWord,
@@ -140,9 +140,11 @@ pub fn wait_any(
             },
             Some(slice),
         )
-        .map_err(|e| Error::Os {
-            context: "waiting for several queues at once".into(),
-            source: std::io::Error::new(std::io::ErrorKind::Unsupported, e),
+        .map_err(|e| {
+            Error::Os(OsError::Os {
+                context: "waiting for several queues at once".into(),
+                source: std::io::Error::new(std::io::ErrorKind::Unsupported, e),
+            })
         })?;
         if found.is_empty() {
             found = ready();

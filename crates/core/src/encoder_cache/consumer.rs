@@ -14,7 +14,7 @@ use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, Result};
 use shmq_os::private_map::{PrivateFile, PrivateMap};
 use shmq_os::process::ProcessId;
 use shmq_os::segment_file;
@@ -66,15 +66,17 @@ fn inode_of(segment: &str) -> Option<u64> {
 impl Link {
     /// Open producer segment `segment`; join it if `join`.
     fn open(segment: &str, join: bool, me: ProcessId) -> Result<Link> {
-        let inode = inode_of(segment).ok_or_else(|| Error::SegmentNotFound {
-            name: segment.to_owned(),
+        let inode = inode_of(segment).ok_or_else(|| {
+            Error::Os(OsError::SegmentNotFound {
+                name: segment.to_owned(),
+            })
         })?;
         let map = Arc::new(Mapped::open(segment)?);
         // Acquire: pairs with the Release stores of CLOSED/SUPERSEDED.
         if map.header().state.load(Ordering::Acquire) != STATE_OPEN {
-            return Err(Error::SegmentNotFound {
+            return Err(Error::Os(OsError::SegmentNotFound {
                 name: segment.to_owned(),
-            });
+            }));
         }
         let file = if join {
             Some(PrivateFile::open(segment)?)
@@ -83,9 +85,9 @@ impl Link {
         };
         // The name may have been replaced between the two looks: then start over later.
         if inode_of(segment) != Some(inode) {
-            return Err(Error::SegmentNotFound {
+            return Err(Error::Os(OsError::SegmentNotFound {
                 name: segment.to_owned(),
-            });
+            }));
         }
         let member = if join {
             let (slot, word, role) = slots::join(&map, me)?;
@@ -347,7 +349,8 @@ impl Consumer {
             let segment = segment_name(n.as_ref())?;
             let link = match Link::open(&segment, join, me) {
                 Ok(l) => Some(l),
-                Err(Error::SegmentNotFound { .. }) | Err(Error::BadSegment { .. }) => None,
+                Err(Error::Os(OsError::SegmentNotFound { .. }))
+                | Err(Error::Os(OsError::BadSegment { .. })) => None,
                 Err(e) => return Err(e),
             };
             producers.push(Producer {
@@ -377,7 +380,8 @@ impl Consumer {
                 p.retry_at = now + RETRY_OPEN;
                 match Link::open(&p.segment, self.join, self.me) {
                     Ok(l) => p.link = Some(l),
-                    Err(Error::SegmentNotFound { .. }) | Err(Error::BadSegment { .. }) => {}
+                    Err(Error::Os(OsError::SegmentNotFound { .. }))
+                    | Err(Error::Os(OsError::BadSegment { .. })) => {}
                     Err(e) => warn_user!(
                         "shmq: cannot use encoder cache segment '{}' yet: {e}",
                         p.segment
@@ -421,18 +425,18 @@ impl Consumer {
             .checked_add(len)
             .is_none_or(|end| end > geo.capacity as u64)
         {
-            return Err(Error::BadSegment {
+            return Err(Error::Os(OsError::BadSegment {
                 name: segment.to_owned(),
                 reason: format!("an entry lies outside the data region ({offset}+{len})"),
-            });
+            }));
         }
         let file = link.file.as_ref().expect("loaders open the file");
         let map = file.view(geo.data_offset as u64 + offset, len as usize)?;
         let parts = PartsLayout::read(&map).map_err(|e| match e {
-            Error::BadSegment { reason, .. } => Error::BadSegment {
+            Error::Os(OsError::BadSegment { reason, .. }) => Error::Os(OsError::BadSegment {
                 name: segment.to_owned(),
                 reason,
-            },
+            }),
             e => e,
         })?;
         link.acknowledge(pin.entry, &member);

@@ -28,7 +28,7 @@
 //! A consumer reads the table from its own private mapping and checks every part lies
 //! inside it, so a corrupted entry is an error, never a read out of bounds.
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, Result};
 
 pub(crate) const FREE: u64 = 0;
 pub(crate) const WRITING: u64 = 1;
@@ -95,9 +95,11 @@ impl PartsLayout {
 
     /// Read and check the part table of an entry's bytes (a consumer's private copy).
     pub fn read(bytes: &[u8]) -> Result<Vec<(usize, usize)>> {
-        let bad = |why: &str| Error::BadSegment {
-            name: "(encoder cache entry)".into(),
-            reason: format!("an entry's part table is corrupt: {why}"),
+        let bad = |why: &str| {
+            Error::Os(OsError::BadSegment {
+                name: "(encoder cache entry)".into(),
+                reason: format!("an entry's part table is corrupt: {why}"),
+            })
         };
         let u32_at = |at: usize| -> Option<u32> {
             Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))

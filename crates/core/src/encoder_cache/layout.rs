@@ -23,7 +23,7 @@
 
 use std::ptr::NonNull;
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{data_after_table, round_up, HeaderCheck, Segment};
@@ -299,7 +299,7 @@ impl Mapped {
             || geo.data_offset as u64 != header.data_offset
             || segment.len() < geo.total
         {
-            return Err(segment.header_mismatch());
+            return Err(segment.header_mismatch().into());
         }
         Ok(Mapped { segment, base, geo })
     }

@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 use shmq_os::liveness::{Liveness, LockProbe, RoleLock};
 use shmq_os::process::ProcessId;
 use shmq_protocol::consumer_slot as protocol;

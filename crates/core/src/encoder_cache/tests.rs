@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::layout::Mapped;
 use super::slots;
 use super::*;
-use shmq_os::error::Error;
+use crate::error::{CacheError, Error, OsError};
 use shmq_os::process::ProcessId;
 use shmq_protocol::sync::Ordering;
 
@@ -114,7 +114,10 @@ fn eviction_waits_for_every_joined_consumer_and_not_for_late_joiners() {
     assert!(a.acknowledge("k1").unwrap());
     // b has not loaded k1: no room.
     let err = p.save("k3", &[b"3"], short()).unwrap_err();
-    assert!(matches!(err, Error::CacheFull { .. }), "{err}");
+    assert!(
+        matches!(err, Error::Cache(CacheError::Full { .. })),
+        "{err}"
+    );
     let msg = err.to_string();
     assert!(msg.contains("not yet loaded"), "{msg}");
     assert!(b.load("k1").unwrap().is_some()); // loaded and dropped at once
@@ -149,7 +152,7 @@ fn eviction_waits_for_every_joined_consumer_and_not_for_late_joiners() {
     p.wait_loaded("k4", short()).unwrap();
     assert!(matches!(
         p.wait_loaded("nope", short()),
-        Err(Error::UnknownKey(_))
+        Err(Error::Cache(CacheError::UnknownKey(_)))
     ));
     // A consumer that leaves stops counting.
     p.save("k5", &[b"5"], short()).unwrap();
@@ -176,7 +179,7 @@ fn min_consumers_holds_entries_until_enough_consumers_loaded_them() {
     assert_eq!(p.load_state("k1"), LoadState::Pending, "no consumer yet");
     assert!(matches!(
         p.save("k2", &[b"2"], short()),
-        Err(Error::CacheFull { .. })
+        Err(Error::Cache(CacheError::Full { .. }))
     ));
     let mut c = Consumer::new(&[p.name()]).unwrap();
     c.acknowledge("k1").unwrap();
@@ -207,7 +210,7 @@ fn pinned_entries_are_never_reused_and_a_full_cache_times_out() {
     // Too large for the cache at all.
     assert!(matches!(
         p.save("big", &[&vec![0u8; 3 * PAGE]], short()),
-        Err(Error::TooLarge { .. })
+        Err(Error::Cache(CacheError::TooLarge { .. }))
     ));
 }
 
@@ -412,12 +415,18 @@ fn corrupt_segments_are_errors_not_crashes() {
     let map = Mapped::open(p.segment_name()).unwrap();
     // An entry pointing outside the data region.
     map.entry(0).offset.store(u64::MAX - 2, Ordering::SeqCst);
-    assert!(matches!(c.load("k"), Err(Error::BadSegment { .. })));
+    assert!(matches!(
+        c.load("k"),
+        Err(Error::Os(OsError::BadSegment { .. }))
+    ));
     map.entry(0).offset.store(0, Ordering::SeqCst);
     // A corrupt part table.
     // SAFETY: test only; the entry's first page is in the data region.
     unsafe { *map.data().add(4) = 0xFF };
-    assert!(matches!(c.load("k"), Err(Error::BadSegment { .. })));
+    assert!(matches!(
+        c.load("k"),
+        Err(Error::Os(OsError::BadSegment { .. }))
+    ));
     // Garbage in the index: lookups stay bounded.
     let index_offset = map.geo.index_offset;
     // SAFETY: test only; the index table lies in the mapping and holds only atomics.

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, RemoteError, Result};
 
 use super::{random16, socket};
 
@@ -124,7 +124,11 @@ pub(super) fn spawn_guard(
     std::thread::Builder::new()
         .name("shmq-remote-guard".into())
         .spawn(move || run_guard(mon, &g))
-        .map_err(|e| Error::Remote(format!("starting the remote port's guard thread: {e}")))?;
+        .map_err(|e| {
+            Error::Remote(RemoteError::Refused(format!(
+                "starting the remote port's guard thread: {e}"
+            )))
+        })?;
     Ok(guard)
 }
 

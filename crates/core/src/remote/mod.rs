@@ -44,12 +44,12 @@
 //!
 //! - The writer's end (its `shutdown()` or its normal end) is a last message of its own
 //!   kind, CLOSED, with the next sequence number and a MAC: a reader that takes it has
-//!   every message before it and then fails with [`Error::WriterShutDown`]. The reader
+//!   every message before it and then fails with [`QueueError::WriterShutDown`]. The reader
 //!   answers `"SQB1"` (BYE), which the writer waits for a short while, so that a writer
 //!   process that exits at once still gets the message out.
 //! - A reader the writer drops (`SlowReaderPolicy::Drop`) is told so the same way:
 //!   DROPPED, after the last message sent to it, with the next sequence number, its rank
-//!   and a MAC; it then fails with [`Error::ReaderDropped`] instead of waiting for
+//!   and a MAC; it then fails with [`RemoteError::ReaderDropped`] instead of waiting for
 //!   messages that will not come.
 //!
 //! No wait of a remote reader goes on without an end (see [`RemoteReader`]): its
@@ -58,7 +58,7 @@
 //! reader watches its connection through ZeroMQ's socket monitor. Once the writer has
 //! said start, a connection that ends without CLOSED (the writer killed: at once; a
 //! writer that hangs, or a network that fails: within the interval plus the timeout) is
-//! the writer's death, [`Error::RemoteWriterGone`], after every message that arrived
+//! the writer's death, [`RemoteError::WriterGone`], after every message that arrived
 //! before it; a new connection could not carry the stream on (what was in flight is
 //! lost), so the reader does not make one. Before the start a lost connection is made
 //! again, and the HELLO said again on it, until the reader's own deadline; only a writer
@@ -87,9 +87,10 @@
 //!
 //! The files: this one (the options, the heartbeat, the secret), `wire` (the frames'
 //! magics, kinds and header), `writer` (the writer's end; `writer/handshake`: its side of
-//! joining), `guard` (the guard of the writer's port), `reader` (the reader's end) and
+//! joining), `error` ([`RemoteError`]), `guard` (the guard of the writer's port), `reader` (the reader's end) and
 //! `tests`.
 
+mod error;
 mod guard;
 mod reader;
 #[cfg(test)]
@@ -99,8 +100,9 @@ mod writer;
 
 use std::time::Duration;
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 
+pub use error::RemoteError;
 pub use reader::RemoteReader;
 pub use writer::RemoteWriter;
 
@@ -190,7 +192,7 @@ impl std::str::FromStr for SlowReaderPolicy {
             ("block", SlowReaderPolicy::Block),
             ("drop", SlowReaderPolicy::Drop),
         ];
-        shmq_os::error::parse_choice("slow_remote_reader", s, &choices)
+        crate::error::parse_choice("slow_remote_reader", s, &choices)
     }
 }
 

@@ -9,9 +9,9 @@ use super::{
     millis, random16, set_heartbeats, socket, HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES,
 };
 use crate::auth::{mac, mac_eq, message_mac};
+use crate::error::{Error, QueueError, RemoteError, Result};
 use crate::transport::{poll_slice, POLL_SLICE};
 use crate::wait::Wait;
-use shmq_os::error::{Error, Result};
 use shmq_os::fork::LeakInChild;
 
 /// How often a reader says HELLO again until the writer has said start.
@@ -63,11 +63,11 @@ struct Taken {
 /// How a remote reader's stream ended.
 #[derive(Clone, Debug)]
 pub(super) enum Ended {
-    /// The writer's CLOSED came: [`Error::WriterShutDown`].
+    /// The writer's CLOSED came: [`QueueError::WriterShutDown`].
     Closed,
-    /// The writer's DROPPED came: [`Error::ReaderDropped`].
+    /// The writer's DROPPED came: [`RemoteError::ReaderDropped`].
     Dropped,
-    /// The writer is gone, for the reason given: [`Error::RemoteWriterGone`].
+    /// The writer is gone, for the reason given: [`RemoteError::WriterGone`].
     Gone(String),
 }
 
@@ -271,17 +271,17 @@ impl RemoteReader {
     /// The error of the stream's end, if it has ended.
     fn ended_error(&self) -> Option<Error> {
         Some(match self.ended.as_ref()? {
-            Ended::Closed => Error::WriterShutDown { queue: None },
-            Ended::Dropped => Error::ReaderDropped {
+            Ended::Closed => Error::Queue(QueueError::WriterShutDown { queue: None }),
+            Ended::Dropped => Error::Remote(RemoteError::ReaderDropped {
                 rank: self.rank,
                 endpoint: self.endpoint.clone(),
                 received: self.taken.msgs,
-            },
-            Ended::Gone(reason) => Error::RemoteWriterGone {
+            }),
+            Ended::Gone(reason) => Error::Remote(RemoteError::WriterGone {
                 endpoint: self.endpoint.clone(),
                 received: self.taken.msgs,
                 reason: reason.clone(),
-            },
+            }),
         })
     }
 
@@ -333,10 +333,10 @@ impl RemoteReader {
     }
 
     fn refuse(&self, why: &str) -> Error {
-        Error::Remote(format!(
+        Error::Remote(RemoteError::Refused(format!(
             "remote reader rank {} of {}: {why}",
             self.rank, self.endpoint
-        ))
+        )))
     }
 
     /// Check one message from the socket; `Ok(None)` for one to ignore (not from the
@@ -482,12 +482,12 @@ impl RemoteReader {
     /// ZeroMQ connected to it before the reader stopped it): the writer is gone.
     fn accept_checked(&mut self, frames: Vec<zmq::Message>) -> Result<Option<Vec<zmq::Message>>> {
         match self.accept(frames) {
-            Err(Error::Remote(why)) => {
+            Err(Error::Remote(RemoteError::Refused(why))) => {
                 self.watch_link();
                 if self.link.broken {
                     return Err(self.end(Ended::Gone(self.broken_reason())));
                 }
-                Err(Error::Remote(why))
+                Err(Error::Remote(RemoteError::Refused(why)))
             }
             r => r,
         }

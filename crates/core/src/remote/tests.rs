@@ -7,6 +7,7 @@ use super::reader::reader_in_session;
 use super::wire::*;
 use super::*;
 use crate::auth::mac;
+use crate::error::QueueError;
 use crate::wait::Wait;
 
 fn wait() -> Wait<'static> {
@@ -141,14 +142,17 @@ fn a_reader_whose_writer_goes_without_shutdown_gets_what_arrived_then_an_error()
     assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"two");
     let e = r.recv_frames(&mut wait()).unwrap_err();
     assert!(
-        matches!(e, Error::RemoteWriterGone { received: 2, .. }),
+        matches!(
+            e,
+            Error::Remote(RemoteError::WriterGone { received: 2, .. })
+        ),
         "{e}"
     );
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     // And from then on, at once.
     assert!(matches!(
         r.try_recv_frames(),
-        Err(Error::RemoteWriterGone { .. })
+        Err(Error::Remote(RemoteError::WriterGone { .. }))
     ));
 }
 
@@ -179,11 +183,11 @@ fn a_dropped_reader_gets_what_was_sent_to_it_then_is_told() {
     assert!(
         matches!(
             e,
-            Error::ReaderDropped {
+            Error::Remote(RemoteError::ReaderDropped {
                 rank: 1,
                 received: 4,
                 ..
-            }
+            })
         ),
         "{e}"
     );
@@ -191,7 +195,7 @@ fn a_dropped_reader_gets_what_was_sent_to_it_then_is_told() {
     w.close(Duration::from_millis(100));
     assert!(matches!(
         r.try_recv_frames(),
-        Err(Error::ReaderDropped { .. })
+        Err(Error::Remote(RemoteError::ReaderDropped { .. }))
     ));
 }
 
@@ -237,17 +241,23 @@ fn the_closing_message_ends_the_stream_and_a_forged_one_is_refused() {
     };
     // Wrong key: refused as a stranger's, not taken as the end.
     let e = r.accept(closed(&[9; 32], 1)).unwrap_err();
-    assert!(matches!(e, Error::Remote(_)), "{e}");
+    assert!(matches!(e, Error::Remote(RemoteError::Refused(_))), "{e}");
     assert!(r.ended.is_none());
     // The real one: the end, and from then on every receive says so.
     let e = r.accept(closed(&key, 1)).unwrap_err();
-    assert!(matches!(e, Error::WriterShutDown { queue: None }), "{e}");
+    assert!(
+        matches!(e, Error::Queue(QueueError::WriterShutDown { queue: None })),
+        "{e}"
+    );
     assert!(matches!(
         r.try_recv_frames(),
-        Err(Error::WriterShutDown { .. })
+        Err(Error::Queue(QueueError::WriterShutDown { .. }))
     ));
     // A replay of it cannot rewind the stream.
-    assert!(matches!(r.accept(closed(&key, 1)), Err(Error::Remote(_))));
+    assert!(matches!(
+        r.accept(closed(&key, 1)),
+        Err(Error::Remote(RemoteError::Refused(_)))
+    ));
 }
 
 #[test]

@@ -7,7 +7,7 @@
 //! from ring offset 0 on, each at 0 or right after the previous one, so what has been
 //! reserved is a prefix `[0, reserved)` of the ring: before allocating, the writer
 //! reserves up to the end of where the block will land (in steps of [`RESERVE_STEP`]),
-//! and a `/dev/shm` without room for it is an [`Error::NoSpace`] before anything moves
+//! and a `/dev/shm` without room for it is an [`OsError::NoSpace`] before anything moves
 //! (the store frees what readers have finished with and tries again, then raises it as
 //! its `MemoryError`; one warning per process says how to raise `/dev/shm`). Readers
 //! only read blocks the writer allocated, so they never touch an unreserved page.
@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use super::store_segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, Result};
 use shmq_os::liveness::{creator_liveness, Liveness};
 use shmq_os::segment::with_unique_name;
 use shmq_os::segment_file;
@@ -442,7 +442,7 @@ impl FreeOldestFirst {
 }
 
 /// Reserve ring bytes up to `end` in `/dev/shm` (`*reserved` is how far they are): a
-/// step at a time, or exactly to `end` when a step does not fit; [`Error::NoSpace`] if
+/// step at a time, or exactly to `end` when a step does not fit; [`OsError::NoSpace`] if
 /// even that does not.
 fn reserve_ring(segment: &StoreSegment, reserved: &mut u64, end: u64) -> Result<()> {
     if end <= *reserved {
@@ -461,9 +461,9 @@ fn reserve_ring(segment: &StoreSegment, reserved: &mut u64, end: u64) -> Result<
                 *reserved = target;
                 return Ok(());
             }
-            Err(Error::NoSpace { .. }) => continue,
-            Err(e) => return Err(e),
+            Err(OsError::NoSpace { .. }) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
-    last
+    Ok(last?)
 }

@@ -12,7 +12,7 @@ use super::store_segment::{
     COUNT_WORD_BYTES, MAX_PARTS, PART_ALIGN, SIGNATURE_BYTES,
 };
 use crate::broadcast::DeadReaderPolicy;
-use shmq_os::error::{Error, HandleRefusal, Result};
+use crate::error::{Error, HandleRefusal, OsError, Result, StoreError};
 use shmq_os::region::RawRegion;
 use shmq_os::segment::{warn_shm_too_small, LoanPages};
 use shmq_protocol::alloc::{Block, Freed, Full, HEADER_BYTES};
@@ -219,7 +219,7 @@ impl ObjectStore {
     }
 
     /// The dead reader that made the last `put` or `loan` fail (with
-    /// [`DeadReaderPolicy::Raise`]): that failure's `Error::Full` is a reader's death.
+    /// [`DeadReaderPolicy::Raise`]): that failure's `StoreError::Full` is a reader's death.
     pub fn dead_reader(&self) -> Option<&ReaderInfo> {
         self.dead_reader.as_ref()
     }
@@ -342,7 +342,7 @@ impl ObjectStore {
         // A truncated store is refused before anything is written (see `is_cached`).
         ring.segment().check_length()?;
         if self.keys.contains_key(key) {
-            return Err(Error::KeyExists(key.to_owned()));
+            return Err(Error::Store(StoreError::KeyExists(key.to_owned())));
         }
         if parts.len() > MAX_PARTS {
             return Err(Error::InvalidArgument(format!(
@@ -353,10 +353,10 @@ impl ObjectStore {
         // vLLM's measure: the count plus the serialized bytes (not the frame or padding).
         let size = COUNT_BYTES as u64 + parts.iter().map(|p| p.len() as u64).sum::<u64>();
         if size > self.max_object_size {
-            return Err(Error::TooLarge {
+            return Err(Error::Store(StoreError::TooLarge {
                 size,
                 max: self.max_object_size,
-            });
+            }));
         }
         if let Some(placed) = self.put_in_loan(ring, key, parts, align_from)? {
             return Ok(placed);
@@ -416,13 +416,13 @@ impl ObjectStore {
         // mappings give their blocks back first, where they can now.
         self.dead_reader = None;
         let block = match ring.allocate_with(size_at) {
-            Err(Error::Full(_) | Error::NoSpace { .. }) => {
+            Err(Error::Store(StoreError::Full(_)) | Error::Os(OsError::NoSpace { .. })) => {
                 shmq_os::segment::retry_deferred_unseals();
                 loop {
                     self.free_unused(ring)?;
                     match ring.allocate_with(size_at) {
                         Ok(block) => break block,
-                        Err(Error::Full(mut full)) => {
+                        Err(Error::Store(StoreError::Full(mut full))) => {
                             // Readers that died go now, with "drop" (each round drops at
                             // least one, so this ends): what waited only for them is freed.
                             if self.on_dead_reader == DeadReaderPolicy::Drop
@@ -435,10 +435,10 @@ impl ObjectStore {
                                 self.dead_reader =
                                     dead.filter(|_| self.on_dead_reader == DeadReaderPolicy::Raise);
                             }
-                            return Err(Error::Full(full));
+                            return Err(Error::Store(StoreError::Full(full)));
                         }
                         Err(e) => {
-                            if matches!(e, Error::NoSpace { .. }) {
+                            if matches!(e, Error::Os(OsError::NoSpace { .. })) {
                                 warn_shm_too_small(
                                     "the object store cannot grow into the rest of its ring, \
                                      and a put that finds no room raises MemoryError",
@@ -583,7 +583,7 @@ impl ObjectStore {
 
     /// Loan `nbytes` of a new block to fill in place (writer only): `put` of an object
     /// one of whose buffers (from `align_from` on) is exactly this memory writes the rest
-    /// of the object around it, with no copy. `Error::Full` if there is no room even
+    /// of the object around it, with no copy. `StoreError::Full` if there is no room even
     /// after freeing what every reader has finished with.
     pub fn loan(&mut self, ring: &mut BlockFifo, nbytes: u64) -> Result<StoreLoan> {
         if !ring.is_writer() {
@@ -595,10 +595,10 @@ impl ObjectStore {
         }
         let size = COUNT_BYTES as u64 + nbytes;
         if size > self.max_object_size {
-            return Err(Error::TooLarge {
+            return Err(Error::Store(StoreError::TooLarge {
                 size,
                 max: self.max_object_size,
-            });
+            }));
         }
         let buffer_at = |block_offset: u64| {
             let data = block_offset + HEADER_BYTES;
@@ -829,13 +829,13 @@ impl ObjectStore {
     }
 }
 
-/// The message of a put's `Error::Full` in the store's words: vLLM's "Not enough space in
+/// The message of a put's `StoreError::Full` in the store's words: vLLM's "Not enough space in
 /// the data buffer" and what holds the room, without the ring's advice to call `free_buf()`
 /// (a `RingBuffer` method: a store frees what it can by itself before it says so). A block
-/// that can never fit keeps `Error::Full`'s own message.
+/// that can never fit keeps `StoreError::Full`'s own message.
 pub fn store_full_message(full: &Full) -> String {
     if full.needed > full.capacity || full.needed > u64::from(u32::MAX) {
-        return Error::Full(full.clone()).to_string();
+        return Error::Store(StoreError::Full(full.clone())).to_string();
     }
     let head = format!(
         "Not enough space in the data buffer ({} bytes needed, {} of {} bytes in use)",

@@ -86,8 +86,10 @@
 //! - `fifo`: [`BlockFifo`], the blocks in FIFO order (allocator on the writer);
 //! - `object`: an object's layout, reading it, and zero-copy views ([`PartView`]);
 //! - `index`: [`ObjectStore`], the key index with eviction and loans ([`StoreLoan`]);
-//! - `readers`: reader slots ([`ReaderSlot`]), and how the writer judges them.
+//! - `readers`: reader slots ([`ReaderSlot`]), and how the writer judges them;
+//! - `error`: [`StoreError`], what the store refuses, and [`HandleRefusal`], why.
 
+mod error;
 mod fifo;
 mod index;
 mod object;
@@ -96,6 +98,7 @@ mod store_segment;
 #[cfg(test)]
 mod tests;
 
+pub use error::{bad_signature_message, stale_object_message, HandleRefusal, StoreError};
 pub use fifo::{BlockFifo, FreeOldest, FreeOldestFirst};
 pub use index::{store_full_message, Entry, ObjectStore, StoreLoan, StoreRole, LOAN_ROOM};
 pub use object::{

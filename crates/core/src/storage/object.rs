@@ -8,7 +8,7 @@ use super::store_segment::{
     reader_word_offset, BlockHeader, StoreSegment, COUNT_WORD_BYTES, MAX_READER_SLOTS, PART_ALIGN,
     RING_OFFSET,
 };
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, Result, StoreError};
 use shmq_os::pins::Pin;
 use shmq_os::private_map::PrivateMap;
 use shmq_protocol::alloc::HEADER_BYTES;
@@ -233,9 +233,11 @@ pub(super) fn count_one_read(segment: &StoreSegment, h: &BlockHeader, slot: Opti
 /// The header of the object at `address` if `(address, id)` names a live (or cleared
 /// but intact) object.
 fn object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<BlockHeader> {
-    let stale = || Error::StaleObject {
-        address,
-        id: id as u64,
+    let stale = || {
+        Error::Store(StoreError::StaleObject {
+            address,
+            id: id as u64,
+        })
     };
     // vLLM's arithmetic never gives a block an address of two laps or more.
     if address / 2 >= segment.capacity() {
@@ -324,9 +326,11 @@ pub(super) fn read_header<R>(
     count: CountRead,
     f: impl FnOnce(&ObjectFrame<'_>) -> R,
 ) -> Result<R> {
-    let stale = || Error::StaleObject {
-        address,
-        id: id as u64,
+    let stale = || {
+        Error::Store(StoreError::StaleObject {
+            address,
+            id: id as u64,
+        })
     };
     let (p, n) = segment.data_ptr(&h);
     // SAFETY: the range is inside the ring (header_at). The writer does not overwrite a
@@ -432,10 +436,10 @@ impl ObjectViews<'_> {
             // Out of mappings (`vm.max_map_count`, ~65k: a process holding that many
             // views) or of address space: this part is copied instead, like one below
             // the view threshold.
-            Err(Error::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOMEM) => {
+            Err(OsError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOMEM) => {
                 return Ok(None)
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         };
         Ok(Some(PartView {
             map,
@@ -507,7 +511,7 @@ pub(super) fn pin_own(segment: &Arc<StoreSegment>, id: u32) -> Result<Arc<BlockP
         Err(e) => {
             // Relaxed: no pin was taken, so nothing was done with the block under it.
             segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
-            Err(e)
+            Err(e.into())
         }
     }
 }

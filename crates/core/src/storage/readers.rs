@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::store_segment::{
     StoreSegment, MAX_READER_SLOTS, READER_SLOTS_OFFSET, READER_SLOT_BYTES,
 };
-use shmq_os::error::Result;
+use crate::error::Result;
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::process::ProcessId;
 use shmq_protocol::ring::{

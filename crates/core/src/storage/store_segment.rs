@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-use shmq_os::error::{Error, HandleRefusal, Result};
+use crate::error::{Error, HandleRefusal, Result};
 use shmq_os::liveness::{Liveness, LockProbe};
 use shmq_os::pins::Pins;
 use shmq_os::private_map::PrivateFile;
@@ -316,7 +316,7 @@ impl StoreSegment {
             unsafe { segment.checked_header(&check, |h: &StoreHeader| (&h.magic, &h.version)) }?;
         let capacity = header.capacity;
         if (segment.len() - RING_OFFSET) as u64 != capacity || capacity <= HEADER_BYTES {
-            return Err(segment.header_mismatch());
+            return Err(segment.header_mismatch().into());
         }
         let mut secret = [0u8; SECRET_BYTES];
         // SAFETY: SECRET_OFFSET + SECRET_BYTES <= RING_OFFSET <= len; the secret was
@@ -396,14 +396,14 @@ impl StoreSegment {
     /// `shmq_os::sigbus`): one atomic load, where each read and write begins and ends.
     #[inline]
     pub fn check_intact(&self) -> Result<()> {
-        self.segment.check_intact()
+        Ok(self.segment.check_intact()?)
     }
 
     /// [`check_intact`](Self::check_intact), and an error too if the file is shorter
     /// than the mapping now (an `fstat` on the writer): for calls that touch no page of
     /// the ring and would otherwise not notice (`put` before it writes, `is_cached`).
     pub fn check_length(&self) -> Result<()> {
-        self.segment.check_length()
+        Ok(self.segment.check_length()?)
     }
     /// Bytes of the ring (`data_buffer_size`).
     pub fn capacity(&self) -> u64 {
@@ -538,7 +538,7 @@ impl StoreSegment {
 
     /// Remove the segment's name now (see `Segment::unlink`).
     pub fn unlink(&self) -> Result<()> {
-        self.segment.unlink()
+        Ok(self.segment.unlink()?)
     }
 
     /// Where the ring starts in this process.
@@ -548,7 +548,7 @@ impl StoreSegment {
 
     /// Start and length of the whole ring in this process (what Python's
     /// `RingBuffer.shared_memory.buf` shows), all of the segment reserved in `/dev/shm`
-    /// first (once per process), so that touching any byte cannot fault (`Error::NoSpace`
+    /// first (once per process), so that touching any byte cannot fault (`OsError::NoSpace`
     /// when there is no room). The writer otherwise reserves only as far as it allocated.
     pub fn ring_bytes(&self) -> Result<(*mut u8, usize)> {
         self.segment.reserve_whole()?;

@@ -4,7 +4,7 @@ use super::index::LOAN_ALIGN;
 use super::object::{count_one_read, object_layout};
 use super::store_segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
 use super::*;
-use shmq_os::error::{Error, HandleRefusal, Result};
+use crate::error::{Error, HandleRefusal, OsError, Result, StoreError};
 use shmq_protocol::alloc::HEADER_BYTES;
 use std::sync::Arc;
 
@@ -31,7 +31,7 @@ fn put_get_and_errors() {
     assert_eq!(object_reader_count(reader.segment(), addr, id).unwrap(), 1);
     assert!(matches!(
         s.put(&mut ring, "a", &[b"x"], 1),
-        Err(Error::KeyExists(_))
+        Err(Error::Store(StoreError::KeyExists(_)))
     ));
     let e = s.put(&mut ring, "big", &[&[0u8; 1021]], 1).unwrap_err();
     assert!(e.to_string().contains("exceeds max object size"), "{e}");
@@ -89,10 +89,10 @@ fn signatures_bind_key_address_and_id() {
     for (k, a2, i2) in [("k2", a, i), ("k", a + 1, i), ("k", a, i + 1)] {
         assert!(matches!(
             reader.segment().verify(k, a2, i2, &sig),
-            Err(Error::BadSignature {
+            Err(Error::Store(StoreError::BadSignature {
                 missing: false,
                 why: Some(HandleRefusal::Mismatch { .. })
-            })
+            }))
         ));
     }
     let mut flipped = sig;
@@ -111,14 +111,14 @@ fn signatures_bind_key_address_and_id() {
     );
     assert!(matches!(
         s.verify_current(&seg, "k2", a, i, &sig),
-        Err(Error::BadSignature {
+        Err(Error::Store(StoreError::BadSignature {
             why: Some(HandleRefusal::NoEntry),
             ..
-        })
+        }))
     ));
     assert_eq!(s.current(None).unwrap_err(), HandleRefusal::NoKey);
     // Without a reason, vLLM's sentence alone.
-    let bare = |missing| Error::BadSignature { missing, why: None }.to_string();
+    let bare = |missing| Error::Store(StoreError::BadSignature { missing, why: None }).to_string();
     assert_eq!(bare(true), "Missing SHM handle signature for cache key.");
     assert_eq!(bare(false), "Invalid SHM handle signature for cache key.");
     // A second store has another secret.
@@ -140,7 +140,7 @@ fn eviction_waits_for_every_handout_and_touch() {
     s.put(&mut ring, "k2", &[&[2u8; 150]], 1).unwrap();
     assert!(matches!(
         s.put(&mut ring, "k3", &[&[3u8; 150]], 1),
-        Err(Error::Full(_))
+        Err(Error::Store(StoreError::Full(_)))
     ));
     read_all(&seg, a, i, true).unwrap();
     s.touch("k");
@@ -170,7 +170,7 @@ fn a_private_view_keeps_its_object_from_eviction_and_clear() {
     s.put(&mut ring, "c", &[b"head", &[9u8; 8000]], 1).unwrap();
     assert!(matches!(
         s.put(&mut ring, "d", &[b"head", &[1u8; 8000]], 1),
-        Err(Error::Full(_))
+        Err(Error::Store(StoreError::Full(_)))
     ));
     assert_eq!(&view[..], &[7u8; 8000][..]);
     // A write into the view is private to it.
@@ -303,7 +303,10 @@ fn a_frame_changed_during_a_read_is_an_error_not_a_panic() {
             .unwrap();
         (0..v.len()).map(|k| v.part(k).len()).sum::<usize>() + v.span().len()
     });
-    assert!(matches!(got, Err(Error::StaleObject { .. })), "{got:?}");
+    assert!(
+        matches!(got, Err(Error::Store(StoreError::StaleObject { .. }))),
+        "{got:?}"
+    );
     // A frame scribbled over by another process: parts come out clamped to nothing.
     let (a, i) = s.put(&mut ring, "c", &[b"meta", b"data"], 1).unwrap();
     let data_at = a % 4096 + HEADER_BYTES;
@@ -661,7 +664,9 @@ fn a_truncated_store_refuses_puts_and_reports_no_object_cached() {
         .set_len(4096)
         .unwrap();
     let truncated = |r: Result<()>| match r {
-        Err(Error::BadSegment { name: n, reason }) => n == name && reason.contains("truncated"),
+        Err(Error::Os(OsError::BadSegment { name: n, reason })) => {
+            n == name && reason.contains("truncated")
+        }
         _ => false,
     };
     assert!(truncated(s.is_cached(ring.segment(), "a").map(|_| ())));
@@ -711,7 +716,9 @@ fn reader_slots_tell_the_writer_who_an_object_waits_for() {
     let e = s
         .put(&mut ring, "c", &[b"meta", &[3u8; 150]], 2)
         .unwrap_err();
-    let Error::Full(full) = &e else { panic!("{e}") };
+    let Error::Store(StoreError::Full(full)) = &e else {
+        panic!("{e}")
+    };
     let msg = store_full_message(full);
     assert!(
         msg.starts_with("Not enough space in the data buffer ("),

@@ -27,7 +27,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use crate::error::{Error, Result};
+use crate::error::{AsOsError, Error, Result};
 use crate::liveness::{RoleLock, CREATOR_BYTE};
 pub use crate::segment_file::SHM_DIR;
 use crate::segment_file::{path, Access, SegmentFile};
@@ -134,11 +134,20 @@ const UNIQUE_NAME_TRIES: usize = 16;
 /// `create(name)` with a fresh [`unique_name`] of `kind`, drawn again (up to 16 times)
 /// while the name is taken ([`Error::SegmentExists`]: a file of that name was there,
 /// say one another user made to stop this process making segments).
-pub fn with_unique_name<T>(kind: &str, mut create: impl FnMut(&str) -> Result<T>) -> Result<T> {
+/// `create` may return this layer's error or a layer's above that wraps it ([`AsOsError`]).
+pub fn with_unique_name<T, E: AsOsError>(
+    kind: &str,
+    mut create: impl FnMut(&str) -> Result<T, E>,
+) -> Result<T, E> {
     let mut tries = 1;
     loop {
         match create(&unique_name(kind)) {
-            Err(Error::SegmentExists { .. }) if tries < UNIQUE_NAME_TRIES => tries += 1,
+            Err(e)
+                if matches!(e.as_os_error(), Some(Error::SegmentExists { .. }))
+                    && tries < UNIQUE_NAME_TRIES =>
+            {
+                tries += 1
+            }
             done => return done,
         }
     }

@@ -8,8 +8,8 @@ use std::str::FromStr;
 
 use super::super::ring::RingHandle;
 use crate::auth::{secret_from_text, secret_to_text};
+use crate::error::{Error, Result};
 use crate::remote::SECRET_BYTES;
-use shmq_os::error::{Error, Result};
 
 /// Everything a reader process needs to join a queue. Send it to readers however you
 /// like; `Display`/`FromStr` give its one-line text form.

@@ -10,9 +10,9 @@
 //! every reader after its last message, without needing room in the ring: the writer's
 //! slot in the ring header turns CLOSED (see `protocol::slot_close`), which a local
 //! reader looks at when it finds no chunk to read — it polls once more, then fails with
-//! [`Error::WriterShutDown`] — and remote readers get a last authenticated CLOSED message
+//! [`QueueError::WriterShutDown`] — and remote readers get a last authenticated CLOSED message
 //! on their stream (see [`crate::remote`]). A writer that dies without it is seen as dead
-//! ([`Error::DeadWriter`]) instead. The writer's own calls fail with [`Error::ShutDown`]
+//! ([`QueueError::DeadWriter`]) instead. The writer's own calls fail with [`QueueError::ShutDown`]
 //! from then on, also one blocked in another thread (the canceller is set first).
 //!
 //! Files: `options` (how a writer is made), `handle` (what a reader needs to join),
@@ -27,7 +27,7 @@ mod tests;
 mod writer;
 
 use super::ring::Ring;
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, QueueError, Result};
 use shmq_os::liveness::Liveness;
 
 pub use cancel::Canceller;
@@ -42,12 +42,12 @@ fn dead_local_reader(ring: &Ring) -> Result<()> {
     for r in 0..ring.n_reader() {
         if reader_is_dead(ring, r) && !ring.reader_left(r) {
             let pid = ring.slot_info(Some(r))?.process.map_or(0, |p| p.pid);
-            return Err(Error::DeadReader {
+            return Err(Error::Queue(QueueError::DeadReader {
                 reader: r,
                 pid,
                 chunk: 0,
                 queue: Some(ring.name().to_owned()),
-            });
+            }));
         }
     }
     Ok(())
@@ -64,8 +64,8 @@ fn reader_is_dead(ring: &Ring, r: usize) -> bool {
 /// The error when a chunk seen as ready is not ready a moment later: only a writer that
 /// breaks the protocol (or another process writing into the segment) can cause it.
 fn chunk_changed(ring: &Ring) -> Error {
-    Error::BadSegment {
+    Error::Os(OsError::BadSegment {
         name: ring.name().to_owned(),
         reason: "a chunk changed while it was being read (is another process writing into this segment?)".into(),
-    }
+    })
 }

@@ -19,10 +19,10 @@ use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, Ring, RingReader};
 use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
+use crate::error::{Error, QueueError, Result};
 use crate::remote::RemoteReader;
 use crate::transport::Subscriber;
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
-use shmq_os::error::{Error, Result};
 use shmq_os::fork::{self, LeakInChild};
 use shmq_os::private_map::{PrivateFile, PrivateMap};
 
@@ -589,9 +589,9 @@ impl Reader {
                     if ring.writer_closed() {
                         let since = *closed_since.get_or_insert_with(Instant::now);
                         if since.elapsed() >= READY_GRACE {
-                            return Err(Error::WriterShutDown {
+                            return Err(Error::Queue(QueueError::WriterShutDown {
                                 queue: Some(ring.name().to_owned()),
-                            });
+                            }));
                         }
                     }
                     RingReader::check_writer(&ring)
@@ -640,7 +640,7 @@ impl Reader {
                         if r.writer_closed() && r.writer_gone() {
                             let since = *gone_since.get_or_insert_with(Instant::now);
                             if since.elapsed() >= READY_GRACE {
-                                return Err(Error::WriterGoneMidMessage);
+                                return Err(Error::Queue(QueueError::WriterGoneMidMessage));
                             }
                         }
                         RingReader::check_writer(&r)

@@ -403,7 +403,7 @@ fn close_ends_the_writer_and_readers_get_everything_then_the_end() {
                     // The local reader's error names the queue's ring; the remote
                     // reader's stream has none.
                     let named = match &e {
-                        Error::WriterShutDown { queue } => queue.clone(),
+                        Error::Queue(QueueError::WriterShutDown { queue }) => queue.clone(),
                         other => panic!("rank {rank}: {other}"),
                     };
                     assert_eq!(
@@ -423,7 +423,7 @@ fn close_ends_the_writer_and_readers_get_everything_then_the_end() {
         let e = w
             .enqueue(b"late", Some(Duration::from_secs(1)))
             .unwrap_err();
-        assert!(matches!(e, Error::ShutDown), "{e}");
+        assert!(matches!(e, Error::Queue(QueueError::ShutDown)), "{e}");
     });
 }
 
@@ -445,7 +445,7 @@ fn a_cancelled_writer_says_it_was_shut_down() {
             canceller.cancel();
         });
         let e = w.enqueue(b"blocked", None).unwrap_err();
-        assert!(matches!(e, Error::ShutDown), "{e}");
+        assert!(matches!(e, Error::Queue(QueueError::ShutDown)), "{e}");
     });
 }
 

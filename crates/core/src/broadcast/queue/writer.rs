@@ -11,10 +11,10 @@ use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
+use crate::error::{Error, OsError, QueueError, Result};
 use crate::remote::{self, RemoteWriter};
 use crate::transport::{default_connect_ip, Publisher};
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
-use shmq_os::error::{Error, Result};
 use shmq_os::fork::{self, LeakInChild};
 
 /// What the writer's waits are for, in warnings and timeout errors.
@@ -274,9 +274,9 @@ impl Writer {
         })
     }
 
-    /// Shut the queue down: this writer's calls fail with [`Error::ShutDown`] from now
+    /// Shut the queue down: this writer's calls fail with [`QueueError::ShutDown`] from now
     /// on (also calls blocked in other threads: see [`Canceller`]), and every reader,
-    /// after the messages sent before, gets [`Error::WriterShutDown`]. Local readers learn
+    /// after the messages sent before, gets [`QueueError::WriterShutDown`]. Local readers learn
     /// it from the writer's slot in the ring (no chunk needed, so this never waits for
     /// room); remote readers from a closing message on the stream, sent within
     /// `CLOSE_GRACE` (1 s; a reader whose queue stays full that long sees the writer go
@@ -302,19 +302,19 @@ impl Writer {
         self.closed || self.canceller.is_cancelled()
     }
 
-    /// [`Error::ShutDown`] once the writer was shut down.
+    /// [`QueueError::ShutDown`] once the writer was shut down.
     fn check_open(&self) -> Result<()> {
         if self.is_shut_down() {
-            return Err(Error::ShutDown);
+            return Err(Error::Queue(QueueError::ShutDown));
         }
         Ok(())
     }
 
-    /// A wait of this writer's ended by its canceller says so ([`Error::ShutDown`]): the
+    /// A wait of this writer's ended by its canceller says so ([`QueueError::ShutDown`]): the
     /// canceller is only ever set to shut the writer down (`close`, `cancel()`).
     fn why(&self, e: Error) -> Error {
         match e {
-            Error::Cancelled if self.canceller.is_cancelled() => Error::ShutDown,
+            Error::Cancelled if self.canceller.is_cancelled() => Error::Queue(QueueError::ShutDown),
             e => e,
         }
     }
@@ -874,11 +874,11 @@ impl Writer {
         // The caller may fill the whole chunk: reserve all of it in /dev/shm first.
         let whole = ring.ring().max_chunk_bytes();
         if !ring.reserve(whole)? {
-            return Err(Error::NoSpace {
+            return Err(Error::Os(OsError::NoSpace {
                 name: ring.ring().name().to_owned(),
                 needed: whole as u64,
                 available: shmq_os::segment::shm_free_bytes().unwrap_or(0),
-            });
+            }));
         }
         ring.acquire(wait).map(drop)
     }

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 use shmq_os::segment::round_up;
 use shmq_protocol::doorbell::DoorbellWords;
 

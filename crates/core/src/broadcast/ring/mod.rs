@@ -44,7 +44,7 @@ mod writer;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 use shmq_os::liveness::{Liveness, LockProbe};
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{name_trouble, with_unique_name, HeaderCheck, Segment};
@@ -218,7 +218,7 @@ impl Ring {
             geo.data_offset as u64,
         );
         if stored != expected || segment.len() < geo.total {
-            return Err(segment.header_mismatch());
+            return Err(segment.header_mismatch().into());
         }
         let probe = LockProbe::open(name);
         Ok(Ring {
@@ -248,13 +248,13 @@ impl Ring {
     /// `shmq_os::sigbus`): one atomic load, at each call's start and end.
     #[inline]
     pub fn check_intact(&self) -> Result<()> {
-        self.segment.check_intact()
+        Ok(self.segment.check_intact()?)
     }
 
     /// [`check_intact`](Self::check_intact), and whether the file is still as long (a
     /// `stat`): for the liveness steps of waits.
     pub fn check_length(&self) -> Result<()> {
-        self.segment.check_length()
+        Ok(self.segment.check_length()?)
     }
     pub fn n_reader(&self) -> usize {
         self.geo.n_reader
@@ -329,11 +329,11 @@ impl Ring {
     /// Remove the segment's name now (the mapping stays valid for everyone who has it).
     /// For a creator that must clean up before its objects are dropped (interpreter exit).
     pub fn unlink(&self) -> Result<()> {
-        self.segment.unlink()
+        Ok(self.segment.unlink()?)
     }
 
     /// Mark the queue shut down by its writer (after its last chunk) and wake the readers:
-    /// a reader takes what is left and then gets [`Error::WriterShutDown`] (see
+    /// a reader takes what is left and then gets [`QueueError::WriterShutDown`] (see
     /// `RingReader::wait`). Needs no room in the ring, so it never waits.
     pub fn close_writer(&self) {
         protocol::slot_close(&self.slot(0).word);
@@ -419,7 +419,7 @@ impl Ring {
 
     /// Start and length of the whole segment in this process (what Python's
     /// `ShmRingBuffer.shared_memory.buf` shows), all of it reserved in `/dev/shm` first, so
-    /// that touching any byte cannot fault (`Error::NoSpace` when there is no room).
+    /// that touching any byte cannot fault (`OsError::NoSpace` when there is no room).
     pub fn segment_bytes(&self) -> Result<(*mut u8, usize)> {
         self.segment.reserve_whole()?;
         Ok((self.segment.as_ptr(), self.segment.len()))

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use super::layout::ChunkKind;
 use super::Ring;
+use crate::error::{Error, QueueError, Result};
 use crate::wait::Wait;
-use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_protocol::ring as protocol;
 
@@ -101,15 +101,15 @@ impl RingReader {
         }
         let info = ring.slot_info(None)?;
         match (info.process, ring.holder_liveness(None, &info)) {
-            (Some(w), Liveness::Dead) => Err(Error::DeadWriter {
+            (Some(w), Liveness::Dead) => Err(Error::Queue(QueueError::DeadWriter {
                 pid: w.pid,
                 queue: Some(ring.name().to_owned()),
-            }),
+            })),
             _ => Ok(()),
         }
     }
 
-    /// Wait until the next chunk is readable; [`Error::WriterShutDown`] once the writer
+    /// Wait until the next chunk is readable; [`QueueError::WriterShutDown`] once the writer
     /// shut the queue down and every chunk it published has been read.
     pub fn wait(&self, wait: &mut Wait) -> Result<ChunkInfo> {
         let ring = &*self.ring;
@@ -118,11 +118,11 @@ impl RingReader {
             Some(info) => Some(Ok(info)),
             // Once more after seeing the mark: a chunk published just before it
             // is visible now (see `protocol::slot_close`).
-            None if ring.writer_closed() => {
-                Some(self.poll().ok_or_else(|| Error::WriterShutDown {
+            None if ring.writer_closed() => Some(self.poll().ok_or_else(|| {
+                Error::Queue(QueueError::WriterShutDown {
                     queue: Some(ring.name().to_owned()),
-                }))
-            }
+                })
+            })),
             None => None,
         };
         if let Some(r) = ready() {

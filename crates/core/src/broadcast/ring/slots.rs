@@ -14,8 +14,8 @@
 
 use super::layout::{SLOTS_OFFSET, SLOT_SIZE};
 use super::Ring;
+use crate::error::{Error, Result};
 use crate::wait::Wait;
-use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::process::ProcessId;
 use shmq_protocol::ring::{self as protocol, SLOT_ATTACHED, SLOT_CLOSED, SLOT_DROPPED};

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use super::*;
+use crate::error::QueueError;
 use crate::wait::Wait;
 use std::time::Duration;
 
@@ -100,11 +101,11 @@ fn a_dead_reader_is_reported_or_dropped() {
     r0.finish();
     let long = || Wait::new("test", Some(Duration::from_secs(10)));
     match w.acquire(&mut long()) {
-        Err(Error::DeadReader {
+        Err(Error::Queue(QueueError::DeadReader {
             reader: 1,
             chunk: 0,
             ..
-        }) => {}
+        })) => {}
         other => panic!("expected DeadReader, got {other:?}"),
     }
     w.on_dead_reader(DeadReaderPolicy::Drop);
@@ -165,7 +166,7 @@ fn a_reader_dropped_by_a_panic_has_not_left() {
     assert!(!ring.slot_info(Some(0)).unwrap().left);
     let long = || Wait::new("test", Some(Duration::from_secs(10)));
     match w.acquire(&mut long()) {
-        Err(Error::DeadReader { reader: 0, .. }) => {}
+        Err(Error::Queue(QueueError::DeadReader { reader: 0, .. })) => {}
         other => panic!("expected DeadReader, got {other:?}"),
     }
 }
@@ -178,7 +179,10 @@ fn a_dead_writer_is_reported() {
     let err = r
         .wait(&mut Wait::new("test", Some(Duration::from_secs(10))))
         .unwrap_err();
-    assert!(matches!(err, Error::DeadWriter { .. }), "{err}");
+    assert!(
+        matches!(err, Error::Queue(QueueError::DeadWriter { .. })),
+        "{err}"
+    );
 }
 
 #[test]

@@ -22,8 +22,8 @@ use std::sync::Arc;
 
 use super::layout::ChunkKind;
 use super::Ring;
+use crate::error::{Error, OsError, QueueError, Result};
 use crate::wait::Wait;
-use shmq_os::error::{Error, Result};
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::segment::{round_up, warn_shm_too_small};
 use shmq_protocol::ring::{self as protocol, ChunkFlags};
@@ -43,8 +43,9 @@ impl Ring {
     /// bindings); the writer keeps its own high-water marks instead.
     pub fn reserve_data(&self, i: usize, len: usize) -> Result<()> {
         let offset = self.data_file_offset(i)? as usize;
-        self.segment
-            .reserve_range(offset, len.min(self.geo.data_stride))
+        Ok(self
+            .segment
+            .reserve_range(offset, len.min(self.geo.data_stride))?)
     }
 }
 
@@ -55,7 +56,7 @@ impl Ring {
 /// so once (an `info` log record, "reader 1 (rank 1, pid 4242) left queue ...").
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum DeadReaderPolicy {
-    /// Fail the blocked call with [`Error::DeadReader`].
+    /// Fail the blocked call with [`QueueError::DeadReader`].
     #[default]
     Raise,
     /// Go on without that reader: it no longer holds chunks back.
@@ -70,7 +71,7 @@ impl std::str::FromStr for DeadReaderPolicy {
             ("raise", DeadReaderPolicy::Raise),
             ("drop", DeadReaderPolicy::Drop),
         ];
-        shmq_os::error::parse_choice("on_dead_reader", s, &choices)
+        crate::error::parse_choice("on_dead_reader", s, &choices)
     }
 }
 
@@ -256,12 +257,12 @@ impl RingWriter {
             }
             match policy {
                 DeadReaderPolicy::Raise => {
-                    return Err(Error::DeadReader {
+                    return Err(Error::Queue(QueueError::DeadReader {
                         reader: r,
                         pid: process.pid,
                         chunk: i,
                         queue: Some(ring.name().to_owned()),
-                    });
+                    }));
                 }
                 DeadReaderPolicy::Drop => {
                     // A CAS on the slot word judged: a process that took the slot since
@@ -332,7 +333,7 @@ impl RingWriter {
                     self.reserved[i] = target;
                     return Ok(true);
                 }
-                Err(Error::NoSpace { .. }) => continue,
+                Err(Error::Os(OsError::NoSpace { .. })) => continue,
                 Err(e) => return Err(e),
             }
         }
@@ -397,7 +398,7 @@ impl RingWriter {
     }
 
     /// Copy `msg` into the next chunk and publish it (waiting for room). An
-    /// [`Error::NoSpace`] if `/dev/shm` has no room for it (nothing is acquired then;
+    /// [`OsError::NoSpace`] if `/dev/shm` has no room for it (nothing is acquired then;
     /// a caller with another way to send it checks [`reserve`](Self::reserve) first).
     pub fn write(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
         if msg.len() > self.ring.max_chunk_bytes() {
@@ -408,11 +409,11 @@ impl RingWriter {
             )));
         }
         if !self.reserve(msg.len())? {
-            return Err(Error::NoSpace {
+            return Err(Error::Os(OsError::NoSpace {
                 name: self.ring.name().to_owned(),
                 needed: msg.len() as u64,
                 available: shmq_os::segment::shm_free_bytes().unwrap_or(0),
-            });
+            }));
         }
         self.acquire(wait)?;
         self.data_mut().expect("acquired")[..msg.len()].copy_from_slice(msg);

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::{lock, Inner, LoadState, State};
 use crate::encoder_cache::entries::{self, READY};
 use crate::encoder_cache::slots;
-use shmq_os::error::Error;
+use crate::error::{CacheError, Error};
 use shmq_os::segment::{shm_statvfs, SHM_DIR};
 use shmq_protocol::sync::Ordering;
 
@@ -184,13 +184,13 @@ impl Inner {
         } else {
             format!("{holders} (evict keys, let the consumers load them, or make the cache larger)")
         };
-        Error::CacheFull {
+        Error::Cache(CacheError::Full {
             name: self.name.clone(),
             needed: needed as u64,
             capacity: self.map.geo.capacity as u64,
             held,
             waited,
             reason,
-        }
+        })
     }
 }

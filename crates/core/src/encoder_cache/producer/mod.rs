@@ -21,8 +21,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::error::{CacheError, Error, OsError, Result};
 use crate::wait::{Wait, WaitPolicy, WaitSpec};
-use shmq_os::error::{Error, Result};
 use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{with_unique_name, Segment};
@@ -274,13 +274,13 @@ impl Producer {
             )));
         }
         // A peer that truncated the segment (see `shmq_os::sigbus`).
-        self.inner.map.segment.check_intact()
+        Ok(self.inner.map.segment.check_intact()?)
     }
 
     /// Reserve room for an entry of parts of `part_lens` bytes under `key`, evicting the
     /// oldest entries every live consumer has loaded if needed (for want of capacity,
     /// entry records or /dev/shm), and waiting (as `wait` allows) while nothing can be
-    /// evicted; then [`Error::CacheFull`], which names /dev/shm when that was the limit.
+    /// evicted; then [`CacheError::Full`], which names /dev/shm when that was the limit.
     /// `Ok(None)`: the key is held (or being saved) already. Fill the parts and
     /// [`publish`](Reservation::publish) it.
     pub fn reserve_with(
@@ -297,10 +297,10 @@ impl Producer {
             let st = lock(&inner.state);
             st.alloc.rounded(layout.total)
         }
-        .ok_or(Error::TooLarge {
+        .ok_or(Error::Cache(CacheError::TooLarge {
             size: layout.total as u64,
             max: inner.map.geo.capacity as u64,
-        })?;
+        }))?;
         let attempt = || -> Result<Option<Option<Reservation>>> {
             let mut st = lock(&inner.state);
             if st.keys.contains_key(key) {
@@ -319,7 +319,7 @@ impl Producer {
                 let mut sweep = || {
                     inner.sweep();
                     // A peer that truncated the segment ends the wait (see `shmq_os::sigbus`).
-                    inner.map.segment.check_length()
+                    Ok(inner.map.segment.check_length()?)
                 };
                 let mut failure = None;
                 let started = std::time::Instant::now();
@@ -426,18 +426,18 @@ impl Producer {
     /// Wait (as `wait` allows) until every live consumer that joined before `key` was
     /// published has loaded it (and at least `min_consumers` did). Consumers that die
     /// stop counting (they are checked about twice a second). Fails with
-    /// [`Error::UnknownKey`] for a key not held (or evicted before it was loaded).
+    /// [`CacheError::UnknownKey`] for a key not held (or evicted before it was loaded).
     pub fn wait_loaded_with(&self, key: &str, wait: &mut Wait<'_>) -> Result<()> {
         let inner = &self.inner;
         let mut sweep = || {
             inner.sweep();
             // A peer that truncated the segment ends the wait (see `shmq_os::sigbus`).
-            inner.map.segment.check_length()
+            Ok(inner.map.segment.check_length()?)
         };
         let ready = || match self.load_state(key) {
             LoadState::Loaded => Some(Ok(())),
             LoadState::Pending => None,
-            LoadState::Unknown => Some(Err(Error::UnknownKey(key.to_owned()))),
+            LoadState::Unknown => Some(Err(Error::Cache(CacheError::UnknownKey(key.to_owned())))),
         };
         if let Some(r) = ready() {
             return r;
@@ -478,7 +478,7 @@ impl Producer {
         let mut sweep = || {
             inner.sweep();
             // A peer that truncated the segment ends the wait (see `shmq_os::sigbus`).
-            inner.map.segment.check_length()
+            Ok(inner.map.segment.check_length()?)
         };
         let r = wait.until(Some(inner.map.bell()), &mut sweep, || {
             let st = lock(&inner.state);
@@ -543,7 +543,7 @@ impl Producer {
 
     /// Remove the segment's name now (as at interpreter exit), without closing.
     pub fn unlink(&self) -> Result<()> {
-        self.inner.map.segment.unlink()
+        Ok(self.inner.map.segment.unlink()?)
     }
 }
 
@@ -555,8 +555,8 @@ fn replace_if_stale(name: &str) -> Result<()> {
     }
     let old = match Segment::open(name) {
         Ok(s) => s,
-        Err(Error::SegmentNotFound { .. }) => return Ok(()),
-        Err(e) => return Err(e),
+        Err(OsError::SegmentNotFound { .. }) => return Ok(()),
+        Err(e) => return Err(e.into()),
     };
     let creator = Mapped::creator_of(&old);
     if let Some(c) = creator.filter(|c| c.is_alive()) {
@@ -599,7 +599,7 @@ impl Inner {
             .header()
             .state
             .store(STATE_CLOSED, Ordering::Release);
-        self.map.segment.unlink()
+        Ok(self.map.segment.unlink()?)
     }
 }
 

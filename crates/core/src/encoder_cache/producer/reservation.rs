@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::{lock, Inner, State};
 use crate::encoder_cache::entries::{self, PartsLayout, READY, WRITING};
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, Result};
 use shmq_protocol::key_index::Key;
 use shmq_protocol::sync::Ordering;
 
@@ -56,7 +56,7 @@ impl Inner {
         // The bytes may have been copied into the zero pages of a truncated segment.
         if let Err(e) = self.map.segment.check_intact() {
             self.abandon_locked(&mut st, entry);
-            return Err(e);
+            return Err(e.into());
         }
         let local = &st.entries[entry as usize];
         if local.generation != generation || local.key.is_none() {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::{lock, Inner, State};
 use crate::encoder_cache::entries::{self, RETIRED};
 use crate::encoder_cache::slots;
-use shmq_os::error::{Error, Result};
+use crate::error::{Error, OsError, Result};
 use shmq_os::segment::{shm_statvfs, warn_shm_too_small};
 use shmq_protocol::sync::Ordering;
 
@@ -80,7 +80,7 @@ impl Inner {
                             self.restore_headroom(st);
                             return Ok(Some((entry, offset)));
                         }
-                        Err(Error::NoSpace { .. }) => {
+                        Err(Error::Os(OsError::NoSpace { .. })) => {
                             st.alloc.give_back(offset, len);
                             if !st.shm_short {
                                 warn_shm_too_small(
@@ -227,7 +227,7 @@ impl Inner {
 
     /// Make sure `offset..offset + len` of the data region is backed in /dev/shm: the
     /// holes in it reserved again, and the mark raised past it (a step at a time, or
-    /// exactly to its end when a step does not fit). [`Error::NoSpace`] if /dev/shm has
+    /// exactly to its end when a step does not fit). [`OsError::NoSpace`] if /dev/shm has
     /// no room for it (what was reserved before the failure stays reserved and recorded).
     fn back(&self, st: &mut State, offset: usize, len: usize) -> Result<()> {
         let end = offset + len;
@@ -254,7 +254,7 @@ impl Inner {
                     st.backing.fill(from, target);
                     return Ok(());
                 }
-                Err(Error::NoSpace { .. }) if target != end => {}
+                Err(Error::Os(OsError::NoSpace { .. })) if target != end => {}
                 Err(_) => break,
             }
         }
@@ -268,11 +268,11 @@ impl Inner {
         // undo it all, which a producer polling for room would do again and again.
         if let Some((free, _)) = shm_statvfs() {
             if len as u64 > free {
-                return Err(Error::NoSpace {
+                return Err(Error::Os(OsError::NoSpace {
                     name: self.map.segment.name().to_owned(),
                     needed: len as u64,
                     available: free,
-                });
+                }));
             }
         }
         self.map

@@ -3,11 +3,11 @@
 
 use super::{Peer, Probe, RemoteWriter};
 use crate::auth::{mac, mac_eq, message_mac};
+use crate::error::{Error, Result};
 use crate::remote::guard::peer_of;
 use crate::remote::wire::*;
 use crate::transport::poll_slice;
 use crate::wait::Wait;
-use shmq_os::error::{Error, Result};
 
 impl RemoteWriter {
     /// Take the HELLOs that have arrived: accept the good ones, refuse duplicates and

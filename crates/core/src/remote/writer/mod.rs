@@ -12,8 +12,8 @@ use super::{
     SECRET_BYTES,
 };
 use crate::auth::{mac, message_mac};
+use crate::error::{Error, Result};
 use crate::wait::Wait;
-use shmq_os::error::{Error, Result};
 use shmq_os::fork::LeakInChild;
 
 /// How often a writer out of credit asks the reader again (an ACK can be lost: the

@@ -1,0 +1,76 @@
+//! The queue's errors: a peer that died, and the ends of a queue that was shut down.
+
+/// An error of the queue, and of a remote stream's reader where the writer shut down (in
+/// `shmq::Error`, [`crate::Error::Queue`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum QueueError {
+    /// A local reader died while the writer waited for it to free a chunk. `queue`: the
+    /// queue's ring segment, which the message names (one process may hold several
+    /// queues).
+    #[error("{}", dead_reader_message(*reader, *pid, *chunk, queue.as_deref()))]
+    DeadReader {
+        reader: usize,
+        pid: u32,
+        chunk: usize,
+        queue: Option<String>,
+    },
+
+    /// The writer died while a reader waited for its next message; `queue` as for
+    /// [`QueueError::DeadReader`].
+    #[error("{}", dead_writer_message(*pid, queue.as_deref()))]
+    DeadWriter { pid: u32, queue: Option<String> },
+
+    /// A call on a queue writer that was shut down (`shmq::Writer::close`,
+    /// or its `shmq::broadcast::Canceller`'s `cancel()` from another thread;
+    /// Python's `shutdown()`): it sends nothing more. Also how an `enqueue` blocked in
+    /// another thread ends when the writer is shut down.
+    #[error(
+        "the queue was shut down: this writer's shutdown() was called (or the writer was \
+         closed), so it sends no more messages"
+    )]
+    ShutDown,
+
+    /// The writer shut the queue down (`shmq::Writer::close`, Python's
+    /// `shutdown()`, or its normal end: dropped): the reader
+    /// has received every message sent before, and no more will come. Not a death: see
+    /// [`QueueError::DeadWriter`]. `queue`: the queue's ring segment, which the message names
+    /// (`None` for a remote stream's reader, which has none).
+    #[error("{}", writer_shut_down_message(queue.as_deref()))]
+    WriterShutDown { queue: Option<String> },
+
+    /// The writer shut the queue down and went away before the last message it had sent
+    /// over the overflow socket reached this reader (its process exited at once, before
+    /// ZeroMQ delivered it): that message is lost.
+    #[error(
+        "the writer shut down and went away before its last message (sent over the overflow \
+         socket) reached this reader: that message is lost"
+    )]
+    WriterGoneMidMessage,
+}
+
+/// The message of [`QueueError::DeadReader`], naming the queue (its ring segment) if known.
+fn dead_reader_message(reader: usize, pid: u32, chunk: usize, queue: Option<&str>) -> String {
+    let of_queue = queue.map_or_else(String::new, |q| format!(" of queue '{q}'"));
+    format!(
+        "reader {reader} (pid {pid}) died before reading chunk {chunk}{of_queue}; the writer \
+         cannot go on without losing its messages (to go on without dead readers, make the \
+         queue with on_dead_reader=\"drop\" in Python, or with QueueOptions::on_dead_reader \
+         set to DeadReaderPolicy::Drop in Rust)"
+    )
+}
+
+/// The message of [`QueueError::DeadWriter`], naming the queue (its ring segment) if known.
+fn dead_writer_message(pid: u32, queue: Option<&str>) -> String {
+    let on_queue = queue.map_or_else(String::new, |q| format!(" on queue '{q}'"));
+    format!("the writer (pid {pid}) died; no more messages will come{on_queue}")
+}
+
+/// The message of [`QueueError::WriterShutDown`], naming the queue (its ring segment) if known.
+fn writer_shut_down_message(queue: Option<&str>) -> String {
+    let of_queue = queue.map_or_else(String::new, |q| format!(" of queue '{q}'"));
+    format!(
+        "the writer{of_queue} shut down: every message it sent before has been received, and \
+         no more will come"
+    )
+}
