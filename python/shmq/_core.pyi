@@ -6,13 +6,14 @@ pyo3 class: ``@final`` (it cannot be subclassed; stubtest then asks for no
 ``@disjoint_base``), and constructors are ``__new__`` (pyo3's ``#[new]``).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, Optional, Protocol, TypedDict, TypeVar, final
 
 from typing_extensions import Buffer
 
 __all__ = [
     "Ring",
+    "QueueOptions",
     "Writer",
     "Reader",
     "Relay",
@@ -330,27 +331,62 @@ class Ring:
     def metadata_snapshot(self, i: int) -> bytes: ...
 
 @final
-class Writer:
-    """The writing side of a broadcast queue."""
+class QueueOptions:
+    """A queue's options, each checked when given; one not given (``None``) keeps the
+    core's default, which the attributes show."""
 
     def __new__(
         cls,
-        n_reader: int,
-        n_local_reader: int,
-        local_reader_ranks: Optional[list[int]] = None,
-        max_chunk_bytes: int = 10485760,
-        max_chunks: int = 10,
+        *,
+        local_reader_ranks: Optional[Iterable[int]] = None,
+        max_chunk_bytes: Optional[int] = None,
+        max_chunks: Optional[int] = None,
         connect_ip: Optional[str] = None,
         spin_us: Optional[float] = None,
         yield_us: Optional[float] = None,
-        on_dead_reader: Literal["raise", "drop"] = "raise",
+        on_dead_reader: Optional[Literal["raise", "drop"]] = None,
         arena_bytes: Optional[int] = None,
         arena_threshold: Optional[int] = None,
         remote_hwm: Optional[int] = None,
-        slow_remote_reader: Literal["block", "drop"] = "block",
+        slow_remote_reader: Optional[Literal["block", "drop"]] = None,
         remote_max_queued_bytes: Optional[int] = None,
         name: Optional[str] = None,
-    ) -> Writer: ...
+        on_lost_remote_reader: Optional[Literal["warn", "raise"]] = None,
+    ) -> QueueOptions: ...
+    @property
+    def local_reader_ranks(self) -> Optional[list[int]]: ...
+    @property
+    def max_chunk_bytes(self) -> int: ...
+    @property
+    def max_chunks(self) -> int: ...
+    @property
+    def connect_ip(self) -> Optional[str]: ...
+    @property
+    def spin_us(self) -> Optional[float]: ...
+    @property
+    def yield_us(self) -> Optional[float]: ...
+    @property
+    def on_dead_reader(self) -> Literal["raise", "drop"]: ...
+    @property
+    def arena_bytes(self) -> int: ...
+    @property
+    def arena_threshold(self) -> int: ...
+    @property
+    def remote_hwm(self) -> int: ...
+    @property
+    def slow_remote_reader(self) -> Literal["block", "drop"]: ...
+    @property
+    def remote_max_queued_bytes(self) -> int: ...
+    @property
+    def name(self) -> Optional[str]: ...
+    @property
+    def on_lost_remote_reader(self) -> Optional[Literal["warn", "raise"]]: ...
+
+@final
+class Writer:
+    """The writing side of a broadcast queue."""
+
+    def __new__(cls, n_reader: int, n_local_reader: int, options: Optional[QueueOptions] = None) -> Writer: ...
     def handle(self) -> _HandleFields:
         """The fields of the queue's ``shmq.Handle``, by name."""
     def ring(self) -> Optional[Ring]: ...
@@ -465,18 +501,7 @@ class Relay:
     """One copy of a remote stream per node (``shmq.Relay``)."""
 
     def __new__(
-        cls,
-        upstream: str,
-        rank: int,
-        n_local_reader: int,
-        local_reader_ranks: Optional[list[int]] = None,
-        max_chunk_bytes: int = 10485760,
-        max_chunks: int = 10,
-        spin_us: Optional[float] = None,
-        yield_us: Optional[float] = None,
-        on_dead_reader: str = "raise",
-        arena_bytes: Optional[int] = None,
-        arena_threshold: Optional[int] = None,
+        cls, upstream: str, rank: int, n_local_reader: int, options: Optional[QueueOptions] = None
     ) -> Relay: ...
     def handle_text(self) -> str: ...
     @property

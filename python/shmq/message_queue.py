@@ -95,15 +95,6 @@ def _count(value: Any, name: str, unit: str, *, minimum: int = 1, maximum: int =
     return n
 
 
-def _ranks(ranks: Any) -> list[int]:
-    """``local_reader_ranks`` as a list of ranks (non-negative ints)."""
-    out = list(ranks)
-    for r in out:
-        if isinstance(r, bool) or not hasattr(type(r), "__index__") or operator.index(r) < 0:
-            raise ValueError(f"local_reader_ranks must hold ranks (non-negative ints), got {out!r}")
-    return [operator.index(r) for r in out]
-
-
 def sched_yield() -> None:
     """Give the CPU to another thread or process."""
     if hasattr(os, "sched_yield"):
@@ -422,43 +413,19 @@ class MessageQueue:
         name: Optional[str] = None,
         on_lost_remote_reader: Optional[Literal["warn", "raise"]] = None,
     ):
-        # Sizes and counts are checked here, naming the argument. vLLM 0.33 accepts
-        # n_reader=0 (a queue that sends to nobody); shmq refuses it: made by hand, a
-        # queue without readers is a mistake. (create_from_process_group in a group of
-        # one process still makes one, as vLLM does: see _without_readers.) The core
-        # checks the rest (n_local_reader <= n_reader, the ranks' number and duplicates,
-        # the policies' names).
+        # vLLM 0.33 accepts n_reader=0 (a queue that sends to nobody); shmq refuses it:
+        # made by hand, a queue without readers is a mistake. (create_from_process_group
+        # in a group of one process still makes one, as vLLM does: see _without_readers.)
+        # The options are converted and checked once, by the core (_core.QueueOptions,
+        # naming the argument); an option left None keeps the core's default.
         n_reader = _count(n_reader, "n_reader", "readers")
-        n_local_reader = _count(n_local_reader, "n_local_reader", "readers", minimum=0)
-        max_chunk_bytes = _count(max_chunk_bytes, "max_chunk_bytes", "bytes")
-        max_chunks = _count(max_chunks, "max_chunks", "chunks")
-        if arena_bytes is not None:
-            arena_bytes = _count(arena_bytes, "arena_bytes", "bytes (0: no arena)", minimum=0)
-        if arena_threshold is not None:
-            arena_threshold = _count(arena_threshold, "arena_threshold", "bytes", minimum=0)
-        if remote_hwm is not None:
-            remote_hwm = _count(remote_hwm, "remote_hwm", "messages", maximum=2**31 - 1)
-        if remote_max_queued_bytes is not None:
-            remote_max_queued_bytes = _count(
-                remote_max_queued_bytes, "remote_max_queued_bytes", "bytes"
-            )
-        if local_reader_ranks is not None:
-            local_reader_ranks = _ranks(local_reader_ranks)
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a str, got {type(name).__name__}")
         if on_lost_remote_reader is None:
             on_lost_remote_reader = type(self).default_on_lost_remote_reader
-        if on_lost_remote_reader not in ("warn", "raise"):
-            raise ValueError(f"on_lost_remote_reader must be 'warn' or 'raise', got {on_lost_remote_reader!r}")
-        self._lost_remote_raises = on_lost_remote_reader == "raise"
-        self._start_writer(
-            n_reader,
-            n_local_reader,
-            local_reader_ranks,
-            max_chunk_bytes,
-            max_chunks,
-            connect_ip,
-            enable_shm_tensor_arena,
+        options = _core.QueueOptions(
+            local_reader_ranks=local_reader_ranks,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            connect_ip=connect_ip,
             spin_us=spin_us,
             yield_us=yield_us,
             on_dead_reader=on_dead_reader,
@@ -468,25 +435,18 @@ class MessageQueue:
             slow_remote_reader=slow_remote_reader,
             remote_max_queued_bytes=remote_max_queued_bytes,
             name=name,
+            on_lost_remote_reader=on_lost_remote_reader,
         )
+        self._lost_remote_raises = options.on_lost_remote_reader == "raise"
+        self._start_writer(n_reader, n_local_reader, options, enable_shm_tensor_arena)
 
     def _start_writer(
-        self,
-        n_reader: int,
-        n_local_reader: int,
-        local_reader_ranks: Optional[list[int]],
-        max_chunk_bytes: int,
-        max_chunks: int,
-        connect_ip: Optional[str],
-        enable_shm_tensor_arena: bool,
-        **options: Any,
+        self, n_reader: int, n_local_reader: int, options: _core.QueueOptions, enable_shm_tensor_arena: bool
     ) -> None:
-        """Make the writer, of arguments already checked (``options``: the core's)."""
-        self._writer = _core.Writer(
-            n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks, connect_ip, **options
-        )
+        """Make the writer."""
+        self._writer = _core.Writer(n_reader, n_local_reader, options)
         self.handle = Handle(**self._writer.handle())
-        self.name = options.get("name")
+        self.name = options.name
         if self.name is not None:
             self._claim_name(self.name)
         track_writer(self._writer)  # its readers hear of its end, also at exit
@@ -496,8 +456,8 @@ class MessageQueue:
         self.tensor_arena = None
         ring = self._writer.ring()
         self.buffer = ShmRingBuffer._wrap(ring) if ring is not None else None
-        self.n_local_reader = n_local_reader
-        self.n_remote_reader = n_reader - n_local_reader
+        self.n_local_reader = len(self.handle.local_reader_ranks)
+        self.n_remote_reader = n_reader - self.n_local_reader
         self._is_writer = True
         self.shutting_down = False
 
@@ -507,9 +467,8 @@ class MessageQueue:
         group of one process, as vLLM 0.33 does there (the constructor refuses
         ``n_reader=0``). Its enqueue and wait_until_ready return at once."""
         self = MessageQueue.__new__(MessageQueue)
-        max_chunk_bytes = _count(max_chunk_bytes, "max_chunk_bytes", "bytes")
-        max_chunks = _count(max_chunks, "max_chunks", "chunks")
-        self._start_writer(0, 0, [], max_chunk_bytes, max_chunks, None, False)
+        options = _core.QueueOptions(local_reader_ranks=[], max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks)
+        self._start_writer(0, 0, options, False)
         return self
 
     def export_handle(self) -> Handle:

@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from . import _cleanup, _core
 from .message_queue import Handle
@@ -44,9 +44,10 @@ class Relay:
     ``local_reader_ranks`` names the local readers' ranks in the relay's queue (default
     ``0..n_local_reader``; the ranks they have in the whole job, say 8..15, read more
     clearly). The ring's sizes default to the upstream queue's where its handle has a
-    ring, else 10 chunks of 10 MiB; a message larger than a chunk goes over the relay's
+    ring, else the core's defaults; a message larger than a chunk goes over the relay's
     overflow socket, as in any queue. ``on_dead_reader``: ``"raise"`` (a dead local
-    reader ends :meth:`run`) or ``"drop"`` (the others go on).
+    reader ends :meth:`run`, the default) or ``"drop"`` (the others go on). An option
+    left ``None`` keeps the default (``shmq._core.QueueOptions``).
     """
 
     def __init__(
@@ -58,19 +59,11 @@ class Relay:
         local_reader_ranks: Optional[list[int]] = None,
         max_chunk_bytes: Optional[int] = None,
         max_chunks: Optional[int] = None,
-        on_dead_reader: str = "raise",
+        on_dead_reader: Optional[Literal["raise", "drop"]] = None,
         spin_us: Optional[float] = None,
         yield_us: Optional[float] = None,
     ) -> None:
-        upstream_ring = handle.buffer_handle
-        if max_chunk_bytes is None:
-            max_chunk_bytes = upstream_ring[1] if upstream_ring else 10 * 1024 * 1024
-        if max_chunks is None:
-            max_chunks = upstream_ring[2] if upstream_ring else 10
-        self._core = _core.Relay(
-            str(handle),
-            rank,
-            n_local_reader,
+        options = _core.QueueOptions(
             local_reader_ranks=local_reader_ranks,
             max_chunk_bytes=max_chunk_bytes,
             max_chunks=max_chunks,
@@ -78,6 +71,7 @@ class Relay:
             spin_us=spin_us,
             yield_us=yield_us,
         )
+        self._core = _core.Relay(str(handle), rank, n_local_reader, options)
         self.rank = rank
         # Shut down at exit; its segments removed by the janitor if the process dies.
         _cleanup.track_writer(self)
@@ -155,7 +149,7 @@ class RelayCommand:
         parser.add_argument("--out", help="write the relay's handle here (atomically); it is also printed")
         parser.add_argument("--max-chunk-bytes", type=int, help="default: the upstream queue's")
         parser.add_argument("--max-chunks", type=int, help="default: the upstream queue's")
-        parser.add_argument("--on-dead-reader", choices=["raise", "drop"], default="raise")
+        parser.add_argument("--on-dead-reader", choices=["raise", "drop"])
         parser.add_argument(
             "--timeout", type=float, default=300.0, help="seconds to wait for the handle file and for readiness"
         )

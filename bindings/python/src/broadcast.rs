@@ -20,13 +20,13 @@ use super::COPY_WITH_GIL_MAX;
 use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError, PyValueError};
 use shmq::broadcast::queue::Canceller;
 use shmq::broadcast::queue::ChunkEnd;
-use shmq::broadcast::DeadReaderPolicy;
+
+use crate::options::{count, QueueOptions};
 use shmq::broadcast::{
-    ArrayMeta, ArrayRef, Dtype, Handle, Part, QueueOptions, Reader as CoreReader, Received,
-    Ring as CoreRing, RingHandle, Writer as CoreWriter,
+    ArrayMeta, ArrayRef, Dtype, Handle, Part, QueueOptions as CoreQueueOptions,
+    Reader as CoreReader, Received, Ring as CoreRing, RingHandle, Writer as CoreWriter,
 };
 use shmq::error::Error;
-use shmq::remote::{RemoteOptions, SlowReaderPolicy};
 use shmq::wait::WaitSpec;
 
 type RingTuple = (usize, usize, usize, String);
@@ -410,84 +410,27 @@ impl Writer {
     }
 }
 
-/// The options of a queue's local side as Python spells them (a writer's, a relay's), set
-/// on `opts`, which already says how many local readers there are; `None` keeps the core's
-/// default.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn set_local_options(
-    opts: &mut QueueOptions,
-    local_reader_ranks: Option<Vec<usize>>,
-    max_chunk_bytes: usize,
-    max_chunks: usize,
-    spin_us: Option<f64>,
-    yield_us: Option<f64>,
-    on_dead_reader: &str,
-    arena_bytes: Option<usize>,
-    arena_threshold: Option<usize>,
-) -> PyResult<()> {
-    opts.local_reader_ranks = local_reader_ranks;
-    opts.max_chunk_bytes = max_chunk_bytes;
-    opts.max_chunks = max_chunks;
-    opts.wait = Some(wait_policy(
-        opts.n_local_reader.saturating_add(1),
-        spin_us,
-        yield_us,
-    )?);
-    opts.on_dead_reader = on_dead_reader.parse::<DeadReaderPolicy>().or_raise()?;
-    if let Some(b) = arena_bytes {
-        opts.arena_bytes = b;
-    }
-    if let Some(t) = arena_threshold {
-        opts.arena_threshold = t;
-    }
-    Ok(())
-}
-
 #[pymethods]
 impl Writer {
+    /// A writer for `n_reader` readers, `n_local_reader` of them on this machine, made
+    /// with `options` (the core's defaults where `None`).
     #[new]
-    #[pyo3(signature = (n_reader, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10_485_760, max_chunks=10, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader="block", remote_max_queued_bytes=None, name=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (n_reader, n_local_reader, options=None))]
     fn new(
-        n_reader: usize,
-        n_local_reader: usize,
-        local_reader_ranks: Option<Vec<usize>>,
-        max_chunk_bytes: usize,
-        max_chunks: usize,
-        connect_ip: Option<String>,
-        spin_us: Option<f64>,
-        yield_us: Option<f64>,
-        on_dead_reader: &str,
-        arena_bytes: Option<usize>,
-        arena_threshold: Option<usize>,
-        remote_hwm: Option<i32>,
-        slow_remote_reader: &str,
-        remote_max_queued_bytes: Option<u64>,
-        name: Option<String>,
+        n_reader: &Bound<'_, PyAny>,
+        n_local_reader: &Bound<'_, PyAny>,
+        options: Option<QueueOptions>,
     ) -> PyResult<Writer> {
-        let defaults = RemoteOptions::default();
-        let remote = RemoteOptions {
-            slow_reader: slow_remote_reader.parse::<SlowReaderPolicy>().or_raise()?,
-            hwm: remote_hwm.unwrap_or(defaults.hwm),
-            max_queued_bytes: remote_max_queued_bytes.unwrap_or(defaults.max_queued_bytes),
-        };
-        let mut opts = QueueOptions::default();
-        opts.n_reader = n_reader;
-        opts.n_local_reader = n_local_reader;
-        opts.connect_ip = connect_ip;
-        set_local_options(
-            &mut opts,
-            local_reader_ranks,
-            max_chunk_bytes,
-            max_chunks,
-            spin_us,
-            yield_us,
-            on_dead_reader,
-            arena_bytes,
-            arena_threshold,
-        )?;
-        opts.remote = remote;
-        opts.name = name;
+        let mut opts = CoreQueueOptions::default();
+        opts.n_reader = count(n_reader, "n_reader", "readers", 0, i64::MAX.into())? as usize;
+        opts.n_local_reader = count(
+            n_local_reader,
+            "n_local_reader",
+            "readers",
+            0,
+            i64::MAX.into(),
+        )? as usize;
+        options.unwrap_or_default().apply(&mut opts)?;
         let writer = CoreWriter::new(opts).or_raise()?;
         Ok(Writer {
             canceller: writer.canceller(),

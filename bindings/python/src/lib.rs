@@ -31,6 +31,7 @@ mod auth;
 mod broadcast;
 mod encoder_cache;
 mod errors;
+mod options;
 mod parts;
 mod relay;
 mod storage;
@@ -114,6 +115,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Route the core's `log` records (e.g. "still waiting" warnings) to Python logging.
     let _ = pyo3_log::try_init();
     m.add_class::<broadcast::Ring>()?;
+    m.add_class::<options::QueueOptions>()?;
     m.add_class::<broadcast::Writer>()?;
     m.add_class::<broadcast::Reader>()?;
     m.add_class::<relay::Relay>()?;

@@ -5,9 +5,9 @@ use crate::errors::{exception, OrRaise};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::broadcast::set_local_options;
 use super::wait::{blocking, duration, lock, BindingLock, Interrupts, Timeout};
-use shmq::broadcast::{Handle, QueueOptions};
+use crate::options::{count, QueueOptions};
+use shmq::broadcast::{Handle, QueueOptions as CoreQueueOptions};
 use shmq::error::Error;
 use shmq::relay::{Relay as CoreRelay, RelayEnd, RelayStopper};
 
@@ -27,39 +27,33 @@ pub(super) struct Relay {
 #[pymethods]
 impl Relay {
     /// Join the queue of `upstream` (a handle's text form) as its remote reader `rank`,
-    /// and make this machine's queue for `n_local_reader` readers (ranks
-    /// `local_reader_ranks`, default `0..n_local_reader`).
+    /// and make this machine's queue for `n_local_reader` readers with `options` (where
+    /// not given: the ring's sizes of the upstream queue where its handle has a ring, and
+    /// the core's defaults).
     #[new]
-    #[pyo3(signature = (upstream, rank, n_local_reader, local_reader_ranks=None, max_chunk_bytes=10_485_760, max_chunks=10, spin_us=None, yield_us=None, on_dead_reader="raise", arena_bytes=None, arena_threshold=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (upstream, rank, n_local_reader, options=None))]
     fn new(
         upstream: &str,
         rank: usize,
-        n_local_reader: usize,
-        local_reader_ranks: Option<Vec<usize>>,
-        max_chunk_bytes: usize,
-        max_chunks: usize,
-        spin_us: Option<f64>,
-        yield_us: Option<f64>,
-        on_dead_reader: &str,
-        arena_bytes: Option<usize>,
-        arena_threshold: Option<usize>,
+        n_local_reader: &Bound<'_, PyAny>,
+        options: Option<QueueOptions>,
     ) -> PyResult<Relay> {
         let upstream: Handle = upstream
             .parse()
             .map_err(|e: Error| PyValueError::new_err(format!("not a shmq Handle: {e}")))?;
-        let mut opts = QueueOptions::local(n_local_reader);
-        set_local_options(
-            &mut opts,
-            local_reader_ranks,
-            max_chunk_bytes,
-            max_chunks,
-            spin_us,
-            yield_us,
-            on_dead_reader,
-            arena_bytes,
-            arena_threshold,
-        )?;
+        let n_local_reader = count(
+            n_local_reader,
+            "n_local_reader",
+            "readers",
+            0,
+            i64::MAX.into(),
+        )? as usize;
+        let mut opts = CoreQueueOptions::local(n_local_reader);
+        if let Some(ring) = &upstream.buffer {
+            opts.max_chunk_bytes = ring.max_chunk_bytes;
+            opts.max_chunks = ring.max_chunks;
+        }
+        options.unwrap_or_default().apply(&mut opts)?;
         let relay = CoreRelay::new(&upstream, rank, opts).or_raise()?;
         Ok(Relay {
             stopper: relay.stopper(),
