@@ -140,9 +140,20 @@ class Node:
     """One node's process tree, its output in a log file."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        import threading
+
         self.log_path = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        #: Every process of the node's tree seen while it ran (sampled), to tell what it
+        #: made in a /dev/shm that other programs share (:func:`made_by`).
+        self.pids_seen: set[int] = {self.proc.pid}
+        threading.Thread(target=self._sample_pids, daemon=True).start()
+
+    def _sample_pids(self) -> None:
+        while self.proc.poll() is None:
+            self.pids_seen.update(_children(self.proc.pid))
+            time.sleep(0.2)
 
     def text(self) -> str:
         if not self._log.closed:
@@ -187,6 +198,19 @@ class Node:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(30)
         self._log.close()
+
+
+def made_by(names: list[str], pids: set[int]) -> list[str]:
+    """The shmq segment names of ``names`` that processes of ``pids`` made (a name
+    carries its creator's pid: ``shmq_<kind>_<pid>_...``), and those that carry no pid."""
+    mine = []
+    for name in names:
+        if not name.startswith("shmq_"):
+            continue
+        parts = name.split("_")
+        if len(parts) < 4 or not parts[2].isdigit() or int(parts[2]) in pids:
+            mine.append(name)
+    return mine
 
 
 def _cmdline(pid: int) -> str:
@@ -436,6 +460,7 @@ def run_offline(
             spans = zip(fault_at, bounds, strict=True)
             out["batches_after"] = [len([b for b in batches if t < b < u]) for t, u in spans]
             out["node0_log"], out["node1_log"] = node0.text()[-6000:], node1.text()[-6000:]
+            out["pids_seen"] = node0.pids_seen | node1.pids_seen
             return out
         finally:
             node0.stop()
