@@ -15,14 +15,17 @@
 //!   ZeroMQ's heartbeats close the connection (see [`crate::remote`]);
 //! - to its local readers it is their writer: killed, they get [`QueueError::DeadWriter`].
 //!
-//! What comes from upstream is passed on: a writer that shuts down ([`QueueError::WriterShutDown`]
-//! after its last message) shuts the relay's queue down after the same messages, so its
-//! readers end the same way; a writer that dies ([`RemoteError::WriterGone`]) or drops
-//! the relay ([`RemoteError::ReaderDropped`]) ends [`Relay::run`] with that error, and the
-//! relay's process must then die too (without shutting its queue down) for the local
-//! readers to see a death: `python -m shmq relay` exits at once. A local reader that dies
-//! ends `run` with [`QueueError::DeadReader`] unless the local queue drops dead readers
-//! (`on_dead_reader`).
+//! What comes from upstream is passed on: a writer that shuts down
+//! ([`QueueError::WriterShutDown`] after its last message) shuts the relay's queue down
+//! after the same messages, so its readers end the same way; a writer that dies
+//! ([`RemoteError::WriterGone`]) or drops the relay ([`RemoteError::ReaderDropped`]) ends
+//! [`Relay::run`] with that error, and the relay's process must then die too (without
+//! shutting its queue down) for the local readers to see a death: `python -m shmq relay`
+//! exits at once. A local reader that dies ends `run` with [`QueueError::DeadReader`]
+//! unless the local queue drops dead readers (`on_dead_reader`).
+//!
+//! [`RemoteError::WriterGone`]: crate::error::RemoteError::WriterGone
+//! [`RemoteError::ReaderDropped`]: crate::error::RemoteError::ReaderDropped
 
 use std::time::{Duration, Instant};
 

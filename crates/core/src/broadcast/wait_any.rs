@@ -70,7 +70,8 @@ impl ReadyTarget {
         self.check_writer().is_err()
     }
 
-    /// The reader's error when its writer is proved dead ([`QueueError::DeadWriter`]), or its
+    /// The reader's error when its writer is proved dead
+    /// ([`QueueError::DeadWriter`](crate::broadcast::QueueError::DeadWriter)), or its
     /// segment no longer whole; `Ok` otherwise.
     pub fn check_writer(&self) -> Result<()> {
         RingReader::check_writer(&self.ring)

@@ -32,7 +32,7 @@
 //! - **The producer** ([`Producer`]) evicts oldest-loaded-first under pressure; when
 //!   nothing can go it waits (on a futex doorbell the consumers ring after each
 //!   acknowledgement and unpin) up to a timeout, then fails with
-//!   [`CacheError::Full`](crate::CacheError::Full) saying what holds the room. Entries
+//!   [`CacheError::Full`] saying what holds the room. Entries
 //!   evicted while a consumer maps them leave the index at once and free their bytes
 //!   when the last view goes. `/dev/shm` running out before the capacity does is the
 //!   same pressure: the producer evicts by the same rule, gives the pages of free ranges

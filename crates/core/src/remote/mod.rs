@@ -44,7 +44,8 @@
 //!
 //! - The writer's end (its `shutdown()` or its normal end) is a last message of its own
 //!   kind, CLOSED, with the next sequence number and a MAC: a reader that takes it has
-//!   every message before it and then fails with [`QueueError::WriterShutDown`]. The reader
+//!   every message before it and then fails with
+//!   [`QueueError::WriterShutDown`](crate::broadcast::QueueError::WriterShutDown). The reader
 //!   answers `"SQB1"` (BYE), which the writer waits for a short while, so that a writer
 //!   process that exits at once still gets the message out.
 //! - A reader the writer drops (`SlowReaderPolicy::Drop`) is told so the same way:

@@ -333,7 +333,8 @@ impl Ring {
     }
 
     /// Mark the queue shut down by its writer (after its last chunk) and wake the readers:
-    /// a reader takes what is left and then gets [`QueueError::WriterShutDown`] (see
+    /// a reader takes what is left and then gets
+    /// [`QueueError::WriterShutDown`](crate::broadcast::QueueError::WriterShutDown) (see
     /// `RingReader::wait`). Needs no room in the ring, so it never waits.
     pub fn close_writer(&self) {
         protocol::slot_close(&self.slot(0).word);
