@@ -385,11 +385,26 @@ def cmd_epd(args: argparse.Namespace) -> None:
 
 
 def cmd_worker_death(args: argparse.Namespace) -> None:
-    """SIGKILL one TP worker (idle, or while a generate runs) and time the caller's error."""
+    """SIGKILL one TP worker (idle, or while a generate runs) and time the caller's error.
+    ``--images``: the model is the Llava, and the requests carry images through vLLM's
+    multimodal cache in shared memory (``mm_processor_cache_type="shm"``, the store
+    shmq's with the plugin), so the worker dies while it reads them."""
     from vllm import LLM
 
-    llm = LLM(model=args.model, **ENGINE_ARGS)
-    llm.generate(prompts(2), sampling(4), use_tqdm=False)
+    if args.images:
+        llm = LLM(model=args.model, mm_processor_cache_type="shm", mm_processor_cache_gb=0.02 / 1024,
+                  mm_shm_cache_max_object_size_mb=1, limit_mm_per_prompt={"image": 1},
+                  **dict(ENGINE_ARGS, max_model_len=256))
+
+        def batch(n: int) -> list:
+            return [{"prompt": mm_prompt(k), "multi_modal_data": {"image": image(k % 6)}} for k in range(n)]
+    else:
+        llm = LLM(model=args.model, **ENGINE_ARGS)
+
+        def batch(n: int) -> list:
+            return prompts(n)
+
+    llm.generate(batch(2), sampling(4), use_tqdm=False)
     pids = our_pids()
     victims = workers()
     killed_at: list[float] = []
@@ -415,7 +430,7 @@ def cmd_worker_death(args: argparse.Namespace) -> None:
         threading.Timer(1.0, kill).start()
     try:
         while True:
-            llm.generate(prompts(64), sampling(128), use_tqdm=False)
+            llm.generate(batch(64), sampling(128), use_tqdm=False)
             if not killed_at:
                 continue
             if time.monotonic() - killed_at[0] > args.limit:
@@ -624,6 +639,7 @@ def main() -> None:
     p = sub.add_parser("worker-death")
     p.add_argument("model")
     p.add_argument("--when", choices=["idle", "generating"], default="generating")
+    p.add_argument("--images", action="store_true")
     p.add_argument("--limit", type=float, default=60.0)
     p = sub.add_parser("sparse")
     p.add_argument("model")

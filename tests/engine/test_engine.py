@@ -267,10 +267,16 @@ def test_serve_sigkilled_whole_then_cleanup_leaves_nothing(engine, tmp_path):
     assert not _wait_no_shm(pids)
 
 
-@pytest.mark.parametrize("when", ["idle", "generating"])
+@pytest.mark.parametrize("when", ["idle", "generating images"])
 def test_a_worker_killed_reaches_the_caller_no_later_than_without_the_plugin(engine, when):
-    off = _drive(engine, False, "worker-death", "--when", when)
-    on = _drive(engine, True, "worker-death", "--when", when)
+    # Idle: text, the Llama. Generating: image requests on the Llava through vLLM's
+    # multimodal cache in shared memory (shmq's store with the plugin, vLLM's own
+    # without), the worker killed while it reads items and steps (issue 42).
+    python, model = engine
+    args = ("--when", "idle") if when == "idle" else ("--when", "generating", "--images")
+    model = model if when == "idle" else LLAVA
+    off = _run_driver([python, DRIVER, "worker-death", model, *args], _env(False), 600)
+    on = _run_driver([python, DRIVER, "worker-death", model, *args], _env(True), 600)
     assert not off["hung"], off["_log"][-3000:]
     assert not on["hung"], "the engine hung after a worker's death with the plugin:\n" + on["_log"][-5000:]
     assert on["error"] and off["error"], (on["error"], off["error"])
@@ -308,14 +314,19 @@ def mm_offline(engine) -> dict:
     return _drive_mm(engine, False, "--cache", "shm")
 
 
+def _driver():
+    """The engine venv's driver module; its image helpers need only numpy and PIL."""
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    import driver
+
+    return driver
+
+
 def _chat_with_image(server: Server, n: int, i: int) -> str:
     """Request ``n`` of the sequence, with image ``i`` as a data: URL (as a client sends
     it); the chat template makes the offline run's prompt."""
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    import driver  # the engine venv's driver; its image helpers need only numpy and PIL
-
     content = [
-        {"type": "image_url", "image_url": {"url": driver.image_data_url(i)}},
+        {"type": "image_url", "image_url": {"url": _driver().image_data_url(i)}},
         {"type": "text", "text": f"what is in picture {n % 5}"},
     ]
     body = {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
@@ -340,15 +351,44 @@ def _mm_counters(server: Server) -> tuple[float, float]:
     return float(hits.group(1)), float(queries.group(1))
 
 
+def _front_end_killed(server: Server) -> float:
+    """SIGKILL the server's front end (its API server, the multimodal store's writer)
+    while a request with an image is in flight; the seconds until the client's error."""
+    import threading
+
+    failed: list[float] = []
+
+    def ask() -> None:
+        try:
+            body = {"model": server.model, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": _driver().image_data_url(5)}},
+                        {"type": "text", "text": "what is in picture 5"}]}]}
+            _http(f"{server.url}/v1/chat/completions", body, timeout=120)
+        except OSError:
+            failed.append(time.monotonic())
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    time.sleep(0.5)
+    os.kill(server.proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    asking.join(130)
+    assert failed, "the request completed though its server was killed"
+    return failed[0] - killed
+
+
 @pytest.fixture(scope="module")
-def mm_served_lru(engine, tmp_path_factory) -> list[str]:
+def mm_served_lru(engine, tmp_path_factory) -> dict:
     """The images through `vllm serve` without the plugin and with no shared memory
-    for them (mm_processor_cache_type="lru"): what the served run with shmq must match."""
+    for them (mm_processor_cache_type="lru"): what the served run with shmq must match;
+    then its front end SIGKILLed mid-request, as with shmq below."""
     server = _serve_mm(engine, False, tmp_path_factory.mktemp("mm") / "lru.log", "lru")
     try:
-        return [_chat_with_image(server, n, int(i)) for n, i in enumerate(MM_SEQUENCE.split(","))]
+        texts = [_chat_with_image(server, n, int(i)) for n, i in enumerate(MM_SEQUENCE.split(","))]
+        return {"texts": texts, "error_after_s": _front_end_killed(server)}
     finally:
-        server.stop(signal.SIGTERM)
+        server.stop(signal.SIGKILL)
 
 
 def test_serve_images_on_shmq_then_sigkilled_whole_and_restarted_offline_under_its_name(
@@ -362,14 +402,18 @@ def test_serve_images_on_shmq_then_sigkilled_whole_and_restarted_offline_under_i
     pids = server.pids()
     try:
         texts = [_chat_with_image(server, n, int(i)) for n, i in enumerate(MM_SEQUENCE.split(","))]
-        assert texts == mm_served_lru, (texts, mm_served_lru)
+        assert texts == mm_served_lru["texts"], (texts, mm_served_lru["texts"])
         # vLLM's own counters: the hits and the eviction of the offline runs.
         assert _mm_counters(server) == (sum(MM_HITS), len(MM_HITS))
         assert re.search(r"shmq \S+ plugin active", server.text())
         stores = [n for n in os.listdir("/dev/shm") if n.startswith("vllm_mm_")]
         assert stores, "no vLLM store in /dev/shm"
+        # The front end (the store's writer) SIGKILLed mid-request: the client's error
+        # no later than vLLM alone's + 1 s (its connection ends with the process).
+        error_after = _front_end_killed(server)
+        assert error_after <= mm_served_lru["error_after_s"] + 1.0, (error_after, mm_served_lru)
     finally:
-        server.stop(signal.SIGKILL)
+        server.stop(signal.SIGKILL)  # then the rest of the engine: no exit hook ran anywhere
     # Every process's janitor removes what it made, vLLM's named store included.
     assert not _wait_no_shm(pids), server.text()[-5000:]
     deadline = time.monotonic() + 15
