@@ -14,6 +14,7 @@ from typing_extensions import Buffer
 __all__ = [
     "Ring",
     "QueueOptions",
+    "count",
     "Writer",
     "Reader",
     "Relay",
@@ -380,7 +381,12 @@ class QueueOptions:
     @property
     def name(self) -> Optional[str]: ...
     @property
-    def on_lost_remote_reader(self) -> Optional[Literal["warn", "raise"]]: ...
+    def on_lost_remote_reader(self) -> Literal["warn", "raise"]: ...
+
+def count(value: Any, name: str, unit: str, minimum: int = 1, maximum: int = 9223372036854775807) -> int:
+    """A count or size argument as an int of at least ``minimum`` and at most
+    ``maximum``: ``TypeError`` for anything but an int (a bool included), ``ValueError``
+    naming the argument and ``unit`` for one out of range."""
 
 @final
 class Writer:

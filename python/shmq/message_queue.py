@@ -15,7 +15,6 @@ on without it rather than report a death.
 from __future__ import annotations
 
 import multiprocessing.util
-import operator
 import os
 import pickle
 import time
@@ -79,22 +78,6 @@ _NOT_AN_ARRAY = (
 _loads = pickle.loads
 
 
-def _count(value: Any, name: str, unit: str, *, minimum: int = 1, maximum: int = 2**63 - 1) -> int:
-    """A count or size argument as an int of at least ``minimum``: ``TypeError`` for
-    anything but an int (a bool included), ``ValueError`` naming the argument for one out
-    of range (the core's conversion says ``OverflowError: can't convert negative int to
-    unsigned``, naming nothing)."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    n = operator.index(value)
-    if n < minimum:
-        kind = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"{name} must be a {kind} number of {unit}, got {n}")
-    if n > maximum:
-        raise ValueError(f"{name} must be at most {maximum} {unit}, got {n}")
-    return n
-
-
 def sched_yield() -> None:
     """Give the CPU to another thread or process."""
     if hasattr(os, "sched_yield"):
@@ -156,9 +139,10 @@ class ShmRingBuffer:
     """
 
     def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: Optional[str] = None):
-        n_reader = _count(n_reader, "n_reader", "readers")
-        max_chunk_bytes = _count(max_chunk_bytes, "max_chunk_bytes", "bytes")
-        max_chunks = _count(max_chunks, "max_chunks", "chunks")
+        # Each a positive int (TypeError, or ValueError naming it): the core's rule.
+        n_reader = _core.count(n_reader, "n_reader", "readers")
+        max_chunk_bytes = _core.count(max_chunk_bytes, "max_chunk_bytes", "bytes")
+        max_chunks = _core.count(max_chunks, "max_chunks", "chunks")
         self.n_reader = n_reader
         self.max_chunk_bytes = max_chunk_bytes
         self.max_chunks = max_chunks
@@ -390,7 +374,6 @@ class MessageQueue:
     #: plugin makes it ``"raise"`` (a lost worker node ends vLLM's engine, as a dead local
     #: worker does).
     default_on_lost_remote_reader: Literal["warn", "raise"] = "warn"
-    _lost_remote_raises = False
 
     def __init__(
         self,
@@ -418,7 +401,7 @@ class MessageQueue:
         # in a group of one process still makes one, as vLLM does: see _without_readers.)
         # The options are converted and checked once, by the core (_core.QueueOptions,
         # naming the argument); an option left None keeps the core's default.
-        n_reader = _count(n_reader, "n_reader", "readers")
+        n_reader = _core.count(n_reader, "n_reader", "readers")
         if on_lost_remote_reader is None:
             on_lost_remote_reader = type(self).default_on_lost_remote_reader
         options = _core.QueueOptions(
@@ -437,7 +420,6 @@ class MessageQueue:
             name=name,
             on_lost_remote_reader=on_lost_remote_reader,
         )
-        self._lost_remote_raises = options.on_lost_remote_reader == "raise"
         self._start_writer(n_reader, n_local_reader, options, enable_shm_tensor_arena)
 
     def _start_writer(
@@ -711,8 +693,6 @@ class MessageQueue:
             writer.enqueue_parts([body, *buffers], timeout)
         else:
             writer.enqueue_body(body, timeout)
-        if self._lost_remote_raises and writer.remote_dropped_count:
-            self._raise_lost_remote_reader()
 
     def lost_remote_readers(self) -> Optional[list[tuple[int, Optional[str]]]]:
         """Writer side: the remote readers this writer no longer sends to, as ``(rank,
@@ -735,18 +715,6 @@ class MessageQueue:
         assert self._writer is not None
         return [(rank, host) for rank, host, dropped in self._writer.remote_peers if dropped]
 
-    def _raise_lost_remote_reader(self) -> NoReturn:
-        """``on_lost_remote_reader="raise"``: a remote reader this writer no longer sends
-        to (gone: its connection closed or silent past the heartbeat bound; or dropped
-        as slow) is an error, from the send that found it and every later one."""
-        lost = self._dropped_remote_readers()
-        names = ", ".join(f"rank {rank} (host {host or 'unknown'})" for rank, host in lost)
-        raise PeerDiedError(
-            f"remote reader {names} is gone: its connection closed, or nothing came from it within the "
-            "heartbeat bound (SHMQ_REMOTE_HEARTBEAT_TIMEOUT), or it fell behind; no more messages go to it "
-            '(on_lost_remote_reader="raise")'
-        )
-
     def enqueue_bytes(self, data: Any, timeout: Optional[float] = None) -> None:
         """Send the bytes of ``data`` (any contiguous bytes-like object) as they are, not
         pickled: a Rust reader's ``dequeue`` gets them as sent, a Python reader reads
@@ -756,8 +724,6 @@ class MessageQueue:
         if writer is None:
             raise self._not_the_writer("enqueue_bytes")
         writer.enqueue(data if type(data) is bytes else bytes(data), timeout)
-        if self._lost_remote_raises and writer.remote_dropped_count:
-            self._raise_lost_remote_reader()
 
     def enqueue_array(self, array: Any, timeout: Optional[float] = None) -> None:
         """Send ``array`` (a numpy array, a torch tensor on the CPU, or a typed
@@ -774,8 +740,6 @@ class MessageQueue:
             raise self._not_the_writer("enqueue_array")
         dtype, shape, data = to_wire(array)
         writer.enqueue_array(dtype, shape, data, timeout)
-        if self._lost_remote_raises and writer.remote_dropped_count:
-            self._raise_lost_remote_reader()
 
     def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
         """The next object. ``TimeoutError`` after ``timeout`` seconds;

@@ -151,7 +151,9 @@ fn cache_exception(err: CacheError) -> PyErr {
 fn remote_exception(err: RemoteError) -> PyErr {
     let msg = err.to_string();
     match err {
-        RemoteError::WriterGone { .. } => PeerDiedError::new_err(msg),
+        RemoteError::WriterGone { .. } | RemoteError::LostReaders { .. } => {
+            PeerDiedError::new_err(msg)
+        }
         RemoteError::Refused(_) | RemoteError::ReaderDropped { .. } => {
             PyConnectionError::new_err(msg)
         }

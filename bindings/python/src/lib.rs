@@ -3,7 +3,8 @@
 //!
 //! Contents of `shmq._core`:
 //! - `Ring`: a broadcast ring segment (`ShmRingBuffer` in Python);
-//! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`);
+//! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`), a writer
+//!   made with a `QueueOptions`; `count()`: the check of every count argument;
 //!   `handle_to_text()`, `handle_from_text()`: its handle's text form (`str(Handle)`,
 //!   `Handle.from_str`), the Rust `Handle`'s `Display` / `FromStr`;
 //! - `Relay`: one copy of a remote stream per node (`shmq.Relay`);
@@ -116,6 +117,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::try_init();
     m.add_class::<broadcast::Ring>()?;
     m.add_class::<options::QueueOptions>()?;
+    m.add_function(wrap_pyfunction!(options::count, m)?)?;
     m.add_class::<broadcast::Writer>()?;
     m.add_class::<broadcast::Reader>()?;
     m.add_class::<relay::Relay>()?;

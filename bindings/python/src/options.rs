@@ -9,11 +9,8 @@ use pyo3::prelude::*;
 use crate::errors::OrRaise;
 use crate::wait::wait_policy;
 use shmq::broadcast::ring::DeadReaderPolicy;
-use shmq::remote::{RemoteOptions, SlowReaderPolicy};
+use shmq::remote::{LostReaderPolicy, RemoteOptions, SlowReaderPolicy};
 use shmq::QueueOptions as CoreOptions;
-
-/// What a writer does with a remote reader it lost (Python's `MessageQueue` acts on it).
-const ON_LOST_REMOTE_READER: [&str; 2] = ["warn", "raise"];
 
 /// A queue's options. Each given one is checked when the object is made (`TypeError` or
 /// `ValueError` naming the option); one not given keeps the core's default.
@@ -33,13 +30,16 @@ pub struct QueueOptions {
     slow_remote_reader: Option<SlowReaderPolicy>,
     remote_max_queued_bytes: Option<u64>,
     name: Option<String>,
-    on_lost_remote_reader: Option<&'static str>,
+    on_lost_remote_reader: Option<LostReaderPolicy>,
 }
 
 /// A count or size argument as an int of at least `minimum` and at most `maximum`:
 /// `TypeError` for anything but an int (a bool included), `ValueError` naming the
 /// argument for one out of range (PyO3's own conversion would say `OverflowError: can't
-/// convert negative int to unsigned`, naming nothing).
+/// convert negative int to unsigned`, naming nothing). Python's own count arguments
+/// (`MessageQueue`'s `n_reader`, `ShmRingBuffer`'s) go through it too: one rule.
+#[pyfunction]
+#[pyo3(signature = (value, name, unit, minimum=1, maximum=9_223_372_036_854_775_807))]
 pub(crate) fn count(
     value: &Bound<'_, PyAny>,
     name: &str,
@@ -145,17 +145,10 @@ impl QueueOptions {
                 })
             })?),
         };
-        let on_lost_remote_reader =
-            match on_lost_remote_reader {
-                None => None,
-                Some(p) => Some(*ON_LOST_REMOTE_READER.iter().find(|&&c| c == p).ok_or_else(
-                    || {
-                        PyValueError::new_err(format!(
-                            "on_lost_remote_reader must be 'warn' or 'raise', got '{p}'"
-                        ))
-                    },
-                )?),
-            };
+        let on_lost_remote_reader = on_lost_remote_reader
+            .map(|p| p.parse::<LostReaderPolicy>())
+            .transpose()
+            .or_raise()?;
         let options = QueueOptions {
             local_reader_ranks,
             max_chunk_bytes: optional_count(
@@ -276,10 +269,15 @@ impl QueueOptions {
     fn name(&self) -> Option<String> {
         self.name.clone()
     }
-    /// `None` when not given (`MessageQueue` then takes its class default).
     #[getter]
-    fn on_lost_remote_reader(&self) -> Option<&'static str> {
-        self.on_lost_remote_reader
+    fn on_lost_remote_reader(&self) -> &'static str {
+        match self
+            .on_lost_remote_reader
+            .unwrap_or(RemoteOptions::default().on_lost_reader)
+        {
+            LostReaderPolicy::Raise => "raise",
+            _ => "warn",
+        }
     }
 }
 
@@ -321,6 +319,9 @@ impl QueueOptions {
         }
         if let Some(b) = self.remote_max_queued_bytes {
             opts.remote.max_queued_bytes = b;
+        }
+        if let Some(p) = self.on_lost_remote_reader {
+            opts.remote.on_lost_reader = p;
         }
         if let Some(n) = &self.name {
             opts.name = Some(n.clone());

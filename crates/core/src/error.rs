@@ -45,7 +45,9 @@ pub enum Error {
     #[error("cancelled")]
     Cancelled,
 
-    /// An argument is out of its allowed range.
+    /// An argument is out of its allowed range: the core's refusals and the
+    /// operating-system layer's ([`OsError::InvalidArgument`] converts into this one), so
+    /// a caller matches one variant.
     #[error("{0}")]
     InvalidArgument(String),
 
@@ -54,9 +56,10 @@ pub enum Error {
     WrongRole(String),
 
     /// The operating-system layer failed: a segment (no room, missing, taken, not
-    /// shmq's), an argument it refused, a fork, a system call.
+    /// shmq's), a fork, a system call. An argument it refused is
+    /// [`Error::InvalidArgument`], not this.
     #[error(transparent)]
-    Os(#[from] OsError),
+    Os(OsError),
 
     /// The queue (and the remote stream's reader) ended: a dead peer, or shut down.
     #[error(transparent)]
@@ -82,6 +85,17 @@ pub enum Error {
         #[source]
         source: zmq::Error,
     },
+}
+
+/// The operating-system layer's error as [`Error::Os`], except an argument it refused:
+/// that is [`Error::InvalidArgument`], the same variant as the core's own refusals.
+impl From<OsError> for Error {
+    fn from(e: OsError) -> Error {
+        match e {
+            OsError::InvalidArgument(why) => Error::InvalidArgument(why),
+            e => Error::Os(e),
+        }
+    }
 }
 
 /// The store's allocator found no room (see [`StoreError::Full`]).
@@ -137,4 +151,32 @@ pub fn parse_choice<T: Copy>(argument: &str, value: &str, choices: &[(&str, T)])
         "{argument} must be {}, got {value:?}",
         names.join(" or ")
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A segment name the operating-system layer refuses reaches a core caller as the
+    /// core's `InvalidArgument`, with the OS layer's text.
+    #[test]
+    fn an_argument_the_os_layer_refuses_is_the_cores_invalid_argument() {
+        let e = Error::from(OsError::InvalidArgument("bad".into()));
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m == "bad"),
+            "{e:?}"
+        );
+
+        let e = crate::storage::BlockFifo::open("a/b", None).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("'/'")),
+            "{e:?}"
+        );
+
+        let e = Error::from(OsError::SegmentExists { name: "x".into() });
+        assert!(
+            matches!(e, Error::Os(OsError::SegmentExists { .. })),
+            "{e:?}"
+        );
+    }
 }

@@ -34,9 +34,34 @@ pub enum RemoteError {
         received: u64,
     },
 
+    /// The writer lost remote readers (gone: their connection closed or nothing came
+    /// from them within the heartbeat bound; or dropped as slow) and was made with
+    /// [`LostReaderPolicy::Raise`](super::LostReaderPolicy::Raise): `readers` are the
+    /// lost ones, `(rank, host as ZeroMQ saw it)`. The message that found them went to
+    /// the others.
+    #[error(
+        "remote reader {} is gone: its connection closed, or nothing came from it within the \
+         heartbeat bound (SHMQ_REMOTE_HEARTBEAT_TIMEOUT), or it fell behind; no more messages \
+         go to it (on_lost_remote_reader=\"raise\")",
+        lost_names(.readers)
+    )]
+    LostReaders { readers: Vec<(u64, Option<String>)> },
+
     /// The remote stream refused something: a writer that does not prove it holds the
     /// queue's secret, a message that fails authentication or comes out of order, a
     /// reader the writer refused.
     #[error("{0}")]
     Refused(String),
+}
+
+/// "rank 1 (host 10.0.0.2), rank 2 (host unknown)".
+fn lost_names(readers: &[(u64, Option<String>)]) -> String {
+    let names: Vec<String> = readers
+        .iter()
+        .map(|(rank, host)| {
+            let host = host.as_deref().filter(|h| !h.is_empty());
+            format!("rank {rank} (host {})", host.unwrap_or("unknown"))
+        })
+        .collect();
+    names.join(", ")
 }

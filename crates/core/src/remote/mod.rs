@@ -197,7 +197,35 @@ impl std::str::FromStr for SlowReaderPolicy {
     }
 }
 
-/// How the remote stream is bounded (see the module docs: credit).
+/// What a send does once the writer has lost a remote reader: gone (its connection
+/// closed, or nothing came from it within the heartbeat bound) or dropped as slow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LostReaderPolicy {
+    /// Warn once (naming its rank and host) and go on without it.
+    #[default]
+    Warn,
+    /// That warning, and then the send that found it lost and every later one fail with
+    /// [`RemoteError::LostReaders`] naming the readers lost so far (after the message
+    /// went to the others).
+    Raise,
+}
+
+impl std::str::FromStr for LostReaderPolicy {
+    type Err = Error;
+    /// `"warn"` or `"raise"` (the Python argument `on_lost_remote_reader`).
+    fn from_str(s: &str) -> Result<LostReaderPolicy> {
+        match s {
+            "warn" => Ok(LostReaderPolicy::Warn),
+            "raise" => Ok(LostReaderPolicy::Raise),
+            _ => Err(Error::InvalidArgument(format!(
+                "on_lost_remote_reader must be 'warn' or 'raise', got '{s}'"
+            ))),
+        }
+    }
+}
+
+/// How the remote stream is bounded (see the module docs: credit), and what the writer
+/// does with a reader that falls behind or that it loses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RemoteOptions {
     /// Messages sent to one remote reader and not yet taken by it, at most.
@@ -206,6 +234,7 @@ pub struct RemoteOptions {
     /// most; a larger message goes once the reader has taken everything before it.
     pub max_queued_bytes: u64,
     pub slow_reader: SlowReaderPolicy,
+    pub on_lost_reader: LostReaderPolicy,
 }
 
 /// Default of [`RemoteOptions::max_queued_bytes`]: 256 MiB.
@@ -236,6 +265,7 @@ impl Default for RemoteOptions {
             hwm: 1000,
             max_queued_bytes: DEFAULT_MAX_QUEUED_BYTES,
             slow_reader: SlowReaderPolicy::Block,
+            on_lost_reader: LostReaderPolicy::Warn,
         }
     }
 }

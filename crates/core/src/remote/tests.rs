@@ -73,6 +73,7 @@ fn a_reader_that_takes_nothing_stops_the_writer_at_its_credit() {
         hwm: 100,
         max_queued_bytes: 3 << 20,
         slow_reader: SlowReaderPolicy::Block,
+        ..RemoteOptions::default()
     };
     let (mut w, mut r) = ready_pair(&ctx, options);
     let mib = vec![7u8; 1 << 20];
@@ -164,6 +165,7 @@ fn a_dropped_reader_gets_what_was_sent_to_it_then_is_told() {
         hwm: 4,
         max_queued_bytes: 1 << 20,
         slow_reader: SlowReaderPolicy::Drop,
+        ..RemoteOptions::default()
     };
     let (mut w, _) = RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], options).unwrap();
     let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();

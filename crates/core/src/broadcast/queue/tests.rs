@@ -195,6 +195,69 @@ fn local_and_remote_in_threads() {
     assert!(w.overflow_count() > 0);
 }
 
+/// `LostReaderPolicy::Raise`: the send that loses a remote reader (here dropped as slow:
+/// room for one message, none taken) and every later one fail with
+/// `RemoteError::LostReaders` naming it, with the text Python's `PeerDiedError` shows;
+/// the policy's names are Python's `on_lost_remote_reader`.
+#[test]
+fn a_lost_remote_reader_fails_the_sends_of_a_writer_that_asks_for_it() {
+    use crate::error::RemoteError;
+    use crate::remote::{LostReaderPolicy, RemoteOptions, SlowReaderPolicy};
+    let mut w = Writer::new(QueueOptions {
+        n_reader: 1,
+        n_local_reader: 0,
+        connect_ip: Some("127.0.0.1".into()),
+        remote: RemoteOptions {
+            hwm: 1,
+            slow_reader: SlowReaderPolicy::Drop,
+            on_lost_reader: LostReaderPolicy::Raise,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let h = w.handle().clone();
+    let t = Some(Duration::from_secs(10));
+    let (done, wait_done) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let mut r = Reader::open(&h, 0).unwrap();
+            r.wait_until_ready(t).unwrap();
+            // Connected, and takes nothing until the writer is done.
+            wait_done.recv().unwrap();
+        });
+        w.wait_until_ready(t).unwrap();
+        w.enqueue(b"one", t).unwrap();
+        for msg in [&b"two"[..], b"three"] {
+            let e = w.enqueue(msg, t).unwrap_err();
+            assert!(
+                matches!(&e, Error::Remote(RemoteError::LostReaders { readers })
+                    if readers[..] == [(0, Some("127.0.0.1".to_owned()))]),
+                "{e:?}"
+            );
+            assert_eq!(
+                e.to_string(),
+                "remote reader rank 0 (host 127.0.0.1) is gone: its connection closed, or \
+                 nothing came from it within the heartbeat bound \
+                 (SHMQ_REMOTE_HEARTBEAT_TIMEOUT), or it fell behind; no more messages go to \
+                 it (on_lost_remote_reader=\"raise\")"
+            );
+        }
+        done.send(()).unwrap();
+    });
+    assert_eq!(
+        "raise".parse::<LostReaderPolicy>().unwrap(),
+        LostReaderPolicy::Raise
+    );
+    assert_eq!(
+        "ignore"
+            .parse::<LostReaderPolicy>()
+            .unwrap_err()
+            .to_string(),
+        "on_lost_remote_reader must be 'warn' or 'raise', got 'ignore'"
+    );
+}
+
 /// Typed arrays reach a local reader (inline, over the overflow socket, through the arena)
 /// and a remote one (frames) with their dtype, shape and values; a raw message between
 /// them is read in place with `dequeue_view`; each wrong call names what the message is,

@@ -480,7 +480,8 @@ impl Writer {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
         let r = self.enqueue_unchecked(msg, as_body, wait);
-        r.map_err(|e| self.why(e))
+        r.map_err(|e| self.why(e))?;
+        self.check_lost_remote_readers()
     }
 
     /// Send `msg`: raw bytes, or (`body`) a message of one part, its body. In the ring
@@ -609,7 +610,8 @@ impl Writer {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
         let r = self.enqueue_parts_unchecked(format, parts, wait);
-        r.map_err(|e| self.why(e))
+        r.map_err(|e| self.why(e))?;
+        self.check_lost_remote_readers()
     }
 
     /// Send one message of `parts` to every reader: the remote readers' credit first
@@ -812,6 +814,13 @@ impl Writer {
     /// slow): cheap, no allocation, for a check after every send.
     pub fn remote_dropped_count(&self) -> usize {
         self.remote.as_ref().map_or(0, |r| r.dropped_count())
+    }
+
+    /// After a send: with [`LostReaderPolicy::Raise`](crate::remote::LostReaderPolicy::Raise)
+    /// (`QueueOptions::remote`), [`RemoteError::LostReaders`](crate::error::RemoteError::LostReaders)
+    /// once a remote reader is no longer sent to; the message went to the others.
+    fn check_lost_remote_readers(&self) -> Result<()> {
+        self.remote.as_ref().map_or(Ok(()), |r| r.check_lost())
     }
 
     /// Look for remote readers whose connection closed while this writer sent nothing

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use super::guard::{peer_of, spawn_guard, Guard};
 use super::wire::*;
 use super::{
-    random16, set_heartbeats, socket, RemoteOptions, SlowReaderPolicy, HANDSHAKE_IVL_MS,
-    SECRET_BYTES,
+    random16, set_heartbeats, socket, LostReaderPolicy, RemoteError, RemoteOptions,
+    SlowReaderPolicy, HANDSHAKE_IVL_MS, SECRET_BYTES,
 };
 use crate::auth::{mac, message_mac};
 use crate::error::{Error, Result};
@@ -224,6 +224,18 @@ impl RemoteWriter {
     /// How many accepted readers are no longer sent to (gone, or dropped as slow).
     pub fn dropped_count(&self) -> usize {
         self.peers.iter().filter(|p| p.dropped).count()
+    }
+
+    /// [`RemoteError::LostReaders`] naming the readers no longer sent to, when there are
+    /// any and the writer was made with [`LostReaderPolicy::Raise`]; `Ok` otherwise (the
+    /// queue's writer asks after each send).
+    pub fn check_lost(&self) -> Result<()> {
+        if self.options.on_lost_reader != LostReaderPolicy::Raise || self.dropped_count() == 0 {
+            return Ok(());
+        }
+        let readers = self.peers.iter().filter(|p| p.dropped);
+        let readers = readers.map(|p| (p.rank, p.host.clone())).collect();
+        Err(RemoteError::LostReaders { readers }.into())
     }
 
     /// Find the readers whose connection ZeroMQ closed since the last send (it closes
