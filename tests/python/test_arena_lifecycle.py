@@ -15,32 +15,28 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import torch
 
-from _processes import SHM_DIR, STEP, tensor_counting_reader, hoarding_reader, small_then_large_reader, wait_for
+from _processes import (
+    STEP,
+    hoarding_reader,
+    segment_exists,
+    shmq_cli,
+    small_then_large_reader,
+    tensor_counting_reader,
+    wait_for,
+)
 from shmq import MessageQueue
 
 MiB = 1 << 20
-
-
-def _exists(name: str) -> bool:
-    return os.path.exists(os.path.join(SHM_DIR, name))
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shmq", *args], capture_output=True, text=True, timeout=STEP, check=False
-    )
 
 
 def test_small_messages_make_no_arena_and_the_first_large_part_makes_it(children):
     mq = MessageQueue(2, 2, max_chunk_bytes=64 * 1024, max_chunks=4)
     arena = mq.export_handle().arena_name
     assert arena and arena.startswith("shmq_arena_"), arena
-    assert not _exists(arena), "the arena was made before anything needed it"
+    assert not segment_exists(arena), "the arena was made before anything needed it"
     go = children.event()
     outs = [children.queue() for _ in range(2)]
     for rank, out in enumerate(outs):
@@ -52,7 +48,7 @@ def test_small_messages_make_no_arena_and_the_first_large_part_makes_it(children
     for out in outs:
         assert children.expect(out, "small")[1] == small
     # Small messages only, read by both readers: still no arena file at all.
-    assert not _exists(arena), "small messages made an arena file"
+    assert not segment_exists(arena), "small messages made an arena file"
     stats = mq.arena_stats()
     assert stats["name"] == arena
     assert (stats["reserved"], stats["outstanding"], stats["fallbacks"]) == (0, 0, 0), stats
@@ -60,7 +56,7 @@ def test_small_messages_make_no_arena_and_the_first_large_part_makes_it(children
     # The first large part makes it; readers that joined before open it when it comes.
     t = torch.full((2 * MiB,), 7.0)  # 8 MiB
     mq.enqueue({"t": t}, timeout=STEP)
-    assert _exists(arena)
+    assert segment_exists(arena)
     for out in outs:
         assert children.expect(out, "large")[1:] == (2 * MiB, True)
     # Zero-copy: both readers hold the one part that was placed in the arena.
@@ -78,16 +74,16 @@ def test_small_messages_make_no_arena_and_the_first_large_part_makes_it(children
 def test_reserve_arena_and_loan_make_the_arena():
     mq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
     arena = mq.arena_stats()["name"]
-    assert not _exists(arena)
+    assert not segment_exists(arena)
     assert mq.reserve_arena(MiB) == MiB
-    assert _exists(arena)
+    assert segment_exists(arena)
     assert mq.arena_stats()["reserved"] == MiB
 
     mq2 = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
     arena2 = mq2.arena_stats()["name"]
-    assert not _exists(arena2)
+    assert not segment_exists(arena2)
     loaned = mq2.loan(MiB)
-    assert _exists(arena2)
+    assert segment_exists(arena2)
     assert mq2.arena_stats()["outstanding"] == 1
     del loaned
     assert mq2.arena_stats()["outstanding"] == 0
@@ -103,10 +99,10 @@ def test_inspect_names_the_queue_an_arena_belongs_to():
     mq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
     ring, arena = mq.buffer.name, mq.arena_stats()["name"]
     mq.reserve_arena(0)
-    r = _cli("inspect", arena)
+    r = shmq_cli("inspect", arena)
     assert r.returncode == 0, r.stderr
     assert f"queue: {ring}" in r.stdout, r.stdout
-    r = _cli("inspect", "--json", arena)
+    r = shmq_cli("inspect", "--json", arena)
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["kind"] == "arena" and info["queue"] == ring, info

@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from _processes import wait_for
 from _processes.private_shm import capture_shm_warnings, run_in_private_shm, shm_free, shm_total
 
 STEP = 60.0  # bound on any one blocking call in the program
@@ -152,11 +153,7 @@ def _loading_consumer(name: str, n: int, out) -> None:
     try:
         for i in range(n):
             key = f"k{i}"
-            deadline = time.monotonic() + STEP
-            while not consumer.has(key):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{key} never became held")
-                time.sleep(0.001)
+            wait_for(lambda key=key: consumer.has(key), STEP, f"{key} to be held", 0.001)
             got: dict = {}
             if consumer.load([key], got):
                 bad.append(i)

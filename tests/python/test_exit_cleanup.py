@@ -12,17 +12,17 @@ makes (``PID <n>``); afterwards no shmq name of those pids may be left in ``/dev
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from _processes import segments_of
+from _processes import WaitTimeout, segments_of, wait_for
 
 STEP = 60.0
 REPO_PYTHON = str(Path(__file__).resolve().parent)
@@ -86,12 +86,13 @@ def _run(script: str, tmp_path: Path, *, signal_after_ready: int | None = None) 
     try:
         if signal_after_ready is not None:
             assert p.stdout is not None
-            deadline = time.monotonic() + STEP
-            for line in p.stdout:
+
+            def ready() -> bool:
+                line = p.stdout.readline()
                 lines.append(line)
-                if line.startswith("READY"):
-                    break
-                assert time.monotonic() < deadline, "".join(lines)
+                return not line or line.startswith("READY")  # at its end, the caller says why
+
+            wait_for(ready, STEP, lambda: "its READY:\n" + "".join(lines), 0)
             p.send_signal(signal_after_ready)
         out, _ = p.communicate(timeout=STEP)
     finally:
@@ -104,10 +105,13 @@ def _run(script: str, tmp_path: Path, *, signal_after_ready: int | None = None) 
 
 
 def _assert_nothing_left(pids: set[int], output: str) -> None:
-    deadline = time.monotonic() + 5.0
-    while (left := segments_of(pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)  # a child's exit can trail its parent's by a moment
-    assert not left, f"left in /dev/shm: {sorted(left)}\n--- output:\n{output}"
+    # A child's exit can trail its parent's by a moment.
+    wait_for(
+        lambda: not segments_of(pids),
+        5.0,
+        lambda: f"their segments to go; left in /dev/shm: {sorted(segments_of(pids))}\n--- output:\n{output}",
+        0.05,
+    )
 
 
 def test_end_of_script_with_everything_still_referenced(tmp_path):
@@ -175,14 +179,10 @@ def test_exit_while_daemon_threads_are_blocked_in_enqueue_and_dequeue(tmp_path):
         threading.Thread(target=blocked, args=(lambda: r.dequeue(),), daemon=True).start()
         # Both threads are blocked in their calls (as each queue's slot shows) when the
         # interpreter exits.
-        from shmq import metrics
-        def blocked_in(ring, side):
-            m = metrics.collect([ring])[0]
-            return (m["writer"] if side is None else m["readers"][side])["waiting_seconds"] is not None
-        deadline = time.monotonic() + 30
-        while not (blocked_in(q2.buffer.name, None) and blocked_in(q.buffer.name, 0)):
-            assert time.monotonic() < deadline, "the threads never blocked"
-            time.sleep(0.002)
+        from _processes.harness import blocked_in_queue, wait_for
+        wait_for(
+            lambda: blocked_in_queue(q2.buffer.name) and blocked_in_queue(q.buffer.name, 0), 30, "the threads to block"
+        )
         print("PID", os.getpid())
         """,
         tmp_path,
@@ -338,9 +338,8 @@ def test_a_named_segment_taken_over_after_the_exit_hook_is_not_removed_by_its_la
         assert p.wait(timeout=STEP) == 0
         # Its janitor runs once it is gone: not synchronisation, a bounded check that
         # nothing removes the new segment within 2 s (a janitor takes milliseconds).
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and os.path.exists(f"/dev/shm/{ours[0]}"):
-            time.sleep(0.05)
+        with contextlib.suppress(WaitTimeout):
+            wait_for(lambda: not os.path.exists(f"/dev/shm/{ours[0]}"), 2.0, "a removal that must not come", 0.05)
         assert os.path.exists(f"/dev/shm/{ours[0]}"), "the old producer's late drop or janitor removed the new one"
         consumer = shmq.EncoderCacheConsumer(name)
         try:

@@ -16,13 +16,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from _processes import STEP, hold_rank, raw_chunk_keeper, remote_writer_then_sleep
+from _processes import STEP, WaitTimeout, hold_rank, wait_for, raw_chunk_keeper, remote_writer_then_sleep
 from shmq import MessageQueue, PeerDiedError
 
 HERE = Path(__file__).resolve().parent
@@ -258,15 +257,18 @@ def test_a_process_on_a_dead_writers_port_cannot_feed_the_reader(tmp_path, child
     evil = ctx.socket(zmq.DEALER)
     # Tells when the reader has reconnected (its connection's ZMTP handshake is done).
     monitor = evil.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    deadline = time.monotonic() + STEP
-    while True:
+
+    def bound() -> bool:
         try:
             evil.bind(f"tcp://127.0.0.1:{port}")
-            break
+            return True
         except zmq.ZMQError:
-            if time.monotonic() > deadline:
-                pytest.skip("the dead writer's port did not become free")
-            time.sleep(0.1)
+            return False
+
+    try:
+        wait_for(bound, STEP, "the dead writer's port to become free", 0.1)
+    except WaitTimeout:
+        pytest.skip("the dead writer's port did not become free")
     try:
         # The reader, not in a call, reconnects.
         assert monitor.poll(int(STEP * 1000)), "the reader never connected to the new port holder"

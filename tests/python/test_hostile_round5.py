@@ -26,12 +26,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
+from _processes import WaitTimeout, wait_for
 from shmq import MessageQueue, ObjectStorage, RingBuffer
 
 SHM = Path("/dev/shm")
@@ -116,9 +116,10 @@ def test_a_squatter_of_another_user_cannot_stop_queues_being_made() -> None:
                 assert mq.handle is not None and mq.handle.buffer_handle is not None
                 ring = mq.handle.buffer_handle[3]
                 # Give the squatter a moment to have made its directory, if it will.
-                deadline = time.monotonic() + 0.5
-                while not (SHM / f"{ring}.sock").exists() and time.monotonic() < deadline:
-                    time.sleep(0.005)
+                try:
+                    wait_for((SHM / f"{ring}.sock").exists, 0.5, "the squatter's directory", 0.005)
+                except WaitTimeout:
+                    pass  # it may not: the check below takes either
                 foreign = SHM / f"{ring}.sock"
                 if foreign.exists() and foreign.stat().st_uid == NOBODY:
                     squatted += 1

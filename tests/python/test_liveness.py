@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,6 +24,7 @@ import shmq.admin
 from shmq import MessageQueue, PeerDiedError, QueueShutDownError
 
 from _processes import (
+    shmq_cli,
     SHM_DIR,
     STEP,
     blocked_in_queue,
@@ -263,12 +262,6 @@ def test_a_killed_creators_segments_go_with_its_janitor_and_stay_without(childre
     assert not os.path.exists(path)
 
 
-def _shmq_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shmq", *args], capture_output=True, text=True, timeout=STEP, check=False
-    )
-
-
 def test_cleanup_removes_a_killed_creators_segment_and_keeps_live_ones(children):
     live = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1024, max_chunks=2)
     live_path = os.path.join(SHM_DIR, live.buffer.name)
@@ -283,13 +276,13 @@ def test_cleanup_removes_a_killed_creators_segment_and_keeps_live_ones(children)
         children.procs.remove(creator)
         assert os.path.exists(path)
 
-        dry = _shmq_cli("cleanup", "--dry-run")
+        dry = shmq_cli("cleanup", "--dry-run")
         assert dry.returncode == 0, dry.stderr
         assert f"would remove {name}" in dry.stdout
         assert live.buffer.name not in dry.stdout
         assert os.path.exists(path), "--dry-run removed a segment"
 
-        done = _shmq_cli("cleanup")
+        done = shmq_cli("cleanup")
         assert done.returncode == 0, done.stderr
         assert f"removed {name}" in done.stdout
         assert f"removed {arena}" in done.stdout
@@ -308,7 +301,7 @@ def test_inspect_shows_the_writer_readers_and_chunks(children):
     reader = MessageQueue.create_from_handle(mq.export_handle(), 1)
     mq.enqueue("x")
     mq.enqueue(b"y" * 100)  # over a chunk: through the overflow socket
-    shown = _shmq_cli("inspect", mq.buffer.name)
+    shown = shmq_cli("inspect", mq.buffer.name)
     assert shown.returncode == 0, shown.stderr
     text = shown.stdout
     me = os.getpid()
@@ -318,7 +311,7 @@ def test_inspect_shows_the_writer_readers_and_chunks(children):
     assert f"reader 1: pid {me} (alive), 0 messages read" in text
     assert "chunk 0: written, read by []" in text
     del reader
-    missing = _shmq_cli("inspect", "shmq_ring_1_doesnotexist")
+    missing = shmq_cli("inspect", "shmq_ring_1_doesnotexist")
     assert missing.returncode == 1 and "does not exist on this machine" in missing.stderr
 
 

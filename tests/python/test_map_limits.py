@@ -24,6 +24,7 @@ import time
 
 import pytest
 
+from _processes import mapping_count
 from _processes.private_shm import run_in_private_shm
 
 pytestmark = pytest.mark.timeout(300)
@@ -75,11 +76,6 @@ def test_loans_fall_back_to_copies_below_a_lowered_limit_and_seal_again_once_dro
 # The program: runs inside the private /dev/shm.
 
 
-def _maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
-
-
 def _hold_loans(store, n: int, name: str = "loan") -> tuple[list, list]:
     """Loan, fill and put ``n`` arrays, keeping every loan; the loans and the errors."""
     kept, errors = [], []
@@ -121,12 +117,12 @@ def run_hogged(n: int) -> dict:
     store = ObjectStorage(2 * MiB, 0, RingBuffer(ring_bytes, create=True))
     # 1000 loans sealed while there is room.
     sealed, errors = _hold_loans(store, 1000, "sealed")
-    maps_sealed = _maps()
+    maps_sealed = mapping_count()
     # The host takes all but ~4000 mappings; n more loans must leave them to it.
     hog = _MappingHog(headroom=2000)
     kept, more_errors = _hold_loans(store, n, "held")
     errors += more_errors
-    maps_held = _maps()
+    maps_held = mapping_count()
     host = []
     for _ in range(50):
         try:
@@ -165,17 +161,17 @@ def run_lowered(n: int) -> dict:
 
     ring_bytes = n * BLOCK_BYTES + 16 * MiB
     store = ObjectStorage(2 * MiB, 0, RingBuffer(ring_bytes, create=True))
-    maps_before = _maps()
+    maps_before = mapping_count()
     kept, errors = _hold_loans(store, n)
-    maps_held = _maps()
+    maps_held = mapping_count()
     del kept
     gc.collect()
-    maps_after_drop = _maps()
+    maps_after_drop = mapping_count()
     # Room again: a new loan is sealed (its mappings show).
     a = store.loan_array((LOAN_ITEMS,), "float32")
     a[:] = 1
     store.put("again", {"a": a})
-    sealed_again = _maps() - maps_after_drop
+    sealed_again = mapping_count() - maps_after_drop
     del a
     gc.collect()
     result = {

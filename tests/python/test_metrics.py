@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from _processes import (
+    shmq_cli,
     STEP,
     busy_reader,
     counting_reader,
@@ -29,14 +30,6 @@ from _processes import (
 from shmq import MessageQueue, ObjectStorage, RingBuffer, metrics
 
 REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python")
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    """``python -m shmq ...`` in a process of its own (a third process: neither the
-    writer nor a reader)."""
-    return subprocess.run(
-        [sys.executable, "-m", "shmq", *args], capture_output=True, text=True, timeout=STEP, check=False
-    )
 
 
 def _warning(children, out, pattern: str, timeout: float = 15.0) -> str:
@@ -73,7 +66,7 @@ def test_the_writers_warning_names_a_stopped_reader_then_its_death(children):
         "the writer and both readers to handle messages",
     )
     # The busy queue, read by a third process while the writer streams.
-    r = _cli("inspect", "--json", handle.buffer_handle[3])
+    r = shmq_cli("inspect", "--json", handle.buffer_handle[3])
     assert r.returncode == 0, r.stderr
     busy = json.loads(r.stdout)
     assert busy["writer"]["messages"] > 0 and busy["writer"]["state"] == "alive", busy["writer"]
@@ -140,7 +133,7 @@ def test_counters_match_what_was_sent_and_received_read_from_a_third_process(chi
     assert [d[1] for d in done] == [sent, sent]
     assert [d[2] for d in done] == [5 * (2 << 20)] * 2
 
-    r = _cli("inspect", "--json", ring)
+    r = shmq_cli("inspect", "--json", ring)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout)
     assert m["kind"] == "queue" and m["name"] == ring and m["n_reader"] == 2
@@ -153,7 +146,7 @@ def test_counters_match_what_was_sent_and_received_read_from_a_third_process(chi
         assert rd["bytes"] == m["writer"]["bytes"] > 0, (rd, m["writer"])
         assert rd["state"] == "dead" and not rd["dropped"], rd  # they have exited
     # Every segment at once (the list form) has the ring and its arena.
-    every = json.loads(_cli("inspect", "--json").stdout)
+    every = json.loads(shmq_cli("inspect", "--json").stdout)
     kinds = {s["name"]: s["kind"] for s in every}
     assert kinds[ring] == "queue"
     arena = mq.export_handle().arena_name
@@ -195,7 +188,7 @@ def test_store_counters_across_processes(children):
     out = children.queue()
     children.start(store_getter, out, pickle.dumps(store.handle()), handles)
     assert children.expect(out, "got")[1] == [{"key": k} for k in keys]
-    r = _cli("inspect", "--json", ring.handle()[1])
+    r = shmq_cli("inspect", "--json", ring.handle()[1])
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["kind"] == "store" and s["creator_pid"] == os.getpid(), s
@@ -210,7 +203,7 @@ def test_top_shows_a_live_queue_with_its_readers(children):
     mq.wait_until_ready(timeout=STEP)
     for i in range(10):
         mq.enqueue(i, timeout=STEP)
-    r = _cli("top", "--count", "2", "--interval", "0.2")
+    r = shmq_cli("top", "--count", "2", "--interval", "0.2")
     mq.enqueue(None, timeout=STEP)
     children.expect(out, "done")
     assert r.returncode == 0, r.stderr
@@ -222,7 +215,7 @@ def test_top_shows_a_live_queue_with_its_readers(children):
 
 
 def test_inspect_json_of_a_missing_segment_is_a_clear_error():
-    r = _cli("inspect", "--json", "shmq_ring_1_deadbeef")
+    r = shmq_cli("inspect", "--json", "shmq_ring_1_deadbeef")
     assert r.returncode == 1 and "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

@@ -36,7 +36,7 @@ store.put("k", b"x" * 100)
 # made, so once this one is gone the janitor has dealt with the first.
 sentinel = RingBuffer(1 << 16, name=sys.argv[1] + "-sentinel", create=True)
 print("ready", flush=True)
-time.sleep(600)
+time.sleep(600)  # not synchronisation: alive until the test kills it
 """
 
 
@@ -196,7 +196,7 @@ for line in sys.stdin:
     elif cmd == "fork":
         child = ctypes.CDLL(None).fork()
         if child == 0:
-            time.sleep(120)
+            time.sleep(120)  # not synchronisation: alive until the test kills it
             os._exit(0)
         print("child", child, flush=True)
         continue

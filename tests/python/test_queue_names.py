@@ -5,12 +5,11 @@ metrics' ``queue`` label, a local reader's ``mq.name``; bad names are refused.""
 from __future__ import annotations
 
 import multiprocessing as mp
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
+from _processes import shmq_cli
 from shmq import MessageQueue, metrics
 
 NAME = "scheduler → workers"
@@ -22,7 +21,7 @@ def _reader_name(out: Any, handle: Any) -> None:
 
 
 def _shmq(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "shmq", *args], capture_output=True, text=True, timeout=60)
+    done = shmq_cli(*args)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

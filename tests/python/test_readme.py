@@ -27,18 +27,18 @@ and every relative link in these files points at a file (and heading) that exist
 
 from __future__ import annotations
 
-import os
+import contextlib
 import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
+from _processes import WaitTimeout, kill, segment_creator_pid, shm_segments, still_running, wait_for
 from shmq.admin import list_segments
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +46,6 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FRAGMENT = "<!-- fragment -->"
 RUN_WITHIN = 60.0
 SHM_DIR = Path("/dev/shm")
-# shmq_<kind>_<creator pid>_<hex>, and a ring's socket directory (<ring>.sock).
-_PID_IN_NAME = re.compile(r"^shmq_[a-z]+_(\d+)_[0-9a-f]+(\.sock)?$")
 
 
 @dataclass(frozen=True)
@@ -90,28 +88,19 @@ def _python_blocks() -> list[Block]:
 PROGRAMS = [b for b in _python_blocks() if not b.fragment]
 
 
-def _shm_entries() -> set[str]:
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith("shmq_")}
-    except FileNotFoundError:  # pragma: no cover - no /dev/shm
-        return set()
-
-
 def _creators(names: set[str]) -> dict[str, int | None]:
     """Each entry's creator pid: from its name, else from its segment header (None when
     neither says; an entry that is gone by then is left out: another process removed it)."""
     creators: dict[str, int | None] = {}
     unknown = set()
     for name in names:
-        m = _PID_IN_NAME.match(name)
-        if m:
-            creators[name] = int(m.group(1))
+        pid = segment_creator_pid(name)
+        if pid is not None:
+            creators[name] = pid
         else:
             unknown.add(name)
-    # A segment being made has no header yet: look again until each has one or is gone
-    # (bounded).
-    deadline = time.monotonic() + 2.0
-    while unknown:
+
+    def all_known() -> bool:
         headers = {s.name: s.creator_pid for s in list_segments()}
         for name in list(unknown):
             if headers.get(name) is not None:
@@ -119,9 +108,12 @@ def _creators(names: set[str]) -> dict[str, int | None]:
                 unknown.discard(name)
             elif not (SHM_DIR / name).exists():
                 unknown.discard(name)
-        if not unknown or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
+        return not unknown
+
+    # A segment being made has no header yet: look again until each has one or is gone
+    # (bounded); what is still unknown then is reported as such.
+    with contextlib.suppress(WaitTimeout):
+        wait_for(all_known, 2.0, "every new segment's header", 0.01)
     creators.update({name: None for name in unknown if (SHM_DIR / name).exists()})
     return creators
 
@@ -131,25 +123,6 @@ def _tree(pid: int) -> set[int]:
         return {p.pid for p in psutil.Process(pid).children(recursive=True)}
     except psutil.Error:
         return set()
-
-
-def _running(pids: set[int]) -> list[int]:
-    running = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                running.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return running
-
-
-def _kill(pids: set[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _remove(names: set[str]) -> None:
@@ -170,28 +143,30 @@ def test_the_documents_have_programs_to_run():
 def test_program_runs_as_written(block: Block, tmp_path: Path):
     script = tmp_path / f"{block.path.stem.lower()}_{block.line}.py"
     script.write_text(block.code)
-    before = _shm_entries()
+    before = shm_segments()
     out, err = (tmp_path / "stdout").open("w+"), (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=out, stderr=err)
     pids = {proc.pid}
-    deadline = time.monotonic() + RUN_WITHIN
-    while proc.poll() is None and time.monotonic() < deadline:
-        pids |= _tree(proc.pid)
-        time.sleep(0.01)
+
+    def ended() -> bool:
+        pids.update(_tree(proc.pid))  # every process it starts, while it runs
+        return proc.poll() is not None
+
+    with contextlib.suppress(WaitTimeout):
+        wait_for(ended, RUN_WITHIN, f"{block.where} to end", 0.01)
     timed_out = proc.poll() is None
     if timed_out:
         pids |= _tree(proc.pid)
-        _kill(pids)
+        kill(pids)
         proc.wait()
     # The program is gone; what it started must be too (a moment for children that were
     # told to stop, e.g. multiprocessing's resource tracker).
-    left_running = _running(pids - {proc.pid})
-    stop_by = time.monotonic() + 5.0
-    while left_running and time.monotonic() < stop_by:
-        time.sleep(0.05)
-        left_running = _running(set(left_running))
-    _kill(set(left_running))
-    new = _shm_entries() - before
+    started = pids - {proc.pid}
+    with contextlib.suppress(WaitTimeout):
+        wait_for(lambda: not still_running(started), 5.0, "what it started to end", 0.05)
+    left_running = still_running(started)
+    kill(left_running)
+    new = shm_segments() - before
     leaked = {name for name, creator in _creators(new).items() if creator is None or creator in pids}
     _remove(leaked)
     out.seek(0), err.seek(0)

@@ -68,12 +68,7 @@ def _relay(handle_text: str, out_path: str, *extra: str, ns: str | None = None) 
 
 
 def _wait_file(path: str, proc: subprocess.Popen, who: str = "the relay") -> str:
-    deadline = time.monotonic() + rc.STEP
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"{who} ended early:\n{proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"{who} never wrote its handle"
-        time.sleep(0.05)  # polling for the file
-    with open(path) as f:
+    with open(_processes.wait_for_file(path, rc.STEP, f"{who}'s handle", {who: proc})) as f:
         return f.read().strip()
 
 
@@ -216,13 +211,7 @@ def test_a_relay_on_another_host_serves_its_readers_and_passes_the_writers_death
             env=env,
         )
         procs["host B"] = b
-        sent = os.path.join(workdir, "sent")
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sent):
-            assert time.monotonic() < deadline, "the writer never sent its stream"
-            for name, p in procs.items():
-                assert p.poll() is None, f"{name} ended early:\n{p.communicate()[1][-3000:]}"
-            time.sleep(0.05)
+        _processes.wait_for_file(os.path.join(workdir, "sent"), 60, "the writer to send its stream", procs)
         # The stream reaches host B's readers: each says so with a file.
         got = [os.path.join(workdir, f"r{rank}.got") for rank in (0, 1)]
         _processes.wait_for(lambda: all(map(os.path.exists, got)), 60, "host B's readers to read the stream")

@@ -18,10 +18,12 @@ from shmq import MessageQueue
 
 from _processes import (
     STEP,
+    WaitTimeout,
     guarded_writer,
     numbered_message,
     one_message_reader,
     stalled_remote_reader,
+    wait_for,
 )
 
 MIB = 1 << 20
@@ -174,13 +176,15 @@ def test_connections_that_never_say_hello_are_closed_and_a_reader_still_joins(ch
         # They connect (the writer holds a descriptor for each, up to the guard's count
         # bound), then within the guard's time bound every one of them is closed.
         most = base
-        deadline = time.monotonic() + STEP
-        while time.monotonic() < deadline:
+
+        def came_and_went() -> bool:
+            nonlocal most
             n = _n_fds(pid)
             most = max(most, n)
-            if most >= base + 32 and n <= base + 2:
-                break
-            time.sleep(0.05)
+            return most >= base + 32 and n <= base + 2
+
+        with contextlib.suppress(WaitTimeout):
+            wait_for(came_and_went, STEP, "the connections to come and be closed", 0.05)
         assert most >= base + 32, f"the connections never reached the writer ({most} vs {base})"
         assert _n_fds(pid) <= base + 2, f"{_n_fds(pid)} descriptors, {base} before"
 

@@ -19,11 +19,11 @@ test_remote_faults.py has the same over 127.0.0.1 with a stopped reader.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import pytest
 
+from _processes import wait_for_file
 from _processes.two_hosts import BLOCKED_HWM, BLOCKED_TIMEOUT
 from test_two_hosts import NS_A, NS_B, VETH_B, _results, _run, _start, two_hosts  # noqa: F401 (a fixture)
 
@@ -32,15 +32,6 @@ from test_two_hosts import NS_A, NS_B, VETH_B, _results, _run, _start, two_hosts
 BOUND = 5.0
 # Slack for a busy 2-core machine.
 SLACK = 2.5
-
-
-def _wait_for_file(path: str, procs: dict[str, subprocess.Popen], what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"never: {what}"
-        for name, p in procs.items():
-            assert p.poll() is None, f"{name} ended early:\n{p.communicate()[1][-3000:]}"
-        time.sleep(0.02)
 
 
 def _cut_and_collect(workdir: str, cut_s: float, read_after_s: float) -> tuple[dict, dict, float]:
@@ -53,7 +44,7 @@ def _cut_and_collect(workdir: str, cut_s: float, read_after_s: float) -> tuple[d
         "reader": _start(NS_B, "remote_holding", workdir, own_shm=True),
     }
     try:
-        _wait_for_file(os.path.join(workdir, "full"), procs, "the writer filled the reader's window")
+        wait_for_file(os.path.join(workdir, "full"), 60, "the writer to fill the reader's window", procs)
         # Not synchronisation: the writer's next enqueue is in its wait by then.
         time.sleep(0.5)
         cut_at = time.time()

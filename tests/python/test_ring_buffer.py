@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import pickle
 
 import pytest
@@ -13,17 +12,13 @@ import pytest
 from shmq import Handle, MessageQueue, ShmRingBuffer
 
 from _processes import (
-    SHM_DIR,
+    segment_exists,
     STEP,
     handle_roundtrip_reader,
     missing_ring_user,
     ring_buffer_peer,
     shm_segments,
 )
-
-
-def _exists(name: str) -> bool:
-    return os.path.exists(os.path.join(SHM_DIR, name))
 
 
 def test_handle_is_the_geometry_and_name():
@@ -99,7 +94,7 @@ def test_pickles_as_its_handle_and_reopens_the_segment():
     # Dropping an opener leaves the segment to its creator.
     del other
     gc.collect()
-    assert _exists(buf.name)
+    assert segment_exists(buf.name)
 
 
 def test_opening_with_another_geometry_is_refused():
@@ -113,10 +108,10 @@ def test_opening_with_another_geometry_is_refused():
 def test_creator_unlinks_the_segment_when_dropped():
     buf = ShmRingBuffer(1, 64, 2)
     name = buf.name
-    assert _exists(name)
+    assert segment_exists(name)
     del buf
     gc.collect()
-    assert not _exists(name)
+    assert not segment_exists(name)
 
 
 def test_a_view_keeps_the_mapping_alive_after_its_buffer_is_dropped():
@@ -132,7 +127,7 @@ def test_a_view_keeps_the_mapping_alive_after_its_buffer_is_dropped():
     assert bytes(kept) == b"Live"
     del kept
     gc.collect()
-    assert not _exists(name)
+    assert not segment_exists(name)
 
 
 def test_child_process_sees_and_writes_the_segment(children):
@@ -158,7 +153,7 @@ def test_child_process_sees_and_writes_the_segment(children):
     with buf.get_metadata(2) as meta:
         assert bytes(meta) == b"\x01\x01\x01"
     # The child's exit (it only opened the segment) did not remove it.
-    assert _exists(buf.name)
+    assert segment_exists(buf.name)
 
 
 def test_unpickling_a_missing_segment_works_and_use_fails_clearly():
@@ -167,7 +162,7 @@ def test_unpickling_a_missing_segment_works_and_use_fails_clearly():
     handle = buf.handle()
     del buf
     gc.collect()
-    assert not _exists(handle[3])
+    assert not segment_exists(handle[3])
     ghost = pickle.loads(data)  # must not raise: the handle may come from another node
     assert ghost.handle() == handle
     assert pickle.loads(pickle.dumps(ghost)).handle() == handle  # can be passed on

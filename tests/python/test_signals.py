@@ -14,6 +14,7 @@ the C file is built with the machine's C compiler.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import _processes
@@ -145,11 +147,9 @@ if role == "writer":
         pickle.dump(q.export_handle(), f)
     os.rename(handle_path + ".tmp", handle_path)
 else:
-    deadline = time.monotonic() + STEP
-    while not os.path.exists(handle_path):
-        assert time.monotonic() < deadline, "no handle from the writer"
-        time.sleep(0.01)
-    with open(handle_path, "rb") as f:
+    from _processes.harness import wait_for_file
+
+    with open(wait_for_file(handle_path, STEP, "the writer's handle"), "rb") as f:
         q = shmq.MessageQueue.create_from_handle(pickle.load(f), int(role))
 print("WAITING", flush=True)
 try:
@@ -178,6 +178,7 @@ def _start_side(
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),  # it imports _processes
     )
     # The leftover check counts segments these processes made, too.
     _processes.CHILD_PIDS.add(p.pid)
@@ -231,13 +232,14 @@ def test_wait_until_ready_goes_on_through_handled_signals(tmp_path, case, signum
     try:
         for p in procs:
             _waiting(p)
-        # Signal the waiting side while the last reader is late, then let it join.
+        # Signal the waiting side while the last reader is late, then let it join: not a
+        # wait for a state but the behaviour under test (signals for LATE seconds).
         sent = 0
         deadline = time.monotonic() + LATE
         while time.monotonic() < deadline and target.poll() is None:
             target.send_signal(signum)
             sent += 1
-            time.sleep(SIGNAL_EVERY)
+            time.sleep(SIGNAL_EVERY)  # not synchronisation: the pace of the signals
         procs += [_start_side(tmp_path, role, n_reader, n_local, signum) for role in late]
     finally:
         results = _finish(procs)
@@ -261,8 +263,10 @@ def test_ctrl_c_in_wait_until_ready_is_a_keyboard_interrupt_and_nothing_else(tmp
     try:
         for p in procs:
             _waiting(p)
-        # Inside the wait by then (in ZeroMQ's poll most of the time).
-        time.sleep(0.5)
+        # Inside the wait: its one thread asleep in a call (ZeroMQ's poll most of the time).
+        _processes.wait_for(
+            lambda: psutil.Process(target.pid).status() == psutil.STATUS_SLEEPING, STEP, "the side to sleep in its wait"
+        )
         target.send_signal(signal.SIGINT)
         code, out, err = _finish([target])[0]
     finally:

@@ -11,14 +11,13 @@ import gc
 import os
 import pickle
 import signal
-import time
 
 import numpy as np
 from numpy._core._rational_tests import rational
 import pytest
 import torch
 
-from _processes import STEP
+from _processes import STEP, WaitTimeout, wait_for
 from _processes.tensor_children import (
     consuming_reader,
     digest,
@@ -171,12 +170,11 @@ def test_views_stay_intact_while_the_writer_sends_many_more(children):
 
 def _outstanding(mq: MessageQueue, at_most: int) -> int:
     """The arena's outstanding parts, waiting (bounded) until they are ``at_most``."""
-    deadline = time.monotonic() + STEP
-    while True:
-        n = mq.arena_stats()["outstanding"]
-        if n <= at_most or time.monotonic() > deadline:
-            return n
-        time.sleep(0.01)
+    try:
+        wait_for(lambda: mq.arena_stats()["outstanding"] <= at_most, STEP, f"at most {at_most} parts out", 0.01)
+    except WaitTimeout:
+        pass  # the caller's assertion says how many
+    return mq.arena_stats()["outstanding"]
 
 
 def test_the_writer_never_waits_for_a_full_arena(children):

@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from _processes import wait_for_file
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NS_A, NS_B = "shmqtest_a", "shmqtest_b"
 VETH_A, VETH_B = "shmqveth_a", "shmqveth_b"
@@ -143,13 +145,7 @@ def test_a_remote_reader_whose_link_goes_down_learns_its_writer_is_gone(two_host
         "remote": _start(NS_B, "remote_until_gone", workdir, own_shm=True),
     }
     try:
-        got = os.path.join(workdir, "got")
-        deadline = time.monotonic() + 60
-        while not os.path.exists(got):
-            assert time.monotonic() < deadline, "the remote reader never got its messages"
-            for name, p in procs.items():
-                assert p.poll() is None, f"{name} ended early:\n{p.communicate()[1][-3000:]}"
-            time.sleep(0.05)
+        wait_for_file(os.path.join(workdir, "got"), 60, "the remote reader to get its messages", procs)
         down_at = time.time()
         _run("ip", "-n", NS_B, "link", "set", VETH_B, "down")
         out, err = procs["remote"].communicate(timeout=60)

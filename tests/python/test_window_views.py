@@ -19,11 +19,9 @@ what was sent, with the reader's own writes applied):
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import resource
-import time
 
 import pytest
 
@@ -210,38 +208,31 @@ def test_store_objects_whose_parts_share_pages_viewed_twice_written_and_dropped(
     reader.stop()
 
 
-def test_encoder_cache_entries_loaded_twice_written_dropped_and_reused(children):
+def test_encoder_cache_entries_loaded_twice_written_dropped_and_reused(children, cache_name):
     # An entry is one view (its pickle, part table and tensors); loaded again while the
     # first load lives, it is a mapping of its own. Writes into either stay in it; after
     # the drops and an eviction, the next entry in that memory arrives exact.
-    name = f"tw{os.getpid()}-{random.getrandbits(32):08x}"
+    name = cache_name  # the fixture checks that none of its segments is left
     sizes = {"p0": 300_001, "p1": 100_003}  # 1.6 MB of int32, odd sizes
-    try:
-        with EncoderCacheProducer(name, capacity=6 * MiB) as producer:
-            reader = _Served(children, ec_window_consumer, [name])
+    with EncoderCacheProducer(name, capacity=6 * MiB) as producer:
+        reader = _Served(children, ec_window_consumer, [name])
 
-            def publish(r: int):
-                if r:
-                    producer.evict(f"k{r - 1}")
-                spec = {n: (size, r * 10_000_000 + j * 1_000_000) for j, (n, size) in enumerate(sizes.items())}
-                producer.save(f"k{r}", {n: expected(size, base) for n, (size, base) in spec.items()})
-                producer.flush(STEP)
-                return spec, (f"k{r}",)
+        def publish(r: int):
+            if r:
+                producer.evict(f"k{r - 1}")
+            spec = {n: (size, r * 10_000_000 + j * 1_000_000) for j, (n, size) in enumerate(sizes.items())}
+            producer.save(f"k{r}", {n: expected(size, base) for n, (size, base) in spec.items()})
+            producer.flush(STEP)
+            return spec, (f"k{r}",)
 
-            seen = _random_rounds(random.Random(7), reader, 8, publish)
-            # The first load of an entry is one window range (both parts), the second a
-            # mapping of its own.
-            assert seen["kinds"]["window"] and seen["kinds"]["own"], seen["kinds"]
-            assert seen["reloaded_in_place"], "no entry was loaded again where its written view lay"
-            addresses = seen["window_addresses"]
-            assert len(set(addresses)) < len(addresses), "no window memory carried two entries"
-            reader.stop()
-    finally:
-        deadline = time.monotonic() + 3
-        while [n for n in os.listdir("/dev/shm") if name in n] and time.monotonic() < deadline:
-            time.sleep(0.05)
-    left = [n for n in os.listdir("/dev/shm") if name in n]
-    assert not left, f"encoder cache segments left in /dev/shm: {left}"
+        seen = _random_rounds(random.Random(7), reader, 8, publish)
+        # The first load of an entry is one window range (both parts), the second a
+        # mapping of its own.
+        assert seen["kinds"]["window"] and seen["kinds"]["own"], seen["kinds"]
+        assert seen["reloaded_in_place"], "no entry was loaded again where its written view lay"
+        addresses = seen["window_addresses"]
+        assert len(set(addresses)) < len(addresses), "no window memory carried two entries"
+        reader.stop()
 
 
 # ---------------------------------------------------------------------------------

@@ -29,12 +29,6 @@ STARTUP = 60.0  # spawned interpreters on a busy 2-core machine: only needs to f
 SPAWN = multiprocessing.get_context("spawn")
 
 
-def _track(workers: WorkerProcesses) -> list[int]:
-    pids = [p for p in workers.pids if p is not None]
-    _processes.CHILD_PIDS.update(pids)
-    return pids
-
-
 # ---------------------------------------------------------------------------------
 # A sibling's death
 
@@ -49,7 +43,7 @@ def test_a_siblings_death_ends_the_others_cleanly_and_names_it():
     out = SPAWN.Queue()
     queue = MessageQueue(n_reader=3, n_local_reader=3, max_chunk_bytes=1024, max_chunks=4, arena_bytes=0)
     with WorkerProcesses(targets.group_reader, 3, args=(queue.export_handle(), 1, out)) as workers:
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         workers.wait_until_ready(timeout=STARTUP)
         queue.wait_until_ready(timeout=STARTUP)
         with pytest.raises(WorkerDiedError) as info:
@@ -85,7 +79,7 @@ def test_a_remote_worker_is_told_of_a_siblings_failure_on_its_link(children):
     event = SPAWN.Event()
     workers = WorkerProcesses(targets.exit_when_told, 1, args=((3,), (event,)), n_remote=1, remote_host="127.0.0.1")
     with workers:
-        (local_pid,) = _track(workers)
+        (local_pid,) = _processes.track(workers.pids)
         out = children.queue()
         children.start(targets.remote_worker_told_of_a_failure, out, str(workers.ticket), 1)
         assert workers.wait_until_ready(timeout=STARTUP) == [0, 1]
@@ -105,7 +99,7 @@ def test_a_remote_worker_is_told_of_a_siblings_failure_on_its_link(children):
 def test_join_does_not_raise_a_failure_the_monitor_raised():
     events = tuple(SPAWN.Event() for _ in range(3))
     with WorkerProcesses(targets.exit_when_told, 3, args=((0, 3, 0), events)) as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         assert workers.wait_until_ready(timeout=STARTUP) == [0, 1, 2]  # infos, by rank
         with pytest.raises(WorkerDiedError, match=r"Worker_1 \(rank 1, pid \d+\) exited with code 3") as info:
             with workers.monitor() as monitor:
@@ -122,7 +116,7 @@ def test_join_does_not_raise_a_failure_the_monitor_raised():
 
 def test_join_does_not_raise_a_failure_wait_until_ready_raised():
     with WorkerProcesses(targets.one_fails_in_setup, 2, args=(1,)) as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         with pytest.raises(WorkerDiedError, match="before it was ready") as info:
             workers.wait_until_ready(timeout=STARTUP, close_on_failure=False)
         assert info.value.rank == 1
@@ -136,7 +130,7 @@ def test_join_raises_each_failure_once():
     by the next join; then join returns the exit codes."""
     events = tuple(SPAWN.Event() for _ in range(3))
     with WorkerProcesses(targets.exit_when_told, 3, args=((0, 3, 4), events)) as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         workers.wait_until_ready(timeout=STARTUP)
         events[2].set()
         with pytest.raises(WorkerDiedError, match=r"Worker_2 \(rank 2, pid \d+\) exited with code 4"):
@@ -156,7 +150,7 @@ def test_a_new_failure_after_a_reported_one_wakes_join():
     """join, waiting past a failure it already reported, raises a new one at once."""
     events = tuple(SPAWN.Event() for _ in range(3))
     with WorkerProcesses(targets.exit_when_told, 3, args=((3, 0, 5), events)) as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         workers.wait_until_ready(timeout=STARTUP)
         events[0].set()
         with pytest.raises(WorkerDiedError, match="Worker_0"):
@@ -234,7 +228,7 @@ def test_a_worker_that_finishes_early_is_not_a_death_for_its_writer():
     no PeerDiedError, no WorkerDiedError; the other worker reads every batch."""
     queue = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=1024, max_chunks=2, arena_bytes=0)
     with WorkerProcesses(targets.reads_one_then_returns, 1, args=(queue.export_handle(),)) as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         other = MessageQueue.create_from_handle(queue.export_handle(), 1)  # reads in this process
         workers.wait_until_ready(timeout=STARTUP)
         queue.wait_until_ready(timeout=STARTUP)

@@ -42,31 +42,14 @@ STARTUP = 60.0
 
 def _gone(pid: int) -> bool:
     """Not running: no such process, or a zombie (dead, waiting to be reaped)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return not _processes.still_running([pid])
 
 
 def _wait_gone(pids, within: float) -> list[int]:
-    """The pids still running after ``within`` seconds (polling)."""
-    deadline = time.monotonic() + within
-    while True:
-        left = [p for p in pids if not _gone(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.01)
-
-
-def _track(workers: WorkerProcesses) -> list[int]:
-    """Worker pids, added to the leftover-segment check."""
-    pids = [p for p in workers.pids if p is not None]
-    _processes.CHILD_PIDS.update(pids)
-    return pids
-
-
-def _segments_of(pids) -> set[str]:
-    return _processes.segments_of(set(pids))
+    """The pids still running after ``within`` seconds (0: now); the caller asserts."""
+    with contextlib.suppress(_processes.WaitTimeout):
+        _processes.wait_for(lambda: not _processes.still_running(pids), within, "the processes to end", 0.01)
+    return _processes.still_running(pids)
 
 
 # ---------------------------------------------------------------------------------
@@ -75,7 +58,7 @@ def _segments_of(pids) -> set[str]:
 
 def test_all_workers_ready_and_closed():
     with WorkerProcesses(targets.ready_then_sleep, 4, args=("hello",), grace=5.0) as workers:
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         assert workers.names == ["Worker_0", "Worker_1", "Worker_2", "Worker_3"]
         assert [p.name for p in workers.processes] == workers.names
         infos = workers.wait_until_ready(timeout=STARTUP)
@@ -92,7 +75,7 @@ def test_all_workers_ready_and_closed():
 
 def test_close_is_idempotent_and_runs_on_garbage_collection():
     workers = WorkerProcesses(targets.ready_then_sleep, 2)
-    pids = _track(workers)
+    pids = _processes.track(workers.pids)
     workers.wait_until_ready(timeout=STARTUP)
     workers.close()
     workers.close()
@@ -103,7 +86,7 @@ def test_close_is_idempotent_and_runs_on_garbage_collection():
 
     # Dropped without close(): the finalizer shuts them down.
     workers = WorkerProcesses(targets.ready_then_sleep, 2)
-    pids = _track(workers)
+    pids = _processes.track(workers.pids)
     workers.wait_until_ready(timeout=STARTUP)
     del workers
     gc.collect()
@@ -114,7 +97,7 @@ def test_a_worker_raising_during_setup_is_named_and_the_others_are_stopped():
     timeout = STARTUP
     t0 = time.monotonic()
     workers = WorkerProcesses(targets.one_fails_in_setup, 4, args=(2,))
-    pids = _track(workers)
+    pids = _processes.track(workers.pids)
     with pytest.raises(WorkerDiedError) as info:
         workers.wait_until_ready(timeout=timeout)
     elapsed = time.monotonic() - t0
@@ -131,7 +114,7 @@ def test_a_worker_raising_during_setup_is_named_and_the_others_are_stopped():
     # wait_until_ready closed the group: every worker is gone, and so are their segments.
     assert workers.closed
     assert _wait_gone(pids, 0) == []
-    assert _segments_of(pids) == set()
+    assert _processes.segments_of(pids) == set()
     assert set(workers.finished()) == set(workers.names)
 
 
@@ -157,7 +140,7 @@ def test_a_start_failure_stops_the_workers_already_started():
 
 def test_a_deadline_that_passes_names_the_workers_not_ready():
     workers = WorkerProcesses(targets.some_never_ready, 4, args=((0, 2),))
-    pids = _track(workers)
+    pids = _processes.track(workers.pids)
     # Ranks 0 and 2 report ready (however slowly this machine starts them); 1 and 3 never.
     _processes.wait_for(lambda: all(workers.info()[r].ready for r in (0, 2)), STARTUP, "ranks 0 and 2 to be ready")
     t0 = time.monotonic()
@@ -233,7 +216,7 @@ def test_a_target_whose_module_fails_to_import_in_the_worker(tmp_path, monkeypat
     try:
         module = __import__(name)
         workers = WorkerProcesses(module.target, 1, context=context, forward_stderr=False)
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         with pytest.raises(WorkerDiedError) as info:
             workers.wait_until_ready(timeout=STARTUP)
     finally:
@@ -263,7 +246,7 @@ def test_workers_started_from_a_short_lived_thread_survive_it():
     t.start()
     t.join(STARTUP)
     workers = made[0]
-    pids = _track(workers)
+    pids = _processes.track(workers.pids)
     try:
         workers.wait_until_ready(timeout=STARTUP)
         assert workers.join_first(timeout=0.5) is None, "a worker died with the thread that started it"
@@ -278,7 +261,7 @@ def test_workers_started_from_a_short_lived_thread_survive_it():
 
 def test_stderr_tail_and_signal_name_of_a_worker_killed_by_sigbus(capfd):
     with WorkerProcesses(targets.last_words_then_sigbus, 1, args=(30,), stderr_tail_lines=20) as workers:
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         # It dies right after reporting ready: the wait may see the death already (a
         # failed worker raises there too); the group stays open for what follows.
         with contextlib.suppress(WorkerDiedError):
@@ -313,7 +296,7 @@ def test_a_worker_sigkilled_mid_run_wakes_the_blocked_parent(blocked_in):
         queue = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=1024, max_chunks=2)
         workers = WorkerProcesses(targets.idle_reader, 2, args=(queue.export_handle(),))
     with workers:
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         handles = workers.wait_until_ready(timeout=STARTUP)
         if blocked_in == "dequeue":
             readers = [MessageQueue.create_from_handle(h, 0) for h in handles]
@@ -354,7 +337,7 @@ def test_a_worker_sigkilled_mid_run_wakes_the_blocked_parent(blocked_in):
             # it has not yet, close() below).
             del readers, blocked_queue
     # close() removed the segment the killed worker left behind.
-    assert _segments_of(pids) == set()
+    assert _processes.segments_of(pids) == set()
     assert _wait_gone(pids, 0) == []
     del queue
 
@@ -399,7 +382,7 @@ def test_a_worker_that_raises_is_reported_before_its_teardown_ends(hang, ready, 
         capture_stderr=capture_stderr,
         grace=1.0,
     ) as workers:
-        (pid,) = _track(workers)
+        (pid,) = _processes.track(workers.pids)
         with pytest.raises(WorkerDiedError) as info:
             if ready:
                 workers.wait_until_ready(timeout=STARTUP, close_on_failure=False)
@@ -424,13 +407,13 @@ def test_a_worker_that_raises_is_reported_before_its_teardown_ends(hang, ready, 
         assert workers.failures == [err]
     # close() stopped the hanging teardown (SIGTERM, or SIGKILL after the grace).
     assert _wait_gone([pid], 0) == []
-    assert _segments_of([pid]) == set()
+    assert _processes.segments_of([pid]) == set()
 
 
 def test_monitor_does_not_fire_for_workers_that_finish():
     go = multiprocessing.get_context("spawn").Event()
     with WorkerProcesses(targets.ready_then_exit, 3, args=(0, go)) as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         workers.wait_until_ready(timeout=STARTUP)
         with workers.monitor() as monitor:
             go.set()  # every worker is ready: now they exit
@@ -445,7 +428,7 @@ def test_monitor_does_not_fire_for_workers_that_finish():
 @pytest.mark.parametrize("context", ["fork", "forkserver"])
 def test_other_start_methods(context):
     with WorkerProcesses(targets.ready_then_sleep, 2, args=(context,), context=context) as workers:
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         assert workers.wait_until_ready(timeout=STARTUP) == [(0, pids[0], context), (1, pids[1], context)]
         os.kill(pids[1], signal.SIGKILL)
         first = workers.join_first(timeout=STARTUP)
@@ -458,7 +441,7 @@ def test_other_start_methods(context):
 def test_join_waits_for_every_worker_and_raises_on_a_failure():
     go = multiprocessing.get_context("spawn").Event()
     with WorkerProcesses(targets.ready_then_exit, 2, args=(5, go)) as workers:
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         workers.wait_until_ready(timeout=STARTUP)
         go.set()  # every worker is ready: now they exit
         with pytest.raises(
@@ -466,7 +449,7 @@ def test_join_waits_for_every_worker_and_raises_on_a_failure():
         ):
             workers.join(timeout=STARTUP)
     with WorkerProcesses(targets.ready_then_sleep, 2) as workers:
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         workers.wait_until_ready(timeout=STARTUP)
         with pytest.raises(
             TimeoutError, match=f"2 worker\\(s\\) still running after 0.5 s: Worker_0 \\(rank 0, pid {pids[0]}\\)"
@@ -476,7 +459,7 @@ def test_join_waits_for_every_worker_and_raises_on_a_failure():
 
 def test_sentinels_and_join_first():
     with WorkerProcesses(targets.ready_then_sleep, 3) as workers:
-        pids = _track(workers)
+        pids = _processes.track(workers.pids)
         workers.wait_until_ready(timeout=STARTUP)
         sentinels = workers.sentinels()
         assert len(sentinels) == 3
@@ -496,7 +479,7 @@ def test_sentinels_and_join_first():
 def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period_with_its_children():
     grace = 1.5
     workers = WorkerProcesses(targets.stubborn_with_children, 1, grace=grace)
-    _track(workers)
+    _processes.track(workers.pids)
     ((worker, in_group, own_session),) = workers.wait_until_ready(timeout=STARTUP)
     assert all(not _gone(p) for p in (worker, in_group, own_session))
     t0 = time.monotonic()
@@ -512,7 +495,7 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period_with_its_chi
 def test_the_children_of_a_worker_that_dies_die_with_it():
     go = multiprocessing.get_context("spawn").Event()
     with WorkerProcesses(targets.dies_leaving_a_child, 1, args=(go,)) as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         (child,) = workers.wait_until_ready(timeout=STARTUP)
         go.set()  # ready: now it dies
         first = workers.join_first(timeout=STARTUP)
@@ -628,7 +611,7 @@ def test_workers_are_closed_at_interpreter_exit():
 def test_remote_worker_joins_over_tcp_and_strangers_are_refused(children):
     workers = WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1")
     with workers:
-        _track(workers)
+        _processes.track(workers.pids)
         ticket = workers.ticket
         assert ticket.host == "127.0.0.1" and WorkerTicket.parse(str(ticket)) == ticket
         assert workers.names == ["Worker_0", "Worker_1"]
@@ -688,7 +671,7 @@ def test_a_frame_on_a_remote_workers_link_that_is_not_the_workers_ends_it(frame)
     worker's (what a process on the path of the connection could inject: the parent
     would unpickle it) is never taken; the worker is reported as gone, its link closed."""
     with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         sock, theirs, ours = _join_as(workers.ticket, 1)
         try:
             info = pickle.dumps({"rank": 1, "forged": True})
@@ -769,7 +752,7 @@ def test_a_remote_worker_stops_when_its_first_sigterm_is_lost_in_a_race(children
     call returns. The link sends it again until shmq's handler ran, so the worker still
     stops within the grace with SystemExit(143), not SIGKILL at its end."""
     with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         out = children.queue()
         remote = children.start(targets.remote_worker_that_misses_the_first_sigterm, out, str(workers.ticket), 1)
         children.expect(out, "pid", timeout=STARTUP)
@@ -786,7 +769,7 @@ def test_a_remote_worker_stops_when_its_first_sigterm_is_lost_in_a_race(children
 
 def test_a_remote_worker_that_fails_is_named_with_its_traceback(children):
     with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
-        _track(workers)
+        _processes.track(workers.pids)
         out = children.queue()
         remote = children.start(targets.remote_worker, out, str(workers.ticket), 1, True)
         _, remote_pid = children.expect(out, "pid", timeout=STARTUP)

@@ -34,37 +34,16 @@ import sys
 import time
 from typing import Any
 
-import psutil
+from _processes.harness import STEP, WaitTimeout, kill, shm_segments, still_running, wait_for
 
-STEP = 30.0  # bound on any one wait in these programs
 GONE_WITHIN = 20.0  # how long the SIGKILLed parent's leftovers may take to go
-SHM = "/dev/shm"
 
 _KEEP: list[Any] = []
 
 
 def _left() -> list[str]:
-    return sorted(n for n in os.listdir(SHM) if n.startswith("shmq_"))
-
-
-def _running(pids: list[int]) -> list[int]:
-    """The pids that still run (a zombie is dead: it only waits to be reaped)."""
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    """Every shmq segment in this program's private /dev/shm."""
+    return sorted(shm_segments())
 
 
 def _sleeper(start_new_session: bool = False) -> subprocess.Popen:
@@ -124,7 +103,7 @@ def fork_child(method: str = "fork") -> dict:
     p.join(STEP)
     made = out.get() if not out.empty() else None
     if p.exitcode is None and p.pid is not None:
-        _kill([p.pid])
+        kill([p.pid])
     return {"exitcode": p.exitcode, "made": made, "left": _left(), "running": []}
 
 
@@ -136,7 +115,7 @@ import os, threading, time
 import numpy as np
 from shmq import MessageQueue
 
-from shmq import metrics
+from _processes.harness import blocked_in_queue, wait_for
 
 made = threading.Event()
 rings = []
@@ -153,10 +132,7 @@ def blocked():
 threading.Thread(target=blocked, daemon=True).start()
 assert made.wait({STEP})
 # The thread is blocked in its enqueue (the writer's slot says so) when the script ends.
-deadline = time.monotonic() + {STEP}
-while metrics.collect(rings)[0]["writer"]["waiting_seconds"] is None:
-    assert time.monotonic() < deadline, "the enqueue never blocked"
-    time.sleep(0.002)
+wait_for(lambda: blocked_in_queue(rings[0]), {STEP}, "the enqueue to block")
 print(sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmq_")), flush=True)
 """
 
@@ -215,11 +191,12 @@ def parent_sigkilled(context: str = "spawn") -> dict:
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(STEP)
     everyone = workers + grandchildren
-    deadline = time.monotonic() + GONE_WITHIN
-    while (_left() or _running(everyone)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    result = {"made": made, "left": _left(), "running": _running(everyone), "workers": workers}
-    _kill(everyone)
+    try:
+        wait_for(lambda: not _left() and not still_running(everyone), GONE_WITHIN, "everything to go", 0.05)
+    except WaitTimeout:
+        pass  # reported: the test says what stayed
+    result = {"made": made, "left": _left(), "running": still_running(everyone), "workers": workers}
+    kill(everyone)
     return result
 
 
@@ -262,9 +239,10 @@ def _worker_with_daemons(rank: int, pid_file: str, stubborn: bool) -> None:
         with open(pid_file, "w") as f:
             f.write(str(child))
         # The child is in its own session before the worker goes on.
-        deadline = time.monotonic() + STEP
-        while os.getsid(child) == os.getsid(0) and time.monotonic() < deadline:
-            time.sleep(0.002)
+        try:
+            wait_for(lambda: os.getsid(child) != os.getsid(0), STEP, "the child's own session")
+        except WaitTimeout:
+            pass  # as before: the test checks what became of it
         if not stubborn:
             sys.exit(0)
 
@@ -287,18 +265,19 @@ def close_daemons(how: str = "exits") -> dict:
     handler_child = int(open(pid_file).read()) if os.path.exists(pid_file) else None
     pids = [daemon] + ([handler_child] if handler_child is not None else [])
     # close() waits until what it killed is gone; a moment more for anything else.
-    deadline = time.monotonic() + 2.0
-    while _running(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        wait_for(lambda: not still_running(pids), 2.0, "the daemons to go", 0.05)
+    except WaitTimeout:
+        pass  # reported: the test says what still runs
     result = {
         "worker": worker,
         "daemon": daemon,
         "handler_child": handler_child,
-        "running": _running(pids),
+        "running": still_running(pids),
         "left": _left(),
         "finished": workers.finished(),
     }
-    _kill(pids)
+    kill(pids)
     return result
 
 

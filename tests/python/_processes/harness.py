@@ -16,10 +16,11 @@ import os
 import queue
 import re
 import signal
+import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 CTX = mp.get_context("spawn")
 
@@ -61,6 +62,11 @@ def shm_segments() -> set[str]:
         return {n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX)}
     except FileNotFoundError:  # pragma: no cover - no /dev/shm
         return set()
+
+
+def segment_exists(name: str) -> bool:
+    """Whether ``name`` (a segment, or a ring's socket directory) is in /dev/shm."""
+    return os.path.exists(os.path.join(SHM_DIR, name))
 
 
 def segment_creator_pid(name: str) -> int | None:
@@ -108,6 +114,26 @@ def still_running(pids: Iterable[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return running
+
+
+def track(pids: Iterable[int | None]) -> list[int]:
+    """Count the segments of processes the tests started other than through ``Children``
+    (``WorkerProcesses`` workers, ``subprocess`` programs) in the leftover check; their
+    pids."""
+    pids = [p for p in pids if p is not None]
+    CHILD_PIDS.update(pids)
+    return pids
+
+
+def shmq_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m shmq ARGS`` in a process of its own (neither a writer nor a reader)."""
+    return subprocess.run([sys.executable, "-m", "shmq", *args], capture_output=True, text=True, timeout=STEP)
+
+
+def mapping_count() -> int:
+    """How many mappings this process has (lines of /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
 
 
 def kill(pids: Iterable[int]) -> None:
@@ -162,6 +188,25 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise WaitTimeout(f"waited {timeout} s for {what() if callable(what) else what}")
         time.sleep(interval)
+
+
+def wait_for_file(
+    path: str, timeout: float = STEP, what: str | None = None, watch: Mapping[str, Any] | None = None
+) -> str:
+    """Wait for another process to make the file ``path`` (``what`` it stands for names
+    it in the failure); fail at once, with the end of its stderr, if one of the
+    processes in ``watch`` (``{name: subprocess.Popen}``) ends before it is there.
+    Returns ``path``."""
+
+    def there() -> bool:
+        if os.path.exists(path):
+            return True
+        for name, p in (watch or {}).items():
+            assert p.poll() is None, f"{name} ended early:\n{p.communicate()[1][-3000:]}"
+        return False
+
+    wait_for(there, timeout, what or f"the file {path}", 0.02)
+    return path
 
 
 def queue_side(ring_name: str, reader: int | None = None) -> dict[str, Any]:

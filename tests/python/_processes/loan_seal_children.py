@@ -10,15 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from _processes import STEP
+from _processes import STEP, mapping_count
 from shmq import MessageQueue, ObjectStorage, RingBuffer
 
 _PAGE = 4096
-
-
-def _maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
 
 
 class _MappingHog:
@@ -48,7 +43,7 @@ class _MappingHog:
             self.split.append(at)
         for at in self.split[len(self.split) - headroom :]:
             libc.mprotect(at, _PAGE, 3)  # merged back: two mappings free
-        self.at_limit = _maps()
+        self.at_limit = mapping_count()
 
     def release(self) -> None:
         self.libc.munmap(self.base, self.pages * _PAGE)
@@ -72,7 +67,7 @@ def hogged_queue_writer(out: Any, n: int) -> None:
         mq.enqueue((i, a), timeout=STEP)
         a[:] = 1000 + i
         kept.append(a)
-    maps = _maps()
+    maps = mapping_count()
     hog.release()
     mq.enqueue(None, timeout=STEP)
     out.put(("sent", hog.at_limit, maps, mq.loan_fallbacks))
@@ -96,7 +91,7 @@ def hogged_store_writer(out: Any, cmds: Any, n: int) -> None:
         handles.append(store.put(f"k{i}", {"a": a}))
         a[:] = 1000 + i
         kept.append(a)
-    maps = _maps()
+    maps = mapping_count()
     hog.release()
     out.put(("put", handles, hog.at_limit, maps, store.loan_fallbacks))
     assert cmds.get(timeout=STEP) == "stop"
