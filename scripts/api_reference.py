@@ -19,8 +19,8 @@ from urllib.parse import urldefrag, urlparse
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: The public modules, each a page. ``shmq.vllm_ec_connector`` imports vLLM: left out
-#: (with a note) where vLLM is not installed.
+#: The public modules, each a page. ``shmq.vllm_ec_connector`` and ``shmq.vllm_serde``
+#: import vLLM: left out (with a note) where vLLM is not installed.
 MODULES = [
     "shmq",
     "shmq.encoder_cache",
@@ -32,6 +32,7 @@ MODULES = [
     "shmq.metrics",
     "shmq.vllm_plugin",
     "shmq.vllm_ec_connector",
+    "shmq.vllm_serde",
 ]
 
 

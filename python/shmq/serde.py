@@ -124,11 +124,14 @@ class PickleSerde(ObjectSerde):
 
 
 def store_codec(serde: Any) -> Optional[tuple[Callable[[Any], list[Buffer]], Callable[..., Any]]]:
-    """For a built-in serde (not a subclass that changes how it serializes): its
+    """For a built-in serde (not a subclass that changes how it serializes), or one
+    whose class sets ``shmq_store_parts = True`` and has the two methods: its
     ``(value → parts, (parts, raws_owned=False) → value)`` pair, which the store uses to frame and align the
     parts itself. ``None`` for any other serde: the store then writes its
     ``[metadata][data...]`` as they come and hands ``deserialize`` one view of them."""
     cls = type(serde)
+    if getattr(cls, "shmq_store_parts", False):  # a serde that gives the store its parts
+        return serde._store_parts, serde._load_parts
     for base in (MsgpackSerde, PickleSerde):
         if isinstance(serde, base) and all(
             getattr(cls, name) is getattr(base, name)

@@ -28,8 +28,9 @@ worker node that is gone for the step broadcast (its connection closed, or silen
 shmq's heartbeat bound) is an error on the executor's next send
 (``MessageQueue.default_on_lost_remote_reader = "raise"``), so that vLLM's engine ends
 as it does for a dead local worker instead of waiting on that node. vLLM's
-serdes (``MsgpackSerde``, which knows vLLM's multimodal items) stay vLLM's: shmq's store
-takes any serde. One INFO line per process says the plugin is on (through vLLM's
+``MsgpackSerde`` (which knows vLLM's multimodal items) becomes
+:class:`shmq.vllm_serde.VllmMsgpackSerde`: the same encoding, with large tensors read
+by the workers as views of the store instead of copies. One INFO line per process says the plugin is on (through vLLM's
 logger, or on stderr where vLLM has not set up its logging yet); without
 ``SHMQ_VLLM=1`` the plugin does nothing at all.
 
@@ -69,7 +70,12 @@ _SHM_OBJECT_STORAGE = "vllm.distributed.device_communicators.shm_object_storage"
 #: module → names that the plugin replaces there (with shmq's class of the same role).
 REPLACED: dict[str, tuple[str, ...]] = {
     _SHM_BROADCAST: ("MessageQueue", "Handle", "ShmRingBuffer"),
-    _SHM_OBJECT_STORAGE: ("SingleWriterShmRingBuffer", "SingleWriterShmObjectStorage", "ShmObjectStorageHandle"),
+    _SHM_OBJECT_STORAGE: (
+        "SingleWriterShmRingBuffer",
+        "SingleWriterShmObjectStorage",
+        "ShmObjectStorageHandle",
+        "MsgpackSerde",
+    ),
 }
 
 #: The vLLM versions (major.minor) the plugin is tested with: 0.33's classes in
@@ -317,6 +323,8 @@ def _start_node_watch(executor: Any, mq: Any) -> None:
 def _shmq_classes() -> dict[str, Any]:
     import shmq
 
+    from .vllm_serde import VllmMsgpackSerde
+
     return {
         "MessageQueue": shmq.MessageQueue,
         "Handle": shmq.Handle,
@@ -324,6 +332,8 @@ def _shmq_classes() -> dict[str, Any]:
         "SingleWriterShmRingBuffer": shmq.RingBuffer,
         "SingleWriterShmObjectStorage": shmq.ObjectStorage,
         "ShmObjectStorageHandle": shmq.ObjectStorageHandle,
+        # vLLM's, with its tensors read as views of the store (shmq.vllm_serde).
+        "MsgpackSerde": VllmMsgpackSerde,
     }
 
 

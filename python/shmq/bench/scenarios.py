@@ -583,6 +583,58 @@ def _vllm_store_get_us(big: Any, calls: int, consume: Optional[Callable[[Any], N
         ring.close()
 
 
+def _floor_mm_item(params: Params) -> dict[str, Any]:
+    """What a vLLM worker pays per image read from the multimodal cache's store: ``get``
+    of one ``MultiModalKwargsItem`` (a 336x336 image's float32 pixels, 1.3 MiB, and its
+    size), then every byte of the pixels read (a copy into a buffer of its own), in
+    this process: vLLM 0.33's store with its ``MsgpackSerde`` (vLLM alone), shmq's
+    store with the same serde (the plugin before :mod:`shmq.vllm_serde`), and with
+    ``VllmMsgpackSerde`` (the plugin now: the pixels a view)."""
+    SingleWriterShmObjectStorage, SingleWriterShmRingBuffer = _vllm_store_classes()
+    import torch
+    from vllm.distributed.device_communicators.shm_object_storage import MsgpackSerde as VllmSerde
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
+
+    from shmq import ObjectStorage, RingBuffer
+    from shmq.vllm_serde import VllmMsgpackSerde
+
+    field = MultiModalSharedField(batch_size=1)
+    item = MultiModalKwargsItem(
+        {
+            "pixel_values": MultiModalFieldElem(data=torch.rand(3, 336, 336), field=field),
+            "image_sizes": MultiModalFieldElem(data=torch.tensor([336, 336]), field=field),
+        }
+    )
+    own = item["pixel_values"].data.clone()
+    calls = min(2000, max(200, params.objects // 50))
+
+    def per_item_us(store: Any) -> float:
+        h = store.put("image", item)
+        return time_per_call_us(lambda: own.copy_(store.get(*h)["pixel_values"].data), calls, batch=10)
+
+    out: dict[str, Any] = {}
+    ring = SingleWriterShmRingBuffer(16 * MiB, create=True)
+    try:
+        vllm_store = SingleWriterShmObjectStorage(8 * MiB, 1, ring)
+        for decoder in (vllm_store.ser_de.tensor_decoder, vllm_store.ser_de.mm_decoder):
+            if hasattr(decoder, "pin_tensors"):
+                decoder.pin_tensors = False  # pinned memory needs a GPU driver: one plain copy
+        out["vllm_item_us"] = per_item_us(vllm_store)
+    finally:
+        ring.close()
+    for key, serde in (("before_item_us", VllmSerde), ("item_us", VllmMsgpackSerde)):
+        store = ObjectStorage(8 * MiB, 1, RingBuffer(16 * MiB, create=True), serde_class=serde)
+        ser_de = store.ser_de
+        for decoder in (getattr(ser_de, "tensor_decoder", None), getattr(ser_de, "mm_decoder", None)):
+            if decoder is not None and hasattr(decoder, "pin_tensors"):
+                decoder.pin_tensors = False
+        out[key] = per_item_us(store)
+        store.close()
+    out["item_before_ratio"] = out["before_item_us"] / out["item_us"]
+    out["item_vllm_ratio"] = out["vllm_item_us"] / out["item_us"]
+    return out
+
+
 def _floor_encoder_cache(params: Params) -> dict[str, Any]:
     """The encoder-cache hand-off (``encoder_cache``): shmq's, vLLM 0.33's CPU
     connector's data path and torch.multiprocessing's, in the same run; each part that
@@ -702,6 +754,18 @@ FLOORS: list[Floor] = [
             Metric("big_consume_us", "object store: get + consume every byte, 4 MiB float32 tensor", "us", False),
             Metric("vllm_big_consume_us", "vLLM 0.33 object store: get + consume, 4 MiB float32 tensor", "us", False),
             Metric("big_consume_ratio", "store get + consume 4 MiB: vLLM 0.33's time / shmq's", "x", True),
+        ],
+    ),
+    Floor(
+        "mm-item",
+        "vLLM's multimodal item from the store",
+        _floor_mm_item,
+        [
+            Metric("vllm_item_us", "vLLM 0.33 store: get + read a 336x336 image item (1.3 MiB)", "us", False),
+            Metric("before_item_us", "shmq store, vLLM's serde: get + read that item (the plugin before)", "us", False),
+            Metric("item_us", "shmq store, VllmMsgpackSerde: get + read that item (the plugin now)", "us", False),
+            Metric("item_before_ratio", "image item get + read: before / now", "x", True),
+            Metric("item_vllm_ratio", "image item get + read: vLLM 0.33's store / shmq's now", "x", True),
         ],
     ),
     Floor(

@@ -1,0 +1,75 @@
+"""vLLM's multimodal items in shmq's store, their large tensors read as views.
+
+Under the plugin, vLLM's multimodal processor cache (``mm_processor_cache_type="shm"``)
+stores each item with this serde in place of vLLM's ``MsgpackSerde`` (the plugin
+rebinds the name). It encodes exactly as vLLM's does (``MsgpackEncoder``: a msgpack tree
+and the tensors' raw buffers), but gives the store those buffers as parts of their own,
+so that a worker's read of a tensor of ``ObjectStorage.view_threshold`` bytes or more
+is a view of the shared memory (a private copy-on-write mapping, see
+:meth:`shmq.ObjectStorage.get`) rather than vLLM's decoder's copy. Smaller parts are
+copied once, as before. An item is not evicted while a view of it lives in a worker;
+a writer that finds the cache full of such items gets ``MemoryError``, which vLLM's
+sender cache answers by sending the item inline, as it does for any full cache.
+
+    from shmq import ObjectStorage
+    from shmq.vllm_serde import VllmMsgpackSerde
+    store = ObjectStorage(1 << 20, 1, ring, serde_class=VllmMsgpackSerde)
+
+Importing it imports vLLM.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from vllm.distributed.device_communicators.shm_object_storage import MsgpackSerde
+
+from .serde import Buffer
+
+# The first part says what the rest is: vLLM's tensor or item encoding, or a pickle.
+_TENSOR, _ITEM, _PICKLE = b"T", b"M", b"P"
+
+
+class VllmMsgpackSerde(MsgpackSerde):  # type: ignore[misc]  # vLLM's class is untyped here
+    """vLLM's ``MsgpackSerde`` whose parts the store lays out itself (see the module)."""
+
+    #: :func:`shmq.serde.store_codec`: this serde gives the store its parts.
+    shmq_store_parts = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        from vllm.multimodal.inputs import MultiModalKwargsItem
+        from vllm.v1.serial_utils import MsgpackDecoder
+        import torch
+
+        # share_mem: a tensor over a part the store handed out as owned (a view, or a
+        # copy made for this read) keeps that part; vLLM's own decoders copy.
+        self._shared = {
+            _TENSOR: MsgpackDecoder(torch.Tensor, share_mem=True),
+            _ITEM: MsgpackDecoder(MultiModalKwargsItem, share_mem=True),
+        }
+        self._tensor_cls = torch.Tensor
+
+    def _store_parts(self, value: Any) -> list[Buffer]:
+        if isinstance(value, self._tensor_cls):
+            return [_TENSOR, *self.encoder.encode(value)]
+        if isinstance(value, self._mm_kwargs_item_cls):
+            return [_ITEM, *self.encoder.encode(value)]
+        return [_PICKLE, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)]
+
+    def _load_parts(self, parts: list[memoryview], raws_owned: bool = False) -> Any:
+        head, *rest = parts
+        kind = bytes(head)
+        try:
+            if kind == _PICKLE:
+                return pickle.loads(rest[0])
+            decoder = self._shared.get(kind)
+            if decoder is None:
+                raise ValueError(f"Unsupported object kind {kind!r} in shmq's store")
+            # Parts not owned (``copy=True``, or a store without views) are copied once
+            # here, and the tensors keep the copies.
+            return decoder.decode(rest if raws_owned else [bytearray(p) for p in rest])
+        finally:
+            # Parts that are not owned are views of shared memory: none outlives this call.
+            rest.clear()

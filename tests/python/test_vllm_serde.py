@@ -1,0 +1,104 @@
+"""vLLM's multimodal items through shmq's store with the plugin's serde
+(:mod:`shmq.vllm_serde`): vLLM's own encoding, read by other processes with the large
+tensors as views of the store (the item pinned while one lives, a reader's writes its
+own), the small ones copied."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm.multimodal.inputs")
+
+from shmq import ObjectStorage  # noqa: E402
+from shmq.object_storage import RingBuffer  # noqa: E402
+
+SIDE = 336  # a 336x336 image's pixel values: float32, 1.3 MiB, past view_threshold
+MiB = 1 << 20
+
+
+def _pixels(seed: int):
+    return torch.arange(3 * SIDE * SIDE, dtype=torch.float32).reshape(3, SIDE, SIDE) + seed
+
+
+def _item(seed: int):
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
+
+    field = MultiModalSharedField(batch_size=1)
+    return MultiModalKwargsItem(
+        {
+            "pixel_values": MultiModalFieldElem(data=_pixels(seed), field=field),
+            "image_sizes": MultiModalFieldElem(data=torch.tensor([SIDE, SIDE + seed]), field=field),
+        }
+    )
+
+
+def _reader(handle, jobs, answers) -> None:
+    store = ObjectStorage.create_from_handle(handle)
+    held = []
+    for job in iter(jobs.get, None):
+        if job[0] == "drop":
+            held.clear()
+            gc.collect()
+            answers.put("dropped")
+            continue
+        _, address, monotonic_id, signature, key, seed = job
+        item = store.get(address, monotonic_id, signature, key)
+        pixels, sizes = item["pixel_values"].data, item["image_sizes"].data
+        same = bool(torch.equal(pixels, _pixels(seed))) and sizes.tolist() == [SIDE, SIDE + seed]
+        pixels[0, 0, 0] = -1.0  # a private copy-on-write page: nobody else sees it
+        held.append(item)
+        answers.put((type(item).__name__, same))
+        del item, pixels, sizes
+    answers.put("done")
+
+
+def test_items_read_by_two_processes_as_views_pin_their_object_and_stay_private():
+    from shmq.vllm_serde import VllmMsgpackSerde
+
+    ring = RingBuffer(3 * MiB, create=True)  # room for two items
+    store = ObjectStorage(2 * MiB, 2, ring, serde_class=VllmMsgpackSerde)
+    ctx = mp.get_context("spawn")
+    jobs = [ctx.Queue() for _ in range(2)]
+    answers = ctx.Queue()
+    readers = [ctx.Process(target=_reader, args=(store.handle(), j, answers)) for j in jobs]
+    for p in readers:
+        p.start()
+
+    def read(seed: int) -> None:
+        key = f"image-{seed}"
+        address, monotonic_id = store.key_index[key]
+        for j in jobs:
+            j.put(("get", address, monotonic_id, store.get_signature(key), key, seed))
+        got = [answers.get(timeout=120) for _ in jobs]
+        assert got == [("MultiModalKwargsItem", True)] * 2, got
+
+    try:
+        store.put("image-0", _item(0))
+        read(0)
+        store.put("image-1", _item(1))
+        # image-2 would evict image-0, which both readers hold as views: refused as
+        # vLLM's sender cache expects of a full cache (it then sends the item inline).
+        with pytest.raises(MemoryError):
+            store.put("image-2", _item(2))
+        assert store.is_cached("image-0")
+        # A reader's write stayed its own.
+        mine = store.get(*store.key_index["image-0"], store.get_signature("image-0"), "image-0", copy=True)
+        assert torch.equal(mine["pixel_values"].data, _pixels(0))
+        for j in jobs:
+            j.put(("drop",))
+        assert [answers.get(timeout=60) for _ in jobs] == ["dropped"] * 2
+        store.put("image-2", _item(2))  # image-0 goes now
+        assert not store.is_cached("image-0")
+        read(2)
+    finally:
+        for j in jobs:
+            j.put(None)
+        for p in readers:
+            p.join(60)
+        store.close()
+        ring.close()
+    assert [p.exitcode for p in readers] == [0, 0]
