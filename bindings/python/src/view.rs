@@ -2,8 +2,8 @@
 //! zero-copy `memoryview`s. The view holds the segment (`Arc`), so the memory stays
 //! mapped as long as any memoryview of it exists.
 
+use shmq_protocol::sync::local::{AtomicBool, AtomicUsize, Ordering};
 use std::os::raw::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyBufferError;

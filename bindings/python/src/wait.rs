@@ -6,8 +6,8 @@
 //! held, and a clear error, never a hang or a silent use, when re-entered or poisoned by
 //! a panic.
 
+use shmq_protocol::sync::local::{AtomicUsize, Ordering};
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 

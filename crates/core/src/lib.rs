@@ -28,7 +28,6 @@
 //!   consumer process as private views, with a key index any process can ask;
 //! - [`admin`]: finding, describing and removing segments (cleanup after crashes);
 //! - `fuzzing` (hidden): entry points for the fuzz targets in `fuzz/`, not API.
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 // `warn_user!`: report a warning to the user (see [`warning`]), from the layer below.
 #[macro_use]

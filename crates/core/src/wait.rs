@@ -15,7 +15,7 @@
 //! cancel events there), whether the peer it waits for is still alive (about once a
 //! second) and the "still waiting" warning ([`WARNING_INTERVAL_ENV`]).
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use shmq_protocol::sync::local::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -822,7 +822,7 @@ pub fn no_peer() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicBool;
+    use shmq_protocol::sync::local::AtomicBool;
 
     #[test]
     fn in_slices_runs_the_hook_between_slices_and_ends_at_the_deadline_or_its_error() {

@@ -16,8 +16,8 @@
 //!   Their descriptors are registered here, and the child handler closes them (the
 //!   parent's lock stays: it is shared by the parent's own descriptor).
 
+use shmq_protocol::sync::local::{AtomicI32, AtomicU64, Ordering};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Once;
 
 use crate::error::{Error, Result};

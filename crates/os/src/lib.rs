@@ -4,7 +4,7 @@
 //! copy-on-write views, the mapping budget, fork safety — and their errors, which the
 //! layers above wrap in theirs. It knows nothing of queues, stores or arenas (the `shmq`
 //! crate above it does); the protocols on atomics are the crate beside it
-//! (`shmq-protocol`).
+//! (`shmq-protocol`), whose `sync::local` names this crate's own atomics.
 //!
 //! # Modules, lowest first
 //! Each module uses only the modules listed before it.
@@ -35,7 +35,6 @@
 //! - [`private_map`]: private copy-on-write views of a segment;
 //! - [`pins`]: a process's views holding store blocks (file locks the writer checks
 //!   before it frees).
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 /// Report a warning to the user: `format!` arguments (see [`warning`]); for this crate
 /// and the ones above it.

@@ -261,7 +261,7 @@ pub fn kill_descendants() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicU32, Ordering};
+    use shmq_protocol::sync::local::{AtomicU32, Ordering};
 
     /// A file in `SHM_DIR` to hold roles on, as a segment's file is; removed on drop.
     struct LockFile(String);

@@ -40,12 +40,16 @@
 //! holds, the store's pins, the encoder cache's entry pins).
 //!
 //! What a sealed loan costs in mappings is counted in `crate::map_budget`.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "the segment module: it maps segment files private (clippy.toml)"
+)]
 
+use shmq_protocol::sync::local::{AtomicBool, Ordering};
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
@@ -567,7 +571,7 @@ impl PrivateMap {
             // another thread writes the same byte meanwhile (then that write made the page
             // private already). Not `fetch_or(0)`: compilers turn an idempotent relaxed
             // RMW into a plain load, which writes nothing.
-            let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr(p.add(k)) };
+            let byte = unsafe { shmq_protocol::sync::AtomicU8::from_ptr(p.add(k)) };
             // Relaxed: only the write fault matters, not any ordering.
             let v = byte.load(std::sync::atomic::Ordering::Relaxed);
             let _ = byte.compare_exchange(

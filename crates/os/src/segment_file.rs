@@ -34,6 +34,10 @@
 //! five ways. What the crate did — `shm_open` (here: `open` of the same path with the
 //! same flags, as glibc's `shm_open` does), `ftruncate`, `mmap(MAP_SHARED)`, `shm_unlink`
 //! — is a few calls of `libc`, now in this module and `crate::segment`.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "the segment module: it opens, creates and sizes segment files (clippy.toml)"
+)]
 
 use std::fs::{File, Metadata, OpenOptions};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};

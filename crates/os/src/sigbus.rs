@@ -98,7 +98,7 @@
 //! The handler is Linux's
 //! (`si_addr`, `MAP_FIXED` semantics).
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use shmq_protocol::sync::local::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::error::Error;
@@ -363,6 +363,10 @@ mod linux {
         None
     }
 
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "maps anonymous zero pages over a segment's mapping, no file (clippy.toml)"
+    )]
     extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
         // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
         let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
@@ -446,6 +450,10 @@ mod linux {
 }
 
 #[cfg(all(test, target_os = "linux"))]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the test makes, maps and truncates a file of its own, not a segment"
+)]
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;

@@ -5,7 +5,7 @@
 //! process that maps the same segment. (`atomic-wait` and std's parking use private
 //! futexes, which cannot do that.)
 
-use std::sync::atomic::AtomicU32;
+use crate::sync::AtomicU32;
 use std::time::Duration;
 
 /// Sleep while `*word == expected`, for at most `timeout`. Returns early on a wake, a

@@ -713,7 +713,7 @@ mod tests {
         let ks = keys_at(1, n, 3);
         let mut w = IndexWriter::new();
         w.insert(&index, &ks[2], 2, 2).unwrap();
-        let stop = std::sync::atomic::AtomicBool::new(false);
+        let stop = crate::sync::local::AtomicBool::new(false);
         std::thread::scope(|s| {
             s.spawn(|| {
                 for round in 0..20_000u64 {

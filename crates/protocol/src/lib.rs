@@ -7,7 +7,8 @@
 //! doorbell's OS futex, the key index's retry clock).
 //!
 //! # Modules, lowest first
-//! - [`sync`]: the atomics, which loom swaps for its own;
+//! - [`sync`]: the atomics, which loom swaps for its own (and, never swapped, the
+//!   workspace's process-local ones: `sync::local`);
 //! - `futex` (not in a loom build): the process-shared Linux futex on a 32-bit word;
 //! - [`doorbell`]: the sleep/wake handshake between the two sides of a ring;
 //! - [`multiwait`]: one sleep on several doorbells at once (`futex_waitv`);
@@ -19,7 +20,6 @@
 //! - [`lease`]: the tensor arena's leases (the writer's and the readers' holds, and
 //!   when a range may be reused);
 //! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic.
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod alloc;
 pub mod consumer_slot;

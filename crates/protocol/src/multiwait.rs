@@ -209,7 +209,7 @@ mod tests {
     #[test]
     fn a_ring_on_any_bell_ends_the_sleep() {
         let bells: Vec<DoorbellWords> = (0..3).map(|_| DoorbellWords::default()).collect();
-        let data = std::sync::atomic::AtomicBool::new(false);
+        let data = crate::sync::local::AtomicBool::new(false);
         let wake = WakeWord::default();
         std::thread::scope(|s| {
             s.spawn(|| {

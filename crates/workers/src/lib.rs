@@ -66,7 +66,6 @@
 //! }
 //! # Ok::<(), shmq::workers::Error>(())
 //! ```
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::collections::{HashSet, VecDeque};
 use std::io::Write;

@@ -24,11 +24,11 @@ pub(super) struct Guard {
     /// Descriptors of connections whose HELLO proved the secret.
     pub(super) authenticated: std::sync::Mutex<std::collections::HashSet<i32>>,
     /// When the writer last took every HELLO that had arrived, in ms since `epoch`.
-    served_ms: std::sync::atomic::AtomicU64,
+    served_ms: shmq_protocol::sync::local::AtomicU64,
     epoch: Instant,
     /// The writer is gone: the guard closes nothing more, and ends once ZeroMQ stopped
     /// the monitor (at most `GUARD_DRAIN` later).
-    pub(super) stop: std::sync::atomic::AtomicBool,
+    pub(super) stop: shmq_protocol::sync::local::AtomicBool,
 }
 
 impl Guard {
@@ -116,9 +116,9 @@ pub(super) fn spawn_guard(
     ))?;
     let guard = std::sync::Arc::new(Guard {
         authenticated: Default::default(),
-        served_ms: std::sync::atomic::AtomicU64::new(0),
+        served_ms: shmq_protocol::sync::local::AtomicU64::new(0),
         epoch: Instant::now(),
-        stop: std::sync::atomic::AtomicBool::new(false),
+        stop: shmq_protocol::sync::local::AtomicBool::new(false),
     });
     let g = guard.clone();
     std::thread::Builder::new()

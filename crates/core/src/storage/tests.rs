@@ -656,13 +656,10 @@ fn a_truncated_store_refuses_puts_and_reports_no_object_cached() {
     s.put(&mut ring, "a", &[&[1u8; 1000]], 1).unwrap();
     assert!(s.is_cached(ring.segment(), "a").unwrap());
     let name = ring.segment().name().to_owned();
-    let path = format!("{}/{name}", shmq_os::liveness::SHM_DIR);
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .unwrap()
-        .set_len(4096)
-        .unwrap();
+    // A peer truncates the segment's file (through the segment module's own opener).
+    use shmq_os::segment_file::{Access, SegmentFile};
+    let file = SegmentFile::open(&name, Access::ReadWrite).unwrap();
+    file.set_len(4096).unwrap();
     let truncated = |r: Result<()>| match r {
         Err(Error::Os(OsError::BadSegment { name: n, reason })) => {
             n == name && reason.contains("truncated")
@@ -677,7 +674,7 @@ fn a_truncated_store_refuses_puts_and_reports_no_object_cached() {
         s.put(&mut ring, "b", &[&[2u8; 3 << 20]], 1).map(|_| ())
     ));
     assert!(truncated(s.put(&mut ring, "c", &[b"small"], 1).map(|_| ())));
-    assert_eq!(std::fs::metadata(&path).unwrap().len(), 4096);
+    assert_eq!(file.size().unwrap(), 4096);
 }
 
 /// Reader slots (`readers`): a reader's reads count in its slot's words; the writer names

@@ -2,7 +2,7 @@
 //! objects' own `unlink` and drops, and the janitor all go by — and the janitor itself:
 //! what removes this process's segments when it dies without its exit hook.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use shmq_protocol::sync::local::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};

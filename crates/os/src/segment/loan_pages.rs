@@ -2,7 +2,7 @@
 //! again) when the loan is dropped, and the unseals to retry when the process was out of
 //! mappings.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use shmq_protocol::sync::local::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use super::{page_size, round_up, Segment};

@@ -21,10 +21,14 @@
 //!   forked child inherited the object;
 //! - the creator holds a role lock on the file for as long as it lives, so that anyone
 //!   can tell a live creator's segment from an orphan (see [`crate::liveness`]).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "the segment module: it maps segment files and reserves their pages (clippy.toml)"
+)]
 
+use shmq_protocol::sync::local::{AtomicBool, AtomicU64, Ordering};
 use std::ffi::CString;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use crate::error::{AsOsError, Error, Result};

@@ -1,6 +1,6 @@
 //! [`Canceller`]: ends one side's blocked calls from any thread, without its lock.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use shmq_protocol::sync::local::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::super::ring::Ring;

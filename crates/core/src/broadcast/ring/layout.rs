@@ -4,7 +4,7 @@
 //! (see the layout in [`super`]); it uses nothing but the doorbell's words and the error
 //! type.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
+use shmq_protocol::sync::{AtomicU32, AtomicU64, AtomicU8};
 
 use crate::error::{Error, Result};
 use shmq_os::segment::round_up;

@@ -41,8 +41,8 @@ mod stats;
 mod tests;
 mod writer;
 
+use shmq_protocol::sync::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use crate::error::{Error, Result};
 use shmq_os::liveness::{Liveness, LockProbe};

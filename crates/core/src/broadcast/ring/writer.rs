@@ -17,7 +17,8 @@
 //! handed out for filling ([`RingWriter::data_mut`]) is only the reserved part, and a
 //! commit longer than it is refused, so nothing unreserved is ever published.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use shmq_protocol::sync::local::AtomicU8;
+use shmq_protocol::sync::Ordering;
 use std::sync::Arc;
 
 use super::layout::ChunkKind;

@@ -16,8 +16,8 @@ mod room;
 
 pub use reservation::Reservation;
 
+use shmq_protocol::sync::local::AtomicBool;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
