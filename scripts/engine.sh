@@ -36,7 +36,7 @@ if [ ! -e "$stamp" ]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   # PyPI's torch is a CUDA build whose nvidia libraries it needs to import, on CPU too:
-  # ~4.5 GB with its dependencies. Where the test venv has the same torch, hard links to
+  # gigabytes with its dependencies. Where the test venv has the same torch, hard links to
   # its files (no second copy on disk: a full CI run ran out of disk with two);
   # otherwise pip installs it.
   if .venv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch") != sys.argv[1].split("==")[1])' \

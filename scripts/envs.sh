@@ -4,7 +4,7 @@
 #
 #   .venv                the [test] extra's packages and maturin; torch pinned to the
 #                        engine's version (tests/engine/torch.txt), so that the engine
-#                        venv shares its files instead of a second ~4.5 GB copy
+#                        venv shares its files instead of a second copy (gigabytes)
 #   vLLM 0.33            for the plugin test, without its heavy dependencies (once per .venv)
 #   target/engine-venv   vLLM's CPU build and the tiny model: scripts/engine.sh --prepare
 #

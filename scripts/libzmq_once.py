@@ -1,9 +1,9 @@
 """Build libzmq once for the test command, and make a CARGO_HOME whose cargo calls link it.
 
 zmq-sys compiles libzmq (C++) from source in every profile and target directory that
-builds it: 35-45 s each on 2 cores, most of a release build of shmq, and scripts/test.sh
-builds four of them (the lints and tests, the fuzz targets, shmq's build into .venv, the
-wheel). This script builds it once (``cargo build --release -p zmq-sys`` into
+builds it, most of a release build of shmq's time (docs/performance.md, "The test
+command"), and scripts/test.sh builds four of them (the lints and tests, the fuzz targets,
+shmq's build into .venv, the wheel). This script builds it once (``cargo build --release -p zmq-sys`` into
 target/libzmq) and writes a links override for it: ``[target.<host>.zmq]``, cargo's own way
 to skip a -sys crate's build script, with the libraries and search paths that zmq-sys's
 build script itself reported (cargo's JSON messages, not a hand-written list).

@@ -4,8 +4,8 @@ platform, from this interpreter's environment into another environment's site-pa
     .venv/bin/python scripts/link_dists.py torch target/engine-venv/lib/python3.11/site-packages
 
 scripts/engine.sh uses it so that the engine venv and the test venv share one copy of
-torch and its CUDA libraries (~4.5 GB: PyPI's torch is a CUDA build that needs them to
-import, on CPU too) instead of unpacking a second one; a full CI run ran out of disk with
+torch and its CUDA libraries (PyPI's torch is a CUDA build that needs them to import, on
+CPU too: gigabytes) instead of unpacking a second one; a full CI run ran out of disk with
 two. Hard links cost no space and stay valid when either venv is removed. Only files
 inside site-packages are linked (a distribution's scripts in bin/ name their own venv's
 interpreter); pip in the target venv then sees the distributions as installed.

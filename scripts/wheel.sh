@@ -36,8 +36,8 @@ rm -f dist/shmq-*.whl dist/shmq-*.tar.gz
 
 # The wheel, in its own target dir (the zig-built objects differ from the dev build's,
 # and the two would otherwise rebuild each other). Stripped: the release profile keeps
-# line tables for profiling, which would make the .so ~25 MB; without them it also
-# compiles faster.
+# line tables for profiling, which would make the .so several times larger; without them
+# it also compiles faster.
 start=$SECONDS
 CARGO_PROFILE_RELEASE_DEBUG=0 maturin build --release --strip --zig --compatibility manylinux2014 \
   --interpreter "$venv/bin/python" --target-dir target/wheel --out dist

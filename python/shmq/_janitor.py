@@ -13,9 +13,9 @@ queue segments after its shutdown SIGKILLs the engine.
 
 What it changes for the host program, and why each is harmless:
 
-- One extra process per process that creates segments, ~10 MB and no CPU while its
-  owner lives (it sleeps in ``recv``). It is started detached (its own session, and its
-  first parent — a ``/bin/sh`` that puts it in the background, ~2 ms; where there is no
+- One extra process per process that creates segments, a small interpreter that uses no
+  CPU while its owner lives (it sleeps in ``recv``). It is started detached (its own
+  session, and its first parent — a ``/bin/sh`` that puts it in the background; where there is no
   ``/bin/sh``, the janitor's own interpreter, which forks — exits at once, so the owner
   never sees it as a child and waits only for that first parent, not for an interpreter
   to start: no ``wait()`` of the
@@ -177,7 +177,7 @@ def start(executable: str | None = None) -> bool:
     command = [python, "-I", "-S", os.path.abspath(__file__), str(theirs), _core.SHM_DIR]
     if os.access(_SH, os.X_OK):
         # The shell starts the janitor in the background and exits: the owner waits for
-        # a shell (~2 ms), not for an interpreter to start (~30-70 ms). The janitor's
+        # a shell to fork, not for an interpreter to start. The janitor's
         # socket is already its own: what the owner sends meanwhile waits in the socket.
         command = [_SH, "-c", '"$@" </dev/null >/dev/null &', "sh", *command, IN_BACKGROUND]
     try:

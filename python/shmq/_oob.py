@@ -51,8 +51,8 @@ class _Sink:
 class _Pickler(pickle.Pickler):
     """A reusable protocol-5 pickler that collects out-of-band buffers.
 
-    It costs what ``pickle.dumps`` costs (the small object: within ~0.1 µs) because
-    nothing Python runs per object pickle has a fast path for (dicts, lists, str, int...):
+    It costs little more than ``pickle.dumps`` (docs/performance.md, "Small messages")
+    because nothing Python runs per object pickle has a fast path for (dicts, lists, str, int...):
     ``reducer_override`` is called only for the rest, and the output goes to a list, not a
     ``BytesIO`` to rewind and copy out.
     """

@@ -51,7 +51,7 @@ What it guarantees:
   blocked ``MessageQueue`` calls when a worker fails, and raises ``WorkerDiedError``.
   A worker whose target raises is a failure at once: its bootstrap prints the
   traceback, then sends a death notice (exit code and traceback) on its ready pipe
-  before the interpreter tears down (0.4-0.6 s with torch; forever if an ``atexit``
+  before the interpreter tears down (long with torch imported; forever if an ``atexit``
   handler or a non-daemon thread hangs). A killed worker is seen at its exit (pidfd); a
   hung one is alive, so only the parent's timeouts tell.
 - **Shutdown.** :meth:`~WorkerProcesses.close`: SIGTERM to every worker's process group,

@@ -344,8 +344,8 @@ def bootstrap(spec: WorkerSpec) -> None:
 def _send_death_notice(exitcode: int, lines: Sequence[str]) -> None:
     """Tell the parent at once that this worker is exiting with ``exitcode``: its
     failure is then reported before the interpreter's teardown (atexit handlers,
-    non-daemon threads, the modules' clean-up: 0.4-0.6 s with torch imported, forever
-    when one hangs) rather than at the exit. Written after the traceback reached fd 2,
+    non-daemon threads, the modules' clean-up: long with torch imported, forever when
+    one hangs) rather than at the exit. Written after the traceback reached fd 2,
     so the parent finds it in the worker's stderr pipe when the notice arrives."""
     try:
         with _channel_lock:
