@@ -36,6 +36,8 @@ pytestmark = [
 BOUND = 5.0
 # A loaded 2-core machine runs two engines here: slack on top of the bounds.
 SLACK = 3.0
+# Node 1's processes gone after node 0's end (issue 43's target).
+NODE1_ENDS = 5.0
 
 
 def _shmq_names(names: list[str] | None) -> list[str]:
@@ -85,7 +87,7 @@ def test_two_nodes_offline_same_tokens_and_node1_ends_with_node0(engine, tmp_pat
     # Node 1 follows node 0's end within 5 s (issue 43's target): its worker hears the
     # queue's shutdown over the link, and its processes end without the interpreter's
     # final collection (the plugin's; it took 2-3 s per process here).
-    assert on["node1_gone_after_s"] <= 5.0, on["node1_log"]
+    assert on["node1_gone_after_s"] <= NODE1_ENDS, on["node1_log"]
 
 
 def test_two_nodes_sharing_one_dev_shm_then_node1_stopped_past_the_bound(engine, tmp_path, vllm_alone):
@@ -151,7 +153,7 @@ def test_serve_on_two_nodes_then_node0s_engine_core_killed(engine, tmp_path, vll
         killed = time.time()
         left = node1.leftovers(BOUND + SLACK + 15)
         exited = node1.exited_at()
-        assert exited is not None and exited - killed <= BOUND + SLACK, node1.text()[-4000:]
+        assert exited is not None and exited - killed <= NODE1_ENDS, node1.text()[-4000:]
         assert left is not None and _shmq_names(left) == [], left
         # The client gets an error, not a hang.
         with pytest.raises(OSError):
@@ -177,10 +179,11 @@ def test_serve_on_two_nodes_then_sigterm_ends_both_and_leaves_nothing(engine, tm
         assert texts == vllm_alone["texts"], (texts, vllm_alone["texts"])
         node0.signal(signal.SIGTERM, [node0.proc.pid])
         stopped = time.time()
-        assert node0.wait_gone(60) is not None, node0.text()[-4000:]
+        gone = node0.wait_gone(60)
+        assert gone is not None, node0.text()[-4000:]
         left = node1.leftovers(BOUND + SLACK + 15)
         exited = node1.exited_at()
-        assert exited is not None and exited - stopped <= BOUND + SLACK, node1.text()[-4000:]
+        assert exited is not None and exited - (stopped + gone) <= NODE1_ENDS, node1.text()[-4000:]
         assert left is not None and _shmq_names(left) == [], left
         node0_left = sorted(set(os.listdir("/dev/shm")) - before)
         assert mn.made_by(node0_left, node0.pids_seen) == [], node0.text()[-4000:]
