@@ -1,47 +1,18 @@
-"""Removing this process's segments at interpreter exit, and ending its queue writers.
+"""Exit cleanup: at interpreter exit, shut down this process's live queue writers, then
+remove the segments it created that are still there.
 
-A segment's creator removes it when the creating object is dropped, but Python does not
-promise to drop objects at exit (a queue kept in a module-level list, a loan still
-alive, a daemon thread's locals). So the core notes every segment and socket directory
-this process creates while it exists (one registry, in the core: ``segment/created.rs``'s
-``note_created``; this module keeps no list of its own), and an ``atexit`` hook removes
-what is left (``_core.remove_created``): rings, tensor arenas, socket directories,
-stores, encoder caches, probes, whatever still refers to them. Their memory stays mapped until the
-process ends, so late users in this process and readers elsewhere are not cut off.
+The core notes every segment and socket directory this process creates
+(``segment/created.rs``'s ``note_created``); an ``atexit`` hook shuts down the queue
+writers still alive (their readers get every message, then "the writer shut down") and
+removes what is left (``_core.remove_created``), leaving the memory mapped until the
+process ends. In a ``fork`` or ``forkserver`` child of ``multiprocessing`` (which leaves
+through ``os._exit``) the hook is one of multiprocessing's exit finalizers instead. The
+first segment starts this process's janitor (``shmq._janitor``), which covers the
+endings that run no exit hook (SIGKILL, SIGTERM's default action, a crash,
+``os._exit``); shmq installs no signal handler.
 
-Before that, the hook shuts down the queue writers still alive, so that their readers
-get every message sent and then "the writer shut down", not a hang or a "writer died".
-
-Endings covered: the end of the script, ``sys.exit`` (also in a worker), exit with
-daemon threads alive (also one blocked in a shmq call: the writer's shutdown ends it),
-``KeyboardInterrupt`` (SIGINT's default).
-
-Endings that run no exit hook — SIGTERM's and other signals' default action, SIGKILL (vLLM's
-shutdown SIGKILLs an engine core or worker that lingers), a crash, ``os._exit`` — are
-covered by the process's *janitor* (``shmq._janitor``), started with its first segment: a
-small separate process that the core tells of every segment made and removed, and that
-removes what is left once the process is gone. shmq installs **no signal handler** for
-this: SIGTERM kills a process at once, as it would without shmq (the janitor removes its
-segments within milliseconds), and a program's own handlers stay its own. Readers of a
-writer killed that way get ``PeerDiedError``, not ``QueueShutDownError``: a program that
-wants its readers told "shut down" handles SIGTERM itself and exits through ``sys.exit``.
-
-Children of ``multiprocessing``'s ``fork`` and ``forkserver`` methods leave through
-``os._exit`` once their target returns: no ``atexit`` there. multiprocessing runs its
-exit finalizers (``multiprocessing.util.Finalize`` with an exit priority) just before,
-so in such a child shmq registers its cleanup as one (from multiprocessing's after-fork
-callbacks, or at import when the child imports shmq itself). It runs when the target has
-returned (or raised, or called ``sys.exit``), after the child's own children are
-joined but *before* its non-daemon threads are: a queue such a thread still uses is
-shut down then (its calls raise ``QueueShutDownError``). A forked child starts without a
-janitor (it closes the parent's socket) and starts its own with its first segment.
-
-What a process leaves when even its janitor could not run (the janitor itself killed,
-no interpreter to start one) is removed by ``python -m shmq cleanup``, which removes
-segments whose creator is dead. No process removes another's segments on its own: a
-segment's file exists a moment before its creator holds the lock that proves it alive,
-so "nobody holds it" is no proof in a process that cannot know whether a creator is just
-starting; ``cleanup`` is for an operator who knows.
+Which endings remove what: docs/operations.md ("Inspecting and cleaning up"); why it is
+built this way: docs/design.md ("Exit cleanup and the janitor").
 """
 
 from __future__ import annotations

@@ -2,47 +2,19 @@
 ended (SIGKILL, a signal's default action, a crash, ``os._exit``).
 
 A process that creates a segment starts one janitor (:func:`start`, called by
-``shmq._cleanup`` on its first segment): a separate, small Python process that holds one
-end of a ``SOCK_SEQPACKET`` socket pair whose other end only the owner holds. The core
-(``segment::set_janitor``) sends it ``+name`` for every segment or socket directory the
-owner creates and ``-name`` for every one the owner removes itself. When the owner's end
-is closed — the owner exited, normally or not, and no process it forked still holds the
-socket — the janitor reads end-of-file, removes the names still listed and exits. This is
-the design of ``multiprocessing``'s resource tracker, which is what removes vLLM's own
-queue segments after its shutdown SIGKILLs the engine.
+``shmq._cleanup`` on its first segment): a small detached ``python -I -S`` process that
+holds one end of a ``SOCK_SEQPACKET`` socket pair whose other end only the owner holds.
+The core (``segment::set_janitor``) sends it ``+name`` for every segment or socket
+directory the owner creates and ``-name`` for every one the owner removes itself; at
+end-of-file (the owner is gone) it removes the names still listed, each only while the
+file is still the one its owner made (device and inode), and exits.
 
-What it changes for the host program, and why each is harmless:
+``SHMQ_NO_JANITOR=1`` in a process's environment starts none there; nor does an empty
+``sys.executable``. ``python -m shmq cleanup`` removes what is left then.
 
-- One extra process per process that creates segments, a small interpreter that uses no
-  CPU while its owner lives (it sleeps in ``recv``). It is started detached (its own
-  session, and its first parent — a ``/bin/sh`` that puts it in the background; where there is no
-  ``/bin/sh``, the janitor's own interpreter, which forks — exits at once, so the owner
-  never sees it as a child and waits only for that first parent, not for an interpreter
-  to start: no ``wait()`` of the
-  host reaps it, no ``SIGCHLD`` from it, and a tree kill of the owner's children — vLLM's
-  shutdown does one — does not stop it before it has cleaned up). It ends when its owner
-  does. (An owner that is a subreaper, ``PR_SET_CHILD_SUBREAPER``, as shmq's workers
-  are, adopts it as it adopts every orphan below it: it is then that owner's child, one
-  that exits only after the owner.) It ignores ``SIGINT`` (a Ctrl-C reaches only the
-  terminal's process group, not its session anyway) and dies of ``SIGTERM`` as any
-  process.
-- It runs ``python -I -S``: no site-packages, no user code, no environment variables
-  beyond the interpreter's own; it imports only the standard library.
-- It removes only what its owner made: names in ``/dev/shm`` that its owner sent, each
-  only while the file of that name is still the very file its owner made (the device
-  and inode the owner sent with the name; ``lstat``, so a symlink is never followed).
-  A name the caller chose (``RingBuffer(name="vllm_mm_...")``, a named store or encoder
-  cache) is removed as shmq's own are, and a successor's file under the same name never.
-
-Where no interpreter can be started (``sys.executable`` empty, as in some embedders), no
-janitor runs; exit cleanup still removes what a process made when it ends normally, and
-``python -m shmq cleanup`` removes what a killed one left.
-
-``SHMQ_NO_JANITOR=1`` in a process's environment starts none there (a sandbox that
-allows no extra process, say): its segments are then left behind by a death without
-exit hook, for ``cleanup``, as before the janitor.
-
-Run as a script: ``python -I -S _janitor.py FD SHM_DIR [--in-background]``.
+Run as a script: ``python -I -S _janitor.py FD SHM_DIR [--in-background]``. Why it is
+a process of its own, how it is started and why that is harmless to the host:
+docs/design.md ("Exit cleanup and the janitor").
 """
 
 from __future__ import annotations

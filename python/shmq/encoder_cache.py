@@ -1,51 +1,26 @@
 """The encoder-cache hand-off: a producer's tensors, by key, to every consumer process.
 
-An *encoder* process (the producer) turns each image into embedding tensors keyed by a
-content hash and saves them; *language-model workers* (consumers) load them by key as
-zero-copy views; a *scheduler* asks, from any process, which keys are ready. Nothing
-goes through an RPC framework or a file on disk.
+An encoder process saves each image's embeddings under a content hash with
+:class:`EncoderCacheProducer`; language-model workers load them by key as zero-copy
+views with :class:`EncoderCacheConsumer`; a scheduler asks which keys are ready with
+:class:`EncoderCacheIndex` (``has(key)`` only, from any process).
+:class:`EncoderCacheConnector` adapts them to the roles of vLLM's encoder-cache
+connectors. Values are anything picklable; tensors and arrays travel as raw buffers.
+All processes are on one machine::
 
-- :class:`EncoderCacheProducer` — ``save(key, value)`` returns once room is reserved;
-  the copy into shared memory runs on a background thread (at most ``max_pending`` at
-  once). Under pressure the oldest keys that every live consumer has loaded are
-  evicted; if none can go, ``save`` waits up to ``timeout`` and then raises
-  ``MemoryError`` saying what holds the room. ``wait_loaded(key)`` / ``on_loaded(key,
-  callback)``, ``evict(key)``, ``close()``.
-- :class:`EncoderCacheConsumer` — ``has(key)``; ``load(keys, into, device)`` fills
-  ``into`` with the values (tensors are views of shared memory, mapped copy-on-write:
-  writable, and a write stays private to this process) and returns the keys it could
-  not load. Loading acknowledges the key to its producer.
-- :class:`EncoderCacheIndex` — ``has(key)`` only, from any process (a scheduler): a
-  lookup in the producers' key indexes in shared memory, about a microsecond, safe
-  while producers write.
-- :class:`EncoderCacheConnector` — the roles of vLLM's encoder-cache connectors
-  (``has_cache_item``, ``update_state_after_alloc``, ``build_connector_meta``,
-  ``save_caches``, ``start_load_caches``, ``get_finished``) as thin adapters over the
-  classes above.
+    producer = EncoderCacheProducer("epd", capacity=256 << 20)   # encoder process
+    producer.save(mm_hash, embedding)      # returns once room is reserved
 
-Values are anything picklable; torch tensors (every dtype, bfloat16 and float8
-included) and numpy arrays travel as raw buffers beside a protocol-5 pickle (see
-``_oob``, shmq's one pickler). **CUDA tensors** are copied to shared CPU memory by
-``save`` (the store's policy too, logged once per process) and come back on the CPU; pass
-``device=`` to ``load`` (or to the consumer) to have them copied onto a device. (A
-CUDA-IPC path that keeps them on the GPU is not implemented.)
+    EncoderCacheIndex("epd").has(mm_hash)  # scheduler
 
-Consumers come and go: a consumer that joins late sees every key held (and does not
-hold back the eviction of keys published before it joined); one that dies stops
-counting within about a second of the producer next looking. Several producers may
-serve the same consumers: give the consumer all their names. A producer restarted
-under the name of a dead one replaces its segment, and consumers never serve the old
-keys again. A producer killed with SIGKILL leaves what it published held and loadable
-(complete) until then; a save it had not finished is never shown. All processes must be
-on one machine and share a pid namespace.
+    consumer = EncoderCacheConsumer("epd")                       # each worker
+    missing = consumer.load([mm_hash], into=encoder_cache)       # views, no copy
 
-Eviction waits for *every* live consumer, which fits workers that all need every key
-(tensor-parallel ranks of one engine). Consumers that need only some keys should
-acknowledge the others (``load(keys)`` without ``into``), or the producer should
-``evict`` them, or the cache fills up and ``save`` raises.
-
-How it works (segment layout, key-index seqlock, pins, acknowledgements): the module
-docs of ``crates/core/src/encoder_cache/``.
+A key is evicted, oldest first, once every live consumer has loaded it; when nothing
+can go, ``save`` waits up to ``timeout`` and raises ``MemoryError``. More in
+docs/guide.md ("Encoder cache"); what consumers that come and go, CUDA tensors and a
+killed producer do: docs/design.md ("The encoder cache from Python"); the segment,
+key index, pins and acknowledgements: ``crates/core/src/encoder_cache/``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """shmq as vLLM's encoder-cache connector: disaggregated encoding on one machine.
 
 An *encoder* instance of vLLM (``"ec_role": "ec_producer"``) runs the vision encoder and
-saves each item's embeddings into shmq's encoder cache (:mod:`shmq.encoder_cache`), a
-shared-memory segment; a *prefill/decode* instance (``"ec_consumer"``) finds them there
-by the item's hash and every one of its workers loads them as zero-copy views, so it
-never runs the encoder for them. Nothing goes through a file or a socket. Both instances
-name the same cache::
+saves each item's embeddings into shmq's encoder cache (:mod:`shmq.encoder_cache`); a
+*prefill/decode* instance (``"ec_consumer"``) finds them there by the item's hash and
+every one of its workers loads them as zero-copy views, so it never runs the encoder for
+them. Both instances name the same cache::
 
     vllm serve MODEL --ec-transfer-config '{"ec_connector": "ShmqECConnector",
         "ec_connector_module_path": "shmq.vllm_ec_connector", "ec_role": "ec_producer",
@@ -14,7 +13,9 @@ name the same cache::
 and the same with ``"ec_role": "ec_consumer"`` for the prefill/decode instance. With the
 plugin on (``SHMQ_VLLM=1``) the connector is registered by name and
 ``ec_connector_module_path`` may be left out. ``ec_both`` (an instance that saves what
-it encodes and loads what another saved) works too.
+it encodes and loads what another saved) works too. Clients send each image with a
+``uuid`` (``multi_modal_uuids`` offline, ``"uuid"`` beside an image in a chat request)
+so that both instances name the item alike, as for any vLLM EC connector.
 
 ``ec_connector_extra_config``:
 
@@ -25,21 +26,11 @@ it encodes and loads what another saved) works too.
   full, once unread items have been evicted; after it the item is not cached (a
   warning), the consumer encodes it itself;
 - ``unread_ttl_s`` (default 30): an item no consumer worker has loaded after this long
-  is evicted when room is needed (a request that went only to the encoder instance
-  never holds the cache); items every consumer loaded go first, as always.
+  is evicted when room is needed.
 
-Where what runs: the scheduler side of a consumer answers ``has_cache_item`` from the
-cache's key index in shared memory (about a microsecond); the producer saves from TP rank
-0 only (every rank computes the same embeddings); every consumer rank loads. Clients send
-each image with a ``uuid`` (``multi_modal_uuids`` offline, ``"uuid"`` beside an image in a
-chat request) so that both instances name the item alike, as for any vLLM EC connector.
-
-An encoder instance killed with SIGKILL leaves what it saved loadable (the named cache
-outlives a crashed producer on purpose); items it had not saved are encoded by the
-consumer itself. A restarted encoder under the same name replaces the segment;
-``python -m shmq cleanup`` removes it otherwise.
-
-Only imported inside vLLM (it subclasses vLLM's ``ECConnectorBase``).
+Which rank saves and loads, and what a killed encoder instance leaves: docs/design.md
+("The encoder cache from Python"). Only imported inside vLLM (it subclasses vLLM's
+``ECConnectorBase``).
 """
 
 from __future__ import annotations

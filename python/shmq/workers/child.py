@@ -3,8 +3,7 @@
 - :func:`bootstrap`, the entry point of every local worker: die with the parent, lead a
   process group, adopt orphaned descendants, send stderr into the parent's pipe, turn
   SIGTERM into ``SystemExit``, then run ``target(rank, ...)``; if it raises, print the
-  traceback and send the parent a death notice on the ready pipe before exiting, so
-  the failure is reported before the interpreter's teardown, not after it;
+  traceback and send the parent a death notice on the ready pipe before exiting;
 - :func:`report_ready`, which a worker calls once its set-up is done;
 - :func:`sibling_failure`, which tells a worker that another worker of its group
   failed (why the parent shut the group's queues down);
@@ -12,27 +11,8 @@
   joins over TCP;
 - :func:`die_with_parent`, for workers and their own children.
 
-How a worker ends without stranding memory or processes:
-
-- **With its parent** (``death_signal=SIGKILL``, the default), even a SIGKILLed one: a
-  thread of the core (``_core.exit_with_process``, no GIL needed, so a worker busy in
-  native code goes too) waits on the parent's pidfd; once the parent has exited it kills
-  the worker's descendants, removes every segment and socket directory the worker
-  created, and SIGKILLs the worker. (The kernel's ``PR_SET_PDEATHSIG`` would kill the
-  worker before it could do either; it is the fallback without pidfds, Linux < 5.3. A
-  worker that ``exec``s another program loses the watch.) Other ``death_signal`` values
-  are sent by the kernel as before (SIGTERM: ``SystemExit``, and the exit below).
-- **Its descendants never outlive it.** The worker is a child subreaper
-  (``PR_SET_CHILD_SUBREAPER``): a daemon that double-forks (``setsid``, fork, the middle
-  process exits) is adopted by the worker instead of init, so it stays in the worker's
-  process tree, where ``close()`` finds it. At its own exit (end of the target,
-  ``sys.exit``, SIGTERM's ``SystemExit``, whatever the start method: it is one of
-  multiprocessing's exit finalizers, which run after the worker's own multiprocessing
-  children are joined and before its non-daemon threads are) the worker SIGKILLs every
-  descendant still running, also one its SIGTERM handler forked into a session of its
-  own.
-  Consequences of adoption: an adopted daemon that exits while the worker runs stays a
-  zombie until the worker exits, and ``os.wait()`` in the worker can return it.
+How a worker dies with its parent and takes its descendants with it, and why the death
+notice comes before the interpreter's teardown: docs/design.md ("Worker processes").
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Spawned workers whose stderr goes into the parent's pipe from their first line of Python.
 
-The ``spawn`` start method runs ``python -c "from multiprocessing.spawn import spawn_main;
-spawn_main(...)"`` in the child, and ``spawn_main`` does three things before any of
-shmq's code runs there: it unpickles the preparation data, re-imports the parent's main
-module (as ``__mp_main__``), and unpickles the process object, which imports the module
-of the worker's target. A worker that dies in one of them (a script that starts workers
-without an ``if __name__ == "__main__":`` guard; a target whose module raises on import)
-printed its traceback to the stderr it inherited, the parent's terminal, because the
-bootstrap (``child.bootstrap``), which would have sent fd 2 into the parent's pipe, never
-ran: the parent's ``WorkerDiedError`` had no stderr lines to show.
-
-:class:`SpawnProcessWithStderr` starts the child with the same command line, whose
-program first ``dup2``s the pipe's write end onto fd 2: everything the child writes to
-stderr after the interpreter has started, tracebacks of its start-up included, reaches
-the parent's supervisor (its tail, and the parent's stderr with the worker's prefix).
-Only what the interpreter writes before it runs ``-c`` (a broken ``.pth`` file, say)
-still goes to the inherited stderr.
+:class:`SpawnProcessWithStderr` starts a ``spawn`` child with multiprocessing's own
+command line, whose program first ``dup2``s the pipe's write end onto fd 2: everything
+the child writes to stderr after the interpreter has started (a traceback from
+re-importing the main module or unpickling the target included) reaches the parent's
+supervisor, its tail and the parent's stderr with the worker's prefix. Only what the
+interpreter writes before it runs ``-c`` (a broken ``.pth`` file, say) still goes to
+the inherited stderr. Why it is needed: docs/design.md ("Worker processes").
 
 The launch below is CPython's ``multiprocessing.popen_spawn_posix.Popen._launch``
 (identical in 3.11, 3.12 and 3.13), with one difference, marked: the command line and the

@@ -1,20 +1,14 @@
 """The parent side's machinery: the core's supervision, and what only Python can do.
 
-The watching is the core's (``_core.WorkerGroup``, ``crates/workers/src/``, the same code a
-Rust serving stack uses): one native thread waits on every worker's pidfd, ready pipe
-and stderr pipe, records readiness and exits (never reaping: see below), forwards stderr
-to the parent's fd 2 prefixed ``(Worker_1 pid=...)`` and keeps each worker's last lines,
-and shuts the group down (signals, the grace period, whole process trees, removing the
-dead workers' segments). What stays here is Python's: starting interpreters with
-``multiprocessing`` (pickling the target), unpickling ready reports, handing failures to
-the open monitors (whose queues are Python objects), a fork server's children (whose exit
-codes only ``multiprocessing`` reads), and remote workers' TCP handshake.
-
-Why exits are read without reaping: a worker's pid is also its process group's id. While
-the worker is our unreaped child (a zombie at worst), the kernel cannot hand that id to
-another process, so ``killpg`` reaches only the worker's own descendants. The group
-therefore reaps its workers itself, last, and takes them out of ``multiprocessing``'s
-list of children so that nobody reaps them earlier.
+The watching is the core's (``_core.WorkerGroup``, ``crates/workers/src/``): one native
+thread waits on every worker's pidfd, ready pipe and stderr pipe, records readiness and
+exits (never reaping), forwards stderr to the parent's fd 2 prefixed ``(Worker_1
+pid=...)`` and keeps each worker's last lines, and shuts the group down. What stays here
+is Python's: starting interpreters with ``multiprocessing`` (pickling the target),
+unpickling ready reports, handing failures to the open monitors (whose queues are Python
+objects), a fork server's children (whose exit codes only ``multiprocessing`` reads), and
+remote workers' TCP handshake. The group reaps its workers itself, last, and takes them
+out of ``multiprocessing``'s list of children; why: docs/design.md ("Worker processes").
 """
 
 from __future__ import annotations
