@@ -3,10 +3,9 @@
 //! below it (`shmq-os`, `shmq-protocol`); worker supervision (`shmq-workers`) is above.
 //!
 //! # Modules, lowest first
-//! A reading order: each module uses only the ones listed before it (when this crate was
-//! split off, a scan of the source proved it). The layers that must not be crossed are
-//! crates, which the compiler keeps apart. Public modules are links; the others are
-//! internal.
+//! A reading order: each module uses only the ones listed before it. The layers that
+//! must not be crossed are crates, which the compiler keeps apart. Public modules are
+//! links; the others are internal.
 //! - [`error`]: the core's error ([`Error`]): its own variants (waits, arguments,
 //!   roles, ZeroMQ) and one per layer or module with errors of its own
 //!   ([`error::OsError`], [`broadcast::QueueError`], [`storage::StoreError`],

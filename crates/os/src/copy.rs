@@ -3,12 +3,11 @@
 //! A part copied into the tensor arena is read by other processes, not by this core.
 //! Ordinary stores first read every destination line into the cache ("read for
 //! ownership", a third more memory traffic) and leave the bytes in the caches; streaming
-//! (non-temporal) stores write whole lines straight to memory: ~1.3x faster for
-//! 16–256 MiB on a 2-core machine with a small last-level cache (`cargo bench --bench
-//! arena`, `copy/16MiB`). But a reader on another core of the same chip that consumes the
-//! part soon after reads it from the shared last-level cache if it is still there, and
-//! from memory if it was streamed: on a 2-core machine with a 260 MiB L3, consuming a
-//! streamed 16 MiB part took 3.2 ms, one copied with ordinary stores 1.3 ms. So a copy
+//! (non-temporal) stores write whole lines straight to memory, which is faster for large
+//! copies. But a reader on another core of the same chip that consumes the part soon
+//! after reads it from the shared last-level cache if it is still there, and from memory
+//! if it was streamed, which is slower (both measured in `docs/performance.md`, "Copies
+//! and mappings"). So a copy
 //! streams only when it is too large to stay in the last-level cache anyway (at least
 //! half of it, and at least [`STREAM_MIN`] bytes), where the CPU has streaming stores
 //! (x86-64 with AVX); else it is a plain `memcpy`.

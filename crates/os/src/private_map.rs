@@ -7,8 +7,8 @@
 //!
 //! # One mapping that stays: [`PrivateFile::view`]
 //! Mapping every view anew costs, per message, an `mmap`, a page fault on the first touch
-//! of every page and a `munmap` (16 MiB: ~1.2 ms more than reading the same bytes through
-//! a mapping that stays). So a process maps the whole segment privately once (its
+//! of every page and a `munmap` (measured in `docs/performance.md`, "Copies and
+//! mappings"). So a process maps the whole segment privately once (its
 //! *window*) and carves views out of it; the page tables stay warm from one message to
 //! the next. What a view wrote must not outlive it (a later message placed in the same
 //! memory would show this reader's old writes), so when a view goes, the pages it wrote
@@ -32,8 +32,8 @@
 //! tells whether the process was locked since: the lock faults it in (`mincore`), and
 //! from then on each view first drops the private copies in its range (pagemap, and
 //! `MADV_DONTNEED_LOCKED`), or maps on its own where they cannot be dropped. A
-//! pointer kept past its view reads whatever the window shows later, where it used to
-//! fault: the bindings hand out buffers that keep their view alive, never raw pointers.
+//! pointer kept past its view reads whatever the window shows later, where one past a
+//! view mapped on its own would fault: the bindings hand out buffers that keep their view alive, never raw pointers.
 //!
 //! What a view shows of pages it has not written is the segment's current content: the
 //! layer above must keep the writer off a range while a view of it lives (the arena's

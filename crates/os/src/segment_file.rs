@@ -26,14 +26,9 @@
 //! Anyone who can open the file (the same user) can also truncate it, lock its bytes or
 //! write it: what shmq guarantees against such a peer is in `crate::sigbus`.
 //!
-//! Why not the `shared_memory` crate (which shmq used before): it maps with `shm_open`
-//! and keeps the descriptor to itself (no way to `fallocate` through it, to read the
-//! file's size once the name is gone, or to lock it), its `Shmem` is neither `Send` nor
-//! `Sync`, and it unlinks on drop by a flag of its own. shmq had to open the same file
-//! again by path for each of those, beside the crate's descriptor: the file was opened
-//! five ways. What the crate did — `shm_open` (here: `open` of the same path with the
-//! same flags, as glibc's `shm_open` does), `ftruncate`, `mmap(MAP_SHARED)`, `shm_unlink`
-//! — is a few calls of `libc`, now in this module and `crate::segment`.
+//! This module and `crate::segment` make the few `libc` calls a segment needs (`open` of
+//! the path with `shm_open`'s flags, `ftruncate`, `mmap(MAP_SHARED)`, `unlink`); why no
+//! shared-memory crate: `docs/design.md` ("Why the OS layer is built as it is").
 #![allow(
     clippy::disallowed_methods,
     reason = "the segment module: it opens, creates and sizes segment files (clippy.toml)"

@@ -19,9 +19,9 @@
 //! way, or a truncation of it kills as before). The first registration in a process
 //! installs a `SIGBUS` handler (`SA_SIGINFO | SA_ONSTACK | SA_NODEFER`), once per process:
 //! a handler the program (or Python's `faulthandler.enable()`, or a runtime) installs
-//! later stays installed, and shmq never puts its own back over it (issue 32: doing so
-//! made shmq chain to a handler that chained back to it, and its guard against that loop
-//! killed programs whose own handler ran in two threads at once or left through
+//! later stays installed, and shmq never puts its own back over it (doing so would make
+//! shmq chain to a handler that chains back to it, and a guard against that loop would
+//! kill programs whose own handler runs in two threads at once or leaves through
 //! `siglongjmp`). On a `SIGBUS` the kernel raised
 //! for an address inside a registered mapping, the handler maps fresh anonymous zero
 //! pages over the *whole* mapping (`mmap(MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS)`, at
@@ -59,8 +59,8 @@
 //! the size, or it reserves more pages. A reservation ([`Segment::reserve_range`](crate::segment::Segment::reserve_range),
 //! `fallocate` with `FALLOC_FL_KEEP_SIZE`) never changes the file's size and compares
 //! it with the mapping before and after: a writer never grows a truncated file back
-//! (that handed every process zeros where the lost pages were, with no fault to tell
-//! it: issue 32), and the shrink it finds is its error. A size check that found the file
+//! (that would hand every process zeros where the lost pages were, with no fault to tell
+//! it), and the shrink it finds is its error. A size check that found the file
 //! short is remembered like a fault: the segment's checks fail from then on, also if the
 //! file is grown again. Calls that answer from the process's own records without
 //! touching the segment compare its size first (the store's `put` before it writes,

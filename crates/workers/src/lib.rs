@@ -15,8 +15,8 @@
 //!   payload is UTF-8 text, the exit code the worker is about to exit with, a newline,
 //!   and the last lines of its traceback. The Python bootstrap sends one when the
 //!   worker's target raises, after printing the traceback and before the interpreter's
-//!   teardown (0.4-0.6 s with torch imported, unbounded when an `atexit` handler or a
-//!   non-daemon thread hangs); the failure is recorded when the notice arrives, not
+//!   teardown (long with torch imported, see `docs/performance.md`; unbounded when an
+//!   `atexit` handler or a non-daemon thread hangs); the failure is recorded when the notice arrives, not
 //!   when the exit does;
 //! - **dies with the parent**, even a SIGKILLed one (`PR_SET_PDEATHSIG`, set between fork
 //!   and exec, then the parent is checked again in case it died in between). The kernel

@@ -15,7 +15,7 @@
 //! A reader takes an empty or left slot first, else the slot of a reader that died (its
 //! lock is free: it takes its place, and the reads still expected of it). A process that
 //! finds no slot (more readers opened than `n_readers`, or `n_readers` beyond
-//! [`MAX_READER_SLOTS`]) reads anonymously, as every reader did before slots.
+//! [`MAX_READER_SLOTS`]) reads anonymously (its reads counted in the object's count word).
 //!
 //! # Which reader read what
 //! An object of a store of two or more readers carries one count word per slot (of the
