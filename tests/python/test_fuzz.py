@@ -181,7 +181,6 @@ FIELDS = [f.name for f in dataclasses.fields(Handle)]
 def _open(handle, rank):
     reader = MessageQueue.create_from_handle(handle, rank)
     del reader
-    gc.collect()
 
 
 def test_garbled_handles_are_refused_clearly(queue_handle):
