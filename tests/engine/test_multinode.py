@@ -17,10 +17,12 @@ Engine starts are few: each run checks several things.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
+from typing import Iterator
 
 import pytest
 
@@ -47,30 +49,10 @@ def _shmq_names(names: list[str] | None) -> list[str]:
 @pytest.fixture(scope="module")
 def vllm_alone(engine, tmp_path_factory) -> dict:
     """``vllm serve`` on two nodes without the plugin: the texts the runs with shmq must
-    match (offline and served alike: the same greedy completions), then node 0 stopped
-    with SIGTERM, as with shmq below."""
-    python, model = engine
-    log_dir = tmp_path_factory.mktemp("multinode")
-    port = mn.free_port()
-    node1 = mn.Node1(python, model, False, port, log_dir / "node1-off.log")
-    node0 = None
-    try:
-        node0 = mn.Node0Serve(python, model, False, port, log_dir / "node0-off.log")
-        texts = [node0.complete(p) for p in _driver_prompts(8)]
-        node0.signal(signal.SIGTERM, [node0.proc.pid])
-        node0_gone = node0.wait_gone(60)
-        # vLLM alone: node 1 keeps running after node 0's end (its worker waits for the
-        # next step for ever); not waited for.
-        node1_left = node1.leftovers(0.5)
-    finally:
-        if node0 is not None:
-            node0.stop()
-        node1.stop()
-    return {
-        "texts": texts,
-        "node0_gone_s": node0_gone,
-        "node1_left": node1_left,
-    }
+    match (offline and served alike: the same greedy completions). (vLLM alone leaves
+    node 1 running after node 0's end: killed, not waited for.)"""
+    with _serving(engine, False, tmp_path_factory.mktemp("multinode")) as (_, _, texts):
+        return {"texts": texts}
 
 
 def test_two_nodes_offline_same_tokens_and_node1_ends_with_node0(engine, tmp_path, vllm_alone):
@@ -136,13 +118,7 @@ def test_link_cut_for_2s_goes_on_and_for_30s_is_an_error_within_the_bound(engine
 
 
 def test_serve_on_two_nodes_then_node0s_engine_core_killed(engine, tmp_path, vllm_alone):
-    python, model = engine
-    port = mn.free_port()
-    node1 = mn.Node1(python, model, True, port, tmp_path / "node1.log")
-    node0 = None
-    try:
-        node0 = mn.Node0Serve(python, model, True, port, tmp_path / "node0.log")
-        texts = [node0.complete(p) for p in _driver_prompts(len(vllm_alone["texts"]))]
+    with _serving(engine, True, tmp_path) as (node0, node1, texts):
         assert texts == vllm_alone["texts"], (texts, vllm_alone["texts"])
         assert re.search(r"shmq \S+ plugin active", node1.text()), node1.text()[-3000:]
         # Node 0's engine core SIGKILLed while node 1 waits for its next step: node 1's
@@ -158,24 +134,14 @@ def test_serve_on_two_nodes_then_node0s_engine_core_killed(engine, tmp_path, vll
         # The client gets an error, not a hang.
         with pytest.raises(OSError):
             node0.complete("the scheduler sends", timeout=30)
-    finally:
-        if node0 is not None:
-            node0.stop()
-        node1.stop()
 
 
 def test_serve_on_two_nodes_then_sigterm_ends_both_and_leaves_nothing(engine, tmp_path, vllm_alone):
     # vLLM's own ending of `vllm serve` (SIGINT takes the same handler; the one-node
     # tests run both): node 0 ends, node 1 follows (vLLM alone: node 1 runs on) and
     # neither node keeps anything of shmq's.
-    python, model = engine
     before = set(os.listdir("/dev/shm"))
-    port = mn.free_port()
-    node1 = mn.Node1(python, model, True, port, tmp_path / "node1.log")
-    node0 = None
-    try:
-        node0 = mn.Node0Serve(python, model, True, port, tmp_path / "node0.log")
-        texts = [node0.complete(p) for p in _driver_prompts(len(vllm_alone["texts"]))]
+    with _serving(engine, True, tmp_path) as (node0, node1, texts):
         assert texts == vllm_alone["texts"], (texts, vllm_alone["texts"])
         node0.signal(signal.SIGTERM, [node0.proc.pid])
         stopped = time.time()
@@ -187,6 +153,19 @@ def test_serve_on_two_nodes_then_sigterm_ends_both_and_leaves_nothing(engine, tm
         assert left is not None and _shmq_names(left) == [], left
         node0_left = sorted(set(os.listdir("/dev/shm")) - before)
         assert mn.made_by(node0_left, node0.pids_seen) == [], node0.text()[-4000:]
+
+
+@contextlib.contextmanager
+def _serving(engine, plugin: bool, log_dir) -> Iterator[tuple[mn.Node0Serve, mn.Node1, list[str]]]:
+    """`vllm serve` on two nodes (node 1 headless, private /dev/shm): (node 0, node 1,
+    the texts of the driver's 8 prompts); whatever is left of both killed at the end."""
+    python, model = engine
+    port = mn.free_port()
+    node1 = mn.Node1(python, model, plugin, port, log_dir / f"node1-{plugin}.log")
+    node0 = None
+    try:
+        node0 = mn.Node0Serve(python, model, plugin, port, log_dir / f"node0-{plugin}.log")
+        yield node0, node1, [node0.complete(p) for p in _driver_prompts(8)]
     finally:
         if node0 is not None:
             node0.stop()

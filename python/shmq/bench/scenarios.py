@@ -506,6 +506,15 @@ def _vllm_store_classes() -> tuple[Any, Any]:
     return SingleWriterShmObjectStorage, SingleWriterShmRingBuffer
 
 
+def _unpinned(ser_de: Any) -> None:
+    """vLLM's decoders in ``ser_de`` make plain copies: vLLM 0.33 pins a tensor it
+    copies when torch says pinned memory is available, which needs a GPU driver."""
+    for name in ("tensor_decoder", "mm_decoder"):
+        decoder = getattr(ser_de, name, None)
+        if decoder is not None and hasattr(decoder, "pin_tensors"):
+            decoder.pin_tensors = False
+
+
 def _floor_small_calls(params: Params) -> dict[str, float]:
     """The cheap calls, in this process, next to vLLM 0.33's classes when importable:
     ``allocate_buf`` of 64 bytes (timed in batches of 100, the ring freed between
@@ -572,9 +581,7 @@ def _vllm_store_get_us(big: Any, calls: int, consume: Optional[Callable[[Any], N
     ring = SingleWriterShmRingBuffer(16 * MiB, create=True)
     try:
         store = SingleWriterShmObjectStorage(8 * MiB, 1, ring)
-        decoder = getattr(store.ser_de, "tensor_decoder", None)
-        if decoder is not None and hasattr(decoder, "pin_tensors"):
-            decoder.pin_tensors = False  # pinned memory needs a GPU driver: one plain copy
+        _unpinned(store.ser_de)
         h = store.put("big", big)
         if consume is None:
             return time_per_call_us(lambda: store.get(*h), calls, batch=10)
@@ -616,18 +623,13 @@ def _floor_mm_item(params: Params) -> dict[str, Any]:
     ring = SingleWriterShmRingBuffer(16 * MiB, create=True)
     try:
         vllm_store = SingleWriterShmObjectStorage(8 * MiB, 1, ring)
-        for decoder in (vllm_store.ser_de.tensor_decoder, vllm_store.ser_de.mm_decoder):
-            if hasattr(decoder, "pin_tensors"):
-                decoder.pin_tensors = False  # pinned memory needs a GPU driver: one plain copy
+        _unpinned(vllm_store.ser_de)
         out["vllm_item_us"] = per_item_us(vllm_store)
     finally:
         ring.close()
     for key, serde in (("before_item_us", VllmSerde), ("item_us", VllmMsgpackSerde)):
         store = ObjectStorage(8 * MiB, 1, RingBuffer(16 * MiB, create=True), serde_class=serde)
-        ser_de = store.ser_de
-        for decoder in (getattr(ser_de, "tensor_decoder", None), getattr(ser_de, "mm_decoder", None)):
-            if decoder is not None and hasattr(decoder, "pin_tensors"):
-                decoder.pin_tensors = False
+        _unpinned(store.ser_de)
         out[key] = per_item_us(store)
         store.close()
     out["item_before_ratio"] = out["before_item_us"] / out["item_us"]
