@@ -206,10 +206,10 @@ def _watch_worker_nodes() -> bool:
 def _workers_end_at_once(worker_cls: Any) -> None:
     """A vLLM worker process ends as soon as its ``WorkerProc.shutdown()`` returns
     (its last act: ``worker_main`` returns and the process exits), without the
-    interpreter's final garbage collection over the whole heap of torch and vLLM,
-    which took 2-3 s of one core per process on node 1 here (py-spy: the main thread in
-    ``gc_collect_main`` after ``worker_main``); so node 1 followed node 0's end after
-    about 4 s. See :func:`_skip_the_final_collection`."""
+    interpreter's final garbage collection over the whole heap of torch and vLLM, which
+    took seconds and made node 1 follow node 0's end late (docs/operations.md, "vLLM
+    across nodes"; the figures in docs/performance.md). See
+    :func:`_skip_the_final_collection`."""
     original = worker_cls.shutdown
     if getattr(original, "_shmq_ends_at_once", False):
         return
