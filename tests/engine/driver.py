@@ -554,6 +554,8 @@ def cmd_multinode(args: argparse.Namespace) -> None:
             outcome["error_at"] = time.time()
             outcome["error"] = f"{type(e).__name__}: {e}"[:300]
         done.set()
+    if args.end == "shutdown":
+        llm.llm_engine.engine_core.shutdown()
     del llm, outputs
     gc.collect()
     ended_at = time.time()
@@ -636,6 +638,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--fault-window", type=float, default=0.0)
     p.add_argument("--limit", type=float, default=90.0, help="seconds past the window that count as a hang")
+    p.add_argument("--end", choices=["scope", "shutdown"], default="scope")
     p = sub.add_parser("worker-death")
     p.add_argument("model")
     p.add_argument("--when", choices=["idle", "generating"], default="generating")

@@ -55,9 +55,11 @@ def vllm_alone(engine, tmp_path_factory) -> dict:
         return {"texts": texts}
 
 
-def test_two_nodes_offline_same_tokens_and_node1_ends_with_node0(engine, tmp_path, vllm_alone):
+@pytest.mark.parametrize("end", ["scope", "shutdown"])
+def test_two_nodes_offline_same_tokens_and_node1_ends_with_node0(engine, tmp_path, vllm_alone, end):
+    # Node 0's LLM goes out of scope, or is shut down explicitly, as the one-node tests.
     python, model = engine
-    on = mn.run_offline(python, model, True, tmp_path)
+    on = mn.run_offline(python, model, True, tmp_path, ending=end)
     assert on["plugin"], on["node0_log"]
     assert on["texts"] == vllm_alone["texts"], on["node0_log"]
     # The step broadcast went through shmq's rings on node 0 (the executor's, to its local
@@ -136,14 +138,16 @@ def test_serve_on_two_nodes_then_node0s_engine_core_killed(engine, tmp_path, vll
             node0.complete("the scheduler sends", timeout=30)
 
 
-def test_serve_on_two_nodes_then_sigterm_ends_both_and_leaves_nothing(engine, tmp_path, vllm_alone):
-    # vLLM's own ending of `vllm serve` (SIGINT takes the same handler; the one-node
-    # tests run both): node 0 ends, node 1 follows (vLLM alone: node 1 runs on) and
-    # neither node keeps anything of shmq's.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+def test_serve_on_two_nodes_then_stopped_ends_both_and_leaves_nothing(engine, tmp_path, vllm_alone, sig):
+    # The endings of `vllm serve` the one-node tests use: SIGTERM and SIGINT to node 0's
+    # server, or node 0 SIGKILLed whole (no exit hook runs there: its janitors clean up).
+    # Node 0 ends, node 1 follows (vLLM alone: node 1 runs on) and neither node keeps
+    # anything of shmq's.
     before = set(os.listdir("/dev/shm"))
     with _serving(engine, True, tmp_path) as (node0, node1, texts):
         assert texts == vllm_alone["texts"], (texts, vllm_alone["texts"])
-        node0.signal(signal.SIGTERM, [node0.proc.pid])
+        node0.signal(sig, None if sig == signal.SIGKILL else [node0.proc.pid])
         stopped = time.time()
         gone = node0.wait_gone(60)
         assert gone is not None, node0.text()[-4000:]
@@ -151,6 +155,11 @@ def test_serve_on_two_nodes_then_sigterm_ends_both_and_leaves_nothing(engine, tm
         exited = node1.exited_at()
         assert exited is not None and exited - (stopped + gone) <= NODE1_ENDS, node1.text()[-4000:]
         assert left is not None and _shmq_names(left) == [], left
+        deadline = time.monotonic() + 15  # after a SIGKILL, node 0's janitors remove it
+        while mn.made_by(sorted(set(os.listdir("/dev/shm")) - before), node0.pids_seen):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         node0_left = sorted(set(os.listdir("/dev/shm")) - before)
         assert mn.made_by(node0_left, node0.pids_seen) == [], node0.text()[-4000:]
 

@@ -397,6 +397,7 @@ def run_offline(
     between: float = 6.0,
     link: Optional[str] = None,
     node1_wait: float = 15.0,
+    ending: str = "scope",
     **extra: str,
 ) -> dict[str, Any]:
     """Node 1, then node 0 offline; greedy tokens, then (``faults``) generation for
@@ -413,8 +414,10 @@ def run_offline(
     - ``batches_after``: per fault, the batches that completed after it (before the
       next one).
 
-    ``link``: ``"veth"`` puts node 1 behind the veth pair (also where a fault cuts it),
-    a rate (``"1gbit"``) shapes that link too; ``extra``: environment for both nodes."""
+    ``ending``: how node 0's ``LLM`` ends (``scope``: it goes out of scope;
+    ``shutdown``: its engine is shut down explicitly first). ``link``: ``"veth"`` puts
+    node 1 behind the veth pair (also where a fault cuts it), a rate (``"1gbit"``)
+    shapes that link too; ``extra``: environment for both nodes."""
     rate = link if link not in (None, "veth") else None
     link_on = bool(link) or any(f.startswith("cut") for f in faults)
     port = free_port()
@@ -426,7 +429,7 @@ def run_offline(
         node1 = Node1(
             python, model, plugin, port, log_dir / f"node1-{tag}.log", private_shm=private_shm, link=link_on, **extra
         )
-        args = ["--reps", str(reps)]
+        args = ["--reps", str(reps), "--end", ending]
         if faults:
             args += ["--fault-window", str(window), "--limit", "30"]
         node0 = Node0(python, model, plugin, port, log_dir / f"node0-{tag}.log", *args, link=link_on, **extra)
