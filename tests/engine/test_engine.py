@@ -338,28 +338,44 @@ def _mm_counters(server: Server) -> tuple[float, float]:
 
 def _front_end_killed(server: Server) -> float:
     """SIGKILL the server's front end (its API server, the multimodal store's writer)
-    while a request with an image is in flight; the seconds until the client's error."""
+    while a request with an image is in flight (streamed: the kill comes after its first
+    token, so the request cannot have completed already); the seconds until the client's
+    error."""
+    import http.client
     import threading
 
+    streaming = threading.Event()
     failed: list[float] = []
+    completed: list[bool] = []
 
     def ask() -> None:
+        body = {"model": server.model, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": _driver().image_data_url(5)}},
+                    {"type": "text", "text": "what is in picture 5"}]}]}
+        request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
         try:
-            body = {"model": server.model, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": _driver().image_data_url(5)}},
-                        {"type": "text", "text": "what is in picture 5"}]}]}
-            _http(f"{server.url}/v1/chat/completions", body, timeout=120)
-        except OSError:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                for line in response:
+                    if line.startswith(b"data: {"):
+                        streaming.set()
+                    if line.strip() == b"data: [DONE]":
+                        completed.append(True)
+            if not completed:  # the stream ended without its last event: cut off
+                failed.append(time.monotonic())
+        except (OSError, http.client.HTTPException):
             failed.append(time.monotonic())
+        finally:
+            streaming.set()
 
     asking = threading.Thread(target=ask)
     asking.start()
-    time.sleep(0.5)
+    assert streaming.wait(120), "no token streamed"
     os.kill(server.proc.pid, signal.SIGKILL)
     killed = time.monotonic()
     asking.join(130)
-    assert failed, "the request completed though its server was killed"
+    assert failed and not completed, "the request completed though its server was killed"
     return failed[0] - killed
 
 
