@@ -72,11 +72,12 @@ if [ ! -x .venv/bin/python ] || ! ls python/shmq/_core*.so >/dev/null 2>&1; then
 fi
 
 # shmq from this checkout: the package directory on the path, and the dist-info that
-# carries the plugin's entry point (vllm.general_plugins).
+# carries the plugin's entry point (vllm.general_plugins); the bench's tree (bench/, the
+# shmq-bench distribution: the engine tests use its engine and multinode modules) too.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 test_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -rf "$site"/shmq-*.dist-info
 cp -r "$test_site"/shmq-*.dist-info "$site"/
-echo "$PWD/python" > "$site/shmq.pth"
+printf '%s\n' "$PWD/python" "$PWD/bench" > "$site/shmq.pth"
 "$venv/bin/python" -c 'import shmq.vllm_plugin, vllm' >/dev/null
 echo "$PWD/$venv/bin/python"

@@ -12,11 +12,57 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from . import admin, bench, metrics, relay
+from . import admin, metrics, relay
+
+#: What ``python -m shmq bench`` says (one line, exit status 1) where the bench is not
+#: installed: it is a distribution of its own, shmq-bench, that shmq's wheel does not carry.
+BENCH_MISSING = (
+    "python -m shmq bench needs the bench, which shmq's [bench] extra installs: "
+    "pip install 'shmq[bench]' (from a checkout of shmq: pip install '.[bench]' ./bench)"
+)
+
+
+def _bench() -> Any:
+    """The bench (``shmq_bench``, the shmq-bench distribution), or None where it is not
+    installed. Anything else its import raises (a broken install) is raised."""
+    try:
+        import shmq_bench
+    except ModuleNotFoundError as e:
+        if e.name != "shmq_bench":
+            raise
+        return None
+    return shmq_bench
+
+
+class BenchCommand:
+    """``python -m shmq bench``: the bench's own command line (``shmq_bench``), or, where
+    it is not installed, one line that says how to install it."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        bench = _bench()
+        if bench is None:
+            parser.description = BENCH_MISSING
+            # Whatever follows is the bench's (--quick, --scenarios ...): main says what
+            # is missing instead of argparse rejecting the options.
+            parser.set_defaults(any_arguments=True)
+            return
+        # The description is the first paragraph of the bench's docstring.
+        parser.description = (bench.__doc__ or "").strip().split("\n\n")[0]
+        bench.add_arguments(parser)
+
+    @staticmethod
+    def main(args: argparse.Namespace) -> int:
+        bench = _bench()
+        if bench is None:
+            print(BENCH_MISSING, file=sys.stderr)
+            return 1
+        return int(bench.main(args))
+
 
 #: name -> (module with add_arguments/main, one-line help)
 COMMANDS: dict[str, tuple[Any, str]] = {
-    "bench": (bench, "latency and throughput of shmq's queue next to multiprocessing.Queue and pyzmq"),
+    "bench": (BenchCommand, "latency and throughput of shmq's queue next to multiprocessing.Queue and pyzmq"),
     "cleanup": (admin.CleanupCommand, "remove segments left in /dev/shm by crashed processes"),
     "inspect": (admin.InspectCommand, "show a live queue's or store's state (or list all segments); --json: metrics"),
     "relay": (relay.RelayCommand, "serve this machine's readers of a remote queue with one stream (one copy per node)"),
@@ -46,7 +92,9 @@ EXIT_BROKEN_PIPE = 141
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
 
-from .._core import SHM_DIR
+from shmq._core import SHM_DIR
 from . import encoder_cache
 from .common import (
     PROTOCOL,

@@ -1,5 +1,5 @@
 """Roles: what a child process of a run does. A role only uses endpoints of a
-:class:`~shmq.bench.transports.Transport`, so one role serves every transport; it
+:class:`~shmq_bench.transports.Transport`, so one role serves every transport; it
 returns a value the scenario turns into metrics."""
 
 from __future__ import annotations

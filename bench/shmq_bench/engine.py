@@ -24,10 +24,10 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]
+from .common import ROOT
+
 ENGINE_SH = ROOT / "scripts" / "engine.sh"
 DRIVER = ROOT / "tests" / "engine" / "driver.py"
 

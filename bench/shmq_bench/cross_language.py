@@ -3,7 +3,7 @@ queue, each direction next to Rust -> Rust.
 
 One writer and one reader, each in its own process: Rust (``examples/cross_language.rs``,
 built here with ``cargo build --release``) or Python (``python -m
-shmq.bench.cross_language``, the same command line). Two kinds of message, each made new only
+shmq_bench.cross_language``, the same command line). Two kinds of message, each made new only
 in its first 8 bytes (its number; the rest of the producer's buffer is reused, so the
 producer's own writing of fresh data is not in the figure: the writer's copy into shared
 memory and the reader's pass over every byte are) and read in full by the reader (a sum
@@ -23,10 +23,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[3]
+from .common import ROOT
+
 KINDS = [("4 KiB raw bytes", "bytes", 4096), ("1 MiB float32 array", "f32", 1 << 20)]
 DIRECTIONS = [("Rust", "Rust"), ("Rust", "Python"), ("Python", "Rust"), ("Python", "Python")]
 
@@ -55,7 +55,7 @@ def _build() -> Optional[str]:
 def _command(side: str, example: str, *args: str) -> list[str]:
     if side == "Rust":
         return [example, *args]
-    return [sys.executable, "-m", "shmq.bench.cross_language", *args]
+    return [sys.executable, "-m", "shmq_bench.cross_language", *args]
 
 
 def _round(example: str, writer: str, reader: str, kind: str, nbytes: int, count: int) -> float:
@@ -169,6 +169,6 @@ if __name__ == "__main__":
         _take(int(args[1]), int(args[2]), args[3])
     else:
         sys.exit(
-            "usage: python -m shmq.bench.cross_language send <n_readers> <count> <bytes|f32|pickled> <nbytes> "
+            "usage: python -m shmq_bench.cross_language send <n_readers> <count> <bytes|f32|pickled> <nbytes> "
             "| take <rank> <count> <bytes|f32|pickled>"
         )

@@ -205,7 +205,7 @@ def _context(params: Params, transports: Sequence[Transport], floors: Sequence[F
     from . import preload
 
     names = {t.name for t in transports}
-    modules = ["shmq", "shmq.bench.roles", "shmq.bench.encoder_cache", "numpy"]
+    modules = ["shmq", "shmq_bench.roles", "shmq_bench.encoder_cache", "numpy"]
     if params.arrays == "torch":
         modules += ["torch", "torch.multiprocessing"]
     if "pyzmq" in names:
@@ -445,7 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenarios",
         metavar="LIST",
         help="comma-separated prefixes of the keys of the scenarios and floors to run: engine (vLLM's own engine, "
-        "plugin off and on: a checkout of shmq only, see shmq.bench.engine), engine-mm (the same with images through "
+        "plugin off and on: a checkout of shmq only, see shmq_bench.engine), engine-mm (the same with images through "
         "vLLM's multimodal cache), engine-multinode (two nodes of this machine, faults beside vLLM alone), "
         "cross-language (Rust and Python writers "
         "and readers, each direction: a checkout and cargo), latency (latency_step, "
@@ -506,7 +506,7 @@ def main(args: argparse.Namespace) -> int:
     )
     only = [o.strip() for o in args.scenarios.split(",") if o.strip()] if args.scenarios else []
     if "engine-multinode" in only:
-        # vLLM's engine on two nodes of this machine (see shmq.bench.multinode).
+        # vLLM's engine on two nodes of this machine (see shmq_bench.multinode).
         from . import multinode
 
         code = multinode.main(1 if args.preset == "quick" else max(3, args.repeat))
@@ -514,7 +514,7 @@ def main(args: argparse.Namespace) -> int:
         if not only:
             return code
     if "engine-mm" in only:
-        # vLLM's engine with images through its multimodal cache (see shmq.bench.engine).
+        # vLLM's engine with images through its multimodal cache (see shmq_bench.engine).
         from . import engine
 
         code = engine.main_mm(1 if args.preset == "quick" else max(3, args.repeat))
@@ -522,7 +522,7 @@ def main(args: argparse.Namespace) -> int:
         if not only:
             return code
     if "engine" in only:
-        # vLLM's own engine, plugin off and on (its own table; see shmq.bench.engine).
+        # vLLM's own engine, plugin off and on (its own table; see shmq_bench.engine).
         from . import engine
 
         code = engine.main(max(3, args.repeat), args.preset == "quick")
@@ -531,7 +531,7 @@ def main(args: argparse.Namespace) -> int:
             return code
     if "cross-language" in only:
         # Rust and Python on either side of one queue (its own table; see
-        # shmq.bench.cross_language).
+        # shmq_bench.cross_language).
         from . import cross_language
 
         code = cross_language.main(args.repeat, args.preset == "quick")

@@ -10,7 +10,12 @@ import pickle
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
+
+#: The checkout of shmq this tree sits in (``bench/shmq_bench/`` in it): the scenarios that
+#: need one (engine, cross-language) find its scripts, tests and Cargo.toml there.
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The object every scenario sends (a scheduler step's batch, in miniature).
 SMALL_OBJECT = {"req_ids": list(range(16)), "tokens": [[1, 2, 3, 4]] * 8, "flag": True, "name": "scheduler-output"}
