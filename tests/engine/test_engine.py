@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from shmq.bench.engine import engine_env
+from shmq_bench.engine import engine_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = str(ROOT / "tests" / "engine" / "driver.py")

@@ -5,7 +5,7 @@ node): node 0 is an offline ``LLM`` (``nnodes=2``, the driver's ``multinode`` co
 ``vllm serve --nnodes 2 --node-rank 0``; node 1 is ``vllm serve --headless --node-rank
 1`` in a mount namespace of its own with a private ``/dev/shm`` (as another machine has)
 unless a test says otherwise, or in a network namespace over a veth pair where the link
-is cut. ``shmq.bench.multinode`` sets them up; where ``unshare`` or ``ip netns`` is
+is cut. ``shmq_bench.multinode`` sets them up; where ``unshare`` or ``ip netns`` is
 refused the tests skip with that reason.
 
 With the plugin, the executor's step broadcast reaches node 1's worker over shmq's
@@ -26,7 +26,7 @@ from typing import Iterator
 
 import pytest
 
-from shmq.bench import multinode as mn
+from shmq_bench import multinode as mn
 
 pytestmark = [
     pytest.mark.timeout(900),
