@@ -68,7 +68,7 @@ def setup(rate: str) -> None:
 
 def payload(kind: str, i: int) -> Any:
     if kind == "step":
-        from shmq.bench.common import STEP_OBJECT
+        from shmq_bench.common import STEP_OBJECT
 
         return (i, STEP_OBJECT)
     import numpy as np

@@ -1,10 +1,15 @@
 """``python -m shmq bench`` where torch is not installed (the README's first command
-installs only ``shmq[bench]``: numpy, pyzmq and iceoryx2): the bench runs every row it
+installs only ``shmq[bench]``: the bench's distribution, shmq-bench, with numpy, pyzmq and
+iceoryx2): the bench runs every row it
 can, prints its table, says what each skipped row needs, and exits 0 (a skip is not a
 failure).
 
 torch is hidden from the bench and from every process it spawns by a ``sitecustomize``
 on ``PYTHONPATH`` whose meta-path finder refuses ``torch`` and ``torch.*``.
+
+The bench is a distribution of its own (``bench/``, package ``shmq_bench``): where it is
+not installed, ``python -m shmq bench`` says in one line how to install it; its version is
+shmq's, and shmq's ``[bench]`` extra names exactly that one.
 
 The iceoryx2 column's transport moves what it is given to several readers intact, in
 real processes started by the bench's harness, and says what it needs where iceoryx2
@@ -143,9 +148,9 @@ def test_iceoryx2_moves_objects_to_two_readers_intact(tmp_path: Path) -> None:
     first), then numbered 1 MiB arrays (past the publisher's first segment: it grows)
     that each reader copies out and checks at both ends, in order."""
     pytest.importorskip("iceoryx2")
-    from shmq.bench.harness import Harness, Job
-    from shmq.bench.roles import _role_fresh_reader, _role_fresh_writer, _role_reader, _role_writer
-    from shmq.bench.transports import Iceoryx2Transport
+    from shmq_bench.harness import Harness, Job
+    from shmq_bench.roles import _role_fresh_reader, _role_fresh_writer, _role_reader, _role_writer
+    from shmq_bench.transports import Iceoryx2Transport
 
     transport = Iceoryx2Transport()
     assert transport.unavailable() is None
@@ -168,7 +173,44 @@ def test_iceoryx2_moves_objects_to_two_readers_intact(tmp_path: Path) -> None:
 
 def test_iceoryx2_unavailable_says_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where iceoryx2 cannot be imported, its column is skipped with the install hint."""
-    from shmq.bench.transports import ICEORYX2_HINT, Iceoryx2Transport
+    from shmq_bench.transports import ICEORYX2_HINT, Iceoryx2Transport
 
     monkeypatch.setitem(sys.modules, "iceoryx2", None)  # `import iceoryx2` raises ImportError
     assert Iceoryx2Transport().unavailable() == ICEORYX2_HINT
+
+
+def test_bench_not_installed_says_how_to_install_it() -> None:
+    """``python -m shmq bench`` (with the bench's options) where ``shmq_bench`` cannot be
+    imported: one line on stderr that names the extra and the checkout's command, no
+    traceback, a non-zero exit; ``--help`` says the same."""
+    from shmq.__main__ import BENCH_MISSING
+
+    hide = "import sys; sys.modules['shmq_bench'] = None; from shmq.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    runs = [(["bench", "--quick", "--scenarios", "latency", "--repeat", "2"], "stderr"), (["bench", "-h"], "stdout")]
+    for args, where in runs:
+        out = subprocess.run([sys.executable, "-c", hide, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        if where == "stderr":
+            assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+            assert out.stderr.splitlines() == [BENCH_MISSING], out.stderr
+            assert out.stdout == ""
+        else:
+            assert out.returncode == 0, out.stderr
+            assert " ".join(out.stdout.split()).count(" ".join(BENCH_MISSING.split())) == 1, out.stdout
+    assert "pip install 'shmq[bench]'" in BENCH_MISSING and "pip install '.[bench]' ./bench" in BENCH_MISSING
+    # Other subcommands still reject what they do not know.
+    out = subprocess.run([sys.executable, "-c", hide, "top", "--quick"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "unrecognized arguments: --quick" in out.stderr, out.stderr
+
+
+def test_bench_distribution_is_shmqs_version() -> None:
+    """bench/pyproject.toml's version is shmq's (bindings/python/Cargo.toml, whence maturin
+    takes it), it requires that shmq, and
+    shmq's ``[bench]`` extra requires exactly that shmq-bench."""
+    import tomllib
+
+    shmq_version = tomllib.loads((ROOT / "bindings" / "python" / "Cargo.toml").read_text())["package"]["version"]
+    bench = tomllib.loads((ROOT / "bench" / "pyproject.toml").read_text())["project"]
+    shmq = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert bench["name"] == "shmq-bench" and bench["version"] == shmq_version, bench["version"]
+    assert f"shmq=={shmq_version}" in bench["dependencies"], bench["dependencies"]
+    assert shmq["optional-dependencies"]["bench"] == [f"shmq-bench=={shmq_version}"]

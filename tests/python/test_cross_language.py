@@ -288,7 +288,7 @@ def test_the_benchs_python_writer_and_reader(kind: str) -> None:
     command line as the Rust example's ``send`` / ``take``): every message arrives, each
     read in full (the sum of its bytes: the message numbers in its first 8 bytes)."""
     count, nbytes = 200, 4096 if kind != "f32" else 1 << 20
-    command = [sys.executable, "-m", "shmq.bench.cross_language"]
+    command = [sys.executable, "-m", "shmq_bench.cross_language"]
     writer = subprocess.Popen(
         [*command, "send", "1", str(count), kind, str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
