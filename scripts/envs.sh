@@ -4,7 +4,8 @@
 #
 #   .venv                the [test] extra's packages and maturin; torch pinned to the
 #                        engine's version (tests/engine/torch.txt), so that the engine
-#                        venv shares its files instead of a second copy (gigabytes)
+#                        venv shares its files instead of a second copy (gigabytes); the
+#                        bench (bench/, the shmq-bench distribution), editable
 #   vLLM 0.33            for the plugin test, without its heavy dependencies (once per .venv)
 #   target/engine-venv   vLLM's CPU build and the tiny model: scripts/engine.sh --prepare
 #
@@ -20,7 +21,7 @@ if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >
   apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null || echo "(could not install iproute2)"
 fi
 
-step ".venv: shmq's requirements, the [test] extra, maturin, $(cat tests/engine/torch.txt)"
+step ".venv: shmq's requirements, the [test] extra, maturin, $(cat tests/engine/torch.txt), the bench (editable)"
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
@@ -35,6 +36,10 @@ print("\n".join(project["dependencies"] + project["optional-dependencies"]["test
 PY
 .venv/bin/python -m pip install --quiet --no-warn-conflicts "maturin>=1.9.4,<2" \
   -r target/test-requirements.txt -r tests/engine/torch.txt
+# The bench, a distribution of its own (what shmq's [bench] extra names), editable: the
+# tests and `python -m shmq bench` use bench/shmq_bench as it is. Its requirements are in
+# the [test] extra already; shmq is built later.
+.venv/bin/python -m pip install --quiet --no-deps --no-warn-conflicts -e ./bench
 
 step "vLLM 0.33 for the plugin test (without its heavy dependencies; once per .venv)"
 # Only what the vLLM code that the test runs imports (see the file). A stamp named by the

@@ -2,12 +2,14 @@
 # shmq as a newcomer meets it, each time in a venv made anew under target/:
 #
 #   bash scripts/newcomer.sh source   the README's first command from this source tree,
-#                                     `pip install '.[bench]' && python -m shmq bench --quick`,
+#                                     `pip install '.[bench]' ./bench && python -m shmq bench --quick`,
 #                                     in a venv without torch (torch must stay optional)
-#   bash scripts/newcomer.sh wheel    dist/shmq-*.whl (made by scripts/wheel.sh) installed
-#                                     where cargo and rustc are not on PATH, then a queue
-#                                     and a store across processes (scripts/wheel_smoke.py)
-#                                     and `python -m shmq bench --quick`
+#   bash scripts/newcomer.sh wheel    dist/shmq-*.whl (made by scripts/wheel.sh) with its
+#                                     [bench] extra, the bench's own wheel beside it
+#                                     (dist/shmq_bench-*.whl, made by scripts/ci/wheel.sh
+#                                     build), installed where cargo and rustc are not on
+#                                     PATH, then a queue and a store across processes
+#                                     (scripts/wheel_smoke.py) and `python -m shmq bench --quick`
 #
 # No argument runs both. scripts/test.sh runs them; pip's cache is reused, so after the
 # first run they download nothing.
@@ -31,25 +33,28 @@ check_bench() {
   fi
 }
 
-# shmq must come from the venv's site-packages, not from the source tree.
+# shmq and its bench (shmq_bench, a distribution of its own) must come from the venv's
+# site-packages, not from the source tree.
 check_installed() {
   python - "$VIRTUAL_ENV" <<'EOF'
-import sys, shmq
-if not shmq.__file__.startswith(sys.argv[1]):
-    sys.exit(f"shmq imported from {shmq.__file__}, not from the venv {sys.argv[1]}")
-print(f"shmq {shmq.__file__}")
+import sys, shmq, shmq_bench
+for module in (shmq, shmq_bench):
+    if not module.__file__.startswith(sys.argv[1]):
+        sys.exit(f"{module.__name__} imported from {module.__file__}, not from the venv {sys.argv[1]}")
+    print(f"{module.__name__} {module.__file__}")
 EOF
 }
 
 source_step() (
   start=$SECONDS
   fresh_venv target/newcomer-venv
-  # The README's first command, from the repository's root, as written.
-  pip install --quiet '.[bench]'
+  # The README's first command, from the repository's root, as written (./bench: the
+  # bench's distribution, which pip takes for the [bench] extra's requirement).
+  pip install --quiet '.[bench]' ./bench
   echo "installed from source in $((SECONDS - start)) s"
   check_installed
   if python -c 'import torch' 2>/dev/null; then
-    echo "torch is importable in the newcomer's venv: '.[bench]' must not pull it in"
+    echo "torch is importable in the newcomer's venv: '.[bench]' ./bench must not pull it in"
     exit 1
   fi
   echo "torch: not installed (as intended)"
@@ -67,6 +72,12 @@ wheel_step() (
     exit 1
   fi
   wheel=$root/${wheels[0]}
+  bench_wheels=(dist/shmq_bench-*.whl)
+  if [ ! -e "${bench_wheels[0]}" ]; then
+    echo "no bench wheel in dist/: run scripts/ci/wheel.sh build first"
+    exit 1
+  fi
+  bench_wheel=$root/${bench_wheels[0]}
   # PATH without any directory that holds cargo or rustc (~/.cargo/bin, rustup's).
   path=
   IFS=: read -ra dirs <<<"$PATH"
@@ -82,9 +93,10 @@ wheel_step() (
     exit 1
   fi
   fresh_venv target/newcomer-wheel-venv
-  # Binary wheels only: nothing may be compiled here (there is no Rust to do it).
-  pip install --quiet --only-binary=:all: "${wheel}[bench]"
-  echo "installed $(basename "$wheel") without Rust in $((SECONDS - start)) s"
+  # Binary wheels only: nothing may be compiled here (there is no Rust to do it). The
+  # bench's wheel satisfies the [bench] extra's requirement (it is not on an index).
+  pip install --quiet --only-binary=:all: "${wheel}[bench]" "$bench_wheel"
+  echo "installed $(basename "$wheel") and $(basename "$bench_wheel") without Rust in $((SECONDS - start)) s"
   # Outside the source tree, so that nothing of it is imported.
   cd "$VIRTUAL_ENV"
   check_installed

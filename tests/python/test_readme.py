@@ -194,7 +194,7 @@ def test_the_readme_sets_up_a_fresh_machine_with_two_commands():
     text = (ROOT / "README.md").read_text()
     section = text.split("### Set up: a fresh machine", 1)[1].split("\n#", 1)[0]
     commands = [code.strip() for code in code_blocks_of_text(section)]
-    assert commands == ["pip install '.[bench]' && python -m shmq bench", "bash scripts/test.sh"], commands
+    assert commands == ["pip install '.[bench]' ./bench && python -m shmq bench", "bash scripts/test.sh"], commands
 
 
 def code_blocks_of_text(text: str) -> list[str]:
