@@ -32,6 +32,10 @@ pub enum Error {
     /// The core (or the operating-system layer below it) failed.
     #[error(transparent)]
     Core(#[from] shmq_core::Error),
+
+    /// A worker link ([`crate::link`]) failed, was lost, or refused its peer.
+    #[error(transparent)]
+    Link(#[from] crate::link::LinkError),
 }
 
 /// An error of the operating-system layer, through the core's.

@@ -80,6 +80,7 @@ use std::time::{Duration, Instant};
 #[macro_use]
 extern crate shmq_os;
 
+pub mod link;
 mod watch;
 
 mod error;

@@ -1,0 +1,496 @@
+//! The two ends of a link over TCP: the parent's listener and the workers it admitted,
+//! and a worker's link to its parent.
+
+use std::io::Read;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use shmq_core::auth::{new_secret, secret_from_text, SECRET_BYTES};
+
+use super::frame::{read_frame, session, write_frame, SealIn, SealOut, Side};
+use super::handshake::{
+    challenge_payload, new_nonce, read_answer, read_challenge, refusal_payload, welcome_payload,
+    Hello,
+};
+use super::{kind, LinkError, Ticket, HANDSHAKE_TIMEOUT, MAX_FRAME, MAX_HELLO_FRAME};
+use crate::Result;
+
+/// Reads of a stream that end at `deadline`, however the peer drips its bytes.
+struct Deadlined<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        let mut stream = self.stream;
+        stream.read(buf)
+    }
+}
+
+fn send_by(stream: &TcpStream, deadline: Instant, kind: u8, payload: &[u8]) -> Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(LinkError::TimedOut.into());
+    }
+    stream
+        .set_write_timeout(Some(left))
+        .map_err(|e| LinkError::io("setting a write timeout", e))?;
+    let mut stream = stream;
+    Ok(write_frame(&mut stream, kind, payload)?)
+}
+
+/// The sending half of a link: every frame sealed, one at a time (it may be shared by
+/// threads; clones send on the same link).
+#[derive(Clone)]
+pub struct LinkSender {
+    inner: Arc<Mutex<(TcpStream, SealOut)>>,
+}
+
+impl LinkSender {
+    fn new(stream: TcpStream, seal: SealOut) -> LinkSender {
+        LinkSender {
+            inner: Arc::new(Mutex::new((stream, seal))),
+        }
+    }
+
+    /// Send one sealed frame of `kind`.
+    pub fn send(&self, kind: u8, payload: &[u8]) -> Result<()> {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (stream, seal) = &mut *guard;
+        let body = seal.seal(kind, payload);
+        Ok(write_frame(stream, kind, &body)?)
+    }
+
+    /// End the connection both ways (a `recv` waiting on it returns).
+    pub fn shutdown(&self) {
+        let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = guard.0.shutdown(Shutdown::Both);
+    }
+}
+
+/// The receiving half: reads a frame and checks its seal and turn.
+struct Receiver {
+    stream: TcpStream,
+    seal: SealIn,
+}
+
+impl Receiver {
+    fn recv(&mut self) -> Result<(u8, Vec<u8>)> {
+        let (kind, body) = read_frame(&mut self.stream, MAX_FRAME)?;
+        let payload = self.seal.open(kind, &body)?.to_vec();
+        Ok((kind, payload))
+    }
+}
+
+fn split(
+    stream: TcpStream,
+    key: &[u8; SECRET_BYTES],
+    session: &[u8],
+    side: Side,
+) -> Result<(Receiver, LinkSender)> {
+    let writer = stream
+        .try_clone()
+        .map_err(|e| LinkError::io("sharing the link's connection", e))?;
+    Ok((
+        Receiver {
+            stream,
+            seal: SealIn::new(key, session, side),
+        },
+        LinkSender::new(writer, SealOut::new(key, session, side)),
+    ))
+}
+
+fn nonce_bytes(nonce: &str) -> Result<[u8; SECRET_BYTES]> {
+    secret_from_text(nonce)
+        .ok_or_else(|| LinkError::Malformed("a nonce that is not one".into()).into())
+}
+
+// -- the parent ------------------------------------------------------------------------
+
+/// The parent's end: a listening TCP socket and the ticket that joins it.
+pub struct WorkerListener {
+    listener: TcpListener,
+    ticket: Ticket,
+}
+
+impl WorkerListener {
+    /// Listen on `address` (port 0: any free one) with a fresh random token.
+    pub fn bind(address: impl ToSocketAddrs) -> Result<WorkerListener> {
+        WorkerListener::bind_with_token(address, new_secret("a worker ticket's token")?)
+    }
+
+    /// Listen on `address` with `token`.
+    pub fn bind_with_token(
+        address: impl ToSocketAddrs,
+        token: [u8; SECRET_BYTES],
+    ) -> Result<WorkerListener> {
+        let listener = TcpListener::bind(address)
+            .map_err(|e| LinkError::io("listening for remote workers", e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| LinkError::io("reading the listening address", e))?;
+        let ticket = Ticket {
+            host: local.ip().to_string(),
+            port: local.port(),
+            token,
+        };
+        Ok(WorkerListener { listener, ticket })
+    }
+
+    /// The ticket a worker joins with (its host: the address listened on).
+    pub fn ticket(&self) -> &Ticket {
+        &self.ticket
+    }
+
+    /// The listening socket (to accept on a thread of one's own and
+    /// [`handshake`](Self::handshake) each connection in another).
+    pub fn listener(&self) -> &TcpListener {
+        &self.listener
+    }
+
+    /// Accept the next connection and run its [`handshake`](Self::handshake).
+    pub fn accept(
+        &self,
+        admit: impl FnOnce(&Hello) -> std::result::Result<(), String>,
+    ) -> Result<RemoteWorker> {
+        let (stream, _) = self
+            .listener
+            .accept()
+            .map_err(|e| LinkError::io("accepting a remote worker", e))?;
+        self.handshake(stream, admit)
+    }
+
+    /// The parent's side of the handshake on `stream`, all of it within
+    /// [`HANDSHAKE_TIMEOUT`]: the challenge, the worker's hello (at most
+    /// [`MAX_HELLO_FRAME`] bytes), its proof checked, then `admit` (say, a rank's check
+    /// and claim: `Err` is the reason the worker is told), then the welcome.
+    /// [`LinkError::Refused`] for a worker refused (wrong token, malformed hello, `admit`'s
+    /// reason), which was told so; other errors for a connection that failed.
+    pub fn handshake(
+        &self,
+        stream: TcpStream,
+        admit: impl FnOnce(&Hello) -> std::result::Result<(), String>,
+    ) -> Result<RemoteWorker> {
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        let peer = stream
+            .peer_addr()
+            .map_err(|e| LinkError::io("reading a remote worker's address", e))?;
+        let token = &self.ticket.token;
+        let nonce = new_nonce()?;
+        send_by(
+            &stream,
+            deadline,
+            kind::CHALLENGE,
+            &challenge_payload(&nonce),
+        )?;
+        let mut reader = Deadlined {
+            stream: &stream,
+            deadline,
+        };
+        let (k, payload) = read_frame(&mut reader, MAX_HELLO_FRAME)?;
+        let hello = match Hello::check(k, &payload, token, &nonce)
+            .and_then(|h| admit(&h).map(|()| h))
+        {
+            Ok(hello) => hello,
+            Err(reason) => {
+                let _ = send_by(&stream, deadline, kind::ANSWER, &refusal_payload(&reason));
+                return Err(
+                    LinkError::Refused(format!("refused a worker from {peer}: {reason}")).into(),
+                );
+            }
+        };
+        // Proved the token: its welcome has a fresh timeout of its own.
+        let welcome = welcome_payload(token, &hello.nonce, &nonce, hello.rank);
+        send_by(
+            &stream,
+            Instant::now() + HANDSHAKE_TIMEOUT,
+            kind::ANSWER,
+            &welcome,
+        )?;
+        stream
+            .set_read_timeout(None)
+            .and_then(|()| stream.set_write_timeout(None))
+            .map_err(|e| LinkError::io("clearing the handshake's timeouts", e))?;
+        let session = session(&nonce_bytes(&nonce)?, &nonce_bytes(&hello.nonce)?);
+        let (receiver, sender) = split(stream, token, &session, Side::Parent)?;
+        Ok(RemoteWorker {
+            hello,
+            peer,
+            receiver,
+            sender,
+        })
+    }
+}
+
+/// What an admitted worker sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WorkerMessage {
+    /// Its set-up is done; the payload is the worker's (Python: its pickled `info`).
+    Ready(Vec<u8>),
+    /// It is leaving: its exit code and its last stderr lines.
+    Leaving { exitcode: i32, stderr: Vec<String> },
+}
+
+/// A worker the parent admitted: who it is, and its link.
+pub struct RemoteWorker {
+    hello: Hello,
+    peer: SocketAddr,
+    receiver: Receiver,
+    sender: LinkSender,
+}
+
+impl RemoteWorker {
+    /// Its rank.
+    pub fn rank(&self) -> u32 {
+        self.hello.rank
+    }
+
+    /// Its process id, on its machine.
+    pub fn pid(&self) -> u32 {
+        self.hello.pid
+    }
+
+    /// The host it named.
+    pub fn host(&self) -> &str {
+        &self.hello.host
+    }
+
+    /// The address it connected from.
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// The next frame from the worker (blocking; frames of kinds this version does not
+    /// know are skipped). Any error ends the link: [`LinkError::is_loss`] for the
+    /// connection's loss (the worker died or its machine went away), another for a
+    /// frame that is not the worker's.
+    pub fn recv(&mut self) -> Result<WorkerMessage> {
+        loop {
+            let (k, payload) = self.receiver.recv()?;
+            match k {
+                kind::READY => return Ok(WorkerMessage::Ready(payload)),
+                kind::LEAVING => {
+                    let msg: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
+                    let exitcode = msg
+                        .get("exitcode")
+                        .map_or(Some(1), Value::as_i64)
+                        .and_then(|c| i32::try_from(c).ok())
+                        .ok_or_else(|| LinkError::Malformed("a malformed leaving frame".into()))?;
+                    let stderr = msg
+                        .get("stderr")
+                        .and_then(Value::as_array)
+                        .map(|lines| {
+                            lines
+                                .iter()
+                                .map(|l| l.as_str().map_or_else(|| l.to_string(), str::to_owned))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    return Ok(WorkerMessage::Leaving { exitcode, stderr });
+                }
+                _ => continue,
+            }
+        }
+    }
+
+    /// Tell the worker to stop: it gets SIGTERM (Python) or [`ParentMessage::Stop`],
+    /// and `grace` before SIGKILL.
+    pub fn send_stop(&self, grace: Duration) -> Result<()> {
+        let payload = json!({"grace": grace.as_secs_f64()}).to_string();
+        self.sender.send(kind::STOP, payload.as_bytes())
+    }
+
+    /// Tell the worker that another worker of its group failed (`notice`: the parent's
+    /// description of it; Python's is the `WorkerDiedError`'s notice).
+    pub fn send_sibling_failed(&self, notice: &[u8]) -> Result<()> {
+        self.sender.send(kind::SIBLING_FAILED, notice)
+    }
+
+    /// A sender on this link, for another thread.
+    pub fn sender(&self) -> LinkSender {
+        self.sender.clone()
+    }
+
+    /// End the connection.
+    pub fn shutdown(&self) {
+        self.sender.shutdown()
+    }
+}
+
+// -- the worker ------------------------------------------------------------------------
+
+/// What the parent sent a worker.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ParentMessage {
+    /// Stop, within `grace`.
+    Stop { grace: Duration },
+    /// Another worker of the group failed: the parent's notice.
+    SiblingFailed(Vec<u8>),
+}
+
+/// A worker's link to its parent.
+pub struct ParentLink {
+    rank: u32,
+    receiver: Receiver,
+    sender: LinkSender,
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname(2) writes at most `buf.len()` bytes into `buf`, which lives
+    // through the call.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn keepalive(stream: &TcpStream) {
+    let on: libc::c_int = 1;
+    // SAFETY: setsockopt(2) on the stream's own open socket, reading one c_int that
+    // lives through the call.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_KEEPALIVE,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+}
+
+impl ParentLink {
+    /// Join the parent of `ticket` as worker `rank`: connect, answer its challenge,
+    /// check its proof of the token, all within `timeout` per step.
+    /// [`LinkError::Refused`] if the parent refused this worker (wrong token, a rank not
+    /// expected or taken) or could not prove the token (it is not the ticket's parent),
+    /// or speaks another protocol version; [`LinkError::Malformed`] for a peer that is
+    /// no shmq parent.
+    pub fn connect(ticket: &Ticket, rank: u32, timeout: Duration) -> Result<ParentLink> {
+        let peer = if ticket.host.contains(':') {
+            format!("[{}]:{}", ticket.host, ticket.port)
+        } else {
+            format!("{}:{}", ticket.host, ticket.port)
+        };
+        let addresses = (ticket.host.as_str(), ticket.port)
+            .to_socket_addrs()
+            .map_err(|e| LinkError::io(format!("resolving {peer}"), e))?;
+        let mut last = None;
+        let mut stream = None;
+        for address in addresses {
+            match TcpStream::connect_timeout(&address, timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let stream = stream.ok_or_else(|| {
+            LinkError::io(
+                format!("connecting to the parent at {peer}"),
+                last.unwrap_or_else(|| std::io::ErrorKind::NotFound.into()),
+            )
+        })?;
+        let timeouts = |t: Option<Duration>| {
+            stream
+                .set_read_timeout(t)
+                .and_then(|()| stream.set_write_timeout(t))
+                .map_err(|e| LinkError::io("setting the handshake's timeouts", e))
+        };
+        timeouts(Some(timeout))?;
+        let mut s = &stream;
+        let (k, payload) = read_frame(&mut s, MAX_HELLO_FRAME)?;
+        let parent_nonce = read_challenge(k, &payload, &peer)?;
+        let hello = Hello::new(
+            &ticket.token,
+            &parent_nonce,
+            rank,
+            std::process::id(),
+            &hostname(),
+        )?;
+        write_frame(&mut s, kind::HELLO, &hello.encode())?;
+        let (k, payload) = read_frame(&mut s, MAX_HELLO_FRAME)?;
+        read_answer(
+            k,
+            &payload,
+            &ticket.token,
+            &hello.nonce,
+            &parent_nonce,
+            rank,
+            &peer,
+        )?;
+        // Admitted: reads block from here on (a worker may hear nothing for as long as it
+        // runs), and TCP keepalive notices a parent machine that vanished.
+        timeouts(None)?;
+        keepalive(&stream);
+        let session = session(&nonce_bytes(&parent_nonce)?, &nonce_bytes(&hello.nonce)?);
+        let (receiver, sender) = split(stream, &ticket.token, &session, Side::Worker)?;
+        Ok(ParentLink {
+            rank,
+            receiver,
+            sender,
+        })
+    }
+
+    /// The rank this worker joined as.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Tell the parent this worker is ready, with `payload` (for the parent to read).
+    pub fn send_ready(&self, payload: &[u8]) -> Result<()> {
+        self.sender.send(kind::READY, payload)
+    }
+
+    /// Tell the parent this worker is leaving with `exitcode` and its last stderr lines.
+    pub fn send_leaving(&self, exitcode: i32, stderr: &[String]) -> Result<()> {
+        let payload = json!({"exitcode": exitcode, "stderr": stderr}).to_string();
+        self.sender.send(kind::LEAVING, payload.as_bytes())
+    }
+
+    /// The next frame from the parent (blocking; frames of kinds this version does not
+    /// know are skipped). An error ends the link: the parent is gone
+    /// ([`LinkError::is_loss`]) or a frame was not the parent's.
+    pub fn recv(&mut self) -> Result<ParentMessage> {
+        loop {
+            let (k, payload) = self.receiver.recv()?;
+            match k {
+                kind::STOP => {
+                    let msg: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
+                    let grace = msg
+                        .get("grace")
+                        .and_then(Value::as_f64)
+                        .and_then(|g| Duration::try_from_secs_f64(g).ok())
+                        .unwrap_or(crate::DEFAULT_GRACE);
+                    return Ok(ParentMessage::Stop { grace });
+                }
+                kind::SIBLING_FAILED => return Ok(ParentMessage::SiblingFailed(payload)),
+                _ => continue,
+            }
+        }
+    }
+
+    /// A sender on this link, for another thread.
+    pub fn sender(&self) -> LinkSender {
+        self.sender.clone()
+    }
+
+    /// End the connection.
+    pub fn shutdown(&self) {
+        self.sender.shutdown()
+    }
+}

@@ -1,0 +1,232 @@
+//! The worker link: how a worker the parent did not start (on another machine) joins a
+//! parent over one TCP connection, authenticated with the core's [`shmq_core::auth`].
+//!
+//! The parent listens ([`WorkerListener::bind`]) and hands out a [`Ticket`], its address
+//! and a random token; a worker connects with it ([`ParentLink::connect`]). Each side
+//! proves it knows the token over the other's fresh nonce (the token never crosses the
+//! wire), then every frame is sealed with [`shmq_core::auth::message_mac`] over the
+//! session (both nonces) and its sequence number: a frame altered, replayed, reflected
+//! or out of turn ends the link with an error, and so does the connection's loss, which is
+//! how the parent learns a worker died.
+//!
+//! Frames are `[4-byte big-endian length][1-byte kind][payload]`; after the handshake the
+//! payload starts with the frame's 8-byte big-endian sequence number and its 32-byte seal:
+//!
+//! ```text
+//! parent -> worker   C  {"nonce": hex, "version": 2}              challenge
+//! worker -> parent   H  {"rank", "pid", "host", "nonce", "mac"}   mac: hello_mac()
+//! parent -> worker   A  {"ok": true, "mac"}                       mac: welcome_mac()
+//!                    A  {"ok": false, "error": str}               refused, then closed
+//!   -- sealed from here --
+//! worker -> parent   R  payload (bytes; Python: pickle(info))     ready
+//! worker -> parent   X  {"exitcode", "stderr": [lines]}           leaving
+//! parent -> worker   S  {"grace": seconds}                        stop
+//! parent -> worker   F  notice (bytes)                            a sibling failed
+//! ```
+//!
+//! The Python package's `shmq.workers` speaks the same link through the bindings (its
+//! sockets, this module's handshake messages and seals), so Rust and Python parents and
+//! workers admit one another.
+//!
+//! ```no_run
+//! # mod shmq { pub mod workers { pub use shmq_workers::*; } } // the `shmq` crate
+//! use std::time::Duration;
+//! use shmq::workers::link::{ParentLink, ParentMessage, WorkerListener, WorkerMessage};
+//!
+//! // The parent:
+//! let listener = WorkerListener::bind("127.0.0.1:0")?;
+//! let ticket = listener.ticket().to_string(); // give it to the worker, over a trusted channel
+//! # std::thread::spawn(move || -> shmq::workers::Result<()> {
+//! // The worker (another process, another machine):
+//! let mut parent = ParentLink::connect(&ticket.parse()?, 0, Duration::from_secs(30))?;
+//! parent.send_ready(b"set up")?;
+//! if let ParentMessage::Stop { .. } = parent.recv()? {
+//!     parent.send_leaving(0, &[])?;
+//! }
+//! # Ok(()) });
+//! // Back in the parent: admit rank 0 only.
+//! let mut worker = listener.accept(|hello| match hello.rank {
+//!     0 => Ok(()),
+//!     r => Err(format!("rank {r} is not expected")),
+//! })?;
+//! assert!(matches!(worker.recv()?, WorkerMessage::Ready(p) if p == b"set up"));
+//! worker.send_stop(Duration::from_secs(5))?;
+//! let left = worker.recv(); // Leaving, or an error: the link is lost (the worker died)
+//! # let _ = left;
+//! # Ok::<(), shmq::workers::Error>(())
+//! ```
+
+mod endpoint;
+mod frame;
+mod handshake;
+#[cfg(test)]
+mod tests;
+
+pub use endpoint::{
+    LinkSender, ParentLink, ParentMessage, RemoteWorker, WorkerListener, WorkerMessage,
+};
+pub use frame::{read_frame, write_frame, SealIn, SealOut, Side, SEAL_BYTES};
+pub use handshake::{
+    challenge_payload, hello_mac, new_nonce, read_answer, read_challenge, refusal_payload,
+    welcome_mac, welcome_payload, Hello,
+};
+
+use std::time::Duration;
+
+use shmq_core::auth::{secret_from_text, secret_to_text, SECRET_BYTES};
+
+/// The link's protocol, in the parent's challenge (an older shmq's had none).
+pub const PROTOCOL_VERSION: u64 = 2;
+/// The largest frame of an admitted link.
+pub const MAX_FRAME: usize = 64 << 20;
+/// The largest frame the parent reads before the peer proved the token (the hello).
+pub const MAX_HELLO_FRAME: usize = 4096;
+/// How long the parent gives one connection for its whole handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The frames' kinds.
+pub mod kind {
+    /// parent -> worker: the challenge.
+    pub const CHALLENGE: u8 = b'C';
+    /// worker -> parent: the hello.
+    pub const HELLO: u8 = b'H';
+    /// parent -> worker: the answer (welcome or refusal).
+    pub const ANSWER: u8 = b'A';
+    /// worker -> parent: ready.
+    pub const READY: u8 = b'R';
+    /// worker -> parent: leaving.
+    pub const LEAVING: u8 = b'X';
+    /// parent -> worker: stop.
+    pub const STOP: u8 = b'S';
+    /// parent -> worker: a sibling failed.
+    pub const SIBLING_FAILED: u8 = b'F';
+}
+
+/// What a worker needs to join: the parent's address and its token. Its text form is
+/// `shmq-workers://HOST:PORT/TOKEN` (an IPv6 host in brackets, the token
+/// 64 hexadecimal digits), as the Python package's `WorkerTicket`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Ticket {
+    /// The parent's host (name or address, without brackets).
+    pub host: String,
+    /// The parent's port.
+    pub port: u16,
+    /// The secret.
+    pub token: [u8; SECRET_BYTES],
+}
+
+const TICKET_PREFIX: &str = "shmq-workers://";
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token.
+        f.debug_struct("Ticket")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Display for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        write!(
+            f,
+            "{TICKET_PREFIX}{host}:{}/{}",
+            self.port,
+            secret_to_text(&self.token)
+        )
+    }
+}
+
+impl std::str::FromStr for Ticket {
+    type Err = crate::Error;
+
+    fn from_str(text: &str) -> crate::Result<Ticket> {
+        let shown: String = text.chars().take(40).collect();
+        let bad = || {
+            crate::Error::Core(shmq_core::Error::InvalidArgument(format!(
+                "not a worker ticket (expected {TICKET_PREFIX}HOST:PORT/TOKEN, TOKEN 64 \
+                 hexadecimal digits): {shown:?}"
+            )))
+        };
+        let rest = text.strip_prefix(TICKET_PREFIX).ok_or_else(bad)?;
+        let (address, token) = rest.split_once('/').ok_or_else(bad)?;
+        let (host, port) = address.rsplit_once(':').ok_or_else(bad)?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        Ok(Ticket {
+            host: host.to_owned(),
+            port: port.parse().map_err(|_| bad())?,
+            token: secret_from_text(token).ok_or_else(bad)?,
+        })
+    }
+}
+
+/// What ends a link or refuses a handshake.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkError {
+    /// The connection failed (or a read or write timed out).
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer closed the connection.
+    #[error("connection closed")]
+    Closed,
+    /// The deadline of a read passed.
+    #[error("the deadline passed")]
+    TimedOut,
+    /// A frame whose length is 0 or over the limit (its body is not read).
+    #[error("bad frame length {length} (at most {max} here)")]
+    BadLength { length: u64, max: usize },
+    /// A sealed frame too short to hold its number and seal.
+    #[error("a frame without its seal (is another process on this connection?)")]
+    Unsealed,
+    /// A frame whose seal is not the peer's.
+    #[error("a frame failed authentication (is another process on this connection?)")]
+    BadSeal,
+    /// A genuine frame out of turn: frames were lost.
+    #[error("frame {got} arrived where frame {due} was due: frames were lost")]
+    OutOfTurn { got: u64, due: u64 },
+    /// A frame of a kind that has no place here.
+    #[error("unexpected frame kind {kind:?}")]
+    UnexpectedKind { kind: char },
+    /// A handshake message or frame that is not what the protocol says.
+    #[error("{0}")]
+    Malformed(String),
+    /// The peer refused this side, or this side the peer: why.
+    #[error("{0}")]
+    Refused(String),
+}
+
+impl LinkError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> LinkError {
+        match source.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => LinkError::TimedOut,
+            std::io::ErrorKind::UnexpectedEof => LinkError::Closed,
+            _ => LinkError::Io {
+                context: context.into(),
+                source,
+            },
+        }
+    }
+
+    /// Whether the link was lost (closed, reset, timed out) rather than refused or
+    /// tampered with.
+    pub fn is_loss(&self) -> bool {
+        matches!(
+            self,
+            LinkError::Io { .. } | LinkError::Closed | LinkError::TimedOut
+        )
+    }
+}

@@ -1,0 +1,402 @@
+use std::io::Cursor;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+use shmq_core::auth::{mac, message_mac, secret_from_text, to_hex};
+
+const TOKEN: [u8; 32] = [7; 32];
+
+fn sealers(token: &[u8; 32]) -> (SealOut, SealIn, SealOut, SealIn) {
+    let session = [[1u8; 32], [2u8; 32]].concat();
+    (
+        SealOut::new(token, &session, Side::Worker),
+        SealIn::new(token, &session, Side::Parent),
+        SealOut::new(token, &session, Side::Parent),
+        SealIn::new(token, &session, Side::Worker),
+    )
+}
+
+#[test]
+fn sealed_frames_open_in_order_and_the_seal_is_the_cores_message_mac() {
+    let (mut w_out, mut p_in, mut p_out, mut w_in) = sealers(&TOKEN);
+    let a = w_out.seal(kind::READY, b"ready");
+    let b = w_out.seal(kind::LEAVING, b"{}");
+    assert_eq!(p_in.open(kind::READY, &a).unwrap(), b"ready");
+    assert_eq!(p_in.open(kind::LEAVING, &b).unwrap(), b"{}");
+    let s = p_out.seal(kind::STOP, b"{\"grace\": 1}");
+    assert_eq!(w_in.open(kind::STOP, &s).unwrap(), b"{\"grace\": 1}");
+    // On the wire: [seq (8, big-endian)][seal (32)][payload].
+    assert_eq!(&b[..8], &1u64.to_be_bytes());
+    let session = [[1u8; 32], [2u8; 32]].concat();
+    let want = message_mac(
+        &TOKEN,
+        b"shmq worker link: worker to parent",
+        &session,
+        1,
+        [&[kind::LEAVING][..], b"{}"],
+    );
+    assert_eq!(&b[8..40], &want);
+}
+
+#[test]
+fn an_altered_replayed_reordered_reflected_or_unsealed_frame_is_refused() {
+    let (mut w_out, mut p_in, mut p_out, _) = sealers(&TOKEN);
+    let f0 = w_out.seal(kind::READY, b"info");
+    let f1 = w_out.seal(kind::READY, b"more");
+    // Reordered: frame 1 first.
+    let mut fresh = p_in.clone();
+    assert!(matches!(
+        fresh.open(kind::READY, &f1),
+        Err(LinkError::OutOfTurn { got: 1, due: 0 })
+    ));
+    // Altered payload, or kind.
+    let mut altered = f0.clone();
+    *altered.last_mut().unwrap() ^= 1;
+    assert!(matches!(
+        p_in.clone().open(kind::READY, &altered),
+        Err(LinkError::BadSeal)
+    ));
+    assert!(matches!(
+        p_in.clone().open(kind::LEAVING, &f0),
+        Err(LinkError::BadSeal)
+    ));
+    // Unsealed (too short for a seal).
+    assert!(matches!(
+        p_in.clone().open(kind::READY, b"pickled"),
+        Err(LinkError::Unsealed)
+    ));
+    // Reflected: the parent's own frame back to it.
+    let s = p_out.seal(kind::STOP, b"{}");
+    assert!(matches!(
+        p_in.clone().open(kind::STOP, &s),
+        Err(LinkError::BadSeal)
+    ));
+    // Replayed: frame 0 again after frame 0.
+    assert_eq!(p_in.open(kind::READY, &f0).unwrap(), b"info");
+    assert!(matches!(
+        p_in.open(kind::READY, &f0),
+        Err(LinkError::OutOfTurn { got: 0, due: 1 })
+    ));
+    // Another key or another session.
+    let (mut other, ..) = sealers(&[8; 32]);
+    assert!(matches!(
+        p_in.clone()
+            .open(kind::READY, &other.seal(kind::READY, b"x")),
+        Err(LinkError::BadSeal)
+    ));
+    let mut other_session = SealOut::new(&TOKEN, &[9u8; 64], Side::Worker);
+    other_session.seal(kind::READY, b"x");
+    assert!(matches!(
+        p_in.clone()
+            .open(kind::READY, &other_session.seal(kind::READY, b"more")),
+        Err(LinkError::BadSeal)
+    ));
+    // The genuine next frame still opens.
+    assert_eq!(p_in.open(kind::READY, &f1).unwrap(), b"more");
+}
+
+#[test]
+fn frames_round_trip_and_bad_lengths_or_truncation_are_clear_errors() {
+    let mut wire = Vec::new();
+    write_frame(&mut wire, b'R', b"abc").unwrap();
+    assert_eq!(wire, b"\0\0\0\x04Rabc");
+    assert_eq!(
+        read_frame(&mut Cursor::new(&wire), 16).unwrap(),
+        (b'R', b"abc".to_vec())
+    );
+    // Over the limit: refused before the body is read, nothing allocated.
+    let err = read_frame(&mut Cursor::new(&wire), 3).unwrap_err();
+    assert_eq!(err.to_string(), "bad frame length 4 (at most 3 here)");
+    let huge = (u32::MAX).to_be_bytes();
+    assert!(matches!(
+        read_frame(&mut Cursor::new(&huge), MAX_FRAME),
+        Err(LinkError::BadLength { length, .. }) if length == u64::from(u32::MAX)
+    ));
+    assert!(matches!(
+        read_frame(&mut Cursor::new(&[0u8; 4]), 16),
+        Err(LinkError::BadLength { length: 0, .. })
+    ));
+    // Truncated: in the length word, or in the body.
+    assert!(matches!(
+        read_frame(&mut Cursor::new(&wire[..2]), 16),
+        Err(LinkError::Closed)
+    ));
+    assert!(matches!(
+        read_frame(&mut Cursor::new(&wire[..6]), 16),
+        Err(LinkError::Closed)
+    ));
+    assert!(matches!(
+        read_frame(&mut Cursor::new(&[][..]), 16),
+        Err(LinkError::Closed)
+    ));
+}
+
+#[test]
+fn the_hello_and_welcome_are_the_cores_mac_in_domains_of_their_own() {
+    let (theirs, ours) = (new_nonce().unwrap(), new_nonce().unwrap());
+    let proof = hello_mac(&TOKEN, &theirs, 3, 4242, "node-1", &ours);
+    let parts: [&[u8]; 5] = [theirs.as_bytes(), b"3", b"4242", b"node-1", ours.as_bytes()];
+    assert_eq!(proof, mac(&TOKEN, b"shmq worker hello", &parts));
+    let welcome = welcome_mac(&TOKEN, &ours, &theirs, 3);
+    assert_ne!(welcome, proof);
+    let hello = Hello::new(&TOKEN, &theirs, 3, 4242, "node-1").unwrap();
+    assert!(hello.is_genuine(&TOKEN, &theirs));
+    assert!(!hello.is_genuine(&[8; 32], &theirs));
+    assert!(!hello.is_genuine(&TOKEN, &ours));
+    let decoded = Hello::check(kind::HELLO, &hello.encode(), &TOKEN, &theirs).unwrap();
+    assert_eq!(decoded, hello);
+    assert_eq!(
+        Hello::check(kind::HELLO, &hello.encode(), &[8; 32], &theirs).unwrap_err(),
+        "wrong token"
+    );
+    // The answer: admitted only with the parent's proof over this worker's nonce.
+    let ok = welcome_payload(&TOKEN, &hello.nonce, &theirs, 3);
+    read_answer(kind::ANSWER, &ok, &TOKEN, &hello.nonce, &theirs, 3, "p").unwrap();
+    for (answer, rank, expect) in [
+        (ok.clone(), 4, "without proving"),
+        (
+            welcome_payload(&[8; 32], &hello.nonce, &theirs, 3),
+            3,
+            "without proving",
+        ),
+        (
+            br#"{"ok": true, "mac": "00"}"#.to_vec(),
+            3,
+            "without proving",
+        ),
+        (
+            refusal_payload("wrong token"),
+            3,
+            "refused worker rank 3: wrong token",
+        ),
+        (b"not json".to_vec(), 3, "a malformed answer"),
+    ] {
+        let err = read_answer(
+            kind::ANSWER,
+            &answer,
+            &TOKEN,
+            &hello.nonce,
+            &theirs,
+            rank,
+            "p",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains(expect), "{err}");
+    }
+}
+
+#[test]
+fn malformed_hellos_and_challenges_are_refused_with_a_reason() {
+    let nonce = new_nonce().unwrap();
+    let deep = "[".repeat(4095);
+    for (kind, payload, expect) in [
+        (b'X', b"{}".to_vec(), "malformed hello"),
+        (b'H', deep.into_bytes(), "nested too deep"),
+        (b'H', br#"{"":["#.repeat(800), "nested too deep"),
+        (b'H', vec![0x80, 0x81, 0xff], "malformed hello"),
+        (b'H', b"[1, 2]".to_vec(), "malformed hello"),
+        (
+            b'H',
+            format!(
+                r#"{{"rank": 4294967296, "pid": 1, "host": "h", "nonce": "{nonce}", "mac": ""}}"#
+            )
+            .into_bytes(),
+            "malformed hello",
+        ),
+        (
+            b'H',
+            br#"{"rank": 0, "pid": 1, "host": "h", "mac": ""}"#.to_vec(),
+            "no nonce",
+        ),
+        (
+            b'H',
+            format!(r#"{{"rank": 0, "pid": 1, "host": 7, "nonce": "{nonce}", "mac": ""}}"#)
+                .into_bytes(),
+            "malformed hello",
+        ),
+        (
+            b'H',
+            format!(r#"{{"rank": 0, "pid": 1, "host": "h", "nonce": "{nonce}", "mac": "zz"}}"#)
+                .into_bytes(),
+            "wrong token",
+        ),
+    ] {
+        let err = Hello::check(kind, &payload, &TOKEN, &nonce).unwrap_err();
+        assert!(
+            err.contains(expect),
+            "{err} for {:?}",
+            String::from_utf8_lossy(&payload[..payload.len().min(40)])
+        );
+    }
+    assert_eq!(
+        read_challenge(b'C', &challenge_payload(&nonce), "p").unwrap(),
+        nonce
+    );
+    let old = format!(r#"{{"nonce": "{nonce}"}}"#);
+    let err = read_challenge(b'C', old.as_bytes(), "p").unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("speaks worker protocol 1, this worker 2"),
+        "{err}"
+    );
+    assert!(matches!(
+        read_challenge(b'A', b"{}", "p"),
+        Err(LinkError::Malformed(_))
+    ));
+    assert!(matches!(
+        read_challenge(b'C', br#"{"nonce": "ab"}"#, "p"),
+        Err(LinkError::Malformed(_))
+    ));
+}
+
+#[test]
+fn a_ticket_prints_and_parses_and_refuses_anything_else() {
+    let ticket = Ticket {
+        host: "::1".into(),
+        port: 5000,
+        token: TOKEN,
+    };
+    let text = ticket.to_string();
+    assert_eq!(
+        text,
+        format!("shmq-workers://[::1]:5000/{}", to_hex(&TOKEN))
+    );
+    assert_eq!(text.parse::<Ticket>().unwrap(), ticket);
+    assert!(!format!("{ticket:?}").contains(&to_hex(&TOKEN)));
+    let token = to_hex(&TOKEN);
+    for bad in [
+        String::new(),
+        format!("http://h:1/{token}"),
+        format!("shmq-workers://h/{token}"),
+        format!("shmq-workers://:1/{token}"),
+        format!("shmq-workers://h:x/{token}"),
+        format!("shmq-workers://h:70000/{token}"),
+        "shmq-workers://h:1/abc".into(),
+    ] {
+        assert!(bad.parse::<Ticket>().is_err(), "{bad}");
+    }
+}
+
+/// A parent and a worker over loopback TCP, in threads: admitted, frames both ways, a
+/// wrong token refused on both sides, and the worker's drop seen as the link's loss.
+#[test]
+fn a_worker_joins_over_tcp_and_a_wrong_token_is_refused() {
+    let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
+    let ticket = listener.ticket().clone();
+    let worker = std::thread::spawn(move || {
+        let mut link = ParentLink::connect(&ticket, 1, Duration::from_secs(10)).unwrap();
+        link.send_ready(b"raw bytes").unwrap();
+        assert_eq!(
+            link.recv().unwrap(),
+            ParentMessage::SiblingFailed(b"Worker_0 died".to_vec())
+        );
+        let ParentMessage::Stop { grace } = link.recv().unwrap() else {
+            panic!("no stop")
+        };
+        assert_eq!(grace, Duration::from_millis(1500));
+        link.send_leaving(0, &["bye".into()]).unwrap();
+    });
+    let mut admitted = listener
+        .accept(|h| {
+            if h.rank == 1 {
+                Ok(())
+            } else {
+                Err("no".into())
+            }
+        })
+        .unwrap();
+    assert_eq!((admitted.rank(), admitted.pid()), (1, std::process::id()));
+    assert_eq!(
+        admitted.recv().unwrap(),
+        WorkerMessage::Ready(b"raw bytes".to_vec())
+    );
+    admitted.send_sibling_failed(b"Worker_0 died").unwrap();
+    admitted.send_stop(Duration::from_millis(1500)).unwrap();
+    assert_eq!(
+        admitted.recv().unwrap(),
+        WorkerMessage::Leaving {
+            exitcode: 0,
+            stderr: vec!["bye".into()]
+        }
+    );
+    worker.join().unwrap();
+    match admitted.recv() {
+        Err(crate::Error::Link(e)) => assert!(e.is_loss(), "{e}"),
+        other => panic!("expected the link's loss, got {other:?}"),
+    }
+
+    // A wrong token: the parent refuses it, and the worker hears why.
+    let mut wrong = listener.ticket().clone();
+    wrong.token = [0; 32];
+    let worker =
+        std::thread::spawn(move || ParentLink::connect(&wrong, 1, Duration::from_secs(10)).err());
+    let err = listener.accept(|_| Ok(())).err().unwrap();
+    assert!(err.to_string().contains("wrong token"), "{err}");
+    let err = worker.join().unwrap().unwrap();
+    assert!(
+        err.to_string()
+            .contains("refused worker rank 1: wrong token"),
+        "{err}"
+    );
+    // A rank the parent does not expect: admit's reason.
+    let ticket = listener.ticket().clone();
+    let worker =
+        std::thread::spawn(move || ParentLink::connect(&ticket, 7, Duration::from_secs(10)).err());
+    assert!(listener
+        .accept(|h| Err(format!("rank {} is not a remote rank", h.rank)))
+        .is_err());
+    let err = worker.join().unwrap().unwrap();
+    assert!(
+        err.to_string().contains("rank 7 is not a remote rank"),
+        "{err}"
+    );
+}
+
+/// A stranger that sends an oversized length or nothing at all: a clear error for the
+/// parent, never a panic (and the silent one is dropped at the deadline, tested with a
+/// short one through `Deadlined` in `read_frame`).
+#[test]
+fn a_stranger_on_the_port_gets_a_clear_error() {
+    let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.ticket().port;
+    let stranger = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let (k, _) = read_frame(&mut s, MAX_FRAME).unwrap();
+        assert_eq!(k, kind::CHALLENGE);
+        write_frame(&mut s, kind::HELLO, &vec![b'['; MAX_HELLO_FRAME]).unwrap();
+    });
+    let err = listener.accept(|_| Ok(())).err().unwrap();
+    assert_eq!(err.to_string(), "bad frame length 4097 (at most 4096 here)");
+    stranger.join().unwrap();
+}
+
+proptest! {
+    /// Whatever bytes arrive, reading and opening a frame returns an error or a frame,
+    /// never a panic; and a frame with any one byte flipped never opens.
+    #[test]
+    fn hostile_bytes_never_panic(wire in proptest::collection::vec(any::<u8>(), 0..200), flip in 0usize..200) {
+        let (mut w_out, p_in, ..) = sealers(&TOKEN);
+        if let Ok((k, body)) = read_frame(&mut Cursor::new(&wire), 1 << 10) {
+            let _ = p_in.clone().open(k, &body);
+        }
+        let _ = Hello::check(kind::HELLO, &wire, &TOKEN, &to_hex(&[1; 32]));
+        let _ = read_challenge(kind::CHALLENGE, &wire, "p");
+        let body = w_out.seal(kind::READY, &wire);
+        let i = flip % body.len();
+        let mut bad = body.clone();
+        bad[i] ^= 0x5a;
+        prop_assert!(p_in.clone().open(kind::READY, &bad).is_err());
+        prop_assert_eq!(p_in.clone().open(kind::READY, &body).unwrap(), &wire[..]);
+    }
+
+    #[test]
+    fn a_hello_round_trips_for_any_rank_pid_and_host(rank: u32, pid: u32, host in "\\PC{0,60}") {
+        let nonce = to_hex(&[3; 32]);
+        let hello = Hello::new(&TOKEN, &nonce, rank, pid, &host).unwrap();
+        prop_assert_eq!(Hello::check(kind::HELLO, &hello.encode(), &TOKEN, &nonce).unwrap(), hello);
+        prop_assert!(secret_from_text(&new_nonce().unwrap()).is_some());
+    }
+}
