@@ -217,96 +217,43 @@ def _role_tensor_writer(
     n: int,
     warmup: int,
     nbytes: int,
+    fresh: bool,
+    loan: bool = False,
     lib: str = "torch",
 ) -> dict:
-    """Hand-over only: send ``warmup`` float32 arrays of ``nbytes`` (torch tensors, or
-    numpy arrays with ``lib="numpy"``), wait until the readers have them, then send ``n``
-    more and ``None``. Every send is the same array, only its last element changed: what
-    the transport costs alone, not what a producer and its readers do with the bytes
-    (that is :func:`_role_fresh_writer`). Returns the time of the first measured send
-    and how long each measured send call took (ns)."""
-    arrays = Arrays(lib)
-    out = transport.open_writer(channels[0])
-    out.ready()
-    _sync(barrier)
-    fixed = arrays.ones(nbytes // 4)
+    """Send float32 arrays of ``nbytes`` (torch tensors, or numpy arrays with
+    ``lib="numpy"``), each filled with (hand-over only: ending in) the message's number
+    ``i``: ``warmup`` of them, a barrier (the readers have them), then ``n`` measured ones
+    and ``None``.
 
-    def make(i: int) -> Any:
-        fixed[-1] = float(i)
-        return fixed
+    - ``fresh``: what a producer does, a new array for every send (``full``, or with
+      ``loan`` an array borrowed from the transport and ``fill``-ed in place). Making it
+      is inside the clock: it is the producer's work in every transport alike.
+    - not ``fresh`` (hand-over only): every send is the same array, only its last element
+      changed: what the transport costs alone, not what a producer and its readers do
+      with the bytes.
 
-    send, clock = out.io, time.perf_counter_ns
-    for i in range(warmup):
-        send(make(i))
-    _sync(barrier)  # the readers have the warm-up tensors
-    costs = [0] * n
-    t0 = now_ns()
-    for i in range(n):
-        t = make(i)
-        c0 = clock()
-        send(t)
-        costs[i] = clock() - c0
-        del t
-    send(None)
-    _sync(barrier)
-    out.close()
-    return {"t0": t0, "send_ns": costs}
-
-
-def _role_tensor_reader(
-    transport: Transport, channels: Sequence[Any], barrier: Any, *, n: int, warmup: int, rank: int, lib: str = "torch"
-) -> int:
-    """Hand-over only: receive ``warmup`` tensors (or arrays), then ``n`` more, reading
-    only each one's last element; returns when the last arrived (``now_ns``)."""
-    Arrays(lib)  # its library imported (and torch's threads at 1) before the clock
-    inbox = transport.open_reader(channels[0], rank)
-    inbox.ready()
-    _sync(barrier)
-    recv = inbox.io
-    for _ in range(warmup):
-        float(recv()[-1])
-    _sync(barrier)
-    for _ in range(n):
-        float(recv()[-1])
-    t_end = now_ns()
-    if recv() is not None:
-        raise RuntimeError(f"reader {rank} expected the end mark")
-    _sync(barrier)
-    inbox.close()
-    return t_end
-
-
-def _role_fresh_writer(
-    transport: Transport,
-    channels: Sequence[Any],
-    barrier: Any,
-    *,
-    n: int,
-    warmup: int,
-    nbytes: int,
-    loan: bool,
-    lib: str = "torch",
-) -> dict:
-    """What a producer does: make a new float32 array of ``nbytes`` for every send,
-    filled with the message's number ``i`` (``full``, or with ``loan`` an array borrowed
-    from the transport and ``fill``-ed in place), and send it. ``warmup`` messages, a
-    barrier (the readers consumed them), then ``n`` measured ones and ``None``. Making
-    the array is inside the clock: it is the producer's work in every transport alike.
-    Returns the time of the first measured send, each measured send call's time (ns) and
-    how many loans were ordinary memory (no room in the transport's: sending copied)."""
+    Returns the time of the first measured send, each measured send call's time (ns)
+    and how many loans were ordinary memory (no room in the transport's: sending
+    copied)."""
     arrays = Arrays(lib)
     out = transport.open_writer(channels[0])
     if loan and out.loan is None:
         raise RuntimeError(f"{transport.name} cannot lend memory")
-    # The memory a few messages in flight take, before the clock (vLLM's arena is
-    # allocated whole when it is made; shmq's is taken as used unless reserved).
-    out.reserve(min(1 << 30, 4 * nbytes))
+    if fresh:
+        # The memory a few messages in flight take, before the clock (vLLM's arena is
+        # allocated whole when it is made; shmq's is taken as used unless reserved).
+        out.reserve(min(1 << 30, 4 * nbytes))
     out.ready()
     _sync(barrier)
     numel = nbytes // 4
     lend: Any = out.loan  # not None with `loan` (checked above)
+    fixed = None if fresh else arrays.ones(numel)
 
     def make(i: int) -> Any:
+        if fixed is not None:
+            fixed[-1] = float(i)
+            return fixed
         if not loan:
             return arrays.full(numel, float(i))
         t = lend(numel, lib)
@@ -318,7 +265,7 @@ def _role_fresh_writer(
         t = make(i)
         send(t)
         del t
-    _sync(barrier)  # the readers have consumed the warm-up messages
+    _sync(barrier)  # the readers have the warm-up messages
     costs = [0] * n
     t0 = now_ns()
     for k in range(n):
@@ -334,7 +281,7 @@ def _role_fresh_writer(
     return {"t0": t0, "send_ns": costs, "loan_fallbacks": fallbacks}
 
 
-def _role_fresh_reader(
+def _role_tensor_reader(
     transport: Transport,
     channels: Sequence[Any],
     barrier: Any,
@@ -343,28 +290,35 @@ def _role_fresh_reader(
     warmup: int,
     nbytes: int,
     rank: int,
+    fresh: bool,
     lib: str = "torch",
 ) -> int:
-    """What a consumer does: copy every byte of each message into its own buffer (made,
-    and its pages touched, before the clock) and check the message's number at both
-    ends. Returns when the last measured message was consumed (``now_ns``)."""
-    arrays = Arrays(lib)
+    """Receive what :func:`_role_tensor_writer` sends: ``warmup`` messages, a barrier,
+    then ``n`` more. ``fresh``: what a consumer does, copy every byte of each into its
+    own buffer (made, and its pages touched, before the clock) and check the message's
+    number at both ends; hand-over only: read each one's last element. Returns when the
+    last measured message was taken (``now_ns``)."""
+    arrays = Arrays(lib)  # its library imported (and torch's threads at 1) before the clock
     inbox = transport.open_reader(channels[0], rank)
-    own = arrays.full(nbytes // 4, -1.0)
+    own = arrays.full(nbytes // 4, -1.0) if fresh else None
     inbox.ready()
     _sync(barrier)
     recv, copy, check, who = inbox.io, arrays.copy, arrays.check, f"reader {rank}"
-    for i in range(warmup):
+
+    def take(i: int) -> None:
+        if own is None:
+            float(recv()[-1])
+            return
         got = recv()
         copy(own, got)
         del got
         check(own, float(i), who)
+
+    for i in range(warmup):
+        take(i)
     _sync(barrier)
     for i in range(warmup, warmup + n):
-        got = recv()
-        copy(own, got)
-        del got
-        check(own, float(i), who)
+        take(i)
     t_end = now_ns()
     if recv() is not None:
         raise RuntimeError(f"reader {rank} expected the end mark")

@@ -28,8 +28,6 @@ from .harness import Harness, Job
 from .roles import (
     _role_consume_reader,
     _role_consume_writer,
-    _role_fresh_reader,
-    _role_fresh_writer,
     _role_idle_reader,
     _role_idle_writer,
     _role_ping,
@@ -232,45 +230,30 @@ def _tensor_counts(params: Params, nbytes: int) -> int:
 
 
 def _bench_tensor(
-    harness: Harness, transport: Transport, params: Params, *, nbytes: int, n_readers: int
+    harness: Harness, transport: Transport, params: Params, *, nbytes: int, n_readers: int, fresh: bool, loan: bool = False
 ) -> dict[str, float]:
-    """Hand-over only (the same array every send, each reader reads one element): bytes
-    per reader per second from the first measured send to the last reader's last
-    receive, and the writer's cost of one send call (p50)."""
+    """``fresh``: realistic, a new array made by the producer for every send (with
+    ``loan``: a loan filled in place), every reader copying all of it into its own
+    buffer; otherwise hand-over only (the same array every send, each reader reads one
+    element). Bytes per reader per second from the writer's first measured send (before
+    making it) to the last reader's last message, the send call's p50, and (``fresh``)
+    how many loans were not the transport's memory."""
     channels = (harness.channel(transport, n_readers),)
     n = _tensor_counts(params, nbytes)
-    warmup = max(2, n // 10)
-    kwargs = {"n": n, "warmup": warmup, "lib": params.arrays}
-    jobs = [Job(_role_tensor_writer, channels, {**kwargs, "nbytes": nbytes})]
+    if fresh:
+        warmup = params.fresh_warmup if nbytes <= 16 * MiB else min(3, params.fresh_warmup)
+    else:
+        warmup = max(2, n // 10)
+    kwargs = {"n": n, "warmup": warmup, "nbytes": nbytes, "fresh": fresh, "lib": params.arrays}
+    jobs = [Job(_role_tensor_writer, channels, {**kwargs, "loan": loan})]
     jobs += [Job(_role_tensor_reader, channels, {**kwargs, "rank": r}) for r in range(n_readers)]
     writer, *ends = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
     seconds = (max(ends) - writer["t0"]) / 1e9
     send_us = sorted(ns / 1000 for ns in writer["send_ns"])
-    return {"rate": n * nbytes / seconds / 1e9, "send_p50": percentile(send_us, 50)}
-
-
-def _bench_fresh(
-    harness: Harness, transport: Transport, params: Params, *, nbytes: int, n_readers: int, loan: bool = False
-) -> dict[str, float]:
-    """Realistic: a new array made by the producer for every send (with ``loan``: a loan
-    filled in place), every reader copying all of it into its own buffer. Bytes per
-    reader per second from the writer's first measured send (before making it) to the
-    last reader's last consume, the send call's p50, and (loans) how many loans were not
-    the transport's memory."""
-    channels = (harness.channel(transport, n_readers),)
-    n = _tensor_counts(params, nbytes)
-    warmup = params.fresh_warmup if nbytes <= 16 * MiB else min(3, params.fresh_warmup)
-    kwargs = {"n": n, "warmup": warmup, "nbytes": nbytes, "lib": params.arrays}
-    jobs = [Job(_role_fresh_writer, channels, {**kwargs, "loan": loan})]
-    jobs += [Job(_role_fresh_reader, channels, {**kwargs, "rank": r}) for r in range(n_readers)]
-    writer, *ends = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
-    seconds = (max(ends) - writer["t0"]) / 1e9
-    send_us = sorted(ns / 1000 for ns in writer["send_ns"])
-    return {
-        "rate": n * nbytes / seconds / 1e9,
-        "send_p50": percentile(send_us, 50),
-        "fallbacks": float(writer["loan_fallbacks"]),
-    }
+    out = {"rate": n * nbytes / seconds / 1e9, "send_p50": percentile(send_us, 50)}
+    if fresh:
+        out["fallbacks"] = float(writer["loan_fallbacks"])
+    return out
 
 
 def _bench_consume(harness: Harness, transport: Transport, params: Params, *, nbytes: int) -> dict[str, float]:
@@ -306,45 +289,52 @@ def _readers(r: int) -> str:
 SIZES = (MiB, 16 * MiB, 256 * MiB)
 
 
-def _fresh_scenarios() -> list[Scenario]:
-    """The realistic tensor rows: a fresh array per send, every byte consumed; shmq also
-    with a loan the producer fills."""
+#: The tensor rows' kinds: the row's words, its short name (the send call's row), the
+#: scenario's title, and ``_bench_tensor``'s arguments.
+_TENSOR_KINDS = {
+    "fresh": ("fresh {tensor} per send, consumed", "fresh {tensor}", "fresh + consumed", {"fresh": True}),
+    "loan": (
+        "loaned {tensor}, filled per send, consumed",
+        "loaned {tensor}",
+        "loaned + consumed",
+        {"fresh": True, "loan": True},
+    ),
+    "tensor": (
+        "hand-over only (same {tensor}, one element read)",
+        "hand-over only (same {tensor}, one element read)",
+        "hand-over only",
+        {"fresh": False},
+    ),
+}
+
+
+def _tensor_scenarios(*kinds: str) -> list[Scenario]:
+    """The tensor rows of ``kinds``, per size (in that order within a size), 1 and 3
+    readers each: "fresh" (realistic: a fresh array per send, every byte consumed),
+    "loan" (shmq only: the same with a loan the producer fills), "tensor" (the transport
+    alone: the same array every send, one element read)."""
     out = []
     for nbytes in SIZES:
         size, mib = _size_name(nbytes), nbytes // MiB
-        for r in (1, 3):
-            label = f"{size} fresh {{tensor}} per send, consumed, {_readers(r)}, per reader"
-            metrics = [Metric("rate", label, "GB/s", True)]
-            if r == 1:
-                metrics.append(Metric("send_p50", f"{size} fresh {{tensor}}: send call, p50", "us", False))
-            out.append(
-                Scenario(
-                    f"fresh{mib}_{r}",
-                    f"{size} fresh + consumed, {_readers(r)}",
-                    partial(_bench_fresh, nbytes=nbytes, n_readers=r),
-                    metrics,
-                    tensor_size=nbytes,
+        for kind in kinds:
+            what, short, title, how = _TENSOR_KINDS[kind]
+            for r in (1, 3):
+                metrics = [Metric("rate", f"{size} {what}, {_readers(r)}, per reader", "GB/s", True)]
+                if r == 1:
+                    metrics.append(Metric("send_p50", f"{size} {short}: send call, p50", "us", False))
+                    if kind == "loan":
+                        fallbacks = f"{size} {short}: loans that were not shared memory (copied)"
+                        metrics.append(Metric("fallbacks", fallbacks, "", False))
+                out.append(
+                    Scenario(
+                        f"{kind}{mib}_{r}",
+                        f"{size} {title}, {_readers(r)}",
+                        partial(_bench_tensor, nbytes=nbytes, n_readers=r, **how),
+                        metrics,
+                        only=("shmq",) if kind == "loan" else None,
+                        tensor_size=nbytes,
+                    )
                 )
-            )
-        for r in (1, 3):
-            label = f"{size} loaned {{tensor}}, filled per send, consumed, {_readers(r)}, per reader"
-            metrics = [Metric("rate", label, "GB/s", True)]
-            if r == 1:
-                fallbacks = f"{size} loaned {{tensor}}: loans that were not shared memory (copied)"
-                metrics += [
-                    Metric("send_p50", f"{size} loaned {{tensor}}: send call, p50", "us", False),
-                    Metric("fallbacks", fallbacks, "", False),
-                ]
-            out.append(
-                Scenario(
-                    f"loan{mib}_{r}",
-                    f"{size} loaned + consumed, {_readers(r)}",
-                    partial(_bench_fresh, nbytes=nbytes, n_readers=r, loan=True),
-                    metrics,
-                    only=("shmq",),
-                    tensor_size=nbytes,
-                )
-            )
     return out
 
 
@@ -365,28 +355,6 @@ def _consume_scenarios() -> list[Scenario]:
             tensor_size=nbytes,
         )
     ]
-
-
-def _handover_scenarios() -> list[Scenario]:
-    """The transport-only tensor rows: the same array every send, one element read."""
-    out = []
-    for nbytes in SIZES:
-        size, mib = _size_name(nbytes), nbytes // MiB
-        for r in (1, 3):
-            what = f"{size} hand-over only (same {{tensor}}, one element read)"
-            metrics = [Metric("rate", f"{what}, {_readers(r)}, per reader", "GB/s", True)]
-            if r == 1:
-                metrics.append(Metric("send_p50", f"{what}: send call, p50", "us", False))
-            out.append(
-                Scenario(
-                    f"tensor{mib}_{r}",
-                    f"{size} hand-over only, {_readers(r)}",
-                    partial(_bench_tensor, nbytes=nbytes, n_readers=r),
-                    metrics,
-                    tensor_size=nbytes,
-                )
-            )
-    return out
 
 
 # Floors ------------------------------------------------------------------------------------
@@ -739,9 +707,9 @@ SCENARIOS: list[Scenario] = [
             Metric("wake_p99", "idle reader: wake-up latency, < 1 s after the last message, p99", "us", False),
         ],
     ),
-    *_fresh_scenarios(),
+    *_tensor_scenarios("fresh", "loan"),
     *_consume_scenarios(),
-    *_handover_scenarios(),
+    *_tensor_scenarios("tensor"),
 ]
 
 FLOORS: list[Floor] = [

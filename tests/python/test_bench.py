@@ -149,7 +149,7 @@ def test_iceoryx2_moves_objects_to_two_readers_intact(tmp_path: Path) -> None:
     that each reader copies out and checks at both ends, in order."""
     pytest.importorskip("iceoryx2")
     from shmq_bench.harness import Harness, Job
-    from shmq_bench.roles import _role_fresh_reader, _role_fresh_writer, _role_reader, _role_writer
+    from shmq_bench.roles import _role_reader, _role_tensor_reader, _role_tensor_writer, _role_writer
     from shmq_bench.transports import Iceoryx2Transport
 
     transport = Iceoryx2Transport()
@@ -164,9 +164,9 @@ def test_iceoryx2_moves_objects_to_two_readers_intact(tmp_path: Path) -> None:
     assert len(ends) == 2 and all(t_end > t0 for t_end in ends)
 
     channels = (harness.channel(transport, 2),)
-    kwargs = {"n": 20, "warmup": 2, "nbytes": 1 << 20, "lib": "numpy"}
-    jobs = [Job(_role_fresh_writer, channels, {**kwargs, "loan": False})]
-    jobs += [Job(_role_fresh_reader, channels, {**kwargs, "rank": r}) for r in range(2)]
+    kwargs = {"n": 20, "warmup": 2, "nbytes": 1 << 20, "fresh": True, "lib": "numpy"}
+    jobs = [Job(_role_tensor_writer, channels, kwargs)]
+    jobs += [Job(_role_tensor_reader, channels, {**kwargs, "rank": r}) for r in range(2)]
     writer, *ends = harness.run(transport, jobs)
     assert len(writer["send_ns"]) == 20 and all(t_end > writer["t0"] for t_end in ends)
 
