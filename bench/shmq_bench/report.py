@@ -479,6 +479,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="do not print the progress line")
 
 
+def _own_tables(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]:
+    """The scenarios that print a table of their own, run (in this order) when named in
+    ``--scenarios``: ``(key, run)``, ``run()`` returning an exit code. vLLM's engine on two
+    nodes of this machine (:mod:`.multinode`), with images through its multimodal cache
+    and plugin off and on (:mod:`.engine`), Rust and Python on either side of one queue
+    (:mod:`.cross_language`)."""
+    quick = args.preset == "quick"
+
+    def multinode() -> int:
+        from . import multinode
+
+        return multinode.main(1 if quick else max(3, args.repeat))
+
+    def engine_mm() -> int:
+        from . import engine
+
+        return engine.main_mm(1 if quick else max(3, args.repeat))
+
+    def engine() -> int:
+        from . import engine
+
+        return engine.main(max(3, args.repeat), quick)
+
+    def cross_language() -> int:
+        from . import cross_language
+
+        return cross_language.main(args.repeat, quick)
+
+    return [
+        ("engine-multinode", multinode),
+        ("engine-mm", engine_mm),
+        ("engine", engine),
+        ("cross-language", cross_language),
+    ]
+
+
 def main(args: argparse.Namespace) -> int:
     """``python -m shmq bench``: run, print the table; 1 if any run failed."""
     # vLLM's import pulls in `requests`, which warns about an optional dependency it
@@ -505,39 +541,12 @@ def main(args: argparse.Namespace) -> int:
         start_method=args.start_method or base.start_method,
     )
     only = [o.strip() for o in args.scenarios.split(",") if o.strip()] if args.scenarios else []
-    if "engine-multinode" in only:
-        # vLLM's engine on two nodes of this machine (see shmq_bench.multinode).
-        from . import multinode
-
-        code = multinode.main(1 if args.preset == "quick" else max(3, args.repeat))
-        only = [o for o in only if o != "engine-multinode"]
-        if not only:
-            return code
-    if "engine-mm" in only:
-        # vLLM's engine with images through its multimodal cache (see shmq_bench.engine).
-        from . import engine
-
-        code = engine.main_mm(1 if args.preset == "quick" else max(3, args.repeat))
-        only = [o for o in only if o != "engine-mm"]
-        if not only:
-            return code
-    if "engine" in only:
-        # vLLM's own engine, plugin off and on (its own table; see shmq_bench.engine).
-        from . import engine
-
-        code = engine.main(max(3, args.repeat), args.preset == "quick")
-        only = [o for o in only if o != "engine"]
-        if not only:
-            return code
-    if "cross-language" in only:
-        # Rust and Python on either side of one queue (its own table; see
-        # shmq_bench.cross_language).
-        from . import cross_language
-
-        code = cross_language.main(args.repeat, args.preset == "quick")
-        only = [o for o in only if o != "cross-language"]
-        if not only:
-            return code
+    for key, run_own_table in _own_tables(args):
+        if key in only:
+            code = run_own_table()
+            only = [o for o in only if o != key]
+            if not only:
+                return code
     scenarios = selected(params, only)
     floors = selected_floors(only)
     if params.rounds < 1 or params.warmup < 0 or params.objects < 1 or args.repeat < 1:

@@ -230,7 +230,14 @@ def _tensor_counts(params: Params, nbytes: int) -> int:
 
 
 def _bench_tensor(
-    harness: Harness, transport: Transport, params: Params, *, nbytes: int, n_readers: int, fresh: bool, loan: bool = False
+    harness: Harness,
+    transport: Transport,
+    params: Params,
+    *,
+    nbytes: int,
+    n_readers: int,
+    fresh: bool,
+    loan: bool = False,
 ) -> dict[str, float]:
     """``fresh``: realistic, a new array made by the producer for every send (with
     ``loan``: a loan filled in place), every reader copying all of it into its own
@@ -290,20 +297,14 @@ SIZES = (MiB, 16 * MiB, 256 * MiB)
 
 
 #: The tensor rows' kinds: the row's words, its short name (the send call's row), the
-#: scenario's title, and ``_bench_tensor``'s arguments.
+#: scenario's title.
 _TENSOR_KINDS = {
-    "fresh": ("fresh {tensor} per send, consumed", "fresh {tensor}", "fresh + consumed", {"fresh": True}),
-    "loan": (
-        "loaned {tensor}, filled per send, consumed",
-        "loaned {tensor}",
-        "loaned + consumed",
-        {"fresh": True, "loan": True},
-    ),
+    "fresh": ("fresh {tensor} per send, consumed", "fresh {tensor}", "fresh + consumed"),
+    "loan": ("loaned {tensor}, filled per send, consumed", "loaned {tensor}", "loaned + consumed"),
     "tensor": (
         "hand-over only (same {tensor}, one element read)",
         "hand-over only (same {tensor}, one element read)",
         "hand-over only",
-        {"fresh": False},
     ),
 }
 
@@ -317,7 +318,7 @@ def _tensor_scenarios(*kinds: str) -> list[Scenario]:
     for nbytes in SIZES:
         size, mib = _size_name(nbytes), nbytes // MiB
         for kind in kinds:
-            what, short, title, how = _TENSOR_KINDS[kind]
+            what, short, title = _TENSOR_KINDS[kind]
             for r in (1, 3):
                 metrics = [Metric("rate", f"{size} {what}, {_readers(r)}, per reader", "GB/s", True)]
                 if r == 1:
@@ -329,7 +330,7 @@ def _tensor_scenarios(*kinds: str) -> list[Scenario]:
                     Scenario(
                         f"{kind}{mib}_{r}",
                         f"{size} {title}, {_readers(r)}",
-                        partial(_bench_tensor, nbytes=nbytes, n_readers=r, **how),
+                        partial(_bench_tensor, nbytes=nbytes, n_readers=r, fresh=kind != "tensor", loan=kind == "loan"),
                         metrics,
                         only=("shmq",) if kind == "loan" else None,
                         tensor_size=nbytes,
