@@ -31,6 +31,21 @@ __all__ = [
     "wait_any",
     "WorkerGroup",
     "worker_died_message",
+    "LINK_PROTOCOL_VERSION",
+    "LINK_MAX_FRAME",
+    "LINK_MAX_HELLO_FRAME",
+    "LINK_HANDSHAKE_TIMEOUT",
+    "LinkSeal",
+    "link_hello_mac",
+    "link_welcome_mac",
+    "link_proof_eq",
+    "link_challenge",
+    "link_read_challenge",
+    "link_hello",
+    "link_check_hello",
+    "link_welcome",
+    "link_refusal",
+    "link_read_answer",
     "default_connect_ip",
     "auth_mac",
     "auth_check",
@@ -149,6 +164,49 @@ def secret_from_text(text: str) -> bytes:
     ``remote_secret``, a worker ticket's token); ``ValueError`` for anything else."""
 def new_secret_text() -> str:
     """A new secret from the kernel, in its text form."""
+
+# The worker link (``shmq::workers::link``): its handshake's messages and its seals.
+LINK_PROTOCOL_VERSION: int
+LINK_MAX_FRAME: int
+LINK_MAX_HELLO_FRAME: int
+LINK_HANDSHAKE_TIMEOUT: float
+
+def link_hello_mac(token_text: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> str:
+    """The worker's proof of the token, as hex."""
+def link_welcome_mac(token_text: str, worker_nonce: str, parent_nonce: str, rank: int) -> str:
+    """The parent's proof of the token, as hex."""
+def link_proof_eq(want: str, claimed: str) -> bool:
+    """Whether ``claimed`` is the 32-byte MAC ``want`` (both hex; constant-time)."""
+def link_challenge(nonce: str) -> bytes:
+    """The parent's challenge's payload."""
+def link_read_challenge(frame_kind: bytes, payload: bytes, peer: str) -> str:
+    """The parent's nonce; ``ConnectionError`` (no shmq parent), ``PermissionError``
+    (another protocol version)."""
+def link_hello(token_text: str, parent_nonce: str, rank: int, pid: int, host: str) -> tuple[bytes, str]:
+    """A worker's hello: (its payload, its fresh nonce)."""
+def link_check_hello(
+    token_text: str, parent_nonce: str, frame_kind: bytes, payload: bytes
+) -> tuple[int, int, str, str]:
+    """(rank, pid, host, nonce) of a hello that proves the token; ``ValueError`` with the
+    reason it is refused."""
+def link_welcome(token_text: str, worker_nonce: str, parent_nonce: str, rank: int) -> bytes:
+    """The parent's answer admitting worker ``rank``."""
+def link_refusal(error: str) -> bytes:
+    """The parent's answer refusing a worker."""
+def link_read_answer(
+    frame_kind: bytes, payload: bytes, token_text: str, worker_nonce: str, parent_nonce: str, rank: int, peer: str
+) -> None:
+    """``PermissionError`` unless the answer admits the worker with the parent's proof."""
+
+@final
+class LinkSeal:
+    """The seals of one end of a worker link."""
+
+    def __new__(cls, key: bytes, session: bytes, parent: bool) -> LinkSeal: ...
+    def seal(self, frame_kind: bytes, payload: bytes) -> bytes:
+        """The body of the next frame sent: its number, its seal, the payload."""
+    def open(self, frame_kind: bytes, body: bytes) -> bytes:
+        """The payload of a frame received; ``ValueError`` if not the peer's next."""
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
 

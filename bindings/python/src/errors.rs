@@ -2,12 +2,13 @@
 //! Python exceptions.
 
 use pyo3::exceptions::{
-    PyConnectionError, PyFileNotFoundError, PyKeyError, PyMemoryError, PyOSError,
+    PyConnectionError, PyEOFError, PyFileNotFoundError, PyKeyError, PyMemoryError, PyOSError,
     PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
 };
 use pyo3::{PyErr, PyResult};
 
 use shmq::error::{CacheError, Error, OsError, QueueError, RemoteError, StoreError};
+use shmq::workers::link::LinkError;
 use shmq::workers::Error as WorkersError;
 
 pyo3::create_exception!(
@@ -73,7 +74,21 @@ pub fn exception(err: impl Into<AnyError>) -> PyErr {
         AnyError::Workers(e @ WorkersError::WorkersNotReady { .. }) => {
             PyTimeoutError::new_err(e.to_string())
         }
+        AnyError::Workers(WorkersError::Link(e)) => link_exception(e),
         AnyError::Workers(e) => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn link_exception(err: LinkError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        LinkError::Io { source, .. } => PyOSError::new_err((source.raw_os_error(), msg)),
+        LinkError::Closed => PyEOFError::new_err(msg),
+        LinkError::TimedOut => PyTimeoutError::new_err(msg),
+        LinkError::Malformed(_) => PyConnectionError::new_err(msg),
+        LinkError::Refused(_) => PyPermissionError::new_err(msg),
+        // A frame that is not the peer's (length, seal, turn, kind): the link is over.
+        _ => PyValueError::new_err(msg),
     }
 }
 

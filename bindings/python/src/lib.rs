@@ -22,6 +22,8 @@
 //!   `kill_descendants()`: a worker's end with its parent, and with its own exit
 //!   (`shmq.workers`); `WorkerGroup`, `worker_died_message()`: the
 //!   core's worker supervision, which `shmq.workers.WorkerProcesses` hands its workers to;
+//!   `LinkSeal`, `link_*()`: the worker link's handshake messages and seals
+//!   (`shmq::workers::link`), which `shmq.workers.protocol` sends;
 //! - `ReadyTarget`, `WakeWord`, `ready_target()`, `wait_any()`: one thread waiting for
 //!   several local readers at once (`MessageQueue.dequeue_async`, `shmq.Gather`);
 //! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
@@ -32,6 +34,7 @@ mod auth;
 mod broadcast;
 mod encoder_cache;
 mod errors;
+mod link;
 mod options;
 mod parts;
 mod relay;
@@ -128,6 +131,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wait_any::register(m)?;
     m.add_class::<workers::WorkerGroup>()?;
     m.add_function(wrap_pyfunction!(workers::worker_died_message, m)?)?;
+    link::register(m)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
     m.add_function(wrap_pyfunction!(auth::auth_mac, m)?)?;
     m.add_function(wrap_pyfunction!(auth::auth_check, m)?)?;

@@ -38,15 +38,13 @@ from .. import _core
 from .errors import WorkerDiedError, failure_from_notice
 from .protocol import (
     DEFAULT_GRACE,
-    PROTOCOL_VERSION,
     SealedLink,
     WorkerTicket,
-    hello_mac,
-    is_secret_text,
-    new_nonce,
+    hello_payload,
+    read_answer,
+    read_challenge,
     recv_frame,
     send_frame,
-    welcome_is_genuine,
 )
 
 __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready", "sibling_failure"]
@@ -470,32 +468,14 @@ def connect_to_parent(
         ticket = WorkerTicket.parse(ticket)
     sock = socket.create_connection((ticket.host, ticket.port), timeout=timeout)
     try:
+        # The handshake's messages and checks are the core's (``shmq::workers::link``).
+        peer = f"{ticket.host}:{ticket.port}"
         kind, payload = recv_frame(sock)
-        if kind != b"C":
-            raise ConnectionError(f"{ticket.host}:{ticket.port} is not a shmq worker parent")
-        challenge = json.loads(payload)
-        nonce = challenge.get("nonce") if isinstance(challenge, dict) else None
-        if not isinstance(nonce, str) or not is_secret_text(nonce):
-            raise ConnectionError(f"{ticket.host}:{ticket.port} sent a malformed challenge")
-        if challenge.get("version") != PROTOCOL_VERSION:
-            raise PermissionError(
-                f"the parent at {ticket.host}:{ticket.port} speaks worker protocol {challenge.get('version', 1)}, "
-                f"this worker {PROTOCOL_VERSION}: run the same shmq version on both machines"
-            )
-        pid, ours, host = os.getpid(), new_nonce(), socket.gethostname()
-        proof = hello_mac(ticket.token, nonce, rank, pid, host, ours)
-        hello = {"rank": rank, "pid": pid, "host": host, "nonce": ours, "mac": proof}
-        send_frame(sock, b"H", json.dumps(hello).encode())
+        nonce = read_challenge(kind, payload, peer)  # ConnectionError, PermissionError
+        hello, ours = hello_payload(ticket.token, nonce, rank, os.getpid(), socket.gethostname())
+        send_frame(sock, b"H", hello)
         kind, payload = recv_frame(sock)
-        answer = json.loads(payload) if kind == b"A" else {"ok": False, "error": "no answer"}
-        if not isinstance(answer, dict) or not answer.get("ok"):
-            error = answer.get("error") if isinstance(answer, dict) else "a malformed answer"
-            raise PermissionError(f"the parent at {ticket.host}:{ticket.port} refused worker rank {rank}: {error}")
-        if not welcome_is_genuine(ticket.token, ours, nonce, rank, answer.get("mac")):
-            raise PermissionError(
-                f"{ticket.host}:{ticket.port} admitted worker rank {rank} without proving it knows the "
-                "ticket's token: not the parent that issued this ticket"
-            )
+        read_answer(kind, payload, ticket.token, ours, nonce, rank, peer)  # PermissionError
         sealed = SealedLink(sock, ticket.token, nonce, ours, parent=False)
     except BaseException:
         sock.close()

@@ -1,10 +1,11 @@
 """What both sides share: the ticket a remote worker joins with, and the link's protocol.
 
-The link is an authenticated stream built as the queue's remote stream is (the core's
-``auth``: one secret, one MAC, one seal): a handshake in which each side proves it knows
-the ticket's token over the other's fresh nonce, then every frame sealed with the core's
-message MAC. Only the transport is the link's own: one TCP connection, whose loss is the
-worker's death (the stream is ZeroMQ with credit).
+The link's protocol is Rust's (``shmq::workers::link``, ``crates/workers/src/link/``,
+through ``shmq._core``): the handshake's messages, each side's proof of the ticket's token
+over the other's fresh nonce (the core's ``auth`` MAC), and the seal of every frame after
+it (the core's message MAC), the same that Rust parents and workers speak. What stays here
+is Python's sockets: the frames' reads and writes, their deadlines. The transport is the
+link's own: one TCP connection, whose loss is the worker's death.
 
 Frames are ``[4-byte big-endian length][1-byte kind][payload]``; after the handshake the
 payload starts with the frame's 8-byte sequence number and its 32-byte seal::
@@ -45,14 +46,14 @@ __all__ = ["DEFAULT_GRACE", "WorkerTicket"]
 DEFAULT_GRACE = 5.0
 """Seconds a shutdown waits after SIGTERM before it sends SIGKILL."""
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT: float = _core.LINK_HANDSHAKE_TIMEOUT
 """Seconds the parent gives one connection for its whole handshake, from its accept to the
 parent's answer (every read and write of it together, not each read)."""
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION: int = _core.LINK_PROTOCOL_VERSION
 """The link's protocol, in the parent's challenge (an older shmq's had none)."""
-MAX_FRAME = 64 << 20
+MAX_FRAME: int = _core.LINK_MAX_FRAME
 """The largest frame of an admitted link."""
-MAX_HELLO_FRAME = 4096
+MAX_HELLO_FRAME: int = _core.LINK_MAX_HELLO_FRAME
 """The largest frame the parent reads before the peer proved the token: the hello (about
 300 bytes; its longest field is the host name, at most 255 bytes before JSON's escapes).
 A larger length is refused before anything more is read."""
@@ -143,96 +144,106 @@ def new_nonce() -> str:
     return _core.new_secret_text()
 
 
-def _hello_parts(parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> list[bytes]:
-    return [parent_nonce.encode(), str(rank).encode(), str(pid).encode(), host.encode(), worker_nonce.encode()]
-
-
-def _welcome_parts(worker_nonce: str, parent_nonce: str, rank: int) -> list[bytes]:
-    return [worker_nonce.encode(), parent_nonce.encode(), str(rank).encode()]
-
-
-def _prove(token: str, tag: bytes, parts: list[bytes]) -> str:
-    """The core's MAC of ``parts`` under the token, in the domain ``tag``, as hex."""
-    return _core.auth_mac(_core.secret_from_text(token), tag, parts).hex()
-
-
-def _is_proof(token: str, tag: bytes, parts: list[bytes], claimed: object) -> bool:
-    """Whether ``claimed`` is :func:`_prove`'s hex (compared in constant time, by the core;
-    anything that is not hex fails)."""
-    try:
-        proof = bytes.fromhex(claimed) if isinstance(claimed, str) else b""
-    except ValueError:
-        proof = b""
-    return _core.auth_check(_core.secret_from_text(token), tag, parts, proof)
-
-
 def hello_mac(token: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> str:
     """The worker's proof that it knows the token: the core's MAC (see the module docs) of
     the parent's challenge, the rank, the pid, the host it names and the worker's own
     nonce, as hex."""
-    return _prove(token, _HELLO, _hello_parts(parent_nonce, rank, pid, host, worker_nonce))
+    return _core.link_hello_mac(token, parent_nonce, rank, pid, host, worker_nonce)
 
 
 def hello_is_genuine(
     token: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str, claimed: object
 ) -> bool:
-    """Whether ``claimed`` is :func:`hello_mac`."""
-    return _is_proof(token, _HELLO, _hello_parts(parent_nonce, rank, pid, host, worker_nonce), claimed)
+    """Whether ``claimed`` is :func:`hello_mac` (compared in constant time; anything that
+    is not its hex fails)."""
+    want = hello_mac(token, parent_nonce, rank, pid, host, worker_nonce)
+    return isinstance(claimed, str) and _core.link_proof_eq(want, claimed)
 
 
 def welcome_mac(token: str, worker_nonce: str, parent_nonce: str, rank: int) -> str:
     """The parent's proof that it knows the token, over the worker's nonce: what the
     worker checks before it takes the parent's word for anything."""
-    return _prove(token, _WELCOME, _welcome_parts(worker_nonce, parent_nonce, rank))
+    return _core.link_welcome_mac(token, worker_nonce, parent_nonce, rank)
 
 
 def welcome_is_genuine(token: str, worker_nonce: str, parent_nonce: str, rank: int, claimed: object) -> bool:
     """Whether ``claimed`` is :func:`welcome_mac`."""
-    return _is_proof(token, _WELCOME, _welcome_parts(worker_nonce, parent_nonce, rank), claimed)
+    want = welcome_mac(token, worker_nonce, parent_nonce, rank)
+    return isinstance(claimed, str) and _core.link_proof_eq(want, claimed)
 
 
-_HELLO = b"shmq worker hello"
-_WELCOME = b"shmq worker welcome"
-PARENT_TO_WORKER = b"shmq worker link: parent to worker"
-WORKER_TO_PARENT = b"shmq worker link: worker to parent"
-_SEAL = struct.Struct("!Q32s")
+# The handshake's messages, made and checked by the Rust core (``shmq::workers::link``).
+
+
+def challenge_payload(nonce: str) -> bytes:
+    """The parent's challenge (``C``) with its fresh ``nonce``."""
+    return _core.link_challenge(nonce)
+
+
+def read_challenge(kind: bytes, payload: bytes, peer: str) -> str:
+    """The parent's nonce from its challenge; ``ConnectionError`` for what is no shmq
+    parent's challenge, ``PermissionError`` for a parent of another protocol version."""
+    return _core.link_read_challenge(kind, payload, peer)
+
+
+def hello_payload(token: str, parent_nonce: str, rank: int, pid: int, host: str) -> tuple[bytes, str]:
+    """A worker's hello (``H``) and the fresh nonce it carries."""
+    return _core.link_hello(token, parent_nonce, rank, pid, host)
+
+
+def check_hello(token: str, parent_nonce: str, kind: bytes, payload: bytes) -> tuple[int, int, str, str]:
+    """The hello in a frame, if well formed and proving the token: (rank, pid, host, the
+    worker's nonce). ``ValueError`` says why it is refused ("wrong token", "malformed
+    hello...")."""
+    return _core.link_check_hello(token, parent_nonce, kind, payload)
+
+
+def welcome_payload(token: str, worker_nonce: str, parent_nonce: str, rank: int) -> bytes:
+    """The parent's answer (``A``) admitting worker ``rank``, with its proof."""
+    return _core.link_welcome(token, worker_nonce, parent_nonce, rank)
+
+
+def refusal_payload(error: str) -> bytes:
+    """The parent's answer (``A``) refusing a worker, saying why."""
+    return _core.link_refusal(error)
+
+
+def read_answer(
+    kind: bytes, payload: bytes, token: str, worker_nonce: str, parent_nonce: str, rank: int, peer: str
+) -> None:
+    """Check the parent's answer: ``PermissionError`` if it refused worker ``rank`` or
+    cannot prove the token (it is not the parent that issued the ticket)."""
+    _core.link_read_answer(kind, payload, token, worker_nonce, parent_nonce, rank, peer)
 
 
 class SealedLink:
     """The frames after the handshake: each carries its number (each direction counts its
-    own from 0) and its seal, the core's message MAC (``_core.auth_message_mac``, as the
-    remote stream's messages) over the session (both nonces), the number, the kind and the
-    payload, in a domain for each direction. :meth:`recv` raises ``ValueError`` for a
-    frame that fails its seal or comes out of turn: the link is over then."""
+    own from 0) and its seal, the core's message MAC over the session (both nonces), the
+    number, the kind and the payload, in a domain for each direction (``_core.LinkSeal``,
+    Rust's ``SealOut``/``SealIn``). :meth:`recv` raises ``ValueError`` for a frame that
+    fails its seal or comes out of turn: the link is over then."""
 
     def __init__(self, sock: socket.socket, token: str, parent_nonce: str, worker_nonce: str, *, parent: bool):
         self.sock = sock
         self._key = _core.secret_from_text(token)
+        self._parent = parent
         # Both nonces' bytes (``ValueError`` for anything that is not one).
         self._session = _core.secret_from_text(parent_nonce) + _core.secret_from_text(worker_nonce)
-        self._sends, self._receives = (
-            (PARENT_TO_WORKER, WORKER_TO_PARENT) if parent else (WORKER_TO_PARENT, PARENT_TO_WORKER)
-        )
-        self._sent = 0
-        self._received = 0
         self._send_lock = threading.Lock()  # several threads send; one receives
+
+    @property
+    def _session(self) -> bytes:
+        return self.__session
+
+    @_session.setter
+    def _session(self, session: bytes) -> None:
+        self.__session = session
+        self._seal = _core.LinkSeal(self._key, session, self._parent)
 
     def send(self, kind: bytes, payload: bytes) -> None:
         with self._send_lock:
-            seq = self._sent
-            seal = _core.auth_message_mac(self._key, self._sends, self._session, seq, [kind, payload])
-            send_frame(self.sock, kind, _SEAL.pack(seq, seal) + payload)
-            self._sent += 1
+            send_frame(self.sock, kind, self._seal.seal(kind, payload))
 
     def recv(self) -> tuple[bytes, bytes]:
         kind, body = recv_frame(self.sock)
-        if len(body) < _SEAL.size:
-            raise ValueError("a frame without its seal (is another process on this connection?)")
-        seq, seal = _SEAL.unpack_from(body)
-        payload = body[_SEAL.size :]
-        if not _core.auth_message_check(self._key, self._receives, self._session, seq, [kind, payload], seal):
-            raise ValueError("a frame failed authentication (is another process on this connection?)")
-        if seq != self._received:
-            raise ValueError(f"frame {seq} arrived where frame {self._received} was due: frames were lost")
-        self._received += 1
-        return kind, payload
+        return kind, self._seal.open(kind, body)

@@ -7,7 +7,8 @@ pid=...)`` and keeps each worker's last lines, and shuts the group down. What st
 is Python's: starting interpreters with ``multiprocessing`` (pickling the target),
 unpickling ready reports, handing failures to the open monitors (whose queues are Python
 objects), a fork server's children (whose exit codes only ``multiprocessing`` reads), and
-remote workers' TCP handshake. The group reaps its workers itself, last, and takes them
+remote workers' sockets (the handshake's messages and the frames' seals are the core's:
+``shmq::workers::link``, through ``protocol``). The group reaps its workers itself, last, and takes them
 out of ``multiprocessing``'s list of children; why: docs/design.md ("Worker processes").
 """
 
@@ -38,15 +39,15 @@ from .protocol import (
     DEFAULT_GRACE,
     HANDSHAKE_TIMEOUT,
     MAX_HELLO_FRAME,
-    PROTOCOL_VERSION,
     SealedLink,
     WorkerTicket,
-    hello_is_genuine,
-    is_secret_text,
+    challenge_payload,
+    check_hello,
     new_nonce,
     recv_frame,
+    refusal_payload,
     send_frame,
-    welcome_mac,
+    welcome_payload,
 )
 from .spawn import SpawnProcessWithStderr, can_capture_from_start
 
@@ -475,45 +476,41 @@ class Supervisor:
         if entry is None:
             return None  # dropped for a newer connection before it started
         deadline = entry.deadline
-        hello: Any = {}
         try:
             nonce = new_nonce()
-            self._send_by(conn, deadline, b"C", json.dumps({"nonce": nonce, "version": PROTOCOL_VERSION}).encode())
+            self._send_by(conn, deadline, b"C", challenge_payload(nonce))
             kind, payload = recv_frame(conn, MAX_HELLO_FRAME, deadline)
             with self.pending_lock:
                 if self.pending.get(conn) is not entry:
                     return None  # dropped for a newer connection (logged there)
                 entry.waiting = False  # being admitted: never dropped from here on
-            hello = json.loads(payload) if kind == b"H" else {}
-            if not isinstance(hello, dict):
-                hello = {}
-            error = self._admit(hello, nonce)
-            if error:
-                logger.warning("refused a worker from %s claiming rank %.40r: %s", peer, hello.get("rank"), error)
-                self._send_by(conn, deadline, b"A", json.dumps({"ok": False, "error": error}).encode())
+            hello, error = self._admit(kind, payload, nonce)
+            if hello is None:
+                logger.warning("refused a worker from %s: %s", peer, error)
+                self._send_by(conn, deadline, b"A", refusal_payload(error))
                 return None
-            rank = int(hello["rank"])  # checked by _admit
-            answer = {"ok": True, "mac": welcome_mac(self.token, hello["nonce"], nonce, rank)}
+            rank, _pid, host, theirs = hello
+            if error:
+                logger.warning("refused a worker from %s claiming rank %d: %s", peer, rank, error)
+                self._send_by(conn, deadline, b"A", refusal_payload(error))
+                return None
             # The worker proved the token and has its rank now: its welcome is not cut
             # short by the deadline (a fresh timeout of its own).
             conn.settimeout(HANDSHAKE_TIMEOUT)
-            send_frame(conn, b"A", json.dumps(answer).encode())
-            link = SealedLink(conn, self.token, nonce, hello["nonce"], parent=True)
+            send_frame(conn, b"A", welcome_payload(self.token, theirs, nonce, rank))
+            link = SealedLink(conn, self.token, nonce, theirs, parent=True)
         except TimeoutError:  # a read or write at the deadline, or one after it
             logger.warning("worker handshake with %s failed: not done within %.0f s", peer, HANDSHAKE_TIMEOUT)
             return None
-        except RecursionError:
-            logger.warning("worker handshake with %s failed: a hello nested too deep", peer)
-            return None
-        except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
-            # ValueError: a bad frame length, JSON or UTF-8 that is not.
+        except (OSError, EOFError, ValueError) as e:
+            # ValueError: a bad frame length.
             with self.pending_lock:
                 dropped = self.pending.get(conn) is not entry
             if not dropped:  # (a dropped one's end was logged when it was dropped)
                 logger.warning("worker handshake with %s failed: %s", peer, e)
             return None
         with self.lock:
-            if not self.group.remote_connected(rank, str(hello.get("host") or peer[0])):
+            if not self.group.remote_connected(rank, host or str(peer[0])):
                 return None  # the group is closing
             self.links[rank] = link
         return rank
@@ -527,21 +524,15 @@ class Supervisor:
         conn.settimeout(left)
         send_frame(conn, kind, payload)
 
-    def _admit(self, hello: dict, nonce: str) -> str:
-        """Why this hello is refused, or "" to admit it (its rank is then reserved)."""
-        rank, pid, claimed = hello.get("rank"), hello.get("pid"), hello.get("mac")
-        theirs, host = hello.get("nonce"), hello.get("host")
-        if not isinstance(rank, int) or not isinstance(pid, int) or not isinstance(claimed, str):
-            return "malformed hello"
-        if not isinstance(theirs, str) or not is_secret_text(theirs):
-            return "malformed hello (no nonce: a worker of an older shmq?)"
-        if not isinstance(host, str):
-            return "malformed hello"
-        if not (0 <= rank < 2**32 and 0 <= pid < 2**32):
-            return "malformed hello"
-        if not hello_is_genuine(self.token, nonce, rank, pid, host, theirs, claimed):
-            return "wrong token"
-        return self.group.claim_remote(rank, pid) or ""
+    def _admit(self, kind: bytes, payload: bytes, nonce: str) -> tuple[Optional[tuple[int, int, str, str]], str]:
+        """The hello (rank, pid, host, the worker's nonce) if it proves the token, or None;
+        and why it is refused, or "" to admit it (its rank is then reserved). The hello's
+        checks are the core's (``protocol.check_hello``)."""
+        try:
+            hello = check_hello(self.token, nonce, kind, payload)
+        except ValueError as e:  # malformed, or a wrong token
+            return None, str(e)
+        return hello, self.group.claim_remote(hello[0], hello[1]) or ""
 
     def _serve_remote(self, rank: int, link: SealedLink) -> None:
         """Read an admitted remote worker's frames until it leaves or its link drops (or
