@@ -17,7 +17,7 @@ use super::handshake::{
     Hello,
 };
 use super::{kind, LinkError, Ticket, HANDSHAKE_TIMEOUT, MAX_FRAME, MAX_HELLO_FRAME};
-use crate::Result;
+use crate::{Result, WorkerExit, Workers};
 
 /// Reads of a stream that end at `deadline`, however the peer drips its bytes.
 struct Deadlined<'a> {
@@ -69,6 +69,13 @@ impl LinkSender {
         let (stream, seal) = &mut *guard;
         let body = seal.seal(kind, payload);
         Ok(write_frame(stream, kind, &body)?)
+    }
+
+    /// (The parent's side) tell the worker to stop within `grace`
+    /// ([`RemoteWorker::send_stop`]).
+    pub fn send_stop(&self, grace: Duration) -> Result<()> {
+        let payload = json!({"grace": grace.as_secs_f64()}).to_string();
+        self.send(kind::STOP, payload.as_bytes())
     }
 
     /// End the connection both ways (a `recv` waiting on it returns).
@@ -168,6 +175,40 @@ impl WorkerListener {
             .accept()
             .map_err(|e| LinkError::io("accepting a remote worker", e))?;
         self.handshake(stream, admit)
+    }
+
+    /// Accept the next worker into `workers` (a group made with remote ranks,
+    /// [`Workers::new`]): its rank claimed ([`Workers::claim_remote`]: a rank the group
+    /// does not expect, or one taken, is refused) and connected. Then
+    /// [`RemoteWorker::serve`] it (on a thread of its own) so that the group sees it
+    /// ready, and its leaving or its link's loss as its exit.
+    pub fn accept_into(&self, workers: &Workers) -> Result<RemoteWorker> {
+        let claimed = std::cell::Cell::new(None);
+        let admitted = self.accept(|hello| {
+            let rank = hello.rank as usize;
+            workers.claim_remote(rank, hello.pid)?;
+            claimed.set(Some(rank));
+            Ok(())
+        });
+        match admitted {
+            Ok(worker) => {
+                if !workers.remote_connected(worker.rank() as usize, worker.host()) {
+                    worker.shutdown();
+                    return Err(
+                        LinkError::Refused("the worker group is shutting down".into()).into(),
+                    );
+                }
+                Ok(worker)
+            }
+            Err(e) => {
+                if let Some(rank) = claimed.get() {
+                    // Claimed, then its welcome failed: the rank is not left taken by nobody.
+                    let how = format!("lost its connection during its handshake ({e})");
+                    workers.report_exit(rank, None, Vec::new(), Some(how));
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The parent's side of the handshake on `stream`, all of it within
@@ -303,11 +344,41 @@ impl RemoteWorker {
         }
     }
 
+    /// Read this worker's frames until it leaves or its link ends, telling `workers`
+    /// (which admitted it, [`WorkerListener::accept_into`]): ready with its payload, its
+    /// leaving as its exit (code and stderr lines), a lost or failed link as its death
+    /// ("lost its connection to the parent"). Blocks: run it on a thread of its own.
+    pub fn serve(mut self, workers: &Workers) {
+        let rank = self.rank() as usize;
+        loop {
+            match self.recv() {
+                Ok(WorkerMessage::Ready(payload)) => workers.remote_ready(rank, payload),
+                Ok(WorkerMessage::Leaving { exitcode, stderr }) => {
+                    let exit = WorkerExit::from_exitcode(exitcode);
+                    workers.report_exit(rank, Some(exit), stderr, None);
+                    return;
+                }
+                Err(e) => {
+                    let how = match &e {
+                        crate::Error::Link(LinkError::Closed) => {
+                            "lost its connection to the parent".to_owned()
+                        }
+                        e => format!("lost its connection to the parent ({e})"),
+                    };
+                    // A frame that was not the worker's: end the stream, so that the
+                    // worker's side sees it go.
+                    self.shutdown();
+                    workers.report_exit(rank, None, Vec::new(), Some(how));
+                    return;
+                }
+            }
+        }
+    }
+
     /// Tell the worker to stop: it gets SIGTERM (Python) or [`ParentMessage::Stop`],
     /// and `grace` before SIGKILL.
     pub fn send_stop(&self, grace: Duration) -> Result<()> {
-        let payload = json!({"grace": grace.as_secs_f64()}).to_string();
-        self.sender.send(kind::STOP, payload.as_bytes())
+        self.sender.send_stop(grace)
     }
 
     /// Tell the worker that another worker of its group failed (`notice`: the parent's
