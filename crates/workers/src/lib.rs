@@ -4,7 +4,8 @@
 //! [`Workers::spawn`]; the Python package's `WorkerProcesses` starts its interpreters
 //! with `multiprocessing` and hands each one to [`Workers::adopt`] (the bindings'
 //! `_core.WorkerGroup`), keeping only what is Python (pickling the target, the ready
-//! report's payload, the remote workers' handshake, the public API).
+//! report's payload, the remote workers' sockets, the public API). Workers on other
+//! machines join over the authenticated [`link`], from Rust or Python alike.
 //!
 //! Each worker
 //! - has a **ready pipe**: it sends one frame, a 4-byte big-endian length and a payload
