@@ -74,10 +74,17 @@ fn parent() -> Result<()> {
 
     std::thread::scope(|scope| -> Result<()> {
         let mut senders = Vec::new();
-        for _ in 0..WORKERS {
+        while senders.len() < WORKERS {
             // Its token proved and its rank claimed in the group; then a thread reads its
-            // frames (ready, leaving, or the link's loss: its death).
-            let worker = listener.accept_into(&workers)?;
+            // frames (ready, leaving, or the link's loss: its death). A connection refused
+            // (a wrong token, a rank taken) or failed is only logged.
+            let worker = match listener.accept_into(&workers) {
+                Ok(worker) => worker,
+                Err(e) => {
+                    eprintln!("parent: {e}");
+                    continue;
+                }
+            };
             println!(
                 "admitted rank {} (pid {} on {:?}, from {})",
                 worker.rank(),

@@ -165,7 +165,11 @@ impl WorkerListener {
         &self.listener
     }
 
-    /// Accept the next connection and run its [`handshake`](Self::handshake).
+    /// Accept the next connection and run its [`handshake`](Self::handshake), in this
+    /// thread: a stranger that drips its bytes holds it up to [`HANDSHAKE_TIMEOUT`]. On a
+    /// port strangers can reach, accept on [`listener`](Self::listener) and run each
+    /// handshake on a thread of its own (as the Python package's parent does, with a
+    /// bound on how many at once).
     pub fn accept(
         &self,
         admit: impl FnOnce(&Hello) -> std::result::Result<(), String>,
