@@ -20,9 +20,9 @@ use super::{kind, LinkError, Ticket, HANDSHAKE_TIMEOUT, MAX_FRAME, MAX_HELLO_FRA
 use crate::{Result, WorkerExit, Workers};
 
 /// Reads of a stream that end at `deadline`, however the peer drips its bytes.
-struct Deadlined<'a> {
-    stream: &'a TcpStream,
-    deadline: Instant,
+pub(super) struct Deadlined<'a> {
+    pub(super) stream: &'a TcpStream,
+    pub(super) deadline: Instant,
 }
 
 impl Read for Deadlined<'_> {

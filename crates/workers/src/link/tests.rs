@@ -373,6 +373,43 @@ fn a_stranger_on_the_port_gets_a_clear_error() {
     stranger.join().unwrap();
 }
 
+/// A peer that drips a byte now and then cannot stretch the handshake's read past its
+/// one deadline (the parent's `Deadlined` reads, shortened here).
+#[test]
+fn a_dripping_peer_is_cut_off_at_the_deadline() {
+    use std::io::Write;
+    use std::time::Instant;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let drip = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        for b in [0u8, 0, 0, 200, b'H']
+            .into_iter()
+            .chain(std::iter::repeat_n(b'x', 40))
+        {
+            if s.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let (stream, _) = listener.accept().unwrap();
+    let start = Instant::now();
+    let mut reader = endpoint::Deadlined {
+        stream: &stream,
+        deadline: start + Duration::from_millis(300),
+    };
+    let err = read_frame(&mut reader, MAX_HELLO_FRAME).unwrap_err();
+    assert!(matches!(err, LinkError::TimedOut), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+    drop(stream);
+    drip.join().unwrap();
+}
+
 proptest! {
     /// Whatever bytes arrive, reading and opening a frame returns an error or a frame,
     /// never a panic; and a frame with any one byte flipped never opens.
