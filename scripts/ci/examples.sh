@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's Python examples against shmq built into .venv, then its first command as a
-# newcomer runs it: `pip install '.[bench]'` from this source tree in a fresh venv without
-# torch (scripts/newcomer.sh source). Needs .venv (bash scripts/envs.sh); builds shmq into
-# it: `bash scripts/ci/examples.sh`.
+# newcomer runs it: `pip install '.[bench]' ./bench` from this source tree in a fresh venv
+# without torch (scripts/newcomer.sh source). Needs .venv (bash scripts/envs.sh); builds
+# shmq into it: `bash scripts/ci/examples.sh`.
 set -euo pipefail
 # shellcheck source=scripts/ci/common.sh
 source "$(dirname "$0")/common.sh"

@@ -4,10 +4,10 @@
 #   rust     formatting (the workspace and the fuzz targets), clippy with every warning an
 #            error (undocumented unsafe blocks included), and the docs (`cargo doc`, warnings
 #            are errors). Needs only cargo.
-#   python   ruff over the package, the tests, the scripts and the examples; the stubs of
-#            shmq._core against the built module (stubtest), mypy over the package and, under
-#            --strict, the typing test of the public API; the API reference (pdoc) with its
-#            links checked. Needs .venv (bash scripts/envs.sh); builds shmq into it.
+#   python   ruff over the package, the tests, the scripts, the examples and the bench;
+#            the stubs of shmq._core against the built module (stubtest), mypy over the
+#            package and, under --strict, the typing test of the public API; the API
+#            reference (pdoc) with its links checked. Needs .venv (bash scripts/envs.sh); builds shmq into it.
 #
 # scripts/test.sh runs the Rust half first and the Python half once .venv is made.
 set -euo pipefail
@@ -26,8 +26,8 @@ rust() {
 
 python() {
   build_shmq
-  step "Python: ruff over the package, the tests, the scripts and the examples"
-  .venv/bin/python -m ruff check python tests scripts examples
+  step "Python: ruff over the package, the tests, the scripts, the examples and the bench"
+  .venv/bin/python -m ruff check python tests scripts examples bench
 
   step "Python: the stubs of shmq._core against the built module, and the types"
   # stubtest compares python/shmq/_core.pyi with the extension (every name, signature,
