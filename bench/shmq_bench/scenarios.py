@@ -432,7 +432,8 @@ def _floor_store(params: Params) -> dict[str, float]:
     viewer.close()
 
     def vllm_get() -> dict[str, float]:
-        # Each is a copy of 4 MiB and more (~10 ms): 500 in the standard run, 100 in --quick.
+        # Each is a copy of 4 MiB and more, the slow call here: 500 in the standard run,
+        # 100 in --quick.
         calls = min(500, params.objects // 100)
         vllm_us = _vllm_store_get_us(big, calls)
         vllm_consume_us = _vllm_store_get_us(big, calls, consume)
@@ -494,8 +495,9 @@ def _floor_small_calls(params: Params) -> dict[str, float]:
     n = min(params.objects, 20_000)
 
     def alloc_us(ring: Any) -> float:
-        # `time_per_call_us`'s loop, written out: the call is ~0.1 µs, and calling it
-        # through a lambda or partial there adds ~0.02 µs to what is measured.
+        # `time_per_call_us`'s loop, written out: the call is well under a microsecond,
+        # and calling it through a lambda or partial there would add a visible share of
+        # that to what is measured.
         per_call, clock = [], time.perf_counter_ns
         for _ in range(max(10, n // 100)):
             t0 = clock()

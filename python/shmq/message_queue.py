@@ -885,9 +885,9 @@ class MessageQueue:
     def reserve_arena(self, nbytes: int) -> int:
         """Writer side: take the first ``nbytes`` of the tensor arena in ``/dev/shm`` now
         (and map them in this process), so that the first tensors sent do not pay for it:
-        the kernel zeroes new shared memory as it hands it out, ~0.1–0.2 s per 256 MiB on
-        a small machine, which otherwise falls on the first sends (and loans) that reach
-        that far into the arena. Call it before ``wait_until_ready`` with what one or
+        the kernel zeroes new shared memory as it hands it out (measured: docs/performance.md,
+        "How to read the tensor rows"), which otherwise falls on the first sends (and
+        loans) that reach that far into the arena. Call it before ``wait_until_ready`` with what one or
         two rounds of the queue's large parts need (say, ``max_chunks`` of the largest
         tensor). Returns the bytes reserved in all (at most the arena's capacity);
         ``MemoryError`` if ``/dev/shm`` has no room for them (nothing is lost: parts that

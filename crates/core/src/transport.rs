@@ -26,8 +26,8 @@ pub const READY: &[u8] = b"READY";
 /// context's termination: readers' sockets, and the writer's remote socket (its
 /// `close` waits for each reader's BYE). One context is one I/O thread per process
 /// instead of one per queue: in a process that both sends and receives (a ping-pong
-/// of two queues over TCP) each message then wakes one thread fewer, which took the
-/// remote one-way latency from 67 to 50 µs on a 2-core machine (pyzmq's PUB/SUB: 60).
+/// of two queues over TCP) each message then wakes one thread fewer (measured:
+/// `docs/performance.md`, "Small messages: what the queue adds to pickling").
 /// The writer's local publisher keeps a context of its own: its queued overflow
 /// messages are flushed when that context ends (`LINGER_MS`).
 ///

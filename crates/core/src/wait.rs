@@ -141,13 +141,15 @@ pub struct WaitPolicy {
 impl WaitPolicy {
     /// The default for a ring that `processes` processes use (its writer and local
     /// readers): spin 50 µs if each can have a core, else not at all (spinners would take
-    /// the cores the others need: on 2 cores, 3 readers get ~4x fewer messages through),
+    /// the cores the others need: measured in `docs/performance.md`, "Figures quoted
+    /// elsewhere"),
     /// then yield for 50 µs, or up to 1 ms for a waiter whose recent waits were short
     /// when each process has a core ([`WaitHistory`]). [`SPIN_US_ENV`] /
     /// [`YIELD_US_ENV`] / [`YIELD_MAX_US_ENV`] override each.
     pub fn for_processes(processes: usize) -> WaitPolicy {
-        // Computed once: `available_parallelism` reads cgroup files (~15 µs), and every
-        // blocking call starts from a policy.
+        // Computed once: `available_parallelism` reads cgroup files (its cost:
+        // `docs/performance.md`, "Figures quoted elsewhere"), and every blocking call
+        // starts from a policy.
         type Env = (Option<Duration>, Option<Duration>, Option<Duration>, usize);
         static ENV: OnceLock<Env> = OnceLock::new();
         let (spin, yield_for, yield_max, cores) = *ENV.get_or_init(|| {
@@ -225,9 +227,10 @@ const HISTORY: usize = 8;
 
 /// The last few waits of one waiter (a queue's reader or writer, in one process), so
 /// that it keeps polling through the gaps its peer usually leaves instead of sleeping on
-/// every message. A reader whose writer sends a message every 130 µs (a ping-pong of
-/// step-sized messages: pickling takes that long) would otherwise go to sleep after the
-/// 100 µs of spinning and yielding, and pay a futex wake-up (tens of µs) per message.
+/// every message. A reader whose writer sends step-sized messages (a ping-pong whose
+/// pickling takes a little longer than the default 100 µs of spinning and yielding)
+/// would otherwise go to sleep before each one comes, and pay a futex wake-up per
+/// message.
 ///
 /// The yield phase grows to twice the *typical* recent wait (the 6th shortest of the last
 /// 8) when that is at most [`WaitPolicy::yield_max`]; a waiter whose peer is usually slow

@@ -257,8 +257,9 @@ impl ArenaWriter {
 
     /// Reserve the first `bytes` of the data region now (rounded up to whole pages, at
     /// most the capacity): the pages are taken in `/dev/shm` and mapped in this writer,
-    /// so the first parts placed there do not pay for it (a new 256 MiB range costs
-    /// ~0.1–0.2 s, most of it the kernel zeroing the pages). Returns the bytes reserved
+    /// so the first parts placed there do not pay for it (most of a new range's cost is
+    /// the kernel zeroing the pages: `docs/performance.md`, "How to read the tensor
+    /// rows"). Returns the bytes reserved
     /// in all; an error (and nothing more reserved) when `/dev/shm` has no room.
     pub fn reserve(&mut self, bytes: usize) -> Result<usize> {
         let end = round_up(bytes, self.map.geo.page_size)

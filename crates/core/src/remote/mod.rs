@@ -38,7 +38,7 @@
 //!   at once, each for at most `HELLO_TIMEOUT` (see `spawn_guard`), so that idle
 //!   ZeroMQ clients cannot use up the writer's file descriptors.
 //!
-//! The MAC is BLAKE3 in keyed mode (a MAC by design; several GB/s, so tensor-sized
+//! The MAC is BLAKE3 in keyed mode (a MAC by design, and fast, so tensor-sized
 //! messages stay cheap). Messages are authenticated, not encrypted: a network where
 //! eavesdropping matters needs a tunnel (WireGuard, SSH) under it.
 //!

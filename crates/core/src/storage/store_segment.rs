@@ -835,8 +835,8 @@ const PIN_BYTES_FROM: u64 = 1 << 48;
 /// The byte of the segment's file whose read locks pin the block with id `id`. By id, not
 /// by place: objects are made and read in id order, so the pins a process holds are mostly
 /// runs of neighbouring bytes, which the kernel keeps as one lock each. Its lock list is
-/// walked on every lock call; one entry per pin made a get with 10,000 views held cost
-/// ~0.5 ms (issue 18). Blocks alive at the same time never share an id.
+/// walked on every lock call, so one entry per pin made a get slow down as views piled
+/// up (issue 18; measured in `docs/performance.md`, "Figures quoted elsewhere"). Blocks alive at the same time never share an id.
 pub(super) fn pin_byte(id: u32) -> u64 {
     PIN_BYTES_FROM + id as u64
 }

@@ -54,10 +54,11 @@ impl LoanPages {
     /// by reference (a write after the send would reach the readers) but copy them.
     ///
     /// Replacing a filled (so populated) shared mapping costs the kernel a teardown of
-    /// every page's entry (~0.35 ms for 16 MiB here), which would make a send cost in
-    /// proportion to its size. So the shared mapping is first *moved* aside with its page
-    /// tables (`mremap(MREMAP_DONTUNMAP)`, Linux 5.13+: ~15 µs for 16 MiB, and the range
-    /// stays mapped throughout, empty), and `unseal` moves it back, pages still mapped.
+    /// every page's entry, which would make a send cost in proportion to its size. So
+    /// the shared mapping is first *moved* aside with its page tables
+    /// (`mremap(MREMAP_DONTUNMAP)`, Linux 5.13+, far cheaper; the range stays mapped
+    /// throughout, empty), and `unseal` moves it back, pages still mapped. Both measured
+    /// in `docs/performance.md`, "The cost of sealing sent loans".
     /// Where the kernel cannot, the pages are remapped in place.
     ///
     /// A seal costs the process up to [`SEAL_MAPPINGS`] mappings while the loan lives;
@@ -103,7 +104,8 @@ impl LoanPages {
     /// of the same size, which `MREMAP_FIXED` replaces): left to pick the place itself,
     /// the kernel refuses (`EINVAL`) a move of some ranges of a file mapping, here (Linux
     /// 6.18) the first one tried at the start of the arena, so that sends fell back to
-    /// the costly in-place remap and took ~4x as long.
+    /// the costly in-place remap (measured: `docs/performance.md`, "The move aside,
+    /// made reliable").
     fn park(&self) -> usize {
         // SAFETY: a new anonymous mapping at a place the kernel picks: it replaces
         // nothing.
