@@ -21,18 +21,12 @@ those two modules, so code that imports them later gets shmq's, and in every ``v
 module already imported that bound one of them at load time (``from
 ...shm_broadcast import MessageQueue`` in the executor, the multimodal cache...). It also
 registers shmq's encoder-cache connector (:mod:`shmq.vllm_ec_connector`) under the name
-``ShmqECConnector`` with vLLM's ``ECConnectorFactory``. Across nodes (vLLM's
-multi-node executor) shmq follows vLLM's own rule for which ranks share a node (its
-device count: :func:`same_node_as_vllm_decides`) rather than probing ``/dev/shm``, and a
-worker node that is gone for the step broadcast (its connection closed, or silent past
-shmq's heartbeat bound) is an error on the executor's next send
-(``MessageQueue.default_on_lost_remote_reader = "raise"``), so that vLLM's engine ends
-as it does for a dead local worker instead of waiting on that node. vLLM's
-``MsgpackSerde`` (which knows vLLM's multimodal items) becomes
-:class:`shmq.vllm_serde.VllmMsgpackSerde`: the same encoding, with large tensors read
-by the workers as views of the store instead of copies. One INFO line per process says the plugin is on (through vLLM's
-logger, or on stderr where vLLM has not set up its logging yet); without
-``SHMQ_VLLM=1`` the plugin does nothing at all.
+``ShmqECConnector`` with vLLM's ``ECConnectorFactory``, and vLLM's ``MsgpackSerde``
+becomes :class:`shmq.vllm_serde.VllmMsgpackSerde` (large tensors read as views of the
+store). Across nodes it follows vLLM's rule for which ranks share a node
+(:func:`same_node_as_vllm_decides`), and a worker node lost is an error on the
+executor's next send (docs/operations.md, "vLLM across nodes"). One INFO line per
+process says the plugin is on; without ``SHMQ_VLLM=1`` it does nothing at all.
 
 The plugin can also be switched on by hand, before vLLM builds its queues::
 

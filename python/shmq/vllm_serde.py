@@ -7,7 +7,7 @@ and the tensors' raw buffers), but gives the store those buffers as parts of the
 so that a worker's read of a tensor of ``ObjectStorage.view_threshold`` bytes or more
 is a view of the shared memory (a private copy-on-write mapping, see
 :meth:`shmq.ObjectStorage.get`) rather than vLLM's decoder's copy. Smaller parts are
-copied once, as before. An item is not evicted while a view of it lives in a worker;
+copied once, as vLLM's serde copies them. An item is not evicted while a view of it lives in a worker;
 a writer that finds the cache full of such items gets ``MemoryError``, which vLLM's
 sender cache answers by sending the item inline, as it does for any full cache.
 

@@ -42,10 +42,8 @@
 //! worker's process tree before the SIGTERM and again before the SIGKILL), reaps, and
 //! removes the shared-memory segments the dead workers left.
 //!
-//! Exits are read with `waitid(WNOWAIT)`, without reaping: while a worker is an unreaped
-//! child (a zombie at worst), its pid, which is also its process group's id, cannot be
-//! reused, so signalling the group can only reach the worker's own descendants. Workers
-//! are reaped last, in [`Workers::close`] (an adopted worker by whoever adopted it).
+//! Exits are read without reaping (`waitid(WNOWAIT)`); workers are reaped last, in
+//! [`Workers::close`] (why: `docs/design.md`, "Worker processes").
 //!
 //! ```no_run
 //! # mod shmq { pub mod workers { pub use shmq_workers::*; } } // the `shmq` crate
