@@ -15,6 +15,7 @@ import pytest
 
 from shmq import _core
 from shmq.workers.protocol import (
+    MAX_FRAME,
     SealedLink,
     WorkerTicket,
     hello_is_genuine,
@@ -157,3 +158,18 @@ def test_a_secret_has_one_text_form_for_handles_and_tickets() -> None:
     for bad in ["", "ab" * 31, "ab" * 33, "zz" * 32, "é" * 64]:
         with pytest.raises(ValueError, match="a secret is 64 hexadecimal digits"):
             _core.secret_from_text(bad)
+
+
+def test_a_payload_too_big_for_a_frame_is_refused_before_it_is_sealed() -> None:
+    """The sender refuses a payload the peer would refuse to read (its frame over
+    ``MAX_FRAME``), before sealing it: no number spent, the link goes on."""
+    parent, worker, a, b = _linked(secrets.token_hex(32))
+    try:
+        too_big = bytes(MAX_FRAME - 40)  # + kind, number and seal: MAX_FRAME + 1
+        with pytest.raises(ValueError, match=f"bad frame length {MAX_FRAME + 1}"):
+            worker.send(b"R", too_big)
+        worker.send(b"R", b"next")
+        assert parent.recv() == (b"R", b"next")  # frame 0: nothing was spent on the refused one
+    finally:
+        a.close()
+        b.close()

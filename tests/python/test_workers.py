@@ -665,6 +665,24 @@ def _join_as(ticket: WorkerTicket, rank: int) -> tuple[socket.socket, str, str]:
     return sock, theirs, ours
 
 
+def test_the_parent_keeps_an_admitted_remote_workers_link_alive():
+    """The parent's end of an admitted link has TCP keepalive on (as the worker's end
+    has): a worker machine that vanishes without a word ends the link as a loss once the
+    kernel's probes go unanswered, rather than never."""
+    with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
+        _processes.track(workers.pids)
+        sock, theirs, ours = _join_as(workers.ticket, 1)
+        try:
+            link = protocol.SealedLink(sock, workers.ticket.token, theirs, ours, parent=False)
+            link.send(b"R", pickle.dumps({"rank": 1}))
+            assert workers.wait_until_ready(timeout=STARTUP)[1] == {"rank": 1}
+            parents_end = workers._supervisor.links[1].sock
+            assert parents_end.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0
+            link.send(b"X", json.dumps({"exitcode": 0, "stderr": []}).encode())
+        finally:
+            sock.close()
+
+
 @pytest.mark.parametrize("frame", ["unsealed", "sealed with another token"])
 def test_a_frame_on_a_remote_workers_link_that_is_not_the_workers_ends_it(frame):
     """After the handshake every frame is sealed: a ready frame that is not the admitted

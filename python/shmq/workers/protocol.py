@@ -57,6 +57,7 @@ MAX_HELLO_FRAME: int = _core.LINK_MAX_HELLO_FRAME
 """The largest frame the parent reads before the peer proved the token: the hello (about
 300 bytes; its longest field is the host name, at most 255 bytes before JSON's escapes).
 A larger length is refused before anything more is read."""
+_SEAL_BYTES = 8 + 32  # a sealed frame's number and seal, in front of its payload
 _RECV_CHUNK = 64 << 10  # the most one recv asks for (CPython allocates what is asked)
 
 
@@ -241,6 +242,12 @@ class SealedLink:
         self._seal = _core.LinkSeal(self._key, session, self._parent)
 
     def send(self, kind: bytes, payload: bytes) -> None:
+        """Send one sealed frame. A payload that would make a frame over ``MAX_FRAME``
+        (the most the peer reads) raises ``ValueError`` here, before it is sealed: the
+        link goes on, and the peer never sees it (as Rust's ``LinkSender::send``)."""
+        length = 1 + _SEAL_BYTES + len(payload)
+        if length > MAX_FRAME:
+            raise ValueError(f"bad frame length {length} (at most {MAX_FRAME} here)")
         with self._send_lock:
             send_frame(self.sock, kind, self._seal.seal(kind, payload))
 

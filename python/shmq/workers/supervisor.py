@@ -538,6 +538,13 @@ class Supervisor:
         """Read an admitted remote worker's frames until it leaves or its link drops (or
         fails: a frame that is not the worker's ends it)."""
         link.sock.settimeout(None)  # it may say nothing for as long as it runs
+        # A worker machine that vanished without a word (no FIN, no RST) ends the recv
+        # below once TCP keepalive's probes go unanswered, instead of never (Rust's
+        # link turns it on at both ends too).
+        try:
+            link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        except OSError:
+            pass
         while True:
             try:
                 kind, payload = link.recv()

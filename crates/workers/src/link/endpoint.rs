@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use shmq_core::auth::{new_secret, secret_from_text, SECRET_BYTES};
 
-use super::frame::{read_frame, session, write_frame, SealIn, SealOut, Side};
+use super::frame::{read_frame, session, write_frame, SealIn, SealOut, Side, SEAL_BYTES};
 use super::handshake::{
     challenge_payload, new_nonce, read_answer, read_challenge, refusal_payload, welcome_payload,
     Hello,
@@ -63,8 +63,19 @@ impl LinkSender {
         }
     }
 
-    /// Send one sealed frame of `kind`.
+    /// Send one sealed frame of `kind`. A `payload` that would make a frame over
+    /// [`MAX_FRAME`] (the most the peer reads) is [`LinkError::BadLength`] here, before
+    /// it is sealed or sent: the link goes on, and the peer never sees it.
     pub fn send(&self, kind: u8, payload: &[u8]) -> Result<()> {
+        // The frame's length counts its kind, the number and seal, then the payload.
+        let length = payload.len().saturating_add(1 + SEAL_BYTES);
+        if length > MAX_FRAME {
+            return Err(LinkError::BadLength {
+                length: u64::try_from(length).unwrap_or(u64::MAX),
+                max: MAX_FRAME,
+            }
+            .into());
+        }
         let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let (stream, seal) = &mut *guard;
         let body = seal.seal(kind, payload);
@@ -99,12 +110,17 @@ impl Receiver {
     }
 }
 
+/// The two halves of an admitted link on `stream`, with TCP keepalive on: on either
+/// end, a peer machine that vanished without a word (no FIN, no RST) ends a blocking
+/// `recv` as the link's loss once the kernel's keepalive probes go unanswered, instead
+/// of never.
 fn split(
     stream: TcpStream,
     key: &[u8; SECRET_BYTES],
     session: &[u8],
     side: Side,
 ) -> Result<(Receiver, LinkSender)> {
+    keepalive(&stream);
     let writer = stream
         .try_clone()
         .map_err(|e| LinkError::io("sharing the link's connection", e))?;
@@ -400,6 +416,12 @@ impl RemoteWorker {
     pub fn shutdown(&self) {
         self.sender.shutdown()
     }
+
+    /// Its connection (the link's tests read its socket options).
+    #[cfg(test)]
+    pub(super) fn stream(&self) -> &TcpStream {
+        &self.receiver.stream
+    }
 }
 
 // -- the worker ------------------------------------------------------------------------
@@ -432,6 +454,8 @@ fn hostname() -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
+/// Turn TCP keepalive on for `stream`, with the kernel's probe times (best effort: a
+/// socket that refuses it is left as it is).
 fn keepalive(stream: &TcpStream) {
     let on: libc::c_int = 1;
     // SAFETY: setsockopt(2) on the stream's own open socket, reading one c_int that
@@ -509,9 +533,8 @@ impl ParentLink {
             &peer,
         )?;
         // Admitted: reads block from here on (a worker may hear nothing for as long as it
-        // runs), and TCP keepalive notices a parent machine that vanished.
+        // runs), and TCP keepalive (`split`) notices a parent machine that vanished.
         timeouts(None)?;
-        keepalive(&stream);
         let session = session(&nonce_bytes(&parent_nonce)?, &nonce_bytes(&hello.nonce)?);
         let (receiver, sender) = split(stream, &ticket.token, &session, Side::Worker)?;
         Ok(ParentLink {
@@ -524,6 +547,12 @@ impl ParentLink {
     /// The rank this worker joined as.
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// Its connection (the link's tests read its socket options).
+    #[cfg(test)]
+    pub(super) fn stream(&self) -> &TcpStream {
+        &self.receiver.stream
     }
 
     /// Tell the parent this worker is ready, with `payload` (for the parent to read).

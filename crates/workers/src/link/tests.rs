@@ -410,6 +410,108 @@ fn a_dripping_peer_is_cut_off_at_the_deadline() {
     drip.join().unwrap();
 }
 
+/// A proof reflected into the other message fails: the worker's hello proof offered back
+/// to it as the parent's welcome (a stranger posing as the parent), and a parent's welcome
+/// proof offered to the parent as a hello (a stranger posing as a worker). The domains
+/// (and parts) differ, so neither side computes anything the other side accepts.
+#[test]
+fn a_proof_reflected_into_the_other_message_fails() {
+    let (parent_nonce, worker_nonce) = (new_nonce().unwrap(), new_nonce().unwrap());
+    // Posing as the parent: the worker's own proof as the welcome's.
+    let hello = Hello::new(&TOKEN, &parent_nonce, 3, 4242, "node-1").unwrap();
+    let reflected = serde_json::json!({"ok": true, "mac": hello.mac}).to_string();
+    let err = read_answer(
+        kind::ANSWER,
+        reflected.as_bytes(),
+        &TOKEN,
+        &hello.nonce,
+        &parent_nonce,
+        3,
+        "p",
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, LinkError::Refused(m) if m.contains("without proving")),
+        "{err}"
+    );
+    // Posing as a worker: a welcome's proof (over nonces of the stranger's choosing,
+    // the parent's challenge among them) as a hello's.
+    let welcome = welcome_mac(&TOKEN, &worker_nonce, &parent_nonce, 3);
+    let forged = Hello {
+        rank: 3,
+        pid: 4242,
+        host: "node-1".into(),
+        nonce: worker_nonce.clone(),
+        mac: to_hex(&welcome),
+    };
+    assert_eq!(
+        Hello::check(kind::HELLO, &forged.encode(), &TOKEN, &parent_nonce).unwrap_err(),
+        "wrong token"
+    );
+    let swapped = welcome_mac(&TOKEN, &parent_nonce, &worker_nonce, 3);
+    let forged = Hello {
+        mac: to_hex(&swapped),
+        ..forged
+    };
+    assert_eq!(
+        Hello::check(kind::HELLO, &forged.encode(), &TOKEN, &parent_nonce).unwrap_err(),
+        "wrong token"
+    );
+}
+
+/// Both ends of an admitted link turn TCP keepalive on (a peer machine that vanishes
+/// ends a blocking `recv` as a loss, not never); a payload too big for a frame is refused
+/// by its sender, before it is sealed, and the link goes on with the next.
+#[test]
+fn both_ends_keep_alive_and_an_oversized_payload_is_refused_before_it_is_sent() {
+    fn keepalive_on(stream: &TcpStream) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut on: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) on the stream's own open socket, writing at most `len`
+        // bytes into `on`, which lives through the call.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_KEEPALIVE,
+                (&mut on as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        on != 0
+    }
+    let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
+    let ticket = listener.ticket().clone();
+    let worker = std::thread::spawn(move || {
+        let link = ParentLink::connect(&ticket, 0, Duration::from_secs(10)).unwrap();
+        assert!(keepalive_on(link.stream()), "the worker's end");
+        let too_big = vec![0u8; MAX_FRAME - SEAL_BYTES];
+        match link.send_ready(&too_big) {
+            Err(crate::Error::Link(LinkError::BadLength { length, max })) => {
+                assert_eq!((length, max), (MAX_FRAME as u64 + 1, MAX_FRAME));
+            }
+            other => panic!("expected BadLength, got {other:?}"),
+        }
+        // The largest payload that fits, then a small one: both arrive, in turn.
+        link.send_ready(&too_big[1..]).unwrap();
+        link.send_ready(b"next").unwrap();
+        link
+    });
+    let mut admitted = listener.accept(|_| Ok(())).unwrap();
+    assert!(keepalive_on(admitted.stream()), "the parent's end");
+    match admitted.recv().unwrap() {
+        WorkerMessage::Ready(p) => assert_eq!(p.len(), MAX_FRAME - SEAL_BYTES - 1),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        admitted.recv().unwrap(),
+        WorkerMessage::Ready(b"next".to_vec())
+    );
+    drop(worker.join().unwrap());
+}
+
 proptest! {
     /// Whatever bytes arrive, reading and opening a frame returns an error or a frame,
     /// never a panic; and a frame with any one byte flipped never opens.
