@@ -821,3 +821,60 @@ def test_the_core_group_refuses_a_closed_fd_and_a_rank_it_does_not_have():
         group.close_begin()
         group.close_finish()
     assert group.closed
+
+
+def test_a_stop_frames_grace_that_is_not_one_is_the_default():
+    """The worker's watch thread reads a stop frame's grace as Rust's ParentLink::recv
+    does: anything but a finite number of seconds >= 0 is the default grace (never an
+    exception that ends the thread before it stops the worker)."""
+    from shmq.workers.child import _stop_grace
+    from shmq.workers.protocol import DEFAULT_GRACE
+
+    assert _stop_grace(b'{"grace": 1.5}') == 1.5
+    assert _stop_grace(b'{"grace": 0}') == 0.0
+    for payload in [
+        b"[1]",
+        b"not json",
+        b"\xff",
+        b"{}",
+        b'{"grace": -1}',
+        b'{"grace": "3"}',
+        b'{"grace": true}',
+        b'{"grace": NaN}',
+        b'{"grace": Infinity}',
+        b'{"grace": 1e400}',
+        b'{"grace": ' + b"9" * 400 + b"}",
+    ]:
+        assert _stop_grace(payload) == DEFAULT_GRACE, payload
+
+
+def test_a_malformed_leaving_frame_from_a_remote_worker_is_its_death():
+    """A sealed leaving frame that is not one (what a buggy worker of another build could
+    send) ends the link and reports the worker gone, as Rust's RemoteWorker::recv does:
+    the parent's reading thread never dies with the rank left taken."""
+    from shmq.workers.supervisor import _leaving
+
+    assert _leaving(b'{"exitcode": 3, "stderr": ["a", 7]}') == (3, ["a", "7"])
+    assert _leaving(b"{}") == (1, [])
+    for payload in [
+        b"[1]",
+        b"not json",
+        b"\xff",
+        b'{"exitcode": "3"}',
+        b'{"exitcode": 2147483648}',
+        b'{"exitcode": true}',
+        b'{"exitcode": null}',
+    ]:
+        assert _leaving(payload) is None, payload
+    with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
+        _processes.track(workers.pids)
+        sock, theirs, ours = _join_as(workers.ticket, 1)
+        try:
+            protocol.SealedLink(sock, workers.ticket.token, theirs, ours, parent=False).send(b"X", b"[1]")
+            with pytest.raises(WorkerDiedError, match="a malformed leaving frame") as died:
+                workers.wait_until_ready(timeout=STARTUP)
+            assert died.value.rank == 1
+            sock.settimeout(STARTUP)
+            assert sock.recv(1) == b""  # the parent ended the link
+        finally:
+            sock.close()

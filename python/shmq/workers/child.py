@@ -348,6 +348,20 @@ class _TcpChannel(_ParentChannel):
         self._link.send(b"X", json.dumps({"exitcode": exitcode, "stderr": list(stderr)}).encode())
 
 
+def _stop_grace(payload: bytes) -> float:
+    """A stop frame's grace in seconds, or ``DEFAULT_GRACE`` for one without a usable
+    one (not JSON, not an object, not a finite number of seconds >= 0; as Rust's
+    ``ParentLink::recv``): the watch thread stops this worker either way."""
+    try:
+        grace = json.loads(payload).get("grace")
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+            return DEFAULT_GRACE
+        seconds = float(grace)
+    except (ValueError, AttributeError, OverflowError):
+        return DEFAULT_GRACE
+    return seconds if 0 <= seconds < float("inf") else DEFAULT_GRACE
+
+
 class ParentLink:
     """A remote worker's connection to its parent (from :func:`connect_to_parent`).
 
@@ -385,7 +399,7 @@ class ParentLink:
             while True:
                 kind, payload = self._link.recv()
                 if kind == b"S":
-                    grace = float(json.loads(payload).get("grace", grace))
+                    grace = _stop_grace(payload)
                     break
                 if kind == b"F":  # another worker of the group failed
                     _told_of_failure(payload)

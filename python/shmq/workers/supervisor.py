@@ -131,6 +131,23 @@ def _error(death: tuple) -> WorkerDiedError:
     )
 
 
+def _leaving(payload: bytes) -> Optional[tuple[int, list[str]]]:
+    """A leaving frame's (exit code, stderr lines), or None for one that is not
+    (Rust's ``RemoteWorker::recv``: no exit code is 1, one outside an i32 is malformed)."""
+    try:
+        msg = json.loads(payload)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    if not isinstance(msg, dict):
+        return None
+    exitcode = msg.get("exitcode", 1)
+    if isinstance(exitcode, bool) or not isinstance(exitcode, int) or not -(2**31) <= exitcode < 2**31:
+        return None
+    stderr = msg.get("stderr", [])
+    lines = [line if isinstance(line, str) else json.dumps(line) for line in stderr] if isinstance(stderr, list) else []
+    return exitcode, lines
+
+
 class Supervisor:
     """Everything a :class:`WorkerProcesses` owns, without a reference back to it (so the
     façade can be garbage-collected and its finalizer close this)."""
@@ -562,9 +579,19 @@ class Supervisor:
             if kind == b"R":
                 self.group.remote_ready(rank, payload)
             elif kind == b"X":
-                msg = json.loads(payload)
-                lines = [str(line) for line in msg.get("stderr", [])]
-                self.group.report_exit(rank, int(msg.get("exitcode", 1)), lines, None)
+                left = _leaving(payload)
+                if left is None:
+                    # Sealed, but not a leaving frame (as Rust's RemoteWorker::recv):
+                    # the link is over, and the worker reported gone (the thread must
+                    # not die with the rank still taken).
+                    try:
+                        link.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    how = "lost its connection to the parent (a malformed leaving frame)"
+                    self.group.report_exit(rank, None, [], how)
+                    return
+                self.group.report_exit(rank, left[0], left[1], None)
                 return
 
     # -- shutting down ---------------------------------------------------------------
