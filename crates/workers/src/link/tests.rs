@@ -512,6 +512,43 @@ fn both_ends_keep_alive_and_an_oversized_payload_is_refused_before_it_is_sent() 
     drop(worker.join().unwrap());
 }
 
+/// A worker that half-closes its end, here in the middle of a frame: the parent's `recv`
+/// ends with the link's loss (not a hang, not a frame), and the other direction still
+/// carries the parent's stop to the worker.
+#[test]
+fn a_half_closed_link_ends_the_parents_reads_as_a_loss() {
+    use std::io::Write;
+    let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
+    let ticket = listener.ticket().clone();
+    let worker = std::thread::spawn(move || {
+        let mut link = ParentLink::connect(&ticket, 0, Duration::from_secs(10)).unwrap();
+        link.send_ready(b"up").unwrap();
+        let mut raw = link.stream();
+        raw.write_all(&[0, 0, 0, 100, kind::READY, 1, 2]).unwrap(); // 7 of 104 bytes
+        raw.shutdown(std::net::Shutdown::Write).unwrap();
+        link.recv().unwrap()
+    });
+    let mut admitted = listener.accept(|_| Ok(())).unwrap();
+    assert_eq!(
+        admitted.recv().unwrap(),
+        WorkerMessage::Ready(b"up".to_vec())
+    );
+    match admitted.recv() {
+        Err(crate::Error::Link(e)) => {
+            assert!(matches!(e, LinkError::Closed), "{e}");
+            assert!(e.is_loss());
+        }
+        other => panic!("expected the link's loss, got {other:?}"),
+    }
+    admitted.send_stop(Duration::from_secs(2)).unwrap();
+    assert_eq!(
+        worker.join().unwrap(),
+        ParentMessage::Stop {
+            grace: Duration::from_secs(2)
+        }
+    );
+}
+
 proptest! {
     /// Whatever bytes arrive, reading and opening a frame returns an error or a frame,
     /// never a panic; and a frame with any one byte flipped never opens.
