@@ -878,3 +878,55 @@ def test_a_malformed_leaving_frame_from_a_remote_worker_is_its_death():
             assert sock.recv(1) == b""  # the parent ended the link
         finally:
             sock.close()
+
+
+def test_a_sealed_frame_of_a_kind_never_the_workers_ends_its_link():
+    """After the handshake a sealed frame of a kind a remote worker never sends (a
+    handshake's, the parent's own) ends the link and reports the worker gone, as Rust's
+    RemoteWorker::recv; a kind this version does not know (a newer worker's) is skipped."""
+    with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
+        _processes.track(workers.pids)
+        sock, theirs, ours = _join_as(workers.ticket, 1)
+        try:
+            link = protocol.SealedLink(sock, workers.ticket.token, theirs, ours, parent=False)
+            link.send(b"Z", b"a newer worker's")
+            link.send(b"S", b"{}")
+            with pytest.raises(WorkerDiedError, match="unexpected frame kind 'S'") as died:
+                workers.wait_until_ready(timeout=STARTUP)
+            assert died.value.rank == 1
+            sock.settimeout(STARTUP)
+            assert sock.recv(1) == b""  # the parent ended the link
+        finally:
+            sock.close()
+
+
+@pytest.mark.parametrize(
+    "frames, grace",
+    [
+        ([(b"Z", b"a newer parent's"), (b"S", b'{"grace": 2}')], 2.0),
+        ([(b"S", b"[1]")], protocol.DEFAULT_GRACE),
+        ([(b"Z", b""), (b"R", b"")], protocol.DEFAULT_GRACE),
+        ([(b"A", b"{}")], protocol.DEFAULT_GRACE),
+    ],
+)
+def test_a_remote_workers_watch_stops_it_for_a_stop_or_a_frame_never_the_parents(frames, grace):
+    """The worker's watch thread: a stop's grace (the default for one without a usable
+    grace), a kind it does not know skipped, and a sealed kind never the parent's to send
+    (a handshake's, a worker's own) taken as the link's failure: the worker is stopped."""
+    from shmq.workers.child import ParentLink
+
+    a, b = socket.socketpair()
+    try:
+        p_nonce, w_nonce, token = protocol.new_nonce(), protocol.new_nonce(), protocol.new_nonce()
+        parent = protocol.SealedLink(a, token, p_nonce, w_nonce, parent=True)
+        link = ParentLink(protocol.SealedLink(b, token, p_nonce, w_nonce, parent=False), 0, die_with_parent=False)
+        stopped: list[float] = []
+        link._stop_main_thread = stopped.append  # type: ignore[method-assign]
+        for kind, payload in frames:
+            parent.send(kind, payload)
+        b.settimeout(STARTUP)
+        link._watch()
+        assert stopped == [grace]
+    finally:
+        a.close()
+        b.close()

@@ -403,6 +403,8 @@ class ParentLink:
                     break
                 if kind == b"F":  # another worker of the group failed
                     _told_of_failure(payload)
+                if kind in (b"C", b"H", b"A", b"R", b"X"):
+                    break  # never the parent's to send (as Rust's ParentLink::recv): the link failed
         except (OSError, EOFError, ValueError):
             pass  # the link dropped or failed: the parent is gone (or this worker is leaving)
         if self._leaving.is_set():

@@ -131,6 +131,11 @@ def _error(death: tuple) -> WorkerDiedError:
     )
 
 
+_NOT_A_WORKERS_KIND = (b"C", b"H", b"A", b"S", b"F")
+"""Sealed frames' kinds that are never a remote worker's to send (the handshake's, the
+parent's own): one ends its link."""
+
+
 def _leaving(payload: bytes) -> Optional[tuple[int, list[str]]]:
     """A leaving frame's (exit code, stderr lines), or None for one that is not
     (Rust's ``RemoteWorker::recv``: no exit code is 1, one outside an i32 is malformed)."""
@@ -578,21 +583,23 @@ class Supervisor:
                 return
             if kind == b"R":
                 self.group.remote_ready(rank, payload)
-            elif kind == b"X":
-                left = _leaving(payload)
+            elif kind == b"X" or kind in _NOT_A_WORKERS_KIND:
+                left = _leaving(payload) if kind == b"X" else None
                 if left is None:
-                    # Sealed, but not a leaving frame (as Rust's RemoteWorker::recv):
-                    # the link is over, and the worker reported gone (the thread must
-                    # not die with the rank still taken).
+                    # Sealed, but a malformed leaving frame or a kind never the worker's
+                    # to send (a handshake's, the parent's own), as Rust's
+                    # RemoteWorker::recv: the link is over, and the worker reported gone
+                    # (the thread must not die with the rank still taken).
                     try:
                         link.sock.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
-                    how = "lost its connection to the parent (a malformed leaving frame)"
-                    self.group.report_exit(rank, None, [], how)
+                    why = "a malformed leaving frame" if kind == b"X" else f"unexpected frame kind {kind.decode()!r}"
+                    self.group.report_exit(rank, None, [], f"lost its connection to the parent ({why})")
                     return
                 self.group.report_exit(rank, left[0], left[1], None)
                 return
+            # Any other kind: a newer worker's, skipped.
 
     # -- shutting down ---------------------------------------------------------------
 

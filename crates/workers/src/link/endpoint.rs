@@ -334,11 +334,23 @@ impl RemoteWorker {
     /// The next frame from the worker (blocking; frames of kinds this version does not
     /// know are skipped). Any error ends the link: [`LinkError::is_loss`] for the
     /// connection's loss (the worker died or its machine went away), another for a
-    /// frame that is not the worker's.
+    /// frame that is not the worker's, or a sealed one of a kind that is never the
+    /// worker's to send here (a handshake's, or the parent's own:
+    /// [`LinkError::UnexpectedKind`]).
     pub fn recv(&mut self) -> Result<WorkerMessage> {
         loop {
             let (k, payload) = self.receiver.recv()?;
             match k {
+                kind::CHALLENGE
+                | kind::HELLO
+                | kind::ANSWER
+                | kind::STOP
+                | kind::SIBLING_FAILED => {
+                    return Err(LinkError::UnexpectedKind {
+                        kind: char::from(k),
+                    }
+                    .into());
+                }
                 kind::READY => return Ok(WorkerMessage::Ready(payload)),
                 kind::LEAVING => {
                     let msg: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
@@ -568,11 +580,19 @@ impl ParentLink {
 
     /// The next frame from the parent (blocking; frames of kinds this version does not
     /// know are skipped). An error ends the link: the parent is gone
-    /// ([`LinkError::is_loss`]) or a frame was not the parent's.
+    /// ([`LinkError::is_loss`]) or a frame was not the parent's, or a sealed one of a
+    /// kind that is never the parent's to send here (a handshake's, or a worker's:
+    /// [`LinkError::UnexpectedKind`]).
     pub fn recv(&mut self) -> Result<ParentMessage> {
         loop {
             let (k, payload) = self.receiver.recv()?;
             match k {
+                kind::CHALLENGE | kind::HELLO | kind::ANSWER | kind::READY | kind::LEAVING => {
+                    return Err(LinkError::UnexpectedKind {
+                        kind: char::from(k),
+                    }
+                    .into());
+                }
                 kind::STOP => {
                     let msg: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
                     let grace = msg

@@ -5,8 +5,9 @@
 //! and a random token; a worker connects with it ([`ParentLink::connect`]). Each side
 //! proves it knows the token over the other's fresh nonce (the token never crosses the
 //! wire), then every frame is sealed with [`shmq_core::auth::message_mac`] over the
-//! session (both nonces) and its sequence number: a frame altered, replayed, reflected
-//! or out of turn ends the link with an error, and so does the connection's loss, which is
+//! session (both nonces) and its sequence number: a frame altered, replayed, reflected,
+//! out of turn or of a kind that is not the peer's to send ends the link with an error
+//! (a kind this version does not know is skipped), and so does the connection's loss, which is
 //! how the parent learns a worker died.
 //!
 //! Frames are `[4-byte big-endian length][1-byte kind][payload]`; after the handshake the
@@ -198,7 +199,8 @@ pub enum LinkError {
     /// A genuine frame out of turn: frames were lost.
     #[error("frame {got} arrived where frame {due} was due: frames were lost")]
     OutOfTurn { got: u64, due: u64 },
-    /// A frame of a kind that has no place here.
+    /// A sealed frame of a kind that has no place after the handshake on this side (a
+    /// handshake's, or one that only this side sends).
     #[error("unexpected frame kind {kind:?}")]
     UnexpectedKind { kind: char },
     /// A handshake message or frame that is not what the protocol says.

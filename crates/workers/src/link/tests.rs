@@ -549,6 +549,81 @@ fn a_half_closed_link_ends_the_parents_reads_as_a_loss() {
     );
 }
 
+/// After the handshake, a sealed frame of a kind that is never the peer's to send (a
+/// handshake's, or this side's own) ends the link with `UnexpectedKind` on either end;
+/// a kind this version does not know is skipped (a newer peer's), and the next frame
+/// arrives.
+#[test]
+fn a_sealed_frame_of_the_wrong_kind_ends_the_link() {
+    for wrong in [
+        kind::CHALLENGE,
+        kind::HELLO,
+        kind::ANSWER,
+        kind::STOP,
+        kind::SIBLING_FAILED,
+    ] {
+        let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
+        let ticket = listener.ticket().clone();
+        let worker = std::thread::spawn(move || {
+            let link = ParentLink::connect(&ticket, 0, Duration::from_secs(10)).unwrap();
+            let sender = link.sender();
+            sender.send(b'Z', b"a newer worker's").unwrap();
+            sender.send(kind::READY, b"up").unwrap();
+            sender.send(wrong, b"{}").unwrap();
+            link
+        });
+        let mut admitted = listener.accept(|_| Ok(())).unwrap();
+        assert_eq!(
+            admitted.recv().unwrap(),
+            WorkerMessage::Ready(b"up".to_vec())
+        );
+        match admitted.recv() {
+            Err(crate::Error::Link(LinkError::UnexpectedKind { kind })) => {
+                assert_eq!(kind, char::from(wrong));
+            }
+            other => panic!(
+                "{}: expected UnexpectedKind, got {other:?}",
+                char::from(wrong)
+            ),
+        }
+        drop(worker.join().unwrap());
+    }
+    for wrong in [
+        kind::CHALLENGE,
+        kind::HELLO,
+        kind::ANSWER,
+        kind::READY,
+        kind::LEAVING,
+    ] {
+        let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
+        let ticket = listener.ticket().clone();
+        let worker = std::thread::spawn(move || {
+            let mut link = ParentLink::connect(&ticket, 0, Duration::from_secs(10)).unwrap();
+            let first = link.recv().unwrap();
+            (first, link.recv().map(|_| ()))
+        });
+        let admitted = listener.accept(|_| Ok(())).unwrap();
+        let sender = admitted.sender();
+        sender.send(b'Z', b"a newer parent's").unwrap();
+        admitted.send_sibling_failed(b"Worker_1 died").unwrap();
+        sender.send(wrong, b"{}").unwrap();
+        let (first, second) = worker.join().unwrap();
+        assert_eq!(
+            first,
+            ParentMessage::SiblingFailed(b"Worker_1 died".to_vec())
+        );
+        match second {
+            Err(crate::Error::Link(LinkError::UnexpectedKind { kind })) => {
+                assert_eq!(kind, char::from(wrong));
+            }
+            other => panic!(
+                "{}: expected UnexpectedKind, got {other:?}",
+                char::from(wrong)
+            ),
+        }
+    }
+}
+
 proptest! {
     /// Whatever bytes arrive, reading and opening a frame returns an error or a frame,
     /// never a panic; and a frame with any one byte flipped never opens.
