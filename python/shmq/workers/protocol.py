@@ -24,7 +24,9 @@ The token never crosses the network (only MACs over fresh nonces), so a recorded
 handshake cannot be replayed, and a process that does not know the token can pass for
 neither side. The session of the sealed frames is both nonces: a frame from another
 connection, altered, replayed or out of turn (one before it lost) fails its check and
-ends the link; a last frame lost with the connection is the connection's loss. The parent
+ends the link, and so does a sealed frame of a kind never the peer's to send (a
+handshake's, or the receiver's own; a kind this version does not know is skipped); a last
+frame lost with the connection is the connection's loss. The parent
 unpickles only sealed frames from an admitted worker; the worker unpickles nothing.
 ``version`` (2: this protocol) lets a worker tell a parent of an older shmq from one
 that refuses it.
