@@ -275,6 +275,12 @@ def cmd_mm(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     shm_only = {"mm_shm_cache_max_object_size_mb": 1} if args.cache == "shm" else {}
+    if args.ec_both:  # also shmq's encoder-cache connector, saving and loading (ec_both)
+        from vllm.config import ECTransferConfig
+
+        shm_only["ec_transfer_config"] = ECTransferConfig(
+            ec_role="ec_both", ec_connector="ShmqECConnector", ec_connector_module_path="shmq.vllm_ec_connector",
+            ec_connector_extra_config={"name": args.ec_both})
     llm = LLM(
         model=args.model,
         mm_processor_cache_type=args.cache,
@@ -624,6 +630,7 @@ def main() -> None:
     p.add_argument("--sequence", default="0,1,2,0,1,2,0,1,2", help="the image of each request")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--end", choices=["scope", "shutdown"], default="scope")
+    p.add_argument("--ec-both", metavar="NAME", help="with shmq's encoder-cache connector as ec_both, cache NAME")
     p = sub.add_parser("epd")
     p.add_argument("model")
     p.add_argument("--role", choices=["ec_producer", "ec_consumer", "ec_both", "none"], required=True)

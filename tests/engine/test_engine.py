@@ -10,6 +10,7 @@ two workers to the two cores): ``python -m pytest -p no:xdist tests/engine``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -143,7 +144,7 @@ class Server:
     """``vllm serve`` (through the driver) on 127.0.0.1, in its own process group."""
 
     def __init__(self, engine: tuple[str, str], plugin: bool, log: Path, model: str | None = None,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), wait: bool = True):
         python, self.model = engine
         self.model = model or self.model
         self.port = _free_port()
@@ -158,6 +159,11 @@ class Server:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until its /health answers (the engine is up)."""
         deadline = time.monotonic() + ENGINE_START
         while True:
             assert self.proc.poll() is None, self.text()[-5000:]
@@ -307,24 +313,27 @@ def _driver():
     return driver
 
 
-def _chat_with_image(server: Server, n: int, i: int) -> str:
+def _chat_with_image(server: Server, n: int, i: int, max_tokens: int = 8, uuid: str | None = None) -> str:
     """Request ``n`` of the sequence, with image ``i`` as a data: URL (as a client sends
-    it); the chat template makes the offline run's prompt."""
-    content = [
-        {"type": "image_url", "image_url": {"url": _driver().image_data_url(i)}},
-        {"type": "text", "text": f"what is in picture {n % 5}"},
-    ]
-    body = {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+    it; ``uuid`` beside it names the item, as an EPD deployment needs); the chat template
+    makes the offline run's prompt."""
+    picture: dict = {"type": "image_url", "image_url": {"url": _driver().image_data_url(i)}}
+    if uuid is not None:
+        picture["uuid"] = uuid
+    content = [picture, {"type": "text", "text": f"what is in picture {n % 5}"}]
+    body = {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
     return json.loads(_http(f"{server.url}/v1/chat/completions", body))["choices"][0]["message"]["content"]
+
+
+MM_SERVE_ARGS = ("--limit-mm-per-prompt", '{"image": 1}', "--max-model-len", "256", "--dtype", "bfloat16",
+                 "--max-num-seqs", "64")
 
 
 def _serve_mm(engine: tuple[str, str], plugin: bool, log: Path, cache: str) -> Server:
     shm = ("--mm-processor-cache-gb", str(float(MM_CACHE_MIB) / 1024), "--mm-shm-cache-max-object-size-mb", "1")
     return Server(engine, plugin, log, model=LLAVA,
-                  extra=("--mm-processor-cache-type", cache, *(shm if cache == "shm" else ()),
-                         "--limit-mm-per-prompt", '{"image": 1}', "--max-model-len", "256", "--dtype", "bfloat16",
-                         "--max-num-seqs", "64"))
+                  extra=("--mm-processor-cache-type", cache, *(shm if cache == "shm" else ()), *MM_SERVE_ARGS))
 
 
 def _mm_counters(server: Server) -> tuple[float, float]:
@@ -427,8 +436,12 @@ def test_serve_images_on_shmq_then_sigkilled_whole_and_restarted_offline_under_i
                           timeout=60, check=True).stdout
     assert "would remove 0 segment(s)" in left, left
 
-    # Offline, under the killed server's store name: shmq's store against vLLM's.
-    on = _drive_mm(engine, True, "--cache", "shm", VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME=stores[0])
+    # Offline, under the killed server's store name: shmq's store against vLLM's. The
+    # same run is also an ec_both instance of shmq's encoder-cache connector (it saves
+    # what it encodes; the load half is the EPD test's): outputs unchanged by it.
+    both = f"both{os.getpid()}"
+    on = _drive_mm(engine, True, "--cache", "shm", "--ec-both", both, VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME=stores[0])
+    assert re.search(rf"first item saved to cache '{both}'", on["_log"]), on["_log"][-3000:]
     alone = mm_offline
     assert not alone["plugin"] and on["plugin"], on["_log"][-3000:]
     assert alone["store_class"].endswith("shm_object_storage.SingleWriterShmObjectStorage"), alone["store_class"]
@@ -447,89 +460,67 @@ def test_serve_images_on_shmq_then_sigkilled_whole_and_restarted_offline_under_i
 # --- Disaggregated encoding with shmq's encoder-cache connector (issue 42) ------------------
 
 
-class _Instance:
-    """One instance of an EPD deployment (``driver.py epd``), fed as vLLM's EPD proxy
-    feeds its instances: one request at a time, each image with its uuid."""
-
-    def __init__(self, engine: tuple[str, str], role: str, name: str, log: Path):
-        python, _ = engine
-        self.log_path = log
-        self.out: list[str] = []
-        self.proc = subprocess.Popen(
-            [python, DRIVER, "epd", str(ROOT / "target" / "engine-llava"), "--role", role, "--name", name],
-            env=_env(True),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=open(log, "w"),
-            text=True,
-            start_new_session=True,
-        )
-
-    def line(self, prefix: str) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.out.append(line)  # vLLM's log lines come on stdout too
-            if line.startswith(prefix):
-                return line[len(prefix) :].strip()
-        raise AssertionError(f"the instance ended (exit {self.proc.wait()}) without {prefix!r}:\n{self.text()[-5000:]}")
-
-    def ask(self, n: int, image: int, max_tokens: int) -> dict:
-        assert self.proc.stdin is not None
-        request = {"n": n, "image": image, "uuid": f"picture-{image}", "max_tokens": max_tokens}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.line("OUT "))
-
-    def quit(self) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.flush()
-        got = json.loads(self.line("RESULT "))
-        self.proc.wait(60)
-        return got
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-    def text(self) -> str:
-        return "".join(self.out) + self.log_path.read_text(errors="replace")
+def _ec_config(role: str, name: str) -> tuple[str, str]:
+    """The README's ``--ec-transfer-config`` of a 1E1PD deployment on shmq's connector."""
+    config = {"ec_connector": "ShmqECConnector", "ec_connector_module_path": "shmq.vllm_ec_connector",
+              "ec_role": role, "ec_connector_extra_config": {"name": name}}
+    return ("--ec-transfer-config", json.dumps(config))
 
 
-def test_epd_through_shmqs_encoder_cache_connector_same_outputs_and_an_encoder_killed(engine, tmp_path, mm_offline):
-    # An encoder-only instance (ec_producer) and a prefill/decode instance (ec_consumer),
-    # TP=2 each, on one cache. Each request goes to the encoder first (one token: it runs
+def test_epd_served_through_shmqs_connector_same_outputs_and_the_encoder_killed_mid_stream(
+    engine, tmp_path, mm_served_lru
+):
+    # The README's 1E1PD deployment: `vllm serve` as an encoder-only instance
+    # (ec_producer) and as a prefill/decode instance (ec_consumer), TP=2 each, on one
+    # cache; this test is the router (as vLLM's disagg_epd_proxy.py): each chat request
+    # with its image and the image's uuid goes to the encoder first (one token: it runs
     # the vision encoder and saves the embeddings), then to the prefill/decode instance,
-    # which loads them instead of encoding: the same outputs as one aggregated instance.
+    # which loads them instead of encoding. The same outputs as one aggregated instance.
     name = f"epd{os.getpid()}"
-    encoder = _Instance(engine, "ec_producer", name, tmp_path / "encoder.log")
-    pd = _Instance(engine, "ec_consumer", name, tmp_path / "pd.log")
+    encoder = Server(engine, True, tmp_path / "encoder.log", model=LLAVA,
+                     extra=(*MM_SERVE_ARGS, *_ec_config("ec_producer", name)), wait=False)
+    pd = Server(engine, True, tmp_path / "pd.log", model=LLAVA,
+                extra=(*MM_SERVE_ARGS, *_ec_config("ec_consumer", name)), wait=False)
     try:
-        encoder.line("READY")
-        pd.line("READY")
+        encoder.wait_ready()
+        pd.wait_ready()
+        pd_pids = pd.pids()
         sequence = [int(i) for i in MM_SEQUENCE.split(",")]
         texts = []
         for n, i in enumerate(sequence):
-            encoder.ask(n, i, 1)
-            texts.append(pd.ask(n, i, 8)["text"])
-        assert texts == mm_offline["texts"], (texts, mm_offline["texts"])
+            _chat_with_image(encoder, n, i, max_tokens=1, uuid=f"picture-{i}")
+            texts.append(_chat_with_image(pd, n, i, uuid=f"picture-{i}"))
+        assert texts == mm_served_lru["texts"], (texts, mm_served_lru["texts"])
         # The consumer's workers (both TP ranks) loaded from shmq's cache; the producer saved.
         assert len(re.findall(r"first item loaded from", pd.text())) == 2, pd.text()[-5000:]
         assert "first item saved to cache" in encoder.text(), encoder.text()[-5000:]
-        # The encoder instance SIGKILLed mid-stream: what it saved stays loadable, a new
-        # image is encoded by the prefill/decode instance itself; no hang, same outputs.
-        encoder.kill()
-        again = pd.ask(len(sequence), sequence[0], 8)
-        fresh = pd.ask(len(sequence) + 1, 4, 8)
-        assert len(again["tokens"]) == len(fresh["tokens"]) == 8, (again, fresh)
-        ended = pd.quit()
-        assert ended["shm_after"] == [] and ended["engine_processes_after"] == [], pd.text()[-3000:]
+        # The encoder instance SIGKILLed mid-stream, with a request for a new image in
+        # flight: the router's request to it fails (or had just completed), and the router
+        # goes on to the prefill/decode instance, which encodes that image itself; what the
+        # encoder saved before stays loadable. No hang: each answer within the client's
+        # timeout, the same text for the repeated image.
+        import threading
+
+        def ask_encoder() -> None:
+            with contextlib.suppress(OSError):
+                _chat_with_image(encoder, 7, 4, 1, "picture-4")
+
+        to_encoder = threading.Thread(target=ask_encoder)
+        to_encoder.start()
+        time.sleep(0.05)
+        encoder.stop(signal.SIGKILL)
+        to_encoder.join(60)
+        assert not to_encoder.is_alive(), "the request to the killed encoder hung"
+        fresh = _chat_with_image(pd, 7, 4, uuid="picture-4")
+        again = _chat_with_image(pd, 0, sequence[0], uuid=f"picture-{sequence[0]}")
+        assert fresh and again == texts[0], (fresh, again, texts[0])
+        # The prefill/decode instance stopped as an operator stops it: nothing of its left.
+        code = pd.stop(signal.SIGTERM)
+        assert code == 0 or code in (-signal.SIGTERM, 128 + signal.SIGTERM), pd.text()[-3000:]
+        assert not _wait_no_shm(pd_pids), pd.text()[-5000:]
     finally:
-        encoder.kill()
-        pd.kill()
+        encoder.stop(signal.SIGKILL)
+        pd.stop(signal.SIGKILL)
         # The named cache outlives its crashed producer on purpose (its items stay
         # loadable until an encoder of that name replaces it); cleanup removes it once
         # nobody needs it.
