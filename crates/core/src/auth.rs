@@ -6,9 +6,9 @@
 //!
 //! Both of shmq's authenticated streams are built on these two: the queue's remote stream
 //! ([`crate::remote`]: a reader's HELLO and the writer's WELCOME prove the secret to each
-//! other, then every message is sealed) and the worker link (Python's `shmq.workers`, through
-//! the bindings: the same two proofs over each side's fresh nonce, then every frame
-//! sealed). Their transports differ (ZeroMQ with credit for the stream, one TCP connection
+//! other, then every message is sealed) and the worker link (`shmq_workers::link`, which
+//! Python's `shmq.workers` calls through the bindings: the same two proofs over each
+//! side's fresh nonce, then every frame sealed). Their transports differ (ZeroMQ with credit for the stream, one TCP connection
 //! whose loss is the worker's death for the link); each uses its own tags, so a MAC made
 //! for one can never pass for the other. Why a MAC of shmq's own rather than ZeroMQ's
 //! CURVE: see docs/operations.md (multi-node).
