@@ -154,54 +154,71 @@ def main(rounds: int, quick: bool) -> int:
     return 0
 
 
+#: The images of each request of an ``engine-mm`` run (``+``: one request of several):
+#: four one-image requests, the same four again, then three four-image requests of new
+#: images and the same three again.
+MM_SEQUENCE = ",".join(["0", "1", "2", "3"] * 2 + ["10+11+12+13", "14+15+16+17", "18+19+20+21"] * 2)
+
+
 def run_mm(rounds: int, progress: Any = None) -> Rows:
     """``--scenarios engine-mm`` (with :func:`run_epd`): image requests through vLLM's multimodal processor cache
     (``mm_processor_cache_type="shm"``, 256 MiB) on a tiny random Llava, vLLM's own store
-    (plugin off) against shmq's (plugin on), alternating; each request alone, one image,
-    one output token (so its time is the time to first token): four fresh images, then
-    the same four again (cache hits: the front end sends the workers only the item's
-    address, they read it from the store). Rows: medians over the rounds of each run's
-    median request time."""
+    (plugin off) against shmq's (plugin on), alternating; each request alone, one output
+    token (so its time is the time to first token): four requests of a fresh image, the
+    same four again (cache hits: the front end sends the workers only the item's address,
+    they read it from the store), then three of four fresh images each and the same three
+    again (:data:`MM_SEQUENCE`, one engine per run). Rows: medians over the rounds of
+    each run's median request time."""
     python, model = _engine("engine-llava")
     got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+    expected = [False] * 4 + [True] * 4 + [0] * 3 + [4] * 3
     for r in range(rounds):
         for plugin in in_turn(r):
             if progress:
                 progress(f"images, round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}")
-            mm = _drive(python, model, plugin, "mm", "--sequence", "0,1,2,3,0,1,2,3", "--max-tokens", "1")
-            if mm["hits"] != [False] * 4 + [True] * 4:
+            mm = _drive(python, model, plugin, "mm", "--sequence", MM_SEQUENCE, "--max-tokens", "1")
+            if mm["hits"] != expected:
                 raise RuntimeError(f"unexpected cache hits {mm['hits']} (plugin {'on' if plugin else 'off'})")
             times = [t * 1e3 for t in mm["request_s"]]
             # The very first request also pays the engine's first multimodal step.
             got[plugin].setdefault("fresh", []).append(statistics.median(times[1:4]))
-            got[plugin].setdefault("hit", []).append(statistics.median(times[4:]))
+            got[plugin].setdefault("hit", []).append(statistics.median(times[4:8]))
+            got[plugin].setdefault("fresh4", []).append(statistics.median(times[8:11]))
+            got[plugin].setdefault("hit4", []).append(statistics.median(times[11:14]))
             got[plugin].setdefault("left", []).append(len(mm["shm_after"]) + len(mm["vllm_stores_after"]))
     labels = [
         ("fresh", "time to first token, 1 new image (cache miss; 2nd-4th request)", "ms"),
         ("hit", "time to first token, 1 repeated image (cache hit)", "ms"),
+        ("fresh4", "time to first token, 4 new images in one request (4 misses)", "ms"),
+        ("hit4", "time to first token, the same 4 images again (4 hits)", "ms"),
         ("left", "files left in /dev/shm after LLM goes out of scope (shmq's and vllm_mm_*)", "files"),
     ]
     return _rows(got, labels)
 
 
-def _epd_round(python: str, model: str, connector: str, images: int) -> list[float]:
+def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str, float]:
     """One 1E1PD deployment (two offline instances, TP=2 each, ``driver.py epd``) over
     ``connector`` (``shmq``: shmq's encoder-cache connector; ``example``: vLLM's
     ``ECExampleConnector``, a safetensors file per item in a temporary directory): each
     image to the encoder (one token), then to the prefill/decode instance (one token:
-    its time to first token, the item's hand-off included). Returns the latter's
-    times, in ms."""
+    its time to first token, the item's hand-off included). Returns the median of the
+    latter's times after the first (ms) and, per image, the connector's own time and
+    CPU (the calling thread's) in the encoder's saves and in the prefill/decode
+    workers' loads, summed over each instance's TP ranks (ms; the loads include their
+    calls in steps without an item)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="shmq-epd-") as storage:
+    with tempfile.TemporaryDirectory(prefix="shmq-epd-") as storage, \
+            tempfile.TemporaryDirectory(prefix="shmq-epd-profile-") as profile:
         name = f"bench{os.getpid()}"
         procs = []
         for role in ("ec_producer", "ec_consumer"):
+            os.makedirs(os.path.join(profile, role))
             procs.append(
                 subprocess.Popen(
                     [python, str(DRIVER), "epd", model, "--role", role, "--name", name, "--connector", connector,
                      "--storage", storage],
-                    env=engine_env(True),
+                    env=engine_env(True, SHMQ_ENGINE_PROFILE=os.path.join(profile, role)),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
@@ -223,6 +240,17 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> list[flo
             p.stdin.flush()
             return float(json.loads(line(p, "OUT "))["seconds"]) * 1e3
 
+        def spent(role: str, call: str) -> tuple[float, float]:
+            """(wall, CPU) in ms per image of the connector's ``call`` over ``role``'s processes."""
+            wall = cpu = 0.0
+            for f in os.listdir(os.path.join(profile, role)):
+                with open(os.path.join(profile, role, f)) as fh:
+                    stat = json.load(fh)["stats"].get(f"ec.{connector}.{call}")
+                if stat:
+                    cpu += stat[1]
+                    wall += stat[2]
+            return wall * 1e3 / images, cpu * 1e3 / images
+
         try:
             encoder, pd = procs
             line(encoder, "READY")
@@ -236,7 +264,10 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> list[flo
                 p.stdin.write("quit\n")
                 p.stdin.flush()
                 line(p, "RESULT ")
-            return times
+            save_wall, save_cpu = spent("ec_producer", "save")
+            load_wall, load_cpu = spent("ec_consumer", "load")
+            return {"ttft": statistics.median(times[1:]),  # the first pays the first step
+                    "save": save_wall, "save_cpu": save_cpu, "load": load_wall, "load_cpu": load_cpu}
         finally:
             for p in procs:
                 try:
@@ -249,24 +280,27 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> list[flo
 
 def run_epd(rounds: int, progress: Any = None) -> Rows:
     """Part of ``--scenarios engine-mm``: the prefill/decode instance's time to first token for
-    an image the encoder instance encoded, through vLLM's ``ECExampleConnector`` (a file
-    per item) against shmq's connector, alternating, medians over the rounds."""
+    an image the encoder instance encoded, and the hand-off's own time and CPU per image,
+    through vLLM's ``ECExampleConnector`` (a file per item) against shmq's connector,
+    alternating, medians over the rounds."""
     python, model = _engine("engine-llava")
-    got: dict[str, list[float]] = {"example": [], "shmq": []}
+    got: dict[str, dict[str, list[float]]] = {"example": {}, "shmq": {}}
     for r in range(rounds):
         for connector in in_turn(r, "example", "shmq"):
             if progress:
                 progress(f"EPD, round {r + 1}/{rounds}, {connector} connector")
-            times = _epd_round(python, model, connector, 5)
-            got[connector].append(statistics.median(times[1:]))  # the first pays the first step
-    return [
-        (
-            "prefill/decode instance's time to first token, 1 image encoded by the encoder instance",
-            statistics.median(got["example"]),
-            statistics.median(got["shmq"]),
-            "ms",
-        )
+            for key, value in _epd_round(python, model, connector, 5).items():
+                got[connector].setdefault(key, []).append(value)
+    labels = [
+        ("ttft", "prefill/decode instance's time to first token, 1 image encoded by the encoder instance", "ms"),
+        ("save", "hand-off, the encoder's save per image (its TP ranks' calls, wall)", "ms"),
+        ("save_cpu", "hand-off, the encoder's save per image (CPU)", "ms"),
+        ("load", "hand-off, the prefill/decode workers' load per image (both TP ranks, wall; steps without an item "
+                 "included)", "ms"),
+        ("load_cpu", "hand-off, the prefill/decode workers' load per image (CPU)", "ms"),
     ]
+    return [(label, statistics.median(got["example"][k]), statistics.median(got["shmq"][k]), unit)
+            for k, label, unit in labels]
 
 
 def main_mm(rounds: int) -> int:

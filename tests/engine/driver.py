@@ -53,6 +53,7 @@ def _profile_queues(out_dir: str) -> None:
     import functools
 
     stats: dict[str, list[float]] = {}
+    calls: dict[str, list[tuple[float, float]]] = {}
 
     def dump() -> None:
         try:
@@ -62,9 +63,9 @@ def _profile_queues(out_dir: str) -> None:
         except Exception:
             title = "?"
         with open(os.path.join(out_dir, f"{os.getpid()}.json"), "w") as f:
-            json.dump({"title": title, "stats": stats}, f)
+            json.dump({"title": title, "stats": stats, "calls": calls}, f)
 
-    def wrap(cls: type, name: str, key: str) -> None:
+    def wrap(cls: type, name: str, key: str, every: int = 64) -> None:
         original = getattr(cls, name)
         if getattr(original, "_profiled", False):
             return
@@ -79,7 +80,9 @@ def _profile_queues(out_dir: str) -> None:
                 s[0] += 1
                 s[1] += time.thread_time() - c0
                 s[2] += time.perf_counter() - w0
-                if s[0] % 64 == 0:
+                if every == 1:  # rare calls: each one's (CPU, wall) too
+                    calls.setdefault(key, []).append((time.thread_time() - c0, time.perf_counter() - w0))
+                if s[0] % every == 0:
                     dump()
 
         timed._profiled = True  # type: ignore[attr-defined]
@@ -91,6 +94,18 @@ def _profile_queues(out_dir: str) -> None:
     for cls, tag in ((shm_broadcast.MessageQueue, "vllm"), (shmq.MessageQueue, "shmq")):
         wrap(cls, "enqueue", f"{tag}.enqueue")
         wrap(cls, "dequeue", f"{tag}.dequeue")
+    # The encoder-cache connectors' hand-off: the encoder's saves, the prefill/decode
+    # workers' loads (called every step, an item or not); written at every call.
+    try:
+        from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+
+        from shmq.vllm_ec_connector import ShmqECConnector
+    except ImportError:  # a vLLM without EC connectors
+        pass
+    else:
+        for cls, tag in ((ECExampleConnector, "ec.example"), (ShmqECConnector, "ec.shmq")):
+            wrap(cls, "save_caches", f"{tag}.save", every=1)
+            wrap(cls, "start_load_caches", f"{tag}.load", every=1)
     atexit.register(dump)
 
 
@@ -124,9 +139,9 @@ def image_data_url(i: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def mm_prompt(i: int) -> str:
-    """The Llava prompt for request ``i`` (one image)."""
-    return f"<|user|><image>what is in picture {i % 5}\n<|assistant|>"
+def mm_prompt(i: int, images: int = 1) -> str:
+    """The Llava prompt for request ``i`` (with ``images`` images)."""
+    return f"<|user|>{'<image>' * images}what is in picture {i % 5}\n<|assistant|>"
 
 
 def vllm_store_names() -> list[str]:
@@ -270,7 +285,8 @@ def cmd_mm(args: argparse.Namespace) -> None:
     each request (``0,0,1,...``); the requests go one at a time, so that each is a cache
     hit or miss of its own, read from vLLM's own counters: a repeated image is a hit
     unless the cache evicted it meanwhile. Reports the greedy tokens, the hits, and what
-    is in /dev/shm while the engine runs and once it is gone (``--end``)."""
+    is in /dev/shm while the engine runs and once it is gone (``--end``). A request of
+    several images lists them with ``+`` (``0+1+2+3``); its hits are then counted."""
     from vllm import LLM
 
     t0 = time.perf_counter()
@@ -285,27 +301,30 @@ def cmd_mm(args: argparse.Namespace) -> None:
         model=args.model,
         mm_processor_cache_type=args.cache,
         mm_processor_cache_gb=args.cache_mib / 1024,
-        limit_mm_per_prompt={"image": 1},
+        limit_mm_per_prompt={"image": max(len(g.split("+")) for g in args.sequence.split(","))},
         **shm_only,
         **dict(ENGINE_ARGS, max_model_len=256),
     )
     started = time.perf_counter() - t0
     store_name = os.environ.get("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
     cache = llm.llm_engine.renderer.mm_processor_cache
-    sequence = [int(i) for i in args.sequence.split(",")]
+    sequence = [[int(i) for i in group.split("+")] for group in args.sequence.split(",")]
     tokens = []
     texts = []
-    hits = []
+    hits: list = []
     request_s = []
-    for n, i in enumerate(sequence):
+    for n, group in enumerate(sequence):
         before = cache.make_stats().hits if cache is not None else 0
+        images = [image(i) for i in group]
         t = time.perf_counter()
-        request = {"prompt": mm_prompt(n), "multi_modal_data": {"image": image(i)}}
+        request = {"prompt": mm_prompt(n, len(group)), "multi_modal_data": {"image": images[0] if len(group) == 1
+                                                                             else images}}
         out = llm.generate([request], sampling(args.max_tokens), use_tqdm=False)[0]
         request_s.append(time.perf_counter() - t)
         tokens.append(list(out.outputs[0].token_ids))
         texts.append(out.outputs[0].text)
-        hits.append(cache is not None and cache.make_stats().hits > before)
+        got = cache.make_stats().hits - before if cache is not None else 0
+        hits.append(got > 0 if len(group) == 1 else got)
     info = cache.make_stats() if cache is not None else None
     pids = our_pids()
     live = dict(

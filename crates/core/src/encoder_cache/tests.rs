@@ -471,3 +471,17 @@ fn closing_the_producer_ends_its_blocked_waits() {
         assert!(took < Duration::from_secs(10), "{took:?}");
     });
 }
+
+#[test]
+fn a_new_producer_has_its_first_pages_reserved_before_any_save() {
+    // The first save must not reserve the data region's first step on its caller's path:
+    // the producer reserves it as it is made (here the whole capacity, smaller than a step).
+    use std::os::unix::fs::MetadataExt;
+    let p = producer("prefault", 2048, 8); // 8 MiB of 4 KiB pages
+    let file = format!("/dev/shm/{}", p.segment_name());
+    let allocated = std::fs::metadata(&file).unwrap().blocks() * 512;
+    assert!(
+        allocated >= (2048 * PAGE) as u64,
+        "{allocated} bytes allocated in {file}"
+    );
+}

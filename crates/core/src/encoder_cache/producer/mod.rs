@@ -236,7 +236,7 @@ impl Producer {
             saves: 0,
             evictions: 0,
         };
-        Ok(Producer {
+        let producer = Producer {
             inner: Arc::new(Inner {
                 name: segment_name[SEGMENT_PREFIX.len()..].to_owned(),
                 map,
@@ -244,7 +244,9 @@ impl Producer {
                 closed: AtomicBool::new(false),
                 min_consumers: options.min_consumers,
             }),
-        })
+        };
+        producer.inner.back_first_step();
+        Ok(producer)
     }
 
     /// The name consumers open it by.

@@ -229,6 +229,19 @@ impl Inner {
     /// holes in it reserved again, and the mark raised past it (a step at a time, or
     /// exactly to its end when a step does not fit). [`OsError::NoSpace`] if /dev/shm has
     /// no room for it (what was reserved before the failure stays reserved and recorded).
+    /// Reserve the data region's first step now, as the producer is made (where
+    /// /dev/shm has room for it; else the first save reserves what it needs): the first
+    /// save then finds its pages ready instead of reserving tens of MiB on its caller's
+    /// path (the encoder's step, in vLLM).
+    pub(super) fn back_first_step(&self) {
+        let page = self.map.geo.page_size;
+        if self.map.geo.capacity >= page {
+            let mut st = lock(&self.state);
+            // Best effort: a failure here is met again, and reported, by a save.
+            let _ = self.back(&mut st, 0, page);
+        }
+    }
+
     fn back(&self, st: &mut State, offset: usize, len: usize) -> Result<()> {
         let end = offset + len;
         for (a, b) in st.backing.missing(offset, end.min(st.backing.mark())) {
