@@ -202,10 +202,10 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
     ``ECExampleConnector``, a safetensors file per item in a temporary directory): each
     image to the encoder (one token), then to the prefill/decode instance (one token:
     its time to first token, the item's hand-off included). Returns the median of the
-    latter's times after the first (ms) and, per image, the connector's own time and
-    CPU (the calling thread's) in the encoder's saves and in the prefill/decode
-    workers' loads, summed over each instance's TP ranks (ms; the loads include their
-    calls in steps without an item)."""
+    latter's times after the first (ms) and the connector's own time and CPU (the
+    calling thread's) in the encoder's saves (the first; the median of the others) and
+    per image in the prefill/decode workers' loads, summed over each instance's TP
+    ranks (ms; the loads include their calls in steps without an item)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="shmq-epd-") as storage, \
@@ -240,12 +240,26 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
             p.stdin.flush()
             return float(json.loads(line(p, "OUT "))["seconds"]) * 1e3
 
-        def spent(role: str, call: str) -> tuple[float, float]:
-            """(wall, CPU) in ms per image of the connector's ``call`` over ``role``'s processes."""
-            wall = cpu = 0.0
+        def profiles(role: str) -> list[dict[str, Any]]:
+            out = []
             for f in os.listdir(os.path.join(profile, role)):
                 with open(os.path.join(profile, role, f)) as fh:
-                    stat = json.load(fh)["stats"].get(f"ec.{connector}.{call}")
+                    out.append(json.load(fh))
+            return out
+
+        def per_save() -> list[tuple[float, float]]:
+            """Each save's (wall, CPU) in ms, summed over the encoder's TP ranks (each
+            rank is called once per image; shmq's connector saves from rank 0 only)."""
+            ranks = [p["calls"].get(f"ec.{connector}.save", []) for p in profiles("ec_producer")]
+            return [(sum(r[i][1] for r in ranks if i < len(r)) * 1e3, sum(r[i][0] for r in ranks if i < len(r)) * 1e3)
+                    for i in range(max((len(r) for r in ranks), default=0))]
+
+        def per_load() -> tuple[float, float]:
+            """The prefill/decode workers' loads, (wall, CPU) in ms per image: every
+            call (one each step, an item or not), both TP ranks."""
+            wall = cpu = 0.0
+            for p in profiles("ec_consumer"):
+                stat = p["stats"].get(f"ec.{connector}.load")
                 if stat:
                     cpu += stat[1]
                     wall += stat[2]
@@ -264,10 +278,15 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
                 p.stdin.write("quit\n")
                 p.stdin.flush()
                 line(p, "RESULT ")
-            save_wall, save_cpu = spent("ec_producer", "save")
-            load_wall, load_cpu = spent("ec_consumer", "load")
+            saves = per_save()
+            if len(saves) != images:
+                raise RuntimeError(f"{len(saves)} saves profiled for {images} images ({connector} connector)")
+            load_wall, load_cpu = per_load()
             return {"ttft": statistics.median(times[1:]),  # the first pays the first step
-                    "save": save_wall, "save_cpu": save_cpu, "load": load_wall, "load_cpu": load_cpu}
+                    "save_first": saves[0][0],
+                    "save": statistics.median(w for w, _ in saves[1:]),
+                    "save_cpu": statistics.median(c for _, c in saves[1:]),
+                    "load": load_wall, "load_cpu": load_cpu}
         finally:
             for p in procs:
                 try:
@@ -293,8 +312,9 @@ def run_epd(rounds: int, progress: Any = None) -> Rows:
                 got[connector].setdefault(key, []).append(value)
     labels = [
         ("ttft", "prefill/decode instance's time to first token, 1 image encoded by the encoder instance", "ms"),
-        ("save", "hand-off, the encoder's save per image (its TP ranks' calls, wall)", "ms"),
-        ("save_cpu", "hand-off, the encoder's save per image (CPU)", "ms"),
+        ("save_first", "hand-off, the encoder's first save (its TP ranks' calls, wall)", "ms"),
+        ("save", "hand-off, the encoder's save per image after the first (its TP ranks' calls, wall)", "ms"),
+        ("save_cpu", "hand-off, the encoder's save per image after the first (CPU)", "ms"),
         ("load", "hand-off, the prefill/decode workers' load per image (both TP ranks, wall; steps without an item "
                  "included)", "ms"),
         ("load_cpu", "hand-off, the prefill/decode workers' load per image (CPU)", "ms"),
