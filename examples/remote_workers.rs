@@ -9,7 +9,7 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use shmq::workers::link::{ParentLink, ParentMessage, WorkerListener};
+use shmq::workers::link::{LinkError, ParentLink, ParentMessage, WorkerListener};
 use shmq::workers::{Error, Result, WorkerOptions, Workers};
 
 /// How a worker gets its ticket: an environment variable (unlike a command-line argument,
@@ -72,44 +72,72 @@ fn parent() -> Result<()> {
         })
         .collect::<Result<_>>()?;
 
+    // Accept without blocking, so that the parent notices a worker that dies before it
+    // joins (and gives up at the deadline) instead of waiting for it for ever.
+    listener
+        .listener()
+        .set_nonblocking(true)
+        .map_err(|e| Error::os("making the listener non-blocking", e))?;
+    let deadline = Instant::now() + STARTUP;
     std::thread::scope(|scope| -> Result<()> {
         let mut senders = Vec::new();
-        while senders.len() < WORKERS {
-            // Its token proved and its rank claimed in the group; then a thread reads its
-            // frames (ready, leaving, or the link's loss: its death). A connection refused
-            // (a wrong token, a rank taken) or failed is only logged.
-            let worker = match listener.accept_into(&workers) {
-                Ok(worker) => worker,
-                Err(e) => {
-                    eprintln!("parent: {e}");
-                    continue;
-                }
-            };
-            println!(
-                "admitted rank {} (pid {} on {:?}, from {})",
-                worker.rank(),
-                worker.pid(),
-                worker.host(),
-                worker.peer()
-            );
-            senders.push(worker.sender());
-            scope.spawn(|| worker.serve(&workers));
-        }
-        workers.wait_until_ready(STARTUP)?; // names a worker that died first
-        for (rank, payload) in workers.ready_payloads().iter().enumerate() {
-            let payload = payload.as_deref().unwrap_or_default();
-            println!("Worker_{rank} ready: {}", String::from_utf8_lossy(payload));
-        }
-        // ... broadcast to them; workers.check()? between steps ...
-        workers.check()?;
-        // Shut down: remote workers are told through their links.
+        let run = (|| -> Result<()> {
+            while senders.len() < WORKERS {
+                // Its token proved and its rank claimed in the group; then a thread reads
+                // its frames (ready, leaving, or the link's loss: its death). A connection
+                // refused (a wrong token, a rank taken) or failed is only logged.
+                let worker = match listener.accept_into(&workers) {
+                    Ok(worker) => worker,
+                    Err(Error::Link(LinkError::TimedOut)) => {
+                        // Nobody waiting to join (or a stranger's handshake ran out).
+                        if let Some(e) = exited_before_joining(&mut children) {
+                            return Err(e);
+                        }
+                        if Instant::now() > deadline {
+                            return Err(Error::os(
+                                "waiting for the workers to join",
+                                std::io::ErrorKind::TimedOut.into(),
+                            ));
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                    Err(e) => {
+                        eprintln!("parent: {e}");
+                        continue;
+                    }
+                };
+                println!(
+                    "admitted rank {} (pid {} on {:?}, from {})",
+                    worker.rank(),
+                    worker.pid(),
+                    worker.host(),
+                    worker.peer()
+                );
+                senders.push(worker.sender());
+                scope.spawn(|| worker.serve(&workers));
+            }
+            workers.wait_until_ready(STARTUP)?; // names a worker that died first
+            for (rank, payload) in workers.ready_payloads().iter().enumerate() {
+                let payload = payload.as_deref().unwrap_or_default();
+                println!("Worker_{rank} ready: {}", String::from_utf8_lossy(payload));
+            }
+            // ... broadcast to them; workers.check()? between steps ...
+            workers.check()?;
+            Ok(())
+        })();
+        // Shut down: remote workers are told through their links. On an error too: each
+        // link's serving thread ends with its link, so the scope never waits for one.
         workers.close_begin();
         for sender in &senders {
             let _ = sender.send_stop(Duration::from_secs(5)); // a link already gone
         }
         workers.wait_exits(Instant::now() + Duration::from_secs(5));
+        for sender in &senders {
+            sender.shutdown();
+        }
         workers.close_finish();
-        Ok(())
+        run
     })?;
     for child in &mut children {
         let status = child
@@ -118,4 +146,17 @@ fn parent() -> Result<()> {
         println!("worker process {} exited: {status}", child.id());
     }
     Ok(())
+}
+
+/// A worker process that has exited (before it joined): its exit, as an error.
+fn exited_before_joining(children: &mut [Child]) -> Option<Error> {
+    children
+        .iter_mut()
+        .find_map(|child| match child.try_wait() {
+            Ok(Some(status)) => Some(Error::os(
+                "a worker exited before it joined",
+                std::io::Error::other(format!("pid {}: {status}", child.id())),
+            )),
+            _ => None,
+        })
 }
