@@ -12,17 +12,15 @@
 #                            from the start while the Rust steps use the CPU
 #   ci/lint.sh rust          formatting, clippy, docs
 #   ci/rust-test.sh          cargo test, doc tests, the broadcast example
-#   ci/loom.sh               built here, run in the background (niced: on the cores' idle
-#                            time) from once the fuzz targets are built (which wants both
-#                            cores); its result read after the engine
+#   ci/loom.sh               built here, run in the background from once the fuzz targets
+#                            are built (which wants both cores) until just before pytest
 #   ci/fuzz.sh               the fuzz targets under AddressSanitizer (one core, beside loom)
 #   ci/lint.sh python        ruff, stubtest, mypy, the API reference (once .venv is made
 #                            and shmq built into it)
-#   ci/wheel.sh build        in the background, niced as loom, from then on
 #   ci/pytest.sh             the Python suite
-#   ci/engine.sh             vLLM's engine with and without the plugin (nothing else in
-#                            the foreground: it times)
-#   ci/examples.sh           the README's examples and the newcomer from source
+#   ci/engine.sh             vLLM's engine with and without the plugin (alone: it times)
+#   ci/wheel.sh build        in the background beside ci/examples.sh (the README's
+#                            examples and the newcomer from source)
 #   ci/wheel.sh newcomer     the wheel where there is no Rust
 #
 # Python packages go into ./.venv (made on first use, reused after). Set PYTHON to
@@ -54,9 +52,7 @@ bash scripts/ci/loom.sh --build
 loom_log=$PWD/target/loom/loom.log && mkdir -p target/loom
 
 bash scripts/ci/fuzz.sh --build
-# Niced: it takes the cores' idle time, never time the steps in front would have had
-# (the Python build and lints here, the tests' waits later); its result is read at the end.
-setsid -w nice -n 19 bash scripts/ci/loom.sh >"$loom_log" 2>&1 &
+setsid -w bash scripts/ci/loom.sh >"$loom_log" 2>&1 &
 loom_pid=$!
 bash scripts/ci/fuzz.sh --run
 
@@ -73,18 +69,7 @@ build_shmq # exports SHMQ_CI_BUILT: the scripts below use this build
 
 bash scripts/ci/lint.sh python
 
-# The wheel (a release build of its own, target/wheel) from now on in the background,
-# niced as the loom checks are: it needs nothing of what follows, and what follows does
-# not wait for it until the newcomer installs it.
-step "Wheel: built and audited in the background, niced (log: target/wheel.log)"
-wheel_log=$PWD/target/wheel.log
-setsid -w nice -n 19 bash scripts/ci/wheel.sh build >"$wheel_log" 2>&1 &
-wheel_pid=$!
-
-bash scripts/ci/pytest.sh
-bash scripts/ci/engine.sh
-
-step "Rust: the loom model checks' result (run in the background, niced, since the fuzz targets were built)"
+step "Rust: the loom model checks' result (they ran in the background since the fuzz targets were built)"
 rc=0 && wait "$loom_pid" || rc=$?
 loom_pid=''
 if [ "$rc" = 0 ]; then
@@ -94,6 +79,14 @@ else
   echo "loom model checks failed (output above, also in $loom_log)"
   exit 1
 fi
+
+bash scripts/ci/pytest.sh
+bash scripts/ci/engine.sh
+
+step "Wheel: built and audited in the background (log: target/wheel.log)"
+wheel_log=$PWD/target/wheel.log
+setsid -w bash scripts/ci/wheel.sh build >"$wheel_log" 2>&1 &
+wheel_pid=$!
 
 bash scripts/ci/examples.sh
 
