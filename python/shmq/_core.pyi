@@ -34,6 +34,7 @@ __all__ = [
     "LINK_PROTOCOL_VERSION",
     "LINK_MAX_FRAME",
     "LINK_MAX_HELLO_FRAME",
+    "LINK_SEAL_BYTES",
     "LINK_HANDSHAKE_TIMEOUT",
     "LinkSeal",
     "link_hello_mac",
@@ -169,6 +170,7 @@ def new_secret_text() -> str:
 LINK_PROTOCOL_VERSION: int
 LINK_MAX_FRAME: int
 LINK_MAX_HELLO_FRAME: int
+LINK_SEAL_BYTES: int
 LINK_HANDSHAKE_TIMEOUT: float
 
 def link_hello_mac(token_text: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> str:

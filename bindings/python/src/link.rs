@@ -232,6 +232,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LINK_PROTOCOL_VERSION", link::PROTOCOL_VERSION)?;
     m.add("LINK_MAX_FRAME", link::MAX_FRAME)?;
     m.add("LINK_MAX_HELLO_FRAME", link::MAX_HELLO_FRAME)?;
+    m.add("LINK_SEAL_BYTES", link::SEAL_BYTES)?;
     m.add(
         "LINK_HANDSHAKE_TIMEOUT",
         link::HANDSHAKE_TIMEOUT.as_secs_f64(),

@@ -439,16 +439,10 @@ pub fn default_connect_ip() -> String {
         }
     }
     use std::net::ToSocketAddrs;
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into buf.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
-    if rc == 0 {
-        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-        if let Ok(host) = std::str::from_utf8(&buf[..end]) {
-            if let Ok(addrs) = (host, 0).to_socket_addrs() {
-                if let Some(a) = addrs.map(|a| a.ip()).find(|ip| !ip.is_unspecified()) {
-                    return a.to_string();
-                }
+    if let Some(host) = shmq_os::process::host_name() {
+        if let Ok(addrs) = (host.as_str(), 0).to_socket_addrs() {
+            if let Some(a) = addrs.map(|a| a.ip()).find(|ip| !ip.is_unspecified()) {
+                return a.to_string();
             }
         }
     }

@@ -131,6 +131,19 @@ impl ProcessId {
     }
 }
 
+/// This machine's host name (`gethostname(2)`), or `None` where the call fails.
+pub fn host_name() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname(2) writes at most `buf.len()` bytes into `buf`, which lives
+    // through the call.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

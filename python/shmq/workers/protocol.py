@@ -59,7 +59,7 @@ MAX_HELLO_FRAME: int = _core.LINK_MAX_HELLO_FRAME
 """The largest frame the parent reads before the peer proved the token: the hello (about
 300 bytes; its longest field is the host name, at most 255 bytes before JSON's escapes).
 A larger length is refused before anything more is read."""
-_SEAL_BYTES = 8 + 32  # a sealed frame's number and seal, in front of its payload
+_SEAL_BYTES: int = _core.LINK_SEAL_BYTES  # a sealed frame's number and seal, before its payload
 _RECV_CHUNK = 64 << 10  # the most one recv asks for (CPython allocates what is asked)
 
 

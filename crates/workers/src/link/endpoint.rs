@@ -455,15 +455,7 @@ pub struct ParentLink {
 }
 
 fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname(2) writes at most `buf.len()` bytes into `buf`, which lives
-    // through the call.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return String::new();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
+    shmq_os::process::host_name().unwrap_or_default()
 }
 
 /// Turn TCP keepalive on for `stream`, with the kernel's probe times (best effort: a
