@@ -312,12 +312,15 @@ def run_epd(rounds: int, progress: Any = None) -> Rows:
                 got[connector].setdefault(key, []).append(value)
     labels = [
         ("ttft", "prefill/decode instance's time to first token, 1 image encoded by the encoder instance", "ms"),
-        ("save_first", "hand-off, the encoder's first save (its TP ranks' calls, wall)", "ms"),
-        ("save", "hand-off, the encoder's save per image after the first (its TP ranks' calls, wall)", "ms"),
-        ("save_cpu", "hand-off, the encoder's save per image after the first (CPU)", "ms"),
+        ("save_first", "hand-off, the encoder's first save_caches call (its TP ranks', wall; shmq's copy runs on a "
+                       "thread of its own after the call and is not in it)", "ms"),
+        ("save", "hand-off, the encoder's save_caches per image after the first (wall; shmq's: without its copy)",
+         "ms"),
+        ("save_cpu", "hand-off, the encoder's save_caches per image after the first (the calling thread's CPU; "
+                     "shmq's: without its copy)", "ms"),
         ("load", "hand-off, the prefill/decode workers' load per image (both TP ranks, wall; steps without an item "
-                 "included)", "ms"),
-        ("load_cpu", "hand-off, the prefill/decode workers' load per image (CPU)", "ms"),
+                 "included; shmq's: views, their pages first read later in the step)", "ms"),
+        ("load_cpu", "hand-off, the prefill/decode workers' load per image (the calling thread's CPU)", "ms"),
     ]
     return [(label, statistics.median(got["example"][k]), statistics.median(got["shmq"][k]), unit)
             for k, label, unit in labels]
