@@ -65,7 +65,7 @@ def _profile_queues(out_dir: str) -> None:
         with open(os.path.join(out_dir, f"{os.getpid()}.json"), "w") as f:
             json.dump({"title": title, "stats": stats, "calls": calls}, f)
 
-    def wrap(cls: type, name: str, key: str, every: int = 64) -> None:
+    def wrap(cls: type, name: str, key: str, every: int = 64, each: bool = False) -> None:
         original = getattr(cls, name)
         if getattr(original, "_profiled", False):
             return
@@ -80,7 +80,7 @@ def _profile_queues(out_dir: str) -> None:
                 s[0] += 1
                 s[1] += time.thread_time() - c0
                 s[2] += time.perf_counter() - w0
-                if every == 1:  # rare calls: each one's (CPU, wall) too
+                if each:  # rare calls (a save per item): each one's (CPU, wall) too
                     calls.setdefault(key, []).append((time.thread_time() - c0, time.perf_counter() - w0))
                 if s[0] % every == 0:
                     dump()
@@ -104,7 +104,7 @@ def _profile_queues(out_dir: str) -> None:
         pass
     else:
         for cls, tag in ((ECExampleConnector, "ec.example"), (ShmqECConnector, "ec.shmq")):
-            wrap(cls, "save_caches", f"{tag}.save", every=1)
+            wrap(cls, "save_caches", f"{tag}.save", every=1, each=True)
             wrap(cls, "start_load_caches", f"{tag}.load", every=1)
     atexit.register(dump)
 
