@@ -262,11 +262,14 @@ class _KeyIndex(Mapping):
     read from the core on each access."""
 
     def __init__(self, store: "ObjectStorage"):
-        self._store = store
+        # Weak: the store owns this mapping, which must not keep it (and its segment)
+        # alive until a garbage collection.
+        self._store = weakref.ref(store)
 
     @property
     def _core(self) -> Any:
-        return self._store._core
+        store = self._store()
+        return store._core if store is not None else _Closed("the object storage")
 
     def __getitem__(self, key: str) -> tuple[int, int]:
         entry = self._core.entry(key) if type(key) is str else None

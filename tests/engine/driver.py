@@ -286,7 +286,9 @@ def cmd_mm(args: argparse.Namespace) -> None:
     hit or miss of its own, read from vLLM's own counters: a repeated image is a hit
     unless the cache evicted it meanwhile. Reports the greedy tokens, the hits, and what
     is in /dev/shm while the engine runs and once it is gone (``--end``). A request of
-    several images lists them with ``+`` (``0+1+2+3``); its hits are then counted."""
+    several images lists them with ``+`` (``0+1+2+3``); its hits are then counted.
+    ``--then-kill-worker idle|generating``: the ``worker-death --images`` run follows on
+    the same engine (its ``error``, ``error_after_s``, ``hung``), instead of a normal end."""
     from vllm import LLM
 
     t0 = time.perf_counter()
@@ -341,7 +343,10 @@ def cmd_mm(args: argparse.Namespace) -> None:
         cache_queries=info.total if info is not None else None,
         cache_class=type(cache).__name__ if cache is not None else None,
     )
-    if args.end == "shutdown":
+    killed = {}
+    if args.then_kill_worker:  # the worker-death run on this engine, instead of a normal end
+        killed = kill_a_worker(llm, args.then_kill_worker, True, 60.0)
+    elif args.end == "shutdown":
         llm.llm_engine.engine_core.shutdown()
     del llm, cache
     gc.collect()
@@ -351,6 +356,7 @@ def cmd_mm(args: argparse.Namespace) -> None:
     result(
         dict(
             live,
+            **killed,
             tokens=tokens,
             start_s=started,
             request_s=request_s,
@@ -413,24 +419,38 @@ def cmd_worker_death(args: argparse.Namespace) -> None:
     """SIGKILL one TP worker (idle, or while a generate runs) and time the caller's error.
     ``--images``: the model is the Llava, and the requests carry images through vLLM's
     multimodal cache in shared memory (``mm_processor_cache_type="shm"``, the store
-    shmq's with the plugin), so the worker dies while it reads them."""
+    shmq's with the plugin), so the worker dies while it reads them. Text: the greedy
+    tokens of the ``offline`` command's prompts come first (``tokens``)."""
     from vllm import LLM
 
+    tokens = None
     if args.images:
         llm = LLM(model=args.model, mm_processor_cache_type="shm", mm_processor_cache_gb=0.02 / 1024,
                   mm_shm_cache_max_object_size_mb=1, limit_mm_per_prompt={"image": 1},
                   **dict(ENGINE_ARGS, max_model_len=256))
-
-        def batch(n: int) -> list:
-            return [{"prompt": mm_prompt(k), "multi_modal_data": {"image": image(k % 6)}} for k in range(n)]
+        llm.generate(image_batch(2), sampling(4), use_tqdm=False)
     else:
         llm = LLM(model=args.model, **ENGINE_ARGS)
-
-        def batch(n: int) -> list:
-            return prompts(n)
-
-    llm.generate(batch(2), sampling(4), use_tqdm=False)
+        outputs = llm.generate(prompts(32), sampling(16), use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        del outputs
     pids = our_pids()
+    killed = kill_a_worker(llm, args.when, args.images, args.limit)
+    del llm
+    gc.collect()
+    result(dict(killed, **ended(pids), tokens=tokens))
+
+
+def image_batch(n: int) -> list:
+    """``n`` requests with an image each (six images in turn)."""
+    return [{"prompt": mm_prompt(k), "multi_modal_data": {"image": image(k % 6)}} for k in range(n)]
+
+
+def kill_a_worker(llm, when: str, images: bool, limit: float) -> dict:
+    """One TP worker of the started engine ``llm`` SIGKILLed, idle or while a generate
+    runs (with ``images``: ``image_batch`` requests), and what the caller saw: its error
+    and how long after the kill. (``worker-death``; ``mm --then-kill-worker``.)"""
+    batch = image_batch if images else prompts
     victims = workers()
     killed_at: list[float] = []
 
@@ -442,13 +462,13 @@ def cmd_worker_death(args: argparse.Namespace) -> None:
     done = threading.Event()
 
     def watchdog() -> None:
-        if not done.wait(args.limit):
+        if not done.wait(limit):
             # A hang: report it and leave (the caller kills what is left of the engine).
-            result(dict(outcome, hung=True, seconds=args.limit, plugin=plugin_active()))
+            result(dict(outcome, hung=True, seconds=limit, plugin=plugin_active()))
             os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    if args.when == "idle":
+    if when == "idle":
         kill()
         time.sleep(0.5)
     else:
@@ -458,27 +478,22 @@ def cmd_worker_death(args: argparse.Namespace) -> None:
             llm.generate(batch(64), sampling(128), use_tqdm=False)
             if not killed_at:
                 continue
-            if time.monotonic() - killed_at[0] > args.limit:
+            if time.monotonic() - killed_at[0] > limit:
                 break
     except Exception as e:  # vLLM's EngineDeadError (or what it raises instead)
         outcome["error"] = f"{type(e).__name__}: {e}"[:300]
     error_after = time.monotonic() - killed_at[0]
     done.set()
-    del llm
-    gc.collect()
+    return dict(outcome, hung=False, error_after_s=error_after, plugin=plugin_active())
+
+
+def ended(pids: set[int]) -> dict:
+    """Once the caller has let its engine go: the engine's processes and what ``pids``
+    made in /dev/shm, each waited for (20 s at most) to be gone."""
     deadline = time.monotonic() + 20
     while (engine_processes() or shm_names(pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    result(
-        dict(
-            outcome,
-            hung=False,
-            error_after_s=error_after,
-            plugin=plugin_active(),
-            engine_processes_after=engine_processes(),
-            shm_after=shm_names(pids),
-        )
-    )
+    return dict(engine_processes_after=engine_processes(), shm_after=shm_names(pids))
 
 
 def cmd_sparse(args: argparse.Namespace) -> None:
@@ -578,6 +593,7 @@ def cmd_multinode(args: argparse.Namespace) -> None:
         except Exception as e:  # vLLM's EngineDeadError (or what it raises instead)
             outcome["error_at"] = time.time()
             outcome["error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"ERROR {outcome['error_at']}", flush=True)  # a timed fault may end now
         done.set()
     if args.end == "shutdown":
         llm.llm_engine.engine_core.shutdown()
@@ -650,6 +666,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--end", choices=["scope", "shutdown"], default="scope")
     p.add_argument("--ec-both", metavar="NAME", help="with shmq's encoder-cache connector as ec_both, cache NAME")
+    p.add_argument("--then-kill-worker", choices=["idle", "generating"], help="then the worker-death run")
     p = sub.add_parser("epd")
     p.add_argument("model")
     p.add_argument("--role", choices=["ec_producer", "ec_consumer", "ec_both", "none"], required=True)

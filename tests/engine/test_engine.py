@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from shmq_bench.engine import engine_env
+from served import DRIVER, PROMPTS, Server, completions, env, http
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = str(ROOT / "tests" / "engine" / "driver.py")
-ENGINE_START = 240.0  # an engine's start on 2 cores takes 30-60 s; a loaded CI more
-PROMPTS = [f"the scheduler {i} sends a batch of tokens to the worker {i % 7}" for i in range(8)]
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def _env(plugin: bool) -> dict[str, str]:
-    return engine_env(plugin, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
 
 
 def _shm(pids: set[int]) -> set[str]:
@@ -109,142 +101,40 @@ def _run_driver(argv: list[str], env: dict[str, str], timeout: float = 600) -> d
 
 def _drive(engine: tuple[str, str], plugin: bool, *args: str, timeout: float = 600) -> dict:
     python, model = engine
-    return _run_driver([python, DRIVER, args[0], model, *args[1:]], _env(plugin), timeout)
-
-
-def test_offline_greedy_outputs_are_identical_and_nothing_is_left(engine):
-    # vLLM alone ends by scope; with the plugin the engine is shut down explicitly
-    # (`llm.llm_engine.engine_core.shutdown()`). The end by scope with the plugin is the
-    # images' offline run below (the restart under the killed server's store name).
-    off = _drive(engine, False, "offline")
-    on = _drive(engine, True, "offline", "--end", "shutdown")
-    assert not off["plugin"] and on["plugin"], on["_log"][-3000:]
-    assert not [n for n in off["shm_while_running"] if n.startswith("shmq_ring")]
-    assert [n for n in on["shm_while_running"] if n.startswith("shmq_ring")], "the plugin made no ring"
-    assert on["tokens"] == off["tokens"]
-    # The engine's processes and every segment they made are gone.
-    assert on["engine_processes_after"] == [] and off["engine_processes_after"] == []
-    assert on["shm_after"] == [], on["_log"][-3000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(url: str, body: dict | None = None, timeout: float = 60.0) -> str:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read().decode()
-
-
-class Server:
-    """``vllm serve`` (through the driver) on 127.0.0.1, in its own process group."""
-
-    def __init__(self, engine: tuple[str, str], plugin: bool, log: Path, model: str | None = None,
-                 extra: tuple[str, ...] = (), wait: bool = True):
-        python, self.model = engine
-        self.model = model or self.model
-        self.port = _free_port()
-        self.log_path = log
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [python, DRIVER, "serve", self.model, "--tensor-parallel-size", "2",
-             "--distributed-executor-backend", "mp", "--enforce-eager", "--max-model-len", "512",
-             "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port), *extra],
-            env=_env(plugin),
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> None:
-        """Until its /health answers (the engine is up)."""
-        deadline = time.monotonic() + ENGINE_START
-        while True:
-            assert self.proc.poll() is None, self.text()[-5000:]
-            try:
-                _http(f"{self.url}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not start:\n" + self.text()[-5000:]
-                time.sleep(0.5)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def pids(self) -> set[int]:
-        """The server's process and its descendants (the engine core, the workers)."""
-        import psutil
-
-        root = psutil.Process(self.proc.pid)
-        return {root.pid, *(c.pid for c in root.children(recursive=True))}
-
-    def text(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def complete(self, prompt: str, stream: bool) -> str:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                "ignore_eos": True, "stream": stream}
-        raw = _http(f"{self.url}/v1/completions", body)
-        if not stream:
-            return json.loads(raw)["choices"][0]["text"]
-        text = ""
-        for line in raw.splitlines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-        return text
-
-    def stop(self, sig: int, timeout: float = 120.0) -> int:
-        if sig == signal.SIGKILL:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the whole engine, at once
-        else:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.kill_rest()
-            self.log.close()
-
-    def kill_rest(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait()
-
-
-def _completions(server: Server) -> list[str]:
-    return [server.complete(p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS)]
+    return _run_driver([python, DRIVER, args[0], model, *args[1:]], env(plugin), timeout)
 
 
 @pytest.fixture(scope="module")
-def served_without_plugin(engine, tmp_path_factory) -> list[str]:
-    server = Server(engine, False, tmp_path_factory.mktemp("serve") / "off.log")
-    try:
-        texts = _completions(server)
-        # Streamed and not: the same text for the same prompt.
-        assert server.complete(PROMPTS[0], stream=True) == texts[0]
-    finally:
-        server.stop(signal.SIGTERM)
-    return texts
+def llama_alone(engine) -> dict:
+    """vLLM alone (no plugin), offline, the Llama: the greedy tokens of the ``offline``
+    command's prompts, then one TP worker SIGKILLed while idle (``worker-death``): the
+    reference of both tests below, from one engine start."""
+    python, model = engine
+    return _run_driver([python, DRIVER, "worker-death", model, "--when", "idle"], env(False), 600)
+
+
+def test_offline_greedy_outputs_are_identical_and_nothing_is_left(engine, llama_alone):
+    # With the plugin the engine is shut down explicitly
+    # (`llm.llm_engine.engine_core.shutdown()`). The end by scope with the plugin is the
+    # images' offline run below (the restart under the killed server's store name).
+    off = llama_alone
+    on = _drive(engine, True, "offline", "--end", "shutdown")
+    assert not off["plugin"] and on["plugin"], on["_log"][-3000:]
+    assert [n for n in on["shm_while_running"] if n.startswith("shmq_ring")], "the plugin made no ring"
+    assert off["tokens"] and on["tokens"] == off["tokens"]
+    # The engine's processes and every segment they made are gone.
+    assert on["engine_processes_after"] == [], on["_log"][-3000:]
+    assert on["shm_after"] == [], on["_log"][-3000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_serve_same_outputs_metrics_and_nothing_left_after_stop(engine, tmp_path, served_without_plugin, sig):
+def test_serve_same_outputs_metrics_and_nothing_left_after_stop(engine, tmp_path, llama_served_alone, sig):
     server = Server(engine, True, tmp_path / "on.log")
     pids = server.pids()
     try:
-        assert _completions(server) == served_without_plugin
-        assert server.complete(PROMPTS[0], stream=True) == served_without_plugin[0]
-        metrics = _http(f"{server.url}/metrics")
+        assert completions(server) == llama_served_alone
+        assert server.complete(PROMPTS[0], stream=True) == llama_served_alone[0]
+        metrics = http(f"{server.url}/metrics")
         # Labels (in any order): the segment, and the queue's name (vLLM names none).
         sent = r'^shmq_queue_sent_messages_total\{(?=[^}]*segment="shmq_ring_\d+_[0-9a-f]+")[^}]*\} [1-9]'
         assert re.search(sent, metrics, re.M), metrics[-3000:]
@@ -259,15 +149,16 @@ def test_serve_same_outputs_metrics_and_nothing_left_after_stop(engine, tmp_path
 
 
 @pytest.mark.parametrize("when", ["idle", "generating images"])
-def test_a_worker_killed_reaches_the_caller_no_later_than_without_the_plugin(engine, when):
+def test_a_worker_killed_reaches_the_caller_no_later_than_without_the_plugin(engine, when, request):
     # Idle: text, the Llama. Generating: image requests on the Llava through vLLM's
     # multimodal cache in shared memory (shmq's store with the plugin, vLLM's own
-    # without), the worker killed while it reads items and steps (issue 42).
+    # without), the worker killed while it reads items and steps (issue 42). vLLM
+    # alone's runs are the fixtures' (each also a reference of other tests).
     python, model = engine
     args = ("--when", "idle") if when == "idle" else ("--when", "generating", "--images")
     model = model if when == "idle" else LLAVA
-    off = _run_driver([python, DRIVER, "worker-death", model, *args], _env(False), 600)
-    on = _run_driver([python, DRIVER, "worker-death", model, *args], _env(True), 600)
+    off = request.getfixturevalue("llama_alone" if when == "idle" else "mm_offline")
+    on = _run_driver([python, DRIVER, "worker-death", model, *args], env(True), 600)
     assert not off["hung"], off["_log"][-3000:]
     assert not on["hung"], "the engine hung after a worker's death with the plugin:\n" + on["_log"][-5000:]
     assert on["error"] and off["error"], (on["error"], off["error"])
@@ -296,13 +187,15 @@ LLAVA = str(ROOT / "target" / "engine-llava")
 def _drive_mm(engine: tuple[str, str], plugin: bool, *args: str, **env: str) -> dict:
     python, _ = engine
     argv = [python, DRIVER, "mm", LLAVA, "--cache-mib", MM_CACHE_MIB, "--sequence", MM_SEQUENCE, *args]
-    return _run_driver(argv, {**_env(plugin), **env})
+    return _run_driver(argv, {**env(plugin), **env})
 
 
 @pytest.fixture(scope="module")
 def mm_offline(engine) -> dict:
-    """The images through vLLM's own store (no plugin), offline: what shmq's runs match."""
-    return _drive_mm(engine, False, "--cache", "shm")
+    """The images through vLLM's own store (no plugin), offline: what shmq's runs match;
+    then one TP worker SIGKILLed while it generates with images (the worker-death
+    reference above)."""
+    return _drive_mm(engine, False, "--cache", "shm", "--then-kill-worker", "generating")
 
 
 def _driver():
@@ -323,7 +216,7 @@ def _chat_with_image(server: Server, n: int, i: int, max_tokens: int = 8, uuid: 
     content = [picture, {"type": "text", "text": f"what is in picture {n % 5}"}]
     body = {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
-    return json.loads(_http(f"{server.url}/v1/chat/completions", body))["choices"][0]["message"]["content"]
+    return json.loads(http(f"{server.url}/v1/chat/completions", body))["choices"][0]["message"]["content"]
 
 
 MM_SERVE_ARGS = ("--limit-mm-per-prompt", '{"image": 1}', "--max-model-len", "256", "--dtype", "bfloat16",
@@ -338,7 +231,7 @@ def _serve_mm(engine: tuple[str, str], plugin: bool, log: Path, cache: str) -> S
 
 def _mm_counters(server: Server) -> tuple[float, float]:
     """(hits, queries) of vLLM's multimodal cache, from its /metrics."""
-    metrics = _http(f"{server.url}/metrics")
+    metrics = http(f"{server.url}/metrics")
     hits = re.search(r"^vllm:mm_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M)
     queries = re.search(r"^vllm:mm_cache_queries_total\{[^}]*\} (\S+)", metrics, re.M)
     assert hits and queries, metrics[-3000:]
@@ -452,9 +345,8 @@ def test_serve_images_on_shmq_then_sigkilled_whole_and_restarted_offline_under_i
     # Hits and an eviction as vLLM counts them, the same with and without shmq.
     assert on["hits"] == MM_HITS and alone["hits"] == MM_HITS, (on["hits"], alone["hits"])
     # A normal end: the engine's processes and every segment, vLLM's store included, gone.
-    for run in (on, alone):
-        assert run["engine_processes_after"] == [], run["_log"][-3000:]
-        assert run["shm_after"] == [] and run["vllm_stores_after"] == [], run["_log"][-3000:]
+    assert on["engine_processes_after"] == [], on["_log"][-3000:]
+    assert on["shm_after"] == [] and on["vllm_stores_after"] == [], on["_log"][-3000:]
 
 
 # --- Disaggregated encoding with shmq's encoder-cache connector (issue 42) ------------------

@@ -9,9 +9,11 @@ is cut. ``shmq_bench.multinode`` sets them up; where ``unshare`` or ``ip netns``
 refused the tests skip with that reason.
 
 With the plugin, the executor's step broadcast reaches node 1's worker over shmq's
-remote stream and that worker's answers come back the same way. vLLM alone is run in
-the same test only where outputs are compared; the faults beside vLLM alone are
-measured by ``python -m shmq bench --scenarios engine-multinode`` (docs/performance.md).
+remote stream and that worker's answers come back the same way. The texts every run
+must give are vLLM alone's, served on one node (conftest.py's ``llama_served_alone``:
+the same as vLLM alone's on two nodes, greedy with the same flags); the faults beside
+vLLM alone are measured by ``python -m shmq bench --scenarios engine-multinode``
+(docs/performance.md).
 Engine starts are few: each run checks several things.
 """
 
@@ -46,22 +48,13 @@ def _shmq_names(names: list[str] | None) -> list[str]:
     return [n for n in names or [] if n.startswith("shmq_")]
 
 
-@pytest.fixture(scope="module")
-def vllm_alone(engine, tmp_path_factory) -> dict:
-    """``vllm serve`` on two nodes without the plugin: the texts the runs with shmq must
-    match (offline and served alike: the same greedy completions). (vLLM alone leaves
-    node 1 running after node 0's end: killed, not waited for.)"""
-    with _serving(engine, False, tmp_path_factory.mktemp("multinode")) as (_, _, texts):
-        return {"texts": texts}
-
-
 @pytest.mark.parametrize("end", ["scope", "shutdown"])
-def test_two_nodes_offline_same_tokens_and_node1_ends_with_node0(engine, tmp_path, vllm_alone, end):
+def test_two_nodes_offline_same_tokens_and_node1_ends_with_node0(engine, tmp_path, llama_served_alone, end):
     # Node 0's LLM goes out of scope, or is shut down explicitly, as the one-node tests.
     python, model = engine
     on = mn.run_offline(python, model, True, tmp_path, ending=end)
     assert on["plugin"], on["node0_log"]
-    assert on["texts"] == vllm_alone["texts"], on["node0_log"]
+    assert on["texts"] == llama_served_alone, on["node0_log"]
     # The step broadcast went through shmq's rings on node 0 (the executor's, to its local
     # worker) while it ran; everything shmq made on either node is gone after the end.
     assert [n for n in on["shm_while_running"] if n.startswith("shmq_ring")], on["shm_while_running"]
@@ -74,7 +67,7 @@ def test_two_nodes_offline_same_tokens_and_node1_ends_with_node0(engine, tmp_pat
     assert on["node1_gone_after_s"] <= NODE1_ENDS, on["node1_log"]
 
 
-def test_two_nodes_sharing_one_dev_shm_then_node1_stopped_past_the_bound(engine, tmp_path, vllm_alone):
+def test_two_nodes_sharing_one_dev_shm_then_node1_stopped_past_the_bound(engine, tmp_path, llama_served_alone):
     # Two containers on one host with one IPC namespace: node 1 sees node 0's /dev/shm,
     # so shmq's probe alone would call it local; vLLM's rule (one device per node) says
     # otherwise and shmq follows vLLM (before: vLLM's AssertionError at start).
@@ -84,8 +77,10 @@ def test_two_nodes_sharing_one_dev_shm_then_node1_stopped_past_the_bound(engine,
     # ever). (Node 1's worker SIGKILLed: the bench, beside vLLM alone.)
     python, model = engine
     before = set(os.listdir("/dev/shm"))
-    on = mn.run_offline(python, model, True, tmp_path, faults=("stop",), private_shm=False)
-    assert on["texts"] == vllm_alone["texts"], on["node0_log"]
+    # (Node 1 resumed once node 0's caller has its error, and not waited for after.)
+    on = mn.run_offline(python, model, True, tmp_path, faults=("stop",), private_shm=False,
+                        end_faults_at_error=True, node1_wait=0)
+    assert on["texts"] == llama_served_alone, on["node0_log"]
     assert not on["hung"] and on["error"], on["node0_log"]
     assert on["error_after_s"] <= BOUND + SLACK, (on["error_after_s"], on["node0_log"])
     assert on["lost_warned"], on["node0_log"]
@@ -102,7 +97,9 @@ def test_two_nodes_sharing_one_dev_shm_then_node1_stopped_past_the_bound(engine,
 @pytest.mark.skipif(bool(mn.refused(link=True)), reason=str(mn.refused(link=True)))
 def test_link_cut_for_2s_goes_on_and_for_30s_is_an_error_within_the_bound(engine, tmp_path):
     python, model = engine
-    on = mn.run_offline(python, model, True, tmp_path, faults=("cut2", "cut30"))
+    # (The 30 s cut ends once node 0's caller has its error.)
+    on = mn.run_offline(python, model, True, tmp_path, faults=("cut2", "cut30"), end_faults_at_error=True,
+                        node1_wait=NODE1_ENDS)
     # A 2 s cut is shorter than the bound: no false death, requests complete after it.
     assert on["batches_after"][0] > 0, on["node0_log"]
     # A 30 s cut: the caller's error within the bound, not when the link comes back.
@@ -119,9 +116,9 @@ def test_link_cut_for_2s_goes_on_and_for_30s_is_an_error_within_the_bound(engine
         assert _shmq_names(on["node1_left"]) == [], on["node1_left"]
 
 
-def test_serve_on_two_nodes_then_node0s_engine_core_killed(engine, tmp_path, vllm_alone):
+def test_serve_on_two_nodes_then_node0s_engine_core_killed(engine, tmp_path, llama_served_alone):
     with _serving(engine, True, tmp_path) as (node0, node1, texts):
-        assert texts == vllm_alone["texts"], (texts, vllm_alone["texts"])
+        assert texts == llama_served_alone, (texts, llama_served_alone)
         assert re.search(r"shmq \S+ plugin active", node1.text()), node1.text()[-3000:]
         # Node 0's engine core SIGKILLed while node 1 waits for its next step: node 1's
         # worker is told by its stream (the writer's death) and node 1 ends.
@@ -139,14 +136,14 @@ def test_serve_on_two_nodes_then_node0s_engine_core_killed(engine, tmp_path, vll
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
-def test_serve_on_two_nodes_then_stopped_ends_both_and_leaves_nothing(engine, tmp_path, vllm_alone, sig):
+def test_serve_on_two_nodes_then_stopped_ends_both_and_leaves_nothing(engine, tmp_path, llama_served_alone, sig):
     # The endings of `vllm serve` the one-node tests use: SIGTERM and SIGINT to node 0's
     # server, or node 0 SIGKILLed whole (no exit hook runs there: its janitors clean up).
     # Node 0 ends, node 1 follows (vLLM alone: node 1 runs on) and neither node keeps
     # anything of shmq's.
     before = set(os.listdir("/dev/shm"))
     with _serving(engine, True, tmp_path) as (node0, node1, texts):
-        assert texts == vllm_alone["texts"], (texts, vllm_alone["texts"])
+        assert texts == llama_served_alone, (texts, llama_served_alone)
         node0.signal(sig, None if sig == signal.SIGKILL else [node0.proc.pid])
         stopped = time.time()
         gone = node0.wait_gone(60)

@@ -15,7 +15,6 @@ import pickle
 import secrets
 import signal
 from collections.abc import Mapping
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -772,7 +771,10 @@ def test_writer_flag_of_an_id_whose_key_was_put_again_is_a_key_error():
         def __getattr__(self, name):
             return getattr(self.core, name)
 
-    racing = SimpleNamespace(_core=PutAgainBetween(store._core))
+    class Racing:  # a store whose core puts the key again between the two lookups
+        _core = PutAgainBetween(store._core)
+
+    racing = Racing()
     with pytest.raises(KeyError):
         _WriterFlag(racing)[old_id]  # type: ignore[arg-type]
     ring.close()
@@ -918,3 +920,25 @@ def test_abandoned_writer_leaves_a_readable_segment(children):
             os.unlink(os.path.join(SHM_DIR, name))
         except FileNotFoundError:
             pass
+
+
+def test_a_dropped_store_frees_its_segment_at_once_not_at_a_garbage_collection():
+    # The store's vLLM-shaped indexes (key_index, id_index, writer_flag) refer back to it
+    # weakly: the last reference dropped, the ring's segment goes (as vLLM's own store's
+    # does), not only once a collection finds a cycle.
+    gc.collect()
+    gc.disable()
+    try:
+        ring = RingBuffer(1 << 16, create=True)
+        store = ObjectStorage(4096, 1, ring)
+        address, monotonic_id = store.put("k", np.arange(8))
+        assert store.key_index["k"] == (address, monotonic_id) and store.id_index[monotonic_id] == "k"
+        name = ring.shared_memory.name
+        assert os.path.exists(os.path.join(SHM_DIR, name))
+        key_index = store.key_index
+        del store, ring
+        assert not os.path.exists(os.path.join(SHM_DIR, name)), "the segment waits for a garbage collection"
+        with pytest.raises(ValueError, match="closed"):
+            key_index["k"]  # an index kept past its store says so
+    finally:
+        gc.enable()

@@ -488,6 +488,9 @@ def serde_service(out: Any, cmds: Any) -> None:
     address, id)], point)`` opens the store, gets every item and answers
     ``("read", {key: ("ok", canon(value)) | ("raised", type, msg)})``; ``point`` registers
     ``Point`` first."""
+    # What the imports made lives as long as this process: the collection after each
+    # read need not walk it (a full one takes 0.1 s here, with torch imported).
+    gc.freeze()
     out.put(("ready", os.getpid()))
     while True:
         cmd = cmds.get(timeout=600)

@@ -1,0 +1,125 @@
+"""``vllm serve`` as the engine tests start it (one node, TP=2, the flags of
+``shmq_bench.multinode``'s two-node runs), and what they ask of it; used by
+``test_engine.py`` and by the session fixture of ``conftest.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from shmq_bench.engine import engine_env
+from shmq_bench.multinode import ENGINE_FLAGS
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = str(ROOT / "tests" / "engine" / "driver.py")
+ENGINE_START = 240.0  # an engine's start on 2 cores takes 30-60 s; a loaded CI more
+#: The driver's prompts (``driver.py prompts``), which the two-node runs complete too.
+PROMPTS = [f"the scheduler {i} sends a batch of tokens to the worker {i % 7}" for i in range(8)]
+
+
+def env(plugin: bool) -> dict[str, str]:
+    return engine_env(plugin, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 60.0) -> str:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode()
+
+
+class Server:
+    """``vllm serve`` (through the driver) on 127.0.0.1, in its own process group."""
+
+    def __init__(self, engine: tuple[str, str], plugin: bool, log: Path, model: str | None = None,
+                 extra: tuple[str, ...] = (), wait: bool = True):
+        python, self.model = engine
+        self.model = model or self.model
+        self.port = free_port()
+        self.log_path = log
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [python, DRIVER, "serve", self.model, *ENGINE_FLAGS, "--host", "127.0.0.1", "--port", str(self.port),
+             *extra],
+            env=env(plugin),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until its /health answers (the engine is up)."""
+        deadline = time.monotonic() + ENGINE_START
+        while True:
+            assert self.proc.poll() is None, self.text()[-5000:]
+            try:
+                http(f"{self.url}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not start:\n" + self.text()[-5000:]
+                time.sleep(0.5)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pids(self) -> set[int]:
+        """The server's process and its descendants (the engine core, the workers)."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        return {root.pid, *(c.pid for c in root.children(recursive=True))}
+
+    def text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def complete(self, prompt: str, stream: bool) -> str:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+        raw = http(f"{self.url}/v1/completions", body)
+        if not stream:
+            return json.loads(raw)["choices"][0]["text"]
+        text = ""
+        for line in raw.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    def stop(self, sig: int, timeout: float = 120.0) -> int:
+        if sig == signal.SIGKILL:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the whole engine, at once
+        else:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill_rest()
+            self.log.close()
+
+    def kill_rest(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait()
+
+
+def completions(server: Server) -> list[str]:
+    """The server's greedy completions of ``PROMPTS``, every other one streamed."""
+    return [server.complete(p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS)]
