@@ -277,7 +277,6 @@ def test_a_loan_written_after_its_put_changes_no_reader_and_its_memory_is_reused
             assert reader.ask("drop", "again")[0] == "dropped"
         assert reader.ask("drop", f"k{i}")[0] == "dropped"
         del out
-        gc.collect()
     assert store.loan_fallbacks == 0
     reader.stop()
 
