@@ -184,10 +184,10 @@ MM_CACHE_MIB = "0.02"
 LLAVA = str(ROOT / "target" / "engine-llava")
 
 
-def _drive_mm(engine: tuple[str, str], plugin: bool, *args: str, **env: str) -> dict:
+def _drive_mm(engine: tuple[str, str], plugin: bool, *args: str, **extra_env: str) -> dict:
     python, _ = engine
     argv = [python, DRIVER, "mm", LLAVA, "--cache-mib", MM_CACHE_MIB, "--sequence", MM_SEQUENCE, *args]
-    return _run_driver(argv, {**env(plugin), **env})
+    return _run_driver(argv, {**env(plugin), **extra_env})
 
 
 @pytest.fixture(scope="module")
