@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -38,3 +40,40 @@ def llama_served_alone(engine, tmp_path_factory) -> list[str]:
     finally:
         server.stop(signal.SIGTERM)
     return texts
+
+
+# What vLLM's own processes leave in /dev/shm when a test kills them with their process
+# group (its multiprocessing resource tracker included, which would have removed them):
+# its ``SharedMemory`` rings and semaphores. Not shmq's: the tests check those.
+_VLLMS_LEFTOVERS = ("psm_", "sem.mp-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllms_leftovers_removed():
+    """At the session's end, what vLLM's processes made in /dev/shm during it and left
+    (``_VLLMS_LEFTOVERS``), removed unless a live process still maps or holds it: running
+    the engine tests again and again does not fill /dev/shm with vLLM alone's rings."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    left = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith(_VLLMS_LEFTOVERS)]
+    in_use = _dev_shm_in_use() if left else set()
+    for name in left:
+        if name not in in_use:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
+def _dev_shm_in_use() -> set[str]:
+    """The /dev/shm names that some live process maps or has open."""
+    names: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as maps:
+                names.update(line.split("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        names.add(target[len("/dev/shm/"):].split()[0])
+    return names
