@@ -43,9 +43,10 @@ def llama_served_alone(engine, tmp_path_factory) -> list[str]:
 
 
 # What vLLM's own processes leave in /dev/shm when a test kills them with their process
-# group (its multiprocessing resource tracker included, which would have removed them):
-# its ``SharedMemory`` rings and semaphores. Not shmq's: the tests check those.
-_VLLMS_LEFTOVERS = ("psm_", "sem.mp-")
+# group (its multiprocessing resource tracker included, which would have removed them),
+# or kills one of its workers: its ``SharedMemory`` rings and semaphores, and its CPU
+# all-reduce's segments. Not shmq's: the tests check those.
+_VLLMS_LEFTOVERS = ("psm_", "sem.mp-", "vllm_dist_")
 
 
 @pytest.fixture(scope="session", autouse=True)
