@@ -58,7 +58,7 @@ def _wait_no_shm(pids: set[int], seconds: float = 15.0) -> set[str]:
     return left
 
 
-def _run_driver(argv: list[str], env: dict[str, str], timeout: float = 600) -> dict:
+def _run_driver(argv: list[str], environ: dict[str, str], timeout: float = 600) -> dict:
     """Run ``driver.py`` in a process group of its own and return its ``RESULT``, with
     its output as ``_log``. Once the driver has exited, what is left of its group is
     killed: an engine process that outlived it (vLLM's CPU all-reduce spins forever
@@ -66,7 +66,7 @@ def _run_driver(argv: list[str], env: dict[str, str], timeout: float = 600) -> d
     and be counted by the tests after this one."""
     import threading
 
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
 
