@@ -16,7 +16,7 @@ def worker(queue_handle, store_handle, rank):
     store = ObjectStorage.create_from_handle(store_handle)
     queue.wait_until_ready()
     while (batch := queue.dequeue()) is not None:
-        image = store.get(*batch["image"])  # (address, id, signature, key) of the shared tensor
+        image = store.get(batch["image"])  # an ObjectRef: the shared tensor, signed
         print(f"worker {rank}: step {batch['step']}, image {image.shape} sum {image.sum():.0f}")
 
 
@@ -30,8 +30,7 @@ if __name__ == "__main__":
     queue.wait_until_ready()
     for step in range(3):
         key = f"image-{step}"
-        address, monotonic_id = store.put(key, np.full((224, 224, 3), step, dtype=np.float32))
-        image = (address, monotonic_id, store.get_signature(key), key)  # readers check the signature
+        image = store.put_ref(key, np.full((224, 224, 3), step, dtype=np.float32))  # picklable
         queue.enqueue({"step": step, "req_ids": list(range(16)), "image": image})
     queue.enqueue(None)
     for p in procs:

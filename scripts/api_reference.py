@@ -6,7 +6,8 @@ and every name in ``shmq.__all__`` must have its entry on the package's page.
 
     python scripts/api_reference.py [OUT_DIR]
 
-Run by ``scripts/test.sh``; needs the ``[test]`` extra (pdoc) and shmq built.
+Run by ``scripts/test.sh``; needs pdoc (``pip install pdoc``, or the ``[test]`` extra) and
+shmq built. Without pdoc it says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -86,7 +87,15 @@ def check(out: Path) -> list[str]:
 def main(argv: list[str]) -> int:
     import warnings
 
-    import pdoc
+    try:
+        import pdoc
+    except ImportError as e:
+        print(
+            f"api reference: pdoc is not installed ({e}); install it with `pip install pdoc` "
+            "(or the test extra: `pip install -e '.[test]'`), then run this script again",
+            file=sys.stderr,
+        )
+        return 2
 
     # Annotations that name vLLM's classes under TYPE_CHECKING are shown as written.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"pdoc\.")

@@ -16,9 +16,9 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s  (at %d min %02d s)\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)); }
 
-step "iproute2 for the two-host tests (network namespaces; skipped where it cannot be had)"
-if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null || echo "(could not install iproute2)"
+step "iproute2 for the two-host tests (network namespaces), tini for the container-init test (skipped where they cannot be had)"
+if { ! command -v ip || ! command -v tini; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq iproute2 tini >/dev/null || echo "(could not install iproute2 and tini)"
 fi
 
 step ".venv: shmq's requirements, the [test] extra, maturin, $(cat tests/engine/torch.txt), the bench (editable)"

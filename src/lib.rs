@@ -74,3 +74,9 @@ pub use shmq_core::*;
 // is otherwise only a line under "Re-exports", linking to a crate with no pages there).
 #[doc(inline)]
 pub use shmq_workers as workers;
+
+/// The crate's README (`README.crate.md`, what a registry shows): its Rust examples run as
+/// doc tests, so that they compile and work as written.
+#[cfg(doctest)]
+#[doc = include_str!("../README.crate.md")]
+pub struct ReadmeDoctests;

@@ -27,13 +27,21 @@ from .group import StatelessProcessGroup
 from .message_queue import (
     Handle,
     MessageKindError,
+    MessageLostError,
     MessageQueue,
     PeerDiedError,
     QueueShutDownError,
     ShmRingBuffer,
     sched_yield,
 )
-from .object_storage import ObjectStorage, ObjectStorageHandle, RingBuffer
+from .object_storage import (
+    ObjectRef,
+    ObjectStorage,
+    ObjectStorageHandle,
+    ReaderSlotInfo,
+    RingBuffer,
+    StoreReaderDiedError,
+)
 from .relay import Relay
 from .serde import MsgpackSerde, ObjectSerde, PickleSerde
 from .workers import WorkerDiedError, WorkerProcesses, WorkersNotReadyError, report_ready
@@ -52,13 +60,16 @@ __all__ = [
     "Gather",
     "Handle",
     "MessageKindError",
+    "MessageLostError",
     "MessageQueue",
     "MsgpackSerde",
+    "ObjectRef",
     "ObjectSerde",
     "ObjectStorage",
     "ObjectStorageHandle",
     "PeerDiedError",
     "QueueShutDownError",
+    "ReaderSlotInfo",
     "Relay",
     "PickleSerde",
     "RingBuffer",
@@ -67,6 +78,7 @@ __all__ = [
     "SingleWriterShmObjectStorage",
     "SingleWriterShmRingBuffer",
     "StatelessProcessGroup",
+    "StoreReaderDiedError",
     "WorkerDiedError",
     "WorkerProcesses",
     "WorkersNotReadyError",

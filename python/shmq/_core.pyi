@@ -40,6 +40,7 @@ __all__ = [
     "link_hello_mac",
     "link_welcome_mac",
     "link_proof_eq",
+    "link_frame_length",
     "link_challenge",
     "link_read_challenge",
     "link_hello",
@@ -65,12 +66,14 @@ __all__ = [
     "become_subreaper",
     "kill_descendants",
     "timeout_seconds",
+    "CancelFlag",
     "list_segments",
     "remove_orphans",
     "describe_segment",
     "segment_metrics",
     "PeerDiedError",
     "QueueShutDownError",
+    "MessageLostError",
     "segment_prefix",
     "SHM_DIR",
     "BLOCK_HEADER_BYTES",
@@ -146,6 +149,10 @@ class QueueShutDownError(RuntimeError):
     """The queue was shut down by its writer: raised by the writer's later calls, and by
     a reader's dequeue once it has received every message sent before."""
 
+class MessageLostError(RuntimeError):
+    """A message was lost: the writer's process ended before a message sent over the
+    queue's socket reached this reader. The next dequeue returns the messages after it."""
+
 def auth_mac(secret: bytes, tag: bytes, parts: list[bytes]) -> bytes:
     """The keyed MAC (BLAKE3) of ``parts`` under ``secret`` (32 bytes) in the domain
     ``tag``: what the queue's remote stream and the worker handshake prove a secret with."""
@@ -179,6 +186,9 @@ def link_welcome_mac(token_text: str, worker_nonce: str, parent_nonce: str, rank
     """The parent's proof of the token, as hex."""
 def link_proof_eq(want: str, claimed: str) -> bool:
     """Whether ``claimed`` is the 32-byte MAC ``want`` (both hex; constant-time)."""
+def link_frame_length(header: bytes, max: int, peer: str, handshake: bool) -> int:
+    """The length in a frame's 4-byte header, if 1 to ``max``: over it ``ConnectionError``
+    (``handshake``) or ``ValueError``, naming ``peer`` and the limit."""
 def link_challenge(nonce: str) -> bytes:
     """The parent's challenge's payload."""
 def link_read_challenge(frame_kind: bytes, payload: bytes, peer: str) -> str:
@@ -207,8 +217,9 @@ class LinkSeal:
     def __new__(cls, key: bytes, session: bytes, parent: bool) -> LinkSeal: ...
     def seal(self, frame_kind: bytes, payload: bytes) -> bytes:
         """The body of the next frame sent: its number, its seal, the payload."""
-    def open(self, frame_kind: bytes, body: bytes) -> bytes:
-        """The payload of a frame received; ``ValueError`` if not the peer's next."""
+    def open(self, frame_kind: bytes, body: Buffer) -> bytes:
+        """The payload of a frame received (its body: any contiguous bytes-like object);
+        ``ValueError`` if not the peer's next."""
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
 
@@ -257,6 +268,18 @@ def kill_descendants() -> int:
 def timeout_seconds(timeout: Optional[float]) -> Optional[float]:
     """``timeout`` as the core takes it: seconds, or None for no timeout (None, inf, or
     more than 10⁹ s); ``ValueError`` for a negative number or NaN."""
+
+@final
+class CancelFlag:
+    """A cancel event checked without the GIL (every few milliseconds, without letting
+    go of the object's lock): any blocking call's ``cancel`` takes it, as it takes a
+    ``threading.Event``. ``shmq._aio`` sets it when the coroutine whose wait runs in an
+    executor thread is cancelled."""
+
+    def __new__(cls) -> CancelFlag: ...
+    def set(self) -> None:
+        """End the waits given this flag (within a few milliseconds), now and from now on."""
+    def is_set(self) -> bool: ...
 
 # (name, rank, pid, exitcode, stderr_tail, host, before_ready, how, stderr_captured,
 # stderr_from_start): WorkerDiedError's arguments.
@@ -521,7 +544,11 @@ class Reader:
         """A message of parts (a pickled object) as ``bytes`` when it has no buffers
         (``enqueue_body``), else ``(body, buffers)`` (``enqueue_parts``); raw bytes
         (``enqueue``, ``acquire_write``) as a 1-tuple ``(bytes,)``; a typed array
-        (``enqueue_array``) as ``(dtype, shape, strides, data)``."""
+        (``enqueue_array``) as ``(dtype, shape, strides, data)``. A reader that another
+        thread is using is waited for within ``timeout``."""
+    def wait_message(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> None:
+        """Wait until the next message can be taken at once (``dequeue(0)``) without taking
+        it: a wait that ends early (timeout, ``cancel``, ``shutdown()``) loses nothing."""
     def acquire_read(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> ShmView | bytes:
         """A view of the next chunk (bytes for an overflow message); then ``finish_read``."""
     def finish_read(self) -> None: ...
@@ -550,8 +577,10 @@ class WakeWord:
     def current(self) -> int: ...
     def wake(self) -> None: ...
 
-def ready_target(reader: Reader) -> Optional[ReadyTarget]:
-    """The target of ``reader``'s next message; ``None`` for a remote reader."""
+def ready_target(reader: Reader, timeout: Optional[float] = None) -> Optional[ReadyTarget]:
+    """The target of ``reader``'s next message; ``None`` for a remote reader. A reader that
+    another thread is using is waited for at most ``timeout`` seconds (``TimeoutError``;
+    0: not at all)."""
 
 def wait_any(
     targets: list[ReadyTarget], wake: WakeWord, wake_seen: int, timeout: Optional[float] = None

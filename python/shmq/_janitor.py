@@ -7,7 +7,12 @@ holds one end of a ``SOCK_SEQPACKET`` socket pair whose other end only the owner
 The core (``segment::set_janitor``) sends it ``+name`` for every segment or socket
 directory the owner creates and ``-name`` for every one the owner removes itself; at
 end-of-file (the owner is gone) it removes the names still listed, each only while the
-file is still the one its owner made (device and inode), and exits.
+file is still the one its owner made (device and inode), and exits. ``~name``, with a
+descriptor of another segment's file (``SCM_RIGHTS``), hands it a name to remove once no
+process holds a lock on that file: a queue's tensor arena that must outlive a writer
+that ended normally until the queue's readers (who hold their role locks on its ring)
+have left or died, so that no message they were sent is lost. It waits for those in
+threads of their own (blocked in the kernel, no CPU) and exits once they are done.
 
 ``SHMQ_NO_JANITOR=1`` in a process's environment starts none there; nor does an empty
 ``sys.executable``. ``python -m shmq cleanup`` removes what is left then.
@@ -19,12 +24,14 @@ docs/design.md ("Exit cleanup and the janitor").
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import threading
 
 
 #: Set to ``1`` to start no janitor in this process (see the module docs).
@@ -73,25 +80,46 @@ def _remove(name: str, identity: tuple[int, int], shm_dir: str) -> None:
 
 
 def _parse(message: bytes) -> tuple[str, str, tuple[int, int]] | None:
-    """``(op, name, (dev, ino))`` of ``+DEV:INO:name`` or ``-name``; None if malformed."""
+    """``(op, name, (dev, ino))`` of ``+DEV:INO:name``, ``~DEV:INO:name`` or ``-name``;
+    None if malformed."""
     op, rest = message[:1], message[1:].decode("utf-8", "replace")
     if op == b"-":
         return "-", rest, (0, 0)
-    if op != b"+":
+    if op not in (b"+", b"~"):
         return None
     dev, ino, name = (rest.split(":", 2) + ["", ""])[:3]
     if not (dev.isdigit() and ino.isdigit() and name):
         return None
-    return "+", name, (int(dev), int(ino))
+    return op.decode(), name, (int(dev), int(ino))
+
+
+def _remove_once_unlocked(name: str, identity: tuple[int, int], shm_dir: str, fd: int) -> None:
+    """Wait until no process holds a lock on ``fd``'s file (a queue's ring: its readers
+    hold their role locks there until they leave or die), then remove ``name`` if it is
+    still the file its owner made. The wait is the kernel's (a blocking whole-file lock):
+    no CPU, and it ends the moment the last holder goes, however it goes."""
+    try:
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries
+                continue
+            except OSError:
+                return  # cannot wait on it (EDEADLK, ENOLCK): leave the name to cleanup
+        _remove(name, identity, shm_dir)
+    finally:
+        os.close(fd)
 
 
 def _serve(fd: int, shm_dir: str) -> None:
     """Listen to the owner until it is gone, then remove what it left."""
     listed: dict[str, tuple[int, int]] = {}
+    waits: list[threading.Thread] = []
     with socket.socket(fileno=fd) as sock:
         while True:
             try:
-                message = sock.recv(4096)
+                message, fds, _, _ = socket.recv_fds(sock, 4096, 1)
             except InterruptedError:  # pragma: no cover - PEP 475 retries
                 continue
             except OSError:
@@ -99,11 +127,21 @@ def _serve(fd: int, shm_dir: str) -> None:
             if not message:
                 break
             parsed = _parse(message)
-            if parsed is None:
+            if parsed is None or (parsed[0] == "~") != bool(fds):
+                for passed in fds:
+                    os.close(passed)
                 continue
             op, name, identity = parsed
             if op == "+":
                 listed[name] = identity
+            elif op == "~":
+                # Its owner leaves it to us, to remove once the file passed with it is
+                # unlocked (`segment/created.rs`'s `hand_to_janitor`): at once, in a
+                # thread of its own that this process waits for before it ends.
+                listed.pop(name, None)
+                wait = threading.Thread(target=_remove_once_unlocked, args=(name, identity, shm_dir, fds[0]))
+                wait.start()
+                waits.append(wait)
             else:
                 listed.pop(name, None)
     # Segments first, then their socket directories.

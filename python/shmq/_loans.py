@@ -13,8 +13,8 @@ __all__ = ["loan_memory", "loaned_array", "loaned_tensor"]
 
 def loan_memory(loan: Callable[[int], Optional[Any]], nbytes: Any, holds: Callable[[], str]) -> tuple[memoryview, bool]:
     """``nbytes`` of memory from a core ``loan`` (a writer's or a store's): the loaned
-    shared memory, or ordinary memory when it has no room. Returns ``(memory,
-    fell_back)``; ``ValueError`` unless ``nbytes`` is an int >= 0; ``MemoryError`` saying
+    shared memory, or ordinary memory when it has no room. Returns
+    ``(memory, fell_back)``; ``ValueError`` unless ``nbytes`` is an int >= 0; ``MemoryError`` saying
     the size asked and what the shared memory holds (``holds()``, e.g. "the queue's
     tensor arena holds 1073741824 bytes") when ordinary memory cannot have it either."""
     if type(nbytes) is not int or nbytes < 0:

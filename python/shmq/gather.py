@@ -46,7 +46,18 @@ class Gather:
 
     ``recv_async()`` is the same for ``asyncio`` (through the event loop's one waiter, see
     ``MessageQueue.dequeue_async``).
+
+    ``shutdown()`` (safe from another thread) wakes a ``recv`` / ``recv_async`` blocked in
+    this process with ``RuntimeError("cancelled")``, the error of a reader's
+    ``MessageQueue.shutdown()``, and every later call raises it too: so a ``Gather`` goes
+    to ``WorkerProcesses.monitor(steps, gather)`` beside the queues the parent writes, and
+    a worker's failure wakes the parent's wait for results. ``close()`` shuts it down and
+    lets go of its readers: each leaves its queue (its writer goes on without it, as
+    after a reader's normal end). A ``with`` block closes it on leaving.
     """
+
+    #: Set by ``shutdown()`` (and ``close()``): ``recv`` raises ``RuntimeError("cancelled")``.
+    shutting_down = False
 
     def __init__(self, queues: Union[Mapping[str, MessageQueue], Iterable[MessageQueue]]):
         if isinstance(queues, Mapping):
@@ -87,6 +98,34 @@ class Gather:
         """The queue of writer ``name``."""
         return self._queues[name]
 
+    def shutdown(self) -> None:
+        """Wake the calls blocked in this process (``recv``, ``recv_async``, iterating)
+        with ``RuntimeError("cancelled")``, as a reader's ``MessageQueue.shutdown()`` does;
+        later calls raise it too. Safe to call from another thread (a
+        ``WorkerMonitor``'s), and more than once. The writers are not told: each queue
+        is only cancelled on this side."""
+        self.shutting_down = True
+        for q in list(self._queues.values()):
+            q.shutdown()  # ends a blocked dequeue; its ready target reads as ready
+        self._wake.wake()  # ends recv's wait_any even if no target changed
+
+    def close(self) -> None:
+        """``shutdown()``, then let go of the readers: each leaves its queue (its writer
+        goes on without it, not a death). Idempotent."""
+        self.shutdown()
+        for q in list(self._queues.values()):
+            q._leave()
+
+    def __enter__(self) -> "Gather":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.shutting_down:
+            raise RuntimeError("cancelled")
+
     def wait_until_ready(self, timeout: Optional[float] = None) -> None:
         """Each queue's ``wait_until_ready(timeout)`` (its writer must call its own)."""
         for q in self._queues.values():
@@ -97,8 +136,8 @@ class Gather:
         return _core.ready_target(reader)
 
     def _take(self) -> Optional[tuple[str, Any, bool]]:
-        """One round over the live writers, from the one after the last served: ``(name,
-        obj, True)`` for a message taken, ``(name, None, False)`` for a writer whose next
+        """One round over the live writers, from the one after the last served:
+        ``(name, obj, True)`` for a message taken, ``(name, None, False)`` for a writer whose next
         message is larger than a chunk and still on its way (take it with a blocking
         dequeue), ``None`` when none has anything. Writers found ended are left out."""
         k = 0
@@ -161,6 +200,7 @@ class Gather:
         seconds = _core.timeout_seconds(timeout)
         deadline = None if seconds is None else time.monotonic() + seconds
         while True:
+            self._check_open()
             if not self.live:
                 raise self._all_ended()
             self._look_at_writers()
@@ -175,6 +215,7 @@ class Gather:
                 raise TimeoutError(f"Gather.recv: no message from {self.live!r} within {timeout} s")
             names = list(self.live)
             seen = self._wake.current()
+            self._check_open()  # a shutdown() before that read woke nobody: seen here
             targets = [self._target(n) for n in names]
             self._check(names, targets, _core.wait_any(targets, self._wake, seen, remaining))
 
@@ -186,6 +227,7 @@ class Gather:
         seconds = _core.timeout_seconds(timeout)
         deadline = None if seconds is None else loop.time() + seconds
         while True:
+            self._check_open()
             if not self.live:
                 raise self._all_ended()
             self._look_at_writers()
@@ -195,7 +237,9 @@ class Gather:
                 name, obj, taken = got
                 if taken:
                     return name, obj
-                return name, await _aio.in_executor(self._queues[name].dequeue, remaining)
+                # An overflow mark whose message is still on its way: dequeue_async waits
+                # for it without blocking the loop, and a cancelled wait leaves it there.
+                return name, await self._queues[name].dequeue_async(remaining)
             if not self.live:
                 continue
             if remaining is not None and remaining <= 0:

@@ -37,6 +37,7 @@ __all__ = [
     "Handle",
     "MessageKindError",
     "MessageQueue",
+    "MessageLostError",
     "PeerDiedError",
     "QueueShutDownError",
     "ShmRingBuffer",
@@ -45,6 +46,7 @@ __all__ = [
 
 PeerDiedError = _core.PeerDiedError
 QueueShutDownError = _core.QueueShutDownError
+MessageLostError = _core.MessageLostError
 
 _dumps = _oob.dumps
 
@@ -76,6 +78,11 @@ _NOT_AN_ARRAY = (
     "{call} (the message is consumed; the reader goes on with the next one)"
 )
 _loads = pickle.loads
+
+# enqueue_async's pauses between tries while the ring has no room (seconds): doubling
+# from the first to the last.
+_ROOM_RETRY_FIRST = 0.001
+_ROOM_RETRY_MAX = 0.02
 
 
 def sched_yield() -> None:
@@ -349,9 +356,10 @@ class MessageQueue:
     - ``loan(nbytes)`` / ``loan_tensor(shape, dtype)`` / ``loan_array(shape, dtype)``:
       memory in the arena to fill in place; sending an object that holds it sends a
       reference, no copy at all.
-    - ``name``: what to call the queue (1 to 63 bytes of text), shown by ``python -m shmq
-      inspect`` and ``top`` and as the ``queue`` label of its metrics beside its segment's
-      name (``shmq_ring_<pid>_<hex>``); readers on this machine see it as ``mq.name``.
+    - ``name``: what to call the queue (1 to 63 bytes of text), shown by
+      ``python -m shmq inspect`` and ``python -m shmq top`` and as the ``queue`` label of
+      its metrics beside its segment's name (``shmq_ring_<pid>_<hex>``); readers on this
+      machine see it as ``mq.name``.
     - ``enqueue_array`` / ``dequeue_array``: typed arrays, the format Rust readers and
       writers speak too; ``enqueue_bytes`` / ``dequeue_bytes``: raw bytes.
     """
@@ -490,18 +498,18 @@ class MessageQueue:
         return self
 
     def _claim_name(self, name: str) -> None:
-        """Record this writer's handle under ``name`` (see ``open``); removed when it shuts
-        down or is dropped. ``FileExistsError`` (the writer ended again) when another live
-        queue of this user holds the name."""
+        """Record this writer's handle under ``name`` (see ``open``) and hold it (a lock on
+        the record) until it shuts down or is dropped. ``FileExistsError`` (the writer
+        ended again) when another live queue of this user holds the name."""
         from . import _names
 
         try:
-            token = _names.claim("queue", name, {"handle": str(self.handle)})
+            held = _names.claim("queue", name, {"handle": str(self.handle)})
         except BaseException:
             assert self._writer is not None
             self._writer.shutdown()
             raise
-        self._name_release = weakref.finalize(self, _names.release, "queue", name, token, os.getpid())
+        self._name_release = weakref.finalize(self, held.release)
 
     @staticmethod
     def open(
@@ -513,9 +521,14 @@ class MessageQueue:
         that name. Names are scoped to the user (another user's queue of the same name is
         not found) and held by one live writer at a time (a second one raises
         ``FileExistsError``); the name is free again once its writer shuts down, is
-        dropped or dies. ``FileNotFoundError`` naming it when there is no such queue (never
-        made, shut down, or its writer died); ``PermissionError`` when the user's
-        directory of names (``/dev/shm/.shmq-names-<uid>``) is not the user's own.
+        dropped or dies. Whether the writer lives is told by a lock it holds on its
+        record, never by its pid, so a writer in another container sharing ``/dev/shm``
+        (another pid namespace) is found and its name kept. ``FileNotFoundError`` naming
+        it when there is no such queue (never made, shut down, or its writer died);
+        ``PermissionError`` when the user's directory of names (``/dev/shm/.shmq-names-<uid>``,
+        or the one ``SHMQ_NAMES_DIR`` names) may be entered by other users. Where another
+        user took that path first, the user's names live in ``.shmq-names-<uid>.1`` (or the
+        next free number), found alike by all the user's processes: see ``docs/guide.md``.
         ``spin_us`` / ``yield_us`` as for the constructor."""
         from . import _names
 
@@ -635,9 +648,14 @@ class MessageQueue:
         return side.current_idx if side is not None else 0
 
     def wait_until_ready(self, timeout: Optional[float] = None) -> None:
-        """Collective: the writer waits until every reader has subscribed, then tells them
-        all; each reader waits for that. After it returns no message can be lost. Once it
-        has returned, later calls (on either side) return at once."""
+        """The handshake. The writer waits until every reader has subscribed (a reader
+        subscribes when it is made), then tells them all; after it returns no message can
+        be lost. A local reader waits for nothing: the writer's go-ahead is taken by its
+        first receive, so no order of ``wait_until_ready`` calls across queues deadlocks
+        (a worker's steps then results, a scheduler's ``Gather`` then steps). A remote
+        reader waits until its writer accepted it. A writer's ``TimeoutError`` names the
+        queue and the ranks whose reader was not made yet. Once it has returned, later
+        calls (on either side) return at once."""
         if self._writer is not None:
             self._writer.wait_until_ready(timeout)
         elif self._reader is not None:
@@ -694,9 +712,54 @@ class MessageQueue:
         else:
             writer.enqueue_body(body, timeout)
 
+    async def enqueue_async(self, obj: Any, timeout: Optional[float] = None) -> None:
+        """``await queue.enqueue_async(obj)``: ``enqueue`` without blocking the event loop
+        while the ring is full. ``obj`` is pickled once; the send is tried at once (the
+        common case: no wait, nothing more than ``enqueue``), and while the ring (or a
+        remote reader's window) has no room the coroutine sleeps in the loop and tries
+        again, from 1 ms apart up to 20 ms apart (the core has no doorbell a waiter thread
+        could sleep on for the writer's room, as ``dequeue_async`` has for a reader's
+        message). Each try sends the whole message or nothing (every wait of the core comes
+        before anything is sent), so cancelling the task, or ``asyncio.wait_for``'s
+        timeout, sends nothing and leaves the queue usable: the next ``enqueue`` sends
+        the next message. Same errors as ``enqueue``: ``TimeoutError`` after ``timeout``
+        seconds without room (naming the queue), ``QueueShutDownError`` after
+        ``shutdown()``, ``PeerDiedError`` for a local reader that died (with
+        ``on_dead_reader="raise"``). A try does not wait for another thread's call on
+        this writer: it counts as no room."""
+        import asyncio
+
+        writer = self._writer
+        if writer is None:
+            raise self._not_the_writer("enqueue_async")
+        body, buffers = _dumps(obj)
+        parts: Optional[list[Any]] = [body, *buffers] if buffers else None
+        loop = asyncio.get_running_loop()
+        seconds = _core.timeout_seconds(timeout)
+        deadline = None if seconds is None else loop.time() + seconds
+        pause = _ROOM_RETRY_FIRST
+        while True:
+            try:
+                # 0: a try, never a wait (nor for another thread's call on the writer).
+                if parts is not None:
+                    writer.enqueue_parts(parts, 0)
+                else:
+                    writer.enqueue_body(body, 0)
+                return
+            except TimeoutError:
+                pass
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(
+                    f"enqueue_async: no room in queue {self._queue_words()} within {timeout} s "
+                    "(its readers have not read the oldest messages)"
+                )
+            await asyncio.sleep(pause if remaining is None else min(pause, remaining))
+            pause = min(pause * 2, _ROOM_RETRY_MAX)
+
     def lost_remote_readers(self) -> Optional[list[tuple[int, Optional[str]]]]:
-        """Writer side: the remote readers this writer no longer sends to, as ``(rank,
-        host)``: gone (their connection closed, or nothing came from them within the
+        """Writer side: the remote readers this writer no longer sends to, as
+        ``(rank, host)``: gone (their connection closed, or nothing came from them within the
         heartbeat bound) or dropped as slow. Looks first for connections ZeroMQ closed
         since the last send, so that a writer that sends nothing for a while (waiting for
         its workers' answers) learns of a lost reader within the bound too. Never waits:
@@ -769,15 +832,21 @@ class MessageQueue:
 
     async def dequeue_async(self, timeout: Optional[float] = None) -> Any:
         """``await queue.dequeue_async()``: the next object, as ``dequeue`` returns it,
-        without blocking the event loop. A local reader waits through its loop's one
-        waiter thread (shared by every queue awaited in that loop, gone when none is; it
-        sleeps on all their doorbells at once, no polling, no thread per queue). Same
-        errors as ``dequeue``: ``TimeoutError`` after ``timeout`` seconds, ``QueueShutDownError``
-        after the last message of a writer that shut down, ``PeerDiedError`` for a writer
-        that died, ``RuntimeError("cancelled")`` after ``shutdown()``; cancelling the task
-        cancels the wait (no message is lost). ``OSError`` where the kernel has no
-        ``futex_waitv`` (Linux before 5.16). A remote reader (and, rarely, a message larger
-        than a chunk still on its way) waits in the loop's default executor instead."""
+        without blocking the event loop. A local reader waits through its loop's waiter
+        thread (shared by every queue awaited in that loop: one thread sleeps on up to 127
+        queues' doorbells at once, a second one on the next 127, and so on; no polling,
+        no thread per queue; gone when no queue is awaited). A remote reader (and, rarely,
+        a local one whose message larger than a chunk is still on its way, or one that
+        another thread is using in a blocking call) waits in the loop's default executor,
+        without taking the message: the loop takes it. Same errors as ``dequeue``:
+        ``TimeoutError`` after ``timeout`` seconds, ``QueueShutDownError`` after the last
+        message of a writer that shut down, ``PeerDiedError`` for a writer that died,
+        ``RuntimeError("cancelled")`` after ``shutdown()``. Cancelling the task (or
+        ``asyncio.wait_for``'s timeout) ends the wait at once and gives up its claim: no
+        message is lost or taken by the abandoned wait, the next ``dequeue`` or
+        ``dequeue_async`` gets it, and the executor thread is free within milliseconds
+        (``asyncio.run`` returns). ``OSError`` where the kernel has no ``futex_waitv``
+        (Linux before 5.16)."""
         import asyncio
 
         from . import _aio
@@ -786,24 +855,35 @@ class MessageQueue:
         loop = asyncio.get_running_loop()
         seconds = _core.timeout_seconds(timeout)
         deadline = None if seconds is None else loop.time() + seconds
-        if not reader.is_local:
-            return await _aio.in_executor(self.dequeue, seconds)
         while True:
-            target = _core.ready_target(reader)
-            assert target is not None, "a local reader has a ready target"
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            if target.ready():
+            if reader.is_local:
                 try:
-                    return self.dequeue(0)
+                    # 0: the loop never waits for another thread's call on this reader.
+                    target = _core.ready_target(reader, 0)
                 except TimeoutError:
-                    # An overflow mark whose message is still on the queue's socket.
-                    return await _aio.in_executor(self.dequeue, remaining)
+                    target = None  # in use by another thread: wait in the executor below
+                if target is not None and not target.ready():
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(
+                            f"dequeue_async: no message from the writer of queue {self._queue_words()} "
+                            f"within {timeout} s"
+                        )
+                    if await _aio.wait_ready([target], remaining) and not target.ready():
+                        target.check_writer()  # PeerDiedError for a writer proved dead
+                    continue
+            try:
+                # A message here (and the reader free): taken without waiting.
+                return self.dequeue(0)
+            except TimeoutError:
+                # Not here yet (remote, or an overflow mark whose message is still on the
+                # queue's socket), or the reader is in another thread's call.
+                pass
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(
                     f"dequeue_async: no message from the writer of queue {self._queue_words()} within {timeout} s"
                 )
-            if await _aio.wait_ready([target], remaining) and not target.ready():
-                target.check_writer()  # PeerDiedError for a writer proved dead
+            await _aio.wait_message(reader, remaining)
 
     def _queue_words(self) -> str:
         """The queue, in an error message: its name and segment."""

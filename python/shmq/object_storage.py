@@ -9,15 +9,31 @@ included; the allocator, the bounds checks, the reader counts and the HMAC are i
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing.util as _mp_util
+import struct
 import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NamedTuple, NoReturn, Optional, Sequence, cast
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Iterator,
+    Literal,
+    NamedTuple,
+    NoReturn,
+    Optional,
+    Sequence,
+    Union,
+    cast,
+)
 
 from . import _core
 from ._cleanup import created_segments
+from ._device import Device, address_of
+from ._device_reader import DeviceReader, tensor_leaves
 from ._loans import loan_memory, loaned_array, loaned_tensor
 from ._segment_memory import SegmentMemory
 from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
@@ -45,6 +61,22 @@ class StoreReaderDiedError(_core.PeerDiedError, MemoryError):
     before reading it (``on_dead_reader="raise"``, the default): the message names the
     reader (its slot and pid). A ``PeerDiedError``, as the queue's, and a ``MemoryError``
     too: a full store, which vLLM's callers catch as such."""
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """One object of a store, as a reader needs it: what the writer's ``ref(key)``
+    returns and a reader's ``get(ref)`` takes. Picklable and small (a few dozen bytes):
+    the writer hands it to readers in a message (e.g. in a ``MessageQueue`` step) instead
+    of the four values ``get`` otherwise takes. It names the object, not the store: each
+    reader gets it from its own ``ObjectStorage`` of that store."""
+
+    address: int
+    monotonic_id: int
+    #: The signature of the object's handle (32 ints): the reader's check that the
+    #: reference came from the writer and names this object.
+    signature: tuple[int, ...]
+    key: str
 
 
 class ReaderSlotInfo(NamedTuple):
@@ -331,7 +363,8 @@ class ObjectStorage:
     (without closing the store) does what ``on_dead_reader`` says: ``"raise"`` (the
     default) raises ``StoreReaderDiedError`` (a ``PeerDiedError`` and a ``MemoryError``)
     naming it; ``"drop"`` goes on without it: from then on no object waits for its reads
-    (``dropped_readers``). A reader that is alive, however slow, is never dropped; one that
+    (``dropped_readers``), until a reader that opens the store takes its slot (then the
+    objects stored from then on wait for that one). A reader that is alive, however slow, is never dropped; one that
     closed the store is not dead: its reads are still expected, of the next reader that
     opens the store. Other full stores are a ``MemoryError`` saying what holds the room;
     ``clear()`` empties the store at once.
@@ -347,6 +380,7 @@ class ObjectStorage:
         *,
         view_threshold: int = VIEW_THRESHOLD,
         on_dead_reader: Literal["raise", "drop"] = "raise",
+        device_seam: Union[None, str, Device] = None,
     ):
         if type(view_threshold) is not int or view_threshold < 0:
             raise ValueError(f"view_threshold must be an int >= 0, got {view_threshold!r}")
@@ -368,6 +402,10 @@ class ObjectStorage:
         )
         #: What the writer's ``put`` does about a reader that died holding the room.
         self.on_dead_reader: str = on_dead_reader
+        #: The device seam of ``get(..., device=)``: ``"twin"``, ``"cuda"``, a ``Device``,
+        #: or ``None`` for ``SHMQ_DEVICE`` (see ``shmq._device.device_for``).
+        self.device_seam = device_seam
+        self._device: Optional[DeviceReader] = None
         if not self.is_writer:
             # A reader gives its slot back when it closes, when it is dropped, and at the
             # process's normal exit (multiprocessing runs exit finalizers also in children
@@ -463,6 +501,20 @@ class ObjectStorage:
         ``touch`` of it. ``KeyError`` for an unknown key."""
         return self._core.get_cached(key)
 
+    def ref(self, key: str) -> ObjectRef:
+        """Writer: a picklable reference to the object stored under ``key`` (see
+        ``ObjectRef``), for readers' ``get(ref)``, handing the object out once more as
+        ``get_cached`` does (every reader is then expected to read it once more before it
+        can be evicted: what sending a cached object to the readers again means).
+        ``KeyError`` if no object has that key (never put, or evicted)."""
+        address, monotonic_id = self.get_cached(key)
+        return ObjectRef(address, monotonic_id, tuple(self.get_signature(key)), key)
+
+    def put_ref(self, key: str, value: Any) -> ObjectRef:
+        """Writer: ``put(key, value)``, returning the object's ``ObjectRef`` (see ``ref``)."""
+        address, monotonic_id = self.put(key, value)
+        return ObjectRef(address, monotonic_id, tuple(self.get_signature(key)), key)
+
     def get_signature(self, key: str) -> list[int]:
         """The signature of ``key``'s current handle (32 ints), for readers to check."""
         return self._core.get_signature(key)
@@ -501,8 +553,9 @@ class ObjectStorage:
     @property
     def reader_slot(self) -> Optional[int]:
         """Reader: the reader slot it counts its reads in (``None``: it found none free, as
-        when more readers open the store than ``n_readers``, and reads anonymously: the
-        writer cannot tell whether it lives)."""
+        when more live readers open the store than ``n_readers``, and reads anonymously:
+        its reads never count in place of a reader that holds a slot, and the writer
+        cannot tell whether it lives)."""
         return self._core.reader_slot
 
     def readers(self) -> list[ReaderSlotInfo]:
@@ -514,15 +567,18 @@ class ObjectStorage:
 
     def get(
         self,
-        address: int,
-        monotonic_id: int,
+        address: Union[int, ObjectRef],
+        monotonic_id: Optional[int] = None,
         signature: Optional[list[int]] = None,
         key: Optional[str] = None,
         copy: bool = False,
+        *,
+        device: Any = None,
     ) -> Any:
-        """The object at ``(address, monotonic_id)``. A reader needs the handle's
+        """The object at ``(address, monotonic_id)``, or the object an ``ObjectRef``
+        names (``get(ref)``, ``get(ref, copy=True)``). A reader needs the handle's
         ``signature`` and ``key`` (``ValueError`` "SHM handle signature" otherwise, before
-        anything is read). ``ValueError`` ("has been modified or is invalid") if the
+        anything is read), which a reference carries. ``ValueError`` ("has been modified or is invalid") if the
         object was evicted, overwritten or never there.
 
         With the built-in serdes, tensors and arrays of ``view_threshold`` bytes or more
@@ -530,11 +586,92 @@ class ObjectStorage:
         any size): private copy-on-write mappings, writable, whose writes reach nobody
         else. The object is not evicted (and ``clear()`` moves nothing) while a view of
         it lives in any process; a process that dies drops its views. ``copy=True``
-        returns owned copies instead."""
+        returns owned copies instead.
+
+        ``device`` (e.g. ``"cuda:0"``): the object's tensors come back in that device's
+        memory, copied from this process's *shared* mapping of the store (registered
+        with the device once, on the first such call) while the object is held; the
+        object is given back only once each copy's event says it ended (checked at each
+        ``device=`` call, by ``release_device_copies()`` and at ``close()``, which waits).
+        A mapping the device refuses to register (logged once), or a serde the store does
+        not frame itself, takes the host path: the host value, each tensor ``.to(device)``.
+        Which device implementation: ``device_seam`` (docs/guide.md, "The device path")."""
+        if isinstance(address, ObjectRef):
+            if monotonic_id is not None or signature is not None or key is not None:
+                raise TypeError("get(ref) takes the reference alone (and copy=, device=)")
+            ref = address
+            address, monotonic_id, signature, key = ref.address, ref.monotonic_id, list(ref.signature), ref.key
+        elif monotonic_id is None:
+            raise TypeError("get() needs (address, monotonic_id[, signature, key]) or an ObjectRef")
+        if device is not None:
+            return self._get_to_device(address, monotonic_id, signature, key, device)
         load_owned = self._load_owned
         if load_owned is not None and not copy:
             return self._core.get(address, monotonic_id, signature, key, load_owned, True, self.view_threshold)
         return self._core.get(address, monotonic_id, signature, key, self._load, self._split)
+
+    def _get_to_device(self, address: int, monotonic_id: int, signature: Any, key: Any, device: Any) -> Any:
+        reader = self._device
+        if reader is None:
+            reader = self._device = DeviceReader(
+                lambda: cast(memoryview, self.ring_buffer.shared_memory.buf),
+                f"store {self.ring_buffer.shared_memory.name!r}",
+                self.device_seam,
+            )
+        reader.release_done()
+        load_owned = self._load_owned
+        registration = reader.registered() if load_owned is not None else None
+        if registration is None or load_owned is None:
+            value = self.get(address, monotonic_id, signature, key)
+            return tensor_leaves(value, lambda t: t.to(device))
+        # Where each viewed part lies in the shared mapping: read in the part table, which
+        # ends where the first part (read in place, in the shared mapping) begins.
+        shared: dict[int, tuple[int, int]] = {}  # view address -> (shared address, bytes)
+        kept: list[Any] = []
+
+        def load(parts: list[Any]) -> Any:
+            n = len(parts)
+            if n:
+                head = address_of(parts[0])
+                table_at = head - 8 * n
+                if registration.contains(table_at, 8 * n):
+                    table = struct.unpack(f"<{2 * n}I", ctypes.string_at(table_at, 8 * n))
+                    start = head - table[0]
+                    if table[1] == len(parts[0]):
+                        for k in range(1, n):
+                            off, nbytes = table[2 * k], table[2 * k + 1]
+                            part = parts[k]
+                            if type(part) is memoryview and nbytes == part.nbytes and nbytes:
+                                if registration.contains(start + off, nbytes):
+                                    shared[address_of(part)] = (start + off, nbytes)
+            kept.append(parts)  # the views: they hold the object until the copies end
+            return load_owned(parts)
+
+        value = self._core.get(address, monotonic_id, signature, key, load, True, self.view_threshold)
+        hold = (kept, value)
+
+        def to_device(t: Any) -> Any:
+            nbytes = t.numel() * t.element_size()
+            if nbytes and t.is_contiguous():
+                ptr = t.data_ptr()
+                for view, (at, size) in shared.items():
+                    if view <= ptr and ptr + nbytes <= view + size:
+                        return reader.copy(at + (ptr - view), nbytes, t.dtype, tuple(t.shape), device, hold)
+            return t.to(device)
+
+        return tensor_leaves(value, to_device)
+
+    def release_device_copies(self) -> int:
+        """Give back the objects whose copies to device memory ended (made by
+        ``get(..., device=)``); how many copies are still in flight."""
+        return self._device.release_done() if self._device is not None else 0
+
+    def wait_device_copies(self) -> None:
+        """Wait until every copy to device memory (``get(..., device=)``) ended, and give
+        back the objects they held: the host's way to see their tensors complete (a
+        device's own streams are already ordered after the copies)."""
+        if self._device is not None:
+            self._device.wait_all()
 
     def touch(
         self,
@@ -610,10 +747,8 @@ class ObjectStorage:
         return ObjectStorage(handle.max_object_size, handle.n_readers, ring, handle.serde_class, handle.reader_lock)
 
     def _claim_name(self) -> None:
-        """Record this writer's handle under its ring's name (see ``open``); removed when
-        the store is closed or dropped."""
-        import os
-
+        """Record this writer's handle under its ring's name (see ``open``) and hold it (a
+        lock on the record) until the store is closed or dropped."""
         from . import _names
 
         name = self.ring_buffer.shared_memory.name
@@ -624,20 +759,23 @@ class ObjectStorage:
             "ring_buffer_handle": list(self.ring_buffer.handle()),
             "serde_class": serde,
         }
-        token = _names.claim("store", name, details)
-        self._name_release = weakref.finalize(self, _names.release, "store", name, token, os.getpid())
+        held = _names.claim("store", name, details)
+        self._name_release = weakref.finalize(self, held.release)
 
     @staticmethod
     def open(name: str, serde_class: Optional[type[ObjectSerde]] = None) -> "ObjectStorage":
         """Open the store named ``name`` on this machine as a reader, without its handle:
-        the store whose writer was made on ``RingBuffer(data_buffer_size, name=name,
-        create=True)`` (vLLM's way of naming its multimodal store), as
+        the store whose writer was made on
+        ``RingBuffer(data_buffer_size, name=name, create=True)`` (vLLM's way of naming its multimodal store), as
         ``create_from_handle`` does with the handle the writer recorded under that name.
         ``serde_class``: the writer's by default (imported by its module and name; pass it
-        when the writer's is defined in its ``__main__``). Names are scoped to the user: a
-        store of another user is not found, and a segment of that name that belongs to
-        another user is a ``PermissionError`` naming it; ``FileNotFoundError`` naming it when
-        there is no such store (never made, closed, or its writer died)."""
+        when the writer's is defined in its ``__main__``). Any segment name is a store name
+        (1 to 200 bytes). Names are scoped to the user: a store of another user is not
+        found, and a segment of that name that belongs to another user is a
+        ``PermissionError`` naming it; ``FileNotFoundError`` naming it when there is no such
+        store (never made, closed, or its writer died: told by a lock the writer holds on
+        its record, never by its pid, so a writer in another container sharing ``/dev/shm``
+        is found). Where the names are kept: as for ``MessageQueue.open``."""
         import importlib
         import os
 
@@ -675,7 +813,12 @@ class ObjectStorage:
 
     def close(self) -> None:
         """Close the ring buffer (the writer removes the segment); a reader gives its
-        reader slot back first. Idempotent."""
+        reader slot back first. Idempotent. With copies to device memory in flight
+        (``get(..., device=)``), waits for them first, then unregisters the mapping."""
+        device = getattr(self, "_device", None)
+        if device is not None:
+            self._device = None
+            device.close()
         leave = getattr(self, "_leave", None)
         if leave is not None:
             leave()

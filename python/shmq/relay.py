@@ -5,8 +5,8 @@ reader of a queue that writes every message, whole, into a queue of its own whos
 Without a relay, each remote reader is a stream of its own: a writer with 8 readers on
 another machine sends every message 8 times over the network. With one relay per
 machine it sends it once per machine; the relay copies it once into its ring, and its
-local readers read it there as local readers of any queue do (``MessageQueue
-.create_from_handle(relay.export_handle(), rank)``).
+local readers read it there as local readers of any queue do
+(``MessageQueue.create_from_handle(relay.export_handle(), rank)``).
 
 The relay passes messages on as they came (nothing is unpickled). Faults are peer deaths
 on both sides: the writer sees a killed relay as a remote reader gone (a warning naming

@@ -19,8 +19,14 @@ so that both instances name the item alike, as for any vLLM EC connector.
 
 ``ec_connector_extra_config``:
 
-- ``name`` (default ``"vllm"``): the cache both instances open; one per deployment on a
-  machine (its segment is ``/dev/shm/shmq_ec_<name>``);
+- ``name``: the cache both instances open, one per deployment on a machine (its segment
+  is ``/dev/shm/shmq_ec_<name>``). By default ``vllm-u<uid>-<digest of the model>``
+  (:func:`default_cache_name`): the encoder and the prefill/decode instance of one user
+  serving one model find each other without it, and deployments of other users or
+  models never share a cache. Two deployments of the same model by the same user on one
+  machine must each set their own (the second encoder refuses to start, naming the
+  first's live producer). A segment under that name that is not this user's own is
+  never opened (``PermissionError`` naming its owner);
 - ``capacity_mb`` (default 1024), ``max_entries`` (default 4096): the producer's cache;
 - ``save_timeout_s`` (default 1.0): how long a save waits for room when the cache is
   full, once unread items have been evicted; after it the item is not cached (a
@@ -35,7 +41,9 @@ Which rank saves and loads, and what a killed encoder instance leaves: docs/desi
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -54,7 +62,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["ShmqECConnector", "ShmqECConnectorMetadata"]
+__all__ = ["ShmqECConnector", "ShmqECConnectorMetadata", "default_cache_name"]
 
 log = logging.getLogger("vllm.shmq.ec_connector")
 
@@ -80,6 +88,15 @@ def _tp_rank() -> int:
         return 0
 
 
+def default_cache_name(vllm_config: "VllmConfig") -> str:
+    """The cache's name when ``ec_connector_extra_config`` names none: this user's and
+    this model's (``vllm-u<uid>-<12 hex digits of the model's name or path>``), the same
+    in the encoder and the prefill/decode instance that serve it."""
+    model = str(getattr(vllm_config.model_config, "model", "") or "")
+    digest = hashlib.sha256(model.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"vllm-u{os.geteuid()}-{digest}"
+
+
 class ShmqECConnector(ECConnectorBase):
     """vLLM's ``ECConnectorBase`` over shmq's encoder cache (see the module docs)."""
 
@@ -88,7 +105,8 @@ class ShmqECConnector(ECConnectorBase):
         config = vllm_config.ec_transfer_config
         assert config is not None  # the base class refused it otherwise
         extra = config.ec_connector_extra_config or {}
-        self.cache_name = str(extra.get("name", "vllm"))
+        name = extra.get("name")
+        self.cache_name = str(name) if name is not None else default_cache_name(vllm_config)
         self._save_timeout = float(extra.get("save_timeout_s", 1.0))
         self._unread_ttl = float(extra.get("unread_ttl_s", 30.0))
         self._to_load: dict[str, int] = {}

@@ -18,8 +18,8 @@ vLLM 0.33                                               shmq
 
 (modules under ``vllm.distributed.device_communicators``). The names are replaced in
 those two modules, so code that imports them later gets shmq's, and in every ``vllm.*``
-module already imported that bound one of them at load time (``from
-...shm_broadcast import MessageQueue`` in the executor, the multimodal cache...). It also
+module already imported that bound one of them at load time
+(``from ...shm_broadcast import MessageQueue`` in the executor, the multimodal cache...). It also
 registers shmq's encoder-cache connector (:mod:`shmq.vllm_ec_connector`) under the name
 ``ShmqECConnector`` with vLLM's ``ECConnectorFactory``, and vLLM's ``MsgpackSerde``
 becomes :class:`shmq.vllm_serde.VllmMsgpackSerde` (large tensors read as views of the

@@ -2,19 +2,31 @@
 queues whose writers are other real processes: one waiter thread for the loop (not one
 per queue), gone once nothing waits; the loop runs while readers wait; timeouts; each
 writer's messages in order; a writer's shutdown and a writer's death as from
-``dequeue``; a cancelled wait loses no message."""
+``dequeue``; a cancelled wait loses no message.
+
+Issue 54 (items 6, 7): a cancelled or timed-out wait, local or remote, gives up its claim
+on the next message (the next wait gets it; asyncio.run returns); a thread blocked in
+``dequeue`` never holds up another thread's timeout, nor the event loop; one loop awaits
+any number of queues (more than one ``futex_waitv`` takes)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import uuid
+from typing import Any, Callable
 
 import pytest
 
-from _processes.harness import STEP, wait_for
-from _processes.named_children import named_writer
+from _processes.harness import STEP, blocked_in_queue, wait_for
+from _processes.named_children import (
+    cancelling_async_reader,
+    many_writers,
+    named_writer,
+    remote_numbers_writer,
+)
 from shmq import MessageQueue, PeerDiedError, QueueShutDownError
 
 WAITER = "shmq-asyncio-waiter"
@@ -155,3 +167,170 @@ def test_a_remote_reader_dequeues_async_through_the_executor() -> None:
         assert asyncio.run(main()) == {"over": "tcp"}
     finally:
         writer.shutdown()
+
+
+# How long a call that must return about at once (a timeout of a second or less, a wait
+# for a message already sent) may take here before the test calls it stuck: generous, so
+# that a loaded machine never fails it; the calls it bounds hang without end when broken.
+BOUND = 10.0
+
+
+def _one_reader(children, kind: str, n: int) -> tuple[MessageQueue, Any, Any]:
+    """A reader here (``kind``: ``"local"`` through shared memory, ``"remote"`` over TCP)
+    of a writer process that sends ``0 .. n-1`` once ``go`` is set and ends once ``end``
+    is set; ``(reader, go, end)``."""
+    out, go, end = children.queue(), children.event(), children.event()
+    if kind == "local":
+        name = f"aio {os.getpid()}-{uuid.uuid4().hex[:8]}"
+        children.start(named_writer, out, name, go, list(range(n)), end, "shutdown")
+        children.expect(out, "ready")
+        reader = MessageQueue.open(name, 0)
+    else:
+        children.start(remote_numbers_writer, out, go, n, end)
+        _, handle, _ = children.expect(out, "handle")
+        reader = MessageQueue.create_from_handle(handle, 0)
+    reader.wait_until_ready(timeout=STEP)
+    return reader, go, end
+
+
+def _bounded(call: Callable[[], Any], what: str) -> Any:
+    """``call()`` in a thread of its own, which must end within ``BOUND``: its value (or
+    its exception, raised here)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as e:
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(BOUND)
+    assert not t.is_alive(), f"{what} did not return within {BOUND} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _blocked_in_dequeue(reader: MessageQueue, kind: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """A thread blocked in ``reader.dequeue()`` (no timeout), and where its result goes."""
+    got: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            got["value"] = reader.dequeue()
+        except BaseException as e:
+            got["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    if kind == "local":
+        assert reader.buffer is not None
+        wait_for(lambda: blocked_in_queue(reader.buffer.name, 0), what="the thread to block in dequeue")
+    else:
+        # Inside MessageQueue.dequeue (its one call is the core's blocking dequeue).
+        wait_for(
+            lambda: (f := sys._current_frames().get(t.ident or 0)) is not None and f.f_code.co_name == "dequeue",
+            what="the thread to block in dequeue",
+        )
+    return t, got
+
+
+def test_a_cancelled_remote_wait_leaves_its_message_for_the_next(children) -> None:
+    out, go, end = children.queue(), children.event(), children.event()
+    children.start(remote_numbers_writer, out, go, 3, end)
+    _, handle, _ = children.expect(out, "handle")
+    # The reader in a process of its own: where a cancelled wait wedges its loop, that
+    # process hangs, not this one.
+    children.start(cancelling_async_reader, out, handle, go)
+    children.expect(out, "sent", timeout=STEP)
+    _, got = children.expect(out, "got", timeout=STEP)
+    assert got == [0, 1, 2]
+    end.set()
+    children.join()
+
+
+@pytest.mark.parametrize("kind", ["local", "remote"])
+def test_a_thread_blocked_in_dequeue_does_not_hold_up_another_threads_timeout(children, kind: str) -> None:
+    reader, go, end = _one_reader(children, kind, 2)
+    first, got = _blocked_in_dequeue(reader, kind)
+    try:
+        with pytest.raises(TimeoutError):
+            _bounded(lambda: reader.dequeue(timeout=1), "a second thread's dequeue(timeout=1)")
+    finally:
+        go.set()
+        first.join(BOUND)
+    assert got == {"value": 0}
+    assert reader.dequeue(timeout=STEP) == 1
+    end.set()
+    children.join()
+
+
+@pytest.mark.parametrize("kind", ["local", "remote"])
+def test_a_thread_blocked_in_dequeue_does_not_block_the_loop(children, kind: str) -> None:
+    reader, go, end = _one_reader(children, kind, 2)
+    first, got = _blocked_in_dequeue(reader, kind)
+
+    async def main() -> Any:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.ensure_future(ticker())
+        with pytest.raises(TimeoutError):
+            await reader.dequeue_async(timeout=0.3)
+        seen = ticks
+        go.set()
+        # One message each: the thread's wait and this one.
+        message = await reader.dequeue_async(timeout=STEP)
+        tick.cancel()
+        assert seen > 0  # the loop ran while the wait waited
+        return message
+
+    try:
+        message = _bounded(lambda: asyncio.run(main()), "asyncio.run(...) beside a thread blocked in dequeue")
+    finally:
+        go.set()
+        first.join(BOUND)
+    assert sorted([got["value"], message]) == [0, 1]
+    end.set()
+    children.join()
+
+
+def test_a_loop_awaits_more_queues_than_one_sleep_can_watch(children) -> None:
+    """futex_waitv takes at most 128 words; 130 queues awaited at once are all watched:
+    a message on any of them ends its wait at once, the last registered included."""
+    n = 130
+    out, cmds = children.queue(), children.queue()
+    children.start(many_writers, out, n, cmds)
+    _, handles = children.expect(out, "handles")
+    readers = [MessageQueue.create_from_handle(h, 0) for h in handles]
+    for r in readers:
+        r.wait_until_ready(timeout=STEP)
+
+    async def main() -> list[Any]:
+        pending = {i: asyncio.ensure_future(r.dequeue_async()) for i, r in enumerate(readers)}
+        await asyncio.sleep(0)
+        got = []
+        for i in (n - 1, 0, n // 2, n - 2):
+            cmds.put((i, f"to {i}"))
+            done, _ = await asyncio.wait([pending[i]], timeout=BOUND)
+            assert done, f"queue {i} got its message only when its wait ended"
+            got.append(pending.pop(i).result())
+            assert not any(t.done() for t in pending.values())
+        for t in pending.values():
+            t.cancel()
+        await asyncio.gather(*pending.values(), return_exceptions=True)
+        return got
+
+    try:
+        assert asyncio.run(main()) == ["to 129", "to 0", "to 65", "to 128"]
+    finally:
+        cmds.put(None)
+    children.join()
+    wait_for(lambda: not _waiters(), what="the waiter threads to exit")

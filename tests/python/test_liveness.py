@@ -297,7 +297,8 @@ def test_cleanup_removes_a_killed_creators_segment_and_keeps_live_ones(children)
 
 
 def test_inspect_shows_the_writer_readers_and_chunks(children):
-    mq = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=64, max_chunks=3)
+    # No arena: a message over a chunk then goes through the overflow socket.
+    mq = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=64, max_chunks=3, arena_bytes=0)
     reader = MessageQueue.create_from_handle(mq.export_handle(), 1)
     mq.enqueue("x")
     mq.enqueue(b"y" * 100)  # over a chunk: through the overflow socket

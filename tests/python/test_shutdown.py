@@ -11,6 +11,8 @@ test is bounded by the reports' timeouts.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -33,10 +35,10 @@ CHUNK = 4096
 ARENA_THRESHOLD = 64 * 1024
 
 
-def _messages() -> list[Any]:
+def _messages(large: int = 3 * CHUNK) -> list[Any]:
     return [
         "small",
-        b"x" * (3 * CHUNK),
+        b"x" * large,
         np.arange(ARENA_THRESHOLD // 4 * 2, dtype=np.float32),
         {"last": True},
     ]
@@ -63,7 +65,7 @@ def _make_writer(n_remote: int) -> MessageQueue:
 # Children (module level: the spawn context pickles targets by reference)
 
 
-def reader_until_the_end(out: Any, handle: Any, rank: int, got_all: Any = None) -> None:
+def reader_until_the_end(out: Any, handle: Any, rank: int, got_all: Any = None, large: int = 3 * CHUNK) -> None:
     """Take messages with ``dequeue()`` (no timeout) until it raises; report them all
     and how it ended. ``got_all``: an event it sets once it has every message of
     ``_messages()`` (and goes back into ``dequeue()``)."""
@@ -74,7 +76,7 @@ def reader_until_the_end(out: Any, handle: Any, rank: int, got_all: Any = None) 
     while True:
         try:
             got.append(mq.dequeue())
-            if got_all is not None and len(got) == len(_messages()):
+            if got_all is not None and len(got) == len(_messages(large)):
                 got_all.set()
         except BaseException as e:
             outcome = {
@@ -98,13 +100,23 @@ def reader_until_the_end(out: Any, handle: Any, rank: int, got_all: Any = None) 
 _KEEP: list[Any] = []
 
 
-def writer_that_exits(out: Any, n_remote: int) -> None:
-    """Make the queue, send the messages, keep the queue in a module-level list with a
-    daemon thread alive, and exit normally (the interpreter's exit ends the queue)."""
+def _ready_then_go(out: Any, mq: MessageQueue, go: Any) -> None:
+    """The writer's ``wait_until_ready``; with ``go``, report ``("writer ready",)`` (every
+    reader has subscribed) and wait for ``go`` before sending."""
+    mq.wait_until_ready(timeout=STEP)
+    if go is not None:
+        out.put(("writer ready",))
+        assert go.wait(STEP), "never told to send"
+
+
+def writer_that_exits(out: Any, n_remote: int, large: int = 3 * CHUNK, go: Any = None) -> None:
+    """Make the queue, send the messages (once ``go`` is set, when one is given), keep the
+    queue in a module-level list with a daemon thread alive, and exit normally (the
+    interpreter's exit ends the queue)."""
     mq = _make_writer(n_remote)
     out.put(("handle", mq.export_handle()))
-    mq.wait_until_ready(timeout=STEP)
-    for m in _messages():
+    _ready_then_go(out, mq, go)
+    for m in _messages(large):
         mq.enqueue(m, timeout=STEP)
     _KEEP.append(mq)
     # Not synchronisation: a daemon thread still running at the interpreter's exit.
@@ -183,9 +195,9 @@ def test_a_readers_own_shutdown_still_says_cancelled():
 # Readers in other processes, blocked in dequeue() without a timeout
 
 
-def _check_reader(report: tuple, what: str) -> None:
+def _check_reader(report: tuple, what: str, large: int = 3 * CHUNK) -> None:
     _, got, outcome, again, again_took = report
-    expected = _messages()
+    expected = _messages(large)
     same = len(got) == len(expected) and all(_same(a, b) for a, b in zip(got, expected, strict=True))
     assert same, f"{what}: {got!r:.300}"
     assert outcome["shut_down"] and outcome["runtime_error"] and not outcome["peer_died"], (what, outcome)
@@ -234,6 +246,103 @@ def test_readers_get_every_message_then_the_end_of_a_writer_process_that_exits(c
     children.expect(writer_out, "sent")
     for out, what in zip(outs, ["local reader", "remote reader"], strict=True):
         _check_reader(children.expect(out, "ended"), what)
+    children.join()
+
+
+def _stopped_while_the_writer_exits(children: Any, writer: tuple, reader: Any) -> Any:
+    """Start ``writer`` (its target and arguments after ``out``, then a ``go`` event: it
+    reports its handle, becomes ready, sends once told, and exits normally) and the reader
+    ``reader(handle)`` names (target and arguments after ``out``), and stop the reader
+    (SIGSTOP) once both are ready (a reader's own readiness waits for nothing, so the
+    writer's says that the reader's subscription is in), until the writer's process has
+    exited and its ring's name is gone. Returns the reader's reports."""
+    writer_out, go = children.queue(), children.event()
+    writer_proc = children.start(writer[0], writer_out, *writer[1:], go)
+    handle = children.expect(writer_out, "handle")[1]
+    out = children.queue()
+    target, *args = reader(handle)
+    reader_proc = children.start(target, out, *args)
+    children.expect(out, "ready")
+    children.expect(writer_out, "writer ready")
+    os.kill(reader_proc.pid, signal.SIGSTOP)
+    go.set()
+    try:
+        children.expect(writer_out, "sent")
+        writer_proc.join(STEP)
+        assert writer_proc.exitcode == 0, writer_proc.exitcode
+        ring = handle.buffer_handle[3]
+        wait_for(lambda: not os.path.exists(f"/dev/shm/{ring}"), STEP, "the writer's exit to remove its ring's name")
+    finally:
+        os.kill(reader_proc.pid, signal.SIGCONT)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("large", [3 * CHUNK, 8 << 20], ids=["12KiB", "8MiB"])
+def test_a_reader_stopped_while_the_writer_process_exits_still_gets_every_message(children, large):
+    """Issue 54: a reader that has not read yet when the writer process ends normally
+    (stopped here, SIGSTOP: slow, or not scheduled) lost the message whose array was in
+    the tensor arena (``FileNotFoundError``: the writer's exit removed the arena's name
+    before the reader opened it) and the message larger than a chunk (it went over the
+    overflow socket, whose queued bytes died with the writer), and then heard that every
+    message had been received. Now a body too large for a chunk goes through the arena
+    too, and the arena's name outlives the writer until its readers have left."""
+    out = _stopped_while_the_writer_exits(
+        children, (writer_that_exits, 0, large), lambda handle: (reader_until_the_end, handle, 0, None, large)
+    )
+    _check_reader(children.expect(out, "ended"), "a local reader stopped while the writer exited", large)
+    children.join()
+
+
+def writer_of_one_too_large_for_the_arena(out: Any, go: Any = None) -> None:
+    """A writer with no tensor arena (``arena_bytes=0``): its 8 MiB message can only go
+    over the queue's socket. Sends three messages (once ``go`` is set, when one is given)
+    and exits normally."""
+    mq = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=CHUNK, max_chunks=4, arena_bytes=0)
+    out.put(("handle", mq.export_handle()))
+    _ready_then_go(out, mq, go)
+    for m in ["before", b"x" * (8 << 20), "after"]:
+        mq.enqueue(m, timeout=STEP)
+    _KEEP.append(mq)
+    out.put(("sent",))
+
+
+def reader_of_whatever_comes(out: Any, handle: Any) -> None:
+    """Dequeue until ``QueueShutDownError``, reporting each message (or the name of each
+    other error) in order."""
+    mq = MessageQueue.create_from_handle(handle, 0)
+    mq.wait_until_ready(timeout=STEP)
+    out.put(("ready",))
+    got: list[Any] = []
+    while True:
+        try:
+            m = mq.dequeue(timeout=STEP)
+            got.append(m if isinstance(m, str) else len(m))
+        except QueueShutDownError:
+            break
+        except Exception as e:
+            got.append((type(e).__name__, str(e)))
+            if len(got) > 10:
+                break
+    out.put(("ended", got))
+
+
+@pytest.mark.timeout(120)
+def test_a_message_lost_with_the_writers_process_is_reported_as_lost_and_the_rest_still_read(children):
+    """Issue 54: where a message cannot go through shared memory (no arena here), a reader
+    stopped while the writer's process exited loses it with the socket's queue. It heard
+    ``QueueShutDownError`` (a clean end) and lost the message after it too; now it gets
+    ``MessageLostError`` for the lost one, then the next message, then the end."""
+    out = _stopped_while_the_writer_exits(
+        children, (writer_of_one_too_large_for_the_arena,), lambda handle: (reader_of_whatever_comes, handle)
+    )
+    got = children.expect(out, "ended")[1]
+    assert got[0] == "before" and got[-1] == "after" and len(got) == 3, got
+    # 8 MiB is far more than the kernel's socket buffers hold for a stopped reader.
+    kind, message = got[1]
+    assert kind == "MessageLostError" and "that message is lost" in message, got
+    assert issubclass(shmq.MessageLostError, RuntimeError)
+    assert not issubclass(shmq.MessageLostError, (QueueShutDownError, PeerDiedError))
     children.join()
 
 

@@ -208,10 +208,11 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
     return out
 
 
-# (the signalled side, readers, local readers): every side that waits to be ready.
+# (the signalled side, readers, local readers): every side that waits to be ready. A local
+# reader waits for nothing (its readiness never waits on its writer's: issue 59), so it
+# is no case here; ``test_handshake_order.py`` has it.
 CASES = {
     "writer-local-readers": ("writer", 1, 1),
-    "local-reader": ("0", 2, 2),
     "writer-remote-readers": ("writer", 1, 0),
     "remote-reader": ("0", 2, 0),
 }

@@ -225,3 +225,84 @@ def test_a_reader_that_closed_is_not_reported_as_died(children, how, policy):
     for r in (a, c) if how == "exit" else (a, b, c):
         r.stop()
     store.close()
+
+
+# ---------------------------------------------------------------------------------
+# Readers that join later (issue 54, item 5): a dead reader's dropped slot is taken
+# again, and a reader without a slot never reads in a live reader's place
+
+
+def put_read_by(store: ObjectStorage, readers: list[Reader], start: int, n: int) -> tuple[list, MemoryError | None]:
+    """Put up to ``n`` objects, each read by ``readers`` at once; stop at the first
+    ``MemoryError``: the handles put, and the error (``None`` if every put went in)."""
+    handles = []
+    for i in range(start, start + n):
+        try:
+            h = store.put(f"k{i}", VALUE)
+        except MemoryError as e:
+            return handles, e
+        for r in readers:
+            assert r.get(h) == VALUE
+        handles.append(h)
+    return handles, None
+
+
+def test_a_new_reader_takes_a_dropped_readers_slot_and_never_reads_for_a_slow_one(children):
+    store, blob = writer(on_dead_reader="drop")
+    a, b = Reader(children, blob), Reader(children, blob)
+    b.kill()
+    # b is dropped by the first put that needs its room; a reads everything.
+    handles, e = put_read_by(store, [a], 0, 3 * LAP)
+    assert e is None, e
+    assert store.dropped_readers == [b.slot]
+    # A new reader joins: it takes the dropped reader's slot (it does not read
+    # anonymously), and the writer waits for it again.
+    c = Reader(children, blob)
+    assert c.slot == b.slot, f"the new reader found no slot (slot {c.slot}); slot {b.slot} was dropped"
+    wanted = store.put("wanted by the slow reader", VALUE)
+    assert c.get(wanted) == VALUE
+    # a is alive and slow: it has not read "wanted" yet. c's reads never count for a's.
+    start = len(handles) + 1
+    later, e = put_read_by(store, [c], start, LAP + 1)
+    assert e is not None, f"{LAP + 1} puts went in: an object a had not read was evicted"
+    assert type(e) is MemoryError, repr(e)
+    assert f"reader slot {a.slot} (pid {a.pid}, alive) has not read it yet" in str(e), e
+    assert a.get(wanted) == VALUE
+    for h in later:
+        assert a.get(h) == VALUE
+    # And c is waited for in its turn: objects put now wait for its reads.
+    start += len(later) + 1
+    mine, e = put_read_by(store, [a], start, LAP + 1)
+    assert e is not None and type(e) is MemoryError, repr(e)
+    assert f"reader slot {c.slot} (pid {c.pid}, alive) has not read it yet" in str(e), e
+    assert store.dropped_readers == []
+    for h in mine:
+        assert c.get(h) == VALUE
+    h = store.put("after", VALUE)
+    assert a.get(h) == c.get(h) == VALUE
+    a.stop()
+    c.stop()
+    store.close()
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_a_reader_without_a_slot_never_reads_in_a_live_readers_place(children, policy):
+    store, blob = writer(**policy_kw(policy))
+    a, b = Reader(children, blob), Reader(children, blob)
+    # A third reader of a store of two finds no slot: its reads are its own.
+    c = Reader(children, blob)
+    assert c.slot is None
+    wanted = store.put("wanted by the slow reader", VALUE)
+    assert b.get(wanted) == VALUE and c.get(wanted) == VALUE
+    later, e = put_read_by(store, [b, c], 1, LAP + 1)
+    assert e is not None, f"{LAP + 1} puts went in: an object a had not read was evicted"
+    assert type(e) is MemoryError, repr(e)
+    assert f"reader slot {a.slot} (pid {a.pid}, alive) has not read it yet" in str(e), e
+    assert a.get(wanted) == VALUE
+    for h in later:
+        assert a.get(h) == VALUE
+    h = store.put("after", VALUE)
+    assert a.get(h) == b.get(h) == VALUE
+    for r in (a, b, c):
+        r.stop()
+    store.close()

@@ -110,3 +110,20 @@ def test_items_no_consumer_loads_never_hold_the_producer(children, ec_name):
     for _ in cmds:
         children.expect(out, "stopped")
     children.join()
+
+
+def test_the_default_cache_name_is_the_users_and_the_models_not_a_shared_vllm():
+    """Issue 54: the default name was ``vllm`` for every deployment of every user, which a
+    stranger could take first. Now it is this user's and this model's: the encoder and
+    the prefill/decode instance of one deployment agree on it without configuration."""
+    from types import SimpleNamespace
+
+    from shmq.vllm_ec_connector import default_cache_name
+
+    def config(model: str) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(model=model))
+
+    name = default_cache_name(config("/models/llava-1.5-7b"))
+    assert name == default_cache_name(config("/models/llava-1.5-7b"))
+    assert name != default_cache_name(config("/models/qwen2.5-vl-7b"))
+    assert name.startswith(f"vllm-u{os.geteuid()}-") and len(name.split("-")[-1]) == 12

@@ -15,7 +15,9 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
 use super::parts;
 use super::view::ShmView;
-use super::wait::{blocking_on, lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout};
+use super::wait::{
+    blocking_on, lock, try_lock, wait_policy, BindingGuard, BindingLock, Interrupts, Timeout,
+};
 use super::COPY_WITH_GIL_MAX;
 use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError, PyValueError};
 use shmq::broadcast::queue::Canceller;
@@ -716,6 +718,9 @@ fn interrupts<'a>(timeout: Option<Timeout>) -> Interrupts<'a, 'a> {
 pub struct Reader {
     inner: BindingLock<CoreReader>,
     canceller: Canceller,
+    /// Whether it reads through shared memory (fixed when it is made; read without the
+    /// lock, so that an event loop never waits for a thread's call to learn it).
+    local: bool,
     /// The view of the chunk `acquire_read` handed out, until `finish_read` (the core
     /// reader keeps its mapping).
     open_chunk: BindingLock<Option<Py<ShmView>>>,
@@ -755,14 +760,15 @@ impl Reader {
         let reader = CoreReader::open_with(&handle, rank, policy).or_raise()?;
         Ok(Reader {
             canceller: reader.canceller(),
+            local: reader.is_local(),
             inner: BindingLock::new(reader),
             open_chunk: BindingLock::new(None),
         })
     }
 
     #[getter]
-    fn is_local(&self, py: Python<'_>) -> PyResult<bool> {
-        Ok(self.reader(py)?.is_local())
+    fn is_local(&self) -> bool {
+        self.local
     }
     #[getter]
     fn reader_index(&self, py: Python<'_>) -> PyResult<Option<usize>> {
@@ -783,14 +789,7 @@ impl Reader {
         timeout: Option<Timeout>,
         cancel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        blocking_on(
-            py,
-            &self.inner,
-            READER,
-            reader_interrupts(timeout, cancel, false),
-            |r, spec| r.wait_until_ready(spec),
-        )
-        .map(drop)
+        self.wait_for(py, timeout, cancel, |r, spec| r.wait_until_ready(spec))
     }
 
     /// The next message, its kind told by its type (see `to_python`): a message of one
@@ -806,12 +805,12 @@ impl Reader {
         cancel: Option<&Bound<'py, PyAny>>,
         indefinite: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(m) = self
-            .reader(py)?
-            .try_take_message(|m| to_python(py, m))
-            .or_raise()?
-        {
-            return m;
+        // A message here already, and the reader free: no wait at all. A reader that
+        // another thread is using is waited for below, within the timeout.
+        if let Some(mut r) = try_lock(&self.inner, READER)? {
+            if let Some(m) = r.try_take_message(|m| to_python(py, m)).or_raise()? {
+                return m;
+            }
         }
         if self.canceller.is_cancelled() {
             return Err(exception(Error::Cancelled));
@@ -826,6 +825,21 @@ impl Reader {
         r.try_take_message(|m| to_python(py, m))
             .or_raise()?
             .ok_or_else(|| exception(r.not_ready_any_more()))?
+    }
+
+    /// Wait until the next message can be taken at once (then `dequeue(0)` takes it),
+    /// without taking it: a message that arrives is kept for the next `dequeue`, so a
+    /// wait that ends early (its timeout, its `cancel`, `shutdown()`) loses nothing. For
+    /// a remote reader, and a local one's message larger than a chunk, this receives the
+    /// message from its socket. Errors and "still waiting" warnings as `dequeue`'s.
+    #[pyo3(signature = (timeout=None, cancel=None))]
+    fn wait_message(
+        &self,
+        py: Python<'_>,
+        timeout: Option<Timeout>,
+        cancel: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.wait_for(py, timeout, cancel, |r, spec| r.wait_message(spec))
     }
 
     /// Wait for the next chunk and return a view of its data (zero-copy); release it
@@ -896,14 +910,50 @@ impl Reader {
         lock(py, &self.inner, READER)
     }
 
-    /// What `wait_any` watches for this reader's next message (`None`: a remote reader).
+    /// A wait of the core reader that returns nothing, as every blocking call runs it
+    /// (the GIL released, its timeout and cancel event, another thread's hold of the
+    /// reader waited for within them: [`blocking_on`]).
+    fn wait_for<F>(
+        &self,
+        py: Python<'_>,
+        timeout: Option<Timeout>,
+        cancel: Option<&Bound<'_, PyAny>>,
+        wait: F,
+    ) -> PyResult<()>
+    where
+        F: for<'w> FnMut(&mut CoreReader, WaitSpec<'w>) -> shmq::error::Result<()> + Send,
+    {
+        blocking_on(
+            py,
+            &self.inner,
+            READER,
+            reader_interrupts(timeout, cancel, false),
+            wait,
+        )
+        .map(drop)
+    }
+
+    /// What `wait_any` watches for this reader's next message (`None`: a remote reader),
+    /// waiting at most `timeout` for a reader another thread is using (`TimeoutError`).
     pub(crate) fn ready_target(
         &self,
         py: Python<'_>,
+        timeout: Option<Timeout>,
     ) -> PyResult<Option<shmq::broadcast::wait_any::ReadyTarget>> {
-        Ok(shmq::broadcast::wait_any::ReadyTarget::of(
-            &*self.reader(py)?,
-        ))
+        if !self.local {
+            return Ok(None);
+        }
+        if let Some(r) = try_lock(&self.inner, READER)? {
+            return Ok(shmq::broadcast::wait_any::ReadyTarget::of(&r));
+        }
+        let (r, ()) = blocking_on(
+            py,
+            &self.inner,
+            READER,
+            reader_interrupts(timeout, None, true),
+            |_, _| Ok(()),
+        )?;
+        Ok(shmq::broadcast::wait_any::ReadyTarget::of(&r))
     }
 }
 

@@ -25,6 +25,13 @@ pyo3::create_exception!(
     "The queue was shut down by its writer (shutdown(), or the writer's normal end): raised by the writer's later calls, and by a reader's dequeue once it has received every message sent before. Not a death (that is PeerDiedError)."
 );
 
+pyo3::create_exception!(
+    shmq,
+    MessageLostError,
+    pyo3::exceptions::PyRuntimeError,
+    "A message sent to this reader was lost: the writer's process ended before the message (one too large for the ring and for the tensor arena, sent over the queue's socket) reached it. The reader's next dequeue returns the messages after it. Neither a clean end (QueueShutDownError) nor a death (PeerDiedError)."
+);
+
 /// `result.or_raise()?`: a result of any layer (the core's, the operating-system
 /// layer's, the workers') as PyO3's, its error the Python exception that [`exception`]
 /// makes. Every call's `?` in this crate goes through it (`From<shmq::Error> for PyErr`
@@ -85,7 +92,10 @@ fn link_exception(err: LinkError) -> PyErr {
         LinkError::Io { source, .. } => PyOSError::new_err((source.raw_os_error(), msg)),
         LinkError::Closed => PyEOFError::new_err(msg),
         LinkError::TimedOut => PyTimeoutError::new_err(msg),
-        LinkError::Malformed(_) => PyConnectionError::new_err(msg),
+        // Not a shmq worker link on the other end (no shmq peer sends either).
+        LinkError::Malformed(_) | LinkError::HandshakeFrameTooLong { .. } => {
+            PyConnectionError::new_err(msg)
+        }
         LinkError::Refused(_) => PyPermissionError::new_err(msg),
         // A frame that is not the peer's (length, seal, turn, kind): the link is over.
         _ => PyValueError::new_err(msg),
@@ -120,6 +130,7 @@ fn os_exception(err: OsError) -> PyErr {
         | OsError::SegmentExists { .. }
         | OsError::InvalidArgument(_) => PyValueError::new_err(msg),
         OsError::Forked(_) => PyRuntimeError::new_err(msg),
+        OsError::NotOwned(_) => PyPermissionError::new_err(msg),
         OsError::Os { ref source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
             PyPermissionError::new_err(msg)
         }
@@ -134,9 +145,10 @@ fn queue_exception(err: QueueError) -> PyErr {
         QueueError::DeadReader { .. } | QueueError::DeadWriter { .. } => {
             PeerDiedError::new_err(msg)
         }
-        QueueError::ShutDown
-        | QueueError::WriterShutDown { .. }
-        | QueueError::WriterGoneMidMessage => QueueShutDownError::new_err(msg),
+        QueueError::ShutDown | QueueError::WriterShutDown { .. } => {
+            QueueShutDownError::new_err(msg)
+        }
+        QueueError::WriterGoneMidMessage => MessageLostError::new_err(msg),
         _ => PyRuntimeError::new_err(msg),
     }
 }

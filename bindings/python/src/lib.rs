@@ -26,8 +26,10 @@
 //!   (`shmq::workers::link`), which `shmq.workers.protocol` sends;
 //! - `ReadyTarget`, `WakeWord`, `ready_target()`, `wait_any()`: one thread waiting for
 //!   several local readers at once (`MessageQueue.dequeue_async`, `shmq.Gather`);
+//!   `CancelFlag`: a cancel event checked without the GIL (a cancelled coroutine's wait
+//!   in an executor thread);
 //! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
-//!   `QueueShutDownError`.
+//!   `QueueShutDownError`, `MessageLostError`.
 
 mod admin;
 mod auth;
@@ -148,6 +150,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(become_subreaper, m)?)?;
     m.add_function(wrap_pyfunction!(kill_descendants, m)?)?;
     m.add_function(wrap_pyfunction!(wait::timeout_seconds, m)?)?;
+    m.add_class::<wait::CancelFlag>()?;
     m.add_function(wrap_pyfunction!(broadcast::handle_to_text, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast::handle_from_text, m)?)?;
     m.add_function(wrap_pyfunction!(admin::list_segments, m)?)?;
@@ -158,6 +161,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add(
         "QueueShutDownError",
         m.py().get_type::<errors::QueueShutDownError>(),
+    )?;
+    m.add(
+        "MessageLostError",
+        m.py().get_type::<errors::MessageLostError>(),
     )?;
     m.add("segment_prefix", shmq::admin::NAME_PREFIX)?;
     // Where segments live: the Python package spells `/dev/shm` only through this.

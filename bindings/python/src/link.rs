@@ -4,6 +4,7 @@
 
 use std::sync::Mutex;
 
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -73,6 +74,19 @@ fn link_proof_eq(want: &str, claimed: &str) -> bool {
         (Some(want), Some(claimed)) => shmq::auth::mac_eq(&want, &claimed),
         _ => false,
     }
+}
+
+/// The length in a frame's 4-byte `header`, if it is 1 to `max` (`link::frame_length`):
+/// over `max`, `ConnectionError` for a handshake frame (`handshake`), else `ValueError`,
+/// both naming `peer` and the limit; 0: `ValueError`.
+#[pyfunction]
+fn link_frame_length(header: &[u8], max: usize, peer: &str, handshake: bool) -> PyResult<usize> {
+    let word: [u8; 4] = header.try_into().map_err(|_| {
+        PyValueError::new_err(format!("a frame's header is 4 bytes, got {}", header.len()))
+    })?;
+    link::frame_length(word, max, peer, handshake)
+        .map_err(shmq::workers::Error::from)
+        .or_raise()
 }
 
 /// The parent's challenge's payload.
@@ -211,14 +225,26 @@ impl LinkSeal {
         Ok(PyBytes::new(py, &body))
     }
 
-    /// The payload of a frame received with `kind` and `body`, if it is the peer's next.
+    /// The payload of a frame received with `kind` and `body` (any contiguous bytes-like
+    /// object: the receiver reads a frame into a `bytearray`), if it is the peer's next.
     fn open<'py>(
         &self,
         py: Python<'py>,
         frame_kind: &[u8],
-        body: &[u8],
+        body: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let k = kind(frame_kind)?;
+        let export = PyUntypedBuffer::get(body)?;
+        if !export.is_c_contiguous() {
+            return Err(PyValueError::new_err("a frame's body must be contiguous"));
+        }
+        // SAFETY: the export is held (and the GIL with it, never released here) until the
+        // slice's last use below: its exporter can neither free nor resize the memory
+        // meanwhile, and no Python thread runs to write into it; it is C-contiguous, so
+        // its `len_bytes()` bytes from `buf_ptr()` are its data.
+        let body = unsafe {
+            std::slice::from_raw_parts(export.buf_ptr() as *const u8, export.len_bytes())
+        };
         let mut into = self.into.lock().unwrap_or_else(|e| e.into_inner());
         let payload = into
             .open(k, body)
@@ -241,6 +267,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(link_hello_mac, m)?)?;
     m.add_function(wrap_pyfunction!(link_welcome_mac, m)?)?;
     m.add_function(wrap_pyfunction!(link_proof_eq, m)?)?;
+    m.add_function(wrap_pyfunction!(link_frame_length, m)?)?;
     m.add_function(wrap_pyfunction!(link_challenge, m)?)?;
     m.add_function(wrap_pyfunction!(link_read_challenge, m)?)?;
     m.add_function(wrap_pyfunction!(link_hello, m)?)?;

@@ -776,7 +776,7 @@ impl ObjectStore {
     /// vLLM's `increment_writer_flag`: one more hand-out of the object `id`.
     fn increment_writer_flag(&self, py: Python<'_>, id: i64) -> PyResult<()> {
         let found = match u32::try_from(id) {
-            Ok(id) => self.store(py)?.hand_out(id),
+            Ok(id) => self.store(py)?.hand_out(&self.segment, id),
             Err(_) => false,
         };
         if found {

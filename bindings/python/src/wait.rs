@@ -4,11 +4,13 @@
 //! ([`blocking_on`] lets go of the object's lock for them). Also the locks around the
 //! binding objects' core state (`BindingLock`): taken without blocking while the GIL is
 //! held, and a clear error, never a hang or a silent use, when re-entered or poisoned by
-//! a panic.
-
-use shmq_protocol::sync::local::{AtomicUsize, Ordering};
+//! a panic. A blocking call that finds its object in use by another thread waits for it
+//! no longer than its own timeout (and its cancel event): one thread's wait never holds
+//! up another thread's timeout.
+use shmq_protocol::sync::local::{fence, AtomicBool, AtomicUsize, Ordering};
+use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
 
 use crate::errors::{exception, OrRaise};
@@ -17,7 +19,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyInt;
 
 use shmq::error::{Error, Result};
-use shmq::wait::{Hook, WaitClock, WaitPolicy, WaitSpec};
+use shmq::wait::{deadline_after, Hook, WaitClock, WaitPolicy, WaitSpec};
 
 /// A `timeout` argument: seconds as a float, checked when the argument is converted (so
 /// before any fast path) by the core's `wait::timeout_from_secs`: negative or NaN is a
@@ -82,35 +84,89 @@ pub(crate) fn wait_policy(
     WaitPolicy::from_micros(processes, spin_us, yield_us).or_raise()
 }
 
+/// A cancel event checked without the GIL: what `shmq._aio` hands a wait it runs in an
+/// executor thread, and sets when the coroutine that awaits it is cancelled, so that
+/// the thread's wait ends within a few milliseconds (never taking a message after its
+/// coroutine gave up). Any blocking call's `cancel` argument takes it, as it takes a
+/// `threading.Event`; unlike one, it is looked at every few milliseconds without the
+/// GIL and without letting go of the object's lock.
+#[pyclass(module = "shmq._core", frozen)]
+pub struct CancelFlag {
+    flag: Arc<AtomicBool>,
+}
+
+#[pymethods]
+impl CancelFlag {
+    #[new]
+    fn new() -> CancelFlag {
+        CancelFlag {
+            flag: Arc::default(),
+        }
+    }
+
+    /// End the waits given this flag (within a few milliseconds), now and from now on.
+    fn set(&self) {
+        // Relaxed: the flag carries no data; a wait sees it at its next check.
+        self.flag.store(true, Ordering::Relaxed);
+    }
+
+    fn is_set(&self) -> bool {
+        // Relaxed: as in `set`.
+        self.flag.load(Ordering::Relaxed)
+    }
+}
+
 /// What a blocking call checks every few milliseconds: signals (their Python handlers
 /// run; an exception they raise ends the call) and the cancel event.
 struct Checks {
     timeout: Option<Duration>,
     cancel: Option<Py<PyAny>>,
+    /// The cancel event when it is a [`CancelFlag`]: checked without the GIL.
+    flag: Option<Arc<AtomicBool>>,
     quiet: bool,
-    /// Whether to check at all: it takes the GIL every few ms, only worth it for a
-    /// cancel event, or in the main thread, where Ctrl-C must interrupt the wait. Other
-    /// waits sleep undisturbed (shutdown() and the timeout still end them at once).
+    /// Whether to run the Python checks at all: they take the GIL every few ms, only
+    /// worth it for a cancel event that is not a `CancelFlag`, or in the main thread,
+    /// where Ctrl-C must interrupt the wait. Other waits sleep undisturbed (shutdown()
+    /// and the timeout still end them at once).
     needed: bool,
 }
 
 impl Checks {
     fn new(py: Python<'_>, interrupts: Interrupts<'_, '_>) -> Checks {
-        let cancel: Option<Py<PyAny>> = interrupts
-            .cancel
-            .filter(|c| !c.is_none())
-            .map(|c| c.clone().unbind());
+        let event = interrupts.cancel.filter(|c| !c.is_none());
+        let flag = event
+            .and_then(|c| c.cast::<CancelFlag>().ok())
+            .map(|f| f.get().flag.clone());
+        let cancel: Option<Py<PyAny>> =
+            event.filter(|_| flag.is_none()).map(|c| c.clone().unbind());
         Checks {
             timeout: duration(interrupts.timeout),
             needed: cancel.is_some() || is_main_thread(py),
             cancel,
+            flag,
             quiet: interrupts.quiet,
         }
+    }
+
+    /// Whether the call needs a hook at all.
+    fn hooked(&self) -> bool {
+        self.needed || self.flag.is_some()
+    }
+
+    /// Whether the `CancelFlag` is set (no GIL needed).
+    fn flagged(&self) -> bool {
+        // Relaxed: see `CancelFlag::set`.
+        self.flag
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Relaxed))
     }
 
     /// Run the checks (with the GIL): `Ok(true)` if the cancel event is set, the error a
     /// signal handler (or `is_set`) raised.
     fn run(&self, py: Python<'_>) -> PyResult<bool> {
+        if self.flagged() {
+            return Ok(true);
+        }
         py.check_signals()?;
         match &self.cancel {
             Some(c) => c.bind(py).call_method0("is_set")?.is_truthy(),
@@ -133,6 +189,12 @@ where
     let mut raised: Option<PyErr> = None;
     let result = py.detach(|| {
         let mut hook = || -> Result<()> {
+            if checks.flagged() {
+                return Err(Error::Cancelled);
+            }
+            if !checks.needed {
+                return Ok(());
+            }
             Python::attach(|py| match checks.run(py) {
                 Ok(false) => Ok(()),
                 Ok(true) => Err(Error::Cancelled),
@@ -144,7 +206,7 @@ where
         };
         f(WaitSpec {
             timeout: checks.timeout,
-            hook: checks.needed.then_some(&mut hook as Hook<'_>),
+            hook: checks.hooked().then_some(&mut hook as Hook<'_>),
             quiet: checks.quiet,
             resume: None,
         })
@@ -162,10 +224,13 @@ where
 /// this same object: its getters, `shutdown()`), and `f` is called again under the lock
 /// with the same [`WaitClock`], so the wait goes on where it stopped (same deadline,
 /// warnings and statistics; the core never ends a call at its hook once it has sent
-/// anything: see `Wait::commit`). Another thread may take the object between two calls:
-/// taking it back then waits no longer than the deadline ([`relock`]). Returns `f`'s
-/// value with the lock still held, for what must follow under the same hold. (The core's
-/// errors name their queue themselves.)
+/// anything: see `Wait::commit`). A [`CancelFlag`] needs no pause: the hook ends the
+/// call (`Error::Cancelled`) once it is set. Another thread may hold the object when the
+/// call begins, or take it between two calls: waiting for it counts against the call's
+/// timeout and ends at its deadline or cancel event ([`lock_within`]), so a thread
+/// blocked in a call of its own never holds this one up past its timeout. Returns
+/// `f`'s value with the lock still held, for what must follow under the same hold.
+/// (The core's errors name their queue themselves.)
 pub(crate) fn blocking_on<'l, S, T, F>(
     py: Python<'_>,
     lock_: &'l BindingLock<S>,
@@ -179,22 +244,37 @@ where
     F: for<'w> FnMut(&mut S, WaitSpec<'w>) -> Result<T> + Send,
 {
     let checks = Checks::new(py, interrupts);
+    let started = Instant::now();
+    let deadline = checks.timeout.and_then(|t| deadline_after(started, t));
     let mut clock = WaitClock::default();
-    let mut guard = lock(py, lock_, what)?;
+    let mut guard = match lock_within(py, lock_, what, &checks, started, deadline)? {
+        Ok(g) => g,
+        Err(e) => return Err(exception(e)),
+    };
     loop {
         let state = &mut *guard;
         let mut paused = false;
+        // What is left of the call's timeout (a wait for the lock counts); a resumed call
+        // keeps its clock's deadline instead.
+        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let result = py.detach(|| {
-            // Ends the call so that the checks run with the lock let go.
+            // Ends the call so that the checks run with the lock let go; a set
+            // CancelFlag ends it for good.
             let mut pause = || -> Result<()> {
+                if checks.flagged() {
+                    return Err(Error::Cancelled);
+                }
+                if !checks.needed {
+                    return Ok(());
+                }
                 paused = true;
                 Err(Error::Cancelled)
             };
             f(
                 state,
                 WaitSpec {
-                    timeout: checks.timeout,
-                    hook: checks.needed.then_some(&mut pause as Hook<'_>),
+                    timeout,
+                    hook: checks.hooked().then_some(&mut pause as Hook<'_>),
                     quiet: checks.quiet,
                     resume: Some(&mut clock),
                 },
@@ -208,40 +288,53 @@ where
         if checks.run(py)? {
             return Err(exception(Error::Cancelled));
         }
-        guard = match relock(py, lock_, what, &checks, &clock)? {
+        guard = match lock_within(py, lock_, what, &checks, started, clock.deadline())? {
             Ok(g) => g,
             Err(e) => return Err(exception(e)),
         };
     }
 }
 
-/// Take `lock_` again after a pause of [`blocking_on`]. Another thread may have taken
-/// it meanwhile (a call of its own on the same object): unlike [`lock`], this does not
-/// wait for it without end, but keeps running the checks every few milliseconds and
-/// ends at the call's deadline (`Error::Timeout`) or its cancel event (`Cancelled`).
-fn relock<'l, S: Send>(
+/// Take `lock_` for a blocking call with `checks` that began at `started`: at once if it
+/// is free; else wait (GIL released, asleep until the thread that holds it lets go) no
+/// longer than `deadline`, then `Error::Timeout` naming the wait, and running the
+/// checks every few milliseconds where the call has them (`Error::Cancelled` once its
+/// cancel event is set). What a call waits for, when another thread is in a call of its
+/// own on the same object (a `dequeue` without a timeout, say), is that call's end: no
+/// more than its own timeout.
+fn lock_within<'l, S: Send>(
     py: Python<'_>,
     lock_: &'l BindingLock<S>,
     what: &str,
     checks: &Checks,
-    clock: &WaitClock,
+    started: Instant,
+    deadline: Option<Instant>,
 ) -> PyResult<Result<BindingGuard<'l, S>>> {
-    const POLL: Duration = Duration::from_millis(1);
-    const CHECKS_EVERY: u32 = 10;
-    let mut polls = 0u32;
+    /// How often the checks run while the lock is held by another thread.
+    const CHECKS_EVERY: Duration = Duration::from_millis(10);
+    /// One sleep without checks or deadline (woken anyway when the lock is let go).
+    const LONGEST: Duration = Duration::from_secs(3600);
     loop {
         if let Some(guard) = try_lock(lock_, what)? {
             return Ok(Ok(guard));
         }
-        if clock.deadline().is_some_and(|d| Instant::now() >= d) {
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
             return Ok(Err(Error::Timeout {
                 what: format!("waiting for this {what}, which another thread is using"),
-                waited: clock.elapsed(),
+                waited: now.saturating_duration_since(started),
             }));
         }
-        py.detach(|| std::thread::sleep(POLL));
-        polls += 1;
-        if checks.needed && polls % CHECKS_EVERY == 0 && checks.run(py)? {
+        let mut slice = if checks.hooked() {
+            CHECKS_EVERY
+        } else {
+            LONGEST
+        };
+        if let Some(d) = deadline {
+            slice = slice.min(d.saturating_duration_since(now));
+        }
+        py.detach(|| lock_.wait_free(slice));
+        if checks.flagged() || (checks.needed && checks.run(py)?) {
             return Ok(Err(Error::Cancelled));
         }
     }
@@ -273,6 +366,13 @@ pub(crate) struct BindingLock<T> {
     /// with the caller's own token, which only the caller's own thread ever stores here,
     /// and a thread always reads its own last store (or a later one).
     holder: AtomicUsize,
+    /// Threads asleep in [`wait_free`](Self::wait_free) (or about to be): a guard that
+    /// lets go wakes them only then.
+    waiting: AtomicUsize,
+    /// Held by a waiter from its look at the mutex until it sleeps on `released`, and by
+    /// a guard that lets go before it wakes them: so no wake-up falls between the two.
+    gate: Mutex<()>,
+    released: Condvar,
 }
 
 impl<T> BindingLock<T> {
@@ -280,14 +380,40 @@ impl<T> BindingLock<T> {
         BindingLock {
             mutex: Mutex::new(value),
             holder: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            gate: Mutex::new(()),
+            released: Condvar::new(),
         }
+    }
+
+    /// Sleep (call it with the GIL released) until the lock is let go, or `slice`
+    /// passes, or spuriously; return at once if it looks free. Takes nothing: the
+    /// caller tries the lock again.
+    fn wait_free(&self, slice: Duration) {
+        // Relaxed RMW, then the SeqCst fence: pairs with the fence in
+        // `BindingGuard::drop` (a Dekker pair on `waiting` and the mutex's own word).
+        // Either that guard's load of `waiting` sees this waiter, and it wakes it after
+        // taking `gate` (so after this waiter sleeps), or this waiter's look at the mutex
+        // below (after its fence) sees the unlock that came before the guard's fence.
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let gate = self.gate.lock().unwrap_or_else(PoisonError::into_inner);
+        match self.mutex.try_lock() {
+            Err(TryLockError::WouldBlock) => drop(self.released.wait_timeout(gate, slice)),
+            // Free (or poisoned: the caller's `try_lock` says so): let go at once, under
+            // `gate`, so that no waiter looks at the mutex while this look holds it.
+            free => drop(free),
+        }
+        // Relaxed: a late decrement only costs a guard one needless wake-up.
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 /// A held `BindingLock`: the core state, until dropped.
 pub(crate) struct BindingGuard<'a, T> {
-    guard: MutexGuard<'a, T>,
-    holder: &'a AtomicUsize,
+    /// Dropped by hand (in `drop`, before the waiters are woken).
+    guard: ManuallyDrop<MutexGuard<'a, T>>,
+    lock: &'a BindingLock<T>,
 }
 
 impl<T> Deref for BindingGuard<'_, T> {
@@ -305,8 +431,24 @@ impl<T> DerefMut for BindingGuard<'_, T> {
 
 impl<T> Drop for BindingGuard<'_, T> {
     fn drop(&mut self) {
-        // Before the mutex is unlocked (the guard field drops after this).
-        self.holder.store(0, Ordering::Relaxed);
+        // Before the mutex is unlocked.
+        self.lock.holder.store(0, Ordering::Relaxed);
+        // SAFETY: `guard` is dropped exactly once, here, and never used after (this is
+        // the guard's own drop). Process-local memory: no other process is involved.
+        unsafe { ManuallyDrop::drop(&mut self.guard) };
+        // SeqCst: pairs with the fence in `BindingLock::wait_free` (see there).
+        fence(Ordering::SeqCst);
+        // Relaxed: ordered by the fence above.
+        if self.lock.waiting.load(Ordering::Relaxed) > 0 {
+            // A waiter that saw the mutex held is asleep once `gate` is free again.
+            drop(
+                self.lock
+                    .gate
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner),
+            );
+            self.lock.released.notify_all();
+        }
     }
 }
 
@@ -336,8 +478,9 @@ pub(crate) fn lock<'a, T: Send>(
         if let Some(guard) = try_lock(m, what)? {
             return Ok(guard);
         }
-        // A poisoned `lock()` here is seen as such by the next `try_lock`.
-        py.detach(|| drop(m.mutex.lock()));
+        // Asleep until the holder lets go (a poisoned lock is seen as such by the next
+        // `try_lock`).
+        py.detach(|| m.wait_free(Duration::from_secs(3600)));
     }
 }
 
@@ -351,8 +494,8 @@ pub(crate) fn try_lock<'a, T: Send>(
         Ok(guard) => {
             m.holder.store(me, Ordering::Relaxed);
             Ok(Some(BindingGuard {
-                guard,
-                holder: &m.holder,
+                guard: ManuallyDrop::new(guard),
+                lock: m,
             }))
         }
         Err(TryLockError::Poisoned(_)) => Err(poisoned(what)),

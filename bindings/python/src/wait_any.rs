@@ -66,13 +66,19 @@ impl WakeWord {
     }
 }
 
-/// The target of `reader`'s next message; `None` for a remote reader.
+/// The target of `reader`'s next message; `None` for a remote reader. A reader that
+/// another thread is using (in a blocking call) is waited for at most `timeout` seconds
+/// (`TimeoutError`; 0: not at all, for an event loop's thread, which must not block).
 #[pyfunction]
+#[pyo3(signature = (reader, timeout=None))]
 pub(crate) fn ready_target(
     py: Python<'_>,
     reader: PyRef<'_, Reader>,
+    timeout: Option<Timeout>,
 ) -> PyResult<Option<ReadyTarget>> {
-    Ok(reader.ready_target(py)?.map(|inner| ReadyTarget { inner }))
+    Ok(reader
+        .ready_target(py, timeout)?
+        .map(|inner| ReadyTarget { inner }))
 }
 
 /// Sleep (GIL released) until one of `targets` is ready or its writer is proved dead,

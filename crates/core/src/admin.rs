@@ -72,7 +72,19 @@ fn pid_from_name(name: &str) -> Option<u32> {
         .ok()
 }
 
-fn report(name: &str, size: u64) -> SegmentReport {
+fn report(name: &str, size: u64, own: bool) -> SegmentReport {
+    if !own {
+        // Another user's file (seen by root): never opened (`shmq_os::segment_file`), so
+        // neither its kind nor its creator's lock is known here, and a pid in its name
+        // proves nothing across pid namespaces: Unknown, never removed without --force.
+        return SegmentReport {
+            name: name.to_owned(),
+            size,
+            kind: SegmentKind::Unknown,
+            creator: pid_from_name(name).map(|pid| ProcessId { pid, start_time: 0 }),
+            creator_liveness: Liveness::Unknown,
+        };
+    }
     let (kind, creator) = if let Ok(ring) = Ring::open(name) {
         (SegmentKind::Ring, Some(ring.creator()))
     } else if let Ok(store) = BlockFifo::open(name, None) {
@@ -105,8 +117,9 @@ fn report(name: &str, size: u64) -> SegmentReport {
 
 /// Every shmq segment on this machine (in this container's `/dev/shm`): those named
 /// `shmq_*`, and those made under a name their creator chose (vLLM names its multimodal
-/// store `vllm_mm_<id>`), found by their header among this user's files (every user's,
-/// for root). A file of another program is only opened, never changed.
+/// store `vllm_mm_<id>`), found by their header among this user's files. Another user's
+/// `shmq_*` files are listed (root sees them) but never opened: kind and liveness unknown.
+/// A file of another program is only opened, never changed.
 pub fn list_segments() -> Result<Vec<SegmentReport>> {
     use std::os::unix::fs::MetadataExt;
     let dir = std::fs::read_dir(SHM_DIR).map_err(|e| Error::os(format!("listing {SHM_DIR}"), e))?;
@@ -122,13 +135,14 @@ pub fn list_segments() -> Result<Vec<SegmentReport>> {
             if !meta.is_file() {
                 return None;
             }
+            let own = meta.uid() == me;
             if name.starts_with(NAME_PREFIX) {
-                return Some(report(&name, meta.len()));
+                return Some(report(&name, meta.len(), own));
             }
-            if me != 0 && meta.uid() != me {
+            if !own {
                 return None;
             }
-            let found = report(&name, meta.len());
+            let found = report(&name, meta.len(), own);
             (found.kind != SegmentKind::Unknown).then_some(found)
         })
         .collect();

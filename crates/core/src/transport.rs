@@ -6,7 +6,10 @@
 //! - Remote readers are served by [`crate::remote`] (authenticated, over TCP).
 //! - The ready handshake: publishers are XPUB sockets with `XPUB_VERBOSE`, so the writer
 //!   receives one subscription per reader; once all are in it publishes [`READY`], and
-//!   every message after that reaches every reader.
+//!   every message after that reaches every reader. A reader subscribes when it connects
+//!   and never waits for `READY`: the first message its socket receives is `READY`, which
+//!   its first receive takes first ([`Subscriber`]). So a reader's readiness never waits
+//!   on its writer's, and no order of `wait_until_ready` calls across queues deadlocks.
 //!
 //! Sockets (and the queues' contexts) are never torn down in a forked child: see
 //! [`shmq_os::fork`].
@@ -261,19 +264,23 @@ impl Publisher {
 
     /// Wait for `n` subscriptions (one per reader), then publish [`READY`]. Once done,
     /// calling it again does nothing (a READY more would reach readers as a message).
-    /// `peers_alive` is checked now and then (a reader that died never subscribes).
+    /// `peers_alive` is checked now and then (a reader that died never subscribes);
+    /// `explain`, given how many have subscribed, says who is missing (in the wait's
+    /// warnings and its timeout).
     pub fn wait_for_subscribers(
         &mut self,
         n: usize,
         wait: &mut Wait,
         peers_alive: &mut dyn FnMut() -> Result<()>,
+        explain: &mut dyn FnMut(usize) -> String,
     ) -> Result<()> {
         if self.ready {
             return Ok(());
         }
         while self.subscribers < n {
+            let subscribers = self.subscribers;
             if !poll_slice(&self.socket, wait, || "waiting for subscribers".into())? {
-                wait.step(peers_alive)?;
+                wait.step_explained(peers_alive, &mut || explain(subscribers))?;
                 continue;
             }
             // Without waiting: the poll saw it there. A receive a signal interrupted
@@ -281,7 +288,7 @@ impl Publisher {
             let msg = match self.socket.recv_bytes(zmq::DONTWAIT) {
                 Ok(msg) => msg,
                 Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => {
-                    wait.step(peers_alive)?;
+                    wait.step_explained(peers_alive, &mut || explain(subscribers))?;
                     continue;
                 }
                 Err(e) => return Err(Error::transport("receiving a subscription")(e)),
@@ -317,9 +324,15 @@ impl Publisher {
 }
 
 /// A reader's end: a SUB socket subscribed to everything.
+///
+/// The writer publishes [`READY`] before any message (once every reader's subscription
+/// is in), so `READY` is the first message this socket receives: whichever receive comes
+/// first ([`take_ready_if_here`](Self::take_ready_if_here) or a message's) takes it, and receives of messages never see it.
 pub struct Subscriber {
     socket: LeakInChild<zmq::Socket>,
     endpoint: String,
+    /// `READY` has been received (it comes once, first).
+    ready: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for Subscriber {
@@ -345,13 +358,46 @@ impl Subscriber {
         Ok(Subscriber {
             socket: LeakInChild::new(socket),
             endpoint: endpoint.to_owned(),
+            ready: std::cell::Cell::new(false),
         })
     }
 
-    /// The next message if one has arrived. A receive a signal interrupted (EINTR) is
-    /// one that found nothing: the caller's wait runs its checks (signals), then tries
-    /// again.
+    /// Take the writer's [`READY`] if it has arrived (never waits); whether it has come.
+    pub fn take_ready_if_here(&self) -> Result<bool> {
+        if !self.ready.get() {
+            if let Some(m) = self.try_recv_raw()? {
+                self.check_ready(&m)?;
+            }
+        }
+        Ok(self.ready.get())
+    }
+
+    /// `m`, the first message this socket received, is the writer's [`READY`]: noted.
+    fn check_ready(&self, m: &zmq::Message) -> Result<()> {
+        if &m[..] != READY {
+            return Err(Error::InvalidArgument(format!(
+                "expected the writer's READY from {}, got {} other bytes (the writer sent before \
+                 its wait_until_ready returned)",
+                self.endpoint,
+                m.len()
+            )));
+        }
+        self.ready.set(true);
+        Ok(())
+    }
+
+    /// The next message if one has arrived (the writer's [`READY`] before it taken and
+    /// not returned). A receive a signal interrupted (EINTR) is one that found nothing:
+    /// the caller's wait runs its checks (signals), then tries again.
     pub fn try_recv(&self) -> Result<Option<zmq::Message>> {
+        if !self.take_ready_if_here()? {
+            return Ok(None);
+        }
+        self.try_recv_raw()
+    }
+
+    /// The next message as it came, `READY` included.
+    fn try_recv_raw(&self) -> Result<Option<zmq::Message>> {
         match self.socket.recv_msg(zmq::DONTWAIT) {
             Ok(m) => Ok(Some(m)),
             Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => Ok(None),
@@ -409,23 +455,6 @@ impl Subscriber {
                 wait.step(peer_alive)?;
             }
         }
-    }
-
-    /// Wait for the writer's [`READY`]; `writer_alive` is checked now and then.
-    pub fn wait_ready(
-        &self,
-        wait: &mut Wait,
-        writer_alive: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<()> {
-        let m = self.recv(wait, writer_alive)?;
-        if &m[..] != READY {
-            return Err(Error::InvalidArgument(format!(
-                "expected the writer's READY from {}, got {} other bytes (was wait_until_ready called on both sides?)",
-                self.endpoint,
-                m.len()
-            )));
-        }
-        Ok(())
     }
 }
 

@@ -622,14 +622,23 @@ impl<'a> Wait<'a> {
     }
 
     /// Check cancellation, the deadline and the warning clock; `now` is the current time.
-    /// A warning adds what `explain` says (who the wait is for, and what they are doing).
+    /// A warning and a timeout add what `explain` says (who the wait is for, and what
+    /// they are doing).
     fn check(&mut self, now: Instant, explain: &mut dyn FnMut() -> String) -> Result<()> {
         if self.cancelled() {
             return Err(Error::Cancelled);
         }
         if self.deadline.is_some_and(|d| now >= d) {
+            // The timeout says what the warnings say: who the wait was for, and what
+            // they were doing (called once, at the end).
+            let why = explain();
+            let what = if why.is_empty() {
+                self.what.to_owned()
+            } else {
+                format!("{}: {why}", self.what)
+            };
             return Err(Error::Timeout {
-                what: self.what.to_owned(),
+                what,
                 waited: now - self.started,
             });
         }

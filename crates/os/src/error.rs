@@ -42,6 +42,11 @@ pub enum Error {
     #[error("shared memory segment '{name}' cannot be used: {reason}")]
     BadSegment { name: String, reason: String },
 
+    /// The segment's file is another user's, or others may read or write it: never
+    /// opened (`crate::segment_file` says why).
+    #[error("{0}")]
+    NotOwned(crate::segment_file::ForeignSegment),
+
     /// An argument is out of its allowed range.
     #[error("{0}")]
     InvalidArgument(String),
@@ -65,6 +70,19 @@ impl Error {
         Error::Os {
             context: context.into(),
             source,
+        }
+    }
+
+    /// The error of opening a segment file: [`Error::NotOwned`] for a file refused as
+    /// another user's ([`crate::segment_file::SegmentFile::try_open`]), else
+    /// [`Error::os`] with `context`.
+    pub fn from_open(context: impl Into<String>, source: std::io::Error) -> Self {
+        match source
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<crate::segment_file::ForeignSegment>())
+        {
+            Some(foreign) => Error::NotOwned(foreign.clone()),
+            None => Error::os(context, source),
         }
     }
 }

@@ -76,10 +76,27 @@ impl RoleLock {
     /// Take byte `byte` of segment `segment`'s file. `Ok(None)` if a live process holds
     /// it already.
     pub fn acquire(segment: &str, byte: u64) -> Result<Option<RoleLock>> {
+        Self::take(segment, byte, libc::F_WRLCK)
+    }
+
+    /// Hold byte `byte` of segment `segment`'s file *shared* (a read lock): any number of
+    /// processes hold it at once, and it shows the segment is in use to whoever waits
+    /// for no lock at all to be held on the file (a janitor removing a named segment once
+    /// its last holder is gone). `Ok(None)` if a process holds it exclusively.
+    pub fn acquire_shared(segment: &str, byte: u64) -> Result<Option<RoleLock>> {
+        Self::take(segment, byte, libc::F_RDLCK)
+    }
+
+    fn take(segment: &str, byte: u64, kind: i32) -> Result<Option<RoleLock>> {
         // A descriptor of its own (its own open file description), so that this lock is
         // independent of any other lock or probe of this process on the same file.
-        let file = SegmentFile::open_to(segment, Access::ReadWrite, "lock a role in it")?;
-        if let Err(e) = lock_byte(&file, libc::F_WRLCK, byte) {
+        let access = if kind == libc::F_RDLCK {
+            Access::ReadOnly
+        } else {
+            Access::ReadWrite
+        };
+        let file = SegmentFile::open_to(segment, access, "lock a role in it")?;
+        if let Err(e) = lock_byte(&file, kind, byte) {
             return match e.raw_os_error() {
                 Some(libc::EAGAIN) | Some(libc::EACCES) => Ok(None),
                 _ => Err(Error::os(
@@ -272,7 +289,8 @@ mod tests {
             static NEXT: AtomicU32 = AtomicU32::new(0);
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
             let name = format!("shmq_test_liveness_{}_{n}", std::process::id());
-            std::fs::File::create(path(&name)).unwrap();
+            // Owner-only, as every segment: openers refuse any other (`segment_file`).
+            crate::segment_file::SegmentFile::create(&name).unwrap();
             LockFile(name)
         }
         fn name(&self) -> &str {

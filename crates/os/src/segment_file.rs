@@ -23,6 +23,15 @@
 //! - private views ([`crate::private_map::PrivateFile`]), read-only: its `MAP_PRIVATE`
 //!   views can never write the segment, whatever is written into them.
 //!
+//! Every open checks whose the file is, on the descriptor it opened (`fstat`, so a peer
+//! cannot swap the file between the check and the use): a file that is not this
+//! process's effective user's own (root included: root opens no other user's segment
+//! either), or that its mode lets another user read or write, is refused with
+//! [`Error::NotOwned`] (`PermissionError` in Python) naming its owner. Another local user
+//! can create any name in `/dev/shm` (it is world-writable); without this check a
+//! stranger's file under a victim's segment name would be mapped, trusted and its
+//! records unpickled in the victim's process.
+//!
 //! Anyone who can open the file (the same user) can also truncate it, lock its bytes or
 //! write it: what shmq guarantees against such a peer is in `crate::sigbus`.
 //!
@@ -69,10 +78,13 @@ impl SegmentFile {
     /// Open segment `name`'s file, a new open file description; the error is the
     /// system's (callers that treat any failure as "cannot tell" or "nothing to do").
     /// A name that is not one file name in [`SHM_DIR`] is `InvalidInput`.
+    /// A file of another user, or one others may read or write, is `PermissionDenied`
+    /// carrying a [`ForeignSegment`] ([`Error::from_open`] turns it into
+    /// [`Error::NotOwned`]).
     pub fn try_open(name: &str, access: Access) -> std::io::Result<SegmentFile> {
-        Self::options(name, access)?
-            .open(path(name))
-            .map(|file| SegmentFile { file })
+        let file = Self::options(name, access)?.open(path(name))?;
+        check_own(name, &file)?;
+        Ok(SegmentFile { file })
     }
 
     /// [`try_open`](Self::try_open), with the error naming the segment: "opening shared
@@ -81,7 +93,7 @@ impl SegmentFile {
     pub fn open(name: &str, access: Access) -> Result<SegmentFile> {
         check_name(name).map_err(|_| invalid_name(name))?;
         Self::try_open(name, access)
-            .map_err(|e| Error::os(format!("opening shared memory segment '{name}'"), e))
+            .map_err(|e| Error::from_open(format!("opening shared memory segment '{name}'"), e))
     }
 
     /// [`try_open`](Self::try_open), with the error naming the file and why it was
@@ -90,7 +102,7 @@ impl SegmentFile {
     pub fn open_to(name: &str, access: Access, purpose: &str) -> Result<SegmentFile> {
         check_name(name).map_err(|_| invalid_name(name))?;
         Self::try_open(name, access)
-            .map_err(|e| Error::os(format!("opening {} to {purpose}", path(name)), e))
+            .map_err(|e| Error::from_open(format!("opening {} to {purpose}", path(name)), e))
     }
 
     /// Create segment `name`'s file, empty, owner-only (mode 0600) and read-write; an
@@ -130,6 +142,70 @@ impl SegmentFile {
     pub fn set_len(&self, len: u64) -> std::io::Result<()> {
         self.file.set_len(len)
     }
+}
+
+/// Why an opened segment file was refused: it is not this process's user's own, or others
+/// may read or write it (see the module docs). Carried inside the `std::io::Error` of
+/// [`SegmentFile::try_open`]; [`Error::from_open`] makes it [`Error::NotOwned`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForeignSegment {
+    /// The segment's name.
+    pub name: String,
+    /// The file's owner (uid).
+    pub owner: u32,
+    /// The file's permission bits.
+    pub mode: u32,
+    /// This process's effective uid.
+    pub uid: u32,
+}
+
+impl std::fmt::Display for ForeignSegment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            name,
+            owner,
+            mode,
+            uid,
+        } = self;
+        if owner != uid {
+            write!(
+                f,
+                "shared memory segment '{name}' belongs to another user (uid {owner}, mode \
+                 {mode:04o}; this process is uid {uid}): shmq opens only its own user's segments"
+            )
+        } else {
+            write!(
+                f,
+                "shared memory segment '{name}' is open to other users (mode {mode:04o}, owner \
+                 uid {owner}): shmq makes its segments owner-only (0600) and opens no other"
+            )
+        }
+    }
+}
+
+impl std::error::Error for ForeignSegment {}
+
+/// `PermissionDenied` (carrying a [`ForeignSegment`]) unless the opened `file` belongs to
+/// this process's effective user and no other user may read or write it. On the
+/// descriptor (`fstat`): the file checked is the file used.
+fn check_own(name: &str, file: &File) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata()?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let mode = meta.mode() & 0o7777;
+    if meta.uid() == uid && mode & 0o077 == 0 {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        ForeignSegment {
+            name: name.to_owned(),
+            owner: meta.uid(),
+            mode,
+            uid,
+        },
+    ))
 }
 
 /// Remove segment `name`'s file from [`SHM_DIR`] (as `shm_unlink`): every mapping and
@@ -203,5 +279,52 @@ mod tests {
                 .starts_with(&format!("opening shared memory segment '{name}'")),
             "{err}"
         );
+    }
+
+    /// A file of this user's that others may read or write, and (where this process may
+    /// give a file away: root) a file of another user, are refused by every open, with
+    /// the owner named; neither is ever mapped.
+    #[test]
+    fn a_file_of_another_user_or_open_to_others_is_refused() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let name = format!("shmq_test_foreign_{}", std::process::id());
+        let f = SegmentFile::create(&name).unwrap();
+        f.set_len(4096).unwrap();
+        std::fs::set_permissions(path(&name), std::fs::Permissions::from_mode(0o644)).unwrap();
+        for access in [Access::ReadOnly, Access::ReadWrite] {
+            let err = SegmentFile::try_open(&name, access).unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied);
+        }
+        let err = SegmentFile::open(&name, Access::ReadOnly).unwrap_err();
+        assert!(
+            matches!(err, Error::NotOwned(ref f) if f.mode == 0o644),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("open to other users (mode 0644"),
+            "{err}"
+        );
+        let err = crate::segment::Segment::open(&name).unwrap_err();
+        assert!(matches!(err, Error::NotOwned(_)), "{err}");
+        std::fs::set_permissions(path(&name), std::fs::Permissions::from_mode(0o600)).unwrap();
+        SegmentFile::open(&name, Access::ReadOnly).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(path(&name), Some(65534), Some(65534)).unwrap();
+            assert_eq!(f.metadata().unwrap().uid(), 65534);
+            let err = SegmentFile::open_to(&name, Access::ReadWrite, "lock a role").unwrap_err();
+            assert!(
+                matches!(err, Error::NotOwned(ref f) if f.owner == 65534 && f.uid == 0),
+                "{err}"
+            );
+            assert!(
+                err.to_string()
+                    .contains("belongs to another user (uid 65534"),
+                "{err}"
+            );
+            let err = crate::segment::Segment::open(&name).unwrap_err();
+            assert!(matches!(err, Error::NotOwned(_)), "{err}");
+        }
+        std::fs::remove_file(path(&name)).unwrap();
     }
 }

@@ -106,10 +106,22 @@ fn slot_word(generation: u32, state: u32) -> u64 {
 /// attaches at the same time). Returns the new generation, or `None` if the writer has
 /// dropped this slot.
 pub fn slot_begin_attach(word: &AtomicU64) -> Option<u32> {
+    begin_attach(word, false)
+}
+
+/// [`slot_begin_attach`], except that a DROPPED slot is taken too: an object store's
+/// dropped slot serves a new reader (a broadcast ring's stays dropped). The writer may
+/// drop the ATTACHED word of a dead holder at the same time: the CAS then retries from
+/// DROPPED, and the writer sees the new generation.
+pub fn slot_begin_attach_reusing_dropped(word: &AtomicU64) -> u32 {
+    begin_attach(word, true).expect("a dropped slot is taken, never refused")
+}
+
+fn begin_attach(word: &AtomicU64, take_dropped: bool) -> Option<u32> {
     loop {
         // Relaxed: the CAS below decides; nothing is read through this value.
         let w = word.load(Ordering::Relaxed);
-        if slot_state(w) == SLOT_DROPPED {
+        if slot_state(w) == SLOT_DROPPED && !take_dropped {
             return None;
         }
         let generation = ((w >> 32) as u32).wrapping_add(1);

@@ -37,7 +37,7 @@ pub use std_shared::{AtomicU32, AtomicU64, AtomicU8};
     reason = "the one place std's process-local atomics are named"
 )]
 pub mod local {
-    pub use std::sync::atomic::Ordering;
+    pub use std::sync::atomic::{fence, Ordering};
     pub type AtomicBool = std::sync::atomic::AtomicBool;
     pub type AtomicI32 = std::sync::atomic::AtomicI32;
     pub type AtomicU8 = std::sync::atomic::AtomicU8;

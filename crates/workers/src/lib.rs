@@ -79,11 +79,14 @@ use std::time::{Duration, Instant};
 #[macro_use]
 extern crate shmq_os;
 
+mod admit;
 pub mod link;
+mod monitor;
 mod watch;
 
 mod error;
 pub use error::{signal_name, Error, Result, StderrCapture, WorkerDeath, WorkerExit};
+pub use monitor::{sibling_failure, Monitor, SiblingFailure, NOTICE_FD_ENV, NOTICE_LIMIT};
 use shmq_core::Error as CoreError;
 use shmq_os::process::ProcessId;
 use shmq_os::{liveness, segment};
@@ -317,6 +320,20 @@ impl Default for WorkerOptions {
     }
 }
 
+/// A new pipe, both ends close-on-exec: (read, write).
+fn pipe(what: &str) -> Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: pipe2(2) writes two fds into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(Error::os(
+            format!("creating {what}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: both fds are new and owned by nothing else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
 /// A process started by someone else, for [`Workers::adopt`].
 #[derive(Debug)]
 pub struct StartedWorker {
@@ -369,6 +386,10 @@ pub struct Workers {
     /// The process that made the group: a forked copy of it (whose supervisor thread
     /// does not exist) never closes the parent's workers.
     owner: u32,
+    /// Where a sibling's failure is told ([`Workers::tell_siblings`]).
+    notices: Arc<Mutex<monitor::Notices>>,
+    /// Remote workers admitted by [`Workers::admit_remote`].
+    admission: Mutex<Option<admit::Admission>>,
 }
 
 impl Workers {
@@ -448,6 +469,8 @@ impl Workers {
             death_signal: options.death_signal,
             close_lock: Mutex::new(()),
             owner: std::process::id(),
+            notices: Arc::default(),
+            admission: Mutex::new(None),
         })
     }
 
@@ -460,13 +483,21 @@ impl Workers {
         let commands: Vec<Command> = commands.into_iter().collect();
         let workers = Workers::new(commands.len(), 0, options)?;
         for (rank, command) in commands.into_iter().enumerate() {
-            let started = workers.spawn_one(rank, command)?; // drop closes the others
+            let (started, notice) = workers.spawn_one(rank, command)?; // drop closes the others
             workers.adopt(rank, started)?;
+            workers.lock_notices().pipes.push((rank, notice));
         }
         Ok(workers)
     }
 
-    fn spawn_one(&self, rank: usize, mut command: Command) -> Result<StartedWorker> {
+    fn lock_notices(&self) -> std::sync::MutexGuard<'_, monitor::Notices> {
+        self.notices.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Start worker `rank`: the worker, and the write end of its notice pipe.
+    fn spawn_one(&self, rank: usize, mut command: Command) -> Result<(StartedWorker, OwnedFd)> {
+        let (notice_r, notice_w) = pipe("a notice pipe")?;
+        let notice_r_fd = notice_r.as_raw_fd();
         let mut fds = [0 as RawFd; 2];
         // SAFETY: pipe2(2) writes two fds into the array. O_CLOEXEC: no other child that
         // this process starts meanwhile inherits them.
@@ -486,6 +517,7 @@ impl Workers {
         command
             .env(READY_FD_ENV, ready_w_fd.to_string())
             .env(RANK_ENV, rank.to_string())
+            .env(NOTICE_FD_ENV, notice_r_fd.to_string())
             .stderr(Stdio::piped());
         // SAFETY: the closure runs in the forked child before exec and makes only
         // async-signal-safe calls (setpgid, prctl, getppid, fcntl), allocating nothing.
@@ -502,6 +534,10 @@ impl Workers {
                 if libc::fcntl(ready_w_fd, libc::F_SETFD, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // And the notice pipe's read end (`sibling_failure`).
+                if libc::fcntl(notice_r_fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 Ok(())
             });
         }
@@ -511,6 +547,8 @@ impl Workers {
                 e,
             )
         })?;
+        drop(notice_r);
+        set_nonblocking(&notice_w); // a notice's write never waits
         drop(ready_w); // the child has its copy; the parent's would hide the child's EOF
                        // The child is waited for (and reaped) through its pid from here on; dropping
                        // `Child` neither waits nor kills.
@@ -518,13 +556,16 @@ impl Workers {
             .stderr
             .take()
             .map(|s| (OwnedFd::from(s), StderrCapture::FromStart));
-        Ok(StartedWorker {
-            pid: child.id(),
-            own_child: true,
-            ready: Some(ready_r),
-            stderr,
-            reap: true,
-        })
+        Ok((
+            StartedWorker {
+                pid: child.id(),
+                own_child: true,
+                ready: Some(ready_r),
+                stderr,
+                reap: true,
+            },
+            notice_w,
+        ))
     }
 
     /// Watch local worker `rank`, started by the caller. Err if `rank` is not a local
@@ -569,52 +610,18 @@ impl Workers {
     /// A remote worker asks to join as `rank` with `pid`: `Ok` reserves the rank (so that
     /// two quick joins cannot both pass), `Err` says why it is refused.
     pub fn claim_remote(&self, rank: usize, pid: u32) -> std::result::Result<(), String> {
-        let mut state = self.shared.lock();
-        if state.closing {
-            return Err("the worker group is shutting down".to_owned());
-        }
-        let remote: Vec<usize> = state
-            .members
-            .iter()
-            .filter(|m| m.remote)
-            .map(|m| m.rank)
-            .collect();
-        match state.members.get_mut(rank) {
-            Some(m) if m.remote => {
-                if m.pid.is_some() || m.exited {
-                    return Err(format!("rank {rank} has already joined"));
-                }
-                m.pid = Some(pid);
-                Ok(())
-            }
-            _ => Err(format!(
-                "rank {rank} is not a remote rank of this group (remote ranks: {remote:?})"
-            )),
-        }
+        self.shared.claim_remote(rank, pid)
     }
 
     /// Remote worker `rank` (claimed) is connected from `host`. `false`: the group is
     /// closing (drop the connection).
     pub fn remote_connected(&self, rank: usize, host: &str) -> bool {
-        let mut state = self.shared.lock();
-        if state.closing {
-            return false;
-        }
-        if let Some(m) = state.members.get_mut(rank) {
-            m.host = host.to_owned();
-        }
-        self.shared.changed.notify_all();
-        true
+        self.shared.remote_connected(rank, host)
     }
 
     /// Remote worker `rank` reported ready with `payload`.
     pub fn remote_ready(&self, rank: usize, payload: Vec<u8>) {
-        let mut state = self.shared.lock();
-        if let Some(m) = state.members.get_mut(rank).filter(|m| m.remote) {
-            m.ready = true;
-            m.ready_payload = Some(payload);
-        }
-        self.shared.changed.notify_all();
+        self.shared.remote_ready(rank, payload)
     }
 
     /// Worker `rank` has exited (a remote worker, or a local one that is not our own
@@ -628,20 +635,7 @@ impl Workers {
         tail: Vec<String>,
         how: Option<String>,
     ) {
-        let mut state = self.shared.lock();
-        let keep = self.shared.tail_lines;
-        if let Some(m) = state.members.get_mut(rank) {
-            if m.exited || m.reported_exit.is_some() {
-                return;
-            }
-            for line in tail {
-                push_line(&mut m.tail, keep, line);
-            }
-            m.lost = how;
-            m.reported_exit = Some(exit);
-        }
-        drop(state);
-        self.shared.wake();
+        self.shared.report_exit(rank, exit, tail, how)
     }
 
     /// Every worker's pid, by rank (`None`: not started or not connected).
@@ -874,11 +868,14 @@ impl Workers {
         self.close_with(self.grace)
     }
 
-    /// Shut every worker down: [`close_begin`](Self::close_begin), then wait until
-    /// `grace` has passed or every worker has exited, then
-    /// [`close_finish`](Self::close_finish). Idempotent.
+    /// Shut every worker down: [`close_begin`](Self::close_begin), the remote workers
+    /// admitted by [`admit_remote`](Self::admit_remote) or
+    /// [`accept_into`](link::WorkerListener::accept_into) asked to stop within `grace`
+    /// over their links, then wait until `grace` has passed or every worker has exited,
+    /// then [`close_finish`](Self::close_finish). Idempotent.
     pub fn close_with(&self, grace: Duration) {
         if self.close_begin() {
+            self.stop_remote(grace);
             // A grace of `Duration::MAX` (none given) waits as long as any deadline can.
             self.wait_exits(shmq_core::wait::saturating_deadline(Instant::now(), grace));
             self.close_finish();
@@ -888,7 +885,8 @@ impl Workers {
     /// The first step of close: no more failures are reported, the whole process trees
     /// of running workers are captured (once a worker exits, its children are reparented
     /// and can no longer be found from it), and each gets SIGTERM (its group). Remote
-    /// workers are the caller's to tell. `false` if close had begun already.
+    /// workers are the caller's to tell ([`close_with`](Self::close_with) tells those it
+    /// admitted). `false` if close had begun already.
     pub fn close_begin(&self) -> bool {
         if std::process::id() != self.owner {
             return false;
@@ -993,6 +991,11 @@ impl Workers {
                 let _ = thread.join();
             }
         }
+        // Remote workers: no more admitted, every link ended (its serving thread ends).
+        self.end_admission();
+        for (_, link) in &self.notices.lock().unwrap_or_else(|e| e.into_inner()).links {
+            link.shutdown();
+        }
         let mut state = self.shared.lock();
         // Whatever the workers still had in the pipes, then every fd.
         let mut forward = Vec::new();
@@ -1032,6 +1035,88 @@ impl Workers {
         let mut state = self.shared.lock();
         state.closed = true;
         self.shared.changed.notify_all();
+    }
+}
+
+/// What a remote worker's admission and link tell the group, also from threads that do
+/// not borrow the [`Workers`] (their `Arc<Shared>`).
+impl Shared {
+    /// A remote worker asks to join as `rank` with `pid`: `Ok` reserves the rank (so that
+    /// two quick joins cannot both pass), `Err` says why it is refused.
+    pub(crate) fn claim_remote(&self, rank: usize, pid: u32) -> std::result::Result<(), String> {
+        let mut state = self.lock();
+        if state.closing {
+            return Err("the worker group is shutting down".to_owned());
+        }
+        let remote: Vec<usize> = state
+            .members
+            .iter()
+            .filter(|m| m.remote)
+            .map(|m| m.rank)
+            .collect();
+        match state.members.get_mut(rank) {
+            Some(m) if m.remote => {
+                if m.pid.is_some() || m.exited {
+                    return Err(format!("rank {rank} has already joined"));
+                }
+                m.pid = Some(pid);
+                Ok(())
+            }
+            _ => Err(format!(
+                "rank {rank} is not a remote rank of this group (remote ranks: {remote:?})"
+            )),
+        }
+    }
+
+    /// Remote worker `rank` (claimed) is connected from `host`. `false`: the group is
+    /// closing (drop the connection).
+    pub(crate) fn remote_connected(&self, rank: usize, host: &str) -> bool {
+        let mut state = self.lock();
+        if state.closing {
+            return false;
+        }
+        if let Some(m) = state.members.get_mut(rank) {
+            m.host = host.to_owned();
+        }
+        self.changed.notify_all();
+        true
+    }
+
+    /// Remote worker `rank` reported ready with `payload`.
+    pub(crate) fn remote_ready(&self, rank: usize, payload: Vec<u8>) {
+        let mut state = self.lock();
+        if let Some(m) = state.members.get_mut(rank).filter(|m| m.remote) {
+            m.ready = true;
+            m.ready_payload = Some(payload);
+        }
+        self.changed.notify_all();
+    }
+
+    /// Worker `rank` has exited (a remote worker, or a local one that is not our own
+    /// child: the caller learnt its exit), with `tail` as its last stderr lines (a
+    /// remote worker sends them) and `how` replacing the exit in the message. The
+    /// supervisor thread records it as it records the exits it sees.
+    pub(crate) fn report_exit(
+        &self,
+        rank: usize,
+        exit: Option<WorkerExit>,
+        tail: Vec<String>,
+        how: Option<String>,
+    ) {
+        let mut state = self.lock();
+        let keep = self.tail_lines;
+        if let Some(m) = state.members.get_mut(rank) {
+            if m.exited || m.reported_exit.is_some() {
+                return;
+            }
+            for line in tail {
+                push_line(&mut m.tail, keep, line);
+            }
+            m.lost = how;
+            m.reported_exit = Some(exit);
+        }
+        drop(state);
+        self.wake();
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use shmq_workers::link::{
     LinkError, ParentLink, ParentMessage, RemoteWorker, Ticket, WorkerListener, WorkerMessage,
 };
-use shmq_workers::{Error, WorkerExit, WorkerOptions, Workers};
+use shmq_workers::{Error, SiblingFailure, WorkerExit, WorkerOptions, Workers};
 
 const ROLE: &str = "SHMQ_LINK_TEST_ROLE";
 const TICKET: &str = "SHMQ_LINK_TEST_TICKET";
@@ -40,13 +40,36 @@ fn worker_process() {
     link.send_ready(format!("pid {}", std::process::id()).as_bytes())
         .unwrap();
     match role.as_str() {
-        "stop" => match link.recv().unwrap() {
-            ParentMessage::Stop { .. } => {
-                link.send_leaving(3, &["stopped".into()]).unwrap();
-                std::process::exit(3);
+        // Until stopped (a sibling's failure told on the way is not a stop).
+        "stop" => loop {
+            match link.recv().unwrap() {
+                ParentMessage::Stop { .. } => {
+                    link.send_leaving(3, &["stopped".into()]).unwrap();
+                    std::process::exit(3);
+                }
+                ParentMessage::SiblingFailed(_) => {}
             }
-            other => panic!("{other:?}"),
         },
+        // Until told of a sibling's failure: leave with 0 if it names rank 0's lost
+        // link, 9 if another; 8 if stopped or the link ends first.
+        "told" => {
+            let code = match link.recv() {
+                Ok(ParentMessage::SiblingFailed(notice)) => {
+                    let failure = SiblingFailure::from_notice(&notice).unwrap();
+                    let named = failure.rank == 0
+                        && failure.name == "Worker_0"
+                        && failure.message.contains("lost its connection");
+                    if named {
+                        0
+                    } else {
+                        9
+                    }
+                }
+                Ok(ParentMessage::Stop { .. }) | Err(_) => 8,
+            };
+            let _ = link.send_leaving(code, &[]);
+            std::process::exit(code);
+        }
         _ => loop {
             std::thread::sleep(Duration::from_secs(1)); // until killed
         },
@@ -196,4 +219,39 @@ fn a_workers_group_supervises_remote_worker_processes() {
     assert_eq!(wait_exit(&mut children[0]), None); // SIGKILL
     assert_eq!(wait_exit(&mut children[1]), Some(3));
     assert_eq!(workers.exits()[1], Some(WorkerExit::Code(3)));
+}
+
+/// One call admits and serves the remote workers (`Workers::admit_remote`), a monitor
+/// tells the survivors of a death over their links, and `close()` stops the rest.
+#[test]
+fn admit_remote_serves_remote_workers_a_monitor_tells_them_and_close_stops_them() {
+    let workers = Workers::new(0, 3, WorkerOptions::default()).unwrap();
+    let ticket = workers
+        .admit_remote(WorkerListener::bind("127.0.0.1:0").unwrap())
+        .unwrap();
+    let mut children = [
+        start_worker("sleep", &ticket, 0),
+        start_worker("told", &ticket, 1),
+        start_worker("stop", &ticket, 2),
+    ];
+    workers.wait_until_ready(STARTUP).unwrap();
+    let payloads = workers.ready_payloads();
+    for (rank, child) in children.iter().enumerate() {
+        let want = format!("pid {}", child.id()).into_bytes();
+        assert_eq!(payloads[rank].as_deref(), Some(&want[..]));
+    }
+    let monitor = workers.monitor().unwrap();
+    children[0].kill().unwrap();
+    // Told over its link, by name (8: told nothing before its link ended).
+    assert_eq!(wait_exit(&mut children[1]), Some(0));
+    let err = monitor.finish().unwrap_err().to_string();
+    assert!(err.contains("Worker_0"), "{err}");
+    workers.close(); // rank 2 is asked to stop over its link
+    assert_eq!(wait_exit(&mut children[2]), Some(3));
+    assert_eq!(wait_exit(&mut children[0]), None); // SIGKILL
+    let exits = workers.exits();
+    assert_eq!(
+        (exits[1], exits[2]),
+        (Some(WorkerExit::Code(0)), Some(WorkerExit::Code(3)))
+    );
 }

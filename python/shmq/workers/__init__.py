@@ -3,7 +3,7 @@ shut them all down, process trees and shared-memory segments included.
 
 :class:`WorkerProcesses` runs ``target(rank, *args)`` in processes named ``Worker_0``...;
 each worker calls :func:`report_ready` once set up, and :func:`sibling_failure` tells it
-why the parent shut its queues down. :meth:`~WorkerProcesses.wait_until_ready` raises
+why the parent shut its queues down. :meth:`WorkerProcesses.wait_until_ready` raises
 :class:`WorkerDiedError` at once when a worker dies first; leaving the block sends
 SIGTERM, waits one grace period, SIGKILLs whole process trees and removes the dead
 workers' segments. Workers die with the parent, even a SIGKILLed one; workers on other

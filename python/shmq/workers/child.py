@@ -18,6 +18,7 @@ notice comes before the interpreter's teardown: docs/design.md ("Worker processe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import fcntl
 import json
 import logging
 import multiprocessing.connection
@@ -26,6 +27,7 @@ import os
 import pickle
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -38,13 +40,15 @@ from .. import _core
 from .errors import WorkerDiedError, failure_from_notice
 from .protocol import (
     DEFAULT_GRACE,
+    MAX_HELLO_FRAME,
     SealedLink,
     WorkerTicket,
     hello_payload,
+    peer_text,
     read_answer,
     read_challenge,
     recv_frame,
-    send_frame,
+    send_frame_by,
 )
 
 __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready", "sibling_failure"]
@@ -108,12 +112,20 @@ class _ParentChannel(ABC):
     def send_ready(self, info: Any) -> None:
         """Send ``info`` to the parent as this worker's ready report."""
 
+    def send_raw_ready(self, raw: bytes) -> None:
+        """Send ``raw`` as this worker's ready report: a Python parent gets it as the
+        ``bytes`` object (the info it unpickles)."""
+        self.send_ready(raw)
+
 
 # A death notice's frame: its length word has this bit set (a ready report's never has:
 # its payload is at most 64 MiB), and its payload is at most _MAX_NOTICE bytes. The
 # parent's core reads both frames (``crates/workers/src/watch.rs``).
 _NOTICE_FLAG = 1 << 31
 _MAX_NOTICE = 64 << 10
+# The largest ready payload a parent reads (``MAX_READY_PAYLOAD``): a longer one counts
+# as no report.
+_MAX_READY = 64 << 20
 # How many of a traceback's last lines a death notice carries (the parent keeps its
 # ``stderr_tail_lines`` of them).
 _NOTICE_LINES = 100
@@ -155,24 +167,99 @@ _channel_lock = threading.Lock()
 _reported = False
 
 
-def report_ready(info: Any = None) -> None:
+def report_ready(info: Any = None, *, raw: Optional[bytes] = None) -> None:
     """Tell the parent this worker has finished its set-up (call it once, in the worker).
 
     ``info``: any picklable object for the parent, e.g. the handle of a queue this worker
-    writes; :meth:`WorkerProcesses.wait_until_ready` returns them by rank. A second call
-    does nothing. Raises ``RuntimeError`` outside a worker (a process started by
-    :class:`WorkerProcesses` or joined with :func:`connect_to_parent`)."""
+    writes; :meth:`WorkerProcesses.wait_until_ready` returns them by rank. ``raw``
+    (bytes-like, instead of ``info``): bytes for the parent as they are, not pickled:
+    what a Rust parent's ``Workers::ready_payloads()`` returns for this worker (a Python
+    parent gets them as a ``bytes`` object, as if passed as ``info``). A second call
+    does nothing.
+
+    Works in a process started by :class:`WorkerProcesses`, joined with
+    :func:`connect_to_parent`, or started by a Rust parent's ``shmq::workers::Workers::spawn``
+    (found by its ready pipe's fd in ``SHMQ_READY_FD``): there the ready frame carries
+    ``raw``, the pickled ``info``, or nothing (``report_ready()``, as Rust's own
+    ``report_ready()`` sends). Raises ``RuntimeError`` in any other process, and
+    ``ValueError`` for both ``info`` and ``raw``."""
     global _reported
+    if raw is not None:
+        if info is not None:
+            raise ValueError("report_ready() takes info or raw, not both")
+        raw = bytes(raw)
     with _channel_lock:
-        if _channel is None:
-            raise RuntimeError(
-                "report_ready() is for worker processes: started by shmq.WorkerProcesses, "
-                "or joined with shmq.workers.connect_to_parent()"
-            )
         if _reported:
             return
-        _channel.send_ready(info)
+        channel = _channel if _channel is not None else _spawned_by_rust()
+        if channel is None:
+            raise RuntimeError(
+                "report_ready() is for worker processes: started by shmq.WorkerProcesses, "
+                "joined with shmq.workers.connect_to_parent(), or started by Rust's "
+                f"shmq::workers::Workers::spawn ({_READY_FD_ENV} set to its ready pipe)"
+            )
+        if raw is not None:
+            channel.send_raw_ready(raw)
+        else:
+            channel.send_ready(info)
         _reported = True
+
+
+# A worker of Rust's ``Workers::spawn`` finds its ready pipe by these (``READY_FD_ENV``
+# and ``RANK_ENV`` in ``crates/workers/src/lib.rs``).
+_READY_FD_ENV = "SHMQ_READY_FD"
+_RANK_ENV = "SHMQ_WORKER_RANK"
+
+
+class _RustPipeChannel(_ParentChannel):
+    """The ready pipe a Rust parent's ``Workers::spawn`` left open across exec: one frame,
+    a 4-byte big-endian length and the payload, as Rust's ``report_ready()`` writes it
+    (its parent reads the frame in ``crates/workers/src/watch.rs``); then closed."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def send_ready(self, info: Any) -> None:
+        self.send_raw_ready(b"" if info is None else pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_raw_ready(self, raw: bytes) -> None:
+        if len(raw) > _MAX_READY:
+            raise ValueError(f"a ready payload holds at most {_MAX_READY} bytes, got {len(raw)}")
+        frame = memoryview(len(raw).to_bytes(4, "big") + raw)
+        try:
+            while frame:
+                frame = frame[os.write(self._fd, frame) :]
+        finally:
+            os.close(self._fd)
+            # This process's children must not take the variable for a pipe of theirs.
+            os.environ.pop(_READY_FD_ENV, None)
+
+
+def _spawned_by_rust() -> Optional[_ParentChannel]:
+    """The ready pipe of a worker started by Rust's ``Workers::spawn``, or None: the fd
+    in ``SHMQ_READY_FD`` must be the write end of a pipe (an fd inherited with the
+    variable but not the pipe, in a child of such a worker, is not taken for it)."""
+    fd = _inherited_pipe_end(_READY_FD_ENV, os.O_WRONLY)
+    return None if fd is None else _RustPipeChannel(fd)
+
+
+def _inherited_pipe_end(env: str, access: int) -> Optional[int]:
+    """The fd a Rust parent's ``Workers::spawn`` named in ``env`` for this worker, if it
+    is the end of a pipe open for ``access`` (``os.O_WRONLY``, ``os.O_RDONLY``) in a
+    worker (``SHMQ_WORKER_RANK`` set); None otherwise (a child of such a worker inherits
+    the variable, not the pipe)."""
+    value = os.environ.get(env)
+    if value is None or _RANK_ENV not in os.environ:
+        return None
+    try:
+        fd = int(value)
+        mode = os.fstat(fd).st_mode
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except (ValueError, OSError):
+        return None
+    if not stat.S_ISFIFO(mode) or flags & os.O_ACCMODE != access:
+        return None
+    return fd
 
 
 # ---------------------------------------------------------------------------------
@@ -191,14 +278,18 @@ def sibling_failure() -> Optional[WorkerDiedError]:
     (the first one), or None while the parent has told of none.
 
     The parent tells every worker as soon as it learns of a failure, *before* a
-    :meth:`~shmq.WorkerProcesses.monitor` shuts the group's queues down: a worker whose
+    :meth:`shmq.WorkerProcesses.monitor` shuts the group's queues down: a worker whose
     ``dequeue`` raises ``QueueShutDownError`` calls this to tell "the parent stopped
     because ``Worker_2`` died" (a :class:`WorkerDiedError` naming it: rank, pid, exit code
     or signal, its last stderr lines) from a plain shutdown (None). A remote worker hears
     of it on its link to the parent, which can arrive a moment after its queue's end.
-    Outside a worker, always None."""
+    A worker of a Rust parent's ``shmq::workers::Workers::spawn`` hears it on the pipe in
+    ``SHMQ_NOTICE_FD`` (its parent tells while a ``Workers::monitor`` is open). Outside
+    a worker, always None."""
     global _notice_conn, _sibling_failure
     with _notice_lock:
+        if _notice_conn is None and _sibling_failure is None:
+            _notice_conn = _rust_notice_pipe()
         conn = _notice_conn
         if _sibling_failure is None and conn is not None:
             try:
@@ -208,6 +299,29 @@ def sibling_failure() -> Optional[WorkerDiedError]:
                 conn.close()
                 _notice_conn = None
         return _sibling_failure
+
+
+# A worker of Rust's ``Workers::spawn`` finds its notice pipe by this (``NOTICE_FD_ENV`` in
+# ``crates/workers/src/monitor.rs``): the parent writes the same frame into it.
+_NOTICE_FD_ENV = "SHMQ_NOTICE_FD"
+_rust_notice_taken = False
+
+
+def _rust_notice_pipe() -> Optional[multiprocessing.connection.Connection]:
+    """The notice pipe a Rust parent's ``Workers::spawn`` left open across exec (its fd in
+    ``SHMQ_NOTICE_FD``), once, made non-inheritable and the variable removed, so that
+    this worker's children do not take it for theirs; None without one, or where that fd
+    is not the read end of a pipe (call it holding ``_notice_lock``)."""
+    global _rust_notice_taken
+    if _rust_notice_taken:
+        return None
+    _rust_notice_taken = True
+    fd = _inherited_pipe_end(_NOTICE_FD_ENV, os.O_RDONLY)
+    if fd is None:
+        return None
+    os.set_inheritable(fd, False)
+    os.environ.pop(_NOTICE_FD_ENV, None)
+    return multiprocessing.connection.Connection(fd, writable=False)
 
 
 def _told_of_failure(payload: bytes) -> None:
@@ -405,6 +519,7 @@ class ParentLink:
                     _told_of_failure(payload)
                 if kind in (b"C", b"H", b"A", b"R", b"X"):
                     break  # never the parent's to send (as Rust's ParentLink::recv): the link failed
+                del payload  # before the next frame is read: one at a time
         except (OSError, EOFError, ValueError):
             pass  # the link dropped or failed: the parent is gone (or this worker is leaving)
         if self._leaving.is_set():
@@ -432,12 +547,7 @@ class ParentLink:
         while True:
             signal.pthread_kill(main, signal.SIGTERM)
             left = deadline - time.monotonic()
-            if (
-                not ours
-                or left <= 0
-                or self._leaving.wait(min(_SIGTERM_RESEND, left))
-                or _sigterm_handled.is_set()
-            ):
+            if not ours or left <= 0 or self._leaving.wait(min(_SIGTERM_RESEND, left)) or _sigterm_handled.is_set():
                 break
         if not self._leaving.wait(max(0.0, deadline - time.monotonic())):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -459,6 +569,27 @@ class ParentLink:
             self.close(code, lines[-20:])
 
 
+def _connect_by(host: str, port: int, deadline: float, peer: str) -> socket.socket:
+    """A TCP connection to ``host``'s first address that answers, each try within what is
+    left of the handshake's deadline (``TimeoutError`` once it passed)."""
+    last: Optional[OSError] = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"connecting to the parent at {peer}: the deadline passed")
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(address)
+            return sock
+        except OSError as e:
+            sock.close()
+            last = e
+    if last is None:
+        raise OSError(f"connecting to the parent at {peer}: no address")
+    raise last
+
+
 def connect_to_parent(
     ticket: WorkerTicket | str,
     rank: int,
@@ -476,23 +607,37 @@ def connect_to_parent(
     prove the token in turn (over this worker's nonce), or one of another shmq version.
     Every frame after that is sealed (see ``shmq.workers.protocol``).
 
+    ``timeout``: seconds for the whole handshake, connecting included: one deadline,
+    however slowly the other end's bytes come (``TimeoutError`` once it passed). A
+    handshake frame longer than ``protocol.MAX_HELLO_FRAME`` (4 KiB) is refused at its
+    length, before any of it is read, with ``ConnectionError`` naming the address and the
+    limit (as is anything else that is no shmq parent). Once admitted, a frame is at most
+    ``protocol.MAX_FRAME`` (16 MiB) either way: ``report_ready``'s pickled ``info`` must
+    fit in it.
+
     ``die_with_parent``: when the parent closes the group (or dies: the connection drops;
     or a frame on the link fails its seal), this process gets SIGTERM (a ``SystemExit``
     in its main thread) and, if it is still there after the grace period, SIGKILL."""
     global _channel
     if isinstance(ticket, str):
         ticket = WorkerTicket.parse(ticket)
-    sock = socket.create_connection((ticket.host, ticket.port), timeout=timeout)
+    deadline = time.monotonic() + timeout
+    peer = peer_text((ticket.host, ticket.port))
+    sock = _connect_by(ticket.host, ticket.port, deadline, peer)
     try:
         # The handshake's messages and checks are the core's (``shmq::workers::link``).
-        peer = f"{ticket.host}:{ticket.port}"
-        kind, payload = recv_frame(sock)
+        kind, payload = recv_frame(sock, MAX_HELLO_FRAME, deadline, peer=peer, handshake=True)
         nonce = read_challenge(kind, payload, peer)  # ConnectionError, PermissionError
         hello, ours = hello_payload(ticket.token, nonce, rank, os.getpid(), socket.gethostname())
-        send_frame(sock, b"H", hello)
-        kind, payload = recv_frame(sock)
+        send_frame_by(sock, deadline, b"H", hello)
+        kind, payload = recv_frame(sock, MAX_HELLO_FRAME, deadline, peer=peer, handshake=True)
         read_answer(kind, payload, ticket.token, ours, nonce, rank, peer)  # PermissionError
-        sealed = SealedLink(sock, ticket.token, nonce, ours, parent=False)
+        sealed = SealedLink(sock, ticket.token, nonce, ours, parent=False, peer=peer)
+    except TimeoutError:
+        sock.close()
+        raise TimeoutError(
+            f"joining the parent at {peer} as worker rank {rank}: its handshake did not finish within {timeout:g} s"
+        ) from None
     except BaseException:
         sock.close()
         raise

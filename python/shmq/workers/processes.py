@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -30,6 +31,65 @@ _RECORD_WITHIN = 2.0
 _JOIN_STEP = 0.05
 
 
+# The longest slice of a wait that an async method's thread makes before it looks
+# whether its coroutine was cancelled.
+_ASYNC_SLICE = 1.0
+
+
+async def _wait_off_loop(
+    wait: Callable[[Optional[float]], tuple[str, Any]], timeout: Optional[float]
+) -> tuple[str, Any]:
+    """``wait(timeout)`` (a core wait returning ``(outcome, value)``, ``"timeout"`` when
+    its time passed) in a daemon thread, without blocking the running loop: the thread
+    waits in slices of at most ``_ASYNC_SLICE`` seconds until the wait ends otherwise,
+    ``timeout`` passes, or the coroutine is cancelled (the thread then stops after its
+    slice; it is not the loop's executor, so ``asyncio.run`` never waits for it)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[tuple[str, Any]] = loop.create_future()
+    cancelled = threading.Event()
+    seconds = _core.timeout_seconds(timeout)
+    deadline = None if seconds is None else time.monotonic() + seconds
+
+    def deliver(set_it: Callable[[Any], None], value: Any) -> None:
+        if not future.done():
+            set_it(value)
+
+    def run() -> None:
+        try:
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                step = _ASYNC_SLICE if left is None else min(_ASYNC_SLICE, left)
+                result = wait(step)
+                if result[0] != "timeout" or (left is not None and left <= _ASYNC_SLICE) or cancelled.is_set():
+                    break
+        except BaseException as e:
+            try:
+                loop.call_soon_threadsafe(deliver, future.set_exception, e)
+            except RuntimeError:  # the loop was closed
+                pass
+            return
+        try:
+            loop.call_soon_threadsafe(deliver, future.set_result, result)
+        except RuntimeError:  # the loop was closed
+            pass
+
+    threading.Thread(target=run, name="shmq-workers-async-wait", daemon=True).start()
+    try:
+        return await future
+    finally:
+        cancelled.set()
+
+
+def _exits_within(group: Any, timeout: Optional[float]) -> tuple[str, bool]:
+    """``group.wait_exits(timeout)`` as ``_wait_off_loop`` takes a wait."""
+    return "timeout", group.wait_exits(0.0 if timeout is None else timeout)
+
+
+def _failures_after(group: Any, seen: int, timeout: Optional[float]) -> tuple[str, int]:
+    """``group.wait_failures(seen, timeout)`` as ``_wait_off_loop`` takes a wait."""
+    return "timeout", group.wait_failures(seen, timeout)
+
+
 class WorkerMonitor:
     """Raises in the parent when a worker fails (from :meth:`WorkerProcesses.monitor`).
 
@@ -46,12 +106,12 @@ class WorkerMonitor:
     queue given here that this process writes is shut down, so each surviving worker
     reading it gets the messages sent before and then ``QueueShutDownError`` from
     ``dequeue`` (not a hang, not a death). Before that, the parent has told every worker
-    which one failed: in a worker, :func:`~shmq.workers.sibling_failure` returns that
+    which one failed: in a worker, :func:`shmq.workers.sibling_failure` returns that
     worker's :class:`WorkerDiedError` (None after a plain shutdown), so a worker loop
     catches ``QueueShutDownError``, says why, and returns, ending cleanly (exit code 0)
     rather than with a traceback (see the README's worker loop). Workers still running
     when the parent leaves its ``with WorkerProcesses`` block are stopped by
-    :meth:`~WorkerProcesses.close` (SIGTERM, a ``SystemExit`` in the worker).
+    :meth:`WorkerProcesses.close` (SIGTERM, a ``SystemExit`` in the worker).
 
     Code that waits on anything else can pass :attr:`cancel` where a ``threading.Event``
     is taken (``dequeue(cancel=...)``) or call :meth:`check`. The error raised (by
@@ -100,10 +160,7 @@ class WorkerMonitor:
         if (
             isinstance(exc, Exception)
             and self.error is None
-            and (
-                isinstance(exc, (_core.PeerDiedError, _core.QueueShutDownError))
-                or self._supervisor.exit_unrecorded()
-            )
+            and (isinstance(exc, (_core.PeerDiedError, _core.QueueShutDownError)) or self._supervisor.exit_unrecorded())
         ):
             # The block failed because a worker died, but the supervisor has not recorded
             # that yet: give it a moment, so that the error names the worker. shmq's own
@@ -233,15 +290,28 @@ class WorkerProcesses:
                 raise RuntimeError("the worker processes have been closed")
             # In the core, with the GIL released; a RuntimeError once the group closes.
             outcome, rank = supervisor.group.wait_ready(timeout)
-            if outcome == "done":
-                return supervisor.infos()
-            if outcome == "failed" and rank is not None:
-                error = supervisor.error_of(rank)
-                supervisor.report(error)
-                raise error
-            assert timeout is not None  # without one, the wait ends only as above
-            message, names = supervisor.group.not_ready(timeout)
-            raise WorkersNotReadyError(message, names)
+            return _ready_outcome(supervisor, outcome, rank, timeout)
+        except BaseException:
+            if close_on_failure:
+                self.close()
+            raise
+
+    async def wait_until_ready_async(
+        self, timeout: Optional[float] = None, *, close_on_failure: bool = True
+    ) -> list[Any]:
+        """``await workers.wait_until_ready_async()``: :meth:`wait_until_ready` without
+        blocking the event loop (the same result, errors and closing on failure). The
+        core's wait runs in a daemon thread of its own, a second at a time, the loop's
+        executor left free; cancelling the task ends that thread within a second and
+        neither closes the group nor reports anything."""
+        supervisor = self._supervisor
+        try:
+            if supervisor.closed:
+                raise RuntimeError("the worker processes have been closed")
+            outcome, rank = await _wait_off_loop(supervisor.group.wait_ready, timeout)
+            return _ready_outcome(supervisor, outcome, rank, timeout)
+        except asyncio.CancelledError:
+            raise  # the caller gave up waiting: nothing failed
         except BaseException:
             if close_on_failure:
                 self.close()
@@ -325,6 +395,49 @@ class WorkerProcesses:
             )
         return {w.name: w.exitcode for w in self.info()}
 
+    async def join_async(self, timeout: Optional[float] = None) -> dict[str, Optional[int]]:
+        """``await workers.join_async()``: :meth:`join` without blocking the event loop (the
+        same result and errors). The waits run in a daemon thread of their own, a second
+        at a time; cancelling the task ends that thread within a second and reports no
+        failure (a later ``join`` still raises it)."""
+        supervisor = self._supervisor
+        loop = asyncio.get_running_loop()
+        try:
+            seconds = None if timeout is None else float(timeout)
+        except OverflowError:
+            seconds = None
+        deadline = None if seconds is None or seconds == math.inf else loop.time() + seconds
+        outcome, _ = await _wait_off_loop(supervisor.group.wait_all_exited, timeout)
+        if outcome == "failed":
+            # Past the failures already reported: as _join_past_failures, each wait in
+            # the thread.
+            while True:
+                unreported = supervisor.unreported()
+                if unreported is not None:
+                    supervisor.report(unreported)
+                    raise unreported
+                if all(w.exited for w in self.info()):
+                    outcome = "done"
+                    break
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    outcome = "timeout"
+                    break
+                seen = len(supervisor.errors())
+                step = _JOIN_STEP if left is None else min(_JOIN_STEP, left)
+                if supervisor.group.closing:
+                    await _wait_off_loop(functools.partial(_exits_within, supervisor.group), step)
+                else:
+                    # Wakes at a new failure; normal exits are seen at the next step.
+                    await _wait_off_loop(functools.partial(_failures_after, supervisor.group, seen), step)
+        if outcome == "timeout":
+            running = [w.rank for w in self.info() if not w.exited]
+            raise TimeoutError(
+                f"{len(running)} worker(s) still running after {timeout} s: "
+                + ", ".join(str(supervisor.group.describe(r)) for r in running)
+            )
+        return {w.name: w.exitcode for w in self.info()}
+
     def _join_past_failures(self, timeout: Optional[float]) -> str:
         """``join``'s wait once the failures so far have all been reported: until every
         worker has exited ("done"), or ``timeout`` passes ("timeout"); a new failure
@@ -358,7 +471,7 @@ class WorkerProcesses:
         ``shutdown()`` method, e.g. ``MessageQueue``) so it never hangs on a dead
         worker. A failure shuts ``queues`` down: the surviving workers reading a queue this
         process writes get ``QueueShutDownError`` after the messages sent before, and
-        :func:`~shmq.workers.sibling_failure` tells them which worker failed. See
+        :func:`shmq.workers.sibling_failure` tells them which worker failed. See
         :class:`WorkerMonitor`."""
         return WorkerMonitor(self._supervisor, queues)
 
@@ -403,3 +516,18 @@ class WorkerProcesses:
             state = "exited" if w.exited else "ready" if w.ready else "starting"
             states.append(f"{w.name}:{state}")
         return f"<WorkerProcesses {' '.join(states)}{' closed' if self.closed else ''}>"
+
+
+def _ready_outcome(supervisor: Any, outcome: str, rank: Optional[int], timeout: Optional[float]) -> list[Any]:
+    """What ``wait_until_ready`` (and its async form) returns or raises once the core's
+    wait ended with ``outcome``: the infos, the failed worker's ``WorkerDiedError``
+    (reported), or ``WorkersNotReadyError`` after ``timeout``."""
+    if outcome == "done":
+        return supervisor.infos()
+    if outcome == "failed" and rank is not None:
+        error = supervisor.error_of(rank)
+        supervisor.report(error)
+        raise error
+    assert timeout is not None  # without one, the wait ends only as above
+    message, names = supervisor.group.not_ready(timeout)
+    raise WorkersNotReadyError(message, names)

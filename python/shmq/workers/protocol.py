@@ -50,17 +50,28 @@ DEFAULT_GRACE = 5.0
 
 HANDSHAKE_TIMEOUT: float = _core.LINK_HANDSHAKE_TIMEOUT
 """Seconds the parent gives one connection for its whole handshake, from its accept to the
-parent's answer (every read and write of it together, not each read)."""
+worker's hello (every read and write of it together, not each read; the welcome of a
+worker that proved the token then has this long again). A worker's side has one deadline
+of its own for its whole handshake: ``connect_to_parent``'s ``timeout``."""
 PROTOCOL_VERSION: int = _core.LINK_PROTOCOL_VERSION
 """The link's protocol, in the parent's challenge (an older shmq's had none)."""
 MAX_FRAME: int = _core.LINK_MAX_FRAME
-"""The largest frame of an admitted link."""
+"""The largest frame of an admitted link, either way (16 MiB: its kind, number, seal and
+payload, so a remote worker's pickled ready ``info`` is at most 41 bytes less). A longer
+length is refused as it is read, before any of the frame's body, and ends the link
+(``ValueError`` naming the peer and the limit; the parent reports the worker lost); a
+sender refuses to send one (:meth:`SealedLink.send`). Each end holds one frame at a time,
+read as its bytes come into a buffer that grows with them (at most doubling what arrived,
+never to the claimed length up front), so a peer that floods frames costs the receiver
+about twice this at most, and nothing once each frame is handled."""
 MAX_HELLO_FRAME: int = _core.LINK_MAX_HELLO_FRAME
-"""The largest frame the parent reads before the peer proved the token: the hello (about
-300 bytes; its longest field is the host name, at most 255 bytes before JSON's escapes).
-A larger length is refused before anything more is read."""
+"""The largest handshake frame (challenge, hello, answer), which either end reads before
+the other proved the token (the hello is about 300 bytes, its longest field the host name,
+at most 255 bytes before JSON's escapes; the challenge about 100). A longer length is
+refused as it is read, before any of the frame's body: ``ConnectionError`` naming the peer
+and the limit."""
 _SEAL_BYTES: int = _core.LINK_SEAL_BYTES  # a sealed frame's number and seal, before its payload
-_RECV_CHUNK = 64 << 10  # the most one recv asks for (CPython allocates what is asked)
+_RECV_CHUNK = 64 << 10  # a frame's buffer's first room (it then grows with what arrived)
 
 
 @dataclass(frozen=True)
@@ -99,36 +110,74 @@ def send_frame(sock: socket.socket, kind: bytes, payload: bytes) -> None:
     sock.sendall(struct.pack("!I", len(payload) + 1) + kind + payload)
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
-    """``n`` bytes, read as they come (each read asks for at most 64 KiB). With
-    ``deadline`` (a ``time.monotonic()`` time), every read waits only for what is left of
-    it, and ``TimeoutError`` comes once it passed: a peer that sends a byte now and then
-    cannot stretch the whole read past it."""
-    chunks = []
-    while n:
+def send_frame_by(sock: socket.socket, deadline: float, kind: bytes, payload: bytes) -> None:
+    """``send_frame`` within what is left of a handshake's ``deadline`` (a
+    ``time.monotonic()`` time): ``TimeoutError`` once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    sock.settimeout(left)
+    send_frame(sock, kind, payload)
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytearray:
+    """``n`` bytes, read as they come into one buffer that grows with them (room for as
+    much again as arrived, 64 KiB at first, never the ``n`` claimed up front: a peer that
+    announces much and sends little costs little; one buffer, so nothing of it stays
+    behind in the allocator's small blocks once it is freed). With ``deadline`` (a
+    ``time.monotonic()`` time), every read waits only for what is left of it, and
+    ``TimeoutError`` comes once it passed: a peer that sends a byte now and then cannot
+    stretch the whole read past it."""
+    buf = bytearray()
+    got = 0
+    while got < n:
+        if got == len(buf):
+            # ``bytes(k)`` is calloc'd: large ones are fresh zero pages, never touched here.
+            buf += bytes(min(n - got, max(got, _RECV_CHUNK)))
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the deadline passed")
             sock.settimeout(left)
-        chunk = sock.recv(min(n, _RECV_CHUNK))  # TimeoutError at the deadline
-        if not chunk:
+        with memoryview(buf) as view, view[got:] as room:
+            k = sock.recv_into(room)  # TimeoutError at the deadline
+        if not k:
             raise EOFError("connection closed")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+        got += k
+    return buf
+
+
+def _recv_head(
+    sock: socket.socket, max_length: int, deadline: Optional[float], peer: str, handshake: bool
+) -> tuple[bytes, int]:
+    """A frame's kind and the length of its payload, its length checked by the core
+    (``link::frame_length``) before anything more is read."""
+    length = _core.link_frame_length(bytes(recv_exact(sock, 4, deadline)), max_length, peer, handshake)
+    return bytes(recv_exact(sock, 1, deadline)), length - 1
 
 
 def recv_frame(
-    sock: socket.socket, max_length: int = MAX_FRAME, deadline: Optional[float] = None
+    sock: socket.socket,
+    max_length: int = MAX_FRAME,
+    deadline: Optional[float] = None,
+    *,
+    peer: str = "the peer",
+    handshake: bool = False,
 ) -> tuple[bytes, bytes]:
-    """One frame's kind and payload. A length over ``max_length`` raises ``ValueError``
-    before the frame's body is read; ``deadline``: see :func:`recv_exact`."""
-    (length,) = struct.unpack("!I", recv_exact(sock, 4, deadline))
-    if not 1 <= length <= max_length:
-        raise ValueError(f"bad frame length {length} (at most {max_length} here)")
-    data = recv_exact(sock, length, deadline)
-    return data[:1], data[1:]
+    """One frame's kind and payload. A length over ``max_length`` is refused before any of
+    the frame's body is read: ``ConnectionError`` for a handshake frame (``handshake``),
+    else ``ValueError``, naming ``peer`` (the sender) and the limit; ``deadline`` (for the
+    whole frame): see :func:`recv_exact`."""
+    kind, n = _recv_head(sock, max_length, deadline, peer, handshake)
+    return kind, bytes(recv_exact(sock, n, deadline))
+
+
+def peer_text(address: object) -> str:
+    """An address as errors name a peer: ``HOST:PORT`` (an IPv6 host in brackets)."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host = str(address[0])
+        return f"[{host}]:{address[1]}" if ":" in host else f"{host}:{address[1]}"
+    return str(address)
 
 
 def is_secret_text(text: str) -> bool:
@@ -226,8 +275,18 @@ class SealedLink:
     Rust's ``SealOut``/``SealIn``). :meth:`recv` raises ``ValueError`` for a frame that
     fails its seal or comes out of turn: the link is over then."""
 
-    def __init__(self, sock: socket.socket, token: str, parent_nonce: str, worker_nonce: str, *, parent: bool):
+    def __init__(
+        self,
+        sock: socket.socket,
+        token: str,
+        parent_nonce: str,
+        worker_nonce: str,
+        *,
+        parent: bool,
+        peer: str = "the peer",
+    ):
         self.sock = sock
+        self.peer = peer  # as errors name the other end
         self._key = _core.secret_from_text(token)
         self._parent = parent
         # Both nonces' bytes (``ValueError`` for anything that is not one).
@@ -254,5 +313,10 @@ class SealedLink:
             send_frame(self.sock, kind, self._seal.seal(kind, payload))
 
     def recv(self) -> tuple[bytes, bytes]:
-        kind, body = recv_frame(self.sock)
-        return kind, self._seal.open(kind, body)
+        """The next frame's kind and payload: one frame of at most ``MAX_FRAME`` held at
+        a time (its body read into one buffer, then the payload copied out of it once).
+        ``ValueError`` for a frame over ``MAX_FRAME`` (refused at its length, naming the
+        peer and the limit), or one that fails its seal or comes out of turn: the link is
+        over then. ``EOFError`` or ``OSError``: the connection's loss."""
+        kind, n = _recv_head(self.sock, MAX_FRAME, None, self.peer, False)
+        return kind, self._seal.open(kind, recv_exact(self.sock, n))

@@ -44,9 +44,11 @@ from .protocol import (
     challenge_payload,
     check_hello,
     new_nonce,
+    peer_text,
     recv_frame,
     refusal_payload,
     send_frame,
+    send_frame_by,
     welcome_payload,
 )
 from .spawn import SpawnProcessWithStderr, can_capture_from_start
@@ -500,8 +502,8 @@ class Supervisor:
         deadline = entry.deadline
         try:
             nonce = new_nonce()
-            self._send_by(conn, deadline, b"C", challenge_payload(nonce))
-            kind, payload = recv_frame(conn, MAX_HELLO_FRAME, deadline)
+            send_frame_by(conn, deadline, b"C", challenge_payload(nonce))
+            kind, payload = recv_frame(conn, MAX_HELLO_FRAME, deadline, peer=peer_text(peer), handshake=True)
             with self.pending_lock:
                 if self.pending.get(conn) is not entry:
                     return None  # dropped for a newer connection (logged there)
@@ -509,23 +511,24 @@ class Supervisor:
             hello, error = self._admit(kind, payload, nonce)
             if hello is None:
                 logger.warning("refused a worker from %s: %s", peer, error)
-                self._send_by(conn, deadline, b"A", refusal_payload(error))
+                send_frame_by(conn, deadline, b"A", refusal_payload(error))
                 return None
             rank, _pid, host, theirs = hello
             if error:
                 logger.warning("refused a worker from %s claiming rank %d: %s", peer, rank, error)
-                self._send_by(conn, deadline, b"A", refusal_payload(error))
+                send_frame_by(conn, deadline, b"A", refusal_payload(error))
                 return None
             # The worker proved the token and has its rank now: its welcome is not cut
             # short by the deadline (a fresh timeout of its own).
             conn.settimeout(HANDSHAKE_TIMEOUT)
             send_frame(conn, b"A", welcome_payload(self.token, theirs, nonce, rank))
-            link = SealedLink(conn, self.token, nonce, theirs, parent=True)
+            link = SealedLink(conn, self.token, nonce, theirs, parent=True, peer=peer_text(peer))
         except TimeoutError:  # a read or write at the deadline, or one after it
             logger.warning("worker handshake with %s failed: not done within %.0f s", peer, HANDSHAKE_TIMEOUT)
             return None
         except (OSError, EOFError, ValueError) as e:
-            # ValueError: a bad frame length.
+            # ConnectionError (an OSError): a hello over MAX_HELLO_FRAME; ValueError: a
+            # length of 0.
             with self.pending_lock:
                 dropped = self.pending.get(conn) is not entry
             if not dropped:  # (a dropped one's end was logged when it was dropped)
@@ -536,15 +539,6 @@ class Supervisor:
                 return None  # the group is closing
             self.links[rank] = link
         return rank
-
-    @staticmethod
-    def _send_by(conn: socket.socket, deadline: float, kind: bytes, payload: bytes) -> None:
-        """``send_frame`` within what is left of the handshake's deadline."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the deadline passed")
-        conn.settimeout(left)
-        send_frame(conn, kind, payload)
 
     def _admit(self, kind: bytes, payload: bytes, nonce: str) -> tuple[Optional[tuple[int, int, str, str]], str]:
         """The hello (rank, pid, host, the worker's nonce) if it proves the token, or None;
@@ -567,7 +561,9 @@ class Supervisor:
             link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         except OSError:
             pass
+        payload: Any = None
         while True:
+            payload = None  # the last frame's payload goes before the next is read: one at a time
             try:
                 kind, payload = link.recv()
             except (OSError, EOFError, ValueError) as e:

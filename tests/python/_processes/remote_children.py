@@ -120,3 +120,103 @@ def hello_then_sleep(out: Any, handle: Handle, rank: int) -> None:
     out.put(("hello", os.getpid()))
     time.sleep(STEP * 2)  # not synchronisation: alive until killed
     del mq
+
+
+# ---------------------------------------------------------------------------------
+# A slow link (test_remote_slow_link.py, issue 54 item 8)
+
+
+def large_writer(out: Any, cmds: Any) -> None:
+    """A writer for one remote reader (rank 0): report its handle; then each command
+    ``(n_bytes, fill)`` enqueues one message of ``n_bytes`` bytes of ``fill`` and reports
+    ``sent``; ``None`` returns."""
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    out.put(("handle", mq.export_handle(), os.getpid()))
+    mq.wait_until_ready(timeout=STEP)
+    while True:
+        cmd = cmds.get(timeout=STEP * 4)
+        if cmd is None:
+            return
+        n_bytes, fill = cmd
+        mq.enqueue(bytes([fill]) * n_bytes, timeout=STEP * 4)
+        out.put(("sent",))
+
+
+def slow_proxy(out: Any, target_port: int, rate: int, cmds: Any) -> None:
+    """A TCP proxy on 127.0.0.1 to ``target_port`` whose link is slow: what the target
+    sends goes on at ``rate`` bytes a second (the other way at once). Reports ``port``.
+    Command ``("stall after", n)``: once ``n`` more bytes went from the target, forwarding
+    stops either way, the connections left open (a link that fails without a FIN or a
+    RST: nothing more arrives), and it reports ``stalled``; ``None`` ends the child. Each
+    direction is a thread that reads up to 16 KiB, sends it, then sleeps until the link
+    would have carried it."""
+    import socket
+    import threading
+    import time
+
+    chunk = 16 * 1024
+    stalled = threading.Event()
+    lock = threading.Lock()
+    # Bytes from the target still to forward before the link fails (None: never).
+    left: list[int | None] = [None]
+    listener = socket.create_server(("127.0.0.1", 0))
+    out.put(("port", listener.getsockname()[1]))
+
+    def forwarded(n: int) -> None:
+        with lock:
+            if left[0] is None or stalled.is_set():
+                return
+            left[0] -= n
+            if left[0] <= 0:
+                stalled.set()
+                out.put(("stalled",))
+
+    def pump(src: socket.socket, dst: socket.socket, paced: bool) -> None:
+        start, sent = time.monotonic(), 0
+        try:
+            while True:
+                data = src.recv(chunk)
+                if not data:
+                    break
+                while stalled.is_set():
+                    time.sleep(3600)  # not synchronisation: a dead link stays dead
+                dst.sendall(data)
+                if paced:
+                    forwarded(len(data))
+                    sent += len(data)
+                    ahead = start + sent / rate - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)  # not synchronisation: the link's rate
+                    else:
+                        start, sent = time.monotonic(), 0  # idle: no burst credit
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def serve() -> None:
+        while True:
+            client, _ = listener.accept()
+            try:
+                server = socket.create_connection(("127.0.0.1", target_port))
+            except OSError:  # the target is gone: so is this connection
+                client.close()
+                continue
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=pump, args=(server, client, True), daemon=True).start()
+            threading.Thread(target=pump, args=(client, server, False), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    while True:
+        cmd = cmds.get(timeout=STEP * 8)
+        if cmd is None:
+            return
+        _, n = cmd
+        with lock:
+            left[0] = n
+        if n <= 0:
+            forwarded(0)

@@ -12,7 +12,8 @@ MODE "remote": a parent of N_WORKERS local workers and one remote worker (rank
 N_WORKERS) listening on 127.0.0.1, for test_worker_port_hostile.py. It prints
 {"parent": pid, "ticket": str, "free_fds": n} at once (``free_fds``: with FREE_FDS, its
 RLIMIT_NOFILE is lowered so that exactly that many descriptors can still be opened;
-else null), then {"ready": [infos]} once every worker is ready, and closes the group
+else null), then {"ready": [infos]} once every worker is ready (or {"died": message} once
+one failed before), and closes the group
 once a line (or the end) comes on its stdin.
 """
 
@@ -23,7 +24,7 @@ import resource
 import signal
 import sys
 
-from shmq.workers import WorkerProcesses
+from shmq.workers import WorkerDiedError, WorkerProcesses
 
 from _processes import worker_targets
 
@@ -61,8 +62,12 @@ if __name__ == "__main__":
                     limit += 1
                 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
             print(json.dumps({"parent": os.getpid(), "ticket": str(workers.ticket), "free_fds": free}), flush=True)
-            infos = workers.wait_until_ready(timeout=60)
-            print(json.dumps({"ready": infos}), flush=True)
+            try:
+                infos = workers.wait_until_ready(timeout=60)
+            except WorkerDiedError as e:  # (its remote worker's link failed)
+                print(json.dumps({"died": str(e)}), flush=True)
+            else:
+                print(json.dumps({"ready": infos}), flush=True)
             sys.stdin.readline()  # until the test says so (a line, or the end of its pipe)
         sys.exit(0)
     if mode == "exit":

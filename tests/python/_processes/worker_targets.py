@@ -295,3 +295,31 @@ def remote_worker_told_of_a_failure(out: Any, ticket: str, rank: int) -> None:
         # Polled: the link's watch thread stores the notice.
         failed = wait_for(sibling_failure, STEP, f"rank {rank}: news of a sibling's failure", interval=0.01)
         out.put(("told", failed.name, failed.rank, failed.exitcode, failed.pid, str(failed)))
+
+
+# ---------------------------------------------------------------------------------
+# The worker link's bounds (test_worker_link_bounds.py): a worker against a stranger
+
+
+def _peak_rss() -> int:
+    """This process's high-water mark of resident memory (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def joins_and_reports_how(out: Any, ticket: str, rank: int, timeout: float) -> None:
+    """Try ``connect_to_parent(ticket, rank, timeout=timeout)`` once and report how it
+    went: ("joined" | "failed", the exception's type name or "", its message, the seconds
+    it took, how much the peak of this process's resident memory grew)."""
+    peak = _peak_rss()
+    start = time.monotonic()
+    try:
+        link = connect_to_parent(ticket, rank, die_with_parent=False, timeout=timeout)
+    except Exception as e:
+        out.put(("failed", type(e).__name__, str(e), time.monotonic() - start, _peak_rss() - peak))
+        return
+    link.close(0)
+    out.put(("joined", "", "", time.monotonic() - start, _peak_rss() - peak))

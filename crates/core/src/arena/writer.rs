@@ -175,6 +175,24 @@ impl ArenaWriter {
         Ok(self.map.segment.unlink()?)
     }
 
+    /// Whether some reader holds a part still (a message it has not read yet, or a view
+    /// of one it keeps).
+    pub fn has_reader_holds(&self) -> bool {
+        let n = self.map.geo.n_reader;
+        self.outstanding.iter().any(|o| {
+            let lease = self.map.lease(o.lease as usize);
+            (0..n).any(|r| lease.is_held_by(r))
+        })
+    }
+
+    /// Leave the removal of the arena's name to this process's janitor, which removes it
+    /// once no process holds a lock on ring `ring`'s file (the queue's readers hold their
+    /// role locks there until they leave or die): see `Segment::hand_removal_to_janitor`.
+    /// False where that cannot be done (the name is then removed as before).
+    pub fn hand_removal_to_janitor(&self, ring: &str) -> bool {
+        self.map.segment.hand_removal_to_janitor(ring)
+    }
+
     /// Count one fallback (a part sent the ordinary way), for the statistics.
     pub fn count_fallback(&mut self) {
         self.fallbacks += 1;

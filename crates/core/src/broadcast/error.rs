@@ -6,8 +6,9 @@
 #[non_exhaustive]
 pub enum QueueError {
     /// A local reader died while the writer waited for it to free a chunk. `queue`: the
-    /// queue's ring segment, which the message names (one process may hold several
-    /// queues).
+    /// queue as the message names it (one process may hold several queues): its name in
+    /// quotes and its ring segment where its writer named it, else its segment in quotes
+    /// (`Ring::queue_words`).
     #[error("{}", dead_reader_message(*reader, *pid, *chunk, queue.as_deref()))]
     DeadReader {
         reader: usize,
@@ -34,8 +35,8 @@ pub enum QueueError {
     /// The writer shut the queue down (`shmq::Writer::close`, Python's
     /// `shutdown()`, or its normal end: dropped): the reader
     /// has received every message sent before, and no more will come. Not a death: see
-    /// [`QueueError::DeadWriter`]. `queue`: the queue's ring segment, which the message names
-    /// (`None` for a remote stream's reader, which has none).
+    /// [`QueueError::DeadWriter`]. `queue`: as for [`QueueError::DeadReader`] (`None` for a
+    /// remote stream's reader, which has no ring).
     #[error("{}", writer_shut_down_message(queue.as_deref()))]
     WriterShutDown { queue: Option<String> },
 
@@ -43,15 +44,16 @@ pub enum QueueError {
     /// over the overflow socket reached this reader (its process exited at once, before
     /// ZeroMQ delivered it): that message is lost.
     #[error(
-        "the writer shut down and went away before its last message (sent over the overflow \
-         socket) reached this reader: that message is lost"
+        "the writer's process ended before a message it sent over the queue's socket (one \
+         too large for a chunk, with no room for it in the tensor arena) reached this reader: \
+         that message is lost; the messages after it are still read"
     )]
     WriterGoneMidMessage,
 }
 
 /// The message of [`QueueError::DeadReader`], naming the queue (its ring segment) if known.
 fn dead_reader_message(reader: usize, pid: u32, chunk: usize, queue: Option<&str>) -> String {
-    let of_queue = queue.map_or_else(String::new, |q| format!(" of queue '{q}'"));
+    let of_queue = queue.map_or_else(String::new, |q| format!(" of queue {q}"));
     format!(
         "reader {reader} (pid {pid}) died before reading chunk {chunk}{of_queue}; the writer \
          cannot go on without losing its messages (to go on without dead readers, make the \
@@ -62,13 +64,13 @@ fn dead_reader_message(reader: usize, pid: u32, chunk: usize, queue: Option<&str
 
 /// The message of [`QueueError::DeadWriter`], naming the queue (its ring segment) if known.
 fn dead_writer_message(pid: u32, queue: Option<&str>) -> String {
-    let on_queue = queue.map_or_else(String::new, |q| format!(" on queue '{q}'"));
+    let on_queue = queue.map_or_else(String::new, |q| format!(" on queue {q}"));
     format!("the writer (pid {pid}) died; no more messages will come{on_queue}")
 }
 
 /// The message of [`QueueError::WriterShutDown`], naming the queue (its ring segment) if known.
 fn writer_shut_down_message(queue: Option<&str>) -> String {
-    let of_queue = queue.map_or_else(String::new, |q| format!(" of queue '{q}'"));
+    let of_queue = queue.map_or_else(String::new, |q| format!(" of queue {q}"));
     format!(
         "the writer{of_queue} shut down: every message it sent before has been received, and \
          no more will come"

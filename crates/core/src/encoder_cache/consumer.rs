@@ -47,12 +47,20 @@ impl Drop for Membership {
     }
 }
 
+/// The lock byte an index-only link holds shared while it uses a segment (far past the
+/// consumers' slot bytes and any file's end: a lock needs no byte to exist).
+const VIEWER_BYTE: u64 = 1 << 40;
+
 /// One producer segment this consumer uses.
 struct Link {
     map: Arc<Mapped>,
     /// To map entries privately (loaders only).
     file: Option<PrivateFile>,
     member: Option<Arc<Membership>>,
+    /// An index's shared hold on the segment (a read lock): like a joined consumer's slot
+    /// lock, it keeps a named cache whose producer crashed from being removed while the
+    /// index still answers from it (see `Segment::survive_crash`).
+    _viewer: Option<shmq_os::liveness::RoleLock>,
     inode: u64,
     recheck_at: Instant,
 }
@@ -100,10 +108,16 @@ impl Link {
         } else {
             None
         };
+        let viewer = if join {
+            None
+        } else {
+            shmq_os::liveness::RoleLock::acquire_shared(segment, VIEWER_BYTE)?
+        };
         Ok(Link {
             map,
             file,
             member,
+            _viewer: viewer,
             inode,
             recheck_at: Instant::now() + RECHECK_NAME,
         })

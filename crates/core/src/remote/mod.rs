@@ -54,11 +54,15 @@
 //!   messages that will not come.
 //!
 //! No wait of a remote reader goes on without an end (see [`RemoteReader`]): its
-//! connection carries ZeroMQ's heartbeats (a PING every [`HEARTBEAT_INTERVAL`], the
-//! connection given up when one goes unanswered for the heartbeat timeout), and the
-//! reader watches its connection through ZeroMQ's socket monitor. Once the writer has
-//! said start, a connection that ends without CLOSED (the writer killed: at once; a
-//! writer that hangs, or a network that fails: within the interval plus the timeout) is
+//! connection carries ZeroMQ's heartbeats (a PING every [`HEARTBEAT_INTERVAL`] each way,
+//! answered by a PONG), and the reader watches its connection: through ZeroMQ's socket
+//! monitor (made, ended) and through the kernel (`TCP_INFO`: when bytes last arrived on
+//! it). Nothing at all arriving for the interval plus the heartbeat timeout is the
+//! writer's silence; bytes of a message on their way are not (ZeroMQ's own heartbeat
+//! timeout counts whole frames only, and a PONG waits behind the frame being sent: one
+//! 32 MiB frame over 40 Mbit/s takes 6.7 s). Once the writer has said start, a
+//! connection that ends without CLOSED (the writer killed: at once), or stays silent (a
+//! writer that hangs, or a network that fails: within the interval plus the timeout), is
 //! the writer's death, [`RemoteError::WriterGone`], after every message that arrived
 //! before it; a new connection could not carry the stream on (what was in flight is
 //! lost), so the reader does not make one. Before the start a lost connection is made
@@ -121,9 +125,9 @@ pub const HEARTBEAT_TIMEOUT_ENV: &str = "SHMQ_REMOTE_HEARTBEAT_TIMEOUT";
 
 /// How long a remote reader's PING may go unanswered before it gives its connection up
 /// ([`HEARTBEAT_TIMEOUT_ENV`], else [`DEFAULT_HEARTBEAT_TIMEOUT`]); `None`: no
-/// heartbeats. A frame that takes longer than this to cross the network (a tensor of
-/// 256 MiB on a 1 Gbit/s link takes about 2 s) delays every PONG behind it, so a slow
-/// network with large messages needs a longer one.
+/// heartbeats. A reader counts every byte that arrives as an answer (a PONG waits behind
+/// the frame being sent: a large message on a slow link is not silence), so this bounds
+/// how long a connection may carry nothing at all.
 pub fn heartbeat_timeout() -> Option<Duration> {
     let default = Some(DEFAULT_HEARTBEAT_TIMEOUT);
     let Ok(text) = std::env::var(HEARTBEAT_TIMEOUT_ENV) else {
@@ -143,18 +147,25 @@ pub fn heartbeat_timeout() -> Option<Duration> {
     }
 }
 
-/// ZeroMQ's heartbeats on `s` (a PING every [`HEARTBEAT_INTERVAL`]; the connection given
-/// up when nothing comes from the peer for [`heartbeat_timeout`] after one), the same on
-/// the writer's and the reader's sockets; `what` names the socket in errors. Returns the
-/// timeout set (`None`: heartbeats are off).
-fn set_heartbeats(s: &zmq::Socket, what: &str) -> Result<Option<Duration>> {
+/// ZeroMQ's heartbeats on `s` (a PING every [`HEARTBEAT_INTERVAL`]), the same on the
+/// writer's and the reader's sockets; with `zmq_gives_up`, ZeroMQ gives the connection up
+/// when no whole frame comes from the peer for [`heartbeat_timeout`] after a PING (the
+/// writer's socket: the reader sends it only small frames). Without, the caller watches
+/// the connection itself (the reader's socket: a frame of a large message may take longer
+/// than the timeout to arrive, and ZeroMQ counts only whole frames, see
+/// `RemoteReader`). `what` names the socket in errors. Returns the timeout (`None`:
+/// heartbeats are off).
+fn set_heartbeats(s: &zmq::Socket, what: &str, zmq_gives_up: bool) -> Result<Option<Duration>> {
     let Some(timeout) = heartbeat_timeout() else {
         return Ok(None);
     };
     let opt = |o: &str| Error::transport(format!("setting {o} on the {what} socket"));
     s.set_heartbeat_ivl(millis(HEARTBEAT_INTERVAL))
         .map_err(opt("HEARTBEAT_IVL"))?;
-    s.set_heartbeat_timeout(millis(timeout))
+    // 0: no timeout (libzmq starts its timer only for a timeout above 0; its default, -1,
+    // would be the interval).
+    let zmq_timeout = if zmq_gives_up { millis(timeout) } else { 0 };
+    s.set_heartbeat_timeout(zmq_timeout)
         .map_err(opt("HEARTBEAT_TIMEOUT"))?;
     Ok(Some(timeout))
 }

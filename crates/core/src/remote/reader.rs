@@ -16,14 +16,22 @@ use shmq_os::fork::LeakInChild;
 
 /// How often a reader says HELLO again until the writer has said start.
 const HELLO_AGAIN: Duration = Duration::from_secs(1);
+/// How often, at most, a reader asks the kernel when bytes last arrived from the writer.
+const SILENCE_CHECK: Duration = Duration::from_millis(100);
 
 /// A remote reader's end of the stream.
 ///
 /// Its socket is a DEALER connected to the writer's port, with ZeroMQ's heartbeats on
 /// ([`HEARTBEAT_INTERVAL`], [`heartbeat_timeout`](super::heartbeat_timeout)) and its own handshake bounded, and a
-/// socket monitor that tells it when a connection is made (ZeroMQ's handshake done) and
-/// when one ends (closed by the writer's side or the kernel, or given up for want of a
-/// heartbeat's answer). Before the writer says start, the reader says HELLO on every new
+/// socket monitor that tells it when a connection is made (its descriptor, and ZeroMQ's
+/// handshake done) and when one ends (closed by the writer's side or the kernel). The
+/// reader, not ZeroMQ, gives a silent connection up: ZeroMQ's heartbeat timeout ends
+/// only when a whole frame arrives, and a frame of a large message on a slow link may
+/// take longer than that while its bytes keep arriving (and the writer's PONG waits
+/// behind it). So the reader asks the kernel (`TCP_INFO`'s `tcpi_last_data_recv`) when
+/// bytes last arrived on the connection: nothing at all (no message byte, no PING or
+/// PONG of the writer's, which come every interval) for the interval plus the timeout
+/// is the writer's silence. Before the writer says start, the reader says HELLO on every new
 /// connection and every `HELLO_AGAIN` (a HELLO taken from a connection the writer's
 /// port guard closed under a flood, or lost with it, is said again); after it, the end
 /// of the connection is the end of the stream.
@@ -73,11 +81,12 @@ pub(super) enum Ended {
 
 /// What a remote reader knows of its connection to the writer.
 struct Link {
-    /// ZeroMQ's monitor of the reader's socket (a PAIR connected to it): one event per
-    /// connection made (`HANDSHAKE_SUCCEEDED`) and ended (`DISCONNECTED`). Only these
-    /// two: libzmq sends monitor events blocking, from its I/O thread, and the events of
-    /// retried connections (one per reconnect interval while the writer is gone) would
-    /// fill the monitor of a reader that does not look at it for long.
+    /// ZeroMQ's monitor of the reader's socket (a PAIR connected to it): events per
+    /// connection made (`CONNECTED`, with its descriptor; `HANDSHAKE_SUCCEEDED`) and
+    /// ended (`DISCONNECTED`). Only these: libzmq sends monitor events blocking, from its
+    /// I/O thread, and the events of retried connections (one per reconnect interval
+    /// while the writer is gone) would fill the monitor of a reader that does not look at
+    /// it for long (a connection that is refused makes none of these).
     events: LeakInChild<zmq::Socket>,
     /// A connection to the writer is up: ZeroMQ's handshake done, and not ended since.
     up: bool,
@@ -90,6 +99,13 @@ struct Link {
     hello_at: Instant,
     /// The heartbeat timeout in force (`None`: no heartbeats).
     heartbeat: Option<Duration>,
+    /// The connection's descriptor (from the monitor's CONNECTED event: ZeroMQ's own)
+    /// and its peer address then: the descriptor is the same connection only while its
+    /// peer address is the same (ZeroMQ may close it, and the number be reused, before
+    /// the monitor says so).
+    conn: Option<(i32, Vec<u8>)>,
+    /// When the kernel was last asked about the connection's silence.
+    silence_checked: Instant,
 }
 
 impl Link {
@@ -154,7 +170,8 @@ impl RemoteReader {
         s.set_rcvhwm(1000).map_err(opt("RCVHWM"))?;
         s.set_linger(0).map_err(opt("LINGER"))?;
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
-        let heartbeat = set_heartbeats(&s, "remote reader")?;
+        // ZeroMQ does not give the connection up: the reader does, see the type's docs.
+        let heartbeat = set_heartbeats(&s, "remote reader", false)?;
         if let Some(timeout) = heartbeat {
             // A writer that accepts the connection but never finishes ZeroMQ's
             // handshake (a stopped process: its kernel accepts for it) is given up too.
@@ -166,8 +183,9 @@ impl RemoteReader {
             "inproc://shmq-remote-reader-{}",
             crate::auth::to_hex(&random16()?)
         );
-        let events =
-            zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32 | zmq::SocketEvent::DISCONNECTED as i32;
+        let events = zmq::SocketEvent::CONNECTED as i32
+            | zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32
+            | zmq::SocketEvent::DISCONNECTED as i32;
         s.monitor(&name, events)
             .map_err(Error::transport("monitoring the remote reader socket"))?;
         let mon = socket(ctx, zmq::PAIR, "remote reader monitor")?;
@@ -198,6 +216,8 @@ impl RemoteReader {
                 broken: false,
                 hello_at: now,
                 heartbeat,
+                conn: None,
+                silence_checked: now,
             },
             taken: Taken::default(),
         };
@@ -238,6 +258,11 @@ impl RemoteReader {
                 continue;
             };
             match zmq::SocketEvent::from_raw(u16::from_ne_bytes([ev[0], ev[1]])) {
+                zmq::SocketEvent::CONNECTED => {
+                    // The event's value is the connection's descriptor.
+                    let fd = i32::from_ne_bytes([ev[2], ev[3], ev[4], ev[5]]);
+                    self.link.conn = super::guard::peer_of(fd).map(|peer| (fd, peer));
+                }
                 zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
                     self.link.up = true;
                     self.link.down_since = None;
@@ -247,6 +272,7 @@ impl RemoteReader {
                 }
                 zmq::SocketEvent::DISCONNECTED => {
                     self.link.up = false;
+                    self.link.conn = None;
                     self.link.down_since.get_or_insert_with(Instant::now);
                     if self.started {
                         self.link.broken = true;
@@ -287,13 +313,35 @@ impl RemoteReader {
 
     /// The stream broke after the start: the reason the writer is gone.
     fn broken_reason(&self) -> String {
-        let silence = self.link.heartbeat.map_or_else(String::new, |t| {
-            format!(" or stopped answering ZeroMQ's heartbeats for {t:?}")
-        });
-        format!(
-            "its connection closed{silence} without the writer's shutdown (the writer died or \
-             hangs, or the network between failed)"
-        )
+        "its connection closed without the writer's shutdown (the writer died or hangs, the \
+         network between failed, or the writer's process ended before what it had sent \
+         reached this reader: what did not arrive is lost)"
+            .to_owned()
+    }
+
+    /// The reason the writer is gone if its connection is up but nothing at all (no byte
+    /// of a message, none of ZeroMQ's heartbeats) has arrived on it for the interval plus
+    /// the heartbeat timeout (see the type's docs). Asks the kernel at most every
+    /// `SILENCE_CHECK`; no answer (heartbeats off, no connection, or its descriptor not
+    /// known or no longer the connection's) is no verdict.
+    fn silent(&mut self) -> Option<String> {
+        let bound = self.link.unreachable_after()?;
+        if !self.link.up || self.link.silence_checked.elapsed() < SILENCE_CHECK {
+            return None;
+        }
+        self.link.silence_checked = Instant::now();
+        let (fd, peer) = self.link.conn.as_ref()?;
+        let quiet = last_data_received(*fd)?;
+        // The descriptor is still the connection (checked after the question: a
+        // descriptor reused before it would show another peer now).
+        if super::guard::peer_of(*fd).as_ref() != Some(peer) || quiet < bound {
+            return None;
+        }
+        Some(format!(
+            "nothing arrived on its connection for {quiet:.1?} (not a byte of a message, none \
+             of the heartbeats it sends every {HEARTBEAT_INTERVAL:?}) without the writer's \
+             shutdown (the writer hangs or died, or the network between failed)"
+        ))
     }
 
     /// Before the start: the reason the writer is gone, if no connection to it has been
@@ -553,6 +601,9 @@ impl RemoteReader {
                     // takes ZeroMQ's pending work first, so it sees all of it).
                     self.watch_link();
                     if !self.link.broken {
+                        if let Some(reason) = self.silent() {
+                            return Err(self.end(Ended::Gone(reason)));
+                        }
                         return Ok(None);
                     }
                     match self.try_recv_raw()? {
@@ -604,7 +655,7 @@ impl RemoteReader {
                 }
             }
             self.watch_link();
-            if let Some(reason) = self.unreachable() {
+            if let Some(reason) = self.unreachable().or_else(|| self.silent()) {
                 return Err(self.end(Ended::Gone(reason)));
             }
             if self.link.hello_at.elapsed() >= HELLO_AGAIN {
@@ -616,6 +667,33 @@ impl RemoteReader {
             wait.step(&mut crate::wait::no_peer)?;
         }
     }
+}
+
+/// How long ago data (not a bare ACK) last arrived on TCP socket `fd`, as its kernel
+/// says (`TCP_INFO`'s `tcpi_last_data_recv`); `None` if it cannot say (not a TCP socket,
+/// or closed).
+fn last_data_received(fd: i32) -> Option<Duration> {
+    // SAFETY: all-zero bytes are a valid `tcp_info` (integers only).
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` is writable for `len` bytes, and getsockopt writes at most that and
+    // sets `len`. `fd` is ZeroMQ's descriptor, which its I/O thread may close (and the
+    // number be reused) at any time: that only makes the call fail or describe another
+    // socket, which the caller rules out by its peer address afterwards; nothing is
+    // written to the socket.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    // The field is in every kernel's `tcp_info` since 2.6; a shorter answer lacks it.
+    let needed = std::mem::offset_of!(libc::tcp_info, tcpi_last_data_recv) + 4;
+    (rc == 0 && len as usize >= needed)
+        .then(|| Duration::from_millis(u64::from(info.tcpi_last_data_recv)))
 }
 
 #[cfg(test)]
@@ -643,6 +721,8 @@ pub(super) fn reader_in_session(
             broken: false,
             hello_at: Instant::now(),
             heartbeat: None,
+            conn: None,
+            silence_checked: Instant::now(),
         },
         taken: Taken::default(),
     }

@@ -5,8 +5,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::fifo::BlockFifo;
-use super::object::{counted_reads, object_layout, pin_own, reads_by, BlockPin};
-use super::readers::{drop_slot, judge_slot, object_slots, reader_slots, ReaderInfo, ReaderStatus};
+use super::object::{object_layout, pin_own, reads_by, unslotted_reads, BlockPin};
+use super::readers::{
+    attached_slots, drop_slot, judge_slot, object_slots, reader_slots, slot_word, ReaderInfo,
+    ReaderStatus,
+};
 use super::store_segment::{
     count_word_at, frame_word, part_table_offset, BlockHeader, StoreSegment, COUNT_BYTES,
     COUNT_WORD_BYTES, MAX_PARTS, PART_ALIGN, SIGNATURE_BYTES,
@@ -82,6 +85,9 @@ pub struct Entry {
     pub id: u32,
     /// Times handed out by `put`/`get_cached`.
     pub handouts: u32,
+    /// Reader slots (one bit each) this object does not wait for: slots of dropped readers
+    /// that a new reader took after the object was stored (see `super::readers`).
+    pub exempt: u128,
 }
 
 impl Entry {
@@ -144,8 +150,9 @@ pub struct ObjectStore {
     /// Reader words in each object (see `super::readers`).
     slots: usize,
     /// Reader slots dropped after their readers died (this writer's own record: eviction
-    /// never trusts the segment's word for it), one per reader slot.
-    dropped: Vec<bool>,
+    /// never trusts the segment's word for it), one per reader slot: the DROPPED word the
+    /// writer wrote there, until a new reader takes the slot (and changes the word).
+    dropped: Vec<Option<u64>>,
     on_dead_reader: DeadReaderPolicy,
     /// The dead reader the last `put` or `loan` found holding the room (and raised for):
     /// `None` after one that did not fail so.
@@ -169,7 +176,7 @@ impl ObjectStore {
             max_object_size,
             n_readers,
             slots: object_slots(n_readers),
-            dropped: vec![false; reader_slots(n_readers)],
+            dropped: vec![None; reader_slots(n_readers)],
             on_dead_reader: DeadReaderPolicy::Raise,
             dead_reader: None,
             keys: HashMap::new(),
@@ -200,7 +207,7 @@ impl ObjectStore {
     /// Reader slots dropped after their readers died.
     pub fn dropped_readers(&self) -> Vec<usize> {
         (0..self.dropped.len())
-            .filter(|&s| self.dropped[s])
+            .filter(|&s| self.is_dropped(s))
             .collect()
     }
 
@@ -210,7 +217,9 @@ impl ObjectStore {
         (0..self.dropped.len())
             .map(|s| {
                 let mut info = judge_slot(segment, s);
-                if self.dropped[s] {
+                // Dropped for this writer until the word it wrote there changes (a new
+                // reader took the slot: `notice_rejoined` will take it back).
+                if self.dropped[s].is_some_and(|w| w == slot_word(segment, s)) {
                     info.status = ReaderStatus::Dropped;
                 }
                 info
@@ -227,14 +236,15 @@ impl ObjectStore {
     /// Go on without every reader proved dead (see `super::readers`): from now on no
     /// object waits for its slot. Returns the slots dropped now.
     pub fn drop_dead_readers(&mut self, segment: &StoreSegment) -> Vec<usize> {
+        self.notice_rejoined(segment);
         let mut now = Vec::new();
         for s in 0..self.dropped.len() {
-            if self.dropped[s] {
+            if self.is_dropped(s) {
                 continue;
             }
             let info = judge_slot(segment, s);
-            if drop_slot(segment, &info) {
-                self.dropped[s] = true;
+            if let Some(word) = drop_slot(segment, &info) {
+                self.dropped[s] = Some(word);
                 warn_user!(
                     "shmq: {info} of object store '{}' died; going on without it \
                      (on_dead_reader=\"drop\")",
@@ -246,14 +256,64 @@ impl ObjectStore {
         now
     }
 
-    fn is_dropped(&self, s: usize) -> bool {
-        self.dropped.get(s).copied().unwrap_or(false)
+    /// Take back the dropped slots that a new reader took since (their word is no longer
+    /// the DROPPED word this writer wrote): from now on objects wait for the new reader's
+    /// reads, except those stored before (marked `exempt`: the new reader was not there
+    /// when they were handed out). Called before every put, loan, hand-out and free, so
+    /// that no object handed out after the writer could see the new reader is exempt.
+    pub fn notice_rejoined(&mut self, segment: &StoreSegment) {
+        for s in 0..self.dropped.len() {
+            let Some(word) = self.dropped[s] else {
+                continue;
+            };
+            if slot_word(segment, s) == word {
+                continue;
+            }
+            self.dropped[s] = None;
+            for e in self.keys.values_mut() {
+                e.exempt |= 1 << s;
+            }
+        }
     }
 
-    /// Reads each object waits for per hand-out: one per reader not dropped.
-    fn reads_per_handout(&self) -> u64 {
-        let dropped = self.dropped.iter().filter(|&&d| d).count() as u64;
-        u64::from(self.n_readers).saturating_sub(dropped)
+    fn is_dropped(&self, s: usize) -> bool {
+        self.dropped.get(s).is_some_and(Option::is_some)
+    }
+
+    /// Whether an object exempt from the slots of `exempt` waits for reader slot `s`.
+    fn waits_for(&self, exempt: u128, s: usize) -> bool {
+        !self.is_dropped(s) && exempt & (1 << s) == 0
+    }
+
+    /// How the reads counted in an object (block data `data`, handed out `handouts`
+    /// times, exempt from the slots of `exempt`) stand against what it waits for, with the
+    /// reader slots of `attached` held now (see "Which reader read what" in
+    /// `super::readers`): `(counted, wanted)`, reads counted for and reads waited for
+    /// (each reader's counted up to what it owes), and whether it may be evicted.
+    fn tally(&self, data: &[u8], handouts: u32, exempt: u128, attached: u128) -> (u64, u64, bool) {
+        let h = u64::from(handouts);
+        let slots = self.dropped.len();
+        let not_waited = (0..slots).filter(|&s| !self.waits_for(exempt, s)).count() as u64;
+        let wanted = u64::from(self.n_readers).saturating_sub(not_waited) * h;
+        // The reads that may stand for any reader without a slot of its own now.
+        let (mut pool, mut pool_wanted) = (unslotted_reads(data), wanted);
+        let (mut counted, mut short) = (0, false);
+        for s in (0..slots).filter(|&s| self.waits_for(exempt, s)) {
+            // No word for the slot (a store of one reader): its reads are in the count word.
+            let Some(c) = reads_by(data, s).map(u64::from) else {
+                continue;
+            };
+            if attached & (1 << s) != 0 {
+                // Held now: only its own reads count for it.
+                pool_wanted = pool_wanted.saturating_sub(h);
+                counted += c.min(h);
+                short |= c < h;
+            } else {
+                pool += c;
+            }
+        }
+        counted += pool.min(pool_wanted);
+        (counted, wanted, !short && pool >= pool_wanted)
     }
     pub fn entry(&self, key: &str) -> Option<&Entry> {
         self.keys.get(key)
@@ -277,7 +337,8 @@ impl ObjectStore {
 
     /// Count one more hand-out of the object with id `id` (vLLM's
     /// `increment_writer_flag`); false if no stored object has that id.
-    pub fn hand_out(&mut self, id: u32) -> bool {
+    pub fn hand_out(&mut self, segment: &StoreSegment, id: u32) -> bool {
+        self.notice_rejoined(segment);
         let Some(e) = self.ids.get(&id).and_then(|k| self.keys.get_mut(k)) else {
             return false;
         };
@@ -287,24 +348,24 @@ impl ObjectStore {
 
     /// Whether the object with id `id`, whose block data is `data`, may be evicted: not
     /// touched, and read `n_readers` times per hand-out (by readers not dropped: a dropped
-    /// reader's reads do not count, and nothing waits for them).
-    pub fn is_free(&self, id: u32, data: &[u8]) -> bool {
+    /// reader's reads do not count, and nothing waits for them), each reader slot held now
+    /// (`attached`, from [`attached_slots`]) in its own word (see `super::readers`).
+    fn is_free(&self, id: u32, data: &[u8], attached: u128) -> bool {
         if self.touched.contains(&id) {
             return false;
         }
-        let handouts = self
+        let (handouts, exempt) = self
             .ids
             .get(&id)
             .and_then(|k| self.keys.get(k))
-            .map_or(0, |e| e.handouts);
-        counted_reads(data, |s| self.is_dropped(s))
-            >= self.reads_per_handout() * u64::from(handouts)
+            .map_or((0, 0), |e| (e.handouts, e.exempt));
+        self.tally(data, handouts, exempt, attached).2
     }
 
     /// vLLM's `default_is_free_check(id, buf)` where `buf` is memory of this process at
-    /// address `addr`, `len` bytes: [`is_free`](Self::is_free) of it if it lies inside
-    /// `segment`'s ring (a block's data); `InvalidArgument` if it does not (anything else
-    /// could be any memory, and is never read).
+    /// address `addr`, `len` bytes: whether the object may be evicted (as `free_unused`
+    /// judges), if it lies inside `segment`'s ring (a block's data); `InvalidArgument` if
+    /// it does not (anything else could be any memory, and is never read).
     pub fn is_free_at(
         &self,
         segment: &StoreSegment,
@@ -323,7 +384,7 @@ impl ObjectStore {
         // ring's own; the bytes are only read as the count, atomically (any process
         // mapping the segment may write them meanwhile).
         let data = unsafe { std::slice::from_raw_parts(segment.ring_ptr().add(addr - ring), len) };
-        Ok(self.is_free(id, data))
+        Ok(self.is_free(id, data, attached_slots(segment, self.dropped.len())))
     }
 
     /// Store an object made of `parts` under `key`; returns `(address, id)`. Parts from
@@ -341,6 +402,7 @@ impl ObjectStore {
         }
         // A truncated store is refused before anything is written (see `is_cached`).
         ring.segment().check_length()?;
+        self.notice_rejoined(ring.segment());
         if self.keys.contains_key(key) {
             return Err(Error::Store(StoreError::KeyExists(key.to_owned())));
         }
@@ -481,18 +543,18 @@ impl ObjectStore {
         // SAFETY: a live block of this writer's lies inside the ring (allocator
         // invariant); only its reader count is read, which a peer can only make wrong.
         let data = unsafe { std::slice::from_raw_parts(p, n) };
-        let handouts = self
+        let (handouts, exempt) = self
             .ids
             .get(&c.id)
             .and_then(|k| self.keys.get(k))
-            .map_or(0, |e| e.handouts);
-        let wanted = self.reads_per_handout() * u64::from(handouts);
-        let read = counted_reads(data, |s| self.is_dropped(s));
+            .map_or((0, 0), |e| (e.handouts, e.exempt));
+        let attached = attached_slots(seg, self.dropped.len());
+        let (read, wanted, free) = self.tally(data, handouts, exempt, attached);
         let mut dead = None;
         let why = if self.touched.contains(&c.id) {
             "touched, so kept for a reader that will read it".to_owned()
-        } else if read < wanted {
-            let (waits, first_dead) = self.waiting_for(seg, data, handouts);
+        } else if !free {
+            let (waits, first_dead) = self.waiting_for(seg, data, handouts, exempt);
             dead = first_dead;
             format!("read {read} times of the {wanted} it waits for: {waits}")
         } else if seg.is_pinned(h.id) {
@@ -516,10 +578,11 @@ impl ObjectStore {
         segment: &StoreSegment,
         data: &[u8],
         handouts: u32,
+        exempt: u128,
     ) -> (String, Option<ReaderInfo>) {
         let mut said = Vec::new();
         let mut dead = None;
-        for s in (0..self.dropped.len()).filter(|&s| !self.is_dropped(s)) {
+        for s in (0..self.dropped.len()).filter(|&s| self.waits_for(exempt, s)) {
             // An object without reader words (a store of one reader) counts every read in
             // its count word: what is missing is that reader's.
             if reads_by(data, s).is_some_and(|c| c >= handouts) {
@@ -576,6 +639,7 @@ impl ObjectStore {
             address,
             id,
             handouts: 1,
+            exempt: 0,
         };
         self.keys.insert(key.clone(), entry);
         self.ids.insert(id, key);
@@ -590,6 +654,7 @@ impl ObjectStore {
             return Err(Error::WrongRole("Only the writer can loan memory.".into()));
         }
         shmq_os::segment::retry_deferred_unseals();
+        self.notice_rejoined(ring.segment());
         if nbytes == 0 {
             return Err(Error::InvalidArgument("Size must be greater than 0".into()));
         }
@@ -752,6 +817,7 @@ impl ObjectStore {
     /// if the store lost its objects (see [`is_cached`](Self::is_cached)).
     pub fn get_cached(&mut self, segment: &StoreSegment, key: &str) -> Result<Option<(u64, u32)>> {
         segment.check_length()?;
+        self.notice_rejoined(segment);
         let Some(e) = self.keys.get_mut(key) else {
             return Ok(None);
         };
@@ -805,7 +871,9 @@ impl ObjectStore {
     /// `2 * max_object_size` bytes. Returns the freed ids.
     pub fn free_unused(&mut self, ring: &mut BlockFifo) -> Result<Freed> {
         let limit = 2 * self.max_object_size;
-        let freed = ring.free_while(limit, |id, data| self.is_free(id, data))?;
+        self.notice_rejoined(ring.segment());
+        let attached = attached_slots(ring.segment(), self.dropped.len());
+        let freed = ring.free_while(limit, |id, data| self.is_free(id, data, attached))?;
         for id in freed.ids() {
             if let Some(key) = self.ids.remove(&id) {
                 self.keys.remove(&key);

@@ -136,11 +136,10 @@ fn count_in(data: &[u8], at: usize) -> Option<u32> {
     Some(word.load(Ordering::Acquire) as u32)
 }
 
-/// The reads counted in the object whose block data is `data`: its count word's (readers
-/// without a slot) and those of its reader words (`super::readers`) for which `skip(s)`
-/// is false (the writer skips readers it dropped). Reader words are per slot, as many
-/// as the frame word says; a frame that does not fit `data` has none.
-pub(super) fn counted_reads(data: &[u8], skip: impl Fn(usize) -> bool) -> u64 {
+/// Every read counted in the object whose block data is `data`: its count word's (readers
+/// without a slot) and its reader words' (`super::readers`). Reader words are per slot,
+/// as many as the frame word says; a frame that does not fit `data` has none.
+fn counted_reads(data: &[u8]) -> u64 {
     let count_at = count_word_at(data.as_ptr() as u64) as usize;
     // Not an object (a raw allocation through the ring's own API): nothing counts.
     let Some(main) = count_in(data, count_at) else {
@@ -152,9 +151,15 @@ pub(super) fn counted_reads(data: &[u8], skip: impl Fn(usize) -> bool) -> u64 {
     };
     let slots = frame_slots(u32::from_le_bytes(frame.try_into().expect("4 bytes")));
     (0..slots.min(MAX_READER_SLOTS))
-        .filter(|&s| !skip(s))
         .map_while(|s| count_in(data, count_at + reader_word_offset(s) as usize))
         .fold(u64::from(main), |sum, c| sum + u64::from(c))
+}
+
+/// The reads counted in the object's count word alone (those of readers without a slot,
+/// and every read of a store of one reader); 0 for a block that is not an object.
+pub(super) fn unslotted_reads(data: &[u8]) -> u64 {
+    let count_at = count_word_at(data.as_ptr() as u64) as usize;
+    count_in(data, count_at).map_or(0, u64::from)
 }
 
 /// The reads reader slot `s` counted in the object whose block data is `data`; `None` if
@@ -171,9 +176,9 @@ pub(super) fn reads_by(data: &[u8], s: usize) -> Option<u32> {
 }
 
 /// The reader count of the object whose block data is `data`: every read counted in it,
-/// by any reader (for inspection; eviction skips dropped readers, see `counted_reads`).
+/// by any reader (for inspection; what counts for eviction is `ObjectStore`'s `tally`).
 pub(super) fn reader_count(data: &[u8]) -> u32 {
-    counted_reads(data, |_| false).min(u64::from(u32::MAX)) as u32
+    counted_reads(data).min(u64::from(u32::MAX)) as u32
 }
 
 /// How a read is counted (see `read_object`).

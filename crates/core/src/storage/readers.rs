@@ -10,21 +10,31 @@
 //! [`shmq_protocol::ring`]'s slots:
 //! ```text
 //! EMPTY --take--> ATTACHED --close (the holder)--> LEFT --take--> ATTACHED ...
-//!                     \--died: lock free--(writer, on_dead_reader="drop")--> DROPPED (for good)
+//!                     \--died: lock free--(writer, on_dead_reader="drop")--> DROPPED --take--> ATTACHED ...
 //! ```
-//! A reader takes an empty or left slot first, else the slot of a reader that died (its
-//! lock is free: it takes its place, and the reads still expected of it). A process that
-//! finds no slot (more readers opened than `n_readers`, or `n_readers` beyond
-//! [`MAX_READER_SLOTS`]) reads anonymously (its reads counted in the object's count word).
+//! A reader takes an empty, left or dropped slot first, else the slot of a reader that
+//! died and was not dropped (its lock is free: it takes its place, and the reads still
+//! expected of it). A process that finds no slot (more live readers than `n_readers`, or
+//! `n_readers` beyond [`MAX_READER_SLOTS`]) reads anonymously (its reads counted in the
+//! object's count word).
+//!
+//! A reader that takes a dropped slot is a new reader, not the dead one's stand-in: the
+//! writer sees the slot's word change from the DROPPED word it wrote (at its next put,
+//! hand-out or free, [`ObjectStore::notice_rejoined`](super::ObjectStore)) and from then
+//! on waits for its reads of the objects it stores or hands out; objects stored before
+//! do not wait for it (the writer notes them in its own memory).
 //!
 //! # Which reader read what
 //! An object of a store of two or more readers carries one count word per slot (of the
 //! first `n_readers`), after its frame word (see `super::object`): a reader with a slot
-//! counts its reads there, others in the object's count word. The object may be evicted
-//! once the count word and the words of the slots the writer has not dropped add up to
-//! `(n_readers - dropped) × hand-outs`. An object of a store of one reader has no reader
-//! words: its reader's reads are in the count word, which is enough, since dropping that
-//! reader leaves no read to wait for.
+//! counts its reads there, others in the object's count word. The object waits for
+//! `n_readers × hand-outs` reads, less those of the slots the writer dropped (or that
+//! were taken again after it was stored). Each slot held now (ATTACHED) must have read
+//! it once per hand-out in its own word: nobody reads in a live reader's place. The rest
+//! (the count word and the words of slots not held now: empty, left) must add up to what
+//! remains, for the readers that have no slot or have not opened the store yet. An
+//! object of a store of one reader has no reader words: its reader's reads are in the
+//! count word, which is enough, since dropping that reader leaves no read to wait for.
 //!
 //! # Dead readers
 //! A put that finds no room looks at the slots. A slot ATTACHED whose role lock is free is
@@ -33,7 +43,8 @@
 //! go. With `on_dead_reader = "raise"` the put fails, naming the dead reader, if the oldest
 //! object (which holds the room) waits for its reads; with `"drop"` the writer drops it
 //! (a compare-and-swap to DROPPED on the word it judged, so a process that took the slot
-//! meanwhile is not dropped) and goes on: from then on no object waits for that slot.
+//! meanwhile is not dropped) and goes on: from then on no object waits for that slot,
+//! until a new reader takes it (see "Slots").
 //!
 //! # What a peer can do
 //! Any process that may write the segment can write the slots: name another pid, make a
@@ -52,8 +63,8 @@ use crate::error::Result;
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::process::ProcessId;
 use shmq_protocol::ring::{
-    slot_begin_attach, slot_drop, slot_end_attach, slot_read, slot_state, SLOT_ATTACHED,
-    SLOT_ATTACHING, SLOT_DROPPED,
+    slot_begin_attach_reusing_dropped, slot_drop, slot_end_attach, slot_read, slot_state,
+    SLOT_ATTACHED, SLOT_ATTACHING, SLOT_DROPPED,
 };
 use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 
@@ -123,6 +134,26 @@ pub(super) fn object_slots(n_readers: u32) -> usize {
     }
 }
 
+/// Writer: the word of reader slot `s` now (to tell whether a slot it dropped was taken
+/// again). Relaxed: only compared with the DROPPED word the writer wrote itself (the
+/// coherence order of this one location is all it needs); nothing is read through it.
+pub(super) fn slot_word(segment: &StoreSegment, s: usize) -> u64 {
+    segment.reader_slot(s).word.load(Ordering::Relaxed)
+}
+
+/// Writer: which of the first `slots` reader slots a reader holds now (ATTACHED), one bit
+/// each: their reads must be their own (see "Which reader read what"). Relaxed: a state
+/// seen late is an attach or a close racing with the writer's decision: a reader that
+/// attaches then had no handle to the objects decided on yet but those handed out
+/// before it held the slot (which may count others' reads for it, as before it came),
+/// and one that closes is waited for once more (its reads are still in its word).
+pub(super) fn attached_slots(segment: &StoreSegment, slots: usize) -> u128 {
+    (0..slots.min(MAX_READER_SLOTS))
+        .filter(|&s| slot_state(slot_word(segment, s)) == SLOT_ATTACHED)
+        .fold(0, |mask, s| mask | 1 << s)
+}
+const _: () = assert!(MAX_READER_SLOTS <= 128, "a slot mask is a u128");
+
 /// A reader slot held by this process: its reads are counted in the slot's words, and the
 /// writer can tell whether it lives. Given back (LEFT) by [`leave`](Self::leave) or when
 /// dropped; a process that dies gives it back through its role lock, and is then a dead
@@ -139,9 +170,9 @@ pub struct ReaderSlot {
 }
 
 impl ReaderSlot {
-    /// Take a slot of `segment`'s first [`reader_slots`]`(n_readers)`: an empty or left
-    /// one first, else that of a reader that died (whose place this one takes). `None` if
-    /// every one is held by a live process or dropped: this process then reads
+    /// Take a slot of `segment`'s first [`reader_slots`]`(n_readers)`: an empty, left or
+    /// dropped one first, else that of a reader that died (whose place this one takes).
+    /// `None` if every one is held by a live process: this process then reads
     /// anonymously.
     pub fn take(segment: &Arc<StoreSegment>, n_readers: u32) -> Result<Option<ReaderSlot>> {
         let slots = reader_slots(n_readers);
@@ -151,7 +182,6 @@ impl ReaderSlot {
                 // Relaxed: a hint; the state is checked again under the lock.
                 let state = slot_state(slot.word.load(Ordering::Relaxed));
                 let wanted = match state {
-                    SLOT_DROPPED => false,
                     SLOT_ATTACHED => dead_too,
                     _ => !dead_too,
                 };
@@ -163,11 +193,9 @@ impl ReaderSlot {
                 let Some(lock) = RoleLock::acquire(segment.name(), lock_byte(s))? else {
                     continue;
                 };
-                // A CAS that fails if the writer dropped the slot meanwhile (it drops only
-                // the exact ATTACHED word it judged: one of us wins).
-                let Some(generation) = slot_begin_attach(&slot.word) else {
-                    continue;
-                };
+                // A CAS: if the writer dropped the slot meanwhile (it drops only the exact
+                // ATTACHED word it judged), it is taken from DROPPED, which the writer sees.
+                let generation = slot_begin_attach_reusing_dropped(&slot.word);
                 let me = ProcessId::current();
                 // Relaxed: published by the Release store in `slot_end_attach`.
                 slot.pid.store(me.pid, Ordering::Relaxed);
@@ -340,10 +368,14 @@ pub fn judge_slot(segment: &StoreSegment, s: usize) -> ReaderInfo {
     }
 }
 
-/// Writer: drop the reader of `info` (judged `Dead`): false if the slot changed since (a
-/// new reader took it).
-pub(super) fn drop_slot(segment: &StoreSegment, info: &ReaderInfo) -> bool {
-    info.status == ReaderStatus::Dead && slot_drop(&segment.reader_slot(info.slot).word, info.word)
+/// Writer: drop the reader of `info` (judged `Dead`): the DROPPED word written (a new
+/// reader that takes the slot changes it), `None` if the slot changed since (a new reader
+/// took it).
+pub(super) fn drop_slot(segment: &StoreSegment, info: &ReaderInfo) -> Option<u64> {
+    let dropped = (info.word & !0xffff_ffff) | u64::from(SLOT_DROPPED);
+    (info.status == ReaderStatus::Dead
+        && slot_drop(&segment.reader_slot(info.slot).word, info.word))
+    .then_some(dropped)
 }
 
 impl std::fmt::Display for ReaderInfo {

@@ -745,12 +745,73 @@ fn reader_slots_tell_the_writer_who_an_object_waits_for() {
     assert_eq!(s.dropped_readers(), [1]);
     assert_eq!(statuses(&s), [alive, ReaderStatus::Dropped]);
     assert!(s.entry("b").is_none());
-    // A dropped slot is never taken again; a's slot, once a closes, is (left, not dead).
+    // a's slot, once a closes, is taken again (left, not dead); so is a dropped one, by a
+    // new reader, which objects stored from then on wait for.
     a.leave();
     assert_eq!(statuses(&s), [ReaderStatus::Left, ReaderStatus::Dropped]);
     let c = ReaderSlot::take(&seg, 2).unwrap().unwrap();
     assert_eq!(c.index(), 0);
-    drop(c);
+    let d = ReaderSlot::take(&seg, 2).unwrap().unwrap();
+    assert_eq!(d.index(), 1);
+    assert_eq!(statuses(&s), [alive, alive]);
+    drop((c, d));
+}
+
+/// A reader that takes a dropped reader's slot is waited for by the objects stored after
+/// it came (not by those before); and reads without a slot (or a dead reader's) never
+/// count for a reader that holds its slot.
+#[test]
+fn a_dropped_slot_serves_a_new_reader_and_nobody_reads_for_a_live_one() {
+    use crate::broadcast::DeadReaderPolicy;
+    // Three objects of ~250 bytes fit, not four.
+    let (mut ring, mut s) = store(800, 300, 2);
+    s.set_on_dead_reader(DeadReaderPolicy::Drop);
+    let seg = ring.segment().clone();
+    let (a, b) = (
+        ReaderSlot::take(&seg, 2).unwrap().unwrap(),
+        ReaderSlot::take(&seg, 2).unwrap().unwrap(),
+    );
+    let read = |h: (u64, u32), count: CountRead| read_object(&seg, h.0, h.1, count, |_| ());
+    let old = s.put(&mut ring, "old", &[&[1u8; 200]], 1).unwrap();
+    read(old, a.count()).unwrap();
+    b.die();
+    s.put(&mut ring, "two", &[&[2u8; 200]], 1).unwrap();
+    s.put(&mut ring, "three", &[&[3u8; 200]], 1).unwrap();
+    // "old" goes (a read it; b is dropped); the dead one's slot serves c.
+    s.put(&mut ring, "four", &[&[4u8; 200]], 1).unwrap();
+    assert_eq!(s.dropped_readers(), [1]);
+    let c = ReaderSlot::take(&seg, 2).unwrap().unwrap();
+    assert_eq!(c.index(), 1);
+    // Objects stored before c came wait for a alone; c's reads (anonymous ones too) never
+    // stand in for a's.
+    let wanted = s.put(&mut ring, "wanted", &[&[5u8; 200]], 1);
+    assert!(wanted.is_err(), "\"two\" waits for a");
+    for k in ["two", "three", "four"] {
+        let e = *s.entry(k).unwrap();
+        read((e.address, e.id), c.count()).unwrap();
+        read((e.address, e.id), CountRead::Anonymous).unwrap();
+    }
+    assert!(s.put(&mut ring, "wanted", &[&[5u8; 200]], 1).is_err());
+    assert_eq!(s.dropped_readers(), Vec::<usize>::new());
+    let two = *s.entry("two").unwrap();
+    read((two.address, two.id), a.count()).unwrap();
+    let wanted = s.put(&mut ring, "wanted", &[&[5u8; 200]], 1).unwrap();
+    assert!(s.entry("two").is_none());
+    // "wanted" waits for c as well as a.
+    read(wanted, a.count()).unwrap();
+    read(wanted, CountRead::Anonymous).unwrap();
+    for k in ["three", "four"] {
+        let e = *s.entry(k).unwrap();
+        read((e.address, e.id), a.count()).unwrap();
+    }
+    s.put(&mut ring, "six", &[&[6u8; 200]], 1).unwrap();
+    s.put(&mut ring, "seven", &[&[7u8; 200]], 1).unwrap();
+    let e = s.put(&mut ring, "eight", &[&[8u8; 200]], 1).unwrap_err();
+    assert!(s.entry("wanted").is_some(), "{e}");
+    assert!(e.to_string().contains("reader slot 1 (pid"), "{e}");
+    read(wanted, c.count()).unwrap();
+    s.put(&mut ring, "eight", &[&[8u8; 200]], 1).unwrap();
+    assert!(s.entry("wanted").is_none());
 }
 
 /// A dead reader's reads count for nothing once it is dropped: an object it read but a

@@ -118,6 +118,15 @@ pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
             return 0;
         }
     }
+    // Segments that survive a crash while others hold them (`Segment::survive_crash`),
+    // made before this janitor: its wait for their holders starts now.
+    for (_, n) in kept.iter().filter(|(pid, _)| *pid == me) {
+        let file =
+            crate::segment_file::SegmentFile::try_open(n, crate::segment_file::Access::ReadWrite);
+        if let Ok(file) = file {
+            hand_to_janitor_locked(&mut slot, n, &file, true);
+        }
+    }
     names.len()
 }
 
@@ -334,6 +343,143 @@ fn flush_to_janitor(fd: &std::os::fd::OwnedFd, pending: &mut Vec<Vec<u8>>, may_w
     }
     pending.drain(..sent_count);
     true
+}
+
+/// Hand the removal of segment `name`, which this process created, to its janitor: the
+/// janitor removes it once no process holds any lock on `wait_on`'s file (a queue's
+/// ring, whose readers hold their role locks there until they leave or die), whenever
+/// that is — also long after this process is gone — and only while the name is still
+/// the file this process made. From then on this process removes it no more (its exit
+/// hook, drops and `unlink` leave it): a queue's tensor arena outlives a writer that
+/// ends normally while a reader still has messages in it to read (issue 54).
+///
+/// The janitor gets a descriptor of `wait_on`'s file with the message (`SCM_RIGHTS`), so
+/// the wait holds even after that name is removed. Returns false, and changes nothing,
+/// where there is no janitor or the message cannot be sent now: the caller removes the
+/// segment itself, as before.
+///
+/// With `keep_noted`, this process still removes it too, as before (its exit hook, drops
+/// and `unlink`): the janitor's removal is only for when this process is gone without
+/// removing it and the last holder of a lock on `wait_on` has gone too (a named encoder
+/// cache that outlives a crashed producer while consumers read it: see
+/// `Segment::survive_crash`).
+pub(super) fn hand_to_janitor(
+    name: &str,
+    wait_on: &crate::segment_file::SegmentFile,
+    keep_noted: bool,
+) -> bool {
+    let mut slot = janitor();
+    forget_inherited_janitor(&mut slot);
+    hand_to_janitor_locked(&mut slot, name, wait_on, keep_noted)
+}
+
+/// [`hand_to_janitor`] with the janitor's slot locked by the caller.
+fn hand_to_janitor_locked(
+    slot: &mut Option<(u32, std::os::fd::OwnedFd)>,
+    name: &str,
+    wait_on: &crate::segment_file::SegmentFile,
+    keep_noted: bool,
+) -> bool {
+    use std::os::fd::AsRawFd;
+    let me = std::process::id();
+    if !created().iter().any(|(pid, n)| *pid == me && n == name) {
+        return false;
+    }
+    let Some((dev, ino)) = identity(name) else {
+        return false;
+    };
+    let Some((_, fd)) = slot.as_ref() else {
+        return false;
+    };
+    let mut pending = backlog();
+    // What is pending goes first (this very name's `+` may be among it).
+    if !flush_to_janitor(fd, &mut pending, true) {
+        drop(pending);
+        janitor_gone(slot);
+        return false;
+    }
+    if !pending.is_empty() {
+        return false; // no room now: the caller removes it, as before
+    }
+    let message = format!("~{dev}:{ino}:{name}");
+    match send_with_descriptor(fd.as_raw_fd(), message.as_bytes(), wait_on.as_raw_fd()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
+            drop(pending);
+            janitor_gone(slot);
+            return false;
+        }
+        Err(_) => return false,
+    }
+    drop(pending);
+    if !keep_noted {
+        created().retain(|(pid, n)| !(*pid == me && n == name));
+        survivors().retain(|(pid, n)| !(*pid == me && n == name));
+    }
+    true
+}
+
+/// Send `message` with a copy of descriptor `passed` (`SCM_RIGHTS`) on the janitor's
+/// socket `socket`; a socket with no room is given 100 ms.
+fn send_with_descriptor(
+    socket: libc::c_int,
+    message: &[u8],
+    passed: libc::c_int,
+) -> std::io::Result<()> {
+    const FD_SPACE: usize = 64; // CMSG_SPACE(sizeof(int)) is 24 on Linux; room to spare
+    #[repr(C, align(8))]
+    struct Control([u8; FD_SPACE]);
+    let mut control = Control([0; FD_SPACE]);
+    let mut iov = libc::iovec {
+        iov_base: message.as_ptr() as *mut libc::c_void,
+        iov_len: message.len(),
+    };
+    // SAFETY: all-zero is a valid msghdr (null pointers, zero lengths), filled in below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    debug_assert!(space <= FD_SPACE);
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` names `control`, an 8-aligned buffer of `space` bytes, so the first
+    // header fits in it (CMSG_FIRSTHDR checks the length and is non-null here); its data
+    // has room for one int (CMSG_LEN of an int). Nothing else is written.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), passed);
+    }
+    let mut waited = false;
+    loop {
+        // SAFETY: `msg` and everything it points to (the message, `iov`, `control`) live
+        // for the call; MSG_NOSIGNAL: a janitor that died is EPIPE, never a SIGPIPE to
+        // the host program; MSG_DONTWAIT: never blocked on a janitor that does not read
+        // (the wait below is bounded). The kernel copies the descriptor into the
+        // janitor's table; this process's copy is its own still.
+        let sent = unsafe { libc::sendmsg(socket, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        if sent >= 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) if !waited => {
+                waited = true;
+                let mut p = libc::pollfd {
+                    fd: socket,
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd for the duration of the call.
+                unsafe { libc::poll(&mut p, 1, 100) };
+            }
+            _ => return Err(err),
+        }
+    }
 }
 
 /// Remove every segment and directory this process created that is still there (at

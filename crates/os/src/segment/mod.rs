@@ -466,7 +466,7 @@ impl Segment {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::SegmentNotFound {
                 name: name.to_owned(),
             }),
-            Err(e) => Err(Error::os(
+            Err(e) => Err(Error::from_open(
                 format!("opening shared memory segment '{name}'"),
                 e,
             )),
@@ -660,16 +660,38 @@ fn protect(ptr: NonNull<u8>, len: usize) -> crate::sigbus::Guard {
 }
 
 impl Segment {
-    /// Keep the segment when this process dies without its exit hook: its janitor is told
-    /// to leave it (it is still removed when this process drops it or exits normally).
-    /// For segments meant to outlive a crashed creator, such as a named encoder cache
-    /// whose published entries stay readable until a producer of the same name replaces
-    /// it; `cleanup` removes them otherwise.
+    /// Keep the segment when this process dies without its exit hook for as long as
+    /// another process still holds it: for segments meant to outlive a crashed creator,
+    /// such as a named encoder cache whose published entries stay readable to the
+    /// consumers joined to it (each holds a role lock on its file) until a producer of the
+    /// same name replaces it. It is still removed when this process drops it or exits
+    /// normally. Its janitor, told with a descriptor of the file, removes it once no
+    /// process holds any lock on it any more, the creator's own lock included — the
+    /// creator gone and its last consumer gone, however each ended (vLLM SIGKILLs its
+    /// workers when it stops: issue 54) — and only while the name is still this file.
+    /// Without a janitor it is left for `shmq cleanup`.
     pub fn survive_crash(&self) {
         if self.is_creator() {
             survivors().push((std::process::id(), self.name.clone()));
-            tell_janitor(b'-', &self.name);
+            if !created::hand_to_janitor(&self.name, &self.file, true) {
+                tell_janitor(b'-', &self.name);
+            }
         }
+    }
+
+    /// Leave the removal of this segment (this process's own) to this process's janitor,
+    /// which removes it once no process holds a lock on segment `wait_on`'s file (see
+    /// `created::hand_to_janitor`); from then on this process removes it no more. False,
+    /// and nothing changed, where that cannot be done (no janitor, not this process's
+    /// segment, `wait_on` cannot be opened): the segment is then removed as before.
+    pub fn hand_removal_to_janitor(&self, wait_on: &str) -> bool {
+        if !self.is_creator() {
+            return false;
+        }
+        let Ok(file) = SegmentFile::try_open(wait_on, Access::ReadWrite) else {
+            return false;
+        };
+        created::hand_to_janitor(&self.name, &file, false)
     }
 
     /// Remove the segment's name now, if this process created it; the mapping stays

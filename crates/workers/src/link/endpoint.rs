@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use shmq_core::auth::{new_secret, secret_from_text, SECRET_BYTES};
 
-use super::frame::{read_frame, session, write_frame, SealIn, SealOut, Side, SEAL_BYTES};
+use super::frame::{read_frame_from, session, write_frame, SealIn, SealOut, Side, SEAL_BYTES};
 use super::handshake::{
     challenge_payload, new_nonce, read_answer, read_challenge, refusal_payload, welcome_payload,
     Hello,
@@ -100,13 +100,18 @@ impl LinkSender {
 struct Receiver {
     stream: TcpStream,
     seal: SealIn,
+    /// The peer, as errors name it.
+    peer: String,
 }
 
 impl Receiver {
+    /// The next frame's kind and payload: one frame of at most [`MAX_FRAME`] held at a
+    /// time, its payload never copied (its number and seal cut off in place).
     fn recv(&mut self) -> Result<(u8, Vec<u8>)> {
-        let (kind, body) = read_frame(&mut self.stream, MAX_FRAME)?;
-        let payload = self.seal.open(kind, &body)?.to_vec();
-        Ok((kind, payload))
+        let (kind, mut body) = read_frame_from(&mut self.stream, MAX_FRAME, &self.peer, false)?;
+        self.seal.open(kind, &body)?;
+        body.drain(..SEAL_BYTES);
+        Ok((kind, body))
     }
 }
 
@@ -119,6 +124,7 @@ fn split(
     key: &[u8; SECRET_BYTES],
     session: &[u8],
     side: Side,
+    peer: String,
 ) -> Result<(Receiver, LinkSender)> {
     keepalive(&stream);
     let writer = stream
@@ -128,6 +134,7 @@ fn split(
         Receiver {
             stream,
             seal: SealIn::new(key, session, side),
+            peer,
         },
         LinkSender::new(writer, SealOut::new(key, session, side)),
     ))
@@ -218,6 +225,8 @@ impl WorkerListener {
                         LinkError::Refused("the worker group is shutting down".into()).into(),
                     );
                 }
+                // A sibling's failure is told on its link (`Workers::tell_siblings`).
+                workers.add_link(worker.rank() as usize, worker.sender());
                 Ok(worker)
             }
             Err(e) => {
@@ -258,7 +267,7 @@ impl WorkerListener {
             stream: &stream,
             deadline,
         };
-        let (k, payload) = read_frame(&mut reader, MAX_HELLO_FRAME)?;
+        let (k, payload) = read_frame_from(&mut reader, MAX_HELLO_FRAME, &peer.to_string(), true)?;
         let hello = match Hello::check(k, &payload, token, &nonce)
             .and_then(|h| admit(&h).map(|()| h))
         {
@@ -283,7 +292,7 @@ impl WorkerListener {
             .and_then(|()| stream.set_write_timeout(None))
             .map_err(|e| LinkError::io("clearing the handshake's timeouts", e))?;
         let session = session(&nonce_bytes(&nonce)?, &nonce_bytes(&hello.nonce)?);
-        let (receiver, sender) = split(stream, token, &session, Side::Parent)?;
+        let (receiver, sender) = split(stream, token, &session, Side::Parent, peer.to_string())?;
         Ok(RemoteWorker {
             hello,
             peer,
@@ -380,7 +389,12 @@ impl RemoteWorker {
     /// (which admitted it, [`WorkerListener::accept_into`]): ready with its payload, its
     /// leaving as its exit (code and stderr lines), a lost or failed link as its death
     /// ("lost its connection to the parent"). Blocks: run it on a thread of its own.
-    pub fn serve(mut self, workers: &Workers) {
+    pub fn serve(self, workers: &Workers) {
+        self.serve_shared(&workers.shared);
+    }
+
+    /// [`serve`](Self::serve), for a thread that holds the group's shared state.
+    pub(crate) fn serve_shared(mut self, workers: &crate::watch::Shared) {
         let rank = self.rank() as usize;
         loop {
             match self.recv() {
@@ -477,12 +491,17 @@ fn keepalive(stream: &TcpStream) {
 
 impl ParentLink {
     /// Join the parent of `ticket` as worker `rank`: connect, answer its challenge,
-    /// check its proof of the token, all within `timeout` per step.
+    /// check its proof of the token, all within `timeout`: one deadline for the whole
+    /// handshake (connecting included), however slowly the parent's bytes come
+    /// ([`LinkError::TimedOut`] once it passed). A handshake frame longer than
+    /// [`MAX_HELLO_FRAME`] is refused at its length, before any of it is read
+    /// ([`LinkError::HandshakeFrameTooLong`]).
     /// [`LinkError::Refused`] if the parent refused this worker (wrong token, a rank not
     /// expected or taken) or could not prove the token (it is not the ticket's parent),
     /// or speaks another protocol version; [`LinkError::Malformed`] for a peer that is
     /// no shmq parent.
     pub fn connect(ticket: &Ticket, rank: u32, timeout: Duration) -> Result<ParentLink> {
+        let deadline = Instant::now() + timeout;
         let peer = if ticket.host.contains(':') {
             format!("[{}]:{}", ticket.host, ticket.port)
         } else {
@@ -494,7 +513,12 @@ impl ParentLink {
         let mut last = None;
         let mut stream = None;
         for address in addresses {
-            match TcpStream::connect_timeout(&address, timeout) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                last = Some(std::io::ErrorKind::TimedOut.into());
+                break;
+            }
+            match TcpStream::connect_timeout(&address, left) {
                 Ok(s) => {
                     stream = Some(s);
                     break;
@@ -508,15 +532,11 @@ impl ParentLink {
                 last.unwrap_or_else(|| std::io::ErrorKind::NotFound.into()),
             )
         })?;
-        let timeouts = |t: Option<Duration>| {
-            stream
-                .set_read_timeout(t)
-                .and_then(|()| stream.set_write_timeout(t))
-                .map_err(|e| LinkError::io("setting the handshake's timeouts", e))
+        let mut reader = Deadlined {
+            stream: &stream,
+            deadline,
         };
-        timeouts(Some(timeout))?;
-        let mut s = &stream;
-        let (k, payload) = read_frame(&mut s, MAX_HELLO_FRAME)?;
+        let (k, payload) = read_frame_from(&mut reader, MAX_HELLO_FRAME, &peer, true)?;
         let parent_nonce = read_challenge(k, &payload, &peer)?;
         let hello = Hello::new(
             &ticket.token,
@@ -525,8 +545,8 @@ impl ParentLink {
             std::process::id(),
             &hostname(),
         )?;
-        write_frame(&mut s, kind::HELLO, &hello.encode())?;
-        let (k, payload) = read_frame(&mut s, MAX_HELLO_FRAME)?;
+        send_by(&stream, deadline, kind::HELLO, &hello.encode())?;
+        let (k, payload) = read_frame_from(&mut reader, MAX_HELLO_FRAME, &peer, true)?;
         read_answer(
             k,
             &payload,
@@ -538,9 +558,12 @@ impl ParentLink {
         )?;
         // Admitted: reads block from here on (a worker may hear nothing for as long as it
         // runs), and TCP keepalive (`split`) notices a parent machine that vanished.
-        timeouts(None)?;
+        stream
+            .set_read_timeout(None)
+            .and_then(|()| stream.set_write_timeout(None))
+            .map_err(|e| LinkError::io("clearing the handshake's timeouts", e))?;
         let session = session(&nonce_bytes(&parent_nonce)?, &nonce_bytes(&hello.nonce)?);
-        let (receiver, sender) = split(stream, &ticket.token, &session, Side::Worker)?;
+        let (receiver, sender) = split(stream, &ticket.token, &session, Side::Worker, peer)?;
         Ok(ParentLink {
             rank,
             receiver,

@@ -145,8 +145,37 @@ pub fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> Result<(), L
         .map_err(|e| LinkError::io("sending a frame", e))
 }
 
-/// Read one frame: its kind and payload. A length of 0 or over `max` is refused before
-/// anything more is read (and nothing is allocated for it); the body is read as it comes.
+/// The length in a frame's 4-byte header `word` (its kind and payload), if it is 1 to
+/// `max`. Over `max`: [`LinkError::HandshakeFrameTooLong`] with `handshake` (a challenge,
+/// hello or answer), else [`LinkError::FrameTooLong`], both naming `peer` (the sender)
+/// and the limit; 0: [`LinkError::BadLength`].
+pub fn frame_length(
+    word: [u8; 4],
+    max: usize,
+    peer: &str,
+    handshake: bool,
+) -> Result<usize, LinkError> {
+    let length = u32::from_be_bytes(word);
+    let (wide, peer) = (u64::from(length), peer.to_owned());
+    match usize::try_from(length) {
+        Ok(0) => Err(LinkError::BadLength { length: 0, max }),
+        Ok(n) if n <= max => Ok(n),
+        _ if handshake => Err(LinkError::HandshakeFrameTooLong {
+            peer,
+            length: wide,
+            max,
+        }),
+        _ => Err(LinkError::FrameTooLong {
+            peer,
+            length: wide,
+            max,
+        }),
+    }
+}
+
+/// Read one frame: its kind and payload. A length of 0 or over `max` is
+/// [`LinkError::BadLength`], refused before anything more is read; see
+/// [`read_frame_from`] for how the body is read.
 pub fn read_frame(r: &mut impl Read, max: usize) -> Result<(u8, Vec<u8>), LinkError> {
     let mut word = [0u8; 4];
     r.read_exact(&mut word)
@@ -158,14 +187,49 @@ pub fn read_frame(r: &mut impl Read, max: usize) -> Result<(u8, Vec<u8>), LinkEr
             max,
         });
     }
-    let mut data = Vec::with_capacity(length.min(64 << 10));
-    let got = r
-        .take(length as u64)
-        .read_to_end(&mut data)
+    read_body(r, length)
+}
+
+/// Read one frame from `peer`: its kind and payload. A length over `max` is refused as it
+/// is read, before any of the body ([`frame_length`]: `handshake` for the handshake's
+/// frames). The body is read as it comes: its buffer grows with the bytes that arrived
+/// (at most doubling them, never to the claimed length up front), so a peer that claims
+/// a long frame and sends little of it costs little; the payload is never copied.
+pub fn read_frame_from(
+    r: &mut impl Read,
+    max: usize,
+    peer: &str,
+    handshake: bool,
+) -> Result<(u8, Vec<u8>), LinkError> {
+    let mut word = [0u8; 4];
+    r.read_exact(&mut word)
         .map_err(|e| LinkError::io("receiving a frame", e))?;
-    if got < length {
-        return Err(LinkError::Closed);
+    let length = frame_length(word, max, peer, handshake)?;
+    read_body(r, length)
+}
+
+/// The kind and the payload of a frame of `length` bytes (at least 1).
+fn read_body(r: &mut impl Read, length: usize) -> Result<(u8, Vec<u8>), LinkError> {
+    const FIRST: usize = 64 << 10;
+    let mut kind = [0u8; 1];
+    r.read_exact(&mut kind)
+        .map_err(|e| LinkError::io("receiving a frame", e))?;
+    let want = length - 1;
+    let mut payload: Vec<u8> = Vec::new();
+    let mut filled = 0;
+    while filled < want {
+        if filled == payload.len() {
+            // Room for as much again as arrived (64 KiB at first), zeroed once here.
+            let grow = (want - filled).min(filled.max(FIRST));
+            payload.reserve_exact(grow);
+            payload.resize(filled + grow, 0);
+        }
+        match r.read(&mut payload[filled..]) {
+            Ok(0) => return Err(LinkError::Closed),
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(LinkError::io("receiving a frame", e)),
+        }
     }
-    let payload = data.split_off(1);
-    Ok((data[0], payload))
+    Ok((kind[0], payload))
 }

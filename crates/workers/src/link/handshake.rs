@@ -236,8 +236,17 @@ pub fn welcome_payload(
         .into_bytes()
 }
 
-/// The parent's answer that refuses a worker, saying why.
+/// The most characters of a refusal's reason the answer carries: even escaped (six bytes
+/// a character at most in JSON), the answer stays within [`MAX_HELLO_FRAME`](super::MAX_HELLO_FRAME).
+const MAX_REASON_CHARS: usize = 512;
+
+/// The parent's answer that refuses a worker, saying why (the reason's first
+/// 512 characters, so the answer fits in [`MAX_HELLO_FRAME`](super::MAX_HELLO_FRAME)).
 pub fn refusal_payload(error: &str) -> Vec<u8> {
+    let error: String = match error.char_indices().nth(MAX_REASON_CHARS) {
+        Some((cut, _)) => format!("{}...", &error[..cut]),
+        None => error.to_owned(),
+    };
     json!({"ok": false, "error": error})
         .to_string()
         .into_bytes()

@@ -25,6 +25,16 @@
 //! parent -> worker   F  notice (bytes)                            a sibling failed
 //! ```
 //!
+//! Limits, so that a stranger on the port (or posing as the parent) and an admitted peer
+//! cost bounded time and memory: each end's handshake has one deadline for all of it
+//! (the parent's [`HANDSHAKE_TIMEOUT`] from its accept, a worker's `timeout` of
+//! [`ParentLink::connect`]), however slowly the bytes come; a handshake frame is at most
+//! [`MAX_HELLO_FRAME`] and an admitted link's frame at most [`MAX_FRAME`], either way,
+//! a longer length refused as it is read, before any of the body
+//! ([`LinkError::HandshakeFrameTooLong`], [`LinkError::FrameTooLong`]: the handshake or
+//! the link is over); a body is read as it comes, into a buffer that grows with what
+//! arrived, and each end holds one frame at a time.
+//!
 //! The Python package's `shmq.workers` speaks the same link through the bindings (its
 //! sockets, this module's handshake messages and seals), so Rust and Python parents and
 //! workers admit one another.
@@ -66,7 +76,9 @@ mod tests;
 pub use endpoint::{
     LinkSender, ParentLink, ParentMessage, RemoteWorker, WorkerListener, WorkerMessage,
 };
-pub use frame::{read_frame, write_frame, SealIn, SealOut, Side, SEAL_BYTES};
+pub use frame::{
+    frame_length, read_frame, read_frame_from, write_frame, SealIn, SealOut, Side, SEAL_BYTES,
+};
 pub use handshake::{
     challenge_payload, hello_mac, new_nonce, read_answer, read_challenge, refusal_payload,
     welcome_mac, welcome_payload, Hello,
@@ -78,11 +90,25 @@ use shmq_core::auth::{secret_from_text, secret_to_text, SECRET_BYTES};
 
 /// The link's protocol, in the parent's challenge (an older shmq's had none).
 pub const PROTOCOL_VERSION: u64 = 2;
-/// The largest frame of an admitted link.
-pub const MAX_FRAME: usize = 64 << 20;
-/// The largest frame the parent reads before the peer proved the token (the hello).
+/// The largest frame of an admitted link, either way (its kind, number, seal and payload:
+/// a worker's ready payload is at most this less 41 bytes). A longer length is refused
+/// as it is read, before any of the frame's body, and ends the link
+/// ([`LinkError::FrameTooLong`]); a sender refuses to send one ([`LinkSender::send`]).
+/// Each end holds one frame at a time, read as its bytes come (its buffer grows with
+/// them, at most doubling what arrived, never to the claimed length up front), so a
+/// peer that floods frames costs the receiver about twice this at most, and nothing
+/// once each frame is handled.
+pub const MAX_FRAME: usize = 16 << 20;
+/// The largest handshake frame (challenge, hello, answer), which either end reads
+/// before the other proved the token: a longer length is refused as it is read, before
+/// any of the frame's body ([`LinkError::HandshakeFrameTooLong`]). The hello is about
+/// 300 bytes, the challenge about 100; a refusal's reason is cut to fit.
 pub const MAX_HELLO_FRAME: usize = 4096;
-/// How long the parent gives one connection for its whole handshake.
+/// How long the parent gives one connection for its whole handshake, from its accept to
+/// the worker's hello (one deadline for every read and write of it, however slowly the
+/// bytes come; the welcome of a worker that proved the token then has this long again).
+/// A worker's side has one deadline of its own for its whole handshake (the `timeout`
+/// of [`ParentLink::connect`]).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The frames' kinds.
@@ -190,6 +216,29 @@ pub enum LinkError {
     /// A frame whose length is 0 or over the limit (its body is not read).
     #[error("bad frame length {length} (at most {max} here)")]
     BadLength { length: u64, max: usize },
+    /// A handshake frame (challenge, hello, answer) whose length is over
+    /// [`MAX_HELLO_FRAME`]: refused as the length was read, before any of its body was
+    /// read or allocated. No shmq worker link sends one: the handshake is over.
+    #[error(
+        "{peer} sent a handshake frame of {length} bytes, over the handshake's limit of \
+         {max} bytes (refused before reading it: not a shmq worker link)"
+    )]
+    HandshakeFrameTooLong {
+        peer: String,
+        length: u64,
+        max: usize,
+    },
+    /// A frame of an admitted link whose length is over [`MAX_FRAME`]: refused as the
+    /// length was read, before any of its body was read or allocated. The link is over.
+    #[error(
+        "{peer} sent a frame of {length} bytes, over the link's limit of {max} bytes \
+         (refused before reading it): the link is over"
+    )]
+    FrameTooLong {
+        peer: String,
+        length: u64,
+        max: usize,
+    },
     /// A sealed frame too short to hold its number and seal.
     #[error("a frame without its seal (is another process on this connection?)")]
     Unsealed,

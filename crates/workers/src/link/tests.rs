@@ -369,8 +369,207 @@ fn a_stranger_on_the_port_gets_a_clear_error() {
         write_frame(&mut s, kind::HELLO, &vec![b'['; MAX_HELLO_FRAME]).unwrap();
     });
     let err = listener.accept(|_| Ok(())).err().unwrap();
-    assert_eq!(err.to_string(), "bad frame length 4097 (at most 4096 here)");
+    let crate::Error::Link(LinkError::HandshakeFrameTooLong { peer, length, max }) = &err else {
+        panic!("expected HandshakeFrameTooLong, got {err:?}");
+    };
+    assert!(peer.starts_with("127.0.0.1:"), "{peer}");
+    assert_eq!((*length, *max), (4097, MAX_HELLO_FRAME));
+    assert!(
+        err.to_string()
+            .contains("handshake frame of 4097 bytes, over the handshake's limit of 4096 bytes"),
+        "{err}"
+    );
     stranger.join().unwrap();
+}
+
+/// A stranger posing as the parent (a plain TCP server on the ticket's address) that
+/// drips its challenge a byte every 100 ms: every read of the worker gets a byte well
+/// within `timeout`, but the worker's handshake has one deadline, so `connect` gives up
+/// at it (before, the timeout was per read: it waited as long as the bytes came).
+#[test]
+fn a_worker_gives_up_on_a_dripping_parent_at_its_one_deadline() {
+    use std::io::Write;
+    use std::time::Instant;
+    for drip_answer in [false, true] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ticket = Ticket {
+            host: "127.0.0.1".into(),
+            port: listener.local_addr().unwrap().port(),
+            token: TOKEN,
+        };
+        let stranger = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let challenge = challenge_payload(&new_nonce().unwrap());
+            let mut wire = Vec::new();
+            write_frame(&mut wire, kind::CHALLENGE, &challenge).unwrap();
+            if drip_answer {
+                // A genuine-looking challenge at once, then the answer drips.
+                s.write_all(&wire).unwrap();
+                read_frame(&mut s, MAX_HELLO_FRAME).unwrap();
+                wire = Vec::new();
+                write_frame(&mut wire, kind::ANSWER, &refusal_payload(&"x".repeat(100))).unwrap();
+            }
+            // 100 ms a byte: at most 8 s, then it stops (and the test fails, if the
+            // worker was still reading).
+            for b in wire.iter().take(80) {
+                if s.write_all(&[*b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let start = Instant::now();
+        let err = ParentLink::connect(&ticket, 0, Duration::from_millis(700))
+            .err()
+            .unwrap();
+        let took = start.elapsed();
+        assert!(
+            matches!(err, crate::Error::Link(LinkError::TimedOut)),
+            "{drip_answer}: {err}"
+        );
+        assert!(took < Duration::from_secs(4), "{drip_answer}: {took:?}");
+        stranger.join().unwrap();
+    }
+}
+
+/// A stranger posing as the parent that announces a 64 MiB challenge (or answer): the
+/// worker refuses the length as it reads it, naming the peer and the limit, and reads
+/// none of the body.
+#[test]
+fn a_worker_refuses_a_huge_handshake_frame_at_its_length() {
+    use std::io::Write;
+    for huge_answer in [false, true] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let ticket = Ticket {
+            host: "127.0.0.1".into(),
+            port,
+            token: TOKEN,
+        };
+        let stranger = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            if huge_answer {
+                let nonce = new_nonce().unwrap();
+                write_frame(&mut s, kind::CHALLENGE, &challenge_payload(&nonce)).unwrap();
+                read_frame(&mut s, MAX_HELLO_FRAME).unwrap();
+            }
+            let k = if huge_answer {
+                kind::ANSWER
+            } else {
+                kind::CHALLENGE
+            };
+            s.write_all(&(64u32 << 20).to_be_bytes()).unwrap();
+            s.write_all(&[k]).unwrap();
+            // Then body bytes until the worker hangs up: none of them is read.
+            let chunk = vec![b' '; 1 << 16];
+            let mut sent = 0usize;
+            while sent < 64 << 20 && s.write_all(&chunk).is_ok() {
+                sent += chunk.len();
+            }
+        });
+        let err = ParentLink::connect(&ticket, 0, Duration::from_secs(10))
+            .err()
+            .unwrap();
+        let crate::Error::Link(LinkError::HandshakeFrameTooLong { peer, length, max }) = &err
+        else {
+            panic!("expected HandshakeFrameTooLong, got {err:?}");
+        };
+        assert_eq!(
+            (peer.as_str(), *length, *max),
+            (
+                format!("127.0.0.1:{port}").as_str(),
+                64 << 20,
+                MAX_HELLO_FRAME
+            )
+        );
+        assert!(
+            err.to_string().starts_with(&format!(
+                "127.0.0.1:{port} sent a handshake frame of 67108864 bytes, over the \
+                 handshake's limit of 4096 bytes"
+            )),
+            "{err}"
+        );
+        stranger.join().unwrap();
+    }
+}
+
+/// An admitted worker that sends a frame over `MAX_FRAME`: the parent refuses its
+/// length as it reads it (naming the worker's address and the limit) and the link is
+/// over; frames up to the limit arrive whole.
+#[test]
+fn an_admitted_peers_frame_over_the_limit_ends_the_link() {
+    use std::io::Write;
+    let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
+    let ticket = listener.ticket().clone();
+    let worker = std::thread::spawn(move || {
+        let link = ParentLink::connect(&ticket, 0, Duration::from_secs(10)).unwrap();
+        link.send_ready(&vec![3u8; MAX_FRAME - SEAL_BYTES - 1])
+            .unwrap();
+        let mut raw = link.stream();
+        let _ = raw.write_all(&(MAX_FRAME as u32 + 1).to_be_bytes());
+        let _ = raw.write_all(&[kind::READY; 1 << 16]);
+        link
+    });
+    let mut admitted = listener.accept(|_| Ok(())).unwrap();
+    let peer = admitted.peer().to_string();
+    match admitted.recv().unwrap() {
+        WorkerMessage::Ready(p) => {
+            assert!(p.len() == MAX_FRAME - SEAL_BYTES - 1 && p.iter().all(|&b| b == 3))
+        }
+        other => panic!("{other:?}"),
+    }
+    let err = admitted.recv().unwrap_err();
+    let crate::Error::Link(LinkError::FrameTooLong {
+        peer: named,
+        length,
+        max,
+    }) = &err
+    else {
+        panic!("expected FrameTooLong, got {err:?}");
+    };
+    assert_eq!(
+        (named, *length, *max),
+        (&peer, MAX_FRAME as u64 + 1, MAX_FRAME)
+    );
+    assert!(
+        err.to_string()
+            .contains(&format!("over the link's limit of {MAX_FRAME} bytes")),
+        "{err}"
+    );
+    drop(worker.join().unwrap());
+}
+
+/// A frame's body is read as it comes: a peer that claims a long frame and sends a few
+/// bytes of it costs a buffer sized by what came, not by the claim.
+#[test]
+fn a_frames_buffer_grows_with_what_arrived() {
+    let mut wire = (MAX_FRAME as u32).to_be_bytes().to_vec();
+    wire.push(kind::READY);
+    wire.extend_from_slice(&[9; 100]);
+    /// Records the most room a read was offered.
+    struct Tracked<'a>(Cursor<&'a Vec<u8>>, usize);
+    impl std::io::Read for Tracked<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.1 = self.1.max(buf.len());
+            self.0.read(buf)
+        }
+    }
+    let mut tracked = Tracked(Cursor::new(&wire), 0);
+    assert!(matches!(
+        read_frame_from(&mut tracked, MAX_FRAME, "here", false),
+        Err(LinkError::Closed)
+    ));
+    assert!(tracked.1 <= 64 << 10, "offered {} bytes of room", tracked.1);
+    // And a whole frame arrives as it was sent, over several reads.
+    let mut wire = Vec::new();
+    let payload: Vec<u8> = (0..300_000u32).map(|i| i as u8).collect();
+    write_frame(&mut wire, kind::READY, &payload).unwrap();
+    assert_eq!(
+        read_frame_from(&mut Cursor::new(&wire), MAX_FRAME, "here", false).unwrap(),
+        (kind::READY, payload)
+    );
+    let refusal = refusal_payload(&"\u{1}".repeat(10_000));
+    assert!(refusal.len() <= MAX_HELLO_FRAME, "{}", refusal.len());
 }
 
 /// A peer that drips a byte now and then cannot stretch the handshake's read past its

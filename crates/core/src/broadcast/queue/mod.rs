@@ -46,7 +46,7 @@ fn dead_local_reader(ring: &Ring) -> Result<()> {
                 reader: r,
                 pid,
                 chunk: 0,
-                queue: Some(ring.name().to_owned()),
+                queue: Some(ring.queue_words()),
             }));
         }
     }

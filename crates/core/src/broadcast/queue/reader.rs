@@ -399,8 +399,8 @@ pub struct Reader {
     /// The mapping of the chunk [`acquire_read`](Reader::acquire_read) handed out, until
     /// [`finish_read`](Reader::finish_read) detaches or retires it.
     open_chunk: Option<Arc<PrivateMap>>,
-    /// Since when this reader's wait has seen the writer shut down (before the go-ahead)
-    /// or gone (before an overflow message came): after [`READY_GRACE`] the wait fails.
+    /// Since when this reader's wait has seen the writer gone (before an overflow
+    /// message came): after [`READY_GRACE`] the wait fails.
     /// Kept here, not in the wait's closure, so that a wait started over (see
     /// [`WaitClock`](crate::wait::WaitClock)) still ends; a new wait starts afresh.
     writer_gone_since: Option<Instant>,
@@ -481,8 +481,9 @@ impl Reader {
         };
         let what = match &source {
             Source::Local { ring, .. } => format!(
-                "local reader {} (rank {rank}) waiting for the writer",
-                ring.reader_index()
+                "local reader {} (rank {rank}) of queue {} waiting for the writer",
+                ring.reader_index(),
+                ring.ring().queue_words()
             ),
             Source::Remote { .. } => format!("remote reader (rank {rank}) waiting for the writer"),
         };
@@ -565,40 +566,44 @@ impl Reader {
             .learning(&self.history)
     }
 
-    /// Wait for the writer's go-ahead (see [`Writer::wait_until_ready`](super::Writer::wait_until_ready)).
-    /// Once it has come, later calls return at once, as the writer's do.
+    /// This reader's side of the handshake (see [`Writer::wait_until_ready`](super::Writer::wait_until_ready)).
+    ///
+    /// A local reader waits for nothing: it subscribed when it was made, the writer
+    /// sends nothing before every reader's subscription is in, and the writer's go-ahead
+    /// is taken by the first receive that meets it (see `transport::Subscriber`). So no message
+    /// can be lost once this returns, and no order of `wait_until_ready` calls across
+    /// queues (a worker's steps then results, a scheduler's results then steps)
+    /// deadlocks: a reader's readiness never waits on its writer's. A writer that has
+    /// died is a [`QueueError::DeadWriter`] now; one that shut down is
+    /// the next receive's error.
+    ///
+    /// A remote reader still waits for its writer to accept it and say start (saying
+    /// HELLO again until then): across machines, a process makes its writers ready
+    /// before its remote readers (or in another thread). Once ready, later calls return
+    /// at once.
     pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.ready_what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
         self.wait_until_ready_with(&mut wait)
     }
 
+    /// [`wait_until_ready`](Self::wait_until_ready) under a wait of the caller's own (a
+    /// remote reader's only).
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if self.ready {
             return Ok(());
         }
-        if !wait.is_resumed() {
-            self.writer_gone_since = None;
-        }
         match &mut self.source {
             Source::Local { overflow, ring, .. } => {
-                let ring = ring.ring().clone();
-                let closed_since = &mut self.writer_gone_since;
-                overflow.wait_ready(wait, &mut || {
-                    if ring.writer_closed() {
-                        let since = *closed_since.get_or_insert_with(Instant::now);
-                        if since.elapsed() >= READY_GRACE {
-                            return Err(Error::Queue(QueueError::WriterShutDown {
-                                queue: Some(ring.name().to_owned()),
-                            }));
-                        }
-                    }
-                    RingReader::check_writer(&ring)
-                })?;
-                self.writer_gone_since = None;
+                RingReader::check_writer(ring.ring())?;
+                overflow.take_ready_if_here()?;
             }
             // A remote writer that cannot be reached, or goes, ends the wait (see `remote`).
+            // It is waited for here, not in the first receive: the reader tells which of
+            // its connections carried the stream by taking the writer's start while it
+            // watches them (a start taken late cannot tell a connection that ended before
+            // it from the one that carried it).
             Source::Remote { sub } => sub.wait_ready(wait)?,
         }
         self.ready = true;
@@ -645,7 +650,19 @@ impl Reader {
                         }
                         RingReader::check_writer(&r)
                     };
-                    self.pending = Some(overflow.recv_frames(wait, alive)?);
+                    match overflow.recv_frames(wait, alive) {
+                        Ok(frames) => self.pending = Some(frames),
+                        Err(e @ Error::Queue(QueueError::WriterGoneMidMessage)) => {
+                            // Lost: its mark is consumed, so that the next call reads
+                            // the messages after it (still in the ring), not this again.
+                            if ring.poll().is_some() {
+                                ring.finish();
+                            }
+                            self.writer_gone_since = None;
+                            return Err(e);
+                        }
+                        Err(e) => return Err(e),
+                    }
                     self.writer_gone_since = None;
                 }
             }

@@ -470,7 +470,7 @@ fn close_ends_the_writer_and_readers_get_everything_then_the_end() {
                         other => panic!("rank {rank}: {other}"),
                     };
                     assert_eq!(
-                        named.is_some_and(|q| q.starts_with("shmq_ring_")),
+                        named.is_some_and(|q| q.starts_with("'shmq_ring_")),
                         rank == 0,
                         "rank {rank}: {e}"
                     );

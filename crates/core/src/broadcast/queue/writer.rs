@@ -28,6 +28,36 @@ const WAITING_FOR_REMOTE_READERS: &str =
 /// readers are told through the ring without waiting.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
+/// For the writer's wait for subscribers (its warnings and its timeout): the queue by
+/// the user's name, how many local readers subscribed, and which ranks have made their
+/// reader (a reader subscribes when it is made, and never waits for the writer) and
+/// which have not yet.
+fn explain_subscribers(ring: &Ring, ranks: &[usize], subscribed: usize) -> String {
+    let queue = format!("queue {}", ring.queue_words());
+    let (mut made, mut missing) = (Vec::new(), Vec::new());
+    for r in 0..ring.n_reader() {
+        let rank = ranks.get(r).copied().unwrap_or(r);
+        match ring.slot_info(Some(r)).ok().and_then(|i| i.process) {
+            Some(p) => made.push(format!("rank {rank} (pid {})", p.pid)),
+            None => missing.push(format!("rank {rank}")),
+        }
+    }
+    let list = |v: &[String]| {
+        if v.is_empty() {
+            "none".to_owned()
+        } else {
+            v.join(", ")
+        }
+    };
+    format!(
+        "{queue}: {subscribed} of {} local readers subscribed; readers made: {}; not made yet: {} \
+         (each is made by create_from_handle or MessageQueue.open in its own process)",
+        ring.n_reader(),
+        list(&made),
+        list(&missing)
+    )
+}
+
 /// Where each part of a message goes for local readers: the body and small parts inline,
 /// parts inside a loan by reference, other large parts copied into the arena when it has
 /// room (else inline: the fallback, counted by the arena). The arena is made here when
@@ -97,6 +127,81 @@ fn place_parts(
     refs
 }
 
+/// The bytes a message of `refs` takes in a chunk: its header and its inline parts.
+fn chunk_bytes(parts: &[&[u8]], refs: &[PartRef]) -> usize {
+    let inline: usize = refs
+        .iter()
+        .zip(parts)
+        .filter(|(r, _)| matches!(r, PartRef::Inline { .. }))
+        .map(|(_, p)| framing::align(p.len()))
+        .sum();
+    framing::header_len(parts.len()) + inline
+}
+
+/// A message too large for a chunk even with its large parts in the arena: its inline
+/// parts, the largest first and the body included, are copied into the arena too until
+/// the rest fits in the chunk. It then reaches the local readers through shared memory,
+/// never over the overflow socket, whose messages still queued in this process are lost
+/// when it exits (issue 54); only a message the arena has no room for still goes over
+/// the socket. The inline parts left are laid out again after the header. Parts of at
+/// least `threshold` bytes other than the body found no room already ([`place_parts`]
+/// tried them and counted the fallback): they are not tried again.
+fn into_arena_until_it_fits(
+    parts: &[&[u8]],
+    refs: &mut [PartRef],
+    lazy: &mut LazyArenaWriter,
+    threshold: usize,
+    ring: &RingWriter,
+) {
+    let max = ring.ring().max_chunk_bytes();
+    let mut total = chunk_bytes(parts, refs);
+    if total <= max {
+        return;
+    }
+    let untried = |i: usize| i == 0 || parts[i].len() < threshold;
+    let mut inline: Vec<usize> = (0..parts.len())
+        .filter(|&i| {
+            matches!(refs[i], PartRef::Inline { .. }) && !parts[i].is_empty() && untried(i)
+        })
+        .collect();
+    // What stays inline whatever moves: if that alone is too large, nothing is tried.
+    let mut candidate = vec![false; parts.len()];
+    inline.iter().for_each(|&i| candidate[i] = true);
+    let fixed: usize = framing::header_len(parts.len())
+        + (0..parts.len())
+            .filter(|&i| matches!(refs[i], PartRef::Inline { .. }) && !candidate[i])
+            .map(|i| framing::align(parts[i].len()))
+            .sum::<usize>();
+    if fixed > max {
+        return;
+    }
+    inline.sort_by_key(|&i| std::cmp::Reverse(parts[i].len()));
+    let mut copied = 0;
+    for i in inline {
+        if total <= max {
+            break;
+        }
+        let Some(arena) = lazy.for_part() else {
+            break;
+        };
+        let Some(r) = arena.copy_in(parts[i], &mut |r| reader_is_dead(ring.ring(), r)) else {
+            break;
+        };
+        refs[i] = PartRef::Arena(r);
+        total -= framing::align(parts[i].len());
+        copied += 1;
+    }
+    let mut at = framing::header_len(parts.len());
+    for (r, p) in refs.iter_mut().zip(parts) {
+        if let PartRef::Inline { offset, len } = r {
+            *offset = framing::align(at);
+            *len = p.len();
+            at = *offset + p.len();
+        }
+    }
+    ring.ring().count_parts(PartCounter::Arena, copied);
+}
+
 /// The arena parts among a message's references.
 fn arena_parts(refs: &[PartRef]) -> impl Iterator<Item = &ArenaRef> {
     refs.iter().filter_map(|r| match r {
@@ -132,6 +237,12 @@ pub struct Writer {
     policy: WaitPolicy,
     /// This writer's recent waits (how long its waits poll before sleeping).
     history: Arc<WaitHistory>,
+    /// What this writer's waits are for, naming its queue (in warnings and timeouts):
+    /// for its readers' subscriptions, for room (a chunk, or remote readers' credit),
+    /// for a chunk.
+    waiting_for_subscribers: Arc<str>,
+    waiting_for_room: Arc<str>,
+    waiting_for_a_chunk: Arc<str>,
     /// Set by [`Writer::close`], or by a clone's `cancel()` from any thread: this writer's
     /// calls fail from then on.
     canceller: Canceller,
@@ -254,6 +365,21 @@ impl Writer {
             arena: arena.as_ref().map(|a| a.name().to_owned()),
         };
         let canceller = Canceller::new(ring.as_ref().map(|r| r.ring().clone()), true);
+        // The queue in the waits' words: by its name where its writer named it.
+        let of_queue = ring.as_ref().map_or_else(String::new, |r| {
+            format!(" of queue {}", r.ring().queue_words())
+        });
+        let named = |what: &str| -> Arc<str> {
+            match what.strip_prefix("the writer") {
+                Some(rest) => format!("the writer{of_queue}{rest}").into(),
+                None => what.into(),
+            }
+        };
+        let waiting_for_room = if ring.is_some() {
+            WAITING_FOR_A_CHUNK
+        } else {
+            WAITING_FOR_REMOTE_READERS
+        };
         Ok(Writer {
             ring,
             arena,
@@ -268,6 +394,9 @@ impl Writer {
                 .wait
                 .unwrap_or_else(|| WaitPolicy::for_processes(opts.n_local_reader + 1)),
             history: Arc::default(),
+            waiting_for_subscribers: named(WAITING_FOR_SUBSCRIBERS),
+            waiting_for_room: named(waiting_for_room),
+            waiting_for_a_chunk: named(WAITING_FOR_A_CHUNK),
             canceller,
             closed: false,
             _ctx: LeakInChild::new(ctx),
@@ -290,9 +419,37 @@ impl Writer {
         self.canceller.cancel();
         if let Some(ring) = self.ring.as_ref() {
             ring.ring().close_writer();
+            self.keep_arena_for_readers();
         }
         if let Some(remote) = self.remote.as_mut() {
             remote.close(CLOSE_GRACE);
+        }
+    }
+
+    /// At the writer's end: while a live local reader still holds a part in the tensor
+    /// arena (a message it has not read yet: it may not even have opened the arena,
+    /// which it does at the first message that needs it), the arena's name must outlive
+    /// this process, or that message is lost. Its removal goes to this process's
+    /// janitor, which removes it once every reader of the ring has left or died (see
+    /// `shmq_os::segment::Segment::hand_removal_to_janitor`). Without a janitor (Rust
+    /// programs that set none, `SHMQ_NO_JANITOR=1`) the name goes with the writer, as
+    /// before, and so do such messages.
+    fn keep_arena_for_readers(&mut self) {
+        let (Some(ring), Some(arena)) = (
+            self.ring.as_ref(),
+            self.arena.as_mut().and_then(|a| a.get_mut()),
+        ) else {
+            return;
+        };
+        let ring = ring.ring();
+        arena.reclaim_dead(&mut |r| reader_is_dead(ring, r));
+        if arena.has_reader_holds() && arena.hand_removal_to_janitor(ring.name()) {
+            shmq_log!(
+                debug,
+                "shmq: tensor arena {} outlives its writer until the readers of {} leave",
+                arena.name(),
+                ring.name()
+            );
         }
     }
 
@@ -366,10 +523,8 @@ impl Writer {
 
     /// Wait until every reader has subscribed, then tell them the queue is ready.
     pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
-        let canceller = self.canceller.clone();
-        let mut wait =
-            wait.into()
-                .into_wait(WAITING_FOR_SUBSCRIBERS, self.policy, canceller.flag());
+        let (canceller, what) = (self.canceller.clone(), self.waiting_for_subscribers.clone());
+        let mut wait = wait.into().into_wait(&what, self.policy, canceller.flag());
         self.wait_until_ready_with(&mut wait)
     }
 
@@ -388,21 +543,17 @@ impl Writer {
                 Some(ring) => dead_local_reader(ring),
                 None => Ok(()),
             };
-            p.wait_for_subscribers(self.n_local_reader, wait, &mut readers_alive)?;
+            let ranks = &self.handle.local_reader_ranks;
+            let mut explain = |subscribed: usize| match &ring {
+                Some(ring) => explain_subscribers(ring, ranks, subscribed),
+                None => String::new(),
+            };
+            p.wait_for_subscribers(self.n_local_reader, wait, &mut readers_alive, &mut explain)?;
         }
         if let Some(p) = self.remote.as_mut() {
             p.wait_for_readers(wait)?;
         }
         Ok(())
-    }
-
-    /// What an enqueue that waits for room waits for, in its warnings and timeout.
-    fn waiting_for_room(&self) -> &'static str {
-        if self.ring.is_some() {
-            WAITING_FOR_A_CHUNK
-        } else {
-            WAITING_FOR_REMOTE_READERS
-        }
     }
 
     /// Whether a message that fits in a chunk could be written without waiting.
@@ -457,9 +608,9 @@ impl Writer {
         if self.try_send_whole(msg, as_body)? {
             return Ok(());
         }
-        let canceller = self.canceller.clone();
+        let (canceller, what) = (self.canceller.clone(), self.waiting_for_room.clone());
         let mut wait = spec
-            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
+            .into_wait(&what, self.policy, canceller.flag())
             .learning(&self.history);
         self.send_whole_with(msg, as_body, &mut wait)
     }
@@ -488,6 +639,12 @@ impl Writer {
     /// they differ only by the chunk's kind; over a socket a body goes as a message of
     /// parts does (a descriptor block naming the frame after it), raw bytes as one frame.
     fn enqueue_unchecked(&mut self, msg: &[u8], body: bool, wait: &mut Wait) -> Result<()> {
+        // A body too large for a chunk is a message of one part: through the arena, as
+        // any part (see `into_arena_until_it_fits`), the same message for every reader.
+        let too_large = |ring: &RingWriter| msg.len() > ring.ring().max_chunk_bytes();
+        if body && self.arena.is_some() && self.ring.as_ref().is_some_and(too_large) {
+            return self.enqueue_parts_unchecked(Format::Parts, &[msg], wait);
+        }
         let block = || framing::encode_vec(Format::Parts, &[PartRef::Frame { index: 1 }]);
         // Every wait comes before anything is sent (see `Wait::commit`).
         if let Some(remote) = self.remote.as_mut() {
@@ -588,9 +745,9 @@ impl Writer {
         if self.try_send_parts(format, parts)? {
             return Ok(());
         }
-        let canceller = self.canceller.clone();
+        let (canceller, what) = (self.canceller.clone(), self.waiting_for_room.clone());
         let mut wait = spec
-            .into_wait(self.waiting_for_room(), self.policy, canceller.flag())
+            .into_wait(&what, self.policy, canceller.flag())
             .learning(&self.history);
         self.send_parts_with(format, parts, &mut wait)
     }
@@ -664,7 +821,10 @@ impl Writer {
         let ring = self.ring.as_mut().expect("the caller checked");
         ring.acquire(wait)?;
         wait.commit();
-        let refs = place_parts(parts, self.arena.as_mut(), self.arena_threshold, ring);
+        let mut refs = place_parts(parts, self.arena.as_mut(), self.arena_threshold, ring);
+        if let Some(lazy) = self.arena.as_mut() {
+            into_arena_until_it_fits(parts, &mut refs, lazy, self.arena_threshold, ring);
+        }
         // Parts copied into the zero pages of a truncated arena reach nobody.
         if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
             if let Err(e) = arena.check_intact() {
@@ -676,13 +836,7 @@ impl Writer {
                 return Err(e);
             }
         }
-        let inline: usize = refs
-            .iter()
-            .zip(parts)
-            .filter(|(r, _)| matches!(r, PartRef::Inline { .. }))
-            .map(|(_, p)| framing::align(p.len()))
-            .sum();
-        let total = framing::header_len(parts.len()) + inline;
+        let total = chunk_bytes(parts, &refs);
         Ok((refs, total))
     }
 
@@ -850,10 +1004,10 @@ impl Writer {
     /// it with [`commit_write`](Self::commit_write). Only for queues whose readers are
     /// all local (remote readers cannot see chunks).
     pub fn acquire_write<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<&mut [u8]> {
-        let canceller = self.canceller.clone();
+        let (canceller, what) = (self.canceller.clone(), self.waiting_for_a_chunk.clone());
         let mut wait = wait
             .into()
-            .into_wait(WAITING_FOR_A_CHUNK, self.policy, canceller.flag())
+            .into_wait(&what, self.policy, canceller.flag())
             .learning(&self.history);
         self.acquire_write_with(&mut wait)
     }

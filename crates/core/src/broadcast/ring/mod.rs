@@ -293,6 +293,16 @@ impl Ring {
         Ok(())
     }
 
+    /// The queue as messages name it: its name in quotes followed by its segment, where
+    /// its writer named it (`'results-1' (segment shmq_ring_…)`), else its segment in
+    /// quotes (`'shmq_ring_…'`).
+    pub fn queue_words(&self) -> String {
+        match self.label() {
+            Some(label) => format!("'{label}' (segment {})", self.name()),
+            None => format!("'{}'", self.name()),
+        }
+    }
+
     /// The queue's name its writer gave it, if any. Any process that can write the
     /// segment can write these bytes: what is not UTF-8 is replaced, control characters
     /// dropped.

@@ -103,7 +103,7 @@ impl RingReader {
         match (info.process, ring.holder_liveness(None, &info)) {
             (Some(w), Liveness::Dead) => Err(Error::Queue(QueueError::DeadWriter {
                 pid: w.pid,
-                queue: Some(ring.name().to_owned()),
+                queue: Some(ring.queue_words()),
             })),
             _ => Ok(()),
         }
@@ -120,7 +120,7 @@ impl RingReader {
             // is visible now (see `protocol::slot_close`).
             None if ring.writer_closed() => Some(self.poll().ok_or_else(|| {
                 Error::Queue(QueueError::WriterShutDown {
-                    queue: Some(ring.name().to_owned()),
+                    queue: Some(ring.queue_words()),
                 })
             })),
             None => None,

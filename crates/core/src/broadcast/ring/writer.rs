@@ -198,10 +198,10 @@ impl RingWriter {
             .map_or_else(String::new, |p| format!("pid {}: ", p.pid));
         shmq_log!(
             info,
-            "shmq: {} left queue '{}' ({pid}its reader was closed, or its process ended \
+            "shmq: {} left queue {} ({pid}its reader was closed, or its process ended \
              normally); going on without it",
             name(r),
-            ring.name()
+            ring.queue_words()
         );
         true
     }
@@ -262,7 +262,7 @@ impl RingWriter {
                         reader: r,
                         pid: process.pid,
                         chunk: i,
-                        queue: Some(ring.name().to_owned()),
+                        queue: Some(ring.queue_words()),
                     }));
                 }
                 DeadReaderPolicy::Drop => {
@@ -270,8 +270,9 @@ impl RingWriter {
                     // (the dead one's lock was free) is not dropped.
                     if ring.drop_reader(r, &info) {
                         warn_user!(
-                            "shmq: reader {r} (pid {}) died; going on without it",
-                            process.pid
+                            "shmq: reader {r} (pid {}) of queue {} died; going on without it",
+                            process.pid,
+                            ring.queue_words()
                         );
                         // Relaxed: read only by this writer.
                         dropped[r].store(DIED, Ordering::Relaxed);

@@ -171,7 +171,7 @@ impl RemoteWriter {
         // as the writer is for the reader, and a writer waiting for its credit stops
         // waiting then (see `slow`). The reader's own PINGs come every interval whatever
         // the writer sends, so a large frame on its way does not make it look silent.
-        let heartbeat = set_heartbeats(&s, "remote")?;
+        let heartbeat = set_heartbeats(&s, "remote", true)?;
         s.set_ipv6(ipv6).map_err(opt("IPV6"))?;
         crate::transport::check_endpoint(&addr)?;
         s.bind(&addr).map_err(crate::transport::endpoint_error(

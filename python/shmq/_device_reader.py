@@ -1,0 +1,106 @@
+"""Receiving into device memory from a shared mapping (issue 55): what a reader of the
+store (and later the queue's arena and the encoder cache) does above the device seam.
+
+- The reader's *shared* mapping of the segment is registered once, on the first
+  ``get(..., device=)``, never per message; a mapping the device refuses is remembered
+  and logged once, and every later ``device=`` read takes the host path (a host view,
+  then ``.to(device)``).
+- A copy reads the shared mapping at the range's offset while the reader *holds* the
+  range (the store's pin on the object: a private view of one of its parts), and the hold
+  is kept with the copy's event: it is given back only once the event says the copy
+  ended (checked at each device read, by ``release_done()``, and at ``close()``, which
+  waits) — never because a next read came.
+- ``close()`` waits for every copy in flight, gives back the holds, unregisters, and
+  only then lets the mapping go (unregister before unmap).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Union
+
+from ._device import Device, DeviceRefused, Registration, address_of, device_for
+
+log = logging.getLogger("shmq.device")
+
+
+class DeviceReader:
+    """One reader's registration of one shared mapping, and its copies in flight."""
+
+    def __init__(self, mapping: Callable[[], memoryview], what: str, seam: Union[None, str, Device] = None):
+        self._mapping_of = mapping
+        self._what = what
+        self._seam_choice = seam
+        self.seam: Optional[Device] = None
+        self._mapping: Optional[memoryview] = None
+        self.registration: Optional[Registration] = None
+        self.refused: Optional[str] = None
+        #: ``(event, hold)`` of each copy whose range is still held.
+        self.pending: list[tuple[Any, Any]] = []
+
+    def registered(self) -> Optional[Registration]:
+        """The registration (made on the first call), or ``None`` when the device refused
+        it (logged once) and the caller takes the host path."""
+        if self.registration is not None or self.refused is not None:
+            return self.registration
+        self.seam = device_for(self._seam_choice)
+        mapping = self._mapping_of()
+        try:
+            self.registration = self.seam.register(address_of(mapping), mapping.nbytes, mapping.readonly)
+        except DeviceRefused as e:
+            self.refused = str(e)
+            log.warning("shmq: %s: the %s device refused to register the mapping (%s); reads "
+                        "with device= take the host path", self._what, self.seam.name, e)
+            return None
+        self._mapping = mapping  # keeps the mapping while it is registered
+        return self.registration
+
+    def copy(self, address: int, nbytes: int, dtype: Any, shape: tuple[int, ...], device: Any, hold: Any) -> Any:
+        """Copy ``nbytes`` at ``address`` (inside the registered mapping) into a new device
+        tensor; ``hold`` (what keeps the range from reuse) is kept until the copy ended."""
+        reg, seam = self.registration, self.seam
+        assert reg is not None and seam is not None
+        tensor, event = seam.copy_to_device(reg, address - reg.address, nbytes, dtype, shape, device)
+        self.pending.append((event, hold))
+        return tensor
+
+    def release_done(self) -> int:
+        """Give back the ranges whose copies ended; how many are still in flight."""
+        seam = self.seam
+        if seam is not None and self.pending:
+            self.pending = [(e, h) for e, h in self.pending if not seam.event_done(e)]
+        return len(self.pending)
+
+    def wait_all(self) -> None:
+        """Wait for the copies in flight and give back their ranges."""
+        seam, pending = self.seam, self.pending
+        if seam is not None:
+            for event, _ in pending:
+                seam.wait_event(event)
+        self.pending = []
+
+    def close(self) -> None:
+        """Wait for the copies in flight, give back their ranges, unregister; then the
+        mapping may go."""
+        seam = self.seam
+        self.wait_all()
+        if seam is not None and self.registration is not None:
+            seam.unregister(self.registration)
+        self.registration = None
+        self._mapping = None
+
+
+def tensor_leaves(value: Any, replace: Callable[[Any], Any]) -> Any:
+    """``value`` with each torch tensor in its dicts, lists and tuples replaced by
+    ``replace(tensor)`` (the shapes the built-in serdes give back)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return replace(value)
+    if type(value) is dict:
+        return {k: tensor_leaves(v, replace) for k, v in value.items()}
+    if type(value) is list:
+        return [tensor_leaves(v, replace) for v in value]
+    if type(value) is tuple:
+        return tuple(tensor_leaves(v, replace) for v in value)
+    return value

@@ -1,0 +1,107 @@
+"""Children of ``test_device_seam.py``: a store reader that receives into device memory
+through the device seam (``SHMQ_DEVICE``: the CPU twin unless set to ``cuda``), driven by
+commands from the test, and an IPC exporter."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+from typing import Any
+
+from .harness import STEP, LogRecords
+
+#: The seam the tests run against: the twin here, CUDA under scripts/gpu_check.sh.
+SEAM = os.environ.get("SHMQ_DEVICE", "twin")
+#: Where tensors land: the twin's device memory is process memory.
+DEVICE = "cuda" if SEAM == "cuda" else "cpu"
+
+
+def to_host(value: Any) -> Any:
+    """``value`` with its tensors copied to host memory (torch), for the test to compare."""
+    import torch
+
+    from shmq._device_reader import tensor_leaves
+
+    return tensor_leaves(value, lambda t: t.detach().to("cpu").clone() if isinstance(t, torch.Tensor) else t)
+
+
+def device_reader(out: Any, handle_blob: bytes, cmds: Any) -> None:
+    """A store reader: ``("get", handle, hold)`` reads to device memory (with ``hold``, the
+    twin's copies stay in flight until ``("release",)``); ``("wait",)`` waits for the
+    copies and reports the values; ``("preregister",)`` registers the store's mapping
+    itself first, so that the store's own registration is refused; ``("close_async",)``
+    closes the store on a thread while copies may be in flight."""
+    from shmq import ObjectStorage
+    from shmq._device import address_of, device_for
+
+    records = LogRecords()
+    logging.getLogger("shmq.device").addHandler(records)
+    seam = device_for(SEAM)
+    store = ObjectStorage.create_from_handle(pickle.loads(handle_blob))
+    store.device_seam = seam
+    values: list[Any] = []
+    mine: Any = None
+    closer: threading.Thread | None = None
+    out.put(("ready", os.getpid()))
+    while True:
+        cmd = cmds.get(timeout=STEP)
+        if cmd[0] == "get":
+            _, handle, hold = cmd
+            if hold:
+                seam.hold()  # type: ignore[attr-defined]
+            values.append(store.get(*handle, device=DEVICE))
+            out.put(("issued", len(store._device.pending) if store._device else 0))
+        elif cmd[0] == "release":
+            seam.release()  # type: ignore[attr-defined]
+            out.put(("released",))
+        elif cmd[0] == "wait":
+            store.wait_device_copies()
+            out.put(("values", [to_host(v) for v in values], store.release_device_copies()))
+            values.clear()
+        elif cmd[0] == "preregister":
+            buf = store.ring_buffer.shared_memory.buf
+            assert buf is not None
+            mine = seam.register(address_of(buf), buf.nbytes, buf.readonly)
+            out.put(("preregistered", repr(mine)))
+        elif cmd[0] == "logs":
+            out.put(("logs", [r for r in records.records if r[0] == "shmq.device"],
+                     store._device.refused if store._device else None))
+        elif cmd[0] == "close_async":
+            closer = threading.Thread(target=store.close)
+            closer.start()
+            closer.join(0.5)
+            out.put(("closing", closer.is_alive()))
+        elif cmd[0] == "closed":
+            assert closer is not None
+            closer.join(STEP)
+            out.put(("closed", closer.is_alive(), [to_host(v) for v in values],
+                     [repr(r) for r in getattr(seam, "_registered", [])]))
+            values.clear()
+        elif cmd[0] == "stop":
+            if mine is not None:
+                seam.unregister(mine)  # before the mapping goes
+            store.close()
+            out.put(("stopped",))
+            return
+
+
+def ipc_exporter(out: Any, cmds: Any) -> None:
+    """Export a device tensor by IPC handle, change it when told, free it when told."""
+    import torch
+
+    from .device_children import DEVICE, SEAM
+    from shmq._device import device_for
+
+    seam = device_for(SEAM)
+    tensor = torch.arange(1 << 16, dtype=torch.int32, device=DEVICE)
+    out.put(("handle", seam.export_ipc(tensor)))
+    assert cmds.get(timeout=STEP) == "change"
+    tensor += 1
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    out.put(("changed",))
+    assert cmds.get(timeout=STEP) == "stop"
+    del tensor
+    out.put(("stopped",))
