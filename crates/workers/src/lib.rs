@@ -912,7 +912,14 @@ impl Workers {
     pub fn wait_exits(&self, deadline: Instant) -> bool {
         let mut state = self.shared.lock();
         loop {
-            poll_exits(&mut state);
+            // Before close, exits are the supervisor thread's alone: it records each with
+            // its failure (and tells the monitor) in one locked step, where an exit
+            // recorded here would be one without its failure, and the monitor would never
+            // fire. Once closing, failures are not reported and close's waits must not
+            // depend on that thread.
+            if state.closing {
+                poll_exits(&mut state);
+            }
             let running = state
                 .members
                 .iter()

@@ -7,6 +7,7 @@
 //!   writer registered with the monitor has its blocked wait end with the queue's
 //!   shutdown; `finish()` names the worker;
 //! - a monitor made after the failure fires at once;
+//! - exits that `wait_exits` sees before the supervisor thread are failures all the same;
 //! - without a failure, dropping the monitor joins its thread (nothing fires);
 //! - a Python worker (`python3`, `PYTHONPATH` the repository's `python/`) hears of the
 //!   failure through `shmq.workers.sibling_failure()` (skipped, saying so, where that
@@ -172,6 +173,24 @@ fn without_a_failure_nothing_fires_and_drop_joins_the_thread() {
     assert!(!writer.canceller().is_cancelled());
     assert!(workers.failures().is_empty());
     workers.close();
+}
+
+/// `wait_exits` before close leaves the exits to the supervisor thread, which records each
+/// with its failure: were an exit recorded by the wait first (as it once was, whenever it
+/// looked before that thread), it had no failure and a monitor never fired. Six workers
+/// dying at once, three rounds: after the wait, every one is a failure.
+#[test]
+fn an_exit_that_wait_exits_sees_first_is_still_a_failure() {
+    for _ in 0..3 {
+        let workers =
+            Workers::spawn((0..6).map(|_| worker("die,die,die,die,die,die")), options()).unwrap();
+        all_exited(&workers);
+        let ranks: Vec<usize> = workers.failures().iter().map(|d| d.rank).collect();
+        assert_eq!(ranks.len(), 6, "failures recorded: ranks {ranks:?}");
+        let monitor = workers.monitor().unwrap();
+        assert!(monitor.finish().is_err(), "the monitor never fired");
+        workers.close();
+    }
 }
 
 /// A Python worker of a Rust parent: `shmq.workers.sibling_failure()` reads the notice
