@@ -27,10 +27,27 @@ def env(plugin: bool) -> dict[str, str]:
     return engine_env(plugin, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for an engine's server, from 9000-11999: below the kernel's ephemeral range,
+    where every outgoing connection takes its local port (port 0's answer could be taken
+    by one before the server binds it); never the same twice in a session, and checked
+    bindable without SO_REUSEADDR, so one left in TIME_WAIT is skipped."""
+    start = 9000 + (os.getpid() * 7) % 3000
+    for i in range(3000):
+        port = 9000 + (start - 9000 + i) % 3000
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free TCP port in 9000-11999")
 
 
 def http(url: str, body: dict | None = None, timeout: float = 60.0) -> str:

@@ -14,13 +14,39 @@ from .objects import iter_objects
 from .queue_children import read_stream
 
 
+# Ports handed out by free_port(), never the same twice in a process.
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1, free a moment ago, that no outgoing connection will take.
+
+    Port 0 would give one of the kernel's ephemeral range (32768-60999 by default), where
+    every outgoing connection of this machine also takes its local port: between this
+    check and the caller's bind (vLLM's StatelessProcessGroup's, say) another test's
+    connection can take it (EADDRINUSE, seen in CI). So the ports come from below that
+    range, each pytest-xdist worker from a band of its own (12000 + 2500 * n), never the
+    same one twice in a process, and each is checked bindable without SO_REUSEADDR, so
+    one a closed connection left in TIME_WAIT is skipped too.
+    """
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    n = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = 12000 + 2500 * (n % 8)
+    start = base + (os.getpid() * 7) % 2500  # processes of one worker start apart
+    for i in range(2500):
+        port = base + (start - base + i) % 2500
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {base}-{base + 2499}")
 
 
 def _join_group(kind: str, port: int, rank: int, world_size: int) -> Any:
