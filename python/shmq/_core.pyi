@@ -537,7 +537,9 @@ class Reader:
     def shutting_down(self) -> bool: ...
     def ring(self) -> Optional[Ring]: ...
     def wait_until_ready(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> None:
-        """Wait for the writer's go-ahead; once it has come, later calls return at once."""
+        """A local reader: nothing to wait for (the writer's go-ahead is taken by the first
+        receive); a remote one: its connection to the writer's port. Later calls return
+        at once."""
     def dequeue(
         self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None, indefinite: bool = False
     ) -> _Message:

@@ -653,8 +653,10 @@ class MessageQueue:
         be lost. A local reader waits for nothing: the writer's go-ahead is taken by its
         first receive, so no order of ``wait_until_ready`` calls across queues deadlocks
         (a worker's steps then results, a scheduler's ``Gather`` then steps). A remote
-        reader waits until its writer accepted it. A writer's ``TimeoutError`` names the
-        queue and the ranks whose reader was not made yet. Once it has returned, later
+        reader waits only for its connection to the writer's port (the writer's welcome
+        and go-ahead are taken by its first receive: no order deadlocks across machines
+        either). A writer's ``TimeoutError`` names the queue and the ranks whose reader
+        was not made yet. Once it has returned, later
         calls (on either side) return at once."""
         if self._writer is not None:
             self._writer.wait_until_ready(timeout)

@@ -18,6 +18,7 @@ ring, and shows in none of these).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import weakref
@@ -112,6 +113,23 @@ _CACHE_GAUGES = [
 ]
 
 
+# A segment name shmq made up (``shmq_<kind>_<pid>_<hex>``), not one its user chose.
+_MADE_UP = re.compile(r"shmq_[a-z]+_[0-9]+_[0-9a-f]+")
+
+
+def _store_name(segment: str) -> str:
+    """The ``store`` label: the name the store was made with (a named store's segment is
+    its name: ``RingBuffer(name=...)``, as vLLM names its multimodal store), or ``""``
+    for a store whose segment name shmq made up."""
+    return "" if _MADE_UP.fullmatch(segment) else segment
+
+
+def _cache_name(segment: str) -> str:
+    """The ``cache`` label: the name consumers open an encoder cache by (its segment is
+    ``shmq_ec_<name>``)."""
+    return segment.removeprefix("shmq_ec_")
+
+
 def _field(m: dict[str, Any], field: Any) -> float:
     if isinstance(field, tuple):
         return float(m[field[0]][field[1]])
@@ -140,17 +158,17 @@ class ShmqCollector:
         by_labels = [
             (_QUEUE_COUNTERS, ["segment", "queue"]),
             (_READER_COUNTERS, ["segment", "queue", "reader"]),
-            (_STORE_COUNTERS, ["segment"]),
+            (_STORE_COUNTERS, ["segment", "store"]),
             (_ARENA_COUNTERS, ["segment"]),
-            (_CACHE_COUNTERS, ["segment"]),
+            (_CACHE_COUNTERS, ["segment", "cache"]),
         ]
         for specs, labels in by_labels:
             counters.update(families(specs, CounterMetricFamily, labels))
         by_labels = [
             (_READER_GAUGES, ["segment", "queue", "reader"]),
-            (_STORE_GAUGES, ["segment"]),
+            (_STORE_GAUGES, ["segment", "store"]),
             (_ARENA_GAUGES, ["segment"]),
-            (_CACHE_GAUGES, ["segment"]),
+            (_CACHE_GAUGES, ["segment", "cache"]),
         ]
         for specs, labels in by_labels:
             gauges.update(families(specs, GaugeMetricFamily, labels))
@@ -176,14 +194,16 @@ class ShmqCollector:
                     add(_READER_GAUGES, gauges, r, labels)
                     readers_up.add_metric(labels, 0.0 if r["state"] == "dead" or r["dropped"] else 1.0)
             elif kind == "store":
-                add(_STORE_COUNTERS, counters, m, seg)
-                add(_STORE_GAUGES, gauges, m, seg)
+                store = seg + [_store_name(m["name"])]
+                add(_STORE_COUNTERS, counters, m, store)
+                add(_STORE_GAUGES, gauges, m, store)
             elif kind == "arena":
                 add(_ARENA_COUNTERS, counters, m, seg)
                 add(_ARENA_GAUGES, gauges, m, seg)
             elif kind == "encoder_cache":
-                add(_CACHE_COUNTERS, counters, m, seg)
-                add(_CACHE_GAUGES, gauges, m, seg)
+                cache = seg + [_cache_name(m["name"])]
+                add(_CACHE_COUNTERS, counters, m, cache)
+                add(_CACHE_GAUGES, gauges, m, cache)
         yield from counters.values()
         yield from gauges.values()
         yield readers_up

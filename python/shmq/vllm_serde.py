@@ -7,7 +7,16 @@ and the tensors' raw buffers), but gives the store those buffers as parts of the
 so that a worker's read of a tensor of ``ObjectStorage.view_threshold`` bytes or more
 is a view of the shared memory (a private copy-on-write mapping, see
 :meth:`shmq.ObjectStorage.get`) rather than vLLM's decoder's copy. Smaller parts are
-copied once, as vLLM's serde copies them. An item is not evicted while a view of it lives in a worker;
+copied once, as vLLM's serde copies them.
+
+Where torch sees a GPU, workers read items as vLLM alone does instead: vLLM's own
+decoders (``share_mem=False``) make the copies, pinned where vLLM pins memory, straight
+from the store's shared memory (no copy of shmq's before them), and hold nothing of the
+store. A pageable view reaches a GPU at about a tenth of a pinned copy's speed (issue
+55's one H100 run: 4.9-5.7 GB/s against 49-54 GB/s; not measured again here), and the
+registered-mapping device path that would make views as fast is not built yet.
+``SHMQ_DEVICE_PATH=1`` keeps the views. vLLM's ``PIN_MEMORY`` alone is not taken as a
+GPU: a CUDA build of torch says True on a machine without one. An item is not evicted while a view of it lives in a worker;
 a writer that finds the cache full of such items gets ``MemoryError``, which vLLM's
 sender cache answers by sending the item inline, as it does for any full cache.
 
@@ -20,6 +29,7 @@ Importing it imports vLLM.
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -29,6 +39,16 @@ from .serde import Buffer
 
 # The first part says what the rest is: vLLM's tensor or item encoding, or a pickle.
 _TENSOR, _ITEM, _PICKLE = b"T", b"M", b"P"
+
+
+def _reads_copies() -> bool:
+    """Whether this process reads items as vLLM alone does (its own decoders' copies,
+    pinned where vLLM pins): where torch sees a GPU, unless ``SHMQ_DEVICE_PATH=1``."""
+    if os.environ.get("SHMQ_DEVICE_PATH") == "1":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 class VllmMsgpackSerde(MsgpackSerde):  # type: ignore[misc]  # vLLM's class is untyped here
@@ -43,12 +63,18 @@ class VllmMsgpackSerde(MsgpackSerde):  # type: ignore[misc]  # vLLM's class is u
         from vllm.v1.serial_utils import MsgpackDecoder
         import torch
 
-        # share_mem: a tensor over a part the store handed out as owned (a view, or a
-        # copy made for this read) keeps that part; vLLM's own decoders copy.
-        self._shared = {
-            _TENSOR: MsgpackDecoder(torch.Tensor, share_mem=True),
-            _ITEM: MsgpackDecoder(MultiModalKwargsItem, share_mem=True),
-        }
+        #: Reads make vLLM's own copies (see the module): on a machine with a GPU.
+        self.copies = _reads_copies()
+        if self.copies:
+            # vLLM's decoders (share_mem=False): copies, pinned where vLLM pins.
+            self._shared = {_TENSOR: self.tensor_decoder, _ITEM: self.mm_decoder}
+        else:
+            # share_mem: a tensor over a part the store handed out as owned (a view, or
+            # a copy made for this read) keeps that part; vLLM's own decoders copy.
+            self._shared = {
+                _TENSOR: MsgpackDecoder(torch.Tensor, share_mem=True),
+                _ITEM: MsgpackDecoder(MultiModalKwargsItem, share_mem=True),
+            }
         self._tensor_cls = torch.Tensor
 
     def _store_parts(self, value: Any) -> list[Buffer]:
@@ -67,6 +93,9 @@ class VllmMsgpackSerde(MsgpackSerde):  # type: ignore[misc]  # vLLM's class is u
             decoder = self._shared.get(kind)
             if decoder is None:
                 raise ValueError(f"Unsupported object kind {kind!r} in shmq's store")
+            if self.copies:
+                # vLLM's decoders copy (and pin) straight from the parts, owned or not.
+                return decoder.decode(rest)
             # Parts not owned (``copy=True``, or a store without views) are copied once
             # here, and the tensors keep the copies.
             return decoder.decode(rest if raws_owned else [bytearray(p) for p in rest])

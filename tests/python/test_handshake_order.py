@@ -4,10 +4,12 @@ three workers and gathering their results, in real processes, with every order o
 (steps, then results) against a scheduler that makes its ``Gather`` ready first (as the
 README's Gather section does) used to block both sides until ``TimeoutError``: each side's
 reader waited for a writer that was itself waiting, as a reader, for the other side.
-A reader's readiness no longer waits on its writer's, so every order completes."""
+A reader's readiness no longer waits on its writer's, so every order completes, over TCP
+too."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import uuid
 
@@ -21,31 +23,56 @@ WORKERS = 3
 STEPS = 20
 
 
+@pytest.mark.parametrize("transport", ["local", "remote"])
 @pytest.mark.parametrize("scheduler", ["reader-first", "writer-first"])
 @pytest.mark.parametrize("workers", ["reader-first", "writer-first"])
-def test_any_order_of_wait_until_ready_completes(children, scheduler, workers) -> None:
+def test_any_order_of_wait_until_ready_completes(children, scheduler, workers, transport) -> None:
+    # "remote": every reader of both directions over TCP (a remote reader waits only for
+    # its connection; the writer's start is its first receive's), the workers' results
+    # queues opened by name.
+    remote = transport == "remote"
     out = children.queue()
     suffix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     names = {f"worker-{r}": f"results-{suffix}-{r}" for r in range(WORKERS)}
-    steps = MessageQueue(WORKERS, WORKERS, max_chunk_bytes=4096, max_chunks=4)
+    if remote:
+        steps = MessageQueue(WORKERS, 0, connect_ip="127.0.0.1")
+    else:
+        steps = MessageQueue(WORKERS, WORKERS, max_chunk_bytes=4096, max_chunks=4)
     handle = steps.export_handle()
     for r in range(WORKERS):
-        children.start(step_worker, out, handle, r, names[f"worker-{r}"], workers, STEPS)
+        children.start(step_worker, out, handle, r, names[f"worker-{r}"], workers, STEPS, remote)
     assert sorted(children.expect(out, "made")[1] for _ in range(WORKERS)) == list(range(WORKERS))
-    gather = Gather({w: MessageQueue.open(q, 0) for w, q in names.items()})
+    results = {w: MessageQueue.open(q, 0) for w, q in names.items()}
+    # A Gather reads local readers; over TCP the results are read in turn.
+    gather = None if remote else Gather(results)
+
+    def make_results_ready() -> None:
+        if gather is not None:
+            gather.wait_until_ready(timeout=STEP)
+        else:
+            for reader in results.values():
+                reader.wait_until_ready(timeout=STEP)
+
+    def receive() -> tuple[str, tuple[int, int]]:
+        if gather is not None:
+            return gather.recv(timeout=STEP)
+        w = next(receive.order)
+        return w, results[w].dequeue(timeout=STEP)
+
+    receive.order = itertools.cycle(names)  # type: ignore[attr-defined]
     # Each call within STEP: a deadlock is a TimeoutError here (or in a worker).
     if scheduler == "reader-first":
-        gather.wait_until_ready(timeout=STEP)
+        make_results_ready()
         steps.wait_until_ready(timeout=STEP)
     else:
         steps.wait_until_ready(timeout=STEP)
-        gather.wait_until_ready(timeout=STEP)
+        make_results_ready()
     assert sorted(children.expect(out, "ready")[1] for _ in range(WORKERS)) == list(range(WORKERS))
     got: dict[str, list] = {w: [] for w in names}
     for i in range(STEPS):
         steps.enqueue(i, timeout=STEP)
         for _ in range(WORKERS):
-            w, (rank, value) = gather.recv(timeout=STEP)
+            w, (rank, value) = receive()
             assert w == f"worker-{rank}"
             got[w].append(value)
     assert got == {w: [i * i for i in range(STEPS)] for w in names}, "every result, in order"

@@ -21,6 +21,7 @@ from _processes import (
     STEP,
     busy_reader,
     counting_reader,
+    named_store_and_cache,
     queue_side,
     stalling_writer,
     store_getter,
@@ -194,6 +195,33 @@ def test_store_counters_across_processes(children):
     assert s["kind"] == "store" and s["creator_pid"] == os.getpid(), s
     assert (s["puts"], s["gets"], s["objects"]) == (3, 3, 3), s
     assert s["evictions"] == 0 and s["bytes_in_use"] > 0 and s["capacity"] == 1 << 20, s
+
+
+def test_store_and_cache_metrics_carry_the_names_they_were_made_with(children):
+    """A store's samples carry a ``store`` label (the name it was made with) and an
+    encoder cache's a ``cache`` label (the name consumers open it by), read here from
+    segments another process made."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    store_name = f"mm-store-{os.getpid()}"
+    cache_name = f"encoder-{os.getpid()}"
+    out, end = children.queue(), children.event()
+    children.start(named_store_and_cache, out, store_name, cache_name, end)
+    _, store_segment, cache_segment = children.expect(out, "made")
+    registry = prometheus_client.CollectorRegistry()
+    metrics.register_prometheus(registry)
+    text = prometheus_client.generate_latest(registry).decode()
+    end.set()
+    labels = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("segment") in (store_segment, cache_segment):
+                labels[s.name] = s.labels
+    assert labels["shmq_store_puts_total"] == {"segment": store_segment, "store": store_name}, labels
+    assert labels["shmq_store_objects"]["store"] == store_name, labels
+    assert labels["shmq_encoder_cache_saves_total"] == {"segment": cache_segment, "cache": cache_name}, labels
+    assert labels["shmq_encoder_cache_entries"]["cache"] == cache_name, labels
 
 
 def test_top_shows_a_live_queue_with_its_readers(children):

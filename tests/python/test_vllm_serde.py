@@ -36,7 +36,18 @@ def _item(seed: int):
     )
 
 
-def _reader(handle, jobs, answers) -> None:
+def _reader(handle, jobs, answers, as_on_a_gpu: bool = False) -> None:
+    if as_on_a_gpu:
+        # What torch.cuda.is_available() says on a machine with a GPU (and what vLLM's
+        # PIN_MEMORY would be): the serde makes vLLM's copies. Pinning itself is vLLM's
+        # and needs a GPU; here the copies are plain ones.
+        import shmq.vllm_serde
+        import vllm.v1.serial_utils
+
+        shmq.vllm_serde._reads_copies = lambda: True
+        # vLLM's PIN_MEMORY says True with a CUDA build of torch, where pinning needs a
+        # driver: the decoders copy without pinning here.
+        vllm.v1.serial_utils.PIN_MEMORY = False
     store = ObjectStorage.create_from_handle(handle)
     held = []
     for job in iter(jobs.get, None):
@@ -45,12 +56,15 @@ def _reader(handle, jobs, answers) -> None:
             gc.collect()
             answers.put("dropped")
             continue
+        if job[0] == "check":  # the items held are still what was read
+            answers.put([bool(torch.equal(i["pixel_values"].data.flatten()[1:], _pixels(s).flatten()[1:])) for i, s in held])
+            continue
         _, address, monotonic_id, signature, key, seed = job
         item = store.get(address, monotonic_id, signature, key)
         pixels, sizes = item["pixel_values"].data, item["image_sizes"].data
         same = bool(torch.equal(pixels, _pixels(seed))) and sizes.tolist() == [SIDE, SIDE + seed]
         pixels[0, 0, 0] = -1.0  # a private copy-on-write page: nobody else sees it
-        held.append(item)
+        held.append((item, seed))
         answers.put((type(item).__name__, same))
         del item, pixels, sizes
     answers.put("done")
@@ -94,6 +108,52 @@ def test_items_read_by_two_processes_as_views_pin_their_object_and_stay_private(
         store.put("image-2", _item(2))  # image-0 goes now
         assert not store.is_cached("image-0")
         read(2)
+    finally:
+        for j in jobs:
+            j.put(None)
+        for p in readers:
+            p.join(60)
+        store.close()
+        ring.close()
+    assert [p.exitcode for p in readers] == [0, 0]
+
+
+def test_on_a_cuda_machine_readers_make_vllms_copies_and_pin_nothing():
+    """Where torch sees a GPU, the serde reads as vLLM alone does (its share_mem=False
+    decoders' copies, pinned where vLLM pins): items held by the readers hold nothing of
+    the store, so a put evicts them where, read as views, it was refused (the test
+    above); the readers' copies are untouched by the eviction."""
+    from shmq.vllm_serde import VllmMsgpackSerde
+
+    ring = RingBuffer(3 * MiB, create=True)  # room for two items
+    store = ObjectStorage(2 * MiB, 2, ring, serde_class=VllmMsgpackSerde)
+    ctx = mp.get_context("spawn")
+    jobs = [ctx.Queue() for _ in range(2)]
+    answers = ctx.Queue()
+    readers = [ctx.Process(target=_reader, args=(store.handle(), j, answers, True)) for j in jobs]
+    for p in readers:
+        p.start()
+
+    def read(seed: int) -> None:
+        key = f"image-{seed}"
+        address, monotonic_id = store.key_index[key]
+        for j in jobs:
+            j.put(("get", address, monotonic_id, store.get_signature(key), key, seed))
+        got = [answers.get(timeout=120) for _ in jobs]
+        assert got == [("MultiModalKwargsItem", True)] * 2, got
+
+    try:
+        store.put("image-0", _item(0))
+        read(0)
+        store.put("image-1", _item(1))
+        read(1)
+        store.put("image-2", _item(2))  # evicts image-0, held by both readers as copies
+        assert not store.is_cached("image-0")
+        store.put("image-3", _item(3))  # and image-1, whose room is written over
+        for j in jobs:
+            j.put(("check",))
+        assert [answers.get(timeout=60) for _ in jobs] == [[True, True]] * 2  # image-0 and image-1
+        read(3)
     finally:
         for j in jobs:
             j.put(None)

@@ -12,14 +12,19 @@ from shmq import MessageQueue
 from .harness import STEP
 
 
-def step_worker(out: Any, steps_handle: Any, rank: int, results_name: str, order: str, n: int) -> None:
+def step_worker(
+    out: Any, steps_handle: Any, rank: int, results_name: str, order: str, n: int, remote: bool = False
+) -> None:
     """Open the steps queue's reader of rank ``rank`` and make the writer of
-    ``results_name`` (one local reader), report ``("made", rank)``, then make both ready in
-    ``order`` (``"reader-first"``: steps then results, as ``examples/serving.py``;
-    ``"writer-first"``: results then steps) within ``STEP`` seconds each; answer ``n``
-    steps ``i`` with ``(rank, i * i)``."""
+    ``results_name`` (one reader: local, or with ``remote`` over TCP on 127.0.0.1), report
+    ``("made", rank)``, then make both ready in ``order`` (``"reader-first"``: steps then
+    results, as ``examples/serving.py``; ``"writer-first"``: results then steps) within
+    ``STEP`` seconds each; answer ``n`` steps ``i`` with ``(rank, i * i)``."""
     steps = MessageQueue.create_from_handle(steps_handle, rank)
-    results = MessageQueue(1, 1, name=results_name)
+    if remote:
+        results = MessageQueue(1, 0, name=results_name, connect_ip="127.0.0.1")
+    else:
+        results = MessageQueue(1, 1, name=results_name)
     out.put(("made", rank))
     first, second = (steps, results) if order == "reader-first" else (results, steps)
     first.wait_until_ready(timeout=STEP)

@@ -14,7 +14,7 @@ from shmq import Handle, MessageQueue
 
 from .harness import STEP
 
-__all__ = ["busy_reader", "counting_reader", "stalling_writer", "store_getter"]
+__all__ = ["busy_reader", "counting_reader", "named_store_and_cache", "stalling_writer", "store_getter"]
 
 
 class _Forward(logging.Handler):
@@ -93,3 +93,21 @@ def store_getter(out: Any, handle_pickle: bytes, handles: list[tuple[int, int, l
     store = ObjectStorage.create_from_handle(pickle.loads(handle_pickle))
     got = [store.get(a, i, sig, key) for a, i, sig, key in handles]
     out.put(("got", got))
+
+
+def named_store_and_cache(out: Any, store_name: str, cache_name: str, end: Any) -> None:
+    """Make a store named ``store_name`` (vLLM's way: ``RingBuffer(name=..., create=True)``)
+    with one object and an encoder cache named ``cache_name`` with one entry, report
+    ``("made", store segment, cache segment)`` and keep both until ``end``."""
+    from shmq import ObjectStorage, RingBuffer
+    from shmq.encoder_cache import EncoderCacheProducer
+
+    store = ObjectStorage(1 << 16, 1, RingBuffer(1 << 20, name=store_name, create=True))
+    store.put("image-1", b"pixels")
+    cache = EncoderCacheProducer(cache_name, capacity=1 << 20)
+    cache.save("image-1", np.zeros(16, dtype=np.float32))
+    cache.flush()
+    out.put(("made", store.ring_buffer.handle()[1], cache.segment_name))
+    assert end.wait(STEP), "never told to end"
+    cache.close()
+    store.close()

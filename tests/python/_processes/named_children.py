@@ -41,6 +41,20 @@ def named_writer(out: Any, name: str, go: Any, messages: list[Any], end: Any, ho
     _end(how, mq)
 
 
+def named_remote_writer(out: Any, name: str, go: Any, messages: list[Any], end: Any, how: str) -> None:
+    """As ``named_writer``, for one remote reader (rank 0, TCP on 127.0.0.1): reports
+    ``("ready", pid, handle)``."""
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name=name)
+    out.put(("ready", os.getpid(), mq.export_handle()))
+    mq.wait_until_ready(timeout=STEP)
+    assert go.wait(STEP), "never told to send"
+    for m in messages:
+        mq.enqueue(m, timeout=STEP)
+    assert end.wait(STEP), "never told to end"
+    out.put(("sent", os.getpid()))
+    _end(how, mq)
+
+
 def named_store(out: Any, name: str, end: Any) -> None:
     """Make a store on ``RingBuffer(create=True, name=name)`` with one object, report
     ``("ready", (address, id), signature)``, and keep it until ``end``."""

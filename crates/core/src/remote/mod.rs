@@ -69,6 +69,18 @@
 //! again, and the HELLO said again on it, until the reader's own deadline; only a writer
 //! that cannot be reached at all for the interval plus the timeout is gone.
 //!
+//! A reader's `wait_until_ready` waits only for its connection (ZeroMQ's handshake,
+//! which the writer's I/O thread answers whatever the writer's program is doing), not
+//! for the writer's own `wait_until_ready`: the WELCOME and the start are taken by the
+//! reader's first receive, so no order of the two sides' waits deadlocks. A start taken
+//! after the connection that carried it ended cannot leave the reader on a dead stream:
+//! the reader says HELLO on every new connection, and the writer moves a reader it sent
+//! nothing to onto it (saying start again there, which the reader takes as nothing new:
+//! same session, same sequence number, nothing taken yet) or refuses one it did send to;
+//! and no connection up for the interval plus the timeout is the writer's end, after
+//! the start too. The WELCOME also carries the queue's name (under its MAC) where its
+//! writer named it, so the reader's errors name the queue.
+//!
 //! No wait of the writer for a remote reader goes on without an end either: the
 //! writer's end of each connection carries ZeroMQ's heartbeats too (a PING every
 //! [`HEARTBEAT_INTERVAL`]; the connection is closed when nothing comes from the reader,

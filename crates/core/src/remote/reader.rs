@@ -43,10 +43,14 @@ pub struct RemoteReader {
     nonce: [u8; 16],
     /// The writer's session, once it proved it holds the secret.
     session: Option<[u8; 16]>,
+    /// The queue's name, as the writer's WELCOME said it (under its MAC), if it named the
+    /// queue and the name is one a queue may have.
+    queue: Option<String>,
     /// Sequence number of the last message taken.
     seq: u64,
-    /// Whether the writer's start message came: it comes once, and a second one (a
-    /// replayed recording, which would rewind `seq`) is refused.
+    /// Whether the writer's start message came: it comes once per connection the writer
+    /// moved this reader to, and one that is not that (a replayed recording, which would
+    /// rewind `seq`, or one after a message was taken) is refused.
     started: bool,
     /// How the stream ended, once it has: every call fails with its error from then on.
     pub(super) ended: Option<Ended>,
@@ -206,6 +210,7 @@ impl RemoteReader {
             rank,
             nonce: random16()?,
             session: None,
+            queue: None,
             seq: 0,
             started: false,
             ended: None,
@@ -266,9 +271,13 @@ impl RemoteReader {
                 zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
                     self.link.up = true;
                     self.link.down_since = None;
-                    if !self.started {
-                        self.say_hello();
-                    }
+                    // HELLO on every new connection, after the start too: the start is
+                    // taken by the first receive, which may come after the connection
+                    // that carried it ended (its end then seen before the start, so
+                    // not as the stream's). The writer moves a reader it sent nothing
+                    // to onto the new connection (and says start again: nothing new,
+                    // see `accept`), and refuses one it did send to (messages lost).
+                    self.say_hello();
                 }
                 zmq::SocketEvent::DISCONNECTED => {
                     self.link.up = false;
@@ -297,16 +306,23 @@ impl RemoteReader {
     /// The error of the stream's end, if it has ended.
     fn ended_error(&self) -> Option<Error> {
         Some(match self.ended.as_ref()? {
-            Ended::Closed => Error::Queue(QueueError::WriterShutDown { queue: None }),
+            Ended::Closed => Error::Queue(QueueError::WriterShutDown {
+                queue: self
+                    .queue
+                    .as_ref()
+                    .map(|q| format!("'{q}' (at {})", self.endpoint)),
+            }),
             Ended::Dropped => Error::Remote(RemoteError::ReaderDropped {
                 rank: self.rank,
                 endpoint: self.endpoint.clone(),
                 received: self.taken.msgs,
+                queue: self.queue.clone(),
             }),
             Ended::Gone(reason) => Error::Remote(RemoteError::WriterGone {
                 endpoint: self.endpoint.clone(),
                 received: self.taken.msgs,
                 reason: reason.clone(),
+                queue: self.queue.clone(),
             }),
         })
     }
@@ -382,9 +398,21 @@ impl RemoteReader {
 
     fn refuse(&self, why: &str) -> Error {
         Error::Remote(RemoteError::Refused(format!(
-            "remote reader rank {} of {}: {why}",
-            self.rank, self.endpoint
+            "remote reader rank {}{} at {}: {why}",
+            self.rank,
+            super::error::of_queue(self.queue.as_deref()),
+            self.endpoint
         )))
+    }
+
+    /// The writer as waits name it: "the writer of queue 'steps' at tcp://…", or "the
+    /// writer at tcp://…" before its WELCOME, or where it did not name the queue.
+    fn writer_words(&self) -> String {
+        format!(
+            "the writer{} at {}",
+            super::error::of_queue(self.queue.as_deref()),
+            self.endpoint
+        )
     }
 
     /// Check one message from the socket; `Ok(None)` for one to ignore (not from the
@@ -424,6 +452,15 @@ impl RemoteReader {
                     return Ok(None);
                 }
                 self.session = Some(session);
+                // The queue's name after the bounds, kept only if it is one a queue may
+                // have (no control, bidirectional-text or zero-width characters: it goes
+                // into messages the user reads).
+                self.queue = text
+                    .get(16..)
+                    .filter(|t| !t.is_empty())
+                    .and_then(|t| std::str::from_utf8(t).ok())
+                    .filter(|t| crate::broadcast::ring::check_label(t).is_ok())
+                    .map(str::to_owned);
                 // The writer's bounds: acknowledge every eighth of them (a writer that
                 // did not say gets an ACK for every message).
                 if let (Some(m), Some(b)) = (text.get(..8), text.get(8..16)) {
@@ -445,6 +482,15 @@ impl RemoteReader {
                     return Err(self.refuse("a start message failed authentication"));
                 }
                 if self.started {
+                    if seq == self.seq && self.taken.msgs == 0 {
+                        // Said again on a new connection, before any message: the writer
+                        // moved this reader there (its HELLO on the new connection), and
+                        // nothing was sent on the old one. Nothing new, nothing lost: the
+                        // stream goes on on this connection.
+                        self.watch_link();
+                        self.link.broken = false;
+                        return Ok(None);
+                    }
                     return Err(self.refuse(
                         "a second start message arrived (a replay? is another process using the writer's port?)",
                     ));
@@ -601,8 +647,14 @@ impl RemoteReader {
                     // takes ZeroMQ's pending work first, so it sees all of it).
                     self.watch_link();
                     if !self.link.broken {
-                        if let Some(reason) = self.silent() {
+                        // No connection up for as long as a silent one lasts (before the
+                        // start, or after a start taken once the connection that carried
+                        // it had ended), or one up and silent: the writer is gone.
+                        if let Some(reason) = self.unreachable().or_else(|| self.silent()) {
                             return Err(self.end(Ended::Gone(reason)));
+                        }
+                        if !self.started && self.link.hello_at.elapsed() >= HELLO_AGAIN {
+                            self.say_hello();
                         }
                         return Ok(None);
                     }
@@ -628,18 +680,22 @@ impl RemoteReader {
             }
             // The connection is watched (see the type's docs): the warning says where
             // the writer is and how far the stream got.
-            let (endpoint, seq) = (&self.endpoint, self.seq);
+            let (writer, seq) = (self.writer_words(), self.seq);
             wait.step_explained(&mut crate::wait::no_peer, &mut || {
                 format!(
-                    "the writer at {endpoint} (on another host; its connection is up), {seq} \
-                     messages received from it so far"
+                    "{writer} (on another host; its connection is up), {seq} messages \
+                     received from it so far"
                 )
             })?;
         }
     }
 
-    /// Wait until the writer accepted this reader and said start, saying HELLO again on
-    /// every new connection and every `HELLO_AGAIN` until then.
+    /// Wait until this reader is connected to the writer's port: ZeroMQ's handshake,
+    /// which the writer's I/O thread answers whatever the writer's program is doing. It
+    /// does not wait for the writer's own `wait_until_ready` (its WELCOME and start are
+    /// taken by the first receive, which says HELLO again until they come), so no order
+    /// of the two sides' waits, across any number of queues, deadlocks. A writer that
+    /// cannot be reached for as long as a silent connection lasts ends the wait.
     pub fn wait_ready(&mut self, wait: &mut Wait) -> Result<()> {
         loop {
             if let Some(e) = self.ended_error() {
@@ -655,6 +711,9 @@ impl RemoteReader {
                 }
             }
             self.watch_link();
+            if self.link.up {
+                return Ok(());
+            }
             if let Some(reason) = self.unreachable().or_else(|| self.silent()) {
                 return Err(self.end(Ended::Gone(reason)));
             }
@@ -711,6 +770,7 @@ pub(super) fn reader_in_session(
         rank: 1,
         nonce: [0; 16],
         session: Some(session),
+        queue: None,
         seq: 0,
         started: false,
         ended: None,

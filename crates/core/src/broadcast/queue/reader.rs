@@ -577,10 +577,11 @@ impl Reader {
     /// died is a [`QueueError::DeadWriter`] now; one that shut down is
     /// the next receive's error.
     ///
-    /// A remote reader still waits for its writer to accept it and say start (saying
-    /// HELLO again until then): across machines, a process makes its writers ready
-    /// before its remote readers (or in another thread). Once ready, later calls return
-    /// at once.
+    /// A remote reader waits only for its connection to the writer's port (ZeroMQ's
+    /// handshake, which the writer's I/O thread answers whatever its program does); the
+    /// writer's WELCOME and start are taken by its first receive, so across machines too
+    /// no order of the calls deadlocks. A writer that cannot be reached ends the wait
+    /// (see `remote`). Once ready, later calls return at once.
     pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.ready_what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
@@ -599,11 +600,8 @@ impl Reader {
                 RingReader::check_writer(ring.ring())?;
                 overflow.take_ready_if_here()?;
             }
-            // A remote writer that cannot be reached, or goes, ends the wait (see `remote`).
-            // It is waited for here, not in the first receive: the reader tells which of
-            // its connections carried the stream by taking the writer's start while it
-            // watches them (a start taken late cannot tell a connection that ended before
-            // it from the one that carried it).
+            // The connection only (see above); a remote writer that cannot be reached,
+            // or goes, ends the wait (see `remote`).
             Source::Remote { sub } => sub.wait_ready(wait)?,
         }
         self.ready = true;

@@ -231,7 +231,7 @@ fn a_lost_remote_reader_fails_the_sends_of_a_writer_that_asks_for_it() {
         for msg in [&b"two"[..], b"three"] {
             let e = w.enqueue(msg, t).unwrap_err();
             assert!(
-                matches!(&e, Error::Remote(RemoteError::LostReaders { readers })
+                matches!(&e, Error::Remote(RemoteError::LostReaders { readers, .. })
                     if readers[..] == [(0, Some("127.0.0.1".to_owned()))]),
                 "{e:?}"
             );

@@ -343,7 +343,7 @@ impl Writer {
         let (remote, ipv6, secret) = if n_remote_reader > 0 {
             let ip = opts.connect_ip.clone().unwrap_or_else(default_connect_ip);
             let secret = remote::new_secret()?;
-            let (p, v6) = RemoteWriter::bind(
+            let (mut p, v6) = RemoteWriter::bind(
                 &shared,
                 &ip,
                 secret,
@@ -351,6 +351,10 @@ impl Writer {
                 ranks.clone(),
                 opts.remote,
             )?;
+            if let Some(name) = &opts.name {
+                // Remote readers are told it in their WELCOME, and name the queue by it.
+                p.set_label(name)?;
+            }
             (Some(p), v6, Some(secret))
         } else {
             (None, false, None)

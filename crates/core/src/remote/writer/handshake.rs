@@ -62,8 +62,9 @@ impl RemoteWriter {
             let want = mac(&self.key, b"hello", &[&rank.to_le_bytes(), &nonce]);
             if !mac_eq(&want, &hello[28..60]) {
                 warn_user!(
-                    "shmq: refused a connection to {} that does not hold the queue's secret",
-                    self.endpoint
+                    "shmq: refused a connection to {}{} that does not hold the queue's secret",
+                    self.endpoint,
+                    self.of_queue()
                 );
                 continue;
             }
@@ -120,9 +121,10 @@ impl RemoteWriter {
                 // Another reader for a rank whose reader went away before the start:
                 // the rank is free again.
                 warn_user!(
-                    "shmq: remote reader rank {rank} (host {}) went away before the queue was \
-                     ready; a new reader takes its rank",
-                    self.peers[k].host.as_deref().unwrap_or("unknown")
+                    "shmq: remote reader rank {rank} (host {}){} went away before the queue \
+                     was ready; a new reader takes its rank",
+                    self.peers[k].host.as_deref().unwrap_or("unknown"),
+                    self.of_queue()
                 );
                 self.peers.remove(k);
             }
@@ -189,12 +191,15 @@ impl RemoteWriter {
         Ok(())
     }
 
-    /// Answer a HELLO with WELCOME: the session, and the bounds, so the reader knows
-    /// when to acknowledge; under a MAC bound to the reader's nonce. Best effort: a
+    /// Answer a HELLO with WELCOME: the session, the bounds, so the reader knows when to
+    /// acknowledge, and the queue's name; under a MAC bound to the reader's nonce. Best effort: a
     /// reader whose connection went meanwhile says HELLO again on its next one.
     fn welcome(&self, id: &[u8], rank: u64, nonce: &[u8; 16]) {
         let mut text = (self.options.hwm.max(1) as u64).to_le_bytes().to_vec();
         text.extend_from_slice(&self.options.max_queued_bytes.to_le_bytes());
+        // Then the queue's name, if it has one (a reader of an older version reads only
+        // the bounds).
+        text.extend_from_slice(self.label.as_deref().unwrap_or("").as_bytes());
         let m = mac(
             &self.key,
             b"welcome",
@@ -227,10 +232,11 @@ impl RemoteWriter {
             Err(zmq::Error::EHOSTUNREACH | zmq::Error::EAGAIN) => {
                 let p = &self.peers[k];
                 warn_user!(
-                    "shmq: remote reader rank {} (host {}) went away before it was told to \
+                    "shmq: remote reader rank {} (host {}){} went away before it was told to \
                      start; {}",
                     p.rank,
                     p.host.as_deref().unwrap_or("unknown"),
+                    self.of_queue(),
                     if self.ready {
                         "no messages go to it"
                     } else {

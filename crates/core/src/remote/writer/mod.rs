@@ -97,6 +97,9 @@ pub struct RemoteWriter {
     heartbeat: Option<Duration>,
     /// What the guard of the port must know (see [`spawn_guard`]).
     pub(super) guard: std::sync::Arc<Guard>,
+    /// The queue's name, where its writer named it: said to each reader in its WELCOME
+    /// (under the MAC), and in this writer's own warnings and errors.
+    label: Option<String>,
 }
 
 impl Drop for RemoteWriter {
@@ -198,9 +201,25 @@ impl RemoteWriter {
                 hellos_served: Instant::now(),
                 heartbeat,
                 guard,
+                label: None,
             },
             ipv6,
         ))
+    }
+
+    /// Name the queue (its writer's name for it, checked by
+    /// [`check_label`](crate::broadcast::ring::check_label)): readers are told it in their
+    /// WELCOME and name the queue by it in their errors, as this writer does in its
+    /// warnings. Before the first reader is welcomed.
+    pub fn set_label(&mut self, label: &str) -> Result<()> {
+        crate::broadcast::ring::check_label(label)?;
+        self.label = Some(label.to_owned());
+        Ok(())
+    }
+
+    /// " of queue 'steps'" where the queue was named, else nothing.
+    pub(super) fn of_queue(&self) -> String {
+        super::error::of_queue(self.label.as_deref())
     }
 
     /// The address readers connect to.
@@ -235,7 +254,11 @@ impl RemoteWriter {
         }
         let readers = self.peers.iter().filter(|p| p.dropped);
         let readers = readers.map(|p| (p.rank, p.host.clone())).collect();
-        Err(RemoteError::LostReaders { readers }.into())
+        Err(RemoteError::LostReaders {
+            readers,
+            queue: self.label.clone(),
+        }
+        .into())
     }
 
     /// Find the readers whose connection ZeroMQ closed since the last send (it closes
@@ -362,10 +385,11 @@ impl RemoteWriter {
             SlowReaderPolicy::Drop => {
                 let p = &self.peers[k];
                 warn_user!(
-                    "shmq: remote reader rank {} is not keeping up ({} messages, {} bytes sent \
-                     to it and not taken; the bounds are {hwm} messages, {max_bytes} bytes); \
-                     no more messages go to it",
+                    "shmq: remote reader rank {}{} is not keeping up ({} messages, {} bytes \
+                     sent to it and not taken; the bounds are {hwm} messages, {max_bytes} \
+                     bytes); no more messages go to it",
                     p.rank,
+                    self.of_queue(),
                     p.sent_msgs - p.taken_msgs,
                     p.sent_bytes - p.taken_bytes,
                 );
@@ -520,10 +544,11 @@ impl RemoteWriter {
             )
         });
         warn_user!(
-            "shmq: remote reader rank {} (host {}) is gone (its connection closed{silence}); \
-             no more messages go to it",
+            "shmq: remote reader rank {} (host {}){} is gone (its connection \
+             closed{silence}); no more messages go to it",
             self.peers[k].rank,
-            self.peers[k].host.as_deref().unwrap_or("unknown")
+            self.peers[k].host.as_deref().unwrap_or("unknown"),
+            self.of_queue()
         );
         self.peers[k].dropped = true;
     }
