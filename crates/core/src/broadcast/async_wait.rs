@@ -9,7 +9,7 @@
 //! of its own, in *shards*: each shard holds up to [`MAX_TARGETS`] waits and one thread
 //! that sleeps in a single [`wait_any`] on all of them (one `futex_waitv` on their
 //! rings' doorbells and the shard's own [`WakeWord`]), then wakes the
-//! [`Waker`](std::task::Waker)s of the waits that became ready. More waits at once get
+//! [`Waker`]s of the waits that became ready. More waits at once get
 //! more shards. Nothing polls: the sleep ends when a writer publishes (or shuts down, or
 //! is found dead, which [`wait_any`] looks at twice a second), and when a wait is added
 //! to or dropped from the shard (the shard's wake word, bumped by whoever changed its

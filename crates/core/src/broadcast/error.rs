@@ -57,8 +57,11 @@ pub enum QueueError {
     /// longer whole).
     #[error("writer {name:?} (#{writer}) of this Gather died: {cause}")]
     GatherWriterDied {
+        /// The writer's index in the Gather.
         writer: usize,
+        /// The name the writer was given.
         name: String,
+        /// Its queue's error.
         #[source]
         cause: Box<crate::Error>,
     },
@@ -68,7 +71,9 @@ pub enum QueueError {
     /// `died`: the writers' names.
     #[error("every writer of this Gather has ended its queue (ended: {ended:?}, died: {died:?})")]
     GatherEnded {
+        /// The writers that ended their queue normally.
         ended: Vec<String>,
+        /// The writers that died.
         died: Vec<String>,
     },
 }
