@@ -581,6 +581,39 @@ mod tests {
     }
 
     #[test]
+    fn a_message_larger_than_a_chunk_is_awaited_and_a_remote_reader_is_refused() {
+        let mut w = Writer::new(QueueOptions {
+            n_reader: 2,
+            n_local_reader: 1,
+            max_chunk_bytes: 64,
+            max_chunks: 2,
+            connect_ip: Some("127.0.0.1".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        let mut local = Reader::open(w.handle(), 0).unwrap();
+        let mut remote = Reader::open(w.handle(), 1).unwrap();
+        // Refused before it waits for anything: no futex rings for a TCP stream.
+        assert!(matches!(
+            block_on(remote.dequeue_async()),
+            Err(Error::WrongRole(m)) if m.contains("thread")
+        ));
+        std::thread::scope(|s| {
+            s.spawn(|| remote.wait_until_ready(BOUND).unwrap());
+            local.wait_until_ready(BOUND).unwrap();
+            w.wait_until_ready(BOUND).unwrap();
+        });
+        // Over the queue's socket (the ring holds its mark), then one in a chunk.
+        let big: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        w.enqueue(&big, BOUND).unwrap();
+        w.enqueue(b"small", BOUND).unwrap();
+        assert_eq!(block_on(local.dequeue_async()).unwrap(), big);
+        assert_eq!(block_on(local.dequeue_async()).unwrap(), b"small");
+        assert_eq!(remote.dequeue(BOUND).unwrap(), big);
+        assert_eq!(remote.dequeue(BOUND).unwrap(), b"small");
+    }
+
+    #[test]
     fn more_waits_than_one_shard_takes_get_a_second_thread() {
         let waiter = AsyncWaiter::new();
         let queues: Vec<(Writer, Reader)> = (0..MAX_TARGETS + 3).map(|_| queue()).collect();
