@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Rust tests: `cargo test` (unit, integration in several processes, examples), the doc
-# tests, and the broadcast example run. Needs only cargo: `bash scripts/ci/rust-test.sh`.
+# tests, and the broadcast and async (tokio) examples run. Needs only cargo:
+# `bash scripts/ci/rust-test.sh`.
 set -euo pipefail
 # shellcheck source=scripts/ci/common.sh
 source "$(dirname "$0")/common.sh"
@@ -12,3 +13,4 @@ step "Rust: cargo test (unit, integration in several processes, doc tests, examp
 cargo test --workspace --exclude shmq-python --all-targets
 cargo test --workspace --exclude shmq-python --doc
 cargo run --quiet --example broadcast
+cargo run --quiet --example async_tokio

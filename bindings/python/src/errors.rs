@@ -142,12 +142,12 @@ fn os_exception(err: OsError) -> PyErr {
 fn queue_exception(err: QueueError) -> PyErr {
     let msg = err.to_string();
     match err {
-        QueueError::DeadReader { .. } | QueueError::DeadWriter { .. } => {
-            PeerDiedError::new_err(msg)
-        }
-        QueueError::ShutDown | QueueError::WriterShutDown { .. } => {
-            QueueShutDownError::new_err(msg)
-        }
+        QueueError::DeadReader { .. }
+        | QueueError::DeadWriter { .. }
+        | QueueError::GatherWriterDied { .. } => PeerDiedError::new_err(msg),
+        QueueError::ShutDown
+        | QueueError::WriterShutDown { .. }
+        | QueueError::GatherEnded { .. } => QueueShutDownError::new_err(msg),
         QueueError::WriterGoneMidMessage => MessageLostError::new_err(msg),
         _ => PyRuntimeError::new_err(msg),
     }

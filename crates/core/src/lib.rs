@@ -20,7 +20,9 @@
 //! - [`storage`]: the object store, on the FIFO allocator;
 //! - [`arena`]: the tensor arena (large message parts read as private views, and
 //!   [`Loan`]s to fill in place);
-//! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it;
+//! - [`broadcast`]: the broadcast ring and the queue ([`Writer`], [`Reader`]) built on it,
+//!   its async receives on any executor ([`AsyncWaiter`]) and [`Gather`] (many writers'
+//!   queues read as one stream);
 //! - [`relay`]: one copy of a remote stream per node: a remote reader that writes every
 //!   message, whole, into a queue of its own for the readers on its machine;
 //! - [`encoder_cache`]: the encoder-cache hand-off: a producer's entries by key to every
@@ -55,7 +57,8 @@ pub mod wait;
 
 pub use arena::{ArenaView, Loan};
 pub use broadcast::{
-    Array, ArrayMeta, ArrayRef, Dtype, Element, Handle, OwnedPart, QueueOptions, Reader, Writer,
+    Array, ArrayMeta, ArrayRef, AsyncWaiter, Dtype, Element, Gather, GatherCanceller, Handle,
+    OwnedPart, QueueOptions, Reader, Writer,
 };
 pub use error::{Error, Result};
 pub use transport::default_connect_ip;

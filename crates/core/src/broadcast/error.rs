@@ -49,6 +49,33 @@ pub enum QueueError {
          that message is lost; the messages after it are still read"
     )]
     WriterGoneMidMessage,
+
+    /// A writer of a [`Gather`](crate::broadcast::Gather) died, after every message it
+    /// sent was received: it is left out (see `Gather::died`) and the next receive goes
+    /// on with the others. `writer`: its index in the Gather; `name`: the name it was
+    /// given; `cause`: its queue's error ([`QueueError::DeadWriter`], or a segment no
+    /// longer whole).
+    #[error("writer {name:?} (#{writer}) of this Gather died: {cause}")]
+    GatherWriterDied {
+        /// The writer's index in the Gather.
+        writer: usize,
+        /// The name the writer was given.
+        name: String,
+        /// Its queue's error.
+        #[source]
+        cause: Box<crate::Error>,
+    },
+
+    /// Every writer of a [`Gather`](crate::broadcast::Gather) has ended its queue (or
+    /// died, which was reported before): no more messages will come. `ended` and
+    /// `died`: the writers' names.
+    #[error("every writer of this Gather has ended its queue (ended: {ended:?}, died: {died:?})")]
+    GatherEnded {
+        /// The writers that ended their queue normally.
+        ended: Vec<String>,
+        /// The writers that died.
+        died: Vec<String>,
+    },
 }
 
 /// The message of [`QueueError::DeadReader`], naming the queue (its ring segment) if known.

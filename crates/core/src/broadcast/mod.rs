@@ -8,17 +8,24 @@
 //! - [`queue`]: [`Writer`] and [`Reader`], which combine the ring (local readers) with
 //!   the ZeroMQ transport (oversized messages and remote readers).
 //! - [`wait_any`]: one thread waiting for several local readers at once (`futex_waitv`).
+//! - [`async_wait`]: async receives on any executor ([`AsyncWaiter`], waiter threads
+//!   asleep in `wait_any`; [`Reader::dequeue_async`] and its siblings).
+//! - [`gather`]: [`Gather`], many writers' queues read as one stream, blocking or awaited.
 //! - `error`: [`QueueError`], how a queue ends (a dead peer, a shutdown).
 
 pub mod array;
+pub mod async_wait;
 mod error;
 pub(crate) mod framing;
+pub mod gather;
 pub mod queue;
 pub mod ring;
 pub mod wait_any;
 
 pub use array::{Array, ArrayMeta, ArrayRef, Dtype, Element};
+pub use async_wait::{AsyncWaiter, WaitReady};
 pub use error::QueueError;
+pub use gather::{Gather, GatherCanceller};
 pub use queue::{
     Canceller, ChunkRead, Handle, OwnedPart, Part, QueueOptions, Reader, Received, Writer,
 };

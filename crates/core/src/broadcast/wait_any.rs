@@ -92,6 +92,60 @@ impl ReadyTarget {
 /// caller chose its targets), or `timeout` passes. Returns the indices of the targets
 /// ready (empty: woken or timed out). At most [`MAX_TARGETS`] targets; an
 /// [`OsError::Os`] of kind `Unsupported` where the kernel has no `futex_waitv`.
+///
+/// The caller owns a [`WakeWord`] (`WakeWord::default()`), reads it with
+/// [`WakeWord::current`] *before* it takes its targets, and passes what it read: another
+/// thread that changes what to wait for (or wants the waiter to stop) calls [`wake`] on
+/// the same word, and the wait returns at once even if it had not begun to sleep. Take a
+/// new [`ReadyTarget::of`] each reader after each message it takes (a target names the
+/// chunk its reader reads next). For async code, [`AsyncWaiter`](super::AsyncWaiter)
+/// does all this on threads of its own.
+///
+/// ```
+/// use std::time::Duration;
+/// use shmq_core::broadcast::wait_any::{wait_any, wake, ReadyTarget, WakeWord};
+/// use shmq_core::{QueueOptions, Reader, Writer};
+///
+/// let t = Duration::from_secs(10);
+/// let mut writers: Vec<Writer> = (0..3)
+///     .map(|_| Writer::new(QueueOptions::local(1)))
+///     .collect::<Result<_, _>>()?;
+/// let mut readers: Vec<Reader> = writers
+///     .iter()
+///     .map(|w| Reader::open(w.handle(), 0))
+///     .collect::<Result<_, _>>()?;
+/// for r in &mut readers {
+///     r.wait_until_ready(t)?;
+/// }
+/// let word = WakeWord::default();
+/// std::thread::scope(|s| {
+///     let second = &mut writers[1];
+///     s.spawn(move || {
+///         second.wait_until_ready(t)?;
+///         second.enqueue(b"from the second writer", t)
+///     });
+///     loop {
+///         let seen = word.current(); // before the targets
+///         let targets: Vec<ReadyTarget> =
+///             readers.iter().map(|r| ReadyTarget::of(r).expect("local")).collect();
+///         let refs: Vec<&ReadyTarget> = targets.iter().collect();
+///         // Sleeps on the three queues' doorbells at once.
+///         let ready = wait_any(&refs, &word, seen, Some(t))?;
+///         if let Some(&i) = ready.first() {
+///             // Ready: the reader's next call returns at once (a message, or its error).
+///             let msg = readers[i].dequeue(Duration::ZERO)?;
+///             assert_eq!((i, msg.as_slice()), (1, &b"from the second writer"[..]));
+///             return Ok::<(), shmq_core::Error>(());
+///         }
+///     }
+/// })?;
+/// // Another thread ends a wait with the word: `wait_any` returns no target.
+/// let seen = word.current();
+/// wake(&word);
+/// let target = ReadyTarget::of(&readers[0]).expect("local");
+/// assert!(wait_any(&[&target], &word, seen, None)?.is_empty());
+/// # Ok::<(), shmq_core::Error>(())
+/// ```
 pub fn wait_any(
     targets: &[&ReadyTarget],
     wake: &WakeWord,

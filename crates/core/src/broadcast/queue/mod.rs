@@ -33,6 +33,7 @@ use shmq_os::liveness::Liveness;
 pub use cancel::Canceller;
 pub use handle::Handle;
 pub use options::QueueOptions;
+pub(crate) use reader::{own_array, own_parts, AsyncStep};
 pub use reader::{ChunkEnd, ChunkRead, ChunkView, OwnedPart, Part, Reader, Received};
 pub use writer::Writer;
 

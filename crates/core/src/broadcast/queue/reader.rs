@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use super::super::array::{Array, ArrayMeta};
 use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, Ring, RingReader};
+use super::super::wait_any::ReadyTarget;
 use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
 use crate::error::{Error, QueueError, Result};
@@ -186,6 +187,50 @@ impl From<Part<'_>> for OwnedPart {
             Part::Arena(v) => OwnedPart::Arena(v),
         }
     }
+}
+
+/// A message as [`Reader::dequeue_parts`] returns it: its parts, owned (a plain message
+/// is one part); a typed array is an error naming it (consumed).
+pub(crate) fn own_parts(m: Received<'_>) -> Result<Vec<OwnedPart>> {
+    match m {
+        Received::Bytes(b) => Ok(vec![OwnedPart::Copied(b.to_vec())]),
+        Received::Parts(p) => Ok(p.into_iter().map(OwnedPart::from).collect()),
+        other => Err(Error::InvalidArgument(format!(
+            "this message was sent as {}; read it with dequeue_array (the message is \
+             consumed)",
+            other.kind_words()
+        ))),
+    }
+}
+
+/// A message as [`Reader::dequeue_array`] returns it: a typed array; any other message
+/// is an error naming what it is (consumed).
+pub(crate) fn own_array(m: Received<'_>) -> Result<Array> {
+    match m {
+        Received::Array { meta, data } => Ok(Array::new(meta, data.into())),
+        other => Err(Error::InvalidArgument(format!(
+            "this message was sent as {}, not as a typed array; read it with {} (the \
+             message is consumed)",
+            other.kind_words(),
+            if matches!(other, Received::Bytes(_)) {
+                "dequeue"
+            } else {
+                "dequeue_parts"
+            }
+        ))),
+    }
+}
+
+/// What one look of an async receive found ([`Reader::async_step`]).
+#[derive(Debug)]
+pub(crate) enum AsyncStep<R> {
+    /// The message, taken.
+    Taken(R),
+    /// Nothing yet: wait until this target is ready, then look again.
+    Wait(ReadyTarget),
+    /// A message larger than a chunk, whose mark is in the ring and whose bytes are still
+    /// on their way over the socket (sent before the mark): look again at once.
+    Retry,
 }
 
 /// The parts named by `refs`: inline ones borrowed from `block`, frames taken from
@@ -789,6 +834,73 @@ impl Reader {
         }
     }
 
+    /// One look of an async receive (`broadcast::async_wait`), which never blocks:
+    /// `take` the next message if it is here; else say what to wait for, or the error
+    /// the blocking call would end with now (the writer's shutdown once every message
+    /// is read, its death, this reader cancelled). A remote reader's is an error: no
+    /// futex rings for its TCP stream.
+    pub(crate) fn async_step<R>(
+        &mut self,
+        take: &mut impl FnMut(&mut Reader) -> Result<Option<R>>,
+    ) -> Result<AsyncStep<R>> {
+        if !self.is_local() {
+            return Err(Error::WrongRole(
+                "a remote reader cannot be awaited: its messages come over TCP, which no \
+                 futex wakes; wait for it in a thread (a blocking dequeue in \
+                 std::thread::spawn or your runtime's spawn_blocking)"
+                    .into(),
+            ));
+        }
+        loop {
+            if let Some(r) = take(self)? {
+                self.writer_gone_since = None;
+                return Ok(AsyncStep::Taken(r));
+            }
+            // Nothing taken. As a blocking wait ends: cancelled, then what the ring says.
+            if self.canceller.is_cancelled() {
+                return Err(Error::Cancelled);
+            }
+            let Source::Local { ring, .. } = &mut self.source else {
+                unreachable!("checked above")
+            };
+            let r = ring.ring().clone();
+            match ring.poll() {
+                Some(info) if info.kind == ChunkKind::Overflow => {
+                    // The bytes are on their way (see `wait_message_with`, whose checks
+                    // these are): only a writer that died, or shut down and went away
+                    // before ZeroMQ delivered them, leaves them missing.
+                    RingReader::check_writer(&r)?;
+                    if r.writer_closed() && r.writer_gone() {
+                        let since = *self.writer_gone_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() >= READY_GRACE {
+                            // Lost: its mark is consumed (the next call reads on).
+                            ring.finish();
+                            self.writer_gone_since = None;
+                            return Err(Error::Queue(QueueError::WriterGoneMidMessage));
+                        }
+                    }
+                    return Ok(AsyncStep::Retry);
+                }
+                // Published after `take` looked: take it.
+                Some(_) => continue,
+                None if r.writer_closed() => {
+                    // Once more after seeing the mark (see `RingReader::wait`).
+                    if ring.poll().is_some() {
+                        continue;
+                    }
+                    return Err(Error::Queue(QueueError::WriterShutDown {
+                        queue: Some(r.queue_words()),
+                    }));
+                }
+                None => {
+                    RingReader::check_writer(&r)?;
+                    let target = ReadyTarget::of(self).expect("a local reader has a target");
+                    return Ok(AsyncStep::Wait(target));
+                }
+            }
+        }
+    }
+
     /// Wait for the next message and return a copy of it.
     pub fn dequeue<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<u8>> {
         if let Some(m) = self.try_take(|b| b.to_vec())? {
@@ -803,22 +915,11 @@ impl Reader {
     /// small parts copied out of the chunk, large ones as private views of the tensor
     /// arena that hold their bytes until dropped (no copy).
     pub fn dequeue_parts<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<OwnedPart>> {
-        fn own(m: Received<'_>) -> Result<Vec<OwnedPart>> {
-            match m {
-                Received::Bytes(b) => Ok(vec![OwnedPart::Copied(b.to_vec())]),
-                Received::Parts(p) => Ok(p.into_iter().map(OwnedPart::from).collect()),
-                other => Err(Error::InvalidArgument(format!(
-                    "this message was sent as {}; read it with dequeue_array (the message is \
-                     consumed)",
-                    other.kind_words()
-                ))),
-            }
-        }
-        if let Some(m) = self.try_take_message(own)? {
+        if let Some(m) = self.try_take_message(own_parts)? {
             return m;
         }
         self.wait_message(wait)?;
-        self.try_take_message(own)?
+        self.try_take_message(own_parts)?
             .ok_or_else(|| self.not_ready_any_more())?
     }
 
@@ -827,26 +928,11 @@ impl Reader {
     /// arena (or the frame it came in) if large: no copy. Any other message is an error
     /// naming what it is; it is consumed and the reader goes on with the next one.
     pub fn dequeue_array<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Array> {
-        fn own(m: Received<'_>) -> Result<Array> {
-            match m {
-                Received::Array { meta, data } => Ok(Array::new(meta, data.into())),
-                other => Err(Error::InvalidArgument(format!(
-                    "this message was sent as {}, not as a typed array; read it with {} (the \
-                     message is consumed)",
-                    other.kind_words(),
-                    if matches!(other, Received::Bytes(_)) {
-                        "dequeue"
-                    } else {
-                        "dequeue_parts"
-                    }
-                ))),
-            }
-        }
-        if let Some(m) = self.try_take_message(own)? {
+        if let Some(m) = self.try_take_message(own_array)? {
             return m;
         }
         self.wait_message(wait)?;
-        self.try_take_message(own)?
+        self.try_take_message(own_array)?
             .ok_or_else(|| self.not_ready_any_more())?
     }
 
