@@ -30,6 +30,9 @@ const COUNT_ENV: &str = "SHMQ_NAMES_TEST_COUNT";
 /// The user a child becomes before anything else (a root parent's children only).
 const UID_ENV: &str = "SHMQ_NAMES_TEST_UID";
 
+/// The pid of the killed writer whose name a `checker` child checks.
+const KILLED_ENV: &str = "SHMQ_NAMES_TEST_KILLED";
+
 /// Bound on every blocking call and every wait for a child.
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -88,6 +91,7 @@ fn child_role() {
         "writer" => play_writer(&name, count),
         "reader" => play_reader(&name, count),
         "claimer" => play_claimer(&name),
+        "checker" => play_checker(&name, std::env::var(KILLED_ENV).unwrap().parse().unwrap()),
         other => Err(format!("unknown role {other}")),
     };
     match outcome {
@@ -157,6 +161,40 @@ fn play_claimer(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The name of the killed writer `killed`: reported gone once (its record removed), then
+/// not found, then taken by a new writer; say `checked`. Run with a directory of names
+/// of its own (`SHMQ_NAMES_DIR`): any other process's claim removes dead records.
+fn play_checker(name: &str, killed: u32) -> Result<(), String> {
+    let path = names::record_path(Kind::Queue, name, false)
+        .map_err(|e| e.to_string())?
+        .ok_or("no directory of names")?;
+    if std::fs::symlink_metadata(&path).is_err() {
+        return Err("the killed writer's record is not there".into());
+    }
+    match Reader::open_by_name(name, 0) {
+        Err(Error::Name(NameError::Gone { pid, .. })) if pid == i64::from(killed) => {}
+        Err(e) => return Err(format!("not reported gone: {e}")),
+        Ok(_) => return Err("a dead writer's queue opened".into()),
+    }
+    let gone = format!("the queue named '{name}' is gone: its writer (pid {killed})");
+    if std::fs::symlink_metadata(&path).is_ok() {
+        return Err("the dead record is still there".into());
+    }
+    match Reader::open_by_name(name, 0) {
+        Err(Error::Name(NameError::NotFound { .. })) => {}
+        Err(e) => return Err(format!("not 'not found' the second time: {e}")),
+        Ok(_) => return Err("a dead writer's queue opened".into()),
+    }
+    let taken = Writer::new(named_options(name)).map_err(|e| format!("taking over: {e}"))?;
+    let record = names::lookup(Kind::Queue, name).map_err(|e| e.to_string())?;
+    if record.pid() != i64::from(std::process::id()) {
+        return Err(format!("the record names pid {}", record.pid()));
+    }
+    drop(taken);
+    say(&format!("checked {gone}"));
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------
 // The parent side
 
@@ -168,8 +206,21 @@ struct Peer {
 
 impl Peer {
     fn start(test: &str, role: &str, name: &str, count: u64, uid: Option<u32>) -> Peer {
+        Self::start_with(test, role, name, count, uid, &[])
+    }
+
+    /// [`start`](Self::start), with `env` set too.
+    fn start_with(
+        test: &str,
+        role: &str,
+        name: &str,
+        count: u64,
+        uid: Option<u32>,
+        env: &[(&str, String)],
+    ) -> Peer {
         let mut command = Command::new(std::env::current_exe().unwrap());
         command
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .args(["--exact", test, "--nocapture", "--test-threads=1"])
             .env(ROLE_ENV, role)
             .env(NAME_ENV, name)
@@ -313,47 +364,33 @@ fn a_name_held_by_a_live_writer_is_refused_in_another_process() {
 #[test]
 fn a_killed_writers_name_is_reported_gone_then_taken_over() {
     child_role();
+    const TEST: &str = "a_killed_writers_name_is_reported_gone_then_taken_over";
+    // A directory of names of the test's own: another process's claim (the other tests',
+    // or any program of this user) removes the dead records it finds, before the checker
+    // could see this one.
+    let dir = format!("/dev/shm/.shmqtest-names-{}-killed", std::process::id());
+    let env = [(names::DIRECTORY_ENV, dir.clone())];
     let name = unique_name("killed");
-    let mut writer = Peer::start(
-        "a_killed_writers_name_is_reported_gone_then_taken_over",
-        "writer",
-        &name,
-        0,
-        None,
-    );
-    let pid: u32 = writer.expect("ready").parse().unwrap();
-    let record = names::lookup(Kind::Queue, &name).unwrap();
-    assert_eq!(record.pid(), i64::from(pid));
-    // SIGKILL: no destructor runs, the record stays; only its lock goes.
-    writer.child.kill().unwrap();
-    writer.child.wait().unwrap();
-    remove_leftovers_of(pid);
-    let path = names::record_path(Kind::Queue, &name, false)
-        .unwrap()
-        .unwrap();
-    assert!(std::fs::symlink_metadata(&path).is_ok(), "the dead record");
-    let e = Reader::open_by_name(&name, 0).unwrap_err();
-    assert!(
-        matches!(&e, Error::Name(NameError::Gone { pid: p, .. }) if *p == i64::from(pid)),
-        "{e:?}"
-    );
-    assert!(
-        e.to_string().contains(&format!(
-            "the queue named '{name}' is gone: its writer (pid {pid})"
-        )),
-        "{e}"
-    );
-    // Reported once: the record was removed, the name is free.
-    assert!(std::fs::symlink_metadata(&path).is_err());
-    let e = Reader::open_by_name(&name, 0).unwrap_err();
-    assert!(
-        matches!(e, Error::Name(NameError::NotFound { .. })),
-        "{e:?}"
-    );
-    let taken = Writer::new(named_options(&name)).unwrap();
-    let record = names::lookup(Kind::Queue, &name).unwrap();
-    assert_eq!(record.pid(), i64::from(std::process::id()));
-    drop(taken);
+    let result = std::panic::catch_unwind(|| {
+        let mut writer = Peer::start_with(TEST, "writer", &name, 0, None, &env);
+        let pid: u32 = writer.expect("ready").parse().unwrap();
+        // SIGKILL: no destructor runs, the record stays; only its lock goes.
+        writer.child.kill().unwrap();
+        writer.child.wait().unwrap();
+        remove_leftovers_of(pid);
+        let env = [env[0].clone(), (KILLED_ENV, pid.to_string())];
+        let mut checker = Peer::start_with(TEST, "checker", &name, 0, None, &env);
+        let checked = checker.expect("checked");
+        assert!(
+            checked.contains(&format!("its writer (pid {pid})")),
+            "{checked}"
+        );
+        assert!(checker.succeeded());
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
 }
 
 /// As root: a stranger (uid 65534) owns the entry where a user's directory of names goes
