@@ -21,7 +21,7 @@ use shmq::error::NameError;
 use shmq::names::{self, Kind};
 use shmq::{Error, QueueOptions, Reader, Writer};
 
-/// What a child plays: `writer`, `reader` or `claimer`. Its presence marks the child.
+/// What a child plays: `writer`, `reader`, `claimer`, `absent` or `checker`. Its presence marks the child.
 const ROLE_ENV: &str = "SHMQ_NAMES_TEST_ROLE";
 /// The queue's name.
 const NAME_ENV: &str = "SHMQ_NAMES_TEST_NAME";
@@ -91,6 +91,14 @@ fn child_role() {
         "writer" => play_writer(&name, count),
         "reader" => play_reader(&name, count),
         "claimer" => play_claimer(&name),
+        "absent" => match Reader::open_by_name(&name, 0) {
+            Err(Error::Name(NameError::NotFound { .. })) => {
+                say("absent");
+                Ok(())
+            }
+            Err(e) => Err(format!("not 'not found': {e}")),
+            Ok(_) => Err("an ended writer's queue opened".into()),
+        },
         "checker" => play_checker(&name, std::env::var(KILLED_ENV).unwrap().parse().unwrap()),
         other => Err(format!("unknown role {other}")),
     };
@@ -156,7 +164,10 @@ fn play_claimer(name: &str) -> Result<(), String> {
     match Writer::new(named_options(name)) {
         Err(Error::Name(NameError::Taken { pid: Some(pid), .. })) => say(&format!("taken {pid}")),
         Err(e) => return Err(format!("not refused as taken: {e}")),
-        Ok(_) => say("took"),
+        Ok(writer) => {
+            say("took");
+            drop(writer);
+        }
     }
     Ok(())
 }
@@ -306,59 +317,70 @@ fn remove_leftovers_of(pid: u32) {
 // ---------------------------------------------------------------------------------
 // The tests
 
+/// A directory of names of the test's own (`SHMQ_NAMES_DIR`, set for its children
+/// only): every claim removes the dead records it finds, so a test in the user's
+/// directory of names would sweep other programs' (and the Python tests') records, and
+/// have its own swept.
+struct PrivateNames(String);
+
+impl PrivateNames {
+    fn new(test: &str) -> PrivateNames {
+        PrivateNames(format!(
+            "/dev/shm/.shmqtest-names-{}-{test}",
+            std::process::id()
+        ))
+    }
+
+    fn env(&self) -> Vec<(&'static str, String)> {
+        vec![(names::DIRECTORY_ENV, self.0.clone())]
+    }
+}
+
+impl Drop for PrivateNames {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[test]
 fn a_reader_in_another_process_opens_a_writer_by_its_name() {
     child_role();
+    const TEST: &str = "a_reader_in_another_process_opens_a_writer_by_its_name";
     const N: u64 = 2000;
+    let dir = PrivateNames::new("opened");
     let name = unique_name("steps →");
-    let mut writer = Writer::new(named_options(&name)).unwrap();
-    let mut reader = Peer::start(
-        "a_reader_in_another_process_opens_a_writer_by_its_name",
-        "reader",
-        &name,
-        N,
-        None,
-    );
-    writer.wait_until_ready(Some(TIMEOUT)).unwrap();
-    for seq in 0..N {
-        writer.enqueue(&message(seq), Some(TIMEOUT)).unwrap();
-    }
+    let mut writer = Peer::start_with(TEST, "writer", &name, N, None, &dir.env());
+    writer.expect("ready");
+    let mut reader = Peer::start_with(TEST, "reader", &name, N, None, &dir.env());
     assert_eq!(reader.expect("read"), N.to_string());
     assert!(reader.succeeded());
-    writer.close();
-    // Closed: the name is free, and there is no such queue.
-    let e = Reader::open_by_name(&name, 0).unwrap_err();
-    assert!(
-        matches!(e, Error::Name(NameError::NotFound { .. })),
-        "{e:?}"
-    );
+    writer.expect("sent");
+    assert!(writer.succeeded()); // its stdin closed: it ends, and lets the name go
+                                 // Ended: the name is free, and there is no such queue.
+    let mut absent = Peer::start_with(TEST, "absent", &name, 0, None, &dir.env());
+    assert_eq!(absent.expect("absent"), "");
+    assert!(absent.succeeded());
+    let mut claimer = Peer::start_with(TEST, "claimer", &name, 0, None, &dir.env());
+    assert_eq!(claimer.expect("took"), "");
+    assert!(claimer.succeeded());
 }
 
 #[test]
 fn a_name_held_by_a_live_writer_is_refused_in_another_process() {
     child_role();
+    const TEST: &str = "a_name_held_by_a_live_writer_is_refused_in_another_process";
+    let dir = PrivateNames::new("held");
     let name = unique_name("held");
-    let writer = Writer::new(named_options(&name)).unwrap();
-    let mut claimer = Peer::start(
-        "a_name_held_by_a_live_writer_is_refused_in_another_process",
-        "claimer",
-        &name,
-        0,
-        None,
-    );
-    assert_eq!(claimer.expect("taken"), std::process::id().to_string());
+    let mut writer = Peer::start_with(TEST, "writer", &name, 0, None, &dir.env());
+    let pid = writer.expect("ready");
+    let mut claimer = Peer::start_with(TEST, "claimer", &name, 0, None, &dir.env());
+    assert_eq!(claimer.expect("taken"), pid);
     assert!(claimer.succeeded());
-    let e = Writer::new(named_options(&name)).unwrap_err();
-    assert!(
-        e.to_string().contains(&format!(
-            "a queue named '{name}' already exists (made by pid {}",
-            std::process::id()
-        )),
-        "{e}"
-    );
-    drop(writer);
+    assert!(writer.succeeded());
     // Free once its writer is gone.
-    drop(Writer::new(named_options(&name)).unwrap());
+    let mut claimer = Peer::start_with(TEST, "claimer", &name, 0, None, &dir.env());
+    assert_eq!(claimer.expect("took"), "");
+    assert!(claimer.succeeded());
 }
 
 #[test]
@@ -368,8 +390,8 @@ fn a_killed_writers_name_is_reported_gone_then_taken_over() {
     // A directory of names of the test's own: another process's claim (the other tests',
     // or any program of this user) removes the dead records it finds, before the checker
     // could see this one.
-    let dir = format!("/dev/shm/.shmqtest-names-{}-killed", std::process::id());
-    let env = [(names::DIRECTORY_ENV, dir.clone())];
+    let dir = PrivateNames::new("killed");
+    let env = dir.env();
     let name = unique_name("killed");
     let result = std::panic::catch_unwind(|| {
         let mut writer = Peer::start_with(TEST, "writer", &name, 0, None, &env);
@@ -387,7 +409,7 @@ fn a_killed_writers_name_is_reported_gone_then_taken_over() {
         );
         assert!(checker.succeeded());
     });
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
     if let Err(panic) = result {
         std::panic::resume_unwind(panic);
     }

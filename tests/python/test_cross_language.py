@@ -356,12 +356,22 @@ def _name(what: str) -> str:
     return f"{what} {os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture
+def private_names(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A directory of names of the test's own, for it and the Rust programs it starts
+    (they inherit ``SHMQ_NAMES_DIR``): every claim removes the dead records it finds, so
+    in the user's own directory these tests would sweep the other tests' records, and a
+    killed writer's record could be swept before this test saw it gone."""
+    monkeypatch.setenv("SHMQ_NAMES_DIR", str(tmp_path / "names"))
+
+
 def _kill(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
 
 
+@pytest.mark.usefixtures("private_names")
 def test_a_python_reader_opens_a_rust_writers_named_queue_while_rust_holds_the_name(rust_example: str) -> None:
     name = _name("rust steps →")
     writer = subprocess.Popen(
@@ -397,6 +407,7 @@ def test_a_python_reader_opens_a_rust_writers_named_queue_while_rust_holds_the_n
     MessageQueue(1, 1, name=name).shutdown()
 
 
+@pytest.mark.usefixtures("private_names")
 def test_a_rust_reader_opens_a_python_writers_named_queue_and_rust_is_refused_its_name(rust_example: str) -> None:
     name = _name("python steps")
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=16, name=name)
@@ -425,13 +436,8 @@ def test_a_rust_reader_opens_a_python_writers_named_queue_and_rust_is_refused_it
     assert gone.returncode == 1 and f"no queue named '{name}'" in gone.stdout, gone.stdout
 
 
-def test_a_killed_rust_writers_name_is_gone_for_python_then_taken_over(
-    rust_example: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    # A directory of names of the test's own (the Rust writer inherits the variable):
-    # any other process's claim removes the dead records it finds, before this test
-    # could see this one gone.
-    monkeypatch.setenv("SHMQ_NAMES_DIR", str(tmp_path / "names"))
+@pytest.mark.usefixtures("private_names")
+def test_a_killed_rust_writers_name_is_gone_for_python_then_taken_over(rust_example: str) -> None:
     name = _name("killed rust")
     writer = subprocess.Popen(
         [rust_example, "named-writer", name, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
