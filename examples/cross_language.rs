@@ -14,6 +14,14 @@
 //!   [`expected`]; print `ok <count> <seconds>`, or `error: <text>` and exit 1 at the
 //!   first difference.
 //!
+//! - `cross_language named-writer <name> <count>` and `named-reader <name> <rank> <count>`:
+//!   the same, the queue found by its name instead of its handle (issue 59 item 9): the
+//!   writer holds `name` ([`QueueOptions::record_name`]) until it ends, so Python's
+//!   `MessageQueue.open(name, rank)` finds it and Python's `MessageQueue(..., name=name)`
+//!   is refused meanwhile; the reader opens a Rust or Python writer's queue by its name
+//!   ([`Reader::open_by_name`]). The writer prints its handle line too; either prints
+//!   `error: <text>` and exits 1 when it cannot take or find the name.
+//!
 //! - `cross_language send <n_readers> <count> <bytes|f32> <nbytes>` and `take <rank>
 //!   <count> [kind]`: the bench's rows (`python -m shmq bench --scenarios cross-language`):
 //!   `count` messages of `nbytes` (raw bytes, or a float32 array), each one fresh (its
@@ -69,9 +77,22 @@ fn main() -> Result<(), Box<dyn Error>> {
         Ok(args.get(i).ok_or("missing argument")?.parse()?)
     };
     match args.first().map(String::as_str) {
-        Some("writer") => writer(arg(1)?, arg(2)?),
+        Some("writer") => writer(arg(1)?, arg(2)?, None),
         Some("reader") => {
-            if let Err(e) = reader(arg(1)?, arg(2)?) {
+            if let Err(e) = reader(arg(1)?, arg(2)?, None) {
+                println!("error: {e}");
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Some(role @ ("named-writer" | "named-reader")) => {
+            let name = args.get(1).ok_or("missing argument")?;
+            let done = if role == "named-writer" {
+                writer(1, arg(2)?, Some(name))
+            } else {
+                reader(arg(2)?, arg(3)?, Some(name))
+            };
+            if let Err(e) = done {
                 println!("error: {e}");
                 std::process::exit(1);
             }
@@ -84,18 +105,26 @@ fn main() -> Result<(), Box<dyn Error>> {
         Some("take") => take(arg(1)?, arg(2)?),
         _ => Err(
             "usage: cross_language writer <n_readers> <count> | reader <rank> <count> | \
+                  named-writer <name> <count> | named-reader <name> <rank> <count> | \
                   send <n_readers> <count> <bytes|f32> <nbytes> | take <rank> <count>"
                 .into(),
         ),
     }
 }
 
-/// A writer for `n_readers` local readers, chunks of `max_chunk_bytes`: its handle printed
-/// (one line on stdout, for the readers), and its readers joined.
-fn start_writer(n_readers: usize, max_chunk_bytes: usize) -> Result<Writer, Box<dyn Error>> {
+/// A writer for `n_readers` local readers, chunks of `max_chunk_bytes`, holding `name` if
+/// one is given: its handle printed (one line on stdout, for the readers), and its
+/// readers joined.
+fn start_writer(
+    n_readers: usize,
+    max_chunk_bytes: usize,
+    name: Option<&str>,
+) -> Result<Writer, Box<dyn Error>> {
     let mut opts = QueueOptions::local(n_readers);
     opts.max_chunk_bytes = max_chunk_bytes;
     opts.max_chunks = 16;
+    opts.name = name.map(str::to_owned);
+    opts.record_name = name.is_some();
     let mut writer = Writer::new(opts)?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{}", writer.handle())?;
@@ -104,12 +133,18 @@ fn start_writer(n_readers: usize, max_chunk_bytes: usize) -> Result<Writer, Box<
     Ok(writer)
 }
 
-/// Reader `rank` of the queue whose handle is the first line on stdin, joined.
-fn join(rank: usize) -> Result<Reader, Box<dyn Error>> {
-    let mut line = String::new();
-    std::io::stdin().lock().read_line(&mut line)?;
-    let handle: Handle = line.parse()?;
-    let mut reader = Reader::open(&handle, rank)?;
+/// Reader `rank` of the queue named `name`, or else of the one whose handle is the first
+/// line on stdin, joined.
+fn join(rank: usize, name: Option<&str>) -> Result<Reader, Box<dyn Error>> {
+    let mut reader = match name {
+        Some(name) => Reader::open_by_name(name, rank)?,
+        None => {
+            let mut line = String::new();
+            std::io::stdin().lock().read_line(&mut line)?;
+            let handle: Handle = line.parse()?;
+            Reader::open(&handle, rank)?
+        }
+    };
     reader.wait_until_ready(TIMEOUT)?;
     Ok(reader)
 }
@@ -141,9 +176,9 @@ fn slice<T>(pattern: &[T], i: usize, n: usize) -> &[T] {
     &pattern[start..start + n]
 }
 
-fn writer(n_readers: usize, count: usize) -> Result<(), Box<dyn Error>> {
+fn writer(n_readers: usize, count: usize, name: Option<&str>) -> Result<(), Box<dyn Error>> {
     let p = Patterns::new();
-    let mut writer = start_writer(n_readers, 1 << 20)?;
+    let mut writer = start_writer(n_readers, 1 << 20, name)?;
     let mut out = std::io::stdout().lock();
     let start = Instant::now();
     for i in 0..count {
@@ -166,9 +201,9 @@ fn writer(n_readers: usize, count: usize) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-fn reader(rank: usize, count: usize) -> Result<(), Box<dyn Error>> {
+fn reader(rank: usize, count: usize, name: Option<&str>) -> Result<(), Box<dyn Error>> {
     let p = Patterns::new();
-    let mut reader = join(rank)?;
+    let mut reader = join(rank, name)?;
     let mut start = None;
     for i in 0..count {
         reader.wait_message(TIMEOUT)?;
@@ -214,7 +249,7 @@ fn check(p: &Patterns, i: usize, m: Received<'_>) -> Result<(), String> {
 
 /// The bench's writer (see the module docs).
 fn send(n_readers: usize, count: usize, kind: &str, nbytes: usize) -> Result<(), Box<dyn Error>> {
-    let mut writer = start_writer(n_readers, (2 * nbytes).max(1 << 16))?;
+    let mut writer = start_writer(n_readers, (2 * nbytes).max(1 << 16), None)?;
     let mut message = vec![0f32; nbytes.div_ceil(4).max(2)];
     for i in 0..count {
         // Fresh data: the message's number in its first 8 bytes.
@@ -231,7 +266,7 @@ fn send(n_readers: usize, count: usize, kind: &str, nbytes: usize) -> Result<(),
 
 /// The bench's reader (see the module docs).
 fn take(rank: usize, count: usize) -> Result<(), Box<dyn Error>> {
-    let mut reader = join(rank)?;
+    let mut reader = join(rank, None)?;
     let (mut start, mut sum) = (None, 0u64);
     for _ in 0..count {
         reader.wait_message(TIMEOUT)?;

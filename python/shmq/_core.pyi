@@ -71,6 +71,12 @@ __all__ = [
     "remove_orphans",
     "describe_segment",
     "segment_metrics",
+    "NameClaim",
+    "names_directory",
+    "names_record_path",
+    "names_claim",
+    "names_lookup",
+    "NAMES_DIRECTORY_ENV",
     "PeerDiedError",
     "QueueShutDownError",
     "MessageLostError",
@@ -95,6 +101,9 @@ BLOCK_HEADER_BYTES: int
 ID_MAX: int
 COUNT_BYTES: int
 SECRET_BYTES: int
+#: The environment variable naming a directory for this user's names
+#: (``crates/os/src/names_dir.rs``): ``SHMQ_NAMES_DIR``.
+NAMES_DIRECTORY_ENV: str
 
 _T = TypeVar("_T")
 
@@ -230,6 +239,43 @@ def handle_to_text(handle: _HandleLike) -> str:
 def handle_from_text(text: str) -> _HandleFields:
     """The fields of the handle whose text form is ``text``; ``ValueError`` saying what
     is wrong when it is not one."""
+
+@final
+class NameClaim:
+    """A name held by this process (``shmq::names::NameClaim``): its record is removed and
+    the name let go by ``release()``, when collected, or when the process ends."""
+
+    def release(self) -> None:
+        """Remove the record (if it is still this one) and let the name go. Idempotent; a
+        no-op in a forked child."""
+    @property
+    def is_held(self) -> bool:
+        """Whether the name is still held by this process."""
+    @property
+    def kind(self) -> str:
+        """``"queue"`` or ``"store"``."""
+    @property
+    def name(self) -> str:
+        """The name held."""
+    @property
+    def path(self) -> str:
+        """Where its record is."""
+
+def names_directory(create: bool = False) -> Optional[str]:
+    """This user's directory of names (made if missing and ``create``); None when there is
+    none yet. ``PermissionError`` when it may be entered by others."""
+
+def names_record_path(kind: str, name: str, create: bool = False) -> Optional[str]:
+    """Where the record of the ``kind`` (``"queue"``, ``"store"``) named ``name`` is (or
+    would be); None when this user has no directory of names yet and not ``create``."""
+
+def names_claim(kind: str, name: str, details: str) -> NameClaim:
+    """Hold ``name`` for this process, recording ``details`` (a JSON object's text) under
+    it; ``FileExistsError`` when a live writer holds it (or one of unknown liveness)."""
+
+def names_lookup(kind: str, name: str) -> str:
+    """The record (JSON text) of the live writer of the ``kind`` named ``name``;
+    ``FileNotFoundError`` when there is none, or its writer died."""
 
 def remove_created() -> int:
     """Remove every segment and socket directory this process created that is still there

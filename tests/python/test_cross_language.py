@@ -5,6 +5,13 @@ naming it, the message consumed and the reader going on.
 
 The Rust side is ``examples/cross_language.rs`` (built here with cargo): its ``writer``
 sends messages ``0..count`` of ``expected(i)`` below, its ``reader`` checks them.
+
+Names cross languages too (issue 59 item 9): a Rust writer holding a name
+(``named-writer``) is opened by Python's ``MessageQueue.open`` and refuses Python a
+writer of its name while it lives; a Python writer's name is opened by Rust's
+``Reader::open_by_name`` (``named-reader``) and refused to a Rust writer; the name is
+free once the writer ends, and a killed writer's name is reported gone in the other
+language.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -337,3 +345,117 @@ def test_a_rust_program_without_a_logger_hears_shmqs_warnings(rust_example: str)
     ring = Path("/dev/shm") / handle.buffer_handle[3]
     ring.unlink()
     shutil.rmtree(f"{ring}.sock", ignore_errors=True)
+
+
+# -- names across languages (issue 59 item 9) --------------------------------------------
+
+NAMED = 2_000
+
+
+def _name(what: str) -> str:
+    return f"{what} {os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def private_names(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A directory of names of the test's own, for it and the Rust programs it starts
+    (they inherit ``SHMQ_NAMES_DIR``): every claim removes the dead records it finds, so
+    in the user's own directory these tests would sweep the other tests' records, and a
+    killed writer's record could be swept before this test saw it gone."""
+    monkeypatch.setenv("SHMQ_NAMES_DIR", str(tmp_path / "names"))
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.usefixtures("private_names")
+def test_a_python_reader_opens_a_rust_writers_named_queue_while_rust_holds_the_name(rust_example: str) -> None:
+    name = _name("rust steps →")
+    writer = subprocess.Popen(
+        [rust_example, "named-writer", name, str(NAMED)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    mq = None
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        line = writer.stdout.readline()  # printed once the writer holds the name
+        assert line.startswith("shmq-handle-"), line
+        # A Python writer of the name the Rust writer holds is refused, naming it.
+        with pytest.raises(FileExistsError, match=f"a queue named {name!r} already exists .*pid {writer.pid}"):
+            MessageQueue(1, 1, name=name)
+        mq = MessageQueue.open(name, 0)
+        assert mq.name == name
+        mq.wait_until_ready(timeout=STEP)
+        bad = []
+        for i in range(NAMED):
+            got = mq.dequeue_bytes(timeout=STEP) if i % 4 == 0 else mq.dequeue(timeout=STEP)
+            if wrong(i, got):
+                bad.append(i)
+        assert bad == []
+        assert writer.stdout.readline().startswith(f"sent {NAMED} ")
+        writer.stdin.close()
+        assert writer.wait(timeout=STEP) == 0
+    finally:
+        _kill(writer)
+        if mq is not None:
+            mq.shutdown()
+    # The Rust writer ended: its name is free, for a Python writer too.
+    with pytest.raises(FileNotFoundError, match=f"no queue named {name!r}"):
+        MessageQueue.open(name, 0)
+    MessageQueue(1, 1, name=name).shutdown()
+
+
+@pytest.mark.usefixtures("private_names")
+def test_a_rust_reader_opens_a_python_writers_named_queue_and_rust_is_refused_its_name(rust_example: str) -> None:
+    name = _name("python steps")
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=16, name=name)
+    rust_reader = subprocess.Popen(
+        [rust_example, "named-reader", name, "0", str(NAMED)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        refused = subprocess.run(
+            [rust_example, "named-writer", name, "1"], capture_output=True, text=True, timeout=STEP
+        )
+        assert refused.returncode == 1, refused.stdout
+        assert f"a queue named '{name}' already exists (made by pid {os.getpid()}" in refused.stdout
+        mq.wait_until_ready(timeout=STEP)
+        for i in range(NAMED):
+            m = message(i)
+            if i % 4 == 0:
+                mq.enqueue_bytes(m, timeout=STEP)
+            else:
+                mq.enqueue_array(m, timeout=STEP)
+        assert _finish(rust_reader).startswith(f"ok {NAMED} ")
+    finally:
+        _kill(rust_reader)
+        mq.shutdown()
+    # Shut down: Rust finds no such queue, and may take the name.
+    gone = subprocess.run([rust_example, "named-reader", name, "0", "1"], capture_output=True, text=True, timeout=STEP)
+    assert gone.returncode == 1 and f"no queue named '{name}'" in gone.stdout, gone.stdout
+
+
+@pytest.mark.usefixtures("private_names")
+def test_a_killed_rust_writers_name_is_gone_for_python_then_taken_over(rust_example: str) -> None:
+    name = _name("killed rust")
+    writer = subprocess.Popen(
+        [rust_example, "named-writer", name, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout is not None
+        handle = Handle.from_str(writer.stdout.readline())
+    finally:
+        _kill(writer)  # SIGKILL: its record stays behind, its lock does not
+    # A Rust program has no janitor: remove what the killed writer left.
+    assert handle.buffer_handle is not None
+    ring = Path("/dev/shm") / handle.buffer_handle[3]
+    ring.unlink(missing_ok=True)
+    shutil.rmtree(f"{ring}.sock", ignore_errors=True)
+    with pytest.raises(FileNotFoundError, match=f"the queue named {name!r} is gone: its writer \\(pid {writer.pid}\\)"):
+        MessageQueue.open(name, 0)
+    taken = MessageQueue(1, 1, name=name)
+    try:
+        assert MessageQueue.open(name, 0).name == name
+    finally:
+        taken.shutdown()

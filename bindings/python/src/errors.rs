@@ -2,12 +2,12 @@
 //! Python exceptions.
 
 use pyo3::exceptions::{
-    PyConnectionError, PyEOFError, PyFileNotFoundError, PyKeyError, PyMemoryError, PyOSError,
-    PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
+    PyConnectionError, PyEOFError, PyFileExistsError, PyFileNotFoundError, PyKeyError,
+    PyMemoryError, PyOSError, PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
 };
 use pyo3::{PyErr, PyResult};
 
-use shmq::error::{CacheError, Error, OsError, QueueError, RemoteError, StoreError};
+use shmq::error::{CacheError, Error, NameError, OsError, QueueError, RemoteError, StoreError};
 use shmq::workers::link::LinkError;
 use shmq::workers::Error as WorkersError;
 
@@ -110,6 +110,7 @@ fn core_exception(err: Error) -> PyErr {
         Error::Store(e) => store_exception(e),
         Error::Cache(e) => cache_exception(e),
         Error::Remote(e) => remote_exception(e),
+        Error::Name(e) => name_exception(e),
         Error::Timeout { .. } => PyTimeoutError::new_err(msg),
         Error::Cancelled => PyRuntimeError::new_err("cancelled"),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
@@ -130,7 +131,7 @@ fn os_exception(err: OsError) -> PyErr {
         | OsError::SegmentExists { .. }
         | OsError::InvalidArgument(_) => PyValueError::new_err(msg),
         OsError::Forked(_) => PyRuntimeError::new_err(msg),
-        OsError::NotOwned(_) => PyPermissionError::new_err(msg),
+        OsError::NotOwned(_) | OsError::NamesDirRefused(_) => PyPermissionError::new_err(msg),
         OsError::Os { ref source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
             PyPermissionError::new_err(msg)
         }
@@ -183,6 +184,17 @@ fn remote_exception(err: RemoteError) -> PyErr {
         }
         RemoteError::Refused(_) | RemoteError::ReaderDropped { .. } => {
             PyConnectionError::new_err(msg)
+        }
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn name_exception(err: NameError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        NameError::NotFound { .. } | NameError::Gone { .. } => PyFileNotFoundError::new_err(msg),
+        NameError::Taken { .. } | NameError::Undecidable { .. } | NameError::Contended { .. } => {
+            PyFileExistsError::new_err(msg)
         }
         _ => PyRuntimeError::new_err(msg),
     }

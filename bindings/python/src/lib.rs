@@ -28,6 +28,9 @@
 //!   several local readers at once (`MessageQueue.dequeue_async`, `shmq.Gather`);
 //!   `CancelFlag`: a cancel event checked without the GIL (a cancelled coroutine's wait
 //!   in an executor thread);
+//! - `NameClaim`, `names_claim()`, `names_lookup()`, `names_directory()`,
+//!   `names_record_path()`, `NAMES_DIRECTORY_ENV`: queues and stores by name, the
+//!   protocol Rust's `Reader::open_by_name` shares (`shmq._names`);
 //! - `default_connect_ip()`, `segment_prefix`, `SHM_DIR`, `PeerDiedError`,
 //!   `QueueShutDownError`, `MessageLostError`.
 
@@ -37,6 +40,7 @@ mod broadcast;
 mod encoder_cache;
 mod errors;
 mod link;
+mod names;
 mod options;
 mod parts;
 mod relay;
@@ -134,6 +138,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<workers::WorkerGroup>()?;
     m.add_function(wrap_pyfunction!(workers::worker_died_message, m)?)?;
     link::register(m)?;
+    names::register(m)?;
     m.add_function(wrap_pyfunction!(default_connect_ip, m)?)?;
     m.add_function(wrap_pyfunction!(auth::auth_mac, m)?)?;
     m.add_function(wrap_pyfunction!(auth::auth_check, m)?)?;

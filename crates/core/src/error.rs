@@ -1,7 +1,7 @@
 //! The core's error type: the errors of its waits ([`Error::Timeout`],
 //! [`Error::Cancelled`]), of the arguments and roles its calls refuse, and of ZeroMQ;
 //! each module's own errors ([`QueueError`], [`StoreError`], [`CacheError`],
-//! [`RemoteError`]) and the operating-system layer's ([`OsError`]) as a variant each,
+//! [`RemoteError`], [`NameError`]) and the operating-system layer's ([`OsError`]) as a variant each,
 //! which `?` converts into. `shmq::Error` is this type; the Python binding maps it to
 //! builtin exceptions in one place (`bindings/python/src/errors.rs`).
 //!
@@ -22,6 +22,7 @@ use std::time::Duration;
 
 pub use crate::broadcast::QueueError;
 pub use crate::encoder_cache::CacheError;
+pub use crate::names::NameError;
 pub use crate::remote::RemoteError;
 pub use crate::storage::{HandleRefusal, StoreError};
 pub use shmq_os::error::Error as OsError;
@@ -77,6 +78,10 @@ pub enum Error {
     /// The remote stream ended or refused something.
     #[error(transparent)]
     Remote(#[from] RemoteError),
+
+    /// A name could not be taken or found (see [`crate::names`]).
+    #[error(transparent)]
+    Name(#[from] NameError),
 
     /// A ZeroMQ call failed.
     #[error("ZeroMQ error while {context}: {source}")]

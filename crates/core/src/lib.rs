@@ -17,6 +17,8 @@
 //!   a secret's one text form;
 //! - `transport`: ZeroMQ, for local readers' oversized messages;
 //! - [`remote`]: the authenticated stream to remote readers (and its bounds);
+//! - [`names`]: queues and stores by name, for the processes of one user on this
+//!   machine, in either language (the record format Python's and Rust's writers share);
 //! - [`storage`]: the object store, on the FIFO allocator;
 //! - [`arena`]: the tensor arena (large message parts read as private views, and
 //!   [`Loan`]s to fill in place);
@@ -50,6 +52,7 @@ pub mod encoder_cache;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod names;
 pub mod relay;
 pub mod remote;
 pub mod storage;

@@ -47,6 +47,11 @@ pub enum Error {
     #[error("{0}")]
     NotOwned(crate::segment_file::ForeignSegment),
 
+    /// This user's directory of names cannot be used: another user's, open to others, or
+    /// every fallback taken (see [`crate::names_dir`]).
+    #[error("{0}")]
+    NamesDirRefused(crate::names_dir::DirRefusal),
+
     /// An argument is out of its allowed range.
     #[error("{0}")]
     InvalidArgument(String),

@@ -21,6 +21,9 @@
 //!   bytes of a segment's file (also across pid namespaces): alive, dead, or unknown;
 //!   the end of a process tree (pidfds, [`liveness::kill_descendants`]);
 //! - [`process`]: naming a process by pid and start time; its descendants;
+//! - [`names_dir`]: this user's directory of names (queues and stores opened by name):
+//!   the directory and its fallbacks, record files made unnamed, locked and linked, and
+//!   the race-free removal of dead ones;
 //! - [`sigbus`]: a peer that truncates a mapped segment: the `SIGBUS` handler that turns
 //!   the fault into zero pages and an error, and what shmq guarantees against the same
 //!   user's processes;
@@ -60,6 +63,7 @@ pub mod copy;
 pub mod fork;
 pub mod liveness;
 pub mod map_budget;
+pub mod names_dir;
 pub mod pins;
 pub mod private_map;
 pub mod process;

@@ -20,7 +20,7 @@
 //! What shmq guarantees against the same user's processes, and what it cannot, is in
 //! `crate::sigbus`.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::error::{Error, Result};
 use crate::fork;
@@ -52,16 +52,36 @@ fn flock(kind: i32, byte: u64) -> libc::flock {
 }
 
 /// Set (`F_WRLCK`, `F_RDLCK`) or release (`F_UNLCK`) this open file description's lock on
-/// byte `byte` of `file`, without waiting (`F_OFD_SETLK`): roles here, pins in `pins`.
-pub fn lock_byte(file: &SegmentFile, kind: i32, byte: u64) -> std::io::Result<()> {
+/// byte `byte` of `file`, without waiting (`F_OFD_SETLK`): roles here, pins in `pins`,
+/// name records in `names_dir`.
+pub fn lock_byte(file: &impl AsFd, kind: i32, byte: u64) -> std::io::Result<()> {
     let fl = flock(kind, byte);
     // SAFETY: a valid descriptor (`file` owns it for the call) and a pointer to a valid
     // flock for the call. The lock is this open file description's; a peer can only
     // hold conflicting locks on the same byte, which makes this fail, never misbehave.
-    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
+    if unsafe { libc::fcntl(file.as_fd().as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Whether another open file description holds a lock on byte `byte` of `file`
+/// (`F_OFD_GETLK`): [`Liveness::Alive`] if one does, [`Liveness::Dead`] if none does,
+/// [`Liveness::Unknown`] if the kernel cannot tell. `file`'s own locks never show (the
+/// probes of this module and `names_dir` hold none on the bytes they test).
+pub fn byte_liveness(file: &impl AsFd, byte: u64) -> Liveness {
+    let mut fl = flock(libc::F_WRLCK, byte);
+    // SAFETY: a valid descriptor (`file` owns it for the call) and a pointer to a valid
+    // flock for the call, which the kernel fills. A peer's locks only change the answer
+    // (see the module docs), never make the call unsafe.
+    if unsafe { libc::fcntl(file.as_fd().as_raw_fd(), libc::F_OFD_GETLK, &mut fl) } != 0 {
+        return Liveness::Unknown;
+    }
+    if fl.l_type == libc::F_UNLCK as libc::c_short {
+        Liveness::Dead
+    } else {
+        Liveness::Alive
+    }
 }
 
 /// A role held in a segment: a lock on one byte of its file, released when dropped (or
@@ -144,20 +164,9 @@ impl LockProbe {
 
     /// Whether the role of lock byte `byte` is held.
     pub fn liveness(&self, byte: u64) -> Liveness {
-        let Some(file) = &self.file else {
-            return Liveness::Unknown;
-        };
-        let mut fl = flock(libc::F_WRLCK, byte);
-        // SAFETY: a valid descriptor (`file` owns it for the call) and a pointer to a
-        // valid flock for the call, which the kernel fills. A peer's locks only change
-        // the answer (see the module docs), never make the call unsafe.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) } != 0 {
-            return Liveness::Unknown;
-        }
-        if fl.l_type == libc::F_UNLCK as libc::c_short {
-            Liveness::Dead
-        } else {
-            Liveness::Alive
+        match &self.file {
+            Some(file) => byte_liveness(file, byte),
+            None => Liveness::Unknown,
         }
     }
 }

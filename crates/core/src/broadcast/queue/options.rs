@@ -51,6 +51,15 @@ pub struct QueueOptions {
     /// own name (`shmq_ring_<pid>_<hex>`). Kept in the ring: only a queue with local
     /// readers has one to show.
     pub name: Option<String>,
+    /// Hold [`name`](Self::name) as this user's name for the queue on this machine, for as
+    /// long as the writer lives (released when it is closed or dropped, or its process
+    /// ends however it ends): readers that know only the name open it with
+    /// [`Reader::open_by_name`](super::Reader::open_by_name), Python's
+    /// `MessageQueue.open(name, rank)` included. [`Writer::new`](super::Writer::new)
+    /// fails with [`NameError::Taken`](crate::names::NameError::Taken) while another live
+    /// writer (of either language) holds the name; a dead writer's name is taken over.
+    /// Needs a `name`. See [`crate::names`].
+    pub record_name: bool,
 }
 
 impl Default for QueueOptions {
@@ -68,6 +77,7 @@ impl Default for QueueOptions {
             arena_threshold: arena::default_threshold(),
             remote: RemoteOptions::default(),
             name: None,
+            record_name: false,
         }
     }
 }

@@ -472,6 +472,52 @@ impl Reader {
         )
     }
 
+    /// Join the queue named `name` on this machine as the reader of rank `rank`, without
+    /// its handle: as [`open`](Self::open) with the handle its writer recorded under the
+    /// name. The writer holds the name while it lives: a Rust writer made with
+    /// [`QueueOptions::name`](super::QueueOptions::name) and
+    /// [`record_name`](super::QueueOptions::record_name), or a Python
+    /// `MessageQueue(..., name=...)` (the two share one directory of names and one record
+    /// format: see [`crate::names`]). Names are scoped to the user: another user's queue
+    /// of the same name is not found.
+    ///
+    /// Errors: [`NameError::NotFound`](crate::names::NameError::NotFound) when no live
+    /// writer holds the name (never made, closed, or a damaged record);
+    /// [`NameError::Gone`](crate::names::NameError::Gone) when its writer died (its record
+    /// is removed then, and the name is free); the operating-system layer's
+    /// [`NamesDirRefused`](crate::error::OsError::NamesDirRefused) when the user's
+    /// directory of names may be entered by others; and [`open`](Self::open)'s.
+    ///
+    /// ```no_run
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// use std::time::Duration;
+    /// // The writer, in one process:
+    /// let mut opts = shmq::QueueOptions::local(1);
+    /// opts.name = Some("steps".into());
+    /// opts.record_name = true;
+    /// let writer = shmq::Writer::new(opts)?;
+    /// // A reader, in another process of the same user (or Python's
+    /// // `MessageQueue.open("steps", 0)`):
+    /// let mut reader = shmq::Reader::open_by_name("steps", 0)?;
+    /// reader.wait_until_ready(Duration::from_secs(10))?;
+    /// # drop(writer);
+    /// # Ok::<(), shmq::Error>(())
+    /// ```
+    pub fn open_by_name(name: &str, rank: usize) -> Result<Reader> {
+        let record = crate::names::lookup(crate::names::Kind::Queue, name)?;
+        let handle: Handle = record
+            .text("handle")
+            .ok_or_else(|| {
+                Error::from(crate::names::NameError::NotFound {
+                    kind: crate::names::Kind::Queue,
+                    name: name.to_owned(),
+                    uid: shmq_os::names_dir::uid(),
+                })
+            })?
+            .parse()?;
+        Self::open(&handle, rank)
+    }
+
     /// [`open`](Self::open), waiting as `policy` says in this reader's blocking calls.
     pub fn open_with(handle: &Handle, rank: usize, policy: WaitPolicy) -> Result<Reader> {
         let ctx = crate::transport::shared_context();

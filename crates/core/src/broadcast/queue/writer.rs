@@ -12,6 +12,7 @@ use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
 use crate::error::{Error, OsError, QueueError, Result};
+use crate::names::{self, NameClaim};
 use crate::remote::{self, RemoteWriter};
 use crate::transport::{default_connect_ip, Publisher};
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
@@ -248,6 +249,9 @@ pub struct Writer {
     canceller: Canceller,
     /// The readers have been told that the queue is shut down ([`Writer::close`]).
     closed: bool,
+    /// The queue's name, held in this user's directory of names while the writer lives
+    /// ([`QueueOptions::record_name`]); released by [`Writer::close`].
+    name_claim: Option<NameClaim>,
     // Declared last so the sockets above close before their context terminates.
     _ctx: LeakInChild<zmq::Context>,
 }
@@ -304,6 +308,11 @@ impl Writer {
         // (`transport::shared_context` says why).
         if let Some(name) = &opts.name {
             super::super::ring::check_label(name)?;
+        }
+        if opts.record_name && opts.name.is_none() {
+            return Err(Error::InvalidArgument(
+                "record_name needs a name: set QueueOptions::name to the name to hold".into(),
+            ));
         }
         let shared = crate::transport::shared_context();
         let ctx = if opts.n_local_reader > 0 {
@@ -384,7 +393,17 @@ impl Writer {
         } else {
             WAITING_FOR_REMOTE_READERS
         };
+        // Taken last, with the handle to record; on a refusal the queue made above is
+        // dropped (closed) again.
+        let name_claim = match (&opts.name, opts.record_name) {
+            (Some(name), true) => {
+                let details = serde_json::json!({ "handle": handle.to_string() }).to_string();
+                Some(names::claim(names::Kind::Queue, name, &details)?)
+            }
+            _ => None,
+        };
         Ok(Writer {
+            name_claim,
             ring,
             arena,
             arena_threshold: opts.arena_threshold.max(1),
@@ -420,6 +439,9 @@ impl Writer {
             return;
         }
         self.closed = true;
+        // The name first: a reader that opens it from now on is told there is no such
+        // queue rather than joining one that is ending.
+        self.name_claim = None;
         self.canceller.cancel();
         if let Some(ring) = self.ring.as_ref() {
             ring.ring().close_writer();
