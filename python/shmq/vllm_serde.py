@@ -7,7 +7,10 @@ and the tensors' raw buffers), but gives the store those buffers as parts of the
 so that a worker's read of a tensor of ``ObjectStorage.view_threshold`` bytes or more
 is a view of the shared memory (a private copy-on-write mapping, see
 :meth:`shmq.ObjectStorage.get`) rather than vLLM's decoder's copy. Smaller parts are
-copied once, as vLLM's serde copies them.
+copied once, as vLLM's serde copies them. An item is not evicted while a view of it
+lives in a worker; a writer that finds the cache full of such items gets
+``MemoryError``, which vLLM's sender cache answers by sending the item inline, as it
+does for any full cache.
 
 Where torch sees a GPU, workers read items as vLLM alone does instead: vLLM's own
 decoders (``share_mem=False``) make the copies, pinned where vLLM pins memory, straight
@@ -16,9 +19,7 @@ store. A pageable view reaches a GPU at about a tenth of a pinned copy's speed (
 55's one H100 run: 4.9-5.7 GB/s against 49-54 GB/s; not measured again here), and the
 registered-mapping device path that would make views as fast is not built yet.
 ``SHMQ_DEVICE_PATH=1`` keeps the views. vLLM's ``PIN_MEMORY`` alone is not taken as a
-GPU: a CUDA build of torch says True on a machine without one. An item is not evicted while a view of it lives in a worker;
-a writer that finds the cache full of such items gets ``MemoryError``, which vLLM's
-sender cache answers by sending the item inline, as it does for any full cache.
+GPU: a CUDA build of torch says True on a machine without one.
 
     from shmq import ObjectStorage
     from shmq.vllm_serde import VllmMsgpackSerde

@@ -19,7 +19,7 @@ import pytest
 import shmq
 from _processes.async_children import raw_ready_worker
 from _processes.harness import STEP
-from _processes.rust_examples import build_example
+from _processes.rust_examples import build_example, build_test
 from shmq import WorkerProcesses
 
 pytestmark = pytest.mark.timeout(900)
@@ -88,3 +88,23 @@ def test_report_ready_takes_info_or_raw() -> None:
         shmq.report_ready({"a": 1}, raw=b"x")
     with pytest.raises(RuntimeError, match="report_ready\\(\\) is for worker processes"):
         shmq.report_ready(raw=b"x")
+
+
+def test_a_rust_monitor_tells_a_python_worker_of_its_siblings_failure() -> None:
+    """``crates/workers/tests/monitor.rs``'s Python-worker case, run here with this
+    interpreter (the test command's ``cargo test`` runs before the extension is built,
+    and the system's ``python3`` may lack shmq's dependencies: that run skips it). A Rust
+    ``Workers::monitor`` tells a Python worker, through the notice pipe, which sibling
+    failed: its ``shmq.workers.sibling_failure()`` names Worker_0 and its exit code 7."""
+    binary = build_test("shmq-workers", "monitor")
+    env = dict(os.environ, PYTHON=sys.executable)
+    run = subprocess.run(
+        [binary, "a_python_worker_hears_of_a_sibling_failure", "--exact", "--nocapture", "--test-threads=1"],
+        capture_output=True,
+        text=True,
+        timeout=4 * STEP,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "SKIPPED" not in run.stderr, run.stderr[-3000:]
+    assert "1 passed" in run.stdout and "told: " in run.stderr, run.stdout[-2000:] + run.stderr[-2000:]

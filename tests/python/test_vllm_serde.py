@@ -57,7 +57,8 @@ def _reader(handle, jobs, answers, as_on_a_gpu: bool = False) -> None:
             answers.put("dropped")
             continue
         if job[0] == "check":  # the items held are still what was read
-            answers.put([bool(torch.equal(i["pixel_values"].data.flatten()[1:], _pixels(s).flatten()[1:])) for i, s in held])
+            answers.put([bool(torch.equal(i["pixel_values"].data.flatten()[1:], _pixels(s).flatten()[1:]))
+                         for i, s in held])
             continue
         _, address, monotonic_id, signature, key, seed = job
         item = store.get(address, monotonic_id, signature, key)

@@ -1,4 +1,5 @@
-"""Building the crate's Rust examples for the tests that run them beside Python."""
+"""Building the crate's Rust examples and test binaries for the tests that run them
+beside Python."""
 
 from __future__ import annotations
 
@@ -15,10 +16,20 @@ ROOT = Path(__file__).resolve().parents[2]
 def build_example(name: str) -> str:
     """The path of the example ``name``, built with cargo (quick once ``cargo test`` built
     it; the first build may compile the crate's dependencies: minutes)."""
+    return _build(["--example", name], name)
+
+
+def build_test(package: str, name: str) -> str:
+    """The path of the integration test binary ``name`` of workspace package
+    ``package``, built with cargo (``cargo test --no-run``)."""
+    return _build(["--tests", "-p", package], name, command="test", no_run=True)
+
+
+def _build(args: list[str], name: str, command: str = "build", no_run: bool = False) -> str:
     if shutil.which("cargo") is None:
         pytest.skip("cargo is not on PATH: the Rust side of these tests cannot be built")
     build = subprocess.run(
-        ["cargo", "build", "--quiet", "--example", name, "--message-format=json"],
+        ["cargo", command, "--quiet", *(["--no-run"] if no_run else []), *args, "--message-format=json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
