@@ -908,6 +908,18 @@ impl Workers {
         true
     }
 
+    /// Whether the supervisor thread records exits: in the process that made the group,
+    /// while the thread runs (a forked copy has none; one that ended cannot record).
+    /// Never blocks: the handle's lock is held while close joins the thread (which may
+    /// want the state lock its caller holds), and then the thread is stopping anyway.
+    fn supervised(&self) -> bool {
+        std::process::id() == self.owner
+            && self
+                .thread
+                .try_lock()
+                .is_ok_and(|t| t.as_ref().is_some_and(|t| !t.is_finished()))
+    }
+
     /// Wait until every started worker has exited or `deadline` passes; whether all have.
     pub fn wait_exits(&self, deadline: Instant) -> bool {
         let mut state = self.shared.lock();
@@ -916,8 +928,8 @@ impl Workers {
             // its failure (and tells the monitor) in one locked step, where an exit
             // recorded here would be one without its failure, and the monitor would never
             // fire. Once closing, failures are not reported and close's waits must not
-            // depend on that thread.
-            if state.closing {
+            // depend on that thread; nor may a wait where it does not run.
+            if state.closing || !self.supervised() {
                 poll_exits(&mut state);
             }
             let running = state

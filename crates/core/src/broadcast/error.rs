@@ -35,8 +35,9 @@ pub enum QueueError {
     /// The writer shut the queue down (`shmq::Writer::close`, Python's
     /// `shutdown()`, or its normal end: dropped): the reader
     /// has received every message sent before, and no more will come. Not a death: see
-    /// [`QueueError::DeadWriter`]. `queue`: as for [`QueueError::DeadReader`] (`None` for a
-    /// remote stream's reader, which has no ring).
+    /// [`QueueError::DeadWriter`]. `queue`: as for [`QueueError::DeadReader`]; for a
+    /// remote stream's reader, the name the writer said in its WELCOME and its address
+    /// (`'steps' (at tcp://…)`), `None` where the writer did not name the queue.
     #[error("{}", writer_shut_down_message(queue.as_deref()))]
     WriterShutDown { queue: Option<String> },
 

@@ -81,6 +81,10 @@ pub(super) enum Ended {
     Dropped,
     /// The writer is gone, for the reason given: [`RemoteError::WriterGone`].
     Gone(String),
+    /// The writer refused this reader (its answer authenticated): [`RemoteError::Refused`]
+    /// with these words. For good: it does not take the reader later (a rank taken, or
+    /// messages sent to it on a connection that ended).
+    Refused(String),
 }
 
 /// What a remote reader knows of its connection to the writer.
@@ -295,7 +299,7 @@ impl RemoteReader {
     /// End the stream (`how`): no more connections to the writer's port, and every call
     /// fails with the error of `how` from now on; that error.
     fn end(&mut self, how: Ended) -> Error {
-        if matches!(how, Ended::Gone(_)) {
+        if matches!(how, Ended::Gone(_) | Ended::Refused(_)) {
             // Best effort: only stops ZeroMQ from connecting again.
             let _ = self.socket.disconnect(&self.endpoint);
         }
@@ -318,6 +322,7 @@ impl RemoteReader {
                 received: self.taken.msgs,
                 queue: self.queue.clone(),
             }),
+            Ended::Refused(why) => Error::Remote(RemoteError::Refused(why.clone())),
             Ended::Gone(reason) => Error::Remote(RemoteError::WriterGone {
                 endpoint: self.endpoint.clone(),
                 received: self.taken.msgs,
@@ -442,10 +447,17 @@ impl RemoteReader {
                     ));
                 }
                 if kind == KIND_REFUSED {
-                    return Err(self.refuse(&format!(
+                    // For good, every later call too: a refused reader that went on
+                    // waiting would wait on a connection the writer never sends to
+                    // (after the start: the writer sent on a connection that ended, and
+                    // what it sent there is lost).
+                    let Error::Remote(RemoteError::Refused(why)) = self.refuse(&format!(
                         "the writer refused it: {}",
                         String::from_utf8_lossy(text)
-                    )));
+                    )) else {
+                        unreachable!("refuse makes a Refused error")
+                    };
+                    return Err(self.end(Ended::Refused(why)));
                 }
                 if known.is_some() {
                     // The answer to a HELLO said again: nothing new.
@@ -486,9 +498,10 @@ impl RemoteReader {
                         // Said again on a new connection, before any message: the writer
                         // moved this reader there (its HELLO on the new connection), and
                         // nothing was sent on the old one. Nothing new, nothing lost: the
-                        // stream goes on on this connection.
+                        // stream goes on on this connection, if it is up (an end seen
+                        // now may be this very connection's: it stays the stream's end).
                         self.watch_link();
-                        self.link.broken = false;
+                        self.link.broken &= !self.link.up;
                         return Ok(None);
                     }
                     return Err(self.refuse(
@@ -502,6 +515,9 @@ impl RemoteReader {
                 self.seq = seq;
                 Ok(Some(Vec::new()))
             }
+            (KIND_DATA | KIND_DROPPED, Some(s)) if s == session && !self.started => Err(self.refuse(
+                "a message arrived before the writer said start (does the writer send before its wait_until_ready?)",
+            )),
             (KIND_DATA, Some(s)) if s == session => {
                 let body = frames.iter().map(|m| &m[..]);
                 if !mac_eq(&message_mac(&self.key, b"data", &session, seq, body), got_mac) {
@@ -681,11 +697,22 @@ impl RemoteReader {
             // The connection is watched (see the type's docs): the warning says where
             // the writer is and how far the stream got.
             let (writer, seq) = (self.writer_words(), self.seq);
+            let state = if self.session.is_none() {
+                // Its WELCOME answers the HELLO: the writer serves HELLOs in its own calls
+                // of the queue (a wait, a send), and never answers a wrong secret.
+                "no answer to this reader's hello yet: the writer has not called \
+                 wait_until_ready or sent since, or this reader's secret (its handle) is \
+                 not the queue's"
+                    .to_owned()
+            } else if !self.started {
+                "accepted, not told to start yet: the writer's wait_until_ready has not \
+                 returned"
+                    .to_owned()
+            } else {
+                format!("started, {seq} messages received from it so far")
+            };
             wait.step_explained(&mut crate::wait::no_peer, &mut || {
-                format!(
-                    "{writer} (on another host; its connection is up), {seq} messages \
-                     received from it so far"
-                )
+                format!("{writer} (on another host): {state}")
             })?;
         }
     }

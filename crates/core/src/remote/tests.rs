@@ -271,6 +271,13 @@ fn a_forged_message_is_refused() {
     let mut r = reader_in_session(&ctx, key, [5; 16]);
     let msg =
         |h: [u8; HEADER], body: &[u8]| vec![zmq::Message::from(&h[..]), zmq::Message::from(body)];
+    // The writer's start first (a message before it is refused whatever it holds).
+    let ready = mac(&key, b"ready", &[&[5; 16], &0u64.to_le_bytes()]);
+    let ready = header(KIND_READY, 0, &[5; 16], &ready);
+    assert!(r
+        .accept(vec![zmq::Message::from(&ready[..])])
+        .unwrap()
+        .is_some());
     // Right session, wrong key.
     let m = mac(&[9; 32], b"data", &[&[5; 16], &1u64.to_le_bytes(), b"x"]);
     assert!(r
@@ -327,4 +334,49 @@ fn a_replayed_start_message_cannot_rewind_the_stream() {
     let e = r.accept(vec![zmq::Message::from(&ready[..])]).unwrap_err();
     assert!(e.to_string().contains("a second start message"), "{e}");
     assert!(r.accept(data()).is_err(), "a replayed message was taken");
+}
+
+/// The writer's authenticated refusal ends the stream for good: every later call fails
+/// with it (a refused reader that went on waiting would wait on a connection the writer
+/// never sends to). A message before the writer's start is refused, and not taken.
+#[test]
+fn a_refusal_is_for_good_and_nothing_is_taken_before_the_start() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let session = [6; 16];
+    let mut r = reader_in_session(&ctx, key, session);
+    let data_mac = mac(&key, b"data", &[&session, &1u64.to_le_bytes(), b"x"]);
+    let data = vec![
+        zmq::Message::from(&header(KIND_DATA, 1, &session, &data_mac)[..]),
+        zmq::Message::from(&b"x"[..]),
+    ];
+    let e = r.accept(data).unwrap_err();
+    assert!(
+        e.to_string().contains("before the writer said start"),
+        "{e}"
+    );
+    assert!(
+        r.ended.is_none(),
+        "a message out of turn does not end the stream"
+    );
+    let why = b"rank 1 lost its connection after messages were sent to it";
+    // The reader of `reader_in_session` has rank 1 and an all-zero nonce.
+    let m = mac(
+        &key,
+        b"refused",
+        &[&1u64.to_le_bytes(), &[0u8; 16], &session, why],
+    );
+    let refused = vec![
+        zmq::Message::from(&header(KIND_REFUSED, 0, &session, &m)[..]),
+        zmq::Message::from(&why[..]),
+    ];
+    let e = r.accept(refused).unwrap_err();
+    assert!(
+        e.to_string().contains("the writer refused it: rank 1 lost"),
+        "{e}"
+    );
+    for _ in 0..2 {
+        let again = r.try_recv_frames().unwrap_err();
+        assert_eq!(again.to_string(), e.to_string());
+    }
 }
