@@ -71,29 +71,55 @@ def _reader(handle, jobs, answers, as_on_a_gpu: bool = False) -> None:
     answers.put("done")
 
 
-def test_items_read_by_two_processes_as_views_pin_their_object_and_stay_private():
-    from shmq.vllm_serde import VllmMsgpackSerde
+class _TwoReaders:
+    """A store of room for two items, with the plugin's serde, and two reader processes
+    (``_reader``; ``as_on_a_gpu`` as it says) asked by job queues. ``read(seed)`` asks
+    both for image ``seed`` and checks what they read; ``ask(job)`` sends both a job and
+    returns their answers. On exit every reader is told to end and has exited with 0."""
 
-    ring = RingBuffer(3 * MiB, create=True)  # room for two items
-    store = ObjectStorage(2 * MiB, 2, ring, serde_class=VllmMsgpackSerde)
-    ctx = mp.get_context("spawn")
-    jobs = [ctx.Queue() for _ in range(2)]
-    answers = ctx.Queue()
-    readers = [ctx.Process(target=_reader, args=(store.handle(), j, answers)) for j in jobs]
-    for p in readers:
-        p.start()
+    def __init__(self, as_on_a_gpu: bool = False):
+        from shmq.vllm_serde import VllmMsgpackSerde
 
-    def read(seed: int) -> None:
+        self.ring = RingBuffer(3 * MiB, create=True)  # room for two items
+        self.store = ObjectStorage(2 * MiB, 2, self.ring, serde_class=VllmMsgpackSerde)
+        ctx = mp.get_context("spawn")
+        self.jobs = [ctx.Queue() for _ in range(2)]
+        self.answers = ctx.Queue()
+        args = [(self.store.handle(), j, self.answers, as_on_a_gpu) for j in self.jobs]
+        self.readers = [ctx.Process(target=_reader, args=a) for a in args]
+
+    def __enter__(self) -> "_TwoReaders":
+        for p in self.readers:
+            p.start()
+        return self
+
+    def ask(self, job: tuple, timeout: float = 60) -> list:
+        for j in self.jobs:
+            j.put(job)
+        return [self.answers.get(timeout=timeout) for _ in self.jobs]
+
+    def read(self, seed: int) -> None:
         key = f"image-{seed}"
-        address, monotonic_id = store.key_index[key]
-        for j in jobs:
-            j.put(("get", address, monotonic_id, store.get_signature(key), key, seed))
-        got = [answers.get(timeout=120) for _ in jobs]
+        address, monotonic_id = self.store.key_index[key]
+        got = self.ask(("get", address, monotonic_id, self.store.get_signature(key), key, seed), timeout=120)
         assert got == [("MultiModalKwargsItem", True)] * 2, got
 
-    try:
+    def __exit__(self, *exc: object) -> None:
+        for j in self.jobs:
+            j.put(None)
+        for p in self.readers:
+            p.join(60)
+        self.store.close()
+        self.ring.close()
+        if exc[0] is None:
+            assert [p.exitcode for p in self.readers] == [0, 0]
+
+
+def test_items_read_by_two_processes_as_views_pin_their_object_and_stay_private():
+    with _TwoReaders() as two:
+        store = two.store
         store.put("image-0", _item(0))
-        read(0)
+        two.read(0)
         store.put("image-1", _item(1))
         # image-2 would evict image-0, which both readers hold as views: refused as
         # vLLM's sender cache expects of a full cache (it then sends the item inline).
@@ -103,20 +129,10 @@ def test_items_read_by_two_processes_as_views_pin_their_object_and_stay_private(
         # A reader's write stayed its own.
         mine = store.get(*store.key_index["image-0"], store.get_signature("image-0"), "image-0", copy=True)
         assert torch.equal(mine["pixel_values"].data, _pixels(0))
-        for j in jobs:
-            j.put(("drop",))
-        assert [answers.get(timeout=60) for _ in jobs] == ["dropped"] * 2
+        assert two.ask(("drop",)) == ["dropped"] * 2
         store.put("image-2", _item(2))  # image-0 goes now
         assert not store.is_cached("image-0")
-        read(2)
-    finally:
-        for j in jobs:
-            j.put(None)
-        for p in readers:
-            p.join(60)
-        store.close()
-        ring.close()
-    assert [p.exitcode for p in readers] == [0, 0]
+        two.read(2)
 
 
 def test_on_a_cuda_machine_readers_make_vllms_copies_and_pin_nothing():
@@ -124,42 +140,14 @@ def test_on_a_cuda_machine_readers_make_vllms_copies_and_pin_nothing():
     decoders' copies, pinned where vLLM pins): items held by the readers hold nothing of
     the store, so a put evicts them where, read as views, it was refused (the test
     above); the readers' copies are untouched by the eviction."""
-    from shmq.vllm_serde import VllmMsgpackSerde
-
-    ring = RingBuffer(3 * MiB, create=True)  # room for two items
-    store = ObjectStorage(2 * MiB, 2, ring, serde_class=VllmMsgpackSerde)
-    ctx = mp.get_context("spawn")
-    jobs = [ctx.Queue() for _ in range(2)]
-    answers = ctx.Queue()
-    readers = [ctx.Process(target=_reader, args=(store.handle(), j, answers, True)) for j in jobs]
-    for p in readers:
-        p.start()
-
-    def read(seed: int) -> None:
-        key = f"image-{seed}"
-        address, monotonic_id = store.key_index[key]
-        for j in jobs:
-            j.put(("get", address, monotonic_id, store.get_signature(key), key, seed))
-        got = [answers.get(timeout=120) for _ in jobs]
-        assert got == [("MultiModalKwargsItem", True)] * 2, got
-
-    try:
+    with _TwoReaders(as_on_a_gpu=True) as two:
+        store = two.store
         store.put("image-0", _item(0))
-        read(0)
+        two.read(0)
         store.put("image-1", _item(1))
-        read(1)
+        two.read(1)
         store.put("image-2", _item(2))  # evicts image-0, held by both readers as copies
         assert not store.is_cached("image-0")
         store.put("image-3", _item(3))  # and image-1, whose room is written over
-        for j in jobs:
-            j.put(("check",))
-        assert [answers.get(timeout=60) for _ in jobs] == [[True, True]] * 2  # image-0 and image-1
-        read(3)
-    finally:
-        for j in jobs:
-            j.put(None)
-        for p in readers:
-            p.join(60)
-        store.close()
-        ring.close()
-    assert [p.exitcode for p in readers] == [0, 0]
+        assert two.ask(("check",)) == [[True, True]] * 2  # image-0 and image-1
+        two.read(3)
