@@ -16,6 +16,7 @@ store, of a queue's tensor arena and of the encoder cache does above the device 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -131,7 +132,7 @@ class DeviceSources:
                 of_mapping = self._readers.get(base)
                 if of_mapping is None:
                     of_mapping = self._readers[base] = DeviceReader(
-                        lambda m=mapping: m, f"{self._what} (mapping at {base:#x})", self.seam_choice
+                        functools.partial(_same, mapping), f"{self._what} (mapping at {base:#x})", self.seam_choice
                     )
                 registration = of_mapping.registered()
                 if registration is not None and registration.contains(base + offset, view.nbytes):
@@ -166,6 +167,10 @@ class DeviceSources:
         """Wait for the copies in flight, give back their views, unregister every mapping."""
         with self._lock:
             self._finalize()
+
+
+def _same(mapping: memoryview) -> memoryview:
+    return mapping
 
 
 def _close_all(readers: dict[int, DeviceReader]) -> None:
