@@ -107,7 +107,25 @@ class DeviceSources:
         self.seam_choice = seam
         self._readers: dict[int, DeviceReader] = {}  # the mapping's first byte -> reader
         self._lock = threading.Lock()
-        self._finalize = weakref.finalize(self, _close_all, self._readers)
+        #: Device-to-device copies (of opened IPC tensors): ``(event, hold)``, in a reader
+        #: of no mapping.
+        self._ipc = DeviceReader(_no_mapping, what, seam)
+        self._finalize = weakref.finalize(self, _close_all, self._readers, self._ipc)
+
+    @property
+    def seam(self) -> Device:
+        """The device seam these copies use."""
+        if self._ipc.seam is None:
+            self._ipc.seam = device_for(self.seam_choice)
+        return self._ipc.seam
+
+    def copy_device(self, tensor: Any, device: Any, hold: Any) -> Any:
+        """A copy of ``tensor`` (device memory of another process, opened by IPC) into a
+        new tensor on ``device``; ``hold`` is kept until the copy ended."""
+        with self._lock:
+            copied, event = self.seam.copy_device(tensor, device)
+            self._ipc.pending.append((event, hold))
+            return copied
 
     def to_device(self, value: Any, views: Iterable[Any], device: Any) -> Any:
         """``value`` with each tensor that lies in one of the received ``views``
@@ -118,6 +136,7 @@ class DeviceSources:
         with self._lock:
             for reader in self._readers.values():
                 reader.release_done()
+            self._ipc.release_done()
             spans: list[tuple[int, int, DeviceReader, int]] = []  # view, bytes, reader, shared
             for view in views:
                 source = getattr(getattr(view, "obj", None), "shared_source", None)
@@ -155,13 +174,14 @@ class DeviceSources:
     def release_done(self) -> int:
         """Give back the views whose copies ended; how many copies are still in flight."""
         with self._lock:
-            return sum(r.release_done() for r in self._readers.values())
+            return sum(r.release_done() for r in self._readers.values()) + self._ipc.release_done()
 
     def wait_all(self) -> None:
         """Wait for every copy in flight and give back the views it held."""
         with self._lock:
             for reader in self._readers.values():
                 reader.wait_all()
+            self._ipc.wait_all()
 
     def close(self) -> None:
         """Wait for the copies in flight, give back their views, unregister every mapping."""
@@ -173,7 +193,12 @@ def _same(mapping: memoryview) -> memoryview:
     return mapping
 
 
-def _close_all(readers: dict[int, DeviceReader]) -> None:
+def _no_mapping() -> memoryview:
+    raise AssertionError("the reader of IPC copies registers nothing")
+
+
+def _close_all(readers: dict[int, DeviceReader], ipc: DeviceReader) -> None:
+    ipc.wait_all()
     while readers:
         _, reader = readers.popitem()
         try:

@@ -170,3 +170,51 @@ def queue_device_reader(out: Any, handle: Any, rank: int, cmds: Any) -> None:
                 seam.unregister(mine[0])  # before the mapping goes
             out.put(("stopped",))
             return
+
+
+def cache_device_consumer(out: Any, name: str, cmds: Any) -> None:
+    """An encoder-cache consumer that loads into device memory: ``("get", key, hold)``
+    (with ``hold``, the twin's copies stay in flight until ``("release",)``); ``("wait",)``
+    reports the values; ``("break_ipc",)`` makes every IPC handle fail to open here (as
+    a consumer that cannot see the producer's device); ``("opened",)`` how many handles
+    are open; ``("logs",)``."""
+    from shmq import EncoderCacheConsumer
+    from shmq._device import device_for
+
+    records = LogRecords()
+    logging.getLogger("shmq").addHandler(records)
+    seam = device_for(SEAM)
+    consumer = EncoderCacheConsumer(name, device_seam=seam)
+    values: list[Any] = []
+    out.put(("ready", os.getpid()))
+    while True:
+        cmd = cmds.get(timeout=STEP)
+        if cmd[0] == "get":
+            _, key, hold = cmd
+            if hold:
+                seam.hold()  # type: ignore[attr-defined]
+            got: dict = {}
+            missing = consumer.load([key], got, device=DEVICE)
+            values.append(got.get(key))
+            out.put(("issued", consumer.release_device_copies(), missing))
+        elif cmd[0] == "release":
+            seam.release()  # type: ignore[attr-defined]
+            out.put(("released",))
+        elif cmd[0] == "wait":
+            consumer.wait_device_copies()
+            out.put(("values", [to_host(v) for v in values], consumer.release_device_copies()))
+            values.clear()
+        elif cmd[0] == "break_ipc":
+            def refuse(handle: Any) -> Any:
+                raise RuntimeError("this consumer cannot open that handle")
+
+            seam.open_ipc = refuse  # type: ignore[method-assign]
+            out.put(("broken",))
+        elif cmd[0] == "opened":
+            out.put(("opened", consumer.opened_handles()))
+        elif cmd[0] == "logs":
+            out.put(("logs", [r for r in records.records if r[0].startswith("shmq")]))
+        elif cmd[0] == "stop":
+            consumer.close()
+            out.put(("stopped",))
+            return
