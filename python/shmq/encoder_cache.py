@@ -26,16 +26,16 @@ key index, pins and acknowledgements: ``crates/core/src/encoder_cache/``.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import pickle
 import sys
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from . import _core, _oob
+from . import _core, _ipc, _oob
 from ._device_reader import DeviceSources
 from ._cleanup import created_segments
 
@@ -203,7 +203,7 @@ class EncoderCacheProducer:
             exported: list[Any] = []
             if self.ipc:
                 self._sweep_exported()
-                value = self._by_handle(value, exported)
+                value = _ipc.publish(value, self.device_seam, self.ipc_host_copy, exported)
             body, buffers = _oob.dumps_to_cpu(value)
             if not self._slots.acquire(timeout=timeout):
                 raise TimeoutError(
@@ -228,24 +228,6 @@ class EncoderCacheProducer:
         if on_loaded is not None:
             self.on_loaded(key, on_loaded)
         return reservation is not None
-
-    def _by_handle(self, value: Any, exported: list[Any]) -> Any:
-        """``value`` with each device tensor replaced by its IPC handle (``_ByHandle``);
-        the tensors go into ``exported`` (kept by this process while consumers may read
-        them)."""
-        from ._device import device_for
-
-        seam = device_for(self.device_seam)
-
-        def publish(t: Any) -> Any:
-            if seam.name == "cuda" and not t.is_cuda:
-                return t
-            t = t.detach().contiguous()
-            handle = seam.export_ipc(t)
-            exported.append(t)
-            return _ByHandle(seam.name, handle, t.cpu() if self.ipc_host_copy else None)
-
-        return _map_tensors(value, publish)
 
     def _sweep_exported(self) -> None:
         """Let go of the tensors of entries that are gone for good: evicted (or never
@@ -421,58 +403,6 @@ def _decode(parts: list) -> Any:
     return pickle.loads(body, buffers=buffers)
 
 
-class _ByHandle:
-    """A device tensor in an entry, by IPC handle (``EncoderCacheProducer(ipc=True)``):
-    the seam that exported it, the handle, and a host copy (a view of the entry) or None."""
-
-    __slots__ = ("seam", "handle", "host")
-
-    def __init__(self, seam: str, handle: Any, host: Any):
-        self.seam, self.handle, self.host = seam, handle, host
-
-    def __reduce__(self) -> Any:
-        return (_ByHandle, (self.seam, self.handle, self.host))
-
-
-def _handle_key(handle: Any) -> Any:
-    """What names a handle's allocation, hashable (the cache of opened handles)."""
-    try:
-        return pickle.dumps(handle)
-    except Exception:
-        return id(handle)
-
-
-class _CannotOpen(Exception):
-    """An IPC handle that cannot be opened, in an entry without a host copy."""
-
-
-def _map_handles(value: Any, fn: Callable[[_ByHandle], Any]) -> Any:
-    """``value`` with ``fn(ref)`` for each ``_ByHandle`` in its dicts, lists and tuples
-    (not a closure that calls itself: that cycle would keep the entry's views, and so its
-    pins, until the garbage collector ran)."""
-    if isinstance(value, _ByHandle):
-        return fn(value)
-    if type(value) is dict:
-        return {k: _map_handles(v, fn) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_map_handles(v, fn) for v in value)
-    return value
-
-
-def _has_handles(value: Any) -> bool:
-    if isinstance(value, _ByHandle):
-        return True
-    if type(value) is dict:
-        return any(_has_handles(v) for v in value.values())
-    if type(value) in (list, tuple):
-        return any(_has_handles(v) for v in value)
-    return False
-
-
-#: Handles a consumer keeps open (one per allocation), least recently used dropped first.
-MAX_OPEN_HANDLES = 64
-
-
 class EncoderCacheConsumer:
     """A consumer of one or more producers (their names). It joins each producer now, so
     each waits for it to load what is saved from then on; a producer that is not there
@@ -487,9 +417,6 @@ class EncoderCacheConsumer:
         #: The device seam of ``load(..., device=)`` (docs/guide.md, "The device path").
         self.device_seam = device_seam
         self._device: Optional[DeviceSources] = None
-        #: Opened IPC handles: allocation -> tensor (``MAX_OPEN_HANDLES`` at most).
-        self._opened: OrderedDict[Any, Any] = OrderedDict()
-        self._cannot_open: Optional[str] = None
 
     def has(self, key: str) -> bool:
         """Whether some producer holds ``key`` now."""
@@ -524,9 +451,12 @@ class EncoderCacheConsumer:
                 missing.append(key)
                 continue
             value = _decode(parts)
-            if _has_handles(value):
-                value = self._open_handles(key, value, parts, device)
-                if value is None:
+            if _ipc.has_handles(value):
+                sources = self._sources()
+                host_to_device = functools.partial(sources.to_device, views=parts[1:], device=device)
+                try:
+                    value = _ipc.resolve(value, device, sources, (parts, value), host_to_device)
+                except _ipc.CannotOpen:
                     missing.append(key)
                     continue
             elif device is not None and (str(device) != "cpu" or self.device_seam is not None):
@@ -540,49 +470,6 @@ class EncoderCacheConsumer:
             self._device = DeviceSources(f"encoder cache {self._core.producers()!r}", self.device_seam)
         return self._device
 
-    def _open_handles(self, key: str, value: Any, parts: list, device: Any) -> Any:
-        """``value`` with each ``_ByHandle`` opened and copied to ``device`` (or, without
-        a device, to the handle's own device memory: the opened tensor, not copied);
-        ``None`` if one cannot be opened and the entry has no host copy."""
-        sources = self._sources()
-        seam = sources.seam
-
-        def opened(ref: _ByHandle) -> Any:
-            if ref.seam != seam.name:
-                raise RuntimeError(f"published through the {ref.seam!r} device seam, this consumer uses {seam.name!r}")
-            at = _handle_key(ref.handle)
-            tensor = self._opened.get(at)
-            if tensor is None:
-                tensor = seam.open_ipc(ref.handle)
-                self._opened[at] = tensor
-                while len(self._opened) > MAX_OPEN_HANDLES:
-                    _, old = self._opened.popitem(last=False)
-                    seam.close_ipc(old)
-            else:
-                self._opened.move_to_end(at)
-            return tensor
-
-        def replace(ref: _ByHandle) -> Any:
-            try:
-                tensor = opened(ref)
-            except Exception as e:
-                if self._cannot_open is None:
-                    self._cannot_open = str(e)
-                    log.warning(
-                        "shmq: encoder cache: cannot open a producer's IPC handle (%s); %s", e,
-                        "its entries' host copies are read" if ref.host is not None else
-                        "entries without a host copy are missing here",
-                    )
-                if ref.host is None:
-                    raise _CannotOpen from None
-                return ref.host if device is None else sources.to_device(ref.host, parts[1:], device)
-            return tensor if device is None else sources.copy_device(tensor, device, (parts, value))
-
-        try:
-            return _map_handles(value, replace)
-        except _CannotOpen:
-            return None
-
     def release_device_copies(self) -> int:
         """Give back the entries whose copies to device memory ended; how many copies are
         still in flight."""
@@ -594,8 +481,9 @@ class EncoderCacheConsumer:
             self._device.wait_all()
 
     def opened_handles(self) -> int:
-        """IPC handles open now (at most ``MAX_OPEN_HANDLES``)."""
-        return len(self._opened)
+        """IPC allocations open in this process now (at most ``shmq._ipc.MAX_OPEN_HANDLES``,
+        shared by every receiver of the process)."""
+        return _ipc.open_handles()
 
     def get(self, key: str, device: Any = None) -> Any:
         """The value of ``key`` (as :meth:`load` gives it); ``KeyError`` if no producer
@@ -610,13 +498,11 @@ class EncoderCacheConsumer:
         return self._core.producers()
 
     def close(self) -> None:
-        """Wait for the copies to device memory in flight, close the IPC handles opened,
-        and leave every producer (views already loaded stay valid until they go)."""
+        """Wait for the copies to device memory in flight and leave every producer
+        (views already loaded stay valid until they go)."""
         sources, self._device = self._device, None
         if sources is not None:
             sources.close()
-            while self._opened:
-                sources.seam.close_ipc(self._opened.popitem()[1])
         self._core.close()
 
     def __enter__(self) -> "EncoderCacheConsumer":

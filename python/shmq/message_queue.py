@@ -14,6 +14,8 @@ on without it rather than report a death.
 
 from __future__ import annotations
 
+import collections
+import functools
 import multiprocessing.util
 import os
 import pickle
@@ -23,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, Union, cast, overload
 
-from . import _core, _oob, group
+from . import _core, _ipc, _oob, group
 from ._arrays import ArrayKind, from_wire, to_wire
 from ._cleanup import created_segments, track_writer
 from ._device import Device
@@ -80,6 +82,15 @@ _NOT_AN_ARRAY = (
     "{call} (the message is consumed; the reader goes on with the next one)"
 )
 _loads = pickle.loads
+
+
+def _to(device: Any) -> Any:
+    """``tensor.to(device)``, as a function of the tensor."""
+    return functools.partial(_moved, device=device)
+
+
+def _moved(tensor: Any, device: Any) -> Any:
+    return tensor.to(device)
 
 # enqueue_async's pauses between tries while the ring has no room (seconds): doubling
 # from the first to the last.
@@ -364,6 +375,14 @@ class MessageQueue:
       machine see it as ``mq.name``.
     - ``enqueue_array`` / ``dequeue_array``: typed arrays, the format Rust readers and
       writers speak too; ``enqueue_bytes`` / ``dequeue_bytes``: raw bytes.
+    - ``ipc=True`` (every reader on this machine): device tensors (CUDA; with the CPU
+      twin of the device seam, ``device_seam="twin"``, every tensor) are sent by IPC
+      handle, not copied to the host. A reader opens each allocation once (while it takes
+      the message; a process keeps 64 open) and gets that device memory, or with
+      ``dequeue(device=)`` a copy there; one that cannot open it gets ``RuntimeError``.
+      The writer keeps the tensors of its last ``max_chunks + 1`` messages, all a reader
+      may still be opening; a reader that opened one holds the memory itself. Not yet run
+      on a GPU (docs/guide.md, "The device path").
     """
 
     # Class-level defaults make a handle-less object fail with a clear error.
@@ -405,6 +424,8 @@ class MessageQueue:
         remote_max_queued_bytes: Optional[int] = None,
         name: Optional[str] = None,
         on_lost_remote_reader: Optional[Literal["warn", "raise"]] = None,
+        ipc: bool = False,
+        device_seam: Union[None, str, Device] = None,
     ):
         # vLLM 0.33 accepts n_reader=0 (a queue that sends to nobody); shmq refuses it:
         # made by hand, a queue without readers is a mistake. (create_from_process_group
@@ -430,7 +451,36 @@ class MessageQueue:
             name=name,
             on_lost_remote_reader=on_lost_remote_reader,
         )
+        if ipc and n_local_reader != n_reader:
+            raise ValueError(
+                f"ipc=True sends device tensors by IPC handle, which only readers on this machine can open: "
+                f"this queue has {n_reader - n_local_reader} remote reader(s)"
+            )
         self._start_writer(n_reader, n_local_reader, options, enable_shm_tensor_arena)
+        self.device_seam = device_seam
+        if ipc:
+            # A reader opens a message's handles before its dequeue returns, and a sent
+            # message is at most max_chunks messages ahead of one a reader is inside the
+            # dequeue of (the ring has max_chunks chunks, and that reader has not read the
+            # next one): the tensors of the last max_chunks + 1 messages sent are all a
+            # reader may still open.
+            self._exported = collections.deque(maxlen=max_chunks + 1)
+
+    #: Writer with ``ipc=True``: the device tensors of the last messages, by message.
+    _exported: "Optional[collections.deque[list[Any]]]" = None
+
+    def _to_send(self, obj: Any) -> tuple[Any, Optional[list[Any]]]:
+        """``obj`` as sent, and with ``ipc=True`` the device tensors it sends by IPC handle
+        (kept by ``_sent`` once the message is sent: not before, since a send that waits
+        for room must not push out the tensors a reader may be opening now)."""
+        if self._exported is None:
+            return obj, None
+        tensors: list[Any] = []
+        return _ipc.publish(obj, self.device_seam, False, tensors), tensors
+
+    def _sent(self, tensors: Optional[list[Any]]) -> None:
+        if tensors is not None and self._exported is not None:
+            self._exported.append(tensors)
 
     def _start_writer(
         self, n_reader: int, n_local_reader: int, options: _core.QueueOptions, enable_shm_tensor_arena: bool
@@ -707,6 +757,7 @@ class MessageQueue:
         writer = self._writer
         if writer is None:
             raise self._not_the_writer("enqueue")
+        obj, tensors = self._to_send(obj)
         body, buffers = _dumps(obj)
         # Always a message of parts (the pickle stream is its body): a reader tells it
         # from raw bytes (enqueue_bytes) by that, never by guessing from the bytes. With
@@ -715,6 +766,7 @@ class MessageQueue:
             writer.enqueue_parts([body, *buffers], timeout)
         else:
             writer.enqueue_body(body, timeout)
+        self._sent(tensors)
 
     async def enqueue_async(self, obj: Any, timeout: Optional[float] = None) -> None:
         """``await queue.enqueue_async(obj)``: ``enqueue`` without blocking the event loop
@@ -736,6 +788,7 @@ class MessageQueue:
         writer = self._writer
         if writer is None:
             raise self._not_the_writer("enqueue_async")
+        obj, tensors = self._to_send(obj)
         body, buffers = _dumps(obj)
         parts: Optional[list[Any]] = [body, *buffers] if buffers else None
         loop = asyncio.get_running_loop()
@@ -749,6 +802,7 @@ class MessageQueue:
                     writer.enqueue_parts(parts, 0)
                 else:
                     writer.enqueue_body(body, 0)
+                self._sent(tensors)
                 return
             except TimeoutError:
                 pass
@@ -837,6 +891,13 @@ class MessageQueue:
         # them; (bytes,): raw bytes (see _core.Reader.dequeue).
         if type(message) is bytes:
             value = _loads(message)
+            if _ipc.has_handles(value):  # sent with ipc=True: opened while unpickled, above
+                sources = self._device_sources() if device is not None else None
+                try:
+                    return _ipc.resolve(value, device, sources, value, _to(device))
+                except _ipc.CannotOpen as e:
+                    words = self._queue_words()
+                    raise RuntimeError(f"dequeue: queue {words}: {e} (the message is lost here)") from None
             return value if device is None else self._device_sources().to_device(value, (), device)
         if len(message) == 1:
             raise MessageKindError(_RAW_FOR_DEQUEUE)
@@ -849,11 +910,17 @@ class MessageQueue:
             return value if device is None else self._device_sources().to_device(value, (data,), device)
         body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
         value = _loads(body, buffers=buffers)
+        if _ipc.has_handles(value):  # sent with ipc=True: opened while unpickled, above
+            sources = self._device_sources() if device is not None else None
+            try:
+                return _ipc.resolve(value, device, sources, (buffers, value), _to(device))
+            except _ipc.CannotOpen as e:
+                raise RuntimeError(f"dequeue: queue {self._queue_words()}: {e} (the message is lost here)") from None
         return value if device is None else self._device_sources().to_device(value, buffers, device)
 
-    #: The device seam of ``dequeue(..., device=)``: ``"twin"``, ``"cuda"``, a ``Device``,
-    #: or ``None`` for ``SHMQ_DEVICE`` (see ``shmq._device.device_for``). Set it before
-    #: the first such call.
+    #: The device seam of ``dequeue(..., device=)`` (and, on the writer, of ``ipc=True``):
+    #: ``"twin"``, ``"cuda"``, a ``Device``, or ``None`` for ``SHMQ_DEVICE`` (see
+    #: ``shmq._device.device_for``). Set it before the first such call.
     device_seam: Union[None, str, Device] = None
     _device: Optional[DeviceSources] = None
 

@@ -30,10 +30,10 @@ from typing import (
     cast,
 )
 
-from . import _core
+from . import _core, _ipc
 from ._cleanup import created_segments
 from ._device import Device, address_of
-from ._device_reader import DeviceReader, tensor_leaves
+from ._device_reader import DeviceReader, DeviceSources, tensor_leaves
 from ._loans import loan_memory, loaned_array, loaned_tensor
 from ._segment_memory import SegmentMemory
 from .serde import Buffer, MsgpackSerde, ObjectSerde, store_codec
@@ -344,6 +344,10 @@ class _WriterFlag(_IdIndex):
         return entry[2]
 
 
+def _same(x: Any) -> Any:
+    return x
+
+
 class ObjectStorage:
     """Key → object store on a ``RingBuffer``: one writer, ``n_readers`` reader processes
     (vLLM's ``SingleWriterShmObjectStorage``).
@@ -381,6 +385,7 @@ class ObjectStorage:
         view_threshold: int = VIEW_THRESHOLD,
         on_dead_reader: Literal["raise", "drop"] = "raise",
         device_seam: Union[None, str, Device] = None,
+        ipc: bool = False,
     ):
         if type(view_threshold) is not int or view_threshold < 0:
             raise ValueError(f"view_threshold must be an int >= 0, got {view_threshold!r}")
@@ -395,6 +400,10 @@ class ObjectStorage:
         #: A serde that puts tensors on a device itself (``shmq.vllm_serde`` under
         #: ``SHMQ_DEVICE_PATH=1``): where a plain ``get`` puts them, and which.
         self._read_device: Optional[Callable[[], Any]] = getattr(self.ser_de, "shmq_read_device", None)
+        #: Writer: device tensors are put by IPC handle (see ``put``); ``_exported`` keeps
+        #: them by key while their object is in the store.
+        self.ipc = bool(ipc)
+        self._exported: dict[str, list[Any]] = {}
         self.is_writer = ring_buffer.is_writer
         #: Bytes vLLM counts for the reader flag of an object in ``max_object_size`` (vLLM's
         #: name; the core stores an 8-byte count word, count and id tag, in front of it).
@@ -409,6 +418,8 @@ class ObjectStorage:
         #: or ``None`` for ``SHMQ_DEVICE`` (see ``shmq._device.device_for``).
         self.device_seam = device_seam
         self._device: Optional[DeviceReader] = None
+        #: Copies on the device of tensors put by IPC handle.
+        self._ipc_copies: Optional[DeviceSources] = None
         if not self.is_writer:
             # A reader gives its slot back when it closes, when it is dropped, and at the
             # process's normal exit (multiprocessing runs exit finalizers also in children
@@ -445,7 +456,19 @@ class ObjectStorage:
         if there is no room after freeing every object all readers have finished with,
         saying what holds the room (the oldest object, and which readers it waits for);
         ``StoreReaderDiedError`` (a ``PeerDiedError`` and a ``MemoryError``) if one of
-        them died, unless ``on_dead_reader="drop"``, which goes on without it."""
+        them died, unless ``on_dead_reader="drop"``, which goes on without it.
+
+        With ``ipc=True`` (the store's option, for readers on this machine): the value's
+        device tensors (CUDA; with the CPU twin of the device seam, every tensor) are put
+        by IPC handle, not copied; a reader's ``get`` opens each allocation once (while
+        it holds the object) and gets that device memory, or, with ``device=``, a copy
+        of it there. This process keeps each tensor while its object is in the store
+        (a reader that opened it holds the memory itself). Not yet run on a GPU."""
+        if self.ipc and self.is_writer:
+            return self._put_by_handle(key, value)
+        return self._put(key, value)
+
+    def _put(self, key: str, value: Any) -> tuple[int, int]:
         core = self._core
         # core.put refuses a reader ("Only the writer can put objects.") and a known key
         # ("Key '...' already exists in the storage.") under the lock it takes anyway:
@@ -459,6 +482,18 @@ class ObjectStorage:
             return core.put(key, parts, len(parts))
         except _core.PeerDiedError as e:
             raise StoreReaderDiedError(*e.args) from None
+
+    def _put_by_handle(self, key: str, value: Any) -> tuple[int, int]:
+        """``put`` with ``ipc=True``: the value's device tensors by IPC handle, kept here
+        while the object is in the store (a reader opens them while it holds the object;
+        once opened, the reader holds the memory itself)."""
+        for gone in [k for k in self._exported if not self.is_cached(k)]:
+            del self._exported[gone]
+        exported: list[Any] = []
+        placed = self._put(key, _ipc.publish(value, self.device_seam, False, exported))
+        if exported:
+            self._exported[key] = exported
+        return placed
 
     def loan(self, nbytes: int) -> memoryview:
         """Writer: ``nbytes`` of writable shared memory in the ring, to fill in place (e.g.
@@ -615,8 +650,12 @@ class ObjectStorage:
             return self._get_to_device(address, monotonic_id, signature, key, device)
         load_owned = self._load_owned
         if load_owned is not None and not copy:
-            return self._core.get(address, monotonic_id, signature, key, load_owned, True, self.view_threshold)
-        return self._core.get(address, monotonic_id, signature, key, self._load, self._split)
+            value = self._core.get(address, monotonic_id, signature, key, load_owned, True, self.view_threshold)
+        else:
+            value = self._core.get(address, monotonic_id, signature, key, self._load, self._split)
+        if _ipc.has_handles(value):  # put by a writer with ipc=True: the opened tensors
+            value = _ipc.resolve(value, None, None, None, _same)
+        return value
 
     def _get_to_device(
         self,
@@ -638,7 +677,9 @@ class ObjectStorage:
         load_owned = self._load_owned
         registration = reader.registered() if load_owned is not None else None
         if registration is None or load_owned is None:
-            value = self.get(address, monotonic_id, signature, key, copy=True)
+            value = self._core.get(address, monotonic_id, signature, key, self._load, self._split)
+            if _ipc.has_handles(value):
+                value = _ipc.resolve(value, None, None, None, _same)
             return leaves(value, lambda t: t.to(device))
         # Where each viewed part lies in the shared mapping: read in the part table, which
         # ends where the first part (read in place, in the shared mapping) begins.
@@ -665,6 +706,12 @@ class ObjectStorage:
 
         value = self._core.get(address, monotonic_id, signature, key, load, True, self.view_threshold)
         hold = (kept, value)
+        if _ipc.has_handles(value):  # put by IPC handle: copied on the device
+            sources = self._ipc_copies
+            if sources is None:
+                what = f"store {self.ring_buffer.shared_memory.name!r}"
+                sources = self._ipc_copies = DeviceSources(what, self.device_seam)
+            value = _ipc.resolve(value, device, sources, hold, lambda t: t.to(device))
 
         def to_device(t: Any) -> Any:
             nbytes = t.numel() * t.element_size()
@@ -680,7 +727,8 @@ class ObjectStorage:
     def release_device_copies(self) -> int:
         """Give back the objects whose copies to device memory ended (made by
         ``get(..., device=)``); how many copies are still in flight."""
-        return self._device.release_done() if self._device is not None else 0
+        in_flight = self._ipc_copies.release_done() if self._ipc_copies is not None else 0
+        return in_flight + (self._device.release_done() if self._device is not None else 0)
 
     def wait_device_copies(self) -> None:
         """Wait until every copy to device memory (``get(..., device=)``) ended, and give
@@ -688,6 +736,8 @@ class ObjectStorage:
         device's own streams are already ordered after the copies)."""
         if self._device is not None:
             self._device.wait_all()
+        if self._ipc_copies is not None:
+            self._ipc_copies.wait_all()
 
     def touch(
         self,
@@ -835,6 +885,11 @@ class ObjectStorage:
         if device is not None:
             self._device = None
             device.close()
+        copies = getattr(self, "_ipc_copies", None)
+        if copies is not None:
+            self._ipc_copies = None
+            copies.close()
+        self._exported = {}
         leave = getattr(self, "_leave", None)
         if leave is not None:
             leave()

@@ -22,7 +22,7 @@ import torch
 from _processes import STEP, Children, wait_for
 from _processes.device_children import DEVICE, SEAM, cache_device_consumer
 from shmq import EncoderCacheProducer
-from shmq.encoder_cache import MAX_OPEN_HANDLES
+from shmq._ipc import MAX_OPEN_HANDLES
 from test_device_seam import assert_same
 
 pytestmark = pytest.mark.timeout(120)

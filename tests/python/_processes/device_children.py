@@ -218,3 +218,25 @@ def cache_device_consumer(out: Any, name: str, cmds: Any) -> None:
             consumer.close()
             out.put(("stopped",))
             return
+
+
+def queue_plain_reader(out: Any, handle: Any, rank: int, n: int, device: Any, cmds: Any) -> None:
+    """Dequeue ``n`` messages (with ``device``, if not None, against the twin) and report
+    each as host values, with the IPC allocations this process has open; then wait for
+    ``"stop"`` (the tensors sent back are torch's shared memory, which the test receives
+    from this process while it lives)."""
+    from shmq import MessageQueue
+    from shmq._device import device_for
+    from shmq._ipc import open_handles
+
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.device_seam = device_for(SEAM)
+    mq.wait_until_ready(timeout=STEP)
+    got = []
+    for _ in range(n):
+        value = mq.dequeue(timeout=STEP, device=device)
+        mq.wait_device_copies()
+        got.append(to_host(value))
+    out.put(("got", got, open_handles()))
+    mq.close_device()
+    assert cmds.get(timeout=STEP) == "stop"
