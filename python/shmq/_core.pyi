@@ -416,6 +416,10 @@ class ShmView:
     """A window into mapped memory; wrap it in ``memoryview``. Keeps the mapping alive."""
 
     def __len__(self) -> int: ...
+    def shared_source(self) -> Optional[tuple[ShmView, int]]:
+        """``(mapping, offset)``: this process's shared read-only mapping of the segment
+        the bytes lie in (a read-only view of all of it) and where they lie in it; None
+        for bytes with no such mapping."""
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 

@@ -2,7 +2,8 @@
 
 - ``CudaDevice``: torch's own CUDA calls, nothing else (``cudaHostRegister`` through
   ``torch.cuda.cudart()``, ``Tensor.copy_(non_blocking=True)`` on a side stream with a
-  ``torch.cuda.Event``, and the storage IPC calls of ``torch.multiprocessing.reductions``).
+  ``torch.cuda.Event`` (also for a device-to-device copy of an opened IPC tensor), and
+  the storage IPC calls of ``torch.multiprocessing.reductions``).
   No GPU has run it yet (issue 55): ``scripts/gpu_check.sh`` is the command for one.
 - ``TwinDevice``: a CPU twin with the same contract, used by the tests on every machine.
   "Device memory" is process memory (CPU torch tensors); a registration is recorded and
@@ -66,6 +67,7 @@ class Device(Protocol):
     def copy_to_device(
         self, registration: Registration, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...], device: Any
     ) -> tuple[Any, Any]: ...
+    def copy_device(self, tensor: Any, device: Any) -> tuple[Any, Any]: ...
     def event_done(self, event: Any) -> bool: ...
     def wait_event(self, event: Any) -> None: ...
     def export_ipc(self, tensor: Any) -> Any: ...
@@ -152,6 +154,24 @@ class CudaDevice:
         torch.cuda.current_stream(device).wait_event(event)
         return dst, event
 
+    def copy_device(self, tensor: Any, device: Any) -> tuple[Any, Any]:
+        torch = self._torch
+        device = torch.device(device)
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            if self._hold_cycles:
+                torch.cuda._sleep(self._hold_cycles)
+            dst.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        dst.record_stream(stream)
+        torch.cuda.current_stream(device).wait_event(event)
+        return dst, event
+
     def event_done(self, event: Any) -> bool:
         return bool(event.query())
 
@@ -198,6 +218,18 @@ def _mapped(address: int, nbytes: int) -> Optional[bool]:
     return None
 
 
+def _process_memory(device: Any) -> None:
+    """The twin's device memory is process memory: a copy "to cuda:0" would silently
+    land on the CPU, so it is refused."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        raise ValueError(
+            f"the CPU twin of the device seam copies into process memory (device 'cpu'), not {device!r}: "
+            "set SHMQ_DEVICE=cuda (or device_seam='cuda') on a machine whose torch sees a GPU"
+        )
+
+
 class _TwinEvent:
     __slots__ = ("done",)
 
@@ -218,7 +250,7 @@ class TwinDevice:
         self._in_flight: dict[int, int] = {}  # id(registration) -> copies not ended
         self._gate = threading.Event()
         self._gate.set()
-        self._work: list[tuple[Any, Any, _TwinEvent, Registration]] = []
+        self._work: list[tuple[Any, Any, _TwinEvent, Optional[Registration]]] = []
         self._wake = threading.Condition(self._lock)
         self._worker: Optional[threading.Thread] = None
 
@@ -261,6 +293,7 @@ class TwinDevice:
     ) -> tuple[Any, Any]:
         import torch
 
+        _process_memory(device)
         address = registration.address + offset
         with self._lock:
             if registration not in self._registered or not registration.contains(address, nbytes):
@@ -270,11 +303,28 @@ class TwinDevice:
             event = _TwinEvent()
             self._in_flight[id(registration)] = self._in_flight.get(id(registration), 0) + 1
             self._work.append((dst, src, event, registration))
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="shmq-device-twin", daemon=True)
-                self._worker.start()
+            self._start_worker()
             self._wake.notify()
         return dst, event
+
+    def copy_device(self, tensor: Any, device: Any) -> tuple[Any, Any]:
+        """A copy of a "device" tensor (one opened by ``open_ipc``) into a new one, run
+        on the worker like every copy: in flight after the call returns."""
+        import torch
+
+        _process_memory(device)
+        dst = torch.empty(tensor.shape, dtype=tensor.dtype)
+        event = _TwinEvent()
+        with self._lock:
+            self._work.append((dst, tensor, event, None))
+            self._start_worker()
+            self._wake.notify()
+        return dst, event
+
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="shmq-device-twin", daemon=True)
+            self._worker.start()
 
     def _run(self) -> None:
         while True:
@@ -284,8 +334,9 @@ class TwinDevice:
                 dst, src, event, registration = self._work.pop(0)
             self._gate.wait()
             dst.copy_(src)  # the source is read now, as a DMA engine reads it
-            with self._lock:
-                self._in_flight[id(registration)] -= 1
+            if registration is not None:
+                with self._lock:
+                    self._in_flight[id(registration)] -= 1
             event.done.set()
 
     def event_done(self, event: Any) -> bool:

@@ -1,5 +1,5 @@
 """Receiving into device memory from a shared mapping (issue 55): what a reader of the
-store (and later the queue's arena and the encoder cache) does above the device seam.
+store, of a queue's tensor arena and of the encoder cache does above the device seam.
 
 - The reader's *shared* mapping of the segment is registered once, on the first
   ``get(..., device=)``, never per message; a mapping the device refuses is remembered
@@ -16,8 +16,11 @@ store (and later the queue's arena and the encoder cache) does above the device 
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Callable, Optional, Union
+import threading
+import weakref
+from typing import Any, Callable, Iterable, Optional, Union
 
 from ._device import Device, DeviceRefused, Registration, address_of, device_for
 
@@ -88,6 +91,120 @@ class DeviceReader:
             seam.unregister(self.registration)
         self.registration = None
         self._mapping = None
+
+
+class DeviceSources:
+    """The device readers of one receiver (a queue's reader, an encoder-cache consumer):
+    one ``DeviceReader`` per shared mapping its received views lie in (the arena's, or
+    each producer's segment), found through each view's ``shared_source()`` (the
+    binding's ``ShmView``). Made empty; each mapping is registered on the first copy from
+    it. Closed by ``close()`` or, if the owner forgot, when it is collected: either way
+    the copies in flight are waited for and every mapping unregistered before it can go
+    (unregister before unmap)."""
+
+    def __init__(self, what: str, seam: Union[None, str, Device] = None):
+        self._what = what
+        self.seam_choice = seam
+        self._readers: dict[int, DeviceReader] = {}  # the mapping's first byte -> reader
+        self._lock = threading.Lock()
+        #: Device-to-device copies (of opened IPC tensors): ``(event, hold)``, in a reader
+        #: of no mapping.
+        self._ipc = DeviceReader(_no_mapping, what, seam)
+        self._finalize = weakref.finalize(self, _close_all, self._readers, self._ipc)
+
+    @property
+    def seam(self) -> Device:
+        """The device seam these copies use."""
+        if self._ipc.seam is None:
+            self._ipc.seam = device_for(self.seam_choice)
+        return self._ipc.seam
+
+    def copy_device(self, tensor: Any, device: Any, hold: Any) -> Any:
+        """A copy of ``tensor`` (device memory of another process, opened by IPC) into a
+        new tensor on ``device``; ``hold`` is kept until the copy ended."""
+        with self._lock:
+            copied, event = self.seam.copy_device(tensor, device)
+            self._ipc.pending.append((event, hold))
+            return copied
+
+    def to_device(self, value: Any, views: Iterable[Any], device: Any) -> Any:
+        """``value`` with each tensor that lies in one of the received ``views``
+        (memoryviews from the binding) copied to ``device`` from the view's shared mapping;
+        the views are held until their copies ended. A tensor elsewhere (a copied small
+        buffer, a mapping the device refused) takes the host path, ``.to(device)``."""
+        views = list(views)
+        with self._lock:
+            for reader in self._readers.values():
+                reader.release_done()
+            self._ipc.release_done()
+            spans: list[tuple[int, int, DeviceReader, int]] = []  # view, bytes, reader, shared
+            for view in views:
+                source = getattr(getattr(view, "obj", None), "shared_source", None)
+                if source is None or not isinstance(view, memoryview) or not view.nbytes:
+                    continue
+                found = source()
+                if found is None:
+                    continue
+                mapping, offset = found
+                mapping = memoryview(mapping)
+                base = address_of(mapping)
+                of_mapping = self._readers.get(base)
+                if of_mapping is None:
+                    of_mapping = self._readers[base] = DeviceReader(
+                        functools.partial(_same, mapping), f"{self._what} (mapping at {base:#x})", self.seam_choice
+                    )
+                registration = of_mapping.registered()
+                if registration is not None and registration.contains(base + offset, view.nbytes):
+                    spans.append((address_of(view), view.nbytes, of_mapping, base + offset))
+            if not spans:
+                return tensor_leaves(value, lambda t: t.to(device))
+            hold = (views, value)
+
+            def copy(t: Any) -> Any:
+                nbytes = t.numel() * t.element_size()
+                if nbytes and t.is_contiguous():
+                    ptr = t.data_ptr()
+                    for at, size, reader, shared in spans:
+                        if at <= ptr and ptr + nbytes <= at + size:
+                            return reader.copy(shared + (ptr - at), nbytes, t.dtype, tuple(t.shape), device, hold)
+                return t.to(device)
+
+            return tensor_leaves(value, copy)
+
+    def release_done(self) -> int:
+        """Give back the views whose copies ended; how many copies are still in flight."""
+        with self._lock:
+            return sum(r.release_done() for r in self._readers.values()) + self._ipc.release_done()
+
+    def wait_all(self) -> None:
+        """Wait for every copy in flight and give back the views it held."""
+        with self._lock:
+            for reader in self._readers.values():
+                reader.wait_all()
+            self._ipc.wait_all()
+
+    def close(self) -> None:
+        """Wait for the copies in flight, give back their views, unregister every mapping."""
+        with self._lock:
+            self._finalize()
+
+
+def _same(mapping: memoryview) -> memoryview:
+    return mapping
+
+
+def _no_mapping() -> memoryview:
+    raise AssertionError("the reader of IPC copies registers nothing")
+
+
+def _close_all(readers: dict[int, DeviceReader], ipc: DeviceReader) -> None:
+    ipc.wait_all()
+    while readers:
+        _, reader = readers.popitem()
+        try:
+            reader.close()
+        except Exception as e:  # a collected owner: say so, never raise from a finalizer
+            log.warning("shmq: closing a device registration failed: %s", e)
 
 
 def tensor_leaves(value: Any, replace: Callable[[Any], Any]) -> Any:

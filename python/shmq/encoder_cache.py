@@ -30,10 +30,13 @@ import logging
 import pickle
 import sys
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import _core, _oob
+from ._device_reader import DeviceSources
 from ._cleanup import created_segments
 
 __all__ = [
@@ -92,7 +95,21 @@ class EncoderCacheProducer:
       default 0, keys saved while no consumer is joined are evictable at once;
     - ``timeout``: default seconds ``save`` waits for room (then ``MemoryError``);
     - ``max_pending``: saves whose copy may be queued at once (``save`` waits for one to
-      finish beyond that).
+      finish beyond that);
+    - ``ipc``: device tensors are published by IPC handle instead of being copied into
+      the cache (CUDA tensors through CUDA IPC; with the CPU twin of the device seam,
+      every tensor: see ``device_seam``). The entry holds the handles (and, with
+      ``ipc_host_copy``, a host copy for consumers that cannot open them); each consumer
+      opens a handle once per allocation (cached, bounded) and copies from it into its
+      own device memory on ``load(..., device=)``. This process keeps each published
+      tensor until its entry is evicted and no consumer holds it any more (a consumer
+      that dies holds nothing). Off by default: no GPU has run this path yet (issue 55);
+    - ``ipc_host_copy``: with ``ipc``, also copy each tensor into the cache, so that a
+      consumer that cannot open a handle (another GPU's process, no GPU) reads the host
+      copy (one log line); without it such a consumer finds the key missing (logged
+      once) and the entry is published as soon as its handles are, with no copy;
+    - ``device_seam``: ``"cuda"``, ``"twin"``, a ``Device`` or ``None`` (``SHMQ_DEVICE``),
+      see docs/guide.md ("The device path").
 
     Starting a producer under the name of one that died replaces its segment; under the
     name of a live one raises ``ValueError``.
@@ -108,6 +125,9 @@ class EncoderCacheProducer:
         min_consumers: int = 0,
         timeout: float = 60.0,
         max_pending: int = 4,
+        ipc: bool = False,
+        ipc_host_copy: bool = False,
+        device_seam: Any = None,
     ):
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
@@ -126,6 +146,13 @@ class EncoderCacheProducer:
         self._wake_monitor = threading.Event()
         self._monitor: Optional[threading.Thread] = None
         self._closed = False
+        self.ipc, self.ipc_host_copy, self.device_seam = bool(ipc), bool(ipc_host_copy), device_seam
+        #: Tensors published by IPC handle, by key: kept until the entry is gone for good.
+        self._exported: dict[str, list[Any]] = {}
+        #: Of those, the keys evicted whose memory a consumer may still hold.
+        self._retired: dict[str, list[Any]] = {}
+        #: Keys whose save is still being copied (not in ``keys()`` yet): how many saves.
+        self._publishing: dict[str, int] = {}
 
     @property
     def name(self) -> str:
@@ -173,6 +200,10 @@ class EncoderCacheProducer:
             # As the core takes it (None: no limit, also for inf or more than 10⁹ s):
             # the semaphore's own timeout overflows where the core's does not.
             timeout = _core.timeout_seconds(self.timeout if timeout is None else timeout)
+            exported: list[Any] = []
+            if self.ipc:
+                self._sweep_exported()
+                value = self._by_handle(value, exported)
             body, buffers = _oob.dumps_to_cpu(value)
             if not self._slots.acquire(timeout=timeout):
                 raise TimeoutError(
@@ -186,7 +217,11 @@ class EncoderCacheProducer:
             if reservation is None:  # held already (its copy still running)
                 self._slots.release()
             else:
-                future = self._copier.submit(self._copy, reservation, [body, *buffers])
+                with self._lock:
+                    self._publishing[key] = self._publishing.get(key, 0) + 1
+                    if exported:
+                        self._exported[key] = exported
+                future = self._copier.submit(self._copy, key, reservation, [body, *buffers])
                 with self._lock:
                     self._pending.add(future)
                 future.add_done_callback(self._done)
@@ -194,7 +229,47 @@ class EncoderCacheProducer:
             self.on_loaded(key, on_loaded)
         return reservation is not None
 
-    def _copy(self, reservation: Any, parts: list) -> None:
+    def _by_handle(self, value: Any, exported: list[Any]) -> Any:
+        """``value`` with each device tensor replaced by its IPC handle (``_ByHandle``);
+        the tensors go into ``exported`` (kept by this process while consumers may read
+        them)."""
+        from ._device import device_for
+
+        seam = device_for(self.device_seam)
+
+        def publish(t: Any) -> Any:
+            if seam.name == "cuda" and not t.is_cuda:
+                return t
+            t = t.detach().contiguous()
+            handle = seam.export_ipc(t)
+            exported.append(t)
+            return _ByHandle(seam.name, handle, t.cpu() if self.ipc_host_copy else None)
+
+        return _map_tensors(value, publish)
+
+    def _sweep_exported(self) -> None:
+        """Let go of the tensors of entries that are gone for good: evicted (or never
+        published) and held by no consumer (the cache has no evicted entry still mapped;
+        coarse: while any is, every evicted entry's tensors are kept)."""
+        with self._lock:
+            if not self._exported and not self._retired:
+                return
+            keys = set(self._core.keys()) | set(self._publishing)
+            for key in [k for k in self._exported if k not in keys]:
+                self._retired[key] = self._exported.pop(key)
+            if self._retired:
+                self._core.sweep()  # frees the evicted entries no consumer maps any more
+                if self._core.stats()["zombies"] == 0:
+                    self._retired.clear()
+
+    def exported(self) -> dict[str, int]:
+        """``held`` (entries whose tensors are published by IPC handle) and ``retired``
+        (evicted, kept until no consumer holds them)."""
+        self._sweep_exported()
+        with self._lock:
+            return {"held": len(self._exported), "retired": len(self._retired)}
+
+    def _copy(self, key: str, reservation: Any, parts: list) -> None:
         try:
             reservation.fill_and_publish(parts)
         except BaseException as e:  # surfaced by the next call (never dropped)
@@ -204,6 +279,10 @@ class EncoderCacheProducer:
                     self._error = e
             raise
         finally:
+            with self._lock:
+                left = self._publishing.pop(key) - 1
+                if left:
+                    self._publishing[key] = left
             self._slots.release()
 
     def _done(self, future: concurrent.futures.Future) -> None:
@@ -308,9 +387,21 @@ class EncoderCacheProducer:
             return
         try:
             self.flush(timeout)
+            if self._exported or self._retired:
+                # Published device tensors stay until no consumer holds their entry (a
+                # copy from one may be in flight), at most `timeout`.
+                for key in self._core.keys():
+                    self._core.evict(key)
+                seconds = _core.timeout_seconds(timeout)
+                deadline = None if seconds is None else time.monotonic() + seconds
+                while self.exported()["retired"] and (deadline is None or time.monotonic() < deadline):
+                    self._core.sweep()
+                    time.sleep(0.005)
         finally:
             with self._lock:
                 self._closed = True
+                self._exported.clear()
+                self._retired.clear()
             self._wake_monitor.set()
             self._copier.shutdown(wait=False)
             self._core.close()
@@ -330,6 +421,58 @@ def _decode(parts: list) -> Any:
     return pickle.loads(body, buffers=buffers)
 
 
+class _ByHandle:
+    """A device tensor in an entry, by IPC handle (``EncoderCacheProducer(ipc=True)``):
+    the seam that exported it, the handle, and a host copy (a view of the entry) or None."""
+
+    __slots__ = ("seam", "handle", "host")
+
+    def __init__(self, seam: str, handle: Any, host: Any):
+        self.seam, self.handle, self.host = seam, handle, host
+
+    def __reduce__(self) -> Any:
+        return (_ByHandle, (self.seam, self.handle, self.host))
+
+
+def _handle_key(handle: Any) -> Any:
+    """What names a handle's allocation, hashable (the cache of opened handles)."""
+    try:
+        return pickle.dumps(handle)
+    except Exception:
+        return id(handle)
+
+
+class _CannotOpen(Exception):
+    """An IPC handle that cannot be opened, in an entry without a host copy."""
+
+
+def _map_handles(value: Any, fn: Callable[[_ByHandle], Any]) -> Any:
+    """``value`` with ``fn(ref)`` for each ``_ByHandle`` in its dicts, lists and tuples
+    (not a closure that calls itself: that cycle would keep the entry's views, and so its
+    pins, until the garbage collector ran)."""
+    if isinstance(value, _ByHandle):
+        return fn(value)
+    if type(value) is dict:
+        return {k: _map_handles(v, fn) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_map_handles(v, fn) for v in value)
+    return value
+
+
+def _has_handles(value: Any) -> bool:
+    if isinstance(value, _ByHandle):
+        return True
+    if type(value) is dict:
+        return any(_has_handles(v) for v in value.values())
+    if type(value) in (list, tuple):
+        return any(_has_handles(v) for v in value)
+    return False
+
+
+#: Handles a consumer keeps open (one per allocation), least recently used dropped first.
+MAX_OPEN_HANDLES = 64
+
+
 class EncoderCacheConsumer:
     """A consumer of one or more producers (their names). It joins each producer now, so
     each waits for it to load what is saved from then on; a producer that is not there
@@ -338,9 +481,15 @@ class EncoderCacheConsumer:
     ``device``: where :meth:`load` puts tensors by default (``None``: zero-copy CPU
     views)."""
 
-    def __init__(self, producers: str | Iterable[str], *, device: Any = None):
+    def __init__(self, producers: str | Iterable[str], *, device: Any = None, device_seam: Any = None):
         self._core = _core.EncoderCacheConsumer(_names(producers))
         self.device = device
+        #: The device seam of ``load(..., device=)`` (docs/guide.md, "The device path").
+        self.device_seam = device_seam
+        self._device: Optional[DeviceSources] = None
+        #: Opened IPC handles: allocation -> tensor (``MAX_OPEN_HANDLES`` at most).
+        self._opened: OrderedDict[Any, Any] = OrderedDict()
+        self._cannot_open: Optional[str] = None
 
     def has(self, key: str) -> bool:
         """Whether some producer holds ``key`` now."""
@@ -351,10 +500,17 @@ class EncoderCacheConsumer:
 
         Values come back as saved; their tensors are views of shared memory (no copy),
         writable, and private to this process (copy-on-write), unless ``device`` (default:
-        the consumer's) is given: then they are copied onto it. The key's memory stays
-        held while any of those views lives. Each key loaded is acknowledged to its
-        producer. With ``into=None`` the keys are only acknowledged (for a consumer that
-        has them already or does not need them), without mapping anything.
+        the consumer's) is given: then they are copied onto it, from this process's
+        *shared* mapping of the producer's segment (registered with the device once per
+        producer), and the entry is held until each copy's event says it ended (checked
+        at each ``device=`` load, by ``release_device_copies()``,
+        ``wait_device_copies()`` and ``close()``). A tensor published by IPC handle
+        (``EncoderCacheProducer(ipc=True)``) is opened once per allocation and copied on
+        the device; one that cannot be opened takes the entry's host copy, or, without
+        one, makes its key missing (logged once). The key's memory stays held while any
+        of the views lives. Each key loaded is acknowledged to its producer. With
+        ``into=None`` the keys are only acknowledged (for a consumer that has them
+        already or does not need them), without mapping anything.
         """
         device = self.device if device is None else device
         missing = []
@@ -368,11 +524,78 @@ class EncoderCacheConsumer:
                 missing.append(key)
                 continue
             value = _decode(parts)
+            if _has_handles(value):
+                value = self._open_handles(key, value, parts, device)
+                if value is None:
+                    missing.append(key)
+                    continue
+            elif device is not None and (str(device) != "cpu" or self.device_seam is not None):
+                value = self._sources().to_device(value, parts[1:], device)
             del parts
-            if device is not None and str(device) != "cpu":
-                value = _map_tensors(value, lambda t: t.to(device))
             into[key] = value
         return missing
+
+    def _sources(self) -> DeviceSources:
+        if self._device is None:
+            self._device = DeviceSources(f"encoder cache {self._core.producers()!r}", self.device_seam)
+        return self._device
+
+    def _open_handles(self, key: str, value: Any, parts: list, device: Any) -> Any:
+        """``value`` with each ``_ByHandle`` opened and copied to ``device`` (or, without
+        a device, to the handle's own device memory: the opened tensor, not copied);
+        ``None`` if one cannot be opened and the entry has no host copy."""
+        sources = self._sources()
+        seam = sources.seam
+
+        def opened(ref: _ByHandle) -> Any:
+            if ref.seam != seam.name:
+                raise RuntimeError(f"published through the {ref.seam!r} device seam, this consumer uses {seam.name!r}")
+            at = _handle_key(ref.handle)
+            tensor = self._opened.get(at)
+            if tensor is None:
+                tensor = seam.open_ipc(ref.handle)
+                self._opened[at] = tensor
+                while len(self._opened) > MAX_OPEN_HANDLES:
+                    _, old = self._opened.popitem(last=False)
+                    seam.close_ipc(old)
+            else:
+                self._opened.move_to_end(at)
+            return tensor
+
+        def replace(ref: _ByHandle) -> Any:
+            try:
+                tensor = opened(ref)
+            except Exception as e:
+                if self._cannot_open is None:
+                    self._cannot_open = str(e)
+                    log.warning(
+                        "shmq: encoder cache: cannot open a producer's IPC handle (%s); %s", e,
+                        "its entries' host copies are read" if ref.host is not None else
+                        "entries without a host copy are missing here",
+                    )
+                if ref.host is None:
+                    raise _CannotOpen from None
+                return ref.host if device is None else sources.to_device(ref.host, parts[1:], device)
+            return tensor if device is None else sources.copy_device(tensor, device, (parts, value))
+
+        try:
+            return _map_handles(value, replace)
+        except _CannotOpen:
+            return None
+
+    def release_device_copies(self) -> int:
+        """Give back the entries whose copies to device memory ended; how many copies are
+        still in flight."""
+        return self._device.release_done() if self._device is not None else 0
+
+    def wait_device_copies(self) -> None:
+        """Wait until every copy to device memory ended, and give back the entries they held."""
+        if self._device is not None:
+            self._device.wait_all()
+
+    def opened_handles(self) -> int:
+        """IPC handles open now (at most ``MAX_OPEN_HANDLES``)."""
+        return len(self._opened)
 
     def get(self, key: str, device: Any = None) -> Any:
         """The value of ``key`` (as :meth:`load` gives it); ``KeyError`` if no producer
@@ -387,7 +610,13 @@ class EncoderCacheConsumer:
         return self._core.producers()
 
     def close(self) -> None:
-        """Leave every producer (views already loaded stay valid until they go)."""
+        """Wait for the copies to device memory in flight, close the IPC handles opened,
+        and leave every producer (views already loaded stay valid until they go)."""
+        sources, self._device = self._device, None
+        if sources is not None:
+            sources.close()
+            while self._opened:
+                sources.seam.close_ipc(self._opened.popitem()[1])
         self._core.close()
 
     def __enter__(self) -> "EncoderCacheConsumer":

@@ -21,11 +21,13 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, cast, overload
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, Union, cast, overload
 
 from . import _core, _oob, group
 from ._arrays import ArrayKind, from_wire, to_wire
 from ._cleanup import created_segments, track_writer
+from ._device import Device
+from ._device_reader import DeviceSources
 from ._loans import loan_memory, loaned_array, loaned_tensor
 from ._segment_memory import SegmentMemory
 
@@ -806,14 +808,27 @@ class MessageQueue:
         dtype, shape, data = to_wire(array)
         writer.enqueue_array(dtype, shape, data, timeout)
 
-    def dequeue(self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False) -> Any:
+    def dequeue(
+        self, timeout: Optional[float] = None, cancel: Any = None, indefinite: bool = False, *, device: Any = None
+    ) -> Any:
         """The next object. ``TimeoutError`` after ``timeout`` seconds;
         ``RuntimeError("cancelled")`` once ``cancel`` is set or this reader's
         ``shutdown()`` is called; ``QueueShutDownError`` once the writer shut the queue
         down and every message it sent before has been received.
         ``indefinite=True`` waits without logging "still waiting" warnings. vLLM 0.33's
         signature is ``dequeue(timeout, indefinite)``: a bool in second place is taken
-        as ``indefinite`` (a cancel event is never a bool)."""
+        as ``indefinite`` (a cancel event is never a bool).
+
+        ``device`` (e.g. ``"cuda:0"``): the object's torch tensors come back in that
+        device's memory (a typed array, as a torch tensor). Those in the tensor arena are
+        copied from this reader's *shared* mapping of the arena, registered with the
+        device once (on the first such call), while the reader holds their lease; the
+        lease is given back only once the copy's event says it ended (checked at each
+        ``device=`` call, by ``release_device_copies()``, ``wait_device_copies()`` and
+        ``close_device()``), never because a next message came, so the writer cannot
+        reuse bytes a copy still reads. A mapping the device refuses (logged once), and
+        tensors small enough to travel in the ring, take the host path: ``.to(device)``.
+        Which device implementation: ``device_seam`` (docs/guide.md, "The device path")."""
         if type(cancel) is bool:
             cancel, indefinite = None, cancel
         reader = self._reader_for("dequeue")
@@ -821,16 +836,53 @@ class MessageQueue:
         # bytes: a pickled object with no out-of-band buffers; (body, buffers): one with
         # them; (bytes,): raw bytes (see _core.Reader.dequeue).
         if type(message) is bytes:
-            return _loads(message)
+            value = _loads(message)
+            return value if device is None else self._device_sources().to_device(value, (), device)
         if len(message) == 1:
             raise MessageKindError(_RAW_FOR_DEQUEUE)
         if len(message) == 4:
             # A typed array (enqueue_array): a numpy array (bfloat16, which numpy lacks,
-            # a torch tensor).
+            # a torch tensor; with a device, a torch tensor there).
             dtype, shape, strides, data = cast("tuple[str, tuple[int, ...], tuple[int, ...], Any]", message)
-            return from_wire(dtype, shape, strides, data, "torch" if dtype == "bfloat16" else "numpy")
+            kind: ArrayKind = "torch" if dtype == "bfloat16" or device is not None else "numpy"
+            value = from_wire(dtype, shape, strides, data, kind)
+            return value if device is None else self._device_sources().to_device(value, (data,), device)
         body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
-        return _loads(body, buffers=buffers)
+        value = _loads(body, buffers=buffers)
+        return value if device is None else self._device_sources().to_device(value, buffers, device)
+
+    #: The device seam of ``dequeue(..., device=)``: ``"twin"``, ``"cuda"``, a ``Device``,
+    #: or ``None`` for ``SHMQ_DEVICE`` (see ``shmq._device.device_for``). Set it before
+    #: the first such call.
+    device_seam: Union[None, str, Device] = None
+    _device: Optional[DeviceSources] = None
+
+    def _device_sources(self) -> DeviceSources:
+        sources = self._device
+        if sources is None:
+            sources = self._device = DeviceSources(f"queue {self._queue_words()}", self.device_seam)
+        return sources
+
+    def release_device_copies(self) -> int:
+        """Reader side: give back the leases whose copies to device memory ended (made by
+        ``dequeue(..., device=)``); how many copies are still in flight."""
+        return self._device.release_done() if self._device is not None else 0
+
+    def wait_device_copies(self) -> None:
+        """Reader side: wait until every copy to device memory (``dequeue(...,
+        device=)``) ended, and give back the leases they held: the host's way to see
+        their tensors complete (the device's own streams are already ordered after the
+        copies)."""
+        if self._device is not None:
+            self._device.wait_all()
+
+    def close_device(self) -> None:
+        """Reader side: wait for the copies to device memory in flight, give back their
+        leases and unregister the arena's mapping from the device (also done when the
+        queue object is collected). A later ``dequeue(..., device=)`` registers it again."""
+        sources, self._device = self._device, None
+        if sources is not None:
+            sources.close()
 
     async def dequeue_async(self, timeout: Optional[float] = None) -> Any:
         """``await queue.dequeue_async()``: the next object, as ``dequeue`` returns it,

@@ -218,9 +218,13 @@ fn part_to_python<'py>(py: Python<'py>, p: Part<'_>) -> PyResult<Bound<'py, PyAn
         }
         Part::Arena(v) => {
             let (ptr, len) = (v.as_ptr(), v.len());
+            let v = Arc::new(v);
+            let held = v.clone();
             // SAFETY: the bytes are the view's own private mapping, which it unmaps only
             // when dropped, i.e. after the last buffer export of this ShmView is gone.
-            let view = Bound::new(py, unsafe { ShmView::new(Arc::new(v), ptr, len) })?;
+            let view =
+                unsafe { ShmView::new(v, ptr, len) }.with_shared(Box::new(move || held.shared()));
+            let view = Bound::new(py, view)?;
             PyMemoryView::from(view.as_any())?.into_any()
         }
     })

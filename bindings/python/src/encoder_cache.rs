@@ -343,7 +343,10 @@ impl EncoderCacheConsumer {
             // unmaps only when dropped, i.e. after the last buffer export of every
             // ShmView that holds it is gone. The mapping is private to this process, so
             // writes through the memoryview reach neither the producer nor other views.
-            let sv = Bound::new(py, unsafe { ShmView::new(view.clone(), ptr, len) })?;
+            let held = view.clone();
+            let sv = unsafe { ShmView::new(view.clone(), ptr, len) }
+                .with_shared(Box::new(move || held.part_shared(i)));
+            let sv = Bound::new(py, sv)?;
             out.append(PyMemoryView::from(sv.as_any())?)?;
         }
         Ok(Some(out))

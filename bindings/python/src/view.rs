@@ -9,9 +9,17 @@ use std::sync::Arc;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use shmq::private_map::SharedView;
+
+use crate::errors::OrRaise;
 
 /// Anything that keeps a mapping alive.
 pub(crate) type Owner = Arc<dyn Send + Sync>;
+
+/// Where a view's bytes lie in this process's shared read-only mapping of their segment
+/// (`PrivateFile::shared`): what a device registers once and copies from.
+pub(crate) type SharedSource =
+    Box<dyn Fn() -> shmq::Result<(Arc<SharedView>, usize)> + Send + Sync>;
 
 /// A writable window into shared memory; use `memoryview(view)`.
 #[pyclass(module = "shmq._core", frozen)]
@@ -24,6 +32,10 @@ pub struct ShmView {
     /// Set once the memory may change under a new export (a chunk given back): new
     /// exports are refused.
     revoked: AtomicBool,
+    /// Exported read-only (a shared mapping made `PROT_READ`).
+    readonly: bool,
+    /// See [`SharedSource`]; `None` for memory that has no shared mapping to copy from.
+    shared: Option<SharedSource>,
     _owner: Owner,
 }
 
@@ -48,7 +60,29 @@ impl ShmView {
             len,
             exports: AtomicUsize::new(0),
             revoked: AtomicBool::new(false),
+            readonly: false,
+            shared: None,
             _owner: owner,
+        }
+    }
+
+    /// This view, telling where its bytes lie in a shared mapping (`shared_source()`).
+    pub(crate) fn with_shared(mut self, source: SharedSource) -> ShmView {
+        self.shared = Some(source);
+        self
+    }
+
+    /// A read-only view of a whole shared mapping, which it keeps mapped.
+    fn of_shared(mapping: Arc<SharedView>) -> ShmView {
+        let (ptr, len) = (mapping.as_ptr() as *mut u8, mapping.len());
+        ShmView {
+            ptr: ptr as usize,
+            len,
+            exports: AtomicUsize::new(0),
+            revoked: AtomicBool::new(false),
+            readonly: true,
+            shared: None,
+            _owner: mapping,
         }
     }
 }
@@ -57,6 +91,19 @@ impl ShmView {
 impl ShmView {
     fn __len__(&self) -> usize {
         self.len
+    }
+
+    /// `(mapping, offset)`: this process's shared read-only mapping of the segment these
+    /// bytes lie in (a read-only view of all of it; the same mapping on every call) and
+    /// where they lie in it, or None for bytes that have none (a frame, a copy). What a
+    /// device registers once and copies from (`shmq._device_reader`); the bytes there are
+    /// the segment's own, so they stay as sent only while this view lives.
+    fn shared_source(&self, py: Python<'_>) -> PyResult<Option<(ShmView, usize)>> {
+        let Some(source) = self.shared.as_ref() else {
+            return Ok(None);
+        };
+        let (mapping, offset) = py.detach(source).or_raise()?;
+        Ok(Some((ShmView::of_shared(mapping), offset)))
     }
 
     /// # Safety
@@ -82,7 +129,8 @@ impl ShmView {
                 slf.as_ptr(),
                 ptr as *mut c_void,
                 len as ffi::Py_ssize_t,
-                0,
+                // A read-only view refuses a writable export (PyBUF_WRITABLE).
+                c_int::from(slf.get().readonly),
                 flags,
             )
         };

@@ -75,6 +75,9 @@ pub struct PrivateFile {
     /// Set once [`check_intact`](Self::check_intact) found the file shorter than when
     /// opened: it stays an error if the file is grown again (what was lost is zeros).
     shrunk: AtomicBool,
+    /// The whole segment mapped shared and read-only, made at the first
+    /// [`shared`](Self::shared) (what a device registers and copies from).
+    shared: Mutex<Option<Arc<SharedView>>>,
 }
 
 impl PrivateFile {
@@ -93,7 +96,59 @@ impl PrivateFile {
             window: OnceLock::new(),
             sigbus: crate::sigbus::Watch::new(),
             shrunk: AtomicBool::new(false),
+            shared: Mutex::new(None),
         })
+    }
+
+    /// The whole segment, as long as it was when opened, mapped *shared* and read-only
+    /// in this process: made once, on the first call, and kept while this file or any
+    /// holder of the returned `Arc` lives. It shows the segment's bytes as they are now
+    /// (no copy-on-write): what a device registers once and copies ranges from, each
+    /// while the layer above holds the range (a view of it: its lease, pin or entry
+    /// pin), so that the writer leaves the bytes alone meanwhile.
+    pub fn shared(&self) -> Result<Arc<SharedView>> {
+        self.check_intact()?;
+        let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = shared.as_ref() {
+            return Ok(s.clone());
+        }
+        let len = self.len as usize;
+        if len == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "segment '{}' is empty: nothing to map",
+                self.name
+            )));
+        }
+        // SAFETY: a new shared read-only mapping of the whole file, as long as it was when
+        // opened (and still is: `check_intact` above). Nothing in this process writes it
+        // (PROT_READ). A process of the same user may write the bytes (they are the
+        // segment's: values change, never memory safety) or shrink the file: an access of
+        // the lost pages is then a SIGBUS, which the handler the mapping is registered
+        // with (below) turns into zero pages and an error (`crate::sigbus`).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                self.file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::os(
+                format!("mapping segment '{}' shared", self.name),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let p = p as *mut u8;
+        let view = Arc::new(SharedView {
+            sigbus: self.sigbus.protect(p, len),
+            ptr: p,
+            len,
+        });
+        *shared = Some(view.clone());
+        Ok(view)
     }
 
     /// The range must lie inside the segment as it was when opened, and the segment must
@@ -149,7 +204,7 @@ impl PrivateFile {
     pub fn view(&self, offset: u64, len: usize) -> Result<PrivateMap> {
         self.check_range(offset, len)?;
         if len == 0 {
-            return Ok(PrivateMap::empty());
+            return Ok(PrivateMap::empty(offset));
         }
         let window = self
             .window
@@ -162,6 +217,7 @@ impl PrivateFile {
                 // SAFETY: `offset + len <= self.len`, the window's length.
                 let ptr = unsafe { window.base.add(offset as usize) };
                 return Ok(PrivateMap {
+                    file_offset: offset,
                     sigbus: None,
                     // SAFETY: the range lies in the window's pages `start..end`, which this
                     // view has claimed (no other live view has them) and which stay mapped
@@ -186,7 +242,7 @@ impl PrivateFile {
     pub fn map(&self, offset: u64, len: usize) -> Result<PrivateMap> {
         self.check_range(offset, len)?;
         if len == 0 {
-            return Ok(PrivateMap::empty());
+            return Ok(PrivateMap::empty(offset));
         }
         let page = page_size() as u64;
         let start = offset / page * page;
@@ -216,6 +272,7 @@ impl PrivateFile {
         // SAFETY: the offset within the first page is below `map_len`.
         let ptr = unsafe { p.add((offset - start) as usize) };
         Ok(PrivateMap {
+            file_offset: offset,
             sigbus: Some(self.sigbus.protect(p, map_len)),
             map: Mapping::Own(p, map_len),
             // SAFETY: the range lies in this view's own mapping, made just above and
@@ -527,6 +584,8 @@ pub struct PrivateMap {
     /// A mapping of its own's entry in the `SIGBUS` registry (`None` for a window view:
     /// the window's covers it), released before it is unmapped.
     sigbus: Option<crate::sigbus::Guard>,
+    /// Where its first byte lies in the segment file.
+    file_offset: u64,
 }
 
 // SAFETY: the bytes are this object's alone (its own mapping, or a window range no other
@@ -546,8 +605,9 @@ impl std::fmt::Debug for PrivateMap {
 region!(PrivateMap, bytes, mut);
 
 impl PrivateMap {
-    fn empty() -> PrivateMap {
+    fn empty(file_offset: u64) -> PrivateMap {
         PrivateMap {
+            file_offset,
             map: Mapping::None,
             // SAFETY: zero bytes at a dangling, non-null pointer: an empty slice, nothing
             // to keep mapped.
@@ -558,6 +618,12 @@ impl PrivateMap {
 }
 
 impl PrivateMap {
+    /// Where this view's first byte lies in its segment file (the same byte is at this
+    /// offset in [`PrivateFile::shared`]).
+    pub fn file_offset(&self) -> u64 {
+        self.file_offset
+    }
+
     /// Give this mapping a private copy of every page it has not written yet, so that it
     /// no longer shows later changes of the segment (one copy of the bytes). For views
     /// from [`PrivateFile::map`] (a window view's pages go back to the window instead).
@@ -618,6 +684,58 @@ impl PrivateMap {
             ));
         }
         Ok(())
+    }
+}
+
+/// A whole segment mapped shared and read-only ([`PrivateFile::shared`]); unmapped when
+/// the last holder drops it. It gives its address and length, never a Rust slice: its
+/// bytes are the segment's own, which the writer may change at any time (the layer above
+/// keeps it off a range only while a view of that range lives); a device reads them by
+/// DMA, and a binding hands them out as a read-only buffer.
+pub struct SharedView {
+    ptr: *mut u8,
+    len: usize,
+    /// Its entry in the `SIGBUS` registry, released before it is unmapped.
+    sigbus: crate::sigbus::Guard,
+}
+
+// SAFETY: the mapping lives as long as the SharedView, and nothing here reads or writes
+// its bytes (it only gives their address): moving it between threads is moving a number.
+unsafe impl Send for SharedView {}
+// SAFETY: as above.
+unsafe impl Sync for SharedView {}
+
+impl SharedView {
+    /// The segment's first byte in this mapping (`PROT_READ`: never write through it).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// The mapping's length: the segment's length when its file was opened.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for SharedView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedView")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Drop for SharedView {
+    fn drop(&mut self) {
+        self.sigbus.release();
+        // SAFETY: our own mapping from `PrivateFile::shared`, unmapped once; every holder
+        // of it held the Arc, so none is left (a device registration of it holds a
+        // buffer export, hence the Arc, until it is unregistered).
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
     }
 }
 

@@ -105,3 +105,116 @@ def ipc_exporter(out: Any, cmds: Any) -> None:
     assert cmds.get(timeout=STEP) == "stop"
     del tensor
     out.put(("stopped",))
+
+
+def queue_device_reader(out: Any, handle: Any, rank: int, cmds: Any) -> None:
+    """A queue reader that receives into device memory: ``("recv", hold)`` dequeues one
+    message with ``device=`` (with ``hold``, the twin's copies stay in flight until
+    ``("release",)``); ``("wait",)`` waits for the copies and reports the values;
+    ``("preregister",)`` dequeues one message on the host path and registers the arena's
+    shared mapping itself (from that message's view), so that the queue's own
+    registration is refused; ``("close_async",)`` closes the device path on a thread
+    while copies may be in flight."""
+    from shmq import MessageQueue
+    from shmq._device import address_of, device_for
+
+    records = LogRecords()
+    logging.getLogger("shmq.device").addHandler(records)
+    seam = device_for(SEAM)
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.device_seam = seam
+    mq.wait_until_ready(timeout=STEP)
+    values: list[Any] = []
+    mine: Any = None
+    closer: threading.Thread | None = None
+    out.put(("ready", os.getpid()))
+    while True:
+        cmd = cmds.get(timeout=STEP)
+        if cmd[0] == "recv":
+            if cmd[1]:
+                seam.hold()  # type: ignore[attr-defined]
+            values.append(mq.dequeue(timeout=STEP, device=DEVICE))
+            out.put(("issued", mq.release_device_copies()))
+        elif cmd[0] == "release":
+            seam.release()  # type: ignore[attr-defined]
+            out.put(("released",))
+        elif cmd[0] == "wait":
+            mq.wait_device_copies()
+            out.put(("values", [to_host(v) for v in values], mq.release_device_copies()))
+            values.clear()
+        elif cmd[0] == "preregister":
+            reader = mq._reader
+            assert reader is not None
+            body, buffers = reader.dequeue(STEP, None, False)
+            mapping, _ = buffers[0].obj.shared_source()
+            view = memoryview(mapping)
+            mine = (seam.register(address_of(view), view.nbytes, view.readonly), view)
+            del body, buffers
+            out.put(("preregistered", repr(mine[0])))
+        elif cmd[0] == "logs":
+            out.put(("logs", [r for r in records.records if r[0] == "shmq.device"]))
+        elif cmd[0] == "close_async":
+            closer = threading.Thread(target=mq.close_device)
+            closer.start()
+            closer.join(0.5)
+            out.put(("closing", closer.is_alive()))
+        elif cmd[0] == "closed":
+            assert closer is not None
+            closer.join(STEP)
+            out.put(("closed", closer.is_alive(), [to_host(v) for v in values],
+                     [repr(r) for r in getattr(seam, "_registered", [])]))
+            values.clear()
+        elif cmd[0] == "stop":
+            mq.close_device()
+            if mine is not None:
+                seam.unregister(mine[0])  # before the mapping goes
+            out.put(("stopped",))
+            return
+
+
+def cache_device_consumer(out: Any, name: str, cmds: Any) -> None:
+    """An encoder-cache consumer that loads into device memory: ``("get", key, hold)``
+    (with ``hold``, the twin's copies stay in flight until ``("release",)``); ``("wait",)``
+    reports the values; ``("break_ipc",)`` makes every IPC handle fail to open here (as
+    a consumer that cannot see the producer's device); ``("opened",)`` how many handles
+    are open; ``("logs",)``."""
+    from shmq import EncoderCacheConsumer
+    from shmq._device import device_for
+
+    records = LogRecords()
+    logging.getLogger("shmq").addHandler(records)
+    seam = device_for(SEAM)
+    consumer = EncoderCacheConsumer(name, device_seam=seam)
+    values: list[Any] = []
+    out.put(("ready", os.getpid()))
+    while True:
+        cmd = cmds.get(timeout=STEP)
+        if cmd[0] == "get":
+            _, key, hold = cmd
+            if hold:
+                seam.hold()  # type: ignore[attr-defined]
+            got: dict = {}
+            missing = consumer.load([key], got, device=DEVICE)
+            values.append(got.get(key))
+            out.put(("issued", consumer.release_device_copies(), missing))
+        elif cmd[0] == "release":
+            seam.release()  # type: ignore[attr-defined]
+            out.put(("released",))
+        elif cmd[0] == "wait":
+            consumer.wait_device_copies()
+            out.put(("values", [to_host(v) for v in values], consumer.release_device_copies()))
+            values.clear()
+        elif cmd[0] == "break_ipc":
+            def refuse(handle: Any) -> Any:
+                raise RuntimeError("this consumer cannot open that handle")
+
+            seam.open_ipc = refuse  # type: ignore[method-assign]
+            out.put(("broken",))
+        elif cmd[0] == "opened":
+            out.put(("opened", consumer.opened_handles()))
+        elif cmd[0] == "logs":
+            out.put(("logs", [r for r in records.records if r[0].startswith("shmq")]))
+        elif cmd[0] == "stop":
+            consumer.close()
+            out.put(("stopped",))
+            return

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::layout::{ArenaHeader, Geometry, Mapped, TABLE_OFFSET};
 use super::{page_size, ArenaRef, ARENA_LAYOUT_VERSION, ARENA_MAGIC};
 use crate::error::{Error, OsError, Result};
-use shmq_os::private_map::{PrivateFile, PrivateMap};
+use shmq_os::private_map::{PrivateFile, PrivateMap, SharedView};
 use shmq_os::process::ProcessId;
 use shmq_os::region;
 use shmq_os::segment::{HeaderCheck, Segment};
@@ -174,6 +174,15 @@ impl std::fmt::Debug for ArenaView {
 }
 
 region!(ArenaView, map, mut);
+
+impl ArenaView {
+    /// This process's shared read-only mapping of the arena (made once per reader, on
+    /// the first call: `PrivateFile::shared`) and where this view's first byte lies in
+    /// it: what a device copies from, while this view holds the lease.
+    pub fn shared(&self) -> Result<(Arc<SharedView>, usize)> {
+        Ok((self.arena.file.shared()?, self.map.file_offset() as usize))
+    }
+}
 
 impl Drop for ArenaView {
     fn drop(&mut self) {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, OsError, Result};
-use shmq_os::private_map::{PrivateFile, PrivateMap};
+use shmq_os::private_map::{PrivateFile, PrivateMap, SharedView};
 use shmq_os::process::ProcessId;
 use shmq_os::segment_file;
 use shmq_protocol::sync::Ordering;
@@ -55,7 +55,7 @@ const VIEWER_BYTE: u64 = 1 << 40;
 struct Link {
     map: Arc<Mapped>,
     /// To map entries privately (loaders only).
-    file: Option<PrivateFile>,
+    file: Option<Arc<PrivateFile>>,
     member: Option<Arc<Membership>>,
     /// An index's shared hold on the segment (a read lock): like a joined consumer's slot
     /// lock, it keeps a named cache whose producer crashed from being removed while the
@@ -87,7 +87,7 @@ impl Link {
             }));
         }
         let file = if join {
-            Some(PrivateFile::open(segment)?)
+            Some(Arc::new(PrivateFile::open(segment)?))
         } else {
             None
         };
@@ -248,6 +248,8 @@ pub struct EntryView {
     pin: Pin,
     map: PrivateMap,
     parts: Vec<(usize, usize)>,
+    /// The producer's segment, for [`shared`](EntryView::shared).
+    file: Arc<PrivateFile>,
     _member: Arc<Membership>,
 }
 
@@ -284,6 +286,14 @@ impl EntryView {
         let (off, len) = self.parts[i];
         // SAFETY: `off + len <= map.len()` (checked by `PartsLayout::read`).
         (unsafe { self.map.as_ptr().add(off) }, len)
+    }
+
+    /// This process's shared read-only mapping of the producer's segment (made once per
+    /// producer, on the first call: `PrivateFile::shared`) and where part `i` lies in it:
+    /// what a device copies from, while this view holds the entry.
+    pub fn part_shared(&self, i: usize) -> Result<(Arc<SharedView>, usize)> {
+        let (off, _) = self.parts[i];
+        Ok((self.file.shared()?, self.map.file_offset() as usize + off))
     }
 
     /// The entry's size in the cache (part table and parts).
@@ -458,6 +468,7 @@ impl Consumer {
             pin,
             map,
             parts,
+            file: file.clone(),
             _member: member,
         }))
     }
