@@ -182,12 +182,13 @@ class _Copies:
 
 
 class _DeviceLog(logging.Handler):
-    """The device path's log lines in a reader (a refused registration, a fallback)."""
+    """shmq's warnings in a reader: a registration the device refused (the host path
+    instead), an IPC handle it could not open."""
 
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.WARNING)
         self.lines: list[str] = []
-        logging.getLogger("shmq.device").addHandler(self)
+        logging.getLogger("shmq").addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
@@ -212,7 +213,6 @@ def _role_gpu_writer(
     warmup: int,
     n: int,
     cache: str,
-    phases: tuple[str, ...],
 ) -> dict:
     """The writer: opens the queues, stores and encoder caches of the run, hands their
     handles to the readers (``channels``: one inbox each), then sends what each phase
@@ -222,15 +222,14 @@ def _role_gpu_writer(
 
     copies = _Copies(target)
     inboxes, numel = channels, nbytes // 4
-    counts = READER_COUNTS if "queue" in phases else ()
-    queues = {k: MessageQueue(k, k, max_chunk_bytes=MAX_CHUNK_BYTES, max_chunks=MAX_CHUNKS) for k in counts}
+    queues = {k: MessageQueue(k, k, max_chunk_bytes=MAX_CHUNK_BYTES, max_chunks=MAX_CHUNKS) for k in READER_COUNTS}
     for mq in queues.values():
         mq.reserve_arena(min(1 << 30, 3 * nbytes))  # the kernel's zeroing, before the clock
     object_bytes = nbytes + MiB
     stores = {k: ObjectStorage(object_bytes, k, RingBuffer(3 * object_bytes, create=True)) for k in READER_COUNTS}
     producers = {
         c: EncoderCacheProducer(f"{cache}-{c}", capacity=4 * nbytes + 8 * MiB, ipc=True, device_seam=target.seam)
-        for c in (CONSUMER_COUNTS if "ec" in phases else ())
+        for c in CONSUMER_COUNTS
     }
     for r, inbox in enumerate(inboxes):
         inbox.put(
@@ -244,7 +243,7 @@ def _role_gpu_writer(
         mq.wait_until_ready(SYNC_TIMEOUT)
     _sync(barrier)
     _in_turns(barrier, READERS, None, lambda: None)  # the readers' limits
-    for path in _paths(phases):
+    for path in PATHS:
         for k in READER_COUNTS:
             for i in range(warmup + n):
                 value = (i, copies.host(numel, float(i)))  # fresh data, every message
@@ -294,7 +293,6 @@ def _role_gpu_reader(
     warmup: int,
     n: int,
     rank: int,
-    phases: tuple[str, ...],
 ) -> dict:
     """Reader ``rank``: its limits, then every message of the phases it takes part in,
     timed (see the module doc). Returns seconds per copy or message, by phase, and its
@@ -329,7 +327,7 @@ def _role_gpu_reader(
 
     _in_turns(barrier, READERS, rank, limits)
     clock = time.perf_counter
-    for path in _paths(phases):
+    for path in PATHS:
         for k in READER_COUNTS:
             times: list[float] = []
 
@@ -368,14 +366,18 @@ def _role_gpu_reader(
         out["roundtrip"] = copies.time_copy(there_and_back, n + warmup)
 
     _in_turns(barrier, max(CONSUMER_COUNTS), rank, roundtrip)
-    for c in CONSUMER_COUNTS if "ec" in phases else ():
+    for c in CONSUMER_COUNTS:
         gets: list[tuple[int, int]] = []
         for i in range(warmup + n):
             if rank < c:
                 consumer = consumers[c]
                 key, value = inbox.get(timeout=SYNC_TIMEOUT)
                 t0 = now_ns()
-                got = consumer.get(key, device=target.device)
+                try:
+                    got = consumer.get(key, device=target.device)
+                except KeyError:
+                    # Published by handle only (no host copy): missing where it cannot be opened.
+                    raise RuntimeError(f"{who}: {key} missing: the IPC handle was not opened ({log.lines})") from None
                 consumer.wait_device_copies()
                 copies.sync()
                 t1 = now_ns()
@@ -386,10 +388,13 @@ def _role_gpu_reader(
             _sync(barrier)
         if rank < c:
             out[f"ec{c}"] = gets
+    # Each waits for its copies in flight, then unregisters its mapping (before unmapping it).
     for consumer in consumers.values():
         consumer.close()
     for s in stores.values():
-        s.close()  # waits for copies in flight, then unregisters the mapping
+        s.close()
+    for mq in queues.values():
+        mq.close_device()
     queues.clear()
     _sync(barrier)
     return out
@@ -397,57 +402,34 @@ def _role_gpu_reader(
 
 # -- in the parent: runs and rows ----------------------------------------------------------
 
-#: The phases of a run; each needs the shmq API its check names (see ``missing_apis``).
-PHASES = ("queue", "store", "ec")
+#: The host-to-device phases, in the order they run.
+PATHS = ("queue", "store")
 
 
-def _paths(phases: Sequence[str]) -> list[str]:
-    """The queue and store phases among ``phases``, in the order they run."""
-    return [p for p in ("queue", "store") if p in phases]
-
-
-def missing_apis() -> dict[str, str]:
-    """``{phase: why}`` for the phases this shmq cannot run: receiving from the queue into
-    device memory, and the encoder cache's IPC hand-off."""
-    import inspect
-
-    from shmq import EncoderCacheProducer, MessageQueue
-
-    missing = {}
-    if "device" not in inspect.signature(MessageQueue.dequeue).parameters:
-        missing["queue"] = "needs MessageQueue.dequeue(device=), which this shmq lacks"
-    if "ipc" not in inspect.signature(EncoderCacheProducer).parameters:
-        missing["ec"] = "needs EncoderCacheProducer(ipc=True), which this shmq lacks"
-    return missing
-
-
-def _labels(nbytes: int) -> dict[str, tuple[str, str, str]]:
-    """``{key: (phase, label, unit)}`` of one size's rows, in the order printed (the
-    limits and the round trip belong to no phase: every run measures them)."""
+def _labels(nbytes: int) -> dict[str, tuple[str, str]]:
+    """``{key: (label, unit)}`` of one size's rows, in the order printed."""
     mib, size = nbytes // MiB, f"{nbytes // MiB} MiB"
     how = {"queue": "MessageQueue.dequeue(device=)", "store": "ObjectStorage.get(ref, device=)"}
     out = {
         f"gpu.pinned{mib}": (
-            "",
             f"pinned limit: a pinned {size} host tensor .to(device, non_blocking) + synchronize, slowest reader",
             "GB/s",
         ),
-        f"gpu.pageable{mib}": ("", f"pageable copy: a plain {size} host tensor .to(device), slowest reader", "GB/s"),
+        f"gpu.pageable{mib}": (f"pageable copy: a plain {size} host tensor .to(device), slowest reader", "GB/s"),
     }
-    for path in ("queue", "store"):
+    for path in PATHS:
         for k in READER_COUNTS:
             readers = f"{k} reader{'s' if k > 1 else ''}"
             label = f"{path}: a fresh {size} tensor per message into device memory by {how[path]}, {readers}, slowest"
-            out[f"gpu.{path}{mib}_{k}"] = (path, label, "GB/s")
+            out[f"gpu.{path}{mib}_{k}"] = (label, "GB/s")
     out[f"gpu.ec_roundtrip{mib}"] = (
-        "",
         f"pinned host round trip: a {size} device tensor to pinned host memory and back, median consumer",
         "ms",
     )
     for c in CONSUMER_COUNTS:
         consumers = f"{c} consumer{'s' if c > 1 else ''}"
         label = f"encoder cache by IPC handle: save + get(key, device=) of a fresh {size} device tensor, {consumers}"
-        out[f"gpu.ec_ipc{mib}_{c}"] = ("ec", label, "ms")
+        out[f"gpu.ec_ipc{mib}_{c}"] = (label, "ms")
     return out
 
 
@@ -459,7 +441,7 @@ def _ms(seconds: Sequence[float]) -> float:
     return statistics.median(seconds) * 1e3
 
 
-def _figures(nbytes: int, twin: bool, writer: dict, readers: list[dict], phases: Sequence[str]) -> dict[str, dict]:
+def _figures(nbytes: int, twin: bool, writer: dict, readers: list[dict]) -> dict[str, dict]:
     """``{key: the row's figures}`` from what one size's processes returned."""
     mib = nbytes // MiB
     out: dict[str, dict] = {}
@@ -471,7 +453,7 @@ def _figures(nbytes: int, twin: bool, writer: dict, readers: list[dict], phases:
         "per_reader": pageable,
         "fraction_of_pinned": min(p / q for p, q in zip(pageable, pinned, strict=True)),
     }
-    for path in _paths(phases):
+    for path in PATHS:
         for k in READER_COUNTS:
             got = [r[f"{path}{k}"] for r in readers[:k]]
             rates = [_gbps(nbytes, g["times"]) for g in got]
@@ -489,7 +471,7 @@ def _figures(nbytes: int, twin: bool, writer: dict, readers: list[dict], phases:
     roundtrip_ms = statistics.median(trips)
     out[f"gpu.ec_roundtrip{mib}"] = {"value": roundtrip_ms, "per_consumer": trips}
     ipc_target = IPC_TARGETS.get(nbytes)
-    for c in CONSUMER_COUNTS if "ec" in phases else ():
+    for c in CONSUMER_COUNTS:
         saves = writer["saves"][c]
         gets = [r[f"ec{c}"] for r in readers[:c]]
         save_ms = statistics.median((t1 - t0) / 1e6 for t0, t1 in saves)
@@ -509,6 +491,11 @@ def _figures(nbytes: int, twin: bool, writer: dict, readers: list[dict], phases:
             figures["target"] = f"roundtrip_over_ipc >= {ipc_target:g}"
             figures["met"] = None if twin else ratio >= ipc_target
         out[f"gpu.ec_ipc{mib}_{c}"] = figures
+    warnings = sorted({line for r in readers for line in r["device_log"]})
+    if warnings:  # e.g. a registration refused: the shmq rows measured the host path
+        for key, figures in out.items():
+            if not key.startswith((f"gpu.pinned{mib}", f"gpu.pageable{mib}", f"gpu.ec_roundtrip{mib}")):
+                figures["shmq_warnings"] = warnings
     return out
 
 
@@ -526,25 +513,24 @@ def _context() -> Any:
     return ctx
 
 
-def run_size(harness: Harness, target: Target, nbytes: int, phases: tuple[str, ...]) -> tuple[str, dict[str, dict]]:
+def run_size(harness: Harness, target: Target, nbytes: int) -> tuple[str, dict[str, dict]]:
     """One run of ``nbytes`` tensors: the GPU's name ("" on the twin) and each row's
     figures (see :func:`_figures`)."""
     warmup, n = _counts(nbytes, target)
     inboxes = [harness.ctx.Queue() for _ in range(READERS)]
-    kwargs = {"target": target, "nbytes": nbytes, "warmup": warmup, "n": n, "phases": phases}
+    kwargs = {"target": target, "nbytes": nbytes, "warmup": warmup, "n": n}
     cache = f"bench-gpu-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     jobs = [Job(_role_gpu_writer, inboxes, {**kwargs, "cache": cache})]
     jobs += [Job(_role_gpu_reader, inboxes, {**kwargs, "rank": r}) for r in range(READERS)]
     # The roles open their own queues, stores and caches: no transport.
     writer, *readers = harness.run(None, jobs)
-    return readers[0].get("gpu", ""), _figures(nbytes, target.twin, writer, readers, phases)
+    return readers[0].get("gpu", ""), _figures(nbytes, target.twin, writer, readers)
 
 
 def main(sizes_mib: Optional[Sequence[int]] = None, quick: bool = False) -> int:
     """Run every size (default: 16 and 256 MiB on a GPU, 16 MiB with ``quick`` or on the
-    twin) and print one JSON line per row: its figures, or its ``error`` (a failed run, or
-    a phase this shmq cannot run). 1 if any row has an error, 2 if the device asked for
-    cannot be used."""
+    twin) and print one JSON line per row: its figures, or its ``error`` (the run of its
+    size failed). 1 if a run failed, 2 if the device asked for cannot be used."""
     try:
         target = choose_target()
     except BenchError as e:
@@ -553,8 +539,6 @@ def main(sizes_mib: Optional[Sequence[int]] = None, quick: bool = False) -> int:
     os.environ["SHMQ_DEVICE"] = target.seam  # the children's seam, whatever else they ask
     if sizes_mib is None:
         sizes_mib = TWIN_SIZES_MIB if target.twin or quick else GPU_SIZES_MIB
-    missing = missing_apis()
-    phases = tuple(p for p in PHASES if p not in missing)
     device = TWIN if target.twin else target.device
     sizes = ", ".join(f"{s} MiB" for s in sizes_mib)
     print(f"gpu rows on {device}: {sizes}; 1 writer and {READERS} readers per size", file=sys.stderr, flush=True)
@@ -564,27 +548,22 @@ def main(sizes_mib: Optional[Sequence[int]] = None, quick: bool = False) -> int:
         harness = Harness(_context(), workdir, RUN_TIMEOUT)
         for mib in sizes_mib:
             nbytes = mib * MiB
-            labels, why = _labels(nbytes), dict(missing)
+            error = None
             try:
-                gpu, figures = run_size(harness, target, nbytes, phases)
+                gpu, figures = run_size(harness, target, nbytes)
             except Exception as e:  # noqa: BLE001 - its rows say it failed, the next size runs
                 message = str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {e}"
                 more = e.details if isinstance(e, BenchError) else traceback.format_exc()
                 print(f"gpu: the {mib} MiB run failed: {message}\n{more}", file=sys.stderr, flush=True)
-                gpu, figures = "", {}
-                why = {**{p: message for p in ("", *PHASES)}, **missing}
-            for key, (phase, label, unit) in labels.items():
+                gpu, figures, error, failed = "", {}, message, True
+            for key, (label, unit) in _labels(nbytes).items():
                 row = {
                     "key": key,
                     "row": f"{label} [{TWIN}]" if target.twin else label,
                     "device": f"{device} ({gpu})" if gpu else device,
                     "unit": unit,
                 }
-                if key in figures:
-                    row.update(figures[key])
-                else:
-                    failed = True
-                    row.update(value=None, error=why.get(phase, "not measured"))
+                row.update(figures[key] if error is None else {"value": None, "error": error})
                 print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
