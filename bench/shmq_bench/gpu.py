@@ -539,9 +539,17 @@ def main(sizes_mib: Optional[Sequence[int]] = None, quick: bool = False) -> int:
     os.environ["SHMQ_DEVICE"] = target.seam  # the children's seam, whatever else they ask
     if sizes_mib is None:
         sizes_mib = TWIN_SIZES_MIB if target.twin or quick else GPU_SIZES_MIB
+    import shmq
+    import torch
+
     device = TWIN if target.twin else target.device
     sizes = ", ".join(f"{s} MiB" for s in sizes_mib)
-    print(f"gpu rows on {device}: {sizes}; 1 writer and {READERS} readers per size", file=sys.stderr, flush=True)
+    print(
+        f"gpu rows on {device}: {sizes}; 1 writer and {READERS} readers per size; shmq from "
+        f"{os.path.dirname(shmq.__file__)}, torch {torch.__version__}",
+        file=sys.stderr,
+        flush=True,
+    )
     started, failed = time.monotonic(), False
     workdir = tempfile.mkdtemp(prefix="shmq-bench-gpu-")
     try:
