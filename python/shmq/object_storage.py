@@ -392,6 +392,9 @@ class ObjectStorage:
         self.ring_buffer = ring_buffer
         self.serde_class = serde_class
         self.ser_de = serde_class()
+        #: A serde that puts tensors on a device itself (``shmq.vllm_serde`` under
+        #: ``SHMQ_DEVICE_PATH=1``): where a plain ``get`` puts them, and which.
+        self._read_device: Optional[Callable[[], Any]] = getattr(self.ser_de, "shmq_read_device", None)
         self.is_writer = ring_buffer.is_writer
         #: Bytes vLLM counts for the reader flag of an object in ``max_object_size`` (vLLM's
         #: name; the core stores an 8-byte count word, count and id tag, in front of it).
@@ -603,14 +606,27 @@ class ObjectStorage:
             address, monotonic_id, signature, key = ref.address, ref.monotonic_id, list(ref.signature), ref.key
         elif monotonic_id is None:
             raise TypeError("get() needs (address, monotonic_id[, signature, key]) or an ObjectRef")
-        if device is not None:
+        if device is None and not copy and self._read_device is not None:
+            device = self._read_device()
+            if device is not None:  # the serde's device path (shmq.vllm_serde's switch)
+                leaves = getattr(self.ser_de, "shmq_device_leaves")  # noqa: B009  # the serde's, beside shmq_read_device
+                return self._get_to_device(address, monotonic_id, signature, key, device, leaves)
+        elif device is not None:
             return self._get_to_device(address, monotonic_id, signature, key, device)
         load_owned = self._load_owned
         if load_owned is not None and not copy:
             return self._core.get(address, monotonic_id, signature, key, load_owned, True, self.view_threshold)
         return self._core.get(address, monotonic_id, signature, key, self._load, self._split)
 
-    def _get_to_device(self, address: int, monotonic_id: int, signature: Any, key: Any, device: Any) -> Any:
+    def _get_to_device(
+        self,
+        address: int,
+        monotonic_id: int,
+        signature: Any,
+        key: Any,
+        device: Any,
+        leaves: Callable[[Any, Callable[[Any], Any]], Any] = tensor_leaves,
+    ) -> Any:
         reader = self._device
         if reader is None:
             reader = self._device = DeviceReader(
@@ -622,8 +638,8 @@ class ObjectStorage:
         load_owned = self._load_owned
         registration = reader.registered() if load_owned is not None else None
         if registration is None or load_owned is None:
-            value = self.get(address, monotonic_id, signature, key)
-            return tensor_leaves(value, lambda t: t.to(device))
+            value = self.get(address, monotonic_id, signature, key, copy=True)
+            return leaves(value, lambda t: t.to(device))
         # Where each viewed part lies in the shared mapping: read in the part table, which
         # ends where the first part (read in place, in the shared mapping) begins.
         shared: dict[int, tuple[int, int]] = {}  # view address -> (shared address, bytes)
@@ -659,7 +675,7 @@ class ObjectStorage:
                         return reader.copy(at + (ptr - view), nbytes, t.dtype, tuple(t.shape), device, hold)
             return t.to(device)
 
-        return tensor_leaves(value, to_device)
+        return leaves(value, to_device)
 
     def release_device_copies(self) -> int:
         """Give back the objects whose copies to device memory ended (made by

@@ -16,10 +16,17 @@ Where torch sees a GPU, workers read items as vLLM alone does instead: vLLM's ow
 decoders (``share_mem=False``) make the copies, pinned where vLLM pins memory, straight
 from the store's shared memory (no copy of shmq's before them), and hold nothing of the
 store. A pageable view reaches a GPU at about a tenth of a pinned copy's speed (issue
-55's one H100 run: 4.9-5.7 GB/s against 49-54 GB/s; not measured again here), and the
-registered-mapping device path that would make views as fast is not built yet.
-``SHMQ_DEVICE_PATH=1`` keeps the views. vLLM's ``PIN_MEMORY`` alone is not taken as a
-GPU: a CUDA build of torch says True on a machine without one.
+55's one H100 run: 4.9-5.7 GB/s against 49-54 GB/s; not measured again here). vLLM's
+``PIN_MEMORY`` alone is not taken as a GPU: a CUDA build of torch says True on a machine
+without one.
+
+``SHMQ_DEVICE_PATH=1`` switches on the device path instead (not yet run on a GPU, so off
+by default): a worker's read puts each item's tensors on its current device itself,
+copied from the worker's *shared* mapping of the store, registered with the device once
+(``ObjectStorage.get(..., device=)``), the item held until the copies ended; fields vLLM
+keeps on the CPU (``keep_on_cpu``) stay host views. vLLM's batching finds the data on
+the device already and moves nothing. On a machine without a GPU, ``SHMQ_DEVICE=twin``
+runs the same path against the CPU twin of the device (the tests).
 
     from shmq import ObjectStorage
     from shmq.vllm_serde import VllmMsgpackSerde
@@ -32,7 +39,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Any
+from typing import Any, Callable, Optional
 
 from vllm.distributed.device_communicators.shm_object_storage import MsgpackSerde
 
@@ -50,6 +57,21 @@ def _reads_copies() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def _read_device() -> Optional[str]:
+    """Where a read puts items' tensors under ``SHMQ_DEVICE_PATH=1``: this process's
+    current CUDA device, or ``"cpu"`` with the CPU twin (``SHMQ_DEVICE=twin``); None
+    (reads as views, or vLLM's copies) otherwise."""
+    if os.environ.get("SHMQ_DEVICE_PATH") != "1":
+        return None
+    if os.environ.get("SHMQ_DEVICE", "").strip().lower() == "twin":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return f"cuda:{torch.cuda.current_device()}"
 
 
 class VllmMsgpackSerde(MsgpackSerde):  # type: ignore[misc]  # vLLM's class is untyped here
@@ -77,6 +99,31 @@ class VllmMsgpackSerde(MsgpackSerde):  # type: ignore[misc]  # vLLM's class is u
                 _ITEM: MsgpackDecoder(MultiModalKwargsItem, share_mem=True),
             }
         self._tensor_cls = torch.Tensor
+
+    def shmq_read_device(self) -> Optional[str]:
+        """The device a plain ``get`` puts tensors on (``ObjectStorage.get``): see the
+        module's ``SHMQ_DEVICE_PATH``."""
+        return None if self.copies else _read_device()
+
+    def shmq_device_leaves(self, value: Any, move: Callable[[Any], Any]) -> Any:
+        """``value`` with ``move(tensor)`` for the tensors vLLM would put on the device: a
+        tensor, or each field of an item but those vLLM keeps on the CPU."""
+        if isinstance(value, self._tensor_cls):
+            return move(value)
+        if isinstance(value, self._mm_kwargs_item_cls):
+            from vllm.multimodal.inputs import MultiModalFieldElem
+
+            from ._device_reader import tensor_leaves
+
+            return type(value)(
+                {
+                    key: elem
+                    if elem.data is None or getattr(elem.field, "keep_on_cpu", False)
+                    else MultiModalFieldElem(data=tensor_leaves(elem.data, move), field=elem.field)
+                    for key, elem in value.items()
+                }
+            )
+        return value
 
     def _store_parts(self, value: Any) -> list[Buffer]:
         if isinstance(value, self._tensor_cls):

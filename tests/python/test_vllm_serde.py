@@ -36,7 +36,12 @@ def _item(seed: int):
     )
 
 
-def _reader(handle, jobs, answers, as_on_a_gpu: bool = False) -> None:
+def _reader(handle, jobs, answers, as_on_a_gpu: bool = False, device_path: bool = False) -> None:
+    if device_path:
+        # The plugin's device path (SHMQ_DEVICE_PATH=1) against the CPU twin of the device.
+        import os
+
+        os.environ["SHMQ_DEVICE_PATH"], os.environ["SHMQ_DEVICE"] = "1", "twin"
     if as_on_a_gpu:
         # What torch.cuda.is_available() says on a machine with a GPU (and what vLLM's
         # PIN_MEMORY would be): the serde makes vLLM's copies. Pinning itself is vLLM's
@@ -60,8 +65,15 @@ def _reader(handle, jobs, answers, as_on_a_gpu: bool = False) -> None:
             answers.put([bool(torch.equal(i["pixel_values"].data.flatten()[1:], _pixels(s).flatten()[1:]))
                          for i, s in held])
             continue
+        if job[0] == "device":  # what the device path did: registered, and which fields it copied
+            registered = store._device is not None and store._device.registration is not None
+            answers.put((registered, [sorted(k for k, e in i.items() if e.data.untyped_storage().resizable())
+                                      for i, _ in held]))
+            continue
         _, address, monotonic_id, signature, key, seed = job
         item = store.get(address, monotonic_id, signature, key)
+        if device_path:
+            store.wait_device_copies()  # a host read of the twin's copies: after they ended
         pixels, sizes = item["pixel_values"].data, item["image_sizes"].data
         same = bool(torch.equal(pixels, _pixels(seed))) and sizes.tolist() == [SIDE, SIDE + seed]
         pixels[0, 0, 0] = -1.0  # a private copy-on-write page: nobody else sees it
@@ -73,11 +85,11 @@ def _reader(handle, jobs, answers, as_on_a_gpu: bool = False) -> None:
 
 class _TwoReaders:
     """A store of room for two items, with the plugin's serde, and two reader processes
-    (``_reader``; ``as_on_a_gpu`` as it says) asked by job queues. ``read(seed)`` asks
+    (``_reader``; ``as_on_a_gpu`` and ``device_path`` as they say) asked by job queues. ``read(seed)`` asks
     both for image ``seed`` and checks what they read; ``ask(job)`` sends both a job and
     returns their answers. On exit every reader is told to end and has exited with 0."""
 
-    def __init__(self, as_on_a_gpu: bool = False):
+    def __init__(self, as_on_a_gpu: bool = False, device_path: bool = False):
         from shmq.vllm_serde import VllmMsgpackSerde
 
         self.ring = RingBuffer(3 * MiB, create=True)  # room for two items
@@ -85,7 +97,7 @@ class _TwoReaders:
         ctx = mp.get_context("spawn")
         self.jobs = [ctx.Queue() for _ in range(2)]
         self.answers = ctx.Queue()
-        args = [(self.store.handle(), j, self.answers, as_on_a_gpu) for j in self.jobs]
+        args = [(self.store.handle(), j, self.answers, as_on_a_gpu, device_path) for j in self.jobs]
         self.readers = [ctx.Process(target=_reader, args=a) for a in args]
 
     def __enter__(self) -> "_TwoReaders":
@@ -151,3 +163,36 @@ def test_on_a_cuda_machine_readers_make_vllms_copies_and_pin_nothing():
         store.put("image-3", _item(3))  # and image-1, whose room is written over
         assert two.ask(("check",)) == [[True, True]] * 2  # image-0 and image-1
         two.read(3)
+
+
+def test_the_device_path_copies_items_from_the_registered_store_and_pins_nothing():
+    """``SHMQ_DEVICE_PATH=1`` (here against the CPU twin of the device): a worker's read
+    puts each item's tensors on its device itself, copied from its registered shared
+    mapping of the store; once the copies ended the items hold nothing of the store, so
+    puts evict them, and the readers' copies stay as read. A field vLLM keeps on the CPU
+    stays a host view (and so holds its item until dropped)."""
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalSharedField
+
+    with _TwoReaders(device_path=True) as two:
+        store = two.store
+        store.put("image-0", _item(0))
+        two.read(0)
+        store.put("image-1", _item(1))
+        two.read(1)
+        # Copies, registered: every field of both items (none is a view of the store).
+        assert two.ask(("device",)) == [(True, [["image_sizes", "pixel_values"]] * 2)] * 2
+        store.put("image-2", _item(2))  # evicts image-0, held by both readers as copies
+        assert not store.is_cached("image-0")
+        store.put("image-3", _item(3))  # and image-1, whose room is written over
+        assert two.ask(("check",)) == [[True, True]] * 2
+        two.read(2)
+        two.read(3)
+        assert two.ask(("drop",)) == ["dropped"] * 2
+        # A field kept on the CPU: a view, the others copied.
+        kept = _item(4)
+        kept["pixel_values"] = MultiModalFieldElem(
+            data=_pixels(4), field=MultiModalSharedField(batch_size=1, keep_on_cpu=True)
+        )
+        store.put("image-4", kept)
+        two.read(4)
+        assert two.ask(("device",)) == [(True, [["image_sizes"]])] * 2

@@ -339,11 +339,11 @@ impl EncoderCacheConsumer {
         let out = PyList::empty(py);
         for i in 0..view.n_parts() {
             let (ptr, len) = view.part_ptr(i);
+            let held = view.clone();
             // SAFETY: the part lies in the entry view's own private mapping, which it
             // unmaps only when dropped, i.e. after the last buffer export of every
             // ShmView that holds it is gone. The mapping is private to this process, so
             // writes through the memoryview reach neither the producer nor other views.
-            let held = view.clone();
             let sv = unsafe { ShmView::new(view.clone(), ptr, len) }
                 .with_shared(Box::new(move || held.part_shared(i)));
             let sv = Bound::new(py, sv)?;

@@ -850,4 +850,48 @@ mod tests {
         assert!(f.view(0, 8 * page + 1).is_err());
         assert_eq!(f.view(3, 0).unwrap().len(), 0);
     }
+
+    #[test]
+    fn the_shared_mapping_shows_the_segment_where_views_lie_and_is_made_once() {
+        let page = page_size();
+        let seg = Segment::create(&unique_name("test"), 4 * page).unwrap();
+        // SAFETY: the segment is 4 pages long and only this thread uses it.
+        unsafe { std::ptr::write_bytes(seg.as_ptr(), 7, 4 * page) };
+        let f = PrivateFile::open(seg.name()).unwrap();
+        let shared = f.shared().unwrap();
+        assert_eq!(shared.len(), 4 * page);
+        assert!(
+            Arc::ptr_eq(&shared, &f.shared().unwrap()),
+            "made once per file"
+        );
+        let mut v = f.view(page as u64 + 5, 100).unwrap();
+        let w = f.map(2 * page as u64 + 9, 10).unwrap();
+        assert_eq!(
+            (v.file_offset(), w.file_offset()),
+            (page as u64 + 5, 2 * page as u64 + 9)
+        );
+        let at = |off: u64| {
+            // SAFETY: `off` lies inside the 4-page mapping, which `shared` keeps mapped;
+            // only this thread writes the segment.
+            unsafe { std::ptr::read_volatile(shared.as_ptr().add(off as usize)) }
+        };
+        // A view's private write stays out of the shared mapping; the segment's own
+        // writes show in it at the view's offset (no copy-on-write there).
+        v[0] = 1;
+        assert_eq!(at(v.file_offset()), 7);
+        // SAFETY: in bounds; only this thread uses the segment.
+        unsafe { *seg.as_ptr().add(2 * page + 9) = 3 };
+        assert_eq!((at(w.file_offset()), w[0]), (3, 3));
+        // Read-only: the mapping's protection says so.
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let start = format!("{:x}-", shared.as_ptr() as usize);
+        let line = maps.lines().find(|l| l.starts_with(&start)).unwrap();
+        assert!(
+            line.split_whitespace().nth(1).unwrap().starts_with("r--s"),
+            "{line}"
+        );
+        // It outlives the file that made it while held.
+        drop((v, w, f));
+        assert_eq!(at(0), 7);
+    }
 }
