@@ -35,8 +35,9 @@ where = shmq.__file__
 print("gpu_check: shmq from", where)
 sys.exit(0 if where.startswith(sys.argv[1]) else "gpu_check: shmq is not the installed wheel")
 ' "$target"
+# Every device test: the seam, the store's, the queue's and the encoder cache's readers.
 SHMQ_DEVICE=${GPU_CHECK_DEVICE:-cuda} PYTHONPATH="$target" "$py" -m pytest -q -p no:cacheprovider \
-  tests/python/test_device_seam.py
+  tests/python/test_device_*.py
 
 # The rows: the bench's package from the source tree beside the installed shmq (the wheel
 # does not carry it). Its JSON lines on stdout, its progress and errors on stderr.
