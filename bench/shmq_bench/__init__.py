@@ -53,6 +53,9 @@ The package, one module per part (each uses only the ones before it):
 - :mod:`.scenarios`: a *scenario* function (``_bench_*``) starts roles through the
   harness and turns what they return into metrics; :data:`SCENARIOS` lists them with
   their table rows, :data:`FLOORS` the single-process reference rows;
+- :mod:`.gpu`: ``--scenarios gpu``, tensors received into device memory beside the
+  pinned limit and the encoder cache's IPC hand-off, one JSON line per row (its own
+  processes; on the CPU twin of the device seam where torch sees no GPU);
 - :mod:`.report`: ``run_bench``, the table, and the command line (``add_arguments``,
   ``main``).
 

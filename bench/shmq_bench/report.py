@@ -448,7 +448,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "plugin off and on: a checkout of shmq only, see shmq_bench.engine), engine-mm (the same with images through "
         "vLLM's multimodal cache), engine-multinode (two nodes of this machine, faults beside vLLM alone), "
         "cross-language (Rust and Python writers "
-        "and readers, each direction: a checkout and cargo), latency (latency_step, "
+        "and readers, each direction: a checkout and cargo), gpu (tensors received into device memory beside the "
+        "pinned limit, and the encoder cache's IPC hand-off, one JSON line per row, see shmq_bench.gpu; on the CPU "
+        "twin where torch sees no GPU), latency (latency_step, "
         "latency_remote), throughput (1, 3), idle, fresh, loan, consume, tensor (the hand-over-only rows), e.g. "
         "fresh16_3 (16 MiB, 3 readers); floors: "
         + ", ".join(f.key for f in FLOORS)
@@ -474,6 +476,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("spawn", "forkserver"),
         help="how child processes start: spawn (the default preset's, the documented method) or forkserver "
         "(--quick's: a server that imported torch and vLLM once forks each child)",
+    )
+    parser.add_argument(
+        "--gpu-sizes",
+        metavar="LIST",
+        help="comma-separated tensor sizes in MiB of --scenarios gpu (default: 16,256 on a GPU; 16 with --quick "
+        "or on the CPU twin)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--no-progress", action="store_true", help="do not print the progress line")
@@ -507,11 +515,18 @@ def _own_tables(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]
 
         return cross_language.main(args.repeat, quick)
 
+    def gpu() -> int:
+        from . import gpu
+
+        sizes = [int(s) for s in args.gpu_sizes.split(",") if s.strip()] if args.gpu_sizes else None
+        return gpu.main(sizes, quick)
+
     return [
         ("engine-multinode", multinode),
         ("engine-mm", engine_mm),
         ("engine", engine),
         ("cross-language", cross_language),
+        ("gpu", gpu),
     ]
 
 
