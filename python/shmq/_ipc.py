@@ -34,8 +34,9 @@ log = logging.getLogger("shmq.device")
 MAX_OPEN_HANDLES = 64
 
 
-class CannotOpen(Exception):
-    """An IPC handle that cannot be opened here, in a value without a host copy of it."""
+class CannotOpen(ValueError):
+    """An IPC handle that cannot be opened here, in a value without a host copy of it (what
+    the store's `get` raises; the queue raises `RuntimeError`, the encoder cache misses)."""
 
 
 class ByHandle:
