@@ -50,6 +50,7 @@ the clock; the first one's time is shown (``first_ms``).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import multiprocessing
@@ -351,7 +352,7 @@ def _role_gpu_reader(
 
             for i in range(warmup + n):
                 _sync(barrier)  # the message is there
-                _in_turns(barrier, k, rank if rank < k else None, lambda i=i: receive(i))
+                _in_turns(barrier, k, rank if rank < k else None, functools.partial(receive, i))
             if rank < k:
                 out[f"{path}{k}"] = {"first": times[0], "times": times[warmup:]}
 
@@ -523,7 +524,7 @@ def run_size(harness: Harness, target: Target, nbytes: int) -> tuple[str, dict[s
     jobs = [Job(_role_gpu_writer, inboxes, {**kwargs, "cache": cache})]
     jobs += [Job(_role_gpu_reader, inboxes, {**kwargs, "rank": r}) for r in range(READERS)]
     # The roles open their own queues, stores and caches: no transport.
-    writer, *readers = harness.run(None, jobs)
+    writer, *readers = harness.run(None, jobs)  # type: ignore[arg-type]  # no transport: see above
     return readers[0].get("gpu", ""), _figures(nbytes, target.twin, writer, readers)
 
 
@@ -565,7 +566,7 @@ def main(sizes_mib: Optional[Sequence[int]] = None, quick: bool = False) -> int:
                 print(f"gpu: the {mib} MiB run failed: {message}\n{more}", file=sys.stderr, flush=True)
                 gpu, figures, error, failed = "", {}, message, True
             for key, (label, unit) in _labels(nbytes).items():
-                row = {
+                row: dict[str, Any] = {
                     "key": key,
                     "row": f"{label} [{TWIN}]" if target.twin else label,
                     "device": f"{device} ({gpu})" if gpu else device,

@@ -65,7 +65,7 @@ class Device(Protocol):
     def register(self, address: int, nbytes: int, read_only: bool) -> Registration: ...
     def unregister(self, registration: Registration) -> None: ...
     def copy_to_device(
-        self, registration: Registration, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...], device: Any
+        self, pieces: list[tuple[Registration, int, int]], dtype: Any, shape: tuple[int, ...], device: Any
     ) -> tuple[Any, Any]: ...
     def copy_device(self, tensor: Any, device: Any) -> tuple[Any, Any]: ...
     def event_done(self, event: Any) -> bool: ...
@@ -132,21 +132,25 @@ class CudaDevice:
         torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(registration.address))
 
     def copy_to_device(
-        self, registration: Registration, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...], device: Any
+        self, pieces: list[tuple[Registration, int, int]], dtype: Any, shape: tuple[int, ...], device: Any
     ) -> tuple[Any, Any]:
         torch = self._torch
         device = torch.device(device)
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
-        src = _host_tensor(registration.address + offset, nbytes, dtype, shape)
         dst = torch.empty(shape, dtype=dtype, device=device)
+        raw = dst.view(-1).view(torch.uint8) if dst.numel() else dst
         # The copy waits for what the caller's stream did with `dst`'s memory before.
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             if self._hold_cycles:
                 torch.cuda._sleep(self._hold_cycles)
-            dst.copy_(src, non_blocking=True)
+            at = 0
+            for registration, offset, nbytes in pieces:  # one per registered block it spans
+                src = _host_tensor(registration.address + offset, nbytes, torch.uint8, (nbytes,))
+                raw[at : at + nbytes].copy_(src, non_blocking=True)
+                at += nbytes
             event = torch.cuda.Event()
             event.record(stream)
         dst.record_stream(stream)
@@ -250,7 +254,7 @@ class TwinDevice:
         self._in_flight: dict[int, int] = {}  # id(registration) -> copies not ended
         self._gate = threading.Event()
         self._gate.set()
-        self._work: list[tuple[Any, Any, _TwinEvent, Optional[Registration]]] = []
+        self._work: list[tuple[Any, Any, Optional[_TwinEvent], Optional[Registration]]] = []
         self._wake = threading.Condition(self._lock)
         self._worker: Optional[threading.Thread] = None
 
@@ -289,20 +293,30 @@ class TwinDevice:
             raise RuntimeError(f"unregister of {registration!r} after its memory was unmapped")
 
     def copy_to_device(
-        self, registration: Registration, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...], device: Any
+        self, pieces: list[tuple[Registration, int, int]], dtype: Any, shape: tuple[int, ...], device: Any
     ) -> tuple[Any, Any]:
         import torch
 
         _process_memory(device)
-        address = registration.address + offset
+        dst = torch.empty(shape, dtype=dtype)
+        raw = dst.view(-1).view(torch.uint8) if dst.numel() else dst
+        event = _TwinEvent()
+        total = sum(n for _, _, n in pieces)
+        if not pieces or total != raw.numel():
+            raise RuntimeError(f"copy of {total} bytes in {len(pieces)} pieces into a tensor of {raw.numel()}")
         with self._lock:
-            if registration not in self._registered or not registration.contains(address, nbytes):
-                raise RuntimeError(f"copy of {nbytes} bytes at {address:#x}: not in {registration!r}")
-            src = _host_tensor(address, nbytes, dtype, shape)
-            dst = torch.empty(shape, dtype=dtype)
-            event = _TwinEvent()
-            self._in_flight[id(registration)] = self._in_flight.get(id(registration), 0) + 1
-            self._work.append((dst, src, event, registration))
+            for registration, offset, nbytes in pieces:
+                address = registration.address + offset
+                if registration not in self._registered or not registration.contains(address, nbytes):
+                    raise RuntimeError(f"copy of {nbytes} bytes at {address:#x}: not in {registration!r}")
+            at = 0
+            for registration, offset, nbytes in pieces:
+                address = registration.address + offset
+                src = _host_tensor(address, nbytes, torch.uint8, (nbytes,))
+                self._in_flight[id(registration)] = self._in_flight.get(id(registration), 0) + 1
+                self._work.append((raw[at : at + nbytes], src, event if at + nbytes == raw.numel() else None,
+                                   registration))
+                at += nbytes
             self._start_worker()
             self._wake.notify()
         return dst, event
@@ -337,7 +351,8 @@ class TwinDevice:
             if registration is not None:
                 with self._lock:
                     self._in_flight[id(registration)] -= 1
-            event.done.set()
+            if event is not None:  # the last piece of a copy: its pieces ran in order
+                event.done.set()
 
     def event_done(self, event: Any) -> bool:
         return bool(event.done.is_set())

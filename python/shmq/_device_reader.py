@@ -1,10 +1,11 @@
 """Receiving into device memory from a shared mapping (issue 55): what a reader of the
 store, of a queue's tensor arena and of the encoder cache does above the device seam.
 
-- The reader's *shared* mapping of the segment is registered once, on the first
-  ``get(..., device=)``, never per message; a mapping the device refuses is remembered
-  and logged once, and every later ``device=`` read takes the host path (a host view,
-  then ``.to(device)``).
+- The reader's *shared* mapping of the segment is registered in aligned blocks (64 MiB,
+  ``SHMQ_DEVICE_REGISTER_BLOCK``), each once, on the first copy that reads it, never per
+  message and never the whole segment at once; a registration the device refuses is
+  remembered and logged once, and every later ``device=`` read of that mapping takes the
+  host path (a host view, then ``.to(device)``).
 - A copy reads the shared mapping at the range's offset while the reader *holds* the
   range (the store's pin on the object: a private view of one of its parts), and the hold
   is kept with the copy's event: it is given back only once the event says the copy
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
+import os
 import threading
 import weakref
 from typing import Any, Callable, Iterable, Optional, Union
@@ -27,8 +30,25 @@ from ._device import Device, DeviceRefused, Registration, address_of, device_for
 log = logging.getLogger("shmq.device")
 
 
+def _register_block() -> int:
+    """Bytes of a mapping registered at once (``SHMQ_DEVICE_REGISTER_BLOCK``, a multiple of
+    the page size; default 64 MiB)."""
+    page = mmap.PAGESIZE
+    try:
+        n = int(os.environ.get("SHMQ_DEVICE_REGISTER_BLOCK", 64 << 20))
+    except ValueError:
+        n = 64 << 20
+    return max(page, n // page * page)
+
+
 class DeviceReader:
-    """One reader's registration of one shared mapping, and its copies in flight."""
+    """One reader's registrations of one shared mapping, and its copies in flight.
+
+    The mapping is registered in aligned blocks of ``block`` bytes, each on the first
+    copy that reads it, never all at once: pinning a whole segment would fault in (and,
+    for ``/dev/shm``, allocate) every page of it, where the arena and the encoder cache
+    take their pages only as they use them. A copy that spans blocks is copied in one
+    piece per block, into one tensor, with one event."""
 
     def __init__(self, mapping: Callable[[], memoryview], what: str, seam: Union[None, str, Device] = None):
         self._mapping_of = mapping
@@ -36,34 +56,66 @@ class DeviceReader:
         self._seam_choice = seam
         self.seam: Optional[Device] = None
         self._mapping: Optional[memoryview] = None
-        self.registration: Optional[Registration] = None
+        self._base = self._nbytes = 0
+        self.block = _register_block()
+        #: Block index -> its registration.
+        self.registrations: dict[int, Registration] = {}
         self.refused: Optional[str] = None
         #: ``(event, hold)`` of each copy whose range is still held.
         self.pending: list[tuple[Any, Any]] = []
 
-    def registered(self) -> Optional[Registration]:
-        """The registration (made on the first call), or ``None`` when the device refused
-        it (logged once) and the caller takes the host path."""
-        if self.registration is not None or self.refused is not None:
-            return self.registration
-        self.seam = device_for(self._seam_choice)
-        mapping = self._mapping_of()
-        try:
-            self.registration = self.seam.register(address_of(mapping), mapping.nbytes, mapping.readonly)
-        except DeviceRefused as e:
-            self.refused = str(e)
-            log.warning("shmq: %s: the %s device refused to register the mapping (%s); reads "
-                        "with device= take the host path", self._what, self.seam.name, e)
-            return None
-        self._mapping = mapping  # keeps the mapping while it is registered
-        return self.registration
+    def usable(self) -> bool:
+        """Whether copies may be tried (the mapping is found on the first call); False
+        once the device refused a registration (logged once): the caller takes the host
+        path."""
+        if self.refused is not None:
+            return False
+        if self._mapping is None:
+            self.seam = device_for(self._seam_choice)
+            mapping = self._mapping_of()
+            self._mapping = mapping  # kept while any block of it is registered
+            self._base, self._nbytes = address_of(mapping), mapping.nbytes
+        return True
+
+    def contains(self, address: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``address`` lie in the mapping."""
+        return self._base <= address and address + nbytes <= self._base + self._nbytes
+
+    def _pieces(self, address: int, nbytes: int) -> Optional[list[tuple[Registration, int, int]]]:
+        """The registered pieces of the range, registering the blocks it needs; None when
+        the device refused one (logged once; later copies take the host path)."""
+        seam, mapping, block = self.seam, self._mapping, self.block
+        assert seam is not None and mapping is not None
+        pieces = []
+        at, end = address, address + nbytes
+        while at < end:
+            index = (at - self._base) // block
+            reg = self.registrations.get(index)
+            if reg is None:
+                start = self._base + index * block
+                size = min(block, self._base + self._nbytes - start)
+                try:
+                    reg = seam.register(start, size, mapping.readonly)
+                except DeviceRefused as e:
+                    self.refused = str(e)
+                    log.warning("shmq: %s: the %s device refused to register the mapping (%s); reads "
+                                "with device= take the host path", self._what, seam.name, e)
+                    return None
+                self.registrations[index] = reg
+            n = min(end, reg.address + reg.nbytes) - at
+            pieces.append((reg, at - reg.address, n))
+            at += n
+        return pieces
 
     def copy(self, address: int, nbytes: int, dtype: Any, shape: tuple[int, ...], device: Any, hold: Any) -> Any:
-        """Copy ``nbytes`` at ``address`` (inside the registered mapping) into a new device
-        tensor; ``hold`` (what keeps the range from reuse) is kept until the copy ended."""
-        reg, seam = self.registration, self.seam
-        assert reg is not None and seam is not None
-        tensor, event = seam.copy_to_device(reg, address - reg.address, nbytes, dtype, shape, device)
+        """Copy ``nbytes`` at ``address`` (inside the mapping) into a new device tensor;
+        ``hold`` (what keeps the range from reuse) is kept until the copy ended. None when
+        the device refused to register the range (the caller takes the host path)."""
+        pieces = self._pieces(address, nbytes) if self.usable() else None
+        if pieces is None:
+            return None
+        assert self.seam is not None
+        tensor, event = self.seam.copy_to_device(pieces, dtype, shape, device)
         self.pending.append((event, hold))
         return tensor
 
@@ -83,13 +135,14 @@ class DeviceReader:
         self.pending = []
 
     def close(self) -> None:
-        """Wait for the copies in flight, give back their ranges, unregister; then the
-        mapping may go."""
+        """Wait for the copies in flight, give back their ranges, unregister every block;
+        then the mapping may go."""
         seam = self.seam
         self.wait_all()
-        if seam is not None and self.registration is not None:
-            seam.unregister(self.registration)
-        self.registration = None
+        while self.registrations:
+            _, reg = self.registrations.popitem()
+            assert seam is not None
+            seam.unregister(reg)
         self._mapping = None
 
 
@@ -153,8 +206,7 @@ class DeviceSources:
                     of_mapping = self._readers[base] = DeviceReader(
                         functools.partial(_same, mapping), f"{self._what} (mapping at {base:#x})", self.seam_choice
                     )
-                registration = of_mapping.registered()
-                if registration is not None and registration.contains(base + offset, view.nbytes):
+                if of_mapping.usable() and of_mapping.contains(base + offset, view.nbytes):
                     spans.append((address_of(view), view.nbytes, of_mapping, base + offset))
             if not spans:
                 return tensor_leaves(value, lambda t: t.to(device))
@@ -166,7 +218,10 @@ class DeviceSources:
                     ptr = t.data_ptr()
                     for at, size, reader, shared in spans:
                         if at <= ptr and ptr + nbytes <= at + size:
-                            return reader.copy(shared + (ptr - at), nbytes, t.dtype, tuple(t.shape), device, hold)
+                            copied = reader.copy(shared + (ptr - at), nbytes, t.dtype, tuple(t.shape), device, hold)
+                            if copied is not None:
+                                return copied
+                            break
                 return t.to(device)
 
             return tensor_leaves(value, copy)

@@ -675,8 +675,7 @@ class ObjectStorage:
             )
         reader.release_done()
         load_owned = self._load_owned
-        registration = reader.registered() if load_owned is not None else None
-        if registration is None or load_owned is None:
+        if load_owned is None or not reader.usable():
             value = self._core.get(address, monotonic_id, signature, key, self._load, self._split)
             if _ipc.has_handles(value):
                 value = _ipc.resolve(value, None, None, None, _same)
@@ -691,7 +690,7 @@ class ObjectStorage:
             if n:
                 head = address_of(parts[0])
                 table_at = head - 8 * n
-                if registration.contains(table_at, 8 * n):
+                if reader.contains(table_at, 8 * n):
                     table = struct.unpack(f"<{2 * n}I", ctypes.string_at(table_at, 8 * n))
                     start = head - table[0]
                     if table[1] == len(parts[0]):
@@ -699,7 +698,7 @@ class ObjectStorage:
                             off, nbytes = table[2 * k], table[2 * k + 1]
                             part = parts[k]
                             if type(part) is memoryview and nbytes == part.nbytes and nbytes:
-                                if registration.contains(start + off, nbytes):
+                                if reader.contains(start + off, nbytes):
                                     shared[address_of(part)] = (start + off, nbytes)
             kept.append(parts)  # the views: they hold the object until the copies end
             return load_owned(parts)
@@ -719,7 +718,10 @@ class ObjectStorage:
                 ptr = t.data_ptr()
                 for view, (at, size) in shared.items():
                     if view <= ptr and ptr + nbytes <= view + size:
-                        return reader.copy(at + (ptr - view), nbytes, t.dtype, tuple(t.shape), device, hold)
+                        copied = reader.copy(at + (ptr - view), nbytes, t.dtype, tuple(t.shape), device, hold)
+                        if copied is not None:  # None: the device refused the range
+                            return copied
+                        break
             return t.to(device)
 
         return leaves(value, to_device)

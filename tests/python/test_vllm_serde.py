@@ -66,7 +66,7 @@ def _reader(handle, jobs, answers, as_on_a_gpu: bool = False, device_path: bool 
                          for i, s in held])
             continue
         if job[0] == "device":  # what the device path did: registered, and which fields it copied
-            registered = store._device is not None and store._device.registration is not None
+            registered = store._device is not None and bool(store._device.registrations)
             answers.put((registered, [sorted(k for k, e in i.items() if e.data.untyped_storage().resizable())
                                       for i, _ in held]))
             continue
