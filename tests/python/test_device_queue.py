@@ -169,3 +169,22 @@ def test_closing_the_device_path_while_a_copy_is_in_flight_waits_then_unregister
     assert registered == []
     wait_for(lambda: mq.arena_stats()["outstanding"] == 0, STEP, "the lease to come back")
     reader.stop()
+
+
+def test_the_arena_is_registered_block_by_block_as_copies_read_it(children, monkeypatch):
+    """Only the blocks a copy reads are registered (pinning the whole arena would fault
+    in every page of it), and a tensor that spans blocks comes over whole."""
+    monkeypatch.setenv("SHMQ_DEVICE_REGISTER_BLOCK", str(MIB))  # the reader's blocks: 1 MiB
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 * MIB, max_chunks=4, arena_bytes=64 * MIB)
+    reader = Reader(children, mq, 0)
+    mq.wait_until_ready(timeout=STEP)
+    value = {"t": torch.arange(MIB + 12345, dtype=torch.int32)}  # 4 MiB and more: 5-6 blocks
+    mq.enqueue(value, timeout=STEP)
+    assert reader.ask("recv", False)[0] == "issued"
+    _, (got,), _ = reader.ask("wait")
+    assert_same(got, value)
+    ((block, registered),) = reader.ask("blocks")[1]
+    assert block == MIB
+    assert 5 <= len(registered) <= 6, registered  # of the arena's 64 and more
+    assert registered == list(range(registered[0], registered[0] + len(registered)))
+    reader.stop()

@@ -153,6 +153,9 @@ def queue_device_reader(out: Any, handle: Any, rank: int, cmds: Any) -> None:
             out.put(("preregistered", repr(mine[0])))
         elif cmd[0] == "logs":
             out.put(("logs", [r for r in records.records if r[0] == "shmq.device"]))
+        elif cmd[0] == "blocks":  # the registered blocks of each mapping, and their size
+            readers = mq._device._readers.values() if mq._device is not None else []
+            out.put(("blocks", [(r.block, sorted(r.registrations)) for r in readers]))
         elif cmd[0] == "close_async":
             closer = threading.Thread(target=mq.close_device)
             closer.start()
