@@ -17,7 +17,8 @@ when torch sees a GPU, else the twin); an explicit ``"twin"``/``"cuda"`` or a ``
 instance wins. torch is imported only when a device is used.
 
 The protocol the callers follow (``object_storage.ObjectStorage.get(..., device=)``):
-register a *shared* mapping once; copy a range of it only while the range is held (a pin);
+register a *shared* mapping (in blocks, each once, on the first copy that reads it: see
+``shmq._device_reader``); copy a range of it only while the range is held (a pin);
 give the range back only once ``event_done`` says the copy ended; before the mapping goes,
 wait for its copies, then ``unregister``.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -34,8 +36,35 @@ from typing import Any, Optional, Protocol, Union
 
 __all__ = ["CudaDevice", "Device", "DeviceRefused", "Registration", "TwinDevice", "address_of", "device_for"]
 
+log = logging.getLogger("shmq.device")
+
 #: ``cudaHostRegisterReadOnly``: the flag that lets CUDA register a ``PROT_READ`` mapping.
 CUDA_HOST_REGISTER_READ_ONLY = 8
+#: ``cudaHostRegisterPortable``: pinned for every CUDA context, not only the current one.
+CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a call that failed on purpose (a refused
+    registration): torch's binding returns the code but leaves the error set, and the
+    next kernel launch would raise it in unrelated code. torch binds no
+    ``cudaGetLastError``, so it is called in the libcudart this process has loaded."""
+    global _cuda_get_last_error
+    if _cuda_get_last_error is None:
+        path = None
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                name = line.rsplit(None, 1)[-1]
+                if "/libcudart.so" in name:
+                    path = name
+                    break
+        if path is None:
+            return
+        _cuda_get_last_error = ctypes.CDLL(path).cudaGetLastError
+    _cuda_get_last_error()
+
+
+_cuda_get_last_error: Any = None
 
 
 class DeviceRefused(RuntimeError):
@@ -120,16 +149,22 @@ class CudaDevice:
 
     def register(self, address: int, nbytes: int, read_only: bool) -> Registration:
         torch = self._torch
-        flags = CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
+        # Portable: pinned for every device's copies, not only the current one's.
+        flags = CUDA_HOST_REGISTER_PORTABLE | (CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
         try:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
         except torch.cuda.CudaError as e:
+            _clear_last_cuda_error()
             raise DeviceRefused(f"cudaHostRegister({address:#x}, {nbytes}, {flags}): {e}") from None
         return Registration(address, nbytes, read_only)
 
     def unregister(self, registration: Registration) -> None:
         torch = self._torch
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(registration.address))
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(registration.address))
+        except torch.cuda.CudaError:
+            _clear_last_cuda_error()
+            raise
 
     def copy_to_device(
         self, pieces: list[tuple[Registration, int, int]], dtype: Any, shape: tuple[int, ...], device: Any
@@ -147,10 +182,14 @@ class CudaDevice:
             if self._hold_cycles:
                 torch.cuda._sleep(self._hold_cycles)
             at = 0
-            for registration, offset, nbytes in pieces:  # one per registered block it spans
-                src = _host_tensor(registration.address + offset, nbytes, torch.uint8, (nbytes,))
-                raw[at : at + nbytes].copy_(src, non_blocking=True)
-                at += nbytes
+            try:
+                for registration, offset, nbytes in pieces:  # one per registered block it spans
+                    src = _host_tensor(registration.address + offset, nbytes, torch.uint8, (nbytes,))
+                    raw[at : at + nbytes].copy_(src, non_blocking=True)
+                    at += nbytes
+            except BaseException:
+                stream.synchronize()  # the pieces issued end before the caller lets the range go
+                raise
             event = torch.cuda.Event()
             event.record(stream)
         dst.record_stream(stream)
@@ -160,20 +199,19 @@ class CudaDevice:
 
     def copy_device(self, tensor: Any, device: Any) -> tuple[Any, Any]:
         torch = self._torch
-        device = torch.device(device)
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
-        dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        # On the current stream of the opened tensor's device: torch's rebuild of an IPC
+        # handle made that stream wait for the sender's event (its writes), so the copy
+        # reads what the sender wrote. The event tells the host when it ended.
+        with torch.cuda.device(tensor.device):
+            stream = torch.cuda.current_stream(tensor.device)
             if self._hold_cycles:
                 torch.cuda._sleep(self._hold_cycles)
+            dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
             dst.copy_(tensor, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        dst.record_stream(stream)
-        torch.cuda.current_stream(device).wait_event(event)
+        if torch.device(device) != tensor.device:
+            torch.cuda.current_stream(device).wait_event(event)
         return dst, event
 
     def event_done(self, event: Any) -> bool:
@@ -192,8 +230,8 @@ class CudaDevice:
         return rebuild(*args)
 
     def close_ipc(self, tensor: Any) -> None:
-        del tensor
-        self._torch.cuda.ipc_collect()
+        """Nothing to call: dropping the last reference to the opened tensor closes the
+        handle (torch's storage deleter); the caller drops it."""
 
 
 # -- the CPU twin --------------------------------------------------------------------------
@@ -347,12 +385,16 @@ class TwinDevice:
                     self._wake.wait()
                 dst, src, event, registration = self._work.pop(0)
             self._gate.wait()
-            dst.copy_(src)  # the source is read now, as a DMA engine reads it
-            if registration is not None:
-                with self._lock:
-                    self._in_flight[id(registration)] -= 1
-            if event is not None:  # the last piece of a copy: its pieces ran in order
-                event.done.set()
+            try:
+                dst.copy_(src)  # the source is read now, as a DMA engine reads it
+            except BaseException as e:  # noqa: BLE001 - the worker goes on; the copy says so
+                log.error("shmq: the device twin's copy failed: %s", e)
+            finally:
+                if registration is not None:
+                    with self._lock:
+                        self._in_flight[id(registration)] -= 1
+                if event is not None:  # the last piece of a copy: its pieces ran in order
+                    event.done.set()
 
     def event_done(self, event: Any) -> bool:
         return bool(event.done.is_set())

@@ -1,7 +1,7 @@
 """Receiving into device memory from a shared mapping (issue 55): what a reader of the
 store, of a queue's tensor arena and of the encoder cache does above the device seam.
 
-- The reader's *shared* mapping of the segment is registered in aligned blocks (64 MiB,
+- The reader's *shared* mapping of the segment is registered in aligned blocks (16 MiB,
   ``SHMQ_DEVICE_REGISTER_BLOCK``), each once, on the first copy that reads it, never per
   message and never the whole segment at once; a registration the device refuses is
   remembered and logged once, and every later ``device=`` read of that mapping takes the
@@ -30,21 +30,32 @@ from ._device import Device, DeviceRefused, Registration, address_of, device_for
 log = logging.getLogger("shmq.device")
 
 
+#: The default of ``SHMQ_DEVICE_REGISTER_BLOCK``: 16 MiB, below the arena's and the
+#: encoder cache's steps of taking ``/dev/shm`` pages, so that a block pins no page they
+#: have not taken.
+REGISTER_BLOCK = 16 << 20
+
+
 def _register_block() -> int:
-    """Bytes of a mapping registered at once (``SHMQ_DEVICE_REGISTER_BLOCK``, a multiple of
-    the page size; default 64 MiB)."""
+    """Bytes of a mapping registered at once (``SHMQ_DEVICE_REGISTER_BLOCK``, rounded down
+    to the page size; default ``REGISTER_BLOCK``)."""
     page = mmap.PAGESIZE
     try:
-        n = int(os.environ.get("SHMQ_DEVICE_REGISTER_BLOCK", 64 << 20))
+        n = int(os.environ.get("SHMQ_DEVICE_REGISTER_BLOCK", REGISTER_BLOCK))
     except ValueError:
-        n = 64 << 20
+        n = REGISTER_BLOCK
     return max(page, n // page * page)
+
+
+#: Mappings whose unregistration failed: kept mapped for good (a registered range must
+#: never be unmapped).
+_never_unmapped: list[Any] = []
 
 
 class DeviceReader:
     """One reader's registrations of one shared mapping, and its copies in flight.
 
-    The mapping is registered in aligned blocks of ``block`` bytes, each on the first
+    The mapping is registered in aligned blocks of ``block`` bytes (``REGISTER_BLOCK``), each on the first
     copy that reads it, never all at once: pinning a whole segment would fault in (and,
     for ``/dev/shm``, allocate) every page of it, where the arena and the encoder cache
     take their pages only as they use them. A copy that spans blocks is copied in one
@@ -63,6 +74,8 @@ class DeviceReader:
         self.refused: Optional[str] = None
         #: ``(event, hold)`` of each copy whose range is still held.
         self.pending: list[tuple[Any, Any]] = []
+        #: Guards ``pending`` and ``registrations`` (a store is read from several threads).
+        self._lock = threading.RLock()
 
     def usable(self) -> bool:
         """Whether copies may be tried (the mapping is found on the first call); False
@@ -111,39 +124,56 @@ class DeviceReader:
         """Copy ``nbytes`` at ``address`` (inside the mapping) into a new device tensor;
         ``hold`` (what keeps the range from reuse) is kept until the copy ended. None when
         the device refused to register the range (the caller takes the host path)."""
-        pieces = self._pieces(address, nbytes) if self.usable() else None
-        if pieces is None:
-            return None
-        assert self.seam is not None
-        tensor, event = self.seam.copy_to_device(pieces, dtype, shape, device)
-        self.pending.append((event, hold))
-        return tensor
+        with self._lock:
+            pieces = self._pieces(address, nbytes) if self.usable() else None
+            if pieces is None:
+                return None
+            assert self.seam is not None
+            tensor, event = self.seam.copy_to_device(pieces, dtype, shape, device)
+            self.pending.append((event, hold))
+            return tensor
+
+    def track(self, event: Any, hold: Any) -> None:
+        """Keep ``hold`` until ``event`` (a copy of this reader's seam) ended."""
+        with self._lock:
+            self.pending.append((event, hold))
 
     def release_done(self) -> int:
         """Give back the ranges whose copies ended; how many are still in flight."""
-        seam = self.seam
-        if seam is not None and self.pending:
-            self.pending = [(e, h) for e, h in self.pending if not seam.event_done(e)]
-        return len(self.pending)
+        with self._lock:
+            seam = self.seam
+            if seam is not None and self.pending:
+                self.pending = [(e, h) for e, h in self.pending if not seam.event_done(e)]
+            return len(self.pending)
 
     def wait_all(self) -> None:
         """Wait for the copies in flight and give back their ranges."""
-        seam, pending = self.seam, self.pending
-        if seam is not None:
-            for event, _ in pending:
-                seam.wait_event(event)
-        self.pending = []
+        with self._lock:
+            seam = self.seam
+            if seam is not None:
+                for event, _ in self.pending:
+                    seam.wait_event(event)
+            self.pending = []
 
     def close(self) -> None:
         """Wait for the copies in flight, give back their ranges, unregister every block;
         then the mapping may go."""
-        seam = self.seam
-        self.wait_all()
-        while self.registrations:
-            _, reg = self.registrations.popitem()
-            assert seam is not None
-            seam.unregister(reg)
-        self._mapping = None
+        with self._lock:
+            seam = self.seam
+            self.wait_all()
+            failed = None
+            while self.registrations:
+                _, reg = self.registrations.popitem()
+                assert seam is not None
+                try:
+                    seam.unregister(reg)
+                except Exception as e:  # every block is tried; the mapping then stays
+                    failed = e
+            if failed is not None:
+                _never_unmapped.append(self._mapping)
+                self._mapping = None
+                raise failed
+            self._mapping = None
 
 
 class DeviceSources:
@@ -177,7 +207,7 @@ class DeviceSources:
         new tensor on ``device``; ``hold`` is kept until the copy ended."""
         with self._lock:
             copied, event = self.seam.copy_device(tensor, device)
-            self._ipc.pending.append((event, hold))
+            self._ipc.track(event, hold)
             return copied
 
     def to_device(self, value: Any, views: Iterable[Any], device: Any) -> Any:
@@ -195,6 +225,8 @@ class DeviceSources:
                 source = getattr(getattr(view, "obj", None), "shared_source", None)
                 if source is None or not isinstance(view, memoryview) or not view.nbytes:
                     continue
+                if address_of(view) != address_of(memoryview(view.obj)):
+                    continue  # a slice: its offset in the mapping is not the view's
                 found = source()
                 if found is None:
                     continue
@@ -225,6 +257,10 @@ class DeviceSources:
                 return t.to(device)
 
             return tensor_leaves(value, copy)
+
+    def wait_ipc(self) -> None:
+        """Wait for the device-to-device copies (of opened IPC tensors) in flight."""
+        self._ipc.wait_all()
 
     def release_done(self) -> int:
         """Give back the views whose copies ended; how many copies are still in flight."""

@@ -6,16 +6,22 @@ it.
   the device seam, every tensor) by a ``ByHandle``: the seam's name, the handle of the
   tensor's allocation (``Device.export_ipc``) and, optionally, a host copy. The sender
   keeps the tensors (``exported``) for as long as its protocol says a receiver may still
-  open them; a receiver that opened one holds the memory itself from then on (CUDA: torch's
-  IPC reference counts; the twin: its mapping of the ``/dev/shm`` file).
+  open or copy from them (below).
 - A receiver opens the handle while it unpickles the value (so within the hold its
   protocol gives a read: the store's pin, the cache's entry pin, the queue's read of the
   message), through one cache per process of opened allocations (``MAX_OPEN_HANDLES``,
   least recently used closed first). A handle that cannot be opened is logged once per
   process and left unopened: ``resolve`` then gives the host copy, or ``CannotOpen``.
-- ``resolve`` turns the opened tensors into what the caller asked for: the opened tensor
-  itself (the sender's memory; no copy), or, with a device, a copy on the device that
-  holds what the caller passes until it ended (``DeviceSources.copy_device``).
+- ``resolve`` turns the opened tensors into copies on the device the caller asked for
+  (or the opened tensor's own), each holding what the caller passes until it ended
+  (``DeviceSources.copy_device``): never the opened tensor itself, the sender's memory.
+- The sender's memory is kept by the sender's protocol (the encoder cache: until the
+  entry is evicted and unheld; the queue: its last ``max_chunks + 1`` messages; the store:
+  while the object is in it), never by torch's IPC reference counts: torch counts one
+  release per export, and a handle sent to several receivers is released by each. So
+  on CUDA the sender's block may stay in torch's "limbo" after the sender dropped it
+  (a leak of device memory per sent tensor with several receivers) until a GPU run
+  settles it (issue 55; ``scripts/gpu_check.sh`` checks ``memory_allocated``).
 """
 
 from __future__ import annotations
@@ -146,16 +152,18 @@ def _map_tensors(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
 
 
 def resolve(value: Any, device: Any, sources: Any, hold: Any, host_to_device: Callable[[Any], Any]) -> Any:
-    """``value`` with each ``ByHandle`` replaced: without ``device``, by the opened tensor;
-    with one, by a copy on it (``sources.copy_device``, ``hold`` kept until it ended); an
-    unopened one by its host copy (``host_to_device(host)`` with a device); ``CannotOpen``
-    for an unopened one without a host copy."""
+    """``value`` with each ``ByHandle`` replaced by a copy of the opened tensor on
+    ``device`` (without one, on the opened tensor's own device), ``hold`` kept until the
+    copy ended (``sources.copy_device``): never the opened tensor itself, the sender's
+    memory, which it reuses once its protocol lets it. An unopened one by its host copy
+    (``host_to_device(host)`` with a device); ``CannotOpen`` for an unopened one without
+    a host copy."""
 
     def one(ref: ByHandle) -> Any:
         if ref.tensor is None:
             if ref.host is None:
                 raise CannotOpen(f"an IPC handle of the {ref.seam!r} seam that cannot be opened here")
             return ref.host if device is None else host_to_device(ref.host)
-        return ref.tensor if device is None else sources.copy_device(ref.tensor, device, hold)
+        return sources.copy_device(ref.tensor, ref.tensor.device if device is None else device, hold)
 
     return _map_tensors(value, ByHandle, one)

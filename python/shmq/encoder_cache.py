@@ -238,7 +238,8 @@ class EncoderCacheProducer:
                 return
             keys = set(self._core.keys()) | set(self._publishing)
             for key in [k for k in self._exported if k not in keys]:
-                self._retired[key] = self._exported.pop(key)
+                # A key saved again after an eviction: both generations' tensors wait.
+                self._retired.setdefault(key, []).extend(self._exported.pop(key))
             if self._retired:
                 self._core.sweep()  # frees the evicted entries no consumer maps any more
                 if self._core.stats()["zombies"] == 0:

@@ -378,8 +378,10 @@ class MessageQueue:
     - ``ipc=True`` (every reader on this machine): device tensors (CUDA; with the CPU
       twin of the device seam, ``device_seam="twin"``, every tensor) are sent by IPC
       handle, not copied to the host. A reader opens each allocation once (while it takes
-      the message; a process keeps 64 open) and gets that device memory, or with
-      ``dequeue(device=)`` a copy there; one that cannot open it gets ``RuntimeError``.
+      the message; a process keeps 64 open) and copies it on the device (the tensor's
+      own, or ``dequeue(device=)``'s) before ``dequeue`` returns; one that cannot open
+      it gets ``RuntimeError``. The writer shares its tensor, not a copy of it: change it
+      only after the readers have the message.
       The writer keeps the tensors of its last ``max_chunks + 1`` messages, all a reader
       may still be opening; a reader that opened one holds the memory itself. Not yet run
       on a GPU (docs/guide.md, "The device path").
@@ -892,12 +894,7 @@ class MessageQueue:
         if type(message) is bytes:
             value = _loads(message)
             if _ipc.has_handles(value):  # sent with ipc=True: opened while unpickled, above
-                sources = self._device_sources() if device is not None else None
-                try:
-                    return _ipc.resolve(value, device, sources, value, _to(device))
-                except _ipc.CannotOpen as e:
-                    words = self._queue_words()
-                    raise RuntimeError(f"dequeue: queue {words}: {e} (the message is lost here)") from None
+                return self._copied_by_handle(value, device, value)
             return value if device is None else self._device_sources().to_device(value, (), device)
         if len(message) == 1:
             raise MessageKindError(_RAW_FOR_DEQUEUE)
@@ -911,12 +908,22 @@ class MessageQueue:
         body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
         value = _loads(body, buffers=buffers)
         if _ipc.has_handles(value):  # sent with ipc=True: opened while unpickled, above
-            sources = self._device_sources() if device is not None else None
-            try:
-                return _ipc.resolve(value, device, sources, (buffers, value), _to(device))
-            except _ipc.CannotOpen as e:
-                raise RuntimeError(f"dequeue: queue {self._queue_words()}: {e} (the message is lost here)") from None
+            return self._copied_by_handle(value, device, (buffers, value))
         return value if device is None else self._device_sources().to_device(value, buffers, device)
+
+    def _copied_by_handle(self, value: Any, device: Any, hold: Any) -> Any:
+        """A message sent with ``ipc=True``: its opened tensors copied on ``device`` (or
+        their own), and waited for before the message is returned. The writer keeps a
+        sent tensor only for its next ``max_chunks`` messages, which a reader that goes
+        on receiving while its copies are in flight could outrun: so a copy from the
+        writer's memory ends inside the ``dequeue`` that received it."""
+        sources = self._device_sources()
+        try:
+            value = _ipc.resolve(value, device, sources, hold, _to(device))
+        except _ipc.CannotOpen as e:
+            raise RuntimeError(f"dequeue: queue {self._queue_words()}: {e} (the message is lost here)") from None
+        sources.wait_ipc()
+        return value
 
     #: The device seam of ``dequeue(..., device=)`` (and, on the writer, of ``ipc=True``):
     #: ``"twin"``, ``"cuda"``, a ``Device``, or ``None`` for ``SHMQ_DEVICE`` (see
@@ -936,10 +943,10 @@ class MessageQueue:
         return self._device.release_done() if self._device is not None else 0
 
     def wait_device_copies(self) -> None:
-        """Reader side: wait until every copy to device memory (``dequeue(...,
-        device=)``) ended, and give back the leases they held: the host's way to see
-        their tensors complete (the device's own streams are already ordered after the
-        copies)."""
+        """Reader side: wait until every copy to device memory (by
+        ``dequeue(..., device=)``) ended, and give back the leases they held: the host's
+        way to see their tensors complete (the device's own streams are already ordered
+        after the copies)."""
         if self._device is not None:
             self._device.wait_all()
 

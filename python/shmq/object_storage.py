@@ -10,6 +10,8 @@ included; the allocator, the bounds checks, the reader counts and the HMAC are i
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import multiprocessing.util as _mp_util
 import struct
 import weakref
@@ -344,8 +346,19 @@ class _WriterFlag(_IdIndex):
         return entry[2]
 
 
-def _same(x: Any) -> Any:
-    return x
+def _to_device(tensor: Any, device: Any) -> Any:
+    return tensor.to(device)
+
+
+def _buffer_of(memory: Any) -> memoryview:
+    return cast(memoryview, memory.buf)
+
+
+def _close_quietly(reader: DeviceReader) -> None:
+    try:
+        reader.close()
+    except Exception as e:  # a finalizer: say so, never raise
+        logging.getLogger("shmq.device").warning("shmq: closing a store's device registration failed: %s", e)
 
 
 class ObjectStorage:
@@ -650,11 +663,25 @@ class ObjectStorage:
             return self._get_to_device(address, monotonic_id, signature, key, device)
         load_owned = self._load_owned
         if load_owned is not None and not copy:
-            value = self._core.get(address, monotonic_id, signature, key, load_owned, True, self.view_threshold)
-        else:
-            value = self._core.get(address, monotonic_id, signature, key, self._load, self._split)
-        if _ipc.has_handles(value):  # put by a writer with ipc=True: the opened tensors
-            value = _ipc.resolve(value, None, None, None, _same)
+            load = functools.partial(self._load_handles, load_owned, None)
+            return self._core.get(address, monotonic_id, signature, key, load, True, self.view_threshold)
+        load = functools.partial(self._load_handles, self._load, None)
+        return self._core.get(address, monotonic_id, signature, key, load, self._split)
+
+    def _load_handles(self, load: Callable[..., Any], device: Any, *args: Any) -> Any:
+        """``load(*args)`` (the decode, inside the core's get: the object is held), and for
+        an object put with ``ipc=True`` its opened tensors copied on ``device`` (or their
+        own) and waited for, still inside the hold: the writer lets a tensor go once its
+        object leaves the store, which nothing else keeps it from after ``get``."""
+        value = load(*args)
+        if not _ipc.has_handles(value):
+            return value
+        sources = self._ipc_copies
+        if sources is None:
+            what = f"store {self.ring_buffer.shared_memory.name!r}"
+            sources = self._ipc_copies = DeviceSources(what, self.device_seam)
+        value = _ipc.resolve(value, device, sources, None, functools.partial(_to_device, device=device))
+        sources.wait_ipc()
         return value
 
     def _get_to_device(
@@ -668,18 +695,19 @@ class ObjectStorage:
     ) -> Any:
         reader = self._device
         if reader is None:
+            memory = self.ring_buffer.shared_memory
+            # The getter holds the segment, not the store (no cycle): a store collected
+            # without close() still waits for its copies and unregisters (the finalizer).
             reader = self._device = DeviceReader(
-                lambda: cast(memoryview, self.ring_buffer.shared_memory.buf),
-                f"store {self.ring_buffer.shared_memory.name!r}",
-                self.device_seam,
+                functools.partial(_buffer_of, memory), f"store {memory.name!r}", self.device_seam
             )
+            weakref.finalize(self, _close_quietly, reader)
         reader.release_done()
         load_owned = self._load_owned
         if load_owned is None or not reader.usable():
-            value = self._core.get(address, monotonic_id, signature, key, self._load, self._split)
-            if _ipc.has_handles(value):
-                value = _ipc.resolve(value, None, None, None, _same)
-            return leaves(value, lambda t: t.to(device))
+            load_host = functools.partial(self._load_handles, self._load, device)
+            value = self._core.get(address, monotonic_id, signature, key, load_host, self._split)
+            return leaves(value, functools.partial(_to_device, device=device))
         # Where each viewed part lies in the shared mapping: read in the part table, which
         # ends where the first part (read in place, in the shared mapping) begins.
         shared: dict[int, tuple[int, int]] = {}  # view address -> (shared address, bytes)
@@ -701,16 +729,10 @@ class ObjectStorage:
                                 if reader.contains(start + off, nbytes):
                                     shared[address_of(part)] = (start + off, nbytes)
             kept.append(parts)  # the views: they hold the object until the copies end
-            return load_owned(parts)
+            return self._load_handles(load_owned, device, parts)
 
         value = self._core.get(address, monotonic_id, signature, key, load, True, self.view_threshold)
         hold = (kept, value)
-        if _ipc.has_handles(value):  # put by IPC handle: copied on the device
-            sources = self._ipc_copies
-            if sources is None:
-                what = f"store {self.ring_buffer.shared_memory.name!r}"
-                sources = self._ipc_copies = DeviceSources(what, self.device_seam)
-            value = _ipc.resolve(value, device, sources, hold, lambda t: t.to(device))
 
         def to_device(t: Any) -> Any:
             nbytes = t.numel() * t.element_size()
