@@ -69,6 +69,8 @@ def test_registered_copies_of_host_entries_reach_two_consumers_exactly(children,
             _, (got,), in_flight = c.ask("wait")
             assert in_flight == 0
             assert_same(got, value)
+            # Through the registered mapping, not the host path (the same bytes).
+            assert c.ask("registered")[1] > 0
         producer.wait_loaded("img-1", STEP)
         for c in consumers:
             c.stop()

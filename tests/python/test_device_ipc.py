@@ -115,3 +115,39 @@ def store_plain_getter(out, handle_blob, ref, cmds):
     out.put(("got", to_host(store.get(*ref))))
     assert cmds.get(timeout=STEP) == "stop"
     store.close()
+
+
+def test_a_handle_sent_to_two_readers_leaves_nothing_once_both_are_done(children):
+    """Two readers open and copy the same sent tensors; once the writer let them go (its
+    window passed, the queue closed), nothing of them is left: on the twin, no exported
+    file; on CUDA, the writer's allocated device memory is back where it was (torch
+    counts one release per export: a handle sent to several readers must not leave the
+    block in torch's limbo)."""
+    import gc
+
+    cuda = SEAM == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    mq = MessageQueue(2, 2, max_chunk_bytes=1 * MIB, max_chunks=2, ipc=True, device_seam=SEAM)
+    outs, cmds = [children.queue() for _ in range(2)], children.queue()
+    for rank, out in enumerate(outs):
+        children.start(queue_plain_reader, out, mq.export_handle(), rank, 6, None, cmds)
+    mq.wait_until_ready(timeout=STEP)
+    sent = values(6)
+    for v in sent:
+        mq.enqueue(v, timeout=STEP)
+    for out in outs:
+        _, got, _ = children.expect(out, "got")
+        assert_same(got, [{"t": v["t"].cpu(), "k": v["k"]} for v in sent])
+    for _ in outs:
+        cmds.put("stop")
+    children.close()  # the readers are gone, and with them their opened handles
+    del mq, sent, v
+    gc.collect()
+    if cuda:
+        torch.cuda.ipc_collect()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+    else:
+        assert exported_files(os.getpid()) == []

@@ -82,6 +82,9 @@ def test_two_readers_receive_exact_data_in_device_memory(children):
         assert_same(got, value)
         assert_same(got_array, array)  # a typed array comes back a tensor on the device
         assert plain == {"k": 1}
+        # Through the registered mapping, not the host path (which gives the same bytes).
+        ((_, registered),) = r.ask("blocks")[1]
+        assert registered, "no block of the arena was registered"
     for r in readers:
         r.stop()
     assert mq.arena_stats()["outstanding"] == 0

@@ -215,6 +215,9 @@ def cache_device_consumer(out: Any, name: str, cmds: Any) -> None:
             out.put(("broken",))
         elif cmd[0] == "opened":
             out.put(("opened", consumer.opened_handles()))
+        elif cmd[0] == "registered":  # blocks registered, over every producer's mapping
+            readers = consumer._device._readers.values() if consumer._device is not None else []
+            out.put(("registered", sum(len(r.registrations) for r in readers)))
         elif cmd[0] == "logs":
             out.put(("logs", [r for r in records.records if r[0].startswith("shmq")]))
         elif cmd[0] == "stop":
