@@ -429,7 +429,7 @@ class EncoderCacheConsumer:
         Values come back as saved; their tensors are views of shared memory (no copy),
         writable, and private to this process (copy-on-write), unless ``device`` (default:
         the consumer's) is given: then they are copied onto it, from this process's
-        *shared* mapping of the producer's segment (registered with the device once per
+        *shared* mapping of the producer's segment (registered with the device block by block, per
         producer), and the entry is held until each copy's event says it ended (checked
         at each ``device=`` load, by ``release_device_copies()``,
         ``wait_device_copies()`` and ``close()``). A tensor published by IPC handle

@@ -878,7 +878,7 @@ class MessageQueue:
         ``device`` (e.g. ``"cuda:0"``): the object's torch tensors come back in that
         device's memory (a typed array, as a torch tensor). Those in the tensor arena are
         copied from this reader's *shared* mapping of the arena, registered with the
-        device once (on the first such call), while the reader holds their lease; the
+        device block by block (as copies first read them), while the reader holds their lease; the
         lease is given back only once the copy's event says it ended (checked at each
         ``device=`` call, by ``release_device_copies()``, ``wait_device_copies()`` and
         ``close_device()``), never because a next message came, so the writer cannot

@@ -641,7 +641,7 @@ class ObjectStorage:
 
         ``device`` (e.g. ``"cuda:0"``): the object's tensors come back in that device's
         memory, copied from this process's *shared* mapping of the store (registered
-        with the device once, on the first such call) while the object is held; the
+        with the device block by block, as copies first read them) while the object is held; the
         object is given back only once each copy's event says it ended (checked at each
         ``device=`` call, by ``release_device_copies()`` and at ``close()``, which waits).
         A mapping the device refuses to register (logged once), or a serde the store does

@@ -22,7 +22,7 @@ without one.
 
 ``SHMQ_DEVICE_PATH=1`` switches on the device path instead (not yet run on a GPU, so off
 by default): a worker's read puts each item's tensors on its current device itself,
-copied from the worker's *shared* mapping of the store, registered with the device once
+copied from the worker's *shared* mapping of the store, registered with the device block by block
 (``ObjectStorage.get(..., device=)``), the item held until the copies ended; fields vLLM
 keeps on the CPU (``keep_on_cpu``) stay host views. vLLM's batching finds the data on
 the device already and moves nothing. On a machine without a GPU, ``SHMQ_DEVICE=twin``

@@ -21,7 +21,9 @@ pub(crate) type Owner = Arc<dyn Send + Sync>;
 pub(crate) type SharedSource =
     Box<dyn Fn() -> shmq::Result<(Arc<SharedView>, usize)> + Send + Sync>;
 
-/// A writable window into shared memory; use `memoryview(view)`.
+/// A window into mapped memory; use `memoryview(view)`. Writable (a private view, a
+/// frame, a chunk being written), except a whole shared mapping's (`shared_source()`),
+/// which is exported read-only.
 #[pyclass(module = "shmq._core", frozen)]
 pub struct ShmView {
     ptr: usize,
@@ -72,7 +74,9 @@ impl ShmView {
         self
     }
 
-    /// A read-only view of a whole shared mapping, which it keeps mapped.
+    /// A read-only view of a whole shared mapping. The pointer stays valid while the view
+    /// lives: the view holds the mapping's `Arc` (`_owner`), which unmaps only when the last
+    /// holder drops it; exports are read-only (`readonly`), as the mapping is `PROT_READ`.
     fn of_shared(mapping: Arc<SharedView>) -> ShmView {
         let (ptr, len) = (mapping.as_ptr() as *mut u8, mapping.len());
         ShmView {

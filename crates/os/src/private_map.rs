@@ -733,8 +733,10 @@ impl Drop for SharedView {
     fn drop(&mut self) {
         self.sigbus.release();
         // SAFETY: our own mapping from `PrivateFile::shared`, unmapped once; every holder
-        // of it held the Arc, so none is left (a device registration of it holds a
-        // buffer export, hence the Arc, until it is unregistered).
+        // of it held the Arc, so none is left. A device registration of it is kept from
+        // outliving it by its user: the Python bindings hand it out only as a buffer
+        // export (a `ShmView` holding the Arc), which `shmq._device_reader.DeviceReader`
+        // keeps until every block is unregistered (and for good where one could not be).
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
     }
 }
