@@ -16,7 +16,7 @@ The engines' names are kept as aliases, so shmq replaces them without code chang
 
 from ._core import __version__
 from .encoder_cache import (
-    EncoderCacheConnector,
+    EncoderCacheConnector,  # deprecated, with EncoderCacheMetadata: shmq.vllm_ec_connector.ShmqECConnector
     EncoderCacheConsumer,
     EncoderCacheIndex,
     EncoderCacheMetadata,

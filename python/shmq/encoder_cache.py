@@ -4,8 +4,9 @@ An encoder process saves each image's embeddings under a content hash with
 :class:`EncoderCacheProducer`; language-model workers load them by key as zero-copy
 views with :class:`EncoderCacheConsumer`; a scheduler asks which keys are ready with
 :class:`EncoderCacheIndex` (``has(key)`` only, from any process).
-:class:`EncoderCacheConnector` adapts them to the roles of vLLM's encoder-cache
-connectors. Values are anything picklable; tensors and arrays travel as raw buffers.
+:mod:`shmq.vllm_ec_connector` is vLLM's encoder-cache connector over them (the
+deprecated :class:`EncoderCacheConnector` is the same connector without vLLM's config).
+Values are anything picklable; tensors and arrays travel as raw buffers.
 All processes are on one machine::
 
     producer = EncoderCacheProducer("epd", capacity=256 << 20)   # encoder process
@@ -32,10 +33,12 @@ import pickle
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import _core, _ipc, _oob
+from ._ec_connector import _Connector
 from ._device_reader import DeviceSources
 from ._cleanup import created_segments
 
@@ -536,8 +539,9 @@ class EncoderCacheIndex:
 
 @dataclass
 class EncoderCacheMetadata:
-    """What the scheduler side tells the workers for one step: the keys (``mm_hash``)
-    to load, with their number of encoder tokens when known. Picklable."""
+    """Deprecated with :class:`EncoderCacheConnector`, whose step's metadata it is: the
+    keys (``mm_hash``) to load, with their number of encoder tokens when known.
+    Picklable."""
 
     mm_hashes: list[str] = field(default_factory=list)
     num_tokens: dict[str, int] = field(default_factory=dict)
@@ -549,20 +553,19 @@ class EncoderCacheMetadata:
             self.num_tokens[mm_hash] = num_tokens
 
 
-class EncoderCacheConnector:
-    """vLLM's encoder-cache connector roles over shmq's classes, for code ported from an
-    engine (without its config plumbing). ``role`` is one of:
+class EncoderCacheConnector(_Connector):
+    """Deprecated (warns when made): :class:`shmq.vllm_ec_connector.ShmqECConnector` is
+    shmq's encoder-cache connector; outside vLLM, use the cache's classes
+    (:class:`shmq.encoder_cache.EncoderCacheProducer`, ``EncoderCacheConsumer``,
+    ``EncoderCacheIndex``). This is that connector, each call the same, with its side
+    named by ``role`` instead of vLLM's config and :class:`EncoderCacheMetadata` for the
+    step's metadata:
 
-    - ``"scheduler"``: ``has_cache_item``, ``update_state_after_alloc``,
-      ``build_connector_meta`` (over an :class:`EncoderCacheIndex` of ``producers``);
-    - ``"producer"`` (an encoder worker): ``save_caches``, ``wait_for_save``,
-      ``get_finished`` (over an :class:`EncoderCacheProducer` named ``name``, made with
-      ``producer_options``);
-    - ``"consumer"`` (a language-model worker): ``bind_connector_metadata``,
-      ``start_load_caches``, ``get_finished``, ``take_unavailable`` (over an
-      :class:`EncoderCacheConsumer` of ``producers``).
-
-    Methods of another role raise ``RuntimeError``; ``has_cache_item`` works in all.
+    - ``"scheduler"``: the scheduler side of a consumer of ``producers``;
+    - ``"producer"``: an encoder worker, saving into a producer named ``name`` (default:
+      a fresh one) made with ``producer_options``;
+    - ``"consumer"``: a language-model worker loading from ``producers`` (tensors onto
+      ``device``).
     """
 
     ROLES = ("scheduler", "producer", "consumer")
@@ -576,132 +579,26 @@ class EncoderCacheConnector:
         device: Any = None,
         **producer_options: Any,
     ):
+        warnings.warn(
+            "shmq.EncoderCacheConnector is deprecated: use shmq.vllm_ec_connector.ShmqECConnector (the same "
+            "connector, as vLLM loads it), or EncoderCacheProducer, EncoderCacheConsumer and EncoderCacheIndex",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if role not in self.ROLES:
             raise ValueError(f"role must be one of {self.ROLES}, got {role!r}")
-        self.role = role
-        self.producer: Optional[EncoderCacheProducer] = None
-        self.consumer: Optional[EncoderCacheConsumer] = None
-        self.index: Optional[EncoderCacheIndex] = None
         if role != "producer" and not _names(producers):
             raise ValueError(f"the {role} role needs the producers' names")
-        if role == "producer":
-            self.producer = EncoderCacheProducer(name, **producer_options)
-        elif role == "consumer":
-            self.consumer = EncoderCacheConsumer(producers, device=device)
-        else:
-            self.index = EncoderCacheIndex(producers)
-        self._to_load = EncoderCacheMetadata()
-        self._metadata: Optional[EncoderCacheMetadata] = None
-        self._sent: dict[str, set[str]] = {}  # request id -> keys saved for it
-        self._finished: set[str] = set()  # requests the engine reported finished
-        self._unavailable: set[str] = set()
+        self.role = role
+        producer = EncoderCacheProducer(name, **producer_options) if role == "producer" else None
+        super().__init__(
+            producer.name if producer is not None else ", ".join(_names(producers)),
+            is_producer=role == "producer",
+            is_consumer=role != "producer",
+            index=EncoderCacheIndex(producers) if role == "scheduler" else None,
+            producer=producer,
+            consumer=EncoderCacheConsumer(producers, device=device) if role == "consumer" else None,
+        )
 
-    @property
-    def is_producer(self) -> bool:
-        return self.role == "producer"
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.role == "consumer"
-
-    def _need(self, role: str) -> None:
-        if self.role != role:
-            raise RuntimeError(f"this is the {self.role} side of the connector; that call is for the {role} side")
-
-    # -- scheduler side ----------------------------------------------------------
-
-    def has_cache_item(self, identifier: str) -> bool:
-        """Whether the encoder output for ``identifier`` (an ``mm_hash``) is held."""
-        side = self.index or self.consumer or self.producer
-        assert side is not None
-        return side.has(identifier)
-
-    def update_state_after_alloc(self, request: Any, index: Optional[int] = None) -> None:
-        """Note that this step needs the encoder output of ``request``'s ``index``-th
-        multimodal item (``request.mm_features[index].identifier``), or of the key
-        ``request`` itself when it is a string; it is loaded if it is held."""
-        self._need("scheduler")
-        if isinstance(request, str):
-            key, num_tokens = request, None
-        else:
-            assert index is not None, "index is needed with a request object"
-            key = request.mm_features[index].identifier
-            get = getattr(request, "get_num_encoder_embeds", None) or getattr(request, "get_num_encoder_tokens", None)
-            num_tokens = get(index) if get is not None else None
-        if self.has_cache_item(key):
-            self._to_load.add(key, num_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any = None) -> EncoderCacheMetadata:
-        """The keys to load this step (what ``update_state_after_alloc`` collected);
-        starts a new step."""
-        self._need("scheduler")
-        meta, self._to_load = self._to_load, EncoderCacheMetadata()
-        return meta
-
-    # -- worker side ------------------------------------------------------------
-
-    def bind_connector_metadata(self, metadata: EncoderCacheMetadata) -> None:
-        self._metadata = metadata
-
-    def clear_connector_metadata(self) -> None:
-        self._metadata = None
-
-    def start_load_caches(self, encoder_cache: dict, **kwargs: Any) -> None:
-        """Load the step's keys into ``encoder_cache`` (views of shared memory, or on the
-        consumer's device). Keys already in ``encoder_cache`` are only acknowledged;
-        keys no producer holds are noted (:meth:`take_unavailable`)."""
-        self._need("consumer")
-        assert self.consumer is not None
-        if self._metadata is None:
-            log.warning("shmq: start_load_caches without connector metadata")
-            return
-        have = [k for k in self._metadata.mm_hashes if k in encoder_cache]
-        need = [k for k in self._metadata.mm_hashes if k not in encoder_cache]
-        self.consumer.load(have)
-        missing = self.consumer.load(need, encoder_cache)
-        if missing:
-            log.warning("shmq: encoder cache keys not available: %s", missing)
-            self._unavailable.update(missing)
-
-    def take_unavailable(self) -> set[str]:
-        """Keys a load found missing since the last call."""
-        out, self._unavailable = self._unavailable, set()
-        return out
-
-    def save_caches(self, encoder_cache: dict, mm_hash: str, **kwargs: Any) -> None:
-        """Save ``encoder_cache[mm_hash]``. With ``request_id=`` (or ``req_id=``) the
-        key is tracked for :meth:`get_finished`."""
-        self._need("producer")
-        assert self.producer is not None
-        self.producer.save(mm_hash, encoder_cache[mm_hash])
-        req = kwargs.get("request_id", kwargs.get("req_id"))
-        if req is not None:
-            self._sent.setdefault(req, set()).add(mm_hash)
-
-    def wait_for_save(self, timeout: Optional[float] = None) -> None:
-        """Wait until every save so far is published."""
-        self._need("producer")
-        assert self.producer is not None
-        self.producer.flush(timeout)
-
-    def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """``(finished sending, finished receiving)``. On the producer: of the requests
-        reported finished in this call or an earlier one, those whose keys (given to
-        ``save_caches``) every consumer has loaded, or that are gone. Loads complete
-        inside ``start_load_caches``, so the receiving side is always ``None``."""
-        if self.role != "producer":
-            return None, None
-        assert self.producer is not None
-        self._finished.update(r for r in finished_req_ids if r in self._sent)
-        done = set()
-        for req in list(self._finished):
-            if all(self.producer._core.load_state(k) != "pending" for k in self._sent[req]):
-                done.add(req)
-                del self._sent[req]
-                self._finished.discard(req)
-        return (done or None), None
-
-    def shutdown(self) -> None:
-        for side in (self.producer, self.consumer, self.index):
-            if side is not None:
-                side.close()
+    def _metadata(self, to_load: dict[str, Optional[int]]) -> EncoderCacheMetadata:
+        return EncoderCacheMetadata(list(to_load), {k: n for k, n in to_load.items() if n is not None})

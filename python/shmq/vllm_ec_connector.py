@@ -44,8 +44,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -55,11 +53,11 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
+from ._ec_connector import _Connector
 from .encoder_cache import EncoderCacheConsumer, EncoderCacheIndex, EncoderCacheProducer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 __all__ = ["ShmqECConnector", "ShmqECConnectorMetadata", "default_cache_name"]
@@ -73,9 +71,9 @@ NAME = "ShmqECConnector"
 @dataclass
 class ShmqECConnectorMetadata(ECConnectorMetadata):
     """One step's keys (``mm_hash``) for the consumer workers to load, with their number
-    of encoder tokens."""
+    of encoder tokens (``None`` for a key given without its request)."""
 
-    mm_hashes: dict[str, int] = field(default_factory=dict)
+    mm_hashes: dict[str, Optional[int]] = field(default_factory=dict)
 
 
 def _tp_rank() -> int:
@@ -97,71 +95,76 @@ def default_cache_name(vllm_config: "VllmConfig") -> str:
     return f"vllm-u{os.geteuid()}-{digest}"
 
 
-class ShmqECConnector(ECConnectorBase):
-    """vLLM's ``ECConnectorBase`` over shmq's encoder cache (see the module docs)."""
+class ShmqECConnector(_Connector, ECConnectorBase):
+    """vLLM's ``ECConnectorBase`` over shmq's encoder cache, configured as the module
+    docs say. The scheduler side of a consumer (``ec_consumer``, ``ec_both``) finds items
+    in the cache's key index (that of an ``ec_producer`` finds nothing: an encode-only
+    instance always encodes); a producer's TP rank 0 saves (every rank computes the same
+    embeddings); every rank of a consumer loads. A call for a side this connector is not
+    does nothing; nothing is held for a request (:meth:`get_finished` reports none); a
+    failed save is logged, never the engine's failure (the consumer encodes the item).
+    """
+
+    # The calls vLLM makes, written once without vLLM (shmq._ec_connector, also the
+    # deprecated EncoderCacheConnector's): named here so that the API reference documents
+    # them on this class.
+    has_cache_item = _Connector.has_cache_item
+    update_state_after_alloc = _Connector.update_state_after_alloc
+    build_connector_meta = _Connector.build_connector_meta
+    start_load_caches = _Connector.start_load_caches
+    take_unavailable = _Connector.take_unavailable
+    save_caches = _Connector.save_caches
+    get_finished = _Connector.get_finished
+    wait_for_save = _Connector.wait_for_save
+    shutdown = _Connector.shutdown
+    stats = _Connector.stats
+
+    _log = log  # the calls' lines under a "vllm." logger: into vLLM's own log
 
     def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole):
-        super().__init__(vllm_config=vllm_config, role=role)
+        ECConnectorBase.__init__(self, vllm_config=vllm_config, role=role)
         config = vllm_config.ec_transfer_config
         assert config is not None  # the base class refused it otherwise
         extra = config.ec_connector_extra_config or {}
-        name = extra.get("name")
-        self.cache_name = str(name) if name is not None else default_cache_name(vllm_config)
-        self._save_timeout = float(extra.get("save_timeout_s", 1.0))
-        self._unread_ttl = float(extra.get("unread_ttl_s", 30.0))
-        self._to_load: dict[str, int] = {}
-        self.index: Optional[EncoderCacheIndex] = None
-        self.producer: Optional[EncoderCacheProducer] = None
-        self.consumer: Optional[EncoderCacheConsumer] = None
-        self._saved: OrderedDict[str, float] = OrderedDict()  # key -> when saved (producer)
-        self._loaded = 0
-        self._saves = 0
+        name = str(extra["name"]) if extra.get("name") is not None else default_cache_name(vllm_config)
+        scheduler = role == ECConnectorRole.SCHEDULER
+        rank = 0 if scheduler else _tp_rank()
+        producer = None
+        if not scheduler and self.is_producer and rank == 0:
+            producer = EncoderCacheProducer(
+                name,
+                capacity=int(float(extra.get("capacity_mb", 1024)) * (1 << 20)),
+                max_entries=int(extra.get("max_entries", 4096)),
+                timeout=float(extra.get("save_timeout_s", 1.0)),
+            )
+        _Connector.__init__(
+            self,
+            name,
+            is_producer=self.is_producer,
+            is_consumer=self.is_consumer,
+            index=EncoderCacheIndex(name) if scheduler and self.is_consumer else None,
+            producer=producer,
+            consumer=EncoderCacheConsumer(name) if not scheduler and self.is_consumer else None,
+            rank=rank,
+            unread_ttl=float(extra.get("unread_ttl_s", 30.0)),
+        )
         self._metadata_resolver: Any = None
-        if role == ECConnectorRole.SCHEDULER:
-            if self.is_consumer:
-                self.index = EncoderCacheIndex(self.cache_name)
-            if self.is_producer:
-                try:
-                    from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+        if scheduler and self.is_producer:
+            try:
+                from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
-                    self._metadata_resolver = PlaceholderMetadataResolver(vllm_config.model_config)
-                except ImportError:  # a vLLM without it: no item metadata in ec_transfer_params
-                    self._metadata_resolver = None
-        else:
-            if self.is_producer and _tp_rank() == 0:
-                self.producer = EncoderCacheProducer(
-                    self.cache_name,
-                    capacity=int(float(extra.get("capacity_mb", 1024)) * (1 << 20)),
-                    max_entries=int(extra.get("max_entries", 4096)),
-                    timeout=self._save_timeout,
-                )
-            if self.is_consumer:
-                self.consumer = EncoderCacheConsumer(self.cache_name)
+                self._metadata_resolver = PlaceholderMetadataResolver(vllm_config.model_config)
+            except ImportError:  # a vLLM without it: no item metadata in ec_transfer_params
+                self._metadata_resolver = None
         log.info(
             "shmq encoder-cache connector: %s side, %s, cache %r",
-            "scheduler" if role == ECConnectorRole.SCHEDULER else f"worker (TP rank {_tp_rank()})",
+            "scheduler" if scheduler else f"worker (TP rank {rank})",
             config.ec_role,
             self.cache_name,
         )
 
-    # -- scheduler side --------------------------------------------------------------
-
-    def has_cache_item(self, identifier: str) -> bool:
-        """Whether the encoder output of ``identifier`` (an ``mm_hash``) is in the cache.
-        An encode-only producer always encodes (it has no consumer side to load with)."""
-        return self.index is not None and self.index.has(identifier)
-
-    def update_state_after_alloc(self, request: "Request", index: int) -> None:
-        if self.index is None:
-            return
-        mm_hash = request.mm_features[index].identifier
-        if self.index.has(mm_hash):
-            self._to_load[mm_hash] = request.get_num_encoder_embeds(index)
-
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ShmqECConnectorMetadata:
-        meta = ShmqECConnectorMetadata(mm_hashes=self._to_load)
-        self._to_load = {}
-        return meta
+    def _metadata(self, to_load: dict[str, Optional[int]]) -> ShmqECConnectorMetadata:
+        return ShmqECConnectorMetadata(mm_hashes=to_load)
 
     def request_finished(self, request: "Request") -> tuple[bool, Optional[dict[str, Any]]]:
         """Nothing is held for the request (the cache holds the items); a producer
@@ -173,109 +176,3 @@ class ShmqECConnector(ECConnectorBase):
 
         items = collect_ec_item_metadata(request.mm_features, self._metadata_resolver)
         return False, (items or None)
-
-    # -- worker side -----------------------------------------------------------------
-
-    def start_load_caches(self, encoder_cache: dict[str, Any], **kwargs: Any) -> None:
-        """Load this step's items into ``encoder_cache`` (zero-copy views of the cache);
-        items this worker has already are only acknowledged."""
-        if self.consumer is None:
-            return
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, ShmqECConnectorMetadata)
-        keys = list(metadata.mm_hashes)
-        if not keys:
-            return
-        self.consumer.load([k for k in keys if k in encoder_cache])
-        missing = self.consumer.load([k for k in keys if k not in encoder_cache], encoder_cache)
-        if not self._loaded and len(missing) < len(keys):
-            rank = _tp_rank()
-            log.info("shmq encoder-cache connector: first item loaded from %r (TP rank %d)", self.cache_name, rank)
-        self._loaded += len(keys) - len(missing)
-        if missing:
-            # Evicted between the scheduler's lookup and this load (only an item left
-            # unread past unread_ttl_s can be): vLLM fails the request when it looks.
-            log.error(
-                "shmq encoder-cache connector: items gone from cache %r before loading: %s", self.cache_name, missing
-            )
-
-    def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
-        """Save ``encoder_cache[mm_hash]`` (TP rank 0 only). Returns once room is
-        reserved (the copy runs in the background); a full cache evicts unread items
-        older than ``unread_ttl_s`` and waits ``save_timeout_s`` at most, then leaves
-        the item uncached."""
-        if self.producer is None:
-            return
-        try:
-            self._save_or_evict(mm_hash, encoder_cache[mm_hash])
-        except Exception as e:  # the item is not cached (the consumer encodes it): never the engine's failure
-            log.error("shmq encoder-cache connector: %s not cached in %r: %s", mm_hash, self.cache_name, e)
-
-    def _save_or_evict(self, mm_hash: str, value: Any) -> None:
-        try:
-            saved = self._save(mm_hash, value)
-        except MemoryError:
-            if not self._evict_unread():
-                log.warning("shmq encoder-cache connector: cache %r full, %s not cached", self.cache_name, mm_hash)
-                return
-            try:
-                saved = self._save(mm_hash, value)
-            except MemoryError as e:
-                log.warning("shmq encoder-cache connector: %s not cached: %s", mm_hash, e)
-                return
-        if saved:
-            if not self._saves:
-                log.info("shmq encoder-cache connector: first item saved to cache %r", self.cache_name)
-            self._saves += 1
-            self._saved[mm_hash] = time.monotonic()
-
-    def _save(self, key: str, value: Any) -> bool:
-        assert self.producer is not None
-        return self.producer.save(key, value)
-
-    def _evict_unread(self) -> bool:
-        """Evict the items saved more than ``unread_ttl_s`` ago (those that are still
-        there: the cache has already let go of the items every consumer loaded, when it
-        needed room); whether any went."""
-        assert self.producer is not None
-        now = time.monotonic()
-        held = set(self.producer.keys())
-        evicted = False
-        for key, when in list(self._saved.items()):
-            if key not in held:
-                del self._saved[key]
-            elif now - when > self._unread_ttl:
-                evicted |= self.producer.evict(key)
-                del self._saved[key]
-        if evicted:
-            log.warning("shmq encoder-cache connector: evicted items of cache %r no consumer loaded", self.cache_name)
-        return evicted
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """At the end of each step: a producer waits until this step's saves are
-        published (their copies run in the background meanwhile), so that an item is in
-        the cache before the encoder instance answers its request. Nothing is held for a
-        request: ``(None, None)``."""
-        if self.producer is not None:
-            try:
-                self.producer.flush(timeout=30.0)
-            except TimeoutError as e:
-                log.warning("shmq encoder-cache connector: saves not published yet: %s", e)
-            except Exception as e:  # a failed copy: that item is not cached, the engine goes on
-                log.error("shmq encoder-cache connector: a save to cache %r failed: %s", self.cache_name, e)
-        return None, None
-
-    def wait_for_save(self) -> None:
-        """Wait until every save so far is published."""
-        if self.producer is not None:
-            self.producer.flush()
-
-    def shutdown(self) -> None:
-        for side in (self.producer, self.consumer, self.index):
-            if side is not None:
-                side.close()
-        self.producer = self.consumer = self.index = None
-
-    def stats(self) -> dict[str, int]:
-        """This side's counts: items saved (producer) and loaded (consumer)."""
-        return {"saved": self._saves, "loaded": self._loaded}

@@ -398,13 +398,18 @@ def test_keys_and_arguments_are_checked(cache_name):
 
 
 def test_connector_roles(children, cache_name):
-    producer = EncoderCacheConnector("producer", name=cache_name, capacity=16 * MiB)
-    scheduler = EncoderCacheConnector("scheduler", producers=[cache_name])
+    # The deprecated EncoderCacheConnector: ShmqECConnector's behaviour (one connector,
+    # shmq._ec_connector._Connector) with a role string instead of vLLM's config.
+    with pytest.warns(DeprecationWarning, match=r"shmq\.vllm_ec_connector\.ShmqECConnector"):
+        producer = EncoderCacheConnector("producer", name=cache_name, capacity=16 * MiB)
+    with pytest.warns(DeprecationWarning):
+        scheduler = EncoderCacheConnector("scheduler", producers=[cache_name])
     worker = Scripted(children, "connector", [cache_name])
     cache = {"h1": torch.randn(1000), "h2": torch.randn(2000)}
-    producer.save_caches(cache, "h1", request_id="r1")
-    producer.save_caches(cache, "h2", request_id="r2")
+    producer.save_caches(cache, "h1")
+    producer.save_caches(cache, "h2")
     producer.wait_for_save(STEP)
+    assert producer.stats() == {"saved": 2, "loaded": 0}
     assert scheduler.has_cache_item("h1") and not scheduler.has_cache_item("h3")
 
     class Feature:
@@ -426,16 +431,48 @@ def test_connector_roles(children, cache_name):
     loaded, unavailable = worker("start_load", meta, expect="started")
     assert loaded == {"h1": digest(cache["h1"]), "h2": digest(cache["h2"])}
     assert unavailable == []
-    assert producer.get_finished({"r1", "r2"}) == ({"r1", "r2"}, None)
-    assert producer.get_finished(set()) == (None, None)
+    # As vLLM's contract has it: nothing is held for a request (request_finished says
+    # False), so no request is reported finished sending; a producer's get_finished
+    # waits for its saves.
+    assert producer.get_finished({"r1", "r2"}) == (None, None)
     missing = EncoderCacheMetadata(["h9"])
     assert worker("start_load", missing, expect="started") == [{}, ["h9"]]
-    with pytest.raises(RuntimeError, match="scheduler side"):
-        producer.build_connector_meta(None)
+    # A call for a side the connector is not does nothing, as vLLM makes such calls: a
+    # producer's worker finds nothing (an encode-only instance always encodes) and has
+    # no step to build; a scheduler saves and loads nothing.
+    assert not producer.has_cache_item("h1")
+    producer.update_state_after_alloc("h1")
+    assert producer.build_connector_meta(None) == EncoderCacheMetadata()
+    scheduler.save_caches(cache, "h3")
+    scheduler.bind_connector_metadata(meta)
+    scheduler.start_load_caches({})
+    assert scheduler.get_finished(set()) == (None, None) and scheduler.stats() == {"saved": 0, "loaded": 0}
     worker.exit()
     children.join()
     scheduler.shutdown()
     producer.shutdown()
+    producer.shutdown()  # once more: nothing left to close
+
+
+def test_the_deprecated_connector_warns_once_and_imports_no_vllm(cache_name):
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, warnings
+import shmq
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    connector = shmq.EncoderCacheConnector("producer", name={cache_name!r}, capacity=1 << 20)
+    connector.save_caches({{"k": b"x"}}, "k")
+    connector.wait_for_save(10)
+    connector.shutdown()
+messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+assert len(messages) == 1 and "shmq.vllm_ec_connector.ShmqECConnector" in messages[0], messages
+assert caught[0].filename == "<string>", caught[0].filename  # the caller's line
+assert "vllm" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -288,7 +288,8 @@ def test_encoder_cache() -> None:
         not_there: list[str] = index.missing(["image-1", "image-3"])
         assert not_there == ["image-3"]
         index.close()
-        scheduler: EncoderCacheConnector = EncoderCacheConnector("scheduler", producers=name)
+        with pytest.warns(DeprecationWarning):  # ShmqECConnector is the one
+            scheduler: EncoderCacheConnector = EncoderCacheConnector("scheduler", producers=name)
         cached: bool = scheduler.has_cache_item("image-1")
         meta: EncoderCacheMetadata = scheduler.build_connector_meta()
         assert cached and meta.mm_hashes == []

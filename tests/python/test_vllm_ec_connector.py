@@ -127,3 +127,18 @@ def test_the_default_cache_name_is_the_users_and_the_models_not_a_shared_vllm():
     assert name == default_cache_name(config("/models/llava-1.5-7b"))
     assert name != default_cache_name(config("/models/qwen2.5-vl-7b"))
     assert name.startswith(f"vllm-u{os.geteuid()}-") and len(name.split("-")[-1]) == 12
+
+
+def test_one_connector_the_deprecated_encoder_cache_connector_runs_the_same_code():
+    """Issue 58: two connectors behaved differently. ``ShmqECConnector`` is the one; its
+    vLLM-free half (``shmq._ec_connector._Connector``) is also the deprecated
+    ``EncoderCacheConnector``, so every call vLLM makes runs the same code in both."""
+    from shmq._ec_connector import _Connector
+    from shmq.encoder_cache import EncoderCacheConnector
+    from shmq.vllm_ec_connector import ShmqECConnector
+
+    assert issubclass(ShmqECConnector, _Connector) and issubclass(EncoderCacheConnector, _Connector)
+    for method in ("has_cache_item", "update_state_after_alloc", "build_connector_meta", "bind_connector_metadata",
+                   "clear_connector_metadata", "start_load_caches", "save_caches", "get_finished", "wait_for_save",
+                   "shutdown"):
+        assert getattr(ShmqECConnector, method) is getattr(EncoderCacheConnector, method), method
