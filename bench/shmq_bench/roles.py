@@ -5,13 +5,14 @@ returns a value the scenario turns into metrics."""
 from __future__ import annotations
 
 import faulthandler
+import functools
 import mmap
 import os
 import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .common import OBJECTS, SMALL_OBJECT, SYNC_TIMEOUT, Arrays, now_ns
 from .transports import Transport
@@ -276,9 +277,31 @@ def _role_tensor_writer(
         del t
     send(None)
     _sync(barrier)
+    if fresh:
+        _floor_phase(barrier)  # the readers measure the copy floor; the writer waits
     fallbacks = out.loan_fallbacks()
     out.close()
     return {"t0": t0, "send_ns": costs, "loan_fallbacks": fallbacks}
+
+
+#: Copies each reader times for the floor of a fresh tensor row.
+FLOOR_COPIES = 5
+
+
+def _floor_phase(barrier: Any, measure: Optional[Callable[[], None]] = None) -> list[int]:
+    """The floor of a fresh row, after its measured messages, in the same processes: every
+    reader at once (as in the row) times ``FLOOR_COPIES`` of ``measure`` (a copy of the
+    row's bytes into its own buffer: what a reader of the row must do at the least),
+    between two barriers that the writer joins without copying."""
+    _sync(barrier)
+    times = []
+    if measure is not None:
+        for _ in range(FLOOR_COPIES):
+            t = now_ns()
+            measure()
+            times.append(now_ns() - t)
+    _sync(barrier)
+    return times
 
 
 def _role_tensor_reader(
@@ -292,12 +315,13 @@ def _role_tensor_reader(
     rank: int,
     fresh: bool,
     lib: str = "torch",
-) -> int:
+) -> dict[str, Any]:
     """Receive what :func:`_role_tensor_writer` sends: ``warmup`` messages, a barrier,
     then ``n`` more. ``fresh``: what a consumer does, copy every byte of each into its
     own buffer (made, and its pages touched, before the clock) and check the message's
     number at both ends; hand-over only: read each one's last element. Returns when the
-    last measured message was taken (``now_ns``)."""
+    last measured message was taken (``t_end``, ``now_ns``) and, for a fresh row, the
+    times of its copies of the row's bytes from its own memory (``floor_ns``)."""
     arrays = Arrays(lib)  # its library imported (and torch's threads at 1) before the clock
     inbox = transport.open_reader(channels[0], rank)
     own = arrays.full(nbytes // 4, -1.0) if fresh else None
@@ -323,8 +347,15 @@ def _role_tensor_reader(
     if recv() is not None:
         raise RuntimeError(f"reader {rank} expected the end mark")
     _sync(barrier)
+    floor_ns: list[int] = []
+    if own is not None:
+        # The floor: the same bytes copied by this process from memory of its own (made
+        # and touched first) into the same buffer, every reader at once.
+        source = arrays.full(nbytes // 4, 1.0)
+        floor_ns = _floor_phase(barrier, functools.partial(copy, own, source))
+        del source
     inbox.close()
-    return t_end
+    return {"t_end": t_end, "floor_ns": floor_ns}
 
 
 class _Mapping:

@@ -255,11 +255,16 @@ def _bench_tensor(
     jobs = [Job(_role_tensor_writer, channels, {**kwargs, "loan": loan})]
     jobs += [Job(_role_tensor_reader, channels, {**kwargs, "rank": r}) for r in range(n_readers)]
     writer, *ends = harness.run(transport, jobs, timeout=max(harness.timeout, TENSOR_TIMEOUT))
-    seconds = (max(ends) - writer["t0"]) / 1e9
+    seconds = (max(end["t_end"] for end in ends) - writer["t0"]) / 1e9
     send_us = sorted(ns / 1000 for ns in writer["send_ns"])
     out = {"rate": n * nbytes / seconds / 1e9, "send_p50": percentile(send_us, 50)}
     if fresh:
         out["fallbacks"] = float(writer["loan_fallbacks"])
+        # The floor: each reader's median copy of the row's bytes from its own memory, all
+        # readers at once, in the same processes right after the row; the slowest reader's.
+        floor = min(nbytes / statistics.median(end["floor_ns"]) for end in ends)  # bytes/ns = GB/s
+        out["floor"] = floor
+        out["of_floor"] = out["rate"] / floor
     return out
 
 
@@ -321,6 +326,11 @@ def _tensor_scenarios(*kinds: str) -> list[Scenario]:
             what, short, title = _TENSOR_KINDS[kind]
             for r in (1, 3):
                 metrics = [Metric("rate", f"{size} {what}, {_readers(r)}, per reader", "GB/s", True)]
+                if kind != "tensor":
+                    floor_row = f"{size} {short}, {_readers(r)}: copy floor per reader (memcpy of its bytes)"
+                    metrics.append(Metric("floor", floor_row, "GB/s", True))
+                    of_floor = f"{size} {short}, {_readers(r)}: per reader / copy floor"
+                    metrics.append(Metric("of_floor", of_floor, "x", True))
                 if r == 1:
                     metrics.append(Metric("send_p50", f"{size} {short}: send call, p50", "us", False))
                     if kind == "loan":
