@@ -247,23 +247,29 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
                     out.append(json.load(fh))
             return out
 
-        def per_save() -> list[tuple[float, float]]:
-            """Each save's (wall, CPU) in ms, summed over the encoder's TP ranks (each
-            rank is called once per image; shmq's connector saves from rank 0 only)."""
+        def per_save() -> list[tuple[float, float, float]]:
+            """Each save's (wall, the calling thread's CPU, the process's CPU) in ms, summed
+            over the encoder's TP ranks (each rank is called once per image; shmq's
+            connector saves from rank 0 only), until the item is visible to a consumer."""
             ranks = [p["calls"].get(f"ec.{connector}.save", []) for p in profiles("ec_producer")]
-            return [(sum(r[i][1] for r in ranks if i < len(r)) * 1e3, sum(r[i][0] for r in ranks if i < len(r)) * 1e3)
-                    for i in range(max((len(r) for r in ranks), default=0))]
 
-        def per_load() -> tuple[float, float]:
-            """The prefill/decode workers' loads, (wall, CPU) in ms per image: every
-            call (one each step, an item or not), both TP ranks."""
-            wall = cpu = 0.0
+            def total(i: int, field: int) -> float:
+                return sum(r[i][field] for r in ranks if i < len(r)) * 1e3
+
+            return [(total(i, 1), total(i, 0), total(i, 2)) for i in range(max((len(r) for r in ranks), default=0))]
+
+        def per_load() -> tuple[float, float, float]:
+            """The prefill/decode workers' loads, (wall, thread CPU, process CPU) in ms per
+            image: every call (one each step, an item or not), both TP ranks, each until
+            every byte it loaded was read."""
+            wall = cpu = process = 0.0
             for p in profiles("ec_consumer"):
                 stat = p["stats"].get(f"ec.{connector}.load")
                 if stat:
                     cpu += stat[1]
                     wall += stat[2]
-            return wall * 1e3 / images, cpu * 1e3 / images
+                    process += stat[3]
+            return wall * 1e3 / images, cpu * 1e3 / images, process * 1e3 / images
 
         try:
             encoder, pd = procs
@@ -281,12 +287,13 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
             saves = per_save()
             if len(saves) != images:
                 raise RuntimeError(f"{len(saves)} saves profiled for {images} images ({connector} connector)")
-            load_wall, load_cpu = per_load()
+            load_wall, load_cpu, load_process = per_load()
             return {"ttft": statistics.median(times[1:]),  # the first pays the first step
                     "save_first": saves[0][0],
-                    "save": statistics.median(w for w, _ in saves[1:]),
-                    "save_cpu": statistics.median(c for _, c in saves[1:]),
-                    "load": load_wall, "load_cpu": load_cpu}
+                    "save": statistics.median(w for w, _, _ in saves[1:]),
+                    "save_cpu": statistics.median(c for _, c, _ in saves[1:]),
+                    "save_process": statistics.median(p for _, _, p in saves[1:]),
+                    "load": load_wall, "load_cpu": load_cpu, "load_process": load_process}
         finally:
             for p in procs:
                 try:
@@ -312,15 +319,17 @@ def run_epd(rounds: int, progress: Any = None) -> Rows:
                 got[connector].setdefault(key, []).append(value)
     labels = [
         ("ttft", "prefill/decode instance's time to first token, 1 image encoded by the encoder instance", "ms"),
-        ("save_first", "hand-off, the encoder's first save_caches call (its TP ranks', wall; shmq's copy runs on a "
-                       "thread of its own after the call and is not in it)", "ms"),
-        ("save", "hand-off, the encoder's save_caches per image after the first (wall; shmq's: without its copy)",
-         "ms"),
-        ("save_cpu", "hand-off, the encoder's save_caches per image after the first (the calling thread's CPU; "
-                     "shmq's: without its copy)", "ms"),
-        ("load", "hand-off, the prefill/decode workers' load per image (both TP ranks, wall; steps without an item "
-                 "included; shmq's: views, their pages first read later in the step)", "ms"),
-        ("load_cpu", "hand-off, the prefill/decode workers' load per image (the calling thread's CPU)", "ms"),
+        ("save_first", "hand-off, the encoder's first save until the item is visible to a consumer (its TP ranks', "
+                       "wall; shmq's: save_caches and the wait for its copy)", "ms"),
+        ("save", "hand-off, the encoder's save per image after the first, until visible to a consumer (wall; shmq's: "
+                 "save_caches and the wait for its copy)", "ms"),
+        ("save_cpu", "hand-off, the encoder's save per image after the first (the calling thread's CPU)", "ms"),
+        ("save_process", "hand-off, the encoder's save per image after the first (the CPU of every thread of the "
+                         "encoder's processes meanwhile: shmq's copier included)", "ms"),
+        ("load", "hand-off, the prefill/decode workers' load per image until every loaded byte was read (both TP "
+                 "ranks, wall; steps without an item included)", "ms"),
+        ("load_cpu", "hand-off, the prefill/decode workers' load per image, the same (the calling thread's CPU)", "ms"),
+        ("load_process", "hand-off, the prefill/decode workers' load per image, the same (every thread's CPU)", "ms"),
     ]
     return [(label, statistics.median(got["example"][k]), statistics.median(got["shmq"][k]), unit)
             for k, label, unit in labels]

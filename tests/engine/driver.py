@@ -65,23 +65,33 @@ def _profile_queues(out_dir: str) -> None:
         with open(os.path.join(out_dir, f"{os.getpid()}.json"), "w") as f:
             json.dump({"title": title, "stats": stats, "calls": calls}, f)
 
-    def wrap(cls: type, name: str, key: str, every: int = 64, each: bool = False) -> None:
+    def wrap(cls: type, name: str, key: str, every: int = 64, each: bool = False, finish=None) -> None:
+        """``finish(before, self, *args, **kwargs)``, if given, runs inside the timer after
+        the call (``before``: what ``finish.before(self, *args, **kwargs)`` returned before
+        it): the work the call leaves for later, done there so that the row includes it."""
         original = getattr(cls, name)
         if getattr(original, "_profiled", False):
             return
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            c0, w0 = time.thread_time(), time.perf_counter()
+            c0, w0, p0 = time.thread_time(), time.perf_counter(), time.process_time()
             try:
-                return original(*args, **kwargs)
+                before = finish.before(*args, **kwargs) if finish is not None else None
+                result = original(*args, **kwargs)
+                if finish is not None:
+                    finish(before, *args, **kwargs)
+                return result
             finally:
-                s = stats.setdefault(key, [0, 0.0, 0.0])
+                s = stats.setdefault(key, [0, 0.0, 0.0, 0.0])
                 s[0] += 1
                 s[1] += time.thread_time() - c0
                 s[2] += time.perf_counter() - w0
-                if each:  # rare calls (a save per item): each one's (CPU, wall) too
-                    calls.setdefault(key, []).append((time.thread_time() - c0, time.perf_counter() - w0))
+                s[3] += time.process_time() - p0  # every thread of the process (a copier's too)
+                if each:  # rare calls (a save per item): each one's (CPU, wall, process CPU) too
+                    calls.setdefault(key, []).append(
+                        (time.thread_time() - c0, time.perf_counter() - w0, time.process_time() - p0)
+                    )
                 if s[0] % every == 0:
                     dump()
 
@@ -104,9 +114,44 @@ def _profile_queues(out_dir: str) -> None:
         pass
     else:
         for cls, tag in ((ECExampleConnector, "ec.example"), (ShmqECConnector, "ec.shmq")):
-            wrap(cls, "save_caches", f"{tag}.save", every=1, each=True)
-            wrap(cls, "start_load_caches", f"{tag}.load", every=1)
+            # The save row runs until the item is visible to a consumer (shmq's copy runs
+            # on a thread of its own after save_caches returns: waited for in the row);
+            # ECExampleConnector's file is written inside the call.
+            saved = _until_published if cls is ShmqECConnector else None
+            wrap(cls, "save_caches", f"{tag}.save", every=1, each=True, finish=saved)
+            # The load row runs until every byte loaded was read (shmq's are views whose
+            # pages are first read later in the step): the same read for both.
+            wrap(cls, "start_load_caches", f"{tag}.load", every=1, finish=_read_every_loaded_byte)
     atexit.register(dump)
+
+
+def _until_published(_before, connector, *args, **kwargs) -> None:
+    """After shmq's ``save_caches``: wait until the item is published (its copy done)."""
+    connector.wait_for_save()
+
+
+_until_published.before = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+
+
+def _encoder_cache_arg(args, kwargs) -> dict:
+    """vLLM's encoder cache, as ``start_load_caches`` was given it."""
+    return kwargs["encoder_cache"] if "encoder_cache" in kwargs else args[0]
+
+
+def _read_every_loaded_byte(before, connector, *args, **kwargs) -> None:
+    """After a ``start_load_caches``: read every byte of the items it added to vLLM's
+    encoder cache (a sum over each tensor, as the model's first use of it would read it)."""
+    import torch
+
+    encoder_cache = _encoder_cache_arg(args, kwargs)
+    for key in set(encoder_cache) - before:
+        value = encoder_cache[key]
+        for t in value.values() if isinstance(value, dict) else [value]:
+            if isinstance(t, torch.Tensor):
+                t.sum(dtype=torch.float32).item()
+
+
+_read_every_loaded_byte.before = lambda connector, *a, **k: set(_encoder_cache_arg(a, k))  # type: ignore[attr-defined]
 
 
 if os.environ.get(PROFILE_ENV):
