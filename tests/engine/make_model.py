@@ -56,27 +56,35 @@ def tokenizer(extra_specials: tuple[str, ...] = ()):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def llama_config(fast, hidden: int = 256):
+def llama_config(fast, hidden: int = 256, layers: int = 2, positions: int = 1024):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=len(fast),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=positions,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         torch_dtype="bfloat16",
     )
 
 
-def llava(out: str) -> None:
+def llava(out: str, real_width: int = 0) -> None:
     """A tiny Llava: CLIP vision tower (image 32, patch 8, 2 layers, hidden 64), a
     projector, the Llama above (hidden 128); ``<image>`` and ``<pad>`` added to the
-    tokenizer; ``CLIPImageProcessor`` (32x32) in a ``LlavaProcessor``."""
+    tokenizer; ``CLIPImageProcessor`` (32x32) in a ``LlavaProcessor``.
+
+    ``real_width`` (the engine bench's ``--llava-real DIR WIDTH``): items of real size
+    with as little compute as that allows: the processor keeps 336x336 (pixel values
+    3x336x336 float32, 1.3 MiB), patches of 14 (576 image tokens), one layer of vision
+    tower (hidden 64), and the projector emits ``real_width``-wide embeddings (2048:
+    576 x 2048 bf16 = 2.3 MiB an image; 4096: 4.5 MiB, LLaVA-1.5-7B's) into one layer
+    of language model that wide."""
+    side, patch = (336, 14) if real_width else (32, 8)
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import (
@@ -93,15 +101,15 @@ def llava(out: str) -> None:
     fast.pad_token = "<pad>"
     fast.chat_template = LLAVA_CHAT_TEMPLATE
     image_processor = CLIPImageProcessor(
-        size={"shortest_edge": 32},
-        crop_size={"height": 32, "width": 32},
+        size={"shortest_edge": side},
+        crop_size={"height": side, "width": side},
         do_center_crop=True,
         do_convert_rgb=True,
     )
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=fast,
-        patch_size=8,
+        patch_size=patch,
         vision_feature_select_strategy="default",
         chat_template=LLAVA_CHAT_TEMPLATE,
         image_token="<image>",
@@ -111,9 +119,9 @@ def llava(out: str) -> None:
 
     torch.manual_seed(0)
     vision = CLIPVisionConfig(
-        image_size=32,
-        patch_size=8,
-        num_hidden_layers=2,
+        image_size=side,
+        patch_size=patch,
+        num_hidden_layers=1 if real_width else 2,
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=2,
@@ -121,7 +129,9 @@ def llava(out: str) -> None:
     )
     config = LlavaConfig(
         vision_config=vision,
-        text_config=llama_config(fast, hidden=128),
+        text_config=llama_config(fast, hidden=128)
+        if not real_width
+        else llama_config(fast, hidden=real_width, layers=1, positions=4096),
         image_token_index=fast.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
@@ -167,5 +177,7 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--llava":
         llava(sys.argv[2])
+    elif sys.argv[1] == "--llava-real":
+        llava(sys.argv[2], int(sys.argv[3]))
     else:
         main(sys.argv[1])
