@@ -13,9 +13,10 @@
 //! On a full machine it skips the first two: when the machine's runnable tasks outnumber
 //! its cores (other work beside the ring: a build, a second engine), a waiter that spins
 //! or yields takes a core its peer, or the work the peer waits on, is queued for; so a
-//! wait still blocked after its first 64 polls goes straight to the doorbell
-//! ([`MachineLoad`], read about every 5 ms; [`LOAD_CHECK_ENV`] turns it off). A waiter
-//! without a doorbell still yields.
+//! blocked wait asks at each clock read of those two phases (the first after 64 polls)
+//! and once the machine is full goes straight to the doorbell ([`MachineLoad`], read
+//! about every 5 ms; [`LOAD_CHECK_ENV`] turns it off). A waiter without a doorbell still
+//! yields.
 //!
 //! While it waits it also checks, each at its own pace: the deadline and the cancel flag
 //! (every poll), the caller's hook (every few ms; the Python bindings check signals and
@@ -254,10 +255,10 @@ const LOAD_REFRESH_MS: u32 = 5;
 /// a single task woken for a moment on a quiet machine does not make its waits sleep.
 ///
 /// What it costs a wait: nothing when the condition holds within its first 64 polls (it
-/// asks only then, at its first clock read); else one atomic load and a little
-/// arithmetic on the clock it read anyway, plus reading `/proc/loadavg` (open, read,
-/// close) by one wait of the process about every 5 ms. Figures: `docs/performance.md`,
-/// "Waiting on a full machine".
+/// asks first at its first clock read); else, at each clock read of its spin (every 64
+/// polls) and yield phases, one atomic load and a little arithmetic on the clock it read
+/// anyway, plus reading `/proc/loadavg` (open, read, close) by one wait of the process
+/// about every 5 ms. Figures: `docs/performance.md`, "Waiting on a full machine".
 #[derive(Debug)]
 pub struct MachineLoad {
     /// The last two readings and when the last was taken, in one word so that a wait
@@ -331,8 +332,9 @@ impl MachineLoad {
     /// Whether the machine is full at `now`: from the cached readings, read again first
     /// when the newest is 5 ms old (counted in whole milliseconds) or more.
     pub fn full(&self, now: Instant) -> bool {
-        let ms = u32::try_from(now.saturating_duration_since(load_base()).as_millis())
-            .unwrap_or(u32::MAX - 1)
+        // Wrapping on purpose (every 49.7 days): only ages under 5 ms matter, and a
+        // wrapped one is wrong at most once, by one early or late reading.
+        let ms = (now.saturating_duration_since(load_base()).as_millis() as u32)
             .wrapping_add(1)
             .max(1);
         // Relaxed, here and below: the word holds all there is (both readings and their
@@ -707,8 +709,9 @@ impl<'a> Wait<'a> {
         self.committed = true;
     }
 
-    /// Ask `load` whether the machine is full before spinning (default: the process's,
-    /// [`machine_load`]; `None`: spin and yield as the policy says whatever the load).
+    /// Ask `load`, while spinning and yielding, whether the machine is full (default: the
+    /// process's, [`machine_load`]; `None`: spin and yield as the policy says whatever
+    /// the load).
     pub fn load(mut self, load: Option<&'a MachineLoad>) -> Self {
         self.load = load;
         self
@@ -875,11 +878,11 @@ impl<'a> Wait<'a> {
             Some(_) => self.started,
             None => Instant::now(),
         };
-        // On a full machine (see `MachineLoad`) no more spinning and no yielding, when
-        // there is a doorbell to sleep on and a phase to skip: asked at the first clock
-        // read, after 64 polls, so that a wait the peer ends within them pays nothing.
-        // A resumed wait has decided already.
-        let mut ask_load = doorbell.is_some()
+        // On a full machine (see `MachineLoad`) no more spinning or yielding, when there
+        // is a doorbell to sleep on and a phase to skip: asked at each clock read of the
+        // two phases (the first after 64 polls, so that a wait its peer ends within them
+        // pays nothing), so that a machine that fills up during a long spin ends it too.
+        let ask_load = doorbell.is_some()
             && !(self.policy.spin.is_zero()
                 && self.policy.yield_for.is_zero()
                 && self.policy.yield_max.is_zero());
@@ -901,7 +904,7 @@ impl<'a> Wait<'a> {
                     }
                     let now = Instant::now();
                     self.check(now, explain)?;
-                    if std::mem::take(&mut ask_load) && self.load.is_some_and(|l| l.full(now)) {
+                    if ask_load && self.load.is_some_and(|l| l.full(now)) {
                         straight_to_sleep = true;
                         break;
                     }
@@ -937,6 +940,9 @@ impl<'a> Wait<'a> {
                     next_slow = now + HOOK_INTERVAL;
                 }
                 if doorbell.is_some() && now >= yield_end {
+                    break;
+                }
+                if ask_load && self.load.is_some_and(|l| l.full(now)) {
                     break;
                 }
             }
@@ -1313,7 +1319,8 @@ mod tests {
     }
 
     /// The runnable tasks the gauges of the tests below read: set by each test (they run
-    /// one at a time, serialized on `GAUGE_LOCK`).
+    /// one at a time, serialized on `GAUGE_LOCK`). SeqCst on these and on the tests'
+    /// flags: plain test state, no ordering argument needed beyond the strongest.
     static RUNNABLE: AtomicU32 = AtomicU32::new(0);
     static READS: AtomicU32 = AtomicU32::new(0);
     static GAUGE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
