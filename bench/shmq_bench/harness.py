@@ -93,7 +93,7 @@ class Harness:
             took = time.monotonic() - started
             if took > timeout:
                 self._notes.append(
-                    f"slow: a run took {took:.0f} s (over the {timeout:g} s it takes with room to spare on a quiet "
+                    f"slow: a run took {took:.1f} s (over the {timeout:g} s it takes with room to spare on a quiet "
                     "machine); figures kept"
                 )
             for p in procs:
