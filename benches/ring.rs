@@ -16,6 +16,11 @@
 //!   bounds how far the writer runs ahead, so this is the steady-state rate of the pair).
 //!   Criterion reports it as elements per second.
 //!
+//! - `wait/machine_load_cached` and `wait/machine_load_read`: what a blocked wait pays to
+//!   ask whether the machine is full (`shmq::wait::MachineLoad`): the cached reading
+//!   (one atomic load), and a reading of `/proc/loadavg` (what one wait of the process
+//!   pays about every 5 ms). `SHMQ_LOAD_CHECK=0` runs the latency rows without the check.
+//!
 //! Queues use `max_chunk_bytes = 24 MiB, max_chunks = 10` like `python -m shmq bench`;
 //! a 64-byte message only touches the first cache line of its chunk either way. No CPU
 //! pinning: on a 2-core machine each process gets a core of its own anyway.
@@ -224,6 +229,27 @@ fn throughput(c: &mut Criterion) {
     peer.stop(&mut writer);
 }
 
+fn machine_load(c: &mut Criterion) {
+    let Some(load) = shmq::wait::machine_load() else {
+        println!("wait/machine_load: off (SHMQ_LOAD_CHECK=0)");
+        return;
+    };
+    let mut group = c.benchmark_group("wait");
+    group.bench_function("machine_load_cached", |b| {
+        b.iter(|| black_box(load.full(Instant::now())))
+    });
+    // A time 5 ms after the last reading's each call: every call reads the file.
+    let t0 = Instant::now();
+    let mut calls = 0u32;
+    group.bench_function("machine_load_read", |b| {
+        b.iter(|| {
+            calls += 1;
+            black_box(load.full(t0 + Duration::from_millis(5) * calls))
+        })
+    });
+    group.finish();
+}
+
 fn main() {
     if let Ok(role) = std::env::var(PEER_ENV) {
         if let Err(e) = peer_main(&role) {
@@ -235,5 +261,6 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     latency(&mut c);
     throughput(&mut c);
+    machine_load(&mut c);
     c.final_summary();
 }

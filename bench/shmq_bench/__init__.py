@@ -59,11 +59,14 @@ The package, one module per part (each uses only the ones before it):
 - :mod:`.report`: ``run_bench``, the table, and the command line (``add_arguments``,
   ``main``).
 
-The harness is defensive: every wait has a timeout, a failed or hung child makes the
-parent terminate all children of that run (and remove the shared-memory segments they
-created), readers check they received exactly the objects sent, and a failure (of a
-cell or of a floor) is shown in its cell and listed under the table while the other
-cells still run; the exit code is 1 only then. A row that cannot run here (torch, vLLM
+The harness is defensive: every wait has a timeout, a failed child or a run in which no
+child makes progress for 10 s (each beats a shared counter as its messages go:
+:func:`.roles.beat`) makes the parent terminate all children of that run (and remove the
+shared-memory segments they created), readers check they received exactly the objects
+sent, and a failure (of a cell or of a floor) is shown in its cell and listed under the
+table while the other cells still run; the exit code is 1 only then. A run that is
+merely slow (a busy machine) keeps its figures, marked "(slow)" with a note under the
+table. A row that cannot run here (torch, vLLM
 or pyzmq not installed) says "skipped", and one line under the table per reason says
 what it needs; skips are not failures. Without torch, the tensor rows send float32
 numpy arrays (the labels say so).

@@ -14,8 +14,11 @@ from .common import BenchError
 from .roles import _child_main, _stack_file
 from .transports import Transport
 
-#: Seconds a child that has reported may take to exit, beyond the run's timeout.
+#: Seconds a child that has reported may take to exit.
 EXIT_GRACE = 10.0
+#: Seconds a run may go without progress (no child beat: no message, barrier or start,
+#: :func:`~shmq_bench.roles.beat`) before it fails: the one bound on a run.
+STALL_S = 10.0
 
 
 @dataclass
@@ -30,30 +33,42 @@ class Job:
 class Harness:
     """Starts the processes of one run and collects what their roles return.
 
-    A run fails (``BenchError``) when a child raises, exits without reporting, or the
-    whole run takes longer than ``timeout`` seconds (the error then carries the stuck
-    children's Python stacks and kernel wait channels); its children are then
-    terminated (killed if they do not stop) and shmq segments they created are removed.
+    A run fails (``BenchError``) when a child raises, exits without reporting, or none
+    of its children makes progress for ``stall`` seconds (each beats a counter in
+    shared memory as its messages go: :func:`~shmq_bench.roles.beat`; the error then
+    carries the stuck children's Python stacks and kernel wait channels); its children
+    are then terminated (killed if they do not stop) and shmq segments they created are
+    removed. A run that makes progress is never cut short: one that takes longer than
+    ``timeout`` seconds (what it takes on a quiet machine, with room to spare) is noted
+    as slow (:meth:`take_notes`) and its figures are kept.
     """
 
-    def __init__(self, ctx: Any, workdir: str, timeout: float):
+    def __init__(self, ctx: Any, workdir: str, timeout: float, stall: float = STALL_S):
         self.ctx = ctx
         self.workdir = workdir
         self.timeout = timeout
+        self.stall = stall
+        self._notes: list[str] = []
+
+    def take_notes(self) -> list[str]:
+        """The notes of the runs since the last call (a slow run's time), and forget them."""
+        notes, self._notes = self._notes, []
+        return notes
 
     def channel(self, transport: Transport, n_readers: int) -> Any:
         return transport.make_channel(self.ctx, n_readers, self.workdir)
 
     def run(self, transport: Transport, jobs: Sequence[Job], timeout: Optional[float] = None) -> list[Any]:
         """Run ``jobs`` at once, one process each; returns their values in job order.
-        ``timeout`` (default: the harness's) bounds the whole run."""
+        ``timeout`` (default: the harness's): past it, the run is noted as slow."""
         timeout = self.timeout if timeout is None else timeout
         barrier = self.ctx.Barrier(len(jobs))
         results = self.ctx.Queue()
+        beats = self.ctx.RawArray("Q", len(jobs))
         procs = [
             self.ctx.Process(
                 target=_child_main,
-                args=(i, job.role, transport, job.channels, barrier, results, job.kwargs, self.workdir),
+                args=(i, job.role, transport, job.channels, barrier, results, job.kwargs, self.workdir, beats),
                 name=f"shmq-bench-{job.role.__name__.lstrip('_')}-{i}",
                 daemon=True,
             )
@@ -62,22 +77,28 @@ class Harness:
         values: dict[int, Any] = {}
         ok = False
         try:
+            started = time.monotonic()
             for p in procs:
                 p.start()
-            deadline = time.monotonic() + timeout
+            watchdog = _Watchdog(beats, self.stall)
             while len(values) < len(procs):
                 try:
                     index, success, value, details = results.get(timeout=0.2)
                 except queue.Empty:
-                    self._check_alive(procs, values, deadline, timeout)
+                    self._check_alive(procs, values, watchdog)
                     continue
                 if not success:
                     raise self._first_cause(procs, results, index, value, details)
                 values[index] = value
+            took = time.monotonic() - started
+            if took > timeout:
+                self._notes.append(
+                    f"slow: a run took {took:.1f} s (over the {timeout:g} s it takes with room to spare on a quiet "
+                    "machine); figures kept"
+                )
             for p in procs:
-                # It has reported: give its exit (the transport's teardown) a moment even
-                # when the run's time is nearly spent.
-                p.join(max(EXIT_GRACE, deadline - time.monotonic()))
+                # It has reported: give its exit (the transport's teardown) a moment.
+                p.join(EXIT_GRACE)
                 if p.exitcode is None:
                     raise BenchError(f"{p.name} did not exit within {EXIT_GRACE:g} s after reporting")
                 if p.exitcode != 0:
@@ -107,14 +128,18 @@ class Harness:
         i, message, details = causes[0]
         return BenchError(f"{procs[i].name}: {message}", details)
 
-    def _check_alive(self, procs: list, values: dict, deadline: float, timeout: float) -> None:
+    def _check_alive(self, procs: list, values: dict, watchdog: "_Watchdog") -> None:
         for i, p in enumerate(procs):
             if i not in values and p.exitcode not in (None, 0):
                 raise BenchError(f"{p.name} exited with code {p.exitcode} without reporting")
-        if time.monotonic() > deadline:
+        if watchdog.stalled():
             waiting = [p for i, p in enumerate(procs) if i not in values]
             names = ", ".join(p.name for p in waiting)
-            raise BenchError(f"timed out after {timeout:g} s waiting for {names}", self._stacks(waiting))
+            raise BenchError(
+                f"no progress for {watchdog.stall:g} s (no message, barrier or start in any process of the run) "
+                f"waiting for {names}",
+                self._stacks(waiting),
+            )
 
     def _stacks(self, procs: list) -> str:
         """Where ``procs`` are stuck: their Python stacks, asked for with SIGUSR1."""
@@ -155,6 +180,22 @@ class Harness:
                 p.kill()
                 p.join(2.0)
         _remove_segments_of({p.pid for p in procs if p.pid is not None})
+
+
+class _Watchdog:
+    """Whether a run has stalled: none of its children's beat counters (``beats``, a
+    shared array the children add to) has moved for ``stall`` seconds."""
+
+    def __init__(self, beats: Any, stall: float):
+        self.beats, self.stall = beats, stall
+        self.seen = list(beats)
+        self.moved = time.monotonic()
+
+    def stalled(self) -> bool:
+        now, counts = time.monotonic(), list(self.beats)
+        if counts != self.seen:
+            self.seen, self.moved = counts, now
+        return now - self.moved > self.stall
 
 
 def _remove_segments_of(pids: set[int]) -> None:

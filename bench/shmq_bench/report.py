@@ -33,7 +33,7 @@ from .common import (
     Skip,
     array_lib,
 )
-from .harness import Harness
+from .harness import STALL_S, Harness
 from .scenarios import FLOORS, PRESETS, SCENARIOS, Floor, Params, Scenario
 from .transports import TRANSPORTS, Transport
 
@@ -57,6 +57,8 @@ class Row:
     group: str = ""
     #: A floor shown right under its scenario's rows (not in the floors at the end).
     inline: bool = False
+    #: Cells whose figure stands but comes with a note (a slow run): transport -> note.
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 #: The key of a floor row's one cell in ``Row.errors`` / ``Row.skipped``.
@@ -256,12 +258,15 @@ def run_bench(
     details: Optional[list[str]] = None,
     scenarios: Optional[Sequence[Scenario]] = None,
     floors: Optional[Sequence[Floor]] = None,
+    stall: float = STALL_S,
 ) -> list[Row]:
     """Run every scenario (default: :func:`selected`) for every transport that can run it
     (``repeat`` times, keeping the median), each followed by its own floors, then the
     floors (default: all); returns the rows. Failures land in ``Row.errors`` (and their
     tracebacks in ``details``), cells that cannot run here (a transport or library not
-    installed) in ``Row.skipped``: no failure stops the run."""
+    installed) in ``Row.skipped``: no failure stops the run. A run fails only when it
+    makes no progress for ``stall`` seconds; one slower than ``timeout`` keeps its
+    figures, with a note in ``Row.notes``."""
     details = details if details is not None else []
     scenarios = selected(params) if scenarios is None else scenarios
     floors = FLOORS if floors is None else floors
@@ -269,7 +274,7 @@ def run_bench(
     rows: list[Row] = []
     workdir = tempfile.mkdtemp(prefix="shmq-bench-")
     try:
-        harness = Harness(ctx, workdir, timeout)
+        harness = Harness(ctx, workdir, timeout, stall)
         for scenario in scenarios:
             scenario_rows = [
                 Row(
@@ -291,7 +296,11 @@ def run_bench(
                     reason = transport.unavailable()
                     if reason is not None:
                         raise Skip(reason)
+                    harness.take_notes()
                     result = _median_of(repeat, partial(scenario.run, harness, transport, params))
+                    notes = harness.take_notes()
+                    for row in scenario_rows if notes else ():
+                        row.notes[transport.name] = notes[-1]
                 except Skip as e:
                     for row in scenario_rows:
                         row.values[transport.name] = None
@@ -367,7 +376,11 @@ def format_table(rows: Sequence[Row], names: Sequence[str], reference: str = "sh
             first = _format_value(row.floor, row.unit, skipped=FLOOR_CELL in row.skipped)
             cells = [first] + ["-"] * (len(names) - 1) + [""] * len(others)
         else:
-            cells = [_format_value(row.values.get(n), row.unit, n not in row.values, n in row.skipped) for n in names]
+            cells = [
+                _format_value(row.values.get(n), row.unit, n not in row.values, n in row.skipped)
+                + (" (slow)" if n in row.notes and row.values.get(n) is not None else "")
+                for n in names
+            ]
             cells += [_format_ratio(row, reference, n) for n in others]
         body.append([row.label, *cells])
     widths = [max(len(r[i]) for r in [header, *body] if r) for i in range(len(header))]
@@ -468,8 +481,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="S",
-        help="seconds one run (one scenario, one transport, its processes' start included) may take; "
-        "tensor runs at least 120 (default %(default)g)",
+        help="seconds one run (one scenario, one transport, its processes' start included) takes at most on a quiet "
+        "machine, tensor runs 120: a slower run keeps its figures, marked '(slow)' with a note under the table "
+        "(default %(default)g)",
+    )
+    parser.add_argument(
+        "--stall",
+        type=float,
+        default=STALL_S,
+        metavar="S",
+        help="seconds a run may go without progress (no message, barrier or process start in any of its processes) "
+        "before it fails (default %(default)g)",
     )
     parser.add_argument(
         "--start-method",
@@ -596,7 +618,7 @@ def main(args: argparse.Namespace) -> int:
     progress = Progress(cells + inline_floors + len(floors), enabled=not args.no_progress)
     details: list[str] = []
     started = time.monotonic()
-    rows = run_bench(params, transports, args.timeout, args.repeat, progress, details, scenarios, floors)
+    rows = run_bench(params, transports, args.timeout, args.repeat, progress, details, scenarios, floors, args.stall)
     wall = time.monotonic() - started
 
     print()
@@ -605,6 +627,11 @@ def main(args: argparse.Namespace) -> int:
     if skipped:
         print("\nskipped (not failures):")
         for line in skipped:
+            print(f"  {line}")
+    notes = note_lines(rows)
+    if notes:
+        print("\nslow (figures kept, not failures):")
+        for line in notes:
             print(f"  {line}")
     failures = failure_lines(rows)
     if failures:
@@ -650,6 +677,15 @@ def skip_lines(rows: Sequence[Row], names: Sequence[str]) -> list[str]:
         what = labels[0] if len(labels) == 1 else f"{len(labels)} {group} rows"
         by_reason.setdefault(reason, []).append(what)
     return [f"{', '.join(dict.fromkeys(what))}: {reason}" for reason, what in by_reason.items()]
+
+
+def note_lines(rows: Sequence[Row]) -> list[str]:
+    """One line per noted cell (a slow run): the scenario, the transport and the note."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        for name, note in row.notes.items():
+            seen.setdefault(f"{row.group} - {name}: {note}", None)
+    return list(seen)
 
 
 def failure_lines(rows: Sequence[Row]) -> list[str]:

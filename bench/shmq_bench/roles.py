@@ -12,15 +12,41 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .common import OBJECTS, SMALL_OBJECT, SYNC_TIMEOUT, Arrays, now_ns
 from .transports import Transport
 
 
+#: This child's progress counter, its cell of the run's shared array (see
+#: :class:`~shmq_bench.harness.Harness`): set by :func:`_child_main`.
+_beats: Any = None
+_beat_index = 0
+#: Messages between two beats in the message loops (a beat is a store to shared memory,
+#: ~0.1 µs: once per this many messages, the loops' cost stays theirs). A power of two.
+BEAT_EVERY = 64
+
+
+def beat() -> None:
+    """Tell the harness that this child made progress (a message, a barrier): a run
+    fails only when none of its children beats for the watchdog's time."""
+    if _beats is not None:
+        _beats[_beat_index] += 1
+
+
+def _beating(n: int) -> Iterator[range]:
+    """``range(n)`` in slices of BEAT_EVERY, a beat before each: ``for part in
+    _beating(n): for i in part: ...`` beats without a check per message."""
+    for start in range(0, n, BEAT_EVERY):
+        beat()
+        yield range(start, min(n, start + BEAT_EVERY))
+
+
 def _sync(barrier: Any) -> None:
     """Wait for every process of the run (``BrokenBarrierError`` after SYNC_TIMEOUT)."""
+    beat()
     barrier.wait(SYNC_TIMEOUT)
+    beat()
 
 
 def _role_ping(
@@ -35,15 +61,17 @@ def _role_ping(
     back.ready()
     _sync(barrier)
     send, recv, sent, clock = out.io, back.io, OBJECTS[obj], time.perf_counter_ns
-    for _ in range(warmup):
-        send(sent)
-        recv()
+    for part in _beating(warmup):
+        for _ in part:
+            send(sent)
+            recv()
     samples = [0] * rounds
-    for i in range(rounds):
-        t0 = clock()
-        send(sent)
-        recv()
-        samples[i] = clock() - t0
+    for part in _beating(rounds):
+        for i in part:
+            t0 = clock()
+            send(sent)
+            recv()
+            samples[i] = clock() - t0
     send(None)
     _sync(barrier)
     out.close()
@@ -66,10 +94,12 @@ def _role_pong(
     got = recv()
     if got != expected:
         raise RuntimeError(f"pong received {str(got)[:200]}, not the {obj} object")
-    count = 0
+    count, mask = 0, BEAT_EVERY - 1
     while got is not None:
         send(got)
         count += 1
+        if not count & mask:
+            beat()
         got = recv()
     if count != rounds + warmup:
         raise RuntimeError(f"pong echoed {count} objects, expected {rounds + warmup}")
@@ -87,8 +117,9 @@ def _role_writer(transport: Transport, channels: Sequence[Any], barrier: Any, *,
     _sync(barrier)
     send, obj = out.io, SMALL_OBJECT
     t0 = now_ns()
-    for _ in range(n):
-        send(obj)
+    for part in _beating(n):
+        for _ in part:
+            send(obj)
     send(None)
     _sync(barrier)
     out.close()
@@ -106,9 +137,11 @@ def _role_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *,
     obj = recv()
     if obj != SMALL_OBJECT:
         raise RuntimeError(f"reader {rank} received {obj!r}, not the small object")
-    count = 0
+    count, mask = 0, BEAT_EVERY - 1
     while obj is not None:
         count += 1
+        if not count & mask:
+            beat()
         obj = recv()
     t_end = now_ns()
     if count != n:
@@ -136,6 +169,7 @@ def _role_idle_writer(
     for gap in [idle_s] * wakes + [steady_gap_s] * steady_wakes:
         time.sleep(gap)
         out.io(now_ns())
+        beat()
     out.io(None)
     _sync(barrier)
     out.close()
@@ -176,6 +210,7 @@ def _role_idle_reader(
     for _ in range(wakes):
         sent = recv()
         latencies.append(now_ns() - sent)
+        beat()
     cpu1, wall1 = time.process_time_ns(), now_ns()
     steady_cpu = steady_wall = 0
     steady_latencies = []
@@ -266,6 +301,7 @@ def _role_tensor_writer(
         t = make(i)
         send(t)
         del t
+        beat()
     _sync(barrier)  # the readers have the warm-up messages
     costs = [0] * n
     t0 = now_ns()
@@ -275,6 +311,7 @@ def _role_tensor_writer(
         send(t)
         costs[k] = clock() - c0
         del t
+        beat()
     send(None)
     _sync(barrier)
     if fresh:
@@ -332,11 +369,13 @@ def _role_tensor_reader(
     def take(i: int) -> None:
         if own is None:
             float(recv()[-1])
+            beat()
             return
         got = recv()
         copy(own, got)
         del got
         check(own, float(i), who)
+        beat()
 
     for i in range(warmup):
         take(i)
@@ -464,10 +503,14 @@ def _child_main(
     results: Any,
     kwargs: dict,
     workdir: str,
+    beats: Any = None,
 ) -> None:
-    """Entry point of every child: run ``role`` and report ``(index, ok, value)``.
-    SIGUSR1 writes the child's Python stack to a file in ``workdir`` (the parent asks
-    for it when a run hangs)."""
+    """Entry point of every child: run ``role`` and report ``(index, ok, value)``,
+    beating ``beats[index]`` as it goes (:func:`beat`). SIGUSR1 writes the child's
+    Python stack to a file in ``workdir`` (the parent asks for it when a run hangs)."""
+    global _beats, _beat_index
+    _beats, _beat_index = beats, index
+    beat()  # started (spawned, its modules imported)
     stacks = open(_stack_file(workdir, os.getpid()), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=False)
     try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -31,6 +33,7 @@ from _processes import (
     doomed_writer,
     env_policy_reader,
     idle_cpu_reader,
+    load_policy_reader,
     orphan_reader,
     segment_creator,
     segment_creator_pid,
@@ -440,6 +443,9 @@ def test_on_dead_reader_values(good):
     ids=["spin", "yield"],
 )
 def test_wait_policy_env_vars(children, env):
+    # The policy as the variables say, however busy the machine running the suite is (on
+    # a full one a blocked waiter would go straight to its futex: SHMQ_LOAD_CHECK).
+    env = {**env, "SHMQ_LOAD_CHECK": "0"}
     mq = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=1024, max_chunks=2)
     out = children.queue()
     children.start(env_policy_reader, out, mq.export_handle(), env, (0, 1))
@@ -459,3 +465,61 @@ def test_wait_policy_env_vars(children, env):
     # Busy counts runnable time too, which a loaded machine (the suite's other worker)
     # inflates for both: the explicit reader is busy less than half as long, and short.
     assert explicit_busy < min(0.15, env_busy / 2), busy
+
+
+# ---------------------------------------------------------------------------------
+# A full machine: a blocked waiter sleeps instead of spinning (SHMQ_LOAD_CHECK)
+
+
+def _runnable_tasks() -> int:
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0])
+
+
+def test_a_waiter_on_a_full_machine_sleeps_instead_of_spinning(children):
+    """With more runnable tasks than cores (busy loops in other processes, at nice 19 so
+    that the readers keep most of their share), two readers whose policy says "spin 1 s"
+    wait 1.2 s for a message that does not come: the one with the load check sleeps
+    once it has read the machine full twice (about 5 ms apart) and uses almost no CPU,
+    the one with SHMQ_LOAD_CHECK=0 spins, taking what CPU it gets for its whole spin.
+    CPU time, not a latency; the spin is long so that a spinner starved by the suite's
+    other work still takes far more than the sleeper."""
+    cores = os.sysconf("SC_NPROCESSORS_ONLN")
+    if cores > 16:
+        pytest.skip(f"{cores} cores: filling them takes more busy processes than this test starts")
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
+        for _ in range(cores + 2)
+    ]
+    try:
+        # The machine is full once the burners run (each is runnable all the time).
+        deadline = time.monotonic() + STEP
+        while _runnable_tasks() <= cores:
+            if time.monotonic() > deadline:
+                pytest.skip(f"/proc/loadavg never showed more than {cores} runnable tasks")
+            time.sleep(0.05)
+        mq = MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=1024, max_chunks=2)
+        out = children.queue()
+        env = {"SHMQ_SPIN_US": "1000000", "SHMQ_YIELD_US": "0"}
+        children.start(load_policy_reader, out, mq.export_handle(), env, 0, 1.2)
+        children.start(load_policy_reader, out, mq.export_handle(), {**env, "SHMQ_LOAD_CHECK": "0"}, 1, 1.2)
+        mq.wait_until_ready(timeout=STEP)
+        cpu = {}
+        for _ in range(2):
+            _, rank, outcome, seconds = children.expect(out, "cpu")
+            cpu[rank] = (outcome, seconds)
+        mq.enqueue("works", timeout=STEP)
+        got = sorted(children.expect(out, "got")[1:] for _ in range(2))
+        children.join()
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    print(f"\nCPU s in dequeue(timeout=1.2), check on (0) / off (1): {cpu}")
+    assert got == [(0, "works"), (1, "works")]
+    assert cpu[0][0] == cpu[1][0] == "TimeoutError", cpu
+    # Off: a 1 s spin, on a core shared with the busy loops (measured here: 0.48 s at
+    # nice 19 beside them and other work). On: the check reads the machine about every
+    # 5 ms and wants two full readings, then the reader sleeps (measured: 0.006 s).
+    assert cpu[1][1] >= 0.1, cpu
+    assert cpu[0][1] < min(0.05, cpu[1][1] / 4), cpu

@@ -10,12 +10,20 @@
 //! 3. **sleep** on the ring's doorbell (`shmq_protocol::doorbell`) (a futex in the
 //!    shared segment) until the other side rings it: an idle waiter costs no CPU.
 //!
+//! On a full machine it skips the first two: when the machine's runnable tasks outnumber
+//! its cores (other work beside the ring: a build, a second engine), a waiter that spins
+//! or yields takes a core its peer, or the work the peer waits on, is queued for; so a
+//! blocked wait asks at each clock read of those two phases (the first after 64 polls)
+//! and once the machine is full goes straight to the doorbell ([`MachineLoad`], read
+//! about every 5 ms; [`LOAD_CHECK_ENV`] turns it off). A waiter without a doorbell still
+//! yields.
+//!
 //! While it waits it also checks, each at its own pace: the deadline and the cancel flag
 //! (every poll), the caller's hook (every few ms; the Python bindings check signals and
 //! cancel events there), whether the peer it waits for is still alive (about once a
 //! second) and the "still waiting" warning ([`WARNING_INTERVAL_ENV`]).
 
-use shmq_protocol::sync::local::{AtomicBool, AtomicU32, Ordering};
+use shmq_protocol::sync::local::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -35,6 +43,11 @@ pub const YIELD_US_ENV: &str = "SHMQ_YIELD_US";
 pub const YIELD_MAX_US_ENV: &str = "SHMQ_YIELD_MAX_US";
 /// The default of [`YIELD_MAX_US_ENV`] when every process of the ring has a core.
 pub const DEFAULT_YIELD_MAX: Duration = Duration::from_millis(1);
+/// Environment variable: `0` turns the check of the machine's load off ([`MachineLoad`]):
+/// a blocked waiter then spins and yields as its policy says however busy the machine is
+/// (shmq's behaviour before the check). Read once per process; any other value, or none,
+/// leaves the check on.
+pub const LOAD_CHECK_ENV: &str = "SHMQ_LOAD_CHECK";
 
 /// How often the caller's hook runs while yielding, and at most how long one sleep lasts
 /// when there is a hook (so a Python cancel event is seen within this time).
@@ -219,6 +232,141 @@ impl WaitPolicy {
             yield_for,
             yield_max: yield_for,
         }
+    }
+}
+
+/// How old the last reading of the machine's load may be before a wait reads it again.
+const LOAD_REFRESH_MS: u32 = 5;
+
+/// Whether the machine is full: its runnable tasks (the running ones and those queued
+/// for a core, machine-wide: the first number of `/proc/loadavg`'s "running/total")
+/// outnumber its online cores in the last two readings. Then a waiter that spins or
+/// yields only takes a core from a task that needs it (its peer, or whatever the peer
+/// waits on: measured in `docs/performance.md`, "Waiting on a full machine"), and a wait
+/// that blocks goes straight to the doorbell instead.
+///
+/// The count is the whole machine's (`/proc/loadavg` is not a container's own), so it is
+/// compared with the machine's online cores, not with the fewer this process may be
+/// allowed: in a container on a big, busy host the check then says "full" only when the
+/// host is, never because of tasks on cores this process cannot use (it cannot see a
+/// container whose own cores are full while the host has idle ones: those waits spin and
+/// yield as before, and a ring with more processes than its cores never spins anyway,
+/// [`WaitPolicy::for_processes`]). Two readings, about 5 ms apart, must both say full:
+/// a single task woken for a moment on a quiet machine does not make its waits sleep.
+///
+/// What it costs a wait: nothing when the condition holds within its first 64 polls (it
+/// asks first at its first clock read); else, at each clock read of its spin (every 64
+/// polls) and yield phases, one atomic load and a little arithmetic on the clock it read
+/// anyway, plus reading `/proc/loadavg` (open, read, close) by one wait of the process
+/// about every 5 ms. Figures: `docs/performance.md`, "Waiting on a full machine".
+#[derive(Debug)]
+pub struct MachineLoad {
+    /// The last two readings and when the last was taken, in one word so that a wait
+    /// sees them together: bits 0..16 the newest reading (saturated), 16..32 the one
+    /// before, 32..64 the time of the newest in milliseconds since [`load_base`] (plus
+    /// one, wrapping; 0: never read).
+    state: AtomicU64,
+    /// Reads the number of runnable tasks (`None`: unknown, counted as 0).
+    read: fn() -> Option<u32>,
+    /// The number of cores the count is compared with.
+    cores: fn() -> usize,
+}
+
+/// The process's [`MachineLoad`], reading `/proc/loadavg`; `None` when [`LOAD_CHECK_ENV`]
+/// turns the check off.
+pub fn machine_load() -> Option<&'static MachineLoad> {
+    static MACHINE: MachineLoad = MachineLoad::new(runnable_tasks, online_cores);
+    static ON: OnceLock<bool> = OnceLock::new();
+    ON.get_or_init(|| std::env::var(LOAD_CHECK_ENV).map_or(true, |v| v.trim() != "0"))
+        .then_some(&MACHINE)
+}
+
+/// The instant a [`MachineLoad`]'s times count from: the first wait that checked one.
+fn load_base() -> Instant {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    *BASE.get_or_init(Instant::now)
+}
+
+/// The machine's online cores (read once).
+fn online_cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| {
+        // SAFETY: sysconf takes a constant name and touches no memory of ours.
+        let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    })
+}
+
+/// The machine's runnable tasks now: `/proc/loadavg`'s "running" (the waiter reading it
+/// included). `None` where it cannot be read or parsed.
+fn runnable_tasks() -> Option<u32> {
+    use std::io::Read;
+    let mut buf = [0u8; 128];
+    let n = std::fs::File::open("/proc/loadavg")
+        .ok()?
+        .read(&mut buf)
+        .ok()?;
+    parse_runnable(&buf[..n])
+}
+
+/// The "running" of a `/proc/loadavg` text: "0.50 0.40 0.30 3/151 8919" is 3.
+fn parse_runnable(text: &[u8]) -> Option<u32> {
+    let field = text.split(|&b| b == b' ').nth(3)?;
+    let running = field.split(|&b| b == b'/').next()?;
+    std::str::from_utf8(running).ok()?.parse().ok()
+}
+
+impl MachineLoad {
+    /// A gauge that counts runnable tasks with `read` and compares them with `cores()`.
+    pub const fn new(read: fn() -> Option<u32>, cores: fn() -> usize) -> MachineLoad {
+        MachineLoad {
+            state: AtomicU64::new(0),
+            read,
+            cores,
+        }
+    }
+
+    /// Whether the machine is full at `now`: from the cached readings, read again first
+    /// when the newest is 5 ms old (counted in whole milliseconds) or more.
+    pub fn full(&self, now: Instant) -> bool {
+        // Wrapping on purpose (every 49.7 days): only ages under 5 ms matter, and a
+        // wrapped one is wrong at most once, by one early or late reading.
+        let ms = (now.saturating_duration_since(load_base()).as_millis() as u32)
+            .wrapping_add(1)
+            .max(1);
+        // Relaxed, here and below: the word holds all there is (both readings and their
+        // time), and publishes no other memory. A stale load makes one wait decide on a
+        // reading a few milliseconds older, or read the file once more; a lost store
+        // (two threads refreshing at once) loses one reading of the same moment.
+        let state = self.state.load(Ordering::Relaxed);
+        let stamp = (state >> 32) as u32;
+        let newest = state & 0xffff;
+        if stamp != 0 && ms.wrapping_sub(stamp) < LOAD_REFRESH_MS {
+            return self.says_full(state);
+        }
+        // Claim the refresh, so that one thread reads the file, not all the waiting ones:
+        // the others go on with the readings they have.
+        let claimed = (u64::from(ms) << 32) | (state & 0xffff_ffff);
+        if self
+            .state
+            .compare_exchange(state, claimed, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return self.says_full(state);
+        }
+        let reading = (self.read)().map_or(0, |n| u64::from(n.min(0xffff)));
+        let fresh = (u64::from(ms) << 32) | (newest << 16) | reading;
+        self.state.store(fresh, Ordering::Relaxed);
+        self.says_full(fresh)
+    }
+
+    /// Whether both readings in `state` outnumber the cores.
+    fn says_full(&self, state: u64) -> bool {
+        let both = (state & 0xffff).min((state >> 16) & 0xffff);
+        usize::try_from(both).is_ok_and(|n| n > (self.cores)())
     }
 }
 
@@ -451,6 +599,9 @@ pub struct Wait<'a> {
     asleep_since: Option<Instant>,
     /// Where the clocks go when the wait ends ([`resuming`](Self::resuming)).
     clock: Option<&'a mut WaitClock>,
+    /// Says whether the machine is full (then a blocked wait skips spinning and
+    /// yielding); `None`: never ([`LOAD_CHECK_ENV`]).
+    load: Option<&'a MachineLoad>,
 }
 
 impl Drop for Wait<'_> {
@@ -490,6 +641,7 @@ impl<'a> Wait<'a> {
             blocked_since: None,
             asleep_since: None,
             clock: None,
+            load: machine_load(),
         }
     }
 
@@ -514,6 +666,7 @@ impl<'a> Wait<'a> {
             blocked_since: None,
             asleep_since: None,
             clock: None,
+            load: machine_load(),
         }
     }
 
@@ -554,6 +707,14 @@ impl<'a> Wait<'a> {
     /// is not called any more. The deadline and the cancel flag still end the wait.
     pub fn commit(&mut self) {
         self.committed = true;
+    }
+
+    /// Ask `load`, while spinning and yielding, whether the machine is full (default: the
+    /// process's, [`machine_load`]; `None`: spin and yield as the policy says whatever
+    /// the load).
+    pub fn load(mut self, load: Option<&'a MachineLoad>) -> Self {
+        self.load = load;
+        self
     }
 
     /// Spin and yield as `policy` says (default: [`WaitPolicy::default`]).
@@ -717,6 +878,15 @@ impl<'a> Wait<'a> {
             Some(_) => self.started,
             None => Instant::now(),
         };
+        // On a full machine (see `MachineLoad`) no more spinning or yielding, when there
+        // is a doorbell to sleep on and a phase to skip: asked at each clock read of the
+        // two phases (the first after 64 polls, so that a wait its peer ends within them
+        // pays nothing), so that a machine that fills up during a long spin ends it too.
+        let ask_load = doorbell.is_some()
+            && !(self.policy.spin.is_zero()
+                && self.policy.yield_for.is_zero()
+                && self.policy.yield_max.is_zero());
+        let mut straight_to_sleep = false;
         let yield_end = match resumed_yield_end {
             Some(end) => end,
             None => {
@@ -734,39 +904,52 @@ impl<'a> Wait<'a> {
                     }
                     let now = Instant::now();
                     self.check(now, explain)?;
+                    if ask_load && self.load.is_some_and(|l| l.full(now)) {
+                        straight_to_sleep = true;
+                        break;
+                    }
                     if now >= spin_end {
                         break;
                     }
                 }
-                let yield_for = self
-                    .history
-                    .as_ref()
-                    .map_or(self.policy.yield_for, |h| h.yield_for(&self.policy));
-                spin_end + yield_for.min(MAX_PHASE)
+                if straight_to_sleep {
+                    start
+                } else {
+                    let yield_for = self
+                        .history
+                        .as_ref()
+                        .map_or(self.policy.yield_for, |h| h.yield_for(&self.policy));
+                    spin_end + yield_for.min(MAX_PHASE)
+                }
             }
         };
         self.yield_end = Some(yield_end);
-        // Yield: give the core to others between polls.
-        let mut next_slow = Instant::now() + HOOK_INTERVAL;
-        loop {
-            std::thread::yield_now();
-            if let Some(v) = ready() {
-                self.done(start);
-                return Ok(v);
-            }
-            let now = Instant::now();
-            self.check(now, explain)?;
-            if now >= next_slow {
-                self.slow_checks(now, peer_alive)?;
-                next_slow = now + HOOK_INTERVAL;
-            }
-            if doorbell.is_some() && now >= yield_end {
-                break;
+        // Yield: give the core to others between polls (not on a full machine).
+        if !straight_to_sleep {
+            let mut next_slow = Instant::now() + HOOK_INTERVAL;
+            loop {
+                std::thread::yield_now();
+                if let Some(v) = ready() {
+                    self.done(start);
+                    return Ok(v);
+                }
+                let now = Instant::now();
+                self.check(now, explain)?;
+                if now >= next_slow {
+                    self.slow_checks(now, peer_alive)?;
+                    next_slow = now + HOOK_INTERVAL;
+                }
+                if doorbell.is_some() && now >= yield_end {
+                    break;
+                }
+                if ask_load && self.load.is_some_and(|l| l.full(now)) {
+                    break;
+                }
             }
         }
         // Sleep on the doorbell, in slices short enough for the periodic checks.
         let doorbell = doorbell
-            .expect("the yield loop only ends with a doorbell")
+            .expect("the yield loop only ends, or is skipped, with a doorbell")
             .doorbell();
         let asleep_since = *self.asleep_since.get_or_insert_with(Instant::now);
         loop {
@@ -1123,6 +1306,126 @@ mod tests {
                 started.elapsed()
             );
         });
+    }
+
+    #[test]
+    fn loadavg_gives_its_running_tasks() {
+        assert_eq!(parse_runnable(b"2.10 1.83 1.67 3/151 8919\n"), Some(3));
+        assert_eq!(parse_runnable(b"0.00 0.00 0.00 117/2048 1\n"), Some(117));
+        assert_eq!(parse_runnable(b"2.10 1.83"), None);
+        assert_eq!(parse_runnable(b"a b c x/1 2"), None);
+        // This machine's, read for real.
+        assert!(runnable_tasks().is_some_and(|n| n >= 1));
+    }
+
+    /// The runnable tasks the gauges of the tests below read: set by each test (they run
+    /// one at a time, serialized on `GAUGE_LOCK`). SeqCst on these and on the tests'
+    /// flags: plain test state, no ordering argument needed beyond the strongest.
+    static RUNNABLE: AtomicU32 = AtomicU32::new(0);
+    static READS: AtomicU32 = AtomicU32::new(0);
+    static GAUGE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn injected() -> Option<u32> {
+        READS.fetch_add(1, Ordering::SeqCst);
+        Some(RUNNABLE.load(Ordering::SeqCst))
+    }
+
+    fn two_cores() -> usize {
+        2
+    }
+
+    /// A gauge that has read `runnable` twice, 5 ms apart (full when it is over 2).
+    fn gauge_reading(runnable: u32) -> MachineLoad {
+        RUNNABLE.store(runnable, Ordering::SeqCst);
+        let load = MachineLoad::new(injected, two_cores);
+        load_base(); // the times count from before `now`
+        let now = Instant::now();
+        load.full(now);
+        load.full(now + Duration::from_millis(LOAD_REFRESH_MS.into()));
+        load
+    }
+
+    #[test]
+    fn the_machine_is_full_when_two_readings_outnumber_its_cores() {
+        let _one = GAUGE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        RUNNABLE.store(5, Ordering::SeqCst);
+        READS.store(0, Ordering::SeqCst);
+        let load = MachineLoad::new(injected, two_cores);
+        load_base(); // the times count from before `t`
+        let t = Instant::now();
+        // One reading is not enough (a task woken for a moment).
+        assert!(!load.full(t));
+        assert_eq!(READS.load(Ordering::SeqCst), 1);
+        // Within 5 ms: the cached reading, no second read.
+        assert!(!load.full(t + Duration::from_millis(4)));
+        assert_eq!(READS.load(Ordering::SeqCst), 1);
+        // 5 ms later, a second reading over the cores: full, and cached as full.
+        assert!(load.full(t + Duration::from_millis(5)));
+        assert!(load.full(t + Duration::from_millis(9)));
+        assert_eq!(READS.load(Ordering::SeqCst), 2);
+        // As many runnable tasks as cores: not full once read again.
+        RUNNABLE.store(2, Ordering::SeqCst);
+        assert!(!load.full(t + Duration::from_millis(10)));
+        RUNNABLE.store(3, Ordering::SeqCst);
+        assert!(!load.full(t + Duration::from_millis(15)));
+        assert!(load.full(t + Duration::from_millis(20)));
+        assert_eq!(READS.load(Ordering::SeqCst), 5);
+    }
+
+    /// A wait whose policy spins for 10 s, for a condition a peer thread sets: with
+    /// `runnable` tasks on a machine of 2 cores, how many times it polled, and whether the
+    /// peer found it asleep on the doorbell (the peer sets the condition once the waiter
+    /// sleeps, or after 50 ms).
+    fn poll_count_with_a_peer(runnable: u32) -> (u64, bool) {
+        let _one = GAUGE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let load = gauge_reading(runnable);
+        let bell = DoorbellWords::default();
+        let flag = AtomicBool::new(false);
+        let found_asleep = AtomicBool::new(false);
+        let mut polls = 0u64;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let started = Instant::now();
+                while started.elapsed() < Duration::from_millis(50) {
+                    if bell.sleepers.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                        found_asleep.store(true, Ordering::SeqCst);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                flag.store(true, Ordering::SeqCst);
+                bell.doorbell().ring();
+            });
+            let got = Wait::new("t", Some(Duration::from_secs(30)))
+                .policy(WaitPolicy::fixed(Duration::from_secs(10), Duration::ZERO))
+                .load(Some(&load))
+                .until(Some(&bell), &mut no_peer, || {
+                    polls += 1;
+                    flag.load(Ordering::SeqCst).then_some(())
+                });
+            assert!(got.is_ok());
+        });
+        (polls, found_asleep.load(Ordering::SeqCst))
+    }
+
+    #[test]
+    fn on_a_full_machine_a_blocked_wait_sleeps_at_once() {
+        // 6 runnable tasks on 2 cores: no spin past the first 64 polls (the first clock
+        // read, where it asks), whatever the policy says; then a handful (the doorbell's
+        // check before it sleeps, after the ring).
+        let (polls, asleep) = poll_count_with_a_peer(6);
+        assert!(asleep, "the waiter did not sleep");
+        assert!(polls < 80, "{polls} polls: it spun");
+    }
+
+    #[test]
+    fn on_a_machine_with_cores_to_spare_a_blocked_wait_spins() {
+        // 2 runnable tasks on 2 cores: the policy's spin, polling until the peer sets
+        // the condition (a count, not a time: 50 ms of spinning is far more than 1 000
+        // polls, a sleep is a handful).
+        let (polls, asleep) = poll_count_with_a_peer(2);
+        assert!(!asleep, "the waiter slept");
+        assert!(polls > 1_000, "{polls} polls: it did not spin");
     }
 
     #[test]

@@ -154,3 +154,23 @@ def env_policy_reader(out: Any, handle: Handle, env: dict[str, str], ranks: tupl
         cpu[label] = (outcome, _thread_busy_seconds() - b0, time.monotonic() - w0)
     out.put(("busy", cpu))
     out.put(("got", by_env.dequeue(timeout=STEP), explicit.dequeue(timeout=STEP)))
+
+
+def load_policy_reader(out: Any, handle: Handle, env: dict[str, str], rank: int, timeout: float) -> None:
+    """With ``env`` set in this process before its first queue, open reader ``rank`` with
+    the default wait policy; report ``("cpu", rank, outcome, CPU s)`` for a
+    dequeue(timeout=timeout) with nothing sent (the calling thread's CPU time: not its
+    run-queue delay, which a sleeper's periodic wake-ups also pay on a loaded machine),
+    then ``("got", rank, message)`` for the next message."""
+    os.environ.update(env)  # before this process's first wait: read once
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=STEP)
+    cpu0 = time.thread_time()
+    try:
+        mq.dequeue(timeout=timeout)
+    except TimeoutError:
+        outcome = "TimeoutError"
+    else:
+        outcome = "returned"
+    out.put(("cpu", rank, outcome, time.thread_time() - cpu0))
+    out.put(("got", rank, mq.dequeue(timeout=STEP)))
