@@ -168,7 +168,9 @@ def test_iceoryx2_moves_objects_to_two_readers_intact(tmp_path: Path) -> None:
     jobs = [Job(_role_tensor_writer, channels, kwargs)]
     jobs += [Job(_role_tensor_reader, channels, {**kwargs, "rank": r}) for r in range(2)]
     writer, *ends = harness.run(transport, jobs)
-    assert len(writer["send_ns"]) == 20 and all(t_end > writer["t0"] for t_end in ends)
+    assert len(writer["send_ns"]) == 20 and all(end["t_end"] > writer["t0"] for end in ends)
+    # Each reader's copy floor, timed right after the row (fresh rows).
+    assert all(len(end["floor_ns"]) == 5 and min(end["floor_ns"]) > 0 for end in ends)
 
 
 def test_iceoryx2_unavailable_says_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
