@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any, Iterable, Optional
 
 log = logging.getLogger("shmq.encoder_cache")
 
 
-class _Connector:
+class _Connector(ABC):
     """The connector's calls, as :class:`shmq.vllm_ec_connector.ShmqECConnector`
     documents them, over the sides its caller made for this side of the connector (the
     scheduler's: an ``index``, an ``EncoderCacheIndex``; a producer's TP rank 0: a
@@ -57,10 +58,11 @@ class _Connector:
     def is_consumer(self) -> bool:
         return self._is_consumer
 
+    @abstractmethod
     def _metadata(self, to_load: dict[str, Optional[int]]) -> Any:
         """The step's keys to load (with their number of encoder tokens) as the workers
-        get them."""
-        raise NotImplementedError
+        get them: each connector's own metadata class (``ShmqECConnectorMetadata``,
+        ``EncoderCacheMetadata``)."""
 
     # -- scheduler side --------------------------------------------------------------
 

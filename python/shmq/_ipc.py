@@ -107,9 +107,16 @@ class _Opened:
 _opened = _Opened()
 
 
+#: Whether this process has unpickled a ``ByHandle``: until it has, ``has_handles`` (on
+#: every receive of the queue, the store and the encoder cache) answers without a walk.
+_seen = False
+
+
 def opened(seam: str, handle: Any, host: Any) -> ByHandle:
     """A ``ByHandle`` unpickled: its handle opened (through this process's cache), or,
     where it cannot be opened, left unopened (logged once per process)."""
+    global _seen
+    _seen = True
     try:
         return ByHandle(seam, handle, host, _opened.open(seam, handle))
     except Exception as e:
@@ -129,12 +136,18 @@ def open_handles() -> int:
 
 
 def has_handles(value: Any) -> bool:
+    """Whether ``value`` holds a ``ByHandle`` (in its dicts, lists and tuples); at once
+    False in a process that never received one."""
+    return _seen and _holds_handles(value)
+
+
+def _holds_handles(value: Any) -> bool:
     if isinstance(value, ByHandle):
         return True
     if type(value) is dict:
-        return any(has_handles(v) for v in value.values())
+        return any(_holds_handles(v) for v in value.values())
     if type(value) in (list, tuple):
-        return any(has_handles(v) for v in value)
+        return any(_holds_handles(v) for v in value)
     return False
 
 

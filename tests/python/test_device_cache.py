@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _processes import STEP, Children, wait_for
-from _processes.device_children import DEVICE, SEAM, cache_device_consumer
+from _processes.device_children import DeviceChild, DEVICE, SEAM, cache_device_consumer
 from shmq import EncoderCacheProducer
 from shmq._ipc import MAX_OPEN_HANDLES
 from test_device_seam import assert_same
@@ -30,20 +30,11 @@ pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20
 
 
-class Consumer:
+class Consumer(DeviceChild):
+    """An encoder-cache consumer process (``cache_device_consumer``) of cache ``name``."""
+
     def __init__(self, children: Children, name: str):
-        self.children, self.out, self.cmds = children, children.queue(), children.queue()
-        self.proc = children.start(cache_device_consumer, self.out, name, self.cmds)
-        self.pid = children.expect(self.out, "ready")[1]
-
-    def ask(self, *cmd):
-        self.cmds.put(cmd)
-        return self.children.receive(self.out)
-
-    def stop(self):
-        assert self.ask("stop")[0] == "stopped"
-        self.proc.join(10)
-        assert self.proc.exitcode == 0
+        super().__init__(children, cache_device_consumer, name)
 
 
 def embedding(seed: int, rows: int = 576, width: int = 2048) -> torch.Tensor:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from _processes import STEP, Children, wait_for
-from _processes.device_children import queue_device_reader
+from _processes.device_children import DeviceChild, queue_device_reader
 from shmq import MessageQueue
 from test_device_seam import assert_same
 
@@ -31,20 +31,11 @@ pytestmark = pytest.mark.timeout(90)
 MIB = 1 << 20
 
 
-class Reader:
+class Reader(DeviceChild):
+    """A queue reader process (``queue_device_reader``) of ``rank``."""
+
     def __init__(self, children: Children, mq: MessageQueue, rank: int):
-        self.children, self.out, self.cmds = children, children.queue(), children.queue()
-        self.proc = children.start(queue_device_reader, self.out, mq.export_handle(), rank, self.cmds)
-        self.pid = children.expect(self.out, "ready")[1]
-
-    def ask(self, *cmd):
-        self.cmds.put(cmd)
-        return self.children.receive(self.out)
-
-    def stop(self):
-        assert self.ask("stop")[0] == "stopped"
-        self.proc.join(10)
-        assert self.proc.exitcode == 0
+        super().__init__(children, queue_device_reader, mq.export_handle(), rank)
 
 
 def big(seed: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from _processes import Children
-from _processes.device_children import SEAM, device_reader, ipc_exporter
+from _processes.device_children import DeviceChild, SEAM, device_reader, ipc_exporter
 from shmq import ObjectStorage, RingBuffer
 from shmq._device import DeviceRefused, address_of, device_for
 
@@ -32,20 +32,11 @@ pytestmark = pytest.mark.timeout(90)
 MIB = 1 << 20
 
 
-class Reader:
+class Reader(DeviceChild):
+    """A store reader process (``device_reader``)."""
+
     def __init__(self, children: Children, store: ObjectStorage):
-        self.children, self.out, self.cmds = children, children.queue(), children.queue()
-        self.proc = children.start(device_reader, self.out, pickle.dumps(store.handle()), self.cmds)
-        self.pid = children.expect(self.out, "ready")[1]
-
-    def ask(self, *cmd):
-        self.cmds.put(cmd)
-        return self.children.receive(self.out)
-
-    def stop(self):
-        assert self.ask("stop")[0] == "stopped"
-        self.proc.join(10)
-        assert self.proc.exitcode == 0
+        super().__init__(children, device_reader, pickle.dumps(store.handle()))
 
 
 def handle(store: ObjectStorage, key: str, value) -> tuple:

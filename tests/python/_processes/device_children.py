@@ -1,6 +1,7 @@
-"""Children of ``test_device_seam.py``: a store reader that receives into device memory
-through the device seam (``SHMQ_DEVICE``: the CPU twin unless set to ``cuda``), driven by
-commands from the test, and an IPC exporter."""
+"""Children of the device tests (``test_device_*.py``): a store reader, a queue reader and
+an encoder-cache consumer that receive into device memory through the device seam
+(``SHMQ_DEVICE``: the CPU twin unless set to ``cuda``), each driven by commands from the
+test (``DeviceChild``), and an IPC exporter."""
 
 from __future__ import annotations
 
@@ -27,6 +28,63 @@ def to_host(value: Any) -> Any:
     return tensor_leaves(value, lambda t: t.detach().to("cpu").clone() if isinstance(t, torch.Tensor) else t)
 
 
+class DeviceChild:
+    """The test's side of a driven child: starts ``target(out, *args, cmds)``, waits for
+    its ``("ready", pid)``; ``ask(*cmd)`` sends a command and returns the answer;
+    ``stop()`` ends it and checks it exited 0."""
+
+    def __init__(self, children: Any, target: Any, *args: Any):
+        self.children, self.out, self.cmds = children, children.queue(), children.queue()
+        self.proc = children.start(target, self.out, *args, self.cmds)
+        self.pid = children.expect(self.out, "ready")[1]
+
+    def ask(self, *cmd: Any) -> Any:
+        self.cmds.put(cmd)
+        return self.children.receive(self.out)
+
+    def stop(self) -> None:
+        assert self.ask("stop")[0] == "stopped"
+        self.proc.join(10)
+        assert self.proc.exitcode == 0
+
+
+class _Answers:
+    """The commands every driven child answers alike, over the values it received:
+    ``release`` (the twin's held copies go), ``wait`` (waits for the copies, reports the
+    values and the copies still in flight), ``close_async`` / ``closed`` (``close`` on a
+    thread while copies may be in flight, then its end and the seam's registrations)."""
+
+    def __init__(self, out: Any, seam: Any, wait: Any, in_flight: Any, close: Any = None):
+        self.out, self.seam, self.wait, self.in_flight, self.close = out, seam, wait, in_flight, close
+        self.values: list[Any] = []
+        self.closer: threading.Thread | None = None
+
+    def __call__(self, cmd: tuple) -> bool:
+        """Answer ``cmd`` if it is one of these; whether it was."""
+        out = self.out
+        if cmd[0] == "release":
+            self.seam.release()
+            out.put(("released",))
+        elif cmd[0] == "wait":
+            self.wait()
+            out.put(("values", [to_host(v) for v in self.values], self.in_flight()))
+            self.values.clear()
+        elif cmd[0] == "close_async" and self.close is not None:
+            self.closer = threading.Thread(target=self.close)
+            self.closer.start()
+            self.closer.join(0.5)
+            out.put(("closing", self.closer.is_alive()))
+        elif cmd[0] == "closed":
+            assert self.closer is not None
+            self.closer.join(STEP)
+            out.put(("closed", self.closer.is_alive(), [to_host(v) for v in self.values],
+                     [repr(r) for r in getattr(self.seam, "_registered", [])]))
+            self.values.clear()
+        else:
+            return False
+        return True
+
+
 def device_reader(out: Any, handle_blob: bytes, cmds: Any) -> None:
     """A store reader: ``("get", handle, hold)`` reads to device memory (with ``hold``, the
     twin's copies stay in flight until ``("release",)``); ``("wait",)`` waits for the
@@ -41,25 +99,19 @@ def device_reader(out: Any, handle_blob: bytes, cmds: Any) -> None:
     seam = device_for(SEAM)
     store = ObjectStorage.create_from_handle(pickle.loads(handle_blob))
     store.device_seam = seam
-    values: list[Any] = []
+    answers = _Answers(out, seam, store.wait_device_copies, store.release_device_copies, store.close)
     mine: Any = None
-    closer: threading.Thread | None = None
     out.put(("ready", os.getpid()))
     while True:
         cmd = cmds.get(timeout=STEP)
+        if answers(cmd):
+            continue
         if cmd[0] == "get":
             _, handle, hold = cmd
             if hold:
                 seam.hold()  # type: ignore[attr-defined]
-            values.append(store.get(*handle, device=DEVICE))
+            answers.values.append(store.get(*handle, device=DEVICE))
             out.put(("issued", len(store._device.pending) if store._device else 0))
-        elif cmd[0] == "release":
-            seam.release()  # type: ignore[attr-defined]
-            out.put(("released",))
-        elif cmd[0] == "wait":
-            store.wait_device_copies()
-            out.put(("values", [to_host(v) for v in values], store.release_device_copies()))
-            values.clear()
         elif cmd[0] == "preregister":
             buf = store.ring_buffer.shared_memory.buf
             assert buf is not None
@@ -68,17 +120,6 @@ def device_reader(out: Any, handle_blob: bytes, cmds: Any) -> None:
         elif cmd[0] == "logs":
             out.put(("logs", [r for r in records.records if r[0] == "shmq.device"],
                      store._device.refused if store._device else None))
-        elif cmd[0] == "close_async":
-            closer = threading.Thread(target=store.close)
-            closer.start()
-            closer.join(0.5)
-            out.put(("closing", closer.is_alive()))
-        elif cmd[0] == "closed":
-            assert closer is not None
-            closer.join(STEP)
-            out.put(("closed", closer.is_alive(), [to_host(v) for v in values],
-                     [repr(r) for r in getattr(seam, "_registered", [])]))
-            values.clear()
         elif cmd[0] == "stop":
             if mine is not None:
                 seam.unregister(mine)  # before the mapping goes
@@ -124,24 +165,18 @@ def queue_device_reader(out: Any, handle: Any, rank: int, cmds: Any) -> None:
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.device_seam = seam
     mq.wait_until_ready(timeout=STEP)
-    values: list[Any] = []
+    answers = _Answers(out, seam, mq.wait_device_copies, mq.release_device_copies, mq.close_device)
     mine: Any = None
-    closer: threading.Thread | None = None
     out.put(("ready", os.getpid()))
     while True:
         cmd = cmds.get(timeout=STEP)
+        if answers(cmd):
+            continue
         if cmd[0] == "recv":
             if cmd[1]:
                 seam.hold()  # type: ignore[attr-defined]
-            values.append(mq.dequeue(timeout=STEP, device=DEVICE))
+            answers.values.append(mq.dequeue(timeout=STEP, device=DEVICE))
             out.put(("issued", mq.release_device_copies()))
-        elif cmd[0] == "release":
-            seam.release()  # type: ignore[attr-defined]
-            out.put(("released",))
-        elif cmd[0] == "wait":
-            mq.wait_device_copies()
-            out.put(("values", [to_host(v) for v in values], mq.release_device_copies()))
-            values.clear()
         elif cmd[0] == "preregister":
             reader = mq._reader
             assert reader is not None
@@ -156,17 +191,6 @@ def queue_device_reader(out: Any, handle: Any, rank: int, cmds: Any) -> None:
         elif cmd[0] == "blocks":  # the registered blocks of each mapping, and their size
             readers = mq._device._readers.values() if mq._device is not None else []
             out.put(("blocks", [(r.block, sorted(r.registrations)) for r in readers]))
-        elif cmd[0] == "close_async":
-            closer = threading.Thread(target=mq.close_device)
-            closer.start()
-            closer.join(0.5)
-            out.put(("closing", closer.is_alive()))
-        elif cmd[0] == "closed":
-            assert closer is not None
-            closer.join(STEP)
-            out.put(("closed", closer.is_alive(), [to_host(v) for v in values],
-                     [repr(r) for r in getattr(seam, "_registered", [])]))
-            values.clear()
         elif cmd[0] == "stop":
             mq.close_device()
             if mine is not None:
@@ -188,25 +212,20 @@ def cache_device_consumer(out: Any, name: str, cmds: Any) -> None:
     logging.getLogger("shmq").addHandler(records)
     seam = device_for(SEAM)
     consumer = EncoderCacheConsumer(name, device_seam=seam)
-    values: list[Any] = []
+    answers = _Answers(out, seam, consumer.wait_device_copies, consumer.release_device_copies)
     out.put(("ready", os.getpid()))
     while True:
         cmd = cmds.get(timeout=STEP)
+        if answers(cmd):
+            continue
         if cmd[0] == "get":
             _, key, hold = cmd
             if hold:
                 seam.hold()  # type: ignore[attr-defined]
             got: dict = {}
             missing = consumer.load([key], got, device=DEVICE)
-            values.append(got.get(key))
+            answers.values.append(got.get(key))
             out.put(("issued", consumer.release_device_copies(), missing))
-        elif cmd[0] == "release":
-            seam.release()  # type: ignore[attr-defined]
-            out.put(("released",))
-        elif cmd[0] == "wait":
-            consumer.wait_device_copies()
-            out.put(("values", [to_host(v) for v in values], consumer.release_device_copies()))
-            values.clear()
         elif cmd[0] == "break_ipc":
             def refuse(handle: Any) -> Any:
                 raise RuntimeError("this consumer cannot open that handle")
