@@ -428,9 +428,15 @@ class TwinDevice:
         import torch
 
         name, dtype, shape = handle
-        fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        if not isinstance(name, str) or not name.startswith("shmq-twin-ipc-") or "/" in name:
+            raise ValueError(f"not a twin IPC handle: {name!r}")
+        # Never another user's file, nor a link planted under the name.
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_NOFOLLOW)
         try:
-            mapping = mmap.mmap(fd, os.fstat(fd).st_size)
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise PermissionError(f"/dev/shm/{name} belongs to uid {st.st_uid}, not this user")
+            mapping = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
         dt = getattr(torch, dtype)
