@@ -269,9 +269,12 @@ def _role_tensor_writer(
       changed: what the transport costs alone, not what a producer and its readers do
       with the bytes.
 
-    Returns the time of the first measured send, each measured send call's time (ns)
-    and how many loans were ordinary memory (no room in the transport's: sending
-    copied)."""
+    Returns the time of the first measured send, each measured send call's time (ns),
+    the split of the rest of the writer's time per send (``fresh``: ``make_ns``, the new
+    array, or with ``loan`` ``loan_ns`` and ``fill_ns``; ``drop_ns``, letting it go: a sent
+    loan's pages are given back there), how many loans were ordinary memory (no room in
+    the transport's: sending copied) and the large parts the transport sent by reference
+    and copied (``loaned_parts``, ``copied_parts``; 0 where it does not count them)."""
     arrays = Arrays(lib)
     out = transport.open_writer(channels[0])
     if loan and out.loan is None:
@@ -286,39 +289,59 @@ def _role_tensor_writer(
     lend: Any = out.loan  # not None with `loan` (checked above)
     fixed = None if fresh else arrays.ones(numel)
 
-    def make(i: int) -> Any:
+    send, clock = out.io, time.perf_counter_ns
+    # Per measured send: the loan call (or the new array), the fill, the send, the drop.
+    split = [[0] * n for _ in range(4)]
+
+    def make(i: int, k: int) -> Any:
         if fixed is not None:
             fixed[-1] = float(i)
             return fixed
+        c0 = clock()
         if not loan:
-            return arrays.full(numel, float(i))
+            t = arrays.full(numel, float(i))
+            if k >= 0:
+                split[0][k] = clock() - c0
+            return t
         t = lend(numel, lib)
+        c1 = clock()
         arrays.fill(t, float(i))
+        if k >= 0:
+            split[0][k], split[1][k] = c1 - c0, clock() - c1
         return t
 
-    send, clock = out.io, time.perf_counter_ns
     for i in range(warmup):
-        t = make(i)
+        t = make(i, -1)
         send(t)
         del t
         beat()
     _sync(barrier)  # the readers have the warm-up messages
-    costs = [0] * n
     t0 = now_ns()
     for k in range(n):
-        t = make(warmup + k)
+        t = make(warmup + k, k)
         c0 = clock()
         send(t)
-        costs[k] = clock() - c0
+        c1 = clock()
         del t
+        split[2][k], split[3][k] = c1 - c0, clock() - c1
         beat()
     send(None)
     _sync(barrier)
     if fresh:
         _floor_phase(barrier)  # the readers measure the copy floor; the writer waits
     fallbacks = out.loan_fallbacks()
+    loaned, copied = out.parts()
     out.close()
-    return {"t0": t0, "send_ns": costs, "loan_fallbacks": fallbacks}
+    made = {"loan_ns": split[0], "fill_ns": split[1]} if loan else {"make_ns": split[0]}
+    return {
+        "t0": t0,
+        "send_ns": split[2],
+        "drop_ns": split[3],
+        **made,
+        "loan_fallbacks": fallbacks,
+        "loaned_parts": loaned,
+        "copied_parts": copied,
+    }
 
 
 #: Copies each reader times for the floor of a fresh tensor row.

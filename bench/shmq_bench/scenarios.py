@@ -258,8 +258,13 @@ def _bench_tensor(
     seconds = (max(end["t_end"] for end in ends) - writer["t0"]) / 1e9
     send_us = sorted(ns / 1000 for ns in writer["send_ns"])
     out = {"rate": n * nbytes / seconds / 1e9, "send_p50": percentile(send_us, 50)}
+    for key in ("make", "loan", "fill", "drop"):
+        if f"{key}_ns" in writer:  # the split of the writer's time per send (fresh rows)
+            out[f"{key}_p50"] = percentile(sorted(ns / 1000 for ns in writer[f"{key}_ns"]), 50)
     if fresh:
         out["fallbacks"] = float(writer["loan_fallbacks"])
+        if loan:  # how the loans went: sent by reference (sealed), or copied (too small)
+            out["by_reference"] = float(writer["loaned_parts"])
         # The floor: each reader's median copy of the row's bytes from its own memory, all
         # readers at once, in the same processes right after the row; the slowest reader's.
         floor = min(nbytes / statistics.median(end["floor_ns"]) for end in ends)  # bytes/ns = GB/s
@@ -332,10 +337,23 @@ def _tensor_scenarios(*kinds: str) -> list[Scenario]:
                     of_floor = f"{size} {short}, {_readers(r)}: per reader / copy floor"
                     metrics.append(Metric("of_floor", of_floor, "x", True))
                 if r == 1:
+                    # The writer's time per send, split (p50 of each step): what a copy
+                    # costs against what a loan costs instead.
+                    if kind == "fresh":
+                        made = f"{size} {short}: the writer makes it (a new array), p50"
+                        metrics.append(Metric("make_p50", made, "us", False))
+                    if kind == "loan":
+                        metrics.append(Metric("loan_p50", f"{size} {short}: the loan call, p50", "us", False))
+                        metrics.append(Metric("fill_p50", f"{size} {short}: the writer fills it, p50", "us", False))
                     metrics.append(Metric("send_p50", f"{size} {short}: send call, p50", "us", False))
+                    if kind != "tensor":
+                        drop = "drop (a sealed loan's pages given back)" if kind == "loan" else "drop"
+                        metrics.append(Metric("drop_p50", f"{size} {short}: {drop}, p50", "us", False))
                     if kind == "loan":
                         fallbacks = f"{size} {short}: loans that were not shared memory (copied)"
                         metrics.append(Metric("fallbacks", fallbacks, "", False))
+                        by_ref = f"{size} {short}: loans sent by reference, sealed (under 2 MiB: copied)"
+                        metrics.append(Metric("by_reference", by_ref, "", False))
                 out.append(
                     Scenario(
                         f"{kind}{mib}_{r}",

@@ -50,6 +50,9 @@ class Endpoint:
     #: Writer side, with ``loan``: how many loans so far were ordinary memory (no room
     #: in the transport's memory), so that sending them copied.
     loan_fallbacks: Callable[[], int] = lambda: 0
+    #: Writer side, with ``loan``: the large parts sent so far, ``(by reference, copied)``
+    #: (shmq's queue counters: a loan too small to seal is copied).
+    parts: Callable[[], tuple[int, int]] = lambda: (0, 0)
     #: Writer side, transports whose shared memory is taken as it is first used:
     #: ``reserve(nbytes)`` takes it ahead (outside the clock), as their users are told to.
     reserve: Callable[[int], Any] = lambda nbytes: None
@@ -121,11 +124,18 @@ class ShmqTransport(Transport):
         def loan(numel: int, lib: str) -> Any:
             return mq.loan_tensor((numel,)) if lib == "torch" else mq.loan_array((numel,))
 
+        def parts() -> tuple[int, int]:
+            from shmq import metrics
+
+            m = metrics.collect([mq.buffer.name])[0]
+            return m["loaned_parts"], m["arena_parts"]
+
         return Endpoint(
             mq.enqueue,
             partial(mq.wait_until_ready, SYNC_TIMEOUT),
             loan=loan,
             loan_fallbacks=lambda: mq.loan_fallbacks,
+            parts=parts,
             reserve=mq.reserve_arena,
         )
 

@@ -86,6 +86,7 @@ __all__ = [
     "ID_MAX",
     "COUNT_BYTES",
     "SECRET_BYTES",
+    "LOAN_SEAL_MIN",
     "__version__",
 ]
 
@@ -101,6 +102,9 @@ BLOCK_HEADER_BYTES: int
 ID_MAX: int
 COUNT_BYTES: int
 SECRET_BYTES: int
+#: The smallest part of a loan that a queue sends by reference, sealing the loan
+#: (``crates/core/src/arena/mod.rs``); a smaller one is copied.
+LOAN_SEAL_MIN: int
 #: The environment variable naming a directory for this user's names
 #: (``crates/os/src/names_dir.rs``): ``SHMQ_NAMES_DIR``.
 NAMES_DIRECTORY_ENV: str

@@ -1118,8 +1118,10 @@ class MessageQueue:
         A later ``enqueue`` of an object whose buffer lies in it (a tensor or array made
         from it, see ``loan_tensor``/``loan_array``) sends a reference, no copy, and seals
         the loan: from then on the writer's writes into it are its own (copy-on-write) and
-        reach no reader; sending it again copies what the writer sees. Dropped, it is given
-        back. Without an arena, or with no room in it, this is ordinary memory (counted in
+        reach no reader; sending it again copies what the writer sees. A buffer smaller
+        than ``shmq._core.LOAN_SEAL_MIN`` (2 MiB) is copied instead, where sealing would
+        cost more than the copy; the loan then stays unsealed, the writer's to fill and
+        send again. Dropped, it is given back. Without an arena, or with no room in it, this is ordinary memory (counted in
         ``loan_fallbacks``) and sending it copies."""
         writer = self._writer
         if writer is None:

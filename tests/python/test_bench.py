@@ -169,8 +169,35 @@ def test_iceoryx2_moves_objects_to_two_readers_intact(tmp_path: Path) -> None:
     jobs += [Job(_role_tensor_reader, channels, {**kwargs, "rank": r}) for r in range(2)]
     writer, *ends = harness.run(transport, jobs)
     assert len(writer["send_ns"]) == 20 and all(end["t_end"] > writer["t0"] for end in ends)
+    # The split of the writer's time per send: the new array, the send, the drop.
+    assert len(writer["make_ns"]) == len(writer["drop_ns"]) == 20 and min(writer["make_ns"]) > 0
     # Each reader's copy floor, timed right after the row (fresh rows).
     assert all(len(end["floor_ns"]) == 5 and min(end["floor_ns"]) > 0 for end in ends)
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, 4 << 20])
+def test_the_loaned_rows_split_the_writers_time_and_say_how_each_loan_went(tmp_path: Path, nbytes: int) -> None:
+    """The loaned tensor rows' writer (shmq, 2 readers in their own processes) times the
+    loan call, the fill, the send and the drop of every measured send, and the queue's
+    counters say how the loans went: under ``LOAN_SEAL_MIN`` copied, from it on sent by
+    reference (sealed); every reader got every message (its end is after the start)."""
+    from shmq import _core
+    from shmq_bench.harness import Harness, Job
+    from shmq_bench.roles import _role_tensor_reader, _role_tensor_writer
+    from shmq_bench.transports import ShmqTransport
+
+    harness = Harness(multiprocessing.get_context("spawn"), str(tmp_path), timeout=120)
+    channels = (harness.channel(ShmqTransport(), 2),)
+    kwargs = {"n": 12, "warmup": 2, "nbytes": nbytes, "fresh": True, "lib": "numpy"}
+    jobs = [Job(_role_tensor_writer, channels, {**kwargs, "loan": True})]
+    jobs += [Job(_role_tensor_reader, channels, {**kwargs, "rank": r}) for r in range(2)]
+    writer, *ends = harness.run(ShmqTransport(), jobs)
+    assert all(end["t_end"] > writer["t0"] for end in ends)
+    for key in ("loan_ns", "fill_ns", "send_ns", "drop_ns"):
+        assert len(writer[key]) == 12 and min(writer[key]) > 0, key
+    assert writer["loan_fallbacks"] == 0
+    sealed = nbytes >= _core.LOAN_SEAL_MIN
+    assert (writer["loaned_parts"], writer["copied_parts"]) == ((14, 0) if sealed else (0, 14))
 
 
 def test_iceoryx2_unavailable_says_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
 
     q = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=4)
     r = MessageQueue.create_from_handle(q.export_handle(), 0)
-    loan = q.loan_array((1 << 18,), "float32")
+    loan = q.loan_array((1 << 19,), "float32")  # 2 MiB: sealed when sent (smaller loans are copied)
     loan[:] = 1.0
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent(
     else:
         print("CHILD exit", os.WEXITSTATUS(status))
     print("VIEW", float(view.min()), float(view.max()))
-    nxt = q.loan_array((1 << 18,), "float32")
+    nxt = q.loan_array((1 << 19,), "float32")
     nxt[:] = 3.0
     q.enqueue(nxt)
     got = r.dequeue(timeout=10)

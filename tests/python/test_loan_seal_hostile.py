@@ -21,11 +21,13 @@ from _processes.loan_seal_children import hogged_queue_writer, hogged_store_writ
 from _processes import STEP
 from _processes.store_children import signed_get
 from _processes.tensor_children import sealed_loan_reader
-from shmq import MessageQueue, ObjectStorage, metrics
+from shmq import MessageQueue, ObjectStorage, _core, metrics
 
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
+#: The smallest loaned part a queue seals and sends by reference (smaller ones are copied).
+SEALED = _core.LOAN_SEAL_MIN
 
 
 def test_a_writer_out_of_mappings_sends_loans_by_copy_not_by_a_shared_reference(children):
@@ -73,14 +75,14 @@ def test_two_arrays_of_one_loan_in_one_message_are_both_references_and_both_seal
     """A message with two arrays viewing one loan (its halves): both go by reference
     (sealing the loan for the first must not make the second a copy), and a write after
     the send reaches neither. Loans are dropped and lent again: reused memory is clean."""
-    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=32 * MiB)
     out = children.queue()
     children.start(two_part_reader, out, mq.export_handle())
     mq.wait_until_ready(timeout=STEP)
     for i in range(12):
-        a = mq.loan_array((MiB // 4,))
+        a = mq.loan_array((2 * SEALED // 4,))
         a[:] = i
-        mq.enqueue((i, a[: MiB // 8], a[MiB // 8 :]), timeout=STEP)
+        mq.enqueue((i, a[: SEALED // 4], a[SEALED // 4 :]), timeout=STEP)
         a[:] = 1000 + i
         assert float(a.min()) == 1000 + i
         del a
@@ -95,12 +97,12 @@ def test_a_fork_after_the_send_changes_nothing_readers_get(children):
     """The writer forks after each send; the child writes the loan (its own copy of the
     private view) and exits; the parent writes it too, then drops it. Readers get what
     was sent, and memory lent again after the drops is shared again (clean)."""
-    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=32 * MiB)
     out = children.queue()
     children.start(sealed_loan_reader, out, mq.export_handle(), 0)
     mq.wait_until_ready(timeout=STEP)
     for i in range(16):
-        t = mq.loan_tensor((MiB // 4,), torch.float32)
+        t = mq.loan_tensor((SEALED // 4,), torch.float32)
         t.fill_(float(i))
         mq.enqueue((i, t), timeout=STEP)
         pid = os.fork()
@@ -123,13 +125,13 @@ def test_a_loan_sent_to_a_local_and_a_remote_reader_reaches_neither_once_written
     """One local reader (arena reference) and one remote reader (ZeroMQ frames, in
     another process): the writer writes each loan right after the send; both readers get
     what was sent (the remote frames are copied out of the loan within the send)."""
-    mq = MessageQueue(2, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
+    mq = MessageQueue(2, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=32 * MiB)
     outs = [children.queue() for _ in range(2)]
     for rank, out in enumerate(outs):
         children.start(sealed_loan_reader, out, mq.export_handle(), rank)
     mq.wait_until_ready(timeout=STEP)
     for i in range(16):
-        t = mq.loan_tensor((MiB // 4,), torch.float32)
+        t = mq.loan_tensor((SEALED // 4,), torch.float32)
         t.fill_(float(i))
         mq.enqueue((i, t), timeout=STEP)
         t.fill_(1000.0 + i)
@@ -148,7 +150,7 @@ def test_sent_loans_dropped_by_another_thread_while_the_writer_sends_leave_reuse
     import queue
     import threading
 
-    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=32 * MiB)
     out = children.queue()
     children.start(sealed_loan_reader, out, mq.export_handle(), 0)
     mq.wait_until_ready(timeout=STEP)
@@ -164,7 +166,7 @@ def test_sent_loans_dropped_by_another_thread_while_the_writer_sends_leave_reuse
     th.start()
     try:
         for i in range(40):
-            t = mq.loan_tensor((MiB // 4,), torch.float32)
+            t = mq.loan_tensor((SEALED // 4,), torch.float32)
             t.fill_(float(i))
             mq.enqueue((i, t), timeout=STEP)
             handoff.put((i, t))
@@ -174,4 +176,27 @@ def test_sent_loans_dropped_by_another_thread_while_the_writer_sends_leave_reuse
         th.join()
     mq.enqueue(None, timeout=STEP)
     assert children.expect(out, "sealed")[1:] == (40, [])
+    children.join()
+
+
+def test_a_loan_smaller_than_the_seal_size_is_copied_and_stays_the_writers_to_reuse(children):
+    """A loaned part under ``LOAN_SEAL_MIN`` is copied at the send (sealing would cost
+    more than the copy): the reader in another process gets what was sent, the writer's
+    later writes reach no message, and the same loan, written again, is sent again (a
+    copy each time). The metrics count them as copied parts, none loaned."""
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=32 * MiB)
+    out = children.queue()
+    children.start(sealed_loan_reader, out, mq.export_handle(), 0)
+    mq.wait_until_ready(timeout=STEP)
+    t = mq.loan_tensor(((SEALED - 4096) // 4,), torch.float32)
+    for i in range(8):
+        t.fill_(float(i))
+        mq.enqueue((i, t), timeout=STEP)
+        t.fill_(1000.0 + i)
+    del t
+    mq.enqueue(None, timeout=STEP)
+    assert children.expect(out, "sealed")[1:] == (8, [])
+    m = metrics.collect([mq.export_handle().buffer_handle[3]])[0]
+    assert (m["loaned_parts"], m["arena_parts"], m["fallback_parts"]) == (0, 8, 0), m
+    assert mq.arena_stats()["outstanding"] == 0, "the loan was not given back"
     children.join()

@@ -32,7 +32,7 @@ from _processes.tensor_children import (
     sealed_loan_reader,
     two_views_reader,
 )
-from shmq import MessageQueue
+from shmq import MessageQueue, _core
 
 MiB = 1 << 20
 
@@ -349,18 +349,18 @@ def test_loaned_memory_is_sent_without_a_copy(children):
 def test_a_loan_written_after_it_was_sent_changes_nothing_readers_get(children):
     """Sending seals a loan: the writer's mapping of it becomes its own copy-on-write
     view. ``fill_(i)`` → ``enqueue`` → ``fill_(1000 + i)``: both readers get ``i`` in
-    every element, and the writer reads ``1000 + i``. 40 loans through an arena with room
-    for 8 at a time (a ring of 4 messages keeps at most 6 alive): dropped loans are mapped
-    shared again before their memory is lent again, so every later message is right too (a page
-    left private would send zeros or
-    an older message's bytes)."""
-    mq = MessageQueue(2, 2, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * MiB)
+    every element, and the writer reads ``1000 + i``. 40 loans (of the smallest size that
+    is sealed, ``LOAN_SEAL_MIN``) through an arena with room for 8 at a time (a ring of 4
+    messages keeps at most 6 alive): dropped loans are mapped shared again before their
+    memory is lent again, so every later message is right too (a page left private would
+    send zeros or an older message's bytes)."""
+    mq = MessageQueue(2, 2, max_chunk_bytes=64 * 1024, max_chunks=4, arena_bytes=8 * _core.LOAN_SEAL_MIN)
     outs = [children.queue() for _ in range(2)]
     for rank, out in enumerate(outs):
         children.start(sealed_loan_reader, out, mq.export_handle(), rank)
     mq.wait_until_ready(timeout=STEP)
     for i in range(40):
-        t = mq.loan_tensor((MiB // 4,), torch.float32)
+        t = mq.loan_tensor((_core.LOAN_SEAL_MIN // 4,), torch.float32)  # sealed: smaller ones are copied
         t.fill_(float(i))
         mq.enqueue((i, t), timeout=STEP)
         t.fill_(1000.0 + i)

@@ -180,6 +180,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ID_MAX", shmq::alloc::ID_MAX)?;
     m.add("COUNT_BYTES", shmq::storage::COUNT_BYTES)?;
     m.add("SECRET_BYTES", shmq::storage::SECRET_BYTES)?;
+    // The smallest loaned part a queue sends by reference (sealed); smaller ones are
+    // copied: `MessageQueue.loan`'s docs and the tests that seal take it from here.
+    m.add("LOAN_SEAL_MIN", shmq::arena::LOAN_SEAL_MIN)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

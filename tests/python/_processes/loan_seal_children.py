@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from _processes import STEP, mapping_count
-from shmq import MessageQueue, ObjectStorage, RingBuffer
+from shmq import MessageQueue, ObjectStorage, RingBuffer, _core
 
 _PAGE = 4096
 
@@ -53,7 +53,7 @@ def hogged_queue_writer(out: Any, n: int) -> None:
     """A queue writer with one local reader (the test): once the reader is ready, takes
     its mappings to the limit, then loans ``n`` arrays, fills each with ``i``, sends
     ``(i, array)`` and fills it with ``1000 + i`` (keeping every loan alive)."""
-    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=8, arena_bytes=16 << 20)
+    mq = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=8, arena_bytes=32 << 20)
     out.put(("handle", mq.export_handle()))
     mq.wait_until_ready(timeout=STEP)
     # Makes the arena (copied into it: no loan sealed next to the ones below, whose
@@ -62,7 +62,7 @@ def hogged_queue_writer(out: Any, n: int) -> None:
     hog = _MappingHog()
     kept = []
     for i in range(n):
-        a = mq.loan_array((256 * 1024,))
+        a = mq.loan_array((_core.LOAN_SEAL_MIN // 4,))  # sealed: smaller loans are copied
         a[:] = i
         mq.enqueue((i, a), timeout=STEP)
         a[:] = 1000 + i

@@ -87,6 +87,17 @@ pub const ARENA_LAYOUT_VERSION: u32 = 2;
 pub const DEFAULT_CAPACITY: usize = 1 << 30;
 /// Default size from which a message part goes to the arena.
 pub const DEFAULT_THRESHOLD: usize = 1 << 20;
+/// The smallest part of a loan that a queue sends by reference; a smaller one is copied
+/// like any other part, and its loan stays unsealed. Sealing a loan and giving it back
+/// cost its process four mapping calls (`shmq_os::segment::LoanPages::seal` and
+/// `unseal`), each flushing the TLB of every core that runs one of the process's
+/// threads, and little per page; a copy costs per byte. `cargo bench -p shmq-os --bench
+/// seal` on the 2-core machine of `docs/performance.md` ("Loans: a seal or a copy"):
+/// seal and unseal 27 µs at 1 MiB against a 22 µs copy, 24 against 45 µs at 2 MiB, 16
+/// against 628 µs at 16 MiB; with a busy second thread 63 against 29 µs at 1 MiB, 77
+/// against 60 µs at 2 MiB, 114 µs against 1.05 ms at 16 MiB. Below 2 MiB the copy is
+/// cheaper, whatever the host program's threads do.
+pub const LOAN_SEAL_MIN: usize = 2 << 20;
 /// Default number of lease records (parts that can be outstanding at once).
 pub const DEFAULT_MAX_LEASES: usize = 1024;
 

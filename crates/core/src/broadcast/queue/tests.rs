@@ -663,3 +663,62 @@ fn an_enqueue_ended_by_its_hook_and_started_again_sends_each_message_once() {
     });
     assert!(pauses > 0, "the writer never waited for its remote reader");
 }
+
+/// A loaned part below `LOAN_SEAL_MIN` is copied (its loan stays shared and unsealed); one
+/// at or above it goes by reference, sealed. Either way the reader gets what was in the
+/// loan at the send, and the writer's later writes reach nobody.
+#[test]
+fn small_loaned_parts_are_copied_and_large_ones_sent_by_reference() {
+    let mut w = Writer::new(QueueOptions {
+        n_reader: 1,
+        n_local_reader: 1,
+        max_chunk_bytes: 1 << 16,
+        max_chunks: 4,
+        arena_bytes: 64 << 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let h = w.handle().clone();
+    let t = Duration::from_secs(10);
+    let sizes = [
+        crate::arena::LOAN_SEAL_MIN - 4096,
+        crate::arena::LOAN_SEAL_MIN,
+    ];
+    let (to_send, sent) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let mut r = Reader::open(&h, 0).unwrap();
+            r.wait_until_ready(t).unwrap();
+            for &n in &sizes {
+                // The writer has written 7 over the loan since it sent 3.
+                sent.recv().unwrap();
+                let parts = r.dequeue_parts(t).unwrap();
+                assert_eq!(parts[1].len(), n);
+                assert!(
+                    parts[1].iter().all(|&b| b == 3),
+                    "a write after the send reached the reader"
+                );
+            }
+        });
+        w.wait_until_ready(t).unwrap();
+        let ring = w.ring().unwrap().clone();
+        for (i, &n) in sizes.iter().enumerate() {
+            let mut loan = w.loan(n).unwrap();
+            loan.fill(3);
+            let before = ring.stats();
+            w.enqueue_parts(&[b"body", &loan[..]], t).unwrap();
+            let after = ring.stats();
+            let (loaned, copied) = (
+                after.loaned_parts - before.loaned_parts,
+                after.arena_parts - before.arena_parts,
+            );
+            assert_eq!(
+                (loaned, copied),
+                if i == 0 { (0, 1) } else { (1, 0) },
+                "size {n}"
+            );
+            loan.fill(7);
+            to_send.send(()).unwrap();
+        }
+    });
+}

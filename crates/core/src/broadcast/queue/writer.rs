@@ -73,13 +73,16 @@ fn place_parts(
     let (mut loaned, mut copied, mut fallbacks) = (0, 0, 0);
     // The parts that lie in loans not sent before, all found before any is sealed (two
     // parts of one loan in one message are both references). Loans exist only once the
-    // arena is made.
+    // arena is made. A part smaller than `LOAN_SEAL_MIN` is copied instead: sealing its
+    // loan would cost more than the copy.
     let in_loans: Vec<Option<ArenaRef>> = parts
         .iter()
         .enumerate()
         .map(|(i, p)| {
             let a = arena.as_deref().and_then(|lazy| lazy.get())?;
-            (i > 0).then(|| a.find_loan(p)).flatten()
+            (i > 0 && p.len() >= arena::LOAN_SEAL_MIN)
+                .then(|| a.find_loan(p))
+                .flatten()
         })
         .collect();
     let refs = parts
