@@ -12,8 +12,8 @@
 //!
 //! Run: `cargo bench -p shmq-os --bench seal -- --warm-up-time 1 --measurement-time 3`.
 
+use shmq_protocol::sync::local::{AtomicBool, Ordering};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use criterion::{Criterion, Throughput};
