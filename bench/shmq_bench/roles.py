@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .common import OBJECTS, SMALL_OBJECT, SYNC_TIMEOUT, Arrays, now_ns
+from .common import OBJECTS, SMALL_OBJECT, STEP_OBJECT, SYNC_TIMEOUT, Arrays, now_ns
 from .transports import Transport
 
 
@@ -146,6 +146,73 @@ def _role_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *,
     t_end = now_ns()
     if count != n:
         raise RuntimeError(f"reader {rank} received {count} objects, expected {n}")
+    _sync(barrier)
+    inbox.close()
+    return t_end
+
+
+def _role_step_writer(
+    transport: Transport, channels: Sequence[Any], barrier: Any, *, warmup: int, n: int, paced: bool
+) -> dict[str, Any]:
+    """The executor's step broadcast: send the step ``warmup + n`` times, then ``None``,
+    timing each send call (``perf_counter_ns`` around it). ``paced``: after each send,
+    wait (outside the clock) until every reader has taken it (``channels[1]``: each
+    reader's count), as vLLM's executor waits for its workers before the next step; else
+    send as fast as the queue lets it. Each send's start (``now_ns``) goes to
+    ``channels[2]``. Returns the measured calls' times (ns) and the time (``now_ns``) of
+    the first measured send."""
+    out = transport.open_writer(channels[0])
+    taken = channels[1]
+    out.ready()
+    _sync(barrier)
+    sent_at = channels[2]
+    send, step, clock, pause = out.io, STEP_OBJECT, time.perf_counter_ns, time.sleep
+    calls = [0] * n
+    t_first = now_ns()
+    for part in _beating(warmup + n):
+        for i in part:
+            if i == warmup:
+                t_first = now_ns()
+            sent_at[i] = now_ns()
+            t0 = clock()
+            send(step)
+            took = clock() - t0
+            if i >= warmup:
+                calls[i - warmup] = took
+            while paced and min(taken) <= i:
+                pause(20e-6)
+    send(None)
+    _sync(barrier)
+    out.close()
+    return {"calls_ns": calls, "t_first": t_first}
+
+
+def _role_step_reader(
+    transport: Transport, channels: Sequence[Any], barrier: Any, *, rank: int, total: int
+) -> int:
+    """Receive steps until ``None``, saying how many it has taken in ``channels[1]``
+    (see ``_role_step_writer``) and when each arrived in ``channels[3]`` (``now_ns``, at
+    ``rank * total + i``); checks the first one and the count. Returns the time
+    (``now_ns``) the last one arrived."""
+    inbox = transport.open_reader(channels[0], rank)
+    taken, got_at, base = channels[1], channels[3], rank * total
+    inbox.ready()
+    _sync(barrier)
+    recv = inbox.io
+    obj = recv()
+    if obj != STEP_OBJECT:
+        raise RuntimeError(f"reader {rank} received {str(obj)[:200]}, not the step")
+    count, mask = 0, BEAT_EVERY - 1
+    while obj is not None:
+        got_at[base + count] = now_ns()
+        count += 1
+        taken[rank] = count
+        if not count & mask:
+            beat()
+        obj = recv()
+    t_end = now_ns()
+    if count != total:
+        raise RuntimeError(f"reader {rank} received {count} steps, expected {total}")
     _sync(barrier)
     inbox.close()
     return t_end

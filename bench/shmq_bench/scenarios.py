@@ -33,6 +33,8 @@ from .roles import (
     _role_ping,
     _role_pong,
     _role_reader,
+    _role_step_reader,
+    _role_step_writer,
     _role_tensor_reader,
     _role_tensor_writer,
     _role_writer,
@@ -164,6 +166,41 @@ def _bench_latency_remote(harness: Harness, transport: Transport, params: Params
 
     tcp = ShmqTransport(remote=True) if transport.name == "shmq" else ZmqTransport(tcp=True)
     return _bench_latency(harness, tcp, params)
+
+
+def _bench_step_two_nodes(harness: Harness, transport: Transport, params: Params) -> dict[str, float]:
+    """vLLM's executor on two nodes (TP=2, one worker per node), without the engine: a
+    writer with 2 readers, rank 0 local (the ring) and rank 1 remote (TCP on 127.0.0.1:
+    shmq's authenticated stream, vLLM's plain ZeroMQ PUB socket), sending the 64-request
+    step, both readers taking every one. Paced (each step sent once both readers took
+    the one before, as the executor does): the send call's time, p50 and p99, and the
+    time from the send's start to the remote reader's receive (its ``dequeue``'s return,
+    unpickled), p50; then unpaced: steps per second, from the first measured send to the
+    last reader's last receive, and the send call's p50 at that rate. Every process
+    unpinned (the engine's two-node bench pins each node to a core)."""
+    from .transports import ShmqTransport, VllmTransport
+
+    two_nodes = ShmqTransport(n_local=1) if transport.name == "shmq" else VllmTransport(arena=False, n_local=1)
+    out: dict[str, float] = {}
+    rounds = params.rounds if params.step_rounds is None else min(params.rounds, params.step_rounds)
+    for paced, n in ((True, rounds), (False, params.objects)):
+        warmup = max(1, n // 10)
+        total = warmup + n
+        ctx = harness.ctx
+        taken, sent_at, got_at = ctx.RawArray("Q", 2), ctx.RawArray("Q", total), ctx.RawArray("Q", 2 * total)
+        channels = (harness.channel(two_nodes, 2), taken, sent_at, got_at)
+        jobs = [Job(_role_step_writer, channels, {"warmup": warmup, "n": n, "paced": paced})]
+        jobs += [Job(_role_step_reader, channels, {"rank": r, "total": total}) for r in range(2)]
+        writer, *t_ends = harness.run(two_nodes, jobs)
+        calls_us = sorted(ns / 1000 for ns in writer["calls_ns"])
+        if paced:
+            out["p50"], out["p99"] = percentile(calls_us, 50), percentile(calls_us, 99)
+            remote_us = sorted((got_at[total + i] - sent_at[i]) / 1000 for i in range(warmup, total))
+            out["remote_p50"] = percentile(remote_us, 50)
+        else:
+            out["rate"] = n / ((max(t_ends) - writer["t_first"]) / 1e9)
+            out["unpaced_p50"] = percentile(calls_us, 50)
+    return out
 
 
 def _bench_throughput(harness: Harness, transport: Transport, params: Params, *, n_readers: int) -> dict[str, float]:
@@ -701,6 +738,21 @@ SCENARIOS: list[Scenario] = [
             Metric("p99", "one-way latency over TCP (remote reader), p99", "us", False),
         ],
         only=("shmq", "pyzmq"),
+    ),
+    Scenario(
+        "step_two_nodes",
+        "the step broadcast of vLLM's executor on two nodes (1 local + 1 remote reader, no engine)",
+        _bench_step_two_nodes,
+        [
+            Metric("p50", "two nodes: send of a 64-request step to 1 local + 1 remote reader, paced, p50", "us", False),
+            Metric("p99", "two nodes: send of a 64-request step to 1 local + 1 remote reader, paced, p99", "us", False),
+            Metric(
+                "remote_p50", "two nodes: the step at the remote reader, from the send's start, paced, p50", "us", False
+            ),
+            Metric("rate", "two nodes: throughput of 64-request steps, 1 local + 1 remote reader", "obj/s", True),
+            Metric("unpaced_p50", "two nodes: send of a step at that throughput, p50", "us", False),
+        ],
+        only=("shmq", "vLLM"),
     ),
     Scenario(
         "throughput1",

@@ -101,8 +101,12 @@ class ShmqTransport(Transport):
 
     name = "shmq"
 
-    def __init__(self, remote: bool = False):
+    def __init__(self, remote: bool = False, n_local: Optional[int] = None):
+        #: ``n_local``: that many of the readers (the first ranks) are local, the rest
+        #: remote (as vLLM's executor on two nodes makes it); else all are, or none
+        #: (``remote``).
         self.remote = remote
+        self.n_local = n_local
 
     def make_channel(self, ctx: Any, n_readers: int, workdir: str) -> _ShmqChannel:
         return _ShmqChannel(n_readers, ctx.Queue())
@@ -110,13 +114,13 @@ class ShmqTransport(Transport):
     def open_writer(self, channel: _ShmqChannel) -> Endpoint:
         from shmq import MessageQueue
 
-        n_local = 0 if self.remote else channel.n_readers
+        n_local = self.n_local if self.n_local is not None else 0 if self.remote else channel.n_readers
         mq = MessageQueue(
             channel.n_readers,
             n_local,
             max_chunk_bytes=MAX_CHUNK_BYTES,
             max_chunks=MAX_CHUNKS,
-            connect_ip="127.0.0.1" if self.remote else None,
+            connect_ip="127.0.0.1" if n_local < channel.n_readers else None,
         )
         for _ in range(channel.n_readers):
             channel.handles.put(mq.export_handle())
@@ -372,8 +376,11 @@ class VllmTransport(Transport):
     (``enable_shm_tensor_arena=True``); needs vLLM importable (``pip install --no-deps
     vllm`` and the few small packages its import needs)."""
 
-    def __init__(self, arena: bool):
+    def __init__(self, arena: bool, n_local: Optional[int] = None):
         self.arena = arena
+        #: ``n_local``: that many of the readers (the first ranks) are local, the rest
+        #: remote (its plain ZeroMQ PUB socket on 127.0.0.1); else all are local.
+        self.n_local = n_local
         self.name = "vLLM arena" if arena else "vLLM"
 
     def unavailable(self) -> Optional[str]:
@@ -385,12 +392,14 @@ class VllmTransport(Transport):
     def open_writer(self, channel: _VllmChannel) -> Endpoint:
         from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
+        n_local = channel.n_readers if self.n_local is None else self.n_local
         mq = MessageQueue(
             channel.n_readers,
-            channel.n_readers,
+            n_local,
             max_chunk_bytes=MAX_CHUNK_BYTES,
             max_chunks=MAX_CHUNKS,
             enable_shm_tensor_arena=self.arena,
+            connect_ip="127.0.0.1" if n_local < channel.n_readers else None,
         )
         for _ in range(channel.n_readers):
             channel.handles.put(mq.export_handle())
