@@ -195,6 +195,52 @@ fn local_and_remote_in_threads() {
     assert!(w.overflow_count() > 0);
 }
 
+/// The remote reader's message goes before the local reader's chunk is published, but
+/// only after every wait: a send that finds the ring full (a local reader that takes
+/// nothing) and times out has sent nothing to the remote reader either, and the next
+/// send after the local reader took a message goes to both, in order.
+#[test]
+fn a_send_that_waits_for_the_ring_in_vain_sends_nothing_to_remote_readers() {
+    let mut w = one_local_one_remote(2, QueueOptions::default().arena_bytes);
+    let h = w.handle().clone();
+    let (mut local, mut remote) = (Reader::open(&h, 0).unwrap(), Reader::open(&h, 1).unwrap());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            local
+                .wait_until_ready(Some(Duration::from_secs(10)))
+                .unwrap()
+        });
+        s.spawn(|| {
+            remote
+                .wait_until_ready(Some(Duration::from_secs(10)))
+                .unwrap()
+        });
+        w.wait_until_ready(Some(Duration::from_secs(10))).unwrap();
+    });
+    let ten = Some(Duration::from_secs(10));
+    w.enqueue(b"one", ten).unwrap();
+    w.enqueue(b"two", ten).unwrap();
+    // Both chunks are taken: the third waits for the local reader, in vain.
+    let e = w
+        .enqueue(b"three", Some(Duration::from_millis(50)))
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+    assert_eq!(remote.dequeue(ten).unwrap(), b"one");
+    assert_eq!(remote.dequeue(ten).unwrap(), b"two");
+    let e = remote
+        .dequeue(Some(Duration::from_millis(200)))
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Timeout { .. }),
+        "the timed-out send reached it: {e:?}"
+    );
+    assert_eq!(local.dequeue(ten).unwrap(), b"one");
+    w.enqueue(b"four", ten).unwrap();
+    assert_eq!(remote.dequeue(ten).unwrap(), b"four");
+    assert_eq!(local.dequeue(ten).unwrap(), b"two");
+    assert_eq!(local.dequeue(ten).unwrap(), b"four");
+}
+
 /// `LostReaderPolicy::Raise`: the send that loses a remote reader (here dropped as slow:
 /// room for one message, none taken) and every later one fail with
 /// `RemoteError::LostReaders` naming it, with the text Python's `PeerDiedError` shows;

@@ -1,6 +1,16 @@
 //! The writing side of a queue ([`Writer`]): local readers through the ring (and the
 //! tensor arena for large parts), messages too large for a chunk and remote readers
 //! through ZeroMQ. Uses the ring's writer, the arena, the framing and the transport.
+//!
+//! The order of a send: every wait first (the remote readers' credit, then the ring's
+//! next chunk: see `Wait::commit`), then the remote readers' message, then the local
+//! readers' chunk. Remote first: a local reader's wake-up (the ring's doorbell) can take
+//! the writer's core from it on a loaded machine (vLLM's executor and its worker on one
+//! core), and the remote reader, whose message must still be sealed and cross the
+//! network, would wait behind it; in a tensor-parallel step every reader's part is
+//! needed, so the farthest one goes first. A send that fails after the remote readers
+//! got the message (a socket error) leaves the acquired chunk unpublished: the next
+//! send takes it again.
 
 use std::fmt;
 use std::sync::Arc;
@@ -680,11 +690,24 @@ impl Writer {
             let extra = if body { framing::header_len(1) } else { 0 };
             remote.wait_for_credit((msg.len() + extra) as u64, wait)?;
         }
+        // A message that fits in a chunk but finds no room in /dev/shm for it goes over
+        // the overflow socket too (see `RingWriter::reserve`).
+        let mut inline = false;
         if let Some(ring) = self.ring.as_mut() {
-            // A message that fits in a chunk but finds no room in /dev/shm for it goes
-            // over the overflow socket too (see `RingWriter::reserve`).
-            let inline = msg.len() <= ring.ring().max_chunk_bytes() && ring.reserve(msg.len())?;
+            inline = msg.len() <= ring.ring().max_chunk_bytes() && ring.reserve(msg.len())?;
             ring.acquire(wait)?;
+        }
+        // The remote readers first (see the module docs: the order of a send).
+        if let Some(remote) = self.remote.as_mut() {
+            wait.commit();
+            if body {
+                remote.send(&[&block(), msg], wait)?;
+            } else {
+                remote.send(&[msg], wait)?;
+            }
+            self.count_remote_send();
+        }
+        if let Some(ring) = self.ring.as_mut() {
             wait.commit();
             if inline {
                 ring.data_mut().expect("acquired")[..msg.len()].copy_from_slice(msg);
@@ -707,15 +730,6 @@ impl Writer {
                 ring.commit(msg.len(), ChunkKind::Overflow)?;
                 self.overflow_count += 1;
             }
-        }
-        if let Some(remote) = self.remote.as_mut() {
-            wait.commit();
-            if body {
-                remote.send(&[&block(), msg], wait)?;
-            } else {
-                remote.send(&[msg], wait)?;
-            }
-            self.count_remote_send();
         }
         Ok(())
     }
@@ -828,19 +842,42 @@ impl Writer {
             let bytes = block.len() as u64 + parts.iter().map(|p| p.len() as u64).sum::<u64>();
             remote.wait_for_credit(bytes, wait)?;
         }
-        if self.ring.is_some() {
-            let (refs, total) = self.place_local(parts, wait)?;
-            let ring = self.ring.as_mut().expect("checked above");
-            if total <= ring.ring().max_chunk_bytes() && ring.reserve(total)? {
-                self.enqueue_ring(format, parts, &refs, total)?;
-            } else {
-                self.enqueue_overflow(format, parts, &refs, total)?;
+        if self.ring.is_none() {
+            if let Some(block) = &remote_block {
+                self.enqueue_remote(block, parts, wait)?;
+            }
+            return Ok(());
+        }
+        let (refs, total) = self.place_local(parts, wait)?;
+        // A message that fits in a chunk but finds no room in /dev/shm for it goes over
+        // the overflow socket (see `RingWriter::reserve`): asked before anything is sent.
+        let ring = self.ring.as_mut().expect("checked above");
+        let fits = total <= ring.ring().max_chunk_bytes();
+        let inline = match fits.then(|| ring.reserve(total)).transpose() {
+            Ok(room) => room == Some(true),
+            Err(e) => return Err(self.abandon_parts(&refs, e)),
+        };
+        // The remote readers first (see the module docs: the order of a send).
+        if let Some(block) = &remote_block {
+            if let Err(e) = self.enqueue_remote(block, parts, wait) {
+                return Err(self.abandon_parts(&refs, e));
             }
         }
-        if let Some(block) = &remote_block {
-            self.enqueue_remote(block, parts, wait)?;
+        if inline {
+            self.enqueue_ring(format, parts, &refs, total)
+        } else {
+            self.enqueue_overflow(format, parts, &refs, total)
         }
-        Ok(())
+    }
+
+    /// A message placed for the local readers (`refs`) that will not be sent after all
+    /// (`e`): its parts in the arena go back; returns `e`. The chunk stays acquired for
+    /// the next message.
+    fn abandon_parts(&self, refs: &[PartRef], e: Error) -> Error {
+        if let Some(arena) = self.arena.as_ref().and_then(|a| a.get()) {
+            arena_parts(refs).for_each(|r| arena.abandon(r));
+        }
+        e
     }
 
     /// The local readers' message, up to its sending: the next chunk (the last wait),
