@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Any, Callable
 
-from .common import ROOT
+from .common import ROOT, percentile
 
 ENGINE_SH = ROOT / "scripts" / "engine.sh"
 DRIVER = ROOT / "tests" / "engine" / "driver.py"
@@ -167,6 +167,8 @@ def main(rounds: int, quick: bool) -> int:
 #: The images of each request of an ``engine-mm`` run (``+``: one request of several):
 #: four one-image requests, the same four again, then three four-image requests of new
 #: images and the same three again.
+#: One-image requests submitted at once, after the sequence (new images, then the same again).
+CONCURRENT = 16
 MM_SEQUENCE = ",".join(["0", "1", "2", "3"] * 2 + ["10+11+12+13", "14+15+16+17", "18+19+20+21"] * 2)
 
 
@@ -178,8 +180,10 @@ def run_mm(rounds: int, progress: Any = None) -> Rows:
     token (so its time is the time to first token): four requests of a fresh image, the
     same four again (cache hits: the front end sends the workers only the item's address,
     they read it from the store), then three of four fresh images each and the same three
-    again (:data:`MM_SEQUENCE`, one engine per run). Rows: medians over the rounds of
-    each run's median request time."""
+    again (:data:`MM_SEQUENCE`, one engine per run); then :data:`CONCURRENT` one-image
+    requests submitted at once, new images, and the same again (hits): requests per
+    second and the time to first token's p50 and p99. Rows: medians over the rounds of
+    each run's median request time (and of each run's rate and percentiles)."""
     python, model = _engine(REAL_LLAVA)
     got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     expected = [False] * 4 + [True] * 4 + [0] * 3 + [4] * 3
@@ -188,7 +192,7 @@ def run_mm(rounds: int, progress: Any = None) -> Rows:
             if progress:
                 progress(f"images, round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}")
             mm = _drive(python, model, plugin, "mm", "--sequence", MM_SEQUENCE, "--max-tokens", "1",
-                        "--max-model-len", str(REAL_MAX_MODEL_LEN))
+                        "--max-model-len", str(REAL_MAX_MODEL_LEN), "--concurrent", str(CONCURRENT))
             if mm["hits"] != expected:
                 raise RuntimeError(f"unexpected cache hits {mm['hits']} (plugin {'on' if plugin else 'off'})")
             times = [t * 1e3 for t in mm["request_s"]]
@@ -197,12 +201,26 @@ def run_mm(rounds: int, progress: Any = None) -> Rows:
             got[plugin].setdefault("hit", []).append(statistics.median(times[4:8]))
             got[plugin].setdefault("fresh4", []).append(statistics.median(times[8:11]))
             got[plugin].setdefault("hit4", []).append(statistics.median(times[11:14]))
+            for phase, c in mm["concurrent"].items():
+                if c["requests"] != CONCURRENT:
+                    raise RuntimeError(f"{c['requests']} of {CONCURRENT} concurrent requests finished ({phase})")
+                ttft = [t * 1e3 for t in c["ttft_s"]]
+                got[plugin].setdefault(f"{phase}_rate", []).append(CONCURRENT / c["wall_s"])
+                got[plugin].setdefault(f"{phase}_p50", []).append(percentile(ttft, 50))
+                got[plugin].setdefault(f"{phase}_p99", []).append(percentile(ttft, 99))
             got[plugin].setdefault("left", []).append(len(mm["shm_after"]) + len(mm["vllm_stores_after"]))
     labels = [
         ("fresh", "time to first token, 1 new image (cache miss; 2nd-4th request)", "ms"),
         ("hit", "time to first token, 1 repeated image (cache hit)", "ms"),
         ("fresh4", "time to first token, 4 new images in one request (4 misses)", "ms"),
         ("hit4", "time to first token, the same 4 images again (4 hits)", "ms"),
+        ("fresh_rate", f"{CONCURRENT} one-image requests at once, new images: requests per second (submission to "
+                       "the last first token)", "req/s"),
+        ("fresh_p50", f"the same {CONCURRENT}: time to first token, p50", "ms"),
+        ("fresh_p99", f"the same {CONCURRENT}: time to first token, p99", "ms"),
+        ("again_rate", f"the same {CONCURRENT} images again at once (cache hits): requests per second", "req/s"),
+        ("again_p50", f"the same {CONCURRENT} again: time to first token, p50", "ms"),
+        ("again_p99", f"the same {CONCURRENT} again: time to first token, p99", "ms"),
         ("left", "files left in /dev/shm after LLM goes out of scope (shmq's and vllm_mm_*)", "files"),
     ]
     return _rows(got, labels)

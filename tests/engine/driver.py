@@ -333,7 +333,8 @@ def cmd_mm(args: argparse.Namespace) -> None:
     is in /dev/shm while the engine runs and once it is gone (``--end``). A request of
     several images lists them with ``+`` (``0+1+2+3``); its hits are then counted.
     ``--then-kill-worker idle|generating``: the ``worker-death --images`` run follows on
-    the same engine (its ``error``, ``error_after_s``, ``hung``), instead of a normal end."""
+    the same engine (its ``error``, ``error_after_s``, ``hung``), instead of a normal end.
+    ``--concurrent N``: then N one-image requests at once, twice (``concurrent``)."""
     from vllm import LLM
 
     t0 = time.perf_counter()
@@ -372,9 +373,12 @@ def cmd_mm(args: argparse.Namespace) -> None:
         texts.append(out.outputs[0].text)
         got = cache.make_stats().hits - before if cache is not None else 0
         hits.append(got > 0 if len(group) == 1 else got)
+    concurrent = {phase: _concurrent_images(llm, args.concurrent, phase) for phase in ("fresh", "again")
+                  } if args.concurrent else {}
     info = cache.make_stats() if cache is not None else None
     pids = our_pids()
     live = dict(
+        concurrent=concurrent,
         plugin=plugin_active(),
         store_class=(type(cache._shm_cache).__module__ + "." + type(cache._shm_cache).__qualname__)
         if cache is not None and hasattr(cache, "_shm_cache")
@@ -410,6 +414,23 @@ def cmd_mm(args: argparse.Namespace) -> None:
             engine_processes_after=engine_processes(),
         )
     )
+
+
+def _concurrent_images(llm, n: int, phase: str) -> dict:
+    """``n`` requests of one image each submitted at once (``fresh``: images no request
+    had before; ``again``: the same ones, now in the cache), one output token each:
+    the seconds from the submission to each request's first token, and to the last."""
+    engine = llm.llm_engine
+    t0 = time.perf_counter()
+    for k in range(n):
+        request = {"prompt": mm_prompt(k), "multi_modal_data": {"image": image(1000 + k)}}
+        engine.add_request(f"concurrent-{phase}-{k}", request, sampling(1))
+    first: dict[str, float] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - t0
+    return {"wall_s": time.perf_counter() - t0, "ttft_s": sorted(first.values()), "requests": len(first)}
 
 
 def cmd_epd(args: argparse.Namespace) -> None:
@@ -714,6 +735,8 @@ def main() -> None:
     p.add_argument("--ec-both", metavar="NAME", help="with shmq's encoder-cache connector as ec_both, cache NAME")
     p.add_argument("--max-model-len", type=int, default=256, help="2560 for the real-sized Llava's 4 images")
     p.add_argument("--then-kill-worker", choices=["idle", "generating"], help="then the worker-death run")
+    p.add_argument("--concurrent", type=int, default=0, metavar="N",
+                   help="then N one-image requests at once, new images, and the same N again")
     p = sub.add_parser("epd")
     p.add_argument("model")
     p.add_argument("--role", choices=["ec_producer", "ec_consumer", "ec_both", "none"], required=True)
