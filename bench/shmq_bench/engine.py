@@ -182,7 +182,9 @@ def run_mm(rounds: int, progress: Any = None) -> Rows:
     they read it from the store), then three of four fresh images each and the same three
     again (:data:`MM_SEQUENCE`, one engine per run); then :data:`CONCURRENT` one-image
     requests submitted at once, new images, and the same again (hits): requests per
-    second and the time to first token's p50 and p99. Rows: medians over the rounds of
+    second and the time to first token's p50 and p99; and on an engine of its own, one
+    TP worker SIGKILLed with images in flight (the caller's error, what is left). Rows:
+    medians over the rounds of
     each run's median request time (and of each run's rate and percentiles)."""
     python, model = _engine(REAL_LLAVA)
     got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
@@ -209,6 +211,18 @@ def run_mm(rounds: int, progress: Any = None) -> Rows:
                 got[plugin].setdefault(f"{phase}_p50", []).append(percentile(ttft, 50))
                 got[plugin].setdefault(f"{phase}_p99", []).append(percentile(ttft, 99))
             got[plugin].setdefault("left", []).append(len(mm["shm_after"]) + len(mm["vllm_stores_after"]))
+            # An ending with images in flight: one TP worker SIGKILLed 1 s into batches of
+            # 64 image requests (the front end processing images, the workers reading
+            # items from the store), on an engine of its own.
+            if progress:
+                progress(f"images, round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}: a worker killed")
+            death = _drive(python, model, plugin, "mm", "--sequence", "0", "--max-tokens", "1",
+                           "--max-model-len", str(REAL_MAX_MODEL_LEN), "--then-kill-worker", "generating")
+            if death.get("hung") or not death.get("error"):
+                raise RuntimeError(f"no error after a worker's death (plugin {'on' if plugin else 'off'}): {death}")
+            got[plugin].setdefault("death", []).append(death["error_after_s"])
+            got[plugin].setdefault("death_left", []).append(
+                len(death["shm_after"]) + len(death["vllm_stores_after"]) + len(death["engine_processes_after"]))
     labels = [
         ("fresh", "time to first token, 1 new image (cache miss; 2nd-4th request)", "ms"),
         ("hit", "time to first token, 1 repeated image (cache hit)", "ms"),
@@ -222,6 +236,10 @@ def run_mm(rounds: int, progress: Any = None) -> Rows:
         ("again_p50", f"the same {CONCURRENT} again: time to first token, p50", "ms"),
         ("again_p99", f"the same {CONCURRENT} again: time to first token, p99", "ms"),
         ("left", "files left in /dev/shm after LLM goes out of scope (shmq's and vllm_mm_*)", "files"),
+        ("death", "a TP worker SIGKILLed with images in flight (64 image requests a batch): time to the caller's "
+                  "error", "s"),
+        ("death_left", "after that death: engine processes and files in /dev/shm left 15 s on (shmq's and "
+                       "vllm_mm_*)", "left"),
     ]
     return _rows(got, labels)
 
