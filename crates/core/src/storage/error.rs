@@ -17,8 +17,9 @@ pub enum StoreError {
     #[error("{}", stale_object_message(address, id))]
     StaleObject { address: u64, id: u64 },
 
-    /// A handle's signature is missing or does not match (vLLM 0.33's messages); `why`,
-    /// when known, says what was wrong (the Python store adds the key's repr).
+    /// A handle's signature is missing (`missing`: the key or the signature was not
+    /// given, see [`HandleRefusal::is_missing`]) or does not match (vLLM 0.33's messages);
+    /// `why`, when known, says what was wrong (the Python store adds the key's repr).
     #[error("{}", bad_signature_message(*missing, None, why.map(|w| w.to_string()).as_deref()))]
     BadSignature {
         missing: bool,
@@ -71,10 +72,24 @@ fn full_message(full: &Full) -> String {
 }
 
 /// Why a store refuses a handle a request brings back: the words after vLLM's "Invalid SHM
-/// handle signature for cache key ...:" (readers: the signature; the writer also checks
-/// that the handle is the key's current object, see `storage::StoreRole`).
+/// handle signature for cache key ...:" ("Missing ..." for what a reader was not given:
+/// [`is_missing`](Self::is_missing)). Readers check the signature (see
+/// `storage::SignedHandle`); the writer also checks that the handle is the key's current
+/// object, see `storage::StoreRole`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum HandleRefusal {
+    /// A reader was given neither the key nor the signature.
+    #[error(
+        "no key and no signature were given; a reader's get and touch need both (the key, \
+         and the signature the writer's get_signature(key) returns)"
+    )]
+    NoKeyNoSignature,
+    /// A reader was given a signature but not the key it was made for.
+    #[error("no key was given; a reader's get and touch need the key the signature was made for")]
+    NoKeyForSignature,
+    /// A reader was given a key but no signature.
+    #[error("no signature was given; pass the one the writer's get_signature(key) returns")]
+    NoSignature,
     /// The writer was given no key to look the handle up under.
     #[error("no key was given")]
     NoKey,
@@ -98,10 +113,23 @@ pub enum HandleRefusal {
     Mismatch { address: u64, id: u32 },
 }
 
+impl HandleRefusal {
+    /// Whether the refusal is of something a reader was not given (vLLM's "Missing SHM
+    /// handle signature"), rather than of what it was given ("Invalid ...").
+    pub fn is_missing(self) -> bool {
+        matches!(
+            self,
+            HandleRefusal::NoKeyNoSignature
+                | HandleRefusal::NoKeyForSignature
+                | HandleRefusal::NoSignature
+        )
+    }
+}
+
 impl From<HandleRefusal> for StoreError {
     fn from(why: HandleRefusal) -> StoreError {
         StoreError::BadSignature {
-            missing: false,
+            missing: why.is_missing(),
             why: Some(why),
         }
     }

@@ -80,6 +80,12 @@
 //! `sha256(key) ‖ address (u64 LE) ‖ id (u32 LE)`, as in vLLM 0.33. Readers check it, in
 //! constant time, before they read anything at the address. The secret is readable by
 //! every process that can open the segment (mode 0600: the same user), and by nobody else.
+//! A reader's get and touch are [`read_signed`] (or [`read_signed_viewed`]) and
+//! [`check_signed`] of a [`SignedHandle`] (key, address, id, signature): they refuse a
+//! missing key or signature, or a wrong signature, with
+//! [`StoreError::BadSignature`] before anything at the address is read, as the Python
+//! store does (it calls them). [`read_object`] and [`check_object`] check no signature:
+//! the writer's reads of its own handles, or handles that never left the process.
 //!
 //! # Files
 //! - `store_segment`: the store segment's header, published state, secret, and byte access;
@@ -87,6 +93,7 @@
 //! - `object`: an object's layout, reading it, and zero-copy views ([`PartView`]);
 //! - `index`: [`ObjectStore`], the key index with eviction and loans ([`StoreLoan`]);
 //! - `readers`: reader slots ([`ReaderSlot`]), and how the writer judges them;
+//! - `signed`: a reader's get and touch of a [`SignedHandle`], its signature checked first;
 //! - `error`: [`StoreError`], what the store refuses, and [`HandleRefusal`], why.
 
 mod error;
@@ -94,6 +101,7 @@ mod fifo;
 mod index;
 mod object;
 mod readers;
+mod signed;
 mod store_segment;
 #[cfg(test)]
 mod tests;
@@ -106,6 +114,7 @@ pub use object::{
     KeptPart, ObjectFrame, ObjectViews, PartView,
 };
 pub use readers::{judge_slot, reader_slots, ReaderInfo, ReaderSlot, ReaderStatus};
+pub use signed::{check_signed, key_and_signature, read_signed, read_signed_viewed, SignedHandle};
 pub use store_segment::{
     BlockHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, MAX_PARTS,
     MAX_READER_SLOTS, PART_ALIGN, SECRET_BYTES, SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC,

@@ -649,6 +649,166 @@ fn store_roles_apply_vllms_rules() {
     assert_eq!(rules(counting_writer), (true, false, false, true));
 }
 
+/// A Rust reader's get and touch check the handle's signature in core (issue 58, item 3):
+/// no key or signature, a wrong one, one made for another key are refused with the typed
+/// error (vLLM's messages) before anything at the address is read; the right one reads.
+#[test]
+fn a_readers_get_and_touch_check_the_signature() {
+    let (mut ring, mut s) = store(4096, 1024, 1);
+    let (a, i) = s.put(&mut ring, "k", &[b"meta", b"data"], 2).unwrap();
+    let (a2, i2) = s.put(&mut ring, "k2", &[b"other"], 1).unwrap();
+    let writer_seg = ring.segment().clone();
+    let sig = s.signature(&writer_seg, "k").unwrap();
+    let sig_k2 = s.signature(&writer_seg, "k2").unwrap();
+    // The same handle signed for another key.
+    let other_key = writer_seg.sign("k2", a, i);
+    let mut flipped = sig;
+    flipped[0] ^= 1;
+
+    let reader_ring = BlockFifo::open(writer_seg.name(), None).unwrap();
+    let seg = reader_ring.segment().clone();
+    let reader = StoreRole {
+        is_writer: false,
+        count_writer_reads: false,
+    };
+    let get = |h: SignedHandle<'_>| read_signed(&seg, reader, h, true, |o| o.span().to_vec());
+    let refusal = |r: Result<Vec<u8>>| match r {
+        Err(Error::Store(StoreError::BadSignature {
+            missing,
+            why: Some(why),
+        })) => (missing, why),
+        other => panic!("expected a refused signature, got {other:?}"),
+    };
+    // `(a, i)` with this key and signature; `with` gives it another key or signature.
+    let right = SignedHandle::new("k", a, i, &sig);
+    fn with<'a>(
+        h: SignedHandle<'a>,
+        key: Option<&'a str>,
+        signature: Option<&'a [u8]>,
+    ) -> SignedHandle<'a> {
+        SignedHandle {
+            key,
+            signature,
+            ..h
+        }
+    }
+
+    // Nothing given, or one of the two missing: "Missing ...".
+    assert_eq!(
+        refusal(get(with(right, None, None))),
+        (true, HandleRefusal::NoKeyNoSignature)
+    );
+    assert_eq!(
+        refusal(get(with(right, None, Some(&sig)))),
+        (true, HandleRefusal::NoKeyForSignature)
+    );
+    let missing = get(with(right, Some("k"), None)).unwrap_err();
+    assert!(matches!(
+        missing,
+        Error::Store(StoreError::BadSignature {
+            missing: true,
+            why: Some(HandleRefusal::NoSignature)
+        })
+    ));
+    assert_eq!(
+        missing.to_string(),
+        "Missing SHM handle signature for cache key: no signature was given; pass the one \
+         the writer's get_signature(key) returns"
+    );
+    // A wrong signature, one made for another key, one for another object: "Invalid ...".
+    let mismatch = (false, HandleRefusal::Mismatch { address: a, id: i });
+    for wrong in [&flipped, &other_key, &sig_k2] {
+        assert_eq!(refusal(get(with(right, Some("k"), Some(wrong)))), mismatch);
+    }
+    assert_eq!(
+        refusal(get(with(right, Some("k"), Some(&sig[..31])))),
+        mismatch
+    );
+    assert_eq!(
+        refusal(get(SignedHandle::new("k2", a, i, &sig))),
+        (false, HandleRefusal::Mismatch { address: a, id: i })
+    );
+    assert_eq!(
+        get(with(right, Some("k"), Some(&flipped)))
+            .unwrap_err()
+            .to_string(),
+        format!(
+            "Invalid SHM handle signature for cache key: the signature does not match this \
+             key, address {a} and id {i} (was it made for another key or object, or by \
+             another store?)"
+        )
+    );
+    // Refused before the address is looked at: a handle naming no block is refused for its
+    // signature, not reported stale; and no refused get counted a read.
+    let nowhere = SignedHandle {
+        address: u64::MAX,
+        ..right
+    };
+    assert_eq!(
+        refusal(get(nowhere)),
+        (
+            false,
+            HandleRefusal::Mismatch {
+                address: u64::MAX,
+                id: i
+            }
+        )
+    );
+    assert_eq!(object_reader_count(&seg, a, i).unwrap(), 0);
+
+    // The right one reads, and counts.
+    assert_eq!(
+        get(SignedHandle::new("k", a, i, &sig)).unwrap(),
+        b"metadata"
+    );
+    assert_eq!(object_reader_count(&seg, a, i).unwrap(), 1);
+    let viewed = read_signed_viewed(
+        &seg,
+        reader,
+        SignedHandle::new("k2", a2, i2, &sig_k2),
+        false,
+        |o, _| o.part(0).to_vec(),
+    );
+    assert_eq!(viewed.unwrap(), b"other");
+    assert!(matches!(
+        read_signed_viewed(&seg, reader, with(right, Some("k"), None), false, |_, _| ()),
+        Err(Error::Store(StoreError::BadSignature { missing: true, .. }))
+    ));
+
+    // A reader's touch: the same refusals, then that the handle still names its object.
+    assert!(matches!(
+        check_signed(&seg, with(right, Some("k"), None)),
+        Err(Error::Store(StoreError::BadSignature {
+            missing: true,
+            why: Some(HandleRefusal::NoSignature)
+        }))
+    ));
+    assert!(matches!(
+        check_signed(&seg, with(right, Some("k"), Some(&other_key))),
+        Err(Error::Store(StoreError::BadSignature {
+            missing: false,
+            why: Some(HandleRefusal::Mismatch { .. })
+        }))
+    ));
+    check_signed(&seg, SignedHandle::new("k", a, i, &sig)).unwrap();
+    // A handle signed for a block that is no object: signed, so only the object check
+    // refuses it.
+    let bogus_sig = writer_seg.sign("k", a + 1, i);
+    assert!(matches!(
+        check_signed(&seg, SignedHandle::new("k", a + 1, i, &bogus_sig)),
+        Err(Error::Store(StoreError::StaleObject { .. }))
+    ));
+
+    // The writer made its handles: its gets check no signature (`checks_signatures`).
+    let writer = StoreRole {
+        is_writer: true,
+        count_writer_reads: false,
+    };
+    let unsigned = with(right, None, None);
+    let got = read_signed(&writer_seg, writer, unsigned, false, |o| o.span().to_vec());
+    assert_eq!(got.unwrap(), b"metadata");
+}
+
 #[test]
 fn a_truncated_store_refuses_puts_and_reports_no_object_cached() {
     // Issue 32: the index is the writer's own memory; the objects it names were lost.
