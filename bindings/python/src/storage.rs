@@ -17,9 +17,10 @@ use shmq::broadcast::DeadReaderPolicy;
 use shmq::error::{Error, HandleRefusal, StoreError};
 use shmq::storage::{bad_signature_message, stale_object_message};
 use shmq::storage::{
-    check_object, object_reader_count, read_object, read_object_viewed, store_full_message,
-    BlockFifo as CoreRing, BlockHeader, CountRead, FreeOldestFirst, KeptPart,
-    ObjectStore as CoreStore, ReaderSlot, ReaderStatus, StoreRole, StoreSegment, SIGNATURE_BYTES,
+    check_signed, key_and_signature, object_reader_count, read_signed, read_signed_viewed,
+    store_full_message, BlockFifo as CoreRing, BlockHeader, CountRead, FreeOldestFirst, KeptPart,
+    ObjectStore as CoreStore, ReaderSlot, ReaderStatus, SignedHandle, StoreRole, StoreSegment,
+    SIGNATURE_BYTES,
 };
 
 /// Call `f` on zero-copy memoryviews of `spans` (inside `segment`): one view, or a
@@ -72,27 +73,15 @@ const KEPT_VIEW: &str = "the deserializer kept a view of the shared memory, whic
                          reuse once get() returns; it must copy what it keeps";
 
 /// A handle signature from Python: vLLM 0.33's rules (a list of 32 ints, each exactly
-/// an `int` in 0..=255), and a `str` key. `None` for either is a missing signature.
-/// Refusals are [`bad_signature`]s saying what was wrong.
+/// an `int` in 0..=255), and a `str` key. `None` for either is a missing signature, which
+/// the core refuses first (`key_and_signature`, the rule its `SignedHandle::verify`
+/// applies). Refusals are [`bad_signature`]s saying what was wrong.
 fn signature_arg<'a, 'py>(
     key: Option<&'a Bound<'py, PyAny>>,
     signature: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(&'a str, [u8; SIGNATURE_BYTES])> {
-    let (Some(key_obj), Some(signature)) = (key, signature) else {
-        let why = match (key, signature) {
-            (None, None) => {
-                "no key and no signature were given; a reader's get and touch need \
-                             both (the key, and the signature the writer's get_signature(key) \
-                             returns)"
-            }
-            (None, _) => {
-                "no key was given; a reader's get and touch need the key the \
-                          signature was made for"
-            }
-            _ => "no signature was given; pass the one the writer's get_signature(key) returns",
-        };
-        return Err(bad_signature(true, key, why));
-    };
+    let (key_obj, signature) =
+        key_and_signature(key, signature).map_err(|why| refused(key, why))?;
     let invalid = |why: String| bad_signature(false, key, &why);
     let list = signature.cast::<PyList>().map_err(|_| {
         invalid(format!(
@@ -158,7 +147,18 @@ fn bad_signature(missing: bool, key: Option<&Bound<'_, PyAny>>, why: &str) -> Py
 
 /// The store's refusal of a handle `key` (the caller's object) brought.
 fn refused(key: Option<&Bound<'_, PyAny>>, why: HandleRefusal) -> PyErr {
-    bad_signature(false, key, &why.to_string())
+    bad_signature(why.is_missing(), key, &why.to_string())
+}
+
+/// `r`'s error as Python sees it: a refused signature names `key` (the caller's object),
+/// the others as everywhere.
+fn or_refused<T>(r: shmq::error::Result<T>, key: Option<&Bound<'_, PyAny>>) -> PyResult<T> {
+    match r {
+        Err(Error::Store(StoreError::BadSignature { why: Some(why), .. })) => {
+            Err(refused(key, why))
+        }
+        other => other.or_raise(),
+    }
 }
 
 /// `v`'s repr, cut to a readable length (keys can be long).
@@ -572,22 +572,31 @@ impl ObjectStore {
         view_from: Option<usize>,
     ) -> PyResult<Py<PyAny>> {
         let handle = (int_in_range::<u64>(address)?, int_in_range::<u32>(id)?);
-        if self.role.checks_signatures() {
-            // Refuse forged handles before touching the address; integers out of range
-            // cannot have been signed.
+        // A reader's key and signature, as the core takes them (it checks them before
+        // touching the address, where the role checks signatures); integers out of range
+        // cannot have been signed. The writer's are not looked at.
+        let given = if self.role.checks_signatures() {
             let (key_str, signature) = signature_arg(key, signature)?;
-            let (Some(a), Some(i)) = handle else {
+            if handle.0.is_none() || handle.1.is_none() {
                 return Err(unsignable_handle(key, address, id));
-            };
-            self.verify(key, key_str, a, i, &signature)?;
-        }
+            }
+            Some((key_str, signature))
+        } else {
+            None
+        };
         // Integers out of range (negative, huge) name no object: the same ValueError.
         let (Some(a), Some(i)) = handle else {
             return Err(PyValueError::new_err(stale_object_message(address, id)));
         };
-        let count = self.count();
+        let signed = SignedHandle {
+            key: given.as_ref().map(|g| g.0),
+            address: a,
+            id: i,
+            signature: given.as_ref().map(|g| &g.1[..]),
+        };
+        let (role, count) = (self.role, self.count());
         if let (Some(view_from), true) = (view_from, split) {
-            return read_object_viewed(&self.segment, a, i, count, |object, views| {
+            let read = read_signed_viewed(&self.segment, role, signed, count, |object, views| {
                 if object.is_empty() {
                     return with_views(py, &self.segment, std::iter::empty(), true, |arg| {
                         Ok(deserialize.call1((arg,))?.unbind())
@@ -621,10 +630,10 @@ impl ObjectStore {
                         Ok(out?.unbind())
                     },
                 )
-            })
-            .or_raise()?;
+            });
+            return or_refused(read, key)?;
         }
-        read_object(&self.segment, a, i, count, |object| {
+        let read = read_signed(&self.segment, role, signed, count, |object| {
             let spans: Vec<&[u8]> = if split {
                 (0..object.len()).map(|k| object.part(k)).collect()
             } else {
@@ -633,8 +642,8 @@ impl ObjectStore {
             with_views(py, &self.segment, spans.into_iter(), split, |arg| {
                 Ok(deserialize.call1((arg,))?.unbind())
             })
-        })
-        .or_raise()?
+        });
+        or_refused(read, key)?
     }
 
     /// `touch(key, address, id, signature)`: on a writer without a reader lock, keep
@@ -655,9 +664,14 @@ impl ObjectStore {
             }
             return Ok(());
         }
-        self.verify_signature(py, Some(key), address, id, signature)?;
+        if self.role.checks_current_entry() {
+            // The writer that counts its reads: the handle must be the key's current one.
+            self.verify_current_entry(py, Some(key), address, id)?;
+        }
+        let (key_str, signature) = signature_arg(Some(key), signature)?;
         let (a, i) = signed_handle(Some(key), address, id)?;
-        check_object(&self.segment, a, i).or_raise()
+        let signed = SignedHandle::new(key_str, a, i, &signature);
+        or_refused(check_signed(&self.segment, signed), Some(key))
     }
 
     /// vLLM's `verify_signature`: on the writer the handle must also be the key's
@@ -672,22 +686,14 @@ impl ObjectStore {
         signature: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         if self.role.checks_current_entry() {
-            // A key that is not a str (or not valid UTF-8) has no entry. The store is
-            // locked for the lookup only: the refusals below run Python (reprs).
-            let current = match key {
-                None => Err(HandleRefusal::NoKey),
-                Some(k) => match k.cast::<PyString>().ok().and_then(|k| k.to_str().ok()) {
-                    Some(k) => self.store(py)?.current(Some(k)).copied(),
-                    None => Err(HandleRefusal::NoEntry),
-                },
-            }
-            .map_err(|why| refused(key, why))?;
-            let handle = signed_handle(key, address, id)?;
-            current
-                .check_handle(handle)
-                .map_err(|why| refused(key, why))?;
+            self.verify_current_entry(py, key, address, id)?;
         }
-        self.verify_reader(address, id, signature, key)
+        let (key_str, signature) = signature_arg(key, signature)?;
+        let (a, i) = signed_handle(key, address, id)?;
+        or_refused(
+            SignedHandle::new(key_str, a, i, &signature).verify(&self.segment),
+            key,
+        )
     }
 
     /// The signature of `key`'s current handle, as 32 ints; `KeyError` if unknown.
@@ -901,34 +907,28 @@ impl ObjectStore {
         Ok((ring, store))
     }
 
-    /// A reader's check of a handle's signature (no index lookup).
-    fn verify_reader(
+    /// The writer's first check of a handle a request brings back (vLLM's
+    /// `verify_signature` on the writer): it must be `key`'s current object.
+    fn verify_current_entry(
         &self,
+        py: Python<'_>,
+        key: Option<&Bound<'_, PyAny>>,
         address: &Bound<'_, PyAny>,
         id: &Bound<'_, PyAny>,
-        signature: Option<&Bound<'_, PyAny>>,
-        key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let (key_str, signature) = signature_arg(key, signature)?;
-        let (a, i) = signed_handle(key, address, id)?;
-        self.verify(key, key_str, a, i, &signature)
-    }
-
-    /// Check `signature` against the handle `(a, i)` of `key_str` (`key`, the caller's
-    /// object, names it in the refusal).
-    fn verify(
-        &self,
-        key: Option<&Bound<'_, PyAny>>,
-        key_str: &str,
-        a: u64,
-        i: u32,
-        signature: &[u8],
-    ) -> PyResult<()> {
-        match self.segment.verify(key_str, a, i, signature) {
-            Err(Error::Store(StoreError::BadSignature { why: Some(why), .. })) => {
-                Err(refused(key, why))
-            }
-            other => Ok(other.or_raise()?),
+        // A key that is not a str (or not valid UTF-8) has no entry. The store is locked
+        // for the lookup only: the refusals below run Python (reprs).
+        let current = match key {
+            None => Err(HandleRefusal::NoKey),
+            Some(k) => match k.cast::<PyString>().ok().and_then(|k| k.to_str().ok()) {
+                Some(k) => self.store(py)?.current(Some(k)).copied(),
+                None => Err(HandleRefusal::NoEntry),
+            },
         }
+        .map_err(|why| refused(key, why))?;
+        let handle = signed_handle(key, address, id)?;
+        current
+            .check_handle(handle)
+            .map_err(|why| refused(key, why))
     }
 }
