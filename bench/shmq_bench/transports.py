@@ -131,6 +131,8 @@ class ShmqTransport(Transport):
         def parts() -> tuple[int, int]:
             from shmq import metrics
 
+            if mq.buffer is None:  # remote readers only: no ring, no arena, no loans
+                return 0, 0
             m = metrics.collect([mq.buffer.name])[0]
             return m["loaned_parts"], m["arena_parts"]
 

@@ -1121,8 +1121,8 @@ class MessageQueue:
         reach no reader; sending it again copies what the writer sees. A buffer smaller
         than ``shmq._core.LOAN_SEAL_MIN`` (2 MiB) is copied instead, where sealing would
         cost more than the copy; the loan then stays unsealed, the writer's to fill and
-        send again. Dropped, it is given back. Without an arena, or with no room in it, this is ordinary memory (counted in
-        ``loan_fallbacks``) and sending it copies."""
+        send again. Dropped, it is given back. Without an arena, or with no room in it,
+        this is ordinary memory (counted in ``loan_fallbacks``) and sending it copies."""
         writer = self._writer
         if writer is None:
             raise self._not_the_writer("loan memory")
