@@ -464,7 +464,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and readers, each direction: a checkout and cargo), gpu (tensors received into device memory beside the "
         "pinned limit, and the encoder cache's IPC hand-off, one JSON line per row, see shmq_bench.gpu; on the CPU "
         "twin where torch sees no GPU), latency (latency_step, "
-        "latency_remote), throughput (1, 3), idle, fresh, loan, consume, tensor (the hand-over-only rows), e.g. "
+        "latency_remote), step_two_nodes (the executor's step to 1 local + 1 remote reader, beside vLLM's queue), "
+        "throughput (1, 3), idle, fresh, loan, consume, tensor (the hand-over-only rows), e.g. "
         "fresh16_3 (16 MiB, 3 readers); floors: "
         + ", ".join(f.key for f in FLOORS)
         + ", or 'floors' for all of them; default: all",
