@@ -130,22 +130,40 @@ def _role_reader(transport: Transport, channels: Sequence[Any], barrier: Any, *,
     """Receive until ``None``, check that exactly ``n`` small objects came; returns the
     time the last one arrived (``_now_ns``; the ``None`` is one more message, a
     difference of 1/n)."""
+    return _receive_all(transport, channels, barrier, rank, SMALL_OBJECT, "the small object", n)
+
+
+def _receive_all(
+    transport: Transport,
+    channels: Sequence[Any],
+    barrier: Any,
+    rank: int,
+    expected: Any,
+    what: str,
+    n: int,
+    on_each: Optional[Callable[[int], None]] = None,
+) -> int:
+    """A reader's run: receive until ``None``, the first message ``expected`` (``what``,
+    in the error otherwise), exactly ``n`` of them; ``on_each(k)`` as message ``k``
+    (from 0) arrives. Returns the time (``now_ns``) the last one arrived."""
     inbox = transport.open_reader(channels[0], rank)
     inbox.ready()
     _sync(barrier)
     recv = inbox.io
     obj = recv()
-    if obj != SMALL_OBJECT:
-        raise RuntimeError(f"reader {rank} received {obj!r}, not the small object")
+    if obj != expected:
+        raise RuntimeError(f"reader {rank} received {str(obj)[:200]}, not {what}")
     count, mask = 0, BEAT_EVERY - 1
     while obj is not None:
+        if on_each is not None:
+            on_each(count)
         count += 1
         if not count & mask:
             beat()
         obj = recv()
     t_end = now_ns()
     if count != n:
-        raise RuntimeError(f"reader {rank} received {count} objects, expected {n}")
+        raise RuntimeError(f"reader {rank} received {count} messages, expected {n}")
     _sync(barrier)
     inbox.close()
     return t_end
@@ -194,28 +212,13 @@ def _role_step_reader(
     (see ``_role_step_writer``) and when each arrived in ``channels[3]`` (``now_ns``, at
     ``rank * total + i``); checks the first one and the count. Returns the time
     (``now_ns``) the last one arrived."""
-    inbox = transport.open_reader(channels[0], rank)
     taken, got_at, base = channels[1], channels[3], rank * total
-    inbox.ready()
-    _sync(barrier)
-    recv = inbox.io
-    obj = recv()
-    if obj != STEP_OBJECT:
-        raise RuntimeError(f"reader {rank} received {str(obj)[:200]}, not the step")
-    count, mask = 0, BEAT_EVERY - 1
-    while obj is not None:
-        got_at[base + count] = now_ns()
-        count += 1
-        taken[rank] = count
-        if not count & mask:
-            beat()
-        obj = recv()
-    t_end = now_ns()
-    if count != total:
-        raise RuntimeError(f"reader {rank} received {count} steps, expected {total}")
-    _sync(barrier)
-    inbox.close()
-    return t_end
+
+    def arrived(k: int) -> None:
+        got_at[base + k] = now_ns()
+        taken[rank] = k + 1
+
+    return _receive_all(transport, channels, barrier, rank, STEP_OBJECT, "the step", total, arrived)
 
 
 def _role_idle_writer(
