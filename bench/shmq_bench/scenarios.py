@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
 
-from shmq._core import SHM_DIR
+from shmq._core import LOAN_SEAL_MIN, SHM_DIR
 from . import encoder_cache
 from .common import (
     PROTOCOL,
@@ -389,7 +389,8 @@ def _tensor_scenarios(*kinds: str) -> list[Scenario]:
                     if kind == "loan":
                         fallbacks = f"{size} {short}: loans that were not shared memory (copied)"
                         metrics.append(Metric("fallbacks", fallbacks, "", False))
-                        by_ref = f"{size} {short}: loans sent by reference, sealed (under 2 MiB: copied)"
+                        sealed_from = _size_name(LOAN_SEAL_MIN)
+                        by_ref = f"{size} {short}: loans sent by reference, sealed (under {sealed_from}: copied)"
                         metrics.append(Metric("by_reference", by_ref, "", False))
                 out.append(
                     Scenario(
