@@ -55,6 +55,18 @@ impl<'a> SignedHandle<'a> {
         let (key, signature) = key_and_signature(self.key, self.signature)?;
         segment.verify(key, self.address, self.id, signature)
     }
+
+    /// [`verify`](Self::verify) where `role` checks signatures (a reader); nothing for
+    /// the writer, which made its handles itself.
+    ///
+    /// # Errors
+    /// As [`verify`](Self::verify), on a role that checks.
+    fn admit(&self, segment: &StoreSegment, role: StoreRole) -> Result<()> {
+        if role.checks_signatures() {
+            self.verify(segment)?;
+        }
+        Ok(())
+    }
 }
 
 /// What a reader needs besides a handle to check it: the key and the signature, both
@@ -94,9 +106,7 @@ pub fn read_signed<R>(
     count: impl Into<CountRead>,
     f: impl FnOnce(&ObjectFrame<'_>) -> R,
 ) -> Result<R> {
-    if role.checks_signatures() {
-        handle.verify(segment)?;
-    }
+    handle.admit(segment, role)?;
     read_object(segment, handle.address, handle.id, count, f)
 }
 
@@ -111,9 +121,7 @@ pub fn read_signed_viewed<R>(
     count: impl Into<CountRead>,
     f: impl FnOnce(&ObjectFrame<'_>, &ObjectViews<'_>) -> R,
 ) -> Result<R> {
-    if role.checks_signatures() {
-        handle.verify(segment)?;
-    }
+    handle.admit(segment, role)?;
     read_object_viewed(segment, handle.address, handle.id, count, f)
 }
 
