@@ -6,7 +6,8 @@
 //!   shared range, what a loaned send and the loan's drop cost (four mapping calls: a
 //!   reservation, the page tables moved aside, a private mapping, the move back);
 //! - `seal/{size}/copy`: the same bytes copied into shared memory from a private buffer
-//!   (`copy::copy_large`), what sending them by copy costs instead;
+//!   (`copy::copy_large`), what sending them by copy costs instead (the source filled
+//!   once, before the clock, so it is as warm as a just-filled loan);
 //! - the `busy thread` variants: the same with a second thread of the process running on
 //!   another core (a host program's), which every mapping call's TLB flush must reach.
 //!
