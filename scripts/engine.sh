@@ -64,15 +64,22 @@ if [ ! -e "$llava_stamp" ]; then
   "$venv/bin/python" tests/engine/make_model.py --llava "$llava" >/dev/null 2>&1
   touch "$llava_stamp"
 fi
-# The engine bench's real-sized Llava (336x336 images, 576 tokens, 2048-wide embeddings:
-# tests/engine/make_model.py), made only when asked: SHMQ_ENGINE_REAL_LLAVA=1.
-if [ "${SHMQ_ENGINE_REAL_LLAVA:-0}" = 1 ]; then
-  real=target/engine-llava-real
+# The engine bench's real-sized Llava (336x336 images, 576 tokens, embeddings 2048 wide,
+# or 4096 as LLaVA-1.5-7B's: tests/engine/make_model.py), made only when asked:
+# SHMQ_ENGINE_REAL_LLAVA=1 (or 2048) makes target/engine-llava-real, 4096 makes
+# target/engine-llava-real-4096.
+case "${SHMQ_ENGINE_REAL_LLAVA:-0}" in
+  0) real_width='' ;;
+  1 | 2048) real_width=2048 real=target/engine-llava-real ;;
+  4096) real_width=4096 real=target/engine-llava-real-4096 ;;
+  *) say "SHMQ_ENGINE_REAL_LLAVA is 1, 2048 or 4096, not ${SHMQ_ENGINE_REAL_LLAVA}"; exit 2 ;;
+esac
+if [ -n "$real_width" ]; then
   real_stamp="$real/.stamp-$(sha256sum tests/engine/make_model.py | cut -c1-16)"
   if [ ! -e "$real_stamp" ]; then
-    say "making the real-sized random Llava in $real"
+    say "making the real-sized random Llava ($real_width wide) in $real"
     rm -rf "$real"
-    "$venv/bin/python" tests/engine/make_model.py --llava-real "$real" 2048 >/dev/null 2>&1
+    "$venv/bin/python" tests/engine/make_model.py --llava-real "$real" "$real_width" >/dev/null 2>&1
     touch "$real_stamp"
   fi
 fi

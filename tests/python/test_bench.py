@@ -247,3 +247,21 @@ def test_bench_distribution_is_shmqs_version() -> None:
     assert bench["name"] == "shmq-bench" and bench["version"] == shmq_version, bench["version"]
     assert f"shmq=={shmq_version}" in bench["dependencies"], bench["dependencies"]
     assert shmq["optional-dependencies"]["bench"] == [f"shmq-bench=={shmq_version}"]
+
+
+def test_the_images_scenario_takes_the_embeddings_width_and_refuses_others() -> None:
+    """``--mm-width`` picks the real-sized Llava of ``--scenarios engine-mm`` (its own
+    model directory per width, made by scripts/engine.sh from SHMQ_ENGINE_REAL_LLAVA);
+    another width is refused by the parser, before any engine starts."""
+    from shmq_bench import engine
+
+    assert engine.real_llava() == "engine-llava-real"
+    assert engine.real_llava(4096) == "engine-llava-real-4096"
+    with pytest.raises(ValueError, match="2048 or 4096 wide, not 1024"):
+        engine.real_llava(1024)
+    cmd = [sys.executable, "-m", "shmq", "bench", "--scenarios", "engine-mm", "--mm-width", "1024"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--mm-width: invalid choice: 1024" in done.stderr
+    script = (Path(__file__).parents[2] / "scripts" / "engine.sh").read_text()
+    assert 'real_width=4096 real=target/engine-llava-real-4096' in script
