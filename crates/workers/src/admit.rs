@@ -1,40 +1,44 @@
 //! Remote workers in one call: [`Workers::admit_remote`] accepts, admits and serves them
 //! from threads of the group's own, and [`Workers::close`] stops them.
 
-use std::collections::HashMap;
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::link::{LinkError, Ticket, WorkerListener};
+use crate::link::{
+    HandshakeSlot, HandshakeSlots, LinkError, Ticket, WorkerListener, HANDSHAKE_TIMEOUT,
+    MAX_HANDSHAKES,
+};
 use crate::monitor::Notices;
 use crate::watch::Shared;
 use crate::{Error, Result, Workers};
 
-/// Connections in their handshake at once; a connection past them is closed at once
-/// (the Python parent's bound).
-const MAX_HANDSHAKES: usize = 32;
-/// Between accepts while they fail (out of descriptors, say).
+/// Between accepts while they fail (out of descriptors, say), doubling up to
+/// [`ACCEPT_PAUSE_MAX`].
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
 
-/// Every connection's stream (a clone, shut down at close: that ends its handshake or
-/// its serving) and thread, by connection number.
-type Conns = Arc<Mutex<HashMap<u64, (TcpStream, Option<JoinHandle<()>>)>>>;
+/// The threads of the connections (handshakes, then the admitted workers' links).
+type Threads = Arc<Mutex<Vec<JoinHandle<()>>>>;
 
 /// What [`Workers::admit_remote`] started, stopped by [`Workers::close`].
 pub(crate) struct Admission {
     listener: Arc<WorkerListener>,
     stop: Arc<Mutex<bool>>,
     accept: Option<JoinHandle<()>>,
-    conns: Conns,
+    slots: HandshakeSlots,
+    threads: Threads,
 }
 
 impl Workers {
     /// Admit this group's remote workers (its ranks after the local ones,
     /// [`Workers::new`]) from `listener`, from now on, on threads of the group's own:
-    /// each connection's handshake (at most 32 at once) claims the rank the worker asks
+    /// each connection's handshake, at most [`MAX_HANDSHAKES`] at once
+    /// ([`HandshakeSlots`]: with every slot taken, the oldest connection still waiting
+    /// for its hello of the host with the most gives way) and each within
+    /// [`HANDSHAKE_TIMEOUT`], claims the rank the worker asks
     /// for ([`claim_remote`](Self::claim_remote): a rank not expected, or taken, is
     /// refused and told why), then its link is served (ready, leaving, its loss as its
     /// death, as [`RemoteWorker::serve`](crate::link::RemoteWorker::serve)) and told of a
@@ -71,28 +75,37 @@ impl Workers {
         let ticket = listener.ticket().clone();
         let listener = Arc::new(listener);
         let stop = Arc::new(Mutex::new(false));
-        let conns = Arc::default();
+        let slots = HandshakeSlots::new(MAX_HANDSHAKES);
+        let threads = Threads::default();
         let accept = {
-            let (listener, stop, conns) = (listener.clone(), stop.clone(), Arc::clone(&conns));
-            let (shared, notices) = (self.shared.clone(), self.notices.clone());
+            let run = Accept {
+                listener: listener.clone(),
+                stop: stop.clone(),
+                slots: slots.clone(),
+                threads: threads.clone(),
+                shared: self.shared.clone(),
+                notices: self.notices.clone(),
+            };
             std::thread::Builder::new()
                 .name("shmq-workers-accept".into())
-                .spawn(move || accept_loop(&listener, &stop, &conns, &shared, &notices))
+                .spawn(move || run.accept_loop())
                 .map_err(|e| Error::os("starting the thread that admits remote workers", e))?
         };
         *admission = Some(Admission {
             listener,
             stop,
             accept: Some(accept),
-            conns,
+            slots,
+            threads,
         });
         Ok(ticket)
     }
 
     /// Ask every remote worker admitted by [`admit_remote`](Self::admit_remote) or
     /// [`accept_into`](crate::link::WorkerListener::accept_into) to stop within `grace`
-    /// (part of [`close_with`](Self::close_with)).
-    pub(crate) fn stop_remote(&self, grace: Duration) {
+    /// (part of [`close_with`](Self::close_with), for a caller that closes in steps:
+    /// after [`close_begin`](Self::close_begin), before [`wait_exits`](Self::wait_exits)).
+    pub fn stop_remote(&self, grace: Duration) {
         let links: Vec<_> = {
             let notices = self.notices.lock().unwrap_or_else(|e| e.into_inner());
             notices.links.iter().map(|(_, l)| l.clone()).collect()
@@ -114,124 +127,197 @@ impl Workers {
         else {
             return;
         };
-        *admission.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        {
+            // Under the links' lock, which a thread that admitted a worker holds to add its
+            // link: every link is either ended here or never added (`Accept::serve`).
+            let notices = self.notices.lock().unwrap_or_else(|e| e.into_inner());
+            *admission.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            for (_, link) in &notices.links {
+                link.shutdown();
+            }
+        }
         // SAFETY: shutdown(2) of our listening socket: a blocked accept returns (EINVAL).
         unsafe { libc::shutdown(admission.listener.listener().as_raw_fd(), libc::SHUT_RDWR) };
         if let Some(accept) = admission.accept.take() {
             let _ = accept.join();
         }
-        // No connection is added from here on (the accept thread is gone).
-        let threads: Vec<JoinHandle<()>> = {
-            let mut conns = admission.conns.lock().unwrap_or_else(|e| e.into_inner());
-            conns
-                .drain()
-                .filter_map(|(_, (stream, thread))| {
-                    let _ = stream.shutdown(std::net::Shutdown::Both);
-                    thread
-                })
-                .collect()
-        };
+        // No connection is added from here on (the accept thread is gone): every
+        // handshake in progress ended, then every thread joined.
+        admission.slots.shut_down_all();
+        let threads =
+            std::mem::take(&mut *admission.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for thread in threads {
             let _ = thread.join();
         }
     }
 }
 
-fn accept_loop(
-    listener: &Arc<WorkerListener>,
-    stop: &Mutex<bool>,
-    conns: &Conns,
-    shared: &Arc<Shared>,
-    notices: &Arc<Mutex<Notices>>,
-) {
-    let mut next: u64 = 0;
-    loop {
-        let accepted = listener.listener().accept();
-        if *stop.lock().unwrap_or_else(|e| e.into_inner()) {
-            return;
+/// What the accepting thread shares with the connections' threads.
+#[derive(Clone)]
+struct Accept {
+    listener: Arc<WorkerListener>,
+    stop: Arc<Mutex<bool>>,
+    slots: HandshakeSlots,
+    threads: Threads,
+    shared: Arc<Shared>,
+    notices: Arc<Mutex<Notices>>,
+}
+
+/// An accept's error as `strerror` says it (without Rust's " (os error N)").
+fn os_text(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    match text.find(" (os error ") {
+        Some(cut) => text[..cut].to_owned(),
+        None => text,
+    }
+}
+
+impl Accept {
+    fn stopped(&self) -> bool {
+        *self.stop.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Accept connections until the admission ends. No error of `accept` ends this but
+    /// the listener's own end: out of descriptors (`EMFILE`, `ENFILE`) or memory, the
+    /// error is logged once and accepting goes on after a pause (the connection waits in
+    /// the backlog meanwhile); a connection that failed before it was accepted
+    /// (`ECONNABORTED` and the network errors `accept(2)` passes on) is skipped.
+    fn accept_loop(self) {
+        let mut failing: Option<String> = None; // the error of the streak, logged once
+        let mut pause = ACCEPT_PAUSE;
+        loop {
+            let accepted = self.listener.listener().accept();
+            if self.stopped() {
+                return;
+            }
+            let (stream, peer) = match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => match e.raw_os_error() {
+                    Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EFAULT) => {
+                        shmq_log!(error, "the port for remote workers stopped accepting: {e}");
+                        return;
+                    }
+                    Some(
+                        libc::ECONNABORTED
+                        | libc::EPROTO
+                        | libc::ENETDOWN
+                        | libc::ENOPROTOOPT
+                        | libc::EHOSTDOWN
+                        | libc::ENONET
+                        | libc::EHOSTUNREACH
+                        | libc::EOPNOTSUPP
+                        | libc::ENETUNREACH
+                        | libc::EPERM,
+                    ) => continue, // that connection's own failure: the next one
+                    _ => {
+                        if failing.is_none() {
+                            let text = os_text(&e);
+                            shmq_log!(
+                                warn,
+                                "the port for remote workers cannot accept now ({text}): \
+                                 retrying every {} s at most",
+                                ACCEPT_PAUSE_MAX.as_secs()
+                            );
+                            failing = Some(text);
+                        }
+                        std::thread::sleep(pause);
+                        pause = (2 * pause).min(ACCEPT_PAUSE_MAX);
+                        continue;
+                    }
+                },
+            };
+            if let Some(was) = failing.take() {
+                shmq_log!(
+                    warn,
+                    "the port for remote workers accepts again (after: {was})"
+                );
+                pause = ACCEPT_PAUSE;
+            }
+            self.start_handshake(stream, peer);
         }
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(e) => match e.raw_os_error() {
-                Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK) => return, // the listener is gone
-                _ => {
-                    std::thread::sleep(ACCEPT_PAUSE); // a failed connection, or out of fds
-                    continue;
-                }
-            },
-        };
-        let Ok(clone) = stream.try_clone() else {
-            continue; // out of descriptors: that connection is dropped
-        };
-        let mut table = conns.lock().unwrap_or_else(|e| e.into_inner());
-        // Finished threads go (their connection is over).
-        table.retain(|_, (_, t)| t.as_ref().is_some_and(|t| !t.is_finished()));
-        if table.len() >= MAX_HANDSHAKES + serving(shared) {
+    }
+
+    /// Take a slot for this connection's handshake (one that waits for its hello may
+    /// give way: [`HandshakeSlots`]) and run it on a thread of its own (a handshake can
+    /// stall: never in the accepting thread).
+    fn start_handshake(&self, stream: TcpStream, peer: SocketAddr) {
+        let Some((slot, evicted)) = self.slots.take(&stream, peer.ip()) else {
             shmq_log!(
                 warn,
-                "too many worker handshakes in progress: closed a connection"
+                "too many worker handshakes in progress: closed a connection from {peer}"
             );
-            continue;
-        }
-        let id = next;
-        next += 1;
-        let (listener, shared, notices) = (listener.clone(), shared.clone(), notices.clone());
-        let thread = std::thread::Builder::new()
-            .name("shmq-workers-remote".into())
-            .spawn(move || admit_and_serve(&listener, stream, &shared, &notices));
-        match thread {
-            Ok(thread) => {
-                table.insert(id, (clone, Some(thread)));
-            }
-            Err(e) => shmq_log!(warn, "could not start a remote worker's thread: {e}"),
-        }
-    }
-}
-
-/// How many remote workers are connected (their threads serve them, not handshakes).
-fn serving(shared: &Shared) -> usize {
-    let state = shared.lock();
-    state
-        .members
-        .iter()
-        .filter(|m| m.remote && !m.host.is_empty() && !m.exited)
-        .count()
-}
-
-fn admit_and_serve(
-    listener: &WorkerListener,
-    stream: TcpStream,
-    shared: &Shared,
-    notices: &Mutex<Notices>,
-) {
-    let claimed = std::cell::Cell::new(None);
-    let admitted = listener.handshake(stream, |hello| {
-        let rank = hello.rank as usize;
-        shared.claim_remote(rank, hello.pid)?;
-        claimed.set(Some(rank));
-        Ok(())
-    });
-    let worker = match admitted {
-        Ok(worker) => worker,
-        Err(e) => {
-            if let Some(rank) = claimed.get() {
-                let how = format!("lost its connection during its handshake ({e})");
-                shared.report_exit(rank, None, Vec::new(), Some(how));
-            } else {
-                shmq_log!(warn, "{e}");
-            }
             return;
+        };
+        if let Some(host) = evicted {
+            shmq_log!(
+                warn,
+                "{MAX_HANDSHAKES} worker handshakes in progress: dropped the oldest waiting \
+                 one of {host}, for a connection from {peer}"
+            );
         }
-    };
-    let rank = worker.rank() as usize;
-    if !shared.remote_connected(rank, worker.host()) {
-        worker.shutdown();
-        return;
+        let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        threads.retain(|t| !t.is_finished()); // (finished: joined as they drop)
+        let run = self.clone();
+        let started = std::thread::Builder::new()
+            .name("shmq-workers-remote".into())
+            .spawn(move || run.admit_and_serve(stream, peer, slot));
+        match started {
+            Ok(thread) => threads.push(thread),
+            // (The closure, with the stream and then its slot, is dropped.)
+            Err(e) => shmq_log!(warn, "could not start the handshake with {peer}: {e}"),
+        }
     }
-    notices
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .links
-        .push((rank, worker.sender()));
-    worker.serve_shared(shared);
+
+    fn admit_and_serve(self, stream: TcpStream, peer: SocketAddr, slot: HandshakeSlot) {
+        let shared = &self.shared;
+        let claimed = std::cell::Cell::new(None);
+        let handshake = self.listener.handshake_on(&stream, Some(&slot), |hello| {
+            let rank = hello.rank as usize;
+            shared.claim_remote(rank, hello.pid)?;
+            claimed.set(Some(rank));
+            Ok(())
+        });
+        // The slot goes before the stream may close (`HandshakeSlots::take`).
+        let evicted = slot.evicted();
+        drop(slot);
+        let admitted =
+            handshake.and_then(|(hello, nonce)| self.listener.admitted(stream, hello, &nonce));
+        let worker = match admitted {
+            Ok(worker) => worker,
+            Err(e) => {
+                if let Some(rank) = claimed.get() {
+                    let how = format!("lost its connection during its handshake ({e})");
+                    shared.report_exit(rank, None, Vec::new(), Some(how));
+                }
+                match e {
+                    Error::Link(LinkError::Refused(why)) => shmq_log!(warn, "{why}"),
+                    Error::Link(LinkError::TimedOut) => shmq_log!(
+                        warn,
+                        "worker handshake with {peer} failed: not done within {} s",
+                        HANDSHAKE_TIMEOUT.as_secs()
+                    ),
+                    // A connection that gave way was logged when it did.
+                    _ if evicted => {}
+                    e => shmq_log!(warn, "worker handshake with {peer} failed: {e}"),
+                }
+                return;
+            }
+        };
+        let rank = worker.rank() as usize;
+        let host = if worker.host().is_empty() {
+            peer.ip().to_string()
+        } else {
+            worker.host().to_owned()
+        };
+        {
+            let mut notices = self.notices.lock().unwrap_or_else(|e| e.into_inner());
+            if self.stopped() || !shared.remote_connected(rank, &host) {
+                drop(notices);
+                worker.shutdown();
+                return;
+            }
+            notices.links.push((rank, worker.sender()));
+        }
+        worker.serve_shared(shared);
+    }
 }

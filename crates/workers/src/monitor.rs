@@ -27,7 +27,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use shmq_core::broadcast::Canceller;
 
-use crate::link::LinkSender;
+use crate::link::{Kind, LinkSender};
 use crate::watch::Shared;
 use crate::{Error, Result, WorkerDeath, WorkerExit, Workers};
 
@@ -279,7 +279,7 @@ pub(crate) fn tell_siblings(shared: &Shared, notices: &Mutex<Notices>) -> Vec<Wo
     };
     // Outside the lock: a link's write may wait on its connection.
     for link in links {
-        let _ = link.send(crate::link::kind::SIBLING_FAILED, &payload);
+        let _ = link.send(Kind::SiblingFailed.byte(), &payload);
     }
     deaths
 }

@@ -16,7 +16,9 @@ use super::handshake::{
     challenge_payload, new_nonce, read_answer, read_challenge, refusal_payload, welcome_payload,
     Hello,
 };
-use super::{kind, LinkError, Ticket, HANDSHAKE_TIMEOUT, MAX_FRAME, MAX_HELLO_FRAME};
+use super::{
+    HandshakeSlot, Kind, LinkError, Ticket, HANDSHAKE_TIMEOUT, MAX_FRAME, MAX_HELLO_FRAME,
+};
 use crate::{Result, WorkerExit, Workers};
 
 /// Reads of a stream that end at `deadline`, however the peer drips its bytes.
@@ -86,7 +88,14 @@ impl LinkSender {
     /// ([`RemoteWorker::send_stop`]).
     pub fn send_stop(&self, grace: Duration) -> Result<()> {
         let payload = json!({"grace": grace.as_secs_f64()}).to_string();
-        self.send(kind::STOP, payload.as_bytes())
+        self.send(Kind::Stop.byte(), payload.as_bytes())
+    }
+
+    /// (A worker's side) tell the parent this worker is leaving with `exitcode` and its
+    /// last stderr lines ([`ParentLink::send_leaving`]).
+    pub fn send_leaving(&self, exitcode: i32, stderr: &[String]) -> Result<()> {
+        let payload = json!({"exitcode": exitcode, "stderr": stderr}).to_string();
+        self.send(Kind::Leaving.byte(), payload.as_bytes())
     }
 
     /// End the connection both ways (a `recv` waiting on it returns).
@@ -251,6 +260,20 @@ impl WorkerListener {
         stream: TcpStream,
         admit: impl FnOnce(&Hello) -> std::result::Result<(), String>,
     ) -> Result<RemoteWorker> {
+        let (hello, nonce) = self.handshake_on(&stream, None, admit)?;
+        self.admitted(stream, hello, &nonce)
+    }
+
+    /// [`handshake`](Self::handshake) on `stream` up to the welcome, in `slot` (which
+    /// the hello's arrival marks, [`HandshakeSlot::hello_arrived`]: a connection that
+    /// gave way to a newer one ends here, [`LinkError::Closed`]): the worker's hello and
+    /// this side's nonce, for [`admitted`](Self::admitted).
+    pub(crate) fn handshake_on(
+        &self,
+        stream: &TcpStream,
+        slot: Option<&HandshakeSlot>,
+        admit: impl FnOnce(&Hello) -> std::result::Result<(), String>,
+    ) -> Result<(Hello, String)> {
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let peer = stream
             .peer_addr()
@@ -258,22 +281,27 @@ impl WorkerListener {
         let token = &self.ticket.token;
         let nonce = new_nonce()?;
         send_by(
-            &stream,
+            stream,
             deadline,
-            kind::CHALLENGE,
+            Kind::Challenge.byte(),
             &challenge_payload(&nonce),
         )?;
-        let mut reader = Deadlined {
-            stream: &stream,
-            deadline,
-        };
+        let mut reader = Deadlined { stream, deadline };
         let (k, payload) = read_frame_from(&mut reader, MAX_HELLO_FRAME, &peer.to_string(), true)?;
+        if slot.is_some_and(|slot| !slot.hello_arrived()) {
+            return Err(LinkError::Closed.into()); // it gave way to a newer connection
+        }
         let hello = match Hello::check(k, &payload, token, &nonce)
             .and_then(|h| admit(&h).map(|()| h))
         {
             Ok(hello) => hello,
             Err(reason) => {
-                let _ = send_by(&stream, deadline, kind::ANSWER, &refusal_payload(&reason));
+                let _ = send_by(
+                    stream,
+                    deadline,
+                    Kind::Answer.byte(),
+                    &refusal_payload(&reason),
+                );
                 return Err(
                     LinkError::Refused(format!("refused a worker from {peer}: {reason}")).into(),
                 );
@@ -282,16 +310,30 @@ impl WorkerListener {
         // Proved the token: its welcome has a fresh timeout of its own.
         let welcome = welcome_payload(token, &hello.nonce, &nonce, hello.rank);
         send_by(
-            &stream,
+            stream,
             Instant::now() + HANDSHAKE_TIMEOUT,
-            kind::ANSWER,
+            Kind::Answer.byte(),
             &welcome,
         )?;
+        Ok((hello, nonce))
+    }
+
+    /// The link of the worker `hello` welcomed on `stream` (this side's nonce: `nonce`).
+    pub(crate) fn admitted(
+        &self,
+        stream: TcpStream,
+        hello: Hello,
+        nonce: &str,
+    ) -> Result<RemoteWorker> {
+        let peer = stream
+            .peer_addr()
+            .map_err(|e| LinkError::io("reading a remote worker's address", e))?;
         stream
             .set_read_timeout(None)
             .and_then(|()| stream.set_write_timeout(None))
             .map_err(|e| LinkError::io("clearing the handshake's timeouts", e))?;
-        let session = session(&nonce_bytes(&nonce)?, &nonce_bytes(&hello.nonce)?);
+        let session = session(&nonce_bytes(nonce)?, &nonce_bytes(&hello.nonce)?);
+        let token = &self.ticket.token;
         let (receiver, sender) = split(stream, token, &session, Side::Parent, peer.to_string())?;
         Ok(RemoteWorker {
             hello,
@@ -349,19 +391,18 @@ impl RemoteWorker {
     pub fn recv(&mut self) -> Result<WorkerMessage> {
         loop {
             let (k, payload) = self.receiver.recv()?;
-            match k {
-                kind::CHALLENGE
-                | kind::HELLO
-                | kind::ANSWER
-                | kind::STOP
-                | kind::SIBLING_FAILED => {
+            let Some(kind) = Kind::from_byte(k) else {
+                continue; // a newer worker's kind
+            };
+            match kind {
+                Kind::Challenge | Kind::Hello | Kind::Answer | Kind::Stop | Kind::SiblingFailed => {
                     return Err(LinkError::UnexpectedKind {
                         kind: char::from(k),
                     }
                     .into());
                 }
-                kind::READY => return Ok(WorkerMessage::Ready(payload)),
-                kind::LEAVING => {
+                Kind::Ready => return Ok(WorkerMessage::Ready(payload)),
+                Kind::Leaving => {
                     let msg: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
                     let exitcode = msg
                         .get("exitcode")
@@ -380,7 +421,6 @@ impl RemoteWorker {
                         .unwrap_or_default();
                     return Ok(WorkerMessage::Leaving { exitcode, stderr });
                 }
-                _ => continue,
             }
         }
     }
@@ -430,7 +470,7 @@ impl RemoteWorker {
     /// Tell the worker that another worker of its group failed (`notice`: the parent's
     /// description of it; Python's is the `WorkerDiedError`'s notice).
     pub fn send_sibling_failed(&self, notice: &[u8]) -> Result<()> {
-        self.sender.send(kind::SIBLING_FAILED, notice)
+        self.sender.send(Kind::SiblingFailed.byte(), notice)
     }
 
     /// A sender on this link, for another thread.
@@ -545,7 +585,7 @@ impl ParentLink {
             std::process::id(),
             &hostname(),
         )?;
-        send_by(&stream, deadline, kind::HELLO, &hello.encode())?;
+        send_by(&stream, deadline, Kind::Hello.byte(), &hello.encode())?;
         let (k, payload) = read_frame_from(&mut reader, MAX_HELLO_FRAME, &peer, true)?;
         read_answer(
             k,
@@ -584,13 +624,12 @@ impl ParentLink {
 
     /// Tell the parent this worker is ready, with `payload` (for the parent to read).
     pub fn send_ready(&self, payload: &[u8]) -> Result<()> {
-        self.sender.send(kind::READY, payload)
+        self.sender.send(Kind::Ready.byte(), payload)
     }
 
     /// Tell the parent this worker is leaving with `exitcode` and its last stderr lines.
     pub fn send_leaving(&self, exitcode: i32, stderr: &[String]) -> Result<()> {
-        let payload = json!({"exitcode": exitcode, "stderr": stderr}).to_string();
-        self.sender.send(kind::LEAVING, payload.as_bytes())
+        self.sender.send_leaving(exitcode, stderr)
     }
 
     /// The next frame from the parent (blocking; frames of kinds this version does not
@@ -601,14 +640,17 @@ impl ParentLink {
     pub fn recv(&mut self) -> Result<ParentMessage> {
         loop {
             let (k, payload) = self.receiver.recv()?;
-            match k {
-                kind::CHALLENGE | kind::HELLO | kind::ANSWER | kind::READY | kind::LEAVING => {
+            let Some(kind) = Kind::from_byte(k) else {
+                continue; // a newer parent's kind
+            };
+            match kind {
+                Kind::Challenge | Kind::Hello | Kind::Answer | Kind::Ready | Kind::Leaving => {
                     return Err(LinkError::UnexpectedKind {
                         kind: char::from(k),
                     }
                     .into());
                 }
-                kind::STOP => {
+                Kind::Stop => {
                     let msg: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
                     let grace = msg
                         .get("grace")
@@ -617,8 +659,7 @@ impl ParentLink {
                         .unwrap_or(crate::DEFAULT_GRACE);
                     return Ok(ParentMessage::Stop { grace });
                 }
-                kind::SIBLING_FAILED => return Ok(ParentMessage::SiblingFailed(payload)),
-                _ => continue,
+                Kind::SiblingFailed => return Ok(ParentMessage::SiblingFailed(payload)),
             }
         }
     }

@@ -8,7 +8,7 @@ use shmq_core::auth::{
     mac, mac_eq, new_secret, secret_from_text, secret_to_text, to_hex, SECRET_BYTES,
 };
 
-use super::{kind, LinkError, PROTOCOL_VERSION};
+use super::{Kind, LinkError, PROTOCOL_VERSION};
 
 const HELLO_TAG: &[u8] = b"shmq worker hello";
 const WELCOME_TAG: &[u8] = b"shmq worker welcome";
@@ -76,7 +76,7 @@ pub fn challenge_payload(nonce: &str) -> Vec<u8> {
 /// the parent in errors: [`LinkError::Malformed`] for what is no shmq parent's challenge,
 /// [`LinkError::Refused`] for a parent of another protocol version.
 pub fn read_challenge(kind: u8, payload: &[u8], peer: &str) -> Result<String, LinkError> {
-    if kind != kind::CHALLENGE {
+    if kind != Kind::Challenge.byte() {
         return Err(LinkError::Malformed(format!(
             "{peer} is not a shmq worker parent"
         )));
@@ -152,7 +152,7 @@ impl Hello {
     /// is refused (what the parent answers).
     pub fn decode(kind: u8, payload: &[u8]) -> Result<Hello, String> {
         const MALFORMED: &str = "malformed hello";
-        if kind != kind::HELLO {
+        if kind != Kind::Hello.byte() {
             return Err(MALFORMED.to_owned());
         }
         let hello: Value = serde_json::from_slice(payload).map_err(|e| {
@@ -265,7 +265,7 @@ pub fn read_answer(
     rank: u32,
     peer: &str,
 ) -> Result<(), LinkError> {
-    let answer: Value = if kind == kind::ANSWER {
+    let answer: Value = if kind == Kind::Answer.byte() {
         serde_json::from_slice(payload).unwrap_or(Value::Null)
     } else {
         json!({"ok": false, "error": "no answer"})

@@ -70,6 +70,7 @@
 mod endpoint;
 mod frame;
 mod handshake;
+mod slots;
 #[cfg(test)]
 mod tests;
 
@@ -83,6 +84,7 @@ pub use handshake::{
     challenge_payload, hello_mac, new_nonce, read_answer, read_challenge, refusal_payload,
     welcome_mac, welcome_payload, Hello,
 };
+pub use slots::{HandshakeSlot, HandshakeSlots, MAX_HANDSHAKES};
 
 use std::time::Duration;
 
@@ -111,22 +113,80 @@ pub const MAX_HELLO_FRAME: usize = 4096;
 /// of [`ParentLink::connect`]).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The frames' kinds.
-pub mod kind {
+/// The kinds of the link's frames, the one list of them (the Python package gets them
+/// from the bindings, as `shmq._core.LinkKind`). A frame carries its kind as one byte,
+/// the variant's value. Adding one: a variant here (and in [`Kind::ALL`]), what sends and
+/// what receives it ([`RemoteWorker::recv`], [`ParentLink::recv`] match every kind), and
+/// its line in the module docs' table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Kind {
     /// parent -> worker: the challenge.
-    pub const CHALLENGE: u8 = b'C';
+    Challenge = b'C',
     /// worker -> parent: the hello.
-    pub const HELLO: u8 = b'H';
+    Hello = b'H',
     /// parent -> worker: the answer (welcome or refusal).
-    pub const ANSWER: u8 = b'A';
+    Answer = b'A',
     /// worker -> parent: ready.
-    pub const READY: u8 = b'R';
+    Ready = b'R',
     /// worker -> parent: leaving.
-    pub const LEAVING: u8 = b'X';
+    Leaving = b'X',
     /// parent -> worker: stop.
-    pub const STOP: u8 = b'S';
+    Stop = b'S',
     /// parent -> worker: a sibling failed.
-    pub const SIBLING_FAILED: u8 = b'F';
+    SiblingFailed = b'F',
+}
+
+impl Kind {
+    /// Every kind, in the order of the module docs' table.
+    pub const ALL: [Kind; 7] = [
+        Kind::Challenge,
+        Kind::Hello,
+        Kind::Answer,
+        Kind::Ready,
+        Kind::Leaving,
+        Kind::Stop,
+        Kind::SiblingFailed,
+    ];
+
+    /// Its byte on the wire.
+    pub const fn byte(self) -> u8 {
+        self as u8
+    }
+
+    /// The kind of a frame's byte, or `None` for one this version does not know.
+    pub fn from_byte(byte: u8) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.byte() == byte)
+    }
+
+    /// Its name as the Python package spells it (`LinkKind.SIBLING_FAILED`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Kind::Challenge => "CHALLENGE",
+            Kind::Hello => "HELLO",
+            Kind::Answer => "ANSWER",
+            Kind::Ready => "READY",
+            Kind::Leaving => "LEAVING",
+            Kind::Stop => "STOP",
+            Kind::SiblingFailed => "SIBLING_FAILED",
+        }
+    }
+
+    /// Whether it is the parent's to send (else a worker's).
+    pub const fn from_parent(self) -> bool {
+        match self {
+            Kind::Challenge | Kind::Answer | Kind::Stop | Kind::SiblingFailed => true,
+            Kind::Hello | Kind::Ready | Kind::Leaving => false,
+        }
+    }
+
+    /// Whether it is a handshake's (unsealed, before the link is admitted).
+    pub const fn in_handshake(self) -> bool {
+        match self {
+            Kind::Challenge | Kind::Hello | Kind::Answer => true,
+            Kind::Ready | Kind::Leaving | Kind::Stop | Kind::SiblingFailed => false,
+        }
+    }
 }
 
 /// What a worker needs to join: the parent's address and its token. Its text form is

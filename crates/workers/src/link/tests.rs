@@ -22,12 +22,12 @@ fn sealers(token: &[u8; 32]) -> (SealOut, SealIn, SealOut, SealIn) {
 #[test]
 fn sealed_frames_open_in_order_and_the_seal_is_the_cores_message_mac() {
     let (mut w_out, mut p_in, mut p_out, mut w_in) = sealers(&TOKEN);
-    let a = w_out.seal(kind::READY, b"ready");
-    let b = w_out.seal(kind::LEAVING, b"{}");
-    assert_eq!(p_in.open(kind::READY, &a).unwrap(), b"ready");
-    assert_eq!(p_in.open(kind::LEAVING, &b).unwrap(), b"{}");
-    let s = p_out.seal(kind::STOP, b"{\"grace\": 1}");
-    assert_eq!(w_in.open(kind::STOP, &s).unwrap(), b"{\"grace\": 1}");
+    let a = w_out.seal(Kind::Ready.byte(), b"ready");
+    let b = w_out.seal(Kind::Leaving.byte(), b"{}");
+    assert_eq!(p_in.open(Kind::Ready.byte(), &a).unwrap(), b"ready");
+    assert_eq!(p_in.open(Kind::Leaving.byte(), &b).unwrap(), b"{}");
+    let s = p_out.seal(Kind::Stop.byte(), b"{\"grace\": 1}");
+    assert_eq!(w_in.open(Kind::Stop.byte(), &s).unwrap(), b"{\"grace\": 1}");
     // On the wire: [seq (8, big-endian)][seal (32)][payload].
     assert_eq!(&b[..8], &1u64.to_be_bytes());
     let session = [[1u8; 32], [2u8; 32]].concat();
@@ -36,7 +36,7 @@ fn sealed_frames_open_in_order_and_the_seal_is_the_cores_message_mac() {
         b"shmq worker link: worker to parent",
         &session,
         1,
-        [&[kind::LEAVING][..], b"{}"],
+        [&[Kind::Leaving.byte()][..], b"{}"],
     );
     assert_eq!(&b[8..40], &want);
 }
@@ -44,58 +44,60 @@ fn sealed_frames_open_in_order_and_the_seal_is_the_cores_message_mac() {
 #[test]
 fn an_altered_replayed_reordered_reflected_or_unsealed_frame_is_refused() {
     let (mut w_out, mut p_in, mut p_out, _) = sealers(&TOKEN);
-    let f0 = w_out.seal(kind::READY, b"info");
-    let f1 = w_out.seal(kind::READY, b"more");
+    let f0 = w_out.seal(Kind::Ready.byte(), b"info");
+    let f1 = w_out.seal(Kind::Ready.byte(), b"more");
     // Reordered: frame 1 first.
     let mut fresh = p_in.clone();
     assert!(matches!(
-        fresh.open(kind::READY, &f1),
+        fresh.open(Kind::Ready.byte(), &f1),
         Err(LinkError::OutOfTurn { got: 1, due: 0 })
     ));
     // Altered payload, or kind.
     let mut altered = f0.clone();
     *altered.last_mut().unwrap() ^= 1;
     assert!(matches!(
-        p_in.clone().open(kind::READY, &altered),
+        p_in.clone().open(Kind::Ready.byte(), &altered),
         Err(LinkError::BadSeal)
     ));
     assert!(matches!(
-        p_in.clone().open(kind::LEAVING, &f0),
+        p_in.clone().open(Kind::Leaving.byte(), &f0),
         Err(LinkError::BadSeal)
     ));
     // Unsealed (too short for a seal).
     assert!(matches!(
-        p_in.clone().open(kind::READY, b"pickled"),
+        p_in.clone().open(Kind::Ready.byte(), b"pickled"),
         Err(LinkError::Unsealed)
     ));
     // Reflected: the parent's own frame back to it.
-    let s = p_out.seal(kind::STOP, b"{}");
+    let s = p_out.seal(Kind::Stop.byte(), b"{}");
     assert!(matches!(
-        p_in.clone().open(kind::STOP, &s),
+        p_in.clone().open(Kind::Stop.byte(), &s),
         Err(LinkError::BadSeal)
     ));
     // Replayed: frame 0 again after frame 0.
-    assert_eq!(p_in.open(kind::READY, &f0).unwrap(), b"info");
+    assert_eq!(p_in.open(Kind::Ready.byte(), &f0).unwrap(), b"info");
     assert!(matches!(
-        p_in.open(kind::READY, &f0),
+        p_in.open(Kind::Ready.byte(), &f0),
         Err(LinkError::OutOfTurn { got: 0, due: 1 })
     ));
     // Another key or another session.
     let (mut other, ..) = sealers(&[8; 32]);
     assert!(matches!(
         p_in.clone()
-            .open(kind::READY, &other.seal(kind::READY, b"x")),
+            .open(Kind::Ready.byte(), &other.seal(Kind::Ready.byte(), b"x")),
         Err(LinkError::BadSeal)
     ));
     let mut other_session = SealOut::new(&TOKEN, &[9u8; 64], Side::Worker);
-    other_session.seal(kind::READY, b"x");
+    other_session.seal(Kind::Ready.byte(), b"x");
     assert!(matches!(
-        p_in.clone()
-            .open(kind::READY, &other_session.seal(kind::READY, b"more")),
+        p_in.clone().open(
+            Kind::Ready.byte(),
+            &other_session.seal(Kind::Ready.byte(), b"more")
+        ),
         Err(LinkError::BadSeal)
     ));
     // The genuine next frame still opens.
-    assert_eq!(p_in.open(kind::READY, &f1).unwrap(), b"more");
+    assert_eq!(p_in.open(Kind::Ready.byte(), &f1).unwrap(), b"more");
 }
 
 #[test]
@@ -146,15 +148,24 @@ fn the_hello_and_welcome_are_the_cores_mac_in_domains_of_their_own() {
     assert!(hello.is_genuine(&TOKEN, &theirs));
     assert!(!hello.is_genuine(&[8; 32], &theirs));
     assert!(!hello.is_genuine(&TOKEN, &ours));
-    let decoded = Hello::check(kind::HELLO, &hello.encode(), &TOKEN, &theirs).unwrap();
+    let decoded = Hello::check(Kind::Hello.byte(), &hello.encode(), &TOKEN, &theirs).unwrap();
     assert_eq!(decoded, hello);
     assert_eq!(
-        Hello::check(kind::HELLO, &hello.encode(), &[8; 32], &theirs).unwrap_err(),
+        Hello::check(Kind::Hello.byte(), &hello.encode(), &[8; 32], &theirs).unwrap_err(),
         "wrong token"
     );
     // The answer: admitted only with the parent's proof over this worker's nonce.
     let ok = welcome_payload(&TOKEN, &hello.nonce, &theirs, 3);
-    read_answer(kind::ANSWER, &ok, &TOKEN, &hello.nonce, &theirs, 3, "p").unwrap();
+    read_answer(
+        Kind::Answer.byte(),
+        &ok,
+        &TOKEN,
+        &hello.nonce,
+        &theirs,
+        3,
+        "p",
+    )
+    .unwrap();
     for (answer, rank, expect) in [
         (ok.clone(), 4, "without proving"),
         (
@@ -175,7 +186,7 @@ fn the_hello_and_welcome_are_the_cores_mac_in_domains_of_their_own() {
         (b"not json".to_vec(), 3, "a malformed answer"),
     ] {
         let err = read_answer(
-            kind::ANSWER,
+            Kind::Answer.byte(),
             &answer,
             &TOKEN,
             &hello.nonce,
@@ -365,8 +376,8 @@ fn a_stranger_on_the_port_gets_a_clear_error() {
     let stranger = std::thread::spawn(move || {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         let (k, _) = read_frame(&mut s, MAX_FRAME).unwrap();
-        assert_eq!(k, kind::CHALLENGE);
-        write_frame(&mut s, kind::HELLO, &vec![b'['; MAX_HELLO_FRAME]).unwrap();
+        assert_eq!(k, Kind::Challenge.byte());
+        write_frame(&mut s, Kind::Hello.byte(), &vec![b'['; MAX_HELLO_FRAME]).unwrap();
     });
     let err = listener.accept(|_| Ok(())).err().unwrap();
     let crate::Error::Link(LinkError::HandshakeFrameTooLong { peer, length, max }) = &err else {
@@ -401,13 +412,18 @@ fn a_worker_gives_up_on_a_dripping_parent_at_its_one_deadline() {
             let (mut s, _) = listener.accept().unwrap();
             let challenge = challenge_payload(&new_nonce().unwrap());
             let mut wire = Vec::new();
-            write_frame(&mut wire, kind::CHALLENGE, &challenge).unwrap();
+            write_frame(&mut wire, Kind::Challenge.byte(), &challenge).unwrap();
             if drip_answer {
                 // A genuine-looking challenge at once, then the answer drips.
                 s.write_all(&wire).unwrap();
                 read_frame(&mut s, MAX_HELLO_FRAME).unwrap();
                 wire = Vec::new();
-                write_frame(&mut wire, kind::ANSWER, &refusal_payload(&"x".repeat(100))).unwrap();
+                write_frame(
+                    &mut wire,
+                    Kind::Answer.byte(),
+                    &refusal_payload(&"x".repeat(100)),
+                )
+                .unwrap();
             }
             // 100 ms a byte: at most 8 s, then it stops (and the test fails, if the
             // worker was still reading).
@@ -450,13 +466,13 @@ fn a_worker_refuses_a_huge_handshake_frame_at_its_length() {
             let (mut s, _) = listener.accept().unwrap();
             if huge_answer {
                 let nonce = new_nonce().unwrap();
-                write_frame(&mut s, kind::CHALLENGE, &challenge_payload(&nonce)).unwrap();
+                write_frame(&mut s, Kind::Challenge.byte(), &challenge_payload(&nonce)).unwrap();
                 read_frame(&mut s, MAX_HELLO_FRAME).unwrap();
             }
             let k = if huge_answer {
-                kind::ANSWER
+                Kind::Answer.byte()
             } else {
-                kind::CHALLENGE
+                Kind::Challenge.byte()
             };
             s.write_all(&(64u32 << 20).to_be_bytes()).unwrap();
             s.write_all(&[k]).unwrap();
@@ -507,7 +523,7 @@ fn an_admitted_peers_frame_over_the_limit_ends_the_link() {
             .unwrap();
         let mut raw = link.stream();
         let _ = raw.write_all(&(MAX_FRAME as u32 + 1).to_be_bytes());
-        let _ = raw.write_all(&[kind::READY; 1 << 16]);
+        let _ = raw.write_all(&[Kind::Ready.byte(); 1 << 16]);
         link
     });
     let mut admitted = listener.accept(|_| Ok(())).unwrap();
@@ -544,7 +560,7 @@ fn an_admitted_peers_frame_over_the_limit_ends_the_link() {
 #[test]
 fn a_frames_buffer_grows_with_what_arrived() {
     let mut wire = (MAX_FRAME as u32).to_be_bytes().to_vec();
-    wire.push(kind::READY);
+    wire.push(Kind::Ready.byte());
     wire.extend_from_slice(&[9; 100]);
     /// Records the most room a read was offered.
     struct Tracked<'a>(Cursor<&'a Vec<u8>>, usize);
@@ -563,10 +579,10 @@ fn a_frames_buffer_grows_with_what_arrived() {
     // And a whole frame arrives as it was sent, over several reads.
     let mut wire = Vec::new();
     let payload: Vec<u8> = (0..300_000u32).map(|i| i as u8).collect();
-    write_frame(&mut wire, kind::READY, &payload).unwrap();
+    write_frame(&mut wire, Kind::Ready.byte(), &payload).unwrap();
     assert_eq!(
         read_frame_from(&mut Cursor::new(&wire), MAX_FRAME, "here", false).unwrap(),
-        (kind::READY, payload)
+        (Kind::Ready.byte(), payload)
     );
     let refusal = refusal_payload(&"\u{1}".repeat(10_000));
     assert!(refusal.len() <= MAX_HELLO_FRAME, "{}", refusal.len());
@@ -620,7 +636,7 @@ fn a_proof_reflected_into_the_other_message_fails() {
     let hello = Hello::new(&TOKEN, &parent_nonce, 3, 4242, "node-1").unwrap();
     let reflected = serde_json::json!({"ok": true, "mac": hello.mac}).to_string();
     let err = read_answer(
-        kind::ANSWER,
+        Kind::Answer.byte(),
         reflected.as_bytes(),
         &TOKEN,
         &hello.nonce,
@@ -644,7 +660,7 @@ fn a_proof_reflected_into_the_other_message_fails() {
         mac: to_hex(&welcome),
     };
     assert_eq!(
-        Hello::check(kind::HELLO, &forged.encode(), &TOKEN, &parent_nonce).unwrap_err(),
+        Hello::check(Kind::Hello.byte(), &forged.encode(), &TOKEN, &parent_nonce).unwrap_err(),
         "wrong token"
     );
     let swapped = welcome_mac(&TOKEN, &parent_nonce, &worker_nonce, 3);
@@ -653,7 +669,7 @@ fn a_proof_reflected_into_the_other_message_fails() {
         ..forged
     };
     assert_eq!(
-        Hello::check(kind::HELLO, &forged.encode(), &TOKEN, &parent_nonce).unwrap_err(),
+        Hello::check(Kind::Hello.byte(), &forged.encode(), &TOKEN, &parent_nonce).unwrap_err(),
         "wrong token"
     );
 }
@@ -723,7 +739,8 @@ fn a_half_closed_link_ends_the_parents_reads_as_a_loss() {
         let mut link = ParentLink::connect(&ticket, 0, Duration::from_secs(10)).unwrap();
         link.send_ready(b"up").unwrap();
         let mut raw = link.stream();
-        raw.write_all(&[0, 0, 0, 100, kind::READY, 1, 2]).unwrap(); // 7 of 104 bytes
+        raw.write_all(&[0, 0, 0, 100, Kind::Ready.byte(), 1, 2])
+            .unwrap(); // 7 of 104 bytes
         raw.shutdown(std::net::Shutdown::Write).unwrap();
         link.recv().unwrap()
     });
@@ -755,11 +772,11 @@ fn a_half_closed_link_ends_the_parents_reads_as_a_loss() {
 #[test]
 fn a_sealed_frame_of_the_wrong_kind_ends_the_link() {
     for wrong in [
-        kind::CHALLENGE,
-        kind::HELLO,
-        kind::ANSWER,
-        kind::STOP,
-        kind::SIBLING_FAILED,
+        Kind::Challenge.byte(),
+        Kind::Hello.byte(),
+        Kind::Answer.byte(),
+        Kind::Stop.byte(),
+        Kind::SiblingFailed.byte(),
     ] {
         let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
         let ticket = listener.ticket().clone();
@@ -767,7 +784,7 @@ fn a_sealed_frame_of_the_wrong_kind_ends_the_link() {
             let link = ParentLink::connect(&ticket, 0, Duration::from_secs(10)).unwrap();
             let sender = link.sender();
             sender.send(b'Z', b"a newer worker's").unwrap();
-            sender.send(kind::READY, b"up").unwrap();
+            sender.send(Kind::Ready.byte(), b"up").unwrap();
             sender.send(wrong, b"{}").unwrap();
             link
         });
@@ -788,11 +805,11 @@ fn a_sealed_frame_of_the_wrong_kind_ends_the_link() {
         drop(worker.join().unwrap());
     }
     for wrong in [
-        kind::CHALLENGE,
-        kind::HELLO,
-        kind::ANSWER,
-        kind::READY,
-        kind::LEAVING,
+        Kind::Challenge.byte(),
+        Kind::Hello.byte(),
+        Kind::Answer.byte(),
+        Kind::Ready.byte(),
+        Kind::Leaving.byte(),
     ] {
         let listener = WorkerListener::bind("127.0.0.1:0").unwrap();
         let ticket = listener.ticket().clone();
@@ -832,21 +849,200 @@ proptest! {
         if let Ok((k, body)) = read_frame(&mut Cursor::new(&wire), 1 << 10) {
             let _ = p_in.clone().open(k, &body);
         }
-        let _ = Hello::check(kind::HELLO, &wire, &TOKEN, &to_hex(&[1; 32]));
-        let _ = read_challenge(kind::CHALLENGE, &wire, "p");
-        let body = w_out.seal(kind::READY, &wire);
+        let _ = Hello::check(Kind::Hello.byte(), &wire, &TOKEN, &to_hex(&[1; 32]));
+        let _ = read_challenge(Kind::Challenge.byte(), &wire, "p");
+        let body = w_out.seal(Kind::Ready.byte(), &wire);
         let i = flip % body.len();
         let mut bad = body.clone();
         bad[i] ^= 0x5a;
-        prop_assert!(p_in.clone().open(kind::READY, &bad).is_err());
-        prop_assert_eq!(p_in.clone().open(kind::READY, &body).unwrap(), &wire[..]);
+        prop_assert!(p_in.clone().open(Kind::Ready.byte(), &bad).is_err());
+        prop_assert_eq!(p_in.clone().open(Kind::Ready.byte(), &body).unwrap(), &wire[..]);
     }
 
     #[test]
     fn a_hello_round_trips_for_any_rank_pid_and_host(rank: u32, pid: u32, host in "\\PC{0,60}") {
         let nonce = to_hex(&[3; 32]);
         let hello = Hello::new(&TOKEN, &nonce, rank, pid, &host).unwrap();
-        prop_assert_eq!(Hello::check(kind::HELLO, &hello.encode(), &TOKEN, &nonce).unwrap(), hello);
+        prop_assert_eq!(Hello::check(Kind::Hello.byte(), &hello.encode(), &TOKEN, &nonce).unwrap(), hello);
         prop_assert!(secret_from_text(&new_nonce().unwrap()).is_some());
     }
+}
+
+/// A connected pair on loopback: (the accepted end, the connecting end).
+fn tcp_pair(listener: &std::net::TcpListener) -> (TcpStream, TcpStream) {
+    let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (server, _) = listener.accept().unwrap();
+    (server, client)
+}
+
+/// Whether the peer of `client` hung up (its reads, past what it sent, see the end or a
+/// reset), waiting 50 ms for it at most.
+fn hung_up(client: &TcpStream) -> bool {
+    use std::io::Read;
+    client
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match (&*client).read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => {
+                return !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                )
+            }
+        }
+    }
+}
+
+#[test]
+fn kinds_are_one_enum_of_distinct_bytes_each_named_and_sent_by_one_side() {
+    let mut bytes: Vec<u8> = Kind::ALL.iter().map(|k| k.byte()).collect();
+    bytes.sort_unstable();
+    bytes.dedup();
+    assert_eq!(bytes.len(), Kind::ALL.len());
+    for kind in Kind::ALL {
+        assert_eq!(Kind::from_byte(kind.byte()), Some(kind));
+        assert!(!kind.name().is_empty());
+    }
+    assert_eq!(Kind::from_byte(b'Z'), None);
+    // Every variant is in ALL (a match that names each; a new one fails to compile here
+    // until it is listed).
+    for kind in Kind::ALL {
+        match kind {
+            Kind::Challenge
+            | Kind::Hello
+            | Kind::Answer
+            | Kind::Ready
+            | Kind::Leaving
+            | Kind::Stop
+            | Kind::SiblingFailed => {}
+        }
+    }
+    assert_eq!(
+        Kind::ALL.iter().filter(|k| k.from_parent()).count(),
+        4,
+        "challenge, answer, stop, sibling failed"
+    );
+}
+
+#[test]
+fn a_full_table_drops_the_oldest_waiting_connection_of_the_host_with_most() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let slots = HandshakeSlots::new(4);
+    let (a, b): (std::net::IpAddr, std::net::IpAddr) =
+        ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+    let mut held = Vec::new();
+    // A genuine worker from host b, waiting for its hello, then three strangers from a.
+    let (worker, worker_client) = tcp_pair(&listener);
+    let (worker_slot, none) = slots.take(&worker, b).unwrap();
+    assert_eq!(none, None);
+    for _ in 0..3 {
+        let (server, client) = tcp_pair(&listener);
+        let (slot, evicted) = slots.take(&server, a).unwrap();
+        assert_eq!(evicted, None);
+        held.push((server, client, slot));
+    }
+    assert_eq!(slots.taken(), 4);
+    // Ten more strangers from a: each pushes out a's oldest, never b's worker.
+    for i in 0..10 {
+        let (server, client) = tcp_pair(&listener);
+        let (slot, evicted) = slots.take(&server, a).unwrap();
+        assert_eq!(evicted, Some(a), "stranger {i}");
+        let (_, gone_client, gone_slot) = held.remove(0);
+        assert!(
+            hung_up(&gone_client),
+            "the evicted connection was shut down"
+        );
+        assert!(!gone_slot.hello_arrived(), "its hello comes too late");
+        assert!(gone_slot.evicted());
+        held.push((server, client, slot));
+    }
+    assert!(
+        !hung_up(&worker_client),
+        "the worker's connection is intact"
+    );
+    assert!(worker_slot.hello_arrived() && !worker_slot.evicted());
+    assert_eq!(slots.taken(), 4);
+    // Three connections from b: while a has more waiting, a's oldest gives way; once b
+    // has more, b's oldest (the worker is past its hello now, so never it).
+    let mut from_b = Vec::new();
+    for want in [a, a, b] {
+        let (server, client) = tcp_pair(&listener);
+        let (slot, evicted) = slots.take(&server, b).unwrap();
+        assert_eq!(evicted, Some(want));
+        from_b.push((server, client, slot));
+    }
+    assert!(hung_up(&from_b[0].1) && !hung_up(&worker_client));
+    let (server, _client) = tcp_pair(&listener);
+    let (last, evicted) = slots.take(&server, a).unwrap();
+    assert_eq!(evicted, Some(b), "b has two waiting, a one");
+    assert!(hung_up(&from_b[1].1) && !hung_up(&from_b[2].1));
+    // Every slot past its hello: a new connection gets none (the caller closes it).
+    assert!(held[0].2.evicted() && held[1].2.evicted());
+    assert!(held[2].2.hello_arrived() && from_b[2].2.hello_arrived() && last.hello_arrived());
+    let (server, _client) = tcp_pair(&listener);
+    assert!(slots.take(&server, a).is_none());
+    // A slot dropped is free again.
+    drop(worker_slot);
+    assert_eq!(slots.taken(), 3);
+    assert!(slots.take(&server, a).is_some());
+}
+
+/// A parent admitting with `Workers::admit_remote` on loopback: 40 silent strangers from
+/// one host hold the port first (more than its 32 handshake slots); a genuine worker
+/// joining then is admitted at once (a waiting stranger gives way), not after the
+/// strangers' deadline; the strangers left are dropped at their handshake's deadline,
+/// which frees their slots.
+#[test]
+fn silent_strangers_in_every_slot_do_not_keep_a_worker_out_and_go_at_the_deadline() {
+    use crate::{WorkerOptions, Workers};
+    let workers = Workers::new(0, 1, WorkerOptions::default()).unwrap();
+    let ticket = workers
+        .admit_remote(WorkerListener::bind("127.0.0.1:0").unwrap())
+        .unwrap();
+    let address = (ticket.host.as_str(), ticket.port);
+    let start = std::time::Instant::now();
+    let strangers: Vec<TcpStream> = (0..40)
+        .map(|_| {
+            let s = TcpStream::connect(address).unwrap();
+            // Each has its challenge (its handshake started), or was dropped already.
+            let _ = read_frame(&mut &s, MAX_HELLO_FRAME);
+            s
+        })
+        .collect();
+    let joined = std::time::Instant::now();
+    let worker = std::thread::spawn({
+        let ticket = ticket.clone();
+        move || {
+            let parent = ParentLink::connect(&ticket, 0, Duration::from_secs(30)).unwrap();
+            parent.send_ready(b"in").unwrap();
+            parent
+        }
+    });
+    workers
+        .wait_until_ready(HANDSHAKE_TIMEOUT / 2)
+        .expect("admitted past the strangers, before their deadline");
+    assert!(joined.elapsed() < HANDSHAKE_TIMEOUT / 2);
+    let parent = worker.join().unwrap();
+    // 8 dropped for newer strangers, 1 for the worker: the rest wait for their deadline.
+    let open = strangers.iter().filter(|s| !hung_up(s)).count();
+    assert_eq!(open, 31, "{open} strangers still held a slot");
+    for s in &strangers {
+        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT + Duration::from_secs(5)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        let got = std::io::Read::read(&mut &*s, &mut byte);
+        assert!(matches!(got, Ok(0) | Err(_)), "{got:?}");
+    }
+    let took = start.elapsed();
+    assert!(
+        took >= HANDSHAKE_TIMEOUT - Duration::from_millis(500)
+            && took <= HANDSHAKE_TIMEOUT + Duration::from_secs(5),
+        "the strangers were dropped after {took:?}"
+    );
+    workers.close();
+    drop(parent);
 }
