@@ -6,6 +6,7 @@ pyo3 class: ``@final`` (it cannot be subclassed; stubtest then asks for no
 ``@disjoint_base``), and constructors are ``__new__`` (pyo3's ``#[new]``).
 """
 
+import enum
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Optional, Protocol, TypedDict, TypeVar, final
 
@@ -31,23 +32,13 @@ __all__ = [
     "wait_any",
     "WorkerGroup",
     "worker_died_message",
-    "LINK_PROTOCOL_VERSION",
+    "LinkKind",
     "LINK_MAX_FRAME",
     "LINK_MAX_HELLO_FRAME",
-    "LINK_SEAL_BYTES",
     "LINK_HANDSHAKE_TIMEOUT",
-    "LinkSeal",
-    "link_hello_mac",
-    "link_welcome_mac",
-    "link_proof_eq",
-    "link_frame_length",
-    "link_challenge",
-    "link_read_challenge",
-    "link_hello",
-    "link_check_hello",
-    "link_welcome",
-    "link_refusal",
-    "link_read_answer",
+    "LINK_MAX_HANDSHAKES",
+    "Link",
+    "LinkListener",
     "default_connect_ip",
     "auth_mac",
     "auth_check",
@@ -186,53 +177,56 @@ def secret_from_text(text: str) -> bytes:
 def new_secret_text() -> str:
     """A new secret from the kernel, in its text form."""
 
-# The worker link (``shmq::workers::link``): its handshake's messages and its seals.
-LINK_PROTOCOL_VERSION: int
+# The worker link (``shmq::workers::link``), Rust's at both ends.
+class LinkKind(enum.IntEnum):
+    """The kinds of the worker link's frames (the core's ``link::Kind``, made from it at
+    import): each one's byte."""
+
+    CHALLENGE = 67
+    HELLO = 72
+    ANSWER = 65
+    READY = 82
+    LEAVING = 88
+    STOP = 83
+    SIBLING_FAILED = 70
+
 LINK_MAX_FRAME: int
 LINK_MAX_HELLO_FRAME: int
-LINK_SEAL_BYTES: int
 LINK_HANDSHAKE_TIMEOUT: float
-
-def link_hello_mac(token_text: str, parent_nonce: str, rank: int, pid: int, host: str, worker_nonce: str) -> str:
-    """The worker's proof of the token, as hex."""
-def link_welcome_mac(token_text: str, worker_nonce: str, parent_nonce: str, rank: int) -> str:
-    """The parent's proof of the token, as hex."""
-def link_proof_eq(want: str, claimed: str) -> bool:
-    """Whether ``claimed`` is the 32-byte MAC ``want`` (both hex; constant-time)."""
-def link_frame_length(header: bytes, max: int, peer: str, handshake: bool) -> int:
-    """The length in a frame's 4-byte header, if 1 to ``max``: over it ``ConnectionError``
-    (``handshake``) or ``ValueError``, naming ``peer`` and the limit."""
-def link_challenge(nonce: str) -> bytes:
-    """The parent's challenge's payload."""
-def link_read_challenge(frame_kind: bytes, payload: bytes, peer: str) -> str:
-    """The parent's nonce; ``ConnectionError`` (no shmq parent), ``PermissionError``
-    (another protocol version)."""
-def link_hello(token_text: str, parent_nonce: str, rank: int, pid: int, host: str) -> tuple[bytes, str]:
-    """A worker's hello: (its payload, its fresh nonce)."""
-def link_check_hello(
-    token_text: str, parent_nonce: str, frame_kind: bytes, payload: bytes
-) -> tuple[int, int, str, str]:
-    """(rank, pid, host, nonce) of a hello that proves the token; ``ValueError`` with the
-    reason it is refused."""
-def link_welcome(token_text: str, worker_nonce: str, parent_nonce: str, rank: int) -> bytes:
-    """The parent's answer admitting worker ``rank``."""
-def link_refusal(error: str) -> bytes:
-    """The parent's answer refusing a worker."""
-def link_read_answer(
-    frame_kind: bytes, payload: bytes, token_text: str, worker_nonce: str, parent_nonce: str, rank: int, peer: str
-) -> None:
-    """``PermissionError`` unless the answer admits the worker with the parent's proof."""
+LINK_MAX_HANDSHAKES: int
 
 @final
-class LinkSeal:
-    """The seals of one end of a worker link."""
+class Link:
+    """One admitted worker link, either end (its sends and receives release the GIL)."""
 
-    def __new__(cls, key: bytes, session: bytes, parent: bool) -> LinkSeal: ...
-    def seal(self, frame_kind: bytes, payload: bytes) -> bytes:
-        """The body of the next frame sent: its number, its seal, the payload."""
-    def open(self, frame_kind: bytes, body: Buffer) -> bytes:
-        """The payload of a frame received (its body: any contiguous bytes-like object);
-        ``ValueError`` if not the peer's next."""
+    @staticmethod
+    def connect(ticket: str, rank: int, timeout: float) -> Link:
+        """Join the parent of ``ticket`` as worker ``rank``, the whole handshake within
+        ``timeout`` seconds (``TimeoutError``); ``PermissionError`` if refused or the
+        parent cannot prove the token; ``ConnectionError`` for no shmq parent."""
+    @property
+    def rank(self) -> int: ...
+    def send(self, kind: int, payload: bytes) -> None:
+        """One sealed frame of ``kind`` (any byte); ``ValueError`` for one over the limit."""
+    def send_ready(self, payload: bytes) -> None: ...
+    def send_leaving(self, exitcode: int, stderr: list[str]) -> None: ...
+    def send_stop(self, grace: float) -> None: ...
+    def recv(self) -> tuple[LinkKind, Any]:
+        """The peer's next message: ``(STOP, grace)``, ``(SIBLING_FAILED, notice)`` at a
+        worker's end, ``(READY, payload)``, ``(LEAVING, (exitcode, lines))`` at the
+        parent's; ``EOFError``/``OSError`` (lost) or ``ValueError`` (not the peer's)."""
+    def shutdown(self) -> None: ...
+
+@final
+class LinkListener:
+    """The parent's end alone: ``accept`` admits one worker (any rank) in the calling
+    thread."""
+
+    def __new__(cls, host: str, port: int) -> LinkListener: ...
+    @property
+    def ticket(self) -> str: ...
+    def accept(self) -> Link: ...
+
 def default_connect_ip() -> str:
     """The IP remote readers should connect to (``SHMQ_HOST_IP``, else the host's)."""
 
@@ -376,10 +370,13 @@ class WorkerGroup:
         stderr_from_start: bool,
     ) -> None:
         """Watch local worker ``rank``; the fds are duplicated (the caller keeps its own)."""
-    def claim_remote(self, rank: int, pid: int) -> Optional[str]:
-        """Why remote worker ``rank`` is refused, or None (the rank is reserved)."""
-    def remote_connected(self, rank: int, host: str) -> bool: ...
-    def remote_ready(self, rank: int, payload: bytes) -> None: ...
+    def admit_remote(self, host: str, port: int) -> str:
+        """Admit the remote workers from the core's threads, listening on ``host``:``port``;
+        the ticket's text."""
+    def stop_remote(self, grace: float) -> None:
+        """Ask every admitted remote worker to stop within ``grace`` seconds."""
+    def tell_siblings(self) -> None:
+        """Tell the admitted remote workers of the first failure (once)."""
     def report_exit(self, rank: int, exitcode: Optional[int], stderr_tail: list[str], how: Optional[str]) -> None: ...
     def status(self) -> list[tuple[str, int, Optional[int], str, bool, bool, Optional[int]]]:
         """(name, rank, pid, host, ready, exited, exitcode) of every worker, by rank."""

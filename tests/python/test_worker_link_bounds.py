@@ -32,6 +32,8 @@ from typing import Any, Optional
 import pytest
 
 from _processes import worker_targets as targets
+import _link_by_hand as by_hand
+from shmq import _core
 from shmq.workers import WorkerTicket, protocol
 from test_worker_port_hostile import STARTUP, _Parent
 
@@ -72,10 +74,10 @@ class _FakeParent:
             conn, _ = self.server.accept()
             with conn:
                 conn.settimeout(STARTUP)
-                challenge = self._frame(b"C", protocol.challenge_payload(protocol.new_nonce()))
+                challenge = self._frame(b"C", by_hand.challenge(_core.new_secret_text()))
                 if self.mode.endswith("answer"):
                     conn.sendall(challenge)
-                    protocol.recv_frame(conn, protocol.MAX_HELLO_FRAME)
+                    by_hand.recv_frame(conn, protocol.MAX_HELLO_FRAME)
                 if self.mode.startswith("drip"):
                     frame = challenge if self.mode == "drip-challenge" else self._frame(b"A", b" " * 200)
                     end = time.monotonic() + DRIP_FOR
@@ -146,25 +148,16 @@ def test_a_huge_handshake_frame_is_refused_at_its_length(children, mode):
 # An admitted worker flooding its parent
 
 
-def _join_as_worker(parent: _Parent) -> protocol.SealedLink:
+def _join_as_worker(parent: _Parent) -> by_hand.SealedEnd:
     """Join ``parent`` as its remote rank 0 with the ticket's token, by hand (so that this
     process can then send what no ``connect_to_parent`` would)."""
-    token = parent.ticket.token
-    sock = socket.create_connection(parent.address, timeout=STARTUP)
-    kind, payload = protocol.recv_frame(sock, protocol.MAX_HELLO_FRAME)
-    nonce = protocol.read_challenge(kind, payload, "the parent")
-    hello, ours = protocol.hello_payload(token, nonce, 0, os.getpid(), "flooder")
-    protocol.send_frame(sock, b"H", hello)
-    kind, payload = protocol.recv_frame(sock, protocol.MAX_HELLO_FRAME)
-    protocol.read_answer(kind, payload, token, ours, nonce, 0, "the parent")
-    return protocol.SealedLink(sock, token, nonce, ours, parent=False)
+    return by_hand.join(parent.ticket, 0, host="flooder", timeout=STARTUP)
 
 
-def _send_sealed(link: protocol.SealedLink, kind: bytes, size: int) -> None:
+def _send_sealed(link: by_hand.SealedEnd, kind: bytes, size: int) -> None:
     """A genuine sealed frame of ``kind`` with a ``size``-byte payload, whatever its size
-    (``SealedLink.send`` refuses one over ``MAX_FRAME``)."""
-    body = link._seal.seal(kind, bytes(size))
-    link.sock.sendall(struct.pack("!I", len(body) + 1) + kind + body)
+    (``_core.Link.send`` refuses one over ``MAX_FRAME``)."""
+    link.sock.sendall(link.sealed(kind, bytes(size)))
 
 
 def test_an_admitted_worker_flooding_frames_over_the_limit_is_cut_off_at_the_first(children):
@@ -231,26 +224,3 @@ def test_an_admitted_worker_flooding_frames_up_to_the_limit_costs_one_frame_at_a
         f"the parent's memory grew by {grown / MIB:.0f} MiB (its peak by {peak_grown / MIB:.0f} MiB)"
     )
     assert parent.proc.returncode == 0, "\n".join(parent.log)
-
-
-def test_a_frames_length_is_checked_by_the_core_with_the_exception_of_its_stage():
-    """The core's check of a frame's header (``link::frame_length``, what every read of
-    the Python link goes through): over the limit, a handshake frame is a
-    ``ConnectionError`` (no shmq peer sends one) and an admitted link's a ``ValueError``
-    (the link is over), both naming the peer and the limit; 0 is a ``ValueError``."""
-    from shmq import _core
-
-    header = struct.pack("!I", 5000)
-    assert _core.link_frame_length(header, 5000, "p", True) == 5000
-    with pytest.raises(
-        ConnectionError, match=r"^10\.0\.0\.1:9 sent a handshake frame of 5000 bytes, .* limit of 4096 bytes"
-    ):
-        _core.link_frame_length(header, 4096, "10.0.0.1:9", True)
-    with pytest.raises(
-        ValueError, match=r"^10\.0\.0\.1:9 sent a frame of 5000 bytes, over the link's limit of 4096 bytes"
-    ):
-        _core.link_frame_length(header, 4096, "10.0.0.1:9", False)
-    with pytest.raises(ValueError, match="bad frame length 0"):
-        _core.link_frame_length(bytes(4), 4096, "p", False)
-    with pytest.raises(ValueError, match="4 bytes"):
-        _core.link_frame_length(b"\0\0\x01", 4096, "p", False)

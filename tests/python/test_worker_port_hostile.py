@@ -36,6 +36,8 @@ import psutil
 
 import _processes
 from _processes import worker_targets as targets
+import _link_by_hand as by_hand
+from shmq import _core
 from shmq.workers import WorkerTicket, protocol
 
 HERE = Path(__file__).resolve().parent
@@ -47,7 +49,7 @@ ADMITTED_WITHIN = DEADLINE / 2
 # Slack for the parent to act on a deadline and this process to see it (a busy machine):
 # far less than what a per-read timeout lets a dripping stranger have (for ever).
 LATE = 5.0
-SLOTS = 32  # the parent's handshakes in progress at once (supervisor._MAX_HANDSHAKES)
+SLOTS = 32  # the parent's handshakes in progress at once (protocol.MAX_HANDSHAKES, the core's)
 HELLO_LIMIT = 4096  # the largest frame before the token is proved (protocol.MAX_HELLO_FRAME)
 
 
@@ -333,7 +335,7 @@ def test_strangers_announcing_64_mib_frames_cost_the_parent_no_memory():
 
 
 def _hello_with(**fields: Any) -> bytes:
-    hello = {"rank": 0, "pid": 1, "host": "here", "nonce": protocol.new_nonce(), "mac": "00" * 32}
+    hello = {"rank": 0, "pid": 1, "host": "here", "nonce": _core.new_secret_text(), "mac": "00" * 32}
     hello.update(fields)
     return json.dumps(hello).encode()
 
@@ -360,10 +362,10 @@ def test_malformed_hellos_are_refused_in_one_line_and_the_parent_serves_on(child
     try:
         for what, (kind, payload) in BAD_HELLOS.items():
             with socket.create_connection(parent.address, timeout=STARTUP) as s:
-                assert protocol.recv_frame(s)[0] == b"C"
+                assert by_hand.recv_frame(s)[0] == b"C"
                 s.settimeout(DEADLINE / 2)  # it hangs up at once
                 try:
-                    protocol.send_frame(s, kind, payload)
+                    by_hand.send_frame(s, kind, payload)
                     # A refusal ("A", not ok) or none; then the parent hangs up.
                     while s.recv(65536):
                         pass

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -30,6 +31,8 @@ import pytest
 import _processes
 from _processes import worker_targets as targets
 from shmq import MessageQueue, WorkerDiedError, WorkerProcesses
+import _link_by_hand as by_hand
+from shmq import _core
 from shmq.workers import WorkersNotReadyError, WorkerTicket, connect_to_parent, protocol, report_ready
 
 HERE = Path(__file__).resolve().parent
@@ -646,38 +649,28 @@ def test_remote_worker_joins_over_tcp_and_strangers_are_refused(children):
     assert remote.exitcode is not None
 
 
-def _join_as(ticket: WorkerTicket, rank: int) -> tuple[socket.socket, str, str]:
-    """The genuine handshake of remote worker ``rank``, made by hand: (the connection,
-    the parent's nonce, this side's nonce). What a hostile worker that knows the token
-    does before it misbehaves."""
-    sock = socket.create_connection((ticket.host, ticket.port), timeout=STARTUP)
-    kind, payload = protocol.recv_frame(sock)
-    assert kind == b"C"
-    theirs, ours, pid = json.loads(payload)["nonce"], protocol.new_nonce(), os.getpid()
-    proof = protocol.hello_mac(ticket.token, theirs, rank, pid, "here", ours)
-    hello = {"rank": rank, "pid": pid, "host": "here", "nonce": ours, "mac": proof}
-    protocol.send_frame(sock, b"H", json.dumps(hello).encode())
-    kind, payload = protocol.recv_frame(sock)
-    answer = json.loads(payload)
-    assert kind == b"A" and answer["ok"], answer
-    # The parent proved the token too: the worker's check of it passes.
-    assert protocol.welcome_is_genuine(ticket.token, ours, theirs, rank, answer["mac"])
-    return sock, theirs, ours
-
-
 def test_the_parent_keeps_an_admitted_remote_workers_link_alive():
     """The parent's end of an admitted link has TCP keepalive on (as the worker's end
     has): a worker machine that vanishes without a word ends the link as a loss once the
     kernel's probes go unanswered, rather than never."""
     with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
         _processes.track(workers.pids)
-        sock, theirs, ours = _join_as(workers.ticket, 1)
+        link = by_hand.join(workers.ticket, 1)
+        sock = link.sock
         try:
-            link = protocol.SealedLink(sock, workers.ticket.token, theirs, ours, parent=False)
             link.send(b"R", pickle.dumps({"rank": 1}))
             assert workers.wait_until_ready(timeout=STARTUP)[1] == {"rank": 1}
-            parents_end = workers._supervisor.links[1].sock
-            assert parents_end.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0
+            # The parent's end (the core's, in this process): the connection whose ends
+            # are this one's, crossed.
+            ends = (sock.getpeername()[:2], sock.getsockname()[:2])
+            fds = [
+                c.fd
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.raddr and (tuple(c.laddr), tuple(c.raddr)) == ends
+            ]
+            assert len(fds) == 1, fds
+            with socket.socket(fileno=os.dup(fds[0])) as parents_end:
+                assert parents_end.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0
             link.send(b"X", json.dumps({"exitcode": 0, "stderr": []}).encode())
         finally:
             sock.close()
@@ -690,13 +683,16 @@ def test_a_frame_on_a_remote_workers_link_that_is_not_the_workers_ends_it(frame)
     would unpickle it) is never taken; the worker is reported as gone, its link closed."""
     with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
         _processes.track(workers.pids)
-        sock, theirs, ours = _join_as(workers.ticket, 1)
+        link = by_hand.join(workers.ticket, 1)
+        sock = link.sock
         try:
             info = pickle.dumps({"rank": 1, "forged": True})
             if frame == "unsealed":
-                protocol.send_frame(sock, b"R", info)
+                by_hand.send_frame(sock, b"R", info)
             else:
-                protocol.SealedLink(sock, protocol.new_nonce(), theirs, ours, parent=False).send(b"R", info)
+                other = by_hand.SealedEnd(sock, _core.new_secret_text(), "00" * 32, "00" * 32)
+                other._session = link._session  # this link's session, another key
+                other.send(b"R", info)
             with pytest.raises(WorkerDiedError, match="failed authentication|without its seal") as died:
                 workers.wait_until_ready(timeout=STARTUP)
             assert died.value.rank == 1
@@ -712,7 +708,7 @@ def _fake_parent(serve):
     a thread; yields a ticket to it (a random token). The thread must be done at the end:
     the worker hung up."""
     listener = socket.create_server(("127.0.0.1", 0))
-    ticket = WorkerTicket("127.0.0.1", listener.getsockname()[1], protocol.new_nonce())
+    ticket = WorkerTicket("127.0.0.1", listener.getsockname()[1], _core.new_secret_text())
 
     def run() -> None:
         conn, _ = listener.accept()
@@ -737,10 +733,9 @@ def test_a_parent_that_cannot_prove_the_token_is_refused_by_the_worker():
     hellos: list[dict] = []
 
     def impostor(conn: socket.socket) -> None:
-        challenge = {"nonce": protocol.new_nonce(), "version": protocol.PROTOCOL_VERSION}
-        protocol.send_frame(conn, b"C", json.dumps(challenge).encode())
-        hellos.append(json.loads(protocol.recv_frame(conn)[1]))
-        protocol.send_frame(conn, b"A", json.dumps({"ok": True, "mac": "00" * 32}).encode())
+        by_hand.send_frame(conn, b"C", by_hand.challenge(_core.new_secret_text()))
+        hellos.append(json.loads(by_hand.recv_frame(conn)[1]))
+        by_hand.send_frame(conn, b"A", json.dumps({"ok": True, "mac": "00" * 32}).encode())
         conn.recv(1)  # until the worker hangs up
 
     with _fake_parent(impostor) as ticket:
@@ -755,7 +750,7 @@ def test_a_worker_tells_a_parent_of_an_older_shmq_from_a_refusal():
     got: list[bytes] = []
 
     def old_parent(conn: socket.socket) -> None:
-        protocol.send_frame(conn, b"C", json.dumps({"nonce": protocol.new_nonce()}).encode())
+        by_hand.send_frame(conn, b"C", json.dumps({"nonce": _core.new_secret_text()}).encode())
         got.append(conn.recv(1))  # b"": the worker hung up without a hello
 
     with _fake_parent(old_parent) as ticket:
@@ -823,54 +818,85 @@ def test_the_core_group_refuses_a_closed_fd_and_a_rank_it_does_not_have():
     assert group.closed
 
 
+@contextlib.contextmanager
+def _link_pair(rank: int = 0):
+    """A parent's end (``_core.LinkListener``) and a worker's end (``_core.Link.connect``)
+    of one admitted link, both the core's."""
+    listener = _core.LinkListener("127.0.0.1", 0)
+    accepted: list[Any] = []
+    t = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+    t.start()
+    worker = _core.Link.connect(listener.ticket, rank, STARTUP)
+    t.join(STARTUP)
+    parent = accepted[0]
+    try:
+        yield parent, worker
+    finally:
+        parent.shutdown()
+        worker.shutdown()
+
+
+STOPS_WITHOUT_A_USABLE_GRACE = [
+    b"[1]",
+    b"not json",
+    b"\xff",
+    b"{}",
+    b'{"grace": -1}',
+    b'{"grace": "3"}',
+    b'{"grace": true}',
+    b'{"grace": NaN}',
+    b'{"grace": Infinity}',
+    b'{"grace": 1e400}',
+    b'{"grace": ' + b"9" * 400 + b"}",
+]
+
+
 def test_a_stop_frames_grace_that_is_not_one_is_the_default():
-    """The worker's watch thread reads a stop frame's grace as Rust's ParentLink::recv
-    does: anything but a finite number of seconds >= 0 is the default grace (never an
-    exception that ends the thread before it stops the worker)."""
-    from shmq.workers.child import _stop_grace
+    """A worker's link reads a stop frame's grace as Rust's ParentLink::recv does (it is
+    that): anything but a finite number of seconds >= 0 is the default grace (never an
+    exception that ends the watch thread before it stops the worker)."""
     from shmq.workers.protocol import DEFAULT_GRACE
 
-    assert _stop_grace(b'{"grace": 1.5}') == 1.5
-    assert _stop_grace(b'{"grace": 0}') == 0.0
-    for payload in [
-        b"[1]",
-        b"not json",
-        b"\xff",
-        b"{}",
-        b'{"grace": -1}',
-        b'{"grace": "3"}',
-        b'{"grace": true}',
-        b'{"grace": NaN}',
-        b'{"grace": Infinity}',
-        b'{"grace": 1e400}',
-        b'{"grace": ' + b"9" * 400 + b"}",
-    ]:
-        assert _stop_grace(payload) == DEFAULT_GRACE, payload
+    with _link_pair() as (parent, worker):
+        for payload, grace in [(b'{"grace": 1.5}', 1.5), (b'{"grace": 0}', 0.0)] + [
+            (p, DEFAULT_GRACE) for p in STOPS_WITHOUT_A_USABLE_GRACE
+        ]:
+            parent.send(_core.LinkKind.STOP, payload)
+            assert worker.recv() == (_core.LinkKind.STOP, grace), payload
+
+
+MALFORMED_LEAVING = [
+    b"[1]",
+    b"not json",
+    b"\xff",
+    b'{"exitcode": "3"}',
+    b'{"exitcode": 2147483648}',
+    b'{"exitcode": true}',
+    b'{"exitcode": null}',
+]
 
 
 def test_a_malformed_leaving_frame_from_a_remote_worker_is_its_death():
     """A sealed leaving frame that is not one (what a buggy worker of another build could
     send) ends the link and reports the worker gone, as Rust's RemoteWorker::recv does:
     the parent's reading thread never dies with the rank left taken."""
-    from shmq.workers.supervisor import _leaving
-
-    assert _leaving(b'{"exitcode": 3, "stderr": ["a", 7]}') == (3, ["a", "7"])
-    assert _leaving(b"{}") == (1, [])
-    for payload in [
-        b"[1]",
-        b"not json",
-        b"\xff",
-        b'{"exitcode": "3"}',
-        b'{"exitcode": 2147483648}',
-        b'{"exitcode": true}',
-        b'{"exitcode": null}',
-    ]:
-        assert _leaving(payload) is None, payload
+    with _link_pair() as (parent, worker):
+        worker.send(_core.LinkKind.LEAVING, b'{"exitcode": 3, "stderr": ["a", 7]}')
+        assert parent.recv() == (_core.LinkKind.LEAVING, (3, ["a", "7"]))
+    with _link_pair() as (parent, worker):
+        worker.send(_core.LinkKind.LEAVING, b"{}")
+        assert parent.recv() == (_core.LinkKind.LEAVING, (1, []))
+    for payload in MALFORMED_LEAVING:
+        with _link_pair() as (parent, worker):
+            worker.send(_core.LinkKind.LEAVING, payload)
+            with pytest.raises(ConnectionError, match="a malformed leaving frame"):
+                parent.recv()
     with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
         _processes.track(workers.pids)
-        sock, theirs, ours = _join_as(workers.ticket, 1)
+        link = by_hand.join(workers.ticket, 1)
+        sock = link.sock
         try:
-            protocol.SealedLink(sock, workers.ticket.token, theirs, ours, parent=False).send(b"X", b"[1]")
+            link.send(b"X", b"[1]")
             with pytest.raises(WorkerDiedError, match="a malformed leaving frame") as died:
                 workers.wait_until_ready(timeout=STARTUP)
             assert died.value.rank == 1
@@ -886,9 +912,9 @@ def test_a_sealed_frame_of_a_kind_never_the_workers_ends_its_link():
     RemoteWorker::recv; a kind this version does not know (a newer worker's) is skipped."""
     with WorkerProcesses(targets.ready_then_sleep, 1, n_remote=1, remote_host="127.0.0.1") as workers:
         _processes.track(workers.pids)
-        sock, theirs, ours = _join_as(workers.ticket, 1)
+        link = by_hand.join(workers.ticket, 1)
+        sock = link.sock
         try:
-            link = protocol.SealedLink(sock, workers.ticket.token, theirs, ours, parent=False)
             link.send(b"Z", b"a newer worker's")
             link.send(b"S", b"{}")
             with pytest.raises(WorkerDiedError, match="unexpected frame kind 'S'") as died:
@@ -915,18 +941,11 @@ def test_a_remote_workers_watch_stops_it_for_a_stop_or_a_frame_never_the_parents
     (a handshake's, a worker's own) taken as the link's failure: the worker is stopped."""
     from shmq.workers.child import ParentLink
 
-    a, b = socket.socketpair()
-    try:
-        p_nonce, w_nonce, token = protocol.new_nonce(), protocol.new_nonce(), protocol.new_nonce()
-        parent = protocol.SealedLink(a, token, p_nonce, w_nonce, parent=True)
-        link = ParentLink(protocol.SealedLink(b, token, p_nonce, w_nonce, parent=False), 0, die_with_parent=False)
+    with _link_pair() as (parent, worker):
+        link = ParentLink(worker, 0, die_with_parent=False)
         stopped: list[float] = []
         link._stop_main_thread = stopped.append  # type: ignore[method-assign]
         for kind, payload in frames:
-            parent.send(kind, payload)
-        b.settimeout(STARTUP)
+            parent.send(ord(kind), payload)
         link._watch()
         assert stopped == [grace]
-    finally:
-        a.close()
-        b.close()

@@ -1,279 +1,212 @@
-//! Bindings for `shmq::workers::link`: the worker link's handshake messages and seals,
-//! which `shmq.workers.protocol` sends over Python's sockets (the deadlines and the
-//! parent's handshake slots are the Python supervisor's).
+//! Bindings for `shmq::workers::link`: the worker link, Rust's at both ends. A remote
+//! worker joins with `Link.connect` (`shmq.workers.connect_to_parent`); a
+//! `WorkerProcesses` parent admits its remote workers with `WorkerGroup.admit_remote`
+//! (the core's accept loop, handshake slots and serving); `LinkListener` is the
+//! parent's end alone (one admitted link at a time, to drive it by hand). The frames'
+//! kinds are the core's `link::Kind`, as `LinkKind`.
 
 use std::sync::Mutex;
+use std::time::Duration;
 
-use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList};
 
-use shmq::auth::{secret_from_text, to_hex, SECRET_BYTES};
-use shmq::workers::link::{self, Hello, SealIn, SealOut, Side};
+use shmq::workers::link::{
+    Kind, LinkSender, ParentLink, ParentMessage, RemoteWorker, Ticket, WorkerListener,
+    WorkerMessage,
+};
 
 use crate::errors::OrRaise;
 
-fn token(text: &str) -> PyResult<[u8; SECRET_BYTES]> {
-    secret_from_text(text).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "a token is {} hexadecimal digits ({SECRET_BYTES} bytes)",
-            2 * SECRET_BYTES
-        ))
-    })
+/// The `LinkKind` enum (an `IntEnum` made at import from `link::Kind::ALL`).
+fn kind_object<'py>(py: Python<'py>, kind: Kind) -> PyResult<Bound<'py, PyAny>> {
+    py.import("shmq._core")?
+        .getattr("LinkKind")?
+        .call1((kind.byte(),))
 }
 
-fn kind(kind: &[u8]) -> PyResult<u8> {
-    match kind {
-        [k] => Ok(*k),
-        _ => Err(PyValueError::new_err(format!(
-            "a frame's kind is 1 byte, got {}",
-            kind.len()
-        ))),
-    }
+/// Which end of the link this is, and its receiving half (one receiver at a time).
+enum End {
+    /// A worker's end (`link::ParentLink`).
+    Worker(ParentLink),
+    /// The parent's end of an admitted worker (`link::RemoteWorker`).
+    Parent(RemoteWorker),
 }
 
-/// The worker's proof of the token (`link::hello_mac`), as hexadecimal digits.
-#[pyfunction]
-fn link_hello_mac(
-    token_text: &str,
-    parent_nonce: &str,
-    rank: u64,
-    pid: u64,
-    host: &str,
-    worker_nonce: &str,
-) -> PyResult<String> {
-    let mac = link::hello_mac(
-        &token(token_text)?,
-        parent_nonce,
-        rank,
-        pid,
-        host,
-        worker_nonce,
-    );
-    Ok(to_hex(&mac))
-}
-
-/// The parent's proof of the token (`link::welcome_mac`), as hexadecimal digits.
-#[pyfunction]
-fn link_welcome_mac(
-    token_text: &str,
-    worker_nonce: &str,
-    parent_nonce: &str,
-    rank: u64,
-) -> PyResult<String> {
-    let mac = link::welcome_mac(&token(token_text)?, worker_nonce, parent_nonce, rank);
-    Ok(to_hex(&mac))
-}
-
-/// Whether `claimed` (hexadecimal digits) is the 32-byte MAC `want` (hexadecimal
-/// digits), compared in constant time.
-#[pyfunction]
-fn link_proof_eq(want: &str, claimed: &str) -> bool {
-    match (secret_from_text(want), secret_from_text(claimed)) {
-        (Some(want), Some(claimed)) => shmq::auth::mac_eq(&want, &claimed),
-        _ => false,
-    }
-}
-
-/// The length in a frame's 4-byte `header`, if it is 1 to `max` (`link::frame_length`):
-/// over `max`, `ConnectionError` for a handshake frame (`handshake`), else `ValueError`,
-/// both naming `peer` and the limit; 0: `ValueError`.
-#[pyfunction]
-fn link_frame_length(header: &[u8], max: usize, peer: &str, handshake: bool) -> PyResult<usize> {
-    let word: [u8; 4] = header.try_into().map_err(|_| {
-        PyValueError::new_err(format!("a frame's header is 4 bytes, got {}", header.len()))
-    })?;
-    link::frame_length(word, max, peer, handshake)
-        .map_err(shmq::workers::Error::from)
-        .or_raise()
-}
-
-/// The parent's challenge's payload.
-#[pyfunction]
-fn link_challenge<'py>(py: Python<'py>, nonce: &str) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &link::challenge_payload(nonce))
-}
-
-/// The parent's nonce from its challenge; `ConnectionError` for no shmq parent's,
-/// `PermissionError` for another protocol version's.
-#[pyfunction]
-fn link_read_challenge(frame_kind: &[u8], payload: &[u8], peer: &str) -> PyResult<String> {
-    link::read_challenge(kind(frame_kind)?, payload, peer)
-        .map_err(shmq::workers::Error::from)
-        .or_raise()
-}
-
-/// A worker's hello: (its payload, its fresh nonce).
-#[pyfunction]
-fn link_hello<'py>(
-    py: Python<'py>,
-    token_text: &str,
-    parent_nonce: &str,
-    rank: u32,
-    pid: u32,
-    host: &str,
-) -> PyResult<(Bound<'py, PyBytes>, String)> {
-    let hello = Hello::new(&token(token_text)?, parent_nonce, rank, pid, host).or_raise()?;
-    Ok((PyBytes::new(py, &hello.encode()), hello.nonce))
-}
-
-/// The hello in a frame, checked (`link::Hello::check`): (rank, pid, host, nonce);
-/// `ValueError` with the reason it is refused.
-#[pyfunction]
-fn link_check_hello(
-    token_text: &str,
-    parent_nonce: &str,
-    frame_kind: &[u8],
-    payload: &[u8],
-) -> PyResult<(u32, u32, String, String)> {
-    let hello = Hello::check(
-        kind(frame_kind)?,
-        payload,
-        &token(token_text)?,
-        parent_nonce,
-    )
-    .map_err(PyValueError::new_err)?;
-    Ok((hello.rank, hello.pid, hello.host, hello.nonce))
-}
-
-/// The parent's answer admitting worker `rank`.
-#[pyfunction]
-fn link_welcome<'py>(
-    py: Python<'py>,
-    token_text: &str,
-    worker_nonce: &str,
-    parent_nonce: &str,
-    rank: u32,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let payload = link::welcome_payload(&token(token_text)?, worker_nonce, parent_nonce, rank);
-    Ok(PyBytes::new(py, &payload))
-}
-
-/// The parent's answer refusing a worker.
-#[pyfunction]
-fn link_refusal<'py>(py: Python<'py>, error: &str) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &link::refusal_payload(error))
-}
-
-/// Check the parent's answer (`link::read_answer`): `PermissionError` if it refused
-/// the worker or cannot prove the token.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn link_read_answer(
-    frame_kind: &[u8],
-    payload: &[u8],
-    token_text: &str,
-    worker_nonce: &str,
-    parent_nonce: &str,
-    rank: u32,
-    peer: &str,
-) -> PyResult<()> {
-    let token = token(token_text)?;
-    link::read_answer(
-        kind(frame_kind)?,
-        payload,
-        &token,
-        worker_nonce,
-        parent_nonce,
-        rank,
-        peer,
-    )
-    .map_err(shmq::workers::Error::from)
-    .or_raise()
-}
-
-/// The seals of one end of a link (`link::SealOut`, `link::SealIn`): `seal` for the
-/// frames it sends, `open` for those it receives (`ValueError` for one that is not the
-/// peer's or out of turn).
+/// One admitted link, either end: its sends and receives release the GIL.
 #[pyclass(module = "shmq._core", frozen)]
-pub struct LinkSeal {
-    out: Mutex<SealOut>,
-    into: Mutex<SealIn>,
+pub struct Link {
+    end: Mutex<End>,
+    sender: LinkSender,
+    rank: u32,
+}
+
+impl Link {
+    fn new(end: End) -> Link {
+        let (sender, rank) = match &end {
+            End::Worker(link) => (link.sender(), link.rank()),
+            End::Parent(worker) => (worker.sender(), worker.rank()),
+        };
+        Link {
+            end: Mutex::new(end),
+            sender,
+            rank,
+        }
+    }
 }
 
 #[pymethods]
-impl LinkSeal {
-    #[new]
-    fn new(key: &[u8], session: &[u8], parent: bool) -> PyResult<Self> {
-        let key: [u8; SECRET_BYTES] = key.try_into().map_err(|_| {
-            PyValueError::new_err(format!(
-                "a secret is {SECRET_BYTES} bytes, got {}",
-                key.len()
-            ))
-        })?;
-        let side = if parent { Side::Parent } else { Side::Worker };
-        Ok(LinkSeal {
-            out: Mutex::new(SealOut::new(&key, session, side)),
-            into: Mutex::new(SealIn::new(&key, session, side)),
+impl Link {
+    /// Join the parent of `ticket` (its text) as worker `rank`, all of the handshake
+    /// within `timeout` seconds (`link::ParentLink::connect`).
+    #[staticmethod]
+    fn connect(py: Python<'_>, ticket: &str, rank: u32, timeout: f64) -> PyResult<Link> {
+        let ticket: Ticket = ticket.parse().or_raise()?;
+        let timeout = Duration::try_from_secs_f64(timeout)
+            .map_err(|_| PyValueError::new_err("timeout must be a non-negative number of seconds"))?;
+        let link = py
+            .detach(|| ParentLink::connect(&ticket, rank, timeout))
+            .or_raise()?;
+        Ok(Link::new(End::Worker(link)))
+    }
+
+    /// The rank the worker joined as.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Send one sealed frame of `kind` (any byte: a kind the peer does not know, it
+    /// skips). `ValueError` for a payload over the link's limit (nothing is sent).
+    fn send(&self, py: Python<'_>, kind: u8, payload: &[u8]) -> PyResult<()> {
+        py.detach(|| self.sender.send(kind, payload)).or_raise()
+    }
+
+    /// (A worker) ready, with `payload`.
+    fn send_ready(&self, py: Python<'_>, payload: &[u8]) -> PyResult<()> {
+        self.send(py, Kind::Ready.byte(), payload)
+    }
+
+    /// (A worker) leaving with `exitcode` and its last stderr lines.
+    fn send_leaving(&self, py: Python<'_>, exitcode: i32, stderr: Vec<String>) -> PyResult<()> {
+        py.detach(|| self.sender.send_leaving(exitcode, &stderr))
+            .or_raise()
+    }
+
+    /// (The parent) tell the worker to stop within `grace` seconds.
+    fn send_stop(&self, py: Python<'_>, grace: f64) -> PyResult<()> {
+        let grace = Duration::try_from_secs_f64(grace)
+            .map_err(|_| PyValueError::new_err("grace must be a non-negative number of seconds"))?;
+        py.detach(|| self.sender.send_stop(grace)).or_raise()
+    }
+
+    /// The next message from the peer (blocking, the GIL released; kinds this version
+    /// does not know are skipped): a worker's end gets `(LinkKind.STOP, grace)` or
+    /// `(LinkKind.SIBLING_FAILED, notice)`, the parent's `(LinkKind.READY, payload)` or
+    /// `(LinkKind.LEAVING, (exitcode, stderr_lines))`. `EOFError` or `OSError` for the
+    /// link's loss; `ValueError` for a frame that is not the peer's (over the limit,
+    /// unsealed, out of turn, of a kind never the peer's): the link is over either way.
+    fn recv<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        enum Got {
+            Parent(ParentMessage),
+            Worker(WorkerMessage),
+        }
+        let got = py
+            .detach(|| {
+                let mut end = self.end.lock().unwrap_or_else(|e| e.into_inner());
+                match &mut *end {
+                    End::Worker(link) => link.recv().map(Got::Parent),
+                    End::Parent(worker) => worker.recv().map(Got::Worker),
+                }
+            })
+            .or_raise()?;
+        Ok(match got {
+            Got::Parent(ParentMessage::Stop { grace }) => (
+                kind_object(py, Kind::Stop)?,
+                grace.as_secs_f64().into_pyobject(py)?.into_any(),
+            ),
+            Got::Parent(ParentMessage::SiblingFailed(notice)) => (
+                kind_object(py, Kind::SiblingFailed)?,
+                PyBytes::new(py, &notice).into_any(),
+            ),
+            Got::Worker(WorkerMessage::Ready(payload)) => (
+                kind_object(py, Kind::Ready)?,
+                PyBytes::new(py, &payload).into_any(),
+            ),
+            Got::Worker(WorkerMessage::Leaving { exitcode, stderr }) => (
+                kind_object(py, Kind::Leaving)?,
+                (exitcode, PyList::new(py, stderr)?)
+                    .into_pyobject(py)?
+                    .into_any(),
+            ),
         })
     }
 
-    /// The body of the next frame of `kind` sent: its number, its seal, `payload`.
-    fn seal<'py>(
-        &self,
-        py: Python<'py>,
-        frame_kind: &[u8],
-        payload: &[u8],
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let k = kind(frame_kind)?;
-        let body = self
-            .out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .seal(k, payload);
-        Ok(PyBytes::new(py, &body))
-    }
-
-    /// The payload of a frame received with `kind` and `body` (any contiguous bytes-like
-    /// object: the receiver reads a frame into a `bytearray`), if it is the peer's next.
-    fn open<'py>(
-        &self,
-        py: Python<'py>,
-        frame_kind: &[u8],
-        body: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let k = kind(frame_kind)?;
-        let export = PyUntypedBuffer::get(body)?;
-        if !export.is_c_contiguous() {
-            return Err(PyValueError::new_err("a frame's body must be contiguous"));
-        }
-        // SAFETY: the export is held (and the GIL with it, never released here) until the
-        // slice's last use below: its exporter can neither free nor resize the memory
-        // meanwhile, and no Python thread runs to write into it; it is C-contiguous, so
-        // its `len_bytes()` bytes from `buf_ptr()` are its data.
-        let body = unsafe {
-            std::slice::from_raw_parts(export.buf_ptr() as *const u8, export.len_bytes())
-        };
-        let mut into = self.into.lock().unwrap_or_else(|e| e.into_inner());
-        let payload = into
-            .open(k, body)
-            .map_err(shmq::workers::Error::from)
-            .or_raise()?;
-        Ok(PyBytes::new(py, payload))
+    /// End the connection both ways (a `recv` waiting on it returns).
+    fn shutdown(&self) {
+        self.sender.shutdown()
     }
 }
 
+/// The parent's end of the link: a listening socket and its ticket; `accept` admits one
+/// worker at a time, in the calling thread (the GIL released). A `WorkerProcesses`
+/// parent does not use it: its group admits with `WorkerGroup.admit_remote`.
+#[pyclass(module = "shmq._core", frozen)]
+pub struct LinkListener {
+    listener: WorkerListener,
+}
+
+#[pymethods]
+impl LinkListener {
+    /// Listen on `host`:`port` (0: any free port) with a fresh random token.
+    #[new]
+    fn new(host: &str, port: u16) -> PyResult<Self> {
+        Ok(LinkListener {
+            listener: WorkerListener::bind((host, port)).or_raise()?,
+        })
+    }
+
+    /// The ticket a worker joins with (its text).
+    #[getter]
+    fn ticket(&self) -> String {
+        self.listener.ticket().to_string()
+    }
+
+    /// Accept the next connection and admit it, whatever rank it asks for, if it proves
+    /// the token (`PermissionError` for one refused); its link.
+    fn accept(&self, py: Python<'_>) -> PyResult<Link> {
+        let worker = py.detach(|| self.listener.accept(|_| Ok(()))).or_raise()?;
+        Ok(Link::new(End::Parent(worker)))
+    }
+}
+
+/// `LinkKind`: an `IntEnum` of `link::Kind::ALL` (its names and bytes).
+fn link_kind_enum<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    let members: Vec<(&str, u8)> = Kind::ALL.iter().map(|k| (k.name(), k.byte())).collect();
+    let kind = py
+        .import("enum")?
+        .getattr("IntEnum")?
+        .call1(("LinkKind", members))?;
+    kind.setattr("__module__", "shmq._core")?;
+    kind.setattr(
+        "__doc__",
+        "The kinds of the worker link's frames (the core's `link::Kind`): each one's byte.",
+    )?;
+    Ok(kind)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("LINK_PROTOCOL_VERSION", link::PROTOCOL_VERSION)?;
-    m.add("LINK_MAX_FRAME", link::MAX_FRAME)?;
-    m.add("LINK_MAX_HELLO_FRAME", link::MAX_HELLO_FRAME)?;
-    m.add("LINK_SEAL_BYTES", link::SEAL_BYTES)?;
+    let py = m.py();
+    m.add("LinkKind", link_kind_enum(py)?)?;
+    m.add("LINK_MAX_FRAME", shmq::workers::link::MAX_FRAME)?;
+    m.add("LINK_MAX_HELLO_FRAME", shmq::workers::link::MAX_HELLO_FRAME)?;
     m.add(
         "LINK_HANDSHAKE_TIMEOUT",
-        link::HANDSHAKE_TIMEOUT.as_secs_f64(),
+        shmq::workers::link::HANDSHAKE_TIMEOUT.as_secs_f64(),
     )?;
-    m.add_class::<LinkSeal>()?;
-    m.add_function(wrap_pyfunction!(link_hello_mac, m)?)?;
-    m.add_function(wrap_pyfunction!(link_welcome_mac, m)?)?;
-    m.add_function(wrap_pyfunction!(link_proof_eq, m)?)?;
-    m.add_function(wrap_pyfunction!(link_frame_length, m)?)?;
-    m.add_function(wrap_pyfunction!(link_challenge, m)?)?;
-    m.add_function(wrap_pyfunction!(link_read_challenge, m)?)?;
-    m.add_function(wrap_pyfunction!(link_hello, m)?)?;
-    m.add_function(wrap_pyfunction!(link_check_hello, m)?)?;
-    m.add_function(wrap_pyfunction!(link_welcome, m)?)?;
-    m.add_function(wrap_pyfunction!(link_refusal, m)?)?;
-    m.add_function(wrap_pyfunction!(link_read_answer, m)?)?;
+    m.add("LINK_MAX_HANDSHAKES", shmq::workers::link::MAX_HANDSHAKES)?;
+    m.add_class::<Link>()?;
+    m.add_class::<LinkListener>()?;
     Ok(())
 }

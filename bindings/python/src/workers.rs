@@ -14,6 +14,7 @@ use pyo3::types::PyBytes;
 
 use super::wait::{blocking, duration, Interrupts, Timeout};
 
+use shmq::workers::link::WorkerListener;
 use shmq::workers::{StartedWorker, Waited, WorkerOptions, Workers};
 use shmq::workers::{StderrCapture, WorkerDeath, WorkerExit};
 
@@ -196,17 +197,27 @@ impl WorkerGroup {
         self.inner.adopt(rank, worker).or_raise()
     }
 
-    /// Why remote worker `rank` (pid `pid`) is refused, or None (its rank is reserved).
-    fn claim_remote(&self, rank: usize, pid: u32) -> Option<String> {
-        self.inner.claim_remote(rank, pid).err()
+    /// Admit this group's remote workers from now on, listening on `host`:`port` (0: any
+    /// free port), from the core's threads (`Workers::admit_remote`: the accept loop,
+    /// its handshake slots, each worker's rank claimed and its link served); the ticket's
+    /// text.
+    fn admit_remote(&self, host: &str, port: u16) -> PyResult<String> {
+        let listener = WorkerListener::bind((host, port)).or_raise()?;
+        Ok(self.inner.admit_remote(listener).or_raise()?.to_string())
     }
 
-    fn remote_connected(&self, rank: usize, host: &str) -> bool {
-        self.inner.remote_connected(rank, host)
+    /// Ask every admitted remote worker to stop within `grace` seconds, over its link.
+    fn stop_remote(&self, py: Python<'_>, grace: Timeout) {
+        let grace = duration(Some(grace)).unwrap_or(Duration::MAX);
+        py.detach(|| self.inner.stop_remote(grace))
     }
 
-    fn remote_ready(&self, rank: usize, payload: Vec<u8>) {
-        self.inner.remote_ready(rank, payload)
+    /// Tell the admitted remote workers of the group's first failure, over their links
+    /// (once; `Workers::tell_siblings`: the local workers' pipes are the caller's).
+    fn tell_siblings(&self, py: Python<'_>) {
+        py.detach(|| {
+            self.inner.tell_siblings();
+        })
     }
 
     #[pyo3(signature = (rank, exitcode, stderr_tail, how))]

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 import fcntl
-import json
 import logging
 import multiprocessing.connection
 import multiprocessing.util
 import os
 import pickle
 import signal
-import socket
 import stat
 import sys
 import threading
@@ -38,18 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .. import _core
 from .errors import WorkerDiedError, failure_from_notice
-from .protocol import (
-    DEFAULT_GRACE,
-    MAX_HELLO_FRAME,
-    SealedLink,
-    WorkerTicket,
-    hello_payload,
-    peer_text,
-    read_answer,
-    read_challenge,
-    recv_frame,
-    send_frame_by,
-)
+from .protocol import DEFAULT_GRACE, WorkerTicket
 
 __all__ = ["ParentLink", "connect_to_parent", "die_with_parent", "report_ready", "sibling_failure"]
 
@@ -452,28 +439,14 @@ def _send_death_notice(exitcode: int, lines: Sequence[str]) -> None:
 
 
 class _TcpChannel(_ParentChannel):
-    def __init__(self, link: SealedLink):
+    def __init__(self, link: _core.Link):
         self._link = link
 
     def send_ready(self, info: Any) -> None:
-        self._link.send(b"R", pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL))
+        self._link.send_ready(pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL))
 
     def send_exit(self, exitcode: int, stderr: Sequence[str]) -> None:
-        self._link.send(b"X", json.dumps({"exitcode": exitcode, "stderr": list(stderr)}).encode())
-
-
-def _stop_grace(payload: bytes) -> float:
-    """A stop frame's grace in seconds, or ``DEFAULT_GRACE`` for one without a usable
-    one (not JSON, not an object, not a finite number of seconds >= 0; as Rust's
-    ``ParentLink::recv``): the watch thread stops this worker either way."""
-    try:
-        grace = json.loads(payload).get("grace")
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)):
-            return DEFAULT_GRACE
-        seconds = float(grace)
-    except (ValueError, AttributeError, OverflowError):
-        return DEFAULT_GRACE
-    return seconds if 0 <= seconds < float("inf") else DEFAULT_GRACE
+        self._link.send_leaving(exitcode, list(stderr))
 
 
 class ParentLink:
@@ -483,9 +456,8 @@ class ParentLink:
     parent how the worker ended (exit code 0, or 1 with the traceback's last lines, which
     the parent puts in its ``WorkerDiedError``)."""
 
-    def __init__(self, link: SealedLink, rank: int, die_with_parent: bool):
+    def __init__(self, link: _core.Link, rank: int, die_with_parent: bool):
         self._link = link
-        self._sock = link.sock
         self._channel = _TcpChannel(link)
         self.rank = rank
         self._leaving = threading.Event()
@@ -500,10 +472,9 @@ class ParentLink:
         self._leaving.set()
         try:
             self._channel.send_exit(exitcode, stderr)
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the watch thread's recv
-        except OSError:
-            pass
-        self._sock.close()
+        except (OSError, EOFError, ValueError):
+            pass  # the link is gone: the parent learns of it
+        self._link.shutdown()  # wakes the watch thread's recv
 
     def _watch(self) -> None:
         """Stop this process when the parent says so or disappears, or when its link fails
@@ -511,17 +482,17 @@ class ParentLink:
         grace = DEFAULT_GRACE
         try:
             while True:
-                kind, payload = self._link.recv()
-                if kind == b"S":
-                    grace = _stop_grace(payload)
+                kind, message = self._link.recv()  # the core's ``ParentLink::recv``
+                if kind == _core.LinkKind.STOP:
+                    grace = message  # the default for a stop without a usable one
                     break
-                if kind == b"F":  # another worker of the group failed
-                    _told_of_failure(payload)
-                if kind in (b"C", b"H", b"A", b"R", b"X"):
-                    break  # never the parent's to send (as Rust's ParentLink::recv): the link failed
-                del payload  # before the next frame is read: one at a time
+                if kind == _core.LinkKind.SIBLING_FAILED:  # another worker of the group failed
+                    _told_of_failure(message)
+                del message  # before the next frame is read: one at a time
         except (OSError, EOFError, ValueError):
-            pass  # the link dropped or failed: the parent is gone (or this worker is leaving)
+            # The link dropped or failed (a frame that is not the parent's, or of a kind
+            # never the parent's to send): the parent is gone (or this worker is leaving).
+            pass
         if self._leaving.is_set():
             return
         self._stop_main_thread(grace)
@@ -569,27 +540,6 @@ class ParentLink:
             self.close(code, lines[-20:])
 
 
-def _connect_by(host: str, port: int, deadline: float, peer: str) -> socket.socket:
-    """A TCP connection to ``host``'s first address that answers, each try within what is
-    left of the handshake's deadline (``TimeoutError`` once it passed)."""
-    last: Optional[OSError] = None
-    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"connecting to the parent at {peer}: the deadline passed")
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.settimeout(left)
-            sock.connect(address)
-            return sock
-        except OSError as e:
-            sock.close()
-            last = e
-    if last is None:
-        raise OSError(f"connecting to the parent at {peer}: no address")
-    raise last
-
-
 def connect_to_parent(
     ticket: WorkerTicket | str,
     rank: int,
@@ -621,30 +571,15 @@ def connect_to_parent(
     global _channel
     if isinstance(ticket, str):
         ticket = WorkerTicket.parse(ticket)
-    deadline = time.monotonic() + timeout
-    peer = peer_text((ticket.host, ticket.port))
-    sock = _connect_by(ticket.host, ticket.port, deadline, peer)
     try:
-        # The handshake's messages and checks are the core's (``shmq::workers::link``).
-        kind, payload = recv_frame(sock, MAX_HELLO_FRAME, deadline, peer=peer, handshake=True)
-        nonce = read_challenge(kind, payload, peer)  # ConnectionError, PermissionError
-        hello, ours = hello_payload(ticket.token, nonce, rank, os.getpid(), socket.gethostname())
-        send_frame_by(sock, deadline, b"H", hello)
-        kind, payload = recv_frame(sock, MAX_HELLO_FRAME, deadline, peer=peer, handshake=True)
-        read_answer(kind, payload, ticket.token, ours, nonce, rank, peer)  # PermissionError
-        sealed = SealedLink(sock, ticket.token, nonce, ours, parent=False, peer=peer)
+        # The core's ``ParentLink::connect``: the handshake, its deadline, the checks.
+        sealed = _core.Link.connect(str(ticket), rank, timeout)
     except TimeoutError:
-        sock.close()
+        host = f"[{ticket.host}]" if ":" in ticket.host else ticket.host
         raise TimeoutError(
-            f"joining the parent at {peer} as worker rank {rank}: its handshake did not finish within {timeout:g} s"
+            f"joining the parent at {host}:{ticket.port} as worker rank {rank}: its handshake did not finish "
+            f"within {timeout:g} s"
         ) from None
-    except BaseException:
-        sock.close()
-        raise
-    # Admitted: block reads from here on (the watch thread waits for "stop" or EOF), and
-    # let TCP keepalive notice a parent machine that vanished without a word.
-    sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     link = ParentLink(sealed, rank, die_with_parent)
     with _channel_lock:
         _channel = link._channel

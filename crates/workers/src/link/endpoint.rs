@@ -199,9 +199,10 @@ impl WorkerListener {
 
     /// Accept the next connection and run its [`handshake`](Self::handshake), in this
     /// thread: a stranger that drips its bytes holds it up to [`HANDSHAKE_TIMEOUT`]. On a
-    /// port strangers can reach, accept on [`listener`](Self::listener) and run each
-    /// handshake on a thread of its own (as the Python package's parent does, with a
-    /// bound on how many at once).
+    /// port strangers can reach, let a group admit its workers
+    /// ([`Workers::admit_remote`]: each handshake on a thread of its own, in one of
+    /// [`MAX_HANDSHAKES`](super::MAX_HANDSHAKES) slots, [`HandshakeSlots`](super::HandshakeSlots)),
+    /// as the Python package's parent does.
     pub fn accept(
         &self,
         admit: impl FnOnce(&Hello) -> std::result::Result<(), String>,
@@ -403,12 +404,17 @@ impl RemoteWorker {
                 }
                 Kind::Ready => return Ok(WorkerMessage::Ready(payload)),
                 Kind::Leaving => {
-                    let msg: Value = serde_json::from_slice(&payload).unwrap_or(Value::Null);
+                    // A JSON object; no exit code is 1, one that is not an i32 malformed.
+                    let malformed = || LinkError::Malformed("a malformed leaving frame".into());
+                    let msg: Value = serde_json::from_slice(&payload)
+                        .ok()
+                        .filter(Value::is_object)
+                        .ok_or_else(malformed)?;
                     let exitcode = msg
                         .get("exitcode")
                         .map_or(Some(1), Value::as_i64)
                         .and_then(|c| i32::try_from(c).ok())
-                        .ok_or_else(|| LinkError::Malformed("a malformed leaving frame".into()))?;
+                        .ok_or_else(malformed)?;
                     let stderr = msg
                         .get("stderr")
                         .and_then(Value::as_array)

@@ -35,9 +35,16 @@
 //! the link is over); a body is read as it comes, into a buffer that grows with what
 //! arrived, and each end holds one frame at a time.
 //!
-//! The Python package's `shmq.workers` speaks the same link through the bindings (its
-//! sockets, this module's handshake messages and seals), so Rust and Python parents and
-//! workers admit one another.
+//! A parent that admits on a port strangers can reach ([`Workers::admit_remote`](crate::Workers::admit_remote))
+//! holds at most [`MAX_HANDSHAKES`] connections in their handshake at once; past that, the
+//! oldest still waiting for its hello of the host with the most gives way
+//! ([`HandshakeSlots`]), so that strangers flooding from one host cannot keep a genuine
+//! worker out.
+//!
+//! The Python package's `shmq.workers` drives this module through the bindings at both
+//! ends (a `WorkerProcesses` parent admits with [`Workers::admit_remote`](crate::Workers::admit_remote), `connect_to_parent`
+//! is [`ParentLink::connect`]; the frames' kinds are [`Kind`], `shmq._core.LinkKind`), so
+//! Rust and Python parents and workers admit one another and behave alike.
 //!
 //! ```no_run
 //! # mod shmq { pub mod workers { pub use shmq_workers::*; } } // the `shmq` crate
