@@ -63,8 +63,9 @@ impl Link {
     #[staticmethod]
     fn connect(py: Python<'_>, ticket: &str, rank: u32, timeout: f64) -> PyResult<Link> {
         let ticket: Ticket = ticket.parse().or_raise()?;
-        let timeout = Duration::try_from_secs_f64(timeout)
-            .map_err(|_| PyValueError::new_err("timeout must be a non-negative number of seconds"))?;
+        let timeout = Duration::try_from_secs_f64(timeout).map_err(|_| {
+            PyValueError::new_err("timeout must be a non-negative number of seconds")
+        })?;
         let link = py
             .detach(|| ParentLink::connect(&ticket, rank, timeout))
             .or_raise()?;
