@@ -120,42 +120,69 @@ pub const MAX_HELLO_FRAME: usize = 4096;
 /// of [`ParentLink::connect`]).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The kinds of the link's frames, the one list of them (the Python package gets them
-/// from the bindings, as `shmq._core.LinkKind`). A frame carries its kind as one byte,
-/// the variant's value. Adding one: a variant here (and in [`Kind::ALL`]), what sends and
-/// what receives it ([`RemoteWorker::recv`], [`ParentLink::recv`] match every kind), and
-/// its line in the module docs' table.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Kind {
+/// Defines [`Kind`] and its tables from one list: each kind's variant, byte, Python
+/// name, and whether the parent sends it and whether it is a handshake's.
+macro_rules! kinds {
+    ($($(#[$doc:meta])* $variant:ident = $byte:literal, $name:literal, parent: $parent:literal, handshake: $handshake:literal;)*) => {
+        /// The kinds of the link's frames, the one list of them (the Python package gets
+        /// them from the bindings, as `shmq._core.LinkKind`). A frame carries its kind as
+        /// one byte, the variant's value. Adding one: a line in this list, what sends and
+        /// what receives it ([`RemoteWorker::recv`] and [`ParentLink::recv`] match every
+        /// kind, so they do not compile until they handle it), its line in the module
+        /// docs' table, and `LinkKind` in the stubs (`python/shmq/_core.pyi`, which
+        /// stubtest checks against this list).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum Kind {
+            $($(#[$doc])* $variant = $byte,)*
+        }
+
+        impl Kind {
+            /// Every kind, in the order of the module docs' table.
+            pub const ALL: &'static [Kind] = &[$(Kind::$variant),*];
+
+            /// Its name as the Python package spells it (`LinkKind.SIBLING_FAILED`).
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Kind::$variant => $name,)*
+                }
+            }
+
+            /// Whether it is the parent's to send (else a worker's).
+            pub const fn from_parent(self) -> bool {
+                match self {
+                    $(Kind::$variant => $parent,)*
+                }
+            }
+
+            /// Whether it is a handshake's (unsealed, before the link is admitted).
+            pub const fn in_handshake(self) -> bool {
+                match self {
+                    $(Kind::$variant => $handshake,)*
+                }
+            }
+        }
+    };
+}
+
+kinds! {
     /// parent -> worker: the challenge.
-    Challenge = b'C',
+    Challenge = b'C', "CHALLENGE", parent: true, handshake: true;
     /// worker -> parent: the hello.
-    Hello = b'H',
+    Hello = b'H', "HELLO", parent: false, handshake: true;
     /// parent -> worker: the answer (welcome or refusal).
-    Answer = b'A',
+    Answer = b'A', "ANSWER", parent: true, handshake: true;
     /// worker -> parent: ready.
-    Ready = b'R',
+    Ready = b'R', "READY", parent: false, handshake: false;
     /// worker -> parent: leaving.
-    Leaving = b'X',
+    Leaving = b'X', "LEAVING", parent: false, handshake: false;
     /// parent -> worker: stop.
-    Stop = b'S',
+    Stop = b'S', "STOP", parent: true, handshake: false;
     /// parent -> worker: a sibling failed.
-    SiblingFailed = b'F',
+    SiblingFailed = b'F', "SIBLING_FAILED", parent: true, handshake: false;
 }
 
 impl Kind {
-    /// Every kind, in the order of the module docs' table.
-    pub const ALL: [Kind; 7] = [
-        Kind::Challenge,
-        Kind::Hello,
-        Kind::Answer,
-        Kind::Ready,
-        Kind::Leaving,
-        Kind::Stop,
-        Kind::SiblingFailed,
-    ];
-
     /// Its byte on the wire.
     pub const fn byte(self) -> u8 {
         self as u8
@@ -163,36 +190,7 @@ impl Kind {
 
     /// The kind of a frame's byte, or `None` for one this version does not know.
     pub fn from_byte(byte: u8) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| k.byte() == byte)
-    }
-
-    /// Its name as the Python package spells it (`LinkKind.SIBLING_FAILED`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            Kind::Challenge => "CHALLENGE",
-            Kind::Hello => "HELLO",
-            Kind::Answer => "ANSWER",
-            Kind::Ready => "READY",
-            Kind::Leaving => "LEAVING",
-            Kind::Stop => "STOP",
-            Kind::SiblingFailed => "SIBLING_FAILED",
-        }
-    }
-
-    /// Whether it is the parent's to send (else a worker's).
-    pub const fn from_parent(self) -> bool {
-        match self {
-            Kind::Challenge | Kind::Answer | Kind::Stop | Kind::SiblingFailed => true,
-            Kind::Hello | Kind::Ready | Kind::Leaving => false,
-        }
-    }
-
-    /// Whether it is a handshake's (unsealed, before the link is admitted).
-    pub const fn in_handshake(self) -> bool {
-        match self {
-            Kind::Challenge | Kind::Hello | Kind::Answer => true,
-            Kind::Ready | Kind::Leaving | Kind::Stop | Kind::SiblingFailed => false,
-        }
+        Kind::ALL.iter().copied().find(|k| k.byte() == byte)
     }
 }
 
