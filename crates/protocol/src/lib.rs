@@ -13,10 +13,14 @@
 //! - [`doorbell`]: the sleep/wake handshake between the two sides of a ring;
 //! - [`multiwait`]: one sleep on several doorbells at once (`futex_waitv`);
 //! - [`seqlock`]: the object store's seqlock (the state its writer publishes);
-//! - [`ring`]: the chunk-flag protocol of the broadcast ring;
+//! - [`ring`]: the chunk-flag protocol of the broadcast ring, and its reader slots
+//!   (with the object store's LEFT state);
 //! - [`key_index`]: the encoder cache's key index (a seqlock per slot, open addressing);
 //! - [`consumer_slot`]: the encoder cache's consumer slots (claim, join, leave, the
 //!   reclaim of a dead consumer's slot, the join clock);
+//! - [`entry`]: the encoder cache's entries (state, consumers' pins, acknowledgements);
+//! - [`read_count`]: the object store's read counts, its counting window and its pin
+//!   hint;
 //! - [`lease`]: the tensor arena's leases (the writer's and the readers' holds, and
 //!   when a range may be reused);
 //! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic.
@@ -24,11 +28,13 @@
 pub mod alloc;
 pub mod consumer_slot;
 pub mod doorbell;
+pub mod entry;
 #[cfg(not(loom))]
 pub mod futex;
 pub mod key_index;
 pub mod lease;
 pub mod multiwait;
+pub mod read_count;
 pub mod ring;
 pub mod seqlock;
 pub mod sync;

@@ -93,6 +93,10 @@ pub const SLOT_ATTACHING: u32 = 3;
 /// (see [`slot_close`]).
 pub const SLOT_CLOSED: u32 = 4;
 
+/// An object store's reader slot only: its reader closed the store (see [`slot_leave`]).
+/// Never judged dead, never waited for as a holder; taken again like an empty slot.
+pub const SLOT_LEFT: u32 = 5;
+
 /// The state part of a slot word.
 pub fn slot_state(word: u64) -> u32 {
     word as u32
@@ -199,4 +203,56 @@ pub fn slot_drop(word: &AtomicU64, seen: u64) -> bool {
         Ordering::Relaxed,
     )
     .is_ok()
+}
+
+/// An object store's reader leaves its slot, whose word it attached as `attached` (the
+/// ATTACHED word [`slot_end_attach`] stored): LEFT, *before* it lets its role lock go.
+/// A CAS: a slot the writer dropped meanwhile (it judged the holder dead) stays dropped.
+/// Returns whether the slot is now LEFT.
+///
+/// Why a reader that left is never taken for a dead one: the writer judges a slot dead
+/// by its ATTACHED word, then a free role lock, then [`slot_recheck`] (the same word
+/// again). The lock is let go after this store (program order), and the kernel orders a
+/// lock's release before a probe that finds it free; so a writer that finds the lock free
+/// reads LEFT (or later) on its re-check, and judges the slot left, not dead.
+pub fn slot_leave(word: &AtomicU64, attached: u64) -> bool {
+    if slot_state(attached) != SLOT_ATTACHED {
+        return false;
+    }
+    // Release: nothing is published by it (the reads counted before were Release
+    // already), but it keeps the LEFT word ordered before the lock's release for a
+    // writer that synchronizes with the word itself rather than the lock. Relaxed on
+    // failure: nothing is read through the value.
+    word.compare_exchange(
+        attached,
+        slot_word((attached >> 32) as u32, SLOT_LEFT),
+        Ordering::Release,
+        Ordering::Relaxed,
+    )
+    .is_ok()
+}
+
+/// The writer, after probing a slot's role lock: the slot's word again, to compare with
+/// the one it judged (see [`slot_leave`]).
+pub fn slot_recheck(word: &AtomicU64) -> u64 {
+    // Acquire: pairs with the Release CAS in `slot_leave`: a LEFT seen here orders the
+    // leaver's counted reads before the writer's decisions on the slot.
+    word.load(Ordering::Acquire)
+}
+
+/// A slot's word now, as a hint (which slots look free, held or dropped): Relaxed, the
+/// decisions on it are taken again by CAS or under the role lock.
+pub fn slot_hint(word: &AtomicU64) -> u64 {
+    word.load(Ordering::Relaxed)
+}
+
+/// The DROPPED word [`slot_drop`] writes over `seen` (the writer remembers it, to tell
+/// later whether a new reader took the slot).
+pub fn slot_dropped_word(seen: u64) -> u64 {
+    slot_word((seen >> 32) as u32, SLOT_DROPPED)
+}
+
+/// The ATTACHED word [`slot_end_attach`] stores for `generation`.
+pub fn slot_attached_word(generation: u32) -> u64 {
+    slot_word(generation, SLOT_ATTACHED)
 }

@@ -1,8 +1,9 @@
 //! The atomics of the cross-process protocols, in one place so that `loom` can stand in
 //! for them: `RUSTFLAGS="--cfg loom" cargo test --release -p shmq-protocol --test loom` model-checks the
 //! ring's flag protocol, the slot seqlock, the sleep/wake handshake, the object store's
-//! seqlock (`crate::seqlock`), the encoder cache's key-index seqlock and consumer slots,
-//! and the arena's lease holds (see `crates/protocol/tests/loom.rs`).
+//! seqlock (`crate::seqlock`) and read counts (`crate::read_count`), the encoder cache's
+//! key-index seqlock, consumer slots and entries (`crate::entry`), and the arena's lease
+//! holds (see `crates/protocol/tests/loom.rs`).
 //!
 //! Every atomic of the workspace is named here (clippy's `disallowed_types` refuses std's
 //! anywhere else: see `clippy.toml`): the ones above for what processes share, and

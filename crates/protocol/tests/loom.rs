@@ -20,6 +20,15 @@
 //! - the arena's leases (`shmq_protocol::lease`): the writer never reuses a range while a
 //!   live reader or a loan (dropped in another thread) still holds it, also after it
 //!   dropped a dead reader's holds (loom's cell checks).
+//! - the object store's read counts (`shmq_protocol::read_count`): no read count is lost,
+//!   a counted read happens before the writer reuses the payload, a reader's late count
+//!   never lands in reused memory (the counting window), and no block is reused under a
+//!   zero-copy view (the pin hint).
+//! - the encoder cache's entries (`shmq_protocol::entry`): no entry's bytes are reused
+//!   while a consumer pins it, and no ack is lost or seen before the load it
+//!   acknowledges.
+//! - the object store's LEFT reader slots (`shmq_protocol::ring::slot_leave`): a reader
+//!   that closed is never judged dead, and its slot is taken again.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p shmq-protocol --test loom`
 //! (scripts/test.sh does). Without `--cfg loom` this file compiles to nothing.
@@ -930,5 +939,251 @@ fn multiwait_wake_word_loses_no_wake_up() {
             sleep_any(&&*futex, &[&bell], &wake, seen, || false, None).unwrap();
         }
         registrar.join().unwrap();
+    });
+}
+
+/// The object store's read counts (`shmq_protocol::read_count::ReadCount`): two readers
+/// count their reads of one object at once and neither count is lost; the writer, once it
+/// sees both, overwrites the payload, never under a reader's read (loom's cell checks:
+/// the counts' Release pairs with the writer's Acquire).
+#[test]
+fn store_read_count_is_never_lost_and_orders_the_reads_before_reuse() {
+    use shmq_protocol::read_count::ReadCount;
+
+    model(2, || {
+        let count = Arc::new(ReadCount::new(7));
+        let payload = Arc::new(UnsafeCell::new(1u32));
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (count, payload) = (count.clone(), payload.clone());
+                thread::spawn(move || {
+                    // SAFETY: loom's cell; loom fails the model on a concurrent write.
+                    let got = payload.with(|p| unsafe { *p });
+                    assert_eq!(got, 1, "the payload was reused under a read");
+                    assert!(count.count_one(7));
+                })
+            })
+            .collect();
+        if eventually(|| count.reads() == 2) {
+            // SAFETY: as above: a race with a reader's read is what the model checks.
+            payload.with_mut(|p| unsafe { *p = 2 });
+        }
+        for r in readers {
+            r.join().unwrap();
+        }
+        assert_eq!(count.reads(), 2, "a read count was lost");
+    });
+}
+
+/// The object store's counting window (`shmq_protocol::read_count::CountingWindow`): a
+/// reader checks that its object is live and counts its read inside the window; the
+/// writer frees the object, waits for the window, then reuses the block, writing a word
+/// that looks exactly like the old object's fresh count (its tag, count 0: the worst
+/// payload). The reader's late increment never lands in it: either its check sees the
+/// object freed, or the writer waits for it.
+#[test]
+fn store_counting_window_keeps_a_late_count_out_of_reused_memory() {
+    use shmq_protocol::read_count::{CountingWindow, ReadCount};
+
+    model(3, || {
+        let window = Arc::new(CountingWindow::new());
+        let count = Arc::new(ReadCount::new(7));
+        let live = Arc::new(AtomicU32::new(1));
+        let reader = {
+            let (window, count, live) = (window.clone(), count.clone(), live.clone());
+            thread::spawn(move || {
+                window.count(|| {
+                    // Relaxed: the store's validity check (a seqlock read in shmq); the
+                    // window's fences order it.
+                    if live.load(Ordering::Relaxed) == 1 {
+                        count.count_one(7);
+                    }
+                })
+            })
+        };
+        // The writer frees the object (publishes it gone: Relaxed here, the window's
+        // SeqCst fence is what the model checks).
+        live.store(0, Ordering::Relaxed);
+        let mut attempts = 0;
+        let mut quiet = false;
+        window.wait(|announced| {
+            attempts += 1;
+            quiet = announced == 0;
+            if !quiet {
+                thread::yield_now();
+            }
+            quiet || attempts > 3
+        });
+        if quiet {
+            count.reset(7); // the block reused: the worst payload
+        }
+        reader.join().unwrap();
+        if quiet {
+            assert_eq!(count.reads(), 0, "a late count landed in reused memory");
+        }
+    });
+}
+
+/// The object store's pin hint (`shmq_protocol::read_count::PinHint`): a reader that
+/// holds, pins and confirms its object reads it; the writer, after marking the block no
+/// longer the object's, reuses it only when no view may be held. The writer never writes
+/// under the view (loom's cell checks), whoever goes first.
+#[test]
+fn store_pin_hint_keeps_a_viewed_block_from_reuse() {
+    use shmq_protocol::read_count::PinHint;
+
+    model(3, || {
+        let hint = Arc::new(PinHint::new());
+        let live = Arc::new(AtomicU32::new(1));
+        let payload = Arc::new(UnsafeCell::new(1u32));
+        let reader = {
+            let (hint, live, payload) = (hint.clone(), live.clone(), payload.clone());
+            thread::spawn(move || {
+                hint.hold();
+                // (shmq takes the pin's file lock here: what the writer probes for when
+                // the hint is not 0; the model's writer keeps the block instead.)
+                // Relaxed: the check the confirm's fence orders.
+                if hint.confirm(|| live.load(Ordering::Relaxed) == 1) {
+                    // SAFETY: loom's cell; loom fails the model on a concurrent write.
+                    let got = payload.with(|p| unsafe { *p });
+                    assert_eq!(got, 1, "the block was reused under a view");
+                    hint.release();
+                } else {
+                    hint.release_unused();
+                }
+            })
+        };
+        live.store(0, Ordering::Relaxed); // the writer's mark (its header stamp)
+        if eventually(|| !hint.may_be_held()) {
+            // SAFETY: as above: a race with the reader's view is what the model checks.
+            payload.with_mut(|p| unsafe { *p = 2 });
+        }
+        reader.join().unwrap();
+    });
+}
+
+/// The encoder cache's entry pins (`shmq_protocol::entry`): the producer publishes an
+/// entry, then evicts it (RETIRED, then the pins) and reuses its bytes once unpinned; a
+/// consumer pins it and reads the bytes only if the pin holds. The producer never writes
+/// under the consumer's read, and the consumer never reads bytes not yet published or
+/// already reused (loom's cell checks and the asserts).
+#[test]
+fn encoder_cache_entry_is_not_reused_while_pinned() {
+    use shmq_protocol::entry::{EntryPin, EntryState};
+
+    model(3, || {
+        let state = Arc::new(EntryState::new());
+        let pin = Arc::new(EntryPin::new());
+        let bytes = Arc::new(UnsafeCell::new(0u32));
+        let consumer = {
+            let (state, pin, bytes) = (state.clone(), pin.clone(), bytes.clone());
+            thread::spawn(move || {
+                if pin.pin(&state, 0) {
+                    // SAFETY: loom's cell; loom fails the model on a concurrent write.
+                    let got = bytes.with(|p| unsafe { *p });
+                    assert_eq!(got, 1, "read an entry not yet published, or reused");
+                }
+                pin.unpin();
+            })
+        };
+        // SAFETY: as above.
+        bytes.with_mut(|p| unsafe { *p = 1 });
+        state.publish(0);
+        state.retire(0);
+        if eventually(|| pin.is_unpinned()) {
+            state.free(1);
+            // SAFETY: as above: a race with the consumer's read is what the model checks.
+            bytes.with_mut(|p| unsafe { *p = 2 });
+        }
+        consumer.join().unwrap();
+    });
+}
+
+/// The encoder cache's acknowledgements (`shmq_protocol::entry::EntryAcks`): two
+/// consumers ack one entry at once; neither ack is lost, and a producer that sees a
+/// consumer's ack sees what that consumer did before it (its load, a loom cell here).
+#[test]
+fn encoder_cache_acks_are_never_lost_and_order_the_load() {
+    use shmq_protocol::entry::EntryAcks;
+
+    model(3, || {
+        let acks = Arc::new(EntryAcks::new());
+        let loads: Arc<[UnsafeCell<u32>; 2]> =
+            Arc::new(std::array::from_fn(|_| UnsafeCell::new(0)));
+        let consumers: Vec<_> = (0..2)
+            .map(|slot| {
+                let (acks, loads) = (acks.clone(), loads.clone());
+                thread::spawn(move || {
+                    // SAFETY: loom's cell; loom fails the model on a concurrent read.
+                    loads[slot].with_mut(|p| unsafe { *p = 1 });
+                    acks.ack(slot);
+                })
+            })
+            .collect();
+        let mut seen = 0;
+        eventually(|| {
+            seen = acks.loaded();
+            seen == 0b11
+        });
+        for slot in 0..2 {
+            if seen & (1 << slot) != 0 {
+                // SAFETY: as above: a race with the consumer's write is what the model
+                // checks.
+                let load = loads[slot].with(|p| unsafe { *p });
+                assert_eq!(load, 1, "an ack seen before the load it acknowledges");
+            }
+        }
+        for c in consumers {
+            c.join().unwrap();
+        }
+        assert_eq!(acks.loaded(), 0b11, "an ack was lost");
+    });
+}
+
+/// The object store's LEFT reader slots (`shmq_protocol::ring::slot_leave`): a reader
+/// that closes the store says LEFT, then lets its role lock go; the writer judges the
+/// slot (its word, the lock, the word again). A reader that left is never judged dead
+/// (nor dropped), and once left, the slot is taken again by the next reader, with a new
+/// generation.
+#[test]
+fn store_reader_that_left_is_never_judged_dead() {
+    use loom::sync::atomic::AtomicU64;
+    use shmq_protocol::ring::{
+        slot_attached_word, slot_begin_attach_reusing_dropped, slot_drop, slot_end_attach,
+        slot_leave, slot_read, slot_recheck, slot_state, SLOT_ATTACHED, SLOT_LEFT,
+    };
+
+    model(3, || {
+        let word = Arc::new(AtomicU64::new(0));
+        // The role lock, as the kernel keeps it: 1 while held; its release is ordered
+        // after what the holder did before (Release), and a probe that finds it free sees
+        // that (Acquire).
+        let lock = Arc::new(AtomicU32::new(1));
+        let generation = slot_begin_attach_reusing_dropped(&word);
+        slot_end_attach(&word, generation);
+        let attached = slot_attached_word(generation);
+        let reader = {
+            let (word, lock) = (word.clone(), lock.clone());
+            thread::spawn(move || {
+                assert!(slot_leave(&word, attached));
+                lock.store(0, Ordering::Release);
+            })
+        };
+        // The writer's `judge_slot`.
+        if let Some((seen, ())) = slot_read(&word, || ()) {
+            if slot_state(seen) == SLOT_ATTACHED {
+                let lock_free = lock.load(Ordering::Acquire) == 0;
+                let again = slot_recheck(&word);
+                let dead = again == seen && lock_free;
+                assert!(!dead, "a reader that left was judged dead");
+                if dead {
+                    slot_drop(&word, seen);
+                }
+            }
+        }
+        reader.join().unwrap();
+        assert_eq!(slot_state(word.load(Ordering::Relaxed)), SLOT_LEFT);
+        let next = slot_begin_attach_reusing_dropped(&word);
+        assert_eq!(next, generation + 1, "a left slot is taken again");
     });
 }

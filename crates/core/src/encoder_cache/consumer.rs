@@ -20,7 +20,7 @@ use shmq_os::process::ProcessId;
 use shmq_os::segment_file;
 use shmq_protocol::sync::Ordering;
 
-use super::entries::{self, PartsLayout, READY};
+use super::entries::PartsLayout;
 use super::layout::{segment_name, Mapped, STATE_OPEN};
 use super::slots;
 use shmq_protocol::key_index::{Key, Lookup};
@@ -150,9 +150,9 @@ impl Link {
 
     fn has(&self, key: &Key) -> bool {
         self.find(key).is_some_and(|(entry, generation)| {
-            // Acquire: pairs with the producer's Release store of READY (and the state
-            // leaves READY before the bytes can go, see `entries`).
-            self.map.entry(entry).state.load(Ordering::Acquire) == entries::word(generation, READY)
+            // Acquire (`EntryState::is_ready`), and the state leaves READY before the
+            // bytes can go (see `entries`).
+            self.map.entry(entry).state.is_ready(generation)
         })
     }
 
@@ -185,25 +185,21 @@ impl Link {
             slot: member.slot,
             word: member.word,
         };
-        // SeqCst: the consumer's half of the pin handshake (see `entries`): the
-        // increment is ordered before the state load below.
-        self.map
+        // The consumer's half of the pin handshake (`EntryPin::pin`): counted, then the
+        // state checked; what it read of the record is visible if it is READY.
+        if !self
+            .map
             .pin(entry, member.slot)
-            .fetch_add(1, Ordering::SeqCst);
-        // SeqCst (so also Acquire, pairing with the Release store of READY: the offset,
-        // length and bytes stored before it are visible).
-        if self.map.entry(entry).state.load(Ordering::SeqCst) != entries::word(generation, READY) {
+            .pin(&self.map.entry(entry).state, generation)
+        {
             return None; // `pin` drops: unpinned
         }
         Some(pin)
     }
 
     fn acknowledge(&self, entry: usize, member: &Membership) {
-        // Release: pairs with the producer's Acquire load of `acks`.
-        self.map
-            .entry(entry)
-            .acks
-            .fetch_or(1 << member.slot, Ordering::Release);
+        // Release, kept with other slots' acks (`EntryAcks::ack`).
+        self.map.entry(entry).acks.ack(member.slot);
         // Relaxed: a statistic.
         self.map
             .consumer(member.slot)
@@ -226,14 +222,9 @@ impl Drop for Pin {
         let map = &self.member_map;
         // A slot reclaimed from us had its pins zeroed: leave the next occupant's alone.
         if slots::holds(map, self.slot, self.word) {
-            // Release: pairs with the producer's SeqCst (so Acquire) pin loads: our reads
-            // of the bytes happen before it reuses them. Saturating: a count zeroed by a
-            // reclaim must not wrap around.
-            let _ = map.pin(self.entry, self.slot).fetch_update(
-                Ordering::Release,
-                Ordering::Relaxed,
-                |p| p.checked_sub(1),
-            );
+            // Release, saturating (`EntryPin::unpin`): our reads of the bytes happen
+            // before the producer reuses them.
+            map.pin(self.entry, self.slot).unpin();
         }
         map.ring();
     }

@@ -1,23 +1,17 @@
 //! Entries: their life cycle in shared memory and the byte layout of one entry's data (the
 //! producer allocates the data region with `shmq_os::range_alloc::RangeAllocator`).
 //!
-//! # Life cycle (the `state` word of an entry record: `generation << 2 | state`)
-//! ```text
-//! FREE(g) --reserve--> WRITING(g) --publish--> READY(g) --evict--> RETIRED(g) --last pin gone--> FREE(g+1)
-//!                           \------------------abandon----------------------------------------/
-//! ```
-//! Only the producer changes the word. The index stores `(entry, g)` beside each key, so
-//! a consumer that found a key checks the word is exactly `READY(g)`: anything else (a
-//! later generation, the entry reused for another key) means the key is gone.
-//!
-//! # Pins: no range is reused under a view (Dekker's pattern, SeqCst)
-//! A consumer that wants a view increments its own pin count on the entry, *then* checks
-//! the state is still `READY(g)`; the producer, to evict, stores `RETIRED(g)`, *then*
-//! reads every pin count, and frees the range only when all are zero (else it retries
-//! later: the entry is a *zombie*, gone from the index but with its bytes intact). With
-//! SeqCst on these four accesses at least one side sees the other: either the consumer
-//! sees `RETIRED` and backs off without reading, or the producer sees the pin and keeps
-//! the bytes. A pin lasts as long as the consumer's view (its private mapping).
+//! # Life cycle, pins and acknowledgements
+//! The protocol on an entry record's words (its state, `generation << 2 | state`:
+//! `FREE(g) -> WRITING(g) -> READY(g) -> RETIRED(g) -> FREE(g+1)`; the consumers' pins,
+//! which keep a range from reuse while a view of it lives; their acknowledgements) is
+//! [`shmq_protocol::entry`], with its ordering arguments and loom models. Only the
+//! producer changes the state. The index stores `(entry, g)` beside each key, so a
+//! consumer that found a key checks the word is exactly `READY(g)`: anything else (a
+//! later generation, the entry reused for another key) means the key is gone. An
+//! evicted entry whose pins are not all zero stays a *zombie* (gone from the index, its
+//! bytes intact) until they are. A pin lasts as long as the consumer's view (its private
+//! mapping).
 //!
 //! # Data of one entry
 //! ```text
@@ -30,19 +24,7 @@
 
 use crate::error::{Error, OsError, Result};
 
-pub(crate) const FREE: u64 = 0;
-pub(crate) const WRITING: u64 = 1;
-pub(crate) const READY: u64 = 2;
-pub(crate) const RETIRED: u64 = 3;
-
-/// The state word for `state` in `generation`.
-pub(crate) fn word(generation: u64, state: u64) -> u64 {
-    (generation << 2) | state
-}
-
-pub(crate) fn state_of(word: u64) -> u64 {
-    word & 3
-}
+pub(crate) use shmq_protocol::entry::{state_of, READY, WRITING};
 
 const PARTS_MAGIC: u32 = u32::from_le_bytes(*b"ECP1");
 /// Most parts one entry may have.
@@ -152,12 +134,5 @@ mod tests {
         assert!(PartsLayout::read(&[0u8; 3]).is_err());
         assert!(PartsLayout::new(&[usize::MAX]).is_err());
         assert_eq!(PartsLayout::new(&[]).unwrap().total, 64);
-    }
-
-    #[test]
-    fn state_words() {
-        let w = word(7, READY);
-        assert_eq!((w >> 2, state_of(w)), (7, READY));
-        assert_ne!(word(7, READY), word(8, READY));
     }
 }

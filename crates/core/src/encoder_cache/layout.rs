@@ -28,6 +28,7 @@ use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{data_after_table, round_up, HeaderCheck, Segment};
 use shmq_protocol::doorbell::DoorbellWords;
+use shmq_protocol::entry::{EntryAcks, EntryPin, EntryState};
 use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 
 use shmq_protocol::key_index::{IndexSlot, KeyIndex, SLOT_BYTES};
@@ -112,12 +113,13 @@ unsafe impl InSharedMemory for ConsumerSlot {}
 /// The fixed part of an entry record; `max_consumers` pin counts (u32) follow at +48.
 #[repr(C)]
 pub(crate) struct EntryRecord {
-    /// `generation << 2 | state` (see `entries`).
-    pub state: AtomicU64,
+    /// `generation << 2 | state` (see `entries`, [`shmq_protocol::entry`]).
+    pub state: EntryState,
     pub offset: AtomicU64,
     pub len: AtomicU64,
     pub published_at: AtomicU64,
-    pub acks: AtomicU64,
+    /// Which consumer slots loaded this generation ([`shmq_protocol::entry`]).
+    pub acks: EntryAcks,
     _pad: u64,
 }
 const _: () = assert!(std::mem::size_of::<EntryRecord>() == ENTRY_PINS_OFFSET);
@@ -125,8 +127,8 @@ const _: () = assert!(std::mem::size_of::<EntryRecord>() == ENTRY_PINS_OFFSET);
 unsafe impl InSharedMemory for EntryRecord {}
 // SAFETY: repr(C) (see key_index), atomics only.
 unsafe impl InSharedMemory for IndexSlot {}
-// SAFETY: an atomic (the pin counts).
-unsafe impl InSharedMemory for AtomicU32 {}
+// SAFETY: one atomic (a pin count, repr(transparent)): any bit pattern is a count.
+unsafe impl InSharedMemory for EntryPin {}
 
 /// Sizes and offsets derived from a segment's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -387,7 +389,7 @@ impl Mapped {
         self.at(self.geo.entries_offset + entry * self.geo.entry_stride)
     }
 
-    pub fn pin(&self, entry: usize, slot: usize) -> &AtomicU32 {
+    pub fn pin(&self, entry: usize, slot: usize) -> &EntryPin {
         assert!(entry < self.geo.max_entries && slot < self.geo.max_consumers);
         // Inside entry `entry`'s record: the stride covers max_consumers counts after
         // the fixed part (Geometry::new).

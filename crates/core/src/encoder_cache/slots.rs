@@ -120,10 +120,9 @@ pub(crate) fn holds(map: &Mapped, s: usize, word: u64) -> bool {
 pub(crate) fn reclaim(map: &Mapped, s: usize, word: u64) -> bool {
     let reclaimed = protocol::reclaim(map.consumer(s), word, || {
         for e in 0..map.geo.max_entries {
-            // Relaxed: published to the next occupant by the Release store of FREE that
-            // ends the reclaim, and to the producer's pin checks, which only need to see
-            // zero eventually.
-            map.pin(e, s).store(0, Ordering::Relaxed);
+            // Published by the Release store of FREE that ends the reclaim
+            // (`EntryPin::clear`).
+            map.pin(e, s).clear();
         }
     });
     if reclaimed {

@@ -50,7 +50,9 @@
 //! it reuses them (up to `COUNTING_PATIENCE`: the reader may have died there). The count
 //! shares an 8-byte word with a tag of the object's id, and the increment is made only
 //! while the tag is there, so a reader stalled past that patience does not write into
-//! the next object either (it would have to find those 8 bytes again). So the object
+//! the next object either (it would have to find those 8 bytes again). (The protocol on
+//! these words, with its ordering arguments and loom models: [`shmq_protocol::read_count`].)
+//! So the object
 //! may be evicted when `count >= n_readers * handouts` (the count word and the reader
 //! words added up, less the readers dropped, see "Readers"), oldest first, unless the writer
 //! `touch`ed it and has not yet handed it out again or released its touches, or some

@@ -12,7 +12,8 @@ use crate::error::{Error, OsError, Result, StoreError};
 use shmq_os::pins::Pin;
 use shmq_os::private_map::PrivateMap;
 use shmq_protocol::alloc::HEADER_BYTES;
-use shmq_protocol::sync::{fence, AtomicU64, Ordering};
+use shmq_protocol::read_count::ReadCount;
+use shmq_protocol::sync::{fence, Ordering};
 
 /// Where the count word and the parts of an object go: offsets from the start of the
 /// block's data, which is at ring offset `data_offset`. The frame is `[pad to 8][count
@@ -127,13 +128,13 @@ fn count_in(data: &[u8], at: usize) -> Option<u32> {
         return None;
     }
     // SAFETY: inside `data` (checked above) and 8-aligned (`at` is the count word's place,
-    // 8-aligned in memory as the ring is page-aligned, plus a multiple of 8). shmq
-    // accesses count words only atomically (a Python view from `access_buf` could write
-    // one: that changes the count, which only decides when the object may be evicted).
-    let word = unsafe { &*(data.as_ptr().add(at) as *const AtomicU64) };
-    // Acquire: pairs with the Release compare-exchange in `count_one_read`; the reader's use
-    // of the payload happens before the writer frees (and later overwrites) it.
-    Some(word.load(Ordering::Acquire) as u32)
+    // 8-aligned in memory as the ring is page-aligned, plus a multiple of 8); a
+    // `ReadCount` is one `AtomicU64` (repr(transparent)). shmq accesses count words only
+    // atomically (a Python view from `access_buf` could write one: that changes the
+    // count, which only decides when the object may be evicted).
+    let word = unsafe { &*(data.as_ptr().add(at) as *const ReadCount) };
+    // The protocol's ordering (Acquire, pairing with the readers' counts): `read_count`.
+    Some(word.reads())
 }
 
 /// Every read counted in the object whose block data is `data`: its count word's (readers
@@ -215,24 +216,8 @@ pub(super) fn count_one_read(segment: &StoreSegment, h: &BlockHeader, slot: Opti
     let word = slot
         .and_then(|s| segment.reader_word_of(h, s))
         .unwrap_or_else(|| segment.count_word_of(h));
-    let tag = segment.count_tag(h.id);
-    // Relaxed: the value only seeds the compare-exchange, which checks it.
-    let mut seen = word.load(Ordering::Relaxed);
-    loop {
-        if (seen >> 32) as u32 != tag {
-            return false;
-        }
-        // The count saturates rather than wrap into the tag (4 billion reads of one
-        // object: it stays evictable).
-        let next = (seen & !0xffff_ffff) | u64::from((seen as u32).saturating_add(1));
-        // Release on success: pairs with the Acquire load in `reader_count`: our reads of
-        // the payload happen before the writer's eviction decision. Relaxed on failure:
-        // the value read is only the next attempt's expectation.
-        match word.compare_exchange_weak(seen, next, Ordering::Release, Ordering::Relaxed) {
-            Ok(_) => return true,
-            Err(now) => seen = now,
-        }
-    }
+    // Tag-checked, saturating, Release: `shmq_protocol::read_count::ReadCount`.
+    word.count_one(segment.count_tag(h.id))
 }
 
 /// The header of the object at `address` if `(address, id)` names a live (or cleared
@@ -358,23 +343,21 @@ pub(super) fn read_header<R>(
         };
     };
     // The count lies in the block: it must not be incremented once the block may be
-    // reused (that would write into another object). So announce the increment first
-    // (SeqCst, then a SeqCst fence: with the writer's fence and load in
-    // `wait_for_counting_readers`, either the check below sees the block freed, or the
-    // writer waits for our decrement before it reuses the memory). The writer waits only
-    // COUNTING_PATIENCE (a reader may have died here); one stalled longer finds its
-    // object's tag gone from the count word and counts nothing (`count_one_read`).
-    segment.counting().fetch_add(1, Ordering::SeqCst);
-    fence(Ordering::SeqCst);
-    let validity = validity(segment, &h);
-    if validity == Validity::Live && count_one_read(segment, &h, slot) {
-        if let Some(s) = slot {
-            segment.count_reader_read(s);
+    // reused (that would write into another object). So the check and the count happen
+    // inside the counting window (`shmq_protocol::read_count::CountingWindow`): either
+    // the check sees the block freed, or the writer (`wait_for_counting_readers`) waits
+    // for us before it reuses the memory. The writer waits only COUNTING_PATIENCE (a
+    // reader may have died here); one stalled longer finds its object's tag gone from the
+    // count word and counts nothing (`count_one_read`).
+    let validity = segment.counting().count(|| {
+        let validity = validity(segment, &h);
+        if validity == Validity::Live && count_one_read(segment, &h, slot) {
+            if let Some(s) = slot {
+                segment.count_reader_read(s);
+            }
         }
-    }
-    // Release: pairs with the writer's Acquire load: the increment above happens before
-    // the writer reuses the block.
-    segment.counting().fetch_sub(1, Ordering::Release);
+        validity
+    });
     if validity == Validity::Stale {
         return Err(stale());
     }
@@ -395,10 +378,10 @@ impl Drop for BlockPin {
     fn drop(&mut self) {
         // A forked child's copy counts nothing: the hint is its parent's to decrement.
         if !shmq_os::fork::is_inherited(self.made_in) {
-            // Release: once the writer's (SeqCst) load of the hint reads 0 it reuses the
-            // block without probing, so everything done with the block under this pin (a
-            // loan filled on another thread, a view's reads) must come before.
-            self.segment.pin_hint().fetch_sub(1, Ordering::Release);
+            // Release (`PinHint::release`): everything done with the block under this pin
+            // (a loan filled on another thread, a view's reads) comes before the writer's
+            // reuse.
+            self.segment.pin_hint().release();
         }
     }
 }
@@ -503,9 +486,8 @@ impl<'a> ObjectViews<'a> {
 /// check needed: the writer itself is what would free the block, and its frees probe
 /// for pins); readers through [`pin_block`].
 pub(super) fn pin_own(segment: &Arc<StoreSegment>, id: u32) -> Result<Arc<BlockPin>> {
-    // SeqCst: pairs with the writer's SeqCst fence and load in `is_pinned` (see
-    // `pin_block`).
-    segment.pin_hint().fetch_add(1, Ordering::SeqCst);
+    // The handshake with the writer's `is_pinned`: `shmq_protocol::read_count::PinHint`.
+    segment.pin_hint().hold();
     let made_in = shmq_os::fork::generation();
     match segment.pins.pin(pin_byte(id)) {
         Ok(pin) => Ok(Arc::new(BlockPin {
@@ -514,8 +496,8 @@ pub(super) fn pin_own(segment: &Arc<StoreSegment>, id: u32) -> Result<Arc<BlockP
             made_in,
         })),
         Err(e) => {
-            // Relaxed: no pin was taken, so nothing was done with the block under it.
-            segment.pin_hint().fetch_sub(1, Ordering::Relaxed);
+            // No pin was taken, so nothing was done with the block under it.
+            segment.pin_hint().release_unused();
             Err(e.into())
         }
     }
@@ -525,15 +507,16 @@ pub(super) fn pin_own(segment: &Arc<StoreSegment>, id: u32) -> Result<Arc<BlockP
 /// reuses without looking for pins); `None` if it does not, or cannot be pinned.
 pub(super) fn pin_block(segment: &Arc<StoreSegment>, h: &BlockHeader) -> Option<Arc<BlockPin>> {
     let pin = pin_own(segment, h.id).ok()?;
-    // SeqCst fence: the checks below come after the increment (and the lock) in the
-    // order the writer's `is_pinned` is part of. If they pass, the writer will see the
-    // pin before it frees or clears the block; if the writer marked it first, they fail
-    // (and dropping the pin undoes it).
-    fence(Ordering::SeqCst);
-    let live = segment.load_u32(h.offset) == h.id
-        && segment
-            .snapshot()
-            .is_some_and(|s| id_in(h.id, s.id_start, s.id_end));
+    // After the hold and the lock, where the writer's `is_pinned` cannot miss them
+    // (`PinHint::confirm`): if the checks pass, the writer will see the pin before it
+    // frees or clears the block; if the writer marked it first, they fail (and dropping
+    // the pin undoes it).
+    let live = segment.pin_hint().confirm(|| {
+        segment.load_u32(h.offset) == h.id
+            && segment
+                .snapshot()
+                .is_some_and(|s| id_in(h.id, s.id_start, s.id_end))
+    });
     live.then_some(pin)
 }
 

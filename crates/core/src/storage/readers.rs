@@ -63,19 +63,17 @@ use crate::error::Result;
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::process::ProcessId;
 use shmq_protocol::ring::{
-    slot_begin_attach_reusing_dropped, slot_drop, slot_end_attach, slot_read, slot_state,
-    SLOT_ATTACHED, SLOT_ATTACHING, SLOT_DROPPED,
+    slot_attached_word, slot_begin_attach_reusing_dropped, slot_drop, slot_dropped_word,
+    slot_end_attach, slot_hint, slot_leave, slot_read, slot_recheck, slot_state, SLOT_ATTACHED,
+    SLOT_ATTACHING, SLOT_DROPPED, SLOT_LEFT,
 };
 use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
-
-/// The state of a slot whose reader closed the store (the ring's slot states end at 4).
-const SLOT_LEFT: u32 = 5;
 
 /// One reader slot in the header page.
 #[repr(C, align(32))]
 pub(super) struct ReaderSlotWords {
-    /// `generation << 32 | state` ([`shmq_protocol::ring`]'s slot protocol, and
-    /// [`SLOT_LEFT`]).
+    /// `generation << 32 | state` ([`shmq_protocol::ring`]'s slot protocol, with its
+    /// [`SLOT_LEFT`] state).
     word: AtomicU64,
     pid: AtomicU32,
     _pad: AtomicU32,
@@ -135,10 +133,11 @@ pub(super) fn object_slots(n_readers: u32) -> usize {
 }
 
 /// Writer: the word of reader slot `s` now (to tell whether a slot it dropped was taken
-/// again). Relaxed: only compared with the DROPPED word the writer wrote itself (the
-/// coherence order of this one location is all it needs); nothing is read through it.
+/// again). A hint (`slot_hint`, Relaxed): only compared with the DROPPED word the writer
+/// wrote itself (the coherence order of this one location is all it needs); nothing is
+/// read through it.
 pub(super) fn slot_word(segment: &StoreSegment, s: usize) -> u64 {
-    segment.reader_slot(s).word.load(Ordering::Relaxed)
+    slot_hint(&segment.reader_slot(s).word)
 }
 
 /// Writer: which of the first `slots` reader slots a reader holds now (ATTACHED), one bit
@@ -179,8 +178,8 @@ impl ReaderSlot {
         for dead_too in [false, true] {
             for s in 0..slots {
                 let slot = segment.reader_slot(s);
-                // Relaxed: a hint; the state is checked again under the lock.
-                let state = slot_state(slot.word.load(Ordering::Relaxed));
+                // A hint; the state is checked again under the lock.
+                let state = slot_state(slot_hint(&slot.word));
                 let wanted = match state {
                     SLOT_ATTACHED => dead_too,
                     _ => !dead_too,
@@ -204,7 +203,7 @@ impl ReaderSlot {
                 return Ok(Some(ReaderSlot {
                     segment: segment.clone(),
                     index: s,
-                    word: (u64::from(generation) << 32) | u64::from(SLOT_ATTACHED),
+                    word: slot_attached_word(generation),
                     made_in: shmq_os::fork::generation(),
                     lock: Mutex::new(Some(lock)),
                 }));
@@ -252,16 +251,10 @@ impl ReaderSlot {
         if closed {
             // LEFT before the lock goes (below): the writer, which judges a slot dead by
             // ATTACHED and a free lock and reads the word again after its lock probe,
-            // never takes a reader that closed for a dead one. A CAS: a slot the writer
-            // dropped (it judged us dead: we were not) stays dropped. Release: nothing is
-            // published by it; the reads we counted were Release already.
-            let left = (self.word & !0xffff_ffff) | u64::from(SLOT_LEFT);
-            let _ = self.segment.reader_slot(self.index).word.compare_exchange(
-                self.word,
-                left,
-                Ordering::Release,
-                Ordering::Relaxed,
-            );
+            // never takes a reader that closed for a dead one (`slot_leave` says why). A
+            // CAS: a slot the writer dropped (it judged us dead: we were not) stays
+            // dropped.
+            let _ = slot_leave(&self.segment.reader_slot(self.index).word, self.word);
         }
         drop(lock);
     }
@@ -337,10 +330,10 @@ pub fn judge_slot(segment: &StoreSegment, s: usize) -> ReaderInfo {
                 Some(Liveness::Unknown) | None => ProcessId { pid, start_time }.liveness(),
                 Some(known) => known,
             };
-            // Acquire: after the probe (a system call), the word is read again: a reader
-            // that closed stored LEFT before it released its lock, so a LEFT is seen here
-            // if the release was.
-            let again = slot.word.load(Ordering::Acquire);
+            // After the probe (a system call), the word is read again: a reader that closed
+            // stored LEFT before it released its lock, so a LEFT is seen here if the
+            // release was (`slot_leave`).
+            let again = slot_recheck(&slot.word);
             let status = match liveness {
                 _ if again != word => match slot_state(again) {
                     // It closed, or was dropped, or a new reader took the slot, meanwhile.
@@ -372,7 +365,7 @@ pub fn judge_slot(segment: &StoreSegment, s: usize) -> ReaderInfo {
 /// reader that takes the slot changes it), `None` if the slot changed since (a new reader
 /// took it).
 pub(super) fn drop_slot(segment: &StoreSegment, info: &ReaderInfo) -> Option<u64> {
-    let dropped = (info.word & !0xffff_ffff) | u64::from(SLOT_DROPPED);
+    let dropped = slot_dropped_word(info.word);
     (info.status == ReaderStatus::Dead
         && slot_drop(&segment.reader_slot(info.slot).word, info.word))
     .then_some(dropped)

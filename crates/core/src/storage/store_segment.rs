@@ -17,8 +17,9 @@ use shmq_os::private_map::PrivateFile;
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{HeaderCheck, Segment};
 use shmq_protocol::alloc::{Block, FifoAllocator, HEADER_BYTES, ID_MAX};
+use shmq_protocol::read_count::{CountingWindow, PinHint, ReadCount};
 use shmq_protocol::seqlock;
-use shmq_protocol::sync::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use shmq_protocol::sync::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 /// "SHMQSTO3" little-endian: marks a finished object-store segment.
 pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO3");
@@ -463,7 +464,7 @@ impl StoreSegment {
                 .stat_word(WRITER_STATS_OFFSET + 8)
                 .load(Ordering::Relaxed),
             gets: self.stat_word(GETS_OFFSET).load(Ordering::Relaxed),
-            views_held: self.pin_hint().load(Ordering::Relaxed),
+            views_held: self.pin_hint().held(),
         }
     }
 
@@ -588,14 +589,15 @@ impl StoreSegment {
     /// that was stalled past the writer's reuse of the block (see `read_header`) does not
     /// write into the next object: the bytes there would have to equal the old tag and
     /// count, all 8 of them.
-    pub(super) fn count_word(&self, offset: u64) -> &AtomicU64 {
+    pub(super) fn count_word(&self, offset: u64) -> &ReadCount {
         assert!(offset % COUNT_WORD_BYTES == 0 && offset + COUNT_WORD_BYTES <= self.capacity);
         // SAFETY: checked just above: 8-aligned (the ring start is page-aligned) and
-        // inside the ring. shmq touches count words only atomically; a peer (or a Python
+        // inside the ring; a `ReadCount` is one `AtomicU64` (repr(transparent)). shmq
+        // touches count words only atomically; a peer (or a Python
         // view from `access_buf`) could write one non-atomically, which changes the count
         // or the tag, and so only when the object is evicted (or that a read is not
         // counted), never what memory is read.
-        unsafe { &*(self.ring.as_ptr().add(offset as usize) as *const AtomicU64) }
+        unsafe { &*(self.ring.as_ptr().add(offset as usize) as *const ReadCount) }
     }
 
     /// The tag of object `id` in its count word: the id mixed with a salt of this
@@ -606,23 +608,22 @@ impl StoreSegment {
     }
 
     /// The count word of the object in block `h`.
-    pub(super) fn count_word_of(&self, h: &BlockHeader) -> &AtomicU64 {
+    pub(super) fn count_word_of(&self, h: &BlockHeader) -> &ReadCount {
         let data = h.offset + HEADER_BYTES;
         self.count_word(data + count_word_at(data))
     }
 
     /// A fresh object's count word in block `h`, and its `slots` reader words after the
-    /// frame word: its tag, count 0 (writer, before the handle is handed out: Relaxed, the
-    /// channel that carries the handle orders it as it does the payload). The block must
-    /// be sized for them (`object_layout` with `slots`); the frame word is the caller's.
+    /// frame word: its tag, count 0 (writer, before the handle is handed out:
+    /// `ReadCount::reset`). The block must be sized for them (`object_layout` with
+    /// `slots`); the frame word is the caller's.
     pub(super) fn init_counts(&self, h: &BlockHeader, slots: usize) {
-        let fresh = u64::from(self.count_tag(h.id)) << 32;
-        self.count_word_of(h).store(fresh, Ordering::Relaxed);
+        let tag = self.count_tag(h.id);
+        self.count_word_of(h).reset(tag);
         let data = h.offset + HEADER_BYTES;
         let count_at = data + count_word_at(data);
         for s in 0..slots {
-            self.count_word(count_at + reader_word_offset(s))
-                .store(fresh, Ordering::Relaxed);
+            self.count_word(count_at + reader_word_offset(s)).reset(tag);
         }
     }
 
@@ -631,7 +632,7 @@ impl StoreSegment {
     /// object's count word), or if the frame does not fit the block (reused meanwhile, or
     /// written by a peer: then no word of the block's is touched). The word found may
     /// still be another object's by now: its tag says (`count_one_read`).
-    pub(super) fn reader_word_of(&self, h: &BlockHeader, s: usize) -> Option<&AtomicU64> {
+    pub(super) fn reader_word_of(&self, h: &BlockHeader, s: usize) -> Option<&ReadCount> {
         let data = h.offset + HEADER_BYTES;
         let count_at = data + count_word_at(data);
         let end = h.offset.checked_add(h.size as u64)?.min(self.capacity);
@@ -704,22 +705,23 @@ impl StoreSegment {
     /// How many zero-copy gets hold a pin (or are taking one) in any process: while it
     /// is 0 the writer need not probe for pins. A reader that dies keeps it above 0,
     /// which only makes the writer probe.
-    pub(super) fn pin_hint(&self) -> &AtomicU64 {
+    pub(super) fn pin_hint(&self) -> &PinHint {
         // SAFETY: PIN_HINT_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
-        // mapping and 8-aligned (it is page-aligned). A peer that writes it can make the
+        // mapping and 8-aligned (it is page-aligned); a `PinHint` is one `AtomicU64`
+        // (repr(transparent)). A peer that writes it can make the
         // writer probe needlessly, or (set to 0 under a live view) reuse memory a view
         // still shows: what any process that may write the segment can do anyway.
-        unsafe { &*(self.segment.as_ptr().add(PIN_HINT_OFFSET) as *const AtomicU64) }
+        unsafe { &*(self.segment.as_ptr().add(PIN_HINT_OFFSET) as *const PinHint) }
     }
 
     /// How many readers are between their last check of an object and the increment of
     /// its count (see `read_header`): the writer reuses freed memory only once none is.
-    pub(super) fn counting(&self) -> &AtomicU64 {
+    pub(super) fn counting(&self) -> &CountingWindow {
         // SAFETY: COUNTING_OFFSET + 8 <= RING_OFFSET (checked at compile time): inside the
-        // mapping and 8-aligned. A peer that writes it can make the writer wait (up to
+        // mapping and 8-aligned; a `CountingWindow` is one `AtomicU64` (repr(transparent)). A peer that writes it can make the writer wait (up to
         // COUNTING_PATIENCE each time it raises it) or not wait: what any process that may
         // write the segment can do to the objects themselves anyway.
-        unsafe { &*(self.segment.as_ptr().add(COUNTING_OFFSET) as *const AtomicU64) }
+        unsafe { &*(self.segment.as_ptr().add(COUNTING_OFFSET) as *const CountingWindow) }
     }
 
     /// Writer, after publishing that blocks are freed: wait until no reader can still
@@ -733,24 +735,22 @@ impl StoreSegment {
     /// keeps its increment out of reused memory (`count_one_read`). The floor comes down
     /// whenever `counting` is seen below it (those readers were alive after all).
     pub(super) fn wait_for_counting_readers(&self) {
-        // SeqCst fence and load: with the reader's SeqCst increment and fence, either we
-        // see its increment (and wait for its decrement), or it sees the block freed.
-        fence(Ordering::SeqCst);
+        // The fence and the loads that pair with the readers' window:
+        // `shmq_protocol::read_count::CountingWindow::wait`.
         // Relaxed: only this process (the writer, under its store lock) uses the floor.
         let floor = self.counting_floor.load(Ordering::Relaxed);
         let mut started = None;
-        for attempt in 0u32.. {
-            // Acquire: pairs with the reader's Release decrement: its count increment
-            // (into the old block) happens before we reuse the memory.
-            let now = self.counting().load(Ordering::Acquire);
+        let mut attempt = 0u32;
+        self.counting().wait(|now| {
+            attempt += 1;
             if now <= floor {
                 if now < floor {
                     // Relaxed: as the load of the floor above.
                     self.counting_floor.store(now, Ordering::Relaxed);
                 }
-                return;
+                return true;
             }
-            if attempt < 64 {
+            if attempt <= 64 {
                 std::hint::spin_loop();
             } else if started.get_or_insert_with(Instant::now).elapsed() > COUNTING_PATIENCE {
                 // A reader died there (its increment will never come) or is stalled: its
@@ -759,11 +759,12 @@ impl StoreSegment {
                 // (both): process-local, used only by the writer under its store lock.
                 self.counting_floor.store(now, Ordering::Relaxed);
                 self.patience_spent.fetch_add(1, Ordering::Relaxed);
-                return;
+                return true;
             } else {
                 std::thread::yield_now();
             }
-        }
+            false
+        });
     }
 
     /// The writer's floor of `counting`, and how many of its waits ran out of patience
@@ -781,11 +782,9 @@ impl StoreSegment {
     /// stamped, or the clear published): see `pins` module for why a view cannot be
     /// missed then. A probe that cannot tell answers "pinned" (the memory is kept).
     pub(super) fn is_pinned(&self, id: u32) -> bool {
-        // SeqCst fence and load: with the reader's SeqCst increment and fence in
-        // `pin_block`, either this load sees the increment or the reader's check sees
-        // our mark (store buffering is ruled out on both sides).
-        fence(Ordering::SeqCst);
-        if self.pin_hint().load(Ordering::SeqCst) == 0 {
+        // The writer's half of the handshake with `pin_block` (`PinHint::may_be_held`):
+        // either it sees the reader's hold or the reader's check sees our mark.
+        if !self.pin_hint().may_be_held() {
             return false;
         }
         self.probe

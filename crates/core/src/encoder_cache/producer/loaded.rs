@@ -13,15 +13,14 @@ use shmq_protocol::sync::Ordering;
 
 impl Inner {
     pub(super) fn is_ready(&self, e: usize) -> bool {
-        // Relaxed: only this process stores the word.
-        entries::state_of(self.map.entry(e).state.load(Ordering::Relaxed)) == READY
+        // Only this process stores the word (`EntryState::own`).
+        entries::state_of(self.map.entry(e).state.own()) == READY
     }
 
     pub(super) fn pins_zero(&self, e: usize) -> bool {
-        // SeqCst: pairs with the consumer's SeqCst pin increment and state load (Dekker;
-        // see `entries`). Also Acquire: a consumer's reads of the bytes happen before
-        // its Release unpin, so before we reuse them.
-        (0..self.map.geo.max_consumers).all(|s| self.map.pin(e, s).load(Ordering::SeqCst) == 0)
+        // The producer's half of the pin handshake, after `retire` (`EntryPin::is_unpinned`):
+        // a consumer's reads of the bytes happen before its unpin, so before we reuse them.
+        (0..self.map.geo.max_consumers).all(|s| self.map.pin(e, s).is_unpinned())
     }
 
     /// Whether entry `e` (READY) has been loaded by every consumer that must.
@@ -29,8 +28,8 @@ impl Inner {
         let rec = self.map.entry(e);
         // Relaxed: stored by this process.
         let published_at = rec.published_at.load(Ordering::Relaxed);
-        // Acquire: pairs with the consumers' Release `fetch_or`.
-        let acks = rec.acks.load(Ordering::Acquire);
+        // Acquire (`EntryAcks::loaded`).
+        let acks = rec.acks.loaded();
         if (acks.count_ones() as usize) < self.min_consumers {
             return false;
         }
@@ -78,7 +77,7 @@ impl Inner {
         // Relaxed: a report.
         let (published_at, acks) = (
             rec.published_at.load(Ordering::Relaxed),
-            rec.acks.load(Ordering::Relaxed),
+            rec.acks.loaded_hint(),
         );
         let waiting: Vec<String> = slots::list(&self.map)
             .into_iter()

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{lock, Inner, State};
-use crate::encoder_cache::entries::{self, PartsLayout, READY, WRITING};
+use crate::encoder_cache::entries::{self, PartsLayout, WRITING};
 use crate::error::{Error, Result};
 use shmq_protocol::key_index::Key;
 use shmq_protocol::sync::Ordering;
@@ -25,11 +25,11 @@ impl Inner {
         local.len = len;
         local.cancelled = false;
         let generation = local.generation;
-        // Relaxed: no consumer looks at a WRITING entry (the index does not name it yet).
+        // No consumer looks at a WRITING entry (the index does not name it yet).
         this.map
             .entry(entry as usize)
             .state
-            .store(entries::word(generation, WRITING), Ordering::Relaxed);
+            .begin_writing(generation);
         st.keys.insert(key.to_owned(), entry);
         debug_assert_eq!(st.in_use.get(&offset), Some(&len), "try_reserve records it");
         this.publish_stats(st);
@@ -81,14 +81,13 @@ impl Inner {
         // Relaxed: published by the Release store of READY below.
         rec.offset.store(offset as u64, Ordering::Relaxed);
         rec.len.store(total as u64, Ordering::Relaxed);
-        rec.acks.store(0, Ordering::Relaxed);
+        rec.acks.clear();
         // SeqCst read-modify-write: see `slots` (late joiners).
         let published_at = self.map.header().clock.fetch_add(1, Ordering::SeqCst);
         rec.published_at.store(published_at, Ordering::Relaxed);
-        // Release: pairs with the consumer's (SeqCst, so Acquire) state load in
-        // `Link::load`: a consumer that sees READY sees the bytes, offset and length.
-        rec.state
-            .store(entries::word(generation, READY), Ordering::Release);
+        // Release (`EntryState::publish`): a consumer that sees READY sees the bytes,
+        // offset and length.
+        rec.state.publish(generation);
         let index = self.map.index();
         st.index.insert(&index, &ikey, entry, generation)?;
         if st.index.needs_rebuild(&index) {
@@ -129,10 +128,9 @@ impl Inner {
 
     fn abandon(&self, entry: u32, generation: u64) {
         let mut st = lock(&self.state);
-        // Relaxed: only this process stores the word.
+        // Only this process stores the word (`EntryState::own`).
         if st.entries[entry as usize].generation == generation
-            && entries::state_of(self.map.entry(entry as usize).state.load(Ordering::Relaxed))
-                == WRITING
+            && entries::state_of(self.map.entry(entry as usize).state.own()) == WRITING
         {
             self.abandon_locked(&mut st, entry);
         }

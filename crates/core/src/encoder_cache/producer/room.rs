@@ -6,7 +6,6 @@
 use std::time::{Duration, Instant};
 
 use super::{lock, Inner, State};
-use crate::encoder_cache::entries::{self, RETIRED};
 use crate::encoder_cache::slots;
 use crate::error::{Error, OsError, Result};
 use shmq_os::segment::{shm_statvfs, warn_shm_too_small};
@@ -159,10 +158,9 @@ impl Inner {
         let rec = self.map.entry(e as usize);
         let local = &mut st.entries[e as usize];
         let generation = local.generation;
-        // SeqCst: the producer's half of the pin handshake (see `entries`): stored before
+        // The producer's half of the pin handshake (`EntryState::retire`): stored before
         // the pin counts are read below.
-        rec.state
-            .store(entries::word(generation, RETIRED), Ordering::SeqCst);
+        rec.state.retire(generation);
         let (key, ikey) = local.key.take().expect("a READY entry has a key");
         let seq = local.seq;
         st.order.remove(&seq);
@@ -213,12 +211,8 @@ impl Inner {
         local.key = None;
         local.cancelled = false;
         let (offset, len, generation) = (local.offset, local.len, local.generation);
-        // Release: a consumer that sees the new generation (and so no longer uses the
-        // entry) sees everything before; the bytes are not touched until a new save.
-        self.map
-            .entry(e as usize)
-            .state
-            .store(entries::word(generation, entries::FREE), Ordering::Release);
+        // Release (`EntryState::free`): the bytes are not touched until a new save.
+        self.map.entry(e as usize).state.free(generation);
         st.in_use.remove(&offset);
         st.alloc.give_back(offset, len);
         st.free_entries.push(e);
