@@ -435,11 +435,10 @@ fn claimed_kind(name: &str) -> Result<SegmentKind> {
     // aligned u64 inside it. Every shmq segment keeps its magic there as an atomic that
     // its creator stores last; any process that can write the segment may write
     // anything there, which only changes the kind reported.
-    let magic = unsafe { &*(segment.as_ptr() as *const shmq_protocol::sync::AtomicU64) };
-    // Acquire: pairs with the creators' Release store of the magic (as in their openers).
-    let tag = magic
-        .load(shmq_protocol::sync::Ordering::Acquire)
-        .to_le_bytes();
+    let magic = unsafe { &*(segment.as_ptr() as *const shmq_protocol::word::PublishedU64) };
+    // Acquire (`PublishedU64::get`): pairs with the creators' Release store of the magic
+    // (as in their openers).
+    let tag = magic.get().to_le_bytes();
     Ok(match &tag[..7] {
         b"SHMQRNG" => SegmentKind::Ring,
         b"SHMQSTO" => SegmentKind::Store,

@@ -1283,7 +1283,7 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| {
                 // Let the waiter reach the sleep phase (spin 0, yield 1 ms).
-                while bell.sleepers.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                while bell.sleepers_now() == 0 {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 flag.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -1387,7 +1387,7 @@ mod tests {
             s.spawn(|| {
                 let started = Instant::now();
                 while started.elapsed() < Duration::from_millis(50) {
-                    if bell.sleepers.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                    if bell.sleepers_now() > 0 {
                         found_asleep.store(true, Ordering::SeqCst);
                         break;
                     }

@@ -637,7 +637,8 @@ impl PrivateMap {
             // another thread writes the same byte meanwhile (then that write made the page
             // private already). Not `fetch_or(0)`: compilers turn an idempotent relaxed
             // RMW into a plain load, which writes nothing.
-            let byte = unsafe { shmq_protocol::sync::AtomicU8::from_ptr(p.add(k)) };
+            // A process-local atomic: the page is this process's private copy.
+            let byte = unsafe { shmq_protocol::sync::local::AtomicU8::from_ptr(p.add(k)) };
             // Relaxed: only the write fault matters, not any ordering.
             let v = byte.load(std::sync::atomic::Ordering::Relaxed);
             let _ = byte.compare_exchange(

@@ -42,6 +42,23 @@
 //! gone) and passes the judged word to [`reclaim`].
 
 use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
+use crate::word::StatU64;
+
+/// The join clock (see the module docs on late joiners), changed only by [`tick`].
+#[repr(transparent)]
+pub struct JoinClock(AtomicU64);
+
+impl JoinClock {
+    pub fn new(v: u64) -> JoinClock {
+        JoinClock(AtomicU64::new(v))
+    }
+}
+
+impl Default for JoinClock {
+    fn default() -> Self {
+        JoinClock::new(0)
+    }
+}
 
 /// Slot states: the low two bits of the word.
 pub const FREE: u64 = 0;
@@ -72,7 +89,7 @@ pub struct ConsumerSlot {
     /// The clock value of the join: entries published later wait for this consumer.
     pub joined_at: AtomicU64,
     /// Keys this consumer loaded (a statistic; Relaxed everywhere).
-    pub loads: AtomicU64,
+    pub loads: StatU64,
     _pad1: [u64; 3],
 }
 
@@ -93,9 +110,17 @@ impl ConsumerSlot {
             _pad0: 0,
             start_time: AtomicU64::new(0),
             joined_at: AtomicU64::new(0),
-            loads: AtomicU64::new(0),
+            loads: StatU64::new(0),
             _pad1: [0; 3],
         }
+    }
+
+    /// Make the slot look joined at clock value `joined_at` (tests that stage a consumer
+    /// that joined before or after an entry was published).
+    #[doc(hidden)]
+    pub fn backdate_join(&self, joined_at: u64) {
+        // SeqCst: a test's staging, seen by whatever the test runs next.
+        self.joined_at.store(joined_at, Ordering::SeqCst);
     }
 }
 
@@ -187,13 +212,13 @@ pub fn join(
     claimed: u64,
     pid: u32,
     start_time: u64,
-    clock: &AtomicU64,
+    clock: &JoinClock,
 ) -> u64 {
     // Relaxed: published by the Release store of JOINED below (and guarded against torn
     // reads by the Release fence in `claim`).
     slot.pid.store(pid, Ordering::Relaxed);
     slot.start_time.store(start_time, Ordering::Relaxed);
-    slot.loads.store(0, Ordering::Relaxed);
+    slot.loads.set(0);
     // SeqCst read-modify-write of the clock (module docs, late joiners): the producer's
     // own clock RMW for a later publication reads from this one (or a later RMW), so it
     // sees the claim made before it.
@@ -208,13 +233,13 @@ pub fn join(
 
 /// Take the next clock value (the producer when it publishes an entry, a consumer when
 /// it joins; see the module docs on late joiners).
-pub fn tick(clock: &AtomicU64) -> u64 {
+pub fn tick(clock: &JoinClock) -> u64 {
     // SeqCst RMW (so AcqRel): every clock update reads the one before it, so a later
     // value carries everything that happened before an earlier one was taken (for a
     // join: its claim). The fences carry the claim too (the Release fence in `claim`
     // before the joiner's tick, the Acquire fence in `read` after the producer's), so
     // the model passes even with Relaxed ticks; SeqCst keeps the argument to one order.
-    clock.fetch_add(1, Ordering::SeqCst)
+    clock.0.fetch_add(1, Ordering::SeqCst)
 }
 
 /// Give the slot back, if it is still the occupancy `word` (a slot reclaimed meanwhile
@@ -266,7 +291,7 @@ mod tests {
 
     #[test]
     fn a_slot_goes_round_and_each_occupancy_has_its_own_word() {
-        let (s, clock) = (ConsumerSlot::new(), AtomicU64::new(7));
+        let (s, clock) = (ConsumerSlot::new(), JoinClock::new(7));
         let free = free_word(&s).unwrap();
         let claimed = claim(&s, free).unwrap();
         assert_eq!(
@@ -303,7 +328,7 @@ mod tests {
 
     #[test]
     fn a_reclaim_zeroes_once_and_only_from_the_judged_word() {
-        let (s, clock) = (ConsumerSlot::new(), AtomicU64::new(0));
+        let (s, clock) = (ConsumerSlot::new(), JoinClock::new(0));
         let joined = join(&s, claim(&s, 0).unwrap(), 1, 1, &clock);
         assert!(!reclaim(&s, 0, || panic!("a free word was reclaimed")));
         let mut zeroed = 0;

@@ -62,6 +62,13 @@ impl DoorbellWords {
             futex: OsFutex,
         }
     }
+
+    /// How many processes sleep on the doorbell now (tests, reports).
+    pub fn sleepers_now(&self) -> u32 {
+        // SeqCst: a test that waits for a sleeper, then rings, wants the latest value;
+        // nothing is read through it.
+        self.sleepers.load(Ordering::SeqCst)
+    }
 }
 
 /// See the module docs.

@@ -232,17 +232,34 @@ enum SlotView {
     },
 }
 
+/// The index's rebuild epoch (odd during a rebuild), changed only by [`IndexWriter`].
+/// Zero bytes: no rebuild yet.
+#[repr(transparent)]
+pub struct IndexEpoch(AtomicU32);
+
+impl IndexEpoch {
+    pub fn new() -> IndexEpoch {
+        IndexEpoch(AtomicU32::new(0))
+    }
+}
+
+impl Default for IndexEpoch {
+    fn default() -> Self {
+        IndexEpoch::new()
+    }
+}
+
 /// The index over a table of slots and its epoch word. Lookups take `&self` and may run
 /// in any process; the writer's operations are on [`IndexWriter`].
 #[derive(Clone, Copy)]
 pub struct KeyIndex<'a> {
-    epoch: &'a AtomicU32,
+    epoch: &'a IndexEpoch,
     slots: &'a [IndexSlot],
 }
 
 impl<'a> KeyIndex<'a> {
     /// The index over `slots` (a power of two of them) with its rebuild `epoch`.
-    pub fn new(epoch: &'a AtomicU32, slots: &'a [IndexSlot]) -> KeyIndex<'a> {
+    pub fn new(epoch: &'a IndexEpoch, slots: &'a [IndexSlot]) -> KeyIndex<'a> {
         assert!(
             slots.len().is_power_of_two(),
             "the index needs a power-of-two number of slots"
@@ -302,7 +319,7 @@ impl<'a> KeyIndex<'a> {
         let mut retries = Retries::default();
         'again: loop {
             // Acquire: pairs with the Release store that ends a rebuild.
-            let e1 = self.epoch.load(Ordering::Acquire);
+            let e1 = self.epoch.0.load(Ordering::Acquire);
             if e1 & 1 == 1 {
                 if !backoff(&mut retries) {
                     return Lookup::Busy;
@@ -332,7 +349,7 @@ impl<'a> KeyIndex<'a> {
             // `read_slot`: same argument, index-wide).
             fence(Ordering::Acquire);
             // Relaxed: ordered by the fence.
-            if self.epoch.load(Ordering::Relaxed) == e1 {
+            if self.epoch.0.load(Ordering::Relaxed) == e1 {
                 return found;
             }
             if !backoff(&mut retries) {
@@ -533,9 +550,17 @@ impl IndexWriter {
         // Relaxed RMW, then Release fence: pairs with the Acquire fence at the end of
         // `KeyIndex::lookup` (a lookup that saw any slot change made below sees the odd
         // epoch, or a later one, and starts again).
-        let mut e = index.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        let mut e = index
+            .epoch
+            .0
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1);
         if e & 1 == 0 {
-            e = index.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+            e = index
+                .epoch
+                .0
+                .fetch_add(1, Ordering::Relaxed)
+                .wrapping_add(1);
         }
         fence(Ordering::Release);
         for slot in index.slots {
@@ -552,7 +577,7 @@ impl IndexWriter {
             }
         }
         // Release: pairs with the Acquire epoch load at the start of a lookup.
-        index.epoch.store(e.wrapping_add(1), Ordering::Release);
+        index.epoch.0.store(e.wrapping_add(1), Ordering::Release);
         result
     }
 }
@@ -562,9 +587,9 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn table(n: usize) -> (AtomicU32, Vec<IndexSlot>) {
+    fn table(n: usize) -> (IndexEpoch, Vec<IndexSlot>) {
         (
-            AtomicU32::new(0),
+            IndexEpoch::new(),
             (0..n).map(|_| IndexSlot::new()).collect(),
         )
     }
@@ -682,7 +707,7 @@ mod tests {
             assert_eq!(w.live(), model.len());
         }
         assert!(rebuilds > 0, "the workload never rebuilt the table");
-        assert_eq!(epoch.load(Ordering::Relaxed) % 2, 0);
+        assert_eq!(epoch.0.load(Ordering::Relaxed) % 2, 0);
     }
 
     #[test]

@@ -49,6 +49,23 @@ pub struct LeaseRecord {
     pub len: AtomicU64,
 }
 
+/// One reader's hold count on a lease, changed only by [`Lease`]'s methods. Zero bytes:
+/// no hold.
+#[repr(transparent)]
+pub struct Hold(AtomicU32);
+
+impl Hold {
+    pub fn new() -> Hold {
+        Hold(AtomicU32::new(0))
+    }
+}
+
+impl Default for Hold {
+    fn default() -> Self {
+        Hold::new()
+    }
+}
+
 /// Where the hold counts start in a lease record.
 pub const HOLDS_OFFSET: usize = 32;
 #[cfg(not(loom))]
@@ -79,7 +96,7 @@ impl Default for LeaseRecord {
 #[derive(Clone, Copy)]
 pub struct Lease<'a> {
     pub record: &'a LeaseRecord,
-    pub holds: &'a [AtomicU32],
+    pub holds: &'a [Hold],
 }
 
 impl Lease<'_> {
@@ -112,7 +129,7 @@ impl Lease<'_> {
             // this, and the reader's decrement comes after it has seen that message (an
             // RMW on the same word: it reads this increment or later). The writer sees it
             // in `is_unused` by program order, or through `drop_writer_hold`'s Release.
-            self.holds[reader].fetch_add(1, Ordering::Relaxed);
+            self.holds[reader].0.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -130,7 +147,7 @@ impl Lease<'_> {
         // with the Release decrements in `release`: whatever a holder did with the bytes
         // happened before the writer reuses them.
         self.record.writer_hold.load(Ordering::Acquire) == 0
-            && self.holds.iter().all(|h| h.load(Ordering::Acquire) == 0)
+            && self.holds.iter().all(|h| h.0.load(Ordering::Acquire) == 0)
     }
 
     /// Writer, once the lease [`is_unused`](Self::is_unused): retire its contents.
@@ -145,7 +162,7 @@ impl Lease<'_> {
     /// for death).
     pub fn is_held_by(&self, reader: usize) -> bool {
         // Relaxed: a hint; a hold added or dropped meanwhile is seen on a later check.
-        self.holds[reader].load(Ordering::Relaxed) != 0
+        self.holds[reader].0.load(Ordering::Relaxed) != 0
     }
 
     /// Writer: drop every hold of `reader`, which must be proved dead.
@@ -153,7 +170,7 @@ impl Lease<'_> {
         // Relaxed: the dead reader no longer touches the bytes (proved by the caller), and
         // the Acquire loads in `is_unused` order the writer's later reuse after this store
         // anyway (same thread).
-        self.holds[reader].store(0, Ordering::Relaxed);
+        self.holds[reader].0.store(0, Ordering::Relaxed);
     }
 
     /// Reader: the record's generation, offset and length, to check a reference against.
@@ -175,6 +192,7 @@ impl Lease<'_> {
         // already zeroed (it thought the reader dead) must not wrap around and pin the
         // lease forever.
         let _ = self.holds[reader]
+            .0
             .fetch_update(Ordering::Release, Ordering::Relaxed, |h| h.checked_sub(1));
     }
 }
@@ -186,7 +204,7 @@ mod tests {
     #[test]
     fn a_lease_is_unused_only_once_every_hold_is_gone() {
         let record = LeaseRecord::new();
-        let holds: Vec<AtomicU32> = (0..3).map(|_| AtomicU32::new(0)).collect();
+        let holds: Vec<Hold> = (0..3).map(|_| Hold::new()).collect();
         let lease = Lease {
             record: &record,
             holds: &holds,

@@ -23,7 +23,10 @@
 //!   hint;
 //! - [`lease`]: the tensor arena's leases (the writer's and the readers' holds, and
 //!   when a range may be reused);
-//! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic.
+//! - [`alloc`]: the object store's FIFO allocator, as pure arithmetic;
+//! - [`word`]: the shared words that carry no protocol of their own (statistics, fields
+//!   another protocol publishes, published words such as a segment's magic), typed so
+//!   that no code outside this crate names a raw shared atomic or picks an ordering.
 
 pub mod alloc;
 pub mod consumer_slot;
@@ -38,3 +41,4 @@ pub mod read_count;
 pub mod ring;
 pub mod seqlock;
 pub mod sync;
+pub mod word;

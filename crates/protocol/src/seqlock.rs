@@ -27,30 +27,56 @@
 
 use crate::sync::{fence, AtomicU64, Ordering};
 
+/// A seqlock's sequence word (even: no update under way), changed only by [`write`](fn@write).
+/// Zero bytes: no update yet.
+#[repr(transparent)]
+pub struct SeqWord(AtomicU64);
+
+impl SeqWord {
+    pub fn new() -> SeqWord {
+        SeqWord(AtomicU64::new(0))
+    }
+}
+
+impl Default for SeqWord {
+    fn default() -> Self {
+        SeqWord::new()
+    }
+}
+
 /// Writer only (one at a time): run `update`, which stores the fields (Relaxed), as one
 /// seqlock update.
-pub fn write<R>(seq: &AtomicU64, update: impl FnOnce() -> R) -> R {
+pub fn write<R>(seq: &SeqWord, update: impl FnOnce() -> R) -> R {
     // Relaxed: only the writer stores `seq`, so it reads its own last value.
-    let s = seq.load(Ordering::Relaxed);
+    let s = seq.0.load(Ordering::Relaxed);
     // Relaxed, then a Release fence: pairs with the Acquire fence in `read`; a reader that
     // sees any field stored by `update` also sees this odd value (or a later one).
-    seq.store(s.wrapping_add(1), Ordering::Relaxed);
+    seq.0.store(s.wrapping_add(1), Ordering::Relaxed);
     fence(Ordering::Release);
     let out = update();
     // Release: pairs with the Acquire load in `read`: publishes the fields.
-    seq.store(s.wrapping_add(2), Ordering::Release);
+    seq.0.store(s.wrapping_add(2), Ordering::Release);
     // Release fence: the update happens before every later store of the writer, for a
     // reader whose Acquire fence follows a load of one of those stores.
     fence(Ordering::Release);
     out
 }
 
+/// A reader that used data the published state vouched for (read after a [`read`]),
+/// before it checks the published state again (another [`read`]): the Acquire fence
+/// orders its reads of the data before that check's loads, so if they show the data
+/// still vouched for, the writer had not started reusing it (it publishes before it
+/// writes: see the module docs).
+pub fn before_recheck() {
+    fence(Ordering::Acquire);
+}
+
 /// One attempt to read the fields with `read` (Relaxed loads): `Some` if no update
 /// overlapped it, `None` if one did (or is under way: the caller may retry).
-pub fn read<T>(seq: &AtomicU64, read: impl FnOnce() -> T) -> Option<T> {
+pub fn read<T>(seq: &SeqWord, read: impl FnOnce() -> T) -> Option<T> {
     // Acquire: pairs with the Release store that ends `write`: the fields loaded below
     // are at least as new as the update that store completed.
-    let s = seq.load(Ordering::Acquire);
+    let s = seq.0.load(Ordering::Acquire);
     if s % 2 != 0 {
         return None;
     }
@@ -60,5 +86,5 @@ pub fn read<T>(seq: &AtomicU64, read: impl FnOnce() -> T) -> Option<T> {
     // of them shows in `seq`.
     fence(Ordering::Acquire);
     // Relaxed: ordered by the fence.
-    (seq.load(Ordering::Relaxed) == s).then_some(fields)
+    (seq.0.load(Ordering::Relaxed) == s).then_some(fields)
 }

@@ -8,7 +8,11 @@
 //! Every atomic of the workspace is named here (clippy's `disallowed_types` refuses std's
 //! anywhere else: see `clippy.toml`): the ones above for what processes share, and
 //! [`local`] for what stays in one process. A name is a type alias of std's, which clippy
-//! does not see through.
+//! does not see through. The shared ones are this crate's alone: clippy refuses them in
+//! every other crate (the root `clippy.toml`; this crate's own `clippy.toml` leaves them
+//! out), which uses the typed objects of the protocol modules and of [`crate::word`]
+//! instead, so that no protocol on shared memory is written outside this crate and its
+//! loom models.
 
 #[cfg(loom)]
 pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};

@@ -42,23 +42,23 @@ use loom::sync::{Arc, Condvar, Mutex};
 use loom::thread;
 
 use shmq_protocol::doorbell::{Doorbell, Futex};
-use shmq_protocol::key_index::{IndexSlot, IndexWriter, Key, KeyIndex, Lookup};
-use shmq_protocol::ring::{self as protocol, ChunkFlags};
+use shmq_protocol::key_index::{IndexEpoch, IndexSlot, IndexWriter, Key, KeyIndex, Lookup};
+use shmq_protocol::ring::{self as protocol, ChunkFlag, ChunkFlags};
 
 /// One chunk shared by a writer and `N` readers; the payload is a loom cell, so loom
 /// reports any write that is not ordered after every read of the previous message (and
 /// the other way round).
 struct Chunk<const N: usize> {
-    written: AtomicU8,
-    read: [AtomicU8; N],
+    written: ChunkFlag,
+    read: [ChunkFlag; N],
     payload: UnsafeCell<(u32, u32)>,
 }
 
 impl<const N: usize> Chunk<N> {
     fn new() -> Self {
         Chunk {
-            written: AtomicU8::new(0),
-            read: std::array::from_fn(|_| AtomicU8::new(0)),
+            written: ChunkFlag::new(0),
+            read: std::array::from_fn(|_| ChunkFlag::new(0)),
             payload: UnsafeCell::new((0, 0)),
         }
     }
@@ -68,10 +68,10 @@ impl<const N: usize> ChunkFlags for Chunk<N> {
     fn n_reader(&self) -> usize {
         N
     }
-    fn written(&self) -> &AtomicU8 {
+    fn written(&self) -> &ChunkFlag {
         &self.written
     }
-    fn read(&self, reader: usize) -> &AtomicU8 {
+    fn read(&self, reader: usize) -> &ChunkFlag {
         &self.read[reader]
     }
 }
@@ -220,14 +220,14 @@ fn doorbell_loses_no_wake_up() {
 /// re-attach never lands (the new holder is not dropped).
 #[test]
 fn slot_seqlock_never_tears_and_drops_only_the_judged_holder() {
-    use loom::sync::atomic::{AtomicU32, AtomicU64};
+    use loom::sync::atomic::AtomicU32;
     use shmq_protocol::ring::{
-        slot_begin_attach, slot_drop, slot_end_attach, slot_read, slot_state, SLOT_ATTACHED,
-        SLOT_DROPPED,
+        slot_begin_attach, slot_drop, slot_end_attach, slot_read, slot_state, SlotWord,
+        SLOT_ATTACHED, SLOT_DROPPED,
     };
 
     struct Slot {
-        word: AtomicU64,
+        word: SlotWord,
         pid: AtomicU32,
         start: AtomicU32,
     }
@@ -251,7 +251,7 @@ fn slot_seqlock_never_tears_and_drops_only_the_judged_holder() {
 
     model(3, || {
         let slot = Arc::new(Slot {
-            word: AtomicU64::new(0),
+            word: SlotWord::new(),
             pid: AtomicU32::new(0),
             start: AtomicU32::new(0),
         });
@@ -304,14 +304,14 @@ fn keys_at(home: usize, n: usize, count: usize) -> Vec<Key> {
 
 /// A table of `n` slots and its epoch, shared by the model's threads.
 struct Table {
-    epoch: AtomicU32,
+    epoch: IndexEpoch,
     slots: Vec<IndexSlot>,
 }
 
 impl Table {
     fn new(n: usize) -> Arc<Table> {
         Arc::new(Table {
-            epoch: AtomicU32::new(0),
+            epoch: IndexEpoch::new(),
             slots: (0..n).map(|_| IndexSlot::new()).collect(),
         })
     }
@@ -412,11 +412,10 @@ fn key_index_chain_survives_removal_reuse_and_rebuild() {
 /// execution (the closing Release fence is not needed here, see `shmq_protocol::seqlock`).
 #[test]
 fn store_seqlock_never_tears_and_never_vouches_for_reused_bytes() {
-    use loom::sync::atomic::AtomicU64;
     use shmq_protocol::seqlock;
 
     struct Published {
-        seq: AtomicU64,
+        seq: seqlock::SeqWord,
         id_start: AtomicU32,
         id_end: AtomicU32,
         /// Which update stored the fields (0: the initial state).
@@ -464,7 +463,7 @@ fn store_seqlock_never_tears_and_never_vouches_for_reused_bytes() {
 
     model(3, || {
         let p = Arc::new(Published {
-            seq: AtomicU64::new(0),
+            seq: seqlock::SeqWord::new(),
             id_start: AtomicU32::new(0),
             id_end: AtomicU32::new(1),
             update: AtomicU32::new(0),
@@ -479,7 +478,7 @@ fn store_seqlock_never_tears_and_never_vouches_for_reused_bytes() {
                 }
                 let byte = p.byte.load(Ordering::Relaxed);
                 // `still_valid`: an Acquire fence, then the published state again.
-                loom::sync::atomic::fence(Ordering::Acquire);
+                seqlock::before_recheck();
                 if let Some(again) = snapshot(&p) {
                     if live(again, 0) {
                         assert_eq!(byte, 100, "a reused object's bytes passed as object 0's");
@@ -595,12 +594,11 @@ impl Futex for ModelBell<'_> {
 /// the slot as FREE (it would not wait for a consumer that joined before its entry).
 #[test]
 fn consumer_slot_join_is_exclusive_whole_and_ordered_by_the_clock() {
-    use loom::sync::atomic::AtomicU64;
-    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot, FREE, JOINED};
+    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot, JoinClock, FREE, JOINED};
 
     /// Join as consumer `pid` (start time `10 * pid`) if the slot is free: the joined
     /// word and `joined_at`.
-    fn try_join(s: &ConsumerSlot, clock: &AtomicU64, pid: u32) -> Option<(u64, u64)> {
+    fn try_join(s: &ConsumerSlot, clock: &JoinClock, pid: u32) -> Option<(u64, u64)> {
         let free = slot::free_word(s)?;
         let claimed = slot::claim(s, free)?;
         let word = slot::join(s, claimed, pid, 10 * u64::from(pid), clock);
@@ -609,7 +607,7 @@ fn consumer_slot_join_is_exclusive_whole_and_ordered_by_the_clock() {
 
     model(2, || {
         let s = Arc::new(ConsumerSlot::new());
-        let clock = Arc::new(AtomicU64::new(0));
+        let clock = Arc::new(JoinClock::new(0));
         let joiners: Vec<_> = [1, 2]
             .into_iter()
             .map(|pid| {
@@ -653,12 +651,11 @@ fn consumer_slot_join_is_exclusive_whole_and_ordered_by_the_clock() {
 /// reclaimer's zeroing is published by the FREE it stores).
 #[test]
 fn consumer_slot_of_a_dead_consumer_is_reclaimed_once_and_handed_over_clean() {
-    use loom::sync::atomic::AtomicU64;
-    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot, JOINED};
+    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot, JoinClock, JOINED};
 
     model(2, || {
         let s = Arc::new(ConsumerSlot::new());
-        let clock = Arc::new(AtomicU64::new(0));
+        let clock = Arc::new(JoinClock::new(0));
         // Consumer 1's pin count on an entry, and how many times a reclaim zeroed it.
         let pin = Arc::new(AtomicU32::new(0));
         let zeroings = Arc::new(AtomicU32::new(0));
@@ -735,11 +732,11 @@ fn consumer_slot_of_a_dead_consumer_is_reclaimed_once_and_handed_over_clean() {
 #[test]
 fn arena_lease_is_not_reused_under_a_live_readers_hold() {
     use loom::sync::atomic::AtomicU32;
-    use shmq_protocol::lease::{Lease, LeaseRecord};
+    use shmq_protocol::lease::{Hold, Lease, LeaseRecord};
 
     struct Arena {
         record: LeaseRecord,
-        holds: [AtomicU32; 2],
+        holds: [Hold; 2],
         message: AtomicU32,
         bytes: UnsafeCell<(u32, u32)>,
     }
@@ -755,7 +752,7 @@ fn arena_lease_is_not_reused_under_a_live_readers_hold() {
     model(3, || {
         let a = Arc::new(Arena {
             record: LeaseRecord::new(),
-            holds: std::array::from_fn(|_| AtomicU32::new(0)),
+            holds: std::array::from_fn(|_| Hold::new()),
             message: AtomicU32::new(0),
             bytes: UnsafeCell::new((0, 0)),
         });
@@ -810,11 +807,11 @@ fn arena_lease_is_not_reused_under_a_live_readers_hold() {
 #[test]
 fn arena_loan_is_not_reused_before_it_is_dropped_and_read() {
     use loom::sync::atomic::AtomicU32;
-    use shmq_protocol::lease::{Lease, LeaseRecord};
+    use shmq_protocol::lease::{Hold, Lease, LeaseRecord};
 
     struct Arena {
         record: LeaseRecord,
-        holds: [AtomicU32; 1],
+        holds: [Hold; 1],
         message: AtomicU32,
         bytes: UnsafeCell<u32>,
     }
@@ -830,7 +827,7 @@ fn arena_loan_is_not_reused_before_it_is_dropped_and_read() {
     model(3, || {
         let a = Arc::new(Arena {
             record: LeaseRecord::new(),
-            holds: [AtomicU32::new(0)],
+            holds: [Hold::new()],
             message: AtomicU32::new(0),
             bytes: UnsafeCell::new(0),
         });
@@ -877,12 +874,11 @@ fn arena_loan_is_not_reused_before_it_is_dropped_and_read() {
 /// the slot.
 #[test]
 fn consumer_slot_left_is_handed_over_with_the_leavers_unpins() {
-    use loom::sync::atomic::AtomicU64;
-    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot};
+    use shmq_protocol::consumer_slot::{self as slot, ConsumerSlot, JoinClock};
 
     model(2, || {
         let s = Arc::new(ConsumerSlot::new());
-        let clock = Arc::new(AtomicU64::new(0));
+        let clock = Arc::new(JoinClock::new(0));
         let pin = Arc::new(AtomicU32::new(1));
         let claimed = slot::claim(&s, slot::free_word(&s).unwrap()).unwrap();
         let word = slot::join(&s, claimed, 1, 10, &clock);
@@ -1147,14 +1143,14 @@ fn encoder_cache_acks_are_never_lost_and_order_the_load() {
 /// generation.
 #[test]
 fn store_reader_that_left_is_never_judged_dead() {
-    use loom::sync::atomic::AtomicU64;
     use shmq_protocol::ring::{
         slot_attached_word, slot_begin_attach_reusing_dropped, slot_drop, slot_end_attach,
-        slot_leave, slot_read, slot_recheck, slot_state, SLOT_ATTACHED, SLOT_LEFT,
+        slot_hint, slot_leave, slot_read, slot_recheck, slot_state, SlotWord, SLOT_ATTACHED,
+        SLOT_LEFT,
     };
 
     model(3, || {
-        let word = Arc::new(AtomicU64::new(0));
+        let word = Arc::new(SlotWord::new());
         // The role lock, as the kernel keeps it: 1 while held; its release is ordered
         // after what the holder did before (Release), and a probe that finds it free sees
         // that (Acquire).
@@ -1182,7 +1178,7 @@ fn store_reader_that_left_is_never_judged_dead() {
             }
         }
         reader.join().unwrap();
-        assert_eq!(slot_state(word.load(Ordering::Relaxed)), SLOT_LEFT);
+        assert_eq!(slot_state(slot_hint(&word)), SLOT_LEFT);
         let next = slot_begin_attach_reusing_dropped(&word);
         assert_eq!(next, generation + 1, "a left slot is taken again");
     });

@@ -7,8 +7,8 @@ use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
 use shmq_os::segment::{data_after_table, round_up, Segment, MAX_READERS};
-use shmq_protocol::lease::{Lease, LeaseRecord, HOLDS_OFFSET};
-use shmq_protocol::sync::{AtomicU32, AtomicU64};
+use shmq_protocol::lease::{Hold, Lease, LeaseRecord, HOLDS_OFFSET};
+use shmq_protocol::word::{PublishedU64, StatU64};
 
 const STATS_OFFSET: usize = 64;
 /// Where the queue's ring name is recorded: one length byte, then the name.
@@ -21,7 +21,7 @@ const _: () = assert!(QUEUE_OFFSET + 1 + QUEUE_NAME_MAX <= TABLE_OFFSET);
 /// The segment header. Lives at offset 0 of the mapping.
 #[repr(C)]
 pub(super) struct ArenaHeader {
-    pub(super) magic: AtomicU64,
+    pub(super) magic: PublishedU64,
     pub(super) version: u32,
     pub(super) n_reader: u32,
     pub(super) max_leases: u32,
@@ -38,9 +38,9 @@ const _: () = assert!(std::mem::size_of::<ArenaHeader>() <= STATS_OFFSET);
 /// What the writer publishes for inspection.
 #[repr(C, align(64))]
 pub(super) struct ArenaStats {
-    pub(super) fallbacks: AtomicU64,
-    pub(super) bytes_in_use: AtomicU64,
-    pub(super) reserved: AtomicU64,
+    pub(super) fallbacks: StatU64,
+    pub(super) bytes_in_use: StatU64,
+    pub(super) reserved: StatU64,
 }
 const _: () = assert!(STATS_OFFSET + std::mem::size_of::<ArenaStats>() <= QUEUE_OFFSET);
 
@@ -145,7 +145,7 @@ impl Mapped {
             Lease {
                 record: &*(at as *const LeaseRecord),
                 holds: std::slice::from_raw_parts(
-                    at.add(HOLDS_OFFSET) as *const AtomicU32,
+                    at.add(HOLDS_OFFSET) as *const Hold,
                     self.geo.n_reader,
                 ),
             }

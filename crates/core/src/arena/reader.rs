@@ -11,7 +11,6 @@ use shmq_os::private_map::{PrivateFile, PrivateMap, SharedView};
 use shmq_os::process::ProcessId;
 use shmq_os::region;
 use shmq_os::segment::{HeaderCheck, Segment};
-use shmq_protocol::sync::Ordering;
 
 /// A reader's side of an arena: the lease table (shared) and a descriptor to map parts
 /// privately.
@@ -223,8 +222,8 @@ pub fn describe(name: &str) -> Result<ArenaInfo> {
         queue: a.map.queue(),
         n_reader: a.map.geo.n_reader,
         capacity: a.map.geo.capacity as u64,
-        reserved: s.reserved.load(Ordering::Relaxed),
-        bytes_in_use: s.bytes_in_use.load(Ordering::Relaxed),
-        fallbacks: s.fallbacks.load(Ordering::Relaxed),
+        reserved: s.reserved.get(),
+        bytes_in_use: s.bytes_in_use.get(),
+        fallbacks: s.fallbacks.get(),
     })
 }

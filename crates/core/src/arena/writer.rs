@@ -15,7 +15,6 @@ use shmq_os::range_alloc::RangeAllocator;
 use shmq_os::region;
 use shmq_os::region::RawRegion;
 use shmq_os::segment::{round_up, with_unique_name, LoanPages, Segment};
-use shmq_protocol::sync::Ordering;
 
 /// The writer's in-process record of a lease it has handed out.
 #[derive(Clone, Copy, Debug)]
@@ -126,7 +125,7 @@ impl ArenaWriter {
         }
         // Release: pairs with the Acquire load in `ArenaReader::open`: an opener that
         // sees the magic sees the whole header (the table is zero from the kernel).
-        map.header().magic.store(ARENA_MAGIC, Ordering::Release);
+        map.header().magic.publish(ARENA_MAGIC);
         Ok(ArenaWriter {
             map: Arc::new(map),
             free: RangeAllocator::new(geo.capacity, geo.page_size),
@@ -197,10 +196,7 @@ impl ArenaWriter {
     pub fn count_fallback(&mut self) {
         self.fallbacks += 1;
         // Relaxed: a statistic for inspection.
-        self.map
-            .stats()
-            .fallbacks
-            .store(self.fallbacks, Ordering::Relaxed);
+        self.map.stats().fallbacks.set(self.fallbacks);
         if self.fallbacks == 1 || self.fallbacks.is_power_of_two() {
             shmq_log!(
                 info,
@@ -232,10 +228,7 @@ impl ArenaWriter {
         }
         let in_use: usize = self.outstanding.iter().map(|o| o.len).sum();
         // Relaxed: a statistic.
-        self.map
-            .stats()
-            .bytes_in_use
-            .store(in_use as u64, Ordering::Relaxed);
+        self.map.stats().bytes_in_use.set(in_use as u64);
     }
 
     /// Drop every hold of the readers proved dead (`reader_is_dead(r)`, asked only of
@@ -359,10 +352,7 @@ impl ArenaWriter {
                 }
                 self.reserved = target;
                 // Relaxed: a statistic.
-                self.map
-                    .stats()
-                    .reserved
-                    .store(target as u64, Ordering::Relaxed);
+                self.map.stats().reserved.set(target as u64);
                 Ok(())
             }
             Err(e) => Err(e.into()),

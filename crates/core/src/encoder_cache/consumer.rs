@@ -18,7 +18,6 @@ use crate::error::{Error, OsError, Result};
 use shmq_os::private_map::{PrivateFile, PrivateMap, SharedView};
 use shmq_os::process::ProcessId;
 use shmq_os::segment_file;
-use shmq_protocol::sync::Ordering;
 
 use super::entries::PartsLayout;
 use super::layout::{segment_name, Mapped, STATE_OPEN};
@@ -81,7 +80,7 @@ impl Link {
         })?;
         let map = Arc::new(Mapped::open(segment)?);
         // Acquire: pairs with the Release stores of CLOSED/SUPERSEDED.
-        if map.header().state.load(Ordering::Acquire) != STATE_OPEN {
+        if map.header().state.get() != STATE_OPEN {
             return Err(Error::Os(OsError::SegmentNotFound {
                 name: segment.to_owned(),
             }));
@@ -126,7 +125,7 @@ impl Link {
     /// Whether this segment still serves its name.
     fn is_current(&mut self, now: Instant, segment: &str) -> bool {
         // Acquire: pairs with the producer's Release store of CLOSED / SUPERSEDED.
-        if self.map.header().state.load(Ordering::Acquire) != STATE_OPEN {
+        if self.map.header().state.get() != STATE_OPEN {
             // A truncated segment (read as zeros: see `shmq_os::sigbus`) stays, so that
             // loads report the truncation.
             return self.map.segment.check_intact().is_err();
@@ -201,10 +200,7 @@ impl Link {
         // Release, kept with other slots' acks (`EntryAcks::ack`).
         self.map.entry(entry).acks.ack(member.slot);
         // Relaxed: a statistic.
-        self.map
-            .consumer(member.slot)
-            .loads
-            .fetch_add(1, Ordering::Relaxed);
+        self.map.consumer(member.slot).loads.add(1);
         self.map.ring();
     }
 }
@@ -431,10 +427,7 @@ impl Consumer {
         let rec = link.map.entry(pin.entry);
         // Relaxed: ordered after the Release store of READY by the SeqCst state load in
         // `pin`; stable while pinned (the producer does not reuse a pinned entry).
-        let (offset, len) = (
-            rec.offset.load(Ordering::Relaxed),
-            rec.len.load(Ordering::Relaxed),
-        );
+        let (offset, len) = (rec.offset.get(), rec.len.get());
         let geo = &link.map.geo;
         if offset
             .checked_add(len)

@@ -27,9 +27,11 @@ use crate::error::{Error, Result};
 use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{data_after_table, round_up, HeaderCheck, Segment};
+use shmq_protocol::consumer_slot::JoinClock;
 use shmq_protocol::doorbell::DoorbellWords;
 use shmq_protocol::entry::{EntryAcks, EntryPin, EntryState};
-use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
+use shmq_protocol::key_index::IndexEpoch;
+use shmq_protocol::word::{FieldU64, PublishedU32, PublishedU64, StatU64};
 
 use shmq_protocol::key_index::{IndexSlot, KeyIndex, SLOT_BYTES};
 
@@ -59,7 +61,7 @@ pub(crate) unsafe trait InSharedMemory: Sized {}
 /// The header at offset 0.
 #[repr(C)]
 pub(crate) struct Header {
-    pub magic: AtomicU64,
+    pub magic: PublishedU64,
     pub version: u32,
     pub page_size: u32,
     pub max_entries: u32,
@@ -72,24 +74,24 @@ pub(crate) struct Header {
     _pad1: u64,
     // +64: what changes while the segment is in use.
     /// [`STATE_OPEN`], [`STATE_CLOSED`] or [`STATE_SUPERSEDED`].
-    pub state: AtomicU32,
+    pub state: PublishedU32,
     /// The key index's rebuild seqlock (see `key_index`).
-    pub index_epoch: AtomicU32,
+    pub index_epoch: IndexEpoch,
     /// Orders consumer joins against entry publications (see `slots`).
-    pub clock: AtomicU64,
+    pub clock: JoinClock,
     _pad2: [u64; 6],
     // +128: the doorbell the producer sleeps on while it waits for consumers.
     pub bell: DoorbellWords,
     // +192: statistics (Relaxed; for inspection only).
-    pub stat_entries: AtomicU64,
-    pub stat_bytes: AtomicU64,
-    pub stat_reserved: AtomicU64,
-    pub stat_saves: AtomicU64,
-    pub stat_evictions: AtomicU64,
+    pub stat_entries: StatU64,
+    pub stat_bytes: StatU64,
+    pub stat_reserved: StatU64,
+    pub stat_saves: StatU64,
+    pub stat_evictions: StatU64,
     /// Saves and waits for loads that had to wait (for room, or for consumers), and
     /// their total time in ns.
-    pub stat_waits: AtomicU64,
-    pub stat_wait_ns: AtomicU64,
+    pub stat_waits: StatU64,
+    pub stat_wait_ns: StatU64,
     _pad4: u64,
 }
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_BYTES);
@@ -115,9 +117,10 @@ unsafe impl InSharedMemory for ConsumerSlot {}
 pub(crate) struct EntryRecord {
     /// `generation << 2 | state` (see `entries`, [`shmq_protocol::entry`]).
     pub state: EntryState,
-    pub offset: AtomicU64,
-    pub len: AtomicU64,
-    pub published_at: AtomicU64,
+    /// Published by `state` (READY).
+    pub offset: FieldU64,
+    pub len: FieldU64,
+    pub published_at: FieldU64,
     /// Which consumer slots loaded this generation ([`shmq_protocol::entry`]).
     pub acks: EntryAcks,
     _pad: u64,
@@ -259,7 +262,7 @@ impl Mapped {
         }
         let m = Mapped { segment, base, geo };
         // Relaxed: published by the magic's Release store.
-        m.header().state.store(STATE_OPEN, Ordering::Relaxed);
+        m.header().state.set_early(STATE_OPEN);
         m
     }
 
@@ -267,7 +270,7 @@ impl Mapped {
     pub fn publish(&self) {
         // Release: pairs with the Acquire load in `open`: an opener that sees the magic
         // sees the whole header (the tables are zero from the kernel).
-        self.header().magic.store(MAGIC, Ordering::Release);
+        self.header().magic.publish(MAGIC);
     }
 
     /// Open and validate the segment `segment_name`.
@@ -329,7 +332,7 @@ impl Mapped {
             Ok(m) => {
                 // Release: pairs with the Acquire load in `Link::is_current` (nothing
                 // else to publish; Release keeps the state's history in order).
-                m.header().state.store(STATE_SUPERSEDED, Ordering::Release);
+                m.header().state.publish(STATE_SUPERSEDED);
                 true
             }
             Err(_) => false,

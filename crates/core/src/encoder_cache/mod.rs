@@ -114,11 +114,10 @@ pub struct CacheInfo {
 
 /// Describe the encoder-cache segment `segment` (fails if it is not one).
 pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
-    use shmq_protocol::sync::Ordering;
     let map = layout::Mapped::open(segment)?;
     let h = map.header();
     // Relaxed: statistics and a state for display.
-    let state = match h.state.load(Ordering::Relaxed) {
+    let state = match h.state.peek() {
         layout::STATE_OPEN => "open",
         layout::STATE_CLOSED => "closed",
         layout::STATE_SUPERSEDED => "superseded",
@@ -130,13 +129,13 @@ pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
         capacity: map.geo.capacity as u64,
         max_entries: map.geo.max_entries,
         max_consumers: map.geo.max_consumers,
-        entries: h.stat_entries.load(Ordering::Relaxed),
-        bytes_in_use: h.stat_bytes.load(Ordering::Relaxed),
-        reserved: h.stat_reserved.load(Ordering::Relaxed),
-        saves: h.stat_saves.load(Ordering::Relaxed),
-        evictions: h.stat_evictions.load(Ordering::Relaxed),
-        waits: h.stat_waits.load(Ordering::Relaxed),
-        wait_ns: h.stat_wait_ns.load(Ordering::Relaxed),
+        entries: h.stat_entries.get(),
+        bytes_in_use: h.stat_bytes.get(),
+        reserved: h.stat_reserved.get(),
+        saves: h.stat_saves.get(),
+        evictions: h.stat_evictions.get(),
+        waits: h.stat_waits.get(),
+        wait_ns: h.stat_wait_ns.get(),
         consumers: slots::list(&map),
     })
 }

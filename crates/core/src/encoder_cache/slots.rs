@@ -22,7 +22,6 @@ use shmq_os::liveness::{Liveness, LockProbe, RoleLock};
 use shmq_os::process::ProcessId;
 use shmq_protocol::consumer_slot as protocol;
 pub(crate) use shmq_protocol::consumer_slot::{CLAIMED, FREE, JOINED};
-use shmq_protocol::sync::Ordering;
 
 use super::layout::{ConsumerSlot, Mapped};
 
@@ -202,7 +201,7 @@ pub(crate) fn list(map: &Mapped) -> Vec<ConsumerInfo> {
                 process: snap.process,
                 alive: liveness(&probe, s, &snap) != Liveness::Dead,
                 // Relaxed: a statistic.
-                loads: map.consumer(s).loads.load(Ordering::Relaxed),
+                loads: map.consumer(s).loads.get(),
             })
         })
         .collect()

@@ -9,7 +9,6 @@ use super::slots;
 use super::*;
 use crate::error::{CacheError, Error, OsError};
 use shmq_os::process::ProcessId;
-use shmq_protocol::sync::Ordering;
 
 const PAGE: usize = 4096;
 
@@ -237,8 +236,8 @@ fn a_dead_consumer_stops_counting_and_its_pins_go() {
     drop(role); // what dying does to it
     assert!(map.pin(0, slot).pin(&map.entry(0).state, 0));
     // (It joined after k1 was published: make k1 wait for it.)
-    map.consumer(slot).joined_at.store(0, Ordering::SeqCst);
-    map.entry(0).published_at.store(1, Ordering::SeqCst);
+    map.consumer(slot).backdate_join(0);
+    map.entry(0).published_at.set(1);
     assert_eq!(p.load_state("k1"), LoadState::Pending);
     let t = Instant::now();
     assert!(p
@@ -414,12 +413,12 @@ fn corrupt_segments_are_errors_not_crashes() {
     p.save("k", &[b"v"], None).unwrap();
     let map = Mapped::open(p.segment_name()).unwrap();
     // An entry pointing outside the data region.
-    map.entry(0).offset.store(u64::MAX - 2, Ordering::SeqCst);
+    map.entry(0).offset.set(u64::MAX - 2);
     assert!(matches!(
         c.load("k"),
         Err(Error::Os(OsError::BadSegment { .. }))
     ));
-    map.entry(0).offset.store(0, Ordering::SeqCst);
+    map.entry(0).offset.set(0);
     // A corrupt part table.
     // SAFETY: test only; the entry's first page is in the data region.
     unsafe { *map.data().add(4) = 0xFF };
@@ -439,7 +438,7 @@ fn corrupt_segments_are_errors_not_crashes() {
     };
     assert!(!c.has("k"));
     // A consumer of a segment that is not an encoder cache treats it as absent.
-    map.header().magic.store(0, Ordering::SeqCst);
+    map.header().magic.publish(0);
     let mut c2 = Consumer::new(&[p.name()]).unwrap();
     assert!(!c2.has("k"));
     assert!(Mapped::open(p.segment_name()).is_err());

@@ -20,7 +20,6 @@ use shmq_os::liveness::{creator_liveness, Liveness};
 use shmq_os::segment::with_unique_name;
 use shmq_os::segment_file;
 use shmq_protocol::alloc::{Block, FifoAllocator, Freed, HEADER_BYTES};
-use shmq_protocol::sync::Ordering;
 
 /// The ring is reserved in `/dev/shm` in steps of this many bytes (or exactly what a
 /// block needs when a whole step does not fit).
@@ -190,11 +189,11 @@ impl BlockFifo {
             w.cleared_readable = !done;
             segment.publish(|p| {
                 // Relaxed: inside the seqlock (see `publish`).
-                p.overwritten.store(end, Ordering::Relaxed);
+                p.overwritten.set(end);
                 if done {
-                    let id_end = p.id_end.load(Ordering::Relaxed);
-                    p.cleared_start.store(id_end, Ordering::Relaxed);
-                    p.cleared_end.store(id_end, Ordering::Relaxed);
+                    let id_end = p.id_end.get();
+                    p.cleared_start.set(id_end);
+                    p.cleared_end.set(id_end);
                 }
             });
         }
@@ -294,10 +293,10 @@ impl BlockFifo {
         // a reader that pins one from now on sees it cleared and copies instead.
         segment.publish(|p| {
             // Relaxed: inside the seqlock (see `publish`).
-            p.id_start.store(cleared_end, Ordering::Relaxed);
-            p.cleared_start.store(cleared_start, Ordering::Relaxed);
-            p.cleared_end.store(cleared_end, Ordering::Relaxed);
-            p.overwritten.store(0, Ordering::Relaxed);
+            p.id_start.set(cleared_end);
+            p.cleared_start.set(cleared_start);
+            p.cleared_end.set(cleared_end);
+            p.overwritten.set(0);
         });
         if w.alloc.live().any(|c| segment.is_pinned(c.id)) {
             // Some process has views of a block: keep every block where it is (the store
@@ -305,10 +304,9 @@ impl BlockFifo {
             // and put the published state back.
             segment.publish(|p| {
                 // Relaxed: inside the seqlock (see `publish`).
-                p.cleared_start
-                    .store(before.cleared_start, Ordering::Relaxed);
-                p.cleared_end.store(before.cleared_end, Ordering::Relaxed);
-                p.overwritten.store(before.overwritten, Ordering::Relaxed);
+                p.cleared_start.set(before.cleared_start);
+                p.cleared_end.set(before.cleared_end);
+                p.overwritten.set(before.overwritten);
             });
             segment.publish_ids(&w.alloc);
             return Ok(());

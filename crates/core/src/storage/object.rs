@@ -13,7 +13,6 @@ use shmq_os::pins::Pin;
 use shmq_os::private_map::PrivateMap;
 use shmq_protocol::alloc::HEADER_BYTES;
 use shmq_protocol::read_count::ReadCount;
-use shmq_protocol::sync::{fence, Ordering};
 
 /// Where the count word and the parts of an object go: offsets from the start of the
 /// block's data, which is at ring offset `data_offset`. The frame is `[pad to 8][count
@@ -248,10 +247,11 @@ fn object_header(segment: &StoreSegment, address: u64, id: u32) -> Result<BlockH
 /// Whether `(address, id)` still names the object whose header is `h`: to call after
 /// using its payload.
 fn still_valid(segment: &StoreSegment, h: &BlockHeader) -> bool {
-    // Acquire fence: the payload reads before it complete before the loads below; if
-    // they show the object still valid, the writer had not started reusing it (it
-    // publishes before it writes, see `BlockFifo::allocate_with`/`free_while`).
-    fence(Ordering::Acquire);
+    // The payload reads before it complete before the loads below (an Acquire fence:
+    // `seqlock::before_recheck`); if they show the object still valid, the writer had
+    // not started reusing it (it publishes before it writes, see
+    // `BlockFifo::allocate_with`/`free_while`).
+    shmq_protocol::seqlock::before_recheck();
     validity(segment, h) != Validity::Stale
 }
 

@@ -64,22 +64,23 @@ use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::process::ProcessId;
 use shmq_protocol::ring::{
     slot_attached_word, slot_begin_attach_reusing_dropped, slot_drop, slot_dropped_word,
-    slot_end_attach, slot_hint, slot_leave, slot_read, slot_recheck, slot_state, SLOT_ATTACHED,
-    SLOT_ATTACHING, SLOT_DROPPED, SLOT_LEFT,
+    slot_end_attach, slot_hint, slot_leave, slot_read, slot_recheck, slot_state, SlotWord,
+    SLOT_ATTACHED, SLOT_ATTACHING, SLOT_DROPPED, SLOT_LEFT,
 };
-use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
+use shmq_protocol::word::{FieldU32, FieldU64, StatU64};
 
 /// One reader slot in the header page.
 #[repr(C, align(32))]
 pub(super) struct ReaderSlotWords {
     /// `generation << 32 | state` ([`shmq_protocol::ring`]'s slot protocol, with its
     /// [`SLOT_LEFT`] state).
-    word: AtomicU64,
-    pid: AtomicU32,
-    _pad: AtomicU32,
-    start_time: AtomicU64,
+    word: SlotWord,
+    /// The holder, published by `word` (its seqlock).
+    pid: FieldU32,
+    _pad: u32,
+    start_time: FieldU64,
     /// Reads counted by its holders (a statistic, written by the holder only).
-    reads: AtomicU64,
+    reads: StatU64,
 }
 const _: () = assert!(std::mem::size_of::<ReaderSlotWords>() == READER_SLOT_BYTES);
 
@@ -111,7 +112,7 @@ impl StoreSegment {
         if s < MAX_READER_SLOTS {
             // Relaxed: a statistic; an atomic add, since a forked copy of the holder may
             // count into the same slot.
-            self.reader_slot(s).reads.fetch_add(1, Ordering::Relaxed);
+            self.reader_slot(s).reads.add(1);
         }
     }
 }
@@ -197,8 +198,8 @@ impl ReaderSlot {
                 let generation = slot_begin_attach_reusing_dropped(&slot.word);
                 let me = ProcessId::current();
                 // Relaxed: published by the Release store in `slot_end_attach`.
-                slot.pid.store(me.pid, Ordering::Relaxed);
-                slot.start_time.store(me.start_time, Ordering::Relaxed);
+                slot.pid.set(me.pid);
+                slot.start_time.set(me.start_time);
                 slot_end_attach(&slot.word, generation);
                 return Ok(Some(ReaderSlot {
                     segment: segment.clone(),
@@ -304,14 +305,9 @@ pub fn judge_slot(segment: &StoreSegment, s: usize) -> ReaderInfo {
     let slot = segment.reader_slot(s);
     // Relaxed field loads inside the seqlock read (ordered by its Acquire load and
     // fence); a torn read (an attach under way) names nobody.
-    let read = slot_read(&slot.word, || {
-        (
-            slot.pid.load(Ordering::Relaxed),
-            slot.start_time.load(Ordering::Relaxed),
-        )
-    });
+    let read = slot_read(&slot.word, || (slot.pid.get(), slot.start_time.get()));
     // Relaxed: a statistic.
-    let reads = slot.reads.load(Ordering::Relaxed);
+    let reads = slot.reads.get();
     let Some((word, (pid, start_time))) = read else {
         return ReaderInfo {
             slot: s,

@@ -19,7 +19,9 @@ use shmq_os::segment::{HeaderCheck, Segment};
 use shmq_protocol::alloc::{Block, FifoAllocator, HEADER_BYTES, ID_MAX};
 use shmq_protocol::read_count::{CountingWindow, PinHint, ReadCount};
 use shmq_protocol::seqlock;
-use shmq_protocol::sync::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use shmq_protocol::seqlock::SeqWord;
+use shmq_protocol::sync::local::{AtomicU64 as LocalU64, Ordering};
+use shmq_protocol::word::{FieldU32, FieldU64, FieldU8, PublishedU64, StatU64};
 
 /// "SHMQSTO3" little-endian: marks a finished object-store segment.
 pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO3");
@@ -118,7 +120,7 @@ type Signer = Hmac<Sha256>;
 
 #[repr(C)]
 pub(super) struct StoreHeader {
-    magic: AtomicU64,
+    magic: PublishedU64,
     version: u32,
     creator_pid: u32,
     pub(super) capacity: u64,
@@ -130,15 +132,15 @@ const _: () = assert!(std::mem::size_of::<StoreHeader>() <= PUBLISHED_OFFSET);
 /// `seq` is a seqlock: odd while the writer updates the fields below it.
 #[repr(C, align(64))]
 pub(super) struct Published {
-    seq: AtomicU64,
-    pub(super) id_start: AtomicU32,
-    pub(super) id_end: AtomicU32,
-    pub(super) cleared_start: AtomicU32,
-    pub(super) cleared_end: AtomicU32,
-    pub(super) overwritten: AtomicU64,
+    seq: SeqWord,
+    pub(super) id_start: FieldU32,
+    pub(super) id_end: FieldU32,
+    pub(super) cleared_start: FieldU32,
+    pub(super) cleared_end: FieldU32,
+    pub(super) overwritten: FieldU64,
     /// Statistics for `inspect` (outside the seqlock: they order nothing).
-    live_blocks: AtomicU64,
-    live_bytes: AtomicU64,
+    live_blocks: StatU64,
+    live_bytes: StatU64,
 }
 const _: () = assert!(std::mem::size_of::<Published>() == 64);
 const _: () = assert!(PUBLISHED_OFFSET + 64 <= SECRET_OFFSET);
@@ -207,9 +209,9 @@ pub struct StoreSegment {
     count_salt: u32,
     /// Writer: announcements in `counting` taken as left by dead readers (see
     /// `wait_for_counting_readers`). Process-local.
-    counting_floor: AtomicU64,
+    counting_floor: LocalU64,
     /// Writer: how many waits for counting readers ran out of patience (process-local).
-    patience_spent: AtomicU64,
+    patience_spent: LocalU64,
     /// This process's pins of blocks it has zero-copy views of (see [`BlockPin`](super::object::BlockPin)).
     pub(super) pins: Arc<Pins>,
     /// The writer's probe of every process's pins (`None` on readers).
@@ -294,7 +296,7 @@ impl StoreSegment {
         );
         // Release: pairs with the Acquire load in `open`: the header fields and the
         // secret are visible to an opener that sees the magic.
-        s.header().magic.store(STORE_MAGIC, Ordering::Release);
+        s.header().magic.publish(STORE_MAGIC);
         Ok(s)
     }
 
@@ -355,8 +357,8 @@ impl StoreSegment {
             ring,
             capacity,
             count_salt: count_salt(secret),
-            counting_floor: AtomicU64::new(0),
-            patience_spent: AtomicU64::new(0),
+            counting_floor: LocalU64::new(0),
+            patience_spent: LocalU64::new(0),
             signer: Signer::new_from_slice(secret).expect("HMAC takes keys of any length"),
         }
     }
@@ -425,13 +427,13 @@ impl StoreSegment {
         }
     }
 
-    fn stat_word(&self, offset: usize) -> &AtomicU64 {
+    fn stat_word(&self, offset: usize) -> &StatU64 {
         debug_assert!(offset % 8 == 0 && offset + 8 <= RING_OFFSET);
         // SAFETY: WRITER_STATS_OFFSET.. and GETS_OFFSET.. lie below RING_OFFSET (checked
         // at compile time), inside the mapping and 8-aligned (it is page-aligned); only
         // accessed atomically. A peer that writes them changes what is reported, nothing
         // else.
-        unsafe { &*(self.segment.as_ptr().add(offset) as *const AtomicU64) }
+        unsafe { &*(self.segment.as_ptr().add(offset) as *const StatU64) }
     }
 
     /// Writer: `n` more objects put (`evicted`: freed).
@@ -444,7 +446,7 @@ impl StoreSegment {
                 let w = self.stat_word(offset);
                 // Relaxed: a statistic written by the writer alone (a load and a store
                 // are no lost update); read by others for reports only.
-                w.store(w.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+                w.set(w.get().wrapping_add(n));
             }
         }
     }
@@ -452,18 +454,16 @@ impl StoreSegment {
     /// Any process: one more read counted.
     pub(super) fn count_get(&self) {
         // Relaxed: a statistic; several readers add to it, so an atomic add.
-        self.stat_word(GETS_OFFSET).fetch_add(1, Ordering::Relaxed);
+        self.stat_word(GETS_OFFSET).add(1);
     }
 
     /// Puts, evictions, gets and views held, as they are now.
     pub fn stats(&self) -> StoreStats {
         // Relaxed: statistics; the values may be from slightly different moments.
         StoreStats {
-            puts: self.stat_word(WRITER_STATS_OFFSET).load(Ordering::Relaxed),
-            evictions: self
-                .stat_word(WRITER_STATS_OFFSET + 8)
-                .load(Ordering::Relaxed),
-            gets: self.stat_word(GETS_OFFSET).load(Ordering::Relaxed),
+            puts: self.stat_word(WRITER_STATS_OFFSET).get(),
+            evictions: self.stat_word(WRITER_STATS_OFFSET + 8).get(),
+            gets: self.stat_word(GETS_OFFSET).get(),
             views_held: self.pin_hint().held(),
         }
     }
@@ -474,8 +474,8 @@ impl StoreSegment {
         let ids = self.snapshot().unwrap_or_default();
         // Relaxed: statistics; the values may be from slightly different moments.
         StoreOccupancy {
-            live_blocks: p.live_blocks.load(Ordering::Relaxed),
-            live_bytes: p.live_bytes.load(Ordering::Relaxed),
+            live_blocks: p.live_blocks.get(),
+            live_bytes: p.live_bytes.get(),
             id_start: ids.id_start,
             id_end: ids.id_end,
         }
@@ -493,11 +493,11 @@ impl StoreSegment {
             let snap = seqlock::read(&p.seq, || {
                 // Relaxed: ordered by the seqlock's Acquire load and fence.
                 Snapshot {
-                    id_start: p.id_start.load(Ordering::Relaxed),
-                    id_end: p.id_end.load(Ordering::Relaxed),
-                    cleared_start: p.cleared_start.load(Ordering::Relaxed),
-                    cleared_end: p.cleared_end.load(Ordering::Relaxed),
-                    overwritten: p.overwritten.load(Ordering::Relaxed),
+                    id_start: p.id_start.get(),
+                    id_end: p.id_end.get(),
+                    cleared_start: p.cleared_start.get(),
+                    cleared_end: p.cleared_end.get(),
+                    overwritten: p.overwritten.get(),
                 }
             });
             if snap.is_some() {
@@ -527,14 +527,13 @@ impl StoreSegment {
     pub(super) fn publish_ids(&self, a: &FifoAllocator) {
         self.publish(|p| {
             // Relaxed: inside the seqlock (see `publish`).
-            p.id_start.store(a.id_start(), Ordering::Relaxed);
-            p.id_end.store(a.id_end(), Ordering::Relaxed);
+            p.id_start.set(a.id_start());
+            p.id_end.set(a.id_end());
         });
         let p = self.published();
         // Relaxed: statistics for inspection; nothing is ordered by them.
-        p.live_blocks
-            .store(a.live().len() as u64, Ordering::Relaxed);
-        p.live_bytes.store(a.live_bytes(), Ordering::Relaxed);
+        p.live_blocks.set(a.live().len() as u64);
+        p.live_bytes.set(a.live_bytes());
     }
 
     /// Remove the segment's name now (see `Segment::unlink`).
@@ -557,21 +556,19 @@ impl StoreSegment {
     }
 
     /// The byte at ring offset `offset`, as an atomic.
-    pub(super) fn byte(&self, offset: u64) -> &AtomicU8 {
+    pub(super) fn byte(&self, offset: u64) -> &FieldU8 {
         debug_assert!(offset < self.capacity);
         // SAFETY: callers pass an offset inside the ring. AtomicU8 has alignment 1. Any
         // process mapping the segment may write this byte at any time; an atomic access
         // makes that a race on values (which the callers check), not undefined behaviour.
-        unsafe { &*(self.ring.as_ptr().add(offset as usize) as *const AtomicU8) }
+        unsafe { &*(self.ring.as_ptr().add(offset as usize) as *const FieldU8) }
     }
 
     /// Load the u32 at ring offset `offset` (any alignment) byte by byte, Relaxed.
     pub(super) fn load_u32(&self, offset: u64) -> u32 {
         debug_assert!(offset + 4 <= self.capacity);
         // Relaxed: callers order these loads (by a snapshot before, a fence after).
-        u32::from_le_bytes(std::array::from_fn(|i| {
-            self.byte(offset + i as u64).load(Ordering::Relaxed)
-        }))
+        u32::from_le_bytes(std::array::from_fn(|i| self.byte(offset + i as u64).get()))
     }
 
     /// Store `value` at ring offset `offset` (any alignment) byte by byte, Relaxed.
@@ -579,7 +576,7 @@ impl StoreSegment {
         debug_assert!(offset + 4 <= self.capacity);
         for (i, b) in value.to_le_bytes().into_iter().enumerate() {
             // Relaxed: published by the writer's next `publish` (Release).
-            self.byte(offset + i as u64).store(b, Ordering::Relaxed);
+            self.byte(offset + i as u64).set(b);
         }
     }
 

@@ -27,6 +27,7 @@
 )]
 
 use shmq_protocol::sync::local::{AtomicBool, AtomicU64, Ordering};
+use shmq_protocol::word::PublishedU64;
 use std::ffi::CString;
 use std::ptr::NonNull;
 use std::sync::OnceLock;
@@ -856,7 +857,7 @@ impl Segment {
     pub unsafe fn checked_header<H>(
         &self,
         check: &HeaderCheck,
-        fields: impl FnOnce(&H) -> (&AtomicU64, &u32),
+        fields: impl FnOnce(&H) -> (&PublishedU64, &u32),
     ) -> Result<(NonNull<u8>, &H)> {
         debug_assert!(check.min_len >= std::mem::size_of::<H>());
         if self.len() < check.min_len {
@@ -869,9 +870,10 @@ impl Segment {
         // which keeps the mapping.
         let header = unsafe { &*(base.as_ptr() as *const H) };
         let (magic, version) = fields(header);
-        // Acquire: pairs with the creator's Release store of the magic, which it makes
-        // last: an opener that sees the magic sees the header fields written before it.
-        if magic.load(Ordering::Acquire) != check.magic {
+        // Acquire (`PublishedU64::get`): pairs with the creator's Release store of the
+        // magic, which it makes last: an opener that sees the magic sees the header
+        // fields written before it.
+        if magic.get() != check.magic {
             return Err(self.bad(check.not_this_kind));
         }
         // The version only now, after the Acquire above (the creator wrote it before

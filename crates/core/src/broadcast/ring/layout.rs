@@ -4,7 +4,7 @@
 //! (see the layout in [`super`]); it uses nothing but the doorbell's words and the error
 //! type.
 
-use shmq_protocol::sync::{AtomicU32, AtomicU64, AtomicU8};
+use shmq_protocol::word::{FieldU32, FieldU64, FieldU8, PublishedU64, StatU64};
 
 use crate::error::{Error, Result};
 use shmq_os::segment::round_up;
@@ -57,7 +57,7 @@ impl ChunkKind {
 /// The segment header. Lives at offset 0 of the mapping.
 #[repr(C)]
 pub(super) struct RingHeader {
-    pub(super) magic: AtomicU64,
+    pub(super) magic: PublishedU64,
     pub(super) version: u32,
     pub(super) n_reader: u32,
     pub(super) max_chunk_bytes: u64,
@@ -74,20 +74,21 @@ const _: () = assert!(std::mem::size_of::<RingHeader>() == 64);
 pub(super) struct RingShared {
     pub(super) data_ready: DoorbellWords,
     pub(super) chunk_freed: DoorbellWords,
-    pub(super) overflow_count: AtomicU64,
-    pub(super) creator_pid: AtomicU32,
-    pub(super) creator_start_time: AtomicU64,
+    pub(super) overflow_count: StatU64,
+    /// Published by the magic (`Ring::create`).
+    pub(super) creator_pid: FieldU32,
+    pub(super) creator_start_time: FieldU64,
     /// The queue writer's statistics (see `super::stats`): parts copied into the tensor
     /// arena, parts sent from a loan without a copy, large parts copied inline for lack
     /// of arena room, messages sent to remote readers. Written by the writer only.
-    pub(super) arena_parts: AtomicU64,
-    pub(super) loaned_parts: AtomicU64,
-    pub(super) fallback_parts: AtomicU64,
-    pub(super) remote_sends: AtomicU64,
+    pub(super) arena_parts: StatU64,
+    pub(super) loaned_parts: StatU64,
+    pub(super) fallback_parts: StatU64,
+    pub(super) remote_sends: StatU64,
     /// The queue's name as its writer gave it (`QueueOptions::name`), UTF-8, NUL-padded;
     /// all zero for none. Written once by the creator, read by `inspect`, `top` and the
     /// metrics (see `Ring::label`).
-    pub(super) label: [AtomicU8; LABEL_BYTES],
+    pub(super) label: [FieldU8; LABEL_BYTES],
 }
 const _: () = assert!(64 + std::mem::size_of::<RingShared>() <= SLOTS_OFFSET);
 

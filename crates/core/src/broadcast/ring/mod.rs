@@ -41,7 +41,6 @@ mod stats;
 mod tests;
 mod writer;
 
-use shmq_protocol::sync::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
@@ -49,7 +48,8 @@ use shmq_os::liveness::{Liveness, LockProbe};
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{name_trouble, with_unique_name, HeaderCheck, Segment};
 use shmq_protocol::doorbell::DoorbellWords;
-use shmq_protocol::ring::{self as protocol, ChunkFlags};
+use shmq_protocol::ring::{self as protocol, ChunkFlag, ChunkFlags};
+use shmq_protocol::word::{FieldU32, FieldU64};
 
 use layout::*;
 pub use layout::{ChunkKind, RingHandle, LABEL_BYTES, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};
@@ -111,20 +111,20 @@ impl ChunkFlags for ChunkState<'_> {
     fn n_reader(&self) -> usize {
         self.ring.geo.n_reader
     }
-    fn written(&self) -> &AtomicU8 {
+    fn written(&self) -> &ChunkFlag {
         // SAFETY: in bounds (the block has room for 1 + n_reader flags); u8 needs no
         // alignment. shmq accesses the flags only atomically; `get_metadata` hands Python
         // a writable view of them, whose byte stores are single-byte and so cannot tear.
-        unsafe { &*(self.ring.state_ptr(self.index).add(STATE_FLAGS_OFFSET) as *const AtomicU8) }
+        unsafe { &*(self.ring.state_ptr(self.index).add(STATE_FLAGS_OFFSET) as *const ChunkFlag) }
     }
-    fn read(&self, reader: usize) -> &AtomicU8 {
+    fn read(&self, reader: usize) -> &ChunkFlag {
         debug_assert!(reader < self.ring.geo.n_reader);
         // SAFETY: reader < n_reader, so the flag is inside the state block.
         unsafe {
             &*(self
                 .ring
                 .state_ptr(self.index)
-                .add(STATE_FLAGS_OFFSET + 1 + reader) as *const AtomicU8)
+                .add(STATE_FLAGS_OFFSET + 1 + reader) as *const ChunkFlag)
         }
     }
 }
@@ -172,13 +172,11 @@ impl Ring {
         }
         let me = ProcessId::current();
         // Relaxed: published by the Release store of the magic below.
-        ring.shared().creator_pid.store(me.pid, Ordering::Relaxed);
-        ring.shared()
-            .creator_start_time
-            .store(me.start_time, Ordering::Relaxed);
+        ring.shared().creator_pid.set(me.pid);
+        ring.shared().creator_start_time.set(me.start_time);
         // Release: pairs with the Acquire load in `Ring::open`; an opener that sees the
         // magic sees the whole header (the rest is zero from the kernel).
-        ring.header().magic.store(RING_MAGIC, Ordering::Release);
+        ring.header().magic.publish(RING_MAGIC);
         Ok(ring)
     }
 
@@ -274,8 +272,8 @@ impl Ring {
         // Relaxed: written before the magic, which `open` loaded with Acquire.
         let s = self.shared();
         ProcessId {
-            pid: s.creator_pid.load(Ordering::Relaxed),
-            start_time: s.creator_start_time.load(Ordering::Relaxed),
+            pid: s.creator_pid.get(),
+            start_time: s.creator_start_time.get(),
         }
     }
     /// Messages the writer has sent over the overflow socket.
@@ -288,7 +286,7 @@ impl Ring {
             // Relaxed: written once, before any reader can have the handle; a concurrent
             // `inspect` (which finds segments by listing /dev/shm) may see a label half
             // written, which only shows, for that one look, part of a name.
-            b.store(bytes.get(i).copied().unwrap_or(0), Ordering::Relaxed);
+            b.set(bytes.get(i).copied().unwrap_or(0));
         }
         Ok(())
     }
@@ -312,7 +310,7 @@ impl Ring {
             .shared()
             .label
             .iter()
-            .map(|b| b.load(Ordering::Relaxed))
+            .map(|b| b.get())
             .take_while(|&b| b != 0)
             .collect();
         let text: String = String::from_utf8_lossy(&bytes)
@@ -324,7 +322,7 @@ impl Ring {
 
     pub fn overflow_count(&self) -> u64 {
         // Relaxed: a statistic.
-        self.shared().overflow_count.load(Ordering::Relaxed)
+        self.shared().overflow_count.get()
     }
 
     pub fn handle(&self) -> RingHandle {
@@ -412,15 +410,17 @@ impl Ring {
         ChunkState { ring: self, index }
     }
 
-    fn len_of(&self, i: usize) -> &AtomicU64 {
+    /// Chunk `i`'s length, published by its `written` flag (`shmq_protocol::ring`).
+    fn len_of(&self, i: usize) -> &FieldU64 {
         // SAFETY: in bounds (state_ptr), 8-aligned (stride and offset are multiples of
         // 64), and only ever accessed atomically by shmq.
-        unsafe { &*(self.state_ptr(i).add(STATE_LEN_OFFSET) as *const AtomicU64) }
+        unsafe { &*(self.state_ptr(i).add(STATE_LEN_OFFSET) as *const FieldU64) }
     }
 
-    fn kind_of(&self, i: usize) -> &AtomicU32 {
+    /// Chunk `i`'s kind, published as its length is.
+    fn kind_of(&self, i: usize) -> &FieldU32 {
         // SAFETY: as in `len_of`; offset 8 is 4-aligned.
-        unsafe { &*(self.state_ptr(i).add(STATE_KIND_OFFSET) as *const AtomicU32) }
+        unsafe { &*(self.state_ptr(i).add(STATE_KIND_OFFSET) as *const FieldU32) }
     }
 
     /// The segment's length in bytes.
@@ -469,8 +469,8 @@ impl Ring {
         self.check_chunk(i)?;
         let c = self.chunk(i);
         // Relaxed: a diagnostic snapshot; it orders nothing.
-        let mut v = vec![c.written().load(Ordering::Relaxed)];
-        v.extend((0..self.geo.n_reader).map(|r| c.read(r).load(Ordering::Relaxed)));
+        let mut v = vec![c.written().peek()];
+        v.extend((0..self.geo.n_reader).map(|r| c.read(r).peek()));
         Ok(v)
     }
 }

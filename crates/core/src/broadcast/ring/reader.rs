@@ -4,7 +4,6 @@
 //! for a death.
 //! Uses the ring, its slots, the flag protocol and [`crate::wait`].
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::layout::ChunkKind;
@@ -75,8 +74,8 @@ impl RingReader {
             return None;
         }
         // Relaxed: ordered by the Acquire load of `written` in `is_readable`.
-        let len = self.ring.len_of(i).load(Ordering::Relaxed) as usize;
-        let kind = ChunkKind::from_u32(self.ring.kind_of(i).load(Ordering::Relaxed));
+        let len = self.ring.len_of(i).get() as usize;
+        let kind = ChunkKind::from_u32(self.ring.kind_of(i).get());
         // A peer that wrote a bogus length cannot make us read outside the chunk.
         let len = match kind {
             ChunkKind::Raw => self.ring.max_chunk_bytes(),
@@ -158,7 +157,7 @@ impl RingReader {
     pub fn finish(&mut self) {
         // Relaxed: ordered by the Acquire load of `written` that made the chunk readable
         // (the writer does not change it until our read flag is set, just below).
-        let len = self.ring.len_of(self.next).load(Ordering::Relaxed) as usize;
+        let len = self.ring.len_of(self.next).get() as usize;
         protocol::finish_read(&self.ring.chunk(self.next), self.reader);
         self.messages += 1;
         self.ring

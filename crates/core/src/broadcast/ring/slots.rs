@@ -18,8 +18,9 @@ use crate::error::{Error, Result};
 use crate::wait::Wait;
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::process::ProcessId;
+use shmq_protocol::ring::SlotWord;
 use shmq_protocol::ring::{self as protocol, SLOT_ATTACHED, SLOT_CLOSED, SLOT_DROPPED};
-use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
+use shmq_protocol::word::{FieldU32, FieldU64, StatU32, StatU64};
 
 /// Who holds a side of the ring, and what it has done: its statistics, written only by
 /// the holder (Relaxed stores: other processes read them for reports and warnings, and
@@ -27,23 +28,24 @@ use shmq_protocol::sync::{AtomicU32, AtomicU64, Ordering};
 #[repr(C, align(64))]
 pub(super) struct Slot {
     /// `generation << 32 | state` (see [`shmq_protocol::ring`]).
-    pub(super) word: AtomicU64,
-    pub(super) pid: AtomicU32,
+    pub(super) word: SlotWord,
+    /// The holder, published by `word` (its seqlock).
+    pub(super) pid: FieldU32,
     /// Waits that had to block (the next chunk was not ready when the call came).
-    pub(super) waits: AtomicU32,
-    pub(super) start_time: AtomicU64,
+    pub(super) waits: StatU32,
+    pub(super) start_time: FieldU64,
     /// Messages written (writer) or read (reader).
-    pub(super) messages: AtomicU64,
+    pub(super) messages: StatU64,
     /// Bytes of those messages (as published in the chunks: for a framed message its
     /// descriptors and inline parts, not the arena parts it refers to).
-    pub(super) bytes: AtomicU64,
+    pub(super) bytes: StatU64,
     /// Time spent blocked in those waits, in ns.
-    pub(super) wait_ns: AtomicU64,
+    pub(super) wait_ns: StatU64,
     /// While the holder blocks in the queue waiting for the other side: when that wait
     /// began ([`coarse_now_ns`](shmq_os::process::coarse_now_ns)); 0 when it is not.
-    pub(super) waiting_since: AtomicU64,
+    pub(super) waiting_since: StatU64,
     /// When the holder last wrote or read a message (same clock); 0 before the first.
-    pub(super) last_ns: AtomicU64,
+    pub(super) last_ns: StatU64,
 }
 const _: () = assert!(std::mem::size_of::<Slot>() == SLOT_SIZE);
 
@@ -105,12 +107,7 @@ impl Ring {
         let slot = self.slot(self.slot_index(reader)?);
         // Relaxed field loads inside the seqlock read (ordered by its Acquire load and
         // fence); a torn read (an attach under way) names nobody this time.
-        let read = protocol::slot_read(&slot.word, || {
-            (
-                slot.pid.load(Ordering::Relaxed),
-                slot.start_time.load(Ordering::Relaxed),
-            )
-        });
+        let read = protocol::slot_read(&slot.word, || (slot.pid.get(), slot.start_time.get()));
         let (word, process) = match read {
             Some((w, (pid, start_time))) => {
                 let state = protocol::slot_state(w);
@@ -129,12 +126,12 @@ impl Ring {
             dropped: state == SLOT_DROPPED,
             left: state == SLOT_CLOSED && reader.is_some(),
             // Relaxed: statistics, each written by one process only.
-            messages: slot.messages.load(Ordering::Relaxed),
-            bytes: slot.bytes.load(Ordering::Relaxed),
-            waits: slot.waits.load(Ordering::Relaxed).into(),
-            wait_ns: slot.wait_ns.load(Ordering::Relaxed),
-            waiting_since: Some(slot.waiting_since.load(Ordering::Relaxed)).filter(|&t| t != 0),
-            last_ns: Some(slot.last_ns.load(Ordering::Relaxed)).filter(|&t| t != 0),
+            messages: slot.messages.get(),
+            bytes: slot.bytes.get(),
+            waits: slot.waits.get().into(),
+            wait_ns: slot.wait_ns.get(),
+            waiting_since: Some(slot.waiting_since.get()).filter(|&t| t != 0),
+            last_ns: Some(slot.last_ns.get()).filter(|&t| t != 0),
             word,
         })
     }
@@ -159,12 +156,10 @@ impl Ring {
         let slot = self.slot(index);
         // Relaxed: statistics, written only by this slot's holder (so a load and a store
         // are not a lost update) and read by others for reports only.
-        slot.messages.store(messages, Ordering::Relaxed);
-        let bytes = slot.bytes.load(Ordering::Relaxed);
-        slot.bytes
-            .store(bytes.wrapping_add(len as u64), Ordering::Relaxed);
-        slot.last_ns
-            .store(shmq_os::process::coarse_now_ns(), Ordering::Relaxed);
+        slot.messages.set(messages);
+        let bytes = slot.bytes.get();
+        slot.bytes.set(bytes.wrapping_add(len as u64));
+        slot.last_ns.set(shmq_os::process::coarse_now_ns());
     }
 
     /// Mark slot `index`'s holder as blocked in the queue from now on, for `wait`, which
@@ -178,9 +173,7 @@ impl Ring {
             .saturating_sub(blocked_since.elapsed().as_nanos() as u64)
             .max(1);
         // Relaxed: a statistic (see `record_message`).
-        self.slot(index)
-            .waiting_since
-            .store(began, Ordering::Relaxed);
+        self.slot(index).waiting_since.set(began);
         (now, first)
     }
 
@@ -190,15 +183,12 @@ impl Ring {
         let slot = self.slot(index);
         let now = shmq_os::process::coarse_now_ns();
         // Relaxed: statistics written only by this slot's holder (see `record_message`).
-        slot.waiting_since.store(0, Ordering::Relaxed);
-        let waits = slot.waits.load(Ordering::Relaxed);
-        slot.waits
-            .store(waits.wrapping_add(u32::from(counted)), Ordering::Relaxed);
-        let total = slot.wait_ns.load(Ordering::Relaxed);
-        slot.wait_ns.store(
-            total.wrapping_add(now.saturating_sub(since)),
-            Ordering::Relaxed,
-        );
+        slot.waiting_since.set(0);
+        let waits = slot.waits.get();
+        slot.waits.set(waits.wrapping_add(u32::from(counted)));
+        let total = slot.wait_ns.get();
+        slot.wait_ns
+            .set(total.wrapping_add(now.saturating_sub(since)));
     }
 
     /// Reader `r` leaves the queue (its holder calls it, still holding the slot's role
@@ -250,8 +240,8 @@ impl Ring {
             )));
         };
         // Relaxed: published by the Release store in `slot_end_attach`.
-        slot.pid.store(me.pid, Ordering::Relaxed);
-        slot.start_time.store(me.start_time, Ordering::Relaxed);
+        slot.pid.set(me.pid);
+        slot.start_time.set(me.start_time);
         protocol::slot_end_attach(&slot.word, generation);
         Ok(lock)
     }

@@ -8,7 +8,7 @@ use super::layout::RingShared;
 use super::Ring;
 use shmq_os::liveness::Liveness;
 use shmq_os::process::{coarse_now_ns, ProcessId};
-use shmq_protocol::sync::{AtomicU64, Ordering};
+use shmq_protocol::word::StatU64;
 
 /// One side of a ring (the writer, or one reader), as its slot says.
 #[derive(Clone, Debug, PartialEq)]
@@ -152,15 +152,15 @@ impl Ring {
             readers: (0..self.n_reader())
                 .map(|r| self.side(Some(r), now))
                 .collect(),
-            overflow_sends: s.overflow_count.load(Ordering::Relaxed),
-            arena_parts: s.arena_parts.load(Ordering::Relaxed),
-            loaned_parts: s.loaned_parts.load(Ordering::Relaxed),
-            fallback_parts: s.fallback_parts.load(Ordering::Relaxed),
-            remote_sends: s.remote_sends.load(Ordering::Relaxed),
+            overflow_sends: s.overflow_count.get(),
+            arena_parts: s.arena_parts.get(),
+            loaned_parts: s.loaned_parts.get(),
+            fallback_parts: s.fallback_parts.get(),
+            remote_sends: s.remote_sends.get(),
         }
     }
 
-    fn counter(s: &RingShared, c: PartCounter) -> &AtomicU64 {
+    fn counter(s: &RingShared, c: PartCounter) -> &StatU64 {
         match c {
             PartCounter::Arena => &s.arena_parts,
             PartCounter::Loaned => &s.loaned_parts,
@@ -177,7 +177,7 @@ impl Ring {
         let a = Self::counter(self.shared(), c);
         // Relaxed: a statistic written by the writer alone (a load and a store are no
         // lost update), read by others for reports only.
-        a.store(a.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        a.set(a.get().wrapping_add(n));
     }
 
     /// For the writer's "still waiting" warning while it waits for chunk `chunk`: every

@@ -11,8 +11,8 @@ use std::time::Duration;
 fn fake_dead_holder(ring: &Ring, index: usize) {
     let slot = ring.slot(index);
     let generation = shmq_protocol::ring::slot_begin_attach(&slot.word).unwrap();
-    slot.pid.store(u32::MAX - 1, Ordering::Relaxed);
-    slot.start_time.store(1, Ordering::Relaxed);
+    slot.pid.set(u32::MAX - 1);
+    slot.start_time.set(1);
     shmq_protocol::ring::slot_end_attach(&slot.word, generation);
 }
 

@@ -240,7 +240,7 @@ impl RingWriter {
         for r in 0..ring.n_reader() {
             // Relaxed: a read flag still 0 here can only be a slow, gone or dead reader;
             // either way it is re-checked on the next poll.
-            if Self::is_gone(ring, dropped, r, name) || chunk.read(r).load(Ordering::Relaxed) == 1 {
+            if Self::is_gone(ring, dropped, r, name) || chunk.read(r).peek() == 1 {
                 continue;
             }
             let info = ring.slot_info(Some(r))?;
@@ -385,11 +385,11 @@ impl RingWriter {
             return Err(e);
         }
         // Relaxed: published by the Release store of `written` in `protocol::publish`.
-        ring.len_of(i).store(len as u64, Ordering::Relaxed);
-        ring.kind_of(i).store(kind as u32, Ordering::Relaxed);
+        ring.len_of(i).set(len as u64);
+        ring.kind_of(i).set(kind as u32);
         if kind == ChunkKind::Overflow {
             // Relaxed: a statistic; only the writer stores it.
-            ring.shared().overflow_count.fetch_add(1, Ordering::Relaxed);
+            ring.shared().overflow_count.add(1);
         }
         protocol::publish(&ring.chunk(i), |r| Self::is_dropped(&self.dropped, r));
         self.messages += 1;

@@ -9,7 +9,6 @@ use crate::encoder_cache::entries::{self, READY};
 use crate::encoder_cache::slots;
 use crate::error::{CacheError, Error};
 use shmq_os::segment::{shm_statvfs, SHM_DIR};
-use shmq_protocol::sync::Ordering;
 
 impl Inner {
     pub(super) fn is_ready(&self, e: usize) -> bool {
@@ -27,7 +26,7 @@ impl Inner {
     pub(super) fn fully_loaded(&self, e: usize) -> bool {
         let rec = self.map.entry(e);
         // Relaxed: stored by this process.
-        let published_at = rec.published_at.load(Ordering::Relaxed);
+        let published_at = rec.published_at.get();
         // Acquire (`EntryAcks::loaded`).
         let acks = rec.acks.loaded();
         if (acks.count_ones() as usize) < self.min_consumers {
@@ -75,10 +74,7 @@ impl Inner {
         }
         let rec = self.map.entry(e as usize);
         // Relaxed: a report.
-        let (published_at, acks) = (
-            rec.published_at.load(Ordering::Relaxed),
-            rec.acks.loaded_hint(),
-        );
+        let (published_at, acks) = (rec.published_at.get(), rec.acks.loaded_hint());
         let waiting: Vec<String> = slots::list(&self.map)
             .into_iter()
             .filter(|c| acks & (1 << c.slot) == 0)
@@ -104,13 +100,9 @@ impl Inner {
         let h = self.map.header();
         // Relaxed: statistics written by the producer alone (under no lock: a producer
         // that waits in two threads may lose an update, which only skews a statistic).
-        h.stat_waits
-            .store(h.stat_waits.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        h.stat_waits.set(h.stat_waits.get() + 1);
         let ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
-        h.stat_wait_ns.store(
-            h.stat_wait_ns.load(Ordering::Relaxed).wrapping_add(ns),
-            Ordering::Relaxed,
-        );
+        h.stat_wait_ns.set(h.stat_wait_ns.get().wrapping_add(ns));
     }
 
     /// For the "still waiting for room" warning: the oldest held keys that keep their

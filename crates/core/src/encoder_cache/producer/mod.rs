@@ -27,7 +27,6 @@ use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{with_unique_name, Segment};
 use shmq_os::segment_file;
-use shmq_protocol::sync::Ordering;
 
 use super::backing::Backing;
 use super::entries::PartsLayout;
@@ -597,10 +596,7 @@ impl Inner {
             return Ok(());
         }
         // Release: pairs with the consumers' Acquire state load (they drop the segment).
-        self.map
-            .header()
-            .state
-            .store(STATE_CLOSED, Ordering::Release);
+        self.map.header().state.publish(STATE_CLOSED);
         Ok(self.map.segment.unlink()?)
     }
 }

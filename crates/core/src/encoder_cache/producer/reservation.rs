@@ -7,7 +7,6 @@ use super::{lock, Inner, State};
 use crate::encoder_cache::entries::{self, PartsLayout, WRITING};
 use crate::error::{Error, Result};
 use shmq_protocol::key_index::Key;
-use shmq_protocol::sync::Ordering;
 
 impl Inner {
     pub(super) fn start_writing(
@@ -79,12 +78,12 @@ impl Inner {
         let (offset, (key, ikey)) = (local.offset, local.key.clone().expect("checked"));
         let rec = self.map.entry(entry as usize);
         // Relaxed: published by the Release store of READY below.
-        rec.offset.store(offset as u64, Ordering::Relaxed);
-        rec.len.store(total as u64, Ordering::Relaxed);
+        rec.offset.set(offset as u64);
+        rec.len.set(total as u64);
         rec.acks.clear();
         // SeqCst read-modify-write: see `slots` (late joiners).
-        let published_at = self.map.header().clock.fetch_add(1, Ordering::SeqCst);
-        rec.published_at.store(published_at, Ordering::Relaxed);
+        let published_at = shmq_protocol::consumer_slot::tick(&self.map.header().clock);
+        rec.published_at.set(published_at);
         // Release (`EntryState::publish`): a consumer that sees READY sees the bytes,
         // offset and length.
         rec.state.publish(generation);

@@ -9,7 +9,6 @@ use super::{lock, Inner, State};
 use crate::encoder_cache::slots;
 use crate::error::{Error, OsError, Result};
 use shmq_os::segment::{shm_statvfs, warn_shm_too_small};
-use shmq_protocol::sync::Ordering;
 
 /// How often a producer that cannot find room looks for dead consumers (besides the
 /// wait's own liveness checks).
@@ -168,10 +167,7 @@ impl Inner {
         st.index.remove(&self.map.index(), &ikey);
         st.evictions += 1;
         // Relaxed: a statistic.
-        self.map
-            .header()
-            .stat_evictions
-            .store(st.evictions, Ordering::Relaxed);
+        self.map.header().stat_evictions.set(st.evictions);
         if loaded || self.fully_loaded(e as usize) {
             if st.loaded_evicted_order.len() >= LOADED_MEMORY {
                 if let Some(old) = st.loaded_evicted_order.pop_front() {
@@ -351,15 +347,11 @@ impl Inner {
     pub(super) fn publish_stats(&self, st: &State) {
         let h = self.map.header();
         // Relaxed: statistics for inspection.
-        h.stat_entries
-            .store(st.order.len() as u64, Ordering::Relaxed);
-        h.stat_bytes.store(
-            (self.map.geo.capacity - st.alloc.free_bytes()) as u64,
-            Ordering::Relaxed,
-        );
-        h.stat_reserved
-            .store(st.backing.backed_bytes() as u64, Ordering::Relaxed);
-        h.stat_saves.store(st.saves, Ordering::Relaxed);
+        h.stat_entries.set(st.order.len() as u64);
+        h.stat_bytes
+            .set((self.map.geo.capacity - st.alloc.free_bytes()) as u64);
+        h.stat_reserved.set(st.backing.backed_bytes() as u64);
+        h.stat_saves.set(st.saves);
     }
 
     pub(super) fn sweep(&self) {
