@@ -82,12 +82,12 @@ fn next(word: u64, state: u64) -> u64 {
 pub struct ConsumerSlot {
     /// `sequence << 2 | state`; the sequence grows on every change (a seqlock for the
     /// fields below, and the tag that compare-and-swaps name a slot's occupancy by).
-    pub word: AtomicU64,
-    pub pid: AtomicU32,
+    pub(crate) word: AtomicU64,
+    pub(crate) pid: AtomicU32,
     _pad0: u32,
-    pub start_time: AtomicU64,
+    pub(crate) start_time: AtomicU64,
     /// The clock value of the join: entries published later wait for this consumer.
-    pub joined_at: AtomicU64,
+    pub(crate) joined_at: AtomicU64,
     /// Keys this consumer loaded (a statistic; Relaxed everywhere).
     pub loads: StatU64,
     _pad1: [u64; 3],
@@ -113,6 +113,13 @@ impl ConsumerSlot {
             loads: StatU64::new(0),
             _pad1: [0; 3],
         }
+    }
+
+    /// The slot's `joined_at` now (a model's look at its own join, just made).
+    #[doc(hidden)]
+    pub fn joined_at_now(&self) -> u64 {
+        // Relaxed: a model's look right after its own join (program order).
+        self.joined_at.load(Ordering::Relaxed)
     }
 
     /// Make the slot look joined at clock value `joined_at` (tests that stage a consumer

@@ -48,8 +48,19 @@ impl Futex for OsFutex {
 #[repr(C, align(64))]
 #[derive(Debug, Default)]
 pub struct DoorbellWords {
-    pub seq: AtomicU32,
-    pub sleepers: AtomicU32,
+    pub(crate) seq: AtomicU32,
+    pub(crate) sleepers: AtomicU32,
+}
+
+impl DoorbellWords {
+    /// The doorbell on these words, sleeping on `futex` (a model's, in loom tests).
+    pub fn with<F: Futex>(&self, futex: F) -> Doorbell<'_, F> {
+        Doorbell {
+            seq: &self.seq,
+            sleepers: &self.sleepers,
+            futex,
+        }
+    }
 }
 
 #[cfg(not(loom))]
@@ -73,8 +84,8 @@ impl DoorbellWords {
 
 /// See the module docs.
 pub struct Doorbell<'a, F: Futex> {
-    pub seq: &'a AtomicU32,
-    pub sleepers: &'a AtomicU32,
+    pub(crate) seq: &'a AtomicU32,
+    pub(crate) sleepers: &'a AtomicU32,
     pub futex: F,
 }
 

@@ -41,12 +41,12 @@ use crate::sync::{AtomicU32, AtomicU64, Ordering};
 pub struct LeaseRecord {
     /// Bumped on every take and every retire: a reference to older contents fails the
     /// reader's check.
-    pub generation: AtomicU32,
+    pub(crate) generation: AtomicU32,
     /// 1 while the writer holds the lease (a message being put together, a live loan).
-    pub writer_hold: AtomicU32,
+    pub(crate) writer_hold: AtomicU32,
     /// The range in the data region.
-    pub offset: AtomicU64,
-    pub len: AtomicU64,
+    pub(crate) offset: AtomicU64,
+    pub(crate) len: AtomicU64,
 }
 
 /// One reader's hold count on a lease, changed only by [`Lease`]'s methods. Zero bytes:

@@ -41,7 +41,7 @@ use loom::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use loom::sync::{Arc, Condvar, Mutex};
 use loom::thread;
 
-use shmq_protocol::doorbell::{Doorbell, Futex};
+use shmq_protocol::doorbell::{DoorbellWords, Futex};
 use shmq_protocol::key_index::{IndexEpoch, IndexSlot, IndexWriter, Key, KeyIndex, Lookup};
 use shmq_protocol::ring::{self as protocol, ChunkFlag, ChunkFlags};
 
@@ -180,8 +180,7 @@ impl Futex for &ModelFutex {
 #[test]
 fn doorbell_loses_no_wake_up() {
     model(3, || {
-        let seq = Arc::new(AtomicU32::new(0));
-        let sleepers = Arc::new(AtomicU32::new(0));
+        let words = Arc::new(DoorbellWords::default());
         let data = Arc::new(AtomicU8::new(0));
         let futex = Arc::new(ModelFutex {
             wakes: Mutex::new(0),
@@ -189,25 +188,15 @@ fn doorbell_loses_no_wake_up() {
         });
 
         let publisher = {
-            let (seq, sleepers, data, futex) =
-                (seq.clone(), sleepers.clone(), data.clone(), futex.clone());
+            let (words, data, futex) = (words.clone(), data.clone(), futex.clone());
             thread::spawn(move || {
                 // What the writer does on commit: publish, then ring.
                 data.store(1, Ordering::Release);
-                Doorbell {
-                    seq: &seq,
-                    sleepers: &sleepers,
-                    futex: &*futex,
-                }
-                .ring();
+                words.with(&*futex).ring();
             })
         };
         // What a waiting reader does once its spin and yield windows are over.
-        let bell = Doorbell {
-            seq: &seq,
-            sleepers: &sleepers,
-            futex: &*futex,
-        };
+        let bell = words.with(&*futex);
         while !bell.sleep(|| data.load(Ordering::Acquire) == 1, None) {}
         publisher.join().unwrap();
     });
@@ -527,7 +516,6 @@ impl shmq_protocol::multiwait::FutexMany for &ModelFutexMany {
 /// second while the sleeper counts itself on both and checks; no wake-up is lost.
 #[test]
 fn multiwait_loses_no_wake_up() {
-    use shmq_protocol::doorbell::DoorbellWords;
     use shmq_protocol::multiwait::{sleep_any, WakeWord};
     model(3, || {
         let bells = Arc::new([DoorbellWords::default(), DoorbellWords::default()]);
@@ -541,12 +529,7 @@ fn multiwait_loses_no_wake_up() {
             thread::spawn(move || {
                 // What the writer of the second queue does on commit: publish, then ring.
                 data.store(1, Ordering::Release);
-                Doorbell {
-                    seq: &bells[1].seq,
-                    sleepers: &bells[1].sleepers,
-                    futex: ModelBell(&futex),
-                }
-                .ring();
+                bells[1].with(ModelBell(&futex)).ring();
             })
         };
         let wake = WakeWord::default();
@@ -602,7 +585,7 @@ fn consumer_slot_join_is_exclusive_whole_and_ordered_by_the_clock() {
         let free = slot::free_word(s)?;
         let claimed = slot::claim(s, free)?;
         let word = slot::join(s, claimed, pid, 10 * u64::from(pid), clock);
-        Some((word, s.joined_at.load(Ordering::Relaxed)))
+        Some((word, s.joined_at_now()))
     }
 
     model(2, || {
