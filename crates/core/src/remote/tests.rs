@@ -50,9 +50,12 @@ fn readers_with_the_secret_get_authenticated_messages_and_others_nothing() {
     let mut twin = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     w.send(&[b"three"], &mut wait()).unwrap();
-    // Its wait is for its connection only; the refusal is its first receive's.
-    twin.wait_ready(&mut wait()).unwrap();
-    let e = twin.recv_frames(&mut wait()).unwrap_err();
+    // The refusal reaches it in its wait for its connection or, where the writer
+    // answered its hello only after that wait (a busy machine), in its first receive.
+    let e = twin
+        .wait_ready(&mut wait())
+        .and_then(|()| twin.recv_frames(&mut wait()).map(drop))
+        .unwrap_err();
     assert!(e.to_string().contains("rank 1 has joined already"), "{e}");
 }
 
