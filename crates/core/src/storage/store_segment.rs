@@ -446,7 +446,7 @@ impl StoreSegment {
                 let w = self.stat_word(offset);
                 // Relaxed: a statistic written by the writer alone (a load and a store
                 // are no lost update); read by others for reports only.
-                w.set(w.get().wrapping_add(n));
+                w.add_own(n);
             }
         }
     }

@@ -177,7 +177,7 @@ impl Ring {
         let a = Self::counter(self.shared(), c);
         // Relaxed: a statistic written by the writer alone (a load and a store are no
         // lost update), read by others for reports only.
-        a.set(a.get().wrapping_add(n));
+        a.add_own(n);
     }
 
     /// For the writer's "still waiting" warning while it waits for chunk `chunk`: every

@@ -100,9 +100,9 @@ impl Inner {
         let h = self.map.header();
         // Relaxed: statistics written by the producer alone (under no lock: a producer
         // that waits in two threads may lose an update, which only skews a statistic).
-        h.stat_waits.set(h.stat_waits.get() + 1);
+        h.stat_waits.add_own(1);
         let ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
-        h.stat_wait_ns.set(h.stat_wait_ns.get().wrapping_add(ns));
+        h.stat_wait_ns.add_own(ns);
     }
 
     /// For the "still waiting for room" warning: the oldest held keys that keep their
