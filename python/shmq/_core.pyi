@@ -18,6 +18,9 @@ __all__ = [
     "count",
     "Writer",
     "Reader",
+    "BytesMessage",
+    "PartsMessage",
+    "ArrayMessage",
     "Relay",
     "BlockFifo",
     "ObjectStore",
@@ -133,15 +136,6 @@ class _CancelEvent(Protocol):
     """A ``threading.Event``-like object: a blocked call ends once ``is_set()``."""
 
     def is_set(self) -> bool: ...
-
-# A received message: plain bytes, or the body and its out-of-band buffers (bytearray
-# copies of small ones, writable memoryviews of private memory for large ones).
-_Message = (
-    bytes
-    | tuple[bytes]
-    | tuple[bytes, list[bytearray | memoryview]]
-    | tuple[str, tuple[int, ...], tuple[int, ...], bytearray | memoryview]
-)
 
 # (name, size, kind, creator pid, creator state)
 _SegmentReport = tuple[str, int, str, Optional[int], Literal["alive", "dead", "unknown"]]
@@ -572,6 +566,40 @@ class Writer:
     def shutting_down(self) -> bool: ...
 
 @final
+class BytesMessage:
+    """Raw bytes (a writer's ``enqueue``, ``acquire_write``) as ``Reader.dequeue`` returns them."""
+
+    @property
+    def data(self) -> bytes: ...
+
+@final
+class PartsMessage:
+    """A message of parts (a pickled object) as ``Reader.dequeue`` returns it: its body and
+    the out-of-band buffers it refers to (bytearray copies of small ones, writable
+    memoryviews of private memory for large ones; none for ``enqueue_body``)."""
+
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def buffers(self) -> tuple[bytearray | memoryview, ...]: ...
+
+@final
+class ArrayMessage:
+    """A typed array (``enqueue_array``) as ``Reader.dequeue`` returns it."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def strides(self) -> tuple[int, ...]: ...
+    @property
+    def data(self) -> bytearray | memoryview: ...
+
+# A received message (Reader.dequeue): one object, its class the kind of message.
+_Message = BytesMessage | PartsMessage | ArrayMessage
+
+@final
 class Reader:
     """The reading side of a broadcast queue (local through shared memory, or remote)."""
 
@@ -594,11 +622,11 @@ class Reader:
     def dequeue(
         self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None, indefinite: bool = False
     ) -> _Message:
-        """A message of parts (a pickled object) as ``bytes`` when it has no buffers
-        (``enqueue_body``), else ``(body, buffers)`` (``enqueue_parts``); raw bytes
-        (``enqueue``, ``acquire_write``) as a 1-tuple ``(bytes,)``; a typed array
-        (``enqueue_array``) as ``(dtype, shape, strides, data)``. A reader that another
-        thread is using is waited for within ``timeout``."""
+        """The next message, one object whose class is its kind: a message of parts (a
+        pickled object: ``enqueue_body``, ``enqueue_parts``) a ``PartsMessage``, raw bytes
+        (``enqueue``, ``acquire_write``) a ``BytesMessage``, a typed array
+        (``enqueue_array``) an ``ArrayMessage``. A reader that another thread is using is
+        waited for within ``timeout``."""
     def wait_message(self, timeout: Optional[float] = None, cancel: Optional[_CancelEvent] = None) -> None:
         """Wait until the next message can be taken at once (``dequeue(0)``) without taking
         it: a wait that ends early (timeout, ``cancel``, ``shutdown()``) loses nothing."""

@@ -889,27 +889,26 @@ class MessageQueue:
             cancel, indefinite = None, cancel
         reader = self._reader_for("dequeue")
         message = reader.dequeue(timeout, cancel, indefinite)
-        # bytes: a pickled object with no out-of-band buffers; (body, buffers): one with
-        # them; (bytes,): raw bytes (see _core.Reader.dequeue).
-        if type(message) is bytes:
-            value = _loads(message)
+        # One object, its class the kind of message (see _core.Reader.dequeue).
+        if type(message) is _core.PartsMessage:
+            body, buffers = message.body, message.buffers
+            if not buffers:  # a pickled object with no out-of-band buffers
+                value = _loads(body)
+                if _ipc.has_handles(value):  # sent with ipc=True: opened while unpickled, above
+                    return self._copied_by_handle(value, device, value)
+                return value if device is None else self._device_sources().to_device(value, (), device)
+            value = _loads(body, buffers=buffers)
             if _ipc.has_handles(value):  # sent with ipc=True: opened while unpickled, above
-                return self._copied_by_handle(value, device, value)
-            return value if device is None else self._device_sources().to_device(value, (), device)
-        if len(message) == 1:
-            raise MessageKindError(_RAW_FOR_DEQUEUE)
-        if len(message) == 4:
+                return self._copied_by_handle(value, device, (buffers, value))
+            return value if device is None else self._device_sources().to_device(value, buffers, device)
+        if type(message) is _core.ArrayMessage:
             # A typed array (enqueue_array): a numpy array (bfloat16, which numpy lacks,
             # a torch tensor; with a device, a torch tensor there).
-            dtype, shape, strides, data = cast("tuple[str, tuple[int, ...], tuple[int, ...], Any]", message)
+            dtype, data = message.dtype, message.data
             kind: ArrayKind = "torch" if dtype == "bfloat16" or device is not None else "numpy"
-            value = from_wire(dtype, shape, strides, data, kind)
+            value = from_wire(dtype, message.shape, message.strides, data, kind)
             return value if device is None else self._device_sources().to_device(value, (data,), device)
-        body, buffers = cast("tuple[bytes, list[bytearray | memoryview]]", message)
-        value = _loads(body, buffers=buffers)
-        if _ipc.has_handles(value):  # sent with ipc=True: opened while unpickled, above
-            return self._copied_by_handle(value, device, (buffers, value))
-        return value if device is None else self._device_sources().to_device(value, buffers, device)
+        raise MessageKindError(_RAW_FOR_DEQUEUE)
 
     def _copied_by_handle(self, value: Any, device: Any, hold: Any) -> Any:
         """A message sent with ``ipc=True``: its opened tensors copied on ``device`` (or
@@ -1042,10 +1041,9 @@ class MessageQueue:
             raise ValueError(f"kind must be 'numpy', 'torch' or 'memoryview', got {kind!r}")
         reader = self._reader_for("dequeue_array")
         message = reader.dequeue(timeout, cancel, False)
-        if type(message) is tuple and len(message) == 4:
-            dtype, shape, strides, data = message
-            return from_wire(dtype, shape, strides, data, kind)
-        if type(message) is tuple and len(message) == 1:
+        if type(message) is _core.ArrayMessage:
+            return from_wire(message.dtype, message.shape, message.strides, message.data, kind)
+        if type(message) is _core.BytesMessage:
             what, call = "raw bytes (enqueue_bytes, or a Rust writer's enqueue)", "dequeue_bytes()"
         else:
             what, call = "a pickled Python object (enqueue)", "dequeue()"
@@ -1059,9 +1057,9 @@ class MessageQueue:
         stays usable. A chunk from ``acquire_write`` arrives whole (``max_chunk_bytes``)."""
         reader = self._reader_for("dequeue_bytes")
         message = reader.dequeue(timeout, cancel, False)
-        if type(message) is tuple and len(message) == 1:
-            return cast(bytes, message[0])
-        if type(message) is tuple and len(message) == 4:
+        if type(message) is _core.BytesMessage:
+            return message.data
+        if type(message) is _core.ArrayMessage:
             raise MessageKindError(_ARRAY_FOR_DEQUEUE_BYTES)
         raise MessageKindError(_PICKLED_FOR_DEQUEUE_BYTES)
 

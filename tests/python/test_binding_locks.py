@@ -210,7 +210,7 @@ def test_a_finalizer_that_calls_its_reader_under_its_lock_gets_an_error_not_a_de
         gc.set_threshold(*old_threshold)
         gc.enable()
     gc.collect()
-    body, buffers = got
+    body, buffers = got.body, got.buffers
     assert isinstance(body, bytes) and [len(b) for b in buffers] == [1 << 20]
     # The finalizers ran under the reader's lock: each got the error, none waited.
     assert len(errors) == 10, errors

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::errors::{exception, OrRaise};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyString, PyTuple};
 
 use super::parts;
 use super::view::ShmView;
@@ -159,27 +159,70 @@ pub(super) fn handle_from_text<'py>(py: Python<'py>, text: &str) -> PyResult<Bou
     handle_fields(py, &text.parse::<Handle>().or_raise()?)
 }
 
-/// A received message as Python sees it, its kind told by its type: a message of parts
-/// with no buffers (a pickled object with none out of band) as its body, `bytes`; one
-/// with buffers as `(body: bytes, buffers: list)`, where each buffer is what
-/// [`part_to_python`] makes; raw bytes as a 1-tuple `(bytes,)`; a typed array as a
-/// 4-tuple `(dtype: str, shape: tuple, strides: tuple, data)`.
+/// A message of raw bytes as a reader's `dequeue` returns it (core's [`Received::Bytes`]:
+/// a writer's `enqueue`, Python's `enqueue_bytes`, or a chunk from `acquire_write`).
+#[pyclass(module = "shmq._core", frozen, get_all)]
+pub struct BytesMessage {
+    /// The bytes, copied.
+    data: Py<PyBytes>,
+}
+
+/// A message of parts as a reader's `dequeue` returns it (core's [`Received::Parts`]: for
+/// Python, a pickled object): its body and the out-of-band buffers it refers to, each
+/// what [`part_to_python`] makes (an empty tuple for a body alone, `enqueue_body`).
+#[pyclass(module = "shmq._core", frozen, get_all)]
+pub struct PartsMessage {
+    body: Py<PyBytes>,
+    buffers: Py<PyTuple>,
+}
+
+/// A typed array as a reader's `dequeue` returns it (core's [`Received::Array`]): its
+/// fields, checked against its data, and its data as [`part_to_python`] makes it.
+#[pyclass(module = "shmq._core", frozen, get_all)]
+pub struct ArrayMessage {
+    dtype: Py<PyString>,
+    shape: Py<PyTuple>,
+    strides: Py<PyTuple>,
+    data: Py<PyAny>,
+}
+
+/// A received message as Python sees it: one object, its kind told by its class
+/// (`BytesMessage`, `PartsMessage` or `ArrayMessage`), built from core's [`Received`].
 fn to_python<'py>(py: Python<'py>, m: Received<'_>) -> PyResult<Bound<'py, PyAny>> {
-    let parts = match m {
-        Received::Bytes(b) => {
-            let b = PyBytes::new(py, b).into_any();
-            return Ok(PyTuple::new(py, [b])?.into_any());
+    let message = match m {
+        Received::Bytes(b) => Bound::new(
+            py,
+            BytesMessage {
+                data: PyBytes::new(py, b).unbind(),
+            },
+        )?
+        .into_any(),
+        Received::Parts(parts) => {
+            let mut parts = parts.into_iter();
+            let body = parts.next().expect("a message has a body");
+            let body = PyBytes::new(py, &body).unbind();
+            let buffers = match parts.len() {
+                0 => PyTuple::empty(py),
+                _ => PyTuple::new(
+                    py,
+                    parts
+                        .map(|p| part_to_python(py, p))
+                        .collect::<PyResult<Vec<_>>>()?,
+                )?,
+            }
+            .unbind();
+            Bound::new(py, PartsMessage { body, buffers })?.into_any()
         }
-        Received::Parts(parts) => parts,
-        Received::Array { meta, data } => {
-            let fields = (
-                meta.dtype.name(),
-                PyTuple::new(py, &meta.shape)?,
-                PyTuple::new(py, &meta.strides)?,
-                part_to_python(py, data)?,
-            );
-            return Ok(fields.into_pyobject(py)?.into_any());
-        }
+        Received::Array { meta, data } => Bound::new(
+            py,
+            ArrayMessage {
+                dtype: PyString::intern(py, meta.dtype.name()).unbind(),
+                shape: PyTuple::new(py, &meta.shape)?.unbind(),
+                strides: PyTuple::new(py, &meta.strides)?.unbind(),
+                data: part_to_python(py, data)?.unbind(),
+            },
+        )?
+        .into_any(),
         // A kind of message added to the core after this binding: refused by name.
         other => {
             return Err(PyValueError::new_err(format!(
@@ -187,17 +230,7 @@ fn to_python<'py>(py: Python<'py>, m: Received<'_>) -> PyResult<Bound<'py, PyAny
             )))
         }
     };
-    let mut parts = parts.into_iter();
-    let body = parts.next().expect("a message has a body");
-    let body = PyBytes::new(py, &body);
-    if parts.len() == 0 {
-        return Ok(body.into_any());
-    }
-    let buffers = PyList::empty(py);
-    for p in parts {
-        buffers.append(part_to_python(py, p)?)?;
-    }
-    Ok(PyTuple::new(py, [body.into_any(), buffers.into_any()])?.into_any())
+    Ok(message)
 }
 
 /// A received buffer as Python has it: a `bytearray` (copied from the chunk) or a
@@ -599,8 +632,9 @@ impl Writer {
     }
 
     /// Send `body` (a pickle stream with no out-of-band buffers) as a message of one
-    /// part: a reader's `dequeue` returns it as `bytes` (raw bytes from `enqueue` come as
-    /// `(bytes,)`). As cheap as `enqueue`: only the chunk's kind differs.
+    /// part: a reader's `dequeue` returns it as a `PartsMessage` with no buffers (raw
+    /// bytes from `enqueue` come as a `BytesMessage`). As cheap as `enqueue`: only the
+    /// chunk's kind differs.
     #[pyo3(signature = (body, timeout=None))]
     fn enqueue_body(&self, py: Python<'_>, body: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
         self.send_whole(py, body, true, timeout)
@@ -796,11 +830,11 @@ impl Reader {
         self.wait_for(py, timeout, cancel, |r, spec| r.wait_until_ready(spec))
     }
 
-    /// The next message, its kind told by its type (see `to_python`): a message of one
-    /// part (`enqueue_body`) as `bytes`, of several (`enqueue_parts`) as `(body,
-    /// buffers)` (small buffers copied into bytearrays, large ones zero-copy views of
-    /// private memory: writable, and writes stay in this process), raw bytes (`enqueue`,
-    /// `acquire_write`) as `(bytes,)`.
+    /// The next message, one object whose class tells its kind (see `to_python`): a
+    /// message of parts (`enqueue_body`, `enqueue_parts`) as a `PartsMessage` (small
+    /// buffers copied into bytearrays, large ones zero-copy views of private memory:
+    /// writable, and writes stay in this process), raw bytes (`enqueue`, `acquire_write`)
+    /// as a `BytesMessage`, a typed array (`enqueue_array`) as an `ArrayMessage`.
     #[pyo3(signature = (timeout=None, cancel=None, indefinite=false))]
     fn dequeue<'py>(
         &self,

@@ -4,7 +4,8 @@
 //! Contents of `shmq._core`:
 //! - `Ring`: a broadcast ring segment (`ShmRingBuffer` in Python);
 //! - `Writer`, `Reader`: the two sides of a broadcast queue (`MessageQueue`), a writer
-//!   made with a `QueueOptions`; `count()`: the check of every count argument;
+//!   made with a `QueueOptions`; `BytesMessage`, `PartsMessage`, `ArrayMessage`: what a
+//!   reader's `dequeue` returns, one class per kind of message; `count()`: the check of every count argument;
 //!   `handle_to_text()`, `handle_from_text()`: its handle's text form (`str(Handle)`,
 //!   `Handle.from_str`), the Rust `Handle`'s `Display` / `FromStr`;
 //! - `Relay`: one copy of a remote stream per node (`shmq.Relay`);
@@ -129,6 +130,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(options::count, m)?)?;
     m.add_class::<broadcast::Writer>()?;
     m.add_class::<broadcast::Reader>()?;
+    m.add_class::<broadcast::BytesMessage>()?;
+    m.add_class::<broadcast::PartsMessage>()?;
+    m.add_class::<broadcast::ArrayMessage>()?;
     m.add_class::<relay::Relay>()?;
     m.add_class::<storage::BlockFifo>()?;
     m.add_class::<storage::ObjectStore>()?;
