@@ -4,7 +4,7 @@
 //! - `copy/16MiB/{memcpy,copy_large}`: the copy into shared memory, plain `memcpy`
 //!   against `shmq::copy::copy_large` (streaming stores above 2 MiB);
 //! - `queue/16MiB/{copied,loaned}`: one message whose 16 MiB part goes through the arena,
-//!   from `enqueue_parts` to the reader dropping the part it got from `dequeue_parts`:
+//!   from `enqueue(Message::Parts(..))` to the reader dropping the part it got from `dequeue_parts`:
 //!   copied in once, or a new loan (one byte written) sent by reference, sealed, and
 //!   dropped (given back);
 //! - `queue/256MiB/loaned`: the same loaned send at 256 MiB: the cost does not grow with
@@ -16,7 +16,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
-use shmq::{QueueOptions, Reader, Writer};
+use shmq::{Message, QueueOptions, Reader, Writer};
 
 const TIMEOUT: Option<Duration> = Some(Duration::from_secs(30));
 
@@ -51,13 +51,17 @@ fn queue(c: &mut Criterion) {
         g.bench_function(label, |b| {
             b.iter(|| {
                 if copied {
-                    writer.enqueue_parts(&[body, &data], TIMEOUT).unwrap();
+                    writer
+                        .enqueue(Message::Parts(&[body, &data]), TIMEOUT)
+                        .unwrap();
                 } else {
                     // A new loan per send, as a producer takes one: a loan sent once is
                     // sealed, and sending it again would copy.
                     let mut loan = writer.loan(size).expect("room");
                     loan[size - 1] = 7;
-                    writer.enqueue_parts(&[body, &loan], TIMEOUT).unwrap();
+                    writer
+                        .enqueue(Message::Parts(&[body, &loan]), TIMEOUT)
+                        .unwrap();
                 }
                 let parts = reader.dequeue_parts(TIMEOUT).unwrap();
                 black_box(parts[1][size - 1]);

@@ -1,6 +1,6 @@
 //! A Rust scheduler and Python workers in one queue, both ways: raw bytes and typed
 //! arrays (from a few bytes to 16 MiB), the format both languages speak. A Rust writer's
-//! `enqueue` and `enqueue_array` reach Python's `dequeue_bytes()` and `dequeue()` (a
+//! `enqueue` of bytes and of an `ArrayRef` reach Python's `dequeue_bytes()` and `dequeue()` (a
 //! numpy array) and a Rust reader's `dequeue` / `dequeue_array`; a Python writer's
 //! `enqueue_bytes` and `enqueue_array` reach a Rust reader the same way.
 //! `tests/python/test_cross_language.py` drives it (and checks the same messages in
@@ -191,7 +191,7 @@ fn writer(n_readers: usize, count: usize, name: Option<&str>) -> Result<(), Box<
                     Dtype::I64 => ArrayRef::new(slice(&p.i64, i, n), &shape)?,
                     _ => ArrayRef::new(slice(&p.u16, i, n), &shape)?,
                 };
-                writer.enqueue_array(&array, TIMEOUT)?;
+                writer.enqueue(&array, TIMEOUT)?;
             }
         }
     }
@@ -257,7 +257,7 @@ fn send(n_readers: usize, count: usize, kind: &str, nbytes: usize) -> Result<(),
         let bytes: &[u8] = bytemuck::cast_slice(&message);
         match kind {
             "bytes" => writer.enqueue(&bytes[..nbytes], TIMEOUT)?,
-            _ => writer.enqueue_array(&ArrayRef::new(&message, &[message.len()])?, TIMEOUT)?,
+            _ => writer.enqueue(&ArrayRef::new(&message, &[message.len()])?, TIMEOUT)?,
         }
     }
     std::io::stdin().read_to_end(&mut Vec::new())?;

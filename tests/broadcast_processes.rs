@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use shmq::wait::Wait;
-use shmq::{Error, Handle, QueueOptions, Reader, Writer};
+use shmq::wait::{Wait, WaitSpec};
+use shmq::{Error, Handle, Message, QueueOptions, Reader, Writer};
 
 /// What a child process plays; only `reader` exists. Its presence marks the child.
 const ROLE_ENV: &str = "SHMQ_TEST_ROLE";
@@ -339,7 +339,7 @@ fn expect_all_succeed(children: &mut [ReaderProcess]) {
 fn writer_step<T>(
     children: &mut [ReaderProcess],
     what: &str,
-    step: impl FnOnce(&mut Wait) -> shmq::Result<T>,
+    step: impl FnOnce(WaitSpec<'_>) -> shmq::Result<T>,
 ) -> T {
     let mut dead: Option<usize> = None;
     let result = {
@@ -352,8 +352,11 @@ fn writer_step<T>(
             }
             Ok(())
         };
-        let mut wait = Wait::new(what, Some(TIMEOUT)).with_hook(&mut hook);
-        step(&mut wait)
+        step(WaitSpec {
+            timeout: Some(TIMEOUT),
+            hook: Some(&mut hook),
+            ..Default::default()
+        })
     };
     match (result, dead) {
         (Ok(v), _) => v,
@@ -369,12 +372,12 @@ fn writer_step<T>(
 /// Send messages `0..n` of the stream to every reader.
 fn write_stream(writer: &mut Writer, children: &mut [ReaderProcess], n: u64, chunk: usize) {
     writer_step(children, "waiting for readers to subscribe", |w| {
-        writer.wait_until_ready_with(w)
+        writer.wait_until_ready(w)
     });
     for seq in 0..n {
         let msg = message(seq, chunk);
         writer_step(children, &format!("enqueue of message {seq}"), |w| {
-            writer.enqueue_with(&msg, w)
+            writer.enqueue(&msg, w)
         });
     }
 }
@@ -496,13 +499,13 @@ fn full_ring_and_idle_writer_time_out() {
     let segment = segment_path(&writer);
     let mut children = vec![spawn_reader(NAME, writer.handle(), 0)];
     writer_step(&mut children, "waiting for the reader to subscribe", |w| {
-        writer.wait_until_ready_with(w)
+        writer.wait_until_ready(w)
     });
     children[0].wait_for_line("dequeue timed out", TIMEOUT);
 
     for i in 0..CHUNKS {
         writer_step(&mut children, "filling the ring", |w| {
-            writer.enqueue_with(&[i as u8; 100], w)
+            writer.enqueue(&[i as u8; 100], w)
         });
     }
     assert!(!writer.can_write());
@@ -594,7 +597,7 @@ fn read_parts(role: &ChildRole, n: u64) -> Result<(), String> {
     Ok(())
 }
 
-/// e. Messages of several parts (`enqueue_parts` / `dequeue_parts`): large parts reach
+/// e. Messages of several parts (`Message::Parts` / `dequeue_parts`): large parts reach
 /// two local readers as private views of the tensor arena, with no copy at all when sent
 /// from a loan, and a remote reader as frames; views held while more messages come stay
 /// intact; every arena part comes back once the readers are done.
@@ -617,7 +620,7 @@ fn parts_and_loans_reach_local_and_remote_readers() {
         .map(|rank| spawn_reader(NAME, writer.handle(), rank))
         .collect();
     writer_step(&mut children, "waiting for readers to subscribe", |w| {
-        writer.wait_until_ready_with(w)
+        writer.wait_until_ready(w)
     });
     for seq in 0..N {
         let lens = part_lens(seq);
@@ -628,12 +631,12 @@ fn parts_and_loans_reach_local_and_remote_readers() {
             loan.copy_from_slice(&parts[1]);
             let before = writer.arena().unwrap().outstanding();
             writer_step(&mut children, &format!("enqueue of message {seq}"), |w| {
-                writer.enqueue_parts_with(&[&parts[0], &loan, &parts[2]], w)
+                writer.enqueue(Message::Parts(&[&parts[0], &loan, &parts[2]]), w)
             });
             assert_eq!(writer.arena().unwrap().outstanding(), before);
         } else {
             writer_step(&mut children, &format!("enqueue of message {seq}"), |w| {
-                writer.enqueue_parts_with(&[&parts[0], &parts[1], &parts[2]], w)
+                writer.enqueue(Message::Parts(&[&parts[0], &parts[1], &parts[2]]), w)
             });
         }
     }

@@ -64,7 +64,9 @@ fuzz_target!(|input: Input| {
                     .map(|&(len, fill)| vec![fill; len as usize % 4096])
                     .collect();
                 let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
-                let ok = writer.try_enqueue_parts(&refs).expect("enqueue_parts");
+                let ok = writer
+                    .try_enqueue(shmq::Message::Parts(&refs))
+                    .expect("enqueue_parts");
                 if ok && writer.overflow_count() == 0 {
                     sent.push(parts);
                 }

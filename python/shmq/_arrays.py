@@ -4,7 +4,7 @@
 memoryview as a dtype (by name), a shape and the bytes; a reader gets them back as a
 numpy array, a torch tensor or a typed memoryview over the bytes it received (a private
 view of the tensor arena or of the frame it came in for a large array: no copy). A Rust
-writer's ``Writer::enqueue_array`` and reader's ``Reader::dequeue_array`` speak the same
+writer's ``Writer::enqueue`` of an ``ArrayRef`` and reader's ``Reader::dequeue_array`` speak the same
 format (``shmq::broadcast::array``). Neither numpy nor torch is needed to import this.
 """
 

@@ -1031,8 +1031,8 @@ class MessageQueue:
     ) -> memoryview: ...
     def dequeue_array(self, timeout: Optional[float] = None, cancel: Any = None, *, kind: ArrayKind = "numpy") -> Any:
         """The next message, a typed array (a Python writer's ``enqueue_array``, a Rust
-        writer's ``Writer::enqueue_array``), as ``kind`` says: a numpy array, a torch
-        tensor, or a memoryview of its format and shape (C-contiguous arrays of a dtype
+        writer's ``Writer::enqueue`` of an ``ArrayRef``), as ``kind`` says: a numpy array, a
+        torch tensor, or a memoryview of its format and shape (C-contiguous arrays of a dtype
         the struct module knows). No copy for a large array: it is a view of memory
         private to this process (writable; writes stay here). Waits as ``dequeue`` does
         (same errors); any other kind of message raises ``MessageKindError`` (consumed,

@@ -25,7 +25,7 @@ use shmq::broadcast::queue::ChunkEnd;
 
 use crate::options::{count, QueueOptions};
 use shmq::broadcast::{
-    ArrayMeta, ArrayRef, Dtype, Handle, Part, QueueOptions as CoreQueueOptions,
+    ArrayMeta, ArrayRef, Dtype, Handle, Message, Part, QueueOptions as CoreQueueOptions,
     Reader as CoreReader, Received, Ring as CoreRing, RingHandle, Writer as CoreWriter,
 };
 use shmq::error::Error;
@@ -417,33 +417,25 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// `enqueue` or `enqueue_body` (`as_body`): a small message that needs no wait is
-    /// sent with the GIL held (releasing it would cost more than the copy).
-    fn send_whole(
+    /// Send `message` (of `nbytes` in all): with `try_enqueue`, at once with the GIL held,
+    /// when it is small (releasing the GIL would cost more than the copy), else (or if
+    /// that would wait) with `enqueue`, which may wait (the GIL let go, Ctrl-C and the
+    /// timeout honoured).
+    fn send(
         &self,
         py: Python<'_>,
-        data: &[u8],
-        as_body: bool,
+        message: Message<'_>,
+        nbytes: usize,
         timeout: Option<Timeout>,
     ) -> PyResult<()> {
-        if data.len() <= COPY_WITH_GIL_MAX {
-            let mut writer = self.writer(py)?;
-            let sent = if as_body {
-                writer.try_enqueue_body(data)
-            } else {
-                writer.try_enqueue(data)
-            };
-            drop(writer);
+        if nbytes <= COPY_WITH_GIL_MAX {
+            let sent = self.writer(py)?.try_enqueue(message);
             if sent.or_raise()? {
                 return Ok(());
             }
         }
         blocking_on(py, &self.inner, WRITER, interrupts(timeout), |w, spec| {
-            if as_body {
-                w.enqueue_body(data, spec)
-            } else {
-                w.enqueue(data, spec)
-            }
+            w.enqueue(message, spec)
         })
         .map(drop)
     }
@@ -554,14 +546,19 @@ impl Writer {
         parts: &Bound<'_, PyList>,
         timeout: Option<Timeout>,
     ) -> PyResult<()> {
-        self.send_buffers(
-            py,
-            parts,
-            timeout,
-            |i| format!("message part {i} is not a contiguous buffer"),
-            |w, parts| w.try_enqueue_parts(parts),
-            |w, parts, spec| w.enqueue_parts(parts, spec),
-        )
+        let (buffers, spans) = parts::buffers(parts, |i| {
+            format!("message part {i} is not a contiguous buffer")
+        })?;
+        // SAFETY: each span is a live, contiguous buffer export held by `buffers` until the
+        // end of this call; its exporter cannot free or resize it meanwhile. (Another
+        // thread may still write into it: then that part's bytes are whatever it wrote,
+        // as with any buffer being sent.)
+        let slices = unsafe { parts::slices(&spans) };
+        let total = slices.iter().map(|s| s.len()).sum();
+        let r = self.send(py, Message::Parts(&slices), total, timeout);
+        // Released with the writer let go: an exporter's release may run Python code.
+        drop(buffers);
+        r
     }
 
     /// Send a typed array: `dtype` by name (`"float32"`...), its C-contiguous `shape`
@@ -579,16 +576,17 @@ impl Writer {
         let meta = ArrayMeta::contiguous(Dtype::from_name(dtype).or_raise()?, &shape);
         // One buffer, the data: the core writes the header from `meta`.
         let parts = PyList::new(py, [data])?;
-        self.send_buffers(
-            py,
-            &parts,
-            timeout,
-            |_| "an array's data must be one contiguous buffer".into(),
-            |w, parts| w.try_enqueue_array(&ArrayRef::with_strides(meta.clone(), parts[0])?),
-            |w, parts, spec| {
-                w.enqueue_array(&ArrayRef::with_strides(meta.clone(), parts[0])?, spec)
-            },
-        )
+        let (buffers, spans) = parts::buffers(&parts, |_| {
+            "an array's data must be one contiguous buffer".into()
+        })?;
+        // SAFETY: as in `enqueue_parts`: the span is a live export held by `buffers`.
+        let slices = unsafe { parts::slices(&spans) };
+        let r = ArrayRef::with_strides(meta, slices[0])
+            .or_raise()
+            .and_then(|array| self.send(py, Message::Array(&array), spans[0].1, timeout));
+        // Released with the writer let go: an exporter's release may run Python code.
+        drop(buffers);
+        r
     }
 
     /// Reserve the first `nbytes` of the tensor arena now (see `ArenaWriter::reserve`);
@@ -628,7 +626,7 @@ impl Writer {
     /// Send `data` to every reader.
     #[pyo3(signature = (data, timeout=None))]
     fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
-        self.send_whole(py, data, false, timeout)
+        self.send(py, Message::Bytes(data), data.len(), timeout)
     }
 
     /// Send `body` (a pickle stream with no out-of-band buffers) as a message of one
@@ -637,7 +635,7 @@ impl Writer {
     /// chunk's kind differs.
     #[pyo3(signature = (body, timeout=None))]
     fn enqueue_body(&self, py: Python<'_>, body: &[u8], timeout: Option<Timeout>) -> PyResult<()> {
-        self.send_whole(py, body, true, timeout)
+        self.send(py, Message::Body(body), body.len(), timeout)
     }
 
     /// Wait for the next chunk and return a view of it, for zero-copy writing;
@@ -687,55 +685,6 @@ impl Writer {
     /// The core writer, locked (`RuntimeError` once a panic has poisoned it).
     fn writer(&self, py: Python<'_>) -> PyResult<BindingGuard<'_, CoreWriter>> {
         lock(py, &self.inner, WRITER)
-    }
-
-    /// Send the bytes-like `parts` with `try_send` (at once, with the GIL held, when
-    /// they are small: as `enqueue` does) or else `send`, which may wait (the GIL let
-    /// go, Ctrl-C and the timeout honoured); `not_contiguous(i)` words the error for a
-    /// part that is not one contiguous buffer.
-    fn send_buffers(
-        &self,
-        py: Python<'_>,
-        parts: &Bound<'_, PyList>,
-        timeout: Option<Timeout>,
-        not_contiguous: impl FnOnce(usize) -> String,
-        try_send: impl FnOnce(&mut CoreWriter, &[&[u8]]) -> shmq::error::Result<bool>,
-        send: impl for<'w> Fn(&mut CoreWriter, &[&[u8]], WaitSpec<'w>) -> shmq::error::Result<()>
-            + Send
-            + Sync,
-    ) -> PyResult<()> {
-        let (buffers, spans) = parts::buffers(parts, not_contiguous)?;
-        let total: usize = spans.iter().map(|s| s.1).sum();
-        let r = {
-            let slices = move || -> Vec<&[u8]> {
-                // SAFETY: each span is a live, contiguous buffer export held by `buffers`
-                // until the end of this call; its exporter cannot free or resize it
-                // meanwhile. (Another thread may still write into it: then that part's
-                // bytes are whatever it wrote, as with any buffer being sent.)
-                unsafe { parts::slices(&spans) }
-            };
-            let r = match total <= COPY_WITH_GIL_MAX {
-                // Small and no wait needed: with the GIL held, as in `enqueue`.
-                true => {
-                    let mut w = self.writer(py)?;
-                    try_send(&mut w, &slices()).or_raise()
-                }
-                false => Ok(false),
-            };
-            match r {
-                Ok(true) => Ok(()),
-                Ok(false) => {
-                    blocking_on(py, &self.inner, WRITER, interrupts(timeout), |w, spec| {
-                        send(w, &slices(), spec)
-                    })
-                    .map(drop)
-                }
-                Err(e) => Err(e),
-            }
-        };
-        // Released with the writer let go: an exporter's release may run Python code.
-        drop(buffers);
-        r
     }
 }
 

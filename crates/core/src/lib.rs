@@ -61,7 +61,7 @@ pub mod wait;
 pub use arena::{ArenaView, Loan};
 pub use broadcast::{
     Array, ArrayMeta, ArrayRef, AsyncWaiter, Dtype, Element, Gather, GatherCanceller, Handle,
-    OwnedPart, QueueOptions, Reader, Writer,
+    Message, OwnedPart, QueueOptions, Reader, Writer,
 };
 pub use error::{Error, Result};
 pub use transport::default_connect_ip;

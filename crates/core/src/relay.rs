@@ -29,7 +29,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::broadcast::{ArrayRef, Canceller, Handle, QueueOptions, Reader, Received, Writer};
+use crate::broadcast::{
+    ArrayRef, Canceller, Handle, Message, QueueOptions, Reader, Received, Writer,
+};
 use crate::error::{Error, QueueError, Result};
 use crate::wait::{Hook, WaitSpec};
 
@@ -236,9 +238,9 @@ fn pass_on(local: &mut Writer, m: Received<'_>) -> Result<usize> {
             let bytes = slices.iter().map(|s| s.len()).sum();
             match slices.as_slice() {
                 // A one-part message is sent as a body (the cheap chunk kind): readers
-                // cannot tell it from one of parts (see `Writer::enqueue_body`).
-                [body] => local.enqueue_body(body, forever()),
-                all => local.enqueue_parts(all, forever()),
+                // cannot tell it from one of parts (see `Message::Body`).
+                [body] => local.enqueue(Message::Body(body), forever()),
+                all => local.enqueue(Message::Parts(all), forever()),
             }
             .map(|()| bytes)
         }
@@ -247,7 +249,7 @@ fn pass_on(local: &mut Writer, m: Received<'_>) -> Result<usize> {
             // have sent more, which `ArrayRef` refuses for a contiguous array.
             let data = &data[..meta.span()?];
             local
-                .enqueue_array(&ArrayRef::with_strides(meta, data)?, forever())
+                .enqueue(&ArrayRef::with_strides(meta, data)?, forever())
                 .map(|()| data.len())
         }
     }

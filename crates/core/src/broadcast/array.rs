@@ -6,8 +6,8 @@
 //! (small: copied into the chunk; large: through the tensor arena, or a ZeroMQ frame for a
 //! remote reader), so a large array reaches every reader with no copy.
 //!
-//! A Rust writer sends one with [`Writer::enqueue_array`](super::Writer::enqueue_array)
-//! ([`ArrayRef::new`] from a typed slice and a shape); a Python writer with
+//! A Rust writer sends one with [`Writer::enqueue`](super::Writer::enqueue) (an
+//! [`ArrayRef`], [`ArrayRef::new`] from a typed slice and a shape); a Python writer with
 //! `MessageQueue.enqueue_array(a)` (a numpy array or a CPU torch tensor). A Rust reader
 //! takes it with [`Reader::dequeue_array`](super::Reader::dequeue_array) ([`Array`]: its
 //! dtype, shape, strides, and the data as a typed slice, [`Array::as_slice`]); a Python

@@ -77,13 +77,13 @@ impl ArenaSlot {
 const READY_GRACE: Duration = Duration::from_secs(1);
 
 /// A message as a reader takes it: plain bytes, or a message of several parts (a body
-/// and the buffers it refers to, see [`Writer::enqueue_parts`](super::Writer::enqueue_parts)).
+/// and the buffers it refers to, see [`Message::Parts`](super::Message::Parts)).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Received<'a> {
     Bytes(&'a [u8]),
     Parts(Vec<Part<'a>>),
-    /// A typed array ([`Writer::enqueue_array`](super::Writer::enqueue_array), Python's
+    /// A typed array ([`Message::Array`](super::Message::Array), Python's
     /// `enqueue_array`): its fields, checked against its data.
     Array {
         meta: ArrayMeta,

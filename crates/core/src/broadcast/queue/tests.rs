@@ -348,20 +348,18 @@ fn arrays_to_local_and_remote_readers() {
         w.wait_until_ready(t).unwrap();
         for &n in &sizes {
             let v: Vec<f32> = (0..2 * n).map(|i| i as f32).collect();
-            w.enqueue_array(&ArrayRef::new(&v, &[n, 2]).unwrap(), t)
-                .unwrap();
+            w.enqueue(&ArrayRef::new(&v, &[n, 2]).unwrap(), t).unwrap();
         }
         w.enqueue(b"raw", t).unwrap();
-        w.enqueue_array(&ArrayRef::new(&[1i64, 2], &[2]).unwrap(), t)
+        w.enqueue(&ArrayRef::new(&[1i64, 2], &[2]).unwrap(), t)
             .unwrap();
         w.enqueue(b"not an array", t).unwrap();
-        w.enqueue_array(&ArrayRef::new(&[1u8], &[1]).unwrap(), t)
-            .unwrap();
+        w.enqueue(&ArrayRef::new(&[1u8], &[1]).unwrap(), t).unwrap();
         w.enqueue(b"last", t).unwrap();
     });
 }
 
-/// `enqueue_body` sends a message of one part (a chunk of kind `Body`, or over a socket a
+/// `Message::Body` sends a message of one part (a chunk of kind `Body`, or over a socket a
 /// block and a frame): every reader, local (in a chunk and overflowing) and remote, gets
 /// it from `dequeue_parts` as one part, and `dequeue` refuses it (consumed), while raw
 /// bytes in between stay raw.
@@ -398,7 +396,7 @@ fn a_body_is_a_message_of_one_part_everywhere() {
         for (i, m) in msgs.iter().enumerate() {
             match i % 3 {
                 0 => w.enqueue(m, t).unwrap(),
-                _ => w.enqueue_body(m, t).unwrap(),
+                _ => w.enqueue(Message::Body(m), t).unwrap(),
             }
         }
     });
@@ -752,7 +750,7 @@ fn small_loaned_parts_are_copied_and_large_ones_sent_by_reference() {
             let mut loan = w.loan(n).unwrap();
             loan.fill(3);
             let before = ring.stats();
-            w.enqueue_parts(&[b"body", &loan[..]], t).unwrap();
+            w.enqueue(Message::Parts(&[b"body", &loan[..]]), t).unwrap();
             let after = ring.stats();
             let (loaned, copied) = (
                 after.loaned_parts - before.loaned_parts,

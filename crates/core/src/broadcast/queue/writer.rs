@@ -235,6 +235,61 @@ fn publish_holds(arena: Option<&ArenaWriter>, ring: &RingWriter, refs: &[PartRef
     }
 }
 
+/// A message as [`Writer::enqueue`] sends it: one of its four shapes, as a reader gets it
+/// back ([`Received`](super::Received)). A byte slice (or array, or `Vec`) converts into
+/// [`Message::Bytes`], an [`ArrayRef`] into [`Message::Array`].
+///
+/// ```
+/// # use shmq_core as shmq; // what the `shmq` crate re-exports
+/// use shmq::broadcast::{ArrayRef, Message};
+/// let header = b"pickle stream";
+/// let tensor = vec![0u8; 1 << 20];
+/// let _raw: Message<'_> = b"raw bytes".into();
+/// let _parts = Message::Parts(&[header, &tensor]);
+/// let floats = [1.0f32, 2.0, 3.0, 4.0];
+/// let array = ArrayRef::new(&floats, &[2, 2])?;
+/// let _array: Message<'_> = (&array).into();
+/// # Ok::<(), shmq::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub enum Message<'a> {
+    /// Raw bytes (a reader's `Received::Bytes`; Python's `dequeue_bytes()`).
+    Bytes(&'a [u8]),
+    /// A message of one part, its body, sent as cheaply as raw bytes (a reader's
+    /// `Received::Parts` of one part; Python's `enqueue` of a pickled object with no
+    /// out-of-band buffers).
+    Body(&'a [u8]),
+    /// A message of parts: the body, then the buffers it refers to.
+    Parts(&'a [&'a [u8]]),
+    /// A typed array (see [`crate::broadcast::array`]).
+    Array(&'a ArrayRef<'a>),
+}
+
+impl<'a> From<&'a [u8]> for Message<'a> {
+    fn from(bytes: &'a [u8]) -> Self {
+        Message::Bytes(bytes)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [u8; N]> for Message<'a> {
+    fn from(bytes: &'a [u8; N]) -> Self {
+        Message::Bytes(bytes)
+    }
+}
+
+impl<'a> From<&'a Vec<u8>> for Message<'a> {
+    fn from(bytes: &'a Vec<u8>) -> Self {
+        Message::Bytes(bytes)
+    }
+}
+
+impl<'a> From<&'a ArrayRef<'a>> for Message<'a> {
+    fn from(array: &'a ArrayRef<'a>) -> Self {
+        Message::Array(array)
+    }
+}
+
 /// The writing side of a queue.
 pub struct Writer {
     ring: Option<RingWriter>,
@@ -564,13 +619,9 @@ impl Writer {
     pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.waiting_for_subscribers.clone());
         let mut wait = wait.into().into_wait(&what, self.policy, canceller.flag());
-        self.wait_until_ready_with(&mut wait)
-    }
-
-    pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
-        let r = self.wait_until_ready_unchecked(wait);
+        let r = self.wait_until_ready_unchecked(&mut wait);
         r.map_err(|e| self.why(e))
     }
 
@@ -600,9 +651,59 @@ impl Writer {
         self.ring.as_ref().is_none_or(|r| r.can_write())
     }
 
-    /// Send `msg` to every reader, waiting while the ring is full.
-    pub fn enqueue<'w>(&mut self, msg: &[u8], wait: impl Into<WaitSpec<'w>>) -> Result<()> {
-        self.send_whole(msg, false, wait.into())
+    /// Send `message` to every reader, waiting while the ring is full (and, for remote
+    /// readers, while one of them is out of credit) as `wait` says: a timeout (a
+    /// `Duration`, `None` for none), or a [`WaitSpec`] with a hook. A message that needs no
+    /// wait is sent at once, with no wait set up.
+    ///
+    /// The shapes of a message ([`Message`]; a byte slice converts into raw bytes, an
+    /// [`ArrayRef`] into an array):
+    /// - [`Message::Bytes`]: raw bytes; a Rust reader's [`Received::Bytes`], Python's
+    ///   `dequeue_bytes()`.
+    /// - [`Message::Body`]: a message of one part, its body, as cheap as raw bytes (in the
+    ///   ring a chunk of kind `Body`, the bytes copied as they are, no part descriptors):
+    ///   what `Message::Parts(&[body])` sends as readers see it (`dequeue_parts` gets one
+    ///   part). Python's `enqueue` of a pickled object with no out-of-band buffers.
+    /// - [`Message::Parts`]: `parts[0]` is the body (for Python, the pickle stream) and the
+    ///   rest are buffers it refers to. Local readers get parts of at least the arena
+    ///   threshold as references into the tensor arena (copied there once; parts that lie
+    ///   inside a live [`Loan`] of this writer are not copied at all), smaller ones copied
+    ///   into the chunk; remote readers get every part as a ZeroMQ frame.
+    /// - [`Message::Array`]: a typed array (see [`crate::broadcast::array`]): its data
+    ///   travels as a large part does. A Rust reader takes it with
+    ///   [`Reader::dequeue_array`](super::Reader::dequeue_array), a Python reader with
+    ///   `dequeue()` (a numpy array) or `dequeue_array()`.
+    ///
+    /// [`Received::Bytes`]: super::Received::Bytes
+    pub fn enqueue<'m, 'w>(
+        &mut self,
+        message: impl Into<Message<'m>>,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<()> {
+        let spec = wait.into();
+        match message.into() {
+            Message::Bytes(msg) => self.send_whole(msg, false, spec),
+            Message::Body(body) => self.send_whole(body, true, spec),
+            Message::Parts(parts) => self.send_parts(Format::Parts, parts, spec),
+            Message::Array(array) => {
+                let header = array.meta().encode();
+                self.send_parts(Format::Array, &[&header, array.data()], spec)
+            }
+        }
+    }
+
+    /// Send `message` (see [`enqueue`](Self::enqueue)) if that needs no wait: `false`,
+    /// with nothing sent, if it would.
+    pub fn try_enqueue<'m>(&mut self, message: impl Into<Message<'m>>) -> Result<bool> {
+        match message.into() {
+            Message::Bytes(msg) => self.try_send_whole(msg, false),
+            Message::Body(body) => self.try_send_whole(body, true),
+            Message::Parts(parts) => self.try_send_parts(Format::Parts, parts),
+            Message::Array(array) => {
+                let header = array.meta().encode();
+                self.try_send_parts(Format::Array, &[&header, array.data()])
+            }
+        }
     }
 
     /// Whether sending `bytes` to the remote readers would wait for one (out of credit):
@@ -613,36 +714,8 @@ impl Writer {
             .map_or(Ok(false), |r| r.would_wait(bytes))
     }
 
-    /// Send `msg` if that needs no wait (the next chunk is free); `false` if it would.
-    pub fn try_enqueue(&mut self, msg: &[u8]) -> Result<bool> {
-        self.try_send_whole(msg, false)
-    }
-
-    pub fn enqueue_with(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
-        self.send_whole_with(msg, false, wait)
-    }
-
-    /// Send `body` as a message of one part (no buffers), waiting while the ring is
-    /// full: what [`enqueue_parts`](Self::enqueue_parts)`(&[body])` sends as readers see
-    /// it (`dequeue_parts` gets one part, `dequeue` refuses it), as cheap as
-    /// [`enqueue`](Self::enqueue): in the ring a chunk of kind `Body`, the bytes copied
-    /// as they are, no part descriptors. Python's `enqueue` of a pickled object with no
-    /// out-of-band buffers.
-    pub fn enqueue_body<'w>(&mut self, body: &[u8], wait: impl Into<WaitSpec<'w>>) -> Result<()> {
-        self.send_whole(body, true, wait.into())
-    }
-
-    /// [`enqueue_body`](Self::enqueue_body) if that needs no wait; `false` if it would.
-    pub fn try_enqueue_body(&mut self, body: &[u8]) -> Result<bool> {
-        self.try_send_whole(body, true)
-    }
-
-    pub fn enqueue_body_with(&mut self, body: &[u8], wait: &mut Wait) -> Result<()> {
-        self.send_whole_with(body, true, wait)
-    }
-
-    /// [`enqueue`](Self::enqueue) or [`enqueue_body`](Self::enqueue_body) (`as_body`):
-    /// at once if that needs no wait, else with the wait `spec` describes.
+    /// [`enqueue`](Self::enqueue) of raw bytes or a body (`as_body`): at once if that
+    /// needs no wait, else with the wait `spec` describes.
     fn send_whole(&mut self, msg: &[u8], as_body: bool, spec: WaitSpec<'_>) -> Result<()> {
         if self.try_send_whole(msg, as_body)? {
             return Ok(());
@@ -732,56 +805,6 @@ impl Writer {
             }
         }
         Ok(())
-    }
-
-    /// Send a message of several parts to every reader: `parts[0]` is the body (for
-    /// Python, the pickle stream) and the rest are buffers it refers to, waiting while the
-    /// ring is full. Local readers get parts of at least the arena threshold as
-    /// references into the tensor arena (copied there once; parts that lie inside a live
-    /// [`Loan`] of this writer are not copied at all), smaller ones copied into the chunk;
-    /// remote readers get every part as a ZeroMQ frame.
-    pub fn enqueue_parts<'w>(
-        &mut self,
-        parts: &[&[u8]],
-        wait: impl Into<WaitSpec<'w>>,
-    ) -> Result<()> {
-        self.send_parts(Format::Parts, parts, wait.into())
-    }
-
-    /// [`enqueue_parts`](Self::enqueue_parts) if that needs no wait; `false` if it would.
-    pub fn try_enqueue_parts(&mut self, parts: &[&[u8]]) -> Result<bool> {
-        self.try_send_parts(Format::Parts, parts)
-    }
-
-    pub fn enqueue_parts_with(&mut self, parts: &[&[u8]], wait: &mut Wait) -> Result<()> {
-        self.send_parts_with(Format::Parts, parts, wait)
-    }
-
-    /// Send a typed array to every reader (see [`crate::broadcast::array`]), waiting
-    /// while the ring is full: its data travels as a large part of
-    /// [`enqueue_parts`](Self::enqueue_parts) does (through the tensor arena with one
-    /// copy, or none if it lies in a live [`Loan`]; a frame of its own to remote
-    /// readers). A Rust reader takes it with
-    /// [`Reader::dequeue_array`](super::Reader::dequeue_array), a Python reader with
-    /// `dequeue()` (a numpy array) or `dequeue_array()`.
-    pub fn enqueue_array<'w>(
-        &mut self,
-        array: &ArrayRef<'_>,
-        wait: impl Into<WaitSpec<'w>>,
-    ) -> Result<()> {
-        let header = array.meta().encode();
-        self.send_parts(Format::Array, &[&header, array.data()], wait.into())
-    }
-
-    /// [`enqueue_array`](Self::enqueue_array) if that needs no wait; `false` if it would.
-    pub fn try_enqueue_array(&mut self, array: &ArrayRef<'_>) -> Result<bool> {
-        let header = array.meta().encode();
-        self.try_send_parts(Format::Array, &[&header, array.data()])
-    }
-
-    pub fn enqueue_array_with(&mut self, array: &ArrayRef<'_>, wait: &mut Wait) -> Result<()> {
-        let header = array.meta().encode();
-        self.send_parts_with(Format::Array, &[&header, array.data()], wait)
     }
 
     fn send_parts(&mut self, format: Format, parts: &[&[u8]], spec: WaitSpec<'_>) -> Result<()> {
@@ -1075,21 +1098,16 @@ impl Writer {
             .into()
             .into_wait(&what, self.policy, canceller.flag())
             .learning(&self.history);
-        self.acquire_write_with(&mut wait)
-    }
-
-    /// [`acquire_write`](Self::acquire_write) under a wait of the caller's own.
-    pub fn acquire_write_with(&mut self, wait: &mut Wait) -> Result<&mut [u8]> {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
-        if let Err(e) = self.acquire_write_unchecked(wait) {
+        if let Err(e) = self.acquire_write_unchecked(&mut wait) {
             return Err(self.why(e));
         }
         let ring = self.ring.as_mut().expect("acquired");
         Ok(ring.data_mut().expect("acquired"))
     }
 
-    /// Wait for the next chunk (no data borrowed: see `acquire_write_with`).
+    /// Wait for the next chunk (no data borrowed: see `acquire_write`).
     fn acquire_write_unchecked(&mut self, wait: &mut Wait) -> Result<()> {
         if self.n_remote_reader > 0 {
             return Err(Error::WrongRole(
