@@ -8,7 +8,7 @@ pyo3 class: ``@final`` (it cannot be subclassed; stubtest then asks for no
 
 import enum
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, Optional, Protocol, TypedDict, TypeVar, final
+from typing import Any, ClassVar, Literal, Optional, Protocol, TypedDict, TypeVar, final
 
 from typing_extensions import Buffer
 
@@ -464,6 +464,9 @@ class QueueOptions:
     """A queue's options, each checked when given; one not given (``None``) keeps the
     core's default, which the attributes show."""
 
+    #: The options' names, in the constructor's order (one table in the binding:
+    #: tests/python/test_queue_options_table.py checks this stub and ``MessageQueue``).
+    OPTIONS: ClassVar[tuple[str, ...]]
     def __new__(
         cls,
         *,

@@ -5,33 +5,13 @@
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use crate::errors::OrRaise;
 use crate::wait::wait_policy;
 use shmq::broadcast::ring::DeadReaderPolicy;
 use shmq::remote::{LostReaderPolicy, RemoteOptions, SlowReaderPolicy};
 use shmq::QueueOptions as CoreOptions;
-
-/// A queue's options. Each given one is checked when the object is made (`TypeError` or
-/// `ValueError` naming the option); one not given keeps the core's default.
-#[pyclass(module = "shmq._core", frozen, from_py_object)]
-#[derive(Clone, Default)]
-pub struct QueueOptions {
-    local_reader_ranks: Option<Vec<usize>>,
-    max_chunk_bytes: Option<usize>,
-    max_chunks: Option<usize>,
-    connect_ip: Option<String>,
-    spin_us: Option<f64>,
-    yield_us: Option<f64>,
-    on_dead_reader: Option<DeadReaderPolicy>,
-    arena_bytes: Option<usize>,
-    arena_threshold: Option<usize>,
-    remote_hwm: Option<i32>,
-    slow_remote_reader: Option<SlowReaderPolicy>,
-    remote_max_queued_bytes: Option<u64>,
-    name: Option<String>,
-    on_lost_remote_reader: Option<LostReaderPolicy>,
-}
 
 /// A count or size argument as an int of at least `minimum` and at most `maximum`:
 /// `TypeError` for anything but an int (a bool included), `ValueError` naming the
@@ -91,243 +71,187 @@ pub(crate) fn count(
     Ok(n)
 }
 
-/// `count` of an optional argument, as `T` (`None` stays `None`).
-fn optional_count<T: TryFrom<i128>>(
-    value: Option<&Bound<'_, PyAny>>,
+/// `count` of an option, as `T`.
+fn in_range<T: TryFrom<i128>>(
+    value: &Bound<'_, PyAny>,
     name: &str,
     unit: &str,
     minimum: i128,
     maximum: i128,
-) -> PyResult<Option<T>> {
-    let Some(value) = value.filter(|v| !v.is_none()) else {
-        return Ok(None);
-    };
+) -> PyResult<T> {
     let n = count(value, name, unit, minimum, maximum)?;
-    Ok(Some(T::try_from(n).map_err(|_| {
+    T::try_from(n).map_err(|_| {
         PyValueError::new_err(format!("{name} must be at most {maximum} {unit}, got {n}"))
-    })?))
+    })
 }
 
 /// The largest count a `usize` option holds (`i64::MAX`, as Python's `sys.maxsize`).
 const MAX_COUNT: i128 = i64::MAX as i128;
 
-#[pymethods]
-impl QueueOptions {
-    #[new]
-    #[pyo3(signature = (*, local_reader_ranks=None, max_chunk_bytes=None, max_chunks=None, connect_ip=None, spin_us=None, yield_us=None, on_dead_reader=None, arena_bytes=None, arena_threshold=None, remote_hwm=None, slow_remote_reader=None, remote_max_queued_bytes=None, name=None, on_lost_remote_reader=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        local_reader_ranks: Option<&Bound<'_, PyAny>>,
-        max_chunk_bytes: Option<&Bound<'_, PyAny>>,
-        max_chunks: Option<&Bound<'_, PyAny>>,
-        connect_ip: Option<String>,
-        spin_us: Option<f64>,
-        yield_us: Option<f64>,
-        on_dead_reader: Option<&str>,
-        arena_bytes: Option<&Bound<'_, PyAny>>,
-        arena_threshold: Option<&Bound<'_, PyAny>>,
-        remote_hwm: Option<&Bound<'_, PyAny>>,
-        slow_remote_reader: Option<&str>,
-        remote_max_queued_bytes: Option<&Bound<'_, PyAny>>,
-        name: Option<&Bound<'_, PyAny>>,
-        on_lost_remote_reader: Option<&str>,
-    ) -> PyResult<QueueOptions> {
-        let local_reader_ranks = match local_reader_ranks.filter(|r| !r.is_none()) {
-            None => None,
-            Some(r) => Some(ranks(r)?),
-        };
-        let name = match name.filter(|n| !n.is_none()) {
-            None => None,
-            Some(n) => Some(n.extract::<String>().map_err(|_| {
-                PyTypeError::new_err(match n.get_type().name() {
-                    Ok(t) => format!("name must be a str, got {t}"),
-                    Err(e) => e.to_string(),
-                })
-            })?),
-        };
-        let on_lost_remote_reader = on_lost_remote_reader
-            .map(|p| p.parse::<LostReaderPolicy>())
-            .transpose()
-            .or_raise()?;
-        let options = QueueOptions {
-            local_reader_ranks,
-            max_chunk_bytes: optional_count(
-                max_chunk_bytes,
-                "max_chunk_bytes",
-                "bytes",
-                1,
-                MAX_COUNT,
-            )?,
-            max_chunks: optional_count(max_chunks, "max_chunks", "chunks", 1, MAX_COUNT)?,
-            connect_ip,
-            spin_us,
-            yield_us,
-            on_dead_reader: on_dead_reader
-                .map(|p| p.parse::<DeadReaderPolicy>())
-                .transpose()
-                .or_raise()?,
-            arena_bytes: optional_count(
-                arena_bytes,
-                "arena_bytes",
-                "bytes (0: no arena)",
-                0,
-                MAX_COUNT,
-            )?,
-            arena_threshold: optional_count(
-                arena_threshold,
-                "arena_threshold",
-                "bytes",
-                0,
-                MAX_COUNT,
-            )?,
-            remote_hwm: optional_count(remote_hwm, "remote_hwm", "messages", 1, i32::MAX.into())?,
-            slow_remote_reader: slow_remote_reader
-                .map(|p| p.parse::<SlowReaderPolicy>())
-                .transpose()
-                .or_raise()?,
-            remote_max_queued_bytes: optional_count(
-                remote_max_queued_bytes,
-                "remote_max_queued_bytes",
-                "bytes",
-                1,
-                MAX_COUNT,
-            )?,
-            name,
-            on_lost_remote_reader,
-        };
-        // The waits' bounds are checked now too (for one local reader: the policy is made
-        // again for the queue's processes when it is applied).
-        wait_policy(2, spin_us, yield_us)?;
-        Ok(options)
-    }
+/// The queue's options as one table, each written once: its name (the keyword argument
+/// and the attribute), the type PyO3 takes it as, what it is kept as, how it is checked
+/// (`parse`), what the attribute shows (`get`: the core's default for one not given) and
+/// where it goes in the core's options (`apply`). From it come the class, its
+/// constructor (keyword-only, every option `None` by default), its attributes, the
+/// options applied to a writer, and `QueueOptions.OPTIONS` (the names in order), which
+/// `tests/python/test_queue_options_table.py` checks `_core.pyi` and `MessageQueue`
+/// against.
+macro_rules! queue_options {
+    ($(
+        $(#[doc = $doc:literal])*
+        $name:ident: $param:ty => $stored:ty,
+            parse($p:ident) => $parse:expr,
+            get($g:ident) -> $shown:ty => $get:expr,
+            apply($opts:ident, $a:ident) $apply:block
+    )*) => {
+        /// A queue's options. Each given one is checked when the object is made
+        /// (`TypeError` or `ValueError` naming the option); one not given keeps the
+        /// core's default.
+        #[pyclass(module = "shmq._core", frozen, from_py_object)]
+        #[derive(Clone, Default)]
+        pub struct QueueOptions {
+            $($name: Option<$stored>,)*
+        }
 
-    #[getter]
-    fn local_reader_ranks(&self) -> Option<Vec<usize>> {
-        self.local_reader_ranks.clone()
-    }
-    #[getter]
-    fn max_chunk_bytes(&self) -> usize {
-        self.max_chunk_bytes
-            .unwrap_or(CoreOptions::default().max_chunk_bytes)
-    }
-    #[getter]
-    fn max_chunks(&self) -> usize {
-        self.max_chunks.unwrap_or(CoreOptions::default().max_chunks)
-    }
-    #[getter]
-    fn connect_ip(&self) -> Option<String> {
-        self.connect_ip.clone()
-    }
-    #[getter]
-    fn spin_us(&self) -> Option<f64> {
-        self.spin_us
-    }
-    #[getter]
-    fn yield_us(&self) -> Option<f64> {
-        self.yield_us
-    }
-    #[getter]
-    fn on_dead_reader(&self) -> &'static str {
-        match self
-            .on_dead_reader
-            .unwrap_or(CoreOptions::default().on_dead_reader)
-        {
-            DeadReaderPolicy::Drop => "drop",
-            _ => "raise",
+        #[pymethods]
+        impl QueueOptions {
+            #[new]
+            #[pyo3(signature = (*, $($name = None),*))]
+            #[allow(clippy::too_many_arguments)]
+            fn new($($name: Option<$param>),*) -> PyResult<QueueOptions> {
+                let options = QueueOptions {
+                    $($name: match $name {
+                        None => None,
+                        Some($p) => Some($parse),
+                    },)*
+                };
+                // The waits' bounds are checked now too (for one local reader: the policy
+                // is made again for the queue's processes when it is applied).
+                wait_policy(2, options.spin_us, options.yield_us)?;
+                Ok(options)
+            }
+
+            /// The options' names, in the constructor's order.
+            #[classattr]
+            #[allow(non_snake_case)]
+            fn OPTIONS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+                PyTuple::new(py, [$(stringify!($name)),*])
+            }
+
+            $(
+                $(#[doc = $doc])*
+                #[getter]
+                fn $name(&self) -> $shown {
+                    let $g = &self.$name;
+                    $get
+                }
+            )*
         }
-    }
-    #[getter]
-    fn arena_bytes(&self) -> usize {
-        self.arena_bytes
-            .unwrap_or(CoreOptions::default().arena_bytes)
-    }
-    #[getter]
-    fn arena_threshold(&self) -> usize {
-        self.arena_threshold
-            .unwrap_or(CoreOptions::default().arena_threshold)
-    }
-    #[getter]
-    fn remote_hwm(&self) -> i32 {
-        self.remote_hwm.unwrap_or(RemoteOptions::default().hwm)
-    }
-    #[getter]
-    fn slow_remote_reader(&self) -> &'static str {
-        match self
-            .slow_remote_reader
-            .unwrap_or(RemoteOptions::default().slow_reader)
-        {
-            SlowReaderPolicy::Drop => "drop",
-            _ => "block",
+
+        impl QueueOptions {
+            /// Set the options given on `opts`, which already says how many readers there
+            /// are (the waits' policy is made for them); the others keep what `opts` has.
+            pub(crate) fn apply(&self, opts: &mut CoreOptions) -> PyResult<()> {
+                $(if let Some($a) = &self.$name {
+                    let $opts = &mut *opts;
+                    $apply
+                })*
+                opts.wait = Some(wait_policy(
+                    opts.n_local_reader.saturating_add(1),
+                    self.spin_us,
+                    self.yield_us,
+                )?);
+                Ok(())
+            }
         }
-    }
-    #[getter]
-    fn remote_max_queued_bytes(&self) -> u64 {
-        self.remote_max_queued_bytes
-            .unwrap_or(RemoteOptions::default().max_queued_bytes)
-    }
-    #[getter]
-    fn name(&self) -> Option<String> {
-        self.name.clone()
-    }
-    #[getter]
-    fn on_lost_remote_reader(&self) -> &'static str {
-        match self
-            .on_lost_remote_reader
-            .unwrap_or(RemoteOptions::default().on_lost_reader)
-        {
-            LostReaderPolicy::Raise => "raise",
-            _ => "warn",
-        }
-    }
+    };
 }
 
-impl QueueOptions {
-    /// Set the options given on `opts`, which already says how many readers there are
-    /// (the waits' policy is made for them); the others keep what `opts` has.
-    pub(crate) fn apply(&self, opts: &mut CoreOptions) -> PyResult<()> {
-        if let Some(r) = &self.local_reader_ranks {
-            opts.local_reader_ranks = Some(r.clone());
-        }
-        if let Some(b) = self.max_chunk_bytes {
-            opts.max_chunk_bytes = b;
-        }
-        if let Some(c) = self.max_chunks {
-            opts.max_chunks = c;
-        }
-        if let Some(ip) = &self.connect_ip {
-            opts.connect_ip = Some(ip.clone());
-        }
-        opts.wait = Some(wait_policy(
-            opts.n_local_reader.saturating_add(1),
-            self.spin_us,
-            self.yield_us,
-        )?);
-        if let Some(p) = self.on_dead_reader {
-            opts.on_dead_reader = p;
-        }
-        if let Some(b) = self.arena_bytes {
-            opts.arena_bytes = b;
-        }
-        if let Some(t) = self.arena_threshold {
-            opts.arena_threshold = t;
-        }
-        if let Some(h) = self.remote_hwm {
-            opts.remote.hwm = h;
-        }
-        if let Some(p) = self.slow_remote_reader {
-            opts.remote.slow_reader = p;
-        }
-        if let Some(b) = self.remote_max_queued_bytes {
-            opts.remote.max_queued_bytes = b;
-        }
-        if let Some(p) = self.on_lost_remote_reader {
-            opts.remote.on_lost_reader = p;
-        }
-        if let Some(n) = &self.name {
-            opts.name = Some(n.clone());
-        }
-        Ok(())
-    }
+queue_options! {
+    /// The ranks of the local readers (default `0..n_local_reader`).
+    local_reader_ranks: &Bound<'_, PyAny> => Vec<usize>,
+        parse(v) => ranks(v)?,
+        get(v) -> Option<Vec<usize>> => v.clone(),
+        apply(opts, v) { opts.local_reader_ranks = Some(v.clone()); }
+    /// The size of a chunk in bytes.
+    max_chunk_bytes: &Bound<'_, PyAny> => usize,
+        parse(v) => in_range(v, "max_chunk_bytes", "bytes", 1, MAX_COUNT)?,
+        get(v) -> usize => v.unwrap_or(CoreOptions::default().max_chunk_bytes),
+        apply(opts, v) { opts.max_chunk_bytes = *v; }
+    /// The number of chunks in the ring.
+    max_chunks: &Bound<'_, PyAny> => usize,
+        parse(v) => in_range(v, "max_chunks", "chunks", 1, MAX_COUNT)?,
+        get(v) -> usize => v.unwrap_or(CoreOptions::default().max_chunks),
+        apply(opts, v) { opts.max_chunks = *v; }
+    /// The IP remote readers connect to (default: this host's address).
+    connect_ip: String => String,
+        parse(v) => v,
+        get(v) -> Option<String> => v.clone(),
+        apply(opts, v) { opts.connect_ip = Some(v.clone()); }
+    /// How long a blocked wait spins, in microseconds (default: for the processes).
+    spin_us: f64 => f64,
+        parse(v) => v,
+        get(v) -> Option<f64> => *v,
+        apply(_opts, _v) {} // with `yield_us`, in the waits' policy (see `apply`)
+    /// How long a blocked wait yields, in microseconds (default: for the processes).
+    yield_us: f64 => f64,
+        parse(v) => v,
+        get(v) -> Option<f64> => *v,
+        apply(_opts, _v) {} // with `spin_us`, in the waits' policy (see `apply`)
+    /// What the writer does when a local reader it waits for died: `"raise"` or `"drop"`.
+    on_dead_reader: &str => DeadReaderPolicy,
+        parse(v) => v.parse::<DeadReaderPolicy>().or_raise()?,
+        get(v) -> &'static str => match v.unwrap_or(CoreOptions::default().on_dead_reader) {
+            DeadReaderPolicy::Drop => "drop",
+            _ => "raise",
+        },
+        apply(opts, v) { opts.on_dead_reader = *v; }
+    /// Bytes of the tensor arena (0: none).
+    arena_bytes: &Bound<'_, PyAny> => usize,
+        parse(v) => in_range(v, "arena_bytes", "bytes (0: no arena)", 0, MAX_COUNT)?,
+        get(v) -> usize => v.unwrap_or(CoreOptions::default().arena_bytes),
+        apply(opts, v) { opts.arena_bytes = *v; }
+    /// The smallest part that goes to the arena instead of being copied inline.
+    arena_threshold: &Bound<'_, PyAny> => usize,
+        parse(v) => in_range(v, "arena_threshold", "bytes", 0, MAX_COUNT)?,
+        get(v) -> usize => v.unwrap_or(CoreOptions::default().arena_threshold),
+        apply(opts, v) { opts.arena_threshold = *v; }
+    /// Messages queued per remote reader.
+    remote_hwm: &Bound<'_, PyAny> => i32,
+        parse(v) => in_range(v, "remote_hwm", "messages", 1, i32::MAX.into())?,
+        get(v) -> i32 => v.unwrap_or(RemoteOptions::default().hwm),
+        apply(opts, v) { opts.remote.hwm = *v; }
+    /// What to do with a remote reader that does not keep up: `"block"` or `"drop"`.
+    slow_remote_reader: &str => SlowReaderPolicy,
+        parse(v) => v.parse::<SlowReaderPolicy>().or_raise()?,
+        get(v) -> &'static str => match v.unwrap_or(RemoteOptions::default().slow_reader) {
+            SlowReaderPolicy::Drop => "drop",
+            _ => "block",
+        },
+        apply(opts, v) { opts.remote.slow_reader = *v; }
+    /// Bytes queued per remote reader.
+    remote_max_queued_bytes: &Bound<'_, PyAny> => u64,
+        parse(v) => in_range(v, "remote_max_queued_bytes", "bytes", 1, MAX_COUNT)?,
+        get(v) -> u64 => v.unwrap_or(RemoteOptions::default().max_queued_bytes),
+        apply(opts, v) { opts.remote.max_queued_bytes = *v; }
+    /// A name for the queue.
+    name: &Bound<'_, PyAny> => String,
+        parse(v) => v.extract::<String>().map_err(|_| {
+            PyTypeError::new_err(match v.get_type().name() {
+                Ok(t) => format!("name must be a str, got {t}"),
+                Err(e) => e.to_string(),
+            })
+        })?,
+        get(v) -> Option<String> => v.clone(),
+        apply(opts, v) { opts.name = Some(v.clone()); }
+    /// What a lost remote reader does to the writer: `"warn"` or `"raise"`.
+    on_lost_remote_reader: &str => LostReaderPolicy,
+        parse(v) => v.parse::<LostReaderPolicy>().or_raise()?,
+        get(v) -> &'static str => match v.unwrap_or(RemoteOptions::default().on_lost_reader) {
+            LostReaderPolicy::Raise => "raise",
+            _ => "warn",
+        },
+        apply(opts, v) { opts.remote.on_lost_reader = *v; }
 }
 
 /// `local_reader_ranks` as a list of ranks (non-negative ints), from any iterable.
