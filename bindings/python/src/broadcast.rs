@@ -26,7 +26,8 @@ use shmq::broadcast::queue::ChunkEnd;
 use crate::options::{count, QueueOptions};
 use shmq::broadcast::{
     ArrayMeta, ArrayRef, Dtype, Handle, Message, Part, QueueOptions as CoreQueueOptions,
-    Reader as CoreReader, Received, Ring as CoreRing, RingHandle, Writer as CoreWriter,
+    Reader as CoreReader, Received, Ring as CoreRing, RingHandle, TryEnqueueError,
+    Writer as CoreWriter,
 };
 use shmq::error::Error;
 use shmq::wait::WaitSpec;
@@ -429,9 +430,11 @@ impl Writer {
         timeout: Option<Timeout>,
     ) -> PyResult<()> {
         if nbytes <= COPY_WITH_GIL_MAX {
-            let sent = self.writer(py)?.try_enqueue(message);
-            if sent.or_raise()? {
-                return Ok(());
+            match self.writer(py)?.try_enqueue(message) {
+                Ok(()) => return Ok(()),
+                Err(TryEnqueueError::Failed(e)) => return Err(exception(e)),
+                // No room now: wait for it below.
+                Err(_) => {}
             }
         }
         blocking_on(py, &self.inner, WRITER, interrupts(timeout), |w, spec| {

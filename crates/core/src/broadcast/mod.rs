@@ -27,7 +27,8 @@ pub use async_wait::{AsyncWaiter, WaitReady};
 pub use error::QueueError;
 pub use gather::{Gather, GatherCanceller};
 pub use queue::{
-    Canceller, ChunkRead, Handle, Message, OwnedPart, Part, QueueOptions, Reader, Received, Writer,
+    Canceller, ChunkRead, Handle, Message, OwnedPart, Part, QueueOptions, Reader, Received,
+    TryEnqueueError, Writer,
 };
 pub use ring::{
     ChunkInfo, ChunkKind, DeadReaderPolicy, Ring, RingHandle, RingReader, RingWriter, SlotInfo,

@@ -35,7 +35,7 @@ pub use handle::Handle;
 pub use options::QueueOptions;
 pub(crate) use reader::{own_array, own_parts, AsyncStep};
 pub use reader::{ChunkEnd, ChunkRead, ChunkView, OwnedPart, Part, Reader, Received};
-pub use writer::{Message, Writer};
+pub use writer::{Message, TryEnqueueError, Writer};
 
 /// An error for the first local reader proved dead. One that left is not: before the
 /// queue is ready its rank is free for another reader, which the writer waits for.

@@ -290,6 +290,20 @@ impl<'a> From<&'a ArrayRef<'a>> for Message<'a> {
     }
 }
 
+/// Why [`Writer::try_enqueue`] sent nothing (as crossbeam's `TrySendError`): the queue
+/// had no room for it now, or the send failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TryEnqueueError {
+    /// Sending it now would wait (the next chunk is not free yet, or a remote reader is
+    /// out of credit); nothing was sent. [`Writer::enqueue`] waits for room.
+    #[error("the queue has no room for the message now (sending it would wait)")]
+    Full,
+    /// The send failed, as [`Writer::enqueue`] would have.
+    #[error(transparent)]
+    Failed(#[from] Error),
+}
+
 /// The writing side of a queue.
 pub struct Writer {
     ring: Option<RingWriter>,
@@ -334,6 +348,26 @@ impl fmt::Debug for Writer {
 
 impl Writer {
     /// Create the queue: the ring (if there are local readers) and the sockets.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for options that do not fit together (more local readers
+    /// than readers, ranks out of range, a bad `name`, `record_name` without one, remote
+    /// options out of range); [`NameError::Taken`](crate::names::NameError::Taken) for a
+    /// `name` another live writer holds (`record_name`); [`Error::Os`] when the ring or the
+    /// arena cannot be made (no room in `/dev/shm`...); [`Error::Transport`] when a socket
+    /// cannot be bound.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// let mut opts = shmq::QueueOptions::local(2);
+    /// opts.max_chunk_bytes = 64 * 1024;
+    /// let writer = shmq::Writer::new(opts)?;
+    /// assert_eq!((writer.n_local_reader(), writer.n_remote_reader()), (2, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(opts: QueueOptions) -> Result<Writer> {
         opts.remote.check()?;
         if opts.n_local_reader > opts.n_reader {
@@ -502,6 +536,24 @@ impl Writer {
     /// `CLOSE_GRACE` (1 s; a reader whose queue stays full that long sees the writer go
     /// instead). Runs when the writer is dropped too. Nothing in a forked child, which
     /// does not own its parent's writer.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"last", Duration::from_secs(10))?;
+    /// writer.close();
+    /// assert!(writer.is_shut_down());
+    /// assert!(writer.enqueue(b"more", Duration::from_secs(10)).is_err());
+    /// // The reader gets what was sent before, then the end of the queue.
+    /// assert_eq!(reader.dequeue(Duration::from_secs(10))?, b"last");
+    /// assert!(reader.dequeue(Duration::from_secs(10)).is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn close(&mut self) {
         if self.closed || fork::is_inherited(self._ctx.made_in()) {
             return;
@@ -549,6 +601,20 @@ impl Writer {
 
     /// Whether the writer was shut down ([`close`](Self::close), or its [`Canceller`]'s
     /// `cancel()` from any thread).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert!(!writer.is_shut_down());
+    /// writer.canceller().cancel(); // from any thread
+    /// assert!(writer.is_shut_down());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn is_shut_down(&self) -> bool {
         self.closed || self.canceller.is_cancelled()
     }
@@ -570,32 +636,140 @@ impl Writer {
         }
     }
 
+    /// What a reader needs to join the queue ([`Reader::open`](super::Reader::open)); its
+    /// text form (`Display`, `FromStr`) crosses processes and languages.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// let writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// // What a reader (of this or another process) opens the queue with.
+    /// let text = writer.handle().to_string();
+    /// let mut other = shmq::Reader::open(&text.parse()?, 0);
+    /// # let _ = &mut other;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn handle(&self) -> &Handle {
         &self.handle
     }
+
+    /// How many readers read through shared memory (on this machine).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// let mut opts = shmq::QueueOptions::local(3);
+    /// opts.n_local_reader = 2; // and one remote reader
+    /// opts.connect_ip = Some("127.0.0.1".into());
+    /// let writer = shmq::Writer::new(opts)?;
+    /// assert_eq!(writer.n_local_reader(), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn n_local_reader(&self) -> usize {
         self.n_local_reader
     }
+
+    /// How many readers read over TCP (on other machines).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// let mut opts = shmq::QueueOptions::local(3);
+    /// opts.n_local_reader = 2; // and one remote reader
+    /// opts.connect_ip = Some("127.0.0.1".into());
+    /// let writer = shmq::Writer::new(opts)?;
+    /// assert_eq!(writer.n_remote_reader(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn n_remote_reader(&self) -> usize {
         self.n_remote_reader
     }
+
     /// The ring, if there are local readers.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let ring = writer.ring().expect("a local reader: a ring");
+    /// assert_eq!(ring.n_reader(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn ring(&self) -> Option<&Arc<Ring>> {
         self.ring.as_ref().map(|r| r.ring())
     }
     /// Index of the chunk the next message goes to (0 without local readers).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert_eq!(writer.current_idx(), 0);
+    /// writer.enqueue(b"one", Duration::from_secs(10))?;
+    /// assert_eq!(writer.current_idx(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn current_idx(&self) -> usize {
         self.ring.as_ref().map_or(0, |r| r.current_idx())
     }
     /// Messages sent over the overflow socket so far.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let big = vec![0u8; writer.ring().unwrap().max_chunk_bytes() + 1];
+    /// writer.enqueue(&big, Duration::from_secs(10))?; // larger than a chunk
+    /// assert_eq!(writer.overflow_count(), 1);
+    /// assert_eq!(reader.dequeue(Duration::from_secs(10))?, big);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn overflow_count(&self) -> u64 {
         self.overflow_count
     }
     /// How this writer's own blocking calls wait.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// let writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let policy = writer.wait_policy();
+    /// # let _ = policy;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_policy(&self) -> WaitPolicy {
         self.policy
     }
     /// Local readers dropped after they died (with [`DeadReaderPolicy::Drop`](super::super::ring::DeadReaderPolicy::Drop)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// // Empty until a local reader dies under `on_dead_reader: Drop`.
+    /// assert!(writer.dropped_readers().is_empty());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn dropped_readers(&self) -> Vec<usize> {
         self.ring
             .as_ref()
@@ -605,17 +779,68 @@ impl Writer {
     /// normally) and that this writer goes on without: not deaths, whatever
     /// `on_dead_reader` says (the writer learns of a departure when it next waits for
     /// that reader).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut opts = shmq::QueueOptions::local(1);
+    /// opts.max_chunks = 1;
+    /// let mut writer = shmq::Writer::new(opts)?;
+    /// let reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"never read", Duration::from_secs(10))?;
+    /// drop(reader); // it leaves the queue
+    /// // The writer finds it gone when it waits for its chunk, and goes on without it.
+    /// writer.enqueue(b"to nobody", Duration::from_secs(10))?;
+    /// assert_eq!(writer.left_readers(), [0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn left_readers(&self) -> Vec<usize> {
         self.ring
             .as_ref()
             .map_or_else(Vec::new, |r| r.left_readers())
     }
     /// Ends this writer's blocked calls (from any thread) with [`Error::Cancelled`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let canceller = writer.canceller();
+    /// std::thread::spawn(move || canceller.cancel()).join().unwrap();
+    /// assert!(writer.is_shut_down());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn canceller(&self) -> Canceller {
         self.canceller.clone()
     }
 
     /// Wait until every reader has subscribed, then tell them the queue is ready.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out first; [`QueueError::DeadReader`] for a local
+    /// reader that died before subscribing; [`QueueError::ShutDown`] once the writer is shut
+    /// down (also from another thread, by its [`Canceller`]); the error of `wait`'s hook.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let handle = writer.handle().clone();
+    /// let reader = std::thread::spawn(move || shmq::Reader::open(&handle, 0));
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// # drop(reader.join().unwrap()?);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.waiting_for_subscribers.clone());
         let mut wait = wait.into().into_wait(&what, self.policy, canceller.flag());
@@ -647,6 +872,18 @@ impl Writer {
     }
 
     /// Whether a message that fits in a chunk could be written without waiting.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert!(writer.can_write());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn can_write(&self) -> bool {
         self.ring.as_ref().is_none_or(|r| r.can_write())
     }
@@ -675,6 +912,36 @@ impl Writer {
     ///   `dequeue()` (a numpy array) or `dequeue_array()`.
     ///
     /// [`Received::Bytes`]: super::Received::Bytes
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out before there is room; [`QueueError::DeadReader`]
+    /// for a local reader that died holding the chunk needed (unless `on_dead_reader` drops
+    /// it); [`QueueError::ShutDown`] once the writer is shut down (also a send blocked in
+    /// another thread); [`Error::Remote`] for a remote reader lost under
+    /// `LostReaderPolicy::Raise`; [`Error::InvalidArgument`] for a message that cannot be
+    /// sent (a part count beyond the framing's limit); [`Error::Os`] when `/dev/shm` has no
+    /// room for what it needs; the error of `wait`'s hook.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// use shmq::broadcast::{ArrayRef, Message};
+    /// writer.enqueue(b"raw bytes", Duration::from_secs(10))?;
+    /// writer.enqueue(Message::Parts(&[b"body", b"buffer"]), None)?; // no timeout
+    /// writer.enqueue(&ArrayRef::new(&[1.0f32, 2.0], &[2])?, Duration::from_secs(10))?;
+    /// assert_eq!(reader.dequeue(Duration::from_secs(10))?, b"raw bytes");
+    /// let parts = reader.dequeue_parts(Duration::from_secs(10))?;
+    /// assert_eq!((&*parts[0], &*parts[1]), (&b"body"[..], &b"buffer"[..]));
+    /// let array = reader.dequeue_array(Duration::from_secs(10))?;
+    /// assert_eq!(array.to_vec::<f32>()?, [1.0, 2.0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn enqueue<'m, 'w>(
         &mut self,
         message: impl Into<Message<'m>>,
@@ -692,10 +959,35 @@ impl Writer {
         }
     }
 
-    /// Send `message` (see [`enqueue`](Self::enqueue)) if that needs no wait: `false`,
-    /// with nothing sent, if it would.
-    pub fn try_enqueue<'m>(&mut self, message: impl Into<Message<'m>>) -> Result<bool> {
-        match message.into() {
+    /// Send `message` (see [`enqueue`](Self::enqueue)) if that needs no wait.
+    ///
+    /// # Errors
+    ///
+    /// [`TryEnqueueError::Full`], with nothing sent, if sending would wait (the next
+    /// chunk is not free yet, or a remote reader is out of credit); else
+    /// [`TryEnqueueError::Failed`] with what [`enqueue`](Self::enqueue) would fail with.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// use shmq::broadcast::TryEnqueueError;
+    /// let mut opts = shmq::QueueOptions::local(1);
+    /// opts.max_chunks = 1;
+    /// let mut writer = shmq::Writer::new(opts)?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(std::time::Duration::from_secs(10))?;
+    /// writer.try_enqueue(b"first")?;
+    /// // One chunk, not read yet: a second message would wait.
+    /// assert!(matches!(writer.try_enqueue(b"second"), Err(TryEnqueueError::Full)));
+    /// assert_eq!(reader.dequeue(std::time::Duration::from_secs(10))?, b"first");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn try_enqueue<'m>(
+        &mut self,
+        message: impl Into<Message<'m>>,
+    ) -> std::result::Result<(), TryEnqueueError> {
+        let sent = match message.into() {
             Message::Bytes(msg) => self.try_send_whole(msg, false),
             Message::Body(body) => self.try_send_whole(body, true),
             Message::Parts(parts) => self.try_send_parts(Format::Parts, parts),
@@ -703,6 +995,10 @@ impl Writer {
                 let header = array.meta().encode();
                 self.try_send_parts(Format::Array, &[&header, array.data()])
             }
+        };
+        match sent? {
+            true => Ok(()),
+            false => Err(TryEnqueueError::Full),
         }
     }
 
@@ -1016,6 +1312,22 @@ impl Writer {
     /// inside a live loan is sent by reference, without a copy. `None` when the queue has
     /// no arena (no local readers, or `arena_bytes` 0) or it has no room now. Makes the
     /// arena if it is not made yet.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let mut loan = writer.loan(1 << 20).expect("an arena with room");
+    /// loan.fill(7); // filled in place, sent by reference
+    /// writer.enqueue(shmq::Message::Parts(&[b"body", &loan]), Duration::from_secs(10))?;
+    /// let parts = reader.dequeue_parts(Duration::from_secs(10))?;
+    /// assert!(parts[1].iter().all(|&b| b == 7));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn loan(&mut self, len: usize) -> Option<Loan> {
         if fork::is_inherited(self._ctx.made_in()) {
             return None;
@@ -1029,6 +1341,18 @@ impl Writer {
 
     /// Drop the arena holds of readers proved dead and return the leases nobody holds
     /// any more ([`ArenaWriter::reclaim_dead`]); nothing if the arena is not made.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.reclaim_arena(); // nothing to do: no reader died
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn reclaim_arena(&mut self) {
         let (Some(ring), Some(a)) = (
             self.ring.as_ref(),
@@ -1049,12 +1373,37 @@ impl Writer {
     }
 
     /// The remote readers accepted so far: rank, address as ZeroMQ saw it, dropped.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// // A queue with local readers only has no remote peers.
+    /// assert!(writer.remote_peers().is_empty());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn remote_peers(&self) -> Vec<(u64, Option<String>, bool)> {
         self.remote.as_ref().map_or_else(Vec::new, |r| r.peers())
     }
 
     /// How many remote readers this writer no longer sends to (gone, or dropped as
     /// slow): cheap, no allocation, for a check after every send.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert_eq!(writer.remote_dropped_count(), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn remote_dropped_count(&self) -> usize {
         self.remote.as_ref().map_or(0, |r| r.dropped_count())
     }
@@ -1069,22 +1418,72 @@ impl Writer {
     /// Look for remote readers whose connection closed while this writer sent nothing
     /// (see [`RemoteWriter::check_connections`]); returns
     /// [`remote_dropped_count`](Self::remote_dropped_count).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert_eq!(writer.check_remote_peers(), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn check_remote_peers(&mut self) -> usize {
         self.remote.as_mut().map_or(0, |r| r.check_connections())
     }
 
     /// Parts sent by copy because the arena had no room.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert_eq!(writer.arena_fallbacks(), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn arena_fallbacks(&self) -> u64 {
         self.arena.as_ref().map_or(0, |a| a.fallbacks())
     }
 
     /// The tensor arena, if the queue has one (made or not yet).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let arena = writer.arena().expect("local readers: an arena");
+    /// # let _ = arena;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn arena(&self) -> Option<&LazyArenaWriter> {
         self.arena.as_ref()
     }
 
     /// The tensor arena, to make it ([`LazyArenaWriter::make`]) or return leases whose
     /// holds are gone ([`ArenaWriter::reclaim`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let arena = writer.arena_mut().expect("local readers: an arena");
+    /// arena.make()?.reserve(1 << 20)?; // the first MiB taken in /dev/shm now
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn arena_mut(&mut self) -> Option<&mut LazyArenaWriter> {
         self.arena.as_mut()
     }
@@ -1092,6 +1491,29 @@ impl Writer {
     /// Zero-copy writing: wait for the next chunk and return its data to fill; publish
     /// it with [`commit_write`](Self::commit_write). Only for queues whose readers are
     /// all local (remote readers cannot see chunks).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a queue with remote readers or without a ring;
+    /// [`Error::Os`] when `/dev/shm` has no room for the whole chunk; else as
+    /// [`enqueue`](Self::enqueue) waits and fails ([`Error::Timeout`],
+    /// [`QueueError::DeadReader`], [`QueueError::ShutDown`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let chunk = writer.acquire_write(Duration::from_secs(10))?;
+    /// chunk[..5].copy_from_slice(b"hello");
+    /// writer.commit_write()?;
+    /// let got = reader.dequeue(Duration::from_secs(10))?; // the whole chunk
+    /// assert_eq!(&got[..5], b"hello");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn acquire_write<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<&mut [u8]> {
         let (canceller, what) = (self.canceller.clone(), self.waiting_for_a_chunk.clone());
         let mut wait = wait
@@ -1132,6 +1554,25 @@ impl Writer {
 
     /// Publish the chunk from [`acquire_write`](Self::acquire_write); readers see it
     /// whole (a chunk of `max_chunk_bytes`).
+    ///
+    /// # Errors
+    ///
+    /// [`QueueError::ShutDown`] once the writer is shut down; [`Error::WrongRole`] for a queue
+    /// without a ring; an error, and nothing published, without a chunk acquired first.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.acquire_write(Duration::from_secs(10))?.fill(1);
+    /// writer.commit_write()?;
+    /// assert!(reader.dequeue(Duration::from_secs(10))?.iter().all(|&b| b == 1));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn commit_write(&mut self) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
