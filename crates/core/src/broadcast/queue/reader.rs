@@ -464,6 +464,23 @@ impl fmt::Debug for Reader {
 impl Reader {
     /// Join the queue of `handle` as the reader of rank `rank`: local if `rank` is in
     /// `handle.local_reader_ranks` (its reader index is the position there), else remote.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a `rank` the handle does not have, or a handle that does
+    /// not hold together; [`Error::Os`] when the ring or arena segment cannot be opened (gone,
+    /// not this user's, or not a queue's); [`Error::Transport`] when a socket cannot connect;
+    /// [`QueueError::DeadWriter`] for a writer already dead.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// let writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// assert!(reader.is_local());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn open(handle: &Handle, rank: usize) -> Result<Reader> {
         Self::open_with(
             handle,
@@ -503,6 +520,11 @@ impl Reader {
     /// # drop(writer);
     /// # Ok::<(), shmq::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`NameError`](crate::names::NameError) when no live writer holds `name` for this
+    /// user (or its record cannot be read); else as [`open`](Self::open).
     pub fn open_by_name(name: &str, rank: usize) -> Result<Reader> {
         let record = crate::names::lookup(crate::names::Kind::Queue, name)?;
         let handle: Handle = record
@@ -519,6 +541,24 @@ impl Reader {
     }
 
     /// [`open`](Self::open), waiting as `policy` says in this reader's blocking calls.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a `rank` the handle does not have, or a handle that does
+    /// not hold together; [`Error::Os`] when the ring or arena segment cannot be opened (gone,
+    /// not this user's, or not a queue's); [`Error::Transport`] when a socket cannot connect;
+    /// [`QueueError::DeadWriter`] for a writer already dead.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// let writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let policy = shmq::wait::WaitPolicy::for_processes(2);
+    /// let reader = shmq::Reader::open_with(writer.handle(), 0, policy)?;
+    /// assert_eq!(reader.wait_policy(), policy);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn open_with(handle: &Handle, rank: usize, policy: WaitPolicy) -> Result<Reader> {
         let ctx = crate::transport::shared_context();
         let source = match handle.local_reader_ranks.iter().position(|&r| r == rank) {
@@ -598,13 +638,51 @@ impl Reader {
         })
     }
 
+    /// This reader's rank in the queue.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert_eq!(reader.rank(), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn rank(&self) -> usize {
         self.rank
     }
+    /// Whether this reader reads through shared memory (else over TCP).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert!(reader.is_local()); // rank 0 is in the handle's local ranks
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn is_local(&self) -> bool {
         matches!(self.source, Source::Local { .. })
     }
     /// The local reader's index in the ring.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert_eq!(reader.reader_index(), Some(0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn reader_index(&self) -> Option<usize> {
         match &self.source {
             Source::Local { ring, .. } => Some(ring.reader_index()),
@@ -612,6 +690,18 @@ impl Reader {
         }
     }
     /// The ring, for a local reader.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert_eq!(reader.ring().map(|r| r.n_reader()), Some(1));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn ring(&self) -> Option<&Arc<Ring>> {
         match &self.source {
             Source::Local { ring, .. } => Some(ring.ring()),
@@ -619,6 +709,20 @@ impl Reader {
         }
     }
     /// Index of the chunk this reader reads next (0 for a remote reader).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"one", Duration::from_secs(10))?;
+    /// reader.dequeue(Duration::from_secs(10))?;
+    /// assert_eq!(reader.current_idx(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn current_idx(&self) -> usize {
         match &self.source {
             Source::Local { ring, .. } => ring.current_idx(),
@@ -626,22 +730,74 @@ impl Reader {
         }
     }
     /// Describes this reader's waits in warnings and timeout errors.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// assert!(!reader.wait_description().is_empty());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_description(&self) -> &str {
         &self.what
     }
 
     /// How this reader's blocking calls wait.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let policy = reader.wait_policy();
+    /// # let _ = policy;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_policy(&self) -> WaitPolicy {
         self.policy
     }
 
     /// Ends this reader's blocked calls (from any thread, without locking the reader)
     /// with [`Error::Cancelled`], now and from then on.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let canceller = reader.canceller();
+    /// std::thread::spawn(move || canceller.cancel()).join().unwrap();
+    /// assert!(matches!(reader.dequeue(None), Err(shmq::Error::Cancelled)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn canceller(&self) -> Canceller {
         self.canceller.clone()
     }
 
     /// Wake this reader's blocked calls with [`Error::Cancelled`], now and from now on.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// reader.shutdown();
+    /// assert!(matches!(reader.dequeue(None), Err(shmq::Error::Cancelled)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn shutdown(&self) {
         self.canceller.cancel();
     }
@@ -673,6 +829,27 @@ impl Reader {
     /// writer's WELCOME and start are taken by its first receive, so across machines too
     /// no order of the calls deadlocks. A writer that cannot be reached ends the wait
     /// (see `remote`). Once ready, later calls return at once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
+    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
+    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
+    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
+    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
+    /// segment broken by another process; the error of `wait`'s hook.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// reader.wait_until_ready(Duration::from_secs(10))?; // a local reader: at once
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.ready_what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
@@ -681,6 +858,30 @@ impl Reader {
 
     /// [`wait_until_ready`](Self::wait_until_ready) under a wait of the caller's own (a
     /// remote reader's only).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
+    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
+    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
+    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
+    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
+    /// segment broken by another process; the error of `wait`'s hook.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let policy = reader.wait_policy();
+    /// let cancel = std::sync::atomic::AtomicBool::new(false);
+    /// let mut wait = shmq::wait::WaitSpec::from(Duration::from_secs(10)).into_wait("ready", policy, &cancel);
+    /// reader.wait_until_ready_with(&mut wait)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if self.ready {
@@ -702,6 +903,29 @@ impl Reader {
     /// Wait until the next message can be taken without blocking (then take it with
     /// [`try_take_message`](Self::try_take_message)). For an overflow mark or a remote
     /// reader this receives the message from the socket.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
+    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
+    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
+    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
+    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
+    /// segment broken by another process; the error of `wait`'s hook.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"here", Duration::from_secs(10))?;
+    /// reader.wait_message(Duration::from_secs(10))?;
+    /// assert_eq!(reader.try_take(|b| b.to_vec())?, Some(b"here".to_vec()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_message<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
@@ -709,6 +933,31 @@ impl Reader {
     }
 
     /// [`wait_message`](Self::wait_message) under a wait of the caller's own.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
+    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
+    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
+    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
+    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
+    /// segment broken by another process; the error of `wait`'s hook.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"here", Duration::from_secs(10))?;
+    /// let policy = reader.wait_policy();
+    /// let cancel = std::sync::atomic::AtomicBool::new(false);
+    /// let mut wait = shmq::wait::WaitSpec::from(Duration::from_secs(10)).into_wait("a message", policy, &cancel);
+    /// reader.wait_message_with(&mut wait)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_message_with(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if !wait.is_resumed() {
@@ -767,6 +1016,31 @@ impl Reader {
 
     /// Take the next message if it is here now: call `f` on it (bytes borrowed from
     /// shared memory for a message in a chunk) and move on. `None`: nothing ready yet.
+    ///
+    /// # Errors
+    ///
+    /// As [`dequeue`](Self::dequeue) does, but never [`Error::Timeout`] (`Ok(None)`: nothing
+    /// yet); [`Error::InvalidArgument`] for a malformed message (consumed).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// use shmq::broadcast::{Message, Received};
+    /// assert!(reader.try_take_message(|_| ())?.is_none()); // nothing yet
+    /// writer.enqueue(Message::Parts(&[b"body", b"buffer"]), Duration::from_secs(10))?;
+    /// reader.wait_message(Duration::from_secs(10))?;
+    /// let n = reader.try_take_message(|m| match m {
+    ///     Received::Parts(parts) => parts.len(),
+    ///     _ => 0,
+    /// })?;
+    /// assert_eq!(n, Some(2));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn try_take_message<R>(&mut self, f: impl FnOnce(Received<'_>) -> R) -> Result<Option<R>> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         match &mut self.source {
@@ -827,6 +1101,25 @@ impl Reader {
     /// Take the next plain message if it is here now: call `f` on its bytes. A message
     /// of several parts (a Python writer's pickled object included) is an error here,
     /// naming the mismatch; it is consumed and the reader goes on with the next one.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_take_message`](Self::try_take_message); [`Error::InvalidArgument`] for a
+    /// message of parts or an array (consumed).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"raw", Duration::from_secs(10))?;
+    /// reader.wait_message(Duration::from_secs(10))?;
+    /// assert_eq!(reader.try_take(|b| b.len())?, Some(3));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn try_take<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
         match self.try_take_message(|m| match m {
             Received::Bytes(b) => Ok(f(b)),
@@ -849,6 +1142,26 @@ impl Reader {
     /// Wait for the next message (as [`dequeue`](Self::dequeue) does: this reader's wait
     /// policy and canceller, `wait` a timeout or a [`WaitSpec`]) and call `f` on its bytes
     /// where they are, in shared memory: no copy. Raw bytes only, as `dequeue`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a message of another kind than this call takes, naming
+    /// what it is (consumed: the reader goes on with the next one); else as
+    /// [`dequeue`](Self::dequeue).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"in place", Duration::from_secs(10))?;
+    /// let len = reader.dequeue_view(Duration::from_secs(10), |b| b.len())?;
+    /// assert_eq!(len, 8);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn dequeue_view<'w, R>(
         &mut self,
         wait: impl Into<WaitSpec<'w>>,
@@ -867,12 +1180,47 @@ impl Reader {
     /// caller ([`WaitSpec::into_wait`], which takes the wait policy: this reader's is
     /// [`wait_policy`](Self::wait_policy)); [`dequeue_view`](Self::dequeue_view) builds
     /// it as `dequeue` does.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a message of another kind than this call takes, naming
+    /// what it is (consumed: the reader goes on with the next one); else as
+    /// [`dequeue`](Self::dequeue).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"in place", Duration::from_secs(10))?;
+    /// let policy = reader.wait_policy();
+    /// let cancel = std::sync::atomic::AtomicBool::new(false);
+    /// let mut wait = shmq::wait::WaitSpec::from(Duration::from_secs(10)).into_wait("a message", policy, &cancel);
+    /// assert_eq!(reader.dequeue_with(&mut wait, |b| b.to_vec())?, b"in place");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn dequeue_with<R>(&mut self, wait: &mut Wait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.wait_message_with(wait)?;
         self.try_take(f)?.ok_or_else(|| self.not_ready_any_more())
     }
 
     /// See `chunk_changed`; for a remote reader (which has no chunks) it cannot happen.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// let e = reader.not_ready_any_more();
+    /// assert!(!e.to_string().is_empty());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn not_ready_any_more(&self) -> Error {
         match &self.source {
             Source::Local { ring, .. } => chunk_changed(ring.ring()),
@@ -948,6 +1296,30 @@ impl Reader {
     }
 
     /// Wait for the next message and return a copy of it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
+    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
+    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
+    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
+    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
+    /// segment broken by another process; the error of `wait`'s hook.
+    /// [`Error::InvalidArgument`] for a message of parts or an array (consumed: the reader
+    /// goes on with the next one).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"hello", Duration::from_secs(10))?;
+    /// assert_eq!(reader.dequeue(Duration::from_secs(10))?, b"hello");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn dequeue<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<u8>> {
         if let Some(m) = self.try_take(|b| b.to_vec())? {
             return Ok(m);
@@ -960,6 +1332,24 @@ impl Reader {
     /// Wait for the next message and return its parts (a plain message is one part):
     /// small parts copied out of the chunk, large ones as private views of the tensor
     /// arena that hold their bytes until dropped (no copy).
+    ///
+    /// # Errors
+    ///
+    /// As [`dequeue`](Self::dequeue) (a typed array is refused, consumed).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(shmq::Message::Parts(&[b"body", &[7u8; 4096]]), Duration::from_secs(10))?;
+    /// let parts = reader.dequeue_parts(Duration::from_secs(10))?;
+    /// assert_eq!((parts.len(), parts[1].len()), (2, 4096));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn dequeue_parts<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<OwnedPart>> {
         if let Some(m) = self.try_take_message(own_parts)? {
             return m;
@@ -973,6 +1363,27 @@ impl Reader {
     /// return it: its data copied out of the chunk if small, a private view of the tensor
     /// arena (or the frame it came in) if large: no copy. Any other message is an error
     /// naming what it is; it is consumed and the reader goes on with the next one.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a message of another kind than this call takes, naming
+    /// what it is (consumed: the reader goes on with the next one); else as
+    /// [`dequeue`](Self::dequeue).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(&shmq::ArrayRef::new(&[1i64, 2, 3, 4], &[2, 2])?, Duration::from_secs(10))?;
+    /// let array = reader.dequeue_array(Duration::from_secs(10))?;
+    /// assert_eq!(array.shape(), [2, 2]);
+    /// assert_eq!(array.to_vec::<i64>()?, [1, 2, 3, 4]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn dequeue_array<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Array> {
         if let Some(m) = self.try_take_message(own_array)? {
             return m;
@@ -988,6 +1399,32 @@ impl Reader {
     /// view borrows the reader: drop it, then give the chunk back with
     /// [`finish_read`](Self::finish_read). For an overflow mark the view is the message
     /// that came over the socket. Only for a local reader.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
+    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
+    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
+    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
+    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
+    /// segment broken by another process; the error of `wait`'s hook.
+    /// [`Error::WrongRole`] for a remote reader.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"zero-copy", Duration::from_secs(10))?;
+    /// let chunk = reader.acquire_read(Duration::from_secs(10))?;
+    /// assert_eq!(&chunk[..], b"zero-copy");
+    /// drop(chunk);
+    /// reader.finish_read()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn acquire_read<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<ChunkRead<'_>> {
         let view = self.acquire_chunk(wait)?;
         Ok(ChunkRead {
@@ -997,6 +1434,35 @@ impl Reader {
     }
 
     /// [`acquire_read`](Self::acquire_read) under a wait of the caller's own.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
+    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
+    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
+    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
+    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
+    /// segment broken by another process; the error of `wait`'s hook.
+    /// [`Error::WrongRole`] for a remote reader.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"zero-copy", Duration::from_secs(10))?;
+    /// let policy = reader.wait_policy();
+    /// let cancel = std::sync::atomic::AtomicBool::new(false);
+    /// let mut wait = shmq::wait::WaitSpec::from(Duration::from_secs(10)).into_wait("a chunk", policy, &cancel);
+    /// let chunk = reader.acquire_read_with(&mut wait)?;
+    /// assert_eq!(&chunk[..], b"zero-copy");
+    /// drop(chunk);
+    /// reader.finish_read()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn acquire_read_with(&mut self, wait: &mut Wait) -> Result<ChunkRead<'_>> {
         let view = self.acquire_chunk_with(wait)?;
         Ok(ChunkRead {
@@ -1024,6 +1490,28 @@ impl Reader {
     /// place (`Detach`: each page's byte with its own value; `Retire`: zero pages).
     /// Pointers kept past it read the detached copy or zeros, never the writer's next
     /// message.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire_read`](Self::acquire_read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// use shmq::broadcast::queue::ChunkEnd;
+    /// writer.enqueue(b"kept", Duration::from_secs(10))?;
+    /// // SAFETY: no borrow of the view's bytes lives across `finish_chunk` below.
+    /// let view = unsafe { reader.acquire_chunk_unborrowed(Duration::from_secs(10))? };
+    /// assert_eq!(&view[..], b"kept");
+    /// reader.finish_chunk(ChunkEnd::Detach)?;
+    /// assert_eq!(&view[..], b"kept"); // a private copy now
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub unsafe fn acquire_chunk_unborrowed<'w>(
         &mut self,
         wait: impl Into<WaitSpec<'w>>,
@@ -1079,6 +1567,26 @@ impl Reader {
     /// Give back the chunk from [`acquire_read`](Self::acquire_read) (mark it as read),
     /// once its view is dropped. A message of several parts read this way gives its
     /// arena parts back.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] without a chunk acquired; [`Error::Os`] when the chunk's private
+    /// mapping cannot be given back.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// writer.enqueue(b"read in place", Duration::from_secs(10))?;
+    /// let n = reader.acquire_read(Duration::from_secs(10))?.len();
+    /// reader.finish_read()?;
+    /// assert_eq!(n, 13);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn finish_read(&mut self) -> Result<()> {
         self.finish_chunk(ChunkEnd::Retire)
     }
@@ -1088,6 +1596,28 @@ impl Reader {
     /// message in it never shows through its view. `end` says what becomes of the
     /// view's mapping first: [`ChunkEnd::Detach`] if the caller still uses the view,
     /// [`ChunkEnd::Retire`] if not.
+    ///
+    /// # Errors
+    ///
+    /// As [`finish_read`](Self::finish_read).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// use shmq::broadcast::queue::ChunkEnd;
+    /// writer.enqueue(b"done with", Duration::from_secs(10))?;
+    /// // SAFETY: the view is dropped before `finish_chunk`.
+    /// let view = unsafe { reader.acquire_chunk_unborrowed(Duration::from_secs(10))? };
+    /// assert_eq!(&view[..], b"done with");
+    /// drop(view);
+    /// reader.finish_chunk(ChunkEnd::Retire)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn finish_chunk(&mut self, end: ChunkEnd) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if let Some(map) = self.open_chunk.take() {
