@@ -156,7 +156,7 @@ def queue_device_reader(out: Any, handle: Any, rank: int, cmds: Any) -> None:
     shared mapping itself (from that message's view), so that the queue's own
     registration is refused; ``("close_async",)`` closes the device path on a thread
     while copies may be in flight."""
-    from shmq import MessageQueue
+    from shmq import MessageQueue, _core
     from shmq._device import address_of, device_for
 
     records = LogRecords()
@@ -180,11 +180,13 @@ def queue_device_reader(out: Any, handle: Any, rank: int, cmds: Any) -> None:
         elif cmd[0] == "preregister":
             reader = mq._reader
             assert reader is not None
-            body, buffers = reader.dequeue(STEP, None, False)
+            message = reader.dequeue(STEP, None, False)
+            assert isinstance(message, _core.PartsMessage)
+            body, buffers = message.body, message.buffers
             mapping, _ = buffers[0].obj.shared_source()
             view = memoryview(mapping)
             mine = (seam.register(address_of(view), view.nbytes, view.readonly), view)
-            del body, buffers
+            del body, buffers, message
             out.put(("preregistered", repr(mine[0])))
         elif cmd[0] == "logs":
             out.put(("logs", [r for r in records.records if r[0] == "shmq.device"]))
