@@ -498,12 +498,16 @@ impl Reader {
     /// format: see [`crate::names`]). Names are scoped to the user: another user's queue
     /// of the same name is not found.
     ///
-    /// Errors: [`NameError::NotFound`](crate::names::NameError::NotFound) when no live
-    /// writer holds the name (never made, closed, or a damaged record);
+    /// # Errors
+    ///
+    /// [`NameError::NotFound`](crate::names::NameError::NotFound) when no live writer
+    /// holds the name (never made, closed, or a damaged record);
     /// [`NameError::Gone`](crate::names::NameError::Gone) when its writer died (its record
     /// is removed then, and the name is free); the operating-system layer's
     /// [`NamesDirRefused`](crate::error::OsError::NamesDirRefused) when the user's
     /// directory of names may be entered by others; and [`open`](Self::open)'s.
+    ///
+    /// # Examples
     ///
     /// ```no_run
     /// # use shmq_core as shmq; // what the `shmq` crate re-exports
@@ -520,11 +524,6 @@ impl Reader {
     /// # drop(writer);
     /// # Ok::<(), shmq::Error>(())
     /// ```
-    ///
-    /// # Errors
-    ///
-    /// [`NameError`](crate::names::NameError) when no live writer holds `name` for this
-    /// user (or its record cannot be read); else as [`open`](Self::open).
     pub fn open_by_name(name: &str, rank: usize) -> Result<Reader> {
         let record = crate::names::lookup(crate::names::Kind::Queue, name)?;
         let handle: Handle = record
