@@ -56,7 +56,7 @@ def tokenizer(extra_specials: tuple[str, ...] = ()):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def llama_config(fast, hidden: int = 256, layers: int = 2, positions: int = 1024):
+def llama_config(fast, hidden: int = 256, layers: int = 2, positions: int = 1024, heads: int = 4):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -64,7 +64,7 @@ def llama_config(fast, hidden: int = 256, layers: int = 2, positions: int = 1024
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=positions,
         bos_token_id=fast.bos_token_id,
@@ -83,7 +83,8 @@ def llava(out: str, real_width: int = 0) -> None:
     3x336x336 float32, 1.3 MiB), patches of 14 (576 image tokens), one layer of vision
     tower (hidden 64), and the projector emits ``real_width``-wide embeddings (2048:
     576 x 2048 bf16 = 2.3 MiB an image; 4096: 4.5 MiB, LLaVA-1.5-7B's) into one layer
-    of language model that wide."""
+    of language model that wide, with heads of 512 at most (vLLM's CPU attention has no
+    kernel for 1024: 4 heads at 2048, 8 at 4096)."""
     side, patch = (336, 14) if real_width else (32, 8)
     import torch
     from safetensors.torch import load_file, save_file
@@ -131,7 +132,7 @@ def llava(out: str, real_width: int = 0) -> None:
         vision_config=vision,
         text_config=llama_config(fast, hidden=128)
         if not real_width
-        else llama_config(fast, hidden=real_width, layers=1, positions=4096),
+        else llama_config(fast, hidden=real_width, layers=1, positions=4096, heads=max(4, real_width // 512)),
         image_token_index=fast.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
