@@ -15,8 +15,18 @@
 //!   copy of the descriptor would keep the parent's role "alive" after the parent died.
 //!   Their descriptors are registered here, and the child handler closes them (the
 //!   parent's lock stays: it is shared by the parent's own descriptor).
+//! - Until the child runs that handler, its copies still hold the locks: a parent that
+//!   died meanwhile would look alive (its queue's name still taken, its readers still
+//!   waiting), for as long as the child is not scheduled. So a fork in a process that
+//!   holds role locks waits, in its parent handler, for the child to say (a byte on a
+//!   pipe made in the prepare handler) that it closed them, or to end, for at most
+//!   [`CHILD_LET_GO_PATIENCE_MS`]: `fork()` returns to the parent once no copy of its
+//!   locks is left in the child. A fork of a process with no role lock makes no pipe and
+//!   waits for nothing; `vfork` and `posix_spawn` run no handler (their child execs, and
+//!   the descriptors are close-on-exec).
 
 use shmq_protocol::sync::local::{AtomicI32, AtomicU64, Ordering};
+use std::cell::Cell;
 use std::os::fd::RawFd;
 use std::sync::Once;
 
@@ -30,8 +40,75 @@ const MAX_INHERITED_FDS: usize = 256;
 static CLOSE_IN_CHILD: [AtomicI32; MAX_INHERITED_FDS] =
     [const { AtomicI32::new(-1) }; MAX_INHERITED_FDS];
 
+/// How long a parent's `fork()` waits at most for its child to close its copies of the
+/// role locks (see the module docs): a child stopped or starved longer than this keeps
+/// them until it runs.
+pub const CHILD_LET_GO_PATIENCE_MS: i32 = 2000;
+
+thread_local! {
+    /// The pipe of the fork this thread is making (read end, write end), -1 when none:
+    /// made by [`before_fork`], written by the child's [`in_child`], waited on and closed
+    /// by the parent's [`in_parent`]. Per thread, as two threads may fork at once. A
+    /// `Cell` of plain numbers: no allocation and no destructor, so it may be used in
+    /// the handlers.
+    static FORK_PIPE: Cell<[RawFd; 2]> = const { Cell::new([-1, -1]) };
+}
+
+/// The prepare handler: a pipe for the child to say it let go of the role locks, if this
+/// process holds any.
+extern "C" fn before_fork() {
+    // Relaxed: the registering thread's own stores are seen; one registered by another
+    // thread while this one forks may be missed, and its lock is then the one the child
+    // may hold a little longer, as before this handshake.
+    if !CLOSE_IN_CHILD
+        .iter()
+        .any(|e| e.load(Ordering::Relaxed) >= 0)
+    {
+        return;
+    }
+    let mut fds: [RawFd; 2] = [-1, -1];
+    // SAFETY: pipe2 writes two descriptors into the two-element array it is given.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0 {
+        let _ = FORK_PIPE.try_with(|p| p.set(fds));
+    }
+}
+
+/// The parent handler: wait until the child closed its copies of the role locks (its
+/// byte on the pipe) or ended (the pipe's end of file), at most
+/// [`CHILD_LET_GO_PATIENCE_MS`]; then close the pipe.
+extern "C" fn in_parent() {
+    let Ok([read, write]) = FORK_PIPE.try_with(|p| p.replace([-1, -1])) else {
+        return;
+    };
+    if read < 0 {
+        return;
+    }
+    // SAFETY: the parent's copy of the write end, made by `before_fork` for this fork and
+    // used by nothing else; closed so that the child's end is the last (its end of file
+    // when the child dies before writing).
+    unsafe { libc::close(write) };
+    let deadline = std::time::Instant::now()
+        + std::time::Duration::from_millis(CHILD_LET_GO_PATIENCE_MS as u64);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut pfd = libc::pollfd {
+            fd: read,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, valid for the call; `read` is this fork's pipe, open.
+        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) };
+        if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        break;
+    }
+    // SAFETY: this fork's read end, used by nothing else.
+    unsafe { libc::close(read) };
+}
+
 extern "C" fn in_child() {
-    // Only async-signal-safe work here (atomics and close), as after any fork.
+    // Only async-signal-safe work here (atomics, close, write), as after any fork.
     // Relaxed: the child has a single thread now; nothing else orders against this.
     GENERATION.fetch_add(1, Ordering::Relaxed);
     for entry in &CLOSE_IN_CHILD {
@@ -44,13 +121,29 @@ extern "C" fn in_child() {
             unsafe { libc::close(fd) };
         }
     }
+    // Tell the parent, which waits in `in_parent` (the thread that forked is this one,
+    // so its pipe is in this thread's slot).
+    if let Ok([read, write]) = FORK_PIPE.try_with(|p| p.replace([-1, -1])) {
+        if write >= 0 {
+            let byte = 1u8;
+            // SAFETY: this fork's pipe, inherited from the parent's `before_fork`; one
+            // byte from a live local. A failed write is the parent's wait running to
+            // its end of file or its patience, no worse.
+            unsafe {
+                libc::write(write, (&byte as *const u8).cast(), 1);
+                libc::close(write);
+                libc::close(read);
+            }
+        }
+    }
 }
 
 fn install() {
     INSTALL.call_once(|| {
-        // SAFETY: registers a handler with the C signature pthread_atfork expects; the
-        // handler only touches statics and calls close().
-        unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+        // SAFETY: registers handlers with the C signature pthread_atfork expects; they
+        // touch only statics and a thread-local cell of numbers, and call pipe2, poll,
+        // write and close.
+        unsafe { libc::pthread_atfork(Some(before_fork), Some(in_parent), Some(in_child)) };
     });
 }
 
@@ -180,5 +273,71 @@ mod tests {
         assert!(!is_inherited(here));
         forget_fd(fd);
         drop(file);
+    }
+
+    /// The parent's `fork()` returns only once the child let go of the role locks: with
+    /// parent and child on one CPU, the parent goes on running after the fork (the
+    /// child waits for the CPU), so without the handshake the child would still hold
+    /// the lock when the parent, having dropped its own, probes it.
+    #[test]
+    fn a_fork_returns_to_the_parent_once_the_child_let_go_of_its_role_locks() {
+        use crate::liveness::{byte_liveness, lock_byte, Liveness};
+        use std::os::fd::AsRawFd;
+        let path = std::env::temp_dir().join(format!("shmq-fork-lock-{}", std::process::id()));
+        #[allow(clippy::disallowed_methods, reason = "a scratch file, not a segment")]
+        let open = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .unwrap()
+        };
+        let probe = open();
+        for _ in 0..20 {
+            let held = open();
+            lock_byte(&held, libc::F_WRLCK, 0).unwrap();
+            assert!(close_in_children(held.as_raw_fd()));
+            // One CPU for both (the child inherits the mask).
+            // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and sched_setaffinity take
+            // pointers to this live local.
+            let (pid, old) = unsafe {
+                let mut old: libc::cpu_set_t = std::mem::zeroed();
+                libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut old);
+                let mut one: libc::cpu_set_t = std::mem::zeroed();
+                let cpu = (0..libc::CPU_SETSIZE as usize)
+                    .find(|&c| libc::CPU_ISSET(c, &old))
+                    .unwrap();
+                libc::CPU_SET(cpu, &mut one);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one);
+                // The child only sleeps and exits (async-signal-safe calls).
+                (libc::fork(), old)
+            };
+            assert!(pid >= 0);
+            if pid == 0 {
+                // SAFETY: async-signal-safe calls only, then _exit.
+                unsafe {
+                    libc::usleep(300_000);
+                    libc::_exit(0);
+                }
+            }
+            // The parent drops its own lock at once: no copy may be left in the child.
+            forget_fd(held.as_raw_fd());
+            drop(held);
+            let liveness = byte_liveness(&probe, 0);
+            // SAFETY: restoring this thread's mask from the live local; reaping our child.
+            unsafe {
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &old);
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+            }
+            assert_eq!(
+                liveness,
+                Liveness::Dead,
+                "the forked child still held the lock"
+            );
+        }
+        let _ = std::fs::remove_file(&path);
     }
 }
