@@ -1,5 +1,5 @@
 //! Broadcast-queue benchmarks through the public Rust API (`Writer::enqueue`,
-//! `Reader::dequeue_with`), between two real processes.
+//! `Reader::dequeue_view`), between two real processes.
 //!
 //! What is measured, and how:
 //! - `latency/one_way_64B`: one-way latency of a 64-byte message. The bench process and
@@ -33,7 +33,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use shmq::wait::Wait;
+use shmq::wait::WaitSpec;
 use shmq::{Error, Handle, QueueOptions, Reader, Writer};
 
 /// Set in the peer process: `echo` or `drain`.
@@ -77,9 +77,12 @@ fn peer_main(role: &str) -> shmq::Result<()> {
             output.wait_until_ready(TIMEOUT)?;
             input.wait_until_ready(TIMEOUT)?;
             loop {
-                let mut wait = Wait::new("echo peer", None).with_hook(&mut orphaned);
+                let wait = WaitSpec {
+                    hook: Some(&mut orphaned),
+                    ..WaitSpec::default()
+                };
                 // Echo straight from the chunk: no copy on this side.
-                let done = input.dequeue_with(&mut wait, |m| {
+                let done = input.dequeue_view(wait, |m| {
                     if m == STOP {
                         return Ok(true);
                     }
@@ -93,8 +96,11 @@ fn peer_main(role: &str) -> shmq::Result<()> {
         "drain" => {
             input.wait_until_ready(TIMEOUT)?;
             loop {
-                let mut wait = Wait::new("drain peer", None).with_hook(&mut orphaned);
-                if input.dequeue_with(&mut wait, |m| black_box(m) == STOP)? {
+                let wait = WaitSpec {
+                    hook: Some(&mut orphaned),
+                    ..WaitSpec::default()
+                };
+                if input.dequeue_view(wait, |m| black_box(m) == STOP)? {
                     return Ok(());
                 }
             }
@@ -160,9 +166,7 @@ impl Drop for Peer {
 
 fn round_trip(ping: &mut Writer, pong: &mut Reader) {
     ping.enqueue(&MESSAGE, TIMEOUT).unwrap();
-    let mut wait = Wait::new("bench waiting for the echo", TIMEOUT);
-    pong.dequeue_with(&mut wait, |m| black_box(m.len()))
-        .unwrap();
+    pong.dequeue_view(TIMEOUT, |m| black_box(m.len())).unwrap();
 }
 
 fn latency(c: &mut Criterion) {

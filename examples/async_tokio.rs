@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shmq::broadcast::{Gather, QueueError};
+use shmq::broadcast::{DequeueError, Gather, QueueError};
 use shmq::{QueueOptions, Reader, Writer};
 
 const WORKERS: usize = 3;
@@ -118,7 +118,7 @@ fn worker(rank: usize, steps_handle: &str) -> Result<(), Box<dyn Error>> {
                 let answer = format!("{} done by worker {rank}", String::from_utf8_lossy(&step));
                 results.enqueue(answer.as_bytes(), TIMEOUT)?;
             }
-            Err(shmq::Error::Queue(QueueError::WriterShutDown { .. })) => break,
+            Err(DequeueError::WriterShutDown { .. }) => break,
             Err(e) => return Err(e.into()),
         }
     }

@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use shmq::wait::{Wait, WaitSpec};
+use shmq::broadcast::{DequeueError, EnqueueError};
+use shmq::wait::WaitSpec;
 use shmq::{Error, Handle, Message, QueueOptions, Reader, Writer};
 
 /// What a child process plays; only `reader` exists. Its presence marks the child.
@@ -169,7 +170,7 @@ impl ChildRole {
 }
 
 /// Read `n` messages and check each one. Even ranks copy with `dequeue`, odd ranks
-/// look at the bytes in place with `dequeue_with`. Then check nothing more is there.
+/// look at the bytes in place with `dequeue_view`. Then check nothing more is there.
 fn read_and_check(role: &ChildRole, n: u64, chunk: usize, local: bool) -> Result<(), String> {
     let mut reader = role.open_ready()?;
     if reader.is_local() != local {
@@ -185,9 +186,8 @@ fn read_and_check(role: &ChildRole, n: u64, chunk: usize, local: bool) -> Result
                 .map_err(|e| format!("message {seq}: {e}"))?;
             check_message(&msg, seq, chunk)
         } else {
-            let mut wait = Wait::new("test reader", Some(TIMEOUT));
             reader
-                .dequeue_with(&mut wait, |msg| check_message(msg, seq, chunk))
+                .dequeue_view(TIMEOUT, |msg| check_message(msg, seq, chunk))
                 .map_err(|e| format!("message {seq}: {e}"))?
         };
         checked?;
@@ -336,10 +336,10 @@ fn expect_all_succeed(children: &mut [ReaderProcess]) {
 
 /// A wait for the writer that ends as soon as one of `children` has exited: a reader
 /// that died will never free its chunks, no point waiting out the timeout.
-fn writer_step<T>(
+fn writer_step<T, E: std::fmt::Display>(
     children: &mut [ReaderProcess],
     what: &str,
-    step: impl FnOnce(WaitSpec<'_>) -> shmq::Result<T>,
+    step: impl FnOnce(WaitSpec<'_>) -> Result<T, E>,
 ) -> T {
     let mut dead: Option<usize> = None;
     let result = {
@@ -477,7 +477,7 @@ fn full_ring_and_idle_writer_time_out() {
             // The writer writes nothing until we say we are done waiting.
             let t = Instant::now();
             match reader.dequeue(Some(SHORT)) {
-                Err(Error::Timeout { waited, .. }) if waited >= SHORT => {}
+                Err(DequeueError::Timeout { waited, .. }) if waited >= SHORT => {}
                 other => return Err(format!("dequeue with nothing written: {other:?}")),
             }
             if t.elapsed() > SHORT + Duration::from_secs(5) {
@@ -512,7 +512,7 @@ fn full_ring_and_idle_writer_time_out() {
     for msg in [vec![1u8; 100], vec![2u8; 1000]] {
         let t = Instant::now();
         match writer.enqueue(&msg, Some(SHORT)) {
-            Err(Error::Timeout { waited, .. }) => assert!(waited >= SHORT, "{waited:?}"),
+            Err(EnqueueError::Timeout { waited, .. }) => assert!(waited >= SHORT, "{waited:?}"),
             other => panic!("enqueue of {} bytes on a full ring: {other:?}", msg.len()),
         }
         assert!(

@@ -17,7 +17,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
 
-use shmq::error::NameError;
+use shmq::error::{NameError, OpenError};
 use shmq::names::{self, Kind};
 use shmq::{Error, QueueOptions, Reader, Writer};
 
@@ -92,7 +92,7 @@ fn child_role() {
         "reader" => play_reader(&name, count),
         "claimer" => play_claimer(&name),
         "absent" => match Reader::open_by_name(&name, 0) {
-            Err(Error::Name(NameError::NotFound { .. })) => {
+            Err(OpenError::Name(NameError::NotFound { .. })) => {
                 say("absent");
                 Ok(())
             }
@@ -183,7 +183,7 @@ fn play_checker(name: &str, killed: u32) -> Result<(), String> {
         return Err("the killed writer's record is not there".into());
     }
     match Reader::open_by_name(name, 0) {
-        Err(Error::Name(NameError::Gone { pid, .. })) if pid == i64::from(killed) => {}
+        Err(OpenError::Name(NameError::Gone { pid, .. })) if pid == i64::from(killed) => {}
         Err(e) => return Err(format!("not reported gone: {e}")),
         Ok(_) => return Err("a dead writer's queue opened".into()),
     }
@@ -192,7 +192,7 @@ fn play_checker(name: &str, killed: u32) -> Result<(), String> {
         return Err("the dead record is still there".into());
     }
     match Reader::open_by_name(name, 0) {
-        Err(Error::Name(NameError::NotFound { .. })) => {}
+        Err(OpenError::Name(NameError::NotFound { .. })) => {}
         Err(e) => return Err(format!("not 'not found' the second time: {e}")),
         Ok(_) => return Err("a dead writer's queue opened".into()),
     }

@@ -903,7 +903,7 @@ impl Reader {
     /// A wait of the core reader that returns nothing, as every blocking call runs it
     /// (the GIL released, its timeout and cancel event, another thread's hold of the
     /// reader waited for within them: [`blocking_on`]).
-    fn wait_for<F>(
+    fn wait_for<E, F>(
         &self,
         py: Python<'_>,
         timeout: Option<Timeout>,
@@ -911,7 +911,8 @@ impl Reader {
         wait: F,
     ) -> PyResult<()>
     where
-        F: for<'w> FnMut(&mut CoreReader, WaitSpec<'w>) -> shmq::error::Result<()> + Send,
+        E: Into<Error>,
+        F: for<'w> FnMut(&mut CoreReader, WaitSpec<'w>) -> shmq::error::Result<(), E> + Send,
     {
         blocking_on(
             py,
@@ -941,7 +942,7 @@ impl Reader {
             &self.inner,
             READER,
             reader_interrupts(timeout, None, true),
-            |_, _| Ok(()),
+            |_, _| Ok::<(), Error>(()),
         )?;
         Ok(shmq::broadcast::wait_any::ReadyTarget::of(&r))
     }

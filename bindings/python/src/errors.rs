@@ -7,7 +7,10 @@ use pyo3::exceptions::{
 };
 use pyo3::{PyErr, PyResult};
 
-use shmq::error::{CacheError, Error, NameError, OsError, QueueError, RemoteError, StoreError};
+use shmq::error::{
+    CacheError, DequeueError, EnqueueError, Error, NameError, OpenError, OsError, QueueError,
+    RemoteError, StoreError,
+};
 use shmq::workers::link::LinkError;
 use shmq::workers::Error as WorkersError;
 
@@ -62,6 +65,27 @@ impl From<OsError> for AnyError {
 impl From<Error> for AnyError {
     fn from(e: Error) -> Self {
         AnyError::Core(e)
+    }
+}
+
+/// The queue's per-operation errors ([`OpenError`], [`DequeueError`], [`EnqueueError`])
+/// as the core's [`Error`] they convert into, with the same text: the same exception as
+/// before they had types of their own.
+impl From<OpenError> for AnyError {
+    fn from(e: OpenError) -> Self {
+        AnyError::Core(e.into())
+    }
+}
+
+impl From<DequeueError> for AnyError {
+    fn from(e: DequeueError) -> Self {
+        AnyError::Core(e.into())
+    }
+}
+
+impl From<EnqueueError> for AnyError {
+    fn from(e: EnqueueError) -> Self {
+        AnyError::Core(e.into())
     }
 }
 

@@ -94,7 +94,7 @@ impl Relay {
         // The core's error comes back as a value (a signal handler's exception comes back
         // as the error).
         blocking(py, interrupts, |spec| {
-            Ok(relay.wait_until_ready(t, spec.hook))
+            Ok::<_, shmq::Error>(relay.wait_until_ready(t, spec.hook))
         })?
         .map_err(exception)
     }
@@ -112,7 +112,9 @@ impl Relay {
             cancel: None,
             quiet: true,
         };
-        match blocking(py, interrupts, |spec| Ok(relay.run(spec.hook)))? {
+        match blocking(py, interrupts, |spec| {
+            Ok::<_, shmq::Error>(relay.run(spec.hook))
+        })? {
             Ok(RelayEnd::UpstreamShutDown) => Ok(true),
             Ok(RelayEnd::Stopped) => Ok(false),
             Err(e) => Err(exception(e)),

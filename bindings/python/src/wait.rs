@@ -180,10 +180,11 @@ impl Checks {
 /// and the `cancel` event every few milliseconds. What the wait is for, how it spins and
 /// sleeps, and `shutdown()` are the core's business. For a call that holds no lock of
 /// the binding (the hook runs Python code); one that does uses [`blocking_on`].
-pub(crate) fn blocking<T, F>(py: Python<'_>, interrupts: Interrupts<'_, '_>, f: F) -> PyResult<T>
+pub(crate) fn blocking<T, E, F>(py: Python<'_>, interrupts: Interrupts<'_, '_>, f: F) -> PyResult<T>
 where
     T: Send,
-    F: for<'w> FnOnce(WaitSpec<'w>) -> Result<T> + Send,
+    E: Into<Error>,
+    F: for<'w> FnOnce(WaitSpec<'w>) -> Result<T, E> + Send,
 {
     let checks = Checks::new(py, interrupts);
     let mut raised: Option<PyErr> = None;
@@ -210,6 +211,7 @@ where
             quiet: checks.quiet,
             resume: None,
         })
+        .map_err(Into::into)
     });
     match raised {
         Some(e) => Err(e),
@@ -231,7 +233,7 @@ where
 /// blocked in a call of its own never holds this one up past its timeout. Returns
 /// `f`'s value with the lock still held, for what must follow under the same hold.
 /// (The core's errors name their queue themselves.)
-pub(crate) fn blocking_on<'l, S, T, F>(
+pub(crate) fn blocking_on<'l, S, T, E, F>(
     py: Python<'_>,
     lock_: &'l BindingLock<S>,
     what: &str,
@@ -241,7 +243,8 @@ pub(crate) fn blocking_on<'l, S, T, F>(
 where
     S: Send,
     T: Send,
-    F: for<'w> FnMut(&mut S, WaitSpec<'w>) -> Result<T> + Send,
+    E: Into<Error>,
+    F: for<'w> FnMut(&mut S, WaitSpec<'w>) -> Result<T, E> + Send,
 {
     let checks = Checks::new(py, interrupts);
     let started = Instant::now();
@@ -279,6 +282,7 @@ where
                     resume: Some(&mut clock),
                 },
             )
+            .map_err(Into::<Error>::into)
         });
         match result {
             Ok(v) => return Ok((guard, v)),

@@ -576,7 +576,7 @@ mod tests {
         writer.close();
         let e = crate::Reader::open_by_name(&name, 0).unwrap_err();
         assert!(
-            matches!(e, Error::Name(NameError::NotFound { .. })),
+            matches!(e, crate::error::OpenError::Name(NameError::NotFound { .. })),
             "{e:?}"
         );
         drop(crate::Writer::new(opts).unwrap());

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use crate::broadcast::{
     ArrayRef, Canceller, Handle, Message, QueueOptions, Reader, Received, Writer,
 };
-use crate::error::{Error, QueueError, Result};
+use crate::error::{DequeueError, Error, QueueError, Result};
 use crate::wait::{Hook, WaitSpec};
 
 /// How [`Relay::run`] ended without an error.
@@ -187,13 +187,13 @@ impl Relay {
             };
             match self.upstream.wait_message(spec) {
                 Ok(()) => {}
-                Err(Error::Queue(QueueError::WriterShutDown { .. })) => {
+                Err(DequeueError::WriterShutDown { .. }) => {
                     self.ended = true;
                     self.local.close();
                     return Ok(RelayEnd::UpstreamShutDown);
                 }
-                Err(Error::Cancelled) if self.stopper.is_stopped() => continue,
-                Err(e) => return Err(e),
+                Err(DequeueError::Cancelled) if self.stopper.is_stopped() => continue,
+                Err(e) => return Err(e.into()),
             }
             let local = &mut self.local;
             let taken = self.upstream.try_take_message(|m| pass_on(local, m))?;
@@ -232,7 +232,7 @@ fn pass_on(local: &mut Writer, m: Received<'_>) -> Result<usize> {
     // local reader takes a chunk or dies (the writer's liveness checks), or at `stop`.
     let forever = || WaitSpec::from(None);
     match m {
-        Received::Bytes(b) => local.enqueue(b, forever()).map(|()| b.len()),
+        Received::Bytes(b) => Ok(local.enqueue(b, forever()).map(|()| b.len())?),
         Received::Parts(parts) => {
             let slices: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
             let bytes = slices.iter().map(|s| s.len()).sum();
@@ -241,16 +241,15 @@ fn pass_on(local: &mut Writer, m: Received<'_>) -> Result<usize> {
                 // cannot tell it from one of parts (see `Message::Body`).
                 [body] => local.enqueue(Message::Body(body), forever()),
                 all => local.enqueue(Message::Parts(all), forever()),
-            }
-            .map(|()| bytes)
+            }?;
+            Ok(bytes)
         }
         Received::Array { meta, data } => {
             // Exactly the bytes its elements reach (checked when received): a writer may
             // have sent more, which `ArrayRef` refuses for a contiguous array.
             let data = &data[..meta.span()?];
-            local
-                .enqueue(&ArrayRef::with_strides(meta, data)?, forever())
-                .map(|()| data.len())
+            local.enqueue(&ArrayRef::with_strides(meta, data)?, forever())?;
+            Ok(data.len())
         }
     }
 }

@@ -1,4 +1,8 @@
-//! The queue's errors: a peer that died, and the ends of a queue that was shut down.
+//! The queue's errors: [`QueueError`], a peer that died and the ends of a queue that was
+//! shut down (in `shmq::Error`); and one type per operation of the queue's Rust API, each
+//! with exactly the ways that operation fails (as crossbeam's `TrySendError`):
+//! [`OpenError`] (a reader's `open`), [`DequeueError`] (its receives), [`EnqueueError`]
+//! (a writer's send). Each converts into `shmq::Error`, with the same text.
 
 /// An error of the queue, and of a remote stream's reader where the writer shut down (in
 /// `shmq::Error`, [`crate::Error::Queue`]).
@@ -103,4 +107,312 @@ fn writer_shut_down_message(queue: Option<&str>) -> String {
         "the writer{of_queue} shut down: every message it sent before has been received, and \
          no more will come"
     )
+}
+
+use std::time::Duration;
+
+use crate::error::{Error, NameError, OsError, RemoteError};
+
+/// Why [`Reader::open`](crate::Reader::open), [`open_with`](crate::Reader::open_with) or
+/// [`open_by_name`](crate::Reader::open_by_name) made no reader. Its text is the one
+/// [`Error`] has for the same failure, and it converts into that [`Error`] (`?` in a
+/// function returning `shmq::Result`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// The handle has no reader `rank`, or does not hold together (its text says which);
+    /// [`Error::InvalidArgument`] as a `shmq::Error`.
+    #[error("{0}")]
+    BadHandle(String),
+    /// The writer had already died. As a `shmq::Error`,
+    /// [`QueueError::DeadWriter`].
+    #[error("{}", dead_writer_message(*pid, queue.as_deref()))]
+    WriterDied {
+        /// The writer's process id.
+        pid: u32,
+        /// The queue, as [`QueueError::DeadWriter`] names it.
+        queue: Option<String>,
+    },
+    /// No live writer has this name, or its writer died (`open_by_name` only); the
+    /// user's names directory is [`OpenError::Os`]'s `NamesDirRefused`.
+    #[error(transparent)]
+    Name(NameError),
+    /// The ring or arena segment could not be opened: gone, not this user's, not a
+    /// queue's, or a system call failed (see [`OsError`]).
+    #[error(transparent)]
+    Os(OsError),
+    /// A socket could not be set up or connect (ZeroMQ); [`Error::Transport`] as a
+    /// `shmq::Error`.
+    #[error("ZeroMQ error while {context}: {source}")]
+    Transport {
+        /// What the reader was doing.
+        context: String,
+        /// ZeroMQ's error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// A failure of another layer (none is known to reach here; kept so that a
+    /// `shmq::Error` always has a place).
+    #[error(transparent)]
+    Other(Box<Error>),
+}
+
+impl OpenError {
+    /// The reader's failure as this type says it (the parts of the reader return
+    /// `shmq::Error`).
+    pub(crate) fn from_core(e: Error) -> OpenError {
+        match e {
+            Error::InvalidArgument(why) => OpenError::BadHandle(why),
+            Error::Queue(QueueError::DeadWriter { pid, queue }) => {
+                OpenError::WriterDied { pid, queue }
+            }
+            Error::Name(e) => OpenError::Name(e),
+            Error::Os(e) => OpenError::Os(e),
+            Error::Transport { context, source } => OpenError::Transport { context, source },
+            e => OpenError::Other(Box::new(e)),
+        }
+    }
+}
+
+impl From<OpenError> for Error {
+    fn from(e: OpenError) -> Error {
+        match e {
+            OpenError::BadHandle(why) => Error::InvalidArgument(why),
+            OpenError::WriterDied { pid, queue } => {
+                Error::Queue(QueueError::DeadWriter { pid, queue })
+            }
+            OpenError::Name(e) => Error::Name(e),
+            OpenError::Os(e) => Error::Os(e),
+            OpenError::Transport { context, source } => Error::Transport { context, source },
+            OpenError::Other(e) => *e,
+        }
+    }
+}
+
+/// Why a receive of a [`Reader`](crate::Reader) ([`dequeue`](crate::Reader::dequeue)
+/// and its siblings, [`wait_message`](crate::Reader::wait_message),
+/// [`acquire_read`](crate::Reader::acquire_read)) returned no message. Its text is the
+/// one [`Error`] has for the same failure, and it converts into that [`Error`] (`?` in a
+/// function returning `shmq::Result`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DequeueError {
+    /// The wait reached its deadline. `what`: who waited for what; `waited`: how long.
+    #[error("timed out after {waited:.3?}: {what}")]
+    Timeout { what: String, waited: Duration },
+    /// The reader was shut down ([`Reader::shutdown`](crate::Reader::shutdown), its
+    /// [`canceller`](crate::Reader::canceller)), or the wait's hook ended it so.
+    #[error("cancelled")]
+    Cancelled,
+    /// The writer shut the queue down and every message it sent before was received:
+    /// no more will come. Not a death. As a `shmq::Error`,
+    /// [`QueueError::WriterShutDown`].
+    #[error("{}", writer_shut_down_message(queue.as_deref()))]
+    WriterShutDown {
+        /// The queue, as [`QueueError::WriterShutDown`] names it.
+        queue: Option<String>,
+    },
+    /// The writer died. As a `shmq::Error`, [`QueueError::DeadWriter`].
+    #[error("{}", dead_writer_message(*pid, queue.as_deref()))]
+    WriterDied {
+        /// The writer's process id.
+        pid: u32,
+        /// The queue, as [`QueueError::DeadWriter`] names it.
+        queue: Option<String>,
+    },
+    /// The writer's process ended before a message it sent over the queue's socket
+    /// reached this reader: that message is lost, the next receive reads on. As a
+    /// `shmq::Error`, [`QueueError::WriterGoneMidMessage`].
+    #[error("{}", QueueError::WriterGoneMidMessage)]
+    MessageLost,
+    /// The message is of another kind than this call takes (parts or an array for
+    /// `dequeue`, ...), or malformed; it was consumed. The text names what it is.
+    /// [`Error::InvalidArgument`] as a `shmq::Error`.
+    #[error("{0}")]
+    WrongKind(String),
+    /// Not a call for this reader (`acquire_read` of a remote reader).
+    /// [`Error::WrongRole`] as a `shmq::Error`.
+    #[error("{0}")]
+    WrongRole(String),
+    /// A remote reader's stream was lost or refused (see [`RemoteError`]).
+    #[error(transparent)]
+    Remote(RemoteError),
+    /// A segment broken by another process (truncated, not whole), or a system call
+    /// that failed (see [`OsError`]).
+    #[error(transparent)]
+    Os(OsError),
+    /// ZeroMQ failed (the socket of a message larger than a chunk, or a remote
+    /// reader's); [`Error::Transport`] as a `shmq::Error`.
+    #[error("ZeroMQ error while {context}: {source}")]
+    Transport {
+        /// What the reader was doing.
+        context: String,
+        /// ZeroMQ's error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// Another error: the one the wait's hook ended it with (other than
+    /// [`Error::Cancelled`]), a reader used in a forked child.
+    #[error(transparent)]
+    Other(Box<Error>),
+}
+
+impl DequeueError {
+    /// The receive's failure as this type says it (the parts of the reader return
+    /// `shmq::Error`).
+    pub(crate) fn from_core(e: Error) -> DequeueError {
+        match e {
+            Error::Timeout { what, waited } => DequeueError::Timeout { what, waited },
+            Error::Cancelled => DequeueError::Cancelled,
+            Error::Queue(QueueError::WriterShutDown { queue }) => {
+                DequeueError::WriterShutDown { queue }
+            }
+            Error::Queue(QueueError::DeadWriter { pid, queue }) => {
+                DequeueError::WriterDied { pid, queue }
+            }
+            Error::Queue(QueueError::WriterGoneMidMessage) => DequeueError::MessageLost,
+            Error::InvalidArgument(why) => DequeueError::WrongKind(why),
+            Error::WrongRole(why) => DequeueError::WrongRole(why),
+            Error::Remote(e) => DequeueError::Remote(e),
+            Error::Os(e) => DequeueError::Os(e),
+            Error::Transport { context, source } => DequeueError::Transport { context, source },
+            e => DequeueError::Other(Box::new(e)),
+        }
+    }
+}
+
+impl From<DequeueError> for Error {
+    fn from(e: DequeueError) -> Error {
+        match e {
+            DequeueError::Timeout { what, waited } => Error::Timeout { what, waited },
+            DequeueError::Cancelled => Error::Cancelled,
+            DequeueError::WriterShutDown { queue } => {
+                Error::Queue(QueueError::WriterShutDown { queue })
+            }
+            DequeueError::WriterDied { pid, queue } => {
+                Error::Queue(QueueError::DeadWriter { pid, queue })
+            }
+            DequeueError::MessageLost => Error::Queue(QueueError::WriterGoneMidMessage),
+            DequeueError::WrongKind(why) => Error::InvalidArgument(why),
+            DequeueError::WrongRole(why) => Error::WrongRole(why),
+            DequeueError::Remote(e) => Error::Remote(e),
+            DequeueError::Os(e) => Error::Os(e),
+            DequeueError::Transport { context, source } => Error::Transport { context, source },
+            DequeueError::Other(e) => *e,
+        }
+    }
+}
+
+/// Why [`Writer::enqueue`](crate::Writer::enqueue) (or
+/// [`try_enqueue`](crate::Writer::try_enqueue), in
+/// [`TryEnqueueError::Failed`](crate::broadcast::TryEnqueueError::Failed)) did not send
+/// the message. Its text is the one [`Error`] has for the same failure, and it converts
+/// into that [`Error`] (`?` in a function returning `shmq::Result`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnqueueError {
+    /// The wait for room reached its deadline; nothing was sent.
+    #[error("timed out after {waited:.3?}: {what}")]
+    Timeout { what: String, waited: Duration },
+    /// The wait's hook ended it with [`Error::Cancelled`] before anything was sent.
+    #[error("cancelled")]
+    Cancelled,
+    /// The writer is shut down ([`Writer::close`](crate::Writer::close), its
+    /// canceller; also a send blocked in another thread then). As a `shmq::Error`,
+    /// [`QueueError::ShutDown`].
+    #[error("{}", QueueError::ShutDown)]
+    ShutDown,
+    /// A local reader died holding the chunk needed (the queue's `on_dead_reader` is
+    /// `Raise`). As a `shmq::Error`, [`QueueError::DeadReader`].
+    #[error("{}", dead_reader_message(*reader, *pid, *chunk, queue.as_deref()))]
+    ReaderDied {
+        /// The reader's index among the local readers.
+        reader: usize,
+        /// Its process id.
+        pid: u32,
+        /// The chunk it had not read.
+        chunk: usize,
+        /// The queue, as [`QueueError::DeadReader`] names it.
+        queue: Option<String>,
+    },
+    /// The message cannot be sent as it is (a part count beyond the framing's limit,
+    /// ...); [`Error::InvalidArgument`] as a `shmq::Error`.
+    #[error("{0}")]
+    BadMessage(String),
+    /// A remote reader was lost (under `LostReaderPolicy::Raise`), or its stream refused
+    /// (see [`RemoteError`]).
+    #[error(transparent)]
+    Remote(RemoteError),
+    /// `/dev/shm` had no room for what the message needs (the tensor arena), or a system
+    /// call failed (see [`OsError`]).
+    #[error(transparent)]
+    Os(OsError),
+    /// ZeroMQ failed (the socket of a message larger than a chunk, or the remote
+    /// readers'); [`Error::Transport`] as a `shmq::Error`.
+    #[error("ZeroMQ error while {context}: {source}")]
+    Transport {
+        /// What the writer was doing.
+        context: String,
+        /// ZeroMQ's error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// Another error: the one the wait's hook ended it with (other than
+    /// [`Error::Cancelled`]), a writer used in a forked child, the arena's refusal.
+    #[error(transparent)]
+    Other(Box<Error>),
+}
+
+impl EnqueueError {
+    /// The send's failure as this type says it (the parts of the writer return
+    /// `shmq::Error`).
+    pub(crate) fn from_core(e: Error) -> EnqueueError {
+        match e {
+            Error::Timeout { what, waited } => EnqueueError::Timeout { what, waited },
+            Error::Cancelled => EnqueueError::Cancelled,
+            Error::Queue(QueueError::ShutDown) => EnqueueError::ShutDown,
+            Error::Queue(QueueError::DeadReader {
+                reader,
+                pid,
+                chunk,
+                queue,
+            }) => EnqueueError::ReaderDied {
+                reader,
+                pid,
+                chunk,
+                queue,
+            },
+            Error::InvalidArgument(why) => EnqueueError::BadMessage(why),
+            Error::Remote(e) => EnqueueError::Remote(e),
+            Error::Os(e) => EnqueueError::Os(e),
+            Error::Transport { context, source } => EnqueueError::Transport { context, source },
+            e => EnqueueError::Other(Box::new(e)),
+        }
+    }
+}
+
+impl From<EnqueueError> for Error {
+    fn from(e: EnqueueError) -> Error {
+        match e {
+            EnqueueError::Timeout { what, waited } => Error::Timeout { what, waited },
+            EnqueueError::Cancelled => Error::Cancelled,
+            EnqueueError::ShutDown => Error::Queue(QueueError::ShutDown),
+            EnqueueError::ReaderDied {
+                reader,
+                pid,
+                chunk,
+                queue,
+            } => Error::Queue(QueueError::DeadReader {
+                reader,
+                pid,
+                chunk,
+                queue,
+            }),
+            EnqueueError::BadMessage(why) => Error::InvalidArgument(why),
+            EnqueueError::Remote(e) => Error::Remote(e),
+            EnqueueError::Os(e) => Error::Os(e),
+            EnqueueError::Transport { context, source } => Error::Transport { context, source },
+            EnqueueError::Other(e) => *e,
+        }
+    }
 }

@@ -327,7 +327,7 @@ impl Gather {
                 Round::InFlight(w) => {
                     let f = f.take().expect("not called yet");
                     let got = self.sources[w].reader.dequeue_view(remaining, |b| f(w, b));
-                    return got.map_err(|e| self.died_if_dead(w, e));
+                    return got.map_err(|e| self.died_if_dead(w, e.into()));
                 }
                 Round::Nothing => {}
             }

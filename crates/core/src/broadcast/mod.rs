@@ -11,7 +11,9 @@
 //! - [`async_wait`]: async receives on any executor ([`AsyncWaiter`], waiter threads
 //!   asleep in `wait_any`; [`Reader::dequeue_async`] and its siblings).
 //! - [`gather`]: [`Gather`], many writers' queues read as one stream, blocking or awaited.
-//! - `error`: [`QueueError`], how a queue ends (a dead peer, a shutdown).
+//! - `error`: [`QueueError`], how a queue ends (a dead peer, a shutdown); the errors of
+//!   the queue's operations, one type each ([`OpenError`], [`DequeueError`],
+//!   [`EnqueueError`], and the writer's [`TryEnqueueError`]).
 
 pub mod array;
 pub mod async_wait;
@@ -24,7 +26,7 @@ pub mod wait_any;
 
 pub use array::{Array, ArrayMeta, ArrayRef, Dtype, Element};
 pub use async_wait::{AsyncWaiter, WaitReady};
-pub use error::QueueError;
+pub use error::{DequeueError, EnqueueError, OpenError, QueueError};
 pub use gather::{Gather, GatherCanceller};
 pub use queue::{
     Canceller, ChunkRead, Handle, Message, OwnedPart, Part, QueueOptions, Reader, Received,

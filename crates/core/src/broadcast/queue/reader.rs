@@ -20,7 +20,7 @@ use super::super::ring::{ChunkKind, Ring, RingReader};
 use super::super::wait_any::ReadyTarget;
 use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
-use crate::error::{Error, QueueError, Result};
+use crate::error::{DequeueError, Error, OpenError, QueueError, Result};
 use crate::remote::RemoteReader;
 use crate::transport::Subscriber;
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
@@ -467,10 +467,11 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a `rank` the handle does not have, or a handle that does
-    /// not hold together; [`Error::Os`] when the ring or arena segment cannot be opened (gone,
-    /// not this user's, or not a queue's); [`Error::Transport`] when a socket cannot connect;
-    /// [`QueueError::DeadWriter`] for a writer already dead.
+    /// An [`OpenError`]: [`BadHandle`](OpenError::BadHandle) for a `rank` the handle does
+    /// not have, or a handle that does not hold together; [`Os`](OpenError::Os) when the
+    /// ring or arena segment cannot be opened (gone, not this user's, or not a queue's);
+    /// [`Transport`](OpenError::Transport) when a socket cannot connect;
+    /// [`WriterDied`](OpenError::WriterDied) for a writer already dead.
     ///
     /// # Examples
     ///
@@ -481,7 +482,7 @@ impl Reader {
     /// assert!(reader.is_local());
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn open(handle: &Handle, rank: usize) -> Result<Reader> {
+    pub fn open(handle: &Handle, rank: usize) -> Result<Reader, OpenError> {
         Self::open_with(
             handle,
             rank,
@@ -500,12 +501,14 @@ impl Reader {
     ///
     /// # Errors
     ///
+    /// An [`OpenError`]: [`Name`](OpenError::Name) with
     /// [`NameError::NotFound`](crate::names::NameError::NotFound) when no live writer
-    /// holds the name (never made, closed, or a damaged record);
+    /// holds the name (never made, closed, or a damaged record), or
     /// [`NameError::Gone`](crate::names::NameError::Gone) when its writer died (its record
-    /// is removed then, and the name is free); the operating-system layer's
+    /// is removed then, and the name is free); [`Os`](OpenError::Os) with
     /// [`NamesDirRefused`](crate::error::OsError::NamesDirRefused) when the user's
-    /// directory of names may be entered by others; and [`open`](Self::open)'s.
+    /// directory of names may be entered by others; [`BadHandle`](OpenError::BadHandle)
+    /// for a recorded handle that does not parse; and [`open`](Self::open)'s.
     ///
     /// # Examples
     ///
@@ -524,9 +527,16 @@ impl Reader {
     /// # drop(writer);
     /// # Ok::<(), shmq::Error>(())
     /// ```
-    pub fn open_by_name(name: &str, rank: usize) -> Result<Reader> {
+    pub fn open_by_name(name: &str, rank: usize) -> Result<Reader, OpenError> {
+        let handle = Self::handle_by_name(name).map_err(OpenError::from_core)?;
+        Self::open(&handle, rank)
+    }
+
+    /// The handle the writer of the queue `name` recorded (see
+    /// [`open_by_name`](Self::open_by_name)).
+    fn handle_by_name(name: &str) -> Result<Handle> {
         let record = crate::names::lookup(crate::names::Kind::Queue, name)?;
-        let handle: Handle = record
+        record
             .text("handle")
             .ok_or_else(|| {
                 Error::from(crate::names::NameError::NotFound {
@@ -535,18 +545,18 @@ impl Reader {
                     uid: shmq_os::names_dir::uid(),
                 })
             })?
-            .parse()?;
-        Self::open(&handle, rank)
+            .parse()
     }
 
     /// [`open`](Self::open), waiting as `policy` says in this reader's blocking calls.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a `rank` the handle does not have, or a handle that does
-    /// not hold together; [`Error::Os`] when the ring or arena segment cannot be opened (gone,
-    /// not this user's, or not a queue's); [`Error::Transport`] when a socket cannot connect;
-    /// [`QueueError::DeadWriter`] for a writer already dead.
+    /// An [`OpenError`]: [`BadHandle`](OpenError::BadHandle) for a `rank` the handle does
+    /// not have, or a handle that does not hold together; [`Os`](OpenError::Os) when the
+    /// ring or arena segment cannot be opened (gone, not this user's, or not a queue's);
+    /// [`Transport`](OpenError::Transport) when a socket cannot connect;
+    /// [`WriterDied`](OpenError::WriterDied) for a writer already dead.
     ///
     /// # Examples
     ///
@@ -558,7 +568,16 @@ impl Reader {
     /// assert_eq!(reader.wait_policy(), policy);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn open_with(handle: &Handle, rank: usize, policy: WaitPolicy) -> Result<Reader> {
+    pub fn open_with(
+        handle: &Handle,
+        rank: usize,
+        policy: WaitPolicy,
+    ) -> Result<Reader, OpenError> {
+        Self::open_core(handle, rank, policy).map_err(OpenError::from_core)
+    }
+
+    /// [`open_with`](Self::open_with), its errors as the parts of the reader say them.
+    fn open_core(handle: &Handle, rank: usize, policy: WaitPolicy) -> Result<Reader> {
         let ctx = crate::transport::shared_context();
         let source = match handle.local_reader_ranks.iter().position(|&r| r == rank) {
             Some(index) => {
@@ -764,7 +783,8 @@ impl Reader {
     }
 
     /// Ends this reader's blocked calls (from any thread, without locking the reader)
-    /// with [`Error::Cancelled`], now and from then on.
+    /// with [`DequeueError::Cancelled`] (`Error::Cancelled` for the calls that return
+    /// `shmq::Error`), now and from then on.
     ///
     /// # Examples
     ///
@@ -776,14 +796,15 @@ impl Reader {
     /// writer.wait_until_ready(Duration::from_secs(10))?;
     /// let canceller = reader.canceller();
     /// std::thread::spawn(move || canceller.cancel()).join().unwrap();
-    /// assert!(matches!(reader.dequeue(None), Err(shmq::Error::Cancelled)));
+    /// assert!(matches!(reader.dequeue(None), Err(shmq::broadcast::DequeueError::Cancelled)));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn canceller(&self) -> Canceller {
         self.canceller.clone()
     }
 
-    /// Wake this reader's blocked calls with [`Error::Cancelled`], now and from now on.
+    /// Wake this reader's blocked calls with [`DequeueError::Cancelled`]
+    /// (`Error::Cancelled` for the calls that return `shmq::Error`), now and from now on.
     ///
     /// # Examples
     ///
@@ -794,7 +815,7 @@ impl Reader {
     /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
     /// writer.wait_until_ready(Duration::from_secs(10))?;
     /// reader.shutdown();
-    /// assert!(matches!(reader.dequeue(None), Err(shmq::Error::Cancelled)));
+    /// assert!(matches!(reader.dequeue(None), Err(shmq::broadcast::DequeueError::Cancelled)));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn shutdown(&self) {
@@ -852,36 +873,11 @@ impl Reader {
     pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.ready_what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
-        self.wait_until_ready_with(&mut wait)
+        self.wait_until_ready_in(&mut wait)
     }
 
-    /// [`wait_until_ready`](Self::wait_until_ready) under a wait of the caller's own (a
-    /// remote reader's only).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
-    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
-    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
-    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
-    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
-    /// segment broken by another process; the error of `wait`'s hook.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
-    /// # use std::time::Duration;
-    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
-    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
-    /// writer.wait_until_ready(Duration::from_secs(10))?;
-    /// let policy = reader.wait_policy();
-    /// let cancel = std::sync::atomic::AtomicBool::new(false);
-    /// let mut wait = shmq::wait::WaitSpec::from(Duration::from_secs(10)).into_wait("ready", policy, &cancel);
-    /// reader.wait_until_ready_with(&mut wait)?;
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn wait_until_ready_with(&mut self, wait: &mut Wait) -> Result<()> {
+    /// [`wait_until_ready`](Self::wait_until_ready) under a wait already built.
+    fn wait_until_ready_in(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if self.ready {
             return Ok(());
@@ -905,12 +901,16 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
-    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
-    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
-    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
-    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
-    /// segment broken by another process; the error of `wait`'s hook.
+    /// A [`DequeueError`]: [`Timeout`](DequeueError::Timeout) when `wait` runs out first;
+    /// [`Cancelled`](DequeueError::Cancelled) once [`shutdown`](Self::shutdown) (or the
+    /// [`canceller`](Self::canceller)) was called; [`WriterShutDown`](DequeueError::WriterShutDown)
+    /// once the writer shut the queue down and every message it sent before was received;
+    /// [`WriterDied`](DequeueError::WriterDied) for a writer that died;
+    /// [`MessageLost`](DequeueError::MessageLost) for a message larger than a chunk whose
+    /// writer's process ended before it arrived; [`Remote`](DequeueError::Remote) for a
+    /// remote reader's lost or refused stream; [`Os`](DequeueError::Os) for a segment
+    /// broken by another process; [`Transport`](DequeueError::Transport) for a failed
+    /// socket; [`Other`](DequeueError::Other) with the error of `wait`'s hook.
     ///
     /// # Examples
     ///
@@ -925,39 +925,15 @@ impl Reader {
     /// assert_eq!(reader.try_take(|b| b.to_vec())?, Some(b"here".to_vec()));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn wait_message<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
+    pub fn wait_message<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<(), DequeueError> {
         let (canceller, what) = (self.canceller.clone(), self.what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
-        self.wait_message_with(&mut wait)
+        self.wait_message_in(&mut wait)
+            .map_err(DequeueError::from_core)
     }
 
-    /// [`wait_message`](Self::wait_message) under a wait of the caller's own.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
-    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
-    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
-    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
-    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
-    /// segment broken by another process; the error of `wait`'s hook.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
-    /// # use std::time::Duration;
-    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
-    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
-    /// writer.wait_until_ready(Duration::from_secs(10))?;
-    /// writer.enqueue(b"here", Duration::from_secs(10))?;
-    /// let policy = reader.wait_policy();
-    /// let cancel = std::sync::atomic::AtomicBool::new(false);
-    /// let mut wait = shmq::wait::WaitSpec::from(Duration::from_secs(10)).into_wait("a message", policy, &cancel);
-    /// reader.wait_message_with(&mut wait)?;
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn wait_message_with(&mut self, wait: &mut Wait) -> Result<()> {
+    /// [`wait_message`](Self::wait_message) under a wait already built.
+    fn wait_message_in(&mut self, wait: &mut Wait) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if !wait.is_resumed() {
             self.writer_gone_since = None;
@@ -1144,8 +1120,8 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a message of another kind than this call takes, naming
-    /// what it is (consumed: the reader goes on with the next one); else as
+    /// [`DequeueError::WrongKind`] for a message of another kind than this call takes,
+    /// naming what it is (consumed: the reader goes on with the next one); else as
     /// [`dequeue`](Self::dequeue).
     ///
     /// # Examples
@@ -1165,44 +1141,30 @@ impl Reader {
         &mut self,
         wait: impl Into<WaitSpec<'w>>,
         f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, DequeueError> {
+        self.dequeue_view_core(wait.into(), f)
+            .map_err(DequeueError::from_core)
+    }
+
+    /// [`dequeue_view`](Self::dequeue_view), its errors as the parts of the reader say
+    /// them.
+    fn dequeue_view_core<R>(
+        &mut self,
+        wait: WaitSpec<'_>,
+        f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R> {
         let mut f = Some(f);
         if let Some(r) = self.try_take(|b| (f.take().expect("called once"))(b))? {
             return Ok(r);
         }
         let (canceller, what) = (self.canceller.clone(), self.what.clone());
-        let mut wait = self.wait(&what, wait.into(), &canceller);
-        self.dequeue_with(&mut wait, f.take().expect("not called yet"))
+        let mut wait = self.wait(&what, wait, &canceller);
+        self.dequeue_in(&mut wait, f.take().expect("not called yet"))
     }
 
-    /// Wait for the next message and call `f` on its bytes, with a wait built by the
-    /// caller ([`WaitSpec::into_wait`], which takes the wait policy: this reader's is
-    /// [`wait_policy`](Self::wait_policy)); [`dequeue_view`](Self::dequeue_view) builds
-    /// it as `dequeue` does.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for a message of another kind than this call takes, naming
-    /// what it is (consumed: the reader goes on with the next one); else as
-    /// [`dequeue`](Self::dequeue).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
-    /// # use std::time::Duration;
-    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
-    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
-    /// writer.wait_until_ready(Duration::from_secs(10))?;
-    /// writer.enqueue(b"in place", Duration::from_secs(10))?;
-    /// let policy = reader.wait_policy();
-    /// let cancel = std::sync::atomic::AtomicBool::new(false);
-    /// let mut wait = shmq::wait::WaitSpec::from(Duration::from_secs(10)).into_wait("a message", policy, &cancel);
-    /// assert_eq!(reader.dequeue_with(&mut wait, |b| b.to_vec())?, b"in place");
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn dequeue_with<R>(&mut self, wait: &mut Wait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        self.wait_message_with(wait)?;
+    /// Wait for the next message and call `f` on its bytes, under a wait already built.
+    fn dequeue_in<R>(&mut self, wait: &mut Wait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.wait_message_in(wait)?;
         self.try_take(f)?.ok_or_else(|| self.not_ready_any_more())
     }
 
@@ -1259,7 +1221,7 @@ impl Reader {
             let r = ring.ring().clone();
             match ring.poll() {
                 Some(info) if info.kind == ChunkKind::Overflow => {
-                    // The bytes are on their way (see `wait_message_with`, whose checks
+                    // The bytes are on their way (see `wait_message_in`, whose checks
                     // these are): only a writer that died, or shut down and went away
                     // before ZeroMQ delivered them, leaves them missing.
                     RingReader::check_writer(&r)?;
@@ -1298,14 +1260,18 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
-    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
-    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
-    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
-    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
-    /// segment broken by another process; the error of `wait`'s hook.
-    /// [`Error::InvalidArgument`] for a message of parts or an array (consumed: the reader
-    /// goes on with the next one).
+    /// A [`DequeueError`]: [`Timeout`](DequeueError::Timeout) when `wait` runs out first;
+    /// [`Cancelled`](DequeueError::Cancelled) once [`shutdown`](Self::shutdown) (or the
+    /// [`canceller`](Self::canceller)) was called; [`WriterShutDown`](DequeueError::WriterShutDown)
+    /// once the writer shut the queue down and every message it sent before was received;
+    /// [`WriterDied`](DequeueError::WriterDied) for a writer that died;
+    /// [`MessageLost`](DequeueError::MessageLost) for a message larger than a chunk whose
+    /// writer's process ended before it arrived; [`Remote`](DequeueError::Remote) for a
+    /// remote reader's lost or refused stream; [`Os`](DequeueError::Os) for a segment
+    /// broken by another process; [`Transport`](DequeueError::Transport) for a failed
+    /// socket; [`Other`](DequeueError::Other) with the error of `wait`'s hook.
+    /// [`WrongKind`](DequeueError::WrongKind) for a message of parts or an array
+    /// (consumed: the reader goes on with the next one).
     ///
     /// # Examples
     ///
@@ -1319,13 +1285,8 @@ impl Reader {
     /// assert_eq!(reader.dequeue(Duration::from_secs(10))?, b"hello");
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn dequeue<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<u8>> {
-        if let Some(m) = self.try_take(|b| b.to_vec())? {
-            return Ok(m);
-        }
-        let (canceller, what) = (self.canceller.clone(), self.what.clone());
-        let mut wait = self.wait(&what, wait.into(), &canceller);
-        self.dequeue_with(&mut wait, |b| b.to_vec())
+    pub fn dequeue<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<u8>, DequeueError> {
+        self.dequeue_view(wait, <[u8]>::to_vec)
     }
 
     /// Wait for the next message and return its parts (a plain message is one part):
@@ -1349,12 +1310,28 @@ impl Reader {
     /// assert_eq!((parts.len(), parts[1].len()), (2, 4096));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn dequeue_parts<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Vec<OwnedPart>> {
-        if let Some(m) = self.try_take_message(own_parts)? {
+    pub fn dequeue_parts<'w>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<Vec<OwnedPart>, DequeueError> {
+        self.dequeue_owned(wait.into(), own_parts)
+            .map_err(DequeueError::from_core)
+    }
+
+    /// The next message as `own` makes it (waiting as `wait` says), its errors as the
+    /// parts of the reader say them.
+    fn dequeue_owned<T>(
+        &mut self,
+        wait: WaitSpec<'_>,
+        own: fn(Received<'_>) -> Result<T>,
+    ) -> Result<T> {
+        if let Some(m) = self.try_take_message(own)? {
             return m;
         }
-        self.wait_message(wait)?;
-        self.try_take_message(own_parts)?
+        let (canceller, what) = (self.canceller.clone(), self.what.clone());
+        let mut wait = self.wait(&what, wait, &canceller);
+        self.wait_message_in(&mut wait)?;
+        self.try_take_message(own)?
             .ok_or_else(|| self.not_ready_any_more())?
     }
 
@@ -1365,8 +1342,8 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a message of another kind than this call takes, naming
-    /// what it is (consumed: the reader goes on with the next one); else as
+    /// [`DequeueError::WrongKind`] for a message of another kind than this call takes,
+    /// naming what it is (consumed: the reader goes on with the next one); else as
     /// [`dequeue`](Self::dequeue).
     ///
     /// # Examples
@@ -1383,13 +1360,12 @@ impl Reader {
     /// assert_eq!(array.to_vec::<i64>()?, [1, 2, 3, 4]);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn dequeue_array<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<Array> {
-        if let Some(m) = self.try_take_message(own_array)? {
-            return m;
-        }
-        self.wait_message(wait)?;
-        self.try_take_message(own_array)?
-            .ok_or_else(|| self.not_ready_any_more())?
+    pub fn dequeue_array<'w>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<Array, DequeueError> {
+        self.dequeue_owned(wait.into(), own_array)
+            .map_err(DequeueError::from_core)
     }
 
     /// Zero-copy reading of a chunk filled with
@@ -1401,13 +1377,17 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
-    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
-    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
-    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
-    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
-    /// segment broken by another process; the error of `wait`'s hook.
-    /// [`Error::WrongRole`] for a remote reader.
+    /// A [`DequeueError`]: [`Timeout`](DequeueError::Timeout) when `wait` runs out first;
+    /// [`Cancelled`](DequeueError::Cancelled) once [`shutdown`](Self::shutdown) (or the
+    /// [`canceller`](Self::canceller)) was called; [`WriterShutDown`](DequeueError::WriterShutDown)
+    /// once the writer shut the queue down and every message it sent before was received;
+    /// [`WriterDied`](DequeueError::WriterDied) for a writer that died;
+    /// [`MessageLost`](DequeueError::MessageLost) for a message larger than a chunk whose
+    /// writer's process ended before it arrived; [`Remote`](DequeueError::Remote) for a
+    /// remote reader's lost or refused stream; [`Os`](DequeueError::Os) for a segment
+    /// broken by another process; [`Transport`](DequeueError::Transport) for a failed
+    /// socket; [`Other`](DequeueError::Other) with the error of `wait`'s hook.
+    /// [`WrongRole`](DequeueError::WrongRole) for a remote reader.
     ///
     /// # Examples
     ///
@@ -1424,46 +1404,11 @@ impl Reader {
     /// reader.finish_read()?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn acquire_read<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<ChunkRead<'_>> {
-        let view = self.acquire_chunk(wait)?;
-        Ok(ChunkRead {
-            view,
-            _reader: PhantomData,
-        })
-    }
-
-    /// [`acquire_read`](Self::acquire_read) under a wait of the caller's own.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
-    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
-    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
-    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
-    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
-    /// segment broken by another process; the error of `wait`'s hook.
-    /// [`Error::WrongRole`] for a remote reader.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
-    /// # use std::time::Duration;
-    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
-    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
-    /// writer.wait_until_ready(Duration::from_secs(10))?;
-    /// writer.enqueue(b"zero-copy", Duration::from_secs(10))?;
-    /// let policy = reader.wait_policy();
-    /// let cancel = std::sync::atomic::AtomicBool::new(false);
-    /// let mut wait = shmq::wait::WaitSpec::from(Duration::from_secs(10)).into_wait("a chunk", policy, &cancel);
-    /// let chunk = reader.acquire_read_with(&mut wait)?;
-    /// assert_eq!(&chunk[..], b"zero-copy");
-    /// drop(chunk);
-    /// reader.finish_read()?;
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn acquire_read_with(&mut self, wait: &mut Wait) -> Result<ChunkRead<'_>> {
-        let view = self.acquire_chunk_with(wait)?;
+    pub fn acquire_read<'w>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<ChunkRead<'_>, DequeueError> {
+        let view = self.acquire_chunk(wait).map_err(DequeueError::from_core)?;
         Ok(ChunkRead {
             view,
             _reader: PhantomData,
@@ -1514,8 +1459,8 @@ impl Reader {
     pub unsafe fn acquire_chunk_unborrowed<'w>(
         &mut self,
         wait: impl Into<WaitSpec<'w>>,
-    ) -> Result<ChunkView> {
-        self.acquire_chunk(wait)
+    ) -> Result<ChunkView, DequeueError> {
+        self.acquire_chunk(wait).map_err(DequeueError::from_core)
     }
 
     /// [`acquire_chunk`](Self::acquire_chunk) under a wait of the caller's own.
@@ -1527,7 +1472,7 @@ impl Reader {
         }
         // For an overflow mark this also receives the message, so it is consumed with
         // the chunk (and the next overflow message stays in step).
-        self.wait_message_with(wait)?;
+        self.wait_message_in(wait)?;
         let Source::Local {
             ring, chunk_file, ..
         } = &mut self.source

@@ -6,6 +6,7 @@ use std::time::Duration;
 use super::super::ring::RingHandle;
 use super::reader::ChunkEnd;
 use super::*;
+use crate::error::{DequeueError, EnqueueError, OpenError};
 
 #[test]
 fn handle_text_round_trip() {
@@ -224,14 +225,14 @@ fn a_send_that_waits_for_the_ring_in_vain_sends_nothing_to_remote_readers() {
     let e = w
         .enqueue(b"three", Some(Duration::from_millis(50)))
         .unwrap_err();
-    assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+    assert!(matches!(e, EnqueueError::Timeout { .. }), "{e:?}");
     assert_eq!(remote.dequeue(ten).unwrap(), b"one");
     assert_eq!(remote.dequeue(ten).unwrap(), b"two");
     let e = remote
         .dequeue(Some(Duration::from_millis(200)))
         .unwrap_err();
     assert!(
-        matches!(e, Error::Timeout { .. }),
+        matches!(e, DequeueError::Timeout { .. }),
         "the timed-out send reached it: {e:?}"
     );
     assert_eq!(local.dequeue(ten).unwrap(), b"one");
@@ -277,7 +278,7 @@ fn a_lost_remote_reader_fails_the_sends_of_a_writer_that_asks_for_it() {
         for msg in [&b"two"[..], b"three"] {
             let e = w.enqueue(msg, t).unwrap_err();
             assert!(
-                matches!(&e, Error::Remote(RemoteError::LostReaders { readers, .. })
+                matches!(&e, EnqueueError::Remote(RemoteError::LostReaders { readers, .. })
                     if readers[..] == [(0, Some("127.0.0.1".to_owned()))]),
                 "{e:?}"
             );
@@ -386,7 +387,7 @@ fn a_body_is_a_message_of_one_part_everywhere() {
                         }
                         _ => {
                             let e = r.dequeue(t).unwrap_err();
-                            assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+                            assert!(matches!(e, DequeueError::WrongKind(_)), "{e}");
                         }
                     }
                 }
@@ -422,7 +423,7 @@ fn shutdown_wakes_a_blocked_reader() {
         let started = std::time::Instant::now();
         assert!(matches!(
             r.dequeue(Some(Duration::from_secs(10))),
-            Err(Error::Cancelled)
+            Err(DequeueError::Cancelled)
         ));
         // Woken by cancel(), not by the reader's own 500 ms liveness slice.
         let waited = started.elapsed();
@@ -444,7 +445,7 @@ fn endpoints_with_a_nul_are_errors_not_panics() {
     let mut h = writer.handle().clone();
     h.local_subscribe_addr = Some("ipc:///tmp/x\0y".into());
     let e = Reader::open(&h, 0).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(matches!(e, OpenError::BadHandle(_)), "{e}");
     let remote = Handle {
         local_reader_ranks: vec![],
         buffer: None,
@@ -455,7 +456,7 @@ fn endpoints_with_a_nul_are_errors_not_panics() {
         remote_secret: Some([7; 32]),
     };
     let e = Reader::open(&remote, 3).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(matches!(e, OpenError::BadHandle(_)), "{e}");
     let e = Writer::new(QueueOptions {
         n_reader: 1,
         n_local_reader: 0,
@@ -510,7 +511,7 @@ fn close_ends_the_writer_and_readers_get_everything_then_the_end() {
                     // The local reader's error names the queue's ring; the remote
                     // reader's stream has none.
                     let named = match &e {
-                        Error::Queue(QueueError::WriterShutDown { queue }) => queue.clone(),
+                        DequeueError::WriterShutDown { queue } => queue.clone(),
                         other => panic!("rank {rank}: {other}"),
                     };
                     assert_eq!(
@@ -530,7 +531,7 @@ fn close_ends_the_writer_and_readers_get_everything_then_the_end() {
         let e = w
             .enqueue(b"late", Some(Duration::from_secs(1)))
             .unwrap_err();
-        assert!(matches!(e, Error::Queue(QueueError::ShutDown)), "{e}");
+        assert!(matches!(e, EnqueueError::ShutDown), "{e}");
     });
 }
 
@@ -552,7 +553,7 @@ fn a_cancelled_writer_says_it_was_shut_down() {
             canceller.cancel();
         });
         let e = w.enqueue(b"blocked", None).unwrap_err();
-        assert!(matches!(e, Error::Queue(QueueError::ShutDown)), "{e}");
+        assert!(matches!(e, EnqueueError::ShutDown), "{e}");
     });
 }
 
@@ -679,7 +680,10 @@ fn an_enqueue_ended_by_its_hook_and_started_again_sends_each_message_once() {
                     assert_eq!(&r.dequeue(t).unwrap(), m);
                 }
                 let e = r.dequeue(Some(Duration::from_millis(300))).unwrap_err();
-                assert!(matches!(e, Error::Timeout { .. }), "a message more: {e:?}");
+                assert!(
+                    matches!(e, DequeueError::Timeout { .. }),
+                    "a message more: {e:?}"
+                );
             });
         }
         w.wait_until_ready(t).unwrap();

@@ -21,7 +21,7 @@ use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
-use crate::error::{Error, OsError, QueueError, Result};
+use crate::error::{EnqueueError, Error, OsError, QueueError, Result};
 use crate::names::{self, NameClaim};
 use crate::remote::{self, RemoteWriter};
 use crate::transport::{default_connect_ip, Publisher};
@@ -301,7 +301,7 @@ pub enum TryEnqueueError {
     Full,
     /// The send failed, as [`Writer::enqueue`] would have.
     #[error(transparent)]
-    Failed(#[from] Error),
+    Failed(#[from] EnqueueError),
 }
 
 /// The writing side of a queue.
@@ -915,13 +915,17 @@ impl Writer {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when `wait` runs out before there is room; [`QueueError::DeadReader`]
-    /// for a local reader that died holding the chunk needed (unless `on_dead_reader` drops
-    /// it); [`QueueError::ShutDown`] once the writer is shut down (also a send blocked in
-    /// another thread); [`Error::Remote`] for a remote reader lost under
-    /// `LostReaderPolicy::Raise`; [`Error::InvalidArgument`] for a message that cannot be
-    /// sent (a part count beyond the framing's limit); [`Error::Os`] when `/dev/shm` has no
-    /// room for what it needs; the error of `wait`'s hook.
+    /// An [`EnqueueError`]: [`Timeout`](EnqueueError::Timeout) when `wait` runs out before
+    /// there is room; [`ReaderDied`](EnqueueError::ReaderDied) for a local reader that died
+    /// holding the chunk needed (unless `on_dead_reader` drops it);
+    /// [`ShutDown`](EnqueueError::ShutDown) once the writer is shut down (also a send
+    /// blocked in another thread); [`Remote`](EnqueueError::Remote) for a remote reader
+    /// lost under `LostReaderPolicy::Raise`; [`BadMessage`](EnqueueError::BadMessage) for a
+    /// message that cannot be sent (a part count beyond the framing's limit);
+    /// [`Os`](EnqueueError::Os) when `/dev/shm` has no room for what it needs;
+    /// [`Transport`](EnqueueError::Transport) for a failed socket;
+    /// [`Cancelled`](EnqueueError::Cancelled) or [`Other`](EnqueueError::Other) with the
+    /// error of `wait`'s hook.
     ///
     /// # Examples
     ///
@@ -946,9 +950,9 @@ impl Writer {
         &mut self,
         message: impl Into<Message<'m>>,
         wait: impl Into<WaitSpec<'w>>,
-    ) -> Result<()> {
+    ) -> Result<(), EnqueueError> {
         let spec = wait.into();
-        match message.into() {
+        let sent = match message.into() {
             Message::Bytes(msg) => self.send_whole(msg, false, spec),
             Message::Body(body) => self.send_whole(body, true, spec),
             Message::Parts(parts) => self.send_parts(Format::Parts, parts, spec),
@@ -956,7 +960,8 @@ impl Writer {
                 let header = array.meta().encode();
                 self.send_parts(Format::Array, &[&header, array.data()], spec)
             }
-        }
+        };
+        sent.map_err(EnqueueError::from_core)
     }
 
     /// Send `message` (see [`enqueue`](Self::enqueue)) if that needs no wait.
@@ -996,7 +1001,7 @@ impl Writer {
                 self.try_send_parts(Format::Array, &[&header, array.data()])
             }
         };
-        match sent? {
+        match sent.map_err(EnqueueError::from_core)? {
             true => Ok(()),
             false => Err(TryEnqueueError::Full),
         }
