@@ -77,7 +77,8 @@ use crate::error::{Error, OsError, Result};
 /// std::thread::scope(|s| {
 ///     s.spawn(|| {
 ///         writer.wait_until_ready(Duration::from_secs(10))?;
-///         writer.enqueue(b"hello", Duration::from_secs(10))
+///         writer.enqueue(b"hello", Duration::from_secs(10))?;
+///         Ok::<(), shmq_core::Error>(())
 ///     });
 ///     // Woken by the waiter's thread once the message is in; then taken at once.
 ///     let target = ReadyTarget::of(&reader).expect("a local reader");
@@ -446,7 +447,8 @@ impl Reader {
     /// std::thread::scope(|s| {
     ///     s.spawn(|| {
     ///         writer.wait_until_ready(Duration::from_secs(10))?;
-    ///         writer.enqueue(b"step 1", Duration::from_secs(10))
+    ///         writer.enqueue(b"step 1", Duration::from_secs(10))?;
+    ///         Ok::<(), shmq_core::Error>(())
     ///     });
     ///     // Any executor: tokio's `reader.dequeue_async().await` in a task is the same.
     ///     assert_eq!(block_on(reader.dequeue_async())?, b"step 1");

@@ -416,3 +416,113 @@ impl From<EnqueueError> for Error {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::names::Kind;
+
+    /// One error of each shape the queue's operations meet, as the reader's and
+    /// writer's parts return them.
+    fn core_errors() -> Vec<Error> {
+        vec![
+            Error::Timeout {
+                what: "local reader 0 (rank 0) of queue 'q' waiting for the writer".into(),
+                waited: Duration::from_millis(1500),
+            },
+            Error::Cancelled,
+            Error::InvalidArgument("a message of 2 parts; dequeue takes raw bytes".into()),
+            Error::WrongRole("acquire_read is only for local readers".into()),
+            Error::Queue(QueueError::WriterShutDown {
+                queue: Some("'q'".into()),
+            }),
+            Error::Queue(QueueError::WriterShutDown { queue: None }),
+            Error::Queue(QueueError::DeadWriter {
+                pid: 42,
+                queue: Some("'q'".into()),
+            }),
+            Error::Queue(QueueError::DeadReader {
+                reader: 1,
+                pid: 43,
+                chunk: 7,
+                queue: None,
+            }),
+            Error::Queue(QueueError::ShutDown),
+            Error::Queue(QueueError::WriterGoneMidMessage),
+            Error::Remote(RemoteError::Refused("no".into())),
+            Error::Os(OsError::SegmentNotFound {
+                name: "shmq-x".into(),
+            }),
+            Error::Name(NameError::NotFound {
+                kind: Kind::Queue,
+                name: "steps".into(),
+                uid: 1000,
+            }),
+            Error::Transport {
+                context: "connecting".into(),
+                source: zmq::Error::EINVAL,
+            },
+            Error::Store(crate::storage::StoreError::KeyExists("k".into())),
+        ]
+    }
+
+    /// Each operation's error says exactly what the `shmq::Error` it came from said, and
+    /// converts back into that same `shmq::Error` (variant, fields and text): what the
+    /// Python binding maps to exceptions, so no Python message or type changes.
+    #[test]
+    fn each_operations_error_has_the_text_of_and_converts_back_into_the_same_error() {
+        for e in core_errors() {
+            let (text, debug) = (e.to_string(), format!("{e:?}"));
+            let open = OpenError::from_core(e);
+            assert_eq!(open.to_string(), text);
+            let e = Error::from(open);
+            assert_eq!(format!("{e:?}"), debug);
+            let dequeue = DequeueError::from_core(e);
+            assert_eq!(dequeue.to_string(), text);
+            let e = Error::from(dequeue);
+            assert_eq!(format!("{e:?}"), debug);
+            let enqueue = EnqueueError::from_core(e);
+            assert_eq!(enqueue.to_string(), text);
+            let e = Error::from(enqueue);
+            assert_eq!(format!("{e:?}"), debug);
+            assert_eq!(e.to_string(), text);
+        }
+    }
+
+    /// The ways each operation fails are variants of its own, not `Other`.
+    #[test]
+    fn the_operations_failures_are_variants_of_their_own() {
+        let e = || core_errors().into_iter();
+        let dequeue: Vec<_> = e().map(DequeueError::from_core).collect();
+        assert!(matches!(dequeue[0], DequeueError::Timeout { .. }));
+        assert!(matches!(dequeue[1], DequeueError::Cancelled));
+        assert!(matches!(dequeue[2], DequeueError::WrongKind(_)));
+        assert!(matches!(dequeue[3], DequeueError::WrongRole(_)));
+        assert!(matches!(dequeue[4], DequeueError::WriterShutDown { .. }));
+        assert!(matches!(
+            dequeue[6],
+            DequeueError::WriterDied { pid: 42, .. }
+        ));
+        assert!(matches!(dequeue[9], DequeueError::MessageLost));
+        assert!(matches!(dequeue[10], DequeueError::Remote(_)));
+        assert!(matches!(dequeue[11], DequeueError::Os(_)));
+        assert!(matches!(dequeue[13], DequeueError::Transport { .. }));
+        let enqueue: Vec<_> = e().map(EnqueueError::from_core).collect();
+        assert!(matches!(enqueue[0], EnqueueError::Timeout { .. }));
+        assert!(matches!(enqueue[2], EnqueueError::BadMessage(_)));
+        assert!(matches!(
+            enqueue[7],
+            EnqueueError::ReaderDied {
+                reader: 1,
+                pid: 43,
+                chunk: 7,
+                ..
+            }
+        ));
+        assert!(matches!(enqueue[8], EnqueueError::ShutDown));
+        let open: Vec<_> = e().map(OpenError::from_core).collect();
+        assert!(matches!(open[2], OpenError::BadHandle(_)));
+        assert!(matches!(open[6], OpenError::WriterDied { pid: 42, .. }));
+        assert!(matches!(open[12], OpenError::Name(NameError::NotFound { .. })));
+    }
+}

@@ -122,7 +122,8 @@ impl ReadyTarget {
 ///     let second = &mut writers[1];
 ///     s.spawn(move || {
 ///         second.wait_until_ready(t)?;
-///         second.enqueue(b"from the second writer", t)
+///         second.enqueue(b"from the second writer", t)?;
+///         Ok::<(), shmq_core::Error>(())
 ///     });
 ///     loop {
 ///         let seen = word.current(); // before the targets
