@@ -523,6 +523,9 @@ mod tests {
         let open: Vec<_> = e().map(OpenError::from_core).collect();
         assert!(matches!(open[2], OpenError::BadHandle(_)));
         assert!(matches!(open[6], OpenError::WriterDied { pid: 42, .. }));
-        assert!(matches!(open[12], OpenError::Name(NameError::NotFound { .. })));
+        assert!(matches!(
+            open[12],
+            OpenError::Name(NameError::NotFound { .. })
+        ));
     }
 }

@@ -1269,7 +1269,7 @@ impl Reader {
     /// writer's process ended before it arrived; [`Remote`](DequeueError::Remote) for a
     /// remote reader's lost or refused stream; [`Os`](DequeueError::Os) for a segment
     /// broken by another process; [`Transport`](DequeueError::Transport) for a failed
-    /// socket; [`Other`](DequeueError::Other) with the error of `wait`'s hook.
+    /// socket; [`Other`](DequeueError::Other) with the error of `wait`'s hook;
     /// [`WrongKind`](DequeueError::WrongKind) for a message of parts or an array
     /// (consumed: the reader goes on with the next one).
     ///
@@ -1386,7 +1386,7 @@ impl Reader {
     /// writer's process ended before it arrived; [`Remote`](DequeueError::Remote) for a
     /// remote reader's lost or refused stream; [`Os`](DequeueError::Os) for a segment
     /// broken by another process; [`Transport`](DequeueError::Transport) for a failed
-    /// socket; [`Other`](DequeueError::Other) with the error of `wait`'s hook.
+    /// socket; [`Other`](DequeueError::Other) with the error of `wait`'s hook;
     /// [`WrongRole`](DequeueError::WrongRole) for a remote reader.
     ///
     /// # Examples
