@@ -17,9 +17,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
 
-use shmq::error::{NameError, OpenError};
+use shmq::error::{CreateError, NameError, OpenError};
 use shmq::names::{self, Kind};
-use shmq::{Error, QueueOptions, Reader, Writer};
+use shmq::{QueueOptions, Reader, Writer};
 
 /// What a child plays: `writer`, `reader`, `claimer`, `absent` or `checker`. Its presence marks the child.
 const ROLE_ENV: &str = "SHMQ_NAMES_TEST_ROLE";
@@ -162,7 +162,9 @@ fn play_reader(name: &str, count: u64) -> Result<(), String> {
 /// Try to make a writer of `name`; say `taken <pid in the error>`, or `took`.
 fn play_claimer(name: &str) -> Result<(), String> {
     match Writer::new(named_options(name)) {
-        Err(Error::Name(NameError::Taken { pid: Some(pid), .. })) => say(&format!("taken {pid}")),
+        Err(CreateError::Name(NameError::Taken { pid: Some(pid), .. })) => {
+            say(&format!("taken {pid}"))
+        }
         Err(e) => return Err(format!("not refused as taken: {e}")),
         Ok(writer) => {
             say("took");

@@ -8,8 +8,8 @@ use pyo3::exceptions::{
 use pyo3::{PyErr, PyResult};
 
 use shmq::error::{
-    CacheError, DequeueError, EnqueueError, Error, NameError, OpenError, OsError, QueueError,
-    RemoteError, StoreError,
+    CacheError, CreateError, DequeueError, EnqueueError, Error, NameError, OpenError, OsError,
+    QueueError, RemoteError, StoreError,
 };
 use shmq::workers::link::LinkError;
 use shmq::workers::Error as WorkersError;
@@ -68,11 +68,18 @@ impl From<Error> for AnyError {
     }
 }
 
-/// The queue's per-operation errors ([`OpenError`], [`DequeueError`], [`EnqueueError`])
+/// The queue's per-operation errors ([`OpenError`], [`DequeueError`], [`CreateError`],
+/// [`EnqueueError`])
 /// as the core's [`Error`] they convert into, with the same text: the same exception as
 /// before they had types of their own.
 impl From<OpenError> for AnyError {
     fn from(e: OpenError) -> Self {
+        AnyError::Core(e.into())
+    }
+}
+
+impl From<CreateError> for AnyError {
+    fn from(e: CreateError) -> Self {
         AnyError::Core(e.into())
     }
 }

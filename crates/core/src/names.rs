@@ -564,7 +564,10 @@ mod tests {
         let mut opts = crate::QueueOptions::local(1);
         opts.record_name = true;
         let e = crate::Writer::new(opts.clone()).unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(
+            matches!(e, crate::error::CreateError::BadOptions(_)),
+            "{e:?}"
+        );
         let name = unique("w");
         opts.name = Some(name.clone());
         let mut writer = crate::Writer::new(opts.clone()).unwrap();
@@ -572,7 +575,10 @@ mod tests {
         let handle: crate::Handle = record.text("handle").unwrap().parse().unwrap();
         assert_eq!(&handle, writer.handle());
         let e = crate::Writer::new(opts.clone()).unwrap_err();
-        assert!(matches!(e, Error::Name(NameError::Taken { .. })), "{e:?}");
+        assert!(
+            matches!(e, crate::error::CreateError::Name(NameError::Taken { .. })),
+            "{e:?}"
+        );
         writer.close();
         let e = crate::Reader::open_by_name(&name, 0).unwrap_err();
         assert!(

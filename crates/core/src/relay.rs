@@ -152,11 +152,11 @@ impl Relay {
             hook: reborrow(&mut hook),
             ..Default::default()
         })?;
-        self.upstream.wait_until_ready(WaitSpec {
+        Ok(self.upstream.wait_until_ready(WaitSpec {
             timeout: left(),
             hook: reborrow(&mut hook),
             ..Default::default()
-        })
+        })?)
     }
 
     /// Pass messages on until the upstream writer shuts down, the relay is stopped, or

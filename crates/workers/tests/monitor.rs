@@ -20,7 +20,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use shmq_core::broadcast::{QueueError, QueueOptions, Writer};
+use shmq_core::broadcast::{EnqueueError, QueueOptions, Writer};
 use shmq_workers::{
     report_ready, sibling_failure, Error, WorkerExit, WorkerOptions, Workers, RANK_ENV,
 };
@@ -116,7 +116,7 @@ fn a_death_is_told_to_the_siblings_and_ends_the_parents_blocked_wait() {
     });
     let waited = writer.wait_until_ready(BOUND);
     assert!(
-        matches!(waited, Err(shmq_core::Error::Queue(QueueError::ShutDown))),
+        matches!(waited, Err(EnqueueError::ShutDown)),
         "the writer's wait ended with {waited:?}"
     );
     assert!(*ran.lock().unwrap());

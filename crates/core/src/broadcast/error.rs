@@ -1,8 +1,9 @@
 //! The queue's errors: [`QueueError`], a peer that died and the ends of a queue that was
 //! shut down (in `shmq::Error`); and one type per operation of the queue's Rust API, each
 //! with exactly the ways that operation fails (as crossbeam's `TrySendError`):
-//! [`OpenError`] (a reader's `open`), [`DequeueError`] (its receives), [`EnqueueError`]
-//! (a writer's send). Each converts into `shmq::Error`, with the same text.
+//! [`OpenError`] (a reader's `open`), [`DequeueError`] (its receives and its
+//! `wait_until_ready`), [`CreateError`] (a writer's `new`), [`EnqueueError`] (its send and
+//! its `wait_until_ready`). Each converts into `shmq::Error`, with the same text.
 
 /// An error of the queue, and of a remote stream's reader where the writer shut down (in
 /// `shmq::Error`, [`crate::Error::Queue`]).
@@ -191,7 +192,9 @@ impl From<OpenError> for Error {
 
 /// Why a receive of a [`Reader`](crate::Reader) ([`dequeue`](crate::Reader::dequeue)
 /// and its siblings, [`wait_message`](crate::Reader::wait_message),
-/// [`acquire_read`](crate::Reader::acquire_read)) returned no message. Its text is the
+/// [`acquire_read`](crate::Reader::acquire_read)) returned no message, or its
+/// [`wait_until_ready`](crate::Reader::wait_until_ready) failed (a subset of the same
+/// ways). Its text is the
 /// one [`Error`] has for the same failure, and it converts into that [`Error`] (`?` in a
 /// function returning `shmq::Result`).
 #[derive(Debug, thiserror::Error)]
@@ -306,7 +309,10 @@ impl From<DequeueError> for Error {
 /// Why [`Writer::enqueue`](crate::Writer::enqueue) (or
 /// [`try_enqueue`](crate::Writer::try_enqueue), in
 /// [`TryEnqueueError::Failed`](crate::broadcast::TryEnqueueError::Failed)) did not send
-/// the message. Its text is the one [`Error`] has for the same failure, and it converts
+/// the message, or [`Writer::wait_until_ready`](crate::Writer::wait_until_ready) failed (a
+/// subset of the same ways: [`Timeout`](EnqueueError::Timeout),
+/// [`ReaderDied`](EnqueueError::ReaderDied) for a reader that died before subscribing,
+/// [`ShutDown`](EnqueueError::ShutDown), [`Remote`](EnqueueError::Remote), the hook's). Its text is the one [`Error`] has for the same failure, and it converts
 /// into that [`Error`] (`?` in a function returning `shmq::Result`).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -417,6 +423,67 @@ impl From<EnqueueError> for Error {
     }
 }
 
+/// Why [`Writer::new`](crate::Writer::new) made no queue. Its text is the one [`Error`]
+/// has for the same failure, and it converts into that [`Error`] (`?` in a function
+/// returning `shmq::Result`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CreateError {
+    /// Options that do not fit together or are out of range (more local readers than
+    /// readers, ranks out of range, a bad `name`, `record_name` without one, remote
+    /// options out of range); the text names the option. [`Error::InvalidArgument`] as a
+    /// `shmq::Error`.
+    #[error("{0}")]
+    BadOptions(String),
+    /// The queue's `name` could not be recorded: another live writer holds it, or it could
+    /// not be decided (see [`NameError`]).
+    #[error(transparent)]
+    Name(NameError),
+    /// The ring or the arena could not be made (no room in `/dev/shm`, ...), or a system
+    /// call failed (see [`OsError`]).
+    #[error(transparent)]
+    Os(OsError),
+    /// A socket could not be bound (ZeroMQ); [`Error::Transport`] as a `shmq::Error`.
+    #[error("ZeroMQ error while {context}: {source}")]
+    Transport {
+        /// What the writer was doing.
+        context: String,
+        /// ZeroMQ's error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// A failure of another layer (none is known to reach here; kept so that a
+    /// `shmq::Error` always has a place).
+    #[error(transparent)]
+    Other(Box<Error>),
+}
+
+impl CreateError {
+    /// The writer's failure as this type says it (the parts of the writer return
+    /// `shmq::Error`).
+    pub(crate) fn from_core(e: Error) -> CreateError {
+        match e {
+            Error::InvalidArgument(why) => CreateError::BadOptions(why),
+            Error::Name(e) => CreateError::Name(e),
+            Error::Os(e) => CreateError::Os(e),
+            Error::Transport { context, source } => CreateError::Transport { context, source },
+            e => CreateError::Other(Box::new(e)),
+        }
+    }
+}
+
+impl From<CreateError> for Error {
+    fn from(e: CreateError) -> Error {
+        match e {
+            CreateError::BadOptions(why) => Error::InvalidArgument(why),
+            CreateError::Name(e) => Error::Name(e),
+            CreateError::Os(e) => Error::Os(e),
+            CreateError::Transport { context, source } => Error::Transport { context, source },
+            CreateError::Other(e) => *e,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -485,6 +552,10 @@ mod tests {
             assert_eq!(enqueue.to_string(), text);
             let e = Error::from(enqueue);
             assert_eq!(format!("{e:?}"), debug);
+            let create = CreateError::from_core(e);
+            assert_eq!(create.to_string(), text);
+            let e = Error::from(create);
+            assert_eq!(format!("{e:?}"), debug);
             assert_eq!(e.to_string(), text);
         }
     }
@@ -520,6 +591,10 @@ mod tests {
             }
         ));
         assert!(matches!(enqueue[8], EnqueueError::ShutDown));
+        let create: Vec<_> = e().map(CreateError::from_core).collect();
+        assert!(matches!(create[2], CreateError::BadOptions(_)));
+        assert!(matches!(create[11], CreateError::Os(_)));
+        assert!(matches!(create[13], CreateError::Transport { .. }));
         let open: Vec<_> = e().map(OpenError::from_core).collect();
         assert!(matches!(open[2], OpenError::BadHandle(_)));
         assert!(matches!(open[6], OpenError::WriterDied { pid: 42, .. }));

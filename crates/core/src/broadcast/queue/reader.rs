@@ -852,12 +852,14 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when `wait` runs out first; [`Error::Cancelled`] once
-    /// [`shutdown`](Self::shutdown) (or the [`canceller`](Self::canceller)) was called;
-    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every message
-    /// it sent before was received; [`QueueError::DeadWriter`] for a writer that died;
-    /// [`Error::Remote`] for a remote reader's lost or refused stream; [`Error::Os`] for a
-    /// segment broken by another process; the error of `wait`'s hook.
+    /// A [`DequeueError`]: [`Timeout`](DequeueError::Timeout) when `wait` runs out first;
+    /// [`Cancelled`](DequeueError::Cancelled) once [`shutdown`](Self::shutdown) (or the
+    /// [`canceller`](Self::canceller)) was called; [`WriterShutDown`](DequeueError::WriterShutDown)
+    /// once the writer shut the queue down and every message it sent before was received;
+    /// [`WriterDied`](DequeueError::WriterDied) for a writer that died;
+    /// [`Remote`](DequeueError::Remote) for a remote reader's lost or refused stream;
+    /// [`Transport`](DequeueError::Transport) for a failed socket;
+    /// [`Other`](DequeueError::Other) with the error of `wait`'s hook.
     ///
     /// # Examples
     ///
@@ -870,10 +872,14 @@ impl Reader {
     /// reader.wait_until_ready(Duration::from_secs(10))?; // a local reader: at once
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
+    pub fn wait_until_ready<'w>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<(), DequeueError> {
         let (canceller, what) = (self.canceller.clone(), self.ready_what.clone());
         let mut wait = self.wait(&what, wait.into(), &canceller);
         self.wait_until_ready_in(&mut wait)
+            .map_err(DequeueError::from_core)
     }
 
     /// [`wait_until_ready`](Self::wait_until_ready) under a wait already built.

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::super::ring::RingHandle;
 use super::reader::ChunkEnd;
 use super::*;
-use crate::error::{DequeueError, EnqueueError, OpenError};
+use crate::error::{CreateError, DequeueError, EnqueueError, OpenError};
 
 #[test]
 fn handle_text_round_trip() {
@@ -128,7 +128,7 @@ fn options_are_checked() {
         })
         .unwrap_err();
         assert!(
-            matches!(&e, Error::InvalidArgument(m) if m == message),
+            matches!(&e, CreateError::BadOptions(m) if m == message),
             "{e}"
         );
     }
@@ -464,7 +464,7 @@ fn endpoints_with_a_nul_are_errors_not_panics() {
         ..Default::default()
     })
     .unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(matches!(e, CreateError::BadOptions(_)), "{e}");
 }
 
 #[test]

@@ -21,7 +21,7 @@ use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
-use crate::error::{EnqueueError, Error, OsError, QueueError, Result};
+use crate::error::{CreateError, EnqueueError, Error, OsError, QueueError, Result};
 use crate::names::{self, NameClaim};
 use crate::remote::{self, RemoteWriter};
 use crate::transport::{default_connect_ip, Publisher};
@@ -351,12 +351,13 @@ impl Writer {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for options that do not fit together (more local readers
-    /// than readers, ranks out of range, a bad `name`, `record_name` without one, remote
-    /// options out of range); [`NameError::Taken`](crate::names::NameError::Taken) for a
-    /// `name` another live writer holds (`record_name`); [`Error::Os`] when the ring or the
-    /// arena cannot be made (no room in `/dev/shm`...); [`Error::Transport`] when a socket
-    /// cannot be bound.
+    /// A [`CreateError`]: [`BadOptions`](CreateError::BadOptions) for options that do not
+    /// fit together (more local readers than readers, ranks out of range, a bad `name`,
+    /// `record_name` without one, remote options out of range); [`Name`](CreateError::Name)
+    /// with [`NameError::Taken`](crate::names::NameError::Taken) for a `name` another live
+    /// writer holds (`record_name`); [`Os`](CreateError::Os) when the ring or the arena
+    /// cannot be made (no room in `/dev/shm`...); [`Transport`](CreateError::Transport)
+    /// when a socket cannot be bound.
     ///
     /// # Examples
     ///
@@ -368,7 +369,12 @@ impl Writer {
     /// assert_eq!((writer.n_local_reader(), writer.n_remote_reader()), (2, 0));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn new(opts: QueueOptions) -> Result<Writer> {
+    pub fn new(opts: QueueOptions) -> Result<Writer, CreateError> {
+        Self::new_core(opts).map_err(CreateError::from_core)
+    }
+
+    /// [`new`](Self::new), its errors as the parts of the writer say them.
+    fn new_core(opts: QueueOptions) -> Result<Writer> {
         opts.remote.check()?;
         if opts.n_local_reader > opts.n_reader {
             return Err(Error::InvalidArgument(format!(
@@ -528,9 +534,12 @@ impl Writer {
         })
     }
 
-    /// Shut the queue down: this writer's calls fail with [`QueueError::ShutDown`] from now
-    /// on (also calls blocked in other threads: see [`Canceller`]), and every reader,
-    /// after the messages sent before, gets [`QueueError::WriterShutDown`]. Local readers learn
+    /// Shut the queue down: this writer's calls fail with [`QueueError::ShutDown`]
+    /// ([`EnqueueError::ShutDown`] for `enqueue` and `wait_until_ready`) from now on (also
+    /// calls blocked in other threads: see [`Canceller`]), and every reader, after the
+    /// messages sent before, gets [`QueueError::WriterShutDown`]
+    /// ([`DequeueError::WriterShutDown`](crate::broadcast::DequeueError::WriterShutDown)
+    /// from its receives). Local readers learn
     /// it from the writer's slot in the ring (no chunk needed, so this never waits for
     /// room); remote readers from a closing message on the stream, sent within
     /// `CLOSE_GRACE` (1 s; a reader whose queue stays full that long sees the writer go
@@ -825,9 +834,12 @@ impl Writer {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when `wait` runs out first; [`QueueError::DeadReader`] for a local
-    /// reader that died before subscribing; [`QueueError::ShutDown`] once the writer is shut
-    /// down (also from another thread, by its [`Canceller`]); the error of `wait`'s hook.
+    /// An [`EnqueueError`]: [`Timeout`](EnqueueError::Timeout) when `wait` runs out first;
+    /// [`ReaderDied`](EnqueueError::ReaderDied) for a local reader that died before
+    /// subscribing; [`ShutDown`](EnqueueError::ShutDown) once the writer is shut down (also
+    /// from another thread, by its [`Canceller`]); [`Remote`](EnqueueError::Remote) for a
+    /// remote reader that could not connect; [`Cancelled`](EnqueueError::Cancelled) or
+    /// [`Other`](EnqueueError::Other) with the error of `wait`'s hook.
     ///
     /// # Examples
     ///
@@ -841,9 +853,19 @@ impl Writer {
     /// # drop(reader.join().unwrap()?);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn wait_until_ready<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<()> {
+    pub fn wait_until_ready<'w>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<(), EnqueueError> {
+        self.wait_until_ready_core(wait.into())
+            .map_err(EnqueueError::from_core)
+    }
+
+    /// [`wait_until_ready`](Self::wait_until_ready), its errors as the parts of the
+    /// writer say them.
+    fn wait_until_ready_core(&mut self, wait: WaitSpec<'_>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.waiting_for_subscribers.clone());
-        let mut wait = wait.into().into_wait(&what, self.policy, canceller.flag());
+        let mut wait = wait.into_wait(&what, self.policy, canceller.flag());
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
         let r = self.wait_until_ready_unchecked(&mut wait);
