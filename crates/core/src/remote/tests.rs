@@ -154,7 +154,10 @@ fn a_reader_whose_writer_goes_without_shutdown_gets_what_arrived_then_an_error()
         ),
         "{e}"
     );
-    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    // The connection's close is usually seen at once; the promise is the heartbeat's
+    // bound (once, under load, the close was seen only by it, at 5.0 s), with slack.
+    let bound = HEARTBEAT_INTERVAL + DEFAULT_HEARTBEAT_TIMEOUT + Duration::from_secs(2);
+    assert!(t0.elapsed() < bound, "{:?}", t0.elapsed());
     // And from then on, at once.
     assert!(matches!(
         r.try_recv_frames(),
