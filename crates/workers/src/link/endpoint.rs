@@ -55,13 +55,14 @@ fn send_by(stream: &TcpStream, deadline: Instant, kind: u8, payload: &[u8]) -> R
 /// threads; clones send on the same link).
 #[derive(Clone)]
 pub struct LinkSender {
-    inner: Arc<Mutex<(TcpStream, SealOut)>>,
+    /// The stream (`None` once [`close`](Self::close)d) and the outgoing seal.
+    inner: Arc<Mutex<(Option<TcpStream>, SealOut)>>,
 }
 
 impl LinkSender {
     fn new(stream: TcpStream, seal: SealOut) -> LinkSender {
         LinkSender {
-            inner: Arc::new(Mutex::new((stream, seal))),
+            inner: Arc::new(Mutex::new((Some(stream), seal))),
         }
     }
 
@@ -80,6 +81,9 @@ impl LinkSender {
         }
         let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let (stream, seal) = &mut *guard;
+        let Some(stream) = stream else {
+            return Err(LinkError::Closed.into());
+        };
         let body = seal.seal(kind, payload);
         Ok(write_frame(stream, kind, &body)?)
     }
@@ -101,7 +105,21 @@ impl LinkSender {
     /// End the connection both ways (a `recv` waiting on it returns).
     pub fn shutdown(&self) {
         let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = guard.0.shutdown(Shutdown::Both);
+        if let Some(stream) = &guard.0 {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// End the connection both ways and close this half's descriptor, so that once the
+    /// receiving half is dropped too the socket is closed: a peer still sending then gets
+    /// a reset at once (a shut-down socket with unread bytes only stops reading, and a
+    /// peer's blocked send would wait for its own timeout). Later sends are
+    /// [`LinkError::Closed`].
+    pub fn close(&self) {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(stream) = guard.0.take() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
     }
 }
 
@@ -457,9 +475,10 @@ impl RemoteWorker {
                         }
                         e => format!("lost its connection to the parent ({e})"),
                     };
-                    // A frame that was not the worker's: end the stream, so that the
-                    // worker's side sees it go.
-                    self.shutdown();
+                    // A frame that was not the worker's: end and close the stream (this
+                    // half's descriptor here, the receiving half's as `self` goes), so
+                    // that the worker's side sees it go, a send in progress included.
+                    self.sender.close();
                     workers.report_exit(rank, None, Vec::new(), Some(how));
                     return;
                 }
