@@ -544,6 +544,8 @@ class Writer:
         """``(name, capacity, reserved, outstanding)`` of the tensor arena."""
     def wait_until_ready(self, timeout: Optional[float] = None) -> None:
         """Wait for every reader, then tell them the queue is ready; later calls return at once."""
+    def wait_remote_taken(self, timeout: Optional[float] = None) -> None:
+        """Wait until every remote reader still sent to has taken every message sent so far."""
     def enqueue(self, data: bytes, timeout: Optional[float] = None) -> None:
         """Send ``data`` as raw bytes (one frame): a reader's ``dequeue`` returns ``(data,)``."""
     def enqueue_body(self, body: bytes, timeout: Optional[float] = None) -> None:

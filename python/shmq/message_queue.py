@@ -834,6 +834,20 @@ class MessageQueue:
             return None
         return self._dropped_remote_readers()
 
+    def wait_remote_taken(self, timeout: Optional[float] = None) -> None:
+        """Writer side: wait until every remote reader still sent to has taken every
+        message enqueued so far. Each acknowledges when it next reads from the stream, so
+        a reader that acts on each message before it dequeues the next has acted on all of
+        them when this returns (how a writer on one machine knows the other end holds what
+        it sent: shmq's encoder-cache connector across nodes). Returns at once without
+        remote readers; a remote reader whose connection goes meanwhile is dropped (as in
+        ``enqueue``) and not waited for. ``TimeoutError`` naming the reader still behind
+        after ``timeout`` seconds."""
+        writer = self._writer
+        if writer is None:
+            raise self._not_the_writer("wait_remote_taken")
+        writer.wait_remote_taken(timeout)
+
     def _dropped_remote_readers(self) -> list[tuple[int, Optional[str]]]:
         assert self._writer is not None
         return [(rank, host) for rank, host, dropped in self._writer.remote_peers if dropped]

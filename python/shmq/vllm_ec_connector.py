@@ -32,7 +32,21 @@ so that both instances name the item alike, as for any vLLM EC connector.
   full, once unread items have been evicted; after it the item is not cached (a
   warning), the consumer encodes it itself;
 - ``unread_ttl_s`` (default 30): an item no consumer worker has loaded after this long
-  is evicted when room is needed.
+  is evicted when room is needed;
+- ``remote_handle_file``: the encoder instance on *another node* (its own ``/dev/shm``).
+  Both instances name the same file, on a directory both nodes see (as
+  ``ECExampleConnector``'s ``shared_storage_path``, but only this small file goes
+  there): the encoder's TP rank 0 writes into it (owner-only) the handle of a remote
+  stream it sends every item over (ZeroMQ over TCP, authenticated by the handle's
+  secret, with heartbeats), and the prefill/decode instance's scheduler process reads
+  it, joins the stream and writes each item, once, into its own node's cache ``name``,
+  from which every TP rank loads it. The encoder answers a request only once the other
+  node's cache holds its items. A file of another user's, or one others may read or
+  write, is refused. An encoder that dies leaves what it sent loadable; the
+  prefill/decode instance encodes new items itself, and joins the stream of the next
+  encoder that writes the file;
+- ``remote_ip`` (encoder, with ``remote_handle_file``): the address its stream's port
+  binds (default this host's, as ``MessageQueue``'s ``connect_ip``).
 
 Which rank saves and loads, and what a killed encoder instance leaves: docs/design.md
 ("The encoder cache from Python"). Only imported inside vLLM (it subclasses vLLM's
@@ -116,7 +130,6 @@ class ShmqECConnector(_Connector, ECConnectorBase):
     save_caches = _Connector.save_caches
     get_finished = _Connector.get_finished
     wait_for_save = _Connector.wait_for_save
-    shutdown = _Connector.shutdown
     stats = _Connector.stats
 
     _log = log  # the calls' lines under a "vllm." logger: into vLLM's own log
@@ -129,13 +142,33 @@ class ShmqECConnector(_Connector, ECConnectorBase):
         name = str(extra["name"]) if extra.get("name") is not None else default_cache_name(vllm_config)
         scheduler = role == ECConnectorRole.SCHEDULER
         rank = 0 if scheduler else _tp_rank()
-        producer = None
-        if not scheduler and self.is_producer and rank == 0:
+        remote = extra.get("remote_handle_file")
+        producer: Any = None
+        self._intake: Any = None
+        if not scheduler and self.is_producer and rank == 0 and remote:
+            from ._ec_remote import RemoteSender
+
+            ip = extra.get("remote_ip")
+            producer = RemoteSender(str(remote), str(ip) if ip else None, float(extra.get("save_timeout_s", 1.0)))
+        elif not scheduler and self.is_producer and rank == 0:
             producer = EncoderCacheProducer(
                 name,
                 capacity=int(float(extra.get("capacity_mb", 1024)) * (1 << 20)),
                 max_entries=int(extra.get("max_entries", 4096)),
                 timeout=float(extra.get("save_timeout_s", 1.0)),
+            )
+        if scheduler and self.is_consumer and remote:
+            from ._ec_remote import RemoteIntake
+
+            # This node's cache, filled from the encoder's stream: made before the index.
+            self._intake = RemoteIntake(
+                name,
+                str(remote),
+                capacity=int(float(extra.get("capacity_mb", 1024)) * (1 << 20)),
+                max_entries=int(extra.get("max_entries", 4096)),
+                timeout=float(extra.get("save_timeout_s", 1.0)),
+                unread_ttl=float(extra.get("unread_ttl_s", 30.0)),
+                logger=log,
             )
         _Connector.__init__(
             self,
@@ -162,6 +195,14 @@ class ShmqECConnector(_Connector, ECConnectorBase):
             config.ec_role,
             self.cache_name,
         )
+
+    def shutdown(self) -> None:
+        """Close this side's parts of the cache (and, across nodes, end the intake's
+        thread and close this node's cache)."""
+        _Connector.shutdown(self)
+        if self._intake is not None:
+            self._intake.close()
+            self._intake = None
 
     def _metadata(self, to_load: dict[str, Optional[int]]) -> ShmqECConnectorMetadata:
         return ShmqECConnectorMetadata(mm_hashes=to_load)

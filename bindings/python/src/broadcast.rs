@@ -626,6 +626,16 @@ impl Writer {
         .map(drop)
     }
 
+    /// Wait until every remote reader still sent to has taken every message sent so
+    /// far (each acknowledges when it next reads); at once without remote readers.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_remote_taken(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<()> {
+        blocking_on(py, &self.inner, WRITER, interrupts(timeout), |w, spec| {
+            w.wait_remote_taken(spec)
+        })
+        .map(drop)
+    }
+
     /// Send `data` to every reader.
     #[pyo3(signature = (data, timeout=None))]
     fn enqueue(&self, py: Python<'_>, data: &[u8], timeout: Option<Timeout>) -> PyResult<()> {

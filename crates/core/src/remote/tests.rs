@@ -386,3 +386,51 @@ fn a_refusal_is_for_good_and_nothing_is_taken_before_the_start() {
         assert_eq!(again.to_string(), e.to_string());
     }
 }
+
+#[test]
+fn wait_taken_returns_once_the_reader_asked_for_more_after_the_last_message() {
+    let ctx = zmq::Context::new();
+    let key = new_secret().unwrap();
+    let (mut w, _) =
+        RemoteWriter::bind(&ctx, "127.0.0.1", key, 1, vec![0], RemoteOptions::default()).unwrap();
+    let mut r = RemoteReader::connect(&ctx, w.endpoint(), false, key, 1).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| r.wait_ready(&mut wait()).unwrap());
+        w.wait_for_readers(&mut wait()).unwrap();
+    });
+    // Nothing sent: nothing to wait for.
+    w.wait_taken(&mut Wait::new("test", Some(Duration::ZERO)))
+        .unwrap();
+    for m in [&b"one"[..], b"two", b"three"] {
+        w.send(&[m], &mut wait()).unwrap();
+    }
+    // The reader took one of three and has not read since: the wait runs out, naming it
+    // and what it acknowledged.
+    assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"one");
+    let e = w
+        .wait_taken(&mut Wait::new("test", Some(Duration::from_millis(200))))
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("has acknowledged 0 of the 3 messages"),
+        "{e}"
+    );
+    // It takes the rest and asks for more (the writer's request is what it finds): the
+    // wait returns.
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"two");
+            assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"three");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            // Relaxed: a test flag; the loop ends by its deadline anyway.
+            while !done.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+                assert!(r.try_recv_frames().unwrap().is_none());
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        w.wait_taken(&mut wait()).unwrap();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+}

@@ -1461,6 +1461,51 @@ impl Writer {
         self.remote.as_mut().map_or(0, |r| r.check_connections())
     }
 
+    /// Wait until every remote reader still sent to has taken every message enqueued so
+    /// far (see [`RemoteWriter::wait_taken`]: it asks each for an acknowledgement); at
+    /// once without remote readers. A reader that handles each message before it
+    /// dequeues the next has handled them all when this returns: how a writer on one
+    /// machine knows that what it sent was acted on at the other end (shmq's
+    /// encoder-cache connector waits so for node 0's cache to hold an item before the
+    /// encoder answers its request). A remote reader whose connection goes meanwhile is
+    /// dropped, as in a send, and not waited for.
+    ///
+    /// # Errors
+    ///
+    /// An [`EnqueueError`]: [`Timeout`](EnqueueError::Timeout) naming the reader still
+    /// behind; [`ShutDown`](EnqueueError::ShutDown) once the writer is shut down;
+    /// [`Cancelled`](EnqueueError::Cancelled) or [`Other`](EnqueueError::Other) with the
+    /// error of `wait`'s hook; [`Transport`](EnqueueError::Transport) for the socket's.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use shmq_core as shmq; // what the `shmq` crate re-exports
+    /// # use std::time::Duration;
+    /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
+    /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
+    /// writer.wait_until_ready(Duration::from_secs(10))?;
+    /// // No remote reader: nothing to wait for.
+    /// writer.wait_remote_taken(Duration::from_secs(1))?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn wait_remote_taken<'w>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<(), EnqueueError> {
+        let canceller = self.canceller.clone();
+        let what = "the writer waiting for its remote readers to take what was sent";
+        let mut wait = wait.into().into_wait(what, self.policy, canceller.flag());
+        let r = fork::check(self._ctx.made_in(), "queue writer")
+            .map_err(Error::from)
+            .and_then(|()| self.check_open())
+            .and_then(|()| match self.remote.as_mut() {
+                Some(remote) => remote.wait_taken(&mut wait),
+                None => Ok(()),
+            });
+        r.map_err(|e| EnqueueError::from_core(self.why(e)))
+    }
+
     /// Parts sent by copy because the arena had no room.
     ///
     /// # Examples

@@ -307,6 +307,49 @@ impl RemoteWriter {
         Ok(())
     }
 
+    /// Wait until every reader still sent to has taken every message sent so far (its
+    /// ACK says so), asking each that has not for an ACK as a writer out of credit does;
+    /// a reader whose connection goes meanwhile is dropped (warned about once), as in a
+    /// send. Sends no message. A reader answers such a request when it next reads from
+    /// the stream, so a reader that handles each message before it asks for the next
+    /// has handled every message by then: what a caller that must know a message was
+    /// acted on (not only queued) waits for.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] naming the first reader still behind when `wait` runs out;
+    /// [`Error::Cancelled`] or the error of `wait`'s hook; a transport error of the
+    /// socket.
+    pub fn wait_taken(&mut self, wait: &mut Wait) -> Result<()> {
+        for k in 0..self.peers.len() {
+            while !self.peers[k].dropped && self.peers[k].taken_msgs < self.peers[k].sent_msgs {
+                // Its ACK may be waiting in the socket.
+                self.serve_hellos()?;
+                if self.peers[k].taken_msgs >= self.peers[k].sent_msgs || self.peers[k].dropped {
+                    break;
+                }
+                if self.connection_closed(k) || self.ping(k) == Probe::Gone {
+                    self.gone(k);
+                    break;
+                }
+                // Woken by its ACK (or anything else arriving).
+                let _ = self.socket.poll(zmq::POLLIN, 1);
+                let p = &self.peers[k];
+                let mut behind = || {
+                    format!(
+                        "remote reader rank {} (host {}) has acknowledged {} of the {} messages sent to it (a reader acknowledges when it next reads)",
+                        p.rank,
+                        p.host.as_deref().unwrap_or("unknown"),
+                        p.taken_msgs,
+                        p.sent_msgs,
+                    )
+                };
+                wait.step_explained(&mut crate::wait::no_peer, &mut behind)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Send one message (its frames) to every accepted reader.
     ///
     /// First every reader still sent to must have credit for it (waiting, or dropping
