@@ -24,6 +24,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from typing import Any, Optional
 
 from ._ec_connector import _Connector
@@ -226,10 +227,21 @@ class RemoteIntake:
         try:
             queue = MessageQueue.create_from_handle(Handle.from_str(text), 0)
         except Exception as e:
-            self._log.warning("shmq encoder-cache connector: cannot join the encoder's stream (%s): %s", self.handle_file, e)
+            self._log.warning(
+                "shmq encoder-cache connector: cannot join the encoder's stream (%s): %s", self.handle_file, e
+            )
             return
         try:
-            queue.wait_until_ready(CONNECT_TIMEOUT)
+            deadline = time.monotonic() + CONNECT_TIMEOUT
+            while True:  # in slices, so that close() is not kept waiting
+                try:
+                    queue.wait_until_ready(0.2)
+                    break
+                except TimeoutError:
+                    if self._stop.is_set() or self._replaced(text):
+                        return  # closed, or a newer encoder wrote the file: join that one
+                    if time.monotonic() > deadline:
+                        raise
             self._log.info("shmq encoder-cache connector: joined the encoder's stream of %r", self.handle_file)
             while not self._stop.is_set():
                 try:
@@ -253,6 +265,12 @@ class RemoteIntake:
                 )
         finally:
             queue.shutdown()
+
+    def _replaced(self, text: str) -> bool:
+        try:
+            return read_handle_file(self.handle_file) not in (None, text)
+        except PermissionError:
+            return False
 
     def close(self, timeout: float = 5.0) -> None:
         """End the thread (its dequeue is cancelled at once) and close the cache."""

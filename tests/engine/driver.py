@@ -12,6 +12,7 @@ command prints one line ``RESULT <json>`` at the end; the caller reads nothing e
                               [--end scope|shutdown]
     python driver.py epd LLAVA --role ec_producer|ec_consumer|ec_both|none [--name NAME]
                               [--connector shmq|example] [--storage DIR]
+                              [--remote-handle-file FILE [--remote-ip IP]]
     python driver.py multinode MODEL --master-port P [--fault-window S]
     python driver.py serve MODEL [vllm serve's arguments...]
 
@@ -449,8 +450,13 @@ def cmd_epd(args: argparse.Namespace) -> None:
         from vllm.config import ECTransferConfig
 
         if args.connector == "shmq":
+            shmq_config: dict = {"name": args.name}
+            if args.remote_handle_file:
+                shmq_config["remote_handle_file"] = args.remote_handle_file
+            if args.remote_ip:
+                shmq_config["remote_ip"] = args.remote_ip
             connector = dict(ec_connector="ShmqECConnector", ec_connector_module_path="shmq.vllm_ec_connector",
-                             ec_connector_extra_config={"name": args.name})
+                             ec_connector_extra_config=shmq_config)
         else:
             connector = dict(ec_connector="ECExampleConnector",
                              ec_connector_extra_config={"shared_storage_path": args.storage})
@@ -744,6 +750,8 @@ def main() -> None:
     p.add_argument("--connector", choices=["shmq", "example"], default="shmq")
     p.add_argument("--storage", default="/tmp")
     p.add_argument("--max-model-len", type=int, default=256, help="1024 for the real-sized Llava")
+    p.add_argument("--remote-handle-file", help="shmq's connector across nodes: the file naming the encoder's stream")
+    p.add_argument("--remote-ip", help="the address the encoder's stream binds (with --remote-handle-file)")
     p = sub.add_parser("multinode")
     p.add_argument("model")
     p.add_argument("--master-port", type=int, required=True)

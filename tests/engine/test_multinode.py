@@ -181,3 +181,155 @@ def _serving(engine, plugin: bool, log_dir) -> Iterator[tuple[mn.Node0Serve, mn.
 def _driver_prompts(n: int) -> list[str]:
     """The driver's prompts (tests/engine/driver.py ``prompts``)."""
     return [f"the scheduler {i} sends a batch of tokens to the worker {i % 7}" for i in range(n)]
+
+
+# Node 1's wrapper for an instance driven on stdin (the driver's ``epd``): a private
+# /dev/shm, the command as its child with the wrapper's stdin (a background job's is
+# /dev/null otherwise) in a process group of its own, all of which (the instance's
+# engine core and workers) is SIGKILLed on the wrapper's SIGTERM, as a machine that
+# goes; then what shmq left in node 1's /dev/shm once its janitors had 5 s.
+_NODE1_STDIN_SCRIPT = r"""
+mount -t tmpfs -o size=1g tmpfs /dev/shm || exit 97
+exec 3<&0
+setsid "$@" <&3 &
+child=$!
+trap 'kill -KILL -- -$child 2>/dev/null' TERM
+wait $child
+wait $child 2>/dev/null
+for i in $(seq 50); do ls /dev/shm | grep -q '^shmq_' || break; sleep 0.1; done
+echo "NODE1-SHM $(ls -A /dev/shm | grep -v '^sem\.' | tr '\n' ' ')"
+"""
+
+
+class _EpdInstance:
+    """The driver's ``epd`` (an offline instance of a disaggregated deployment), asked
+    one image at a time as vLLM's EPD proxy asks (``ask``); its log in ``log``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log) -> None:
+        import queue
+        import subprocess
+        import threading
+
+        self.log = log
+        self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log_file, text=True, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stdout: list[str] = []  # vLLM's log lines come on stdout
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.stdout.append(line)
+                self.lines.put(line.rstrip("\n"))
+            self.lines.put("")  # its end
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def line(self, prefix: str, timeout: float) -> str:
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line within {timeout} s:\n{self.text()[-4000:]}") from None
+            if line == "":
+                raise AssertionError(f"the instance ended without {prefix!r}:\n{self.text()[-4000:]}")
+            if line.startswith(prefix):
+                return line[len(prefix):]
+
+    def ask(self, n: int, image: int, uuid: str, max_tokens: int, timeout: float = 120) -> dict:
+        import json
+
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"n": n, "image": image, "uuid": uuid, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return dict(json.loads(self.line("OUT ", timeout)))
+
+    def text(self) -> str:
+        """Its stdout so far (vLLM's log), then its stderr."""
+        return "".join(list(self.stdout)) + self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(60)
+        self._log_file.close()
+
+
+def test_epd_with_the_encoder_on_another_node_same_outputs_and_the_encoder_killed(engine, tmp_path):
+    # Issue 57: the encoder instance on node 1 (its own /dev/shm), the prefill/decode
+    # instance on node 0, shmq's connector with remote_handle_file: the encoder sends
+    # each item over shmq's remote stream (127.0.0.2), node 0's scheduler process writes
+    # it into node 0's cache, both TP ranks load it there. The test is the router, as
+    # vLLM's EPD proxy: each image to the encoder (one token), then to the prefill/decode
+    # instance. The handle file is on a directory both see (tmp_path), as
+    # ECExampleConnector's storage would be.
+    import json
+
+    from shmq_bench.engine import ROOT, engine_env
+
+    python, _ = engine
+    llava = str(ROOT / "target" / "engine-llava")
+    handle_file = str(tmp_path / "epd.handle")
+    name = f"epd2n{os.getpid()}"
+    common = [python, str(mn.DRIVER), "epd", llava, "--connector", "shmq", "--name", name,
+              "--remote-handle-file", handle_file]
+    pd = _EpdInstance([*common, "--role", "ec_consumer"], engine_env(True, VLLM_LOGGING_LEVEL="INFO"),
+                      tmp_path / "pd.log")
+    encoder = _EpdInstance(
+        ["unshare", "-m", "--propagation", "private", "bash", "-c", _NODE1_STDIN_SCRIPT, "node1",
+         *common, "--role", "ec_producer", "--remote-ip", mn.NODE1_IP],
+        engine_env(True, VLLM_HOST_IP=mn.NODE1_IP, VLLM_LOGGING_LEVEL="INFO"), tmp_path / "encoder.log")
+    try:
+        pd.line("READY", 600)
+        encoder.line("READY", 600)
+        sequence = [0, 1, 0, 2]
+        texts = []
+        for n, i in enumerate(sequence):
+            encoder.ask(n, i, f"picture-{i}", 1)
+            texts.append(pd.ask(n, i, f"picture-{i}", 8)["text"])
+        # Node 0's scheduler joined the encoder's stream and node 0's cache holds every item
+        # (seen from this process); both TP ranks loaded from it; the encoder sent every
+        # item (none refused for want of a reader).
+        assert "joined the encoder's stream" in pd.text(), pd.text()[-5000:]
+        from shmq import EncoderCacheIndex
+
+        index = EncoderCacheIndex(name)
+        try:
+            assert index.missing([f"picture-{i}" for i in sequence]) == [], pd.text()[-5000:]
+        finally:
+            index.close()
+        assert len(re.findall(r"first item loaded from", pd.text())) == 2, pd.text()[-5000:]
+        assert "not sent" not in encoder.text() and "not cached" not in encoder.text(), encoder.text()[-5000:]
+        # The aggregated instance's outputs: the same images under names the encoder never
+        # saw, encoded by the prefill/decode instance itself.
+        alone = [pd.ask(n, i, f"alone-{n}-{i}", 8)["text"] for n, i in enumerate(sequence)]
+        assert texts == alone, (texts, alone)
+        # The encoder (node 1) SIGKILLed: node 0 hears its stream end within shmq's heartbeat
+        # bound; a request for a new image is encoded on node 0 and answered (no hang);
+        # what the encoder sent stays loadable.
+        encoder.proc.send_signal(signal.SIGTERM)  # the wrapper SIGKILLs the encoder's process
+        killed = time.monotonic()
+        while "stream" not in pd.text() or "ended" not in pd.text():
+            assert time.monotonic() - killed <= BOUND + SLACK, pd.text()[-5000:]
+            time.sleep(0.1)
+        fresh = pd.ask(9, 3, "picture-3", 8, timeout=60)["text"]
+        again = pd.ask(0, sequence[0], f"picture-{sequence[0]}", 8, timeout=60)["text"]
+        assert fresh and again == texts[0], (fresh, again, texts[0])
+        # Nothing of shmq's left on node 1 once its janitors ran.
+        left = encoder.line("NODE1-SHM", 60).split()
+        assert _shmq_names(left) == [], (left, encoder.text()[-3000:])
+        # The prefill/decode instance's normal end: nothing left on node 0 (node 0's
+        # cache, made by its scheduler process, included).
+        assert pd.proc.stdin is not None
+        pd.proc.stdin.write("quit\n")
+        pd.proc.stdin.flush()
+        out = json.loads(pd.line("RESULT ", 120))
+        assert out["shm_after"] == [] and out["engine_processes_after"] == [], (out, pd.text()[-3000:])
+        assert not [n for n in os.listdir("/dev/shm") if name in n]
+    finally:
+        encoder.stop()
+        pd.stop()

@@ -199,3 +199,23 @@ def test_a_value_that_is_no_tensor_is_refused_by_the_encoders_side(tmp_path):
             sender.save("k", {"not": "a tensor"})
     finally:
         sender.close()
+
+
+def test_a_dead_encoders_file_at_start_is_passed_over_and_close_does_not_wait_for_it(tmp_path, cache_name):
+    handle_file = str(tmp_path / "epd.handle")
+    dead = Sender(handle_file)
+    dead.kill()  # its file stays, naming a port nobody serves
+    intake = _intake(cache_name, handle_file)
+    try:
+        time.sleep(1.0)  # the intake is trying the dead encoder's port
+        live = Sender(handle_file)
+        try:
+            assert live("save k 3 8") == "SAVED k True"
+            assert live("flush") == "FLUSHED"
+            assert _loaded_in_another_process(cache_name, ["k"]) == {"k": [[8, 64], [3.0]]}
+        finally:
+            live.kill()
+    finally:
+        t = time.monotonic()
+        intake.close()
+        assert time.monotonic() - t < 3.0
