@@ -219,3 +219,32 @@ def test_a_dead_encoders_file_at_start_is_passed_over_and_close_does_not_wait_fo
         t = time.monotonic()
         intake.close()
         assert time.monotonic() - t < 3.0
+
+
+def test_a_restarted_prefill_decode_side_gets_a_new_stream_from_the_running_encoder(tmp_path, cache_name):
+    handle_file = str(tmp_path / "epd.handle")
+    first = _intake(cache_name, handle_file)
+    sender = Sender(handle_file)
+    try:
+        assert sender("save a 1 8") == "SAVED a True"
+        assert sender("flush") == "FLUSHED"
+        first.close()  # the prefill/decode instance ends (its cache with it)
+        second = _intake(cache_name, handle_file)
+        try:
+            # The encoder finds its reader gone at its next save and makes a new stream
+            # (a new file), which the new intake joins: an item or two may be encoded on
+            # node 0 meanwhile (not sent), none is lost once it says sent.
+            sent = []
+            for i in range(10):
+                if sender(f"save b{i} {i} 8") == f"SAVED b{i} True":
+                    sent.append(f"b{i}")
+                assert sender("flush") == "FLUSHED"
+                if sent:
+                    break
+                time.sleep(0.5)
+            assert sent, "the running encoder never reached the restarted intake"
+            assert _loaded_in_another_process(cache_name, sent) == {sent[0]: [[8, 64], [float(sent[0][1:])]]}
+        finally:
+            second.close()
+    finally:
+        sender.kill()
