@@ -256,7 +256,12 @@ def run_mm(rounds: int, progress: Any = None, width: int = 2048) -> Rows:
     return _rows(got, labels)
 
 
-def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str, float]:
+#: The encoder instance on "node 1" (``_epd_round(two_nodes=True)``): a mount namespace with
+#: a private ``/dev/shm``, as another machine has (the multi-node bench's node 1).
+_NODE1_SHM = 'mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "$@"'
+
+
+def _epd_round(python: str, model: str, connector: str, images: int, two_nodes: bool = False) -> dict[str, float]:
     """One 1E1PD deployment (two offline instances, TP=2 each, ``driver.py epd``) over
     ``connector`` (``shmq``: shmq's encoder-cache connector; ``example``: vLLM's
     ``ECExampleConnector``, a safetensors file per item in a temporary directory): each
@@ -265,7 +270,10 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
     latter's times after the first (ms) and the connector's own time and CPU (the
     calling thread's) in the encoder's saves (the first; the median of the others) and
     per image in the prefill/decode workers' loads, summed over each instance's TP
-    ranks (ms; the loads include their calls in steps without an item)."""
+    ranks (ms; the loads include their calls in steps without an item). ``two_nodes``:
+    the encoder on node 1 (its own ``/dev/shm``, 127.0.0.2), shmq's connector with
+    ``remote_handle_file`` (its items over the remote stream into node 0's cache), vLLM's
+    with its directory shared by both nodes."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="shmq-epd-") as storage, \
@@ -274,11 +282,20 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
         procs = []
         for role in ("ec_producer", "ec_consumer"):
             os.makedirs(os.path.join(profile, role))
+            argv = [python, str(DRIVER), "epd", model, "--role", role, "--name", name, "--connector", connector,
+                    "--storage", storage, "--max-model-len", str(REAL_MAX_MODEL_LEN)]
+            extra = {}
+            if two_nodes and connector == "shmq":
+                argv += ["--remote-handle-file", os.path.join(storage, "epd.handle")]
+            if two_nodes and role == "ec_producer":
+                if connector == "shmq":
+                    argv += ["--remote-ip", "127.0.0.2"]
+                argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", _NODE1_SHM, "node1", *argv]
+                extra["VLLM_HOST_IP"] = "127.0.0.2"
             procs.append(
                 subprocess.Popen(
-                    [python, str(DRIVER), "epd", model, "--role", role, "--name", name, "--connector", connector,
-                     "--storage", storage, "--max-model-len", str(REAL_MAX_MODEL_LEN)],
-                    env=engine_env(True, SHMQ_ENGINE_PROFILE=os.path.join(profile, role)),
+                    argv,
+                    env=engine_env(True, SHMQ_ENGINE_PROFILE=os.path.join(profile, role), **extra),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
@@ -364,18 +381,20 @@ def _epd_round(python: str, model: str, connector: str, images: int) -> dict[str
             subprocess.run([sys.executable, "-m", "shmq", "cleanup"], capture_output=True, timeout=60)
 
 
-def run_epd(rounds: int, progress: Any = None, width: int = 2048) -> Rows:
+def run_epd(rounds: int, progress: Any = None, width: int = 2048, two_nodes: bool = False) -> Rows:
     """Part of ``--scenarios engine-mm``: the prefill/decode instance's time to first token for
     an image the encoder instance encoded, and the hand-off's own time and CPU per image,
     through vLLM's ``ECExampleConnector`` (a file per item) against shmq's connector,
-    alternating, medians over the rounds (embeddings ``width`` wide)."""
+    alternating, medians over the rounds (embeddings ``width`` wide); ``two_nodes``: the
+    encoder on node 1 (see :func:`_epd_round`)."""
     python, model = _engine(real_llava(width))
     got: dict[str, dict[str, list[float]]] = {"example": {}, "shmq": {}}
     for r in range(rounds):
         for connector in in_turn(r, "example", "shmq"):
             if progress:
-                progress(f"EPD, round {r + 1}/{rounds}, {connector} connector")
-            for key, value in _epd_round(python, model, connector, 5).items():
+                where = ", encoder on node 1" if two_nodes else ""
+                progress(f"EPD{where}, round {r + 1}/{rounds}, {connector} connector")
+            for key, value in _epd_round(python, model, connector, 5, two_nodes).items():
                 got[connector].setdefault(key, []).append(value)
     labels = [
         ("ttft", "prefill/decode instance's time to first token, 1 image encoded by the encoder instance", "ms"),
@@ -405,4 +424,18 @@ def main_mm(rounds: int, width: int = 2048) -> int:
     title = (f"Disaggregated encoding, 1 encoder + 1 prefill/decode instance (TP=2 each, {width}-wide embeddings), "
              f"medians of {rounds} round(s)")
     print_rows(title, "ECExampleConnector (a file per item)", "shmq's connector", "shmq / file", epd)
+    from . import multinode
+
+    refused = multinode.refused()
+    if refused:
+        print(f"\nDisaggregated encoding across two nodes: not run ({refused})")
+        return 0
+    epd = run_epd(rounds, progress, width, two_nodes=True)
+    title = (f"Disaggregated encoding across two nodes, the encoder on node 1 (its own /dev/shm, 127.0.0.2; shmq: "
+             f"its items over shmq's remote stream into node 0's cache; ECExampleConnector: a directory both nodes "
+             f"see), TP=2 each, {width}-wide embeddings, medians of {rounds} round(s); the save rows' CPU is the "
+             f"encoder's processes' only: node 0's intake (its receive and copy into node 0's cache) is in their wall "
+             f"time, not in their CPU")
+    print_rows(title, "ECExampleConnector (a shared directory)", "shmq's connector (remote stream)", "shmq / file",
+               epd)
     return 0

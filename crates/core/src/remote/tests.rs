@@ -418,19 +418,21 @@ fn wait_taken_returns_once_the_reader_asked_for_more_after_the_last_message() {
     );
     // It takes the rest and asks for more (the writer's request is what it finds): the
     // wait returns.
-    let done = std::sync::atomic::AtomicBool::new(false);
+    let done = shmq_protocol::sync::local::AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
             assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"two");
             assert_eq!(&r.recv_frames(&mut wait()).unwrap()[0][..], b"three");
             let deadline = Instant::now() + Duration::from_secs(10);
             // Relaxed: a test flag; the loop ends by its deadline anyway.
-            while !done.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+            while !done.load(shmq_protocol::sync::local::Ordering::Relaxed)
+                && Instant::now() < deadline
+            {
                 assert!(r.try_recv_frames().unwrap().is_none());
                 std::thread::sleep(Duration::from_millis(5));
             }
         });
         w.wait_taken(&mut wait()).unwrap();
-        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        done.store(true, shmq_protocol::sync::local::Ordering::Relaxed);
     });
 }
