@@ -368,6 +368,40 @@ impl MachineLoad {
         let both = (state & 0xffff).min((state >> 16) & 0xffff);
         usize::try_from(both).is_ok_and(|n| n > (self.cores)())
     }
+
+    /// Whether the machine is full ([`full`](Self::full)) with work *besides* `own` of
+    /// its runnable tasks (a ring's processes that are awake, the waiter included): both
+    /// readings also outnumber `own`. A machine full of the ring's own processes (four
+    /// processes of one queue on two cores) is not: there a waiter that yields hands its
+    /// core to a peer that will answer it, where a sleep costs both sides a futex call
+    /// and a wake-up per message (measured in `docs/performance.md`, "Waiting on a full
+    /// machine").
+    pub fn full_beyond(&self, now: Instant, own: u32) -> bool {
+        if !self.full(now) {
+            return false;
+        }
+        // Relaxed: see `full` (which has just refreshed the word where it was due).
+        let state = self.state.load(Ordering::Relaxed);
+        let both = (state & 0xffff).min((state >> 16) & 0xffff);
+        both > u64::from(own)
+    }
+}
+
+/// A ring's processes as a waiter counts them when it asks whether the machine is full
+/// ([`MachineLoad::full_beyond`]): how many there are (its writer and readers) and the
+/// ring's two doorbells, whose sleepers are the ones not running.
+#[derive(Clone, Copy, Debug)]
+pub struct RingPeers<'r> {
+    pub processes: u32,
+    pub doorbells: [&'r DoorbellWords; 2],
+}
+
+impl RingPeers<'_> {
+    /// The ring's processes not asleep on either doorbell now (the waiter included).
+    pub fn awake(&self) -> u32 {
+        let asleep: u32 = self.doorbells.iter().map(|d| d.sleepers_now()).sum();
+        self.processes.saturating_sub(asleep)
+    }
 }
 
 /// How many recent waits a [`WaitHistory`] keeps.
@@ -858,6 +892,26 @@ impl<'a> Wait<'a> {
         doorbell: Option<&DoorbellWords>,
         peer_alive: &mut dyn FnMut() -> Result<()>,
         explain: &mut dyn FnMut() -> String,
+        ready: impl FnMut() -> Option<T>,
+    ) -> Result<T> {
+        self.until_among(doorbell, None, peer_alive, explain, ready)
+    }
+
+    /// [`until_explained`](Self::until_explained) for a waiter of a ring whose processes
+    /// are `peers`: the machine counts as full only with work besides the ring's own
+    /// awake processes ([`MachineLoad::full_beyond`]), so that a ring with more
+    /// processes than cores keeps spinning and yielding as its policy says (handing its
+    /// core to its peers) unless other work waits for the cores too.
+    ///
+    /// # Errors
+    ///
+    /// As [`until_explained`](Self::until_explained).
+    pub fn until_among<T>(
+        &mut self,
+        doorbell: Option<&DoorbellWords>,
+        peers: Option<RingPeers<'_>>,
+        peer_alive: &mut dyn FnMut() -> Result<()>,
+        explain: &mut dyn FnMut() -> String,
         mut ready: impl FnMut() -> Option<T>,
     ) -> Result<T> {
         // A resumed wait (see `WaitClock`) goes on in the phase where it stopped, and
@@ -886,6 +940,10 @@ impl<'a> Wait<'a> {
             && !(self.policy.spin.is_zero()
                 && self.policy.yield_for.is_zero()
                 && self.policy.yield_max.is_zero());
+        let full = |load: &MachineLoad, now: Instant| match &peers {
+            Some(p) => load.full_beyond(now, p.awake()),
+            None => load.full(now),
+        };
         let mut straight_to_sleep = false;
         let yield_end = match resumed_yield_end {
             Some(end) => end,
@@ -904,7 +962,7 @@ impl<'a> Wait<'a> {
                     }
                     let now = Instant::now();
                     self.check(now, explain)?;
-                    if ask_load && self.load.is_some_and(|l| l.full(now)) {
+                    if ask_load && self.load.is_some_and(|l| full(l, now)) {
                         straight_to_sleep = true;
                         break;
                     }
@@ -942,7 +1000,7 @@ impl<'a> Wait<'a> {
                 if doorbell.is_some() && now >= yield_end {
                     break;
                 }
-                if ask_load && self.load.is_some_and(|l| l.full(now)) {
+                if ask_load && self.load.is_some_and(|l| full(l, now)) {
                     break;
                 }
             }
@@ -1372,14 +1430,78 @@ mod tests {
         assert_eq!(READS.load(Ordering::SeqCst), 5);
     }
 
+    #[test]
+    fn a_machine_full_of_the_rings_own_processes_is_not_full_beyond_them() {
+        let _one = GAUGE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now() + Duration::from_millis(LOAD_REFRESH_MS.into());
+        // 4 runnable on 2 cores: full, but not beyond the ring's 4 awake processes.
+        let load = gauge_reading(4);
+        assert!(load.full(now));
+        assert!(!load.full_beyond(now, 4));
+        assert!(!load.full_beyond(now, 5));
+        // One more runnable task than the ring's awake ones: other work waits for a core.
+        assert!(load.full_beyond(now, 3));
+        // Not full at all: not full beyond anything.
+        let load = gauge_reading(2);
+        assert!(!load.full_beyond(now, 0));
+    }
+
+    #[test]
+    fn a_rings_awake_processes_are_those_not_asleep_on_its_doorbells() {
+        let (a, b) = (DoorbellWords::default(), DoorbellWords::default());
+        let peers = RingPeers {
+            processes: 4,
+            doorbells: [&a, &b],
+        };
+        assert_eq!(peers.awake(), 4);
+        // Two threads asleep on one doorbell, one on the other: one process awake. More
+        // asleep than there are processes (nonsense a peer could write): none, no underflow.
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for bell in [&a, &a, &b] {
+                let done = &done;
+                s.spawn(move || {
+                    while !done.load(Ordering::SeqCst) {
+                        bell.doorbell()
+                            .sleep(|| done.load(Ordering::SeqCst), Some(Duration::from_secs(5)));
+                    }
+                });
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while a.sleepers_now() + b.sleepers_now() < 3 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(peers.awake(), 1);
+            let few = RingPeers {
+                processes: 2,
+                doorbells: [&a, &b],
+            };
+            assert_eq!(few.awake(), 0);
+            done.store(true, Ordering::SeqCst);
+            a.doorbell().wake();
+            b.doorbell().wake();
+        });
+    }
+
     /// A wait whose policy spins for 10 s, for a condition a peer thread sets: with
     /// `runnable` tasks on a machine of 2 cores, how many times it polled, and whether the
     /// peer found it asleep on the doorbell (the peer sets the condition once the waiter
     /// sleeps, or after 50 ms).
     fn poll_count_with_a_peer(runnable: u32) -> (u64, bool) {
+        poll_count_among(runnable, None)
+    }
+
+    /// [`poll_count_with_a_peer`], the waiter a ring's of `ring_processes` processes (all
+    /// awake but for those asleep on its doorbell) where given.
+    fn poll_count_among(runnable: u32, ring_processes: Option<u32>) -> (u64, bool) {
         let _one = GAUGE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let load = gauge_reading(runnable);
         let bell = DoorbellWords::default();
+        let other = DoorbellWords::default();
+        let peers = ring_processes.map(|processes| RingPeers {
+            processes,
+            doorbells: [&bell, &other],
+        });
         let flag = AtomicBool::new(false);
         let found_asleep = AtomicBool::new(false);
         let mut polls = 0u64;
@@ -1399,7 +1521,7 @@ mod tests {
             let got = Wait::new("t", Some(Duration::from_secs(30)))
                 .policy(WaitPolicy::fixed(Duration::from_secs(10), Duration::ZERO))
                 .load(Some(&load))
-                .until(Some(&bell), &mut no_peer, || {
+                .until_among(Some(&bell), peers, &mut no_peer, &mut String::new, || {
                     polls += 1;
                     flag.load(Ordering::SeqCst).then_some(())
                 });
@@ -1414,6 +1536,20 @@ mod tests {
         // read, where it asks), whatever the policy says; then a handful (the doorbell's
         // check before it sleeps, after the ring).
         let (polls, asleep) = poll_count_with_a_peer(6);
+        assert!(asleep, "the waiter did not sleep");
+        assert!(polls < 80, "{polls} polls: it spun");
+    }
+
+    #[test]
+    fn on_a_machine_full_of_its_own_rings_processes_a_blocked_wait_keeps_its_policy() {
+        // 4 runnable tasks on 2 cores, all of them the ring's (awake): its policy's spin,
+        // as on a machine with cores to spare (there it yields, handing the core to a
+        // peer, where a ring's processes outnumber the cores: `WaitPolicy::for_processes`).
+        let (polls, asleep) = poll_count_among(4, Some(4));
+        assert!(!asleep, "the waiter slept");
+        assert!(polls > 1_000, "{polls} polls: it did not spin");
+        // 6 runnable, 4 of them the ring's: other work besides; it sleeps at once.
+        let (polls, asleep) = poll_count_among(6, Some(4));
         assert!(asleep, "the waiter did not sleep");
         assert!(polls < 80, "{polls} polls: it spun");
     }

@@ -44,6 +44,7 @@ mod writer;
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
+use crate::wait::RingPeers;
 use shmq_os::liveness::{Liveness, LockProbe};
 use shmq_os::process::ProcessId;
 use shmq_os::segment::{name_trouble, with_unique_name, HeaderCheck, Segment};
@@ -378,6 +379,19 @@ impl Ring {
     /// The writer sleeps here; readers ring it after finishing a chunk.
     pub fn chunk_freed(&self) -> &DoorbellWords {
         &self.shared().chunk_freed
+    }
+
+    /// The ring's processes (its writer and readers) and its doorbells, for a waiter
+    /// that asks whether the machine is full of other work ([`RingPeers`]). The
+    /// doorbells' sleeper counts are shared memory: a peer that writes nonsense there
+    /// makes a waiter count more or fewer processes awake, so that it sleeps at once, or
+    /// spins and yields as its policy says (never past that policy's phases: as with the
+    /// load check off, `SHMQ_LOAD_CHECK=0`), and no more.
+    pub fn peers(&self) -> RingPeers<'_> {
+        RingPeers {
+            processes: u32::try_from(self.geo.n_reader + 1).unwrap_or(u32::MAX),
+            doorbells: [self.data_ready(), self.chunk_freed()],
+        }
     }
 
     fn check_chunk(&self, i: usize) -> Result<()> {

@@ -130,8 +130,9 @@ impl RingReader {
         // Blocked: say so in this reader's slot (the writer's warnings and the metrics
         // read it), and name the writer if the wait lasts.
         let since = ring.begin_wait(1 + self.reader, wait);
-        let waited = wait.until_explained(
+        let waited = wait.until_among(
             Some(ring.data_ready()),
+            Some(ring.peers()),
             &mut || Self::check_writer(ring),
             &mut || ring.explain_writer(),
             ready,

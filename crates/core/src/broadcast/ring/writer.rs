@@ -297,8 +297,9 @@ impl RingWriter {
             // leaves frees the chunk at once (it rings the doorbell on its way out).
             let name = Self::namer(self.ranks.as_deref());
             let since = ring.begin_wait(0, wait);
-            let waited = wait.until_explained(
+            let waited = wait.until_among(
                 Some(ring.chunk_freed()),
+                Some(ring.peers()),
                 &mut || Self::check_readers(ring, dropped, policy, i, &name),
                 &mut || ring.explain_readers_behind(i, &|r| Self::is_dropped(dropped, r), &name),
                 || {
