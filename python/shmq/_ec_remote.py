@@ -91,11 +91,15 @@ class RemoteSender:
     ``keys``, ``evict``, ``close``). ``ip``: the address its port binds (default this
     host's, as ``MessageQueue``'s ``connect_ip``)."""
 
-    def __init__(self, handle_file: str, ip: Optional[str] = None, timeout: float = 1.0):
+    def __init__(
+        self, handle_file: str, ip: Optional[str] = None, timeout: float = 1.0, logger: Optional[logging.Logger] = None
+    ):
         self.handle_file = handle_file
         self.ip = ip
         self.timeout = timeout
+        self._log = logger or log
         self._queue: Any = None
+        self._handle = ""
         self._ready = False
         self._start()
 
@@ -103,21 +107,26 @@ class RemoteSender:
         from .message_queue import MessageQueue
 
         queue = MessageQueue(1, 0, connect_ip=self.ip)
-        write_handle_file(self.handle_file, str(queue.export_handle()))
+        self._handle = str(queue.export_handle())
+        write_handle_file(self.handle_file, self._handle)
         self._queue, self._ready = queue, False
-        log.info("shmq encoder-cache connector: stream for another node's cache in %r", self.handle_file)
+        self._log.info("shmq encoder-cache connector: stream for another node's cache in %r", self.handle_file)
+
+    def _restart(self) -> None:
+        """A new stream (and handle file) in place of this one."""
+        self._queue.shutdown()
+        self._start()
 
     def _joined(self) -> bool:
         """Whether the prefill/decode instance's intake is on the stream (waiting for it
         at most ``JOIN_TIMEOUT``); a stream whose intake went is made again (a new
         handle file, for the intake's next start)."""
         if self._ready and self._queue.lost_remote_readers():
-            log.warning(
+            self._log.warning(
                 "shmq encoder-cache connector: the other node's intake left the stream; a new one is in %r",
                 self.handle_file,
             )
-            self._queue.shutdown()
-            self._start()
+            self._restart()
         if not self._ready:
             try:
                 self._queue.wait_until_ready(JOIN_TIMEOUT)
@@ -134,14 +143,20 @@ class RemoteSender:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"only a tensor goes to another node's cache, {key!r} is a {type(value).__name__}")
         if not self._joined():
-            log.warning(
+            self._log.warning(
                 "shmq encoder-cache connector: no prefill/decode instance on the stream of %r yet; %s not sent",
                 self.handle_file,
                 key,
             )
             return False
-        self._queue.enqueue_bytes(key.encode("utf-8"), self.timeout)
-        self._queue.enqueue_array(value.detach().cpu().contiguous(), self.timeout)
+        self._queue.enqueue_bytes(key.encode("utf-8"), self.timeout)  # nothing sent if it fails
+        try:
+            self._queue.enqueue_array(value.detach().cpu().contiguous(), self.timeout)
+        except BaseException:
+            # A key without its tensor would leave the stream out of step: this stream
+            # ends (the intake waits for the next), and a new one begins.
+            self._restart()
+            raise
         return True
 
     def flush(self, timeout: Optional[float] = None) -> None:
@@ -157,12 +172,15 @@ class RemoteSender:
         return False
 
     def close(self) -> None:
+        """End the stream (the intake sees it end after every item sent) and remove the
+        handle file, if it is still this stream's (a newer encoder's stays)."""
         if self._queue is not None:
             self._queue.shutdown()
             self._queue = None
             try:
-                os.unlink(self.handle_file)
-            except FileNotFoundError:
+                if read_handle_file(self.handle_file) == self._handle:
+                    os.unlink(self.handle_file)
+            except (FileNotFoundError, PermissionError):
                 pass
 
 

@@ -149,7 +149,9 @@ class ShmqECConnector(_Connector, ECConnectorBase):
             from ._ec_remote import RemoteSender
 
             ip = extra.get("remote_ip")
-            producer = RemoteSender(str(remote), str(ip) if ip else None, float(extra.get("save_timeout_s", 1.0)))
+            producer = RemoteSender(
+                str(remote), str(ip) if ip else None, float(extra.get("save_timeout_s", 1.0)), logger=log
+            )
         elif not scheduler and self.is_producer and rank == 0:
             producer = EncoderCacheProducer(
                 name,
