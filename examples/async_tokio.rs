@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shmq::broadcast::{DequeueError, Gather, QueueError};
+use shmq::broadcast::{DequeueError, Gather, GatherRecvError};
 use shmq::{QueueOptions, Reader, Writer};
 
 const WORKERS: usize = 3;
@@ -91,7 +91,7 @@ async fn front_end(mut steps: Writer, mut gather: Gather) -> Result<(), Box<dyn 
     // Done: the workers see the queue's end, close their results queues and exit.
     steps.close();
     match tokio::time::timeout(TIMEOUT, gather.recv_async()).await? {
-        Err(shmq::Error::Queue(QueueError::GatherEnded { ended, .. })) => {
+        Err(GatherRecvError::Ended { ended, .. }) => {
             println!("front end: every worker ended ({})", ended.join(", "));
         }
         other => return Err(format!("expected the workers' end, got {other:?}").into()),

@@ -21,7 +21,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use shmq::broadcast::{Gather, QueueError};
+use shmq::broadcast::{DequeueError, Gather, GatherRecvError, QueueError};
 use shmq::{Error, Handle, QueueOptions, Reader, Writer};
 
 /// What a child plays (only `writer`); its presence marks the child.
@@ -374,13 +374,13 @@ fn check_three(gather: &Gather, expect: &Expect, deaths: &[usize], children: &mu
 }
 
 /// The writer's index in a Gather's death report, which must name its cause.
-fn death(e: &Error) -> Option<usize> {
+fn death(e: &GatherRecvError) -> Option<usize> {
     match e {
-        Error::Queue(QueueError::GatherWriterDied {
+        GatherRecvError::WriterDied {
             writer,
             name,
             cause,
-        }) => {
+        } => {
             assert_eq!(name, &format!("w{writer}"));
             assert!(
                 matches!(**cause, Error::Queue(QueueError::DeadWriter { .. })),
@@ -409,7 +409,7 @@ fn a_gather_of_three_writer_processes_reports_the_one_that_died() {
     loop {
         match gather.recv_timeout(TIMEOUT) {
             Ok((writer, bytes)) => expect.check(writer as u64, &bytes),
-            Err(Error::Queue(QueueError::GatherEnded { ended, died })) => {
+            Err(GatherRecvError::Ended { ended, died }) => {
                 assert_eq!(died, ["w1"]);
                 assert_eq!(ended.len(), 2);
                 break;
@@ -460,7 +460,7 @@ fn a_gather_on_tokio_with_cancelled_awaits_reports_the_one_that_died() {
                 match tokio::time::timeout(t, gather.recv_async()).await {
                     Err(_) => cancelled += 1,
                     Ok(Ok((writer, bytes))) => expect.check(writer as u64, &bytes),
-                    Ok(Err(Error::Queue(QueueError::GatherEnded { .. }))) => break,
+                    Ok(Err(GatherRecvError::Ended { .. })) => break,
                     Ok(Err(e)) => match death(&e) {
                         Some(w) => {
                             assert_eq!(expect.count(w as u64), 60);
@@ -512,7 +512,7 @@ fn a_writers_death_wakes_a_pending_dequeue_async() {
             .await
             .expect("woken by the death within the bound");
         assert!(
-            matches!(got, Err(Error::Queue(QueueError::DeadWriter { .. }))),
+            matches!(got, Err(DequeueError::WriterDied { .. })),
             "{got:?}"
         );
     });
@@ -553,7 +553,7 @@ fn many_queues_raced_by_short_timeouts_lose_no_message() {
                     match tokio::time::timeout(t, reader.dequeue_async()).await {
                         Err(_) => cancelled += 1,
                         Ok(Ok(bytes)) => expect.check(i as u64, &bytes),
-                        Ok(Err(Error::Queue(QueueError::WriterShutDown { .. }))) => break,
+                        Ok(Err(DequeueError::WriterShutDown { .. })) => break,
                         Ok(Err(e)) => panic!("queue {i}: {e}"),
                     }
                 }

@@ -194,8 +194,8 @@ fn read_and_check(role: &ChildRole, n: u64, chunk: usize, local: bool) -> Result
     }
     // The writer sent exactly `n`: the next chunk must not look readable.
     match reader.try_take(|m| m.len()) {
-        Ok(None) => {}
-        Ok(Some(len)) => return Err(format!("a message of {len} bytes after the last one")),
+        Err(e) if e.is_empty() => {}
+        Ok(len) => return Err(format!("a message of {len} bytes after the last one")),
         Err(e) => return Err(format!("try_take after the last message: {e}")),
     }
     drop(reader);

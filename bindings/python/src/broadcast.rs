@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use crate::errors::{exception, OrRaise};
+use crate::errors::{exception, taken_now, OrRaise};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyString, PyTuple};
 
@@ -808,7 +808,7 @@ impl Reader {
         // A message here already, and the reader free: no wait at all. A reader that
         // another thread is using is waited for below, within the timeout.
         if let Some(mut r) = try_lock(&self.inner, READER)? {
-            if let Some(m) = r.try_take_message(|m| to_python(py, m)).or_raise()? {
+            if let Some(m) = taken_now(r.try_take_message(|m| to_python(py, m)))? {
                 return m;
             }
         }
@@ -822,8 +822,7 @@ impl Reader {
             reader_interrupts(timeout, cancel, indefinite),
             |r, spec| r.wait_message(spec),
         )?;
-        r.try_take_message(|m| to_python(py, m))
-            .or_raise()?
+        taken_now(r.try_take_message(|m| to_python(py, m)))?
             .ok_or_else(|| exception(r.not_ready_any_more()))?
     }
 

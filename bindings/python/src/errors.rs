@@ -8,8 +8,8 @@ use pyo3::exceptions::{
 use pyo3::{PyErr, PyResult};
 
 use shmq::error::{
-    CacheError, CreateError, DequeueError, EnqueueError, Error, NameError, OpenError, OsError,
-    QueueError, RemoteError, StoreError,
+    CacheError, CreateError, DequeueError, EnqueueError, Error, FinishReadError, NameError,
+    OpenError, OsError, QueueError, RemoteError, StoreError, TryDequeueError, WriteChunkError,
 };
 use shmq::workers::link::LinkError;
 use shmq::workers::Error as WorkersError;
@@ -69,30 +69,36 @@ impl From<Error> for AnyError {
 }
 
 /// The queue's per-operation errors ([`OpenError`], [`DequeueError`], [`CreateError`],
-/// [`EnqueueError`])
-/// as the core's [`Error`] they convert into, with the same text: the same exception as
+/// [`EnqueueError`], [`TryDequeueError`], [`FinishReadError`], [`WriteChunkError`]) as
+/// the core's [`Error`] they convert into, with the same text: the same exception as
 /// before they had types of their own.
-impl From<OpenError> for AnyError {
-    fn from(e: OpenError) -> Self {
-        AnyError::Core(e.into())
-    }
+macro_rules! as_core_error {
+    ($($t:ty),*) => {$(
+        impl From<$t> for AnyError {
+            fn from(e: $t) -> Self {
+                AnyError::Core(e.into())
+            }
+        }
+    )*};
 }
 
-impl From<CreateError> for AnyError {
-    fn from(e: CreateError) -> Self {
-        AnyError::Core(e.into())
-    }
-}
+as_core_error!(
+    OpenError,
+    CreateError,
+    DequeueError,
+    EnqueueError,
+    TryDequeueError,
+    FinishReadError,
+    WriteChunkError
+);
 
-impl From<DequeueError> for AnyError {
-    fn from(e: DequeueError) -> Self {
-        AnyError::Core(e.into())
-    }
-}
-
-impl From<EnqueueError> for AnyError {
-    fn from(e: EnqueueError) -> Self {
-        AnyError::Core(e.into())
+/// A core `try_take`'s result with nothing here as `None`, its failure as the exception
+/// [`exception`] makes.
+pub fn taken_now<T>(taken: Result<T, TryDequeueError>) -> PyResult<Option<T>> {
+    match taken {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.is_empty() => Ok(None),
+        Err(e) => Err(exception(e)),
     }
 }
 

@@ -5,7 +5,8 @@
 //! which `?` converts into. `shmq::Error` is this type; the Python binding maps it to
 //! builtin exceptions in one place (`bindings/python/src/errors.rs`). The queue's
 //! operations return an error type each ([`OpenError`], [`DequeueError`],
-//! [`CreateError`], [`EnqueueError`]), whose variants are exactly the ways that operation fails; each
+//! [`TryDequeueError`], [`FinishReadError`], [`CreateError`], [`EnqueueError`],
+//! [`TryEnqueueError`], [`WriteChunkError`], [`NewGatherError`], [`GatherRecvError`]), whose variants are exactly the ways that operation fails; each
 //! converts into this type, as the variant with the same text (`?` works).
 //!
 //! ```
@@ -23,7 +24,10 @@
 
 use std::time::Duration;
 
-pub use crate::broadcast::{CreateError, DequeueError, EnqueueError, OpenError, QueueError};
+pub use crate::broadcast::{
+    CreateError, DequeueError, EnqueueError, FinishReadError, GatherRecvError, NewGatherError,
+    OpenError, QueueError, TryDequeueError, TryEnqueueError, WriteChunkError,
+};
 pub use crate::encoder_cache::CacheError;
 pub use crate::names::NameError;
 pub use crate::remote::RemoteError;

@@ -196,7 +196,7 @@ impl Relay {
                 Err(e) => return Err(e.into()),
             }
             let local = &mut self.local;
-            let taken = self.upstream.try_take_message(|m| pass_on(local, m))?;
+            let taken = self.upstream.take_message_now(|m| pass_on(local, m))?;
             match taken {
                 Some(Ok(bytes)) => {
                     self.forwarded += 1;

@@ -46,7 +46,7 @@ use std::task::{Context, Poll, Waker};
 use super::array::Array;
 use super::queue::{AsyncStep, OwnedPart, Reader};
 use super::wait_any::{wait_any, wake, ReadyTarget, WakeWord, MAX_TARGETS};
-use crate::error::{Error, OsError, Result};
+use crate::error::{DequeueError, Error, OsError, Result};
 
 /// Turns [`ReadyTarget`]s into futures (see the module docs): waiter threads in shards
 /// of up to [`MAX_TARGETS`] waits, each asleep in one [`wait_any`], that wake the
@@ -83,7 +83,7 @@ use crate::error::{Error, OsError, Result};
 ///     // Woken by the waiter's thread once the message is in; then taken at once.
 ///     let target = ReadyTarget::of(&reader).expect("a local reader");
 ///     block_on(AsyncWaiter::shared().ready(target))?;
-///     assert_eq!(reader.try_take(|b| b.to_vec())?, Some(b"hello".to_vec()));
+///     assert_eq!(reader.try_take(|b| b.to_vec())?, b"hello");
 ///     Ok::<(), shmq_core::Error>(())
 /// })?;
 /// # Ok::<(), shmq_core::Error>(())
@@ -413,9 +413,19 @@ impl Reader {
     async fn receive_async<R>(
         &mut self,
         mut take: impl FnMut(&mut Reader) -> Result<Option<R>>,
+    ) -> Result<R, DequeueError> {
+        self.receive_async_core(&mut take)
+            .await
+            .map_err(DequeueError::from_core)
+    }
+
+    /// [`receive_async`](Self::receive_async) with the crate's error.
+    async fn receive_async_core<R>(
+        &mut self,
+        take: &mut impl FnMut(&mut Reader) -> Result<Option<R>>,
     ) -> Result<R> {
         loop {
-            match self.async_step(&mut take)? {
+            match self.async_step(take)? {
                 AsyncStep::Taken(r) => return Ok(r),
                 AsyncStep::Wait(target) => AsyncWaiter::shared().ready(target).await?,
                 AsyncStep::Retry => YieldNow(false).await,
@@ -424,6 +434,19 @@ impl Reader {
     }
 
     /// [`dequeue`](Self::dequeue), awaited: the next message, copied. Cancel-safe.
+    ///
+    /// # Errors
+    ///
+    /// As [`dequeue`](Self::dequeue) (a [`DequeueError`]), but never its timeout (the
+    /// runtime's own ends the wait): [`Cancelled`](DequeueError::Cancelled) once the
+    /// reader is shut down, [`WriterShutDown`](DequeueError::WriterShutDown) after the
+    /// writer's last message, [`WriterDied`](DequeueError::WriterDied),
+    /// [`MessageLost`](DequeueError::MessageLost), [`Os`](DequeueError::Os) for a segment
+    /// broken by another process; [`WrongRole`](DequeueError::WrongRole) for a remote
+    /// reader (wait for it in a thread); [`WrongKind`](DequeueError::WrongKind) for a message of
+    /// parts or an array (consumed).
+    ///
+    /// # Examples
     ///
     /// ```
     /// use std::time::Duration;
@@ -456,28 +479,70 @@ impl Reader {
     /// })?;
     /// # Ok::<(), shmq_core::Error>(())
     /// ```
-    pub async fn dequeue_async(&mut self) -> Result<Vec<u8>> {
-        self.receive_async(|r| r.try_take(|b| b.to_vec())).await
+    pub async fn dequeue_async(&mut self) -> Result<Vec<u8>, DequeueError> {
+        self.receive_async(|r| r.take_now(|b| b.to_vec())).await
     }
 
     /// [`dequeue_view`](Self::dequeue_view), awaited: `f` is called on the message's
     /// bytes where they are, in shared memory (within the poll that takes it).
     /// Cancel-safe: `f` is called only for the message taken.
-    pub async fn dequeue_view_async<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    ///
+    /// # Errors
+    ///
+    /// As [`dequeue`](Self::dequeue) (a [`DequeueError`]), but never its timeout (the
+    /// runtime's own ends the wait): [`Cancelled`](DequeueError::Cancelled) once the
+    /// reader is shut down, [`WriterShutDown`](DequeueError::WriterShutDown) after the
+    /// writer's last message, [`WriterDied`](DequeueError::WriterDied),
+    /// [`MessageLost`](DequeueError::MessageLost), [`Os`](DequeueError::Os) for a segment
+    /// broken by another process; [`WrongRole`](DequeueError::WrongRole) for a remote
+    /// reader (wait for it in a thread); [`WrongKind`](DequeueError::WrongKind) for a message of
+    /// parts or an array (consumed).
+    ///
+    /// See [`dequeue_async`](Self::dequeue_async)'s example.
+    pub async fn dequeue_view_async<R>(
+        &mut self,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, DequeueError> {
         let mut f = Some(f);
-        self.receive_async(|r| r.try_take(|b| (f.take().expect("called once"))(b)))
+        self.receive_async(|r| r.take_now(|b| (f.take().expect("called once"))(b)))
             .await
     }
 
     /// [`dequeue_parts`](Self::dequeue_parts), awaited. Cancel-safe.
-    pub async fn dequeue_parts_async(&mut self) -> Result<Vec<OwnedPart>> {
-        self.receive_async(|r| r.try_take_message(super::queue::own_parts)?.transpose())
+    ///
+    /// # Errors
+    ///
+    /// As [`dequeue`](Self::dequeue) (a [`DequeueError`]), but never its timeout (the
+    /// runtime's own ends the wait): [`Cancelled`](DequeueError::Cancelled) once the
+    /// reader is shut down, [`WriterShutDown`](DequeueError::WriterShutDown) after the
+    /// writer's last message, [`WriterDied`](DequeueError::WriterDied),
+    /// [`MessageLost`](DequeueError::MessageLost), [`Os`](DequeueError::Os) for a segment
+    /// broken by another process; [`WrongRole`](DequeueError::WrongRole) for a remote
+    /// reader (wait for it in a thread); [`WrongKind`](DequeueError::WrongKind) for an array
+    /// (consumed).
+    ///
+    /// See [`dequeue_async`](Self::dequeue_async)'s example.
+    pub async fn dequeue_parts_async(&mut self) -> Result<Vec<OwnedPart>, DequeueError> {
+        self.receive_async(|r| r.take_message_now(super::queue::own_parts)?.transpose())
             .await
     }
 
     /// [`dequeue_array`](Self::dequeue_array), awaited. Cancel-safe.
-    pub async fn dequeue_array_async(&mut self) -> Result<Array> {
-        self.receive_async(|r| r.try_take_message(super::queue::own_array)?.transpose())
+    ///
+    /// # Errors
+    ///
+    /// As [`dequeue`](Self::dequeue) (a [`DequeueError`]), but never its timeout (the
+    /// runtime's own ends the wait): [`Cancelled`](DequeueError::Cancelled) once the
+    /// reader is shut down, [`WriterShutDown`](DequeueError::WriterShutDown) after the
+    /// writer's last message, [`WriterDied`](DequeueError::WriterDied),
+    /// [`MessageLost`](DequeueError::MessageLost), [`Os`](DequeueError::Os) for a segment
+    /// broken by another process; [`WrongRole`](DequeueError::WrongRole) for a remote
+    /// reader (wait for it in a thread); [`WrongKind`](DequeueError::WrongKind) for a message
+    /// that is not an array (consumed).
+    ///
+    /// See [`dequeue_async`](Self::dequeue_async)'s example.
+    pub async fn dequeue_array_async(&mut self) -> Result<Array, DequeueError> {
+        self.receive_async(|r| r.take_message_now(super::queue::own_array)?.transpose())
             .await
     }
 }
@@ -485,7 +550,7 @@ impl Reader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broadcast::{QueueError, QueueOptions, Writer};
+    use crate::broadcast::{QueueOptions, Writer};
     use std::time::Duration;
 
     const BOUND: Duration = Duration::from_secs(20);
@@ -578,7 +643,7 @@ mod tests {
         assert_eq!(block_on(r.dequeue_async()).unwrap(), b"last");
         assert!(matches!(
             block_on(r.dequeue_async()),
-            Err(Error::Queue(QueueError::WriterShutDown { .. }))
+            Err(DequeueError::WriterShutDown { .. })
         ));
     }
 
@@ -598,7 +663,7 @@ mod tests {
         // Refused before it waits for anything: no futex rings for a TCP stream.
         assert!(matches!(
             block_on(remote.dequeue_async()),
-            Err(Error::WrongRole(m)) if m.contains("thread")
+            Err(DequeueError::WrongRole(m)) if m.contains("thread")
         ));
         std::thread::scope(|s| {
             s.spawn(|| remote.wait_until_ready(BOUND).unwrap());

@@ -2,8 +2,11 @@
 //! shut down (in `shmq::Error`); and one type per operation of the queue's Rust API, each
 //! with exactly the ways that operation fails (as crossbeam's `TrySendError`):
 //! [`OpenError`] (a reader's `open`), [`DequeueError`] (its receives and its
-//! `wait_until_ready`), [`CreateError`] (a writer's `new`), [`EnqueueError`] (its send and
-//! its `wait_until_ready`). Each converts into `shmq::Error`, with the same text.
+//! `wait_until_ready`, and the async receives), [`TryDequeueError`] (its `try_take`),
+//! [`FinishReadError`] (its `finish_read`), [`CreateError`] (a writer's `new`),
+//! [`EnqueueError`] (its send and its `wait_until_ready`), [`WriteChunkError`] (its
+//! `acquire_write` and `commit_write`), [`NewGatherError`] and [`GatherRecvError`] (a
+//! Gather's `new` and its receives). Each converts into `shmq::Error`, with the same text.
 
 /// An error of the queue, and of a remote stream's reader where the writer shut down (in
 /// `shmq::Error`, [`crate::Error::Queue`]).
@@ -112,7 +115,7 @@ fn writer_shut_down_message(queue: Option<&str>) -> String {
 
 use std::time::Duration;
 
-use crate::error::{Error, NameError, OsError, RemoteError};
+use crate::error::{Error, NameError, OsError, RemoteError, Result};
 
 /// Why [`Reader::open`](crate::Reader::open), [`open_with`](crate::Reader::open_with) or
 /// [`open_by_name`](crate::Reader::open_by_name) made no reader. Its text is the one
@@ -484,6 +487,310 @@ impl From<CreateError> for Error {
     }
 }
 
+/// Why [`Reader::try_take`](crate::Reader::try_take) or
+/// [`try_take_message`](crate::Reader::try_take_message) took no message (as crossbeam's
+/// `TryRecvError`): none is here yet, or the receive failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TryDequeueError {
+    /// No message is here now (nothing was taken);
+    /// [`wait_message`](crate::Reader::wait_message) or
+    /// [`dequeue`](crate::Reader::dequeue) waits for one. Not a failure: as a
+    /// `shmq::Error`, the [`Error::Timeout`] of a wait that ended at once.
+    #[error("no message is here yet (taking one now would wait)")]
+    Empty,
+    /// The receive failed, as [`dequeue`](crate::Reader::dequeue) would have (never
+    /// [`DequeueError::Timeout`]).
+    #[error(transparent)]
+    Failed(#[from] DequeueError),
+}
+
+impl TryDequeueError {
+    /// A take of the crate's parts (`Ok(None)`: nothing yet) as this type says it.
+    pub(crate) fn from_taken<R>(taken: Result<Option<R>>) -> std::result::Result<R, Self> {
+        match taken {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => Err(TryDequeueError::Empty),
+            Err(e) => Err(TryDequeueError::Failed(DequeueError::from_core(e))),
+        }
+    }
+
+    /// Whether no message was here (not a failure).
+    pub fn is_empty(&self) -> bool {
+        matches!(self, TryDequeueError::Empty)
+    }
+}
+
+impl From<TryDequeueError> for Error {
+    fn from(e: TryDequeueError) -> Error {
+        match e {
+            TryDequeueError::Empty => Error::Timeout {
+                what: TryDequeueError::Empty.to_string(),
+                waited: Duration::ZERO,
+            },
+            TryDequeueError::Failed(e) => e.into(),
+        }
+    }
+}
+
+/// Why [`Reader::finish_read`](crate::Reader::finish_read) or
+/// [`finish_chunk`](crate::Reader::finish_chunk) failed. The chunk is marked as read
+/// all the same where the reader has one (the writer may reuse it). Its text is the one
+/// [`Error`] has for the same failure, and it converts into that [`Error`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FinishReadError {
+    /// Not a call for this reader: a remote reader has no chunks.
+    /// [`Error::WrongRole`] as a `shmq::Error`.
+    #[error("{0}")]
+    WrongRole(String),
+    /// The view's private mapping could not be given back, or what was read may have
+    /// been zeros: another process truncated the ring or the arena (see [`OsError`]).
+    #[error(transparent)]
+    Os(OsError),
+    /// Another error: the reader used in a forked child.
+    #[error(transparent)]
+    Other(Box<Error>),
+}
+
+impl FinishReadError {
+    /// The call's failure as this type says it.
+    pub(crate) fn from_core(e: Error) -> FinishReadError {
+        match e {
+            Error::WrongRole(why) => FinishReadError::WrongRole(why),
+            Error::Os(e) => FinishReadError::Os(e),
+            e => FinishReadError::Other(Box::new(e)),
+        }
+    }
+}
+
+impl From<FinishReadError> for Error {
+    fn from(e: FinishReadError) -> Error {
+        match e {
+            FinishReadError::WrongRole(why) => Error::WrongRole(why),
+            FinishReadError::Os(e) => Error::Os(e),
+            FinishReadError::Other(e) => *e,
+        }
+    }
+}
+
+/// Why [`Writer::acquire_write`](crate::Writer::acquire_write) handed out no chunk, or
+/// [`commit_write`](crate::Writer::commit_write) published none. Its text is the one
+/// [`Error`] has for the same failure, and it converts into that [`Error`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WriteChunkError {
+    /// The wait for a free chunk reached its deadline (`acquire_write`).
+    #[error("timed out after {waited:.3?}: {what}")]
+    Timeout { what: String, waited: Duration },
+    /// The wait's hook ended it with [`Error::Cancelled`] (`acquire_write`).
+    #[error("cancelled")]
+    Cancelled,
+    /// The writer is shut down. As a `shmq::Error`, [`QueueError::ShutDown`].
+    #[error("{}", QueueError::ShutDown)]
+    ShutDown,
+    /// A local reader died holding the next chunk (the queue's `on_dead_reader` is
+    /// `Raise`). As a `shmq::Error`, [`QueueError::DeadReader`].
+    #[error("{}", dead_reader_message(*reader, *pid, *chunk, queue.as_deref()))]
+    ReaderDied {
+        /// The reader's index among the local readers.
+        reader: usize,
+        /// Its process id.
+        pid: u32,
+        /// The chunk it had not read.
+        chunk: usize,
+        /// The queue, as [`QueueError::DeadReader`] names it.
+        queue: Option<String>,
+    },
+    /// Not a queue for writing in place (it has remote readers, or no ring), or a
+    /// `commit_write` without a chunk acquired. [`Error::WrongRole`] as a `shmq::Error`.
+    #[error("{0}")]
+    WrongRole(String),
+    /// `/dev/shm` has no room for the whole chunk, or a system call failed (see
+    /// [`OsError`]).
+    #[error(transparent)]
+    Os(OsError),
+    /// Another error: the one the wait's hook ended it with (other than
+    /// [`Error::Cancelled`]), a writer used in a forked child.
+    #[error(transparent)]
+    Other(Box<Error>),
+}
+
+impl WriteChunkError {
+    /// The call's failure as this type says it.
+    pub(crate) fn from_core(e: Error) -> WriteChunkError {
+        match e {
+            Error::Timeout { what, waited } => WriteChunkError::Timeout { what, waited },
+            Error::Cancelled => WriteChunkError::Cancelled,
+            Error::Queue(QueueError::ShutDown) => WriteChunkError::ShutDown,
+            Error::Queue(QueueError::DeadReader {
+                reader,
+                pid,
+                chunk,
+                queue,
+            }) => WriteChunkError::ReaderDied {
+                reader,
+                pid,
+                chunk,
+                queue,
+            },
+            Error::WrongRole(why) => WriteChunkError::WrongRole(why),
+            Error::Os(e) => WriteChunkError::Os(e),
+            e => WriteChunkError::Other(Box::new(e)),
+        }
+    }
+}
+
+impl From<WriteChunkError> for Error {
+    fn from(e: WriteChunkError) -> Error {
+        match e {
+            WriteChunkError::Timeout { what, waited } => Error::Timeout { what, waited },
+            WriteChunkError::Cancelled => Error::Cancelled,
+            WriteChunkError::ShutDown => Error::Queue(QueueError::ShutDown),
+            WriteChunkError::ReaderDied {
+                reader,
+                pid,
+                chunk,
+                queue,
+            } => Error::Queue(QueueError::DeadReader {
+                reader,
+                pid,
+                chunk,
+                queue,
+            }),
+            WriteChunkError::WrongRole(why) => Error::WrongRole(why),
+            WriteChunkError::Os(e) => Error::Os(e),
+            WriteChunkError::Other(e) => *e,
+        }
+    }
+}
+
+/// Why [`Gather::new`](crate::broadcast::Gather::new) made no Gather: the readers given
+/// do not make one (none, more than 127, a name given twice, a reader that is not
+/// local; the text says which). The readers were dropped. As a `shmq::Error`,
+/// [`Error::InvalidArgument`] with the same text.
+#[derive(Debug, thiserror::Error)]
+#[error("{reason}")]
+#[non_exhaustive]
+pub struct NewGatherError {
+    /// What is wrong with the readers given.
+    pub reason: String,
+}
+
+impl From<NewGatherError> for Error {
+    fn from(e: NewGatherError) -> Error {
+        Error::InvalidArgument(e.reason)
+    }
+}
+
+/// Why a receive of a [`Gather`](crate::broadcast::Gather) (`recv`, `recv_timeout`,
+/// `recv_view`, `recv_async`) returned no message. Its text is the one [`Error`] has
+/// for the same failure, and it converts into that [`Error`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GatherRecvError {
+    /// The wait reached its deadline (`recv_timeout`, `recv_view` with a timeout).
+    #[error("timed out after {waited:.3?}: {what}")]
+    Timeout { what: String, waited: Duration },
+    /// The Gather was shut down ([`Gather::shutdown`](crate::broadcast::Gather::shutdown),
+    /// its canceller), or one of its readers was.
+    #[error("cancelled")]
+    Cancelled,
+    /// A writer died, after every message it sent was received: it is left out and the
+    /// next receive goes on with the others. As a `shmq::Error`,
+    /// [`QueueError::GatherWriterDied`].
+    #[error("writer {name:?} (#{writer}) of this Gather died: {cause}")]
+    WriterDied {
+        /// The writer's index in the Gather.
+        writer: usize,
+        /// The name it was given.
+        name: String,
+        /// Its queue's error.
+        cause: Box<Error>,
+    },
+    /// Every writer has ended its queue (or died, which was reported before): no more
+    /// messages will come. As a `shmq::Error`, [`QueueError::GatherEnded`].
+    #[error("every writer of this Gather has ended its queue (ended: {ended:?}, died: {died:?})")]
+    Ended {
+        /// The writers that ended their queue normally.
+        ended: Vec<String>,
+        /// The writers that died.
+        died: Vec<String>,
+    },
+    /// The message is not raw bytes (parts, an array), or malformed; it was consumed.
+    /// [`Error::InvalidArgument`] as a `shmq::Error`.
+    #[error("{0}")]
+    WrongKind(String),
+    /// A segment broken by another process, or a system call that failed (see
+    /// [`OsError`]).
+    #[error(transparent)]
+    Os(OsError),
+    /// ZeroMQ failed (the socket of a message larger than a chunk);
+    /// [`Error::Transport`] as a `shmq::Error`.
+    #[error("ZeroMQ error while {context}: {source}")]
+    Transport {
+        /// What the reader was doing.
+        context: String,
+        /// ZeroMQ's error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// Another error (a Gather used in a forked child, ...).
+    #[error(transparent)]
+    Other(Box<Error>),
+}
+
+impl GatherRecvError {
+    /// The receive's failure as this type says it.
+    pub(crate) fn from_core(e: Error) -> GatherRecvError {
+        match e {
+            Error::Timeout { what, waited } => GatherRecvError::Timeout { what, waited },
+            Error::Cancelled => GatherRecvError::Cancelled,
+            Error::Queue(QueueError::GatherWriterDied {
+                writer,
+                name,
+                cause,
+            }) => GatherRecvError::WriterDied {
+                writer,
+                name,
+                cause,
+            },
+            Error::Queue(QueueError::GatherEnded { ended, died }) => {
+                GatherRecvError::Ended { ended, died }
+            }
+            Error::InvalidArgument(why) => GatherRecvError::WrongKind(why),
+            Error::Os(e) => GatherRecvError::Os(e),
+            Error::Transport { context, source } => GatherRecvError::Transport { context, source },
+            e => GatherRecvError::Other(Box::new(e)),
+        }
+    }
+}
+
+impl From<GatherRecvError> for Error {
+    fn from(e: GatherRecvError) -> Error {
+        match e {
+            GatherRecvError::Timeout { what, waited } => Error::Timeout { what, waited },
+            GatherRecvError::Cancelled => Error::Cancelled,
+            GatherRecvError::WriterDied {
+                writer,
+                name,
+                cause,
+            } => Error::Queue(QueueError::GatherWriterDied {
+                writer,
+                name,
+                cause,
+            }),
+            GatherRecvError::Ended { ended, died } => {
+                Error::Queue(QueueError::GatherEnded { ended, died })
+            }
+            GatherRecvError::WrongKind(why) => Error::InvalidArgument(why),
+            GatherRecvError::Os(e) => Error::Os(e),
+            GatherRecvError::Transport { context, source } => Error::Transport { context, source },
+            GatherRecvError::Other(e) => *e,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -530,6 +837,18 @@ mod tests {
                 source: zmq::Error::EINVAL,
             },
             Error::Store(crate::storage::StoreError::KeyExists("k".into())),
+            Error::Queue(QueueError::GatherWriterDied {
+                writer: 1,
+                name: "w1".into(),
+                cause: Box::new(Error::Queue(QueueError::DeadWriter {
+                    pid: 44,
+                    queue: None,
+                })),
+            }),
+            Error::Queue(QueueError::GatherEnded {
+                ended: vec!["w0".into()],
+                died: vec!["w1".into()],
+            }),
         ]
     }
 
@@ -556,8 +875,52 @@ mod tests {
             assert_eq!(create.to_string(), text);
             let e = Error::from(create);
             assert_eq!(format!("{e:?}"), debug);
+            let try_dequeue = TryDequeueError::Failed(DequeueError::from_core(e));
+            assert_eq!(try_dequeue.to_string(), text);
+            let e = Error::from(try_dequeue);
+            assert_eq!(format!("{e:?}"), debug);
+            let finish = FinishReadError::from_core(e);
+            assert_eq!(finish.to_string(), text);
+            let e = Error::from(finish);
+            assert_eq!(format!("{e:?}"), debug);
+            let write_chunk = WriteChunkError::from_core(e);
+            assert_eq!(write_chunk.to_string(), text);
+            let e = Error::from(write_chunk);
+            assert_eq!(format!("{e:?}"), debug);
+            let gather_recv = GatherRecvError::from_core(e);
+            assert_eq!(gather_recv.to_string(), text);
+            let e = Error::from(gather_recv);
+            assert_eq!(format!("{e:?}"), debug);
             assert_eq!(e.to_string(), text);
         }
+    }
+
+    /// The errors with no `shmq::Error` of their own: a Gather's bad readers are an
+    /// `InvalidArgument` with the same text; a `try_take` with nothing here, a timeout
+    /// of no wait.
+    #[test]
+    fn new_gather_and_empty_convert_into_the_nearest_error() {
+        let reason = "a Gather needs at least one queue".to_string();
+        let e = NewGatherError {
+            reason: reason.clone(),
+        };
+        assert_eq!(e.to_string(), reason);
+        assert!(matches!(Error::from(e), Error::InvalidArgument(m) if m == reason));
+        let empty = TryDequeueError::Empty;
+        assert!(empty.is_empty());
+        let text = empty.to_string();
+        assert!(matches!(
+            Error::from(empty),
+            Error::Timeout { what, waited } if what == text && waited.is_zero()
+        ));
+        let taken = TryDequeueError::from_taken(Ok(Some(7)));
+        assert!(matches!(taken, Ok(7)));
+        let failed = TryDequeueError::from_taken::<()>(Err(Error::Cancelled));
+        assert!(matches!(
+            failed,
+            Err(TryDequeueError::Failed(DequeueError::Cancelled))
+        ));
+        assert!(!failed.unwrap_err().is_empty());
     }
 
     /// The ways each operation fails are variants of its own, not `Other`.
@@ -601,6 +964,33 @@ mod tests {
         assert!(matches!(
             open[12],
             OpenError::Name(NameError::NotFound { .. })
+        ));
+        let finish: Vec<_> = e().map(FinishReadError::from_core).collect();
+        assert!(matches!(finish[3], FinishReadError::WrongRole(_)));
+        assert!(matches!(finish[11], FinishReadError::Os(_)));
+        let write_chunk: Vec<_> = e().map(WriteChunkError::from_core).collect();
+        assert!(matches!(write_chunk[0], WriteChunkError::Timeout { .. }));
+        assert!(matches!(write_chunk[1], WriteChunkError::Cancelled));
+        assert!(matches!(write_chunk[3], WriteChunkError::WrongRole(_)));
+        assert!(matches!(
+            write_chunk[7],
+            WriteChunkError::ReaderDied { pid: 43, .. }
+        ));
+        assert!(matches!(write_chunk[8], WriteChunkError::ShutDown));
+        assert!(matches!(write_chunk[11], WriteChunkError::Os(_)));
+        let gather: Vec<_> = e().map(GatherRecvError::from_core).collect();
+        assert!(matches!(gather[0], GatherRecvError::Timeout { .. }));
+        assert!(matches!(gather[1], GatherRecvError::Cancelled));
+        assert!(matches!(gather[2], GatherRecvError::WrongKind(_)));
+        assert!(matches!(gather[11], GatherRecvError::Os(_)));
+        assert!(matches!(gather[13], GatherRecvError::Transport { .. }));
+        assert!(matches!(
+            &gather[15],
+            GatherRecvError::WriterDied { writer: 1, name, .. } if name == "w1"
+        ));
+        assert!(matches!(
+            &gather[16],
+            GatherRecvError::Ended { ended, died } if ended == &["w0"] && died == &["w1"]
         ));
     }
 }

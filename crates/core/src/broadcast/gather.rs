@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use super::async_wait::{first_ready, AsyncWaiter, WaitReady};
 use super::queue::{AsyncStep, Canceller, Reader};
 use super::wait_any::{wait_any, wake, ReadyTarget, WakeWord, MAX_TARGETS};
-use super::QueueError;
+use super::{DequeueError, GatherRecvError, NewGatherError, QueueError};
 use crate::error::{Error, Result};
 use crate::wait::deadline_after;
 use shmq_protocol::sync::local::{AtomicBool, Ordering};
@@ -68,8 +68,8 @@ const LIVENESS_INTERVAL: Duration = Duration::from_millis(500);
 ///     loop {
 ///         match gather.recv_timeout(Duration::from_secs(10)) {
 ///             Ok((writer, bytes)) => got.push((writer, bytes)),
-///             Err(shmq_core::Error::Queue(shmq_core::broadcast::QueueError::GatherEnded { .. })) => break,
-///             Err(e) => return Err(e),
+///             Err(shmq_core::broadcast::GatherRecvError::Ended { .. }) => break,
+///             Err(e) => return Err(shmq_core::Error::from(e)),
 ///         }
 ///     }
 ///     got.sort();
@@ -163,7 +163,29 @@ impl Gather {
     /// local ranks) of its own writer's queue, with a name for errors. At least one, at
     /// most [`MAX_TARGETS`] (127), names distinct. Writer `i` of the results is the
     /// `i`-th reader given. On an error the readers are dropped (each leaves its queue).
-    pub fn new<S: Into<String>>(readers: impl IntoIterator<Item = (S, Reader)>) -> Result<Gather> {
+    ///
+    /// # Errors
+    ///
+    /// [`NewGatherError`], its text saying which: no reader given, more than 127, a name
+    /// given twice, or a reader that is not local (a remote reader's queue cannot be
+    /// waited for with the others).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
+    pub fn new<S: Into<String>>(
+        readers: impl IntoIterator<Item = (S, Reader)>,
+    ) -> Result<Gather, NewGatherError> {
+        Gather::new_core(readers).map_err(|e| match e {
+            Error::InvalidArgument(reason) => NewGatherError { reason },
+            e => NewGatherError {
+                reason: e.to_string(),
+            },
+        })
+    }
+
+    /// [`new`](Self::new) with the crate's error.
+    fn new_core<S: Into<String>>(readers: impl IntoIterator<Item = (S, Reader)>) -> Result<Gather> {
         let sources: Vec<Source> = readers
             .into_iter()
             .map(|(name, reader)| Source {
@@ -256,7 +278,19 @@ impl Gather {
     }
 
     /// Each queue's [`Reader::wait_until_ready`] (each writer calls its own).
-    pub fn wait_until_ready(&mut self, timeout: Option<Duration>) -> Result<()> {
+    ///
+    /// # Errors
+    ///
+    /// The first queue's [`DequeueError`] (see [`Reader::wait_until_ready`]):
+    /// [`Timeout`](DequeueError::Timeout) when a writer has not subscribed its reader
+    /// within `timeout` (each queue waits up to `timeout`),
+    /// [`WriterDied`](DequeueError::WriterDied) for a writer that died first,
+    /// [`Cancelled`](DequeueError::Cancelled) for a reader shut down.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
+    pub fn wait_until_ready(&mut self, timeout: Option<Duration>) -> Result<(), DequeueError> {
         for s in &mut self.sources {
             s.reader.wait_until_ready(timeout)?;
         }
@@ -291,13 +325,42 @@ impl Gather {
     /// Gather. Each writer's messages come in the order it sent them; writers with
     /// messages are served in turns. Blocks until one comes (see the module docs for how
     /// a writer's end and death are told).
-    pub fn recv(&mut self) -> Result<(usize, Vec<u8>)> {
+    ///
+    /// # Errors
+    ///
+    /// A [`GatherRecvError`]: [`Ended`](GatherRecvError::Ended) once every
+    /// writer has ended its queue; [`WriterDied`](GatherRecvError::WriterDied) for a
+    /// writer that died (after its last message; the next receive goes on with the
+    /// others); [`Cancelled`](GatherRecvError::Cancelled) once the Gather (or one of its
+    /// readers) is shut down; [`WrongKind`](GatherRecvError::WrongKind) for a message
+    /// of parts or an array (consumed); [`Os`](GatherRecvError::Os) for a segment broken
+    /// by another process.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
+    pub fn recv(&mut self) -> Result<(usize, Vec<u8>), GatherRecvError> {
         self.recv_view(None, |w, b| (w, b.to_vec()))
     }
 
     /// [`recv`](Self::recv), failing with [`Error::Timeout`] after `timeout` without a
     /// message.
-    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<(usize, Vec<u8>)> {
+    ///
+    /// # Errors
+    ///
+    /// A [`GatherRecvError`]: [`Timeout`](GatherRecvError::Timeout) after `timeout`
+    /// without a message; [`Ended`](GatherRecvError::Ended) once every
+    /// writer has ended its queue; [`WriterDied`](GatherRecvError::WriterDied) for a
+    /// writer that died (after its last message; the next receive goes on with the
+    /// others); [`Cancelled`](GatherRecvError::Cancelled) once the Gather (or one of its
+    /// readers) is shut down; [`WrongKind`](GatherRecvError::WrongKind) for a message
+    /// of parts or an array (consumed); [`Os`](GatherRecvError::Os) for a segment broken
+    /// by another process.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<(usize, Vec<u8>), GatherRecvError> {
         self.recv_view(Some(timeout), |w, b| (w, b.to_vec()))
     }
 
@@ -305,7 +368,32 @@ impl Gather {
     /// waits for good), with `f` called on the writer's index and the message's bytes
     /// where they are, in shared memory: no copy (as [`Reader::dequeue_view`]). Raw
     /// bytes only: a message of several parts is an error naming it (consumed).
+    ///
+    /// # Errors
+    ///
+    /// A [`GatherRecvError`]: [`Timeout`](GatherRecvError::Timeout) after `timeout`
+    /// without a message; [`Ended`](GatherRecvError::Ended) once every
+    /// writer has ended its queue; [`WriterDied`](GatherRecvError::WriterDied) for a
+    /// writer that died (after its last message; the next receive goes on with the
+    /// others); [`Cancelled`](GatherRecvError::Cancelled) once the Gather (or one of its
+    /// readers) is shut down; [`WrongKind`](GatherRecvError::WrongKind) for a message
+    /// of parts or an array (consumed); [`Os`](GatherRecvError::Os) for a segment broken
+    /// by another process.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn recv_view<R>(
+        &mut self,
+        timeout: Option<Duration>,
+        f: impl FnOnce(usize, &[u8]) -> R,
+    ) -> Result<R, GatherRecvError> {
+        self.recv_view_core(timeout, f)
+            .map_err(GatherRecvError::from_core)
+    }
+
+    /// [`recv_view`](Self::recv_view) with the crate's error.
+    fn recv_view_core<R>(
         &mut self,
         timeout: Option<Duration>,
         f: impl FnOnce(usize, &[u8]) -> R,
@@ -320,7 +408,7 @@ impl Gather {
             }
             self.look_at_writers()?;
             let round =
-                self.round(&mut |r, w| r.try_take(|b| (f.take().expect("called once"))(w, b)))?;
+                self.round(&mut |r, w| r.take_now(|b| (f.take().expect("called once"))(w, b)))?;
             let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             match round {
                 Round::Taken(r) => return Ok(r),
@@ -358,19 +446,42 @@ impl Gather {
     /// executor). No timeout of its own: put it under the runtime's
     /// (`tokio::time::timeout`). Cancel-safe: a future dropped before it completes has
     /// taken nothing, and the message is the next receive's.
-    pub async fn recv_async(&mut self) -> Result<(usize, Vec<u8>)> {
+    ///
+    /// # Errors
+    ///
+    /// A [`GatherRecvError`]: [`Ended`](GatherRecvError::Ended) once every
+    /// writer has ended its queue; [`WriterDied`](GatherRecvError::WriterDied) for a
+    /// writer that died (after its last message; the next receive goes on with the
+    /// others); [`Cancelled`](GatherRecvError::Cancelled) once the Gather (or one of its
+    /// readers) is shut down; [`WrongKind`](GatherRecvError::WrongKind) for a message
+    /// of parts or an array (consumed); [`Os`](GatherRecvError::Os) for a segment broken
+    /// by another process.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
+    pub async fn recv_async(&mut self) -> Result<(usize, Vec<u8>), GatherRecvError> {
+        self.recv_async_core()
+            .await
+            .map_err(GatherRecvError::from_core)
+    }
+
+    /// [`recv_async`](Self::recv_async) with the crate's error.
+    async fn recv_async_core(&mut self) -> Result<(usize, Vec<u8>)> {
         loop {
             self.check_open()?;
             if self.live.is_empty() {
                 return Err(self.all_ended());
             }
             self.look_at_writers()?;
-            match self.round(&mut |r, w| r.try_take(|b| (w, b.to_vec())))? {
+            match self.round(&mut |r, w| r.take_now(|b| (w, b.to_vec())))? {
                 Round::Taken(r) => return Ok(r),
                 Round::InFlight(w) => {
                     // Cancel-safe too: a dropped dequeue_async leaves the message.
                     let got = self.sources[w].reader.dequeue_async().await;
-                    return got.map(|b| (w, b)).map_err(|e| self.died_if_dead(w, e));
+                    return got
+                        .map(|b| (w, b))
+                        .map_err(|e| self.died_if_dead(w, e.into()));
                 }
                 Round::Nothing => {}
             }
@@ -537,11 +648,12 @@ mod tests {
     #[test]
     fn the_arguments_are_checked() {
         let none: Vec<(String, Reader)> = Vec::new();
-        assert!(matches!(Gather::new(none), Err(Error::InvalidArgument(_))));
+        let e = Gather::new(none).unwrap_err();
+        assert_eq!(e.to_string(), "a Gather needs at least one queue");
         let (_w1, r1) = queue();
         let (_w2, r2) = queue();
         let twice = Gather::new([("a", r1), ("a", r2)]);
-        assert!(matches!(twice, Err(Error::InvalidArgument(m)) if m.contains("\"a\"")));
+        assert!(matches!(twice, Err(NewGatherError { reason }) if reason.contains("\"a\"")));
     }
 
     #[test]
@@ -561,7 +673,7 @@ mod tests {
         });
         assert!(matches!(
             gather.recv_timeout(Duration::from_millis(20)),
-            Err(Error::Timeout { .. })
+            Err(GatherRecvError::Timeout { .. })
         ));
         // In turns: writer 0's, then writer 2's first (the round goes on after writer 0),
         // then writer 2's second.
@@ -581,7 +693,7 @@ mod tests {
         queues[1].close();
         assert!(matches!(
             gather.recv_timeout(Duration::from_millis(20)),
-            Err(Error::Timeout { .. })
+            Err(GatherRecvError::Timeout { .. })
         ));
         assert_eq!(gather.ended(), [1]);
         // A shutdown from another thread ends a blocked receive.
@@ -591,9 +703,9 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(20));
                 canceller.cancel();
             });
-            assert!(matches!(gather.recv(), Err(Error::Cancelled)));
+            assert!(matches!(gather.recv(), Err(GatherRecvError::Cancelled)));
         });
-        assert!(matches!(gather.recv(), Err(Error::Cancelled)));
+        assert!(matches!(gather.recv(), Err(GatherRecvError::Cancelled)));
         gather.close();
     }
 }

@@ -13,7 +13,9 @@
 //! - [`gather`]: [`Gather`], many writers' queues read as one stream, blocking or awaited.
 //! - `error`: [`QueueError`], how a queue ends (a dead peer, a shutdown); the errors of
 //!   the queue's operations, one type each ([`OpenError`], [`DequeueError`],
-//!   [`CreateError`], [`EnqueueError`], and the writer's [`TryEnqueueError`]).
+//!   [`CreateError`], [`EnqueueError`], the writer's [`TryEnqueueError`] and
+//!   [`WriteChunkError`], the reader's [`TryDequeueError`] and [`FinishReadError`], the
+//!   Gather's [`NewGatherError`] and [`GatherRecvError`]).
 
 pub mod array;
 pub mod async_wait;
@@ -26,7 +28,10 @@ pub mod wait_any;
 
 pub use array::{Array, ArrayMeta, ArrayRef, Dtype, Element};
 pub use async_wait::{AsyncWaiter, WaitReady};
-pub use error::{CreateError, DequeueError, EnqueueError, OpenError, QueueError};
+pub use error::{
+    CreateError, DequeueError, EnqueueError, FinishReadError, GatherRecvError, NewGatherError,
+    OpenError, QueueError, TryDequeueError, WriteChunkError,
+};
 pub use gather::{Gather, GatherCanceller};
 pub use queue::{
     Canceller, ChunkRead, Handle, Message, OwnedPart, Part, QueueOptions, Reader, Received,

@@ -20,7 +20,9 @@ use super::super::ring::{ChunkKind, Ring, RingReader};
 use super::super::wait_any::ReadyTarget;
 use super::{chunk_changed, Canceller, Handle};
 use crate::arena::{ArenaReader, ArenaView};
-use crate::error::{DequeueError, Error, OpenError, QueueError, Result};
+use crate::error::{
+    DequeueError, Error, FinishReadError, OpenError, QueueError, Result, TryDequeueError,
+};
 use crate::remote::RemoteReader;
 use crate::transport::Subscriber;
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
@@ -928,7 +930,7 @@ impl Reader {
     /// writer.wait_until_ready(Duration::from_secs(10))?;
     /// writer.enqueue(b"here", Duration::from_secs(10))?;
     /// reader.wait_message(Duration::from_secs(10))?;
-    /// assert_eq!(reader.try_take(|b| b.to_vec())?, Some(b"here".to_vec()));
+    /// assert_eq!(reader.try_take(|b| b.to_vec())?, b"here");
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn wait_message<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<(), DequeueError> {
@@ -996,12 +998,16 @@ impl Reader {
     }
 
     /// Take the next message if it is here now: call `f` on it (bytes borrowed from
-    /// shared memory for a message in a chunk) and move on. `None`: nothing ready yet.
+    /// shared memory for a message in a chunk) and move on.
     ///
     /// # Errors
     ///
-    /// As [`dequeue`](Self::dequeue) does, but never [`Error::Timeout`] (`Ok(None)`: nothing
-    /// yet); [`Error::InvalidArgument`] for a malformed message (consumed).
+    /// [`TryDequeueError::Empty`] when no message is here yet (nothing taken, `f` not
+    /// called); else [`TryDequeueError::Failed`] with what [`dequeue`](Self::dequeue)
+    /// would fail with (never its [`Timeout`](DequeueError::Timeout)): the writer shut
+    /// down or died, the reader shut down, a malformed message
+    /// ([`WrongKind`](DequeueError::WrongKind), consumed), a segment broken by another
+    /// process.
     ///
     /// # Examples
     ///
@@ -1011,18 +1017,31 @@ impl Reader {
     /// let mut writer = shmq::Writer::new(shmq::QueueOptions::local(1))?;
     /// let mut reader = shmq::Reader::open(writer.handle(), 0)?;
     /// writer.wait_until_ready(Duration::from_secs(10))?;
-    /// use shmq::broadcast::{Message, Received};
-    /// assert!(reader.try_take_message(|_| ())?.is_none()); // nothing yet
+    /// use shmq::broadcast::{Message, Received, TryDequeueError};
+    /// let nothing = reader.try_take_message(|_| ());
+    /// assert!(matches!(nothing, Err(TryDequeueError::Empty))); // nothing yet
     /// writer.enqueue(Message::Parts(&[b"body", b"buffer"]), Duration::from_secs(10))?;
     /// reader.wait_message(Duration::from_secs(10))?;
     /// let n = reader.try_take_message(|m| match m {
     ///     Received::Parts(parts) => parts.len(),
     ///     _ => 0,
     /// })?;
-    /// assert_eq!(n, Some(2));
+    /// assert_eq!(n, 2);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn try_take_message<R>(&mut self, f: impl FnOnce(Received<'_>) -> R) -> Result<Option<R>> {
+    pub fn try_take_message<R>(
+        &mut self,
+        f: impl FnOnce(Received<'_>) -> R,
+    ) -> std::result::Result<R, TryDequeueError> {
+        TryDequeueError::from_taken(self.take_message_now(f))
+    }
+
+    /// [`try_take_message`](Self::try_take_message) as the crate's parts use it:
+    /// `Ok(None)` when nothing is here yet.
+    pub(crate) fn take_message_now<R>(
+        &mut self,
+        f: impl FnOnce(Received<'_>) -> R,
+    ) -> Result<Option<R>> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         match &mut self.source {
             Source::Local {
@@ -1085,8 +1104,9 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// As [`try_take_message`](Self::try_take_message); [`Error::InvalidArgument`] for a
-    /// message of parts or an array (consumed).
+    /// As [`try_take_message`](Self::try_take_message); a message of parts or an array
+    /// is [`TryDequeueError::Failed`] with [`DequeueError::WrongKind`] naming what it is
+    /// (consumed).
     ///
     /// # Examples
     ///
@@ -1098,11 +1118,21 @@ impl Reader {
     /// writer.wait_until_ready(Duration::from_secs(10))?;
     /// writer.enqueue(b"raw", Duration::from_secs(10))?;
     /// reader.wait_message(Duration::from_secs(10))?;
-    /// assert_eq!(reader.try_take(|b| b.len())?, Some(3));
+    /// assert_eq!(reader.try_take(|b| b.len())?, 3);
+    /// assert!(reader.try_take(|b| b.len()).is_err_and(|e| e.is_empty()));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn try_take<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
-        match self.try_take_message(|m| match m {
+    pub fn try_take<R>(
+        &mut self,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> std::result::Result<R, TryDequeueError> {
+        TryDequeueError::from_taken(self.take_now(f))
+    }
+
+    /// [`try_take`](Self::try_take) as the crate's parts use it: `Ok(None)` when nothing
+    /// is here yet.
+    pub(crate) fn take_now<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
+        match self.take_message_now(|m| match m {
             Received::Bytes(b) => Ok(f(b)),
             other => Err(Error::InvalidArgument(format!(
                 "this message was sent as {}, not as raw bytes; read it with {}, or have a \
@@ -1160,7 +1190,7 @@ impl Reader {
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R> {
         let mut f = Some(f);
-        if let Some(r) = self.try_take(|b| (f.take().expect("called once"))(b))? {
+        if let Some(r) = self.take_now(|b| (f.take().expect("called once"))(b))? {
             return Ok(r);
         }
         let (canceller, what) = (self.canceller.clone(), self.what.clone());
@@ -1171,7 +1201,7 @@ impl Reader {
     /// Wait for the next message and call `f` on its bytes, under a wait already built.
     fn dequeue_in<R>(&mut self, wait: &mut Wait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.wait_message_in(wait)?;
-        self.try_take(f)?.ok_or_else(|| self.not_ready_any_more())
+        self.take_now(f)?.ok_or_else(|| self.not_ready_any_more())
     }
 
     /// See `chunk_changed`; for a remote reader (which has no chunks) it cannot happen.
@@ -1331,13 +1361,13 @@ impl Reader {
         wait: WaitSpec<'_>,
         own: fn(Received<'_>) -> Result<T>,
     ) -> Result<T> {
-        if let Some(m) = self.try_take_message(own)? {
+        if let Some(m) = self.take_message_now(own)? {
             return m;
         }
         let (canceller, what) = (self.canceller.clone(), self.what.clone());
         let mut wait = self.wait(&what, wait, &canceller);
         self.wait_message_in(&mut wait)?;
-        self.try_take_message(own)?
+        self.take_message_now(own)?
             .ok_or_else(|| self.not_ready_any_more())?
     }
 
@@ -1520,8 +1550,10 @@ impl Reader {
     ///
     /// # Errors
     ///
-    /// [`Error::WrongRole`] without a chunk acquired; [`Error::Os`] when the chunk's private
-    /// mapping cannot be given back.
+    /// [`FinishReadError::WrongRole`] for a remote reader (it has no chunks);
+    /// [`FinishReadError::Os`] when the chunk's private mapping cannot be given back, or
+    /// when another process truncated the ring or the arena (what was read may have been
+    /// zeros); [`FinishReadError::Other`] for a reader used in a forked child.
     ///
     /// # Examples
     ///
@@ -1537,7 +1569,7 @@ impl Reader {
     /// assert_eq!(n, 13);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn finish_read(&mut self) -> Result<()> {
+    pub fn finish_read(&mut self) -> Result<(), FinishReadError> {
         self.finish_chunk(ChunkEnd::Retire)
     }
 
@@ -1568,7 +1600,13 @@ impl Reader {
     /// reader.finish_chunk(ChunkEnd::Retire)?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn finish_chunk(&mut self, end: ChunkEnd) -> Result<()> {
+    pub fn finish_chunk(&mut self, end: ChunkEnd) -> Result<(), FinishReadError> {
+        self.finish_chunk_core(end)
+            .map_err(FinishReadError::from_core)
+    }
+
+    /// [`finish_chunk`](Self::finish_chunk) with the crate's error.
+    fn finish_chunk_core(&mut self, end: ChunkEnd) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue reader")?;
         if let Some(map) = self.open_chunk.take() {
             match end {

@@ -21,7 +21,9 @@ use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
 use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
-use crate::error::{CreateError, EnqueueError, Error, OsError, QueueError, Result};
+use crate::error::{
+    CreateError, EnqueueError, Error, OsError, QueueError, Result, WriteChunkError,
+};
 use crate::names::{self, NameClaim};
 use crate::remote::{self, RemoteWriter};
 use crate::transport::{default_connect_ip, Publisher};
@@ -1566,10 +1568,13 @@ impl Writer {
     ///
     /// # Errors
     ///
-    /// [`Error::WrongRole`] for a queue with remote readers or without a ring;
-    /// [`Error::Os`] when `/dev/shm` has no room for the whole chunk; else as
-    /// [`enqueue`](Self::enqueue) waits and fails ([`Error::Timeout`],
-    /// [`QueueError::DeadReader`], [`QueueError::ShutDown`]).
+    /// [`WriteChunkError::WrongRole`] for a queue with remote readers or without a ring;
+    /// [`WriteChunkError::Os`] when `/dev/shm` has no room for the whole chunk;
+    /// [`WriteChunkError::Timeout`] when `wait` runs out before the next chunk is free;
+    /// [`WriteChunkError::ReaderDied`] for a local reader that died holding it (under
+    /// `DeadReaderPolicy::Raise`); [`WriteChunkError::ShutDown`] once the writer is shut
+    /// down; [`WriteChunkError::Cancelled`] or [`WriteChunkError::Other`] with the error
+    /// of `wait`'s hook.
     ///
     /// # Examples
     ///
@@ -1586,10 +1591,21 @@ impl Writer {
     /// assert_eq!(&got[..5], b"hello");
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn acquire_write<'w>(&mut self, wait: impl Into<WaitSpec<'w>>) -> Result<&mut [u8]> {
+    pub fn acquire_write<'w>(
+        &mut self,
+        wait: impl Into<WaitSpec<'w>>,
+    ) -> Result<&mut [u8], WriteChunkError> {
+        self.acquire_write_core(wait.into())
+            .map_err(WriteChunkError::from_core)?;
+        let ring = self.ring.as_mut().expect("acquired");
+        Ok(ring.data_mut().expect("acquired"))
+    }
+
+    /// [`acquire_write`](Self::acquire_write) with the crate's error, the chunk not
+    /// borrowed.
+    fn acquire_write_core(&mut self, wait: WaitSpec<'_>) -> Result<()> {
         let (canceller, what) = (self.canceller.clone(), self.waiting_for_a_chunk.clone());
         let mut wait = wait
-            .into()
             .into_wait(&what, self.policy, canceller.flag())
             .learning(&self.history);
         fork::check(self._ctx.made_in(), "queue writer")?;
@@ -1597,8 +1613,7 @@ impl Writer {
         if let Err(e) = self.acquire_write_unchecked(&mut wait) {
             return Err(self.why(e));
         }
-        let ring = self.ring.as_mut().expect("acquired");
-        Ok(ring.data_mut().expect("acquired"))
+        Ok(())
     }
 
     /// Wait for the next chunk (no data borrowed: see `acquire_write`).
@@ -1629,8 +1644,11 @@ impl Writer {
     ///
     /// # Errors
     ///
-    /// [`QueueError::ShutDown`] once the writer is shut down; [`Error::WrongRole`] for a queue
-    /// without a ring; an error, and nothing published, without a chunk acquired first.
+    /// [`WriteChunkError::ShutDown`] once the writer is shut down;
+    /// [`WriteChunkError::WrongRole`], and nothing published, for a queue without a
+    /// ring or without a chunk acquired first; [`WriteChunkError::Os`] when another
+    /// process truncated the ring while the chunk was written; [`WriteChunkError::Other`]
+    /// for a writer used in a forked child.
     ///
     /// # Examples
     ///
@@ -1645,7 +1663,12 @@ impl Writer {
     /// assert!(reader.dequeue(Duration::from_secs(10))?.iter().all(|&b| b == 1));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn commit_write(&mut self) -> Result<()> {
+    pub fn commit_write(&mut self) -> Result<(), WriteChunkError> {
+        self.commit_write_core().map_err(WriteChunkError::from_core)
+    }
+
+    /// [`commit_write`](Self::commit_write) with the crate's error.
+    fn commit_write_core(&mut self) -> Result<()> {
         fork::check(self._ctx.made_in(), "queue writer")?;
         self.check_open()?;
         let ring = self
