@@ -120,6 +120,10 @@ fn report(name: &str, size: u64, own: bool) -> SegmentReport {
 /// store `vllm_mm_<id>`), found by their header among this user's files. Another user's
 /// `shmq_*` files are listed (root sees them) but never opened: kind and liveness unknown.
 /// A file of another program is only opened, never changed.
+///
+/// # Errors
+///
+/// [`Error::Os`] when `/dev/shm` cannot be listed.
 pub fn list_segments() -> Result<Vec<SegmentReport>> {
     use std::os::unix::fs::MetadataExt;
     let dir = std::fs::read_dir(SHM_DIR).map_err(|e| Error::os(format!("listing {SHM_DIR}"), e))?;
@@ -153,6 +157,11 @@ pub fn list_segments() -> Result<Vec<SegmentReport>> {
 /// Remove the segments whose creator is proved dead (only list them if `dry_run`); with
 /// `force`, also those whose creator cannot be judged from here (another pid namespace
 /// with its own `/dev/shm` view, no permission). Returns those segments.
+///
+/// # Errors
+///
+/// As [`list_segments`]; [`Error::Os`] when an orphan's file cannot be removed (no
+/// permission, another user's).
 pub fn remove_orphans(dry_run: bool, force: bool) -> Result<Vec<SegmentReport>> {
     let orphans: Vec<SegmentReport> = list_segments()?
         .into_iter()
@@ -238,6 +247,11 @@ pub fn describe_liveness(l: Liveness) -> &'static str {
 }
 
 /// A human-readable description of a live segment's state.
+///
+/// # Errors
+///
+/// [`Error::Os`] when `name` cannot be opened as any shmq segment (gone, not this user's,
+/// not shmq's), or its slots cannot be read.
 pub fn describe(name: &str) -> Result<String> {
     let mut out = String::new();
     if let Ok(ring) = Ring::open(name) {
@@ -391,6 +405,11 @@ pub enum Metrics {
 /// The live metrics of segment `name`, read from the segment itself (so from any
 /// process of the machine): what `python -m shmq inspect --json`, `top` and the
 /// Prometheus collector show.
+///
+/// # Errors
+///
+/// [`Error::Os`] when `name` cannot be opened as a queue's ring, a store, an arena or an
+/// encoder cache (gone, not this user's, not shmq's).
 pub fn metrics(name: &str) -> Result<Metrics> {
     if let Ok(ring) = Ring::open(name) {
         return Ok(Metrics::Ring {

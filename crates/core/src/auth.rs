@@ -19,6 +19,10 @@ use crate::error::Result;
 pub const SECRET_BYTES: usize = 32;
 
 /// A secret of [`SECRET_BYTES`] random bytes, from the kernel; `what` names it in an error.
+///
+/// # Errors
+///
+/// [`Error::Os`](crate::Error::Os) naming `what` when the kernel refuses `getrandom`.
 pub fn new_secret(what: &str) -> Result<[u8; SECRET_BYTES]> {
     Ok(shmq_os::random::random_bytes(what)?)
 }
@@ -55,6 +59,10 @@ pub fn to_hex(bytes: &[u8]) -> String {
 }
 
 /// A fresh 16-byte nonce (or session id), from the kernel.
+///
+/// # Errors
+///
+/// [`Error::Os`](crate::Error::Os) naming `what` when the kernel refuses `getrandom`.
 pub fn nonce(what: &str) -> Result<[u8; 16]> {
     Ok(shmq_os::random::random_bytes(what)?)
 }

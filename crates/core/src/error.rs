@@ -154,6 +154,11 @@ impl Error {
 
 /// The value of `choices` named `value`, for the option `argument`; `InvalidArgument`
 /// naming the choices otherwise (`on_dead_reader must be "raise" or "drop", got "x"`).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] naming `argument` and the choices when `value` is none of
+/// them.
 pub fn parse_choice<T: Copy>(argument: &str, value: &str, choices: &[(&str, T)]) -> Result<T> {
     if let Some(&(_, v)) = choices.iter().find(|(name, _)| *name == value) {
         return Ok(v);

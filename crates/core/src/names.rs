@@ -66,6 +66,11 @@ impl Kind {
     }
 
     /// The kind named `text` (`"queue"` or `"store"`); `InvalidArgument` otherwise.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the choices when `text` is neither `"queue"` nor
+    /// `"store"`.
     pub fn parse(text: &str) -> Result<Kind> {
         crate::error::parse_choice(
             "kind",
@@ -152,6 +157,11 @@ pub enum NameError {
 
 /// `InvalidArgument` unless `name` is a name of `kind`: 1 to [`MAX_NAME_BYTES`] bytes of
 /// text with no control characters (below U+0020).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a name that is empty, longer than [`MAX_NAME_BYTES`]
+/// bytes, or has a control character.
 pub fn check_name(kind: Kind, name: &str) -> Result<()> {
     if name.is_empty() || name.len() > MAX_NAME_BYTES || name.chars().any(|c| c < ' ') {
         return Err(Error::InvalidArgument(format!(
@@ -185,12 +195,22 @@ pub fn is_record_file(file: &str) -> bool {
 
 /// The path of this user's directory of names; `None` when there is none yet and `create`
 /// is false (see [`shmq_os::names_dir`] for which directory, and its errors).
+///
+/// # Errors
+///
+/// [`Error::Name`] with `NamesDirRefused` when the directory found is not this user's or
+/// others may enter it; [`Error::Os`] when it cannot be opened or made.
 pub fn directory(create: bool) -> Result<Option<String>> {
     Ok(NamesDir::find(create)?.map(|d| d.path().to_owned()))
 }
 
 /// Where the record of `name` is (or would be); `None` when this user has no directory of
 /// names yet and `create` is false.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a name that is not one of `kind` ([`check_name`]); else
+/// as [`directory`].
 pub fn record_path(kind: Kind, name: &str, create: bool) -> Result<Option<String>> {
     check_name(kind, name)?;
     Ok(NamesDir::find(create)?.map(|d| d.record_path(&file_name(kind, name))))
@@ -321,6 +341,14 @@ impl NameClaim {
 /// or dropped, or the process ends. Removes the dead records of the directory first.
 /// [`NameError::Taken`] when a live writer holds the name, [`NameError::Undecidable`] when
 /// whether its writer lives cannot be told; a dead writer's record is taken over.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad `name` or `details` that are not a JSON object;
+/// [`NameError::Taken`] when a live process holds `name` already;
+/// [`NameError::Undecidable`] when its holder's liveness cannot be told, or other processes
+/// kept taking the record; [`Error::Os`] when the directory of names is refused, or the
+/// record cannot be made or published.
 pub fn claim(kind: Kind, name: &str, details: &str) -> Result<NameClaim> {
     check_name(kind, name)?;
     let bytes = record_bytes(kind, name, details)?;
@@ -387,6 +415,12 @@ pub fn claim(kind: Kind, name: &str, details: &str) -> Result<NameClaim> {
 /// `NotFound`). A record whose writer's liveness cannot be told is returned as it is
 /// (the handle in it says whether the writer is there). The directory's own errors
 /// (another user's, open to others) are the operating-system layer's.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad `name`; [`NameError::NotFound`] when no live writer
+/// holds it (never made, released, damaged); [`NameError::Gone`] once when its writer died;
+/// [`Error::Os`] when the directory of names is refused or a record cannot be read.
 pub fn lookup(kind: Kind, name: &str) -> Result<Record> {
     check_name(kind, name)?;
     let missing = || {

@@ -83,6 +83,13 @@ impl Relay {
     /// `local` (its readers: `local.n_local_reader`, their ranks
     /// `local.local_reader_ranks`). The sizes of the local ring are the caller's: a
     /// message larger than a chunk goes over the local overflow socket, as in any queue.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a `rank` that is a local reader of the upstream queue
+    /// or out of range, or `local` options out of range; else as
+    /// [`Reader::open`](crate::Reader::open) (upstream) and
+    /// [`Writer::new`](crate::Writer::new) (the local queue).
     pub fn new(upstream: &Handle, rank: usize, local: QueueOptions) -> Result<Relay> {
         if upstream.local_reader_ranks.contains(&rank) {
             return Err(Error::InvalidArgument(format!(
@@ -140,6 +147,13 @@ impl Relay {
     /// says start, all within `timeout` (the local readers first: they are on this
     /// machine and come up quickly, while the upstream writer may wait for other nodes).
     /// `hook` as in [`run`](Self::run).
+    ///
+    /// # Errors
+    ///
+    /// As the local writer's and the upstream reader's `wait_until_ready`:
+    /// [`Error::Timeout`] when `timeout` passes first (naming who was waited for),
+    /// [`QueueError::DeadWriter`] or a remote stream refused upstream,
+    /// [`QueueError::DeadReader`] for a local reader that died first; `hook`'s error.
     pub fn wait_until_ready(
         &mut self,
         timeout: Option<Duration>,
@@ -166,6 +180,13 @@ impl Relay {
     /// upstream only once it can be passed on). A wait for room in the local ring is not
     /// cut short by `hook` (a message taken must be passed on); it ends when a local
     /// reader takes a message or dies, or at [`RelayStopper::stop`].
+    ///
+    /// # Errors
+    ///
+    /// What a receive upstream or a send downstream fails with: the upstream writer died or
+    /// its stream was refused ([`RemoteError`](crate::error::RemoteError)), a local reader
+    /// died, `/dev/shm` full; `hook`'s error (other than [`Error::Cancelled`], which ends
+    /// the run as [`RelayEnd::Stopped`]).
     pub fn run(
         &mut self,
         mut hook: Option<&mut (dyn FnMut() -> Result<()> + Send)>,

@@ -88,6 +88,10 @@ pub const MAX_PHASE_US: f64 = 10_000_000.0;
 /// `Error::InvalidArgument` for a negative number or NaN. Every timeout a caller gives
 /// as a number goes through here, so that none can panic a `Duration` conversion or an
 /// `Instant` addition.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] naming `name` for a NaN or negative `secs`.
 pub fn timeout_from_secs(name: &str, secs: f64) -> Result<Option<Duration>> {
     if secs.is_nan() || secs < 0.0 {
         return Err(Error::InvalidArgument(format!(
@@ -198,6 +202,11 @@ impl WaitPolicy {
     /// the spin and yield times given in microseconds, where given: a yield time given
     /// here is kept as given, never grown by the waiter's history. `InvalidArgument` for
     /// a time that is negative, NaN or longer than [`MAX_PHASE`] (infinite included).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the option for a spin or yield time that is
+    /// negative, NaN, or over the longest phase.
     pub fn from_micros(
         processes: usize,
         spin_us: Option<f64>,
@@ -502,6 +511,10 @@ const SLICE_WITHOUT_HOOK: Duration = Duration::from_secs(3600);
 /// bindings check signals there); its error ends the wait. `Ok(None)`: the spec's
 /// timeout passed first. (`quiet` and `resume` mean nothing here: such waits give no
 /// "still waiting" warnings and hold no lock across slices.)
+///
+/// # Errors
+///
+/// The error of `spec`'s hook, which ends the wait (a timeout is `Ok(None)`, not an error).
 pub fn in_slices<T>(
     spec: WaitSpec<'_>,
     mut step: impl FnMut(Duration) -> Option<T>,
@@ -876,6 +889,11 @@ impl<'a> Wait<'a> {
     /// (with a `doorbell`) sleeps until the other side rings it. Ends early with `Timeout`,
     /// `Cancelled`, the hook's error or `peer_alive`'s error; the condition is polled at
     /// least once, so a ready result wins over an expired deadline.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when the wait's deadline passes; [`Error::Cancelled`] once its
+    /// cancel flag is set; `peer_alive`'s error (a dead peer); the hook's error.
     pub fn until<T>(
         &mut self,
         doorbell: Option<&DoorbellWords>,
@@ -887,6 +905,10 @@ impl<'a> Wait<'a> {
 
     /// [`until`](Self::until), whose "still waiting" warnings add what `explain` says:
     /// who the wait is for and what they are doing (called once per warning only).
+    ///
+    /// # Errors
+    ///
+    /// As [`until`](Self::until).
     pub fn until_explained<T>(
         &mut self,
         doorbell: Option<&DoorbellWords>,
@@ -1050,12 +1072,21 @@ impl<'a> Wait<'a> {
     }
 
     /// Run the checks of one wait step from outside `until` (a socket poll loop).
+    ///
+    /// # Errors
+    ///
+    /// As [`until`](Self::until) at one step: [`Error::Timeout`], [`Error::Cancelled`],
+    /// `peer_alive`'s or the hook's error.
     pub fn step(&mut self, peer_alive: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         self.step_explained(peer_alive, &mut String::new)
     }
 
     /// [`step`](Self::step), whose warnings add what `explain` says (see
     /// [`until_explained`](Self::until_explained)).
+    ///
+    /// # Errors
+    ///
+    /// As [`step`](Self::step).
     pub fn step_explained(
         &mut self,
         peer_alive: &mut dyn FnMut() -> Result<()>,
@@ -1068,6 +1099,10 @@ impl<'a> Wait<'a> {
 }
 
 /// A `peer_alive` check for waits without a peer to check.
+///
+/// # Errors
+///
+/// Never: always `Ok` (the `Result` is what a `peer_alive` check returns).
 pub fn no_peer() -> Result<()> {
     Ok(())
 }

@@ -162,6 +162,11 @@ pub fn is_inherited(made_in: u64) -> bool {
 
 /// Fails with a clear error if an object made in generation `made_in` (a `what`) is used
 /// in a forked child.
+///
+/// # Errors
+///
+/// [`Error::Forked`] when this process is a forked child of the one that made the object
+/// (generation `made_in` is older than this process's).
 pub fn check(made_in: u64, what: &str) -> Result<()> {
     if is_inherited(made_in) {
         return Err(Error::Forked(format!(

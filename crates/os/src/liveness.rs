@@ -54,6 +54,12 @@ fn flock(kind: i32, byte: u64) -> libc::flock {
 /// Set (`F_WRLCK`, `F_RDLCK`) or release (`F_UNLCK`) this open file description's lock on
 /// byte `byte` of `file`, without waiting (`F_OFD_SETLK`): roles here, pins in `pins`,
 /// name records in `names_dir`.
+///
+/// # Errors
+///
+/// The system's error when another open file description holds a conflicting lock on the
+/// byte (`EAGAIN` or `EACCES`), or `fcntl` fails otherwise (a descriptor not open for the
+/// lock's kind: `EBADF`).
 pub fn lock_byte(file: &impl AsFd, kind: i32, byte: u64) -> std::io::Result<()> {
     let fl = flock(kind, byte);
     // SAFETY: a valid descriptor (`file` owns it for the call) and a pointer to a valid
@@ -95,6 +101,11 @@ pub struct RoleLock {
 impl RoleLock {
     /// Take byte `byte` of segment `segment`'s file. `Ok(None)` if a live process holds
     /// it already.
+    ///
+    /// # Errors
+    ///
+    /// An [`Error`] naming the segment when its file cannot be opened (gone, not this
+    /// user's) or the lock fails for another reason than a holder (`Ok(None)`).
     pub fn acquire(segment: &str, byte: u64) -> Result<Option<RoleLock>> {
         Self::take(segment, byte, libc::F_WRLCK)
     }
@@ -103,6 +114,10 @@ impl RoleLock {
     /// processes hold it at once, and it shows the segment is in use to whoever waits
     /// for no lock at all to be held on the file (a janitor removing a named segment once
     /// its last holder is gone). `Ok(None)` if a process holds it exclusively.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Self::acquire).
     pub fn acquire_shared(segment: &str, byte: u64) -> Result<Option<RoleLock>> {
         Self::take(segment, byte, libc::F_RDLCK)
     }
@@ -181,6 +196,11 @@ pub fn creator_liveness(segment: &str) -> Liveness {
 
 /// `pidfd_open(pid)`: a descriptor (close-on-exec) that becomes readable once process
 /// `pid` has exited, and that names that process only, whatever reuses its pid later.
+///
+/// # Errors
+///
+/// The system's error: `ESRCH` when no process `pid` exists (it has exited and been
+/// reaped), `ENOSYS` on a kernel before Linux 5.3, `EMFILE` when out of descriptors.
 pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1; no
     // memory is passed.

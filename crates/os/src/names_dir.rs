@@ -333,6 +333,12 @@ impl NamesDir {
     /// docs). `Ok(None)` when there is none yet and `create` is false.
     /// [`Error::NamesDirRefused`] when the one found may be entered by others or is not
     /// this user's directory, or when strangers hold every fallback.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NamesDirRefused`] when the directory found (or the one [`DIRECTORY_ENV`]
+    /// names) is not this user's or others may enter it, or is not a directory;
+    /// [`Error::Os`] when it cannot be opened or made.
     pub fn find(create: bool) -> Result<Option<NamesDir>> {
         match std::env::var(DIRECTORY_ENV) {
             Ok(chosen) if !chosen.is_empty() => {
@@ -393,6 +399,12 @@ impl NamesDir {
     /// Open the directory at `path` (`how`: which it is, for the error): `Ok(None)` if
     /// nothing is there; refused unless it is a directory of this user's that no one else
     /// may enter, checked on the descriptor opened (never through a symbolic link).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NamesDirRefused`] when `path` is a symbolic link, not a directory, not this
+    /// user's, or others may enter it; [`Error::Os`] when it cannot be opened for another
+    /// reason.
     pub fn open(path: &str, how: &'static str) -> Result<Option<NamesDir>> {
         let c_path = c_string(path).map_err(|e| Error::os(format!("opening {path}"), e))?;
         let refused = |owner: u32, mode: u32| {
@@ -570,6 +582,11 @@ impl NamesDir {
 
     /// A new record holding `contents`, its writer's lock already held, not yet under
     /// any name a lookup reads: publish it with [`NewRecord::publish`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the record's file cannot be made, written or locked in the
+    /// directory (no room, no permission, `getrandom` refused for its temporary name).
     pub fn new_record(self, contents: &[u8]) -> Result<NewRecord> {
         let path = self.path.clone();
         let context = || format!("making a record of a name in {path}");
@@ -655,6 +672,11 @@ impl NewRecord {
 
     /// Link the record under the file name `file`: `Ok(false)` if a record is there
     /// already (`link` never replaces one).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when `link` fails for another reason than a record already there
+    /// (`Ok(false)`): the directory removed, no room, no permission.
     pub fn publish(&self, file: &str) -> Result<bool> {
         let dir = self.names_dir();
         let context = || format!("linking a record of a name as {}", dir.record_path(file));
@@ -679,6 +701,11 @@ impl NewRecord {
 
     /// Hold the name the record was published under (`file`): the writer's lock stays
     /// held until the [`HeldRecord`] is released or dropped, or the process ends.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when `file` is not a valid file name or the record's file cannot be
+    /// looked at (`fstat`).
     pub fn hold(mut self, file: &str) -> Result<HeldRecord> {
         let name = c_string(file).map_err(|e| Error::os("holding a record", e))?;
         let dir = self

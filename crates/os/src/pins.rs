@@ -61,6 +61,11 @@ impl Pins {
     }
 
     /// Pin byte `byte` until the returned [`Pin`] is dropped.
+    ///
+    /// # Errors
+    ///
+    /// An [`Error`] when the segment's file cannot be opened (gone, not this user's) or the
+    /// byte's lock cannot be taken (a process holds it exclusively, or `fcntl` fails).
     pub fn pin(self: &Arc<Self>, byte: u64) -> Result<Pin> {
         let mut s = self.state();
         if s.file.is_some() && fork::is_inherited(s.generation) {

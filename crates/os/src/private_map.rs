@@ -82,6 +82,12 @@ pub struct PrivateFile {
 
 impl PrivateFile {
     /// Open the segment `name` (in `/dev/shm`) read-only.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SegmentNotFound`], [`Error::NotOwned`] or [`Error::Os`] when segment `name`
+    /// cannot be opened read-only (gone, not this user's, open to others), or its size
+    /// cannot be read.
     pub fn open(name: &str) -> Result<PrivateFile> {
         // Read-only is enough for MAP_PRIVATE maps that are written into: the writes go
         // to private pages, and no view can ever write the segment.
@@ -106,6 +112,11 @@ impl PrivateFile {
     /// (no copy-on-write): what a device registers once and copies ranges from, each
     /// while the layer above holds the range (a view of it: its lease, pin or entry
     /// pin), so that the writer leaves the bytes alone meanwhile.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadSegment`] when the segment was found truncated; [`Error::Os`] when
+    /// `mmap` fails (no address space left).
     pub fn shared(&self) -> Result<Arc<SharedView>> {
         self.check_intact()?;
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
@@ -168,6 +179,11 @@ impl PrivateFile {
 
     /// An error once the segment is shorter than when opened (an `fstat`; and from then
     /// on, even if it is grown again), or a mapping of it was found truncated.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadSegment`] when the file is shorter now than when it was opened, or a
+    /// mapping of it was found truncated (the `SIGBUS` handler's flag).
     pub fn check_intact(&self) -> Result<()> {
         self.check_faults()?;
         // A peer may have truncated the file since it was opened: its size now (fstat).
@@ -188,6 +204,11 @@ impl PrivateFile {
     /// An error once a mapping made here was found truncated (the `SIGBUS` handler's
     /// flag), or [`check_intact`](Self::check_intact) found the file short: atomic
     /// loads, no system call.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadSegment`] when a mapping made here hit a truncation, or
+    /// [`check_intact`](Self::check_intact) found the file short before.
     pub fn check_faults(&self) -> Result<()> {
         // Relaxed: as in `check_intact`.
         if self.sigbus.hit() || self.shrunk.load(Ordering::Relaxed) {
@@ -201,6 +222,12 @@ impl PrivateFile {
     /// pages read through earlier views need no new page fault. A range that overlaps a
     /// live view, or that the window cannot hold, is mapped on its own ([`map`](Self::map)).
     /// The range must lie inside the segment as it was when opened.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `offset..offset + len` does not lie inside the
+    /// segment as opened; [`Error::BadSegment`] when it was truncated since; [`Error::Os`]
+    /// when a mapping cannot be made.
     pub fn view(&self, offset: u64, len: usize) -> Result<PrivateMap> {
         self.check_range(offset, len)?;
         if len == 0 {
@@ -239,6 +266,12 @@ impl PrivateFile {
     /// Map `len` bytes at `offset` of the segment privately (copy-on-write), in a mapping
     /// of this view's own (unmapped when it is dropped). The range must lie inside the
     /// segment as it was when opened.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `offset..offset + len` does not lie inside the
+    /// segment as opened; [`Error::BadSegment`] when it was truncated since; [`Error::Os`]
+    /// when `mmap` fails.
     pub fn map(&self, offset: u64, len: usize) -> Result<PrivateMap> {
         self.check_range(offset, len)?;
         if len == 0 {
@@ -656,6 +689,11 @@ impl PrivateMap {
     /// points into it (a raw pointer kept without a buffer export) reads zeros from now
     /// on, never the segment's later content, and nothing is copied. For views from
     /// [`PrivateFile::map`]; a window view is refused (its range is the window's).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a view carved out of the shared window (not a mapping
+    /// of its own); [`Error::Os`] when the anonymous mapping over it cannot be made.
     pub fn retire(&self) -> Result<()> {
         let Mapping::Own(p, n) = self.map else {
             return match self.map {

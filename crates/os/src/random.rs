@@ -4,6 +4,11 @@
 use crate::error::{Error, Result};
 
 /// `N` random bytes for `what` (named in the error if the kernel refuses).
+///
+/// # Errors
+///
+/// [`Error::Os`] naming `what` when the kernel refuses `getrandom` (`ENOSYS` on a very old
+/// kernel, a seccomp filter).
 pub fn random_bytes<const N: usize>(what: &str) -> Result<[u8; N]> {
     let mut out = [0u8; N];
     let mut filled = 0;

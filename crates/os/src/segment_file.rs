@@ -81,6 +81,12 @@ impl SegmentFile {
     /// A file of another user, or one others may read or write, is `PermissionDenied`
     /// carrying a [`ForeignSegment`] ([`Error::from_open`] turns it into
     /// [`Error::NotOwned`]).
+    ///
+    /// # Errors
+    ///
+    /// `InvalidInput` for a name that is not one file name; `NotFound` when no such file
+    /// exists; `PermissionDenied` carrying a [`ForeignSegment`] for a file of another user
+    /// or open to others; else the error of `open`.
     pub fn try_open(name: &str, access: Access) -> std::io::Result<SegmentFile> {
         let file = Self::options(name, access)?.open(path(name))?;
         check_own(name, &file)?;
@@ -90,6 +96,12 @@ impl SegmentFile {
     /// [`try_open`](Self::try_open), with the error naming the segment: "opening shared
     /// memory segment '...'" ([`Error::InvalidArgument`] for a name that is not one file
     /// name).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a name that is not one file name; [`Error::NotOwned`]
+    /// for a file of another user or open to others; [`Error::Os`] naming the segment
+    /// otherwise (no such file included).
     pub fn open(name: &str, access: Access) -> Result<SegmentFile> {
         check_name(name).map_err(|_| invalid_name(name))?;
         Self::try_open(name, access)
@@ -99,6 +111,10 @@ impl SegmentFile {
     /// [`try_open`](Self::try_open), with the error naming the file and why it was
     /// opened: "opening /dev/shm/... to `purpose`" ([`Error::InvalidArgument`] for a name
     /// that is not one file name).
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open), the [`Error::Os`] naming the file and `purpose`.
     pub fn open_to(name: &str, access: Access, purpose: &str) -> Result<SegmentFile> {
         check_name(name).map_err(|_| invalid_name(name))?;
         Self::try_open(name, access)
@@ -107,6 +123,11 @@ impl SegmentFile {
 
     /// Create segment `name`'s file, empty, owner-only (mode 0600) and read-write; an
     /// error if the name exists (`AlreadyExists`), so the file is surely this caller's.
+    ///
+    /// # Errors
+    ///
+    /// `AlreadyExists` when a file of that name is there; `InvalidInput` for a name that is
+    /// not one file name; else the error of `open` (no permission on `/dev/shm`).
     pub fn create(name: &str) -> std::io::Result<SegmentFile> {
         Self::options(name, Access::ReadWrite)?
             .create_new(true)
@@ -129,16 +150,29 @@ impl SegmentFile {
 
     /// The file's metadata now (`fstat`): its size may differ from when it was opened
     /// (a peer can truncate it).
+    ///
+    /// # Errors
+    ///
+    /// The system's error of `fstat` (none is expected on an open descriptor).
     pub fn metadata(&self) -> std::io::Result<Metadata> {
         self.file.metadata()
     }
 
     /// The file's length in bytes now (`fstat`).
+    ///
+    /// # Errors
+    ///
+    /// As [`metadata`](Self::metadata).
     pub fn size(&self) -> std::io::Result<u64> {
         self.metadata().map(|m| m.len())
     }
 
     /// Set the file's length (`ftruncate`): only for a file this process just created.
+    ///
+    /// # Errors
+    ///
+    /// The system's error of `ftruncate`: `ENOSPC`/`EFBIG` for a length `/dev/shm` refuses,
+    /// `EINVAL` for a file not open for writing.
     pub fn set_len(&self, len: u64) -> std::io::Result<()> {
         self.file.set_len(len)
     }
@@ -210,6 +244,11 @@ fn check_own(name: &str, file: &File) -> std::io::Result<()> {
 
 /// Remove segment `name`'s file from [`SHM_DIR`] (as `shm_unlink`): every mapping and
 /// open descriptor of it stays valid; the name is free for a new segment.
+///
+/// # Errors
+///
+/// `InvalidInput` for a name that is not one file name; `NotFound` when no such file
+/// exists; `PermissionDenied` when `/dev/shm` refuses.
 pub fn unlink(name: &str) -> std::io::Result<()> {
     check_name(name)?;
     std::fs::remove_file(path(name))

@@ -93,12 +93,21 @@ pub struct FifoAllocator {
 
 impl FifoAllocator {
     /// A ring of `capacity` bytes (more than the 8-byte header).
+    ///
+    /// # Errors
+    ///
+    /// A message saying why, when `capacity` is not larger than the 8-byte header, or
+    /// larger than a quarter of `u64::MAX`.
     pub fn new(capacity: u64) -> Result<FifoAllocator, String> {
         Self::with_first_id(capacity, 0)
     }
 
     /// Like [`new`](Self::new), with ids starting at `first_id` (below [`ID_MAX`]) instead
     /// of 0: for tests of the wrap-around.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new), and when `first_id` is not below [`ID_MAX`].
     pub fn with_first_id(capacity: u64, first_id: u32) -> Result<FifoAllocator, String> {
         if capacity < HEADER_BYTES + 1 {
             return Err(format!(
@@ -167,6 +176,11 @@ impl FifoAllocator {
     }
 
     /// Allocate `data_bytes` of data (plus the header). Returns the block.
+    ///
+    /// # Errors
+    ///
+    /// [`Full`] when the block (with its header) is larger than the ring or than
+    /// `u32::MAX`, or does not fit beside the live blocks until older ones are freed.
     pub fn allocate(&mut self, data_bytes: u64) -> Result<Block, Full> {
         self.allocate_with(|_| data_bytes)
     }
@@ -175,6 +189,11 @@ impl FifoAllocator {
     /// is asked for the ring offset the block would start at (once for the current end
     /// of the ring and, if that does not fit before the end, once more for offset 0).
     /// This lets the store size a block exactly for the padding its contents need.
+    ///
+    /// # Errors
+    ///
+    /// As [`allocate`](Self::allocate): [`Full`] when the block sized for where it lands
+    /// does not fit.
     pub fn allocate_with(
         &mut self,
         mut data_bytes_at: impl FnMut(u64) -> u64,

@@ -147,6 +147,10 @@ impl std::fmt::Debug for Key {
 
 impl Key {
     /// `bytes` as a key: 1 to [`MAX_KEY_LEN`] bytes.
+    ///
+    /// # Errors
+    ///
+    /// An [`IndexError`] when `bytes` is empty or longer than [`MAX_KEY_LEN`].
     pub fn new(bytes: &[u8]) -> Result<Key> {
         if bytes.is_empty() || bytes.len() > MAX_KEY_LEN {
             return Err(IndexError(format!(
@@ -481,6 +485,11 @@ impl IndexWriter {
 
     /// Insert `key` (which the caller knows is absent) for `entry` of `generation`.
     /// Fails only if the table is full, which the producer's sizing rules out.
+    ///
+    /// # Errors
+    ///
+    /// An [`IndexError`] when every slot of the table is taken (which the producer's sizing
+    /// rules out).
     pub fn insert(
         &mut self,
         index: &KeyIndex<'_>,
@@ -542,6 +551,11 @@ impl IndexWriter {
 
     /// Rebuild the table from `live` (every key the writer holds, with its entry and
     /// generation), under the epoch seqlock.
+    ///
+    /// # Errors
+    ///
+    /// An [`IndexError`] when the table cannot hold every key of `live` (the keys that
+    /// fitted are in it).
     pub fn rebuild<'k>(
         &mut self,
         index: &KeyIndex<'_>,

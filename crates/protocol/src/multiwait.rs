@@ -29,6 +29,11 @@ use crate::sync::{fence, AtomicU32, Ordering};
 pub trait FutexMany {
     /// Sleep while every `*word == expected` (at most `timeout`); may return spuriously.
     /// `Err` only when the kernel cannot do it at all (see [`Unsupported`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Unsupported`] when the kernel has no `futex_waitv` (Linux before 5.16) or a
+    /// seccomp filter refuses it.
     fn wait_any(
         &self,
         words: &[(&AtomicU32, u32)],
@@ -78,6 +83,11 @@ impl WakeWord {
 /// `timeout`, or spuriously) unless `ready()` is already true. Returns `ready()`'s answer
 /// (taken after the sleeper counted itself on every bell); the caller loops. At most
 /// `MAX_WORDS - 1` bells.
+///
+/// # Errors
+///
+/// [`Unsupported`] when the kernel cannot sleep on several words at once (see
+/// [`FutexMany::wait_any`]).
 pub fn sleep_any<F: FutexMany>(
     futex: &F,
     bells: &[&DoorbellWords],

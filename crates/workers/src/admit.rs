@@ -62,6 +62,12 @@ impl Workers {
     /// workers.close(); // each asked to stop, then the connections ended
     /// # Ok::<(), shmq::workers::Error>(())
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Core`] with `WrongRole` when remote workers are admitted already (a second
+    /// call); [`Error::Link`] with [`LinkError::Refused`] once the group is shutting down;
+    /// [`Error::Core`] with `Os` when the admission thread cannot start.
     pub fn admit_remote(&self, listener: WorkerListener) -> Result<Ticket> {
         let mut admission = self.admission.lock().unwrap_or_else(|e| e.into_inner());
         if admission.is_some() {

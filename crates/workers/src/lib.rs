@@ -115,6 +115,12 @@ const EXIT_POLL: Duration = Duration::from_millis(50);
 
 /// In a worker: tell the parent that this worker's set-up is done (an empty ready
 /// frame). Only the first call writes; later ones do nothing.
+///
+/// # Errors
+///
+/// [`Error::Core`] with `WrongRole` in a process that shmq's [`Workers`] did not start (no
+/// ready descriptor in its environment); [`Error::Core`] with `Os` when writing the ready
+/// frame fails (the parent closed its end).
 pub fn report_ready() -> Result<()> {
     static REPORTED: Mutex<bool> = Mutex::new(false);
     let mut reported = REPORTED.lock().unwrap_or_else(|e| e.into_inner());
@@ -149,6 +155,12 @@ pub fn report_ready() -> Result<()> {
 /// gone already, or is this process's parent and stops being it while the watch is set
 /// up (it died and this process was handed to another), that happens now. Err only if
 /// pidfds are not available (Linux before 5.3): see [`die_with_process`].
+///
+/// # Errors
+///
+/// [`Error::Core`] with `Os` when `pidfd_open` fails for another reason than `pid` being
+/// gone already (a kernel before 5.3, out of descriptors), or the watching thread cannot
+/// start.
 pub fn exit_with_process(pid: u32) -> Result<()> {
     let direct = parent_pid() == pid;
     let pidfd = match liveness::pidfd_open(pid) {
@@ -202,6 +214,12 @@ pub fn exit_now() -> ! {
 /// [`exit_with_process`]. Err for a `signal` that is no signal number
 /// ([`CoreError::InvalidArgument`]), and where neither way is available (not Linux, or Linux
 /// before 5.3 for a process that is not the parent).
+///
+/// # Errors
+///
+/// [`Error::Core`] with `InvalidArgument` for a `signal` outside 1 to `SIGRTMAX`; with `Os`
+/// when `pid` cannot be watched (`pidfd_open` fails for another reason than `pid` being
+/// gone already, when the signal is sent at once) or the watching thread cannot start.
 pub fn die_with_process(pid: u32, signal: i32) -> Result<()> {
     // 0 would clear the parent-death signal and an invalid one would never be sent:
     // either way the process would silently outlive `pid`.
@@ -252,6 +270,11 @@ pub fn die_with_process(pid: u32, signal: i32) -> Result<()> {
 /// parent is still `parent`: `ESRCH` if it died in between (nobody would send the signal).
 /// Async-signal-safe (prctl, getppid; nothing allocated), so it also runs between fork and
 /// exec.
+///
+/// # Errors
+///
+/// The system's error of `prctl`, or `ESRCH` when the parent is no longer `parent` (it died
+/// before the signal was set).
 pub fn set_parent_death_signal(signal: i32, parent: libc::pid_t) -> std::io::Result<()> {
     // SAFETY: prctl(2) with an integer signal number; no memory is passed.
     if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong, 0, 0, 0) } != 0 {
@@ -267,6 +290,11 @@ pub fn set_parent_death_signal(signal: i32, parent: libc::pid_t) -> std::io::Res
 /// Make this process adopt its orphaned descendants (`PR_SET_CHILD_SUBREAPER`): a daemon
 /// that double-forks stays in its process tree, where [`liveness::kill_descendants`]
 /// finds it, instead of being handed to init.
+///
+/// # Errors
+///
+/// [`Error::Core`] with `Os` when `prctl(PR_SET_CHILD_SUBREAPER)` fails (a kernel before
+/// 3.4).
 pub fn become_subreaper() -> Result<()> {
     // SAFETY: prctl(2) with an integer flag; no memory is passed.
     if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) } != 0 {
@@ -397,6 +425,12 @@ impl Workers {
     /// [`adopt`](Self::adopt)) and `n_remote` remote ones (the ranks after those, which
     /// join through [`claim_remote`](Self::claim_remote)); its supervisor thread runs
     /// from now on. `InvalidArgument` for more than [`MAX_WORKERS`] in all.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Core`] with `InvalidArgument` when `n_local + n_remote` is over the most
+    /// workers a group supervises ([`MAX_WORKERS`]); with `Os` when the group's wake-up
+    /// `eventfd` cannot be made (out of descriptors).
     pub fn new(n_local: usize, n_remote: usize, options: WorkerOptions) -> Result<Workers> {
         let total = n_local.checked_add(n_remote).filter(|&n| n <= MAX_WORKERS);
         if total.is_none() {
@@ -476,6 +510,11 @@ impl Workers {
 
     /// Start one worker per command (ranks in order). If one cannot start, those already
     /// started are shut down and the error is returned.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new), and [`Error::Core`] with `Os` when a command cannot be
+    /// started (no such program, no permission): the workers started before are shut down.
     pub fn spawn(
         commands: impl IntoIterator<Item = Command>,
         options: WorkerOptions,
@@ -570,6 +609,12 @@ impl Workers {
 
     /// Watch local worker `rank`, started by the caller. Err if `rank` is not a local
     /// rank not yet adopted, or the group is closing (then the worker is killed).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Core`] with `WrongRole` when `rank` is not a local rank waiting to be
+    /// adopted (out of range, remote, adopted already) or the group is closing (the worker
+    /// is then killed).
     pub fn adopt(&self, rank: usize, worker: StartedWorker) -> Result<()> {
         let exit_fd = if worker.own_child {
             liveness::pidfd_open(worker.pid).ok()
@@ -609,6 +654,11 @@ impl Workers {
 
     /// A remote worker asks to join as `rank` with `pid`: `Ok` reserves the rank (so that
     /// two quick joins cannot both pass), `Err` says why it is refused.
+    ///
+    /// # Errors
+    ///
+    /// A message saying why the rank is refused: not one of the group's remote ranks,
+    /// claimed already by another process, or the group is closing.
     pub fn claim_remote(&self, rank: usize, pid: u32) -> std::result::Result<(), String> {
         self.shared.claim_remote(rank, pid)
     }
@@ -755,6 +805,11 @@ impl Workers {
 
     /// Wait up to `timeout` until every worker has reported ready ([`Waited::Done`]) or
     /// one has exited first, or failed ([`Waited::Failed`]). `Err` once closing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Core`] with `WrongRole` once the group is closing (a worker's failure is
+    /// [`Waited::Failed`], not an error).
     pub fn wait_ready_for(&self, timeout: Option<Duration>) -> Result<Waited> {
         let waited = self.wait_for(timeout, |state| {
             if state.closing {
@@ -793,6 +848,12 @@ impl Workers {
     /// Wait until every worker has reported ready. [`Error::WorkerDied`] as soon as one
     /// exits first; [`Error::WorkersNotReady`] naming those not ready when `timeout`
     /// passes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WorkerDied`] as soon as a worker exits (or fails) before it is ready;
+    /// [`Error::WorkersNotReady`] naming those not ready when `timeout` passes;
+    /// [`Error::Core`] with `WrongRole` once the group is closing.
     pub fn wait_until_ready(&self, timeout: Duration) -> Result<()> {
         match self.wait_ready_for(Some(timeout))? {
             Waited::Done => Ok(()),
@@ -818,6 +879,11 @@ impl Workers {
 
     /// Wait up to `timeout` (`None`: no limit) until a worker exits, or one already has:
     /// the first to exit, with how it ended (`None` if unknown).
+    ///
+    /// # Errors
+    ///
+    /// Never fails (the `Result` keeps room for a failed wait): `Ok` with the first exit,
+    /// or `None` when `timeout` passes first.
     pub fn wait_any(
         &self,
         timeout: Option<Duration>,
@@ -855,6 +921,11 @@ impl Workers {
 
     /// [`Error::WorkerDied`] for the first worker that failed (exited with a non-zero code
     /// or a signal, or before it was ready); `Ok` while none has. Does not block.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WorkerDied`] for the first worker that exited with a non-zero code or a
+    /// signal, or before it was ready.
     pub fn check(&self) -> Result<()> {
         match self.failures().into_iter().next() {
             Some(death) => Err(Error::WorkerDied(Box::new(death))),

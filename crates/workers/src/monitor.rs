@@ -392,6 +392,10 @@ impl Workers {
     /// A [`Monitor`] of this group: from now until it is dropped, the group's first
     /// failure is told to the other workers and shuts down what the monitor was given.
     /// Err only if its thread cannot start.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Core`] with `Os` when the monitor's thread cannot start.
     pub fn monitor(&self) -> Result<Monitor<'_>> {
         let inner = Arc::new(MonitorInner {
             fired: Mutex::new(Fired::default()),
@@ -501,6 +505,10 @@ impl Monitor<'_> {
     }
 
     /// [`Error::WorkerDied`] once the monitor has fired; `Ok` before. Does not block.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WorkerDied`] for the failure that fired the monitor.
     pub fn check(&self) -> Result<()> {
         match self.error() {
             Some(death) => Err(Error::WorkerDied(Box::new(death))),
@@ -510,6 +518,10 @@ impl Monitor<'_> {
 
     /// Stop watching: the thread is joined; a failure the group recorded meanwhile
     /// fires the monitor now (the workers told first). [`Error::WorkerDied`] if it fired.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WorkerDied`] when the monitor fired (before or while it stopped).
     pub fn finish(mut self) -> Result<()> {
         self.stop();
         if !self.workers.closing() {

@@ -26,6 +26,11 @@ pub struct LazyArenaWriter {
 impl LazyArenaWriter {
     /// Name an arena for the queue whose ring is `queue` (checking its parameters now);
     /// nothing is created yet.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a capacity or lease
+    /// count out of range (0, or too large for a segment).
     pub fn new(
         queue: &str,
         n_reader: usize,
@@ -63,6 +68,11 @@ impl LazyArenaWriter {
     }
 
     /// The arena, made now if it is not yet; the error if it cannot be made.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`](crate::Error::Os) when the arena's segment cannot be made (no room in
+    /// `/dev/shm`, the name taken).
     pub fn make(&mut self) -> Result<&mut ArenaWriter> {
         if self.made.is_none() {
             let a = ArenaWriter::create_named(

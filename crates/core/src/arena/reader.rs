@@ -31,6 +31,12 @@ impl std::fmt::Debug for ArenaReader {
 
 impl ArenaReader {
     /// Open the arena `name` as reader number `reader`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when segment `name` cannot be opened (gone, not this user's) or is not
+    /// a shmq tensor arena of this layout version; [`Error::InvalidArgument`] when `reader`
+    /// is not below its reader count.
     pub fn open(name: &str, reader: usize) -> Result<ArenaReader> {
         let segment = Segment::open(name)?;
         let check = HeaderCheck {
@@ -78,6 +84,11 @@ impl ArenaReader {
 
     /// An error once a peer truncated the arena (see `shmq_os::sigbus`): the file is
     /// shorter than when opened (an `fstat`), or a mapping of it here was hit.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`] once the arena's file is shorter than
+    /// when opened, or a mapping of it here was hit by a truncation.
     pub fn check_intact(&self) -> Result<()> {
         self.map.segment.check_intact()?;
         Ok(self.file.check_intact()?)
@@ -87,6 +98,11 @@ impl ArenaReader {
     /// lease table's, or a view's, one that a caller may still hold and that reads zeros
     /// now (the `SIGBUS` handler's flags: atomic loads, no system call). For every call
     /// of the reader, also those whose message has no part here.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`] once a mapping of the arena here was hit
+    /// by a truncation.
     pub fn check_faults(&self) -> Result<()> {
         self.map.segment.check_intact()?;
         Ok(self.file.check_faults()?)
@@ -124,6 +140,12 @@ impl ArenaReader {
     }
 
     /// Map `r`'s bytes privately: a view that holds the lease until it is dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`] when `r` names no lease of this arena (a
+    /// corrupt reference: out of range, freed, another reader's) or the arena was
+    /// truncated; [`Error::Os`] when the mapping cannot be made.
     pub fn view(self: &Arc<Self>, r: &ArenaRef) -> Result<ArenaView> {
         // Before the lease table is read: a truncated arena is an error, not a SIGBUS.
         self.check_intact()?;
@@ -178,6 +200,11 @@ impl ArenaView {
     /// This process's shared read-only mapping of the arena (made once per reader, on
     /// the first call: `PrivateFile::shared`) and where this view's first byte lies in
     /// it: what a device copies from, while this view holds the lease.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the arena cannot be mapped shared (no address space left), or was
+    /// truncated.
     pub fn shared(&self) -> Result<(Arc<SharedView>, usize)> {
         Ok((self.arena.file.shared()?, self.map.file_offset() as usize))
     }
@@ -209,6 +236,10 @@ pub struct ArenaInfo {
 }
 
 /// Describe the arena segment `name` (fails if it is not one).
+///
+/// # Errors
+///
+/// As [`ArenaReader::open`]: `name` cannot be opened or is not a tensor arena.
 pub fn describe(name: &str) -> Result<ArenaInfo> {
     let a = ArenaReader::open(name, 0)?;
     let h = a.map.header();

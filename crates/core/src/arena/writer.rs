@@ -64,6 +64,10 @@ impl ArenaWriter {
     /// Create an arena for `n_reader` readers with `capacity` bytes of data (rounded up
     /// to whole pages) and `max_leases` lease records. Only the header and the lease
     /// table are reserved now.
+    ///
+    /// # Errors
+    ///
+    /// As [`create_named`](Self::create_named), a name taken 16 times in a row included.
     pub fn create(n_reader: usize, capacity: usize, max_leases: usize) -> Result<ArenaWriter> {
         with_unique_name("arena", |name| {
             Self::create_named(name, "", n_reader, capacity, max_leases)
@@ -72,6 +76,12 @@ impl ArenaWriter {
 
     /// [`create`](Self::create) under the segment name `name`, recording `queue` (the
     /// name of the queue's ring, cut to 255 bytes) for `inspect`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a capacity or lease count out of range; [`Error::Os`]
+    /// when the segment cannot be made (the name taken, no room in `/dev/shm` for the
+    /// header and lease table).
     pub fn create_named(
         name: &str,
         queue: &str,
@@ -165,11 +175,20 @@ impl ArenaWriter {
     /// An error once a peer truncated the arena under this writer (see `shmq_os::sigbus`):
     /// a fault in its mapping, or a reservation that found the file short (the writer
     /// then sends the part it was for no other way: a copy would hide the loss).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`] once a peer truncated the arena.
     pub fn check_intact(&self) -> Result<()> {
         Ok(self.map.segment.check_intact()?)
     }
 
     /// Remove the segment's name now (see `Segment::unlink`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the file cannot be removed for another reason than being gone
+    /// already.
     pub fn unlink(&self) -> Result<()> {
         Ok(self.map.segment.unlink()?)
     }
@@ -272,6 +291,11 @@ impl ArenaWriter {
     /// the kernel zeroing the pages: `docs/performance.md`, "How to read the tensor
     /// rows"). Returns the bytes reserved
     /// in all; an error (and nothing more reserved) when `/dev/shm` has no room.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::NoSpace`] when `/dev/shm` has no room for the pages,
+    /// or when they cannot be mapped.
     pub fn reserve(&mut self, bytes: usize) -> Result<usize> {
         let end = round_up(bytes, self.map.geo.page_size)
             .unwrap_or(usize::MAX)

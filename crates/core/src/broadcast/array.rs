@@ -115,6 +115,11 @@ impl Dtype {
     }
 
     /// The dtype named `name` (see [`name`](Self::name)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the dtypes an array message carries, when `name`
+    /// is none of them.
     pub fn from_name(name: &str) -> Result<Dtype> {
         ALL.iter()
             .copied()
@@ -193,6 +198,11 @@ impl ArrayMeta {
     }
 
     /// The bytes of data the array reaches (one past its last element), checked.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] ("malformed array message") for more than [`MAX_NDIM`]
+    /// dimensions, a stride count other than the shape's, or a span that overflows `usize`.
     pub fn span(&self) -> Result<usize> {
         let bad = |why: String| Error::InvalidArgument(format!("malformed array message: {why}"));
         if self.shape.len() > MAX_NDIM || self.strides.len() != self.shape.len() {
@@ -241,6 +251,12 @@ impl ArrayMeta {
     }
 
     /// The fields of a header, checked against `data_len` bytes of data.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] ("malformed array message") for a header without the
+    /// array magic, an unknown dtype, a truncated shape or strides, or elements that reach
+    /// past `data_len`.
     pub fn decode(header: &[u8], data_len: usize) -> Result<ArrayMeta> {
         let bad = |why: &str| Error::InvalidArgument(format!("malformed array message: {why}"));
         let u32_at =
@@ -290,12 +306,22 @@ pub struct ArrayRef<'a> {
 impl<'a> ArrayRef<'a> {
     /// The C-contiguous array of `shape` whose elements are `data` (as many as the shape
     /// says).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `data` holds another number of elements than `shape`
+    /// says, or a dimension is past `2**63 - 1`.
     pub fn new<T: Element>(data: &'a [T], shape: &[usize]) -> Result<ArrayRef<'a>> {
         ArrayRef::from_bytes(T::DTYPE, shape, bytemuck::cast_slice(data))
     }
 
     /// The C-contiguous array of `shape` and `dtype` whose bytes (little-endian) are
     /// `data`: exactly as many as the shape says.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `data` holds another number of bytes than `shape` of
+    /// `dtype` takes, or a dimension is past `2**63 - 1`.
     pub fn from_bytes(dtype: Dtype, shape: &[usize], data: &'a [u8]) -> Result<ArrayRef<'a>> {
         ArrayRef::with_strides(ArrayMeta::contiguous(dtype, shape), data)
     }
@@ -304,6 +330,11 @@ impl<'a> ArrayRef<'a> {
     /// Refused as a reader's [`ArrayMeta::decode`] would refuse it, so that no writer
     /// sends an array no reader can take: a dimension or a stride past `2**63 - 1` (an
     /// empty array's too: shape `(0, 2**60)` of float64 has a stride of `2**63` bytes).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a dimension or stride past `2**63 - 1`, more than
+    /// [`MAX_NDIM`] dimensions, or an element outside `data`.
     pub fn with_strides(meta: ArrayMeta, data: &'a [u8]) -> Result<ArrayRef<'a>> {
         let too_large = |&v: &usize| v > isize::MAX as usize;
         let (what, v) = match (
@@ -383,6 +414,12 @@ impl Array {
     /// The elements as a slice of `T`, in row-major order, with no copy. An error if `T`
     /// is not the array's dtype, the array is not C-contiguous, or its bytes are not
     /// aligned for `T` here (then [`to_vec`](Self::to_vec) copies).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `T` is not the array's dtype, the array is not
+    /// C-contiguous, or its bytes are not aligned for `T` (read it with
+    /// [`to_vec`](Self::to_vec) then).
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         self.check::<T>()?;
         if !self.meta.is_contiguous() {
@@ -402,6 +439,10 @@ impl Array {
 
     /// The elements as a new vector of `T`, in row-major order (any strides, any
     /// alignment). An error if `T` is not the array's dtype.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `T` is not the array's dtype.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check::<T>()?;
         let n = self.meta.len().expect("checked when received");

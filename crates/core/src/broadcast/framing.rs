@@ -119,6 +119,12 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 
 /// Read a descriptor block. `block` is the whole chunk data (inline parts must lie inside
 /// it) or a frame of its own; `frames` is how many frames follow it.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] ("malformed message") for a block without the framing header,
+/// a part count over the limit, a part that lies outside `block`, or a frame count other
+/// than `frames`.
 pub fn decode(block: &[u8], frames: usize) -> Result<Vec<PartRef>> {
     decode_as(block, frames).map(|(_, parts)| parts)
 }

@@ -73,6 +73,11 @@ impl ReadyTarget {
     /// The reader's error when its writer is proved dead
     /// ([`QueueError::DeadWriter`](crate::broadcast::QueueError::DeadWriter)), or its
     /// segment no longer whole; `Ok` otherwise.
+    ///
+    /// # Errors
+    ///
+    /// [`QueueError::DeadWriter`](crate::broadcast::QueueError::DeadWriter) when the
+    /// writer's process is proved dead; [`Error::Os`] when the segment was truncated.
     pub fn check_writer(&self) -> Result<()> {
         RingReader::check_writer(&self.ring)
     }
@@ -147,6 +152,11 @@ impl ReadyTarget {
 /// assert!(wait_any(&[&target], &word, seen, None)?.is_empty());
 /// # Ok::<(), shmq_core::Error>(())
 /// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for more than [`MAX_TARGETS`] targets; [`Error::Os`] when the
+/// kernel has no `futex_waitv` (Linux before 5.16, or a seccomp filter).
 pub fn wait_any(
     targets: &[&ReadyTarget],
     wake: &WakeWord,

@@ -278,6 +278,11 @@ impl EntryView {
     /// This process's shared read-only mapping of the producer's segment (made once per
     /// producer, on the first call: `PrivateFile::shared`) and where part `i` lies in it:
     /// what a device copies from, while this view holds the entry.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the producer's segment cannot be mapped shared (no address space
+    /// left), or was truncated.
     pub fn part_shared(&self, i: usize) -> Result<(Arc<SharedView>, usize)> {
         let (off, _) = self.parts[i];
         Ok((self.file.shared()?, self.map.file_offset() as usize + off))
@@ -337,12 +342,22 @@ impl std::fmt::Debug for Consumer {
 impl Consumer {
     /// A consumer of the producers named `names`: it joins each (now, or when it
     /// appears) so that each waits for it to load what it publishes from then on.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for no names, or a name that cannot be a producer's;
+    /// [`Error::Os`] when a producer's segment is there but cannot be opened or joined (not
+    /// this user's, no consumer slot left).
     pub fn new<S: AsRef<str>>(names: &[S]) -> Result<Consumer> {
         Self::with_role(names, true)
     }
 
     /// A reader of the producers' key indexes only (`has`): it joins nothing, so no
     /// producer waits for it.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new), no slot taken.
     pub fn index_only<S: AsRef<str>>(names: &[S]) -> Result<Consumer> {
         Self::with_role(names, false)
     }
@@ -414,6 +429,11 @@ impl Consumer {
     }
 
     /// Map `key`'s entry privately and acknowledge it; `None` if no producer holds it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for an index-only consumer; [`Error::Os`] when the entry cannot
+    /// be mapped, or its producer's segment was truncated or holds a corrupt part table.
     pub fn load(&mut self, key: &str) -> Result<Option<EntryView>> {
         let Some(Held {
             segment,
@@ -459,6 +479,11 @@ impl Consumer {
 
     /// Acknowledge `key` without mapping it (a consumer that has the value already, or
     /// does not need it, so that the producer may evict it). Whether it was held.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for an index-only consumer; [`Error::Os`] when the producer's
+    /// segment was truncated.
     pub fn acknowledge(&mut self, key: &str) -> Result<bool> {
         let Some(Held {
             link, member, pin, ..

@@ -46,6 +46,11 @@ pub struct PartsLayout {
 
 impl PartsLayout {
     /// The layout of parts of `lens` bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for more than [`MAX_PARTS`] parts, or a total size that
+    /// overflows.
     pub fn new(lens: &[usize]) -> Result<PartsLayout> {
         if lens.len() > MAX_PARTS {
             return Err(Error::InvalidArgument(format!(
@@ -76,6 +81,11 @@ impl PartsLayout {
     }
 
     /// Read and check the part table of an entry's bytes (a consumer's private copy).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`] when the part table is corrupt: shorter
+    /// than it says, a part count over [`MAX_PARTS`], or a part outside the entry.
     pub fn read(bytes: &[u8]) -> Result<Vec<(usize, usize)>> {
         let bad = |why: &str| {
             Error::Os(OsError::BadSegment {

@@ -150,6 +150,14 @@ pub struct Geometry {
 }
 
 impl Geometry {
+    /// The layout of a segment of `capacity` bytes of entries, with room for
+    /// `max_entries` entries and `max_consumers` consumers, on pages of `page_size` bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the option for an entry or consumer count of 0 or
+    /// over the most a segment holds, a page size that is not a power of two of at least
+    /// 4096, or a capacity of 0 or too large for a segment.
     pub fn new(
         capacity: usize,
         max_entries: usize,
@@ -207,6 +215,11 @@ impl Geometry {
 }
 
 /// `shmq_ec_<name>` for a producer's name; the name may also be given whole.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a name that is empty, longer than 100 bytes, or has other
+/// characters than ASCII letters, digits, `-`, `_` and `.`.
 pub fn segment_name(name: &str) -> Result<String> {
     let short = name.strip_prefix(SEGMENT_PREFIX).unwrap_or(name);
     if short.is_empty()

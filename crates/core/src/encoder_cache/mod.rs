@@ -113,6 +113,11 @@ pub struct CacheInfo {
 }
 
 /// Describe the encoder-cache segment `segment` (fails if it is not one).
+///
+/// # Errors
+///
+/// [`crate::Error::Os`] when `segment` cannot be opened (gone, not this user's) or is not a
+/// finished encoder-cache segment of this layout version.
 pub fn describe(segment: &str) -> crate::Result<CacheInfo> {
     let map = layout::Mapped::open(segment)?;
     let h = map.header();

@@ -188,6 +188,10 @@ fn millis(d: Duration) -> i32 {
 }
 
 /// A secret of [`SECRET_BYTES`] random bytes, from the kernel.
+///
+/// # Errors
+///
+/// [`Error::Os`] when the kernel refuses `getrandom`.
 pub fn new_secret() -> Result<[u8; SECRET_BYTES]> {
     crate::auth::new_secret("the queue's remote secret")
 }
@@ -266,6 +270,11 @@ pub const DEFAULT_MAX_QUEUED_BYTES: u64 = 256 << 20;
 impl RemoteOptions {
     /// `InvalidArgument` unless `hwm` is at least 1 message and `max_queued_bytes` at
     /// least 1 byte ([`Writer::new`](crate::Writer::new) checks).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an `hwm` of 0 messages or a `max_queued_bytes` of 0
+    /// bytes.
     pub fn check(&self) -> Result<()> {
         if self.hwm < 1 {
             return Err(Error::InvalidArgument(format!(

@@ -163,6 +163,12 @@ extern "C" {
 
 impl RemoteReader {
     /// Connect to `endpoint` as rank `rank` and say HELLO.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Transport`] when the socket cannot be made, set up, monitored or connected
+    /// to `endpoint` (a malformed address); [`Error::Os`] when the kernel gives no random
+    /// session id.
     pub fn connect(
         ctx: &zmq::Context,
         endpoint: &str,
@@ -641,6 +647,14 @@ impl RemoteReader {
 
     /// The next message (its frames, authenticated), if one has arrived. Once the stream
     /// has ended (the writer shut down, dropped this reader, or is gone), its error.
+    ///
+    /// # Errors
+    ///
+    /// [`RemoteError::WriterGone`] once the writer is gone (its connection lost, or no
+    /// heartbeat within the bound); [`RemoteError::ReaderDropped`] when it dropped this
+    /// reader; [`QueueError::WriterShutDown`] after its last message;
+    /// [`RemoteError::Refused`] for a message that fails authentication or comes out of
+    /// order; [`Error::Transport`] when the socket fails.
     pub fn try_recv_frames(&mut self) -> Result<Option<Vec<zmq::Message>>> {
         self.recv_frames_for(Duration::ZERO)
     }
@@ -688,6 +702,11 @@ impl RemoteReader {
     }
 
     /// Wait for the next message.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_recv_frames`](Self::try_recv_frames), and [`Error::Timeout`] or the hook's
+    /// error when `wait` ends first.
     pub fn recv_frames(&mut self, wait: &mut Wait) -> Result<Vec<zmq::Message>> {
         loop {
             let slice = wait.remaining().map_or(POLL_SLICE, |r| r.min(POLL_SLICE));
@@ -723,6 +742,12 @@ impl RemoteReader {
     /// taken by the first receive, which says HELLO again until they come), so no order
     /// of the two sides' waits, across any number of queues, deadlocks. A writer that
     /// cannot be reached for as long as a silent connection lasts ends the wait.
+    ///
+    /// # Errors
+    ///
+    /// [`RemoteError::Refused`] when the writer refuses this reader or does not prove the
+    /// queue's secret; [`RemoteError::WriterGone`] when it is gone; [`Error::Timeout`] or
+    /// the hook's error when `wait` ends first; [`Error::Transport`] when the socket fails.
     pub fn wait_ready(&mut self, wait: &mut Wait) -> Result<()> {
         loop {
             if let Some(e) = self.ended_error() {

@@ -101,6 +101,12 @@ impl BlockFifo {
     /// proved dead by its role lock) is taken over: the old segment's name is removed
     /// first (readers that map it keep their mapping). Any other file of that name is
     /// refused ("already exists").
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a `capacity` of no more than a block header;
+    /// [`Error::Os`] when the segment cannot be made (a `name` a live store holds, no room
+    /// in `/dev/shm`), or a dead store's segment under `name` cannot be removed.
     pub fn create(capacity: u64, name: Option<&str>) -> Result<BlockFifo> {
         let alloc = FifoAllocator::new(capacity).map_err(Error::InvalidArgument)?;
         if let Some(name) = name {
@@ -123,6 +129,12 @@ impl BlockFifo {
     }
 
     /// Open an existing ring as a reader; `capacity`, if given, must match.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when segment `name` cannot be opened (gone, not this user's) or is not
+    /// a finished store of this layout version; [`Error::InvalidArgument`] when its
+    /// capacity is not `capacity`.
     pub fn open(name: &str, capacity: Option<u64>) -> Result<BlockFifo> {
         let segment = StoreSegment::open(name)?;
         if let Some(c) = capacity.filter(|&c| c != segment.capacity()) {
@@ -149,6 +161,11 @@ impl BlockFifo {
     }
 
     /// Allocate a block with `data_bytes` of data and write its header.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a `data_bytes` of 0; else as
+    /// [`allocate_with`](Self::allocate_with).
     pub fn allocate(&mut self, data_bytes: u64) -> Result<Block> {
         if data_bytes == 0 {
             return Err(Error::InvalidArgument("Size must be greater than 0".into()));
@@ -158,6 +175,14 @@ impl BlockFifo {
 
     /// Allocate a block sized by `data_bytes_at(ring offset)` (see
     /// [`FifoAllocator::allocate_with`]) and write its header.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader;
+    /// [`StoreError::Full`](crate::error::StoreError::Full) when the ring has no room for
+    /// the block until older ones are freed (or never has, for one that large);
+    /// [`Error::Os`] when `/dev/shm` has no room for its pages or the segment was
+    /// truncated.
     pub fn allocate_with(&mut self, data_bytes_at: impl FnMut(u64) -> u64) -> Result<Block> {
         let (segment, w) = self.writer_parts("allocate buffers")?;
         let mut data_bytes_at = data_bytes_at;
@@ -215,6 +240,10 @@ impl BlockFifo {
     /// have been freed; a block is freed (and handles to it stop working) as soon as
     /// `is_free` returns true for it. `is_free` runs with the ring borrowed: for code
     /// that must not (a Python callback, which may use the ring), see [`FreeOldestFirst`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader; [`Error::Os`] when the segment was truncated.
     pub fn free_while(
         &mut self,
         nbytes: u64,
@@ -247,6 +276,10 @@ impl BlockFifo {
 
     /// The oldest live block (writer only): what [`free_oldest`](Self::free_oldest)
     /// frees.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader; [`Error::Os`] when the segment was truncated.
     pub fn oldest(&self) -> Result<Option<Block>> {
         self.segment.check_intact()?;
         let w = self
@@ -259,6 +292,10 @@ impl BlockFifo {
     /// Free the oldest live block if it is still `block` (found by
     /// [`oldest`](Self::oldest), and judged free while the ring was not borrowed), with
     /// the checks of [`free_while`](Self::free_while): a block some process pins stays.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader; [`Error::Os`] when the segment was truncated.
     pub fn free_oldest(&mut self, block: &Block) -> Result<FreeOldest> {
         let (segment, w) = self.writer_parts("free buffers")?;
         if w.alloc.oldest() != Some(block) {
@@ -279,6 +316,10 @@ impl BlockFifo {
     /// handles issued before keep reading their data until the memory is reused. If a
     /// process holds a zero-copy view of some block, nothing moves instead: the blocks
     /// stay, to be freed oldest first like unused objects, each once no view holds it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader; [`Error::Os`] when the segment was truncated.
     pub fn clear(&mut self) -> Result<()> {
         let segment = &*self.segment;
         let w = self
@@ -382,6 +423,11 @@ pub struct FreeOldestFirst {
 impl FreeOldestFirst {
     /// Free blocks of `ring` oldest first while fewer than `nbytes` bytes have been
     /// freed (writer only).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] when `ring` is a reader's; [`Error::Os`] when the segment was
+    /// truncated.
     pub fn new(ring: &BlockFifo, nbytes: u64) -> Result<FreeOldestFirst> {
         ring.segment.check_intact()?;
         let a = ring
@@ -397,6 +443,11 @@ impl FreeOldestFirst {
 
     /// The block to ask `is_free` about next, or `None` when done: `nbytes` freed, or
     /// no block left of those live at the start.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] when `ring` is a reader's; [`Error::Os`] when the segment was
+    /// truncated.
     pub fn next(&self, ring: &BlockFifo) -> Result<Option<Block>> {
         if self.bytes >= self.nbytes {
             return Ok(None);
@@ -408,6 +459,11 @@ impl FreeOldestFirst {
 
     /// Free `block` (from [`next`](Self::next), approved by `is_free`) if it is still the
     /// oldest; whether to go on (false: it is pinned).
+    ///
+    /// # Errors
+    ///
+    /// As [`BlockFifo::free_oldest`]: [`Error::WrongRole`] for a reader's ring,
+    /// [`Error::Os`] when the segment was truncated.
     pub fn free(&mut self, ring: &mut BlockFifo, block: &Block) -> Result<bool> {
         match ring.free_oldest(block)? {
             FreeOldest::Freed => {

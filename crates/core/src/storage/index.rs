@@ -92,6 +92,11 @@ pub struct Entry {
 
 impl Entry {
     /// Whether `handle` `(address, id)` names this entry's object.
+    ///
+    /// # Errors
+    ///
+    /// [`HandleRefusal::NotCurrent`] when the entry's object is not at `handle` (it was
+    /// evicted and `key` put again, or the handle is forged).
     pub fn check_handle(&self, handle: (u64, u32)) -> Result<(), HandleRefusal> {
         if (self.address, self.id) == handle {
             Ok(())
@@ -166,6 +171,13 @@ pub struct ObjectStore {
 }
 
 impl ObjectStore {
+    /// The writer's index of a store whose objects are at most `max_object_size` bytes,
+    /// read by `n_readers` readers; it holds no object yet.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `max_object_size` is not larger than the reader
+    /// count's bytes.
     pub fn new(max_object_size: u64, n_readers: u32) -> Result<ObjectStore> {
         if max_object_size <= COUNT_BYTES as u64 {
             return Err(Error::InvalidArgument(format!(
@@ -366,6 +378,11 @@ impl ObjectStore {
     /// address `addr`, `len` bytes: whether the object may be evicted (as `free_unused`
     /// judges), if it lies inside `segment`'s ring (a block's data); `InvalidArgument` if
     /// it does not (anything else could be any memory, and is never read).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `addr..addr + len` does not lie inside the store's
+    /// ring in this process.
     pub fn is_free_at(
         &self,
         segment: &StoreSegment,
@@ -390,6 +407,14 @@ impl ObjectStore {
     /// Store an object made of `parts` under `key`; returns `(address, id)`. Parts from
     /// `align_from` on start at 64-byte boundaries of the ring; the others follow each
     /// other. When the ring is full, first frees objects every reader has finished with.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader; [`StoreError::KeyExists`] when `key` has an
+    /// object; [`StoreError::TooLarge`] for an object over `max_object_size`;
+    /// [`Error::InvalidArgument`] for an `align_from` past the parts; [`StoreError::Full`]
+    /// when the ring has no room even after freeing what every reader has finished with;
+    /// [`Error::Os`] when `/dev/shm` has no room or the segment was truncated.
     pub fn put(
         &mut self,
         ring: &mut BlockFifo,
@@ -649,6 +674,12 @@ impl ObjectStore {
     /// one of whose buffers (from `align_from` on) is exactly this memory writes the rest
     /// of the object around it, with no copy. `StoreError::Full` if there is no room even
     /// after freeing what every reader has finished with.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader; [`Error::InvalidArgument`] for an `nbytes` of 0;
+    /// [`StoreError::TooLarge`] or [`StoreError::Full`] as [`put`](Self::put);
+    /// [`Error::Os`] when `/dev/shm` has no room or the segment was truncated.
     pub fn loan(&mut self, ring: &mut BlockFifo, nbytes: u64) -> Result<StoreLoan> {
         if !ring.is_writer() {
             return Err(Error::WrongRole("Only the writer can loan memory.".into()));
@@ -807,6 +838,10 @@ impl ObjectStore {
     /// Whether `key` has an object in the store. The index is this process's own: a
     /// store truncated by another process (its objects lost, zeros where they were) is
     /// the truncation error instead, never "cached" (an `fstat` on the writer).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when another process truncated the store (its objects lost).
     pub fn is_cached(&self, segment: &StoreSegment, key: &str) -> Result<bool> {
         segment.check_length()?;
         Ok(self.keys.contains_key(key))
@@ -815,6 +850,10 @@ impl ObjectStore {
     /// Hand `key`'s object out once more (every reader will read it once more); this
     /// also ends a `touch` of it. `None` if `key` has no object; the truncation error
     /// if the store lost its objects (see [`is_cached`](Self::is_cached)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when another process truncated the store (its objects lost).
     pub fn get_cached(&mut self, segment: &StoreSegment, key: &str) -> Result<Option<(u64, u32)>> {
         segment.check_length()?;
         self.notice_rejoined(segment);
@@ -847,6 +886,11 @@ impl ObjectStore {
 
     /// The writer's first check of a handle a request brings back: `key` (`None`: none
     /// was given) must have an entry, the handle's [`Entry::check_handle`] must be it.
+    ///
+    /// # Errors
+    ///
+    /// [`HandleRefusal::NoKey`] when no key was given; [`HandleRefusal::NoEntry`] when
+    /// `key` has no object.
     pub fn current(&self, key: Option<&str>) -> Result<&Entry, HandleRefusal> {
         self.keys
             .get(key.ok_or(HandleRefusal::NoKey)?)
@@ -855,6 +899,12 @@ impl ObjectStore {
 
     /// The writer's check of a handle a request brings back: it must be `key`'s current
     /// entry and carry the right signature.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] with [`StoreError::BadSignature`] when `key` has no object here,
+    /// the handle is not its current one ([`HandleRefusal`]), or the signature is not the
+    /// store's for it.
     pub fn verify_current(
         &self,
         segment: &StoreSegment,
@@ -869,6 +919,11 @@ impl ObjectStore {
 
     /// Free objects, oldest first, that every reader has finished with, up to about
     /// `2 * max_object_size` bytes. Returns the freed ids.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader's ring; [`Error::Os`] when the segment was
+    /// truncated.
     pub fn free_unused(&mut self, ring: &mut BlockFifo) -> Result<Freed> {
         let limit = 2 * self.max_object_size;
         self.notice_rejoined(ring.segment());
@@ -884,6 +939,11 @@ impl ObjectStore {
     }
 
     /// Forget every object and block.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] for a reader's ring; [`Error::Os`] when the segment was
+    /// truncated.
     pub fn clear(&mut self, ring: &mut BlockFifo) -> Result<()> {
         ring.clear()?;
         self.keys.clear();

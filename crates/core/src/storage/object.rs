@@ -276,6 +276,11 @@ fn validity(segment: &StoreSegment, h: &BlockHeader) -> Validity {
 }
 
 /// Check that `(address, id)` names a live object (what a reader's `touch` does).
+///
+/// # Errors
+///
+/// [`StoreError::StaleObject`] when `(address, id)` names no live object (evicted, reused,
+/// cleared, forged or out of range); [`Error::Os`] when the segment was truncated.
 pub fn check_object(segment: &StoreSegment, address: u64, id: u32) -> Result<()> {
     intact_first(segment, object_header(segment, address, id).map(|_| ()))
 }
@@ -290,6 +295,12 @@ fn intact_first<T>(segment: &StoreSegment, r: Result<T>) -> Result<T> {
 /// Read the object at `(address, id)`: check the handle, call `f` on its parts, check
 /// the handle again, and count this as one read as `count` says (`true`: anonymously,
 /// `false`: not at all). Any process may call it.
+///
+/// # Errors
+///
+/// [`StoreError::StaleObject`] when the handle names no live object, before the read or
+/// after it (evicted meanwhile: what `f` saw is not to be trusted); [`Error::Os`] when the
+/// segment was truncated.
 pub fn read_object<R>(
     segment: &StoreSegment,
     address: u64,
@@ -408,6 +419,10 @@ pub struct ObjectViews<'a> {
 impl ObjectViews<'_> {
     /// A private mapping of part `i` of `object` (the object being read); `None` when
     /// the object cannot be viewed (a cleared object, or pinning failed): copy instead.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the segment's file cannot be mapped privately, or was truncated.
     pub fn map(&self, object: &ObjectFrame<'_>, i: usize) -> Result<Option<PartView>> {
         let pin = self
             .pin
@@ -455,6 +470,10 @@ impl<'a> ObjectViews<'a> {
     /// private view ([`KeptPart::View`]) if it is `view_from` bytes or more and
     /// [`ObjectViews::map`] maps it, else its bytes to copy ([`KeptPart::Copy`]). An
     /// error is `map`'s (mapping failed other than for want of memory).
+    ///
+    /// # Errors
+    ///
+    /// As [`map`](Self::map), for a part viewed.
     pub fn kept_part<'o>(
         &self,
         object: &ObjectFrame<'o>,
@@ -522,6 +541,10 @@ pub(super) fn pin_block(segment: &Arc<StoreSegment>, h: &BlockHeader) -> Option<
 
 /// [`read_object`], and `f` may also map parts privately (through `views`) to keep
 /// them beyond the call: the block then stays until the last of them is dropped.
+///
+/// # Errors
+///
+/// As [`read_object`]; and [`Error::Os`] when a part cannot be mapped.
 pub fn read_object_viewed<R>(
     segment: &Arc<StoreSegment>,
     address: u64,
@@ -546,6 +569,11 @@ pub fn read_object_viewed<R>(
 }
 
 /// The reader count of the object at `(address, id)` (for inspection and tests).
+///
+/// # Errors
+///
+/// [`StoreError::StaleObject`] when `(address, id)` names no live object; [`Error::Os`]
+/// when the segment was truncated.
 pub fn object_reader_count(segment: &StoreSegment, address: u64, id: u32) -> Result<u32> {
     let h = intact_first(segment, object_header(segment, address, id))?;
     let (p, n) = segment.data_ptr(&h);

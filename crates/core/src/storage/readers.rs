@@ -174,6 +174,11 @@ impl ReaderSlot {
     /// dropped one first, else that of a reader that died (whose place this one takes).
     /// `None` if every one is held by a live process: this process then reads
     /// anonymously.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`](crate::Error::Os) when a slot's lock cannot be taken for another
+    /// reason than a holder (`fcntl` fails), or the segment's file cannot be opened.
     pub fn take(segment: &Arc<StoreSegment>, n_readers: u32) -> Result<Option<ReaderSlot>> {
         let slots = reader_slots(n_readers);
         for dead_too in [false, true] {

@@ -397,6 +397,11 @@ impl StoreSegment {
 
     /// An error once a peer truncated the segment under this process (see
     /// `shmq_os::sigbus`): one atomic load, where each read and write begins and ends.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`](crate::error::OsError::BadSegment) once
+    /// another process truncated the segment.
     #[inline]
     pub fn check_intact(&self) -> Result<()> {
         Ok(self.segment.check_intact()?)
@@ -405,6 +410,11 @@ impl StoreSegment {
     /// [`check_intact`](Self::check_intact), and an error too if the file is shorter
     /// than the mapping now (an `fstat` on the writer): for calls that touch no page of
     /// the ring and would otherwise not notice (`put` before it writes, `is_cached`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`](crate::error::OsError::BadSegment) once
+    /// the segment was truncated (seen by a fault, or its file is shorter now).
     pub fn check_length(&self) -> Result<()> {
         Ok(self.segment.check_length()?)
     }
@@ -537,6 +547,11 @@ impl StoreSegment {
     }
 
     /// Remove the segment's name now (see `Segment::unlink`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the file cannot be removed for another reason than being gone
+    /// already.
     pub fn unlink(&self) -> Result<()> {
         Ok(self.segment.unlink()?)
     }
@@ -550,6 +565,11 @@ impl StoreSegment {
     /// `RingBuffer.shared_memory.buf` shows), all of the segment reserved in `/dev/shm`
     /// first (once per process), so that touching any byte cannot fault (`OsError::NoSpace`
     /// when there is no room). The writer otherwise reserves only as far as it allocated.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::NoSpace`](crate::error::OsError::NoSpace) when
+    /// `/dev/shm` has no room for the whole segment.
     pub fn ring_bytes(&self) -> Result<(*mut u8, usize)> {
         self.segment.reserve_whole()?;
         Ok((self.ring.as_ptr(), self.capacity as usize))
@@ -652,6 +672,11 @@ impl StoreSegment {
     }
 
     /// The header at `address`, checked to describe a block inside the ring.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when no block can be at `address`: its header would reach
+    /// past the ring, or the size it holds is below a header's or reaches past the ring.
     pub fn header_at(&self, address: u64) -> Result<BlockHeader> {
         let offset = address % self.capacity;
         let invalid = || Error::InvalidArgument(format!("no chunk can be at address {address}"));
@@ -816,6 +841,13 @@ impl StoreSegment {
 
     /// Check a handle's signature (constant-time compare); readers do this before they
     /// read anything at `address`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] with
+    /// [`StoreError::BadSignature`](crate::error::StoreError::BadSignature)
+    /// ([`HandleRefusal::Mismatch`]) when `signature` is not the store's for `key` at
+    /// `(address, id)`.
     pub fn verify(&self, key: &str, address: u64, id: u32, signature: &[u8]) -> Result<()> {
         self.keyed_mac(key, address, id)
             .verify_slice(signature)

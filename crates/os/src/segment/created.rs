@@ -132,6 +132,10 @@ pub fn set_janitor(fd: std::os::fd::OwnedFd) -> usize {
 
 /// Make the socket pair for a janitor: this process's end goes to [`set_janitor`], the
 /// other end (close-on-exec, so pass it on explicitly) is returned for the janitor.
+///
+/// # Errors
+///
+/// [`Error::Os`] when `socketpair` fails (out of descriptors).
 pub fn new_janitor_socket() -> Result<std::os::fd::OwnedFd> {
     use std::os::fd::{AsRawFd, FromRawFd};
     let mut fds = [0 as libc::c_int; 2];

@@ -140,6 +140,11 @@ const UNIQUE_NAME_TRIES: usize = 16;
 /// while the name is taken ([`Error::SegmentExists`]: a file of that name was there,
 /// say one another user made to stop this process making segments).
 /// `create` may return this layer's error or a layer's above that wraps it ([`AsOsError`]).
+///
+/// # Errors
+///
+/// `create`'s error: the last [`Error::SegmentExists`] after 16 names drawn were all taken,
+/// or at once any other error of `create`.
 pub fn with_unique_name<T, E: AsOsError>(
     kind: &str,
     mut create: impl FnMut(&str) -> Result<T, E>,
@@ -274,6 +279,11 @@ fn shm_too_small_message(what: &str, free: Option<u64>, total: Option<u64>) -> S
 impl Segment {
     /// Create a new segment of `size` bytes (zero-filled) named `name`, with every page
     /// reserved in `/dev/shm` now.
+    ///
+    /// # Errors
+    ///
+    /// As [`create_sparse`](Self::create_sparse), all of `size` reserved:
+    /// [`Error::NoSpace`] when `/dev/shm` has less room than `size`.
     // The crate's own segments are all sparse now; tests and small fixed segments use it.
     #[cfg_attr(not(test), allow(dead_code))]
     pub fn create(name: &str, size: usize) -> Result<Self> {
@@ -283,6 +293,14 @@ impl Segment {
     /// Create a new segment of `size` bytes of which only the first `reserve` bytes are
     /// reserved now; reserve more with [`reserve_range`](Self::reserve_range) before
     /// writing there (an unreserved page that cannot be had is a `SIGBUS` on first touch).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an invalid name or a `size` of 0;
+    /// [`Error::SegmentExists`] when a file of that name is there; [`Error::NoSpace`] when
+    /// `/dev/shm` has no room for `reserve` bytes; [`Error::Os`] when the file cannot be
+    /// made, sized or mapped, or the process locks its memory as it maps it
+    /// (`mlockall(MCL_FUTURE)` without `MCL_ONFAULT`).
     pub fn create_sparse(name: &str, size: usize, reserve: usize) -> Result<Self> {
         check_new_name(name)?;
         if size == 0 {
@@ -349,6 +367,11 @@ impl Segment {
     /// Reserve all of the segment's pages now, once per process (for a view of the whole
     /// segment that its holder may touch anywhere: `Error::NoSpace` when there is no room,
     /// never a `SIGBUS` later).
+    ///
+    /// # Errors
+    ///
+    /// As [`reserve_range`](Self::reserve_range) over the whole segment: [`Error::NoSpace`]
+    /// when `/dev/shm` has no room for it.
     pub fn reserve_whole(&self) -> Result<()> {
         // The flag only spares this process a second reservation (two threads may both
         // reserve: the second finds the pages allocated).
@@ -369,6 +392,12 @@ impl Segment {
     /// (`crate::sigbus::truncated`) from here on (see [`check_intact`](Self::check_intact)).
     /// Growing it back would hand every process zeros where the lost pages were, with
     /// no fault to tell them (issue 32).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoSpace`] when `/dev/shm` has no room for the range (`fallocate`'s
+    /// `ENOSPC`); [`Error::Os`] when the file cannot be opened read-write or `fallocate`
+    /// fails otherwise.
     pub fn reserve_range(&self, offset: usize, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
@@ -438,6 +467,13 @@ impl Segment {
     }
 
     /// Open an existing segment by name.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an invalid name; [`Error::SegmentNotFound`] when no
+    /// segment has it; [`Error::NotOwned`] for a file of another user or open to others;
+    /// [`Error::Os`] when it cannot be mapped (or the process locks its memory as it maps
+    /// it, see [`create_sparse`](Self::create_sparse)).
     pub fn open(name: &str) -> Result<Self> {
         check_name(name)?;
         if let Ok(meta) = std::fs::metadata(path(name)) {
@@ -509,6 +545,10 @@ impl Segment {
     /// `crate::sigbus`). One atomic load: the layers above call it where a call begins,
     /// at each step of a wait and where a message or value is done.
     /// Also an error once a size check here found the file shorter than the mapping.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadSegment`] once another process truncated the segment under this mapping.
     #[inline]
     pub fn check_intact(&self) -> Result<()> {
         // Relaxed: the flag carries no data; the error is built from the file's size now.
@@ -524,6 +564,11 @@ impl Segment {
     /// see a truncation that no access of theirs has hit yet, and for calls that answer
     /// from this process's own records of what the segment holds (the store's
     /// `is_cached`), which touch no page of it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadSegment`] when the segment was truncated (seen by a fault, or its file
+    /// is shorter than this mapping now).
     pub fn check_length(&self) -> Result<()> {
         self.check_intact()?;
         let len = match self.creators_file() {
@@ -698,6 +743,11 @@ impl Segment {
     /// Remove the segment's name now, if this process created it; the mapping stays
     /// valid for every process that has it. Used to clean up at interpreter exit, when
     /// objects may never be dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the file cannot be removed for another reason than being gone
+    /// already (no permission on `/dev/shm`).
     pub fn unlink(&self) -> Result<()> {
         // Relaxed: only this process's own Drop reads it, after every other use.
         if !self.is_creator() || self.unlinked.swap(true, Ordering::Relaxed) {
@@ -848,6 +898,12 @@ impl Segment {
     /// carries `check.magic` and `check.version`; `fields` picks the header's magic and
     /// layout version (read only after the magic). Every failure is an
     /// [`Error::BadSegment`] naming the segment.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadSegment`] naming the segment when it is shorter than `check.min_len`, or
+    /// its magic or layout version is not `check`'s (another kind of segment, or another
+    /// version of shmq).
     ///
     /// # Safety
     ///

@@ -69,6 +69,12 @@ impl LinkSender {
     /// Send one sealed frame of `kind`. A `payload` that would make a frame over
     /// [`MAX_FRAME`] (the most the peer reads) is [`LinkError::BadLength`] here, before
     /// it is sealed or sent: the link goes on, and the peer never sees it.
+    ///
+    /// # Errors
+    ///
+    /// [`LinkError::BadLength`] for a payload that would make a frame over [`MAX_FRAME`]
+    /// (nothing sent, the link goes on); a [`LinkError`] that ends the link when the frame
+    /// cannot be written (the peer gone: [`LinkError::is_loss`]).
     pub fn send(&self, kind: u8, payload: &[u8]) -> Result<()> {
         // The frame's length counts its kind, the number and seal, then the payload.
         let length = payload.len().saturating_add(1 + SEAL_BYTES);
@@ -90,6 +96,10 @@ impl LinkSender {
 
     /// (The parent's side) tell the worker to stop within `grace`
     /// ([`RemoteWorker::send_stop`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`send`](Self::send): the link is lost when the frame cannot be written.
     pub fn send_stop(&self, grace: Duration) -> Result<()> {
         let payload = json!({"grace": grace.as_secs_f64()}).to_string();
         self.send(Kind::Stop.byte(), payload.as_bytes())
@@ -97,6 +107,11 @@ impl LinkSender {
 
     /// (A worker's side) tell the parent this worker is leaving with `exitcode` and its
     /// last stderr lines ([`ParentLink::send_leaving`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`send`](Self::send): [`LinkError::BadLength`] for stderr lines too long for one
+    /// frame; the link is lost when the frame cannot be written.
     pub fn send_leaving(&self, exitcode: i32, stderr: &[String]) -> Result<()> {
         let payload = json!({"exitcode": exitcode, "stderr": stderr}).to_string();
         self.send(Kind::Leaving.byte(), payload.as_bytes())
@@ -182,11 +197,21 @@ pub struct WorkerListener {
 
 impl WorkerListener {
     /// Listen on `address` (port 0: any free one) with a fresh random token.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Core`](crate::Error::Core) with `Os` when the kernel gives no random token;
+    /// [`LinkError::Io`] when `address` cannot be bound (in use, not this host's).
     pub fn bind(address: impl ToSocketAddrs) -> Result<WorkerListener> {
         WorkerListener::bind_with_token(address, new_secret("a worker ticket's token")?)
     }
 
     /// Listen on `address` with `token`.
+    ///
+    /// # Errors
+    ///
+    /// [`LinkError::Io`] when `address` cannot be resolved or bound (in use, not this
+    /// host's), or its port cannot be read.
     pub fn bind_with_token(
         address: impl ToSocketAddrs,
         token: [u8; SECRET_BYTES],
@@ -221,6 +246,11 @@ impl WorkerListener {
     /// ([`Workers::admit_remote`]: each handshake on a thread of its own, in one of
     /// [`MAX_HANDSHAKES`](super::MAX_HANDSHAKES) slots, [`HandshakeSlots`](super::HandshakeSlots)),
     /// as the Python package's parent does.
+    ///
+    /// # Errors
+    ///
+    /// [`LinkError::Io`] when `accept` fails; else as [`handshake`](Self::handshake): a
+    /// peer that is no shmq worker, proves no token, is refused by `admit`, or is too slow.
     pub fn accept(
         &self,
         admit: impl FnOnce(&Hello) -> std::result::Result<(), String>,
@@ -237,6 +267,12 @@ impl WorkerListener {
     /// does not expect, or one taken, is refused) and connected. Then
     /// [`RemoteWorker::serve`] it (on a thread of its own) so that the group sees it
     /// ready, and its leaving or its link's loss as its exit.
+    ///
+    /// # Errors
+    ///
+    /// As [`accept`](Self::accept), with [`LinkError::Refused`] for a rank the group does
+    /// not expect or that another worker took (the worker is told why, and the rank stays
+    /// free).
     pub fn accept_into(&self, workers: &Workers) -> Result<RemoteWorker> {
         let claimed = std::cell::Cell::new(None);
         let admitted = self.accept(|hello| {
@@ -274,6 +310,13 @@ impl WorkerListener {
     /// and claim: `Err` is the reason the worker is told), then the welcome.
     /// [`LinkError::Refused`] for a worker refused (wrong token, malformed hello, `admit`'s
     /// reason), which was told so; other errors for a connection that failed.
+    ///
+    /// # Errors
+    ///
+    /// [`LinkError::TimedOut`] past [`HANDSHAKE_TIMEOUT`];
+    /// [`LinkError::HandshakeFrameTooLong`] or [`LinkError::Malformed`] for a peer that is
+    /// no shmq worker; [`LinkError::Refused`] for a wrong token or `admit`'s refusal (the
+    /// worker is told why); [`LinkError::Io`] when the connection fails.
     pub fn handshake(
         &self,
         stream: TcpStream,
@@ -407,6 +450,13 @@ impl RemoteWorker {
     /// frame that is not the worker's, or a sealed one of a kind that is never the
     /// worker's to send here (a handshake's, or the parent's own:
     /// [`LinkError::UnexpectedKind`]).
+    ///
+    /// # Errors
+    ///
+    /// A [`LinkError`] that ends the link: the connection lost ([`LinkError::is_loss`]: the
+    /// worker died or closed it), a frame that is not the worker's ([`LinkError::BadSeal`],
+    /// [`LinkError::OutOfTurn`], [`LinkError::FrameTooLong`]), or one of a kind never the
+    /// worker's to send ([`LinkError::UnexpectedKind`]), or a malformed one.
     pub fn recv(&mut self) -> Result<WorkerMessage> {
         loop {
             let (k, payload) = self.receiver.recv()?;
@@ -488,12 +538,22 @@ impl RemoteWorker {
 
     /// Tell the worker to stop: it gets SIGTERM (Python) or [`ParentMessage::Stop`],
     /// and `grace` before SIGKILL.
+    ///
+    /// # Errors
+    ///
+    /// As [`LinkSender::send`]: the link is lost when the frame cannot be written (the
+    /// worker gone).
     pub fn send_stop(&self, grace: Duration) -> Result<()> {
         self.sender.send_stop(grace)
     }
 
     /// Tell the worker that another worker of its group failed (`notice`: the parent's
     /// description of it; Python's is the `WorkerDiedError`'s notice).
+    ///
+    /// # Errors
+    ///
+    /// As [`LinkSender::send`]: [`LinkError::BadLength`] for a `notice` too long for one
+    /// frame; the link is lost when the frame cannot be written.
     pub fn send_sibling_failed(&self, notice: &[u8]) -> Result<()> {
         self.sender.send(Kind::SiblingFailed.byte(), notice)
     }
@@ -565,6 +625,13 @@ impl ParentLink {
     /// expected or taken) or could not prove the token (it is not the ticket's parent),
     /// or speaks another protocol version; [`LinkError::Malformed`] for a peer that is
     /// no shmq parent.
+    ///
+    /// # Errors
+    ///
+    /// [`LinkError::Io`] when the ticket's host cannot be resolved or connected to;
+    /// [`LinkError::TimedOut`] past `timeout`; [`LinkError::Malformed`] for a peer that is
+    /// no shmq parent; [`LinkError::Refused`] when the parent refuses this worker (wrong
+    /// token, rank not expected or taken) or cannot prove the token itself.
     pub fn connect(ticket: &Ticket, rank: u32, timeout: Duration) -> Result<ParentLink> {
         let deadline = Instant::now() + timeout;
         let peer = if ticket.host.contains(':') {
@@ -648,11 +715,21 @@ impl ParentLink {
     }
 
     /// Tell the parent this worker is ready, with `payload` (for the parent to read).
+    ///
+    /// # Errors
+    ///
+    /// As [`LinkSender::send`]: [`LinkError::BadLength`] for a `payload` too long for one
+    /// frame; the link is lost when the frame cannot be written (the parent gone).
     pub fn send_ready(&self, payload: &[u8]) -> Result<()> {
         self.sender.send(Kind::Ready.byte(), payload)
     }
 
     /// Tell the parent this worker is leaving with `exitcode` and its last stderr lines.
+    ///
+    /// # Errors
+    ///
+    /// As [`LinkSender::send`]: [`LinkError::BadLength`] for stderr lines too long for one
+    /// frame; the link is lost when the frame cannot be written.
     pub fn send_leaving(&self, exitcode: i32, stderr: &[String]) -> Result<()> {
         self.sender.send_leaving(exitcode, stderr)
     }
@@ -662,6 +739,13 @@ impl ParentLink {
     /// ([`LinkError::is_loss`]) or a frame was not the parent's, or a sealed one of a
     /// kind that is never the parent's to send here (a handshake's, or a worker's:
     /// [`LinkError::UnexpectedKind`]).
+    ///
+    /// # Errors
+    ///
+    /// A [`LinkError`] that ends the link: the parent gone ([`LinkError::is_loss`]), a
+    /// frame that is not the parent's ([`LinkError::BadSeal`], [`LinkError::OutOfTurn`]),
+    /// or a sealed one of a kind never the parent's to send
+    /// ([`LinkError::UnexpectedKind`]), or a malformed one.
     pub fn recv(&mut self) -> Result<ParentMessage> {
         loop {
             let (k, payload) = self.receiver.recv()?;

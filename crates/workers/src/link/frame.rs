@@ -103,6 +103,12 @@ impl SealIn {
 
     /// The payload of a received frame of `kind` whose body is `body`, if its seal is the
     /// peer's and it is the frame due next. Any error means the link is over.
+    ///
+    /// # Errors
+    ///
+    /// [`LinkError::Unsealed`] for a body shorter than a seal; [`LinkError::BadSeal`] when
+    /// the seal is not the peer's (another key, or altered); [`LinkError::OutOfTurn`] for a
+    /// frame not due next (replayed, dropped or reordered).
     pub fn open<'a>(&mut self, kind: u8, body: &'a [u8]) -> Result<&'a [u8], LinkError> {
         if body.len() < SEAL_BYTES {
             return Err(LinkError::Unsealed);
@@ -131,6 +137,11 @@ impl SealIn {
 }
 
 /// Write one frame: `[4-byte big-endian length][kind][payload]`.
+///
+/// # Errors
+///
+/// [`LinkError::BadLength`] for a payload over `u32::MAX - 1` bytes; [`LinkError::Io`] when
+/// the write fails (the peer gone).
 pub fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> Result<(), LinkError> {
     let length = u32::try_from(payload.len() + 1).map_err(|_| LinkError::BadLength {
         length: payload.len() as u64 + 1,
@@ -149,6 +160,12 @@ pub fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> Result<(), L
 /// `max`. Over `max`: [`LinkError::HandshakeFrameTooLong`] with `handshake` (a challenge,
 /// hello or answer), else [`LinkError::FrameTooLong`], both naming `peer` (the sender)
 /// and the limit; 0: [`LinkError::BadLength`].
+///
+/// # Errors
+///
+/// [`LinkError::BadLength`] for a length of 0; over `max`,
+/// [`LinkError::HandshakeFrameTooLong`] with `handshake`, else [`LinkError::FrameTooLong`],
+/// each naming `peer`.
 pub fn frame_length(
     word: [u8; 4],
     max: usize,
@@ -176,6 +193,11 @@ pub fn frame_length(
 /// Read one frame: its kind and payload. A length of 0 or over `max` is
 /// [`LinkError::BadLength`], refused before anything more is read; see
 /// [`read_frame_from`] for how the body is read.
+///
+/// # Errors
+///
+/// [`LinkError::BadLength`] for a length of 0 or over `max`; [`LinkError::Io`] (or the
+/// connection's end, [`LinkError::Closed`]) when the header or body cannot be read whole.
 pub fn read_frame(r: &mut impl Read, max: usize) -> Result<(u8, Vec<u8>), LinkError> {
     let mut word = [0u8; 4];
     r.read_exact(&mut word)
@@ -195,6 +217,11 @@ pub fn read_frame(r: &mut impl Read, max: usize) -> Result<(u8, Vec<u8>), LinkEr
 /// frames). The body is read as it comes: its buffer grows with the bytes that arrived
 /// (at most doubling them, never to the claimed length up front), so a peer that claims
 /// a long frame and sends little of it costs little; the payload is never copied.
+///
+/// # Errors
+///
+/// As [`frame_length`] for the header; [`LinkError::Io`] (or [`LinkError::Closed`]) when
+/// the header or body cannot be read whole.
 pub fn read_frame_from(
     r: &mut impl Read,
     max: usize,

@@ -15,6 +15,11 @@ const WELCOME_TAG: &[u8] = b"shmq worker welcome";
 
 /// A fresh nonce for the handshake: 32 random bytes from the kernel, in a secret's text
 /// form (64 hexadecimal digits).
+///
+/// # Errors
+///
+/// [`crate::Error::Core`] with `Os` when the kernel gives no random bytes (`getrandom`
+/// refused).
 pub fn new_nonce() -> crate::Result<String> {
     Ok(secret_to_text(&new_secret("a worker handshake's nonce")?))
 }
@@ -75,6 +80,11 @@ pub fn challenge_payload(nonce: &str) -> Vec<u8> {
 /// The parent's nonce from its challenge (a frame of `kind` with `payload`); `peer` names
 /// the parent in errors: [`LinkError::Malformed`] for what is no shmq parent's challenge,
 /// [`LinkError::Refused`] for a parent of another protocol version.
+///
+/// # Errors
+///
+/// [`LinkError::Malformed`] for a frame that is not a challenge or holds no nonce;
+/// [`LinkError::Refused`] for a parent that speaks another version of the protocol.
 pub fn read_challenge(kind: u8, payload: &[u8], peer: &str) -> Result<String, LinkError> {
     if kind != Kind::Challenge.byte() {
         return Err(LinkError::Malformed(format!(
@@ -117,6 +127,10 @@ pub struct Hello {
 impl Hello {
     /// The hello of worker `rank` (process `pid` on `host`) to the parent whose challenge
     /// carried `parent_nonce`, with a fresh nonce of its own.
+    ///
+    /// # Errors
+    ///
+    /// As [`new_nonce`]: the kernel gives no random bytes.
     pub fn new(
         token: &[u8; SECRET_BYTES],
         parent_nonce: &str,
@@ -150,6 +164,11 @@ impl Hello {
 
     /// The hello in a frame of `kind` with `payload`, not yet checked; `Err` says why it
     /// is refused (what the parent answers).
+    ///
+    /// # Errors
+    ///
+    /// The refusal's text for a frame that is not a hello, malformed JSON (or nested too
+    /// deep), or a field missing or of the wrong type.
     pub fn decode(kind: u8, payload: &[u8]) -> Result<Hello, String> {
         const MALFORMED: &str = "malformed hello";
         if kind != Kind::Hello.byte() {
@@ -209,6 +228,11 @@ impl Hello {
     /// The hello in a frame of `kind` with `payload`, if it is well formed and proves
     /// `token` over `parent_nonce`; `Err` says why not ("wrong token", "malformed
     /// hello...").
+    ///
+    /// # Errors
+    ///
+    /// As [`decode`](Self::decode), or "wrong token" when its proof is not the MAC of
+    /// `token` over `parent_nonce`.
     pub fn check(
         kind: u8,
         payload: &[u8],
@@ -256,6 +280,12 @@ pub fn refusal_payload(error: &str) -> Vec<u8> {
 /// `rank`: `Ok` if it admits the worker and proves `token` over `worker_nonce`;
 /// [`LinkError::Refused`] if it refused the worker or cannot prove the token (it is not
 /// the parent that issued the ticket). `peer` names the parent in errors.
+///
+/// # Errors
+///
+/// [`LinkError::Refused`] when the parent refused the worker (its reason) or its proof of
+/// `token` is wrong; [`LinkError::Malformed`] for a frame that is not an answer, or a
+/// malformed one.
 pub fn read_answer(
     kind: u8,
     payload: &[u8],

@@ -58,6 +58,11 @@ pub use layout::{ChunkKind, RingHandle, LABEL_BYTES, LAYOUT_VERSION, MAX_READERS
 /// Whether `label` can name a queue: 1 to `LABEL_BYTES - 1` bytes of UTF-8, with none
 /// of the characters [`name_trouble`] refuses (control, bidirectional-text and
 /// zero-width characters; a leading `-`).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a label that is empty, [`LABEL_BYTES`] bytes or longer,
+/// or has a character [`name_trouble`] refuses.
 pub fn check_label(label: &str) -> Result<()> {
     let trouble = name_trouble(label);
     if label.is_empty() || label.len() >= LABEL_BYTES || trouble.is_some() {
@@ -133,6 +138,10 @@ impl ChunkFlags for ChunkState<'_> {
 impl Ring {
     /// Create a ring in a new segment with a fresh `shmq_ring_*` name (drawn again while
     /// a file has the one drawn: see `with_unique_name`).
+    ///
+    /// # Errors
+    ///
+    /// As [`create_named`](Self::create_named), a name taken 16 times in a row included.
     pub fn create(n_reader: usize, max_chunk_bytes: usize, max_chunks: usize) -> Result<Ring> {
         with_unique_name("ring", |name| {
             Self::create_named(name, n_reader, max_chunk_bytes, max_chunks)
@@ -140,6 +149,12 @@ impl Ring {
     }
 
     /// Create a ring in a new segment called `name`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a geometry out of range (no reader, more readers than
+    /// a ring has slots, chunks of 0 bytes or too many); [`Error::Os`] when the segment
+    /// cannot be made (the name taken, no room in `/dev/shm`).
     pub fn create_named(
         name: &str,
         n_reader: usize,
@@ -183,6 +198,12 @@ impl Ring {
 
     /// Open an existing ring by name, checking that it is a finished shmq ring of this
     /// layout version.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the segment cannot be opened (gone, not this user's), or is not a
+    /// finished shmq ring of this layout version
+    /// ([`OsError::BadSegment`](crate::error::OsError::BadSegment)).
     pub fn open(name: &str) -> Result<Ring> {
         let segment = Segment::open(name)?;
         let check = HeaderCheck {
@@ -245,6 +266,11 @@ impl Ring {
 
     /// An error once a peer truncated the segment under this process (see
     /// `shmq_os::sigbus`): one atomic load, at each call's start and end.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`](crate::error::OsError::BadSegment) once
+    /// another process truncated the segment.
     #[inline]
     pub fn check_intact(&self) -> Result<()> {
         Ok(self.segment.check_intact()?)
@@ -252,6 +278,11 @@ impl Ring {
 
     /// [`check_intact`](Self::check_intact), and whether the file is still as long (a
     /// `stat`): for the liveness steps of waits.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::BadSegment`](crate::error::OsError::BadSegment) once
+    /// the segment was truncated (seen by a fault, or its file is shorter now).
     pub fn check_length(&self) -> Result<()> {
         Ok(self.segment.check_length()?)
     }
@@ -337,6 +368,11 @@ impl Ring {
 
     /// Remove the segment's name now (the mapping stays valid for everyone who has it).
     /// For a creator that must clean up before its objects are dropped (interpreter exit).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the file cannot be removed for another reason than being gone
+    /// already.
     pub fn unlink(&self) -> Result<()> {
         Ok(self.segment.unlink()?)
     }
@@ -445,12 +481,21 @@ impl Ring {
     /// Start and length of the whole segment in this process (what Python's
     /// `ShmRingBuffer.shared_memory.buf` shows), all of it reserved in `/dev/shm` first, so
     /// that touching any byte cannot fault (`OsError::NoSpace` when there is no room).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] with [`OsError::NoSpace`](crate::error::OsError::NoSpace) when
+    /// `/dev/shm` has no room for the whole segment.
     pub fn segment_bytes(&self) -> Result<(*mut u8, usize)> {
         self.segment.reserve_whole()?;
         Ok((self.segment.as_ptr(), self.segment.len()))
     }
 
     /// Start and length of chunk `i`'s data in this process.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `i` is not below the ring's number of chunks.
     pub fn data_ptr(&self, i: usize) -> Result<(*mut u8, usize)> {
         self.check_chunk(i)?;
         // SAFETY: i < max_chunks: the data lies inside the mapping.
@@ -463,12 +508,20 @@ impl Ring {
     }
 
     /// Where chunk `i`'s data starts in the segment's file (to map it on its own).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `i` is not below the ring's number of chunks.
     pub fn data_file_offset(&self, i: usize) -> Result<u64> {
         self.check_chunk(i)?;
         Ok((self.geo.data_offset + i * self.geo.data_stride) as u64)
     }
 
     /// Start and length of chunk `i`'s metadata: `[written, read_0, .., read_{n-1}]`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `i` is not below the ring's number of chunks.
     pub fn metadata_ptr(&self, i: usize) -> Result<(*mut u8, usize)> {
         self.check_chunk(i)?;
         // SAFETY: as in `Chunk::written`.
@@ -479,6 +532,10 @@ impl Ring {
     }
 
     /// A snapshot of chunk `i`'s flags (for inspection and tests).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `i` is not below the ring's number of chunks.
     pub fn metadata(&self, i: usize) -> Result<Vec<u8>> {
         self.check_chunk(i)?;
         let c = self.chunk(i);

@@ -38,6 +38,13 @@ pub struct RingReader {
 impl RingReader {
     /// Reader number `reader` (0-based, below the ring's `n_reader`); this process takes
     /// its slot.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `reader` is not below the ring's `n_reader`;
+    /// [`Error::WrongRole`] when another live process holds that reader's slot, or the
+    /// writer dropped it after its process died; [`Error::Os`] when the segment's file
+    /// cannot be locked.
     pub fn new(ring: Arc<Ring>, reader: usize) -> Result<RingReader> {
         if reader >= ring.n_reader() {
             return Err(Error::InvalidArgument(format!(
@@ -93,6 +100,11 @@ impl RingReader {
 
     /// Fails if the writer is proved dead. A writer that shut the queue down first is not
     /// dead (its end is told apart by [`wait`](Self::wait)).
+    ///
+    /// # Errors
+    ///
+    /// [`QueueError::DeadWriter`] when the writer's process is proved dead (without
+    /// shutting the queue down); [`Error::Os`] when the segment was truncated.
     pub fn check_writer(ring: &Ring) -> Result<()> {
         ring.check_length()?;
         if ring.writer_closed() {
@@ -110,6 +122,12 @@ impl RingReader {
 
     /// Wait until the next chunk is readable; [`QueueError::WriterShutDown`] once the writer
     /// shut the queue down and every chunk it published has been read.
+    ///
+    /// # Errors
+    ///
+    /// [`QueueError::WriterShutDown`] once the writer shut the queue down and every chunk
+    /// was read; [`QueueError::DeadWriter`] when the writer died; [`Error::Timeout`] or the
+    /// hook's error when `wait` ends first; [`Error::Os`] when the segment was truncated.
     pub fn wait(&self, wait: &mut Wait) -> Result<ChunkInfo> {
         let ring = &*self.ring;
         ring.check_intact()?;

@@ -103,6 +103,10 @@ impl Ring {
     }
 
     /// The writer's (`None`) or reader `r`'s slot.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `reader` is not below the ring's number of readers.
     pub fn slot_info(&self, reader: Option<usize>) -> Result<SlotInfo> {
         let slot = self.slot(self.slot_index(reader)?);
         // Relaxed field loads inside the seqlock read (ordered by its Acquire load and

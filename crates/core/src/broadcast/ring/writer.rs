@@ -42,6 +42,11 @@ impl Ring {
     /// already: `fallocate` leaves allocated pages as they are). For whoever writes
     /// or reads chunk data beyond what the writer published (the whole-chunk views of the
     /// bindings); the writer keeps its own high-water marks instead.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `i` is not below the ring's number of chunks;
+    /// [`Error::Os`] with [`OsError::NoSpace`] when `/dev/shm` has no room for the bytes.
     pub fn reserve_data(&self, i: usize, len: usize) -> Result<()> {
         let offset = self.data_file_offset(i)? as usize;
         Ok(self
@@ -106,6 +111,11 @@ pub struct RingWriter {
 impl RingWriter {
     /// The writer of `ring`; this process takes the writer's slot (an error if a live
     /// process holds it).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] when another live process holds the writer's slot;
+    /// [`Error::Os`] when the segment's file cannot be locked.
     pub fn new(ring: Arc<Ring>) -> Result<RingWriter> {
         let role = ring.attach(0)?;
         let dropped = (0..ring.n_reader())
@@ -285,6 +295,12 @@ impl RingWriter {
 
     /// Wait until the next chunk is free, mark it not-written, and return its index. The
     /// chunk stays acquired until [`commit`](Self::commit) (or another `acquire`).
+    ///
+    /// # Errors
+    ///
+    /// [`QueueError::DeadReader`] when a reader died holding the chunk (under
+    /// [`DeadReaderPolicy::Raise`]); [`Error::Timeout`] or the hook's error when `wait`
+    /// ends first; [`Error::Os`] when the segment was truncated.
     pub fn acquire(&mut self, wait: &mut Wait) -> Result<usize> {
         self.ring.check_intact()?;
         let i = self.next;
@@ -319,6 +335,11 @@ impl RingWriter {
     /// any) are reserved in `/dev/shm`; `false` if `/dev/shm` has no room for them (the
     /// caller sends the message another way; one warning per process says so). The
     /// chunk need not be acquired: reserving changes no byte a reader may be reading.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when `fallocate` fails for another reason than no room (`Ok(false)`),
+    /// or the segment's file cannot be opened.
     pub fn reserve(&mut self, len: usize) -> Result<bool> {
         let i = self.next;
         let len = len.min(self.ring.max_chunk_bytes());
@@ -365,6 +386,12 @@ impl RingWriter {
     }
 
     /// Publish the acquired chunk with `len` bytes of kind `kind` and move to the next one.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] without a chunk acquired; [`Error::InvalidArgument`] for a
+    /// `len` beyond the bytes reserved in `/dev/shm` (the chunk stays acquired);
+    /// [`Error::Os`] when the segment was truncated while the chunk was written.
     pub fn commit(&mut self, len: usize, kind: ChunkKind) -> Result<()> {
         let i = self
             .open
@@ -403,6 +430,12 @@ impl RingWriter {
     /// Copy `msg` into the next chunk and publish it (waiting for room). An
     /// [`OsError::NoSpace`] if `/dev/shm` has no room for it (nothing is acquired then;
     /// a caller with another way to send it checks [`reserve`](Self::reserve) first).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a message larger than a chunk; [`OsError::NoSpace`]
+    /// when `/dev/shm` has no room for it; else as [`acquire`](Self::acquire) and
+    /// [`commit`](Self::commit).
     pub fn write(&mut self, msg: &[u8], wait: &mut Wait) -> Result<()> {
         if msg.len() > self.ring.max_chunk_bytes() {
             return Err(Error::InvalidArgument(format!(

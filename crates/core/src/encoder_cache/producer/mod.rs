@@ -174,6 +174,12 @@ impl Producer {
     /// replaced; if its producer is alive, this fails. (Two processes that start under
     /// the same dead producer's name at the same moment are not kept apart reliably: one
     /// may remove the other's new segment. Give each encoder process its own name.)
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a bad `name` or options out of range; [`Error::Os`]
+    /// when the segment cannot be made (a live producer holds the name, no room in
+    /// `/dev/shm`).
     pub fn create(name: Option<&str>, options: ProducerOptions) -> Result<Producer> {
         let named = name.map(segment_name).transpose()?;
         let geo = Geometry::new(
@@ -284,6 +290,13 @@ impl Producer {
     /// evicted; then [`CacheError::Full`], which names /dev/shm when that was the limit.
     /// `Ok(None)`: the key is held (or being saved) already. Fill the parts and
     /// [`publish`](Reservation::publish) it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongRole`] once the producer is closed; [`Error::InvalidArgument`] for a
+    /// key of 0 or too many bytes, or too many parts; [`CacheError::TooLarge`] for an entry
+    /// that can never fit; [`CacheError::Full`] when `wait` ends before the consumers free
+    /// enough room; the hook's error, or [`Error::Os`] when the segment was truncated.
     pub fn reserve_with(
         &self,
         key: &str,
@@ -359,6 +372,10 @@ impl Producer {
     }
 
     /// [`reserve_with`](Self::reserve_with) waiting at most `timeout` (`None`: forever).
+    ///
+    /// # Errors
+    ///
+    /// As [`reserve_with`](Self::reserve_with), [`CacheError::Full`] after `timeout`.
     pub fn reserve(
         &self,
         key: &str,
@@ -372,6 +389,11 @@ impl Producer {
 
     /// Save `parts` under `key` (copy into shared memory, then publish). `Ok(false)`: the
     /// key is held already (keys name their content, so it is not copied again).
+    ///
+    /// # Errors
+    ///
+    /// As [`reserve`](Self::reserve); [`Error::Os`] when the segment was truncated while
+    /// the parts were copied.
     pub fn save(&self, key: &str, parts: &[&[u8]], timeout: Option<Duration>) -> Result<bool> {
         let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
         let Some(mut r) = self.reserve(key, &lens, timeout)? else {
@@ -428,6 +450,12 @@ impl Producer {
     /// published has loaded it (and at least `min_consumers` did). Consumers that die
     /// stop counting (they are checked about twice a second). Fails with
     /// [`CacheError::UnknownKey`] for a key not held (or evicted before it was loaded).
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::UnknownKey`] when `key` is not held (never saved, or evicted);
+    /// [`Error::Timeout`] when `wait` runs out first; the hook's error, or [`Error::Os`]
+    /// when the segment was truncated.
     pub fn wait_loaded_with(&self, key: &str, wait: &mut Wait<'_>) -> Result<()> {
         let inner = &self.inner;
         let mut sweep = || {
@@ -462,6 +490,10 @@ impl Producer {
     }
 
     /// [`wait_loaded_with`](Self::wait_loaded_with) waiting at most `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_loaded_with`](Self::wait_loaded_with), [`Error::Timeout`] after `timeout`.
     pub fn wait_loaded(&self, key: &str, timeout: Option<Duration>) -> Result<()> {
         let what = format!("waiting for the consumers to load key {key:?}");
         let mut wait = self.wait(&what, timeout);
@@ -470,6 +502,11 @@ impl Producer {
 
     /// Wait (as `wait` allows) until some of `keys` are no longer [`LoadState::Pending`];
     /// returns those, with their state. Empty if the wait timed out.
+    ///
+    /// # Errors
+    ///
+    /// The hook's error when `wait` ends with one, or [`Error::Os`] when the segment was
+    /// truncated (a timeout is an empty answer, not an error).
     pub fn wait_any_loaded_with(
         &self,
         keys: &[String],
@@ -538,11 +575,21 @@ impl Producer {
     /// Stop serving: the segment is marked closed (consumers drop it at their next call;
     /// views they hold stay valid) and its name removed. Reservations not yet published
     /// fail. Idempotent.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the segment's name cannot be removed for another reason than
+    /// being gone already.
     pub fn close(&self) -> Result<()> {
         self.inner.close()
     }
 
     /// Remove the segment's name now (as at interpreter exit), without closing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the segment's name cannot be removed for another reason than
+    /// being gone already.
     pub fn unlink(&self) -> Result<()> {
         Ok(self.inner.map.segment.unlink()?)
     }

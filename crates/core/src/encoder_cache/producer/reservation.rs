@@ -187,6 +187,11 @@ impl Reservation {
 
     /// Make the entry visible to every consumer. `Ok(false)` if it was evicted while
     /// being written (it is dropped instead).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] when the segment was truncated while the entry was written (the entry
+    /// is dropped).
     pub fn publish(mut self) -> Result<bool> {
         self.done = true;
         self.inner

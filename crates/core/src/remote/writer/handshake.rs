@@ -259,6 +259,11 @@ impl RemoteWriter {
 
     /// Wait until every remote reader has joined, then tell them all to start. A reader
     /// that went away meanwhile is forgotten, and the wait goes on for its rank.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] or the hook's error when `wait` ends before every reader joined;
+    /// [`Error::Transport`] when the socket fails.
     pub fn wait_for_readers(&mut self, wait: &mut Wait) -> Result<()> {
         if self.ready {
             return Ok(());

@@ -131,6 +131,12 @@ impl RemoteWriter {
     /// Bind on `ip` (IPv4, or IPv6 with or without brackets), a port chosen by the OS,
     /// for `expected` remote readers (any ranks but `local_ranks`). Returns the writer
     /// and whether the address is IPv6.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Transport`] when the socket cannot be made, set up or bound on `ip` (not an
+    /// address of this host, a malformed one); [`Error::InvalidArgument`] for `options` out
+    /// of range.
     pub fn bind(
         ctx: &zmq::Context,
         ip: &str,
@@ -211,6 +217,11 @@ impl RemoteWriter {
     /// [`check_label`](crate::broadcast::ring::check_label)): readers are told it in their
     /// WELCOME and name the queue by it in their errors, as this writer does in its
     /// warnings. Before the first reader is welcomed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a label that is empty, too long, or has a character a
+    /// queue's name cannot have.
     pub fn set_label(&mut self, label: &str) -> Result<()> {
         crate::broadcast::ring::check_label(label)?;
         self.label = Some(label.to_owned());
@@ -248,6 +259,11 @@ impl RemoteWriter {
     /// [`RemoteError::LostReaders`] naming the readers no longer sent to, when there are
     /// any and the writer was made with [`LostReaderPolicy::Raise`]; `Ok` otherwise (the
     /// queue's writer asks after each send).
+    ///
+    /// # Errors
+    ///
+    /// [`RemoteError::LostReaders`] naming the readers no longer sent to, under
+    /// [`LostReaderPolicy::Raise`].
     pub fn check_lost(&self) -> Result<()> {
         if self.options.on_lost_reader != LostReaderPolicy::Raise || self.dropped_count() == 0 {
             return Ok(());
@@ -277,6 +293,12 @@ impl RemoteWriter {
 
     /// Whether sending a message of `bytes` would wait for a reader (or drop it): one
     /// still sent to is out of credit, after taking the ACKs that arrived.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Transport`] when the socket fails while the ACKs are taken;
+    /// [`RemoteError::LostReaders`] under [`LostReaderPolicy::Raise`] when a reader was
+    /// found lost.
     pub fn would_wait(&mut self, bytes: u64) -> Result<bool> {
         let short = |w: &Self| {
             w.peers
@@ -294,6 +316,12 @@ impl RemoteWriter {
     /// dropped, per the policy); sends nothing. [`send`](Self::send) does this first; a
     /// caller that must do all its waiting before it sends anything anywhere (see
     /// `Wait::commit`) calls it before.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] or the hook's error when `wait` ends first;
+    /// [`RemoteError::LostReaders`] under [`LostReaderPolicy::Raise`] for a reader lost
+    /// meanwhile; [`Error::Transport`] when the socket fails.
     pub fn wait_for_credit(&mut self, bytes: u64, wait: &mut Wait) -> Result<()> {
         for k in 0..self.peers.len() {
             while !self.peers[k].dropped && !self.peers[k].has_credit(&self.options, bytes) {
@@ -357,6 +385,11 @@ impl RemoteWriter {
     /// used no sequence number, so the stream stays whole and the enqueue can be tried
     /// again. Then it is queued for each (ZeroMQ's own queue has room for it: see
     /// `CONTROL_ROOM`; were it full all the same, the policy applies there too).
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_for_credit`](Self::wait_for_credit); [`Error::Transport`] when a frame
+    /// cannot be sent.
     pub fn send(&mut self, frames: &[&[u8]], wait: &mut Wait) -> Result<()> {
         if self.hellos_served.elapsed() >= HELLO_INTERVAL {
             self.serve_hellos()?;
