@@ -12,20 +12,20 @@ use crate::arena;
 use crate::broadcast::Ring;
 use crate::error::{Error, OsError, Result};
 use crate::storage::BlockFifo;
-use shmq_os::liveness::{creator_liveness, Liveness};
+use shmq_os::liveness::{Liveness, creator_liveness};
 use shmq_os::process::ProcessId;
 use shmq_os::segment::Segment;
 use shmq_os::segment_file;
 
 // What a queue writer's socket directory beside its segment ends with (`<segment>.sock`,
 // or `<segment>.<16 hex digits>.sock` where that was taken), and the segment of one.
-pub use crate::transport::{socket_dir_segment, SOCKET_DIR_SUFFIX};
+pub use crate::transport::{SOCKET_DIR_SUFFIX, socket_dir_segment};
 // What this process created: the prefix of every name, where the files are, their removal
 // at a normal exit, and the janitor that removes them when the process dies without one.
 pub use shmq_os::liveness::SHM_DIR;
 pub use shmq_os::segment::{
-    forget_inherited_janitor_now, has_janitor, new_janitor_socket, remove_created, set_janitor,
-    NAME_PREFIX,
+    NAME_PREFIX, forget_inherited_janitor_now, has_janitor, new_janitor_socket, remove_created,
+    set_janitor,
 };
 
 /// What a segment is.
@@ -180,7 +180,7 @@ pub fn remove_orphans(dry_run: bool, force: bool) -> Result<Vec<SegmentReport>> 
                     return Err(Error::os(
                         format!("removing {}", segment_file::path(&s.name)),
                         e,
-                    ))
+                    ));
                 }
             }
         }
@@ -259,7 +259,8 @@ pub fn describe(name: &str) -> Result<String> {
         let _ = writeln!(
             out,
             "{name}: broadcast ring{}, {} readers, {} chunks of {} bytes\ncreator: {}\nwriter: {}, {} messages written, {} sent over the overflow socket",
-            ring.label().map_or(String::new(), |l| format!(" of queue {l:?}")),
+            ring.label()
+                .map_or(String::new(), |l| format!(" of queue {l:?}")),
             ring.n_reader(),
             ring.max_chunks(),
             ring.max_chunk_bytes(),
@@ -320,7 +321,11 @@ pub fn describe(name: &str) -> Result<String> {
             a.n_reader,
             a.capacity,
             a.reserved,
-            if a.queue.is_empty() { "(not recorded)" } else { &a.queue },
+            if a.queue.is_empty() {
+                "(not recorded)"
+            } else {
+                &a.queue
+            },
             describe_process(Some(a.creator), creator_liveness(name)),
             a.bytes_in_use,
             a.fallbacks,
@@ -503,22 +508,32 @@ mod tests {
             pid_from_name(cache.segment_name()),
             Some(std::process::id())
         );
-        assert!(describe(cache.segment_name())
-            .unwrap()
-            .contains("encoder cache (open)"));
-        assert!(describe(arena.name())
-            .unwrap()
-            .contains("tensor arena of a queue, 2 readers"));
+        assert!(
+            describe(cache.segment_name())
+                .unwrap()
+                .contains("encoder cache (open)")
+        );
+        assert!(
+            describe(arena.name())
+                .unwrap()
+                .contains("tensor arena of a queue, 2 readers")
+        );
         let orphans = remove_orphans(true, false).unwrap();
-        assert!(orphans
-            .iter()
-            .all(|s| s.name != ring.name() && s.name != store.segment().name()));
-        assert!(describe(ring.name())
-            .unwrap()
-            .contains("broadcast ring, 2 readers, 2 chunks of 64 bytes"));
-        assert!(describe(store.segment().name())
-            .unwrap()
-            .contains("object store, 4096 bytes"));
+        assert!(
+            orphans
+                .iter()
+                .all(|s| s.name != ring.name() && s.name != store.segment().name())
+        );
+        assert!(
+            describe(ring.name())
+                .unwrap()
+                .contains("broadcast ring, 2 readers, 2 chunks of 64 bytes")
+        );
+        assert!(
+            describe(store.segment().name())
+                .unwrap()
+                .contains("object store, 4096 bytes")
+        );
         assert!(matches!(
             describe("shmq_missing_1_2"),
             Err(Error::Os(OsError::SegmentNotFound { .. }))

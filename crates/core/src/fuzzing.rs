@@ -7,5 +7,5 @@
 /// a chunk (or the first frame of an overflow message) written by the writer, or by
 /// anyone else who can write the segment.
 pub use crate::broadcast::framing::{
-    decode as decode_framing, encode as encode_framing, header_len, PartRef,
+    PartRef, decode as decode_framing, encode as encode_framing, header_len,
 };

@@ -386,7 +386,7 @@ pub fn claim(kind: Kind, name: &str, details: &str) -> Result<NameClaim> {
                     name: name.to_owned(),
                     path: record.dir().record_path(&file),
                 }
-                .into())
+                .into());
             }
             // Dead (its writer ended or died, or it is damaged): removed, then taken if
             // no other writer links its own first.
@@ -539,17 +539,19 @@ mod tests {
             name: "a".into(),
             pid: 12,
         };
-        assert!(e
-            .to_string()
-            .starts_with("the queue named 'a' is gone: its writer (pid 12)"));
+        assert!(
+            e.to_string()
+                .starts_with("the queue named 'a' is gone: its writer (pid 12)")
+        );
         let e = NameError::NotFound {
             kind: Kind::Store,
             name: "a".into(),
             uid: 5,
         };
-        assert!(e
-            .to_string()
-            .starts_with("no store named 'a' on this machine for this user (uid 5)"));
+        assert!(
+            e.to_string()
+                .starts_with("no store named 'a' on this machine for this user (uid 5)")
+        );
         assert!(matches!(Kind::parse("queue"), Ok(Kind::Queue)));
         assert!(Kind::parse("queues").is_err());
     }

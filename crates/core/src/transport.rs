@@ -193,7 +193,7 @@ impl SocketDir {
                     return Err(Error::os(
                         format!("creating the socket directory {path}"),
                         e,
-                    ))
+                    ));
                 }
             }
         }

@@ -6,8 +6,8 @@
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
-use shmq_os::segment::{data_after_table, round_up, Segment, MAX_READERS};
-use shmq_protocol::lease::{Hold, Lease, LeaseRecord, HOLDS_OFFSET};
+use shmq_os::segment::{MAX_READERS, Segment, data_after_table, round_up};
+use shmq_protocol::lease::{HOLDS_OFFSET, Hold, Lease, LeaseRecord};
 use shmq_protocol::word::{PublishedU64, StatU64};
 
 const STATS_OFFSET: usize = 64;

@@ -2,7 +2,7 @@
 //! when first needed (see the `arena` module docs: Made at first use).
 
 use super::layout::Geometry;
-use super::{page_size, ArenaWriter, RESERVE_RETRY};
+use super::{ArenaWriter, RESERVE_RETRY, page_size};
 use crate::error::Result;
 use shmq_os::segment::unique_name;
 

@@ -76,7 +76,7 @@ mod tests;
 mod writer;
 
 pub use lazy::LazyArenaWriter;
-pub use reader::{describe, ArenaInfo, ArenaReader, ArenaView};
+pub use reader::{ArenaInfo, ArenaReader, ArenaView, describe};
 pub use writer::{ArenaWriter, Loan};
 
 /// "SHMQARN1" little-endian: marks a finished arena segment.

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::layout::{ArenaHeader, Geometry, Mapped, TABLE_OFFSET};
-use super::{page_size, ArenaRef, ARENA_LAYOUT_VERSION, ARENA_MAGIC};
+use super::{ARENA_LAYOUT_VERSION, ARENA_MAGIC, ArenaRef, page_size};
 use crate::error::{Error, OsError, Result};
 use shmq_os::private_map::{PrivateFile, PrivateMap, SharedView};
 use shmq_os::process::ProcessId;

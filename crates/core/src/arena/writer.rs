@@ -7,14 +7,14 @@ use std::sync::Arc;
 
 use super::layout::{ArenaHeader, Geometry, Mapped, QUEUE_NAME_MAX, QUEUE_OFFSET};
 use super::{
-    page_size, ArenaRef, ARENA_LAYOUT_VERSION, ARENA_MAGIC, DEAD_CHECK_EVERY, RESERVE_RETRY,
+    ARENA_LAYOUT_VERSION, ARENA_MAGIC, ArenaRef, DEAD_CHECK_EVERY, RESERVE_RETRY, page_size,
 };
 use crate::error::{Error, OsError, Result};
 use shmq_os::process::ProcessId;
 use shmq_os::range_alloc::RangeAllocator;
 use shmq_os::region;
 use shmq_os::region::RawRegion;
-use shmq_os::segment::{round_up, with_unique_name, LoanPages, Segment};
+use shmq_os::segment::{LoanPages, Segment, round_up, with_unique_name};
 
 /// The writer's in-process record of a lease it has handed out.
 #[derive(Clone, Copy, Debug)]

@@ -45,7 +45,7 @@ use std::task::{Context, Poll, Waker};
 
 use super::array::Array;
 use super::queue::{AsyncStep, OwnedPart, Reader};
-use super::wait_any::{wait_any, wake, ReadyTarget, WakeWord, MAX_TARGETS};
+use super::wait_any::{MAX_TARGETS, ReadyTarget, WakeWord, wait_any, wake};
 use crate::error::{DequeueError, Error, OsError, Result};
 
 /// Turns [`ReadyTarget`]s into futures (see the module docs): waiter threads in shards

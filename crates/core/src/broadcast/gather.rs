@@ -24,9 +24,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::async_wait::{first_ready, AsyncWaiter, WaitReady};
+use super::async_wait::{AsyncWaiter, WaitReady, first_ready};
 use super::queue::{AsyncStep, Canceller, Reader};
-use super::wait_any::{wait_any, wake, ReadyTarget, WakeWord, MAX_TARGETS};
+use super::wait_any::{MAX_TARGETS, ReadyTarget, WakeWord, wait_any, wake};
 use super::{DequeueError, GatherRecvError, NewGatherError, QueueError};
 use crate::error::{Error, Result};
 use crate::wait::deadline_after;
@@ -601,7 +601,7 @@ impl Gather {
             if !targets[i].ready() {
                 match targets[i].check_writer() {
                     Err(e @ Error::Queue(QueueError::DeadWriter { .. })) => {
-                        return Err(self.dead(ids[i], e))
+                        return Err(self.dead(ids[i], e));
                     }
                     Err(e) => return Err(e),
                     Ok(()) => {}

@@ -18,7 +18,7 @@ use super::queue::{Canceller, Reader};
 use super::ring::{Ring, RingReader};
 use crate::error::{Error, OsError, Result};
 use shmq_protocol::doorbell::DoorbellWords;
-use shmq_protocol::multiwait::{self, OsFutexMany, MAX_WORDS};
+use shmq_protocol::multiwait::{self, MAX_WORDS, OsFutexMany};
 
 pub use shmq_protocol::multiwait::WakeWord;
 

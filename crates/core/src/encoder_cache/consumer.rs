@@ -20,7 +20,7 @@ use shmq_os::process::ProcessId;
 use shmq_os::segment_file;
 
 use super::entries::PartsLayout;
-use super::layout::{segment_name, Mapped, STATE_OPEN};
+use super::layout::{Mapped, STATE_OPEN, segment_name};
 use super::slots;
 use shmq_protocol::key_index::{Key, Lookup};
 

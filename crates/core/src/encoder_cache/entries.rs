@@ -24,7 +24,7 @@
 
 use crate::error::{Error, OsError, Result};
 
-pub(crate) use shmq_protocol::entry::{state_of, READY, WRITING};
+pub(crate) use shmq_protocol::entry::{READY, WRITING, state_of};
 
 const PARTS_MAGIC: u32 = u32::from_le_bytes(*b"ECP1");
 /// Most parts one entry may have.

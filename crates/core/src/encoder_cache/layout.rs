@@ -26,7 +26,7 @@ use std::ptr::NonNull;
 use crate::error::{Error, Result};
 use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
-use shmq_os::segment::{data_after_table, round_up, HeaderCheck, Segment};
+use shmq_os::segment::{HeaderCheck, Segment, data_after_table, round_up};
 use shmq_protocol::consumer_slot::JoinClock;
 use shmq_protocol::doorbell::DoorbellWords;
 use shmq_protocol::entry::{EntryAcks, EntryPin, EntryState};
@@ -297,8 +297,7 @@ impl Mapped {
             min_len: HEADER_BYTES,
             magic: MAGIC,
             version: LAYOUT_VERSION,
-            not_this_kind:
-                "it is not a shmq encoder cache (or its producer has not finished making it)",
+            not_this_kind: "it is not a shmq encoder cache (or its producer has not finished making it)",
         };
         // SAFETY: the mapping is page-aligned and at least HEADER_BYTES long, which covers
         // the header; the header is InSharedMemory (any bit pattern is a valid value). The
@@ -385,9 +384,9 @@ impl Mapped {
 
     pub fn index_slots(&self) -> &[IndexSlot] {
         let _: &IndexSlot = self.at(self.geo.index_offset); // bounds and alignment of the first
-                                                            // SAFETY: the index table lies inside the mapping (Geometry::new), 64-aligned;
-                                                            // IndexSlot is InSharedMemory, so any bytes there are valid slots. The slice lives
-                                                            // as long as `&self` (the mapping).
+        // SAFETY: the index table lies inside the mapping (Geometry::new), 64-aligned;
+        // IndexSlot is InSharedMemory, so any bytes there are valid slots. The slice lives
+        // as long as `&self` (the mapping).
         unsafe {
             std::slice::from_raw_parts(
                 self.base.as_ptr().add(self.geo.index_offset) as *const IndexSlot,

@@ -87,8 +87,8 @@ pub mod slots;
 pub use consumer::{Consumer, EntryView, RETRY_OPEN};
 pub use error::CacheError;
 pub use producer::{
-    CacheStats, LoadState, Producer, ProducerOptions, Reservation, DEFAULT_CAPACITY,
-    DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES,
+    CacheStats, DEFAULT_CAPACITY, DEFAULT_MAX_CONSUMERS, DEFAULT_MAX_ENTRIES, LoadState, Producer,
+    ProducerOptions, Reservation,
 };
 pub use slots::ConsumerInfo;
 

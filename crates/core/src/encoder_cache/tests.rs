@@ -144,9 +144,10 @@ fn eviction_waits_for_every_joined_consumer_and_not_for_late_joiners() {
     a.acknowledge("k4").unwrap();
     b.acknowledge("k4").unwrap();
     assert_eq!(p.load_state("k4"), LoadState::Pending);
-    assert!(p
-        .wait_loaded("k4", Some(Duration::from_millis(50)))
-        .is_err());
+    assert!(
+        p.wait_loaded("k4", Some(Duration::from_millis(50)))
+            .is_err()
+    );
     late.acknowledge("k4").unwrap();
     p.wait_loaded("k4", short()).unwrap();
     assert!(matches!(
@@ -240,9 +241,10 @@ fn a_dead_consumer_stops_counting_and_its_pins_go() {
     map.entry(0).published_at.set(1);
     assert_eq!(p.load_state("k1"), LoadState::Pending);
     let t = Instant::now();
-    assert!(p
-        .save("k2", &[b"2"], Some(Duration::from_secs(10)))
-        .unwrap());
+    assert!(
+        p.save("k2", &[b"2"], Some(Duration::from_secs(10)))
+            .unwrap()
+    );
     assert!(t.elapsed() < Duration::from_secs(5));
     assert!(!p.has("k1"));
     assert!(p.consumers().is_empty());

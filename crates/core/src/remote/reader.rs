@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 
 use super::wire::*;
 use super::{
-    millis, random16, set_heartbeats, socket, HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES,
+    HANDSHAKE_IVL_MS, HEARTBEAT_INTERVAL, SECRET_BYTES, millis, random16, set_heartbeats, socket,
 };
 use crate::auth::{mac, mac_eq, message_mac};
 use crate::error::{Error, QueueError, RemoteError, Result};
-use crate::transport::{poll_slice, POLL_SLICE};
+use crate::transport::{POLL_SLICE, poll_slice};
 use crate::wait::Wait;
 use shmq_os::fork::LeakInChild;
 
@@ -151,7 +151,7 @@ impl Drop for RemoteReader {
     }
 }
 
-extern "C" {
+unsafe extern "C" {
     /// libzmq's, linked in by the zmq crate (whose own `monitor` cannot pass the null
     /// endpoint that stops a monitor).
     fn zmq_socket_monitor(
@@ -757,7 +757,7 @@ impl RemoteReader {
                 match self.accept_checked(raw)? {
                     Some(frames) if frames.is_empty() => return Ok(()),
                     Some(_) => {
-                        return Err(self.refuse("a message arrived before the writer said start"))
+                        return Err(self.refuse("a message arrived before the writer said start"));
                     }
                     None => {}
                 }

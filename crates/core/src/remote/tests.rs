@@ -280,28 +280,33 @@ fn a_forged_message_is_refused() {
     // The writer's start first (a message before it is refused whatever it holds).
     let ready = mac(&key, b"ready", &[&[5; 16], &0u64.to_le_bytes()]);
     let ready = header(KIND_READY, 0, &[5; 16], &ready);
-    assert!(r
-        .accept(vec![zmq::Message::from(&ready[..])])
-        .unwrap()
-        .is_some());
+    assert!(
+        r.accept(vec![zmq::Message::from(&ready[..])])
+            .unwrap()
+            .is_some()
+    );
     // Right session, wrong key.
     let m = mac(&[9; 32], b"data", &[&[5; 16], &1u64.to_le_bytes(), b"x"]);
-    assert!(r
-        .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
-        .is_err());
+    assert!(
+        r.accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+            .is_err()
+    );
     // Right key, body changed after the MAC.
     let m = mac(&key, b"data", &[&[5; 16], &1u64.to_le_bytes(), b"x"]);
-    assert!(r
-        .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"y"))
-        .is_err());
+    assert!(
+        r.accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"y"))
+            .is_err()
+    );
     // A good one, then a replay of it.
-    assert!(r
-        .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
-        .unwrap()
-        .is_some());
-    assert!(r
-        .accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
-        .is_err());
+    assert!(
+        r.accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        r.accept(msg(header(KIND_DATA, 1, &[5; 16], &m), b"x"))
+            .is_err()
+    );
     // Garbage.
     assert!(r.accept(vec![zmq::Message::from(&b"junk"[..])]).is_err());
 }
@@ -325,16 +330,18 @@ fn a_replayed_start_message_cannot_rewind_the_stream() {
             zmq::Message::from(&b"x"[..]),
         ]
     };
-    assert!(r
-        .accept(vec![zmq::Message::from(&ready[..])])
-        .unwrap()
-        .is_some());
+    assert!(
+        r.accept(vec![zmq::Message::from(&ready[..])])
+            .unwrap()
+            .is_some()
+    );
     // The start said again before any message (the writer moved this reader to a new
     // connection) is nothing new.
-    assert!(r
-        .accept(vec![zmq::Message::from(&ready[..])])
-        .unwrap()
-        .is_none());
+    assert!(
+        r.accept(vec![zmq::Message::from(&ready[..])])
+            .unwrap()
+            .is_none()
+    );
     assert!(r.accept(data()).unwrap().is_some());
     // Someone who recorded the stream replays the start and the first message.
     let e = r.accept(vec![zmq::Message::from(&ready[..])]).unwrap_err();

@@ -14,9 +14,9 @@
 
 use std::sync::Arc;
 
-use super::store_segment::{id_in, StoreSegment, INVALID_ID, RING_OFFSET};
+use super::store_segment::{INVALID_ID, RING_OFFSET, StoreSegment, id_in};
 use crate::error::{Error, OsError, Result};
-use shmq_os::liveness::{creator_liveness, Liveness};
+use shmq_os::liveness::{Liveness, creator_liveness};
 use shmq_os::segment::with_unique_name;
 use shmq_os::segment_file;
 use shmq_protocol::alloc::{Block, FifoAllocator, Freed, HEADER_BYTES};
@@ -54,7 +54,7 @@ fn remove_if_dead_store(name: &str) -> Result<()> {
                     segment_file::path(name)
                 ),
                 e,
-            ))
+            ));
         }
     }
     shmq_os::shmq_log!(

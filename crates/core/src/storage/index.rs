@@ -5,19 +5,19 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::fifo::BlockFifo;
-use super::object::{object_layout, pin_own, reads_by, unslotted_reads, BlockPin};
+use super::object::{BlockPin, object_layout, pin_own, reads_by, unslotted_reads};
 use super::readers::{
-    attached_slots, drop_slot, judge_slot, object_slots, reader_slots, slot_word, ReaderInfo,
-    ReaderStatus,
+    ReaderInfo, ReaderStatus, attached_slots, drop_slot, judge_slot, object_slots, reader_slots,
+    slot_word,
 };
 use super::store_segment::{
-    count_word_at, frame_word, part_table_offset, BlockHeader, StoreSegment, COUNT_BYTES,
-    COUNT_WORD_BYTES, MAX_PARTS, PART_ALIGN, SIGNATURE_BYTES,
+    BlockHeader, COUNT_BYTES, COUNT_WORD_BYTES, MAX_PARTS, PART_ALIGN, SIGNATURE_BYTES,
+    StoreSegment, count_word_at, frame_word, part_table_offset,
 };
 use crate::broadcast::DeadReaderPolicy;
 use crate::error::{Error, HandleRefusal, OsError, Result, StoreError};
 use shmq_os::region::RawRegion;
-use shmq_os::segment::{warn_shm_too_small, LoanPages};
+use shmq_os::segment::{LoanPages, warn_shm_too_small};
 use shmq_protocol::alloc::{Block, Freed, Full, HEADER_BYTES};
 
 /// Bytes a store loan keeps before its buffer for the rest of the object `put` with it

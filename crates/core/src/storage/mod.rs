@@ -108,16 +108,16 @@ mod store_segment;
 #[cfg(test)]
 mod tests;
 
-pub use error::{bad_signature_message, stale_object_message, HandleRefusal, StoreError};
+pub use error::{HandleRefusal, StoreError, bad_signature_message, stale_object_message};
 pub use fifo::{BlockFifo, FreeOldest, FreeOldestFirst};
-pub use index::{store_full_message, Entry, ObjectStore, StoreLoan, StoreRole, LOAN_ROOM};
+pub use index::{Entry, LOAN_ROOM, ObjectStore, StoreLoan, StoreRole, store_full_message};
 pub use object::{
-    check_object, object_reader_count, read_object, read_object_viewed, BlockPin, CountRead,
-    KeptPart, ObjectFrame, ObjectViews, PartView,
+    BlockPin, CountRead, KeptPart, ObjectFrame, ObjectViews, PartView, check_object,
+    object_reader_count, read_object, read_object_viewed,
 };
-pub use readers::{judge_slot, reader_slots, ReaderInfo, ReaderSlot, ReaderStatus};
-pub use signed::{check_signed, key_and_signature, read_signed, read_signed_viewed, SignedHandle};
+pub use readers::{ReaderInfo, ReaderSlot, ReaderStatus, judge_slot, reader_slots};
+pub use signed::{SignedHandle, check_signed, key_and_signature, read_signed, read_signed_viewed};
 pub use store_segment::{
-    BlockHeader, StoreOccupancy, StoreSegment, StoreStats, COUNT_BYTES, MAX_PARTS,
-    MAX_READER_SLOTS, PART_ALIGN, SECRET_BYTES, SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC,
+    BlockHeader, COUNT_BYTES, MAX_PARTS, MAX_READER_SLOTS, PART_ALIGN, SECRET_BYTES,
+    SIGNATURE_BYTES, STORE_LAYOUT_VERSION, STORE_MAGIC, StoreOccupancy, StoreSegment, StoreStats,
 };

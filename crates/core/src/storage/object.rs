@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use super::store_segment::{
+    BlockHeader, COUNT_WORD_BYTES, MAX_READER_SLOTS, PART_ALIGN, RING_OFFSET, StoreSegment,
     count_word_at, frame_parts, frame_slots, id_in, part_table_offset, pin_byte,
-    reader_word_offset, BlockHeader, StoreSegment, COUNT_WORD_BYTES, MAX_READER_SLOTS, PART_ALIGN,
-    RING_OFFSET,
+    reader_word_offset,
 };
 use crate::error::{Error, OsError, Result, StoreError};
 use shmq_os::pins::Pin;
@@ -440,7 +440,7 @@ impl ObjectViews<'_> {
             // views) or of address space: this part is copied instead, like one below
             // the view threshold.
             Err(OsError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOMEM) => {
-                return Ok(None)
+                return Ok(None);
             }
             Err(e) => return Err(e.into()),
         };

@@ -57,15 +57,15 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::store_segment::{
-    StoreSegment, MAX_READER_SLOTS, READER_SLOTS_OFFSET, READER_SLOT_BYTES,
+    MAX_READER_SLOTS, READER_SLOT_BYTES, READER_SLOTS_OFFSET, StoreSegment,
 };
 use crate::error::Result;
 use shmq_os::liveness::{Liveness, RoleLock};
 use shmq_os::process::ProcessId;
 use shmq_protocol::ring::{
-    slot_attached_word, slot_begin_attach_reusing_dropped, slot_drop, slot_dropped_word,
-    slot_end_attach, slot_hint, slot_leave, slot_read, slot_recheck, slot_state, SlotWord,
-    SLOT_ATTACHED, SLOT_ATTACHING, SLOT_DROPPED, SLOT_LEFT,
+    SLOT_ATTACHED, SLOT_ATTACHING, SLOT_DROPPED, SLOT_LEFT, SlotWord, slot_attached_word,
+    slot_begin_attach_reusing_dropped, slot_drop, slot_dropped_word, slot_end_attach, slot_hint,
+    slot_leave, slot_read, slot_recheck, slot_state,
 };
 use shmq_protocol::word::{FieldU32, FieldU64, StatU64};
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::error::HandleRefusal;
 use super::index::StoreRole;
 use super::object::{
-    check_object, read_object, read_object_viewed, CountRead, ObjectFrame, ObjectViews,
+    CountRead, ObjectFrame, ObjectViews, check_object, read_object, read_object_viewed,
 };
 use super::store_segment::StoreSegment;
 use crate::error::Result;

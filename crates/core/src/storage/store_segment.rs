@@ -21,7 +21,7 @@ use shmq_protocol::read_count::{CountingWindow, PinHint, ReadCount};
 use shmq_protocol::seqlock;
 use shmq_protocol::seqlock::SeqWord;
 use shmq_protocol::sync::local::{AtomicU64 as LocalU64, Ordering};
-use shmq_protocol::word::{FieldU32, FieldU64, FieldU8, PublishedU64, StatU64};
+use shmq_protocol::word::{FieldU8, FieldU32, FieldU64, PublishedU64, StatU64};
 
 /// "SHMQSTO3" little-endian: marks a finished object-store segment.
 pub const STORE_MAGIC: u64 = u64::from_le_bytes(*b"SHMQSTO3");

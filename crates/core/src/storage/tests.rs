@@ -2,7 +2,7 @@
 
 use super::index::LOAN_ALIGN;
 use super::object::{count_one_read, object_layout};
-use super::store_segment::{count_word_at, COUNT_WORD_BYTES, INVALID_ID};
+use super::store_segment::{COUNT_WORD_BYTES, INVALID_ID, count_word_at};
 use super::*;
 use crate::error::{Error, HandleRefusal, OsError, Result, StoreError};
 use shmq_protocol::alloc::HEADER_BYTES;

@@ -33,7 +33,7 @@ use shmq_os::liveness::Liveness;
 pub use cancel::Canceller;
 pub use handle::Handle;
 pub use options::QueueOptions;
-pub(crate) use reader::{own_array, own_parts, AsyncStep};
+pub(crate) use reader::{AsyncStep, own_array, own_parts};
 pub use reader::{ChunkEnd, ChunkRead, ChunkView, OwnedPart, Part, Reader, Received};
 pub use writer::{Message, TryEnqueueError, Writer};
 

@@ -18,7 +18,7 @@ use super::super::array::{Array, ArrayMeta};
 use super::super::framing::{self, Format, PartRef};
 use super::super::ring::{ChunkKind, Ring, RingReader};
 use super::super::wait_any::ReadyTarget;
-use super::{chunk_changed, Canceller, Handle};
+use super::{Canceller, Handle, chunk_changed};
 use crate::arena::{ArenaReader, ArenaView};
 use crate::error::{
     DequeueError, Error, FinishReadError, OpenError, QueueError, Result, TryDequeueError,

@@ -18,15 +18,15 @@ use std::time::Duration;
 
 use super::super::array::ArrayRef;
 use super::super::framing::{self, Format, PartRef};
-use super::super::ring::{ChunkKind, PartCounter, Ring, RingWriter, MAX_READERS};
-use super::{dead_local_reader, reader_is_dead, Canceller, Handle, QueueOptions};
+use super::super::ring::{ChunkKind, MAX_READERS, PartCounter, Ring, RingWriter};
+use super::{Canceller, Handle, QueueOptions, dead_local_reader, reader_is_dead};
 use crate::arena::{self, ArenaRef, ArenaWriter, LazyArenaWriter, Loan};
 use crate::error::{
     CreateError, EnqueueError, Error, OsError, QueueError, Result, WriteChunkError,
 };
 use crate::names::{self, NameClaim};
 use crate::remote::{self, RemoteWriter};
-use crate::transport::{default_connect_ip, Publisher};
+use crate::transport::{Publisher, default_connect_ip};
 use crate::wait::{Wait, WaitHistory, WaitPolicy, WaitSpec};
 use shmq_os::fork::{self, LeakInChild};
 

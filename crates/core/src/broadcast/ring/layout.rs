@@ -4,7 +4,7 @@
 //! (see the layout in [`super`]); it uses nothing but the doorbell's words and the error
 //! type.
 
-use shmq_protocol::word::{FieldU32, FieldU64, FieldU8, PublishedU64, StatU64};
+use shmq_protocol::word::{FieldU8, FieldU32, FieldU64, PublishedU64, StatU64};
 
 use crate::error::{Error, Result};
 use shmq_os::segment::round_up;

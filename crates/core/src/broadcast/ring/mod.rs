@@ -47,13 +47,13 @@ use crate::error::{Error, Result};
 use crate::wait::RingPeers;
 use shmq_os::liveness::{Liveness, LockProbe};
 use shmq_os::process::ProcessId;
-use shmq_os::segment::{name_trouble, with_unique_name, HeaderCheck, Segment};
+use shmq_os::segment::{HeaderCheck, Segment, name_trouble, with_unique_name};
 use shmq_protocol::doorbell::DoorbellWords;
 use shmq_protocol::ring::{self as protocol, ChunkFlag, ChunkFlags};
 use shmq_protocol::word::{FieldU32, FieldU64};
 
 use layout::*;
-pub use layout::{ChunkKind, RingHandle, LABEL_BYTES, LAYOUT_VERSION, MAX_READERS, RING_MAGIC};
+pub use layout::{ChunkKind, LABEL_BYTES, LAYOUT_VERSION, MAX_READERS, RING_MAGIC, RingHandle};
 
 /// Whether `label` can name a queue: 1 to `LABEL_BYTES - 1` bytes of UTF-8, with none
 /// of the characters [`name_trouble`] refuses (control, bidirectional-text and
@@ -210,8 +210,7 @@ impl Ring {
             min_len: SLOTS_OFFSET,
             magic: RING_MAGIC,
             version: LAYOUT_VERSION,
-            not_this_kind:
-                "it is not a shmq broadcast ring (or its creator has not finished setting it up)",
+            not_this_kind: "it is not a shmq broadcast ring (or its creator has not finished setting it up)",
         };
         // SAFETY: the mapping is page-aligned and at least SLOTS_OFFSET bytes long, which
         // covers the header; RingHeader is repr(C) plain integers and an atomic (any bit

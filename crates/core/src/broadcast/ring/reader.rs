@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
-use super::layout::ChunkKind;
 use super::Ring;
+use super::layout::ChunkKind;
 use crate::error::{Error, QueueError, Result};
 use crate::wait::Wait;
 use shmq_os::liveness::{Liveness, RoleLock};

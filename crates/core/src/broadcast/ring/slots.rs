@@ -12,8 +12,8 @@
 //! queue down) while it still holds its lock, so the writer, which finds the lock free a
 //! moment later, tells a reader that left from one that died (see [`SlotInfo::left`]).
 
-use super::layout::{SLOTS_OFFSET, SLOT_SIZE};
 use super::Ring;
+use super::layout::{SLOT_SIZE, SLOTS_OFFSET};
 use crate::error::{Error, Result};
 use crate::wait::Wait;
 use shmq_os::liveness::{Liveness, RoleLock};

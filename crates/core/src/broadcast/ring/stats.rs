@@ -4,10 +4,10 @@
 //! statistics and the writer's counters (`layout::RingShared`), which their one writer
 //! stores with Relaxed ordering; a report can be a moment stale, never wrong for long.
 
-use super::layout::RingShared;
 use super::Ring;
+use super::layout::RingShared;
 use shmq_os::liveness::Liveness;
-use shmq_os::process::{coarse_now_ns, ProcessId};
+use shmq_os::process::{ProcessId, coarse_now_ns};
 use shmq_protocol::word::StatU64;
 
 /// One side of a ring (the writer, or one reader), as its slot says.

@@ -17,12 +17,12 @@
 //! handed out for filling ([`RingWriter::data_mut`]) is only the reserved part, and a
 //! commit longer than it is refused, so nothing unreserved is ever published.
 
-use shmq_protocol::sync::local::AtomicU8;
 use shmq_protocol::sync::Ordering;
+use shmq_protocol::sync::local::AtomicU8;
 use std::sync::Arc;
 
-use super::layout::ChunkKind;
 use super::Ring;
+use super::layout::ChunkKind;
 use crate::error::{Error, OsError, QueueError, Result};
 use crate::wait::Wait;
 use shmq_os::liveness::{Liveness, RoleLock};

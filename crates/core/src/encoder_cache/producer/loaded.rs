@@ -4,11 +4,11 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::{lock, Inner, LoadState, State};
+use super::{Inner, LoadState, State, lock};
 use crate::encoder_cache::entries::{self, READY};
 use crate::encoder_cache::slots;
 use crate::error::{CacheError, Error};
-use shmq_os::segment::{shm_statvfs, SHM_DIR};
+use shmq_os::segment::{SHM_DIR, shm_statvfs};
 
 impl Inner {
     pub(super) fn is_ready(&self, e: usize) -> bool {

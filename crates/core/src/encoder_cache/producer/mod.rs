@@ -25,12 +25,12 @@ use crate::error::{CacheError, Error, OsError, Result};
 use crate::wait::{Wait, WaitPolicy, WaitSpec};
 use shmq_os::private_map::page_size;
 use shmq_os::process::ProcessId;
-use shmq_os::segment::{with_unique_name, Segment};
+use shmq_os::segment::{Segment, with_unique_name};
 use shmq_os::segment_file;
 
 use super::backing::Backing;
 use super::entries::PartsLayout;
-use super::layout::{segment_name, Geometry, Mapped, SEGMENT_PREFIX, STATE_CLOSED};
+use super::layout::{Geometry, Mapped, SEGMENT_PREFIX, STATE_CLOSED, segment_name};
 use super::slots::{self, ConsumerInfo, StuckClaims};
 use shmq_os::range_alloc::RangeAllocator;
 use shmq_protocol::key_index::{IndexWriter, Key};

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{lock, Inner, State};
+use super::{Inner, State, lock};
 use crate::encoder_cache::entries::{self, PartsLayout, WRITING};
 use crate::error::{Error, Result};
 use shmq_protocol::key_index::Key;

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{lock, Inner, State};
+use super::{Inner, State, lock};
 use crate::encoder_cache::slots;
 use crate::error::{Error, OsError, Result};
 use shmq_os::segment::{shm_statvfs, warn_shm_too_small};

@@ -35,7 +35,7 @@ impl RemoteWriter {
                         return Err(Error::Transport {
                             context: "receiving from a remote reader".into(),
                             source: e,
-                        })
+                        });
                     }
                 };
                 let more = m.get_more();

@@ -5,11 +5,11 @@ mod handshake;
 
 use std::time::{Duration, Instant};
 
-use super::guard::{peer_of, spawn_guard, Guard};
+use super::guard::{Guard, peer_of, spawn_guard};
 use super::wire::*;
 use super::{
-    random16, set_heartbeats, socket, LostReaderPolicy, RemoteError, RemoteOptions,
-    SlowReaderPolicy, HANDSHAKE_IVL_MS, SECRET_BYTES,
+    HANDSHAKE_IVL_MS, LostReaderPolicy, RemoteError, RemoteOptions, SECRET_BYTES, SlowReaderPolicy,
+    random16, set_heartbeats, socket,
 };
 use crate::auth::{mac, message_mac};
 use crate::error::{Error, Result};
@@ -427,7 +427,7 @@ impl RemoteWriter {
                                 self.peers[k].rank
                             ),
                             source: e,
-                        })
+                        });
                     }
                 }
             }
