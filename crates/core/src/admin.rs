@@ -5,6 +5,27 @@
 //! name, and records its creator (pid and start time) in its header. A segment whose creator is gone was left by a
 //! crash (a clean exit removes it) and can be removed; readers that still map it keep
 //! their mapping.
+//!
+//! # Examples
+//!
+//! ```
+//! use shmq_core::admin::{self, Metrics, SegmentKind};
+//! use shmq_core::liveness::Liveness;
+//! use shmq_core::{QueueOptions, Writer};
+//!
+//! let writer = Writer::new(QueueOptions::local(1))?;
+//! let ring = writer.ring().expect("local readers: a ring").name().to_owned();
+//! let found = admin::list_segments()?;
+//! let mine = found.iter().find(|s| s.name == ring).expect("listed");
+//! assert_eq!(mine.kind, SegmentKind::Ring);
+//! assert_eq!(admin::describe_liveness(mine.creator_liveness), "alive");
+//! assert!(admin::describe(&ring)?.contains("broadcast ring"));
+//! assert!(matches!(admin::metrics(&ring)?, Metrics::Ring { n_reader: 1, .. }));
+//! // Only segments whose creator is proved dead would go (this one's is alive).
+//! let orphans = admin::remove_orphans(true, false)?; // dry run: listed, not removed
+//! assert!(orphans.iter().all(|s| s.creator_liveness == Liveness::Dead));
+//! # Ok::<(), shmq_core::Error>(())
+//! ```
 
 use std::fmt::Write as _;
 
@@ -40,6 +61,9 @@ pub enum SegmentKind {
 }
 
 impl SegmentKind {
+    /// # Examples
+    ///
+    /// See [the module's example](crate::admin).
     pub fn as_str(&self) -> &'static str {
         match self {
             SegmentKind::Ring => "broadcast ring",
@@ -124,6 +148,10 @@ fn report(name: &str, size: u64, own: bool) -> SegmentReport {
 /// # Errors
 ///
 /// [`Error::Os`] when `/dev/shm` cannot be listed.
+///
+/// # Examples
+///
+/// See [the module's example](crate::admin).
 pub fn list_segments() -> Result<Vec<SegmentReport>> {
     use std::os::unix::fs::MetadataExt;
     let dir = std::fs::read_dir(SHM_DIR).map_err(|e| Error::os(format!("listing {SHM_DIR}"), e))?;
@@ -162,6 +190,10 @@ pub fn list_segments() -> Result<Vec<SegmentReport>> {
 ///
 /// As [`list_segments`]; [`Error::Os`] when an orphan's file cannot be removed (no
 /// permission, another user's).
+///
+/// # Examples
+///
+/// See [the module's example](crate::admin).
 pub fn remove_orphans(dry_run: bool, force: bool) -> Result<Vec<SegmentReport>> {
     let orphans: Vec<SegmentReport> = list_segments()?
         .into_iter()
@@ -192,6 +224,10 @@ pub fn remove_orphans(dry_run: bool, force: bool) -> Result<Vec<SegmentReport>> 
 /// Remove the socket directories of segment `segment` (`<segment>.sock`, and
 /// `<segment>.<16 hex digits>.sock` where that name was taken: see
 /// [`socket_dir_segment`]), as its creator is gone.
+///
+/// # Examples
+///
+/// See [the module's example](crate::admin).
 pub fn remove_socket_dirs_of(segment: &str) {
     let _ = std::fs::remove_dir_all(format!("{SHM_DIR}/{segment}{SOCKET_DIR_SUFFIX}"));
     let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
@@ -238,6 +274,10 @@ fn describe_process(p: Option<ProcessId>, liveness: Liveness) -> String {
 }
 
 /// How a liveness reads in reports.
+///
+/// # Examples
+///
+/// See [the module's example](crate::admin).
 pub fn describe_liveness(l: Liveness) -> &'static str {
     match l {
         Liveness::Alive => "alive",
@@ -252,6 +292,10 @@ pub fn describe_liveness(l: Liveness) -> &'static str {
 ///
 /// [`Error::Os`] when `name` cannot be opened as any shmq segment (gone, not this user's,
 /// not shmq's), or its slots cannot be read.
+///
+/// # Examples
+///
+/// See [the module's example](crate::admin).
 pub fn describe(name: &str) -> Result<String> {
     let mut out = String::new();
     if let Ok(ring) = Ring::open(name) {
@@ -415,6 +459,10 @@ pub enum Metrics {
 ///
 /// [`Error::Os`] when `name` cannot be opened as a queue's ring, a store, an arena or an
 /// encoder cache (gone, not this user's, not shmq's).
+///
+/// # Examples
+///
+/// See [the module's example](crate::admin).
 pub fn metrics(name: &str) -> Result<Metrics> {
     if let Ok(ring) = Ring::open(name) {
         return Ok(Metrics::Ring {

@@ -54,6 +54,9 @@ pub struct RelayStopper {
 }
 
 impl RelayStopper {
+    /// # Examples
+    ///
+    /// See [`Relay`'s example](Relay).
     pub fn stop(&self) {
         self.upstream.cancel();
         // The local readers learn it from the ring, with no lock on the writer needed.
@@ -61,6 +64,9 @@ impl RelayStopper {
         self.local.cancel();
     }
 
+    /// # Examples
+    ///
+    /// See [`Relay`'s example](Relay).
     pub fn is_stopped(&self) -> bool {
         self.upstream.is_cancelled() || self.local.is_cancelled()
     }
@@ -68,6 +74,45 @@ impl RelayStopper {
 
 /// A remote reader of one queue that writes every message, whole, into a queue of its
 /// own for the readers on its machine (see the module docs).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use shmq_core::relay::{Relay, RelayEnd};
+/// use shmq_core::{QueueOptions, Reader, Writer};
+///
+/// let t = Duration::from_secs(10);
+/// // The upstream queue: its one reader, rank 0, is remote (on another node in real use).
+/// let mut up = QueueOptions::local(1);
+/// up.n_local_reader = 0;
+/// up.connect_ip = Some("127.0.0.1".into());
+/// let mut upstream = Writer::new(up)?;
+/// // The relay reads rank 0 and writes a queue of its own for one local reader.
+/// let mut relay = Relay::new(upstream.handle(), 0, QueueOptions::local(1))?;
+/// assert_eq!(relay.rank(), 0);
+/// let mut reader = Reader::open(relay.local().handle(), 0)?;
+/// std::thread::scope(|s| {
+///     let sender = s.spawn(|| -> shmq_core::Result<()> {
+///         upstream.wait_until_ready(t)?;
+///         upstream.enqueue(b"step 1", t)?;
+///         upstream.close(); // the relay passes the end on after the message
+///         Ok(())
+///     });
+///     let local = s.spawn(|| -> shmq_core::Result<Vec<u8>> {
+///         reader.wait_until_ready(t)?;
+///         Ok(reader.dequeue(t)?)
+///     });
+///     relay.wait_until_ready(Some(t), None)?;
+///     assert!(matches!(relay.run(None)?, RelayEnd::UpstreamShutDown));
+///     sender.join().expect("no panic")?;
+///     assert_eq!(local.join().expect("no panic")?, b"step 1");
+///     assert_eq!(relay.forwarded(), (1, 6));
+///     Ok::<(), shmq_core::Error>(())
+/// })?;
+/// relay.close();
+/// # Ok::<(), shmq_core::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Relay {
     upstream: Reader,
@@ -90,6 +135,10 @@ impl Relay {
     /// or out of range, or `local` options out of range; else as
     /// [`Reader::open`](crate::Reader::open) (upstream) and
     /// [`Writer::new`](crate::Writer::new) (the local queue).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn new(upstream: &Handle, rank: usize, local: QueueOptions) -> Result<Relay> {
         if upstream.local_reader_ranks.contains(&rank) {
             return Err(Error::InvalidArgument(format!(
@@ -120,25 +169,44 @@ impl Relay {
     }
 
     /// The handle of the relay's own queue, for its readers.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn handle(&self) -> &Handle {
         self.local.handle()
     }
 
     /// The rank the relay reads as, upstream.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn rank(&self) -> usize {
         self.upstream.rank()
     }
 
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn stopper(&self) -> RelayStopper {
         self.stopper.clone()
     }
 
     /// Messages passed on so far, and their bytes (all parts).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn forwarded(&self) -> (u64, u64) {
         (self.forwarded, self.forwarded_bytes)
     }
 
     /// The relay's own queue (its ring, its arena, its metrics).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn local(&self) -> &Writer {
         &self.local
     }
@@ -154,6 +222,10 @@ impl Relay {
     /// [`Error::Timeout`] when `timeout` passes first (naming who was waited for),
     /// [`QueueError::DeadWriter`] or a remote stream refused upstream,
     /// [`QueueError::DeadReader`] for a local reader that died first; `hook`'s error.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn wait_until_ready(
         &mut self,
         timeout: Option<Duration>,
@@ -187,6 +259,10 @@ impl Relay {
     /// its stream was refused ([`RemoteError`](crate::error::RemoteError)), a local reader
     /// died, `/dev/shm` full; `hook`'s error (other than [`Error::Cancelled`], which ends
     /// the run as [`RelayEnd::Stopped`]).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn run(
         &mut self,
         mut hook: Option<&mut (dyn FnMut() -> Result<()> + Send)>,
@@ -233,6 +309,10 @@ impl Relay {
 
     /// Shut the relay's queue down (its readers get [`QueueError::WriterShutDown`] after the
     /// messages passed on before) and leave the upstream stream.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Relay).
     pub fn close(&mut self) {
         self.stopper.stop();
         self.local.close();

@@ -37,6 +37,10 @@ impl ArenaReader {
     /// [`Error::Os`] when segment `name` cannot be opened (gone, not this user's) or is not
     /// a shmq tensor arena of this layout version; [`Error::InvalidArgument`] when `reader`
     /// is not below its reader count.
+    ///
+    /// # Examples
+    ///
+    /// See [`ArenaWriter`'s example](super::ArenaWriter).
     pub fn open(name: &str, reader: usize) -> Result<ArenaReader> {
         let segment = Segment::open(name)?;
         let check = HeaderCheck {
@@ -78,6 +82,9 @@ impl ArenaReader {
         })
     }
 
+    /// # Examples
+    ///
+    /// See [`ArenaWriter`'s example](super::ArenaWriter).
     pub fn name(&self) -> &str {
         self.map.segment.name()
     }
@@ -89,6 +96,10 @@ impl ArenaReader {
     ///
     /// [`Error::Os`] with [`OsError::BadSegment`] once the arena's file is shorter than
     /// when opened, or a mapping of it here was hit by a truncation.
+    ///
+    /// # Examples
+    ///
+    /// See [`ArenaWriter`'s example](super::ArenaWriter).
     pub fn check_intact(&self) -> Result<()> {
         self.map.segment.check_intact()?;
         Ok(self.file.check_intact()?)
@@ -103,6 +114,10 @@ impl ArenaReader {
     ///
     /// [`Error::Os`] with [`OsError::BadSegment`] once a mapping of the arena here was hit
     /// by a truncation.
+    ///
+    /// # Examples
+    ///
+    /// See [`ArenaWriter`'s example](super::ArenaWriter).
     pub fn check_faults(&self) -> Result<()> {
         self.map.segment.check_intact()?;
         Ok(self.file.check_faults()?)
@@ -133,6 +148,10 @@ impl ArenaReader {
     }
 
     /// Drop one hold on `r`'s lease without mapping it (a message taken but not used).
+    ///
+    /// # Examples
+    ///
+    /// See [`ArenaWriter`'s example](super::ArenaWriter).
     pub fn release(&self, r: &ArenaRef) {
         if let Ok(lease) = self.check(r) {
             release_hold(&self.map, lease, self.reader);
@@ -146,6 +165,10 @@ impl ArenaReader {
     /// [`Error::Os`] with [`OsError::BadSegment`] when `r` names no lease of this arena (a
     /// corrupt reference: out of range, freed, another reader's) or the arena was
     /// truncated; [`Error::Os`] when the mapping cannot be made.
+    ///
+    /// # Examples
+    ///
+    /// See [`ArenaWriter`'s example](super::ArenaWriter).
     pub fn view(self: &Arc<Self>, r: &ArenaRef) -> Result<ArenaView> {
         // Before the lease table is read: a truncated arena is an error, not a SIGBUS.
         self.check_intact()?;
@@ -205,6 +228,10 @@ impl ArenaView {
     ///
     /// [`Error::Os`] when the arena cannot be mapped shared (no address space left), or was
     /// truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [`ArenaWriter`'s example](super::ArenaWriter).
     pub fn shared(&self) -> Result<(Arc<SharedView>, usize)> {
         Ok((self.arena.file.shared()?, self.map.file_offset() as usize))
     }
@@ -240,6 +267,10 @@ pub struct ArenaInfo {
 /// # Errors
 ///
 /// As [`ArenaReader::open`]: `name` cannot be opened or is not a tensor arena.
+///
+/// # Examples
+///
+/// See [`ArenaWriter`'s example](super::ArenaWriter) for an arena, and [`admin`](crate::admin)'s for `describe`.
 pub fn describe(name: &str) -> Result<ArenaInfo> {
     let a = ArenaReader::open(name, 0)?;
     let h = a.map.header();

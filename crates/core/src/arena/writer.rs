@@ -25,6 +25,40 @@ struct Outstanding {
 }
 
 /// The writer's side of an arena: it allocates leases and fills them.
+///
+/// # Examples
+///
+/// A queue's writer makes its arena itself ([`Writer::loan`](crate::Writer::loan) lends
+/// from it, and its readers get [`ArenaView`](crate::ArenaView)s); on its own, an arena
+/// works so:
+///
+/// ```
+/// use std::sync::Arc;
+/// use shmq_core::arena::{ArenaReader, ArenaWriter};
+///
+/// let no_dead_reader = &mut |_reader: usize| false;
+/// let mut writer = ArenaWriter::create(1, 1 << 20, 8)?; // 1 reader, 1 MiB, 8 leases
+/// let reader = Arc::new(ArenaReader::open(writer.name(), 0)?);
+/// assert_eq!((writer.n_reader(), writer.capacity()), (1, 1 << 20));
+///
+/// // A loan: filled in place, then sent by reference (the reader holds it).
+/// let mut loan = writer.loan(10_000, no_dead_reader).expect("room");
+/// loan.fill(3);
+/// let sent = writer.find_loan(&loan[100..5000]).expect("bytes of a live loan");
+/// writer.publish(&sent, 0..1); // before the message that carries `sent` is seen
+/// let view = reader.view(&sent)?; // a private mapping: writes stay in it
+/// assert!(view.iter().all(|&b| b == 3));
+///
+/// // A copy: for bytes that are not a loan's.
+/// let copied = writer.copy_in(b"copied in", no_dead_reader).expect("room");
+/// writer.publish(&copied, 0..1);
+/// assert_eq!(&reader.view(&copied)?[..], b"copied in");
+///
+/// drop((loan, view));
+/// writer.reclaim(); // leases no one holds any more come back
+/// writer.check_intact()?;
+/// # Ok::<(), shmq_core::Error>(())
+/// ```
 pub struct ArenaWriter {
     map: Arc<Mapped>,
     /// Free ranges of the data region.
@@ -68,6 +102,10 @@ impl ArenaWriter {
     /// # Errors
     ///
     /// As [`create_named`](Self::create_named), a name taken 16 times in a row included.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn create(n_reader: usize, capacity: usize, max_leases: usize) -> Result<ArenaWriter> {
         with_unique_name("arena", |name| {
             Self::create_named(name, "", n_reader, capacity, max_leases)
@@ -82,6 +120,10 @@ impl ArenaWriter {
     /// [`Error::InvalidArgument`] for a capacity or lease count out of range; [`Error::Os`]
     /// when the segment cannot be made (the name taken, no room in `/dev/shm` for the
     /// header and lease table).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn create_named(
         name: &str,
         queue: &str,
@@ -150,25 +192,47 @@ impl ArenaWriter {
         })
     }
 
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn name(&self) -> &str {
         self.map.segment.name()
     }
     /// Bytes of the data region.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn capacity(&self) -> usize {
         self.map.geo.capacity
     }
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn n_reader(&self) -> usize {
         self.map.geo.n_reader
     }
     /// Parts sent the ordinary way because no lease was free (or `/dev/shm` was full).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn fallbacks(&self) -> u64 {
         self.fallbacks
     }
     /// Leases handed out and not yet returned.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn outstanding(&self) -> usize {
         self.outstanding.len()
     }
     /// Bytes of the data region reserved in `/dev/shm` so far.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn reserved(&self) -> usize {
         self.reserved
     }
@@ -179,6 +243,10 @@ impl ArenaWriter {
     /// # Errors
     ///
     /// [`Error::Os`] with [`OsError::BadSegment`] once a peer truncated the arena.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn check_intact(&self) -> Result<()> {
         Ok(self.map.segment.check_intact()?)
     }
@@ -189,12 +257,20 @@ impl ArenaWriter {
     ///
     /// [`Error::Os`] when the file cannot be removed for another reason than being gone
     /// already.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn unlink(&self) -> Result<()> {
         Ok(self.map.segment.unlink()?)
     }
 
     /// Whether some reader holds a part still (a message it has not read yet, or a view
     /// of one it keeps).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn has_reader_holds(&self) -> bool {
         let n = self.map.geo.n_reader;
         self.outstanding.iter().any(|o| {
@@ -207,11 +283,19 @@ impl ArenaWriter {
     /// once no process holds a lock on ring `ring`'s file (the queue's readers hold their
     /// role locks there until they leave or die): see `Segment::hand_removal_to_janitor`.
     /// False where that cannot be done (the name is then removed as before).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn hand_removal_to_janitor(&self, ring: &str) -> bool {
         self.map.segment.hand_removal_to_janitor(ring)
     }
 
     /// Count one fallback (a part sent the ordinary way), for the statistics.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn count_fallback(&mut self) {
         self.fallbacks += 1;
         // Relaxed: a statistic for inspection.
@@ -230,6 +314,10 @@ impl ArenaWriter {
 
     /// Give back every outstanding lease whose holds are all gone (done before every
     /// allocation; call it to see the current count in [`outstanding`](Self::outstanding)).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn reclaim(&mut self) {
         let mut k = 0;
         while k < self.outstanding.len() {
@@ -254,6 +342,10 @@ impl ArenaWriter {
     /// readers that hold something now), then [`reclaim`](Self::reclaim). The writer
     /// does this by itself when room runs short and at most once every
     /// [`DEAD_CHECK_EVERY`] when it places a part; call it to do it now.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn reclaim_dead(&mut self, reader_is_dead: &mut dyn FnMut(usize) -> bool) {
         self.last_dead_check = Some(std::time::Instant::now());
         let n = self.map.geo.n_reader;
@@ -296,6 +388,10 @@ impl ArenaWriter {
     ///
     /// [`Error::Os`] with [`OsError::NoSpace`] when `/dev/shm` has no room for the pages,
     /// or when they cannot be mapped.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn reserve(&mut self, bytes: usize) -> Result<usize> {
         let end = round_up(bytes, self.map.geo.page_size)
             .unwrap_or(usize::MAX)
@@ -422,6 +518,10 @@ impl ArenaWriter {
     /// Copy `bytes` into a new lease and return the reference to publish (after
     /// [`publish`](Self::publish)), or `None` if there is no room (counted as a
     /// fallback).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn copy_in(
         &mut self,
         bytes: &[u8],
@@ -453,6 +553,10 @@ impl ArenaWriter {
 
     /// Lend `len` bytes of the arena to fill in place; send them by passing (a part of)
     /// the loan's bytes to the queue. `None` if there is no room.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn loan(
         &mut self,
         len: usize,
@@ -486,6 +590,10 @@ impl ArenaWriter {
 
     /// If `bytes` lie inside a live loan of this arena, the reference that sends them
     /// without a copy.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn find_loan(&self, bytes: &[u8]) -> Option<ArenaRef> {
         let start = bytes.as_ptr() as usize;
         let (_, (end, lease, pages)) = self.loans.range(..=start).next_back()?;
@@ -504,6 +612,10 @@ impl ArenaWriter {
     /// sealed yet: call it before `r` goes into a message. `false` if its pages could not
     /// be sealed (see `LoanPages::seal` in `segment`): they are still shared with the readers, so
     /// the part must be copied, not referenced. `true` for a part that is no loan's.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn seal_loan(&self, r: &ArenaRef) -> bool {
         if !self.is_loan[r.lease as usize] {
             return true;
@@ -518,6 +630,10 @@ impl ArenaWriter {
     /// writer's own hold of a copied part (a loan keeps its hold until the `Loan` goes,
     /// and is sealed: see [`Loan`]). Call it before the message that carries `r` becomes
     /// visible to readers.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn publish(&self, r: &ArenaRef, readers: impl Iterator<Item = usize>) {
         self.seal_loan(r);
         self.map.lease(r.lease as usize).add_holds(readers);
@@ -526,6 +642,10 @@ impl ArenaWriter {
 
     /// Drop the writer's hold of a copied part whose message will not be sent after all
     /// (loans keep theirs).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ArenaWriter).
     pub fn abandon(&self, r: &ArenaRef) {
         if !self.is_loan[r.lease as usize] {
             self.map.lease(r.lease as usize).drop_writer_hold();

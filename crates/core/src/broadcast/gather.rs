@@ -111,6 +111,31 @@ enum Round<R> {
 
 /// Ends a [`Gather`]'s receives from any thread (see [`cancel`](Self::cancel)). Cheap
 /// to clone; needs no lock on the Gather.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use shmq_core::broadcast::{Gather, GatherRecvError};
+/// use shmq_core::{QueueOptions, Reader, Writer};
+///
+/// let mut writer = Writer::new(QueueOptions::local(1))?;
+/// let reader = Reader::open(writer.handle(), 0)?;
+/// let mut gather = Gather::new([("worker 0", reader)])?;
+/// assert_eq!((gather.len(), gather.name(0), gather.live()), (1, "worker 0", &[0][..]));
+/// let canceller = gather.canceller(); // to a worker monitor, say
+/// std::thread::scope(|s| {
+///     s.spawn(|| {
+///         std::thread::sleep(Duration::from_millis(20));
+///         canceller.cancel(); // wakes the receive blocked below
+///     });
+///     assert!(matches!(gather.recv(), Err(GatherRecvError::Cancelled)));
+/// });
+/// assert!(canceller.is_cancelled());
+/// gather.close(); // its reader leaves the queue; the writer goes on without it
+/// writer.close();
+/// # Ok::<(), shmq_core::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct GatherCanceller {
     shut: Arc<AtomicBool>,
@@ -124,6 +149,10 @@ impl GatherCanceller {
     /// [`Reader::shutdown`]; every later receive fails so too. Safe from any thread and
     /// more than once. The writers are not told: each queue is cancelled on this side
     /// only.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](GatherCanceller).
     pub fn cancel(&self) {
         // Relaxed: a receive reads the wake word (Acquire) before it looks at this flag;
         // the Release bump in `wake` below orders this store before it, and a receive
@@ -139,6 +168,10 @@ impl GatherCanceller {
     }
 
     /// Whether [`cancel`](Self::cancel) was called.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](GatherCanceller).
     pub fn is_cancelled(&self) -> bool {
         // Relaxed: as in `cancel`.
         self.shut.load(Ordering::Relaxed)
@@ -243,36 +276,64 @@ impl Gather {
     }
 
     /// How many writers the Gather was made with.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn len(&self) -> usize {
         self.sources.len()
     }
 
     /// Always false: a Gather has at least one writer.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn is_empty(&self) -> bool {
         self.sources.is_empty()
     }
 
     /// Writer `writer`'s name. Panics if there is no such writer.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn name(&self, writer: usize) -> &str {
         &self.sources[writer].name
     }
 
     /// Writer `writer`'s queue (its reader). Panics if there is no such writer.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn reader(&self, writer: usize) -> &Reader {
         &self.sources[writer].reader
     }
 
     /// The writers still sending, in the order they are served next.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn live(&self) -> &[usize] {
         &self.live
     }
 
     /// The writers that ended their queue normally, in the order they were found so.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn ended(&self) -> &[usize] {
         &self.ended
     }
 
     /// The writers that died, in the order they were reported.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn died(&self) -> &[usize] {
         &self.died
     }
@@ -300,6 +361,10 @@ impl Gather {
     /// What ends this Gather's receives from another thread (see
     /// [`GatherCanceller::cancel`]): give it to a worker monitor, so that a worker's
     /// failure wakes the wait for results.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn canceller(&self) -> GatherCanceller {
         GatherCanceller {
             shut: Arc::clone(&self.shut),
@@ -310,12 +375,20 @@ impl Gather {
 
     /// [`GatherCanceller::cancel`] from the Gather's own thread: every later receive
     /// fails with [`Error::Cancelled`].
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn shutdown(&self) {
         self.canceller().cancel();
     }
 
     /// Shut the Gather down and let go of its readers: each leaves its queue (its writer
     /// goes on without it, as after a reader's normal end, not a death).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Gather).
     pub fn close(self) {
         self.shutdown();
         drop(self);

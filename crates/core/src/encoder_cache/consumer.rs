@@ -251,17 +251,29 @@ impl std::fmt::Debug for EntryView {
 
 impl EntryView {
     /// How many parts the entry has.
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn n_parts(&self) -> usize {
         self.parts.len()
     }
 
     /// Part `i`'s bytes.
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn part(&self, i: usize) -> &[u8] {
         let (off, len) = self.parts[i];
         &self.map[off..off + len]
     }
 
     /// Part `i`'s bytes, writable (private to this view).
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn part_mut(&mut self, i: usize) -> &mut [u8] {
         let (off, len) = self.parts[i];
         &mut self.map[off..off + len]
@@ -269,6 +281,10 @@ impl EntryView {
 
     /// Where part `i` is (for handing out as a buffer): pointer and length, inside this
     /// view's own mapping, valid while the view lives.
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn part_ptr(&self, i: usize) -> (*mut u8, usize) {
         let (off, len) = self.parts[i];
         // SAFETY: `off + len <= map.len()` (checked by `PartsLayout::read`).
@@ -283,16 +299,27 @@ impl EntryView {
     ///
     /// [`Error::Os`] when the producer's segment cannot be mapped shared (no address space
     /// left), or was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn part_shared(&self, i: usize) -> Result<(Arc<SharedView>, usize)> {
         let (off, _) = self.parts[i];
         Ok((self.file.shared()?, self.map.file_offset() as usize + off))
     }
 
     /// The entry's size in the cache (part table and parts).
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn len(&self) -> usize {
         self.map.len()
     }
 
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
@@ -348,6 +375,10 @@ impl Consumer {
     /// [`Error::InvalidArgument`] for no names, or a name that cannot be a producer's;
     /// [`Error::Os`] when a producer's segment is there but cannot be opened or joined (not
     /// this user's, no consumer slot left).
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn new<S: AsRef<str>>(names: &[S]) -> Result<Consumer> {
         Self::with_role(names, true)
     }
@@ -358,6 +389,10 @@ impl Consumer {
     /// # Errors
     ///
     /// As [`new`](Self::new), no slot taken.
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn index_only<S: AsRef<str>>(names: &[S]) -> Result<Consumer> {
         Self::with_role(names, false)
     }
@@ -418,6 +453,10 @@ impl Consumer {
     }
 
     /// Whether some producer holds `key` now (a key too long to be stored is never held).
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn has(&mut self, key: &str) -> bool {
         let Ok(key) = Key::new(key.as_bytes()) else {
             return false;
@@ -434,6 +473,10 @@ impl Consumer {
     ///
     /// [`Error::WrongRole`] for an index-only consumer; [`Error::Os`] when the entry cannot
     /// be mapped, or its producer's segment was truncated or holds a corrupt part table.
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn load(&mut self, key: &str) -> Result<Option<EntryView>> {
         let Some(Held {
             segment,
@@ -484,6 +527,10 @@ impl Consumer {
     ///
     /// [`Error::WrongRole`] for an index-only consumer; [`Error::Os`] when the producer's
     /// segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn acknowledge(&mut self, key: &str) -> Result<bool> {
         let Some(Held {
             link, member, pin, ..
@@ -555,6 +602,10 @@ impl Consumer {
     }
 
     /// The producer names given, and whether each is open now.
+    ///
+    /// # Examples
+    ///
+    /// See [`Producer`'s example](super::Producer).
     pub fn producers(&mut self) -> Vec<(String, bool)> {
         self.refresh();
         self.producers

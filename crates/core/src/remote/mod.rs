@@ -253,6 +253,39 @@ impl std::str::FromStr for LostReaderPolicy {
 
 /// How the remote stream is bounded (see the module docs: credit), and what the writer
 /// does with a reader that falls behind or that it loses.
+///
+/// # Examples
+///
+/// A queue whose one reader is remote (it reads over TCP, from another machine in real
+/// use), its stream bounded to 100 messages and its loss an error of the writer's:
+///
+/// ```
+/// use std::time::Duration;
+/// use shmq_core::remote::{LostReaderPolicy, SlowReaderPolicy};
+/// use shmq_core::{QueueOptions, Reader, Writer};
+///
+/// let t = Duration::from_secs(10);
+/// let mut opts = QueueOptions::local(1);
+/// opts.n_local_reader = 0; // rank 0 is remote
+/// opts.connect_ip = Some("127.0.0.1".into()); // where the readers connect
+/// opts.remote.hwm = 100;
+/// opts.remote.slow_reader = SlowReaderPolicy::Block; // wait for it, never drop it
+/// opts.remote.on_lost_reader = LostReaderPolicy::Raise;
+/// opts.remote.check()?;
+/// let mut writer = Writer::new(opts)?;
+/// let mut reader = Reader::open(writer.handle(), 0)?; // connects to the writer's port
+/// std::thread::scope(|s| {
+///     s.spawn(|| -> shmq_core::Result<()> {
+///         writer.wait_until_ready(t)?; // the remote reader has said HELLO
+///         writer.enqueue(b"over tcp", t)?;
+///         Ok(())
+///     });
+///     reader.wait_until_ready(t)?;
+///     assert_eq!(reader.dequeue(t)?, b"over tcp");
+///     Ok::<(), shmq_core::Error>(())
+/// })?;
+/// # Ok::<(), shmq_core::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RemoteOptions {
     /// Messages sent to one remote reader and not yet taken by it, at most.
@@ -275,6 +308,10 @@ impl RemoteOptions {
     ///
     /// [`Error::InvalidArgument`] for an `hwm` of 0 messages or a `max_queued_bytes` of 0
     /// bytes.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](RemoteOptions).
     pub fn check(&self) -> Result<()> {
         if self.hwm < 1 {
             return Err(Error::InvalidArgument(format!(

@@ -107,6 +107,10 @@ impl BlockFifo {
     /// [`Error::InvalidArgument`] for a `capacity` of no more than a block header;
     /// [`Error::Os`] when the segment cannot be made (a `name` a live store holds, no room
     /// in `/dev/shm`), or a dead store's segment under `name` cannot be removed.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn create(capacity: u64, name: Option<&str>) -> Result<BlockFifo> {
         let alloc = FifoAllocator::new(capacity).map_err(Error::InvalidArgument)?;
         if let Some(name) = name {
@@ -135,6 +139,10 @@ impl BlockFifo {
     /// [`Error::Os`] when segment `name` cannot be opened (gone, not this user's) or is not
     /// a finished store of this layout version; [`Error::InvalidArgument`] when its
     /// capacity is not `capacity`.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn open(name: &str, capacity: Option<u64>) -> Result<BlockFifo> {
         let segment = StoreSegment::open(name)?;
         if let Some(c) = capacity.filter(|&c| c != segment.capacity()) {
@@ -149,13 +157,23 @@ impl BlockFifo {
         })
     }
 
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn segment(&self) -> &Arc<StoreSegment> {
         &self.segment
     }
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn is_writer(&self) -> bool {
         self.writer.is_some()
     }
     /// The writer's allocator state.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn allocator(&self) -> Option<&FifoAllocator> {
         self.writer.as_ref().map(|w| &w.alloc)
     }
@@ -166,6 +184,10 @@ impl BlockFifo {
     ///
     /// [`Error::InvalidArgument`] for a `data_bytes` of 0; else as
     /// [`allocate_with`](Self::allocate_with).
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn allocate(&mut self, data_bytes: u64) -> Result<Block> {
         if data_bytes == 0 {
             return Err(Error::InvalidArgument("Size must be greater than 0".into()));
@@ -183,6 +205,10 @@ impl BlockFifo {
     /// the block until older ones are freed (or never has, for one that large);
     /// [`Error::Os`] when `/dev/shm` has no room for its pages or the segment was
     /// truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn allocate_with(&mut self, data_bytes_at: impl FnMut(u64) -> u64) -> Result<Block> {
         let (segment, w) = self.writer_parts("allocate buffers")?;
         let mut data_bytes_at = data_bytes_at;
@@ -232,6 +258,10 @@ impl BlockFifo {
     }
 
     /// Ring bytes reserved in `/dev/shm` so far (writer; 0 on readers).
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn reserved(&self) -> u64 {
         self.writer.as_ref().map_or(0, |w| w.reserved)
     }
@@ -244,6 +274,10 @@ impl BlockFifo {
     /// # Errors
     ///
     /// [`Error::WrongRole`] for a reader; [`Error::Os`] when the segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn free_while(
         &mut self,
         nbytes: u64,
@@ -280,6 +314,10 @@ impl BlockFifo {
     /// # Errors
     ///
     /// [`Error::WrongRole`] for a reader; [`Error::Os`] when the segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn oldest(&self) -> Result<Option<Block>> {
         self.segment.check_intact()?;
         let w = self
@@ -296,6 +334,10 @@ impl BlockFifo {
     /// # Errors
     ///
     /// [`Error::WrongRole`] for a reader; [`Error::Os`] when the segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn free_oldest(&mut self, block: &Block) -> Result<FreeOldest> {
         let (segment, w) = self.writer_parts("free buffers")?;
         if w.alloc.oldest() != Some(block) {
@@ -320,6 +362,10 @@ impl BlockFifo {
     /// # Errors
     ///
     /// [`Error::WrongRole`] for a reader; [`Error::Os`] when the segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn clear(&mut self) -> Result<()> {
         let segment = &*self.segment;
         let w = self

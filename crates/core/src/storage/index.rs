@@ -97,6 +97,10 @@ impl Entry {
     ///
     /// [`HandleRefusal::NotCurrent`] when the entry's object is not at `handle` (it was
     /// evicted and `key` put again, or the handle is forged).
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](ObjectStore).
     pub fn check_handle(&self, handle: (u64, u32)) -> Result<(), HandleRefusal> {
         if (self.address, self.id) == handle {
             Ok(())
@@ -122,12 +126,20 @@ pub struct StoreRole {
 impl StoreRole {
     /// Whether a get counts as a read (the `count` of [`read_object`](super::read_object)):
     /// always on a reader; on the writer only when it counts its own reads.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](ObjectStore).
     pub fn counts_reads(self) -> bool {
         !self.is_writer || self.count_writer_reads
     }
 
     /// Whether a get checks the handle's signature first: on a reader, whose handles
     /// come from elsewhere (the writer made its own).
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](ObjectStore).
     pub fn checks_signatures(self) -> bool {
         !self.is_writer
     }
@@ -135,12 +147,20 @@ impl StoreRole {
     /// Whether `touch(key, ...)` keeps the key's object from eviction (the writer that does
     /// not count its reads: until `get_cached(key)` or `release_touches()`) rather than
     /// check the handle it is given.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](ObjectStore).
     pub fn touch_protects(self) -> bool {
         self.is_writer && !self.count_writer_reads
     }
 
     /// Whether `verify_signature` also checks that the handle is its key's current
     /// object: on the writer, which has the index.
+    ///
+    /// # Examples
+    ///
+    /// See [`ObjectStore`'s example](ObjectStore).
     pub fn checks_current_entry(self) -> bool {
         self.is_writer
     }
@@ -148,6 +168,41 @@ impl StoreRole {
 
 /// Key → object index over a [`BlockFifo`] (the spec's `ObjectStorage`, minus serde).
 /// Methods take the ring explicitly so the ring can be shared with its own API.
+///
+/// # Examples
+///
+/// The store's writer puts objects under keys and hands out signed handles; a reader
+/// (any process) opens the ring by name and reads an object by its handle:
+///
+/// ```
+/// use shmq_core::storage::{
+///     BlockFifo, CountRead, ObjectStore, SignedHandle, StoreRole, read_object, read_signed,
+/// };
+///
+/// let mut ring = BlockFifo::create(1 << 16, None)?; // 64 KiB, this process writes
+/// let mut store = ObjectStore::new(4096, 1)?; // objects of at most 4 KiB, one reader
+/// // An object of two parts; parts from index 1 on start on 64-byte boundaries.
+/// let (address, id) = store.put(&mut ring, "prompt-1", &[b"meta", b"data"], 1)?;
+/// assert!(store.is_cached(ring.segment(), "prompt-1")?);
+/// let signature = store.signature(ring.segment(), "prompt-1").expect("held");
+///
+/// // A reader: the handle and its signature come from the writer (over a queue, say).
+/// let reader = BlockFifo::open(ring.segment().name(), None)?;
+/// let role = StoreRole { is_writer: false, count_writer_reads: false };
+/// let handle = SignedHandle::new("prompt-1", address, id, &signature);
+/// let parts = read_signed(reader.segment(), role, handle, CountRead::Anonymous, |o| {
+///     (0..o.len()).map(|i| o.part(i).to_vec()).collect::<Vec<_>>()
+/// })?;
+/// assert_eq!(parts, [b"meta", b"data"]);
+///
+/// // The writer hands the same object out again (each reader reads it once more).
+/// assert_eq!(store.get_cached(ring.segment(), "prompt-1")?, Some((address, id)));
+/// let len = read_object(reader.segment(), address, id, true, |o| o.len())?;
+/// assert_eq!(len, 2);
+/// store.clear(&mut ring)?; // every object forgotten (handles read on until reused)
+/// assert!(!store.is_cached(ring.segment(), "prompt-1")?);
+/// # Ok::<(), shmq_core::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct ObjectStore {
     max_object_size: u64,
@@ -178,6 +233,10 @@ impl ObjectStore {
     ///
     /// [`Error::InvalidArgument`] when `max_object_size` is not larger than the reader
     /// count's bytes.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn new(max_object_size: u64, n_readers: u32) -> Result<ObjectStore> {
         if max_object_size <= COUNT_BYTES as u64 {
             return Err(Error::InvalidArgument(format!(
@@ -198,9 +257,15 @@ impl ObjectStore {
         })
     }
 
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn max_object_size(&self) -> u64 {
         self.max_object_size
     }
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn n_readers(&self) -> u32 {
         self.n_readers
     }
@@ -209,14 +274,25 @@ impl ObjectStore {
     /// reading what holds the room (see `super::readers`): fail naming it
     /// ([`DeadReaderPolicy::Raise`], the default), or go on without it
     /// ([`DeadReaderPolicy::Drop`]).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn set_on_dead_reader(&mut self, policy: DeadReaderPolicy) {
         self.on_dead_reader = policy;
     }
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn on_dead_reader(&self) -> DeadReaderPolicy {
         self.on_dead_reader
     }
 
     /// Reader slots dropped after their readers died.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn dropped_readers(&self) -> Vec<usize> {
         (0..self.dropped.len())
             .filter(|&s| self.is_dropped(s))
@@ -225,6 +301,10 @@ impl ObjectStore {
 
     /// The reader slots of `segment` (this store's ring's) as this writer sees them: who
     /// holds each, whether it lives, what it read (see `super::readers`).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn readers(&self, segment: &StoreSegment) -> Vec<ReaderInfo> {
         (0..self.dropped.len())
             .map(|s| {
@@ -241,12 +321,20 @@ impl ObjectStore {
 
     /// The dead reader that made the last `put` or `loan` fail (with
     /// [`DeadReaderPolicy::Raise`]): that failure's `StoreError::Full` is a reader's death.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn dead_reader(&self) -> Option<&ReaderInfo> {
         self.dead_reader.as_ref()
     }
 
     /// Go on without every reader proved dead (see `super::readers`): from now on no
     /// object waits for its slot. Returns the slots dropped now.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn drop_dead_readers(&mut self, segment: &StoreSegment) -> Vec<usize> {
         self.notice_rejoined(segment);
         let mut now = Vec::new();
@@ -273,6 +361,10 @@ impl ObjectStore {
     /// reads, except those stored before (marked `exempt`: the new reader was not there
     /// when they were handed out). Called before every put, loan, hand-out and free, so
     /// that no object handed out after the writer could see the new reader is exempt.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn notice_rejoined(&mut self, segment: &StoreSegment) {
         for s in 0..self.dropped.len() {
             let Some(word) = self.dropped[s] else {
@@ -327,28 +419,51 @@ impl ObjectStore {
         counted += pool.min(pool_wanted);
         (counted, wanted, !short && pool >= pool_wanted)
     }
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn entry(&self, key: &str) -> Option<&Entry> {
         self.keys.get(key)
     }
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn entries(&self) -> impl Iterator<Item = (&str, &Entry)> + '_ {
         self.keys.iter().map(|(k, e)| (&**k, e))
     }
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn key_of(&self, id: u32) -> Option<&str> {
         self.ids.get(&id).map(|k| &**k)
     }
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn is_touched(&self, id: u32) -> bool {
         self.touched.contains(&id)
     }
     /// Number of stored objects.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn len(&self) -> usize {
         self.keys.len()
     }
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
 
     /// Count one more hand-out of the object with id `id` (vLLM's
     /// `increment_writer_flag`); false if no stored object has that id.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn hand_out(&mut self, segment: &StoreSegment, id: u32) -> bool {
         self.notice_rejoined(segment);
         let Some(e) = self.ids.get(&id).and_then(|k| self.keys.get_mut(k)) else {
@@ -383,6 +498,10 @@ impl ObjectStore {
     ///
     /// [`Error::InvalidArgument`] when `addr..addr + len` does not lie inside the store's
     /// ring in this process.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn is_free_at(
         &self,
         segment: &StoreSegment,
@@ -415,6 +534,10 @@ impl ObjectStore {
     /// [`Error::InvalidArgument`] for an `align_from` past the parts; [`StoreError::Full`]
     /// when the ring has no room even after freeing what every reader has finished with;
     /// [`Error::Os`] when `/dev/shm` has no room or the segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn put(
         &mut self,
         ring: &mut BlockFifo,
@@ -680,6 +803,10 @@ impl ObjectStore {
     /// [`Error::WrongRole`] for a reader; [`Error::InvalidArgument`] for an `nbytes` of 0;
     /// [`StoreError::TooLarge`] or [`StoreError::Full`] as [`put`](Self::put);
     /// [`Error::Os`] when `/dev/shm` has no room or the segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn loan(&mut self, ring: &mut BlockFifo, nbytes: u64) -> Result<StoreLoan> {
         if !ring.is_writer() {
             return Err(Error::WrongRole("Only the writer can loan memory.".into()));
@@ -842,6 +969,10 @@ impl ObjectStore {
     /// # Errors
     ///
     /// [`Error::Os`] when another process truncated the store (its objects lost).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn is_cached(&self, segment: &StoreSegment, key: &str) -> Result<bool> {
         segment.check_length()?;
         Ok(self.keys.contains_key(key))
@@ -854,6 +985,10 @@ impl ObjectStore {
     /// # Errors
     ///
     /// [`Error::Os`] when another process truncated the store (its objects lost).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn get_cached(&mut self, segment: &StoreSegment, key: &str) -> Result<Option<(u64, u32)>> {
         segment.check_length()?;
         self.notice_rejoined(segment);
@@ -867,6 +1002,10 @@ impl ObjectStore {
 
     /// Keep `key`'s object from being evicted until the next `get_cached(key)` or
     /// `release_touches()`; unknown keys are ignored.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn touch(&mut self, key: &str) {
         if let Some(e) = self.keys.get(key) {
             self.touched.insert(e.id);
@@ -874,11 +1013,19 @@ impl ObjectStore {
     }
 
     /// Stop protecting every touched object.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn release_touches(&mut self) {
         self.touched.clear();
     }
 
     /// The signature of `key`'s current handle.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn signature(&self, segment: &StoreSegment, key: &str) -> Option<[u8; SIGNATURE_BYTES]> {
         let e = self.keys.get(key)?;
         Some(segment.sign(key, e.address, e.id))
@@ -891,6 +1038,10 @@ impl ObjectStore {
     ///
     /// [`HandleRefusal::NoKey`] when no key was given; [`HandleRefusal::NoEntry`] when
     /// `key` has no object.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn current(&self, key: Option<&str>) -> Result<&Entry, HandleRefusal> {
         self.keys
             .get(key.ok_or(HandleRefusal::NoKey)?)
@@ -905,6 +1056,10 @@ impl ObjectStore {
     /// [`Error::Store`] with [`StoreError::BadSignature`] when `key` has no object here,
     /// the handle is not its current one ([`HandleRefusal`]), or the signature is not the
     /// store's for it.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn verify_current(
         &self,
         segment: &StoreSegment,
@@ -924,6 +1079,10 @@ impl ObjectStore {
     ///
     /// [`Error::WrongRole`] for a reader's ring; [`Error::Os`] when the segment was
     /// truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn free_unused(&mut self, ring: &mut BlockFifo) -> Result<Freed> {
         let limit = 2 * self.max_object_size;
         self.notice_rejoined(ring.segment());
@@ -944,6 +1103,10 @@ impl ObjectStore {
     ///
     /// [`Error::WrongRole`] for a reader's ring; [`Error::Os`] when the segment was
     /// truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](ObjectStore).
     pub fn clear(&mut self, ring: &mut BlockFifo) -> Result<()> {
         ring.clear()?;
         self.keys.clear();

@@ -120,6 +120,35 @@ pub(crate) struct Inner {
 }
 
 /// A producer: saves entries under keys for its consumers. Cheap to clone (shared).
+///
+/// # Examples
+///
+/// A producer (an encoder) saves entries; a [`Consumer`](super::Consumer) of it (a
+/// model runner, in another process in real use) loads them as private views:
+///
+/// ```
+/// use std::time::Duration;
+/// use shmq_core::encoder_cache::{Consumer, LoadState, Producer, ProducerOptions};
+///
+/// let producer = Producer::create(None, ProducerOptions::default())?;
+/// let mut consumer = Consumer::new(&[producer.name()])?;
+/// let timeout = Some(Duration::from_secs(10));
+/// assert!(producer.save("image-1", &[b"body", &[7u8; 5000]], timeout)?);
+/// assert!(!producer.save("image-1", &[b"again"], timeout)?); // held already
+/// assert!(consumer.has("image-1") && producer.has("image-1"));
+/// assert_eq!(producer.load_state("image-1"), LoadState::Pending);
+///
+/// let entry = consumer.load("image-1")?.expect("held");
+/// assert_eq!((entry.n_parts(), entry.part(0)), (2, &b"body"[..]));
+/// producer.wait_loaded("image-1", timeout)?; // every consumer has it now
+/// assert_eq!(producer.load_state("image-1"), LoadState::Loaded);
+/// assert_eq!(producer.keys(), ["image-1"]);
+///
+/// assert!(producer.evict("image-1")); // the view stays valid while it lives
+/// assert_eq!(entry.part(1).len(), 5000);
+/// producer.close()?;
+/// # Ok::<(), shmq_core::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Producer {
     inner: Arc<Inner>,
@@ -180,6 +209,10 @@ impl Producer {
     /// [`Error::InvalidArgument`] for a bad `name` or options out of range; [`Error::Os`]
     /// when the segment cannot be made (a live producer holds the name, no room in
     /// `/dev/shm`).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn create(name: Option<&str>, options: ProducerOptions) -> Result<Producer> {
         let named = name.map(segment_name).transpose()?;
         let geo = Geometry::new(
@@ -255,19 +288,33 @@ impl Producer {
     }
 
     /// The name consumers open it by.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn name(&self) -> &str {
         &self.inner.name
     }
 
     /// The segment's name in /dev/shm.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn segment_name(&self) -> &str {
         self.inner.map.segment.name()
     }
 
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn capacity(&self) -> usize {
         self.inner.map.geo.capacity
     }
 
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn max_entries(&self) -> usize {
         self.inner.map.geo.max_entries
     }
@@ -297,6 +344,10 @@ impl Producer {
     /// key of 0 or too many bytes, or too many parts; [`CacheError::TooLarge`] for an entry
     /// that can never fit; [`CacheError::Full`] when `wait` ends before the consumers free
     /// enough room; the hook's error, or [`Error::Os`] when the segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn reserve_with(
         &self,
         key: &str,
@@ -376,6 +427,10 @@ impl Producer {
     /// # Errors
     ///
     /// As [`reserve_with`](Self::reserve_with), [`CacheError::Full`] after `timeout`.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn reserve(
         &self,
         key: &str,
@@ -394,6 +449,10 @@ impl Producer {
     ///
     /// As [`reserve`](Self::reserve); [`Error::Os`] when the segment was truncated while
     /// the parts were copied.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn save(&self, key: &str, parts: &[&[u8]], timeout: Option<Duration>) -> Result<bool> {
         let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
         let Some(mut r) = self.reserve(key, &lens, timeout)? else {
@@ -406,6 +465,10 @@ impl Producer {
     }
 
     /// Whether `key` is held and published.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn has(&self, key: &str) -> bool {
         let st = lock(&self.inner.state);
         st.keys
@@ -414,6 +477,10 @@ impl Producer {
     }
 
     /// The keys held and published, oldest first.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn keys(&self) -> Vec<String> {
         let st = lock(&self.inner.state);
         st.order
@@ -425,6 +492,10 @@ impl Producer {
     /// Evict `key` now, whether or not consumers loaded it: it leaves the index at once;
     /// its bytes stay until the last consumer view of them is gone. A save in progress
     /// is dropped instead of published. Whether the key was held.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn evict(&self, key: &str) -> bool {
         let inner = &self.inner;
         let mut st = lock(&inner.state);
@@ -441,6 +512,10 @@ impl Producer {
     }
 
     /// Whether `key` has been loaded by every consumer that must.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn load_state(&self, key: &str) -> LoadState {
         let st = lock(&self.inner.state);
         self.inner.load_state(&st, key)
@@ -456,6 +531,10 @@ impl Producer {
     /// [`CacheError::UnknownKey`] when `key` is not held (never saved, or evicted);
     /// [`Error::Timeout`] when `wait` runs out first; the hook's error, or [`Error::Os`]
     /// when the segment was truncated.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn wait_loaded_with(&self, key: &str, wait: &mut Wait<'_>) -> Result<()> {
         let inner = &self.inner;
         let mut sweep = || {
@@ -494,6 +573,10 @@ impl Producer {
     /// # Errors
     ///
     /// As [`wait_loaded_with`](Self::wait_loaded_with), [`Error::Timeout`] after `timeout`.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn wait_loaded(&self, key: &str, timeout: Option<Duration>) -> Result<()> {
         let what = format!("waiting for the consumers to load key {key:?}");
         let mut wait = self.wait(&what, timeout);
@@ -507,6 +590,10 @@ impl Producer {
     ///
     /// The hook's error when `wait` ends with one, or [`Error::Os`] when the segment was
     /// truncated (a timeout is an empty answer, not an error).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn wait_any_loaded_with(
         &self,
         keys: &[String],
@@ -535,15 +622,26 @@ impl Producer {
 
     /// Reclaim the slots of dead consumers and free evicted entries nobody maps any more
     /// (done by every wait anyway).
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn sweep(&self) {
         self.inner.sweep();
     }
 
     /// The consumers joined now.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn consumers(&self) -> Vec<ConsumerInfo> {
         slots::list(&self.inner.map)
     }
 
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn stats(&self) -> CacheStats {
         let st = lock(&self.inner.state);
         let geo = &self.inner.map.geo;
@@ -564,6 +662,10 @@ impl Producer {
     /// their own pace, so a spinning producer would only take their CPU), and it ends
     /// with [`Error::Cancelled`] once the producer is [closed](Self::close) from another
     /// thread. What the `_with` methods take.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn wait<'a, 'w: 'a>(&'a self, what: &'a str, spec: impl Into<WaitSpec<'w>>) -> Wait<'a> {
         spec.into().into_wait(
             what,
@@ -580,6 +682,10 @@ impl Producer {
     ///
     /// [`Error::Os`] when the segment's name cannot be removed for another reason than
     /// being gone already.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn close(&self) -> Result<()> {
         self.inner.close()
     }
@@ -590,6 +696,10 @@ impl Producer {
     ///
     /// [`Error::Os`] when the segment's name cannot be removed for another reason than
     /// being gone already.
+    ///
+    /// # Examples
+    ///
+    /// See [the type's example](Producer).
     pub fn unlink(&self) -> Result<()> {
         Ok(self.inner.map.segment.unlink()?)
     }
