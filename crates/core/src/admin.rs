@@ -61,6 +61,8 @@ pub enum SegmentKind {
 }
 
 impl SegmentKind {
+    /// The kind in words, as `inspect` shows it.
+    ///
     /// # Examples
     ///
     /// See [the module's example](crate::admin).

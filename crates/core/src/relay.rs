@@ -54,6 +54,8 @@ pub struct RelayStopper {
 }
 
 impl RelayStopper {
+    /// End the relay's `run` and shut its local queue down (see [`RelayStopper`]).
+    ///
     /// # Examples
     ///
     /// See [`Relay`'s example](Relay).
@@ -64,6 +66,8 @@ impl RelayStopper {
         self.local.cancel();
     }
 
+    /// Whether [`stop`](Self::stop) was called (or either side was cancelled).
+    ///
     /// # Examples
     ///
     /// See [`Relay`'s example](Relay).
@@ -186,6 +190,8 @@ impl Relay {
         self.upstream.rank()
     }
 
+    /// What ends this relay's [`run`](Self::run) from another thread.
+    ///
     /// # Examples
     ///
     /// See [the type's example](Relay).

@@ -82,6 +82,8 @@ impl ArenaReader {
         })
     }
 
+    /// The arena's segment name.
+    ///
     /// # Examples
     ///
     /// See [`ArenaWriter`'s example](super::ArenaWriter).

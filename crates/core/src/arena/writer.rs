@@ -192,6 +192,8 @@ impl ArenaWriter {
         })
     }
 
+    /// The arena's segment name (what its readers open).
+    ///
     /// # Examples
     ///
     /// See [the type's example](ArenaWriter).
@@ -206,6 +208,8 @@ impl ArenaWriter {
     pub fn capacity(&self) -> usize {
         self.map.geo.capacity
     }
+    /// How many readers the arena was made for.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ArenaWriter).

@@ -317,6 +317,8 @@ impl EntryView {
         self.map.len()
     }
 
+    /// Whether the entry holds no bytes.
+    ///
     /// # Examples
     ///
     /// See [`Producer`'s example](super::Producer).

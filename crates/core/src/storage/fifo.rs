@@ -157,12 +157,16 @@ impl BlockFifo {
         })
     }
 
+    /// The store's segment (its name is what readers open).
+    ///
     /// # Examples
     ///
     /// See [`ObjectStore`'s example](super::ObjectStore).
     pub fn segment(&self) -> &Arc<StoreSegment> {
         &self.segment
     }
+    /// Whether this process is the ring's writer ([`create`](Self::create)), not a reader.
+    ///
     /// # Examples
     ///
     /// See [`ObjectStore`'s example](super::ObjectStore).

@@ -257,12 +257,16 @@ impl ObjectStore {
         })
     }
 
+    /// The largest object `put` takes, in bytes.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ObjectStore).
     pub fn max_object_size(&self) -> u64 {
         self.max_object_size
     }
+    /// How many readers each object waits for.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ObjectStore).
@@ -281,6 +285,8 @@ impl ObjectStore {
     pub fn set_on_dead_reader(&mut self, policy: DeadReaderPolicy) {
         self.on_dead_reader = policy;
     }
+    /// What the store does with a reader that died.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ObjectStore).
@@ -419,24 +425,32 @@ impl ObjectStore {
         counted += pool.min(pool_wanted);
         (counted, wanted, !short && pool >= pool_wanted)
     }
+    /// `key`'s entry, if it has an object.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ObjectStore).
     pub fn entry(&self, key: &str) -> Option<&Entry> {
         self.keys.get(key)
     }
+    /// Every key and its entry.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ObjectStore).
     pub fn entries(&self) -> impl Iterator<Item = (&str, &Entry)> + '_ {
         self.keys.iter().map(|(k, e)| (&**k, e))
     }
+    /// The key of the object of block `id`, if it is held.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ObjectStore).
     pub fn key_of(&self, id: u32) -> Option<&str> {
         self.ids.get(&id).map(|k| &**k)
     }
+    /// Whether the object of block `id` is kept from eviction by a `touch`.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ObjectStore).
@@ -451,6 +465,8 @@ impl ObjectStore {
     pub fn len(&self) -> usize {
         self.keys.len()
     }
+    /// Whether the store holds no object.
+    ///
     /// # Examples
     ///
     /// See [the type's example](ObjectStore).

@@ -305,6 +305,8 @@ impl Producer {
         self.inner.map.segment.name()
     }
 
+    /// Bytes of the cache's entries.
+    ///
     /// # Examples
     ///
     /// See [the type's example](Producer).
@@ -312,6 +314,8 @@ impl Producer {
         self.inner.map.geo.capacity
     }
 
+    /// The most entries the cache holds at once.
+    ///
     /// # Examples
     ///
     /// See [the type's example](Producer).
@@ -639,6 +643,8 @@ impl Producer {
         slots::list(&self.inner.map)
     }
 
+    /// The cache's counters and what it holds now.
+    ///
     /// # Examples
     ///
     /// See [the type's example](Producer).
