@@ -275,6 +275,10 @@ pub struct MachineLoad {
     /// before, 32..64 the time of the newest in milliseconds since [`load_base`] (plus
     /// one, wrapping; 0: never read).
     state: AtomicU64,
+    /// The ring's processes awake when each of the two readings was taken (bits 0..16
+    /// the newest's, 16..32 the one before; 0 for a wait of no ring's): see
+    /// [`full_beyond`](Self::full_beyond).
+    own: AtomicU64,
     /// Reads the number of runnable tasks (`None`: unknown, counted as 0).
     read: fn() -> Option<u32>,
     /// The number of cores the count is compared with.
@@ -333,6 +337,7 @@ impl MachineLoad {
     pub const fn new(read: fn() -> Option<u32>, cores: fn() -> usize) -> MachineLoad {
         MachineLoad {
             state: AtomicU64::new(0),
+            own: AtomicU64::new(0),
             read,
             cores,
         }
@@ -341,6 +346,14 @@ impl MachineLoad {
     /// Whether the machine is full at `now`: from the cached readings, read again first
     /// when the newest is 5 ms old (counted in whole milliseconds) or more.
     pub fn full(&self, now: Instant) -> bool {
+        let state = self.refresh(now, || 0);
+        self.says_full(state)
+    }
+
+    /// The state word at `now`, with a new reading where the newest is 5 ms old or more
+    /// (taken with `own()`, the waiter's ring's processes awake then: see
+    /// [`full_beyond`](Self::full_beyond)).
+    fn refresh(&self, now: Instant, own: impl FnOnce() -> u32) -> u64 {
         // Wrapping on purpose (every 49.7 days): only ages under 5 ms matter, and a
         // wrapped one is wrong at most once, by one early or late reading.
         let ms = (now.saturating_duration_since(load_base()).as_millis() as u32)
@@ -354,7 +367,7 @@ impl MachineLoad {
         let stamp = (state >> 32) as u32;
         let newest = state & 0xffff;
         if stamp != 0 && ms.wrapping_sub(stamp) < LOAD_REFRESH_MS {
-            return self.says_full(state);
+            return state;
         }
         // Claim the refresh, so that one thread reads the file, not all the waiting ones:
         // the others go on with the readings they have.
@@ -364,12 +377,19 @@ impl MachineLoad {
             .compare_exchange(state, claimed, Ordering::Relaxed, Ordering::Relaxed)
             .is_err()
         {
-            return self.says_full(state);
+            return state;
         }
+        let own = u64::from(own().min(0xffff));
         let reading = (self.read)().map_or(0, |n| u64::from(n.min(0xffff)));
+        // The own counts first: a wait that sees the new reading sees, at worst, the
+        // own count of the same moment or of the reading before (Relaxed, like the
+        // state: a heuristic, each word whole).
+        let previous_own = self.own.load(Ordering::Relaxed) & 0xffff;
+        self.own
+            .store((previous_own << 16) | own, Ordering::Relaxed);
         let fresh = (u64::from(ms) << 32) | (newest << 16) | reading;
         self.state.store(fresh, Ordering::Relaxed);
-        self.says_full(fresh)
+        fresh
     }
 
     /// Whether both readings in `state` outnumber the cores.
@@ -385,14 +405,22 @@ impl MachineLoad {
     /// core to a peer that will answer it, where a sleep costs both sides a futex call
     /// and a wake-up per message (measured in `docs/performance.md`, "Waiting on a full
     /// machine").
-    pub fn full_beyond(&self, now: Instant, own: u32) -> bool {
-        if !self.full(now) {
+    ///
+    /// Each reading is compared with the ring's processes awake *when it was taken*
+    /// (`own()`, asked only then): they come and go thousands of times a second, so a
+    /// count of now against a reading of up to 10 ms ago would take a sleeping peer for
+    /// other work, or other work for a peer. (Several rings waited on in one process
+    /// share the readings: each is compared with the count of the ring whose waiter took
+    /// it.)
+    pub fn full_beyond(&self, now: Instant, own: impl FnOnce() -> u32) -> bool {
+        let state = self.refresh(now, own);
+        if !self.says_full(state) {
             return false;
         }
-        // Relaxed: see `full` (which has just refreshed the word where it was due).
-        let state = self.state.load(Ordering::Relaxed);
-        let both = (state & 0xffff).min((state >> 16) & 0xffff);
-        both > u64::from(own)
+        // Relaxed: see `refresh`.
+        let own = self.own.load(Ordering::Relaxed);
+        let beyond = |reading: u64, own: u64| reading > own;
+        beyond(state & 0xffff, own & 0xffff) && beyond((state >> 16) & 0xffff, (own >> 16) & 0xffff)
     }
 }
 
@@ -963,7 +991,7 @@ impl<'a> Wait<'a> {
                 && self.policy.yield_for.is_zero()
                 && self.policy.yield_max.is_zero());
         let full = |load: &MachineLoad, now: Instant| match &peers {
-            Some(p) => load.full_beyond(now, p.awake()),
+            Some(p) => load.full_beyond(now, || p.awake()),
             None => load.full(now),
         };
         let mut straight_to_sleep = false;
@@ -1429,12 +1457,18 @@ mod tests {
 
     /// A gauge that has read `runnable` twice, 5 ms apart (full when it is over 2).
     fn gauge_reading(runnable: u32) -> MachineLoad {
+        gauge_reading_among(runnable, 0)
+    }
+
+    /// [`gauge_reading`], each reading taken by a waiter whose ring had `own` processes
+    /// awake then.
+    fn gauge_reading_among(runnable: u32, own: u32) -> MachineLoad {
         RUNNABLE.store(runnable, Ordering::SeqCst);
         let load = MachineLoad::new(injected, two_cores);
         load_base(); // the times count from before `now`
         let now = Instant::now();
-        load.full(now);
-        load.full(now + Duration::from_millis(LOAD_REFRESH_MS.into()));
+        load.full_beyond(now, || own);
+        load.full_beyond(now + Duration::from_millis(LOAD_REFRESH_MS.into()), || own);
         load
     }
 
@@ -1468,17 +1502,22 @@ mod tests {
     #[test]
     fn a_machine_full_of_the_rings_own_processes_is_not_full_beyond_them() {
         let _one = GAUGE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        // The cached readings (no new one within 5 ms of the last): the own counts of
+        // when they were taken decide, not the count of now (never asked).
         let now = Instant::now() + Duration::from_millis(LOAD_REFRESH_MS.into());
+        let never = || -> u32 { panic!("asked for the count of now") };
         // 4 runnable on 2 cores: full, but not beyond the ring's 4 awake processes.
-        let load = gauge_reading(4);
+        let load = gauge_reading_among(4, 4);
         assert!(load.full(now));
-        assert!(!load.full_beyond(now, 4));
-        assert!(!load.full_beyond(now, 5));
+        assert!(!load.full_beyond(now, never));
         // One more runnable task than the ring's awake ones: other work waits for a core.
-        assert!(load.full_beyond(now, 3));
+        assert!(gauge_reading_among(4, 3).full_beyond(now, never));
+        // Both readings must say so: a new reading with all 4 awake is not beyond.
+        let load = gauge_reading_among(4, 3);
+        let later = now + Duration::from_millis(LOAD_REFRESH_MS.into());
+        assert!(!load.full_beyond(later, || 4));
         // Not full at all: not full beyond anything.
-        let load = gauge_reading(2);
-        assert!(!load.full_beyond(now, 0));
+        assert!(!gauge_reading_among(2, 0).full_beyond(now, never));
     }
 
     #[test]
@@ -1530,7 +1569,7 @@ mod tests {
     /// awake but for those asleep on its doorbell) where given.
     fn poll_count_among(runnable: u32, ring_processes: Option<u32>) -> (u64, bool) {
         let _one = GAUGE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-        let load = gauge_reading(runnable);
+        let load = gauge_reading_among(runnable, ring_processes.unwrap_or(0));
         let bell = DoorbellWords::default();
         let other = DoorbellWords::default();
         let peers = ring_processes.map(|processes| RingPeers {
