@@ -20,7 +20,8 @@ class _Connector(ABC):
     documents them, over the sides its caller made for this side of the connector (the
     scheduler's: an ``index``, an ``EncoderCacheIndex``; a producer's TP rank 0: a
     ``producer``, an ``EncoderCacheProducer``; a consumer's worker: a ``consumer``, an
-    ``EncoderCacheConsumer``; ``None`` for those it has not). Subclasses give the step's
+    ``EncoderCacheConsumer``; across nodes, a consumer's scheduler: an ``intake``, a
+    ``shmq._ec_remote.RemoteIntake``; ``None`` for those it has not). Subclasses give the step's
     metadata its shape (:meth:`_metadata`)."""
 
     #: Where its lines go (``ShmqECConnector``'s: under vLLM's logger, into vLLM's log).
@@ -37,9 +38,12 @@ class _Connector(ABC):
         consumer: Any = None,
         rank: int = 0,
         unread_ttl: float = 30.0,
+        intake: Any = None,
     ):
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self.index, self.producer, self.consumer = index, producer, consumer
+        #: Across nodes, the scheduler's ``RemoteIntake`` (it fills this node's cache).
+        self.intake = intake
         self.cache_name = cache_name
         self._rank = rank
         self._unread_ttl = unread_ttl
@@ -208,10 +212,10 @@ class _Connector(ABC):
             self.producer.flush(timeout)
 
     def shutdown(self) -> None:
-        for side in (self.producer, self.consumer, self.index):
+        for side in (self.producer, self.consumer, self.index, self.intake):
             if side is not None:
                 side.close()
-        self.producer = self.consumer = self.index = None
+        self.producer = self.consumer = self.index = self.intake = None
 
     def stats(self) -> dict[str, int]:
         """This side's counts: items saved (producer) and loaded (consumer)."""

@@ -130,6 +130,7 @@ class ShmqECConnector(_Connector, ECConnectorBase):
     save_caches = _Connector.save_caches
     get_finished = _Connector.get_finished
     wait_for_save = _Connector.wait_for_save
+    shutdown = _Connector.shutdown
     stats = _Connector.stats
 
     _log = log  # the calls' lines under a "vllm." logger: into vLLM's own log
@@ -144,7 +145,7 @@ class ShmqECConnector(_Connector, ECConnectorBase):
         rank = 0 if scheduler else _tp_rank()
         remote = extra.get("remote_handle_file")
         producer: Any = None
-        self._intake: Any = None
+        intake: Any = None
         if not scheduler and self.is_producer and rank == 0 and remote:
             from ._ec_remote import RemoteSender
 
@@ -163,7 +164,7 @@ class ShmqECConnector(_Connector, ECConnectorBase):
             from ._ec_remote import RemoteIntake
 
             # This node's cache, filled from the encoder's stream: made before the index.
-            self._intake = RemoteIntake(
+            intake = RemoteIntake(
                 name,
                 str(remote),
                 capacity=int(float(extra.get("capacity_mb", 1024)) * (1 << 20)),
@@ -182,6 +183,7 @@ class ShmqECConnector(_Connector, ECConnectorBase):
             consumer=EncoderCacheConsumer(name) if not scheduler and self.is_consumer else None,
             rank=rank,
             unread_ttl=float(extra.get("unread_ttl_s", 30.0)),
+            intake=intake,
         )
         self._metadata_resolver: Any = None
         if scheduler and self.is_producer:
@@ -197,14 +199,6 @@ class ShmqECConnector(_Connector, ECConnectorBase):
             config.ec_role,
             self.cache_name,
         )
-
-    def shutdown(self) -> None:
-        """Close this side's parts of the cache (and, across nodes, end the intake's
-        thread and close this node's cache)."""
-        _Connector.shutdown(self)
-        if self._intake is not None:
-            self._intake.close()
-            self._intake = None
 
     def _metadata(self, to_load: dict[str, Optional[int]]) -> ShmqECConnectorMetadata:
         return ShmqECConnectorMetadata(mm_hashes=to_load)

@@ -921,6 +921,18 @@ mod tests {
             Err(TryDequeueError::Failed(DequeueError::Cancelled))
         ));
         assert!(!failed.unwrap_err().is_empty());
+        // The writer's twin: a full queue converts as an empty one does.
+        let full = crate::broadcast::TryEnqueueError::Full;
+        let text = full.to_string();
+        assert!(matches!(
+            Error::from(full),
+            Error::Timeout { what, waited } if what == text && waited.is_zero()
+        ));
+        let failed = crate::broadcast::TryEnqueueError::Failed(EnqueueError::ShutDown);
+        assert!(matches!(
+            Error::from(failed),
+            Error::Queue(QueueError::ShutDown)
+        ));
     }
 
     /// The ways each operation fails are variants of its own, not `Other`.

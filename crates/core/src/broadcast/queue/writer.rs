@@ -306,6 +306,22 @@ pub enum TryEnqueueError {
     Failed(#[from] EnqueueError),
 }
 
+impl From<TryEnqueueError> for Error {
+    /// [`Full`](TryEnqueueError::Full) as a wait that ran out at once
+    /// ([`Error::Timeout`] of no wait, with the same text), as
+    /// [`TryDequeueError::Empty`](crate::broadcast::TryDequeueError::Empty) converts;
+    /// [`Failed`](TryEnqueueError::Failed) as its [`EnqueueError`] converts.
+    fn from(e: TryEnqueueError) -> Error {
+        match e {
+            TryEnqueueError::Full => Error::Timeout {
+                what: TryEnqueueError::Full.to_string(),
+                waited: Duration::ZERO,
+            },
+            TryEnqueueError::Failed(e) => e.into(),
+        }
+    }
+}
+
 /// The writing side of a queue.
 pub struct Writer {
     ring: Option<RingWriter>,
