@@ -1455,13 +1455,9 @@ mod tests {
         2
     }
 
-    /// A gauge that has read `runnable` twice, 5 ms apart (full when it is over 2).
-    fn gauge_reading(runnable: u32) -> MachineLoad {
-        gauge_reading_among(runnable, 0)
-    }
-
-    /// [`gauge_reading`], each reading taken by a waiter whose ring had `own` processes
-    /// awake then.
+    /// A gauge that has read `runnable` twice, 5 ms apart (full when it is over 2), each
+    /// reading taken by a waiter whose ring had `own` processes awake then (0: a wait of
+    /// no ring's).
     fn gauge_reading_among(runnable: u32, own: u32) -> MachineLoad {
         RUNNABLE.store(runnable, Ordering::SeqCst);
         let load = MachineLoad::new(injected, two_cores);
