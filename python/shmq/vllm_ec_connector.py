@@ -144,6 +144,12 @@ class ShmqECConnector(_Connector, ECConnectorBase):
         scheduler = role == ECConnectorRole.SCHEDULER
         rank = 0 if scheduler else _tp_rank()
         remote = extra.get("remote_handle_file")
+        if remote and self.is_producer and self.is_consumer:
+            raise ValueError(
+                "ec_connector_extra_config's remote_handle_file joins an encoder instance (ec_producer) on one "
+                "node to a prefill/decode instance (ec_consumer) on another; an ec_both instance encodes and loads "
+                "on one node: leave remote_handle_file out"
+            )
         producer: Any = None
         intake: Any = None
         if not scheduler and self.is_producer and rank == 0 and remote:

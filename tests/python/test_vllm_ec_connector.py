@@ -142,3 +142,52 @@ def test_one_connector_the_deprecated_encoder_cache_connector_runs_the_same_code
                    "clear_connector_metadata", "start_load_caches", "save_caches", "get_finished", "wait_for_save",
                    "shutdown"):
         assert getattr(ShmqECConnector, method) is getattr(EncoderCacheConnector, method), method
+
+
+def test_across_nodes_the_scheduler_fills_this_nodes_cache_from_the_encoders_stream(children, ec_name, tmp_path):
+    # remote_handle_file: the encoder's TP rank 0 sends over shmq's remote stream, the
+    # prefill/decode instance's scheduler (this process) joins it and writes into this
+    # node's cache, from which a worker (another process) loads. (The encoder in a
+    # /dev/shm of its own, and vLLM's engine on both sides: test_ec_remote.py and
+    # tests/engine/test_multinode.py.)
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from shmq.vllm_ec_connector import ShmqECConnector
+
+    handle = str(tmp_path / "epd.handle")
+    scheduler = ShmqECConnector(ec_config("ec_consumer", ec_name, remote_handle_file=handle), ECConnectorRole.SCHEDULER)
+    try:
+        out = children.queue()
+        cmds = {role: children.queue() for role in ("encoder", "c0")}
+        children.start(ec_worker, out, cmds["encoder"], "ec_producer", ec_name,
+                       {"remote_handle_file": handle, "remote_ip": "127.0.0.1"})
+        children.start(ec_worker, out, cmds["c0"], "ec_consumer", ec_name, {})
+        for _ in cmds:
+            children.expect(out, "ready", timeout=4 * STEP)
+        embedding = torch.arange(16 * 64, dtype=torch.bfloat16).reshape(16, 64)
+        cmds["encoder"].put(("save", "image-a", embedding))
+        assert children.expect(out, "saved")[1:] == ("image-a", 1)
+        # The encoder's save returned (its wait_for_save): node 0's cache holds the item.
+        assert scheduler.has_cache_item("image-a")
+        scheduler.update_state_after_alloc(_request("image-a"), 0)
+        cmds["c0"].put(("load", scheduler.build_connector_meta(None)))
+        got = children.expect(out, "loaded")[1]
+        assert got == {"image-a": (float(embedding.float().sum()), (16, 64), True)}
+        for c in cmds.values():
+            c.put(("stop",))
+        for _ in cmds:
+            children.expect(out, "stopped")
+        assert not os.path.exists(handle)  # the encoder's normal end takes its file
+    finally:
+        scheduler.shutdown()
+
+
+def test_an_ec_both_instance_with_a_remote_handle_file_is_refused(ec_name, tmp_path):
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from shmq.vllm_ec_connector import ShmqECConnector
+
+    config = ec_config("ec_both", ec_name, remote_handle_file=str(tmp_path / "epd.handle"))
+    for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="ec_both instance encodes and loads on one node"):
+            ShmqECConnector(config, role)
