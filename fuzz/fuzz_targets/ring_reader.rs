@@ -124,8 +124,8 @@ fuzz_target!(|input: Input| {
             _ => Vec::new(),
         });
         match taken {
-            Ok(Some(m)) => got.push(m),
-            Ok(None) => break,
+            Ok(m) => got.push(m),
+            Err(shmq::broadcast::TryDequeueError::Empty) => break,
             Err(e) => {
                 assert!(patched, "reading an intact ring failed: {e}");
                 got.push(Vec::new());
