@@ -484,11 +484,22 @@ impl Segment {
         let opened = SegmentFile::try_open(name, Access::ReadWrite).and_then(|file| {
             // The whole file, as long as it is now.
             let len = usize::try_from(file.size()?).map_err(std::io::Error::other)?;
+            if len == 0 {
+                // A file its creator has made and not sized yet (or a peer truncated):
+                // nothing to map (`mmap` refuses a length of 0 with EINVAL).
+                return Ok((file, None, 0));
+            }
             let ptr = map_shared(&file, len)?;
-            Ok((file, ptr, len))
+            Ok((file, Some(ptr), len))
         });
         match opened {
-            Ok((file, ptr, len)) => Ok(Segment {
+            Ok((_, None, _)) => Err(Error::BadSegment {
+                name: name.to_owned(),
+                reason:
+                    "it is 0 bytes long: its creator has not set it up yet (or it was truncated)"
+                        .into(),
+            }),
+            Ok((file, Some(ptr), len)) => Ok(Segment {
                 sigbus: protect(ptr, len),
                 ptr,
                 len,

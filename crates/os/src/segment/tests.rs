@@ -131,6 +131,27 @@ fn owner_only_mode() {
 }
 
 #[test]
+fn an_empty_file_is_a_segment_not_set_up_yet_not_an_os_error() {
+    // What an opener finds between its creator making the file and sizing it (two
+    // processes of one deployment starting together): a clear BadSegment that a caller
+    // can take as "not there yet", where mmap's EINVAL was an OS error.
+    use std::os::unix::fs::OpenOptionsExt;
+    let name = unique_name("test");
+    let path = format!("{SHM_DIR}/{name}");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .unwrap();
+    let err = Segment::open(&name).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    drop(file);
+    assert!(matches!(err, Error::BadSegment { .. }), "{err}");
+    assert!(err.to_string().contains("0 bytes long"), "{err}");
+}
+
+#[test]
 fn missing_segment_is_a_clear_error() {
     let err = Segment::open("shmq_test_does_not_exist_1234").unwrap_err();
     assert!(matches!(err, Error::SegmentNotFound { .. }), "{err}");
